@@ -1,0 +1,165 @@
+"""The drafter engine: per-sequence token bookkeeping and validation around a proposer.
+
+The drafter keeps, per sequence, the tokens the gateway has committed (as the gateway last
+told it). A Draft call says where the new tokens start: everything before `start` is kept,
+the rest is dropped (it no longer matches the gateway's tokens) and the proposer truncates
+its KV to match. The proposer then drafts a tree rooted at the last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specsplit.errors import Code, ServiceError, invalid, not_found
+from specsplit.kv_cache import KVCacheFullError
+from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+
+
+@dataclass
+class DraftSeq:
+    seq_id: str
+    tokens: list[int] = field(default_factory=list)  # the gateway's committed tokens, as told
+    state: object = None  # the proposer's per-sequence state (e.g. draft KV)
+
+
+@dataclass
+class DraftJob:
+    seq: DraftSeq
+    spec: SpecParams
+    sampling: SamplingParams
+
+
+class Proposer(Protocol):
+    vocab_size: int
+    max_context: int
+
+    def new_state(self, seq: DraftSeq) -> object: ...
+
+    def truncate(self, seq: DraftSeq, length: int) -> None:
+        """Forget everything past the first `length` tokens."""
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """Draft one tree per job rooted at the job's last token; returns them in order."""
+        ...
+
+    def kv_committed_len(self, seq: DraftSeq) -> int: ...
+
+    def release(self, seq: DraftSeq) -> None: ...
+
+    @property
+    def num_pages_used(self) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
+
+class DrafterEngine:
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.seqs: dict[str, DraftSeq] = {}
+
+    @classmethod
+    def load(
+        cls,
+        kind: str,
+        model_path: str | None,
+        *,
+        draft_layers: int | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        num_pages: int = 2048,
+        page_size: int = 16,
+    ) -> DrafterEngine:
+        """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers)
+        or "ngram" (prompt lookup, no weights)."""
+        if kind == "ngram":
+            from drafter.ngram import NgramProposer
+
+            return cls(NgramProposer())
+        from drafter.model_proposer import ModelProposer
+
+        if model_path is None:
+            raise ValueError(f"drafter kind {kind!r} needs a model path")
+        if kind == "self" and not draft_layers:
+            raise ValueError("drafter kind 'self' needs draft_layers > 0")
+        layers = draft_layers if kind == "self" else None
+        return cls(ModelProposer.load(model_path, num_layers=layers, device=device, dtype=dtype,
+                                      num_pages=num_pages, page_size=page_size))
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.proposer.num_pages_used
+
+    def warmup(self) -> None:
+        spec = SpecParams(num_steps=2, topk=2, num_draft_tokens=3)
+        self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
+        self.release(["__warmup__"])
+        self.check_integrity()
+
+    @torch.inference_mode()
+    def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        self._validate(inputs)
+        jobs = []
+        for item in inputs:
+            if item.begin:
+                seq = DraftSeq(item.seq_id)
+                seq.state = self.proposer.new_state(seq)
+                self.seqs[item.seq_id] = seq
+            seq = self.seqs[item.seq_id]
+            self.proposer.truncate(seq, item.start)
+            seq.tokens[item.start :] = item.new_tokens
+            room = self.proposer.max_context - len(seq.tokens)
+            jobs.append(DraftJob(seq, item.spec.capped(room), item.sampling))
+        try:
+            trees = self.proposer.propose(jobs)
+        except KVCacheFullError as e:
+            raise ServiceError(Code.RESOURCE_EXHAUSTED, f"drafter {e}") from e
+        return [
+            DraftOutput(job.seq.seq_id, tree, self.proposer.kv_committed_len(job.seq))
+            for job, tree in zip(jobs, trees, strict=True)
+        ]
+
+    def _validate(self, inputs: list[DraftInput]) -> None:
+        seen: set[str] = set()
+        for item in inputs:
+            if item.seq_id in seen:
+                raise invalid(f"seq_id {item.seq_id!r} appears twice in one round")
+            seen.add(item.seq_id)
+            if item.begin:
+                if item.seq_id in self.seqs:
+                    raise invalid(f"seq_id {item.seq_id!r}: begin on a sequence that exists")
+                known = 0
+            elif item.seq_id not in self.seqs:
+                raise not_found(f"seq_id {item.seq_id!r} unknown to the drafter")
+            else:
+                known = len(self.seqs[item.seq_id].tokens)
+            if not 0 <= item.start <= known:
+                raise invalid(f"start = {item.start} for {item.seq_id!r}: the drafter has {known} tokens")
+            if not item.new_tokens:
+                raise invalid(f"new_tokens empty for {item.seq_id!r}: they must end with the root")
+            bad = [t for t in item.new_tokens if not 0 <= t < self.proposer.vocab_size]
+            if bad:
+                raise invalid(f"new_tokens {bad[:4]} outside the vocabulary")
+            item.spec.validate()
+            try:
+                item.sampling.validate()
+            except ValueError as e:
+                raise invalid(str(e)) from e
+
+    def release(self, seq_ids: list[str]) -> int:
+        released = 0
+        for seq_id in seq_ids:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None:
+                self.proposer.release(seq)
+                released += 1
+        return released
+
+    def check_integrity(self) -> None:
+        self.proposer.check_integrity()
+        for seq in self.seqs.values():
+            assert self.proposer.kv_committed_len(seq) <= len(seq.tokens), seq.seq_id

@@ -1,0 +1,37 @@
+"""Entry point of the drafter service (`specsplit serve-drafter`)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from drafter.engine import DrafterEngine
+from drafter.servicer import DrafterServicer
+from specsplit.convert import torch_dtype
+from specsplit.server import serve as serve_host
+
+
+async def serve(
+    address: str,
+    kind: str,
+    model_path: str | None,
+    *,
+    draft_layers: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    num_pages: int | None = None,
+    page_size: int = 16,
+    grace: float = 5.0,
+) -> None:
+    """Listen on `address`, load the drafter (kind "model", "self" or "ngram") off the event
+    loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop."""
+    sizes = {"page_size": page_size} | ({} if num_pages is None else {"num_pages": num_pages})
+    load = partial(
+        DrafterEngine.load,
+        kind,
+        model_path,
+        draft_layers=draft_layers,
+        device=device,
+        dtype=torch_dtype(dtype),
+        **sizes,
+    )
+    await serve_host(DrafterServicer(load), address, grace=grace)

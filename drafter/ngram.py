@@ -1,0 +1,81 @@
+"""Prompt-lookup (n-gram) proposer: no weights, drafts by copying what followed earlier matches.
+
+For the longest suffix of the tokens (max_ngram down to min_ngram) that occurred before, take the
+tokens that followed its most recent earlier occurrences. topk = 1 gives one chain; topk > 1
+merges the continuations of up to topk distinct matches into a trie (siblings distinct).
+"""
+
+from __future__ import annotations
+
+from drafter.engine import DraftJob, DraftSeq
+from specsplit.tree import DraftTree
+
+
+class NgramProposer:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int = 1 << 62,
+                 max_context: int = 1 << 62) -> None:
+        assert 1 <= min_ngram <= max_ngram, (min_ngram, max_ngram)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.vocab_size = vocab_size  # only checked by the verifier
+        self.max_context = max_context
+
+    def new_state(self, seq: DraftSeq) -> None:
+        return None
+
+    def truncate(self, seq: DraftSeq, length: int) -> None:
+        """No state beyond the tokens themselves."""
+
+    def kv_committed_len(self, seq: DraftSeq) -> int:
+        return 0  # no KV
+
+    def release(self, seq: DraftSeq) -> None:
+        """Nothing held."""
+
+    @property
+    def num_pages_used(self) -> int:
+        return 0
+
+    def check_integrity(self) -> None:
+        """No allocator."""
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        return [self._propose_one(job) for job in jobs]
+
+    def continuations(self, tokens: list[int], depth: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (<= depth tokens) of the longest matching suffix,
+        most recent match first."""
+        n_tokens = len(tokens)
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tokens - n :]
+            found: list[list[int]] = []
+            for start in range(n_tokens - n - 1, -1, -1):  # most recent earlier occurrence first
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + depth]
+                    if follow and follow not in found:
+                        found.append(follow)
+                        if len(found) == limit:
+                            break
+            if found:
+                return found
+        return []
+
+    def _propose_one(self, job: DraftJob) -> DraftTree:
+        spec = job.spec
+        if spec.num_steps == 0:
+            return DraftTree()
+        tree = DraftTree()
+        children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for branch in self.continuations(job.seq.tokens, spec.num_steps, spec.topk):
+            parent = -1
+            for token in branch:
+                node = children.get((parent, token))
+                if node is None:
+                    if len(tree) == spec.num_draft_tokens:
+                        return tree
+                    node = len(tree)
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                    children[(parent, token)] = node
+                parent = node
+        return tree

@@ -1,0 +1,186 @@
+"""The gateway's clients of the drafter and verifier over gRPC (gateway/clients.py protocols).
+
+Each client keeps ONE long-lived bidi stream to its service and runs one round at a time on it:
+write one request, read one response (DESIGN.md §4: a stream round trip is ~2.5x cheaper than a
+unary call). A broken stream is dropped and reopened by the next round. gRPC errors become
+ServiceError: INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED pass through with the service's
+message, anything else (service down, stream broken, internal error) is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specsplit import convert
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from specsplit.server import CHANNEL_OPTIONS
+from specsplit.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_PASSED_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT: Code.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: Code.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def service_error(err: grpc.aio.AioRpcError, service: str) -> ServiceError:
+    code = _PASSED_THROUGH.get(err.code())
+    if code is not None:
+        return ServiceError(code, err.details() or err.code().name)
+    return ServiceError(
+        Code.UNAVAILABLE, f"{service}: {err.code().name}: {err.details() or 'no details'}"
+    )
+
+
+class RoundStream(Generic[Req, Resp]):
+    """One bidi stream used as a request/response pipe: one round in flight at a time."""
+
+    def __init__(self, service: str, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+        self.service = service
+        self._open_call = open_call
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+
+    async def round(self, request: Req) -> Resp:
+        async with self._lock:
+            if self._call is None:
+                self._call = self._open_call()
+            call = self._call
+            try:
+                await call.write(request)
+                response = await call.read()
+            except grpc.aio.AioRpcError as err:
+                self._drop()
+                raise service_error(err, self.service) from err
+            except BaseException:  # cancelled mid-round: the answer would pair with the next
+                self._drop()
+                raise
+            if response is grpc.aio.EOF:
+                self._drop()
+                raise ServiceError(Code.UNAVAILABLE, f"{self.service}: the stream ended")
+            return response  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class _Client:
+    """A lazily opened channel (aio channels belong to the event loop that first uses them)."""
+
+    service = ""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return self._channel
+
+    async def _release(self, release: Any, seq_ids: list[str]) -> None:
+        if not seq_ids:
+            return
+        try:
+            await release(common_pb2.ReleaseRequest(seq_ids=seq_ids))
+        except grpc.aio.AioRpcError as err:
+            raise service_error(err, self.service) from err
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+class GrpcDrafterClient(_Client):
+    service = "drafter"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open)
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        response = await self._stream.round(convert.draft_request_to_proto(inputs))
+        return convert.draft_response_from_proto(response)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self._release(drafter_pb2_grpc.DrafterStub(self.channel).Release, seq_ids)
+
+    async def close(self) -> None:
+        self._stream.close()
+        await super().close()
+
+    def _open(self) -> grpc.aio.StreamStreamCall:
+        return drafter_pb2_grpc.DrafterStub(self.channel).DraftStream()
+
+
+class GrpcVerifierClient(_Client):
+    service = "verifier"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open)
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        response = await self._stream.round(convert.verify_request_to_proto(inputs))
+        return convert.verify_response_from_proto(response)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self._release(verifier_pb2_grpc.VerifierStub(self.channel).Release, seq_ids)
+
+    async def close(self) -> None:
+        self._stream.close()
+        await super().close()
+
+    def _open(self) -> grpc.aio.StreamStreamCall:
+        return verifier_pb2_grpc.VerifierStub(self.channel).VerifyStream()
+
+
+async def health_status(
+    channel: grpc.aio.Channel, service: str = "", timeout: float = 1.0
+) -> int | None:
+    """The service's HealthCheckResponse.ServingStatus, or None when it does not answer."""
+    try:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+    except grpc.aio.AioRpcError:
+        return None
+    return int(response.status)
+
+
+async def wait_ready(
+    address: str, timeout: float | None, *, service: str = "", interval: float = 0.2
+) -> bool:
+    """Poll `address`'s health until `service` ("" = the server) is SERVING: True, or False
+    once `timeout` seconds (None = forever) have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            check_timeout = 1.0 if left is None else max(min(1.0, left), 0.01)
+            status = await health_status(channel, service, check_timeout)
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(interval)

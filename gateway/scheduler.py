@@ -1,0 +1,203 @@
+"""The round loop: admit → draft → verify → commit, for a continuously changing batch.
+
+Requests join (`generate`) and leave (finish, cancel) between rounds. Faults (DESIGN.md §4):
+a drafter that is down or lost a sequence turns into empty trees (plain target decoding, the
+same output) until it answers again; a verifier that lost a sequence (restart) gets it
+re-prefilled from the gateway's own tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from gateway.clients import DrafterClient, VerifierClient
+from gateway.request import Chunk, GenerationRequest
+from gateway.sequence import Sequence
+from gateway.stopping import StopChecker
+from gateway.text import IncrementalDetokenizer
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import SpecParams
+from specsplit.tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
+VERIFIER_RETRY_S = 0.5
+VERIFIER_GIVE_UP_S = 30.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        drafter: DrafterClient,
+        verifier: VerifierClient,
+        tokenizer: object,
+        eos_token_ids: tuple[int, ...],
+        default_spec: SpecParams,
+        max_batch_size: int = 32,
+    ) -> None:
+        self.drafter = drafter
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.default_spec = default_spec
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._drafter_down_until = 0.0
+        self._verifier_down_since: float | None = None
+        self.num_rounds = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for seq in [*self.running, *self.waiting]:
+            seq.outbox.put_nowait(ServiceError(Code.UNAVAILABLE, "gateway shutting down"))
+        await self._release(self.running)
+        self.running.clear()
+        self.waiting.clear()
+
+    # -- client side -----------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream a generation; closing the iterator early cancels it and frees its KV."""
+        seq = self._new_sequence(request)
+        self.waiting.append(seq)
+        self._wakeup.set()
+        try:
+            while True:
+                item = await seq.outbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                seq.cancelled = True
+                self._wakeup.set()
+
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+        eos = () if request.ignore_eos else self.eos_token_ids
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        stop_checker = StopChecker(
+            detokenizer,
+            eos_token_ids=eos,
+            max_new_tokens=request.max_new_tokens,
+            stop_token_ids=request.stop_token_ids,
+            stop_strings=request.stop_strings,
+        )
+        spec = request.spec if request.spec is not None else self.default_spec
+        return Sequence(f"seq-{next(self._ids)}", request, spec, stop_checker)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._retire()
+            self._admit()
+            if not self.running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                await self.step(self.running)
+            except ServiceError as e:
+                await self._fail_round(e)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            if not seq.cancelled:
+                self.running.append(seq)
+
+    async def step(self, batch: list[Sequence]) -> None:
+        """One round for the batch: draft → verify → commit."""
+        trees = await self._draft(batch)
+        outputs = await self.verifier.verify(
+            [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
+        )
+        self.num_rounds += 1
+        self._verifier_down_since = None
+        for seq, out in zip(batch, outputs, strict=True):
+            seq.outbox.put_nowait(seq.commit(out))
+
+    async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
+        if time.monotonic() < self._drafter_down_until:
+            return [DraftTree() for _ in batch]
+        try:
+            outputs = await self.drafter.draft([seq.draft_input() for seq in batch])
+        except ServiceError as e:
+            # drafter down, restarted (NOT_FOUND) or refusing: decode without drafts for now,
+            # and start its sequences over when it answers again
+            log.warning("drafter failed (%s: %s); decoding without drafts", e.code.value, e.message)
+            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
+            for seq in batch:
+                seq.forget_drafter()
+            with contextlib.suppress(ServiceError):
+                await self.drafter.release([seq.seq_id for seq in batch])
+            return [DraftTree() for _ in batch]
+        return [out.tree for out in outputs]
+
+    async def _fail_round(self, error: ServiceError) -> None:
+        """The verifier refused or failed the round: nothing was committed."""
+        if error.code in (Code.UNAVAILABLE, Code.NOT_FOUND):
+            # restarted or unreachable: re-prefill every sequence from the gateway's tokens
+            log.warning("verifier failed (%s: %s); re-prefilling", error.code.value, error.message)
+            now = time.monotonic()
+            if self._verifier_down_since is None:
+                self._verifier_down_since = now
+            give_up = now - self._verifier_down_since > VERIFIER_GIVE_UP_S
+            for seq in self.running:
+                seq.forget_verifier()
+                if give_up:
+                    self._fail(seq, error)
+            with contextlib.suppress(ServiceError):
+                await self.verifier.release([seq.seq_id for seq in self.running])
+            await asyncio.sleep(VERIFIER_RETRY_S)
+        elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:
+            # KV full: the newest sequence gives way, the others go on
+            log.warning("verifier KV full; failing the newest sequence")
+            self._fail(self.running[-1], error)
+        else:
+            log.error("verify round refused (%s: %s)", error.code.value, error.message)
+            for seq in self.running:
+                self._fail(seq, error)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: ServiceError) -> None:
+        seq.outbox.put_nowait(error)
+        seq.finished = True
+
+    async def _retire(self) -> None:
+        done = [seq for seq in self.running if seq.finished or seq.cancelled]
+        if not done:
+            return
+        await self._release(done)  # before forgetting them: stop() releases what is still here
+        self.running = [seq for seq in self.running if not (seq.finished or seq.cancelled)]
+
+    async def _release(self, seqs: list[Sequence]) -> None:
+        ids = [seq.seq_id for seq in seqs]
+        if not ids:
+            return
+        for client in (self.drafter, self.verifier):
+            try:
+                await client.release(ids)
+            except ServiceError as e:
+                log.warning("release failed on %s: %s", type(client).__name__, e.message)

@@ -1,0 +1,111 @@
+"""Per-request state on the gateway: the authoritative `tokens` and what each service holds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from gateway.request import Chunk, GenerationRequest, SpecStats
+from gateway.stopping import StopChecker
+from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.tree import DraftTree
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: GenerationRequest
+    spec: SpecParams
+    stop_checker: StopChecker
+    tokens: list[int] = field(default_factory=list)  # prompt + generated, authoritative
+    num_prompt_tokens: int = 0
+    verifier_kv_committed_len: int = 0  # what the verifier holds
+    verifier_begun: bool = False
+    drafter_num_tokens: int = 0  # leading tokens the drafter holds
+    drafter_begun: bool = False
+    stats: SpecStats = field(default_factory=SpecStats)
+    outbox: asyncio.Queue[Chunk | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    cancelled: bool = False
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.request.prompt_ids)
+            self.num_prompt_tokens = len(self.tokens)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    def round_spec(self) -> SpecParams:
+        """The tree shape this round: never deeper than the tokens still allowed (accepted
+        drafts + bonus must fit max_new_tokens)."""
+        left = self.request.max_new_tokens - self.num_generated_tokens
+        return self.spec.capped(left - 1)
+
+    def draft_input(self) -> DraftInput:
+        start = self.drafter_num_tokens
+        item = DraftInput(
+            seq_id=self.seq_id,
+            begin=not self.drafter_begun,
+            start=start,
+            new_tokens=self.tokens[start:],
+            spec=self.round_spec(),
+            sampling=self.request.sampling,
+            target_kv_committed_len=self.verifier_kv_committed_len,
+        )
+        self.drafter_begun = True
+        self.drafter_num_tokens = len(self.tokens)
+        return item
+
+    def forget_drafter(self) -> None:
+        """The drafter lost (or may have lost) this sequence: start over on the next Draft."""
+        self.drafter_begun = False
+        self.drafter_num_tokens = 0
+
+    def forget_verifier(self) -> None:
+        """The verifier lost this sequence: re-prefill all tokens on the next Verify."""
+        self.verifier_begun = False
+        self.verifier_kv_committed_len = 0
+
+    def verify_input(self, tree: DraftTree) -> VerifyInput:
+        item = VerifyInput(
+            seq_id=self.seq_id,
+            begin=not self.verifier_begun,
+            kv_committed_len=self.verifier_kv_committed_len,
+            pending_tokens=self.tokens[self.verifier_kv_committed_len :],
+            tree=tree,
+            sampling=self.request.sampling,
+        )
+        return item
+
+    def commit(self, out: VerifyOutput) -> Chunk:
+        """Append accepted drafts + bonus, apply stop rules, return what to stream."""
+        self.verifier_begun = True
+        self.verifier_kv_committed_len = out.kv_committed_len
+        self.stats.rounds += 1
+        self.stats.num_accepted_drafts += out.num_accepted_drafts
+        self.stats.num_accepted_tokens += out.num_accepted_tokens
+        new = [*out.accepted_tokens, out.bonus_token]
+        outcome = self.stop_checker.commit(new)
+        kept = new[: outcome.num_kept_tokens]
+        self.tokens += kept
+        chunk = Chunk(
+            token_ids=kept, text=outcome.text, elapsed_ns=time.monotonic_ns() - self.arrival_ns
+        )
+        if outcome.finish_reason is not None:
+            self.finished = True
+            chunk.finish_reason = str(outcome.finish_reason)
+            chunk.prompt_tokens = self.num_prompt_tokens
+            chunk.completion_tokens = self.num_generated_tokens
+            chunk.stats = self.stats
+        else:
+            # DESIGN.md §2: the verifier's KV covers every token but the last bonus
+            assert self.verifier_kv_committed_len == len(self.tokens) - 1, (
+                self.seq_id,
+                self.verifier_kv_committed_len,
+                len(self.tokens),
+            )
+        return chunk

@@ -1,0 +1,116 @@
+"""Stop rules for one sequence, applied when a round's accepted drafts + bonus token are committed.
+
+A round appends several tokens at once; the outcome must be what plain decoding would have
+produced one token at a time: the sequence ends at the first token that is EOS or a stop token,
+reaches `max_new_tokens`, or completes a stop string, and every token after it is dropped.
+Streamed text never contains any part of a stop string: text that could be the start of one is
+held back until the following tokens show whether it is.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gateway.text import IncrementalDetokenizer
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens generated
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    text: str  # text to stream now (may be "")
+    num_kept_tokens: int  # how many of the committed new tokens to keep; the rest are dropped
+    finish_reason: FinishReason | None  # None: the sequence goes on
+
+
+class StopChecker:
+    """Per-sequence stop state. The gateway's commit step is:
+
+        outcome = seq.stop_checker.commit(new_ids)
+        seq.tokens.extend(new_ids[: outcome.num_kept_tokens])
+        stream(outcome.text); finish if outcome.finish_reason
+
+    An EOS or stop token counts as generated (it is kept) but its text is not streamed.
+    """
+
+    def __init__(
+        self,
+        detokenizer: IncrementalDetokenizer,
+        *,
+        eos_token_ids: Iterable[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        stop_strings: Sequence[str] = (),
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self._detokenizer = detokenizer
+        self._stop_token_ids = frozenset(eos_token_ids) | frozenset(stop_token_ids)
+        self._stop_strings = tuple(stop_strings)
+        self._max_new_tokens = max_new_tokens
+        self.num_generated_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        # Detokenized text not streamed yet: a suffix that may be the start of a stop string.
+        self._held_text = ""
+
+    def commit(self, new_ids: Sequence[int]) -> StopOutcome:
+        """Apply the stop rules to the tokens generated this round (accepted drafts + bonus)."""
+        assert self.finish_reason is None, "commit() on a finished sequence"
+        num_left = self._max_new_tokens - self.num_generated_tokens
+        num_kept = min(len(new_ids), num_left)
+        finish = FinishReason.LENGTH if num_kept == num_left else None
+        num_text_tokens = num_kept  # the kept tokens whose text is streamed: all but EOS / stop
+        for i, token in enumerate(new_ids[:num_kept]):
+            if token in self._stop_token_ids:
+                num_kept, num_text_tokens, finish = i + 1, i, FinishReason.STOP
+                break
+        text_ids = new_ids[:num_text_tokens]
+
+        if self._stop_strings:
+            # Token by token, so the sequence ends at the first token completing a stop string.
+            for i, token in enumerate(text_ids):
+                self._held_text += self._detokenizer.add([token])
+                if (stop_at := self._find_stop_string()) is not None:
+                    return self._finish(i + 1, self._take_held_text(stop_at), FinishReason.STOP)
+        else:
+            self._held_text += self._detokenizer.add(text_ids)
+
+        if finish is None:
+            num_streamed = len(self._held_text) - self._len_stop_prefix_suffix()
+            return self._finish(num_kept, self._take_held_text(num_streamed), None)
+        # End of sequence: the held-back text is released (unless a stop string is in it).
+        self._held_text += self._detokenizer.flush()
+        if (stop_at := self._find_stop_string()) is not None:
+            return self._finish(num_kept, self._take_held_text(stop_at), FinishReason.STOP)
+        return self._finish(num_kept, self._take_held_text(len(self._held_text)), finish)
+
+    def _finish(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
+        self.num_generated_tokens += num_kept
+        assert self.num_generated_tokens <= self._max_new_tokens
+        self.finish_reason = finish
+        return StopOutcome(text=text, num_kept_tokens=num_kept, finish_reason=finish)
+
+    def _take_held_text(self, end: int) -> str:
+        """Stream the first `end` held chars; on a finish, the rest is simply never streamed."""
+        text, self._held_text = self._held_text[:end], self._held_text[end:]
+        return text
+
+    def _find_stop_string(self) -> int | None:
+        """Start of the earliest stop string in the held text, or None."""
+        starts = [i for s in self._stop_strings if (i := self._held_text.find(s)) >= 0]
+        return min(starts, default=None)
+
+    def _len_stop_prefix_suffix(self) -> int:
+        """Length of the longest suffix of the held text that is a prefix of a stop string."""
+        held = self._held_text
+        return max(
+            (n for s in self._stop_strings for n in range(1, len(s)) if held.endswith(s[:n])),
+            default=0,
+        )

@@ -1,0 +1,98 @@
+"""Token ids <-> text for the gateway: prompt encoding, chat templates, streaming detokenization.
+
+Streaming uses the prefix_offset/read_offset technique of vLLM and TGI: decode a short window of
+recent tokens twice (up to `read_offset`, the end of the text already emitted, and up to the last
+token) and emit the difference. A window whose text ends with U+FFFD is an incomplete UTF-8
+character (a byte-level token carries only some of its bytes): it is held back until the rest
+arrives, so a multi-byte character never reaches the client broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded ahead of the first generated token, so that tokenizers whose decoder
+# depends on the left context (SentencePiece's leading space) stream the first token right.
+INITIAL_CONTEXT_TOKENS = 5
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a raw-text prompt, special tokens added as the tokenizer does by default."""
+    return list(tokenizer.encode(text))
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]]
+) -> list[int]:
+    """Token ids of a chat rendered by the tokenizer's template, ending with the assistant prompt.
+
+    transformers 5 returns a BatchEncoding (`return_dict=True` is its default), 4.x a list.
+    """
+    encoded = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+    )
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, not token ids")
+    return cast("list[int]", ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a sequence's generated tokens into text deltas as they arrive, a round at a time.
+
+    The concatenation of every `add` and the final `flush` equals
+    `tokenizer.decode(generated_ids, skip_special_tokens=...)` (decoded without the lossy
+    `clean_up_tokenization_spaces`, which cannot be applied to a stream).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # The decode window: _ids[:read_offset] is left context whose text is already emitted
+        # (or is prompt), _ids[read_offset:] are tokens whose text is not emitted yet. The
+        # window starts where the previous emission started (vLLM's prefix_offset).
+        self._ids = list(prompt_ids[-INITIAL_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+        self._flushed = False
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Text newly complete after appending `new_ids`; may be "" (held back or no text)."""
+        assert not self._flushed, "add() after flush()"
+        self._ids.extend(new_ids)
+        prefix_text = self._decode(self._read_offset)
+        # Emit up to the last token that ends on a complete character: usually the last one.
+        for end in range(len(self._ids), self._read_offset, -1):
+            text = self._decode(end)
+            if text.endswith(REPLACEMENT_CHAR):
+                continue
+            if len(text) <= len(prefix_text):  # tokens without text, e.g. skipped specials
+                return ""
+            del self._ids[: self._read_offset]  # the emitted tokens become the left context
+            self._read_offset = end - self._read_offset
+            return text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """The text held back at the end of the sequence (an incomplete character as U+FFFD)."""
+        assert not self._flushed, "flush() twice"
+        self._flushed = True
+        return self._decode(len(self._ids))[len(self._decode(self._read_offset)) :]
+
+    def _decode(self, end: int) -> str:
+        """Text of the window's first `end` tokens."""
+        text = self._tokenizer.decode(
+            self._ids[:end],
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        assert isinstance(text, str)
+        return text

@@ -1,0 +1,278 @@
+"""Protobuf <-> domain dataclasses, the only place the two meet (servicers and clients call it).
+
+Tensors cross as raw little-endian bytes + dtype + shape (never pickle). bfloat16 has no numpy
+type, so it travels as its bit pattern viewed as int16 and is restored exactly.
+Malformed wire data raises ServiceError(INVALID_ARGUMENT) naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from specsplit.errors import invalid
+from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+assert sys.byteorder == "little", "tensor bytes on the wire are little-endian"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype spelled `name` ("float32", "bfloat16", ...); ValueError if unknown."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"tensor dtype {tensor.dtype} cannot cross the wire")
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return common_pb2.Tensor(
+        dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=raw.numpy().tobytes()
+    )
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
+    """A new (writable, CPU) tensor with the message's contents."""
+    if msg.dtype not in DTYPES:
+        raise invalid(f"{field}.dtype {msg.dtype!r} unknown; expected one of {sorted(DTYPES)}")
+    dtype = DTYPES[msg.dtype]
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise invalid(f"{field}.shape {list(shape)} has a negative dimension")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(msg.data) != expected:
+        raise invalid(
+            f"{field}.data has {len(msg.data)} bytes, shape {list(shape)} of {msg.dtype} "
+            f"needs {expected}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+
+
+# -- small messages --------------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unvalidated (callers validate): top_p 0 on the wire means 1 (off); seed optional.
+
+    Floats are float32 on the wire: 0.7 comes back as 0.699999988079071.
+    """
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def spec_to_proto(spec: SpecParams) -> common_pb2.SpecParams:
+    return common_pb2.SpecParams(
+        num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens
+    )
+
+
+def spec_from_proto(msg: common_pb2.SpecParams) -> SpecParams:
+    """Unvalidated. topk 0 on the wire (unset) means 1, a chain."""
+    return SpecParams(
+        num_steps=msg.num_steps, topk=msg.topk or 1, num_draft_tokens=msg.num_draft_tokens
+    )
+
+
+def tree_to_proto(tree: DraftTree) -> common_pb2.DraftTree:
+    msg = common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents)
+    if tree.draft_probs is not None:
+        msg.draft_probs.CopyFrom(tensor_to_proto(tree.draft_probs))
+    return msg
+
+
+def tree_from_proto(msg: common_pb2.DraftTree, field: str = "tree") -> DraftTree:
+    probs = (
+        tensor_from_proto(msg.draft_probs, f"{field}.draft_probs")
+        if msg.HasField("draft_probs")
+        else None
+    )
+    return DraftTree(tokens=list(msg.tokens), parents=list(msg.parents), draft_probs=probs)
+
+
+# -- drafter ---------------------------------------------------------------------------------
+
+
+def draft_input_to_proto(item: DraftInput) -> drafter_pb2.SequenceDraftInput:
+    msg = drafter_pb2.SequenceDraftInput(
+        seq_id=item.seq_id,
+        begin=item.begin,
+        start=item.start,
+        new_tokens=item.new_tokens,
+        target_kv_committed_len=item.target_kv_committed_len,
+        spec=spec_to_proto(item.spec),
+        sampling=sampling_to_proto(item.sampling),
+    )
+    if item.target_hidden_states is not None:
+        msg.target_hidden_states.CopyFrom(tensor_to_proto(item.target_hidden_states))
+    return msg
+
+
+def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
+    hidden = (
+        tensor_from_proto(msg.target_hidden_states, f"{msg.seq_id}.target_hidden_states")
+        if msg.HasField("target_hidden_states")
+        else None
+    )
+    return DraftInput(
+        seq_id=msg.seq_id,
+        begin=msg.begin,
+        start=msg.start,
+        new_tokens=list(msg.new_tokens),
+        spec=spec_from_proto(msg.spec),
+        sampling=sampling_from_proto(msg.sampling),
+        target_kv_committed_len=msg.target_kv_committed_len,
+        target_hidden_states=hidden,
+    )
+
+
+def draft_output_to_proto(item: DraftOutput) -> drafter_pb2.SequenceDraftOutput:
+    return drafter_pb2.SequenceDraftOutput(
+        seq_id=item.seq_id, tree=tree_to_proto(item.tree), kv_committed_len=item.kv_committed_len
+    )
+
+
+def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput:
+    return DraftOutput(
+        seq_id=msg.seq_id,
+        tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree"),
+        kv_committed_len=msg.kv_committed_len,
+    )
+
+
+def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest:
+    return drafter_pb2.DraftRequest(sequences=[draft_input_to_proto(i) for i in inputs])
+
+
+def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
+    return [draft_input_from_proto(s) for s in msg.sequences]
+
+
+def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafter_pb2.DraftResponse:
+    return drafter_pb2.DraftResponse(
+        sequences=[draft_output_to_proto(o) for o in outputs], draft_ns=draft_ns
+    )
+
+
+def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutput]:
+    return [draft_output_from_proto(s) for s in msg.sequences]
+
+
+# -- verifier --------------------------------------------------------------------------------
+
+
+def verify_input_to_proto(item: VerifyInput) -> verifier_pb2.SequenceVerifyInput:
+    return verifier_pb2.SequenceVerifyInput(
+        seq_id=item.seq_id,
+        begin=item.begin,
+        kv_committed_len=item.kv_committed_len,
+        pending_tokens=item.pending_tokens,
+        tree=tree_to_proto(item.tree),
+        sampling=sampling_to_proto(item.sampling),
+        hidden_state_layers=item.hidden_state_layers,
+    )
+
+
+def verify_input_from_proto(msg: verifier_pb2.SequenceVerifyInput) -> VerifyInput:
+    return VerifyInput(
+        seq_id=msg.seq_id,
+        begin=msg.begin,
+        kv_committed_len=msg.kv_committed_len,
+        pending_tokens=list(msg.pending_tokens),
+        tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree"),
+        sampling=sampling_from_proto(msg.sampling),
+        hidden_state_layers=tuple(msg.hidden_state_layers),
+    )
+
+
+def verify_output_to_proto(item: VerifyOutput) -> verifier_pb2.SequenceVerifyOutput:
+    msg = verifier_pb2.SequenceVerifyOutput(
+        seq_id=item.seq_id,
+        accepted_tokens=item.accepted_tokens,
+        bonus_token=item.bonus_token,
+        num_accepted_drafts=item.num_accepted_drafts,
+        num_accepted_tokens=item.num_accepted_tokens,
+        kv_committed_len=item.kv_committed_len,
+    )
+    if item.hidden_states is not None:
+        msg.hidden_states.CopyFrom(tensor_to_proto(item.hidden_states))
+    return msg
+
+
+def verify_output_from_proto(msg: verifier_pb2.SequenceVerifyOutput) -> VerifyOutput:
+    accepted = list(msg.accepted_tokens)
+    if msg.num_accepted_drafts != len(accepted) or msg.num_accepted_tokens != len(accepted) + 1:
+        raise invalid(
+            f"{msg.seq_id}: num_accepted_drafts = {msg.num_accepted_drafts}, num_accepted_tokens"
+            f" = {msg.num_accepted_tokens} disagree with {len(accepted)} accepted_tokens"
+        )
+    hidden = (
+        tensor_from_proto(msg.hidden_states, f"{msg.seq_id}.hidden_states")
+        if msg.HasField("hidden_states")
+        else None
+    )
+    return VerifyOutput(
+        seq_id=msg.seq_id,
+        accepted_tokens=accepted,
+        bonus_token=msg.bonus_token,
+        kv_committed_len=msg.kv_committed_len,
+        hidden_states=hidden,
+    )
+
+
+def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(sequences=[verify_input_to_proto(i) for i in inputs])
+
+
+def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInput]:
+    return [verify_input_from_proto(s) for s in msg.sequences]
+
+
+def verify_response_to_proto(
+    outputs: list[VerifyOutput], verify_ns: int
+) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(
+        sequences=[verify_output_to_proto(o) for o in outputs], verify_ns=verify_ns
+    )
+
+
+def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyOutput]:
+    return [verify_output_from_proto(s) for s in msg.sequences]

@@ -1,0 +1,131 @@
+"""Paged KV cache: a page allocator, per-layer K/V slot tensors, per-sequence page tables.
+
+A *slot* is one token's K/V row: slot = page * page_size + offset. Every sequence owns a
+page table; its token at position i lives in slot page_table[i // page_size] * page_size +
+i % page_size. Lengths are the state (DESIGN.md §2): `kv_committed_len` leading tokens are
+final, `kv_allocated_len` slots are reserved (page-aligned, >= committed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free pages: surfaces as RESOURCE_EXHAUSTED."""
+
+
+class PageAllocator:
+    """Free-list allocator over `num_pages` pages. free + used == total, always."""
+
+    def __init__(self, num_pages: int) -> None:
+        assert num_pages > 0, num_pages
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheFullError(f"KV cache full: need {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            assert page in self._used, f"double free of page {page}"
+            self._used.remove(page)
+            self._free.append(page)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) + len(self._used) == self.num_pages, (
+            len(self._free),
+            len(self._used),
+            self.num_pages,
+        )
+        assert len(set(self._free)) == len(self._free), "page listed free twice"
+        assert not self._used.intersection(self._free), "page both free and used"
+
+
+@dataclass
+class SeqKV:
+    """One sequence's view of the cache."""
+
+    page_size: int
+    page_table: list[int] = field(default_factory=list)
+    kv_committed_len: int = 0
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return len(self.page_table) * self.page_size
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions [start, end) as int64 [end - start]."""
+        assert 0 <= start <= end <= self.kv_allocated_len, (start, end, self.kv_allocated_len)
+        pos = torch.arange(start, end, dtype=torch.int64)
+        table = torch.tensor(self.page_table, dtype=torch.int64)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+class KVCache:
+    """K and V tensors per layer, [num_pages * page_size, num_kv_heads, head_dim], plus pages."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        assert page_size > 0, page_size
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        num_slots = num_pages * page_size
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def new_seq(self) -> SeqKV:
+        return SeqKV(page_size=self.page_size)
+
+    def reserve(self, seq: SeqKV, length: int) -> None:
+        """Make sure `length` slots are allocated (rounded up to whole pages)."""
+        num_pages = -(-length // self.page_size)
+        if num_pages > len(seq.page_table):
+            seq.page_table.extend(self.allocator.alloc(num_pages - len(seq.page_table)))
+
+    def trim(self, seq: SeqKV, length: int) -> None:
+        """Free the pages not needed to hold `length` tokens."""
+        keep = -(-length // self.page_size)
+        if keep < len(seq.page_table):
+            self.allocator.free(seq.page_table[keep:])
+            del seq.page_table[keep:]
+
+    def release(self, seq: SeqKV) -> None:
+        self.allocator.free(seq.page_table)
+        seq.page_table.clear()
+        seq.kv_committed_len = 0
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K/V rows src -> dst in every layer (gather first: ranges may overlap)."""
+        src = src_slots.to(self.k[0].device)
+        dst = dst_slots.to(self.k[0].device)
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst] = k[src].clone()
+            v[dst] = v[src].clone()
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()

@@ -1,0 +1,100 @@
+"""Dataclasses crossing the service boundaries (protobuf stays in the servicers and clients)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.errors import invalid
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    num_steps: int = 0  # tree depth; 0 = no drafting
+    topk: int = 1  # children per frontier node per step; 1 = chain
+    num_draft_tokens: int = 0  # nodes kept
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most nodes the expansion can produce: topk first, then topk * topk per step."""
+        if self.num_steps == 0:
+            return 0
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    def validate(self) -> None:
+        if self.num_steps < 0:
+            raise invalid(f"spec.num_steps = {self.num_steps} must be >= 0")
+        if self.topk < 1:
+            raise invalid(f"spec.topk = {self.topk} must be >= 1")
+        if self.num_steps == 0:
+            if self.num_draft_tokens != 0:
+                raise invalid("spec.num_draft_tokens must be 0 when spec.num_steps is 0")
+            return
+        if not self.num_steps <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise invalid(
+                f"spec.num_draft_tokens = {self.num_draft_tokens} must be in "
+                f"[num_steps, topk + (num_steps - 1) * topk^2] = "
+                f"[{self.num_steps}, {self.max_draft_tokens}]"
+            )
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps:
+            raise invalid("spec.num_draft_tokens must equal spec.num_steps for a chain (topk 1)")
+
+    def capped(self, max_depth: int) -> SpecParams:
+        """The same shape with at most `max_depth` steps (near max_new_tokens or the context end)."""
+        if self.num_steps <= max_depth:
+            return self
+        steps = max(max_depth, 0)
+        if steps == 0:
+            return SpecParams(0, self.topk, 0)
+        nodes = min(self.num_draft_tokens, self.topk + (steps - 1) * self.topk * self.topk)
+        return SpecParams(steps, self.topk, max(nodes, steps))
+
+
+@dataclass
+class DraftInput:
+    seq_id: str
+    begin: bool  # first Draft of this sequence: create state
+    start: int  # the drafter keeps tokens [0, start), then appends new_tokens
+    new_tokens: list[int]  # tokens[start:], ending with the root (the verifier's last pending token)
+    spec: SpecParams
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    target_kv_committed_len: int = 0
+    target_hidden_states: torch.Tensor | None = None  # [len(new_tokens), features] (EAGLE)
+
+
+@dataclass
+class DraftOutput:
+    seq_id: str
+    tree: DraftTree
+    kv_committed_len: int  # tokens the drafter's KV covers, a prefix of the gateway's tokens
+
+
+@dataclass
+class VerifyInput:
+    seq_id: str
+    begin: bool  # first Verify (prefill): create state
+    kv_committed_len: int  # what the gateway believes the verifier has
+    pending_tokens: list[int]  # tokens[kv_committed_len:]
+    tree: DraftTree
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    hidden_state_layers: tuple[int, ...] = ()
+
+
+@dataclass
+class VerifyOutput:
+    seq_id: str
+    accepted_tokens: list[int]  # accepted drafts in order
+    bonus_token: int
+    kv_committed_len: int  # after this round
+    hidden_states: torch.Tensor | None = None  # [pending + accepted, layers * hidden]
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.accepted_tokens)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return len(self.accepted_tokens) + 1

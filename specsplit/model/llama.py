@@ -1,0 +1,277 @@
+"""Our forward for the Llama family over a ragged batch and the paged KV cache.
+
+Weights are transformers' weights under our names; q/k/v and gate/up are fused into one
+matmul each. HF name (model.layers.{i}. prefix omitted) -> ours:
+
+    model.embed_tokens.weight                 -> embed_tokens.weight
+    input_layernorm.weight                    -> layers.{i}.input_layernorm.weight
+    self_attn.{q,k,v}_proj.{weight,bias}      -> layers.{i}.qkv_proj.{weight,bias} (cat q, k, v)
+    self_attn.{q,k}_norm.weight  (Qwen3)      -> layers.{i}.{q,k}_norm.weight
+    self_attn.o_proj.{weight,bias}            -> layers.{i}.o_proj.{weight,bias}
+    post_attention_layernorm.weight           -> layers.{i}.post_attention_layernorm.weight
+    mlp.{gate,up}_proj.{weight,bias}          -> layers.{i}.gate_up_proj.{weight,bias} (cat gate, up)
+    mlp.down_proj.{weight,bias}               -> layers.{i}.down_proj.{weight,bias}
+    model.norm.weight                         -> norm.weight
+    lm_head.weight  (absent when tied)        -> lm_head.weight
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specsplit.kv_cache import KVCache
+from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.config import ModelConfig
+from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+
+_META = torch.device("meta")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in float32, as transformers computes it."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, device=_META))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+        def linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+            return nn.Linear(n_in, n_out, bias=bias, device=_META)
+
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.qkv_proj = linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
+        self.q_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
+        self.o_proj = linear(q_size, config.hidden_size, config.o_proj_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.gate_up_proj = linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
+        )
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        batch: ForwardBatch,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, batch, kv)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+    def _attention(
+        self,
+        x: torch.Tensor,  # [T, hidden], normed
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+
+        k_cache = kv.k[self.layer_index]  # [num_slots, num_kv_heads, head_dim]
+        v_cache = kv.v[self.layer_index]
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+
+        groups = self.num_heads // self.num_kv_heads
+        out = torch.empty_like(q)  # [T, num_heads, head_dim]
+        start = 0
+        for q_len, slots, mask in zip(batch.q_lens, batch.kv_slots, batch.masks, strict=True):
+            q_b = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+            k_b = _expand_kv(k_cache[slots], groups).to(q.dtype)  # [H, kv_len, D]
+            v_b = _expand_kv(v_cache[slots], groups).to(q.dtype)
+            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)  # [H, q_len, D]
+            out[start : start + q_len] = o_b.transpose(0, 1)
+            start += q_len
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[kv_len, num_kv_heads, D] -> [num_kv_heads * groups, kv_len, D]; query head h reads
+    KV head h // groups (transformers' repeat_kv)."""
+    kv_len, num_kv_heads, head_dim = x.shape
+    x = x.transpose(0, 1)  # [num_kv_heads, kv_len, D]
+    if groups == 1:
+        return x
+    x = x[:, None].expand(num_kv_heads, groups, kv_len, head_dim)
+    return x.reshape(num_kv_heads * groups, kv_len, head_dim)
+
+
+class LlamaModel(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder. Parameters start on the meta device: build
+    one with `LlamaModel.from_state_dict` (the loader does) or `truncated`."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=_META)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_META)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        device: torch.device | str,
+    ) -> LlamaModel:
+        """Adopt tensors named as in this module's docstring (no copy: they are assigned)."""
+        model = cls(config, device)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model.requires_grad_(False)
+        return model.eval()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def truncated(self, num_layers: int) -> LlamaModel:
+        """The first `num_layers` decoder layers + final norm + lm_head, sharing weights (a cheap
+        self-draft). It needs its own KVCache (make_kv_cache with its config)."""
+        assert 0 < num_layers <= self.config.num_layers, (num_layers, self.config.num_layers)
+        model = LlamaModel(replace(self.config, num_layers=num_layers), self.inv_freq.device)
+        model.embed_tokens = self.embed_tokens
+        model.layers = nn.ModuleList(self.layers[:num_layers])
+        model.norm = self.norm
+        model.lm_head = self.lm_head
+        return model.eval()
+
+    @torch.no_grad()
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, aux_layers: tuple[int, ...] = ()
+    ) -> ForwardOutput:
+        """Write this step's K/V into `kv` at `batch.slot_mapping` and return float32 logits
+        [L, vocab] for rows `batch.logit_indices`, plus, when `aux_layers` is given, the
+        outputs of those layers (pre final norm) concatenated: [L, len(aux_layers) * hidden]."""
+        assert len(kv.k) >= len(self.layers), (len(kv.k), len(self.layers))
+        for layer in aux_layers:
+            assert 0 <= layer < len(self.layers), (layer, len(self.layers))
+        hidden = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
+        aux: dict[int, torch.Tensor] = {}
+        for decoder_layer in self.layers:
+            hidden = decoder_layer(hidden, cos, sin, batch, kv)
+            if decoder_layer.layer_index in aux_layers:
+                aux[decoder_layer.layer_index] = hidden[batch.logit_indices]
+        last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
+        logits = F.linear(last, self.lm_head_weight).float()  # [L, vocab]
+        hidden_states = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return ForwardOutput(logits=logits, hidden_states=hidden_states)
+
+
+def state_dict_from_hf(
+    config: ModelConfig,
+    hf_state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) a transformers CausalLM state dict into ours, cast to `dtype` on
+    `device`. Layers at index >= config.num_layers are skipped (truncated loading)."""
+
+    def take(name: str) -> torch.Tensor:
+        return hf_state_dict[name].detach().to(device=device, dtype=dtype)
+
+    def fuse(names: list[str]) -> torch.Tensor:
+        return torch.cat([take(name) for name in names], dim=0)
+
+    ours = {"embed_tokens.weight": take("model.embed_tokens.weight")}
+    for i in range(config.num_layers):
+        hf, mine = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        suffixes = ["weight", "bias"] if config.attention_bias else ["weight"]
+        for suffix in suffixes:
+            ours[mine + "qkv_proj." + suffix] = fuse([f"{attn}{p}_proj.{suffix}" for p in "qkv"])
+        suffixes = ["weight", "bias"] if config.o_proj_bias else ["weight"]
+        for suffix in suffixes:
+            ours[mine + "o_proj." + suffix] = take(f"{attn}o_proj.{suffix}")
+        if config.qk_norm:
+            ours[mine + "q_norm.weight"] = take(attn + "q_norm.weight")
+            ours[mine + "k_norm.weight"] = take(attn + "k_norm.weight")
+        suffixes = ["weight", "bias"] if config.mlp_bias else ["weight"]
+        for suffix in suffixes:
+            gate_up = [f"{mlp}gate_proj.{suffix}", f"{mlp}up_proj.{suffix}"]
+            ours[mine + "gate_up_proj." + suffix] = fuse(gate_up)
+            ours[mine + "down_proj." + suffix] = take(f"{mlp}down_proj.{suffix}")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            ours[f"{mine}{norm}.weight"] = take(f"{hf}{norm}.weight")
+    ours["norm.weight"] = take("model.norm.weight")
+    if not config.tie_word_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    return ours
+
+
+def make_kv_cache(
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> KVCache:
+    """A paged cache shaped for `config` (its num_layers: a truncated model's cache is smaller).
+    Memory: 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype size."""
+    return KVCache(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V per cached token over all layers (for sizing num_pages)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size

