@@ -164,7 +164,9 @@ def _check_rows(tree: DraftTree, target: torch.Tensor, name: str) -> None:
             f"got shape {tuple(target.shape)}"
         )
     if len(tree.parents) != len(tree):
-        raise ValueError(f"tree.parents has {len(tree.parents)} entries, tree.tokens has {len(tree)}")
+        raise ValueError(
+            f"tree.parents has {len(tree.parents)} entries, tree.tokens has {len(tree)}"
+        )
 
 
 def _children_by_row(tree: DraftTree) -> list[list[int]]:

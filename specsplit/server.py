@@ -216,16 +216,20 @@ class ServiceHost:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.servable.register(self.server)
         reflection.enable_server_reflection(
-            (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (
+                name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"{name}: cannot listen on {self.address}")
         await self.server.start()
-        log.info("%s listening on %s (port %d), NOT_SERVING until ready",
-                 name, self.address, self.port)
+        log.info(
+            "%s listening on %s (port %d), NOT_SERVING until ready", name, self.address, self.port
+        )
         return self.port
 
     async def load(self) -> None:

@@ -1,0 +1,134 @@
+"""Entry point of the gateway service (`specsplit serve-gateway`).
+
+The gateway reads only the target's tokenizer and config (context length, vocabulary, EOS ids);
+the weights live on the verifier. It is SERVING once the verifier's health check says SERVING.
+The drafter is optional: while it is down the scheduler decodes without drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import grpc
+from transformers import AutoConfig, GenerationConfig
+
+from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
+from gateway.scheduler import Scheduler
+from gateway.servicer import GatewayServicer, ModelInfo
+from specsplit.messages import SpecParams
+from specsplit.model.config import ModelConfig
+from specsplit.model.loader import load_tokenizer
+from specsplit.server import serve as serve_host
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_INTERVAL_S = 10.0
+
+
+def read_model_info(model_path: str) -> ModelInfo:
+    """Tokenizer, vocabulary size, context length and EOS ids of a checkpoint directory or a
+    .gguf file (the EOS ids merge the config's, the generation config's and the tokenizer's)."""
+    if model_path.lower().endswith(".gguf"):
+        name, kwargs = (
+            os.path.dirname(os.path.abspath(model_path)),
+            {"gguf_file": os.path.basename(model_path)},
+        )
+    else:
+        name, kwargs = model_path, {}
+    tokenizer = load_tokenizer(model_path)
+    hf_config = AutoConfig.from_pretrained(name, **kwargs)
+    try:
+        generation_config = GenerationConfig.from_pretrained(name, **kwargs)
+    except (OSError, ValueError):  # none shipped (GGUF files carry none)
+        generation_config = None
+    config = ModelConfig.from_hf(hf_config, generation_config)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    eos_ids = config.eos_token_ids + ((tokenizer_eos,) if tokenizer_eos is not None else ())
+    return ModelInfo(
+        tokenizer=tokenizer,
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+class GatewayService:
+    """The gateway as specsplit.server hosts it: ready once the verifier is."""
+
+    service_name = GatewayServicer.service_name
+
+    def __init__(
+        self,
+        servicer: GatewayServicer,
+        scheduler: Scheduler,
+        drafter: GrpcDrafterClient,
+        verifier: GrpcVerifierClient,
+    ) -> None:
+        self.servicer = servicer
+        self.scheduler = scheduler
+        self.drafter = drafter
+        self.verifier = verifier
+
+    def register(self, server: grpc.aio.Server) -> None:
+        self.servicer.register(server)
+
+    async def load(self) -> None:
+        await self.scheduler.start()
+        started = time.monotonic()
+        log.info("waiting for the verifier at %s", self.verifier.address)
+        while not await wait_ready(self.verifier.address, WAIT_LOG_INTERVAL_S):
+            log.info(
+                "still waiting for the verifier at %s (%.0f s)",
+                self.verifier.address,
+                time.monotonic() - started,
+            )
+        drafter_up = await wait_ready(self.drafter.address, 0.0)
+        log.info(
+            "verifier at %s is SERVING; drafter at %s is %s",
+            self.verifier.address,
+            self.drafter.address,
+            "SERVING" if drafter_up else "not serving yet (decoding without drafts until it is)",
+        )
+
+    async def close(self) -> None:
+        await self.scheduler.stop()
+        self.servicer.close()
+        await self.drafter.close()
+        await self.verifier.close()
+
+
+async def serve(
+    address: str,
+    model_path: str,
+    *,
+    drafter_address: str,
+    verifier_address: str,
+    default_spec: SpecParams,
+    max_batch_size: int = 32,
+    grace: float = 5.0,
+) -> None:
+    """Listen on `address` until SIGTERM / SIGINT; SERVING once the verifier is."""
+    default_spec.validate()
+    log.info("reading the tokenizer and config of %s", model_path)
+    model = await asyncio.to_thread(read_model_info, model_path)
+    log.info(
+        "vocabulary %d, context %d, EOS ids %s",
+        model.vocab_size,
+        model.max_context,
+        list(model.eos_token_ids),
+    )
+    drafter = GrpcDrafterClient(drafter_address)
+    verifier = GrpcVerifierClient(verifier_address)
+    scheduler = Scheduler(
+        drafter,
+        verifier,
+        tokenizer=model.tokenizer,
+        eos_token_ids=model.eos_token_ids,
+        default_spec=default_spec,
+        max_batch_size=max_batch_size,
+    )
+    servicer = GatewayServicer(model, scheduler)
+    await serve_host(GatewayService(servicer, scheduler, drafter, verifier), address, grace=grace)

@@ -1,0 +1,93 @@
+"""Sampling through the real engines draws from the target's own distribution (DESIGN.md §2).
+
+A tiny random target with a 16-token vocabulary and a different random draft model; many
+seeded requests generate two tokens each. The empirical distributions of the first token, the
+second token and the pair are compared with the exact ones computed from transformers' model.
+Tolerance on total variation: 1.5 * sqrt(K / N) for K outcomes and N samples (the expected
+distance of a correct sampler is below 0.5 * sqrt(2K / (pi N)), about a quarter of that), so
+the bound shrinks as samples grow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from gateway.request import GenerationRequest
+from specsplit.messages import SpecParams
+from specsplit.sampling import SamplingParams, target_probs
+from tests.support import generate_all, generated_ids, make_stack, save_tiny_llama
+
+VOCAB = 16
+NUM_SAMPLES = 3000
+PROMPT = [3, 7, 1, 12, 5]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sampling_models")
+    return {
+        "target": save_tiny_llama(root / "target", seed=3, vocab_size=VOCAB),
+        "draft": save_tiny_llama(root / "draft", seed=4, vocab_size=VOCAB, num_layers=1),
+    }
+
+
+def _exact_pair_distribution(target_dir: Path, sampling: SamplingParams) -> torch.Tensor:
+    """[V, V] probability of (first, second) generated token under plain target sampling."""
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    with torch.no_grad():
+        first = target_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]
+        seconds = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
+        second = target_probs(model(seconds).logits[:, -1], sampling)  # [V, V]
+    return first.double()[:, None] * second.double()
+
+
+def _total_variation(counts: Counter[object], probs: dict[object, float], n: int) -> float:
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "sampling"),
+    [
+        ("chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0)),
+        ("tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8)),
+        ("tree_topk4_top_p_top_k", SpecParams(2, 4, 6),
+         SamplingParams(temperature=1.3, top_p=0.9, top_k=8)),
+    ],
+)
+def test_first_tokens_follow_target_distribution(models, smollm2_tokenizer, name: str,
+                                                 spec: SpecParams, sampling: SamplingParams) -> None:
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, spec,
+                       draft_dir=models["draft"], dtype=torch.float32, num_pages=2048)
+    stack.scheduler.max_batch_size = 1000
+    requests = [
+        GenerationRequest(list(PROMPT), 2, SamplingParams(sampling.temperature, sampling.top_p,
+                                                          sampling.top_k, seed=i), ignore_eos=True)
+        for i in range(NUM_SAMPLES)
+    ]
+    pairs = [tuple(generated_ids(chunks)) for chunks in generate_all(stack, requests)]
+    assert all(len(p) == 2 for p in pairs)
+
+    exact = _exact_pair_distribution(models["target"], sampling)
+    first = {t: float(exact[t].sum()) for t in range(VOCAB)}
+    second = {t: float(exact[:, t].sum()) for t in range(VOCAB)}
+    joint = {(a, b): float(exact[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+    n = len(pairs)
+    for counts, probs in [
+        (Counter(p[0] for p in pairs), first),
+        (Counter(p[1] for p in pairs), second),
+    ]:
+        support = sum(1 for v in probs.values() if v > 0)
+        assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n)
+    # the pair has up to V^2 outcomes: check it only on the cells that hold most of the mass
+    top = sorted(joint, key=joint.__getitem__, reverse=True)[:8]
+    pair_counts = Counter(pairs)
+    for cell in top:
+        p = joint[cell]
+        assert abs(pair_counts[cell] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-9, cell
