@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import Any
 
 import grpc
 from transformers import AutoConfig, GenerationConfig
@@ -31,13 +32,11 @@ WAIT_LOG_INTERVAL_S = 10.0
 def read_model_info(model_path: str) -> ModelInfo:
     """Tokenizer, vocabulary size, context length and EOS ids of a checkpoint directory or a
     .gguf file (the EOS ids merge the config's, the generation config's and the tokenizer's)."""
-    if model_path.lower().endswith(".gguf"):
-        name, kwargs = (
-            os.path.dirname(os.path.abspath(model_path)),
-            {"gguf_file": os.path.basename(model_path)},
-        )
-    else:
-        name, kwargs = model_path, {}
+    name = model_path
+    kwargs: dict[str, Any] = {}
+    if model_path.lower().endswith(".gguf"):  # transformers wants the directory + gguf_file=
+        name = os.path.dirname(os.path.abspath(model_path))
+        kwargs = {"gguf_file": os.path.basename(model_path)}
     tokenizer = load_tokenizer(model_path)
     hf_config = AutoConfig.from_pretrained(name, **kwargs)
     try:

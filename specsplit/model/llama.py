@@ -146,7 +146,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_META)
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, device=_META
+            )
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)

@@ -83,7 +83,7 @@ def test_config_from_qwen3_has_qk_norm_and_explicit_head_dim() -> None:
 
 
 def test_config_from_mistral_keeps_sliding_window() -> None:
-    config = ModelConfig.from_hf(MistralConfig(**SMALL, sliding_window=64))
+    config = ModelConfig.from_hf(MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64))
     assert config.sliding_window == 64
 
 
@@ -106,8 +106,10 @@ def test_config_from_transformers4_style_rope_theta_and_rope_scaling() -> None:
         eos_token_id=5,
     )
     config = ModelConfig.from_hf(hf, GenerationConfig(eos_token_id=[5, 9]))
-    assert (config.rope_theta, config.rope_scaling) == (500_000.0, {"rope_type": "linear",
-                                                                   "factor": 4.0})
+    assert (config.rope_theta, config.rope_scaling) == (
+        500_000.0,
+        {"rope_type": "linear", "factor": 4.0},
+    )
     assert (config.num_kv_heads, config.tie_word_embeddings) == (4, True)
     assert config.eos_token_ids == (5, 9)
 

@@ -184,11 +184,12 @@ def _reference(
 ) -> tuple[str, int, FinishReason | None]:
     """Plain decoding's answer, one token at a time: (text, num tokens, finish reason)."""
     for n in range(1, len(generated_ids) + 1):
-        text = tokenizer.decode(generated_ids[:n], skip_special_tokens=True)
+        text = str(tokenizer.decode(generated_ids[:n], skip_special_tokens=True))
         starts = [i for s in stop_strings if (i := text.find(s)) >= 0]
         if starts:
             return text[: min(starts)], n, FinishReason.STOP
-    return tokenizer.decode(generated_ids, skip_special_tokens=True), len(generated_ids), None
+    text = str(tokenizer.decode(generated_ids, skip_special_tokens=True))
+    return text, len(generated_ids), None
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -1,0 +1,146 @@
+"""Verifier engine: tree verification, accepted-path KV commit, and refusals that change nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import VerifyInput
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB, save_tiny_llama
+from verifier.engine import VerifierEngine
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("verifier") / "target", seed=11)
+
+
+def _engine(target_dir: Path, page_size: int = 4, num_pages: int = 64) -> VerifierEngine:
+    model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
+    kv = make_kv_cache(config, num_pages, page_size, torch.float64, "cpu")
+    return VerifierEngine(model, kv, config.max_position_embeddings, config.vocab_size)
+
+
+def _greedy_continuation(engine: VerifierEngine, prompt: list[int], n: int) -> list[int]:
+    """n greedy target tokens via plain one-token rounds (then releases the sequence)."""
+    out = engine.verify([VerifyInput("ref", True, 0, prompt, DraftTree())])[0]
+    tokens = [out.bonus_token]
+    while len(tokens) < n:
+        out = engine.verify([VerifyInput("ref", False, out.kv_committed_len, [tokens[-1]],
+                                         DraftTree())])[0]
+        tokens.append(out.bonus_token)
+    engine.release(["ref"])
+    return tokens
+
+
+def _kv_rows(engine: VerifierEngine, seq_id: str, length: int) -> torch.Tensor:
+    slots = engine.seqs[seq_id].kv.slots(0, length)
+    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(engine.kv.k, engine.kv.v)])
+
+
+def test_deep_branch_in_topk_tree_commits_contiguous_kv(target_dir: Path) -> None:
+    engine = _engine(target_dir)
+    g = _greedy_continuation(engine, PROMPT, 4)  # g[0] = bonus after the prompt
+    wrong = [(t + 1) % TINY_VOCAB for t in g]
+    # root -> {wrong0, g1}; g1 -> {wrong2, g2}; g2 -> {g3}; plus a decoy under wrong0
+    tree = DraftTree(
+        tokens=[wrong[1], g[1], wrong[2], wrong[2], g[2], g[3]],
+        parents=[-1, -1, 0, 1, 1, 4],
+    )
+    first = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree())])[0]
+    assert first.bonus_token == g[0]
+    out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], tree)])[0]
+    assert out.accepted_tokens == [g[1], g[2], g[3]]
+    assert out.num_accepted_tokens == 4
+    assert out.kv_committed_len == len(PROMPT) + 1 + 3
+
+    # the committed KV equals what a plain prefill of the same tokens writes
+    tokens = PROMPT + [g[0], g[1], g[2], g[3]]
+    engine.verify([VerifyInput("plain", True, 0, tokens, DraftTree())])
+    assert torch.allclose(_kv_rows(engine, "s", len(tokens)), _kv_rows(engine, "plain", len(tokens)),
+                          atol=1e-10)
+    engine.release(["s", "plain"])
+    assert engine.num_pages_used == 0
+    engine.check_integrity()
+
+
+def test_bonus_token_continues_exactly_after_partial_acceptance(target_dir: Path) -> None:
+    engine = _engine(target_dir, page_size=1)
+    g = _greedy_continuation(engine, PROMPT, 5)
+    engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree())])
+    tree = DraftTree(tokens=[g[1], (g[2] + 1) % TINY_VOCAB], parents=[-1, 0])
+    out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], tree)])[0]
+    assert out.accepted_tokens == [g[1]] and out.bonus_token == g[2]
+    out = engine.verify([VerifyInput("s", False, out.kv_committed_len, [g[2]],
+                                     DraftTree([g[3], g[4]], [-1, 0]))])[0]
+    assert out.accepted_tokens == [g[3], g[4]]
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+def _bad_inputs() -> list[tuple[str, VerifyInput, Code, str]]:
+    ok_tree = DraftTree([1, 2], [-1, 0])
+    return [
+        ("unknown_seq_id", VerifyInput("nope", False, 0, [1], ok_tree), Code.NOT_FOUND, "nope"),
+        ("kv_committed_len_mismatch", VerifyInput("live", False, 3, [1], ok_tree),
+         Code.INVALID_ARGUMENT, "kv_committed_len"),
+        ("parent_out_of_range", VerifyInput("live", False, len(PROMPT), [1],
+                                            DraftTree([1, 2], [-1, 5])),
+         Code.INVALID_ARGUMENT, "tree.parents[1]"),
+        ("parent_not_earlier", VerifyInput("live", False, len(PROMPT), [1],
+                                           DraftTree([1, 2], [1, -1])),
+         Code.INVALID_ARGUMENT, "tree.parents[0]"),
+        ("token_outside_vocab", VerifyInput("live", False, len(PROMPT), [1],
+                                            DraftTree([TINY_VOCAB], [-1])),
+         Code.INVALID_ARGUMENT, "tree.tokens[0]"),
+        ("empty_pending", VerifyInput("live", False, len(PROMPT), [], ok_tree),
+         Code.INVALID_ARGUMENT, "pending_tokens"),
+        ("negative_temperature", VerifyInput("live", False, len(PROMPT), [1], ok_tree,
+                                             SamplingParams(temperature=-1.0)),
+         Code.INVALID_ARGUMENT, "temperature"),
+        ("top_p_zero", VerifyInput("live", False, len(PROMPT), [1], ok_tree,
+                                   SamplingParams(temperature=1.0, top_p=0.0)),
+         Code.INVALID_ARGUMENT, "top_p"),
+        ("begin_on_existing", VerifyInput("live", True, 0, [1], ok_tree),
+         Code.INVALID_ARGUMENT, "begin"),
+        ("past_context", VerifyInput("fresh", True, 0, [1] * 600, DraftTree()),
+         Code.INVALID_ARGUMENT, "context"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "bad", "code", "names"), _bad_inputs(),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_round_is_refused_and_changes_nothing(target_dir: Path, case: str, bad: VerifyInput,
+                                                  code: Code, names: str) -> None:
+    engine = _engine(target_dir)
+    engine.verify([VerifyInput("live", True, 0, PROMPT, DraftTree())])
+    pages, committed = engine.num_pages_used, engine.seqs["live"].kv.kv_committed_len
+    # the bad sequence rides along with a good new one: the whole round is refused
+    good = VerifyInput("other", True, 0, [4, 5, 6], DraftTree())
+    with pytest.raises(ServiceError) as err:
+        engine.verify([good, bad])
+    assert err.value.code == code
+    assert names in err.value.message
+    assert set(engine.seqs) == {"live"}
+    assert engine.num_pages_used == pages
+    assert engine.seqs["live"].kv.kv_committed_len == committed
+    engine.check_integrity()
+    engine.release(["live"])
+    assert engine.num_pages_used == 0
+
+
+def test_kv_full_is_resource_exhausted_and_changes_nothing(target_dir: Path) -> None:
+    engine = _engine(target_dir, page_size=4, num_pages=3)
+    with pytest.raises(ServiceError) as err:
+        engine.verify([VerifyInput("a", True, 0, list(range(3, 20)), DraftTree())])
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+    assert not engine.seqs and engine.num_pages_used == 0
