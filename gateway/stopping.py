@@ -78,20 +78,20 @@ class StopChecker:
             for i, token in enumerate(text_ids):
                 self._held_text += self._detokenizer.add([token])
                 if (stop_at := self._find_stop_string()) is not None:
-                    return self._finish(i + 1, self._take_held_text(stop_at), FinishReason.STOP)
+                    return self._outcome(i + 1, self._take_held_text(stop_at), FinishReason.STOP)
         else:
             self._held_text += self._detokenizer.add(text_ids)
 
         if finish is None:
             num_streamed = len(self._held_text) - self._len_stop_prefix_suffix()
-            return self._finish(num_kept, self._take_held_text(num_streamed), None)
+            return self._outcome(num_kept, self._take_held_text(num_streamed), None)
         # End of sequence: the held-back text is released (unless a stop string is in it).
         self._held_text += self._detokenizer.flush()
         if (stop_at := self._find_stop_string()) is not None:
-            return self._finish(num_kept, self._take_held_text(stop_at), FinishReason.STOP)
-        return self._finish(num_kept, self._take_held_text(len(self._held_text)), finish)
+            return self._outcome(num_kept, self._take_held_text(stop_at), FinishReason.STOP)
+        return self._outcome(num_kept, self._take_held_text(len(self._held_text)), finish)
 
-    def _finish(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
+    def _outcome(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
         self.num_generated_tokens += num_kept
         assert self.num_generated_tokens <= self._max_new_tokens
         self.finish_reason = finish

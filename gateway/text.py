@@ -44,9 +44,11 @@ def apply_chat_template(
 class IncrementalDetokenizer:
     """Turns a sequence's generated tokens into text deltas as they arrive, a round at a time.
 
-    The concatenation of every `add` and the final `flush` equals
-    `tokenizer.decode(generated_ids, skip_special_tokens=...)` (decoded without the lossy
-    `clean_up_tokenization_spaces`, which cannot be applied to a stream).
+    The concatenation of every `add` and the final `flush` is the text the generated tokens add
+    after the prompt, `decode(prompt_ids + generated_ids)[len(decode(prompt_ids)):]`: for
+    byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen) exactly `decode(generated_ids)`; a
+    SentencePiece decoder, which drops the space of a decode's first token, keeps it here (as
+    vLLM and TGI do). Decoding skips `clean_up_tokenization_spaces`: it cannot apply to a stream.
     """
 
     def __init__(

@@ -106,7 +106,8 @@ class ModelConfig:
 
 
 def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+    """(rope_theta, rope_scaling) from `rope_parameters` (transformers 5.x) or from
+    `rope_theta` + `rope_scaling` (4.x)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})

@@ -5,11 +5,11 @@ matmul each. HF name (model.layers.{i}. prefix omitted) -> ours:
 
     model.embed_tokens.weight                 -> embed_tokens.weight
     input_layernorm.weight                    -> layers.{i}.input_layernorm.weight
-    self_attn.{q,k,v}_proj.{weight,bias}      -> layers.{i}.qkv_proj.{weight,bias} (cat q, k, v)
+    self_attn.{q,k,v}_proj.{weight,bias}      -> layers.{i}.qkv_proj.{weight,bias} (cat)
     self_attn.{q,k}_norm.weight  (Qwen3)      -> layers.{i}.{q,k}_norm.weight
     self_attn.o_proj.{weight,bias}            -> layers.{i}.o_proj.{weight,bias}
     post_attention_layernorm.weight           -> layers.{i}.post_attention_layernorm.weight
-    mlp.{gate,up}_proj.{weight,bias}          -> layers.{i}.gate_up_proj.{weight,bias} (cat gate, up)
+    mlp.{gate,up}_proj.{weight,bias}          -> layers.{i}.gate_up_proj.{weight,bias} (cat)
     mlp.down_proj.{weight,bias}               -> layers.{i}.down_proj.{weight,bias}
     model.norm.weight                         -> norm.weight
     lm_head.weight  (absent when tied)        -> lm_head.weight
@@ -202,10 +202,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
         aux: dict[int, torch.Tensor] = {}
-        for decoder_layer in self.layers:
+        for index, decoder_layer in enumerate(self.layers):
             hidden = decoder_layer(hidden, cos, sin, batch, kv)
-            if decoder_layer.layer_index in aux_layers:
-                aux[decoder_layer.layer_index] = hidden[batch.logit_indices]
+            if index in aux_layers:
+                aux[index] = hidden[batch.logit_indices]
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
         logits = F.linear(last, self.lm_head_weight).float()  # [L, vocab]
         hidden_states = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None

@@ -7,6 +7,7 @@ import copy
 import importlib.metadata
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +52,16 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP
+    spin-waiting makes them ~10x slower; restored after this module."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 # --- ModelConfig.from_hf ---------------------------------------------------------------------
@@ -222,7 +233,7 @@ def test_load_model_bfloat16_keeps_dtype_and_returns_float32_logits(tiny_dir: st
 
 
 def test_load_model_missing_path_raises_file_not_found(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="neither a directory nor a .gguf file"):
+    with pytest.raises(FileNotFoundError, match=r"neither a directory nor a \.gguf file"):
         loader.load_model(str(tmp_path / "nope"), torch.float32, "cpu")
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         loader.load_model(str(tmp_path / "nope.gguf"), torch.float32, "cpu")

@@ -8,6 +8,7 @@ compared on prefill, ragged batches, paged decode, tree steps, aux hidden states
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,16 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP
+    spin-waiting makes them ~10x slower; restored after this module."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 def _hf_configs() -> dict[str, PreTrainedConfig]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import PreTrainedTokenizerBase
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from gateway.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
 
@@ -124,3 +125,17 @@ def test_deltas_never_end_with_a_broken_char(
     deltas = [detok.add([t]) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
+
+
+def test_first_token_decoded_in_prompt_context() -> None:
+    # SentencePiece-style decoders drop the leading space of a decode's first token: the stream
+    # keeps it, as the text that follows the prompt (decode(prompt + generated) - decode(prompt)).
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tokenizer.decode([2, 3]) == "world!"
+    assert tokenizer.decode([1, 2, 3]) == "Hello world!"
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=[1])
+    assert [detok.add([2]), detok.add([3]), detok.flush()] == [" world", "!", ""]

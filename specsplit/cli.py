@@ -1,0 +1,473 @@
+"""`specsplit`: run the services, all three at once (`up`), or a streamed generation.
+
+Every flag takes its default from a SPECSPLIT_* environment variable (shown in --help), so a
+docker-compose file sets the environment and runs `specsplit serve-<service>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from specsplit.messages import SpecParams
+
+DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
+DRAFTER_KINDS = ("ngram", "self", "model")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+log = logging.getLogger("specsplit.cli")
+T = TypeVar("T")
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise SystemExit(f"specsplit: {name}={value!r} is not a boolean ({'/'.join(_TRUE + _FALSE)})")
+
+
+def _flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    default: Any,
+    help: str,
+    *,
+    env: str | None = None,
+    type: Callable[[str], Any] = str,
+    **kwargs: Any,
+) -> None:
+    """--flag whose default is $SPECSPLIT_<FLAG> (or $SPECSPLIT_<env>) when set, parsed like a
+    command-line value."""
+    name = "SPECSPLIT_" + (env or flag.removeprefix("--").replace("-", "_").upper())
+    value = os.environ.get(name)
+    if value is not None and "choices" in kwargs and type(value) not in kwargs["choices"]:
+        raise SystemExit(f"specsplit: {name}={value!r}: choose from {kwargs['choices']}")
+    shown = "none" if default is None else default
+    help = f"{help} (env {name}, default {shown})"
+    default = value if value is not None else default
+    parser.add_argument(flag, type=type, default=default, help=help, **kwargs)
+
+
+def _optional_int(value: str) -> int | None:
+    return None if value.lower() in ("", "none") else int(value)
+
+
+def _model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+    _flag(parser, "--model", None, "target checkpoint (directory or .gguf); default: embedded")
+    if not engine:
+        return
+    _flag(parser, "--device", "auto", "torch device; auto = cuda when available")
+    dtype_help = "weights and KV dtype; auto = bfloat16 on cuda, float32 on cpu"
+    _flag(parser, "--dtype", "auto", dtype_help, choices=DTYPE_CHOICES)
+    _flag(parser, "--num-pages", None, "KV cache pages; none = the engine's", type=_optional_int)
+    _flag(parser, "--page-size", 16, "tokens per KV page", type=int)
+
+
+def _drafter_flags(parser: argparse.ArgumentParser) -> None:
+    kind_help = "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model)"
+    _flag(parser, "--drafter", "ngram", kind_help, choices=DRAFTER_KINDS)
+    _flag(parser, "--draft-model", None, "draft checkpoint for --drafter model")
+    _flag(parser, "--draft-layers", None, "layers for --drafter self", type=_optional_int)
+
+
+def _spec_flags(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--num-steps", 4, "default draft depth; 0 = no drafting", type=int)
+    _flag(parser, "--topk", 1, "default children per draft node; 1 = a chain", type=int)
+    nodes_help = "default draft tree nodes; none = num_steps * topk"
+    _flag(parser, "--num-draft-tokens", None, nodes_help, type=_optional_int)
+    _flag(parser, "--max-batch-size", 32, "sequences per round", type=int)
+
+
+def _generation_flags(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--max-tokens", 256, "most tokens to generate", type=int)
+    _flag(parser, "--temperature", 0.0, "0 = greedy", type=float)
+    _flag(parser, "--top-p", 1.0, "nucleus mass in (0, 1]", type=float)
+    _flag(parser, "--top-k", 0, "0 = off", type=int)
+    _flag(parser, "--seed", None, "sampling seed; none = random", type=_optional_int)
+    parser.add_argument("--stop", action="append", help="stop at this string (repeatable)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_CHAT", True),
+        help="send the prompt as a user chat message (env SPECSPLIT_CHAT, default on)",
+    )
+
+
+def _server_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    listen = f"[::]:{DEFAULT_PORTS[service]}"
+    _flag(parser, "--listen", listen, "address to listen on", env=f"{service.upper()}_LISTEN")
+    _flag(parser, "--grace", 5.0, "seconds running calls get at shutdown", type=float)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    _flag(parser, "--log-level", "INFO", "logging level", choices=levels, type=str.upper)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    drafter = commands.add_parser("serve-drafter", help="run the drafter service")
+    _server_flags(drafter, "drafter")
+    _model_flags(drafter)
+    _drafter_flags(drafter)
+
+    verifier = commands.add_parser("serve-verifier", help="run the verifier service")
+    _server_flags(verifier, "verifier")
+    _model_flags(verifier)
+
+    gateway = commands.add_parser("serve-gateway", help="run the gateway (the client API)")
+    _server_flags(gateway, "gateway")
+    _model_flags(gateway, engine=False)
+    for service in ("drafter", "verifier"):
+        address = f"localhost:{DEFAULT_PORTS[service]}"
+        _flag(gateway, f"--{service}-address", address, f"the {service} to connect to")
+    _spec_flags(gateway)
+
+    up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
+    _flag(up, "--host", "127.0.0.1", "interface the services listen on")
+    for service, port in DEFAULT_PORTS.items():
+        _flag(up, f"--{service}-port", port, f"{service} port", type=int)
+    _model_flags(up)
+    _flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")
+    _drafter_flags(up)
+    _spec_flags(up)
+    _flag(up, "--ready-timeout", 900.0, "seconds to wait for SERVING", type=float)
+    _flag(up, "--generate", None, "once serving, stream one generation of this prompt and stop")
+    _generation_flags(up)
+
+    generate = commands.add_parser("generate", help="stream a generation from a gateway")
+    generate.add_argument("prompt", help="prompt text")
+    address = f"localhost:{DEFAULT_PORTS['gateway']}"
+    _flag(generate, "--address", address, "the gateway to connect to", env="GATEWAY_ADDRESS")
+    _generation_flags(generate)
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag rules argparse cannot express."""
+    if getattr(args, "drafter", None) == "model" and not args.draft_model:
+        parser.error("--drafter model needs --draft-model")
+    if getattr(args, "drafter", None) == "self" and not args.draft_layers:
+        parser.error("--drafter self needs --draft-layers K (K > 0)")
+    if hasattr(args, "num_steps"):
+        from specsplit.errors import ServiceError
+
+        try:
+            default_spec(args).validate()
+        except ServiceError as err:
+            parser.error(f"default {err.message}")
+
+
+def default_spec(args: argparse.Namespace) -> SpecParams:
+    from specsplit.messages import SpecParams
+
+    nodes = args.num_draft_tokens
+    if nodes is None:
+        nodes = args.num_steps * args.topk
+    return SpecParams(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=nodes)
+
+
+# -- the serve commands ----------------------------------------------------------------------
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from specsplit.model.loader import embedded_default_model_path
+
+    return embedded_default_model_path()
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """device, dtype ("auto" resolved), num_pages, page_size and grace of a serve command."""
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
+    return {"device": device, "dtype": dtype, **sizes, "grace": args.grace}
+
+
+def serve_drafter(args: argparse.Namespace) -> int:
+    from drafter.main import serve
+
+    model_path = args.draft_model if args.drafter == "model" else None
+    if args.drafter == "self":  # the target's first layers
+        model_path = _model_path(args)
+    kwargs = _engine_kwargs(args)
+    asyncio.run(
+        serve(args.listen, args.drafter, model_path, draft_layers=args.draft_layers, **kwargs)
+    )
+    return 0
+
+
+def serve_verifier(args: argparse.Namespace) -> int:
+    from verifier.main import serve
+
+    asyncio.run(serve(args.listen, _model_path(args), **_engine_kwargs(args)))
+    return 0
+
+
+def serve_gateway(args: argparse.Namespace) -> int:
+    from gateway.main import serve
+
+    backends = {"drafter_address": args.drafter_address, "verifier_address": args.verifier_address}
+    limits = {"max_batch_size": args.max_batch_size, "grace": args.grace}
+    model_path = _model_path(args)
+    asyncio.run(
+        serve(args.listen, model_path, **backends, default_spec=default_spec(args), **limits)
+    )
+    return 0
+
+
+# -- generate --------------------------------------------------------------------------------
+
+
+async def stream_generation(address: str, prompt: str, args: argparse.Namespace) -> int:
+    """Stream text to stdout as it arrives; stats to stderr at the end. Returns an exit code."""
+    import grpc
+
+    from specsplit.server import CHANNEL_OPTIONS
+    from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = gateway_pb2.GenerateRequest(
+        max_new_tokens=args.max_tokens, sampling=sampling, stop=args.stop or []
+    )
+    if args.chat:
+        request.chat.messages.add(role="user", content=prompt)
+    else:
+        request.text = prompt
+    started = time.monotonic()
+    last = gateway_pb2.GenerateResponse()
+    first_token_ns: int | None = None
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            async for response in gateway_pb2_grpc.GatewayStub(channel).Generate(request):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if first_token_ns is None and response.token_ids:
+                    first_token_ns = response.elapsed_ns
+                last = response
+        except grpc.aio.AioRpcError as err:
+            sys.stdout.write("\n")
+            print(f"specsplit: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    seconds = time.monotonic() - started
+    stats, usage = last.spec_stats, last.usage
+    reason = gateway_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_")
+    print(
+        f"[{reason.lower()}] {usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
+        f"tokens in {seconds:.2f} s ({usage.completion_tokens / seconds:.1f} tokens/s, first "
+        f"token after {(first_token_ns or 0) / 1e6:.0f} ms); {stats.rounds} rounds, "
+        f"{stats.num_accepted_drafts} drafts accepted, {stats.mean_accepted_tokens:.2f} "
+        f"tokens per round",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    return asyncio.run(stream_generation(args.address, args.prompt, args))
+
+
+# -- up --------------------------------------------------------------------------------------
+
+
+def _opt(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """argv of the three service processes `up` starts, verifier first."""
+    base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
+    addr = {s: f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS}
+    model = _opt("--model", args.model)
+    engine = [*model, "--dtype", args.dtype, "--page-size", str(args.page_size)]
+    engine += _opt("--num-pages", args.num_pages)
+    device = ["--device", args.device]
+    drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]
+    drafter += _opt("--draft-model", args.draft_model) + _opt("--draft-layers", args.draft_layers)
+    gateway = ["--drafter-address", addr["drafter"], "--verifier-address", addr["verifier"]]
+    gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
+    gateway += ["--max-batch-size", str(args.max_batch_size)]
+    gateway += _opt("--num-draft-tokens", args.num_draft_tokens)
+    return {
+        "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
+        "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
+        "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
+    }
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM if `up` dies without stopping it (Linux)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM reached `up`."""
+
+
+class ServiceDied(Exception):
+    """A service process exited while `up` needed it."""
+
+
+class Services:
+    """The three child processes of `up`."""
+
+    def __init__(self, commands: dict[str, list[str]]) -> None:
+        self.commands = commands
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        linux = sys.platform.startswith("linux")
+        for name, argv in self.commands.items():
+            # Their own process group: a terminal's Ctrl-C reaches `up` only, which stops them
+            # in order; if `up` dies, the kernel sends them SIGTERM (Linux).
+            proc = subprocess.Popen(
+                argv, process_group=0, preexec_fn=_die_with_parent if linux else None
+            )
+            self.procs[name] = proc
+            log.info("started %s (pid %d)", name, proc.pid)
+
+    async def supervise(self, work: Awaitable[T], stop: asyncio.Event) -> T:
+        """Await `work` while watching the processes: ServiceDied when one exits, Interrupted
+        when `stop` is set first."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while not task.done():
+                await asyncio.wait({task, stopping}, timeout=0.2, return_when="FIRST_COMPLETED")
+                if stop.is_set():
+                    raise Interrupted
+                dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
+                if dead:
+                    raise ServiceDied(", ".join(dead))
+            return task.result()
+        finally:
+            for pending in (task, stopping):
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM, gateway first; SIGKILL what is left after `timeout`. 1 if one failed."""
+        for name in ("gateway", "drafter", "verifier"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        worst = 0
+        for name, proc in self.procs.items():
+            try:
+                code = proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s: killing it", name, timeout)
+                proc.kill()
+                code = proc.wait()
+            if code not in (0, -signal.SIGTERM):  # -SIGTERM: stopped before it could catch it
+                log.warning("%s exited with %d", name, code)
+                worst = 1
+        return worst
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from gateway.grpc_clients import wait_ready
+
+    addresses = [f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS]
+    gateway = addresses[0]
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    services = Services(child_commands(args))
+    code = 0
+    try:
+        services.start()
+        all_ready = asyncio.gather(*(wait_ready(a, args.ready_timeout) for a in addresses))
+        if not all(await services.supervise(all_ready, stop)):
+            log.error("not all services SERVING after %.0f s", args.ready_timeout)
+            return 1
+        print(f"specsplit: gateway listening on {gateway}", file=sys.stderr, flush=True)
+        if args.generate is not None:
+            code = await services.supervise(stream_generation(gateway, args.generate, args), stop)
+        else:
+            await services.supervise(asyncio.Event().wait(), stop)  # until Ctrl-C
+    except Interrupted:
+        log.info("interrupted")
+    except ServiceDied as died:
+        log.error("%s exited unexpectedly", died)
+        code = 1
+    finally:
+        log.info("stopping the services")
+        code = max(code, await asyncio.to_thread(services.stop, 30.0))
+    return code
+
+
+def up(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(args))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve-drafter": serve_drafter,
+    "serve-verifier": serve_verifier,
+    "serve-gateway": serve_gateway,
+    "up": up,
+    "generate": generate,
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    service = args.command.removeprefix("serve-")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
+    )
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""All three roles in one process over the real engines (benchmarks, tests, notebooks)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from drafter.engine import DrafterEngine
+from drafter.model_proposer import ModelProposer
+from drafter.ngram import NgramProposer
+from gateway.clients import LocalDrafterClient, LocalVerifierClient
+from gateway.request import Chunk, GenerationRequest
+from gateway.scheduler import Scheduler
+from specsplit.messages import SpecParams
+from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.loader import load_model
+from verifier.engine import VerifierEngine
+
+
+@dataclass
+class LocalStack:
+    verifier: VerifierEngine
+    drafter: DrafterEngine
+    scheduler: Scheduler
+
+    def generate_all(self, requests: list[GenerationRequest]) -> list[list[Chunk]]:
+        """Run the requests concurrently; returns each one's chunks."""
+
+        async def collect(request: GenerationRequest) -> list[Chunk]:
+            return [chunk async for chunk in self.scheduler.generate(request)]
+
+        async def run() -> list[list[Chunk]]:
+            await self.scheduler.start()
+            try:
+                return list(await asyncio.gather(*(collect(r) for r in requests)))
+            finally:
+                await self.scheduler.stop()
+
+        return asyncio.run(run())
+
+
+def build_local_stack(
+    target_path: str,
+    drafter: str,
+    tokenizer: object,
+    spec: SpecParams,
+    *,
+    draft_path: str | None = None,
+    draft_layers: int | None = None,
+    page_size: int = 16,
+    num_pages: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    check_integrity: bool = False,
+    target: tuple[LlamaModel, object] | None = None,
+) -> LocalStack:
+    """drafter: "model" (draft_path, default the target itself), "self" (the target's first
+    draft_layers layers, sharing its weights) or "ngram". `target` reuses a loaded model."""
+    model, config = target if target is not None else load_model(target_path, dtype=dtype,
+                                                                  device=device)
+    verifier = VerifierEngine(model, make_kv_cache(config, num_pages, page_size, dtype, device),
+                              config.max_position_embeddings, config.vocab_size)
+    proposer: ModelProposer | NgramProposer
+    if drafter == "ngram":
+        proposer = NgramProposer(vocab_size=config.vocab_size,
+                                 max_context=config.max_position_embeddings)
+    else:
+        if drafter == "self":
+            assert draft_layers, "drafter 'self' needs draft_layers"
+            d_model = model.truncated(draft_layers)
+            d_config = d_model.config
+        else:
+            d_model, d_config = load_model(draft_path or target_path, dtype=dtype, device=device)
+        kv = make_kv_cache(d_config, num_pages, page_size, dtype, device)
+        proposer = ModelProposer(d_model, kv, d_config.vocab_size, d_config.max_position_embeddings)
+    drafter_engine = DrafterEngine(proposer)
+    scheduler = Scheduler(
+        LocalDrafterClient(drafter_engine, check_integrity=check_integrity),
+        LocalVerifierClient(verifier, check_integrity=check_integrity),
+        tokenizer,
+        eos_token_ids=config.eos_token_ids,
+        default_spec=spec,
+    )
+    return LocalStack(verifier, drafter_engine, scheduler)
