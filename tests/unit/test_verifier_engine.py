@@ -144,3 +144,26 @@ def test_kv_full_is_resource_exhausted_and_changes_nothing(target_dir: Path) -> 
         engine.verify([VerifyInput("a", True, 0, list(range(3, 20)), DraftTree())])
     assert err.value.code == Code.RESOURCE_EXHAUSTED
     assert not engine.seqs and engine.num_pages_used == 0
+
+
+def test_hidden_states_cover_pending_tokens_and_accepted_path(target_dir: Path) -> None:
+    engine = _engine(target_dir)
+    g = _greedy_continuation(engine, PROMPT, 3)
+    layers = (0, 1)
+    first = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree(), hidden_state_layers=layers)])[0]
+    assert first.hidden_states is not None
+    assert first.hidden_states.dtype == torch.bfloat16
+    assert tuple(first.hidden_states.shape) == (len(PROMPT), 2 * 64)  # [pending, layers * hidden]
+    tree = DraftTree([(g[1] + 1) % TINY_VOCAB, g[1], g[2]], [-1, -1, 1])
+    out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], tree,
+                                     hidden_state_layers=layers)])[0]
+    assert out.accepted_tokens == [g[1], g[2]]
+    assert out.hidden_states is not None and out.hidden_states.shape[0] == 1 + 2
+    # the rows equal a plain prefill's hidden states for the same tokens
+    tokens = PROMPT + g[:3]
+    plain = engine.verify([VerifyInput("p", True, 0, tokens, DraftTree(), hidden_state_layers=layers)])[0]
+    assert plain.hidden_states is not None
+    assert torch.allclose(out.hidden_states.double(), plain.hidden_states[len(PROMPT):].double(),
+                          atol=1e-2)
+    engine.release(["s", "p"])
+    assert engine.num_pages_used == 0
