@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -32,6 +32,8 @@ _PASSED_THROUGH = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
 }
 
+CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits this long for the channel
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -48,15 +50,30 @@ def service_error(err: grpc.aio.AioRpcError, service: str) -> ServiceError:
 class RoundStream(Generic[Req, Resp]):
     """One bidi stream used as a request/response pipe: one round in flight at a time."""
 
-    def __init__(self, service: str, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+    def __init__(
+        self,
+        service: str,
+        open_call: Callable[[], grpc.aio.StreamStreamCall],
+        channel_ready: Callable[[], Awaitable[None]],
+    ) -> None:
         self.service = service
         self._open_call = open_call
+        self._channel_ready = channel_ready
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lock = asyncio.Lock()
 
     async def round(self, request: Req) -> Resp:
         async with self._lock:
+            if self._call is not None and self._call.done():  # ended between rounds
+                self._drop()
             if self._call is None:
+                # a stream opened towards a dead backend can wait forever on its first write
+                try:
+                    await asyncio.wait_for(self._channel_ready(), CONNECT_TIMEOUT_S)
+                except TimeoutError:
+                    raise ServiceError(
+                        Code.UNAVAILABLE, f"{self.service}: not reachable (connect timed out)"
+                    ) from None
                 self._call = self._open_call()
             call = self._call
             try:
@@ -65,6 +82,12 @@ class RoundStream(Generic[Req, Resp]):
             except grpc.aio.AioRpcError as err:
                 self._drop()
                 raise service_error(err, self.service) from err
+            except asyncio.InvalidStateError:  # the call ended under us ("RPC already finished")
+                self._drop()
+                code, details = await call.code(), await call.details()
+                raise ServiceError(
+                    Code.UNAVAILABLE, f"{self.service}: stream ended: {code.name}: {details}"
+                ) from None
             except BaseException:  # cancelled mid-round: the answer would pair with the next
                 self._drop()
                 raise
@@ -116,7 +139,9 @@ class GrpcDrafterClient(_Client):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open)
+        self._stream: RoundStream[Any, Any] = RoundStream(
+            self.service, self._open, lambda: self.channel.channel_ready()
+        )
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         response = await self._stream.round(convert.draft_request_to_proto(inputs))
@@ -138,7 +163,9 @@ class GrpcVerifierClient(_Client):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open)
+        self._stream: RoundStream[Any, Any] = RoundStream(
+            self.service, self._open, lambda: self.channel.channel_ready()
+        )
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         response = await self._stream.round(convert.verify_request_to_proto(inputs))

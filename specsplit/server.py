@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Concatenate, Generic, NoReturn, ParamSpec, Protocol, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.errors import Code, ServiceError
@@ -30,13 +29,16 @@ log = logging.getLogger(__name__)
 
 # draft_probs are [n, vocab] float32: 10 nodes x 150k vocab is 6 MB; leave plenty of room.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-SERVER_OPTIONS: list[tuple[str, int]] = [
+_MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
+# share the connections with the first. Fail instead.
+SERVER_OPTIONS: list[tuple[str, int]] = [*_MESSAGE_SIZES, ("grpc.so_reuseport", 0)]
 # Reconnect quickly after a backend restarts (the default backoff grows to 120 s).
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    *SERVER_OPTIONS,
+    *_MESSAGE_SIZES,
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -103,10 +105,6 @@ class EngineThread(Generic[E]):
         self._warmup = warmup
         self._engine: E | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
-
-    @property
-    def ready(self) -> bool:
-        return self._engine is not None
 
     async def load(self) -> None:
         """Load and warm up the engine on its thread, logging progress while it takes."""
@@ -205,7 +203,7 @@ class ServiceHost:
         self.address = address
         self.grace = grace
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        self.health = HealthServicer()
+        self.health = health.aio.HealthServicer()
         self.port = 0
         self._stopped = False
 
@@ -270,7 +268,8 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails."""
-    stop = stop or asyncio.Event()
+    if stop is None:
+        stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread

@@ -1,0 +1,136 @@
+"""Start the three services as real processes on loopback ports, and talk to them over gRPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specsplit.v1 import (
+    common_pb2,
+    drafter_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2_grpc,
+)
+
+ROLES = ("verifier", "drafter", "gateway")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Services:
+    model: str
+    log_dir: Path
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def address(self, role: str) -> str:
+        return f"127.0.0.1:{self.ports[role]}"
+
+    def command(self, role: str) -> list[str]:
+        cmd = [sys.executable, "-m", "specsplit.cli", f"serve-{role}",
+               "--listen", self.address(role), "--model", self.model, "--grace", "1"]
+        if role != "gateway":
+            cmd += ["--device", "cpu", "--dtype", "float32", "--num-pages", "512"]
+        else:
+            cmd += ["--drafter-address", self.address("drafter"),
+                    "--verifier-address", self.address("verifier")]
+        return cmd + self.extra.get(role, [])
+
+    def start(self, role: str) -> None:
+        self.ports.setdefault(role, free_port())
+        log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (lives with the process)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=log, env=env)
+
+    def start_all(self, timeout: float = 240.0) -> None:
+        for role in ROLES:
+            self.ports.setdefault(role, free_port())
+        for role in ROLES:
+            self.start(role)
+        for role in ROLES:
+            self.wait_serving(role, timeout)
+
+    def wait_serving(self, role: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address(role)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                proc = self.procs[role]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} exited with {proc.returncode}:\n{self.log(role)}")
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+        raise TimeoutError(f"{role} not SERVING after {timeout} s:\n{self.log(role)}")
+
+    def stop(self, role: str, sig: int = signal.SIGTERM) -> int:
+        proc = self.procs.pop(role)
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop_all(self) -> dict[str, int]:
+        return {role: self.stop(role) for role in list(self.procs)}
+
+    def log(self, role: str) -> str:
+        path = self.log_dir / f"{role}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    # -- clients -----------------------------------------------------------------------------
+
+    def gateway(self) -> gateway_pb2_grpc.GatewayStub:
+        return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address("gateway")))
+
+    def pages_used(self) -> dict[str, int]:
+        """KV pages in use on drafter and verifier (an empty Release reports them)."""
+        used = {}
+        for role, stub_type in (("drafter", drafter_pb2_grpc.DrafterStub),
+                                ("verifier", verifier_pb2_grpc.VerifierStub)):
+            with grpc.insecure_channel(self.address(role)) as channel:
+                used[role] = stub_type(channel).Release(common_pb2.ReleaseRequest(),
+                                                        timeout=10).num_pages_used
+        return used
+
+    def wait_no_pages_used(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (used := self.pages_used()) != {"drafter": 0, "verifier": 0}:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV pages still used: {used}")
+            time.sleep(0.2)
+
+
+def token_request(ids: list[int], max_new_tokens: int, **kwargs: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids),
+                                       max_new_tokens=max_new_tokens, **kwargs)
+
+
+def generate(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+             timeout: float = 120.0) -> list[gateway_pb2.GenerateResponse]:
+    return list(stub.Generate(request, timeout=timeout))
+
+
+def ids_of(responses: list[gateway_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]

@@ -1,0 +1,250 @@
+"""The `specsplit` command line: every subcommand parses, SPECSPLIT_* env defaults apply, flags
+beat the environment, `up` starts children whose argv parses back to the same settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import pytest
+
+from specsplit import cli
+from specsplit.messages import SpecParams
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SPECSPLIT_* variable of the developer's shell leaks into a test."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SPECSPLIT_"):
+            monkeypatch.delenv(name)
+
+
+def test_every_subcommand_has_a_handler() -> None:
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    assert set(subparsers.choices or {}) == set(cli.COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve-drafter"], {"listen": "[::]:50061", "drafter": "ngram", "device": "auto"}),
+        (["serve-verifier"], {"listen": "[::]:50062", "dtype": "auto", "num_pages": None}),
+        (
+            ["serve-gateway"],
+            {
+                "listen": "[::]:50051",
+                "drafter_address": "localhost:50061",
+                "verifier_address": "localhost:50062",
+                "num_steps": 4,
+                "topk": 1,
+                "num_draft_tokens": None,
+                "max_batch_size": 32,
+            },
+        ),
+        (
+            ["up"],
+            {
+                "host": "127.0.0.1",
+                "gateway_port": 50051,
+                "drafter_port": 50061,
+                "verifier_port": 50062,
+                "generate": None,
+                "model": None,
+            },
+        ),
+        (
+            ["generate", "hi"],
+            {
+                "prompt": "hi",
+                "address": "localhost:50051",
+                "max_tokens": 256,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "seed": None,
+                "chat": True,
+            },
+        ),
+    ],
+)
+def test_subcommand_defaults(argv: list[str], expected: dict[str, object]) -> None:
+    args = cli.parse_args(argv)
+    assert args.command == argv[0]
+    assert args.log_level == "INFO"
+    for name, value in expected.items():
+        assert getattr(args, name) == value, name
+
+
+def test_env_defaults_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "SPECSPLIT_LOG_LEVEL": "debug",
+        "SPECSPLIT_MODEL": "/models/target.gguf",
+        "SPECSPLIT_DEVICE": "cuda:1",
+        "SPECSPLIT_DTYPE": "bfloat16",
+        "SPECSPLIT_NUM_PAGES": "4096",
+        "SPECSPLIT_PAGE_SIZE": "32",
+        "SPECSPLIT_DRAFTER": "self",
+        "SPECSPLIT_DRAFT_LAYERS": "8",
+        "SPECSPLIT_DRAFTER_LISTEN": "0.0.0.0:7001",
+        "SPECSPLIT_GRACE": "2.5",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.parse_args(["serve-drafter"])
+    assert args.log_level == "DEBUG"
+    assert args.model == "/models/target.gguf"
+    assert (args.device, args.dtype) == ("cuda:1", "bfloat16")
+    assert (args.num_pages, args.page_size) == (4096, 32)
+    assert (args.drafter, args.draft_layers) == ("self", 8)
+    assert args.listen == "0.0.0.0:7001"
+    assert args.grace == 2.5
+
+
+def test_listen_env_is_per_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_VERIFIER_LISTEN", "[::]:9")
+    assert cli.parse_args(["serve-verifier"]).listen == "[::]:9"
+    assert cli.parse_args(["serve-drafter"]).listen == "[::]:50061"
+
+
+def test_gateway_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_DRAFTER_ADDRESS", "drafter:50061")
+    monkeypatch.setenv("SPECSPLIT_VERIFIER_ADDRESS", "verifier:50062")
+    monkeypatch.setenv("SPECSPLIT_NUM_STEPS", "3")
+    monkeypatch.setenv("SPECSPLIT_TOPK", "2")
+    args = cli.parse_args(["serve-gateway"])
+    assert (args.drafter_address, args.verifier_address) == ("drafter:50061", "verifier:50062")
+    assert cli.default_spec(args) == SpecParams(num_steps=3, topk=2, num_draft_tokens=6)
+
+
+def test_generate_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_GATEWAY_ADDRESS", "gw:1")
+    monkeypatch.setenv("SPECSPLIT_TEMPERATURE", "0.7")
+    monkeypatch.setenv("SPECSPLIT_SEED", "42")
+    monkeypatch.setenv("SPECSPLIT_CHAT", "off")
+    args = cli.parse_args(["generate", "hello"])
+    assert (args.address, args.temperature, args.seed, args.chat) == ("gw:1", 0.7, 42, False)
+    assert cli.parse_args(["generate", "hello", "--chat"]).chat is True
+
+
+def test_flags_beat_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_MAX_TOKENS", "10")
+    monkeypatch.setenv("SPECSPLIT_DEVICE", "cuda")
+    assert cli.parse_args(["generate", "x", "--max-tokens", "20"]).max_tokens == 20
+    assert cli.parse_args(["serve-verifier", "--device", "cpu"]).device == "cpu"
+
+
+def test_bad_env_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_DRAFTER", "eagle")
+    with pytest.raises(SystemExit, match="SPECSPLIT_DRAFTER='eagle'"):
+        cli.build_parser()
+
+
+def test_bad_env_bool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_CHAT", "maybe")
+    with pytest.raises(SystemExit, match="SPECSPLIT_CHAT='maybe' is not a boolean"):
+        cli.build_parser()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve-drafter", "--drafter", "model"], "--drafter model needs --draft-model"),
+        (["up", "--drafter", "self"], "--drafter self needs --draft-layers"),
+        (["serve-gateway", "--num-steps", "4", "--num-draft-tokens", "7"], "spec.num_draft_tokens"),
+        (["serve-gateway", "--topk", "0"], "spec.topk = 0"),
+        (["serve-verifier", "--dtype", "int8"], "invalid choice: 'int8'"),
+    ],
+)
+def test_inconsistent_flags_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_spec_derives_num_draft_tokens() -> None:
+    args = cli.parse_args(["serve-gateway", "--num-steps", "3", "--topk", "4"])
+    assert cli.default_spec(args) == SpecParams(3, 4, 12)
+    args = cli.parse_args(["serve-gateway", "--num-steps", "0"])
+    assert cli.default_spec(args) == SpecParams(0, 1, 0)
+    argv = ["serve-gateway", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5"]
+    args = cli.parse_args(argv)
+    assert cli.default_spec(args) == SpecParams(3, 2, 5)
+
+
+def _child_args(argv: list[str]) -> argparse.Namespace:
+    assert argv[:3] == [sys.executable, "-m", "specsplit.cli"]
+    return cli.parse_args(argv[3:])
+
+
+def test_up_children_parse_back_to_the_same_settings() -> None:
+    argv = (
+        "--log-level warning up --model /m/t --device cuda:0 --drafter-device cuda:1"
+        " --dtype bfloat16 --num-pages 99 --drafter self --draft-layers 6 --num-steps 5 --topk 2"
+        " --num-draft-tokens 9 --gateway-port 7000 --drafter-port 7001 --verifier-port 7002"
+        " --max-batch-size 8"
+    )
+    args = cli.parse_args(argv.split())
+    commands = cli.child_commands(args)
+    assert list(commands) == ["verifier", "drafter", "gateway"]
+    verifier = _child_args(commands["verifier"])
+    drafter = _child_args(commands["drafter"])
+    gateway = _child_args(commands["gateway"])
+    for child in (verifier, drafter, gateway):
+        assert child.log_level == "WARNING"
+        assert child.model == "/m/t"
+    assert (verifier.command, verifier.listen) == ("serve-verifier", "127.0.0.1:7002")
+    assert verifier.device == "cuda:0"
+    assert (verifier.dtype, verifier.num_pages, verifier.page_size) == ("bfloat16", 99, 16)
+    assert (drafter.listen, drafter.device) == ("127.0.0.1:7001", "cuda:1")
+    assert (drafter.drafter, drafter.draft_layers) == ("self", 6)
+    assert gateway.listen == "127.0.0.1:7000"
+    assert gateway.drafter_address == "127.0.0.1:7001"
+    assert gateway.verifier_address == "127.0.0.1:7002"
+    assert gateway.max_batch_size == 8
+    assert cli.default_spec(gateway) == SpecParams(5, 2, 9)
+
+
+def test_up_children_use_the_embedded_model_by_default() -> None:
+    commands = cli.child_commands(cli.parse_args(["up"]))
+    assert all("--model" not in argv for argv in commands.values())
+    drafter = _child_args(commands["drafter"])
+    assert (drafter.drafter, drafter.device) == ("ngram", "auto")
+
+
+def test_supervise_reports_a_dead_service_and_stop_is_clean() -> None:
+    async def main() -> None:
+        services = cli.Services(
+            {
+                "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
+                "drafter": [sys.executable, "-c", "raise SystemExit(3)"],
+            }
+        )
+        services.start()
+        with pytest.raises(cli.ServiceDied, match="drafter"):
+            await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
+        assert services.stop(10.0) == 1  # the drafter's exit code 3; the SIGTERM'd one is fine
+        assert services.procs["verifier"].returncode == -15
+
+    asyncio.run(main())
+
+
+def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
+    async def main() -> None:
+        services = cli.Services({"verifier": [sys.executable, "-c", "import time; time.sleep(60)"]})
+        services.start()
+        assert await services.supervise(asyncio.sleep(0.1, result=7), asyncio.Event()) == 7
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.1, stop.set)
+        with pytest.raises(cli.Interrupted):
+            await services.supervise(asyncio.sleep(60), stop)
+        assert services.stop(10.0) == 0
+
+    asyncio.run(main())
