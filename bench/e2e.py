@@ -1,0 +1,130 @@
+"""End-to-end tokens/s: `specsplit up` (three processes) with speculation vs the same services with
+speculation off (target only), vs HF transformers `generate` (plain and prompt lookup), one run.
+
+Each prompt of the bundled set is generated alone (one stream at a time, greedy), as a chat user
+would. The services run first; HF runs after they have stopped, so nothing competes for cores.
+
+    python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.acceptance import bundled_prompts
+from gateway.text import apply_chat_template
+from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"specsplit up exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError("gateway not serving")
+
+
+def run_services(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+    port = 50151
+    cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
+           "--drafter-port", "50161", "--verifier-port", "50162", "--device", args.device]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = {}
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_gateway(address, proc, 900)
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+        specs = {"specsplit (n-gram chain 3)": common_pb2.SpecParams(num_steps=3, topk=1,
+                                                                     num_draft_tokens=3),
+                 "specsplit target only": common_pb2.SpecParams(num_steps=0, topk=1)}
+        for prompt in prompts[:2]:  # warm-up
+            list(stub.Generate(gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8)))
+        for name, spec in specs.items():
+            outputs, rounds, accepted = [], 0, 0
+            start = time.perf_counter()
+            for prompt in prompts:
+                responses = list(stub.Generate(gateway_pb2.GenerateRequest(
+                    token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=args.max_new_tokens,
+                    spec=spec)))
+                outputs.append([t for r in responses for t in r.token_ids])
+                rounds += responses[-1].spec_stats.rounds
+                accepted += responses[-1].spec_stats.num_accepted_drafts + responses[-1].spec_stats.rounds
+            seconds = time.perf_counter() - start
+            results[name] = (seconds, sum(map(len, outputs)), accepted / max(rounds, 1), outputs)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    return results
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]], path: str) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+    name, kwargs = (os.path.dirname(path), {"gguf_file": os.path.basename(path)}) if path.endswith(".gguf") else (path, {})
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
+    results = {}
+    variants = {"HF generate": {}, "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3}}
+    for label, extra in variants.items():
+        model.generate(torch.tensor([prompts[0]], device=args.device), max_new_tokens=8, do_sample=False, **extra)
+        outputs = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, **extra)
+            outputs.append(out[0, len(prompt):].tolist())
+        seconds = time.perf_counter() - start
+        results[label] = (seconds, sum(map(len, outputs)), float("nan"), outputs)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    args = parser.parse_args()
+    path = args.model or embedded_default_model_path()
+    tokenizer = load_tokenizer(path)
+    prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
+
+    results = run_services(args, prompts)
+    results.update(run_hf(args, prompts, path))
+    reference = results["specsplit target only"][3]
+    base = {k: results[k][1] / results[k][0] for k in ("specsplit target only", "HF generate")}
+    print(f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
+          f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs")
+    print(f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
+          f"{'vs target-only':>16}{'vs HF':>8}  same tokens as target-only")
+    for name, (seconds, tokens, acc, outputs) in results.items():
+        tps = tokens / seconds
+        same = sum(o == r for o, r in zip(outputs, reference, strict=True))
+        print(f"{name:<30}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}{acc:>10.2f}"
+              f"{tps / base['specsplit target only']:>15.2f}x{tps / base['HF generate']:>7.2f}x"
+              f"  {same}/{len(outputs)}")
+
+
+if __name__ == "__main__":
+    main()
