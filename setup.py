@@ -16,8 +16,15 @@ def generate_stubs() -> None:
     proto_root = ROOT / "proto"
     protos = sorted(str(p.relative_to(proto_root)) for p in proto_root.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{proto_root}", f"-I{include}", f"--python_out={ROOT}",
-            f"--grpc_python_out={ROOT}", f"--pyi_out={ROOT}", *protos]
+    args = [
+        "protoc",
+        f"-I{proto_root}",
+        f"-I{include}",
+        f"--python_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+        f"--pyi_out={ROOT}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     (ROOT / "specsplit" / "v1" / "__init__.py").touch()

@@ -41,18 +41,24 @@ def main() -> None:
     prompts = [apply_chat_template(tokenizer, messages) for messages in bundled_prompts()]
     requests = [GenerationRequest(p, args.max_new_tokens) for p in prompts]
 
-    configs: list[tuple[str, str, int | None, SpecParams]] = [("target only", "ngram", None,
-                                                                SpecParams(0, 1, 0))]
+    configs: list[tuple[str, str, int | None, SpecParams]] = [
+        ("target only", "ngram", None, SpecParams(0, 1, 0))
+    ]
     for steps in args.num_steps:
         configs.append((f"n-gram chain {steps}", "ngram", None, SpecParams(steps, 1, steps)))
         for layers in args.self_layers:
-            configs.append((f"self {layers} layers chain {steps}", "self", layers,
-                            SpecParams(steps, 1, steps)))
+            configs.append(
+                (f"self {layers} layers chain {steps}", "self", layers, SpecParams(steps, 1, steps))
+            )
 
-    print(f"model {path}\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
-          f"all prompts in one batch, CPU, torch threads {torch.get_num_threads()}")
-    print(f"{'drafter':<28}{'accepted tokens/round':>22}{'tokens':>8}{'seconds':>9}"
-          f"{'tokens/s':>10}{'vs target':>10}")
+    print(
+        f"model {path}\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
+        f"all prompts in one batch, CPU, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'drafter':<28}{'accepted tokens/round':>22}{'tokens':>8}{'seconds':>9}"
+        f"{'tokens/s':>10}{'vs target':>10}"
+    )
     baseline_tps = None
     reference: list[list[int]] | None = None
     for name, kind, layers, spec in configs:
@@ -65,12 +71,16 @@ def main() -> None:
             reference = outputs
         same = "" if outputs == reference else "  OUTPUT DIFFERS FROM TARGET ONLY"
         rounds = sum(chunks[-1].stats.rounds for chunks in results if chunks[-1].stats)
-        accepted = sum(chunks[-1].stats.num_accepted_tokens for chunks in results if chunks[-1].stats)
+        accepted = sum(
+            chunks[-1].stats.num_accepted_tokens for chunks in results if chunks[-1].stats
+        )
         tokens = sum(len(o) for o in outputs)
         tps = tokens / seconds
         baseline_tps = baseline_tps or tps
-        print(f"{name:<28}{accepted / rounds:>22.3f}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}"
-              f"{tps / baseline_tps:>9.2f}x{same}")
+        print(
+            f"{name:<28}{accepted / rounds:>22.3f}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}"
+            f"{tps / baseline_tps:>9.2f}x{same}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,10 +44,24 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
     raise TimeoutError("gateway not serving")
 
 
-def run_services(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+def run_services(
+    args: argparse.Namespace, prompts: list[list[int]]
+) -> dict[str, tuple[float, int, float, list[list[int]]]]:
     port = 50151
-    cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
-           "--drafter-port", "50161", "--verifier-port", "50162", "--device", args.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specsplit.cli",
+        "up",
+        "--gateway-port",
+        str(port),
+        "--drafter-port",
+        "50161",
+        "--verifier-port",
+        "50162",
+        "--device",
+        args.device,
+    ]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -56,22 +70,38 @@ def run_services(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
         address = f"127.0.0.1:{port}"
         wait_gateway(address, proc, 900)
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
-        specs = {"specsplit (n-gram chain 3)": common_pb2.SpecParams(num_steps=3, topk=1,
-                                                                     num_draft_tokens=3),
-                 "specsplit target only": common_pb2.SpecParams(num_steps=0, topk=1)}
+        specs = {
+            "specsplit (n-gram chain 3)": common_pb2.SpecParams(
+                num_steps=3, topk=1, num_draft_tokens=3
+            ),
+            "specsplit target only": common_pb2.SpecParams(num_steps=0, topk=1),
+        }
         for prompt in prompts[:2]:  # warm-up
-            list(stub.Generate(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8)))
+            list(
+                stub.Generate(
+                    gateway_pb2.GenerateRequest(
+                        token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8
+                    )
+                )
+            )
         for name, spec in specs.items():
             outputs, rounds, accepted = [], 0, 0
             start = time.perf_counter()
             for prompt in prompts:
-                responses = list(stub.Generate(gateway_pb2.GenerateRequest(
-                    token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=args.max_new_tokens,
-                    spec=spec)))
+                responses = list(
+                    stub.Generate(
+                        gateway_pb2.GenerateRequest(
+                            token_ids=gateway_pb2.TokenIds(ids=prompt),
+                            max_new_tokens=args.max_new_tokens,
+                            spec=spec,
+                        )
+                    )
+                )
                 outputs.append([t for r in responses for t in r.token_ids])
                 rounds += responses[-1].spec_stats.rounds
-                accepted += responses[-1].spec_stats.num_accepted_drafts + responses[-1].spec_stats.rounds
+                accepted += (
+                    responses[-1].spec_stats.num_accepted_drafts + responses[-1].spec_stats.rounds
+                )
             seconds = time.perf_counter() - start
             results[name] = (seconds, sum(map(len, outputs)), accepted / max(rounds, 1), outputs)
     finally:
@@ -80,20 +110,35 @@ def run_services(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     return results
 
 
-def run_hf(args: argparse.Namespace, prompts: list[list[int]], path: str) -> dict[str, tuple[float, int, float, list[list[int]]]]:
-    name, kwargs = (os.path.dirname(path), {"gguf_file": os.path.basename(path)}) if path.endswith(".gguf") else (path, {})
+def run_hf(
+    args: argparse.Namespace, prompts: list[list[int]], path: str
+) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+    name, kwargs = (
+        (os.path.dirname(path), {"gguf_file": os.path.basename(path)})
+        if path.endswith(".gguf")
+        else (path, {})
+    )
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
     results = {}
     variants = {"HF generate": {}, "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3}}
     for label, extra in variants.items():
-        model.generate(torch.tensor([prompts[0]], device=args.device), max_new_tokens=8, do_sample=False, **extra)
+        model.generate(
+            torch.tensor([prompts[0]], device=args.device),
+            max_new_tokens=8,
+            do_sample=False,
+            **extra,
+        )
         outputs = []
         start = time.perf_counter()
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.max_new_tokens,
-                                 do_sample=False, **extra)
-            outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                torch.tensor([prompt], device=args.device),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                **extra,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
         seconds = time.perf_counter() - start
         results[label] = (seconds, sum(map(len, outputs)), float("nan"), outputs)
     return results
@@ -114,16 +159,22 @@ def main() -> None:
     results.update(run_hf(args, prompts, path))
     reference = results["specsplit target only"][3]
     base = {k: results[k][1] / results[k][0] for k in ("specsplit target only", "HF generate")}
-    print(f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
-          f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs")
-    print(f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
-          f"{'vs target-only':>16}{'vs HF':>8}  same tokens as target-only")
+    print(
+        f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
+        f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
+        f"{'vs target-only':>16}{'vs HF':>8}  same tokens as target-only"
+    )
     for name, (seconds, tokens, acc, outputs) in results.items():
         tps = tokens / seconds
         same = sum(o == r for o, r in zip(outputs, reference, strict=True))
-        print(f"{name:<30}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}{acc:>10.2f}"
-              f"{tps / base['specsplit target only']:>15.2f}x{tps / base['HF generate']:>7.2f}x"
-              f"  {same}/{len(outputs)}")
+        print(
+            f"{name:<30}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}{acc:>10.2f}"
+            f"{tps / base['specsplit target only']:>15.2f}x{tps / base['HF generate']:>7.2f}x"
+            f"  {same}/{len(outputs)}"
+        )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,16 @@ class DrafterEngine:
         if kind == "self" and not draft_layers:
             raise ValueError("drafter kind 'self' needs draft_layers > 0")
         layers = draft_layers if kind == "self" else None
-        return cls(ModelProposer.load(model_path, num_layers=layers, device=device, dtype=dtype,
-                                      num_pages=num_pages, page_size=page_size))
+        return cls(
+            ModelProposer.load(
+                model_path,
+                num_layers=layers,
+                device=device,
+                dtype=dtype,
+                num_pages=num_pages,
+                page_size=page_size,
+            )
+        )
 
     @property
     def num_pages_used(self) -> int:
@@ -138,7 +146,9 @@ class DrafterEngine:
             else:
                 known = len(self.seqs[item.seq_id].tokens)
             if not 0 <= item.start <= known:
-                raise invalid(f"start = {item.start} for {item.seq_id!r}: the drafter has {known} tokens")
+                raise invalid(
+                    f"start = {item.start} for {item.seq_id!r}: the drafter has {known} tokens"
+                )
             if not item.new_tokens:
                 raise invalid(f"new_tokens empty for {item.seq_id!r}: they must end with the root")
             bad = [t for t in item.new_tokens if not 0 <= t < self.proposer.vocab_size]

@@ -64,11 +64,20 @@ class ModelProposer:
         self.device = kv.k[0].device
 
     @classmethod
-    def load(cls, model_path: str, *, num_layers: int | None, device: str, dtype: torch.dtype,
-             num_pages: int, page_size: int) -> ModelProposer:
+    def load(
+        cls,
+        model_path: str,
+        *,
+        num_layers: int | None,
+        device: str,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+    ) -> ModelProposer:
         model, config = load_model(model_path, dtype=dtype, device=device, num_layers=num_layers)
-        kv = make_kv_cache(config, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                           device=device)
+        kv = make_kv_cache(
+            config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
+        )
         return cls(model, kv, config.vocab_size, config.max_position_embeddings)
 
     # -- per-sequence state ----------------------------------------------------------------

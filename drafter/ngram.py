@@ -12,8 +12,13 @@ from specsplit.tree import DraftTree
 
 
 class NgramProposer:
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int = 1 << 62,
-                 max_context: int = 1 << 62) -> None:
+    def __init__(
+        self,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        vocab_size: int = 1 << 62,
+        max_context: int = 1 << 62,
+    ) -> None:
         assert 1 <= min_ngram <= max_ngram, (min_ngram, max_ngram)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram

@@ -32,7 +32,7 @@ _PASSED_THROUGH = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
 }
 
-CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits this long for the channel
+CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits at most this long for a connection
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -54,11 +54,11 @@ class RoundStream(Generic[Req, Resp]):
         self,
         service: str,
         open_call: Callable[[], grpc.aio.StreamStreamCall],
-        channel_ready: Callable[[], Awaitable[None]],
+        connect: Callable[[], Awaitable[bool]],
     ) -> None:
         self.service = service
         self._open_call = open_call
-        self._channel_ready = channel_ready
+        self._connect = connect
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lock = asyncio.Lock()
 
@@ -67,13 +67,10 @@ class RoundStream(Generic[Req, Resp]):
             if self._call is not None and self._call.done():  # ended between rounds
                 self._drop()
             if self._call is None:
-                # a stream opened towards a dead backend can wait forever on its first write
-                try:
-                    await asyncio.wait_for(self._channel_ready(), CONNECT_TIMEOUT_S)
-                except TimeoutError:
-                    raise ServiceError(
-                        Code.UNAVAILABLE, f"{self.service}: not reachable (connect timed out)"
-                    ) from None
+                # a stream opened on a channel still connecting can wait forever on its first
+                # write: wait (bounded) for the channel to be READY, failing fast when it is not
+                if not await self._connect():
+                    raise ServiceError(Code.UNAVAILABLE, f"{self.service}: not reachable")
                 self._call = self._open_call()
             call = self._call
             try:
@@ -120,6 +117,23 @@ class _Client:
             self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         return self._channel
 
+    async def _connect(self) -> bool:
+        """Whether the channel is (or within CONNECT_TIMEOUT_S becomes) READY; False at once
+        when connecting failed (TRANSIENT_FAILURE: the backend is down or refusing)."""
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        state = self.channel.get_state(try_to_connect=True)
+        while state not in (ready, failed):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                return False
+            state = self.channel.get_state(try_to_connect=True)
+        return state == ready
+
     async def _release(self, release: Any, seq_ids: list[str]) -> None:
         if not seq_ids:
             return
@@ -139,9 +153,7 @@ class GrpcDrafterClient(_Client):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self._stream: RoundStream[Any, Any] = RoundStream(
-            self.service, self._open, lambda: self.channel.channel_ready()
-        )
+        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         response = await self._stream.round(convert.draft_request_to_proto(inputs))
@@ -163,9 +175,7 @@ class GrpcVerifierClient(_Client):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self._stream: RoundStream[Any, Any] = RoundStream(
-            self.service, self._open, lambda: self.channel.channel_ready()
-        )
+        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         response = await self._stream.round(convert.verify_request_to_proto(inputs))

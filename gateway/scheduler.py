@@ -16,6 +16,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+from transformers import PreTrainedTokenizerBase
+
 from gateway.clients import DrafterClient, VerifierClient
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
@@ -37,7 +39,7 @@ class Scheduler:
         self,
         drafter: DrafterClient,
         verifier: VerifierClient,
-        tokenizer: object,
+        tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: tuple[int, ...],
         default_spec: SpecParams,
         max_batch_size: int = 32,

@@ -26,7 +26,7 @@ FINISH_REASONS = {
 }
 
 
-class Generator(Protocol):
+class ChunkSource(Protocol):
     """The scheduler as the servicer sees it."""
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]: ...
@@ -45,7 +45,7 @@ class ModelInfo:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     service_name = service_name(gateway_pb2.DESCRIPTOR, "Gateway")
 
-    def __init__(self, model: ModelInfo, scheduler: Generator) -> None:
+    def __init__(self, model: ModelInfo, scheduler: ChunkSource) -> None:
         self.model = model
         self.scheduler = scheduler
         # Tokenizing (and a chat template) can take milliseconds: keep it off the event loop,

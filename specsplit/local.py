@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
@@ -14,6 +15,7 @@ from gateway.clients import LocalDrafterClient, LocalVerifierClient
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from specsplit.messages import SpecParams
+from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 from verifier.engine import VerifierEngine
@@ -44,7 +46,7 @@ class LocalStack:
 def build_local_stack(
     target_path: str,
     drafter: str,
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     spec: SpecParams,
     *,
     draft_path: str | None = None,
@@ -54,18 +56,24 @@ def build_local_stack(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     check_integrity: bool = False,
-    target: tuple[LlamaModel, object] | None = None,
+    target: tuple[LlamaModel, ModelConfig] | None = None,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights) or "ngram". `target` reuses a loaded model."""
-    model, config = target if target is not None else load_model(target_path, dtype=dtype,
-                                                                  device=device)
-    verifier = VerifierEngine(model, make_kv_cache(config, num_pages, page_size, dtype, device),
-                              config.max_position_embeddings, config.vocab_size)
+    model, config = (
+        target if target is not None else load_model(target_path, dtype=dtype, device=device)
+    )
+    verifier = VerifierEngine(
+        model,
+        make_kv_cache(config, num_pages, page_size, dtype, device),
+        config.max_position_embeddings,
+        config.vocab_size,
+    )
     proposer: ModelProposer | NgramProposer
     if drafter == "ngram":
-        proposer = NgramProposer(vocab_size=config.vocab_size,
-                                 max_context=config.max_position_embeddings)
+        proposer = NgramProposer(
+            vocab_size=config.vocab_size, max_context=config.max_position_embeddings
+        )
     else:
         if drafter == "self":
             assert draft_layers, "drafter 'self' needs draft_layers"

@@ -43,7 +43,7 @@ class SpecParams:
             raise invalid("spec.num_draft_tokens must equal spec.num_steps for a chain (topk 1)")
 
     def capped(self, max_depth: int) -> SpecParams:
-        """The same shape with at most `max_depth` steps (near max_new_tokens or the context end)."""
+        """The same shape with at most `max_depth` steps (near max_new_tokens or the context)."""
         if self.num_steps <= max_depth:
             return self
         steps = max(max_depth, 0)
@@ -58,7 +58,9 @@ class DraftInput:
     seq_id: str
     begin: bool  # first Draft of this sequence: create state
     start: int  # the drafter keeps tokens [0, start), then appends new_tokens
-    new_tokens: list[int]  # tokens[start:], ending with the root (the verifier's last pending token)
+    new_tokens: list[
+        int
+    ]  # tokens[start:], ending with the root (the verifier's last pending token)
     spec: SpecParams
     sampling: SamplingParams = field(default_factory=SamplingParams)
     target_kv_committed_len: int = 0

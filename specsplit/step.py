@@ -74,8 +74,9 @@ def build_forward_batch(steps: list[SeqStep]) -> tuple[ForwardBatch, list[slice]
         positions += step.positions
         table = torch.tensor(step.seq.page_table, dtype=torch.int64)
         storage = torch.tensor(step.storage, dtype=torch.int64)
-        slot_mapping.append(table[storage // step.seq.page_size] * step.seq.page_size
-                            + storage % step.seq.page_size)
+        slot_mapping.append(
+            table[storage // step.seq.page_size] * step.seq.page_size + storage % step.seq.page_size
+        )
         start = len(logit_indices)
         logit_indices += [offset + row for row in step.logit_rows]
         logit_slices.append(slice(start, len(logit_indices)))

@@ -28,13 +28,19 @@ class DraftTree:
             raise ValueError(f"tree.parents has {len(self.parents)} entries, tree.tokens has {n}")
         for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
             if not 0 <= token < vocab_size:
-                raise ValueError(f"tree.tokens[{i}] = {token} outside the vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"tree.tokens[{i}] = {token} outside the vocabulary [0, {vocab_size})"
+                )
             if not -1 <= parent < i:
-                raise ValueError(f"tree.parents[{i}] = {parent}: must be -1 or an earlier node (< {i})")
+                raise ValueError(
+                    f"tree.parents[{i}] = {parent}: must be -1 or an earlier node (< {i})"
+                )
         siblings: set[tuple[int, int]] = set()
         for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
             if (parent, token) in siblings:
-                raise ValueError(f"tree.tokens[{i}] = {token} repeats a sibling under parent {parent}")
+                raise ValueError(
+                    f"tree.tokens[{i}] = {token} repeats a sibling under parent {parent}"
+                )
             siblings.add((parent, token))
         if self.draft_probs is not None:
             if tuple(self.draft_probs.shape) != (n, vocab_size):
@@ -42,7 +48,9 @@ class DraftTree:
                     f"tree.draft_probs shape {tuple(self.draft_probs.shape)} != ({n}, {vocab_size})"
                 )
             if any(c > 1 for c in self.num_children()):
-                raise ValueError("tree.draft_probs is only supported for chains (one child per node)")
+                raise ValueError(
+                    "tree.draft_probs is only supported for chains (one child per node)"
+                )
 
     def depths(self) -> list[int]:
         depth: list[int] = []

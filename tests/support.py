@@ -14,8 +14,14 @@ from specsplit.messages import SpecParams
 TINY_VOCAB = 512
 
 
-def save_tiny_llama(path: Path, seed: int, vocab_size: int = TINY_VOCAB, num_layers: int = 2,
-                    hidden_size: int = 64, tokenizer: object | None = None) -> Path:
+def save_tiny_llama(
+    path: Path,
+    seed: int,
+    vocab_size: int = TINY_VOCAB,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    tokenizer: object | None = None,
+) -> Path:
     """A random Llama checkpoint (GQA, untied) saved as safetensors; returns its directory."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -40,14 +46,29 @@ def save_tiny_llama(path: Path, seed: int, vocab_size: int = TINY_VOCAB, num_lay
     return path
 
 
-def make_stack(target_dir: Path, drafter: str, tokenizer: object, spec: SpecParams,
-               draft_dir: Path | None = None, page_size: int = 16,
-               dtype: torch.dtype = torch.float64, num_pages: int = 256) -> LocalStack:
+def make_stack(
+    target_dir: Path,
+    drafter: str,
+    tokenizer: object,
+    spec: SpecParams,
+    draft_dir: Path | None = None,
+    page_size: int = 16,
+    dtype: torch.dtype = torch.float64,
+    num_pages: int = 256,
+) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call."""
-    return build_local_stack(str(target_dir), drafter, tokenizer, spec,
-                             draft_path=str(draft_dir) if draft_dir else None, page_size=page_size,
-                             num_pages=num_pages, dtype=dtype, check_integrity=True)
+    return build_local_stack(
+        str(target_dir),
+        drafter,
+        tokenizer,
+        spec,
+        draft_path=str(draft_dir) if draft_dir else None,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype=dtype,
+        check_integrity=True,
+    )
 
 
 def check_no_leaks(stack: LocalStack) -> None:

@@ -51,8 +51,9 @@ class VerifierEngine:
         page_size: int = 16,
     ) -> VerifierEngine:
         model, config = load_model(model_path, dtype=dtype, device=device)
-        kv = make_kv_cache(config, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                           device=device)
+        kv = make_kv_cache(
+            config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
+        )
         return cls(model, kv, config.max_position_embeddings, config.vocab_size)
 
     @property
@@ -63,9 +64,20 @@ class VerifierEngine:
         """One prefill + one tree round on a throwaway sequence, then release it."""
         from specsplit.tree import DraftTree
 
-        out = self.verify([VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))])
-        self.verify([VerifyInput("__warmup__", False, out[0].kv_committed_len, [out[0].bonus_token],
-                                 DraftTree([5, 6], [-1, -1]))])
+        out = self.verify(
+            [VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))]
+        )
+        self.verify(
+            [
+                VerifyInput(
+                    "__warmup__",
+                    False,
+                    out[0].kv_committed_len,
+                    [out[0].bonus_token],
+                    DraftTree([5, 6], [-1, -1]),
+                )
+            ]
+        )
         self.release(["__warmup__"])
         self.check_integrity()
 
@@ -87,7 +99,9 @@ class VerifierEngine:
             # rows: the root (last pending token) and every tree node; all pending rows too
             # when hidden states are wanted
             first = 0 if aux else p - 1
-            steps.append(verify_step(seq.kv, item.pending_tokens, item.tree, list(range(first, p + n))))
+            steps.append(
+                verify_step(seq.kv, item.pending_tokens, item.tree, list(range(first, p + n)))
+            )
         batch, row_slices = build_forward_batch(steps)
         out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
 
@@ -157,7 +171,9 @@ class VerifierEngine:
                 raise invalid(f"pending_tokens empty for {item.seq_id!r}")
             bad = [t for t in item.pending_tokens if not 0 <= t < self.vocab_size]
             if bad:
-                raise invalid(f"pending_tokens {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
+                raise invalid(
+                    f"pending_tokens {bad[:4]} outside the vocabulary [0, {self.vocab_size})"
+                )
             try:
                 item.tree.validate(self.vocab_size)
                 item.sampling.validate()
@@ -183,10 +199,13 @@ class VerifierEngine:
                     del self.seqs[item.seq_id]
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,
-                f"verifier KV cache full: round needs {need} pages, {self.kv.allocator.num_free} free",
+                f"verifier KV cache full: round needs {need} pages, "
+                f"{self.kv.allocator.num_free} free",
             )
         for item, seq in zip(inputs, seqs, strict=True):
-            self.kv.reserve(seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree))
+            self.kv.reserve(
+                seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
+            )
 
     def release(self, seq_ids: list[str]) -> int:
         released = 0

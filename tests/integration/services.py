@@ -43,13 +43,27 @@ class Services:
         return f"127.0.0.1:{self.ports[role]}"
 
     def command(self, role: str) -> list[str]:
-        cmd = [sys.executable, "-m", "specsplit.cli", f"serve-{role}",
-               "--listen", self.address(role), "--model", self.model, "--grace", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specsplit.cli",
+            f"serve-{role}",
+            "--listen",
+            self.address(role),
+            "--model",
+            self.model,
+            "--grace",
+            "1",
+        ]
         if role != "gateway":
             cmd += ["--device", "cpu", "--dtype", "float32", "--num-pages", "512"]
         else:
-            cmd += ["--drafter-address", self.address("drafter"),
-                    "--verifier-address", self.address("verifier")]
+            cmd += [
+                "--drafter-address",
+                self.address("drafter"),
+                "--verifier-address",
+                self.address("verifier"),
+            ]
         return cmd + self.extra.get(role, [])
 
     def start(self, role: str) -> None:
@@ -107,11 +121,16 @@ class Services:
     def pages_used(self) -> dict[str, int]:
         """KV pages in use on drafter and verifier (an empty Release reports them)."""
         used = {}
-        for role, stub_type in (("drafter", drafter_pb2_grpc.DrafterStub),
-                                ("verifier", verifier_pb2_grpc.VerifierStub)):
+        for role, stub_type in (
+            ("drafter", drafter_pb2_grpc.DrafterStub),
+            ("verifier", verifier_pb2_grpc.VerifierStub),
+        ):
             with grpc.insecure_channel(self.address(role)) as channel:
-                used[role] = stub_type(channel).Release(common_pb2.ReleaseRequest(),
-                                                        timeout=10).num_pages_used
+                used[role] = (
+                    stub_type(channel)
+                    .Release(common_pb2.ReleaseRequest(), timeout=10)
+                    .num_pages_used
+                )
         return used
 
     def wait_no_pages_used(self, timeout: float = 15.0) -> None:
@@ -122,13 +141,17 @@ class Services:
             time.sleep(0.2)
 
 
-def token_request(ids: list[int], max_new_tokens: int, **kwargs: object) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids),
-                                       max_new_tokens=max_new_tokens, **kwargs)
+def token_request(
+    ids: list[int], max_new_tokens: int, **kwargs: object
+) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=ids), max_new_tokens=max_new_tokens, **kwargs
+    )
 
 
-def generate(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
-             timeout: float = 120.0) -> list[gateway_pb2.GenerateResponse]:
+def generate(
+    stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, timeout: float = 120.0
+) -> list[gateway_pb2.GenerateResponse]:
     return list(stub.Generate(request, timeout=timeout))
 
 

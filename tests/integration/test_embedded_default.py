@@ -39,10 +39,11 @@ def test_greedy_chat_equals_transformers_generate(services: Services, smollm2_to
     ours = ids_of(out)
 
     prompt = apply_chat_template(smollm2_tokenizer, MESSAGES)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    expected = hf[0, len(prompt):].tolist()
+    expected = hf[0, len(prompt) :].tolist()
     assert ours == expected
     assert "".join(r.text for r in out) == smollm2_tokenizer.decode(ours, skip_special_tokens=True)
     assert out[-1].usage.prompt_tokens == len(prompt)

@@ -29,8 +29,9 @@ NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
 def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")
     model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
-    svc = Services(str(model), root, extra={"drafter": ["--drafter", "model",
-                                                        "--draft-model", str(model)]})
+    svc = Services(
+        str(model), root, extra={"drafter": ["--drafter", "model", "--draft-model", str(model)]}
+    )
     svc.start_all()
     yield svc
     codes = svc.stop_all()
@@ -42,8 +43,11 @@ def _prompt(i: int) -> list[int]:
 
 
 def test_health_serving_and_reflection_on_all_three(services: Services) -> None:
-    for role, service in (("gateway", "specsplit.v1.Gateway"), ("drafter", "specsplit.v1.Drafter"),
-                          ("verifier", "specsplit.v1.Verifier")):
+    for role, service in (
+        ("gateway", "specsplit.v1.Gateway"),
+        ("drafter", "specsplit.v1.Drafter"),
+        ("verifier", "specsplit.v1.Verifier"),
+    ):
         with grpc.insecure_channel(services.address(role)) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", service):
@@ -78,8 +82,9 @@ def test_concurrent_streams_equal_target_only(services: Services) -> None:
     services.wait_no_pages_used()
 
 
-def test_text_prompt_streams_text_that_decodes_the_tokens(services: Services,
-                                                           smollm2_tokenizer) -> None:
+def test_text_prompt_streams_text_that_decodes_the_tokens(
+    services: Services, smollm2_tokenizer
+) -> None:
     request = gateway_pb2.GenerateRequest(text="Hello there", max_new_tokens=12, ignore_eos=True)
     out = generate(services.gateway(), request)
     text = "".join(r.text for r in out)
@@ -105,38 +110,52 @@ def test_stop_token_id_ends_the_stream_and_frees_kv(services: Services) -> None:
         ("empty_text", gateway_pb2.GenerateRequest(text="", max_new_tokens=4), "prompt"),
         ("max_new_tokens_zero", token_request([5, 6], 0), "max_new_tokens"),
         ("over_context", token_request([5] * 500, 100), "max_new_tokens"),
-        ("negative_temperature",
-         token_request([5, 6], 4, sampling=common_pb2.SamplingParams(temperature=-0.5)),
-         "temperature"),
-        ("top_p_above_one", token_request([5, 6], 4, sampling=common_pb2.SamplingParams(
-            temperature=1.0, top_p=1.5)), "top_p"),
-        ("negative_top_k", token_request([5, 6], 4, sampling=common_pb2.SamplingParams(
-            temperature=1.0, top_k=-1)), "top_k"),
-        ("inconsistent_spec", token_request([5, 6], 4, spec=common_pb2.SpecParams(
-            num_steps=2, topk=1, num_draft_tokens=5)), "num_draft_tokens"),
+        (
+            "negative_temperature",
+            token_request([5, 6], 4, sampling=common_pb2.SamplingParams(temperature=-0.5)),
+            "temperature",
+        ),
+        (
+            "top_p_above_one",
+            token_request(
+                [5, 6], 4, sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)
+            ),
+            "top_p",
+        ),
+        (
+            "negative_top_k",
+            token_request([5, 6], 4, sampling=common_pb2.SamplingParams(temperature=1.0, top_k=-1)),
+            "top_k",
+        ),
+        (
+            "inconsistent_spec",
+            token_request(
+                [5, 6], 4, spec=common_pb2.SpecParams(num_steps=2, topk=1, num_draft_tokens=5)
+            ),
+            "num_draft_tokens",
+        ),
         ("token_outside_vocab", token_request([VOCAB + 3], 4), "token"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_bad_request_is_invalid_argument_naming_the_field(services: Services, case: str,
-                                                          request_: gateway_pb2.GenerateRequest,
-                                                          field: str) -> None:
+def test_bad_request_is_invalid_argument_naming_the_field(
+    services: Services, case: str, request_: gateway_pb2.GenerateRequest, field: str
+) -> None:
     with pytest.raises(grpc.RpcError) as err:
         generate(services.gateway(), request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     # still serving, nothing leaked
-    assert len(ids_of(generate(services.gateway(), token_request([5, 6, 7], 3,
-                                                                 ignore_eos=True)))) == 3
+    assert (
+        len(ids_of(generate(services.gateway(), token_request([5, 6, 7], 3, ignore_eos=True)))) == 3
+    )
     services.wait_no_pages_used()
 
 
 def test_cancelled_stream_frees_both_services(services: Services) -> None:
     stub = services.gateway()
     call = stub.Generate(token_request(_prompt(4), 400, ignore_eos=True), timeout=120)
-    received = 0
-    for _ in call:
-        received += 1
+    for received, _ in enumerate(call, start=1):
         if received == 2:
             break
     assert services.pages_used()["verifier"] > 0  # the sequence is live
@@ -144,21 +163,28 @@ def test_cancelled_stream_frees_both_services(services: Services) -> None:
     services.wait_no_pages_used()
 
 
-def _verify_stream_error(services: Services, item: verifier_pb2.SequenceVerifyInput) -> grpc.RpcError:
+def _verify_stream_error(
+    services: Services, item: verifier_pb2.SequenceVerifyInput
+) -> grpc.RpcError:
     with grpc.insecure_channel(services.address("verifier")) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.VerifyStream(iter([verifier_pb2.VerifyRequest(sequences=[item])]), timeout=10))
+            list(
+                stub.VerifyStream(iter([verifier_pb2.VerifyRequest(sequences=[item])]), timeout=10)
+            )
         return err.value
 
 
 def test_internal_api_refuses_unknown_seq_id_and_malformed_tree(services: Services) -> None:
-    unknown = verifier_pb2.SequenceVerifyInput(seq_id="nobody", kv_committed_len=3,
-                                               pending_tokens=[5])
+    unknown = verifier_pb2.SequenceVerifyInput(
+        seq_id="nobody", kv_committed_len=3, pending_tokens=[5]
+    )
     err = _verify_stream_error(services, unknown)
     assert err.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.details()
     malformed = verifier_pb2.SequenceVerifyInput(
-        seq_id="fresh", begin=True, pending_tokens=[5, 6],
+        seq_id="fresh",
+        begin=True,
+        pending_tokens=[5, 6],
         tree=common_pb2.DraftTree(tokens=[7, 8], parents=[-1, 4]),
     )
     err = _verify_stream_error(services, malformed)
@@ -190,4 +216,3 @@ def test_drafter_down_keeps_generating_the_same_tokens(services: Services) -> No
         threading.Event().wait(0.5)
     assert deadline_rounds[-1] > 0
     services.wait_no_pages_used()
-

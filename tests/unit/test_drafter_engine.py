@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.engine import DraftSeq, DrafterEngine
+from drafter.engine import DrafterEngine, DraftSeq
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
 from specsplit.errors import Code, ServiceError
@@ -27,16 +27,20 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine(draft_dir: Path, page_size: int = 4) -> DrafterEngine:
     model, config = load_model(str(draft_dir), dtype=torch.float64, device="cpu")
     kv = make_kv_cache(config, 128, page_size, torch.float64, "cpu")
-    return DrafterEngine(ModelProposer(model, kv, config.vocab_size, config.max_position_embeddings))
+    return DrafterEngine(
+        ModelProposer(model, kv, config.vocab_size, config.max_position_embeddings)
+    )
 
 
-def _draft(engine: DrafterEngine, seq_id: str, begin: bool, start: int, new: list[int],
-           spec: SpecParams):
+def _draft(
+    engine: DrafterEngine, seq_id: str, begin: bool, start: int, new: list[int], spec: SpecParams
+):
     return engine.draft([DraftInput(seq_id, begin, start, new, spec)])[0]
 
 
-@pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"),
-                         [(1, 4, 4), (2, 3, 6), (4, 3, 10), (3, 1, 3)])
+@pytest.mark.parametrize(
+    ("topk", "num_steps", "num_draft_tokens"), [(1, 4, 4), (2, 3, 6), (4, 3, 10), (3, 1, 3)]
+)
 def test_tree_shape(draft_dir: Path, topk: int, num_steps: int, num_draft_tokens: int) -> None:
     engine = _engine(draft_dir)
     spec = SpecParams(num_steps, topk, num_draft_tokens)
@@ -106,23 +110,48 @@ def test_ngram_no_match_gives_empty_tree() -> None:
 @pytest.mark.parametrize(
     ("case", "item", "code", "names"),
     [
-        ("unknown_seq_id", DraftInput("nope", False, 0, [1], SpecParams(1, 1, 1)),
-         Code.NOT_FOUND, "nope"),
-        ("start_past_known_tokens", DraftInput("live", False, 99, [1], SpecParams(1, 1, 1)),
-         Code.INVALID_ARGUMENT, "start"),
-        ("empty_new_tokens", DraftInput("live", False, 2, [], SpecParams(1, 1, 1)),
-         Code.INVALID_ARGUMENT, "new_tokens"),
-        ("chain_with_extra_nodes", DraftInput("live", False, 2, [1], SpecParams(2, 1, 3)),
-         Code.INVALID_ARGUMENT, "num_draft_tokens"),
-        ("too_many_tree_nodes", DraftInput("live", False, 2, [1], SpecParams(2, 2, 7)),
-         Code.INVALID_ARGUMENT, "num_draft_tokens"),
-        ("topk_zero", DraftInput("live", False, 2, [1], SpecParams(2, 0, 2)),
-         Code.INVALID_ARGUMENT, "topk"),
+        (
+            "unknown_seq_id",
+            DraftInput("nope", False, 0, [1], SpecParams(1, 1, 1)),
+            Code.NOT_FOUND,
+            "nope",
+        ),
+        (
+            "start_past_known_tokens",
+            DraftInput("live", False, 99, [1], SpecParams(1, 1, 1)),
+            Code.INVALID_ARGUMENT,
+            "start",
+        ),
+        (
+            "empty_new_tokens",
+            DraftInput("live", False, 2, [], SpecParams(1, 1, 1)),
+            Code.INVALID_ARGUMENT,
+            "new_tokens",
+        ),
+        (
+            "chain_with_extra_nodes",
+            DraftInput("live", False, 2, [1], SpecParams(2, 1, 3)),
+            Code.INVALID_ARGUMENT,
+            "num_draft_tokens",
+        ),
+        (
+            "too_many_tree_nodes",
+            DraftInput("live", False, 2, [1], SpecParams(2, 2, 7)),
+            Code.INVALID_ARGUMENT,
+            "num_draft_tokens",
+        ),
+        (
+            "topk_zero",
+            DraftInput("live", False, 2, [1], SpecParams(2, 0, 2)),
+            Code.INVALID_ARGUMENT,
+            "topk",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_bad_draft_is_refused_and_changes_nothing(draft_dir: Path, case: str, item: DraftInput,
-                                                  code: Code, names: str) -> None:
+def test_bad_draft_is_refused_and_changes_nothing(
+    draft_dir: Path, case: str, item: DraftInput, code: Code, names: str
+) -> None:
     engine = _engine(draft_dir)
     _draft(engine, "live", True, 0, TOKENS, SpecParams(2, 1, 2))
     pages = engine.num_pages_used

@@ -58,9 +58,14 @@ def test_target_only_matches_transformers_generate(models, smollm2_tokenizer) ->
     ours = _target_only(models, smollm2_tokenizer, 2, 7)
     hf = LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float64)
     for prompt, got in zip(prompts, ours, strict=True):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                          min_new_tokens=MAX_NEW_TOKENS, pad_token_id=0)
-        assert got == out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            min_new_tokens=MAX_NEW_TOKENS,
+            pad_token_id=0,
+        )
+        assert got == out[0, len(prompt) :].tolist()
 
 
 CASES = [
@@ -83,21 +88,34 @@ def _num_draft_tokens(topk: int, steps: int) -> int:
 
 @pytest.mark.parametrize(("drafter", "topk", "num_steps", "batch_size", "page_size"), CASES)
 def test_speculative_greedy_equals_target_greedy(
-    models, smollm2_tokenizer, drafter: str, topk: int, num_steps: int, batch_size: int,
+    models,
+    smollm2_tokenizer,
+    drafter: str,
+    topk: int,
+    num_steps: int,
+    batch_size: int,
     page_size: int,
 ) -> None:
     seed = 100 + batch_size
     expected = _target_only(models, smollm2_tokenizer, batch_size, seed)
     spec = SpecParams(num_steps, topk, _num_draft_tokens(topk, num_steps))
     draft_dir = {"self": None, "random": models["draft"], "ngram": None}[drafter]
-    stack = make_stack(models["target"], "ngram" if drafter == "ngram" else "model",
-                       smollm2_tokenizer, spec, draft_dir=draft_dir, page_size=page_size)
+    stack = make_stack(
+        models["target"],
+        "ngram" if drafter == "ngram" else "model",
+        smollm2_tokenizer,
+        spec,
+        draft_dir=draft_dir,
+        page_size=page_size,
+    )
     out = generate_all(stack, _requests(_prompts(batch_size, seed)))
     assert [generated_ids(chunks) for chunks in out] == expected
     for chunks in out:
         stats = chunks[-1].stats
         assert stats is not None and chunks[-1].completion_tokens == MAX_NEW_TOKENS
-        assert stats.num_accepted_tokens == MAX_NEW_TOKENS  # every generated token came from a round
+        assert (
+            stats.num_accepted_tokens == MAX_NEW_TOKENS
+        )  # every generated token came from a round
         if drafter == "self" and topk == 1:
             # the draft is the target: every chain is accepted in full (the last round is capped)
             assert stats.rounds == -(-MAX_NEW_TOKENS // (num_steps + 1))

@@ -57,18 +57,33 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
     [
         ("chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0)),
         ("tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8)),
-        ("tree_topk4_top_p_top_k", SpecParams(2, 4, 6),
-         SamplingParams(temperature=1.3, top_p=0.9, top_k=8)),
+        (
+            "tree_topk4_top_p_top_k",
+            SpecParams(2, 4, 6),
+            SamplingParams(temperature=1.3, top_p=0.9, top_k=8),
+        ),
     ],
 )
-def test_first_tokens_follow_target_distribution(models, smollm2_tokenizer, name: str,
-                                                 spec: SpecParams, sampling: SamplingParams) -> None:
-    stack = make_stack(models["target"], "model", smollm2_tokenizer, spec,
-                       draft_dir=models["draft"], dtype=torch.float32, num_pages=2048)
+def test_first_tokens_follow_target_distribution(
+    models, smollm2_tokenizer, name: str, spec: SpecParams, sampling: SamplingParams
+) -> None:
+    stack = make_stack(
+        models["target"],
+        "model",
+        smollm2_tokenizer,
+        spec,
+        draft_dir=models["draft"],
+        dtype=torch.float32,
+        num_pages=2048,
+    )
     stack.scheduler.max_batch_size = 1000
     requests = [
-        GenerationRequest(list(PROMPT), 2, SamplingParams(sampling.temperature, sampling.top_p,
-                                                          sampling.top_k, seed=i), ignore_eos=True)
+        GenerationRequest(
+            list(PROMPT),
+            2,
+            SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, seed=i),
+            ignore_eos=True,
+        )
         for i in range(NUM_SAMPLES)
     ]
     pairs = [tuple(generated_ids(chunks)) for chunks in generate_all(stack, requests)]

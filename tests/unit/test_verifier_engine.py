@@ -35,8 +35,9 @@ def _greedy_continuation(engine: VerifierEngine, prompt: list[int], n: int) -> l
     out = engine.verify([VerifyInput("ref", True, 0, prompt, DraftTree())])[0]
     tokens = [out.bonus_token]
     while len(tokens) < n:
-        out = engine.verify([VerifyInput("ref", False, out.kv_committed_len, [tokens[-1]],
-                                         DraftTree())])[0]
+        out = engine.verify(
+            [VerifyInput("ref", False, out.kv_committed_len, [tokens[-1]], DraftTree())]
+        )[0]
         tokens.append(out.bonus_token)
     engine.release(["ref"])
     return tokens
@@ -44,7 +45,9 @@ def _greedy_continuation(engine: VerifierEngine, prompt: list[int], n: int) -> l
 
 def _kv_rows(engine: VerifierEngine, seq_id: str, length: int) -> torch.Tensor:
     slots = engine.seqs[seq_id].kv.slots(0, length)
-    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(engine.kv.k, engine.kv.v)])
+    return torch.stack(
+        [torch.stack([k[slots], v[slots]]) for k, v in zip(engine.kv.k, engine.kv.v, strict=True)]
+    )
 
 
 def test_deep_branch_in_topk_tree_commits_contiguous_kv(target_dir: Path) -> None:
@@ -66,8 +69,9 @@ def test_deep_branch_in_topk_tree_commits_contiguous_kv(target_dir: Path) -> Non
     # the committed KV equals what a plain prefill of the same tokens writes
     tokens = PROMPT + [g[0], g[1], g[2], g[3]]
     engine.verify([VerifyInput("plain", True, 0, tokens, DraftTree())])
-    assert torch.allclose(_kv_rows(engine, "s", len(tokens)), _kv_rows(engine, "plain", len(tokens)),
-                          atol=1e-10)
+    assert torch.allclose(
+        _kv_rows(engine, "s", len(tokens)), _kv_rows(engine, "plain", len(tokens)), atol=1e-10
+    )
     engine.release(["s", "plain"])
     assert engine.num_pages_used == 0
     engine.check_integrity()
@@ -80,8 +84,9 @@ def test_bonus_token_continues_exactly_after_partial_acceptance(target_dir: Path
     tree = DraftTree(tokens=[g[1], (g[2] + 1) % TINY_VOCAB], parents=[-1, 0])
     out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], tree)])[0]
     assert out.accepted_tokens == [g[1]] and out.bonus_token == g[2]
-    out = engine.verify([VerifyInput("s", False, out.kv_committed_len, [g[2]],
-                                     DraftTree([g[3], g[4]], [-1, 0]))])[0]
+    out = engine.verify(
+        [VerifyInput("s", False, out.kv_committed_len, [g[2]], DraftTree([g[3], g[4]], [-1, 0]))]
+    )[0]
     assert out.accepted_tokens == [g[3], g[4]]
     engine.release(["s"])
     assert engine.num_pages_used == 0
@@ -91,36 +96,71 @@ def _bad_inputs() -> list[tuple[str, VerifyInput, Code, str]]:
     ok_tree = DraftTree([1, 2], [-1, 0])
     return [
         ("unknown_seq_id", VerifyInput("nope", False, 0, [1], ok_tree), Code.NOT_FOUND, "nope"),
-        ("kv_committed_len_mismatch", VerifyInput("live", False, 3, [1], ok_tree),
-         Code.INVALID_ARGUMENT, "kv_committed_len"),
-        ("parent_out_of_range", VerifyInput("live", False, len(PROMPT), [1],
-                                            DraftTree([1, 2], [-1, 5])),
-         Code.INVALID_ARGUMENT, "tree.parents[1]"),
-        ("parent_not_earlier", VerifyInput("live", False, len(PROMPT), [1],
-                                           DraftTree([1, 2], [1, -1])),
-         Code.INVALID_ARGUMENT, "tree.parents[0]"),
-        ("token_outside_vocab", VerifyInput("live", False, len(PROMPT), [1],
-                                            DraftTree([TINY_VOCAB], [-1])),
-         Code.INVALID_ARGUMENT, "tree.tokens[0]"),
-        ("empty_pending", VerifyInput("live", False, len(PROMPT), [], ok_tree),
-         Code.INVALID_ARGUMENT, "pending_tokens"),
-        ("negative_temperature", VerifyInput("live", False, len(PROMPT), [1], ok_tree,
-                                             SamplingParams(temperature=-1.0)),
-         Code.INVALID_ARGUMENT, "temperature"),
-        ("top_p_zero", VerifyInput("live", False, len(PROMPT), [1], ok_tree,
-                                   SamplingParams(temperature=1.0, top_p=0.0)),
-         Code.INVALID_ARGUMENT, "top_p"),
-        ("begin_on_existing", VerifyInput("live", True, 0, [1], ok_tree),
-         Code.INVALID_ARGUMENT, "begin"),
-        ("past_context", VerifyInput("fresh", True, 0, [1] * 600, DraftTree()),
-         Code.INVALID_ARGUMENT, "context"),
+        (
+            "kv_committed_len_mismatch",
+            VerifyInput("live", False, 3, [1], ok_tree),
+            Code.INVALID_ARGUMENT,
+            "kv_committed_len",
+        ),
+        (
+            "parent_out_of_range",
+            VerifyInput("live", False, len(PROMPT), [1], DraftTree([1, 2], [-1, 5])),
+            Code.INVALID_ARGUMENT,
+            "tree.parents[1]",
+        ),
+        (
+            "parent_not_earlier",
+            VerifyInput("live", False, len(PROMPT), [1], DraftTree([1, 2], [1, -1])),
+            Code.INVALID_ARGUMENT,
+            "tree.parents[0]",
+        ),
+        (
+            "token_outside_vocab",
+            VerifyInput("live", False, len(PROMPT), [1], DraftTree([TINY_VOCAB], [-1])),
+            Code.INVALID_ARGUMENT,
+            "tree.tokens[0]",
+        ),
+        (
+            "empty_pending",
+            VerifyInput("live", False, len(PROMPT), [], ok_tree),
+            Code.INVALID_ARGUMENT,
+            "pending_tokens",
+        ),
+        (
+            "negative_temperature",
+            VerifyInput("live", False, len(PROMPT), [1], ok_tree, SamplingParams(temperature=-1.0)),
+            Code.INVALID_ARGUMENT,
+            "temperature",
+        ),
+        (
+            "top_p_zero",
+            VerifyInput(
+                "live", False, len(PROMPT), [1], ok_tree, SamplingParams(temperature=1.0, top_p=0.0)
+            ),
+            Code.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (
+            "begin_on_existing",
+            VerifyInput("live", True, 0, [1], ok_tree),
+            Code.INVALID_ARGUMENT,
+            "begin",
+        ),
+        (
+            "past_context",
+            VerifyInput("fresh", True, 0, [1] * 600, DraftTree()),
+            Code.INVALID_ARGUMENT,
+            "context",
+        ),
     ]
 
 
-@pytest.mark.parametrize(("case", "bad", "code", "names"), _bad_inputs(),
-                         ids=[c[0] for c in _bad_inputs()])
-def test_bad_round_is_refused_and_changes_nothing(target_dir: Path, case: str, bad: VerifyInput,
-                                                  code: Code, names: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "bad", "code", "names"), _bad_inputs(), ids=[c[0] for c in _bad_inputs()]
+)
+def test_bad_round_is_refused_and_changes_nothing(
+    target_dir: Path, case: str, bad: VerifyInput, code: Code, names: str
+) -> None:
     engine = _engine(target_dir)
     engine.verify([VerifyInput("live", True, 0, PROMPT, DraftTree())])
     pages, committed = engine.num_pages_used, engine.seqs["live"].kv.kv_committed_len
@@ -150,20 +190,26 @@ def test_hidden_states_cover_pending_tokens_and_accepted_path(target_dir: Path) 
     engine = _engine(target_dir)
     g = _greedy_continuation(engine, PROMPT, 3)
     layers = (0, 1)
-    first = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree(), hidden_state_layers=layers)])[0]
+    first = engine.verify(
+        [VerifyInput("s", True, 0, PROMPT, DraftTree(), hidden_state_layers=layers)]
+    )[0]
     assert first.hidden_states is not None
     assert first.hidden_states.dtype == torch.bfloat16
     assert tuple(first.hidden_states.shape) == (len(PROMPT), 2 * 64)  # [pending, layers * hidden]
     tree = DraftTree([(g[1] + 1) % TINY_VOCAB, g[1], g[2]], [-1, -1, 1])
-    out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], tree,
-                                     hidden_state_layers=layers)])[0]
+    out = engine.verify(
+        [VerifyInput("s", False, len(PROMPT), [g[0]], tree, hidden_state_layers=layers)]
+    )[0]
     assert out.accepted_tokens == [g[1], g[2]]
     assert out.hidden_states is not None and out.hidden_states.shape[0] == 1 + 2
     # the rows equal a plain prefill's hidden states for the same tokens
     tokens = PROMPT + g[:3]
-    plain = engine.verify([VerifyInput("p", True, 0, tokens, DraftTree(), hidden_state_layers=layers)])[0]
+    plain = engine.verify(
+        [VerifyInput("p", True, 0, tokens, DraftTree(), hidden_state_layers=layers)]
+    )[0]
     assert plain.hidden_states is not None
-    assert torch.allclose(out.hidden_states.double(), plain.hidden_states[len(PROMPT):].double(),
-                          atol=1e-2)
+    assert torch.allclose(
+        out.hidden_states.double(), plain.hidden_states[len(PROMPT) :].double(), atol=1e-2
+    )
     engine.release(["s", "p"])
     assert engine.num_pages_used == 0
