@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specsplit import cli
+from specsplit import cli, up
 from specsplit.messages import SpecParams
 
 
@@ -40,7 +40,7 @@ def test_every_subcommand_has_a_handler() -> None:
                 "listen": "[::]:50051",
                 "drafter_address": "localhost:50061",
                 "verifier_address": "localhost:50062",
-                "num_steps": 4,
+                "num_steps": 3,
                 "topk": 1,
                 "num_draft_tokens": None,
                 "max_batch_size": 32,
@@ -192,7 +192,7 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
         " --max-batch-size 8"
     )
     args = cli.parse_args(argv.split())
-    commands = cli.child_commands(args)
+    commands = up.child_commands(args)
     assert list(commands) == ["verifier", "drafter", "gateway"]
     verifier = _child_args(commands["verifier"])
     drafter = _child_args(commands["drafter"])
@@ -213,7 +213,7 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
 
 
 def test_up_children_use_the_embedded_model_by_default() -> None:
-    commands = cli.child_commands(cli.parse_args(["up"]))
+    commands = up.child_commands(cli.parse_args(["up"]))
     assert all("--model" not in argv for argv in commands.values())
     drafter = _child_args(commands["drafter"])
     assert (drafter.drafter, drafter.device) == ("ngram", "auto")
@@ -221,14 +221,14 @@ def test_up_children_use_the_embedded_model_by_default() -> None:
 
 def test_supervise_reports_a_dead_service_and_stop_is_clean() -> None:
     async def main() -> None:
-        services = cli.Services(
+        services = up.Services(
             {
                 "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
                 "drafter": [sys.executable, "-c", "raise SystemExit(3)"],
             }
         )
         services.start()
-        with pytest.raises(cli.ServiceDied, match="drafter"):
+        with pytest.raises(up.ServiceDied, match="drafter"):
             await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
         assert services.stop(10.0) == 1  # the drafter's exit code 3; the SIGTERM'd one is fine
         assert services.procs["verifier"].returncode == -15
@@ -238,12 +238,12 @@ def test_supervise_reports_a_dead_service_and_stop_is_clean() -> None:
 
 def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
     async def main() -> None:
-        services = cli.Services({"verifier": [sys.executable, "-c", "import time; time.sleep(60)"]})
+        services = up.Services({"verifier": [sys.executable, "-c", "import time; time.sleep(60)"]})
         services.start()
         assert await services.supervise(asyncio.sleep(0.1, result=7), asyncio.Event()) == 7
         stop = asyncio.Event()
         asyncio.get_running_loop().call_later(0.1, stop.set)
-        with pytest.raises(cli.Interrupted):
+        with pytest.raises(up.Interrupted):
             await services.supervise(asyncio.sleep(60), stop)
         assert services.stop(10.0) == 0
 

@@ -1,0 +1,167 @@
+"""`specsplit up`: the three services as local child processes, supervised until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from specsplit.cli import DEFAULT_PORTS, stream_generation
+
+log = logging.getLogger("specsplit.up")
+T = TypeVar("T")
+
+
+def _opt(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """argv of the three service processes `up` starts, verifier first."""
+    base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
+    addr = {s: f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS}
+    model = _opt("--model", args.model)
+    engine = [*model, "--dtype", args.dtype, "--page-size", str(args.page_size)]
+    engine += _opt("--num-pages", args.num_pages)
+    device = ["--device", args.device]
+    drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]
+    drafter += _opt("--draft-model", args.draft_model) + _opt("--draft-layers", args.draft_layers)
+    gateway = ["--drafter-address", addr["drafter"], "--verifier-address", addr["verifier"]]
+    gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
+    gateway += ["--max-batch-size", str(args.max_batch_size)]
+    gateway += _opt("--num-draft-tokens", args.num_draft_tokens)
+    return {
+        "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
+        "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
+        "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
+    }
+
+
+def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """On a CPU the model compute belongs to the verifier: the gateway and a weightless n-gram
+    drafter get one torch thread each, so they do not compete with it for cores."""
+    light = ["gateway"] + (["drafter"] if args.drafter == "ngram" else [])
+    return {name: {"OMP_NUM_THREADS": "1"} for name in light if "OMP_NUM_THREADS" not in os.environ}
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM if `up` dies without stopping it (Linux)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM reached `up`."""
+
+
+class ServiceDied(Exception):
+    """A service process exited while `up` needed it."""
+
+
+class Services:
+    """The three child processes of `up`."""
+
+    def __init__(
+        self, commands: dict[str, list[str]], envs: dict[str, dict[str, str]] | None = None
+    ) -> None:
+        self.commands = commands
+        self.envs = envs or {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        linux = sys.platform.startswith("linux")
+        for name, argv in self.commands.items():
+            # Their own process group: a terminal's Ctrl-C reaches `up` only, which stops them
+            # in order; if `up` dies, the kernel sends them SIGTERM (Linux).
+            env = {**os.environ, **self.envs.get(name, {})}
+            proc = subprocess.Popen(
+                argv, env=env, process_group=0, preexec_fn=_die_with_parent if linux else None
+            )
+            self.procs[name] = proc
+            log.info("started %s (pid %d)", name, proc.pid)
+
+    async def supervise(self, work: Awaitable[T], stop: asyncio.Event) -> T:
+        """Await `work` while watching the processes: ServiceDied when one exits, Interrupted
+        when `stop` is set first."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while not task.done():
+                await asyncio.wait({task, stopping}, timeout=0.2, return_when="FIRST_COMPLETED")
+                if stop.is_set():
+                    raise Interrupted
+                dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
+                if dead:
+                    raise ServiceDied(", ".join(dead))
+            return task.result()
+        finally:
+            for pending in (task, stopping):
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM, gateway first; SIGKILL what is left after `timeout`. 1 if one failed."""
+        for name in ("gateway", "drafter", "verifier"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        worst = 0
+        for name, proc in self.procs.items():
+            try:
+                code = proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s: killing it", name, timeout)
+                proc.kill()
+                code = proc.wait()
+            if code not in (0, -signal.SIGTERM):  # -SIGTERM: stopped before it could catch it
+                log.warning("%s exited with %d", name, code)
+                worst = 1
+        return worst
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from gateway.grpc_clients import wait_ready
+
+    addresses = [f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS]
+    gateway = addresses[0]
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    services = Services(child_commands(args), child_envs(args))
+    code = 0
+    try:
+        services.start()
+        all_ready = asyncio.gather(*(wait_ready(a, args.ready_timeout) for a in addresses))
+        if not all(await services.supervise(all_ready, stop)):
+            log.error("not all services SERVING after %.0f s", args.ready_timeout)
+            return 1
+        print(f"specsplit: gateway listening on {gateway}", file=sys.stderr, flush=True)
+        if args.generate is not None:
+            code = await services.supervise(stream_generation(gateway, args.generate, args), stop)
+        else:
+            await services.supervise(asyncio.Event().wait(), stop)  # until Ctrl-C
+    except Interrupted:
+        log.info("interrupted")
+    except ServiceDied as died:
+        log.error("%s exited unexpectedly", died)
+        code = 1
+    finally:
+        log.info("stopping the services")
+        code = max(code, await asyncio.to_thread(services.stop, 30.0))
+    return code
+
+
+def run_up(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(args))
