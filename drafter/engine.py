@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from specsplit.errors import Code, ServiceError, invalid, not_found
+from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.sampling import SamplingParams
@@ -132,19 +132,9 @@ class DrafterEngine:
         ]
 
     def _validate(self, inputs: list[DraftInput]) -> None:
-        seen: set[str] = set()
+        check_seq_ids(inputs, self.seqs, "drafter")
         for item in inputs:
-            if item.seq_id in seen:
-                raise invalid(f"seq_id {item.seq_id!r} appears twice in one round")
-            seen.add(item.seq_id)
-            if item.begin:
-                if item.seq_id in self.seqs:
-                    raise invalid(f"seq_id {item.seq_id!r}: begin on a sequence that exists")
-                known = 0
-            elif item.seq_id not in self.seqs:
-                raise not_found(f"seq_id {item.seq_id!r} unknown to the drafter")
-            else:
-                known = len(self.seqs[item.seq_id].tokens)
+            known = 0 if item.begin else len(self.seqs[item.seq_id].tokens)
             if not 0 <= item.start <= known:
                 raise invalid(
                     f"start = {item.start} for {item.seq_id!r}: the drafter has {known} tokens"

@@ -8,12 +8,15 @@ invariants after every call when asked to.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from drafter.engine import DrafterEngine
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from verifier.engine import VerifierEngine
+
+T = TypeVar("T")
 
 
 class DrafterClient(Protocol):
@@ -28,41 +31,37 @@ class VerifierClient(Protocol):
     async def release(self, seq_ids: list[str]) -> None: ...
 
 
-class LocalDrafterClient:
-    def __init__(self, engine: DrafterEngine, check_integrity: bool = False) -> None:
+class _LocalClient:
+    """Runs an engine's calls on one worker thread, as the services do."""
+
+    def __init__(self, engine: DrafterEngine | VerifierEngine, check_integrity: bool) -> None:
         self.engine = engine
         self.check = check_integrity
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
+
+    async def _call(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
+        out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+        if self.check:
+            self.engine.check_integrity()
+        return out
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self._call(self.engine.release, seq_ids)
+
+
+class LocalDrafterClient(_LocalClient):
+    def __init__(self, engine: DrafterEngine, check_integrity: bool = False) -> None:
+        super().__init__(engine, check_integrity)
+        self.drafter = engine
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.engine.draft, inputs
-        )
-        if self.check:
-            self.engine.check_integrity()
-        return out
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.engine.release, seq_ids
-        )
+        return await self._call(self.drafter.draft, inputs)
 
 
-class LocalVerifierClient:
+class LocalVerifierClient(_LocalClient):
     def __init__(self, engine: VerifierEngine, check_integrity: bool = False) -> None:
-        self.engine = engine
-        self.check = check_integrity
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="verifier")
+        super().__init__(engine, check_integrity)
+        self.verifier = engine
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.engine.verify, inputs
-        )
-        if self.check:
-            self.engine.check_integrity()
-        return out
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.engine.release, seq_ids
-        )
+        return await self._call(self.verifier.verify, inputs)

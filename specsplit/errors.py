@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Container, Iterable
+from typing import Protocol
 
 
 class Code(enum.Enum):
@@ -27,3 +29,21 @@ def invalid(message: str) -> ServiceError:
 
 def not_found(message: str) -> ServiceError:
     return ServiceError(Code.NOT_FOUND, message)
+
+
+class _Keyed(Protocol):
+    seq_id: str
+    begin: bool
+
+
+def check_seq_ids(items: Iterable[_Keyed], known: Container[str], service: str) -> None:
+    """A round names each sequence once; `begin` only for new ids, all others must exist."""
+    seen: set[str] = set()
+    for item in items:
+        if item.seq_id in seen:
+            raise invalid(f"seq_id {item.seq_id!r} appears twice in one round")
+        seen.add(item.seq_id)
+        if item.begin and item.seq_id in known:
+            raise invalid(f"seq_id {item.seq_id!r}: begin on a sequence that exists")
+        if not item.begin and item.seq_id not in known:
+            raise not_found(f"seq_id {item.seq_id!r} unknown to the {service}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.acceptance import AcceptResult, accept_greedy, accept_sampling
-from specsplit.errors import Code, ServiceError, invalid, not_found
+from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.llama import LlamaModel, make_kv_cache
@@ -144,24 +144,14 @@ class VerifierEngine:
     # -- checks and memory -----------------------------------------------------------------
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
-        seen: set[str] = set()
+        check_seq_ids(inputs, self.seqs, "verifier")
         for item in inputs:
             if item.hidden_state_layers != inputs[0].hidden_state_layers:
                 raise invalid("hidden_state_layers must be the same for every sequence of a round")
             bad_layers = [x for x in item.hidden_state_layers if not 0 <= x < self.num_layers]
             if bad_layers:
                 raise invalid(f"hidden_state_layers {bad_layers} outside [0, {self.num_layers})")
-            if item.seq_id in seen:
-                raise invalid(f"seq_id {item.seq_id!r} appears twice in one round")
-            seen.add(item.seq_id)
-            if item.begin:
-                if item.seq_id in self.seqs:
-                    raise invalid(f"seq_id {item.seq_id!r}: begin on a sequence that exists")
-                committed = 0
-            elif item.seq_id not in self.seqs:
-                raise not_found(f"seq_id {item.seq_id!r} unknown to the verifier")
-            else:
-                committed = self.seqs[item.seq_id].kv.kv_committed_len
+            committed = 0 if item.begin else self.seqs[item.seq_id].kv.kv_committed_len
             if item.kv_committed_len != committed:
                 raise invalid(
                     f"kv_committed_len = {item.kv_committed_len} for {item.seq_id!r}, "
