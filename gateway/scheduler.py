@@ -112,16 +112,21 @@ class Scheduler:
 
     async def _loop(self) -> None:
         while True:
-            await self._retire()
-            self._admit()
-            if not self.running:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
             try:
+                await self._retire()
+                self._admit()
+                if not self.running:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
                 await self.step(self.running)
             except ServiceError as e:
                 await self._fail_round(e)
+            except Exception:  # a bug must fail the requests, never stall them silently
+                log.exception("round failed")
+                error = ServiceError(Code.INTERNAL, "internal error in the gateway's round")
+                for seq in self.running:
+                    self._fail(seq, error)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -201,5 +206,5 @@ class Scheduler:
         for client in (self.drafter, self.verifier):
             try:
                 await client.release(ids)
-            except ServiceError as e:
-                log.warning("release failed on %s: %s", type(client).__name__, e.message)
+            except Exception as e:  # the service frees them when it restarts or drops the seqs
+                log.warning("release failed on %s: %s", type(client).__name__, e)

@@ -12,6 +12,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
 
 
 class ServiceError(Exception):

@@ -50,6 +50,7 @@ STATUS_CODES: dict[Code, grpc.StatusCode] = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 E = TypeVar("E")

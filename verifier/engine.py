@@ -8,7 +8,7 @@ sequence as it was.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -123,7 +123,10 @@ class VerifierEngine:
             return accept_greedy(item.tree, logits)
         if seq.generator is None:
             seq.generator = make_generator(item.sampling.seed, logits.device)
-        return accept_sampling(item.tree, target_probs(logits, item.sampling), seq.generator)
+        tree = item.tree
+        if tree.draft_probs is not None and tree.draft_probs.device != logits.device:
+            tree = replace(tree, draft_probs=tree.draft_probs.to(logits.device))
+        return accept_sampling(tree, target_probs(logits, item.sampling), seq.generator)
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """Move the accepted path's K/V right after the pending tokens; free the rest."""
