@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -33,3 +35,27 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
         os.path.dirname(path), gguf_file=os.path.basename(path)
     )
     return tokenizer
+
+
+@pytest.fixture(autouse=True)
+def no_kv_pages_leak(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Every KV cache a test creates must end the test intact and empty (DESIGN.md §2). Tests
+    marked `raw_kv` drive the model on hand-built caches (forward math, no sequence lifecycle):
+    only their integrity is checked."""
+    from specsplit.kv_cache import KVCache
+
+    created: list[KVCache] = []
+    original_init = KVCache.__init__
+
+    def recording_init(self: KVCache, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(KVCache, "__init__", recording_init)
+    yield
+    raw = request.node.get_closest_marker("raw_kv") is not None
+    for cache in created:
+        cache.check_integrity()
+        assert raw or cache.allocator.num_used == 0, f"{cache.allocator.num_used} KV pages leaked"

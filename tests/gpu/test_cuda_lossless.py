@@ -15,6 +15,8 @@ from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
 from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama
 
+GREEDY = SamplingParams()
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -27,10 +29,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling=SamplingParams()):
-    stack = build_local_stack(str(models["target"]), drafter, tokenizer, spec,
-                              draft_path=str(models["draft"]) if drafter == "model" else None,
-                              dtype=torch.float32, device="cuda", check_integrity=True)
+def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling: SamplingParams = GREEDY):
+    stack = build_local_stack(
+        str(models["target"]),
+        drafter,
+        tokenizer,
+        spec,
+        draft_path=str(models["draft"]) if drafter == "model" else None,
+        dtype=torch.float32,
+        device="cuda",
+        check_integrity=True,
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 17, 6)]
     requests = [GenerationRequest(p + p[:3], 24, sampling, ignore_eos=True) for p in prompts]
@@ -39,11 +48,15 @@ def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling=SamplingPar
     return [generated_ids(chunks) for chunks in out], out
 
 
-@pytest.mark.parametrize("spec", [SpecParams(4, 1, 4), SpecParams(3, 2, 6), SpecParams(3, 4, 10)],
-                         ids=["chain4", "topk2", "topk4"])
+@pytest.mark.parametrize(
+    "spec",
+    [SpecParams(4, 1, 4), SpecParams(3, 2, 6), SpecParams(3, 4, 10)],
+    ids=["chain4", "topk2", "topk4"],
+)
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_cuda_speculative_greedy_equals_target_greedy(models, smollm2_tokenizer, drafter: str,
-                                                      spec: SpecParams) -> None:
+def test_cuda_speculative_greedy_equals_target_greedy(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams
+) -> None:
     expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
     got, _ = _run(models, smollm2_tokenizer, drafter, spec)
     assert got == expected
@@ -56,6 +69,7 @@ def test_cuda_sampling_is_reproducible_with_seeds(models, smollm2_tokenizer) -> 
     assert first == second
 
 
+@pytest.mark.raw_kv
 def test_cuda_logits_match_transformers(models) -> None:
     from specsplit.model.llama import make_kv_cache
     from specsplit.model.loader import load_model

@@ -67,6 +67,7 @@ def test_chain_is_the_greedy_draft_continuation(draft_dir: Path) -> None:
         assert step.tree.tokens == [expected]
         engine.release(["g"])
         tokens.append(expected)
+    engine.release(["s"])
 
 
 def test_truncation_keeps_the_matching_prefix(draft_dir: Path) -> None:

@@ -30,6 +30,8 @@ from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 
+pytestmark = pytest.mark.raw_kv  # forward math on hand-built caches
+
 ATOL = 3e-5  # float32; logits are O(1..10), observed max error 1.2e-5
 VOCAB = 96
 _COMMON: dict[str, Any] = dict(
