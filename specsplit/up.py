@@ -111,23 +111,25 @@ class Services:
                     await pending
 
     def stop(self, timeout: float) -> int:
-        """SIGTERM, gateway first; SIGKILL what is left after `timeout`. 1 if one failed."""
-        for name in ("gateway", "drafter", "verifier"):
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """SIGTERM the gateway and let it finish (it releases its sequences on both services),
+        then the drafter and verifier; SIGKILL what is left after `timeout`. 1 if one failed."""
         deadline = time.monotonic() + timeout
         worst = 0
-        for name, proc in self.procs.items():
-            try:
-                code = proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s: killing it", name, timeout)
-                proc.kill()
-                code = proc.wait()
-            if code not in (0, -signal.SIGTERM):  # -SIGTERM: stopped before it could catch it
-                log.warning("%s exited with %d", name, code)
-                worst = 1
+        for stage in (("gateway",), ("drafter", "verifier")):
+            procs = {n: self.procs[n] for n in stage if n in self.procs}
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in procs.items():
+                try:
+                    code = proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s: killing it", name, timeout)
+                    proc.kill()
+                    code = proc.wait()
+                if code not in (0, -signal.SIGTERM):  # -SIGTERM: stopped before it could catch it
+                    log.warning("%s exited with %d", name, code)
+                    worst = 1
         return worst
 
 
