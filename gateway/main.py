@@ -17,6 +17,7 @@ import grpc
 from transformers import AutoConfig, GenerationConfig
 
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
+from gateway.openai_http import OpenAIServer
 from gateway.scheduler import Scheduler
 from gateway.servicer import GatewayServicer, ModelInfo
 from specsplit.messages import SpecParams
@@ -65,7 +66,13 @@ class GatewayService:
         scheduler: Scheduler,
         drafter: GrpcDrafterClient,
         verifier: GrpcVerifierClient,
+        http: OpenAIServer | None = None,
+        http_listen: str = "",
+        grace: float = 5.0,
     ) -> None:
+        self.http = http  # the OpenAI-compatible API, on http_listen
+        self.http_listen = http_listen
+        self.grace = grace
         self.servicer = servicer
         self.scheduler = scheduler
         self.drafter = drafter
@@ -76,6 +83,8 @@ class GatewayService:
 
     async def load(self) -> None:
         await self.scheduler.start()
+        if self.http is not None:  # 503 until the verifier is SERVING
+            await self.http.start(self.http_listen, self.grace)
         started = time.monotonic()
         log.info("waiting for the verifier at %s", self.verifier.address)
         while not await wait_ready(self.verifier.address, WAIT_LOG_INTERVAL_S):
@@ -91,8 +100,12 @@ class GatewayService:
             self.drafter.address,
             "SERVING" if drafter_up else "not serving yet (decoding without drafts until it is)",
         )
+        if self.http is not None:
+            self.http.ready = True
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.scheduler.stop()
         self.servicer.close()
         await self.drafter.close()
@@ -108,8 +121,11 @@ async def serve(
     default_spec: SpecParams,
     max_batch_size: int = 32,
     grace: float = 5.0,
+    http_listen: str | None = None,
+    served_model_name: str | None = None,
 ) -> None:
-    """Listen on `address` until SIGTERM / SIGINT; SERVING once the verifier is."""
+    """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
+    SIGTERM / SIGINT; SERVING once the verifier is."""
     default_spec.validate()
     log.info("reading the tokenizer and config of %s", model_path)
     model = await asyncio.to_thread(read_model_info, model_path)
@@ -130,4 +146,11 @@ async def serve(
         max_batch_size=max_batch_size,
     )
     servicer = GatewayServicer(model, scheduler)
-    await serve_host(GatewayService(servicer, scheduler, drafter, verifier), address, grace=grace)
+    http = None
+    if http_listen is not None:
+        name = served_model_name or os.path.basename(os.path.normpath(model_path))
+        http = OpenAIServer(model, scheduler, name, servicer.tokenize_executor)
+    service = GatewayService(
+        servicer, scheduler, drafter, verifier, http, http_listen or "", grace=grace
+    )
+    await serve_host(service, address, grace=grace)

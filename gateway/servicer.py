@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
-from gateway.request import Chunk, GenerationRequest
-from gateway.text import apply_chat_template, encode_prompt
+from gateway.request import Chunk, GenerationRequest, ModelInfo, build_request
 from specsplit import convert
 from specsplit.errors import invalid
 from specsplit.server import service_errors, service_name
@@ -32,16 +30,6 @@ class ChunkSource(Protocol):
     def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]: ...
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What request validation needs to know about the target model."""
-
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
-    vocab_size: int  # valid token ids are [0, vocab_size)
-    max_context: int  # prompt + generated tokens must fit
-    eos_token_ids: tuple[int, ...] = ()
-
-
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     service_name = service_name(gateway_pb2.DESCRIPTOR, "Gateway")
 
@@ -54,6 +42,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
+
+    @property
+    def tokenize_executor(self) -> ThreadPoolExecutor:
+        """The tokenizer's one thread; the HTTP API (gateway.openai_http) shares it."""
+        return self._tokenize
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -83,68 +76,29 @@ async def _aclose(chunks: AsyncIterator[Chunk]) -> None:
 
 
 def generation_request(msg: gateway_pb2.GenerateRequest, model: ModelInfo) -> GenerationRequest:
-    """Validate and convert; raises ServiceError(INVALID_ARGUMENT) naming the field."""
-    prompt_ids = _prompt_ids(msg, model)
-    _check_vocab(msg.stop_token_ids, "stop_token_ids", model.vocab_size)
-    if msg.max_new_tokens <= 0:
-        raise invalid(f"max_new_tokens = {msg.max_new_tokens}: must be > 0")
-    total = len(prompt_ids) + msg.max_new_tokens
-    if total > model.max_context:
-        raise invalid(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) = {total}"
-            f" exceeds the model's context of {model.max_context} tokens"
-        )
-    sampling = convert.sampling_from_proto(msg.sampling)
-    try:
-        sampling.validate()
-    except ValueError as err:
-        raise invalid(f"sampling.{err}") from None
-    for i, stop in enumerate(msg.stop):
-        if not stop:
-            raise invalid(f"stop[{i}] is empty")
-    spec = None
-    if msg.HasField("spec"):
-        spec = convert.spec_from_proto(msg.spec)
-        spec.validate()
-    return GenerationRequest(
-        prompt_ids=prompt_ids,
-        max_new_tokens=msg.max_new_tokens,
-        sampling=sampling,
-        stop_strings=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        spec=spec,
-        ignore_eos=msg.ignore_eos,
-    )
-
-
-def _prompt_ids(msg: gateway_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
+    """Validate and convert (gateway.request.build_request); raises INVALID_ARGUMENT naming the
+    field."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt: set one of text, chat, token_ids")
+    prompt: str | list[dict[str, str]] | list[int]
     if kind == "text":
-        if not msg.text:
-            raise invalid("prompt.text is empty")
-        ids = encode_prompt(model.tokenizer, msg.text)
+        prompt = msg.text
     elif kind == "chat":
-        if not msg.chat.messages:
-            raise invalid("prompt.chat.messages is empty")
-        ids = apply_chat_template(
-            model.tokenizer, [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        )
+        prompt = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
     else:
-        if not msg.token_ids.ids:
-            raise invalid("prompt.token_ids.ids is empty")
-        ids = list(msg.token_ids.ids)
-        _check_vocab(ids, "prompt.token_ids.ids", model.vocab_size)
-    if not ids:
-        raise invalid(f"prompt.{kind} encodes to no tokens")
-    return ids
-
-
-def _check_vocab(ids: Sequence[int], field: str, vocab_size: int) -> None:
-    for i, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise invalid(f"{field}[{i}] = {token} outside the vocabulary [0, {vocab_size})")
+        prompt = list(msg.token_ids.ids)
+    return build_request(
+        model,
+        kind,
+        prompt,
+        max_new_tokens=msg.max_new_tokens,
+        sampling=convert.sampling_from_proto(msg.sampling),
+        stop_strings=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        spec=convert.spec_from_proto(msg.spec) if msg.HasField("spec") else None,
+        ignore_eos=msg.ignore_eos,
+    )
 
 
 def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateResponse:

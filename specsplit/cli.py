@@ -114,6 +114,17 @@ def _server_flags(parser: argparse.ArgumentParser, service: str) -> None:
     _flag(parser, "--grace", 5.0, "seconds running calls get at shutdown", type=float)
 
 
+def _optional_str(value: str) -> str | None:
+    return None if value.lower() in ("", "none") else value
+
+
+def _http_flags(parser: argparse.ArgumentParser) -> None:
+    http_help = "host:port of the OpenAI-compatible HTTP API; none = off"
+    _flag(parser, "--http-listen", "0.0.0.0:8000", http_help, type=_optional_str)
+    name_help = "model id of the HTTP API; none = the model path's name"
+    _flag(parser, "--served-model-name", None, name_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         address = f"localhost:{DEFAULT_PORTS[service]}"
         _flag(gateway, f"--{service}-address", address, f"the {service} to connect to")
     _spec_flags(gateway)
+    _http_flags(gateway)
 
     up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
     _flag(up, "--host", "127.0.0.1", "interface the services listen on")
@@ -147,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")
     _drafter_flags(up)
     _spec_flags(up)
+    _http_flags(up)
     _flag(up, "--ready-timeout", 900.0, "seconds to wait for SERVING", type=float)
     _flag(up, "--generate", None, "once serving, stream one generation of this prompt and stop")
     _generation_flags(up)
@@ -233,9 +246,17 @@ def serve_gateway(args: argparse.Namespace) -> int:
 
     backends = {"drafter_address": args.drafter_address, "verifier_address": args.verifier_address}
     limits = {"max_batch_size": args.max_batch_size, "grace": args.grace}
+    http = {"http_listen": args.http_listen, "served_model_name": args.served_model_name}
     model_path = _model_path(args)
     asyncio.run(
-        serve(args.listen, model_path, **backends, default_spec=default_spec(args), **limits)
+        serve(
+            args.listen,
+            model_path,
+            **backends,
+            default_spec=default_spec(args),
+            **limits,
+            **http,
+        )
     )
     return 0
 

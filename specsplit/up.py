@@ -38,6 +38,8 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
     gateway += ["--max-batch-size", str(args.max_batch_size)]
     gateway += _opt("--num-draft-tokens", args.num_draft_tokens)
+    gateway += ["--http-listen", args.http_listen or "none"]
+    gateway += _opt("--served-model-name", args.served_model_name)
     return {
         "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],

@@ -36,6 +36,7 @@ class Services:
     model: str
     log_dir: Path
     extra: dict[str, list[str]] = field(default_factory=dict)
+    http: bool = False  # the gateway's OpenAI HTTP API on a free port (ports["http"]), else off
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -63,6 +64,8 @@ class Services:
                 self.address("drafter"),
                 "--verifier-address",
                 self.address("verifier"),
+                "--http-listen",
+                self.address("http") if self.http else "none",
             ]
         return cmd + self.extra.get(role, [])
 
@@ -73,7 +76,7 @@ class Services:
         self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=log, env=env)
 
     def start_all(self, timeout: float = 240.0) -> None:
-        for role in ROLES:
+        for role in (*ROLES, "http") if self.http else ROLES:
             self.ports.setdefault(role, free_port())
         for role in ROLES:
             self.start(role)

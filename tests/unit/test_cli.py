@@ -212,6 +212,14 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
     assert cli.default_spec(gateway) == SpecParams(5, 2, 9)
 
 
+def test_up_passes_the_http_api_flags_to_the_gateway() -> None:
+    argv = ["up", "--http-listen", "127.0.0.1:9000", "--served-model-name", "m"]
+    gateway = _child_args(up.child_commands(cli.parse_args(argv))["gateway"])
+    assert (gateway.http_listen, gateway.served_model_name) == ("127.0.0.1:9000", "m")
+    off = _child_args(up.child_commands(cli.parse_args(["up", "--http-listen", "none"]))["gateway"])
+    assert (off.http_listen, off.served_model_name) == (None, None)
+
+
 def test_up_children_use_the_embedded_model_by_default() -> None:
     commands = up.child_commands(cli.parse_args(["up"]))
     assert all("--model" not in argv for argv in commands.values())

