@@ -54,6 +54,9 @@ class Proposer(Protocol):
     @property
     def num_pages_used(self) -> int: ...
 
+    @property
+    def num_pages_free(self) -> int: ...
+
     def check_integrity(self) -> None: ...
 
 
@@ -101,6 +104,10 @@ class DrafterEngine:
     @property
     def num_pages_used(self) -> int:
         return self.proposer.num_pages_used
+
+    @property
+    def num_pages_free(self) -> int:
+        return self.proposer.num_pages_free
 
     def warmup(self) -> None:
         spec = SpecParams(num_steps=2, topk=2, num_draft_tokens=3)

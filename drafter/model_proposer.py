@@ -104,6 +104,10 @@ class ModelProposer:
     def num_pages_used(self) -> int:
         return self.kv.allocator.num_used
 
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
 

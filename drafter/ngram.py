@@ -41,6 +41,10 @@ class NgramProposer:
     def num_pages_used(self) -> int:
         return 0
 
+    @property
+    def num_pages_free(self) -> int:
+        return 0
+
     def check_integrity(self) -> None:
         """No allocator."""
 

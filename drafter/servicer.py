@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from drafter.engine import DrafterEngine
-from specsplit import convert
+from specsplit import convert, metrics, telemetry
 from specsplit.messages import DraftInput, DraftOutput
 from specsplit.server import EngineServicer, service_errors, service_name
 from specsplit.v1 import drafter_pb2, drafter_pb2_grpc
@@ -31,7 +31,10 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
         async with service_errors(context):
             async for request in request_iterator:
                 inputs = convert.draft_request_from_proto(request)
-                outputs, draft_ns = await self.engine.run_timed(_draft, inputs)
+                with telemetry.service_span("specsplit.draft", request) as span:
+                    outputs, draft_ns = await self.engine.run_timed(_draft, inputs)
+                    span.set_attribute("specsplit.draft_ns", draft_ns)
+                metrics.DRAFT_SECONDS.observe(draft_ns / 1e9)
                 yield convert.draft_response_to_proto(outputs, draft_ns)
 
 

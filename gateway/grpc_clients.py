@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit import convert
+from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from specsplit.server import CHANNEL_OPTIONS
@@ -156,7 +156,10 @@ class GrpcDrafterClient(_Client):
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        response = await self._stream.round(convert.draft_request_to_proto(inputs))
+        request = convert.draft_request_to_proto(inputs)
+        telemetry.inject(request.trace_context)  # the round span: parent of the draft span
+        with metrics.timed(metrics.DRAFT_SECONDS):
+            response = await self._stream.round(request)
         return convert.draft_response_from_proto(response)
 
     async def release(self, seq_ids: list[str]) -> None:
@@ -178,7 +181,10 @@ class GrpcVerifierClient(_Client):
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        response = await self._stream.round(convert.verify_request_to_proto(inputs))
+        request = convert.verify_request_to_proto(inputs)
+        telemetry.inject(request.trace_context)  # the round span: parent of the verify span
+        with metrics.timed(metrics.VERIFY_SECONDS):
+            response = await self._stream.round(request)
         return convert.verify_response_from_proto(response)
 
     async def release(self, seq_ids: list[str]) -> None:

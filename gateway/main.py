@@ -144,6 +144,7 @@ async def serve(
         eos_token_ids=model.eos_token_ids,
         default_spec=default_spec,
         max_batch_size=max_batch_size,
+        model_name=served_model_name or os.path.basename(os.path.normpath(model_path)),
     )
     servicer = GatewayServicer(model, scheduler)
     http = None

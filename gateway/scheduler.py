@@ -23,6 +23,7 @@ from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
 from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
+from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams
 from specsplit.tree import DraftTree
@@ -43,6 +44,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         default_spec: SpecParams,
         max_batch_size: int = 32,
+        model_name: str = "",
     ) -> None:
         self.drafter = drafter
         self.verifier = verifier
@@ -50,6 +52,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.default_spec = default_spec
         self.max_batch_size = max_batch_size
+        self.model_name = model_name  # gen_ai.request.model on request spans
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wakeup = asyncio.Event()
@@ -80,12 +83,15 @@ class Scheduler:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream a generation; closing the iterator early cancels it and frees its KV."""
         seq = self._new_sequence(request)
+        seq.span = telemetry.start_request(self.model_name, request)  # child of the caller's
         self.waiting.append(seq)
         self._wakeup.set()
+        error: BaseException | None = None
         try:
             while True:
                 item = await seq.outbox.get()
                 if isinstance(item, BaseException):
+                    error = item
                     raise item
                 yield item
                 if item.finish_reason is not None:
@@ -94,6 +100,7 @@ class Scheduler:
             if not seq.finished:
                 seq.cancelled = True
                 self._wakeup.set()
+            telemetry.end_request(seq, error)
 
     def _new_sequence(self, request: GenerationRequest) -> Sequence:
         eos = () if request.ignore_eos else self.eos_token_ids
@@ -115,6 +122,7 @@ class Scheduler:
             try:
                 await self._retire()
                 self._admit()
+                metrics.observe_queue(len(self.running), len(self.waiting))
                 if not self.running:
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -136,14 +144,17 @@ class Scheduler:
 
     async def step(self, batch: list[Sequence]) -> None:
         """One round for the batch: draft → verify → commit."""
-        trees = await self._draft(batch)
-        outputs = await self.verifier.verify(
-            [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
-        )
+        with telemetry.round_span([seq.span for seq in batch]):  # carried to both services
+            trees = await self._draft(batch)
+            outputs = await self.verifier.verify(
+                [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
+            )
         self.num_rounds += 1
         self._verifier_down_since = None
         for seq, out in zip(batch, outputs, strict=True):
-            seq.outbox.put_nowait(seq.commit(out))
+            chunk = seq.commit(out)
+            metrics.observe_commit(seq, out, chunk)
+            seq.outbox.put_nowait(chunk)
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
         if time.monotonic() < self._drafter_down_until:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
@@ -29,6 +30,9 @@ class Sequence:
     finished: bool = False
     cancelled: bool = False
     arrival_ns: int = field(default_factory=time.monotonic_ns)
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    last_token_ns: int | None = None  # elapsed_ns of the last chunk with tokens (metrics)
+    span: Any = None  # the request's trace span (specsplit.telemetry)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -97,7 +101,7 @@ class Sequence:
         )
         if outcome.finish_reason is not None:
             self.finished = True
-            chunk.finish_reason = str(outcome.finish_reason)
+            chunk.finish_reason = self.finish_reason = str(outcome.finish_reason)
             chunk.prompt_tokens = self.num_prompt_tokens
             chunk.completion_tokens = self.num_generated_tokens
             chunk.stats = self.stats

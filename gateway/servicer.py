@@ -12,7 +12,7 @@ from typing import Protocol
 import grpc
 
 from gateway.request import Chunk, GenerationRequest, ModelInfo, build_request
-from specsplit import convert
+from specsplit import convert, telemetry
 from specsplit.errors import invalid
 from specsplit.server import service_errors, service_name
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
@@ -55,18 +55,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         arrival_ns = time.monotonic_ns()
-        async with service_errors(context):
-            loop = asyncio.get_running_loop()
-            req = await loop.run_in_executor(
-                self._tokenize, generation_request, request, self.model
-            )
-            chunks = self.scheduler.generate(req)
-            try:
-                async for chunk in chunks:
-                    await context.write(chunk_to_proto(chunk, time.monotonic_ns() - arrival_ns))
-            finally:
-                # Client gone (the task is cancelled) or done: the scheduler frees the sequence.
-                await _aclose(chunks)
+        client_trace = telemetry.incoming(context.invocation_metadata())  # W3C traceparent
+        with telemetry.client_context(client_trace):  # the request span's parent
+            async with service_errors(context):
+                loop = asyncio.get_running_loop()
+                req = await loop.run_in_executor(
+                    self._tokenize, generation_request, request, self.model
+                )
+                chunks = self.scheduler.generate(req)
+                try:
+                    async for chunk in chunks:
+                        await context.write(chunk_to_proto(chunk, time.monotonic_ns() - arrival_ns))
+                finally:
+                    # Client gone (the task is cancelled) or done: the scheduler frees the sequence.
+                    await _aclose(chunks)
 
 
 async def _aclose(chunks: AsyncIterator[Chunk]) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from specsplit.messages import SpecParams
 
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
+METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
 DRAFTER_KINDS = ("ngram", "self", "model")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -112,6 +113,9 @@ def _server_flags(parser: argparse.ArgumentParser, service: str) -> None:
     listen = f"[::]:{DEFAULT_PORTS[service]}"
     _flag(parser, "--listen", listen, "address to listen on", env=f"{service.upper()}_LISTEN")
     _flag(parser, "--grace", 5.0, "seconds running calls get at shutdown", type=float)
+    metrics_help = "host:port of Prometheus /metrics; none = off"
+    metrics = f"0.0.0.0:{METRICS_PORTS[service]}"
+    _flag(parser, "--metrics-listen", metrics, metrics_help, type=_optional_str)
 
 
 def _optional_str(value: str) -> str | None:
@@ -160,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     _drafter_flags(up)
     _spec_flags(up)
     _http_flags(up)
+    metrics_help = "gateway's /metrics address; drafter and verifier take the next ports"
+    _flag(up, "--metrics-listen", "0.0.0.0:9400", f"{metrics_help}; none = off", type=_optional_str)
     _flag(up, "--ready-timeout", 900.0, "seconds to wait for SERVING", type=float)
     _flag(up, "--generate", None, "once serving, stream one generation of this prompt and stop")
     _generation_flags(up)
@@ -347,10 +353,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
+    if args.command.startswith("serve-"):
+        _start_observability(service, args.metrics_listen)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
+
+
+def _start_observability(service: str, metrics_listen: str | None) -> None:
+    """Prometheus /metrics (unless "none") and OpenTelemetry tracing (when OTEL_* ask for it)."""
+    from specsplit import metrics, telemetry
+
+    metrics.serve(metrics_listen)
+    telemetry.init(service)
 
 
 if __name__ == "__main__":

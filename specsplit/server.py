@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit import metrics
 from specsplit.errors import Code, ServiceError
 from specsplit.v1 import common_pb2
 
@@ -84,11 +85,13 @@ async def service_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
     try:
         yield
     except ServiceError as err:
+        metrics.count_error(STATUS_CODES[err.code].name)
         await abort(context, err)
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise
     except Exception as err:
         log.exception("internal error")
+        metrics.count_error(grpc.StatusCode.INTERNAL.name)
         await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
 
 
@@ -116,6 +119,11 @@ class EngineThread(Generic[E]):
         await self._logged("warming up", started, lambda: self._warmup(engine))
         self._engine = engine
         log.info("%s: ready after %.1f s", self.name, time.monotonic() - started)
+
+    @property
+    def loaded(self) -> E | None:
+        """The engine once loaded and warm, else None."""
+        return self._engine
 
     async def run(self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """fn(engine, ...) on the engine thread. UNAVAILABLE until loaded and warm."""
@@ -156,6 +164,9 @@ class Engine(Protocol):
     @property
     def num_pages_used(self) -> int: ...
 
+    @property
+    def num_pages_free(self) -> int: ...
+
     def warmup(self) -> None: ...
 
     def release(self, seq_ids: list[str]) -> int: ...
@@ -173,12 +184,18 @@ class EngineServicer(Generic[EngineT]):
 
     def __init__(self, name: str, load: Callable[[], EngineT]) -> None:
         self.engine = EngineThread(name, load, _warmup)
+        metrics.watch_kv_pages(self._kv_pages)
 
     async def load(self) -> None:
         await self.engine.load()
 
     async def close(self) -> None:
         self.engine.close()
+
+    def _kv_pages(self) -> tuple[int, int]:
+        """(used, free) KV pages; (0, 0) while loading. Read from the metrics thread."""
+        engine = self.engine.loaded
+        return (0, 0) if engine is None else (engine.num_pages_used, engine.num_pages_free)
 
     async def Release(
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -40,11 +40,23 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += _opt("--num-draft-tokens", args.num_draft_tokens)
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
-    return {
+    metrics = metrics_addresses(args.metrics_listen)
+    commands = {
         "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
     }
+    return {name: [*cmd, "--metrics-listen", metrics[name]] for name, cmd in commands.items()}
+
+
+def metrics_addresses(gateway: str | None) -> dict[str, str]:
+    """Distinct /metrics addresses: the gateway's, then the drafter and verifier on the next
+    two ports (None = all off)."""
+    if gateway is None:
+        return dict.fromkeys(DEFAULT_PORTS, "none")
+    host, _, port = gateway.rpartition(":")
+    offsets = {"gateway": 0, "drafter": 1, "verifier": 2}
+    return {name: f"{host}:{int(port) + offset}" for name, offset in offsets.items()}
 
 
 def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:

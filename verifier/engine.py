@@ -60,6 +60,10 @@ class VerifierEngine:
     def num_pages_used(self) -> int:
         return self.kv.allocator.num_used
 
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free
+
     def warmup(self) -> None:
         """One prefill + one tree round on a throwaway sequence, then release it."""
         from specsplit.tree import DraftTree

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from specsplit import convert
+from specsplit import convert, metrics, telemetry
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.server import EngineServicer, service_errors, service_name
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
@@ -31,7 +31,10 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         async with service_errors(context):
             async for request in request_iterator:
                 inputs = convert.verify_request_from_proto(request)
-                outputs, verify_ns = await self.engine.run_timed(_verify, inputs)
+                with telemetry.service_span("specsplit.verify", request) as span:
+                    outputs, verify_ns = await self.engine.run_timed(_verify, inputs)
+                    span.set_attribute("specsplit.verify_ns", verify_ns)
+                metrics.VERIFY_SECONDS.observe(verify_ns / 1e9)
                 yield convert.verify_response_to_proto(outputs, verify_ns)
 
 

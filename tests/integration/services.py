@@ -37,6 +37,8 @@ class Services:
     log_dir: Path
     extra: dict[str, list[str]] = field(default_factory=dict)
     http: bool = False  # the gateway's OpenAI HTTP API on a free port (ports["http"]), else off
+    metrics: bool = False  # each role's /metrics on a free port (ports["<role>-metrics"])
+    env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment per role
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -67,12 +69,16 @@ class Services:
                 "--http-listen",
                 self.address("http") if self.http else "none",
             ]
-        return cmd + self.extra.get(role, [])
+        metrics = self.address(f"{role}-metrics") if self.metrics else "none"
+        return [*cmd, "--metrics-listen", metrics, *self.extra.get(role, [])]
 
     def start(self, role: str) -> None:
         self.ports.setdefault(role, free_port())
+        if self.metrics:
+            self.ports.setdefault(f"{role}-metrics", free_port())
         log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (lives with the process)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env |= self.env.get(role, {})
         self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=log, env=env)
 
     def start_all(self, timeout: float = 240.0) -> None:

@@ -1,0 +1,131 @@
+"""Prometheus metrics: one /metrics endpoint per service (`--metrics-listen`, "none" = off).
+
+Gateway: speculation (accepted tokens per round, accepted drafts by depth), generated tokens
+(tokens/s = rate), TTFT, inter-token latency, running / waiting sequences, and the draft and
+verify round trips as the gateway sees them. Drafter / verifier: their own draft / verify time
+on the engine thread and their KV pages. All three: RPCs that ended in an error, by gRPC code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from gateway.request import Chunk
+    from gateway.sequence import Sequence
+    from specsplit.messages import VerifyOutput
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+ACCEPTED_TOKENS_PER_ROUND = Histogram(
+    "specsplit_accepted_tokens_per_round",
+    "num_accepted_tokens (accepted drafts + bonus) of one sequence in one round",
+    buckets=tuple(range(1, 17)),
+)
+ACCEPTED_DRAFTS = Counter(
+    "specsplit_accepted_drafts",
+    "Accepted draft tokens, by their depth in the draft tree (1 = the root's child)",
+    ["depth"],
+)
+DRAFT_SECONDS = Histogram(
+    "specsplit_draft_seconds",
+    "A draft round: engine time on the drafter, round trip on the gateway",
+    buckets=_LATENCY_BUCKETS,
+)
+VERIFY_SECONDS = Histogram(
+    "specsplit_verify_seconds",
+    "A verify round: engine time on the verifier, round trip on the gateway",
+    buckets=_LATENCY_BUCKETS,
+)
+GENERATED_TOKENS = Counter(
+    "specsplit_generated_tokens", "Tokens streamed to clients (tokens/s: rate of this)"
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "specsplit_time_to_first_token_seconds",
+    "From a request's arrival at the scheduler to its first streamed token",
+    buckets=_TTFT_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "specsplit_inter_token_latency_seconds",
+    "Between streamed tokens after the first chunk; tokens of one chunk share its gap evenly",
+    buckets=_LATENCY_BUCKETS,
+)
+RUNNING_SEQUENCES = Gauge("specsplit_running_sequences", "Sequences in the round batch")
+WAITING_SEQUENCES = Gauge("specsplit_waiting_sequences", "Sequences queued for the batch")
+KV_PAGES_USED = Gauge("specsplit_kv_pages_used", "KV cache pages holding sequences")
+KV_PAGES_FREE = Gauge("specsplit_kv_pages_free", "KV cache pages free")
+ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["code"])
+
+
+def serve(listen: str | None) -> int | None:
+    """Serve /metrics on `listen` ("host:port"; None = off) from a daemon thread; the port."""
+    if listen is None:
+        return None
+    host, _, port = listen.rpartition(":")
+    server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0")
+    bound = int(server.server_port)
+    log.info("Prometheus metrics on http://%s:%d/metrics", host or "0.0.0.0", bound)
+    return bound
+
+
+# -- gateway ---------------------------------------------------------------------------------
+
+
+def observe_queue(num_running: int, num_waiting: int) -> None:
+    RUNNING_SEQUENCES.set(num_running)
+    WAITING_SEQUENCES.set(num_waiting)
+
+
+def observe_commit(seq: Sequence, out: VerifyOutput, chunk: Chunk) -> None:
+    """One sequence's round outcome (after seq.commit): acceptance, tokens, TTFT, ITL."""
+    ACCEPTED_TOKENS_PER_ROUND.observe(out.num_accepted_tokens)
+    for depth in range(1, out.num_accepted_drafts + 1):
+        ACCEPTED_DRAFTS.labels(depth=str(depth)).inc()
+    num_tokens = len(chunk.token_ids)
+    if num_tokens == 0:
+        return
+    GENERATED_TOKENS.inc(num_tokens)
+    if seq.last_token_ns is None:
+        TIME_TO_FIRST_TOKEN.observe(chunk.elapsed_ns / 1e9)
+    else:
+        gap = (chunk.elapsed_ns - seq.last_token_ns) / 1e9 / num_tokens
+        for _ in range(num_tokens):
+            INTER_TOKEN_LATENCY.observe(gap)
+    seq.last_token_ns = chunk.elapsed_ns
+
+
+class timed:
+    """`with timed(DRAFT_SECONDS):` observes the block's wall time unless it raised."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.histogram.observe(time.perf_counter() - self._start)
+
+
+# -- drafter and verifier --------------------------------------------------------------------
+
+
+def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
+    """Read (used, free) KV pages at scrape time (two lengths: safe from the scrape thread)."""
+    KV_PAGES_USED.set_function(lambda: pages()[0])
+    KV_PAGES_FREE.set_function(lambda: pages()[1])
+
+
+def count_error(code_name: str) -> None:
+    ERRORS.labels(code=code_name).inc()
