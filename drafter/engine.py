@@ -32,6 +32,8 @@ class DraftJob:
     seq: DraftSeq
     spec: SpecParams
     sampling: SamplingParams
+    start: int = 0  # where this call's new tokens begin in seq.tokens
+    target_hidden_states: torch.Tensor | None = None  # [rows, features] for tokens[start:]
 
 
 class Proposer(Protocol):
@@ -76,13 +78,30 @@ class DrafterEngine:
         dtype: torch.dtype = torch.float32,
         num_pages: int = 2048,
         page_size: int = 16,
+        target_path: str | None = None,
     ) -> DrafterEngine:
-        """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers)
+        """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers),
+        "eagle3" (model_path = an EAGLE-3 head, target_path = its target, for the embeddings)
         or "ngram" (prompt lookup, no weights)."""
         if kind == "ngram":
             from drafter.ngram import NgramProposer
 
             return cls(NgramProposer())
+        if kind == "eagle3":
+            from drafter.eagle_proposer import Eagle3Proposer
+
+            if model_path is None or target_path is None:
+                raise ValueError("drafter kind 'eagle3' needs the head path and the target path")
+            return cls(
+                Eagle3Proposer.load(
+                    model_path,
+                    target_path,
+                    device=device,
+                    dtype=dtype,
+                    num_pages=num_pages,
+                    page_size=page_size,
+                )
+            )
         from drafter.model_proposer import ModelProposer
 
         if model_path is None:
@@ -100,6 +119,11 @@ class DrafterEngine:
                 page_size=page_size,
             )
         )
+
+    @property
+    def hidden_state_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the proposer reads (EAGLE-3); empty for the others."""
+        return tuple(getattr(self.proposer, "hidden_state_layers", ()))
 
     @property
     def num_pages_used(self) -> int:
@@ -128,7 +152,15 @@ class DrafterEngine:
             self.proposer.truncate(seq, item.start)
             seq.tokens[item.start :] = item.new_tokens
             room = self.proposer.max_context - len(seq.tokens)
-            jobs.append(DraftJob(seq, item.spec.capped(room), item.sampling))
+            jobs.append(
+                DraftJob(
+                    seq,
+                    item.spec.capped(room),
+                    item.sampling,
+                    item.start,
+                    item.target_hidden_states,
+                )
+            )
         try:
             trees = self.proposer.propose(jobs)
         except KVCacheFullError as e:
@@ -145,6 +177,12 @@ class DrafterEngine:
             if not 0 <= item.start <= known:
                 raise invalid(
                     f"start = {item.start} for {item.seq_id!r}: the drafter has {known} tokens"
+                )
+            rows = item.target_hidden_states
+            if rows is not None and rows.shape[0] > len(item.new_tokens):
+                raise invalid(
+                    f"target_hidden_states has {rows.shape[0]} rows for {item.seq_id!r}, "
+                    f"more than its {len(item.new_tokens)} new tokens"
                 )
             if not item.new_tokens:
                 raise invalid(f"new_tokens empty for {item.seq_id!r}: they must end with the root")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from drafter.engine import DrafterEngine
 from drafter.servicer import DrafterServicer
@@ -24,7 +25,9 @@ async def serve(
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self" or "ngram") off the event
     loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop."""
-    sizes = {"page_size": page_size} | ({} if num_pages is None else {"num_pages": num_pages})
+    sizes: dict[str, Any] = {"page_size": page_size}
+    if num_pages is not None:
+        sizes["num_pages"] = num_pages
     load = partial(
         DrafterEngine.load,
         kind,

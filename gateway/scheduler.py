@@ -45,6 +45,7 @@ class Scheduler:
         default_spec: SpecParams,
         max_batch_size: int = 32,
         model_name: str = "",
+        hidden_state_layers: tuple[int, ...] = (),
     ) -> None:
         self.drafter = drafter
         self.verifier = verifier
@@ -53,6 +54,7 @@ class Scheduler:
         self.default_spec = default_spec
         self.max_batch_size = max_batch_size
         self.model_name = model_name  # gen_ai.request.model on request spans
+        self.hidden_state_layers = hidden_state_layers  # asked of the verifier (EAGLE drafters)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wakeup = asyncio.Event()
@@ -113,7 +115,13 @@ class Scheduler:
             stop_strings=request.stop_strings,
         )
         spec = request.spec if request.spec is not None else self.default_spec
-        return Sequence(f"seq-{next(self._ids)}", request, spec, stop_checker)
+        return Sequence(
+            f"seq-{next(self._ids)}",
+            request,
+            spec,
+            stop_checker,
+            hidden_state_layers=self.hidden_state_layers,
+        )
 
     # -- the loop --------------------------------------------------------------------------
 

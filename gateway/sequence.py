@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
@@ -33,6 +35,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished
     last_token_ns: int | None = None  # elapsed_ns of the last chunk with tokens (metrics)
     span: Any = None  # the request's trace span (specsplit.telemetry)
+    # EAGLE drafters: target layers the verifier returns, and their rows for
+    # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16 chunks, in order)
+    hidden_state_layers: tuple[int, ...] = ()
+    hidden_states: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -62,7 +68,21 @@ class Sequence:
         )
         self.drafter_begun = True
         self.drafter_num_tokens = len(self.tokens)
+        if self.hidden_state_layers:
+            # rows for tokens[start : verifier_kv_committed_len]; next time start where the
+            # features end, so the drafter gets the feature of every token exactly once
+            history = self._hidden_history()
+            item.target_hidden_states = history[start:] if history is not None else None
+            self.drafter_num_tokens = min(len(self.tokens), self.verifier_kv_committed_len)
         return item
+
+    def _hidden_history(self) -> torch.Tensor | None:
+        """All rows kept, as one tensor [verifier_kv_committed_len, layers * hidden]."""
+        if not self.hidden_states:
+            return None
+        if len(self.hidden_states) > 1:
+            self.hidden_states = [torch.cat(self.hidden_states)]
+        return self.hidden_states[0]
 
     def forget_drafter(self) -> None:
         """The drafter lost (or may have lost) this sequence: start over on the next Draft."""
@@ -73,6 +93,9 @@ class Sequence:
         """The verifier lost this sequence: re-prefill all tokens on the next Verify."""
         self.verifier_begun = False
         self.verifier_kv_committed_len = 0
+        self.hidden_states = []
+        if self.hidden_state_layers:  # the drafter's features restart with the re-prefill
+            self.drafter_num_tokens = 0
 
     def verify_input(self, tree: DraftTree) -> VerifyInput:
         item = VerifyInput(
@@ -82,11 +105,21 @@ class Sequence:
             pending_tokens=self.tokens[self.verifier_kv_committed_len :],
             tree=tree,
             sampling=self.request.sampling,
+            hidden_state_layers=self.hidden_state_layers,
         )
         return item
 
     def commit(self, out: VerifyOutput) -> Chunk:
         """Append accepted drafts + bonus, apply stop rules, return what to stream."""
+        if self.hidden_state_layers:
+            # the verifier's rows cover tokens[old kv_committed_len : new kv_committed_len]
+            assert out.hidden_states is not None, self.seq_id
+            history = self._hidden_history()
+            prefix = [] if history is None else [history[: self.verifier_kv_committed_len]]
+            self.hidden_states = [*prefix, out.hidden_states]
+            assert (
+                out.hidden_states.shape[0] == out.kv_committed_len - self.verifier_kv_committed_len
+            )
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
         self.stats.rounds += 1

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from drafter.eagle import load_eagle3
+from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
@@ -59,7 +61,9 @@ def build_local_stack(
     target: tuple[LlamaModel, ModelConfig] | None = None,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
-    draft_layers layers, sharing its weights) or "ngram". `target` reuses a loaded model."""
+    draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
+    asks the verifier for the head's hidden_state_layers) or "ngram". `target` reuses a loaded
+    model."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -69,11 +73,15 @@ def build_local_stack(
         config.max_position_embeddings,
         config.vocab_size,
     )
-    proposer: ModelProposer | NgramProposer
+    proposer: ModelProposer | NgramProposer | Eagle3Proposer
     if drafter == "ngram":
         proposer = NgramProposer(
             vocab_size=config.vocab_size, max_context=config.max_position_embeddings
         )
+    elif drafter == "eagle3":
+        assert draft_path, "drafter 'eagle3' needs draft_path (the head)"
+        head = load_eagle3(draft_path, target_path, dtype, device, target=model)
+        proposer = Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size))
     else:
         if drafter == "self":
             assert draft_layers, "drafter 'self' needs draft_layers"
@@ -90,5 +98,6 @@ def build_local_stack(
         tokenizer,
         eos_token_ids=config.eos_token_ids,
         default_spec=spec,
+        hidden_state_layers=drafter_engine.hidden_state_layers,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

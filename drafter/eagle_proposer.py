@@ -1,0 +1,197 @@
+"""EAGLE-3 proposer: the head's one-layer paged KV and the target's features, per sequence.
+
+Alignment (EAGLE-3). With tokens x_0..x_{L-1} (x_{L-1} the root) and h_i the target's fused
+features at position i ([3 * Ht]: outputs of the head's aux layers, as the verifier returns them):
+
+    head entry i (RoPE position i, KV storage i) reads  embed(x_{i+1})  and  fc(h_i)
+                                                  and predicts x_{i+2}.
+
+The verifier has features for tokens[0 : L - 1] (every token but the root), so entries
+0..L-2 exist; entry L-2 reads the root and predicts the first draft token. A tree node at depth d
+sits at position L - 2 + d (storage L - 1 + node) and reads embed(its token) and, instead of a
+target feature, the head's own pre-norm output at its parent ([H], no fc).
+
+DraftInput.target_hidden_states rows are the features of new_tokens[0], new_tokens[1], ... (fewer
+rows than new tokens: at least the root has none yet). Without features up to x_{L-2} there is
+nothing to draft from (the first round, before the verifier's prefill): the tree is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.eagle import Eagle3Head, load_eagle3
+from drafter.engine import DraftJob, DraftSeq
+from drafter.tree_draft import TreeProposer, _Expansion, ensure_generator
+from specsplit.errors import invalid
+from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.step import SeqStep, build_forward_batch
+from specsplit.tree import DraftTree
+
+
+@dataclass
+class EagleSeqState:
+    kv: SeqKV  # kv_committed_len = head entries computed (<= len(tokens) - 1)
+    features: torch.Tensor  # [F, 3 * Ht] target features of tokens[0 : F]
+    generator: torch.Generator | None = None
+
+
+class Eagle3Proposer(TreeProposer):
+    def __init__(self, head: Eagle3Head, kv: KVCache) -> None:
+        self.head = head
+        self.kv = kv
+        self.vocab_size = head.config.vocab_size
+        self.max_context = head.config.max_position_embeddings
+        self.hidden_state_layers = head.config.aux_layers
+        self.feature_width = 3 * head.config.target_hidden_size
+
+    @classmethod
+    def load(
+        cls,
+        head_path: str,
+        target_path: str,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+    ) -> Eagle3Proposer:
+        head = load_eagle3(head_path, target_path, dtype, device)
+        return cls(head, head.make_kv_cache(num_pages, page_size))
+
+    # -- per-sequence state ----------------------------------------------------------------
+
+    def new_state(self, seq: DraftSeq) -> EagleSeqState:
+        empty = torch.zeros(0, self.feature_width, dtype=self.head.dtype, device=self.head.device)
+        return EagleSeqState(self.kv.new_seq(), empty)
+
+    def _state(self, seq: DraftSeq) -> EagleSeqState:
+        assert isinstance(seq.state, EagleSeqState)
+        return seq.state
+
+    def truncate(self, seq: DraftSeq, length: int) -> None:
+        state = self._state(seq)
+        state.features = state.features[:length]
+        # entry i reads x_{i+1}: keep those with i + 1 < length
+        state.kv.kv_committed_len = min(state.kv.kv_committed_len, max(length - 1, 0))
+        self.kv.trim(state.kv, state.kv.kv_committed_len)
+
+    def kv_committed_len(self, seq: DraftSeq) -> int:
+        return self._state(seq).kv.kv_committed_len
+
+    def release(self, seq: DraftSeq) -> None:
+        self.kv.release(self._state(seq).kv)
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.kv.allocator.num_used
+
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    # -- TreeProposer hooks ----------------------------------------------------------------
+
+    def _seq_kv(self, seq: DraftSeq) -> SeqKV:
+        return self._state(seq).kv
+
+    def _set_generator(
+        self, seq: DraftSeq, seed: int | None, device: torch.device
+    ) -> torch.Generator:
+        state = self._state(seq)
+        state.generator = ensure_generator(state.generator, seed, device)
+        return state.generator
+
+    def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
+        steps = [self._frontier_step(t) for t in trees]
+        features = torch.stack(
+            [t.node_hidden[t.parents[node]] for t in trees for node in t.frontier]
+        )  # [sum f, H]: each node reads its parent's output
+        logits, hidden = self._forward(steps, features)
+        row = 0
+        for tree in trees:
+            for node in tree.frontier:
+                tree.node_hidden[node] = hidden[row]
+                row += 1
+        return self.head.target_logits(logits)  # [sum f, V]
+
+    def _forward(
+        self, steps: list[SeqStep], features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _ = build_forward_batch(steps)
+        return self.head.forward(batch.to(self.head.device), self.kv, features)
+
+    # -- drafting --------------------------------------------------------------------------
+
+    def add_features(self, job: DraftJob) -> None:
+        """Append the job's target features (rows for tokens[start:]) after those kept."""
+        rows = job.target_hidden_states
+        if rows is None or rows.shape[0] == 0:
+            return
+        state = self._state(job.seq)
+        if rows.dim() != 2 or rows.shape[1] != self.feature_width:
+            raise invalid(
+                f"target_hidden_states shape {tuple(rows.shape)} for {job.seq.seq_id!r}: "
+                f"want [rows, {self.feature_width}]"
+            )
+        if state.features.shape[0] != job.start:
+            raise invalid(
+                f"target_hidden_states for {job.seq.seq_id!r} start at token {job.start}, "
+                f"the drafter has features up to {state.features.shape[0]}"
+            )
+        rows = rows.to(device=self.head.device, dtype=self.head.dtype)
+        state.features = torch.cat([state.features, rows])
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        try:
+            return self._propose(jobs)
+        finally:
+            for job in jobs:
+                kv = self._state(job.seq).kv
+                self.kv.trim(kv, kv.kv_committed_len)
+
+    def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        steps, features, drafting = [], [], []
+        for job in jobs:
+            self.add_features(job)
+            state = self._state(job.seq)
+            tokens = job.seq.tokens
+            num_entries = min(state.features.shape[0], len(tokens) - 1)  # entries 0..n-1 possible
+            draft = num_entries == len(tokens) - 1 >= 1 and job.spec.num_steps > 0
+            first = state.kv.kv_committed_len
+            if draft:
+                first = min(first, num_entries - 1)  # recompute the root entry for its output
+            self.kv.reserve(state.kv, num_entries + (job.spec.max_draft_tokens if draft else 0))
+            if first < num_entries:
+                q = num_entries - first
+                mask = torch.ones(q, num_entries, dtype=torch.bool).tril(first)
+                steps.append(
+                    SeqStep(
+                        seq=state.kv,
+                        input_ids=tokens[first + 1 : num_entries + 1],
+                        positions=list(range(first, num_entries)),
+                        storage=list(range(first, num_entries)),
+                        mask=mask,
+                        logit_rows=[q - 1] if draft else [],
+                    )
+                )
+                features.append(self.head.fuse(state.features[first:num_entries]))
+            state.kv.kv_committed_len = num_entries
+            if draft:
+                drafting.append(job)
+        trees: list[_Expansion] = []
+        drafted: list[DraftTree] = []
+        if steps:
+            logits, hidden = self._forward(steps, torch.cat(features))  # [D, Vd], [D, H]
+            trees = [
+                _Expansion(job, node_hidden={-1: h})
+                for job, h in zip(drafting, hidden, strict=True)
+            ]
+            drafted = self._expand(drafting, self.head.target_logits(logits), trees)
+        by_seq = {t.job.seq.seq_id: tree for t, tree in zip(trees, drafted, strict=True)}
+        return [by_seq.get(job.seq.seq_id, DraftTree()) for job in jobs]

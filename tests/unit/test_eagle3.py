@@ -1,0 +1,231 @@
+"""EAGLE-3 head: paged forward vs a plain reference, lossless greedy through the stack, and the
+verifier's hidden states arriving in the drafter as the target's own layer outputs."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafter.eagle import Eagle3Head, default_aux_layers, load_eagle3, save_random_eagle3
+from drafter.eagle_proposer import Eagle3Proposer
+from gateway.request import GenerationRequest
+from specsplit.messages import SpecParams
+from specsplit.model.loader import load_model
+from specsplit.model.rope import apply_rotary, rope_cos_sin
+from specsplit.step import SeqStep, build_forward_batch
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack, save_tiny_llama
+
+MAX_NEW_TOKENS = 12
+DRAFT_VOCAB = 200
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eagle")
+    target = save_tiny_llama(root / "target", seed=0, num_layers=4)
+    _, config = load_model(str(target), dtype=torch.float64, device="cpu")
+    return {
+        "target": target,
+        "head": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=DRAFT_VOCAB),
+    }
+
+
+def _head(models: dict[str, Path]) -> Eagle3Head:
+    return load_eagle3(str(models["head"]), str(models["target"]), torch.float64, "cpu")
+
+
+def _reference(
+    head: Eagle3Head, ids: list[int], positions: list[int], features: torch.Tensor, mask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head over all tokens at once with plain torch ops: logits [T, Vd], outputs [T, H]."""
+    c, w, m = head.config, head.w, "midlayer."
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w[name]
+
+    t = len(ids)
+    x = torch.cat(
+        [
+            norm(head.embed[ids], m + "input_layernorm.weight"),
+            norm(features, m + "hidden_norm.weight"),
+        ],
+        dim=-1,
+    )
+    a = m + "self_attn."
+    q = (x @ w[a + "q_proj.weight"].T).view(t, c.num_heads, c.head_dim)
+    k = (x @ w[a + "k_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim)
+    v = (x @ w[a + "v_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim)
+    cos, sin = rope_cos_sin(torch.tensor(positions), head.inv_freq, x.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    groups = c.num_heads // c.num_kv_heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim**0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(t, -1) @ w[a + "o_proj.weight"].T
+    h = features + attn
+    y = norm(h, m + "post_attention_layernorm.weight")
+    mlp = (F.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) @ w[
+        m + "mlp.down_proj.weight"
+    ].T
+    out = h + mlp
+    return norm(out, "norm.weight") @ w["lm_head.weight"].T, out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> None:
+    head = _head(models)
+    assert head.config.aux_layers == default_aux_layers(4) == (1, 1, 0)
+    kv = head.make_kv_cache(num_pages=64, page_size=page_size)
+    seq = kv.new_seq()
+    gen = torch.Generator().manual_seed(0)
+    n, hidden = 9, head.config.hidden_size
+    ids = torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist()
+    target_rows = torch.randn(n, 3 * hidden, generator=gen, dtype=torch.float64)
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 1])  # depths 1, 2, 1, 3
+    tree_features = torch.randn(len(tree), hidden, generator=gen, dtype=torch.float64)
+    kv.reserve(seq, n + len(tree))
+    try:
+        prefill = SeqStep(
+            seq,
+            ids,
+            list(range(n)),
+            list(range(n)),
+            torch.ones(n, n, dtype=torch.bool).tril(),
+            list(range(n)),
+        )
+        batch, _ = build_forward_batch([prefill])
+        logits_p, out_p = head.forward(batch, kv, head.fuse(target_rows))
+        seq.kv_committed_len = n
+        mask_t = torch.zeros(len(tree), n + len(tree), dtype=torch.bool)
+        mask_t[:, :n] = True
+        mask_t[:, n:] = tree.ancestor_mask()
+        positions_t = [n - 1 + d for d in tree.depths()]
+        step = SeqStep(
+            seq,
+            tree.tokens,
+            positions_t,
+            list(range(n, n + len(tree))),
+            mask_t,
+            list(range(len(tree))),
+        )
+        batch, _ = build_forward_batch([step])
+        logits_t, out_t = head.forward(batch, kv, tree_features)
+    finally:
+        kv.release(seq)
+    mask = torch.zeros(n + len(tree), n + len(tree), dtype=torch.bool)
+    mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    mask[n:] = mask_t
+    ref_logits, ref_out = _reference(
+        head,
+        ids + tree.tokens,
+        list(range(n)) + positions_t,
+        torch.cat([head.fuse(target_rows), tree_features]),
+        mask,
+    )
+    torch.testing.assert_close(logits_p, ref_logits[:n].float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits_t, ref_logits[n:].float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.cat([out_p, out_t]), ref_out, rtol=1e-5, atol=1e-6
+    )  # rms_norm in fp32
+
+
+def test_draft_ids_map_to_target_ids_through_d2t(models) -> None:
+    head = _head(models)
+    assert head.d2t is not None and head.d2t.shape == (DRAFT_VOCAB,)
+    logits = torch.randn(2, DRAFT_VOCAB, dtype=torch.float32)
+    full = head.target_logits(logits)
+    targets = head.to_target_ids(torch.arange(DRAFT_VOCAB))
+    assert full.shape == (2, TINY_VOCAB)
+    assert torch.equal(full[:, targets], logits)
+    assert int(torch.isfinite(full).sum()) == 2 * DRAFT_VOCAB
+    assert torch.equal(full.argmax(-1), targets[logits.argmax(-1)])
+
+
+def _prompts(batch_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, TINY_VOCAB, (3 + 4 * i,), generator=gen).tolist()
+        for i in range(batch_size)
+    ]
+
+
+def _requests(prompts: list[list[int]]) -> list[GenerationRequest]:
+    return [GenerationRequest(p, MAX_NEW_TOKENS, ignore_eos=True) for p in prompts]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(1, 3, 3), (2, 3, 6)])
+def test_eagle3_speculative_greedy_equals_target_greedy(
+    models, smollm2_tokenizer, topk: int, num_steps: int, num_draft_tokens: int, page_size: int
+) -> None:
+    prompts = _prompts(3, seed=11)
+    plain = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0))
+    expected = [generated_ids(c) for c in generate_all(plain, _requests(prompts))]
+    spec = SpecParams(num_steps, topk, num_draft_tokens)
+    stack = make_stack(
+        models["target"],
+        "eagle3",
+        smollm2_tokenizer,
+        spec,
+        draft_dir=models["head"],
+        page_size=page_size,
+    )
+    assert stack.scheduler.hidden_state_layers == (1, 1, 0)
+    out = generate_all(stack, _requests(prompts))
+    assert [generated_ids(c) for c in out] == expected
+    for chunks in out:
+        assert chunks[-1].stats is not None
+        assert chunks[-1].stats.num_accepted_tokens == MAX_NEW_TOKENS
+
+
+def test_drafter_features_are_the_targets_layer_outputs(
+    models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every feature row the head reads is the target's (bf16) fused output of its aux layers at
+    that token, as a plain prefill of the final tokens computes it; each arrives exactly once."""
+    received: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    original = Eagle3Proposer.add_features
+
+    def record(self: Eagle3Proposer, job) -> None:  # type: ignore[no-untyped-def]
+        if job.target_hidden_states is not None and job.target_hidden_states.shape[0]:
+            received.setdefault(job.seq.seq_id, []).append((job.start, job.target_hidden_states))
+        original(self, job)
+
+    monkeypatch.setattr(Eagle3Proposer, "add_features", record)
+    stack = make_stack(
+        models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
+    )
+    prompt = _prompts(1, seed=5)[0]
+    (chunks,) = generate_all(stack, _requests([prompt]))
+    tokens = prompt + generated_ids(chunks)
+    (calls,) = received.values()
+    assert calls[0][0] == 0  # the prefill's rows, after an empty first draft
+    for (start, rows), (next_start, _) in itertools.pairwise(calls):
+        assert next_start == start + rows.shape[0]  # contiguous, no row twice
+    features = torch.cat([rows for _, rows in calls])  # rows for tokens[0 : F]
+    model = stack.verifier.model
+    kv = stack.verifier.kv
+    seq = kv.new_seq()
+    kv.reserve(seq, len(tokens))
+    try:
+        step = SeqStep(
+            seq,
+            tokens,
+            list(range(len(tokens))),
+            list(range(len(tokens))),
+            torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril(),
+            list(range(len(tokens))),
+        )
+        batch, _ = build_forward_batch([step])
+        plain = model(batch, kv, aux_layers=(1, 1, 0)).hidden_states
+    finally:
+        kv.release(seq)
+    assert plain is not None
+    assert features.dtype == torch.bfloat16
+    assert features.shape[0] >= len(prompt)
+    assert torch.equal(features, plain[: features.shape[0]].to(torch.bfloat16))
