@@ -166,7 +166,12 @@ class DrafterEngine:
         except KVCacheFullError as e:
             raise ServiceError(Code.RESOURCE_EXHAUSTED, f"drafter {e}") from e
         return [
-            DraftOutput(job.seq.seq_id, tree, self.proposer.kv_committed_len(job.seq))
+            DraftOutput(
+                job.seq.seq_id,
+                tree,
+                self.proposer.kv_committed_len(job.seq),
+                self.hidden_state_layers,
+            )
             for job, tree in zip(jobs, trees, strict=True)
         ]
 

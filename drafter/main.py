@@ -17,14 +17,15 @@ async def serve(
     model_path: str | None,
     *,
     draft_layers: int | None = None,
+    target_path: str | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     num_pages: int | None = None,
     page_size: int = 16,
     grace: float = 5.0,
 ) -> None:
-    """Listen on `address`, load the drafter (kind "model", "self" or "ngram") off the event
-    loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop."""
+    """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
+    the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop."""
     sizes: dict[str, Any] = {"page_size": page_size}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -33,6 +34,7 @@ async def serve(
         kind,
         model_path,
         draft_layers=draft_layers,
+        target_path=target_path,
         device=device,
         dtype=torch_dtype(dtype),
         **sizes,

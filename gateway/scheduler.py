@@ -179,6 +179,11 @@ class Scheduler:
             with contextlib.suppress(ServiceError):
                 await self.drafter.release([seq.seq_id for seq in batch])
             return [DraftTree() for _ in batch]
+        for seq, out in zip(batch, outputs, strict=True):
+            if not seq.verifier_begun:  # before its prefill: ask the verifier for these layers
+                seq.adopt_hidden_state_layers(out.hidden_state_layers)
+        if outputs:
+            self.hidden_state_layers = outputs[0].hidden_state_layers
         return [out.tree for out in outputs]
 
     async def _fail_round(self, error: ServiceError) -> None:

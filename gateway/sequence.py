@@ -84,6 +84,16 @@ class Sequence:
             self.hidden_states = [torch.cat(self.hidden_states)]
         return self.hidden_states[0]
 
+    def adopt_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """The drafter reads these target layers (learned from its answer, before the prefill):
+        its tokens are sent again from where the features will start."""
+        if layers != self.hidden_state_layers:
+            self.hidden_state_layers = layers
+            if layers:
+                self.drafter_num_tokens = min(
+                    self.drafter_num_tokens, self.verifier_kv_committed_len
+                )
+
     def forget_drafter(self) -> None:
         """The drafter lost (or may have lost) this sequence: start over on the next Draft."""
         self.drafter_begun = False

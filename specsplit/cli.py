@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
 METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
-DRAFTER_KINDS = ("ngram", "self", "model")
+DRAFTER_KINDS = ("ngram", "self", "model", "eagle3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -80,9 +80,12 @@ def _model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> Non
 
 
 def _drafter_flags(parser: argparse.ArgumentParser) -> None:
-    kind_help = "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model)"
+    kind_help = (
+        "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model), "
+        "eagle3 (--draft-model = an EAGLE-3 head for --model)"
+    )
     _flag(parser, "--drafter", "ngram", kind_help, choices=DRAFTER_KINDS)
-    _flag(parser, "--draft-model", None, "draft checkpoint for --drafter model")
+    _flag(parser, "--draft-model", None, "draft checkpoint (--drafter model) or head (eagle3)")
     _flag(parser, "--draft-layers", None, "layers for --drafter self", type=_optional_int)
 
 
@@ -180,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Cross-flag rules argparse cannot express."""
-    if getattr(args, "drafter", None) == "model" and not args.draft_model:
-        parser.error("--drafter model needs --draft-model")
+    if getattr(args, "drafter", None) in ("model", "eagle3") and not args.draft_model:
+        parser.error(f"--drafter {args.drafter} needs --draft-model")
     if getattr(args, "drafter", None) == "self" and not args.draft_layers:
         parser.error("--drafter self needs --draft-layers K (K > 0)")
     if hasattr(args, "num_steps"):
@@ -230,12 +233,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def serve_drafter(args: argparse.Namespace) -> int:
     from drafter.main import serve
 
-    model_path = args.draft_model if args.drafter == "model" else None
+    model_path = args.draft_model if args.drafter in ("model", "eagle3") else None
     if args.drafter == "self":  # the target's first layers
         model_path = _model_path(args)
+    target_path = _model_path(args) if args.drafter == "eagle3" else None  # its embeddings
     kwargs = _engine_kwargs(args)
     asyncio.run(
-        serve(args.listen, args.drafter, model_path, draft_layers=args.draft_layers, **kwargs)
+        serve(
+            args.listen,
+            args.drafter,
+            model_path,
+            draft_layers=args.draft_layers,
+            target_path=target_path,
+            **kwargs,
+        )
     )
     return 0
 

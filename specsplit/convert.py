@@ -166,7 +166,10 @@ def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
 
 def draft_output_to_proto(item: DraftOutput) -> drafter_pb2.SequenceDraftOutput:
     return drafter_pb2.SequenceDraftOutput(
-        seq_id=item.seq_id, tree=tree_to_proto(item.tree), kv_committed_len=item.kv_committed_len
+        seq_id=item.seq_id,
+        tree=tree_to_proto(item.tree),
+        kv_committed_len=item.kv_committed_len,
+        hidden_state_layers=item.hidden_state_layers,
     )
 
 
@@ -175,6 +178,7 @@ def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput
         seq_id=msg.seq_id,
         tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree"),
         kv_committed_len=msg.kv_committed_len,
+        hidden_state_layers=tuple(msg.hidden_state_layers),
     )
 
 

@@ -72,6 +72,7 @@ class DraftOutput:
     seq_id: str
     tree: DraftTree
     kv_committed_len: int  # tokens the drafter's KV covers, a prefix of the gateway's tokens
+    hidden_state_layers: tuple[int, ...] = ()  # target layers the drafter reads (EAGLE-3)
 
 
 @dataclass
