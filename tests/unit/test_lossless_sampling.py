@@ -18,8 +18,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from drafter.eagle import save_random_eagle3
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
+from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams, target_probs
 from tests.support import generate_all, generated_ids, make_stack, save_tiny_llama
 
@@ -31,9 +33,12 @@ PROMPT = [3, 7, 1, 12, 5]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sampling_models")
+    target = save_tiny_llama(root / "target", seed=3, vocab_size=VOCAB)
+    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
     return {
-        "target": save_tiny_llama(root / "target", seed=3, vocab_size=VOCAB),
+        "target": target,
         "draft": save_tiny_llama(root / "draft", seed=4, vocab_size=VOCAB, num_layers=1),
+        "eagle3": save_random_eagle3(root / "head", config, seed=5),
     }
 
 
@@ -62,17 +67,20 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
             SpecParams(2, 4, 6),
             SamplingParams(temperature=1.3, top_p=0.9, top_k=8),
         ),
+        ("eagle3_chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0)),
+        ("eagle3_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8)),
     ],
 )
 def test_first_tokens_follow_target_distribution(
     models, smollm2_tokenizer, name: str, spec: SpecParams, sampling: SamplingParams
 ) -> None:
+    drafter = "eagle3" if name.startswith("eagle3") else "model"
     stack = make_stack(
         models["target"],
-        "model",
+        drafter,
         smollm2_tokenizer,
         spec,
-        draft_dir=models["draft"],
+        draft_dir=models[drafter if drafter == "eagle3" else "draft"],
         dtype=torch.float32,
         num_pages=2048,
     )
