@@ -56,7 +56,8 @@ class Sequence:
         return self.spec.capped(left - 1)
 
     def draft_input(self) -> DraftInput:
-        start = self.drafter_num_tokens
+        # at least the root goes out again: after a failed verify nothing new was committed
+        start = min(self.drafter_num_tokens, len(self.tokens) - 1)
         item = DraftInput(
             seq_id=self.seq_id,
             begin=not self.drafter_begun,

@@ -216,3 +216,22 @@ def test_drafter_down_keeps_generating_the_same_tokens(services: Services) -> No
         threading.Event().wait(0.5)
     assert deadline_rounds[-1] > 0
     services.wait_no_pages_used()
+
+
+def test_verifier_restart_mid_stream_loses_and_repeats_nothing(services: Services) -> None:
+    stub = services.gateway()
+    prompt = _prompt(5)
+    expected = ids_of(generate(stub, token_request(prompt, 60, spec=SPEC, ignore_eos=True)))
+    call = stub.Generate(token_request(prompt, 60, spec=SPEC, ignore_eos=True), timeout=300)
+    received: list[int] = []
+    restarted = False
+    for response in call:
+        received += response.token_ids
+        if len(received) >= 6 and not restarted:
+            services.stop("verifier", signal.SIGKILL)  # mid-stream: the sequence's KV is gone
+            services.start("verifier")  # the gateway re-prefills from its own tokens
+            restarted = True
+    assert restarted
+    assert received == expected
+    services.wait_serving("verifier", 240)
+    services.wait_no_pages_used()
