@@ -18,24 +18,23 @@ nothing to draft from (the first round, before the verifier's prefill): the tree
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from drafter.eagle import Eagle3Head, load_eagle3
 from drafter.engine import DraftJob, DraftSeq
-from drafter.tree_draft import TreeProposer, _Expansion, ensure_generator
+from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from specsplit.errors import invalid
-from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.kv_cache import KVCache
 from specsplit.step import SeqStep, build_forward_batch
 from specsplit.tree import DraftTree
 
 
 @dataclass
-class EagleSeqState:
-    kv: SeqKV  # kv_committed_len = head entries computed (<= len(tokens) - 1)
-    features: torch.Tensor  # [F, 3 * Ht] target features of tokens[0 : F]
-    generator: torch.Generator | None = None
+class EagleSeqState(DraftKVState):
+    # kv.kv_committed_len = head entries computed (<= len(tokens) - 1)
+    features: torch.Tensor = field(kw_only=True)  # [F, 3 * Ht] target features of tokens[0 : F]
 
 
 class Eagle3Proposer(TreeProposer):
@@ -65,11 +64,12 @@ class Eagle3Proposer(TreeProposer):
 
     def new_state(self, seq: DraftSeq) -> EagleSeqState:
         empty = torch.zeros(0, self.feature_width, dtype=self.head.dtype, device=self.head.device)
-        return EagleSeqState(self.kv.new_seq(), empty)
+        return EagleSeqState(self.kv.new_seq(), features=empty)
 
     def _state(self, seq: DraftSeq) -> EagleSeqState:
-        assert isinstance(seq.state, EagleSeqState)
-        return seq.state
+        state = super()._state(seq)
+        assert isinstance(state, EagleSeqState)
+        return state
 
     def truncate(self, seq: DraftSeq, length: int) -> None:
         state = self._state(seq)
@@ -78,34 +78,7 @@ class Eagle3Proposer(TreeProposer):
         state.kv.kv_committed_len = min(state.kv.kv_committed_len, max(length - 1, 0))
         self.kv.trim(state.kv, state.kv.kv_committed_len)
 
-    def kv_committed_len(self, seq: DraftSeq) -> int:
-        return self._state(seq).kv.kv_committed_len
-
-    def release(self, seq: DraftSeq) -> None:
-        self.kv.release(self._state(seq).kv)
-
-    @property
-    def num_pages_used(self) -> int:
-        return self.kv.allocator.num_used
-
-    @property
-    def num_pages_free(self) -> int:
-        return self.kv.allocator.num_free
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity()
-
     # -- TreeProposer hooks ----------------------------------------------------------------
-
-    def _seq_kv(self, seq: DraftSeq) -> SeqKV:
-        return self._state(seq).kv
-
-    def _set_generator(
-        self, seq: DraftSeq, seed: int | None, device: torch.device
-    ) -> torch.Generator:
-        state = self._state(seq)
-        state.generator = ensure_generator(state.generator, seed, device)
-        return state.generator
 
     def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
         steps = [self._frontier_step(t) for t in trees]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.engine import DraftJob, DraftSeq
-from specsplit.kv_cache import SeqKV
+from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.sampling import make_generator, sample, target_probs
 from specsplit.step import SeqStep
 from specsplit.tree import DraftTree
@@ -48,17 +48,51 @@ class _Expansion:
         return idx
 
 
+@dataclass
+class DraftKVState:
+    """A sequence's state in a model-backed proposer: its draft KV and sampling generator."""
+
+    kv: SeqKV
+    generator: torch.Generator | None = None
+
+
 class TreeProposer:
-    """Tree expansion over a model with its own paged KV. Subclasses provide `_seq_kv`,
-    `_generator_of` holders and `_forward_frontier` (logits [sum of frontiers, vocab])."""
+    """Tree expansion over a model with its own paged KV (`self.kv`); per-sequence state is a
+    DraftKVState. Subclasses provide `_forward_frontier` (logits [sum of frontiers, vocab])."""
+
+    kv: KVCache
+
+    def _state(self, seq: DraftSeq) -> DraftKVState:
+        assert isinstance(seq.state, DraftKVState)
+        return seq.state
 
     def _seq_kv(self, seq: DraftSeq) -> SeqKV:
-        raise NotImplementedError
+        return self._state(seq).kv
 
     def _set_generator(
         self, seq: DraftSeq, seed: int | None, device: torch.device
     ) -> torch.Generator:
-        raise NotImplementedError
+        state = self._state(seq)
+        if state.generator is None:
+            state.generator = make_generator(_draft_seed(seed), device)
+        return state.generator
+
+    def kv_committed_len(self, seq: DraftSeq) -> int:
+        return self._seq_kv(seq).kv_committed_len
+
+    def release(self, seq: DraftSeq) -> None:
+        self.kv.release(self._seq_kv(seq))
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.kv.allocator.num_used
+
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
 
     def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
         raise NotImplementedError
@@ -139,9 +173,3 @@ class TreeProposer:
         new_index = {old: new for new, old in enumerate(chosen)}
         parents = [new_index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in chosen]
         return DraftTree([tree.tokens[i] for i in chosen], parents)
-
-
-def ensure_generator(
-    current: torch.Generator | None, seed: int | None, device: torch.device
-) -> torch.Generator:
-    return current if current is not None else make_generator(_draft_seed(seed), device)
