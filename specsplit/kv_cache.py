@@ -72,9 +72,12 @@ class SeqKV:
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) as int64 [end - start]."""
         assert 0 <= start <= end <= self.kv_allocated_len, (start, end, self.kv_allocated_len)
-        pos = torch.arange(start, end, dtype=torch.int64)
+        return self.slots_of(torch.arange(start, end, dtype=torch.int64))
+
+    def slots_of(self, storage: torch.Tensor) -> torch.Tensor:
+        """Cache slots of the storage indices (positions in this sequence's pages), int64."""
         table = torch.tensor(self.page_table, dtype=torch.int64)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+        return table[storage // self.page_size] * self.page_size + storage % self.page_size
 
 
 class KVCache:
@@ -101,11 +104,14 @@ class KVCache:
     def new_seq(self) -> SeqKV:
         return SeqKV(page_size=self.page_size)
 
+    def num_new_pages(self, seq: SeqKV, length: int) -> int:
+        """Pages `reserve(seq, length)` would allocate."""
+        return max(0, -(-length // self.page_size) - len(seq.page_table))
+
     def reserve(self, seq: SeqKV, length: int) -> None:
         """Make sure `length` slots are allocated (rounded up to whole pages)."""
-        num_pages = -(-length // self.page_size)
-        if num_pages > len(seq.page_table):
-            seq.page_table.extend(self.allocator.alloc(num_pages - len(seq.page_table)))
+        if need := self.num_new_pages(seq, length):
+            seq.page_table.extend(self.allocator.alloc(need))
 
     def trim(self, seq: SeqKV, length: int) -> None:
         """Free the pages not needed to hold `length` tokens."""
@@ -124,8 +130,8 @@ class KVCache:
         src = src_slots.to(self.k[0].device)
         dst = dst_slots.to(self.k[0].device)
         for k, v in zip(self.k, self.v, strict=True):
-            k[dst] = k[src].clone()
-            v[dst] = v[src].clone()
+            k[dst] = k[src]  # advanced indexing gathers into a new tensor first
+            v[dst] = v[src]
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

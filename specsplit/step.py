@@ -72,11 +72,7 @@ def build_forward_batch(steps: list[SeqStep]) -> tuple[ForwardBatch, list[slice]
         assert len(step.positions) == len(step.storage) == q == step.mask.shape[0]
         input_ids += step.input_ids
         positions += step.positions
-        table = torch.tensor(step.seq.page_table, dtype=torch.int64)
-        storage = torch.tensor(step.storage, dtype=torch.int64)
-        slot_mapping.append(
-            table[storage // step.seq.page_size] * step.seq.page_size + storage % step.seq.page_size
-        )
+        slot_mapping.append(step.seq.slots_of(torch.tensor(step.storage, dtype=torch.int64)))
         start = len(logit_indices)
         logit_indices += [offset + row for row in step.logit_rows]
         logit_slices.append(slice(start, len(logit_indices)))

@@ -59,3 +59,15 @@ def no_kv_pages_leak(
     for cache in created:
         cache.check_integrity()
         assert raw or cache.allocator.num_used == 0, f"{cache.allocator.num_used} KV pages leaked"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP
+    spin-waiting makes them ~10x slower; restored after the module that asks for it."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

@@ -185,11 +185,11 @@ class VerifierEngine:
 
     def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
         """Reserve room for pending + tree of every sequence, or nothing at all."""
-        page = self.kv.page_size
-        need = 0
-        for item, seq in zip(inputs, seqs, strict=True):
-            length = seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
-            need += max(0, -(-length // page) - len(seq.kv.page_table))
+        lengths = [
+            seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
+            for item, seq in zip(inputs, seqs, strict=True)
+        ]
+        need = sum(self.kv.num_new_pages(seq.kv, n) for seq, n in zip(seqs, lengths, strict=True))
         if need > self.kv.allocator.num_free:
             for item in inputs:
                 if item.begin:
@@ -199,10 +199,8 @@ class VerifierEngine:
                 f"verifier KV cache full: round needs {need} pages, "
                 f"{self.kv.allocator.num_free} free",
             )
-        for item, seq in zip(inputs, seqs, strict=True):
-            self.kv.reserve(
-                seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
-            )
+        for seq, length in zip(seqs, lengths, strict=True):
+            self.kv.reserve(seq.kv, length)
 
     def release(self, seq_ids: list[str]) -> int:
         released = 0

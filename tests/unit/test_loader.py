@@ -7,7 +7,6 @@ import copy
 import importlib.metadata
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +35,8 @@ from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMALL: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
@@ -52,16 +53,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP
-    spin-waiting makes them ~10x slower; restored after this module."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 # --- ModelConfig.from_hf ---------------------------------------------------------------------

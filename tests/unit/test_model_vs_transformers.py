@@ -8,7 +8,6 @@ compared on prefill, ragged batches, paged decode, tree steps, aux hidden states
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,10 @@ from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 
-pytestmark = pytest.mark.raw_kv  # forward math on hand-built caches
+pytestmark = [
+    pytest.mark.raw_kv,  # forward math on hand-built caches
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 ATOL = 3e-5  # float32; logits are O(1..10), observed max error 1.2e-5
 VOCAB = 96
@@ -44,16 +46,6 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP
-    spin-waiting makes them ~10x slower; restored after this module."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def _hf_configs() -> dict[str, PreTrainedConfig]:
