@@ -36,7 +36,7 @@ class Sequence:
     last_token_ns: int | None = None  # elapsed_ns of the last chunk with tokens (metrics)
     span: Any = None  # the request's trace span (specsplit.telemetry)
     # EAGLE drafters: target layers the verifier returns, and their rows for
-    # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16 chunks, in order)
+    # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16, one chunk per round)
     hidden_state_layers: tuple[int, ...] = ()
     hidden_states: list[torch.Tensor] = field(default_factory=list)
 
@@ -72,18 +72,24 @@ class Sequence:
         if self.hidden_state_layers:
             # rows for tokens[start : verifier_kv_committed_len]; next time start where the
             # features end, so the drafter gets the feature of every token exactly once
-            history = self._hidden_history()
-            item.target_hidden_states = history[start:] if history is not None else None
+            item.target_hidden_states = self._hidden_rows_from(start)
             self.drafter_num_tokens = min(len(self.tokens), self.verifier_kv_committed_len)
         return item
 
-    def _hidden_history(self) -> torch.Tensor | None:
-        """All rows kept, as one tensor [verifier_kv_committed_len, layers * hidden]."""
+    def _hidden_rows_from(self, start: int) -> torch.Tensor | None:
+        """Rows for tokens[start : verifier_kv_committed_len], joining only the chunks they span
+        (the drafter's start is near the end: no copy of the whole history every round)."""
         if not self.hidden_states:
             return None
-        if len(self.hidden_states) > 1:
-            self.hidden_states = [torch.cat(self.hidden_states)]
-        return self.hidden_states[0]
+        picked: list[torch.Tensor] = []
+        end = self.verifier_kv_committed_len
+        for chunk in reversed(self.hidden_states):
+            if end <= start:
+                break
+            begin = end - chunk.shape[0]
+            picked.append(chunk[max(start - begin, 0) :])
+            end = begin
+        return torch.cat(picked[::-1]) if picked else self.hidden_states[-1][:0]
 
     def adopt_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """The drafter reads these target layers (learned from its answer, before the prefill):
@@ -125,9 +131,9 @@ class Sequence:
         if self.hidden_state_layers:
             # the verifier's rows cover tokens[old kv_committed_len : new kv_committed_len]
             assert out.hidden_states is not None, self.seq_id
-            history = self._hidden_history()
-            prefix = [] if history is None else [history[: self.verifier_kv_committed_len]]
-            self.hidden_states = [*prefix, out.hidden_states]
+            num_rows = sum(chunk.shape[0] for chunk in self.hidden_states)
+            assert num_rows == self.verifier_kv_committed_len, (self.seq_id, num_rows)
+            self.hidden_states.append(out.hidden_states)
             assert (
                 out.hidden_states.shape[0] == out.kv_committed_len - self.verifier_kv_committed_len
             )
