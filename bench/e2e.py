@@ -22,7 +22,11 @@ from transformers import AutoModelForCausalLM
 
 from bench.acceptance import bundled_prompts
 from gateway.text import apply_chat_template
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.loader import (
+    embedded_default_model_path,
+    from_pretrained_args,
+    load_tokenizer,
+)
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -113,11 +117,7 @@ def run_services(
 def run_hf(
     args: argparse.Namespace, prompts: list[list[int]], path: str
 ) -> dict[str, tuple[float, int, float, list[list[int]]]]:
-    name, kwargs = (
-        (os.path.dirname(path), {"gguf_file": os.path.basename(path)})
-        if path.endswith(".gguf")
-        else (path, {})
-    )
+    name, kwargs = from_pretrained_args(path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
     results = {}

@@ -11,18 +11,15 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
 
 import grpc
-from transformers import AutoConfig, GenerationConfig
 
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.scheduler import Scheduler
 from gateway.servicer import GatewayServicer, ModelInfo
 from specsplit.messages import SpecParams
-from specsplit.model.config import ModelConfig
-from specsplit.model.loader import load_tokenizer
+from specsplit.model.loader import load_config, load_tokenizer
 from specsplit.server import serve as serve_host
 
 log = logging.getLogger(__name__)
@@ -33,18 +30,8 @@ WAIT_LOG_INTERVAL_S = 10.0
 def read_model_info(model_path: str) -> ModelInfo:
     """Tokenizer, vocabulary size, context length and EOS ids of a checkpoint directory or a
     .gguf file (the EOS ids merge the config's, the generation config's and the tokenizer's)."""
-    name = model_path
-    kwargs: dict[str, Any] = {}
-    if model_path.lower().endswith(".gguf"):  # transformers wants the directory + gguf_file=
-        name = os.path.dirname(os.path.abspath(model_path))
-        kwargs = {"gguf_file": os.path.basename(model_path)}
     tokenizer = load_tokenizer(model_path)
-    hf_config = AutoConfig.from_pretrained(name, **kwargs)
-    try:
-        generation_config = GenerationConfig.from_pretrained(name, **kwargs)
-    except (OSError, ValueError):  # none shipped (GGUF files carry none)
-        generation_config = None
-    config = ModelConfig.from_hf(hf_config, generation_config)
+    config = load_config(model_path)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
     eos_ids = config.eos_token_ids + ((tokenizer_eos,) if tokenizer_eos is not None else ())
     return ModelInfo(

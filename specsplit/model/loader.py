@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, state_dict_from_hf
@@ -29,7 +29,7 @@ def _is_gguf(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def _from_pretrained_args(path: str) -> tuple[str, dict[str, Any]]:
+def from_pretrained_args(path: str) -> tuple[str, dict[str, Any]]:
     """(name_or_dir, kwargs) for transformers' from_pretrained: a .gguf file is passed as its
     directory plus gguf_file=<basename>."""
     if _is_gguf(path):
@@ -50,7 +50,7 @@ def load_model(
     """Our model and its config from a checkpoint directory or .gguf file. With `num_layers`,
     keep only the first `num_layers` decoder layers (the others are never copied to device)."""
     log.info("loading %s", path)
-    name, kwargs = _from_pretrained_args(path)
+    name, kwargs = from_pretrained_args(path)
     hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     config = ModelConfig.from_hf(hf_model.config, getattr(hf_model, "generation_config", None))
     if num_layers is not None:
@@ -82,9 +82,21 @@ def load_model(
     return model, config
 
 
+def load_config(path: str) -> ModelConfig:
+    """The checkpoint's config without its weights (EOS ids merged with its generation
+    config's, where one is shipped: GGUF files carry none)."""
+    name, kwargs = from_pretrained_args(path)
+    hf_config = AutoConfig.from_pretrained(name, **kwargs)
+    try:
+        generation_config = GenerationConfig.from_pretrained(name, **kwargs)
+    except (OSError, ValueError):
+        generation_config = None
+    return ModelConfig.from_hf(hf_config, generation_config)
+
+
 def load_tokenizer(path: str) -> Any:
     """The checkpoint's tokenizer (AutoTokenizer; read from the GGUF metadata for a .gguf)."""
-    name, kwargs = _from_pretrained_args(path)
+    name, kwargs = from_pretrained_args(path)
     return AutoTokenizer.from_pretrained(name, **kwargs)
 
 
