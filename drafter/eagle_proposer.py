@@ -1,15 +1,17 @@
-"""EAGLE-3 proposer: the head's one-layer paged KV and the target's features, per sequence.
+"""EAGLE proposer (EAGLE-3 and EAGLE-1/2 heads): the head's one-layer paged KV and the target's
+features, per sequence.
 
-Alignment (EAGLE-3). With tokens x_0..x_{L-1} (x_{L-1} the root) and h_i the target's fused
-features at position i ([3 * Ht]: outputs of the head's aux layers, as the verifier returns them):
+Alignment (both layouts). With tokens x_0..x_{L-1} (x_{L-1} the root) and h_i the target's
+features at position i ([feature_width]: the outputs of the head's aux layers side by side, as the
+verifier returns them; EAGLE-1/2: the last hidden state after the target's final norm):
 
-    head entry i (RoPE position i, KV storage i) reads  embed(x_{i+1})  and  fc(h_i)
+    head entry i (RoPE position i, KV storage i) reads  embed(x_{i+1})  and  head.fuse(h_i)
                                                   and predicts x_{i+2}.
 
 The verifier has features for tokens[0 : L - 1] (every token but the root), so entries
 0..L-2 exist; entry L-2 reads the root and predicts the first draft token. A tree node at depth d
 sits at position L - 2 + d (storage L - 1 + node) and reads embed(its token) and, instead of a
-target feature, the head's own pre-norm output at its parent ([H], no fc).
+target feature, the head's own layer output at its parent ([H], not fused again).
 
 DraftInput.target_hidden_states rows are the features of new_tokens[0], new_tokens[1], ... (fewer
 rows than new tokens: at least the root has none yet). Without features up to x_{L-2} there is
@@ -34,7 +36,7 @@ from specsplit.tree import DraftTree
 @dataclass
 class EagleSeqState(DraftKVState):
     # kv.kv_committed_len = head entries computed (<= len(tokens) - 1)
-    features: torch.Tensor = field(kw_only=True)  # [F, 3 * Ht] target features of tokens[0 : F]
+    features: torch.Tensor = field(kw_only=True)  # [F, feature_width] target rows of tokens[0 : F]
 
 
 class Eagle3Proposer(TreeProposer):
@@ -44,7 +46,7 @@ class Eagle3Proposer(TreeProposer):
         self.vocab_size = head.config.vocab_size
         self.max_context = head.config.max_position_embeddings
         self.hidden_state_layers = head.config.aux_layers
-        self.feature_width = 3 * head.config.target_hidden_size
+        self.feature_width = head.config.feature_width
 
     @classmethod
     def load(

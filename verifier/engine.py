@@ -36,7 +36,7 @@ class VerifierEngine:
         self.kv = kv
         self.max_context = max_context
         self.vocab_size = vocab_size
-        self.num_layers = len(kv.k)
+        self.num_layers = model.config.num_layers  # hidden_state_layers go up to this
         self.device = kv.k[0].device
         self.seqs: dict[str, VerifierSeq] = {}
 
@@ -155,9 +155,13 @@ class VerifierEngine:
         for item in inputs:
             if item.hidden_state_layers != inputs[0].hidden_state_layers:
                 raise invalid("hidden_state_layers must be the same for every sequence of a round")
-            bad_layers = [x for x in item.hidden_state_layers if not 0 <= x < self.num_layers]
+            # layer i < num_layers: decoder layer i's output; num_layers: after the final norm
+            bad_layers = [x for x in item.hidden_state_layers if not 0 <= x <= self.num_layers]
             if bad_layers:
-                raise invalid(f"hidden_state_layers {bad_layers} outside [0, {self.num_layers})")
+                raise invalid(
+                    f"hidden_state_layers {bad_layers} outside [0, {self.num_layers}] "
+                    f"({self.num_layers} = the last hidden state, after the final norm)"
+                )
             committed = 0 if item.begin else self.seqs[item.seq_id].kv.kv_committed_len
             if item.kv_committed_len != committed:
                 raise invalid(

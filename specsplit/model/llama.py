@@ -194,11 +194,13 @@ class LlamaModel(nn.Module):
         self, batch: ForwardBatch, kv: KVCache, aux_layers: tuple[int, ...] = ()
     ) -> ForwardOutput:
         """Write this step's K/V into `kv` at `batch.slot_mapping` and return float32 logits
-        [L, vocab] for rows `batch.logit_indices`, plus, when `aux_layers` is given, the
-        outputs of those layers (pre final norm) concatenated: [L, len(aux_layers) * hidden]."""
+        [L, vocab] for rows `batch.logit_indices`, plus, when `aux_layers` is given, those
+        hidden states concatenated: [L, len(aux_layers) * hidden]. Index i < num_layers is
+        decoder layer i's output (pre final norm); i == num_layers is the last hidden state after
+        the final norm (what lm_head reads; EAGLE-1/2 heads draft from it)."""
         assert len(kv.k) >= len(self.layers), (len(kv.k), len(self.layers))
         for layer in aux_layers:
-            assert 0 <= layer < len(self.layers), (layer, len(self.layers))
+            assert 0 <= layer <= len(self.layers), (layer, len(self.layers))
         hidden = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
         aux: dict[int, torch.Tensor] = {}
@@ -207,6 +209,8 @@ class LlamaModel(nn.Module):
             if index in aux_layers:
                 aux[index] = hidden[batch.logit_indices]
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
+        if len(self.layers) in aux_layers:
+            aux[len(self.layers)] = last
         logits = F.linear(last, self.lm_head_weight).float()  # [L, vocab]
         hidden_states = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return ForwardOutput(logits=logits, hidden_states=hidden_states)

@@ -1,5 +1,6 @@
-"""An EAGLE-3 head across the real services: the drafter advertises the target layers it reads,
-the gateway asks the verifier for them and carries them into the next Draft; output unchanged."""
+"""An EAGLE head (EAGLE-3, and the single-layer EAGLE-1/2 layout reading the target's final-normed
+hidden state) across the real services: the drafter advertises the target layers it reads, the
+gateway asks the verifier for them and carries them into the next Draft; output unchanged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from drafter.eagle import save_random_eagle3
+from drafter.eagle import save_random_eagle, save_random_eagle3
 from specsplit.model.loader import load_model
 from specsplit.v1 import common_pb2
 from tests.integration.services import Services, generate, ids_of, token_request
@@ -18,14 +19,19 @@ SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
 NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
-    root = tmp_path_factory.mktemp("eagle_services")
+@pytest.fixture(scope="module", params=["eagle3", "eagle"])
+def services(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
+) -> Iterator[Services]:
+    root = tmp_path_factory.mktemp(f"{request.param}_services")
     target = save_tiny_llama(
         root / "target", seed=6, vocab_size=49152, num_layers=4, tokenizer=smollm2_tokenizer
     )
     _, config = load_model(str(target), dtype=torch.float32, device="cpu")
-    head = save_random_eagle3(root / "head", config, seed=2, draft_vocab_size=300)
+    if request.param == "eagle3":
+        head = save_random_eagle3(root / "head", config, seed=2, draft_vocab_size=300)
+    else:
+        head = save_random_eagle(root / "head", config, seed=2)
     svc = Services(
         str(target), root, extra={"drafter": ["--drafter", "eagle3", "--draft-model", str(head)]}
     )
