@@ -1,9 +1,15 @@
 """Accepted tokens per round for candidate drafters on the bundled prompt set (greedy).
 
 Runs the real engines in one process on the embedded default (or --model), all prompts as one
-batch, and prints one row per drafter with the target-only run of the same process as baseline:
+batch, and prints one row per drafter and draft shape with the target-only run of the same
+process as baseline:
 
     python bench/acceptance.py --max-new-tokens 64
+
+--adaptive adds, per drafter, a fixed row for every rung of --ladder and an adaptive
+speculation row (gateway/adaptive.py) that starts on --start:
+
+    python bench/acceptance.py --adaptive --self-layers --eagle3 HEAD_DIR --device cuda
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from importlib import resources
 
 import torch
 
+from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_ladder
 from gateway.request import GenerationRequest
 from gateway.text import apply_chat_template
 from specsplit.local import build_local_stack
@@ -27,45 +34,84 @@ def bundled_prompts() -> list[list[dict[str, str]]]:
     return [json.loads(line)["messages"] for line in text.splitlines() if line.strip()]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="target checkpoint (default: embedded)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--self-layers", type=int, nargs="*", default=[4, 8, 16])
+    parser.add_argument("--eagle3", default=None, help="an EAGLE-3 head for --model: its rows")
     parser.add_argument("--num-steps", type=int, nargs="*", default=[3, 5])
-    args = parser.parse_args()
+    parser.add_argument("--adaptive", action="store_true", help="adaptive vs the ladder's rungs")
+    parser.add_argument("--ladder", default=DEFAULT_LADDER, help="rungs STEPS[xTOPK[xNODES]],...")
+    parser.add_argument("--start", default="3", help="the rung adaptive sequences start on")
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_args()
 
+
+Row = tuple[str, str, int | None, SpecParams, bool]  # name, drafter kind, layers, spec, adaptive
+
+
+def label(spec: SpecParams) -> str:
+    return f"chain {spec.num_steps}" if spec.topk == 1 else f"tree {format_ladder([spec])}"
+
+
+def rows(args: argparse.Namespace, ladder: tuple[SpecParams, ...], start: SpecParams) -> list[Row]:
+    drafters: list[tuple[str, str, int | None]] = [("n-gram", "ngram", None)]
+    drafters += [(f"self {layers} layers", "self", layers) for layers in args.self_layers]
+    if args.eagle3:
+        drafters.append(("eagle3", "eagle3", None))
+    shapes = ladder if args.adaptive else [SpecParams(s, 1, s) for s in args.num_steps]
+    out: list[Row] = [("target only", "ngram", None, SpecParams(0, 1, 0), False)]
+    for name, kind, layers in drafters:
+        for spec in shapes:
+            out.append((f"{name} {label(spec)}", kind, layers, spec, False))
+        if args.adaptive:
+            out.append((f"{name} adaptive", kind, layers, start, True))
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    (start,) = parse_ladder(args.start)
+    ladder = build_ladder(start, parse_ladder(args.ladder))
     path = args.model or embedded_default_model_path()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     tokenizer = load_tokenizer(path)
-    target = load_model(path, dtype=torch.float32, device="cpu")
+    target = load_model(path, dtype=dtype, device=args.device)
     prompts = [apply_chat_template(tokenizer, messages) for messages in bundled_prompts()]
     requests = [GenerationRequest(p, args.max_new_tokens) for p in prompts]
 
-    configs: list[tuple[str, str, int | None, SpecParams]] = [
-        ("target only", "ngram", None, SpecParams(0, 1, 0))
-    ]
-    for steps in args.num_steps:
-        configs.append((f"n-gram chain {steps}", "ngram", None, SpecParams(steps, 1, steps)))
-        for layers in args.self_layers:
-            configs.append(
-                (f"self {layers} layers chain {steps}", "self", layers, SpecParams(steps, 1, steps))
-            )
-
     print(
         f"model {path}\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
-        f"all prompts in one batch, CPU, torch threads {torch.get_num_threads()}"
+        f"all prompts in one batch, {args.device} {dtype}, torch threads {torch.get_num_threads()}"
     )
+    if args.adaptive:
+        print(f"adaptive: ladder {format_ladder(ladder)}, starting on {args.start}")
     print(
         f"{'drafter':<28}{'accepted tokens/round':>22}{'tokens':>8}{'seconds':>9}"
         f"{'tokens/s':>10}{'vs target':>10}"
     )
     baseline_tps = None
     reference: list[list[int]] | None = None
-    for name, kind, layers, spec in configs:
-        stack = build_local_stack(path, kind, tokenizer, spec, draft_layers=layers, target=target)
-        start = time.perf_counter()
+    for name, kind, layers, spec, adaptive in rows(args, ladder, start):
+        stack = build_local_stack(
+            path,
+            kind,
+            tokenizer,
+            spec,
+            draft_path=args.eagle3 if kind == "eagle3" else None,
+            draft_layers=layers,
+            dtype=dtype,
+            device=args.device,
+            target=target,
+            adaptive_spec=adaptive,
+            adaptive_rungs=ladder,
+        )
+        start_s = time.perf_counter()
         results = stack.generate_all(requests)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start_s
         outputs = [[t for chunk in chunks for t in chunk.token_ids] for chunks in results]
         if reference is None:
             reference = outputs

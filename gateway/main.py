@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from gateway.adaptive import format_ladder
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.scheduler import Scheduler
@@ -110,9 +111,12 @@ async def serve(
     grace: float = 5.0,
     http_listen: str | None = None,
     served_model_name: str | None = None,
+    adaptive_spec: bool = False,
+    adaptive_rungs: tuple[SpecParams, ...] | None = None,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
-    SIGTERM / SIGINT; SERVING once the verifier is."""
+    SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
+    `adaptive_rungs` (None = the default ladder) and `default_spec` (gateway/adaptive.py)."""
     default_spec.validate()
     log.info("reading the tokenizer and config of %s", model_path)
     model = await asyncio.to_thread(read_model_info, model_path)
@@ -132,7 +136,11 @@ async def serve(
         default_spec=default_spec,
         max_batch_size=max_batch_size,
         model_name=served_model_name or os.path.basename(os.path.normpath(model_path)),
+        adaptive_spec=adaptive_spec,
+        adaptive_rungs=adaptive_rungs,
     )
+    if scheduler.adaptive_ladder is not None:
+        log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))
     servicer = GatewayServicer(model, scheduler)
     http = None
     if http_listen is not None:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from transformers import PreTrainedTokenizerBase
 
+from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
@@ -46,7 +47,12 @@ class Scheduler:
         max_batch_size: int = 32,
         model_name: str = "",
         hidden_state_layers: tuple[int, ...] = (),
+        adaptive_spec: bool = False,
+        adaptive_rungs: tuple[SpecParams, ...] | None = None,
     ) -> None:
+        """adaptive_spec: requests without their own spec move along a ladder of draft shapes
+        (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
+        start on); off = every round uses `default_spec`."""
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -55,6 +61,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.model_name = model_name  # gen_ai.request.model on request spans
         self.hidden_state_layers = hidden_state_layers  # asked of the verifier (EAGLE drafters)
+        self.adaptive_ladder = build_ladder(default_spec, adaptive_rungs) if adaptive_spec else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wakeup = asyncio.Event()
@@ -115,12 +122,17 @@ class Scheduler:
             stop_strings=request.stop_strings,
         )
         spec = request.spec if request.spec is not None else self.default_spec
+        adaptive = None
+        if request.spec is None and self.adaptive_ladder is not None:
+            start = self.adaptive_ladder.index(self.default_spec)
+            adaptive = AdaptiveSpec(self.adaptive_ladder, start)
         return Sequence(
             f"seq-{next(self._ids)}",
             request,
             spec,
             stop_checker,
             hidden_state_layers=self.hidden_state_layers,
+            adaptive=adaptive,
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -159,8 +171,9 @@ class Scheduler:
             )
         self.num_rounds += 1
         self._verifier_down_since = None
-        for seq, out in zip(batch, outputs, strict=True):
+        for seq, tree, out in zip(batch, trees, outputs, strict=True):
             chunk = seq.commit(out)
+            seq.adapt(tree, out)
             metrics.observe_commit(seq, out, chunk)
             seq.outbox.put_nowait(chunk)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gateway.adaptive import AdaptiveSpec
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
@@ -39,6 +40,7 @@ class Sequence:
     # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16, one chunk per round)
     hidden_state_layers: tuple[int, ...] = ()
     hidden_states: list[torch.Tensor] = field(default_factory=list)
+    adaptive: AdaptiveSpec | None = None  # adaptive speculation: the draft shape, round by round
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -53,7 +55,8 @@ class Sequence:
         """The tree shape this round: never deeper than the tokens still allowed (accepted
         drafts + bonus must fit max_new_tokens)."""
         left = self.request.max_new_tokens - self.num_generated_tokens
-        return self.spec.capped(left - 1)
+        spec = self.spec if self.adaptive is None else self.adaptive.spec
+        return spec.capped(left - 1)
 
     def draft_input(self) -> DraftInput:
         # at least the root goes out again: after a failed verify nothing new was committed
@@ -125,6 +128,11 @@ class Sequence:
             hidden_state_layers=self.hidden_state_layers,
         )
         return item
+
+    def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
+        """Adaptive speculation: this round's acceptance of `tree` may move the draft shape."""
+        if self.adaptive is not None:
+            self.adaptive.observe(out.num_accepted_drafts, max(tree.depths(), default=0))
 
     def commit(self, out: VerifyOutput) -> Chunk:
         """Append accepted drafts + bonus, apply stop rules, return what to stream."""

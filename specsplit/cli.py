@@ -82,10 +82,12 @@ def _model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> Non
 def _drafter_flags(parser: argparse.ArgumentParser) -> None:
     kind_help = (
         "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model), "
-        "eagle3 (--draft-model = an EAGLE-3 head for --model)"
+        "eagle3 (--draft-model = an EAGLE head for --model: EAGLE-3, or the single-layer "
+        "EAGLE-1/2 layout, detected from the checkpoint)"
     )
     _flag(parser, "--drafter", "ngram", kind_help, choices=DRAFTER_KINDS)
-    _flag(parser, "--draft-model", None, "draft checkpoint (--drafter model) or head (eagle3)")
+    model_help = "draft checkpoint (--drafter model) or EAGLE head (eagle3)"
+    _flag(parser, "--draft-model", None, model_help)
     _flag(parser, "--draft-layers", None, "layers for --drafter self", type=_optional_int)
 
 
@@ -95,6 +97,16 @@ def _spec_flags(parser: argparse.ArgumentParser) -> None:
     nodes_help = "default draft tree nodes; none = num_steps * topk"
     _flag(parser, "--num-draft-tokens", None, nodes_help, type=_optional_int)
     _flag(parser, "--max-batch-size", 32, "sequences per round", type=int)
+    parser.add_argument(
+        "--adaptive-spec",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_ADAPTIVE_SPEC", False),
+        help="move each request's draft shape along --adaptive-ladder by its acceptance; requests"
+        " with their own spec stay fixed (env SPECSPLIT_ADAPTIVE_SPEC, default off)",
+    )
+    ladder_help = "--adaptive-spec rungs STEPS[xTOPK[xNODES]],... (plus the default shape)"
+    ladder_help += "; none = 1,3,5,5x4x16"
+    _flag(parser, "--adaptive-ladder", None, ladder_help, type=_optional_str)
 
 
 def _generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +190,40 @@ def build_parser() -> argparse.ArgumentParser:
     address = f"localhost:{DEFAULT_PORTS['gateway']}"
     _flag(generate, "--address", address, "the gateway to connect to", env="GATEWAY_ADDRESS")
     _generation_flags(generate)
+    _train_drafter_parser(commands)
     return parser
+
+
+def _train_drafter_parser(commands: Any) -> None:
+    """`specsplit train-drafter`: flags of drafter/train.py."""
+    p = commands.add_parser(
+        "train-drafter",
+        help="train an EAGLE-3 head for a target by self-distillation (drafter/train.py)",
+    )
+    _model_flags(p, engine=False)
+    _flag(p, "--device", "auto", "torch device; auto = cuda when available")
+    _flag(p, "--out", "eagle3-head", "output directory (resumes from what it finds there)")
+    _flag(p, "--prompts", None, "JSON-lines prompt file; default: the bundled set")
+    _flag(p, "--limit-prompts", 0, "use only the first N prompts (0 = all)", type=int)
+    _flag(p, "--max-new-tokens", 256, "answer length limit when the target answers", type=int)
+    _flag(p, "--answer-batch-size", 64, "prompts answered per generate call", type=int)
+    _flag(p, "--answers-per-prompt", 1, "answers per prompt: 1 greedy, the rest sampled", type=int)
+    _flag(p, "--answer-temperature", 0.8, "temperature of the sampled answers", type=float)
+    _flag(p, "--draft-vocab-size", 8192, "draft vocabulary (most frequent answer tokens)", type=int)
+    _flag(p, "--ttt-steps", 7, "draft steps unrolled in training (training-time test)", type=int)
+    _flag(p, "--step-decay", 0.8, "loss weight of draft step k is decay**k", type=float)
+    _flag(p, "--epochs", 10, "passes over the training answers", type=int)
+    _flag(p, "--batch-tokens", 16384, "padded tokens per training batch", type=int)
+    _flag(p, "--max-len", 1024, "tokens per training sequence (longer ones are cut)", type=int)
+    _flag(p, "--lr", 1e-3, "peak learning rate (AdamW)", type=float)
+    _flag(p, "--warmup-steps", 50, "linear warm-up steps", type=int)
+    _flag(p, "--grad-clip", 0.5, "gradient norm clip", type=float)
+    _flag(p, "--save-every", 100, "steps between resumable checkpoints", type=int)
+    _flag(p, "--max-minutes", 0.0, "stop (resumable) after this long; 0 = no limit", type=float)
+    _flag(p, "--seed", 0, "initialisation and batch order", type=int)
+    _flag(p, "--report-prompts", 64, "held-out prompts run through the engines", type=int)
+    _flag(p, "--report-new-tokens", 128, "tokens generated per held-out prompt", type=int)
+    p.add_argument("--skip-report", action="store_true", help="no held-out report at the end")
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -194,6 +239,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             default_spec(args).validate()
         except ServiceError as err:
             parser.error(f"default {err.message}")
+        try:
+            adaptive_rungs(args)
+        except ValueError as err:
+            parser.error(f"--adaptive-ladder: {err}")
 
 
 def default_spec(args: argparse.Namespace) -> SpecParams:
@@ -203,6 +252,13 @@ def default_spec(args: argparse.Namespace) -> SpecParams:
     if nodes is None:
         nodes = args.num_steps * args.topk
     return SpecParams(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=nodes)
+
+
+def adaptive_rungs(args: argparse.Namespace) -> tuple[SpecParams, ...] | None:
+    """The --adaptive-ladder rungs; None = gateway.adaptive's default ladder."""
+    from gateway.adaptive import parse_ladder
+
+    return None if args.adaptive_ladder is None else parse_ladder(args.adaptive_ladder)
 
 
 # -- the serve commands ----------------------------------------------------------------------
@@ -263,6 +319,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
 
     backends = {"drafter_address": args.drafter_address, "verifier_address": args.verifier_address}
     limits = {"max_batch_size": args.max_batch_size, "grace": args.grace}
+    adaptive = {"adaptive_spec": args.adaptive_spec, "adaptive_rungs": adaptive_rungs(args)}
     http = {"http_listen": args.http_listen, "served_model_name": args.served_model_name}
     model_path = _model_path(args)
     asyncio.run(
@@ -271,6 +328,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             model_path,
             **backends,
             default_spec=default_spec(args),
+            **adaptive,
             **limits,
             **http,
         )
@@ -340,12 +398,19 @@ def up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def train_drafter(args: argparse.Namespace) -> int:
+    from drafter.train import train_drafter as run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve-drafter": serve_drafter,
     "serve-verifier": serve_verifier,
     "serve-gateway": serve_gateway,
     "up": up,
     "generate": generate,
+    "train-drafter": train_drafter,
 }
 
 

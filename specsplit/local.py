@@ -59,11 +59,14 @@ def build_local_stack(
     device: str = "cpu",
     check_integrity: bool = False,
     target: tuple[LlamaModel, ModelConfig] | None = None,
+    adaptive_spec: bool = False,
+    adaptive_rungs: tuple[SpecParams, ...] | None = None,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
     asks the verifier for the head's hidden_state_layers) or "ngram". `target` reuses a loaded
-    model."""
+    model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
+    rung sequences start on."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -99,5 +102,7 @@ def build_local_stack(
         eos_token_ids=config.eos_token_ids,
         default_spec=spec,
         hidden_state_layers=drafter_engine.hidden_state_layers,
+        adaptive_spec=adaptive_spec,
+        adaptive_rungs=adaptive_rungs,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

@@ -38,6 +38,8 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
     gateway += ["--max-batch-size", str(args.max_batch_size)]
     gateway += _opt("--num-draft-tokens", args.num_draft_tokens)
+    gateway += ["--adaptive-spec" if args.adaptive_spec else "--no-adaptive-spec"]
+    gateway += _opt("--adaptive-ladder", args.adaptive_ladder)
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
     metrics = metrics_addresses(args.metrics_listen)

@@ -55,9 +55,11 @@ def make_stack(
     page_size: int = 16,
     dtype: torch.dtype = torch.float64,
     num_pages: int = 256,
+    adaptive_rungs: tuple[SpecParams, ...] | None = None,
+    adaptive_spec: bool = False,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
-    checked after every engine call."""
+    checked after every engine call. adaptive_*: adaptive speculation starting on `spec`."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -68,6 +70,8 @@ def make_stack(
         num_pages=num_pages,
         dtype=dtype,
         check_integrity=True,
+        adaptive_spec=adaptive_spec,
+        adaptive_rungs=adaptive_rungs,
     )
 
 

@@ -44,6 +44,8 @@ def test_every_subcommand_has_a_handler() -> None:
                 "topk": 1,
                 "num_draft_tokens": None,
                 "max_batch_size": 32,
+                "adaptive_spec": False,
+                "adaptive_ladder": None,
             },
         ),
         (
@@ -121,6 +123,23 @@ def test_gateway_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.default_spec(args) == SpecParams(num_steps=3, topk=2, num_draft_tokens=6)
 
 
+def test_adaptive_spec_flags_and_env(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.adaptive import DEFAULT_LADDER
+
+    assert cli.adaptive_rungs(cli.parse_args(["serve-gateway"])) is None  # the default ladder
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve-gateway", "--help"])
+    assert f"none = {DEFAULT_LADDER}" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setenv("SPECSPLIT_ADAPTIVE_SPEC", "on")
+    monkeypatch.setenv("SPECSPLIT_ADAPTIVE_LADDER", "2,4x2x6")
+    args = cli.parse_args(["serve-gateway"])
+    assert args.adaptive_spec is True
+    assert cli.adaptive_rungs(args) == (SpecParams(2, 1, 2), SpecParams(4, 2, 6))
+    assert cli.parse_args(["serve-gateway", "--no-adaptive-spec"]).adaptive_spec is False
+
+
 def test_generate_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSPLIT_GATEWAY_ADDRESS", "gw:1")
     monkeypatch.setenv("SPECSPLIT_TEMPERATURE", "0.7")
@@ -157,6 +176,8 @@ def test_bad_env_bool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         (["up", "--drafter", "self"], "--drafter self needs --draft-layers"),
         (["serve-gateway", "--num-steps", "4", "--num-draft-tokens", "7"], "spec.num_draft_tokens"),
         (["serve-gateway", "--topk", "0"], "spec.topk = 0"),
+        (["serve-gateway", "--adaptive-ladder", "3,3x2x1"], "--adaptive-ladder: ladder rung"),
+        (["up", "--adaptive-ladder", "3,x"], "is not STEPS[xTOPK[xNODES]]"),
         (["serve-verifier", "--dtype", "int8"], "invalid choice: 'int8'"),
     ],
 )
@@ -189,7 +210,7 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
         "--log-level warning up --model /m/t --device cuda:0 --drafter-device cuda:1"
         " --dtype bfloat16 --num-pages 99 --drafter self --draft-layers 6 --num-steps 5 --topk 2"
         " --num-draft-tokens 9 --gateway-port 7000 --drafter-port 7001 --verifier-port 7002"
-        " --max-batch-size 8"
+        " --max-batch-size 8 --adaptive-spec --adaptive-ladder 2,4x2"
     )
     args = cli.parse_args(argv.split())
     commands = up.child_commands(args)
@@ -210,6 +231,8 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
     assert gateway.verifier_address == "127.0.0.1:7002"
     assert gateway.max_batch_size == 8
     assert cli.default_spec(gateway) == SpecParams(5, 2, 9)
+    assert gateway.adaptive_spec is True
+    assert cli.adaptive_rungs(gateway) == (SpecParams(2, 1, 2), SpecParams(4, 2, 8))
 
 
 def test_up_passes_the_http_api_flags_to_the_gateway() -> None:
