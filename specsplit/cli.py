@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
 METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
-DRAFTER_KINDS = ("ngram", "self", "model", "eagle3")
+DRAFTER_KINDS = ("auto", "ngram", "self", "model", "eagle3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -81,12 +81,16 @@ def _model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> Non
 
 def _drafter_flags(parser: argparse.ArgumentParser) -> None:
     kind_help = (
+        "auto (eagle3 with the shipped head on the embedded default target, else ngram), "
         "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model), "
         "eagle3 (--draft-model = an EAGLE head for --model: EAGLE-3, or the single-layer "
         "EAGLE-1/2 layout, detected from the checkpoint)"
     )
-    _flag(parser, "--drafter", "ngram", kind_help, choices=DRAFTER_KINDS)
-    model_help = "draft checkpoint (--drafter model) or EAGLE head (eagle3)"
+    _flag(parser, "--drafter", "auto", kind_help, choices=DRAFTER_KINDS)
+    model_help = (
+        "draft checkpoint (--drafter model) or EAGLE head (eagle3; on the embedded target the "
+        "shipped head by default)"
+    )
     _flag(parser, "--draft-model", None, model_help)
     _flag(parser, "--draft-layers", None, "layers for --drafter self", type=_optional_int)
 
@@ -224,6 +228,20 @@ def _train_drafter_parser(commands: Any) -> None:
     _flag(p, "--report-prompts", 64, "held-out prompts run through the engines", type=int)
     _flag(p, "--report-new-tokens", 128, "tokens generated per held-out prompt", type=int)
     p.add_argument("--skip-report", action="store_true", help="no held-out report at the end")
+
+
+def _resolve_drafter(args: argparse.Namespace) -> None:
+    """--drafter auto: the shipped EAGLE-3 head when the target is the embedded default, else
+    n-gram. --drafter eagle3 without --draft-model on the embedded default: the shipped head."""
+    if getattr(args, "drafter", None) is None:
+        return
+    embedded = not args.model
+    if args.drafter == "auto":
+        args.drafter = "eagle3" if embedded else "ngram"
+    if args.drafter == "eagle3" and not args.draft_model and embedded:
+        from specsplit.model.loader import embedded_default_head_path
+
+        args.draft_model = embedded_default_head_path()
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -417,6 +435,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _resolve_drafter(args)
     _check(parser, args)
     return args
 

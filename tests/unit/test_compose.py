@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from specsplit import cli
+from specsplit.model.loader import embedded_default_head_path
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -465,7 +466,9 @@ def test_services_parse_their_environment(
         assert not args[name].model or args[name].model.startswith("/models"), name
     for name in ENGINES:
         assert args["gateway"].__dict__[f"{name}_address"] == f"{name}:{port(args[name].listen)}"
-    assert args["drafter"].drafter == "ngram"
+    # the embedded default target drafts with its shipped EAGLE-3 head
+    assert args["drafter"].drafter == "eagle3"
+    assert args["drafter"].draft_model == embedded_default_head_path()
     gateway_ports = published(services["gateway"])
     assert gateway_ports.get(port(args["gateway"].listen)) == 50051
     http = getattr(args["gateway"], "http_listen", None)
