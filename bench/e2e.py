@@ -4,12 +4,18 @@ speculation off (target only), vs HF transformers `generate` (plain and prompt l
 Each prompt of the bundled set is generated alone (one stream at a time, greedy), as a chat user
 would. The services run first; HF runs after they have stopped, so nothing competes for cores.
 
-    python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda]
+    PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda] [--drafter KIND]
+        [--spec 5 5x2x8 ...] [--assistant-layers 8]
+
+--spec takes draft shapes STEPS[xTOPK[xNODES]] sent per request (default: the gateway's default
+shape); each is one row. HF assisted generation uses a copy of the target cut to its first
+--assistant-layers layers as `assistant_model` (there is no smaller SmolLM2 to use).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import subprocess
@@ -21,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.acceptance import bundled_prompts
+from gateway.adaptive import format_ladder, parse_ladder
 from gateway.text import apply_chat_template
 from specsplit.model.loader import (
     embedded_default_model_path,
@@ -68,18 +75,23 @@ def run_services(
     ]
     if args.model:
         cmd += ["--model", args.model]
+    if args.drafter:
+        cmd += ["--drafter", args.drafter] + (
+            ["--draft-model", args.draft_model] * bool(args.draft_model)
+        )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = {}
     try:
         address = f"127.0.0.1:{port}"
         wait_gateway(address, proc, 900)
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
-        specs = {
-            "specsplit (n-gram chain 3)": common_pb2.SpecParams(
-                num_steps=3, topk=1, num_draft_tokens=3
-            ),
-            "specsplit target only": common_pb2.SpecParams(num_steps=0, topk=1),
-        }
+        specs: dict[str, common_pb2.SpecParams | None] = {}
+        for shape in parse_ladder(",".join(args.spec)) if args.spec else [None]:
+            label = "default shape" if shape is None else format_ladder([shape])
+            specs[f"specsplit {label}"] = shape and common_pb2.SpecParams(
+                num_steps=shape.num_steps, topk=shape.topk, num_draft_tokens=shape.num_draft_tokens
+            )
+        specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
         for prompt in prompts[:2]:  # warm-up
             list(
                 stub.Generate(
@@ -121,7 +133,17 @@ def run_hf(
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
     results = {}
-    variants = {"HF generate": {}, "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3}}
+    variants: dict[str, dict[str, object]] = {
+        "HF generate": {},
+        "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3},
+    }
+    if args.assistant_layers:
+        assistant = copy.deepcopy(model)
+        assistant.model.layers = assistant.model.layers[: args.assistant_layers]
+        assistant.config.num_hidden_layers = args.assistant_layers
+        variants[f"HF assisted (first {args.assistant_layers} layers)"] = {
+            "assistant_model": assistant
+        }
     for label, extra in variants.items():
         model.generate(
             torch.tensor([prompts[0]], device=args.device),
@@ -150,6 +172,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--spec", nargs="*", default=None, help="draft shapes, one row each")
+    parser.add_argument("--assistant-layers", type=int, default=8, help="0 = no assisted row")
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)

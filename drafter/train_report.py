@@ -2,11 +2,16 @@
 
 1. Training-time test over every held-out answer position (greedy): the head drafts a chain from
    each root; per draft position, the rate it matches the target given that the earlier drafts
-   did, and the expected accepted tokens per round (accepted drafts + the bonus token) for
-   chains of 3, 5 and 7.
+   did, and the expected accepted tokens (accepted drafts + the bonus token) for chains of 3, 5
+   and 7, averaged over all roots.
 2. The real engines (verifier + EAGLE-3 proposer, in one process) generating answers to held-out
    prompts: accepted tokens per round from the verifier's counts, for the same chains and the
    default tree, with target-only decoding as the reference output.
+
+(1) runs over far more positions but reads higher than (2): in decoding, a round starts where the
+last one was rejected, and misses cluster (hard stretches of text get more rounds per token), so
+per-round acceptance sits below the average over all positions. On SmolLM2's held-out prompts,
+CPU fp32, 24 prompts: chain 3 2.58 (1) vs 2.24 (2).
 """
 
 from __future__ import annotations
