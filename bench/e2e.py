@@ -4,8 +4,8 @@ speculation off (target only), vs HF transformers `generate` (plain and prompt l
 Each prompt of the bundled set is generated alone (one stream at a time, greedy), as a chat user
 would. The services run first; HF runs after they have stopped, so nothing competes for cores.
 
-    PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda] [--drafter KIND]
-        [--spec 5 5x2x8 ...] [--assistant-layers 8]
+    PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda]
+        [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8]
 
 --spec takes draft shapes STEPS[xTOPK[xNODES]] sent per request (default: the gateway's default
 shape); each is one row. HF assisted generation uses a copy of the target cut to its first
