@@ -74,6 +74,7 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._wakeup = asyncio.Event()  # on this loop: a stack may be started again on another
         self._task = asyncio.create_task(self._loop(), name="scheduler")
 
     async def stop(self) -> None:
