@@ -24,7 +24,7 @@ import torch
 from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_ladder
 from gateway.request import GenerationRequest
 from gateway.text import apply_chat_template
-from specsplit.local import build_local_stack
+from specsplit.local import accepted_tokens_per_round, build_local_stack, token_ids
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
 
@@ -112,19 +112,15 @@ def main() -> None:
         start_s = time.perf_counter()
         results = stack.generate_all(requests)
         seconds = time.perf_counter() - start_s
-        outputs = [[t for chunk in chunks for t in chunk.token_ids] for chunks in results]
+        outputs = [token_ids(chunks) for chunks in results]
         if reference is None:
             reference = outputs
         same = "" if outputs == reference else "  OUTPUT DIFFERS FROM TARGET ONLY"
-        rounds = sum(chunks[-1].stats.rounds for chunks in results if chunks[-1].stats)
-        accepted = sum(
-            chunks[-1].stats.num_accepted_tokens for chunks in results if chunks[-1].stats
-        )
         tokens = sum(len(o) for o in outputs)
         tps = tokens / seconds
         baseline_tps = baseline_tps or tps
         print(
-            f"{name:<28}{accepted / rounds:>22.3f}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}"
+            f"{name:<28}{accepted_tokens_per_round(results):>22.3f}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}"
             f"{tps / baseline_tps:>9.2f}x{same}"
         )
 

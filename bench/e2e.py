@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from bench.acceptance import bundled_prompts
 from gateway.adaptive import format_ladder, parse_ladder
 from gateway.text import apply_chat_template
+from specsplit import convert
 from specsplit.model.loader import (
     embedded_default_model_path,
     from_pretrained_args,
@@ -88,9 +89,7 @@ def run_services(
         specs: dict[str, common_pb2.SpecParams | None] = {}
         for shape in parse_ladder(",".join(args.spec)) if args.spec else [None]:
             label = "default shape" if shape is None else format_ladder([shape])
-            specs[f"specsplit {label}"] = shape and common_pb2.SpecParams(
-                num_steps=shape.num_steps, topk=shape.topk, num_draft_tokens=shape.num_draft_tokens
-            )
+            specs[f"specsplit {label}"] = shape and convert.spec_to_proto(shape)
         specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
         for prompt in prompts[:2]:  # warm-up
             list(

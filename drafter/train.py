@@ -237,7 +237,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     elif not args.skip_report:
         from drafter.train_report import heldout_report
 
-        report = heldout_report(head, target, heldout, args, out / HEAD_DIR)
+        report = heldout_report(head, target, heldout, args, out / HEAD_DIR, tokenizer)
         (out / "report.json").write_text(json.dumps(report, indent=2))
     return 0
 

@@ -24,18 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.eagle import HEAD_WEIGHTS, Eagle3Config, Eagle3Head
-from specsplit.model.llama import rms_norm
+from specsplit.model.llama import RMSNorm
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
-class _Norm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+def _norm(dim: int, eps: float) -> RMSNorm:
+    """The model's RMSNorm, materialized (weight 1) so that it trains."""
+    norm = RMSNorm(dim, eps, device="cpu")
+    nn.init.ones_(norm.weight)
+    return norm
 
 
 class _Attention(nn.Module):
@@ -62,10 +59,10 @@ class _MLP(nn.Module):
 class _MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
-        self.input_layernorm = _Norm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = _Norm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = _norm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _norm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = _Attention(c)
-        self.post_attention_layernorm = _Norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _norm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
 
@@ -82,7 +79,7 @@ class Eagle3Trainable(nn.Module):
         self.config = c
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
-        self.norm = _Norm(c.hidden_size, c.rms_norm_eps)
+        self.norm = _norm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.embed: torch.Tensor
         self.register_buffer("embed", embed.detach().clone(), persistent=False)

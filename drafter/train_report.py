@@ -77,6 +77,7 @@ def chain_acceptance(
 
 def engine_acceptance(
     target_path: str,
+    tokenizer: Any,
     head_dir: Path,
     examples: list[Example],
     max_new_tokens: int,
@@ -84,11 +85,10 @@ def engine_acceptance(
 ) -> dict[str, Any]:
     """Accepted tokens per round through the real engines on held-out prompts (greedy)."""
     from gateway.request import GenerationRequest
-    from specsplit.local import build_local_stack
-    from specsplit.model.loader import load_model, load_tokenizer
+    from specsplit.local import accepted_tokens_per_round, build_local_stack, token_ids
+    from specsplit.model.loader import load_model
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    tokenizer = load_tokenizer(target_path)
     target = load_model(target_path, dtype=dtype, device=device)
     requests = [GenerationRequest(e.prompt_ids, max_new_tokens) for e in examples]
     configs = [("target only", SpecParams(0, 1, 0))]
@@ -115,13 +115,10 @@ def engine_acceptance(
             num_pages=4096,
         )
         results = stack.generate_all(requests)
-        outputs = [[t for c in chunks for t in c.token_ids] for chunks in results]
+        outputs = [token_ids(chunks) for chunks in results]
         reference = reference or outputs
-        stats = [chunks[-1].stats for chunks in results if chunks[-1].stats]
-        rounds = sum(s.rounds for s in stats)
-        accepted = sum(s.num_accepted_tokens for s in stats)
         rows[name] = {
-            "accepted_tokens_per_round": round(accepted / rounds, 3) if rounds else None,
+            "accepted_tokens_per_round": round(accepted_tokens_per_round(results), 3),
             "same_output_as_target_only": sum(
                 o == r for o, r in zip(outputs, reference, strict=True)
             ),
@@ -136,6 +133,7 @@ def heldout_report(
     heldout: list[Example],
     args: argparse.Namespace,
     head_dir: Path,
+    tokenizer: Any,
 ) -> dict[str, Any]:
     chains = chain_acceptance(head, target, heldout, args.max_len, max(CHAINS))
     print(f"held-out, training-time test over {chains['roots']} roots (greedy):")
@@ -144,6 +142,7 @@ def heldout_report(
         print(f"  {name}: {value} accepted tokens per round")
     engines = engine_acceptance(
         args.model,
+        tokenizer,
         head_dir,
         heldout[: args.report_prompts],
         args.report_new_tokens,

@@ -45,6 +45,18 @@ class LocalStack:
         return asyncio.run(run())
 
 
+def token_ids(chunks: list[Chunk]) -> list[int]:
+    """The tokens a request's chunks streamed, in order."""
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def accepted_tokens_per_round(results: list[list[Chunk]]) -> float:
+    """Accepted tokens (drafts + bonus) per round over all requests' final stats."""
+    stats = [chunks[-1].stats for chunks in results if chunks[-1].stats]
+    rounds = sum(s.rounds for s in stats)
+    return sum(s.num_accepted_tokens for s in stats) / rounds if rounds else float("nan")
+
+
 def build_local_stack(
     target_path: str,
     drafter: str,

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.request import Chunk, GenerationRequest
-from specsplit.local import LocalStack, build_local_stack
+from specsplit.local import LocalStack, build_local_stack, token_ids
 from specsplit.messages import SpecParams
 
 TINY_VOCAB = 512
@@ -91,4 +91,4 @@ def generate_all(stack: LocalStack, requests: list[GenerationRequest]) -> list[l
 
 
 def generated_ids(chunks: list[Chunk]) -> list[int]:
-    return [t for chunk in chunks for t in chunk.token_ids]
+    return token_ids(chunks)

@@ -39,9 +39,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, device: torch.device | str = _META) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, device=_META))
+        self.weight = nn.Parameter(torch.empty(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

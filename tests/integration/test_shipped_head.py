@@ -9,7 +9,7 @@ import torch
 from bench.acceptance import bundled_prompts
 from gateway.request import GenerationRequest
 from gateway.text import apply_chat_template
-from specsplit.local import build_local_stack
+from specsplit.local import accepted_tokens_per_round, build_local_stack
 from specsplit.messages import SpecParams
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel
@@ -42,9 +42,7 @@ def _run(target, tokenizer, drafter: str, spec: SpecParams) -> tuple[list[list[i
     prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()[:4]]
     results = stack.generate_all([GenerationRequest(p, NEW_TOKENS) for p in prompts])
     check_no_leaks(stack)
-    stats = [chunks[-1].stats for chunks in results if chunks[-1].stats]
-    per_round = sum(s.num_accepted_tokens for s in stats) / sum(s.rounds for s in stats)
-    return [generated_ids(chunks) for chunks in results], per_round
+    return [generated_ids(chunks) for chunks in results], accepted_tokens_per_round(results)
 
 
 @pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(4, 3, 8)], ids=["chain3", "tree"])
