@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import _read_rope
+from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel, _expand_kv, rms_norm
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
@@ -178,7 +179,7 @@ class Eagle3Head:
         x = target_features.to(self.dtype)
         if self.config.layout == "eagle":
             return x
-        return F.linear(x, self.w["fc.weight"], self.w.get("fc.bias"))
+        return linear(x, self.w["fc.weight"], self.w.get("fc.bias"))
 
     @torch.no_grad()
     def forward(
@@ -194,12 +195,12 @@ class Eagle3Head:
         x, residual = self._layer_input(self.embed[batch.input_ids], features)
         h = residual + self._attention(x, batch, kv)  # [T, H]
         y = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-        gate = F.linear(y, w[p + "mlp.gate_proj.weight"])
-        up = F.linear(y, w[p + "mlp.up_proj.weight"])
-        out = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])  # [T, H]
+        gate = linear(y, w[p + "mlp.gate_proj.weight"])
+        up = linear(y, w[p + "mlp.up_proj.weight"])
+        out = h + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])  # [T, H]
         last = out[batch.logit_indices]  # [L, H]
         normed = rms_norm(last, w["norm.weight"], eps) if c.layout == "eagle3" else last
-        return F.linear(normed, w["lm_head.weight"]).float(), last
+        return linear(normed, w["lm_head.weight"]).float(), last
 
     def _layer_input(
         self, emb: torch.Tensor, features: torch.Tensor
@@ -212,16 +213,16 @@ class Eagle3Head:
             hidden = rms_norm(features, w[p + "hidden_norm.weight"], eps)
             x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), hidden], dim=-1)
             return x, hidden if c.norm_before_residual else features
-        fused = F.linear(torch.cat([emb, features], dim=-1), w["fc.weight"], w.get("fc.bias"))
+        fused = linear(torch.cat([emb, features], dim=-1), w["fc.weight"], w.get("fc.bias"))
         norm = w.get(p + "input_layernorm.weight")
         return (fused if norm is None else rms_norm(fused, norm, eps)), fused
 
     def _attention(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c, p = self.config, _LAYER + "self_attn."
         t = x.shape[0]
-        q = F.linear(x, self.w[p + "q_proj.weight"]).view(t, c.num_heads, c.head_dim)
-        k = F.linear(x, self.w[p + "k_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, self.w[p + "v_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
+        q = linear(x, self.w[p + "q_proj.weight"]).view(t, c.num_heads, c.head_dim)
+        k = linear(x, self.w[p + "k_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
+        v = linear(x, self.w[p + "v_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.k[0].index_copy_(0, batch.slot_mapping, k.to(kv.k[0].dtype))
@@ -236,7 +237,7 @@ class Eagle3Head:
             o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)
             out[start : start + q_len] = o_b.transpose(0, 1)
             start += q_len
-        return F.linear(out.view(t, -1), self.w[p + "o_proj.weight"])
+        return linear(out.view(t, -1), self.w[p + "o_proj.weight"])
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

@@ -68,6 +68,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._drafter_down_until = 0.0
+        self._drafter_answered = False  # hidden_state_layers is the drafter's answer
         self._verifier_down_since: float | None = None
         self.num_rounds = 0
 
@@ -181,8 +182,11 @@ class Scheduler:
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
         if time.monotonic() < self._drafter_down_until:
             return [DraftTree() for _ in batch]
+        drafting = [seq for seq in batch if self._needs_drafter(seq)]
+        if not drafting:
+            return [DraftTree() for _ in batch]
         try:
-            outputs = await self.drafter.draft([seq.draft_input() for seq in batch])
+            outputs = await self.drafter.draft([seq.draft_input() for seq in drafting])
         except ServiceError as e:
             # drafter down, restarted (NOT_FOUND) or refusing: decode without drafts for now,
             # and start its sequences over when it answers again
@@ -193,12 +197,22 @@ class Scheduler:
             with contextlib.suppress(ServiceError):
                 await self.drafter.release([seq.seq_id for seq in batch])
             return [DraftTree() for _ in batch]
-        for seq, out in zip(batch, outputs, strict=True):
+        for seq, out in zip(drafting, outputs, strict=True):
             if not seq.verifier_begun:  # before its prefill: ask the verifier for these layers
                 seq.adopt_hidden_state_layers(out.hidden_state_layers)
         if outputs:
             self.hidden_state_layers = outputs[0].hidden_state_layers
-        return [out.tree for out in outputs]
+            self._drafter_answered = True
+        trees = {seq.seq_id: out.tree for seq, out in zip(drafting, outputs, strict=True)}
+        return [trees.get(seq.seq_id, DraftTree()) for seq in batch]
+
+    def _needs_drafter(self, seq: Sequence) -> bool:
+        """A round without drafts (num_steps 0: speculation off, or one token left) skips the
+        drafter, once the sequence reads the hidden-state layers the drafter asked for: its new
+        tokens (and their features) reach the drafter with its next Draft, if any."""
+        if seq.round_spec().num_steps > 0:
+            return True
+        return not self._drafter_answered or seq.hidden_state_layers != self.hidden_state_layers
 
     async def _fail_round(self, error: ServiceError) -> None:
         """The verifier refused or failed the round: nothing was committed."""

@@ -26,6 +26,7 @@ from torch import nn
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
+from specsplit.model.linear import linear
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 _META = torch.device("meta")
@@ -59,20 +60,20 @@ class DecoderLayer(nn.Module):
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
 
-        def linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+        def weights(n_in: int, n_out: int, bias: bool) -> nn.Linear:
             return nn.Linear(n_in, n_out, bias=bias, device=_META)
 
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.qkv_proj = linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
+        self.qkv_proj = weights(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps) if config.qk_norm else None
-        self.o_proj = linear(q_size, config.hidden_size, config.o_proj_bias)
+        self.o_proj = weights(q_size, config.hidden_size, config.o_proj_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.gate_up_proj = linear(
+        self.gate_up_proj = weights(
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
         )
-        self.down_proj = linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.down_proj = weights(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(
         self,
@@ -83,8 +84,8 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
     ) -> torch.Tensor:
         hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, batch, kv)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        gate, up = _project(self.gate_up_proj, self.post_attention_layernorm(hidden)).chunk(2, -1)
+        return hidden + _project(self.down_proj, F.silu(gate) * up)
 
     def _attention(
         self,
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k, v = _project(self.qkv_proj, x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -120,7 +121,11 @@ class DecoderLayer(nn.Module):
             o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)  # [H, q_len, D]
             out[start : start + q_len] = o_b.transpose(0, 1)
             start += q_len
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        return _project(self.o_proj, out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+def _project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, layer.weight, layer.bias)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -211,7 +216,7 @@ class LlamaModel(nn.Module):
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
         if len(self.layers) in aux_layers:
             aux[len(self.layers)] = last
-        logits = F.linear(last, self.lm_head_weight).float()  # [L, vocab]
+        logits = linear(last, self.lm_head_weight).float()  # [L, vocab]
         hidden_states = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return ForwardOutput(logits=logits, hidden_states=hidden_states)
 

@@ -292,3 +292,27 @@ def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
         assert services.stop(10.0) == 0
 
     asyncio.run(main())
+
+
+def test_up_child_envs_on_cpu_calm_openmp_and_keep_user_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    envs = up.child_envs(cli.parse_args(["up", "--device", "cpu", "--drafter", "eagle3"]))
+    assert envs == {
+        "gateway": {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": up.CPU_SPINCOUNT},
+        "drafter": {"GOMP_SPINCOUNT": up.CPU_SPINCOUNT},
+        "verifier": {"GOMP_SPINCOUNT": up.CPU_SPINCOUNT},
+    }
+    ngram = up.child_envs(cli.parse_args(["up", "--device", "cpu", "--drafter", "ngram"]))
+    assert ngram["drafter"] == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": up.CPU_SPINCOUNT}
+    cuda = up.child_envs(cli.parse_args(["up", "--device", "cuda", "--drafter", "ngram"]))
+    assert cuda == {
+        "gateway": {"OMP_NUM_THREADS": "1"},
+        "drafter": {"OMP_NUM_THREADS": "1"},
+        "verifier": {},
+    }
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    kept = up.child_envs(cli.parse_args(["up", "--device", "cpu"]))
+    assert all("GOMP_SPINCOUNT" not in env for env in kept.values())

@@ -128,8 +128,12 @@ def test_adaptive_greedy_equals_target_greedy(
     assert [generated_ids(chunks) for chunks in out] == expected
     stats = [chunks[-1].stats for chunks in out]
     assert all(s is not None and s.num_accepted_tokens == MAX_NEW_TOKENS for s in stats)
-    # one Draft per round and sequence: the stats count every round
-    assert sorted(s.rounds for s in stats if s) == sorted(map(len, recorder.specs.values()))
+    # one Draft per round and sequence, but for a last round with one token left (no drafts:
+    # the drafter is skipped); the stats count every round
+    num_rounds = sum(s.rounds for s in stats if s)
+    num_drafts = sum(map(len, recorder.specs.values()))
+    assert num_rounds - len(stats) <= num_drafts <= num_rounds
+    assert all(spec.num_steps > 0 for specs in recorder.specs.values() for spec in specs)
     for seq_id, specs in recorder.specs.items():
         rungs = recorder.rungs[seq_id]
         assert specs[0] == start
@@ -178,5 +182,6 @@ def test_a_request_with_its_own_spec_keeps_it(models, smollm2_tokenizer) -> None
     by_kind = {rungs[0] is None: recorder.specs[seq_id] for seq_id, rungs in recorder.rungs.items()}
     fixed, adaptive = by_kind[True], by_kind[False]
     assert all(spec == CHAIN_2.capped(spec.num_steps) for spec in fixed)
-    assert fixed[0] == CHAIN_2 and len(fixed) == MAX_NEW_TOKENS // 3 + 1  # 13 rounds of 3, 1 of 1
+    # 13 drafted rounds of 3 tokens; the 14th, with one token left, skips the drafter
+    assert fixed[0] == CHAIN_2 and len(fixed) == MAX_NEW_TOKENS // 3
     assert {spec.num_steps for spec in adaptive} >= {1, 2, 3}  # it climbed past chain 2
