@@ -1,11 +1,14 @@
 """End-to-end tokens/s: `specsplit up` (three processes) with speculation vs the same services with
-speculation off (target only), vs HF transformers `generate` (plain and prompt lookup), one run.
+speculation off (target only), vs HF transformers `generate` (plain, prompt lookup, assisted), one
+run.
 
 Each prompt of the bundled set is generated alone (one stream at a time, greedy), as a chat user
-would. The services run first; HF runs after they have stopped, so nothing competes for cores.
+would. Runs are interleaved prompt by prompt, in an order that rotates from prompt to prompt, so a
+shared machine's drift in speed hits every row alike; the services sit idle while HF generates
+(in this process). --passes repeats the whole sweep; every pass must give the same tokens.
 
     PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda]
-        [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8]
+        [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8] [--passes 2]
 
 --spec takes draft shapes STEPS[xTOPK[xNODES]] sent per request (default: the gateway's default
 shape); each is one row. HF assisted generation uses a copy of the target cut to its first
@@ -15,12 +18,15 @@ shape); each is one row. HF assisted generation uses a copy of the target cut to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -56,24 +62,28 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
     raise TimeoutError("gateway not serving")
 
 
-def run_services(
-    args: argparse.Namespace, prompts: list[list[int]]
-) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
+
+
+@dataclass
+class Row:
+    seconds: float = 0.0
+    rounds: int = 0
+    num_accepted_tokens: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+
+@contextlib.contextmanager
+def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    """`specsplit up` on local ports; the gateway's stub once it serves."""
     port = 50151
-    cmd = [
-        sys.executable,
-        "-m",
-        "specsplit.cli",
-        "up",
-        "--gateway-port",
-        str(port),
-        "--drafter-port",
-        "50161",
-        "--verifier-port",
-        "50162",
-        "--device",
-        args.device,
-    ]
+    cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
+           "--drafter-port", "50161", "--verifier-port", "50162",
+           "--device", args.device]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     if args.drafter:
@@ -81,57 +91,45 @@ def run_services(
             ["--draft-model", args.draft_model] * bool(args.draft_model)
         )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    results = {}
     try:
         address = f"127.0.0.1:{port}"
         wait_gateway(address, proc, 900)
-        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
-        specs: dict[str, common_pb2.SpecParams | None] = {}
-        for shape in parse_ladder(",".join(args.spec)) if args.spec else [None]:
-            label = "default shape" if shape is None else format_ladder([shape])
-            specs[f"specsplit {label}"] = shape and convert.spec_to_proto(shape)
-        specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
-        for prompt in prompts[:2]:  # warm-up
-            list(
-                stub.Generate(
-                    gateway_pb2.GenerateRequest(
-                        token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8
-                    )
-                )
-            )
-        for name, spec in specs.items():
-            outputs, rounds, accepted = [], 0, 0
-            start = time.perf_counter()
-            for prompt in prompts:
-                responses = list(
-                    stub.Generate(
-                        gateway_pb2.GenerateRequest(
-                            token_ids=gateway_pb2.TokenIds(ids=prompt),
-                            max_new_tokens=args.max_new_tokens,
-                            spec=spec,
-                        )
-                    )
-                )
-                outputs.append([t for r in responses for t in r.token_ids])
-                rounds += responses[-1].spec_stats.rounds
-                accepted += (
-                    responses[-1].spec_stats.num_accepted_drafts + responses[-1].spec_stats.rounds
-                )
-            seconds = time.perf_counter() - start
-            results[name] = (seconds, sum(map(len, outputs)), accepted / max(rounds, 1), outputs)
+        yield gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-    return results
 
 
-def run_hf(
-    args: argparse.Namespace, prompts: list[list[int]], path: str
-) -> dict[str, tuple[float, int, float, list[list[int]]]]:
+def service_runners(
+    stub: gateway_pb2_grpc.GatewayStub, args: argparse.Namespace
+) -> dict[str, Runner]:
+    specs: dict[str, common_pb2.SpecParams | None] = {}
+    for shape in parse_ladder(",".join(args.spec)) if args.spec else [None]:
+        label = "default shape" if shape is None else format_ladder([shape])
+        specs[f"specsplit {label}"] = None if shape is None else convert.spec_to_proto(shape)
+    specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
+
+    def runner(spec: common_pb2.SpecParams | None) -> Runner:
+        def run(prompt: list[int]) -> tuple[list[int], int, int]:
+            request = gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(ids=prompt),
+                max_new_tokens=args.max_new_tokens,
+                spec=spec,
+            )
+            responses = list(stub.Generate(request))
+            stats = responses[-1].spec_stats
+            tokens = [t for r in responses for t in r.token_ids]
+            return tokens, stats.rounds, stats.num_accepted_drafts + stats.rounds
+
+        return run
+
+    return {name: runner(spec) for name, spec in specs.items()}
+
+
+def hf_runners(args: argparse.Namespace, path: str) -> dict[str, Runner]:
     name, kwargs = from_pretrained_args(path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
-    results = {}
     variants: dict[str, dict[str, object]] = {
         "HF generate": {},
         "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3},
@@ -143,26 +141,44 @@ def run_hf(
         variants[f"HF assisted (first {args.assistant_layers} layers)"] = {
             "assistant_model": assistant
         }
-    for label, extra in variants.items():
-        model.generate(
-            torch.tensor([prompts[0]], device=args.device),
-            max_new_tokens=8,
-            do_sample=False,
-            **extra,
-        )
-        outputs = []
-        start = time.perf_counter()
-        for prompt in prompts:
+
+    def runner(extra: dict[str, object]) -> Runner:
+        def run(prompt: list[int]) -> tuple[list[int], int, int]:
             out = model.generate(
                 torch.tensor([prompt], device=args.device),
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 **extra,
             )
-            outputs.append(out[0, len(prompt) :].tolist())
-        seconds = time.perf_counter() - start
-        results[label] = (seconds, sum(map(len, outputs)), float("nan"), outputs)
-    return results
+            return out[0, len(prompt) :].tolist(), 0, 0
+
+        return run
+
+    return {label: runner(extra) for label, extra in variants.items()}
+
+
+def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -> dict[str, Row]:
+    """Every runner on every prompt, interleaved: prompt i runs the runners in an order rotated
+    by i (and by the pass). One warm-up generation each first."""
+    names = list(runners)
+    for name in names:
+        runners[name](prompts[0])
+    rows = {name: Row() for name in names}
+    for sweep in range(passes):
+        for i, prompt in enumerate(prompts):
+            shift = (i + sweep) % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                tokens, rounds, accepted = runners[name](prompt)
+                row = rows[name]
+                row.seconds += time.perf_counter() - start
+                row.rounds += rounds
+                row.num_accepted_tokens += accepted
+                if sweep == 0:
+                    row.outputs.append(tokens)
+                elif tokens != row.outputs[i]:
+                    raise RuntimeError(f"{name}: pass {sweep} changed the tokens of prompt {i}")
+    return rows
 
 
 def main() -> None:
@@ -175,30 +191,35 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--spec", nargs="*", default=None, help="draft shapes, one row each")
     parser.add_argument("--assistant-layers", type=int, default=8, help="0 = no assisted row")
+    parser.add_argument("--passes", type=int, default=1, help="sweeps over the prompts")
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
 
-    results = run_services(args, prompts)
-    results.update(run_hf(args, prompts, path))
-    reference = results["specsplit target only"][3]
-    base = {k: results[k][1] / results[k][0] for k in ("specsplit target only", "HF generate")}
+    with services(args) as stub:
+        runners = service_runners(stub, args)
+        runners.update(hf_runners(args, path))
+        rows = measure(runners, prompts, args.passes)
+    reference = rows["specsplit target only"].outputs
+    tps = {name: args.passes * row.num_tokens / row.seconds for name, row in rows.items()}
+    base = {"target only": tps["specsplit target only"], "HF": tps["HF generate"]}
     print(
         f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
-        f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs"
+        f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
+        f"{args.passes} pass(es), runs interleaved"
     )
     print(
         f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
         f"{'vs target-only':>16}{'vs HF':>8}  same tokens as target-only"
     )
-    for name, (seconds, tokens, acc, outputs) in results.items():
-        tps = tokens / seconds
-        same = sum(o == r for o, r in zip(outputs, reference, strict=True))
+    for name, row in rows.items():
+        acc = row.num_accepted_tokens / row.rounds if row.rounds else float("nan")
+        same = sum(o == r for o, r in zip(row.outputs, reference, strict=True))
         print(
-            f"{name:<30}{tokens:>8}{seconds:>9.2f}{tps:>10.1f}{acc:>10.2f}"
-            f"{tps / base['specsplit target only']:>15.2f}x{tps / base['HF generate']:>7.2f}x"
-            f"  {same}/{len(outputs)}"
+            f"{name:<30}{row.num_tokens:>8}{row.seconds:>9.2f}{tps[name]:>10.1f}{acc:>10.2f}"
+            f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
+            f"  {same}/{len(row.outputs)}"
         )
 
 

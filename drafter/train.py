@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafter.eagle import Eagle3Config, default_aux_layers
+from drafter.eagle import Eagle3Config, default_aux_layers, load_eagle3
 from drafter.train_data import (
     Batch,
     Example,
@@ -197,24 +197,28 @@ def train_drafter(args: argparse.Namespace) -> int:
     heldout = [e for e in examples if e.split == "heldout" and e.greedy]
     log.info("%d training and %d held-out answers", len(train), len(heldout))
 
+    embed = model.get_input_embeddings().weight.detach().float()
     state_path = out / STATE_FILE
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
         config = Eagle3Config(**state["config"])
-        draft_ids = state["draft_ids"]
+        head = Eagle3Trainable(config, embed, state["draft_ids"]).to(args.device)
+        head.load_state_dict(state["head"])
+    elif args.init_head:
+        # fine-tune an existing head (its layout, draft vocabulary and weights)
+        inference_head = load_eagle3(args.init_head, args.model, torch.float32, "cpu")
+        head = Eagle3Trainable.from_head(inference_head).to(args.device)
+        config = head.config
     else:
         config = head_config(model, args.draft_vocab_size)
         draft_ids = draft_vocabulary(train, config.draft_vocab_size, config.vocab_size)
-    embed = model.get_input_embeddings().weight.detach().float()
-    head = Eagle3Trainable(config, embed, draft_ids).to(args.device)
-    if state is None:
+        head = Eagle3Trainable(config, embed, draft_ids).to(args.device)
         head.init_from_target(
             model.model.norm.weight.detach().float().cpu(),
             model.get_output_embeddings().weight.detach().float().cpu(),
             args.seed,
         )
-    else:
-        head.load_state_dict(state["head"])
+    draft_ids = head.draft_ids.cpu()
     log.info(
         "draft vocabulary %d of %d: covers %.1f%% of training and %.1f%% of held-out answer tokens",
         config.draft_vocab_size,

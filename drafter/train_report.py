@@ -140,6 +140,8 @@ def heldout_report(
     print("  acceptance per draft position:", chains["acceptance_rate_per_position"])
     for name, value in chains["accepted_tokens_per_round"].items():
         print(f"  {name}: {value} accepted tokens per round")
+    if not args.report_prompts:
+        return {"training_time_test": chains}
     engines = engine_acceptance(
         args.model,
         tokenizer,

@@ -213,6 +213,7 @@ def _train_drafter_parser(commands: Any) -> None:
     _flag(p, "--answer-batch-size", 64, "prompts answered per generate call", type=int)
     _flag(p, "--answers-per-prompt", 1, "answers per prompt: 1 greedy, the rest sampled", type=int)
     _flag(p, "--answer-temperature", 0.8, "temperature of the sampled answers", type=float)
+    _flag(p, "--init-head", None, "start from this head (fine-tune; keeps its draft vocabulary)")
     _flag(p, "--draft-vocab-size", 8192, "draft vocabulary (most frequent answer tokens)", type=int)
     _flag(p, "--ttt-steps", 7, "draft steps unrolled in training (training-time test)", type=int)
     _flag(p, "--step-decay", 0.8, "loss weight of draft step k is decay**k", type=float)
@@ -225,7 +226,7 @@ def _train_drafter_parser(commands: Any) -> None:
     _flag(p, "--save-every", 100, "steps between resumable checkpoints", type=int)
     _flag(p, "--max-minutes", 0.0, "stop (resumable) after this long; 0 = no limit", type=float)
     _flag(p, "--seed", 0, "initialisation and batch order", type=int)
-    _flag(p, "--report-prompts", 64, "held-out prompts run through the engines", type=int)
+    _flag(p, "--report-prompts", 64, "held-out prompts run through the engines (0: none)", type=int)
     _flag(p, "--report-new-tokens", 128, "tokens generated per held-out prompt", type=int)
     p.add_argument("--skip-report", action="store_true", help="no held-out report at the end")
 

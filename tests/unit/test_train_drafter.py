@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from drafter.eagle import load_eagle3, save_random_eagle3
+from drafter.eagle import HEAD_WEIGHTS, load_eagle3, save_random_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DraftJob, DraftSeq
 from drafter.train import TargetFeatures, drafting_mask, learning_rate, ttt_loss
@@ -169,3 +170,14 @@ def test_train_drafter_resumes_and_its_head_is_lossless(
     stack = make_stack(target, "eagle3", tokenizer, spec, draft_dir=out / "head",
                        dtype=torch.float32)  # fmt: skip
     assert [generated_ids(c) for c in generate_all(stack, requests)] == want
+
+    # --init-head starts from that head: with a zero learning rate it is written back unchanged
+    # (same weights, same draft vocabulary)
+    tuned = tmp_path / "tuned"
+    init = ["--out", str(tuned), "--init-head", str(out / "head"), "--lr", "0"]
+    args = [*common, "--epochs", "1", "--skip-report", *init]
+    assert cli_main(args) == 0
+    before, after = load_file(out / "head" / HEAD_WEIGHTS), load_file(tuned / "head" / HEAD_WEIGHTS)
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
