@@ -249,7 +249,10 @@ class Scheduler:
         if not done:
             return
         await self._release(done)  # before forgetting them: stop() releases what is still here
-        self.running = [seq for seq in self.running if not (seq.finished or seq.cancelled)]
+        # forget exactly what was released: a sequence cancelled during that await is retired
+        # (and released) next time, not dropped with its KV still held
+        released = {id(seq) for seq in done}
+        self.running = [seq for seq in self.running if id(seq) not in released]
 
     async def _release(self, seqs: list[Sequence]) -> None:
         ids = [seq.seq_id for seq in seqs]
