@@ -55,10 +55,11 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kv_cache import KVCache
+from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import _read_rope
 from specsplit.model.linear import linear
-from specsplit.model.llama import LlamaModel, _expand_kv, rms_norm
+from specsplit.model.llama import LlamaModel, rms_norm
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -227,16 +228,7 @@ class Eagle3Head:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.k[0].index_copy_(0, batch.slot_mapping, k.to(kv.k[0].dtype))
         kv.v[0].index_copy_(0, batch.slot_mapping, v.to(kv.v[0].dtype))
-        groups = c.num_heads // c.num_kv_heads
-        out = torch.empty_like(q)  # [T, heads, D]
-        start = 0
-        for q_len, slots, mask in zip(batch.q_lens, batch.kv_slots, batch.masks, strict=True):
-            q_b = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, D]
-            k_b = _expand_kv(kv.k[0][slots], groups).to(q.dtype)
-            v_b = _expand_kv(kv.v[0][slots], groups).to(q.dtype)
-            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)
-            out[start : start + q_len] = o_b.transpose(0, 1)
-            start += q_len
+        out = attend(q, kv.k[0], kv.v[0], batch)  # [T, heads, D]
         return linear(out.view(t, -1), self.w[p + "o_proj.weight"])
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from drafter.engine import DraftJob, DraftSeq
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache
-from specsplit.step import SeqStep, build_forward_batch
+from specsplit.step import SeqStep, build_forward_batch, causal_step
 from specsplit.tree import DraftTree
 
 
@@ -98,7 +98,7 @@ class Eagle3Proposer(TreeProposer):
     def _forward(
         self, steps: list[SeqStep], features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, _ = build_forward_batch(steps)
+        batch, _ = build_forward_batch(steps, self.kv.page_size)
         return self.head.forward(batch.to(self.head.device), self.kv, features)
 
     # -- drafting --------------------------------------------------------------------------
@@ -144,15 +144,12 @@ class Eagle3Proposer(TreeProposer):
             self.kv.reserve(state.kv, num_entries + (job.spec.max_draft_tokens if draft else 0))
             if first < num_entries:
                 q = num_entries - first
-                mask = torch.ones(q, num_entries, dtype=torch.bool).tril(first)
                 steps.append(
-                    SeqStep(
-                        seq=state.kv,
-                        input_ids=tokens[first + 1 : num_entries + 1],
-                        positions=list(range(first, num_entries)),
-                        storage=list(range(first, num_entries)),
-                        mask=mask,
+                    causal_step(
+                        state.kv,
+                        tokens[first + 1 : num_entries + 1],
                         logit_rows=[q - 1] if draft else [],
+                        start=first,
                     )
                 )
                 features.append(self.head.fuse(state.features[first:num_entries]))

@@ -81,7 +81,7 @@ class ModelProposer(TreeProposer):
         return logits
 
     def _forward(self, steps: list[SeqStep]) -> torch.Tensor:
-        batch, _ = build_forward_batch(steps)
+        batch, _ = build_forward_batch(steps, self.kv.page_size)
         return self.model(batch.to(self.device), self.kv).logits
 
     def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:

@@ -122,16 +122,17 @@ class TreeProposer:
         """Forward the frontier: each node sees the prefix, its ancestors and itself."""
         kv = self._seq_kv(tree.job.seq)
         base = kv.kv_committed_len
-        mask = torch.zeros(len(tree.frontier), base + len(tree.tokens), dtype=torch.bool)
-        mask[:, :base] = True
+        mask = torch.zeros(len(tree.frontier), len(tree.tokens), dtype=torch.bool)
         for row, node in enumerate(tree.frontier):
-            mask[row, [base + a for a in tree.paths[node]]] = True
+            mask[row, tree.paths[node]] = True
         return SeqStep(
             seq=kv,
             input_ids=[tree.tokens[node] for node in tree.frontier],
             positions=[base - 1 + len(tree.paths[node]) for node in tree.frontier],
             storage=[base + node for node in tree.frontier],
-            mask=mask,
+            kv_len=base + len(tree.tokens),
+            prefix_len=base,
+            new_mask=mask,
             logit_rows=list(range(len(tree.frontier))),
         )
 

@@ -8,6 +8,7 @@ final, `kv_allocated_len` slots are reserved (page-aligned, >= committed).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,16 +73,19 @@ class SeqKV:
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) as int64 [end - start]."""
         assert 0 <= start <= end <= self.kv_allocated_len, (start, end, self.kv_allocated_len)
-        return self.slots_of(torch.arange(start, end, dtype=torch.int64))
+        return torch.tensor(self.slots_of(range(start, end)), dtype=torch.int64)
 
-    def slots_of(self, storage: torch.Tensor) -> torch.Tensor:
-        """Cache slots of the storage indices (positions in this sequence's pages), int64."""
-        table = torch.tensor(self.page_table, dtype=torch.int64)
-        return table[storage // self.page_size] * self.page_size + storage % self.page_size
+    def slots_of(self, storage: Iterable[int]) -> list[int]:
+        """Cache slots of the storage indices (positions in this sequence's pages)."""
+        size, table = self.page_size, self.page_table
+        return [table[i // size] * size + i % size for i in storage]
 
 
 class KVCache:
-    """K and V tensors per layer, [num_pages * page_size, num_kv_heads, head_dim], plus pages."""
+    """K and V of every layer in one tensor, `data` [num_layers, 2, num_slots, num_kv_heads,
+    head_dim] (K at [:, 0], V at [:, 1]), plus the page allocator. One extra page past the
+    allocator's, `scratch_page`, belongs to no sequence: padded rows of a CUDA-graph step write
+    there and padding moves land there."""
 
     def __init__(
         self,
@@ -96,10 +100,17 @@ class KVCache:
         assert page_size > 0, page_size
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        num_slots = num_pages * page_size
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scratch_page = num_pages
+        self.scratch_slot = num_pages * page_size
+        num_slots = (num_pages + 1) * page_size
+        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.data[:, 0].unbind(0))  # per layer [num_slots, num_kv_heads, head_dim]
+        self.v = list(self.data[:, 1].unbind(0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
     def new_seq(self) -> SeqKV:
         return SeqKV(page_size=self.page_size)
@@ -126,12 +137,11 @@ class KVCache:
         seq.kv_committed_len = 0
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy K/V rows src -> dst in every layer (gather first: ranges may overlap)."""
-        src = src_slots.to(self.k[0].device)
-        dst = dst_slots.to(self.k[0].device)
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst] = k[src]  # advanced indexing gathers into a new tensor first
-            v[dst] = v[src]
+        """Copy K/V rows src -> dst in every layer at once (gathered first: ranges may
+        overlap)."""
+        src = src_slots.to(self.device, non_blocking=True)
+        dst = dst_slots.to(self.device, non_blocking=True)
+        self.data.index_copy_(2, dst, self.data.index_select(2, src))
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

@@ -2,7 +2,8 @@
 
 Each sequence's cache is addressed by *storage index* (its logical slot number, mapped to a
 physical slot through its page table). A step writes K/V for its query tokens at the given
-storage indices and attends over storage [0, kv_len) under an explicit mask.
+storage indices and attends over storage [0, kv_len): the first `prefix_len` always, the rest
+(the step's new region) under `new_mask`, or causally when it is None.
 """
 
 from __future__ import annotations
@@ -22,17 +23,37 @@ class SeqStep:
     input_ids: list[int]  # [q] query tokens
     positions: list[int]  # [q] RoPE positions
     storage: list[int]  # [q] storage index each token's K/V is written to
-    mask: torch.Tensor  # [q, kv_len] bool, True = may attend
+    kv_len: int  # storage [0, kv_len) attended
+    prefix_len: int  # storage [0, prefix_len) visible to every query
+    new_mask: torch.Tensor | None  # [q, kv_len - prefix_len] bool; None = causal
     logit_rows: list[int]  # rows of this step (0..q-1) whose logits are wanted
 
-    @property
-    def kv_len(self) -> int:
-        return int(self.mask.shape[1])
+    def __post_init__(self) -> None:
+        q = len(self.input_ids)
+        assert len(self.positions) == len(self.storage) == q, (self.positions, self.storage)
+        assert 0 <= self.prefix_len <= self.kv_len, (self.prefix_len, self.kv_len)
+        if self.new_mask is None:
+            assert self.kv_len - self.prefix_len >= q, "a causal step attends to its own tokens"
+        else:
+            assert self.new_mask.shape == (q, self.kv_len - self.prefix_len), self.new_mask.shape
 
 
-def causal_step(seq: SeqKV, tokens: list[int], logit_rows: list[int]) -> SeqStep:
-    """`tokens` appended causally after the seq's committed prefix."""
-    return verify_step(seq, tokens, DraftTree(), logit_rows)
+def causal_step(
+    seq: SeqKV, tokens: list[int], logit_rows: list[int], start: int | None = None
+) -> SeqStep:
+    """`tokens` appended causally at storage `start` (default: the committed prefix's end)."""
+    c = seq.kv_committed_len if start is None else start
+    q = len(tokens)
+    return SeqStep(
+        seq=seq,
+        input_ids=list(tokens),
+        positions=list(range(c, c + q)),
+        storage=list(range(c, c + q)),
+        kv_len=c + q,
+        prefix_len=c,
+        new_mask=None,
+        logit_rows=logit_rows,
+    )
 
 
 def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: list[int]) -> SeqStep:
@@ -43,47 +64,71 @@ def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: lis
     """
     c, p, n = seq.kv_committed_len, len(pending), len(tree)
     assert p >= 1, "a step needs at least one pending token (the root)"
-    mask = torch.zeros(p + n, c + p + n, dtype=torch.bool)
-    mask[:, :c] = True
-    mask[:p, c : c + p] = torch.ones(p, p, dtype=torch.bool).tril()
-    mask[p:, c : c + p] = True
-    mask[p:, c + p :] = tree.ancestor_mask()
+    if n == 0:
+        return causal_step(seq, pending, logit_rows)
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool)  # among the new tokens
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    mask[p:, :p] = True
+    mask[p:, p:] = tree.ancestor_mask()
     positions = list(range(c, c + p)) + [c + p - 1 + d for d in tree.depths()]
     return SeqStep(
         seq=seq,
         input_ids=list(pending) + list(tree.tokens),
         positions=positions,
         storage=list(range(c, c + p + n)),
-        mask=mask,
+        kv_len=c + p + n,
+        prefix_len=c,
+        new_mask=mask,
         logit_rows=logit_rows,
     )
 
 
-def build_forward_batch(steps: list[SeqStep]) -> tuple[ForwardBatch, list[slice]]:
-    """Concatenate steps; returns the batch and each step's slice of the logit rows."""
+def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBatch, list[slice]]:
+    """Concatenate steps (host tensors); returns the batch and each step's slice of the logit
+    rows. The tree mask is built only when some step is not causal."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[torch.Tensor] = []
+    slot_mapping: list[int] = []
     logit_indices: list[int] = []
     logit_slices: list[slice] = []
-    offset = 0
+    cu_seqlens = [0]
     for step in steps:
-        q = len(step.input_ids)
-        assert len(step.positions) == len(step.storage) == q == step.mask.shape[0]
+        assert step.seq.page_size == page_size, (step.seq.page_size, page_size)
         input_ids += step.input_ids
         positions += step.positions
-        slot_mapping.append(step.seq.slots_of(torch.tensor(step.storage, dtype=torch.int64)))
+        slot_mapping += step.seq.slots_of(step.storage)
         start = len(logit_indices)
-        logit_indices += [offset + row for row in step.logit_rows]
+        logit_indices += [cu_seqlens[-1] + row for row in step.logit_rows]
         logit_slices.append(slice(start, len(logit_indices)))
-        offset += q
+        cu_seqlens.append(cu_seqlens[-1] + len(step.input_ids))
+    q_lens = [len(step.input_ids) for step in steps]
+    max_q = max(q_lens, default=0)
+    tree_mask = None
+    if any(step.new_mask is not None for step in steps):
+        max_new = max(step.kv_len - step.prefix_len for step in steps)
+        tree_mask = torch.zeros(len(steps), max_q, max_new, dtype=torch.bool)
+        for b, step in enumerate(steps):
+            q, new = len(step.input_ids), step.kv_len - step.prefix_len
+            if step.new_mask is not None:
+                tree_mask[b, :q, :new] = step.new_mask
+            else:  # causal: query i sees the new tokens up to its own storage index
+                tree_mask[b, :q, :new] = torch.ones(q, new, dtype=torch.bool).tril(new - q)
+    max_pages = max((len(step.seq.page_table) for step in steps), default=0)
+    block_table = torch.zeros(len(steps), max(max_pages, 1), dtype=torch.int32)
+    for b, step in enumerate(steps):
+        pages = step.seq.page_table
+        block_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.cat(slot_mapping) if slot_mapping else torch.zeros(0, dtype=torch.int64),
-        q_lens=[len(step.input_ids) for step in steps],
-        kv_slots=[step.seq.slots(0, step.kv_len) for step in steps],
-        masks=[step.mask for step in steps],
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+        kv_lens=torch.tensor([step.kv_len for step in steps], dtype=torch.int32),
+        prefix_lens=torch.tensor([step.prefix_len for step in steps], dtype=torch.int32),
+        block_table=block_table,
+        tree_mask=tree_mask,
         logit_indices=torch.tensor(logit_indices, dtype=torch.int64),
+        max_q_len=max_q,
+        page_size=page_size,
     )
     return batch, logit_slices

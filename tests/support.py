@@ -9,7 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.request import Chunk, GenerationRequest
 from specsplit.local import LocalStack, build_local_stack, token_ids
+from specsplit.kv_cache import SeqKV
 from specsplit.messages import SpecParams
+from specsplit.step import SeqStep
 
 TINY_VOCAB = 512
 
@@ -92,3 +94,15 @@ def generate_all(stack: LocalStack, requests: list[GenerationRequest]) -> list[l
 
 def generated_ids(chunks: list[Chunk]) -> list[int]:
     return token_ids(chunks)
+
+
+def dense_step(
+    seq: SeqKV,
+    input_ids: list[int],
+    positions: list[int],
+    storage: list[int],
+    mask: torch.Tensor,  # [q, kv_len] bool over the whole attended storage
+    logit_rows: list[int],
+) -> SeqStep:
+    """A step given by a dense mask (tests): everything is its new region, no fixed prefix."""
+    return SeqStep(seq, input_ids, positions, storage, int(mask.shape[1]), 0, mask, logit_rows)

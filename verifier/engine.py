@@ -14,12 +14,19 @@ import torch
 
 from specsplit.acceptance import AcceptResult, accept_greedy, accept_sampling
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
+from specsplit.kernels.accept import (
+    accept_greedy_batched,
+    accepted_kv_moves,
+    compact_accepted_kv,
+)
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
+from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +37,41 @@ class VerifierSeq:
     generator: torch.Generator | None = None  # created on the first sampled round
 
 
+# query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
+# 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
+GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
+
+
 class VerifierEngine:
-    def __init__(self, model: LlamaModel, kv: KVCache, max_context: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        max_context: int,
+        vocab_size: int,
+        *,
+        graph_query_lens: tuple[int, ...] = (),
+        max_batch_size: int = 64,
+    ) -> None:
+        """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
+        tokens per sequence and batches up to max_batch_size; () = always eager."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.num_layers = model.config.num_layers  # hidden_state_layers go up to this
-        self.device = kv.k[0].device
+        self.device = kv.device
         self.seqs: dict[str, VerifierSeq] = {}
+        self.graph_query_lens = graph_query_lens
+        self.graphs: CudaGraphRunner | None = None
+        if graph_query_lens and self.device.type == "cuda":
+            self.graphs = CudaGraphRunner(
+                model,
+                kv,
+                max_batch_size=max_batch_size,
+                max_context=max_context,
+                max_query_len=max(graph_query_lens),
+            )
 
     @classmethod
     def load(
@@ -47,14 +80,40 @@ class VerifierEngine:
         *,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        num_pages: int = 2048,
+        num_pages: int | None = None,
         page_size: int = 16,
+        kv_memory_fraction: float = 0.8,
+        graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
+        max_batch_size: int = 64,
     ) -> VerifierEngine:
+        """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
+        after loading the weights (less room kept for the CUDA graphs' logits)."""
         model, config = load_model(model_path, dtype=dtype, device=device)
+        if num_pages is None:
+            num_pages = 2048
+            if torch.device(device).type == "cuda":
+                free, _ = torch.cuda.mem_get_info(torch.device(device))
+                logits = max_batch_size * max(graph_query_lens, default=1) * config.vocab_size * 4
+                budget = kv_memory_fraction * free - 2 * logits * len(graph_query_lens)
+                per_page = kv_cache_bytes_per_token(config, dtype) * page_size
+                num_pages = max(int(budget // per_page), 16)
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
         )
-        return cls(model, kv, config.max_position_embeddings, config.vocab_size)
+        log.info(
+            "verifier KV cache: %d pages x %d tokens (%.2f GiB)",
+            num_pages,
+            page_size,
+            kv.data.numel() * kv.data.element_size() / 2**30,
+        )
+        return cls(
+            model,
+            kv,
+            config.max_position_embeddings,
+            config.vocab_size,
+            graph_query_lens=graph_query_lens,
+            max_batch_size=max_batch_size,
+        )
 
     @property
     def num_pages_used(self) -> int:
@@ -65,9 +124,8 @@ class VerifierEngine:
         return self.kv.allocator.num_free
 
     def warmup(self) -> None:
-        """One prefill + one tree round on a throwaway sequence, then release it."""
-        from specsplit.tree import DraftTree
-
+        """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
+        graphs (on a GPU)."""
         out = self.verify(
             [VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))]
         )
@@ -84,6 +142,9 @@ class VerifierEngine:
         )
         self.release(["__warmup__"])
         self.check_integrity()
+        if self.graphs is not None:
+            for q in self.graph_query_lens:
+                self.graphs.capture(q)
 
     # -- the round -------------------------------------------------------------------------
 
@@ -106,23 +167,97 @@ class VerifierEngine:
             steps.append(
                 verify_step(seq.kv, item.pending_tokens, item.tree, list(range(first, p + n)))
             )
-        batch, row_slices = build_forward_batch(steps)
-        out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
-
-        results = []
-        for item, seq, rows in zip(inputs, seqs, row_slices, strict=True):
-            p = len(item.pending_tokens)
-            logits = out.logits[rows][p - 1 :] if aux else out.logits[rows]  # [n + 1, vocab]
-            accepted = self._accept(item, seq, logits)
-            result = self._commit(item, seq, accepted)
-            if out.hidden_states is not None:
-                # [p + num_accepted_drafts, layers * hidden]: pending tokens, then the accepted path
-                keep = list(range(p)) + [p + node for node in accepted.accepted_nodes]
-                result.hidden_states = out.hidden_states[rows][keep].to(torch.bfloat16)
-            results.append(result)
+        batch, row_slices = build_forward_batch(steps, self.kv.page_size)
+        out = self.graphs.forward(batch, aux) if self.graphs is not None else None
+        if out is None:
+            batch = batch.to(self.device)
+            out = self.model(batch, self.kv, aux_layers=aux)
+        # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
+        rows = [
+            range(r.start + (len(item.pending_tokens) - 1 if aux else 0), r.stop)
+            for item, r in zip(inputs, row_slices, strict=True)
+        ]
+        if all(item.sampling.greedy for item in inputs):
+            accepted = self._accept_greedy(inputs, out.logits, rows, batch.block_table)
+        else:
+            accepted = [
+                self._accept(item, seq, out.logits[r.start : r.stop])
+                for item, seq, r in zip(inputs, seqs, rows, strict=True)
+            ]
+            self._move_accepted(inputs, seqs, accepted)
+        results = [
+            self._commit(item, seq, result)
+            for item, seq, result in zip(inputs, seqs, accepted, strict=True)
+        ]
+        if out.hidden_states is not None:
+            # per sequence [p + num_accepted_drafts, layers * hidden]: pending tokens, then the
+            # accepted path
+            keep: list[int] = []
+            for item, path, r in zip(inputs, accepted, row_slices, strict=True):
+                p = len(item.pending_tokens)
+                keep += [r.start + i for i in range(p)]
+                keep += [r.start + p + node for node in path.accepted_nodes]
+            index = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+            hidden = out.hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
+            sizes = [
+                len(i.pending_tokens) + len(a.accepted_nodes)
+                for i, a in zip(inputs, accepted, strict=True)
+            ]
+            for output, part in zip(results, hidden.split(sizes), strict=True):
+                output.hidden_states = part
         return results
 
+    def _accept_greedy(
+        self,
+        inputs: list[VerifyInput],
+        logits: torch.Tensor,  # [L, vocab] on the device
+        rows: list[range],  # per sequence its n + 1 rows of `logits`
+        block_table: torch.Tensor,  # [B, max_pages] the step's pages (host or device)
+    ) -> list[AcceptResult]:
+        """Greedy acceptance, the bonus token and the accepted path's K/V compaction for the
+        whole batch on the device; one device-to-host copy of the results."""
+        width = max(len(item.tree) for item in inputs)  # N
+        num_seqs = len(inputs)
+        row_index = torch.zeros(num_seqs, width + 1, dtype=torch.int64)  # [B, N + 1]
+        draft_tokens = torch.zeros(num_seqs, width, dtype=torch.int64)  # [B, N]
+        parents = torch.full((num_seqs, width), -2, dtype=torch.int64)  # [B, N], -2 = padding
+        base = torch.zeros(num_seqs, dtype=torch.int64)  # [B] storage of tree node 0
+        for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
+            n = len(item.tree)
+            row_index[b, : n + 1] = torch.arange(r.start, r.stop)
+            draft_tokens[b, :n] = torch.tensor(item.tree.tokens, dtype=torch.int64)
+            parents[b, :n] = torch.tensor(item.tree.parents, dtype=torch.int64)
+            base[b] = item.kv_committed_len + len(item.pending_tokens)
+        host = torch.cat([row_index.view(-1), draft_tokens.view(-1), parents.view(-1), base])
+        dev = host.to(self.device, non_blocking=True).split(
+            [row_index.numel(), draft_tokens.numel(), parents.numel(), num_seqs]
+        )
+        argmax = logits.argmax(dim=-1)  # [L]
+        target_argmax = argmax[dev[0]].view(num_seqs, width + 1)
+        accepted = accept_greedy_batched(
+            target_argmax, dev[1].view(num_seqs, width), dev[2].view(num_seqs, width)
+        )
+        src, dst = accepted_kv_moves(
+            dev[3],
+            accepted.accepted_nodes,
+            accepted.num_accepted_drafts,
+            block_table.to(self.device, non_blocking=True),
+            self.kv.page_size,
+            self.kv.scratch_slot,
+        )
+        compact_accepted_kv(self.kv.data, src, dst)
+        packed = torch.cat(
+            [
+                accepted.num_accepted_drafts[:, None],
+                accepted.bonus_tokens[:, None],
+                accepted.accepted_nodes,
+            ],
+            dim=1,
+        ).tolist()  # the round's one device-to-host copy: [B, 2 + N]
+        return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
+
     def _accept(self, item: VerifyInput, seq: VerifierSeq, logits: torch.Tensor) -> AcceptResult:
+        """The per-sequence reference (sampling rounds)."""
         if item.sampling.greedy:
             return accept_greedy(item.tree, logits)
         if seq.generator is None:
@@ -132,13 +267,23 @@ class VerifierEngine:
             tree = replace(tree, draft_probs=tree.draft_probs.to(logits.device))
         return accept_sampling(tree, target_probs(logits, item.sampling), seq.generator)
 
+    def _move_accepted(
+        self, inputs: list[VerifyInput], seqs: list[VerifierSeq], accepted: list[AcceptResult]
+    ) -> None:
+        """Move each accepted path's K/V right after its pending tokens, all in one copy."""
+        src: list[int] = []
+        dst: list[int] = []
+        for item, seq, result in zip(inputs, seqs, accepted, strict=True):
+            base = seq.kv.kv_committed_len + len(item.pending_tokens)
+            src += seq.kv.slots_of(base + node for node in result.accepted_nodes)
+            dst += seq.kv.slots_of(range(base, base + len(result.accepted_nodes)))
+        if src:
+            self.kv.move(torch.tensor(src), torch.tensor(dst))
+
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
-        """Move the accepted path's K/V right after the pending tokens; free the rest."""
+        """The accepted path's K/V sits right after the pending tokens: commit it, free the
+        rest."""
         base = seq.kv.kv_committed_len + len(item.pending_tokens)
-        if result.accepted_nodes:
-            src = seq.kv.slots(base, base + len(item.tree))[result.accepted_nodes]
-            dst = seq.kv.slots(base, base + len(result.accepted_nodes))
-            self.kv.move(src, dst)
         seq.kv.kv_committed_len = base + len(result.accepted_nodes)
         self.kv.trim(seq.kv, seq.kv.kv_committed_len)
         return VerifyOutput(

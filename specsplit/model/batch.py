@@ -1,16 +1,22 @@
-"""The input of one model forward step over a ragged batch of sequences.
+"""The input of one model forward step over a ragged batch of sequences (DESIGN.md §6).
 
-Tokens of all sequences are flattened into one row of T tokens (no padding). Each sequence
-brings `q_len` query tokens (pending tokens and/or draft-tree nodes) and attends to `kv_len`
-cache slots (its committed prefix plus this step's own tokens) under a boolean mask.
-Builders live with the engines; the model only reads this.
+Tokens of all sequences are flattened into one row of T tokens (no padding). Sequence b brings
+`q_len` query tokens (pending tokens and/or draft-tree nodes, `cu_seqlens_q[b]:cu_seqlens_q[b+1]`)
+and attends to storage indices [0, kv_lens[b]) of its pages (`block_table[b]`): the first
+`prefix_lens[b]` always, the rest (its new tokens) under `tree_mask[b]`, or causally when
+`tree_mask` is None. Builders live in specsplit/step.py; the model only reads this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from specsplit.kernels.paged_attention import reference_plan
+
+# the attention backend's per-forward host plan (specsplit.kernels.paged_attention.reference_plan)
+_Plan = list[tuple[int, int, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -18,30 +24,66 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64, flat query tokens of all sequences
     positions: torch.Tensor  # [T] int64, RoPE position of each token
     slot_mapping: torch.Tensor  # [T] int64, cache slot where each token's K/V is written
-    q_lens: list[int]  # [B] query tokens per sequence, sum == T
-    kv_slots: list[torch.Tensor]  # B x [kv_len_b] int64, slots each sequence attends to
-    masks: list[torch.Tensor]  # B x [q_len_b, kv_len_b] bool, True = may attend
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, query token offsets
+    kv_lens: torch.Tensor  # [B] int32, storage [0, kv_len) attended
+    prefix_lens: torch.Tensor  # [B] int32, storage [0, prefix_len) visible to every query
+    block_table: torch.Tensor  # [B, max_pages] int32 page ids
+    tree_mask: torch.Tensor | None  # [B, max_q, max_new] bool among new tokens; None = causal
     logit_indices: torch.Tensor  # [L] int64 rows of T whose logits (and hidden states) are wanted
+    max_q_len: int  # >= every q_len (the attention grid)
+    page_size: int
+    _plan: _Plan | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]
+        num_seqs = self.kv_lens.shape[0]
         assert self.positions.shape == (num_tokens,), self.positions.shape
         assert self.slot_mapping.shape == (num_tokens,), self.slot_mapping.shape
-        assert sum(self.q_lens) == num_tokens, (self.q_lens, num_tokens)
-        assert len(self.kv_slots) == len(self.masks) == len(self.q_lens)
-        for q_len, slots, mask in zip(self.q_lens, self.kv_slots, self.masks, strict=True):
-            assert mask.shape == (q_len, slots.shape[0]), (mask.shape, q_len, slots.shape)
+        assert self.cu_seqlens_q.shape == (num_seqs + 1,), self.cu_seqlens_q.shape
+        assert self.prefix_lens.shape == (num_seqs,), self.prefix_lens.shape
+        assert self.block_table.dim() == 2 and self.block_table.shape[0] == num_seqs
+        if self.tree_mask is not None:
+            assert self.tree_mask.dim() == 3 and self.tree_mask.shape[0] == num_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens.shape[0])
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids.to(device, non_blocking=True),
-            positions=self.positions.to(device, non_blocking=True),
-            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
-            q_lens=self.q_lens,
-            kv_slots=[s.to(device, non_blocking=True) for s in self.kv_slots],
-            masks=[m.to(device, non_blocking=True) for m in self.masks],
-            logit_indices=self.logit_indices.to(device, non_blocking=True),
+        """The same batch on `device`: integer metadata travels in one copy."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        names = [n for n in names if n != "tree_mask"]
+        host = [getattr(self, n) for n in names]
+        packed = torch.cat([t.reshape(-1).to(torch.int64) for t in host])
+        moved = (
+            packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed
         )
+        parts = dict(zip(names, moved.split([t.numel() for t in host]), strict=True))
+        kwargs = {
+            n: part.view(t.shape).to(t.dtype)
+            for (n, part), t in zip(parts.items(), host, strict=True)
+        }
+        mask = None if self.tree_mask is None else self.tree_mask.to(device, non_blocking=True)
+        return ForwardBatch(
+            **kwargs, tree_mask=mask, max_q_len=self.max_q_len, page_size=self.page_size
+        )
+
+    def reference_plan(self) -> _Plan:
+        """Per sequence (q_start, q_end, slots [kv_len], dense mask [q_len, kv_len]), built once
+        per forward for the plain-torch attention (the CPU path) and reused by every layer."""
+        if self._plan is None:
+            self._plan = reference_plan(
+                self.cu_seqlens_q,
+                self.kv_lens,
+                self.prefix_lens,
+                self.block_table,
+                self.page_size,
+                self.tree_mask,
+            )
+        return self._plan
 
 
 @dataclass

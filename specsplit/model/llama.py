@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.kv_cache import KVCache
+from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
 from specsplit.model.linear import linear
@@ -111,32 +112,12 @@ class DecoderLayer(nn.Module):
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 
-        groups = self.num_heads // self.num_kv_heads
-        out = torch.empty_like(q)  # [T, num_heads, head_dim]
-        start = 0
-        for q_len, slots, mask in zip(batch.q_lens, batch.kv_slots, batch.masks, strict=True):
-            q_b = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-            k_b = _expand_kv(k_cache[slots], groups).to(q.dtype)  # [H, kv_len, D]
-            v_b = _expand_kv(v_cache[slots], groups).to(q.dtype)
-            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)  # [H, q_len, D]
-            out[start : start + q_len] = o_b.transpose(0, 1)
-            start += q_len
+        out = attend(q, k_cache, v_cache, batch)  # [T, num_heads, head_dim]
         return _project(self.o_proj, out.view(num_tokens, self.num_heads * self.head_dim))
 
 
 def _project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, layer.weight, layer.bias)
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[kv_len, num_kv_heads, D] -> [num_kv_heads * groups, kv_len, D]; query head h reads
-    KV head h // groups (transformers' repeat_kv)."""
-    kv_len, num_kv_heads, head_dim = x.shape
-    x = x.transpose(0, 1)  # [num_kv_heads, kv_len, D]
-    if groups == 1:
-        return x
-    x = x[:, None].expand(num_kv_heads, groups, kv_len, head_dim)
-    return x.reshape(num_kv_heads * groups, kv_len, head_dim)
 
 
 class LlamaModel(nn.Module):

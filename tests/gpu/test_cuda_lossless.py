@@ -80,7 +80,9 @@ def test_cuda_logits_match_transformers(models) -> None:
     seq = kv.new_seq()
     tokens = list(range(5, 40))
     kv.reserve(seq, len(tokens))
-    batch, _ = build_forward_batch([causal_step(seq, tokens, list(range(len(tokens))))])
+    batch, _ = build_forward_batch(
+        [causal_step(seq, tokens, list(range(len(tokens))))], kv.page_size
+    )
     ours = model(batch.to("cuda"), kv).logits
     hf = LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float32).cuda()
     theirs = hf(torch.tensor([tokens], device="cuda")).logits[0].float()

@@ -16,9 +16,16 @@ from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_model
 from specsplit.model.rope import apply_rotary, rope_cos_sin
-from specsplit.step import SeqStep, build_forward_batch
+from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
-from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack, save_tiny_llama
+from tests.support import (
+    TINY_VOCAB,
+    dense_step,
+    generate_all,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
 
 MAX_NEW_TOKENS = 12
 DRAFT_VOCAB = 200
@@ -90,7 +97,7 @@ def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> 
     tree_features = torch.randn(len(tree), hidden, generator=gen, dtype=torch.float64)
     kv.reserve(seq, n + len(tree))
     try:
-        prefill = SeqStep(
+        prefill = dense_step(
             seq,
             ids,
             list(range(n)),
@@ -98,14 +105,14 @@ def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> 
             torch.ones(n, n, dtype=torch.bool).tril(),
             list(range(n)),
         )
-        batch, _ = build_forward_batch([prefill])
+        batch, _ = build_forward_batch([prefill], kv.page_size)
         logits_p, out_p = head.forward(batch, kv, head.fuse(target_rows))
         seq.kv_committed_len = n
         mask_t = torch.zeros(len(tree), n + len(tree), dtype=torch.bool)
         mask_t[:, :n] = True
         mask_t[:, n:] = tree.ancestor_mask()
         positions_t = [n - 1 + d for d in tree.depths()]
-        step = SeqStep(
+        step = dense_step(
             seq,
             tree.tokens,
             positions_t,
@@ -113,7 +120,7 @@ def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> 
             mask_t,
             list(range(len(tree))),
         )
-        batch, _ = build_forward_batch([step])
+        batch, _ = build_forward_batch([step], kv.page_size)
         logits_t, out_t = head.forward(batch, kv, tree_features)
     finally:
         kv.release(seq)
@@ -213,7 +220,7 @@ def test_drafter_features_are_the_targets_layer_outputs(
     seq = kv.new_seq()
     kv.reserve(seq, len(tokens))
     try:
-        step = SeqStep(
+        step = dense_step(
             seq,
             tokens,
             list(range(len(tokens))),
@@ -221,7 +228,7 @@ def test_drafter_features_are_the_targets_layer_outputs(
             torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril(),
             list(range(len(tokens))),
         )
-        batch, _ = build_forward_batch([step])
+        batch, _ = build_forward_batch([step], kv.page_size)
         plain = model(batch, kv, aux_layers=(1, 1, 0)).hidden_states
     finally:
         kv.release(seq)

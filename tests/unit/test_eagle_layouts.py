@@ -31,9 +31,16 @@ from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.model.batch import ForwardOutput
 from specsplit.model.llama import LlamaModel, make_kv_cache, rms_norm
 from specsplit.model.loader import load_model
-from specsplit.step import SeqStep, build_forward_batch
+from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
-from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack, save_tiny_llama
+from tests.support import (
+    TINY_VOCAB,
+    dense_step,
+    generate_all,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
 
 NUM_TARGET_LAYERS = 4
 MAX_NEW_TOKENS = 12
@@ -134,12 +141,16 @@ def _paged(
     mask[n:, n:] = tree.ancestor_mask()
     positions = list(range(n)) + [n - 1 + d for d in tree.depths()]
     try:
-        prefill = SeqStep(seq, ids, positions[:n], list(range(n)), mask[:n, :n], list(range(n)))
-        logits_p, out_p = head.forward(build_forward_batch([prefill])[0], kv, head.fuse(rows))
+        prefill = dense_step(seq, ids, positions[:n], list(range(n)), mask[:n, :n], list(range(n)))
+        logits_p, out_p = head.forward(
+            build_forward_batch([prefill], kv.page_size)[0], kv, head.fuse(rows)
+        )
         seq.kv_committed_len = n
         nodes = list(range(n, n + len(tree)))
-        step = SeqStep(seq, tree.tokens, positions[n:], nodes, mask[n:], list(range(len(tree))))
-        logits_t, out_t = head.forward(build_forward_batch([step])[0], kv, tree_features)
+        step = dense_step(seq, tree.tokens, positions[n:], nodes, mask[n:], list(range(len(tree))))
+        logits_t, out_t = head.forward(
+            build_forward_batch([step], kv.page_size)[0], kv, tree_features
+        )
     finally:
         kv.release(seq)
     inputs = {
@@ -315,9 +326,9 @@ def _plain_prefill(
     seq = kv.new_seq()
     kv.reserve(seq, n)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
-    step = SeqStep(seq, ids, list(range(n)), list(range(n)), mask, list(range(n)))
+    step = dense_step(seq, ids, list(range(n)), list(range(n)), mask, list(range(n)))
     try:
-        return target(build_forward_batch([step])[0], kv, aux_layers=aux_layers)
+        return target(build_forward_batch([step], kv.page_size)[0], kv, aux_layers=aux_layers)
     finally:
         kv.release(seq)
 

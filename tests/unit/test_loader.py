@@ -30,10 +30,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specsplit.model import loader
-from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from specsplit.step import build_forward_batch, causal_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -176,16 +176,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _prefill(model: LlamaModel, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
     n = len(tokens)
     kv = make_kv_cache(model.config, num_pages=1, page_size=n, dtype=dtype, device="cpu")
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens),
-        positions=torch.arange(n),
-        slot_mapping=torch.arange(n),
-        q_lens=[n],
-        kv_slots=[torch.arange(n)],
-        masks=[torch.ones(n, n, dtype=torch.bool).tril()],
-        logit_indices=torch.arange(n),
-    )
-    return model(batch, kv).logits
+    seq = kv.new_seq()
+    kv.reserve(seq, n)
+    batch, _ = build_forward_batch([causal_step(seq, tokens, list(range(n)))], kv.page_size)
+    try:
+        return model(batch, kv).logits
+    finally:
+        kv.release(seq)
 
 
 def test_load_model_logs_path_and_ties_lm_head_to_embeddings(

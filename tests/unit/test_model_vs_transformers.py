@@ -28,6 +28,7 @@ from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
+from specsplit.step import SeqStep, build_forward_batch
 
 pytestmark = [
     pytest.mark.raw_kv,  # forward math on hand-built caches
@@ -143,26 +144,23 @@ def causal_step(seq: SeqKV, tokens: list[int]) -> Step:
 
 def make_batch(steps: list[Step]) -> ForwardBatch:
     """Logits for every token of every step."""
-    input_ids, positions, slot_mapping, kv_slots, masks = [], [], [], [], []
+    seq_steps = []
     for step in steps:
-        start = step.seq.kv_committed_len
-        q_len = len(step.tokens)
-        input_ids += step.tokens
-        positions += step.positions
-        slot_mapping.append(step.seq.slots(start, start + q_len))
-        kv_slots.append(step.seq.slots(0, start + q_len))
-        prefix = torch.ones(q_len, start, dtype=torch.bool)
-        masks.append(torch.cat([prefix, step.self_mask], dim=1))
-    num_tokens = len(input_ids)
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.cat(slot_mapping),
-        q_lens=[len(step.tokens) for step in steps],
-        kv_slots=kv_slots,
-        masks=masks,
-        logit_indices=torch.arange(num_tokens),
-    )
+        start, q_len = step.seq.kv_committed_len, len(step.tokens)
+        seq_steps.append(
+            SeqStep(
+                seq=step.seq,
+                input_ids=step.tokens,
+                positions=step.positions,
+                storage=list(range(start, start + q_len)),
+                kv_len=start + q_len,
+                prefix_len=start,
+                new_mask=step.self_mask,
+                logit_rows=list(range(q_len)),
+            )
+        )
+    batch, _ = build_forward_batch(seq_steps, steps[0].seq.page_size)
+    return batch
 
 
 def new_seqs(kv: KVCache, lengths: list[int], rng: random.Random) -> list[SeqKV]:
@@ -187,8 +185,8 @@ def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
         return hf(input_ids=torch.tensor([tokens])).logits[0].float()
 
 
-def split_rows(logits: torch.Tensor, q_lens: list[int]) -> list[torch.Tensor]:
-    return list(logits.split(q_lens))
+def split_rows(logits: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor]:
+    return list(logits.split(batch.cu_seqlens_q.diff().tolist()))
 
 
 # --- cases ---------------------------------------------------------------------------------
@@ -214,7 +212,7 @@ def test_ragged_batch_of_three_matches_hf(arch: Arch) -> None:
     seqs = new_seqs(kv, [len(p) for p in prompts], random.Random(2))
     batch = make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)])
     out = arch.model(batch, kv)
-    for got, prompt in zip(split_rows(out.logits, batch.q_lens), prompts, strict=True):
+    for got, prompt in zip(split_rows(out.logits, batch), prompts, strict=True):
         torch.testing.assert_close(got, hf_logits(arch.hf, prompt), atol=ATOL, rtol=0)
 
 
@@ -236,7 +234,7 @@ def test_incremental_decode_through_shuffled_pages_matches_hf(arch: Arch, page_s
     )
     out = arch.model(batch, kv)
     for got, want, n in zip(
-        split_rows(out.logits, batch.q_lens), expected, prefill_lens, strict=True
+        split_rows(out.logits, batch), expected, prefill_lens, strict=True
     ):
         torch.testing.assert_close(got, want[:n], atol=ATOL, rtol=0)
     for seq, n in zip(seqs, prefill_lens, strict=True):
@@ -306,7 +304,7 @@ def test_tree_step_nodes_match_hf_on_their_linear_paths(arch: Arch) -> None:
     batch = make_batch(steps)
     out = arch.model(batch, kv)
     for rows, prompt, (toks, parents) in zip(
-        split_rows(out.logits, batch.q_lens), prompts, trees, strict=True
+        split_rows(out.logits, batch), prompts, trees, strict=True
     ):
         torch.testing.assert_close(rows[0], hf_logits(arch.hf, prompt)[-1], atol=ATOL, rtol=0)
         for j in range(len(toks)):
