@@ -73,12 +73,13 @@ def build_local_stack(
     target: tuple[LlamaModel, ModelConfig] | None = None,
     adaptive_spec: bool = False,
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
+    graph_query_lens: tuple[int, ...] = (),
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
     asks the verifier for the head's hidden_state_layers) or "ngram". `target` reuses a loaded
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
-    rung sequences start on."""
+    rung sequences start on. graph_query_lens: the verifier's CUDA graphs (on a GPU)."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -87,7 +88,10 @@ def build_local_stack(
         make_kv_cache(config, num_pages, page_size, dtype, device),
         config.max_position_embeddings,
         config.vocab_size,
+        graph_query_lens=graph_query_lens,
     )
+    if graph_query_lens:
+        verifier.warmup()  # captures the CUDA graphs on a GPU
     proposer: ModelProposer | NgramProposer | Eagle3Proposer
     if drafter == "ngram":
         proposer = NgramProposer(

@@ -29,7 +29,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling: SamplingParams = GREEDY):
+def _run(
+    models,
+    tokenizer,
+    drafter: str,
+    spec: SpecParams,
+    sampling: SamplingParams = GREEDY,
+    graph_query_lens: tuple[int, ...] = (),
+):
     stack = build_local_stack(
         str(models["target"]),
         drafter,
@@ -39,6 +46,7 @@ def _run(models, tokenizer, drafter: str, spec: SpecParams, sampling: SamplingPa
         dtype=torch.float32,
         device="cuda",
         check_integrity=True,
+        graph_query_lens=graph_query_lens,
     )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 17, 6)]
@@ -60,6 +68,22 @@ def test_cuda_speculative_greedy_equals_target_greedy(
     expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
     got, _ = _run(models, smollm2_tokenizer, drafter, spec)
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SpecParams(4, 1, 4), SpecParams(3, 2, 6), SpecParams(3, 4, 10)],
+    ids=["chain4", "topk2", "topk4"],
+)
+def test_cuda_graph_rounds_equal_target_greedy(models, smollm2_tokenizer, spec: SpecParams) -> None:
+    """Decode and verify steps replayed from CUDA graphs (padded to a bucket) give the target's
+    own greedy tokens, and the graphs were used."""
+    expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    lens = (1, 1 + spec.num_draft_tokens)
+    got, _ = _run(models, smollm2_tokenizer, "model", spec, graph_query_lens=lens)
+    assert got == expected
+    target_only, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), GREEDY, (1,))
+    assert target_only == expected
 
 
 def test_cuda_sampling_is_reproducible_with_seeds(models, smollm2_tokenizer) -> None:

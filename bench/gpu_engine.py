@@ -1,0 +1,276 @@
+"""The verifier engine on one GPU vs the floor and HF transformers, random bf16 weights.
+
+    PYTHONPATH=. python bench/gpu_engine.py --shape llama-8b --batch 1 8 32 64 --verify-n 4 8 16
+
+Per shape: the floor (weight bytes / device-to-device bandwidth measured in this run), our
+target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
+and eager), the cost of verifying 1 + n tokens, and HF transformers' decode step on the same
+weights (eager with its dynamic cache; `generate` with a static cache and torch.compile). Each
+figure is the median of `--steps` timed steps after warm-up, at a context of `--context` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specsplit.messages import VerifyInput
+from specsplit.model.config import ModelConfig
+from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
+from specsplit.tree import DraftTree
+from verifier.engine import VerifierEngine
+
+SHAPES = {
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(  # CPU smoke runs of this script
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+}
+
+
+def median_ms(fn: Callable[[], object], steps: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms; fn must end synchronised with the device."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second (CUDA events, median of 20)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+class EngineBench:
+    def __init__(
+        self, hf: LlamaForCausalLM, config: ModelConfig, args: argparse.Namespace, graphs: bool
+    ) -> None:
+        dtype, device = hf.dtype, hf.device
+        state = state_dict_from_hf(config, hf.state_dict(), dtype, device)
+        model = LlamaModel.from_state_dict(config, state, device)
+        max_batch = max(args.batch)
+        pages_per_seq = -(-(args.context + args.steps * 2 + 200) // args.page_size) + 1
+        kv = make_kv_cache(config, max_batch * pages_per_seq + 8, args.page_size, dtype, device)
+        query_lens = (1, *(1 + n for n in args.verify_n)) if graphs else ()
+        self.engine = VerifierEngine(
+            model,
+            kv,
+            config.max_position_embeddings,
+            config.vocab_size,
+            graph_query_lens=query_lens,
+            max_batch_size=max_batch,
+        )
+        if graphs:
+            start = time.perf_counter()
+            self.engine.warmup()
+            print(f"  graphs captured in {time.perf_counter() - start:.1f} s", flush=True)
+        self.context = args.context
+        self.vocab = config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _tokens(self, n: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
+
+    def open(self, batch: int) -> dict[str, tuple[int, int]]:
+        """`batch` sequences prefilled to the context; seq id -> (kv_committed_len, pending)."""
+        state = {}
+        for b in range(batch):
+            seq_id = f"s{b}"
+            out = self.engine.verify(
+                [VerifyInput(seq_id, True, 0, self._tokens(self.context), DraftTree())]
+            )[0]
+            state[seq_id] = (out.kv_committed_len, out.bonus_token)
+        return state
+
+    def step(self, state: dict[str, tuple[int, int]], n: int) -> None:
+        """One round for every sequence: its pending token + a chain of n random drafts."""
+        inputs = []
+        for seq_id, (committed, pending) in state.items():
+            tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
+            inputs.append(VerifyInput(seq_id, False, committed, [pending], tree))
+        for out in self.engine.verify(inputs):
+            state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
+
+    def close(self, state: dict[str, tuple[int, int]]) -> None:
+        self.engine.release(list(state))
+        self.engine.check_integrity()
+        assert self.engine.num_pages_used == 0
+
+
+def hf_decode_ms(hf: LlamaForCausalLM, batch: int, args: argparse.Namespace) -> float:
+    """HF eager decode step with its dynamic cache at the context length."""
+    ids = torch.randint(3, hf.config.vocab_size, (batch, args.context), device=hf.device)
+    with torch.no_grad():
+        out = hf(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        position = args.context
+
+        def step() -> None:
+            nonlocal token, position
+            position_ids = torch.full((batch, 1), position, device=hf.device)
+            logits = hf(
+                input_ids=token, past_key_values=cache, position_ids=position_ids, use_cache=True
+            ).logits
+            token = logits[:, -1:].argmax(-1)
+            position += 1
+            torch.cuda.synchronize()
+
+        return median_ms(step, args.steps)
+
+
+def hf_generate_ms(
+    hf: LlamaForCausalLM, batch: int, args: argparse.Namespace, static: bool
+) -> float:
+    """Per new token of `generate` (greedy): (time for 2k tokens - time for k) / k."""
+    ids = torch.randint(3, hf.config.vocab_size, (batch, args.context), device=hf.device)
+    kwargs = dict(do_sample=False, min_new_tokens=1, pad_token_id=0)
+    if static:
+        kwargs["cache_implementation"] = "static"
+    k = args.generate_tokens
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(2 * k)  # warm-up (and compilation)
+    run(2 * k)
+    short = statistics.median(run(k) for _ in range(3))
+    long = statistics.median(run(2 * k) for _ in range(3))
+    return (long - short) / k * 1e3
+
+
+def bench_ours(
+    hf: LlamaForCausalLM, config: ModelConfig, args: argparse.Namespace, graphs: bool
+) -> list[tuple[str, int, float]]:
+    label = "graphs" if graphs else "eager"
+    bench = EngineBench(hf, config, args, graphs)
+    rows = []
+    for batch in args.batch:
+        state = bench.open(batch)
+        decode = median_ms(lambda s=state: bench.step(s, 0), args.steps)
+        rows.append((f"ours {label} decode", batch, decode))
+        if batch in args.verify_batch:
+            for n in args.verify_n:
+                ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
+                rows.append((f"ours {label} verify 1+{n}", batch, ms))
+        bench.close(state)
+        print(f"  {label} batch {batch} done", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--verify-n", type=int, nargs="*", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--verify-batch", type=int, nargs="*", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--generate-tokens", type=int, default=32)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
+    parser.add_argument(
+        "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"
+    )
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, rms_norm_eps=1e-5)
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_config).to(dtype).eval()
+    config = ModelConfig.from_hf(hf_config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    if hf_config.tie_word_embeddings:
+        weight_bytes += hf.lm_head.weight.numel() * hf.lm_head.weight.element_size()  # read twice
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{args.shape} on {name}, {dtype}, context {args.context}, page {args.page_size}")
+    floor_ms = float("nan")
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth(device)
+        floor_ms = weight_bytes / bandwidth * 1e3
+        print(
+            f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+            f"floor {floor_ms:.3f} ms per step"
+        )
+
+    rows: list[tuple[str, int, float]] = []
+    for graphs in (True, False) if device.type == "cuda" else (False,):
+        rows += bench_ours(hf, config, args, graphs)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.no_hf and device.type == "cuda":
+        for batch in args.batch:
+            rows.append(("HF eager decode", batch, hf_decode_ms(hf, batch, args)))
+        for batch in args.batch:
+            rows.append(("HF generate dynamic", batch, hf_generate_ms(hf, batch, args, False)))
+        if args.compile_batch:
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            for batch in args.compile_batch:
+                ms = hf_generate_ms(hf, batch, args, True)
+                rows.append(("HF generate static+compile", batch, ms))
+
+    base = {b: ms for label, b, ms in rows if label == "ours graphs decode"}
+    print("\n| what | batch | ms per step | x floor | x ours decode (same batch) |")
+    print("|---|---|---|---|---|")
+    for label, batch, ms in rows:
+        ratio = ms / base[batch] if batch in base else float("nan")
+        print(f"| {label} | {batch} | {ms:.3f} | {ms / floor_ms:.2f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Fills .whl/ (git-ignored through .git/info/exclude) with the wheels the lent GPU machines lack
+# (their image has torch, triton, transformers, grpcio 1.84 and protobuf 7; see README "GPU runs").
+# Run once here; then every device call carries .whl and starts with scripts/gpu_env.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .git/info && touch .git/info/exclude
+grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
+PIP=${PIP:-python3 -m pip}
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  platforms+=(--platform "$p")
+done
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d .whl \
+  "grpcio-tools==1.84.0" "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0" \
+  "opentelemetry-api==1.45.2" "opentelemetry-sdk==1.45.2" "opentelemetry-proto==1.45.2" \
+  "opentelemetry-exporter-otlp-proto-grpc==1.45.2" "opentelemetry-exporter-otlp-proto-common==1.45.2" \
+  "opentelemetry-semantic-conventions==0.66b2" "googleapis-common-protos==1.72.0" \
+  "gguf==0.19.0" "prometheus-client==0.26.0" "importlib-metadata==8.7.0" "zipp==3.23.0"
+ls -la .whl
