@@ -9,6 +9,7 @@ from drafter.engine import DrafterEngine
 from drafter.servicer import DrafterServicer
 from specsplit.convert import torch_dtype
 from specsplit.server import serve as serve_host
+from specsplit.tls import TLSFiles
 
 
 async def serve(
@@ -23,9 +24,11 @@ async def serve(
     num_pages: int | None = None,
     page_size: int = 16,
     grace: float = 5.0,
+    tls: TLSFiles | None = None,
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
-    the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop."""
+    the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
+    tls: mutual TLS (specsplit.tls), None = plaintext."""
     sizes: dict[str, Any] = {"page_size": page_size}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -39,4 +42,4 @@ async def serve(
         dtype=torch_dtype(dtype),
         **sizes,
     )
-    await serve_host(DrafterServicer(load), address, grace=grace)
+    await serve_host(DrafterServicer(load), address, grace=grace, tls=tls)

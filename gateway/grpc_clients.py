@@ -22,6 +22,7 @@ from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from specsplit.server import CHANNEL_OPTIONS
+from specsplit.tls import TLSFiles, channel
 from specsplit.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,20 @@ class RoundStream(Generic[Req, Resp]):
 
 
 class _Client:
-    """A lazily opened channel (aio channels belong to the event loop that first uses them)."""
+    """A lazily opened channel (aio channels belong to the event loop that first uses them);
+    tls: the gateway's client certificate and the CA of the service's (mutual TLS), or none."""
 
     service = ""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
         self.address = address
+        self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
 
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = channel(self.address, self.tls, CHANNEL_OPTIONS)
         return self._channel
 
     async def _connect(self) -> bool:
@@ -151,8 +154,8 @@ class _Client:
 class GrpcDrafterClient(_Client):
     service = "drafter"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
+        super().__init__(address, tls)
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
@@ -176,8 +179,8 @@ class GrpcDrafterClient(_Client):
 class GrpcVerifierClient(_Client):
     service = "verifier"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
+        super().__init__(address, tls)
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
@@ -212,16 +215,21 @@ async def health_status(
 
 
 async def wait_ready(
-    address: str, timeout: float | None, *, service: str = "", interval: float = 0.2
+    address: str,
+    timeout: float | None,
+    *,
+    service: str = "",
+    interval: float = 0.2,
+    tls: TLSFiles | None = None,
 ) -> bool:
     """Poll `address`'s health until `service` ("" = the server) is SERVING: True, or False
-    once `timeout` seconds (None = forever) have passed."""
+    once `timeout` seconds (None = forever) have passed. tls: as the service's clients connect."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with channel(address, tls or TLSFiles(), CHANNEL_OPTIONS) as health_channel:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             check_timeout = 1.0 if left is None else max(min(1.0, left), 0.01)
-            status = await health_status(channel, service, check_timeout)
+            status = await health_status(health_channel, service, check_timeout)
             if status == health_pb2.HealthCheckResponse.SERVING:
                 return True
             if deadline is not None and time.monotonic() >= deadline:

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from gateway.adaptive import format_ladder
+from gateway.auth import ApiKeys
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.scheduler import Scheduler
@@ -22,6 +23,7 @@ from gateway.servicer import GatewayServicer, ModelInfo
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_config, load_tokenizer
 from specsplit.server import serve as serve_host
+from specsplit.tls import TLSFiles, http_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +59,12 @@ class GatewayService:
         http: OpenAIServer | None = None,
         http_listen: str = "",
         grace: float = 5.0,
+        tls: TLSFiles | None = None,
     ) -> None:
         self.http = http  # the OpenAI-compatible API, on http_listen
         self.http_listen = http_listen
         self.grace = grace
+        self.tls = tls or TLSFiles()  # the HTTP API's certificate (the gRPC API's too)
         self.servicer = servicer
         self.scheduler = scheduler
         self.drafter = drafter
@@ -72,16 +76,18 @@ class GatewayService:
     async def load(self) -> None:
         await self.scheduler.start()
         if self.http is not None:  # 503 until the verifier is SERVING
-            await self.http.start(self.http_listen, self.grace)
+            await self.http.start(self.http_listen, self.grace, http_ssl_context(self.tls))
         started = time.monotonic()
         log.info("waiting for the verifier at %s", self.verifier.address)
-        while not await wait_ready(self.verifier.address, WAIT_LOG_INTERVAL_S):
+        while not await wait_ready(
+            self.verifier.address, WAIT_LOG_INTERVAL_S, tls=self.verifier.tls
+        ):
             log.info(
                 "still waiting for the verifier at %s (%.0f s)",
                 self.verifier.address,
                 time.monotonic() - started,
             )
-        drafter_up = await wait_ready(self.drafter.address, 0.0)
+        drafter_up = await wait_ready(self.drafter.address, 0.0, tls=self.drafter.tls)
         log.info(
             "verifier at %s is SERVING; drafter at %s is %s",
             self.verifier.address,
@@ -113,11 +119,19 @@ async def serve(
     served_model_name: str | None = None,
     adaptive_spec: bool = False,
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
+    api_keys: ApiKeys | None = None,
+    tls: TLSFiles | None = None,
+    backend_tls: TLSFiles | None = None,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
-    `adaptive_rungs` (None = the default ladder) and `default_spec` (gateway/adaptive.py)."""
+    `adaptive_rungs` (None = the default ladder) and `default_spec` (gateway/adaptive.py).
+    api_keys: who may call (None = everyone); tls: the client APIs' certificate (None =
+    plaintext); backend_tls: the gateway's client certificate and the CA of the drafter's and
+    verifier's (mutual TLS; None = plaintext)."""
     default_spec.validate()
+    api_keys = api_keys or ApiKeys(())
+    log.info("%s", api_keys.describe())
     log.info("reading the tokenizer and config of %s", model_path)
     model = await asyncio.to_thread(read_model_info, model_path)
     log.info(
@@ -126,8 +140,8 @@ async def serve(
         model.max_context,
         list(model.eos_token_ids),
     )
-    drafter = GrpcDrafterClient(drafter_address)
-    verifier = GrpcVerifierClient(verifier_address)
+    drafter = GrpcDrafterClient(drafter_address, backend_tls)
+    verifier = GrpcVerifierClient(verifier_address, backend_tls)
     scheduler = Scheduler(
         drafter,
         verifier,
@@ -145,8 +159,9 @@ async def serve(
     http = None
     if http_listen is not None:
         name = served_model_name or os.path.basename(os.path.normpath(model_path))
-        http = OpenAIServer(model, scheduler, name, servicer.tokenize_executor)
+        http = OpenAIServer(model, scheduler, name, servicer.tokenize_executor, api_keys)
     service = GatewayService(
-        servicer, scheduler, drafter, verifier, http, http_listen or "", grace=grace
+        servicer, scheduler, drafter, verifier, http, http_listen or "", grace=grace, tls=tls
     )
-    await serve_host(service, address, grace=grace)
+    interceptors = [api_keys.grpc_interceptor()]
+    await serve_host(service, address, grace=grace, tls=tls, interceptors=interceptors)

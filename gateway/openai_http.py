@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from gateway.auth import ApiKeys
 from gateway.request import Chunk, GenerationRequest, InvalidField, ModelInfo, build_request
 from gateway.servicer import ChunkSource
 from specsplit.errors import Code, ServiceError
@@ -225,30 +227,45 @@ class OpenAIServer:
     """The HTTP API over the gateway's scheduler; 503 until `ready` is set."""
 
     def __init__(
-        self, model: ModelInfo, scheduler: ChunkSource, model_name: str, tokenize: Executor
+        self,
+        model: ModelInfo,
+        scheduler: ChunkSource,
+        model_name: str,
+        tokenize: Executor,
+        api_keys: ApiKeys | None = None,
     ) -> None:
+        """api_keys: who may call (gateway.auth; None = everyone)."""
         self.model = model
         self.scheduler = scheduler
         self.model_name = model_name
         self.tokenize = tokenize  # the servicer's tokenizer thread: one encoder at a time
         self.ready = False
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[self._errors])
+        auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
+        self.app = web.Application(middlewares=[*auth, self._errors])
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model}", self.model_card)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self._runner: web.AppRunner | None = None
 
-    async def start(self, address: str, grace: float = 5.0) -> None:
-        """Listen on "host:port" ("[::]:8000" for IPv6)."""
+    async def start(
+        self, address: str, grace: float = 5.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        """Listen on "host:port" ("[::]:8000" for IPv6); HTTPS with `ssl_context`."""
         host, _, port = address.rpartition(":")
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace
         )
         await self._runner.setup()
-        await web.TCPSite(self._runner, host.strip("[]") or None, int(port)).start()
-        log.info("OpenAI-compatible HTTP API on %s, model %r", address, self.model_name)
+        site = web.TCPSite(
+            self._runner, host.strip("[]") or None, int(port), ssl_context=ssl_context
+        )
+        await site.start()
+        scheme = "https" if ssl_context is not None else "http"
+        log.info(
+            "OpenAI-compatible HTTP API on %s (%s), model %r", address, scheme, self.model_name
+        )
 
     async def stop(self) -> None:
         if self._runner is not None:

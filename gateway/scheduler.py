@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -66,7 +66,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
         self._drafter_down_until = 0.0
         self._drafter_answered = False  # hidden_state_layers is the drafter's answer
         self._verifier_down_since: float | None = None
@@ -129,7 +128,7 @@ class Scheduler:
             start = self.adaptive_ladder.index(self.default_spec)
             adaptive = AdaptiveSpec(self.adaptive_ladder, start)
         return Sequence(
-            f"seq-{next(self._ids)}",
+            f"seq-{secrets.token_hex(16)}",  # unguessable (DESIGN.md §8)
             request,
             spec,
             stop_checker,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from specsplit.messages import SpecParams
+    from specsplit.tls import TLSFiles
 
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
 METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
@@ -141,6 +142,71 @@ def _optional_str(value: str) -> str | None:
     return None if value.lower() in ("", "none") else value
 
 
+# -- security flags (DESIGN.md §8; gateway/auth.py, specsplit/tls.py) ------------------------------
+
+TLS_HELP = {
+    "drafter": "mutual TLS: clients must hold a certificate from --tls-ca (the gateway's)",
+    "verifier": "mutual TLS: clients must hold a certificate from --tls-ca (the gateway's)",
+    "gateway": "TLS on the client APIs (gRPC and HTTP)",
+}
+
+
+def _tls_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    """This service's certificate; on the drafter and verifier also the clients' CA."""
+    what = TLS_HELP[service]
+    _flag(parser, "--tls-cert", None, f"PEM certificate chain; none = plaintext. {what}")
+    _flag(parser, "--tls-key", None, "PEM private key of --tls-cert")
+    if service != "gateway":
+        _flag(parser, "--tls-ca", None, "PEM CA that issued the clients' certificates")
+
+
+def _backend_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """The gateway's side of the mutual TLS to the drafter and verifier."""
+    _flag(parser, "--backend-tls-cert", None, "client certificate shown to drafter and verifier")
+    _flag(parser, "--backend-tls-key", None, "PEM private key of --backend-tls-cert")
+    _flag(parser, "--backend-tls-ca", None, "PEM CA that issued the drafter's and verifier's")
+
+
+def _api_key_flags(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """--api-key (repeatable; env SPECSPLIT_API_KEY, comma-separated); resolved to a tuple."""
+    help = (
+        "accept clients that send 'authorization: Bearer KEY' (repeatable); no key = open"
+        if server
+        else "send 'authorization: Bearer KEY'"
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"{help} (env SPECSPLIT_API_KEY, comma-separated)",
+    )
+    if server:
+        limit_help = "calls one API key may have in flight; 0 = no limit"
+        _flag(parser, "--max-concurrent-per-key", 0, limit_help, type=int)
+
+
+def _client_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_TLS", False),
+        help="connect with TLS, trusting the system's roots unless --tls-ca (env SPECSPLIT_TLS,"
+        " default off)",
+    )
+    _flag(parser, "--tls-ca", None, "PEM CA that issued the gateway's certificate (implies --tls)")
+
+
+def tls_files(args: argparse.Namespace, prefix: str = "tls") -> TLSFiles:
+    """The --tls-* (or --backend-tls-*) files of a serve command."""
+    from specsplit.tls import TLSFiles
+
+    return TLSFiles(
+        cert=getattr(args, f"{prefix}_cert", None),
+        key=getattr(args, f"{prefix}_key", None),
+        ca=getattr(args, f"{prefix}_ca", None),
+    )
+
+
 def _http_flags(parser: argparse.ArgumentParser) -> None:
     http_help = "host:port of the OpenAI-compatible HTTP API; none = off"
     _flag(parser, "--http-listen", "0.0.0.0:8000", http_help, type=_optional_str)
@@ -158,11 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     drafter = commands.add_parser("serve-drafter", help="run the drafter service")
     _server_flags(drafter, "drafter")
+    _tls_flags(drafter, "drafter")
     _model_flags(drafter)
     _drafter_flags(drafter)
 
     verifier = commands.add_parser("serve-verifier", help="run the verifier service")
     _server_flags(verifier, "verifier")
+    _tls_flags(verifier, "verifier")
     _model_flags(verifier)
 
     gateway = commands.add_parser("serve-gateway", help="run the gateway (the client API)")
@@ -173,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         _flag(gateway, f"--{service}-address", address, f"the {service} to connect to")
     _spec_flags(gateway)
     _http_flags(gateway)
+    _api_key_flags(gateway, server=True)
+    _tls_flags(gateway, "gateway")
+    _backend_tls_flags(gateway)
 
     up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
     _flag(up, "--host", "127.0.0.1", "interface the services listen on")
@@ -188,12 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(up, "--ready-timeout", 900.0, "seconds to wait for SERVING", type=float)
     _flag(up, "--generate", None, "once serving, stream one generation of this prompt and stop")
     _generation_flags(up)
+    _api_key_flags(up, server=True)
+    tls_help = "auto = a throwaway local CA: TLS everywhere, mutual TLS to drafter and verifier"
+    _flag(up, "--tls", "off", f"{tls_help}; off = plaintext", choices=("off", "auto"))
 
     generate = commands.add_parser("generate", help="stream a generation from a gateway")
     generate.add_argument("prompt", help="prompt text")
     address = f"localhost:{DEFAULT_PORTS['gateway']}"
     _flag(generate, "--address", address, "the gateway to connect to", env="GATEWAY_ADDRESS")
     _generation_flags(generate)
+    _api_key_flags(generate, server=False)
+    _client_tls_flags(generate)
     _train_drafter_parser(commands)
     return parser
 
@@ -247,6 +323,17 @@ def _resolve_drafter(args: argparse.Namespace) -> None:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Cross-flag rules argparse cannot express."""
+    if hasattr(args, "api_key"):
+        from gateway.auth import parse_keys
+
+        args.api_key = parse_keys(args.api_key, os.environ.get("SPECSPLIT_API_KEY"))
+    if args.command.startswith("serve-"):
+        mutual = args.command != "serve-gateway"
+        try:
+            tls_files(args).check(f"--tls-* of {args.command}", require_ca=mutual)
+            tls_files(args, "backend_tls").check("--backend-tls-*", require_cert=False)
+        except ValueError as err:
+            parser.error(str(err))
     if getattr(args, "drafter", None) in ("model", "eagle3") and not args.draft_model:
         parser.error(f"--drafter {args.drafter} needs --draft-model")
     if getattr(args, "drafter", None) == "self" and not args.draft_layers:
@@ -292,7 +379,8 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """device, dtype ("auto" resolved), num_pages, page_size and grace of a serve command."""
+    """device, dtype ("auto" resolved), num_pages, page_size, grace and tls of a serve
+    command."""
     import torch
 
     device = args.device
@@ -302,7 +390,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
-    return {"device": device, "dtype": dtype, **sizes, "grace": args.grace}
+    return {"device": device, "dtype": dtype, **sizes, "grace": args.grace, "tls": tls_files(args)}
 
 
 def serve_drafter(args: argparse.Namespace) -> int:
@@ -334,12 +422,14 @@ def serve_verifier(args: argparse.Namespace) -> int:
 
 
 def serve_gateway(args: argparse.Namespace) -> int:
+    from gateway.auth import ApiKeys
     from gateway.main import serve
 
     backends = {"drafter_address": args.drafter_address, "verifier_address": args.verifier_address}
     limits = {"max_batch_size": args.max_batch_size, "grace": args.grace}
     adaptive = {"adaptive_spec": args.adaptive_spec, "adaptive_rungs": adaptive_rungs(args)}
     http = {"http_listen": args.http_listen, "served_model_name": args.served_model_name}
+    keys = ApiKeys(args.api_key, args.max_concurrent_per_key)
     model_path = _model_path(args)
     asyncio.run(
         serve(
@@ -350,6 +440,9 @@ def serve_gateway(args: argparse.Namespace) -> int:
             **adaptive,
             **limits,
             **http,
+            api_keys=keys,
+            tls=tls_files(args),
+            backend_tls=tls_files(args, "backend_tls"),
         )
     )
     return 0
@@ -358,11 +451,16 @@ def serve_gateway(args: argparse.Namespace) -> int:
 # -- generate --------------------------------------------------------------------------------
 
 
-async def stream_generation(address: str, prompt: str, args: argparse.Namespace) -> int:
-    """Stream text to stdout as it arrives; stats to stderr at the end. Returns an exit code."""
+async def stream_generation(
+    address: str, prompt: str, args: argparse.Namespace, tls: TLSFiles | None = None
+) -> int:
+    """Stream text to stdout as it arrives; stats to stderr at the end. Returns an exit code.
+    Sends args.api_key's first key; tls: how to trust the gateway (None = args.tls, args.tls_ca:
+    plaintext unless one is set)."""
     import grpc
 
     from specsplit.server import CHANNEL_OPTIONS
+    from specsplit.tls import channel_credentials
     from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
     sampling = common_pb2.SamplingParams(
@@ -380,9 +478,19 @@ async def stream_generation(address: str, prompt: str, args: argparse.Namespace)
     started = time.monotonic()
     last = gateway_pb2.GenerateResponse()
     first_token_ns: int | None = None
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    if tls is None and (getattr(args, "tls", False) is True or getattr(args, "tls_ca", None)):
+        tls = tls_files(args)  # only a CA (or none: the system's roots)
+    channel = (
+        grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if tls is None
+        else grpc.aio.secure_channel(address, channel_credentials(tls), options=CHANNEL_OPTIONS)
+    )
+    api_keys = getattr(args, "api_key", ())
+    metadata = (("authorization", f"Bearer {api_keys[0]}"),) if api_keys else None
+    async with channel:
         try:
-            async for response in gateway_pb2_grpc.GatewayStub(channel).Generate(request):
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            async for response in stub.Generate(request, metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if first_token_ns is None and response.token_ids:

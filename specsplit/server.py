@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Concatenate, Generic, NoReturn, ParamSpec, Protocol, TypeVar
 
@@ -24,6 +24,8 @@ from grpc_reflection.v1alpha import reflection
 
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError
+from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes
+from specsplit.tls import TLSFiles, add_port
 from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,9 @@ class Engine(Protocol):
     @property
     def num_pages_free(self) -> int: ...
 
+    @property
+    def seqs(self) -> Mapping[str, object]: ...
+
     def warmup(self) -> None: ...
 
     def release(self, seq_ids: list[str]) -> int: ...
@@ -177,20 +182,33 @@ EngineT = TypeVar("EngineT", bound=Engine)
 
 class EngineServicer(Generic[EngineT]):
     """The part the drafter and verifier servicers share: the engine thread, its loading
-    (a Servable's load/close) and the unary Release. Subclasses add register() and their
-    stream method."""
+    (a Servable's load/close), sequence ids scoped by connection (specsplit.scopes) and the
+    unary Release. Subclasses add register() and their stream method, which runs inside
+    `self.scopes.stream(context.peer())`. TLS: mutual (only clients with a certificate from the
+    configured CA)."""
 
     service_name: str
+    mutual_tls = True
 
-    def __init__(self, name: str, load: Callable[[], EngineT]) -> None:
+    def __init__(
+        self, name: str, load: Callable[[], EngineT], orphan_grace_s: float = ORPHAN_GRACE_S
+    ) -> None:
         self.engine = EngineThread(name, load, _warmup)
+        self.scopes = ConnectionScopes(self._release_selected, orphan_grace_s)
         metrics.watch_kv_pages(self._kv_pages)
 
     async def load(self) -> None:
         await self.engine.load()
 
     async def close(self) -> None:
+        await self.scopes.close()
         self.engine.close()
+
+    async def _release_selected(self, select: Callable[[Iterable[str]], list[str]]) -> int:
+        try:
+            return await self.engine.run(_release_selected, select)
+        except RuntimeError:  # the engine thread has shut down: nothing left to free
+            return 0
 
     def _kv_pages(self) -> tuple[int, int]:
         """(used, free) KV pages; (0, 0) while loading. Read from the metrics thread."""
@@ -200,8 +218,11 @@ class EngineServicer(Generic[EngineT]):
     async def Release(
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
+        # only the caller's own sequences: ids are scoped to the connection that made them
+        scope = self.scopes.find(context.peer())
+        seq_ids = [] if scope is None else [scope.inside(s) for s in request.seq_ids]
         async with service_errors(context):
-            num_released, num_pages_used = await self.engine.run(_release, list(request.seq_ids))
+            num_released, num_pages_used = await self.engine.run(_release, seq_ids)
         return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
 
 
@@ -213,14 +234,29 @@ def _release(engine: Engine, seq_ids: list[str]) -> tuple[int, int]:
     return engine.release(seq_ids), engine.num_pages_used
 
 
-class ServiceHost:
-    """A grpc.aio server hosting one Servable with health and reflection."""
+def _release_selected(engine: Engine, select: Callable[[Iterable[str]], list[str]]) -> int:
+    return engine.release(select(list(engine.seqs)))
 
-    def __init__(self, servable: Servable, address: str, *, grace: float = 5.0) -> None:
+
+class ServiceHost:
+    """A grpc.aio server hosting one Servable with health and reflection. tls: plaintext when
+    it names no files; mutual TLS when the servable says `mutual_tls` (drafter, verifier).
+    interceptors: the gateway's API-key check."""
+
+    def __init__(
+        self,
+        servable: Servable,
+        address: str,
+        *,
+        grace: float = 5.0,
+        tls: TLSFiles | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
         self.servable = servable
         self.address = address
         self.grace = grace
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.tls = tls or TLSFiles()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._stopped = False
@@ -239,12 +275,18 @@ class ServiceHost:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(self.address)
+        mutual = getattr(self.servable, "mutual_tls", False)
+        self.port = add_port(self.server, self.address, self.tls, mutual=mutual)
         if self.port == 0:
             raise OSError(f"{name}: cannot listen on {self.address}")
         await self.server.start()
+        security = "plaintext" if not self.tls.enabled else "mutual TLS" if mutual else "TLS"
         log.info(
-            "%s listening on %s (port %d), NOT_SERVING until ready", name, self.address, self.port
+            "%s listening on %s (port %d, %s), NOT_SERVING until ready",
+            name,
+            self.address,
+            self.port,
+            security,
         )
         return self.port
 
@@ -284,6 +326,8 @@ async def serve(
     *,
     grace: float = 5.0,
     stop: asyncio.Event | None = None,
+    tls: TLSFiles | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails."""
     if stop is None:
@@ -292,7 +336,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, _on_signal, sig, stop)
-    host = ServiceHost(servable, address, grace=grace)
+    host = ServiceHost(servable, address, grace=grace, tls=tls, interceptors=interceptors)
     try:
         await host.start()
         loading = asyncio.create_task(host.load())

@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from specsplit.cli import DEFAULT_PORTS, stream_generation
+from specsplit.up_security import UpSecurity
 
 log = logging.getLogger("specsplit.up")
 T = TypeVar("T")
@@ -176,17 +177,21 @@ async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    services = Services(child_commands(args), child_envs(args))
+    security = UpSecurity.from_args(args)  # API keys; --tls auto: a throwaway local CA
+    services = Services(security.commands(child_commands(args)), security.envs(child_envs(args)))
+    tls = security.client_tls()
     code = 0
     try:
         services.start()
-        all_ready = asyncio.gather(*(wait_ready(a, args.ready_timeout) for a in addresses))
+        all_ready = asyncio.gather(*(wait_ready(a, args.ready_timeout, tls=tls) for a in addresses))
         if not all(await services.supervise(all_ready, stop)):
             log.error("not all services SERVING after %.0f s", args.ready_timeout)
             return 1
         print(f"specsplit: gateway listening on {gateway}", file=sys.stderr, flush=True)
         if args.generate is not None:
-            code = await services.supervise(stream_generation(gateway, args.generate, args), stop)
+            code = await services.supervise(
+                stream_generation(gateway, args.generate, args, tls), stop
+            )
         else:
             await services.supervise(asyncio.Event().wait(), stop)  # until Ctrl-C
     except Interrupted:
@@ -197,6 +202,7 @@ async def _up(args: argparse.Namespace) -> int:
     finally:
         log.info("stopping the services")
         code = max(code, await asyncio.to_thread(services.stop, 30.0))
+        security.close()
     return code
 
 

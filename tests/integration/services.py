@@ -41,6 +41,14 @@ class Services:
     env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment per role
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # TLS credentials per role for the test's own clients (none = plaintext)
+    credentials: dict[str, grpc.ChannelCredentials] = field(default_factory=dict)
+
+    def channel(self, role: str) -> grpc.Channel:
+        credentials = self.credentials.get(role)
+        if credentials is None:
+            return grpc.insecure_channel(self.address(role))
+        return grpc.secure_channel(self.address(role), credentials)
 
     def address(self, role: str) -> str:
         return f"127.0.0.1:{self.ports[role]}"
@@ -91,7 +99,7 @@ class Services:
 
     def wait_serving(self, role: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address(role)) as channel:
+        with self.channel(role) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 proc = self.procs[role]
@@ -125,7 +133,7 @@ class Services:
     # -- clients -----------------------------------------------------------------------------
 
     def gateway(self) -> gateway_pb2_grpc.GatewayStub:
-        return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address("gateway")))
+        return gateway_pb2_grpc.GatewayStub(self.channel("gateway"))
 
     def pages_used(self) -> dict[str, int]:
         """KV pages in use on drafter and verifier (an empty Release reports them)."""
@@ -134,7 +142,7 @@ class Services:
             ("drafter", drafter_pb2_grpc.DrafterStub),
             ("verifier", verifier_pb2_grpc.VerifierStub),
         ):
-            with grpc.insecure_channel(self.address(role)) as channel:
+            with self.channel(role) as channel:
                 used[role] = (
                     stub_type(channel)
                     .Release(common_pb2.ReleaseRequest(), timeout=10)

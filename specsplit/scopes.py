@@ -1,0 +1,117 @@
+"""Sequence ids scoped to the connection that created them (DESIGN.md §8).
+
+The drafter and the verifier keep state per `seq_id`, chosen by the gateway. Each client
+connection (its gRPC peer: address and port of one TCP connection) gets a random scope, and the
+engines see `"<scope>/<seq_id>"`: another client cannot touch, release or pre-create a
+connection's sequences, and when the connection's last stream has been gone for `orphan_grace_s`
+(its gateway is gone: a live gateway reopens a broken stream at its next round) every sequence
+of that scope is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from specsplit.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+ORPHAN_GRACE_S = 5.0
+
+
+class _Keyed(Protocol):
+    """A round's input or output (specsplit.messages): a dataclass with a seq_id."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    seq_id: str
+
+
+K = TypeVar("K", bound=_Keyed)
+
+
+@dataclasses.dataclass
+class Scope:
+    """One connection's namespace of sequence ids."""
+
+    prefix: str  # "<random hex>/"
+    num_streams: int = 0
+    free_task: asyncio.Task[None] | None = None
+
+    def inside(self, seq_id: str) -> str:
+        """The engine's id of the client's `seq_id`."""
+        return self.prefix + seq_id
+
+    def enter(self, items: list[K]) -> list[K]:
+        """Round inputs with engine ids."""
+        return [dataclasses.replace(item, seq_id=self.inside(item.seq_id)) for item in items]
+
+    def leave(self, items: list[K]) -> list[K]:
+        """Round outputs with the client's ids."""
+        return [
+            dataclasses.replace(item, seq_id=item.seq_id.removeprefix(self.prefix))
+            for item in items
+        ]
+
+    def owns(self, engine_id: str) -> bool:
+        return engine_id.startswith(self.prefix)
+
+
+class ConnectionScopes:
+    """Scopes by peer; `free(engine_ids)` releases sequences (on the engine's thread)."""
+
+    def __init__(
+        self,
+        free: Callable[[Callable[[Iterable[str]], list[str]]], Awaitable[int]],
+        orphan_grace_s: float = ORPHAN_GRACE_S,
+    ) -> None:
+        """free(select): release the engine's sequences whose ids `select` picks from all of
+        them; returns how many it released."""
+        self._free = free
+        self.orphan_grace_s = orphan_grace_s
+        self._scopes: dict[str, Scope] = {}
+
+    def find(self, peer: str) -> Scope | None:
+        """The peer's scope, None when it has none (it created nothing that is still held)."""
+        return self._scopes.get(peer)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, peer: str) -> AsyncIterator[Scope]:
+        """The scope of a stream from `peer` while it lasts. A ServiceError raised inside has
+        the scope's prefix taken out of its message (the client knows its ids without it)."""
+        scope = self._scopes.get(peer)
+        if scope is None:
+            scope = self._scopes[peer] = Scope(secrets.token_hex(8) + "/")
+        if scope.free_task is not None:  # the gateway came back in time
+            scope.free_task.cancel()
+            scope.free_task = None
+        scope.num_streams += 1
+        try:
+            yield scope
+        except ServiceError as err:
+            raise ServiceError(err.code, err.message.replace(scope.prefix, "")) from None
+        finally:
+            scope.num_streams -= 1
+            if scope.num_streams == 0:
+                scope.free_task = asyncio.create_task(self._free_later(peer, scope))
+
+    async def _free_later(self, peer: str, scope: Scope) -> None:
+        await asyncio.sleep(self.orphan_grace_s)
+        if self._scopes.get(peer) is scope:
+            del self._scopes[peer]  # from here on, a new stream from `peer` gets a new scope
+        try:
+            num_freed = await self._free(lambda ids: [i for i in ids if scope.owns(i)])
+        except ServiceError:  # still loading or closing: nothing of the scope's is held
+            return
+        if num_freed:
+            log.info("freed %d sequences of a connection that went away (%s)", num_freed, peer)
+
+    async def close(self) -> None:
+        for scope in self._scopes.values():
+            if scope.free_task is not None:
+                scope.free_task.cancel()
