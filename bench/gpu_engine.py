@@ -5,7 +5,7 @@
 Per shape: the floor (weight bytes / device-to-device bandwidth measured in this run), our
 target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
 and eager), the cost of verifying 1 + n tokens, and HF transformers' decode step on the same
-weights (eager with its dynamic cache; `generate` with a static cache and torch.compile). Each
+weights (`generate` eager with its dynamic cache, and with a static cache, which it compiles). Each
 figure is the median of `--steps` timed steps after warm-up, at a context of `--context` tokens.
 """
 
@@ -143,34 +143,13 @@ class EngineBench:
         assert self.engine.num_pages_used == 0
 
 
-def hf_decode_ms(hf: LlamaForCausalLM, batch: int, args: argparse.Namespace) -> float:
-    """HF eager decode step with its dynamic cache at the context length."""
-    ids = torch.randint(3, hf.config.vocab_size, (batch, args.context), device=hf.device)
-    with torch.no_grad():
-        out = hf(input_ids=ids, use_cache=True)
-        cache = out.past_key_values
-        token = out.logits[:, -1:].argmax(-1)
-        position = args.context
-
-        def step() -> None:
-            nonlocal token, position
-            position_ids = torch.full((batch, 1), position, device=hf.device)
-            logits = hf(
-                input_ids=token, past_key_values=cache, position_ids=position_ids, use_cache=True
-            ).logits
-            token = logits[:, -1:].argmax(-1)
-            position += 1
-            torch.cuda.synchronize()
-
-        return median_ms(step, args.steps)
-
-
 def hf_generate_ms(
     hf: LlamaForCausalLM, batch: int, args: argparse.Namespace, static: bool
 ) -> float:
-    """Per new token of `generate` (greedy): (time for 2k tokens - time for k) / k."""
+    """Per new token of `generate` (greedy): (time for 2k tokens - time for k) / k. static:
+    a static cache, which transformers' `generate` compiles (torch.compile) by itself."""
     ids = torch.randint(3, hf.config.vocab_size, (batch, args.context), device=hf.device)
-    kwargs = dict(do_sample=False, min_new_tokens=1, pad_token_id=0)
+    kwargs: dict[str, object] = dict(do_sample=False, pad_token_id=0)
     if static:
         kwargs["cache_implementation"] = "static"
     k = args.generate_tokens
@@ -190,6 +169,11 @@ def hf_generate_ms(
     return (long - short) / k * 1e3
 
 
+def record(rows: list[tuple[str, int, float]], label: str, batch: int, ms: float) -> None:
+    rows.append((label, batch, ms))
+    print(f"  {label}, batch {batch}: {ms:.3f} ms", flush=True)
+
+
 def bench_ours(
     hf: LlamaForCausalLM, config: ModelConfig, args: argparse.Namespace, graphs: bool
 ) -> list[tuple[str, int, float]]:
@@ -199,13 +183,12 @@ def bench_ours(
     for batch in args.batch:
         state = bench.open(batch)
         decode = median_ms(lambda s=state: bench.step(s, 0), args.steps)
-        rows.append((f"ours {label} decode", batch, decode))
+        record(rows, f"ours {label} decode", batch, decode)
         if batch in args.verify_batch:
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
-                rows.append((f"ours {label} verify 1+{n}", batch, ms))
+                record(rows, f"ours {label} verify 1+{n}", batch, ms)
         bench.close(state)
-        print(f"  {label} batch {batch} done", flush=True)
     return rows
 
 
@@ -255,14 +238,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     if not args.no_hf and device.type == "cuda":
         for batch in args.batch:
-            rows.append(("HF eager decode", batch, hf_decode_ms(hf, batch, args)))
-        for batch in args.batch:
-            rows.append(("HF generate dynamic", batch, hf_generate_ms(hf, batch, args, False)))
-        if args.compile_batch:
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            for batch in args.compile_batch:
-                ms = hf_generate_ms(hf, batch, args, True)
-                rows.append(("HF generate static+compile", batch, ms))
+            record(rows, "HF generate (eager)", batch, hf_generate_ms(hf, batch, args, False))
+        for batch in args.compile_batch:
+            ms = hf_generate_ms(hf, batch, args, True)
+            record(rows, "HF generate static cache + compile", batch, ms)
 
     base = {b: ms for label, b, ms in rows if label == "ours graphs decode"}
     print("\n| what | batch | ms per step | x floor | x ours decode (same batch) |")

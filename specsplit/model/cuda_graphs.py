@@ -13,8 +13,8 @@ tokens.
 from __future__ import annotations
 
 import logging
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +39,7 @@ class _Buffers:
     prefix_lens: torch.Tensor  # [max_bs] int32
     block_table: torch.Tensor  # [max_bs, max_pages] int32
     tree_mask: torch.Tensor | None  # [max_bs, q, q] bool (q > 1)
+    rows: torch.Tensor  # [max_bs * q] int64 arange: every row's logits
     logits: torch.Tensor  # [max_bs * q, vocab] float32
     hidden_states: torch.Tensor | None  # [max_bs * q, len(aux) * hidden]
 
@@ -54,7 +55,7 @@ class _Buffers:
             prefix_lens=self.prefix_lens[:bs],
             block_table=self.block_table[:bs],
             tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
-            logit_indices=torch.arange(t, device=self.input_ids.device),
+            logit_indices=self.rows[:t],  # a view: the graph must not read freed memory
             max_q_len=q,
             page_size=page_size,
         )
@@ -141,6 +142,7 @@ class CudaGraphRunner:
             prefix_lens=ints(n),
             block_table=ints(n, self.max_pages),
             tree_mask=ints(n, q, q, dtype=torch.bool) if q > 1 else None,
+            rows=torch.arange(t, dtype=torch.int64, device=self.device),
             logits=torch.zeros(t, config.vocab_size, dtype=torch.float32, device=self.device),
             hidden_states=hidden,
         )
