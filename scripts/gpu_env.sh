@@ -6,7 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 python3 -c '
-source = open("setup.py").read().split("class BuildPyWithStubs")[0]
+source = open("setup.py").read().rsplit("\nsetup(", 1)[0]  # everything but the setup() call
 namespace = {"__name__": "stubs", "__file__": "setup.py"}
 exec(compile(source, "setup.py", "exec"), namespace)
 namespace["generate_stubs"]()
