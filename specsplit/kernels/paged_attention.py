@@ -1,0 +1,459 @@
+"""Attention over a paged KV cache for a ragged batch: decode, verify (tree masks) and prefill.
+
+One Triton kernel (`paged_attention`) for the GPU and the plain-torch loop beside it
+(`paged_attention_reference`, split into `reference_plan` + `paged_attention_with_plan` so the CPU
+path builds its gathers and masks once per forward, not once per layer). DESIGN.md §6.
+
+Visibility, per sequence b with q_len queries, query i (0-based within b), storage index j:
+  j <  prefix_len            visible (the committed prefix)
+  prefix_len <= j < kv_len   causal: j <= kv_len - q_len + i;  tree: tree_mask[b, i, j - prefix_len]
+  j >= kv_len                never
+Query head h reads KV head h // (num_heads // num_kv_heads) (transformers' repeat_kv).
+
+Triton is imported and the kernel `triton.jit`-ed on first launch, not at import: importing the
+model does not import triton (TRITON_INTERPRET=1 is read when triton decorates its own library, so
+a test that sets it before importing triton still can), and the kernel calls no `@triton.jit`
+function of triton's library (tl.zeros, tl.max, tl.sum), so it also runs interpreted when triton
+was imported before TRITON_INTERPRET was set.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+
+tl: Any = None  # triton.language, bound on first launch by _jitted_kernel
+
+# (q_start, q_end, slots [kv_len] int64, mask [q_len, kv_len] bool) per sequence
+PlanEntry = tuple[int, int, torch.Tensor, torch.Tensor]
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# plain-torch reference (and CPU path)
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_plan(
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [B, max_pages] int32
+    page_size: int,
+    tree_mask: torch.Tensor | None,  # [B, max_q, max_new] bool/uint8, None = causal
+) -> list[PlanEntry]:
+    """Per sequence: its query rows, the slots of its keys and its dense visibility mask. Built on
+    the host once per forward (it reads the lengths), shared by every layer."""
+    cu = cu_seqlens_q.tolist()
+    device = block_table.device
+    plan: list[PlanEntry] = []
+    lens = zip(kv_lens.tolist(), prefix_lens.tolist(), strict=True)
+    for b, (kv_len, prefix_len) in enumerate(lens):
+        q_start, q_end = cu[b], cu[b + 1]
+        q_len = q_end - q_start
+        assert q_len >= 0 and prefix_len >= 0 and kv_len >= 0, (b, q_len, prefix_len, kv_len)
+        assert q_len == 0 or kv_len > 0, f"sequence {b} has queries but no keys"
+        pos = torch.arange(kv_len, device=device)  # [kv_len] storage index
+        pages = block_table[b, pos // page_size].to(torch.int64)
+        slots = pages * page_size + pos % page_size  # [kv_len]
+        rows = torch.arange(q_len, device=device)[:, None]  # [q_len, 1]
+        mask = (pos < prefix_len)[None, :].expand(q_len, kv_len).clone()  # [q_len, kv_len]
+        num_new = max(kv_len - prefix_len, 0)
+        if tree_mask is None:
+            mask |= pos[None, :] <= kv_len - q_len + rows
+        elif num_new > 0 and q_len > 0:
+            assert tree_mask.shape[2] >= num_new, (tree_mask.shape, num_new)
+            mask[:, prefix_len:] = tree_mask[b, :q_len, :num_new].to(device, torch.bool)
+        plan.append((q_start, q_end, slots, mask))
+    return plan
+
+
+def paged_attention_with_plan(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    plan: list[PlanEntry],
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+) -> torch.Tensor:
+    """SDPA per sequence over the gathered keys; what `paged_attention` computes, in torch."""
+    if out is None:
+        out = torch.empty_like(q)
+    groups = q.shape[1] // k_cache.shape[1]
+    for q_start, q_end, slots, mask in plan:
+        if q_end == q_start:
+            continue
+        q_b = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+        k_b = _expand_kv(k_cache[slots], groups).to(q.dtype)  # [H, kv_len, D]
+        v_b = _expand_kv(v_cache[slots], groups).to(q.dtype)
+        o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask, scale=scale)
+        out[q_start:q_end] = o_b.transpose(0, 1)  # [q_len, H, D]
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    tree_mask: torch.Tensor | None,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention`'s arguments, plain torch: the reference the kernel is tested against."""
+    plan = reference_plan(cu_seqlens_q, kv_lens, prefix_lens, block_table, page_size, tree_mask)
+    return paged_attention_with_plan(q, k_cache, v_cache, plan, scale, out)
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[kv_len, num_kv_heads, D] -> [num_kv_heads * groups, kv_len, D] (repeat_kv)."""
+    kv_len, num_kv_heads, head_dim = x.shape
+    x = x.transpose(0, 1)  # [num_kv_heads, kv_len, D]
+    if groups == 1:
+        return x
+    x = x[:, None].expand(num_kv_heads, groups, kv_len, head_dim)
+    return x.reshape(num_kv_heads * groups, kv_len, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def _paged_attention_kernel(
+    q_ptr,  # [T, num_heads, HEAD_DIM]
+    k_ptr,  # [num_slots, num_kv_heads, HEAD_DIM]
+    v_ptr,  # [num_slots, num_kv_heads, HEAD_DIM]
+    out_ptr,  # [T, num_heads, HEAD_DIM]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    prefix_lens_ptr,  # [B] int32
+    block_table_ptr,  # [B, max_pages] int32
+    tree_mask_ptr,  # [B, max_q, max_new] uint8 (unused when not HAS_TREE)
+    scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
+    num_q_blocks,  # cdiv(max_q_len, BLOCK_Q)
+    stride_q_t,
+    stride_q_h,
+    stride_k_s,
+    stride_k_h,
+    stride_v_s,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_bt_b,
+    stride_tm_b,
+    stride_tm_q,
+    stride_tm_n,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP <= BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per program: row m = token m // GROUP, head m % GROUP
+    BLOCK_N: tl.constexpr,  # keys per tile
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0) // num_q_blocks
+    q_block = tl.program_id(0) % num_q_blocks
+    kv_head = tl.program_id(1)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # past this sequence's queries (or a q_len = 0 padding one)
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix_len = tl.load(prefix_lens_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)  # [BLOCK_M]
+
+    q_rows = (q_start + q_idx).to(tl.int64) * stride_q_t + head * stride_q_h
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    # Keys past the last one any row of this block may see are skipped (causal: the diagonal).
+    last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    if HAS_TREE:
+        kv_end = kv_len
+    else:
+        kv_end = tl.minimum(kv_len, tl.maximum(prefix_len, kv_len - q_len + last_q + 1))
+    causal_limit = kv_len - q_len + q_idx  # [BLOCK_M] last new key each row sees (causal)
+
+    # tl.full and tl.reduce with triton's own combine functions rather than tl.zeros / tl.max /
+    # tl.sum: those are @triton.jit functions, unusable by the interpreter when triton was
+    # imported before TRITON_INTERPRET was set (the interpreter maps these combines to numpy).
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running sum of exp2
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] storage index
+        key_ok = offs_n < kv_len
+        page = tl.load(block_table_ptr + seq * stride_bt_b + offs_n // PAGE_SIZE, mask=key_ok)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+
+        in_prefix = offs_n[None, :] < prefix_len  # [1, BLOCK_N]
+        if HAS_TREE:
+            new_ok = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.int1)
+            if start_n + BLOCK_N > prefix_len:  # the tree mask is read only where it applies
+                new_idx = offs_n - prefix_len  # [BLOCK_N]
+                tm = tl.load(
+                    tree_mask_ptr
+                    + seq * stride_tm_b
+                    + q_idx[:, None] * stride_tm_q
+                    + new_idx[None, :] * stride_tm_n,
+                    mask=row_ok[:, None] & (new_idx >= 0)[None, :] & key_ok[None, :],
+                    other=0,
+                )
+                new_ok = tm != 0
+        else:
+            new_ok = offs_n[None, :] <= causal_limit[:, None]
+        visible = row_ok[:, None] & key_ok[None, :] & (in_prefix | new_ok)
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax; a row with nothing visible yet keeps m = -inf and contributes 0.
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+@functools.cache
+def _jitted_kernel(interpret: bool) -> Any:
+    """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key: triton.jit
+    reads the knob itself)."""
+    import triton
+    import triton.language
+
+    global tl
+    tl = triton.language
+    if interpret:
+        _fix_interpreter_index()
+    return triton.jit(_paged_attention_kernel)
+
+
+def _fix_interpreter_index() -> None:
+    """triton 3.6's interpreter turns a scalar into an int with int(1-element array), which numpy
+    >= 2.4 refuses, so `range(0, kv_end, BLOCK_N)` fails there; this applies the upstream fix
+    (triton#9171 / #9172, squeeze first). Interpreter only; a no-op where already fixed."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _interpreting() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _launch_config(
+    head_dim: int, group: int, max_q_len: int, interpret: bool
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M covers max_q_len * group rows up to a
+    cap (at least 16 rows: tl.dot needs M >= 16 on GPUs, and at least one whole group); BLOCK_N
+    is the key tile: 128 where the rows are few (decode) or the head small, else 64. Measured on
+    an H100 inside CUDA graphs, kv_len 512, page 16, batch 32, bf16: decode 27 us at head_dim 128
+    x 8 KV heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us."""
+    cap = 64 if head_dim <= 128 else 32
+    block_m = min(_next_power_of_2(max(max_q_len * group, 16)), cap)
+    block_m = max(block_m, _next_power_of_2(group))
+    if interpret:  # small key tiles: tests cross tile edges with short sequences
+        return block_m, 16, 1, 1
+    if head_dim > 128:
+        return block_m, 32, 4, 2
+    return block_m, 128 if block_m <= 16 or head_dim <= 64 else 64, 4, 2
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], last dim contiguous
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], last dim contiguous
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32, query token offsets of each sequence in q
+    kv_lens: torch.Tensor,  # [B] int32, sequence b attends storage [0, kv_lens[b])
+    prefix_lens: torch.Tensor,  # [B] int32, storage [0, prefix_lens[b]) visible to all queries
+    block_table: torch.Tensor,  # [B, max_pages] int32 page ids
+    page_size: int,
+    tree_mask: torch.Tensor | None,  # [B, max_q >= max_q_len, max_new] bool/uint8; None = causal
+    max_q_len: int,  # host int >= every q_len (sets the grid)
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim], written in place if given
+) -> torch.Tensor:
+    """Checks the inputs (shapes, dtypes, devices, strides; no host syncs, so it can be captured
+    in a CUDA graph) and launches the kernel. Rows of q outside every sequence are not written."""
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError("paged_attention needs triton; use paged_attention_reference")
+    interpret = _interpreting()
+    _check_inputs(
+        q, k_cache, v_cache, cu_seqlens_q, kv_lens, prefix_lens, block_table, page_size,
+        tree_mask, max_q_len, out, interpret,
+    )  # fmt: skip
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = kv_lens.shape[0]
+    if num_seqs == 0 or max_q_len == 0 or q.shape[0] == 0:
+        return out
+
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, group, max_q_len, interpret)
+    block_q = block_m // group
+    num_q_blocks = -(-max_q_len // block_q)
+    if tree_mask is None:
+        tm, tm_strides = kv_lens, (0, 0, 0)  # never read
+    else:
+        tm = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        tm_strides = (tm.stride(0), tm.stride(1), tm.stride(2))
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    grid = (num_seqs * num_q_blocks, num_kv_heads)
+    _jitted_kernel(interpret)[grid](
+        q, k_cache, v_cache, out,
+        cu_seqlens_q, kv_lens, prefix_lens, block_table, tm,
+        scale * _LOG2E, num_q_blocks,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_table.stride(0),
+        *tm_strides,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
+        DOT_PRECISION=dot_precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    tree_mask: torch.Tensor | None,
+    max_q_len: int,
+    out: torch.Tensor | None,
+    interpret: bool,
+) -> None:
+    """Everything checkable from shapes, dtypes and strides alone (lengths live on the device).
+    Messages are built only on failure: this runs before every eager launch."""
+
+    def fail(what: str) -> NoReturn:
+        raise ValueError(f"paged_attention: {what}")
+
+    if q.dim() != 3 or k_cache.dim() != 3:
+        fail(f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must be 3-D")
+    if v_cache.shape != k_cache.shape:
+        fail(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim:
+        fail(f"cache head_dim {k_cache.shape[2]} != q's {head_dim}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        fail(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype not in _Q_DTYPES:
+        fail(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    if k_cache.dtype != v_cache.dtype or not k_cache.dtype.is_floating_point:
+        fail(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype}: one floating dtype")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        fail(f"q, k_cache, v_cache: last dims must be contiguous, strides {q.stride()}, "
+             f"{k_cache.stride()}, {v_cache.stride()}")  # fmt: skip
+
+    if kv_lens.dim() != 1:
+        fail(f"kv_lens must be [B], got {tuple(kv_lens.shape)}")
+    num_seqs = kv_lens.shape[0]
+    for name, t, length in (
+        ("cu_seqlens_q", cu_seqlens_q, num_seqs + 1),
+        ("kv_lens", kv_lens, num_seqs),
+        ("prefix_lens", prefix_lens, num_seqs),
+    ):
+        if t.dim() != 1 or t.shape[0] != length or t.dtype != torch.int32 or t.stride(0) != 1:
+            fail(f"{name} must be a contiguous [{length}] int32, got {tuple(t.shape)} {t.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs or block_table.stride(1) != 1:
+        fail(f"block_table must be [B={num_seqs}, max_pages], last dim contiguous, "
+             f"got {tuple(block_table.shape)}")  # fmt: skip
+    if block_table.dtype != torch.int32:
+        fail(f"block_table must be int32, got {block_table.dtype}")
+    if page_size < 1 or max_q_len < 0:
+        fail(f"page_size {page_size} must be >= 1 and max_q_len {max_q_len} >= 0")
+    tensors = [q, k_cache, v_cache, cu_seqlens_q, kv_lens, prefix_lens, block_table]
+    if tree_mask is not None:
+        if tree_mask.dim() != 3 or tree_mask.shape[0] != num_seqs or tree_mask.shape[1] < max_q_len:
+            fail(f"tree_mask must be [B={num_seqs}, max_q >= {max_q_len}, max_new], "
+                 f"got {tuple(tree_mask.shape)}")  # fmt: skip
+        if tree_mask.dtype not in (torch.bool, torch.uint8):
+            fail(f"tree_mask must be bool or uint8, got {tree_mask.dtype}")
+        tensors.append(tree_mask)
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            fail(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)} {q.dtype}, "
+                 "last dim contiguous")  # fmt: skip
+        tensors.append(out)
+    device = q.device
+    if any(t.device != device for t in tensors):
+        fail(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if device.type != "cuda" and not interpret:
+        fail(f"tensors are on {device}: the kernel runs on CUDA, or on the CPU under "
+             "TRITON_INTERPRET=1; elsewhere use paged_attention_reference")  # fmt: skip
+
+
+_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,0 +1,312 @@
+"""The paged-attention Triton kernel equals its plain-torch reference (float32, under the Triton
+interpreter on the CPU), for every shape of step the engines run: decode, ragged batches,
+prefill, tree verify, drafter new-region masks, GQA, padding sequences, shuffled pages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+
+from specsplit.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    reference_plan,
+)
+from specsplit.tree import DraftTree
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The interpreter for these tests only (not set at import: that would leak into the GPU
+    tests of the same session). The kernel is jitted per TRITON_INTERPRET value at launch and
+    calls no @triton.jit library function, so it does not matter when triton was imported."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+SENTINEL = 7.0  # out rows no sequence owns keep this value
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T + 2, H, D]: two trailing rows owned by no sequence
+    k_cache: torch.Tensor  # [num_slots, num_kv_heads, D], a strided view
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+    tree_mask: torch.Tensor | None
+    max_q_len: int
+    scale: float
+
+    def args(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def make_case(
+    seqs: list[tuple[int, int, int]],  # (q_len, kv_len, prefix_len) per sequence
+    *,
+    page_size: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    new_masks: list[torch.Tensor | None] | None = None,  # [q_len, kv_len - prefix_len] each
+    shuffle: bool = True,
+    max_q_len: int | None = None,
+    seed: int = 0,
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [s[0] for s in seqs]
+    num_pages = [-(-kv_len // page_size) for _, kv_len, _ in seqs]
+    total_pages = sum(num_pages) + 3  # spare pages nobody owns
+    order = torch.randperm(total_pages, generator=gen) if shuffle else torch.arange(total_pages)
+    block_table = torch.zeros(len(seqs), max(num_pages, default=0) + 1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(num_pages):
+        block_table[b, :n] = order[used : used + n].to(torch.int32)
+        used += n
+
+    # K and V interleaved in one buffer: each cache is a view with row stride 2 * kv_heads * D
+    kv = torch.randn(total_pages * page_size, 2, num_kv_heads, head_dim, generator=gen)
+    owned = torch.zeros(total_pages * page_size, dtype=torch.bool)
+    for b, (_, kv_len, _) in enumerate(seqs):
+        for s in range(kv_len):
+            owned[int(block_table[b, s // page_size]) * page_size + s % page_size] = True
+    kv[~owned] = float("nan")  # a slot outside [0, kv_len) must never be read
+
+    tree_mask = None
+    if new_masks is not None:
+        max_q = max(max(q_lens), max_q_len or 0)
+        max_new = max(kv_len - prefix_len for _, kv_len, prefix_len in seqs) + 2
+        tree_mask = torch.ones(len(seqs), max_q, max_new, dtype=torch.bool)  # beyond: ignored
+        for b, m in enumerate(new_masks):
+            if m is not None:
+                tree_mask[b, : m.shape[0], : m.shape[1]] = m
+
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return Case(
+        q=torch.randn(sum(q_lens) + 2, num_heads, head_dim, generator=gen),
+        k_cache=kv[:, 0],
+        v_cache=kv[:, 1],
+        cu_seqlens_q=cu,
+        kv_lens=torch.tensor([s[1] for s in seqs], dtype=torch.int32),
+        prefix_lens=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
+        block_table=block_table,
+        page_size=page_size,
+        tree_mask=tree_mask,
+        max_q_len=max_q_len if max_q_len is not None else max(q_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def check_matches_reference(case: Case) -> torch.Tensor:
+    out = torch.full_like(case.q, SENTINEL)
+    got = paged_attention(**case.args(), out=out)
+    assert got is out
+    want = paged_attention_reference(**case.args(), out=torch.full_like(case.q, SENTINEL))
+    num_tokens = int(case.cu_seqlens_q[-1])
+    assert torch.isfinite(got[:num_tokens]).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got[num_tokens:] == SENTINEL).all()  # rows no sequence owns are not written
+    return got
+
+
+def verify_new_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
+    """[p + n, p + n] bool among a verify step's new tokens (DESIGN.md §2): pending tokens are
+    causal; a tree node sees every pending token, its ancestors and itself, never siblings."""
+    p, n = num_pending, len(parents)
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    mask[p:, :p] = True
+    mask[p:, p:] = DraftTree(tokens=[0] * n, parents=parents).ancestor_mask()
+    return mask
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_one_query_per_sequence(page_size: int) -> None:
+    seqs = [(1, 1, 0), (1, 17, 16), (1, 40, 39), (1, 33, 0)]
+    check_matches_reference(make_case(seqs, page_size=page_size))
+
+
+def test_ragged_batch_with_different_q_and_kv_lens() -> None:
+    seqs = [(1, 5, 4), (7, 30, 23), (3, 3, 0), (12, 50, 20), (2, 9, 9)]
+    check_matches_reference(make_case(seqs, page_size=4))
+
+
+def test_prefill_causal_q_equals_kv_len() -> None:
+    check_matches_reference(make_case([(45, 45, 0), (41, 41, 0)], page_size=16))
+
+
+def test_verify_tree_mask_pending_causal_nodes_see_ancestors_only() -> None:
+    trees = [(20, 2, [-1, -1, 0, 0, 1, 3]), (5, 1, [-1, 0, 1]), (13, 3, [-1, -1, -1, 2])]
+    seqs, masks = [], []
+    for committed, pending, parents in trees:
+        q_len = pending + len(parents)
+        seqs.append((q_len, committed + q_len, committed))
+        masks.append(verify_new_mask(pending, parents))
+    case = make_case(seqs, page_size=4, new_masks=masks)
+    got = check_matches_reference(case)
+    # a tree node ignores its siblings: changing a sibling's V leaves the node's output alone
+    sibling_slot = int(case.block_table[0, 23 // 4]) * 4 + 23 % 4  # node 1 (a sibling of node 0)
+    case.v_cache[sibling_slot] += 100.0
+    again = paged_attention(**case.args())
+    node0 = 2  # row of node 0 in sequence 0
+    torch.testing.assert_close(again[node0], got[node0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(again[2 + 1], got[2 + 1])  # node 1 itself does see it
+
+
+def test_drafter_rectangular_new_region_mask() -> None:
+    gen = torch.Generator().manual_seed(3)
+    seqs = [(4, 21, 9), (2, 10, 3), (3, 7, 0)]  # q_len < kv_len - prefix_len
+    masks = []
+    for q_len, kv_len, prefix_len in seqs:
+        m = torch.rand(q_len, kv_len - prefix_len, generator=gen) < 0.5
+        m[:, 0] = True  # every row sees a key even without a prefix
+        masks.append(m)
+    check_matches_reference(make_case(seqs, page_size=2, new_masks=masks))
+
+
+def test_tree_mask_uint8_equals_bool() -> None:
+    case = make_case([(4, 12, 8)], new_masks=[verify_new_mask(1, [-1, 0, -1])])
+    assert case.tree_mask is not None
+    as_bool = paged_attention(**case.args())[:4]
+    as_uint8 = paged_attention(**replace(case, tree_mask=case.tree_mask.to(torch.uint8)).args())
+    assert torch.equal(as_bool, as_uint8[:4])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_gqa_groups_and_head_dims(group: int, head_dim: int) -> None:
+    seqs = [(1, 19, 18), (5, 26, 21), (9, 9, 0)]
+    case = make_case(seqs, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, seed=group)
+    check_matches_reference(case)
+
+
+def test_padding_sequences_with_no_queries_write_nothing() -> None:
+    # CUDA-graph padding: q_len 0 sequences (kv_len 0 too), max_q_len of the bucket not the batch
+    seqs = [(0, 0, 0), (3, 11, 8), (0, 0, 0), (1, 6, 5), (0, 4, 4)]
+    check_matches_reference(make_case(seqs, max_q_len=8))
+    masks: list[torch.Tensor | None] = [None, verify_new_mask(1, [-1, 0]), None, None, None]
+    check_matches_reference(make_case(seqs, max_q_len=8, new_masks=masks))
+
+
+def test_shuffled_pages_give_the_same_output_as_contiguous_ones() -> None:
+    seqs = [(3, 23, 20), (6, 37, 0)]
+    contiguous = make_case(seqs, page_size=4, shuffle=False, seed=5)
+    shuffled = make_case(seqs, page_size=4, shuffle=True, seed=5)
+    assert not torch.equal(contiguous.block_table, shuffled.block_table)
+    # the same K/V per storage index, laid out in other slots
+    src_plan = reference_plan(**_plan_args(contiguous))
+    dst_plan = reference_plan(**_plan_args(shuffled))
+    for (_, _, src, _), (_, _, dst, _) in zip(src_plan, dst_plan, strict=True):
+        shuffled.k_cache[dst] = contiguous.k_cache[src]
+        shuffled.v_cache[dst] = contiguous.v_cache[src]
+    a = check_matches_reference(contiguous)
+    b = check_matches_reference(replace(shuffled, q=contiguous.q))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_len_not_a_multiple_of_the_tile() -> None:
+    # interpreter tiles are 16 keys: lengths just past, just short of and far from a multiple
+    check_matches_reference(make_case([(2, 17, 15), (1, 31, 30), (5, 49, 44)], page_size=8))
+
+
+def test_reference_plan_mask_of_a_verify_step_exactly() -> None:
+    # committed 2, one pending token, tree nodes 0 and 1 children of the root, node 2 of node 0
+    mask = verify_new_mask(1, [-1, -1, 0])
+    tree_mask = mask[None]  # [1, 4, 4]
+    plan = reference_plan(
+        torch.tensor([0, 4], dtype=torch.int32),
+        torch.tensor([6], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([[3, 1]], dtype=torch.int32),
+        4,
+        tree_mask,
+    )
+    q_start, q_end, slots, dense = plan[0]
+    assert (q_start, q_end) == (0, 4)
+    assert slots.tolist() == [12, 13, 14, 15, 4, 5]
+    want = [
+        [1, 1, 1, 0, 0, 0],  # pending token
+        [1, 1, 1, 1, 0, 0],  # node 0
+        [1, 1, 1, 0, 1, 0],  # node 1: not its sibling node 0
+        [1, 1, 1, 1, 0, 1],  # node 2: ancestor node 0, not node 1
+    ]
+    assert dense.int().tolist() == want
+    # causal, prefix 1, kv_len 5: the two queries sit at storage 3 and 4
+    causal = reference_plan(
+        torch.tensor([0, 2], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        4,
+        None,
+    )[0][3]
+    assert causal.int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def _plan_args(case: Case) -> dict[str, Any]:
+    keys = ("cu_seqlens_q", "kv_lens", "prefix_lens", "block_table", "page_size", "tree_mask")
+    return {k: getattr(case, k) for k in keys}
+
+
+def _strided_last_dim(t: torch.Tensor) -> torch.Tensor:
+    return torch.randn(*t.shape[:-1], 2 * t.shape[-1])[..., ::2]
+
+
+BAD_INPUTS: dict[str, tuple[Callable[[Case], Case], str]] = {
+    "metadata not int32": (lambda c: replace(c, kv_lens=c.kv_lens.long()), "int32"),
+    "block table not int32": (lambda c: replace(c, block_table=c.block_table.long()), "int32"),
+    "head_dim not a power of two": (
+        lambda c: replace(
+            c, q=c.q[..., :12], k_cache=c.k_cache[..., :12], v_cache=c.v_cache[..., :12]
+        ),
+        "power of two",
+    ),
+    "heads not a multiple of kv heads": (lambda c: replace(c, q=c.q[:, :3]), "multiple"),
+    "q last dim strided": (lambda c: replace(c, q=_strided_last_dim(c.q)), "contiguous"),
+    "cache last dim strided": (
+        lambda c: replace(c, k_cache=_strided_last_dim(c.k_cache)),
+        "contiguous",
+    ),
+    "k and v shapes differ": (lambda c: replace(c, v_cache=c.v_cache[:-1]), "v_cache"),
+    "cu_seqlens_q wrong length": (
+        lambda c: replace(c, cu_seqlens_q=c.cu_seqlens_q[:-1]),
+        "cu_seqlens_q",
+    ),
+    "block table rows != batch": (
+        lambda c: replace(c, block_table=c.block_table[:1]),
+        "block_table",
+    ),
+    "metadata on another device": (lambda c: replace(c, kv_lens=c.kv_lens.to("meta")), "device"),
+    "tree mask rows < max_q_len": (
+        lambda c: replace(c, tree_mask=torch.ones(2, 1, 8, dtype=torch.bool)),
+        "tree_mask",
+    ),
+    "tree mask float": (lambda c: replace(c, tree_mask=torch.ones(2, 4, 8)), "bool or uint8"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_wrapper_rejects_bad_inputs(name: str) -> None:
+    mutate, match = BAD_INPUTS[name]
+    case = mutate(make_case([(4, 10, 6), (1, 5, 4)], num_heads=4, num_kv_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match=match):
+        paged_attention(**case.args())
+
+
+def test_wrapper_rejects_cpu_tensors_without_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    case = make_case([(1, 5, 4)])
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        paged_attention(**case.args())
