@@ -1,11 +1,16 @@
-"""Generates the gRPC stubs from proto/ at build time (they are never committed)."""
+"""Generates the gRPC stubs from proto/ at build time (they are never committed).
+
+They are generated before setup() runs, so that their package, specsplit.v1, is there when
+setuptools looks for packages (pyproject.toml's packages.find; egg_info, build_py and editable
+installs alike): generated later, during build_py, it was installed as data with a "Package
+'specsplit.v1' is absent from the `packages` configuration" warning.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from setuptools import setup
-from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 
@@ -30,10 +35,6 @@ def generate_stubs() -> None:
     (ROOT / "specsplit" / "v1" / "__init__.py").touch()
 
 
-class BuildPyWithStubs(build_py):
-    def run(self) -> None:
-        generate_stubs()
-        super().run()
-
-
-setup(cmdclass={"build_py": BuildPyWithStubs})
+if (ROOT / "proto").is_dir():  # an sdist without proto/ ships the stubs it was built with
+    generate_stubs()
+setup()
