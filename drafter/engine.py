@@ -4,10 +4,15 @@ The drafter keeps, per sequence, the tokens the gateway has committed (as the ga
 told it). A Draft call says where the new tokens start: everything before `start` is kept,
 the rest is dropped (it no longer matches the gateway's tokens) and the proposer truncates
 its KV to match. The proposer then drafts a tree rooted at the last token.
+
+A draft shape the drafter refuses (inconsistent, or over `TreeLimits`) is refused for that
+sequence alone: it takes the sequence's new tokens and drafts it an empty tree, and the other
+sequences of the round get theirs.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,12 +24,41 @@ from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
+log = logging.getLogger(__name__)
+NO_DRAFTS = SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
+
+
+@dataclass(frozen=True)
+class TreeLimits:
+    """The largest draft tree the drafter builds for a sequence (above the gateway's default
+    request limits: 16 steps, top-8, 64 nodes)."""
+
+    max_num_steps: int = 32
+    max_topk: int = 16
+    max_num_draft_tokens: int = 256
+
+    def refusal(self, spec: SpecParams) -> str | None:
+        """Why the drafter will not draft this shape, or None."""
+        try:
+            spec.validate()
+        except ServiceError as err:
+            return err.message
+        for name, value, limit in (
+            ("num_steps", spec.num_steps, self.max_num_steps),
+            ("topk", spec.topk, self.max_topk),
+            ("num_draft_tokens", spec.num_draft_tokens, self.max_num_draft_tokens),
+        ):
+            if value > limit:
+                return f"spec.{name} = {value} is over the drafter's limit of {limit}"
+        return None
+
 
 @dataclass
 class DraftSeq:
     seq_id: str
     tokens: list[int] = field(default_factory=list)  # the gateway's committed tokens, as told
     state: object = None  # the proposer's per-sequence state (e.g. draft KV)
+    refused: str | None = None  # the last draft shape refused for it (logged once)
 
 
 @dataclass
@@ -63,8 +97,9 @@ class Proposer(Protocol):
 
 
 class DrafterEngine:
-    def __init__(self, proposer: Proposer) -> None:
+    def __init__(self, proposer: Proposer, limits: TreeLimits = TreeLimits()) -> None:
         self.proposer = proposer
+        self.limits = limits
         self.seqs: dict[str, DraftSeq] = {}
 
     @classmethod
@@ -155,7 +190,7 @@ class DrafterEngine:
             jobs.append(
                 DraftJob(
                     seq,
-                    item.spec.capped(room),
+                    self._spec(seq, item.spec).capped(room),
                     item.sampling,
                     item.start,
                     item.target_hidden_states,
@@ -174,6 +209,14 @@ class DrafterEngine:
             )
             for job, tree in zip(jobs, trees, strict=True)
         ]
+
+    def _spec(self, seq: DraftSeq, spec: SpecParams) -> SpecParams:
+        """The shape to draft for `seq`: `spec`, or no drafts when the drafter refuses it."""
+        refusal = self.limits.refusal(spec)
+        if refusal is not None and refusal != seq.refused:
+            log.warning("no drafts for %s: %s", seq.seq_id, refusal)
+        seq.refused = refusal
+        return spec if refusal is None else NO_DRAFTS
 
     def _validate(self, inputs: list[DraftInput]) -> None:
         check_seq_ids(inputs, self.seqs, "drafter")
@@ -194,7 +237,6 @@ class DrafterEngine:
             bad = [t for t in item.new_tokens if not 0 <= t < self.proposer.vocab_size]
             if bad:
                 raise invalid(f"new_tokens {bad[:4]} outside the vocabulary")
-            item.spec.validate()
             try:
                 item.sampling.validate()
             except ValueError as e:

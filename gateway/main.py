@@ -18,7 +18,8 @@ from gateway.adaptive import format_ladder
 from gateway.auth import ApiKeys
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
-from gateway.scheduler import Scheduler
+from gateway.request import DEFAULT_LIMITS, Limits
+from gateway.scheduler import DEFAULT_MAX_WAITING, Scheduler
 from gateway.servicer import GatewayServicer, ModelInfo
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_config, load_tokenizer
@@ -122,13 +123,16 @@ async def serve(
     api_keys: ApiKeys | None = None,
     tls: TLSFiles | None = None,
     backend_tls: TLSFiles | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    max_waiting: int = DEFAULT_MAX_WAITING,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
     `adaptive_rungs` (None = the default ladder) and `default_spec` (gateway/adaptive.py).
     api_keys: who may call (None = everyone); tls: the client APIs' certificate (None =
     plaintext); backend_tls: the gateway's client certificate and the CA of the drafter's and
-    verifier's (mutual TLS; None = plaintext)."""
+    verifier's (mutual TLS; None = plaintext). limits: what one request may ask (tree shape,
+    max_new_tokens, prompt and message size); max_waiting: the waiting queue's length."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -152,16 +156,26 @@ async def serve(
         model_name=served_model_name or os.path.basename(os.path.normpath(model_path)),
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
+        max_waiting=max_waiting,
     )
     if scheduler.adaptive_ladder is not None:
         log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))
-    servicer = GatewayServicer(model, scheduler)
+    servicer = GatewayServicer(model, scheduler, limits)
     http = None
     if http_listen is not None:
         name = served_model_name or os.path.basename(os.path.normpath(model_path))
-        http = OpenAIServer(model, scheduler, name, servicer.tokenize_executor, api_keys)
+        http = OpenAIServer(
+            model, scheduler, name, servicer.tokenize_executor, api_keys, limits=limits
+        )
     service = GatewayService(
         servicer, scheduler, drafter, verifier, http, http_listen or "", grace=grace, tls=tls
     )
     interceptors = [api_keys.grpc_interceptor()]
-    await serve_host(service, address, grace=grace, tls=tls, interceptors=interceptors)
+    await serve_host(
+        service,
+        address,
+        grace=grace,
+        tls=tls,
+        interceptors=interceptors,
+        max_receive_bytes=limits.max_message_bytes,
+    )

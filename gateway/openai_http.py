@@ -25,7 +25,16 @@ from typing import Any, Literal
 from aiohttp import web
 
 from gateway.auth import ApiKeys
-from gateway.request import Chunk, GenerationRequest, InvalidField, ModelInfo, build_request
+from gateway.request import (
+    CHAT_ROLES,
+    DEFAULT_LIMITS,
+    Chunk,
+    GenerationRequest,
+    InvalidField,
+    Limits,
+    ModelInfo,
+    build_request,
+)
 from gateway.servicer import ChunkSource
 from specsplit.errors import Code, ServiceError
 from specsplit.sampling import SamplingParams
@@ -40,7 +49,14 @@ HTTP_STATUS = {
     Code.UNAVAILABLE: 503,
     Code.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",  # a route called with the wrong method
+    413: "invalid_request_error",  # a body over the gateway's message limit
+    429: "rate_limit_error",  # the gateway's waiting queue is full
+    503: "service_unavailable",
+}
 # The domain's field names (gateway.request) as OpenAI calls them.
 OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the context
@@ -58,6 +74,7 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         error_type = ERROR_TYPES.get(self.status, "server_error")
         code = "model_not_found" if self.param == "model" and self.status == 404 else None
+        code = "rate_limit_exceeded" if self.status == 429 else code
         return {
             "error": {
                 "message": self.message,
@@ -124,17 +141,7 @@ def _prompt(body: dict[str, Any], kind: Kind) -> tuple[Any, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "must be a non-empty list of {role, content}")
-        chat = []
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: only text ones
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise _bad(f"messages[{i}].content", "only text content parts are supported")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad(f"messages[{i}]", "needs a string role")
-            chat.append({"role": m["role"], "content": content or ""})
-        return "chat", chat
+        return "chat", [_message(i, m) for i, m in enumerate(messages)]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -143,6 +150,26 @@ def _prompt(body: dict[str, Any], kind: Kind) -> tuple[Any, Any]:
     if _int_list(prompt):
         return "token_ids", prompt
     raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+
+
+def _message(i: int, message: Any) -> dict[str, str]:
+    """messages[i] as {"role", "content"}: a known role; content a string, text parts or null."""
+    if not isinstance(message, dict):
+        raise _bad(f"messages[{i}]", "must be an object with a role and a content")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+    return {"role": role, "content": content or ""}
 
 
 def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
@@ -233,16 +260,22 @@ class OpenAIServer:
         model_name: str,
         tokenize: Executor,
         api_keys: ApiKeys | None = None,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        """api_keys: who may call (gateway.auth; None = everyone)."""
+        """api_keys: who may call (gateway.auth; None = everyone). limits: what a request may
+        ask (bodies over limits.max_message_bytes are refused with 413)."""
         self.model = model
+        self.limits = limits
         self.scheduler = scheduler
         self.model_name = model_name
         self.tokenize = tokenize  # the servicer's tokenizer thread: one encoder at a time
         self.ready = False
         self.created = int(time.time())
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
-        self.app = web.Application(middlewares=[*auth, self._errors])
+        self.app = web.Application(
+            middlewares=[*auth, self._errors], client_max_size=limits.max_message_bytes
+        )
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model}", self.model_card)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -279,9 +312,13 @@ class OpenAIServer:
             return await handler(request)
         except OpenAIError as err:
             return web.json_response(err.body(), status=err.status)
-        except web.HTTPException as err:  # unknown route (404), wrong method (405)
+        except web.HTTPException as err:  # unknown route (404), wrong method (405), 413
             message = f"{request.method} {request.path}: {err.reason}"
             return web.json_response(OpenAIError(err.status, message).body(), status=err.status)
+        except Exception:  # a bug: still OpenAI's shape, never aiohttp's plain-text 500
+            log.exception("%s %s failed", request.method, request.path)
+            body = OpenAIError(500, "internal error in the gateway").body()
+            return web.json_response(body, status=500)
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -329,7 +366,10 @@ class OpenAIServer:
             raise from_service_error(err, kind) from None
         response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         header = {"id": response_id, "created": int(time.time()), "model": self.model_name}
-        chunks = self.scheduler.generate(gen_req)
+        try:
+            chunks = self.scheduler.generate(gen_req)
+        except ServiceError as err:  # the waiting queue is full (429)
+            raise from_service_error(err, kind) from None
         try:
             if req.stream:
                 return await self._stream(request, req, header, chunks)
@@ -349,6 +389,7 @@ class OpenAIServer:
             stop_strings=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            limits=self.limits,
         )
 
     async def _complete(

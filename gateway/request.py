@@ -8,12 +8,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from jinja2 import TemplateError
+
 from gateway.text import apply_chat_template, encode_prompt
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
 
 PromptKind = Literal["text", "chat", "token_ids"]
+CHAT_ROLES = ("system", "user", "assistant")  # what every chat template renders
+# A prompt that fits the context is far below this many bytes per token of context (English
+# text: ~4); the default limit on prompt bytes, counted before anything is tokenized.
+PROMPT_BYTES_PER_CONTEXT_TOKEN = 32
 
 
 @dataclass
@@ -61,6 +67,41 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the gateway (DESIGN.md §8), so that no client spends
+    everyone's capacity: draft tree shape, generated tokens, prompt size (bytes of text or chat
+    contents, counted before tokenizing; token ids are bounded by the context) and the size of
+    a request message as it arrives (gRPC and HTTP)."""
+
+    max_num_steps: int = 16
+    max_topk: int = 8
+    max_num_draft_tokens: int = 64
+    max_new_tokens: int = 4096
+    max_prompt_bytes: int | None = None  # None = PROMPT_BYTES_PER_CONTEXT_TOKEN x the context
+    max_message_bytes: int = 4 * 1024 * 1024  # a gRPC request or an HTTP body (gRPC's default)
+
+    def prompt_bytes(self, model: ModelInfo) -> int:
+        if self.max_prompt_bytes is not None:
+            return self.max_prompt_bytes
+        return PROMPT_BYTES_PER_CONTEXT_TOKEN * model.max_context
+
+    def check_spec(self, spec: SpecParams) -> None:
+        """INVALID_ARGUMENT naming the field of a tree shape over the limits."""
+        for name, value, limit in (
+            ("num_steps", spec.num_steps, self.max_num_steps),
+            ("topk", spec.topk, self.max_topk),
+            ("num_draft_tokens", spec.num_draft_tokens, self.max_num_draft_tokens),
+        ):
+            if value > limit:
+                raise InvalidField(
+                    f"spec.{name}", f"spec.{name} = {value} is over this server's limit of {limit}"
+                )
+
+
+DEFAULT_LIMITS = Limits()
+
+
 class InvalidField(ServiceError):
     """INVALID_ARGUMENT for one request field; `field` is its domain name (max_new_tokens,
     temperature, stop, ...) so each API can report it under its own name."""
@@ -81,13 +122,24 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     spec: SpecParams | None = None,
     ignore_eos: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> GenerationRequest:
-    """Validate and tokenize; raises InvalidField naming the field. Tokenizes: run it off the
-    event loop."""
+    """Validate and tokenize; raises InvalidField naming the field. The limits are checked
+    first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
+    if max_new_tokens is not None and max_new_tokens > limits.max_new_tokens:
+        raise InvalidField(
+            "max_new_tokens",
+            f"max_new_tokens = {max_new_tokens} is over this server's limit of "
+            f"{limits.max_new_tokens}",
+        )
+    if spec is not None:
+        spec.validate()
+        limits.check_spec(spec)
+    check_prompt(model, prompt_kind, prompt, limits.prompt_bytes(model))
     prompt_ids = _prompt_ids(model, prompt_kind, prompt)
     _check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
-    if max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
-        max_new_tokens = max(model.max_context - len(prompt_ids), 0)
+    if max_new_tokens is None:  # the rest of the context (OpenAI's chat default), up to the limit
+        max_new_tokens = min(max(model.max_context - len(prompt_ids), 0), limits.max_new_tokens)
     if max_new_tokens <= 0:
         raise InvalidField("max_new_tokens", f"max_new_tokens = {max_new_tokens}: must be > 0")
     total = len(prompt_ids) + max_new_tokens
@@ -104,8 +156,6 @@ def build_request(
     for i, stop in enumerate(stop_strings):
         if not stop:
             raise InvalidField("stop", f"stop[{i}] is empty")
-    if spec is not None:
-        spec.validate()
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -115,6 +165,53 @@ def build_request(
         spec=spec,
         ignore_eos=ignore_eos,
     )
+
+
+def check_prompt(
+    model: ModelInfo,
+    kind: PromptKind,
+    prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
+    max_bytes: int,
+) -> None:
+    """What can be checked without the tokenizer, so a huge prompt costs next to nothing: its
+    size (UTF-8 bytes of the text or of the chat's roles and contents; the number of token ids),
+    text a tokenizer cannot take (a lone surrogate), and the chat roles."""
+    if kind == "token_ids":
+        if len(prompt) >= model.max_context:
+            raise InvalidField(
+                "prompt",
+                f"prompt.token_ids has {len(prompt)} tokens: over the model's context of "
+                f"{model.max_context} with room for one generated token",
+            )
+        return
+    texts: list[object] = [prompt] if kind == "text" else []
+    if kind == "chat":
+        for i, message in enumerate(prompt):
+            if not isinstance(message, Mapping) or message.get("role") not in CHAT_ROLES:
+                role = message.get("role") if isinstance(message, Mapping) else None
+                roles = ", ".join(CHAT_ROLES)
+                raise InvalidField(
+                    "prompt", f"chat message {i}: role {role!r} is not one of {roles}"
+                )
+            texts += [message["role"], message.get("content")]
+    what = "prompt.text" if kind == "text" else "the chat messages"
+    size = 0
+    for text in texts:
+        if not isinstance(text, str):
+            raise InvalidField("prompt", f"{what}: {type(text).__name__} is not text")
+        if len(text) > max_bytes:  # characters <= UTF-8 bytes: no need to encode it
+            size = len(text)
+            break
+        try:
+            size += len(text.encode("utf-8"))
+        except UnicodeEncodeError as err:
+            raise InvalidField(
+                "prompt", f"{what}: character {err.start} is not valid Unicode ({err.reason})"
+            ) from None
+    if size > max_bytes:
+        raise InvalidField(
+            "prompt", f"{what}: over this server's limit of {max_bytes} bytes (at least {size})"
+        )
 
 
 def _prompt_ids(
@@ -128,7 +225,10 @@ def _prompt_ids(
         assert isinstance(prompt, str)
         ids = encode_prompt(model.tokenizer, prompt)
     elif kind == "chat":
-        ids = apply_chat_template(model.tokenizer, prompt)  # type: ignore[arg-type]
+        try:
+            ids = apply_chat_template(model.tokenizer, prompt)  # type: ignore[arg-type]
+        except TemplateError as err:  # the template's own raise_exception (roles, order)
+            raise InvalidField("prompt", f"the model's chat template refused it: {err}") from None
     else:
         ids = [int(t) for t in prompt]  # type: ignore[arg-type]
         _check_vocab(ids, "prompt.token_ids", model.vocab_size)

@@ -26,12 +26,14 @@ from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import SpecParams
+from specsplit.messages import DraftOutput, SpecParams
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
+DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
+DEFAULT_MAX_WAITING = 256  # requests waiting for a place in the batch; more: RESOURCE_EXHAUSTED
 VERIFIER_RETRY_S = 0.5
 VERIFIER_GIVE_UP_S = 30.0
 
@@ -49,16 +51,19 @@ class Scheduler:
         hidden_state_layers: tuple[int, ...] = (),
         adaptive_spec: bool = False,
         adaptive_rungs: tuple[SpecParams, ...] | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
-        start on); off = every round uses `default_spec`."""
+        start on); off = every round uses `default_spec`. max_waiting: requests that may wait for
+        a place in the batch; more are refused (RESOURCE_EXHAUSTED)."""
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.default_spec = default_spec
         self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
         self.model_name = model_name  # gen_ai.request.model on request spans
         self.hidden_state_layers = hidden_state_layers  # asked of the verifier (EAGLE drafters)
         self.adaptive_ladder = build_ladder(default_spec, adaptive_rungs) if adaptive_spec else None
@@ -68,6 +73,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._drafter_down_until = 0.0
         self._drafter_answered = False  # hidden_state_layers is the drafter's answer
+        self._drafter_refused: set[str] = set()  # seq ids the drafter refused: no drafts
         self._verifier_down_since: float | None = None
         self.num_rounds = 0
 
@@ -90,8 +96,20 @@ class Scheduler:
 
     # -- client side -----------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        """Stream a generation; closing the iterator early cancels it and frees its KV."""
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream a generation; closing the iterator early cancels it and frees its KV.
+        Raises RESOURCE_EXHAUSTED right away (before any iteration) when `max_waiting` requests
+        already wait for a place in the batch."""
+        num_waiting = sum(not seq.cancelled for seq in self.waiting)
+        if num_waiting >= self.max_waiting:
+            raise ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"the gateway is busy: {num_waiting} requests are waiting already "
+                f"(--max-waiting); retry later",
+            )
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         seq = self._new_sequence(request)
         seq.span = telemetry.start_request(self.model_name, request)  # child of the caller's
         self.waiting.append(seq)
@@ -181,20 +199,25 @@ class Scheduler:
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
         if time.monotonic() < self._drafter_down_until:
             return [DraftTree() for _ in batch]
+        ids = {seq.seq_id for seq in [*self.running, *batch]}
+        self._drafter_refused &= ids  # forget the ones that left
         drafting = [seq for seq in batch if self._needs_drafter(seq)]
         if not drafting:
             return [DraftTree() for _ in batch]
         try:
-            outputs = await self.drafter.draft([seq.draft_input() for seq in drafting])
+            try:
+                outputs = await self.drafter.draft([seq.draft_input() for seq in drafting])
+            except ServiceError as e:
+                if e.code in DRAFTER_DOWN:
+                    raise
+                # a refusal: of one sequence (its shape, its memory), not of drafting
+                drafting, outputs = await self._draft_one_by_one(drafting, e)
         except ServiceError as e:
-            # drafter down, restarted (NOT_FOUND) or refusing: decode without drafts for now,
-            # and start its sequences over when it answers again
+            # drafter down or restarted (NOT_FOUND): decode without drafts for now, and start
+            # its sequences over when it answers again
             log.warning("drafter failed (%s: %s); decoding without drafts", e.code.value, e.message)
             self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
-            for seq in batch:
-                seq.forget_drafter()
-            with contextlib.suppress(ServiceError):
-                await self.drafter.release([seq.seq_id for seq in batch])
+            await self._forget_on_drafter(batch)
             return [DraftTree() for _ in batch]
         for seq, out in zip(drafting, outputs, strict=True):
             if not seq.verifier_begun:  # before its prefill: ask the verifier for these layers
@@ -205,10 +228,52 @@ class Scheduler:
         trees = {seq.seq_id: out.tree for seq, out in zip(drafting, outputs, strict=True)}
         return [trees.get(seq.seq_id, DraftTree()) for seq in batch]
 
+    async def _draft_one_by_one(
+        self, batch: list[Sequence], refusal: ServiceError
+    ) -> tuple[list[Sequence], list[DraftOutput]]:
+        """The drafter refused a round (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...): draft each
+        sequence alone, so that one it refuses decodes without drafts for the rest of its life
+        while the others keep theirs. Returns the sequences drafted and their outputs; raises
+        when the drafter goes down meanwhile."""
+        log.warning(
+            "drafter refused a round of %d (%s: %s); drafting them one by one",
+            len(batch),
+            refusal.code.value,
+            refusal.message,
+        )
+        await self._forget_on_drafter(batch)  # what it holds of them is unknown now
+        drafted, outputs = [], []
+        for seq in batch:
+            try:
+                outputs += await self.drafter.draft([seq.draft_input()])
+                drafted.append(seq)
+            except ServiceError as e:
+                if e.code in DRAFTER_DOWN:
+                    raise
+                log.warning(
+                    "drafter refused %s (%s: %s); it decodes without drafts",
+                    seq.seq_id,
+                    e.code.value,
+                    e.message,
+                )
+                self._drafter_refused.add(seq.seq_id)
+                await self._forget_on_drafter([seq])
+        return drafted, outputs
+
+    async def _forget_on_drafter(self, seqs: list[Sequence]) -> None:
+        """Start these sequences over on the drafter (its next Draft of each begins anew)."""
+        for seq in seqs:
+            seq.forget_drafter()
+        with contextlib.suppress(ServiceError):
+            await self.drafter.release([seq.seq_id for seq in seqs])
+
     def _needs_drafter(self, seq: Sequence) -> bool:
         """A round without drafts (num_steps 0: speculation off, or one token left) skips the
         drafter, once the sequence reads the hidden-state layers the drafter asked for: its new
-        tokens (and their features) reach the drafter with its next Draft, if any."""
+        tokens (and their features) reach the drafter with its next Draft, if any. A sequence
+        the drafter refused never asks it again."""
+        if seq.seq_id in self._drafter_refused:
+            return False
         if seq.round_spec().num_steps > 0:
             return True
         return not self._drafter_answered or seq.hidden_state_layers != self.hidden_state_layers

@@ -10,8 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from gateway.request import Chunk, GenerationRequest, ModelInfo, build_request
+from gateway.request import (
+    DEFAULT_LIMITS,
+    Chunk,
+    GenerationRequest,
+    Limits,
+    ModelInfo,
+    build_request,
+)
 from specsplit import convert, telemetry
 from specsplit.errors import invalid
 from specsplit.server import service_errors, service_name
@@ -33,15 +41,31 @@ class ChunkSource(Protocol):
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     service_name = service_name(gateway_pb2.DESCRIPTOR, "Gateway")
 
-    def __init__(self, model: ModelInfo, scheduler: ChunkSource) -> None:
+    def __init__(
+        self, model: ModelInfo, scheduler: ChunkSource, limits: Limits = DEFAULT_LIMITS
+    ) -> None:
         self.model = model
         self.scheduler = scheduler
+        self.limits = limits
         # Tokenizing (and a chat template) can take milliseconds: keep it off the event loop,
         # on one thread so the tokenizer is never used by two threads for encoding at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def register(self, server: grpc.aio.Server) -> None:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
+        """gateway_pb2_grpc.add_GatewayServicer_to_server, but with a request parser that lets
+        Generate refuse an undecodable message (a string that is not UTF-8) as INVALID_ARGUMENT,
+        where gRPC would answer UNKNOWN."""
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate,
+                request_deserializer=parse_generate_request,
+                response_serializer=gateway_pb2.GenerateResponse.SerializeToString,
+            )
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(self.service_name, handlers),)
+        )
+        server.add_registered_method_handlers(self.service_name, handlers)
 
     @property
     def tokenize_executor(self) -> ThreadPoolExecutor:
@@ -58,9 +82,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         client_trace = telemetry.incoming(context.invocation_metadata())  # W3C traceparent
         with telemetry.client_context(client_trace):  # the request span's parent
             async with service_errors(context):
+                if isinstance(request, Undecodable):
+                    raise invalid(f"GenerateRequest: {request.reason}")
                 loop = asyncio.get_running_loop()
                 req = await loop.run_in_executor(
-                    self._tokenize, generation_request, request, self.model
+                    self._tokenize, generation_request, request, self.model, self.limits
                 )
                 chunks = self.scheduler.generate(req)
                 try:
@@ -77,7 +103,23 @@ async def _aclose(chunks: AsyncIterator[Chunk]) -> None:
         await aclose()
 
 
-def generation_request(msg: gateway_pb2.GenerateRequest, model: ModelInfo) -> GenerationRequest:
+class Undecodable:
+    """A request protobuf could not parse (parse_generate_request); Generate refuses it."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def parse_generate_request(data: bytes) -> gateway_pb2.GenerateRequest | Undecodable:
+    try:
+        return gateway_pb2.GenerateRequest.FromString(data)
+    except DecodeError as err:  # e.g. a string field that is not valid UTF-8
+        return Undecodable(f"cannot parse the message ({err}); are its strings valid UTF-8?")
+
+
+def generation_request(
+    msg: gateway_pb2.GenerateRequest, model: ModelInfo, limits: Limits = DEFAULT_LIMITS
+) -> GenerationRequest:
     """Validate and convert (gateway.request.build_request); raises INVALID_ARGUMENT naming the
     field."""
     kind = msg.WhichOneof("prompt")
@@ -100,6 +142,7 @@ def generation_request(msg: gateway_pb2.GenerateRequest, model: ModelInfo) -> Ge
         stop_token_ids=list(msg.stop_token_ids),
         spec=convert.spec_from_proto(msg.spec) if msg.HasField("spec") else None,
         ignore_eos=msg.ignore_eos,
+        limits=limits,
     )
 
 

@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from gateway.request import Limits
     from specsplit.messages import SpecParams
     from specsplit.tls import TLSFiles
 
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
+DEFAULT_HOST = "127.0.0.1"  # every listener, unless told otherwise (DESIGN.md §8)
 METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
 DRAFTER_KINDS = ("auto", "ngram", "self", "model", "eagle3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -129,13 +131,69 @@ def _generation_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _host_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    host_help = f"interface {what} listen on when an address names no host (:PORT)"
+    _flag(parser, "--host", DEFAULT_HOST, f"{host_help}; 0.0.0.0 = every interface")
+
+
 def _server_flags(parser: argparse.ArgumentParser, service: str) -> None:
-    listen = f"[::]:{DEFAULT_PORTS[service]}"
+    _host_flag(parser, "this service's listeners (gRPC, metrics, HTTP)")
+    listen = f":{DEFAULT_PORTS[service]}"
     _flag(parser, "--listen", listen, "address to listen on", env=f"{service.upper()}_LISTEN")
     _flag(parser, "--grace", 5.0, "seconds running calls get at shutdown", type=float)
     metrics_help = "host:port of Prometheus /metrics; none = off"
-    metrics = f"0.0.0.0:{METRICS_PORTS[service]}"
+    metrics = f":{METRICS_PORTS[service]}"
     _flag(parser, "--metrics-listen", metrics, metrics_help, type=_optional_str)
+
+
+def _resolve_hosts(args: argparse.Namespace) -> None:
+    """Give --host to the listen addresses that name no host (":PORT")."""
+    host = getattr(args, "host", None)
+    if host is None:
+        return
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
+    for name in ("listen", "metrics_listen", "http_listen"):
+        address = getattr(args, name, None)
+        if isinstance(address, str) and address.startswith(":"):
+            setattr(args, name, f"{host}{address}")
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one client request may ask of the gateway (gateway.request.Limits, DESIGN.md §8)."""
+    _flag(parser, "--limit-num-steps", 16, "largest spec.num_steps", type=int)
+    _flag(parser, "--limit-topk", 8, "largest spec.topk", type=int)
+    _flag(parser, "--limit-num-draft-tokens", 64, "largest spec.num_draft_tokens", type=int)
+    _flag(parser, "--limit-new-tokens", 4096, "largest max_new_tokens", type=int)
+    prompt_help = "largest prompt in UTF-8 bytes (text, chat contents), checked before tokenizing"
+    prompt_help += "; none = 32 per token of the model's context"
+    _flag(parser, "--limit-prompt-bytes", None, prompt_help, type=_optional_int)
+    message_help = "largest request message (gRPC) or body (HTTP) in bytes"
+    _flag(parser, "--limit-message-bytes", 4 * 1024 * 1024, message_help, type=int)
+    waiting_help = "requests that may wait for a place in the batch; more: RESOURCE_EXHAUSTED"
+    _flag(parser, "--max-waiting", 256, f"{waiting_help} (HTTP 429)", type=int)
+
+
+def request_limits(args: argparse.Namespace) -> Limits:
+    from gateway.request import Limits
+
+    return Limits(
+        max_num_steps=args.limit_num_steps,
+        max_topk=args.limit_topk,
+        max_num_draft_tokens=args.limit_num_draft_tokens,
+        max_new_tokens=args.limit_new_tokens,
+        max_prompt_bytes=args.limit_prompt_bytes,
+        max_message_bytes=args.limit_message_bytes,
+    )
+
+
+def _fault_flags(parser: argparse.ArgumentParser, *, up: bool = False) -> None:
+    """How faults are ridden out: the gateway's wait for a verifier that went away, and (`up`)
+    how often `up` restarts a drafter or verifier that died."""
+    wait_help = "seconds running requests wait for a verifier that went away (restarting, loading)"
+    _flag(parser, "--verifier-wait", 300.0, f"{wait_help}; then UNAVAILABLE", type=float)
+    if up:
+        restart_help = "restarts of the drafter or of the verifier allowed per minute; more: stop"
+        _flag(parser, "--max-restarts", 5, restart_help, type=int)
 
 
 def _optional_str(value: str) -> str | None:
@@ -209,7 +267,7 @@ def tls_files(args: argparse.Namespace, prefix: str = "tls") -> TLSFiles:
 
 def _http_flags(parser: argparse.ArgumentParser) -> None:
     http_help = "host:port of the OpenAI-compatible HTTP API; none = off"
-    _flag(parser, "--http-listen", "0.0.0.0:8000", http_help, type=_optional_str)
+    _flag(parser, "--http-listen", ":8000", http_help, type=_optional_str)
     name_help = "model id of the HTTP API; none = the model path's name"
     _flag(parser, "--served-model-name", None, name_help)
 
@@ -240,22 +298,24 @@ def build_parser() -> argparse.ArgumentParser:
         address = f"localhost:{DEFAULT_PORTS[service]}"
         _flag(gateway, f"--{service}-address", address, f"the {service} to connect to")
     _spec_flags(gateway)
+    _limit_flags(gateway)
     _http_flags(gateway)
     _api_key_flags(gateway, server=True)
     _tls_flags(gateway, "gateway")
     _backend_tls_flags(gateway)
 
     up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
-    _flag(up, "--host", "127.0.0.1", "interface the services listen on")
+    _host_flag(up, "the services (gRPC, HTTP, metrics)")
     for service, port in DEFAULT_PORTS.items():
         _flag(up, f"--{service}-port", port, f"{service} port", type=int)
     _model_flags(up)
     _flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")
     _drafter_flags(up)
     _spec_flags(up)
+    _limit_flags(up)
     _http_flags(up)
     metrics_help = "gateway's /metrics address; drafter and verifier take the next ports"
-    _flag(up, "--metrics-listen", "0.0.0.0:9400", f"{metrics_help}; none = off", type=_optional_str)
+    _flag(up, "--metrics-listen", ":9400", f"{metrics_help}; none = off", type=_optional_str)
     _flag(up, "--ready-timeout", 900.0, "seconds to wait for SERVING", type=float)
     _flag(up, "--generate", None, "once serving, stream one generation of this prompt and stop")
     _generation_flags(up)
@@ -345,6 +405,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             default_spec(args).validate()
         except ServiceError as err:
             parser.error(f"default {err.message}")
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            value, limit = getattr(default_spec(args), name), getattr(args, f"limit_{name}")
+            if value > limit:
+                flag = "--limit-" + name.replace("_", "-")
+                parser.error(f"the default {name} {value} is over {flag} {limit}")
         try:
             adaptive_rungs(args)
         except ValueError as err:
@@ -443,6 +508,8 @@ def serve_gateway(args: argparse.Namespace) -> int:
             api_keys=keys,
             tls=tls_files(args),
             backend_tls=tls_files(args, "backend_tls"),
+            limits=request_limits(args),
+            max_waiting=args.max_waiting,
         )
     )
     return 0
@@ -544,6 +611,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _resolve_hosts(args)
     _resolve_drafter(args)
     _check(parser, args)
     return args
@@ -558,11 +626,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
     if args.command.startswith("serve-"):
+        quiet_progress_bars()
         _start_observability(service, args.metrics_listen)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
+
+
+def quiet_progress_bars() -> None:
+    """No tqdm bars in a service (transformers draws one converting a GGUF file): the services
+    of `specsplit up` share a terminal, where their bars overwrite each other on one line; the
+    engine logs its loading progress instead. Before anything imports tqdm (it reads its
+    TQDM_* environment once); TQDM_DISABLE=0 keeps them."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _start_observability(service: str, metrics_listen: str | None) -> None:

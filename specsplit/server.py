@@ -39,6 +39,17 @@ _MESSAGE_SIZES = [
 # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
 # share the connections with the first. Fail instead.
 SERVER_OPTIONS: list[tuple[str, int]] = [*_MESSAGE_SIZES, ("grpc.so_reuseport", 0)]
+
+
+def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS, with a lower limit on the size of a received message when given (the
+    gateway's client API: a larger request fails with RESOURCE_EXHAUSTED before it is parsed)."""
+    if max_receive_bytes is None:
+        return SERVER_OPTIONS
+    key = "grpc.max_receive_message_length"
+    return [(k, max_receive_bytes if k == key else v) for k, v in SERVER_OPTIONS]
+
+
 # Reconnect quickly after a backend restarts (the default backoff grows to 120 s).
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     *_MESSAGE_SIZES,
@@ -251,12 +262,15 @@ class ServiceHost:
         grace: float = 5.0,
         tls: TLSFiles | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int | None = None,
     ) -> None:
         self.servable = servable
         self.address = address
         self.grace = grace
         self.tls = tls or TLSFiles()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self.server = grpc.aio.server(
+            options=server_options(max_receive_bytes), interceptors=interceptors
+        )
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._stopped = False
@@ -328,15 +342,24 @@ async def serve(
     stop: asyncio.Event | None = None,
     tls: TLSFiles | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int | None = None,
 ) -> None:
-    """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails."""
+    """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails.
+    max_receive_bytes: the largest request message (None = SERVER_OPTIONS')."""
     if stop is None:
         stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, _on_signal, sig, stop)
-    host = ServiceHost(servable, address, grace=grace, tls=tls, interceptors=interceptors)
+    host = ServiceHost(
+        servable,
+        address,
+        grace=grace,
+        tls=tls,
+        interceptors=interceptors,
+        max_receive_bytes=max_receive_bytes,
+    )
     try:
         await host.start()
         loading = asyncio.create_task(host.load())

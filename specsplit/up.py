@@ -25,6 +25,17 @@ def _opt(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
+LIMIT_FLAGS = (  # the gateway's request limits, passed on as given
+    "--limit-num-steps",
+    "--limit-topk",
+    "--limit-num-draft-tokens",
+    "--limit-new-tokens",
+    "--limit-prompt-bytes",
+    "--limit-message-bytes",
+    "--max-waiting",
+)
+
+
 def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """argv of the three service processes `up` starts, verifier first."""
     base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
@@ -43,6 +54,8 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += _opt("--adaptive-ladder", args.adaptive_ladder)
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
+    for flag in LIMIT_FLAGS:
+        gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
     commands = {
         "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
@@ -79,13 +92,23 @@ def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     envs: dict[str, dict[str, str]] = {name: {} for name in DEFAULT_PORTS}
     for name in light:
         envs[name]["OMP_NUM_THREADS"] = "1"
-    if "cpu" in (args.device, args.drafter_device or args.device):
+    devices = {_resolve_device(args.device), _resolve_device(args.drafter_device or args.device)}
+    if "cpu" in devices:
         for env in envs.values():
             env["GOMP_SPINCOUNT"] = CPU_SPINCOUNT
     return {
         name: {key: value for key, value in env.items() if key not in os.environ}
         for name, env in envs.items()
     }
+
+
+def _resolve_device(device: str) -> str:
+    """--device auto as the children resolve it: cuda when torch sees one, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _die_with_parent() -> None:

@@ -34,12 +34,12 @@ def test_every_subcommand_has_a_handler() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["serve-drafter"], {"listen": "[::]:50061", "drafter": "eagle3", "device": "auto"}),
-        (["serve-verifier"], {"listen": "[::]:50062", "dtype": "auto", "num_pages": None}),
+        (["serve-drafter"], {"listen": "127.0.0.1:50061", "drafter": "eagle3", "device": "auto"}),
+        (["serve-verifier"], {"listen": "127.0.0.1:50062", "dtype": "auto", "num_pages": None}),
         (
             ["serve-gateway"],
             {
-                "listen": "[::]:50051",
+                "listen": "127.0.0.1:50051",
                 "drafter_address": "localhost:50061",
                 "verifier_address": "localhost:50062",
                 "num_steps": 3,
@@ -112,7 +112,7 @@ def test_env_defaults_apply(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_listen_env_is_per_service(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSPLIT_VERIFIER_LISTEN", "[::]:9")
     assert cli.parse_args(["serve-verifier"]).listen == "[::]:9"
-    assert cli.parse_args(["serve-drafter"]).listen == "[::]:50061"
+    assert cli.parse_args(["serve-drafter"]).listen == "127.0.0.1:50061"
 
 
 def test_gateway_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

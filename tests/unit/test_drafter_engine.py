@@ -129,24 +129,7 @@ def test_ngram_no_match_gives_empty_tree() -> None:
             Code.INVALID_ARGUMENT,
             "new_tokens",
         ),
-        (
-            "chain_with_extra_nodes",
-            DraftInput("live", False, 2, [1], SpecParams(2, 1, 3)),
-            Code.INVALID_ARGUMENT,
-            "num_draft_tokens",
-        ),
-        (
-            "too_many_tree_nodes",
-            DraftInput("live", False, 2, [1], SpecParams(2, 2, 7)),
-            Code.INVALID_ARGUMENT,
-            "num_draft_tokens",
-        ),
-        (
-            "topk_zero",
-            DraftInput("live", False, 2, [1], SpecParams(2, 0, 2)),
-            Code.INVALID_ARGUMENT,
-            "topk",
-        ),
+        # a bad draft shape is refused for its sequence only: tests/unit/test_drafter_refusals.py
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

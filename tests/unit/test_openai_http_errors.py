@@ -1,0 +1,152 @@
+"""Every refusal of the OpenAI-compatible HTTP API is a 4xx in OpenAI's JSON error shape, never a
+plain-text 500: chat contents that are not text, unknown roles, lone surrogates, a wrong method
+(405), a body over the limit (413), a full waiting queue (429)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.openai_http import OpenAIServer
+from gateway.request import DEFAULT_LIMITS, Chunk, GenerationRequest, Limits, ModelInfo
+from gateway.scheduler import Scheduler
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import SpecParams
+
+
+class _Scheduler:
+    """Answers every request with one finished chunk, or refuses it like a full queue."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.requests: list[GenerationRequest] = []
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+        if self.refuse:
+            raise ServiceError(Code.RESOURCE_EXHAUSTED, "the gateway is busy")
+        self.requests.append(req)
+
+        async def chunks() -> AsyncIterator[Chunk]:
+            yield Chunk(token_ids=[7], text="a", finish_reason="length", completion_tokens=1)
+
+        return chunks()
+
+
+Body = Callable[[TestClient, _Scheduler], Awaitable[None]]
+
+
+def _run(
+    tokenizer: Any, body: Body, scheduler: Any = None, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    model = ModelInfo(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_context=2048)
+    scheduler = scheduler or _Scheduler()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as tokenize:
+            server = OpenAIServer(model, scheduler, "m", tokenize, limits=limits)
+            server.ready = True
+            async with TestClient(TestServer(server.app)) as client:
+                await body(client, scheduler)
+
+    asyncio.run(main())
+
+
+async def _error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error  # type: ignore[no-any-return]
+
+
+def _chat(content: Any, role: Any = "user") -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": role, "content": content}], "max_tokens": 4}
+
+
+def test_chat_content_that_is_a_number_or_an_object_is_400_json(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        for content in (5, {"text": "hi"}, [{"type": "text", "text": 3}]):
+            response = await client.post("/v1/chat/completions", json=_chat(content))
+            error = await _error(response, 400)
+            assert error["type"] == "invalid_request_error"
+            assert error["param"] == "messages[0].content", error
+        ok = await client.post("/v1/chat/completions", json=_chat([{"type": "text", "text": "hi"}]))
+        assert ok.status == 200 and len(scheduler.requests) == 1
+
+    _run(smollm2_tokenizer, body)
+
+
+def test_unknown_chat_role_is_400(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        response = await client.post("/v1/chat/completions", json=_chat("hi", role="wizard"))
+        error = await _error(response, 400)
+        assert error["param"] == "messages[0].role" and "wizard" in error["message"]
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        raw = '{"model": "m", "prompt": "a\\ud800b", "max_tokens": 4}'  # JSON allows it
+        headers = {"Content-Type": "application/json"}
+        response = await client.post("/v1/completions", data=raw, headers=headers)
+        error = await _error(response, 400)
+        assert error["type"] == "invalid_request_error" and error["param"] == "prompt"
+        chat = '{"model": "m", "messages": [{"role": "user", "content": "\\udc00"}]}'
+        response = await client.post("/v1/chat/completions", data=chat, headers=headers)
+        assert (await _error(response, 400))["param"] == "messages"
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+def test_405_and_413_are_invalid_request_errors(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        error = await _error(await client.get("/v1/completions"), 405)
+        assert error["type"] == "invalid_request_error"
+        big = {"model": "m", "prompt": "x" * 5000, "max_tokens": 4}
+        error = await _error(await client.post("/v1/completions", json=big), 413)
+        assert error["type"] == "invalid_request_error"
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body, limits=Limits(max_message_bytes=4096))
+
+
+def test_full_waiting_queue_is_429(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        for stream in (False, True):  # before any SSE header is sent
+            request = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
+            error = await _error(await client.post("/v1/completions", json=request), 429)
+            assert error["code"] == "rate_limit_exceeded"
+
+    _run(smollm2_tokenizer, body, _Scheduler(refuse=True))
+
+
+def test_scheduler_refuses_past_max_waiting_at_once(smollm2_tokenizer) -> None:
+    """The real scheduler's bound (not started: nothing leaves the queue)."""
+    scheduler = Scheduler(None, None, smollm2_tokenizer, (), SpecParams(), max_waiting=2)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        first = [scheduler.generate(GenerationRequest([1, 2], 4)) for _ in range(2)]
+        waits = [asyncio.ensure_future(anext(g)) for g in first]  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert len(scheduler.waiting) == 2
+        try:
+            scheduler.generate(GenerationRequest([1, 2], 4))
+        except ServiceError as err:
+            assert err.code == Code.RESOURCE_EXHAUSTED and "waiting" in err.message
+        else:
+            raise AssertionError("the third request was queued")
+        waits[0].cancel()  # a client gives up: its place is free again
+        await asyncio.gather(waits[0], return_exceptions=True)
+        assert scheduler.waiting[0].cancelled
+        scheduler.generate(GenerationRequest([1, 2], 4))
+        waits[1].cancel()
+        await asyncio.gather(waits[1], return_exceptions=True)
+
+    asyncio.run(main())
