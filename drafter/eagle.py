@@ -58,8 +58,9 @@ from specsplit.kv_cache import KVCache
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import _read_rope
+from specsplit.model.fused import rms_norm
 from specsplit.model.linear import linear
-from specsplit.model.llama import LlamaModel, rms_norm
+from specsplit.model.llama import LlamaModel
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from drafter.engine import DrafterEngine
+from gateway.health import Health
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from verifier.engine import VerifierEngine
 
@@ -29,6 +30,8 @@ class VerifierClient(Protocol):
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
 
     async def release(self, seq_ids: list[str]) -> None: ...
+
+    async def health(self) -> Health: ...
 
 
 class _LocalClient:
@@ -47,6 +50,9 @@ class _LocalClient:
 
     async def release(self, seq_ids: list[str]) -> None:
         await self._call(self.engine.release, seq_ids)
+
+    async def health(self) -> Health:
+        return Health.SERVING  # in process: up as long as the process is
 
 
 class LocalDrafterClient(_LocalClient):

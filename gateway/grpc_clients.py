@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.health import Health
 from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
@@ -34,6 +35,7 @@ _PASSED_THROUGH = {
 }
 
 CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits at most this long for a connection
+HEALTH_TIMEOUT_S = 1.0  # a health check that takes longer counts as no answer
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -136,6 +138,14 @@ class _Client:
                 return False
             state = self.channel.get_state(try_to_connect=True)
         return state == ready
+
+    async def health(self) -> Health:
+        """The service's health over this client's channel (its credentials, its address)."""
+        status = await health_status(self.channel, "", HEALTH_TIMEOUT_S)
+        if status is None:
+            return Health.DOWN
+        serving = status == health_pb2.HealthCheckResponse.SERVING
+        return Health.SERVING if serving else Health.LOADING
 
     async def _release(self, release: Any, seq_ids: list[str]) -> None:
         if not seq_ids:

@@ -19,7 +19,12 @@ from gateway.auth import ApiKeys
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Limits
-from gateway.scheduler import DEFAULT_MAX_WAITING, Scheduler
+from gateway.scheduler import (
+    DEFAULT_MAX_WAITING,
+    DEFAULT_VERIFIER_WAIT_S,
+    SHUTTING_DOWN,
+    Scheduler,
+)
 from gateway.servicer import GatewayServicer, ModelInfo
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_config, load_tokenizer
@@ -29,6 +34,8 @@ from specsplit.tls import TLSFiles, http_ssl_context
 log = logging.getLogger(__name__)
 
 WAIT_LOG_INTERVAL_S = 10.0
+# At shutdown, after the drain ended every request: how long HTTP handlers get to send their end.
+HTTP_END_S = 1.0
 
 
 def read_model_info(model_path: str) -> ModelInfo:
@@ -77,7 +84,7 @@ class GatewayService:
     async def load(self) -> None:
         await self.scheduler.start()
         if self.http is not None:  # 503 until the verifier is SERVING
-            await self.http.start(self.http_listen, self.grace, http_ssl_context(self.tls))
+            await self.http.start(self.http_listen, HTTP_END_S, http_ssl_context(self.tls))
         started = time.monotonic()
         log.info("waiting for the verifier at %s", self.verifier.address)
         while not await wait_ready(
@@ -97,6 +104,22 @@ class GatewayService:
         )
         if self.http is not None:
             self.http.ready = True
+
+    async def drain(self, grace: float) -> None:
+        """Shutting down: refuse new requests (gRPC UNAVAILABLE, HTTP 503), let the running ones
+        finish for `grace` seconds, then end the rest with UNAVAILABLE after the tokens they
+        streamed (an SSE stream gets an error event and [DONE]). Their handlers send that end
+        while the servers still run."""
+        self.servicer.draining = True
+        if self.http is not None:
+            self.http.draining = True
+        if await self.scheduler.drain(grace):
+            return
+        num_left = len(self.scheduler.running) + len(self.scheduler.waiting)
+        log.info("grace period over: ending %d requests with UNAVAILABLE", num_left)
+        await self.scheduler.stop(
+            f"{SHUTTING_DOWN}: the request did not finish within the {grace:g} s grace period"
+        )
 
     async def close(self) -> None:
         if self.http is not None:
@@ -125,6 +148,7 @@ async def serve(
     backend_tls: TLSFiles | None = None,
     limits: Limits = DEFAULT_LIMITS,
     max_waiting: int = DEFAULT_MAX_WAITING,
+    verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -132,7 +156,9 @@ async def serve(
     api_keys: who may call (None = everyone); tls: the client APIs' certificate (None =
     plaintext); backend_tls: the gateway's client certificate and the CA of the drafter's and
     verifier's (mutual TLS; None = plaintext). limits: what one request may ask (tree shape,
-    max_new_tokens, prompt and message size); max_waiting: the waiting queue's length."""
+    max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
+    verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
+    loading: its health) before they end with UNAVAILABLE."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -157,6 +183,7 @@ async def serve(
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
         max_waiting=max_waiting,
+        verifier_wait_s=verifier_wait_s,
     )
     if scheduler.adaptive_ladder is not None:
         log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))

@@ -35,7 +35,7 @@ from gateway.request import (
     ModelInfo,
     build_request,
 )
-from gateway.servicer import ChunkSource
+from gateway.servicer import NOT_TAKING_REQUESTS, ChunkSource
 from specsplit.errors import Code, ServiceError
 from specsplit.sampling import SamplingParams
 
@@ -271,6 +271,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.tokenize = tokenize  # the servicer's tokenizer thread: one encoder at a time
         self.ready = False
+        self.draining = False  # shutting down: new requests get 503
         self.created = int(time.time())
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
         self.app = web.Application(
@@ -285,7 +286,8 @@ class OpenAIServer:
     async def start(
         self, address: str, grace: float = 5.0, ssl_context: ssl.SSLContext | None = None
     ) -> None:
-        """Listen on "host:port" ("[::]:8000" for IPv6); HTTPS with `ssl_context`."""
+        """Listen on "host:port" ("[::]:8000" for IPv6); HTTPS with `ssl_context`. grace: how
+        long stop() lets handlers still running finish before it cancels them."""
         host, _, port = address.rpartition(":")
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace
@@ -366,6 +368,8 @@ class OpenAIServer:
             raise from_service_error(err, kind) from None
         response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         header = {"id": response_id, "created": int(time.time()), "model": self.model_name}
+        if self.draining:  # no await from here to the scheduler taking the request
+            raise OpenAIError(503, NOT_TAKING_REQUESTS)
         try:
             chunks = self.scheduler.generate(gen_req)
         except ServiceError as err:  # the waiting queue is full (429)

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
+from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
 from gateway.stopping import StopChecker
@@ -34,8 +35,11 @@ log = logging.getLogger(__name__)
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
 DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
 DEFAULT_MAX_WAITING = 256  # requests waiting for a place in the batch; more: RESOURCE_EXHAUSTED
-VERIFIER_RETRY_S = 0.5
-VERIFIER_GIVE_UP_S = 30.0
+VERIFIER_RETRY_S = 0.5  # while the verifier is away, ask its health this often
+DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be back
+DRAIN_POLL_S = 0.05
+STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
+SHUTTING_DOWN = "the gateway is shutting down"
 
 
 class Scheduler:
@@ -51,12 +55,15 @@ class Scheduler:
         hidden_state_layers: tuple[int, ...] = (),
         adaptive_spec: bool = False,
         adaptive_rungs: tuple[SpecParams, ...] | None = None,
+        verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
         max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
-        start on); off = every round uses `default_spec`. max_waiting: requests that may wait for
-        a place in the batch; more are refused (RESOURCE_EXHAUSTED)."""
+        start on); off = every round uses `default_spec`. verifier_wait_s: how long running
+        requests wait for a verifier that went away (restarting, reloading) before they end
+        with UNAVAILABLE. max_waiting: requests that may wait for a place in the batch; more are
+        refused (RESOURCE_EXHAUSTED)."""
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -74,7 +81,11 @@ class Scheduler:
         self._drafter_down_until = 0.0
         self._drafter_answered = False  # hidden_state_layers is the drafter's answer
         self._drafter_refused: set[str] = set()  # seq ids the drafter refused: no drafts
-        self._verifier_down_since: float | None = None
+        self.verifier_wait_s = verifier_wait_s
+        self._verifier_down_since: float | None = None  # on `clock`
+        self._verifier_health: Health | None = None  # last logged while waiting for it
+        self.clock = time.monotonic  # of the verifier wait (a test's fake clock advances it)
+        self.draining = False  # shutting down: the APIs refuse new requests
         self.num_rounds = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -83,14 +94,37 @@ class Scheduler:
         self._wakeup = asyncio.Event()  # on this loop: a stack may be started again on another
         self._task = asyncio.create_task(self._loop(), name="scheduler")
 
-    async def stop(self) -> None:
+    async def drain(self, timeout: float) -> bool:
+        """Shutting down: take no new requests (the APIs refuse them while `draining`) and wait
+        up to `timeout` seconds for the admitted ones to finish. True when none is left."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.running or self.waiting:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(DRAIN_POLL_S, left))
+        return True
+
+    async def stop(self, message: str = SHUTTING_DOWN) -> None:
+        """End every request still here with UNAVAILABLE (`message`) after the tokens it
+        streamed, and free their KV (within STOP_RELEASE_S: a service that hangs must not hold
+        the shutdown)."""
+        self.draining = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
+        error = ServiceError(Code.UNAVAILABLE, message)
         for seq in [*self.running, *self.waiting]:
-            seq.outbox.put_nowait(ServiceError(Code.UNAVAILABLE, "gateway shutting down"))
-        await self._release(self.running)
+            if not seq.finished:
+                self._fail(seq, error)
+        try:
+            await asyncio.wait_for(self._release(self.running), STOP_RELEASE_S)
+        except TimeoutError:
+            log.warning("stop: a service did not answer Release in time")
         self.running.clear()
         self.waiting.clear()
 
@@ -283,17 +317,11 @@ class Scheduler:
         if error.code in (Code.UNAVAILABLE, Code.NOT_FOUND):
             # restarted or unreachable: re-prefill every sequence from the gateway's tokens
             log.warning("verifier failed (%s: %s); re-prefilling", error.code.value, error.message)
-            now = time.monotonic()
-            if self._verifier_down_since is None:
-                self._verifier_down_since = now
-            give_up = now - self._verifier_down_since > VERIFIER_GIVE_UP_S
             for seq in self.running:
                 seq.forget_verifier()
-                if give_up:
-                    self._fail(seq, error)
             with contextlib.suppress(ServiceError):
                 await self.verifier.release([seq.seq_id for seq in self.running])
-            await asyncio.sleep(VERIFIER_RETRY_S)
+            await self._await_verifier(error)
         elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:
             # KV full: the newest sequence gives way, the others go on
             log.warning("verifier KV full; failing the newest sequence")
@@ -302,6 +330,44 @@ class Scheduler:
             log.error("verify round refused (%s: %s)", error.code.value, error.message)
             for seq in self.running:
                 self._fail(seq, error)
+
+    async def _await_verifier(self, error: ServiceError) -> None:
+        """Wait until the verifier's health says SERVING, polling it every VERIFIER_RETRY_S; a
+        verifier that answers NOT_SERVING (loading) is coming back. Once it has been away for
+        more than verifier_wait_s (from its first failed round), the running requests end with
+        UNAVAILABLE after the tokens they streamed. Returns early when none of them is left to
+        wait (all cancelled), so that they are retired."""
+        again = self._verifier_down_since is not None  # it failed a round after coming back
+        if self._verifier_down_since is None:
+            self._verifier_down_since = self.clock()
+            self._verifier_health = None
+        while any(not (seq.cancelled or seq.finished) for seq in self.running):
+            away = self.clock() - self._verifier_down_since
+            if away > self.verifier_wait_s:
+                message = (
+                    f"the verifier has been unavailable for {away:.0f} s, over the gateway's"
+                    f" limit of {self.verifier_wait_s:g} s (--verifier-wait): {error.message}"
+                )
+                log.error("%s; ending %d requests", message, len(self.running))
+                for seq in self.running:
+                    self._fail(seq, ServiceError(Code.UNAVAILABLE, message))
+                return
+            health = await self.verifier.health()
+            if health is Health.SERVING:
+                if again:  # SERVING yet failing rounds: retry at a calm pace, not in a spin
+                    await asyncio.sleep(VERIFIER_RETRY_S)
+                return
+            if health is not self._verifier_health:
+                self._verifier_health = health
+                state = "loading" if health is Health.LOADING else "not answering"
+                log.warning(
+                    "verifier %s; %d requests wait for it (%.0f of %g s)",
+                    state,
+                    len(self.running),
+                    away,
+                    self.verifier_wait_s,
+                )
+            await asyncio.sleep(VERIFIER_RETRY_S)
 
     @staticmethod
     def _fail(seq: Sequence, error: ServiceError) -> None:

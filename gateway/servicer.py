@@ -21,7 +21,7 @@ from gateway.request import (
     build_request,
 )
 from specsplit import convert, telemetry
-from specsplit.errors import invalid
+from specsplit.errors import Code, ServiceError, invalid
 from specsplit.server import service_errors, service_name
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -30,6 +30,9 @@ FINISH_REASONS = {
     "stop": gateway_pb2.FINISH_REASON_STOP,
     "length": gateway_pb2.FINISH_REASON_LENGTH,
 }
+
+
+NOT_TAKING_REQUESTS = "the gateway is shutting down: not taking new requests"
 
 
 class ChunkSource(Protocol):
@@ -50,6 +53,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # Tokenizing (and a chat template) can take milliseconds: keep it off the event loop,
         # on one thread so the tokenizer is never used by two threads for encoding at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.draining = False  # shutting down: new requests get UNAVAILABLE
 
     def register(self, server: grpc.aio.Server) -> None:
         """gateway_pb2_grpc.add_GatewayServicer_to_server, but with a request parser that lets
@@ -88,6 +92,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 req = await loop.run_in_executor(
                     self._tokenize, generation_request, request, self.model, self.limits
                 )
+                if self.draining:  # no await from here to the scheduler taking the request
+                    raise ServiceError(Code.UNAVAILABLE, NOT_TAKING_REQUESTS)
                 chunks = self.scheduler.generate(req)
                 try:
                     async for chunk in chunks:

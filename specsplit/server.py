@@ -58,6 +58,8 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 LOAD_PROGRESS_INTERVAL_S = 10.0
+# At shutdown, after a servable's drain: time for its handlers to send the status they were given.
+STOP_SLACK_S = 0.5
 
 STATUS_CODES: dict[Code, grpc.StatusCode] = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -73,7 +75,10 @@ P = ParamSpec("P")
 
 
 class Servable(Protocol):
-    """What `ServiceHost` hosts: a servicer plus its slow start (model load, warmup)."""
+    """What `ServiceHost` hosts: a servicer plus its slow start (model load, warmup). One may
+    also have `async def drain(grace: float)`, run at shutdown before the server stops: the
+    gateway's refuses new requests and ends its running ones, each with a status, within
+    `grace` seconds."""
 
     service_name: str  # full gRPC name, e.g. "specsplit.v1.Drafter"
 
@@ -320,18 +325,22 @@ class ServiceHost:
             await self.health.set(service, status)
 
     async def stop(self) -> None:
-        """Health NOT_SERVING for good, refuse new RPCs, let running ones finish for `grace`."""
+        """Health NOT_SERVING for good; the servable's drain, if it has one (the gateway's ends
+        its requests within `grace`); then refuse new RPCs and give running ones the rest of
+        `grace` (at least STOP_SLACK_S) before cancelling them."""
         if self._stopped:
             return
         self._stopped = True
-        log.info("%s shutting down (grace %.1f s)", self.servable.service_name, self.grace)
+        name = self.servable.service_name
+        started = time.monotonic()
+        log.info("%s shutting down (grace %.1f s)", name, self.grace)
         await self.health.enter_graceful_shutdown()
-        enter_graceful_shutdown = getattr(self.server, "enter_graceful_shutdown", None)
-        if enter_graceful_shutdown is not None:  # newer grpcio only
-            await enter_graceful_shutdown()
-        await self.server.stop(self.grace)
+        drain = getattr(self.servable, "drain", None)
+        if drain is not None:
+            await drain(self.grace)
+        await self.server.stop(max(self.grace - (time.monotonic() - started), STOP_SLACK_S))
         await self.servable.close()
-        log.info("%s stopped", self.servable.service_name)
+        log.info("%s stopped after %.1f s", name, time.monotonic() - started)
 
 
 async def serve(

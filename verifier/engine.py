@@ -21,6 +21,7 @@ from specsplit.kernels.accept import (
 )
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.model.batch import to_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
@@ -197,7 +198,7 @@ class VerifierEngine:
                 p = len(item.pending_tokens)
                 keep += [r.start + i for i in range(p)]
                 keep += [r.start + p + node for node in path.accepted_nodes]
-            index = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+            index = to_device(torch.tensor(keep, dtype=torch.int64), self.device)
             hidden = out.hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
             sizes = [
                 len(i.pending_tokens) + len(a.accepted_nodes)
@@ -212,7 +213,7 @@ class VerifierEngine:
         inputs: list[VerifyInput],
         logits: torch.Tensor,  # [L, vocab] on the device
         rows: list[range],  # per sequence its n + 1 rows of `logits`
-        block_table: torch.Tensor,  # [B, max_pages] the step's pages (host or device)
+        block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
     ) -> list[AcceptResult]:
         """Greedy acceptance, the bonus token and the accepted path's K/V compaction for the
         whole batch on the device; one device-to-host copy of the results."""
@@ -228,10 +229,10 @@ class VerifierEngine:
             draft_tokens[b, :n] = torch.tensor(item.tree.tokens, dtype=torch.int64)
             parents[b, :n] = torch.tensor(item.tree.parents, dtype=torch.int64)
             base[b] = item.kv_committed_len + len(item.pending_tokens)
-        host = torch.cat([row_index.view(-1), draft_tokens.view(-1), parents.view(-1), base])
-        dev = host.to(self.device, non_blocking=True).split(
-            [row_index.numel(), draft_tokens.numel(), parents.numel(), num_seqs]
-        )
+        table = block_table.to(torch.int64)  # [B, max_pages]
+        parts = [row_index, draft_tokens, parents, base, table]
+        host = torch.cat([part.view(-1) for part in parts])
+        dev = to_device(host, self.device).split([part.numel() for part in parts])
         argmax = logits.argmax(dim=-1)  # [L]
         target_argmax = argmax[dev[0]].view(num_seqs, width + 1)
         accepted = accept_greedy_batched(
@@ -241,7 +242,7 @@ class VerifierEngine:
             dev[3],
             accepted.accepted_nodes,
             accepted.num_accepted_drafts,
-            block_table.to(self.device, non_blocking=True),
+            dev[4].view(table.shape),
             self.kv.page_size,
             self.kv.scratch_slot,
         )

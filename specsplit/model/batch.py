@@ -57,16 +57,13 @@ class ForwardBatch:
         names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
         names = [n for n in names if n != "tree_mask"]
         host = [getattr(self, n) for n in names]
-        packed = torch.cat([t.reshape(-1).to(torch.int64) for t in host])
-        moved = (
-            packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed
-        )
+        moved = to_device(torch.cat([t.reshape(-1).to(torch.int64) for t in host]), device)
         parts = dict(zip(names, moved.split([t.numel() for t in host]), strict=True))
         kwargs = {
             n: part.view(t.shape).to(t.dtype)
             for (n, part), t in zip(parts.items(), host, strict=True)
         }
-        mask = None if self.tree_mask is None else self.tree_mask.to(device, non_blocking=True)
+        mask = None if self.tree_mask is None else to_device(self.tree_mask, device)
         return ForwardBatch(
             **kwargs, tree_mask=mask, max_q_len=self.max_q_len, page_size=self.page_size
         )
@@ -84,6 +81,14 @@ class ForwardBatch:
                 self.tree_mask,
             )
         return self._plan
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: through pinned memory and asynchronously on a GPU (a copy from
+    pageable memory waits for the GPU to finish everything queued before it)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -13,7 +13,6 @@ tokens.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,38 +26,116 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
 
 
-@dataclass
 class _Buffers:
-    """Fixed inputs and outputs of the graphs of one (q, aux_layers)."""
+    """Fixed inputs and outputs of the graphs of one (q, aux_layers). The inputs are views of
+    two packed device tensors with pinned host mirrors: a step fills the mirrors and moves them
+    in two asynchronous copies (pageable copies would wait for the GPU each time)."""
 
-    input_ids: torch.Tensor  # [max_bs * q] int64
-    positions: torch.Tensor  # [max_bs * q] int64
-    slot_mapping: torch.Tensor  # [max_bs * q] int64
-    cu_seqlens_q: torch.Tensor  # [max_bs + 1] int32
-    kv_lens: torch.Tensor  # [max_bs] int32
-    prefix_lens: torch.Tensor  # [max_bs] int32
-    block_table: torch.Tensor  # [max_bs, max_pages] int32
-    tree_mask: torch.Tensor | None  # [max_bs, q, q] bool (q > 1)
-    rows: torch.Tensor  # [max_bs * q] int64 arange: every row's logits
-    logits: torch.Tensor  # [max_bs * q, vocab] float32
-    hidden_states: torch.Tensor | None  # [max_bs * q, len(aux) * hidden]
+    def __init__(
+        self,
+        max_bs: int,
+        q: int,
+        max_pages: int,
+        logits_shape: tuple[int, int],
+        hidden_shape: tuple[int, int] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        t = max_bs * q
+        self.q, self.max_bs, self.max_pages = q, max_bs, max_pages
+        # int64, each [max_bs * q]: input_ids, positions, slot_mapping, the step's logit rows,
+        # and every row (an arange: what the graphs compute logits for)
+        self.host64 = torch.zeros(5 * t, dtype=torch.int64).pin_memory()
+        self.host64[4 * t :] = torch.arange(t)
+        # int32: cu_seqlens_q [max_bs + 1], kv_lens, prefix_lens [max_bs], block_table
+        self.host32 = torch.zeros(1 + 3 * max_bs + max_bs * max_pages, dtype=torch.int32)
+        self.host32 = self.host32.pin_memory()
+        self.host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
+        self.host_mask = torch.zeros(max_bs, q, q, dtype=torch.bool).pin_memory()
+        self.dev64 = self.host64.to(device)
+        self.dev32 = self.host32.to(device)
+        self.dev_mask = self.host_mask.to(device)
+        self.copied = torch.cuda.Event()
+        self.logits = torch.zeros(logits_shape, dtype=torch.float32, device=device)
+        self.hidden_states = (
+            None if hidden_shape is None else torch.zeros(hidden_shape, dtype=dtype, device=device)
+        )
 
-    def batch(self, bs: int, q: int, page_size: int) -> ForwardBatch:
-        """Views of the first `bs` sequences: the graph of bucket `bs` reads exactly these."""
+    def _views(self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor) -> dict:
+        t, n = self.max_bs * self.q, self.max_bs
+        ids, positions, slots, rows, all_rows = packed64.split(t)
+        cu, kv_lens, prefix_lens, table = packed32.split([n + 1, n, n, n * self.max_pages])
+        return dict(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slots,
+            rows=rows,
+            all_rows=all_rows,
+            cu_seqlens_q=cu,
+            kv_lens=kv_lens,
+            prefix_lens=prefix_lens,
+            block_table=table.view(n, self.max_pages),
+            tree_mask=mask if self.q > 1 else None,
+        )
+
+    def device_views(self) -> dict:
+        return self._views(self.dev64, self.dev32, self.dev_mask)
+
+    def host_views(self) -> dict:
+        return self._views(self.host64, self.host32, self.host_mask)
+
+    def batch(self, bs: int, page_size: int) -> ForwardBatch:
+        """Device views of the first `bs` sequences: the graph of bucket `bs` reads these."""
+        v, q = self.device_views(), self.q
         t = bs * q
         return ForwardBatch(
-            input_ids=self.input_ids[:t],
-            positions=self.positions[:t],
-            slot_mapping=self.slot_mapping[:t],
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            kv_lens=self.kv_lens[:bs],
-            prefix_lens=self.prefix_lens[:bs],
-            block_table=self.block_table[:bs],
-            tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
-            logit_indices=self.rows[:t],  # a view: the graph must not read freed memory
+            input_ids=v["input_ids"][:t],
+            positions=v["positions"][:t],
+            slot_mapping=v["slot_mapping"][:t],
+            cu_seqlens_q=v["cu_seqlens_q"][: bs + 1],
+            kv_lens=v["kv_lens"][:bs],
+            prefix_lens=v["prefix_lens"][:bs],
+            block_table=v["block_table"][:bs],
+            tree_mask=None if v["tree_mask"] is None else v["tree_mask"][:bs],
+            logit_indices=v["all_rows"][:t],  # fixed memory the graph may read
             max_q_len=q,
             page_size=page_size,
         )
+
+    def fill(self, batch: ForwardBatch, bucket: int, scratch_page: int, scratch_slot: int) -> None:
+        """Write `batch` (host tensors) and padding up to `bucket` into the host mirrors, then
+        move them to the device (asynchronously, after the last move has finished)."""
+        self.copied.synchronize()  # the mirrors are free again
+        v, q, bs = self.host_views(), self.q, batch.num_seqs
+        t, t_pad = bs * q, bucket * q
+        v["input_ids"][:t] = batch.input_ids
+        v["positions"][:t] = batch.positions
+        v["slot_mapping"][:t] = batch.slot_mapping
+        num_rows = batch.logit_indices.shape[0]
+        v["rows"][:num_rows] = batch.logit_indices
+        v["kv_lens"][:bs] = batch.kv_lens
+        v["prefix_lens"][:bs] = batch.prefix_lens
+        width = batch.block_table.shape[1]
+        v["block_table"][:bs, :width] = batch.block_table
+        if v["tree_mask"] is not None:
+            if batch.tree_mask is not None:
+                v["tree_mask"][:bs] = batch.tree_mask
+            else:
+                v["tree_mask"][:bs] = torch.ones(q, q, dtype=torch.bool).tril()
+        # padding sequences: q causal tokens on the scratch page
+        v["input_ids"][t:t_pad] = 0
+        v["positions"][t:t_pad] = 0
+        v["slot_mapping"][t:t_pad] = scratch_slot
+        v["kv_lens"][bs:bucket] = q
+        v["prefix_lens"][bs:bucket] = 0
+        v["block_table"][bs:bucket] = scratch_page
+        if v["tree_mask"] is not None:
+            v["tree_mask"][bs:bucket] = torch.ones(q, q, dtype=torch.bool).tril()
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        if q > 1:
+            self.dev_mask.copy_(self.host_mask, non_blocking=True)
+        self.copied.record()
 
 
 class CudaGraphRunner:
@@ -94,12 +171,13 @@ class CudaGraphRunner:
         assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
         buffers = self._new_buffers(q, aux_layers)
         self.buffers[key] = buffers
-        self._pad(buffers, 0, self.batch_sizes[-1], q)
+        empty = self._empty_batch()
+        buffers.fill(empty, self.batch_sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
-                batch = buffers.batch(bs, q, self.kv.page_size)
+                batch = buffers.batch(bs, self.kv.page_size)
                 for _ in range(2):  # compile kernels and settle the allocator first
                     self._run(buffers, batch, aux_layers, bs * q)
                 graph = torch.cuda.CUDAGraph()
@@ -123,44 +201,36 @@ class CudaGraphRunner:
             buffers.hidden_states[:t].copy_(out.hidden_states)
 
     def _new_buffers(self, q: int, aux_layers: tuple[int, ...]) -> _Buffers:
-        n, t = self.batch_sizes[-1], self.batch_sizes[-1] * q
+        t = self.batch_sizes[-1] * q
         config = self.model.config
-
-        def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
-        hidden = None
-        if aux_layers:
-            width = len(aux_layers) * config.hidden_size
-            hidden = torch.zeros(t, width, dtype=self.model.dtype, device=self.device)
+        hidden = (t, len(aux_layers) * config.hidden_size) if aux_layers else None
         return _Buffers(
-            input_ids=ints(t, dtype=torch.int64),
-            positions=ints(t, dtype=torch.int64),
-            slot_mapping=ints(t, dtype=torch.int64),
-            cu_seqlens_q=torch.arange(0, t + 1, q, dtype=torch.int32, device=self.device),
-            kv_lens=ints(n),
-            prefix_lens=ints(n),
-            block_table=ints(n, self.max_pages),
-            tree_mask=ints(n, q, q, dtype=torch.bool) if q > 1 else None,
-            rows=torch.arange(t, dtype=torch.int64, device=self.device),
-            logits=torch.zeros(t, config.vocab_size, dtype=torch.float32, device=self.device),
-            hidden_states=hidden,
+            self.batch_sizes[-1],
+            q,
+            self.max_pages,
+            (t, config.vocab_size),
+            hidden,
+            self.model.dtype,
+            self.device,
         )
 
-    def _pad(self, buffers: _Buffers, start: int, end: int, q: int) -> None:
-        """Sequences [start, end) become padding: q tokens on the scratch page, causal."""
-        if start >= end:
-            return
-        kv = self.kv
-        buffers.input_ids[start * q : end * q].zero_()
-        buffers.positions[start * q : end * q].zero_()
-        buffers.slot_mapping[start * q : end * q].fill_(kv.scratch_slot)
-        buffers.kv_lens[start:end].fill_(q)
-        buffers.prefix_lens[start:end].zero_()
-        buffers.block_table[start:end].fill_(kv.scratch_page)
-        if buffers.tree_mask is not None:
-            causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-            buffers.tree_mask[start:end] = causal
+    def _empty_batch(self) -> ForwardBatch:
+        """No sequences: filling buffers with it pads every sequence."""
+        none = torch.zeros(0, dtype=torch.int64)
+        none32 = torch.zeros(0, dtype=torch.int32)
+        return ForwardBatch(
+            input_ids=none,
+            positions=none,
+            slot_mapping=none,
+            cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+            kv_lens=none32,
+            prefix_lens=none32,
+            block_table=torch.zeros(0, 1, dtype=torch.int32),
+            tree_mask=None,
+            logit_indices=none,
+            max_q_len=0,
+            page_size=self.kv.page_size,
+        )
 
     # -- replay ----------------------------------------------------------------------------
 
@@ -190,24 +260,10 @@ class CudaGraphRunner:
             return None
         q, bs = batch.max_q_len, batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
-        t = bs * q
-        buffers.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
-        buffers.positions[:t].copy_(batch.positions, non_blocking=True)
-        buffers.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
-        buffers.kv_lens[:bs].copy_(batch.kv_lens, non_blocking=True)
-        buffers.prefix_lens[:bs].copy_(batch.prefix_lens, non_blocking=True)
-        width = batch.block_table.shape[1]
-        buffers.block_table[:bs, :width].copy_(batch.block_table, non_blocking=True)
-        if buffers.tree_mask is not None:
-            if batch.tree_mask is not None:
-                buffers.tree_mask[:bs].copy_(batch.tree_mask, non_blocking=True)
-            else:
-                buffers.tree_mask[:bs] = torch.ones(
-                    q, q, dtype=torch.bool, device=self.device
-                ).tril()
-        self._pad(buffers, bs, bucket, q)
+        buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot)
         self.graphs[(q, aux_layers, bucket)].replay()
-        rows = batch.logit_indices.to(self.device, non_blocking=True)
+        t, num_rows = bs * q, batch.logit_indices.shape[0]
+        rows = buffers.device_views()["rows"][:num_rows]
         logits = buffers.logits[:t].index_select(0, rows)
         hidden = None
         if buffers.hidden_states is not None:

@@ -20,24 +20,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specsplit.kv_cache import KVCache
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
+from specsplit.model.fused import add_rms_norm, rms_norm, rope_and_store, silu_and_mul
 from specsplit.model.linear import linear
-from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
 _META = torch.device("meta")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in float32, as transformers computes it."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +40,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
@@ -78,15 +71,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden] the residual stream
+        normed: torch.Tensor,  # [T, hidden] input_layernorm(hidden)
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,  # [T, head_dim]
         batch: ForwardBatch,
         kv: KVCache,
-    ) -> torch.Tensor:
-        hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, batch, kv)
-        gate, up = _project(self.gate_up_proj, self.post_attention_layernorm(hidden)).chunk(2, -1)
-        return hidden + _project(self.down_proj, F.silu(gate) * up)
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output (the residual stream) and, with `next_norm` (the next layer's
+        input_layernorm), that norm of it, fused with the last residual add."""
+        attn = self._attention(normed, cos, sin, batch, kv)
+        norm = self.post_attention_layernorm
+        hidden, normed = add_rms_norm(attn, hidden, norm.weight, norm.eps)
+        mlp = _project(self.down_proj, silu_and_mul(_project(self.gate_up_proj, normed)))
+        if next_norm is None:
+            return hidden + mlp, None
+        return add_rms_norm(mlp, hidden, next_norm.weight, next_norm.eps)
 
     def _attention(
         self,
@@ -104,14 +105,9 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-
         k_cache = kv.k[self.layer_index]  # [num_slots, num_kv_heads, head_dim]
         v_cache = kv.v[self.layer_index]
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-
+        q = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
         out = attend(q, k_cache, v_cache, batch)  # [T, num_heads, head_dim]
         return _project(self.o_proj, out.view(num_tokens, self.num_heads * self.head_dim))
 
@@ -190,8 +186,12 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
         aux: dict[int, torch.Tensor] = {}
-        for index, decoder_layer in enumerate(self.layers):
-            hidden = decoder_layer(hidden, cos, sin, batch, kv)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        normed: torch.Tensor | None = layers[0].input_layernorm(hidden)
+        for index, decoder_layer in enumerate(layers):
+            next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
+            assert normed is not None
+            hidden, normed = decoder_layer(hidden, normed, cos, sin, batch, kv, next_norm)
             if index in aux_layers:
                 aux[index] = hidden[batch.logit_indices]
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]

@@ -263,21 +263,53 @@ def test_auto_drafter_is_the_shipped_head_on_the_embedded_target_else_ngram() ->
         cli.parse_args(["serve-drafter", "--model", "/models/x", "--drafter", "eagle3"])
 
 
-def test_supervise_reports_a_dead_service_and_stop_is_clean() -> None:
+def test_supervise_restarts_a_dead_drafter_until_its_restarts_per_minute_are_used(
+    tmp_path: Path,
+) -> None:
+    starts = tmp_path / "starts"
+    crash = f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(3)"
+
     async def main() -> None:
         services = up.Services(
             {
                 "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
-                "drafter": [sys.executable, "-c", "raise SystemExit(3)"],
-            }
+                "drafter": [sys.executable, "-c", crash],
+            },
+            restarts=up.RestartPolicy(max_per_minute=2, backoff_s=(0.1, 0.2)),
         )
         services.start()
-        with pytest.raises(up.ServiceDied, match="drafter"):
+        with pytest.raises(up.ServiceDied, match="drafter exited with 3 after 2 restarts"):
             await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
+        assert starts.read_text() == "xxx"  # started, then restarted twice
         assert services.stop(10.0) == 1  # the drafter's exit code 3; the SIGTERM'd one is fine
         assert services.procs["verifier"].returncode == -15
 
     asyncio.run(main())
+
+
+def test_supervise_stops_when_the_gateway_dies() -> None:
+    async def main() -> None:
+        services = up.Services(
+            {
+                "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
+                "gateway": [sys.executable, "-c", "raise SystemExit(4)"],
+            }
+        )
+        services.start()
+        with pytest.raises(up.ServiceDied, match="gateway exited with 4"):
+            await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
+        assert services.stop(10.0) == 1
+
+    asyncio.run(main())
+
+
+def test_restart_policy_backs_off_and_forgets_restarts_older_than_a_minute() -> None:
+    now = [0.0]
+    policy = up.RestartPolicy(max_per_minute=3, backoff_s=(0.5, 1.0), clock=lambda: now[0])
+    assert [policy.next_delay("drafter") for _ in range(4)] == [0.5, 1.0, 1.0, None]
+    assert policy.next_delay("verifier") == 0.5  # counted per service
+    now[0] = 61.0
+    assert policy.next_delay("drafter") == 0.5
 
 
 def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:

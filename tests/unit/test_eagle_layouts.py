@@ -29,7 +29,8 @@ from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.model.batch import ForwardOutput
-from specsplit.model.llama import LlamaModel, make_kv_cache, rms_norm
+from specsplit.model.fused import rms_norm
+from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
