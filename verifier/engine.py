@@ -171,8 +171,7 @@ class VerifierEngine:
         batch, row_slices = build_forward_batch(steps, self.kv.page_size)
         out = self.graphs.forward(batch, aux) if self.graphs is not None else None
         if out is None:
-            batch = batch.to(self.device)
-            out = self.model(batch, self.kv, aux_layers=aux)
+            out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [
             range(r.start + (len(item.pending_tokens) - 1 if aux else 0), r.stop)
