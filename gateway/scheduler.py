@@ -56,14 +56,15 @@ class Scheduler:
         adaptive_spec: bool = False,
         adaptive_rungs: tuple[SpecParams, ...] | None = None,
         verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
-        max_waiting: int = DEFAULT_MAX_WAITING,
+        max_waiting: int | None = None,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
         start on); off = every round uses `default_spec`. verifier_wait_s: how long running
         requests wait for a verifier that went away (restarting, reloading) before they end
-        with UNAVAILABLE. max_waiting: requests that may wait for a place in the batch; more are
-        refused (RESOURCE_EXHAUSTED)."""
+        with UNAVAILABLE. max_waiting: requests that may wait for a place in the batch, more are
+        refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
+        passes --max-waiting, default DEFAULT_MAX_WAITING)."""
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -135,7 +136,7 @@ class Scheduler:
         Raises RESOURCE_EXHAUSTED right away (before any iteration) when `max_waiting` requests
         already wait for a place in the batch."""
         num_waiting = sum(not seq.cancelled for seq in self.waiting)
-        if num_waiting >= self.max_waiting:
+        if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,
                 f"the gateway is busy: {num_waiting} requests are waiting already "
