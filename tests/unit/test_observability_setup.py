@@ -49,7 +49,7 @@ def test_each_service_has_its_own_default_metrics_port(
     service: str, port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("SPECSPLIT_METRICS_LISTEN", raising=False)
-    assert cli.parse_args([f"serve-{service}"]).metrics_listen == f"0.0.0.0:{port}"
+    assert cli.parse_args([f"serve-{service}"]).metrics_listen == f"127.0.0.1:{port}"  # loopback
     monkeypatch.setenv("SPECSPLIT_METRICS_LISTEN", "none")
     assert cli.parse_args([f"serve-{service}"]).metrics_listen is None
 
