@@ -83,6 +83,34 @@ def _model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> Non
     _flag(parser, "--page-size", 16, "tokens per KV page", type=int)
 
 
+def _verifier_flags(parser: argparse.ArgumentParser) -> None:
+    lens_help = (
+        "query tokens per sequence of the verify steps captured as CUDA graphs on a GPU "
+        "(1 = decode, 1 + num_draft_tokens = verify), comma-separated; none = always eager"
+    )
+    _flag(parser, "--cuda-graphs", "1,4,5,9,17", lens_help)
+    fraction_help = "share of the GPU memory free after loading the weights for the KV cache"
+    _flag(
+        parser,
+        "--kv-memory-fraction",
+        0.8,
+        fraction_help + " (when --num-pages is not set)",
+        type=float,
+    )
+
+
+def graph_query_lens(args: argparse.Namespace) -> tuple[int, ...]:
+    if args.cuda_graphs in ("", "none"):
+        return ()
+    try:
+        lens = tuple(sorted({int(x) for x in args.cuda_graphs.split(",")}))
+    except ValueError as e:
+        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: comma-separated integers") from e
+    if not all(0 < n <= 256 for n in lens):
+        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: each in [1, 256]")
+    return lens
+
+
 def _drafter_flags(parser: argparse.ArgumentParser) -> None:
     kind_help = (
         "auto (eagle3 with the shipped head on the embedded default target, else ngram), "
@@ -291,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(verifier, "verifier")
     _tls_flags(verifier, "verifier")
     _model_flags(verifier)
+    _verifier_flags(verifier)
 
     gateway = commands.add_parser("serve-gateway", help="run the gateway (the client API)")
     _server_flags(gateway, "gateway")
@@ -311,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     for service, port in DEFAULT_PORTS.items():
         _flag(up, f"--{service}-port", port, f"{service} port", type=int)
     _model_flags(up)
+    _verifier_flags(up)
     _flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")
     _drafter_flags(up)
     _spec_flags(up)
@@ -485,7 +515,11 @@ def serve_drafter(args: argparse.Namespace) -> int:
 def serve_verifier(args: argparse.Namespace) -> int:
     from verifier.main import serve
 
-    asyncio.run(serve(args.listen, _model_path(args), **_engine_kwargs(args)))
+    graphs = {
+        "graph_query_lens": graph_query_lens(args),
+        "kv_memory_fraction": args.kv_memory_fraction,
+    }
+    asyncio.run(serve(args.listen, _model_path(args), **_engine_kwargs(args), **graphs))
     return 0
 
 

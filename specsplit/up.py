@@ -60,7 +60,18 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
     commands = {
-        "verifier": [*base, "serve-verifier", "--listen", addr["verifier"], *engine, *device],
+        "verifier": [
+            *base,
+            "serve-verifier",
+            "--listen",
+            addr["verifier"],
+            *engine,
+            *device,
+            "--cuda-graphs",
+            args.cuda_graphs,
+            "--kv-memory-fraction",
+            str(args.kv_memory_fraction),
+        ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
     }

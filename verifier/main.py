@@ -7,7 +7,7 @@ from functools import partial
 from specsplit.convert import torch_dtype
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
-from verifier.engine import VerifierEngine
+from verifier.engine import GRAPH_QUERY_LENS, VerifierEngine
 from verifier.servicer import VerifierServicer
 
 
@@ -21,12 +21,20 @@ async def serve(
     page_size: int = 16,
     grace: float = 5.0,
     tls: TLSFiles | None = None,
+    graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
+    kv_memory_fraction: float = 0.8,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext."""
-    sizes = {"page_size": page_size} | ({} if num_pages is None else {"num_pages": num_pages})
+    plaintext. graph_query_lens / kv_memory_fraction: VerifierEngine.load's (GPU only)."""
     load = partial(
-        VerifierEngine.load, model_path, device=device, dtype=torch_dtype(dtype), **sizes
+        VerifierEngine.load,
+        model_path,
+        device=device,
+        dtype=torch_dtype(dtype),
+        num_pages=num_pages,
+        page_size=page_size,
+        kv_memory_fraction=kv_memory_fraction,
+        graph_query_lens=graph_query_lens,
     )
     await serve_host(VerifierServicer(load), address, grace=grace, tls=tls)

@@ -348,3 +348,15 @@ def test_up_child_envs_on_cpu_calm_openmp_and_keep_user_settings(
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     kept = up.child_envs(cli.parse_args(["up", "--device", "cpu"]))
     assert all("GOMP_SPINCOUNT" not in env for env in kept.values())
+
+
+def test_verifier_cuda_graph_and_kv_memory_flags_reach_the_verifier_child() -> None:
+    argv = ["up", "--cuda-graphs", "9,1,5", "--kv-memory-fraction", "0.5"]
+    verifier = _child_args(up.child_commands(cli.parse_args(argv))["verifier"])
+    assert cli.graph_query_lens(verifier) == (1, 5, 9)
+    assert verifier.kv_memory_fraction == 0.5
+    off = cli.parse_args(["serve-verifier", "--cuda-graphs", "none"])
+    assert cli.graph_query_lens(off) == ()
+    assert cli.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)
+    with pytest.raises(SystemExit):
+        cli.graph_query_lens(cli.parse_args(["serve-verifier", "--cuda-graphs", "1,x"]))
