@@ -10,6 +10,13 @@ Visibility, per sequence b with q_len queries, query i (0-based within b), stora
   j >= kv_len                never
 Query head h reads KV head h // (num_heads // num_kv_heads) (transformers' repeat_kv).
 
+Split-KV ("flash-decoding"): when (sequences x query blocks x KV heads) programs would leave
+most of the GPU idle (decode at small batch), each program's keys are cut into `num_splits`
+tile-aligned chunks of [0, kv_end) run by separate programs, which write unnormalised partials
+(acc, running max, running sum) to scratch; `_merge_splits_kernel` combines them (log-sum-exp)
+into `out`. The chunks are cut from the kv_len each program loads, so `num_splits` depends on
+host ints only and the launch stays capturable in a CUDA graph.
+
 Triton is imported and the kernel `triton.jit`-ed on first launch, not at import: importing the
 model does not import triton (TRITON_INTERPRET=1 is read when triton decorates its own library, so
 a test that sets it before importing triton still can), and the kernel calls no `@triton.jit`
@@ -26,7 +33,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 
-tl: Any = None  # triton.language, bound on first launch by _jitted_kernel
+tl: Any = None  # triton.language, bound on first launch by _jitted_kernels
 
 # (q_start, q_end, slots [kv_len] int64, mask [q_len, kv_len] bool) per sequence
 PlanEntry = tuple[int, int, torch.Tensor, torch.Tensor]
@@ -134,7 +141,10 @@ def _paged_attention_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM]
     k_ptr,  # [num_slots, num_kv_heads, HEAD_DIM]
     v_ptr,  # [num_slots, num_kv_heads, HEAD_DIM]
-    out_ptr,  # [T, num_heads, HEAD_DIM]
+    out_ptr,  # [T, num_heads, HEAD_DIM] (unused when SPLIT)
+    partial_o_ptr,  # [num_splits, T, num_heads, HEAD_DIM] float32 (used when SPLIT)
+    partial_m_ptr,  # [num_splits, T, num_heads] float32 running max (log2 units)
+    partial_l_ptr,  # [num_splits, T, num_heads] float32 running sum of exp2
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     prefix_lens_ptr,  # [B] int32
@@ -142,6 +152,9 @@ def _paged_attention_kernel(
     tree_mask_ptr,  # [B, max_q, max_new] uint8 (unused when not HAS_TREE)
     scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
     num_q_blocks,  # cdiv(max_q_len, BLOCK_Q)
+    num_splits,  # key chunks per (sequence, q block, KV head): grid axis 2
+    num_tokens,  # T
+    num_heads,
     stride_q_t,
     stride_q_h,
     stride_k_s,
@@ -162,17 +175,19 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,  # write partials for _merge_splits_kernel instead of out
 ):
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)  # loaded before the exit: one round trip, not two
+    prefix_len = tl.load(prefix_lens_ptr + seq)
     if q_block * BLOCK_Q >= q_len:  # past this sequence's queries (or a q_len = 0 padding one)
         return
-    kv_len = tl.load(kv_lens_ptr + seq)
-    prefix_len = tl.load(prefix_lens_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -190,6 +205,12 @@ def _paged_attention_kernel(
     else:
         kv_end = tl.minimum(kv_len, tl.maximum(prefix_len, kv_len - q_len + last_q + 1))
     causal_limit = kv_len - q_len + q_idx  # [BLOCK_M] last new key each row sees (causal)
+    # This program's keys: chunk `split` of num_splits tile-aligned chunks of [0, kv_end); a
+    # chunk past kv_end is empty and leaves the neutral partial (max -inf, sum 0, acc 0).
+    chunk = (kv_end + num_splits - 1) // num_splits
+    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_start = split * chunk
+    split_end = tl.minimum(split_start + chunk, kv_end)
 
     # tl.full and tl.reduce with triton's own combine functions rather than tl.zeros / tl.max /
     # tl.sum: those are @triton.jit functions, unusable by the interpreter when triton was
@@ -197,7 +218,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running sum of exp2
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] storage index
         key_ok = offs_n < kv_len
         page = tl.load(block_table_ptr + seq * stride_bt_b + offs_n // PAGE_SIZE, mask=key_ok)
@@ -243,19 +264,74 @@ def _paged_attention_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
+    if SPLIT:  # unnormalised; the merge rescales each split by exp2(m - max over splits)
+        p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head
+        tl.store(partial_m_ptr + p_rows, m_i, mask=row_ok)
+        tl.store(partial_l_ptr + p_rows, l_i, mask=row_ok)
+        tl.store(
+            partial_o_ptr + p_rows[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+    else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
+        tl.store(
+            out_ptr + o_rows[:, None] + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def _merge_splits_kernel(
+    out_ptr,  # [T, num_heads, HEAD_DIM]
+    partial_o_ptr,  # [num_splits, T, num_heads, HEAD_DIM] float32
+    partial_m_ptr,  # [num_splits, T, num_heads] float32
+    partial_l_ptr,  # [num_splits, T, num_heads] float32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    num_seqs,
+    num_splits,
+    num_tokens,
+    num_heads,
+    stride_o_t,
+    stride_o_h,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    HEAD_DIM: tl.constexpr,
+):
+    """One (token, head) row of out from its num_splits partials. A split that saw no key (max
+    -inf) weighs 0; a row that saw none at all gets 0, as in the single pass."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(cu_seqlens_q_ptr)
+    last = tl.load(cu_seqlens_q_ptr + num_seqs)
+    if (token < first) | (token >= last):  # rows no sequence owns: no partials, not written
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    rows = (offs_s * num_tokens + token).to(tl.int64) * num_heads + head  # [BLOCK_S]
+    m = tl.load(partial_m_ptr + rows, mask=split_ok, other=float("-inf"))
+    l = tl.load(partial_l_ptr + rows, mask=split_ok, other=0.0)  # noqa: E741
+    acc = tl.load(
+        partial_o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )  # [BLOCK_S, HEAD_DIM]
+    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # [BLOCK_S]
+    l_sum = tl.reduce(l * weight, 0, tl.standard._sum_combine)
+    o = tl.reduce(acc * weight[:, None], 0, tl.standard._sum_combine)  # [HEAD_DIM]
+    o = o / tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(
-        out_ptr + o_rows[:, None] + offs_d[None, :],
+        out_ptr + token.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
         o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
     )
 
 
 @functools.cache
-def _jitted_kernel(interpret: bool) -> Any:
-    """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key: triton.jit
-    reads the knob itself)."""
+def _jitted_kernels(interpret: bool) -> tuple[Any, Any]:
+    """(attention, merge) kernels, decorated as TRITON_INTERPRET asks (`interpret` is the cache
+    key: triton.jit reads the knob itself)."""
     import triton
     import triton.language
 
@@ -263,7 +339,7 @@ def _jitted_kernel(interpret: bool) -> Any:
     tl = triton.language
     if interpret:
         _fix_interpreter_index()
-    return triton.jit(_paged_attention_kernel)
+    return triton.jit(_paged_attention_kernel), triton.jit(_merge_splits_kernel)
 
 
 def _fix_interpreter_index() -> None:
@@ -300,13 +376,15 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _launch_config(
-    head_dim: int, group: int, max_q_len: int, interpret: bool
+    head_dim: int, group: int, max_q_len: int, split: bool, interpret: bool
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M covers max_q_len * group rows up to a
     cap (at least 16 rows: tl.dot needs M >= 16 on GPUs, and at least one whole group); BLOCK_N
-    is the key tile: 128 where the rows are few (decode) or the head small, else 64. Measured on
-    an H100 inside CUDA graphs, kv_len 512, page 16, batch 32, bf16: decode 27 us at head_dim 128
-    x 8 KV heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us."""
+    is the key tile: 128 where the rows are few (decode) or the head small, else 64; 64 when the
+    keys are split (short chunks, so more of them hold keys; at batch 1, 32 / 64 / 128 came within
+    ~1 us of each other, 32 ahead at kv 512 and 128 at kv 4096). Measured on an H100 inside CUDA
+    graphs, kv_len 512, page 16, batch 32, bf16, single pass: decode 27 us at head_dim 128 x 8 KV
+    heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us."""
     cap = 64 if head_dim <= 128 else 32
     block_m = min(_next_power_of_2(max(max_q_len * group, 16)), cap)
     block_m = max(block_m, _next_power_of_2(group))
@@ -314,7 +392,34 @@ def _launch_config(
         return block_m, 16, 1, 1
     if head_dim > 128:
         return block_m, 32, 4, 2
+    if split:
+        return block_m, 64, 4, 2
     return block_m, 128 if block_m <= 16 or head_dim <= 64 else 64, 4, 2
+
+
+MAX_SPLITS = 32
+_SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
+_SPLIT_TARGET_PROGRAMS_PER_SM = 4
+
+
+def auto_num_splits(num_programs: int, num_sms: int) -> int:
+    """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
+    on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
+    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS. Host ints only (the kv
+    lengths live on the device): chunks past a short sequence's keys are empty, costing a store.
+    H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
+    head_dim 64 x 3 KV heads, batch 1: kv 512 7.5 -> 4.9, kv 4096 63.5 -> 7.8; head_dim 128 x 8,
+    batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
+    (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
+    if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    target = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
+    return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(
@@ -330,9 +435,13 @@ def paged_attention(
     max_q_len: int,  # host int >= every q_len (sets the grid)
     scale: float,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], written in place if given
+    *,
+    num_splits: int | None = None,  # key chunks per program; None: auto_num_splits on CUDA, 1
+    # (single pass) under the interpreter; > 1 adds a merge kernel and float32 scratch
 ) -> torch.Tensor:
     """Checks the inputs (shapes, dtypes, devices, strides; no host syncs, so it can be captured
-    in a CUDA graph) and launches the kernel. Rows of q outside every sequence are not written."""
+    in a CUDA graph) and launches the kernel (and, split, the merge). Rows of q outside every
+    sequence are not written."""
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("paged_attention needs triton; use paged_attention_reference")
     interpret = _interpreting()
@@ -340,30 +449,46 @@ def paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, kv_lens, prefix_lens, block_table, page_size,
         tree_mask, max_q_len, out, interpret,
     )  # fmt: skip
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"paged_attention: num_splits must be in [1, {MAX_SPLITS}], "
+                         f"got {num_splits}")  # fmt: skip
     if out is None:
         out = torch.empty_like(q)
     num_seqs = kv_lens.shape[0]
-    if num_seqs == 0 or max_q_len == 0 or q.shape[0] == 0:
+    num_tokens = q.shape[0]
+    if num_seqs == 0 or max_q_len == 0 or num_tokens == 0:
         return out
 
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, group, max_q_len, interpret)
+    block_m = _launch_config(head_dim, group, max_q_len, False, interpret)[0]
     block_q = block_m // group
     num_q_blocks = -(-max_q_len // block_q)
+    if num_splits is None:
+        num_programs = num_seqs * num_q_blocks * num_kv_heads
+        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device))
+    split = num_splits > 1
+    _, block_n, num_warps, num_stages = _launch_config(head_dim, group, max_q_len, split, interpret)
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
     else:
         tm = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         tm_strides = (tm.stride(0), tm.stride(1), tm.stride(2))
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if split:  # from the graph pool when captured
+        partial_o = q.new_empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32)
+        partial_m = q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)
+        partial_l = torch.empty_like(partial_m)
+    else:
+        partial_o = partial_m = partial_l = out  # never written
 
-    grid = (num_seqs * num_q_blocks, num_kv_heads)
-    _jitted_kernel(interpret)[grid](
-        q, k_cache, v_cache, out,
+    attention_kernel, merge_kernel = _jitted_kernels(interpret)
+    grid = (num_seqs * num_q_blocks, num_kv_heads, num_splits)
+    attention_kernel[grid](
+        q, k_cache, v_cache, out, partial_o, partial_m, partial_l,
         cu_seqlens_q, kv_lens, prefix_lens, block_table, tm,
-        scale * _LOG2E, num_q_blocks,
+        scale * _LOG2E, num_q_blocks, num_splits, num_tokens, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -372,9 +497,16 @@ def paged_attention(
         *tm_strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
-        DOT_PRECISION=dot_precision,
+        DOT_PRECISION=dot_precision, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if split:
+        merge_kernel[(num_tokens, num_heads)](
+            out, partial_o, partial_m, partial_l, cu_seqlens_q,
+            num_seqs, num_splits, num_tokens, num_heads, out.stride(0), out.stride(1),
+            BLOCK_S=_next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=1 if interpret or head_dim <= 64 else 2,
+        )  # fmt: skip
     return out
 
 

@@ -1,6 +1,7 @@
 """On a CUDA device: the paged-attention Triton kernel in bfloat16 matches the float32 reference
 on realistic shapes (decode, tree verify, prefill; head_dim 64/128, GQA groups 3/4, kv_len 512,
-page 16, batch 1/8/32), and replays correctly from a CUDA graph when the lengths change.
+page 16, batch 1/8/32), through the single pass and the split-KV path (the wrapper's choice, which
+splits at small grids), and replays correctly from a CUDA graph when the lengths change.
 Skipped where there is no GPU (CI)."""
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ def make_batch(
     group: int,
     head_dim: int,
     seed: int = 0,
+    kv_len: int = KV_LEN,
 ) -> dict:
     """Arguments of paged_attention on CUDA, bfloat16, pages shuffled over a shared cache."""
     gen = torch.Generator().manual_seed(seed)
-    kv_lens = (KV_LEN - torch.randint(0, 40, (batch_size,), generator=gen)).tolist()
-    kv_lens[0] = KV_LEN
+    kv_lens = (kv_len - torch.randint(0, 40, (batch_size,), generator=gen)).tolist()
+    kv_lens[0] = kv_len
     q_len = {"decode": 1, "verify": 1 + len(TREE_PARENTS), "prefill": None}[step]
     q_lens = [kv if q_len is None else q_len for kv in kv_lens]
     prefix_lens = [
         0 if step == "prefill" else kv - q for kv, q in zip(kv_lens, q_lens, strict=True)
     ]
 
-    pages_per_seq = KV_LEN // PAGE_SIZE
+    pages_per_seq = kv_len // PAGE_SIZE
     num_pages = batch_size * pages_per_seq + 8
     block_table = torch.randperm(num_pages, generator=gen)[: batch_size * pages_per_seq]
     block_table = block_table.view(batch_size, pages_per_seq).to(torch.int32)
@@ -75,24 +77,41 @@ def reference_float32(args: dict) -> torch.Tensor:
     return paged_attention_reference(**{**args, **up})
 
 
+@pytest.mark.parametrize("num_splits", [None, 1])  # the wrapper's choice; single pass
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 @pytest.mark.parametrize("step", ["decode", "verify", "prefill"])
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (8, 4, 128)])
 def test_bf16_kernel_matches_float32_reference(
-    step: str, batch_size: int, num_kv_heads: int, group: int, head_dim: int
+    step: str,
+    batch_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_splits: int | None,
 ) -> None:
     if step == "prefill" and batch_size == 32:
         batch_size = 4  # 32 prompts of 512 tokens add time, not coverage
     args = make_batch(step, batch_size, num_kv_heads, group, head_dim)
-    got = paged_attention(**args)
+    got = paged_attention(**args, num_splits=num_splits)
     assert got.dtype == torch.bfloat16
     want = reference_float32(args)
     torch.testing.assert_close(got.float(), want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3, 32])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (8, 4, 128)])
+def test_split_kv_long_decode_matches_float32_reference(
+    num_kv_heads: int, group: int, head_dim: int, num_splits: int | None
+) -> None:
+    args = make_batch("decode", 2, num_kv_heads, group, head_dim, kv_len=4096)
+    got = paged_attention(**args, num_splits=num_splits)
+    torch.testing.assert_close(got.float(), reference_float32(args), atol=ATOL, rtol=RTOL)
+
+
 def test_cuda_graph_replay_follows_new_lengths() -> None:
     """Captured once over fixed buffers, replayed after the lengths, pages and tree change in
-    place: the output matches the reference each time (no host sync in the wrapper)."""
+    place: the output matches the reference each time (no host sync in the wrapper). Batch 8 x 3
+    KV heads is a small grid: the split path and its merge, with scratch from the graph pool."""
     first = make_batch("verify", 8, 3, 3, 64, seed=1)
     second = make_batch("verify", 8, 3, 3, 64, seed=2)
     out = torch.empty_like(first["q"])

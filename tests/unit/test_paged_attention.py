@@ -1,10 +1,11 @@
 """The paged-attention Triton kernel equals its plain-torch reference (float32, under the Triton
 interpreter on the CPU), for every shape of step the engines run: decode, ragged batches,
-prefill, tree verify, drafter new-region masks, GQA, padding sequences, shuffled pages."""
+prefill, tree verify, drafter new-region masks, GQA, padding sequences, shuffled pages; and the
+split-KV path (keys cut into chunks, partials merged) equals it on the same cases."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from specsplit.kernels.paged_attention import (
+    MAX_SPLITS,
+    auto_num_splits,
     paged_attention,
     paged_attention_reference,
     reference_plan,
@@ -58,7 +61,7 @@ def make_case(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int = 16,
-    new_masks: list[torch.Tensor | None] | None = None,  # [q_len, kv_len - prefix_len] each
+    new_masks: Sequence[torch.Tensor | None] | None = None,  # [q_len, kv_len - prefix_len] each
     shuffle: bool = True,
     max_q_len: int | None = None,
     seed: int = 0,
@@ -107,9 +110,9 @@ def make_case(
     )
 
 
-def check_matches_reference(case: Case) -> torch.Tensor:
+def check_matches_reference(case: Case, num_splits: int | None = None) -> torch.Tensor:
     out = torch.full_like(case.q, SENTINEL)
-    got = paged_attention(**case.args(), out=out)
+    got = paged_attention(**case.args(), out=out, num_splits=num_splits)
     assert got is out
     want = paged_attention_reference(**case.args(), out=torch.full_like(case.q, SENTINEL))
     num_tokens = int(case.cu_seqlens_q[-1])
@@ -251,6 +254,81 @@ def test_reference_plan_mask_of_a_verify_step_exactly() -> None:
         None,
     )[0][3]
     assert causal.int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+# split-KV: under the interpreter key tiles are 16, so a chunk is one or more 16-key tiles and
+# num_splits past cdiv(kv_len, 16) leaves chunks empty (neutral partials the merge must ignore)
+SPLIT_CASES: dict[str, tuple[int, Callable[[], Case]]] = {  # name: (num_splits, case)
+    "decode": (
+        5,
+        lambda: make_case([(1, 1, 0), (1, 17, 16), (1, 70, 69), (1, 33, 0)], page_size=16),
+    ),
+    "ragged": (3, lambda: make_case([(1, 5, 4), (7, 30, 23), (3, 3, 0), (12, 50, 20)])),
+    "prefill": (2, lambda: make_case([(45, 45, 0), (20, 20, 0)], page_size=16)),
+    "tree verify": (
+        4,
+        lambda: make_case(
+            [(7, 27, 20), (4, 17, 13)],
+            new_masks=[verify_new_mask(2, [-1, -1, 0, 0, 1]), verify_new_mask(1, [-1, 0, -1])],
+        ),
+    ),
+    "drafter rectangular mask": (
+        3,
+        lambda: make_case(
+            [(4, 41, 9), (2, 10, 3)],
+            new_masks=[torch.eye(4, 32, dtype=torch.bool), torch.ones(2, 7, dtype=torch.bool)],
+        ),
+    ),
+    "padding sequences": (
+        2,
+        lambda: make_case([(0, 0, 0), (3, 40, 37), (0, 0, 0), (1, 6, 5), (0, 4, 4)], max_q_len=8),
+    ),
+    "gqa group 3": (
+        5,
+        lambda: make_case([(1, 35, 34), (5, 26, 21)], num_heads=6, num_kv_heads=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_matches_reference(name: str) -> None:
+    num_splits, case = SPLIT_CASES[name]
+    check_matches_reference(case(), num_splits=num_splits)
+
+
+def test_split_kv_with_more_splits_than_keys() -> None:
+    # kv_len 1..5 over 8 chunks: all but the first chunk of each sequence are empty
+    seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0)]
+    check_matches_reference(make_case(seqs, page_size=2), num_splits=8)
+    masks = [None, None, verify_new_mask(0, [-1, 0]), None]
+    check_matches_reference(make_case(seqs, page_size=2, new_masks=masks), num_splits=7)
+
+
+def test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero() -> None:
+    # a tree row that sees no key at all (no prefix, empty mask row): 0 in both paths, no NaN
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[1] = False
+    case = make_case([(3, 40, 0), (1, 9, 8)], new_masks=[mask, None])
+    single = paged_attention(**case.args(), num_splits=1)
+    split = paged_attention(**case.args(), num_splits=4)
+    torch.testing.assert_close(split[:4], single[:4], atol=1e-5, rtol=1e-5)
+    assert (split[1] == 0).all() and (single[1] == 0).all()
+
+
+def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
+    assert auto_num_splits(num_programs=8, num_sms=132) == MAX_SPLITS  # 8B decode, batch 1
+    assert auto_num_splits(num_programs=24, num_sms=132) == 22  # 3 KV heads, batch 8
+    assert auto_num_splits(num_programs=64, num_sms=132) == 9  # 8 KV heads, batch 8
+    assert auto_num_splits(num_programs=131, num_sms=132) == 5
+    assert auto_num_splits(num_programs=132, num_sms=132) == 1  # one program per SM already
+    assert auto_num_splits(num_programs=4096, num_sms=132) == 1
+
+
+def test_wrapper_rejects_num_splits_out_of_range() -> None:
+    case = make_case([(1, 5, 4)])
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_attention(**case.args(), num_splits=bad)
 
 
 def _plan_args(case: Case) -> dict[str, Any]:

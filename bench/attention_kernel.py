@@ -1,0 +1,211 @@
+"""Paged attention per layer call on a GPU, inside CUDA graphs: split-KV vs single pass vs the
+torch reference, for decode (one query per sequence).
+
+    PYTHONPATH=. python bench/attention_kernel.py [--replays 30] [--json PATH]
+
+Shapes: head_dim 64 x 3 KV heads x group 3 (SmolLM2-135M) and 128 x 8 x 4 (8B); batch 1/8/32,
+kv_len 512/4096, page 16, bf16. Each graph holds one call per layer over that many separate
+caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a forward step rather than from L2;
+each replay is timed with CUDA events and the median over replays, divided by the layers, is
+the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
+Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
+`sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
+outside the graph). At batch 1 the split's key tile is also swept (`sN/bn32`, `sN/bn128`).
+`err` is the largest |auto - float32 reference| of layer 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import specsplit.kernels.paged_attention as pa
+
+PAGE_SIZE = 16
+SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
+SPLITS = (2, 4, 8, 16, 32)
+CACHE_BUDGET = 8 << 30  # bytes of K/V per (shape, batch, kv_len) across layers
+
+
+@contextlib.contextmanager
+def split_block_n(block_n: int | None) -> Iterator[None]:
+    """Overrides the split path's key tile (exploration only)."""
+    if block_n is None:
+        yield
+        return
+    original = pa._launch_config
+
+    def patched(*args: Any) -> tuple[int, int, int, int]:
+        block_m, bn, warps, stages = original(*args)
+        return block_m, block_n if args[3] else bn, warps, stages
+
+    pa._launch_config = patched  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        pa._launch_config = original  # type: ignore[assignment]
+
+
+def make_layers(
+    batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int
+) -> tuple[list[dict[str, Any]], int]:
+    """Arguments of paged_attention per layer (own q and caches, shared metadata), and the K/V
+    bytes one call reads."""
+    cuda = torch.device("cuda")
+    pages_per_seq = kv_len // PAGE_SIZE
+    num_pages = batch * pages_per_seq + 4
+    kv_bytes = batch * kv_len * num_kv_heads * head_dim * 2 * 2
+    num_layers = max(1, min(32, CACHE_BUDGET // kv_bytes))
+    table = torch.randperm(num_pages, device=cuda)[: batch * pages_per_seq].to(torch.int32)
+    meta = {
+        "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device=cuda),
+        "kv_lens": torch.full((batch,), kv_len, dtype=torch.int32, device=cuda),
+        "prefix_lens": torch.full((batch,), kv_len - 1, dtype=torch.int32, device=cuda),
+        "block_table": table.view(batch, pages_per_seq),
+        "page_size": PAGE_SIZE,
+        "tree_mask": None,
+        "max_q_len": 1,
+        "scale": head_dim**-0.5,
+    }
+    slots = num_pages * PAGE_SIZE
+    layers = []
+    for _ in range(num_layers):
+        layers.append(
+            {
+                "q": torch.randn(batch, num_kv_heads * group, head_dim, device=cuda).bfloat16(),
+                "k_cache": torch.randn(slots, num_kv_heads, head_dim, device=cuda).bfloat16(),
+                "v_cache": torch.randn(slots, num_kv_heads, head_dim, device=cuda).bfloat16(),
+                **meta,
+            }
+        )
+    return layers, kv_bytes
+
+
+def time_in_graph(calls: list[Callable[[], Any]], replays: int) -> float:
+    """Median microseconds per call over `replays` replays of one graph of all `calls`."""
+    for call in calls:  # compile, warm the allocator
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_in_graph([lambda: dst.copy_(src)], 20)
+    return 2 * src.numel() / (us * 1e-6)
+
+
+def kernel_call(layer: dict[str, Any], out: torch.Tensor, **kw: Any) -> Callable[[], Any]:
+    return lambda: pa.paged_attention(**layer, out=out, **kw)
+
+
+def reference_call(layer: dict[str, Any], out: torch.Tensor) -> Callable[[], Any]:
+    plan_keys = ("cu_seqlens_q", "kv_lens", "prefix_lens", "block_table", "page_size", "tree_mask")
+    plan = pa.reference_plan(**{k: layer[k] for k in plan_keys})
+    q, k, v, scale = layer["q"], layer["k_cache"], layer["v_cache"], layer["scale"]
+    return lambda: pa.paged_attention_with_plan(q, k, v, plan, scale, out)
+
+
+def bench_one(
+    batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    layers, kv_bytes = make_layers(batch, kv_len, num_kv_heads, group, head_dim)
+    outs = [torch.empty_like(layer["q"]) for layer in layers]
+    programs = batch * num_kv_heads
+    auto = pa.auto_num_splits(programs, pa._num_sms(torch.device("cuda")))
+    row: dict[str, Any] = {"layers": len(layers), "auto_splits": auto}
+    row["floor"] = kv_bytes / args.bandwidth * 1e6
+
+    def run(name: str, **kw: Any) -> None:
+        calls = [kernel_call(layer, out, **kw) for layer, out in zip(layers, outs, strict=True)]
+        row[name] = time_in_graph(calls, args.replays)
+
+    run("auto")
+    run("single", num_splits=1)
+    for s in SPLITS:
+        run(f"s{s}", num_splits=s)
+    if batch == 1:
+        for block_n in (32, 128):
+            with split_block_n(block_n):
+                for s in (8, 16, 32):
+                    run(f"s{s}/bn{block_n}", num_splits=s)
+    calls = [reference_call(layer, out) for layer, out in zip(layers, outs, strict=True)]
+    row["ref"] = time_in_graph(calls, args.replays)
+
+    first = layers[0]
+    got = pa.paged_attention(**first).float()
+    up = {name: first[name].float() for name in ("q", "k_cache", "v_cache")}
+    want = pa.paged_attention_reference(**{**first, **up})
+    row["err"] = (got - want).abs().max().item()
+    single = pa.paged_attention(**first, num_splits=1).float()
+    row["err_single"] = (single - want).abs().max().item()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--kv-lens", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--json", help="write every number here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    args.bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {args.bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    rows = []
+    for shape, (num_kv_heads, group, head_dim) in SHAPES.items():
+        for kv_len in args.kv_lens:
+            for batch in args.batches:
+                row = bench_one(batch, kv_len, num_kv_heads, group, head_dim, args)
+                row.update(shape=shape, batch=batch, kv_len=kv_len)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    columns = ["floor", "ref", "single", "auto", *(f"s{s}" for s in SPLITS)]
+    print(f"\nus per layer call (median of {args.replays} graph replays)")
+    print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
+    for r in rows:
+        cells = " ".join(f"{r[c]:7.1f}" for c in columns)
+        print(f"{r['shape']:18} {r['batch']:3} {r['kv_len']:5} {cells}  {r['err']:.3f} "
+              f"[auto s{r['auto_splits']}]")  # fmt: skip
+    print("\nbatch 1, split key tile sweep (us)")
+    for r in rows:
+        if r["batch"] == 1:
+            sweep = {k: v for k, v in r.items() if "/bn" in k}
+            sweep["s8/bn64"], sweep["s16/bn64"], sweep["s32/bn64"] = r["s8"], r["s16"], r["s32"]
+            print(f"{r['shape']:18} kv {r['kv_len']:5}: "
+                  + " ".join(f"{k} {v:.1f}" for k, v in sorted(sweep.items())))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
