@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from specsplit.kv_cache import KVCache
@@ -56,12 +57,22 @@ class _Buffers:
         self.dev32 = self.host32.to(device)
         self.dev_mask = self.host_mask.to(device)
         self.copied = torch.cuda.Event()
+        # views made once: numpy ones of the mirrors (a step fills them at numpy's cost, ~1 us
+        # a slice, not torch's ~5 us), tensor ones of the device inputs
+        self.host: dict[str, Any] = {
+            name: None if view is None else view.numpy()
+            for name, view in self._views(self.host64, self.host32, self.host_mask).items()
+        }
+        self.dev: dict[str, Any] = self._views(self.dev64, self.dev32, self.dev_mask)
+        self.causal = np.tril(np.ones((q, q), dtype=bool))
         self.logits = torch.zeros(logits_shape, dtype=torch.float32, device=device)
         self.hidden_states = (
             None if hidden_shape is None else torch.zeros(hidden_shape, dtype=dtype, device=device)
         )
 
-    def _views(self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor) -> dict:
+    def _views(
+        self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, Any]:
         t, n = self.max_bs * self.q, self.max_bs
         ids, positions, slots, rows, all_rows = packed64.split(t)
         cu, kv_lens, prefix_lens, table = packed32.split([n + 1, n, n, n * self.max_pages])
@@ -78,15 +89,9 @@ class _Buffers:
             tree_mask=mask if self.q > 1 else None,
         )
 
-    def device_views(self) -> dict:
-        return self._views(self.dev64, self.dev32, self.dev_mask)
-
-    def host_views(self) -> dict:
-        return self._views(self.host64, self.host32, self.host_mask)
-
     def batch(self, bs: int, page_size: int) -> ForwardBatch:
         """Device views of the first `bs` sequences: the graph of bucket `bs` reads these."""
-        v, q = self.device_views(), self.q
+        v, q = self.dev, self.q
         t = bs * q
         return ForwardBatch(
             input_ids=v["input_ids"][:t],
@@ -106,22 +111,20 @@ class _Buffers:
         """Write `batch` (host tensors) and padding up to `bucket` into the host mirrors, then
         move them to the device (asynchronously, after the last move has finished)."""
         self.copied.synchronize()  # the mirrors are free again
-        v, q, bs = self.host_views(), self.q, batch.num_seqs
+        v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
-        v["input_ids"][:t] = batch.input_ids
-        v["positions"][:t] = batch.positions
-        v["slot_mapping"][:t] = batch.slot_mapping
+        v["input_ids"][:t] = batch.input_ids.numpy()
+        v["positions"][:t] = batch.positions.numpy()
+        v["slot_mapping"][:t] = batch.slot_mapping.numpy()
         num_rows = batch.logit_indices.shape[0]
-        v["rows"][:num_rows] = batch.logit_indices
-        v["kv_lens"][:bs] = batch.kv_lens
-        v["prefix_lens"][:bs] = batch.prefix_lens
+        v["rows"][:num_rows] = batch.logit_indices.numpy()
+        v["kv_lens"][:bs] = batch.kv_lens.numpy()
+        v["prefix_lens"][:bs] = batch.prefix_lens.numpy()
         width = batch.block_table.shape[1]
-        v["block_table"][:bs, :width] = batch.block_table
+        v["block_table"][:bs, :width] = batch.block_table.numpy()
         if v["tree_mask"] is not None:
-            if batch.tree_mask is not None:
-                v["tree_mask"][:bs] = batch.tree_mask
-            else:
-                v["tree_mask"][:bs] = torch.ones(q, q, dtype=torch.bool).tril()
+            mask = self.causal if batch.tree_mask is None else batch.tree_mask.numpy()
+            v["tree_mask"][:bs] = mask
         # padding sequences: q causal tokens on the scratch page
         v["input_ids"][t:t_pad] = 0
         v["positions"][t:t_pad] = 0
@@ -130,7 +133,7 @@ class _Buffers:
         v["prefix_lens"][bs:bucket] = 0
         v["block_table"][bs:bucket] = scratch_page
         if v["tree_mask"] is not None:
-            v["tree_mask"][bs:bucket] = torch.ones(q, q, dtype=torch.bool).tril()
+            v["tree_mask"][bs:bucket] = self.causal
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         if q > 1:
@@ -263,7 +266,7 @@ class CudaGraphRunner:
         buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot)
         self.graphs[(q, aux_layers, bucket)].replay()
         t, num_rows = bs * q, batch.logit_indices.shape[0]
-        rows = buffers.device_views()["rows"][:num_rows]
+        rows = buffers.dev["rows"][:num_rows]
         logits = buffers.logits[:t].index_select(0, rows)
         hidden = None
         if buffers.hidden_states is not None:
