@@ -23,10 +23,10 @@ import torch
 
 from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_ladder
 from gateway.request import GenerationRequest
-from gateway.text import apply_chat_template
-from specsplit.local import accepted_tokens_per_round, build_local_stack, token_ids
+from inprocess.stack import accepted_tokens_per_round, build_local_stack, token_ids
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
+from specsplit.prompt import apply_chat_template
 
 
 def bundled_prompts() -> list[list[dict[str, str]]]:

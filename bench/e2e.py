@@ -34,13 +34,13 @@ from transformers import AutoModelForCausalLM
 
 from bench.acceptance import bundled_prompts
 from gateway.adaptive import format_ladder, parse_ladder
-from gateway.text import apply_chat_template
 from specsplit import convert
 from specsplit.model.loader import (
     embedded_default_model_path,
     from_pretrained_args,
     load_tokenizer,
 )
+from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 

@@ -20,11 +20,11 @@ import torch
 
 from bench.acceptance import bundled_prompts
 from drafter.eagle import default_aux_layers
-from gateway.text import apply_chat_template
 from specsplit import convert
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
+from specsplit.prompt import apply_chat_template
 from specsplit.tree import DraftTree
 from verifier.engine import VerifierEngine
 

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from specsplit.kv_cache import KVCache
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.config import _read_rope
+from specsplit.model.config import read_rope
 from specsplit.model.fused import rms_norm
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
@@ -130,7 +130,7 @@ class Eagle3Config:
             layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             aux_layers = tuple(layers) if layers else default_aux_layers(num_target_layers)
         max_positions = int(raw.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling = _read_rope(
+        rope_theta, rope_scaling = read_rope(
             SimpleNamespace(**{**raw, "max_position_embeddings": max_positions})
         )
         return cls(

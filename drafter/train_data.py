@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from gateway.text import apply_chat_template
+from specsplit.prompt import apply_chat_template
 
 log = logging.getLogger(__name__)
 

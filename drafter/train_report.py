@@ -25,7 +25,9 @@ import torch
 
 from drafter.train_data import Example, make_batches
 from drafter.train_head import Eagle3Trainable
+from inprocess.stack import accepted_tokens_per_round, build_local_stack, requests_for, token_ids
 from specsplit.messages import SpecParams
+from specsplit.model.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +86,9 @@ def engine_acceptance(
     device: str,
 ) -> dict[str, Any]:
     """Accepted tokens per round through the real engines on held-out prompts (greedy)."""
-    from gateway.request import GenerationRequest
-    from specsplit.local import accepted_tokens_per_round, build_local_stack, token_ids
-    from specsplit.model.loader import load_model
-
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_model(target_path, dtype=dtype, device=device)
-    requests = [GenerationRequest(e.prompt_ids, max_new_tokens) for e in examples]
+    requests = requests_for([e.prompt_ids for e in examples], max_new_tokens)
     configs = [("target only", SpecParams(0, 1, 0))]
     configs += [(f"chain {n}", SpecParams(n, 1, n)) for n in CHAINS]
     configs.append(

@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
-from gateway.text import apply_chat_template, encode_prompt
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams
+from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
 
 PromptKind = Literal["text", "chat", "token_ids"]

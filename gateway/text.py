@@ -1,4 +1,5 @@
-"""Token ids <-> text for the gateway: prompt encoding, chat templates, streaming detokenization.
+"""Token ids -> text for the gateway: streaming detokenization (prompt encoding and chat
+templates: specsplit/prompt.py).
 
 Streaming uses the prefix_offset/read_offset technique of vLLM and TGI: decode a short window of
 recent tokens twice (up to `read_offset`, the end of the text already emitted, and up to the last
@@ -9,8 +10,7 @@ arrives, so a multi-byte character never reaches the client broken.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import cast
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,27 +18,6 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the first generated token, so that tokenizers whose decoder
 # depends on the left context (SentencePiece's leading space) stream the first token right.
 INITIAL_CONTEXT_TOKENS = 5
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of a raw-text prompt, special tokens added as the tokenizer does by default."""
-    return list(tokenizer.encode(text))
-
-
-def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]]
-) -> list[int]:
-    """Token ids of a chat rendered by the tokenizer's template, ending with the assistant prompt.
-
-    transformers 5 returns a BatchEncoding (`return_dict=True` is its default), 4.x a list.
-    """
-    encoded = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-    )
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, not token ids")
-    return cast("list[int]", ids)
 
 
 class IncrementalDetokenizer:

@@ -1,4 +1,5 @@
-"""All three roles in one process over the real engines (benchmarks, tests, notebooks)."""
+"""All three roles in one process over the real engines (tests, benchmarks, train-drafter's
+held-out report): the one place the gateway's scheduler meets the torch engines directly."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
-from gateway.clients import LocalDrafterClient, LocalVerifierClient
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
+from inprocess.clients import LocalDrafterClient, LocalVerifierClient
 from specsplit.messages import SpecParams
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
@@ -43,6 +44,11 @@ class LocalStack:
                 await self.scheduler.stop()
 
         return asyncio.run(run())
+
+
+def requests_for(prompts: list[list[int]], max_new_tokens: int) -> list[GenerationRequest]:
+    """Requests for token-id prompts, greedy, the gateway's defaults otherwise."""
+    return [GenerationRequest(prompt_ids, max_new_tokens) for prompt_ids in prompts]
 
 
 def token_ids(chunks: list[Chunk]) -> list[int]:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-if TYPE_CHECKING:
-    from gateway.request import Chunk
-    from gateway.sequence import Sequence
+if TYPE_CHECKING:  # types only: no torch for a metrics import
     from specsplit.messages import VerifyOutput
 
 log = logging.getLogger(__name__)
@@ -81,12 +79,28 @@ def serve(listen: str | None) -> int | None:
 # -- gateway ---------------------------------------------------------------------------------
 
 
+class StreamedChunk(Protocol):
+    """What the metrics read of a chunk the gateway streams (gateway.request.Chunk)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def elapsed_ns(self) -> int: ...  # since the request's arrival
+
+
+class TokenClock(Protocol):
+    """What the metrics keep on a gateway sequence (gateway.sequence.Sequence)."""
+
+    last_token_ns: int | None  # elapsed_ns of its last chunk with tokens; None before the first
+
+
 def observe_queue(num_running: int, num_waiting: int) -> None:
     RUNNING_SEQUENCES.set(num_running)
     WAITING_SEQUENCES.set(num_waiting)
 
 
-def observe_commit(seq: Sequence, out: VerifyOutput, chunk: Chunk) -> None:
+def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> None:
     """One sequence's round outcome (after seq.commit): acceptance, tokens, TTFT, ITL."""
     ACCEPTED_TOKENS_PER_ROUND.observe(out.num_accepted_tokens)
     for depth in range(1, out.num_accepted_drafts + 1):

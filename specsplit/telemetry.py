@@ -18,15 +18,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-if TYPE_CHECKING:
-    from gateway.request import GenerationRequest
-    from gateway.sequence import Sequence as GatewaySequence
+if TYPE_CHECKING:  # types only: no torch for a telemetry import
+    from specsplit.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +78,48 @@ def enabled() -> bool:
 # -- the gateway's request span --------------------------------------------------------------
 
 
+class TracedRequest(Protocol):
+    """What the request span reads of a request (gateway.request.GenerationRequest)."""
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+
+class RequestStats(Protocol):
+    """A request's speculation counts (gateway.request.SpecStats)."""
+
+    @property
+    def rounds(self) -> int: ...
+
+    @property
+    def num_accepted_drafts(self) -> int: ...
+
+    @property
+    def mean_accepted_tokens(self) -> float: ...
+
+
+class TracedSequence(Protocol):
+    """What `end_request` reads of a gateway sequence (gateway.sequence.Sequence)."""
+
+    @property
+    def span(self) -> Any: ...  # the request span from `start_request`, or None
+
+    @property
+    def num_generated_tokens(self) -> int: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def stats(self) -> RequestStats: ...
+
+
 def incoming(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context | None:
     """The client's W3C context (`traceparent` in gRPC metadata or HTTP headers), or None."""
     if not _enabled or not metadata:
@@ -99,7 +140,7 @@ def client_context(ctx: otel_context.Context | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def start_request(model: str, request: GenerationRequest) -> Span:
+def start_request(model: str, request: TracedRequest) -> Span:
     """The request span, child of the current (client's) context; ended by `end_request`."""
     if not _enabled:
         return _NO_SPAN
@@ -118,8 +159,8 @@ def start_request(model: str, request: GenerationRequest) -> Span:
     )
 
 
-def end_request(seq: GatewaySequence, error: BaseException | None = None) -> None:
-    """Usage, speculation stats and the outcome of a gateway Sequence on its request span (from
+def end_request(seq: TracedSequence, error: BaseException | None = None) -> None:
+    """Usage, speculation stats and the outcome of a gateway sequence on its request span (from
     `start_request`), then end it."""
     span: Span | None = seq.span
     if span is None or not span.is_recording():

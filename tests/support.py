@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.request import Chunk, GenerationRequest
-from specsplit.local import LocalStack, build_local_stack, token_ids
+from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import SpecParams
 from specsplit.step import SeqStep

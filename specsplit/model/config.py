@@ -72,7 +72,7 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        rope_theta, rope_scaling = _read_rope(hf_config)
+        rope_theta, rope_scaling = read_rope(hf_config)
         if model_type == "qwen2":  # Qwen2 configs carry no attention_bias: q/k/v always have one
             attention_bias, o_proj_bias = True, False
         else:
@@ -105,7 +105,7 @@ class ModelConfig:
         )
 
 
-def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+def read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from `rope_parameters` (transformers 5.x) or from
     `rope_theta` + `rope_scaling` (4.x)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

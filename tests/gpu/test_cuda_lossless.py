@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from gateway.request import GenerationRequest
-from specsplit.local import build_local_stack
+from inprocess.stack import build_local_stack
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
 from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.text import apply_chat_template
 from specsplit.model.loader import embedded_default_model_path
+from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2
 from tests.integration.services import Services, generate, ids_of
 

@@ -8,8 +8,7 @@ import torch
 
 from bench.acceptance import bundled_prompts
 from gateway.request import GenerationRequest
-from gateway.text import apply_chat_template
-from specsplit.local import accepted_tokens_per_round, build_local_stack
+from inprocess.stack import accepted_tokens_per_round, build_local_stack
 from specsplit.messages import SpecParams
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel
@@ -18,6 +17,7 @@ from specsplit.model.loader import (
     embedded_default_model_path,
     load_model,
 )
+from specsplit.prompt import apply_chat_template
 from tests.support import check_no_leaks, generated_ids
 
 NEW_TOKENS = 24

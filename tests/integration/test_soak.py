@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from bench.soak import make_plan, references, soak
-from gateway.clients import LocalDrafterClient
 from gateway.request import ModelInfo
 from gateway.servicer import GatewayServicer
+from inprocess.clients import LocalDrafterClient
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc

@@ -12,8 +12,8 @@ import pytest
 from drafter.engine import DrafterEngine, TreeLimits
 from drafter.ngram import NgramProposer
 from gateway.request import GenerationRequest
+from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
-from specsplit.local import LocalStack
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from tests.support import check_no_leaks, generated_ids, make_stack, save_tiny_llama
 

@@ -14,7 +14,7 @@ from gateway.adaptive import MIN_ROUNDS_PER_RUNG
 from gateway.clients import DrafterClient
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
-from specsplit.local import LocalStack
+from inprocess.stack import LocalStack
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack, save_tiny_llama
 

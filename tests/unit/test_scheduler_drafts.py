@@ -10,7 +10,7 @@ import torch
 
 from drafter.eagle import save_random_eagle3
 from gateway.request import GenerationRequest
-from specsplit.local import LocalStack
+from inprocess.stack import LocalStack
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.loader import load_model
 from tests.support import check_no_leaks, generate_all, generated_ids, make_stack, save_tiny_llama

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.clients import LocalVerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
+from inprocess.clients import LocalVerifierClient
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
 from tests.support import check_no_leaks, generated_ids, make_stack, save_tiny_llama

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from gateway import scheduler as scheduler_module
-from gateway.clients import LocalVerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
+from inprocess.clients import LocalVerifierClient
+from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
-from specsplit.local import LocalStack
 from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
 from tests.support import check_no_leaks, generated_ids, make_stack, save_tiny_llama
 

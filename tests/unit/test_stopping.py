@@ -9,7 +9,8 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from gateway.stopping import FinishReason, StopChecker, StopOutcome
-from gateway.text import IncrementalDetokenizer, apply_chat_template
+from gateway.text import IncrementalDetokenizer
+from specsplit.prompt import apply_chat_template
 
 EOS_ID = 2  # <|im_end|>
 ENDOFTEXT_ID = 0  # <|endoftext|>

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from gateway.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
+from gateway.text import IncrementalDetokenizer
+from specsplit.prompt import apply_chat_template, encode_prompt
 
 # SmolLM2 (byte-level BPE): " 😀" is two tokens, " 日本語" seven, each char split across pieces.
 EMOJI_IDS = [40303, 218]  # " \xf0\x9f\x98", "\x80"

@@ -1,0 +1,57 @@
+"""In-process clients of the drafter and the verifier (gateway/clients.py protocols): the real
+engines on one worker thread each, as the services run them, checking the engines' invariants
+after every call when asked to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from drafter.engine import DrafterEngine
+from gateway.health import Health
+from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from verifier.engine import VerifierEngine
+
+T = TypeVar("T")
+
+
+class _LocalClient:
+    """Runs an engine's calls on one worker thread, as the services do."""
+
+    def __init__(self, engine: DrafterEngine | VerifierEngine, check_integrity: bool) -> None:
+        self.engine = engine
+        self.check = check_integrity
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
+
+    async def _call(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
+        out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+        if self.check:
+            self.engine.check_integrity()
+        return out
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self._call(self.engine.release, seq_ids)
+
+    async def health(self) -> Health:
+        return Health.SERVING  # in process: up as long as the process is
+
+
+class LocalDrafterClient(_LocalClient):
+    def __init__(self, engine: DrafterEngine, check_integrity: bool = False) -> None:
+        super().__init__(engine, check_integrity)
+        self.drafter = engine
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        return await self._call(self.drafter.draft, inputs)
+
+
+class LocalVerifierClient(_LocalClient):
+    def __init__(self, engine: VerifierEngine, check_integrity: bool = False) -> None:
+        super().__init__(engine, check_integrity)
+        self.verifier = engine
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        return await self._call(self.verifier.verify, inputs)
