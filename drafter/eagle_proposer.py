@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.eagle import Eagle3Head, load_eagle3
-from drafter.engine import DraftJob, DraftSeq
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
+from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache
 from specsplit.step import SeqStep, build_forward_batch, causal_step

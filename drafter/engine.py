@@ -13,16 +13,17 @@ sequences of the round get theirs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
+from drafter.eagle_proposer import Eagle3Proposer
+from drafter.model_proposer import ModelProposer
+from drafter.ngram import NgramProposer
+from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
-from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 NO_DRAFTS = SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
@@ -53,49 +54,6 @@ class TreeLimits:
         return None
 
 
-@dataclass
-class DraftSeq:
-    seq_id: str
-    tokens: list[int] = field(default_factory=list)  # the gateway's committed tokens, as told
-    state: object = None  # the proposer's per-sequence state (e.g. draft KV)
-    refused: str | None = None  # the last draft shape refused for it (logged once)
-
-
-@dataclass
-class DraftJob:
-    seq: DraftSeq
-    spec: SpecParams
-    sampling: SamplingParams
-    start: int = 0  # where this call's new tokens begin in seq.tokens
-    target_hidden_states: torch.Tensor | None = None  # [rows, features] for tokens[start:]
-
-
-class Proposer(Protocol):
-    vocab_size: int
-    max_context: int
-
-    def new_state(self, seq: DraftSeq) -> object: ...
-
-    def truncate(self, seq: DraftSeq, length: int) -> None:
-        """Forget everything past the first `length` tokens."""
-
-    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        """Draft one tree per job rooted at the job's last token; returns them in order."""
-        ...
-
-    def kv_committed_len(self, seq: DraftSeq) -> int: ...
-
-    def release(self, seq: DraftSeq) -> None: ...
-
-    @property
-    def num_pages_used(self) -> int: ...
-
-    @property
-    def num_pages_free(self) -> int: ...
-
-    def check_integrity(self) -> None: ...
-
-
 class DrafterEngine:
     def __init__(self, proposer: Proposer, limits: TreeLimits = TreeLimits()) -> None:
         self.proposer = proposer
@@ -119,12 +77,8 @@ class DrafterEngine:
         "eagle3" (model_path = an EAGLE-3 head, target_path = its target, for the embeddings)
         or "ngram" (prompt lookup, no weights)."""
         if kind == "ngram":
-            from drafter.ngram import NgramProposer
-
             return cls(NgramProposer())
         if kind == "eagle3":
-            from drafter.eagle_proposer import Eagle3Proposer
-
             if model_path is None or target_path is None:
                 raise ValueError("drafter kind 'eagle3' needs the head path and the target path")
             return cls(
@@ -137,8 +91,6 @@ class DrafterEngine:
                     page_size=page_size,
                 )
             )
-        from drafter.model_proposer import ModelProposer
-
         if model_path is None:
             raise ValueError(f"drafter kind {kind!r} needs a model path")
         if kind == "self" and not draft_layers:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.engine import DraftJob, DraftSeq
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
+from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model

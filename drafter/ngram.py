@@ -7,7 +7,7 @@ merges the continuations of up to topk distinct matches into a trie (siblings di
 
 from __future__ import annotations
 
-from drafter.engine import DraftJob, DraftSeq
+from drafter.types import DraftJob, DraftSeq
 from specsplit.tree import DraftTree
 
 

@@ -37,10 +37,12 @@ from drafter.train_data import (
     bundled_prompt_file,
     coverage,
     draft_vocabulary,
+    drafting_mask,
     make_batches,
     read_prompts,
 )
 from drafter.train_head import Eagle3Trainable
+from drafter.train_report import heldout_report
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +79,6 @@ class TargetFeatures:
         features = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
         self._captured.clear()
         return features, out.logits
-
-
-def drafting_mask(batch: Batch, step: int, num_entries: int) -> torch.Tensor:
-    """[B, n] bool: entry i of draft step `step` is trained on. Its root r = i - step must be a
-    place drafting starts from (r >= prompt_len - 2: the root token is the prompt's last or
-    later) and the token it predicts, x_{i+2}, must exist."""
-    i = torch.arange(num_entries)[None, :]
-    return (i - step >= batch.prompt_lens[:, None] - 2) & (i + 2 < batch.lengths[:, None])
 
 
 @dataclass
@@ -239,8 +233,6 @@ def train_drafter(args: argparse.Namespace) -> int:
     if not heldout:
         print('no held-out prompts (split "heldout" in the prompt file): no report')
     elif not args.skip_report:
-        from drafter.train_report import heldout_report
-
         report = heldout_report(head, target, heldout, args, out / HEAD_DIR, tokenizer)
         (out / "report.json").write_text(json.dumps(report, indent=2))
     return 0

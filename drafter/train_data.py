@@ -144,6 +144,14 @@ class Batch:
     prompt_lens: torch.Tensor  # [B]
 
 
+def drafting_mask(batch: Batch, step: int, num_entries: int) -> torch.Tensor:
+    """[B, n] bool: entry i of draft step `step` is trained on. Its root r = i - step must be a
+    place drafting starts from (r >= prompt_len - 2: the root token is the prompt's last or
+    later) and the token it predicts, x_{i+2}, must exist."""
+    i = torch.arange(num_entries)[None, :]
+    return (i - step >= batch.prompt_lens[:, None] - 2) & (i + 2 < batch.lengths[:, None])
+
+
 def make_batches(
     examples: list[Example], max_tokens: int, max_len: int, seed: int | None
 ) -> list[Batch]:

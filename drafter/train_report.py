@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from drafter.train_data import Example, make_batches
+from drafter.train_data import Example, drafting_mask, make_batches
 from drafter.train_head import Eagle3Trainable
 from inprocess.stack import accepted_tokens_per_round, build_local_stack, requests_for, token_ids
 from specsplit.messages import SpecParams
@@ -40,8 +40,6 @@ def chain_acceptance(
     head: Eagle3Trainable, target: Any, examples: list[Example], max_len: int, depth: int
 ) -> dict[str, Any]:
     """Per-position conditional acceptance and expected accepted tokens per round (greedy)."""
-    from drafter.train import drafting_mask
-
     was_training = head.training
     head.eval()
     device = head.embed.device

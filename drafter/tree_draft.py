@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.engine import DraftJob, DraftSeq
+from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.sampling import make_generator, sample, target_probs
 from specsplit.step import SeqStep

@@ -15,7 +15,8 @@ from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from specsplit.cli import DEFAULT_PORTS, stream_generation
+from specsplit.cli_flags import DEFAULT_PORTS
+from specsplit.cli_generate import stream_generation
 from specsplit.up_security import UpSecurity
 
 log = logging.getLogger("specsplit.up")
@@ -269,7 +270,7 @@ class Services:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from gateway.grpc_clients import wait_ready
+    from gateway.grpc_clients import wait_ready  # function-level: no torch in a light CLI path
 
     addresses = [f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS]
     gateway = addresses[0]

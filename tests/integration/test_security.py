@@ -24,7 +24,7 @@ from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient
 from gateway.openai_http import OpenAIServer
 from gateway.request import Chunk, GenerationRequest, ModelInfo
 from gateway.scheduler import Scheduler
-from specsplit import cli, convert, tls
+from specsplit import cli, cli_generate, convert, tls
 from specsplit.certs import LocalPKI, make_local_pki
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.server import CHANNEL_OPTIONS, ServiceHost
@@ -457,7 +457,7 @@ def test_services_with_mutual_tls_and_an_api_key_serve_the_keyholder_only(
         # `specsplit generate` with the key and the CA
         args = cli.parse_args(["generate", "hi", "--max-tokens", "4", "--api-key", KEY])
         args.tls_ca = pki.ca
-        assert asyncio.run(cli.stream_generation(svc.address("gateway"), "hi", args)) == 0
+        assert asyncio.run(cli_generate.stream_generation(svc.address("gateway"), "hi", args)) == 0
         # a stranger reaches neither the verifier nor the drafter
         for role in ("verifier", "drafter"):
             with grpc.insecure_channel(svc.address(role)) as plain:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import cli, up
+from specsplit import cli, cli_flags, up
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
 
@@ -122,7 +122,7 @@ def test_gateway_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSPLIT_TOPK", "2")
     args = cli.parse_args(["serve-gateway"])
     assert (args.drafter_address, args.verifier_address) == ("drafter:50061", "verifier:50062")
-    assert cli.default_spec(args) == SpecParams(num_steps=3, topk=2, num_draft_tokens=6)
+    assert cli_flags.default_spec(args) == SpecParams(num_steps=3, topk=2, num_draft_tokens=6)
 
 
 def test_adaptive_spec_flags_and_env(
@@ -130,7 +130,7 @@ def test_adaptive_spec_flags_and_env(
 ) -> None:
     from gateway.adaptive import DEFAULT_LADDER
 
-    assert cli.adaptive_rungs(cli.parse_args(["serve-gateway"])) is None  # the default ladder
+    assert cli_flags.adaptive_rungs(cli.parse_args(["serve-gateway"])) is None  # the default ladder
     with pytest.raises(SystemExit):
         cli.parse_args(["serve-gateway", "--help"])
     assert f"none = {DEFAULT_LADDER}" in " ".join(capsys.readouterr().out.split())
@@ -138,7 +138,7 @@ def test_adaptive_spec_flags_and_env(
     monkeypatch.setenv("SPECSPLIT_ADAPTIVE_LADDER", "2,4x2x6")
     args = cli.parse_args(["serve-gateway"])
     assert args.adaptive_spec is True
-    assert cli.adaptive_rungs(args) == (SpecParams(2, 1, 2), SpecParams(4, 2, 6))
+    assert cli_flags.adaptive_rungs(args) == (SpecParams(2, 1, 2), SpecParams(4, 2, 6))
     assert cli.parse_args(["serve-gateway", "--no-adaptive-spec"]).adaptive_spec is False
 
 
@@ -194,12 +194,12 @@ def test_inconsistent_flags_are_refused(
 
 def test_default_spec_derives_num_draft_tokens() -> None:
     args = cli.parse_args(["serve-gateway", "--num-steps", "3", "--topk", "4"])
-    assert cli.default_spec(args) == SpecParams(3, 4, 12)
+    assert cli_flags.default_spec(args) == SpecParams(3, 4, 12)
     args = cli.parse_args(["serve-gateway", "--num-steps", "0"])
-    assert cli.default_spec(args) == SpecParams(0, 1, 0)
+    assert cli_flags.default_spec(args) == SpecParams(0, 1, 0)
     argv = ["serve-gateway", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5"]
     args = cli.parse_args(argv)
-    assert cli.default_spec(args) == SpecParams(3, 2, 5)
+    assert cli_flags.default_spec(args) == SpecParams(3, 2, 5)
 
 
 def _child_args(argv: list[str]) -> argparse.Namespace:
@@ -232,9 +232,9 @@ def test_up_children_parse_back_to_the_same_settings() -> None:
     assert gateway.drafter_address == "127.0.0.1:7001"
     assert gateway.verifier_address == "127.0.0.1:7002"
     assert gateway.max_batch_size == 8
-    assert cli.default_spec(gateway) == SpecParams(5, 2, 9)
+    assert cli_flags.default_spec(gateway) == SpecParams(5, 2, 9)
     assert gateway.adaptive_spec is True
-    assert cli.adaptive_rungs(gateway) == (SpecParams(2, 1, 2), SpecParams(4, 2, 8))
+    assert cli_flags.adaptive_rungs(gateway) == (SpecParams(2, 1, 2), SpecParams(4, 2, 8))
 
 
 def test_up_passes_the_http_api_flags_to_the_gateway() -> None:
@@ -353,10 +353,10 @@ def test_up_child_envs_on_cpu_calm_openmp_and_keep_user_settings(
 def test_verifier_cuda_graph_and_kv_memory_flags_reach_the_verifier_child() -> None:
     argv = ["up", "--cuda-graphs", "9,1,5", "--kv-memory-fraction", "0.5"]
     verifier = _child_args(up.child_commands(cli.parse_args(argv))["verifier"])
-    assert cli.graph_query_lens(verifier) == (1, 5, 9)
+    assert cli_flags.graph_query_lens(verifier) == (1, 5, 9)
     assert verifier.kv_memory_fraction == 0.5
     off = cli.parse_args(["serve-verifier", "--cuda-graphs", "none"])
-    assert cli.graph_query_lens(off) == ()
-    assert cli.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)
+    assert cli_flags.graph_query_lens(off) == ()
+    assert cli_flags.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)
     with pytest.raises(SystemExit):
-        cli.graph_query_lens(cli.parse_args(["serve-verifier", "--cuda-graphs", "1,x"]))
+        cli_flags.graph_query_lens(cli.parse_args(["serve-verifier", "--cuda-graphs", "1,x"]))

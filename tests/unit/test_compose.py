@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from specsplit import cli
+from specsplit import cli, cli_flags
 from specsplit.model.loader import embedded_default_head_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,9 +457,9 @@ def test_services_parse_their_environment(
     """The settings each container really gets, and that they agree with each other."""
     services = base["services"]
     args = {name: parsed(base, name, monkeypatch) for name in SPECSPLIT_SERVICES}
-    assert port(args["verifier"].listen) == cli.DEFAULT_PORTS["verifier"]
-    assert port(args["drafter"].listen) == cli.DEFAULT_PORTS["drafter"]
-    assert port(args["gateway"].listen) == cli.DEFAULT_PORTS["gateway"]
+    assert port(args["verifier"].listen) == cli_flags.DEFAULT_PORTS["verifier"]
+    assert port(args["drafter"].listen) == cli_flags.DEFAULT_PORTS["drafter"]
+    assert port(args["gateway"].listen) == cli_flags.DEFAULT_PORTS["gateway"]
     for name in SPECSPLIT_SERVICES:
         host = args[name].listen.rsplit(":", 1)[0]
         assert host in ("0.0.0.0", "[::]"), f"{name} must listen beyond its loopback"

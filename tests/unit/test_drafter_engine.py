@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.engine import DrafterEngine, DraftSeq
+from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
+from drafter.types import DraftSeq
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from drafter.eagle import HEAD_WEIGHTS, load_eagle3, save_random_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
-from drafter.engine import DraftJob, DraftSeq
-from drafter.train import TargetFeatures, drafting_mask, learning_rate, ttt_loss
-from drafter.train_data import Example, cut_at_eos, draft_vocabulary, make_batches
+from drafter.train import TargetFeatures, learning_rate, ttt_loss
+from drafter.train_data import Example, cut_at_eos, draft_vocabulary, drafting_mask, make_batches
 from drafter.train_head import Eagle3Trainable
+from drafter.types import DraftJob, DraftSeq
 from gateway.request import GenerationRequest
 from specsplit.cli import main as cli_main
 from specsplit.messages import SamplingParams, SpecParams

@@ -1,0 +1,56 @@
+"""What the drafter engine and its proposers share: a sequence as the drafter holds it, one
+draft call's job for it, and the Proposer protocol every drafting method implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specsplit.messages import SpecParams
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+
+
+@dataclass
+class DraftSeq:
+    seq_id: str
+    tokens: list[int] = field(default_factory=list)  # the gateway's committed tokens, as told
+    state: object = None  # the proposer's per-sequence state (e.g. draft KV)
+    refused: str | None = None  # the last draft shape refused for it (logged once)
+
+
+@dataclass
+class DraftJob:
+    seq: DraftSeq
+    spec: SpecParams
+    sampling: SamplingParams
+    start: int = 0  # where this call's new tokens begin in seq.tokens
+    target_hidden_states: torch.Tensor | None = None  # [rows, features] for tokens[start:]
+
+
+class Proposer(Protocol):
+    vocab_size: int
+    max_context: int
+
+    def new_state(self, seq: DraftSeq) -> object: ...
+
+    def truncate(self, seq: DraftSeq, length: int) -> None:
+        """Forget everything past the first `length` tokens."""
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """Draft one tree per job rooted at the job's last token; returns them in order."""
+        ...
+
+    def kv_committed_len(self, seq: DraftSeq) -> int: ...
+
+    def release(self, seq: DraftSeq) -> None: ...
+
+    @property
+    def num_pages_used(self) -> int: ...
+
+    @property
+    def num_pages_free(self) -> int: ...
+
+    def check_integrity(self) -> None: ...

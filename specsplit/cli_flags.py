@@ -1,0 +1,314 @@
+"""The command line's flags: each group a function adding its flags to a subcommand's parser,
+every default from a SPECSPLIT_* environment variable (shown in --help), and what the serve
+commands read back from the parsed flags (spec, limits, TLS files, graph sizes).
+
+Service modules are imported inside the functions that need them: the command line starts
+without torch (--help, `generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.request import Limits
+    from specsplit.messages import SpecParams
+    from specsplit.tls import TLSFiles
+
+DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
+DEFAULT_HOST = "127.0.0.1"  # every listener, unless told otherwise (DESIGN.md §8)
+METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
+DRAFTER_KINDS = ("auto", "ngram", "self", "model", "eagle3")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise SystemExit(f"specsplit: {name}={value!r} is not a boolean ({'/'.join(_TRUE + _FALSE)})")
+
+
+def flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    default: Any,
+    help: str,
+    *,
+    env: str | None = None,
+    type: Callable[[str], Any] = str,
+    **kwargs: Any,
+) -> None:
+    """--flag whose default is $SPECSPLIT_<FLAG> (or $SPECSPLIT_<env>) when set, parsed like a
+    command-line value."""
+    name = "SPECSPLIT_" + (env or flag.removeprefix("--").replace("-", "_").upper())
+    value = os.environ.get(name)
+    if value is not None and "choices" in kwargs and type(value) not in kwargs["choices"]:
+        raise SystemExit(f"specsplit: {name}={value!r}: choose from {kwargs['choices']}")
+    shown = "none" if default is None else default
+    help = f"{help} (env {name}, default {shown})"
+    default = value if value is not None else default
+    parser.add_argument(flag, type=type, default=default, help=help, **kwargs)
+
+
+def optional_int(value: str) -> int | None:
+    return None if value.lower() in ("", "none") else int(value)
+
+
+def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+    flag(parser, "--model", None, "target checkpoint (directory or .gguf); default: embedded")
+    if not engine:
+        return
+    flag(parser, "--device", "auto", "torch device; auto = cuda when available")
+    dtype_help = "weights and KV dtype; auto = bfloat16 on cuda, float32 on cpu"
+    flag(parser, "--dtype", "auto", dtype_help, choices=DTYPE_CHOICES)
+    flag(parser, "--num-pages", None, "KV cache pages; none = the engine's", type=optional_int)
+    flag(parser, "--page-size", 16, "tokens per KV page", type=int)
+
+
+def verifier_flags(parser: argparse.ArgumentParser) -> None:
+    lens_help = (
+        "query tokens per sequence of the verify steps captured as CUDA graphs on a GPU "
+        "(1 = decode, 1 + num_draft_tokens = verify), comma-separated; none = always eager"
+    )
+    flag(parser, "--cuda-graphs", "1,4,5,9,17", lens_help)
+    fraction_help = "share of the GPU memory free after loading the weights for the KV cache"
+    flag(
+        parser,
+        "--kv-memory-fraction",
+        0.8,
+        fraction_help + " (when --num-pages is not set)",
+        type=float,
+    )
+
+
+def graph_query_lens(args: argparse.Namespace) -> tuple[int, ...]:
+    if args.cuda_graphs in ("", "none"):
+        return ()
+    try:
+        lens = tuple(sorted({int(x) for x in args.cuda_graphs.split(",")}))
+    except ValueError as e:
+        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: comma-separated integers") from e
+    if not all(0 < n <= 256 for n in lens):
+        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: each in [1, 256]")
+    return lens
+
+
+def drafter_flags(parser: argparse.ArgumentParser) -> None:
+    kind_help = (
+        "auto (eagle3 with the shipped head on the embedded default target, else ngram), "
+        "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model), "
+        "eagle3 (--draft-model = an EAGLE head for --model: EAGLE-3, or the single-layer "
+        "EAGLE-1/2 layout, detected from the checkpoint)"
+    )
+    flag(parser, "--drafter", "auto", kind_help, choices=DRAFTER_KINDS)
+    model_help = (
+        "draft checkpoint (--drafter model) or EAGLE head (eagle3; on the embedded target the "
+        "shipped head by default)"
+    )
+    flag(parser, "--draft-model", None, model_help)
+    flag(parser, "--draft-layers", None, "layers for --drafter self", type=optional_int)
+
+
+def spec_flags(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--num-steps", 3, "default draft depth; 0 = no drafting", type=int)
+    flag(parser, "--topk", 1, "default children per draft node; 1 = a chain", type=int)
+    nodes_help = "default draft tree nodes; none = num_steps * topk"
+    flag(parser, "--num-draft-tokens", None, nodes_help, type=optional_int)
+    flag(parser, "--max-batch-size", 32, "sequences per round", type=int)
+    parser.add_argument(
+        "--adaptive-spec",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_ADAPTIVE_SPEC", False),
+        help="move each request's draft shape along --adaptive-ladder by its acceptance; requests"
+        " with their own spec stay fixed (env SPECSPLIT_ADAPTIVE_SPEC, default off)",
+    )
+    ladder_help = "--adaptive-spec rungs STEPS[xTOPK[xNODES]],... (plus the default shape)"
+    ladder_help += "; none = 1,3,5,5x4x16"
+    flag(parser, "--adaptive-ladder", None, ladder_help, type=optional_str)
+
+
+def generation_flags(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--max-tokens", 256, "most tokens to generate", type=int)
+    flag(parser, "--temperature", 0.0, "0 = greedy", type=float)
+    flag(parser, "--top-p", 1.0, "nucleus mass in (0, 1]", type=float)
+    flag(parser, "--top-k", 0, "0 = off", type=int)
+    flag(parser, "--seed", None, "sampling seed; none = random", type=optional_int)
+    parser.add_argument("--stop", action="append", help="stop at this string (repeatable)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_CHAT", True),
+        help="send the prompt as a user chat message (env SPECSPLIT_CHAT, default on)",
+    )
+
+
+def host_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    host_help = f"interface {what} listen on when an address names no host (:PORT)"
+    flag(parser, "--host", DEFAULT_HOST, f"{host_help}; 0.0.0.0 = every interface")
+
+
+def server_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    host_flag(parser, "this service's listeners (gRPC, metrics, HTTP)")
+    listen = f":{DEFAULT_PORTS[service]}"
+    flag(parser, "--listen", listen, "address to listen on", env=f"{service.upper()}_LISTEN")
+    flag(parser, "--grace", 5.0, "seconds running calls get at shutdown", type=float)
+    metrics_help = "host:port of Prometheus /metrics; none = off"
+    metrics = f":{METRICS_PORTS[service]}"
+    flag(parser, "--metrics-listen", metrics, metrics_help, type=optional_str)
+
+
+def resolve_hosts(args: argparse.Namespace) -> None:
+    """Give --host to the listen addresses that name no host (":PORT")."""
+    host = getattr(args, "host", None)
+    if host is None:
+        return
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
+    for name in ("listen", "metrics_listen", "http_listen"):
+        address = getattr(args, name, None)
+        if isinstance(address, str) and address.startswith(":"):
+            setattr(args, name, f"{host}{address}")
+
+
+def limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one client request may ask of the gateway (gateway.request.Limits, DESIGN.md §8)."""
+    flag(parser, "--limit-num-steps", 16, "largest spec.num_steps", type=int)
+    flag(parser, "--limit-topk", 8, "largest spec.topk", type=int)
+    flag(parser, "--limit-num-draft-tokens", 64, "largest spec.num_draft_tokens", type=int)
+    flag(parser, "--limit-new-tokens", 4096, "largest max_new_tokens", type=int)
+    prompt_help = "largest prompt in UTF-8 bytes (text, chat contents), checked before tokenizing"
+    prompt_help += "; none = 32 per token of the model's context"
+    flag(parser, "--limit-prompt-bytes", None, prompt_help, type=optional_int)
+    message_help = "largest request message (gRPC) or body (HTTP) in bytes"
+    flag(parser, "--limit-message-bytes", 4 * 1024 * 1024, message_help, type=int)
+    waiting_help = "requests that may wait for a place in the batch; more: RESOURCE_EXHAUSTED"
+    flag(parser, "--max-waiting", 256, f"{waiting_help} (HTTP 429)", type=int)
+
+
+def request_limits(args: argparse.Namespace) -> Limits:
+    from gateway.request import Limits
+
+    return Limits(
+        max_num_steps=args.limit_num_steps,
+        max_topk=args.limit_topk,
+        max_num_draft_tokens=args.limit_num_draft_tokens,
+        max_new_tokens=args.limit_new_tokens,
+        max_prompt_bytes=args.limit_prompt_bytes,
+        max_message_bytes=args.limit_message_bytes,
+    )
+
+
+def fault_flags(parser: argparse.ArgumentParser, *, up: bool = False) -> None:
+    """How faults are ridden out: the gateway's wait for a verifier that went away, and (`up`)
+    how often `up` restarts a drafter or verifier that died."""
+    wait_help = "seconds running requests wait for a verifier that went away (restarting, loading)"
+    flag(parser, "--verifier-wait", 300.0, f"{wait_help}; then UNAVAILABLE", type=float)
+    if up:
+        restart_help = "restarts of the drafter or of the verifier allowed per minute; more: stop"
+        flag(parser, "--max-restarts", 5, restart_help, type=int)
+
+
+def optional_str(value: str) -> str | None:
+    return None if value.lower() in ("", "none") else value
+
+
+# -- security flags (DESIGN.md §8; gateway/auth.py, specsplit/tls.py) ------------------------------
+
+TLS_HELP = {
+    "drafter": "mutual TLS: clients must hold a certificate from --tls-ca (the gateway's)",
+    "verifier": "mutual TLS: clients must hold a certificate from --tls-ca (the gateway's)",
+    "gateway": "TLS on the client APIs (gRPC and HTTP)",
+}
+
+
+def tls_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    """This service's certificate; on the drafter and verifier also the clients' CA."""
+    what = TLS_HELP[service]
+    flag(parser, "--tls-cert", None, f"PEM certificate chain; none = plaintext. {what}")
+    flag(parser, "--tls-key", None, "PEM private key of --tls-cert")
+    if service != "gateway":
+        flag(parser, "--tls-ca", None, "PEM CA that issued the clients' certificates")
+
+
+def backend_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """The gateway's side of the mutual TLS to the drafter and verifier."""
+    flag(parser, "--backend-tls-cert", None, "client certificate shown to drafter and verifier")
+    flag(parser, "--backend-tls-key", None, "PEM private key of --backend-tls-cert")
+    flag(parser, "--backend-tls-ca", None, "PEM CA that issued the drafter's and verifier's")
+
+
+def api_key_flags(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """--api-key (repeatable; env SPECSPLIT_API_KEY, comma-separated); resolved to a tuple."""
+    help = (
+        "accept clients that send 'authorization: Bearer KEY' (repeatable); no key = open"
+        if server
+        else "send 'authorization: Bearer KEY'"
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"{help} (env SPECSPLIT_API_KEY, comma-separated)",
+    )
+    if server:
+        limit_help = "calls one API key may have in flight; 0 = no limit"
+        flag(parser, "--max-concurrent-per-key", 0, limit_help, type=int)
+
+
+def client_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPECSPLIT_TLS", False),
+        help="connect with TLS, trusting the system's roots unless --tls-ca (env SPECSPLIT_TLS,"
+        " default off)",
+    )
+    flag(parser, "--tls-ca", None, "PEM CA that issued the gateway's certificate (implies --tls)")
+
+
+def tls_files(args: argparse.Namespace, prefix: str = "tls") -> TLSFiles:
+    """The --tls-* (or --backend-tls-*) files of a serve command."""
+    from specsplit.tls import TLSFiles
+
+    return TLSFiles(
+        cert=getattr(args, f"{prefix}_cert", None),
+        key=getattr(args, f"{prefix}_key", None),
+        ca=getattr(args, f"{prefix}_ca", None),
+    )
+
+
+def http_flags(parser: argparse.ArgumentParser) -> None:
+    http_help = "host:port of the OpenAI-compatible HTTP API; none = off"
+    flag(parser, "--http-listen", ":8000", http_help, type=optional_str)
+    name_help = "model id of the HTTP API; none = the model path's name"
+    flag(parser, "--served-model-name", None, name_help)
+
+
+# -- what the serve commands read -----------------------------------------------------------
+
+
+def default_spec(args: argparse.Namespace) -> SpecParams:
+    from specsplit.messages import SpecParams
+
+    nodes = args.num_draft_tokens
+    if nodes is None:
+        nodes = args.num_steps * args.topk
+    return SpecParams(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=nodes)
+
+
+def adaptive_rungs(args: argparse.Namespace) -> tuple[SpecParams, ...] | None:
+    """The --adaptive-ladder rungs; None = gateway.adaptive's default ladder."""
+    from gateway.adaptive import parse_ladder
+
+    return None if args.adaptive_ladder is None else parse_ladder(args.adaptive_ladder)

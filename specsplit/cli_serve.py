@@ -1,0 +1,119 @@
+"""The serve commands: one service per process, built from its parsed flags (the composition
+root of each service). Service modules and torch are imported inside each command: only the
+one it starts is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+from specsplit.cli_flags import (
+    adaptive_rungs,
+    default_spec,
+    graph_query_lens,
+    request_limits,
+    tls_files,
+)
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from specsplit.model.loader import embedded_default_model_path
+
+    return embedded_default_model_path()
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """device, dtype ("auto" resolved), num_pages, page_size, grace and tls of a serve
+    command."""
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
+    return {"device": device, "dtype": dtype, **sizes, "grace": args.grace, "tls": tls_files(args)}
+
+
+def serve_drafter(args: argparse.Namespace) -> int:
+    from drafter.main import serve
+
+    model_path = args.draft_model if args.drafter in ("model", "eagle3") else None
+    if args.drafter == "self":  # the target's first layers
+        model_path = _model_path(args)
+    target_path = _model_path(args) if args.drafter == "eagle3" else None  # its embeddings
+    kwargs = _engine_kwargs(args)
+    asyncio.run(
+        serve(
+            args.listen,
+            args.drafter,
+            model_path,
+            draft_layers=args.draft_layers,
+            target_path=target_path,
+            **kwargs,
+        )
+    )
+    return 0
+
+
+def serve_verifier(args: argparse.Namespace) -> int:
+    from verifier.main import serve
+
+    graphs = {
+        "graph_query_lens": graph_query_lens(args),
+        "kv_memory_fraction": args.kv_memory_fraction,
+    }
+    asyncio.run(serve(args.listen, _model_path(args), **_engine_kwargs(args), **graphs))
+    return 0
+
+
+def serve_gateway(args: argparse.Namespace) -> int:
+    from gateway.auth import ApiKeys
+    from gateway.main import serve
+
+    backends = {"drafter_address": args.drafter_address, "verifier_address": args.verifier_address}
+    limits = {"max_batch_size": args.max_batch_size, "grace": args.grace}
+    adaptive = {"adaptive_spec": args.adaptive_spec, "adaptive_rungs": adaptive_rungs(args)}
+    http = {"http_listen": args.http_listen, "served_model_name": args.served_model_name}
+    keys = ApiKeys(args.api_key, args.max_concurrent_per_key)
+    model_path = _model_path(args)
+    asyncio.run(
+        serve(
+            args.listen,
+            model_path,
+            **backends,
+            default_spec=default_spec(args),
+            **adaptive,
+            **limits,
+            **http,
+            api_keys=keys,
+            tls=tls_files(args),
+            backend_tls=tls_files(args, "backend_tls"),
+            limits=request_limits(args),
+            max_waiting=args.max_waiting,
+            verifier_wait_s=args.verifier_wait,
+        )
+    )
+    return 0
+
+
+def quiet_progress_bars() -> None:
+    """No tqdm bars in a service (transformers draws one converting a GGUF file): the services
+    of `specsplit up` share a terminal, where their bars overwrite each other on one line; the
+    engine logs its loading progress instead. Before anything imports tqdm (it reads its
+    TQDM_* environment once); TQDM_DISABLE=0 keeps them."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def start_observability(service: str, metrics_listen: str | None) -> None:
+    """Prometheus /metrics (unless "none") and OpenTelemetry tracing (when OTEL_* ask for it)."""
+    from specsplit import metrics, telemetry
+
+    metrics.serve(metrics_listen)
+    telemetry.init(service)
