@@ -142,7 +142,9 @@ class _Buffers:
 
 
 class CudaGraphRunner:
-    """Captured forwards of `model` over `kv`, keyed by (q, aux_layers, bucket)."""
+    """Captured forwards of `model` over `kv`, keyed by (q, aux_layers, bucket): every q given to
+    `capture` at warm-up without hidden states, and the same q with a new set of hidden-state
+    layers (an EAGLE drafter's) captured on its first use."""
 
     def __init__(
         self,
@@ -160,6 +162,7 @@ class CudaGraphRunner:
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
         self.pool: Any = None  # one memory pool for every graph
+        self.captured_query_lens: set[int] = set()
         self.buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
 
@@ -174,6 +177,7 @@ class CudaGraphRunner:
         assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
         buffers = self._new_buffers(q, aux_layers)
         self.buffers[key] = buffers
+        self.captured_query_lens.add(q)
         empty = self._empty_batch()
         buffers.fill(empty, self.batch_sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
         stream = torch.cuda.Stream(self.device)
@@ -243,8 +247,13 @@ class CudaGraphRunner:
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
         q = batch.max_q_len
-        if (q, aux_layers) not in self.buffers or batch.input_ids.shape[0] != bs * q:
+        if batch.input_ids.shape[0] != bs * q:
             return None  # a ragged batch: some sequence has fewer than q tokens
+        if (q, aux_layers) not in self.buffers:
+            if q not in self.captured_query_lens:
+                return None
+            # hidden states asked for (an EAGLE drafter): the same q with these layers too
+            self.capture(q, aux_layers)
         if batch.tree_mask is not None and tuple(batch.tree_mask.shape[1:]) != (q, q):
             return None
         if (
