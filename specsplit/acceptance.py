@@ -1,6 +1,8 @@
 """Acceptance: walk a draft tree against the target's outputs (DESIGN.md §2).
 
-Plain-torch reference, one sequence at a time; the batched Triton kernel is checked against it.
+Plain-torch reference, one sequence at a time. The verifier runs the batched versions on the
+device (specsplit/kernels/accept.py: greedy; specsplit/kernels/accept_sampling.py: lossless
+sampling), which tests check against these.
 
 Row convention for the target's outputs ([n + 1, V]): row 0 is the target at the root (the last
 pending token), row 1 + j the target at tree node j. A node's "row" below is node + 1, so the

@@ -8,17 +8,20 @@ sequence as it was.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from specsplit.acceptance import AcceptResult, accept_greedy, accept_sampling
+from specsplit.acceptance import AcceptResult
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kernels.accept import (
+    BatchedAccept,
     accept_greedy_batched,
     accepted_kv_moves,
     compact_accepted_kv,
 )
+from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.batch import to_device
@@ -177,14 +180,7 @@ class VerifierEngine:
             range(r.start + (len(item.pending_tokens) - 1 if aux else 0), r.stop)
             for item, r in zip(inputs, row_slices, strict=True)
         ]
-        if all(item.sampling.greedy for item in inputs):
-            accepted = self._accept_greedy(inputs, out.logits, rows, batch.block_table)
-        else:
-            accepted = [
-                self._accept(item, seq, out.logits[r.start : r.stop])
-                for item, seq, r in zip(inputs, seqs, rows, strict=True)
-            ]
-            self._move_accepted(inputs, seqs, accepted)
+        accepted = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
         results = [
             self._commit(item, seq, result)
             for item, seq, result in zip(inputs, seqs, accepted, strict=True)
@@ -207,15 +203,17 @@ class VerifierEngine:
                 output.hidden_states = part
         return results
 
-    def _accept_greedy(
+    def _accept(
         self,
         inputs: list[VerifyInput],
+        seqs: list[VerifierSeq],
         logits: torch.Tensor,  # [L, vocab] on the device
         rows: list[range],  # per sequence its n + 1 rows of `logits`
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
     ) -> list[AcceptResult]:
-        """Greedy acceptance, the bonus token and the accepted path's K/V compaction for the
-        whole batch on the device; one device-to-host copy of the results."""
+        """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
+        and the accepted path's K/V compaction for the whole batch on the device; one
+        device-to-host copy of the results."""
         width = max(len(item.tree) for item in inputs)  # N
         num_seqs = len(inputs)
         row_index = torch.zeros(num_seqs, width + 1, dtype=torch.int64)  # [B, N + 1]
@@ -232,11 +230,13 @@ class VerifierEngine:
         parts = [row_index, draft_tokens, parents, base, table]
         host = torch.cat([part.view(-1) for part in parts])
         dev = to_device(host, self.device).split([part.numel() for part in parts])
-        argmax = logits.argmax(dim=-1)  # [L]
-        target_argmax = argmax[dev[0]].view(num_seqs, width + 1)
-        accepted = accept_greedy_batched(
-            target_argmax, dev[1].view(num_seqs, width), dev[2].view(num_seqs, width)
-        )
+        row_index = dev[0].view(num_seqs, width + 1)
+        draft_tokens, parents = dev[1].view(num_seqs, width), dev[2].view(num_seqs, width)
+        if all(item.sampling.greedy for item in inputs):
+            target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
+            accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
+        else:
+            accepted = self._sample(inputs, seqs, logits, row_index, draft_tokens, parents)
         src, dst = accepted_kv_moves(
             dev[3],
             accepted.accepted_nodes,
@@ -256,29 +256,45 @@ class VerifierEngine:
         ).tolist()  # the round's one device-to-host copy: [B, 2 + N]
         return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
 
-    def _accept(self, item: VerifyInput, seq: VerifierSeq, logits: torch.Tensor) -> AcceptResult:
-        """The per-sequence reference (sampling rounds)."""
-        if item.sampling.greedy:
-            return accept_greedy(item.tree, logits)
-        if seq.generator is None:
-            seq.generator = make_generator(item.sampling.seed, logits.device)
-        tree = item.tree
-        if tree.draft_probs is not None and tree.draft_probs.device != logits.device:
-            tree = replace(tree, draft_probs=tree.draft_probs.to(logits.device))
-        return accept_sampling(tree, target_probs(logits, item.sampling), seq.generator)
-
-    def _move_accepted(
-        self, inputs: list[VerifyInput], seqs: list[VerifierSeq], accepted: list[AcceptResult]
-    ) -> None:
-        """Move each accepted path's K/V right after its pending tokens, all in one copy."""
-        src: list[int] = []
-        dst: list[int] = []
-        for item, seq, result in zip(inputs, seqs, accepted, strict=True):
-            base = seq.kv.kv_committed_len + len(item.pending_tokens)
-            src += seq.kv.slots_of(base + node for node in result.accepted_nodes)
-            dst += seq.kv.slots_of(range(base, base + len(result.accepted_nodes)))
-        if src:
-            self.kv.move(torch.tensor(src), torch.tensor(dst))
+    def _sample(
+        self,
+        inputs: list[VerifyInput],
+        seqs: list[VerifierSeq],
+        logits: torch.Tensor,  # [L, vocab]
+        row_index: torch.Tensor,  # [B, N + 1] each sequence's rows of `logits`
+        draft_tokens: torch.Tensor,  # [B, N]
+        parents: torch.Tensor,  # [B, N]
+    ) -> BatchedAccept:
+        """Lossless rejection sampling for the batch; greedy sequences in it walk a one-hot
+        target (the same as greedy acceptance). Each sequence draws its N + 1 uniforms from its
+        own generator, so its tokens do not depend on the batch it is in."""
+        num_seqs, width = draft_tokens.shape
+        probs = torch.empty(num_seqs, width + 1, logits.shape[-1], device=self.device)
+        uniforms = torch.zeros(num_seqs, width + 1, dtype=torch.float64, device=self.device)
+        q = None
+        has_q = torch.zeros(num_seqs, dtype=torch.bool)
+        for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
+            rows = logits[row_index[b]]  # [N + 1, vocab]
+            n = len(item.tree)
+            if item.sampling.greedy:
+                probs[b] = F.one_hot(rows.argmax(dim=-1), rows.shape[-1]).float()
+            else:
+                probs[b] = target_probs(rows, item.sampling)
+            if seq.generator is None:
+                seq.generator = make_generator(item.sampling.seed, self.device)
+            draws = torch.rand(
+                n + 1, generator=seq.generator, device=self.device, dtype=torch.float64
+            )
+            uniforms[b, :n] = draws[:n]
+            uniforms[b, width] = draws[n]
+            if item.tree.draft_probs is not None:
+                if q is None:
+                    q = torch.zeros(num_seqs, width, logits.shape[-1], device=self.device)
+                q[b, :n] = item.tree.draft_probs.to(self.device, non_blocking=True)
+                has_q[b] = True
+        return accept_sampling_batched(
+            probs, draft_tokens, parents, uniforms, q, to_device(has_q, self.device)
+        )
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the

@@ -59,6 +59,19 @@ def accept_greedy_batched(
         accepted = accepted & accepted_by_row.gather(1, ancestor_rows)
         ancestor_rows = ancestor_by_row.gather(1, ancestor_rows)
 
+    num_accepted_drafts, accepted_nodes, last_node = accepted_path(accepted)
+    bonus_tokens = target_argmax.gather(1, last_node[:, None] + 1).squeeze(1)  # [B]
+    return BatchedAccept(num_accepted_drafts, accepted_nodes, bonus_tokens)
+
+
+def accepted_path(
+    accepted: torch.Tensor,  # [B, N] bool: the accepted nodes, one path from the root
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_accepted_drafts [B], accepted_nodes [B, N] (-1 padded), last accepted node [B], -1 =
+    the root). Parents precede children, so a node's depth on the path is its rank among the
+    accepted nodes in index order."""
+    batch, n = accepted.shape
+    device = accepted.device
     # path[:, d] = the accepted node at depth d (column 0: the root, -1), like `accept_index`.
     # Unaccepted nodes scatter -1 into a spare last column, dropped afterwards.
     nodes = torch.arange(n, dtype=torch.int64, device=device).expand(batch, n)  # [B, N]
@@ -67,9 +80,8 @@ def accept_greedy_batched(
     path.scatter_(1, torch.where(accepted, depth, n + 1), torch.where(accepted, nodes, -1))
     path = path[:, : n + 1]  # [B, N + 1]
     num_accepted_drafts = accepted.sum(dim=1)  # [B] int64
-    last_node = path.gather(1, num_accepted_drafts[:, None])  # [B, 1], -1 = the root
-    bonus_tokens = target_argmax.gather(1, last_node + 1).squeeze(1)  # [B]
-    return BatchedAccept(num_accepted_drafts, path[:, 1:], bonus_tokens)
+    last_node = path.gather(1, num_accepted_drafts[:, None]).squeeze(1)  # [B]
+    return num_accepted_drafts, path[:, 1:], last_node
 
 
 def accept_greedy_from_logits(
