@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.acceptance import bundled_prompts
-from drafter.eagle import default_aux_layers
+from drafter.eagle_checkpoint import default_aux_layers
 from specsplit import convert
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.model.llama import make_kv_cache

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafter.eagle import Eagle3Config, default_aux_layers, load_eagle3
+from drafter.eagle import load_eagle3
+from drafter.eagle_checkpoint import Eagle3Config, default_aux_layers
 from drafter.train_data import (
     Batch,
     Example,

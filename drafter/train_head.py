@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.eagle import HEAD_WEIGHTS, Eagle3Config, Eagle3Head
+from drafter.eagle import Eagle3Head
+from drafter.eagle_checkpoint import HEAD_WEIGHTS, Eagle3Config
 from specsplit.model.llama import RMSNorm
 from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from drafter.eagle import save_random_eagle, save_random_eagle3
 from specsplit.model.loader import load_model
 from specsplit.v1 import common_pb2
+from tests.eagle_random import save_random_eagle, save_random_eagle3
 from tests.integration.services import Services, generate, ids_of, token_request
 from tests.support import save_tiny_llama
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.eagle import Eagle3Head, default_aux_layers, load_eagle3, save_random_eagle3
+from drafter.eagle import Eagle3Head, load_eagle3
+from drafter.eagle_checkpoint import default_aux_layers
 from drafter.eagle_proposer import Eagle3Proposer
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
@@ -18,6 +19,7 @@ from specsplit.model.loader import load_model
 from specsplit.model.rope import apply_rotary, rope_cos_sin
 from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
+from tests.eagle_random import save_random_eagle3
 from tests.support import (
     TINY_VOCAB,
     dense_step,

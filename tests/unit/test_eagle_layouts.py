@@ -16,14 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from drafter.eagle import (
-    HEAD_WEIGHTS,
-    Eagle3Head,
-    detect_layout,
-    load_eagle3,
-    save_random_eagle,
-    save_random_eagle3,
-)
+from drafter.eagle import Eagle3Head, load_eagle3
+from drafter.eagle_checkpoint import HEAD_WEIGHTS, detect_layout
 from drafter.eagle_proposer import Eagle3Proposer
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
@@ -34,6 +28,7 @@ from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
+from tests.eagle_random import save_random_eagle, save_random_eagle3
 from tests.support import (
     TINY_VOCAB,
     dense_step,

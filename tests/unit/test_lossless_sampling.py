@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from drafter.eagle import save_random_eagle3
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams, target_probs
+from tests.eagle_random import save_random_eagle3
 from tests.support import generate_all, generated_ids, make_stack, save_tiny_llama
 
 VOCAB = 16

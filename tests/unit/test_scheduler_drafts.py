@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.eagle import save_random_eagle3
 from gateway.request import GenerationRequest
 from inprocess.stack import LocalStack
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.loader import load_model
+from tests.eagle_random import save_random_eagle3
 from tests.support import check_no_leaks, generate_all, generated_ids, make_stack, save_tiny_llama
 
 MAX_NEW_TOKENS = 10

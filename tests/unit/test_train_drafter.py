@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter.eagle import HEAD_WEIGHTS, load_eagle3, save_random_eagle3
+from drafter.eagle import load_eagle3
+from drafter.eagle_checkpoint import HEAD_WEIGHTS
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.train import TargetFeatures, learning_rate, ttt_loss
 from drafter.train_data import Example, cut_at_eos, draft_vocabulary, drafting_mask, make_batches
@@ -21,6 +22,7 @@ from gateway.request import GenerationRequest
 from specsplit.cli import main as cli_main
 from specsplit.messages import SamplingParams, SpecParams
 from specsplit.model.loader import load_model
+from tests.eagle_random import save_random_eagle3
 from tests.support import generate_all, generated_ids, make_stack, save_tiny_llama
 
 DRAFT_VOCAB = 300
