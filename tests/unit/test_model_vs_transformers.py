@@ -233,9 +233,7 @@ def test_incremental_decode_through_shuffled_pages_matches_hf(arch: Arch, page_s
         [causal_step(s, p[:n]) for s, p, n in zip(seqs, prompts, prefill_lens, strict=True)]
     )
     out = arch.model(batch, kv)
-    for got, want, n in zip(
-        split_rows(out.logits, batch), expected, prefill_lens, strict=True
-    ):
+    for got, want, n in zip(split_rows(out.logits, batch), expected, prefill_lens, strict=True):
         torch.testing.assert_close(got, want[:n], atol=ATOL, rtol=0)
     for seq, n in zip(seqs, prefill_lens, strict=True):
         seq.kv_committed_len = n
