@@ -149,6 +149,7 @@ async def serve(
     limits: Limits = DEFAULT_LIMITS,
     max_waiting: int = DEFAULT_MAX_WAITING,
     verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
+    overlap: str = "serial",
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -158,7 +159,8 @@ async def serve(
     verifier's (mutual TLS; None = plaintext). limits: what one request may ask (tree shape,
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
-    loading: its health) before they end with UNAVAILABLE."""
+    loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
+    "serial" or "groups" (pipelined groups)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -184,6 +186,7 @@ async def serve(
         adaptive_rungs=adaptive_rungs,
         max_waiting=max_waiting,
         verifier_wait_s=verifier_wait_s,
+        overlap=overlap,
     )
     if scheduler.adaptive_ladder is not None:
         log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))

@@ -27,7 +27,7 @@ from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftOutput, SpecParams
+from specsplit.messages import DraftOutput, SpecParams, VerifyOutput
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be b
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
+OVERLAP_MODES = ("serial", "groups")
 
 
 class Scheduler:
@@ -57,6 +58,7 @@ class Scheduler:
         adaptive_rungs: tuple[SpecParams, ...] | None = None,
         verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
         max_waiting: int | None = None,
+        overlap: str = "serial",
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -64,7 +66,11 @@ class Scheduler:
         requests wait for a verifier that went away (restarting, reloading) before they end
         with UNAVAILABLE. max_waiting: requests that may wait for a place in the batch, more are
         refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
-        passes --max-waiting, default DEFAULT_MAX_WAITING)."""
+        passes --max-waiting, default DEFAULT_MAX_WAITING). overlap: "serial" (draft, then
+        verify, for the whole batch) or "groups" (two groups take turns: while one is verified,
+        the other is drafted; DESIGN.md §3)."""
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -88,6 +94,10 @@ class Scheduler:
         self.clock = time.monotonic  # of the verifier wait (a test's fake clock advances it)
         self.draining = False  # shutting down: the APIs refuse new requests
         self.num_rounds = 0
+        self.overlap = overlap
+        self._group: dict[str, int] = {}  # seq id -> 0 or 1 (overlap "groups")
+        self._turn = 0  # the group verified next
+        self._drafted: dict[str, DraftTree] = {}  # trees drafted ahead, for their next verify
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -201,7 +211,10 @@ class Scheduler:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                await self.step(self.running)
+                if self.overlap == "groups":
+                    await self.step_groups(self.running)
+                else:
+                    await self.step(self.running)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently
@@ -223,6 +236,60 @@ class Scheduler:
             outputs = await self.verifier.verify(
                 [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
             )
+        self._commit(batch, trees, outputs)
+
+    async def step_groups(self, running: list[Sequence]) -> None:
+        """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
+        turns. This round verifies one group with the trees drafted for it during the last
+        round, while the drafter drafts the other group's next trees; then the verified group
+        commits. A sequence with no tree drafted ahead (new, or after a fault) is drafted first.
+        With one group empty this is a serial round."""
+        self._assign_groups(running)
+        turn = (
+            self._turn
+            if any(self._group[s.seq_id] == self._turn for s in running)
+            else 1 - self._turn
+        )
+        self._turn = 1 - turn
+        verify = [seq for seq in running if self._group[seq.seq_id] == turn]
+        ahead = [seq for seq in running if self._group[seq.seq_id] != turn]
+        missing = [seq for seq in verify if seq.seq_id not in self._drafted]
+        if missing:
+            for seq, tree in zip(missing, await self._draft(missing), strict=True):
+                self._drafted[seq.seq_id] = tree
+        trees = [self._drafted.pop(seq.seq_id) for seq in verify]
+        with telemetry.round_span([seq.span for seq in verify]):
+            verified, drafted = await asyncio.gather(
+                self.verifier.verify(
+                    [seq.verify_input(tree) for seq, tree in zip(verify, trees, strict=True)]
+                ),
+                self._draft(ahead),
+                return_exceptions=True,
+            )
+        if isinstance(drafted, BaseException):
+            raise drafted  # _draft handles the drafter's faults: this is a bug
+        if isinstance(verified, BaseException):
+            self._drafted.clear()  # whatever happens next, draft again from the tokens
+            raise verified
+        for seq, tree in zip(ahead, drafted, strict=True):
+            self._drafted[seq.seq_id] = tree
+        self._commit(verify, trees, verified)
+
+    def _assign_groups(self, running: list[Sequence]) -> None:
+        """Forget sequences that left; a new one joins the smaller group."""
+        ids = {seq.seq_id for seq in running}
+        for gone in [seq_id for seq_id in self._group if seq_id not in ids]:
+            del self._group[gone]
+            self._drafted.pop(gone, None)
+        for seq in running:
+            if seq.seq_id not in self._group:
+                sizes = [list(self._group.values()).count(g) for g in (0, 1)]
+                self._group[seq.seq_id] = 0 if sizes[0] <= sizes[1] else 1
+
+    def _commit(
+        self, batch: list[Sequence], trees: list[DraftTree], outputs: list[VerifyOutput]
+    ) -> None:
+        """Append each verified round to its sequence and stream it."""
         self.num_rounds += 1
         self._verifier_down_since = None
         for seq, tree, out in zip(batch, trees, outputs, strict=True):

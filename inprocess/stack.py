@@ -80,12 +80,14 @@ def build_local_stack(
     adaptive_spec: bool = False,
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
     graph_query_lens: tuple[int, ...] = (),
+    overlap: str = "serial",
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
     asks the verifier for the head's hidden_state_layers) or "ngram". `target` reuses a loaded
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
-    rung sequences start on. graph_query_lens: the verifier's CUDA graphs (on a GPU)."""
+    rung sequences start on. graph_query_lens: the verifier's CUDA graphs (on a GPU). overlap:
+    the scheduler's ("serial" or "groups")."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -126,5 +128,6 @@ def build_local_stack(
         hidden_state_layers=drafter_engine.hidden_state_layers,
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
+        overlap=overlap,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

@@ -137,6 +137,11 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     ladder_help = "--adaptive-spec rungs STEPS[xTOPK[xNODES]],... (plus the default shape)"
     ladder_help += "; none = 1,3,5,5x4x16"
     flag(parser, "--adaptive-ladder", None, ladder_help, type=optional_str)
+    overlap_help = (
+        "serial (draft, then verify, the whole batch) or groups (two groups take turns: one is"
+        " verified while the other is drafted)"
+    )
+    flag(parser, "--overlap", "serial", overlap_help, choices=("serial", "groups"))
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

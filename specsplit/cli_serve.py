@@ -98,6 +98,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             limits=request_limits(args),
             max_waiting=args.max_waiting,
             verifier_wait_s=args.verifier_wait,
+            overlap=args.overlap,
         )
     )
     return 0

@@ -56,7 +56,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += _opt("--adaptive-ladder", args.adaptive_ladder)
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
-    gateway += ["--verifier-wait", str(args.verifier_wait)]
+    gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", args.overlap]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)

@@ -59,6 +59,7 @@ def make_stack(
     num_pages: int = 256,
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
     adaptive_spec: bool = False,
+    overlap: str = "serial",
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call. adaptive_*: adaptive speculation starting on `spec`."""
@@ -74,6 +75,7 @@ def make_stack(
         check_integrity=True,
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
+        overlap=overlap,
     )
 
 

@@ -360,3 +360,13 @@ def test_verifier_cuda_graph_and_kv_memory_flags_reach_the_verifier_child() -> N
     assert cli_flags.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)
     with pytest.raises(SystemExit):
         cli_flags.graph_query_lens(cli.parse_args(["serve-verifier", "--cuda-graphs", "1,x"]))
+
+
+def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = _child_args(
+        up.child_commands(cli.parse_args(["up", "--overlap", "groups"]))["gateway"]
+    )
+    assert gateway.overlap == "groups"
+    assert cli.parse_args(["serve-gateway"]).overlap == "serial"
+    monkeypatch.setenv("SPECSPLIT_OVERLAP", "groups")
+    assert cli.parse_args(["serve-gateway"]).overlap == "groups"

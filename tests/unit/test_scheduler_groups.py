@@ -1,0 +1,198 @@
+"""Pipelined groups (overlap "groups", DESIGN.md §3): while one group is verified, the drafter
+drafts the other. The output is the target's own greedy output in every case, faults included,
+the draft of one group runs while the other's verify is in flight, and no KV is left."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.clients import DrafterClient, VerifierClient
+from gateway.request import GenerationRequest
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from tests.support import (
+    TINY_VOCAB,
+    check_no_leaks,
+    generate_all,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
+
+MAX_NEW_TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("groups")
+    return {
+        "target": save_tiny_llama(root / "target", seed=0),
+        "draft": save_tiny_llama(root / "draft", seed=1, num_layers=1),
+    }
+
+
+def _requests(batch_size: int, seed: int) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, TINY_VOCAB, (3 + (5 * i) % 11,), generator=gen).tolist()
+        for i in range(batch_size)
+    ]
+    return [GenerationRequest(p + p[:3], MAX_NEW_TOKENS, ignore_eos=True) for p in prompts]
+
+
+def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int]]:
+    stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
+    return [generated_ids(c) for c in generate_all(stack, _requests(batch_size, seed))]
+
+
+@pytest.mark.parametrize(
+    ("drafter", "spec", "batch_size", "page_size"),
+    [
+        ("self", SpecParams(3, 1, 3), 1, 16),
+        ("self", SpecParams(3, 1, 3), 4, 16),
+        ("self", SpecParams(3, 2, 6), 5, 1),
+        ("random", SpecParams(4, 1, 4), 6, 1),
+        ("random", SpecParams(3, 4, 10), 3, 16),
+        ("ngram", SpecParams(2, 1, 2), 7, 16),
+        ("ngram", SpecParams(3, 2, 6), 4, 1),
+    ],
+)
+def test_pipelined_groups_equal_target_greedy(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams, batch_size: int, page_size: int
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
+    stack = make_stack(
+        models["target"],
+        "ngram" if drafter == "ngram" else "model",
+        smollm2_tokenizer,
+        spec,
+        draft_dir=models["draft"] if drafter == "random" else None,
+        page_size=page_size,
+        overlap="groups",
+    )
+    out = generate_all(stack, _requests(batch_size, seed=batch_size))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    for chunks in out:
+        assert chunks[-1].stats is not None
+        assert chunks[-1].stats.num_accepted_tokens == MAX_NEW_TOKENS
+    if drafter == "self" and spec.topk == 1:  # drafts always right: they were used
+        assert all(c[-1].stats.num_accepted_drafts > 0 for c in out)  # type: ignore[union-attr]
+
+
+class _Timed:
+    """Wraps the drafter and the verifier clients; records each call's (start, end)."""
+
+    def __init__(self, drafter: DrafterClient, verifier: VerifierClient) -> None:
+        self.drafter, self.verifier = drafter, verifier
+        self.drafts: list[tuple[float, float]] = []
+        self.verifies: list[tuple[float, float]] = []
+
+    async def _timed(self, calls: list[tuple[float, float]], coro):
+        start = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            calls.append((start, time.perf_counter()))
+
+    def drafter_client(self) -> DrafterClient:
+        timed = self
+
+        class Drafter:
+            async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+                return await timed._timed(timed.drafts, timed.drafter.draft(inputs))
+
+            async def release(self, seq_ids: list[str]) -> None:
+                await timed.drafter.release(seq_ids)
+
+        return Drafter()
+
+    def verifier_client(self) -> VerifierClient:
+        timed = self
+
+        class Verifier:
+            async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+                return await timed._timed(timed.verifies, self._slow(inputs))
+
+            async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+                await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
+                return await timed.verifier.verify(inputs)
+
+            async def release(self, seq_ids: list[str]) -> None:
+                await timed.verifier.release(seq_ids)
+
+            async def health(self):
+                return await timed.verifier.health()  # type: ignore[attr-defined]
+
+        return Verifier()
+
+    def overlapping_drafts(self) -> int:
+        return sum(any(v0 < d0 < v1 for v0, v1 in self.verifies) for d0, _ in self.drafts)
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+def test_groups_draft_while_the_other_group_is_verified(
+    models, smollm2_tokenizer, overlap: str
+) -> None:
+    stack = make_stack(
+        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
+    )
+    timed = _Timed(stack.scheduler.drafter, stack.scheduler.verifier)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, _requests(4, seed=3))
+    assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
+    if overlap == "serial":
+        assert timed.overlapping_drafts() == 0
+    else:
+        assert timed.overlapping_drafts() >= len(timed.drafts) // 2
+
+
+class _BrokenDrafter:
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        raise ServiceError(Code.UNAVAILABLE, "drafter down")
+
+    async def release(self, seq_ids: list[str]) -> None:
+        raise ServiceError(Code.UNAVAILABLE, "drafter down")
+
+
+def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tokenizer) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 4, seed=4)
+    stack = make_stack(
+        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
+    )
+    stack.scheduler.drafter = _BrokenDrafter()
+    out = stack.generate_all(_requests(4, seed=4))
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+
+
+def test_groups_leave_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer) -> None:
+    stack = make_stack(
+        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
+    )
+    scheduler = stack.scheduler
+
+    async def run() -> None:
+        await scheduler.start()
+        try:
+            streams = [scheduler.generate(r) for r in _requests(6, seed=5)]
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
+            assert all(first.token_ids for first in firsts)
+            for stream in streams[::2]:
+                await stream.aclose()  # cancelled mid-generation
+            async with asyncio.timeout(60):
+                for stream in streams[1::2]:
+                    async for _ in stream:
+                        pass
+                while scheduler.running or scheduler.waiting:
+                    await asyncio.sleep(0.01)
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(run())
+    check_no_leaks(stack)
