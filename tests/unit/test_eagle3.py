@@ -167,10 +167,17 @@ def _requests(prompts: list[list[int]]) -> list[GenerationRequest]:
     return [GenerationRequest(p, MAX_NEW_TOKENS, ignore_eos=True) for p in prompts]
 
 
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(1, 3, 3), (2, 3, 6)])
 def test_eagle3_speculative_greedy_equals_target_greedy(
-    models, smollm2_tokenizer, topk: int, num_steps: int, num_draft_tokens: int, page_size: int
+    models,
+    smollm2_tokenizer,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    page_size: int,
+    overlap: str,
 ) -> None:
     prompts = _prompts(3, seed=11)
     plain = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0))
@@ -183,6 +190,7 @@ def test_eagle3_speculative_greedy_equals_target_greedy(
         spec,
         draft_dir=models["head"],
         page_size=page_size,
+        overlap=overlap,
     )
     assert stack.scheduler.hidden_state_layers == (1, 1, 0)
     out = generate_all(stack, _requests(prompts))
