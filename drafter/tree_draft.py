@@ -104,19 +104,47 @@ class TreeProposer:
         trees: list[_Expansion] | None = None,
     ) -> list[DraftTree]:
         trees = trees if trees is not None else [_Expansion(job) for job in jobs]
-        for tree, logits in zip(trees, root_logits, strict=True):
-            if tree.job.spec.num_steps > 0:
-                self._grow(tree, [-1], logits[None])
+        growing = [t for t in trees if t.job.spec.num_steps > 0]
+        rows = torch.tensor([i for i, t in enumerate(trees) if t.job.spec.num_steps > 0])
+        if growing:
+            self._grow_all(
+                growing, [[-1] for _ in growing], root_logits[rows.to(root_logits.device)]
+            )
         max_steps = max((t.job.spec.num_steps for t in trees), default=0)
         for step in range(1, max_steps):
             active = [t for t in trees if t.job.spec.num_steps > step]
-            logits = self._forward_frontier(active)
-            offset = 0
-            for tree in active:
-                f = len(tree.frontier)
-                self._grow(tree, tree.frontier, logits[offset : offset + f])
-                offset += f
+            logits = self._forward_frontier(active)  # [sum of frontiers, vocab]
+            self._grow_all(active, [t.frontier for t in active], logits)
         return [self._select(t) for t in trees]
+
+    def _grow_all(
+        self,
+        trees: list[_Expansion],
+        parents: list[list[int]],  # per tree its frontier (-1 = the root)
+        logits: torch.Tensor,  # [sum of frontiers, vocab], the trees' rows in order
+    ) -> None:
+        """Grow every tree by one level. What the host needs of the logits (argmax of greedy
+        chains, top-k of trees) crosses in one copy for the whole batch, not one per tree."""
+        greedy_chain = [t.job.spec.topk == 1 and t.job.sampling.greedy for t in trees]
+        argmax = logits.argmax(dim=-1).tolist() if any(greedy_chain) else []
+        k = max((t.job.spec.topk for t in trees if t.job.spec.topk > 1), default=0)
+        top: tuple[torch.Tensor, torch.Tensor] | None = None
+        if k:
+            top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            top = (top_lp.cpu(), top_tok.cpu())  # [rows, k] each
+        offset = 0
+        for tree, tree_parents, greedy in zip(trees, parents, greedy_chain, strict=True):
+            f = len(tree_parents)
+            rows = slice(offset, offset + f)
+            offset += f
+            if greedy:
+                tree.frontier = [tree.add(argmax[rows.start], tree_parents[0], 0.0)]
+            elif tree.job.spec.topk == 1:
+                self._grow_sampled_chain(tree, tree_parents[0], logits[rows])
+            else:
+                assert top is not None
+                kt = tree.job.spec.topk
+                self._grow_topk(tree, tree_parents, top[0][rows, :kt], top[1][rows, :kt])
 
     def _frontier_step(self, tree: _Expansion) -> SeqStep:
         """Forward the frontier: each node sees the prefix, its ancestors and itself."""
@@ -136,26 +164,27 @@ class TreeProposer:
             logit_rows=list(range(len(tree.frontier))),
         )
 
-    def _grow(self, tree: _Expansion, parents: list[int], logits: torch.Tensor) -> None:
-        """Add children of `parents` ([f] nodes, -1 = root) given their logits [f, vocab]."""
+    def _grow_sampled_chain(self, tree: _Expansion, parent: int, logits: torch.Tensor) -> None:
+        """A sampled chain's next draft, drawn from the draft distribution q (kept with it)."""
         job = tree.job
-        if job.spec.topk == 1:  # chain fast path: no sort, no top-k
-            (parent,) = parents
-            if job.sampling.greedy:
-                token = int(logits[0].argmax())
-            else:
-                generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
-                q = target_probs(logits, job.sampling)  # [1, vocab]
-                token = int(sample(q, generator)[0])
-                tree.draft_probs.append(q[0].float().cpu())
-            tree.frontier = [tree.add(token, parent, 0.0)]
-            return
-        k = job.spec.topk
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [f, vocab]
-        top_lp, top_tok = logprobs.topk(k, dim=-1)  # [f, k]
+        generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
+        q = target_probs(logits, job.sampling)  # [1, vocab]
+        token = int(sample(q, generator)[0])
+        tree.draft_probs.append(q[0].float().cpu())
+        tree.frontier = [tree.add(token, parent, 0.0)]
+
+    @staticmethod
+    def _grow_topk(
+        tree: _Expansion,
+        parents: list[int],  # [f] frontier nodes, -1 = the root
+        top_lp: torch.Tensor,  # [f, k] host: their children's log-probs
+        top_tok: torch.Tensor,  # [f, k] host: their children's tokens
+    ) -> None:
+        """Each frontier node's top-k children; the k best by cumulative log-prob go on."""
+        k = top_lp.shape[1]
         base = torch.tensor([tree.scores[p] if p >= 0 else 0.0 for p in parents])
-        cum = (base[:, None] + top_lp.cpu()).flatten()  # [f * k]
-        toks = top_tok.cpu().flatten().tolist()
+        cum = (base[:, None] + top_lp).flatten()  # [f * k]
+        toks = top_tok.flatten().tolist()
         children = [tree.add(toks[i], parents[i // k], float(cum[i])) for i in range(len(toks))]
         keep = cum.topk(min(k, len(children))).indices.tolist()
         tree.frontier = sorted(children[i] for i in keep)
