@@ -36,7 +36,25 @@ from specsplit.tree import DraftTree
 @dataclass
 class EagleSeqState(DraftKVState):
     # kv.kv_committed_len = head entries computed (<= len(tokens) - 1)
-    features: torch.Tensor = field(kw_only=True)  # [F, feature_width] target rows of tokens[0 : F]
+    # [capacity, feature_width]: rows [0, num_features) are the target's features of
+    # tokens[0 : num_features]; grown by doubling, so a round's append copies only its rows
+    feature_buffer: torch.Tensor = field(kw_only=True)
+    num_features: int = 0
+
+    @property
+    def features(self) -> torch.Tensor:
+        """[F, feature_width] the target rows of tokens[0 : F] (a view)."""
+        return self.feature_buffer[: self.num_features]
+
+    def append_features(self, rows: torch.Tensor) -> None:
+        end = self.num_features + rows.shape[0]
+        if end > self.feature_buffer.shape[0]:
+            capacity = max(end, 2 * self.feature_buffer.shape[0], 64)
+            grown = self.feature_buffer.new_empty(capacity, self.feature_buffer.shape[1])
+            grown[: self.num_features] = self.features
+            self.feature_buffer = grown
+        self.feature_buffer[self.num_features : end] = rows
+        self.num_features = end
 
 
 class Eagle3Proposer(TreeProposer):
@@ -66,7 +84,7 @@ class Eagle3Proposer(TreeProposer):
 
     def new_state(self, seq: DraftSeq) -> EagleSeqState:
         empty = torch.zeros(0, self.feature_width, dtype=self.head.dtype, device=self.head.device)
-        return EagleSeqState(self.kv.new_seq(), features=empty)
+        return EagleSeqState(self.kv.new_seq(), feature_buffer=empty)
 
     def _state(self, seq: DraftSeq) -> EagleSeqState:
         state = super()._state(seq)
@@ -75,7 +93,7 @@ class Eagle3Proposer(TreeProposer):
 
     def truncate(self, seq: DraftSeq, length: int) -> None:
         state = self._state(seq)
-        state.features = state.features[:length]
+        state.num_features = min(state.num_features, length)
         # entry i reads x_{i+1}: keep those with i + 1 < length
         state.kv.kv_committed_len = min(state.kv.kv_committed_len, max(length - 1, 0))
         self.kv.trim(state.kv, state.kv.kv_committed_len)
@@ -120,7 +138,7 @@ class Eagle3Proposer(TreeProposer):
                 f"the drafter has features up to {state.features.shape[0]}"
             )
         rows = rows.to(device=self.head.device, dtype=self.head.dtype)
-        state.features = torch.cat([state.features, rows])
+        state.append_features(rows)
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         try:
