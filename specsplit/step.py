@@ -8,7 +8,7 @@ storage indices and attends over storage [0, kv_len): the first `prefix_len` alw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ class SeqStep:
     prefix_len: int  # storage [0, prefix_len) visible to every query
     new_mask: torch.Tensor | None  # [q, kv_len - prefix_len] bool; None = causal
     logit_rows: list[int]  # rows of this step (0..q-1) whose logits are wanted
+    hidden_rows: list[int] = field(default_factory=list)  # rows whose hidden states are wanted
 
     def __post_init__(self) -> None:
         q = len(self.input_ids)
@@ -85,11 +86,13 @@ def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: lis
 
 def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBatch, list[slice]]:
     """Concatenate steps (host tensors); returns the batch and each step's slice of the logit
-    rows. The tree mask is built only when some step is not causal."""
+    rows (its hidden rows follow each other in step order). The tree mask is built only when
+    some step is not causal."""
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     logit_indices: list[int] = []
+    hidden_indices: list[int] = []
     logit_slices: list[slice] = []
     cu_seqlens = [0]
     for step in steps:
@@ -99,6 +102,7 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
         slot_mapping += step.seq.slots_of(step.storage)
         start = len(logit_indices)
         logit_indices += [cu_seqlens[-1] + row for row in step.logit_rows]
+        hidden_indices += [cu_seqlens[-1] + row for row in step.hidden_rows]
         logit_slices.append(slice(start, len(logit_indices)))
         cu_seqlens.append(cu_seqlens[-1] + len(step.input_ids))
     q_lens = [len(step.input_ids) for step in steps]
@@ -128,6 +132,11 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
         block_table=block_table,
         tree_mask=tree_mask,
         logit_indices=torch.tensor(logit_indices, dtype=torch.int64),
+        hidden_indices=(
+            torch.tensor(hidden_indices, dtype=torch.int64)
+            if any(step.hidden_rows for step in steps)
+            else None
+        ),
         max_q_len=max_q,
         page_size=page_size,
     )

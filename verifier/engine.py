@@ -165,21 +165,17 @@ class VerifierEngine:
         steps = []
         for item, seq in zip(inputs, seqs, strict=True):
             p, n = len(item.pending_tokens), len(item.tree)
-            # rows: the root (last pending token) and every tree node; all pending rows too
-            # when hidden states are wanted
-            first = 0 if aux else p - 1
-            steps.append(
-                verify_step(seq.kv, item.pending_tokens, item.tree, list(range(first, p + n)))
-            )
+            # logits of the root (last pending token) and every tree node; hidden states of
+            # every pending token and node when they are wanted
+            step = verify_step(seq.kv, item.pending_tokens, item.tree, list(range(p - 1, p + n)))
+            step.hidden_rows = list(range(p + n)) if aux else []
+            steps.append(step)
         batch, row_slices = build_forward_batch(steps, self.kv.page_size)
         out = self.graphs.forward(batch, aux) if self.graphs is not None else None
         if out is None:
             out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
-        rows = [
-            range(r.start + (len(item.pending_tokens) - 1 if aux else 0), r.stop)
-            for item, r in zip(inputs, row_slices, strict=True)
-        ]
+        rows = [range(r.start, r.stop) for r in row_slices]
         accepted = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
         results = [
             self._commit(item, seq, result)
@@ -189,10 +185,12 @@ class VerifierEngine:
             # per sequence [p + num_accepted_drafts, layers * hidden]: pending tokens, then the
             # accepted path
             keep: list[int] = []
-            for item, path, r in zip(inputs, accepted, row_slices, strict=True):
+            start = 0  # each sequence's p + n hidden rows follow the last's
+            for item, path in zip(inputs, accepted, strict=True):
                 p = len(item.pending_tokens)
-                keep += [r.start + i for i in range(p)]
-                keep += [r.start + p + node for node in path.accepted_nodes]
+                keep += [start + i for i in range(p)]
+                keep += [start + p + node for node in path.accepted_nodes]
+                start += p + len(item.tree)
             index = to_device(torch.tensor(keep, dtype=torch.int64), self.device)
             hidden = out.hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
             sizes = [

@@ -32,6 +32,8 @@ class ForwardBatch:
     logit_indices: torch.Tensor  # [L] int64 rows of T whose logits (and hidden states) are wanted
     max_q_len: int  # >= every q_len (the attention grid)
     page_size: int
+    # [H] int64 rows of T whose hidden states are wanted (aux_layers); None = logit_indices
+    hidden_indices: torch.Tensor | None = None
     _plan: _Plan | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +57,7 @@ class ForwardBatch:
         if self.input_ids.device == device:
             return self
         names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
-        names = [n for n in names if n != "tree_mask"]
+        names = [n for n in names if n != "tree_mask"]  # hidden_indices: only when it is set
         host = [getattr(self, n) for n in names]
         moved = to_device(torch.cat([t.reshape(-1).to(torch.int64) for t in host]), device)
         parts = dict(zip(names, moved.split([t.numel() for t in host]), strict=True))
@@ -94,4 +96,4 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [L, vocab] float32
-    hidden_states: torch.Tensor | None  # [L, num_aux_layers * hidden] or None
+    hidden_states: torch.Tensor | None  # [H, num_aux_layers * hidden] or None

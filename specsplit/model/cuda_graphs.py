@@ -45,9 +45,9 @@ class _Buffers:
         t = max_bs * q
         self.q, self.max_bs, self.max_pages = q, max_bs, max_pages
         # int64, each [max_bs * q]: input_ids, positions, slot_mapping, the step's logit rows,
-        # and every row (an arange: what the graphs compute logits for)
-        self.host64 = torch.zeros(5 * t, dtype=torch.int64).pin_memory()
-        self.host64[4 * t :] = torch.arange(t)
+        # its hidden-state rows, and every row (an arange: what the graphs compute)
+        self.host64 = torch.zeros(6 * t, dtype=torch.int64).pin_memory()
+        self.host64[5 * t :] = torch.arange(t)
         # int32: cu_seqlens_q [max_bs + 1], kv_lens, prefix_lens [max_bs], block_table
         self.host32 = torch.zeros(1 + 3 * max_bs + max_bs * max_pages, dtype=torch.int32)
         self.host32 = self.host32.pin_memory()
@@ -74,13 +74,14 @@ class _Buffers:
         self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, Any]:
         t, n = self.max_bs * self.q, self.max_bs
-        ids, positions, slots, rows, all_rows = packed64.split(t)
+        ids, positions, slots, rows, hidden_rows, all_rows = packed64.split(t)
         cu, kv_lens, prefix_lens, table = packed32.split([n + 1, n, n, n * self.max_pages])
         return dict(
             input_ids=ids,
             positions=positions,
             slot_mapping=slots,
             rows=rows,
+            hidden_rows=hidden_rows,
             all_rows=all_rows,
             cu_seqlens_q=cu,
             kv_lens=kv_lens,
@@ -118,6 +119,8 @@ class _Buffers:
         v["slot_mapping"][:t] = batch.slot_mapping.numpy()
         num_rows = batch.logit_indices.shape[0]
         v["rows"][:num_rows] = batch.logit_indices.numpy()
+        if batch.hidden_indices is not None:
+            v["hidden_rows"][: batch.hidden_indices.shape[0]] = batch.hidden_indices.numpy()
         v["kv_lens"][:bs] = batch.kv_lens.numpy()
         v["prefix_lens"][:bs] = batch.prefix_lens.numpy()
         width = batch.block_table.shape[1]
@@ -279,5 +282,7 @@ class CudaGraphRunner:
         logits = buffers.logits[:t].index_select(0, rows)
         hidden = None
         if buffers.hidden_states is not None:
+            if batch.hidden_indices is not None:
+                rows = buffers.dev["hidden_rows"][: batch.hidden_indices.shape[0]]
             hidden = buffers.hidden_states[:t].index_select(0, rows)
         return ForwardOutput(logits=logits, hidden_states=hidden)

@@ -177,7 +177,8 @@ class LlamaModel(nn.Module):
     ) -> ForwardOutput:
         """Write this step's K/V into `kv` at `batch.slot_mapping` and return float32 logits
         [L, vocab] for rows `batch.logit_indices`, plus, when `aux_layers` is given, those
-        hidden states concatenated: [L, len(aux_layers) * hidden]. Index i < num_layers is
+        hidden states concatenated for rows `batch.hidden_indices` (default: the logit rows):
+        [H, len(aux_layers) * hidden]. Index i < num_layers is
         decoder layer i's output (pre final norm); i == num_layers is the last hidden state after
         the final norm (what lm_head reads; EAGLE-1/2 heads draft from it)."""
         assert len(kv.k) >= len(self.layers), (len(kv.k), len(self.layers))
@@ -186,6 +187,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
         aux: dict[int, torch.Tensor] = {}
+        hidden_rows = batch.logit_indices if batch.hidden_indices is None else batch.hidden_indices
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         normed: torch.Tensor | None = layers[0].input_layernorm(hidden)
         for index, decoder_layer in enumerate(layers):
@@ -193,10 +195,12 @@ class LlamaModel(nn.Module):
             assert normed is not None
             hidden, normed = decoder_layer(hidden, normed, cos, sin, batch, kv, next_norm)
             if index in aux_layers:
-                aux[index] = hidden[batch.logit_indices]
+                aux[index] = hidden[hidden_rows]
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
         if len(self.layers) in aux_layers:
-            aux[len(self.layers)] = last
+            aux[len(self.layers)] = (
+                last if hidden_rows is batch.logit_indices else self.norm(hidden[hidden_rows])
+            )
         logits = linear(last, self.lm_head_weight).float()  # [L, vocab]
         hidden_states = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return ForwardOutput(logits=logits, hidden_states=hidden_states)

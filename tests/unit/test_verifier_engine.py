@@ -213,3 +213,28 @@ def test_hidden_states_cover_pending_tokens_and_accepted_path(target_dir: Path) 
     )
     engine.release(["s", "p"])
     assert engine.num_pages_used == 0
+
+
+def test_prefill_with_hidden_states_computes_logits_only_at_the_root_and_nodes(
+    target_dir: Path,
+) -> None:
+    """Hidden states of every pending token, logits only where acceptance reads them: a
+    prefill for an EAGLE drafter does not compute the whole prompt's logits."""
+    engine = _engine(target_dir)
+    seen: list[tuple[int, int]] = []
+    forward = engine.model.forward
+
+    def recording(batch, kv, aux_layers=()):  # noqa: ANN001, ANN202
+        out = forward(batch, kv, aux_layers=aux_layers)
+        assert out.hidden_states is not None
+        seen.append((out.logits.shape[0], out.hidden_states.shape[0]))
+        return out
+
+    engine.model.forward = recording  # type: ignore[method-assign]
+    tree = DraftTree([3, 4, 5], [-1, 0, -1])
+    out = engine.verify([VerifyInput("s", True, 0, PROMPT, tree, hidden_state_layers=(0, 2))])
+    assert seen == [(1 + len(tree), len(PROMPT) + len(tree))]
+    hidden = out[0].hidden_states
+    assert hidden is not None
+    assert hidden.shape == (len(PROMPT) + len(out[0].accepted_tokens), 2 * 64)
+    engine.release(["s"])
