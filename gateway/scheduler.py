@@ -98,6 +98,8 @@ class Scheduler:
         self._group: dict[str, int] = {}  # seq id -> 0 or 1 (overlap "groups")
         self._turn = 0  # the group verified next
         self._drafted: dict[str, DraftTree] = {}  # trees drafted ahead, for their next verify
+        self._admission_held = False  # a preemption freed pages for the running ones only
+        self.num_preemptions = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -224,6 +226,9 @@ class Scheduler:
                     self._fail(seq, error)
 
     def _admit(self) -> None:
+        if self._admission_held and self.running:
+            return  # after a preemption: until a running sequence finishes
+        self._admission_held = False
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting.popleft()
             if not seq.cancelled:
@@ -391,9 +396,8 @@ class Scheduler:
                 await self.verifier.release([seq.seq_id for seq in self.running])
             await self._await_verifier(error)
         elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:
-            # KV full: the newest sequence gives way, the others go on
-            log.warning("verifier KV full; failing the newest sequence")
-            self._fail(self.running[-1], error)
+            # KV full: the newest sequence gives way and waits again, the others go on
+            await self._preempt(self.running[-1], error)
         else:
             log.error("verify round refused (%s: %s)", error.code.value, error.message)
             for seq in self.running:
@@ -437,6 +441,28 @@ class Scheduler:
                 )
             await asyncio.sleep(VERIFIER_RETRY_S)
 
+    async def _preempt(self, seq: Sequence, error: ServiceError) -> None:
+        """Retract `seq` (DESIGN.md §8 memory pressure): free its KV in both services and put it
+        first in line again; once admitted it re-prefills from the gateway's tokens and goes on
+        where it stopped (greedy: the same tokens). Until a running sequence finishes, nothing
+        more is admitted, so that it does not take the pages back at once."""
+        log.warning(
+            "verifier KV full (%s); preempting %s (%d tokens), %d others go on",
+            error.message,
+            seq.seq_id,
+            len(seq.tokens),
+            len(self.running) - 1,
+        )
+        self.running.remove(seq)
+        await self._release([seq])
+        seq.forget_verifier()
+        seq.forget_drafter()
+        self._drafted.pop(seq.seq_id, None)
+        self.waiting.appendleft(seq)
+        self._admission_held = True
+        self.num_preemptions += 1
+        metrics.observe_preemption()
+
     @staticmethod
     def _fail(seq: Sequence, error: ServiceError) -> None:
         seq.outbox.put_nowait(error)
@@ -451,6 +477,7 @@ class Scheduler:
         # (and released) next time, not dropped with its KV still held
         released = {id(seq) for seq in done}
         self.running = [seq for seq in self.running if id(seq) not in released]
+        self._admission_held = False  # pages came free
 
     async def _release(self, seqs: list[Sequence]) -> None:
         ids = [seq.seq_id for seq in seqs]

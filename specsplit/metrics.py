@@ -63,6 +63,9 @@ WAITING_SEQUENCES = Gauge("specsplit_waiting_sequences", "Sequences queued for t
 KV_PAGES_USED = Gauge("specsplit_kv_pages_used", "KV cache pages holding sequences")
 KV_PAGES_FREE = Gauge("specsplit_kv_pages_free", "KV cache pages free")
 ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["code"])
+PREEMPTIONS = Counter(
+    "specsplit_preemptions", "Running sequences retracted because the verifier's KV was full"
+)
 
 
 def serve(listen: str | None) -> int | None:
@@ -98,6 +101,10 @@ class TokenClock(Protocol):
 def observe_queue(num_running: int, num_waiting: int) -> None:
     RUNNING_SEQUENCES.set(num_running)
     WAITING_SEQUENCES.set(num_waiting)
+
+
+def observe_preemption() -> None:
+    PREEMPTIONS.inc()
 
 
 def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> None:
