@@ -1,0 +1,54 @@
+"""The three services as real processes with the gateway in pipelined-groups mode (--overlap
+groups): the Draft and Verify streams run at once over gRPC, and concurrent streams still equal
+target-only decoding token for token, with no KV left."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specsplit.v1 import common_pb2, gateway_pb2
+from tests.integration.services import Services, generate, ids_of, token_request
+from tests.support import save_tiny_llama
+
+VOCAB = 49152
+SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
+NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
+    root = tmp_path_factory.mktemp("services_groups")
+    model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
+    svc = Services(
+        str(model),
+        root,
+        extra={
+            "drafter": ["--drafter", "model", "--draft-model", str(model)],
+            "gateway": ["--overlap", "groups"],
+        },
+    )
+    svc.start_all()
+    yield svc
+    codes = svc.stop_all()
+    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+
+
+def test_groups_mode_concurrent_streams_equal_target_only(services: Services) -> None:
+    stub = services.gateway()
+    prompts = [[(37 * i + 11 * j) % 4000 + 100 for j in range(3 + 4 * i)] for i in range(6)]
+
+    def run(prompt: list[int], spec: common_pb2.SpecParams) -> list[gateway_pb2.GenerateResponse]:
+        return generate(stub, token_request(prompt, 16, spec=spec, ignore_eos=True))
+
+    with ThreadPoolExecutor(6) as pool:
+        speculative = list(pool.map(lambda p: run(p, SPEC), prompts))
+    plain = [run(p, NO_SPEC) for p in prompts]
+    for spec_out, plain_out in zip(speculative, plain, strict=True):
+        assert ids_of(spec_out) == ids_of(plain_out)
+        last = spec_out[-1]
+        assert last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        assert last.spec_stats.mean_accepted_tokens > 2.0, last.spec_stats  # draft == target
+    services.wait_no_pages_used()
