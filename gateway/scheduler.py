@@ -99,6 +99,8 @@ class Scheduler:
         self._turn = 0  # the group verified next
         self._drafted: dict[str, DraftTree] = {}  # trees drafted ahead, for their next verify
         self._admission_held = False  # a preemption freed pages for the running ones only
+        # overlap "groups": the last verified group's outputs, committed during the next Verify
+        self._uncommitted: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]] | None = None
         self.num_preemptions = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -245,10 +247,12 @@ class Scheduler:
 
     async def step_groups(self, running: list[Sequence]) -> None:
         """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
-        turns. This round verifies one group with the trees drafted for it during the last
-        round, while the drafter drafts the other group's next trees; then the verified group
-        commits. A sequence with no tree drafted ahead (new, or after a fault) is drafted first.
-        With one group empty this is a serial round."""
+        turns. This round sends the Verify of one group, with the trees drafted for it during
+        the last round; while the verifier works, the gateway commits the other group's last
+        round (detokenizing, stop rules, streaming: off the verifier's path) and the drafter
+        drafts that group's next trees. The verified group's outputs are committed next round.
+        A sequence with no tree drafted ahead (new, or after a fault) is drafted first; with one
+        group empty a round commits, drafts and verifies in turn."""
         self._assign_groups(running)
         turn = (
             self._turn
@@ -258,27 +262,40 @@ class Scheduler:
         self._turn = 1 - turn
         verify = [seq for seq in running if self._group[seq.seq_id] == turn]
         ahead = [seq for seq in running if self._group[seq.seq_id] != turn]
+        pending, self._uncommitted = self._uncommitted, None
+        if pending is not None and not set(map(id, pending[0])).isdisjoint(map(id, verify)):
+            self._commit(*pending)  # the group verified last round is the one verified now
+            pending = None
+        verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
+        if not verify:
+            if pending is not None:
+                self._commit(*pending)
+            return
         missing = [seq for seq in verify if seq.seq_id not in self._drafted]
         if missing:
             for seq, tree in zip(missing, await self._draft(missing), strict=True):
                 self._drafted[seq.seq_id] = tree
         trees = [self._drafted.pop(seq.seq_id) for seq in verify]
         with telemetry.round_span([seq.span for seq in verify]):
-            verified, drafted = await asyncio.gather(
-                self.verifier.verify(
-                    [seq.verify_input(tree) for seq, tree in zip(verify, trees, strict=True)]
-                ),
-                self._draft(ahead),
-                return_exceptions=True,
-            )
-        if isinstance(drafted, BaseException):
-            raise drafted  # _draft handles the drafter's faults: this is a bug
-        if isinstance(verified, BaseException):
-            self._drafted.clear()  # whatever happens next, draft again from the tokens
-            raise verified
+            inputs = [seq.verify_input(tree) for seq, tree in zip(verify, trees, strict=True)]
+            verifying = asyncio.ensure_future(self.verifier.verify(inputs))
+            await asyncio.sleep(0)  # the Verify is on its way before the commit below
+            try:
+                if pending is not None:
+                    self._commit(*pending)
+                ahead = [seq for seq in ahead if not (seq.finished or seq.cancelled)]
+                drafted = await self._draft(ahead)
+            except BaseException:
+                verifying.cancel()
+                raise
+            try:
+                verified = await verifying
+            except BaseException:
+                self._drafted.clear()  # whatever happens next, draft again from the tokens
+                raise
         for seq, tree in zip(ahead, drafted, strict=True):
             self._drafted[seq.seq_id] = tree
-        self._commit(verify, trees, verified)
+        self._uncommitted = (verify, trees, verified)
 
     def _assign_groups(self, running: list[Sequence]) -> None:
         """Forget sequences that left; a new one joins the smaller group."""
