@@ -8,6 +8,7 @@ sequence as it was.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,14 @@ class VerifierEngine:
         *,
         graph_query_lens: tuple[int, ...] = (),
         max_batch_size: int = 64,
+        synthetic_acceptance: tuple[float, ...] | None = None,
     ) -> None:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
-        tokens per sequence and batches up to max_batch_size; () = always eager."""
+        tokens per sequence and batches up to max_batch_size; () = always eager.
+        synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: instead of acceptance, the first
+        child at depth d is accepted with probability synthetic_acceptance[d] (the last rate for
+        deeper levels), so random-weight models run the whole system at a chosen accepted
+        length; the bonus token is still the target's argmax."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
@@ -66,6 +72,10 @@ class VerifierEngine:
         self.num_layers = model.config.num_layers  # hidden_state_layers go up to this
         self.device = kv.device
         self.seqs: dict[str, VerifierSeq] = {}
+        self.synthetic_acceptance = synthetic_acceptance
+        self._synthetic_rng = random.Random(0)
+        if synthetic_acceptance is not None:
+            log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.graph_query_lens = graph_query_lens
         self.graphs: CudaGraphRunner | None = None
         if graph_query_lens and self.device.type == "cuda":
@@ -212,6 +222,8 @@ class VerifierEngine:
         """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
         and the accepted path's K/V compaction for the whole batch on the device; one
         device-to-host copy of the results."""
+        if self.synthetic_acceptance is not None:
+            return self._accept_synthetic(inputs, seqs, logits, rows)
         width = max(len(item.tree) for item in inputs)  # N
         num_seqs = len(inputs)
         row_index = torch.zeros(num_seqs, width + 1, dtype=torch.int64)  # [B, N + 1]
@@ -293,6 +305,40 @@ class VerifierEngine:
         return accept_sampling_batched(
             probs, draft_tokens, parents, uniforms, q, to_device(has_q, self.device)
         )
+
+    def _accept_synthetic(
+        self,
+        inputs: list[VerifyInput],
+        seqs: list[VerifierSeq],
+        logits: torch.Tensor,  # [L, vocab]
+        rows: list[range],
+    ) -> list[AcceptResult]:
+        """Benchmarks only (see __init__): first children accepted at the configured rates,
+        bonus = the target's argmax there; the accepted path's K/V moved as usual."""
+        rates = self.synthetic_acceptance
+        assert rates is not None
+        paths: list[list[int]] = []
+        for item in inputs:
+            path: list[int] = []
+            while (kids := item.tree.children(path[-1] if path else -1)) and (
+                self._synthetic_rng.random() < rates[min(len(path), len(rates) - 1)]
+            ):
+                path.append(kids[0])
+            paths.append(path)
+        last = [
+            r.start + (path[-1] + 1 if path else 0) for path, r in zip(paths, rows, strict=True)
+        ]
+        index = to_device(torch.tensor(last, dtype=torch.int64), self.device)
+        bonus = logits.index_select(0, index).argmax(dim=-1).tolist()
+        src: list[int] = []
+        dst: list[int] = []
+        for item, seq, path in zip(inputs, seqs, paths, strict=True):
+            base = seq.kv.kv_committed_len + len(item.pending_tokens)
+            src += seq.kv.slots_of(base + node for node in path)
+            dst += seq.kv.slots_of(range(base, base + len(path)))
+        if src:
+            self.kv.move(torch.tensor(src), torch.tensor(dst))
+        return [AcceptResult(path, b) for path, b in zip(paths, bonus, strict=True)]
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the

@@ -224,7 +224,7 @@ def test_prefill_with_hidden_states_computes_logits_only_at_the_root_and_nodes(
     seen: list[tuple[int, int]] = []
     forward = engine.model.forward
 
-    def recording(batch, kv, aux_layers=()):  # noqa: ANN001, ANN202
+    def recording(batch, kv, aux_layers=()):
         out = forward(batch, kv, aux_layers=aux_layers)
         assert out.hidden_states is not None
         seen.append((out.logits.shape[0], out.hidden_states.shape[0]))
@@ -238,3 +238,30 @@ def test_prefill_with_hidden_states_computes_logits_only_at_the_root_and_nodes(
     assert hidden is not None
     assert hidden.shape == (len(PROMPT) + len(out[0].accepted_tokens), 2 * 64)
     engine.release(["s"])
+
+
+@pytest.mark.parametrize(("rate", "expected_drafts"), [(1.0, 3), (0.0, 0)])
+def test_synthetic_acceptance_accepts_first_children_at_the_rate(
+    target_dir: Path, rate: float, expected_drafts: int
+) -> None:
+    """The benchmark-only mode: acceptance by rate (labelled not lossless), the K/V and lengths
+    kept consistent, nothing leaked."""
+    model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
+    kv = make_kv_cache(config, 64, 4, torch.float64, "cpu")
+    engine = VerifierEngine(
+        model,
+        kv,
+        config.max_position_embeddings,
+        config.vocab_size,
+        synthetic_acceptance=(rate,),
+    )
+    out = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree())])[0]
+    for _ in range(3):
+        tree = DraftTree([7, 8, 9, 10], [-1, 0, 1, -1])  # a chain of 3 and a second root child
+        out = engine.verify(
+            [VerifyInput("s", False, out.kv_committed_len, [out.bonus_token], tree)]
+        )[0]
+        assert out.accepted_tokens == [7, 8, 9][:expected_drafts]
+        engine.check_integrity()
+    engine.release(["s"])
+    assert engine.num_pages_used == 0

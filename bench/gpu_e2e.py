@@ -1,0 +1,181 @@
+"""The whole system in one process on one GPU with random weights: target + draft model through
+the real scheduler, drafter engine and verifier engine, SYNTHETIC ACCEPTANCE (draft positions
+accepted at the given rates: the output is not the target's; labelled in every line). Measures
+tokens/s of speculative rounds vs target-only rounds through the same stack, serial and
+pipelined-groups scheduling, at several batch sizes.
+
+    PYTHONPATH=. python bench/gpu_e2e.py --target llama-8b --draft llama-1b --rates 0.8 0.7 0.6
+
+What it leaves out: the RPCs and the second GPU of a real deployment (drafter and verifier
+here share one GPU and one process; their engine calls run on two threads, as the in-process
+clients do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from drafter.engine import DrafterEngine
+from drafter.model_proposer import ModelProposer
+from gateway.request import Chunk, GenerationRequest
+from gateway.scheduler import Scheduler
+from inprocess.clients import LocalDrafterClient, LocalVerifierClient
+from inprocess.stack import token_ids
+from specsplit.messages import SpecParams
+from specsplit.model.config import ModelConfig
+from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
+from verifier.engine import VerifierEngine
+
+VOCAB = 49152  # SmolLM2's tokenizer detokenizes the stream (the only one that travels)
+SHAPES = {
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> LlamaModel:
+    torch.manual_seed(seed)
+    hf_config = LlamaConfig(
+        **SHAPES[shape],
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_config).to(dtype).eval()
+    config = ModelConfig.from_hf(hf_config)
+    model = LlamaModel.from_state_dict(
+        config, state_dict_from_hf(config, hf.state_dict(), dtype, device), device
+    )
+    del hf
+    return model
+
+
+def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
+    """(tokens, seconds, accepted tokens per round) for the requests run concurrently."""
+
+    async def collect(request: GenerationRequest) -> list[Chunk]:
+        return [chunk async for chunk in scheduler.generate(request)]
+
+    async def go() -> tuple[int, float, float]:
+        await scheduler.start()
+        try:
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(collect(r) for r in requests))
+            seconds = time.perf_counter() - start
+        finally:
+            await scheduler.stop()
+        stats = [o[-1].stats for o in outs if o[-1].stats]
+        rounds = sum(s.rounds for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats) / max(rounds, 1)
+        return sum(len(token_ids(o)) for o in outs), seconds, accepted
+
+    return asyncio.run(go())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", choices=sorted(SHAPES), default="llama-8b")
+    parser.add_argument("--draft", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.8, 0.7, 0.6])
+    parser.add_argument("--spec", type=int, default=3, help="chain length")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tokenizer", default=".gpu/tokenizer")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    target = random_model(args.target, device, dtype, seed=0)
+    draft = random_model(args.draft, device, dtype, seed=1)
+    max_batch = max(args.batch)
+    pages = max_batch * (-(-(args.prompt_len + args.max_new_tokens + 64) // 16)) + 64
+    verifier = VerifierEngine(
+        target,
+        make_kv_cache(target.config, pages, 16, dtype, device),
+        8192,
+        VOCAB,
+        graph_query_lens=(1, 1 + args.spec),
+        max_batch_size=max_batch,
+        synthetic_acceptance=tuple(args.rates),
+    )
+    verifier.warmup()
+    proposer = ModelProposer(
+        draft, make_kv_cache(draft.config, pages, 16, dtype, device), VOCAB, 8192
+    )
+    drafter = DrafterEngine(proposer)
+    label = f"SYNTHETIC acceptance {args.rates}"
+    print(
+        f"{args.target} target, {args.draft} draft, {device} {dtype}, {label}, prompt "
+        f"{args.prompt_len}, {args.max_new_tokens} new tokens, chain {args.spec}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    print("| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only |")
+    print("|---|---|---|---|---|---|")
+    for batch in args.batch:
+        prompts = [
+            torch.randint(3, VOCAB, (args.prompt_len,), generator=gen).tolist()
+            for _ in range(batch)
+        ]
+        requests = [GenerationRequest(p, args.max_new_tokens, ignore_eos=True) for p in prompts]
+        base = None
+        for overlap, spec in (("serial", 0), ("serial", args.spec), ("groups", args.spec)):
+            scheduler = Scheduler(
+                LocalDrafterClient(drafter),
+                LocalVerifierClient(verifier),
+                tokenizer,
+                eos_token_ids=(),
+                default_spec=SpecParams(spec, 1, spec),
+                max_batch_size=max_batch,
+                overlap=overlap,
+            )
+            run(scheduler, requests[:1])  # warm-up (graphs of this batch's shapes, allocator)
+            tokens, seconds, accepted = run(scheduler, requests)
+            rate = tokens / seconds
+            base = base or rate
+            name = "target only" if spec == 0 else f"chain {spec}"
+            print(
+                f"| {overlap} | {name} | {batch} | {rate:.1f} | {accepted:.2f} | "
+                f"{rate / base:.2f}x |",
+                flush=True,
+            )
+        assert verifier.num_pages_used == 0 and drafter.num_pages_used == 0
+
+
+if __name__ == "__main__":
+    main()
