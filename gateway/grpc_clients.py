@@ -19,12 +19,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
-from specsplit import convert, metrics, telemetry
+from specsplit import metrics, rounds, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from specsplit.rounds import In, Out, RoundRpc
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import TLSFiles, channel
-from specsplit.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +106,57 @@ class RoundStream(Generic[Req, Resp]):
             self._call = None
 
 
-class _Client:
-    """A lazily opened channel (aio channels belong to the event loop that first uses them);
-    tls: the gateway's client certificate and the CA of the service's (mutual TLS), or none."""
+class StreamClient(Generic[In, Out]):
+    """A service's client: a lazily opened channel (aio channels belong to the event loop that
+    first uses them), its round stream, Release and health. tls: the gateway's client
+    certificate and the CA of the service's (mutual TLS), or none."""
 
-    service = ""
-
-    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
+    def __init__(self, rpc: RoundRpc[In, Out], address: str, tls: TLSFiles | None = None) -> None:
+        self.rpc = rpc
+        self.service = rpc.service
         self.address = address
         self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
+        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
 
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = channel(self.address, self.tls, CHANNEL_OPTIONS)
         return self._channel
+
+    async def round(self, inputs: list[In]) -> list[Out]:
+        """One round on the stream: inputs out, outputs back, timed and traced."""
+        request = self.rpc.request_to_proto(inputs)
+        telemetry.inject(request.trace_context)  # the round span: parent of the service's span
+        with metrics.timed(self.rpc.seconds):
+            response = await self._stream.round(request)
+        return self.rpc.response_from_proto(response)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        if not seq_ids:
+            return
+        try:
+            await self.rpc.stub(self.channel).Release(common_pb2.ReleaseRequest(seq_ids=seq_ids))
+        except grpc.aio.AioRpcError as err:
+            raise service_error(err, self.service) from err
+
+    async def health(self) -> Health:
+        """The service's health over this client's channel (its credentials, its address)."""
+        status = await health_status(self.channel, "", HEALTH_TIMEOUT_S)
+        if status is None:
+            return Health.DOWN
+        serving = status == health_pb2.HealthCheckResponse.SERVING
+        return Health.SERVING if serving else Health.LOADING
+
+    async def close(self) -> None:
+        self._stream.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    def _open(self) -> grpc.aio.StreamStreamCall:
+        return getattr(self.rpc.stub(self.channel), self.rpc.stream)()
 
     async def _connect(self) -> bool:
         """Whether the channel is (or within CONNECT_TIMEOUT_S becomes) READY; False at once
@@ -139,76 +175,21 @@ class _Client:
             state = self.channel.get_state(try_to_connect=True)
         return state == ready
 
-    async def health(self) -> Health:
-        """The service's health over this client's channel (its credentials, its address)."""
-        status = await health_status(self.channel, "", HEALTH_TIMEOUT_S)
-        if status is None:
-            return Health.DOWN
-        serving = status == health_pb2.HealthCheckResponse.SERVING
-        return Health.SERVING if serving else Health.LOADING
 
-    async def _release(self, release: Any, seq_ids: list[str]) -> None:
-        if not seq_ids:
-            return
-        try:
-            await release(common_pb2.ReleaseRequest(seq_ids=seq_ids))
-        except grpc.aio.AioRpcError as err:
-            raise service_error(err, self.service) from err
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-
-
-class GrpcDrafterClient(_Client):
-    service = "drafter"
-
+class GrpcDrafterClient(StreamClient[DraftInput, DraftOutput]):
     def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
-        super().__init__(address, tls)
-        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
+        super().__init__(rounds.DRAFT, address, tls)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        request = convert.draft_request_to_proto(inputs)
-        telemetry.inject(request.trace_context)  # the round span: parent of the draft span
-        with metrics.timed(metrics.DRAFT_SECONDS):
-            response = await self._stream.round(request)
-        return convert.draft_response_from_proto(response)
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await self._release(drafter_pb2_grpc.DrafterStub(self.channel).Release, seq_ids)
-
-    async def close(self) -> None:
-        self._stream.close()
-        await super().close()
-
-    def _open(self) -> grpc.aio.StreamStreamCall:
-        return drafter_pb2_grpc.DrafterStub(self.channel).DraftStream()
+        return await self.round(inputs)
 
 
-class GrpcVerifierClient(_Client):
-    service = "verifier"
-
+class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
     def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
-        super().__init__(address, tls)
-        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
+        super().__init__(rounds.VERIFY, address, tls)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        request = convert.verify_request_to_proto(inputs)
-        telemetry.inject(request.trace_context)  # the round span: parent of the verify span
-        with metrics.timed(metrics.VERIFY_SECONDS):
-            response = await self._stream.round(request)
-        return convert.verify_response_from_proto(response)
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await self._release(verifier_pb2_grpc.VerifierStub(self.channel).Release, seq_ids)
-
-    async def close(self) -> None:
-        self._stream.close()
-        await super().close()
-
-    def _open(self) -> grpc.aio.StreamStreamCall:
-        return verifier_pb2_grpc.VerifierStub(self.channel).VerifyStream()
+        return await self.round(inputs)
 
 
 async def health_status(

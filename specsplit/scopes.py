@@ -25,14 +25,14 @@ log = logging.getLogger(__name__)
 ORPHAN_GRACE_S = 5.0
 
 
-class _Keyed(Protocol):
+class Keyed(Protocol):
     """A round's input or output (specsplit.messages): a dataclass with a seq_id."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
     seq_id: str
 
 
-K = TypeVar("K", bound=_Keyed)
+K = TypeVar("K", bound=Keyed)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,193 @@
+"""The drafter's and verifier's servicers, less what differs between them: the engine on its one
+thread (`EngineThread`), sequence ids scoped by connection (specsplit.scopes), the unary Release
+and the round stream (`round_stream`: a service's `specsplit.rounds.RoundRpc` and its engine
+call).
+
+Model code runs on one dedicated thread per engine: loading, warmup and every engine call, so
+engine state (and a CUDA context) is only ever touched by that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+
+import grpc
+
+from specsplit import metrics, telemetry
+from specsplit.errors import Code, ServiceError
+from specsplit.rounds import In, Out, RoundRpc
+from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes
+from specsplit.server import service_errors
+from specsplit.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+LOAD_PROGRESS_INTERVAL_S = 10.0
+
+E = TypeVar("E")
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class EngineThread(Generic[E]):
+    """An engine and the one thread that loads it, warms it up and runs every call on it."""
+
+    def __init__(self, name: str, load: Callable[[], E], warmup: Callable[[E], None]) -> None:
+        self.name = name
+        self._load = load
+        self._warmup = warmup
+        self._engine: E | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+
+    async def load(self) -> None:
+        """Load and warm up the engine on its thread, logging progress while it takes."""
+        started = time.monotonic()
+        log.info("%s: loading the engine", self.name)
+        engine = await self._logged("loading", started, self._load)
+        log.info("%s: loaded in %.1f s, warming up", self.name, time.monotonic() - started)
+        await self._logged("warming up", started, lambda: self._warmup(engine))
+        self._engine = engine
+        log.info("%s: ready after %.1f s", self.name, time.monotonic() - started)
+
+    @property
+    def loaded(self) -> E | None:
+        """The engine once loaded and warm, else None."""
+        return self._engine
+
+    async def run(self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """fn(engine, ...) on the engine thread. UNAVAILABLE until loaded and warm."""
+        engine = self._engine
+        if engine is None:
+            raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(engine, *args, **kwargs))
+
+    async def run_timed(
+        self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> tuple[T, int]:
+        """(fn(engine, ...), nanoseconds it took on the engine thread, queueing excluded)."""
+
+        def timed(engine: E) -> tuple[T, int]:
+            start = time.perf_counter_ns()
+            result = fn(engine, *args, **kwargs)
+            return result, time.perf_counter_ns() - start
+
+        return await self.run(timed)
+
+    def close(self) -> None:
+        """Stop taking work; a call in progress finishes on its thread."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _logged(self, what: str, started: float, fn: Callable[[], T]) -> T:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=LOAD_PROGRESS_INTERVAL_S)
+            if done:
+                return future.result()
+            log.info("%s: still %s (%.0f s)", self.name, what, time.monotonic() - started)
+
+
+class Engine(Protocol):
+    """What EngineServicer needs of an engine besides its round call."""
+
+    @property
+    def num_pages_used(self) -> int: ...
+
+    @property
+    def num_pages_free(self) -> int: ...
+
+    @property
+    def seqs(self) -> Mapping[str, object]: ...
+
+    def warmup(self) -> None: ...
+
+    def release(self, seq_ids: list[str]) -> int: ...
+
+
+EngineT = TypeVar("EngineT", bound=Engine)
+
+
+class EngineServicer(Generic[EngineT]):
+    """The part the drafter and verifier servicers share: the engine thread, its loading
+    (a Servable's load/close), sequence ids scoped by connection (specsplit.scopes) and the
+    unary Release. Subclasses name themselves, add register() and their stream method
+    (`round_stream`). TLS: mutual (only clients with a certificate from the configured CA)."""
+
+    name: str  # "drafter": the engine thread's name in logs
+    service_name: str
+    mutual_tls = True
+
+    def __init__(self, load: Callable[[], EngineT], orphan_grace_s: float = ORPHAN_GRACE_S) -> None:
+        self.engine = EngineThread(self.name, load, _warmup)
+        self.scopes = ConnectionScopes(self._release_selected, orphan_grace_s)
+        metrics.watch_kv_pages(self._kv_pages)
+
+    async def load(self) -> None:
+        await self.engine.load()
+
+    async def close(self) -> None:
+        await self.scopes.close()
+        self.engine.close()
+
+    async def _release_selected(self, select: Callable[[Iterable[str]], list[str]]) -> int:
+        try:
+            return await self.engine.run(_release_selected, select)
+        except RuntimeError:  # the engine thread has shut down: nothing left to free
+            return 0
+
+    def _kv_pages(self) -> tuple[int, int]:
+        """(used, free) KV pages; (0, 0) while loading. Read from the metrics thread."""
+        engine = self.engine.loaded
+        return (0, 0) if engine is None else (engine.num_pages_used, engine.num_pages_free)
+
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
+        # only the caller's own sequences: ids are scoped to the connection that made them
+        scope = self.scopes.find(context.peer())
+        seq_ids = [] if scope is None else [scope.inside(s) for s in request.seq_ids]
+        async with service_errors(context):
+            num_released, num_pages_used = await self.engine.run(_release, seq_ids)
+        return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
+
+
+def _warmup(engine: Engine) -> None:
+    engine.warmup()
+
+
+def _release(engine: Engine, seq_ids: list[str]) -> tuple[int, int]:
+    return engine.release(seq_ids), engine.num_pages_used
+
+
+def _release_selected(engine: Engine, select: Callable[[Iterable[str]], list[str]]) -> int:
+    return engine.release(select(list(engine.seqs)))
+
+
+def round_stream(
+    rpc: RoundRpc[In, Out], run: Callable[[EngineT, list[In]], list[Out]]
+) -> Callable[[EngineServicer[EngineT], AsyncIterator[Any], grpc.aio.ServicerContext], Any]:
+    """The servicer's bidi stream method for `rpc`, `run` being the engine's round (on the
+    engine thread): one response per request, in order; a refused round ends the stream (its
+    status from `service_errors`). Sequence ids are this connection's own (specsplit.scopes):
+    its scope lives as long as the stream, then its orphan grace starts."""
+
+    async def stream(
+        self: EngineServicer[EngineT],
+        request_iterator: AsyncIterator[Any],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Any]:
+        async with service_errors(context), self.scopes.stream(context.peer()) as scope:
+            async for request in request_iterator:
+                inputs = scope.enter(rpc.request_from_proto(request))
+                with telemetry.service_span(rpc.span, request) as span:
+                    outputs, engine_ns = await self.engine.run_timed(run, inputs)
+                    span.set_attribute(f"{rpc.span}_ns", engine_ns)
+                rpc.seconds.observe(engine_ns / 1e9)
+                yield rpc.response_to_proto(scope.leave(outputs), engine_ns)
+
+    return stream
