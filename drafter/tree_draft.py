@@ -150,9 +150,11 @@ class TreeProposer:
         """Forward the frontier: each node sees the prefix, its ancestors and itself."""
         kv = self._seq_kv(tree.job.seq)
         base = kv.kv_committed_len
-        mask = torch.zeros(len(tree.frontier), len(tree.tokens), dtype=torch.bool)
-        for row, node in enumerate(tree.frontier):
-            mask[row, tree.paths[node]] = True
+        mask: torch.Tensor | None = None  # a chain's newest node sees everything: causal
+        if tree.job.spec.topk > 1:
+            mask = torch.zeros(len(tree.frontier), len(tree.tokens), dtype=torch.bool)
+            for row, node in enumerate(tree.frontier):
+                mask[row, tree.paths[node]] = True
         return SeqStep(
             seq=kv,
             input_ids=[tree.tokens[node] for node in tree.frontier],
