@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench.gpu_engine import SHAPES
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from gateway.request import Chunk, GenerationRequest
@@ -32,47 +33,12 @@ from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from verifier.engine import VerifierEngine
 
 VOCAB = 49152  # SmolLM2's tokenizer detokenizes the stream (the only one that travels)
-SHAPES = {
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-}
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> LlamaModel:
     torch.manual_seed(seed)
-    hf_config = LlamaConfig(
-        **SHAPES[shape],
-        vocab_size=VOCAB,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
+    sizes = SHAPES[shape] | {"vocab_size": VOCAB, "tie_word_embeddings": False}
+    hf_config = LlamaConfig(**sizes, max_position_embeddings=8192, rms_norm_eps=1e-5)
     with torch.device(device):
         hf = LlamaForCausalLM(hf_config).to(dtype).eval()
     config = ModelConfig.from_hf(hf_config)

@@ -46,6 +46,16 @@ SHAPES = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     "tiny": dict(  # CPU smoke runs of this script
         vocab_size=512,
         hidden_size=64,
