@@ -8,9 +8,16 @@ installs alike): generated later, during build_py, it was installed as data with
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.warnings import InformationOnly
+
+# An editable install of this flat layout (five top-level packages) goes through setuptools'
+# import finder, which announces itself on every install with an "Editable installation." notice
+# (InformationOnly: nothing to act on), shown by pip as a warning.
+warnings.filterwarnings("ignore", "Editable installation", InformationOnly)
 
 ROOT = Path(__file__).parent
 

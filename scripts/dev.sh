@@ -3,7 +3,9 @@
 # then runs what you asked for.
 #   scripts/dev.sh demo [PROMPT]   start drafter, verifier and gateway on the embedded default
 #                                  model, stream one generation, shut down
-#   scripts/dev.sh test [ARGS]     run the test suite (pytest ARGS)
+#   scripts/dev.sh test [ARGS]     lint (ruff check, ruff format --check, mypy), then the test
+#                                  suite; with ARGS only pytest ARGS (no lint)
+#   scripts/dev.sh lint            only the lint
 #   scripts/dev.sh up              start the three services and keep them running
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,13 @@ setup() {
   echo "$want" > "$STAMP"
 }
 
+# ruff (lint + format) on the tree, mypy on the packages; any finding fails
+lint() {
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  "$VENV/bin/mypy" specsplit drafter verifier gateway inprocess
+}
+
 cmd=${1:-demo}
 shift || true
 setup
@@ -40,10 +49,16 @@ case "$cmd" in
     exec "$VENV/bin/specsplit" up "$@"
     ;;
   test)
+    if [[ $# -eq 0 ]]; then
+      lint
+    fi
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
+  lint)
+    lint
+    ;;
   *)
-    echo "usage: scripts/dev.sh demo [PROMPT] | up | test [PYTEST ARGS]" >&2
+    echo "usage: scripts/dev.sh demo [PROMPT] | up | test [PYTEST ARGS] | lint" >&2
     exit 2
     ;;
 esac
