@@ -196,3 +196,43 @@ def test_groups_leave_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer
 
     asyncio.run(run())
     check_no_leaks(stack)
+
+
+class _RestartingVerifier:
+    """The real verifier, which loses every sequence (a restart) before its `fail_at`-th Verify
+    and answers that one UNAVAILABLE."""
+
+    def __init__(self, inner: VerifierClient, engine, fail_at: int) -> None:
+        self.inner, self.engine, self.fail_at = inner, engine, fail_at
+        self.calls = 0
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.engine.release(list(self.engine.seqs))
+            raise ServiceError(Code.UNAVAILABLE, "verifier restarted")
+        return await self.inner.verify(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+    async def health(self):
+        return await self.inner.health()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+@pytest.mark.parametrize("fail_at", [2, 3])
+def test_groups_survive_a_verifier_restart_with_the_same_tokens(
+    models, smollm2_tokenizer, fail_at: int, overlap: str
+) -> None:
+    """A restart while one group's outputs wait to be committed and the other's trees wait to
+    be verified: everything re-prefills from the gateway's tokens, nothing is lost or repeated."""
+    expected = _target_only(models, smollm2_tokenizer, 5, seed=6)
+    stack = make_stack(
+        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
+    )
+    restarting = _RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
+    stack.scheduler.verifier = restarting
+    out = generate_all(stack, _requests(5, seed=6))
+    assert [generated_ids(c) for c in out] == expected
+    assert restarting.calls > fail_at
