@@ -89,13 +89,25 @@ class Services:
         env |= self.env.get(role, {})
         self.procs[role] = subprocess.Popen(self.command(role), stdout=log, stderr=log, env=env)
 
-    def start_all(self, timeout: float = 240.0) -> None:
-        for role in (*ROLES, "http") if self.http else ROLES:
-            self.ports.setdefault(role, free_port())
-        for role in ROLES:
-            self.start(role)
-        for role in ROLES:
-            self.wait_serving(role, timeout)
+    def start_all(self, timeout: float = 240.0, attempts: int = 3) -> None:
+        """Start the three roles and wait until they serve. A port that `free_port` found free
+        can be taken by another process before a service binds it: then start over on new
+        ports (up to `attempts` times)."""
+        chosen = dict(self.ports)  # ports a test fixed itself are kept
+        for attempt in range(attempts):
+            for role in (*ROLES, "http") if self.http else ROLES:
+                self.ports.setdefault(role, free_port())
+            for role in ROLES:
+                self.start(role)
+            try:
+                for role in ROLES:
+                    self.wait_serving(role, timeout)
+                return
+            except RuntimeError as e:
+                if attempt + 1 == attempts or "bind" not in str(e).lower():
+                    raise
+                self.stop_all()
+                self.ports = dict(chosen)
 
     def wait_serving(self, role: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
