@@ -60,7 +60,7 @@ def main() -> None:
     if engine.graphs is not None:
         engine.graphs.forward = timed(phases, "graph copy-in + replay", engine.graphs.forward)  # type: ignore[method-assign]
     engine.model.forward = timed(phases, "eager forward", engine.model.forward)  # type: ignore[method-assign]
-    engine._accept_greedy = timed(phases, "accept (+ sync)", engine._accept_greedy)  # type: ignore[method-assign]
+    engine._accept = timed(phases, "accept (+ sync)", engine._accept)  # type: ignore[method-assign]
     engine._commit = timed(phases, "commit", engine._commit)  # type: ignore[method-assign]
     engine._validate = timed(phases, "validate", engine._validate)  # type: ignore[method-assign]
     engine._reserve = timed(phases, "reserve", engine._reserve)  # type: ignore[method-assign]
