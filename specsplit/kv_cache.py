@@ -136,12 +136,5 @@ class KVCache:
         seq.page_table.clear()
         seq.kv_committed_len = 0
 
-    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy K/V rows src -> dst in every layer at once (gathered first: ranges may
-        overlap)."""
-        src = src_slots.to(self.device, non_blocking=True)
-        dst = dst_slots.to(self.device, non_blocking=True)
-        self.data.index_copy_(2, dst, self.data.index_select(2, src))
-
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

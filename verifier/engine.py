@@ -20,6 +20,7 @@ from specsplit.kernels.accept import (
     BatchedAccept,
     accept_greedy_batched,
     accepted_kv_moves,
+    accepted_path,
     compact_accepted_kv,
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
@@ -222,8 +223,6 @@ class VerifierEngine:
         """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
         and the accepted path's K/V compaction for the whole batch on the device; one
         device-to-host copy of the results."""
-        if self.synthetic_acceptance is not None:
-            return self._accept_synthetic(inputs, seqs, logits, rows)
         width = max(len(item.tree) for item in inputs)  # N
         num_seqs = len(inputs)
         row_index = torch.zeros(num_seqs, width + 1, dtype=torch.int64)  # [B, N + 1]
@@ -242,7 +241,9 @@ class VerifierEngine:
         dev = to_device(host, self.device).split([part.numel() for part in parts])
         row_index = dev[0].view(num_seqs, width + 1)
         draft_tokens, parents = dev[1].view(num_seqs, width), dev[2].view(num_seqs, width)
-        if all(item.sampling.greedy for item in inputs):
+        if self.synthetic_acceptance is not None:
+            accepted = self._accept_synthetic(inputs, logits, row_index)
+        elif all(item.sampling.greedy for item in inputs):
             target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
             accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
         else:
@@ -309,36 +310,27 @@ class VerifierEngine:
     def _accept_synthetic(
         self,
         inputs: list[VerifyInput],
-        seqs: list[VerifierSeq],
         logits: torch.Tensor,  # [L, vocab]
-        rows: list[range],
-    ) -> list[AcceptResult]:
+        row_index: torch.Tensor,  # [B, N + 1] each sequence's rows of `logits`
+    ) -> BatchedAccept:
         """Benchmarks only (see __init__): first children accepted at the configured rates,
-        bonus = the target's argmax there; the accepted path's K/V moved as usual."""
+        bonus = the target's argmax at the last accepted node."""
         rates = self.synthetic_acceptance
         assert rates is not None
-        paths: list[list[int]] = []
-        for item in inputs:
-            path: list[int] = []
-            while (kids := item.tree.children(path[-1] if path else -1)) and (
-                self._synthetic_rng.random() < rates[min(len(path), len(rates) - 1)]
+        accepted = torch.zeros(row_index.shape[0], row_index.shape[1] - 1, dtype=torch.bool)
+        for b, item in enumerate(inputs):
+            node, depth = -1, 0
+            while (kids := item.tree.children(node)) and (
+                self._synthetic_rng.random() < rates[min(depth, len(rates) - 1)]
             ):
-                path.append(kids[0])
-            paths.append(path)
-        last = [
-            r.start + (path[-1] + 1 if path else 0) for path, r in zip(paths, rows, strict=True)
-        ]
-        index = to_device(torch.tensor(last, dtype=torch.int64), self.device)
-        bonus = logits.index_select(0, index).argmax(dim=-1).tolist()
-        src: list[int] = []
-        dst: list[int] = []
-        for item, seq, path in zip(inputs, seqs, paths, strict=True):
-            base = seq.kv.kv_committed_len + len(item.pending_tokens)
-            src += seq.kv.slots_of(base + node for node in path)
-            dst += seq.kv.slots_of(range(base, base + len(path)))
-        if src:
-            self.kv.move(torch.tensor(src), torch.tensor(dst))
-        return [AcceptResult(path, b) for path, b in zip(paths, bonus, strict=True)]
+                node, depth = kids[0], depth + 1
+                accepted[b, node] = True
+        num_accepted_drafts, accepted_nodes, last_node = accepted_path(
+            to_device(accepted, self.device)
+        )
+        target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
+        bonus_tokens = target_argmax.gather(1, last_node[:, None] + 1).squeeze(1)
+        return BatchedAccept(num_accepted_drafts, accepted_nodes, bonus_tokens)
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the

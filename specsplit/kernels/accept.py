@@ -3,8 +3,8 @@
 Fused torch ops over the whole batch: no host sync, and a fixed sequence of ops for a given
 tree width N whatever the data, so a verify step can be captured in a CUDA graph and its results
 leave the device in the round's one device-to-host copy. The per-sequence references are
-`specsplit.acceptance.accept_greedy` and the verifier's commit (`KVCache.move` of the accepted
-path); tests/unit/test_batched_accept.py checks both against these.
+`specsplit.acceptance.accept_greedy` and moving each accepted node's K/V by hand, one sequence
+at a time; tests/unit/test_batched_accept.py checks both against these.
 
 Row convention as in `specsplit.acceptance`: row 0 is the target at the root (the last pending
 token), row 1 + j the target at tree node j.
