@@ -252,11 +252,8 @@ class CudaGraphRunner:
         q = batch.max_q_len
         if batch.input_ids.shape[0] != bs * q:
             return None  # a ragged batch: some sequence has fewer than q tokens
-        if (q, aux_layers) not in self.buffers:
-            if q not in self.captured_query_lens:
-                return None
-            # hidden states asked for (an EAGLE drafter): the same q with these layers too
-            self.capture(q, aux_layers)
+        if (q, aux_layers) not in self.buffers and q not in self.captured_query_lens:
+            return None
         if batch.tree_mask is not None and tuple(batch.tree_mask.shape[1:]) != (q, q):
             return None
         if (
@@ -273,6 +270,8 @@ class CudaGraphRunner:
         bucket = self.bucket(batch, aux_layers)
         if bucket is None:
             return None
+        # hidden states asked for (an EAGLE drafter): capture the same q with these layers too
+        self.capture(q=batch.max_q_len, aux_layers=aux_layers)  # once; a no-op after
         q, bs = batch.max_q_len, batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
         buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot)
