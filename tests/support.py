@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gateway.request import Chunk, GenerationRequest
 from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import SpecParams
+from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.step import SeqStep
 
 TINY_VOCAB = 512
@@ -108,3 +108,18 @@ def dense_step(
 ) -> SeqStep:
     """A step given by a dense mask (tests): everything is its new region, no fixed prefix."""
     return SeqStep(seq, input_ids, positions, storage, int(mask.shape[1]), 0, mask, logit_rows)
+
+
+class BrokenDrafter:
+    """Stands in for a drafter that fails every call with `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        self.calls += 1
+        raise self.error
+
+    async def release(self, seq_ids: list[str]) -> None:
+        raise self.error

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,14 @@ class Services:
                     raise
                 self.stop_all()
                 self.ports = dict(chosen)
+
+    def serving(self, timeout: float = 240.0) -> Iterator[Services]:
+        """For a fixture (`yield from svc.serving()`): start all three, hand them over, stop
+        them; every role must exit 0."""
+        self.start_all(timeout)
+        yield self
+        codes = self.stop_all()
+        assert all(code == 0 for code in codes.values()), (codes, {r: self.log(r) for r in codes})
 
     def wait_serving(self, role: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -35,10 +35,7 @@ def services(
     svc = Services(
         str(target), root, extra={"drafter": ["--drafter", "eagle3", "--draft-model", str(head)]}
     )
-    svc.start_all()
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+    yield from svc.serving()
 
 
 def test_eagle3_over_grpc_equals_target_only_and_frees_kv(services: Services) -> None:

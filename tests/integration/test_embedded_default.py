@@ -22,10 +22,7 @@ MAX_NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     svc = Services(embedded_default_model_path(), tmp_path_factory.mktemp("embedded"))
-    svc.start_all(timeout=600)
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from svc.serving(timeout=600)
 
 
 def test_greedy_chat_equals_transformers_generate(services: Services, smollm2_tokenizer) -> None:

@@ -122,10 +122,7 @@ def services(
         metrics=True,
         env=dict.fromkeys(ROLES, otel),
     )
-    svc.start_all()
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+    yield from svc.serving()
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -33,10 +33,7 @@ def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
         },
         http=True,
     )
-    svc.start_all()
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+    yield from svc.serving()
 
 
 @pytest.fixture(scope="module")

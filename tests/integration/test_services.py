@@ -32,10 +32,7 @@ def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
     svc = Services(
         str(model), root, extra={"drafter": ["--drafter", "model", "--draft-model", str(model)]}
     )
-    svc.start_all()
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+    yield from svc.serving()
 
 
 def _prompt(i: int) -> list[int]:

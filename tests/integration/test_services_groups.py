@@ -30,10 +30,7 @@ def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
             "gateway": ["--overlap", "groups"],
         },
     )
-    svc.start_all()
-    yield svc
-    codes = svc.stop_all()
-    assert all(code == 0 for code in codes.values()), (codes, {r: svc.log(r) for r in codes})
+    yield from svc.serving()
 
 
 def test_groups_mode_concurrent_streams_equal_target_only(services: Services) -> None:

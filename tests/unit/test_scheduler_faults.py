@@ -10,28 +10,13 @@ import pytest
 
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftInput, DraftOutput, SpecParams
-from tests.support import check_no_leaks, generated_ids, make_stack, save_tiny_llama
+from specsplit.messages import SpecParams
+from tests.support import BrokenDrafter, check_no_leaks, generated_ids, make_stack, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("faults") / "target", seed=9)
-
-
-class _BrokenDrafter:
-    """Stands in for a drafter that fails every call with `error`."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-        self.calls = 0
-
-    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        self.calls += 1
-        raise self.error
-
-    async def release(self, seq_ids: list[str]) -> None:
-        raise self.error
 
 
 def _request() -> GenerationRequest:
@@ -47,7 +32,7 @@ def test_unavailable_drafter_gives_plain_decoding_with_the_same_tokens(
         )[0]
     )
     stack = make_stack(target_dir, "model", smollm2_tokenizer, SpecParams(3, 1, 3))
-    broken = _BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
+    broken = BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
     stack.scheduler.drafter = broken
     chunks = stack.generate_all([_request()])[0]
     assert generated_ids(chunks) == expected
@@ -60,7 +45,7 @@ def test_unexpected_error_fails_the_request_instead_of_hanging(
     target_dir, smollm2_tokenizer
 ) -> None:
     stack = make_stack(target_dir, "model", smollm2_tokenizer, SpecParams(3, 1, 3))
-    stack.scheduler.drafter = _BrokenDrafter(RuntimeError("a bug"))
+    stack.scheduler.drafter = BrokenDrafter(RuntimeError("a bug"))
 
     async def run() -> None:
         await stack.scheduler.start()

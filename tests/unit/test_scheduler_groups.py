@@ -17,6 +17,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
 from tests.support import (
     TINY_VOCAB,
+    BrokenDrafter,
     check_no_leaks,
     generate_all,
     generated_ids,
@@ -152,20 +153,12 @@ def test_groups_draft_while_the_other_group_is_verified(
         assert timed.overlapping_drafts() >= len(timed.drafts) // 2
 
 
-class _BrokenDrafter:
-    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        raise ServiceError(Code.UNAVAILABLE, "drafter down")
-
-    async def release(self, seq_ids: list[str]) -> None:
-        raise ServiceError(Code.UNAVAILABLE, "drafter down")
-
-
 def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tokenizer) -> None:
     expected = _target_only(models, smollm2_tokenizer, 4, seed=4)
     stack = make_stack(
         models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
     )
-    stack.scheduler.drafter = _BrokenDrafter()
+    stack.scheduler.drafter = BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
     out = stack.generate_all(_requests(4, seed=4))
     assert [generated_ids(c) for c in out] == expected
     check_no_leaks(stack)
