@@ -80,7 +80,7 @@ class VerifierEngine:
         self.graph_query_lens = graph_query_lens
         self.graphs: CudaGraphRunner | None = None
         if graph_query_lens and self.device.type == "cuda":
-            self.graphs = CudaGraphRunner(
+            self.graphs = CudaGraphRunner.for_model(
                 model,
                 kv,
                 max_batch_size=max_batch_size,

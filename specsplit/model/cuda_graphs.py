@@ -1,8 +1,10 @@
-"""CUDA graphs of a model's decode and verify steps (DESIGN.md §6).
+"""CUDA graphs of a model's decode and verify steps (DESIGN.md §6): the target's, the draft
+model's and an EAGLE head's.
 
-A step where every sequence brings the same number of query tokens `q` (1 for decode, 1 +
-num_draft_tokens for verify) is replayed from a graph captured at warm-up for the smallest
-bucketed batch size that holds it. The graph reads fixed input buffers; a step copies its
+A step where every sequence brings the same number of query tokens `q` (1 for decode and a
+chain's draft steps, 1 + num_draft_tokens for verify, a drafter's catch-up padded to a captured
+q) is replayed from a graph captured at warm-up for the smallest bucketed batch size that holds
+it. The graph reads fixed input buffers; a step copies its
 metadata in (a handful of small host-to-device copies), padding the batch up to the bucket with
 sequences that read and write only the cache's scratch page. Logits and hidden states of every
 row land in fixed output buffers; the step's wanted rows are gathered from them. Any other shape
@@ -13,6 +15,7 @@ tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,20 +29,24 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
 
+# The forward a runner captures: (batch, aux_layers, features) -> logits (and hidden states) of
+# every row. features: [T, feature_width] per-token inputs besides the tokens (an EAGLE head's
+# fused target features or its own earlier outputs); None for a plain model.
+StepForward = Callable[[ForwardBatch, tuple[int, ...], torch.Tensor | None], ForwardOutput]
+
 
 class _Buffers:
     """Fixed inputs and outputs of the graphs of one (q, aux_layers). The inputs are views of
     two packed device tensors with pinned host mirrors: a step fills the mirrors and moves them
-    in two asynchronous copies (pageable copies would wait for the GPU each time)."""
+    in two asynchronous copies (pageable copies would wait for the GPU each time). The outputs
+    are sized from the first (largest) warm-up run."""
 
     def __init__(
         self,
         max_bs: int,
         q: int,
         max_pages: int,
-        logits_shape: tuple[int, int],
-        hidden_shape: tuple[int, int] | None,
-        dtype: torch.dtype,
+        features: tuple[int, torch.dtype] | None,  # (width, dtype) of a features input
         device: torch.device,
     ) -> None:
         t = max_bs * q
@@ -65,10 +72,24 @@ class _Buffers:
         }
         self.dev: dict[str, Any] = self._views(self.dev64, self.dev32, self.dev_mask)
         self.causal = np.tril(np.ones((q, q), dtype=bool))
-        self.logits = torch.zeros(logits_shape, dtype=torch.float32, device=device)
-        self.hidden_states = (
-            None if hidden_shape is None else torch.zeros(hidden_shape, dtype=dtype, device=device)
+        self.features = (
+            None
+            if features is None
+            else torch.zeros(t, features[0], dtype=features[1], device=device)
         )
+        self.logits: torch.Tensor | None = None  # [max_bs * q, vocab] float32
+        self.hidden_states: torch.Tensor | None = None  # [max_bs * q, width] when there are any
+
+    def keep(self, out: ForwardOutput) -> None:
+        """Copy a run's outputs (all rows) into the fixed output buffers, made on the first."""
+        t = out.logits.shape[0]
+        if self.logits is None:  # the first run: the largest bucket
+            self.logits = torch.zeros_like(out.logits, dtype=torch.float32)
+            if out.hidden_states is not None:
+                self.hidden_states = torch.zeros_like(out.hidden_states)
+        self.logits[:t].copy_(out.logits)
+        if self.hidden_states is not None and out.hidden_states is not None:
+            self.hidden_states[:t].copy_(out.hidden_states)
 
     def _views(
         self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor
@@ -108,9 +129,17 @@ class _Buffers:
             page_size=page_size,
         )
 
-    def fill(self, batch: ForwardBatch, bucket: int, scratch_page: int, scratch_slot: int) -> None:
+    def fill(
+        self,
+        batch: ForwardBatch,
+        bucket: int,
+        scratch_page: int,
+        scratch_slot: int,
+        features: torch.Tensor | None = None,  # [T, width] on the device
+    ) -> None:
         """Write `batch` (host tensors) and padding up to `bucket` into the host mirrors, then
-        move them to the device (asynchronously, after the last move has finished)."""
+        move them to the device (asynchronously, after the last move has finished); features go
+        device to device (the padding rows keep what they held)."""
         self.copied.synchronize()  # the mirrors are free again
         v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
@@ -141,33 +170,62 @@ class _Buffers:
         self.dev32.copy_(self.host32, non_blocking=True)
         if q > 1:
             self.dev_mask.copy_(self.host_mask, non_blocking=True)
+        if features is not None:
+            assert self.features is not None, "this graph takes no features"
+            self.features[:t].copy_(features)
         self.copied.record()
 
 
 class CudaGraphRunner:
-    """Captured forwards of `model` over `kv`, keyed by (q, aux_layers, bucket): every q given to
+    """Captured runs of `forward` over `kv`, keyed by (q, aux_layers, bucket): every q given to
     `capture` at warm-up without hidden states, and the same q with a new set of hidden-state
-    layers (an EAGLE drafter's) captured on its first use."""
+    layers (an EAGLE drafter's) captured on its first use. `features`: (width, dtype) of the
+    per-token features input `forward` takes (an EAGLE head), None = none."""
 
     def __init__(
         self,
-        model: LlamaModel,
+        forward: StepForward,
         kv: KVCache,
+        max_context: int,
         max_batch_size: int = 64,
-        max_context: int | None = None,
         max_query_len: int = 64,
+        features: tuple[int, torch.dtype] | None = None,
     ) -> None:
-        self.model = model
+        self.step_forward = forward
         self.kv = kv
         self.device = kv.device
+        self.features = features
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
-        max_context = max_context or model.config.max_position_embeddings
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
         self.pool: Any = None  # one memory pool for every graph
         self.captured_query_lens: set[int] = set()
         self.buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
+
+    @classmethod
+    def for_model(
+        cls,
+        model: LlamaModel,
+        kv: KVCache,
+        max_context: int | None = None,
+        max_batch_size: int = 64,
+        max_query_len: int = 64,
+    ) -> CudaGraphRunner:
+        """Graphs of a plain model's steps (the target's, a draft model's)."""
+
+        def forward(
+            batch: ForwardBatch, aux_layers: tuple[int, ...], _: torch.Tensor | None
+        ) -> ForwardOutput:
+            return model(batch, kv, aux_layers=aux_layers)
+
+        return cls(
+            forward,
+            kv,
+            max_context or model.config.max_position_embeddings,
+            max_batch_size=max_batch_size,
+            max_query_len=max_query_len,
+        )
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -178,7 +236,7 @@ class CudaGraphRunner:
         if key in self.buffers:
             return
         assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
-        buffers = self._new_buffers(q, aux_layers)
+        buffers = _Buffers(self.batch_sizes[-1], q, self.max_pages, self.features, self.device)
         self.buffers[key] = buffers
         self.captured_query_lens.add(q)
         empty = self._empty_batch()
@@ -205,24 +263,8 @@ class CudaGraphRunner:
     def _run(
         self, buffers: _Buffers, batch: ForwardBatch, aux_layers: tuple[int, ...], t: int
     ) -> None:
-        out = self.model(batch, self.kv, aux_layers=aux_layers)
-        buffers.logits[:t].copy_(out.logits)
-        if buffers.hidden_states is not None and out.hidden_states is not None:
-            buffers.hidden_states[:t].copy_(out.hidden_states)
-
-    def _new_buffers(self, q: int, aux_layers: tuple[int, ...]) -> _Buffers:
-        t = self.batch_sizes[-1] * q
-        config = self.model.config
-        hidden = (t, len(aux_layers) * config.hidden_size) if aux_layers else None
-        return _Buffers(
-            self.batch_sizes[-1],
-            q,
-            self.max_pages,
-            (t, config.vocab_size),
-            hidden,
-            self.model.dtype,
-            self.device,
-        )
+        features = None if buffers.features is None else buffers.features[:t]
+        buffers.keep(self.step_forward(batch, aux_layers, features))
 
     def _empty_batch(self) -> ForwardBatch:
         """No sequences: filling buffers with it pads every sequence."""
@@ -264,7 +306,12 @@ class CudaGraphRunner:
             return None
         return next(b for b in self.batch_sizes if b >= bs)
 
-    def forward(self, batch: ForwardBatch, aux_layers: tuple[int, ...]) -> ForwardOutput | None:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        aux_layers: tuple[int, ...] = (),
+        features: torch.Tensor | None = None,  # [T, width] on the device
+    ) -> ForwardOutput | None:
         """Replay the graph for `batch` (host tensors) and return its wanted rows, or None when
         no captured graph fits (the caller runs the step eagerly)."""
         bucket = self.bucket(batch, aux_layers)
@@ -274,8 +321,9 @@ class CudaGraphRunner:
         self.capture(q=batch.max_q_len, aux_layers=aux_layers)  # once; a no-op after
         q, bs = batch.max_q_len, batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
-        buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot)
+        buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot, features)
         self.graphs[(q, aux_layers, bucket)].replay()
+        assert buffers.logits is not None
         t, num_rows = bs * q, batch.logit_indices.shape[0]
         rows = buffers.dev["rows"][:num_rows]
         logits = buffers.logits[:t].index_select(0, rows)
