@@ -7,7 +7,8 @@ would. Runs are interleaved prompt by prompt, in an order that rotates from prom
 shared machine's drift in speed hits every row alike; the services sit idle while HF generates
 (in this process). --passes repeats the whole sweep; every pass must give the same tokens.
 
-    PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda]
+    PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda:1]
+        [--drafter-device cuda:0]
         [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8] [--passes 2]
 
 --spec takes draft shapes STEPS[xTOPK[xNODES]] sent per request (default: the gateway's default
@@ -84,6 +85,8 @@ def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]
     cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
            "--drafter-port", "50161", "--verifier-port", "50162",
            "--device", args.device]  # fmt: skip
+    if args.drafter_device:
+        cmd += ["--drafter-device", args.drafter_device]
     if args.model:
         cmd += ["--model", args.model]
     if args.drafter:
@@ -134,6 +137,8 @@ def hf_runners(args: argparse.Namespace, path: str) -> dict[str, Runner]:
         "HF generate": {},
         "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3},
     }
+    if args.device.startswith("cuda"):  # transformers compiles the step of a static cache
+        variants["HF generate static cache + compile"] = {"cache_implementation": "static"}
     if args.assistant_layers:
         assistant = copy.deepcopy(model)
         assistant.model.layers = assistant.model.layers[: args.assistant_layers]
@@ -185,7 +190,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="verifier's (and HF's) device")
+    parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from bench.gpu_engine import SHAPES
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
+from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.clients import LocalDrafterClient, LocalVerifierClient
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tokenizer", default=".gpu/tokenizer")
+    parser.add_argument("--eager-drafter", action="store_true", help="no drafter CUDA graphs")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -104,11 +106,17 @@ def main() -> None:
     proposer = ModelProposer(
         draft, make_kv_cache(draft.config, pages, 16, dtype, device), VOCAB, 8192
     )
-    drafter = DrafterEngine(proposer)
+    drafter = DrafterEngine(
+        proposer,
+        graph_catch_up_lens=() if args.eager_drafter else CATCH_UP_LENS,
+        max_batch_size=max_batch,
+    )
+    drafter.warmup()  # and its CUDA graphs
     label = f"SYNTHETIC acceptance {args.rates}"
     print(
         f"{args.target} target, {args.draft} draft, {device} {dtype}, {label}, prompt "
-        f"{args.prompt_len}, {args.max_new_tokens} new tokens, chain {args.spec}"
+        f"{args.prompt_len}, {args.max_new_tokens} new tokens, chain {args.spec}, drafter "
+        f"{'eager' if args.eager_drafter else 'CUDA graphs'}"
     )
     gen = torch.Generator().manual_seed(0)
     print("| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only |")

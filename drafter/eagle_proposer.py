@@ -29,7 +29,8 @@ from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache
-from specsplit.step import SeqStep, build_forward_batch, causal_step
+from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.step import SeqStep, causal_step
 from specsplit.tree import DraftTree
 
 
@@ -65,6 +66,8 @@ class Eagle3Proposer(TreeProposer):
         self.max_context = head.config.max_position_embeddings
         self.hidden_state_layers = head.config.aux_layers
         self.feature_width = head.config.feature_width
+        self.device = head.device
+        self.graph_features = (head.config.hidden_size, head.dtype)  # fused rows per token
 
     @classmethod
     def load(
@@ -116,8 +119,16 @@ class Eagle3Proposer(TreeProposer):
     def _forward(
         self, steps: list[SeqStep], features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, _ = build_forward_batch(steps, self.kv.page_size)
-        return self.head.forward(batch.to(self.head.device), self.kv, features)
+        out = self._run(steps, features)
+        assert out.hidden_states is not None
+        return out.logits, out.hidden_states
+
+    def _step_forward(
+        self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None
+    ) -> ForwardOutput:
+        assert features is not None, "an EAGLE step reads features"
+        logits, hidden = self.head.forward(batch, self.kv, features)
+        return ForwardOutput(logits=logits, hidden_states=hidden)
 
     # -- drafting --------------------------------------------------------------------------
 
@@ -149,7 +160,8 @@ class Eagle3Proposer(TreeProposer):
                 self.kv.trim(kv, kv.kv_committed_len)
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        steps, features, drafting = [], [], []
+        spans = []  # (job, first entry to compute, num_entries, drafts it)
+        drafting = []
         for job in jobs:
             self.add_features(job)
             state = self._state(job.seq)
@@ -161,19 +173,19 @@ class Eagle3Proposer(TreeProposer):
                 first = min(first, num_entries - 1)  # recompute the root entry for its output
             self.kv.reserve(state.kv, num_entries + (job.spec.max_draft_tokens if draft else 0))
             if first < num_entries:
-                q = num_entries - first
-                steps.append(
-                    causal_step(
-                        state.kv,
-                        tokens[first + 1 : num_entries + 1],
-                        logit_rows=[q - 1] if draft else [],
-                        start=first,
-                    )
-                )
-                features.append(self.head.fuse(state.features[first:num_entries]))
+                spans.append((job, first, num_entries, draft))
             state.kv.kv_committed_len = num_entries
             if draft:
                 drafting.append(job)
+        starts = self._catch_up_starts([s[1] for s in spans], [s[2] for s in spans])
+        steps, features = [], []
+        for (job, _, end, draft), first in zip(spans, starts, strict=True):
+            state = self._state(job.seq)
+            q = end - first
+            tokens = job.seq.tokens[first + 1 : end + 1]
+            logit_rows = [q - 1] if draft else []
+            steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
+            features.append(self.head.fuse(state.features[first:end]))
         trees: list[_Expansion] = []
         drafted: list[DraftTree] = []
         if steps:

@@ -20,6 +20,7 @@ import torch
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
+from drafter.tree_draft import CATCH_UP_LENS
 from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
@@ -55,9 +56,19 @@ class TreeLimits:
 
 
 class DrafterEngine:
-    def __init__(self, proposer: Proposer, limits: TreeLimits = TreeLimits()) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        limits: TreeLimits = TreeLimits(),
+        graph_catch_up_lens: tuple[int, ...] = (),
+        max_batch_size: int = 64,
+    ) -> None:
+        """graph_catch_up_lens: on a GPU, warmup() captures CUDA graphs of the draft steps and
+        of catch-up steps of these lengths, for batches up to max_batch_size; () = eager."""
         self.proposer = proposer
         self.limits = limits
+        self.graph_catch_up_lens = graph_catch_up_lens
+        self.max_batch_size = max_batch_size
         self.seqs: dict[str, DraftSeq] = {}
 
     @classmethod
@@ -72,10 +83,11 @@ class DrafterEngine:
         num_pages: int = 2048,
         page_size: int = 16,
         target_path: str | None = None,
+        graph_catch_up_lens: tuple[int, ...] = CATCH_UP_LENS,
     ) -> DrafterEngine:
         """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers),
         "eagle3" (model_path = an EAGLE-3 head, target_path = its target, for the embeddings)
-        or "ngram" (prompt lookup, no weights)."""
+        or "ngram" (prompt lookup, no weights). graph_catch_up_lens: see __init__ (on a GPU)."""
         if kind == "ngram":
             return cls(NgramProposer())
         if kind == "eagle3":
@@ -89,7 +101,8 @@ class DrafterEngine:
                     dtype=dtype,
                     num_pages=num_pages,
                     page_size=page_size,
-                )
+                ),
+                graph_catch_up_lens=graph_catch_up_lens,
             )
         if model_path is None:
             raise ValueError(f"drafter kind {kind!r} needs a model path")
@@ -104,7 +117,8 @@ class DrafterEngine:
                 dtype=dtype,
                 num_pages=num_pages,
                 page_size=page_size,
-            )
+            ),
+            graph_catch_up_lens=graph_catch_up_lens,
         )
 
     @property
@@ -125,6 +139,7 @@ class DrafterEngine:
         self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
         self.release(["__warmup__"])
         self.check_integrity()
+        self.proposer.capture_cuda_graphs(self.graph_catch_up_lens, self.max_batch_size)
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:

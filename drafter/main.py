@@ -23,12 +23,14 @@ async def serve(
     dtype: str = "float32",
     num_pages: int | None = None,
     page_size: int = 16,
+    graph_catch_up_lens: tuple[int, ...] = (),
     grace: float = 5.0,
     tls: TLSFiles | None = None,
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
     the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
-    tls: mutual TLS (specsplit.tls), None = plaintext."""
+    tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
+    CUDA graphs (DrafterEngine; on a GPU)."""
     sizes: dict[str, Any] = {"page_size": page_size}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -40,6 +42,7 @@ async def serve(
         target_path=target_path,
         device=device,
         dtype=torch_dtype(dtype),
+        graph_catch_up_lens=graph_catch_up_lens,
         **sizes,
     )
     await serve_host(DrafterServicer(load), address, grace=grace, tls=tls)

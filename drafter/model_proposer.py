@@ -12,9 +12,10 @@ import torch
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache
+from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.step import SeqStep, build_forward_batch, causal_step
+from specsplit.step import causal_step
 from specsplit.tree import DraftTree
 
 
@@ -70,19 +71,22 @@ class ModelProposer(TreeProposer):
 
     def _catch_up(self, jobs: list[DraftJob]) -> torch.Tensor:
         """Run the tokens the draft KV does not cover; logits at each root."""
-        steps = []
-        for job in jobs:
-            kv = self._state(job.seq).kv
-            new = job.seq.tokens[kv.kv_committed_len :]
-            steps.append(causal_step(kv, new, [len(new) - 1]))
-        logits = self._forward(steps)
-        for job in jobs:
-            self._state(job.seq).kv.kv_committed_len = len(job.seq.tokens)
+        kvs = [self._state(job.seq).kv for job in jobs]
+        ends = [len(job.seq.tokens) for job in jobs]
+        starts = self._catch_up_starts([kv.kv_committed_len for kv in kvs], ends)
+        steps = [
+            causal_step(kv, job.seq.tokens[start:], [end - start - 1], start=start)
+            for kv, job, start, end in zip(kvs, jobs, starts, ends, strict=True)
+        ]
+        logits = self._run(steps).logits
+        for kv, end in zip(kvs, ends, strict=True):
+            kv.kv_committed_len = end
         return logits
 
-    def _forward(self, steps: list[SeqStep]) -> torch.Tensor:
-        batch, _ = build_forward_batch(steps, self.kv.page_size)
-        return self.model(batch.to(self.device), self.kv).logits
+    def _step_forward(
+        self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None
+    ) -> ForwardOutput:
+        return self.model(batch, self.kv, aux_layers=aux_layers)
 
     def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
-        return self._forward([self._frontier_step(t) for t in trees])
+        return self._run([self._frontier_step(t) for t in trees]).logits

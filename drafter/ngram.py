@@ -37,6 +37,9 @@ class NgramProposer:
     def release(self, seq: DraftSeq) -> None:
         """Nothing held."""
 
+    def capture_cuda_graphs(self, catch_up_lens: tuple[int, ...], max_batch_size: int) -> None:
+        """No model: nothing to capture."""
+
     @property
     def num_pages_used(self) -> int:
         return 0

@@ -15,9 +15,15 @@ import torch
 
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import make_generator, sample, target_probs
-from specsplit.step import SeqStep
+from specsplit.step import SeqStep, build_forward_batch
 from specsplit.tree import DraftTree
+
+# catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
+# brings 1..4 new tokens) padded up to the next of these
+CATCH_UP_LENS = (1, 2, 4, 8)
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -58,9 +64,62 @@ class DraftKVState:
 
 class TreeProposer:
     """Tree expansion over a model with its own paged KV (`self.kv`); per-sequence state is a
-    DraftKVState. Subclasses provide `_forward_frontier` (logits [sum of frontiers, vocab])."""
+    DraftKVState. Subclasses provide `_step_forward` (one forward over a ForwardBatch) and
+    `_forward_frontier` (logits [sum of frontiers, vocab]).
+
+    On a GPU the chain's draft steps (one token per sequence) and the catch-up steps (the new
+    tokens of each sequence, padded to a length in `catch_up_lens` by recomputing a few cached
+    entries) replay CUDA graphs; other steps (prefill, tree frontiers) run eagerly."""
 
     kv: KVCache
+    device: torch.device
+    max_context: int
+    graphs: CudaGraphRunner | None = None
+    catch_up_lens: tuple[int, ...] = ()  # ascending; () = catch-up steps are not padded
+    graph_features: tuple[int, torch.dtype] | None = None  # the step's features input, if any
+
+    def capture_cuda_graphs(
+        self, catch_up_lens: tuple[int, ...] = CATCH_UP_LENS, max_batch_size: int = 64
+    ) -> None:
+        """On a GPU, capture the steps of 1 and of `catch_up_lens` tokens per sequence for
+        batches up to `max_batch_size`; a no-op elsewhere."""
+        if self.device.type != "cuda" or not catch_up_lens:
+            return
+        lens = tuple(sorted({1, *catch_up_lens}))
+        self.graphs = CudaGraphRunner(
+            self._step_forward,
+            self.kv,
+            self.max_context,
+            max_batch_size=max_batch_size,
+            max_query_len=lens[-1],
+            features=self.graph_features,
+        )
+        for q in lens:
+            self.graphs.capture(q)
+        self.catch_up_lens = lens
+
+    def _step_forward(
+        self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None
+    ) -> ForwardOutput:
+        raise NotImplementedError
+
+    def _run(self, steps: list[SeqStep], features: torch.Tensor | None = None) -> ForwardOutput:
+        """One forward over `steps`: a CUDA graph's replay where one fits, else eager."""
+        batch, _ = build_forward_batch(steps, self.kv.page_size)
+        out = None if self.graphs is None else self.graphs.forward(batch, (), features)
+        if out is None:
+            out = self._step_forward(batch.to(self.device), (), features)
+        return out
+
+    def _catch_up_starts(self, starts: list[int], ends: list[int]) -> list[int]:
+        """Where each sequence's catch-up step (entries [start, end)) begins: at `starts`, or
+        earlier, recomputing a few cached entries, so that every step has the same length and
+        it is one in `catch_up_lens` (a graph's replay; a ragged batch runs eagerly)."""
+        longest = max((e - s for s, e in zip(starts, ends, strict=True)), default=0)
+        q = next((n for n in self.catch_up_lens if n >= longest), None)
+        if q is None or any(e < q for e in ends):
+            return starts
+        return [e - q for e in ends]
 
     def _state(self, seq: DraftSeq) -> DraftKVState:
         assert isinstance(seq.state, DraftKVState)

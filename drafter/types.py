@@ -54,3 +54,7 @@ class Proposer(Protocol):
     def num_pages_free(self) -> int: ...
 
     def check_integrity(self) -> None: ...
+
+    def capture_cuda_graphs(self, catch_up_lens: tuple[int, ...], max_batch_size: int) -> None:
+        """On a GPU, capture the draft steps as CUDA graphs (drafter/tree_draft.py); a no-op
+        where there is no model or no GPU."""

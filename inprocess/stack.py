@@ -80,14 +80,16 @@ def build_local_stack(
     adaptive_spec: bool = False,
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
     graph_query_lens: tuple[int, ...] = (),
+    draft_graph_lens: tuple[int, ...] = (),
     overlap: str = "serial",
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
     asks the verifier for the head's hidden_state_layers) or "ngram". `target` reuses a loaded
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
-    rung sequences start on. graph_query_lens: the verifier's CUDA graphs (on a GPU). overlap:
-    the scheduler's ("serial" or "groups")."""
+    rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
+    drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
+    ("serial" or "groups")."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -118,7 +120,9 @@ def build_local_stack(
             d_model, d_config = load_model(draft_path or target_path, dtype=dtype, device=device)
         kv = make_kv_cache(d_config, num_pages, page_size, dtype, device)
         proposer = ModelProposer(d_model, kv, d_config.vocab_size, d_config.max_position_embeddings)
-    drafter_engine = DrafterEngine(proposer)
+    drafter_engine = DrafterEngine(proposer, graph_catch_up_lens=draft_graph_lens)
+    if draft_graph_lens:
+        drafter_engine.warmup()  # captures the CUDA graphs on a GPU
     scheduler = Scheduler(
         LocalDrafterClient(drafter_engine, check_integrity=check_integrity),
         LocalVerifierClient(verifier, check_integrity=check_integrity),

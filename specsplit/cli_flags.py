@@ -93,15 +93,17 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def graph_query_lens(args: argparse.Namespace) -> tuple[int, ...]:
-    if args.cuda_graphs in ("", "none"):
+def graph_query_lens(args: argparse.Namespace, name: str = "cuda_graphs") -> tuple[int, ...]:
+    """The query lengths of a --cuda-graphs / --draft-cuda-graphs flag (`name`)."""
+    value, flag_name = getattr(args, name), "--" + name.replace("_", "-")
+    if value in ("", "none"):
         return ()
     try:
-        lens = tuple(sorted({int(x) for x in args.cuda_graphs.split(",")}))
+        lens = tuple(sorted({int(x) for x in value.split(",")}))
     except ValueError as e:
-        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: comma-separated integers") from e
+        raise SystemExit(f"{flag_name} {value!r}: comma-separated integers") from e
     if not all(0 < n <= 256 for n in lens):
-        raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: each in [1, 256]")
+        raise SystemExit(f"{flag_name} {value!r}: each in [1, 256]")
     return lens
 
 
@@ -119,6 +121,12 @@ def drafter_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(parser, "--draft-model", None, model_help)
     flag(parser, "--draft-layers", None, "layers for --drafter self", type=optional_int)
+    graphs_help = (
+        "catch-up lengths (a round's new tokens per sequence, padded up to one of these) of the"
+        " draft steps captured as CUDA graphs on a GPU, with the chain's one-token steps;"
+        " comma-separated; none = always eager"
+    )
+    flag(parser, "--draft-cuda-graphs", "1,2,4,8", graphs_help)
 
 
 def spec_flags(parser: argparse.ArgumentParser) -> None:

@@ -56,6 +56,7 @@ def serve_drafter(args: argparse.Namespace) -> int:
             model_path,
             draft_layers=args.draft_layers,
             target_path=target_path,
+            graph_catch_up_lens=graph_query_lens(args, "draft_cuda_graphs"),
             **kwargs,
         )
     )

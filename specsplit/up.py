@@ -48,6 +48,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     device = ["--device", args.device]
     drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]
     drafter += _opt("--draft-model", args.draft_model) + _opt("--draft-layers", args.draft_layers)
+    drafter += ["--draft-cuda-graphs", args.draft_cuda_graphs]
     gateway = ["--drafter-address", addr["drafter"], "--verifier-address", addr["verifier"]]
     gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
     gateway += ["--max-batch-size", str(args.max_batch_size)]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from drafter.eagle import Eagle3Head, load_eagle3
 from drafter.eagle_checkpoint import default_aux_layers
 from drafter.eagle_proposer import Eagle3Proposer
+from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_model
@@ -246,3 +247,27 @@ def test_drafter_features_are_the_targets_layer_outputs(
     assert features.dtype == torch.bfloat16
     assert features.shape[0] >= len(prompt)
     assert torch.equal(features, plain[: features.shape[0]].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_padded_catch_up_keeps_the_heads_drafts(models, smollm2_tokenizer, page_size: int) -> None:
+    """Catch-up steps padded to the CUDA graphs' lengths (recomputing cached head entries from
+    the kept features) draft what the unpadded steps draft: the same rounds, the same accepted
+    tokens, the target's output."""
+    prompts = _prompts(3, seed=17)
+    outs = []
+    for catch_up_lens in ((), CATCH_UP_LENS):
+        stack = make_stack(
+            models["target"],
+            "eagle3",
+            smollm2_tokenizer,
+            SpecParams(3, 1, 3),
+            draft_dir=models["head"],
+            page_size=page_size,
+        )
+        assert isinstance(stack.drafter.proposer, Eagle3Proposer)
+        stack.drafter.proposer.catch_up_lens = catch_up_lens  # padding without a GPU, eager
+        outs.append(generate_all(stack, _requests(prompts)))
+    plain, padded = outs
+    assert [generated_ids(c) for c in padded] == [generated_ids(c) for c in plain]
+    assert [c[-1].stats for c in padded] == [c[-1].stats for c in plain]

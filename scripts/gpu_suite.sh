@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
+# call carries .whl and .gpu):
+#   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2]
+# tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
+# system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
+# bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
+# (needs the GGUF at $SMOLLM2_GGUF; drafter on cuda:0, verifier on cuda:1 when there are two).
+# Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export SPECSPLIT_TEST_TOKENIZER="$PWD/.gpu/tokenizer"
+parts=("$@")
+[[ ${#parts[@]} -gt 0 ]] || parts=(tests engine e2e)
+out=${OUT:-/tmp}
+status=0
+run() {  # name, command...
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$out/$name.txt" | grep -v "^\s*$" | tail -40
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "== $name FAILED"; status=1; }
+}
+for part in "${parts[@]}"; do
+  case $part in
+    tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    engine)
+      run engine_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 8 32 64 \
+        --verify-n 4 8 16 32 64 --verify-batch 1 8 32 --steps 20 --compile-batch 1
+      run engine_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
+        --verify-n 8 --verify-batch 1 --steps 50 --compile-batch 1 ;;
+    e2e)
+      run e2e_8b_1b python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
+        --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 ;;
+    smollm2)
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      devices=(--device cuda:0)
+      [[ $gpus -ge 2 ]] && devices=(--device cuda:1 --drafter-device cuda:0)
+      run e2e_smollm2 python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
+        --spec 3 5 5x2x8 --assistant-layers 0 ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
+exit $status

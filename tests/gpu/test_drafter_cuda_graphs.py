@@ -1,0 +1,83 @@
+"""On a CUDA device: the drafter's steps replayed from CUDA graphs (a chain's one-token steps and
+catch-ups padded to a captured length), for a draft model and an EAGLE-3 head. The output is the
+target's greedy output, the graphs ran, and the drafts are those of the same padded steps run
+eagerly. Skipped where there is no GPU (CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
+from gateway.request import GenerationRequest
+from inprocess.stack import build_local_stack
+from specsplit.messages import SpecParams
+from specsplit.model.loader import load_model
+from tests.eagle_random import save_random_eagle3
+from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafter_graphs")
+    target = save_tiny_llama(root / "target", seed=0, num_layers=4, hidden_size=128)
+    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
+    return {
+        "target": target,
+        "draft": save_tiny_llama(root / "draft", seed=1, num_layers=2, hidden_size=128),
+        "head": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
+    }
+
+
+def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
+    """Outputs, final stats and graph replays of four requests; `graphs` False runs the same
+    padded steps eagerly."""
+    stack = build_local_stack(
+        str(models["target"]),
+        drafter,
+        tokenizer,
+        spec,
+        draft_path=str(models["head" if drafter == "eagle3" else "draft"]),
+        dtype=torch.float32,
+        device="cuda",
+        check_integrity=True,
+        draft_graph_lens=CATCH_UP_LENS if graphs else (),
+    )
+    proposer = stack.drafter.proposer
+    assert isinstance(proposer, TreeProposer)
+    replays = {"n": 0}
+    if graphs:
+        assert proposer.graphs is not None
+        runner, forward = proposer.graphs, proposer.graphs.forward
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = forward(*args, **kwargs)
+            replays["n"] += out is not None
+            return out
+
+        runner.forward = counted  # type: ignore[method-assign]
+    else:
+        proposer.catch_up_lens = CATCH_UP_LENS
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 12, 17, 6)]
+    requests = [GenerationRequest(p + p[:4], 24, ignore_eos=True) for p in prompts]
+    out = stack.generate_all(requests)
+    check_no_leaks(stack)
+    return [generated_ids(c) for c in out], [c[-1].stats for c in out], replays["n"]
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(2, 2, 4)], ids=["chain", "tree"])
+def test_drafter_graph_rounds_equal_target_greedy(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams
+) -> None:
+    expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
+    got, stats, replays = _run(models, smollm2_tokenizer, drafter, spec, True)
+    assert got == expected
+    assert replays > 0  # catch-ups (and a chain's draft steps) ran from graphs
+    _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False)
+    assert stats == eager_stats  # the same drafts as the same steps run eagerly
