@@ -24,7 +24,14 @@ from drafter.tree_draft import CATCH_UP_LENS
 from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
-from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    Truncated,
+    Truncation,
+    truncate_each,
+)
 
 log = logging.getLogger(__name__)
 NO_DRAFTS = SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
@@ -208,6 +215,20 @@ class DrafterEngine:
                 item.sampling.validate()
             except ValueError as e:
                 raise invalid(str(e)) from e
+
+    def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        """A session's turn boundary: keep at most `max_len` leading tokens of each sequence
+        (and their KV), and restart the proposer's sampling generator, if it has one (the next
+        turn drafts from its own seed). `num_pages` is not counted per sequence here (0)."""
+        return truncate_each(items, self.seqs, self._truncate)
+
+    def _truncate(self, seq: DraftSeq, max_len: int) -> Truncated:
+        length = min(len(seq.tokens), max_len)
+        self.proposer.truncate(seq, length)
+        del seq.tokens[length:]
+        if getattr(seq.state, "generator", None) is not None:  # tree_draft.DraftKVState
+            seq.state.generator = None  # type: ignore[attr-defined]
+        return Truncated(seq.seq_id, True, self.proposer.kv_committed_len(seq))
 
     def release(self, seq_ids: list[str]) -> int:
         released = 0

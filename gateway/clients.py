@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from gateway.health import Health
-from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 
 
 class DrafterClient(Protocol):
@@ -18,10 +25,14 @@ class DrafterClient(Protocol):
 
     async def release(self, seq_ids: list[str]) -> None: ...
 
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]: ...
+
 
 class VerifierClient(Protocol):
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
 
     async def release(self, seq_ids: list[str]) -> None: ...
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]: ...
 
     async def health(self) -> Health: ...

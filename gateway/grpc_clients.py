@@ -19,9 +19,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
-from specsplit import metrics, rounds, telemetry
+from specsplit import convert, metrics, rounds, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.rounds import In, Out, RoundRpc
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import TLSFiles, channel
@@ -32,6 +39,7 @@ log = logging.getLogger(__name__)
 _PASSED_THROUGH = {
     grpc.StatusCode.INVALID_ARGUMENT: Code.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND: Code.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: Code.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
 }
 
@@ -140,6 +148,17 @@ class StreamClient(Generic[In, Out]):
             await self.rpc.stub(self.channel).Release(common_pb2.ReleaseRequest(seq_ids=seq_ids))
         except grpc.aio.AioRpcError as err:
             raise service_error(err, self.service) from err
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        """Keep a prefix of each sequence (a session's turn boundary)."""
+        if not items:
+            return []
+        request = convert.truncate_request_to_proto(items)
+        try:
+            response = await self.rpc.stub(self.channel).Truncate(request)
+        except grpc.aio.AioRpcError as err:
+            raise service_error(err, self.service) from err
+        return convert.truncate_response_from_proto(response)
 
     async def health(self) -> Health:
         """The service's health over this client's channel (its credentials, its address)."""

@@ -45,6 +45,7 @@ Kind = Literal["completion", "chat"]
 HTTP_STATUS = {
     Code.INVALID_ARGUMENT: 400,
     Code.NOT_FOUND: 404,
+    Code.FAILED_PRECONDITION: 409,
     Code.RESOURCE_EXHAUSTED: 429,
     Code.UNAVAILABLE: 503,
     Code.INTERNAL: 500,
@@ -53,6 +54,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",  # a route called with the wrong method
+    409: "invalid_request_error",  # a session turn while another runs
     413: "invalid_request_error",  # a body over the gateway's message limit
     429: "rate_limit_error",  # the gateway's waiting queue is full
     503: "service_unavailable",

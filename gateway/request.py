@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
 
@@ -31,6 +31,12 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     spec: SpecParams | None = None  # None = the gateway's default
     ignore_eos: bool = False
+    # A session's turn (gateway/sessions.py): prompt_ids is this turn's prompt alone until the
+    # session makes it the whole conversation; turn_prompt is the prompt as sent (the session
+    # encodes text and renders chat as a continuation of what it holds).
+    session_id: str | None = None
+    turn_prompt: tuple[PromptKind, Any] | None = None
+    max_new_tokens_default: bool = False  # not given: the rest of the context, up to the limit
 
 
 @dataclass
@@ -38,6 +44,7 @@ class SpecStats:
     rounds: int = 0
     num_accepted_drafts: int = 0
     num_accepted_tokens: int = 0
+    num_reused_tokens: int = 0  # a session turn's prompt tokens whose verifier KV was kept
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -123,6 +130,7 @@ def build_request(
     spec: SpecParams | None = None,
     ignore_eos: bool = False,
     limits: Limits = DEFAULT_LIMITS,
+    session_id: str | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
@@ -138,6 +146,7 @@ def build_request(
     check_prompt(model, prompt_kind, prompt, limits.prompt_bytes(model))
     prompt_ids = _prompt_ids(model, prompt_kind, prompt)
     _check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
+    max_new_tokens_default = max_new_tokens is None
     if max_new_tokens is None:  # the rest of the context (OpenAI's chat default), up to the limit
         max_new_tokens = min(max(model.max_context - len(prompt_ids), 0), limits.max_new_tokens)
     if max_new_tokens <= 0:
@@ -164,7 +173,22 @@ def build_request(
         stop_token_ids=tuple(stop_token_ids),
         spec=spec,
         ignore_eos=ignore_eos,
+        session_id=session_id or None,
+        turn_prompt=_turn_prompt(prompt_kind, prompt) if session_id else None,
+        max_new_tokens_default=max_new_tokens_default,
     )
+
+
+def _turn_prompt(
+    kind: PromptKind, prompt: str | Sequence[Mapping[str, str]] | Sequence[int]
+) -> tuple[PromptKind, Any]:
+    """A session turn's prompt as sent: text, chat messages ({"role", "content"}) or ids."""
+    if kind == "text":
+        return kind, prompt
+    if kind == "chat":
+        messages = cast("Sequence[Mapping[str, str]]", prompt)
+        return kind, [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    return kind, [int(t) for t in cast("Sequence[int]", prompt)]
 
 
 def check_prompt(

@@ -23,6 +23,7 @@ from gateway.clients import DrafterClient, VerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
+from gateway.sessions import DEFAULT_SESSION_TTL_S, SessionStore
 from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
@@ -59,6 +60,8 @@ class Scheduler:
         verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
         max_waiting: int | None = None,
         overlap: str = "serial",
+        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        max_context: int | None = None,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -68,7 +71,9 @@ class Scheduler:
         refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
         passes --max-waiting, default DEFAULT_MAX_WAITING). overlap: "serial" (draft, then
         verify, for the whole batch) or "groups" (two groups take turns: while one is verified,
-        the other is drafted; DESIGN.md §3)."""
+        the other is drafted; DESIGN.md §3). session_ttl_s: idle sessions' default lifetime;
+        max_context: the model's, checked against a session's whole conversation (None: only
+        the verifier checks it)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         self.drafter = drafter
@@ -102,12 +107,15 @@ class Scheduler:
         # overlap "groups": the last verified group's outputs, committed during the next Verify
         self._uncommitted: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]] | None = None
         self.num_preemptions = 0
+        self.sessions = SessionStore(self, tokenizer, ttl_s=session_ttl_s, max_context=max_context)
+        self._expiry: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._wakeup = asyncio.Event()  # on this loop: a stack may be started again on another
         self._task = asyncio.create_task(self._loop(), name="scheduler")
+        self._expiry = asyncio.create_task(self.sessions.expire_forever(), name="session-expiry")
 
     async def drain(self, timeout: float) -> bool:
         """Shutting down: take no new requests (the APIs refuse them while `draining`) and wait
@@ -127,17 +135,20 @@ class Scheduler:
         streamed, and free their KV (within STOP_RELEASE_S: a service that hangs must not hold
         the shutdown)."""
         self.draining = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._expiry):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._expiry = None
         error = ServiceError(Code.UNAVAILABLE, message)
         for seq in [*self.running, *self.waiting]:
             if not seq.finished:
                 self._fail(seq, error)
         try:
-            await asyncio.wait_for(self._release(self.running), STOP_RELEASE_S)
+            async with asyncio.timeout(STOP_RELEASE_S):
+                await self._retire([*self.running, *(s for s in self.waiting if s.turn)])
+                await self.sessions.close_all()
         except TimeoutError:
             log.warning("stop: a service did not answer Release in time")
         self.running.clear()
@@ -148,7 +159,8 @@ class Scheduler:
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream a generation; closing the iterator early cancels it and frees its KV.
         Raises RESOURCE_EXHAUSTED right away (before any iteration) when `max_waiting` requests
-        already wait for a place in the batch."""
+        already wait for a place in the batch; for a session's turn, NOT_FOUND (unknown or
+        closed) or FAILED_PRECONDITION (a turn runs on it)."""
         num_waiting = sum(not seq.cancelled for seq in self.waiting)
         if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise ServiceError(
@@ -156,10 +168,15 @@ class Scheduler:
                 f"the gateway is busy: {num_waiting} requests are waiting already "
                 f"(--max-waiting); retry later",
             )
+        if request.session_id is not None:
+            self.sessions.check_free(request.session_id)
         return self._generate(request)
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        seq = self._new_sequence(request)
+        if request.session_id is not None:  # the whole conversation, its KV carried over
+            seq = await self.sessions.begin_turn(request, self._new_sequence)
+        else:
+            seq = self._new_sequence(request)
         seq.span = telemetry.start_request(self.model_name, request)  # child of the caller's
         self.waiting.append(seq)
         self._wakeup.set()
@@ -334,6 +351,9 @@ class Scheduler:
             except ServiceError as e:
                 if e.code in DRAFTER_DOWN:
                     raise
+                if e.code == Code.RESOURCE_EXHAUSTED and await self.sessions.evict_idle():
+                    await self._forget_on_drafter(drafting)  # what it holds of them is unknown
+                    return [DraftTree() for _ in batch]  # and drafts them next round
                 # a refusal: of one sequence (its shape, its memory), not of drafting
                 drafting, outputs = await self._draft_one_by_one(drafting, e)
         except ServiceError as e:
@@ -412,6 +432,8 @@ class Scheduler:
             with contextlib.suppress(ServiceError):
                 await self.verifier.release([seq.seq_id for seq in self.running])
             await self._await_verifier(error)
+        elif error.code == Code.RESOURCE_EXHAUSTED and await self.sessions.evict_idle():
+            pass  # an idle session's KV is free now: the round runs again
         elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:
             # KV full: the newest sequence gives way and waits again, the others go on
             await self._preempt(self.running[-1], error)
@@ -485,15 +507,29 @@ class Scheduler:
         seq.outbox.put_nowait(error)
         seq.finished = True
 
-    async def _retire(self) -> None:
-        done = [seq for seq in self.running if seq.finished or seq.cancelled]
+    async def _retire(self, seqs: list[Sequence] | None = None) -> None:
+        """Free the finished or cancelled sequences (`seqs`: these, unfinished ones too) on both
+        services; a session's turn is put away instead (its KV kept), also one cancelled while
+        it waited."""
+        if seqs is None:
+            done = [seq for seq in self.running if seq.finished or seq.cancelled]
+            done += [seq for seq in self.waiting if seq.cancelled and seq.turn is not None]
+        else:
+            done = list(seqs)
         if not done:
             return
-        await self._release(done)  # before forgetting them: stop() releases what is still here
+        # before forgetting them: stop() retires what is still here
+        await self._release([seq for seq in done if seq.turn is None])
+        for seq in done:
+            self._drafted.pop(seq.seq_id, None)  # a session's next turn has the same id
+            self._group.pop(seq.seq_id, None)
+            if seq.turn is not None:
+                await self.sessions.end_turn(seq)
         # forget exactly what was released: a sequence cancelled during that await is retired
         # (and released) next time, not dropped with its KV still held
         released = {id(seq) for seq in done}
         self.running = [seq for seq in self.running if id(seq) not in released]
+        self.waiting = deque(seq for seq in self.waiting if id(seq) not in released)
         self._admission_held = False  # pages came free
 
     async def _release(self, seqs: list[Sequence]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,6 +14,12 @@ from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.tree import DraftTree
+
+
+class SessionTurn(Protocol):
+    """What a sequence knows of the session turn it is (gateway/sessions.py:Turn)."""
+
+    reply_parts: list[str]  # the text streamed to the client
 
 
 @dataclass(eq=False)
@@ -41,6 +47,7 @@ class Sequence:
     hidden_state_layers: tuple[int, ...] = ()
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     adaptive: AdaptiveSpec | None = None  # adaptive speculation: the draft shape, round by round
+    turn: SessionTurn | None = None  # a session's turn (gateway/sessions.py)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -109,6 +116,19 @@ class Sequence:
         self.drafter_begun = False
         self.drafter_num_tokens = 0
 
+    def keep_verifier_kv(self, length: int) -> None:
+        """The verifier now holds the KV of tokens[:length] only (truncated): the EAGLE rows
+        past it go too."""
+        assert 0 <= length <= self.verifier_kv_committed_len, (self.seq_id, length)
+        self.verifier_kv_committed_len = length
+        kept, num_rows = [], 0
+        for chunk in self.hidden_states:
+            if num_rows >= length:
+                break
+            kept.append(chunk[: length - num_rows])
+            num_rows += kept[-1].shape[0]
+        self.hidden_states = kept
+
     def forget_verifier(self) -> None:
         """The verifier lost this sequence: re-prefill all tokens on the next Verify."""
         self.verifier_begun = False
@@ -154,6 +174,8 @@ class Sequence:
         outcome = self.stop_checker.commit(new)
         kept = new[: outcome.num_kept_tokens]
         self.tokens += kept
+        if self.turn is not None:  # a chat session keeps the reply as the client saw it
+            self.turn.reply_parts.append(outcome.text)
         chunk = Chunk(
             token_ids=kept, text=outcome.text, elapsed_ns=time.monotonic_ns() - self.arrival_ns
         )

@@ -12,7 +12,14 @@ from typing import Any, TypeVar
 
 from drafter.engine import DrafterEngine
 from gateway.health import Health
-from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from verifier.engine import VerifierEngine
 
 T = TypeVar("T")
@@ -34,6 +41,9 @@ class _LocalClient:
 
     async def release(self, seq_ids: list[str]) -> None:
         await self._call(self.engine.release, seq_ids)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        return await self._call(self.engine.truncate, items)
 
     async def health(self) -> Health:
         return Health.SERVING  # in process: up as long as the process is

@@ -13,7 +13,15 @@ import sys
 import torch
 
 from specsplit.errors import invalid
-from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -280,3 +288,38 @@ def verify_response_to_proto(
 
 def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyOutput]:
     return [verify_output_from_proto(s) for s in msg.sequences]
+
+
+def truncate_request_to_proto(items: list[Truncation]) -> common_pb2.TruncateRequest:
+    return common_pb2.TruncateRequest(
+        sequences=[common_pb2.SequenceTruncation(seq_id=t.seq_id, max_len=t.max_len) for t in items]
+    )
+
+
+def truncate_request_from_proto(msg: common_pb2.TruncateRequest) -> list[Truncation]:
+    items = [Truncation(t.seq_id, t.max_len) for t in msg.sequences]
+    for item in items:
+        if item.max_len < 0:
+            raise invalid(f"max_len = {item.max_len} for {item.seq_id!r}: must be >= 0")
+    return items
+
+
+def truncate_response_to_proto(
+    items: list[Truncated], num_pages_used: int
+) -> common_pb2.TruncateResponse:
+    return common_pb2.TruncateResponse(
+        sequences=[
+            common_pb2.SequenceTruncated(
+                seq_id=t.seq_id,
+                found=t.found,
+                kv_committed_len=t.kv_committed_len,
+                num_pages=t.num_pages,
+            )
+            for t in items
+        ],
+        num_pages_used=num_pages_used,
+    )
+
+
+def truncate_response_from_proto(msg: common_pb2.TruncateResponse) -> list[Truncated]:
+    return [Truncated(t.seq_id, t.found, t.kv_committed_len, t.num_pages) for t in msg.sequences]

@@ -1,7 +1,7 @@
 """The drafter's and verifier's servicers, less what differs between them: the engine on its one
 thread (`EngineThread`), sequence ids scoped by connection (specsplit.scopes), the unary Release
-and the round stream (`round_stream`: a service's `specsplit.rounds.RoundRpc` and its engine
-call).
+and Truncate, and the round stream (`round_stream`: a service's `specsplit.rounds.RoundRpc` and
+its engine call).
 
 Model code runs on one dedicated thread per engine: loading, warmup and every engine call, so
 engine state (and a CUDA context) is only ever touched by that thread.
@@ -18,8 +18,9 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import grpc
 
-from specsplit import metrics, telemetry
+from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
+from specsplit.messages import Truncated, Truncation
 from specsplit.rounds import In, Out, RoundRpc
 from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes
 from specsplit.server import service_errors
@@ -108,6 +109,8 @@ class Engine(Protocol):
 
     def release(self, seq_ids: list[str]) -> int: ...
 
+    def truncate(self, items: list[Truncation]) -> list[Truncated]: ...
+
 
 EngineT = TypeVar("EngineT", bound=Engine)
 
@@ -155,6 +158,21 @@ class EngineServicer(Generic[EngineT]):
             num_released, num_pages_used = await self.engine.run(_release, seq_ids)
         return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
 
+    async def Truncate(
+        self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TruncateResponse:
+        async with service_errors(context):
+            items = convert.truncate_request_from_proto(request)
+            # only the caller's own sequences: none at all when it holds nothing here
+            scope = self.scopes.find(context.peer())
+            mine = [] if scope is None else scope.enter(items)
+            truncated, num_pages_used = await self.engine.run(_truncate, mine)
+            if scope is None:
+                truncated = [Truncated(t.seq_id, found=False) for t in items]
+            else:
+                truncated = scope.leave(truncated)
+            return convert.truncate_response_to_proto(truncated, num_pages_used)
+
 
 def _warmup(engine: Engine) -> None:
     engine.warmup()
@@ -162,6 +180,10 @@ def _warmup(engine: Engine) -> None:
 
 def _release(engine: Engine, seq_ids: list[str]) -> tuple[int, int]:
     return engine.release(seq_ids), engine.num_pages_used
+
+
+def _truncate(engine: Engine, items: list[Truncation]) -> tuple[list[Truncated], int]:
+    return engine.truncate(items), engine.num_pages_used
 
 
 def _release_selected(engine: Engine, select: Callable[[Iterable[str]], list[str]]) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -101,3 +103,33 @@ class VerifyOutput:
     @property
     def num_accepted_tokens(self) -> int:
         return len(self.accepted_tokens) + 1
+
+
+@dataclass
+class Truncation:
+    """Keep at most `max_len` leading tokens of a sequence (a session's turn boundary)."""
+
+    seq_id: str
+    max_len: int
+
+
+@dataclass
+class Truncated:
+    seq_id: str
+    found: bool  # False: the service does not hold the sequence
+    kv_committed_len: int = 0  # after the truncation
+    num_pages: int = 0  # KV pages the sequence holds after it
+
+
+S = TypeVar("S")
+
+
+def truncate_each(
+    items: list[Truncation], seqs: Mapping[str, S], cut: Callable[[S, int], Truncated]
+) -> list[Truncated]:
+    """An engine's Truncate: `cut(seq, max_len)` for each sequence it holds, `found = False`
+    for the others."""
+    return [
+        cut(seqs[t.seq_id], t.max_len) if t.seq_id in seqs else Truncated(t.seq_id, found=False)
+        for t in items
+    ]

@@ -2,8 +2,9 @@
 
 Gateway: speculation (accepted tokens per round, accepted drafts by depth), generated tokens
 (tokens/s = rate), TTFT, inter-token latency, running / waiting sequences, and the draft and
-verify round trips as the gateway sees them. Drafter / verifier: their own draft / verify time
-on the engine thread and their KV pages. All three: RPCs that ended in an error, by gRPC code.
+verify round trips as the gateway sees them; sessions (open, their KV pages, evictions, tokens
+reused per turn). Drafter / verifier: their own draft / verify time on the engine thread and
+their KV pages. All three: RPCs that ended in an error, by gRPC code.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["c
 PREEMPTIONS = Counter(
     "specsplit_preemptions", "Running sequences retracted because the verifier's KV was full"
 )
+SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
+SESSION_KV_PAGES = Gauge(
+    "specsplit_session_kv_pages",
+    "Verifier KV pages held by sessions between turns (the verifier's count at each turn's end)",
+)
+SESSION_EVICTIONS = Counter(
+    "specsplit_session_evictions",
+    "Idle sessions whose KV was freed: 'memory' (KV ran short; the session stays open and "
+    "re-prefills on its next turn) or 'expired' (idle past its TTL; the session is gone)",
+    ["reason"],
+)
+SESSION_TOKENS_REUSED = Histogram(
+    "specsplit_session_tokens_reused",
+    "Per session turn: prompt tokens whose verifier KV was kept from earlier turns",
+    buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+)
 
 
 def serve(listen: str | None) -> int | None:
@@ -105,6 +122,20 @@ def observe_queue(num_running: int, num_waiting: int) -> None:
 
 def observe_preemption() -> None:
     PREEMPTIONS.inc()
+
+
+def watch_sessions(state: Callable[[], tuple[int, int]]) -> None:
+    """Read (open sessions, their verifier KV pages) at scrape time."""
+    SESSIONS_OPEN.set_function(lambda: state()[0])
+    SESSION_KV_PAGES.set_function(lambda: state()[1])
+
+
+def observe_session_eviction(reason: str) -> None:
+    SESSION_EVICTIONS.labels(reason=reason).inc()
+
+
+def observe_session_turn(num_reused_tokens: int) -> None:
+    SESSION_TOKENS_REUSED.observe(num_reused_tokens)
 
 
 def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> None:

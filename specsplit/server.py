@@ -60,6 +60,7 @@ STOP_SLACK_S = 0.5
 STATUS_CODES: dict[Code, grpc.StatusCode] = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Code.INTERNAL: grpc.StatusCode.INTERNAL,

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gateway.request import Chunk, GenerationRequest
 from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.messages import DraftInput, DraftOutput, SpecParams, Truncated, Truncation
 from specsplit.step import SeqStep
 
 TINY_VOCAB = 512
@@ -87,6 +87,24 @@ def check_no_leaks(stack: LocalStack) -> None:
     assert not stack.verifier.seqs and not stack.drafter.seqs
 
 
+def check_session_kv(stack: LocalStack, seq_id: str, tokens: list[int]) -> None:
+    """Between turns (DESIGN.md §2, §7): the verifier holds the KV of every token of the session
+    but the last (the pending bonus token) in exactly the pages that takes, the drafter a prefix
+    of its tokens, and neither service holds anything else."""
+    stack.verifier.check_integrity()
+    stack.drafter.check_integrity()
+    kv = stack.verifier.seqs[seq_id].kv
+    assert kv.kv_committed_len == len(tokens) - 1, (kv.kv_committed_len, len(tokens))
+    page_size = stack.verifier.kv.page_size
+    assert len(kv.page_table) == -(-kv.kv_committed_len // page_size)
+    assert stack.verifier.num_pages_used == len(kv.page_table)
+    assert list(stack.verifier.seqs) == [seq_id]
+    assert list(stack.drafter.seqs) in ([seq_id], [])
+    if stack.drafter.seqs:
+        drafted = stack.drafter.seqs[seq_id].tokens
+        assert drafted == tokens[: len(drafted)]
+
+
 def generate_all(stack: LocalStack, requests: list[GenerationRequest]) -> list[list[Chunk]]:
     """Run the requests concurrently through the stack; checks no KV leaked."""
     results = stack.generate_all(requests)
@@ -122,4 +140,7 @@ class BrokenDrafter:
         raise self.error
 
     async def release(self, seq_ids: list[str]) -> None:
+        raise self.error
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
         raise self.error

@@ -25,7 +25,7 @@ from specsplit.kernels.accept import (
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV
-from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.messages import Truncated, Truncation, VerifyInput, VerifyOutput, truncate_each
 from specsplit.model.batch import to_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VerifierSeq:
+    seq_id: str
     kv: SeqKV
     generator: torch.Generator | None = None  # created on the first sampled round
 
@@ -168,7 +169,7 @@ class VerifierEngine:
         self._validate(inputs)
         for item in inputs:
             if item.begin:
-                self.seqs[item.seq_id] = VerifierSeq(self.kv.new_seq())
+                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
         seqs = [self.seqs[item.seq_id] for item in inputs]
         self._reserve(inputs, seqs)
 
@@ -402,6 +403,18 @@ class VerifierEngine:
             )
         for seq, length in zip(seqs, lengths, strict=True):
             self.kv.reserve(seq.kv, length)
+
+    def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
+        sequence (tokens past a stop point, a turn taken back), free the pages past it, and
+        restart its sampling generator (the next turn draws from its own seed)."""
+        return truncate_each(items, self.seqs, self._truncate)
+
+    def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
+        seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
+        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        seq.generator = None
+        return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:
         released = 0
