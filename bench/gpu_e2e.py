@@ -50,6 +50,31 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> Llam
     return model
 
 
+class EngineTime:
+    """Wall time and calls of an engine method (draft, verify), wrapped in place."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.seconds, self.calls = 0.0, 0
+        method = getattr(owner, name)
+
+        def timed(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    @property
+    def ms_per_call(self) -> float:
+        return 1e3 * self.seconds / max(self.calls, 1)
+
+
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
     """(tokens, seconds, accepted tokens per round) for the requests run concurrently."""
 
@@ -119,8 +144,12 @@ def main() -> None:
         f"{'eager' if args.eager_drafter else 'CUDA graphs'}"
     )
     gen = torch.Generator().manual_seed(0)
-    print("| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only |")
-    print("|---|---|---|---|---|---|")
+    draft_time, verify_time = EngineTime(drafter, "draft"), EngineTime(verifier, "verify")
+    print(
+        "| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only "
+        "| draft ms/call | verify ms/call |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
         prompts = [
             torch.randint(3, VOCAB, (args.prompt_len,), generator=gen).tolist()
@@ -141,13 +170,16 @@ def main() -> None:
             # warm-up: the same batch once (the eager prefill's compiled kernels for its shapes,
             # the allocator), then the timed run
             run(scheduler, requests)
+            draft_time.reset()
+            verify_time.reset()
             tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
             name = "target only" if spec == 0 else f"chain {spec}"
             print(
                 f"| {overlap} | {name} | {batch} | {rate:.1f} | {accepted:.2f} | "
-                f"{rate / base:.2f}x |",
+                f"{rate / base:.2f}x | {draft_time.ms_per_call:.2f} | "
+                f"{verify_time.ms_per_call:.2f} |",
                 flush=True,
             )
         assert verifier.num_pages_used == 0 and drafter.num_pages_used == 0
