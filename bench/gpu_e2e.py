@@ -57,10 +57,10 @@ class EngineTime:
         self.seconds, self.calls = 0.0, 0
         method = getattr(owner, name)
 
-        def timed(*args: object) -> object:
+        def timed(*args: object, **kwargs: object) -> object:
             start = time.perf_counter()
             try:
-                return method(*args)
+                return method(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
                 self.calls += 1
@@ -145,6 +145,15 @@ def main() -> None:
     )
     gen = torch.Generator().manual_seed(0)
     draft_time, verify_time = EngineTime(drafter, "draft"), EngineTime(verifier, "verify")
+    assert verifier.graphs is not None
+    parts = {  # where an engine call's time goes: graph replays, eager forwards, acceptance
+        "verify graph": EngineTime(verifier.graphs, "forward"),
+        "verify eager": EngineTime(verifier.model, "forward"),
+        "accept": EngineTime(verifier, "_accept"),
+        "draft eager": EngineTime(proposer.model, "forward"),
+    }
+    if proposer.graphs is not None:
+        parts["draft graph"] = EngineTime(proposer.graphs, "forward")
     print(
         "| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only "
         "| draft ms/call | verify ms/call |"
@@ -170,8 +179,8 @@ def main() -> None:
             # warm-up: the same batch once (the eager prefill's compiled kernels for its shapes,
             # the allocator), then the timed run
             run(scheduler, requests)
-            draft_time.reset()
-            verify_time.reset()
+            for timer in (draft_time, verify_time, *parts.values()):
+                timer.reset()
             tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
@@ -182,6 +191,10 @@ def main() -> None:
                 f"{verify_time.ms_per_call:.2f} |",
                 flush=True,
             )
+            details = ", ".join(
+                f"{name} {t.calls} x {t.ms_per_call:.2f} ms" for name, t in parts.items()
+            )
+            print(f"|  | ({details}) | | | | | | |", flush=True)
         assert verifier.num_pages_used == 0 and drafter.num_pages_used == 0
 
 
