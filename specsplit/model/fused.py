@@ -21,6 +21,10 @@ from specsplit.model.rope import apply_rotary
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 COMPILE = os.environ.get("SPECSPLIT_TORCH_COMPILE", "1") != "0"
+# compiled variants per function (dtype, eps, weights as parameters or plain tensors: a target,
+# a draft model and an EAGLE head in one process each add theirs); past the limit torch.compile
+# fails outright (fullgraph), so keep room for every model a process (or a test run) loads
+RECOMPILE_LIMIT = 64
 
 
 def _on_gpu(fn: F_) -> F_:
@@ -32,6 +36,8 @@ def _on_gpu(fn: F_) -> F_:
         if not (COMPILE and x.is_cuda and not torch.is_grad_enabled()):
             return fn(x, *args)
         if not compiled:
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
             compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
         return compiled[0](x, *args)
 
