@@ -26,6 +26,7 @@ from gateway.scheduler import (
     Scheduler,
 )
 from gateway.servicer import GatewayServicer, ModelInfo
+from gateway.sessions import DEFAULT_SESSION_TTL_S
 from specsplit.messages import SpecParams
 from specsplit.model.loader import load_config, load_tokenizer
 from specsplit.server import serve as serve_host
@@ -150,6 +151,7 @@ async def serve(
     max_waiting: int = DEFAULT_MAX_WAITING,
     verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
     overlap: str = "serial",
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -160,7 +162,7 @@ async def serve(
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
-    "serial" or "groups" (pipelined groups)."""
+    "serial" or "groups" (pipelined groups). session_ttl_s: idle sessions' default lifetime."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -187,10 +189,13 @@ async def serve(
         max_waiting=max_waiting,
         verifier_wait_s=verifier_wait_s,
         overlap=overlap,
+        session_ttl_s=session_ttl_s,
+        max_context=model.max_context,
     )
     if scheduler.adaptive_ladder is not None:
         log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))
     servicer = GatewayServicer(model, scheduler, limits)
+    scheduler.sessions.executor = servicer.tokenize_executor  # session turns' continuations
     http = None
     if http_listen is not None:
         name = served_model_name or os.path.basename(os.path.normpath(model_path))

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API of the gateway: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI-compatible HTTP API of the gateway: /v1/models, /v1/completions, /v1/chat/completions,
+and sessions as an extension: POST /v1/sessions, DELETE /v1/sessions/{id}, and a `session_id`
+field in a completions or chat body (its prompt or messages are the session's next turn).
 
     JSON body -> OpenAIRequest (parsed here) -> build_request (the validation the gRPC API uses)
     -> the scheduler's chunks -> one JSON response, or SSE `data: {...}` chunks and `data: [DONE]`
@@ -117,6 +119,7 @@ class OpenAIRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    session_id: str | None = None  # extension: a session's turn (POST /v1/sessions)
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -216,6 +219,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         ignore_eos=_get(body, "ignore_eos", bool, False),
         stream=_get(body, "stream", bool, False),
         include_usage=bool(options.get("include_usage", False)),
+        session_id=_get(body, "session_id", str, None) or None,
     )
 
 
@@ -233,6 +237,7 @@ def usage(last: Chunk) -> dict[str, Any]:
             "rounds": stats.rounds if stats else 0,
             "num_accepted_drafts": stats.num_accepted_drafts if stats else 0,
             "mean_accepted_tokens": stats.mean_accepted_tokens if stats else 0.0,
+            "num_reused_tokens": stats.num_reused_tokens if stats else 0,
         },
     }
 
@@ -283,6 +288,8 @@ class OpenAIServer:
         self.app.router.add_get("/v1/models/{model}", self.model_card)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/sessions", self.open_session)
+        self.app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
         self._runner: web.AppRunner | None = None
 
     async def start(
@@ -348,6 +355,37 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    async def open_session(self, request: web.Request) -> web.Response:
+        """Extension: {"ttl_seconds": optional} -> {"id", "object": "session", "ttl_seconds"}."""
+        body = await request.json() if request.can_read_body else {}
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        ttl = _get(body, "ttl_seconds", (int, float), None)
+        if self.draining:
+            raise OpenAIError(503, NOT_TAKING_REQUESTS)
+        try:
+            session = self.scheduler.sessions.open(None if ttl is None else float(ttl))
+        except ServiceError as err:
+            raise from_service_error(err, "chat") from None
+        return web.json_response(
+            {"id": session.session_id, "object": "session", "ttl_seconds": session.ttl_s}
+        )
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        session_id = request.match_info["session_id"]
+        try:
+            num_tokens = await self.scheduler.sessions.close(session_id)
+        except ServiceError as err:
+            raise from_service_error(err, "chat") from None
+        return web.json_response(
+            {
+                "id": session_id,
+                "object": "session.deleted",
+                "deleted": True,
+                "num_tokens": num_tokens,
+            }
+        )
+
     def _check_model(self, name: Any) -> None:
         if name is not None and name != self.model_name:
             raise OpenAIError(
@@ -396,6 +434,7 @@ class OpenAIServer:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             limits=self.limits,
+            session_id=req.session_id,
         )
 
     async def _complete(

@@ -1,5 +1,6 @@
 """The client API: Generate (server streaming). GenerateRequest -> validated GenerationRequest ->
-the scheduler's chunks -> GenerateResponse. Every refusal is INVALID_ARGUMENT naming the field."""
+the scheduler's chunks -> GenerateResponse. Every refusal is INVALID_ARGUMENT naming the field.
+OpenSession / CloseSession manage sessions (gateway/sessions.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gateway.request import (
     ModelInfo,
     build_request,
 )
+from gateway.sessions import SessionStore
 from specsplit import convert, telemetry
 from specsplit.errors import Code, ServiceError, invalid
 from specsplit.server import service_errors, service_name
@@ -37,6 +39,8 @@ NOT_TAKING_REQUESTS = "the gateway is shutting down: not taking new requests"
 
 class ChunkSource(Protocol):
     """The scheduler as the servicer sees it."""
+
+    sessions: SessionStore
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]: ...
 
@@ -64,7 +68,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self.Generate,
                 request_deserializer=parse_generate_request,
                 response_serializer=gateway_pb2.GenerateResponse.SerializeToString,
-            )
+            ),
+            "OpenSession": grpc.unary_unary_rpc_method_handler(
+                self.OpenSession,
+                request_deserializer=gateway_pb2.OpenSessionRequest.FromString,
+                response_serializer=gateway_pb2.OpenSessionResponse.SerializeToString,
+            ),
+            "CloseSession": grpc.unary_unary_rpc_method_handler(
+                self.CloseSession,
+                request_deserializer=gateway_pb2.CloseSessionRequest.FromString,
+                response_serializer=gateway_pb2.CloseSessionResponse.SerializeToString,
+            ),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(self.service_name, handlers),)
@@ -101,6 +115,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     # Client gone (the task is cancelled) or done: the scheduler frees the sequence.
                     await _aclose(chunks)
+
+    async def OpenSession(
+        self, request: gateway_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.OpenSessionResponse:
+        async with service_errors(context):
+            if self.draining:
+                raise ServiceError(Code.UNAVAILABLE, NOT_TAKING_REQUESTS)
+            ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
+            session = self.scheduler.sessions.open(ttl)
+        return gateway_pb2.OpenSessionResponse(
+            session_id=session.session_id, ttl_seconds=session.ttl_s
+        )
+
+    async def CloseSession(
+        self, request: gateway_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CloseSessionResponse:
+        async with service_errors(context):
+            num_tokens = await self.scheduler.sessions.close(request.session_id)
+        return gateway_pb2.CloseSessionResponse(num_tokens=num_tokens)
 
 
 async def _aclose(chunks: AsyncIterator[Chunk]) -> None:
@@ -149,6 +182,7 @@ def generation_request(
         spec=convert.spec_from_proto(msg.spec) if msg.HasField("spec") else None,
         ignore_eos=msg.ignore_eos,
         limits=limits,
+        session_id=msg.session_id or None,
     )
 
 
@@ -167,4 +201,5 @@ def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateRespons
         msg.spec_stats.rounds = chunk.stats.rounds
         msg.spec_stats.num_accepted_drafts = chunk.stats.num_accepted_drafts
         msg.spec_stats.mean_accepted_tokens = chunk.stats.mean_accepted_tokens
+        msg.spec_stats.num_reused_tokens = chunk.stats.num_reused_tokens
     return msg

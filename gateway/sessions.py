@@ -231,7 +231,9 @@ class SessionStore:
             seq.keep_verifier_kv(min(last.verifier_kv_committed_len, keep, len(tokens) - 1))
             seq.drafter_num_tokens = min(last.drafter_num_tokens, keep)
             if keep < len(last.tokens):  # the rendering differs from what the session holds
-                await self._truncate(seq, seq.verifier_kv_committed_len, seq.drafter_num_tokens)
+                await self._truncate(
+                    session, seq, seq.verifier_kv_committed_len, seq.drafter_num_tokens
+                )
         seq.turn = Turn(session, seq.verifier_kv_committed_len, seq.drafter_num_tokens, messages)
         seq.stats.num_reused_tokens = seq.verifier_kv_committed_len
         metrics.observe_session_turn(seq.stats.num_reused_tokens)
@@ -268,7 +270,7 @@ class SessionStore:
             if session.closed:
                 await self._free(session)
             elif seq.finish_reason is not None:  # completed: the session holds the turn
-                await self._truncate(seq, len(seq.tokens) - 1, len(seq.tokens))
+                await self._truncate(session, seq, len(seq.tokens) - 1, len(seq.tokens))
                 session.state = seq
                 if turn.messages is not None:
                     reply = "".join(turn.reply_parts)
@@ -278,7 +280,7 @@ class SessionStore:
             elif session.state is None:  # the first turn taken back: nothing to keep
                 await self._free(session)
             else:  # taken back: the services return to where the turn began
-                await self._truncate(seq, turn.verifier_start, turn.drafter_start)
+                await self._truncate(session, seq, turn.verifier_start, turn.drafter_start)
                 _carry(seq, session.state)
         finally:
             session.turn = None
@@ -348,12 +350,12 @@ class SessionStore:
             except ServiceError as err:  # it frees them when it restarts or drops the scope
                 log.warning("%s: release failed on the %s: %s", seq_id, client, err.message)
 
-    async def _truncate(self, seq: Sequence, verifier_len: int, drafter_len: int) -> None:
-        """Both services keep the first verifier_len / drafter_len tokens of `seq` (and restart
-        its sampling generators); `seq` records what they answer. A service that does not hold
-        it (restarted) or fails begins it again on the next turn."""
-        assert isinstance(seq.turn, Turn)
-        session = seq.turn.session
+    async def _truncate(
+        self, session: Session, seq: Sequence, verifier_len: int, drafter_len: int
+    ) -> None:
+        """Both services keep the first verifier_len / drafter_len tokens of the session's
+        sequence (and restart its sampling generators); `seq`, a turn of it, records what they
+        answer. A service that does not hold it (restarted) or fails begins it again."""
         verifier_len = min(verifier_len, seq.verifier_kv_committed_len)
         drafter_len = min(drafter_len, seq.drafter_num_tokens)
         try:

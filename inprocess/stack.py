@@ -133,5 +133,6 @@ def build_local_stack(
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
         overlap=overlap,
+        max_context=config.max_position_embeddings,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

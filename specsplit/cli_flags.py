@@ -207,6 +207,8 @@ def limit_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--limit-message-bytes", 4 * 1024 * 1024, message_help, type=int)
     waiting_help = "requests that may wait for a place in the batch; more: RESOURCE_EXHAUSTED"
     flag(parser, "--max-waiting", 256, f"{waiting_help} (HTTP 429)", type=int)
+    ttl_help = "seconds an idle session keeps its KV before it expires (OpenSession may ask less"
+    flag(parser, "--session-ttl", 600.0, f"{ttl_help} or more)", type=float)
 
 
 def request_limits(args: argparse.Namespace) -> Limits:

@@ -98,6 +98,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             backend_tls=tls_files(args, "backend_tls"),
             limits=request_limits(args),
             max_waiting=args.max_waiting,
+            session_ttl_s=args.session_ttl,
             verifier_wait_s=args.verifier_wait,
             overlap=args.overlap,
         )

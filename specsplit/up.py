@@ -35,6 +35,7 @@ LIMIT_FLAGS = (  # the gateway's request limits, passed on as given
     "--limit-prompt-bytes",
     "--limit-message-bytes",
     "--max-waiting",
+    "--session-ttl",
 )
 
 

@@ -8,9 +8,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.request import Chunk, GenerationRequest
+from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, Truncated, Truncation
+from specsplit.sampling import SamplingParams
 from specsplit.step import SeqStep
 
 TINY_VOCAB = 512
@@ -103,6 +105,57 @@ def check_session_kv(stack: LocalStack, seq_id: str, tokens: list[int]) -> None:
     if stack.drafter.seqs:
         drafted = stack.drafter.seqs[seq_id].tokens
         assert drafted == tokens[: len(drafted)]
+
+
+async def collect(scheduler: Scheduler, request: GenerationRequest) -> list[Chunk]:
+    return [chunk async for chunk in scheduler.generate(request)]
+
+
+class Conversation:
+    """Turns on one session, each checked against a fresh request on the same stack."""
+
+    def __init__(self, stack: LocalStack, sampling: SamplingParams) -> None:
+        self.stack = stack
+        self.scheduler = stack.scheduler
+        self.sampling = sampling
+        self.session = self.scheduler.sessions.open()
+        self.tokens: list[int] = []  # the conversation as a fresh request carries it
+
+    def request(
+        self, prompt: list[int], max_new_tokens: int, **kwargs: object
+    ) -> GenerationRequest:
+        return GenerationRequest(prompt, max_new_tokens, self.sampling, **kwargs)  # type: ignore[arg-type]
+
+    def turn_request(
+        self, prompt: list[int], max_new_tokens: int, **kwargs: object
+    ) -> GenerationRequest:
+        """The session's next turn: `prompt` (token ids) after everything it holds."""
+        request = self.request(prompt, max_new_tokens, **kwargs)
+        request.session_id = self.session.session_id
+        request.turn_prompt = ("token_ids", prompt)
+        return request
+
+    async def fresh(self, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[Chunk]:
+        return await collect(
+            self.scheduler, self.request(self.tokens + prompt, max_new_tokens, **kwargs)
+        )
+
+    async def turn(self, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[Chunk]:
+        """One turn, compared with a fresh request of the whole conversation run first."""
+        expected = await self.fresh(prompt, max_new_tokens, **kwargs)
+        held = len(self.tokens) - 1 if self.session.holds_kv else 0  # the pending bonus aside
+        got = await collect(self.scheduler, self.turn_request(prompt, max_new_tokens, **kwargs))
+        await self.session.ready.wait()  # the turn is put away: the services truncated
+        assert generated_ids(got) == generated_ids(expected)
+        assert got[-1].finish_reason == expected[-1].finish_reason
+        assert got[-1].prompt_tokens == len(self.tokens) + len(prompt)
+        assert got[-1].completion_tokens == expected[-1].completion_tokens
+        # the session holds prompt + generated tokens, the stop token included
+        self.tokens += prompt + generated_ids(got)
+        assert self.session.tokens == self.tokens
+        assert got[-1].stats is not None and got[-1].stats.num_reused_tokens == held
+        check_session_kv(self.stack, self.session.seq_id, self.tokens)
+        return got
 
 
 def generate_all(stack: LocalStack, requests: list[GenerationRequest]) -> list[list[Chunk]]:

@@ -11,15 +11,12 @@ every draft is accepted, so the EOS and the stop string fall inside a round's ac
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from drafter.model_proposer import ModelProposer
-from gateway.request import Chunk, GenerationRequest
-from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack
 from specsplit.messages import SpecParams, Truncated, Truncation
 from specsplit.model.loader import load_model
@@ -27,8 +24,9 @@ from specsplit.sampling import SamplingParams
 from tests.eagle_random import save_random_eagle3
 from tests.support import (
     TINY_VOCAB,
+    Conversation,
     check_no_leaks,
-    check_session_kv,
+    collect,
     generated_ids,
     make_stack,
     save_tiny_llama,
@@ -47,52 +45,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()
     return ids + ids[:3]  # something for the n-gram proposer to find
-
-
-async def collect(scheduler: Scheduler, request: GenerationRequest) -> list[Chunk]:
-    return [chunk async for chunk in scheduler.generate(request)]
-
-
-class Conversation:
-    """Turns on one session, each checked against a fresh request on the same stack."""
-
-    def __init__(self, stack: LocalStack, sampling: SamplingParams) -> None:
-        self.stack = stack
-        self.scheduler = stack.scheduler
-        self.sampling = sampling
-        self.session = self.scheduler.sessions.open()
-        self.tokens: list[int] = []  # the conversation as a fresh request carries it
-
-    def request(
-        self, prompt: list[int], max_new_tokens: int, **kwargs: object
-    ) -> GenerationRequest:
-        return GenerationRequest(prompt, max_new_tokens, self.sampling, **kwargs)  # type: ignore[arg-type]
-
-    async def fresh(self, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[Chunk]:
-        return await collect(
-            self.scheduler, self.request(self.tokens + prompt, max_new_tokens, **kwargs)
-        )
-
-    async def turn(self, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[Chunk]:
-        """One turn, compared with a fresh request of the whole conversation run first."""
-        expected = await self.fresh(prompt, max_new_tokens, **kwargs)
-        request = self.request(prompt, max_new_tokens, **kwargs)
-        request.session_id = self.session.session_id
-        request.turn_prompt = ("token_ids", prompt)
-        got = await collect(self.scheduler, request)
-        await self.session.ready.wait()  # the turn is put away: the services truncated
-        assert generated_ids(got) == generated_ids(expected)
-        assert got[-1].finish_reason == expected[-1].finish_reason
-        assert got[-1].prompt_tokens == len(self.tokens) + len(prompt)
-        assert got[-1].completion_tokens == expected[-1].completion_tokens
-        # the session holds prompt + generated tokens, the stop token included
-        self.tokens += prompt + generated_ids(got)
-        assert self.session.tokens == self.tokens
-        reused = got[-1].stats.num_reused_tokens if got[-1].stats else -1
-        if len(self.tokens) > len(prompt) + len(generated_ids(got)):  # not the first turn
-            assert reused == len(self.tokens) - len(prompt) - len(generated_ids(got)) - 1
-        check_session_kv(self.stack, self.session.seq_id, self.tokens)
-        return got
 
 
 async def _four_turns(conv: Conversation) -> None:
@@ -221,14 +173,7 @@ def test_two_sessions_side_by_side_in_groups(models, smollm2_tokenizer):
                 )
                 turns = await asyncio.gather(
                     *(
-                        collect(
-                            stack.scheduler,
-                            dataclasses.replace(
-                                c.request(_prompt(10 * i + k, 4), 6),
-                                session_id=c.session.session_id,
-                                turn_prompt=("token_ids", _prompt(10 * i + k, 4)),
-                            ),
-                        )
+                        collect(stack.scheduler, c.turn_request(_prompt(10 * i + k, 4), 6))
                         for i, c in enumerate(convs)
                     )
                 )
