@@ -162,8 +162,11 @@ class SessionStore:
 
     async def close(self, session_id: str) -> int:
         """Close a session; its KV is freed now, or when the turn running on it ends. Returns
-        the tokens it held."""
+        the tokens it held (after a turn being put away, that turn's too)."""
         session = self.get(session_id)
+        if not session.busy:
+            await session.ready.wait()
+            session = self.get(session_id)  # closed meanwhile: NOT_FOUND
         del self.sessions[session_id]
         session.closed = True
         num_tokens = len(session.tokens)
