@@ -139,24 +139,36 @@ class _Buffers:
     ) -> None:
         """Write `batch` (host tensors) and padding up to `bucket` into the host mirrors, then
         move them to the device (asynchronously, after the last move has finished); features go
-        device to device (the padding rows keep what they held)."""
+        device to device (the padding rows keep what they held). A sequence with fewer than q
+        query tokens is padded at its end with rows that read its first new token and write
+        the scratch slot (CudaGraphRunner.plan)."""
         self.copied.synchronize()  # the mirrors are free again
         v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
-        v["input_ids"][:t] = batch.input_ids.numpy()
-        v["positions"][:t] = batch.positions.numpy()
-        v["slot_mapping"][:t] = batch.slot_mapping.numpy()
-        num_rows = batch.logit_indices.shape[0]
-        v["rows"][:num_rows] = batch.logit_indices.numpy()
+        cu = batch.cu_seqlens_q.numpy()
+        q_lens = np.diff(cu)
+        ragged = bool((q_lens != q).any())
+        dst: Any = slice(0, t)  # where each token's row goes: in order, or at b * q + i
+        if ragged:
+            seq = np.repeat(np.arange(bs), q_lens)  # [T] the sequence of each token
+            dst = seq * q + np.arange(cu[-1]) - cu[:-1][seq]
+            v["input_ids"][:t] = 0
+            v["positions"][:t] = 0
+            v["slot_mapping"][:t] = scratch_slot
+        v["input_ids"][dst] = batch.input_ids.numpy()
+        v["positions"][dst] = batch.positions.numpy()
+        v["slot_mapping"][dst] = batch.slot_mapping.numpy()
+        rows = batch.logit_indices.numpy()
+        v["rows"][: rows.shape[0]] = dst[rows] if ragged else rows
         if batch.hidden_indices is not None:
-            v["hidden_rows"][: batch.hidden_indices.shape[0]] = batch.hidden_indices.numpy()
+            rows = batch.hidden_indices.numpy()
+            v["hidden_rows"][: rows.shape[0]] = dst[rows] if ragged else rows
         v["kv_lens"][:bs] = batch.kv_lens.numpy()
         v["prefix_lens"][:bs] = batch.prefix_lens.numpy()
         width = batch.block_table.shape[1]
         v["block_table"][:bs, :width] = batch.block_table.numpy()
         if v["tree_mask"] is not None:
-            mask = self.causal if batch.tree_mask is None else batch.tree_mask.numpy()
-            v["tree_mask"][:bs] = mask
+            self._fill_mask(batch, q_lens, ragged)
         # padding sequences: q causal tokens on the scratch page
         v["input_ids"][t:t_pad] = 0
         v["positions"][t:t_pad] = 0
@@ -174,6 +186,24 @@ class _Buffers:
             assert self.features is not None, "this graph takes no features"
             self.features[:t].copy_(features)
         self.copied.record()
+
+    def _fill_mask(self, batch: ForwardBatch, q_lens: np.ndarray, ragged: bool) -> None:
+        """Each sequence's [q, q] mask among its new tokens: the batch's tree mask or causal
+        (query i sees the new tokens up to its own), padding rows see the first new token."""
+        mask, bs = self.host["tree_mask"], batch.num_seqs
+        num_new = (batch.kv_lens - batch.prefix_lens).numpy()
+        tree = None if batch.tree_mask is None else batch.tree_mask.numpy()
+        if not ragged and (num_new == self.q).all():
+            mask[:bs] = self.causal if tree is None else tree
+            return
+        mask[:bs] = False
+        for b in range(bs):
+            q_len, new = int(q_lens[b]), int(num_new[b])
+            if tree is None:
+                mask[b, :q_len, :new] = np.tri(q_len, new, new - q_len, dtype=bool)
+            else:
+                mask[b, :q_len, :new] = tree[b, :q_len, :new]
+            mask[b, q_len:, 0] = True
 
 
 class CudaGraphRunner:
@@ -286,25 +316,27 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------
 
-    def bucket(self, batch: ForwardBatch, aux_layers: tuple[int, ...]) -> int | None:
-        """The batch size of the graph that can run `batch` (host metadata), or None."""
+    def plan(
+        self, batch: ForwardBatch, aux_layers: tuple[int, ...], has_features: bool = False
+    ) -> tuple[int, int] | None:
+        """(q, batch size) of the graph that can run `batch` (host metadata), or None: the
+        smallest captured q that holds its longest sequence; a sequence with fewer query tokens
+        (a ragged batch, a tree's frontier, or q not captured itself) is padded to q
+        (_Buffers.fill): with q > 1 every sequence's new tokens must fit the graph's [q, q]
+        mask, so q also holds the most new tokens of any sequence."""
         bs = batch.num_seqs
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
-        q = batch.max_q_len
-        if batch.input_ids.shape[0] != bs * q:
-            return None  # a ragged batch: some sequence has fewer than q tokens
-        if (q, aux_layers) not in self.buffers and q not in self.captured_query_lens:
+        captured = self.captured_query_lens | {k[0] for k in self.buffers if k[1] == aux_layers}
+        # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
+        one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
+        need = 1 if one else max(batch.max_q_len, int((batch.kv_lens - batch.prefix_lens).max()))
+        q = min((n for n in captured if n >= need), default=None)
+        if q is None or (q == 1 and not one):
             return None
-        if batch.tree_mask is not None and tuple(batch.tree_mask.shape[1:]) != (q, q):
-            return None
-        if (
-            batch.tree_mask is None
-            and q > 1
-            and bool((batch.kv_lens - batch.prefix_lens != q).any())
-        ):
-            return None
-        return next(b for b in self.batch_sizes if b >= bs)
+        if has_features and batch.input_ids.shape[0] != bs * q:
+            return None  # padding rows would need the features scattered on the device too
+        return q, next(b for b in self.batch_sizes if b >= bs)
 
     def forward(
         self,
@@ -314,12 +346,13 @@ class CudaGraphRunner:
     ) -> ForwardOutput | None:
         """Replay the graph for `batch` (host tensors) and return its wanted rows, or None when
         no captured graph fits (the caller runs the step eagerly)."""
-        bucket = self.bucket(batch, aux_layers)
-        if bucket is None:
+        plan = self.plan(batch, aux_layers, features is not None)
+        if plan is None:
             return None
+        q, bucket = plan
         # hidden states asked for (an EAGLE drafter): capture the same q with these layers too
-        self.capture(q=batch.max_q_len, aux_layers=aux_layers)  # once; a no-op after
-        q, bs = batch.max_q_len, batch.num_seqs
+        self.capture(q=q, aux_layers=aux_layers)  # once; a no-op after
+        bs = batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
         buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot, features)
         self.graphs[(q, aux_layers, bucket)].replay()
