@@ -101,6 +101,9 @@ class RequestStats(Protocol):
     def num_accepted_drafts(self) -> int: ...
 
     @property
+    def num_reused_tokens(self) -> int: ...
+
+    @property
     def mean_accepted_tokens(self) -> float: ...
 
 
@@ -172,6 +175,7 @@ def end_request(seq: TracedSequence, error: BaseException | None = None) -> None
             "specsplit.rounds": seq.stats.rounds,
             "specsplit.num_accepted_drafts": seq.stats.num_accepted_drafts,
             "specsplit.mean_accepted_tokens": seq.stats.mean_accepted_tokens,
+            "specsplit.num_reused_tokens": seq.stats.num_reused_tokens,  # a session's kept KV
         }
     )
     if error is not None:

@@ -329,3 +329,39 @@ def test_a_turn_over_the_context_is_invalid_argument(target_dir, smollm2_tokeniz
         check_session_kv(stack, conv.session.seq_id, conv.tokens)
 
     _run(stack, body)
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+def test_session_turns_preempted_under_memory_pressure_keep_their_tokens(
+    target_dir, smollm2_tokenizer, overlap
+):
+    """No idle session to evict: a running turn is preempted (its KV freed in both services),
+    re-prefilled from the whole conversation later, and its output is unchanged."""
+    # each turn ends with ~61 tokens' KV on the verifier (16 pages of 4): two do not fit in 28
+    stack = make_stack(
+        target_dir, "ngram", smollm2_tokenizer, SPEC, page_size=4, num_pages=28, overlap=overlap
+    )
+
+    async def body(conv: Conversation) -> None:
+        convs = [conv, Conversation(stack, SamplingParams())]
+        for i, c in enumerate(convs):  # one at a time: each fits alone
+            await c.turn(_prompt(10 + i, 8), 4)
+        prompts = [_prompt(20 + i, 6) for i in range(2)]
+        expected = [
+            generated_ids(await c.fresh(p, 40, ignore_eos=True))
+            for c, p in zip(convs, prompts, strict=True)
+        ]
+        preemptions = conv.scheduler.num_preemptions
+        outs = await asyncio.gather(
+            *(
+                collect(conv.scheduler, c.turn_request(p, 40, ignore_eos=True))
+                for c, p in zip(convs, prompts, strict=True)
+            )
+        )
+        assert [generated_ids(o) for o in outs] == expected
+        assert conv.scheduler.num_preemptions > preemptions
+        for c, p, out in zip(convs, prompts, outs, strict=True):
+            await c.session.ready.wait()
+            assert c.session.tokens == c.tokens + p + generated_ids(out)
+
+    _run(stack, body)
