@@ -6,9 +6,10 @@ pipelined-groups scheduling, at several batch sizes.
 
     PYTHONPATH=. python bench/gpu_e2e.py --target llama-8b --draft llama-1b --rates 0.8 0.7 0.6
 
-What it leaves out: the RPCs and the second GPU of a real deployment (drafter and verifier
-here share one GPU and one process; their engine calls run on two threads, as the in-process
-clients do).
+What it leaves out: the RPCs of a real deployment (drafter and verifier share one process;
+their engine calls run on two threads, as the in-process clients do). On one GPU they also share
+it, so pipelined groups contend for it; `--device cuda:1 --drafter-device cuda:0` puts them on
+two, as deployed.
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tokenizer", default=".gpu/tokenizer")
+    parser.add_argument("--device", default=None, help="the verifier's; default cuda (or cpu)")
+    parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--eager-drafter", action="store_true", help="no drafter CUDA graphs")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    draft_device = args.drafter_device or device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     target = random_model(args.target, device, dtype, seed=0)
-    draft = random_model(args.draft, device, dtype, seed=1)
+    draft = random_model(args.draft, draft_device, dtype, seed=1)
     max_batch = max(args.batch)
     pages = max_batch * (-(-(args.prompt_len + args.max_new_tokens + 64) // 16)) + 64
     verifier = VerifierEngine(
@@ -129,7 +133,7 @@ def main() -> None:
     )
     verifier.warmup()
     proposer = ModelProposer(
-        draft, make_kv_cache(draft.config, pages, 16, dtype, device), VOCAB, 8192
+        draft, make_kv_cache(draft.config, pages, 16, dtype, draft_device), VOCAB, 8192
     )
     drafter = DrafterEngine(
         proposer,
@@ -139,9 +143,9 @@ def main() -> None:
     drafter.warmup()  # and its CUDA graphs
     label = f"SYNTHETIC acceptance {args.rates}"
     print(
-        f"{args.target} target, {args.draft} draft, {device} {dtype}, {label}, prompt "
-        f"{args.prompt_len}, {args.max_new_tokens} new tokens, chain {args.spec}, drafter "
-        f"{'eager' if args.eager_drafter else 'CUDA graphs'}"
+        f"{args.target} target on {device}, {args.draft} draft on {draft_device}, {dtype}, "
+        f"{label}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, chain "
+        f"{args.spec}, drafter {'eager' if args.eager_drafter else 'CUDA graphs'}"
     )
     gen = torch.Generator().manual_seed(0)
     draft_time, verify_time = EngineTime(drafter, "draft"), EngineTime(verifier, "verify")
