@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
-#   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2]
+#   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
-# (needs the GGUF at $SMOLLM2_GGUF; drafter on cuda:0, verifier on cuda:1 when there are two).
+# (needs the GGUF at $SMOLLM2_GGUF; drafter on cuda:0, verifier on cuda:1 when there are two);
+# e2e2: e2e with the drafter on cuda:0 and the verifier on cuda:1.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,10 @@ for part in "${parts[@]}"; do
       [[ $gpus -ge 2 ]] && devices=(--device cuda:1 --drafter-device cuda:0)
       run e2e_smollm2 python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
-        --spec 3 5 5x2x8 --assistant-layers 0 ;;
+        --num-prompts 8 --spec 3 5 --assistant-layers 0 ;;
+    e2e2)  # the 8B / 1B system with the drafter and the verifier on two GPUs
+      run e2e_8b_1b_2gpu python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
+        --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 --device cuda:1 --drafter-device cuda:0 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
