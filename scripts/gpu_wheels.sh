@@ -8,7 +8,7 @@ mkdir -p .git/info && touch .git/info/exclude
 grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
 PIP=${PIP:-python3 -m pip}
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
   platforms+=(--platform "$p")
 done
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -17,5 +17,6 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implement
   "opentelemetry-api==1.45.2" "opentelemetry-sdk==1.45.2" "opentelemetry-proto==1.45.2" \
   "opentelemetry-exporter-otlp-proto-grpc==1.45.2" "opentelemetry-exporter-otlp-proto-common==1.45.2" \
   "opentelemetry-semantic-conventions==0.66b2" "googleapis-common-protos==1.72.0" \
-  "gguf==0.19.0" "prometheus-client==0.26.0" "importlib-metadata==8.7.0" "zipp==3.23.0"
+  "gguf==0.19.0" "prometheus-client==0.26.0" "importlib-metadata==8.7.0" "zipp==3.23.0" \
+  "cryptography==50.0.2" "cffi==2.1.1" "pycparser==3.12"
 ls -la .whl
