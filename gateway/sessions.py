@@ -225,7 +225,7 @@ class SessionStore:
         last = session.state
         if last is not None and last.hidden_state_layers != seq.hidden_state_layers:
             await self._free(session)  # the drafter reads other layers now: start over
-            last = session.state = None
+            last = None
         if last is not None:
             keep = _common_prefix_len(last.tokens, tokens)
             seq.verifier_begun, seq.drafter_begun = last.verifier_begun, last.drafter_begun
@@ -299,16 +299,24 @@ class SessionStore:
         expired = [
             s for s in self.sessions.values() if not s.claimed and now - s.last_used > s.ttl_s
         ]
+        num_expired = 0
         for session in expired:
+            if self.sessions.get(session.session_id) is not session:
+                continue  # closed meanwhile
             log.info("session %s expired after %.0f s idle", session.session_id, session.ttl_s)
             metrics.observe_session_eviction("expired")
             await self.close(session.session_id)
-        return len(expired)
+            num_expired += 1
+        return num_expired
 
     async def expire_forever(self) -> None:
+        """Every EXPIRY_SWEEP_S: expire(). A failure is logged, never the end of expiry."""
         while True:
             await asyncio.sleep(EXPIRY_SWEEP_S)
-            await self.expire()
+            try:
+                await self.expire()
+            except Exception:
+                log.exception("session expiry failed")
 
     async def evict_idle(self) -> bool:
         """KV ran short: free the KV of the idle session used longest ago (it stays open and
@@ -392,8 +400,7 @@ def continuation(
 ) -> tuple[list[int], list[dict[str, str]] | None]:
     """A turn's whole conversation (its tokens, and its chat messages for a chat turn): see the
     module docstring. Runs the tokenizer: off the event loop."""
-    assert request.turn_prompt is not None
-    kind, prompt = request.turn_prompt
+    kind, prompt = request.turn_prompt or ("token_ids", request.prompt_ids)
     held = session.tokens
     if kind == "token_ids":
         return held + request.prompt_ids, None
@@ -418,6 +425,7 @@ def _carry(turn: Sequence, last: Sequence) -> None:
     """A taken-back turn's service state, truncated to where it began, onto the session's last
     completed turn (the two agree up to there)."""
     last.verifier_begun, last.drafter_begun = turn.verifier_begun, turn.drafter_begun
+    last.hidden_state_layers = turn.hidden_state_layers
     last.verifier_kv_committed_len = turn.verifier_kv_committed_len
     last.hidden_states = turn.hidden_states
     last.drafter_num_tokens = turn.drafter_num_tokens

@@ -130,8 +130,7 @@ class Conversation:
     ) -> GenerationRequest:
         """The session's next turn: `prompt` (token ids) after everything it holds."""
         request = self.request(prompt, max_new_tokens, **kwargs)
-        request.session_id = self.session.session_id
-        request.turn_prompt = ("token_ids", prompt)
+        request.session_id = self.session.session_id  # token ids: turn_prompt not needed
         return request
 
     async def fresh(self, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[Chunk]:

@@ -53,6 +53,10 @@ KNOWN_METRICS = {
     "specsplit_running_sequences",
     "specsplit_waiting_sequences",
     "specsplit_errors_total",
+    "specsplit_sessions_open",
+    "specsplit_session_kv_pages",
+    "specsplit_session_evictions_total",
+    "specsplit_session_tokens_reused",
 }
 
 
