@@ -24,6 +24,8 @@ from specsplit.v1 import (
 )
 
 ROLES = ("verifier", "drafter", "gateway")
+TINY_VOCAB_SIZE = 49152  # SmolLM2's tokenizer: text and chat prompts work on tiny models
+TINY_MODEL_NAME = "tiny-target"  # what the tiny_http_services fixture serves
 
 
 def free_port() -> int:

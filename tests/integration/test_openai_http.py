@@ -6,34 +6,26 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 from specsplit.v1 import gateway_pb2
-from tests.integration.services import Services, generate, ids_of, token_request
-from tests.support import save_tiny_llama
+from tests.integration.services import (
+    TINY_MODEL_NAME,
+    Services,
+    generate,
+    ids_of,
+    token_request,
+)
 
-VOCAB = 49152
-MODEL_NAME = "tiny-target"
+MODEL_NAME = TINY_MODEL_NAME
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
-    root = tmp_path_factory.mktemp("openai")
-    model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
-    svc = Services(
-        str(model),
-        root,
-        extra={
-            "drafter": ["--drafter", "model", "--draft-model", str(model)],
-            "gateway": ["--served-model-name", MODEL_NAME],
-        },
-        http=True,
-    )
-    yield from svc.serving()
+def services(tiny_http_services: Services) -> Services:
+    return tiny_http_services
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,7 @@ def test_seeded_sampling_turns_equal_fresh_requests(models, smollm2_tokenizer, d
     stack = make_stack(models["target"], drafter, smollm2_tokenizer, CHAIN)
     if drafter == "model":
         assert isinstance(stack.drafter.proposer, ModelProposer)
-    _run(stack, SamplingParams(temperature=0.8, top_k=50, seed=1234))
+    _run(stack, SamplingParams(temperature=4.0, seed=1234))
 
 
 def test_two_sessions_side_by_side_in_groups(models, smollm2_tokenizer):
@@ -189,3 +189,10 @@ def test_two_sessions_side_by_side_in_groups(models, smollm2_tokenizer):
 
     asyncio.run(run())
     check_no_leaks(stack)
+
+
+def test_seeded_sampling_turns_equal_fresh_requests_eagle3(models, smollm2_tokenizer):
+    stack = make_stack(
+        models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
+    )
+    _run(stack, SamplingParams(temperature=4.0, seed=1234))
