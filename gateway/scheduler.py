@@ -3,7 +3,9 @@
 Requests join (`generate`) and leave (finish, cancel) between rounds. Faults (DESIGN.md §4):
 a drafter that is down or lost a sequence turns into empty trees (plain target decoding, the
 same output) until it answers again; a verifier that lost a sequence (restart) gets it
-re-prefilled from the gateway's own tokens.
+re-prefilled from the gateway's own tokens. A session's turn (gateway/sessions.py) is a request
+whose KV stays in both services when it leaves: it is put away (`SessionStore.end_turn`) instead
+of released.
 """
 
 from __future__ import annotations

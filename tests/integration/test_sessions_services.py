@@ -101,6 +101,19 @@ def test_an_http_chat_session_equals_fresh_chats_with_the_replies(services: Serv
         assert got.usage is not None and fresh.usage is not None
         assert got.usage.prompt_tokens == fresh.usage.prompt_tokens
         history += [*turn, {"role": "assistant", "content": got.choices[0].message.content or ""}]
+    # a turn running (over gRPC: one session, both APIs): another is 409 until it ends
+    long = services.gateway().Generate(
+        token_request([300, 301], 400, ignore_eos=True, session_id=session_id)
+    )
+    next(long)
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}],
+            model=MODEL_NAME,
+            max_tokens=2,
+            extra_body={"session_id": session_id},
+        )
+    long.cancel()  # taken back: the chat is as it was
     deleted = _http(services, "DELETE", f"/v1/sessions/{session_id}")
     assert deleted["deleted"] and deleted["num_tokens"] > 0
     services.wait_no_pages_used()
