@@ -151,14 +151,6 @@ class Eagle3Proposer(TreeProposer):
         rows = rows.to(device=self.head.device, dtype=self.head.dtype)
         state.append_features(rows)
 
-    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        try:
-            return self._propose(jobs)
-        finally:
-            for job in jobs:
-                kv = self._state(job.seq).kv
-                self.kv.trim(kv, kv.kv_committed_len)
-
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []

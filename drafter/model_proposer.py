@@ -56,18 +56,12 @@ class ModelProposer(TreeProposer):
 
     # -- drafting --------------------------------------------------------------------------
 
-    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        try:
-            for job in jobs:
-                state = self._state(job.seq)
-                self.kv.reserve(state.kv, len(job.seq.tokens) + job.spec.max_draft_tokens)
-            root_logits = self._catch_up(jobs)  # [B, vocab]
-            trees = self._expand(jobs, root_logits)
-        finally:
-            for job in jobs:
-                kv = self._state(job.seq).kv
-                self.kv.trim(kv, kv.kv_committed_len)
-        return trees
+    def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        for job in jobs:
+            state = self._state(job.seq)
+            self.kv.reserve(state.kv, len(job.seq.tokens) + job.spec.max_draft_tokens)
+        root_logits = self._catch_up(jobs)  # [B, vocab]
+        return self._expand(jobs, root_logits)
 
     def _catch_up(self, jobs: list[DraftJob]) -> torch.Tensor:
         """Run the tokens the draft KV does not cover; logits at each root."""

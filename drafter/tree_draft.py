@@ -15,7 +15,7 @@ import torch
 
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
-from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import make_generator, sample, target_probs
 from specsplit.step import SeqStep, build_forward_batch
@@ -85,7 +85,10 @@ class TreeProposer:
         batches up to `max_batch_size`; a no-op elsewhere."""
         if self.device.type != "cuda" or not catch_up_lens:
             return
-        lens = tuple(sorted({1, *catch_up_lens}))
+        with on_device(self.device):
+            self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
+
+    def _capture(self, lens: tuple[int, ...], max_batch_size: int) -> None:
         self.graphs = CudaGraphRunner(
             self._step_forward,
             self.kv,
@@ -97,6 +100,19 @@ class TreeProposer:
         for q in lens:
             self.graphs.capture(q)
         self.catch_up_lens = lens
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """One tree per job (`_propose`); the candidates' scratch K/V is freed after."""
+        with on_device(self.device):
+            try:
+                return self._propose(jobs)
+            finally:
+                for job in jobs:
+                    kv = self._seq_kv(job.seq)
+                    self.kv.trim(kv, kv.kv_committed_len)
+
+    def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        raise NotImplementedError
 
     def _step_forward(
         self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None

@@ -26,7 +26,7 @@ from specsplit.kernels.accept import (
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import Truncated, Truncation, VerifyInput, VerifyOutput, truncate_each
-from specsplit.model.batch import to_device
+from specsplit.model.batch import on_device, to_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
@@ -142,6 +142,10 @@ class VerifierEngine:
     def warmup(self) -> None:
         """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
         graphs (on a GPU)."""
+        with on_device(self.device):
+            self._warmup()
+
+    def _warmup(self) -> None:
         out = self.verify(
             [VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))]
         )
@@ -164,8 +168,12 @@ class VerifierEngine:
 
     # -- the round -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        with on_device(self.device):
+            return self._verify(inputs)
+
+    @torch.inference_mode()
+    def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._validate(inputs)
         for item in inputs:
             if item.begin:

@@ -9,6 +9,7 @@ and attends to storage indices [0, kv_lens[b]) of its pages (`block_table[b]`): 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -91,6 +92,13 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The calling thread's current CUDA device set to `device` for the block (Triton launches on
+    the current device, and an engine's calls run on worker threads that start on cuda:0: an
+    engine on cuda:1 runs its steps inside this); nothing on other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
