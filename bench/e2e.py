@@ -84,7 +84,7 @@ def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]
     port = 50151
     cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
            "--drafter-port", "50161", "--verifier-port", "50162",
-           "--device", args.device]  # fmt: skip
+           "--device", args.device, "--verifier-wait", "30"]  # fmt: skip
     if args.drafter_device:
         cmd += ["--drafter-device", args.drafter_device]
     if args.model:
