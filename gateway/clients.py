@@ -29,6 +29,8 @@ class DrafterClient(Protocol):
 
 
 class VerifierClient(Protocol):
+    last_engine_seconds: float  # the verifier's engine time of the last verify round
+
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
 
     async def release(self, seq_ids: list[str]) -> None: ...

@@ -126,6 +126,7 @@ class StreamClient(Generic[In, Out]):
         self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
+        self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -135,11 +136,16 @@ class StreamClient(Generic[In, Out]):
 
     async def round(self, inputs: list[In]) -> list[Out]:
         """One round on the stream: inputs out, outputs back, timed and traced."""
+        start = time.perf_counter()
         request = self.rpc.request_to_proto(inputs)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         with metrics.timed(self.rpc.seconds):
             response = await self._stream.round(request)
-        return self.rpc.response_from_proto(response)
+        outputs = self.rpc.response_from_proto(response)
+        self.last_engine_seconds = self.rpc.engine_ns(response) / 1e9
+        overhead = time.perf_counter() - start - self.last_engine_seconds
+        metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(max(overhead, 0.0))
+        return outputs
 
     async def release(self, seq_ids: list[str]) -> None:
         if not seq_ids:

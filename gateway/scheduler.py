@@ -234,10 +234,13 @@ class Scheduler:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                start = time.perf_counter()
                 if self.overlap == "groups":
                     await self.step_groups(self.running)
                 else:
                     await self.step(self.running)
+                seconds = time.perf_counter() - start
+                metrics.observe_round(seconds, self.verifier.last_engine_seconds)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently

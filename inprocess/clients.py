@@ -6,6 +6,7 @@ after every call when asked to.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -32,9 +33,22 @@ class _LocalClient:
         self.engine = engine
         self.check = check_integrity
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
+        self.last_engine_seconds = 0.0  # the engine time of the last round, on its thread
 
-    async def _call(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
-        out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+    def _timed(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
+        start = time.perf_counter()
+        try:
+            return fn(arg)
+        finally:
+            self.last_engine_seconds = time.perf_counter() - start
+
+    async def _call(self, fn: Callable[[list[Any]], T], arg: list[Any], round: bool = False) -> T:
+        """fn(arg) on the engine's thread; a round (draft, verify) is timed."""
+        loop = asyncio.get_running_loop()
+        if round:
+            out = await loop.run_in_executor(self._executor, self._timed, fn, arg)
+        else:
+            out = await loop.run_in_executor(self._executor, fn, arg)
         if self.check:
             self.engine.check_integrity()
         return out
@@ -55,7 +69,7 @@ class LocalDrafterClient(_LocalClient):
         self.drafter = engine
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        return await self._call(self.drafter.draft, inputs)
+        return await self._call(self.drafter.draft, inputs, round=True)
 
 
 class LocalVerifierClient(_LocalClient):
@@ -64,4 +78,4 @@ class LocalVerifierClient(_LocalClient):
         self.verifier = engine
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        return await self._call(self.verifier.verify, inputs)
+        return await self._call(self.verifier.verify, inputs, round=True)

@@ -46,6 +46,26 @@ VERIFY_SECONDS = Histogram(
     "A verify round: engine time on the verifier, round trip on the gateway",
     buckets=_LATENCY_BUCKETS,
 )
+_OVERHEAD_BUCKETS = (
+    0.0001, 0.0002, 0.0003, 0.0004, 0.0006, 0.0008, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
+    0.025, 0.05, 0.1,
+)  # fmt: skip
+RPC_OVERHEAD_SECONDS = Histogram(
+    "specsplit_rpc_overhead_seconds",
+    "A round's RPC on the gateway (protobuf both ways, transport, the service's hand-off to its"
+    " engine thread) less the engine time the service reports",
+    ["service"],
+    buckets=_OVERHEAD_BUCKETS,
+)
+ROUND_SECONDS = Histogram(
+    "specsplit_round_seconds", "A round on the gateway, wall time", buckets=_LATENCY_BUCKETS
+)
+ROUND_OUTSIDE_VERIFY_SECONDS = Histogram(
+    "specsplit_round_outside_verify_seconds",
+    "A round's critical path outside the verifier's engine time (drafting not hidden, both RPCs,"
+    " the gateway's own work)",
+    buckets=_OVERHEAD_BUCKETS,
+)
 GENERATED_TOKENS = Counter(
     "specsplit_generated_tokens", "Tokens streamed to clients (tokens/s: rate of this)"
 )
@@ -154,6 +174,12 @@ def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> 
         for _ in range(num_tokens):
             INTER_TOKEN_LATENCY.observe(gap)
     seq.last_token_ns = chunk.elapsed_ns
+
+
+def observe_round(seconds: float, verify_engine_seconds: float) -> None:
+    """A round's wall time on the gateway, and what of it the verifier's engine did not take."""
+    ROUND_SECONDS.observe(seconds)
+    ROUND_OUTSIDE_VERIFY_SECONDS.observe(max(seconds - verify_engine_seconds, 0.0))
 
 
 class timed:

@@ -33,6 +33,7 @@ class RoundRpc(Generic[In, Out]):
     request_from_proto: Callable[[Any], list[In]]
     response_to_proto: Callable[[list[Out], int], Any]  # (outputs, engine ns)
     response_from_proto: Callable[[Any], list[Out]]
+    engine_ns: Callable[[Any], int]  # the engine time a response reports
     seconds: Histogram  # engine time on the service, round trip on the gateway
 
 
@@ -45,6 +46,7 @@ DRAFT: RoundRpc[DraftInput, DraftOutput] = RoundRpc(
     request_from_proto=convert.draft_request_from_proto,
     response_to_proto=convert.draft_response_to_proto,
     response_from_proto=convert.draft_response_from_proto,
+    engine_ns=lambda response: response.draft_ns,
     seconds=metrics.DRAFT_SECONDS,
 )
 
@@ -57,5 +59,6 @@ VERIFY: RoundRpc[VerifyInput, VerifyOutput] = RoundRpc(
     request_from_proto=convert.verify_request_from_proto,
     response_to_proto=convert.verify_response_to_proto,
     response_from_proto=convert.verify_response_from_proto,
+    engine_ns=lambda response: response.verify_ns,
     seconds=metrics.VERIFY_SECONDS,
 )

@@ -185,8 +185,15 @@ def test_metrics_count_exactly_what_the_client_received(services: Services) -> N
         ("gateway", "specsplit_verify_seconds_count"),
         ("drafter", "specsplit_draft_seconds_count"),  # engine time on the services
         ("verifier", "specsplit_verify_seconds_count"),
+        ("gateway", "specsplit_round_seconds_count"),
+        ("gateway", "specsplit_round_outside_verify_seconds_count"),
     ):
         assert delta(role, name) == stats.rounds, (role, name)
+    for service in ("drafter", "verifier"):  # each round's RPC less its engine time
+        overhead = "specsplit_rpc_overhead_seconds_count"
+        assert delta("gateway", overhead, service=service) == stats.rounds, service
+    outside = delta("gateway", "specsplit_round_outside_verify_seconds_sum")
+    assert 0 < outside <= delta("gateway", "specsplit_round_seconds_sum")
     for role in ("drafter", "verifier"):
         assert value(after[role], "specsplit_kv_pages_used") == 0, role
         assert value(after[role], "specsplit_kv_pages_free") == NUM_PAGES, role

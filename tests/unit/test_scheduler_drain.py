@@ -34,6 +34,10 @@ class _StallingVerifier:
             await asyncio.sleep(0.01)
         return await self.inner.verify(inputs)
 
+    @property
+    def last_engine_seconds(self) -> float:
+        return self.inner.last_engine_seconds
+
     async def release(self, seq_ids: list[str]) -> None:
         if self.stall:
             await asyncio.Event().wait()  # never answers

@@ -119,6 +119,10 @@ class _Timed:
             async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
                 return await timed._timed(timed.verifies, self._slow(inputs))
 
+            @property
+            def last_engine_seconds(self) -> float:
+                return timed.verifier.last_engine_seconds
+
             async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
                 await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
                 return await timed.verifier.verify(inputs)
@@ -208,6 +212,10 @@ class _RestartingVerifier:
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.inner.release(seq_ids)
+
+    @property
+    def last_engine_seconds(self) -> float:
+        return self.inner.last_engine_seconds
 
     async def health(self):
         return await self.inner.health()  # type: ignore[attr-defined]

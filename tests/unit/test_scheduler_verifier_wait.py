@@ -59,6 +59,10 @@ class _RestartingVerifier:
         self.rounds += 1
         return await self.inner.verify(inputs)
 
+    @property
+    def last_engine_seconds(self) -> float:
+        return self.inner.last_engine_seconds
+
     async def release(self, seq_ids: list[str]) -> None:
         if self.away:
             raise ServiceError(Code.UNAVAILABLE, "verifier: UNAVAILABLE: connection refused")
