@@ -26,11 +26,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from bench.acceptance import bundled_prompts
@@ -64,6 +67,42 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
 
 
 Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
+METRICS_PORT = 50170  # the gateway's /metrics
+# the split's cost per round as the gateway measures it: label -> (histogram, its labels)
+OVERHEADS = {
+    "round outside verify engine": ("specsplit_round_outside_verify_seconds", ()),
+    "verify RPC less engine": ("specsplit_rpc_overhead_seconds", (("service", "verifier"),)),
+    "draft RPC less engine": ("specsplit_rpc_overhead_seconds", (("service", "drafter"),)),
+}
+Buckets = Counter[tuple[str, tuple[tuple[str, str], ...], float]]  # (name, labels, le) -> count
+
+
+def scrape_buckets() -> Buckets:
+    """The gateway's histogram buckets (cumulative counts) by (name, labels, upper bound)."""
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    buckets: Buckets = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                name = sample.name.removesuffix("_bucket")
+                buckets[(name, labels, float(sample.labels["le"]))] = int(sample.value)
+    return buckets
+
+
+def quantile(buckets: Buckets, name: str, labels: tuple[tuple[str, str], ...], q: float) -> float:
+    """Upper bound (seconds) of the bucket holding the q-quantile; nan without samples."""
+    cumulative = sorted(
+        (le, n) for (n_, l_, le), n in buckets.items() if (n_, l_) == (name, labels)
+    )
+    total = cumulative[-1][1] if cumulative else 0
+    return (
+        next((le for le, n in cumulative if n >= q * total), float("nan"))
+        if total
+        else float("nan")
+    )
 
 
 @dataclass
@@ -72,6 +111,7 @@ class Row:
     rounds: int = 0
     num_accepted_tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    buckets: Buckets = field(default_factory=Counter)  # the gateway's, during this row's runs
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +124,8 @@ def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]
     port = 50151
     cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
            "--drafter-port", "50161", "--verifier-port", "50162",
-           "--device", args.device, "--verifier-wait", "30"]  # fmt: skip
+           "--device", args.device, "--verifier-wait", "30",
+           "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]  # fmt: skip
     if args.drafter_device:
         cmd += ["--drafter-device", args.drafter_device]
     if args.model:
@@ -164,7 +205,8 @@ def hf_runners(args: argparse.Namespace, path: str) -> dict[str, Runner]:
 
 def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -> dict[str, Row]:
     """Every runner on every prompt, interleaved: prompt i runs the runners in an order rotated
-    by i (and by the pass). One warm-up generation each first."""
+    by i (and by the pass). One warm-up generation each first. The gateway's histograms are
+    read around each specsplit run (outside its timing) and kept per row."""
     names = list(runners)
     for name in names:
         runners[name](prompts[0])
@@ -173,10 +215,15 @@ def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -
         for i, prompt in enumerate(prompts):
             shift = (i + sweep) % len(names)
             for name in names[shift:] + names[:shift]:
+                probe = name.startswith("specsplit")
+                before = scrape_buckets() if probe else Counter()
                 start = time.perf_counter()
                 tokens, rounds, accepted = runners[name](prompt)
                 row = rows[name]
                 row.seconds += time.perf_counter() - start
+                if probe:
+                    row.buckets.update(scrape_buckets())
+                    row.buckets.subtract(before)
                 row.rounds += rounds
                 row.num_accepted_tokens += accepted
                 if sweep == 0:
@@ -227,6 +274,16 @@ def main() -> None:
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
             f"  {same}/{len(row.outputs)}"
         )
+    print("split cost per round on the gateway's critical path, ms (bucket upper bounds)")
+    print(f"{'run':<30}" + "".join(f"{label:>32}" for label in OVERHEADS))
+    for name, row in rows.items():
+        if name.startswith("specsplit"):
+            cells = [
+                f"p50 {1e3 * quantile(row.buckets, h, labels, 0.5):.2f} "
+                f"p99 {1e3 * quantile(row.buckets, h, labels, 0.99):.2f}"
+                for h, labels in OVERHEADS.values()
+            ]
+            print(f"{name:<30}" + "".join(f"{cell:>32}" for cell in cells))
 
 
 if __name__ == "__main__":
