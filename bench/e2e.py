@@ -11,6 +11,10 @@ shared machine's drift in speed hits every row alike; the services sit idle whil
         [--drafter-device cuda:0]
         [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8] [--passes 2]
 
+After the table: the split's cost per round on the gateway's critical path (its histograms
+specsplit_round_outside_verify_seconds and specsplit_rpc_overhead_seconds, read around each run),
+p50 and p99 as bucket upper bounds.
+
 --spec takes draft shapes STEPS[xTOPK[xNODES]] sent per request (default: the gateway's default
 shape); each is one row. HF assisted generation uses a copy of the target cut to its first
 --assistant-layers layers as `assistant_model` (there is no smaller SmolLM2 to use).
