@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import signal
 import subprocess
@@ -243,6 +244,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="verifier's (and HF's) device")
     parser.add_argument("--drafter-device", default=None, help="default: --device")
+    parser.add_argument("--no-hf", action="store_true", help="no HF rows (specsplit's only)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
@@ -256,11 +258,12 @@ def main() -> None:
 
     with services(args) as stub:
         runners = service_runners(stub, args)
-        runners.update(hf_runners(args, path))
+        if not args.no_hf:
+            runners.update(hf_runners(args, path))
         rows = measure(runners, prompts, args.passes)
     reference = rows["specsplit target only"].outputs
     tps = {name: args.passes * row.num_tokens / row.seconds for name, row in rows.items()}
-    base = {"target only": tps["specsplit target only"], "HF": tps["HF generate"]}
+    base = {"target only": tps["specsplit target only"], "HF": tps.get("HF generate", math.nan)}
     print(
         f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
         f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
