@@ -58,21 +58,35 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
 
 
 @pytest.mark.parametrize(
-    ("name", "spec", "sampling"),
+    ("name", "spec", "sampling", "overlap"),
     [
-        ("chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0)),
-        ("tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8)),
+        ("chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "serial"),
+        ("tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8), "serial"),
         (
             "tree_topk4_top_p_top_k",
             SpecParams(2, 4, 6),
             SamplingParams(temperature=1.3, top_p=0.9, top_k=8),
+            "serial",
         ),
-        ("eagle3_chain_with_draft_probs", SpecParams(3, 1, 3), SamplingParams(temperature=1.0)),
-        ("eagle3_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8)),
+        (
+            "eagle3_chain_with_draft_probs",
+            SpecParams(3, 1, 3),
+            SamplingParams(temperature=1.0),
+            "serial",
+        ),
+        ("eagle3_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8), "serial"),
+        # pipelined groups: a group's trees are drafted while the other group is verified
+        ("groups_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "groups"),
+        ("groups_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8), "groups"),
     ],
 )
 def test_first_tokens_follow_target_distribution(
-    models, smollm2_tokenizer, name: str, spec: SpecParams, sampling: SamplingParams
+    models,
+    smollm2_tokenizer,
+    name: str,
+    spec: SpecParams,
+    sampling: SamplingParams,
+    overlap: str,
 ) -> None:
     drafter = "eagle3" if name.startswith("eagle3") else "model"
     stack = make_stack(
@@ -83,6 +97,7 @@ def test_first_tokens_follow_target_distribution(
         draft_dir=models[drafter if drafter == "eagle3" else "draft"],
         dtype=torch.float32,
         num_pages=2048,
+        overlap=overlap,
     )
     stack.scheduler.max_batch_size = 1000
     requests = [
