@@ -5,7 +5,8 @@ The in-process stack (the real engines and scheduler, no gRPC) on the embedded d
 unless --model says otherwise. Each turn is one of the bundled prompts' user messages, the reply
 greedy and --max-new-tokens long. Turn k runs twice, alternating which goes first from turn to
 turn: as a fresh chat request carrying turns 1..k (the earlier replies as the client received
-them), and as the session's next turn; both must give the same tokens. --passes repeats the
+them), and as the session's next turn; in float32 both must give the same tokens (in bfloat16 the
+KV computed turn by turn differs from one prefill by rounding: the table reports it). --passes repeats the
 conversation and the table shows the median of each cell.
 
     PYTHONPATH=. python bench/sessions.py [--turns 8] [--max-new-tokens 32] [--device cuda]
@@ -63,8 +64,9 @@ async def first_token(
 
 async def conversation(
     scheduler: Scheduler, model: ModelInfo, questions: list[str], max_new_tokens: int
-) -> list[tuple[int, float, float]]:
-    """Per turn: (conversation tokens before the reply, TTFT fresh, TTFT with the session)."""
+) -> list[tuple[int, float, float, bool]]:
+    """Per turn: (conversation tokens before the reply, TTFT fresh, TTFT with the session,
+    whether both replies are the same tokens)."""
     session: Session = scheduler.sessions.open()
     history: list[dict[str, str]] = []
     rows = []
@@ -90,9 +92,9 @@ async def conversation(
         else:
             session_s, got = await first_token(scheduler, turn_request)
             fresh_s, fresh = await first_token(scheduler, fresh_request)
-        assert token_ids(got) == token_ids(fresh), f"turn {k + 1}: the session's reply differs"
+        same = token_ids(got) == token_ids(fresh)
         history += [*turn, {"role": "assistant", "content": "".join(c.text for c in got)}]
-        rows.append((fresh[-1].prompt_tokens, fresh_s, session_s))
+        rows.append((fresh[-1].prompt_tokens, fresh_s, session_s, same))
         await session.ready.wait()
     await scheduler.sessions.close(session.session_id)
     return rows
@@ -118,7 +120,7 @@ def main() -> None:
     questions = [p[-1]["content"] for p in bundled_prompts() if p[-1]["role"] == "user"]
     questions = questions[: args.turns]
 
-    async def run() -> list[list[tuple[int, float, float]]]:
+    async def run() -> list[list[tuple[int, float, float, bool]]]:
         await stack.scheduler.start()
         try:
             await conversation(stack.scheduler, model, questions[:1], 4)  # warm-up
@@ -135,16 +137,25 @@ def main() -> None:
         f"# {path} on {args.device} ({dtype}), drafter {args.drafter} {args.spec}, "
         f"{args.max_new_tokens} new tokens per turn, median of {args.passes} pass(es)"
     )
-    print("| turn | conversation tokens | TTFT resend (ms) | TTFT session (ms) | speedup |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| turn | conversation tokens | TTFT resend (ms) | TTFT session (ms) | speedup "
+        "| same reply |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for k in range(len(questions)):
         num_tokens = passes[0][k][0]
         fresh = statistics.median(p[k][1] for p in passes)
         session = statistics.median(p[k][2] for p in passes)
+        same = sum(p[k][3] for p in passes)
         print(
             f"| {k + 1} | {num_tokens} | {fresh * 1e3:.1f} | {session * 1e3:.1f} | "
-            f"{fresh / session:.2f}x |"
+            f"{fresh / session:.2f}x | {same}/{len(passes)} |"
         )
+    # float32: a session's reply must be the fresh request's. In bfloat16 the KV a session
+    # computed turn by turn differs from one prefill by rounding, and greedy may part at a
+    # near-tie (reported in the last column, not an error)
+    if dtype == "float32" and not all(row[3] for p in passes for row in p):
+        raise SystemExit("a session's reply differs from the fresh request's in float32")
 
 
 if __name__ == "__main__":
