@@ -5,9 +5,9 @@ The in-process stack (the real engines and scheduler, no gRPC) on the embedded d
 unless --model says otherwise. Each turn is one of the bundled prompts' user messages, the reply
 greedy and --max-new-tokens long. Turn k runs twice, alternating which goes first from turn to
 turn: as a fresh chat request carrying turns 1..k (the earlier replies as the client received
-them), and as the session's next turn; in float32 both must give the same tokens (in bfloat16 the
-KV computed turn by turn differs from one prefill by rounding: the table reports it). --passes repeats the
-conversation and the table shows the median of each cell.
+them), and as the session's next turn; in float32 both must give the same tokens (in bfloat16
+the KV computed turn by turn differs from one prefill by rounding: the table reports it).
+--passes repeats the conversation and the table shows the median of each cell.
 
     PYTHONPATH=. python bench/sessions.py [--turns 8] [--max-new-tokens 32] [--device cuda]
         [--model PATH] [--drafter ngram|model] [--draft-model PATH] [--spec 3x1x3] [--passes 3]
