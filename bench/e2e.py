@@ -72,36 +72,51 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
 
 
 Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
-METRICS_PORT = 50170  # the gateway's /metrics
-# the split's cost per round as the gateway measures it: label -> (histogram, its labels)
+METRICS_PORT = 50170  # the gateway's /metrics; the drafter's and the verifier's on the next two
+# the split's cost per round: label -> (process, histogram, its labels)
 OVERHEADS = {
-    "round outside verify engine": ("specsplit_round_outside_verify_seconds", ()),
-    "verify RPC less engine": ("specsplit_rpc_overhead_seconds", (("service", "verifier"),)),
-    "draft RPC less engine": ("specsplit_rpc_overhead_seconds", (("service", "drafter"),)),
+    "round outside verify engine": ("gateway", "specsplit_round_outside_verify_seconds", ()),
+    "verify RPC less engine": (
+        "gateway",
+        "specsplit_rpc_overhead_seconds",
+        (("service", "verifier"),),
+    ),
+    "  of it on the verifier": ("verifier", "specsplit_service_overhead_seconds", ()),
+    "draft RPC less engine": (
+        "gateway",
+        "specsplit_rpc_overhead_seconds",
+        (("service", "drafter"),),
+    ),
+    "  of it on the drafter": ("drafter", "specsplit_service_overhead_seconds", ()),
 }
-Buckets = Counter[tuple[str, tuple[tuple[str, str], ...], float]]  # (name, labels, le) -> count
+METRICS_OFFSETS = {"gateway": 0, "drafter": 1, "verifier": 2}  # as `up` assigns them
+# (process, name, labels, le) -> count
+Buckets = Counter[tuple[str, str, tuple[tuple[str, str], ...], float]]
 
 
 def scrape_buckets() -> Buckets:
-    """The gateway's histogram buckets (cumulative counts) by (name, labels, upper bound)."""
-    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+    """The three processes' histogram buckets (cumulative counts) by (process, name, labels,
+    upper bound)."""
     buckets: Buckets = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
-                name = sample.name.removesuffix("_bucket")
-                buckets[(name, labels, float(sample.labels["le"]))] = int(sample.value)
+    for process, offset in METRICS_OFFSETS.items():
+        url = f"http://127.0.0.1:{METRICS_PORT + offset}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                    name = sample.name.removesuffix("_bucket")
+                    buckets[(process, name, labels, float(sample.labels["le"]))] = int(sample.value)
     return buckets
 
 
-def quantile(buckets: Buckets, name: str, labels: tuple[tuple[str, str], ...], q: float) -> float:
-    """Upper bound (seconds) of the bucket holding the q-quantile; nan without samples."""
-    cumulative = sorted(
-        (le, n) for (n_, l_, le), n in buckets.items() if (n_, l_) == (name, labels)
-    )
+def quantile(
+    buckets: Buckets, key: tuple[str, str, tuple[tuple[str, str], ...]], q: float
+) -> float:
+    """Upper bound (seconds) of the bucket holding the q-quantile of the histogram `key`
+    (process, name, labels); nan without samples."""
+    cumulative = sorted((le, n) for (*k, le), n in buckets.items() if tuple(k) == key)
     total = cumulative[-1][1] if cumulative else 0
     return (
         next((le for le, n in cumulative if n >= q * total), float("nan"))
@@ -289,16 +304,14 @@ def main() -> None:
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
             f"  {same}/{len(row.outputs)}"
         )
-    print("split cost per round on the gateway's critical path, ms (bucket upper bounds)")
-    print(f"{'run':<30}" + "".join(f"{label:>32}" for label in OVERHEADS))
+    print("split cost per round on the critical path, ms (histogram bucket upper bounds)")
+    print(f"{'run':<30}{'cost':<32}{'p50':>8}{'p99':>8}")
     for name, row in rows.items():
-        if name.startswith("specsplit"):
-            cells = [
-                f"p50 {1e3 * quantile(row.buckets, h, labels, 0.5):.2f} "
-                f"p99 {1e3 * quantile(row.buckets, h, labels, 0.99):.2f}"
-                for h, labels in OVERHEADS.values()
-            ]
-            print(f"{name:<30}" + "".join(f"{cell:>32}" for cell in cells))
+        if not name.startswith("specsplit"):
+            continue
+        for label, key in OVERHEADS.items():
+            p50, p99 = (1e3 * quantile(row.buckets, key, q) for q in (0.5, 0.99))
+            print(f"{name:<30}{label:<32}{p50:>8.2f}{p99:>8.2f}")
 
 
 if __name__ == "__main__":

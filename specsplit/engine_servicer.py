@@ -205,11 +205,15 @@ def round_stream(
     ) -> AsyncIterator[Any]:
         async with service_errors(context), self.scopes.stream(context.peer()) as scope:
             async for request in request_iterator:
+                start_ns = time.perf_counter_ns()
                 inputs = scope.enter(rpc.request_from_proto(request))
                 with telemetry.service_span(rpc.span, request) as span:
                     outputs, engine_ns = await self.engine.run_timed(run, inputs)
                     span.set_attribute(f"{rpc.span}_ns", engine_ns)
                 rpc.seconds.observe(engine_ns / 1e9)
-                yield rpc.response_to_proto(scope.leave(outputs), engine_ns)
+                response = rpc.response_to_proto(scope.leave(outputs), engine_ns)
+                overhead_ns = time.perf_counter_ns() - start_ns - engine_ns
+                metrics.SERVICE_OVERHEAD_SECONDS.observe(max(overhead_ns, 0) / 1e9)
+                yield response
 
     return stream

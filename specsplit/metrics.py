@@ -57,6 +57,12 @@ RPC_OVERHEAD_SECONDS = Histogram(
     ["service"],
     buckets=_OVERHEAD_BUCKETS,
 )
+SERVICE_OVERHEAD_SECONDS = Histogram(
+    "specsplit_service_overhead_seconds",
+    "A round on a drafter or verifier from its request read to its response ready, less the"
+    " engine time (protobuf both ways, the hand-off to the engine thread and back)",
+    buckets=_OVERHEAD_BUCKETS,
+)
 ROUND_SECONDS = Histogram(
     "specsplit_round_seconds", "A round on the gateway, wall time", buckets=_LATENCY_BUCKETS
 )

@@ -192,6 +192,8 @@ def test_metrics_count_exactly_what_the_client_received(services: Services) -> N
     for service in ("drafter", "verifier"):  # each round's RPC less its engine time
         overhead = "specsplit_rpc_overhead_seconds_count"
         assert delta("gateway", overhead, service=service) == stats.rounds, service
+        # the part of it on the service: request read to response ready, less the engine
+        assert delta(service, "specsplit_service_overhead_seconds_count") == stats.rounds
     outside = delta("gateway", "specsplit_round_outside_verify_seconds_sum")
     assert 0 < outside <= delta("gateway", "specsplit_round_seconds_sum")
     for role in ("drafter", "verifier"):
