@@ -73,8 +73,11 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
 
 Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
 METRICS_PORT = 50170  # the gateway's /metrics; the drafter's and the verifier's on the next two
-# the split's cost per round: label -> (process, histogram, its labels)
+# a round's parts: label -> (process, histogram, its labels)
 OVERHEADS = {
+    "round (gateway)": ("gateway", "specsplit_round_seconds", ()),
+    "verify engine": ("verifier", "specsplit_verify_seconds", ()),
+    "draft engine": ("drafter", "specsplit_draft_seconds", ()),
     "round outside verify engine": ("gateway", "specsplit_round_outside_verify_seconds", ()),
     "verify RPC less engine": (
         "gateway",
@@ -304,7 +307,7 @@ def main() -> None:
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
             f"  {same}/{len(row.outputs)}"
         )
-    print("split cost per round on the critical path, ms (histogram bucket upper bounds)")
+    print("a round's parts and the split's cost, ms (histogram bucket upper bounds)")
     print(f"{'run':<30}{'cost':<32}{'p50':>8}{'p99':>8}")
     for name, row in rows.items():
         if not name.startswith("specsplit"):
