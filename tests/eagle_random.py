@@ -134,3 +134,18 @@ def save_random_eagle(
         tensors["embed_tokens.weight"] = r.randn(vocab, hidden, scale=1.0)
     config = {**_llama_json(target_config, "LlamaForCausalLM"), "bias": fc_bias}
     return _save_head(path, tensors, config)
+
+
+def save_target_and_drafters(root: Path, hidden_size: int = 128) -> dict[str, Path]:
+    """A tiny random target ("target", 4 layers) and what drafts for it, keyed by drafter kind:
+    "model" (a one-layer random Llama) and "eagle3" (a random EAGLE-3 head for it)."""
+    from specsplit.model.loader import load_model
+    from tests.support import save_tiny_llama
+
+    target = save_tiny_llama(root / "target", seed=0, num_layers=4, hidden_size=hidden_size)
+    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
+    return {
+        "target": target,
+        "model": save_tiny_llama(root / "draft", seed=1, num_layers=1, hidden_size=hidden_size),
+        "eagle3": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
+    }

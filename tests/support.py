@@ -195,3 +195,30 @@ class BrokenDrafter:
 
     async def truncate(self, items: list[Truncation]) -> list[Truncated]:
         raise self.error
+
+
+def stack_on(
+    device: str,
+    models: dict[str, Path],
+    tokenizer: object,
+    drafter: str,
+    spec: SpecParams,
+    graphs: bool,
+) -> LocalStack:
+    """A float32 stack on `device` over tests.eagle_random.save_target_and_drafters' models
+    (`drafter` "model", "eagle3" or "ngram"), with both services' CUDA graphs when `graphs`;
+    invariants checked after every engine call."""
+    from drafter.tree_draft import CATCH_UP_LENS
+
+    return build_local_stack(
+        str(models["target"]),
+        drafter,
+        tokenizer,  # type: ignore[arg-type]
+        spec,
+        draft_path=str(models[drafter]) if drafter in models else None,
+        dtype=torch.float32,
+        device=device,
+        check_integrity=True,
+        graph_query_lens=(1, 1 + spec.num_draft_tokens) if graphs else (),
+        draft_graph_lens=CATCH_UP_LENS if graphs else (),
+    )

@@ -12,41 +12,22 @@ import torch
 
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from gateway.request import GenerationRequest
-from inprocess.stack import build_local_stack
 from specsplit.messages import SpecParams
-from specsplit.model.loader import load_model
-from tests.eagle_random import save_random_eagle3
-from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama
+from tests.eagle_random import save_target_and_drafters
+from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, stack_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("drafter_graphs")
-    target = save_tiny_llama(root / "target", seed=0, num_layers=4, hidden_size=128)
-    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
-    return {
-        "target": target,
-        "draft": save_tiny_llama(root / "draft", seed=1, num_layers=2, hidden_size=128),
-        "head": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
-    }
+    return save_target_and_drafters(tmp_path_factory.mktemp("drafter_graphs"))
 
 
 def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
     """Outputs, final stats and graph replays of four requests; `graphs` False runs the same
     padded steps eagerly."""
-    stack = build_local_stack(
-        str(models["target"]),
-        drafter,
-        tokenizer,
-        spec,
-        draft_path=str(models["head" if drafter == "eagle3" else "draft"]),
-        dtype=torch.float32,
-        device="cuda",
-        check_integrity=True,
-        draft_graph_lens=CATCH_UP_LENS if graphs else (),
-    )
+    stack = stack_on("cuda", models, tokenizer, drafter, spec, graphs)
     proposer = stack.drafter.proposer
     replays = {"n": 0}
     if not isinstance(proposer, TreeProposer):  # the n-gram reference

@@ -9,13 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
-from inprocess.stack import build_local_stack
 from specsplit.messages import SpecParams
-from specsplit.model.loader import load_model
-from tests.eagle_random import save_random_eagle3
-from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, save_tiny_llama
+from tests.eagle_random import save_target_and_drafters
+from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, stack_on
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
@@ -24,29 +21,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("second_device")
-    target = save_tiny_llama(root / "target", seed=0, num_layers=3, hidden_size=128)
-    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
-    return {
-        "target": target,
-        "model": save_tiny_llama(root / "draft", seed=1, num_layers=1, hidden_size=128),
-        "eagle3": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
-    }
+    return save_target_and_drafters(tmp_path_factory.mktemp("second_device"))
 
 
 def _generate(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool) -> list[list[int]]:
-    stack = build_local_stack(
-        str(models["target"]),
-        drafter,
-        tokenizer,
-        spec,
-        draft_path=str(models[drafter]) if drafter in models else None,
-        dtype=torch.float32,
-        device="cuda:1",
-        check_integrity=True,
-        graph_query_lens=(1, 1 + spec.num_draft_tokens) if graphs else (),
-        draft_graph_lens=CATCH_UP_LENS if graphs else (),
-    )
+    stack = stack_on("cuda:1", models, tokenizer, drafter, spec, graphs)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (7, 12, 5)]
     out = stack.generate_all([GenerationRequest(p, 20, ignore_eos=True) for p in prompts])

@@ -15,10 +15,9 @@ import torch
 from drafter.tree_draft import CATCH_UP_LENS
 from inprocess.stack import build_local_stack
 from specsplit.messages import SpecParams
-from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
-from tests.eagle_random import save_random_eagle3
-from tests.support import Conversation, check_no_leaks, save_tiny_llama
+from tests.eagle_random import save_target_and_drafters
+from tests.support import Conversation, check_no_leaks
 from tests.unit.test_sessions import _four_turns
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -26,10 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("sessions_gpu")
-    target = save_tiny_llama(root / "target", seed=0, num_layers=4)
-    _, config = load_model(str(target), dtype=torch.float32, device="cpu")
-    return {"target": target, "eagle3": save_random_eagle3(root / "head", config, seed=3)}
+    return save_target_and_drafters(tmp_path_factory.mktemp("sessions_gpu"))
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle3"])
