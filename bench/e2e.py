@@ -142,8 +142,11 @@ class Row:
 
 
 @contextlib.contextmanager
-def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    """`specsplit up` on local ports; the gateway's stub once it serves."""
+def services(
+    args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    """`specsplit up` on local ports (`extra`: more of its flags); the gateway's stub once it
+    serves."""
     port = 50151
     cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
            "--drafter-port", "50161", "--verifier-port", "50162",
@@ -151,6 +154,7 @@ def services(args: argparse.Namespace) -> Iterator[gateway_pb2_grpc.GatewayStub]
            "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]  # fmt: skip
     if args.drafter_device:
         cmd += ["--drafter-device", args.drafter_device]
+    cmd += extra
     if args.model:
         cmd += ["--model", args.model]
     if args.drafter:

@@ -1,0 +1,94 @@
+"""Serial rounds vs pipelined groups through `specsplit up` (three processes), the same prompts
+at several batch sizes (that many streams at once), in one run; greedy, so every mode must give
+the same tokens.
+
+    PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
+        [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
+
+Prints tokens/s per (mode, batch), the ratio groups / serial, and each mode's round parts from
+the services' histograms (round wall, verify and draft engine time, the part outside the
+verifier's engine), p50 as bucket upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.acceptance import bundled_prompts
+from bench.e2e import OVERHEADS, Buckets, quantile, scrape_buckets, services
+from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.prompt import apply_chat_template
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+
+MODES = ("serial", "groups")
+PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
+
+
+def run_batch(
+    stub: gateway_pb2_grpc.GatewayStub, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], float]:
+    """Every prompt as its own stream, all at once; (tokens of each, wall seconds)."""
+
+    def one(prompt: list[int]) -> list[int]:
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens
+        )
+        return [t for r in stub.Generate(request) for t in r.token_ids]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        outputs = list(pool.map(one, prompts))
+        return outputs, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--drafter-device", default=None)
+    parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
+    parser.add_argument("--draft-model", default=None)
+    args = parser.parse_args()
+    path = args.model or embedded_default_model_path()
+    tokenizer = load_tokenizer(path)
+    chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    results: dict[tuple[str, int], tuple[list[list[int]], float]] = {}
+    parts: dict[str, Buckets] = {}
+    for mode in MODES:
+        with services(args, ("--overlap", mode)) as stub:
+            run_batch(stub, chats[:2], 8)  # warm-up
+            before = scrape_buckets()
+            for batch in args.batch:
+                results[(mode, batch)] = run_batch(stub, chats[:batch], args.max_new_tokens)
+            parts[mode] = Counter(scrape_buckets())
+            parts[mode].subtract(before)
+    print(
+        f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
+        f"{args.max_new_tokens} new tokens per stream, greedy"
+    )
+    print("| batch | serial tok/s | groups tok/s | groups / serial | same tokens |")
+    print("|---:|---:|---:|---:|---|")
+    for batch in args.batch:
+        (serial, s_wall), (groups, g_wall) = (results[(m, batch)] for m in MODES)
+        s_rate, g_rate = sum(map(len, serial)) / s_wall, sum(map(len, groups)) / g_wall
+        print(
+            f"| {batch} | {s_rate:.1f} | {g_rate:.1f} | {g_rate / s_rate:.2f}x | "
+            f"{'yes' if serial == groups else 'NO'} |"
+        )
+    print("round parts over all batches, p50 ms (bucket upper bounds):")
+    for mode in MODES:
+        cells = [
+            f"{part} {1e3 * quantile(parts[mode], OVERHEADS[part], 0.5):.2f}" for part in PARTS
+        ]
+        print(f"  {mode}: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
