@@ -40,6 +40,22 @@ def _env_bool(name: str, default: bool) -> bool:
     raise SystemExit(f"specsplit: {name}={value!r} is not a boolean ({'/'.join(_TRUE + _FALSE)})")
 
 
+def _env_name(flag: str, env: str | None = None) -> str:
+    return "SPECSPLIT_" + (env or flag.removeprefix("--").replace("-", "_").upper())
+
+
+def switch(parser: argparse.ArgumentParser, flag: str, default: bool, help: str) -> None:
+    """--flag / --no-flag whose default is $SPECSPLIT_<FLAG> (a boolean) when set."""
+    name = _env_name(flag)
+    shown = "on" if default else "off"
+    parser.add_argument(
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool(name, default),
+        help=f"{help} (env {name}, default {shown})",
+    )
+
+
 def flag(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -52,7 +68,7 @@ def flag(
 ) -> None:
     """--flag whose default is $SPECSPLIT_<FLAG> (or $SPECSPLIT_<env>) when set, parsed like a
     command-line value."""
-    name = "SPECSPLIT_" + (env or flag.removeprefix("--").replace("-", "_").upper())
+    name = _env_name(flag, env)
     value = os.environ.get(name)
     if value is not None and "choices" in kwargs and type(value) not in kwargs["choices"]:
         raise SystemExit(f"specsplit: {name}={value!r}: choose from {kwargs['choices']}")
@@ -135,12 +151,12 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     nodes_help = "default draft tree nodes; none = num_steps * topk"
     flag(parser, "--num-draft-tokens", None, nodes_help, type=optional_int)
     flag(parser, "--max-batch-size", 32, "sequences per round", type=int)
-    parser.add_argument(
+    switch(
+        parser,
         "--adaptive-spec",
-        action=argparse.BooleanOptionalAction,
-        default=_env_bool("SPECSPLIT_ADAPTIVE_SPEC", False),
-        help="move each request's draft shape along --adaptive-ladder by its acceptance; requests"
-        " with their own spec stay fixed (env SPECSPLIT_ADAPTIVE_SPEC, default off)",
+        False,
+        "move each request's draft shape along --adaptive-ladder by its acceptance; requests"
+        " with their own spec stay fixed",
     )
     ladder_help = "--adaptive-spec rungs STEPS[xTOPK[xNODES]],... (plus the default shape)"
     ladder_help += "; none = 1,3,5,5x4x16"
@@ -159,12 +175,7 @@ def generation_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--top-k", 0, "0 = off", type=int)
     flag(parser, "--seed", None, "sampling seed; none = random", type=optional_int)
     parser.add_argument("--stop", action="append", help="stop at this string (repeatable)")
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=_env_bool("SPECSPLIT_CHAT", True),
-        help="send the prompt as a user chat message (env SPECSPLIT_CHAT, default on)",
-    )
+    switch(parser, "--chat", True, "send the prompt as a user chat message")
 
 
 def host_flag(parser: argparse.ArgumentParser, what: str) -> None:
@@ -282,13 +293,7 @@ def api_key_flags(parser: argparse.ArgumentParser, *, server: bool) -> None:
 
 
 def client_tls_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tls",
-        action=argparse.BooleanOptionalAction,
-        default=_env_bool("SPECSPLIT_TLS", False),
-        help="connect with TLS, trusting the system's roots unless --tls-ca (env SPECSPLIT_TLS,"
-        " default off)",
-    )
+    switch(parser, "--tls", False, "connect with TLS, trusting the system's roots unless --tls-ca")
     flag(parser, "--tls-ca", None, "PEM CA that issued the gateway's certificate (implies --tls)")
 
 
