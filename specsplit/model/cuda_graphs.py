@@ -229,7 +229,6 @@ class CudaGraphRunner:
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
         self.pool: Any = None  # one memory pool for every graph
-        self.captured_query_lens: set[int] = set()
         self.buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
 
@@ -268,7 +267,6 @@ class CudaGraphRunner:
         assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
         buffers = _Buffers(self.batch_sizes[-1], q, self.max_pages, self.features, self.device)
         self.buffers[key] = buffers
-        self.captured_query_lens.add(q)
         empty = self._empty_batch()
         buffers.fill(empty, self.batch_sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
         stream = torch.cuda.Stream(self.device)
@@ -316,9 +314,7 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------
 
-    def plan(
-        self, batch: ForwardBatch, aux_layers: tuple[int, ...], has_features: bool = False
-    ) -> tuple[int, int] | None:
+    def plan(self, batch: ForwardBatch, has_features: bool = False) -> tuple[int, int] | None:
         """(q, batch size) of the graph that can run `batch` (host metadata), or None: the
         smallest captured q that holds its longest sequence; a sequence with fewer query tokens
         (a ragged batch, a tree's frontier, or q not captured itself) is padded to q
@@ -327,7 +323,7 @@ class CudaGraphRunner:
         bs = batch.num_seqs
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
-        captured = self.captured_query_lens | {k[0] for k in self.buffers if k[1] == aux_layers}
+        captured = {q for q, _ in self.buffers}  # any layers: forward() captures these on use
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
         need = 1 if one else max(batch.max_q_len, int((batch.kv_lens - batch.prefix_lens).max()))
@@ -346,7 +342,7 @@ class CudaGraphRunner:
     ) -> ForwardOutput | None:
         """Replay the graph for `batch` (host tensors) and return its wanted rows, or None when
         no captured graph fits (the caller runs the step eagerly)."""
-        plan = self.plan(batch, aux_layers, features is not None)
+        plan = self.plan(batch, features is not None)
         if plan is None:
             return None
         q, bucket = plan

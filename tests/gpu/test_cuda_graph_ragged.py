@@ -86,7 +86,7 @@ def test_ragged_step_replays_a_padded_graph(target: Path, page_size: int, case: 
     batch, _ = build_forward_batch(steps, page_size)
     aux = (1,)
     want = model(batch.to("cuda"), kv, aux_layers=aux)
-    plan = runner.plan(batch, aux)
+    plan = runner.plan(batch)
     assert plan is not None and plan[0] == (8 if case == "frontier" else 4)
     got = runner.forward(batch, aux)
     assert got is not None and got.hidden_states is not None and want.hidden_states is not None
@@ -104,6 +104,6 @@ def test_a_prefill_with_a_cached_part_stays_eager(target: Path) -> None:
     runner = CudaGraphRunner.for_model(model, kv, max_context=256, max_batch_size=4)
     runner.capture(4)
     batch, _ = build_forward_batch([causal_step(seqs[0], list(range(3, 12)), [8])], 16)
-    assert runner.plan(batch, ()) is None
+    assert runner.plan(batch) is None
     for seq in seqs:
         kv.release(seq)
