@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_engine import SHAPES
+from bench.profile_step import EngineTime
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS
@@ -49,31 +50,6 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> Llam
     )
     del hf
     return model
-
-
-class EngineTime:
-    """Wall time and calls of an engine method (draft, verify), wrapped in place."""
-
-    def __init__(self, owner: object, name: str) -> None:
-        self.seconds, self.calls = 0.0, 0
-        method = getattr(owner, name)
-
-        def timed(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    @property
-    def ms_per_call(self) -> float:
-        return 1e3 * self.seconds / max(self.calls, 1)
 
 
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,15 +21,29 @@ from bench.gpu_engine import SHAPES, EngineBench
 from specsplit.model.config import ModelConfig
 
 
-def timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.perf_counter() - start
+class EngineTime:
+    """Wall time and calls of a method or function (`owner.name`), wrapped in place."""
 
-    return wrapper
+    def __init__(self, owner: object, name: str) -> None:
+        self.seconds, self.calls = 0.0, 0
+        method = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    @property
+    def ms_per_call(self) -> float:
+        return 1e3 * self.seconds / max(self.calls, 1)
 
 
 def main() -> None:
@@ -53,23 +64,21 @@ def main() -> None:
     bench = EngineBench(hf, ModelConfig.from_hf(hf_config), args, graphs=not args.eager)
     del hf
     engine = bench.engine
-    phases: dict[str, float] = defaultdict(float)
-    engine_module.build_forward_batch = timed(  # type: ignore[assignment]
-        phases, "build batch", engine_module.build_forward_batch
-    )
+    phases = {"build batch": EngineTime(engine_module, "build_forward_batch")}
     if engine.graphs is not None:
-        engine.graphs.forward = timed(phases, "graph copy-in + replay", engine.graphs.forward)  # type: ignore[method-assign]
-    engine.model.forward = timed(phases, "eager forward", engine.model.forward)  # type: ignore[method-assign]
-    engine._accept = timed(phases, "accept (+ sync)", engine._accept)  # type: ignore[method-assign]
-    engine._commit = timed(phases, "commit", engine._commit)  # type: ignore[method-assign]
-    engine._validate = timed(phases, "validate", engine._validate)  # type: ignore[method-assign]
-    engine._reserve = timed(phases, "reserve", engine._reserve)  # type: ignore[method-assign]
+        phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
+    phases["eager forward"] = EngineTime(engine.model, "forward")
+    phases["accept (+ sync)"] = EngineTime(engine, "_accept")
+    phases["commit"] = EngineTime(engine, "_commit")
+    phases["validate"] = EngineTime(engine, "_validate")
+    phases["reserve"] = EngineTime(engine, "_reserve")
     for batch in args.batch:
         state = bench.open(batch)
         for n in args.n:
             for _ in range(5):
                 bench.step(state, n)
-            phases.clear()
+            for timer in phases.values():
+                timer.reset()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
@@ -86,8 +95,8 @@ def main() -> None:
                 f"\n== {args.shape} batch {batch} n {n}: wall {wall:.3f} ms/step (profiled), "
                 f"GPU kernels {gpu_ms:.3f} ms/step, {launches:.0f} kernels/step"
             )
-            for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
-                print(f"   host {name}: {seconds / args.steps * 1e3:.3f} ms/step")
+            for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
+                print(f"   host {name}: {timer.seconds / args.steps * 1e3:.3f} ms/step")
             print(
                 events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
             )
