@@ -74,7 +74,7 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
 Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
 METRICS_PORT = 50170  # the gateway's /metrics; the drafter's and the verifier's on the next two
 # a round's parts: label -> (process, histogram, its labels)
-OVERHEADS = {
+ROUND_PARTS = {
     "round (gateway)": ("gateway", "specsplit_round_seconds", ()),
     "verify engine": ("verifier", "specsplit_verify_seconds", ()),
     "draft engine": ("drafter", "specsplit_draft_seconds", ()),
@@ -316,7 +316,7 @@ def main() -> None:
     for name, row in rows.items():
         if not name.startswith("specsplit"):
             continue
-        for label, key in OVERHEADS.items():
+        for label, key in ROUND_PARTS.items():
             p50, p99 = (1e3 * quantile(row.buckets, key, q) for q in (0.5, 0.99))
             print(f"{name:<30}{label:<32}{p50:>8.2f}{p99:>8.2f}")
 

@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import OVERHEADS, Buckets, quantile, scrape_buckets, services
+from bench.e2e import ROUND_PARTS, Buckets, quantile, scrape_buckets, services
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
@@ -85,7 +85,7 @@ def main() -> None:
     print("round parts over all batches, p50 ms (bucket upper bounds):")
     for mode in MODES:
         cells = [
-            f"{part} {1e3 * quantile(parts[mode], OVERHEADS[part], 0.5):.2f}" for part in PARTS
+            f"{part} {1e3 * quantile(parts[mode], ROUND_PARTS[part], 0.5):.2f}" for part in PARTS
         ]
         print(f"  {mode}: " + ", ".join(cells))
 
