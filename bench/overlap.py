@@ -1,13 +1,14 @@
-"""Serial rounds vs pipelined groups through `specsplit up` (three processes), the same prompts
-at several batch sizes (that many streams at once), in one run; greedy, so every mode must give
-the same tokens.
+"""Serial rounds vs pipelined groups vs the target alone through `specsplit up` (three
+processes), the same prompts at several batch sizes (that many streams at once; the bundled
+prompts repeated when the batch is larger), in one run; greedy, so every mode must give the same
+tokens. "target only" is the serial services with speculation off per request (num_steps 0).
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
 
-Prints tokens/s per (mode, batch), the ratio groups / serial, and each mode's round parts from
-the services' histograms (round wall, verify and draft engine time, the part outside the
-verifier's engine), p50 as bucket upper bounds.
+Prints tokens/s per (mode, batch), the ratios to target-only and groups / serial, and each
+mode's round parts from the services' histograms (round wall, verify and draft engine time,
+the part outside the verifier's engine), p50 as bucket upper bounds.
 """
 
 from __future__ import annotations
@@ -21,20 +22,25 @@ from bench.acceptance import bundled_prompts
 from bench.e2e import ROUND_PARTS, Buckets, quantile, scrape_buckets, services
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
-from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODES = ("serial", "groups")
+TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
 
 
 def run_batch(
-    stub: gateway_pb2_grpc.GatewayStub, prompts: list[list[int]], max_new_tokens: int
+    stub: gateway_pb2_grpc.GatewayStub,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    spec: common_pb2.SpecParams | None = None,
 ) -> tuple[list[list[int]], float]:
-    """Every prompt as its own stream, all at once; (tokens of each, wall seconds)."""
+    """Every prompt as its own stream, all at once; (tokens of each, wall seconds). spec: the
+    requests' draft shape (None: the gateway's default)."""
 
     def one(prompt: list[int]) -> list[int]:
         request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens
+            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens, spec=spec
         )
         return [t for r in stub.Generate(request) for t in r.token_ids]
 
@@ -66,21 +72,33 @@ def main() -> None:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
             for batch in args.batch:
-                results[(mode, batch)] = run_batch(stub, chats[:batch], args.max_new_tokens)
+                prompts = [chats[i % len(chats)] for i in range(batch)]
+                results[(mode, batch)] = run_batch(stub, prompts, args.max_new_tokens)
+                if mode == "serial":
+                    results[("target", batch)] = run_batch(
+                        stub, prompts, args.max_new_tokens, TARGET_ONLY
+                    )
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"{args.max_new_tokens} new tokens per stream, greedy"
     )
-    print("| batch | serial tok/s | groups tok/s | groups / serial | same tokens |")
-    print("|---:|---:|---:|---:|---|")
+    print(
+        "| batch | target-only tok/s | serial tok/s | groups tok/s | serial / target "
+        "| groups / target | groups / serial | streams with the same tokens |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch in args.batch:
-        (serial, s_wall), (groups, g_wall) = (results[(m, batch)] for m in MODES)
+        (target, t_wall), (serial, s_wall), (groups, g_wall) = (
+            results[(m, batch)] for m in ("target", *MODES)
+        )
+        t_rate = sum(map(len, target)) / t_wall
         s_rate, g_rate = sum(map(len, serial)) / s_wall, sum(map(len, groups)) / g_wall
+        same = sum(t == s == g for t, s, g in zip(target, serial, groups, strict=True))
         print(
-            f"| {batch} | {s_rate:.1f} | {g_rate:.1f} | {g_rate / s_rate:.2f}x | "
-            f"{'yes' if serial == groups else 'NO'} |"
+            f"| {batch} | {t_rate:.1f} | {s_rate:.1f} | {g_rate:.1f} | {s_rate / t_rate:.2f}x "
+            f"| {g_rate / t_rate:.2f}x | {g_rate / s_rate:.2f}x | {same}/{batch} |"
         )
     print("round parts over all batches, p50 ms (bucket upper bounds):")
     for mode in MODES:

@@ -119,6 +119,12 @@ class Eagle3Head:
         full[:, ids] = logits
         return full
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in the head's one layer."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.config.num_kv_heads * self.config.head_dim * element_size
+
     def make_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_dim, num_pages, page_size, self.dtype, self.device)

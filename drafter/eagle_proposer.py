@@ -28,7 +28,7 @@ from drafter.eagle import Eagle3Head, load_eagle3
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
-from specsplit.kv_cache import KVCache
+from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.step import SeqStep, causal_step
 from specsplit.tree import DraftTree
@@ -77,10 +77,14 @@ class Eagle3Proposer(TreeProposer):
         *,
         device: str,
         dtype: torch.dtype,
-        num_pages: int,
+        num_pages: int | None,
         page_size: int,
+        kv_memory_fraction: float,
     ) -> Eagle3Proposer:
+        """num_pages None: sized by `pool_num_pages` (as ModelProposer.load)."""
         head = load_eagle3(head_path, target_path, dtype, device)
+        per_page = head.kv_bytes_per_token * page_size
+        num_pages = pool_num_pages(num_pages, device, per_page, kv_memory_fraction)
         return cls(head, head.make_kv_cache(num_pages, page_size))
 
     # -- per-sequence state ----------------------------------------------------------------

@@ -87,14 +87,17 @@ class DrafterEngine:
         draft_layers: int | None = None,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        num_pages: int = 2048,
+        num_pages: int | None = None,
         page_size: int = 16,
+        kv_memory_fraction: float = 0.8,
         target_path: str | None = None,
         graph_catch_up_lens: tuple[int, ...] = CATCH_UP_LENS,
     ) -> DrafterEngine:
         """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers),
         "eagle3" (model_path = an EAGLE-3 head, target_path = its target, for the embeddings)
-        or "ngram" (prompt lookup, no weights). graph_catch_up_lens: see __init__ (on a GPU)."""
+        or "ngram" (prompt lookup, no weights). graph_catch_up_lens: see __init__ (on a GPU).
+        num_pages None: the KV pool is `kv_memory_fraction` of the GPU memory free after the
+        weights (specsplit.kv_cache.pool_num_pages; 2048 pages on the CPU)."""
         if kind == "ngram":
             return cls(NgramProposer())
         if kind == "eagle3":
@@ -108,6 +111,7 @@ class DrafterEngine:
                     dtype=dtype,
                     num_pages=num_pages,
                     page_size=page_size,
+                    kv_memory_fraction=kv_memory_fraction,
                 ),
                 graph_catch_up_lens=graph_catch_up_lens,
             )
@@ -124,6 +128,7 @@ class DrafterEngine:
                 dtype=dtype,
                 num_pages=num_pages,
                 page_size=page_size,
+                kv_memory_fraction=kv_memory_fraction,
             ),
             graph_catch_up_lens=graph_catch_up_lens,
         )

@@ -24,14 +24,16 @@ async def serve(
     num_pages: int | None = None,
     page_size: int = 16,
     graph_catch_up_lens: tuple[int, ...] = (),
+    kv_memory_fraction: float = 0.8,
     grace: float = 5.0,
     tls: TLSFiles | None = None,
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
     the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
     tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
-    CUDA graphs (DrafterEngine; on a GPU)."""
-    sizes: dict[str, Any] = {"page_size": page_size}
+    CUDA graphs (DrafterEngine; on a GPU). num_pages None: the KV pool takes
+    `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU)."""
+    sizes: dict[str, Any] = {"page_size": page_size, "kv_memory_fraction": kv_memory_fraction}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
     load = partial(

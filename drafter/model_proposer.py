@@ -11,9 +11,9 @@ import torch
 
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
-from specsplit.kv_cache import KVCache
+from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput
-from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import causal_step
 from specsplit.tree import DraftTree
@@ -35,10 +35,23 @@ class ModelProposer(TreeProposer):
         num_layers: int | None,
         device: str,
         dtype: torch.dtype,
-        num_pages: int,
+        num_pages: int | None,
         page_size: int,
+        kv_memory_fraction: float,
     ) -> ModelProposer:
-        model, config = load_model(model_path, dtype=dtype, device=device, num_layers=num_layers)
+        """num_pages None: sized by `pool_num_pages` (on a GPU: `kv_memory_fraction` of the
+        memory free after loading the weights)."""
+        model, _ = load_model(model_path, dtype=dtype, device=device, num_layers=num_layers)
+        return cls.for_model(model, num_pages, page_size, kv_memory_fraction)
+
+    @classmethod
+    def for_model(
+        cls, model: LlamaModel, num_pages: int | None, page_size: int, kv_memory_fraction: float
+    ) -> ModelProposer:
+        """A proposer over a loaded model, its KV pool sized as `load` says."""
+        config, dtype, device = model.config, model.dtype, model.device
+        per_page = kv_cache_bytes_per_token(config, dtype) * page_size
+        num_pages = pool_num_pages(num_pages, device, per_page, kv_memory_fraction)
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
         )

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
-#   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2]
+#   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
+#       [memory] [rpc] [overlap] [sessions]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
 # (needs the GGUF at $SMOLLM2_GGUF; drafter on cuda:0, verifier on cuda:1 when there are two);
-# e2e2: e2e with the drafter on cuda:0 and the verifier on cuda:1.
+# e2e2: e2e with the drafter on cuda:0 and the verifier on cuda:1; memory: bench/memory.py (8B /
+# 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint; overlap:
+# bench/overlap.py (serial / groups / target-only through the services, $SMOLLM2_GGUF + the
+# shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +18,9 @@ export SPECSPLIT_TEST_TOKENIZER="$PWD/.gpu/tokenizer"
 parts=("$@")
 [[ ${#parts[@]} -gt 0 ]] || parts=(tests engine e2e)
 out=${OUT:-/tmp}
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+devices=(--device cuda:0)  # the verifier's, and the drafter's when there are two GPUs
+[[ $gpus -ge 2 ]] && devices=(--device cuda:1 --drafter-device cuda:0)
 status=0
 run() {  # name, command...
   local name=$1
@@ -34,15 +41,27 @@ for part in "${parts[@]}"; do
       run e2e_8b_1b python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
         --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 ;;
     smollm2)
-      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      devices=(--device cuda:0)
-      [[ $gpus -ge 2 ]] && devices=(--device cuda:1 --drafter-device cuda:0)
       run e2e_smollm2 python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
         --num-prompts 8 --spec 3 5 --assistant-layers 0 ;;
     e2e2)  # the 8B / 1B system with the drafter and the verifier on two GPUs
       run e2e_8b_1b_2gpu python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
         --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 --device cuda:1 --drafter-device cuda:0 ;;
+    memory)
+      run memory python3 bench/memory.py --target llama-8b --draft llama-1b "${devices[@]}" \
+        --context 2048 --batch 8 32 64 ;;
+    rpc)
+      [[ -d /tmp/smollm2_random ]] ||
+        python3 bench/random_model.py /tmp/smollm2_random --tokenizer .gpu/tokenizer
+      run rpc python3 bench/rpc_overhead.py --model /tmp/smollm2_random --device cuda:0 \
+        --rounds 1000 ;;
+    overlap)
+      run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
+        --max-new-tokens 64 ;;
+    sessions)
+      run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
+        --turns 8 --max-new-tokens 32 --passes 3 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

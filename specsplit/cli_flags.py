@@ -82,6 +82,14 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() in ("", "none") else int(value)
 
 
+def optional_float(value: str) -> float | None:
+    return None if value.lower() in ("", "none") else float(value)
+
+
+DRAFTER_KV_MEMORY_FRACTION = 0.8  # the drafter on a GPU of its own
+SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier's GPU
+
+
 def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
     flag(parser, "--model", None, "target checkpoint (directory or .gguf); default: embedded")
     if not engine:
@@ -143,6 +151,12 @@ def drafter_flags(parser: argparse.ArgumentParser) -> None:
         " comma-separated; none = always eager"
     )
     flag(parser, "--draft-cuda-graphs", "1,2,4,8", graphs_help)
+    fraction_help = (
+        "share of the drafter GPU's memory free after loading its weights for its KV cache"
+        f" (when --num-pages is not set); none = {DRAFTER_KV_MEMORY_FRACTION}, or with `up`"
+        f" {SHARED_DRAFTER_KV_MEMORY_FRACTION} when the drafter shares the verifier's GPU"
+    )
+    flag(parser, "--draft-kv-memory-fraction", None, fraction_help, type=optional_float)
 
 
 def spec_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from specsplit.cli_flags import (
+    DRAFTER_KV_MEMORY_FRACTION,
     adaptive_rungs,
     default_spec,
     graph_query_lens,
@@ -57,6 +58,11 @@ def serve_drafter(args: argparse.Namespace) -> int:
             draft_layers=args.draft_layers,
             target_path=target_path,
             graph_catch_up_lens=graph_query_lens(args, "draft_cuda_graphs"),
+            kv_memory_fraction=(
+                DRAFTER_KV_MEMORY_FRACTION
+                if args.draft_kv_memory_fraction is None
+                else args.draft_kv_memory_fraction
+            ),
             **kwargs,
         )
     )

@@ -13,9 +13,31 @@ from dataclasses import dataclass, field
 
 import torch
 
+CPU_NUM_PAGES = 2048  # a pool on the CPU when none is asked for: 32k tokens at page size 16
+MIN_NUM_PAGES = 16
+
 
 class KVCacheFullError(RuntimeError):
     """Not enough free pages: surfaces as RESOURCE_EXHAUSTED."""
+
+
+def pool_num_pages(
+    num_pages: int | None,
+    device: torch.device | str,
+    bytes_per_page: int,
+    memory_fraction: float,
+    reserve_bytes: int = 0,
+) -> int:
+    """A KV pool's pages: `num_pages` when given; else CPU_NUM_PAGES on the CPU and, on a GPU,
+    `memory_fraction` of the memory free there now (after the weights), less `reserve_bytes`
+    kept for other buffers, in pages of `bytes_per_page` (at least MIN_NUM_PAGES)."""
+    if num_pages is not None:
+        return num_pages
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_NUM_PAGES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(int((memory_fraction * free - reserve_bytes) // bytes_per_page), MIN_NUM_PAGES)
 
 
 class PageAllocator:

@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from specsplit.cli_flags import DEFAULT_PORTS
+from specsplit.cli_flags import DEFAULT_PORTS, SHARED_DRAFTER_KV_MEMORY_FRACTION
 from specsplit.cli_generate import stream_generation
 from specsplit.up_security import UpSecurity
 
@@ -50,6 +50,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]
     drafter += _opt("--draft-model", args.draft_model) + _opt("--draft-layers", args.draft_layers)
     drafter += ["--draft-cuda-graphs", args.draft_cuda_graphs]
+    drafter += _opt("--draft-kv-memory-fraction", drafter_kv_memory_fraction(args))
     gateway = ["--drafter-address", addr["drafter"], "--verifier-address", addr["verifier"]]
     gateway += ["--num-steps", str(args.num_steps), "--topk", str(args.topk)]
     gateway += ["--max-batch-size", str(args.max_batch_size)]
@@ -79,6 +80,17 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
     }
     return {name: [*cmd, "--metrics-listen", metrics[name]] for name, cmd in commands.items()}
+
+
+def drafter_kv_memory_fraction(args: argparse.Namespace) -> float | None:
+    """The drafter's KV share: the user's, else a small one when it shares the verifier's GPU
+    (both services size their pools from the free memory, loading at the same time)."""
+    if args.draft_kv_memory_fraction is not None:
+        return float(args.draft_kv_memory_fraction)
+    drafter_device = args.drafter_device or args.device
+    if drafter_device == args.device and drafter_device != "cpu":
+        return SHARED_DRAFTER_KV_MEMORY_FRACTION
+    return None
 
 
 def metrics_addresses(gateway: str | None) -> dict[str, str]:

@@ -24,7 +24,7 @@ from specsplit.kernels.accept import (
     compact_accepted_kv,
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
-from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import Truncated, Truncation, VerifyInput, VerifyOutput, truncate_each
 from specsplit.model.batch import on_device, to_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
@@ -104,15 +104,38 @@ class VerifierEngine:
     ) -> VerifierEngine:
         """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
         after loading the weights (less room kept for the CUDA graphs' logits)."""
-        model, config = load_model(model_path, dtype=dtype, device=device)
-        if num_pages is None:
-            num_pages = 2048
-            if torch.device(device).type == "cuda":
-                free, _ = torch.cuda.mem_get_info(torch.device(device))
-                logits = max_batch_size * max(graph_query_lens, default=1) * config.vocab_size * 4
-                budget = kv_memory_fraction * free - 2 * logits * len(graph_query_lens)
-                per_page = kv_cache_bytes_per_token(config, dtype) * page_size
-                num_pages = max(int(budget // per_page), 16)
+        model, _ = load_model(model_path, dtype=dtype, device=device)
+        return cls.for_model(
+            model,
+            num_pages=num_pages,
+            page_size=page_size,
+            kv_memory_fraction=kv_memory_fraction,
+            graph_query_lens=graph_query_lens,
+            max_batch_size=max_batch_size,
+        )
+
+    @classmethod
+    def for_model(
+        cls,
+        model: LlamaModel,
+        *,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        kv_memory_fraction: float = 0.8,
+        graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
+        max_batch_size: int = 64,
+    ) -> VerifierEngine:
+        """An engine over a loaded model, its KV pool sized as `load` says, on the model's
+        device and in its dtype."""
+        config, dtype, device = model.config, model.dtype, model.device
+        logits = max_batch_size * max(graph_query_lens, default=1) * config.vocab_size * 4
+        num_pages = pool_num_pages(
+            num_pages,
+            device,
+            kv_cache_bytes_per_token(config, dtype) * page_size,
+            kv_memory_fraction,
+            reserve_bytes=2 * logits * len(graph_query_lens),
+        )
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
         )

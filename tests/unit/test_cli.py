@@ -370,3 +370,18 @@ def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch)
     assert cli.parse_args(["serve-gateway"]).overlap == "serial"
     monkeypatch.setenv("SPECSPLIT_OVERLAP", "groups")
     assert cli.parse_args(["serve-gateway"]).overlap == "groups"
+
+
+def test_drafter_kv_share_is_small_only_when_up_puts_it_on_the_verifiers_gpu() -> None:
+    def drafter_fraction(*flags: str) -> float | None:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["drafter"]
+        return _child_args(child).draft_kv_memory_fraction  # type: ignore[no-any-return]
+
+    shared = cli_flags.SHARED_DRAFTER_KV_MEMORY_FRACTION
+    assert drafter_fraction("--device", "cuda") == shared
+    assert drafter_fraction("--device", "cuda:1", "--drafter-device", "cuda:1") == shared
+    assert drafter_fraction("--device", "cuda:1", "--drafter-device", "cuda:0") is None
+    assert drafter_fraction("--device", "cpu") is None
+    assert drafter_fraction("--device", "cuda", "--draft-kv-memory-fraction", "0.3") == 0.3
+    # alone (compose: a GPU of its own) the drafter takes the default share
+    assert cli.parse_args(["serve-drafter"]).draft_kv_memory_fraction is None

@@ -1,0 +1,208 @@
+"""What one Verify round costs beyond the verifier's engine time, measured exactly per round (no
+histogram buckets), and how that splits between the gateway's client, the transport and the
+service.
+
+Starts the real verifier service (`specsplit serve-verifier`, another process) and drives
+decode rounds on it (one sequence: a prefill, then one token per round, no drafts):
+
+- `client`: the gateway's own `GrpcVerifierClient.verify` (protobuf conversions, trace context,
+  metrics, the round stream) — what the scheduler pays per round;
+- `stub`: the same requests written to a bare stream of the generated stub, the messages built
+  once — the client's own work taken out;
+- `echo`: a bare aio servicer in another process answering every request at once — gRPC's
+  transport alone (no engine, no servicer code).
+
+The service reports its engine time per response (`verify_ns`); "beyond engine" is the round's
+wall time less that. A round's engine time is the verifier thread's whole call (the forward,
+acceptance, commit). --address unix:///tmp/x.sock compares a Unix socket with TCP loopback.
+
+    PYTHONPATH=. python bench/rpc_overhead.py --model /tmp/tiny_target [--rounds 400]
+        [--device cpu] [--address 127.0.0.1:50391]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+
+from gateway.grpc_clients import GrpcVerifierClient, wait_ready
+from specsplit import rounds
+from specsplit.messages import VerifyInput
+from specsplit.tree import DraftTree
+from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
+
+PROMPT = list(range(10, 42))  # 32 tokens
+ECHO_ADDRESS = "127.0.0.1:50392"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--address", default="127.0.0.1:50391")
+    parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)  # the echo child
+    return parser.parse_args()
+
+
+class Echo(verifier_pb2_grpc.VerifierServicer):
+    async def VerifyStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for _ in request_iterator:
+            yield verifier_pb2.VerifyResponse(verify_ns=0)
+
+
+async def serve_echo(address: str) -> None:
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(Echo(), server)
+    server.add_insecure_port(address)
+    await server.start()
+    await server.wait_for_termination()
+
+
+def decode_input(seq_id: str, committed: int, pending: list[int]) -> VerifyInput:
+    return VerifyInput(
+        seq_id=seq_id,
+        begin=committed == 0,
+        kv_committed_len=committed,
+        pending_tokens=pending,
+        tree=DraftTree(),
+    )
+
+
+def summary(name: str, beyond: list[float], engine: list[float]) -> str:
+    beyond, engine = sorted(beyond), sorted(engine)
+    p50 = statistics.median(beyond) * 1e6
+    p99 = beyond[int(0.99 * (len(beyond) - 1))] * 1e6
+    eng = statistics.median(engine) * 1e6
+    return f"| {name} | {p50:.0f} | {p99:.0f} | {eng:.0f} | {len(beyond)} |"
+
+
+async def run_client(address: str, n: int, warmup: int, seq_id: str) -> tuple[list, list]:
+    """Rounds through the gateway's client; (beyond-engine seconds, engine seconds)."""
+    client = GrpcVerifierClient(address)
+    try:
+        (out,) = await client.verify([decode_input(seq_id, 0, PROMPT)])
+        committed, token = out.kv_committed_len, out.bonus_token
+        beyond, engine = [], []
+        for i in range(n + warmup):
+            start = time.perf_counter()
+            (out,) = await client.verify([decode_input(seq_id, committed, [token])])
+            wall = time.perf_counter() - start
+            committed, token = out.kv_committed_len, out.bonus_token
+            if i >= warmup:
+                beyond.append(wall - client.last_engine_seconds)
+                engine.append(client.last_engine_seconds)
+        await client.release([seq_id])
+        return beyond, engine
+    finally:
+        await client.close()
+
+
+async def run_stub(address: str, n: int, warmup: int, seq_id: str) -> tuple[list, list]:
+    """The same rounds on a bare stream: requests converted before the clock starts."""
+    channel = grpc.aio.insecure_channel(address)
+    call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
+    try:
+        await call.write(rounds.VERIFY.request_to_proto([decode_input(seq_id, 0, PROMPT)]))
+        (out,) = rounds.VERIFY.response_from_proto(await call.read())
+        committed, token = out.kv_committed_len, out.bonus_token
+        beyond, engine = [], []
+        for i in range(n + warmup):
+            request = rounds.VERIFY.request_to_proto([decode_input(seq_id, committed, [token])])
+            start = time.perf_counter()
+            await call.write(request)
+            response = await call.read()
+            wall = time.perf_counter() - start
+            (out,) = rounds.VERIFY.response_from_proto(response)
+            committed, token = out.kv_committed_len, out.bonus_token
+            if i >= warmup:
+                engine_s = rounds.VERIFY.engine_ns(response) / 1e9
+                beyond.append(wall - engine_s)
+                engine.append(engine_s)
+        return beyond, engine
+    finally:
+        call.cancel()
+        await channel.close()
+
+
+async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
+    channel = grpc.aio.insecure_channel(address)
+    call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
+    request = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])])
+    walls = []
+    for i in range(n + warmup):
+        start = time.perf_counter()
+        await call.write(request)
+        await call.read()
+        if i >= warmup:
+            walls.append(time.perf_counter() - start)
+    call.cancel()
+    await channel.close()
+    return walls, [0.0] * len(walls)
+
+
+def start(argv: list[str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, *argv], env=env)
+
+
+async def main() -> None:
+    args = parse_args()
+    if args.echo:
+        await serve_echo(args.address)
+        return
+    verifier = start(
+        [
+            "-m",
+            "specsplit.cli",
+            "--log-level",
+            "warning",
+            "serve-verifier",
+            "--listen",
+            args.address,
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--metrics-listen",
+            "none",
+        ]
+    )
+    n, warmup = args.rounds, args.warmup
+    rows = []
+    try:
+        if not await wait_ready(args.address, 300):
+            raise SystemExit("the verifier did not become ready")
+        rows.append(summary("gateway client", *await run_client(args.address, n, warmup, "c")))
+        rows.append(summary("bare stub", *await run_stub(args.address, n, warmup, "s")))
+        again = await run_client(args.address, n, warmup, "c2")
+        rows.append(summary("gateway client (again)", *again))
+    finally:
+        verifier.terminate()
+        verifier.wait()
+    echo_address = args.address + ".echo" if args.address.startswith("unix:") else ECHO_ADDRESS
+    echo = start([__file__, "--echo", "--model", "-", "--address", echo_address])
+    try:
+        time.sleep(2.0)
+        rows.append(summary("echo (transport only)", *await run_echo(echo_address, n, warmup)))
+    finally:
+        echo.kill()
+        echo.wait()
+    print(f"\nVerify rounds, batch 1 decode, {args.device}, {args.address}")
+    print("| path | beyond engine p50 us | p99 us | engine p50 us | rounds |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
