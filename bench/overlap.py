@@ -26,6 +26,7 @@ from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODES = ("serial", "groups")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
+WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
 
 
@@ -73,8 +74,11 @@ def main() -> None:
             before = scrape_buckets()
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
+                # warm-up at this batch (kernels first built for its shapes), then timed
+                run_batch(stub, prompts, WARMUP_TOKENS)
                 results[(mode, batch)] = run_batch(stub, prompts, args.max_new_tokens)
                 if mode == "serial":
+                    run_batch(stub, prompts, WARMUP_TOKENS, TARGET_ONLY)
                     results[("target", batch)] = run_batch(
                         stub, prompts, args.max_new_tokens, TARGET_ONLY
                     )

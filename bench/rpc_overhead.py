@@ -80,11 +80,14 @@ def decode_input(seq_id: str, committed: int, pending: list[int]) -> VerifyInput
 
 
 def summary(name: str, beyond: list[float], engine: list[float]) -> str:
+    """The row of one path (printed at once too: a later path's failure keeps it)."""
     beyond, engine = sorted(beyond), sorted(engine)
     p50 = statistics.median(beyond) * 1e6
     p99 = beyond[int(0.99 * (len(beyond) - 1))] * 1e6
     eng = statistics.median(engine) * 1e6
-    return f"| {name} | {p50:.0f} | {p99:.0f} | {eng:.0f} | {len(beyond)} |"
+    row = f"| {name} | {p50:.0f} | {p99:.0f} | {eng:.0f} | {len(beyond)} |"
+    print(row, flush=True)
+    return row
 
 
 async def run_client(address: str, n: int, warmup: int, seq_id: str) -> tuple[list, list]:
@@ -137,6 +140,7 @@ async def run_stub(address: str, n: int, warmup: int, seq_id: str) -> tuple[list
 
 async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
     channel = grpc.aio.insecure_channel(address)
+    await asyncio.wait_for(channel.channel_ready(), 120)  # the echo child still importing
     call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
     request = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])])
     walls = []
@@ -152,7 +156,8 @@ async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
 
 
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, *argv], env=env)
 
 
@@ -193,7 +198,6 @@ async def main() -> None:
     echo_address = args.address + ".echo" if args.address.startswith("unix:") else ECHO_ADDRESS
     echo = start([__file__, "--echo", "--model", "-", "--address", echo_address])
     try:
-        time.sleep(2.0)
         rows.append(summary("echo (transport only)", *await run_echo(echo_address, n, warmup)))
     finally:
         echo.kill()
