@@ -176,10 +176,12 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     ladder_help += "; none = 1,3,5,5x4x16"
     flag(parser, "--adaptive-ladder", None, ladder_help, type=optional_str)
     overlap_help = (
-        "serial (draft, then verify, the whole batch) or groups (two groups take turns: one is"
-        " verified while the other is drafted)"
+        "serial (draft, then verify, the whole batch), groups (two groups take turns: one is"
+        " verified while the other is drafted) or auto (`up`: groups when the drafter and the"
+        " verifier run on two different GPUs, else serial; serve-gateway, which cannot see the"
+        " devices: serial)"
     )
-    flag(parser, "--overlap", "serial", overlap_help, choices=("serial", "groups"))
+    flag(parser, "--overlap", "auto", overlap_help, choices=("auto", "serial", "groups"))
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

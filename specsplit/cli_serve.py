@@ -106,7 +106,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             session_ttl_s=args.session_ttl,
             verifier_wait_s=args.verifier_wait,
-            overlap=args.overlap,
+            overlap="serial" if args.overlap == "auto" else args.overlap,
         )
     )
     return 0

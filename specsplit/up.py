@@ -59,7 +59,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += _opt("--adaptive-ladder", args.adaptive_ladder)
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
-    gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", args.overlap]
+    gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", gateway_overlap(args)]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
@@ -80,6 +80,20 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
     }
     return {name: [*cmd, "--metrics-listen", metrics[name]] for name, cmd in commands.items()}
+
+
+def gateway_overlap(args: argparse.Namespace) -> str:
+    """--overlap auto: pipelined groups when the drafter and the verifier each have a GPU (a
+    model drafter), else serial rounds. Through the services on two H200s groups ran 1.00x /
+    1.39x / 1.50x serial at batch 1 / 8 / 32; on one GPU the groups contend for it and on a
+    CPU for its cores, and lose (bench/RESULTS.md)."""
+    if args.overlap != "auto":
+        return str(args.overlap)
+    drafter_device = args.drafter_device or args.device
+    two_gpus = drafter_device != args.device and all(
+        d.startswith("cuda") for d in (drafter_device, args.device)
+    )
+    return "groups" if two_gpus and args.drafter != "ngram" else "serial"
 
 
 def drafter_kv_memory_fraction(args: argparse.Namespace) -> float | None:

@@ -367,9 +367,25 @@ def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch)
         up.child_commands(cli.parse_args(["up", "--overlap", "groups"]))["gateway"]
     )
     assert gateway.overlap == "groups"
-    assert cli.parse_args(["serve-gateway"]).overlap == "serial"
+    assert cli.parse_args(["serve-gateway"]).overlap == "auto"  # serve_gateway: serial
     monkeypatch.setenv("SPECSPLIT_OVERLAP", "groups")
     assert cli.parse_args(["serve-gateway"]).overlap == "groups"
+
+
+def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus() -> None:
+    def overlap(*flags: str) -> str:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
+        return _child_args(child).overlap  # type: ignore[no-any-return]
+
+    assert overlap("--device", "cuda:1", "--drafter-device", "cuda:0") == "groups"
+    assert overlap("--device", "cuda") == "serial"  # one GPU: the groups contend for it
+    assert overlap("--device", "cuda:0", "--drafter-device", "cuda:0") == "serial"
+    assert overlap("--device", "cpu") == "serial"
+    assert overlap("--device", "cuda:1", "--drafter-device", "cpu") == "serial"
+    two_gpus = ("--device", "cuda:1", "--drafter-device", "cuda:0")
+    assert overlap(*two_gpus, "--drafter", "ngram") == "serial"  # no drafter GPU work to hide
+    assert overlap(*two_gpus, "--overlap", "serial") == "serial"
+    assert overlap("--device", "cpu", "--overlap", "groups") == "groups"
 
 
 def test_drafter_kv_share_is_small_only_when_up_puts_it_on_the_verifiers_gpu() -> None:
