@@ -8,6 +8,7 @@ from typing import Any
 from drafter.engine import DrafterEngine
 from drafter.servicer import DrafterServicer
 from specsplit.convert import torch_dtype
+from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
 
@@ -27,12 +28,14 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     grace: float = 5.0,
     tls: TLSFiles | None = None,
+    engine_calls: str = "auto",
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
     the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
     tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
     CUDA graphs (DrafterEngine; on a GPU). num_pages None: the KV pool takes
-    `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU)."""
+    `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU). engine_calls:
+    --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
     sizes: dict[str, Any] = {"page_size": page_size, "kv_memory_fraction": kv_memory_fraction}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -47,4 +50,5 @@ async def serve(
         graph_catch_up_lens=graph_catch_up_lens,
         **sizes,
     )
-    await serve_host(DrafterServicer(load), address, grace=grace, tls=tls)
+    servicer = DrafterServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
+    await serve_host(servicer, address, grace=grace, tls=tls)

@@ -90,6 +90,9 @@ DRAFTER_KV_MEMORY_FRACTION = 0.8  # the drafter on a GPU of its own
 SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier's GPU
 
 
+ENGINE_CALLS = ("auto", "thread", "loop")
+
+
 def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
     flag(parser, "--model", None, "target checkpoint (directory or .gguf); default: embedded")
     if not engine:
@@ -99,6 +102,12 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
     flag(parser, "--dtype", "auto", dtype_help, choices=DTYPE_CHOICES)
     flag(parser, "--num-pages", None, "KV cache pages; none = the engine's", type=optional_int)
     flag(parser, "--page-size", 16, "tokens per KV page", type=int)
+    calls_help = (
+        "drafter and verifier: where engine calls run: thread (a thread of the engine's own),"
+        " loop (the event loop's thread: two thread wake-ups fewer per round, the loop blocked"
+        " during a call) or auto (loop on a GPU, thread on the CPU)"
+    )
+    flag(parser, "--engine-calls", "auto", calls_help, choices=ENGINE_CALLS)
 
 
 def verifier_flags(parser: argparse.ArgumentParser) -> None:

@@ -28,8 +28,8 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """device, dtype ("auto" resolved), num_pages, page_size, grace and tls of a serve
-    command."""
+    """device, dtype ("auto" resolved), num_pages, page_size, grace, tls and engine_calls of a
+    serve command."""
     import torch
 
     device = args.device
@@ -39,7 +39,14 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
-    return {"device": device, "dtype": dtype, **sizes, "grace": args.grace, "tls": tls_files(args)}
+    return {
+        "device": device,
+        "dtype": dtype,
+        **sizes,
+        "grace": args.grace,
+        "tls": tls_files(args),
+        "engine_calls": args.engine_calls,
+    }
 
 
 def serve_drafter(args: argparse.Namespace) -> int:

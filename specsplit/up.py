@@ -45,6 +45,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     addr = {s: f"{args.host}:{getattr(args, f'{s}_port')}" for s in DEFAULT_PORTS}
     model = _opt("--model", args.model)
     engine = [*model, "--dtype", args.dtype, "--page-size", str(args.page_size)]
+    engine += ["--engine-calls", args.engine_calls]
     engine += _opt("--num-pages", args.num_pages)
     device = ["--device", args.device]
     drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from specsplit.convert import torch_dtype
+from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
 from verifier.engine import GRAPH_QUERY_LENS, VerifierEngine
@@ -21,12 +22,14 @@ async def serve(
     page_size: int = 16,
     grace: float = 5.0,
     tls: TLSFiles | None = None,
+    engine_calls: str = "auto",
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
     kv_memory_fraction: float = 0.8,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext. graph_query_lens / kv_memory_fraction: VerifierEngine.load's (GPU only)."""
+    plaintext. graph_query_lens / kv_memory_fraction: VerifierEngine.load's (GPU only).
+    engine_calls: --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
     load = partial(
         VerifierEngine.load,
         model_path,
@@ -37,4 +40,5 @@ async def serve(
         kv_memory_fraction=kv_memory_fraction,
         graph_query_lens=graph_query_lens,
     )
-    await serve_host(VerifierServicer(load), address, grace=grace, tls=tls)
+    servicer = VerifierServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
+    await serve_host(servicer, address, grace=grace, tls=tls)

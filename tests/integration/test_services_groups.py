@@ -1,6 +1,8 @@
 """The three services as real processes with the gateway in pipelined-groups mode (--overlap
 groups): the Draft and Verify streams run at once over gRPC, and concurrent streams still equal
-target-only decoding token for token, with no KV left."""
+target-only decoding token for token, with no KV left. The drafter and the verifier run their
+engine calls on the event loop's thread (--engine-calls loop, a GPU's default), so that mode
+also serves concurrent streams, Release and the stream's end over real gRPC."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.support import save_tiny_llama
 VOCAB = 49152
 SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
 NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
+ON_LOOP = ["--engine-calls", "loop"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,8 @@ def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
         str(model),
         root,
         extra={
-            "drafter": ["--drafter", "model", "--draft-model", str(model)],
+            "drafter": ["--drafter", "model", "--draft-model", str(model), *ON_LOOP],
+            "verifier": ON_LOOP,
             "gateway": ["--overlap", "groups"],
         },
     )
