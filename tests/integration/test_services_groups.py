@@ -2,11 +2,16 @@
 groups): the Draft and Verify streams run at once over gRPC, and concurrent streams still equal
 target-only decoding token for token, with no KV left. The drafter and the verifier run their
 engine calls on the event loop's thread (--engine-calls loop, a GPU's default), so that mode
-also serves concurrent streams, Release and the stream's end over real gRPC."""
+also serves concurrent streams, Release and the stream's end over real gRPC. Faults in groups
+mode, mid-stream with both groups running: the drafter killed (the streams decode without
+drafts, same tokens), the verifier killed and restarted (each sequence re-prefilled from the
+gateway's tokens, nothing lost or repeated)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,4 +57,69 @@ def test_groups_mode_concurrent_streams_equal_target_only(services: Services) ->
         last = spec_out[-1]
         assert last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
         assert last.spec_stats.mean_accepted_tokens > 2.0, last.spec_stats  # draft == target
+    services.wait_no_pages_used()
+
+
+def _streams_with_a_fault(
+    services: Services, prompts: list[list[int]], max_new_tokens: int, fault: Callable[[], None]
+) -> list[list[int]]:
+    """Every prompt as its own stream, at once (two groups); `fault()` once the first stream
+    has 6 tokens, while all of them run. The tokens each stream received."""
+    stub = services.gateway()
+    first_tokens = threading.Event()
+
+    def run(i: int) -> list[int]:
+        received: list[int] = []
+        call = stub.Generate(
+            token_request(prompts[i], max_new_tokens, spec=SPEC, ignore_eos=True), timeout=300
+        )
+        for response in call:
+            received += response.token_ids
+            if i == 0 and len(received) >= 6:
+                first_tokens.set()
+        return received
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        running = [pool.submit(run, i) for i in range(len(prompts))]
+        assert first_tokens.wait(120)
+        assert not all(r.done() for r in running)  # the fault lands mid-stream
+        fault()
+        return [r.result() for r in running]
+
+
+def test_groups_drafter_killed_mid_stream_every_stream_keeps_its_tokens(
+    services: Services,
+) -> None:
+    prompts = [[(31 * i + 7 * j) % 4000 + 100 for j in range(4 + 3 * i)] for i in range(4)]
+    stub = services.gateway()
+    expected = [
+        ids_of(generate(stub, token_request(p, 80, spec=NO_SPEC, ignore_eos=True))) for p in prompts
+    ]
+    try:
+        received = _streams_with_a_fault(
+            services, prompts, 80, lambda: services.stop("drafter", signal.SIGKILL)
+        )
+    finally:
+        services.start("drafter")
+        services.wait_serving("drafter", 240)
+    assert received == expected  # decoded without drafts meanwhile: the same tokens
+    services.wait_no_pages_used()
+
+
+def test_groups_verifier_restarted_mid_stream_every_stream_loses_and_repeats_nothing(
+    services: Services,
+) -> None:
+    prompts = [[(17 * i + 5 * j) % 4000 + 100 for j in range(5 + 2 * i)] for i in range(4)]
+    stub = services.gateway()
+    expected = [
+        ids_of(generate(stub, token_request(p, 80, spec=NO_SPEC, ignore_eos=True))) for p in prompts
+    ]
+
+    def restart() -> None:
+        services.stop("verifier", signal.SIGKILL)  # every sequence's KV is gone
+        services.start("verifier")  # the gateway re-prefills each from its own tokens
+
+    received = _streams_with_a_fault(services, prompts, 80, restart)
+    assert received == expected
+    services.wait_serving("verifier", 240)
     services.wait_no_pages_used()
