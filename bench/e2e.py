@@ -35,6 +35,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -97,21 +98,40 @@ METRICS_OFFSETS = {"gateway": 0, "drafter": 1, "verifier": 2}  # as `up` assigns
 Buckets = Counter[tuple[str, str, tuple[tuple[str, str], ...], float]]
 
 
-def scrape_buckets() -> Buckets:
-    """The three processes' histogram buckets (cumulative counts) by (process, name, labels,
-    upper bound)."""
-    buckets: Buckets = Counter()
+def _samples() -> Iterator[tuple[str, Any]]:
+    """(process, sample) of every metric sample the three processes export now."""
     for process, offset in METRICS_OFFSETS.items():
         url = f"http://127.0.0.1:{METRICS_PORT + offset}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
-                    name = sample.name.removesuffix("_bucket")
-                    buckets[(process, name, labels, float(sample.labels["le"]))] = int(sample.value)
+                yield process, sample
+
+
+def scrape_buckets() -> Buckets:
+    """The three processes' histogram buckets (cumulative counts) by (process, name, labels,
+    upper bound)."""
+    buckets: Buckets = Counter()
+    for process, sample in _samples():
+        if sample.name.endswith("_bucket"):
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            name = sample.name.removesuffix("_bucket")
+            buckets[(process, name, labels, float(sample.labels["le"]))] = int(sample.value)
     return buckets
+
+
+Totals = Counter[tuple[str, str]]
+
+
+def scrape_totals() -> Totals:
+    """The three processes' histogram sums and counts, unlabelled ones only, by (process,
+    "<name>_sum" / "<name>_count"): exact means over an interval (two scrapes' difference)."""
+    totals: Totals = Counter()
+    for process, sample in _samples():
+        if sample.name.endswith(("_sum", "_count")) and not sample.labels:
+            totals[(process, sample.name)] = float(sample.value)
+    return totals
 
 
 def quantile(

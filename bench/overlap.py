@@ -14,12 +14,22 @@ the part outside the verifier's engine), p50 as bucket upper bounds.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import ROUND_PARTS, Buckets, quantile, scrape_buckets, services
+from bench.e2e import (
+    ROUND_PARTS,
+    Buckets,
+    Totals,
+    quantile,
+    scrape_buckets,
+    scrape_totals,
+    services,
+)
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -51,6 +61,44 @@ def run_batch(
         return outputs, time.perf_counter() - start
 
 
+def print_time_spent(
+    results: dict[tuple[str, int], tuple[list[list[int]], float]],
+    totals: dict[tuple[str, int], Totals],
+    batches: list[int],
+) -> None:
+    """Per run, exact means from the services' histogram sums: engine time per call, each
+    engine's busy fraction (engine-call time / wall: an upper bound of its GPU's), accepted
+    tokens per sequence-round, and tokens/s against what the verify time alone allows (the
+    accepted tokens over the verifier's engine time: the overlap issue's goal is >= 0.9)."""
+    print(
+        "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | drafter busy "
+        "| accepted/round | verify-bound tok/s | of the bound |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in ("target", *MODES):
+        for batch in batches:
+            outputs, wall = results[(mode, batch)]
+            t = totals[(mode, batch)]
+            rate = sum(map(len, outputs)) / wall
+            verify_s = t[("verifier", "specsplit_verify_seconds_sum")]
+            draft_s = t[("drafter", "specsplit_draft_seconds_sum")]
+            accepted = t[("gateway", "specsplit_accepted_tokens_per_round_sum")]
+            seq_rounds = t[("gateway", "specsplit_accepted_tokens_per_round_count")]
+            bound = accepted / verify_s if verify_s else math.nan
+            name = "target only" if mode == "target" else mode
+            print(
+                f"| {name} | {batch} | {rate:.1f} "
+                f"| {_per_call(verify_s, t[('verifier', 'specsplit_verify_seconds_count')])} "
+                f"| {_per_call(draft_s, t[('drafter', 'specsplit_draft_seconds_count')])} "
+                f"| {verify_s / wall:.2f} | {draft_s / wall:.2f} "
+                f"| {accepted / max(seq_rounds, 1):.2f} | {bound:.1f} | {rate / bound:.2f} |"
+            )
+
+
+def _per_call(seconds: float, calls: float) -> str:
+    return f"{1e3 * seconds / calls:.2f}" if calls else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,21 +115,25 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
     results: dict[tuple[str, int], tuple[list[list[int]], float]] = {}
+    totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over each run
     parts: dict[str, Buckets] = {}
+
+    def timed(key: tuple[str, int], prompts: list[list[int]], spec: Any = None) -> None:
+        run_batch(stub, prompts, WARMUP_TOKENS, spec)  # kernels first built for its shapes
+        before = scrape_totals()
+        results[key] = run_batch(stub, prompts, args.max_new_tokens, spec)
+        totals[key] = Counter(scrape_totals())
+        totals[key].subtract(before)
+
     for mode in MODES:
         with services(args, ("--overlap", mode)) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
-                # warm-up at this batch (kernels first built for its shapes), then timed
-                run_batch(stub, prompts, WARMUP_TOKENS)
-                results[(mode, batch)] = run_batch(stub, prompts, args.max_new_tokens)
+                timed((mode, batch), prompts)
                 if mode == "serial":
-                    run_batch(stub, prompts, WARMUP_TOKENS, TARGET_ONLY)
-                    results[("target", batch)] = run_batch(
-                        stub, prompts, args.max_new_tokens, TARGET_ONLY
-                    )
+                    timed(("target", batch), prompts, TARGET_ONLY)
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
     print(
@@ -104,6 +156,7 @@ def main() -> None:
             f"| {batch} | {t_rate:.1f} | {s_rate:.1f} | {g_rate:.1f} | {s_rate / t_rate:.2f}x "
             f"| {g_rate / t_rate:.2f}x | {g_rate / s_rate:.2f}x | {same}/{batch} |"
         )
+    print_time_spent(results, totals, args.batch)
     print("round parts over all batches, p50 ms (bucket upper bounds):")
     for mode in MODES:
         cells = [
