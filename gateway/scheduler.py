@@ -213,7 +213,7 @@ class Scheduler:
         if request.spec is None and self.adaptive_ladder is not None:
             start = self.adaptive_ladder.index(self.default_spec)
             adaptive = AdaptiveSpec(self.adaptive_ladder, start)
-        return Sequence(
+        seq = Sequence(
             f"seq-{secrets.token_hex(16)}",  # unguessable (DESIGN.md §8)
             request,
             spec,
@@ -221,6 +221,9 @@ class Scheduler:
             hidden_state_layers=self.hidden_state_layers,
             adaptive=adaptive,
         )
+        if seq.never_drafts:  # the drafter's features would be computed and carried for nothing
+            seq.hidden_state_layers = ()
+        return seq
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -420,8 +423,8 @@ class Scheduler:
         """A round without drafts (num_steps 0: speculation off, or one token left) skips the
         drafter, once the sequence reads the hidden-state layers the drafter asked for: its new
         tokens (and their features) reach the drafter with its next Draft, if any. A sequence
-        the drafter refused never asks it again."""
-        if seq.seq_id in self._drafter_refused:
+        the drafter refused, or one that never drafts, never asks it."""
+        if seq.seq_id in self._drafter_refused or seq.never_drafts:
             return False
         if seq.round_spec().num_steps > 0:
             return True

@@ -58,6 +58,16 @@ class Sequence:
     def num_generated_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
 
+    @property
+    def never_drafts(self) -> bool:
+        """Speculation off for the request's whole life: its shape has no draft steps and no
+        adaptive ladder moves it, and it is not a session's turn (a later turn may draft from
+        this one's hidden states). It never calls the drafter and asks the verifier for no
+        hidden states."""
+        return (
+            self.spec.num_steps == 0 and self.adaptive is None and self.request.session_id is None
+        )
+
     def round_spec(self) -> SpecParams:
         """The tree shape this round: never deeper than the tokens still allowed (accepted
         drafts + bonus must fit max_new_tokens)."""

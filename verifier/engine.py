@@ -204,7 +204,8 @@ class VerifierEngine:
         seqs = [self.seqs[item.seq_id] for item in inputs]
         self._reserve(inputs, seqs)
 
-        aux = inputs[0].hidden_state_layers if inputs else ()
+        # the layers the sequences that ask for hidden states name (one set: _validate)
+        aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
         for item, seq in zip(inputs, seqs, strict=True):
             p, n = len(item.pending_tokens), len(item.tree)
@@ -225,24 +226,34 @@ class VerifierEngine:
             for item, seq, result in zip(inputs, seqs, accepted, strict=True)
         ]
         if out.hidden_states is not None:
-            # per sequence [p + num_accepted_drafts, layers * hidden]: pending tokens, then the
-            # accepted path
-            keep: list[int] = []
-            start = 0  # each sequence's p + n hidden rows follow the last's
-            for item, path in zip(inputs, accepted, strict=True):
-                p = len(item.pending_tokens)
+            self._hidden_states_out(inputs, accepted, out.hidden_states, results)
+        return results
+
+    def _hidden_states_out(
+        self,
+        inputs: list[VerifyInput],
+        accepted: list[AcceptResult],
+        hidden_states: torch.Tensor,  # [rows of the step, layers * hidden] on the device
+        results: list[VerifyOutput],
+    ) -> None:
+        """Each sequence that asked for hidden states gets [p + num_accepted_drafts, layers *
+        hidden]: its pending tokens, then the accepted path (one device-to-host copy)."""
+        keep: list[int] = []
+        sizes: list[int] = []
+        askers: list[VerifyOutput] = []
+        start = 0  # each sequence's p + n hidden rows follow the last's
+        for item, path, output in zip(inputs, accepted, results, strict=True):
+            p = len(item.pending_tokens)
+            if item.hidden_state_layers:
                 keep += [start + i for i in range(p)]
                 keep += [start + p + node for node in path.accepted_nodes]
-                start += p + len(item.tree)
-            index = to_device(torch.tensor(keep, dtype=torch.int64), self.device)
-            hidden = out.hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
-            sizes = [
-                len(i.pending_tokens) + len(a.accepted_nodes)
-                for i, a in zip(inputs, accepted, strict=True)
-            ]
-            for output, part in zip(results, hidden.split(sizes), strict=True):
-                output.hidden_states = part
-        return results
+                sizes.append(p + len(path.accepted_nodes))
+                askers.append(output)
+            start += p + len(item.tree)
+        index = to_device(torch.tensor(keep, dtype=torch.int64), self.device)
+        hidden = hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
+        for output, part in zip(askers, hidden.split(sizes), strict=True):
+            output.hidden_states = part
 
     def _accept(
         self,
@@ -381,9 +392,12 @@ class VerifierEngine:
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
         check_seq_ids(inputs, self.seqs, "verifier")
+        if len({item.hidden_state_layers for item in inputs} - {()}) > 1:
+            raise invalid(
+                "hidden_state_layers must be the same for every sequence of a round that asks"
+                " for hidden states"
+            )
         for item in inputs:
-            if item.hidden_state_layers != inputs[0].hidden_state_layers:
-                raise invalid("hidden_state_layers must be the same for every sequence of a round")
             # layer i < num_layers: decoder layer i's output; num_layers: after the final norm
             bad_layers = [x for x in item.hidden_state_layers if not 0 <= x <= self.num_layers]
             if bad_layers:

@@ -201,6 +201,47 @@ def test_eagle3_speculative_greedy_equals_target_greedy(
         assert chunks[-1].stats.num_accepted_tokens == MAX_NEW_TOKENS
 
 
+def test_a_request_that_never_drafts_asks_no_hidden_states_and_skips_the_drafter(
+    models, smollm2_tokenizer
+) -> None:
+    """After the EAGLE drafter told the gateway its layers, a request with speculation off
+    (num_steps 0) still decodes the target's tokens, but the verifier computes no features for
+    it and the drafter never hears of it; a speculative request beside it still gets both."""
+    stack = make_stack(
+        models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
+    )
+    verify_layers: dict[str, set[tuple[int, ...]]] = {}
+    drafted: set[str] = set()
+    verifier, drafter = stack.scheduler.verifier, stack.scheduler.drafter
+    verify, draft = verifier.verify, drafter.draft
+
+    async def spy_verify(inputs):  # type: ignore[no-untyped-def]
+        for item in inputs:
+            verify_layers.setdefault(item.seq_id, set()).add(item.hidden_state_layers)
+        return await verify(inputs)
+
+    async def spy_draft(inputs):  # type: ignore[no-untyped-def]
+        drafted.update(item.seq_id for item in inputs)
+        return await draft(inputs)
+
+    verifier.verify, drafter.draft = spy_verify, spy_draft  # type: ignore[method-assign]
+    prompts = _prompts(2, seed=13)
+    generate_all(stack, _requests(prompts[:1]))  # the gateway learns the head's layers
+    off = GenerationRequest(prompts[1], MAX_NEW_TOKENS, ignore_eos=True, spec=SpecParams(0, 1, 0))
+    on = _requests(prompts[:1])[0]
+    verify_layers.clear()
+    drafted.clear()
+    plain_out, spec_out = generate_all(stack, [off, on])
+    plain = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0))
+    expected = [generated_ids(c) for c in generate_all(plain, _requests(prompts[1::-1]))]
+    assert [generated_ids(plain_out), generated_ids(spec_out)] == expected
+    layers_by_request = sorted(verify_layers.values(), key=len)
+    assert layers_by_request == [{()}, {(1, 1, 0)}]  # one never-drafting, one speculative
+    assert len(drafted) == 1 and not drafted & {
+        seq_id for seq_id, layers in verify_layers.items() if layers == {()}
+    }
+
+
 def test_drafter_features_are_the_targets_layer_outputs(
     models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

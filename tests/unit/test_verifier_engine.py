@@ -215,6 +215,38 @@ def test_hidden_states_cover_pending_tokens_and_accepted_path(target_dir: Path) 
     assert engine.num_pages_used == 0
 
 
+def test_a_round_returns_hidden_states_only_to_the_sequences_that_ask(target_dir: Path) -> None:
+    """A batch mixes sequences that read no hidden states (speculation off) with ones for an
+    EAGLE drafter: the askers get theirs, as if alone; the others none. Two different layer
+    sets in one round are refused."""
+    engine = _engine(target_dir)
+    layers = (0, 1)
+    other = [(t + 5) % TINY_VOCAB for t in PROMPT]
+    mixed = engine.verify(
+        [
+            VerifyInput("plain", True, 0, other, DraftTree()),
+            VerifyInput("asks", True, 0, PROMPT, DraftTree(), hidden_state_layers=layers),
+        ]
+    )
+    alone = engine.verify(
+        [VerifyInput("alone", True, 0, PROMPT, DraftTree(), hidden_state_layers=layers)]
+    )[0]
+    assert mixed[0].hidden_states is None
+    assert mixed[1].hidden_states is not None and alone.hidden_states is not None
+    assert mixed[1].hidden_states.shape == (len(PROMPT), 2 * 64)
+    assert torch.allclose(mixed[1].hidden_states.double(), alone.hidden_states.double(), atol=1e-2)
+    with pytest.raises(ServiceError) as err:
+        engine.verify(
+            [
+                VerifyInput("x", True, 0, PROMPT, DraftTree(), hidden_state_layers=(0,)),
+                VerifyInput("y", True, 0, PROMPT, DraftTree(), hidden_state_layers=(1,)),
+            ]
+        )
+    assert err.value.code == Code.INVALID_ARGUMENT and "hidden_state_layers" in err.value.message
+    engine.release(["plain", "asks", "alone"])
+    assert engine.num_pages_used == 0
+
+
 def test_prefill_with_hidden_states_computes_logits_only_at_the_root_and_nodes(
     target_dir: Path,
 ) -> None:
