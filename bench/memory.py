@@ -29,7 +29,7 @@ from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.clients import LocalDrafterClient, LocalVerifierClient
-from specsplit.cli_flags import DRAFTER_KV_MEMORY_FRACTION
+from specsplit.cli_flags import DRAFTER_KV_MEMORY_FRACTION, SHARED_DRAFTER_KV_MEMORY_FRACTION
 from specsplit.kv_cache import KVCache
 from specsplit.messages import SpecParams
 from verifier.engine import GRAPH_QUERY_LENS, VerifierEngine
@@ -70,7 +70,7 @@ def main() -> None:
     draft_device = torch.device(args.drafter_device or args.device)
     shared = draft_device == device
     draft_fraction = args.draft_kv_memory_fraction or (
-        0.1 if shared else DRAFTER_KV_MEMORY_FRACTION
+        SHARED_DRAFTER_KV_MEMORY_FRACTION if shared else DRAFTER_KV_MEMORY_FRACTION
     )
     dtype = torch.bfloat16
     max_batch = max(args.batch)

@@ -2,7 +2,7 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions]
+#       [memory] [rpc] [overlap] [sessions] [profile]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -10,7 +10,8 @@
 # e2e2: e2e with the drafter on cuda:0 and the verifier on cuda:1; memory: bench/memory.py (8B /
 # 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint; overlap:
 # bench/overlap.py (serial / groups / target-only through the services, $SMOLLM2_GGUF + the
-# shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF.
+# shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF; profile:
+# bench/profile_services.py (cProfile of the three processes, 32 target-only streams, GGUF).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,10 @@ for part in "${parts[@]}"; do
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;
+    profile)
+      run profile python3 bench/profile_services.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 32 \
+        --max-new-tokens 64 --target-only ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from specsplit.cli_flags import (
@@ -245,13 +247,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet_progress_bars()
         start_observability(service, args.metrics_listen)
     try:
-        return COMMANDS[args.command](args)
+        with profiled(service):
+            return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
     finally:
         # Exiting: spare the interpreter's last garbage collections over torch's and
         # transformers' objects (measured 1-2 s on a 2-core box), time a stop's grace is for.
         gc.freeze()
+
+
+@contextlib.contextmanager
+def profiled(name: str) -> Iterator[None]:
+    """With $SPECSPLIT_PROFILE_DIR set (a developer's switch, for benches): the command's main
+    thread under cProfile between SIGUSR1 (start) and SIGUSR2 (stop), its stats written to
+    DIR/<name>-<pid>.prof at each stop and when the command returns. bench/profile_services.py
+    signals the three services around its timed run, so loading and warm-up stay out. The event
+    loop runs on the main thread, and on a GPU the engine calls too (--engine-calls); an engine
+    thread's calls on the CPU are not in it."""
+    directory = os.environ.get("SPECSPLIT_PROFILE_DIR")
+    if not directory:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    path = os.path.join(directory, f"{name}-{os.getpid()}.prof")
+
+    def start(signum: int, frame: object) -> None:
+        profile.enable()
+
+    def stop(signum: int | None = None, frame: object = None) -> None:
+        profile.disable()
+        os.makedirs(directory, exist_ok=True)
+        profile.dump_stats(path)
+
+    handlers = signal.signal(signal.SIGUSR1, start), signal.signal(signal.SIGUSR2, stop)
+    try:
+        yield
+    finally:
+        stop()
+        signal.signal(signal.SIGUSR1, handlers[0])
+        signal.signal(signal.SIGUSR2, handlers[1])
 
 
 if __name__ == "__main__":

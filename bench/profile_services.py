@@ -1,0 +1,102 @@
+"""Where the three processes' Python time goes at a given batch: `specsplit up` with each
+service's main thread under cProfile ($SPECSPLIT_PROFILE_DIR, specsplit/cli.py), --batch
+concurrent streams of --max-new-tokens each (bundled chat prompts, greedy) after a warm-up at
+that batch, profiled from start to end of that run only (SIGUSR1 / SIGUSR2 to the services), then
+the top functions of each process by own time.
+
+On a GPU the engine calls run on the services' main threads (--engine-calls auto), so their
+host work is in the verifier's and drafter's profiles; on the CPU they run on an engine thread
+that cProfile does not see. cProfile slows Python code down (about 2x): read the shares, not the
+absolute times.
+
+    PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
+        [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
+        [--target-only] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pstats
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from bench.acceptance import bundled_prompts
+from bench.e2e import services
+from bench.overlap import TARGET_ONLY, run_batch
+from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.prompt import apply_chat_template
+
+
+def service_pids(directory: Path) -> list[int]:
+    """The `specsplit serve-*` processes started with SPECSPLIT_PROFILE_DIR=directory."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        mine = f"SPECSPLIT_PROFILE_DIR={directory}".encode() in environ
+        if mine and any(arg.startswith(b"serve-") for arg in cmdline):
+            pids.append(int(proc.name))
+    assert len(pids) == 3, f"expected the three services, found {pids}"
+    return pids
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        os.kill(pid, signum)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--drafter-device", default=None)
+    parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--target-only", action="store_true", help="num_steps 0 per request")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    path = args.model or embedded_default_model_path()
+    tokenizer = load_tokenizer(path)
+    chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    prompts = [chats[i % len(chats)] for i in range(args.batch)]
+    spec = TARGET_ONLY if args.target_only else None
+    directory = Path(tempfile.mkdtemp(prefix="specsplit-profile-"))
+    os.environ["SPECSPLIT_PROFILE_DIR"] = str(directory)  # `up` and its children inherit it
+    try:
+        with services(args) as stub:
+            run_batch(stub, prompts, 16, spec)  # warm-up at this batch
+            pids = service_pids(directory)
+            signal_all(pids, signal.SIGUSR1)  # profiles start
+            outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec)
+            signal_all(pids, signal.SIGUSR2)  # and stop, written
+            time.sleep(1.0)
+    finally:
+        del os.environ["SPECSPLIT_PROFILE_DIR"]
+    tokens = sum(map(len, outputs))
+    print(
+        f"{args.batch} streams x {args.max_new_tokens} tokens, "
+        f"{'target only' if args.target_only else 'speculative'}: {tokens / wall:.1f} tok/s "
+        f"(profiled, so slower than unprofiled; the profiles cover this run only)"
+    )
+    for file in sorted(directory.glob("*.prof")):
+        if file.name.startswith("up-"):
+            continue
+        print(f"\n== {file.stem}: top {args.top} by own time")
+        pstats.Stats(str(file)).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
