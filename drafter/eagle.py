@@ -17,7 +17,7 @@ from drafter.eagle_checkpoint import (
     layer_names,
     read_tensors,
 )
-from specsplit.kv_cache import KVCache
+from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.fused import rms_norm
@@ -122,8 +122,7 @@ class Eagle3Head:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in the head's one layer."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.config.num_kv_heads * self.config.head_dim * element_size
+        return kv_bytes_per_token(1, self.config.num_kv_heads, self.config.head_dim, self.dtype)
 
     def make_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
         c = self.config

@@ -21,6 +21,14 @@ class KVCacheFullError(RuntimeError):
     """Not enough free pages: surfaces as RESOURCE_EXHAUSTED."""
 
 
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of K and V one cached token takes over `num_layers` layers (for sizing pools)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * element_size
+
+
 def pool_num_pages(
     num_pages: int | None,
     device: torch.device | str,

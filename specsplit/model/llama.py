@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from specsplit.kv_cache import KVCache
+from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
@@ -269,5 +269,4 @@ def make_kv_cache(
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V per cached token over all layers (for sizing num_pages)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
