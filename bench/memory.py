@@ -77,7 +77,6 @@ def main() -> None:
 
     rows: list[tuple[str, str, str]] = []  # (service, what, value)
     target = random_model(args.target, str(device), dtype, seed=0)
-    rows.append(("verifier", "weights GiB", gib(torch.cuda.memory_allocated(device))))
     verifier = VerifierEngine.for_model(
         target,
         kv_memory_fraction=args.kv_memory_fraction,
@@ -86,18 +85,17 @@ def main() -> None:
     )
     verifier.warmup()
     draft = random_model(args.draft, str(draft_device), dtype, seed=1)
-    draft_weights = sum(p.numel() * p.element_size() for p in draft.parameters())
     proposer = ModelProposer.for_model(draft, None, 16, draft_fraction)
     drafter = DrafterEngine(proposer, graph_catch_up_lens=CATCH_UP_LENS, max_batch_size=64)
     drafter.warmup()
     torch.cuda.synchronize()
     pools = {"verifier": verifier.kv, "drafter": proposer.kv}
-    for name, kv, dev in (
-        ("verifier", verifier.kv, device),
-        ("drafter", proposer.kv, draft_device),
+    for name, model, kv, dev in (
+        ("verifier", target, verifier.kv, device),
+        ("drafter", draft, proposer.kv, draft_device),
     ):
-        if name == "drafter":
-            rows.append((name, "weights GiB", gib(draft_weights)))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        rows.append((name, "weights GiB", gib(weights)))
         tokens = kv.allocator.num_pages * kv.page_size
         rows.append((name, "KV pool GiB (tokens)", f"{gib(pool_bytes(kv))} ({tokens})"))
         if not shared or name == "verifier":

@@ -118,7 +118,12 @@ def main() -> None:
     totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over each run
     parts: dict[str, Buckets] = {}
 
-    def timed(key: tuple[str, int], prompts: list[list[int]], spec: Any = None) -> None:
+    def timed(
+        stub: gateway_pb2_grpc.GatewayStub,
+        key: tuple[str, int],
+        prompts: list[list[int]],
+        spec: Any = None,
+    ) -> None:
         run_batch(stub, prompts, WARMUP_TOKENS, spec)  # kernels first built for its shapes
         before = scrape_totals()
         results[key] = run_batch(stub, prompts, args.max_new_tokens, spec)
@@ -131,9 +136,9 @@ def main() -> None:
             before = scrape_buckets()
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
-                timed((mode, batch), prompts)
+                timed(stub, (mode, batch), prompts)
                 if mode == "serial":
-                    timed(("target", batch), prompts, TARGET_ONLY)
+                    timed(stub, ("target", batch), prompts, TARGET_ONLY)
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
     print(

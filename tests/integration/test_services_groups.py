@@ -60,6 +60,17 @@ def test_groups_mode_concurrent_streams_equal_target_only(services: Services) ->
     services.wait_no_pages_used()
 
 
+def _target_only(
+    services: Services, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Each prompt's tokens with speculation off, one stream at a time: the reference."""
+    stub = services.gateway()
+    return [
+        ids_of(generate(stub, token_request(p, max_new_tokens, spec=NO_SPEC, ignore_eos=True)))
+        for p in prompts
+    ]
+
+
 def _streams_with_a_fault(
     services: Services, prompts: list[list[int]], max_new_tokens: int, fault: Callable[[], None]
 ) -> list[list[int]]:
@@ -91,10 +102,7 @@ def test_groups_drafter_killed_mid_stream_every_stream_keeps_its_tokens(
     services: Services,
 ) -> None:
     prompts = [[(31 * i + 7 * j) % 4000 + 100 for j in range(4 + 3 * i)] for i in range(4)]
-    stub = services.gateway()
-    expected = [
-        ids_of(generate(stub, token_request(p, 80, spec=NO_SPEC, ignore_eos=True))) for p in prompts
-    ]
+    expected = _target_only(services, prompts, 80)
     try:
         received = _streams_with_a_fault(
             services, prompts, 80, lambda: services.stop("drafter", signal.SIGKILL)
@@ -110,10 +118,7 @@ def test_groups_verifier_restarted_mid_stream_every_stream_loses_and_repeats_not
     services: Services,
 ) -> None:
     prompts = [[(17 * i + 5 * j) % 4000 + 100 for j in range(5 + 2 * i)] for i in range(4)]
-    stub = services.gateway()
-    expected = [
-        ids_of(generate(stub, token_request(p, 80, spec=NO_SPEC, ignore_eos=True))) for p in prompts
-    ]
+    expected = _target_only(services, prompts, 80)
 
     def restart() -> None:
         services.stop("verifier", signal.SIGKILL)  # every sequence's KV is gone
