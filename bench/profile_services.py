@@ -1,8 +1,9 @@
 """Where the three processes' Python time goes at a given batch: `specsplit up` with each
 service's main thread under cProfile ($SPECSPLIT_PROFILE_DIR, specsplit/cli.py), --batch
 concurrent streams of --max-new-tokens each (bundled chat prompts, greedy) after a warm-up at
-that batch, profiled from start to end of that run only (SIGUSR1 / SIGUSR2 to the services), then
-the top functions of each process by own time.
+that batch: once unprofiled (exact means per round from the services' histograms), then once
+profiled from start to end of that run only (SIGUSR1 / SIGUSR2 to the services), then the top
+functions of each process by own time.
 
 On a GPU the engine calls run on the services' main threads (--engine-calls auto), so their
 host work is in the verifier's and drafter's profiles; on the CPU they run on an engine thread
@@ -22,10 +23,11 @@ import pstats
 import signal
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import services
+from bench.e2e import scrape_totals, services
 from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
@@ -54,6 +56,25 @@ def signal_all(pids: list[int], signum: int) -> None:
         os.kill(pid, signum)
 
 
+def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
+    """The same run unprofiled: exact means per round from the services' histogram sums (the
+    gateway's round wall, the part of it outside the verifier's engine, the verify and draft
+    engine calls, the verifier's own time per Verify beyond its engine)."""
+    rounds = totals[("gateway", "specsplit_round_seconds_count")]
+    print(f"unprofiled: {tokens / wall:.1f} tok/s, {rounds:.0f} rounds in {wall:.2f} s")
+    for process, name in (
+        ("gateway", "specsplit_round_seconds"),
+        ("gateway", "specsplit_round_outside_verify_seconds"),
+        ("verifier", "specsplit_verify_seconds"),
+        ("drafter", "specsplit_draft_seconds"),
+        ("verifier", "specsplit_service_overhead_seconds"),
+    ):
+        calls = totals[(process, f"{name}_count")]
+        seconds = totals[(process, f"{name}_sum")]
+        mean = f"{1e3 * seconds / calls:.3f} ms" if calls else "-"
+        print(f"  {process} {name}: {calls:.0f} x {mean}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,6 +99,10 @@ def main() -> None:
     try:
         with services(args) as stub:
             run_batch(stub, prompts, 16, spec)  # warm-up at this batch
+            before = scrape_totals()
+            plain, plain_wall = run_batch(stub, prompts, args.max_new_tokens, spec)
+            totals = Counter(scrape_totals())
+            totals.subtract(before)
             pids = service_pids(directory)
             signal_all(pids, signal.SIGUSR1)  # profiles start
             outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec)
@@ -85,6 +110,7 @@ def main() -> None:
             time.sleep(1.0)
     finally:
         del os.environ["SPECSPLIT_PROFILE_DIR"]
+    print_round_means(sum(map(len, plain)), plain_wall, totals)
     tokens = sum(map(len, outputs))
     print(
         f"{args.batch} streams x {args.max_new_tokens} tokens, "
@@ -95,7 +121,12 @@ def main() -> None:
         if file.name.startswith("up-"):
             continue
         print(f"\n== {file.stem}: top {args.top} by own time")
-        pstats.Stats(str(file)).sort_stats("tottime").print_stats(args.top)
+        try:
+            stats = pstats.Stats(str(file))
+        except TypeError:  # pstats refuses a profile without calls: an idle main thread
+            print("no calls recorded")
+            continue
+        stats.sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,7 +25,7 @@ from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
-from gateway.sequence import Sequence
+from gateway.sequence import Committed, Sequence
 from gateway.sessions import DEFAULT_SESSION_TTL_S, SessionStore
 from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
@@ -34,6 +35,7 @@ from specsplit.messages import DraftOutput, SpecParams, VerifyOutput
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
 DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
@@ -108,6 +110,8 @@ class Scheduler:
         self._admission_held = False  # a preemption freed pages for the running ones only
         # overlap "groups": the last verified group's outputs, committed during the next Verify
         self._uncommitted: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]] | None = None
+        # committed rounds whose chunks are not streamed yet, in order (_stream)
+        self._unstreamed: list[tuple[Sequence, Committed]] = []
         self.num_preemptions = 0
         self.sessions = SessionStore(self, tokenizer, ttl_s=session_ttl_s, max_context=max_context)
         self._expiry: asyncio.Task[None] | None = None
@@ -143,6 +147,7 @@ class Scheduler:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._expiry = None
+        self._stream()  # the rounds committed, before the error
         error = ServiceError(Code.UNAVAILABLE, message)
         for seq in [*self.running, *self.waiting]:
             if not seq.finished:
@@ -234,6 +239,7 @@ class Scheduler:
                 self._admit()
                 metrics.observe_queue(len(self.running), len(self.waiting))
                 if not self.running:
+                    self._stream()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -262,13 +268,33 @@ class Scheduler:
                 self.running.append(seq)
 
     async def step(self, batch: list[Sequence]) -> None:
-        """One round for the batch: draft → verify → commit."""
+        """One round for the batch: draft → verify → commit. The last round's chunks stream
+        once this round's first RPC is on its way (`_sent_then_stream`)."""
         with telemetry.round_span([seq.span for seq in batch]):  # carried to both services
-            trees = await self._draft(batch)
-            outputs = await self.verifier.verify(
-                [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
+            trees = await self._sent_then_stream(self._draft(batch))
+            outputs = await self._sent_then_stream(
+                self.verifier.verify(
+                    [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
+                )
             )
         self._commit(batch, trees, outputs)
+
+    async def _sent_then_stream(self, call: Awaitable[T]) -> T:
+        """Await `call`; once it waits for an answer (its RPC on the way: not a call that
+        needed none), stream the committed rounds meanwhile. Detokenizing, stop strings'
+        bookkeeping, metrics and the clients' writes so stay off the path between the
+        verifier's answer and the next round's RPC (the overlap issue's critical path)."""
+        task = asyncio.ensure_future(call)
+        if not self._unstreamed:
+            return await task
+        await asyncio.sleep(0)  # the call runs until it waits: its request is sent
+        if not task.done():
+            try:
+                self._stream()
+            except BaseException:
+                task.cancel()
+                raise
+        return await task
 
     async def step_groups(self, running: list[Sequence]) -> None:
         """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
@@ -290,11 +316,13 @@ class Scheduler:
         pending, self._uncommitted = self._uncommitted, None
         if pending is not None and not set(map(id, pending[0])).isdisjoint(map(id, verify)):
             self._commit(*pending)  # the group verified last round is the one verified now
+            self._stream()
             pending = None
         verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
         if not verify:
             if pending is not None:
                 self._commit(*pending)
+                self._stream()
             return
         missing = [seq for seq in verify if seq.seq_id not in self._drafted]
         if missing:
@@ -308,6 +336,7 @@ class Scheduler:
             try:
                 if pending is not None:
                     self._commit(*pending)
+                    self._stream()
                 ahead = [seq for seq in ahead if not (seq.finished or seq.cancelled)]
                 drafted = await self._draft(ahead)
             except BaseException:
@@ -336,13 +365,26 @@ class Scheduler:
     def _commit(
         self, batch: list[Sequence], trees: list[DraftTree], outputs: list[VerifyOutput]
     ) -> None:
-        """Append each verified round to its sequence and stream it."""
+        """Append each verified round to its sequence (tokens, KV lengths, stop rules: what the
+        next round needs); its chunk waits in _unstreamed for `_stream`."""
         self.num_rounds += 1
         self._verifier_down_since = None
         for seq, tree, out in zip(batch, trees, outputs, strict=True):
-            chunk = seq.commit(out)
+            self._unstreamed.append((seq, seq.commit(out)))
             seq.adapt(tree, out)
-            metrics.observe_commit(seq, out, chunk)
+
+    def _stream(self, seqs: list[Sequence] | None = None) -> None:
+        """Make and stream the committed rounds' chunks (of `seqs` only, if given): text,
+        metrics, each client's queue."""
+        if seqs is None:
+            now, self._unstreamed = self._unstreamed, []
+        else:
+            ids = set(map(id, seqs))
+            now = [item for item in self._unstreamed if id(item[0]) in ids]
+            self._unstreamed = [item for item in self._unstreamed if id(item[0]) not in ids]
+        for seq, committed in now:
+            chunk = seq.chunk(committed)
+            metrics.observe_commit(seq, committed.out, chunk)
             seq.outbox.put_nowait(chunk)
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
@@ -510,8 +552,8 @@ class Scheduler:
         self.num_preemptions += 1
         metrics.observe_preemption()
 
-    @staticmethod
-    def _fail(seq: Sequence, error: ServiceError) -> None:
+    def _fail(self, seq: Sequence, error: ServiceError) -> None:
+        self._stream([seq])  # its committed rounds first
         seq.outbox.put_nowait(error)
         seq.finished = True
 
@@ -526,6 +568,7 @@ class Scheduler:
             done = list(seqs)
         if not done:
             return
+        self._stream(done)  # their last chunks (and a session's reply) before they go
         # before forgetting them: stop() retires what is still here
         await self._release([seq for seq in done if seq.turn is None])
         for seq in done:

@@ -164,8 +164,11 @@ class Sequence:
         if self.adaptive is not None:
             self.adaptive.observe(out.num_accepted_drafts, max(tree.depths(), default=0))
 
-    def commit(self, out: VerifyOutput) -> Chunk:
-        """Append accepted drafts + bonus, apply stop rules, return what to stream."""
+    def commit(self, out: VerifyOutput) -> Committed:
+        """Append accepted drafts + bonus and apply the stop rules: everything the next round
+        needs. The text and the chunk to stream follow in `chunk` (the scheduler makes them
+        after the next round's first RPC is on its way); with stop strings the text is made
+        here, since the rules read it."""
         if self.hidden_state_layers:
             # the verifier's rows cover tokens[old kv_committed_len : new kv_committed_len]
             assert out.hidden_states is not None, self.seq_id
@@ -181,20 +184,27 @@ class Sequence:
         self.stats.num_accepted_drafts += out.num_accepted_drafts
         self.stats.num_accepted_tokens += out.num_accepted_tokens
         new = [*out.accepted_tokens, out.bonus_token]
-        outcome = self.stop_checker.commit(new)
-        kept = new[: outcome.num_kept_tokens]
+        text: str | None = None
+        if self.stop_checker.reads_text:
+            outcome = self.stop_checker.commit(new)
+            num_kept, num_text, finish, text = (
+                outcome.num_kept_tokens,
+                0,
+                outcome.finish_reason,
+                outcome.text,
+            )
+        else:
+            rules = self.stop_checker.commit_tokens(new)
+            num_kept, num_text, finish = (
+                rules.num_kept_tokens,
+                rules.num_text_tokens,
+                rules.finish_reason,
+            )
+        kept = new[:num_kept]
         self.tokens += kept
-        if self.turn is not None:  # a chat session keeps the reply as the client saw it
-            self.turn.reply_parts.append(outcome.text)
-        chunk = Chunk(
-            token_ids=kept, text=outcome.text, elapsed_ns=time.monotonic_ns() - self.arrival_ns
-        )
-        if outcome.finish_reason is not None:
+        if finish is not None:
             self.finished = True
-            chunk.finish_reason = self.finish_reason = str(outcome.finish_reason)
-            chunk.prompt_tokens = self.num_prompt_tokens
-            chunk.completion_tokens = self.num_generated_tokens
-            chunk.stats = self.stats
+            self.finish_reason = str(finish)
         else:
             # DESIGN.md §2: the verifier's KV covers every token but the last bonus
             assert self.verifier_kv_committed_len == len(self.tokens) - 1, (
@@ -202,4 +212,35 @@ class Sequence:
                 self.verifier_kv_committed_len,
                 len(self.tokens),
             )
+        return Committed(out, kept, kept[:num_text], finish is not None, text)
+
+    def chunk(self, committed: Committed) -> Chunk:
+        """What to stream of a committed round: its text (detokenized now unless the stop rules
+        did it in `commit`), and on the last round the finish and the totals. Rounds in order."""
+        text = committed.text
+        if text is None:
+            text = self.stop_checker.text_of(committed.text_ids, committed.finished)
+        if self.turn is not None:  # a chat session keeps the reply as the client saw it
+            self.turn.reply_parts.append(text)
+        chunk = Chunk(
+            token_ids=committed.token_ids,
+            text=text,
+            elapsed_ns=time.monotonic_ns() - self.arrival_ns,
+        )
+        if committed.finished:
+            chunk.finish_reason = self.finish_reason
+            chunk.prompt_tokens = self.num_prompt_tokens
+            chunk.completion_tokens = self.num_generated_tokens
+            chunk.stats = self.stats
         return chunk
+
+
+@dataclass
+class Committed:
+    """A round appended to its sequence (Sequence.commit) whose chunk is not made yet."""
+
+    out: VerifyOutput
+    token_ids: list[int]  # the tokens kept
+    text_ids: list[int]  # of them, those whose text is streamed (all but an EOS / stop token)
+    finished: bool  # the sequence's last round
+    text: str | None  # made already when the stop rules read the text (stop strings)

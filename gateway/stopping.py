@@ -28,6 +28,13 @@ class StopOutcome:
     finish_reason: FinishReason | None  # None: the sequence goes on
 
 
+@dataclass(frozen=True)
+class TokenOutcome:
+    num_kept_tokens: int  # as StopOutcome's
+    num_text_tokens: int  # the first kept tokens whose text is streamed: all but an EOS / stop
+    finish_reason: FinishReason | None
+
+
 class StopChecker:
     """Per-sequence stop state. The gateway's commit step is:
 
@@ -36,6 +43,7 @@ class StopChecker:
         stream(outcome.text); finish if outcome.finish_reason
 
     An EOS or stop token counts as generated (it is kept) but its text is not streamed.
+    Without stop strings the rules need no text: commit_tokens, then text_of when streaming.
     """
 
     def __init__(
@@ -60,17 +68,15 @@ class StopChecker:
         # Detokenized text not streamed yet: a suffix that may be the start of a stop string.
         self._held_text = ""
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether the rules read the text (stop strings): a round's outcome is then known only
+        once its tokens are detokenized. Without, commit_tokens decides it from the ids."""
+        return bool(self._stop_strings)
+
     def commit(self, new_ids: Sequence[int]) -> StopOutcome:
         """Apply the stop rules to the tokens generated this round (accepted drafts + bonus)."""
-        assert self.finish_reason is None, "commit() on a finished sequence"
-        num_left = self._max_new_tokens - self.num_generated_tokens
-        num_kept = min(len(new_ids), num_left)
-        finish = FinishReason.LENGTH if num_kept == num_left else None
-        num_text_tokens = num_kept  # the kept tokens whose text is streamed: all but EOS / stop
-        for i, token in enumerate(new_ids[:num_kept]):
-            if token in self._stop_token_ids:
-                num_kept, num_text_tokens, finish = i + 1, i, FinishReason.STOP
-                break
+        num_kept, num_text_tokens, finish = self._token_rules(new_ids)
         text_ids = new_ids[:num_text_tokens]
 
         if self._stop_strings:
@@ -90,6 +96,34 @@ class StopChecker:
         if (stop_at := self._find_stop_string()) is not None:
             return self._outcome(num_kept, self._take_held_text(stop_at), FinishReason.STOP)
         return self._outcome(num_kept, self._take_held_text(len(self._held_text)), finish)
+
+    def commit_tokens(self, new_ids: Sequence[int]) -> TokenOutcome:
+        """The rules on the ids alone (EOS, stop tokens, max_new_tokens), for a checker without
+        stop strings (not reads_text): the round's outcome, its text to follow with text_of
+        (the scheduler streams it after the next round's first RPC is on its way)."""
+        assert not self.reads_text, "stop strings need the text: commit()"
+        num_kept, num_text_tokens, finish = self._token_rules(new_ids)
+        self._outcome(num_kept, "", finish)
+        return TokenOutcome(num_kept, num_text_tokens, finish)
+
+    def text_of(self, text_ids: Sequence[int], finished: bool) -> str:
+        """The text of a commit_tokens round's text tokens (its first num_text_tokens), rounds
+        in order; at the finish also what the detokenizer held back. Without stop strings
+        nothing else is held, so this is the text commit() streams."""
+        text = self._detokenizer.add(text_ids)
+        return text + self._detokenizer.flush() if finished else text
+
+    def _token_rules(self, new_ids: Sequence[int]) -> tuple[int, int, FinishReason | None]:
+        """(tokens kept, of them the ones with text: all but an EOS / stop token, the finish)."""
+        assert self.finish_reason is None, "commit() on a finished sequence"
+        num_left = self._max_new_tokens - self.num_generated_tokens
+        num_kept = min(len(new_ids), num_left)
+        finish = FinishReason.LENGTH if num_kept == num_left else None
+        num_text_tokens = num_kept  # the kept tokens whose text is streamed: all but EOS / stop
+        for i, token in enumerate(new_ids[:num_kept]):
+            if token in self._stop_token_ids:
+                return i + 1, i, FinishReason.STOP
+        return num_kept, num_text_tokens, finish
 
     def _outcome(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
         self.num_generated_tokens += num_kept

@@ -2,7 +2,7 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions] [profile]
+#       [memory] [rpc] [overlap] [sessions] [profile] [cold]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -11,7 +11,9 @@
 # 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint; overlap:
 # bench/overlap.py (serial / groups / target-only through the services, $SMOLLM2_GGUF + the
 # shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF; profile:
-# bench/profile_services.py (cProfile of the three processes, 32 target-only streams, GGUF).
+# bench/profile_services.py (cProfile of the three processes, 32 target-only streams; the GGUF
+# or, without $SMOLLM2_GGUF, random SmolLM2-shaped weights); cold: bench/cold_shapes.py (the
+# first rounds at new batch sizes after the services' warm-up, random SmolLM2 + the shipped head).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,10 @@ run() {  # name, command...
   echo "== $name: $*"
   "$@" 2>&1 | tee "$out/$name.txt" | grep -v "^\s*$" | tail -40
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "== $name FAILED"; status=1; }
+}
+random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_random
+  [[ -d /tmp/smollm2_random ]] ||
+    python3 bench/random_model.py /tmp/smollm2_random --tokenizer .gpu/tokenizer
 }
 for part in "${parts[@]}"; do
   case $part in
@@ -52,8 +58,7 @@ for part in "${parts[@]}"; do
       run memory python3 bench/memory.py --target llama-8b --draft llama-1b "${devices[@]}" \
         --context 2048 --batch 8 32 64 ;;
     rpc)
-      [[ -d /tmp/smollm2_random ]] ||
-        python3 bench/random_model.py /tmp/smollm2_random --tokenizer .gpu/tokenizer
+      random_smollm2
       run rpc python3 bench/rpc_overhead.py --model /tmp/smollm2_random --device cuda:0 \
         --rounds 1000 ;;
     overlap)
@@ -63,10 +68,15 @@ for part in "${parts[@]}"; do
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;
-    profile)
-      run profile python3 bench/profile_services.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+    profile)  # target-only: random weights serve when the GGUF is not there
+      [[ -n ${SMOLLM2_GGUF:-} ]] || random_smollm2
+      run profile python3 bench/profile_services.py --model "${SMOLLM2_GGUF:-/tmp/smollm2_random}" \
+        "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 32 \
         --max-new-tokens 64 --target-only ;;
+    cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
+      random_smollm2
+      run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

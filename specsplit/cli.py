@@ -275,7 +275,10 @@ def profiled(name: str) -> Iterator[None]:
     path = os.path.join(directory, f"{name}-{os.getpid()}.prof")
 
     def start(signum: int, frame: object) -> None:
-        profile.enable()
+        try:
+            profile.enable()
+        except ValueError as e:  # another profiling tool holds the interpreter's hook
+            logging.getLogger(__name__).warning("profile not started: %s", e)
 
     def stop(signum: int | None = None, frame: object = None) -> None:
         profile.disable()

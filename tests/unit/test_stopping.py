@@ -222,3 +222,44 @@ def test_stop_strings_match_token_by_token_decoding(
         num_kept += outcome.num_kept_tokens
         expected = (expected[0], expected[1] + 1, FinishReason.STOP)
     assert (streamed, num_kept, checker.finish_reason) == expected
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_token_rules_then_text_equal_commit_without_stop_strings(
+    smollm2_tokenizer: PreTrainedTokenizerBase, make_checker: MakeChecker, seed: int
+) -> None:
+    """The scheduler's split commit (commit_tokens now, text_of once the next round's RPC is
+    out) keeps and streams exactly what commit() does: EOS, stop ids and max tokens anywhere
+    in a round, multi-byte characters split across rounds."""
+    rng = random.Random(seed)
+    text = "The quick brown fox. 日本語 😀 über das Meer, déjà vu!"
+    ids = smollm2_tokenizer.encode(text)
+    stop_ids = [ids[rng.randrange(len(ids))]] if seed % 3 == 1 else []
+    if seed % 3 == 2:
+        ids.insert(rng.randrange(len(ids)), EOS_ID)
+    max_new_tokens = rng.randint(1, len(ids) + 2)
+    whole = make_checker(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    split = make_checker(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    assert not split.reads_text
+    rounds, i = [], 0
+    while i < len(ids) + 2 and whole.finish_reason is None:
+        n = rng.randint(1, 5)
+        rounds.append((ids + [EOS_ID, EOS_ID])[i : i + n])
+        i += n
+    for new_ids in rounds:
+        if whole.finish_reason is not None:
+            break
+        expected = whole.commit(new_ids)
+        rules = split.commit_tokens(new_ids)
+        assert rules.num_kept_tokens == expected.num_kept_tokens
+        assert rules.finish_reason == expected.finish_reason == split.finish_reason
+        text_ids = new_ids[: rules.num_text_tokens]
+        assert split.text_of(text_ids, rules.finish_reason is not None) == expected.text
+    assert whole.finish_reason is not None
+
+
+def test_commit_tokens_refuses_stop_strings(make_checker: MakeChecker) -> None:
+    checker = make_checker(stop_strings=["fox"])
+    assert checker.reads_text
+    with pytest.raises(AssertionError):
+        checker.commit_tokens([THE])

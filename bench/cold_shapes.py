@@ -1,0 +1,109 @@
+"""What the first rounds at a new batch size cost after the services' warm-up: the whole
+system in one process (the real scheduler, the verifier engine with its CUDA graphs, the
+drafter engine with an EAGLE-3 head and its graphs), each engine warmed up as its service does;
+then, batch size by batch size, the same requests twice: cold (the first time at that batch)
+and warm. For each run: wall seconds, the Triton kernels compiled (cubins written to a fresh
+Triton / inductor cache, so every build counts) and the graphs torch.compile traced.
+
+    PYTHONPATH=. python bench/cold_shapes.py --model DIR --head specsplit/data/eagle3-smollm2 \
+        [--device cuda] [--batch 1 2 3 5 8 13 21 32] [--max-new-tokens 16]
+
+Cold rounds that build kernels are what a user's first requests at a new batch size wait for;
+the bench says which runs build them and how long they take.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_CACHE = tempfile.mkdtemp(prefix="specsplit-cold-")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE, "triton")  # before triton is imported
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE, "inductor")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.acceptance import bundled_prompts  # noqa: E402
+from drafter.tree_draft import CATCH_UP_LENS  # noqa: E402
+from gateway.request import GenerationRequest  # noqa: E402
+from inprocess.stack import build_local_stack  # noqa: E402
+from specsplit.messages import SpecParams  # noqa: E402
+from specsplit.model.loader import load_tokenizer  # noqa: E402
+from specsplit.prompt import apply_chat_template  # noqa: E402
+from verifier.engine import GRAPH_QUERY_LENS  # noqa: E402
+
+
+def kernels_built() -> set[str]:
+    return {str(path.relative_to(_CACHE)) for path in Path(_CACHE).rglob("*.cubin")}
+
+
+def num_graphs_traced() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="a target checkpoint directory")
+    parser.add_argument("--head", default="specsplit/data/eagle3-smollm2")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 3, 5, 8, 13, 21, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--spec", type=int, default=3, help="chain depth")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(args.model)
+    chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    start = time.perf_counter()
+    stack = build_local_stack(
+        args.model,
+        "eagle3",
+        tokenizer,
+        SpecParams(args.spec, 1, args.spec),
+        draft_path=args.head,
+        dtype=torch.bfloat16,
+        device=args.device,
+        graph_query_lens=GRAPH_QUERY_LENS,
+        draft_graph_lens=CATCH_UP_LENS,
+        num_pages=4096,
+    )
+    print(
+        f"loaded and warmed up in {time.perf_counter() - start:.1f} s: "
+        f"{len(kernels_built())} kernels built, {num_graphs_traced()} graphs traced"
+    )
+    # from here on: what torch.compile traces, and why it traces again
+    torch._logging.set_logs(dynamo=logging.INFO, recompiles=True)
+    built: dict[int, list[str]] = {}
+    print("| batch | run | seconds | kernels built | graphs traced |")
+    print("|---:|---|---:|---:|---:|")
+    for batch in args.batch:
+        requests = [
+            GenerationRequest(chats[i % len(chats)], args.max_new_tokens, ignore_eos=True)
+            for i in range(batch)
+        ]
+        for run in ("cold", "warm"):
+            kernels, graphs = kernels_built(), num_graphs_traced()
+            begin = time.perf_counter()
+            stack.generate_all(requests)
+            seconds = time.perf_counter() - begin
+            new = sorted(kernels_built() - kernels)
+            built.setdefault(batch, []).extend(new)
+            print(
+                f"| {batch} | {run} | {seconds:.2f} | {len(new)} "
+                f"| {num_graphs_traced() - graphs} |",
+                flush=True,
+            )
+    for batch, names in built.items():
+        for name in names:
+            print(f"built at batch {batch}: {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Serial rounds keep the text and the clients' streams off the critical path: a round's chunks
+(detokenizing, stop bookkeeping, metrics, the writes to each client) are made once the next
+round's first RPC is on its way, not between the verifier's answer and the next Verify. The
+tokens are the same, every chunk reaches its client, and a failed round still delivers what was
+committed before it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from gateway.request import GenerationRequest
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
+from tests.support import (
+    TINY_VOCAB,
+    check_no_leaks,
+    generate_all,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
+
+MAX_NEW_TOKENS = 9
+TARGET_ONLY = SpecParams(0, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("streaming") / "target", seed=0)
+
+
+def _requests(batch_size: int) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(batch_size)
+    return [
+        GenerationRequest(
+            torch.randint(3, TINY_VOCAB, (4 + i,), generator=gen).tolist(),
+            MAX_NEW_TOKENS,
+            ignore_eos=True,
+        )
+        for i in range(batch_size)
+    ]
+
+
+def _streamed_tokens() -> float:
+    return REGISTRY.get_sample_value("specsplit_generated_tokens_total") or 0.0
+
+
+class _Watching:
+    """The real verifier client; for each Verify, the tokens streamed to clients (the gateway's
+    counter) when it was sent and when it answered."""
+
+    def __init__(self, verifier, fail_at: int | None = None) -> None:
+        self.verifier = verifier
+        self.fail_at = fail_at
+        self.calls: list[tuple[float, float]] = []
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        sent = _streamed_tokens()
+        await asyncio.sleep(0.005)  # the request is on its way; the verifier works
+        self.calls.append((sent, _streamed_tokens()))
+        if len(self.calls) == self.fail_at:
+            raise ServiceError(Code.INVALID_ARGUMENT, "refused")
+        return await self.verifier.verify(inputs)
+
+    @property
+    def last_engine_seconds(self) -> float:
+        return self.verifier.last_engine_seconds
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.verifier.release(seq_ids)
+
+    async def health(self):
+        return await self.verifier.health()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_serial_round_streams_while_the_next_verify_is_in_flight(
+    target: Path, smollm2_tokenizer, drafter: str
+) -> None:
+    expected_stack = make_stack(target, "ngram", smollm2_tokenizer, TARGET_ONLY)
+    expected = [generated_ids(c) for c in generate_all(expected_stack, _requests(3))]
+    spec = TARGET_ONLY if drafter == "ngram" else SpecParams(2, 1, 2)
+    stack = make_stack(target, drafter, smollm2_tokenizer, spec)
+    watching = _Watching(stack.scheduler.verifier)
+    stack.scheduler.verifier = watching
+    out = generate_all(stack, _requests(3))
+    assert [generated_ids(c) for c in out] == expected
+    # the first Verify follows no committed round; every later one (while the sequences run)
+    # is sent before the last round's tokens stream, and they stream while it is in flight
+    # (with a drafter the Draft is the round's first RPC: its tokens stream during that one)
+    later = watching.calls[1:]
+    if drafter == "ngram":
+        assert all(after > sent for sent, after in later[: MAX_NEW_TOKENS - 2])
+    else:
+        assert all(after == sent for sent, after in later)  # streamed during the Draft
+    assert all(chunks[-1].finish_reason == "length" for chunks in out)
+
+
+def test_a_failed_round_still_streams_the_round_before(target: Path, smollm2_tokenizer) -> None:
+    """The third Verify is refused: the two rounds committed before it reach the client, then
+    the error."""
+    stack = make_stack(target, "ngram", smollm2_tokenizer, TARGET_ONLY)
+    stack.scheduler.verifier = _Watching(stack.scheduler.verifier, fail_at=3)
+    scheduler = stack.scheduler
+    received: list[object] = []
+
+    async def run() -> None:
+        await scheduler.start()
+        try:
+            with pytest.raises(ServiceError):
+                async for chunk in scheduler.generate(_requests(1)[0]):
+                    received.append(chunk)
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(run())
+    assert [len(c.token_ids) for c in received] == [1, 1]  # type: ignore[attr-defined]
+    check_no_leaks(stack)
