@@ -19,9 +19,9 @@ import time
 import torch
 
 from bench.acceptance import bundled_prompts
-from drafter.eagle_checkpoint import default_aux_layers
 from specsplit import convert
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
+from specsplit.model.config import default_aux_layers
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template

@@ -52,19 +52,13 @@ from typing import Any
 
 import torch
 
-from specsplit.model.config import read_rope
+from specsplit.model.config import default_aux_layers, read_rope
 
 log = logging.getLogger(__name__)
 
 HEAD_WEIGHTS = "model.safetensors"
 LAYOUTS = ("eagle3", "eagle")  # EAGLE-3; EAGLE-1/2 (one layer on the target's last hidden state)
 HEAD_LAYER = "midlayer."  # the decoder layer's prefix in Eagle3Head.w
-
-
-def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's target layers (SGLang's default): early, middle, late; clamped for tiny models."""
-    n = num_target_layers
-    return tuple(min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4))
 
 
 def detect_layout(raw: dict[str, Any], names: Iterable[str]) -> str:

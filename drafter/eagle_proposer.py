@@ -67,6 +67,7 @@ class Eagle3Proposer(TreeProposer):
         self.hidden_state_layers = head.config.aux_layers
         self.feature_width = head.config.feature_width
         self.device = head.device
+        self.num_heads = head.config.num_heads
         self.graph_features = (head.config.hidden_size, head.dtype)  # fused rows per token
 
     @classmethod

@@ -151,7 +151,52 @@ class DrafterEngine:
         self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
         self.release(["__warmup__"])
         self.check_integrity()
+        if self.proposer_device.type != "cuda":  # the CPU builds nothing: no time spent there
+            return
+        self.proposer.warm_up_kernels()
         self.proposer.capture_cuda_graphs(self.graph_catch_up_lens, self.max_batch_size)
+        self._rehearse()
+
+    @property
+    def proposer_device(self) -> torch.device:
+        return getattr(self.proposer, "device", torch.device("cpu"))
+
+    def _rehearse(self) -> int:
+        """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
+        a prefill, catch-ups of one and of several tokens, a second sequence joining, chains and
+        trees, with the target's features for an EAGLE head. On a GPU this builds what the
+        capture does not: the eager steps' compiled kernels for inference tensors, one row and
+        many (torch.compile specialises both). Returns the draft tokens proposed."""
+        width = getattr(self.proposer, "feature_width", None) if self.hidden_state_layers else None
+        chain, tree = SpecParams(3, 1, 3), SpecParams(2, 2, 4)
+        tokens = {"__warmup_a__": list(range(3, 23)), "__warmup_b__": list(range(5, 12))}
+        held: dict[str, int] = {}  # tokens the drafter holds (features for EAGLE)
+        num_drafted = 0
+        rounds = [
+            [("__warmup_a__", chain, 0)],
+            [("__warmup_a__", chain, 2), ("__warmup_b__", tree, 0)],
+            [("__warmup_a__", tree, 1), ("__warmup_b__", chain, 4)],
+            [("__warmup_a__", chain, 1)],
+        ]
+        for batch in rounds:
+            inputs = []
+            for seq_id, spec, num_new in batch:
+                tokens[seq_id] += [9 + i for i in range(num_new)]  # accepted drafts + bonus
+                # the root (at least) goes again; EAGLE: from where its features end
+                start = min(held.get(seq_id, 0), len(tokens[seq_id]) - 1)
+                new_tokens = tokens[seq_id][start:]
+                rows = None
+                if width is not None:  # features of every new token but the root
+                    rows = torch.zeros(len(new_tokens) - 1, width, dtype=torch.bfloat16)
+                inputs.append(
+                    DraftInput(seq_id, seq_id not in held, start, new_tokens, spec,
+                               target_hidden_states=rows)
+                )  # fmt: skip
+                held[seq_id] = len(tokens[seq_id]) - 1 if width is not None else len(tokens[seq_id])
+            num_drafted += sum(len(out.tree) for out in self.draft(inputs))
+        self.release(list(tokens))
+        self.check_integrity()
+        return num_drafted
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:

@@ -26,6 +26,7 @@ class ModelProposer(TreeProposer):
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.device = kv.k[0].device
+        self.num_heads = model.config.num_heads
 
     @classmethod
     def load(

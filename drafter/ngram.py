@@ -40,6 +40,9 @@ class NgramProposer:
     def capture_cuda_graphs(self, catch_up_lens: tuple[int, ...], max_batch_size: int) -> None:
         """No model: nothing to capture."""
 
+    def warm_up_kernels(self) -> None:
+        """No model: nothing to build."""
+
     @property
     def num_pages_used(self) -> int:
         return 0

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafter.eagle import load_eagle3
-from drafter.eagle_checkpoint import Eagle3Config, default_aux_layers
+from drafter.eagle_checkpoint import Eagle3Config
 from drafter.train_data import (
     Batch,
     Example,
@@ -44,6 +44,7 @@ from drafter.train_data import (
 )
 from drafter.train_head import Eagle3Trainable
 from drafter.train_report import heldout_report
+from specsplit.model.config import default_aux_layers
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import torch
 
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import make_generator, sample, target_probs
@@ -74,9 +75,15 @@ class TreeProposer:
     kv: KVCache
     device: torch.device
     max_context: int
+    num_heads: int  # the model's attention heads (queries)
     graphs: CudaGraphRunner | None = None
     catch_up_lens: tuple[int, ...] = ()  # ascending; () = catch-up steps are not padded
     graph_features: tuple[int, torch.dtype] | None = None  # the step's features input, if any
+
+    def warm_up_kernels(self) -> None:
+        """On a GPU, every paged-attention variant of this model's KV layout."""
+        with on_device(self.device):
+            warm_up_attention(self.kv, self.num_heads)
 
     def capture_cuda_graphs(
         self, catch_up_lens: tuple[int, ...] = CATCH_UP_LENS, max_batch_size: int = 64

@@ -55,6 +55,9 @@ class Proposer(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    def warm_up_kernels(self) -> None:
+        """On a GPU, build the kernels a step may pick (attention variants), not on first use."""
+
     def capture_cuda_graphs(self, catch_up_lens: tuple[int, ...], max_batch_size: int) -> None:
         """On a GPU, capture the draft steps as CUDA graphs (drafter/tree_draft.py); a no-op
         where there is no model or no GPU."""

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from drafter.eagle_checkpoint import HEAD_WEIGHTS, default_aux_layers
+from drafter.eagle_checkpoint import HEAD_WEIGHTS
+from specsplit.model.config import default_aux_layers
 
 
 class _Random:

@@ -26,7 +26,9 @@ from specsplit.kernels.accept import (
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import Truncated, Truncation, VerifyInput, VerifyOutput, truncate_each
+from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import on_device, to_device
+from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
@@ -185,9 +187,54 @@ class VerifierEngine:
         )
         self.release(["__warmup__"])
         self.check_integrity()
+        warm_up_attention(self.kv, self.model.config.num_heads)
         if self.graphs is not None:
             for q in self.graph_query_lens:
                 self.graphs.capture(q)
+        if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
+            self._rehearse()
+
+    def _rehearse(self) -> None:
+        """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
+        a prefill with a tree, a second sequence joining, rounds with and without hidden
+        states (the graphs for the default EAGLE-3 layers are captured here, not on the first
+        request), trees, plain decode, one sequence and two. On a GPU this builds what the
+        capture does not: the eager steps' compiled kernels for inference tensors, 1 row and
+        many (torch.compile specialises both)."""
+        # an EAGLE-3 head's layers, as most heads read (a head reading others has its graphs
+        # with hidden states captured on its first round)
+        layers = default_aux_layers(self.model.config.num_layers)
+        chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
+        tokens = {"__warmup_a__": list(range(3, 23)), "__warmup_b__": list(range(5, 12))}
+        committed = dict.fromkeys(tokens, 0)
+        rounds: list[list[tuple[str, DraftTree, tuple[int, ...]]]] = [
+            [("__warmup_a__", chain, layers)],
+            [("__warmup_a__", chain, layers), ("__warmup_b__", tree, layers)],
+            [("__warmup_a__", DraftTree(), layers), ("__warmup_b__", DraftTree(), ())],
+            [("__warmup_b__", tree, ())],
+            [("__warmup_a__", chain, layers)],
+            [("__warmup_a__", DraftTree(), ())],
+        ]
+        for batch in rounds:
+            inputs = [
+                VerifyInput(
+                    seq_id,
+                    committed[seq_id] == 0,
+                    committed[seq_id],
+                    tokens[seq_id][committed[seq_id] :],
+                    draft,
+                    hidden_state_layers=aux,
+                )
+                for seq_id, draft, aux in batch
+            ]
+            for out in self.verify(inputs):
+                tokens[out.seq_id][out.kv_committed_len :] = [
+                    *out.accepted_tokens,
+                    out.bonus_token,
+                ]
+                committed[out.seq_id] = out.kv_committed_len
+        self.release(list(tokens))
+        self.check_integrity()
 
     # -- the round -------------------------------------------------------------------------
 

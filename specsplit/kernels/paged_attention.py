@@ -339,7 +339,26 @@ def _jitted_kernels(interpret: bool) -> tuple[Any, Any]:
     tl = triton.language
     if interpret:
         _fix_interpreter_index()
-    return triton.jit(_paged_attention_kernel), triton.jit(_merge_splits_kernel)
+    # Triton compiles a variant per value class of each integer argument (== 1, divisible by
+    # 16); the counts and strides that follow the batch's shape would build kernels for
+    # seconds in the first rounds at a new batch (bench/cold_shapes.py), so they are not
+    # specialised: one kernel per constexpr choice serves every batch
+    return (
+        triton.jit(_paged_attention_kernel, do_not_specialize=_ATTENTION_SHAPE_ARGS),
+        triton.jit(_merge_splits_kernel, do_not_specialize=_MERGE_SHAPE_ARGS),
+    )
+
+
+_ATTENTION_SHAPE_ARGS = (
+    "num_q_blocks",
+    "num_splits",
+    "num_tokens",
+    "stride_bt_b",
+    "stride_tm_b",
+    "stride_tm_q",
+    "stride_tm_n",
+)
+_MERGE_SHAPE_ARGS = ("num_seqs", "num_splits", "num_tokens")
 
 
 def _fix_interpreter_index() -> None:
@@ -589,3 +608,38 @@ def _check_inputs(
 
 
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def warm_up(
+    k_cache: torch.Tensor,  # one layer's [num_slots, num_kv_heads, head_dim], as served
+    v_cache: torch.Tensor,
+    num_heads: int,
+    page_size: int,
+    dtype: torch.dtype,  # the queries'
+) -> int:
+    """Build every kernel variant `paged_attention` can pick for this cache and head layout
+    (the constexpr choices: BLOCK_M from the queries per sequence, a tree or causal, split or
+    single pass; the integer shape arguments are not specialised), so that no request waits
+    for a build. Reads one page of the cache, writes nothing to it. Returns the launches."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = k_cache.device
+    # one max_q_len per BLOCK_M class: 16, 32 and 64 rows (_launch_config's cap: 32 beyond 128)
+    q_lens = sorted({max(1, rows // group) for rows in (16, 32, 64)})
+    num_pages = -(-max(q_lens) // page_size)
+    block_table = torch.zeros(1, num_pages, dtype=torch.int32, device=device)
+    launches = 0
+    for q_len in q_lens:
+        q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+        cu_seqlens_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        lens = torch.tensor([q_len], dtype=torch.int32, device=device)
+        prefix = torch.zeros(1, dtype=torch.int32, device=device)
+        tree = torch.ones(1, q_len, q_len, dtype=torch.bool, device=device).tril()
+        for tree_mask in (None, tree):
+            for num_splits in (1, 2):
+                paged_attention(
+                    q, k_cache, v_cache, cu_seqlens_q, lens, prefix, block_table, page_size,
+                    tree_mask, q_len, head_dim**-0.5, num_splits=num_splits,
+                )  # fmt: skip
+                launches += 1
+    return launches

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from specsplit.kernels.paged_attention import paged_attention, paged_attention_with_plan
+from specsplit.kernels.paged_attention import warm_up as warm_up_kernels
+from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch
 
 
@@ -37,3 +39,11 @@ def attend(
             scale,
         )
     return paged_attention_with_plan(q, k_cache, v_cache, batch.reference_plan(), scale)
+
+
+def warm_up_attention(kv: KVCache, num_heads: int) -> None:
+    """On a GPU, build every paged-attention kernel variant this KV's layout can take
+    (specsplit.kernels.paged_attention.warm_up), so that no request waits for one; nothing on
+    the CPU."""
+    if kv.device.type == "cuda":
+        warm_up_kernels(kv.k[0], kv.v[0], num_heads, kv.page_size, kv.data.dtype)

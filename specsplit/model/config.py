@@ -150,3 +150,11 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's target layers (SGLang's default): early, middle, late; clamped for tiny models.
+    The drafter's heads read these unless their config names others; the verifier's warm-up
+    captures its hidden-state graphs for them."""
+    n = num_target_layers
+    return tuple(min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4))

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from drafter.eagle import Eagle3Head, load_eagle3
-from drafter.eagle_checkpoint import default_aux_layers
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
+from specsplit.model.config import default_aux_layers
 from specsplit.model.loader import load_model
 from specsplit.model.rope import apply_rotary, rope_cos_sin
 from specsplit.step import build_forward_batch

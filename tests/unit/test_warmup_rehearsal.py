@@ -1,0 +1,64 @@
+"""The services' warm-up on a GPU builds what traffic would otherwise build on its first
+requests (bench/cold_shapes.py): every paged-attention variant of the KV layout, and a rehearsal
+of rounds as traffic runs them in each engine. On the CPU both run here as written (the kernel
+under the Triton interpreter): they must leave no sequence and no page behind and keep the
+engines' invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.engine import DrafterEngine
+from specsplit.kernels.paged_attention import warm_up
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from tests.eagle_random import save_target_and_drafters
+from verifier.engine import VerifierEngine
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_target_and_drafters(tmp_path_factory.mktemp("rehearsal"))
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "page_size"), [(4, 2, 16), (9, 3, 1)])
+def test_attention_warm_up_launches_every_variant(
+    triton_interpreter, num_heads: int, num_kv_heads: int, page_size: int
+) -> None:
+    k = torch.randn(64, num_kv_heads, 16)
+    v = torch.randn(64, num_kv_heads, 16)
+    before = k.clone(), v.clone()
+    # three BLOCK_M classes x causal / tree x single pass / split
+    assert warm_up(k, v, num_heads, page_size, torch.float32) == 12
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])  # the cache is only read
+
+
+def test_verifier_rehearsal_leaves_nothing(models) -> None:
+    model, config = load_model(str(models["target"]), dtype=torch.float32, device="cpu")
+    engine = VerifierEngine(
+        model, make_kv_cache(config, 64, 16, torch.float32, "cpu"), 256, config.vocab_size
+    )
+    engine._rehearse()
+    engine.check_integrity()
+    assert engine.num_pages_used == 0 and not engine.seqs
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_drafter_rehearsal_leaves_nothing(models, kind: str) -> None:
+    path = models[kind]
+    engine = DrafterEngine.load(
+        kind, str(path), target_path=str(models["target"]), num_pages=64, graph_catch_up_lens=()
+    )
+    assert engine._rehearse() >= 10  # drafted in every round (EAGLE: from the features)
+    engine.check_integrity()
+    assert engine.num_pages_used == 0 and not engine.seqs
