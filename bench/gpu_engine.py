@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specsplit.messages import VerifyInput
-from specsplit.model.config import ModelConfig
+from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.tree import DraftTree
 from verifier.engine import VerifierEngine
@@ -122,6 +122,9 @@ class EngineBench:
             print(f"  graphs captured in {time.perf_counter() - start:.1f} s", flush=True)
         self.context = args.context
         self.vocab = config.vocab_size
+        # an EAGLE-3 drafter's rounds: the default layers' hidden states for every sequence
+        hidden = getattr(args, "hidden_states", False)
+        self.hidden_state_layers = default_aux_layers(config.num_layers) if hidden else ()
         self.gen = torch.Generator().manual_seed(0)
 
     def _tokens(self, n: int) -> list[int]:
@@ -143,7 +146,16 @@ class EngineBench:
         inputs = []
         for seq_id, (committed, pending) in state.items():
             tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
-            inputs.append(VerifyInput(seq_id, False, committed, [pending], tree))
+            inputs.append(
+                VerifyInput(
+                    seq_id,
+                    False,
+                    committed,
+                    [pending],
+                    tree,
+                    hidden_state_layers=self.hidden_state_layers,
+                )
+            )
         for out in self.engine.verify(inputs):
             state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
 

@@ -55,6 +55,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--eager-accept",
+        action="store_true",
+        help="acceptance as eager ops, not its CUDA graphs (verifier/accept_graphs.py)",
+    )
+    parser.add_argument(
+        "--hidden-states",
+        action="store_true",
+        help="every round asks for the default EAGLE-3 layers' hidden states",
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -64,6 +74,8 @@ def main() -> None:
     bench = EngineBench(hf, ModelConfig.from_hf(hf_config), args, graphs=not args.eager)
     del hf
     engine = bench.engine
+    if args.eager_accept:
+        engine.accept_graphs = None
     phases = {"build batch": EngineTime(engine_module, "build_forward_batch")}
     if engine.graphs is not None:
         phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
@@ -71,6 +83,7 @@ def main() -> None:
     phases["accept (+ sync)"] = EngineTime(engine, "_accept")
     phases["commit"] = EngineTime(engine, "_commit")
     phases["validate"] = EngineTime(engine, "_validate")
+    phases["hidden states out"] = EngineTime(engine, "_hidden_states_out")
     phases["reserve"] = EngineTime(engine, "_reserve")
     for batch in args.batch:
         state = bench.open(batch)
@@ -92,7 +105,10 @@ def main() -> None:
             gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
             launches = sum(e.count for e in kernels) / args.steps
             print(
-                f"\n== {args.shape} batch {batch} n {n}: wall {wall:.3f} ms/step (profiled), "
+                f"\n== {args.shape} batch {batch} n {n}"
+                f"{' + hidden states' if args.hidden_states else ''}"
+                f"{', eager acceptance' if args.eager_accept else ''}: "
+                f"wall {wall:.3f} ms/step (profiled), "
                 f"GPU kernels {gpu_ms:.3f} ms/step, {launches:.0f} kernels/step"
             )
             for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):

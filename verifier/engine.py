@@ -11,6 +11,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +36,7 @@ from specsplit.model.loader import load_model
 from specsplit.sampling import make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
+from verifier.accept_graphs import AcceptGraphs, Layout
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class VerifierEngine:
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.graph_query_lens = graph_query_lens
         self.graphs: CudaGraphRunner | None = None
+        self.accept_graphs: AcceptGraphs | None = None  # greedy acceptance's CUDA graphs
         if graph_query_lens and self.device.type == "cuda":
             self.graphs = CudaGraphRunner.for_model(
                 model,
@@ -89,6 +92,9 @@ class VerifierEngine:
                 max_batch_size=max_batch_size,
                 max_context=max_context,
                 max_query_len=max(graph_query_lens),
+            )
+            self.accept_graphs = AcceptGraphs(
+                kv, self.graphs.batch_sizes, self.graphs.batch_sizes[-1] * max(graph_query_lens)
             )
 
     @classmethod
@@ -314,26 +320,43 @@ class VerifierEngine:
         and the accepted path's K/V compaction for the whole batch on the device; one
         device-to-host copy of the results."""
         width = max(len(item.tree) for item in inputs)  # N
-        num_seqs = len(inputs)
-        row_index = torch.zeros(num_seqs, width + 1, dtype=torch.int64)  # [B, N + 1]
-        draft_tokens = torch.zeros(num_seqs, width, dtype=torch.int64)  # [B, N]
-        parents = torch.full((num_seqs, width), -2, dtype=torch.int64)  # [B, N], -2 = padding
-        base = torch.zeros(num_seqs, dtype=torch.int64)  # [B] storage of tree node 0
+        num_seqs, max_pages = block_table.shape
+        greedy = self.synthetic_acceptance is None and all(i.sampling.greedy for i in inputs)
+        layout = None
+        if greedy and self.accept_graphs is not None:  # a CUDA graph's padded layout
+            layout = self.accept_graphs.layout(num_seqs, width, max_pages)
+        # one host array, one copy to the device (Layout.shapes: each sequence's rows of
+        # `logits`, draft tokens, parents, storage of tree node 0, pages); numpy views for the
+        # per-sequence writes (~1 us each, torch's ~5-10)
+        host, (row_index_h, draft_h, parents_h, base_h, table_h) = (
+            layout or Layout(num_seqs, width, max_pages)
+        ).host_arrays()
+        table_h[:num_seqs, :max_pages] = block_table.numpy()
         for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
             n = len(item.tree)
-            row_index[b, : n + 1] = torch.arange(r.start, r.stop)
-            draft_tokens[b, :n] = torch.tensor(item.tree.tokens, dtype=torch.int64)
-            parents[b, :n] = torch.tensor(item.tree.parents, dtype=torch.int64)
-            base[b] = item.kv_committed_len + len(item.pending_tokens)
-        table = block_table.to(torch.int64)  # [B, max_pages]
-        parts = [row_index, draft_tokens, parents, base, table]
-        host = torch.cat([part.view(-1) for part in parts])
-        dev = to_device(host, self.device).split([part.numel() for part in parts])
-        row_index = dev[0].view(num_seqs, width + 1)
-        draft_tokens, parents = dev[1].view(num_seqs, width), dev[2].view(num_seqs, width)
+            row_index_h[b, : n + 1] = r
+            draft_h[b, :n] = item.tree.tokens
+            parents_h[b, :n] = item.tree.parents
+            base_h[b] = item.kv_committed_len + len(item.pending_tokens)
+        if layout is not None:
+            assert self.accept_graphs is not None
+            packed = self.accept_graphs.run(layout, host, logits, num_seqs)
+            return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
+        shapes = Layout(num_seqs, width, max_pages).shapes
+        dev = [
+            part.view(shape)
+            for part, shape in zip(
+                to_device(torch.from_numpy(host), self.device).split(
+                    [int(np.prod(shape)) for shape in shapes]
+                ),
+                shapes,
+                strict=True,
+            )
+        ]
+        row_index, draft_tokens, parents = dev[0], dev[1], dev[2]
         if self.synthetic_acceptance is not None:
             accepted = self._accept_synthetic(inputs, logits, row_index)
-        elif all(item.sampling.greedy for item in inputs):
+        elif greedy:
             target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
             accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
         else:
@@ -342,7 +365,7 @@ class VerifierEngine:
             dev[3],
             accepted.accepted_nodes,
             accepted.num_accepted_drafts,
-            dev[4].view(table.shape),
+            dev[4],
             self.kv.page_size,
             self.kv.scratch_slot,
         )

@@ -1,0 +1,102 @@
+"""On a CUDA device: greedy acceptance, the bonus token and the accepted path's K/V compaction
+replayed from CUDA graphs (verifier/accept_graphs.py) give exactly what the eager ops give, round
+after round (a wrong compaction would change every later round's logits), for chains and trees
+drafted partly right, ragged batches of 1 to 5 sequences, page sizes 1 and 16. Skipped where
+there is no GPU (CI)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.messages import VerifyInput
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB, save_tiny_llama
+from verifier.engine import VerifierEngine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("accept_graphs") / "target", seed=2)
+
+
+def _engine(target: Path, page_size: int, graphs: bool) -> VerifierEngine:
+    model, config = load_model(str(target), torch.float32, "cuda")
+    kv = make_kv_cache(config, 256, page_size, torch.float32, "cuda")
+    engine = VerifierEngine(
+        model, kv, 512, config.vocab_size, graph_query_lens=(1, 4, 5, 9), max_batch_size=8
+    )
+    if not graphs:
+        engine.accept_graphs = None
+    return engine
+
+
+def _greedy(engine: VerifierEngine, prompt: list[int], n: int) -> list[int]:
+    """The target's own next n greedy tokens after `prompt` (a throwaway sequence)."""
+    out = engine.verify([VerifyInput("g", True, 0, prompt, DraftTree())])[0]
+    tokens, committed = [out.bonus_token], out.kv_committed_len
+    while len(tokens) < n:
+        out = engine.verify([VerifyInput("g", False, committed, tokens[-1:], DraftTree())])[0]
+        tokens.append(out.bonus_token)
+        committed = out.kv_committed_len
+    engine.release(["g"])
+    return tokens
+
+
+def _tree(rng: random.Random, right: list[int], shape: str) -> DraftTree:
+    """Drafts whose first `k` tokens are the target's next ones, then wrong; a tree adds a
+    random sibling under each chain node."""
+    depth = 3 if shape == "chain" else 2
+    k = rng.randint(0, depth)
+    chain = [right[i] if i < k else rng.randrange(3, TINY_VOCAB) for i in range(depth)]
+    if shape == "chain":
+        return DraftTree(chain, list(range(-1, depth - 1)))
+    tokens, parents = [], []
+    for d, token in enumerate(chain):
+        parent = -1 if d == 0 else len(tokens) - 2
+        sibling = token
+        while sibling == token:
+            sibling = rng.randrange(3, TINY_VOCAB)
+        tokens += [token, sibling]
+        parents += [parent, parent]
+    return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_accept_graphs_equal_the_eager_ops(target: Path, page_size: int) -> None:
+    graphs, eager = _engine(target, page_size, True), _engine(target, page_size, False)
+    assert graphs.accept_graphs is not None
+    rng = random.Random(page_size)
+    prompts = {f"s{i}": [rng.randrange(3, TINY_VOCAB) for _ in range(4 + 3 * i)] for i in range(5)}
+    tokens = {seq_id: list(p) for seq_id, p in prompts.items()}
+    committed = dict.fromkeys(prompts, 0)
+    num_accepted = 0
+    for round_number in range(12):
+        batch = rng.sample(sorted(prompts), rng.randint(1, 5))
+        inputs = []
+        for seq_id in batch:
+            right = _greedy(eager, tokens[seq_id], 3) if committed[seq_id] else []
+            draft = _tree(rng, right, rng.choice(["chain", "tree"])) if right else DraftTree()
+            pending = tokens[seq_id][committed[seq_id] :]
+            inputs.append(
+                VerifyInput(seq_id, committed[seq_id] == 0, committed[seq_id], pending, draft)
+            )
+        got, want = graphs.verify(inputs), eager.verify(inputs)
+        assert got == want, round_number
+        for out in want:
+            num_accepted += len(out.accepted_tokens)
+            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+    assert num_accepted > 0  # the right drafts were accepted: compaction moved K/V
+    assert len(graphs.accept_graphs.graphs) > 1  # several layouts, each captured once
+    for engine in (graphs, eager):
+        engine.release(sorted(prompts))
+        engine.check_integrity()
+        assert engine.num_pages_used == 0
