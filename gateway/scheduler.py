@@ -474,6 +474,7 @@ class Scheduler:
 
     async def _fail_round(self, error: ServiceError) -> None:
         """The verifier refused or failed the round: nothing was committed."""
+        self._stream()  # the last round's chunks, before any wait for the verifier
         if error.code in (Code.UNAVAILABLE, Code.NOT_FOUND):
             # restarted or unreachable: re-prefill every sequence from the gateway's tokens
             log.warning("verifier failed (%s: %s); re-prefilling", error.code.value, error.message)

@@ -121,3 +121,30 @@ def test_a_failed_round_still_streams_the_round_before(target: Path, smollm2_tok
     asyncio.run(run())
     assert [len(c.token_ids) for c in received] == [1, 1]  # type: ignore[attr-defined]
     check_no_leaks(stack)
+
+
+class _DownOnce(_Watching):
+    """The third Verify fails at once (UNAVAILABLE, before any wait: the connection was gone);
+    the gateway releases its sequences there and re-prefills them."""
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        if len(self.calls) == 2:
+            self.calls.append((_streamed_tokens(), _streamed_tokens()))
+            raise ServiceError(Code.UNAVAILABLE, "verifier restarted")
+        return await super().verify(inputs)
+
+
+def test_a_verifier_failure_streams_the_committed_round_before_waiting(
+    target: Path, smollm2_tokenizer
+) -> None:
+    expected_stack = make_stack(target, "ngram", smollm2_tokenizer, TARGET_ONLY)
+    expected = [generated_ids(c) for c in generate_all(expected_stack, _requests(1))]
+    stack = make_stack(target, "ngram", smollm2_tokenizer, TARGET_ONLY)
+    watching = _DownOnce(stack.scheduler.verifier)
+    stack.scheduler.verifier = watching
+    out = generate_all(stack, _requests(1))
+    assert [generated_ids(c) for c in out] == expected
+    # rounds 1 and 2 committed one token each; both reached the client before the re-prefill
+    # (the fourth Verify) was sent, not only once it was on its way
+    first_sent, fourth_sent = watching.calls[0][0], watching.calls[3][0]
+    assert fourth_sent - first_sent == 2
