@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,7 +112,7 @@ class AcceptGraphs:
         self.batch_sizes = batch_sizes
         self.max_rows = max_rows
         self.graphs: dict[Layout, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
 
     def layout(self, num_seqs: int, width: int, max_pages: int) -> Layout | None:
         """The padded layout for a round, or None (more sequences than the largest bucket)."""
@@ -139,6 +140,8 @@ class AcceptGraphs:
         return result
 
     def _capture(self, layout: Layout) -> _Graph:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = _Graph(layout, self.max_rows, self.kv)
         host, _ = layout.host_arrays()  # all padding: nothing moves but scratch slots
         graph.inputs.copy_(torch.from_numpy(host))
