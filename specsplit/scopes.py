@@ -48,15 +48,18 @@ class Scope:
         return self.prefix + seq_id
 
     def enter(self, items: list[K]) -> list[K]:
-        """Round inputs with engine ids."""
-        return [dataclasses.replace(item, seq_id=self.inside(item.seq_id)) for item in items]
+        """Round inputs with engine ids, renamed in place: they were just parsed from the
+        request and are the service's own (dataclasses.replace cost ~1.4 us per sequence)."""
+        for item in items:
+            item.seq_id = self.inside(item.seq_id)
+        return items
 
     def leave(self, items: list[K]) -> list[K]:
-        """Round outputs with the client's ids."""
-        return [
-            dataclasses.replace(item, seq_id=item.seq_id.removeprefix(self.prefix))
-            for item in items
-        ]
+        """Round outputs with the client's ids, renamed in place: the engine made them for this
+        call and keeps none."""
+        for item in items:
+            item.seq_id = item.seq_id.removeprefix(self.prefix)
+        return items
 
     def owns(self, engine_id: str) -> bool:
         return engine_id.startswith(self.prefix)

@@ -225,3 +225,19 @@ def test_verify_output_with_inconsistent_counts_is_rejected() -> None:
     )
     with pytest.raises(ServiceError, match="disagree with 1 accepted_tokens"):
         convert.verify_output_from_proto(msg)
+
+
+def test_verify_input_leaves_an_empty_tree_and_greedy_sampling_unset() -> None:
+    """Target-only greedy rounds build and parse two sub-messages fewer per sequence; they read
+    back as the same input, and a real tree or sampling still travels."""
+    plain = VerifyInput("s", False, 5, [7], DraftTree())
+    msg = convert.verify_input_to_proto(plain)
+    assert not msg.HasField("tree") and not msg.HasField("sampling")
+    assert convert.verify_input_from_proto(msg) == plain
+    sampled = VerifyInput(
+        "s", True, 0, [1, 2], DraftTree([3, 4], [-1, 0]), SamplingParams(0.7, 0.9, 5, 11)
+    )
+    msg = convert.verify_input_to_proto(sampled)
+    assert msg.HasField("tree") and msg.HasField("sampling")
+    back = convert.verify_input_from_proto(msg)
+    assert back.tree == sampled.tree and back.sampling.seed == 11 and back.sampling.top_k == 5
