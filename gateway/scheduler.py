@@ -585,11 +585,22 @@ class Scheduler:
         self._admission_held = False  # pages came free
 
     async def _release(self, seqs: list[Sequence]) -> None:
-        ids = [seq.seq_id for seq in seqs]
-        if not ids:
-            return
-        for client in (self.drafter, self.verifier):
-            try:
-                await client.release(ids)
-            except Exception as e:  # the service frees them when it restarts or drops the seqs
-                log.warning("release failed on %s: %s", type(client).__name__, e)
+        """Free the sequences on both services at once (one round trip on the path, not two);
+        the drafter only for those that may have reached it (a sequence that never drafts
+        never did)."""
+        releases = [
+            (client, ids)
+            for client, ids in (
+                (self.drafter, [seq.seq_id for seq in seqs if not seq.never_drafts]),
+                (self.verifier, [seq.seq_id for seq in seqs]),
+            )
+            if ids
+        ]
+        await asyncio.gather(*(self._release_on(client, ids) for client, ids in releases))
+
+    @staticmethod
+    async def _release_on(client: DrafterClient | VerifierClient, ids: list[str]) -> None:
+        try:
+            await client.release(ids)
+        except Exception as e:  # the service frees them when it restarts or drops the seqs
+            log.warning("release failed on %s: %s", type(client).__name__, e)

@@ -30,11 +30,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class _CountingDrafter:
-    """The stack's own drafter, recording the num_steps of every sequence of every Draft call."""
+    """The stack's own drafter, recording the num_steps of every sequence of every Draft call,
+    and every Release's ids."""
 
     def __init__(self, stack: LocalStack) -> None:
         self.inner = stack.scheduler.drafter
         self.calls: list[list[int]] = []
+        self.released: list[str] = []
         stack.scheduler.drafter = self
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
@@ -42,6 +44,7 @@ class _CountingDrafter:
         return await self.inner.draft(inputs)
 
     async def release(self, seq_ids: list[str]) -> None:
+        self.released += seq_ids
         await self.inner.release(seq_ids)
 
 
@@ -62,15 +65,16 @@ def _eagle_stack(models, tokenizer) -> LocalStack:
 
 
 def test_target_only_requests_never_ask_the_drafter(models, smollm2_tokenizer, expected) -> None:
-    """Speculation off for a request's whole life: no Draft, before and after a speculative
-    request ran beside them."""
+    """Speculation off for a request's whole life: no Draft (and no Release on the drafter
+    when it ends), before and after a speculative request ran beside them."""
     stack = _eagle_stack(models, smollm2_tokenizer)
     drafter = _CountingDrafter(stack)
     out = generate_all(stack, _requests(TARGET_ONLY))
     assert [generated_ids(c) for c in out] == expected
-    assert drafter.calls == []
+    assert drafter.calls == [] and drafter.released == []
     generate_all(stack, _requests(None)[:1])
     assert drafter.calls and stack.scheduler.hidden_state_layers != ()
+    assert len(set(drafter.released)) == 1, drafter.released  # the speculative one, freed there
     drafter.calls.clear()
     out = generate_all(stack, _requests(TARGET_ONLY))
     assert [generated_ids(c) for c in out] == expected
