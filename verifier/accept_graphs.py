@@ -48,6 +48,13 @@ class Layout:
     def sizes(self) -> list[int]:
         return [int(np.prod(shape)) for shape in self.shapes]
 
+    def parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of a flat tensor laid out as host_arrays' (on the device), as views."""
+        return [
+            part.view(shape)
+            for part, shape in zip(flat.split(self.sizes), self.shapes, strict=True)
+        ]
+
     def host_arrays(self) -> tuple[np.ndarray, list[np.ndarray]]:
         """A zeroed host array and its parts as views (parents -2: padding)."""
         host = np.zeros(sum(self.sizes), dtype=np.int64)
@@ -73,13 +80,7 @@ class _Graph:
 
     def body(self) -> torch.Tensor:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
-        parts = [
-            part.view(shape)
-            for part, shape in zip(
-                self.inputs.split(self.layout.sizes), self.layout.shapes, strict=True
-            )
-        ]
-        row_index, draft_tokens, parents, base, table = parts
+        row_index, draft_tokens, parents, base, table = self.layout.parts(self.inputs)
         accepted = accept_greedy_batched(self.argmax[row_index], draft_tokens, parents)
         src, dst = accepted_kv_moves(
             base,

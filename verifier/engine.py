@@ -11,7 +11,6 @@ import logging
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -342,17 +341,9 @@ class VerifierEngine:
             assert self.accept_graphs is not None
             packed = self.accept_graphs.run(layout, host, logits, num_seqs)
             return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
-        shapes = Layout(num_seqs, width, max_pages).shapes
-        dev = [
-            part.view(shape)
-            for part, shape in zip(
-                to_device(torch.from_numpy(host), self.device).split(
-                    [int(np.prod(shape)) for shape in shapes]
-                ),
-                shapes,
-                strict=True,
-            )
-        ]
+        dev = Layout(num_seqs, width, max_pages).parts(
+            to_device(torch.from_numpy(host), self.device)
+        )
         row_index, draft_tokens, parents = dev[0], dev[1], dev[2]
         if self.synthetic_acceptance is not None:
             accepted = self._accept_synthetic(inputs, logits, row_index)
