@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsplit.kernels.accept import accept_greedy_batched, accepted_kv_moves, compact_accepted_kv
+from specsplit.kernels.accept import accept_greedy_batched, compact_and_pack
 from specsplit.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -82,23 +82,8 @@ class _Graph:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
         row_index, draft_tokens, parents, base, table = self.layout.parts(self.inputs)
         accepted = accept_greedy_batched(self.argmax[row_index], draft_tokens, parents)
-        src, dst = accepted_kv_moves(
-            base,
-            accepted.accepted_nodes,
-            accepted.num_accepted_drafts,
-            table,
-            self.kv.page_size,
-            self.kv.scratch_slot,
-        )
-        compact_accepted_kv(self.kv.data, src, dst)
-        return torch.cat(
-            [
-                accepted.num_accepted_drafts[:, None],
-                accepted.bonus_tokens[:, None],
-                accepted.accepted_nodes,
-            ],
-            dim=1,
-        )
+        kv = self.kv
+        return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 
 
 class AcceptGraphs:

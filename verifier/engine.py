@@ -11,6 +11,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,9 +20,8 @@ from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kernels.accept import (
     BatchedAccept,
     accept_greedy_batched,
-    accepted_kv_moves,
     accepted_path,
-    compact_accepted_kv,
+    compact_and_pack,
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
@@ -340,11 +340,26 @@ class VerifierEngine:
         if layout is not None:
             assert self.accept_graphs is not None
             packed = self.accept_graphs.run(layout, host, logits, num_seqs)
-            return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
-        dev = Layout(num_seqs, width, max_pages).parts(
+        else:
+            packed = self._accept_eager(
+                inputs, seqs, logits, host, Layout(num_seqs, width, max_pages), greedy
+            )
+        return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
+
+    def _accept_eager(
+        self,
+        inputs: list[VerifyInput],
+        seqs: list[VerifierSeq],
+        logits: torch.Tensor,  # [L, vocab] on the device
+        host: np.ndarray,  # filled as `layout.host_arrays()`
+        layout: Layout,
+        greedy: bool,
+    ) -> list[list[int]]:
+        """_accept's ops run one by one (the CPU; sampled and synthetic rounds; rounds past the
+        acceptance graphs): per sequence [accepted drafts, bonus, nodes...]."""
+        row_index, draft_tokens, parents, base, table = layout.parts(
             to_device(torch.from_numpy(host), self.device)
         )
-        row_index, draft_tokens, parents = dev[0], dev[1], dev[2]
         if self.synthetic_acceptance is not None:
             accepted = self._accept_synthetic(inputs, logits, row_index)
         elif greedy:
@@ -352,24 +367,10 @@ class VerifierEngine:
             accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
         else:
             accepted = self._sample(inputs, seqs, logits, row_index, draft_tokens, parents)
-        src, dst = accepted_kv_moves(
-            dev[3],
-            accepted.accepted_nodes,
-            accepted.num_accepted_drafts,
-            dev[4],
-            self.kv.page_size,
-            self.kv.scratch_slot,
-        )
-        compact_accepted_kv(self.kv.data, src, dst)
-        packed = torch.cat(
-            [
-                accepted.num_accepted_drafts[:, None],
-                accepted.bonus_tokens[:, None],
-                accepted.accepted_nodes,
-            ],
-            dim=1,
-        ).tolist()  # the round's one device-to-host copy: [B, 2 + N]
-        return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
+        kv = self.kv
+        packed = compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
+        result: list[list[int]] = packed.tolist()  # the round's one device-to-host copy
+        return result
 
     def _sample(
         self,

@@ -149,6 +149,36 @@ def compact_accepted_kv(
     kv_data.index_copy_(2, dst_slots, rows)
 
 
+def compact_and_pack(
+    accepted: BatchedAccept,
+    base: torch.Tensor,  # [B] int64, as accepted_kv_moves'
+    block_table: torch.Tensor,  # [B, max_pages]
+    kv_data: torch.Tensor,  # as compact_accepted_kv's
+    page_size: int,
+    scratch_slot: int,
+) -> torch.Tensor:
+    """The round's end on the device: the accepted path's K/V moved into place, then the
+    results in one [B, 2 + N] int64 tensor (accepted drafts, bonus token, accepted nodes) for
+    the round's one device-to-host copy."""
+    src, dst = accepted_kv_moves(
+        base,
+        accepted.accepted_nodes,
+        accepted.num_accepted_drafts,
+        block_table,
+        page_size,
+        scratch_slot,
+    )
+    compact_accepted_kv(kv_data, src, dst)
+    return torch.cat(
+        [
+            accepted.num_accepted_drafts[:, None],
+            accepted.bonus_tokens[:, None],
+            accepted.accepted_nodes,
+        ],
+        dim=1,
+    )
+
+
 def _slots(storage: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """[B, N] cache slots of per-sequence storage indices; pages clamped into the table."""
     pages = (storage // page_size).clamp(0, block_table.shape[1] - 1)  # [B, N]
