@@ -315,14 +315,13 @@ class Scheduler:
         ahead = [seq for seq in running if self._group[seq.seq_id] != turn]
         pending, self._uncommitted = self._uncommitted, None
         if pending is not None and not set(map(id, pending[0])).isdisjoint(map(id, verify)):
-            self._commit(*pending)  # the group verified last round is the one verified now
-            self._stream()
+            # the group verified last round is the one verified now
+            self._commit_and_stream(pending)
             pending = None
         verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
         if not verify:
             if pending is not None:
-                self._commit(*pending)
-                self._stream()
+                self._commit_and_stream(pending)
             return
         missing = [seq for seq in verify if seq.seq_id not in self._drafted]
         if missing:
@@ -335,8 +334,7 @@ class Scheduler:
             await asyncio.sleep(0)  # the Verify is on its way before the commit below
             try:
                 if pending is not None:
-                    self._commit(*pending)
-                    self._stream()
+                    self._commit_and_stream(pending)
                 ahead = [seq for seq in ahead if not (seq.finished or seq.cancelled)]
                 drafted = await self._draft(ahead)
             except BaseException:
@@ -372,6 +370,14 @@ class Scheduler:
         for seq, tree, out in zip(batch, trees, outputs, strict=True):
             self._unstreamed.append((seq, seq.commit(out)))
             seq.adapt(tree, out)
+
+    def _commit_and_stream(
+        self, pending: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]]
+    ) -> None:
+        """Groups commit a round while the other group's Verify is in flight (or must commit it
+        before it is verified again): its chunks stream at once."""
+        self._commit(*pending)
+        self._stream()
 
     def _stream(self, seqs: list[Sequence] | None = None) -> None:
         """Make and stream the committed rounds' chunks (of `seqs` only, if given): text,

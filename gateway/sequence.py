@@ -184,21 +184,17 @@ class Sequence:
         self.stats.num_accepted_drafts += out.num_accepted_drafts
         self.stats.num_accepted_tokens += out.num_accepted_tokens
         new = [*out.accepted_tokens, out.bonus_token]
-        text: str | None = None
+        text: str | None = None  # made here only when the rules read it
         if self.stop_checker.reads_text:
             outcome = self.stop_checker.commit(new)
-            num_kept, num_text, finish, text = (
-                outcome.num_kept_tokens,
-                0,
-                outcome.finish_reason,
-                outcome.text,
-            )
+            num_kept, finish, text = outcome.num_kept_tokens, outcome.finish_reason, outcome.text
+            num_text = 0  # its text is made
         else:
             rules = self.stop_checker.commit_tokens(new)
-            num_kept, num_text, finish = (
+            num_kept, finish, num_text = (
                 rules.num_kept_tokens,
-                rules.num_text_tokens,
                 rules.finish_reason,
+                rules.num_text_tokens,
             )
         kept = new[:num_kept]
         self.tokens += kept

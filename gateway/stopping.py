@@ -76,8 +76,9 @@ class StopChecker:
 
     def commit(self, new_ids: Sequence[int]) -> StopOutcome:
         """Apply the stop rules to the tokens generated this round (accepted drafts + bonus)."""
-        num_kept, num_text_tokens, finish = self._token_rules(new_ids)
-        text_ids = new_ids[:num_text_tokens]
+        rules = self._token_rules(new_ids)
+        num_kept, finish = rules.num_kept_tokens, rules.finish_reason
+        text_ids = new_ids[: rules.num_text_tokens]
 
         if self._stop_strings:
             # Token by token, so the sequence ends at the first token completing a stop string.
@@ -102,9 +103,9 @@ class StopChecker:
         stop strings (not reads_text): the round's outcome, its text to follow with text_of
         (the scheduler streams it after the next round's first RPC is on its way)."""
         assert not self.reads_text, "stop strings need the text: commit()"
-        num_kept, num_text_tokens, finish = self._token_rules(new_ids)
-        self._outcome(num_kept, "", finish)
-        return TokenOutcome(num_kept, num_text_tokens, finish)
+        rules = self._token_rules(new_ids)
+        self._outcome(rules.num_kept_tokens, "", rules.finish_reason)
+        return rules
 
     def text_of(self, text_ids: Sequence[int], finished: bool) -> str:
         """The text of a commit_tokens round's text tokens (its first num_text_tokens), rounds
@@ -113,8 +114,8 @@ class StopChecker:
         text = self._detokenizer.add(text_ids)
         return text + self._detokenizer.flush() if finished else text
 
-    def _token_rules(self, new_ids: Sequence[int]) -> tuple[int, int, FinishReason | None]:
-        """(tokens kept, of them the ones with text: all but an EOS / stop token, the finish)."""
+    def _token_rules(self, new_ids: Sequence[int]) -> TokenOutcome:
+        """The rules on the ids; state unchanged (the caller's _outcome records them)."""
         assert self.finish_reason is None, "commit() on a finished sequence"
         num_left = self._max_new_tokens - self.num_generated_tokens
         num_kept = min(len(new_ids), num_left)
@@ -122,8 +123,8 @@ class StopChecker:
         num_text_tokens = num_kept  # the kept tokens whose text is streamed: all but EOS / stop
         for i, token in enumerate(new_ids[:num_kept]):
             if token in self._stop_token_ids:
-                return i + 1, i, FinishReason.STOP
-        return num_kept, num_text_tokens, finish
+                return TokenOutcome(i + 1, i, FinishReason.STOP)
+        return TokenOutcome(num_kept, num_text_tokens, finish)
 
     def _outcome(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
         self.num_generated_tokens += num_kept
