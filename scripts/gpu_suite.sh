@@ -2,7 +2,7 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions] [profile] [cold]
+#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -13,7 +13,8 @@
 # shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF; profile:
 # bench/profile_services.py (cProfile of the three processes, 32 target-only streams; the GGUF
 # or, without $SMOLLM2_GGUF, random SmolLM2-shaped weights); cold: bench/cold_shapes.py (the
-# first rounds at new batch sizes after the services' warm-up, random SmolLM2 + the shipped head).
+# first rounds at new batch sizes after the services' warm-up, random SmolLM2 + the shipped head);
+# draft: bench/draft_step.py (a draft round in process, random SmolLM2 + the shipped head).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,12 @@ for part in "${parts[@]}"; do
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
+    draft)  # a draft round in process: chains and trees, graphs vs the host expansion
+      random_smollm2
+      run draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
+        --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16
+      run draft_host python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
+        --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16 --host-expansion ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

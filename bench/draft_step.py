@@ -1,0 +1,120 @@
+"""What one draft round costs the drafter engine: `DrafterEngine.draft` in process, an EAGLE-3
+head (the shipped one) over a target checkpoint (random SmolLM2-shaped weights serve: only the
+time counts), warmed up as the drafter service does (graphs captured, rounds rehearsed).
+
+    PYTHONPATH=. python bench/draft_step.py --target DIR [--device cuda] [--batch 1 8 32] \
+        [--shape 3x1x3 5x4x16] [--new 3] [--rounds 50] [--host-expansion]
+
+Each round every sequence brings `--new` tokens (accepted drafts + bonus) with the target's
+features of the tokens before them, and asks for a tree of shape STEPSxTOPKxNODES. Prints the
+wall time of a round (median and p90 over `--rounds` after warm-up rounds) and the draft nodes
+returned. `--host-expansion` runs the tree expansion on the host, one step at a time (the path
+before the expansion graphs), for comparison in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from drafter.engine import DrafterEngine
+from specsplit.messages import DraftInput, SpecParams
+
+
+def parse_shape(text: str) -> SpecParams:
+    steps, topk, nodes = (int(x) for x in text.split("x"))
+    spec = SpecParams(steps, topk, nodes)
+    spec.validate()
+    return spec
+
+
+class Rounds:
+    """`batch` sequences of `context` random tokens, each round `new` more tokens each."""
+
+    def __init__(self, engine: DrafterEngine, batch: int, context: int, width: int) -> None:
+        self.engine, self.width = engine, width
+        gen = torch.Generator().manual_seed(batch)
+        self.tokens = {
+            f"s{b}": torch.randint(10, 40000, (context,), generator=gen).tolist()
+            for b in range(batch)
+        }
+        self.held: dict[str, int] = {}
+
+    def run(self, spec: SpecParams, new: int) -> tuple[float, int]:
+        inputs = []
+        for seq_id, tokens in self.tokens.items():
+            if seq_id in self.held:
+                tokens += [11 + i for i in range(new)]
+            start = min(self.held.get(seq_id, 0), len(tokens) - 1)
+            new_tokens = tokens[start:]
+            rows = torch.randn(len(new_tokens) - 1, self.width, dtype=torch.bfloat16)
+            inputs.append(
+                DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec,
+                           target_hidden_states=rows)
+            )  # fmt: skip
+            self.held[seq_id] = len(tokens) - 1
+        begin = time.perf_counter()
+        outputs = self.engine.draft(inputs)
+        seconds = time.perf_counter() - begin
+        return seconds, sum(len(out.tree) for out in outputs)
+
+    def release(self) -> None:
+        self.engine.release(list(self.tokens))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True, help="the target checkpoint directory")
+    parser.add_argument("--head", default="specsplit/data/eagle3-smollm2")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--shape", nargs="+", default=["3x1x3", "5x4x16"])
+    parser.add_argument("--new", type=int, default=3, help="tokens each sequence gains a round")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--host-expansion", action="store_true")
+    args = parser.parse_args()
+    engine = DrafterEngine.load(
+        "eagle3",
+        args.head,
+        target_path=args.target,
+        device=args.device,
+        dtype=torch.bfloat16,
+        num_pages=8192,
+    )
+    begin = time.perf_counter()
+    engine.warmup()
+    print(f"warm-up {time.perf_counter() - begin:.1f} s on {args.device}")
+    proposer = engine.proposer
+    if args.host_expansion:
+        proposer.expansion_graphs = False  # type: ignore[attr-defined]
+    width = proposer.feature_width  # type: ignore[attr-defined]
+    label = "host expansion" if args.host_expansion else "default"
+    for spec in map(parse_shape, args.shape):
+        for batch in args.batch:
+            rounds = Rounds(engine, batch, args.context, width)
+            rounds.run(spec, args.new)  # prefill
+            for _ in range(5):
+                rounds.run(spec, args.new)
+            times, nodes = [], 0
+            for _ in range(args.rounds):
+                seconds, nodes = rounds.run(spec, args.new)
+                times.append(1e3 * seconds)
+            rounds.release()
+            times.sort()
+            p90 = times[int(0.9 * (len(times) - 1))]
+            print(
+                f"{label}: spec {spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
+                f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "
+                f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"
+            )
+    engine.check_integrity()
+
+
+if __name__ == "__main__":
+    main()
