@@ -119,7 +119,10 @@ class Eagle3Proposer(TreeProposer):
             for node in tree.frontier:
                 tree.node_hidden[node] = hidden[row]
                 row += 1
-        return self.head.target_logits(logits)  # [sum f, V]
+        return self._tree_logits(logits)  # [sum f, V]
+
+    def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.head.target_logits(logits)
 
     def _forward(
         self, steps: list[SeqStep], features: torch.Tensor
@@ -183,14 +186,9 @@ class Eagle3Proposer(TreeProposer):
             logit_rows = [q - 1] if draft else []
             steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
             features.append(self.head.fuse(state.features[first:end]))
-        trees: list[_Expansion] = []
-        drafted: list[DraftTree] = []
-        if steps:
-            logits, hidden = self._forward(steps, torch.cat(features))  # [D, Vd], [D, H]
-            trees = [
-                _Expansion(job, node_hidden={-1: h})
-                for job, h in zip(drafting, hidden, strict=True)
-            ]
-            drafted = self._expand(drafting, self.head.target_logits(logits), trees)
-        by_seq = {t.job.seq.seq_id: tree for t, tree in zip(trees, drafted, strict=True)}
+        if not steps:
+            return [DraftTree() for _ in jobs]
+        logits, hidden = self._forward(steps, torch.cat(features))  # [D, Vd], [D, H]
+        drafted = self._expand(drafting, self._tree_logits(logits), hidden)
+        by_seq = {job.seq.seq_id: tree for job, tree in zip(drafting, drafted, strict=True)}
         return [by_seq.get(job.seq.seq_id, DraftTree()) for job in jobs]

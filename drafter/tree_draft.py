@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.expansion import Candidates, DeviceExpansion, Shape
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.messages import SpecParams
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
@@ -25,6 +27,9 @@ from specsplit.tree import DraftTree
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
 # brings 1..4 new tokens) padded up to the next of these
 CATCH_UP_LENS = (1, 2, 4, 8)
+# expansions captured at warm-up for every batch bucket: the gateway's default spec (a chain of
+# 3); other shapes are captured at their first round in each bucket
+EXPANSION_SHAPES = (Shape(topk=1, num_steps=3),)
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -68,9 +73,10 @@ class TreeProposer:
     DraftKVState. Subclasses provide `_step_forward` (one forward over a ForwardBatch) and
     `_forward_frontier` (logits [sum of frontiers, vocab]).
 
-    On a GPU the chain's draft steps (one token per sequence) and the catch-up steps (the new
-    tokens of each sequence, padded to a length in `catch_up_lens` by recomputing a few cached
-    entries) replay CUDA graphs; other steps (prefill, tree frontiers) run eagerly."""
+    On a GPU the catch-up steps (the new tokens of each sequence, padded to a length in
+    `catch_up_lens` by recomputing a few cached entries) replay CUDA graphs, and so does the
+    whole expansion of a tree or greedy chain (drafter/expansion.py: every step in one replay,
+    one host sync a round); prefills and sampled chains' steps run eagerly."""
 
     kv: KVCache
     device: torch.device
@@ -79,6 +85,11 @@ class TreeProposer:
     graphs: CudaGraphRunner | None = None
     catch_up_lens: tuple[int, ...] = ()  # ascending; () = catch-up steps are not padded
     graph_features: tuple[int, torch.dtype] | None = None  # the step's features input, if any
+    vocab_size: int
+    # expand trees on the device (drafter/expansion.py; CUDA graphs on a GPU), else a step at a
+    # time on the host
+    device_expansion: bool = True
+    device_expansion_runner: DeviceExpansion | None = None
 
     def warm_up_kernels(self) -> None:
         """On a GPU, every paged-attention variant of this model's KV layout."""
@@ -89,11 +100,15 @@ class TreeProposer:
         self, catch_up_lens: tuple[int, ...] = CATCH_UP_LENS, max_batch_size: int = 64
     ) -> None:
         """On a GPU, capture the steps of 1 and of `catch_up_lens` tokens per sequence for
-        batches up to `max_batch_size`; a no-op elsewhere."""
+        batches up to `max_batch_size`, and the device expansion of EXPANSION_SHAPES at every
+        batch bucket (other shapes are captured at their first use); a no-op elsewhere."""
         if self.device.type != "cuda" or not catch_up_lens:
             return
         with on_device(self.device):
             self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
+            self.device_expansion_runner = self._new_expansion(graphs=True)
+            for shape in EXPANSION_SHAPES:
+                self.device_expansion_runner.capture_all(shape)
 
     def _capture(self, lens: tuple[int, ...], max_batch_size: int) -> None:
         self.graphs = CudaGraphRunner(
@@ -183,15 +198,85 @@ class TreeProposer:
         self,
         jobs: list[DraftJob],
         root_logits: torch.Tensor,  # [B, vocab]
-        trees: list[_Expansion] | None = None,
+        root_features: torch.Tensor | None = None,  # [B, width] the root's outputs (EAGLE)
     ) -> list[DraftTree]:
-        trees = trees if trees is not None else [_Expansion(job) for job in jobs]
-        growing = [t for t in trees if t.job.spec.num_steps > 0]
-        rows = torch.tensor([i for i, t in enumerate(trees) if t.job.spec.num_steps > 0])
-        if growing:
-            self._grow_all(
-                growing, [[-1] for _ in growing], root_logits[rows.to(root_logits.device)]
+        """One tree per job: on the device (DeviceExpansion, one run per shape) where
+        `device_expansion` is on and the job's tree is deterministic or a greedy chain, the
+        rest here on the host, a step at a time."""
+        trees: list[DraftTree] = [DraftTree() for _ in jobs]
+        on_host: list[int] = []
+        groups: dict[Shape, list[int]] = {}
+        for i, job in enumerate(jobs):
+            spec = job.spec
+            if (
+                self.device_expansion
+                and spec.num_steps > 0
+                and (spec.topk > 1 or job.sampling.greedy)
+            ):
+                groups.setdefault(Shape(spec.topk, spec.num_steps), []).append(i)
+            elif spec.num_steps > 0:
+                on_host.append(i)
+        for shape, idx in groups.items():
+            rows = torch.tensor(idx, device=root_logits.device)
+            found = self._expansion().expand(
+                shape,
+                [self._seq_kv(jobs[i].seq) for i in idx],
+                root_logits.index_select(0, rows),
+                None if root_features is None else root_features.index_select(0, rows),
             )
+            for i, candidates in zip(idx, found, strict=True):
+                trees[i] = select_tree(candidates, jobs[i].spec)
+        if on_host:
+            rows = torch.tensor(on_host, device=root_logits.device)
+            features = None if root_features is None else root_features.index_select(0, rows)
+            grown = self._expand_on_host(
+                [jobs[i] for i in on_host], root_logits.index_select(0, rows), features
+            )
+            for i, tree in zip(on_host, grown, strict=True):
+                trees[i] = tree
+        return trees
+
+    def _expansion(self) -> DeviceExpansion:
+        """The device expansion: with CUDA graphs once capture_cuda_graphs has run, eager
+        before (and on the CPU)."""
+        if self.device_expansion_runner is None:
+            self.device_expansion_runner = self._new_expansion(graphs=False)
+        return self.device_expansion_runner
+
+    def _new_expansion(self, graphs: bool) -> DeviceExpansion:
+        return DeviceExpansion(
+            self._frontier_outputs,
+            self.kv,
+            self.vocab_size,
+            self.max_context,
+            self.graph_features,
+            graphs=graphs,
+            max_batch_size=self.graphs.batch_sizes[-1] if self.graphs is not None else 64,
+        )
+
+    def _frontier_outputs(
+        self, batch: ForwardBatch, features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One frontier step on the device: logits in the target's vocabulary, and the rows'
+        outputs the next step reads (an EAGLE head's), or None."""
+        out = self._step_forward(batch, (), features)
+        return self._tree_logits(out.logits), out.hidden_states
+
+    def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A step's logits in the target's vocabulary (an EAGLE head with its own maps them)."""
+        return logits
+
+    def _expand_on_host(
+        self,
+        jobs: list[DraftJob],  # each with num_steps > 0
+        root_logits: torch.Tensor,  # [B, vocab]
+        root_features: torch.Tensor | None,  # [B, width]
+    ) -> list[DraftTree]:
+        trees = [_Expansion(job) for job in jobs]
+        if root_features is not None:
+            for tree, features in zip(trees, root_features, strict=True):
+                tree.node_hidden[-1] = features
+        self._grow_all(trees, [[-1] for _ in trees], root_logits)
         max_steps = max((t.job.spec.num_steps for t in trees), default=0)
         for step in range(1, max_steps):
             active = [t for t in trees if t.job.spec.num_steps > step]
@@ -275,15 +360,24 @@ class TreeProposer:
 
     @staticmethod
     def _select(tree: _Expansion) -> DraftTree:
-        spec = tree.job.spec
-        n = len(tree.tokens)
-        if spec.topk == 1:
+        if tree.job.spec.topk == 1:
             probs = torch.stack(tree.draft_probs) if tree.draft_probs else None
             return DraftTree(tree.tokens, tree.parents, probs)
-        # best num_draft_tokens by score; ties go to the shallower node so a parent always
-        # ranks before its children (a child's score never exceeds its parent's)
+        # best first; ties go to the shallower node so a parent always ranks before its
+        # children (a child's score never exceeds its parent's)
+        n = len(tree.tokens)
         order = sorted(range(n), key=lambda i: (-tree.scores[i], len(tree.paths[i]), i))
-        chosen = sorted(order[: spec.num_draft_tokens])
-        new_index = {old: new for new, old in enumerate(chosen)}
-        parents = [new_index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in chosen]
-        return DraftTree([tree.tokens[i] for i in chosen], parents)
+        return select_tree(Candidates(tree.tokens, tree.parents, order), tree.job.spec)
+
+
+def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
+    """The tree of a chain's every candidate, or of a tree's best `num_draft_tokens`."""
+    if spec.topk == 1:
+        return DraftTree(candidates.tokens, candidates.parents)
+    chosen = sorted(candidates.order[: spec.num_draft_tokens])
+    new_index = {old: new for new, old in enumerate(chosen)}
+    parents = [candidates.parents[i] for i in chosen]
+    return DraftTree(
+        [candidates.tokens[i] for i in chosen],
+        [new_index[p] if p >= 0 else -1 for p in parents],
+    )

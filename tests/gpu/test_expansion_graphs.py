@@ -1,0 +1,98 @@
+"""On a CUDA device: the tree expansion replayed from CUDA graphs (drafter/expansion.py) drafts
+what the host expansion drafts, a step at a time, for a draft model and an EAGLE-3 head, chains
+and trees, batch sizes on and between the graphs' buckets (padding rows on the scratch page);
+each round is one replay and the KV pages end as the host expansion leaves them. Skipped where
+there is no GPU (CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.eagle import load_eagle3
+from drafter.eagle_proposer import Eagle3Proposer
+from drafter.engine import DrafterEngine
+from drafter.model_proposer import ModelProposer
+from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
+from specsplit.messages import DraftInput, SpecParams
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from tests.eagle_random import save_target_and_drafters
+from tests.support import TINY_VOCAB
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_target_and_drafters(tmp_path_factory.mktemp("expansion_graphs"))
+
+
+def _engine(
+    models: dict[str, Path], kind: str, graphs: bool, device_expansion: bool
+) -> DrafterEngine:
+    proposer: TreeProposer
+    if kind == "model":
+        model, config = load_model(str(models["model"]), dtype=torch.float32, device="cuda")
+        kv = make_kv_cache(config, 512, 16, torch.float32, "cuda")
+        proposer = ModelProposer(model, kv, config.vocab_size, config.max_position_embeddings)
+    else:
+        head = load_eagle3(str(models["eagle3"]), str(models["target"]), torch.float32, "cuda")
+        proposer = Eagle3Proposer(head, head.make_kv_cache(512, 16))
+    proposer.device_expansion = device_expansion
+    if graphs:
+        proposer.capture_cuda_graphs(CATCH_UP_LENS, max_batch_size=8)
+    return DrafterEngine(proposer)
+
+
+def _rounds(engine: DrafterEngine, batch: int, spec: SpecParams) -> tuple[list[list[tuple]], int]:
+    width = getattr(engine.proposer, "feature_width", None)
+    gen = torch.Generator().manual_seed(batch)
+    tokens = [
+        torch.randint(3, TINY_VOCAB, (20 + 5 * b,), generator=gen).tolist() for b in range(batch)
+    ]
+    held: dict[int, int] = {}
+    trees = []
+    for r in range(4):
+        inputs = []
+        for b in range(batch):
+            if r:
+                tokens[b] += torch.randint(3, TINY_VOCAB, (2,), generator=gen).tolist()
+            start = min(held.get(b, 0), len(tokens[b]) - 1)
+            rows = (
+                None
+                if width is None
+                else torch.randn(len(tokens[b]) - start - 1, width, generator=gen)
+            )
+            inputs.append(
+                DraftInput(
+                    f"s{b}", r == 0, start, tokens[b][start:], spec, target_hidden_states=rows
+                )
+            )
+            held[b] = len(tokens[b]) - (1 if width is not None else 0)
+        trees.append([(o.tree.tokens, o.tree.parents) for o in engine.draft(inputs)])
+        engine.check_integrity()
+    pages = engine.num_pages_used
+    engine.release([f"s{b}" for b in range(batch)])
+    assert engine.num_pages_used == 0
+    return trees, pages
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize(
+    "spec", [SpecParams(3, 1, 3), SpecParams(4, 2, 8), SpecParams(3, 4, 16)], ids=str
+)
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_expansion_graph_drafts_the_host_trees(
+    models, kind: str, spec: SpecParams, batch: int
+) -> None:
+    graphs = _engine(models, kind, graphs=True, device_expansion=True)
+    proposer = graphs.proposer
+    assert isinstance(proposer, TreeProposer)
+    got = _rounds(graphs, batch, spec)
+    runner = proposer.device_expansion_runner
+    assert runner is not None and runner.graphs and runner.captured  # the rounds replayed graphs
+    want = _rounds(_engine(models, kind, graphs=False, device_expansion=False), batch, spec)
+    assert got == want

@@ -1,0 +1,155 @@
+"""The tree expansion on the device (drafter/expansion.py; a CUDA graph on a GPU, eager here)
+drafts the trees the host expansion drafts, a step at a time: same tokens, same parents, for
+chains and trees, page sizes 1 and 16, draft models and EAGLE heads, batches whose sequences
+ask for different shapes; and it leaves the KV pages as the host expansion does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.eagle import load_eagle3
+from drafter.eagle_proposer import Eagle3Proposer
+from drafter.engine import DrafterEngine
+from drafter.expansion import Candidates, Shape
+from drafter.model_proposer import ModelProposer
+from drafter.tree_draft import TreeProposer, select_tree
+from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from tests.eagle_random import save_random_eagle3
+from tests.support import TINY_VOCAB, save_tiny_llama
+
+SPECS = [SpecParams(3, 1, 3), SpecParams(3, 2, 5), SpecParams(4, 3, 12), SpecParams(1, 4, 4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("expansion")
+    target = save_tiny_llama(root / "target", seed=5, num_layers=3)
+    _, config = load_model(str(target), dtype=torch.float64, device="cpu")
+    head = save_random_eagle3(root / "head", config, seed=9, draft_vocab_size=200)
+    return {"target": target, "head": head, "draft": save_tiny_llama(root / "draft", seed=21)}
+
+
+def _engine(models: dict[str, Path], kind: str, page_size: int, on_device: bool) -> DrafterEngine:
+    proposer: TreeProposer
+    if kind == "model":
+        model, config = load_model(str(models["draft"]), dtype=torch.float64, device="cpu")
+        kv = make_kv_cache(config, 512, page_size, torch.float64, "cpu")
+        proposer = ModelProposer(model, kv, config.vocab_size, config.max_position_embeddings)
+    else:
+        head = load_eagle3(str(models["head"]), str(models["target"]), torch.float64, "cpu")
+        proposer = Eagle3Proposer(head, head.make_kv_cache(512, page_size))
+    proposer.device_expansion = on_device
+    return DrafterEngine(proposer)
+
+
+def _rounds(
+    engine: DrafterEngine, specs: list[SpecParams], sampling: list[SamplingParams] | None = None
+) -> tuple[list[list[DraftOutput]], int]:
+    """One sequence per spec, six rounds of 1..4 new tokens each (ragged catch-ups); an EAGLE
+    head gets the target's features (random) of every new token but the root. Returns the
+    drafts and the KV pages held after the last round (all released after)."""
+    width = getattr(engine.proposer, "feature_width", None)
+    gen = torch.Generator().manual_seed(11)
+    tokens = [
+        torch.randint(3, TINY_VOCAB, (7 + 3 * b,), generator=gen).tolist()
+        for b in range(len(specs))
+    ]
+    held: dict[int, int] = {}
+    outs = []
+    for r in range(6):
+        inputs = []
+        for b, spec in enumerate(specs):
+            if r:
+                tokens[b] += torch.randint(
+                    3, TINY_VOCAB, (1 + (r + b) % 4,), generator=gen
+                ).tolist()
+            start = min(held.get(b, 0), len(tokens[b]) - 1)
+            rows = None
+            if width is not None:
+                rows = torch.randn(len(tokens[b]) - start - 1, width, generator=gen)
+            item = DraftInput(
+                f"s{b}", r == 0, start, tokens[b][start:], spec, target_hidden_states=rows
+            )
+            if sampling is not None:
+                item.sampling = sampling[b]
+            inputs.append(item)
+            held[b] = len(tokens[b]) - (1 if width is not None else 0)
+        outs.append(engine.draft(inputs))
+        engine.check_integrity()
+    pages = engine.num_pages_used
+    engine.release([f"s{b}" for b in range(len(specs))])
+    assert engine.num_pages_used == 0 < pages
+    return outs, pages
+
+
+def _same(
+    host: tuple[list[list[DraftOutput]], int], device: tuple[list[list[DraftOutput]], int]
+) -> None:
+    assert device[1] == host[1]  # KV pages held
+    for want, got in zip(host[0], device[0], strict=True):
+        assert [o.tree.tokens for o in got] == [o.tree.tokens for o in want]
+        assert [o.tree.parents for o in got] == [o.tree.parents for o in want]
+        assert [o.kv_committed_len for o in got] == [o.kv_committed_len for o in want]
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "spec", SPECS, ids=lambda s: f"{s.num_steps}x{s.topk}x{s.num_draft_tokens}"
+)
+def test_device_expansion_drafts_the_host_expansions_trees(
+    models: dict[str, Path], kind: str, page_size: int, spec: SpecParams
+) -> None:
+    host = _engine(models, kind, page_size, on_device=False)
+    device = _engine(models, kind, page_size, on_device=True)
+    specs = [spec] * 3
+    want, got = _rounds(host, specs), _rounds(device, specs)
+    assert sum(len(o.tree) for o in want[0][-1]) == 3 * spec.num_draft_tokens
+    _same(want, got)
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_batch_of_different_shapes_and_a_sampled_chain(
+    models: dict[str, Path], kind: str
+) -> None:
+    """Each shape is one device expansion; the sampled chain goes the host path, its draws
+    from its own generator as before."""
+    specs = [
+        SpecParams(3, 1, 3),
+        SpecParams(2, 2, 4),
+        SpecParams(3, 1, 3),
+        SpecParams(3, 2, 6),
+        SpecParams(2, 1, 2),
+    ]
+    sampling = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, seed=4)]
+    host = _engine(models, kind, 4, on_device=False)
+    device = _engine(models, kind, 4, on_device=True)
+    want, got = _rounds(host, specs, sampling), _rounds(device, specs, sampling)
+    _same(want, got)
+    for w, g in zip(want[0][-1], got[0][-1], strict=True):
+        assert (w.tree.draft_probs is None) == (g.tree.draft_probs is None)
+    assert got[0][-1][-1].tree.draft_probs is not None  # the sampled chain kept its distribution
+
+
+def test_select_tree_keeps_the_best_nodes_and_renumbers_parents() -> None:
+    # candidates 0..4: 0 and 1 at depth 1, 2..4 children of 0 (2, 3) and 1 (4)
+    found = Candidates(
+        tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 1], order=[0, 2, 1, 4, 3]
+    )
+    tree = select_tree(found, SpecParams(2, 2, 3))
+    assert tree.tokens == [10, 11, 12] and tree.parents == [-1, -1, 0]
+    tree = select_tree(found, SpecParams(2, 2, 4))
+    assert tree.tokens == [10, 11, 12, 14] and tree.parents == [-1, -1, 0, 1]
+    chain = select_tree(Candidates([5, 6, 7], [-1, 0, 1], [0, 1, 2]), SpecParams(3, 1, 3))
+    assert chain.tokens == [5, 6, 7] and chain.parents == [-1, 0, 1]
+
+
+def test_shape_counts_the_host_expansions_candidates() -> None:
+    for spec in SPECS:
+        assert Shape(spec.topk, spec.num_steps).num_candidates == spec.max_draft_tokens
