@@ -227,8 +227,7 @@ class DeviceExpansion:
         rows_k = torch.arange(k, device=device)
         frontier = rows_k.expand(bs, k)  # [B, k] candidate ids
         # [B, k, n_all]: frontier row r sees candidate i (an ancestor, or itself)
-        seen = torch.zeros(bs, k, n_all, dtype=torch.bool, device=device)
-        seen[:, rows_k, rows_k] = True
+        seen = torch.eye(k, n_all, dtype=torch.bool, device=device).expand(bs, k, n_all).clone()
         features = None
         if inputs.features is not None:
             features = inputs.features[:, None, :].expand(bs, k, -1)
@@ -263,7 +262,7 @@ class DeviceExpansion:
                 cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
                 new = k * k
                 tokens[:, n : n + new] = top_tok.view(bs, new)
-                parents[:, n : n + new] = frontier.repeat_interleave(k, dim=1)
+                parents[:, n : n + new] = frontier[:, :, None].expand(bs, k, k).reshape(bs, new)
                 scores[:, n : n + new] = cum.view(bs, new)
                 keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
             from_row = keep // k  # the frontier row each kept child hangs from
