@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -77,8 +77,8 @@ class _Inputs:
             if feature is None
             else torch.zeros(bs, feature[0], dtype=feature[1], device=device)
         )
-        # int32 per row: base, then the block table
-        self.meta = torch.zeros(bs, 1 + max_pages, dtype=torch.int32, device=device)
+        # int32: every row's base [bs], then the block table [bs, max_pages] (_split)
+        self.meta = torch.zeros(bs * (1 + max_pages), dtype=torch.int32, device=device)
         self.out = torch.zeros(bs, 3, n, dtype=torch.int64, device=device)  # tokens, parents, order
 
 
@@ -129,7 +129,7 @@ class DeviceExpansion:
             out = self._replay(shape, bucket, seqs, root_logits, root_features)
         else:
             inputs = _Inputs(shape, bs, self.vocab_size, self.feature, width, self.kv.device)
-            meta = np.zeros((bs, 1 + width), dtype=np.int32)
+            meta = np.zeros(bs * (1 + width), dtype=np.int32)
             self._fill_meta(meta, seqs, bs)
             inputs.meta.copy_(torch.from_numpy(meta))
             inputs.logits.copy_(root_logits)
@@ -143,13 +143,14 @@ class DeviceExpansion:
         ]
 
     def _fill_meta(self, meta: np.ndarray, seqs: list[SeqKV], bs: int) -> None:
-        """Rows of `seqs` (base, block table), then padding rows: base 1 on the scratch page
-        (they read and write only there)."""
+        """Rows of `seqs` (base, block table), then padding rows up to `bs`: base 1 on the
+        scratch page (they read and write only there)."""
+        base, table = _split(meta, bs)
         for b, seq in enumerate(seqs):
-            meta[b, 0] = seq.kv_committed_len
-            meta[b, 1 : 1 + len(seq.page_table)] = seq.page_table
-        meta[bs:, 0] = 1
-        meta[bs:, 1:] = self.kv.scratch_page
+            base[b] = seq.kv_committed_len
+            table[b, : len(seq.page_table)] = seq.page_table
+        base[len(seqs) :] = 1
+        table[len(seqs) :] = self.kv.scratch_page
 
     def _replay(
         self,
@@ -165,7 +166,7 @@ class DeviceExpansion:
         graph, inputs = self.captured[key]
         host_meta, host_out = self.host[key]
         bs = len(seqs)
-        self._fill_meta(host_meta.numpy(), seqs, bs)
+        self._fill_meta(host_meta.numpy(), seqs, bucket)
         inputs.meta.copy_(host_meta, non_blocking=True)
         inputs.logits[:bs].copy_(root_logits)
         if inputs.features is not None and root_features is not None:
@@ -187,7 +188,7 @@ class DeviceExpansion:
             shape, bucket, self.vocab_size, self.feature, self.max_pages(shape), device
         )
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
-        self._fill_meta(meta, [], 0)  # every row padding while capturing
+        self._fill_meta(meta, [], bucket)  # every row padding while capturing
         inputs.meta.copy_(torch.from_numpy(meta))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -213,8 +214,8 @@ class DeviceExpansion:
         """Every step of the expansion of `inputs`' rows; writes inputs.out."""
         k, n_all = shape.topk, shape.num_candidates
         bs, device, page = inputs.logits.shape[0], inputs.logits.device, self.kv.page_size
-        base = inputs.meta[:, 0].long()  # [B]
-        table = inputs.meta[:, 1:]  # [B, pages]
+        base32, table = _split(inputs.meta, bs)  # [B] int32, [B, pages] int32
+        base = base32.long()
         tokens = torch.zeros(bs, n_all, dtype=torch.int64, device=device)
         parents = torch.full((bs, n_all), -1, dtype=torch.int64, device=device)
         scores = torch.zeros(bs, n_all, dtype=torch.float32, device=device)
@@ -242,8 +243,8 @@ class DeviceExpansion:
                 positions=(base[:, None] + (step - 2)).expand(bs, k).reshape(-1),
                 slot_mapping=slots.reshape(-1),
                 cu_seqlens_q=cu,
-                kv_lens=(base + n).int(),
-                prefix_lens=base.int(),
+                kv_lens=base32 + n,
+                prefix_lens=base32,
                 block_table=table,
                 tree_mask=seen,
                 logit_indices=every_row,
@@ -276,3 +277,11 @@ class DeviceExpansion:
             n += new
         order = torch.sort(-scores, dim=1, stable=True).indices
         inputs.out.copy_(torch.stack([tokens, parents, order], dim=1))
+
+
+A = TypeVar("A", np.ndarray, torch.Tensor)
+
+
+def _split(meta: A, bs: int) -> tuple[A, A]:
+    """The flat meta buffer of `bs` rows as (base [bs], block table [bs, pages]) views."""
+    return meta[:bs], meta[bs:].reshape(bs, -1)

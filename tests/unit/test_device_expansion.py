@@ -10,13 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import drafter.eagle
+import specsplit.model.llama
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import Candidates, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import TreeProposer, select_tree
+from specsplit.kernels.paged_attention import _check_inputs
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.model.attention import attend
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
@@ -24,6 +28,22 @@ from tests.eagle_random import save_random_eagle3
 from tests.support import TINY_VOCAB, save_tiny_llama
 
 SPECS = [SpecParams(3, 1, 3), SpecParams(3, 2, 5), SpecParams(4, 3, 12), SpecParams(1, 4, 4)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attention call (the head's, the draft model's) also passes the GPU kernel's input
+    checks (shapes, dtypes, strides), which the CPU path does not run."""
+
+    def checked(q, k_cache, v_cache, batch):  # type: ignore[no-untyped-def]
+        _check_inputs(  # float32: the kernel takes no float64 (these models are float64)
+            q.float(), k_cache.float(), v_cache.float(), batch.cu_seqlens_q, batch.kv_lens,
+            batch.prefix_lens, batch.block_table, batch.page_size, batch.tree_mask, batch.max_q_len, None, True,
+        )  # fmt: skip
+        return attend(q, k_cache, v_cache, batch)
+
+    monkeypatch.setattr(drafter.eagle, "attend", checked)
+    monkeypatch.setattr(specsplit.model.llama, "attend", checked)
 
 
 @pytest.fixture(scope="module")
