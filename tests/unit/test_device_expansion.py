@@ -38,7 +38,8 @@ def kernel_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     def checked(q, k_cache, v_cache, batch):  # type: ignore[no-untyped-def]
         _check_inputs(  # float32: the kernel takes no float64 (these models are float64)
             q.float(), k_cache.float(), v_cache.float(), batch.cu_seqlens_q, batch.kv_lens,
-            batch.prefix_lens, batch.block_table, batch.page_size, batch.tree_mask, batch.max_q_len, None, True,
+            batch.prefix_lens, batch.block_table, batch.page_size, batch.tree_mask,
+            batch.max_q_len, None, True,
         )  # fmt: skip
         return attend(q, k_cache, v_cache, batch)
 
