@@ -15,6 +15,8 @@ before the expansion graphs), for comparison in the same run.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -78,6 +80,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--host-expansion", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
+    )
     args = parser.parse_args()
     engine = DrafterEngine.load(
         "eagle3",
@@ -92,7 +97,7 @@ def main() -> None:
     print(f"warm-up {time.perf_counter() - begin:.1f} s on {args.device}")
     proposer = engine.proposer
     if args.host_expansion:
-        proposer.expansion_graphs = False  # type: ignore[attr-defined]
+        proposer.device_expansion = False  # type: ignore[attr-defined]
     width = proposer.feature_width  # type: ignore[attr-defined]
     label = "host expansion" if args.host_expansion else "default"
     for spec in map(parse_shape, args.shape):
@@ -102,8 +107,13 @@ def main() -> None:
             for _ in range(5):
                 rounds.run(spec, args.new)
             times, nodes = [], 0
+            profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.rounds):
+                if profiler is not None:
+                    profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
+                if profiler is not None:
+                    profiler.disable()
                 times.append(1e3 * seconds)
             rounds.release()
             times.sort()
@@ -113,6 +123,8 @@ def main() -> None:
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "
                 f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"
             )
+            if profiler is not None:
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     engine.check_integrity()
 
 

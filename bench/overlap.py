@@ -5,6 +5,7 @@ tokens. "target only" is the serial services with speculation off per request (n
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
+        [--spec 5x4x16]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and groups / serial, and each
 mode's round parts from the services' histograms (round wall, verify and draft engine time,
@@ -30,6 +31,8 @@ from bench.e2e import (
     scrape_totals,
     services,
 )
+from gateway.adaptive import parse_ladder
+from specsplit import convert
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -110,7 +113,14 @@ def main() -> None:
     parser.add_argument("--drafter-device", default=None)
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
+    parser.add_argument(
+        "--spec", default=None, help="the speculative modes' draft shape STEPS[xTOPK[xNODES]]"
+    )
     args = parser.parse_args()
+    spec = None  # the gateway's default
+    if args.spec:
+        (shape,) = parse_ladder(args.spec)
+        spec = convert.spec_to_proto(shape)
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
@@ -136,14 +146,14 @@ def main() -> None:
             before = scrape_buckets()
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
-                timed(stub, (mode, batch), prompts)
+                timed(stub, (mode, batch), prompts, spec)
                 if mode == "serial":
                     timed(stub, ("target", batch), prompts, TARGET_ONLY)
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
-        f"{args.max_new_tokens} new tokens per stream, greedy"
+        f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy"
     )
     print(
         "| batch | target-only tok/s | serial tok/s | groups tok/s | serial / target "
