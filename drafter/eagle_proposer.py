@@ -29,7 +29,7 @@ from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
-from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.batch import ForwardBatch, ForwardOutput, to_device
 from specsplit.step import SeqStep, causal_step
 from specsplit.tree import DraftTree
 
@@ -140,30 +140,43 @@ class Eagle3Proposer(TreeProposer):
 
     # -- drafting --------------------------------------------------------------------------
 
-    def add_features(self, job: DraftJob) -> None:
-        """Append the job's target features (rows for tokens[start:]) after those kept."""
-        rows = job.target_hidden_states
-        if rows is None or rows.shape[0] == 0:
+    def add_features(self, jobs: list[DraftJob]) -> None:
+        """Append each job's target features (rows for tokens[start:]) after those kept. Every
+        job is checked before any is changed, and the host rows of all of them cross to the
+        device in one copy."""
+        given = [
+            (job, rows)
+            for job in jobs
+            if (rows := job.target_hidden_states) is not None and rows.shape[0]
+        ]
+        for job, rows in given:
+            state = self._state(job.seq)
+            if rows.dim() != 2 or rows.shape[1] != self.feature_width:
+                raise invalid(
+                    f"target_hidden_states shape {tuple(rows.shape)} for {job.seq.seq_id!r}: "
+                    f"want [rows, {self.feature_width}]"
+                )
+            if state.features.shape[0] != job.start:
+                raise invalid(
+                    f"target_hidden_states for {job.seq.seq_id!r} start at token {job.start}, "
+                    f"the drafter has features up to {state.features.shape[0]}"
+                )
+        if not given:
             return
-        state = self._state(job.seq)
-        if rows.dim() != 2 or rows.shape[1] != self.feature_width:
-            raise invalid(
-                f"target_hidden_states shape {tuple(rows.shape)} for {job.seq.seq_id!r}: "
-                f"want [rows, {self.feature_width}]"
-            )
-        if state.features.shape[0] != job.start:
-            raise invalid(
-                f"target_hidden_states for {job.seq.seq_id!r} start at token {job.start}, "
-                f"the drafter has features up to {state.features.shape[0]}"
-            )
-        rows = rows.to(device=self.head.device, dtype=self.head.dtype)
-        state.append_features(rows)
+        dtype, device = self.head.dtype, self.head.device
+        if all(rows.device.type == "cpu" for _, rows in given):
+            flat = to_device(torch.cat([rows.to(dtype) for _, rows in given]), device)
+        else:
+            flat = torch.cat([rows.to(device=device, dtype=dtype) for _, rows in given])
+        parts = flat.split([rows.shape[0] for _, rows in given])
+        for (job, _), part in zip(given, parts, strict=True):
+            self._state(job.seq).append_features(part)
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []
+        self.add_features(jobs)
         for job in jobs:
-            self.add_features(job)
             state = self._state(job.seq)
             tokens = job.seq.tokens
             num_entries = min(state.features.shape[0], len(tokens) - 1)  # entries 0..n-1 possible
@@ -185,10 +198,11 @@ class Eagle3Proposer(TreeProposer):
             tokens = job.seq.tokens[first + 1 : end + 1]
             logit_rows = [q - 1] if draft else []
             steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
-            features.append(self.head.fuse(state.features[first:end]))
+            features.append(state.features[first:end])
         if not steps:
             return [DraftTree() for _ in jobs]
-        logits, hidden = self._forward(steps, torch.cat(features))  # [D, Vd], [D, H]
+        fused = self.head.fuse(torch.cat(features))  # one fc over every sequence's rows
+        logits, hidden = self._forward(steps, fused)  # [D, Vd], [D, H]
         drafted = self._expand(drafting, self._tree_logits(logits), hidden)
         by_seq = {job.seq.seq_id: tree for job, tree in zip(drafting, drafted, strict=True)}
         return [by_seq.get(job.seq.seq_id, DraftTree()) for job in jobs]

@@ -217,12 +217,13 @@ class TreeProposer:
             elif spec.num_steps > 0:
                 on_host.append(i)
         for shape, idx in groups.items():
-            rows = torch.tensor(idx, device=root_logits.device)
+            logits, features = root_logits, root_features
+            if len(idx) < len(jobs):  # this shape's rows
+                rows = torch.tensor(idx, device=root_logits.device)
+                logits = root_logits.index_select(0, rows)
+                features = None if root_features is None else root_features.index_select(0, rows)
             found = self._expansion().expand(
-                shape,
-                [self._seq_kv(jobs[i].seq) for i in idx],
-                root_logits.index_select(0, rows),
-                None if root_features is None else root_features.index_select(0, rows),
+                shape, [self._seq_kv(jobs[i].seq) for i in idx], logits, features
             )
             for i, candidates in zip(idx, found, strict=True):
                 trees[i] = select_tree(candidates, jobs[i].spec)

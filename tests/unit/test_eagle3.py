@@ -250,10 +250,12 @@ def test_drafter_features_are_the_targets_layer_outputs(
     received: dict[str, list[tuple[int, torch.Tensor]]] = {}
     original = Eagle3Proposer.add_features
 
-    def record(self: Eagle3Proposer, job) -> None:  # type: ignore[no-untyped-def]
-        if job.target_hidden_states is not None and job.target_hidden_states.shape[0]:
-            received.setdefault(job.seq.seq_id, []).append((job.start, job.target_hidden_states))
-        original(self, job)
+    def record(self: Eagle3Proposer, jobs) -> None:  # type: ignore[no-untyped-def]
+        for job in jobs:
+            rows = job.target_hidden_states
+            if rows is not None and rows.shape[0]:
+                received.setdefault(job.seq.seq_id, []).append((job.start, rows))
+        original(self, jobs)
 
     monkeypatch.setattr(Eagle3Proposer, "add_features", record)
     stack = make_stack(
