@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specsplit.kv_cache import SeqKV
@@ -67,10 +68,10 @@ def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: lis
     assert p >= 1, "a step needs at least one pending token (the root)"
     if n == 0:
         return causal_step(seq, pending, logit_rows)
-    mask = torch.zeros(p + n, p + n, dtype=torch.bool)  # among the new tokens
-    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    mask = np.zeros((p + n, p + n), dtype=bool)  # among the new tokens (numpy: host-cheap)
+    mask[:p, :p] = np.tri(p, dtype=bool)
     mask[p:, :p] = True
-    mask[p:, p:] = tree.ancestor_mask()
+    mask[p:, p:] = tree.ancestor_mask().numpy()
     positions = list(range(c, c + p)) + [c + p - 1 + d for d in tree.depths()]
     return SeqStep(
         seq=seq,
@@ -79,7 +80,7 @@ def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: lis
         storage=list(range(c, c + p + n)),
         kv_len=c + p + n,
         prefix_len=c,
-        new_mask=mask,
+        new_mask=torch.from_numpy(mask),
         logit_rows=logit_rows,
     )
 
@@ -107,21 +108,22 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
         cu_seqlens.append(cu_seqlens[-1] + len(step.input_ids))
     q_lens = [len(step.input_ids) for step in steps]
     max_q = max(q_lens, default=0)
-    tree_mask = None
+    tree_mask = None  # built in numpy: per-sequence torch ops cost ~5 us each on the host
     if any(step.new_mask is not None for step in steps):
         max_new = max(step.kv_len - step.prefix_len for step in steps)
-        tree_mask = torch.zeros(len(steps), max_q, max_new, dtype=torch.bool)
+        mask = np.zeros((len(steps), max_q, max_new), dtype=bool)
         for b, step in enumerate(steps):
             q, new = len(step.input_ids), step.kv_len - step.prefix_len
             if step.new_mask is not None:
-                tree_mask[b, :q, :new] = step.new_mask
+                mask[b, :q, :new] = step.new_mask.numpy()
             else:  # causal: query i sees the new tokens up to its own storage index
-                tree_mask[b, :q, :new] = torch.ones(q, new, dtype=torch.bool).tril(new - q)
+                mask[b, :q, :new] = np.tri(q, new, new - q, dtype=bool)
+        tree_mask = torch.from_numpy(mask)
     max_pages = max((len(step.seq.page_table) for step in steps), default=0)
-    block_table = torch.zeros(len(steps), max(max_pages, 1), dtype=torch.int32)
+    table = np.zeros((len(steps), max(max_pages, 1)), dtype=np.int32)
     for b, step in enumerate(steps):
-        pages = step.seq.page_table
-        block_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        table[b, : len(step.seq.page_table)] = step.seq.page_table
+    block_table = torch.from_numpy(table)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),

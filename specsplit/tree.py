@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -80,8 +81,8 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[i, j] = node j is node i or one of its ancestors."""
         n = len(self.tokens)
-        mask = torch.eye(n, dtype=torch.bool)
+        mask = np.eye(n, dtype=bool)  # numpy: a row op costs ~1 us, a torch one ~5
         for i, parent in enumerate(self.parents):
             if parent >= 0:
                 mask[i] |= mask[parent]
-        return mask
+        return torch.from_numpy(mask)
