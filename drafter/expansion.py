@@ -126,21 +126,43 @@ class DeviceExpansion:
         bucket = next((b for b in self.batch_sizes if b >= bs), None)
         width = max(len(s.page_table) for s in seqs)
         if self.graphs and bucket is not None and width <= self.max_pages(shape):
-            out = self._replay(shape, bucket, seqs, root_logits, root_features)
+            key = (shape, bucket)
+            if key not in self.captured:
+                self._capture(shape, bucket)
+            graph, inputs = self.captured[key]
+            host_meta, host_out = self.host[key]
+            self._load(inputs, host_meta, seqs, root_logits, root_features)
+            graph.replay()
+            host_out.copy_(inputs.out, non_blocking=True)
+            torch.cuda.current_stream(self.kv.device).synchronize()  # the mirrors are free after
+            out = host_out.numpy()
         else:
             inputs = _Inputs(shape, bs, self.vocab_size, self.feature, width, self.kv.device)
-            meta = np.zeros(bs * (1 + width), dtype=np.int32)
-            self._fill_meta(meta, seqs, bs)
-            inputs.meta.copy_(torch.from_numpy(meta))
-            inputs.logits.copy_(root_logits)
-            if inputs.features is not None and root_features is not None:
-                inputs.features.copy_(root_features)
+            host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
+            self._load(inputs, host, seqs, root_logits, root_features)
             self._body(shape, inputs)
             out = inputs.out.cpu().numpy()
         return [
             Candidates(out[b, 0].tolist(), out[b, 1].tolist(), out[b, 2].tolist())
             for b in range(bs)
         ]
+
+    def _load(
+        self,
+        inputs: _Inputs,
+        host_meta: torch.Tensor,  # inputs.meta's host mirror (pinned for a graph's)
+        seqs: list[SeqKV],
+        root_logits: torch.Tensor,
+        root_features: torch.Tensor | None,
+    ) -> None:
+        """Write the round into `inputs`: metadata through the host mirror, the roots' logits
+        and features device to device (padding rows keep what they held)."""
+        bs = len(seqs)
+        self._fill_meta(host_meta.numpy(), seqs, inputs.logits.shape[0])
+        inputs.meta.copy_(host_meta, non_blocking=True)
+        inputs.logits[:bs].copy_(root_logits)
+        if inputs.features is not None and root_features is not None:
+            inputs.features[:bs].copy_(root_features)
 
     def _fill_meta(self, meta: np.ndarray, seqs: list[SeqKV], bs: int) -> None:
         """Rows of `seqs` (base, block table), then padding rows up to `bs`: base 1 on the
@@ -151,30 +173,6 @@ class DeviceExpansion:
             table[b, : len(seq.page_table)] = seq.page_table
         base[len(seqs) :] = 1
         table[len(seqs) :] = self.kv.scratch_page
-
-    def _replay(
-        self,
-        shape: Shape,
-        bucket: int,
-        seqs: list[SeqKV],
-        root_logits: torch.Tensor,
-        root_features: torch.Tensor | None,
-    ) -> np.ndarray:
-        key = (shape, bucket)
-        if key not in self.captured:
-            self._capture(shape, bucket)
-        graph, inputs = self.captured[key]
-        host_meta, host_out = self.host[key]
-        bs = len(seqs)
-        self._fill_meta(host_meta.numpy(), seqs, bucket)
-        inputs.meta.copy_(host_meta, non_blocking=True)
-        inputs.logits[:bs].copy_(root_logits)
-        if inputs.features is not None and root_features is not None:
-            inputs.features[:bs].copy_(root_features)
-        graph.replay()
-        host_out.copy_(inputs.out, non_blocking=True)
-        torch.cuda.current_stream(self.kv.device).synchronize()  # the mirrors are free after
-        return host_out.numpy()[:bs]
 
     def capture_all(self, shape: Shape) -> None:
         """The graphs of `shape` at every batch bucket (warm-up), largest first."""
@@ -267,7 +265,7 @@ class DeviceExpansion:
                 scores[:, n : n + new] = cum.view(bs, new)
                 keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
             from_row = keep // k  # the frontier row each kept child hangs from
-            seen = seen.gather(1, from_row[:, :, None].expand(bs, k, n_all)).clone()
+            seen = seen.gather(1, from_row[:, :, None].expand(bs, k, n_all))
             seen.scatter_(2, (n + keep)[:, :, None], True)
             if features is not None:
                 assert outputs is not None
