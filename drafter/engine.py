@@ -151,15 +151,11 @@ class DrafterEngine:
         self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
         self.release(["__warmup__"])
         self.check_integrity()
-        if self.proposer_device.type != "cuda":  # the CPU builds nothing: no time spent there
+        if self.proposer.device.type != "cuda":  # the CPU builds nothing: no time spent there
             return
         self.proposer.warm_up_kernels()
         self.proposer.capture_cuda_graphs(self.graph_catch_up_lens, self.max_batch_size)
         self._rehearse()
-
-    @property
-    def proposer_device(self) -> torch.device:
-        return getattr(self.proposer, "device", torch.device("cpu"))
 
     def _rehearse(self) -> int:
         """A few rounds as traffic runs them (after the graphs are captured, in inference mode):

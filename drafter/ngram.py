@@ -7,6 +7,8 @@ merges the continuations of up to topk distinct matches into a trie (siblings di
 
 from __future__ import annotations
 
+import torch
+
 from drafter.types import DraftJob, DraftSeq
 from specsplit.tree import DraftTree
 
@@ -24,6 +26,7 @@ class NgramProposer:
         self.min_ngram = min_ngram
         self.vocab_size = vocab_size  # only checked by the verifier
         self.max_context = max_context
+        self.device = torch.device("cpu")  # no model: it drafts on the host
 
     def new_state(self, seq: DraftSeq) -> None:
         return None

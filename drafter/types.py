@@ -33,6 +33,7 @@ class DraftJob:
 class Proposer(Protocol):
     vocab_size: int
     max_context: int
+    device: torch.device  # where it drafts (the CPU for prompt lookup)
 
     def new_state(self, seq: DraftSeq) -> object: ...
 
