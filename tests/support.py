@@ -7,11 +7,21 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gateway.clients import VerifierClient
+from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import DraftInput, DraftOutput, SpecParams, Truncated, Truncation
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.sampling import SamplingParams
 from specsplit.step import SeqStep
 
@@ -177,6 +187,30 @@ def dense_step(
 ) -> SeqStep:
     """A step given by a dense mask (tests): everything is its new region, no fixed prefix."""
     return SeqStep(seq, input_ids, positions, storage, int(mask.shape[1]), 0, mask, logit_rows)
+
+
+class PassThroughVerifier:
+    """A verifier client that hands every call to `inner`; a test double subclasses it and
+    overrides what it changes (a slow, failing, restarting or watched Verify)."""
+
+    def __init__(self, inner: VerifierClient) -> None:
+        self.inner = inner
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        return await self.inner.verify(inputs)
+
+    @property
+    def last_engine_seconds(self) -> float:
+        return self.inner.last_engine_seconds
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        return await self.inner.truncate(items)
+
+    async def health(self) -> Health:
+        return await self.inner.health()
 
 
 class BrokenDrafter:

@@ -18,6 +18,7 @@ from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput,
 from tests.support import (
     TINY_VOCAB,
     BrokenDrafter,
+    PassThroughVerifier,
     check_no_leaks,
     generate_all,
     generated_ids,
@@ -115,25 +116,15 @@ class _Timed:
     def verifier_client(self) -> VerifierClient:
         timed = self
 
-        class Verifier:
+        class Verifier(PassThroughVerifier):
             async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
                 return await timed._timed(timed.verifies, self._slow(inputs))
 
-            @property
-            def last_engine_seconds(self) -> float:
-                return timed.verifier.last_engine_seconds
-
             async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
                 await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
-                return await timed.verifier.verify(inputs)
+                return await self.inner.verify(inputs)
 
-            async def release(self, seq_ids: list[str]) -> None:
-                await timed.verifier.release(seq_ids)
-
-            async def health(self):
-                return await timed.verifier.health()  # type: ignore[attr-defined]
-
-        return Verifier()
+        return Verifier(timed.verifier)
 
     def overlapping_drafts(self) -> int:
         return sum(any(v0 < d0 < v1 for v0, v1 in self.verifies) for d0, _ in self.drafts)
@@ -195,12 +186,13 @@ def test_groups_leave_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer
     check_no_leaks(stack)
 
 
-class _RestartingVerifier:
+class _RestartingVerifier(PassThroughVerifier):
     """The real verifier, which loses every sequence (a restart) before its `fail_at`-th Verify
     and answers that one UNAVAILABLE."""
 
     def __init__(self, inner: VerifierClient, engine, fail_at: int) -> None:
-        self.inner, self.engine, self.fail_at = inner, engine, fail_at
+        super().__init__(inner)
+        self.engine, self.fail_at = engine, fail_at
         self.calls = 0
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
@@ -209,16 +201,6 @@ class _RestartingVerifier:
             self.engine.release(list(self.engine.seqs))
             raise ServiceError(Code.UNAVAILABLE, "verifier restarted")
         return await self.inner.verify(inputs)
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await self.inner.release(seq_ids)
-
-    @property
-    def last_engine_seconds(self) -> float:
-        return self.inner.last_engine_seconds
-
-    async def health(self):
-        return await self.inner.health()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("overlap", ["serial", "groups"])

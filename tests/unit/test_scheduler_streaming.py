@@ -13,11 +13,13 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from gateway.clients import VerifierClient
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
 from tests.support import (
     TINY_VOCAB,
+    PassThroughVerifier,
     check_no_leaks,
     generate_all,
     generated_ids,
@@ -50,12 +52,12 @@ def _streamed_tokens() -> float:
     return REGISTRY.get_sample_value("specsplit_generated_tokens_total") or 0.0
 
 
-class _Watching:
+class _Watching(PassThroughVerifier):
     """The real verifier client; for each Verify, the tokens streamed to clients (the gateway's
     counter) when it was sent and when it answered."""
 
-    def __init__(self, verifier, fail_at: int | None = None) -> None:
-        self.verifier = verifier
+    def __init__(self, inner: VerifierClient, fail_at: int | None = None) -> None:
+        super().__init__(inner)
         self.fail_at = fail_at
         self.calls: list[tuple[float, float]] = []
 
@@ -65,17 +67,7 @@ class _Watching:
         self.calls.append((sent, _streamed_tokens()))
         if len(self.calls) == self.fail_at:
             raise ServiceError(Code.INVALID_ARGUMENT, "refused")
-        return await self.verifier.verify(inputs)
-
-    @property
-    def last_engine_seconds(self) -> float:
-        return self.verifier.last_engine_seconds
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await self.verifier.release(seq_ids)
-
-    async def health(self):
-        return await self.verifier.health()
+        return await self.inner.verify(inputs)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])

@@ -16,7 +16,13 @@ from inprocess.clients import LocalVerifierClient
 from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
-from tests.support import check_no_leaks, generated_ids, make_stack, save_tiny_llama
+from tests.support import (
+    PassThroughVerifier,
+    check_no_leaks,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
 
 POLL_S = 5.0  # fake seconds each health check of the away verifier takes
 
@@ -31,7 +37,7 @@ def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "VERIFIER_RETRY_S", 0.001)
 
 
-class _RestartingVerifier:
+class _RestartingVerifier(PassThroughVerifier):
     """The real verifier, gone after `fail_after` rounds: while away its rounds and releases
     fail UNAVAILABLE and its health says `away_health`; each health check advances the clock by
     POLL_S. After `away_polls` checks it is back with an empty cache, as a restarted one."""
@@ -39,7 +45,7 @@ class _RestartingVerifier:
     def __init__(
         self, inner: LocalVerifierClient, fail_after: int, away_polls: int, away_health: Health
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.fail_after = fail_after
         self.away_polls = away_polls
         self.away_health = away_health
@@ -58,10 +64,6 @@ class _RestartingVerifier:
             raise ServiceError(Code.UNAVAILABLE, "verifier: UNAVAILABLE: connection refused")
         self.rounds += 1
         return await self.inner.verify(inputs)
-
-    @property
-    def last_engine_seconds(self) -> float:
-        return self.inner.last_engine_seconds
 
     async def release(self, seq_ids: list[str]) -> None:
         if self.away:
