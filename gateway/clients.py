@@ -29,7 +29,10 @@ class DrafterClient(Protocol):
 
 
 class VerifierClient(Protocol):
-    last_engine_seconds: float  # the verifier's engine time of the last verify round
+    @property
+    def last_engine_seconds(self) -> float:
+        """The verifier's engine time of the last verify round."""
+        ...
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
 
