@@ -154,7 +154,8 @@ class Row:
     rounds: int = 0
     num_accepted_tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)
-    buckets: Buckets = field(default_factory=Counter)  # the gateway's, during this row's runs
+    buckets: Buckets = field(default_factory=Counter)  # the services', during this row's runs
+    totals: Totals = field(default_factory=Counter)  # their histogram sums and counts, the same
 
     @property
     def num_tokens(self) -> int:
@@ -271,6 +272,7 @@ def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -
             for name in names[shift:] + names[:shift]:
                 probe = name.startswith("specsplit")
                 before = scrape_buckets() if probe else Counter()
+                before_totals = scrape_totals() if probe else Counter()
                 start = time.perf_counter()
                 tokens, rounds, accepted = runners[name](prompt)
                 row = rows[name]
@@ -278,6 +280,8 @@ def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -
                 if probe:
                     row.buckets.update(scrape_buckets())
                     row.buckets.subtract(before)
+                    row.totals.update(scrape_totals())
+                    row.totals.subtract(before_totals)
                 row.rounds += rounds
                 row.num_accepted_tokens += accepted
                 if sweep == 0:
@@ -331,14 +335,20 @@ def main() -> None:
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
             f"  {same}/{len(row.outputs)}"
         )
-    print("a round's parts and the split's cost, ms (histogram bucket upper bounds)")
-    print(f"{'run':<30}{'cost':<32}{'p50':>8}{'p99':>8}")
+    print("a round's parts and the split's cost, ms: exact means (unlabelled histograms' sums")
+    print("over counts), p50 and p99 as histogram bucket upper bounds")
+    print(f"{'run':<30}{'cost':<32}{'mean':>8}{'p50':>8}{'p99':>8}")
     for name, row in rows.items():
         if not name.startswith("specsplit"):
             continue
         for label, key in ROUND_PARTS.items():
             p50, p99 = (1e3 * quantile(row.buckets, key, q) for q in (0.5, 0.99))
-            print(f"{name:<30}{label:<32}{p50:>8.2f}{p99:>8.2f}")
+            process, metric, labels = key
+            calls = row.totals[(process, metric + "_count")]
+            mean = math.nan  # scrape_totals keeps unlabelled histograms only
+            if calls and not labels:
+                mean = 1e3 * row.totals[(process, metric + "_sum")] / calls
+            print(f"{name:<30}{label:<32}{mean:>8.2f}{p50:>8.2f}{p99:>8.2f}")
 
 
 if __name__ == "__main__":
