@@ -3,10 +3,10 @@
 `specsplit.kernels.accept` runs them as ~50 small torch ops over the batch, a fixed sequence for
 a given (batch, tree width): on an H100 host their launches cost ~0.4 ms per round at batch 1
 and ~1.4 ms at batch 8 (bench/profile_step.py), against ~1 ms of GPU time for a SmolLM2 step.
-Captured once per (batch bucket, tree width, page-table width bucket), a round costs the argmax
-of the logits, one host-to-device copy of the round's integers, one replay and the round's one
-device-to-host copy. The ops are the same: the graph gives exactly the eager path's results
-(tests/gpu/test_accept_graphs.py).
+Captured once per (batch bucket, power-of-two tree width, page-table width bucket), a round costs
+the argmax of the logits, one host-to-device copy of the round's integers, one replay and the
+round's one device-to-host copy. The ops are the same: the graph gives exactly the eager path's
+results (tests/gpu/test_accept_graphs.py).
 
 Inputs travel as one int64 host array in the layout `AcceptGraphs.layout` gives: rows of the
 batch padded to the bucket (parents -2: nothing accepted, every move scratch -> scratch), the
@@ -106,7 +106,10 @@ class AcceptGraphs:
             return None  # more sequences or logits rows than the graphs hold
         bucket = next(b for b in self.batch_sizes if b >= num_seqs)
         pages = max(MIN_PAGES, 1 << (max_pages - 1).bit_length())
-        return Layout(bucket, width, pages)
+        # tree widths padded to a power of two (nodes past a tree's end are padding, as in a
+        # batch of unequal trees): trees cut short near max_new_tokens share their graphs
+        padded_width = 1 << (width - 1).bit_length() if width else 0
+        return Layout(bucket, padded_width, pages)
 
     def run(
         self, layout: Layout, host: np.ndarray, logits: torch.Tensor, num_seqs: int

@@ -18,11 +18,17 @@ def graphs() -> AcceptGraphs:
     return AcceptGraphs(kv, batch_sizes=[1, 2, 4, 8], max_rows=8 * 5)
 
 
-def test_a_round_takes_the_next_bucket_and_a_power_of_two_page_width(graphs) -> None:
-    assert graphs.layout(1, 3, 5) == Layout(1, 3, MIN_PAGES)
+def test_a_round_takes_the_next_bucket_and_power_of_two_widths(graphs) -> None:
+    assert graphs.layout(1, 3, 5) == Layout(1, 4, MIN_PAGES)
     assert graphs.layout(3, 4, 9) == Layout(4, 4, 16)
     assert graphs.layout(8, 4, 33) == Layout(8, 4, 64)
     assert graphs.layout(5, 0, 1) == Layout(8, 0, MIN_PAGES)  # no trees: decode rounds too
+
+
+def test_trees_cut_short_share_the_full_trees_graph(graphs) -> None:
+    """A 16-node tree and the shorter ones near max_new_tokens (capped spec) use one graph."""
+    assert {graphs.layout(2, n, 4) for n in (9, 12, 13, 16)} == {Layout(2, 16, MIN_PAGES)}
+    assert [graphs.layout(1, n, 4).width for n in (1, 2, 5, 8)] == [1, 2, 8, 8]
 
 
 def test_rounds_past_the_graphs_run_eagerly(graphs) -> None:
