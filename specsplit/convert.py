@@ -39,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -53,13 +54,22 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def tensor_to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:
+    msg = common_pb2.Tensor()
+    _fill_tensor(msg, tensor)
+    return msg
+
+
+def _fill_tensor(msg: common_pb2.Tensor, tensor: torch.Tensor) -> None:
+    """Write `tensor` into `msg` in place. The builders below fill sub-messages where they
+    are (`.add()`, a field's own message): a message built apart and then assigned or
+    `CopyFrom`-ed is copied again, tensor bytes included."""
     tensor = tensor.detach().to("cpu").contiguous()
     if tensor.dtype not in _DTYPE_NAMES:
         raise ValueError(f"tensor dtype {tensor.dtype} cannot cross the wire")
     raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    return common_pb2.Tensor(
-        dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=raw.numpy().tobytes()
-    )
+    msg.dtype = _DTYPE_NAMES[tensor.dtype]
+    msg.shape.extend(tensor.shape)
+    msg.data = raw.numpy().tobytes()
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
@@ -70,8 +80,7 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise invalid(f"{field}.shape {list(shape)} has a negative dimension")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * _ITEMSIZES[dtype]
     if len(msg.data) != expected:
         raise invalid(
             f"{field}.data has {len(msg.data)} bytes, shape {list(shape)} of {msg.dtype} "
@@ -121,10 +130,16 @@ def spec_from_proto(msg: common_pb2.SpecParams) -> SpecParams:
 
 
 def tree_to_proto(tree: DraftTree) -> common_pb2.DraftTree:
-    msg = common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents)
-    if tree.draft_probs is not None:
-        msg.draft_probs.CopyFrom(tensor_to_proto(tree.draft_probs))
+    msg = common_pb2.DraftTree()
+    _fill_tree(msg, tree)
     return msg
+
+
+def _fill_tree(msg: common_pb2.DraftTree, tree: DraftTree) -> None:
+    msg.tokens.extend(tree.tokens)
+    msg.parents.extend(tree.parents)
+    if tree.draft_probs is not None:
+        _fill_tensor(msg.draft_probs, tree.draft_probs)
 
 
 def tree_from_proto(msg: common_pb2.DraftTree, field: str = "tree") -> DraftTree:
@@ -140,18 +155,21 @@ def tree_from_proto(msg: common_pb2.DraftTree, field: str = "tree") -> DraftTree
 
 
 def draft_input_to_proto(item: DraftInput) -> drafter_pb2.SequenceDraftInput:
-    msg = drafter_pb2.SequenceDraftInput(
-        seq_id=item.seq_id,
-        begin=item.begin,
-        start=item.start,
-        new_tokens=item.new_tokens,
-        target_kv_committed_len=item.target_kv_committed_len,
-        spec=spec_to_proto(item.spec),
-        sampling=sampling_to_proto(item.sampling),
-    )
-    if item.target_hidden_states is not None:
-        msg.target_hidden_states.CopyFrom(tensor_to_proto(item.target_hidden_states))
+    msg = drafter_pb2.SequenceDraftInput()
+    _fill_draft_input(msg, item)
     return msg
+
+
+def _fill_draft_input(msg: drafter_pb2.SequenceDraftInput, item: DraftInput) -> None:
+    msg.seq_id = item.seq_id
+    msg.begin = item.begin
+    msg.start = item.start
+    msg.new_tokens.extend(item.new_tokens)
+    msg.target_kv_committed_len = item.target_kv_committed_len
+    msg.spec.CopyFrom(spec_to_proto(item.spec))
+    msg.sampling.CopyFrom(sampling_to_proto(item.sampling))
+    if item.target_hidden_states is not None:
+        _fill_tensor(msg.target_hidden_states, item.target_hidden_states)
 
 
 def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
@@ -173,12 +191,16 @@ def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
 
 
 def draft_output_to_proto(item: DraftOutput) -> drafter_pb2.SequenceDraftOutput:
-    return drafter_pb2.SequenceDraftOutput(
-        seq_id=item.seq_id,
-        tree=tree_to_proto(item.tree),
-        kv_committed_len=item.kv_committed_len,
-        hidden_state_layers=item.hidden_state_layers,
-    )
+    msg = drafter_pb2.SequenceDraftOutput()
+    _fill_draft_output(msg, item)
+    return msg
+
+
+def _fill_draft_output(msg: drafter_pb2.SequenceDraftOutput, item: DraftOutput) -> None:
+    msg.seq_id = item.seq_id
+    _fill_tree(msg.tree, item.tree)
+    msg.kv_committed_len = item.kv_committed_len
+    msg.hidden_state_layers.extend(item.hidden_state_layers)
 
 
 def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput:
@@ -191,7 +213,10 @@ def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput
 
 
 def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest:
-    return drafter_pb2.DraftRequest(sequences=[draft_input_to_proto(i) for i in inputs])
+    msg = drafter_pb2.DraftRequest()
+    for item in inputs:
+        _fill_draft_input(msg.sequences.add(), item)
+    return msg
 
 
 def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
@@ -199,9 +224,10 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
 
 
 def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafter_pb2.DraftResponse:
-    return drafter_pb2.DraftResponse(
-        sequences=[draft_output_to_proto(o) for o in outputs], draft_ns=draft_ns
-    )
+    msg = drafter_pb2.DraftResponse(draft_ns=draft_ns)
+    for item in outputs:
+        _fill_draft_output(msg.sequences.add(), item)
+    return msg
 
 
 def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutput]:
@@ -215,20 +241,23 @@ GREEDY = SamplingParams()
 
 
 def verify_input_to_proto(item: VerifyInput) -> verifier_pb2.SequenceVerifyInput:
+    msg = verifier_pb2.SequenceVerifyInput()
+    _fill_verify_input(msg, item)
+    return msg
+
+
+def _fill_verify_input(msg: verifier_pb2.SequenceVerifyInput, item: VerifyInput) -> None:
     """An empty tree and greedy sampling travel as unset fields (they read back as such): per
     sequence and round, two sub-messages fewer to build and parse."""
-    msg = verifier_pb2.SequenceVerifyInput(
-        seq_id=item.seq_id,
-        begin=item.begin,
-        kv_committed_len=item.kv_committed_len,
-        pending_tokens=item.pending_tokens,
-        hidden_state_layers=item.hidden_state_layers,
-    )
+    msg.seq_id = item.seq_id
+    msg.begin = item.begin
+    msg.kv_committed_len = item.kv_committed_len
+    msg.pending_tokens.extend(item.pending_tokens)
+    msg.hidden_state_layers.extend(item.hidden_state_layers)
     if item.tree.tokens:
-        msg.tree.CopyFrom(tree_to_proto(item.tree))
+        _fill_tree(msg.tree, item.tree)
     if item.sampling != GREEDY:
         msg.sampling.CopyFrom(sampling_to_proto(item.sampling))
-    return msg
 
 
 def verify_input_from_proto(msg: verifier_pb2.SequenceVerifyInput) -> VerifyInput:
@@ -246,17 +275,20 @@ def verify_input_from_proto(msg: verifier_pb2.SequenceVerifyInput) -> VerifyInpu
 
 
 def verify_output_to_proto(item: VerifyOutput) -> verifier_pb2.SequenceVerifyOutput:
-    msg = verifier_pb2.SequenceVerifyOutput(
-        seq_id=item.seq_id,
-        accepted_tokens=item.accepted_tokens,
-        bonus_token=item.bonus_token,
-        num_accepted_drafts=item.num_accepted_drafts,
-        num_accepted_tokens=item.num_accepted_tokens,
-        kv_committed_len=item.kv_committed_len,
-    )
-    if item.hidden_states is not None:
-        msg.hidden_states.CopyFrom(tensor_to_proto(item.hidden_states))
+    msg = verifier_pb2.SequenceVerifyOutput()
+    _fill_verify_output(msg, item)
     return msg
+
+
+def _fill_verify_output(msg: verifier_pb2.SequenceVerifyOutput, item: VerifyOutput) -> None:
+    msg.seq_id = item.seq_id
+    msg.accepted_tokens.extend(item.accepted_tokens)
+    msg.bonus_token = item.bonus_token
+    msg.num_accepted_drafts = item.num_accepted_drafts
+    msg.num_accepted_tokens = item.num_accepted_tokens
+    msg.kv_committed_len = item.kv_committed_len
+    if item.hidden_states is not None:
+        _fill_tensor(msg.hidden_states, item.hidden_states)
 
 
 def verify_output_from_proto(msg: verifier_pb2.SequenceVerifyOutput) -> VerifyOutput:
@@ -281,7 +313,10 @@ def verify_output_from_proto(msg: verifier_pb2.SequenceVerifyOutput) -> VerifyOu
 
 
 def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyRequest:
-    return verifier_pb2.VerifyRequest(sequences=[verify_input_to_proto(i) for i in inputs])
+    msg = verifier_pb2.VerifyRequest()
+    for item in inputs:
+        _fill_verify_input(msg.sequences.add(), item)
+    return msg
 
 
 def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInput]:
@@ -291,9 +326,10 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInp
 def verify_response_to_proto(
     outputs: list[VerifyOutput], verify_ns: int
 ) -> verifier_pb2.VerifyResponse:
-    return verifier_pb2.VerifyResponse(
-        sequences=[verify_output_to_proto(o) for o in outputs], verify_ns=verify_ns
-    )
+    msg = verifier_pb2.VerifyResponse(verify_ns=verify_ns)
+    for item in outputs:
+        _fill_verify_output(msg.sequences.add(), item)
+    return msg
 
 
 def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyOutput]:
