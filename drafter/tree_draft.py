@@ -216,23 +216,22 @@ class TreeProposer:
                 groups.setdefault(Shape(spec.topk, spec.num_steps), []).append(i)
             elif spec.num_steps > 0:
                 on_host.append(i)
+
+        def roots(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The root rows of jobs `idx` (all of them as they are)."""
+            if len(idx) == len(jobs):
+                return root_logits, root_features
+            rows = torch.tensor(idx, device=root_logits.device)
+            features = None if root_features is None else root_features.index_select(0, rows)
+            return root_logits.index_select(0, rows), features
+
         for shape, idx in groups.items():
-            logits, features = root_logits, root_features
-            if len(idx) < len(jobs):  # this shape's rows
-                rows = torch.tensor(idx, device=root_logits.device)
-                logits = root_logits.index_select(0, rows)
-                features = None if root_features is None else root_features.index_select(0, rows)
-            found = self._expansion().expand(
-                shape, [self._seq_kv(jobs[i].seq) for i in idx], logits, features
-            )
+            seqs = [self._seq_kv(jobs[i].seq) for i in idx]
+            found = self._expansion().expand(shape, seqs, *roots(idx))
             for i, candidates in zip(idx, found, strict=True):
                 trees[i] = select_tree(candidates, jobs[i].spec)
         if on_host:
-            rows = torch.tensor(on_host, device=root_logits.device)
-            features = None if root_features is None else root_features.index_select(0, rows)
-            grown = self._expand_on_host(
-                [jobs[i] for i in on_host], root_logits.index_select(0, rows), features
-            )
+            grown = self._expand_on_host([jobs[i] for i in on_host], *roots(on_host))
             for i, tree in zip(on_host, grown, strict=True):
                 trees[i] = tree
         return trees
