@@ -3,14 +3,15 @@
 `specsplit.kernels.accept` runs them as ~50 small torch ops over the batch, a fixed sequence for
 a given (batch, tree width): on an H100 host their launches cost ~0.4 ms per round at batch 1
 and ~1.4 ms at batch 8 (bench/profile_step.py), against ~1 ms of GPU time for a SmolLM2 step.
-Captured once per (batch bucket, power-of-two tree width, page-table width bucket), a round costs
-the argmax of the logits, one host-to-device copy of the round's integers, one replay and the
-round's one device-to-host copy. The ops are the same: the graph gives exactly the eager path's
-results (tests/gpu/test_accept_graphs.py).
+Captured at warm-up once per (batch bucket, power-of-two tree width), a round costs the argmax
+of the logits, one host-to-device copy of the round's integers, one replay and the round's one
+device-to-host copy. The ops are the same: the graph gives exactly the eager path's results
+(tests/gpu/test_accept_graphs.py).
 
-Inputs travel as one int64 host array in the layout `AcceptGraphs.layout` gives: rows of the
-batch padded to the bucket (parents -2: nothing accepted, every move scratch -> scratch), the
-page table padded with page 0 (only real moves read it, within each sequence's pages).
+Inputs travel as one int64 host array (pinned, one per graph) in the layout `AcceptGraphs.layout`
+gives: rows of the batch padded to the bucket (parents -2: nothing accepted, every move scratch
+-> scratch), and of each sequence's page table only the window its tree's storage spans
+(`page_window`: a fixed width per tree width, whatever the context length).
 """
 
 from __future__ import annotations
@@ -27,12 +28,30 @@ from specsplit.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-MIN_PAGES = 8  # page-table widths are bucketed to powers of two from here
+
+def window_pages(width: int, page_size: int) -> int:
+    """Pages of a window that holds storage [base, base + width) wherever base falls."""
+    return 1 + -(-width // page_size)
+
+
+def page_window(
+    table: np.ndarray,  # [B, max_pages] each sequence's page table
+    base: np.ndarray,  # [B] storage index of tree node 0
+    pages: int,  # the window's width (window_pages)
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """([B, pages] the table's columns from base's page on, [B] base within the window's first
+    page): the tree's storage has the same slots through the window as through the table.
+    Columns past a table's end repeat its last entry (no real move reads them)."""
+    first = base // page_size
+    cols = np.minimum(first[:, None] + np.arange(pages), table.shape[1] - 1)
+    return np.take_along_axis(table, cols, axis=1), base - first * page_size
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The padded shapes of one graph: `bucket` rows, `width` tree nodes, `pages` columns."""
+    """The padded shapes of one graph: `bucket` rows, `width` tree nodes, `pages` columns of
+    each sequence's page-table window."""
 
     bucket: int
     width: int
@@ -40,7 +59,8 @@ class Layout:
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
-        """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B], pages [B, P]."""
+        """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B] (within the
+        window), page-table window [B, P]."""
         b, n = self.bucket, self.width
         return [(b, n + 1), (b, n), (b, n), (b,), (b, self.pages)]
 
@@ -55,9 +75,13 @@ class Layout:
             for part, shape in zip(flat.split(self.sizes), self.shapes, strict=True)
         ]
 
-    def host_arrays(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A zeroed host array and its parts as views (parents -2: padding)."""
-        host = np.zeros(sum(self.sizes), dtype=np.int64)
+    def host_arrays(self, host: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """A zeroed host array (`host`, reset, or a new one) and its parts as views (parents
+        -2: padding)."""
+        if host is None:
+            host = np.zeros(sum(self.sizes), dtype=np.int64)
+        else:
+            host[:] = 0
         parts = [
             part.reshape(shape)
             for part, shape in zip(
@@ -73,6 +97,9 @@ class _Graph:
         device = kv.device
         self.layout = layout
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
+        # the inputs' host mirror: a round fills it and copies it in (free again after the
+        # round's device-to-host copy of the results)
+        self.host = torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory()
         self.argmax = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
@@ -87,9 +114,9 @@ class _Graph:
 
 
 class AcceptGraphs:
-    """The graphs of one verifier engine, captured on first use of each layout (the warm-up's
-    rehearsal captures the common ones). Padding sequences accept nothing and move scratch
-    slots only, so the KV cache is safe to share with the forward's graphs."""
+    """The graphs of one verifier engine: every layout `capture_all` captures at warm-up, any
+    other on its first use. Padding sequences accept nothing and move scratch slots only, so
+    the KV cache is safe to share with the forward's graphs."""
 
     def __init__(self, kv: KVCache, batch_sizes: list[int], max_rows: int) -> None:
         """batch_sizes: the buckets (ascending, as the forward's graphs); max_rows: the most
@@ -100,28 +127,44 @@ class AcceptGraphs:
         self.graphs: dict[Layout, _Graph] = {}
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
 
-    def layout(self, num_seqs: int, width: int, max_pages: int) -> Layout | None:
-        """The padded layout for a round, or None (more sequences than the largest bucket)."""
+    def layout(self, num_seqs: int, width: int) -> Layout | None:
+        """The padded layout for a round of `num_seqs` trees of at most `width` nodes, or None
+        (more sequences or logits rows than the graphs hold)."""
         if num_seqs > self.batch_sizes[-1] or num_seqs * (width + 1) > self.max_rows:
-            return None  # more sequences or logits rows than the graphs hold
+            return None
         bucket = next(b for b in self.batch_sizes if b >= num_seqs)
-        pages = max(MIN_PAGES, 1 << (max_pages - 1).bit_length())
         # tree widths padded to a power of two (nodes past a tree's end are padding, as in a
         # batch of unequal trees): trees cut short near max_new_tokens share their graphs
         padded_width = 1 << (width - 1).bit_length() if width else 0
-        return Layout(bucket, padded_width, pages)
+        return Layout(bucket, padded_width, window_pages(padded_width, self.kv.page_size))
 
-    def run(
-        self, layout: Layout, host: np.ndarray, logits: torch.Tensor, num_seqs: int
-    ) -> list[list[int]]:
-        """Replay the layout's graph over `host` (Layout.host_arrays, filled) and the round's
-        logits ([L, vocab], L <= max_rows); per sequence [accepted drafts, bonus, nodes...]."""
+    def capture_all(self, max_width: int) -> None:
+        """Capture every layout of trees up to `max_width` nodes (a round past them captures
+        its own on first use: tens of ms in the middle of traffic)."""
+        widths = [0] + [1 << i for i in range(max(max_width, 1).bit_length())]
+        for bucket in self.batch_sizes:
+            for width in widths:
+                layout = self.layout(bucket, width)
+                if layout is not None and layout not in self.graphs:
+                    self.graphs[layout] = self._capture(layout)
+        log.info("captured %d acceptance graphs", len(self.graphs))
+
+    def host_arrays(self, layout: Layout) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Layout.host_arrays in the layout's graph's pinned host mirror (captured now if it
+        was not): `run` copies it in without a staging copy."""
         graph = self.graphs.get(layout)
         if graph is None:
             graph = self.graphs[layout] = self._capture(layout)
+        return layout.host_arrays(graph.host.numpy())
+
+    def run(self, layout: Layout, logits: torch.Tensor, num_seqs: int) -> list[list[int]]:
+        """Replay the layout's graph over its host mirror (`host_arrays`, filled) and the
+        round's logits ([L, vocab], L <= max_rows); per sequence [accepted drafts, bonus,
+        nodes...]."""
+        graph = self.graphs[layout]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
-        graph.inputs.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        graph.inputs.copy_(graph.host, non_blocking=True)
         torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
         graph.graph.replay()
         assert graph.out is not None

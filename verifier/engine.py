@@ -35,7 +35,7 @@ from specsplit.model.loader import load_model
 from specsplit.sampling import make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
-from verifier.accept_graphs import AcceptGraphs, Layout
+from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,8 @@ class VerifierEngine:
         if self.graphs is not None:
             for q in self.graph_query_lens:
                 self.graphs.capture(q)
+        if self.accept_graphs is not None:  # trees up to the largest graph's query length
+            self.accept_graphs.capture_all(max(self.graph_query_lens) - 1)
         if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
             self._rehearse()
 
@@ -270,6 +272,9 @@ class VerifierEngine:
         out = self.graphs.forward(batch, aux) if self.graphs is not None else None
         if out is None:
             out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
+        # every hidden-state row crosses to the host now, queued before the acceptance's one
+        # device-to-host copy of its results, whose wait covers it; rows are picked there
+        hidden = None if out.hidden_states is None else _to_host(out.hidden_states)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
         accepted = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
@@ -277,19 +282,19 @@ class VerifierEngine:
             self._commit(item, seq, result)
             for item, seq, result in zip(inputs, seqs, accepted, strict=True)
         ]
-        if out.hidden_states is not None:
-            self._hidden_states_out(inputs, accepted, out.hidden_states, results)
+        if hidden is not None:
+            self._hidden_states_out(inputs, accepted, hidden, results)
         return results
 
     def _hidden_states_out(
         self,
         inputs: list[VerifyInput],
         accepted: list[AcceptResult],
-        hidden_states: torch.Tensor,  # [rows of the step, layers * hidden] on the device
+        hidden_states: torch.Tensor,  # [rows of the step, layers * hidden] bf16 on the host
         results: list[VerifyOutput],
     ) -> None:
         """Each sequence that asked for hidden states gets [p + num_accepted_drafts, layers *
-        hidden]: its pending tokens, then the accepted path (one device-to-host copy)."""
+        hidden]: its pending tokens, then the accepted path."""
         keep: list[int] = []
         sizes: list[int] = []
         askers: list[VerifyOutput] = []
@@ -302,8 +307,7 @@ class VerifierEngine:
                 sizes.append(p + len(path.accepted_nodes))
                 askers.append(output)
             start += p + len(item.tree)
-        index = to_device(torch.tensor(keep, dtype=torch.int64), self.device)
-        hidden = hidden_states.index_select(0, index).to(torch.bfloat16).cpu()
+        hidden = hidden_states.index_select(0, torch.tensor(keep, dtype=torch.int64))
         for output, part in zip(askers, hidden.split(sizes), strict=True):
             output.hidden_states = part
 
@@ -319,31 +323,33 @@ class VerifierEngine:
         and the accepted path's K/V compaction for the whole batch on the device; one
         device-to-host copy of the results."""
         width = max(len(item.tree) for item in inputs)  # N
-        num_seqs, max_pages = block_table.shape
+        num_seqs = block_table.shape[0]
         greedy = self.synthetic_acceptance is None and all(i.sampling.greedy for i in inputs)
-        layout = None
-        if greedy and self.accept_graphs is not None:  # a CUDA graph's padded layout
-            layout = self.accept_graphs.layout(num_seqs, width, max_pages)
+        graphs = self.accept_graphs if greedy else None
+        layout = None if graphs is None else graphs.layout(num_seqs, width)
         # one host array, one copy to the device (Layout.shapes: each sequence's rows of
-        # `logits`, draft tokens, parents, storage of tree node 0, pages); numpy views for the
-        # per-sequence writes (~1 us each, torch's ~5-10)
-        host, (row_index_h, draft_h, parents_h, base_h, table_h) = (
-            layout or Layout(num_seqs, width, max_pages)
-        ).host_arrays()
-        table_h[:num_seqs, :max_pages] = block_table.numpy()
+        # `logits`, draft tokens, parents, storage of tree node 0, its page-table window);
+        # numpy views for the per-sequence writes (~1 us each, torch's ~5-10)
+        if graphs is not None and layout is not None:  # a CUDA graph's padded layout
+            host, parts = graphs.host_arrays(layout)
+        else:
+            graphs, layout = None, Layout(num_seqs, width, window_pages(width, self.kv.page_size))
+            host, parts = layout.host_arrays()
+        row_index_h, draft_h, parents_h, base_h, table_h = parts
+        base = np.empty(num_seqs, dtype=np.int64)
         for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
             n = len(item.tree)
             row_index_h[b, : n + 1] = r
             draft_h[b, :n] = item.tree.tokens
             parents_h[b, :n] = item.tree.parents
-            base_h[b] = item.kv_committed_len + len(item.pending_tokens)
-        if layout is not None:
-            assert self.accept_graphs is not None
-            packed = self.accept_graphs.run(layout, host, logits, num_seqs)
+            base[b] = item.kv_committed_len + len(item.pending_tokens)
+        table_h[:num_seqs], base_h[:num_seqs] = page_window(
+            block_table.numpy(), base, layout.pages, self.kv.page_size
+        )
+        if graphs is not None:
+            packed = graphs.run(layout, logits, num_seqs)
         else:
-            packed = self._accept_eager(
-                inputs, seqs, logits, host, Layout(num_seqs, width, max_pages), greedy
-            )
+            packed = self._accept_eager(inputs, seqs, logits, host, layout, greedy)
         return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
 
     def _accept_eager(
@@ -537,3 +543,13 @@ class VerifierEngine:
         assert sum(len(s.kv.page_table) for s in self.seqs.values()) == self.kv.allocator.num_used
         for seq_id, seq in self.seqs.items():
             assert 0 <= seq.kv.kv_committed_len <= seq.kv.kv_allocated_len, seq_id
+
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """rows in bfloat16 on the host; from a GPU an asynchronous copy into pinned memory (valid
+    once the stream has been waited for)."""
+    rows = rows.to(torch.bfloat16)
+    if rows.device.type != "cuda":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    return host.copy_(rows, non_blocking=True)

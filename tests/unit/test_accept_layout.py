@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from specsplit.kernels.accept import accepted_kv_moves
 from specsplit.kv_cache import KVCache
-from verifier.accept_graphs import MIN_PAGES, AcceptGraphs, Layout
+from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
 
 
 @pytest.fixture
@@ -19,25 +20,60 @@ def graphs() -> AcceptGraphs:
 
 
 def test_a_round_takes_the_next_bucket_and_power_of_two_widths(graphs) -> None:
-    assert graphs.layout(1, 3, 5) == Layout(1, 4, MIN_PAGES)
-    assert graphs.layout(3, 4, 9) == Layout(4, 4, 16)
-    assert graphs.layout(8, 4, 33) == Layout(8, 4, 64)
-    assert graphs.layout(5, 0, 1) == Layout(8, 0, MIN_PAGES)  # no trees: decode rounds too
+    """Page size 16: a window of 2 pages holds up to 16 nodes wherever they start."""
+    assert graphs.layout(1, 3) == Layout(1, 4, 2)
+    assert graphs.layout(3, 4) == Layout(4, 4, 2)
+    assert graphs.layout(5, 0) == Layout(8, 0, 1)  # no trees: decode rounds too
 
 
 def test_trees_cut_short_share_the_full_trees_graph(graphs) -> None:
     """A 16-node tree and the shorter ones near max_new_tokens (capped spec) use one graph."""
-    assert {graphs.layout(2, n, 4) for n in (9, 12, 13, 16)} == {Layout(2, 16, MIN_PAGES)}
-    assert [graphs.layout(1, n, 4).width for n in (1, 2, 5, 8)] == [1, 2, 8, 8]
+    assert {graphs.layout(2, n) for n in (9, 12, 13, 16)} == {Layout(2, 16, 2)}
+    assert [graphs.layout(1, n).width for n in (1, 2, 5, 8)] == [1, 2, 8, 8]
 
 
 def test_rounds_past_the_graphs_run_eagerly(graphs) -> None:
-    assert graphs.layout(9, 1, 4) is None  # more sequences than the largest bucket
-    assert graphs.layout(8, 5, 4) is None  # 8 x 6 logits rows > 40
+    assert graphs.layout(9, 1) is None  # more sequences than the largest bucket
+    assert graphs.layout(8, 5) is None  # 8 x 6 logits rows > 40
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_page_window_gives_the_tables_slots(page_size: int) -> None:
+    """Every move the tree's storage can make lands on the same cache slots through the
+    window (what the graph reads) as through the whole page table, at any base, for trees of
+    any width up to the layout's (the context's length does not change the layout)."""
+    rng = np.random.default_rng(page_size)
+    for width in (1, 3, 8, 16):
+        pages = window_pages(width, page_size)
+        num_seqs = 6
+        base = rng.integers(0, 200, num_seqs)
+        table_width = (base.max() + width) // page_size + 1
+        table = rng.permutation(num_seqs * table_width).reshape(num_seqs, table_width)
+        window, local_base = page_window(table, base, pages, page_size)
+        assert window.shape == (num_seqs, pages)
+        nodes = torch.from_numpy(rng.integers(0, width, (num_seqs, width)))
+        nodes = nodes.sort(dim=1).values  # the accepted path: node d at depth >= d
+        accepted = torch.full((num_seqs,), width)
+        want = accepted_kv_moves(
+            torch.from_numpy(base), nodes, accepted, torch.from_numpy(table), page_size, -1
+        )
+        got = accepted_kv_moves(
+            torch.from_numpy(local_base), nodes, accepted, torch.from_numpy(window), page_size, -1
+        )
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), width
+
+
+def test_graphs_host_mirror_is_reset_each_round() -> None:
+    """The pinned mirror a graph reads is cleared to padding before each round's writes."""
+    layout = Layout(bucket=2, width=2, pages=2)
+    host, (rows, *_rest) = layout.host_arrays()
+    rows[0, 1] = 5
+    again, (rows2, _draft, parents, _base, _table) = layout.host_arrays(host)
+    assert again is host and not rows2.any() and (parents == -2).all()
 
 
 def test_host_array_parts_are_views_with_padding_parents() -> None:
-    layout = Layout(bucket=4, width=3, pages=8)
+    layout = Layout(bucket=4, width=3, pages=2)
     host, (rows, draft, parents, base, table) = layout.host_arrays()
     assert [part.shape for part in (rows, draft, parents, base, table)] == [
         tuple(shape) for shape in layout.shapes
@@ -45,5 +81,5 @@ def test_host_array_parts_are_views_with_padding_parents() -> None:
     assert host.size == sum(layout.sizes) and host.dtype == np.int64
     assert (parents == -2).all() and not draft.any()  # padding: nothing accepted, no moves
     rows[1, 2] = 7
-    table[3, 5] = 9
+    table[3, 1] = 9
     assert 7 in host and 9 in host  # writes land in the one array that travels
