@@ -172,7 +172,9 @@ def services(
     cmd = [sys.executable, "-m", "specsplit.cli", "up", "--gateway-port", str(port),
            "--drafter-port", "50161", "--verifier-port", "50162",
            "--device", args.device, "--verifier-wait", "30",
-           "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]  # fmt: skip
+           "--metrics-listen", f"127.0.0.1:{METRICS_PORT}",
+           # requests naming their spec are never gated; those that do not are, when on
+           "--speculation-gate", getattr(args, "speculation_gate", "off")]  # fmt: skip
     if args.drafter_device:
         cmd += ["--drafter-device", args.drafter_device]
     cmd += extra
@@ -196,9 +198,11 @@ def service_runners(
     stub: gateway_pb2_grpc.GatewayStub, args: argparse.Namespace
 ) -> dict[str, Runner]:
     specs: dict[str, common_pb2.SpecParams | None] = {}
-    for shape in parse_ladder(",".join(args.spec)) if args.spec else [None]:
-        label = "default shape" if shape is None else format_ladder([shape])
-        specs[f"specsplit {label}"] = None if shape is None else convert.spec_to_proto(shape)
+    for shape in parse_ladder(",".join(args.spec)) if args.spec else []:
+        specs[f"specsplit {format_ladder([shape])}"] = convert.spec_to_proto(shape)
+    # the gateway's default spec (not named by the request): the speculation gate's, when on
+    gate = " (speculation gate)" if args.speculation_gate == "on" else ""
+    specs[f"specsplit default shape{gate}"] = None
     specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
 
     def runner(spec: common_pb2.SpecParams | None) -> Runner:
@@ -302,6 +306,12 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--spec", nargs="*", default=None, help="draft shapes, one row each")
+    parser.add_argument(
+        "--speculation-gate",
+        choices=("on", "off"),
+        default="off",
+        help="the gateway's --speculation-gate: the default-shape row is gated when on",
+    )
     parser.add_argument("--assistant-layers", type=int, default=8, help="0 = no assisted row")
     parser.add_argument("--passes", type=int, default=1, help="sweeps over the prompts")
     args = parser.parse_args()

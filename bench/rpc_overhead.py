@@ -10,7 +10,9 @@ decode rounds on it (one sequence: a prefill, then one token per round, no draft
 - `stub`: the same requests written to a bare stream of the generated stub, the messages built
   once — the client's own work taken out;
 - `echo`: a bare aio servicer in another process answering every request at once — gRPC's
-  transport alone (no engine, no servicer code).
+  transport alone (no engine, no servicer code); and again holding its event loop
+  --echo-block-ms per request before answering (spinning, as an engine call on the loop's thread
+  holds it): what holding the loop adds to the transport.
 
 The service reports its engine time per response (`verify_ns`); "beyond engine" is the round's
 wall time less that. A round's engine time is the verifier thread's whole call (the forward,
@@ -52,18 +54,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)  # the echo child
+    parser.add_argument(
+        "--echo-block-ms",
+        type=float,
+        default=1.5,
+        help="a second echo run whose servicer holds its event loop this long per request",
+    )
     return parser.parse_args()
 
 
 class Echo(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, block_s: float) -> None:
+        self.block_s = block_s
+
     async def VerifyStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
         async for _ in request_iterator:
-            yield verifier_pb2.VerifyResponse(verify_ns=0)
+            if self.block_s:  # the event loop held, as an engine call on the loop's thread does
+                end = time.perf_counter() + self.block_s
+                while time.perf_counter() < end:
+                    pass
+            yield verifier_pb2.VerifyResponse(verify_ns=int(self.block_s * 1e9))
 
 
-async def serve_echo(address: str) -> None:
+async def serve_echo(address: str, block_s: float) -> None:
     server = grpc.aio.server()
-    verifier_pb2_grpc.add_VerifierServicer_to_server(Echo(), server)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(Echo(block_s), server)
     server.add_insecure_port(address)
     await server.start()
     await server.wait_for_termination()
@@ -143,16 +158,18 @@ async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
     await asyncio.wait_for(channel.channel_ready(), 120)  # the echo child still importing
     call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
     request = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])])
-    walls = []
+    beyond, engine = [], []
     for i in range(n + warmup):
         start = time.perf_counter()
         await call.write(request)
-        await call.read()
+        response = await call.read()
         if i >= warmup:
-            walls.append(time.perf_counter() - start)
+            held = rounds.VERIFY.engine_ns(response) / 1e9
+            beyond.append(time.perf_counter() - start - held)
+            engine.append(held)
     call.cancel()
     await channel.close()
-    return walls, [0.0] * len(walls)
+    return beyond, engine
 
 
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
@@ -164,7 +181,7 @@ def start(argv: list[str]) -> subprocess.Popen[bytes]:
 async def main() -> None:
     args = parse_args()
     if args.echo:
-        await serve_echo(args.address)
+        await serve_echo(args.address, args.echo_block_ms / 1e3)
         return
     verifier = start(
         [
@@ -196,12 +213,17 @@ async def main() -> None:
         verifier.terminate()
         verifier.wait()
     echo_address = args.address + ".echo" if args.address.startswith("unix:") else ECHO_ADDRESS
-    echo = start([__file__, "--echo", "--model", "-", "--address", echo_address])
-    try:
-        rows.append(summary("echo (transport only)", *await run_echo(echo_address, n, warmup)))
-    finally:
-        echo.kill()
-        echo.wait()
+    for block_ms in sorted({0.0, args.echo_block_ms}):
+        echo = start(
+            [__file__, "--echo", "--model", "-", "--address", echo_address]
+            + ["--echo-block-ms", str(block_ms)]
+        )
+        name = "echo (transport only)" if not block_ms else f"echo, loop held {block_ms} ms"
+        try:
+            rows.append(summary(name, *await run_echo(echo_address, n, warmup)))
+        finally:
+            echo.kill()
+            echo.wait()
     print(f"\nVerify rounds, batch 1 decode, {args.device}, {args.address}")
     print("| path | beyond engine p50 us | p99 us | engine p50 us | rounds |")
     print("|---|---|---|---|---|")

@@ -152,6 +152,7 @@ async def serve(
     verifier_wait_s: float = DEFAULT_VERIFIER_WAIT_S,
     overlap: str = "serial",
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+    speculation_gate: bool = False,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -162,7 +163,8 @@ async def serve(
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
-    "serial" or "groups" (pipelined groups). session_ttl_s: idle sessions' default lifetime."""
+    "serial" or "groups" (pipelined groups). session_ttl_s: idle sessions' default lifetime.
+    speculation_gate: draft only while it pays, measured (gateway/gate.py)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -191,7 +193,10 @@ async def serve(
         overlap=overlap,
         session_ttl_s=session_ttl_s,
         max_context=model.max_context,
+        speculation_gate=speculation_gate,
     )
+    if scheduler.gate is not None:
+        log.info("speculation gate on: rounds draft while that pays, measured per batch size")
     if scheduler.adaptive_ladder is not None:
         log.info("adaptive speculation, ladder %s", format_ladder(scheduler.adaptive_ladder))
     servicer = GatewayServicer(model, scheduler, limits)

@@ -32,6 +32,8 @@ class Sequence:
     num_prompt_tokens: int = 0
     verifier_kv_committed_len: int = 0  # what the verifier holds
     verifier_begun: bool = False
+    # this round the speculation gate holds its drafts back (gateway/gate.py): plain decoding
+    drafts_held: bool = False
     drafter_num_tokens: int = 0  # leading tokens the drafter holds
     drafter_begun: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
@@ -70,8 +72,9 @@ class Sequence:
 
     def round_spec(self) -> SpecParams:
         """The tree shape this round: never deeper than the tokens still allowed (accepted
-        drafts + bonus must fit max_new_tokens)."""
-        left = self.request.max_new_tokens - self.num_generated_tokens
+        drafts + bonus must fit max_new_tokens); no drafts while the speculation gate holds
+        them back (`drafts_held`)."""
+        left = 0 if self.drafts_held else self.request.max_new_tokens - self.num_generated_tokens
         spec = self.spec if self.adaptive is None else self.adaptive.spec
         return spec.capped(left - 1)
 

@@ -191,6 +191,13 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " devices: serial)"
     )
     flag(parser, "--overlap", "auto", overlap_help, choices=("auto", "serial", "groups"))
+    gate_help = (
+        "requests without their own spec draft only while speculating commits more tokens per"
+        " second than plain rounds, measured per batch size (on), always (off), or auto (`up`:"
+        " on when the verifier runs on a GPU, where speculation can lose to the target alone;"
+        " serve-gateway, which cannot see the devices: off)"
+    )
+    flag(parser, "--speculation-gate", "auto", gate_help, choices=("auto", "on", "off"))
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

@@ -72,6 +72,12 @@ ROUND_OUTSIDE_VERIFY_SECONDS = Histogram(
     " the gateway's own work)",
     buckets=_OVERHEAD_BUCKETS,
 )
+SPECULATING = Gauge(
+    "specsplit_speculating",
+    "1 while the speculation gate lets rounds at this batch size draft, 0 while it holds them"
+    " back (plain rounds pay more there)",
+    ["batch_bucket"],
+)
 GENERATED_TOKENS = Counter(
     "specsplit_generated_tokens", "Tokens streamed to clients (tokens/s: rate of this)"
 )
@@ -144,6 +150,10 @@ class TokenClock(Protocol):
 def observe_queue(num_running: int, num_waiting: int) -> None:
     RUNNING_SEQUENCES.set(num_running)
     WAITING_SEQUENCES.set(num_waiting)
+
+
+def observe_speculation_gate(batch_bucket: int, speculating: bool) -> None:
+    SPECULATING.labels(str(batch_bucket)).set(1 if speculating else 0)
 
 
 def observe_preemption() -> None:

@@ -61,6 +61,7 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += ["--http-listen", args.http_listen or "none"]
     gateway += _opt("--served-model-name", args.served_model_name)
     gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", gateway_overlap(args)]
+    gateway += ["--speculation-gate", gateway_speculation_gate(args)]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
@@ -95,6 +96,17 @@ def gateway_overlap(args: argparse.Namespace) -> str:
         d.startswith("cuda") for d in (drafter_device, args.device)
     )
     return "groups" if two_gpus and args.drafter != "ngram" else "serial"
+
+
+def gateway_speculation_gate(args: argparse.Namespace) -> str:
+    """--speculation-gate auto: on when the verifier runs on a GPU. There speculation with the
+    embedded SmolLM2 and its head streams 0.57-0.79x of the target alone (two H200s), and a
+    larger target or another drafter may win: the gate measures. On the CPU it streams ~1.7x
+    (bench/RESULTS.md), and the gate's plain rounds while it explores would cost the short
+    demo generations."""
+    if args.speculation_gate != "auto":
+        return str(args.speculation_gate)
+    return "on" if args.device.startswith("cuda") else "off"
 
 
 def drafter_kv_memory_fraction(args: argparse.Namespace) -> float | None:

@@ -401,3 +401,23 @@ def test_drafter_kv_share_is_small_only_when_up_puts_it_on_the_verifiers_gpu() -
     assert drafter_fraction("--device", "cuda", "--draft-kv-memory-fraction", "0.3") == 0.3
     # alone (compose: a GPU of its own) the drafter takes the default share
     assert cli.parse_args(["serve-drafter"]).draft_kv_memory_fraction is None
+
+
+def test_up_gates_speculation_by_default_only_with_the_verifier_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """auto: on with the verifier on a GPU (speculation may lose to the target there), off on
+    the CPU (it pays there); serve-gateway cannot see the devices: off unless asked."""
+
+    def gate(*flags: str) -> str:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
+        return _child_args(child).speculation_gate  # type: ignore[no-any-return]
+
+    assert gate("--device", "cuda:1", "--drafter-device", "cuda:0") == "on"
+    assert gate("--device", "cuda") == "on"
+    assert gate("--device", "cpu") == "off"
+    assert gate("--device", "cuda", "--speculation-gate", "off") == "off"
+    assert gate("--device", "cpu", "--speculation-gate", "on") == "on"
+    assert cli.parse_args(["serve-gateway"]).speculation_gate == "auto"  # serve_gateway: off
+    monkeypatch.setenv("SPECSPLIT_SPECULATION_GATE", "on")
+    assert cli.parse_args(["serve-gateway"]).speculation_gate == "on"

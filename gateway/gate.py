@@ -1,0 +1,142 @@
+"""The speculation gate: speculate only while it pays, measured.
+
+Speculation pays when the tokens a round commits per second of round beat plain decoding's
+(one token per sequence per round). Which one wins depends on what the gateway cannot know in
+advance: the model's size, the GPU, the drafter, the prompts, the batch size. On two H200s with
+SmolLM2-135M-Instruct and the shipped EAGLE-3 head, speculation streams 0.57-0.79x of the target
+alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch size.
+
+Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the gateway's rounds in which
+every sequence follows the gateway's default spec (a request that asks for its own spec always
+gets it, and rounds with one in them are not measured), and that prefill nothing:
+- first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts);
+- then the mode with more committed tokens per second of round (running sums over the last
+  WINDOW measured rounds of each mode; speculation must beat plain by SPEC_MARGIN) runs;
+- every PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
+  anew: acceptance changes with the prompts, the round times with the batch.
+The first round after a switch is not measured (an EAGLE drafter catches up the tokens it did
+not see; the pipelined groups refill). Only the draft trees change, so the output is the
+target's in either mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from specsplit import metrics
+
+log = logging.getLogger(__name__)
+
+WINDOW = 8  # measured rounds per mode before choosing, and in each probe
+PROBE_EVERY = 96  # rounds in the chosen mode between probes of the other
+SPEC_MARGIN = 1.03  # speculation must commit 3% more tokens per second than plain rounds
+SETTLE = 1  # rounds after a switch that are not measured
+
+
+@dataclass
+class _Bucket:
+    """One batch-size bucket's measurements and state."""
+
+    key: int  # the batch-size bucket
+    window: int
+    spec: deque[tuple[int, float]] = field(init=False)  # (tokens, seconds) of measured rounds
+    plain: deque[tuple[int, float]] = field(init=False)
+    speculate: bool = True  # the mode running now
+    chosen: bool | None = None  # the mode chosen after the last measurement; None: exploring
+    rounds_in_mode: int = 0  # since the last switch
+    settle: int = 0  # rounds left that are not measured
+
+    def __post_init__(self) -> None:
+        self.spec = deque(maxlen=self.window)
+        self.plain = deque(maxlen=self.window)
+
+    def rate(self, speculate: bool) -> float | None:
+        """Committed tokens per second of round over the window, None until it is full."""
+        rounds = self.spec if speculate else self.plain
+        if len(rounds) < self.window:
+            return None
+        return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
+
+
+class SpeculationGate:
+    """Whether the next round speculates, per batch size, from what rounds measured."""
+
+    def __init__(
+        self,
+        window: int = WINDOW,
+        probe_every: int = PROBE_EVERY,
+        spec_margin: float = SPEC_MARGIN,
+    ) -> None:
+        assert window >= 1 and probe_every >= 1 and spec_margin > 0
+        self.window = window
+        self.probe_every = probe_every
+        self.spec_margin = spec_margin
+        self._buckets: dict[int, _Bucket] = {}
+        self.num_switches = 0
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        return 1 << max(batch_size - 1, 0).bit_length()
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = self.bucket_of(batch_size)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(key, self.window)
+        return self._buckets[key]
+
+    def speculate(self, batch_size: int) -> bool:
+        """The next round's mode at this batch size."""
+        return self._bucket(batch_size).speculate
+
+    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A measured round: `tokens` committed in `seconds`, speculating or not (the mode
+        `speculate` gave for it)."""
+        b = self._bucket(batch_size)
+        if speculated != b.speculate:
+            return  # a round of the other mode (the bucket switched meanwhile)
+        b.rounds_in_mode += 1
+        if b.settle > 0:
+            b.settle -= 1
+            return
+        (b.spec if speculated else b.plain).append((tokens, seconds))
+        spec_rate, plain_rate = b.rate(True), b.rate(False)
+        if b.chosen is None:  # exploring: speculation first, then plain rounds
+            if speculated and spec_rate is not None:
+                self._switch(b, False)
+            elif not speculated and plain_rate is not None:
+                self._choose(b)
+        elif b.speculate != b.chosen:  # probing the other mode
+            if b.rounds_in_mode >= self.window + SETTLE:
+                self._choose(b)
+        elif b.rounds_in_mode >= self.probe_every:
+            self._switch(b, not b.chosen)
+
+    def _choose(self, b: _Bucket) -> None:
+        spec_rate, plain_rate = b.rate(True), b.rate(False)
+        assert spec_rate is not None and plain_rate is not None
+        chosen = spec_rate >= self.spec_margin * plain_rate
+        if chosen != b.chosen:
+            log.info(
+                "speculation gate, batch %s: speculating %.1f tokens/s, plain rounds %.1f: %s",
+                f"<= {b.key}",
+                spec_rate,
+                plain_rate,
+                "speculating" if chosen else "plain rounds",
+            )
+            metrics.observe_speculation_gate(b.key, chosen)
+        b.chosen = chosen
+        self._switch(b, chosen)
+
+    def _switch(self, b: _Bucket, speculate: bool) -> None:
+        if speculate != b.speculate:
+            self.num_switches += 1
+            b.settle = SETTLE
+        b.speculate = speculate
+        b.rounds_in_mode = 0
+
+    def rates(self, batch_size: int) -> tuple[float | None, float | None]:
+        """(speculating, plain) committed tokens per second at this batch size, as measured."""
+        b = self._bucket(batch_size)
+        return b.rate(True), b.rate(False)

@@ -1,0 +1,123 @@
+"""The speculation gate in the scheduler (gateway/gate.py): with drafts that do not pay (a slow
+drafter whose drafts the target rejects) the gateway decodes plain rounds, probing speculation
+now and then; with drafts that pay it keeps speculating. Either way the output is the target's
+own greedy output, in serial rounds and pipelined groups, with a draft model and an EAGLE-3
+head (whose target features keep flowing through plain rounds), and no KV is left."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.clients import DrafterClient
+from gateway.gate import SpeculationGate
+from gateway.request import GenerationRequest
+from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from tests.eagle_random import save_target_and_drafters
+from tests.support import PassThroughVerifier, generate_all, generated_ids, make_stack
+
+MAX_NEW_TOKENS = 24
+BATCH = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_target_and_drafters(tmp_path_factory.mktemp("gate"))
+
+
+def _requests(seed: int) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        GenerationRequest(
+            torch.randint(3, 500, (4 + 3 * i,), generator=gen).tolist(),
+            MAX_NEW_TOKENS,
+            ignore_eos=True,
+        )
+        for i in range(BATCH)
+    ]
+
+
+class _SlowDrafter:
+    """A drafter client that takes `delay` seconds more per Draft, counting them."""
+
+    def __init__(self, inner: DrafterClient, delay: float) -> None:
+        self.inner, self.delay, self.calls = inner, delay, 0
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+
+class _SlowVerifier(PassThroughVerifier):
+    """A verify that takes a while, as a large target's on a GPU."""
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        await asyncio.sleep(0.05)
+        return await self.inner.verify(inputs)
+
+
+def _target_only(models: dict[str, Path], tokenizer: object, seed: int) -> list[list[int]]:
+    stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
+    return [generated_ids(c) for c in generate_all(stack, _requests(seed))]
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_speculation_that_loses_is_held_back_and_probed(
+    models, smollm2_tokenizer, drafter: str, overlap: str
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, seed=1)
+    stack = make_stack(
+        models["target"],
+        drafter,
+        smollm2_tokenizer,
+        SpecParams(3, 1, 3),
+        draft_dir=models[drafter],
+        dtype=torch.float32,
+        overlap=overlap,
+    )
+    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=5)
+    slow = _SlowDrafter(stack.scheduler.drafter, delay=0.03)
+    stack.scheduler.drafter = slow
+    out = generate_all(stack, _requests(seed=1))  # no KV left on either service
+    assert [generated_ids(chunks) for chunks in out] == expected
+    # explored both, chose plain rounds, probed speculation again and went back
+    assert gate.num_switches >= 3
+    spec_rate, plain_rate = gate.rates(BATCH)
+    assert spec_rate is not None and plain_rate is not None and spec_rate < plain_rate
+    assert slow.calls < stack.scheduler.num_rounds / 2  # most rounds drafted nothing
+
+
+def test_speculation_that_pays_keeps_running(models, smollm2_tokenizer) -> None:
+    """The target drafts for itself (every draft accepted) and verifies slowly: 4 tokens a
+    round against 1, the gate keeps speculating after exploring plain rounds."""
+    expected = _target_only(models, smollm2_tokenizer, seed=2)
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3))
+    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=50)
+    stack.scheduler.verifier = _SlowVerifier(stack.scheduler.verifier)
+    out = generate_all(stack, _requests(seed=2))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert gate.speculate(BATCH) and gate.num_switches == 2  # to plain to explore, and back
+    spec_rate, plain_rate = gate.rates(BATCH)
+    assert spec_rate is not None and plain_rate is not None and spec_rate > plain_rate
+    assert all(c[-1].stats is not None and c[-1].stats.num_accepted_drafts > 0 for c in out)
+
+
+def test_requests_with_their_own_spec_are_not_gated(models, smollm2_tokenizer) -> None:
+    """A request that names its spec drafts every round, whatever the gate measured; rounds
+    with such a request are not measured."""
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3))
+    gate = stack.scheduler.gate = SpeculationGate(window=1, probe_every=50)
+    requests = _requests(seed=3)
+    for request in requests:
+        request.spec = SpecParams(2, 1, 2)
+    out = generate_all(stack, requests)
+    assert all(c[-1].stats is not None and c[-1].stats.num_accepted_drafts > 0 for c in out)
+    assert gate.rates(BATCH) == (None, None) and gate.num_switches == 0

@@ -1,0 +1,95 @@
+"""The speculation gate's choice (gateway/gate.py): per batch size, speculate only while its
+rounds commit more tokens per second than plain rounds, measured; explore both modes first,
+probe the other mode now and then, ignore the round after a switch."""
+
+from __future__ import annotations
+
+from gateway.gate import SETTLE, SpeculationGate
+
+
+def _run(
+    gate: SpeculationGate,
+    rounds: int,
+    spec: tuple[int, float],
+    plain: tuple[int, float],
+    batch_size: int = 1,
+) -> list[bool]:
+    """`rounds` rounds at `batch_size`, each committing (tokens, seconds) of its mode; the
+    modes the gate gave, in order."""
+    modes = []
+    for _ in range(rounds):
+        speculate = gate.speculate(batch_size)
+        tokens, seconds = spec if speculate else plain
+        gate.observe(batch_size, speculate, tokens * batch_size, seconds)
+        modes.append(speculate)
+    return modes
+
+
+def test_speculation_that_loses_is_held_back_after_exploring_both() -> None:
+    """Speculating commits 2.1 tokens in 7 ms, plain rounds 1 in 2.8 ms (the two-H200 figures):
+    window rounds speculating, then plain ones (after the settle round), then plain."""
+    gate = SpeculationGate(window=4, probe_every=20)
+    modes = _run(gate, 4 + 4 + SETTLE + 10, spec=(2, 7e-3), plain=(1, 2.8e-3))
+    assert modes[:4] == [True] * 4
+    assert modes[4:] == [False] * (4 + SETTLE + 10)
+    spec_rate, plain_rate = gate.rates(1)
+    assert spec_rate is not None and plain_rate is not None and spec_rate < plain_rate
+
+
+def test_speculation_that_pays_keeps_running() -> None:
+    gate = SpeculationGate(window=4, probe_every=20)
+    modes = _run(gate, 4 + 4 + SETTLE + 15, spec=(3, 4e-3), plain=(1, 3e-3))
+    assert modes[:4] == [True] * 4 and modes[4 : 8 + SETTLE] == [False] * (4 + SETTLE)
+    assert modes[8 + SETTLE :] == [True] * 15
+    assert gate.num_switches == 2
+
+
+def test_the_other_mode_is_probed_and_a_change_is_followed() -> None:
+    """Held back, speculation is tried again every probe_every rounds; once its acceptance
+    rose (the prompts changed), the probe finds it pays and it runs from then on."""
+    gate = SpeculationGate(window=3, probe_every=10)
+    _run(gate, 3 + 3 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))  # explored: plain chosen
+    modes = _run(gate, 10, spec=(1, 5e-3), plain=(1, 2e-3))
+    assert modes == [False] * 10
+    probe = _run(gate, SETTLE + 3, spec=(4, 5e-3), plain=(1, 2e-3))
+    assert probe == [True] * (SETTLE + 3)  # the probe, then the choice
+    assert _run(gate, 5, spec=(4, 5e-3), plain=(1, 2e-3)) == [True] * 5
+
+
+def test_batch_sizes_choose_apart() -> None:
+    """Speculation loses at batch 1 and pays at batch 8: each bucket chooses its own."""
+    gate = SpeculationGate(window=2, probe_every=50)
+    for _ in range(12):
+        _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=1)
+        _run(gate, 1, spec=(3, 5e-3), plain=(1, 4e-3), batch_size=8)
+    assert not gate.speculate(1) and gate.speculate(8)
+    assert gate.speculate(5)  # 5-8: batch 8's bucket
+    assert gate.speculate(2)  # a bucket not measured yet explores, speculating first
+    assert [SpeculationGate.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_speculation_must_beat_plain_by_the_margin() -> None:
+    """1% more tokens per second is within noise: plain rounds (they cost no drafter)."""
+    gate = SpeculationGate(window=2, probe_every=50, spec_margin=1.03)
+    modes = _run(gate, 2 + 2 + SETTLE + 3, spec=(101, 1e-2), plain=(100, 1e-2))
+    assert modes[-3:] == [False] * 3
+
+
+def test_the_round_after_a_switch_is_not_measured() -> None:
+    """The first plain round after speculating (an EAGLE drafter's catch-up, the groups
+    refilling) is slow; it does not count against plain rounds."""
+    gate = SpeculationGate(window=2, probe_every=50)
+    _run(gate, 2, spec=(2, 5e-3), plain=(1, 2e-3))
+    assert not gate.speculate(1)
+    gate.observe(1, False, 1, 1.0)  # the settle round: 1 s
+    _run(gate, 2, spec=(2, 5e-3), plain=(1, 2e-3))
+    assert not gate.speculate(1)  # chosen from the two measured plain rounds: plain
+
+
+def test_a_round_of_the_other_mode_is_ignored() -> None:
+    """A round measured in a mode the bucket no longer runs (it switched meanwhile) is not
+    counted (nor does it move the bucket on)."""
+    gate = SpeculationGate(window=2, probe_every=50)
+    for _ in range(5):
+        gate.observe(1, False, 100, 1e-3)  # plain rounds while the bucket speculates
+    assert gate.rates(1) == (None, None) and gate.speculate(1)
