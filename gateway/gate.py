@@ -12,11 +12,15 @@ gets it, and rounds with one in them are not measured), and that prefill nothing
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts);
 - then the mode with more committed tokens per second of round (running sums over the last
   WINDOW measured rounds of each mode; speculation must beat plain by SPEC_MARGIN) runs;
-- every PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
-  anew: acceptance changes with the prompts, the round times with the batch.
-The first round after a switch is not measured (an EAGLE drafter catches up the tokens it did
-not see; the pipelined groups refill). Only the draft trees change, so the output is the
-target's in either mode.
+- after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
+  anew: acceptance changes with the prompts, the round times with the batch. Each probe that
+  confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
+  changes it starts over from PROBE_EVERY.
+The first round after a switch is not measured (the pipelined groups refill; an EAGLE drafter
+starts over). Plain rounds ask the verifier for no target features, so they cost what the target
+alone does; on resuming, a sequence with an EAGLE drafter starts over on both services (the
+scheduler's `_restart_features`: a re-prefill with the features, then the drafter's). Only the
+draft trees change, so the output is the target's in either mode.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ WINDOW = 8  # measured rounds per mode before choosing, and in each probe
 PROBE_EVERY = 96  # rounds in the chosen mode between probes of the other
 SPEC_MARGIN = 1.03  # speculation must commit 3% more tokens per second than plain rounds
 SETTLE = 1  # rounds after a switch that are not measured
+MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
 
 
 @dataclass
@@ -47,6 +52,7 @@ class _Bucket:
     chosen: bool | None = None  # the mode chosen after the last measurement; None: exploring
     rounds_in_mode: int = 0  # since the last switch
     settle: int = 0  # rounds left that are not measured
+    probe_every: int = 0  # rounds in the chosen mode before the next probe (set on choosing)
 
     def __post_init__(self) -> None:
         self.spec = deque(maxlen=self.window)
@@ -110,14 +116,21 @@ class SpeculationGate:
         elif b.speculate != b.chosen:  # probing the other mode
             if b.rounds_in_mode >= self.window + SETTLE:
                 self._choose(b)
-        elif b.rounds_in_mode >= self.probe_every:
+        elif b.rounds_in_mode >= b.probe_every:
             self._switch(b, not b.chosen)
 
     def _choose(self, b: _Bucket) -> None:
         spec_rate, plain_rate = b.rate(True), b.rate(False)
         assert spec_rate is not None and plain_rate is not None
         chosen = spec_rate >= self.spec_margin * plain_rate
-        if chosen != b.chosen:
+        # a probe that confirms the choice: the next comes twice as late (up to MAX_BACKOFF x)
+        confirmed = chosen == b.chosen
+        b.probe_every = (
+            min(2 * b.probe_every, MAX_BACKOFF * self.probe_every)
+            if confirmed
+            else self.probe_every
+        )
+        if not confirmed:
             log.info(
                 "speculation gate, batch %s: speculating %.1f tokens/s, plain rounds %.1f: %s",
                 f"<= {b.key}",

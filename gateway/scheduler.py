@@ -122,6 +122,7 @@ class Scheduler:
         speculates = default_spec.num_steps > 0 or adaptive_spec
         self.gate = SpeculationGate() if speculation_gate and speculates else None
         self.num_tokens_committed = 0
+        self.num_feature_restarts = 0  # sequences started over as speculation resumed
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -252,14 +253,21 @@ class Scheduler:
                     continue
                 start = time.perf_counter()
                 batch_size, committed = len(self.running), self.num_tokens_committed
-                measured = self._gated(self.running)
                 speculate = self.gate is None or self.gate.speculate(batch_size)
                 for seq in self.running:  # the gate holds back default-spec drafts only
                     seq.drafts_held = not speculate and seq.request.spec is None
+                await self._restart_features(
+                    [seq for seq in self.running if seq.features_gap and not seq.drafts_held]
+                )
+                measured = self._gated(self.running)
                 if self.overlap == "groups" and speculate:
                     await self.step_groups(self.running)
+                elif self._leave_groups():
+                    # the group committed just now may have finished: verify the others
+                    batch = [s for s in self.running if not (s.finished or s.cancelled)]
+                    if batch:
+                        await self.step(batch)
                 else:
-                    self._leave_groups()
                     await self.step(self.running)
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
@@ -279,14 +287,31 @@ class Scheduler:
         spec (the gate's to hold back) and none is prefilled in it."""
         return all(seq.request.spec is None and seq.verifier_begun for seq in batch)
 
-    def _leave_groups(self) -> None:
+    async def _restart_features(self, seqs: list[Sequence]) -> None:
+        """Speculation resumes for sequences whose plain rounds carried no target features (the
+        gate held their drafts back, and an EAGLE drafter's features with them): both services
+        start them over, the verifier re-prefilling their tokens with the features, the drafter
+        beginning anew from them. Once per resumption (the gate probes every PROBE_EVERY rounds
+        or less often), against the features' cost in every plain round."""
+        if not seqs:
+            return
+        self.num_feature_restarts += len(seqs)
+        await self._release(seqs)
+        for seq in seqs:
+            seq.forget_verifier()
+            seq.forget_drafter()
+            self._drafted.pop(seq.seq_id, None)
+
+    def _leave_groups(self) -> bool:
         """Before a serial round in "groups" mode (the gate holds drafts back): commit the group
         verified last round and drop the trees drafted ahead (their sequences draft again from
-        their tokens when speculation resumes)."""
+        their tokens when speculation resumes). True when a group was committed."""
         pending, self._uncommitted = self._uncommitted, None
-        if pending is not None:
-            self._commit_and_stream(pending)
         self._drafted.clear()
+        if pending is None:
+            return False
+        self._commit_and_stream(pending)
+        return True
 
     def _admit(self) -> None:
         if self._admission_held and self.running:

@@ -32,8 +32,10 @@ class Sequence:
     num_prompt_tokens: int = 0
     verifier_kv_committed_len: int = 0  # what the verifier holds
     verifier_begun: bool = False
-    # this round the speculation gate holds its drafts back (gateway/gate.py): plain decoding
+    # this round the speculation gate holds its drafts back (gateway/gate.py): plain decoding,
+    # without the drafter's target features (features_gap: some committed tokens have none)
     drafts_held: bool = False
+    features_gap: bool = False
     drafter_num_tokens: int = 0  # leading tokens the drafter holds
     drafter_begun: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
@@ -147,6 +149,7 @@ class Sequence:
         self.verifier_begun = False
         self.verifier_kv_committed_len = 0
         self.hidden_states = []
+        self.features_gap = False  # the re-prefill brings every token's features
         if self.hidden_state_layers:  # the drafter's features restart with the re-prefill
             self.drafter_num_tokens = 0
 
@@ -158,7 +161,9 @@ class Sequence:
             pending_tokens=self.tokens[self.verifier_kv_committed_len :],
             tree=tree,
             sampling=self.request.sampling,
-            hidden_state_layers=self.hidden_state_layers,
+            # held back, the round asks for no features: plain rounds cost what the target
+            # alone does (scheduler._restart_features starts both services over on resuming)
+            hidden_state_layers=() if self.drafts_held else self.hidden_state_layers,
         )
         return item
 
@@ -172,7 +177,9 @@ class Sequence:
         needs. The text and the chunk to stream follow in `chunk` (the scheduler makes them
         after the next round's first RPC is on its way); with stop strings the text is made
         here, since the rules read it."""
-        if self.hidden_state_layers:
+        if self.hidden_state_layers and (out.hidden_states is None or self.features_gap):
+            self.features_gap = True  # a round held back by the gate: no features asked
+        elif self.hidden_state_layers:
             # the verifier's rows cover tokens[old kv_committed_len : new kv_committed_len]
             assert out.hidden_states is not None, self.seq_id
             num_rows = sum(chunk.shape[0] for chunk in self.hidden_states)

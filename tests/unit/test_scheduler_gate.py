@@ -55,6 +55,18 @@ class _SlowDrafter:
         await self.inner.release(seq_ids)
 
 
+class _Watched(PassThroughVerifier):
+    """Records the hidden-state layers each Verify asks for, per sequence."""
+
+    def __init__(self, inner: object) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self.layers: list[tuple[int, ...]] = []
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        self.layers += [item.hidden_state_layers for item in inputs]
+        return await self.inner.verify(inputs)
+
+
 class _SlowVerifier(PassThroughVerifier):
     """A verify that takes a while, as a large target's on a GPU."""
 
@@ -86,8 +98,16 @@ def test_speculation_that_loses_is_held_back_and_probed(
     gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=5)
     slow = _SlowDrafter(stack.scheduler.drafter, delay=0.03)
     stack.scheduler.drafter = slow
+    watched = stack.scheduler.verifier = _Watched(stack.scheduler.verifier)
     out = generate_all(stack, _requests(seed=1))  # no KV left on either service
     assert [generated_ids(chunks) for chunks in out] == expected
+    if drafter == "eagle3":
+        # plain rounds asked for no target features; resuming started the sequences over
+        # (a re-prefill with the features), and the head drafted again from them
+        assert () in watched.layers and any(watched.layers)
+        assert stack.scheduler.num_feature_restarts > 0
+    else:
+        assert not any(watched.layers) and stack.scheduler.num_feature_restarts == 0
     # explored both, chose plain rounds, probed speculation again and went back
     assert gate.num_switches >= 3
     spec_rate, plain_rate = gate.rates(BATCH)
