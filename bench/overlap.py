@@ -5,7 +5,7 @@ tokens. "target only" is the serial services with speculation off per request (n
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
-        [--spec 5x4x16]
+        [--spec 5x4x16 | --speculation-gate on]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and groups / serial, and each
 mode's round parts from the services' histograms (round wall, verify and draft engine time,
@@ -116,7 +116,16 @@ def main() -> None:
     parser.add_argument(
         "--spec", default=None, help="the speculative modes' draft shape STEPS[xTOPK[xNODES]]"
     )
+    parser.add_argument(
+        "--speculation-gate",
+        choices=("on", "off"),
+        default="off",
+        help="the gateway's --speculation-gate: serial and groups runs gated (not with --spec:"
+        " requests naming their spec are never gated)",
+    )
     args = parser.parse_args()
+    if args.spec and args.speculation_gate == "on":
+        parser.error("--speculation-gate on gates the gateway's default spec: leave out --spec")
     spec = None  # the gateway's default
     if args.spec:
         (shape,) = parse_ladder(args.spec)
@@ -154,6 +163,7 @@ def main() -> None:
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy"
+        f"{', speculation gate on (serial and groups)' if args.speculation_gate == 'on' else ''}"
     )
     print(
         "| batch | target-only tok/s | serial tok/s | groups tok/s | serial / target "

@@ -9,7 +9,8 @@ alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch s
 Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the gateway's rounds in which
 every sequence follows the gateway's default spec (a request that asks for its own spec always
 gets it, and rounds with one in them are not measured), and that prefill nothing:
-- first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts);
+- first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
+  after another has chosen starts from the nearest one's measurements and choice instead;
 - then the mode with more committed tokens per second of round (running sums over the last
   WINDOW measured rounds of each mode; speculation must beat plain by SPEC_MARGIN) runs;
 - after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
@@ -89,8 +90,25 @@ class SpeculationGate:
     def _bucket(self, batch_size: int) -> _Bucket:
         key = self.bucket_of(batch_size)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(key, self.window)
+            self._buckets[key] = self._new_bucket(key)
         return self._buckets[key]
+
+    def _new_bucket(self, key: int) -> _Bucket:
+        """A batch size met for the first time starts from the nearest bucket that chose (its
+        measurements and its choice, probed again after probe_every rounds here): a batch that
+        shrinks as its streams finish crosses a bucket every halving, and exploring each anew
+        would switch modes there (an EAGLE drafter's sequences start over when speculation
+        resumes). With none chosen yet, it explores."""
+        b = _Bucket(key, self.window)
+        chosen = [other for other in self._buckets.values() if other.chosen is not None]
+        if chosen:
+            near = min(chosen, key=lambda o: abs(o.key.bit_length() - key.bit_length()))
+            b.spec.extend(near.spec)
+            b.plain.extend(near.plain)
+            b.speculate = bool(near.chosen)
+            b.chosen = b.speculate
+            b.probe_every = self.probe_every
+        return b
 
     def speculate(self, batch_size: int) -> bool:
         """The next round's mode at this batch size."""

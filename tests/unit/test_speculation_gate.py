@@ -64,7 +64,7 @@ def test_batch_sizes_choose_apart() -> None:
         _run(gate, 1, spec=(3, 5e-3), plain=(1, 4e-3), batch_size=8)
     assert not gate.speculate(1) and gate.speculate(8)
     assert gate.speculate(5)  # 5-8: batch 8's bucket
-    assert gate.speculate(2)  # a bucket not measured yet explores, speculating first
+    assert not gate.speculate(2)  # met later: the nearest chosen bucket's choice (batch 1's)
     assert [SpeculationGate.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
 
 
@@ -93,3 +93,17 @@ def test_a_round_of_the_other_mode_is_ignored() -> None:
     for _ in range(5):
         gate.observe(1, False, 100, 1e-3)  # plain rounds while the bucket speculates
     assert gate.rates(1) == (None, None) and gate.speculate(1)
+
+
+def test_a_new_batch_size_starts_from_the_nearest_choice() -> None:
+    """A batch that shrinks as its streams finish meets new buckets: they take the nearest
+    chosen bucket's choice at once (no exploring, no switch), and probe after probe_every."""
+    gate = SpeculationGate(window=2, probe_every=6)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=32)
+    assert not gate.speculate(32)
+    switches = gate.num_switches
+    assert _run(gate, 5, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16) == [False] * 5
+    assert not gate.speculate(3) and gate.num_switches == switches  # nearest chosen: 16's
+    assert gate.rates(16)[0] is not None  # the measurements came along
+    assert _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16) == [False]
+    assert gate.speculate(16)  # after probe_every rounds of its own: the probe
