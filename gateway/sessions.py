@@ -231,6 +231,7 @@ class SessionStore:
             seq.verifier_begun, seq.drafter_begun = last.verifier_begun, last.drafter_begun
             seq.verifier_kv_committed_len = last.verifier_kv_committed_len
             seq.hidden_states = list(last.hidden_states)
+            seq.features_gap = last.features_gap  # plain rounds (the speculation gate's)
             seq.keep_verifier_kv(min(last.verifier_kv_committed_len, keep, len(tokens) - 1))
             seq.drafter_num_tokens = min(last.drafter_num_tokens, keep)
             if keep < len(last.tokens):  # the rendering differs from what the session holds
@@ -428,6 +429,7 @@ def _carry(turn: Sequence, last: Sequence) -> None:
     last.hidden_state_layers = turn.hidden_state_layers
     last.verifier_kv_committed_len = turn.verifier_kv_committed_len
     last.hidden_states = turn.hidden_states
+    last.features_gap = turn.features_gap
     last.drafter_num_tokens = turn.drafter_num_tokens
     if not turn.verifier_begun:
         last.forget_verifier()

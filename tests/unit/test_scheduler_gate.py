@@ -16,8 +16,15 @@ from gateway.clients import DrafterClient
 from gateway.gate import SpeculationGate
 from gateway.request import GenerationRequest
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.sampling import SamplingParams
 from tests.eagle_random import save_target_and_drafters
-from tests.support import PassThroughVerifier, generate_all, generated_ids, make_stack
+from tests.support import (
+    Conversation,
+    PassThroughVerifier,
+    generate_all,
+    generated_ids,
+    make_stack,
+)
 
 MAX_NEW_TOKENS = 24
 BATCH = 3
@@ -141,3 +148,72 @@ def test_requests_with_their_own_spec_are_not_gated(models, smollm2_tokenizer) -
     out = generate_all(stack, requests)
     assert all(c[-1].stats is not None and c[-1].stats.num_accepted_drafts > 0 for c in out)
     assert gate.rates(BATCH) == (None, None) and gate.num_switches == 0
+
+
+class _FlippingGate(SpeculationGate):
+    """Plain rounds and speculating rounds in turn, two of each, whatever is measured: every
+    switch a gate can make, many times over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.calls += 1
+        return self.calls % 4 >= 2
+
+    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+def test_session_turns_across_held_rounds_equal_fresh_requests(
+    models, smollm2_tokenizer, overlap: str
+) -> None:
+    """A session's turn that ends after plain rounds (no target features for its last tokens)
+    and the next turn that speculates again: the features' gap goes with the session, and the
+    turns equal fresh requests of the whole conversation (EAGLE-3 head)."""
+    stack = make_stack(
+        models["target"],
+        "eagle3",
+        smollm2_tokenizer,
+        SpecParams(2, 1, 2),
+        draft_dir=models["eagle3"],
+        dtype=torch.float32,
+        overlap=overlap,
+    )
+    stack.scheduler.gate = _FlippingGate()
+    conv = Conversation(stack, SamplingParams())
+
+    async def turns() -> None:
+        await stack.scheduler.start()
+        try:
+            for i in range(4):
+                await conv.turn(_requests(seed=10 + i)[0].prompt_ids, 5 + 2 * i)
+        finally:
+            await stack.scheduler.stop()
+
+    asyncio.run(turns())
+    assert stack.scheduler.num_feature_restarts > 0
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_every_switch_keeps_the_target_output(
+    models, smollm2_tokenizer, drafter: str, overlap: str
+) -> None:
+    """Two plain rounds, two speculating, and so on, for a batch of three: the target's own
+    greedy output and no KV left, whichever round a switch falls on."""
+    expected = _target_only(models, smollm2_tokenizer, seed=4)
+    stack = make_stack(
+        models["target"],
+        drafter,
+        smollm2_tokenizer,
+        SpecParams(3, 2, 6),
+        draft_dir=models[drafter],
+        dtype=torch.float32,
+        overlap=overlap,
+    )
+    stack.scheduler.gate = _FlippingGate()
+    out = generate_all(stack, _requests(seed=4))
+    assert [generated_ids(chunks) for chunks in out] == expected
