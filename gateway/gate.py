@@ -18,10 +18,10 @@ gets it, and rounds with one in them are not measured), and that prefill nothing
   confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
   changes it starts over from PROBE_EVERY.
 The first round after a switch is not measured (the pipelined groups refill; an EAGLE drafter
-starts over). Plain rounds ask the verifier for no target features, so they cost what the target
-alone does; on resuming, a sequence with an EAGLE drafter starts over on both services (the
-scheduler's `_restart_features`: a re-prefill with the features, then the drafter's). Only the
-draft trees change, so the output is the target's in either mode.
+catches up). Plain rounds ask the verifier for no target features, so they cost what the target
+alone does; on resuming, the verifier takes back a sequence's tokens past its last features and
+verifies them again with them (the scheduler's `_restart_features`). Only the draft trees
+change, so the output is the target's in either mode.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftOutput, SpecParams, VerifyOutput
+from specsplit.messages import DraftOutput, SpecParams, Truncation, VerifyOutput
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -289,17 +289,36 @@ class Scheduler:
 
     async def _restart_features(self, seqs: list[Sequence]) -> None:
         """Speculation resumes for sequences whose plain rounds carried no target features (the
-        gate held their drafts back, and an EAGLE drafter's features with them): both services
-        start them over, the verifier re-prefilling their tokens with the features, the drafter
-        beginning anew from them. Once per resumption (the gate probes every PROBE_EVERY rounds
-        or less often), against the features' cost in every plain round."""
+        gate held their drafts back, and an EAGLE drafter's features with them): the verifier
+        takes back the tokens past the last features it gave (Truncate) and verifies them again
+        with their features; meanwhile the drafter, short of features, drafts an empty tree,
+        then catches up from where it stopped. A verifier that no longer holds a sequence, or a
+        failed Truncate, starts it over on both services (a re-prefill with the features)."""
         if not seqs:
             return
         self.num_feature_restarts += len(seqs)
-        await self._release(seqs)
+        held = [seq for seq in seqs if seq.verifier_begun]
+        lost = [seq for seq in seqs if not seq.verifier_begun]
+        if held:
+            items = [Truncation(seq.seq_id, seq.num_feature_rows) for seq in held]
+            try:
+                outs = await self.verifier.truncate(items)
+            except ServiceError as err:
+                log.warning("truncate to resume speculation failed (%s)", err.message)
+                lost += held
+            else:
+                for seq, item, out in zip(held, items, outs, strict=True):
+                    if out.found and out.kv_committed_len == item.max_len:
+                        seq.keep_verifier_kv(item.max_len)
+                        seq.features_gap = False
+                    else:
+                        lost.append(seq)
+        if lost:
+            await self._release(lost)
+            for seq in lost:
+                seq.forget_verifier()
+                seq.forget_drafter()
         for seq in seqs:
-            seq.forget_verifier()
-            seq.forget_drafter()
             self._drafted.pop(seq.seq_id, None)
 
     def _leave_groups(self) -> bool:

@@ -101,6 +101,12 @@ class Sequence:
             self.drafter_num_tokens = min(len(self.tokens), self.verifier_kv_committed_len)
         return item
 
+    @property
+    def num_feature_rows(self) -> int:
+        """Leading tokens whose target features the gateway holds (all it committed, unless
+        the speculation gate's plain rounds left a gap)."""
+        return sum(chunk.shape[0] for chunk in self.hidden_states)
+
     def _hidden_rows_from(self, start: int) -> torch.Tensor | None:
         """Rows for tokens[start : verifier_kv_committed_len], joining only the chunks they span
         (the drafter's start is near the end: no copy of the whole history every round)."""
@@ -182,7 +188,7 @@ class Sequence:
         elif self.hidden_state_layers:
             # the verifier's rows cover tokens[old kv_committed_len : new kv_committed_len]
             assert out.hidden_states is not None, self.seq_id
-            num_rows = sum(chunk.shape[0] for chunk in self.hidden_states)
+            num_rows = self.num_feature_rows
             assert num_rows == self.verifier_kv_committed_len, (self.seq_id, num_rows)
             self.hidden_states.append(out.hidden_states)
             assert (

@@ -15,7 +15,16 @@ import torch
 from gateway.clients import DrafterClient
 from gateway.gate import SpeculationGate
 from gateway.request import GenerationRequest
-from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.sampling import SamplingParams
 from tests.eagle_random import save_target_and_drafters
 from tests.support import (
@@ -68,10 +77,15 @@ class _Watched(PassThroughVerifier):
     def __init__(self, inner: object) -> None:
         super().__init__(inner)  # type: ignore[arg-type]
         self.layers: list[tuple[int, ...]] = []
+        self.truncations = 0
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self.layers += [item.hidden_state_layers for item in inputs]
         return await self.inner.verify(inputs)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        self.truncations += len(items)
+        return await self.inner.truncate(items)
 
 
 class _SlowVerifier(PassThroughVerifier):
@@ -109,10 +123,11 @@ def test_speculation_that_loses_is_held_back_and_probed(
     out = generate_all(stack, _requests(seed=1))  # no KV left on either service
     assert [generated_ids(chunks) for chunks in out] == expected
     if drafter == "eagle3":
-        # plain rounds asked for no target features; resuming started the sequences over
-        # (a re-prefill with the features), and the head drafted again from them
+        # plain rounds asked for no target features; resuming took the tokens past the last
+        # features back on the verifier (verified again with them), and the head drafted on
         assert () in watched.layers and any(watched.layers)
         assert stack.scheduler.num_feature_restarts > 0
+        assert watched.truncations == stack.scheduler.num_feature_restarts
     else:
         assert not any(watched.layers) and stack.scheduler.num_feature_restarts == 0
     # explored both, chose plain rounds, probed speculation again and went back
@@ -217,3 +232,29 @@ def test_every_switch_keeps_the_target_output(
     stack.scheduler.gate = _FlippingGate()
     out = generate_all(stack, _requests(seed=4))
     assert [generated_ids(chunks) for chunks in out] == expected
+
+
+class _NoTruncate(PassThroughVerifier):
+    """A verifier whose Truncate fails (UNAVAILABLE)."""
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        raise ServiceError(Code.UNAVAILABLE, "truncate failed")
+
+
+def test_a_failed_truncate_starts_the_sequences_over(models, smollm2_tokenizer) -> None:
+    """Resuming speculation, a verifier that cannot take the tokens back: both services start
+    the sequences over (a re-prefill with the features); the output is the target's."""
+    expected = _target_only(models, smollm2_tokenizer, seed=5)
+    stack = make_stack(
+        models["target"],
+        "eagle3",
+        smollm2_tokenizer,
+        SpecParams(2, 1, 2),
+        draft_dir=models["eagle3"],
+        dtype=torch.float32,
+    )
+    stack.scheduler.gate = _FlippingGate()
+    stack.scheduler.verifier = _NoTruncate(stack.scheduler.verifier)
+    out = generate_all(stack, _requests(seed=5))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert stack.scheduler.num_feature_restarts > 0
