@@ -225,8 +225,9 @@ def test_sigterm_drains_the_gateway_within_its_grace_and_ends_every_stream_with_
     finally:
         _kill(verifier, signal.SIGCONT)
     # the grace, then at most STOP_RELEASE_S (0.5 s) waiting on the stopped verifier's Release,
-    # closing the channels and the process's exit: 2.6-3.5 s on an idle 2-core VM, 4.4 s once
-    # under CI's load; the bound says it does not wait for the verifier, with room for that
-    assert stopped_after < GRACE_S + 3.0, stopped_after
+    # closing the channels and the process's exit: 2.6-3.5 s on an idle 2-core VM, 4.4-5.9 s
+    # under load (CI, other test runs beside it). A gateway that waited for the stopped
+    # verifier would still be here at the loop's 30 s: the bound tells the two apart
+    assert stopped_after < GRACE_S + 10.0, stopped_after
     assert up_stack.proc.wait(40) == 1  # the gateway's exit stops everything
     assert "gateway exited with 0; stopping everything" in up_stack.log()
