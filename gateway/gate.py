@@ -108,6 +108,7 @@ class SpeculationGate:
             b.speculate = bool(near.chosen)
             b.chosen = b.speculate
             b.probe_every = self.probe_every
+            metrics.observe_speculation_gate(key, b.chosen)
         return b
 
     def speculate(self, batch_size: int) -> bool:

@@ -57,6 +57,7 @@ KNOWN_METRICS = {
     "specsplit_session_kv_pages",
     "specsplit_session_evictions_total",
     "specsplit_session_tokens_reused",
+    "specsplit_speculating",
 }
 
 
