@@ -107,3 +107,20 @@ def test_a_new_batch_size_starts_from_the_nearest_choice() -> None:
     assert gate.rates(16)[0] is not None  # the measurements came along
     assert _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16) == [False]
     assert gate.speculate(16)  # after probe_every rounds of its own: the probe
+
+
+def test_the_choice_is_a_gauge_per_batch_bucket() -> None:
+    """specsplit_speculating{batch_bucket} follows each bucket's choice (the dashboard's)."""
+    from prometheus_client import REGISTRY
+
+    def gauge(bucket: int) -> float | None:
+        return REGISTRY.get_sample_value("specsplit_speculating", {"batch_bucket": str(bucket)})
+
+    gate = SpeculationGate(window=2, probe_every=50)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=64)
+    assert gauge(64) == 0
+    gate.speculate(100)  # a new bucket takes the nearest choice, and shows it
+    assert gauge(128) == 0
+    # its probe after 50 rounds finds speculation paying at this batch size
+    _run(gate, 50 + SETTLE + 2, spec=(4, 5e-3), plain=(1, 2e-3), batch_size=100)
+    assert gate.speculate(100) and gauge(128) == 1 and gauge(64) == 0
