@@ -2,7 +2,7 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft]
+#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -14,7 +14,9 @@
 # bench/profile_services.py (cProfile of the three processes, 32 target-only streams; the GGUF
 # or, without $SMOLLM2_GGUF, random SmolLM2-shaped weights); cold: bench/cold_shapes.py (the
 # first rounds at new batch sizes after the services' warm-up, random SmolLM2 + the shipped head);
-# draft: bench/draft_step.py (a draft round in process, random SmolLM2 + the shipped head).
+# draft: bench/draft_step.py (a draft round in process, random SmolLM2 + the shipped head); gate:
+# the speculation gate through the services (bench/e2e.py and bench/overlap.py with
+# --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +86,16 @@ for part in "${parts[@]}"; do
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16
       run draft_host python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16 --host-expansion ;;
+    gate)  # the speculation gate: one stream (e2e, a 4x2x8 row ungated beside it), then
+      # serial / groups gated vs target-only at batch 1 / 8 / 32 (needs $SMOLLM2_GGUF)
+      run gate_e2e python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" --drafter eagle3 \
+        --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 --num-prompts 8 \
+        --spec 4x2x8 --speculation-gate on --no-hf
+      run gate_overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
+        --max-new-tokens 128 --speculation-gate on ;;
+    graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
+      run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
