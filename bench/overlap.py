@@ -33,6 +33,7 @@ from bench.e2e import (
 )
 from gateway.adaptive import parse_ladder
 from specsplit import convert
+from specsplit.metrics import GATE_ROUND_KINDS
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -96,6 +97,24 @@ def print_time_spent(
                 f"| {verify_s / wall:.2f} | {draft_s / wall:.2f} "
                 f"| {accepted / max(seq_rounds, 1):.2f} | {bound:.1f} | {rate / bound:.2f} |"
             )
+
+
+def print_gated_rounds(
+    totals: dict[tuple[str, int], Totals], batches: list[int], modes: tuple[str, ...]
+) -> None:
+    """With the speculation gate on: per run, its rounds by kind (count, mean ms) from the
+    gateway's gate histograms (specsplit/metrics.py GATE_ROUND_KINDS)."""
+    print("| run | batch | " + " | ".join(f"{kind} rounds, mean ms" for kind in GATE_ROUND_KINDS))
+    print("|---|---:|" + "---:|" * len(GATE_ROUND_KINDS))
+    for mode in modes:
+        for batch in batches:
+            t = totals[(mode, batch)]
+            cells = []
+            for kind in GATE_ROUND_KINDS:
+                name = f"specsplit_gate_{kind}_round_seconds"
+                calls = t[("gateway", f"{name}_count")]
+                cells.append(f"{calls:.0f} x {_per_call(t[('gateway', f'{name}_sum')], calls)}")
+            print(f"| {mode} | {batch} | " + " | ".join(cells) + " |")
 
 
 def _per_call(seconds: float, calls: float) -> str:
@@ -182,6 +201,8 @@ def main() -> None:
             f"| {g_rate / t_rate:.2f}x | {g_rate / s_rate:.2f}x | {same}/{batch} |"
         )
     print_time_spent(results, totals, args.batch)
+    if args.speculation_gate == "on":
+        print_gated_rounds(totals, args.batch, MODES)
     print("round parts over all batches, p50 ms (bucket upper bounds):")
     for mode in MODES:
         cells = [

@@ -256,9 +256,8 @@ class Scheduler:
                 speculate = self.gate is None or self.gate.speculate(batch_size)
                 for seq in self.running:  # the gate holds back default-spec drafts only
                     seq.drafts_held = not speculate and seq.request.spec is None
-                await self._restart_features(
-                    [seq for seq in self.running if seq.features_gap and not seq.drafts_held]
-                )
+                resuming = [s for s in self.running if s.features_gap and not s.drafts_held]
+                await self._restart_features(resuming)
                 measured = self._gated(self.running)
                 if self.overlap == "groups" and speculate:
                     await self.step_groups(self.running)
@@ -271,6 +270,9 @@ class Scheduler:
                     await self.step(self.running)
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
+                if self.gate is not None:
+                    kind = "resuming" if resuming else "speculating" if speculate else "plain"
+                    metrics.observe_gated_round(kind, seconds)
                 if self.gate is not None and measured:
                     tokens = self.num_tokens_committed - committed
                     self.gate.observe(batch_size, speculate, tokens, seconds)
@@ -284,8 +286,10 @@ class Scheduler:
 
     def _gated(self, batch: list[Sequence]) -> bool:
         """A round the speculation gate measures: every sequence follows the gateway's default
-        spec (the gate's to hold back) and none is prefilled in it."""
-        return all(seq.request.spec is None and seq.verifier_begun for seq in batch)
+        spec (the gate's to hold back), and none is prefilled in it or has the drafter catch
+        up its prefill (the two rounds after a sequence's prefill, or its features' re-verify,
+        cost what steady rounds do not)."""
+        return all(seq.request.spec is None and seq.rounds_since_prefill >= 2 for seq in batch)
 
     async def _restart_features(self, seqs: list[Sequence]) -> None:
         """Speculation resumes for sequences whose plain rounds carried no target features (the
@@ -311,6 +315,7 @@ class Scheduler:
                     if out.found and out.kv_committed_len == item.max_len:
                         seq.keep_verifier_kv(item.max_len)
                         seq.features_gap = False
+                        seq.rounds_since_prefill = 0  # its tokens since are verified again
                     else:
                         lost.append(seq)
         if lost:

@@ -36,6 +36,9 @@ class Sequence:
     # without the drafter's target features (features_gap: some committed tokens have none)
     drafts_held: bool = False
     features_gap: bool = False
+    # rounds committed since the verifier began (or re-verified) its tokens: the first is that
+    # prefill, the second the drafter's catch-up of them; the gate measures from the third
+    rounds_since_prefill: int = 0
     drafter_num_tokens: int = 0  # leading tokens the drafter holds
     drafter_begun: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
@@ -156,6 +159,7 @@ class Sequence:
         self.verifier_kv_committed_len = 0
         self.hidden_states = []
         self.features_gap = False  # the re-prefill brings every token's features
+        self.rounds_since_prefill = 0
         if self.hidden_state_layers:  # the drafter's features restart with the re-prefill
             self.drafter_num_tokens = 0
 
@@ -196,6 +200,7 @@ class Sequence:
             )
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
+        self.rounds_since_prefill += 1
         self.stats.rounds += 1
         self.stats.num_accepted_drafts += out.num_accepted_drafts
         self.stats.num_accepted_tokens += out.num_accepted_tokens

@@ -78,6 +78,18 @@ SPECULATING = Gauge(
     " back (plain rounds pay more there)",
     ["batch_bucket"],
 )
+# the speculation gate's rounds by kind (unlabelled histograms: bench/overlap.py reads exact means
+# from their sums): speculating, plain, and resuming (a round whose sequences' features are
+# caught up first, the gate having held them back)
+GATE_ROUND_KINDS = ("speculating", "plain", "resuming")
+GATE_ROUND_SECONDS = {
+    kind: Histogram(
+        f"specsplit_gate_{kind}_round_seconds",
+        f"A round on the gateway the speculation gate made {kind}, wall time",
+        buckets=_LATENCY_BUCKETS,
+    )
+    for kind in GATE_ROUND_KINDS
+}
 GENERATED_TOKENS = Counter(
     "specsplit_generated_tokens", "Tokens streamed to clients (tokens/s: rate of this)"
 )
@@ -150,6 +162,10 @@ class TokenClock(Protocol):
 def observe_queue(num_running: int, num_waiting: int) -> None:
     RUNNING_SEQUENCES.set(num_running)
     WAITING_SEQUENCES.set(num_waiting)
+
+
+def observe_gated_round(kind: str, seconds: float) -> None:
+    GATE_ROUND_SECONDS[kind].observe(seconds)
 
 
 def observe_speculation_gate(batch_bucket: int, speculating: bool) -> None:

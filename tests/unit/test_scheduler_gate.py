@@ -25,6 +25,7 @@ from specsplit.messages import (
     VerifyInput,
     VerifyOutput,
 )
+from specsplit.metrics import GATE_ROUND_KINDS
 from specsplit.sampling import SamplingParams
 from tests.eagle_random import save_target_and_drafters
 from tests.support import (
@@ -44,12 +45,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return save_target_and_drafters(tmp_path_factory.mktemp("gate"))
 
 
-def _requests(seed: int) -> list[GenerationRequest]:
+def _requests(seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[GenerationRequest]:
     gen = torch.Generator().manual_seed(seed)
     return [
         GenerationRequest(
             torch.randint(3, 500, (4 + 3 * i,), generator=gen).tolist(),
-            MAX_NEW_TOKENS,
+            max_new_tokens,
             ignore_eos=True,
         )
         for i in range(BATCH)
@@ -96,9 +97,21 @@ class _SlowVerifier(PassThroughVerifier):
         return await self.inner.verify(inputs)
 
 
-def _target_only(models: dict[str, Path], tokenizer: object, seed: int) -> list[list[int]]:
+def _gated_rounds() -> dict[str, float]:
+    """specsplit_gate_<kind>_round_seconds counts so far (the registry is the process's)."""
+    from prometheus_client import REGISTRY
+
+    return {
+        kind: REGISTRY.get_sample_value(f"specsplit_gate_{kind}_round_seconds_count") or 0.0
+        for kind in GATE_ROUND_KINDS
+    }
+
+
+def _target_only(
+    models: dict[str, Path], tokenizer: object, seed: int, max_new_tokens: int = MAX_NEW_TOKENS
+) -> list[list[int]]:
     stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
-    return [generated_ids(c) for c in generate_all(stack, _requests(seed))]
+    return [generated_ids(c) for c in generate_all(stack, _requests(seed, max_new_tokens))]
 
 
 @pytest.mark.parametrize("overlap", ["serial", "groups"])
@@ -106,7 +119,7 @@ def _target_only(models: dict[str, Path], tokenizer: object, seed: int) -> list[
 def test_speculation_that_loses_is_held_back_and_probed(
     models, smollm2_tokenizer, drafter: str, overlap: str
 ) -> None:
-    expected = _target_only(models, smollm2_tokenizer, seed=1)
+    expected = _target_only(models, smollm2_tokenizer, seed=1, max_new_tokens=40)
     stack = make_stack(
         models["target"],
         drafter,
@@ -116,11 +129,12 @@ def test_speculation_that_loses_is_held_back_and_probed(
         dtype=torch.float32,
         overlap=overlap,
     )
-    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=5)
+    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=12)
+    before = _gated_rounds()
     slow = _SlowDrafter(stack.scheduler.drafter, delay=0.03)
     stack.scheduler.drafter = slow
     watched = stack.scheduler.verifier = _Watched(stack.scheduler.verifier)
-    out = generate_all(stack, _requests(seed=1))  # no KV left on either service
+    out = generate_all(stack, _requests(seed=1, max_new_tokens=40))  # no KV left after
     assert [generated_ids(chunks) for chunks in out] == expected
     if drafter == "eagle3":
         # plain rounds asked for no target features; resuming took the tokens past the last
@@ -135,6 +149,10 @@ def test_speculation_that_loses_is_held_back_and_probed(
     spec_rate, plain_rate = gate.rates(BATCH)
     assert spec_rate is not None and plain_rate is not None and spec_rate < plain_rate
     assert slow.calls < stack.scheduler.num_rounds / 2  # most rounds drafted nothing
+    # the rounds by kind, as the gateway's histograms count them (bench/overlap.py reads them)
+    rounds = {kind: n - before[kind] for kind, n in _gated_rounds().items()}
+    assert rounds["plain"] > rounds["speculating"] > 0
+    assert (rounds["resuming"] > 0) == (drafter == "eagle3")  # only features need catching up
 
 
 def test_speculation_that_pays_keeps_running(models, smollm2_tokenizer) -> None:
