@@ -8,7 +8,8 @@ alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch s
 
 Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the gateway's rounds in which
 every sequence follows the gateway's default spec (a request that asks for its own spec always
-gets it, and rounds with one in them are not measured), and that prefill nothing:
+gets it, and rounds with one in them are not measured), and in which no sequence is in its
+first two rounds after a prefill (the prefill, then the drafter's catch-up of it):
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
   after another has chosen starts from the nearest one's measurements and choice instead;
 - then the mode with more committed tokens per second of round (running sums over the last
