@@ -122,7 +122,7 @@ class Scheduler:
         speculates = default_spec.num_steps > 0 or adaptive_spec
         self.gate = SpeculationGate() if speculation_gate and speculates else None
         self.num_tokens_committed = 0
-        self.num_feature_restarts = 0  # sequences started over as speculation resumed
+        self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class Scheduler:
                     seq.drafts_held = not speculate and seq.request.spec is None
                 resuming = [s for s in self.running if s.features_gap and not s.drafts_held]
                 await self._restart_features(resuming)
-                measured = self._gated(self.running)
+                measured = self.gate is not None and self._gated(self.running)
                 if self.overlap == "groups" and speculate:
                     await self.step_groups(self.running)
                 elif self._leave_groups():
@@ -273,9 +273,9 @@ class Scheduler:
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
-                if self.gate is not None and measured:
-                    tokens = self.num_tokens_committed - committed
-                    self.gate.observe(batch_size, speculate, tokens, seconds)
+                    if measured:
+                        tokens = self.num_tokens_committed - committed
+                        self.gate.observe(batch_size, speculate, tokens, seconds)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently

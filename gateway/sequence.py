@@ -172,7 +172,7 @@ class Sequence:
             tree=tree,
             sampling=self.request.sampling,
             # held back, the round asks for no features: plain rounds cost what the target
-            # alone does (scheduler._restart_features starts both services over on resuming)
+            # alone does (scheduler._restart_features has them verified again on resuming)
             hidden_state_layers=() if self.drafts_held else self.hidden_state_layers,
         )
         return item

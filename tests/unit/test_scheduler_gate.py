@@ -15,6 +15,7 @@ import torch
 from gateway.clients import DrafterClient
 from gateway.gate import SpeculationGate
 from gateway.request import GenerationRequest
+from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     DraftInput,
@@ -97,6 +98,21 @@ class _SlowVerifier(PassThroughVerifier):
         return await self.inner.verify(inputs)
 
 
+def _stack(
+    models: dict[str, Path], tokenizer: object, drafter: str, spec: SpecParams, overlap: str
+) -> LocalStack:
+    """float32 services over the target and `drafter` ("model" or "eagle3")."""
+    return make_stack(
+        models["target"],
+        drafter,
+        tokenizer,
+        spec,
+        draft_dir=models[drafter],
+        dtype=torch.float32,
+        overlap=overlap,
+    )
+
+
 def _gated_rounds() -> dict[str, float]:
     """specsplit_gate_<kind>_round_seconds counts so far (the registry is the process's)."""
     from prometheus_client import REGISTRY
@@ -120,15 +136,7 @@ def test_speculation_that_loses_is_held_back_and_probed(
     models, smollm2_tokenizer, drafter: str, overlap: str
 ) -> None:
     expected = _target_only(models, smollm2_tokenizer, seed=1, max_new_tokens=40)
-    stack = make_stack(
-        models["target"],
-        drafter,
-        smollm2_tokenizer,
-        SpecParams(3, 1, 3),
-        draft_dir=models[drafter],
-        dtype=torch.float32,
-        overlap=overlap,
-    )
+    stack = _stack(models, smollm2_tokenizer, drafter, SpecParams(3, 1, 3), overlap)
     gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=12)
     before = _gated_rounds()
     slow = _SlowDrafter(stack.scheduler.drafter, delay=0.03)
@@ -206,15 +214,7 @@ def test_session_turns_across_held_rounds_equal_fresh_requests(
     """A session's turn that ends after plain rounds (no target features for its last tokens)
     and the next turn that speculates again: the features' gap goes with the session, and the
     turns equal fresh requests of the whole conversation (EAGLE-3 head)."""
-    stack = make_stack(
-        models["target"],
-        "eagle3",
-        smollm2_tokenizer,
-        SpecParams(2, 1, 2),
-        draft_dir=models["eagle3"],
-        dtype=torch.float32,
-        overlap=overlap,
-    )
+    stack = _stack(models, smollm2_tokenizer, "eagle3", SpecParams(2, 1, 2), overlap)
     stack.scheduler.gate = _FlippingGate()
     conv = Conversation(stack, SamplingParams())
 
@@ -238,15 +238,7 @@ def test_every_switch_keeps_the_target_output(
     """Two plain rounds, two speculating, and so on, for a batch of three: the target's own
     greedy output and no KV left, whichever round a switch falls on."""
     expected = _target_only(models, smollm2_tokenizer, seed=4)
-    stack = make_stack(
-        models["target"],
-        drafter,
-        smollm2_tokenizer,
-        SpecParams(3, 2, 6),
-        draft_dir=models[drafter],
-        dtype=torch.float32,
-        overlap=overlap,
-    )
+    stack = _stack(models, smollm2_tokenizer, drafter, SpecParams(3, 2, 6), overlap)
     stack.scheduler.gate = _FlippingGate()
     out = generate_all(stack, _requests(seed=4))
     assert [generated_ids(chunks) for chunks in out] == expected
@@ -263,14 +255,7 @@ def test_a_failed_truncate_starts_the_sequences_over(models, smollm2_tokenizer) 
     """Resuming speculation, a verifier that cannot take the tokens back: both services start
     the sequences over (a re-prefill with the features); the output is the target's."""
     expected = _target_only(models, smollm2_tokenizer, seed=5)
-    stack = make_stack(
-        models["target"],
-        "eagle3",
-        smollm2_tokenizer,
-        SpecParams(2, 1, 2),
-        draft_dir=models["eagle3"],
-        dtype=torch.float32,
-    )
+    stack = _stack(models, smollm2_tokenizer, "eagle3", SpecParams(2, 1, 2), "serial")
     stack.scheduler.gate = _FlippingGate()
     stack.scheduler.verifier = _NoTruncate(stack.scheduler.verifier)
     out = generate_all(stack, _requests(seed=5))
