@@ -17,7 +17,14 @@ first two rounds after a prefill (the prefill, then the drafter's catch-up of it
 - after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
   anew: acceptance changes with the prompts, the round times with the batch. Each probe that
   confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
-  changes it starts over from PROBE_EVERY.
+  changes it starts over from PROBE_EVERY;
+- and a probe waits until the chosen mode has run for 1 / PROBE_BUDGET times as long as the
+  last probe took, so that probing takes at most PROBE_BUDGET of the time. A probe of
+  speculation is costly where it loses: its first round verifies again every token since the
+  last features (two H200s, SmolLM2, 8 or 32 streams: 30-100 ms, a dozen plain rounds), then
+  WINDOW rounds speculate at up to twice a plain round's time. Its cost is every round's time
+  from the switch until the first measured round back in the chosen mode (the settle and
+  catch-up rounds included); a bucket met for the first time takes the nearest one's.
 The first round after a switch is not measured (the pipelined groups refill; an EAGLE drafter
 catches up). Plain rounds ask the verifier for no target features, so they cost what the target
 alone does; on resuming, the verifier takes back a sequence's tokens past its last features and
@@ -40,6 +47,7 @@ PROBE_EVERY = 96  # rounds in the chosen mode between probes of the other
 SPEC_MARGIN = 1.03  # speculation must commit 3% more tokens per second than plain rounds
 SETTLE = 1  # rounds after a switch that are not measured
 MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
+PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's time between
 
 
 @dataclass
@@ -55,6 +63,9 @@ class _Bucket:
     rounds_in_mode: int = 0  # since the last switch
     settle: int = 0  # rounds left that are not measured
     probe_every: int = 0  # rounds in the chosen mode before the next probe (set on choosing)
+    seconds_in_mode: float = 0.0  # the rounds' time since the last switch (measured or not)
+    probe_seconds: float | None = None  # the last probe's cost (None: none yet)
+    probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
 
     def __post_init__(self) -> None:
         self.spec = deque(maxlen=self.window)
@@ -76,11 +87,13 @@ class SpeculationGate:
         window: int = WINDOW,
         probe_every: int = PROBE_EVERY,
         spec_margin: float = SPEC_MARGIN,
+        probe_budget: float = PROBE_BUDGET,
     ) -> None:
-        assert window >= 1 and probe_every >= 1 and spec_margin > 0
+        assert window >= 1 and probe_every >= 1 and spec_margin > 0 and 0 < probe_budget <= 1
         self.window = window
         self.probe_every = probe_every
         self.spec_margin = spec_margin
+        self.probe_budget = probe_budget
         self._buckets: dict[int, _Bucket] = {}
         self.num_switches = 0
 
@@ -109,6 +122,7 @@ class SpeculationGate:
             b.speculate = bool(near.chosen)
             b.chosen = b.speculate
             b.probe_every = self.probe_every
+            b.probe_seconds = near.probe_seconds
             metrics.observe_speculation_gate(key, b.chosen)
         return b
 
@@ -116,16 +130,28 @@ class SpeculationGate:
         """The next round's mode at this batch size."""
         return self._bucket(batch_size).speculate
 
-    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A measured round: `tokens` committed in `seconds`, speculating or not (the mode
-        `speculate` gave for it)."""
+    def observe(
+        self, batch_size: int, speculated: bool, tokens: int, seconds: float, measured: bool = True
+    ) -> None:
+        """A round: `tokens` committed in `seconds`, speculating or not (the mode `speculate`
+        gave for it). Only `measured` rounds count towards the rates; every round's time counts
+        towards the time in the mode and the cost of a probe."""
         b = self._bucket(batch_size)
         if speculated != b.speculate:
             return  # a round of the other mode (the bucket switched meanwhile)
+        b.seconds_in_mode += seconds
+        if b.probing_since_switch is not None:
+            b.probing_since_switch += seconds
+        if not measured:
+            return
         b.rounds_in_mode += 1
         if b.settle > 0:
             b.settle -= 1
             return
+        if b.probing_since_switch is not None and b.speculate == b.chosen:
+            # the first measured round back in the chosen mode: the probe's cost is known
+            b.probe_seconds = b.probing_since_switch - seconds
+            b.probing_since_switch = None
         (b.spec if speculated else b.plain).append((tokens, seconds))
         spec_rate, plain_rate = b.rate(True), b.rate(False)
         if b.chosen is None:  # exploring: speculation first, then plain rounds
@@ -136,8 +162,13 @@ class SpeculationGate:
         elif b.speculate != b.chosen:  # probing the other mode
             if b.rounds_in_mode >= self.window + SETTLE:
                 self._choose(b)
-        elif b.rounds_in_mode >= b.probe_every:
+        elif b.rounds_in_mode >= b.probe_every and b.seconds_in_mode >= self._probe_wait(b):
+            b.probing_since_switch = 0.0
             self._switch(b, not b.chosen)
+
+    def _probe_wait(self, b: _Bucket) -> float:
+        """Seconds in the chosen mode before the next probe: the last probe's / the budget."""
+        return 0.0 if b.probe_seconds is None else b.probe_seconds / self.probe_budget
 
     def _choose(self, b: _Bucket) -> None:
         spec_rate, plain_rate = b.rate(True), b.rate(False)
@@ -168,6 +199,7 @@ class SpeculationGate:
             b.settle = SETTLE
         b.speculate = speculate
         b.rounds_in_mode = 0
+        b.seconds_in_mode = 0.0
 
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculating, plain) committed tokens per second at this batch size, as measured."""

@@ -273,9 +273,8 @@ class Scheduler:
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
-                    if measured:
-                        tokens = self.num_tokens_committed - committed
-                        self.gate.observe(batch_size, speculate, tokens, seconds)
+                    tokens = self.num_tokens_committed - committed
+                    self.gate.observe(batch_size, speculate, tokens, seconds, measured)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently

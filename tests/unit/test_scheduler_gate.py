@@ -203,7 +203,9 @@ class _FlippingGate(SpeculationGate):
         self.calls += 1
         return self.calls % 4 >= 2
 
-    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(
+        self, batch_size: int, speculated: bool, tokens: int, seconds: float, measured: bool = True
+    ) -> None:
         pass
 
 

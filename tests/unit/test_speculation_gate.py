@@ -124,3 +124,61 @@ def test_the_choice_is_a_gauge_per_batch_bucket() -> None:
     # its probe after 50 rounds finds speculation paying at this batch size
     _run(gate, 50 + SETTLE + 2, spec=(4, 5e-3), plain=(1, 2e-3), batch_size=100)
     assert gate.speculate(100) and gauge(128) == 1 and gauge(64) == 0
+
+
+def _probe_with_resume(gate: SpeculationGate, resume_seconds: float) -> list[bool]:
+    """Plain rounds (2 ms) until the gate probes speculation; the probe's first round verifies
+    the features' gap again (`resume_seconds`, not measured: the scheduler's `_gated`), then
+    its rounds speculate (1 token in 5 ms) until plain rounds are chosen again and one is
+    measured (after the settle round). The modes given, in order."""
+    modes = []
+    while not gate.speculate(1):
+        gate.observe(1, False, 1, 2e-3)
+        modes.append(False)
+    gate.observe(1, True, 1, resume_seconds, measured=False)
+    modes.append(True)
+    while gate.speculate(1):
+        gate.observe(1, True, 1, 5e-3)
+        modes.append(True)
+    for _ in range(SETTLE + 1):
+        gate.observe(1, False, 1, 2e-3)
+        modes.append(False)
+    return modes
+
+
+def test_a_costly_probe_spaces_the_next_out_to_the_budget() -> None:
+    """A probe that costs 100 ms (its resume round) waits for 1 / budget x that in plain
+    rounds before the next, although probe_every rounds passed long before: probing takes at
+    most the budget's share of the time."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=0.05)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))  # explored: plain chosen
+    first = _probe_with_resume(gate, resume_seconds=0.1)
+    assert first.index(True) == 10  # the first probe after probe_every rounds
+    # the probe: its resume round, its rounds speculating, the settle round back in plain
+    probe_seconds = 0.1 + (SETTLE + 2) * 5e-3 + SETTLE * 2e-3
+    second = _probe_with_resume(gate, resume_seconds=0.1)
+    # probe_every doubled on confirmation (20 rounds), but the budget asks for far more: the
+    # plain rounds since the switch (the settle round and the closing one included)
+    plain_seconds = (SETTLE + 1 + second.index(True)) * 2e-3
+    wait = probe_seconds / 0.05
+    assert wait - 1e-9 <= plain_seconds <= wait + 2e-3 + 1e-9  # the first round past the wait
+
+
+def test_a_cheap_probe_waits_for_probe_every_rounds() -> None:
+    """Probes that cost little (no resume round) come as often as probe_every allows."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=0.5)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))
+    _probe_with_resume(gate, resume_seconds=0.0)
+    second = _probe_with_resume(gate, resume_seconds=0.0)
+    # probe_every doubled: 20 plain rounds in the mode, the settle and closing ones included
+    assert second.index(True) == 20 - SETTLE - 1
+
+
+def test_a_new_bucket_takes_the_nearest_probe_cost() -> None:
+    """A batch size met for the first time waits as long as the nearest bucket's probe cost
+    asks before its own first probe."""
+    gate = SpeculationGate(window=2, probe_every=4, probe_budget=0.1)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))
+    _probe_with_resume(gate, resume_seconds=0.2)  # ~0.2 s: the next waits ~2 s
+    modes = _run(gate, 100, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=2)
+    assert modes == [False] * 100  # 0.2 s of rounds: far from 2 s, though past probe_every
