@@ -20,11 +20,11 @@ from drafter.eagle_checkpoint import (
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.fused import rms_norm
+from specsplit.model.fused import rms_norm, rope_and_store
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
 from specsplit.model.loader import load_model
-from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
 
 class Eagle3Head:
@@ -101,9 +101,7 @@ class Eagle3Head:
         k = linear(x, self.w[p + "k_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
         v = linear(x, self.w[p + "v_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv.k[0].index_copy_(0, batch.slot_mapping, k.to(kv.k[0].dtype))
-        kv.v[0].index_copy_(0, batch.slot_mapping, v.to(kv.v[0].dtype))
+        q = rope_and_store(q, k, v, cos, sin, kv.k[0], kv.v[0], batch.slot_mapping)
         out = attend(q, kv.k[0], kv.v[0], batch)  # [T, heads, D]
         return linear(out.view(t, -1), self.w[p + "o_proj.weight"])
 

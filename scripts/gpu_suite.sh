@@ -2,7 +2,7 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs]
+#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -16,7 +16,8 @@
 # first rounds at new batch sizes after the services' warm-up, random SmolLM2 + the shipped head);
 # draft: bench/draft_step.py (a draft round in process, random SmolLM2 + the shipped head); gate:
 # the speculation gate through the services (bench/e2e.py and bench/overlap.py with
-# --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py.
+# --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py; rope:
+# the RoPE + K/V store kernel's GPU tests and the engine step with it and without.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +95,15 @@ for part in "${parts[@]}"; do
       run gate_overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
         --max-new-tokens 128 --speculation-gate on ;;
+    rope)  # the RoPE + K/V store Triton kernel: its GPU tests, then the engine step and its
+      # profile with it (SPECSPLIT_TRITON_ROPE=1) and with torch.compile's kernels (=0)
+      run rope_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_rope_store_gpu.py
+      for rope in 0 1; do
+        SPECSPLIT_TRITON_ROPE=$rope run "engine_smollm2_rope$rope" python3 bench/gpu_engine.py \
+          --shape smollm2-135m --batch 1 8 32 --verify-n 8 --verify-batch 1 --steps 50 --no-hf
+        SPECSPLIT_TRITON_ROPE=$rope run "profile_rope$rope" python3 bench/profile_step.py \
+          --shape smollm2-135m --batch 1 --n 0
+      done ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -17,11 +17,8 @@ tile-aligned chunks of [0, kv_end) run by separate programs, which write unnorma
 into `out`. The chunks are cut from the kv_len each program loads, so `num_splits` depends on
 host ints only and the launch stays capturable in a CUDA graph.
 
-Triton is imported and the kernel `triton.jit`-ed on first launch, not at import: importing the
-model does not import triton (TRITON_INTERPRET=1 is read when triton decorates its own library, so
-a test that sets it before importing triton still can), and the kernel calls no `@triton.jit`
-function of triton's library (tl.zeros, tl.max, tl.sum), so it also runs interpreted when triton
-was imported before TRITON_INTERPRET was set.
+Triton is imported and the kernels jitted on first launch, not at import (triton_jit.py says
+why).
 """
 
 from __future__ import annotations
@@ -33,7 +30,9 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 
-tl: Any = None  # triton.language, bound on first launch by _jitted_kernels
+from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+
+tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
 # (q_start, q_end, slots [kv_len] int64, mask [q_len, kv_len] bool) per sequence
 PlanEntry = tuple[int, int, torch.Tensor, torch.Tensor]
@@ -332,20 +331,13 @@ def _merge_splits_kernel(
 def _jitted_kernels(interpret: bool) -> tuple[Any, Any]:
     """(attention, merge) kernels, decorated as TRITON_INTERPRET asks (`interpret` is the cache
     key: triton.jit reads the knob itself)."""
-    import triton
-    import triton.language
-
-    global tl
-    tl = triton.language
-    if interpret:
-        _fix_interpreter_index()
     # Triton compiles a variant per value class of each integer argument (== 1, divisible by
     # 16); the counts and strides that follow the batch's shape would build kernels for
     # seconds in the first rounds at a new batch (bench/cold_shapes.py), so they are not
     # specialised: one kernel per constexpr choice serves every batch
     return (
-        triton.jit(_paged_attention_kernel, do_not_specialize=_ATTENTION_SHAPE_ARGS),
-        triton.jit(_merge_splits_kernel, do_not_specialize=_MERGE_SHAPE_ARGS),
+        jit(_paged_attention_kernel, do_not_specialize=_ATTENTION_SHAPE_ARGS),
+        jit(_merge_splits_kernel, do_not_specialize=_MERGE_SHAPE_ARGS),
     )
 
 
@@ -359,34 +351,6 @@ _ATTENTION_SHAPE_ARGS = (
     "stride_tm_n",
 )
 _MERGE_SHAPE_ARGS = ("num_seqs", "num_splits", "num_tokens")
-
-
-def _fix_interpreter_index() -> None:
-    """triton 3.6's interpreter turns a scalar into an int with int(1-element array), which numpy
-    >= 2.4 refuses, so `range(0, kv_end, BLOCK_N)` fails there; this applies the upstream fix
-    (triton#9171 / #9172, squeeze first). Interpreter only; a no-op where already fixed."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "squeezes_index", False):
-        return
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor.squeezes_index = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-def _interpreting() -> bool:
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,8 +369,8 @@ def _launch_config(
     graphs, kv_len 512, page 16, batch 32, bf16, single pass: decode 27 us at head_dim 128 x 8 KV
     heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us."""
     cap = 64 if head_dim <= 128 else 32
-    block_m = min(_next_power_of_2(max(max_q_len * group, 16)), cap)
-    block_m = max(block_m, _next_power_of_2(group))
+    block_m = min(next_power_of_2(max(max_q_len * group, 16)), cap)
+    block_m = max(block_m, next_power_of_2(group))
     if interpret:  # small key tiles: tests cross tile edges with short sequences
         return block_m, 16, 1, 1
     if head_dim > 128:
@@ -463,7 +427,7 @@ def paged_attention(
     sequence are not written."""
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("paged_attention needs triton; use paged_attention_reference")
-    interpret = _interpreting()
+    interpret = interpreting()
     _check_inputs(
         q, k_cache, v_cache, cu_seqlens_q, kv_lens, prefix_lens, block_table, page_size,
         tree_mask, max_q_len, out, interpret,
@@ -523,7 +487,7 @@ def paged_attention(
         merge_kernel[(num_tokens, num_heads)](
             out, partial_o, partial_m, partial_l, cu_seqlens_q,
             num_seqs, num_splits, num_tokens, num_heads, out.stride(0), out.stride(1),
-            BLOCK_S=_next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=1 if interpret or head_dim <= 64 else 2,
         )  # fmt: skip
     return out
@@ -599,12 +563,7 @@ def _check_inputs(
             fail(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)} {q.dtype}, "
                  "last dim contiguous")  # fmt: skip
         tensors.append(out)
-    device = q.device
-    if any(t.device != device for t in tensors):
-        fail(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if device.type != "cuda" and not interpret:
-        fail(f"tensors are on {device}: the kernel runs on CUDA, or on the CPU under "
-             "TRITON_INTERPRET=1; elsewhere use paged_attention_reference")  # fmt: skip
+    check_device("paged_attention", tensors, interpret)
 
 
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -6,10 +6,16 @@ on an H100: 1,155 kernels and 2.4 ms of GPU time per step for a 0.1 ms floor). O
 function below runs as one Triton kernel made by torch.compile (nano-vllm does the same),
 captured with the rest of the step in its CUDA graph; on the CPU it runs as written, the
 reference. `SPECSPLIT_TORCH_COMPILE=0` turns compilation off.
+
+`rope_and_store` is the exception on a GPU: it runs our own Triton kernel
+(specsplit/kernels/rope_store.py), one launch per layer where torch.compile makes ~3 (at batch 1
+the launches bound the step). `SPECSPLIT_TRITON_ROPE=0` runs the compiled torch version instead,
+for A/B benchmarks; without triton it runs that version too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,23 +23,30 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from specsplit.model.rope import apply_rotary
+from specsplit.kernels.rope_store import rope_store, rope_store_reference
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 COMPILE = os.environ.get("SPECSPLIT_TORCH_COMPILE", "1") != "0"
+TRITON_ROPE = (
+    os.environ.get("SPECSPLIT_TRITON_ROPE", "1") != "0"
+    and importlib.util.find_spec("triton") is not None
+)
 # compiled variants per function (dtype, eps, weights as parameters or plain tensors: a target,
 # a draft model and an EAGLE head in one process each add theirs); past the limit torch.compile
 # fails outright (fullgraph), so keep room for every model a process (or a test run) loads
 RECOMPILE_LIMIT = 64
 
 
-def _on_gpu(fn: F_) -> F_:
-    """fn, compiled (dynamic shapes) for CUDA tensors in inference, as written elsewhere
-    (the CPU, and training, where autograd needs it)."""
+def _on_gpu(fn: F_, kernel: Callable[..., Any] | None = None) -> F_:
+    """fn for CUDA tensors in inference as `kernel` when given, else compiled (dynamic shapes);
+    as written elsewhere (the CPU, and training, where autograd needs it)."""
     compiled: list[Callable[..., Any]] = []
 
     def dispatch(x: torch.Tensor, *args: Any) -> Any:
-        if not (COMPILE and x.is_cuda and not torch.is_grad_enabled()):
+        on_gpu = x.is_cuda and not torch.is_grad_enabled()
+        if on_gpu and kernel is not None:
+            return kernel(x, *args)
+        if not (on_gpu and COMPILE):
             return fn(x, *args)
         if not compiled:
             limit = torch._dynamo.config.recompile_limit
@@ -64,22 +77,8 @@ def add_rms_norm(
     return hidden, weight * x32.to(hidden.dtype)
 
 
-@_on_gpu
-def rope_and_store(
-    q: torch.Tensor,  # [T, num_heads, head_dim]
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64
-) -> torch.Tensor:
-    """RoPE on q and k, k and v written to the cache at slot_mapping; returns the rotated q."""
-    k = apply_rotary(k, cos, sin)
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-    return apply_rotary(q, cos, sin)
+# [T, num_heads, head_dim] rotated q; k and v stored (see the reference's docstring)
+rope_and_store = _on_gpu(rope_store_reference, rope_store if TRITON_ROPE else None)
 
 
 @_on_gpu
