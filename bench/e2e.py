@@ -184,7 +184,9 @@ def services(
         cmd += ["--drafter", args.drafter] + (
             ["--draft-model", args.draft_model] * bool(args.draft_model)
         )
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = getattr(args, "services_log", None)  # the services' output, appended, or none
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log_path else log)
     try:
         address = f"127.0.0.1:{port}"
         wait_gateway(address, proc, 900)
@@ -192,6 +194,8 @@ def services(
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+        if not isinstance(log, int):
+            log.close()
 
 
 def service_runners(

@@ -5,7 +5,7 @@ tokens. "target only" is the serial services with speculation off per request (n
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
-        [--spec 5x4x16 | --speculation-gate on]
+        [--spec 5x4x16 | --speculation-gate on] [--services-log FILE]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and groups / serial, and each
 mode's round parts from the services' histograms (round wall, verify and draft engine time,
@@ -141,6 +141,9 @@ def main() -> None:
         default="off",
         help="the gateway's --speculation-gate: serial and groups runs gated (not with --spec:"
         " requests naming their spec are never gated)",
+    )
+    parser.add_argument(
+        "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     args = parser.parse_args()
     if args.spec and args.speculation_gate == "on":

@@ -24,7 +24,9 @@ first two rounds after a prefill (the prefill, then the drafter's catch-up of it
   last features (two H200s, SmolLM2, 8 or 32 streams: 30-100 ms, a dozen plain rounds), then
   WINDOW rounds speculate at up to twice a plain round's time. Its cost is every round's time
   from the switch until the first measured round back in the chosen mode (the settle and
-  catch-up rounds included); a bucket met for the first time takes the nearest one's.
+  catch-up rounds included), and at least the other mode's measured window (so that the
+  first probe, before any cost is known, waits too); a bucket met for the first time takes the
+  nearest one's.
 The first round after a switch is not measured (the pipelined groups refill; an EAGLE drafter
 catches up). Plain rounds ask the verifier for no target features, so they cost what the target
 alone does; on resuming, the verifier takes back a sequence's tokens past its last features and
@@ -152,6 +154,14 @@ class SpeculationGate:
             # the first measured round back in the chosen mode: the probe's cost is known
             b.probe_seconds = b.probing_since_switch - seconds
             b.probing_since_switch = None
+            log.info(
+                "speculation gate, batch <= %d: the probe took %.3f s; the next after %d rounds"
+                " and %.1f s",
+                b.key,
+                b.probe_seconds,
+                b.probe_every,
+                self._probe_wait(b),
+            )
         (b.spec if speculated else b.plain).append((tokens, seconds))
         spec_rate, plain_rate = b.rate(True), b.rate(False)
         if b.chosen is None:  # exploring: speculation first, then plain rounds
@@ -163,12 +173,23 @@ class SpeculationGate:
             if b.rounds_in_mode >= self.window + SETTLE:
                 self._choose(b)
         elif b.rounds_in_mode >= b.probe_every and b.seconds_in_mode >= self._probe_wait(b):
+            log.info(
+                "speculation gate, batch <= %d: probing %s after %d rounds, %.2f s",
+                b.key,
+                "plain rounds" if b.chosen else "speculation",
+                b.rounds_in_mode,
+                b.seconds_in_mode,
+            )
             b.probing_since_switch = 0.0
             self._switch(b, not b.chosen)
 
     def _probe_wait(self, b: _Bucket) -> float:
-        """Seconds in the chosen mode before the next probe: the last probe's / the budget."""
-        return 0.0 if b.probe_seconds is None else b.probe_seconds / self.probe_budget
+        """Seconds in the chosen mode before the next probe: its cost / the budget. The cost is
+        the last probe's, and at least the other mode's measured window (a probe runs that
+        window again): so the first probe, whose resume cost is not known yet, waits too."""
+        other = b.plain if b.chosen else b.spec
+        cost = max(b.probe_seconds or 0.0, sum(seconds for _, seconds in other))
+        return cost / self.probe_budget
 
     def _choose(self, b: _Bucket) -> None:
         spec_rate, plain_rate = b.rate(True), b.rate(False)

@@ -94,7 +94,8 @@ for part in "${parts[@]}"; do
         --spec 4x2x8 --speculation-gate on --no-hf
       run gate_overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
-        --max-new-tokens 128 --speculation-gate on ;;
+        --max-new-tokens 384 --speculation-gate on --services-log "$out/gate_services.log"
+      grep -h "speculation gate" "$out/gate_services.log" | cut -c1-200 ;;
     rope)  # the RoPE + K/V store Triton kernel: its GPU tests, then the engine step and its
       # profile with it (SPECSPLIT_TRITON_ROPE=1) and with torch.compile's kernels (=0)
       run rope_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_rope_store_gpu.py

@@ -137,7 +137,7 @@ def test_speculation_that_loses_is_held_back_and_probed(
 ) -> None:
     expected = _target_only(models, smollm2_tokenizer, seed=1, max_new_tokens=40)
     stack = _stack(models, smollm2_tokenizer, drafter, SpecParams(3, 1, 3), overlap)
-    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=12)
+    gate = stack.scheduler.gate = SpeculationGate(window=2, probe_every=12, probe_budget=1.0)
     before = _gated_rounds()
     slow = _SlowDrafter(stack.scheduler.drafter, delay=0.03)
     stack.scheduler.drafter = slow

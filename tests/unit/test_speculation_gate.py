@@ -47,7 +47,7 @@ def test_speculation_that_pays_keeps_running() -> None:
 def test_the_other_mode_is_probed_and_a_change_is_followed() -> None:
     """Held back, speculation is tried again every probe_every rounds; once its acceptance
     rose (the prompts changed), the probe finds it pays and it runs from then on."""
-    gate = SpeculationGate(window=3, probe_every=10)
+    gate = SpeculationGate(window=3, probe_every=10, probe_budget=1.0)  # rounds alone count
     _run(gate, 3 + 3 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))  # explored: plain chosen
     modes = _run(gate, 10, spec=(1, 5e-3), plain=(1, 2e-3))
     assert modes == [False] * 10
@@ -98,7 +98,7 @@ def test_a_round_of_the_other_mode_is_ignored() -> None:
 def test_a_new_batch_size_starts_from_the_nearest_choice() -> None:
     """A batch that shrinks as its streams finish meets new buckets: they take the nearest
     chosen bucket's choice at once (no exploring, no switch), and probe after probe_every."""
-    gate = SpeculationGate(window=2, probe_every=6)
+    gate = SpeculationGate(window=2, probe_every=6, probe_budget=1.0)
     _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=32)
     assert not gate.speculate(32)
     switches = gate.num_switches
@@ -116,7 +116,7 @@ def test_the_choice_is_a_gauge_per_batch_bucket() -> None:
     def gauge(bucket: int) -> float | None:
         return REGISTRY.get_sample_value("specsplit_speculating", {"batch_bucket": str(bucket)})
 
-    gate = SpeculationGate(window=2, probe_every=50)
+    gate = SpeculationGate(window=2, probe_every=50, probe_budget=1.0)
     _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=64)
     assert gauge(64) == 0
     gate.speculate(100)  # a new bucket takes the nearest choice, and shows it
@@ -153,7 +153,8 @@ def test_a_costly_probe_spaces_the_next_out_to_the_budget() -> None:
     gate = SpeculationGate(window=2, probe_every=10, probe_budget=0.05)
     _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))  # explored: plain chosen
     first = _probe_with_resume(gate, resume_seconds=0.1)
-    assert first.index(True) == 10  # the first probe after probe_every rounds
+    # the first probe: its cost not known yet, at least the window's 2 x 5 ms, / the budget
+    assert first.index(True) == round(2 * 5e-3 / 0.05 / 2e-3)
     # the probe: its resume round, its rounds speculating, the settle round back in plain
     probe_seconds = 0.1 + (SETTLE + 2) * 5e-3 + SETTLE * 2e-3
     second = _probe_with_resume(gate, resume_seconds=0.1)
