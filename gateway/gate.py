@@ -11,7 +11,8 @@ every sequence follows the gateway's default spec (a request that asks for its o
 gets it, and rounds with one in them are not measured), and in which no sequence is in its
 first two rounds after a prefill (the prefill, then the drafter's catch-up of it):
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
-  after another has chosen starts from the nearest one's measurements and choice instead;
+  after another has chosen starts from the nearest one's measurements and choice instead, and
+  one still exploring when another chooses takes that choice (exploring is left to the first);
 - then the mode with more committed tokens per second of round (running sums over the last
   WINDOW measured rounds of each mode; speculation must beat plain by SPEC_MARGIN) runs;
 - after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
@@ -110,23 +111,33 @@ class SpeculationGate:
         return self._buckets[key]
 
     def _new_bucket(self, key: int) -> _Bucket:
-        """A batch size met for the first time starts from the nearest bucket that chose (its
-        measurements and its choice, probed again after probe_every rounds here): a batch that
-        shrinks as its streams finish crosses a bucket every halving, and exploring each anew
-        would switch modes there (an EAGLE drafter's sequences start over when speculation
-        resumes). With none chosen yet, it explores."""
+        """A batch size met for the first time starts from the nearest bucket that chose
+        (`_adopt`). With none chosen yet, it explores."""
         b = _Bucket(key, self.window)
-        chosen = [other for other in self._buckets.values() if other.chosen is not None]
-        if chosen:
-            near = min(chosen, key=lambda o: abs(o.key.bit_length() - key.bit_length()))
-            b.spec.extend(near.spec)
-            b.plain.extend(near.plain)
-            b.speculate = bool(near.chosen)
-            b.chosen = b.speculate
-            b.probe_every = self.probe_every
-            b.probe_seconds = near.probe_seconds
-            metrics.observe_speculation_gate(key, b.chosen)
+        self._adopt(b, fresh=True)
         return b
+
+    def _adopt(self, b: _Bucket, fresh: bool = False) -> None:
+        """An exploring bucket takes the nearest chosen bucket's measurements, choice and probe
+        cost (probed again after probe_every rounds here), if any bucket chose: a batch that
+        shrinks as its streams finish crosses a bucket every halving, and exploring each anew
+        would switch modes there (resuming speculation verifies every sequence's tokens since
+        its last features again). So exploring is left to the first bucket that gets there."""
+        chosen = [other for other in self._buckets.values() if other.chosen is not None]
+        if b.chosen is not None or not chosen:
+            return
+        near = min(chosen, key=lambda o: abs(o.key.bit_length() - b.key.bit_length()))
+        b.spec.extend(near.spec)
+        b.plain.extend(near.plain)
+        if fresh:
+            b.speculate = bool(near.chosen)  # no round ran in it yet: no switch
+        elif b.speculate != near.chosen:
+            self._switch(b, bool(near.chosen))
+        b.chosen = b.speculate
+        b.rounds_in_mode = 0
+        b.probe_every = self.probe_every
+        b.probe_seconds = near.probe_seconds
+        metrics.observe_speculation_gate(b.key, b.chosen)
 
     def speculate(self, batch_size: int) -> bool:
         """The next round's mode at this batch size."""
@@ -213,6 +224,8 @@ class SpeculationGate:
             metrics.observe_speculation_gate(b.key, chosen)
         b.chosen = chosen
         self._switch(b, chosen)
+        for other in self._buckets.values():  # those still exploring (met before any chose)
+            self._adopt(other)
 
     def _switch(self, b: _Bucket, speculate: bool) -> None:
         if speculate != b.speculate:

@@ -57,15 +57,30 @@ def test_the_other_mode_is_probed_and_a_change_is_followed() -> None:
 
 
 def test_batch_sizes_choose_apart() -> None:
-    """Speculation loses at batch 1 and pays at batch 8: each bucket chooses its own."""
-    gate = SpeculationGate(window=2, probe_every=50)
-    for _ in range(12):
+    """Speculation loses at batch 1 and pays at batch 8: each bucket chooses its own. Batch 1
+    explores first and chooses; batch 8, still exploring then, takes that choice until its
+    own probe finds speculation paying there."""
+    gate = SpeculationGate(window=2, probe_every=4, probe_budget=1.0)
+    for _ in range(20):
         _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=1)
         _run(gate, 1, spec=(3, 5e-3), plain=(1, 4e-3), batch_size=8)
     assert not gate.speculate(1) and gate.speculate(8)
     assert gate.speculate(5)  # 5-8: batch 8's bucket
     assert not gate.speculate(2)  # met later: the nearest chosen bucket's choice (batch 1's)
     assert [SpeculationGate.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_a_bucket_left_while_exploring_takes_the_first_choice() -> None:
+    """A bucket met before any chose (the services' warm-up at batch 2) and left while still
+    exploring does not explore later, when the batch comes back to it (a shrinking batch:
+    resuming speculation there would verify every sequence's tokens again): it takes the
+    choice of the bucket that chose first."""
+    gate = SpeculationGate(window=2, probe_every=50, probe_budget=1.0)
+    _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=2)  # exploring: speculating
+    assert gate.speculate(2)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=1)
+    assert not gate.speculate(1)
+    assert _run(gate, 10, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=2) == [False] * 10
 
 
 def test_speculation_must_beat_plain_by_the_margin() -> None:
