@@ -4,7 +4,8 @@
 
 Per shape: the floor (weight bytes / device-to-device bandwidth measured in this run), our
 target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
-and eager), the cost of verifying 1 + n tokens, and HF transformers' decode step on the same
+and eager), the cost of verifying 1 + n tokens, with `--prefill N` a new sequence's first round
+(N prompt tokens and a chain of 3 drafts), and HF transformers' decode step on the same
 weights (`generate` eager with its dynamic cache, and with a static cache, which it compiles). Each
 figure is the median of `--steps` timed steps after warm-up, at a context of `--context` tokens.
 """
@@ -159,6 +160,12 @@ class EngineBench:
         for out in self.engine.verify(inputs):
             state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
 
+    def prefill(self, n: int) -> None:
+        """A new sequence's first round: n prompt tokens and a chain of 3 drafts; released."""
+        tree = DraftTree(self._tokens(3), [-1, 0, 1])
+        self.engine.verify([VerifyInput("prefill", True, 0, self._tokens(n), tree)])
+        self.engine.release(["prefill"])
+
     def close(self, state: dict[str, tuple[int, int]]) -> None:
         self.engine.release(list(state))
         self.engine.check_integrity()
@@ -211,6 +218,13 @@ def bench_ours(
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
         bench.close(state)
+    for n in args.prefill:  # one at a time (a request's time to its first round)
+        record(
+            rows,
+            f"ours {label} prefill {n} + chain 3",
+            1,
+            median_ms(lambda n=n: bench.prefill(n), args.steps),
+        )
     return rows
 
 
@@ -227,6 +241,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--generate-tokens", type=int, default=32)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
+    parser.add_argument(
+        "--prefill", type=int, nargs="*", default=[], help="also time a prompt of N tokens"
+    )
     parser.add_argument(
         "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"
     )

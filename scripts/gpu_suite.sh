@@ -3,6 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
+#       [prefill]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -17,7 +18,8 @@
 # draft: bench/draft_step.py (a draft round in process, random SmolLM2 + the shipped head); gate:
 # the speculation gate through the services (bench/e2e.py and bench/overlap.py with
 # --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py; rope:
-# the RoPE + K/V store kernel's GPU tests and the engine step with it and without.
+# the RoPE + K/V store kernel's GPU tests and the engine step with it and without; prefill: a new
+# sequence's first round, graphs (up to 128 tokens) and eager.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +107,11 @@ for part in "${parts[@]}"; do
         SPECSPLIT_TRITON_ROPE=$rope run "profile_rope$rope" python3 bench/profile_step.py \
           --shape smollm2-135m --batch 1 --n 0
       done ;;
+    prefill)  # a new sequence's first round (prompt + chain 3): graphs up to 128 tokens, eager
+      run prefill_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 \
+        --verify-n --verify-batch --steps 20 --no-hf --prefill 20 60 120 200
+      run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
+        --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -50,6 +50,11 @@ class VerifierSeq:
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
 GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
+# and prefills (a prompt + its first tree, a session's next turn, a resumed sequence's tokens
+# since its last features) of up to 128 tokens, at most PREFILL_MAX_BATCH at once: the eager
+# forward is host-bound (SmolLM2 on an H100: 27-48 ms a step for ~1 ms of GPU time)
+PREFILL_QUERY_LENS = (32, 64, 128)
+PREFILL_MAX_BATCH = 4
 
 
 class VerifierEngine:
@@ -61,11 +66,13 @@ class VerifierEngine:
         vocab_size: int,
         *,
         graph_query_lens: tuple[int, ...] = (),
+        prefill_query_lens: tuple[int, ...] = PREFILL_QUERY_LENS,
         max_batch_size: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
     ) -> None:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
-        tokens per sequence and batches up to max_batch_size; () = always eager.
+        tokens per sequence and batches up to max_batch_size; () = always eager. With them,
+        prefill_query_lens: graphs of these query tokens for batches up to PREFILL_MAX_BATCH.
         synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: instead of acceptance, the first
         child at depth d is accepted with probability synthetic_acceptance[d] (the last rate for
         deeper levels), so random-weight models run the whole system at a chosen accepted
@@ -82,6 +89,7 @@ class VerifierEngine:
         if synthetic_acceptance is not None:
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.graph_query_lens = graph_query_lens
+        self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
         self.accept_graphs: AcceptGraphs | None = None  # greedy acceptance's CUDA graphs
         if graph_query_lens and self.device.type == "cuda":
@@ -90,7 +98,7 @@ class VerifierEngine:
                 kv,
                 max_batch_size=max_batch_size,
                 max_context=max_context,
-                max_query_len=max(graph_query_lens),
+                max_query_len=max(graph_query_lens + self.prefill_query_lens),
             )
             self.accept_graphs = AcceptGraphs(
                 kv, self.graphs.batch_sizes, self.graphs.batch_sizes[-1] * max(graph_query_lens)
@@ -196,6 +204,12 @@ class VerifierEngine:
         if self.graphs is not None:
             for q in self.graph_query_lens:
                 self.graphs.capture(q)
+            # prefills with and without an EAGLE-3 head's hidden states (of every prompt token)
+            layers = default_aux_layers(self.model.config.num_layers)
+            for q in self.prefill_query_lens:
+                max_batch = min(PREFILL_MAX_BATCH, self.graphs.batch_sizes[-1])
+                for aux in ((), layers):
+                    self.graphs.capture(q, aux, max_batch=max_batch)
         if self.accept_graphs is not None:  # trees up to the largest graph's query length
             self.accept_graphs.capture_all(max(self.graph_query_lens) - 1)
         if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there

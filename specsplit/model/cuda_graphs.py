@@ -228,6 +228,7 @@ class CudaGraphRunner:
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
+        self.max_batch: dict[int, int] = {}  # a q's largest captured batch, where below the max
         self.pool: Any = None  # one memory pool for every graph
         self.buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
@@ -258,21 +259,28 @@ class CudaGraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def capture(self, q: int, aux_layers: tuple[int, ...] = ()) -> None:
+    def capture(
+        self, q: int, aux_layers: tuple[int, ...] = (), max_batch: int | None = None
+    ) -> None:
         """Capture every bucket for steps of `q` query tokens per sequence (largest first, so
-        the smaller ones reuse its memory)."""
+        the smaller ones reuse its memory); with `max_batch`, only the buckets up to it, for
+        this q with any layers (prefills: few at once, many rows each, logits of every row)."""
+        if max_batch is not None:
+            assert max_batch <= self.batch_sizes[-1], (max_batch, self.batch_sizes)
+            self.max_batch.setdefault(q, max_batch)
         key = (q, aux_layers)
         if key in self.buffers:
             return
         assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
-        buffers = _Buffers(self.batch_sizes[-1], q, self.max_pages, self.features, self.device)
+        sizes = self.sizes(q)
+        buffers = _Buffers(sizes[-1], q, self.max_pages, self.features, self.device)
         self.buffers[key] = buffers
         empty = self._empty_batch()
-        buffers.fill(empty, self.batch_sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
+        buffers.fill(empty, sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):
+            for bs in reversed(sizes):
                 batch = buffers.batch(bs, self.kv.page_size)
                 for _ in range(2):  # compile kernels and settle the allocator first
                     self._run(buffers, batch, aux_layers, bs * q)
@@ -284,9 +292,12 @@ class CudaGraphRunner:
                 self.graphs[(q, aux_layers, bs)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info(
-            "captured CUDA graphs for q=%d aux=%s, batch sizes %s", q, aux_layers, self.batch_sizes
-        )
+        log.info("captured CUDA graphs for q=%d aux=%s, batch sizes %s", q, aux_layers, sizes)
+
+    def sizes(self, q: int) -> list[int]:
+        """The batch buckets captured (or to capture) for steps of q query tokens."""
+        limit = self.max_batch.get(q, self.batch_sizes[-1])
+        return [b for b in self.batch_sizes if b < limit] + [limit]
 
     def _run(
         self, buffers: _Buffers, batch: ForwardBatch, aux_layers: tuple[int, ...], t: int
@@ -327,12 +338,13 @@ class CudaGraphRunner:
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
         need = 1 if one else max(batch.max_q_len, int((batch.kv_lens - batch.prefix_lens).max()))
-        q = min((n for n in captured if n >= need), default=None)
+        # the smallest q that holds it and has a bucket for its batch (a prefill's q has few)
+        q = min((n for n in captured if n >= need and self.sizes(n)[-1] >= bs), default=None)
         if q is None or (q == 1 and not one):
             return None
         if has_features and batch.input_ids.shape[0] != bs * q:
             return None  # padding rows would need the features scattered on the device too
-        return q, next(b for b in self.batch_sizes if b >= bs)
+        return q, next(b for b in self.sizes(q) if b >= bs)
 
     def forward(
         self,

@@ -107,3 +107,33 @@ def test_a_prefill_with_a_cached_part_stays_eager(target: Path) -> None:
     assert runner.plan(batch) is None
     for seq in seqs:
         kv.release(seq)
+
+
+def test_a_prefill_replays_a_graph_of_its_own_batch_limit(target: Path) -> None:
+    """A prompt (a new sequence's 20 tokens) replays the q = 32 graph captured for at most two
+    sequences, its logits and hidden states those of the eager forward; three sequences of 10
+    new tokens at once are over that limit (and past q = 4) and stay eager."""
+    model, kv, seqs = _setup(target, 16)
+    runner = CudaGraphRunner.for_model(
+        model, kv, max_context=256, max_batch_size=4, max_query_len=32
+    )
+    runner.capture(4)
+    runner.capture(32, max_batch=2)
+    assert runner.sizes(32) == [1, 2] and runner.sizes(4) == [1, 2, 4]
+    prompt = kv.new_seq()
+    kv.reserve(prompt, 24)
+    step = causal_step(prompt, list(range(3, 23)), list(range(20)))
+    step.hidden_rows = list(range(20))
+    batch, _ = build_forward_batch([step], 16)
+    assert runner.plan(batch) == (32, 1)
+    got = runner.forward(batch, (1,))  # the same q with hidden states: captured on first use
+    want = model(batch.to("cuda"), kv, aux_layers=(1,))
+    assert got is not None and got.hidden_states is not None and want.hidden_states is not None
+    difference = (got.logits - want.logits).abs().max()
+    assert torch.allclose(got.logits, want.logits, atol=1e-4), difference
+    assert torch.allclose(got.hidden_states, want.hidden_states, atol=1e-4)
+    steps = [causal_step(s, list(range(3, 13)), [9]) for s in seqs]
+    assert runner.plan(build_forward_batch(steps, 16)[0]) is None  # 3 > 2: eager
+    for seq in [*seqs, prompt]:
+        kv.release(seq)
+    kv.check_integrity()
