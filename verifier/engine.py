@@ -144,12 +144,15 @@ class VerifierEngine:
         device and in its dtype."""
         config, dtype, device = model.config, model.dtype, model.device
         logits = max_batch_size * max(graph_query_lens, default=1) * config.vocab_size * 4
+        # the prefill graphs' float32 logits of every row, without and with hidden states
+        prefill_rows = PREFILL_MAX_BATCH * sum(PREFILL_QUERY_LENS) if graph_query_lens else 0
         num_pages = pool_num_pages(
             num_pages,
             device,
             kv_cache_bytes_per_token(config, dtype) * page_size,
             kv_memory_fraction,
-            reserve_bytes=2 * logits * len(graph_query_lens),
+            reserve_bytes=2 * logits * len(graph_query_lens)
+            + 2 * prefill_rows * config.vocab_size * 4,
         )
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
