@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill]
+#       [prefill] [small]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -19,7 +19,8 @@
 # the speculation gate through the services (bench/e2e.py and bench/overlap.py with
 # --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py; rope:
 # the RoPE + K/V store kernel's GPU tests and the engine step with it and without; prefill: a new
-# sequence's first round, graphs (up to 128 tokens) and eager.
+# sequence's first round, graphs (up to 128 tokens) and eager; small: the fused small-linear layer
+# path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,6 +113,15 @@ for part in "${parts[@]}"; do
         --verify-n --verify-batch --steps 20 --no-hf --prefill 20 60 120 200
       run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
         --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
+    small)  # the fused small-linear layer path (off by default): every GPU test with it on,
+      # then the engine step and its profile with it off and on
+      SPECSPLIT_SMALL_LINEAR=1 run small_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+      for small in 0 1; do
+        SPECSPLIT_SMALL_LINEAR=$small run "engine_smollm2_small$small" python3 bench/gpu_engine.py \
+          --shape smollm2-135m --batch 1 8 --verify-n 8 --verify-batch 1 --steps 50 --no-hf
+        SPECSPLIT_SMALL_LINEAR=$small run "profile_small$small" python3 bench/profile_step.py \
+          --shape smollm2-135m --batch 1 --n 0 8
+      done ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

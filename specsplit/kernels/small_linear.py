@@ -1,0 +1,390 @@
+"""Projections of a few token rows (decode and verify steps) with their pointwise neighbours
+fused in: a decoder layer as four of these kernels around RoPE and attention.
+
+At batch 1 a small model's step is bound by its kernel count, not by its weight reads (SmolLM2 on
+an H100: 333 kernels, 0.83 ms of GPU time for a ~0.1 ms floor). Each projection here is one
+launch that also does what sits next to it in the layer:
+
+    norm_linear           RMSNorm(x) @ W.T (+ b)             qkv: input_layernorm as a prologue
+    linear_residual       residual + (x @ W.T (+ b))         o_proj, down_proj: the residual add
+    norm_linear_silu_mul  silu(g) * u, [g | u] = RMSNorm(x) @ W.T (+ b)     gate_up
+
+so a layer is norm_linear, RoPE + K/V store, attention, linear_residual, norm_linear_silu_mul,
+linear_residual: 6 kernels (7 with split-KV attention) where it was 9 (10). Each has a plain-torch
+reference beside it (`*_reference`), the arithmetic of the unfused layer (specsplit/model/fused.py
+and linear.py): RMSNorm statistics in float32, `weight * x32.to(dtype)`, the GEMM rounded to the
+activation dtype, then silu-and-mul or the residual add in that dtype, each op rounded as torch
+rounds it (fp contraction off). Only the GEMM's summation order differs from cuBLAS's.
+
+One kernel, its ops chosen by constexpr flags: program p computes output columns
+[p * BLOCK_N, (p + 1) * BLOCK_N) of every row (the gate columns and the same columns of the up
+half, intermediate_size rows further down the weight, for silu-and-mul), so each weight row is
+read once. Rows are padded to BLOCK_M, a power of two: up to 4 rows the product is a broadcast
+multiply summed once at the end (CUDA cores; the K loop is unrolled, so every weight load is in
+flight at once), above that BLOCK_M = 16 rows on tensor cores (tl.dot, loads pipelined). K is a
+constexpr (fixed per model), the row count is not specialised: one kernel per (op, BLOCK_M class)
+serves every step of a model. No host syncs: capturable in a CUDA graph.
+
+Measured on an H100 (random SmolLM2-135M-shaped bf16, 512-token context, bench/profile_step.py,
+A/B with SPECSPLIT_SMALL_LINEAR=0 / 1 in one call): decode at batch 1, 333 -> 242 kernels and
+0.847 -> 0.656 ms of GPU time a step; verify 1 + 8 at batch 1 (9 rows), 384 -> 293 kernels,
+1.000 -> 0.960 ms; decode at batch 8, 0.901 -> 0.874 ms. Per call inside the graphs 3.2 us on the
+broadcast path (1 row) and 4.6 us on the tensor-core path (8-9 rows), where cuBLAS's GEMM alone
+took 3.6-4.0 us: the tensor-core path's tiles (16 columns: 36-96 programs) are untuned.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+import torch.nn.functional as F
+
+from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.model.linear import linear
+
+tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
+
+MAX_ROWS = 16  # rows (tokens) a launch takes: decode and verify steps of a small batch
+_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# plain-torch references: the unfused layer's arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """specsplit.model.fused.rms_norm as written (its CPU path)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def norm_linear_reference(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:
+    """[M, N] RMSNorm(x) @ weight.T + bias."""
+    return linear(_rms_norm_reference(x, norm_weight, eps), weight, bias)
+
+
+def linear_residual_reference(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    residual: torch.Tensor,  # [M, N]
+) -> torch.Tensor:
+    """[M, N] residual + (x @ weight.T + bias), the add in x's dtype."""
+    return residual + linear(x, weight, bias)
+
+
+def norm_linear_silu_mul_reference(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2 * N, K]: gate rows, then up rows
+    bias: torch.Tensor | None,  # [2 * N]
+) -> torch.Tensor:
+    """[M, N] silu(gate) * up of [gate | up] = RMSNorm(x) @ weight.T + bias."""
+    gate, up = norm_linear_reference(x, norm_weight, eps, weight, bias).chunk(2, -1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def _small_linear_kernel(
+    x_ptr,  # [num_rows, K], last dim contiguous
+    weight_ptr,  # [N, K] contiguous; [2 * N, K] with SILU_MUL (gate rows, then up rows)
+    bias_ptr,  # [N] or [2 * N] (read when HAS_BIAS)
+    norm_weight_ptr,  # [K] (read when NORM)
+    residual_ptr,  # [num_rows, N], last dim contiguous (read when RESIDUAL)
+    out_ptr,  # [num_rows, N], last dim contiguous
+    num_rows,  # <= BLOCK_M
+    eps,  # RMSNorm's
+    stride_x,
+    stride_res,
+    stride_out,
+    N: tl.constexpr,  # output columns
+    K: tl.constexpr,
+    NORM: tl.constexpr,  # the input is RMSNorm(x) (statistics in float32, then norm_weight)
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,  # out = residual + the projection
+    SILU_MUL: tl.constexpr,  # out = silu(gate) * up
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tensor cores (BLOCK_M = 16), else a broadcast multiply
+    DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # the tensor-core K loop's software pipelining
+):
+    act = x_ptr.dtype.element_ty  # the activation dtype: each op's result is rounded to it
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = (rows < num_rows)[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+    # the epilogue's inputs, loaded first: their latency hides behind the weights'
+    bias = tl.full([1, BLOCK_N], 0.0, dtype=tl.float32)
+    bias_up = tl.full([1, BLOCK_N], 0.0, dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols[None, :], mask=cols[None, :] < N, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            bias_up = tl.load(bias_ptr + N + cols[None, :], mask=cols[None, :] < N, other=0.0)
+            bias_up = bias_up.to(tl.float32)
+    residual = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=act)
+    if RESIDUAL:
+        residual = tl.load(
+            residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=out_ok, other=0.0
+        )
+
+    # tl.full and tl.reduce with triton's combine functions, not tl.zeros / tl.sum (triton_jit)
+    if USE_DOT:
+        # [BLOCK_M, BLOCK_K] rows of x against [BLOCK_N, BLOCK_K] rows of the weight
+        k_lanes = tl.arange(0, BLOCK_K)[None, :]
+        x_ptrs = x_ptr + rows[:, None] * stride_x + k_lanes  # + k0
+        x_ok = (rows < num_rows)[:, None]
+        w_ptrs = weight_ptr + cols[:, None].to(tl.int64) * K + k_lanes
+        w_ok = (cols < N)[:, None]
+        rstd = tl.full([BLOCK_M, 1], 1.0, dtype=tl.float32)
+        if NORM:  # each row's 1 / sqrt(mean(x^2) + eps)
+            squares = tl.full([BLOCK_M, BLOCK_K], 0.0, dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                x32 = tl.load(x_ptrs + k0, mask=x_ok & (k0 + k_lanes < K), other=0.0)
+                squares += x32.to(tl.float32) * x32.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.reduce(squares, 1, tl.standard._sum_combine) / K + eps)
+            rstd = rstd[:, None]
+        gate = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+        up = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = k0 + k_lanes < K
+            x = tl.load(x_ptrs + k0, mask=x_ok & k_ok, other=0.0)
+            if NORM:  # fused.rms_norm: (x32 * rstd) rounded, times the norm weight, rounded;
+                # the norm weight read as a tile like x's, so that it is pipelined like x
+                x = (x.to(tl.float32) * rstd).to(act)
+                nw = tl.load(
+                    norm_weight_ptr + rows[:, None] * 0 + k0 + k_lanes, mask=k_ok, other=0.0
+                )
+                x = (nw.to(tl.float32) * x.to(tl.float32)).to(act)
+            w = tl.load(w_ptrs + k0, mask=w_ok & k_ok, other=0.0)
+            gate = tl.dot(x, tl.trans(w), gate, input_precision=DOT_PRECISION)
+            if SILU_MUL:
+                w = tl.load(w_ptrs + N * K + k0, mask=w_ok & k_ok, other=0.0)
+                up = tl.dot(x, tl.trans(w), up, input_precision=DOT_PRECISION)
+    else:
+        # [BLOCK_M, BLOCK_N, BLOCK_K] tiles throughout, x repeated over the columns and the
+        # weight over the rows: every load and product shares one layout (nothing crosses
+        # threads in the loop, so the unrolled loop's weight loads are all in flight at once),
+        # and the sums over K stay within a warp
+        k_lanes = tl.arange(0, BLOCK_K)[None, None, :]
+        rows3 = rows[:, None, None]
+        cols3 = cols[None, :, None]
+        zeros3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0, dtype=tl.int32)
+        x_ptrs = x_ptr + rows3 * stride_x + zeros3 + k_lanes  # + k0
+        x_ok = rows3 < num_rows
+        w_ptrs = weight_ptr + cols3.to(tl.int64) * K + zeros3 + k_lanes
+        w_ok = cols3 < N
+        rstd = tl.full([BLOCK_M, BLOCK_N, 1], 1.0, dtype=tl.float32)
+        if NORM:
+            squares = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                x32 = tl.load(x_ptrs + k0, mask=x_ok & (k0 + k_lanes < K), other=0.0)
+                squares += x32.to(tl.float32) * x32.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.reduce(squares, 2, tl.standard._sum_combine) / K + eps)
+            rstd = rstd[:, :, None]
+        gate = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)  # summed over K last
+        up = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k_ok = k0 + k_lanes < K
+            x = tl.load(x_ptrs + k0, mask=x_ok & k_ok, other=0.0)
+            if NORM:
+                x = (x.to(tl.float32) * rstd).to(act)
+                nw = tl.load(norm_weight_ptr + zeros3 + k0 + k_lanes, mask=k_ok, other=0.0)
+                x = (nw.to(tl.float32) * x.to(tl.float32)).to(act)
+            w = tl.load(w_ptrs + k0, mask=w_ok & k_ok, other=0.0)
+            gate += x.to(tl.float32) * w.to(tl.float32)
+            if SILU_MUL:
+                w = tl.load(w_ptrs + N * K + k0, mask=w_ok & k_ok, other=0.0)
+                up += x.to(tl.float32) * w.to(tl.float32)
+        gate = tl.reduce(gate, 2, tl.standard._sum_combine)  # [BLOCK_M, BLOCK_N]
+        if SILU_MUL:
+            up = tl.reduce(up, 2, tl.standard._sum_combine)
+
+    # the epilogue: the projection (its bias added in float32) rounded, then each op rounded
+    y = (gate + bias).to(act)  # [BLOCK_M, BLOCK_N]
+    if SILU_MUL:
+        g = y.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(act)  # F.silu, computed in float32
+        y = (silu.to(tl.float32) * (up + bias_up).to(act).to(tl.float32)).to(act)
+    if RESIDUAL:
+        y = (residual.to(tl.float32) + y.to(tl.float32)).to(act)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=out_ok)
+
+
+@functools.cache
+def _jitted_kernel(interpret: bool) -> Any:
+    """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key). The row
+    count follows the batch, so it is not specialised (== 1 would build its own variant); the
+    strides are the model's layout, the same at every step."""
+    return jit(_small_linear_kernel, do_not_specialize=("num_rows",))
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+class Tiles(NamedTuple):
+    """A launch's tiling: rows, output columns and K per step of a program; the path."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    use_dot: bool
+    num_warps: int
+    num_stages: int
+
+
+_BROADCAST_ROWS = 4  # above this many rows, tensor cores (BLOCK_M = 16)
+
+
+def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> Tiles:
+    """How a launch of `num_rows` rows x `n` output columns x `k` is cut. On a GPU: narrow
+    column tiles, so that there are a few programs per SM (SmolLM2: 144-384) and every weight
+    is read in parallel; the broadcast path's K step is one 16-byte load per thread of a tile
+    and at most a warp's span (its sums over K stay in the warp); the tensor-core path's K loop
+    pipelined 4 deep."""
+    use_dot = num_rows > _BROADCAST_ROWS
+    block_m = MAX_ROWS if use_dot else next_power_of_2(num_rows)
+    if interpret:  # small tiles: the tests cross tile edges with small shapes
+        return Tiles(block_m, 16 if use_dot else 8, 32, use_dot, 1, 1)
+    if use_dot:
+        return Tiles(block_m, 16, 128, True, 4, 4)
+    warp_span = 32 * (16 // itemsize)  # K lanes of one warp's 16-byte loads
+    block_n = 8 if n > 1024 and block_m == 1 else 4
+    block_k = min(warp_span, 4 * warp_span // (block_m * block_n), next_power_of_2(k))
+    return Tiles(block_m, block_n, max(block_k, 32), False, 4, 1)
+
+
+def _launch(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None,  # (norm_weight, eps)
+    residual: torch.Tensor | None,
+    silu_mul: bool,
+) -> torch.Tensor:
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"{op} needs triton; use {op}_reference")
+    interpret = interpreting()
+    _check_inputs(op, x, weight, bias, norm, residual, silu_mul, interpret)
+    num_rows, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    tiles = tiles_for(num_rows, n, k, x.element_size(), interpret)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)  # never read without NORM
+    _jitted_kernel(interpret)[(-(-n // tiles.block_n),)](
+        x, weight, weight if bias is None else bias, norm_weight,
+        out if residual is None else residual, out,
+        num_rows, eps, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        N=n, K=k, NORM=norm is not None, HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        NUM_STAGES=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def norm_linear(
+    x: torch.Tensor,  # [M <= 16, K], last dim contiguous
+    norm_weight: torch.Tensor,  # [K] contiguous, x's dtype
+    eps: float,
+    weight: torch.Tensor,  # [N, K] contiguous, x's dtype
+    bias: torch.Tensor | None = None,  # [N] contiguous, x's dtype
+) -> torch.Tensor:
+    """`norm_linear_reference` as one launch: [M, N], contiguous."""
+    return _launch("norm_linear", x, weight, bias, (norm_weight, eps), None, False)
+
+
+def linear_residual(
+    x: torch.Tensor,  # [M <= 16, K], last dim contiguous
+    weight: torch.Tensor,  # [N, K] contiguous, x's dtype
+    bias: torch.Tensor | None,  # [N] contiguous, x's dtype
+    residual: torch.Tensor,  # [M, N], last dim contiguous, x's dtype
+) -> torch.Tensor:
+    """`linear_residual_reference` as one launch: [M, N], contiguous (residual is not
+    written)."""
+    return _launch("linear_residual", x, weight, bias, None, residual, False)
+
+
+def norm_linear_silu_mul(
+    x: torch.Tensor,  # [M <= 16, K], last dim contiguous
+    norm_weight: torch.Tensor,  # [K] contiguous, x's dtype
+    eps: float,
+    weight: torch.Tensor,  # [2 * N, K] contiguous, x's dtype: gate rows, then up rows
+    bias: torch.Tensor | None = None,  # [2 * N] contiguous, x's dtype
+) -> torch.Tensor:
+    """`norm_linear_silu_mul_reference` as one launch: [M, N], contiguous."""
+    return _launch("norm_linear_silu_mul", x, weight, bias, (norm_weight, eps), None, True)
+
+
+def _check_inputs(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None,
+    residual: torch.Tensor | None,
+    silu_mul: bool,
+    interpret: bool,
+) -> None:
+    """Everything checkable from shapes, dtypes and strides. Messages are built only on
+    failure: this runs before every launch."""
+
+    def fail(what: str) -> NoReturn:
+        raise ValueError(f"{op}: {what}")
+
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        fail(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
+    num_rows, k = x.shape
+    if num_rows > MAX_ROWS:
+        fail(f"x has {num_rows} rows; at most {MAX_ROWS} (use F.linear beyond)")
+    if k == 0 or weight.shape[0] == 0 or (silu_mul and weight.shape[0] % 2):
+        fail(f"weight {tuple(weight.shape)}: K and N must be > 0"
+             + (", N even ([gate | up] rows)" if silu_mul else ""))  # fmt: skip
+    n_weight = weight.shape[0]
+    tensors = [x, weight]
+    if bias is not None:
+        if bias.shape != (n_weight,):
+            fail(f"bias {tuple(bias.shape)} must be [{n_weight}]")
+        tensors.append(bias)
+    if norm is not None:
+        if norm[0].shape != (k,):
+            fail(f"norm_weight {tuple(norm[0].shape)} must be [{k}]")
+        tensors.append(norm[0])
+    if x.dtype not in _ACT_DTYPES or any(t.dtype != x.dtype for t in tensors):
+        fail(f"x, weight, bias, norm_weight: one of float16/bfloat16/float32, got "
+             f"{[t.dtype for t in tensors]}")  # fmt: skip
+    if not all(t.is_contiguous() for t in tensors[1:]) or x.stride(1) != 1:
+        fail(f"weight, bias and norm_weight must be contiguous and x's last dim, strides "
+             f"{[t.stride() for t in tensors]}")  # fmt: skip
+    if residual is not None:
+        n = n_weight // 2 if silu_mul else n_weight
+        if residual.shape != (num_rows, n) or residual.dtype != x.dtype:
+            fail(f"residual {tuple(residual.shape)} {residual.dtype} must be [{num_rows}, {n}] "
+                 f"{x.dtype}")  # fmt: skip
+        if residual.stride(1) != 1:
+            fail(f"residual's last dim must be contiguous, strides {residual.stride()}")
+        tensors.append(residual)
+    check_device(op, tensors, interpret)

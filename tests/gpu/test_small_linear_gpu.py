@@ -1,0 +1,214 @@
+"""On a CUDA device: the small-linear Triton kernels match their references in bfloat16 on
+SmolLM2-135M's projections at 1 to 16 rows, build one kernel per row class, replay from a CUDA
+graph when their inputs change, and a SmolLM2-shaped model's steps replayed from the engine's
+CUDA graphs through `forward_small` give the logits and greedy tokens of eager steps through
+`forward`. Skipped where there is no GPU (CI)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specsplit.kernels import small_linear as sl
+from specsplit.model import llama
+from specsplit.model.config import ModelConfig
+from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.llama import DecoderLayer, LlamaModel, make_kv_cache, state_dict_from_hf
+from tests.unit.test_model_vs_transformers import causal_step, make_batch, new_seqs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+HIDDEN, INTER, EPS = 576, 1536, 1e-5
+QKV = (9 + 2 * 3) * 64  # SmolLM2: 9 query heads, 3 KV heads of 64
+# bfloat16: the GEMMs' summation order differs from cuBLAS's, so a result may round one ulp
+# the other way (2^-8 relative), and a residual add near cancellation keeps that ulp
+ATOL, RTOL = 2e-2, 1.6e-2
+Inputs = dict[str, torch.Tensor | None]
+
+
+def make_inputs(num_rows: int, bias: bool, seed: int = 0) -> Inputs:
+    """SmolLM2's projections' inputs in bfloat16, O(1) values (its hidden states are larger)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
+
+    return {
+        "hidden": randn(num_rows, HIDDEN, scale=3.0),
+        "norm_weight": 1 + randn(HIDDEN, scale=0.2),
+        "qkv": randn(QKV, HIDDEN, scale=HIDDEN**-0.5),
+        "qkv_bias": randn(QKV, scale=0.5) if bias else None,
+        "attn": randn(num_rows, HIDDEN),
+        "o": randn(HIDDEN, HIDDEN, scale=HIDDEN**-0.5),
+        "gate_up": randn(2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+        "gate_up_bias": randn(2 * INTER, scale=0.5) if bias else None,
+        "act": randn(num_rows, INTER),
+        "down": randn(HIDDEN, INTER, scale=INTER**-0.5),
+        "down_bias": randn(HIDDEN, scale=0.5) if bias else None,
+    }
+
+
+# name -> (kernel, its reference, its arguments from a set of inputs)
+OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Any]] = {
+    "qkv_norm_linear": (
+        sl.norm_linear,
+        sl.norm_linear_reference,
+        lambda t: (t["hidden"], t["norm_weight"], EPS, t["qkv"], t["qkv_bias"]),
+    ),
+    "o_linear_residual": (
+        sl.linear_residual,
+        sl.linear_residual_reference,
+        lambda t: (t["attn"], t["o"], None, t["hidden"]),
+    ),
+    "gate_up_norm_linear_silu_mul": (
+        sl.norm_linear_silu_mul,
+        sl.norm_linear_silu_mul_reference,
+        lambda t: (t["hidden"], t["norm_weight"], EPS, t["gate_up"], t["gate_up_bias"]),
+    ),
+    "down_linear_residual": (
+        sl.linear_residual,
+        sl.linear_residual_reference,
+        lambda t: (t["act"], t["down"], t["down_bias"], t["hidden"]),
+    ),
+}
+
+
+def run(op: str, inputs: Inputs, reference: bool = False) -> torch.Tensor:
+    kernel, ref, args = OPS[op]
+    return (ref if reference else kernel)(*args(inputs))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 4, 9, 16])
+@pytest.mark.parametrize("op", list(OPS))
+def test_kernel_matches_reference(op: str, num_rows: int, bias: bool) -> None:
+    inputs = make_inputs(num_rows, bias)
+    got, want = run(op, inputs), run(op, inputs, reference=True)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_one_kernel_serves_each_row_class() -> None:
+    """The row count is not specialised: 5 to 16 rows (tensor cores) reuse one kernel, and so do
+    3 and 4 rows (BLOCK_M 4)."""
+    kernel = sl._jitted_kernel(False)
+
+    def built() -> int:
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    run("o_linear_residual", make_inputs(9, False))
+    run("o_linear_residual", make_inputs(3, False))
+    before = built()
+    for num_rows in (4, 5, 8, 12, 16):
+        run("o_linear_residual", make_inputs(num_rows, False, seed=num_rows))
+    assert built() == before
+
+
+def test_cuda_graph_replay_follows_new_inputs() -> None:
+    """A layer's four projections captured once over fixed buffers (the attention output stands
+    in for attention), replayed after new inputs are copied in: each output matches its
+    reference every time (no host sync in the wrappers)."""
+    static = make_inputs(9, True, seed=1)
+    hidden, attn = static["hidden"], static["attn"]
+    assert hidden is not None and attn is not None
+
+    def layer() -> tuple[torch.Tensor, ...]:
+        qkv = sl.norm_linear(hidden, static["norm_weight"], EPS, static["qkv"], static["qkv_bias"])
+        mid = sl.linear_residual(attn, static["o"], None, hidden)
+        act = sl.norm_linear_silu_mul(
+            mid, static["norm_weight"], EPS, static["gate_up"], static["gate_up_bias"]
+        )
+        return qkv, mid, act, sl.linear_residual(act, static["down"], static["down_bias"], mid)
+
+    layer()  # build before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = layer()
+    for seed in (2, 3):
+        new = make_inputs(9, True, seed=seed)
+        for name in ("hidden", "attn"):
+            static[name].copy_(new[name])  # type: ignore[union-attr]
+        graph.replay()
+        qkv, mid, act, out = outputs
+        want_mid = sl.linear_residual_reference(attn, static["o"], None, hidden)
+        want_qkv = run("qkv_norm_linear", static, reference=True)
+        torch.testing.assert_close(qkv, want_qkv, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(mid, want_mid, atol=ATOL, rtol=RTOL)
+        want_act = sl.norm_linear_silu_mul_reference(
+            mid, static["norm_weight"], EPS, static["gate_up"], static["gate_up_bias"]
+        )
+        torch.testing.assert_close(act, want_act, atol=ATOL, rtol=RTOL)
+        want_out = sl.linear_residual_reference(act, static["down"], static["down_bias"], mid)
+        torch.testing.assert_close(out, want_out, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.raw_kv
+def test_graph_steps_equal_eager_layer_path_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random SmolLM2-shaped model (4 layers): decode and verify steps of two sequences
+    replayed from CudaGraphRunner's graphs (captured through forward_small) against the same
+    steps run eagerly through `forward` (SPECSPLIT_SMALL_LINEAR=0): logits within bfloat16's
+    noise (a few ulps at most, far less on average), and the same greedy token wherever the
+    reference's top two are clearly apart."""
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(
+        vocab_size=2048, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=4,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        rope_theta=100000.0, rms_norm_eps=EPS, max_position_embeddings=512,
+    )  # fmt: skip
+    config = ModelConfig.from_hf(hf_config)
+    hf = LlamaForCausalLM(hf_config).eval()
+    state = state_dict_from_hf(config, hf.state_dict(), torch.bfloat16, "cuda")
+    state["embed_tokens.weight"] *= 8  # the tied LM head too: logits ~4, not ~0.5, apart
+    model = LlamaModel.from_state_dict(config, state, "cuda")
+    kv = make_kv_cache(config, num_pages=32, page_size=16, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (40, 57)]
+    seqs = new_seqs(kv, [120, 120], random.Random(0))
+    prefill = make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)])
+    model(prefill.to("cuda"), kv)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.kv_committed_len = len(prompt)
+
+    runner = CudaGraphRunner.for_model(model, kv, 256, max_batch_size=2, max_query_len=5)
+    captured: list[int] = []
+    forward_small = DecoderLayer.forward_small
+
+    def spy(layer: DecoderLayer, *args: Any) -> torch.Tensor:
+        captured.append(layer.layer_index)
+        return forward_small(layer, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DecoderLayer, "forward_small", spy)
+        patch.setattr(llama, "SMALL_LINEAR", True)  # SPECSPLIT_SMALL_LINEAR=1
+        for q in (1, 5):
+            runner.capture(q)
+    assert captured and set(captured) == {0, 1, 2, 3}  # every graph (T <= 10) runs it
+
+    num_checked = 0
+    for q_len, num_seqs in ((1, 2), (5, 2), (1, 1), (5, 1), (1, 2)):
+        tokens = [torch.randint(0, 2048, (q_len,), generator=gen).tolist() for _ in seqs]
+        steps = zip(seqs[:num_seqs], tokens[:num_seqs], strict=True)
+        batch = make_batch([causal_step(s, t) for s, t in steps])
+        before = kv.data.clone()
+        got = runner.forward(batch)
+        assert got is not None, "no captured graph took the step"
+        kv.data.copy_(before)
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "SMALL_LINEAR", False)
+            want = model(batch.to("cuda"), kv)
+        # logits of magnitude ~10 are bfloat16 (an ulp is 1/16 there); an H100 run of the first
+        # step saw a largest difference of 0.086 (18 of 4096 logits beyond 0.05)
+        torch.testing.assert_close(got.logits, want.logits, atol=0.25, rtol=2e-2)
+        assert (got.logits - want.logits).abs().mean() < 0.02
+        top2 = want.logits.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.5  # apart by more than the logits' noise
+        assert torch.equal(got.logits.argmax(-1)[clear], want.logits.argmax(-1)[clear])
+        num_checked += int(clear.sum())
+        for seq in seqs[:num_seqs]:
+            seq.kv_committed_len += q_len
+    assert num_checked >= 5  # of 20 rows: the greedy check is not vacuous
