@@ -7,9 +7,10 @@ q) is replayed from a graph captured at warm-up for the smallest bucketed batch 
 it. The graph reads fixed input buffers; a step copies its
 metadata in (a handful of small host-to-device copies), padding the batch up to the bucket with
 sequences that read and write only the cache's scratch page. Logits and hidden states of every
-row land in fixed output buffers; the step's wanted rows are gathered from them. Any other shape
-(prefill, ragged q, a batch over the largest bucket) runs eagerly: the same forward, the same
-tokens.
+row land in fixed output buffers; the step's wanted rows are gathered from them. A q may be
+captured for fewer batch buckets (`capture(max_batch=)`: the verifier's prefill graphs, a prompt
+of up to 128 tokens, at most 4 at once). Any other shape (a longer prefill, a batch over the
+largest bucket) runs eagerly: the same forward, the same tokens.
 """
 
 from __future__ import annotations
