@@ -71,3 +71,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRITON_INTERPRET=1 for the tests that ask (not set at import: that would leak into the
+    GPU tests of the same session). Our kernels are jitted per TRITON_INTERPRET value at launch
+    (specsplit/kernels/triton_jit.py) and call no @triton.jit library function, so it does not
+    matter when triton was imported."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -5,7 +5,7 @@ split-KV path (keys cut into chunks, partials merged) equals it on the same case
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,15 +22,7 @@ from specsplit.kernels.paged_attention import (
 from specsplit.tree import DraftTree
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The interpreter for these tests only (not set at import: that would leak into the GPU
-    tests of the same session). The kernel is jitted per TRITON_INTERPRET value at launch and
-    calls no @triton.jit library function, so it does not matter when triton was imported."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 SENTINEL = 7.0  # out rows no sequence owns keep this value

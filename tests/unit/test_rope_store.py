@@ -17,12 +17,7 @@ from specsplit.kernels.rope_store import rope_store, rope_store_reference
 from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRITON_INTERPRET=1 for these tests only (test_paged_attention.py's fixture says why)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 SENTINEL = 7.0  # cache rows no token writes, and the other layers, keep this value

@@ -35,16 +35,11 @@ from tests.unit.test_model_vs_transformers import _COMMON as MODEL_VS_HF_CONFIG
 from tests.unit.test_model_vs_transformers import causal_step, make_batch, new_seqs, tree_step
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 EPS = 1e-5
 TINY_EPS = 1e-12  # 16 + TINY_EPS == 16 in float32
 ATOL = RTOL = 1e-5  # float32; only the GEMMs' summation order differs
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRITON_INTERPRET=1 for these tests only (test_paged_attention.py's fixture says why)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @dataclass

@@ -6,7 +6,6 @@ engines' invariants."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,12 +22,6 @@ from verifier.engine import VerifierEngine
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return save_target_and_drafters(tmp_path_factory.mktemp("rehearsal"))
-
-
-@pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "page_size"), [(4, 2, 16), (9, 3, 1)])
