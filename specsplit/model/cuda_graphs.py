@@ -229,7 +229,7 @@ class CudaGraphRunner:
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
-        self.max_batch: dict[int, int] = {}  # a q's largest captured batch, where below the max
+        self.q_sizes: dict[int, list[int]] = {}  # each captured q's batch buckets
         self.pool: Any = None  # one memory pool for every graph
         self.buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
@@ -265,15 +265,17 @@ class CudaGraphRunner:
     ) -> None:
         """Capture every bucket for steps of `q` query tokens per sequence (largest first, so
         the smaller ones reuse its memory); with `max_batch`, only the buckets up to it, for
-        this q with any layers (prefills: few at once, many rows each, logits of every row)."""
-        if max_batch is not None:
-            assert max_batch <= self.batch_sizes[-1], (max_batch, self.batch_sizes)
-            self.max_batch.setdefault(q, max_batch)
+        this q with any layers (prefills: few at once, many rows each, logits of every row):
+        a q's buckets are set by its first capture."""
+        assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
+        if q not in self.q_sizes:
+            limit = self.batch_sizes[-1] if max_batch is None else max_batch
+            assert limit <= self.batch_sizes[-1], (limit, self.batch_sizes)
+            self.q_sizes[q] = [b for b in self.batch_sizes if b < limit] + [limit]
         key = (q, aux_layers)
         if key in self.buffers:
             return
-        assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
-        sizes = self.sizes(q)
+        sizes = self.q_sizes[q]
         buffers = _Buffers(sizes[-1], q, self.max_pages, self.features, self.device)
         self.buffers[key] = buffers
         empty = self._empty_batch()
@@ -296,9 +298,8 @@ class CudaGraphRunner:
         log.info("captured CUDA graphs for q=%d aux=%s, batch sizes %s", q, aux_layers, sizes)
 
     def sizes(self, q: int) -> list[int]:
-        """The batch buckets captured (or to capture) for steps of q query tokens."""
-        limit = self.max_batch.get(q, self.batch_sizes[-1])
-        return [b for b in self.batch_sizes if b < limit] + [limit]
+        """The batch buckets captured for steps of q query tokens."""
+        return self.q_sizes[q]
 
     def _run(
         self, buffers: _Buffers, batch: ForwardBatch, aux_layers: tuple[int, ...], t: int
@@ -335,17 +336,17 @@ class CudaGraphRunner:
         bs = batch.num_seqs
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
-        captured = {q for q, _ in self.buffers}  # any layers: forward() captures these on use
+        captured = self.q_sizes  # any layers: forward() captures these on use
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
         need = 1 if one else max(batch.max_q_len, int((batch.kv_lens - batch.prefix_lens).max()))
         # the smallest q that holds it and has a bucket for its batch (a prefill's q has few)
-        q = min((n for n in captured if n >= need and self.sizes(n)[-1] >= bs), default=None)
+        q = min((n for n, sizes in captured.items() if n >= need and sizes[-1] >= bs), default=None)
         if q is None or (q == 1 and not one):
             return None
         if has_features and batch.input_ids.shape[0] != bs * q:
             return None  # padding rows would need the features scattered on the device too
-        return q, next(b for b in self.sizes(q) if b >= bs)
+        return q, next(b for b in captured[q] if b >= bs)
 
     def forward(
         self,
