@@ -134,7 +134,7 @@ class SpeculationGate:
         elif b.speculate != near.chosen:
             self._switch(b, bool(near.chosen))
         b.chosen = b.speculate
-        b.rounds_in_mode = 0
+        b.rounds_in_mode, b.seconds_in_mode = 0, 0.0  # the wait for its first probe starts now
         b.probe_every = self.probe_every
         b.probe_seconds = near.probe_seconds
         metrics.observe_speculation_gate(b.key, b.chosen)
