@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.model.fused import rms_norm_reference
 from specsplit.model.linear import linear
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
@@ -56,13 +57,6 @@ _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ---------------------------------------------------------------------------------------------
 
 
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """specsplit.model.fused.rms_norm as written (its CPU path)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def norm_linear_reference(
     x: torch.Tensor,  # [M, K]
     norm_weight: torch.Tensor,  # [K]
@@ -71,7 +65,7 @@ def norm_linear_reference(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:
     """[M, N] RMSNorm(x) @ weight.T + bias."""
-    return linear(_rms_norm_reference(x, norm_weight, eps), weight, bias)
+    return linear(rms_norm_reference(x, norm_weight, eps), weight, bias)
 
 
 def linear_residual_reference(
