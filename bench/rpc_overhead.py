@@ -16,10 +16,14 @@ decode rounds on it (one sequence: a prefill, then one token per round, no draft
 
 The service reports its engine time per response (`verify_ns`); "beyond engine" is the round's
 wall time less that. A round's engine time is the verifier thread's whole call (the forward,
-acceptance, commit). --address unix:///tmp/x.sock compares a Unix socket with TCP loopback.
+acceptance, commit). --transport unix serves the verifier and the echo child on Unix sockets in
+a private temporary directory (what `specsplit up` does by default) instead of TCP loopback.
 
     PYTHONPATH=. python bench/rpc_overhead.py --model /tmp/tiny_target [--rounds 400]
-        [--device cpu] [--address 127.0.0.1:50391]
+        [--device cpu] [--transport tcp|unix] [--address 127.0.0.1:50391]
+
+Without --model only the echo rows are measured (no context limit: --rounds 5000 is fine; a
+tiny model's 512 positions allow ~450 rounds of the verifier's).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -41,16 +46,17 @@ from specsplit.tree import DraftTree
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 
 PROMPT = list(range(10, 42))  # 32 tokens
-ECHO_ADDRESS = "127.0.0.1:50392"
+TCP_ADDRESSES = ("127.0.0.1:50391", "127.0.0.1:50392")  # the verifier's, the echo child's
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="the verifier's checkpoint; none = the echo rows alone")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--address", default="127.0.0.1:50391")
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "unix"))
+    parser.add_argument("--address", default=None, help="the verifier's; default: by --transport")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)  # the echo child
@@ -82,6 +88,16 @@ async def serve_echo(address: str, block_s: float) -> None:
     server.add_insecure_port(address)
     await server.start()
     await server.wait_for_termination()
+
+
+def addresses(args: argparse.Namespace, socket_dir: str) -> tuple[str, str]:
+    """The verifier's and the echo child's addresses: by --transport, or next to --address."""
+    if args.address is None:
+        if args.transport == "tcp":
+            return TCP_ADDRESSES
+        return f"unix:{socket_dir}/verifier.sock", f"unix:{socket_dir}/echo.sock"
+    unix = args.address.startswith("unix:")
+    return args.address, args.address + ".echo" if unix else TCP_ADDRESSES[1]
 
 
 def decode_input(seq_id: str, committed: int, pending: list[int]) -> VerifyInput:
@@ -183,6 +199,30 @@ async def main() -> None:
     if args.echo:
         await serve_echo(args.address, args.echo_block_ms / 1e3)
         return
+    with tempfile.TemporaryDirectory(prefix="rpc-overhead-") as socket_dir:
+        await measure(args, *addresses(args, socket_dir))
+
+
+async def measure(args: argparse.Namespace, address: str, echo_address: str) -> None:
+    rows = [] if args.model is None else await verifier_rows(args, address)
+    for block_ms in sorted({0.0, args.echo_block_ms}):
+        echo = start(
+            [__file__, "--echo", "--address", echo_address, "--echo-block-ms", str(block_ms)]
+        )
+        name = "echo (transport only)" if not block_ms else f"echo, loop held {block_ms} ms"
+        try:
+            rows.append(summary(name, *await run_echo(echo_address, args.rounds, args.warmup)))
+        finally:
+            echo.kill()
+            echo.wait()
+    print(f"\nVerify rounds, batch 1 decode, {args.device}, {address}")
+    print("| path | beyond engine p50 us | p99 us | engine p50 us | rounds |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+async def verifier_rows(args: argparse.Namespace, address: str) -> list[str]:
+    """The rows of the real verifier (a serve-verifier child on `address`)."""
     verifier = start(
         [
             "-m",
@@ -191,7 +231,7 @@ async def main() -> None:
             "warning",
             "serve-verifier",
             "--listen",
-            args.address,
+            address,
             "--model",
             args.model,
             "--device",
@@ -203,31 +243,16 @@ async def main() -> None:
     n, warmup = args.rounds, args.warmup
     rows = []
     try:
-        if not await wait_ready(args.address, 300):
+        if not await wait_ready(address, 300):
             raise SystemExit("the verifier did not become ready")
-        rows.append(summary("gateway client", *await run_client(args.address, n, warmup, "c")))
-        rows.append(summary("bare stub", *await run_stub(args.address, n, warmup, "s")))
-        again = await run_client(args.address, n, warmup, "c2")
+        rows.append(summary("gateway client", *await run_client(address, n, warmup, "c")))
+        rows.append(summary("bare stub", *await run_stub(address, n, warmup, "s")))
+        again = await run_client(address, n, warmup, "c2")
         rows.append(summary("gateway client (again)", *again))
     finally:
         verifier.terminate()
         verifier.wait()
-    echo_address = args.address + ".echo" if args.address.startswith("unix:") else ECHO_ADDRESS
-    for block_ms in sorted({0.0, args.echo_block_ms}):
-        echo = start(
-            [__file__, "--echo", "--model", "-", "--address", echo_address]
-            + ["--echo-block-ms", str(block_ms)]
-        )
-        name = "echo (transport only)" if not block_ms else f"echo, loop held {block_ms} ms"
-        try:
-            rows.append(summary(name, *await run_echo(echo_address, n, warmup)))
-        finally:
-            echo.kill()
-            echo.wait()
-    print(f"\nVerify rounds, batch 1 decode, {args.device}, {args.address}")
-    print("| path | beyond engine p50 us | p99 us | engine p50 us | rounds |")
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ them: no KV page used in either service, every completed greedy stream equal to 
     PYTHONPATH=. python bench/soak.py --streams 64 [--model PATH] [--max-new-tokens 32]
         [--seed 0] [--device cpu]
 
-Runs `specsplit up` (the embedded default unless --model) on free loopback ports; `up` restarts
+Runs `specsplit up` (the embedded default unless --model), its gateway on a free loopback port
+(the drafter and verifier on `up`'s Unix sockets, found in its log); `up` restarts
 the killed drafter. Prints the figures and exits 1 when a check failed. The CI form
 (tests/integration/test_soak.py) runs the same `soak` against the gateway's servicer over the
 in-process engines, with the drafter's death simulated.
@@ -32,6 +33,7 @@ from typing import Literal
 
 import grpc
 
+from specsplit.up import logged_addresses
 from specsplit.v1 import (
     common_pb2,
     drafter_pb2_grpc,
@@ -286,10 +288,11 @@ def _free_port() -> int:
 
 
 class UpProcess:
-    """`specsplit up` on free loopback ports; its log in a file (children's pids in it)."""
+    """`specsplit up`, its gateway on a free loopback port; its log in a file (the children's pids
+    and the drafter's and verifier's sockets in it)."""
 
     def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
-        self.ports = {name: _free_port() for name in ("gateway", "drafter", "verifier")}
+        self.ports = {"gateway": _free_port()}  # the drafter and verifier: Unix sockets
         argv = [sys.executable, "-m", "specsplit.cli", "up", "--device", args.device]
         argv += ["--metrics-listen", "none", "--http-listen", "none"]
         argv += [f"--{name}-port={port}" for name, port in self.ports.items()]
@@ -299,7 +302,10 @@ class UpProcess:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
 
     def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        """The gateway's port; the drafter's and verifier's Unix socket, from `up`'s log."""
+        if name in self.ports:
+            return f"127.0.0.1:{self.ports[name]}"
+        return logged_addresses(self.log_path.read_text(errors="replace"))[name]
 
     def pid(self, name: str) -> int:
         log = self.log_path.read_text(errors="replace")
@@ -308,7 +314,7 @@ class UpProcess:
     async def wait_serving(self, timeout: float) -> None:
         from gateway.grpc_clients import wait_ready
 
-        for name in ("verifier", "drafter", "gateway"):
+        for name in ("gateway", "verifier", "drafter"):  # the gateway's: `up` logged the rest
             if not await wait_ready(self.address(name), timeout):
                 raise TimeoutError(f"{name} not SERVING after {timeout} s; see {self.log_path}")
 

@@ -90,7 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
     host_flag(up, "the services (gRPC, HTTP, metrics)")
     for service, port in DEFAULT_PORTS.items():
-        flag(up, f"--{service}-port", port, f"{service} port", type=int)
+        internal = "" if service == "gateway" else " (on TCP: --internal-transport)"
+        flag(up, f"--{service}-port", port, f"{service} port{internal}", type=int)
+    transport_help = (
+        "how the gateway reaches the drafter and verifier: unix (Unix sockets in a private"
+        " temporary directory, removed when up stops; cheaper than TCP loopback), tcp (their"
+        " --*-port on --host; with --tls auto always) or auto (unix, tcp with --tls auto)"
+    )
+    choices = ("auto", "unix", "tcp")
+    flag(up, "--internal-transport", "auto", transport_help, choices=choices)
     model_flags(up)
     verifier_flags(up)
     flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")
@@ -179,6 +187,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             tls_files(args, "backend_tls").check("--backend-tls-*", require_cert=False)
         except ValueError as err:
             parser.error(str(err))
+    if args.command == "up" and args.internal_transport == "unix" and args.tls != "off":
+        parser.error("--internal-transport unix: --tls auto runs on TCP loopback")
     if getattr(args, "drafter", None) in ("model", "eagle3") and not args.draft_model:
         parser.error(f"--drafter {args.drafter} needs --draft-model")
     if getattr(args, "drafter", None) == "self" and not args.draft_layers:

@@ -1,6 +1,7 @@
-"""`specsplit up` as a user runs it (one process starting the three services), under faults:
-a drafter and a verifier killed mid-stream are restarted and the stream goes on with the same
-tokens; SIGTERM to the gateway drains it within its grace, every stream ending with a status.
+"""`specsplit up` as a user runs it (one process starting the three services, the drafter and
+verifier on Unix sockets), under faults: a drafter and a verifier killed mid-stream are restarted
+on the same sockets and the stream goes on with the same tokens; SIGTERM to the gateway drains it
+within its grace, every stream ending with a status, and `up` removes the sockets' directory.
 
 A tiny random Llama with SmolLM2's tokenizer, float32, draft == target. The tests share one
 `up` and run in order: the last one stops it.
@@ -25,6 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specsplit.up import logged_addresses
 from specsplit.v1 import (
     common_pb2,
     drafter_pb2_grpc,
@@ -47,7 +49,11 @@ class Up:
     ports: dict[str, int]
 
     def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        """The gateway's (and its HTTP API's) TCP port; the drafter's and verifier's Unix
+        socket, from `up`'s log."""
+        if name in self.ports:
+            return f"127.0.0.1:{self.ports[name]}"
+        return logged_addresses(self.log())[name]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -90,12 +96,12 @@ class Up:
 def up_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Up]:
     root = tmp_path_factory.mktemp("up")
     model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
-    ports = {name: free_port() for name in ("gateway", "drafter", "verifier", "http")}
+    ports = {name: free_port() for name in ("gateway", "http")}
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--model", str(model)]
     argv += ["--device", "cpu", "--dtype", "float32", "--num-pages", "512"]
     argv += ["--drafter", "model", "--draft-model", str(model), "--metrics-listen", "none"]
     argv += ["--http-listen", f"127.0.0.1:{ports['http']}"]
-    argv += [f"--{name}-port={ports[name]}" for name in ("gateway", "drafter", "verifier")]
+    argv += [f"--gateway-port={ports['gateway']}"]  # the drafter and verifier: Unix sockets
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["SPECSPLIT_GRACE"] = str(GRACE_S)
     log_path = root / "up.log"
@@ -103,6 +109,9 @@ def up_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env)
     stack = Up(proc, log_path, ports)
     try:
+        while len(logged_addresses(stack.log())) < 2:  # `up` logs them before it starts them
+            assert proc.poll() is None, f"up exited:\n{stack.log()[-4000:]}"
+            time.sleep(0.1)
         for name in ("verifier", "drafter", "gateway"):
             stack.wait_serving(name, 240)
         yield stack
@@ -229,5 +238,7 @@ def test_sigterm_drains_the_gateway_within_its_grace_and_ends_every_stream_with_
     # under load (CI, other test runs beside it). A gateway that waited for the stopped
     # verifier would still be here at the loop's 30 s: the bound tells the two apart
     assert stopped_after < GRACE_S + 10.0, stopped_after
+    sockets = Path(up_stack.address("drafter").removeprefix("unix:")).parent
     assert up_stack.proc.wait(40) == 1  # the gateway's exit stops everything
     assert "gateway exited with 0; stopping everything" in up_stack.log()
+    assert not sockets.exists()  # the Unix sockets' directory went with `up`

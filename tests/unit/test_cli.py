@@ -180,6 +180,7 @@ def test_bad_env_bool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         (["serve-gateway", "--topk", "0"], "spec.topk = 0"),
         (["serve-gateway", "--adaptive-ladder", "3,3x2x1"], "--adaptive-ladder: ladder rung"),
         (["up", "--adaptive-ladder", "3,x"], "is not STEPS[xTOPK[xNODES]]"),
+        (["up", "--internal-transport", "unix", "--tls", "auto"], "runs on TCP loopback"),
         (["serve-verifier", "--dtype", "int8"], "invalid choice: 'int8'"),
     ],
 )
