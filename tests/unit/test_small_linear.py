@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qw
 
 from specsplit.kernels import small_linear
 from specsplit.kernels.small_linear import (
+    BROADCAST_ROWS,
     MAX_ROWS,
     linear_residual,
     linear_residual_reference,
@@ -242,11 +243,16 @@ def test_small_path_steps_equal_the_layer_path(arch: str, monkeypatch: pytest.Mo
 
 
 def test_which_steps_take_the_small_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, at most 16 tokens, small layer weights, not turned off; never on the CPU.
-    (The models stay on the meta device: only their shapes are read.)"""
-    monkeypatch.setattr(llama, "SMALL_LINEAR", True)  # SPECSPLIT_SMALL_LINEAR=1
+    """On a GPU, at most 4 tokens by default (16 with SPECSPLIT_SMALL_LINEAR=1), small layer
+    weights, not turned off; never on the CPU. (The models stay on the meta device: only their
+    shapes are read.)"""
+    assert llama.SMALL_LINEAR_ROWS == BROADCAST_ROWS == 4  # the default (the env is unset)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small = LlamaModel(ModelConfig.from_hf(ARCHS["llama_gqa_all_biases"]), "cpu")
+    monkeypatch.setattr(llama, "SMALL_LINEAR", True)  # triton is there
+    assert small.uses_small_linear(1, cuda) and small.uses_small_linear(4, cuda)
+    assert not small.uses_small_linear(5, cuda)
+    monkeypatch.setattr(llama, "SMALL_LINEAR_ROWS", MAX_ROWS)  # SPECSPLIT_SMALL_LINEAR=1
     assert small.uses_small_linear(1, cuda) and small.uses_small_linear(MAX_ROWS, cuda)
     assert not small.uses_small_linear(MAX_ROWS + 1, cuda)
     assert not small.uses_small_linear(1, cpu)
