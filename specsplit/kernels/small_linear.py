@@ -8,9 +8,14 @@ launch that also does what sits next to it in the layer:
     norm_linear           RMSNorm(x) @ W.T (+ b)             qkv: input_layernorm as a prologue
     linear_residual       residual + (x @ W.T (+ b))         o_proj, down_proj: the residual add
     norm_linear_silu_mul  silu(g) * u, [g | u] = RMSNorm(x) @ W.T (+ b)     gate_up
+    norm_linear_rope_store  qkv = RMSNorm(x) @ W.T (+ b), then RoPE on q and k, k and v to the
+                          paged cache (rope_store's arithmetic): the q heads are returned
 
-so a layer is norm_linear, RoPE + K/V store, attention, linear_residual, norm_linear_silu_mul,
-linear_residual: 6 kernels (7 with split-KV attention) where it was 9 (10). Each has a plain-torch
+so a layer is norm_linear_rope_store, attention, linear_residual, norm_linear_silu_mul,
+linear_residual: 5 kernels (6 with split-KV attention) where it was 9 (10); 6 (7) where the
+qkv projection cannot take RoPE (q/k norms, Qwen3) and runs as norm_linear, then rope_store.
+For RoPE a program's columns are pairs: column d of a head and its rotate_half partner
+d + head_dim / 2 (two weight row sets, as gate and up are for silu-and-mul). Each has a plain-torch
 reference beside it (`*_reference`), the arithmetic of the unfused layer (specsplit/model/fused.py
 and linear.py): RMSNorm statistics in float32, `weight * x32.to(dtype)`, the GEMM rounded to the
 activation dtype, then silu-and-mul or the residual add in that dtype, each op rounded as torch
@@ -42,6 +47,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.nn.functional as F
 
+from specsplit.kernels.rope_store import rope_store_reference
 from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
 from specsplit.model.fused import rms_norm_reference
 from specsplit.model.linear import linear
@@ -66,6 +72,26 @@ def norm_linear_reference(
 ) -> torch.Tensor:
     """[M, N] RMSNorm(x) @ weight.T + bias."""
     return linear(rms_norm_reference(x, norm_weight, eps), weight, bias)
+
+
+def norm_linear_rope_store_reference(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]
+    bias: torch.Tensor | None,
+    rope: RopeStore,
+) -> torch.Tensor:
+    """[M, num_heads * head_dim] q of RMSNorm(x) @ weight.T + bias after RoPE; k after RoPE and
+    v written to the cache (rope_store_reference: the unfused layer's arithmetic)."""
+    num_kv_heads, head_dim = rope.k_cache.shape[1], rope.k_cache.shape[2]
+    qkv = norm_linear_reference(x, norm_weight, eps, weight, bias)
+    sizes = [rope.num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    q, k, v = (t.view(x.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1))
+    q = rope_store_reference(
+        q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+    )
+    return q.reshape(x.shape[0], -1)
 
 
 def linear_residual_reference(
@@ -101,18 +127,35 @@ def _small_linear_kernel(
     bias_ptr,  # [N] or [2 * N] (read when HAS_BIAS)
     norm_weight_ptr,  # [K] (read when NORM)
     residual_ptr,  # [num_rows, N], last dim contiguous (read when RESIDUAL)
-    out_ptr,  # [num_rows, N], last dim contiguous
+    out_ptr,  # [num_rows, N], last dim contiguous; ROPE: [num_rows, NUM_HEADS * HEAD_DIM], q
+    cos_ptr,  # ROPE: [num_rows, HEAD_DIM] (and sin_ptr), last dim contiguous
+    sin_ptr,
+    k_cache_ptr,  # ROPE: [num_slots, NUM_KV_HEADS, HEAD_DIM], last dim contiguous, x's dtype
+    v_cache_ptr,
+    slot_ptr,  # ROPE: [num_rows] int64, each row's cache slot
     num_rows,  # <= BLOCK_M
     eps,  # RMSNorm's
     stride_x,
     stride_res,
     stride_out,
-    N: tl.constexpr,  # output columns
+    stride_cos,
+    stride_sin,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_s,
+    stride_vc_h,
+    N: tl.constexpr,  # output columns; ROPE: column pairs (d, d + HEAD_DIM / 2 of a head)
     K: tl.constexpr,
     NORM: tl.constexpr,  # the input is RMSNorm(x) (statistics in float32, then norm_weight)
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # out = residual + the projection
     SILU_MUL: tl.constexpr,  # out = silu(gate) * up
+    ROPE: tl.constexpr,  # qkv: RoPE on the q and k heads, q to out, k and v to the cache
+    NUM_HEADS: tl.constexpr,  # ROPE: query heads, then NUM_KV_HEADS k heads, then v heads
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TWO_SETS: tl.constexpr,  # SILU_MUL or ROPE: a second column set, SECOND weight rows down
+    SECOND: tl.constexpr,  # N (SILU_MUL: the up half) or HEAD_DIM / 2 (ROPE: the partners)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,15 +165,20 @@ def _small_linear_kernel(
 ):
     act = x_ptr.dtype.element_ty  # the activation dtype: each op's result is rounded to it
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ok = (rows < num_rows)[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+    pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's output columns
+    col_ok = pairs < N
+    if ROPE:  # noqa: SIM108  pair p: column d of head h and its partner, d + HEAD_DIM / 2
+        cols = pairs // (HEAD_DIM // 2) * HEAD_DIM + pairs % (HEAD_DIM // 2)
+    else:
+        cols = pairs
+    out_ok = (rows < num_rows)[:, None] & col_ok[None, :]  # [BLOCK_M, BLOCK_N]
     # the epilogue's inputs, loaded first: their latency hides behind the weights'
     bias = tl.full([1, BLOCK_N], 0.0, dtype=tl.float32)
     bias_up = tl.full([1, BLOCK_N], 0.0, dtype=tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols[None, :], mask=cols[None, :] < N, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            bias_up = tl.load(bias_ptr + N + cols[None, :], mask=cols[None, :] < N, other=0.0)
+        bias = tl.load(bias_ptr + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if TWO_SETS:
+            bias_up = tl.load(bias_ptr + SECOND + cols[None, :], mask=col_ok[None, :], other=0.0)
             bias_up = bias_up.to(tl.float32)
     residual = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=act)
     if RESIDUAL:
@@ -145,7 +193,7 @@ def _small_linear_kernel(
         x_ptrs = x_ptr + rows[:, None] * stride_x + k_lanes  # + k0
         x_ok = (rows < num_rows)[:, None]
         w_ptrs = weight_ptr + cols[:, None].to(tl.int64) * K + k_lanes
-        w_ok = (cols < N)[:, None]
+        w_ok = col_ok[:, None]
         rstd = tl.full([BLOCK_M, 1], 1.0, dtype=tl.float32)
         if NORM:  # each row's 1 / sqrt(mean(x^2) + eps)
             squares = tl.full([BLOCK_M, BLOCK_K], 0.0, dtype=tl.float32)
@@ -168,8 +216,8 @@ def _small_linear_kernel(
                 x = (nw.to(tl.float32) * x.to(tl.float32)).to(act)
             w = tl.load(w_ptrs + k0, mask=w_ok & k_ok, other=0.0)
             gate = tl.dot(x, tl.trans(w), gate, input_precision=DOT_PRECISION)
-            if SILU_MUL:
-                w = tl.load(w_ptrs + N * K + k0, mask=w_ok & k_ok, other=0.0)
+            if TWO_SETS:
+                w = tl.load(w_ptrs + SECOND * K + k0, mask=w_ok & k_ok, other=0.0)
                 up = tl.dot(x, tl.trans(w), up, input_precision=DOT_PRECISION)
     else:
         # [BLOCK_M, BLOCK_N, BLOCK_K] tiles throughout, x repeated over the columns and the
@@ -183,7 +231,7 @@ def _small_linear_kernel(
         x_ptrs = x_ptr + rows3 * stride_x + zeros3 + k_lanes  # + k0
         x_ok = rows3 < num_rows
         w_ptrs = weight_ptr + cols3.to(tl.int64) * K + zeros3 + k_lanes
-        w_ok = cols3 < N
+        w_ok = col_ok[None, :, None]
         rstd = tl.full([BLOCK_M, BLOCK_N, 1], 1.0, dtype=tl.float32)
         if NORM:
             squares = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
@@ -203,11 +251,11 @@ def _small_linear_kernel(
                 x = (nw.to(tl.float32) * x.to(tl.float32)).to(act)
             w = tl.load(w_ptrs + k0, mask=w_ok & k_ok, other=0.0)
             gate += x.to(tl.float32) * w.to(tl.float32)
-            if SILU_MUL:
-                w = tl.load(w_ptrs + N * K + k0, mask=w_ok & k_ok, other=0.0)
+            if TWO_SETS:
+                w = tl.load(w_ptrs + SECOND * K + k0, mask=w_ok & k_ok, other=0.0)
                 up += x.to(tl.float32) * w.to(tl.float32)
         gate = tl.reduce(gate, 2, tl.standard._sum_combine)  # [BLOCK_M, BLOCK_N]
-        if SILU_MUL:
+        if TWO_SETS:
             up = tl.reduce(up, 2, tl.standard._sum_combine)
 
     # the epilogue: the projection (its bias added in float32) rounded, then each op rounded
@@ -218,7 +266,40 @@ def _small_linear_kernel(
         y = (silu.to(tl.float32) * (up + bias_up).to(act).to(tl.float32)).to(act)
     if RESIDUAL:
         y = (residual.to(tl.float32) + y.to(tl.float32)).to(act)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=out_ok)
+    if ROPE:
+        # rope_store's arithmetic on the (a, b) = (y, its partner) pairs: x * cos +
+        # rotate_half(x) * sin, each product and the sum rounded to the activation dtype
+        # (rotate_half(x)[d] = -x[d + HALF] for d < HALF, x[d - HALF] above), on the q and k
+        # heads; then q to out, k and v (as it is) to the cache
+        half = HEAD_DIM // 2
+        head = (pairs // half)[None, :]  # [1, BLOCK_N]: q heads, then k heads, then v heads
+        d = (pairs % half)[None, :]
+        row_ok = rows[:, None] < num_rows
+        cos_a = tl.load(cos_ptr + rows[:, None] * stride_cos + d, mask=row_ok, other=0.0)
+        cos_b = tl.load(cos_ptr + rows[:, None] * stride_cos + d + half, mask=row_ok, other=0.0)
+        sin_a = tl.load(sin_ptr + rows[:, None] * stride_sin + d, mask=row_ok, other=0.0)
+        sin_b = tl.load(sin_ptr + rows[:, None] * stride_sin + d + half, mask=row_ok, other=0.0)
+        b = (up + bias_up).to(act)
+        a32, b32 = y.to(tl.float32), b.to(tl.float32)
+        a_cos = (a32 * cos_a.to(tl.float32)).to(act).to(tl.float32)
+        b_sin = (b32 * -sin_a.to(tl.float32)).to(act).to(tl.float32)
+        b_cos = (b32 * cos_b.to(tl.float32)).to(act).to(tl.float32)
+        a_sin = (a32 * sin_b.to(tl.float32)).to(act).to(tl.float32)
+        rotate = head < NUM_HEADS + NUM_KV_HEADS  # q and k heads; v heads go as they are
+        y = tl.where(rotate, (a_cos + b_sin).to(act), y)
+        b = tl.where(rotate, (b_cos + a_sin).to(act), b)
+        slot = tl.load(slot_ptr + rows, mask=rows < num_rows, other=0)[:, None]  # [BLOCK_M, 1]
+        is_q = head < NUM_HEADS
+        is_k = (head >= NUM_HEADS) & rotate
+        kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
+        q_dst = out_ptr + rows[:, None] * stride_out + head * HEAD_DIM + d
+        k_dst = k_cache_ptr + slot * stride_kc_s + kv_head * stride_kc_h + d
+        v_dst = v_cache_ptr + slot * stride_vc_s + kv_head * stride_vc_h + d
+        dst = tl.where(is_q, q_dst, tl.where(is_k, k_dst, v_dst))
+        tl.store(dst, y, mask=out_ok)
+        tl.store(dst + half, b, mask=out_ok)
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=out_ok)
 
 
 @functools.cache
@@ -266,6 +347,17 @@ def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> 
     return Tiles(block_m, block_n, max(block_k, 32), False, 4, 1)
 
 
+class RopeStore(NamedTuple):
+    """What `norm_linear_rope_store` does with the projected q, k and v: rope_store's inputs."""
+
+    cos: torch.Tensor  # [M, head_dim], x's dtype, last dim contiguous
+    sin: torch.Tensor  # [M, head_dim]
+    k_cache: torch.Tensor  # [num_slots, num_kv_heads, head_dim], x's dtype, last dim contiguous
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [M] int64
+    num_heads: int
+
+
 def _launch(
     op: str,
     x: torch.Tensor,
@@ -274,30 +366,74 @@ def _launch(
     norm: tuple[torch.Tensor, float] | None,  # (norm_weight, eps)
     residual: torch.Tensor | None,
     silu_mul: bool,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError(f"{op} needs triton; use {op}_reference")
     interpret = interpreting()
     _check_inputs(op, x, weight, bias, norm, residual, silu_mul, interpret)
     num_rows, k = x.shape
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    n = weight.shape[0] // 2 if silu_mul or rope is not None else weight.shape[0]
+    num_heads = num_kv_heads = head_dim = 1  # ROPE's, unused without it
+    if rope is not None:
+        num_kv_heads, head_dim = rope.k_cache.shape[1], rope.k_cache.shape[2]
+        num_heads = rope.num_heads
+        _check_rope(x, weight, rope, interpret)
+        out = torch.empty(num_rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     tiles = tiles_for(num_rows, n, k, x.element_size(), interpret)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)  # never read without NORM
+    cos, sin, k_cache, v_cache, slots = (
+        (out, out, out, out, out) if rope is None else rope[:5]  # never read without ROPE
+    )
     _jitted_kernel(interpret)[(-(-n // tiles.block_n),)](
         x, weight, weight if bias is None else bias, norm_weight,
-        out if residual is None else residual, out,
+        out if residual is None else residual, out, cos, sin, k_cache, v_cache, slots,
         num_rows, eps, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1),
         N=n, K=k, NORM=norm is not None, HAS_BIAS=bias is not None,
-        RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+        RESIDUAL=residual is not None, SILU_MUL=silu_mul, ROPE=rope is not None,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        TWO_SETS=silu_mul or rope is not None, SECOND=head_dim // 2 if rope is not None else n,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, interpret: bool) -> None:
+    def fail(what: str) -> NoReturn:
+        raise ValueError(f"norm_linear_rope_store: {what}")
+
+    num_rows = x.shape[0]
+    k_cache, v_cache = rope.k_cache, rope.v_cache
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        fail(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: alike, 3-D")
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        fail(f"head_dim must be a power of two >= 2, got {head_dim}")
+    if weight.shape[0] != (rope.num_heads + 2 * num_kv_heads) * head_dim:
+        fail(f"weight {tuple(weight.shape)} must have (num_heads {rope.num_heads} + 2 x "
+             f"{num_kv_heads}) x {head_dim} rows: q, k, v")  # fmt: skip
+    if rope.cos.shape != (num_rows, head_dim) or rope.sin.shape != rope.cos.shape:
+        fail(f"cos {tuple(rope.cos.shape)}, sin {tuple(rope.sin.shape)} must be "
+             f"[{num_rows}, {head_dim}]")  # fmt: skip
+    if rope.slot_mapping.shape != (num_rows,) or rope.slot_mapping.dtype != torch.int64:
+        fail(f"slot_mapping must be [{num_rows}] int64, got {tuple(rope.slot_mapping.shape)} "
+             f"{rope.slot_mapping.dtype}")  # fmt: skip
+    tensors = [rope.cos, rope.sin, k_cache, v_cache]
+    if any(t.dtype != x.dtype for t in tensors):
+        fail(f"cos, sin, k_cache, v_cache must be x's dtype {x.dtype}, got "
+             f"{[t.dtype for t in tensors]}")  # fmt: skip
+    if any(t.stride(-1) != 1 for t in tensors):
+        fail(f"last dims must be contiguous, strides {[t.stride() for t in tensors]}")
+    check_device("norm_linear_rope_store", [x, *tensors, rope.slot_mapping], interpret)
 
 
 def norm_linear(
@@ -309,6 +445,19 @@ def norm_linear(
 ) -> torch.Tensor:
     """`norm_linear_reference` as one launch: [M, N], contiguous."""
     return _launch("norm_linear", x, weight, bias, (norm_weight, eps), None, False)
+
+
+def norm_linear_rope_store(
+    x: torch.Tensor,  # [M <= 16, K], last dim contiguous
+    norm_weight: torch.Tensor,  # [K] contiguous, x's dtype
+    eps: float,
+    weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]: q, k, v rows
+    bias: torch.Tensor | None,  # [that] contiguous, x's dtype
+    rope: RopeStore,
+) -> torch.Tensor:
+    """`norm_linear_rope_store_reference` as one launch: writes k (rotated) and v to the cache
+    rows at rope.slot_mapping and returns the rotated q, [M, num_heads * head_dim]."""
+    return _launch("norm_linear_rope_store", x, weight, bias, (norm_weight, eps), None, False, rope)
 
 
 def linear_residual(

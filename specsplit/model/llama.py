@@ -27,15 +27,23 @@ from torch import nn
 from specsplit.kernels.small_linear import (
     BROADCAST_ROWS,
     MAX_ROWS,
+    RopeStore,
     linear_residual,
     norm_linear,
+    norm_linear_rope_store,
     norm_linear_silu_mul,
 )
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
-from specsplit.model.fused import add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from specsplit.model.fused import (
+    TRITON_ROPE,
+    add_rms_norm,
+    rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from specsplit.model.linear import linear
 from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -126,8 +134,17 @@ class DecoderLayer(nn.Module):
         neighbours fused in (the input norm, the residual adds, the post-attention norm and
         SiLU-and-mul): the layer's output, [T, hidden]."""
         norm, qkv_proj = self.input_layernorm, self.qkv_proj
-        qkv = norm_linear(hidden, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
-        attn = self._attention(qkv, cos, sin, batch, kv)
+        if self.q_norm is None and TRITON_ROPE and kv.data.dtype == hidden.dtype:
+            # the projection, RoPE and the K/V store as one kernel
+            k_cache, v_cache = kv.k[self.layer_index], kv.v[self.layer_index]
+            rope = RopeStore(cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads)
+            q = norm_linear_rope_store(
+                hidden, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, rope
+            )
+            attn = self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), batch, kv)
+        else:
+            qkv = norm_linear(hidden, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
+            attn = self._attention(qkv, cos, sin, batch, kv)
         hidden = linear_residual(attn, self.o_proj.weight, self.o_proj.bias, hidden)
         norm, gate_up = self.post_attention_layernorm, self.gate_up_proj
         act = norm_linear_silu_mul(hidden, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
@@ -153,8 +170,14 @@ class DecoderLayer(nn.Module):
         k_cache = kv.k[self.layer_index]  # [num_slots, num_kv_heads, head_dim]
         v_cache = kv.v[self.layer_index]
         q = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
+        return self._attend(q, batch, kv)
+
+    def _attend(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """[T, num_heads * head_dim] attention of q [T, num_heads, head_dim] (RoPE applied, this
+        step's K/V in the cache)."""
+        k_cache, v_cache = kv.k[self.layer_index], kv.v[self.layer_index]
         out = attend(q, k_cache, v_cache, batch, kv.split_counters)  # [T, heads, head_dim]
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
 
 
 def _project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

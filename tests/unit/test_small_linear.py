@@ -20,10 +20,13 @@ from specsplit.kernels import small_linear
 from specsplit.kernels.small_linear import (
     BROADCAST_ROWS,
     MAX_ROWS,
+    RopeStore,
     linear_residual,
     linear_residual_reference,
     norm_linear,
     norm_linear_reference,
+    norm_linear_rope_store,
+    norm_linear_rope_store_reference,
     norm_linear_silu_mul,
     norm_linear_silu_mul_reference,
 )
@@ -32,6 +35,7 @@ from specsplit.model import llama
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import DecoderLayer, LlamaModel, make_kv_cache, state_dict_from_hf
+from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 from tests.unit.test_model_vs_transformers import _COMMON as MODEL_VS_HF_CONFIG
 from tests.unit.test_model_vs_transformers import causal_step, make_batch, new_seqs, tree_step
 
@@ -153,6 +157,48 @@ def test_silu_mul_pairs_each_gate_column_with_its_up_column() -> None:
     x = torch.full((1, k), 4.0)
     got = norm_linear_silu_mul(x, torch.ones(k), TINY_EPS, weight.contiguous())
     torch.testing.assert_close(got[0], torch.nn.functional.silu(gate) * up, atol=0, rtol=1e-6)
+
+
+def rope_case(num_rows: int, bias: bool, seed: int = 0) -> tuple[Case, RopeStore]:
+    """A qkv projection of 3 q heads and 2 KV heads of 16 (GQA), its cos / sin at positions
+    3.., and a cache of 40 slots; the rows' slots scattered over it."""
+    num_heads, num_kv_heads, head_dim = 3, 2, 16
+    case = make_case(num_rows, 48, (num_heads + 2 * num_kv_heads) * head_dim, bias, seed=seed)
+    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
+    cos, sin = rope_cos_sin(torch.arange(3, 3 + num_rows), inv_freq, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, 40, num_kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(40, generator=gen)[:num_rows]
+    return case, RopeStore(cos, sin, cache[0], cache[1], slots, num_heads)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "bias"), [(1, False), (3, True), (4, False), (6, True), (16, False)]
+)
+def test_qkv_rope_store_matches_reference(num_rows: int, bias: bool) -> None:
+    """norm_linear_rope_store: q rotated (returned), k rotated and v as projected in the cache
+    at the rows' slots, every other slot untouched; 1-4 rows broadcast, 6 and 16 tensor cores."""
+    case, rope = rope_case(num_rows, bias)
+    want_rope = rope._replace(k_cache=rope.k_cache.clone(), v_cache=rope.v_cache.clone())
+    got = norm_linear_rope_store(case.x, case.norm_weight, EPS, case.weight, case.bias, rope)
+    want = norm_linear_rope_store_reference(
+        case.x, case.norm_weight, EPS, case.weight, case.bias, want_rope
+    )
+    assert got.shape == want.shape == (num_rows, 3 * 16) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(rope.k_cache, want_rope.k_cache, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(rope.v_cache, want_rope.v_cache, atol=ATOL, rtol=RTOL)
+
+
+def test_qkv_rope_store_refuses_a_mismatched_cache() -> None:
+    case, rope = rope_case(2, False)
+    with pytest.raises(ValueError, match="rows: q, k, v"):  # 3 + 2 x 2 heads, not 4 + 2 x 2
+        norm_linear_rope_store(
+            case.x, case.norm_weight, EPS, case.weight, None, rope._replace(num_heads=4)
+        )
+    with pytest.raises(ValueError, match="x's dtype"):
+        bf16 = rope._replace(k_cache=rope.k_cache.bfloat16(), v_cache=rope.v_cache.bfloat16())
+        norm_linear_rope_store(case.x, case.norm_weight, EPS, case.weight, None, bf16)
 
 
 def test_no_rows_launch_nothing() -> None:
