@@ -8,9 +8,7 @@ kv_len 512/4096, page 16, bf16. Each graph holds one call per layer over that ma
 caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a forward step rather than from L2;
 each replay is timed with CUDA events and the median over replays, divided by the layers, is
 the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
-Variants: `auto` (the wrapper's choice, its num_splits in brackets; split, a merge kernel
-follows), `merged` (the same, merged in place by the last chunk program: the engines' way),
-`single` (num_splits=1),
+Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph). At batch 1 the split's key tile is also swept (`sN/bn32`, `sN/bn128`).
 `err` is the largest |auto - float32 reference| of layer 0.
@@ -146,8 +144,6 @@ def bench_one(
         row[name] = time_in_graph(calls, args.replays)
 
     run("auto")
-    counters = torch.zeros(pa.SPLIT_COUNTERS, dtype=torch.int32, device="cuda")
-    run("merged", split_counters=counters)  # auto, merged in place: one launch a call
     run("single", num_splits=1)
     for s in SPLITS:
         run(f"s{s}", num_splits=s)
@@ -195,7 +191,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
-    columns = ["floor", "ref", "single", "auto", "merged", *(f"s{s}" for s in SPLITS)]
+    columns = ["floor", "ref", "single", "auto", *(f"s{s}" for s in SPLITS)]
     print(f"\nus per layer call (median of {args.replays} graph replays)")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:

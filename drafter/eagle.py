@@ -102,7 +102,7 @@ class Eagle3Head:
         v = linear(x, self.w[p + "v_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
         q = rope_and_store(q, k, v, cos, sin, kv.k[0], kv.v[0], batch.slot_mapping)
-        out = attend(q, kv.k[0], kv.v[0], batch, kv.split_counters)  # [T, heads, D]
+        out = attend(q, kv.k[0], kv.v[0], batch)  # [T, heads, D]
         return linear(out.view(t, -1), self.w[p + "o_proj.weight"])
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

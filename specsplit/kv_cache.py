@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.kernels.paged_attention import SPLIT_COUNTERS
-
 CPU_NUM_PAGES = 2048  # a pool on the CPU when none is asked for: 32k tokens at page size 16
 MIN_NUM_PAGES = 16
 
@@ -139,9 +137,6 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.k = list(self.data[:, 0].unbind(0))  # per layer [num_slots, num_kv_heads, head_dim]
         self.v = list(self.data[:, 1].unbind(0))
-        # split-KV attention's arrival counters (specsplit/kernels/paged_attention.py), zero
-        # between launches: this cache's forwards run one at a time, so they share them
-        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
     @property
     def device(self) -> torch.device:

@@ -13,13 +13,9 @@ Query head h reads KV head h // (num_heads // num_kv_heads) (transformers' repea
 Split-KV ("flash-decoding"): when (sequences x query blocks x KV heads) programs would leave
 most of the GPU idle (decode at small batch), each program's keys are cut into `num_splits`
 tile-aligned chunks of [0, kv_end) run by separate programs, which write unnormalised partials
-(acc, running max, running sum) to scratch, combined (log-sum-exp) into `out`: by the last of
-the chunk programs of each (sequence, query block, KV head) to finish, when the caller passes
-`split_counters` (a zeroed int32 buffer: each program counts its arrival there after its
-partials, the one that arrives last merges them and zeroes its counter again), else by a second
-kernel, `_merge_splits_kernel`. The in-kernel merge saves a launch per layer (a decode step's
-graph has one kernel per layer fewer). The chunks are cut from the kv_len each program loads, so
-`num_splits` depends on host ints only and the launch stays capturable in a CUDA graph.
+(acc, running max, running sum) to scratch; `_merge_splits_kernel` combines them (log-sum-exp)
+into `out`. The chunks are cut from the kv_len each program loads, so `num_splits` depends on
+host ints only and the launch stays capturable in a CUDA graph.
 
 Triton is imported and the kernels jitted on first launch, not at import (triton_jit.py says
 why).
@@ -148,7 +144,6 @@ def _paged_attention_kernel(
     partial_o_ptr,  # [num_splits, T, num_heads, HEAD_DIM] float32 (used when SPLIT)
     partial_m_ptr,  # [num_splits, T, num_heads] float32 running max (log2 units)
     partial_l_ptr,  # [num_splits, T, num_heads] float32 running sum of exp2
-    counters_ptr,  # [>= grid(0) * grid(1)] int32, zero (used when MERGE)
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     prefix_lens_ptr,  # [B] int32
@@ -179,9 +174,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,  # write partials instead of out
-    MERGE: tl.constexpr,  # SPLIT, and the last chunk program to finish merges them into out
-    MAX_S: tl.constexpr,  # MAX_SPLITS (MERGE reads up to that many partials, masked)
+    SPLIT: tl.constexpr,  # write partials for _merge_splits_kernel instead of out
 ):
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -270,7 +263,6 @@ def _paged_attention_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
     if SPLIT:  # unnormalised; the merge rescales each split by exp2(m - max over splits)
         p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head
         tl.store(partial_m_ptr + p_rows, m_i, mask=row_ok)
@@ -280,52 +272,9 @@ def _paged_attention_kernel(
             acc,
             mask=row_ok[:, None],
         )
-        if MERGE:
-            # Every thread's partials are stored before one thread's release-acquire increment
-            # (the barrier, then the atomic at GPU scope: CUTLASS's semaphore pattern); the
-            # program that arrives last reads the others' partials past L1 (.cg).
-            tl.debug_barrier()
-            counter = counters_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next launch
-                # every split's loads issued at once (the loop over MAX_S is unrolled): a loop
-                # of dependent round trips over 32 splits cost more than the merge kernel
-                rows = (q_start + q_idx).to(tl.int64) * num_heads + head  # [BLOCK_M]
-                split_stride = num_tokens.to(tl.int64) * num_heads
-                offs_s = tl.arange(0, MAX_S)[:, None]  # [MAX_S, 1]
-                s_ok = (offs_s < num_splits) & row_ok[None, :]  # [MAX_S, BLOCK_M]
-                s_rows = offs_s * split_stride + rows[None, :]
-                m_s = tl.load(
-                    partial_m_ptr + s_rows, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
-                )
-                m_max = tl.reduce(m_s, 0, tl.standard._elementwise_max)  # [BLOCK_M]
-                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                l_s = tl.load(partial_l_ptr + s_rows, mask=s_ok, other=0.0, cache_modifier=".cg")
-                weights = tl.exp2(m_s - m_max[None, :])  # 0 for a split that saw no key
-                l_sum = tl.reduce(l_s * weights, 0, tl.standard._sum_combine)
-                o = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-                for s in tl.static_range(MAX_S):
-                    ok = row_ok & (s < num_splits)
-                    p_s = s * split_stride + rows
-                    m_one = tl.load(
-                        partial_m_ptr + p_s, mask=ok, other=float("-inf"), cache_modifier=".cg"
-                    )
-                    acc_s = tl.load(
-                        partial_o_ptr + p_s[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=ok[:, None],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    o += acc_s * tl.exp2(m_one - m_max)[:, None]
-                o = o / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-                tl.store(
-                    out_ptr + o_rows[:, None] + offs_d[None, :],
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=row_ok[:, None],
-                )
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
         tl.store(
             out_ptr + o_rows[:, None] + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -471,9 +420,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], written in place if given
     *,
     num_splits: int | None = None,  # key chunks per program; None: auto_num_splits on CUDA, 1
-    # (single pass) under the interpreter; > 1 adds float32 scratch and a merge
-    split_counters: torch.Tensor | None = None,  # [SPLIT_COUNTERS] int32, zero between launches
-    # (KVCache.split_counters): split, the last chunk program merges; None: a merge kernel
+    # (single pass) under the interpreter; > 1 adds a merge kernel and float32 scratch
 ) -> torch.Tensor:
     """Checks the inputs (shapes, dtypes, devices, strides; no host syncs, so it can be captured
     in a CUDA graph) and launches the kernel (and, split, the merge). Rows of q outside every
@@ -521,13 +468,9 @@ def paged_attention(
 
     attention_kernel, merge_kernel = _jitted_kernels(interpret)
     grid = (num_seqs * num_q_blocks, num_kv_heads, num_splits)
-    merge = split and split_counters is not None and split_counters.numel() >= grid[0] * grid[1]
-    if merge:
-        assert split_counters is not None
-        _check_counters(split_counters, q.device)
     attention_kernel[grid](
         q, k_cache, v_cache, out, partial_o, partial_m, partial_l,
-        split_counters if merge else kv_lens, cu_seqlens_q, kv_lens, prefix_lens, block_table, tm,
+        cu_seqlens_q, kv_lens, prefix_lens, block_table, tm,
         scale * _LOG2E, num_q_blocks, num_splits, num_tokens, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -537,10 +480,10 @@ def paged_attention(
         *tm_strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
-        DOT_PRECISION=dot_precision, SPLIT=split, MERGE=merge, MAX_S=MAX_SPLITS,
+        DOT_PRECISION=dot_precision, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if split and not merge:
+    if split:
         merge_kernel[(num_tokens, num_heads)](
             out, partial_o, partial_m, partial_l, cu_seqlens_q,
             num_seqs, num_splits, num_tokens, num_heads, out.stride(0), out.stride(1),
@@ -548,17 +491,6 @@ def paged_attention(
             num_warps=1 if interpret or head_dim <= 64 else 2,
         )  # fmt: skip
     return out
-
-
-SPLIT_COUNTERS = 1024  # (sequence, query block, KV head) programs a split launch merges in place
-
-
-def _check_counters(counters: torch.Tensor, device: torch.device) -> None:
-    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != device:
-        raise ValueError(
-            f"paged_attention: split_counters must be a 1-D int32 tensor on {device}, got "
-            f"{tuple(counters.shape)} {counters.dtype} on {counters.device}"
-        )
 
 
 def _check_inputs(
@@ -643,13 +575,11 @@ def warm_up(
     num_heads: int,
     page_size: int,
     dtype: torch.dtype,  # the queries'
-    split_counters: torch.Tensor,  # the cache's (KVCache.split_counters)
 ) -> int:
     """Build every kernel variant `paged_attention` can pick for this cache and head layout
-    (the constexpr choices: BLOCK_M from the queries per sequence, a tree or causal, single
-    pass or split, merged in place or by the merge kernel; the integer shape arguments are not
-    specialised), so that no request waits for a build. Reads one page of the cache, writes
-    nothing to it (the counters end zero). Returns the launches."""
+    (the constexpr choices: BLOCK_M from the queries per sequence, a tree or causal, split or
+    single pass; the integer shape arguments are not specialised), so that no request waits
+    for a build. Reads one page of the cache, writes nothing to it. Returns the launches."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = k_cache.device
@@ -665,11 +595,10 @@ def warm_up(
         prefix = torch.zeros(1, dtype=torch.int32, device=device)
         tree = torch.ones(1, q_len, q_len, dtype=torch.bool, device=device).tril()
         for tree_mask in (None, tree):
-            for num_splits, counters in ((1, None), (2, None), (2, split_counters)):
+            for num_splits in (1, 2):
                 paged_attention(
                     q, k_cache, v_cache, cu_seqlens_q, lens, prefix, block_table, page_size,
                     tree_mask, q_len, head_dim**-0.5, num_splits=num_splits,
-                    split_counters=counters,
                 )  # fmt: skip
                 launches += 1
     return launches

@@ -8,8 +8,6 @@ built once per forward and reused by every layer.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specsplit.kernels.paged_attention import paged_attention, paged_attention_with_plan
@@ -17,21 +15,14 @@ from specsplit.kernels.paged_attention import warm_up as warm_up_kernels
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch
 
-# Split-KV launches merged by their last chunk program (one launch a layer) rather than by a
-# merge kernel: SPECSPLIT_MERGE_IN_PLACE=1. Off by default: on an H100 its first version (a loop
-# over the splits) took 15.2 us a call where the pair took 7.9 (8B shape, decode at batch 1).
-MERGE_IN_PLACE = os.environ.get("SPECSPLIT_MERGE_IN_PLACE", "0") == "1"
-
 
 def attend(
     q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], this step's K/V written
     v_cache: torch.Tensor,
     batch: ForwardBatch,
-    split_counters: torch.Tensor | None,  # the cache's KVCache.split_counters
 ) -> torch.Tensor:
-    """[T, num_heads, head_dim] attention output of every query token. A split-KV launch
-    merges its chunks in place with the cache's counters (one launch, not two)."""
+    """[T, num_heads, head_dim] attention output of every query token."""
     scale = q.shape[-1] ** -0.5
     if q.is_cuda:
         return paged_attention(
@@ -46,7 +37,6 @@ def attend(
             batch.tree_mask,
             batch.max_q_len,
             scale,
-            split_counters=split_counters if MERGE_IN_PLACE else None,
         )
     return paged_attention_with_plan(q, k_cache, v_cache, batch.reference_plan(), scale)
 
@@ -56,4 +46,4 @@ def warm_up_attention(kv: KVCache, num_heads: int) -> None:
     (specsplit.kernels.paged_attention.warm_up), so that no request waits for one; nothing on
     the CPU."""
     if kv.device.type == "cuda":
-        warm_up_kernels(kv.k[0], kv.v[0], num_heads, kv.page_size, kv.data.dtype, kv.split_counters)
+        warm_up_kernels(kv.k[0], kv.v[0], num_heads, kv.page_size, kv.data.dtype)

@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
         """[T, num_heads * head_dim] attention of q [T, num_heads, head_dim] (RoPE applied, this
         step's K/V in the cache)."""
         k_cache, v_cache = kv.k[self.layer_index], kv.v[self.layer_index]
-        out = attend(q, k_cache, v_cache, batch, kv.split_counters)  # [T, heads, head_dim]
+        out = attend(q, k_cache, v_cache, batch)  # [T, num_heads, head_dim]
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
 

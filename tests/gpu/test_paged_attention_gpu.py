@@ -9,11 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels.paged_attention import (
-    SPLIT_COUNTERS,
-    paged_attention,
-    paged_attention_reference,
-)
+from specsplit.kernels.paged_attention import paged_attention, paged_attention_reference
 from specsplit.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -81,15 +77,6 @@ def reference_float32(args: dict) -> torch.Tensor:
     return paged_attention_reference(**{**args, **up})
 
 
-def counters_for(merge: str) -> torch.Tensor | None:
-    """Split launches merged in place (the engines' way: KVCache.split_counters) or by the
-    merge kernel."""
-    if merge == "kernel":
-        return None
-    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device="cuda")
-
-
-@pytest.mark.parametrize("merge", ["in_place", "kernel"])
 @pytest.mark.parametrize("num_splits", [None, 1])  # the wrapper's choice; single pass
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 @pytest.mark.parametrize("step", ["decode", "verify", "prefill"])
@@ -101,52 +88,41 @@ def test_bf16_kernel_matches_float32_reference(
     group: int,
     head_dim: int,
     num_splits: int | None,
-    merge: str,
 ) -> None:
     if step == "prefill" and batch_size == 32:
         batch_size = 4  # 32 prompts of 512 tokens add time, not coverage
     args = make_batch(step, batch_size, num_kv_heads, group, head_dim)
-    counters = counters_for(merge)
-    got = paged_attention(**args, num_splits=num_splits, split_counters=counters)
+    got = paged_attention(**args, num_splits=num_splits)
     assert got.dtype == torch.bfloat16
     want = reference_float32(args)
     torch.testing.assert_close(got.float(), want, atol=ATOL, rtol=RTOL)
-    assert counters is None or not counters.any()
 
 
-@pytest.mark.parametrize("merge", ["in_place", "kernel"])
 @pytest.mark.parametrize("num_splits", [None, 3, 32])
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (8, 4, 128)])
 def test_split_kv_long_decode_matches_float32_reference(
-    num_kv_heads: int, group: int, head_dim: int, num_splits: int | None, merge: str
+    num_kv_heads: int, group: int, head_dim: int, num_splits: int | None
 ) -> None:
     args = make_batch("decode", 2, num_kv_heads, group, head_dim, kv_len=4096)
-    counters = counters_for(merge)
-    for _ in range(3):  # the counters left zero by each launch serve the next
-        got = paged_attention(**args, num_splits=num_splits, split_counters=counters)
-        torch.testing.assert_close(got.float(), reference_float32(args), atol=ATOL, rtol=RTOL)
-    assert counters is None or not counters.any()
+    got = paged_attention(**args, num_splits=num_splits)
+    torch.testing.assert_close(got.float(), reference_float32(args), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("merge", ["in_place", "kernel"])
-def test_cuda_graph_replay_follows_new_lengths(merge: str) -> None:
+def test_cuda_graph_replay_follows_new_lengths() -> None:
     """Captured once over fixed buffers, replayed after the lengths, pages and tree change in
     place: the output matches the reference each time (no host sync in the wrapper). Batch 8 x 3
-    KV heads is a small grid: the split path and its merge (in place, the counters zero again
-    after each replay; or the merge kernel), with scratch from the graph pool."""
+    KV heads is a small grid: the split path and its merge, with scratch from the graph pool."""
     first = make_batch("verify", 8, 3, 3, 64, seed=1)
     second = make_batch("verify", 8, 3, 3, 64, seed=2)
     out = torch.empty_like(first["q"])
-    counters = counters_for(merge)
-    paged_attention(**first, out=out, split_counters=counters)  # compile before capture
+    paged_attention(**first, out=out)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_attention(**first, out=out, split_counters=counters)
-    for args in (first, second, first):
+        paged_attention(**first, out=out)
+    for args in (first, second):
         for name, value in args.items():
             if isinstance(value, torch.Tensor):
                 first[name].copy_(value)
         graph.replay()
         torch.testing.assert_close(out.float(), reference_float32(first), atol=ATOL, rtol=RTOL)
-        assert counters is None or not counters.any()

@@ -35,13 +35,13 @@ def kernel_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every attention call (the head's, the draft model's) also passes the GPU kernel's input
     checks (shapes, dtypes, strides), which the CPU path does not run."""
 
-    def checked(q, k_cache, v_cache, batch, counters):  # type: ignore[no-untyped-def]
+    def checked(q, k_cache, v_cache, batch):  # type: ignore[no-untyped-def]
         _check_inputs(  # float32: the kernel takes no float64 (these models are float64)
             q.float(), k_cache.float(), v_cache.float(), batch.cu_seqlens_q, batch.kv_lens,
             batch.prefix_lens, batch.block_table, batch.page_size, batch.tree_mask,
             batch.max_q_len, None, True,
         )  # fmt: skip
-        return attend(q, k_cache, v_cache, batch, counters)
+        return attend(q, k_cache, v_cache, batch)
 
     monkeypatch.setattr(drafter.eagle, "attend", checked)
     monkeypatch.setattr(specsplit.model.llama, "attend", checked)

@@ -14,7 +14,6 @@ import torch
 
 from specsplit.kernels.paged_attention import (
     MAX_SPLITS,
-    SPLIT_COUNTERS,
     auto_num_splits,
     paged_attention,
     paged_attention_reference,
@@ -103,16 +102,10 @@ def make_case(
     )
 
 
-def check_matches_reference(
-    case: Case, num_splits: int | None = None, counters: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The kernel against the reference; split, merged in place with `counters` (which must
-    end zero, ready for the next launch) or by the merge kernel."""
+def check_matches_reference(case: Case, num_splits: int | None = None) -> torch.Tensor:
     out = torch.full_like(case.q, SENTINEL)
-    got = paged_attention(**case.args(), out=out, num_splits=num_splits, split_counters=counters)
+    got = paged_attention(**case.args(), out=out, num_splits=num_splits)
     assert got is out
-    if counters is not None:
-        assert not counters.any()
     want = paged_attention_reference(**case.args(), out=torch.full_like(case.q, SENTINEL))
     num_tokens = int(case.cu_seqlens_q[-1])
     assert torch.isfinite(got[:num_tokens]).all()
@@ -290,29 +283,17 @@ SPLIT_CASES: dict[str, tuple[int, Callable[[], Case]]] = {  # name: (num_splits,
 
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
-@pytest.mark.parametrize("merge", ["in_place", "kernel"])
-def test_split_kv_matches_reference(name: str, merge: str) -> None:
+def test_split_kv_matches_reference(name: str) -> None:
     num_splits, case = SPLIT_CASES[name]
-    counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32) if merge == "in_place" else None
-    check_matches_reference(case(), num_splits=num_splits, counters=counters)
+    check_matches_reference(case(), num_splits=num_splits)
 
 
-@pytest.mark.parametrize("merge", ["in_place", "kernel"])
-def test_split_kv_with_more_splits_than_keys(merge: str) -> None:
+def test_split_kv_with_more_splits_than_keys() -> None:
     # kv_len 1..5 over 8 chunks: all but the first chunk of each sequence are empty
-    counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32) if merge == "in_place" else None
     seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0)]
-    check_matches_reference(make_case(seqs, page_size=2), num_splits=8, counters=counters)
+    check_matches_reference(make_case(seqs, page_size=2), num_splits=8)
     masks = [None, None, verify_new_mask(0, [-1, 0]), None]
-    case = make_case(seqs, page_size=2, new_masks=masks)
-    check_matches_reference(case, num_splits=7, counters=counters)  # the same counters again
-
-
-def test_split_kv_with_too_few_counters_merges_in_a_kernel() -> None:
-    # 2 sequences x 2 KV heads = 4 programs a split, 3 counters: the merge kernel, untouched
-    counters = torch.zeros(3, dtype=torch.int32)
-    case = make_case([(1, 20, 19), (2, 9, 7)], num_heads=4, num_kv_heads=2)
-    check_matches_reference(case, num_splits=3, counters=counters)
+    check_matches_reference(make_case(seqs, page_size=2, new_masks=masks), num_splits=7)
 
 
 def test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero() -> None:
@@ -322,11 +303,8 @@ def test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero() -> None:
     case = make_case([(3, 40, 0), (1, 9, 8)], new_masks=[mask, None])
     single = paged_attention(**case.args(), num_splits=1)
     split = paged_attention(**case.args(), num_splits=4)
-    counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32)
-    merged = paged_attention(**case.args(), num_splits=4, split_counters=counters)
     torch.testing.assert_close(split[:4], single[:4], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(merged[:4], single[:4], atol=1e-5, rtol=1e-5)
-    assert (split[1] == 0).all() and (single[1] == 0).all() and (merged[1] == 0).all()
+    assert (split[1] == 0).all() and (single[1] == 0).all()
 
 
 def test_auto_num_splits_fills_the_grid_only_when_small() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafter.engine import DrafterEngine
-from specsplit.kernels.paged_attention import SPLIT_COUNTERS, warm_up
+from specsplit.kernels.paged_attention import warm_up
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
@@ -31,11 +31,9 @@ def test_attention_warm_up_launches_every_variant(
     k = torch.randn(64, num_kv_heads, 16)
     v = torch.randn(64, num_kv_heads, 16)
     before = k.clone(), v.clone()
-    counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32)
-    # three BLOCK_M classes x causal / tree x single pass / split, merged by a kernel / in place
-    assert warm_up(k, v, num_heads, page_size, torch.float32, counters) == 18
+    # three BLOCK_M classes x causal / tree x single pass / split
+    assert warm_up(k, v, num_heads, page_size, torch.float32) == 12
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])  # the cache is only read
-    assert not counters.any()  # left zero for the first real launch
 
 
 def test_verifier_rehearsal_leaves_nothing(models) -> None:
