@@ -48,14 +48,16 @@ from specsplit.model.linear import linear
 from specsplit.model.rope import rope_cos_sin, rope_inv_freq
 
 _META = torch.device("meta")
-# Steps of a few tokens on a GPU run each layer as 6 kernels, 7 with split-KV attention
-# (DecoderLayer.forward_small: the projections with their norms, residual adds and SiLU-and-mul
-# fused in, specsplit/kernels/small_linear.py) where `forward` takes 9 (10), when every layer
+# Steps of a few tokens on a GPU run each layer as 5 kernels, 6 with split-KV attention
+# (DecoderLayer.forward_small: the projections with their norms, residual adds, SiLU-and-mul, and
+# RoPE + K/V store fused in, specsplit/kernels/small_linear.py; one more where q/k norms keep RoPE
+# out of the qkv kernel) where `forward` takes 9 (10), when every layer
 # weight is at most SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little is bound by
 # launches and latency, which the fusion saves; a larger one (1B-class and up) is bound by
 # bandwidth, where cuBLAS is hard to beat and launches matter less. SMALL_LINEAR_ROWS is the most
 # tokens a step may have: by default the kernels' broadcast path (<= 4 rows), which beats the
-# unfused layer (H100, SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step); their
+# unfused layer (H100, SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step, 0.97 with RoPE
+# fused in; bench/RESULTS.md); their
 # tensor-core path (5-16 rows) is slower than cuBLAS + the compiled pointwise kernels there
 # (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so it runs only with
 # `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a missing triton too.
