@@ -19,7 +19,7 @@ from specsplit.model import llama
 from specsplit.model.config import ModelConfig
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import DecoderLayer, LlamaModel, make_kv_cache, state_dict_from_hf
-from tests.unit.test_model_vs_transformers import causal_step, make_batch, new_seqs
+from tests.forward_steps import causal_step, make_batch, new_seqs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -23,12 +23,18 @@ from transformers import (
     Qwen3Config,
 )
 
-from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.step import SeqStep, build_forward_batch
+from tests.forward_steps import (
+    TINY_LLAMA,
+    VOCAB,
+    causal_step,
+    make_batch,
+    new_seqs,
+    tree_step,
+)
 
 pytestmark = [
     pytest.mark.raw_kv,  # forward math on hand-built caches
@@ -36,17 +42,6 @@ pytestmark = [
 ]
 
 ATOL = 3e-5  # float32; logits are O(1..10), observed max error 1.2e-5
-VOCAB = 96
-_COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def _hf_configs() -> dict[str, PreTrainedConfig]:
@@ -60,13 +55,13 @@ def _hf_configs() -> dict[str, PreTrainedConfig]:
     }
     return {
         "llama_gqa_untied_linear_rope": LlamaConfig(
-            **_COMMON,
+            **TINY_LLAMA,
             num_key_value_heads=2,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "linear", "rope_theta": 10_000.0, "factor": 2.0},
         ),
         "llama_tied_llama3_rope_biases": LlamaConfig(
-            **_COMMON,
+            **TINY_LLAMA,
             num_key_value_heads=4,
             tie_word_embeddings=True,
             attention_bias=True,
@@ -74,12 +69,12 @@ def _hf_configs() -> dict[str, PreTrainedConfig]:
             rope_parameters=llama3_rope,
         ),
         "qwen2_attention_bias_mqa": Qwen2Config(
-            **_COMMON, num_key_value_heads=1, tie_word_embeddings=True
+            **TINY_LLAMA, num_key_value_heads=1, tie_word_embeddings=True
         ),
         "qwen3_qk_norm_wide_heads": Qwen3Config(
-            **_COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+            **TINY_LLAMA, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
         ),
-        "mistral_gqa": MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=None),
+        "mistral_gqa": MistralConfig(**TINY_LLAMA, num_key_value_heads=2, sliding_window=None),
     }
 
 
@@ -121,58 +116,6 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 # --- batch building (the engines have their own builders) ---------------------------------
-
-
-@dataclass
-class Step:
-    """One sequence's part of a forward: `tokens` at `positions`, written right after the
-    sequence's committed KV; `self_mask` [q, q] says which of this step's tokens each may see
-    (the committed prefix is always visible)."""
-
-    seq: SeqKV
-    tokens: list[int]
-    positions: list[int]
-    self_mask: torch.Tensor
-
-
-def causal_step(seq: SeqKV, tokens: list[int]) -> Step:
-    start = seq.kv_committed_len
-    q_len = len(tokens)
-    positions = list(range(start, start + q_len))
-    return Step(seq, tokens, positions, torch.ones(q_len, q_len, dtype=torch.bool).tril())
-
-
-def make_batch(steps: list[Step]) -> ForwardBatch:
-    """Logits for every token of every step."""
-    seq_steps = []
-    for step in steps:
-        start, q_len = step.seq.kv_committed_len, len(step.tokens)
-        seq_steps.append(
-            SeqStep(
-                seq=step.seq,
-                input_ids=step.tokens,
-                positions=step.positions,
-                storage=list(range(start, start + q_len)),
-                kv_len=start + q_len,
-                prefix_len=start,
-                new_mask=step.self_mask,
-                logit_rows=list(range(q_len)),
-            )
-        )
-    batch, _ = build_forward_batch(seq_steps, steps[0].seq.page_size)
-    return batch
-
-
-def new_seqs(kv: KVCache, lengths: list[int], rng: random.Random) -> list[SeqKV]:
-    """Sequences whose pages are allocated one at a time in turn (interleaved), then shuffled:
-    page tables are neither contiguous nor ordered."""
-    seqs = [kv.new_seq() for _ in lengths]
-    for num_pages in range(1, max(-(-n // kv.page_size) for n in lengths) + 1):
-        for seq, length in zip(seqs, lengths, strict=True):
-            kv.reserve(seq, min(length, num_pages * kv.page_size))
-    for seq in seqs:
-        rng.shuffle(seq.page_table)
-    return seqs
 
 
 def random_tokens(n: int, generator: torch.Generator) -> list[int]:
@@ -249,25 +192,6 @@ def test_incremental_decode_through_shuffled_pages_matches_hf(arch: Arch, page_s
             seqs[i].kv_committed_len += 1
         num_decode_steps += 1
     assert num_decode_steps == 12  # the longer remainder (21 - 9) sets the step count
-
-
-def tree_step(seq: SeqKV, pending: int, tree_tokens: list[int], parents: list[int]) -> Step:
-    """The pending token plus draft-tree nodes (parent -1 = the pending token, the root).
-    Node at depth d sits at position c + d (c = committed length, pending at c); it sees the
-    committed prefix, the pending token, its ancestors and itself; never its siblings."""
-    c = seq.kv_committed_len
-    n = len(tree_tokens)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[:, 0] = True
-    depths = [0] * n
-    for j, parent in enumerate(parents):
-        assert parent < j, "parents come before children"
-        depths[j] = 1 if parent < 0 else depths[parent] + 1
-        mask[j + 1, j + 1] = True
-        if parent >= 0:
-            mask[j + 1] |= mask[parent + 1]
-    positions = [c] + [c + d for d in depths]
-    return Step(seq, [pending, *tree_tokens], positions, mask)
 
 
 def path_to(node: int, tree_tokens: list[int], parents: list[int]) -> list[int]:

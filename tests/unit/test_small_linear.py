@@ -36,8 +36,7 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import DecoderLayer, LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.model.rope import rope_cos_sin, rope_inv_freq
-from tests.unit.test_model_vs_transformers import _COMMON as MODEL_VS_HF_CONFIG
-from tests.unit.test_model_vs_transformers import causal_step, make_batch, new_seqs, tree_step
+from tests.forward_steps import TINY_LLAMA, causal_step, make_batch, new_seqs, tree_step
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
@@ -208,7 +207,7 @@ def test_no_rows_launch_nothing() -> None:
 
 # --- the model: forward_small against forward ---------------------------------------------
 
-_COMMON = {**MODEL_VS_HF_CONFIG, "num_hidden_layers": 2}  # hidden 64, 4 heads, vocab 96
+_COMMON = {**TINY_LLAMA, "num_hidden_layers": 2}  # hidden 64, 4 heads, vocab 96
 ARCHS: dict[str, PreTrainedConfig] = {
     "llama_gqa_all_biases": LlamaConfig(
         **_COMMON, num_key_value_heads=2, attention_bias=True, mlp_bias=True
