@@ -157,20 +157,21 @@ class ServiceHost:
             raise OSError(f"{name}: cannot listen on {self.address}")
         await self.server.start()
         security = "plaintext" if not self.tls.enabled else "mutual TLS" if mutual else "TLS"
-        log.info(
-            "%s listening on %s (port %d, %s), NOT_SERVING until ready",
-            name,
-            self.address,
-            self.port,
-            security,
-        )
+        log.info("%s listening on %s (%s), NOT_SERVING until ready", name, self.where, security)
         return self.port
+
+    @property
+    def where(self) -> str:
+        """The bound address for logs: host:port, or the Unix socket (grpc gives it port 1)."""
+        if self.address.startswith("unix"):
+            return self.address
+        return f"{self.address.rsplit(':', 1)[0]}:{self.port}"
 
     async def load(self) -> None:
         """The servable's load, then health SERVING."""
         await self.servable.load()
         await self.set_serving(True)
-        log.info("%s SERVING on port %d", self.servable.service_name, self.port)
+        log.info("%s SERVING on %s", self.servable.service_name, self.where)
 
     async def set_serving(self, serving: bool) -> None:
         status = (

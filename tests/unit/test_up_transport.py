@@ -79,7 +79,7 @@ def test_logged_addresses_reads_back_the_last_address_up_logged_for_each_service
     log = (
         "INFO specsplit.up: drafter listens on unix:/tmp/a/drafter.sock\n"
         "INFO specsplit.up: verifier listens on unix:/tmp/a/verifier.sock\n"
-        "INFO specsplit.v1.Drafter listening on unix:/tmp/a/drafter.sock (port 1, plaintext)\n"
+        "INFO specsplit.v1.Drafter listening on unix:/tmp/a/drafter.sock (plaintext)\n"
     )
     assert up.logged_addresses(log) == {
         "drafter": "unix:/tmp/a/drafter.sock",
