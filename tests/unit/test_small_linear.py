@@ -243,17 +243,25 @@ def run_both(
     want_kv = kv.data.clone()
     kv.data.copy_(before)
     layers_run: list[int] = []
+    fused_qkv: list[int] = []
     forward_small = DecoderLayer.forward_small
 
     def spy(layer: DecoderLayer, *args: Any) -> torch.Tensor:
         layers_run.append(layer.layer_index)
         return forward_small(layer, *args)
 
+    def qkv_spy(*args: Any) -> torch.Tensor:
+        fused_qkv.append(args[0].shape[0])
+        return norm_linear_rope_store(*args)
+
     with monkeypatch.context() as patch:  # the small path on the CPU, under the interpreter
         patch.setattr(LlamaModel, "uses_small_linear", lambda self, n, device: n <= MAX_ROWS)
         patch.setattr(DecoderLayer, "forward_small", spy)
+        patch.setattr(llama, "norm_linear_rope_store", qkv_spy)
         got = model(batch, kv, aux_layers=aux_layers)
     assert layers_run == [0, 1], layers_run
+    # the qkv projection takes RoPE and the K/V store, unless q/k norms come between (Qwen3)
+    assert len(fused_qkv) == (0 if model.config.qk_norm else 2), fused_qkv
     return want, got, want_kv, kv.data.clone()
 
 
