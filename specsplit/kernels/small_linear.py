@@ -387,9 +387,11 @@ def _launch(
         return out
     tiles = tiles_for(num_rows, n, k, x.element_size(), interpret)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)  # never read without NORM
-    cos, sin, k_cache, v_cache, slots = (
-        (out, out, out, out, out) if rope is None else rope[:5]  # never read without ROPE
-    )
+    if rope is None:  # never read without ROPE
+        cos = sin = k_cache = v_cache = slots = out
+    else:
+        cos, sin, k_cache, v_cache = rope.cos, rope.sin, rope.k_cache, rope.v_cache
+        slots = rope.slot_mapping
     _jitted_kernel(interpret)[(-(-n // tiles.block_n),)](
         x, weight, weight if bias is None else bias, norm_weight,
         out if residual is None else residual, out, cos, sin, k_cache, v_cache, slots,

@@ -51,16 +51,16 @@ _META = torch.device("meta")
 # Steps of a few tokens on a GPU run each layer as 5 kernels, 6 with split-KV attention
 # (DecoderLayer.forward_small: the projections with their norms, residual adds, SiLU-and-mul, and
 # RoPE + K/V store fused in, specsplit/kernels/small_linear.py; one more where q/k norms keep RoPE
-# out of the qkv kernel) where `forward` takes 9 (10), when every layer
-# weight is at most SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little is bound by
-# launches and latency, which the fusion saves; a larger one (1B-class and up) is bound by
-# bandwidth, where cuBLAS is hard to beat and launches matter less. SMALL_LINEAR_ROWS is the most
-# tokens a step may have: by default the kernels' broadcast path (<= 4 rows), which beats the
-# unfused layer (H100, SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step, 0.97 with RoPE
-# fused in; bench/RESULTS.md); their
-# tensor-core path (5-16 rows) is slower than cuBLAS + the compiled pointwise kernels there
-# (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so it runs only with
-# `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a missing triton too.
+# out of the qkv kernel) where `forward` takes 9 (10), when every layer weight is at most
+# SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little is bound by launches and
+# latency, which the fusion saves; a larger one (1B-class and up) is bound by bandwidth, where
+# cuBLAS is hard to beat and launches matter less. SMALL_LINEAR_ROWS is the most tokens a step may
+# have: by default the kernels' broadcast path (<= 4 rows), which beats the unfused layer (H100,
+# SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step, 0.97 with RoPE fused in;
+# bench/RESULTS.md); their tensor-core path (5-16 rows) is slower than cuBLAS + the compiled
+# pointwise kernels there (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so
+# it runs only with `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a
+# missing triton too.
 _SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "auto")
 SMALL_LINEAR = _SMALL_LINEAR_ENV != "0" and importlib.util.find_spec("triton") is not None
 SMALL_LINEAR_ROWS = MAX_ROWS if _SMALL_LINEAR_ENV == "1" else BROADCAST_ROWS
@@ -134,7 +134,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`forward`'s arithmetic for a few tokens, each projection one kernel with its
         neighbours fused in (the input norm, the residual adds, the post-attention norm and
-        SiLU-and-mul): the layer's output, [T, hidden]."""
+        SiLU-and-mul; RoPE and the K/V store in the qkv kernel where no q/k norm comes between
+        and the cache holds the activation dtype): the layer's output, [T, hidden]."""
         norm, qkv_proj = self.input_layernorm, self.qkv_proj
         if self.q_norm is None and TRITON_ROPE and kv.data.dtype == hidden.dtype:
             # the projection, RoPE and the K/V store as one kernel
