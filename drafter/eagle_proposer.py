@@ -31,7 +31,6 @@ from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput, to_device
 from specsplit.step import SeqStep, causal_step
-from specsplit.tree import DraftTree
 
 
 @dataclass
@@ -172,7 +171,9 @@ class Eagle3Proposer(TreeProposer):
         for (job, _), part in zip(given, parts, strict=True):
             self._state(job.seq).append_features(part)
 
-    def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+    def _roots(
+        self, jobs: list[DraftJob]
+    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []
         self.add_features(jobs)
@@ -184,7 +185,7 @@ class Eagle3Proposer(TreeProposer):
             first = state.kv.kv_committed_len
             if draft:
                 first = min(first, num_entries - 1)  # recompute the root entry for its output
-            self.kv.reserve(state.kv, num_entries + (job.spec.max_draft_tokens if draft else 0))
+            self.kv.reserve(state.kv, num_entries + (job.scratch_len if draft else 0))
             if first < num_entries:
                 spans.append((job, first, num_entries, draft))
             state.kv.kv_committed_len = num_entries
@@ -200,9 +201,7 @@ class Eagle3Proposer(TreeProposer):
             steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
             features.append(state.features[first:end])
         if not steps:
-            return [DraftTree() for _ in jobs]
+            return [], torch.zeros(0, self.vocab_size, device=self.device), None
         fused = self.head.fuse(torch.cat(features))  # one fc over every sequence's rows
         logits, hidden = self._forward(steps, fused)  # [D, Vd], [D, H]
-        drafted = self._expand(drafting, self._tree_logits(logits), hidden)
-        by_seq = {job.seq.seq_id: tree for job, tree in zip(drafting, drafted, strict=True)}
-        return [by_seq.get(job.seq.seq_id, DraftTree()) for job in jobs]
+        return drafting, self._tree_logits(logits), hidden

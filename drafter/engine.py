@@ -32,6 +32,7 @@ from specsplit.messages import (
     Truncation,
     truncate_each,
 )
+from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 NO_DRAFTS = SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
@@ -214,20 +215,27 @@ class DrafterEngine:
                     item.sampling,
                     item.start,
                     item.target_hidden_states,
+                    item.verifying if item.ahead_guesses else None,
+                    item.ahead_guesses,
                 )
             )
+        normal = [job for job in jobs if not job.ahead_guesses]
+        ahead = [job for job in jobs if job.ahead_guesses]
         try:
-            trees = self.proposer.propose(jobs)
+            trees = dict(zip(map(id, normal), self.proposer.propose(normal), strict=True))
+            if ahead:  # after the others: its scratch (forks) is the larger
+                guessed = dict(zip(map(id, ahead), self.proposer.propose_ahead(ahead), strict=True))
         except KVCacheFullError as e:
             raise ServiceError(Code.RESOURCE_EXHAUSTED, f"drafter {e}") from e
         return [
             DraftOutput(
                 job.seq.seq_id,
-                tree,
+                trees.get(id(job), DraftTree()),
                 self.proposer.kv_committed_len(job.seq),
                 self.hidden_state_layers,
+                guessed[id(job)] if job.ahead_guesses else [],
             )
-            for job, tree in zip(jobs, trees, strict=True)
+            for job in jobs
         ]
 
     def _spec(self, seq: DraftSeq, spec: SpecParams) -> SpecParams:
@@ -261,6 +269,21 @@ class DrafterEngine:
                 item.sampling.validate()
             except ValueError as e:
                 raise invalid(str(e)) from e
+            if not 0 <= item.ahead_guesses <= self.limits.max_topk:
+                raise invalid(
+                    f"ahead_guesses = {item.ahead_guesses} for {item.seq_id!r}: want 0 (no "
+                    f"draft-ahead) to {self.limits.max_topk}"
+                )
+            if item.ahead_guesses:
+                if len(item.verifying) > self.limits.max_num_steps:
+                    raise invalid(
+                        f"verifying has {len(item.verifying)} nodes for {item.seq_id!r}, over "
+                        f"the drafter's limit of {self.limits.max_num_steps}"
+                    )
+                try:
+                    item.verifying.validate(self.proposer.vocab_size)
+                except ValueError as e:
+                    raise invalid(f"verifying for {item.seq_id!r}: {e}") from e
 
     def truncate(self, items: list[Truncation]) -> list[Truncated]:
         """A session's turn boundary: keep at most `max_len` leading tokens of each sequence

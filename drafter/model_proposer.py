@@ -16,7 +16,6 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import causal_step
-from specsplit.tree import DraftTree
 
 
 class ModelProposer(TreeProposer):
@@ -70,12 +69,13 @@ class ModelProposer(TreeProposer):
 
     # -- drafting --------------------------------------------------------------------------
 
-    def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+    def _roots(
+        self, jobs: list[DraftJob]
+    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
         for job in jobs:
             state = self._state(job.seq)
-            self.kv.reserve(state.kv, len(job.seq.tokens) + job.spec.max_draft_tokens)
-        root_logits = self._catch_up(jobs)  # [B, vocab]
-        return self._expand(jobs, root_logits)
+            self.kv.reserve(state.kv, len(job.seq.tokens) + job.scratch_len)
+        return jobs, self._catch_up(jobs), None  # [B, vocab]
 
     def _catch_up(self, jobs: list[DraftJob]) -> torch.Tensor:
         """Run the tokens the draft KV does not cover; logits at each root."""

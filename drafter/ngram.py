@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from drafter.types import DraftJob, DraftSeq
+from specsplit.messages import AheadTree
 from specsplit.tree import DraftTree
 
 
@@ -59,6 +60,10 @@ class NgramProposer:
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         return [self._propose_one(job) for job in jobs]
+
+    def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
+        """None: prompt lookup has no distribution to guess the bonus tokens from."""
+        return [[] for _ in jobs]
 
     def continuations(self, tokens: list[int], depth: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations (<= depth tokens) of the longest matching suffix,

@@ -9,6 +9,7 @@ base + i (base = the proposer's kv_committed_len); it is scratch, freed after dr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -16,12 +17,12 @@ import torch
 from drafter.expansion import Candidates, DeviceExpansion, Shape
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
-from specsplit.messages import SpecParams
+from specsplit.messages import AheadTree, SpecParams
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import make_generator, sample, target_probs
-from specsplit.step import SeqStep, build_forward_batch
+from specsplit.step import SeqStep, build_forward_batch, causal_step
 from specsplit.tree import DraftTree
 
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
@@ -134,7 +135,126 @@ class TreeProposer:
                     self.kv.trim(kv, kv.kv_committed_len)
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        drafting, root_logits, root_features = self._roots(jobs)
+        drafted = self._expand(drafting, root_logits, root_features)
+        by_seq = {id(job): tree for job, tree in zip(drafting, drafted, strict=True)}
+        return [by_seq.get(id(job), DraftTree()) for job in jobs]
+
+    def _roots(
+        self, jobs: list[DraftJob]
+    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
+        """Catch every job's sequence up to its root (pages reserved for `job.scratch_len`
+        entries past it). Returns the jobs that can draft, their roots' logits [D, vocab] in
+        the target's vocabulary, and the roots' outputs [D, width] a next step reads (EAGLE)
+        or None."""
         raise NotImplementedError
+
+    # -- draft-ahead -----------------------------------------------------------------------
+
+    def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
+        """Draft-ahead, while the verifier verifies `job.verifying` (a chain) for each job's
+        root: the chain's nodes go through the draft model as the expansion would run them
+        (each reads its parent's output), and at each accept length k (0..len) the draft's
+        `ahead_guesses` likeliest tokens other than the chain's next one are the guessed
+        bonus tokens. Each outcome (k drafts accepted, then bonus b) is drafted in a fork of the
+        sequence's KV (KVCache.fork: the prefix and the k nodes shared): b goes through the
+        model, reading node k's output as a node does (EAGLE: the head's own features where
+        the target's do not exist yet), then the next round's tree expands from it. Forks and
+        node entries are scratch, freed before returning."""
+        with on_device(self.device):
+            forks: list[DraftSeq] = []
+            try:
+                return self._propose_ahead(jobs, forks)
+            finally:
+                for fork in forks:
+                    self.kv.release(self._seq_kv(fork))
+                for job in jobs:
+                    kv = self._seq_kv(job.seq)
+                    self.kv.trim(kv, kv.kv_committed_len)
+
+    def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
+        drafting, root_logits, root_features = self._roots(jobs)
+        chains = [job for job in drafting if job.verifying is not None and _is_chain(job.verifying)]
+        if not chains:
+            return [[] for _ in jobs]
+        rows = {id(job): i for i, job in enumerate(drafting)}
+        runs = [_Expansion(job) for job in chains]
+        if root_features is not None:
+            for run in runs:
+                run.node_hidden[-1] = root_features[rows[id(run.job)]]
+        # [len + 1, vocab] per chain: the logits at the root, then at each node
+        logits = [[root_logits[rows[id(run.job)]]] for run in runs]
+        for depth in range(1, max(len(job.verifying or ()) for job in chains) + 1):
+            active = [i for i, run in enumerate(runs) if len(run.job.verifying or ()) >= depth]
+            for i in active:
+                run = runs[i]
+                assert run.job.verifying is not None
+                run.frontier = [run.add(run.job.verifying.tokens[depth - 1], depth - 2, 0.0)]
+            rows_out = self._forward_frontier([runs[i] for i in active])
+            for i, row in zip(active, rows_out, strict=True):
+                logits[i].append(row)
+        guesses = self._guesses(runs, logits)
+        outcomes: list[tuple[int, int, int]] = []  # (run, k accepted, bonus)
+        steps, features = [], []
+        for i, (run, per_k) in enumerate(zip(runs, guesses, strict=True)):
+            parent = self._seq_kv(run.job.seq)
+            base = parent.kv_committed_len
+            for k, bonus_tokens in enumerate(per_k):
+                for bonus in bonus_tokens:
+                    kv = self.kv.fork(parent, base + k)
+                    self.kv.reserve(kv, base + k + 1 + run.job.spec.max_draft_tokens)
+                    state = dataclasses.replace(self._state(run.job.seq), kv=kv, generator=None)
+                    forks.append(DraftSeq(run.job.seq.seq_id, state=state))
+                    outcomes.append((i, k, bonus))
+                    steps.append(causal_step(kv, [bonus], [0], start=base + k))
+                    if run.node_hidden:
+                        features.append(run.node_hidden[k - 1])
+        if not steps:
+            return [[] for _ in jobs]
+        bonus_logits, bonus_features = self._forward_rows(
+            steps, torch.stack(features) if features else None
+        )
+        fork_jobs = []
+        for fork, (i, _, _) in zip(forks, outcomes, strict=True):
+            self._seq_kv(fork).kv_committed_len += 1
+            job = runs[i].job
+            fork_jobs.append(DraftJob(fork, job.spec, job.sampling))
+        trees = self._expand(fork_jobs, bonus_logits, bonus_features)
+        ahead: dict[int, list[AheadTree]] = {}
+        for (i, k, bonus), tree in zip(outcomes, trees, strict=True):
+            job = runs[i].job
+            assert job.verifying is not None
+            ahead.setdefault(id(job), []).append(
+                AheadTree([*job.verifying.tokens[:k], bonus], tree)
+            )
+        return [ahead.get(id(job), []) for job in jobs]
+
+    @staticmethod
+    def _guesses(runs: list[_Expansion], logits: list[list[torch.Tensor]]) -> list[list[list[int]]]:
+        """Per chain, per accept length k, the guessed bonus tokens: the draft's likeliest at
+        node k (the root for k = 0) but the chain's own next node, which the verifier rejected
+        if it stopped there (greedy). One host read for the batch."""
+        g = max(run.job.ahead_guesses for run in runs)
+        flat = torch.stack([row for per_chain in logits for row in per_chain])
+        top = flat.topk(min(g + 1, flat.shape[1]), dim=-1).indices.tolist()
+        out, row = [], 0
+        for run, per_chain in zip(runs, logits, strict=True):
+            chain = run.job.verifying.tokens if run.job.verifying is not None else []
+            per_k = []
+            for k in range(len(per_chain)):
+                others = [t for t in top[row + k] if k >= len(chain) or t != chain[k]]
+                per_k.append(others[: run.job.ahead_guesses])
+            out.append(per_k)
+            row += len(per_chain)
+        return out
+
+    def _forward_rows(
+        self, steps: list[SeqStep], features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over `steps`: their logit rows in the target's vocabulary, and the
+        rows' outputs a next step reads (EAGLE) or None."""
+        out = self._run(steps, features)
+        return self._tree_logits(out.logits), out.hidden_states
 
     def _step_forward(
         self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None
@@ -368,6 +488,10 @@ class TreeProposer:
         n = len(tree.tokens)
         order = sorted(range(n), key=lambda i: (-tree.scores[i], len(tree.paths[i]), i))
         return select_tree(Candidates(tree.tokens, tree.parents, order), tree.job.spec)
+
+
+def _is_chain(tree: DraftTree) -> bool:
+    return all(parent == i - 1 for i, parent in enumerate(tree.parents))
 
 
 def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:

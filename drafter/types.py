@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specsplit.messages import SpecParams
+from specsplit.messages import AheadTree, SpecParams
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -28,6 +28,18 @@ class DraftJob:
     sampling: SamplingParams
     start: int = 0  # where this call's new tokens begin in seq.tokens
     target_hidden_states: torch.Tensor | None = None  # [rows, features] for tokens[start:]
+    # draft-ahead (ahead_guesses > 0): the chain being verified for the root; the job drafts the
+    # next round's trees for its outcomes instead of a tree for the root
+    verifying: DraftTree | None = None
+    ahead_guesses: int = 0
+
+    @property
+    def scratch_len(self) -> int:
+        """Entries past the root the job writes in its sequence's own pages: the candidates
+        of its tree, or the nodes of the chain being verified (draft-ahead)."""
+        if self.ahead_guesses:
+            return len(self.verifying or ())
+        return self.spec.max_draft_tokens
 
 
 class Proposer(Protocol):
@@ -42,6 +54,11 @@ class Proposer(Protocol):
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         """Draft one tree per job rooted at the job's last token; returns them in order."""
+        ...
+
+    def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
+        """Draft-ahead: per job, the next round's trees for the guessed outcomes of
+        `job.verifying` (none where the proposer cannot guess)."""
         ...
 
     def kv_committed_len(self, seq: DraftSeq) -> int: ...

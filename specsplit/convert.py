@@ -14,6 +14,7 @@ import torch
 
 from specsplit.errors import invalid
 from specsplit.messages import (
+    AheadTree,
     DraftInput,
     DraftOutput,
     SpecParams,
@@ -170,6 +171,9 @@ def _fill_draft_input(msg: drafter_pb2.SequenceDraftInput, item: DraftInput) -> 
     msg.sampling.CopyFrom(sampling_to_proto(item.sampling))
     if item.target_hidden_states is not None:
         _fill_tensor(msg.target_hidden_states, item.target_hidden_states)
+    if item.ahead_guesses:
+        _fill_tree(msg.verifying, item.verifying)
+        msg.ahead_guesses = item.ahead_guesses
 
 
 def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
@@ -187,6 +191,8 @@ def draft_input_from_proto(msg: drafter_pb2.SequenceDraftInput) -> DraftInput:
         sampling=sampling_from_proto(msg.sampling),
         target_kv_committed_len=msg.target_kv_committed_len,
         target_hidden_states=hidden,
+        verifying=tree_from_proto(msg.verifying, f"{msg.seq_id}.verifying"),
+        ahead_guesses=msg.ahead_guesses,
     )
 
 
@@ -201,6 +207,10 @@ def _fill_draft_output(msg: drafter_pb2.SequenceDraftOutput, item: DraftOutput) 
     _fill_tree(msg.tree, item.tree)
     msg.kv_committed_len = item.kv_committed_len
     msg.hidden_state_layers.extend(item.hidden_state_layers)
+    for ahead in item.ahead:
+        entry = msg.ahead.add()
+        entry.tokens.extend(ahead.tokens)
+        _fill_tree(entry.tree, ahead.tree)
 
 
 def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput:
@@ -209,6 +219,10 @@ def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput
         tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree"),
         kv_committed_len=msg.kv_committed_len,
         hidden_state_layers=tuple(msg.hidden_state_layers),
+        ahead=[
+            AheadTree(list(a.tokens), tree_from_proto(a.tree, f"{msg.seq_id}.ahead"))
+            for a in msg.ahead
+        ],
     )
 
 

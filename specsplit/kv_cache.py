@@ -95,6 +95,9 @@ class SeqKV:
     page_size: int
     page_table: list[int] = field(default_factory=list)
     kv_committed_len: int = 0
+    # leading pages borrowed from the sequence this one was forked from (KVCache.fork): read,
+    # never written or freed here
+    num_shared_pages: int = 0
 
     @property
     def kv_allocated_len(self) -> int:
@@ -157,14 +160,33 @@ class KVCache:
     def trim(self, seq: SeqKV, length: int) -> None:
         """Free the pages not needed to hold `length` tokens."""
         keep = -(-length // self.page_size)
+        assert keep >= seq.num_shared_pages, (keep, seq.num_shared_pages)
         if keep < len(seq.page_table):
             self.allocator.free(seq.page_table[keep:])
             del seq.page_table[keep:]
 
     def release(self, seq: SeqKV) -> None:
-        self.allocator.free(seq.page_table)
+        self.allocator.free(seq.page_table[seq.num_shared_pages :])
         seq.page_table.clear()
         seq.kv_committed_len = 0
+        seq.num_shared_pages = 0
+
+    def fork(self, seq: SeqKV, length: int) -> SeqKV:
+        """A sequence whose first `length` entries are `seq`'s, committed: the pages they
+        fill entirely are shared (while `seq` keeps them, and the fork must be released first),
+        the one they fill in part is copied; whatever the fork appends lands in its own pages.
+        Draft-ahead drafts each guessed outcome of a round in a fork."""
+        assert 0 <= length <= seq.kv_allocated_len, (length, seq.kv_allocated_len)
+        full, part = divmod(length, self.page_size)
+        fork = SeqKV(self.page_size, seq.page_table[:full], length, num_shared_pages=full)
+        if part:
+            (page,) = self.allocator.alloc(1)
+            size, old = self.page_size, seq.page_table[full]
+            self.data[:, :, page * size : page * size + part] = self.data[
+                :, :, old * size : old * size + part
+            ]
+            fork.page_table.append(page)
+        return fork
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

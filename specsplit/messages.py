@@ -67,6 +67,19 @@ class DraftInput:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     target_kv_committed_len: int = 0
     target_hidden_states: torch.Tensor | None = None  # [len(new_tokens), features] (EAGLE)
+    # draft-ahead (ahead_guesses > 0): no tree for the root; trees for the outcomes of
+    # `verifying`, the tree being verified for it (DraftOutput.ahead)
+    verifying: DraftTree = field(default_factory=DraftTree)
+    ahead_guesses: int = 0
+
+
+@dataclass
+class AheadTree:
+    """The next round's tree if the round being verified ends with `tokens` (accepted drafts
+    and the bonus token, the tree's root)."""
+
+    tokens: list[int]
+    tree: DraftTree
 
 
 @dataclass
@@ -75,6 +88,7 @@ class DraftOutput:
     tree: DraftTree
     kv_committed_len: int  # tokens the drafter's KV covers, a prefix of the gateway's tokens
     hidden_state_layers: tuple[int, ...] = ()  # target layers the drafter reads (EAGLE-3)
+    ahead: list[AheadTree] = field(default_factory=list)  # draft-ahead's trees
 
 
 @dataclass

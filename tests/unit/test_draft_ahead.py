@@ -1,0 +1,211 @@
+"""Draft-ahead on the drafter: while a chain is verified, the next round's trees for its likely
+outcomes (each accept length, then each guessed bonus token), drafted in forks of the sequence's
+KV. Named invariants:
+- a plain draft model's tree drafted ahead for an outcome is the tree a normal draft gives once
+  that outcome is committed (the fork holds what a catch-up would compute);
+- an EAGLE head's tree drafted ahead for "all accepted, bonus = the draft's top-1" continues the
+  head's own chain (node outputs as features where the target's do not exist yet);
+- the guesses never repeat the chain's own next node (the verifier rejected it there);
+- draft-ahead changes nothing the drafter keeps: no pages left, the same next normal draft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.engine import DrafterEngine
+from drafter.model_proposer import ModelProposer
+from specsplit.errors import Code, ServiceError
+from specsplit.kv_cache import KVCache
+from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.tree import DraftTree
+from tests.eagle_random import save_random_eagle3
+from tests.support import save_tiny_llama
+
+TOKENS = [5, 17, 99, 3, 250, 41, 8, 77, 12]
+CHAIN = SpecParams(3, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ahead")
+    target = save_tiny_llama(root / "target", seed=0, num_layers=4)
+    _, config = load_model(str(target), dtype=torch.float64, device="cpu")
+    return {
+        "draft": save_tiny_llama(root / "draft", seed=21),
+        "target": target,
+        "head": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
+    }
+
+
+def _model_engine(models: dict[str, Path], page_size: int) -> DrafterEngine:
+    model, config = load_model(str(models["draft"]), dtype=torch.float64, device="cpu")
+    kv = make_kv_cache(config, 256, page_size, torch.float64, "cpu")
+    return DrafterEngine(
+        ModelProposer(model, kv, config.vocab_size, config.max_position_embeddings)
+    )
+
+
+def _eagle_engine(models: dict[str, Path], page_size: int) -> DrafterEngine:
+    return DrafterEngine.load(
+        "eagle3",
+        str(models["head"]),
+        dtype=torch.float64,
+        num_pages=256,
+        page_size=page_size,
+        target_path=str(models["target"]),
+    )
+
+
+def _features(engine: DrafterEngine, rows: int, seed: int = 0) -> torch.Tensor | None:
+    width = getattr(engine.proposer, "feature_width", None)
+    if width is None:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=gen, dtype=torch.float64)
+
+
+def _begin(engine: DrafterEngine, seq_id: str, spec: SpecParams) -> DraftOutput:
+    """A first draft of TOKENS (EAGLE: with the target's features of every token but the
+    root)."""
+    rows = _features(engine, len(TOKENS) - 1)
+    item = DraftInput(seq_id, True, 0, TOKENS, spec, target_hidden_states=rows)
+    return engine.draft([item])[0]
+
+
+def _ahead(
+    engine: DrafterEngine, seq_id: str, verifying: DraftTree, guesses: int, spec: SpecParams
+) -> DraftOutput:
+    """The draft-ahead call the gateway sends beside the Verify of `verifying`: the root again
+    (the drafter holds every token before it), no new features."""
+    start = len(TOKENS) - 1
+    item = DraftInput(
+        seq_id, False, start, TOKENS[start:], spec, verifying=verifying, ahead_guesses=guesses
+    )
+    return engine.draft([item])[0]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("spec", [CHAIN, SpecParams(3, 2, 5)], ids=["chain", "tree"])
+def test_model_ahead_tree_is_the_next_rounds_draft(
+    models: dict[str, Path], page_size: int, spec: SpecParams
+) -> None:
+    engine = _model_engine(models, page_size)
+    chain = _begin(engine, "s", CHAIN).tree
+    out = _ahead(engine, "s", chain, 2, spec)
+    assert out.tree.tokens == []  # draft-ahead drafts no tree for the root
+    assert len(out.ahead) == (len(chain) + 1) * 2
+    fresh = _model_engine(models, page_size)
+    for i, ahead in enumerate(out.ahead):
+        k = len(ahead.tokens) - 1
+        assert ahead.tokens[:k] == chain.tokens[:k]
+        normal = fresh.draft([DraftInput(f"n{i}", True, 0, TOKENS + ahead.tokens, spec)])[0]
+        assert ahead.tree.tokens == normal.tree.tokens, ahead.tokens
+        assert ahead.tree.parents == normal.tree.parents
+        fresh.release([f"n{i}"])
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_eagle_ahead_continues_the_heads_own_chain(models: dict[str, Path], page_size: int) -> None:
+    """All drafts accepted and the bonus the head's top-1 after them: the tree drafted ahead is
+    what a deeper chain from the same root drafts next (node outputs as features)."""
+    engine = _eagle_engine(models, page_size)
+    chain = _begin(engine, "s", CHAIN).tree
+    deep = _begin(engine, "deep", SpecParams(7, 1, 7)).tree
+    assert deep.tokens[:3] == chain.tokens
+    out = _ahead(engine, "s", chain, 2, CHAIN)
+    assert len(out.ahead) == (len(chain) + 1) * 2
+    guessed = {tuple(a.tokens): a.tree for a in out.ahead}
+    assert guessed[tuple(deep.tokens[:4])].tokens == deep.tokens[4:]
+    engine.release(["s", "deep"])
+    assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_guesses_skip_the_chains_own_next_node(models: dict[str, Path], kind: str) -> None:
+    engine = _model_engine(models, 4) if kind == "model" else _eagle_engine(models, 4)
+    chain = _begin(engine, "s", CHAIN).tree
+    out = _ahead(engine, "s", chain, 3, CHAIN)
+    by_k: dict[int, list[int]] = {}
+    for ahead in out.ahead:
+        by_k.setdefault(len(ahead.tokens) - 1, []).append(ahead.tokens[-1])
+        assert len(ahead.tree) == CHAIN.num_draft_tokens
+    assert sorted(by_k) == [0, 1, 2, 3]
+    for k, bonuses in by_k.items():
+        assert len(bonuses) == len(set(bonuses)) == 3
+        if k < len(chain):
+            assert chain.tokens[k] not in bonuses
+    engine.release(["s"])
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_ahead_leaves_the_drafter_as_a_plain_catch_up_would(
+    models: dict[str, Path], kind: str
+) -> None:
+    """After a draft-ahead call, the next normal round drafts exactly what it drafts without
+    one, and no page is left over."""
+    make = _model_engine if kind == "model" else _eagle_engine
+    with_ahead, without = make(models, 4), make(models, 4)
+    chain = _begin(with_ahead, "s", CHAIN).tree
+    assert _begin(without, "s", CHAIN).tree.tokens == chain.tokens
+    used = with_ahead.num_pages_used
+    _ahead(with_ahead, "s", chain, 2, CHAIN)
+    assert with_ahead.num_pages_used == used
+    # the round's outcome: two drafts accepted and a bonus; the features of the root and the
+    # two accepted tokens arrive with it
+    tokens = [*TOKENS, *chain.tokens[:2], 7]
+    rows = _features(with_ahead, 3, seed=1)
+    start = len(TOKENS) - 1 if rows is not None else len(TOKENS)  # EAGLE: where features end
+    items = [DraftInput("s", False, start, tokens[start:], CHAIN, target_hidden_states=rows)]
+    after = [engine.draft(items)[0].tree.tokens for engine in (with_ahead, without)]
+    assert after[0] == after[1]
+    for engine in (with_ahead, without):
+        engine.release(["s"])
+        assert engine.num_pages_used == 0
+
+
+def test_ahead_refusals(models: dict[str, Path]) -> None:
+    engine = _model_engine(models, 4)
+    chain = _begin(engine, "s", CHAIN).tree
+    with pytest.raises(ServiceError) as err:
+        _ahead(engine, "s", chain, 99, CHAIN)
+    assert err.value.code is Code.INVALID_ARGUMENT
+    with pytest.raises(ServiceError) as err:
+        _ahead(engine, "s", DraftTree([1, 1], [-1, -1]), 2, CHAIN)  # repeated siblings
+    assert err.value.code is Code.INVALID_ARGUMENT
+    # a tree that is not a chain: nothing drafted ahead (the gateway drafts normally next)
+    assert _ahead(engine, "s", DraftTree([1, 2], [-1, -1]), 2, CHAIN).ahead == []
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_kv_fork_shares_full_pages_and_copies_the_partial_one(page_size: int) -> None:
+    kv = KVCache(1, 1, 2, 16, page_size, torch.float32, "cpu")
+    seq = kv.new_seq()
+    kv.reserve(seq, 10)
+    kv.data[:, :, : kv.scratch_slot] = torch.arange(kv.scratch_slot, dtype=torch.float32)[
+        None, None, :, None, None
+    ]
+    seq.kv_committed_len = 10
+    fork = kv.fork(seq, 6)
+    full = 6 // page_size
+    assert fork.page_table[:full] == seq.page_table[:full]
+    assert fork.num_shared_pages == full and fork.kv_committed_len == 6
+    assert torch.equal(kv.data[:, :, fork.slots(0, 6)], kv.data[:, :, seq.slots(0, 6)])
+    kv.reserve(fork, 9)
+    assert set(fork.page_table[full:]).isdisjoint(seq.page_table)
+    assert kv.allocator.num_used == len(seq.page_table) + len(fork.page_table) - full
+    kv.release(fork)  # its own pages only
+    assert kv.allocator.num_used == len(seq.page_table)
+    kv.release(seq)
+    assert kv.allocator.num_used == 0
+    kv.check_integrity()
