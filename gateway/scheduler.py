@@ -32,7 +32,7 @@ from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftOutput, SpecParams, Truncation, VerifyOutput
+from specsplit.messages import AheadTree, DraftOutput, SpecParams, Truncation, VerifyOutput
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be b
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
-OVERLAP_MODES = ("serial", "groups")
+OVERLAP_MODES = ("serial", "groups", "ahead")
+DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
 
 
 class Scheduler:
@@ -68,6 +69,7 @@ class Scheduler:
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         max_context: int | None = None,
         speculation_gate: bool = False,
+        ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -77,7 +79,10 @@ class Scheduler:
         refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
         passes --max-waiting, default DEFAULT_MAX_WAITING). overlap: "serial" (draft, then
         verify, for the whole batch) or "groups" (two groups take turns: while one is verified,
-        the other is drafted; DESIGN.md §3). session_ttl_s: idle sessions' default lifetime;
+        the other is drafted; DESIGN.md §3) or "ahead" (draft-ahead: while a round is verified
+        the drafter drafts the next round's trees for its likely outcomes, `ahead_guesses`
+        bonus tokens per accept length; a round whose outcome was guessed sends no Draft
+        before its Verify). session_ttl_s: idle sessions' default lifetime;
         max_context: the model's, checked against a session's whole conversation (None: only
         the verifier checks it). speculation_gate: requests without their own spec draft only
         while speculating commits more tokens per second than plain rounds, measured per batch
@@ -123,6 +128,9 @@ class Scheduler:
         self.gate = SpeculationGate() if speculation_gate and speculates else None
         self.num_tokens_committed = 0
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
+        self.ahead_guesses = ahead_guesses
+        self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
+        self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -261,6 +269,8 @@ class Scheduler:
                 measured = self.gate is not None and self._gated(self.running)
                 if self.overlap == "groups" and speculate:
                     await self.step_groups(self.running)
+                elif self.overlap == "ahead" and speculate:
+                    await self.step_ahead(self.running)
                 elif self._leave_groups():
                     # the group committed just now may have finished: verify the others
                     batch = [s for s in self.running if not (s.finished or s.cancelled)]
@@ -426,6 +436,81 @@ class Scheduler:
         for seq, tree in zip(ahead, drafted, strict=True):
             self._drafted[seq.seq_id] = tree
         self._uncommitted = (verify, trees, verified)
+
+    async def step_ahead(self, batch: list[Sequence]) -> None:
+        """Draft-ahead (DESIGN.md §3): a sequence whose last outcome was among those guessed
+        has its tree already; the others are drafted first. Then the Verify goes out and,
+        while the verifier works, the last round's chunks stream and the drafter drafts the
+        next round's trees for this round's likely outcomes (`_draft_ahead`). A round where
+        every outcome was guessed holds only the Verify on its path."""
+        trees: dict[int, DraftTree] = {}
+        had_ahead = {id(seq) for seq in batch if seq.ahead}
+        for seq in batch:
+            tree = seq.take_ahead()
+            if tree is not None:
+                trees[id(seq)] = tree
+        hits = len(trees)
+        self.num_ahead_hits += hits
+        self.num_ahead_misses += len(had_ahead) - hits
+        metrics.observe_draft_ahead(hits, len(had_ahead) - hits)
+        with telemetry.round_span([seq.span for seq in batch]):
+            missing = [seq for seq in batch if id(seq) not in trees]
+            if missing:
+                drafted = await self._sent_then_stream(self._draft(missing))
+                trees.update(zip(map(id, missing), drafted, strict=True))
+            round_trees = [trees[id(seq)] for seq in batch]
+            inputs = [seq.verify_input(t) for seq, t in zip(batch, round_trees, strict=True)]
+            verifying = asyncio.ensure_future(self.verifier.verify(inputs))
+            await asyncio.sleep(0)  # the Verify is on its way before anything else
+            try:
+                self._stream()
+                guessing = [
+                    (seq, tree)
+                    for seq, tree in zip(batch, round_trees, strict=True)
+                    if self._drafts_ahead(seq, tree)
+                ]
+                guessed = await self._draft_ahead(guessing)
+            except BaseException:
+                verifying.cancel()
+                raise
+            outputs = await verifying
+        for (seq, _), ahead in zip(guessing, guessed, strict=True):
+            seq.keep_ahead(ahead)
+        self._commit(batch, round_trees, outputs)
+
+    def _drafts_ahead(self, seq: Sequence, tree: DraftTree) -> bool:
+        """Whether the drafter drafts ahead for `seq` this round: a greedy request (sampled
+        chains carry their draws, drafted per round) verifying a chain, with drafts next round,
+        and a drafter that answers."""
+        return (
+            self.ahead_guesses > 0
+            and seq.request.sampling.greedy
+            and all(parent == i - 1 for i, parent in enumerate(tree.parents))
+            and self._needs_drafter(seq)
+            and seq.round_spec().num_steps > 0
+            and time.monotonic() >= self._drafter_down_until
+        )
+
+    async def _draft_ahead(self, batch: list[tuple[Sequence, DraftTree]]) -> list[list[AheadTree]]:
+        """The drafter's trees for the likely outcomes of the trees being verified. It also
+        takes each sequence's new tokens (and features), as a Draft does. A failure costs only
+        the guesses: the sequences start over on the drafter with their next Draft."""
+        if not batch:
+            return []
+        inputs = []
+        for seq, tree in batch:
+            item = seq.draft_input()
+            item.verifying, item.ahead_guesses = tree, self.ahead_guesses
+            inputs.append(item)
+        try:
+            outputs = await self.drafter.draft(inputs)
+        except ServiceError as e:
+            log.warning("draft-ahead failed (%s: %s)", e.code.value, e.message)
+            if e.code in DRAFTER_DOWN:
+                self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
+            await self._forget_on_drafter([seq for seq, _ in batch])
+            return [[] for _ in batch]
+        return [out.ahead for out in outputs]
 
     def _assign_groups(self, running: list[Sequence]) -> None:
         """Forget sequences that left; a new one joins the smaller group."""

@@ -12,7 +12,7 @@ import torch
 from gateway.adaptive import AdaptiveSpec
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
-from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import AheadTree, DraftInput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.tree import DraftTree
 
 
@@ -55,6 +55,11 @@ class Sequence:
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     adaptive: AdaptiveSpec | None = None  # adaptive speculation: the draft shape, round by round
     turn: SessionTurn | None = None  # a session's turn (gateway/sessions.py)
+    # draft-ahead: trees for the next round by the outcome of this one (the tokens it appends),
+    # drafted while it was verified; valid for the round after `ahead_round` only
+    ahead: dict[tuple[int, ...], DraftTree] = field(default_factory=dict)
+    ahead_round: int = -1
+    ahead_base: int = 0  # len(tokens) when they were drafted
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -82,6 +87,22 @@ class Sequence:
         left = 0 if self.drafts_held else self.request.max_new_tokens - self.num_generated_tokens
         spec = self.spec if self.adaptive is None else self.adaptive.spec
         return spec.capped(left - 1)
+
+    def keep_ahead(self, trees: list[AheadTree]) -> None:
+        """Draft-ahead's trees for the round being verified now (before its commit)."""
+        self.ahead = {tuple(a.tokens): a.tree for a in trees}
+        self.ahead_round = self.stats.rounds
+        self.ahead_base = len(self.tokens)
+
+    def take_ahead(self) -> DraftTree | None:
+        """The tree drafted ahead for the outcome the last round had (None: not guessed, or
+        nothing drafted ahead for that round), cut to this round's shape."""
+        guessed, self.ahead = self.ahead, {}
+        if not guessed or self.ahead_round != self.stats.rounds - 1:
+            return None
+        tree = guessed.get(tuple(self.tokens[self.ahead_base :]))
+        spec = self.round_spec()
+        return None if tree is None else tree.fitted(spec.num_steps, spec.num_draft_tokens)
 
     def draft_input(self) -> DraftInput:
         # at least the root goes out again: after a failed verify nothing new was committed

@@ -186,11 +186,21 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--adaptive-ladder", None, ladder_help, type=optional_str)
     overlap_help = (
         "serial (draft, then verify, the whole batch), groups (two groups take turns: one is"
-        " verified while the other is drafted) or auto (`up`: groups when the drafter and the"
+        " verified while the other is drafted), ahead (draft-ahead: while a round is verified,"
+        " the drafter drafts the next round's trees for its likely outcomes; greedy chains) or"
+        " auto (`up`: groups when the drafter and the"
         " verifier run on two different GPUs, else serial; serve-gateway, which cannot see the"
         " devices: serial)"
     )
-    flag(parser, "--overlap", "auto", overlap_help, choices=("auto", "serial", "groups"))
+    flag(parser, "--overlap", "auto", overlap_help, choices=("auto", "serial", "groups", "ahead"))
+    flag(
+        parser,
+        "--ahead-guesses",
+        2,
+        "--overlap ahead: bonus tokens guessed per accept length (the drafter drafts a tree for"
+        " each)",
+        type=int,
+    )
     gate_help = (
         "requests without their own spec draft only while speculating commits more tokens per"
         " second than plain rounds, measured per batch size (on), always (off), or auto (`up`:"

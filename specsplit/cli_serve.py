@@ -114,6 +114,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             session_ttl_s=args.session_ttl,
             verifier_wait_s=args.verifier_wait,
             overlap="serial" if args.overlap == "auto" else args.overlap,
+            ahead_guesses=args.ahead_guesses,
             speculation_gate=args.speculation_gate == "on",
         )
     )

@@ -111,6 +111,12 @@ ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["c
 PREEMPTIONS = Counter(
     "specsplit_preemptions", "Running sequences retracted because the verifier's KV was full"
 )
+DRAFT_AHEAD = Counter(
+    "specsplit_draft_ahead",
+    "Rounds of draft-ahead sequences (--overlap ahead) by whether the tree drafted ahead for "
+    "the last round's outcome was there ('hit': no Draft on the round's path) or not ('miss')",
+    ["outcome"],
+)
 SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
 SESSION_KV_PAGES = Gauge(
     "specsplit_session_kv_pages",
@@ -170,6 +176,13 @@ def observe_gated_round(kind: str, seconds: float) -> None:
 
 def observe_speculation_gate(batch_bucket: int, speculating: bool) -> None:
     SPECULATING.labels(str(batch_bucket)).set(1 if speculating else 0)
+
+
+def observe_draft_ahead(hits: int, misses: int) -> None:
+    if hits:
+        DRAFT_AHEAD.labels(outcome="hit").inc(hits)
+    if misses:
+        DRAFT_AHEAD.labels(outcome="miss").inc(misses)
 
 
 def observe_preemption() -> None:

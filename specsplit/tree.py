@@ -53,6 +53,21 @@ class DraftTree:
                     "tree.draft_probs is only supported for chains (one child per node)"
                 )
 
+    def fitted(self, num_steps: int, num_draft_tokens: int) -> DraftTree:
+        """The tree cut to at most `num_steps` levels and `num_draft_tokens` nodes
+        (parents-first: the first nodes of the shallow ones form a tree), e.g. a tree drafted
+        ahead for a shape the next round no longer allows (near max_new_tokens)."""
+        keep = [i for i, d in enumerate(self.depths()) if d <= num_steps][:num_draft_tokens]
+        if len(keep) == len(self.tokens):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(
+            [self.tokens[i] for i in keep],
+            [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+            probs,
+        )
+
     def depths(self) -> list[int]:
         depth: list[int] = []
         for parent in self.parents:

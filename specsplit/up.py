@@ -101,6 +101,7 @@ def child_commands(
     gateway += _opt("--served-model-name", args.served_model_name)
     gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", gateway_overlap(args)]
     gateway += ["--speculation-gate", gateway_speculation_gate(args)]
+    gateway += ["--ahead-guesses", str(args.ahead_guesses)]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gateway.clients import VerifierClient
+from gateway.clients import DrafterClient, VerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack, build_local_stack, token_ids
+from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import (
     DraftInput,
@@ -211,6 +215,95 @@ class PassThroughVerifier:
 
     async def health(self) -> Health:
         return await self.inner.health()
+
+
+class TimedClients:
+    """Wraps the drafter and the verifier clients; records each call's (start, end) and the
+    drafter's inputs. The Verify takes 10 ms more, as on a GPU."""
+
+    def __init__(self, drafter: DrafterClient, verifier: VerifierClient) -> None:
+        self.drafter, self.verifier = drafter, verifier
+        self.drafts: list[tuple[float, float]] = []
+        self.draft_inputs: list[list[DraftInput]] = []
+        self.verifies: list[tuple[float, float]] = []
+
+    async def _timed(self, calls: list[tuple[float, float]], coro):
+        start = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            calls.append((start, time.perf_counter()))
+
+    def drafter_client(self) -> DrafterClient:
+        timed = self
+
+        class Drafter:
+            async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+                timed.draft_inputs.append(inputs)
+                return await timed._timed(timed.drafts, timed.drafter.draft(inputs))
+
+            async def release(self, seq_ids: list[str]) -> None:
+                await timed.drafter.release(seq_ids)
+
+        return Drafter()
+
+    def verifier_client(self) -> VerifierClient:
+        timed = self
+
+        class Verifier(PassThroughVerifier):
+            async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+                return await timed._timed(timed.verifies, self._slow(inputs))
+
+            async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+                await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
+                return await self.inner.verify(inputs)
+
+        return Verifier(timed.verifier)
+
+    def overlapping_drafts(self) -> int:
+        return sum(any(v0 < d0 < v1 for v0, v1 in self.verifies) for d0, _ in self.drafts)
+
+
+def cancel_half_mid_generation(stack: LocalStack, requests: list[GenerationRequest]) -> None:
+    """Start every request, close every other stream after its first chunk (cancelled
+    mid-generation), read the rest to the end and wait until the scheduler holds nothing."""
+    scheduler = stack.scheduler
+
+    async def run() -> None:
+        await scheduler.start()
+        try:
+            streams = [scheduler.generate(r) for r in requests]
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
+            assert all(first.token_ids for first in firsts)
+            for stream in streams[::2]:
+                await stream.aclose()
+            async with asyncio.timeout(60):
+                for stream in streams[1::2]:
+                    async for _ in stream:
+                        pass
+                while scheduler.running or scheduler.waiting:
+                    await asyncio.sleep(0.01)
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(run())
+
+
+class RestartingVerifier(PassThroughVerifier):
+    """The real verifier, which loses every sequence (a restart) before its `fail_at`-th Verify
+    and answers that one UNAVAILABLE."""
+
+    def __init__(self, inner: VerifierClient, engine: Any, fail_at: int) -> None:
+        super().__init__(inner)
+        self.engine, self.fail_at = engine, fail_at
+        self.calls = 0
+
+    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.engine.release(list(self.engine.seqs))
+            raise ServiceError(Code.UNAVAILABLE, "verifier restarted")
+        return await self.inner.verify(inputs)
 
 
 class BrokenDrafter:

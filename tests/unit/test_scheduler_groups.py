@@ -4,21 +4,20 @@ the draft of one group runs while the other's verify is in flight, and no KV is 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from gateway.clients import DrafterClient, VerifierClient
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import SpecParams
 from tests.support import (
     TINY_VOCAB,
     BrokenDrafter,
-    PassThroughVerifier,
+    RestartingVerifier,
+    TimedClients,
+    cancel_half_mid_generation,
     check_no_leaks,
     generate_all,
     generated_ids,
@@ -86,50 +85,6 @@ def test_pipelined_groups_equal_target_greedy(
         assert all(c[-1].stats.num_accepted_drafts > 0 for c in out)  # type: ignore[union-attr]
 
 
-class _Timed:
-    """Wraps the drafter and the verifier clients; records each call's (start, end)."""
-
-    def __init__(self, drafter: DrafterClient, verifier: VerifierClient) -> None:
-        self.drafter, self.verifier = drafter, verifier
-        self.drafts: list[tuple[float, float]] = []
-        self.verifies: list[tuple[float, float]] = []
-
-    async def _timed(self, calls: list[tuple[float, float]], coro):
-        start = time.perf_counter()
-        try:
-            return await coro
-        finally:
-            calls.append((start, time.perf_counter()))
-
-    def drafter_client(self) -> DrafterClient:
-        timed = self
-
-        class Drafter:
-            async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-                return await timed._timed(timed.drafts, timed.drafter.draft(inputs))
-
-            async def release(self, seq_ids: list[str]) -> None:
-                await timed.drafter.release(seq_ids)
-
-        return Drafter()
-
-    def verifier_client(self) -> VerifierClient:
-        timed = self
-
-        class Verifier(PassThroughVerifier):
-            async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-                return await timed._timed(timed.verifies, self._slow(inputs))
-
-            async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-                await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
-                return await self.inner.verify(inputs)
-
-        return Verifier(timed.verifier)
-
-    def overlapping_drafts(self) -> int:
-        return sum(any(v0 < d0 < v1 for v0, v1 in self.verifies) for d0, _ in self.drafts)
-
-
 @pytest.mark.parametrize("overlap", ["serial", "groups"])
 def test_groups_draft_while_the_other_group_is_verified(
     models, smollm2_tokenizer, overlap: str
@@ -137,7 +92,7 @@ def test_groups_draft_while_the_other_group_is_verified(
     stack = make_stack(
         models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
     )
-    timed = _Timed(stack.scheduler.drafter, stack.scheduler.verifier)
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
     stack.scheduler.drafter = timed.drafter_client()
     stack.scheduler.verifier = timed.verifier_client()
     out = generate_all(stack, _requests(4, seed=3))
@@ -163,44 +118,8 @@ def test_groups_leave_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer
     stack = make_stack(
         models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
     )
-    scheduler = stack.scheduler
-
-    async def run() -> None:
-        await scheduler.start()
-        try:
-            streams = [scheduler.generate(r) for r in _requests(6, seed=5)]
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
-            assert all(first.token_ids for first in firsts)
-            for stream in streams[::2]:
-                await stream.aclose()  # cancelled mid-generation
-            async with asyncio.timeout(60):
-                for stream in streams[1::2]:
-                    async for _ in stream:
-                        pass
-                while scheduler.running or scheduler.waiting:
-                    await asyncio.sleep(0.01)
-        finally:
-            await scheduler.stop()
-
-    asyncio.run(run())
+    cancel_half_mid_generation(stack, _requests(6, seed=5))
     check_no_leaks(stack)
-
-
-class _RestartingVerifier(PassThroughVerifier):
-    """The real verifier, which loses every sequence (a restart) before its `fail_at`-th Verify
-    and answers that one UNAVAILABLE."""
-
-    def __init__(self, inner: VerifierClient, engine, fail_at: int) -> None:
-        super().__init__(inner)
-        self.engine, self.fail_at = engine, fail_at
-        self.calls = 0
-
-    async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            self.engine.release(list(self.engine.seqs))
-            raise ServiceError(Code.UNAVAILABLE, "verifier restarted")
-        return await self.inner.verify(inputs)
 
 
 @pytest.mark.parametrize("overlap", ["serial", "groups"])
@@ -214,7 +133,7 @@ def test_groups_survive_a_verifier_restart_with_the_same_tokens(
     stack = make_stack(
         models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
     )
-    restarting = _RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
+    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
     stack.scheduler.verifier = restarting
     out = generate_all(stack, _requests(5, seed=6))
     assert [generated_ids(c) for c in out] == expected

@@ -1,0 +1,217 @@
+"""Draft-ahead (overlap "ahead", DESIGN.md §3): while a round is verified, the drafter drafts the
+next round's trees for its likely outcomes; a round whose outcome was guessed sends no Draft
+before its Verify. Named invariants: the output is the target's own greedy output (model,
+EAGLE-3 and n-gram drafters, chains and trees, page sizes 1 and 16, faults of either service,
+cancellations); rounds hit when the drafts are right; a hit round's only drafter call runs while
+its Verify is in flight; sampled requests run as serial rounds do; no KV is left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.request import GenerationRequest
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import DraftInput, DraftOutput, SpecParams
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.eagle_random import save_random_eagle3
+from tests.support import (
+    TINY_VOCAB,
+    BrokenDrafter,
+    RestartingVerifier,
+    TimedClients,
+    cancel_half_mid_generation,
+    check_no_leaks,
+    generate_all,
+    generated_ids,
+    make_stack,
+    save_tiny_llama,
+)
+
+MAX_NEW_TOKENS = 14
+CHAIN = SpecParams(3, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ahead")
+    target = save_tiny_llama(root / "target", seed=0)
+    _, config = load_model(str(target), dtype=torch.float64, device="cpu")
+    return {
+        "target": target,
+        "draft": save_tiny_llama(root / "draft", seed=1, num_layers=1),
+        "head": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=200),
+    }
+
+
+def _requests(batch_size: int, seed: int, **kwargs: object) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, TINY_VOCAB, (3 + (5 * i) % 11,), generator=gen).tolist()
+        for i in range(batch_size)
+    ]
+    return [
+        GenerationRequest(p + p[:3], MAX_NEW_TOKENS, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+        for p in prompts
+    ]
+
+
+def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int]]:
+    stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
+    return [generated_ids(c) for c in generate_all(stack, _requests(batch_size, seed))]
+
+
+def _stack(models, tokenizer, drafter: str, spec: SpecParams = CHAIN, page_size: int = 16):
+    """drafter: "self" (the target drafts for itself: every draft is right), "random" (a
+    one-layer random draft model), "eagle3" (a random head) or "ngram"."""
+    kind = {"self": "model", "random": "model"}.get(drafter, drafter)
+    draft_dir = {"random": models["draft"], "eagle3": models["head"]}.get(drafter)
+    return make_stack(
+        models["target"],
+        kind,
+        tokenizer,
+        spec,
+        draft_dir=draft_dir,
+        page_size=page_size,
+        overlap="ahead",
+    )
+
+
+@pytest.mark.parametrize(
+    ("drafter", "spec", "batch_size", "page_size"),
+    [
+        ("self", CHAIN, 1, 16),
+        ("self", SpecParams(4, 1, 4), 3, 1),
+        ("random", CHAIN, 1, 1),
+        ("random", SpecParams(2, 1, 2), 4, 16),
+        ("random", SpecParams(3, 2, 6), 3, 16),  # trees: drafted each round, never ahead
+        ("eagle3", CHAIN, 1, 16),
+        ("eagle3", SpecParams(4, 1, 4), 3, 1),
+        ("ngram", SpecParams(2, 1, 2), 2, 16),
+    ],
+)
+def test_draft_ahead_equals_target_greedy(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams, batch_size: int, page_size: int
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
+    stack = _stack(models, smollm2_tokenizer, drafter, spec, page_size)
+    out = generate_all(stack, _requests(batch_size, seed=batch_size))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    check_no_leaks(stack)
+    scheduler = stack.scheduler
+    if drafter == "self":  # every draft right, bonus = the draft's top-1: every round hits
+        assert scheduler.num_ahead_hits >= scheduler.num_ahead_misses
+        assert scheduler.num_ahead_hits > 0
+    if spec.topk > 1 or drafter == "ngram":  # nothing to draft ahead for
+        assert scheduler.num_ahead_hits == scheduler.num_ahead_misses == 0
+
+
+def test_hit_rounds_send_their_only_draft_while_the_verify_runs(models, smollm2_tokenizer) -> None:
+    stack = _stack(models, smollm2_tokenizer, "self")
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, _requests(1, seed=3))
+    assert len(generated_ids(out[0])) == MAX_NEW_TOKENS
+    ahead_calls = [i for i, inputs in enumerate(timed.draft_inputs) if inputs[0].ahead_guesses]
+    plain_calls = len(timed.draft_inputs) - len(ahead_calls)
+    assert plain_calls == 1 + stack.scheduler.num_ahead_misses  # the first round, and misses
+    assert stack.scheduler.num_ahead_hits >= 2
+    overlapping = [
+        any(v0 < timed.drafts[i][0] < v1 for v0, v1 in timed.verifies) for i in ahead_calls
+    ]
+    assert all(overlapping)
+
+
+class _FailingAhead:
+    """The real drafter, but every draft-ahead call fails with `code` (normal Drafts work)."""
+
+    def __init__(self, inner, code: Code) -> None:
+        self.inner, self.code = inner, code
+        self.failed = 0
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        if any(item.ahead_guesses for item in inputs):
+            self.failed += 1
+            raise ServiceError(self.code, "draft-ahead failed")
+        return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+
+@pytest.mark.parametrize("code", [Code.UNAVAILABLE, Code.INVALID_ARGUMENT])
+def test_failed_draft_ahead_decodes_the_same_tokens(models, smollm2_tokenizer, code: Code) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 3, seed=7)
+    stack = _stack(models, smollm2_tokenizer, "random")
+    failing = _FailingAhead(stack.scheduler.drafter, code)
+    stack.scheduler.drafter = failing
+    out = generate_all(stack, _requests(3, seed=7))
+    assert [generated_ids(c) for c in out] == expected
+    assert failing.failed > 0
+    check_no_leaks(stack)
+
+
+def test_draft_ahead_with_the_drafter_down_decodes_the_same_tokens(
+    models, smollm2_tokenizer
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 2, seed=4)
+    stack = _stack(models, smollm2_tokenizer, "random")
+    stack.scheduler.drafter = BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
+    out = stack.generate_all(_requests(2, seed=4))
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+
+
+@pytest.mark.parametrize("fail_at", [2, 4])
+def test_draft_ahead_survives_a_verifier_restart(models, smollm2_tokenizer, fail_at: int) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 2, seed=6)
+    stack = _stack(models, smollm2_tokenizer, "self")
+    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
+    stack.scheduler.verifier = restarting
+    out = generate_all(stack, _requests(2, seed=6))
+    assert [generated_ids(c) for c in out] == expected
+    assert restarting.calls > fail_at
+    check_no_leaks(stack)
+
+
+def test_draft_ahead_leaves_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer) -> None:
+    stack = _stack(models, smollm2_tokenizer, "random")
+    cancel_half_mid_generation(stack, _requests(4, seed=5))
+    check_no_leaks(stack)
+
+
+def test_sampled_requests_run_as_serial_rounds(models, smollm2_tokenizer) -> None:
+    """Draft-ahead is for greedy chains: a seeded sampled request gives what it gives in serial
+    rounds (the same Draft and Verify calls)."""
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    outs = []
+    for overlap in ("serial", "ahead"):
+        stack = make_stack(
+            models["target"],
+            "model",
+            smollm2_tokenizer,
+            CHAIN,
+            draft_dir=models["draft"],
+            overlap=overlap,
+        )
+        outs.append(
+            [generated_ids(c) for c in generate_all(stack, _requests(2, 8, sampling=sampling))]
+        )
+        assert stack.scheduler.num_ahead_hits == 0
+        check_no_leaks(stack)
+    assert outs[0] == outs[1]
+
+
+def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
+    tree = DraftTree([10, 11, 12, 13, 14], [-1, -1, 0, 2, 1])  # depths 1 1 2 3 2
+    assert tree.fitted(3, 5) is tree
+    cut = tree.fitted(2, 3)
+    assert cut.tokens == [10, 11, 12] and cut.parents == [-1, -1, 0]
+    chain = DraftTree([1, 2, 3], [-1, 0, 1]).fitted(1, 1)
+    assert chain.tokens == [1] and chain.parents == [-1]
+    assert DraftTree([1, 2], [-1, 0]).fitted(0, 0).tokens == []
