@@ -1,14 +1,16 @@
-"""Serial rounds vs pipelined groups vs the target alone through `specsplit up` (three
-processes), the same prompts at several batch sizes (that many streams at once; the bundled
+"""Serial rounds vs pipelined groups vs draft-ahead vs the target alone through `specsplit up`
+(three processes), the same prompts at several batch sizes (that many streams at once; the bundled
 prompts repeated when the batch is larger), in one run; greedy, so every mode must give the same
 tokens. "target only" is the serial services with speculation off per request (num_steps 0).
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
-        [--spec 5x4x16 | --speculation-gate on] [--services-log FILE]
+        [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead]
+        [--services-log FILE]
 
-Prints tokens/s per (mode, batch), the ratios to target-only and groups / serial, and each
-mode's round parts from the services' histograms (round wall, verify and draft engine time,
+Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
+rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
+round parts from the services' histograms (round wall, verify and draft engine time,
 the part outside the verifier's engine), p50 as bucket upper bounds.
 """
 
@@ -38,7 +40,7 @@ from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-MODES = ("serial", "groups")
+MODES = ("serial", "groups", "ahead")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
@@ -69,6 +71,7 @@ def print_time_spent(
     results: dict[tuple[str, int], tuple[list[list[int]], float]],
     totals: dict[tuple[str, int], Totals],
     batches: list[int],
+    modes: tuple[str, ...],
 ) -> None:
     """Per run, exact means from the services' histogram sums: engine time per call, each
     engine's busy fraction (engine-call time / wall: an upper bound of its GPU's), accepted
@@ -76,10 +79,10 @@ def print_time_spent(
     accepted tokens over the verifier's engine time: the overlap issue's goal is >= 0.9)."""
     print(
         "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | drafter busy "
-        "| accepted/round | verify-bound tok/s | of the bound |"
+        "| accepted/round | verify-bound tok/s | of the bound | ahead hit rate |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mode in ("target", *MODES):
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in ("target", *modes):
         for batch in batches:
             outputs, wall = results[(mode, batch)]
             t = totals[(mode, batch)]
@@ -90,12 +93,16 @@ def print_time_spent(
             seq_rounds = t[("gateway", "specsplit_accepted_tokens_per_round_count")]
             bound = accepted / verify_s if verify_s else math.nan
             name = "target only" if mode == "target" else mode
+            hits = t[("gateway", "specsplit_draft_ahead_total:hit")]
+            misses = t[("gateway", "specsplit_draft_ahead_total:miss")]
+            hit_rate = f"{hits / (hits + misses):.2f}" if hits + misses else "-"
             print(
                 f"| {name} | {batch} | {rate:.1f} "
                 f"| {_per_call(verify_s, t[('verifier', 'specsplit_verify_seconds_count')])} "
                 f"| {_per_call(draft_s, t[('drafter', 'specsplit_draft_seconds_count')])} "
                 f"| {verify_s / wall:.2f} | {draft_s / wall:.2f} "
-                f"| {accepted / max(seq_rounds, 1):.2f} | {bound:.1f} | {rate / bound:.2f} |"
+                f"| {accepted / max(seq_rounds, 1):.2f} | {bound:.1f} | {rate / bound:.2f} "
+                f"| {hit_rate} |"
             )
 
 
@@ -142,6 +149,7 @@ def main() -> None:
         help="the gateway's --speculation-gate: serial and groups runs gated (not with --spec:"
         " requests naming their spec are never gated)",
     )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
@@ -171,7 +179,10 @@ def main() -> None:
         totals[key] = Counter(scrape_totals())
         totals[key].subtract(before)
 
-    for mode in MODES:
+    modes = tuple(args.modes)
+    if "serial" not in modes:
+        parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
+    for mode in modes:
         with services(args, ("--overlap", mode)) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
@@ -185,29 +196,33 @@ def main() -> None:
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy"
-        f"{', speculation gate on (serial and groups)' if args.speculation_gate == 'on' else ''}"
+        f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
     )
+    others = [m for m in modes if m != "serial"]
     print(
-        "| batch | target-only tok/s | serial tok/s | groups tok/s | serial / target "
-        "| groups / target | groups / serial | streams with the same tokens |"
+        "| batch | target-only tok/s | serial tok/s | "
+        + "".join(f"{m} tok/s | " for m in others)
+        + "serial / target | "
+        + "".join(f"{m} / target | {m} / serial | " for m in others)
+        + "streams with the same tokens |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|" + "---:|" * (2 + len(others) + 1 + 2 * len(others)) + "---|")
     for batch in args.batch:
-        (target, t_wall), (serial, s_wall), (groups, g_wall) = (
-            results[(m, batch)] for m in ("target", *MODES)
-        )
-        t_rate = sum(map(len, target)) / t_wall
-        s_rate, g_rate = sum(map(len, serial)) / s_wall, sum(map(len, groups)) / g_wall
-        same = sum(t == s == g for t, s, g in zip(target, serial, groups, strict=True))
-        print(
-            f"| {batch} | {t_rate:.1f} | {s_rate:.1f} | {g_rate:.1f} | {s_rate / t_rate:.2f}x "
-            f"| {g_rate / t_rate:.2f}x | {g_rate / s_rate:.2f}x | {same}/{batch} |"
-        )
-    print_time_spent(results, totals, args.batch)
+        outputs = {m: results[(m, batch)][0] for m in ("target", *modes)}
+        rate = {m: sum(map(len, outputs[m])) / results[(m, batch)][1] for m in outputs}
+        streams = zip(*outputs.values(), strict=True)
+        same = sum(len(set(map(tuple, per_mode))) == 1 for per_mode in streams)
+        cells = [f"{rate['target']:.1f}", f"{rate['serial']:.1f}"]
+        cells += [f"{rate[m]:.1f}" for m in others]
+        cells.append(f"{rate['serial'] / rate['target']:.2f}x")
+        for m in others:
+            cells += [f"{rate[m] / rate['target']:.2f}x", f"{rate[m] / rate['serial']:.2f}x"]
+        print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{batch} |")
+    print_time_spent(results, totals, args.batch, modes)
     if args.speculation_gate == "on":
-        print_gated_rounds(totals, args.batch, MODES)
+        print_gated_rounds(totals, args.batch, modes)
     print("round parts over all batches, p50 ms (bucket upper bounds):")
-    for mode in MODES:
+    for mode in modes:
         cells = [
             f"{part} {1e3 * quantile(parts[mode], ROUND_PARTS[part], 0.5):.2f}" for part in PARTS
         ]

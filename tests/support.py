@@ -331,6 +331,7 @@ def stack_on(
     drafter: str,
     spec: SpecParams,
     graphs: bool,
+    overlap: str = "serial",
 ) -> LocalStack:
     """A float32 stack on `device` over tests.eagle_random.save_target_and_drafters' models
     (`drafter` "model", "eagle3" or "ngram"), with both services' CUDA graphs when `graphs`;
@@ -348,4 +349,5 @@ def stack_on(
         check_integrity=True,
         graph_query_lens=(1, 1 + spec.num_draft_tokens) if graphs else (),
         draft_graph_lens=CATCH_UP_LENS if graphs else (),
+        overlap=overlap,
     )

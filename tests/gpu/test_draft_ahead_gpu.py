@@ -1,0 +1,41 @@
+"""On a CUDA device: draft-ahead (overlap "ahead") with the drafter's and the verifier's CUDA
+graphs, for a draft model and an EAGLE-3 head: the output is the target's greedy output, trees
+were drafted ahead and used, and no KV is left. Skipped where there is no GPU (CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.request import GenerationRequest
+from specsplit.messages import SpecParams
+from tests.eagle_random import save_target_and_drafters
+from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, stack_on
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_target_and_drafters(tmp_path_factory.mktemp("draft_ahead"))
+
+
+def _outputs(stack) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 12, 17)]
+    requests = [GenerationRequest(p + p[:4], 24, ignore_eos=True) for p in prompts]
+    out = [generated_ids(c) for c in stack.generate_all(requests)]
+    check_no_leaks(stack)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_draft_ahead_with_graphs_equals_target_greedy(models, smollm2_tokenizer, drafter) -> None:
+    spec = SpecParams(3, 1, 3)
+    target = stack_on("cuda", models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
+    stack = stack_on("cuda", models, smollm2_tokenizer, drafter, spec, True, overlap="ahead")
+    assert _outputs(stack) == _outputs(target)
+    scheduler = stack.scheduler
+    assert scheduler.num_ahead_hits + scheduler.num_ahead_misses > 0
