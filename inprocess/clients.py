@@ -1,6 +1,6 @@
 """In-process clients of the drafter and the verifier (gateway/clients.py protocols): the real
-engines on one worker thread each, as the services run them, checking the engines' invariants
-after every call when asked to.
+engines on one worker thread each, as the services run them, or on one thread shared by both (a
+GPU: inprocess/stack.py), checking the engines' invariants after every call when asked to.
 """
 
 from __future__ import annotations
@@ -27,12 +27,18 @@ T = TypeVar("T")
 
 
 class _LocalClient:
-    """Runs an engine's calls on one worker thread, as the services do."""
+    """Runs an engine's calls on one worker thread, as the services do (`executor`: a thread
+    shared with the other engine's client; None = its own)."""
 
-    def __init__(self, engine: DrafterEngine | VerifierEngine, check_integrity: bool) -> None:
+    def __init__(
+        self,
+        engine: DrafterEngine | VerifierEngine,
+        check_integrity: bool,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.engine = engine
         self.check = check_integrity
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
         self.last_engine_seconds = 0.0  # the engine time of the last round, on its thread
 
     def _timed(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
@@ -64,8 +70,13 @@ class _LocalClient:
 
 
 class LocalDrafterClient(_LocalClient):
-    def __init__(self, engine: DrafterEngine, check_integrity: bool = False) -> None:
-        super().__init__(engine, check_integrity)
+    def __init__(
+        self,
+        engine: DrafterEngine,
+        check_integrity: bool = False,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        super().__init__(engine, check_integrity, executor)
         self.drafter = engine
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
@@ -73,8 +84,13 @@ class LocalDrafterClient(_LocalClient):
 
 
 class LocalVerifierClient(_LocalClient):
-    def __init__(self, engine: VerifierEngine, check_integrity: bool = False) -> None:
-        super().__init__(engine, check_integrity)
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        check_integrity: bool = False,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        super().__init__(engine, check_integrity, executor)
         self.verifier = engine
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:

@@ -4,6 +4,7 @@ held-out report): the one place the gateway's scheduler meets the torch engines 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,13 @@ def build_local_stack(
     drafter_engine = DrafterEngine(proposer, graph_catch_up_lens=draft_graph_lens)
     if draft_graph_lens:
         drafter_engine.warmup()  # captures the CUDA graphs on a GPU
+    # on a GPU both engines' calls take turns on one thread: a CUDA graph one of them captures
+    # on first use (global capture mode) must not meet the other's synchronising calls, and
+    # two threads on one device would only contend (overlap needs two GPUs: the services)
+    shared = ThreadPoolExecutor(1, thread_name_prefix="engines") if device != "cpu" else None
     scheduler = Scheduler(
-        LocalDrafterClient(drafter_engine, check_integrity=check_integrity),
-        LocalVerifierClient(verifier, check_integrity=check_integrity),
+        LocalDrafterClient(drafter_engine, check_integrity=check_integrity, executor=shared),
+        LocalVerifierClient(verifier, check_integrity=check_integrity, executor=shared),
         tokenizer,
         eos_token_ids=config.eos_token_ids,
         default_spec=spec,
