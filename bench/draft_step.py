@@ -3,13 +3,16 @@ head (the shipped one) over a target checkpoint (random SmolLM2-shaped weights s
 time counts), warmed up as the drafter service does (graphs captured, rounds rehearsed).
 
     PYTHONPATH=. python bench/draft_step.py --target DIR [--device cuda] [--batch 1 8 32] \
-        [--shape 3x1x3 5x4x16] [--new 3] [--rounds 50] [--host-expansion]
+        [--shape 3x1x3 5x4x16] [--new 3] [--rounds 50] [--host-expansion] [--ahead 2]
 
 Each round every sequence brings `--new` tokens (accepted drafts + bonus) with the target's
 features of the tokens before them, and asks for a tree of shape STEPSxTOPKxNODES. Prints the
 wall time of a round (median and p90 over `--rounds` after warm-up rounds) and the draft nodes
-returned. `--host-expansion` runs the tree expansion on the host, one step at a time (the path
-before the expansion graphs), for comparison in the same run.
+returned. `--ahead G` also times, after each round, the draft-ahead call the gateway sends
+beside that round's Verify (`--overlap ahead`): the next round's trees for each accept length of
+the chain just drafted and G guessed bonus tokens (chain shapes only). `--host-expansion` runs
+the tree expansion on the host, one step at a time (the path before the expansion graphs), for
+comparison in the same run.
 """
 
 from __future__ import annotations
@@ -61,7 +64,22 @@ class Rounds:
         begin = time.perf_counter()
         outputs = self.engine.draft(inputs)
         seconds = time.perf_counter() - begin
+        self.trees = [out.tree for out in outputs]
         return seconds, sum(len(out.tree) for out in outputs)
+
+    def ahead(self, spec: SpecParams, guesses: int) -> tuple[float, int]:
+        """The draft-ahead call for the trees the last round drafted: (seconds, outcomes)."""
+        inputs = []
+        for (seq_id, tokens), tree in zip(self.tokens.items(), self.trees, strict=True):
+            start = len(tokens) - 1  # the root again, as the gateway sends it
+            inputs.append(
+                DraftInput(seq_id, False, start, tokens[start:], spec, verifying=tree,
+                           ahead_guesses=guesses)
+            )  # fmt: skip
+        begin = time.perf_counter()
+        outputs = self.engine.draft(inputs)
+        seconds = time.perf_counter() - begin
+        return seconds, sum(len(out.ahead) for out in outputs)
 
     def release(self) -> None:
         self.engine.release(list(self.tokens))
@@ -80,6 +98,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--host-expansion", action="store_true")
+    parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
     )
@@ -106,16 +125,26 @@ def main() -> None:
             rounds.run(spec, args.new)  # prefill
             for _ in range(5):
                 rounds.run(spec, args.new)
-            times, nodes = [], 0
+            times, nodes, ahead_times, outcomes = [], 0, [], 0
             profiler = cProfile.Profile() if args.profile else None
-            for _ in range(args.rounds):
+            for i in range(args.rounds + (3 if args.ahead else 0)):
                 if profiler is not None:
                     profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
+                if args.ahead and spec.topk == 1:
+                    ahead_seconds, outcomes = rounds.ahead(spec, args.ahead)
+                    if i >= 3:  # the first ones capture its graphs
+                        ahead_times.append(1e3 * ahead_seconds)
                 if profiler is not None:
                     profiler.disable()
                 times.append(1e3 * seconds)
             rounds.release()
+            if ahead_times:
+                print(
+                    f"draft-ahead ({args.ahead} guesses): spec {spec.num_steps}x1 batch "
+                    f"{batch:3d}: {statistics.median(ahead_times):7.3f} ms/call median, "
+                    f"{outcomes / batch:.0f} trees/seq"
+                )
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(

@@ -57,19 +57,41 @@ class Candidates:
     order: list[int]
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """Draft-ahead's expansion (`DeviceExpansion.expand_ahead`): the chain of `chain_len` nodes
+    being verified, `guesses` bonus tokens per accept length, a tree of `shape` for each."""
+
+    chain_len: int
+    guesses: int
+    shape: Shape
+
+    @property
+    def num_outcomes(self) -> int:
+        return (self.chain_len + 1) * self.guesses
+
+    @property
+    def width(self) -> int:
+        """Storage past the root: the chain, then per outcome its bonus and candidates."""
+        return self.chain_len + self.num_outcomes * (1 + self.shape.num_candidates)
+
+
 class _Inputs:
     """What one expansion reads and writes, for a batch of `bs` rows: the fixed buffers of a
-    CUDA graph, or one eager run's tensors."""
+    CUDA graph, or one eager run's tensors. Draft-ahead's (`ahead`) also read each row's chain
+    (in `meta`) and write every outcome's candidates, then the bonus tokens, into `out`."""
 
     def __init__(
         self,
-        shape: Shape,
+        key: Shape | Ahead,
         bs: int,
         vocab: int,
         feature: tuple[int, torch.dtype] | None,
         max_pages: int,
         device: torch.device,
     ) -> None:
+        shape = key.shape if isinstance(key, Ahead) else key
+        chain_len = key.chain_len if isinstance(key, Ahead) else 0
         n = shape.num_candidates
         self.logits = torch.zeros(bs, vocab, dtype=torch.float32, device=device)
         self.features = (
@@ -77,9 +99,14 @@ class _Inputs:
             if feature is None
             else torch.zeros(bs, feature[0], dtype=feature[1], device=device)
         )
-        # int32: every row's base [bs], then the block table [bs, max_pages] (_split)
-        self.meta = torch.zeros(bs * (1 + max_pages), dtype=torch.int32, device=device)
-        self.out = torch.zeros(bs, 3, n, dtype=torch.int64, device=device)  # tokens, parents, order
+        # int32: every row's base [bs], the block table [bs, max_pages], the chains [bs, L]
+        self.meta = torch.zeros(bs * (1 + max_pages + chain_len), dtype=torch.int32, device=device)
+        if isinstance(key, Ahead):
+            rows = bs * key.num_outcomes
+            size = rows * 3 * n + bs * (chain_len + 1) * key.guesses
+        else:
+            size = bs * 3 * n
+        self.out = torch.zeros(size, dtype=torch.int64, device=device)  # tokens, parents, order
 
 
 class DeviceExpansion:
@@ -106,12 +133,13 @@ class DeviceExpansion:
         self.graphs = graphs and kv.device.type == "cuda"
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
-        self.captured: dict[tuple[Shape, int], tuple[torch.cuda.CUDAGraph, _Inputs]] = {}
+        self.captured: dict[tuple[Shape | Ahead, int], tuple[torch.cuda.CUDAGraph, _Inputs]] = {}
         # pinned host mirrors of each graph's meta input and packed output
-        self.host: dict[tuple[Shape, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def max_pages(self, shape: Shape) -> int:
-        return -(-(self.max_context + shape.num_candidates) // self.kv.page_size)
+    def max_pages(self, key: Shape | Ahead) -> int:
+        width = key.width if isinstance(key, Ahead) else key.num_candidates
+        return -(-(self.max_context + width) // self.kv.page_size)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -122,30 +150,66 @@ class DeviceExpansion:
         root_logits: torch.Tensor,  # [B, vocab] float32 on the device
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
     ) -> list[Candidates]:
+        out = self._run(shape, seqs, root_logits, root_features, [])
+        cands = out.reshape(len(seqs), 3, shape.num_candidates)
+        return [_candidates(cands, b) for b in range(len(seqs))]
+
+    def expand_ahead(
+        self,
+        key: Ahead,
+        seqs: list[SeqKV],  # each with base = kv_committed_len, pages reserved for key.width
+        root_logits: torch.Tensor,  # [B, vocab] float32 on the device
+        root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
+        chains: list[list[int]],  # [B][key.chain_len] the chains being verified
+    ) -> list[list[tuple[int, int, Candidates]]]:
+        """Draft-ahead in one run (one graph replay): the chain's nodes a step each (each
+        reads its parent's output), the guessed bonus tokens at every accept length k (the
+        likeliest at node k but the chain's next node), then each outcome's bonus and its tree,
+        all in the sequence's own storage past the root: the chain at base + [0, L), outcome o's
+        bonus at base + L + o * (1 + n) and its candidates after it, each row seeing only its
+        ancestors. Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
+        bs, n, g = len(seqs), key.shape.num_candidates, key.guesses
+        out = self._run(key, seqs, root_logits, root_features, chains)
+        rows = bs * key.num_outcomes
+        bonus = out[rows * 3 * n :].reshape(bs, key.chain_len + 1, g)
+        cands = out[: rows * 3 * n].reshape(rows, 3, n)
+        return [
+            [
+                (k, int(bonus[b, k, j]), _candidates(cands, (b * (key.chain_len + 1) + k) * g + j))
+                for k in range(key.chain_len + 1)
+                for j in range(g)
+            ]
+            for b in range(bs)
+        ]
+
+    def _run(
+        self,
+        key: Shape | Ahead,
+        seqs: list[SeqKV],
+        root_logits: torch.Tensor,
+        root_features: torch.Tensor | None,
+        chains: list[list[int]],
+    ) -> np.ndarray:
+        """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
+        on the host."""
         bs = len(seqs)
         bucket = next((b for b in self.batch_sizes if b >= bs), None)
         width = max(len(s.page_table) for s in seqs)
-        if self.graphs and bucket is not None and width <= self.max_pages(shape):
-            key = (shape, bucket)
-            if key not in self.captured:
-                self._capture(shape, bucket)
-            graph, inputs = self.captured[key]
-            host_meta, host_out = self.host[key]
-            self._load(inputs, host_meta, seqs, root_logits, root_features)
+        if self.graphs and bucket is not None and width <= self.max_pages(key):
+            if (key, bucket) not in self.captured:
+                self._capture(key, bucket)
+            graph, inputs = self.captured[(key, bucket)]
+            host_meta, host_out = self.host[(key, bucket)]
+            self._load(inputs, host_meta, seqs, root_logits, root_features, chains)
             graph.replay()
             host_out.copy_(inputs.out, non_blocking=True)
             torch.cuda.current_stream(self.kv.device).synchronize()  # the mirrors are free after
-            out = host_out.numpy()
-        else:
-            inputs = _Inputs(shape, bs, self.vocab_size, self.feature, width, self.kv.device)
-            host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
-            self._load(inputs, host, seqs, root_logits, root_features)
-            self._body(shape, inputs)
-            out = inputs.out.cpu().numpy()
-        return [
-            Candidates(out[b, 0].tolist(), out[b, 1].tolist(), out[b, 2].tolist())
-            for b in range(bs)
-        ]
+            return _first_rows(host_out.numpy(), key, bucket, bs)
+        inputs = _Inputs(key, bs, self.vocab_size, self.feature, width, self.kv.device)
+        host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
+        self._load(inputs, host, seqs, root_logits, root_features, chains)
+        self._body(key, inputs)
+        return inputs.out.cpu().numpy()
 
     def _load(
         self,
@@ -154,25 +218,32 @@ class DeviceExpansion:
         seqs: list[SeqKV],
         root_logits: torch.Tensor,
         root_features: torch.Tensor | None,
+        chains: list[list[int]],
     ) -> None:
         """Write the round into `inputs`: metadata through the host mirror, the roots' logits
         and features device to device (padding rows keep what they held)."""
         bs = len(seqs)
-        self._fill_meta(host_meta.numpy(), seqs, inputs.logits.shape[0])
+        self._fill_meta(host_meta.numpy(), seqs, inputs.logits.shape[0], chains)
         inputs.meta.copy_(host_meta, non_blocking=True)
         inputs.logits[:bs].copy_(root_logits)
         if inputs.features is not None and root_features is not None:
             inputs.features[:bs].copy_(root_features)
 
-    def _fill_meta(self, meta: np.ndarray, seqs: list[SeqKV], bs: int) -> None:
-        """Rows of `seqs` (base, block table), then padding rows up to `bs`: base 1 on the
-        scratch page (they read and write only there)."""
-        base, table = _split(meta, bs)
+    def _fill_meta(
+        self, meta: np.ndarray, seqs: list[SeqKV], bs: int, chains: list[list[int]]
+    ) -> None:
+        """Rows of `seqs` (base, block table, chain), then padding rows up to `bs`: base 1 on
+        the scratch page (they read and write only there)."""
+        chain_len = len(chains[0]) if chains else 0
+        base, table, chain = _split(meta, bs, chain_len)
         for b, seq in enumerate(seqs):
             base[b] = seq.kv_committed_len
             table[b, : len(seq.page_table)] = seq.page_table
         base[len(seqs) :] = 1
         table[len(seqs) :] = self.kv.scratch_page
+        if chains:
+            chain[: len(seqs)] = chains
+            chain[len(seqs) :] = 0
 
     def capture_all(self, shape: Shape) -> None:
         """The graphs of `shape` at every batch bucket (warm-up), largest first."""
@@ -180,69 +251,172 @@ class DeviceExpansion:
             if (shape, bucket) not in self.captured:
                 self._capture(shape, bucket)
 
-    def _capture(self, shape: Shape, bucket: int) -> None:
+    def _capture(self, key: Shape | Ahead, bucket: int) -> None:
         device = self.kv.device
-        inputs = _Inputs(
-            shape, bucket, self.vocab_size, self.feature, self.max_pages(shape), device
-        )
+        inputs = _Inputs(key, bucket, self.vocab_size, self.feature, self.max_pages(key), device)
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
-        self._fill_meta(meta, [], bucket)  # every row padding while capturing
+        chain_len = key.chain_len if isinstance(key, Ahead) else 0
+        self._fill_meta(meta, [], bucket, [[0] * chain_len] if chain_len else [])
         inputs.meta.copy_(torch.from_numpy(meta))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._body(shape, inputs)  # settle kernels and the allocator first
+            self._body(key, inputs)  # settle kernels and the allocator first
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._body(shape, inputs)
+                self._body(key, inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        self.captured[(shape, bucket)] = (graph, inputs)
-        self.host[(shape, bucket)] = (
+        self.captured[(key, bucket)] = (graph, inputs)
+        self.host[(key, bucket)] = (
             torch.zeros_like(inputs.meta, device="cpu").pin_memory(),
             torch.zeros_like(inputs.out, device="cpu").pin_memory(),
         )
-        log.info("captured the expansion graph of %s at batch %d", shape, bucket)
+        log.info("captured the expansion graph of %s at batch %d", key, bucket)
 
     # -- the expansion ---------------------------------------------------------------------
 
-    def _body(self, shape: Shape, inputs: _Inputs) -> None:
+    def _body(self, key: Shape | Ahead, inputs: _Inputs) -> None:
         """Every step of the expansion of `inputs`' rows; writes inputs.out."""
-        k, n_all = shape.topk, shape.num_candidates
-        bs, device, page = inputs.logits.shape[0], inputs.logits.device, self.kv.page_size
-        base32, table = _split(inputs.meta, bs)  # [B] int32, [B, pages] int32
+        if isinstance(key, Ahead):
+            self._ahead_body(key, inputs)
+            return
+        bs = inputs.logits.shape[0]
+        base32, table, _ = _split(inputs.meta, bs, 0)  # [B] int32, [B, pages] int32
         base = base32.long()
+        width = key.num_candidates
+        out = self._grow(
+            key, inputs.logits, inputs.features, table, base32, base, base, None, width
+        )
+        inputs.out.copy_(out.reshape(-1))
+
+    def _ahead_body(self, key: Ahead, inputs: _Inputs) -> None:
+        chain_len, g, n = key.chain_len, key.guesses, key.shape.num_candidates
+        bs, device, page = inputs.logits.shape[0], inputs.logits.device, self.kv.page_size
+        base32, table, chain32 = _split(inputs.meta, bs, chain_len)
+        base, chain = base32.long(), chain32.long()
+        cols = torch.arange(key.width, device=device)
+        one = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        every_row = torch.arange(bs, device=device)
+        logits, outputs = [inputs.logits], [inputs.features]
+        for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
+            storage = base + t
+            slots = table.gather(1, (storage // page)[:, None])[:, 0].long() * page + storage % page
+            batch = ForwardBatch(
+                input_ids=chain[:, t],
+                positions=storage,
+                slot_mapping=slots,
+                cu_seqlens_q=one,
+                kv_lens=base32 + t + 1,
+                prefix_lens=base32,
+                block_table=table,
+                tree_mask=(cols <= t).expand(bs, 1, key.width),
+                logit_indices=every_row,
+                max_q_len=1,
+                page_size=page,
+            )
+            step_logits, step_out = self.forward(batch, outputs[-1])
+            logits.append(step_logits)
+            outputs.append(step_out)
+        # guesses: per accept length k the top g + 1 at node k, the chain's next node left out
+        top = torch.stack(logits, dim=1).topk(g + 1, dim=-1).indices  # [B, L + 1, g + 1]
+        after = torch.cat([chain, chain.new_full((bs, 1), -1)], dim=1)  # [B, L + 1]
+        skip = (top == after[:, :, None]).to(torch.int8)
+        bonus = top.gather(2, skip.argsort(dim=-1, stable=True)[:, :, :g])  # [B, L + 1, g]
+        # the outcomes: row r = (b, k, j) of B * (L + 1) * g
+        num = key.num_outcomes
+        rows = bs * num
+        k_of = torch.arange(chain_len + 1, device=device).repeat_interleave(g).repeat(bs)
+        o_of = torch.arange(num, device=device).repeat(bs)
+        base_r = base.repeat_interleave(num)
+        prefix_r = base32.repeat_interleave(num)
+        table_r = table.repeat_interleave(num, dim=0)
+        bonus_col = chain_len + o_of * (1 + n)
+        visible = (cols[None, :] < k_of[:, None]) | (cols[None, :] == bonus_col[:, None])
+        storage = base_r + bonus_col
+        slots = table_r.gather(1, (storage // page)[:, None])[:, 0].long() * page + storage % page
+        features = None
+        if inputs.features is not None:  # node k's output (the root's for k = 0)
+            per_k = torch.stack(outputs, dim=1)  # type: ignore[arg-type]
+            features = per_k.repeat_interleave(g, dim=1).reshape(rows, -1)
+        batch = ForwardBatch(
+            input_ids=bonus.reshape(rows),
+            positions=base_r + k_of,
+            slot_mapping=slots,
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
+            kv_lens=(prefix_r + bonus_col + 1).to(torch.int32),
+            prefix_lens=prefix_r,
+            block_table=table_r,
+            tree_mask=visible[:, None, :],
+            logit_indices=torch.arange(rows, device=device),
+            max_q_len=1,
+            page_size=page,
+        )
+        root_logits, root_outputs = self.forward(batch, features)
+        start = base_r + bonus_col + 1
+        cands = self._grow(
+            key.shape,
+            root_logits,
+            root_outputs,
+            table_r,
+            prefix_r,
+            start,
+            base_r + k_of + 1,
+            visible,
+            key.width,
+        )
+        inputs.out.copy_(torch.cat([cands.reshape(-1), bonus.reshape(-1)]))
+
+    def _grow(
+        self,
+        shape: Shape,
+        root_logits: torch.Tensor,  # [R, vocab]
+        root_features: torch.Tensor | None,  # [R, width]
+        table: torch.Tensor,  # [R, pages] int32
+        prefix32: torch.Tensor,  # [R] int32: storage [0, prefix) visible to every node
+        start: torch.Tensor,  # [R] int64: candidate 0's storage
+        first_position: torch.Tensor,  # [R] int64: the position of depth-1 candidates
+        visible: torch.Tensor | None,  # [R, width] bool: storage past prefix every node sees
+        width: int,  # the new region's storage past prefix (masks' last dimension)
+    ) -> torch.Tensor:
+        """Expand a tree of `shape` from each row's root logits; [R, 3, n]: the candidates'
+        tokens, parents and best-first order."""
+        k, n_all = shape.topk, shape.num_candidates
+        bs, device, page = root_logits.shape[0], root_logits.device, self.kv.page_size
+        col = start - prefix32.long()  # candidate 0's column in the masks
         tokens = torch.zeros(bs, n_all, dtype=torch.int64, device=device)
         parents = torch.full((bs, n_all), -1, dtype=torch.int64, device=device)
         scores = torch.zeros(bs, n_all, dtype=torch.float32, device=device)
         if k == 1:
-            tokens[:, 0] = inputs.logits.argmax(dim=-1)
+            tokens[:, 0] = root_logits.argmax(dim=-1)
         else:
-            top_lp, top_tok = torch.log_softmax(inputs.logits, dim=-1).topk(k, dim=-1)
+            top_lp, top_tok = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
             tokens[:, :k] = top_tok
             scores[:, :k] = top_lp
-        rows_k = torch.arange(k, device=device)
-        frontier = rows_k.expand(bs, k)  # [B, k] candidate ids
-        # [B, k, n_all]: frontier row r sees candidate i (an ancestor, or itself)
-        seen = torch.eye(k, n_all, dtype=torch.bool, device=device).expand(bs, k, n_all).clone()
+        frontier = torch.arange(k, device=device).expand(bs, k)  # [B, k] candidate ids
+        # [B, k, width]: frontier row r sees column c (an ancestor, or itself)
+        seen = torch.zeros(bs, k, width, dtype=torch.bool, device=device)
+        if visible is not None:
+            seen |= visible[:, None, :]
+        seen.scatter_(2, (col[:, None] + frontier)[:, :, None], True)
         features = None
-        if inputs.features is not None:
-            features = inputs.features[:, None, :].expand(bs, k, -1)
+        if root_features is not None:
+            features = root_features[:, None, :].expand(bs, k, -1)
         cu = torch.arange(0, bs * k + 1, k, dtype=torch.int32, device=device)
         every_row = torch.arange(bs * k, device=device)
         n = k
         for step in range(2, shape.num_steps + 1):
-            storage = base[:, None] + frontier  # [B, k]
+            storage = start[:, None] + frontier  # [B, k]
             slots = table.gather(1, storage // page).long() * page + storage % page
             batch = ForwardBatch(
                 input_ids=tokens.gather(1, frontier).reshape(-1),
-                positions=(base[:, None] + (step - 2)).expand(bs, k).reshape(-1),
+                positions=(first_position[:, None] + (step - 2)).expand(bs, k).reshape(-1),
                 slot_mapping=slots.reshape(-1),
                 cu_seqlens_q=cu,
-                kv_lens=base32 + n,
-                prefix_lens=base32,
+                kv_lens=(prefix32 + col + n).to(torch.int32),
+                prefix_lens=prefix32,
                 block_table=table,
                 tree_mask=seen,
                 logit_indices=every_row,
@@ -265,8 +439,8 @@ class DeviceExpansion:
                 scores[:, n : n + new] = cum.view(bs, new)
                 keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
             from_row = keep // k  # the frontier row each kept child hangs from
-            seen = seen.gather(1, from_row[:, :, None].expand(bs, k, n_all))
-            seen.scatter_(2, (n + keep)[:, :, None], True)
+            seen = seen.gather(1, from_row[:, :, None].expand(bs, k, width))
+            seen.scatter_(2, (col[:, None] + n + keep)[:, :, None], True)
             if features is not None:
                 assert outputs is not None
                 per_row = outputs.view(bs, k, -1)
@@ -274,12 +448,28 @@ class DeviceExpansion:
             frontier = n + keep
             n += new
         order = torch.sort(-scores, dim=1, stable=True).indices
-        inputs.out.copy_(torch.stack([tokens, parents, order], dim=1))
+        return torch.stack([tokens, parents, order], dim=1)
+
+
+def _candidates(out: np.ndarray, row: int) -> Candidates:
+    """Row `row` of expansion output [rows, 3, n] as Candidates."""
+    return Candidates(out[row, 0].tolist(), out[row, 1].tolist(), out[row, 2].tolist())
+
+
+def _first_rows(out: np.ndarray, key: Shape | Ahead, bucket: int, bs: int) -> np.ndarray:
+    """The flat output of a graph's `bucket` rows cut to its first `bs` (the padding after)."""
+    if not isinstance(key, Ahead):
+        return out[: bs * 3 * key.num_candidates]
+    per_row = key.num_outcomes * 3 * key.shape.num_candidates
+    bonus = (key.chain_len + 1) * key.guesses
+    return np.concatenate([out[: bs * per_row], out[bucket * per_row :][: bs * bonus]])
 
 
 A = TypeVar("A", np.ndarray, torch.Tensor)
 
 
-def _split(meta: A, bs: int) -> tuple[A, A]:
-    """The flat meta buffer of `bs` rows as (base [bs], block table [bs, pages]) views."""
-    return meta[:bs], meta[bs:].reshape(bs, -1)
+def _split(meta: A, bs: int, chain_len: int) -> tuple[A, A, A]:
+    """The flat meta buffer of `bs` rows as (base [bs], block table [bs, pages], chains
+    [bs, chain_len]) views."""
+    tables = meta[bs : len(meta) - bs * chain_len]
+    return meta[:bs], tables.reshape(bs, -1), meta[len(meta) - bs * chain_len :].reshape(bs, -1)

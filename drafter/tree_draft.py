@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.expansion import Candidates, DeviceExpansion, Shape
+from drafter.expansion import Ahead, Candidates, DeviceExpansion, Shape
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import AheadTree, SpecParams
@@ -175,9 +175,66 @@ class TreeProposer:
     def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
         drafting, root_logits, root_features = self._roots(jobs)
         chains = [job for job in drafting if job.verifying is not None and _is_chain(job.verifying)]
-        if not chains:
-            return [[] for _ in jobs]
         rows = {id(job): i for i, job in enumerate(drafting)}
+        ahead: dict[int, list[AheadTree]] = {}
+        on_device = [job for job in chains if self._expands_on_device(job)]
+        if on_device:
+            ahead.update(self._ahead_on_device(on_device, rows, root_logits, root_features))
+        in_forks = [job for job in chains if not self._expands_on_device(job)]
+        if in_forks:
+            ahead.update(self._ahead_in_forks(in_forks, rows, root_logits, root_features, forks))
+        return [ahead.get(id(job), []) for job in jobs]
+
+    def _expands_on_device(self, job: DraftJob) -> bool:
+        """Whether `job`'s trees expand on the device (DeviceExpansion): deterministic trees
+        and greedy chains; sampled chains draw on the host."""
+        spec = job.spec
+        return (
+            self.device_expansion and spec.num_steps > 0 and (spec.topk > 1 or job.sampling.greedy)
+        )
+
+    def _ahead_on_device(
+        self,
+        jobs: list[DraftJob],
+        rows: dict[int, int],
+        root_logits: torch.Tensor,
+        root_features: torch.Tensor | None,
+    ) -> dict[int, list[AheadTree]]:
+        """Draft-ahead for `jobs` as one device run per (chain length, guesses, shape):
+        DeviceExpansion.expand_ahead (a graph's replay on a GPU)."""
+        groups: dict[Ahead, list[DraftJob]] = {}
+        for job in jobs:
+            assert job.verifying is not None
+            shape = Shape(job.spec.topk, job.spec.num_steps)
+            groups.setdefault(Ahead(len(job.verifying), job.ahead_guesses, shape), []).append(job)
+        ahead: dict[int, list[AheadTree]] = {}
+        for key, group in groups.items():
+            seqs = [self._seq_kv(job.seq) for job in group]
+            for kv in seqs:
+                self.kv.reserve(kv, kv.kv_committed_len + key.width)
+            idx = torch.tensor([rows[id(job)] for job in group], device=root_logits.device)
+            features = None if root_features is None else root_features.index_select(0, idx)
+            chains = [list(job.verifying.tokens) for job in group if job.verifying is not None]
+            found = self._expansion().expand_ahead(
+                key, seqs, root_logits.index_select(0, idx), features, chains
+            )
+            for job, outcomes, chain in zip(group, found, chains, strict=True):
+                ahead[id(job)] = [
+                    AheadTree([*chain[:k], bonus], select_tree(candidates, job.spec))
+                    for k, bonus, candidates in outcomes
+                ]
+        return ahead
+
+    def _ahead_in_forks(
+        self,
+        chains: list[DraftJob],
+        rows: dict[int, int],
+        root_logits: torch.Tensor,
+        root_features: torch.Tensor | None,
+        forks: list[DraftSeq],
+    ) -> dict[int, list[AheadTree]]:
+        """Draft-ahead a step at a time, each outcome in a fork of the sequence's KV: the
+        reference of the device run, and the path of sampled chains."""
         runs = [_Expansion(job) for job in chains]
         if root_features is not None:
             for run in runs:
@@ -210,7 +267,7 @@ class TreeProposer:
                     if run.node_hidden:
                         features.append(run.node_hidden[k - 1])
         if not steps:
-            return [[] for _ in jobs]
+            return {}
         bonus_logits, bonus_features = self._forward_rows(
             steps, torch.stack(features) if features else None
         )
@@ -227,7 +284,7 @@ class TreeProposer:
             ahead.setdefault(id(job), []).append(
                 AheadTree([*job.verifying.tokens[:k], bonus], tree)
             )
-        return [ahead.get(id(job), []) for job in jobs]
+        return ahead
 
     @staticmethod
     def _guesses(runs: list[_Expansion], logits: list[list[torch.Tensor]]) -> list[list[list[int]]]:

@@ -209,3 +209,25 @@ def test_kv_fork_shares_full_pages_and_copies_the_partial_one(page_size: int) ->
     kv.release(seq)
     assert kv.allocator.num_used == 0
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("spec", [CHAIN, SpecParams(3, 2, 5)], ids=["chain", "tree"])
+def test_one_device_run_drafts_what_the_forks_draft(
+    models: dict[str, Path], kind: str, page_size: int, spec: SpecParams
+) -> None:
+    """DeviceExpansion.expand_ahead (every outcome in the sequence's own storage, one run) and
+    its reference, a fork of the KV per outcome expanded a step at a time on the host."""
+    make = _model_engine if kind == "model" else _eagle_engine
+    found = []
+    for device_expansion in (True, False):
+        engine = make(models, page_size)
+        engine.proposer.device_expansion = device_expansion  # type: ignore[attr-defined]
+        chain = _begin(engine, "s", CHAIN).tree
+        out = _ahead(engine, "s", chain, 2, spec)
+        found.append([(a.tokens, a.tree.tokens, a.tree.parents) for a in out.ahead])
+        engine.release(["s"])
+        assert engine.num_pages_used == 0
+    assert found[0] == found[1]
+    assert len(found[0]) == 8
