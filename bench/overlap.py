@@ -106,6 +106,26 @@ def print_time_spent(
             )
 
 
+def print_divergence(
+    results: dict[tuple[str, int], tuple[list[list[int]], float]],
+    batches: list[int],
+    modes: tuple[str, ...],
+) -> None:
+    """Streams whose tokens differ from target-only's, per mode: where they part (bf16 logits
+    of a token computed in rounds of other shapes can tip a near tie; float32 tests are exact)."""
+    for mode in modes:
+        for batch in batches:
+            target, outputs = results[("target", batch)][0], results[(mode, batch)][0]
+            parts = [
+                next((i for i, (a, b) in enumerate(zip(t, o, strict=False)) if a != b), None)
+                for t, o in zip(target, outputs, strict=True)
+            ]
+            differ = [(s, i) for s, i in enumerate(parts) if i is not None]
+            if differ:
+                where = ", ".join(f"stream {s} at token {i}" for s, i in differ[:8])
+                print(f"{mode} batch {batch}: {len(differ)} differ from target-only ({where})")
+
+
 def print_gated_rounds(
     totals: dict[tuple[str, int], Totals], batches: list[int], modes: tuple[str, ...]
 ) -> None:
@@ -218,6 +238,7 @@ def main() -> None:
         for m in others:
             cells += [f"{rate[m] / rate['target']:.2f}x", f"{rate[m] / rate['serial']:.2f}x"]
         print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{batch} |")
+    print_divergence(results, args.batch, modes)
     print_time_spent(results, totals, args.batch, modes)
     if args.speculation_gate == "on":
         print_gated_rounds(totals, args.batch, modes)
