@@ -181,6 +181,29 @@ def generated_ids(chunks: list[Chunk]) -> list[int]:
     return token_ids(chunks)
 
 
+def mixed_requests(
+    batch_size: int, seed: int, max_new_tokens: int, **kwargs: Any
+) -> list[GenerationRequest]:
+    """`batch_size` random prompts of mixed lengths (each ends by repeating its first three
+    tokens, for prompt lookup), ignoring EOS."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, TINY_VOCAB, (3 + (5 * i) % 11,), generator=gen).tolist()
+        for i in range(batch_size)
+    ]
+    return [
+        GenerationRequest(p + p[:3], max_new_tokens, ignore_eos=True, **kwargs) for p in prompts
+    ]
+
+
+def target_only_ids(
+    target_dir: Path, tokenizer: object, requests: list[GenerationRequest]
+) -> list[list[int]]:
+    """What the target alone generates for each request (speculation off)."""
+    stack = make_stack(target_dir, "ngram", tokenizer, SpecParams(0, 1, 0))
+    return [generated_ids(c) for c in generate_all(stack, requests)]
+
+
 def dense_step(
     seq: SeqKV,
     input_ids: list[int],

@@ -20,7 +20,6 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import (
-    TINY_VOCAB,
     BrokenDrafter,
     RestartingVerifier,
     TimedClients,
@@ -29,7 +28,9 @@ from tests.support import (
     generate_all,
     generated_ids,
     make_stack,
+    mixed_requests,
     save_tiny_llama,
+    target_only_ids,
 )
 
 MAX_NEW_TOKENS = 14
@@ -49,20 +50,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _requests(batch_size: int, seed: int, **kwargs: object) -> list[GenerationRequest]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(3, TINY_VOCAB, (3 + (5 * i) % 11,), generator=gen).tolist()
-        for i in range(batch_size)
-    ]
-    return [
-        GenerationRequest(p + p[:3], MAX_NEW_TOKENS, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
-        for p in prompts
-    ]
+    return mixed_requests(batch_size, seed, MAX_NEW_TOKENS, **kwargs)
 
 
 def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int]]:
-    stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
-    return [generated_ids(c) for c in generate_all(stack, _requests(batch_size, seed))]
+    return target_only_ids(models["target"], tokenizer, _requests(batch_size, seed))
 
 
 def _stack(models, tokenizer, drafter: str, spec: SpecParams = CHAIN, page_size: int = 16):

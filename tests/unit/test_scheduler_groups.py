@@ -7,13 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams
 from tests.support import (
-    TINY_VOCAB,
     BrokenDrafter,
     RestartingVerifier,
     TimedClients,
@@ -22,7 +20,9 @@ from tests.support import (
     generate_all,
     generated_ids,
     make_stack,
+    mixed_requests,
     save_tiny_llama,
+    target_only_ids,
 )
 
 MAX_NEW_TOKENS = 14
@@ -37,18 +37,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _requests(batch_size: int, seed: int) -> list[GenerationRequest]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(3, TINY_VOCAB, (3 + (5 * i) % 11,), generator=gen).tolist()
-        for i in range(batch_size)
-    ]
-    return [GenerationRequest(p + p[:3], MAX_NEW_TOKENS, ignore_eos=True) for p in prompts]
+def _requests(batch_size: int, seed: int, **kwargs: object) -> list[GenerationRequest]:
+    return mixed_requests(batch_size, seed, MAX_NEW_TOKENS, **kwargs)
 
 
 def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int]]:
-    stack = make_stack(models["target"], "ngram", tokenizer, SpecParams(0, 1, 0))
-    return [generated_ids(c) for c in generate_all(stack, _requests(batch_size, seed))]
+    return target_only_ids(models["target"], tokenizer, _requests(batch_size, seed))
 
 
 @pytest.mark.parametrize(
