@@ -215,7 +215,7 @@ class DrafterEngine:
                     item.sampling,
                     item.start,
                     item.target_hidden_states,
-                    item.verifying if item.ahead_guesses else None,
+                    self._verifying(item, room),
                     item.ahead_guesses,
                 )
             )
@@ -237,6 +237,14 @@ class DrafterEngine:
             )
             for job in jobs
         ]
+
+    @staticmethod
+    def _verifying(item: DraftInput, room: int) -> DraftTree | None:
+        """The chain to draft ahead for: None without draft-ahead, or where the outcomes'
+        trees would pass the context (the chain, the bonus and the next tree's depth)."""
+        if not item.ahead_guesses or len(item.verifying) + 1 + item.spec.num_steps > room:
+            return None
+        return item.verifying
 
     def _spec(self, seq: DraftSeq, spec: SpecParams) -> SpecParams:
         """The shape to draft for `seq`: `spec`, or no drafts when the drafter refuses it."""

@@ -231,3 +231,16 @@ def test_one_device_run_drafts_what_the_forks_draft(
         assert engine.num_pages_used == 0
     assert found[0] == found[1]
     assert len(found[0]) == 8
+
+
+def test_no_draft_ahead_past_the_context(models: dict[str, Path]) -> None:
+    """Outcomes' trees that would pass the drafter's context are not drafted (their positions
+    would not exist); the call still takes the sequence's new tokens."""
+    engine = _model_engine(models, 4)
+    chain = _begin(engine, "s", CHAIN).tree
+    room = engine.proposer.max_context - len(TOKENS)
+    assert _ahead(engine, "s", chain, 2, CHAIN).ahead
+    engine.proposer.max_context = len(TOKENS) + len(chain) + CHAIN.num_steps  # one short
+    assert room > 0 and _ahead(engine, "s", chain, 2, CHAIN).ahead == []
+    engine.release(["s"])
+    assert engine.num_pages_used == 0

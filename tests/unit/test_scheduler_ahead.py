@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
@@ -91,6 +92,7 @@ def test_draft_ahead_equals_target_greedy(
 ) -> None:
     expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
     stack = _stack(models, smollm2_tokenizer, drafter, spec, page_size)
+    counted = {o: _ahead_rounds(o) for o in ("hit", "miss")}
     out = generate_all(stack, _requests(batch_size, seed=batch_size))
     assert [generated_ids(chunks) for chunks in out] == expected
     check_no_leaks(stack)
@@ -100,6 +102,13 @@ def test_draft_ahead_equals_target_greedy(
         assert scheduler.num_ahead_hits > 0
     if spec.topk > 1 or drafter == "ngram":  # nothing to draft ahead for
         assert scheduler.num_ahead_hits == scheduler.num_ahead_misses == 0
+    assert _ahead_rounds("hit") - counted["hit"] == scheduler.num_ahead_hits  # the metric
+    assert _ahead_rounds("miss") - counted["miss"] == scheduler.num_ahead_misses
+
+
+def _ahead_rounds(outcome: str) -> float:
+    value = REGISTRY.get_sample_value("specsplit_draft_ahead_total", {"outcome": outcome})
+    return value or 0.0
 
 
 def test_hit_rounds_send_their_only_draft_while_the_verify_runs(models, smollm2_tokenizer) -> None:
