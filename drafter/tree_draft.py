@@ -174,7 +174,7 @@ class TreeProposer:
 
     def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
         drafting, root_logits, root_features = self._roots(jobs)
-        chains = [job for job in drafting if job.verifying is not None and _is_chain(job.verifying)]
+        chains = [job for job in drafting if job.verifying is not None and job.verifying.is_chain]
         rows = {id(job): i for i, job in enumerate(drafting)}
         ahead: dict[int, list[AheadTree]] = {}
         on_device = [job for job in chains if self._expands_on_device(job)]
@@ -545,10 +545,6 @@ class TreeProposer:
         n = len(tree.tokens)
         order = sorted(range(n), key=lambda i: (-tree.scores[i], len(tree.paths[i]), i))
         return select_tree(Candidates(tree.tokens, tree.parents, order), tree.job.spec)
-
-
-def _is_chain(tree: DraftTree) -> bool:
-    return all(parent == i - 1 for i, parent in enumerate(tree.parents))
 
 
 def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:

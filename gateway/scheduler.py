@@ -48,6 +48,7 @@ STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequence
 SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "ahead")
 DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
+MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
 
 
 class Scheduler:
@@ -89,6 +90,8 @@ class Scheduler:
         size (gateway/gate.py); off = they always draft."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
+        if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
+            raise ValueError(f"ahead_guesses = {ahead_guesses}: want 0 to {MAX_AHEAD_GUESSES}")
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -485,7 +488,7 @@ class Scheduler:
         return (
             self.ahead_guesses > 0
             and seq.request.sampling.greedy
-            and all(parent == i - 1 for i, parent in enumerate(tree.parents))
+            and tree.is_chain
             and self._needs_drafter(seq)
             and seq.round_spec().num_steps > 0
             and time.monotonic() >= self._drafter_down_until

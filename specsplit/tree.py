@@ -53,6 +53,11 @@ class DraftTree:
                     "tree.draft_probs is only supported for chains (one child per node)"
                 )
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node the only child of the one before (the empty tree too)."""
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
     def fitted(self, num_steps: int, num_draft_tokens: int) -> DraftTree:
         """The tree cut to at most `num_steps` levels and `num_draft_tokens` nodes
         (parents-first: the first nodes of the shallow ones form a tree), e.g. a tree drafted

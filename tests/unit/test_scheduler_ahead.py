@@ -14,6 +14,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from gateway.request import GenerationRequest
+from gateway.scheduler import Scheduler
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.loader import load_model
@@ -216,3 +217,9 @@ def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
     chain = DraftTree([1, 2, 3], [-1, 0, 1]).fitted(1, 1)
     assert chain.tokens == [1] and chain.parents == [-1]
     assert DraftTree([1, 2], [-1, 0]).fitted(0, 0).tokens == []
+
+
+@pytest.mark.parametrize("guesses", [-1, 17])
+def test_guesses_past_the_drafters_limit_are_refused(smollm2_tokenizer, guesses: int) -> None:
+    with pytest.raises(ValueError, match="ahead_guesses"):
+        Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="ahead", ahead_guesses=guesses)  # type: ignore[arg-type]
