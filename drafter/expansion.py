@@ -11,6 +11,10 @@ the same order. The frontier is always k nodes of one depth, sorted by candidate
 
 A chain (topk 1) takes the argmax at each step, score 0; topk > 1 keeps the k best children by
 cumulative log-probability. Sampled chains stay on the host path (their draws are per tree).
+
+Draft-ahead (`expand_ahead`, key `Ahead`) runs in the same way, one graph per (chain length,
+guesses, shape, batch bucket), captured on first use: the chain being verified, the guessed
+bonus tokens and every outcome's tree, all in the sequence's own storage past the root.
 """
 
 from __future__ import annotations
@@ -293,6 +297,8 @@ class DeviceExpansion:
         inputs.out.copy_(out.reshape(-1))
 
     def _ahead_body(self, key: Ahead, inputs: _Inputs) -> None:
+        """Draft-ahead's steps (`expand_ahead`) for `inputs`' rows; writes inputs.out: every
+        outcome's candidates [B * outcomes, 3, n], then the bonus tokens [B, L + 1, g]."""
         chain_len, g, n = key.chain_len, key.guesses, key.shape.num_candidates
         bs, device, page = inputs.logits.shape[0], inputs.logits.device, self.kv.page_size
         base32, table, chain32 = _split(inputs.meta, bs, chain_len)
