@@ -30,7 +30,7 @@ from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput, to_device
-from specsplit.step import SeqStep, causal_step
+from specsplit.step import causal_step
 
 
 @dataclass
@@ -112,23 +112,17 @@ class Eagle3Proposer(TreeProposer):
         features = torch.stack(
             [t.node_hidden[t.parents[node]] for t in trees for node in t.frontier]
         )  # [sum f, H]: each node reads its parent's output
-        logits, hidden = self._forward(steps, features)
+        logits, hidden = self._forward_rows(steps, features)  # [sum f, V], [sum f, H]
+        assert hidden is not None
         row = 0
         for tree in trees:
             for node in tree.frontier:
                 tree.node_hidden[node] = hidden[row]
                 row += 1
-        return self._tree_logits(logits)  # [sum f, V]
+        return logits
 
     def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return self.head.target_logits(logits)
-
-    def _forward(
-        self, steps: list[SeqStep], features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._run(steps, features)
-        assert out.hidden_states is not None
-        return out.logits, out.hidden_states
 
     def _step_forward(
         self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None
@@ -203,5 +197,5 @@ class Eagle3Proposer(TreeProposer):
         if not steps:
             return [], torch.zeros(0, self.vocab_size, device=self.device), None
         fused = self.head.fuse(torch.cat(features))  # one fc over every sequence's rows
-        logits, hidden = self._forward(steps, fused)  # [D, Vd], [D, H]
-        return drafting, self._tree_logits(logits), hidden
+        logits, hidden = self._forward_rows(steps, fused)  # [D, V], [D, H]
+        return drafting, logits, hidden

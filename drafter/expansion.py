@@ -309,7 +309,7 @@ class DeviceExpansion:
         logits, outputs = [inputs.logits], [inputs.features]
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
             storage = base + t
-            slots = table.gather(1, (storage // page)[:, None])[:, 0].long() * page + storage % page
+            slots = _slots(table, storage[:, None], page)[:, 0]
             batch = ForwardBatch(
                 input_ids=chain[:, t],
                 positions=storage,
@@ -342,7 +342,7 @@ class DeviceExpansion:
         bonus_col = chain_len + o_of * (1 + n)
         visible = (cols[None, :] < k_of[:, None]) | (cols[None, :] == bonus_col[:, None])
         storage = base_r + bonus_col
-        slots = table_r.gather(1, (storage // page)[:, None])[:, 0].long() * page + storage % page
+        slots = _slots(table_r, storage[:, None], page)[:, 0]
         features = None
         if inputs.features is not None:  # node k's output (the root's for k = 0)
             per_k = torch.stack(outputs, dim=1)  # type: ignore[arg-type]
@@ -415,7 +415,7 @@ class DeviceExpansion:
         n = k
         for step in range(2, shape.num_steps + 1):
             storage = start[:, None] + frontier  # [B, k]
-            slots = table.gather(1, storage // page).long() * page + storage % page
+            slots = _slots(table, storage, page)
             batch = ForwardBatch(
                 input_ids=tokens.gather(1, frontier).reshape(-1),
                 positions=(first_position[:, None] + (step - 2)).expand(bs, k).reshape(-1),
@@ -455,6 +455,11 @@ class DeviceExpansion:
             n += new
         order = torch.sort(-scores, dim=1, stable=True).indices
         return torch.stack([tokens, parents, order], dim=1)
+
+
+def _slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:
+    """Cache slots [R, q] of storage indices [R, q] through each row's block table [R, pages]."""
+    return table.gather(1, storage // page).long() * page + storage % page
 
 
 def _candidates(out: np.ndarray, row: int) -> Candidates:

@@ -385,11 +385,7 @@ class TreeProposer:
         groups: dict[Shape, list[int]] = {}
         for i, job in enumerate(jobs):
             spec = job.spec
-            if (
-                self.device_expansion
-                and spec.num_steps > 0
-                and (spec.topk > 1 or job.sampling.greedy)
-            ):
+            if self._expands_on_device(job):
                 groups.setdefault(Shape(spec.topk, spec.num_steps), []).append(i)
             elif spec.num_steps > 0:
                 on_host.append(i)
