@@ -21,6 +21,7 @@ from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Limits
 from gateway.scheduler import (
     DEFAULT_AHEAD_GUESSES,
+    DEFAULT_AHEAD_MAX_BATCH,
     DEFAULT_MAX_WAITING,
     DEFAULT_VERIFIER_WAIT_S,
     SHUTTING_DOWN,
@@ -155,6 +156,7 @@ async def serve(
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     speculation_gate: bool = False,
     ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
+    ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -165,8 +167,9 @@ async def serve(
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
-    "serial", "groups" (pipelined groups) or "ahead" (draft-ahead, `ahead_guesses` bonus tokens
-    guessed per accept length). session_ttl_s: idle sessions' default lifetime.
+    "serial", "groups" (pipelined groups), "ahead" (draft-ahead, `ahead_guesses` bonus tokens
+    guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch` requests
+    run, groups above). session_ttl_s: idle sessions' default lifetime.
     speculation_gate: draft only while it pays, measured (gateway/gate.py)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
@@ -198,6 +201,7 @@ async def serve(
         max_context=model.max_context,
         speculation_gate=speculation_gate,
         ahead_guesses=ahead_guesses,
+        ahead_max_batch=ahead_max_batch,
     )
     if scheduler.gate is not None:
         log.info("speculation gate on: rounds draft while that pays, measured per batch size")

@@ -46,8 +46,9 @@ DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be b
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
-OVERLAP_MODES = ("serial", "groups", "ahead")
+OVERLAP_MODES = ("serial", "groups", "ahead", "both")
 DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
+DEFAULT_AHEAD_MAX_BATCH = 4  # overlap "both": draft-ahead up to this many running, then groups
 MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
 
 
@@ -71,6 +72,7 @@ class Scheduler:
         max_context: int | None = None,
         speculation_gate: bool = False,
         ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
+        ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -83,15 +85,18 @@ class Scheduler:
         the other is drafted; DESIGN.md §3) or "ahead" (draft-ahead: while a round is verified
         the drafter drafts the next round's trees for its likely outcomes, `ahead_guesses`
         bonus tokens per accept length; a round whose outcome was guessed sends no Draft
-        before its Verify). session_ttl_s: idle sessions' default lifetime;
-        max_context: the model's, checked against a session's whole conversation (None: only
-        the verifier checks it). speculation_gate: requests without their own spec draft only
-        while speculating commits more tokens per second than plain rounds, measured per batch
-        size (gateway/gate.py); off = they always draft."""
+        before its Verify) or "both" (draft-ahead while at most `ahead_max_batch` sequences
+        run, where groups cannot hide drafting, groups above). session_ttl_s: idle sessions'
+        default lifetime; max_context: the model's, checked against a session's whole
+        conversation (None: only the verifier checks it). speculation_gate: requests without
+        their own spec draft only while speculating commits more tokens per second than plain
+        rounds, measured per batch size (gateway/gate.py); off = they always draft."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
             raise ValueError(f"ahead_guesses = {ahead_guesses}: want 0 to {MAX_AHEAD_GUESSES}")
+        if ahead_max_batch < 0:
+            raise ValueError(f"ahead_max_batch = {ahead_max_batch}: want 0 or more")
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -132,6 +137,7 @@ class Scheduler:
         self.num_tokens_committed = 0
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
         self.ahead_guesses = ahead_guesses
+        self.ahead_max_batch = ahead_max_batch
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
 
@@ -270,17 +276,16 @@ class Scheduler:
                 resuming = [s for s in self.running if s.features_gap and not s.drafts_held]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
-                if self.overlap == "groups" and speculate:
+                mode = self._round_mode(speculate)
+                if mode == "groups":
                     await self.step_groups(self.running)
-                elif self.overlap == "ahead" and speculate:
-                    await self.step_ahead(self.running)
-                elif self._leave_groups():
-                    # the group committed just now may have finished: verify the others
-                    batch = [s for s in self.running if not (s.finished or s.cancelled)]
-                    if batch:
-                        await self.step(batch)
                 else:
-                    await self.step(self.running)
+                    batch = self.running
+                    if self._leave_groups():
+                        # the group committed just now may have finished: verify the others
+                        batch = [s for s in batch if not (s.finished or s.cancelled)]
+                    if batch:
+                        await (self.step_ahead if mode == "ahead" else self.step)(batch)
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
                 if self.gate is not None:
@@ -295,6 +300,17 @@ class Scheduler:
                 error = ServiceError(Code.INTERNAL, "internal error in the gateway's round")
                 for seq in self.running:
                     self._fail(seq, error)
+
+    def _round_mode(self, speculate: bool) -> str:
+        """This round's kind: "serial", "groups" or "ahead". Overlap "both" drafts ahead while
+        at most `ahead_max_batch` sequences run (one sequence makes no two groups, and small
+        batches verify in about the time of one), groups above. Rounds the gate holds back
+        from drafting are serial."""
+        if not speculate or self.overlap == "serial":
+            return "serial"
+        if self.overlap != "both":
+            return self.overlap
+        return "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
 
     def _gated(self, batch: list[Sequence]) -> bool:
         """A round the speculation gate measures: every sequence follows the gateway's default
@@ -414,6 +430,9 @@ class Scheduler:
             if pending is not None:
                 self._commit_and_stream(pending)
             return
+        if self.overlap == "both":  # after a draft-ahead round its trees serve
+            guessed = self._take_ahead(running)
+            self._drafted.update((s.seq_id, guessed[id(s)]) for s in running if id(s) in guessed)
         missing = [seq for seq in verify if seq.seq_id not in self._drafted]
         if missing:
             for seq, tree in zip(missing, await self._draft(missing), strict=True):
@@ -425,8 +444,13 @@ class Scheduler:
             await asyncio.sleep(0)  # the Verify is on its way before the commit below
             try:
                 if pending is not None:
-                    self._commit_and_stream(pending)
-                ahead = [seq for seq in ahead if not (seq.finished or seq.cancelled)]
+                    self._commit(*pending)
+                self._stream()  # and what earlier serial or draft-ahead rounds committed
+                ahead = [
+                    seq
+                    for seq in ahead
+                    if not (seq.finished or seq.cancelled or seq.seq_id in self._drafted)
+                ]
                 drafted = await self._draft(ahead)
             except BaseException:
                 verifying.cancel()
@@ -446,16 +470,7 @@ class Scheduler:
         while the verifier works, the last round's chunks stream and the drafter drafts the
         next round's trees for this round's likely outcomes (`_draft_ahead`). A round where
         every outcome was guessed holds only the Verify on its path."""
-        trees: dict[int, DraftTree] = {}
-        had_ahead = {id(seq) for seq in batch if seq.ahead}
-        for seq in batch:
-            tree = seq.take_ahead()
-            if tree is not None:
-                trees[id(seq)] = tree
-        hits = len(trees)
-        self.num_ahead_hits += hits
-        self.num_ahead_misses += len(had_ahead) - hits
-        metrics.observe_draft_ahead(hits, len(had_ahead) - hits)
+        trees = self._take_ahead(batch)
         with telemetry.round_span([seq.span for seq in batch]):
             missing = [seq for seq in batch if id(seq) not in trees]
             if missing:
@@ -480,6 +495,22 @@ class Scheduler:
         for (seq, _), ahead in zip(guessing, guessed, strict=True):
             seq.keep_ahead(ahead)
         self._commit(batch, round_trees, outputs)
+
+    def _take_ahead(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
+        """The trees drafted ahead for the outcomes `seqs` had (by id), counted as hits and
+        misses; every other tree drafted ahead is dropped."""
+        trees: dict[int, DraftTree] = {}
+        had_ahead = 0
+        for seq in seqs:
+            had_ahead += bool(seq.ahead)
+            tree = seq.take_ahead()
+            if tree is not None:
+                trees[id(seq)] = tree
+        hits, misses = len(trees), had_ahead - len(trees)
+        self.num_ahead_hits += hits
+        self.num_ahead_misses += misses
+        metrics.observe_draft_ahead(hits, misses)
+        return trees
 
     def _drafts_ahead(self, seq: Sequence, tree: DraftTree) -> bool:
         """Whether the drafter drafts ahead for `seq` this round: a greedy request (sampled

@@ -90,7 +90,7 @@ def build_local_stack(
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
     rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
-    ("serial" or "groups")."""
+    ("serial", "groups", "ahead" or "both")."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )

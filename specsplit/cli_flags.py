@@ -187,18 +187,26 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     overlap_help = (
         "serial (draft, then verify, the whole batch), groups (two groups take turns: one is"
         " verified while the other is drafted), ahead (draft-ahead: while a round is verified,"
-        " the drafter drafts the next round's trees for its likely outcomes; greedy chains) or"
-        " auto (`up`: groups when the drafter and the"
-        " verifier run on two different GPUs, else serial; serve-gateway, which cannot see the"
-        " devices: serial)"
+        " the drafter drafts the next round's trees for its likely outcomes; greedy chains),"
+        " both (ahead while at most --ahead-max-batch requests run, groups above) or auto"
+        " (`up`: groups when the drafter and the verifier run on two different GPUs, else"
+        " serial; serve-gateway, which cannot see the devices: serial)"
     )
-    flag(parser, "--overlap", "auto", overlap_help, choices=("auto", "serial", "groups", "ahead"))
+    modes = ("auto", "serial", "groups", "ahead", "both")
+    flag(parser, "--overlap", "auto", overlap_help, choices=modes)
     flag(
         parser,
         "--ahead-guesses",
         2,
         "--overlap ahead: bonus tokens guessed per accept length (the drafter drafts a tree for"
         " each)",
+        type=int,
+    )
+    flag(
+        parser,
+        "--ahead-max-batch",
+        4,
+        "--overlap both: rounds draft ahead while at most this many requests run, groups above",
         type=int,
     )
     gate_help = (

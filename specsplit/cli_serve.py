@@ -115,6 +115,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             verifier_wait_s=args.verifier_wait,
             overlap="serial" if args.overlap == "auto" else args.overlap,
             ahead_guesses=args.ahead_guesses,
+            ahead_max_batch=args.ahead_max_batch,
             speculation_gate=args.speculation_gate == "on",
         )
     )

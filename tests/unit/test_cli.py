@@ -368,6 +368,9 @@ def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch)
         up.child_commands(cli.parse_args(["up", "--overlap", "groups"]))["gateway"]
     )
     assert gateway.overlap == "groups"
+    argv = ["up", "--overlap", "both", "--ahead-guesses", "3", "--ahead-max-batch", "6"]
+    both = _child_args(up.child_commands(cli.parse_args(argv))["gateway"])
+    assert (both.overlap, both.ahead_guesses, both.ahead_max_batch) == ("both", 3, 6)
     assert cli.parse_args(["serve-gateway"]).overlap == "auto"  # serve_gateway: serial
     monkeypatch.setenv("SPECSPLIT_OVERLAP", "groups")
     assert cli.parse_args(["serve-gateway"]).overlap == "groups"

@@ -3,10 +3,13 @@ next round's trees for its likely outcomes; a round whose outcome was guessed se
 before its Verify. Named invariants: the output is the target's own greedy output (model,
 EAGLE-3 and n-gram drafters, chains and trees, page sizes 1 and 16, faults of either service,
 cancellations); rounds hit when the drafts are right; a hit round's only drafter call runs while
-its Verify is in flight; sampled requests run as serial rounds do; no KV is left."""
+its Verify is in flight; sampled requests run as serial rounds do; no KV is left. Overlap
+"both" (draft-ahead for small batches, pipelined groups above): the same invariants while its
+rounds change kind as the batch shrinks, and every round."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from specsplit.tree import DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import (
     BrokenDrafter,
+    PassThroughVerifier,
     RestartingVerifier,
     TimedClients,
     cancel_half_mid_generation,
@@ -59,7 +63,14 @@ def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int
     return target_only_ids(models["target"], tokenizer, _requests(batch_size, seed))
 
 
-def _stack(models, tokenizer, drafter: str, spec: SpecParams = CHAIN, page_size: int = 16):
+def _stack(
+    models,
+    tokenizer,
+    drafter: str,
+    spec: SpecParams = CHAIN,
+    page_size: int = 16,
+    overlap: str = "ahead",
+):
     """drafter: "self" (the target drafts for itself: every draft is right), "random" (a
     one-layer random draft model), "eagle3" (a random head) or "ngram"."""
     kind = {"self": "model", "random": "model"}.get(drafter, drafter)
@@ -71,7 +82,7 @@ def _stack(models, tokenizer, drafter: str, spec: SpecParams = CHAIN, page_size:
         spec,
         draft_dir=draft_dir,
         page_size=page_size,
-        overlap="ahead",
+        overlap=overlap,
     )
 
 
@@ -223,3 +234,93 @@ def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
 def test_guesses_past_the_drafters_limit_are_refused(smollm2_tokenizer, guesses: int) -> None:
     with pytest.raises(ValueError, match="ahead_guesses"):
         Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="ahead", ahead_guesses=guesses)  # type: ignore[arg-type]
+
+
+class _FlippingMode(PassThroughVerifier):
+    """Before each Verify, flips overlap "both" between draft-ahead and groups for the next
+    round (ahead_max_batch 0 or 64): every round changes kind."""
+
+    def __init__(self, inner, scheduler: Scheduler) -> None:
+        super().__init__(inner)
+        self.scheduler = scheduler
+
+    async def verify(self, inputs):
+        self.scheduler.ahead_max_batch = 64 if self.scheduler.ahead_max_batch == 0 else 0
+        return await self.inner.verify(inputs)
+
+
+def _count_rounds(scheduler: Scheduler) -> dict[str, int]:
+    """Counts the scheduler's rounds by kind (wrapping its step methods)."""
+    counts = {"ahead": 0, "groups": 0}
+    for kind in counts:
+        step = getattr(scheduler, f"step_{kind}")
+
+        async def counted(batch, step=step, kind=kind):
+            counts[kind] += 1
+            await step(batch)
+
+        setattr(scheduler, f"step_{kind}", counted)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("drafter", "page_size"), [("self", 16), ("random", 1), ("eagle3", 16), ("ngram", 16)]
+)
+def test_both_switching_every_round_equals_target_greedy(
+    models, smollm2_tokenizer, drafter: str, page_size: int
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 3, seed=9)
+    stack = _stack(models, smollm2_tokenizer, drafter, page_size=page_size, overlap="both")
+    scheduler = stack.scheduler
+    scheduler.verifier = _FlippingMode(scheduler.verifier, scheduler)
+    rounds = _count_rounds(scheduler)
+    out = generate_all(stack, _requests(3, seed=9))
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+    assert rounds["ahead"] >= 2 and rounds["groups"] >= 2
+    if drafter == "self":  # the trees drafted ahead serve the groups rounds after them too
+        assert scheduler.num_ahead_hits >= rounds["ahead"] - 1
+
+
+def test_both_drafts_ahead_once_the_batch_is_small(models, smollm2_tokenizer) -> None:
+    """Four requests of different lengths, ahead_max_batch 2: groups while three or four run,
+    draft-ahead for the last two."""
+    requests = [
+        dataclasses.replace(r, max_new_tokens=n)
+        for r, n in zip(_requests(4, seed=10), (6, 10, 16, 22), strict=True)
+    ]
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    stack = _stack(models, smollm2_tokenizer, "self", overlap="both")
+    scheduler = stack.scheduler
+    scheduler.ahead_max_batch = 2
+    rounds = _count_rounds(scheduler)
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+    assert rounds["groups"] >= 2 and rounds["ahead"] >= 2
+    assert scheduler.num_ahead_hits > 0
+
+
+def test_both_survives_faults_and_cancellations(models, smollm2_tokenizer) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 3, seed=12)
+    stack = _stack(models, smollm2_tokenizer, "self", overlap="both")
+    stack.scheduler.ahead_max_batch = 2
+    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, 3)
+    stack.scheduler.verifier = restarting
+    out = generate_all(stack, _requests(3, seed=12))
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+    stack = _stack(models, smollm2_tokenizer, "random", overlap="both")
+    stack.scheduler.drafter = _FailingAhead(stack.scheduler.drafter, Code.UNAVAILABLE)
+    out = generate_all(stack, _requests(3, seed=12))
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+    stack = _stack(models, smollm2_tokenizer, "random", overlap="both")
+    stack.scheduler.ahead_max_batch = 2
+    cancel_half_mid_generation(stack, _requests(5, seed=13))
+    check_no_leaks(stack)
+
+
+def test_a_negative_ahead_max_batch_is_refused(smollm2_tokenizer) -> None:
+    with pytest.raises(ValueError, match="ahead_max_batch"):
+        Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="both", ahead_max_batch=-1)  # type: ignore[arg-type]
