@@ -5,7 +5,7 @@ tokens. "target only" is the serial services with speculation off per request (n
 
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
-        [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead]
+        [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
         [--services-log FILE]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
@@ -40,7 +40,7 @@ from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-MODES = ("serial", "groups", "ahead")
+MODES = ("serial", "groups", "ahead", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
