@@ -17,7 +17,9 @@ decode rounds on it (one sequence: a prefill, then one token per round, no draft
 The service reports its engine time per response (`verify_ns`); "beyond engine" is the round's
 wall time less that. A round's engine time is the verifier thread's whole call (the forward,
 acceptance, commit). --transport unix serves the verifier and the echo child on Unix sockets in
-a private temporary directory (what `specsplit up` does by default) instead of TCP loopback.
+a private temporary directory (what `specsplit up` does by default) instead of TCP loopback;
+there the gateway's client takes the verifier's round lane (specsplit.lane), measured beside the
+same client on gRPC, and the echo child answers on a lane too (frames alone).
 
     PYTHONPATH=. python bench/rpc_overhead.py --model /tmp/tiny_target [--rounds 400]
         [--device cpu] [--transport tcp|unix] [--address 127.0.0.1:50391]
@@ -41,7 +43,9 @@ import grpc
 
 from gateway.grpc_clients import GrpcVerifierClient, wait_ready
 from specsplit import rounds
+from specsplit.lane import Kind, LaneConnection, LaneServer, lane_path
 from specsplit.messages import VerifyInput
+from specsplit.scopes import ConnectionScopes
 from specsplit.tree import DraftTree
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -82,11 +86,41 @@ class Echo(verifier_pb2_grpc.VerifierServicer):
             yield verifier_pb2.VerifyResponse(verify_ns=int(self.block_s * 1e9))
 
 
+class LaneEcho:
+    """The echo on a round lane (specsplit.lane), beside a Unix-socket echo."""
+
+    name = "echo"
+
+    def __init__(self, block_s: float) -> None:
+        self.echo = Echo(block_s)
+
+        async def free(_select: object) -> int:
+            return 0
+
+        self.scopes = ConnectionScopes(free)
+
+    async def round_in(self, scope: object, request: object) -> verifier_pb2.VerifyResponse:
+        if self.echo.block_s:
+            end = time.perf_counter() + self.echo.block_s
+            while time.perf_counter() < end:
+                pass
+        return verifier_pb2.VerifyResponse(verify_ns=int(self.echo.block_s * 1e9))
+
+    async def release_in(self, scope: object, request: object) -> None:
+        raise NotImplementedError
+
+    async def truncate_in(self, scope: object, request: object) -> None:
+        raise NotImplementedError
+
+
 async def serve_echo(address: str, block_s: float) -> None:
     server = grpc.aio.server()
     verifier_pb2_grpc.add_VerifierServicer_to_server(Echo(block_s), server)
     server.add_insecure_port(address)
     await server.start()
+    path = lane_path(address)
+    if path is not None:
+        await LaneServer(LaneEcho(block_s), path, verifier_pb2.VerifyRequest).start()  # type: ignore[arg-type]
     await server.wait_for_termination()
 
 
@@ -121,9 +155,12 @@ def summary(name: str, beyond: list[float], engine: list[float]) -> str:
     return row
 
 
-async def run_client(address: str, n: int, warmup: int, seq_id: str) -> tuple[list, list]:
-    """Rounds through the gateway's client; (beyond-engine seconds, engine seconds)."""
-    client = GrpcVerifierClient(address)
+async def run_client(
+    address: str, n: int, warmup: int, seq_id: str, round_lane: bool = True
+) -> tuple[list, list]:
+    """Rounds through the gateway's client (on the round lane when `address` is a Unix socket
+    and `round_lane`); (beyond-engine seconds, engine seconds)."""
+    client = GrpcVerifierClient(address, round_lane=round_lane)
     try:
         (out,) = await client.verify([decode_input(seq_id, 0, PROMPT)])
         committed, token = out.kv_committed_len, out.bonus_token
@@ -188,6 +225,24 @@ async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
     return beyond, engine
 
 
+async def run_lane_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
+    """The echo child's round lane (after run_echo: the child is up): frames alone."""
+    path = lane_path(address)
+    assert path is not None
+    lane = LaneConnection("echo", path)
+    body = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])]).SerializeToString()
+    beyond, engine = [], []
+    for i in range(n + warmup):
+        start = time.perf_counter()
+        response = verifier_pb2.VerifyResponse.FromString(await lane.request(Kind.ROUND, body))
+        if i >= warmup:
+            held = response.verify_ns / 1e9
+            beyond.append(time.perf_counter() - start - held)
+            engine.append(held)
+    lane.close()
+    return beyond, engine
+
+
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
     path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
@@ -212,6 +267,9 @@ async def measure(args: argparse.Namespace, address: str, echo_address: str) -> 
         name = "echo (transport only)" if not block_ms else f"echo, loop held {block_ms} ms"
         try:
             rows.append(summary(name, *await run_echo(echo_address, args.rounds, args.warmup)))
+            if lane_path(echo_address) is not None:
+                lane = await run_lane_echo(echo_address, args.rounds, args.warmup)
+                rows.append(summary(f"{name}, round lane", *lane))
         finally:
             echo.kill()
             echo.wait()
@@ -245,10 +303,15 @@ async def verifier_rows(args: argparse.Namespace, address: str) -> list[str]:
     try:
         if not await wait_ready(address, 300):
             raise SystemExit("the verifier did not become ready")
-        rows.append(summary("gateway client", *await run_client(address, n, warmup, "c")))
+        lane = lane_path(address) is not None
+        client = "gateway client, round lane" if lane else "gateway client"
+        rows.append(summary(client, *await run_client(address, n, warmup, "c")))
+        if lane:
+            grpc_only = await run_client(address, n, warmup, "g", round_lane=False)
+            rows.append(summary("gateway client, gRPC", *grpc_only))
         rows.append(summary("bare stub", *await run_stub(address, n, warmup, "s")))
         again = await run_client(address, n, warmup, "c2")
-        rows.append(summary("gateway client (again)", *again))
+        rows.append(summary(f"{client} (again)", *again))
     finally:
         verifier.terminate()
         verifier.wait()

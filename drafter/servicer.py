@@ -6,7 +6,7 @@ import grpc
 
 from drafter.engine import DrafterEngine
 from specsplit import rounds
-from specsplit.engine_servicer import EngineServicer, round_stream
+from specsplit.engine_servicer import EngineServicer
 from specsplit.server import service_name
 from specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -19,4 +19,5 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
         drafter_pb2_grpc.add_DrafterServicer_to_server(self, server)
 
     # DraftRequest in -> DrafterEngine.draft -> DraftResponse out, one per request, in order
-    DraftStream = round_stream(rounds.DRAFT, DrafterEngine.draft)
+    round_call = (rounds.DRAFT, DrafterEngine.draft)
+    DraftStream = EngineServicer.round_stream

@@ -2,7 +2,9 @@
 
 Each client keeps ONE long-lived bidi stream to its service and runs one round at a time on it:
 write one request, read one response (DESIGN.md §4: a stream round trip is ~2.5x cheaper than a
-unary call). A broken stream is dropped and reopened by the next round. gRPC errors become
+unary call). A broken stream is dropped and reopened by the next round. A service on a Unix
+socket is reached on its round lane instead (specsplit.lane: the same messages as frames on a
+plain socket, about half gRPC's round trip), health still over gRPC. gRPC errors become
 ServiceError: INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED pass through with the service's
 message, anything else (service down, stream broken, internal error) is UNAVAILABLE.
 """
@@ -21,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.health import Health
 from specsplit import convert, metrics, rounds, telemetry
 from specsplit.errors import Code, ServiceError
+from specsplit.lane import Kind, LaneConnection, lane_path
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
@@ -119,13 +122,23 @@ class StreamClient(Generic[In, Out]):
     first uses them), its round stream, Release and health. tls: the gateway's client
     certificate and the CA of the service's (mutual TLS), or none."""
 
-    def __init__(self, rpc: RoundRpc[In, Out], address: str, tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self,
+        rpc: RoundRpc[In, Out],
+        address: str,
+        tls: TLSFiles | None = None,
+        round_lane: bool = True,
+    ) -> None:
+        """round_lane: rounds, Release and Truncate on the service's round lane
+        (specsplit.lane) when `address` is a Unix socket; off: all on gRPC."""
         self.rpc = rpc
         self.service = rpc.service
         self.address = address
         self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
+        path = lane_path(address) if round_lane and not self.tls.enabled else None
+        self.lane = None if path is None else LaneConnection(self.service, path)
         self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
 
     @property
@@ -140,7 +153,11 @@ class StreamClient(Generic[In, Out]):
         request = self.rpc.request_to_proto(inputs)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         with metrics.timed(self.rpc.seconds):
-            response = await self._stream.round(request)
+            if self.lane is None:
+                response = await self._stream.round(request)
+            else:
+                answer = await self.lane.request(Kind.ROUND, request.SerializeToString())
+                response = self.rpc.response_type.FromString(answer)
         outputs = self.rpc.response_from_proto(response)
         self.last_engine_seconds = self.rpc.engine_ns(response) / 1e9
         overhead = time.perf_counter() - start - self.last_engine_seconds
@@ -150,8 +167,12 @@ class StreamClient(Generic[In, Out]):
     async def release(self, seq_ids: list[str]) -> None:
         if not seq_ids:
             return
+        request = common_pb2.ReleaseRequest(seq_ids=seq_ids)
+        if self.lane is not None:
+            await self.lane.request(Kind.RELEASE, request.SerializeToString())
+            return
         try:
-            await self.rpc.stub(self.channel).Release(common_pb2.ReleaseRequest(seq_ids=seq_ids))
+            await self.rpc.stub(self.channel).Release(request)
         except grpc.aio.AioRpcError as err:
             raise service_error(err, self.service) from err
 
@@ -160,10 +181,14 @@ class StreamClient(Generic[In, Out]):
         if not items:
             return []
         request = convert.truncate_request_to_proto(items)
-        try:
-            response = await self.rpc.stub(self.channel).Truncate(request)
-        except grpc.aio.AioRpcError as err:
-            raise service_error(err, self.service) from err
+        if self.lane is not None:
+            answer = await self.lane.request(Kind.TRUNCATE, request.SerializeToString())
+            response = common_pb2.TruncateResponse.FromString(answer)
+        else:
+            try:
+                response = await self.rpc.stub(self.channel).Truncate(request)
+            except grpc.aio.AioRpcError as err:
+                raise service_error(err, self.service) from err
         return convert.truncate_response_from_proto(response)
 
     async def health(self) -> Health:
@@ -176,6 +201,8 @@ class StreamClient(Generic[In, Out]):
 
     async def close(self) -> None:
         self._stream.close()
+        if self.lane is not None:
+            self.lane.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -202,16 +229,16 @@ class StreamClient(Generic[In, Out]):
 
 
 class GrpcDrafterClient(StreamClient[DraftInput, DraftOutput]):
-    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
-        super().__init__(rounds.DRAFT, address, tls)
+    def __init__(self, address: str, tls: TLSFiles | None = None, round_lane: bool = True) -> None:
+        super().__init__(rounds.DRAFT, address, tls, round_lane)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         return await self.round(inputs)
 
 
 class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
-    def __init__(self, address: str, tls: TLSFiles | None = None) -> None:
-        super().__init__(rounds.VERIFY, address, tls)
+    def __init__(self, address: str, tls: TLSFiles | None = None, round_lane: bool = True) -> None:
+        super().__init__(rounds.VERIFY, address, tls, round_lane)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         return await self.round(inputs)

@@ -34,6 +34,7 @@ from specsplit.cli_flags import (
     model_flags,
     optional_str,
     resolve_hosts,
+    round_lane_flag,
     server_flags,
     spec_flags,
     tls_files,
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     api_key_flags(gateway, server=True)
     tls_flags(gateway, "gateway")
     backend_tls_flags(gateway)
+    round_lane_flag(gateway)
 
     up = commands.add_parser("up", help="run the three services locally until Ctrl-C")
     host_flag(up, "the services (gRPC, HTTP, metrics)")
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     choices = ("auto", "unix", "tcp")
     flag(up, "--internal-transport", "auto", transport_help, choices=choices)
+    round_lane_flag(up)
     model_flags(up)
     verifier_flags(up)
     flag(up, "--drafter-device", None, "the drafter's torch device; none = --device")

@@ -382,3 +382,12 @@ def adaptive_rungs(args: argparse.Namespace) -> tuple[SpecParams, ...] | None:
     from gateway.adaptive import parse_ladder
 
     return None if args.adaptive_ladder is None else parse_ladder(args.adaptive_ladder)
+
+
+def round_lane_flag(parser: argparse.ArgumentParser) -> None:
+    lane_help = (
+        "on: a drafter or verifier on a Unix socket takes its rounds, Release and Truncate on"
+        " its round lane (the same messages as frames on a plain socket beside it, about half"
+        " gRPC's round trip); off: everything on gRPC"
+    )
+    flag(parser, "--round-lane", "on", lane_help, choices=("on", "off"))

@@ -116,6 +116,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             overlap="serial" if args.overlap == "auto" else args.overlap,
             ahead_guesses=args.ahead_guesses,
             ahead_max_batch=args.ahead_max_batch,
+            round_lane=args.round_lane == "on",
             speculation_gate=args.speculation_gate == "on",
         )
     )

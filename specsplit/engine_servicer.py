@@ -1,7 +1,7 @@
 """The drafter's and verifier's servicers, less what differs between them: the engine on its one
 thread (`EngineThread`), sequence ids scoped by connection (specsplit.scopes), the unary Release
-and Truncate, and the round stream (`round_stream`: a service's `specsplit.rounds.RoundRpc` and
-its engine call).
+and Truncate, the round stream (`round_stream`: a service's `specsplit.rounds.RoundRpc` and its
+engine call, `round_call`) and the same three on the round lane (specsplit.lane).
 
 Model code runs on one dedicated thread per engine: loading and warmup, and on the CPU every
 engine call. An engine on a GPU takes its calls on the event loop's thread instead
@@ -18,15 +18,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import grpc
 
 from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
+from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
-from specsplit.rounds import In, Out, RoundRpc
-from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes
+from specsplit.rounds import RoundRpc
+from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes, Scope
 from specsplit.server import service_errors
 from specsplit.v1 import common_pb2
 
@@ -140,6 +141,8 @@ class EngineServicer(Generic[EngineT]):
     name: str  # "drafter": the engine thread's name in logs
     service_name: str
     mutual_tls = True
+    # the service's round: its RoundRpc and its engine's call (on the engine thread)
+    round_call: ClassVar[tuple[RoundRpc[Any, Any], Callable[[Any, list[Any]], list[Any]]]]
 
     def __init__(
         self,
@@ -151,6 +154,7 @@ class EngineServicer(Generic[EngineT]):
         docstring)."""
         self.engine = EngineThread(self.name, load, _warmup, calls_on_loop)
         self.scopes = ConnectionScopes(self._release_selected, orphan_grace_s)
+        self.lane: LaneServer | None = None
         metrics.watch_kv_pages(self._kv_pages)
 
     async def load(self) -> None:
@@ -174,27 +178,73 @@ class EngineServicer(Generic[EngineT]):
     async def Release(
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
-        # only the caller's own sequences: ids are scoped to the connection that made them
-        scope = self.scopes.find(context.peer())
-        seq_ids = [] if scope is None else [scope.inside(s) for s in request.seq_ids]
         async with service_errors(context):
-            num_released, num_pages_used = await self.engine.run(_release, seq_ids)
-        return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
+            return await self.release_in(self.scopes.find(context.peer()), request)
+        raise AssertionError("unreachable: service_errors aborts")
 
     async def Truncate(
         self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TruncateResponse:
         async with service_errors(context):
-            items = convert.truncate_request_from_proto(request)
-            # only the caller's own sequences: none at all when it holds nothing here
-            scope = self.scopes.find(context.peer())
-            mine = [] if scope is None else scope.enter(items)
-            truncated, num_pages_used = await self.engine.run(_truncate, mine)
-            if scope is None:
-                truncated = [Truncated(t.seq_id, found=False) for t in items]
-            else:
-                truncated = scope.leave(truncated)
-            return convert.truncate_response_to_proto(truncated, num_pages_used)
+            return await self.truncate_in(self.scopes.find(context.peer()), request)
+        raise AssertionError("unreachable: service_errors aborts")
+
+    async def release_in(
+        self, scope: Scope | None, request: common_pb2.ReleaseRequest
+    ) -> common_pb2.ReleaseResponse:
+        """Release the caller's own sequences: ids are scoped to the connection that made them
+        (none at all when it holds nothing here)."""
+        seq_ids = [] if scope is None else [scope.inside(s) for s in request.seq_ids]
+        num_released, num_pages_used = await self.engine.run(_release, seq_ids)
+        return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
+
+    async def truncate_in(
+        self, scope: Scope | None, request: common_pb2.TruncateRequest
+    ) -> common_pb2.TruncateResponse:
+        """Truncate the caller's own sequences (scoped as `release_in`)."""
+        items = convert.truncate_request_from_proto(request)
+        mine = [] if scope is None else scope.enter(items)
+        truncated, num_pages_used = await self.engine.run(_truncate, mine)
+        if scope is None:
+            truncated = [Truncated(t.seq_id, found=False) for t in items]
+        else:
+            truncated = scope.leave(truncated)
+        return convert.truncate_response_to_proto(truncated, num_pages_used)
+
+    async def round_stream(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """The service's bidi round method (VerifyStream, DraftStream): one response per
+        request, in order; a refused round ends the stream (its status from
+        `service_errors`). Sequence ids are this connection's own (specsplit.scopes): its
+        scope lives as long as the stream, then its orphan grace starts."""
+        async with service_errors(context), self.scopes.stream(context.peer()) as scope:
+            async for request in request_iterator:
+                yield await self.round_in(scope, request)
+
+    async def round_in(self, scope: Scope, request: Any) -> Any:
+        """One round of the service's `round` (its RoundRpc and engine call) for a client in
+        `scope`: the request parsed, the engine's call timed and traced, the response."""
+        rpc, run = self.round_call
+        start_ns = time.perf_counter_ns()
+        inputs = scope.enter(rpc.request_from_proto(request))
+        with telemetry.service_span(rpc.span, request) as span:
+            outputs, engine_ns = await self.engine.run_timed(run, inputs)
+            span.set_attribute(f"{rpc.span}_ns", engine_ns)
+        rpc.seconds.observe(engine_ns / 1e9)
+        response = rpc.response_to_proto(scope.leave(outputs), engine_ns)
+        overhead_ns = time.perf_counter_ns() - start_ns - engine_ns
+        metrics.SERVICE_OVERHEAD_SECONDS.observe(max(overhead_ns, 0) / 1e9)
+        return response
+
+    async def serve_lane(self, path: str) -> None:
+        """Serve the round lane (specsplit.lane) on the Unix socket `path`."""
+        self.lane = LaneServer(self, path, self.round_call[0].request_type)
+        await self.lane.start()
+
+    async def close_lane(self) -> None:
+        if self.lane is not None:
+            await self.lane.close()
 
 
 def calls_on_loop(engine_calls: str, device: str) -> bool:
@@ -219,32 +269,3 @@ def _truncate(engine: Engine, items: list[Truncation]) -> tuple[list[Truncated],
 
 def _release_selected(engine: Engine, select: Callable[[Iterable[str]], list[str]]) -> int:
     return engine.release(select(list(engine.seqs)))
-
-
-def round_stream(
-    rpc: RoundRpc[In, Out], run: Callable[[EngineT, list[In]], list[Out]]
-) -> Callable[[EngineServicer[EngineT], AsyncIterator[Any], grpc.aio.ServicerContext], Any]:
-    """The servicer's bidi stream method for `rpc`, `run` being the engine's round (on the
-    engine thread): one response per request, in order; a refused round ends the stream (its
-    status from `service_errors`). Sequence ids are this connection's own (specsplit.scopes):
-    its scope lives as long as the stream, then its orphan grace starts."""
-
-    async def stream(
-        self: EngineServicer[EngineT],
-        request_iterator: AsyncIterator[Any],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[Any]:
-        async with service_errors(context), self.scopes.stream(context.peer()) as scope:
-            async for request in request_iterator:
-                start_ns = time.perf_counter_ns()
-                inputs = scope.enter(rpc.request_from_proto(request))
-                with telemetry.service_span(rpc.span, request) as span:
-                    outputs, engine_ns = await self.engine.run_timed(run, inputs)
-                    span.set_attribute(f"{rpc.span}_ns", engine_ns)
-                rpc.seconds.observe(engine_ns / 1e9)
-                response = rpc.response_to_proto(scope.leave(outputs), engine_ns)
-                overhead_ns = time.perf_counter_ns() - start_ns - engine_ns
-                metrics.SERVICE_OVERHEAD_SECONDS.observe(max(overhead_ns, 0) / 1e9)
-                yield response
-
-    return stream

@@ -15,7 +15,7 @@ from prometheus_client import Histogram
 from specsplit import convert, metrics
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from specsplit.scopes import Keyed
-from specsplit.v1 import drafter_pb2_grpc, verifier_pb2_grpc
+from specsplit.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 In = TypeVar("In", bound=Keyed)  # a round's input: DraftInput / VerifyInput
 Out = TypeVar("Out", bound=Keyed)  # a round's output: DraftOutput / VerifyOutput
@@ -29,6 +29,8 @@ class RoundRpc(Generic[In, Out]):
     span: str  # the service's span, "specsplit.draft"; its engine time is "specsplit.draft_ns"
     stub: Callable[[grpc.aio.Channel], Any]  # the generated stub class, with Release
     stream: str  # the stub's bidi round method, "DraftStream"
+    request_type: Any  # the request and response message classes (the round lane parses them)
+    response_type: Any
     request_to_proto: Callable[[list[In]], Any]
     request_from_proto: Callable[[Any], list[In]]
     response_to_proto: Callable[[list[Out], int], Any]  # (outputs, engine ns)
@@ -42,6 +44,8 @@ DRAFT: RoundRpc[DraftInput, DraftOutput] = RoundRpc(
     span="specsplit.draft",
     stub=drafter_pb2_grpc.DrafterStub,
     stream="DraftStream",
+    request_type=drafter_pb2.DraftRequest,
+    response_type=drafter_pb2.DraftResponse,
     request_to_proto=convert.draft_request_to_proto,
     request_from_proto=convert.draft_request_from_proto,
     response_to_proto=convert.draft_response_to_proto,
@@ -55,6 +59,8 @@ VERIFY: RoundRpc[VerifyInput, VerifyOutput] = RoundRpc(
     span="specsplit.verify",
     stub=verifier_pb2_grpc.VerifierStub,
     stream="VerifyStream",
+    request_type=verifier_pb2.VerifyRequest,
+    response_type=verifier_pb2.VerifyResponse,
     request_to_proto=convert.verify_request_to_proto,
     request_from_proto=convert.verify_request_from_proto,
     response_to_proto=convert.verify_response_to_proto,

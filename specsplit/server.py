@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError
+from specsplit.lane import lane_path
 from specsplit.tls import TLSFiles, add_port
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class Servable(Protocol):
     """What `ServiceHost` hosts: a servicer plus its slow start (model load, warmup). One may
     also have `async def drain(grace: float)`, run at shutdown before the server stops: the
     gateway's refuses new requests and ends its running ones, each with a status, within
-    `grace` seconds."""
+    `grace` seconds; and `serve_lane(path)` / `close_lane()`: the drafter's and verifier's
+    round lane (specsplit.lane), served beside a Unix-socket address."""
 
     service_name: str  # full gRPC name, e.g. "specsplit.v1.Drafter"
 
@@ -156,6 +158,9 @@ class ServiceHost:
         if self.port == 0:
             raise OSError(f"{name}: cannot listen on {self.address}")
         await self.server.start()
+        lane = lane_path(self.address)
+        if lane is not None and hasattr(self.servable, "serve_lane"):
+            await self.servable.serve_lane(lane)  # the round lane beside the gRPC socket
         security = "plaintext" if not self.tls.enabled else "mutual TLS" if mutual else "TLS"
         log.info("%s listening on %s (%s), NOT_SERVING until ready", name, self.where, security)
         return self.port
@@ -196,6 +201,9 @@ class ServiceHost:
         drain = getattr(self.servable, "drain", None)
         if drain is not None:
             await drain(self.grace)
+        close_lane = getattr(self.servable, "close_lane", None)
+        if close_lane is not None:
+            await close_lane()
         await self.server.stop(max(self.grace - (time.monotonic() - started), STOP_SLACK_S))
         await self.servable.close()
         log.info("%s stopped after %.1f s", name, time.monotonic() - started)

@@ -103,6 +103,7 @@ def child_commands(
     gateway += ["--speculation-gate", gateway_speculation_gate(args)]
     gateway += ["--ahead-guesses", str(args.ahead_guesses)]
     gateway += ["--ahead-max-batch", str(args.ahead_max_batch)]
+    gateway += ["--round-lane", args.round_lane]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)

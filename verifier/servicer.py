@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from specsplit import rounds
-from specsplit.engine_servicer import EngineServicer, round_stream
+from specsplit.engine_servicer import EngineServicer
 from specsplit.server import service_name
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.engine import VerifierEngine
@@ -19,4 +19,5 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
 
     # VerifyRequest in -> VerifierEngine.verify -> VerifyResponse out, one per request, in order
-    VerifyStream = round_stream(rounds.VERIFY, VerifierEngine.verify)
+    round_call = (rounds.VERIFY, VerifierEngine.verify)
+    VerifyStream = EngineServicer.round_stream

@@ -1,0 +1,203 @@
+"""The round lane (specsplit.lane): a service on a Unix socket serves the gateway's rounds,
+Release and Truncate as frames on a plain socket beside its gRPC socket. Named invariants: a
+round on the lane answers what the same round on gRPC does; a refusal carries the service's
+status and leaves the connection usable; a client that reconnects keeps its sequences, and no
+other client can name them; Release, Truncate and a client gone for its orphan grace free the
+KV; a stopped or absent service is UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from gateway.grpc_clients import GrpcVerifierClient
+from specsplit.errors import Code, ServiceError
+from specsplit.lane import HEADER, STATUS, Kind, frame, lane_path, new_token, read_frame
+from specsplit.messages import Truncation, VerifyInput
+from specsplit.server import ServiceHost
+from specsplit.tree import DraftTree
+from tests.support import save_tiny_llama
+from verifier.engine import VerifierEngine
+from verifier.servicer import VerifierServicer
+
+PROMPT = list(range(10, 30))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("lane") / "target", seed=4)
+
+
+def _with_verifier(
+    target: Path, tmp_path: Path, body: Callable[[ServiceHost, str], Awaitable[None]]
+) -> None:
+    """Run `body(host, address)` against a verifier service on a Unix socket."""
+    address = f"unix:{tmp_path}/verifier.sock"
+
+    async def run() -> None:
+        servicer = VerifierServicer(
+            lambda: VerifierEngine.load(str(target), num_pages=64), orphan_grace_s=0.2
+        )
+        host = ServiceHost(servicer, address, grace=0.1)
+        await host.start()
+        await host.load()
+        try:
+            await body(host, address)
+        finally:
+            await host.stop()
+
+    asyncio.run(run())
+
+
+def _engine(host: ServiceHost) -> VerifierEngine:
+    engine = host.servable.engine.loaded  # type: ignore[attr-defined]
+    assert engine is not None
+    return engine  # type: ignore[no-any-return]
+
+
+async def _decode(client: GrpcVerifierClient, seq_id: str, rounds: int) -> list[int]:
+    """A prefill, then `rounds` one-token rounds with a one-node draft; the tokens it got."""
+    (out,) = await client.verify([VerifyInput(seq_id, True, 0, PROMPT, DraftTree())])
+    tokens = [out.bonus_token]
+    for _ in range(rounds):
+        tree = DraftTree([tokens[-1]], [-1])
+        item = VerifyInput(seq_id, False, out.kv_committed_len, [tokens[-1]], tree)
+        (out,) = await client.verify([item])
+        tokens += [*out.accepted_tokens, out.bonus_token]
+    return tokens
+
+
+def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(target: Path, tmp_path: Path) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        lane = GrpcVerifierClient(address)
+        grpc_only = GrpcVerifierClient(address, round_lane=False)
+        assert lane.lane is not None and grpc_only.lane is None
+        assert os.path.exists(lane_path(address) or "")
+        try:
+            assert await _decode(lane, "a", 6) == await _decode(grpc_only, "a", 6)
+            assert lane.last_engine_seconds > 0
+            await lane.release(["a"])
+            await grpc_only.release(["a"])
+            assert _engine(host).num_pages_used == 0
+        finally:
+            await lane.close()
+            await grpc_only.close()
+
+    _with_verifier(target, tmp_path, body)
+
+
+def test_a_refused_round_carries_the_services_status_and_the_lane_stays(
+    target: Path, tmp_path: Path
+) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address)
+        try:
+            unknown = VerifyInput("nobody", False, 5, [1], DraftTree())
+            with pytest.raises(ServiceError) as refused:
+                await client.verify([unknown])
+            assert refused.value.code == Code.NOT_FOUND
+            assert "'nobody'" in refused.value.message and "/" not in refused.value.message
+            twice = VerifyInput("x", True, 0, PROMPT, DraftTree())
+            with pytest.raises(ServiceError) as bad:
+                await client.verify([twice, twice])
+            assert bad.value.code == Code.INVALID_ARGUMENT
+            assert len(await _decode(client, "b", 2)) >= 3  # the same connection goes on
+            await client.release(["b"])
+        finally:
+            await client.close()
+        path = lane_path(address)
+        assert path is not None
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(frame(Kind.HELLO, new_token()) + frame(9, b""))
+        status, message = await read_frame(reader)
+        assert status == STATUS[Code.INVALID_ARGUMENT] and b"kind 9" in message
+        writer.write(frame(Kind.ROUND, b"\xff\xff"))
+        status, message = await read_frame(reader)
+        assert status == STATUS[Code.INVALID_ARGUMENT] and message.startswith(b"bad message")
+        writer.close()
+
+    _with_verifier(target, tmp_path, body)
+
+
+def test_a_reconnecting_client_keeps_its_sequences_that_no_other_client_can_name(
+    target: Path, tmp_path: Path
+) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        owner, other = GrpcVerifierClient(address), GrpcVerifierClient(address)
+        try:
+            await _decode(owner, "s", 1)
+            used = _engine(host).num_pages_used
+            assert used > 0
+            assert owner.lane is not None
+            owner.lane.close()  # the connection broke (a round cancelled mid-way does this)
+            assert len(await _decode_more(owner, "s")) == 2  # same token: same scope
+            await other.release(["s"])  # another client's "s" is not the owner's
+            assert _engine(host).num_pages_used == used
+            with pytest.raises(ServiceError) as unknown:
+                await other.verify([VerifyInput("s", False, 21, [3], DraftTree())])
+            assert unknown.value.code == Code.NOT_FOUND
+            kept = await owner.truncate([Truncation("s", len(PROMPT))])
+            assert kept[0].found and kept[0].kv_committed_len == len(PROMPT)
+            await owner.release(["s"])
+            assert _engine(host).num_pages_used == 0
+        finally:
+            await owner.close()
+            await other.close()
+
+    _with_verifier(target, tmp_path, body)
+
+
+async def _decode_more(client: GrpcVerifierClient, seq_id: str) -> list[int]:
+    """One more round of a sequence _decode prefilled with one round: ask the service where
+    it stands by a Truncate that keeps everything, then verify the next token."""
+    (kept,) = await client.truncate([Truncation(seq_id, 10**6)])
+    assert kept.found
+    item = VerifyInput(seq_id, False, kept.kv_committed_len, [7], DraftTree())
+    (out,) = await client.verify([item])
+    return [*out.accepted_tokens, out.bonus_token, out.kv_committed_len]
+
+
+def test_a_client_gone_for_its_orphan_grace_leaves_no_kv(target: Path, tmp_path: Path) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address)
+        await _decode(client, "gone", 2)
+        assert _engine(host).num_pages_used > 0
+        await client.close()
+        for _ in range(100):
+            if _engine(host).num_pages_used == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert _engine(host).num_pages_used == 0 and not _engine(host).seqs
+
+    _with_verifier(target, tmp_path, body)
+
+
+def test_a_stopped_or_absent_service_is_unavailable(target: Path, tmp_path: Path) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address)
+        try:
+            await _decode(client, "c", 1)
+            await host.stop()
+            assert not os.path.exists(lane_path(address) or "")
+            for _ in range(2):  # the broken connection, then no service to reconnect to
+                with pytest.raises(ServiceError) as down:
+                    await client.verify([VerifyInput("c", False, 22, [3], DraftTree())])
+                assert down.value.code == Code.UNAVAILABLE
+                assert down.value.message.startswith("verifier: ")
+        finally:
+            await client.close()
+        engine = _engine(host)  # a stopped service's engine is gone with its process
+        engine.release(list(engine.seqs))
+
+    _with_verifier(target, tmp_path, body)
+
+
+def test_lane_paths_sit_beside_unix_sockets_only() -> None:
+    assert lane_path("unix:/tmp/a/verifier.sock") == "/tmp/a/verifier.sock.rounds"
+    assert lane_path("unix:///tmp/a/v.sock") == "/tmp/a/v.sock.rounds"
+    assert lane_path("127.0.0.1:50062") is None
+    assert HEADER.size == 5
