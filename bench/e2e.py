@@ -322,12 +322,15 @@ def main() -> None:
     )
     parser.add_argument("--assistant-layers", type=int, default=8, help="0 = no assisted row")
     parser.add_argument("--passes", type=int, default=1, help="sweeps over the prompts")
+    parser.add_argument(
+        "--round-lane", choices=("on", "off"), default="on", help="`up --round-lane`"
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
 
-    with services(args) as stub:
+    with services(args, ("--round-lane", args.round_lane)) as stub:
         runners = service_runners(stub, args)
         if not args.no_hf:
             max_len = max(map(len, prompts)) + args.max_new_tokens
@@ -339,7 +342,7 @@ def main() -> None:
     print(
         f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
         f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
-        f"{args.passes} pass(es), runs interleaved"
+        f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}"
     )
     print(
         f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"

@@ -2,14 +2,16 @@
 # The GPU suite in one command on a lent GPU machine (after `scripts/gpu_wheels.sh` here; the
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
-#       [memory] [rpc] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
+#       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
 # (needs the GGUF at $SMOLLM2_GGUF; drafter on cuda:0, verifier on cuda:1 when there are two);
 # e2e2: e2e with the drafter on cuda:0 and the verifier on cuda:1; memory: bench/memory.py (8B /
-# 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint; overlap:
+# 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint (TCP, then Unix sockets
+# with the round lane); lane: bench/e2e.py through the services (random SmolLM2 + the shipped
+# head), round lane on and off; overlap:
 # bench/overlap.py (serial / groups / target-only through the services, $SMOLLM2_GGUF + the
 # shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF; profile:
 # bench/profile_services.py (cProfile of the three processes, 32 target-only streams; the GGUF
@@ -67,7 +69,16 @@ for part in "${parts[@]}"; do
     rpc)
       random_smollm2
       run rpc python3 bench/rpc_overhead.py --model /tmp/smollm2_random --device cuda:0 \
-        --rounds 1000 ;;
+        --rounds 1000
+      run rpc_unix python3 bench/rpc_overhead.py --model /tmp/smollm2_random --device cuda:0 \
+        --rounds 1000 --transport unix ;;
+    lane)  # target-only and EAGLE chain 3 rounds through the services, round lane on and off
+      random_smollm2
+      for lane in on off; do
+        run "lane_$lane" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
+          --num-prompts 4 --spec 3 --no-hf --round-lane "$lane"
+      done ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
