@@ -159,8 +159,9 @@ class ServiceHost:
             raise OSError(f"{name}: cannot listen on {self.address}")
         await self.server.start()
         lane = lane_path(self.address)
-        if lane is not None and hasattr(self.servable, "serve_lane"):
-            await self.servable.serve_lane(lane)  # the round lane beside the gRPC socket
+        if lane is not None and not self.tls.enabled and hasattr(self.servable, "serve_lane"):
+            # the round lane beside the gRPC socket; never beside TLS (it has no credentials)
+            await self.servable.serve_lane(lane)
         security = "plaintext" if not self.tls.enabled else "mutual TLS" if mutual else "TLS"
         log.info("%s listening on %s (%s), NOT_SERVING until ready", name, self.where, security)
         return self.port

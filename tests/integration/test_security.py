@@ -173,6 +173,28 @@ def test_stranger_without_a_client_certificate_cannot_open_a_stream_to_verifier_
 # -- sequence ids scoped to their connection ------------------------------------------------
 
 
+def test_a_service_with_tls_on_a_unix_socket_opens_no_round_lane(
+    target_dir: Path, pki: LocalPKI, tmp_path: Path
+) -> None:
+    """The round lane has no credentials: beside a TLS socket it would let anyone past mutual
+    TLS. The service opens none and the gateway's client stays on gRPC."""
+    address = f"unix:{tmp_path}/verifier.sock"
+
+    async def run() -> None:
+        host = ServiceHost(_verifier(target_dir), address, grace=0.1, tls=pki.files("verifier"))
+        await host.start()
+        await host.load()
+        try:
+            assert (tmp_path / "verifier.sock").exists()
+            assert not (tmp_path / "verifier.sock.rounds").exists()
+            assert GrpcVerifierClient(address, pki.files("gateway")).lane is None
+            assert GrpcVerifierClient(address).lane is not None  # plaintext: the lane
+        finally:
+            await host.stop()
+
+    asyncio.run(run())
+
+
 def test_pre_created_guessed_seq_ids_on_the_verifier_do_not_break_a_real_clients_requests(
     target_dir: Path,
 ) -> None:
