@@ -78,6 +78,10 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
         # pipelined groups: a group's trees are drafted while the other group is verified
         ("groups_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "groups"),
         ("groups_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8), "groups"),
+        # draft-ahead drafts ahead for greedy chains only: sampled rounds take its Draft path;
+        # "both" runs its groups rounds above --ahead-max-batch
+        ("ahead_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "ahead"),
+        ("both_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "both"),
     ],
 )
 def test_first_tokens_follow_target_distribution(
