@@ -46,6 +46,8 @@ class Services:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # TLS credentials per role for the test's own clients (none = plaintext)
     credentials: dict[str, grpc.ChannelCredentials] = field(default_factory=dict)
+    # the drafter and verifier on Unix sockets here (the gateway on their round lanes), else TCP
+    unix_dir: Path | None = None
 
     def channel(self, role: str) -> grpc.Channel:
         credentials = self.credentials.get(role)
@@ -54,6 +56,8 @@ class Services:
         return grpc.secure_channel(self.address(role), credentials)
 
     def address(self, role: str) -> str:
+        if self.unix_dir is not None and role in ("drafter", "verifier"):
+            return f"unix:{self.unix_dir}/{role}.sock"
         return f"127.0.0.1:{self.ports[role]}"
 
     def command(self, role: str) -> list[str]:

@@ -33,12 +33,16 @@ def services(
     else:
         head = save_random_eagle(root / "head", config, seed=2)
     svc = Services(
-        str(target), root, extra={"drafter": ["--drafter", "eagle3", "--draft-model", str(head)]}
+        str(target),
+        root,
+        extra={"drafter": ["--drafter", "eagle3", "--draft-model", str(head)]},
+        # EAGLE-3 on Unix sockets: its rounds (features both ways) on the round lanes
+        unix_dir=root if request.param == "eagle3" else None,
     )
     yield from svc.serving()
 
 
-def test_eagle3_over_grpc_equals_target_only_and_frees_kv(services: Services) -> None:
+def test_eagle3_over_the_services_equals_target_only_and_frees_kv(services: Services) -> None:
     stub = services.gateway()
     prompts = [[100 + 7 * i + j for j in range(5 + 3 * i)] for i in range(3)]
     for prompt in prompts:
@@ -51,3 +55,5 @@ def test_eagle3_over_grpc_equals_target_only_and_frees_kv(services: Services) ->
     # "drafter failed (...)" and the round goes on without drafts
     assert "drafter failed" not in services.log("gateway")
     assert "Traceback" not in services.log("drafter")
+    if services.unix_dir is not None:
+        assert "round lane on" in services.log("drafter") + services.log("verifier")
