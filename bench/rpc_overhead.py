@@ -47,6 +47,7 @@ from specsplit.lane import Kind, LaneConnection, LaneServer, lane_path
 from specsplit.messages import VerifyInput
 from specsplit.scopes import ConnectionScopes
 from specsplit.tree import DraftTree
+from specsplit.up import LANE_POLL_MS_ON_GPU
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 
 PROMPT = list(range(10, 42))  # 32 tokens
@@ -156,11 +157,14 @@ def summary(name: str, beyond: list[float], engine: list[float]) -> str:
 
 
 async def run_client(
-    address: str, n: int, warmup: int, seq_id: str, round_lane: bool = True
+    address: str, n: int, warmup: int, seq_id: str, round_lane: bool = True, spin: bool = True
 ) -> tuple[list, list]:
     """Rounds through the gateway's client (on the round lane when `address` is a Unix socket
-    and `round_lane`); (beyond-engine seconds, engine seconds)."""
-    client = GrpcVerifierClient(address, round_lane=round_lane)
+    and `round_lane`; its loop polling for the answer as `up` on a GPU has it unless not
+    `spin`); (beyond-engine
+    seconds, engine seconds)."""
+    poll_s = LANE_POLL_MS_ON_GPU / 1e3 if spin else 0.0
+    client = GrpcVerifierClient(address, round_lane=round_lane, lane_poll_s=poll_s)
     try:
         (out,) = await client.verify([decode_input(seq_id, 0, PROMPT)])
         committed, token = out.kv_committed_len, out.bonus_token
@@ -225,11 +229,11 @@ async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
     return beyond, engine
 
 
-async def run_lane_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
+async def run_lane_echo(address: str, n: int, warmup: int, spin: bool) -> tuple[list, list]:
     """The echo child's round lane (after run_echo: the child is up): frames alone."""
     path = lane_path(address)
     assert path is not None
-    lane = LaneConnection("echo", path)
+    lane = LaneConnection("echo", path, LANE_POLL_MS_ON_GPU / 1e3 if spin else 0.0)
     body = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])]).SerializeToString()
     beyond, engine = [], []
     for i in range(n + warmup):
@@ -268,8 +272,10 @@ async def measure(args: argparse.Namespace, address: str, echo_address: str) -> 
         try:
             rows.append(summary(name, *await run_echo(echo_address, args.rounds, args.warmup)))
             if lane_path(echo_address) is not None:
-                lane = await run_lane_echo(echo_address, args.rounds, args.warmup)
-                rows.append(summary(f"{name}, round lane", *lane))
+                for spin in (True, False):
+                    lane = await run_lane_echo(echo_address, args.rounds, args.warmup, spin)
+                    polling = "" if spin else ", no polling"
+                    rows.append(summary(f"{name}, round lane{polling}", *lane))
         finally:
             echo.kill()
             echo.wait()
@@ -307,6 +313,8 @@ async def verifier_rows(args: argparse.Namespace, address: str) -> list[str]:
         client = "gateway client, round lane" if lane else "gateway client"
         rows.append(summary(client, *await run_client(address, n, warmup, "c")))
         if lane:
+            no_spin = await run_client(address, n, warmup, "n", spin=False)
+            rows.append(summary(f"{client}, no polling", *no_spin))
             grpc_only = await run_client(address, n, warmup, "g", round_lane=False)
             rows.append(summary("gateway client, gRPC", *grpc_only))
         rows.append(summary("bare stub", *await run_stub(address, n, warmup, "s")))

@@ -128,9 +128,11 @@ class StreamClient(Generic[In, Out]):
         address: str,
         tls: TLSFiles | None = None,
         round_lane: bool = True,
+        lane_poll_s: float = 0.0,
     ) -> None:
         """round_lane: rounds, Release and Truncate on the service's round lane
-        (specsplit.lane) when `address` is a Unix socket; off: all on gRPC."""
+        (specsplit.lane) when `address` is a Unix socket; off: all on gRPC. lane_poll_s: how
+        long the event loop polls for a lane's answer before sleeping (0 = not at all)."""
         self.rpc = rpc
         self.service = rpc.service
         self.address = address
@@ -138,7 +140,7 @@ class StreamClient(Generic[In, Out]):
         self._channel: grpc.aio.Channel | None = None
         self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
         path = lane_path(address) if round_lane and not self.tls.enabled else None
-        self.lane = None if path is None else LaneConnection(self.service, path)
+        self.lane = None if path is None else LaneConnection(self.service, path, lane_poll_s)
         self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
 
     @property
@@ -229,16 +231,28 @@ class StreamClient(Generic[In, Out]):
 
 
 class GrpcDrafterClient(StreamClient[DraftInput, DraftOutput]):
-    def __init__(self, address: str, tls: TLSFiles | None = None, round_lane: bool = True) -> None:
-        super().__init__(rounds.DRAFT, address, tls, round_lane)
+    def __init__(
+        self,
+        address: str,
+        tls: TLSFiles | None = None,
+        round_lane: bool = True,
+        lane_poll_s: float = 0.0,
+    ) -> None:
+        super().__init__(rounds.DRAFT, address, tls, round_lane, lane_poll_s)
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         return await self.round(inputs)
 
 
 class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
-    def __init__(self, address: str, tls: TLSFiles | None = None, round_lane: bool = True) -> None:
-        super().__init__(rounds.VERIFY, address, tls, round_lane)
+    def __init__(
+        self,
+        address: str,
+        tls: TLSFiles | None = None,
+        round_lane: bool = True,
+        lane_poll_s: float = 0.0,
+    ) -> None:
+        super().__init__(rounds.VERIFY, address, tls, round_lane, lane_poll_s)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         return await self.round(inputs)

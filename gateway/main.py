@@ -158,6 +158,7 @@ async def serve(
     ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
     ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     round_lane: bool = True,
+    lane_poll_s: float = 0.0,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -171,7 +172,8 @@ async def serve(
     "serial", "groups" (pipelined groups), "ahead" (draft-ahead, `ahead_guesses` bonus tokens
     guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch` requests
     run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a drafter
-    or verifier on a Unix socket is reached on its round lane (specsplit.lane).
+    or verifier on a Unix socket is reached on its round lane (specsplit.lane), the event loop
+    polling up to `lane_poll_s` for each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
@@ -184,8 +186,8 @@ async def serve(
         model.max_context,
         list(model.eos_token_ids),
     )
-    drafter = GrpcDrafterClient(drafter_address, backend_tls, round_lane)
-    verifier = GrpcVerifierClient(verifier_address, backend_tls, round_lane)
+    drafter = GrpcDrafterClient(drafter_address, backend_tls, round_lane, lane_poll_s)
+    verifier = GrpcVerifierClient(verifier_address, backend_tls, round_lane, lane_poll_s)
     scheduler = Scheduler(
         drafter,
         verifier,

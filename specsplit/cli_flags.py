@@ -391,3 +391,10 @@ def round_lane_flag(parser: argparse.ArgumentParser) -> None:
         " gRPC's round trip); off: everything on gRPC"
     )
     flag(parser, "--round-lane", "on", lane_help, choices=("on", "off"))
+    poll_help = (
+        "how long the gateway's event loop polls for a round lane's answer before it sleeps"
+        " (waking from a sleep through an engine call costs ~0.1 ms on a GPU host); none ="
+        " auto (`up`: 5 when the verifier runs on a GPU, else 0; serve-gateway: 0); polling"
+        " takes a core that a CPU engine needs"
+    )
+    flag(parser, "--round-lane-poll-ms", None, poll_help, type=optional_float)

@@ -22,6 +22,7 @@ from specsplit.cli_generate import stream_generation
 from specsplit.up_security import UpSecurity
 
 log = logging.getLogger("specsplit.up")
+LANE_POLL_MS_ON_GPU = 5.0  # --round-lane-poll-ms auto with the verifier on a GPU
 T = TypeVar("T")
 
 
@@ -104,6 +105,7 @@ def child_commands(
     gateway += ["--ahead-guesses", str(args.ahead_guesses)]
     gateway += ["--ahead-max-batch", str(args.ahead_max_batch)]
     gateway += ["--round-lane", args.round_lane]
+    gateway += ["--round-lane-poll-ms", str(gateway_lane_poll_ms(args))]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
@@ -149,6 +151,16 @@ def gateway_speculation_gate(args: argparse.Namespace) -> str:
     if args.speculation_gate != "auto":
         return str(args.speculation_gate)
     return "on" if args.device.startswith("cuda") else "off"
+
+
+def gateway_lane_poll_ms(args: argparse.Namespace) -> float:
+    """--round-lane-poll-ms auto: 5 when the verifier runs on a GPU (the gateway's loop polls
+    for each answer instead of sleeping through the engine call: a Verify round 0.07-0.09 ms
+    shorter on an H100 host), 0 on a CPU, where a polling gateway takes a core from the engines
+    (3x slower rounds on a 2-core VM; bench/RESULTS.md)."""
+    if args.round_lane_poll_ms is not None:
+        return float(args.round_lane_poll_ms)
+    return LANE_POLL_MS_ON_GPU if args.device.startswith("cuda") else 0.0
 
 
 def drafter_kv_memory_fraction(args: argparse.Namespace) -> float | None:

@@ -376,6 +376,19 @@ def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch)
     assert cli.parse_args(["serve-gateway"]).overlap == "groups"
 
 
+def test_up_has_the_gateway_poll_its_round_lanes_only_with_the_verifier_on_a_gpu() -> None:
+    def poll_ms(*flags: str) -> float:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
+        return _child_args(child).round_lane_poll_ms  # type: ignore[no-any-return]
+
+    assert poll_ms("--device", "cuda:0") == up.LANE_POLL_MS_ON_GPU
+    assert poll_ms("--device", "cpu") == 0.0  # polling takes a core from the CPU engines
+    assert poll_ms("--device", "cpu", "--round-lane-poll-ms", "2") == 2.0
+    assert poll_ms("--device", "cuda", "--round-lane-poll-ms", "0") == 0.0
+    assert cli.parse_args(["serve-gateway"]).round_lane_poll_ms is None  # serve: 0
+    assert _child_args(up.child_commands(cli.parse_args(["up"]))["gateway"]).round_lane == "on"
+
+
 def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus() -> None:
     def overlap(*flags: str) -> str:
         child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]

@@ -71,9 +71,12 @@ async def _decode(client: GrpcVerifierClient, seq_id: str, rounds: int) -> list[
     return tokens
 
 
-def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(target: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("poll_s", [0.0, 0.005], ids=["sleeping", "polling"])
+def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(
+    target: Path, tmp_path: Path, poll_s: float
+) -> None:
     async def body(host: ServiceHost, address: str) -> None:
-        lane = GrpcVerifierClient(address)
+        lane = GrpcVerifierClient(address, lane_poll_s=poll_s)
         grpc_only = GrpcVerifierClient(address, round_lane=False)
         assert lane.lane is not None and grpc_only.lane is None
         assert os.path.exists(lane_path(address) or "")
