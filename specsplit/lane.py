@@ -191,7 +191,10 @@ class LaneServer:
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):  # left by a service that was killed
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._connection, self.path)
+        try:
+            self._server = await asyncio.start_unix_server(self._connection, self.path)
+        except OSError as err:  # a path too long for a socket (~107 bytes), a read-only dir
+            raise OSError(f"{self.service.name}: cannot open its round lane {self.path}: {err}")
         log.info("%s: round lane on %s", self.service.name, self.path)
 
     async def close(self) -> None:

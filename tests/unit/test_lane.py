@@ -204,3 +204,23 @@ def test_lane_paths_sit_beside_unix_sockets_only() -> None:
     assert lane_path("unix:///tmp/a/v.sock") == "/tmp/a/v.sock.rounds"
     assert lane_path("127.0.0.1:50062") is None
     assert HEADER.size == 5
+
+
+def test_a_lane_path_too_long_for_a_socket_fails_the_start_with_its_path(tmp_path: Path) -> None:
+    """gRPC takes a socket path of up to 107 bytes; the lane's is 7 longer."""
+    room = 104 - len(f"{tmp_path}//v.sock")
+    if room < 1:
+        pytest.skip("the temporary directory's path is too long already")
+    deep = tmp_path / ("d" * room)
+    deep.mkdir()
+    address = f"unix:{deep}/v.sock"
+
+    async def run() -> None:
+        host = ServiceHost(VerifierServicer(lambda: None), address, grace=0.1)  # type: ignore[arg-type,return-value]
+        try:
+            with pytest.raises(OSError, match="round lane .*v.sock.rounds"):
+                await host.start()
+        finally:
+            await host.stop()
+
+    asyncio.run(run())
