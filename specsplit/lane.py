@@ -194,7 +194,8 @@ class LaneServer:
         try:
             self._server = await asyncio.start_unix_server(self._connection, self.path)
         except OSError as err:  # a path too long for a socket (~107 bytes), a read-only dir
-            raise OSError(f"{self.service.name}: cannot open its round lane {self.path}: {err}")
+            message = f"{self.service.name}: cannot open its round lane {self.path}: {err}"
+            raise OSError(message) from err
         log.info("%s: round lane on %s", self.service.name, self.path)
 
     async def close(self) -> None:

@@ -218,7 +218,7 @@ def test_a_lane_path_too_long_for_a_socket_fails_the_start_with_its_path(tmp_pat
     async def run() -> None:
         host = ServiceHost(VerifierServicer(lambda: None), address, grace=0.1)  # type: ignore[arg-type,return-value]
         try:
-            with pytest.raises(OSError, match="round lane .*v.sock.rounds"):
+            with pytest.raises(OSError, match=r"round lane .*v\.sock\.rounds"):
                 await host.start()
         finally:
             await host.stop()
