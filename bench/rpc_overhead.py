@@ -78,13 +78,17 @@ class Echo(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, block_s: float) -> None:
         self.block_s = block_s
 
+    def answer(self) -> verifier_pb2.VerifyResponse:
+        """After holding the event loop `block_s` (spinning, as an engine call on the loop's
+        thread holds it), the response."""
+        end = time.perf_counter() + self.block_s
+        while time.perf_counter() < end:
+            pass
+        return verifier_pb2.VerifyResponse(verify_ns=int(self.block_s * 1e9))
+
     async def VerifyStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
         async for _ in request_iterator:
-            if self.block_s:  # the event loop held, as an engine call on the loop's thread does
-                end = time.perf_counter() + self.block_s
-                while time.perf_counter() < end:
-                    pass
-            yield verifier_pb2.VerifyResponse(verify_ns=int(self.block_s * 1e9))
+            yield self.answer()
 
 
 class LaneEcho:
@@ -101,11 +105,7 @@ class LaneEcho:
         self.scopes = ConnectionScopes(free)
 
     async def round_in(self, scope: object, request: object) -> verifier_pb2.VerifyResponse:
-        if self.echo.block_s:
-            end = time.perf_counter() + self.echo.block_s
-            while time.perf_counter() < end:
-                pass
-        return verifier_pb2.VerifyResponse(verify_ns=int(self.echo.block_s * 1e9))
+        return self.echo.answer()
 
     async def release_in(self, scope: object, request: object) -> None:
         raise NotImplementedError

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
 from specsplit import convert, metrics, rounds, telemetry
-from specsplit.errors import Code, ServiceError
+from specsplit.errors import Code, ServiceError, backend_error
 from specsplit.lane import Kind, LaneConnection, lane_path
 from specsplit.messages import (
     DraftInput,
@@ -39,12 +39,6 @@ from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-_PASSED_THROUGH = {
-    grpc.StatusCode.INVALID_ARGUMENT: Code.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND: Code.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION: Code.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
-}
 
 CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits at most this long for a connection
 HEALTH_TIMEOUT_S = 1.0  # a health check that takes longer counts as no answer
@@ -54,12 +48,7 @@ Resp = TypeVar("Resp")
 
 
 def service_error(err: grpc.aio.AioRpcError, service: str) -> ServiceError:
-    code = _PASSED_THROUGH.get(err.code())
-    if code is not None:
-        return ServiceError(code, err.details() or err.code().name)
-    return ServiceError(
-        Code.UNAVAILABLE, f"{service}: {err.code().name}: {err.details() or 'no details'}"
-    )
+    return backend_error(service, err.code().name, err.details() or "")
 
 
 class RoundStream(Generic[Req, Resp]):
@@ -122,9 +111,10 @@ class StreamClient(Generic[In, Out]):
     first uses them), its round stream, Release and health. tls: the gateway's client
     certificate and the CA of the service's (mutual TLS), or none."""
 
+    rpc: RoundRpc[In, Out]  # the service's round (the subclasses': DRAFT, VERIFY)
+
     def __init__(
         self,
-        rpc: RoundRpc[In, Out],
         address: str,
         tls: TLSFiles | None = None,
         round_lane: bool = True,
@@ -133,8 +123,7 @@ class StreamClient(Generic[In, Out]):
         """round_lane: rounds, Release and Truncate on the service's round lane
         (specsplit.lane) when `address` is a Unix socket; off: all on gRPC. lane_poll_s: how
         long the event loop polls for a lane's answer before sleeping (0 = not at all)."""
-        self.rpc = rpc
-        self.service = rpc.service
+        self.service = self.rpc.service
         self.address = address
         self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
@@ -231,28 +220,14 @@ class StreamClient(Generic[In, Out]):
 
 
 class GrpcDrafterClient(StreamClient[DraftInput, DraftOutput]):
-    def __init__(
-        self,
-        address: str,
-        tls: TLSFiles | None = None,
-        round_lane: bool = True,
-        lane_poll_s: float = 0.0,
-    ) -> None:
-        super().__init__(rounds.DRAFT, address, tls, round_lane, lane_poll_s)
+    rpc = rounds.DRAFT
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         return await self.round(inputs)
 
 
 class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
-    def __init__(
-        self,
-        address: str,
-        tls: TLSFiles | None = None,
-        round_lane: bool = True,
-        lane_poll_s: float = 0.0,
-    ) -> None:
-        super().__init__(rounds.VERIFY, address, tls, round_lane, lane_poll_s)
+    rpc = rounds.VERIFY
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         return await self.round(inputs)

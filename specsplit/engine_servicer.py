@@ -180,14 +180,12 @@ class EngineServicer(Generic[EngineT]):
     ) -> common_pb2.ReleaseResponse:
         async with service_errors(context):
             return await self.release_in(self.scopes.find(context.peer()), request)
-        raise AssertionError("unreachable: service_errors aborts")
 
     async def Truncate(
         self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TruncateResponse:
         async with service_errors(context):
             return await self.truncate_in(self.scopes.find(context.peer()), request)
-        raise AssertionError("unreachable: service_errors aborts")
 
     async def release_in(
         self, scope: Scope | None, request: common_pb2.ReleaseRequest

@@ -25,6 +25,22 @@ class ServiceError(Exception):
         self.message = message
 
 
+# a backend's refusals the gateway passes on as they are; anything else means the backend is down
+PASSED_THROUGH = frozenset(
+    {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
+)
+
+
+def backend_error(service: str, code_name: str, message: str) -> ServiceError:
+    """A drafter's or verifier's error as the gateway raises it (over gRPC or the round lane):
+    PASSED_THROUGH codes with the service's message, anything else (down, stream broken,
+    internal error) as UNAVAILABLE naming the service. code_name: the status's name."""
+    code = next((c for c in PASSED_THROUGH if c.value == code_name), None)
+    if code is not None:
+        return ServiceError(code, message or code_name)
+    return ServiceError(Code.UNAVAILABLE, f"{service}: {code_name}: {message or 'no details'}")
+
+
 def invalid(message: str) -> ServiceError:
     return ServiceError(Code.INVALID_ARGUMENT, message)
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from google.protobuf.message import DecodeError
 
 from specsplit import metrics
-from specsplit.errors import Code, ServiceError
+from specsplit.errors import Code, ServiceError, backend_error
 from specsplit.scopes import ConnectionScopes, Scope
 from specsplit.v1 import common_pb2
 
@@ -117,11 +117,7 @@ class LaneConnection:
         if status == 0:
             return answer
         code = CODES.get(status, Code.INTERNAL)
-        message = answer.decode(errors="replace")
-        if code in (Code.UNAVAILABLE, Code.INTERNAL):
-            message = f"{self.service}: {code.value}: {message}"
-            code = Code.UNAVAILABLE
-        raise ServiceError(code, message)
+        raise backend_error(self.service, code.value, answer.decode(errors="replace"))
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
         """The response frame. While it is awaited the event loop keeps polling (a callback
