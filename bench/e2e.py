@@ -325,12 +325,19 @@ def main() -> None:
     parser.add_argument(
         "--round-lane", choices=("on", "off"), default="on", help="`up --round-lane`"
     )
+    parser.add_argument(
+        "--decode-ahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="`up --decode-ahead` (the verifier runs greedy decode steps ahead)",
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
 
-    with services(args, ("--round-lane", args.round_lane)) as stub:
+    flags = ("--round-lane", args.round_lane, "--decode-ahead", args.decode_ahead)
+    with services(args, flags) as stub:
         runners = service_runners(stub, args)
         if not args.no_hf:
             max_len = max(map(len, prompts)) + args.max_new_tokens
@@ -342,7 +349,8 @@ def main() -> None:
     print(
         f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
         f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
-        f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}"
+        f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
+        f"{args.decode_ahead}"
     )
     print(
         f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"

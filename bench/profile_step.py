@@ -6,6 +6,9 @@ Prints, per (batch, n): the wall time per step, the GPU kernel time per step and
 kernels, the host time spent in each phase (batch building, graph replay or eager forward,
 acceptance, commit), and the top CPU-side ops.
 
+`--cprofile`: the steps timed unprofiled first, then under cProfile (the host's Python, by
+function) instead of torch.profiler.
+
 Read the host times as shares: under the profiler (CUPTI) a CUDA graph's launch costs ~240 us
 per call on an H100 host against 30-60 us unprofiled, and each step's wall time grows by ~0.8 ms;
 `bench/graph_launch.py` times the step and the launch unprofiled.
@@ -14,6 +17,8 @@ per call on an H100 host against 30-60 us unprofiled, and each step's wall time 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -69,6 +74,9 @@ def main() -> None:
         action="store_true",
         help="every round asks for the default EAGLE-3 layers' hidden states",
     )
+    parser.add_argument(
+        "--cprofile", action="store_true", help="cProfile the steps, not torch.profiler"
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -97,6 +105,9 @@ def main() -> None:
             for timer in phases.values():
                 timer.reset()
             torch.cuda.synchronize()
+            if args.cprofile:
+                cprofile_steps(bench, state, n, args, phases)
+                continue
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
                 for _ in range(args.steps):
@@ -126,6 +137,35 @@ def main() -> None:
                 )
             )
         bench.close(state)
+
+
+def cprofile_steps(
+    bench: EngineBench,
+    state: dict[str, tuple[int, int]],
+    n: int,
+    args: argparse.Namespace,
+    phases: dict[str, EngineTime],
+) -> None:
+    """The steps' wall time unprofiled, then the host's functions under cProfile."""
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        bench.step(state, n)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps * 1e3
+    for timer in phases.values():
+        timer.reset()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        bench.step(state, n)
+    profiler.disable()
+    hidden = " + hidden states" if args.hidden_states else ""
+    print(f"\n== {args.shape} batch {len(state)} n {n}{hidden}: wall {wall:.3f} ms/step")
+    for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
+        print(f"   host {name} (cProfiled): {timer.seconds / args.steps * 1e3:.3f} ms/step")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def build_local_stack(
     graph_query_lens: tuple[int, ...] = (),
     draft_graph_lens: tuple[int, ...] = (),
     overlap: str = "serial",
+    decode_ahead: bool = False,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
@@ -90,7 +91,7 @@ def build_local_stack(
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
     rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
-    ("serial", "groups", "ahead" or "both")."""
+    ("serial", "groups", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine)."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -100,6 +101,7 @@ def build_local_stack(
         config.max_position_embeddings,
         config.vocab_size,
         graph_query_lens=graph_query_lens,
+        decode_ahead=decode_ahead,
     )
     if graph_query_lens:
         verifier.warmup()  # captures the CUDA graphs on a GPU

@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small]
+#       [prefill] [small] [ahead]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -22,7 +22,8 @@
 # --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py; rope:
 # the RoPE + K/V store kernel's GPU tests and the engine step with it and without; prefill: a new
 # sequence's first round, graphs (up to 128 tokens) and eager; small: the fused small-linear layer
-# path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B.
+# path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B; ahead: target-only rounds
+# through the services (random SmolLM2) with the verifier's decode steps run ahead and without.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,13 @@ for part in "${parts[@]}"; do
         run "lane_$lane" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
           --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
           --num-prompts 4 --spec 3 --no-hf --round-lane "$lane"
+      done ;;
+    ahead)  # target-only rounds through the services, the verifier's decode steps ahead on / off
+      random_smollm2
+      for ahead in on off; do
+        run "ahead_$ahead" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
+          --num-prompts 4 --no-hf --decode-ahead "$ahead"
       done ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \

@@ -124,6 +124,20 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         fraction_help + " (when --num-pages is not set)",
         type=float,
     )
+    ahead_help = (
+        "after a round of greedy decode steps (no drafts), run the same sequences' next decode"
+        " step before it is asked for, and keep it when the next round is that step: the GPU"
+        " computes while the answer travels and the gateway works; auto = on with CUDA graphs"
+        " on a GPU (elsewhere the step cannot run beside the host's work)"
+    )
+    flag(parser, "--decode-ahead", "auto", ahead_help, choices=("auto", "on", "off"))
+
+
+def decode_ahead(args: argparse.Namespace, device: str) -> bool:
+    """--decode-ahead resolved for a verifier on `device`."""
+    if args.decode_ahead == "auto":
+        return device.startswith("cuda") and bool(graph_query_lens(args))
+    return bool(args.decode_ahead == "on")
 
 
 def graph_query_lens(args: argparse.Namespace, name: str = "cuda_graphs") -> tuple[int, ...]:

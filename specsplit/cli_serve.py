@@ -12,6 +12,7 @@ from typing import Any
 from specsplit.cli_flags import (
     DRAFTER_KV_MEMORY_FRACTION,
     adaptive_rungs,
+    decode_ahead,
     default_spec,
     graph_query_lens,
     request_limits,
@@ -79,11 +80,13 @@ def serve_drafter(args: argparse.Namespace) -> int:
 def serve_verifier(args: argparse.Namespace) -> int:
     from verifier.main import serve
 
+    kwargs = _engine_kwargs(args)
     graphs = {
         "graph_query_lens": graph_query_lens(args),
         "kv_memory_fraction": args.kv_memory_fraction,
+        "decode_ahead": decode_ahead(args, kwargs["device"]),
     }
-    asyncio.run(serve(args.listen, _model_path(args), **_engine_kwargs(args), **graphs))
+    asyncio.run(serve(args.listen, _model_path(args), **kwargs, **graphs))
     return 0
 
 

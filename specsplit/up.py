@@ -121,6 +121,8 @@ def child_commands(
             args.cuda_graphs,
             "--kv-memory-fraction",
             str(args.kv_memory_fraction),
+            "--decode-ahead",
+            args.decode_ahead,
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],

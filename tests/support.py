@@ -76,9 +76,11 @@ def make_stack(
     adaptive_rungs: tuple[SpecParams, ...] | None = None,
     adaptive_spec: bool = False,
     overlap: str = "serial",
+    decode_ahead: bool = False,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
-    checked after every engine call. adaptive_*: adaptive speculation starting on `spec`."""
+    checked after every engine call. adaptive_*: adaptive speculation starting on `spec`.
+    decode_ahead: the verifier's."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -92,6 +94,7 @@ def make_stack(
         adaptive_spec=adaptive_spec,
         adaptive_rungs=adaptive_rungs,
         overlap=overlap,
+        decode_ahead=decode_ahead,
     )
 
 

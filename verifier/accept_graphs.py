@@ -157,10 +157,11 @@ class AcceptGraphs:
             graph = self.graphs[layout] = self._capture(layout)
         return layout.host_arrays(graph.host.numpy())
 
-    def run(self, layout: Layout, logits: torch.Tensor, num_seqs: int) -> list[list[int]]:
+    def run(self, layout: Layout, logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Replay the layout's graph over its host mirror (`host_arrays`, filled) and the
-        round's logits ([L, vocab], L <= max_rows); per sequence [accepted drafts, bonus,
-        nodes...]."""
+        round's logits ([L, vocab], L <= max_rows): per sequence [accepted drafts, bonus,
+        nodes...] on the device, a view of the graph's output (valid until its next replay;
+        the host mirror is free again once it has been copied to the host)."""
         graph = self.graphs[layout]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
@@ -168,8 +169,7 @@ class AcceptGraphs:
         torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
         graph.graph.replay()
         assert graph.out is not None
-        result: list[list[int]] = graph.out[:num_seqs].tolist()  # the round's one D2H copy
-        return result
+        return graph.out[:num_seqs]
 
     def _capture(self, layout: Layout) -> _Graph:
         if self.pool is None:

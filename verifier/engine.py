@@ -47,6 +47,16 @@ class VerifierSeq:
     generator: torch.Generator | None = None  # created on the first sampled round
 
 
+@dataclass
+class _Launched:
+    """A round queued on the device: what `_finish` needs to commit it."""
+
+    inputs: list[VerifyInput]
+    seqs: list[VerifierSeq]
+    packed: torch.Tensor  # [>= B, 2 + N] on the device: accepted drafts, bonus, nodes
+    hidden: torch.Tensor | None  # the hidden-state rows on the host, valid after the wait
+
+
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
 GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
@@ -69,6 +79,7 @@ class VerifierEngine:
         prefill_query_lens: tuple[int, ...] = PREFILL_QUERY_LENS,
         max_batch_size: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
+        decode_ahead: bool = False,
     ) -> None:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
         tokens per sequence and batches up to max_batch_size; () = always eager. With them,
@@ -76,7 +87,10 @@ class VerifierEngine:
         synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: instead of acceptance, the first
         child at depth d is accepted with probability synthetic_acceptance[d] (the last rate for
         deeper levels), so random-weight models run the whole system at a chosen accepted
-        length; the bonus token is still the target's argmax."""
+        length; the bonus token is still the target's argmax.
+        decode_ahead: after a round of greedy decode steps (no trees, no hidden states), launch
+        the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
+        round takes it when it is that step, else it is dropped."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
@@ -88,6 +102,10 @@ class VerifierEngine:
         self._synthetic_rng = random.Random(0)
         if synthetic_acceptance is not None:
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
+        self.decode_ahead = decode_ahead
+        self._ahead: _Launched | None = None  # the decode step launched before it was asked for
+        self.num_ahead_used = 0  # decode steps run ahead that the next round was
+        self.num_ahead_dropped = 0  # ... and that it was not
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -116,6 +134,7 @@ class VerifierEngine:
         kv_memory_fraction: float = 0.8,
         graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
         max_batch_size: int = 64,
+        decode_ahead: bool = False,
     ) -> VerifierEngine:
         """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
         after loading the weights (less room kept for the CUDA graphs' logits)."""
@@ -127,6 +146,7 @@ class VerifierEngine:
             kv_memory_fraction=kv_memory_fraction,
             graph_query_lens=graph_query_lens,
             max_batch_size=max_batch_size,
+            decode_ahead=decode_ahead,
         )
 
     @classmethod
@@ -139,6 +159,7 @@ class VerifierEngine:
         kv_memory_fraction: float = 0.8,
         graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
         max_batch_size: int = 64,
+        decode_ahead: bool = False,
     ) -> VerifierEngine:
         """An engine over a loaded model, its KV pool sized as `load` says, on the model's
         device and in its dtype."""
@@ -170,6 +191,7 @@ class VerifierEngine:
             config.vocab_size,
             graph_query_lens=graph_query_lens,
             max_batch_size=max_batch_size,
+            decode_ahead=decode_ahead,
         )
 
     @property
@@ -269,12 +291,21 @@ class VerifierEngine:
     @torch.inference_mode()
     def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._validate(inputs)
-        for item in inputs:
-            if item.begin:
-                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
-        seqs = [self.seqs[item.seq_id] for item in inputs]
-        self._reserve(inputs, seqs)
+        launched = self._take_ahead(inputs)
+        if launched is None:
+            for item in inputs:
+                if item.begin:
+                    self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
+            seqs = [self.seqs[item.seq_id] for item in inputs]
+            self._reserve(inputs, seqs)
+            launched = self._launch(inputs, seqs)
+        results = self._finish(launched)
+        if self.decode_ahead:
+            self._ahead = self._launch_ahead(launched, results)
+        return results
 
+    def _launch(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> _Launched:
+        """The round's forward and acceptance queued on the device (their room reserved)."""
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
@@ -294,14 +325,91 @@ class VerifierEngine:
         hidden = None if out.hidden_states is None else _to_host(out.hidden_states)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
-        accepted = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
+        packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
+        return _Launched(inputs, seqs, packed, hidden)
+
+    def _finish(self, launched: _Launched) -> list[VerifyOutput]:
+        """Wait for a launched round's results (its one device-to-host copy) and commit them."""
+        rows: list[list[int]] = launched.packed.tolist()
+        accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         results = [
             self._commit(item, seq, result)
-            for item, seq, result in zip(inputs, seqs, accepted, strict=True)
+            for item, seq, result in zip(launched.inputs, launched.seqs, accepted, strict=True)
         ]
-        if hidden is not None:
-            self._hidden_states_out(inputs, accepted, hidden, results)
+        if launched.hidden is not None:
+            self._hidden_states_out(launched.inputs, accepted, launched.hidden, results)
         return results
+
+    # -- decode steps run ahead ------------------------------------------------------------
+
+    def _launch_ahead(self, done: _Launched, results: list[VerifyOutput]) -> _Launched | None:
+        """After a round of greedy decode steps (every sequence: no tree, no hidden states),
+        the same sequences' next decode step, launched now: the round the gateway sends next
+        when it goes on decoding them all (each bonus token its one pending token). On a GPU it
+        runs while the answer travels and the gateway works; `_take_ahead` keeps it only if the
+        next round is exactly that step, so it changes no output. None when this round does not
+        qualify or the next step would not fit (context, free pages)."""
+        if self.synthetic_acceptance is not None:
+            return None
+        for item in done.inputs:
+            if item.tree or item.hidden_state_layers or not item.sampling.greedy:
+                return None
+        inputs = [
+            VerifyInput(out.seq_id, False, out.kv_committed_len, [out.bonus_token], DraftTree(),
+                        item.sampling)
+            for item, out in zip(done.inputs, results, strict=True)
+        ]  # fmt: skip
+        if any(item.kv_committed_len + 1 > self.max_context for item in inputs):
+            return None
+        need = sum(self.kv.num_new_pages(seq.kv, seq.kv.kv_committed_len + 1) for seq in done.seqs)
+        if need > self.kv.allocator.num_free:
+            return None
+        self._reserve(inputs, done.seqs)
+        try:
+            return self._launch(inputs, done.seqs)
+        except Exception:  # the round itself is committed: its answer must still go out
+            log.exception("a decode step run ahead failed to launch")
+            self._ahead = _Launched(inputs, done.seqs, torch.empty(0), None)
+            self._drop_ahead()
+            return None
+
+    def _take_ahead(self, inputs: list[VerifyInput]) -> _Launched | None:
+        """The decode step launched ahead when `inputs` (validated) are exactly that step: the
+        same sequences in the same order, each its bonus token and nothing else, greedy, no
+        hidden states. Any other round drops it first."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        same = len(inputs) == len(ahead.inputs) and all(
+            not item.begin
+            and item.seq_id == guess.seq_id
+            and item.kv_committed_len == guess.kv_committed_len
+            and item.pending_tokens == guess.pending_tokens
+            and not item.tree
+            and not item.hidden_state_layers
+            and item.sampling.greedy
+            for item, guess in zip(inputs, ahead.inputs, strict=False)
+        )
+        if not same:
+            self._drop_ahead()
+            return None
+        self._ahead = None
+        self.num_ahead_used += 1
+        return ahead
+
+    def _drop_ahead(self) -> None:
+        """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
+        by the next launch), and free the room it reserved. Its K/V writes sit past each
+        sequence's committed length, where the next round writes again."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self.num_ahead_dropped += 1
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for seq in ahead.seqs:
+            if self.seqs.get(seq.seq_id) is seq:
+                self.kv.trim(seq.kv, seq.kv.kv_committed_len)
 
     def _hidden_states_out(
         self,
@@ -335,10 +443,11 @@ class VerifierEngine:
         logits: torch.Tensor,  # [L, vocab] on the device
         rows: list[range],  # per sequence its n + 1 rows of `logits`
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
-    ) -> list[AcceptResult]:
+    ) -> torch.Tensor:
         """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
-        and the accepted path's K/V compaction for the whole batch on the device; one
-        device-to-host copy of the results."""
+        and the accepted path's K/V compaction for the whole batch, queued on the device:
+        per sequence [accepted drafts, bonus, nodes...] ([B, 2 + N], -1 padded; `_finish`
+        copies it to the host)."""
         width = max(len(item.tree) for item in inputs)  # N
         num_seqs = block_table.shape[0]
         greedy = self.synthetic_acceptance is None and all(i.sampling.greedy for i in inputs)
@@ -364,10 +473,8 @@ class VerifierEngine:
             block_table.numpy(), base, layout.pages, self.kv.page_size
         )
         if graphs is not None:
-            packed = graphs.run(layout, logits, num_seqs)
-        else:
-            packed = self._accept_eager(inputs, seqs, logits, host, layout, greedy)
-        return [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in packed]
+            return graphs.run(layout, logits, num_seqs)
+        return self._accept_eager(inputs, seqs, logits, host, layout, greedy)
 
     def _accept_eager(
         self,
@@ -377,9 +484,9 @@ class VerifierEngine:
         host: np.ndarray,  # filled as `layout.host_arrays()`
         layout: Layout,
         greedy: bool,
-    ) -> list[list[int]]:
+    ) -> torch.Tensor:
         """_accept's ops run one by one (the CPU; sampled and synthetic rounds; rounds past the
-        acceptance graphs): per sequence [accepted drafts, bonus, nodes...]."""
+        acceptance graphs)."""
         row_index, draft_tokens, parents, base, table = layout.parts(
             to_device(torch.from_numpy(host), self.device)
         )
@@ -391,9 +498,7 @@ class VerifierEngine:
         else:
             accepted = self._sample(inputs, seqs, logits, row_index, draft_tokens, parents)
         kv = self.kv
-        packed = compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
-        result: list[list[int]] = packed.tolist()  # the round's one device-to-host copy
-        return result
+        return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 
     def _sample(
         self,
@@ -538,6 +643,7 @@ class VerifierEngine:
         """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
         sequence (tokens past a stop point, a turn taken back), free the pages past it, and
         restart its sampling generator (the next turn draws from its own seed)."""
+        self._drop_ahead()
         return truncate_each(items, self.seqs, self._truncate)
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
@@ -547,6 +653,7 @@ class VerifierEngine:
         return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:
+        self._drop_ahead()
         released = 0
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)

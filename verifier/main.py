@@ -25,10 +25,11 @@ async def serve(
     engine_calls: str = "auto",
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
     kv_memory_fraction: float = 0.8,
+    decode_ahead: bool = False,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext. graph_query_lens / kv_memory_fraction: VerifierEngine.load's (GPU only).
+    plaintext. graph_query_lens / kv_memory_fraction / decode_ahead: VerifierEngine.load's.
     engine_calls: --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
     load = partial(
         VerifierEngine.load,
@@ -39,6 +40,7 @@ async def serve(
         page_size=page_size,
         kv_memory_fraction=kv_memory_fraction,
         graph_query_lens=graph_query_lens,
+        decode_ahead=decode_ahead,
     )
     servicer = VerifierServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
     await serve_host(servicer, address, grace=grace, tls=tls)

@@ -1,0 +1,268 @@
+"""The verifier's decode steps run ahead (`VerifierEngine(decode_ahead=True)`): the next decode
+step is launched before it is asked for and kept only when the next round is exactly that step.
+Whatever the gateway sends next (that step, a tree, another batch, a release, a truncation, a
+sampled round), the tokens and the committed KV are those of an engine without it, and no page
+stays held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.errors import ServiceError
+from specsplit.messages import SpecParams, Truncation, VerifyInput, VerifyOutput
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import (
+    generate_all,
+    generated_ids,
+    make_stack,
+    mixed_requests,
+    save_tiny_llama,
+    target_only_ids,
+)
+from verifier.engine import VerifierEngine
+
+PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("ahead") / "target", seed=23)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    """The engines' device (tests/gpu/test_decode_ahead_gpu.py runs these tests on CUDA)."""
+    return "cpu"
+
+
+def _engine(
+    target_dir: Path, decode_ahead: bool, device: str = "cpu", num_pages: int = 64
+) -> VerifierEngine:
+    """float64 on the CPU; on a GPU float32 with the decode and 1 + 3 graphs, as served."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model, config = load_model(str(target_dir), dtype=dtype, device=device)
+    kv = make_kv_cache(config, num_pages, 4, dtype, device)
+    graphs = (1, 4) if device != "cpu" else ()
+    engine = VerifierEngine(
+        model,
+        kv,
+        config.max_position_embeddings,
+        config.vocab_size,
+        graph_query_lens=graphs,
+        max_batch_size=4,
+        decode_ahead=decode_ahead,
+    )
+    if graphs:
+        engine.warmup()
+        engine.num_ahead_used = engine.num_ahead_dropped = 0  # the warm-up's rounds
+    return engine  # fmt: skip
+
+
+class Driver:
+    """Sends rounds as the gateway does: each sequence's bonus token is its next pending token."""
+
+    def __init__(self, engine: VerifierEngine) -> None:
+        self.engine = engine
+        self.tokens: dict[str, list[int]] = {}
+        self.committed: dict[str, int] = {}
+
+    def begin(self, *seq_ids: str) -> None:
+        self.round({s: DraftTree() for s in seq_ids}, begin=True)
+
+    def round(
+        self,
+        trees: dict[str, DraftTree],
+        begin: bool = False,
+        sampling: SamplingParams | None = None,
+    ) -> list[VerifyOutput]:
+        inputs = []
+        for seq_id, tree in trees.items():
+            if begin:
+                self.tokens[seq_id], self.committed[seq_id] = list(PROMPTS[seq_id]), 0
+            committed = self.committed[seq_id]
+            item = VerifyInput(seq_id, begin, committed, self.tokens[seq_id][committed:], tree)
+            if sampling is not None:
+                item.sampling = sampling
+            inputs.append(item)
+        outputs = self.engine.verify(inputs)
+        for out in outputs:
+            tokens = self.tokens[out.seq_id]
+            del tokens[out.kv_committed_len :]
+            tokens += [*out.accepted_tokens, out.bonus_token]
+            self.committed[out.seq_id] = out.kv_committed_len
+        self.engine.check_integrity()
+        return outputs
+
+    def decode(self, *seq_ids: str, rounds: int) -> None:
+        for _ in range(rounds):
+            self.round({s: DraftTree() for s in seq_ids})
+
+    def kv_rows(self, seq_id: str) -> torch.Tensor:
+        kv = self.engine.kv
+        slots = self.engine.seqs[seq_id].kv.slots(0, self.committed[seq_id])
+        return torch.stack(
+            [torch.stack([k[slots], v[slots]]) for k, v in zip(kv.k, kv.v, strict=True)]
+        )
+
+
+def _both(target_dir: Path, device: str) -> tuple[Driver, Driver]:
+    return Driver(_engine(target_dir, False, device)), Driver(_engine(target_dir, True, device))
+
+
+def _same(plain: Driver, ahead: Driver) -> None:
+    assert ahead.tokens == plain.tokens
+    assert ahead.committed == plain.committed
+    for seq_id in plain.engine.seqs:
+        assert torch.equal(ahead.kv_rows(seq_id), plain.kv_rows(seq_id))
+    # the step run ahead holds at most a page per sequence more
+    extra = ahead.engine.num_pages_used - plain.engine.num_pages_used
+    assert 0 <= extra <= len(plain.engine.seqs)
+
+
+def _release(*drivers: Driver) -> None:
+    for driver in drivers:  # and once released, no page held
+        driver.engine.release(list(driver.engine.seqs))
+        assert driver.engine.num_pages_used == 0
+
+
+def _chain(target_dir: Path, device: str, driver: Driver, seq_id: str, right: int) -> DraftTree:
+    """A chain of the target's next `right` tokens (from a plain engine's longer run), then a
+    wrong one."""
+    reference = Driver(_engine(target_dir, False, device))
+    reference.begin(seq_id)
+    have = len(driver.tokens[seq_id])
+    reference.decode(seq_id, rounds=have + right)
+    future = reference.tokens[seq_id][have : have + right]
+    reference.engine.release([seq_id])
+    return DraftTree([*future, (future[-1] + 1) % 256], list(range(-1, right)))
+
+
+def test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens(
+    target_dir: Path, device: str
+) -> None:
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a", "b")
+        driver.decode("a", "b", rounds=12)
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_used >= 11
+    assert ahead.engine.num_ahead_dropped == 0
+    assert plain.engine.num_ahead_used == 0
+    _release(plain, ahead)
+
+
+def test_a_tree_round_after_decode_drops_the_step_run_ahead(target_dir: Path, device: str) -> None:
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a", "b")
+        driver.decode("a", "b", rounds=3)
+        trees = {"a": _chain(target_dir, device, driver, "a", 2), "b": DraftTree()}
+        outputs = driver.round(trees)
+        assert outputs[0].accepted_tokens == trees["a"].tokens[:2]
+        driver.decode("a", "b", rounds=3)
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_dropped == 1  # the tree round's
+    assert ahead.engine.num_ahead_used >= 4
+    _release(plain, ahead)
+
+
+@pytest.mark.parametrize("change", ["one leaves", "one joins", "order", "hidden states"])
+def test_another_batch_drops_the_step_run_ahead(target_dir: Path, device: str, change: str) -> None:
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a", "b") if change != "one joins" else driver.begin("a")
+        driver.decode(*driver.tokens, rounds=3)
+        if change == "one leaves":
+            driver.engine.release(["b"])  # a release drops it
+            del driver.tokens["b"], driver.committed["b"]
+            driver.decode("a", rounds=3)
+        elif change == "one joins":
+            driver.begin("b")
+            driver.decode("a", "b", rounds=3)
+        elif change == "order":
+            driver.decode("b", "a", rounds=3)
+        else:
+            inputs = [
+                VerifyInput("a", False, driver.committed["a"], driver.tokens["a"][-1:],
+                            DraftTree(), hidden_state_layers=(0, 1))
+            ]  # fmt: skip
+            out = driver.engine.verify(inputs)[0]
+            assert out.hidden_states is not None and out.hidden_states.shape[0] == 1
+            driver.tokens["a"].append(out.bonus_token)
+            driver.committed["a"] = out.kv_committed_len
+            driver.decode("a", "b", rounds=2)
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_dropped >= 1
+    assert ahead.engine.num_ahead_used >= 3
+    _release(plain, ahead)
+
+
+def test_truncation_and_refusals_leave_no_step_run_ahead(target_dir: Path, device: str) -> None:
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=4)
+        # a refused round (wrong committed length) changes nothing, the step stays usable
+        bad = VerifyInput("a", False, driver.committed["a"] + 1, [3], DraftTree())
+        with pytest.raises(ServiceError, match="kv_committed_len"):
+            driver.engine.verify([bad])
+        driver.decode("a", rounds=1)
+        keep = driver.committed["a"] - 2
+        [done] = driver.engine.truncate([Truncation("a", keep)])
+        assert done.found and done.kv_committed_len == keep
+        driver.tokens["a"] = driver.tokens["a"][: keep + 1]  # the last one pending again
+        driver.committed["a"] = keep
+        driver.decode("a", rounds=3)
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_dropped == 1  # by the truncation (a refusal keeps it)
+    _release(plain, ahead)
+
+
+def test_sampled_rounds_run_nothing_ahead(target_dir: Path, device: str) -> None:
+    plain, ahead = _both(target_dir, device)
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    for driver in (plain, ahead):
+        driver.begin("a")
+        for _ in range(5):
+            driver.round({"a": DraftTree()}, sampling=sampling)
+    _same(plain, ahead)
+    # the greedy prefill's step was run ahead; the sampled rounds dropped it and ran none
+    assert ahead.engine.num_ahead_used == 0 and ahead.engine.num_ahead_dropped == 1
+    _release(plain, ahead)
+
+
+def test_no_step_runs_ahead_without_a_free_page(target_dir: Path, device: str) -> None:
+    # 3 pages of 4 slots; prompt "a" has 7 tokens: 5 decode rounds commit 12, the 13th slot
+    # would need a 4th page
+    engine = _engine(target_dir, True, device, num_pages=3)
+    driver = Driver(engine)
+    driver.begin("a")
+    driver.decode("a", rounds=5)
+    assert driver.committed["a"] == 12 and engine.num_pages_free == 0
+    assert engine.num_ahead_used == 5  # the last one reserved the 12th slot, no 13th
+    engine.release(["a"])
+    assert engine.num_ahead_dropped == 0  # nothing was run ahead to drop
+    assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["target-only", "some-speculate"])
+def test_the_gateway_gets_the_target_tokens_with_steps_run_ahead(
+    target_dir: Path, smollm2_tokenizer: object, mixed: bool
+) -> None:
+    """Through the scheduler: sequences ending at different rounds (the batch shrinks), and
+    with some requests speculating, rounds alternating between plain and tree rounds."""
+    requests = mixed_requests(5, seed=3, max_new_tokens=6)
+    for i, request in enumerate(requests):
+        request.max_new_tokens = 6 + 3 * i
+        request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else SpecParams(0, 1, 0)
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_ahead=True)  # fmt: skip
+    assert [generated_ids(c) for c in generate_all(stack, requests)] == expected
+    assert stack.verifier.num_ahead_used > 0
