@@ -171,6 +171,12 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
+        "--decode-ahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="`up --decode-ahead` (the verifier runs greedy decode steps ahead)",
+    )
+    parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     args = parser.parse_args()
@@ -203,7 +209,7 @@ def main() -> None:
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
     for mode in modes:
-        with services(args, ("--overlap", mode)) as stub:
+        with services(args, ("--overlap", mode, "--decode-ahead", args.decode_ahead)) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
             for batch in args.batch:
@@ -215,7 +221,8 @@ def main() -> None:
             parts[mode].subtract(before)
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
-        f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy"
+        f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy, "
+        f"decode ahead {args.decode_ahead}"
         f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
     )
     others = [m for m in modes if m != "serial"]
