@@ -76,7 +76,9 @@ def print_time_spent(
     """Per run, exact means from the services' histogram sums: engine time per call, each
     engine's busy fraction (engine-call time / wall: an upper bound of its GPU's), accepted
     tokens per sequence-round, and tokens/s against what the verify time alone allows (the
-    accepted tokens over the verifier's engine time: the overlap issue's goal is >= 0.9)."""
+    accepted tokens over the verifier's engine time: the overlap issue's goal is >= 0.9). The
+    hit rate: draft-ahead's; on target-only rows the share of the verifier's decode steps run
+    ahead that the next round took."""
     print(
         "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | drafter busy "
         "| accepted/round | verify-bound tok/s | of the bound | ahead hit rate |"
@@ -95,6 +97,9 @@ def print_time_spent(
             name = "target only" if mode == "target" else mode
             hits = t[("gateway", "specsplit_draft_ahead_total:hit")]
             misses = t[("gateway", "specsplit_draft_ahead_total:miss")]
+            if mode == "target":  # the verifier's decode steps run ahead, kept / all
+                hits = t[("verifier", "specsplit_decode_ahead_total:used")]
+                misses = t[("verifier", "specsplit_decode_ahead_total:dropped")]
             hit_rate = f"{hits / (hits + misses):.2f}" if hits + misses else "-"
             print(
                 f"| {name} | {batch} | {rate:.1f} "

@@ -117,6 +117,13 @@ DRAFT_AHEAD = Counter(
     "the last round's outcome was there ('hit': no Draft on the round's path) or not ('miss')",
     ["outcome"],
 )
+DECODE_AHEAD = Counter(
+    "specsplit_decode_ahead",
+    "Verifier decode steps run before they were asked for (--decode-ahead), by whether the next"
+    " round was that step ('used': its answer waited only for the GPU) or not ('dropped': a"
+    " step of GPU time spent for nothing)",
+    ["outcome"],
+)
 SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
 SESSION_KV_PAGES = Gauge(
     "specsplit_session_kv_pages",
@@ -248,6 +255,10 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
     """Read (used, free) KV pages at scrape time (two lengths: safe from the scrape thread)."""
     KV_PAGES_USED.set_function(lambda: pages()[0])
     KV_PAGES_FREE.set_function(lambda: pages()[1])
+
+
+def count_decode_ahead(outcome: str) -> None:
+    DECODE_AHEAD.labels(outcome=outcome).inc()
 
 
 def count_error(code_name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,7 @@ class VerifierEngine:
         self._ahead: _Launched | None = None  # the decode step launched before it was asked for
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
+        self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -204,9 +206,14 @@ class VerifierEngine:
 
     def warmup(self) -> None:
         """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
-        graphs (on a GPU)."""
-        with on_device(self.device):
-            self._warmup()
+        graphs (on a GPU). Its rounds are not traffic: the decode-ahead counts start after."""
+        report, self.on_decode_ahead = self.on_decode_ahead, None
+        try:
+            with on_device(self.device):
+                self._warmup()
+        finally:
+            self.on_decode_ahead = report
+            self.num_ahead_used = self.num_ahead_dropped = 0
 
     def _warmup(self) -> None:
         out = self.verify(
@@ -395,6 +402,8 @@ class VerifierEngine:
             return None
         self._ahead = None
         self.num_ahead_used += 1
+        if self.on_decode_ahead is not None:
+            self.on_decode_ahead("used")
         return ahead
 
     def _drop_ahead(self) -> None:
@@ -405,6 +414,8 @@ class VerifierEngine:
         if ahead is None:
             return
         self.num_ahead_dropped += 1
+        if self.on_decode_ahead is not None:
+            self.on_decode_ahead("dropped")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         for seq in ahead.seqs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from specsplit import metrics
 from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
@@ -31,7 +32,7 @@ async def serve(
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens / kv_memory_fraction / decode_ahead: VerifierEngine.load's.
     engine_calls: --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
-    load = partial(
+    load_engine = partial(
         VerifierEngine.load,
         model_path,
         device=device,
@@ -42,5 +43,11 @@ async def serve(
         graph_query_lens=graph_query_lens,
         decode_ahead=decode_ahead,
     )
+
+    def load() -> VerifierEngine:
+        engine = load_engine()
+        engine.on_decode_ahead = metrics.count_decode_ahead
+        return engine
+
     servicer = VerifierServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
     await serve_host(servicer, address, grace=grace, tls=tls)

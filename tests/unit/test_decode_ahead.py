@@ -60,7 +60,6 @@ def _engine(
     )
     if graphs:
         engine.warmup()
-        engine.num_ahead_used = engine.num_ahead_dropped = 0  # the warm-up's rounds
     return engine  # fmt: skip
 
 
@@ -266,3 +265,18 @@ def test_the_gateway_gets_the_target_tokens_with_steps_run_ahead(
                        decode_ahead=True)  # fmt: skip
     assert [generated_ids(c) for c in generate_all(stack, requests)] == expected
     assert stack.verifier.num_ahead_used > 0
+
+
+def test_each_step_run_ahead_is_reported_once_and_warm_up_is_not(
+    target_dir: Path, device: str
+) -> None:
+    engine = _engine(target_dir, True, device)
+    reported: list[str] = []
+    engine.on_decode_ahead = reported.append  # the verifier service counts these in /metrics
+    engine.warmup()  # its rounds are not traffic
+    assert reported == [] and engine.num_ahead_used == engine.num_ahead_dropped == 0
+    driver = Driver(engine)
+    driver.begin("a")
+    driver.decode("a", rounds=3)
+    engine.release(["a"])
+    assert reported == ["used"] * 3 + ["dropped"]
