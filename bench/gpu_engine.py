@@ -116,6 +116,7 @@ class EngineBench:
             config.vocab_size,
             graph_query_lens=query_lens,
             max_batch_size=max_batch,
+            decode_ahead=getattr(args, "decode_ahead", False),
         )
         if graphs:
             start = time.perf_counter()
@@ -246,6 +247,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"
+    )
+    parser.add_argument(
+        "--decode-ahead",
+        action="store_true",
+        help="the verifier runs each decode step ahead (steps back to back: host and GPU overlap)",
     )
     args = parser.parse_args()
 

@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument(
         "--cprofile", action="store_true", help="cProfile the steps, not torch.profiler"
     )
+    parser.add_argument(
+        "--decode-ahead", action="store_true", help="the engine runs decode steps ahead"
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -92,11 +95,13 @@ def main() -> None:
     if engine.graphs is not None:
         phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
     phases["eager forward"] = EngineTime(engine.model, "forward")
-    phases["accept (+ sync)"] = EngineTime(engine, "_accept")
+    phases["accept (queued)"] = EngineTime(engine, "_accept")
     phases["commit"] = EngineTime(engine, "_commit")
     phases["validate"] = EngineTime(engine, "_validate")
     phases["hidden states out"] = EngineTime(engine, "_hidden_states_out")
     phases["reserve"] = EngineTime(engine, "_reserve")
+    phases["launch ahead"] = EngineTime(engine, "_launch_ahead")
+    phases["finish (+ wait)"] = EngineTime(engine, "_finish")
     for batch in args.batch:
         state = bench.open(batch)
         for n in args.n:
