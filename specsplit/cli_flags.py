@@ -91,6 +91,11 @@ SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier
 
 
 ENGINE_CALLS = ("auto", "thread", "loop")
+# --decode-ahead-max-batch (verifier/engine.py `_launch_ahead`): through the services on one
+# H100 (random SmolLM2, bench/RESULTS.md) decode ahead gave 1.29x target-only at 1 stream,
+# 1.56-1.85x at 8, and 0.86-0.90x at 32 (the step host-bound there: its preparation, not the
+# GPU, is what the answer waits for)
+DECODE_AHEAD_MAX_BATCH = 16
 
 
 def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
@@ -131,6 +136,13 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         " on a GPU (elsewhere the step cannot run beside the host's work)"
     )
     flag(parser, "--decode-ahead", "auto", ahead_help, choices=("auto", "on", "off"))
+    flag(
+        parser,
+        "--decode-ahead-max-batch",
+        DECODE_AHEAD_MAX_BATCH,
+        "--decode-ahead only for rounds of at most this many sequences",
+        type=int,
+    )
 
 
 def decode_ahead(args: argparse.Namespace, device: str) -> bool:

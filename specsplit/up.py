@@ -123,6 +123,8 @@ def child_commands(
             str(args.kv_memory_fraction),
             "--decode-ahead",
             args.decode_ahead,
+            "--decode-ahead-max-batch",
+            str(args.decode_ahead_max_batch),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],

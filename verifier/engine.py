@@ -81,6 +81,7 @@ class VerifierEngine:
         max_batch_size: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
         decode_ahead: bool = False,
+        decode_ahead_max_batch: int = 64,
     ) -> None:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
         tokens per sequence and batches up to max_batch_size; () = always eager. With them,
@@ -91,7 +92,8 @@ class VerifierEngine:
         length; the bonus token is still the target's argmax.
         decode_ahead: after a round of greedy decode steps (no trees, no hidden states), launch
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
-        round takes it when it is that step, else it is dropped."""
+        round takes it when it is that step, else it is dropped; rounds of more than
+        decode_ahead_max_batch sequences run nothing ahead."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
@@ -104,6 +106,7 @@ class VerifierEngine:
         if synthetic_acceptance is not None:
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.decode_ahead = decode_ahead
+        self.decode_ahead_max_batch = decode_ahead_max_batch
         self._ahead: _Launched | None = None  # the decode step launched before it was asked for
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
@@ -137,6 +140,7 @@ class VerifierEngine:
         graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
         max_batch_size: int = 64,
         decode_ahead: bool = False,
+        decode_ahead_max_batch: int = 64,
     ) -> VerifierEngine:
         """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
         after loading the weights (less room kept for the CUDA graphs' logits)."""
@@ -149,6 +153,7 @@ class VerifierEngine:
             graph_query_lens=graph_query_lens,
             max_batch_size=max_batch_size,
             decode_ahead=decode_ahead,
+            decode_ahead_max_batch=decode_ahead_max_batch,
         )
 
     @classmethod
@@ -162,6 +167,7 @@ class VerifierEngine:
         graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
         max_batch_size: int = 64,
         decode_ahead: bool = False,
+        decode_ahead_max_batch: int = 64,
     ) -> VerifierEngine:
         """An engine over a loaded model, its KV pool sized as `load` says, on the model's
         device and in its dtype."""
@@ -194,6 +200,7 @@ class VerifierEngine:
             graph_query_lens=graph_query_lens,
             max_batch_size=max_batch_size,
             decode_ahead=decode_ahead,
+            decode_ahead_max_batch=decode_ahead_max_batch,
         )
 
     @property
@@ -356,7 +363,7 @@ class VerifierEngine:
         runs while the answer travels and the gateway works; `_take_ahead` keeps it only if the
         next round is exactly that step, so it changes no output. None when this round does not
         qualify or the next step would not fit (context, free pages)."""
-        if self.synthetic_acceptance is not None:
+        if self.synthetic_acceptance is not None or len(done.inputs) > self.decode_ahead_max_batch:
             return None
         for item in done.inputs:
             if item.tree or item.hidden_state_layers or not item.sampling.greedy:

@@ -27,11 +27,13 @@ async def serve(
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
+    decode_ahead_max_batch: int = 64,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext. graph_query_lens / kv_memory_fraction / decode_ahead: VerifierEngine.load's.
-    engine_calls: --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
+    plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch:
+    VerifierEngine.load's. engine_calls: --engine-calls
+    (specsplit.engine_servicer.calls_on_loop)."""
     load_engine = partial(
         VerifierEngine.load,
         model_path,
@@ -42,6 +44,7 @@ async def serve(
         kv_memory_fraction=kv_memory_fraction,
         graph_query_lens=graph_query_lens,
         decode_ahead=decode_ahead,
+        decode_ahead_max_batch=decode_ahead_max_batch,
     )
 
     def load() -> VerifierEngine:

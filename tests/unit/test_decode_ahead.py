@@ -280,3 +280,16 @@ def test_each_step_run_ahead_is_reported_once_and_warm_up_is_not(
     driver.decode("a", rounds=3)
     engine.release(["a"])
     assert reported == ["used"] * 3 + ["dropped"]
+
+
+def test_rounds_past_the_batch_limit_run_nothing_ahead(target_dir: Path, device: str) -> None:
+    engine = _engine(target_dir, True, device)
+    engine.decode_ahead_max_batch = 1
+    driver = Driver(engine)
+    driver.begin("a", "b")
+    driver.decode("a", "b", rounds=3)
+    engine.release(["a"])
+    driver.decode("b", rounds=3)
+    assert engine.num_ahead_used == 2  # "b" alone: its second and third rounds
+    assert engine.num_ahead_dropped == 0
+    engine.release(["b"])
