@@ -92,9 +92,10 @@ SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier
 
 ENGINE_CALLS = ("auto", "thread", "loop")
 # --decode-ahead-max-batch (verifier/engine.py `_launch_ahead`): through the services on one
-# H100 (random SmolLM2, bench/RESULTS.md) decode ahead gave 1.29x target-only at 1 stream,
-# 1.56-1.85x at 8, and 0.86-0.90x at 32 (the step host-bound there: its preparation, not the
-# GPU, is what the answer waits for)
+# H100 (random SmolLM2, target-only rounds, bench/RESULTS.md) decode ahead gave 1.29x at 1
+# stream, 1.56x / 1.85x at 8, 1.25x at 16; at 32 the runs disagree (0.86x, 0.90x, 1.47x: the
+# step is host-bound there and the figures swing between machines), so larger rounds run nothing
+# ahead until that is understood
 DECODE_AHEAD_MAX_BATCH = 16
 
 
