@@ -330,7 +330,7 @@ def main() -> None:
         "--decode-ahead",
         choices=("auto", "on", "off"),
         default="auto",
-        help="`up --decode-ahead` (the verifier runs greedy decode steps ahead)",
+        help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()

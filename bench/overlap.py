@@ -179,7 +179,7 @@ def main() -> None:
         "--decode-ahead",
         choices=("auto", "on", "off"),
         default="auto",
-        help="`up --decode-ahead` (the verifier runs greedy decode steps ahead)",
+        help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
     parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"

@@ -131,7 +131,7 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
     )
     ahead_help = (
-        "after a round of greedy decode steps (no drafts), run the same sequences' next decode"
+        "after a round of decode steps (no drafts), run the same sequences' next decode"
         " step before it is asked for, and keep it when the next round is that step: the GPU"
         " computes while the answer travels and the gateway works; auto = on with CUDA graphs"
         " on a GPU (elsewhere the step cannot run beside the host's work)"

@@ -56,6 +56,9 @@ class _Launched:
     seqs: list[VerifierSeq]
     packed: torch.Tensor  # [>= B, 2 + N] on the device: accepted drafts, bonus, nodes
     hidden: torch.Tensor | None  # the hidden-state rows on the host, valid after the wait
+    # a step run ahead: each sequence's generator state before it drew (None: no generator
+    # yet), put back when the step is dropped
+    generator_states: list[torch.Tensor | None] | None = None
 
 
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
@@ -90,7 +93,7 @@ class VerifierEngine:
         child at depth d is accepted with probability synthetic_acceptance[d] (the last rate for
         deeper levels), so random-weight models run the whole system at a chosen accepted
         length; the bonus token is still the target's argmax.
-        decode_ahead: after a round of greedy decode steps (no trees, no hidden states), launch
+        decode_ahead: after a round of decode steps (no trees, no hidden states), launch
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
         round takes it when it is that step, else it is dropped; rounds of more than
         decode_ahead_max_batch sequences run nothing ahead."""
@@ -357,16 +360,17 @@ class VerifierEngine:
     # -- decode steps run ahead ------------------------------------------------------------
 
     def _launch_ahead(self, done: _Launched, results: list[VerifyOutput]) -> _Launched | None:
-        """After a round of greedy decode steps (every sequence: no tree, no hidden states),
-        the same sequences' next decode step, launched now: the round the gateway sends next
-        when it goes on decoding them all (each bonus token its one pending token). On a GPU it
-        runs while the answer travels and the gateway works; `_take_ahead` keeps it only if the
-        next round is exactly that step, so it changes no output. None when this round does not
-        qualify or the next step would not fit (context, free pages)."""
+        """After a round of decode steps (every sequence: no tree, no hidden states), the same
+        sequences' next decode step, launched now: the round the gateway sends next when it
+        goes on decoding them all (each bonus token its one pending token, the same sampling).
+        On a GPU it runs while the answer travels and the gateway works; `_take_ahead` keeps it
+        only if the next round is exactly that step, so it changes no output (a sampled step
+        draws from each sequence's generator, whose state `_drop_ahead` puts back). None when
+        this round does not qualify or the next step would not fit (context, free pages)."""
         if self.synthetic_acceptance is not None or len(done.inputs) > self.decode_ahead_max_batch:
             return None
         for item in done.inputs:
-            if item.tree or item.hidden_state_layers or not item.sampling.greedy:
+            if item.tree or item.hidden_state_layers:
                 return None
         inputs = [
             VerifyInput(out.seq_id, False, out.kv_committed_len, [out.bonus_token], DraftTree(),
@@ -379,18 +383,21 @@ class VerifierEngine:
         if need > self.kv.allocator.num_free:
             return None
         self._reserve(inputs, done.seqs)
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
         try:
-            return self._launch(inputs, done.seqs)
+            launched = self._launch(inputs, done.seqs)
         except Exception:  # the round itself is committed: its answer must still go out
             log.exception("a decode step run ahead failed to launch")
-            self._ahead = _Launched(inputs, done.seqs, torch.empty(0), None)
+            self._ahead = _Launched(inputs, done.seqs, torch.empty(0), None, states)
             self._drop_ahead()
             return None
+        launched.generator_states = states
+        return launched
 
     def _take_ahead(self, inputs: list[VerifyInput]) -> _Launched | None:
         """The decode step launched ahead when `inputs` (validated) are exactly that step: the
-        same sequences in the same order, each its bonus token and nothing else, greedy, no
-        hidden states. Any other round drops it first."""
+        same sequences in the same order, each its bonus token and nothing else, the same
+        sampling, no hidden states. Any other round drops it first."""
         ahead = self._ahead
         if ahead is None:
             return None
@@ -401,7 +408,7 @@ class VerifierEngine:
             and item.pending_tokens == guess.pending_tokens
             and not item.tree
             and not item.hidden_state_layers
-            and item.sampling.greedy
+            and item.sampling == guess.sampling
             for item, guess in zip(inputs, ahead.inputs, strict=False)
         )
         if not same:
@@ -415,8 +422,9 @@ class VerifierEngine:
 
     def _drop_ahead(self) -> None:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
-        by the next launch), and free the room it reserved. Its K/V writes sit past each
-        sequence's committed length, where the next round writes again."""
+        by the next launch), free the room it reserved and put back the generator states it
+        drew from. Its K/V writes sit past each sequence's committed length, where the next
+        round writes again."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
@@ -425,9 +433,15 @@ class VerifierEngine:
             self.on_decode_ahead("dropped")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        for seq in ahead.seqs:
-            if self.seqs.get(seq.seq_id) is seq:
-                self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        states = ahead.generator_states or [None] * len(ahead.seqs)
+        for seq, state in zip(ahead.seqs, states, strict=True):
+            if self.seqs.get(seq.seq_id) is not seq:
+                continue  # released
+            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+            if state is None:
+                seq.generator = None  # the step made it: the next sampled round makes its own
+            elif seq.generator is not None:
+                seq.generator.set_state(state)
 
     def _hidden_states_out(
         self,

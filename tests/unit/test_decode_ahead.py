@@ -223,16 +223,28 @@ def test_truncation_and_refusals_leave_no_step_run_ahead(target_dir: Path, devic
     _release(plain, ahead)
 
 
-def test_sampled_rounds_run_nothing_ahead(target_dir: Path, device: str) -> None:
+@pytest.mark.parametrize("seed", [5, None], ids=["seeded", "unseeded"])
+def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
+    target_dir: Path, device: str, seed: int | None
+) -> None:
+    """Seeded sampling gives the same tokens with steps run ahead, also when one is dropped
+    (its draws are put back): "b" leaves after 3 rounds, "a" samples on; a mixed batch (one
+    greedy) samples as a whole. Unseeded: each run draws at random, so only its running."""
     plain, ahead = _both(target_dir, device)
-    sampling = SamplingParams(temperature=0.8, seed=5)
+    sampling = SamplingParams(temperature=0.8, seed=seed)
     for driver in (plain, ahead):
-        driver.begin("a")
-        for _ in range(5):
+        driver.begin("a", "b")  # greedy prefill
+        for _ in range(3):
+            driver.round({"a": DraftTree(), "b": DraftTree()}, sampling=sampling)
+        driver.engine.release(["b"])  # drops the sampled step run ahead
+        del driver.tokens["b"], driver.committed["b"]
+        for _ in range(4):
             driver.round({"a": DraftTree()}, sampling=sampling)
-    _same(plain, ahead)
-    # the greedy prefill's step was run ahead; the sampled rounds dropped it and ran none
-    assert ahead.engine.num_ahead_used == 0 and ahead.engine.num_ahead_dropped == 1
+    if seed is not None:
+        _same(plain, ahead)
+    # the prefill's greedy step and the release's sampled one dropped; the rest kept
+    assert ahead.engine.num_ahead_dropped == 2
+    assert ahead.engine.num_ahead_used == 2 + 3
     _release(plain, ahead)
 
 
