@@ -420,6 +420,11 @@ class VerifierEngine:
             self.on_decode_ahead("used")
         return ahead
 
+    def _drop_ahead_of(self, seq_ids: set[str]) -> None:
+        """Drop the decode step run ahead if it steps any of `seq_ids` (released, truncated)."""
+        if self._ahead is not None and any(seq.seq_id in seq_ids for seq in self._ahead.seqs):
+            self._drop_ahead()
+
     def _drop_ahead(self) -> None:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
         by the next launch), free the room it reserved and put back the generator states it
@@ -675,7 +680,7 @@ class VerifierEngine:
         """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
         sequence (tokens past a stop point, a turn taken back), free the pages past it, and
         restart its sampling generator (the next turn draws from its own seed)."""
-        self._drop_ahead()
+        self._drop_ahead_of({item.seq_id for item in items})
         return truncate_each(items, self.seqs, self._truncate)
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
@@ -685,7 +690,7 @@ class VerifierEngine:
         return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:
-        self._drop_ahead()
+        self._drop_ahead_of(set(seq_ids))
         released = 0
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)

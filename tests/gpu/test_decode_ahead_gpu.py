@@ -17,6 +17,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     test_another_batch_drops_the_step_run_ahead,
     test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens,
     test_each_step_run_ahead_is_reported_once_and_warm_up_is_not,
+    test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead,
     test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back,
     test_truncation_and_refusals_leave_no_step_run_ahead,
 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,10 +19,17 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit.v1 import common_pb2, gateway_pb2
-from tests.integration.services import ROLES, Services, generate, ids_of, token_request
+from tests.integration.services import (
+    ROLES,
+    Services,
+    generate,
+    ids_of,
+    scrape,
+    token_request,
+    value,
+)
 from tests.support import save_tiny_llama
 
 VOCAB = 49152
@@ -126,22 +132,6 @@ def services(
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def scrape(services: Services, role: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of a role's /metrics."""
-    url = f"http://{services.address(f'{role}-metrics')}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def eventually(fn: Callable[[], T], ok: Callable[[T], bool], timeout: float = 15.0) -> T:

@@ -1,7 +1,8 @@
 """The three services as real processes on loopback, driven through the gateway's gRPC API.
 
 A tiny random Llama with SmolLM2's tokenizer (so text prompts work), float32; the drafter is
-the target itself (draft == target, so speculation really happens) unless a test says otherwise.
+the target itself (draft == target, so speculation really happens) unless a test says otherwise;
+the verifier runs decode steps ahead (`--decode-ahead on`, the GPU default).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specsplit.v1 import common_pb2, gateway_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.integration.services import Services, generate, ids_of, token_request
+from tests.integration.services import Services, generate, ids_of, scrape, token_request, value
 from tests.support import save_tiny_llama
 
 VOCAB = 49152
@@ -29,9 +30,12 @@ NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
 def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")
     model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
-    svc = Services(
-        str(model), root, extra={"drafter": ["--drafter", "model", "--draft-model", str(model)]}
-    )
+    extra = {
+        "drafter": ["--drafter", "model", "--draft-model", str(model)],
+        # off by default on a CPU: on here, so every case below meets its steps run ahead
+        "verifier": ["--decode-ahead", "on"],
+    }
+    svc = Services(str(model), root, extra=extra, metrics=True)
     yield from svc.serving()
 
 
@@ -76,6 +80,25 @@ def test_concurrent_streams_equal_target_only(services: Services) -> None:
         # draft == target: most drafts are accepted
         assert last.spec_stats.mean_accepted_tokens > 2.0, last.spec_stats
         assert last.spec_stats.rounds < 16
+    services.wait_no_pages_used()
+
+
+def test_plain_rounds_take_the_decode_steps_run_ahead(services: Services) -> None:
+    def used() -> float:
+        return value(scrape(services, "verifier"), "specsplit_decode_ahead_total", outcome="used")
+
+    stub, prompt = services.gateway(), _prompt(2)
+    before = used()
+    plain = generate(stub, token_request(prompt, 24, spec=NO_SPEC, ignore_eos=True))
+    assert used() - before >= 20  # the prefill's step and each decode step's after it
+    assert ids_of(plain) == ids_of(generate(stub, token_request(prompt, 24, ignore_eos=True)))
+    sampled = common_pb2.SamplingParams(temperature=0.9, seed=11)
+    runs = [
+        ids_of(generate(stub, token_request(prompt, 24, spec=NO_SPEC, sampling=sampled,
+                                            ignore_eos=True)))
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1] and len(runs[0]) == 24  # seeded: the steps run ahead draw alike
     services.wait_no_pages_used()
 
 

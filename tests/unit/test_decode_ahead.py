@@ -305,3 +305,23 @@ def test_rounds_past_the_batch_limit_run_nothing_ahead(target_dir: Path, device:
     assert engine.num_ahead_used == 2  # "b" alone: its second and third rounds
     assert engine.num_ahead_dropped == 0
     engine.release(["b"])
+
+
+def test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead(
+    target_dir: Path, device: str
+) -> None:
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.begin("b")
+        driver.decode("a", rounds=2)  # "b" waits (a session between turns, say)
+        driver.engine.truncate([Truncation("b", 2)])
+        driver.tokens["b"], driver.committed["b"] = driver.tokens["b"][:3], 2
+        assert driver.engine.release(["nobody"]) == 0  # an empty Release: the pages count
+        driver.decode("a", rounds=2)
+    _same(plain, ahead)
+    # dropped: the prefills' steps ("a"'s by "b"'s prefill, "b"'s by "a"'s round); then the
+    # truncation of "b" and the empty Release keep "a"'s, so its 3 later rounds take theirs
+    assert ahead.engine.num_ahead_dropped == 2
+    assert ahead.engine.num_ahead_used == 3
+    _release(plain, ahead)
