@@ -58,6 +58,8 @@ KNOWN_METRICS = {
     "specsplit_session_evictions_total",
     "specsplit_session_tokens_reused",
     "specsplit_speculating",
+    "specsplit_decode_ahead_total",
+    "specsplit_draft_ahead_total",
 }
 
 
