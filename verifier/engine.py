@@ -59,6 +59,7 @@ class _Launched:
     # a step run ahead: each sequence's generator state before it drew (None: no generator
     # yet), put back when the step is dropped
     generator_states: list[torch.Tensor | None] | None = None
+    rows: list[int] | None = None  # the rows of `packed` that are `inputs`' (None: the first)
 
 
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
@@ -348,6 +349,8 @@ class VerifierEngine:
     def _finish(self, launched: _Launched) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them."""
         rows: list[list[int]] = launched.packed.tolist()
+        if launched.rows is not None:
+            rows = [rows[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         results = [
             self._commit(item, seq, result)
@@ -395,41 +398,48 @@ class VerifierEngine:
         return launched
 
     def _take_ahead(self, inputs: list[VerifyInput]) -> _Launched | None:
-        """The decode step launched ahead when `inputs` (validated) are exactly that step: the
-        same sequences in the same order, each its bonus token and nothing else, the same
-        sampling, no hidden states. Any other round drops it first."""
+        """The decode step launched ahead when `inputs` (validated) are that step for its
+        sequences or some of them, in the same order: each its bonus token and nothing else,
+        the same sampling, no hidden states. Sequences of the step left out of the round
+        (finished and released, most often) get their room and draws back. Any other round
+        drops it first."""
         ahead = self._ahead
         if ahead is None:
             return None
-        same = len(inputs) == len(ahead.inputs) and all(
-            not item.begin
-            and item.seq_id == guess.seq_id
-            and item.kv_committed_len == guess.kv_committed_len
-            and item.pending_tokens == guess.pending_tokens
-            and not item.tree
-            and not item.hidden_state_layers
-            and item.sampling == guess.sampling
-            for item, guess in zip(inputs, ahead.inputs, strict=False)
-        )
-        if not same:
-            self._drop_ahead()
-            return None
+        keep: list[int] = []
+        j = 0
+        for item in inputs:
+            while j < len(ahead.inputs) and ahead.inputs[j].seq_id != item.seq_id:
+                j += 1
+            if j == len(ahead.inputs) or not _is_step(item, ahead.inputs[j]):
+                self._drop_ahead()
+                return None
+            keep.append(j)
+            j += 1
         self._ahead = None
+        states = ahead.generator_states or [None] * len(ahead.seqs)
+        kept = set(keep)
+        for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
+            if k not in kept:
+                self._undo_ahead(seq, state)
         self.num_ahead_used += 1
         if self.on_decode_ahead is not None:
             self.on_decode_ahead("used")
-        return ahead
+        if len(keep) == len(ahead.inputs):
+            return ahead
+        return _Launched(
+            [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
+            None, rows=keep,
+        )  # fmt: skip
 
     def _drop_ahead_of(self, seq_ids: set[str]) -> None:
-        """Drop the decode step run ahead if it steps any of `seq_ids` (released, truncated)."""
+        """Drop the decode step run ahead if it steps any of `seq_ids` (truncated)."""
         if self._ahead is not None and any(seq.seq_id in seq_ids for seq in self._ahead.seqs):
             self._drop_ahead()
 
     def _drop_ahead(self) -> None:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
-        by the next launch), free the room it reserved and put back the generator states it
-        drew from. Its K/V writes sit past each sequence's committed length, where the next
-        round writes again."""
+        by the next launch), then give each of its sequences its room and draws back."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
@@ -440,13 +450,21 @@ class VerifierEngine:
             torch.cuda.current_stream(self.device).synchronize()
         states = ahead.generator_states or [None] * len(ahead.seqs)
         for seq, state in zip(ahead.seqs, states, strict=True):
-            if self.seqs.get(seq.seq_id) is not seq:
-                continue  # released
-            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
-            if state is None:
-                seq.generator = None  # the step made it: the next sampled round makes its own
-            elif seq.generator is not None:
-                seq.generator.set_state(state)
+            self._undo_ahead(seq, state)
+
+    def _undo_ahead(self, seq: VerifierSeq, generator_state: torch.Tensor | None) -> None:
+        """A live sequence's share of a step run ahead not taken: free the room it reserved and
+        put back the generator state it drew from. Its K/V writes sit past the sequence's
+        committed length, where its next round writes again (stream-ordered on a GPU, also
+        into pages freed meanwhile: later steps write after it). A released sequence has
+        nothing left to undo."""
+        if self.seqs.get(seq.seq_id) is not seq:
+            return
+        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        if generator_state is None:
+            seq.generator = None  # the step made it: the next sampled round makes its own
+        elif seq.generator is not None:
+            seq.generator.set_state(generator_state)
 
     def _hidden_states_out(
         self,
@@ -690,13 +708,17 @@ class VerifierEngine:
         return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:
-        self._drop_ahead_of(set(seq_ids))
+        """Free the sequences. A decode step run ahead for some of them stays: the next round
+        takes it for the others (`_take_ahead`); one for none left is dropped."""
         released = 0
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)
                 released += 1
+        ahead = self._ahead
+        if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
+            self._drop_ahead()
         return released
 
     def check_integrity(self) -> None:
@@ -714,3 +736,16 @@ def _to_host(rows: torch.Tensor) -> torch.Tensor:
         return rows
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     return host.copy_(rows, non_blocking=True)
+
+
+def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:
+    """Whether a round's `item` is the decode step run ahead as `guess`."""
+    return (
+        not item.begin
+        and item.seq_id == guess.seq_id
+        and item.kv_committed_len == guess.kv_committed_len
+        and item.pending_tokens == guess.pending_tokens
+        and not item.tree
+        and not item.hidden_state_layers
+        and item.sampling == guess.sampling
+    )

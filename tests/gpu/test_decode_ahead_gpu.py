@@ -14,7 +14,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     _release,
     target_dir,
     test_a_tree_round_after_decode_drops_the_step_run_ahead,
-    test_another_batch_drops_the_step_run_ahead,
+    test_another_batch_drops_the_step_run_ahead_unless_sequences_only_left,
     test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens,
     test_each_step_run_ahead_is_reported_once_and_warm_up_is_not,
     test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead,

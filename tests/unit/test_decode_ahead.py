@@ -118,7 +118,9 @@ def _same(plain: Driver, ahead: Driver) -> None:
     assert ahead.tokens == plain.tokens
     assert ahead.committed == plain.committed
     for seq_id in plain.engine.seqs:
-        assert torch.equal(ahead.kv_rows(seq_id), plain.kv_rows(seq_id))
+        # bit for bit, but for a step taken for fewer sequences than it was run for: computed
+        # in a larger batch, its matmuls may round differently (as any step's across batches)
+        torch.testing.assert_close(ahead.kv_rows(seq_id), plain.kv_rows(seq_id), rtol=0, atol=1e-5)
     # the step run ahead holds at most a page per sequence more
     extra = ahead.engine.num_pages_used - plain.engine.num_pages_used
     assert 0 <= extra <= len(plain.engine.seqs)
@@ -172,13 +174,15 @@ def test_a_tree_round_after_decode_drops_the_step_run_ahead(target_dir: Path, de
 
 
 @pytest.mark.parametrize("change", ["one leaves", "one joins", "order", "hidden states"])
-def test_another_batch_drops_the_step_run_ahead(target_dir: Path, device: str, change: str) -> None:
+def test_another_batch_drops_the_step_run_ahead_unless_sequences_only_left(
+    target_dir: Path, device: str, change: str
+) -> None:
     plain, ahead = _both(target_dir, device)
     for driver in (plain, ahead):
         driver.begin("a", "b") if change != "one joins" else driver.begin("a")
         driver.decode(*driver.tokens, rounds=3)
         if change == "one leaves":
-            driver.engine.release(["b"])  # a release drops it
+            driver.engine.release(["b"])  # "a"'s next round takes its share of the step
             del driver.tokens["b"], driver.committed["b"]
             driver.decode("a", rounds=3)
         elif change == "one joins":
@@ -197,8 +201,12 @@ def test_another_batch_drops_the_step_run_ahead(target_dir: Path, device: str, c
             driver.committed["a"] = out.kv_committed_len
             driver.decode("a", "b", rounds=2)
     _same(plain, ahead)
-    assert ahead.engine.num_ahead_dropped >= 1
-    assert ahead.engine.num_ahead_used >= 3
+    if change == "one leaves":  # the others' rounds take the step run ahead with it
+        assert ahead.engine.num_ahead_dropped == 0
+        assert ahead.engine.num_ahead_used == 6
+    else:
+        assert ahead.engine.num_ahead_dropped >= 1
+        assert ahead.engine.num_ahead_used >= 3
     _release(plain, ahead)
 
 
@@ -228,23 +236,24 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
     target_dir: Path, device: str, seed: int | None
 ) -> None:
     """Seeded sampling gives the same tokens with steps run ahead, also when one is dropped
-    (its draws are put back): "b" leaves after 3 rounds, "a" samples on; a mixed batch (one
-    greedy) samples as a whole. Unseeded: each run draws at random, so only its running."""
+    (its draws are put back): after 3 rounds of "a", "b" the order turns to "b", "a"; then "b"
+    leaves and "a" samples on (its share of the step run ahead taken). Unseeded: each run draws
+    at random, so only the counts."""
     plain, ahead = _both(target_dir, device)
     sampling = SamplingParams(temperature=0.8, seed=seed)
     for driver in (plain, ahead):
         driver.begin("a", "b")  # greedy prefill
-        for _ in range(3):
-            driver.round({"a": DraftTree(), "b": DraftTree()}, sampling=sampling)
-        driver.engine.release(["b"])  # drops the sampled step run ahead
+        for order in [("a", "b")] * 3 + [("b", "a")] * 3:
+            driver.round(dict.fromkeys(order, DraftTree()), sampling=sampling)
+        driver.engine.release(["b"])
         del driver.tokens["b"], driver.committed["b"]
-        for _ in range(4):
+        for _ in range(2):
             driver.round({"a": DraftTree()}, sampling=sampling)
     if seed is not None:
         _same(plain, ahead)
-    # the prefill's greedy step and the release's sampled one dropped; the rest kept
+    # dropped: the greedy prefill's step (by a sampled round) and a sampled one (by the order)
     assert ahead.engine.num_ahead_dropped == 2
-    assert ahead.engine.num_ahead_used == 2 + 3
+    assert ahead.engine.num_ahead_used == 2 + 2 + 2
     _release(plain, ahead)
 
 
