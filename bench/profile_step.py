@@ -131,8 +131,7 @@ def main() -> None:
                 f"wall {wall:.3f} ms/step (profiled), "
                 f"GPU kernels {gpu_ms:.3f} ms/step, {launches:.0f} kernels/step"
             )
-            for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
-                print(f"   host {name}: {timer.seconds / args.steps * 1e3:.3f} ms/step")
+            print_phases(phases, args.steps)
             print(
                 events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
             )
@@ -142,6 +141,12 @@ def main() -> None:
                 )
             )
         bench.close(state)
+
+
+def print_phases(phases: dict[str, EngineTime], steps: int, label: str = "") -> None:
+    """The host phases' time per step, longest first."""
+    for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
+        print(f"   host {name}{label}: {timer.seconds / steps * 1e3:.3f} ms/step")
 
 
 def cprofile_steps(
@@ -166,8 +171,7 @@ def cprofile_steps(
     profiler.disable()
     hidden = " + hidden states" if args.hidden_states else ""
     print(f"\n== {args.shape} batch {len(state)} n {n}{hidden}: wall {wall:.3f} ms/step")
-    for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
-        print(f"   host {name} (cProfiled): {timer.seconds / args.steps * 1e3:.3f} ms/step")
+    print_phases(phases, args.steps, " (cProfiled)")
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(30)

@@ -382,10 +382,10 @@ class VerifierEngine:
         ]  # fmt: skip
         if any(item.kv_committed_len + 1 > self.max_context for item in inputs):
             return None
-        need = sum(self.kv.num_new_pages(seq.kv, seq.kv.kv_committed_len + 1) for seq in done.seqs)
-        if need > self.kv.allocator.num_free:
+        try:
+            self._reserve(inputs, done.seqs)
+        except ServiceError:  # no free pages for it: nothing runs ahead
             return None
-        self._reserve(inputs, done.seqs)
         states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
         try:
             launched = self._launch(inputs, done.seqs)
@@ -417,11 +417,7 @@ class VerifierEngine:
             keep.append(j)
             j += 1
         self._ahead = None
-        states = ahead.generator_states or [None] * len(ahead.seqs)
-        kept = set(keep)
-        for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
-            if k not in kept:
-                self._undo_ahead(seq, state)
+        self._undo_ahead(ahead, kept=set(keep))
         self.num_ahead_used += 1
         if self.on_decode_ahead is not None:
             self.on_decode_ahead("used")
@@ -431,11 +427,6 @@ class VerifierEngine:
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
             None, rows=keep,
         )  # fmt: skip
-
-    def _drop_ahead_of(self, seq_ids: set[str]) -> None:
-        """Drop the decode step run ahead if it steps any of `seq_ids` (truncated)."""
-        if self._ahead is not None and any(seq.seq_id in seq_ids for seq in self._ahead.seqs):
-            self._drop_ahead()
 
     def _drop_ahead(self) -> None:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
@@ -448,23 +439,23 @@ class VerifierEngine:
             self.on_decode_ahead("dropped")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        states = ahead.generator_states or [None] * len(ahead.seqs)
-        for seq, state in zip(ahead.seqs, states, strict=True):
-            self._undo_ahead(seq, state)
+        self._undo_ahead(ahead)
 
-    def _undo_ahead(self, seq: VerifierSeq, generator_state: torch.Tensor | None) -> None:
-        """A live sequence's share of a step run ahead not taken: free the room it reserved and
-        put back the generator state it drew from. Its K/V writes sit past the sequence's
-        committed length, where its next round writes again (stream-ordered on a GPU, also
-        into pages freed meanwhile: later steps write after it). A released sequence has
-        nothing left to undo."""
-        if self.seqs.get(seq.seq_id) is not seq:
-            return
-        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
-        if generator_state is None:
-            seq.generator = None  # the step made it: the next sampled round makes its own
-        elif seq.generator is not None:
-            seq.generator.set_state(generator_state)
+    def _undo_ahead(self, ahead: _Launched, kept: set[int] | None = None) -> None:
+        """Each live sequence's share of a step run ahead not taken (all but the indices
+        `kept`): free the room it reserved and put back the generator state it drew from. Its
+        K/V writes sit past the sequence's committed length, where its next round writes again
+        (stream-ordered on a GPU, also into pages freed meanwhile: later steps write after it).
+        A released sequence has nothing left to undo."""
+        states = ahead.generator_states or [None] * len(ahead.seqs)
+        for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
+            if (kept is not None and k in kept) or self.seqs.get(seq.seq_id) is not seq:
+                continue
+            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+            if state is None:
+                seq.generator = None  # the step made it: the next sampled round makes its own
+            elif seq.generator is not None:
+                seq.generator.set_state(state)
 
     def _hidden_states_out(
         self,
@@ -698,7 +689,9 @@ class VerifierEngine:
         """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
         sequence (tokens past a stop point, a turn taken back), free the pages past it, and
         restart its sampling generator (the next turn draws from its own seed)."""
-        self._drop_ahead_of({item.seq_id for item in items})
+        truncated = {item.seq_id for item in items}
+        if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
+            self._drop_ahead()  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.model.llama import make_kv_cache
-from specsplit.model.loader import load_model
 from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them here)
     Driver,
+    _engine,
     _release,
     target_dir,
     test_a_tree_round_after_decode_drops_the_step_run_ahead,
@@ -21,7 +20,6 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back,
     test_truncation_and_refusals_leave_no_step_run_ahead,
 )
-from verifier.engine import VerifierEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,18 +34,7 @@ def test_bf16_decode_rounds_give_the_same_tokens_and_kv(target_dir) -> None:  # 
     so tokens and the committed KV are bit for bit those of rounds without it."""
     drivers = []
     for ahead in (False, True):
-        model, config = load_model(str(target_dir), dtype=torch.bfloat16, device="cuda")
-        kv = make_kv_cache(config, 64, 16, torch.bfloat16, "cuda")
-        engine = VerifierEngine(
-            model,
-            kv,
-            config.max_position_embeddings,
-            config.vocab_size,
-            graph_query_lens=(1, 4),
-            max_batch_size=4,
-            decode_ahead=ahead,
-        )
-        engine.warmup()  # fmt: skip
+        engine = _engine(target_dir, ahead, "cuda", dtype=torch.bfloat16, page_size=16)
         driver = Driver(engine)
         driver.begin("a", "b")
         driver.decode("a", "b", rounds=40)

@@ -42,12 +42,18 @@ def device() -> str:
 
 
 def _engine(
-    target_dir: Path, decode_ahead: bool, device: str = "cpu", num_pages: int = 64
+    target_dir: Path,
+    decode_ahead: bool,
+    device: str = "cpu",
+    num_pages: int = 64,
+    dtype: torch.dtype | None = None,
+    page_size: int = 4,
 ) -> VerifierEngine:
-    """float64 on the CPU; on a GPU float32 with the decode and 1 + 3 graphs, as served."""
-    dtype = torch.float64 if device == "cpu" else torch.float32
+    """float64 on the CPU; on a GPU float32 (or `dtype`) with the decode and 1 + 3 graphs, as
+    served."""
+    dtype = dtype or (torch.float64 if device == "cpu" else torch.float32)
     model, config = load_model(str(target_dir), dtype=dtype, device=device)
-    kv = make_kv_cache(config, num_pages, 4, dtype, device)
+    kv = make_kv_cache(config, num_pages, page_size, dtype, device)
     graphs = (1, 4) if device != "cpu" else ()
     engine = VerifierEngine(
         model,
@@ -60,7 +66,7 @@ def _engine(
     )
     if graphs:
         engine.warmup()
-    return engine  # fmt: skip
+    return engine
 
 
 class Driver:
