@@ -182,6 +182,11 @@ def main() -> None:
         help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
     parser.add_argument(
+        "--decode-ahead-max-batch",
+        default=None,
+        help="`up --decode-ahead-max-batch` (default: its own)",
+    )
+    parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     args = parser.parse_args()
@@ -214,7 +219,10 @@ def main() -> None:
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
     for mode in modes:
-        with services(args, ("--overlap", mode, "--decode-ahead", args.decode_ahead)) as stub:
+        flags: tuple[str, ...] = ("--overlap", mode, "--decode-ahead", args.decode_ahead)
+        if args.decode_ahead_max_batch is not None:
+            flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
+        with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
             for batch in args.batch:
@@ -227,7 +235,7 @@ def main() -> None:
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy, "
-        f"decode ahead {args.decode_ahead}"
+        f"decode ahead {args.decode_ahead} (max batch {args.decode_ahead_max_batch or 'default'})"
         f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
     )
     others = [m for m in modes if m != "serial"]

@@ -140,3 +140,40 @@ def test_first_token_decoded_in_prompt_context() -> None:
     assert tokenizer.decode([1, 2, 3]) == "Hello world!"
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=[1])
     assert [detok.add([2]), detok.add([3]), detok.flush()] == [" world", "!", ""]
+
+
+class _OwnDecode(PreTrainedTokenizerFast):
+    """A tokenizer class with its own decode: the detokenizer must call it."""
+
+    def decode(self, token_ids, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        return "<own>"
+
+
+def test_fast_tokenizers_decode_in_their_backend_with_the_same_text(
+    smollm2_tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detokenizer asks a fast tokenizer's backend directly: the same text as transformers'
+    decode (special tokens skipped, no clean-up) on random ids, specials and split characters
+    among them; a class that overrides decode is asked through it."""
+    from gateway.text import _decoder
+
+    rng = random.Random(0)
+    decode = _decoder(smollm2_tokenizer, skip_special_tokens=True)
+    transformers_decode = PreTrainedTokenizerBase.decode
+    with monkeypatch.context() as patch:  # the backend's decode, not transformers'
+        patch.setattr(PreTrainedTokenizerBase, "decode", None)
+        assert decode(THE_QUICK_IDS) == " The quick"
+    assert PreTrainedTokenizerBase.decode is transformers_decode
+    special = [EOS_ID, 1, 0]
+    for _ in range(200):
+        ids = [rng.randrange(smollm2_tokenizer.vocab_size) for _ in range(rng.randrange(12))]
+        ids += rng.sample(special + EMOJI_IDS + CJK_IDS, 3)
+        rng.shuffle(ids)
+        want = smollm2_tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        assert decode(ids) == want
+    with_specials = _decoder(smollm2_tokenizer, skip_special_tokens=False)
+    assert with_specials([EOS_ID, *THE_QUICK_IDS]) == "<|im_end|> The quick"
+    own = _OwnDecode(tokenizer_object=smollm2_tokenizer.backend_tokenizer)
+    assert _decoder(own, skip_special_tokens=True)(THE_QUICK_IDS) == "<own>"
