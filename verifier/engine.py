@@ -60,8 +60,20 @@ class _Launched:
     # yet), put back when the step is dropped
     generator_states: list[torch.Tensor | None] | None = None
     rows: list[int] | None = None  # the rows of `packed` that are `inputs`' (None: the first)
+    # `packed` on the host: from a GPU a copy queued right after the acceptance (the step run
+    # ahead queues its work behind it, and may overwrite `packed`), valid once `copied` is
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def result_rows(self) -> list[list[int]]:
+        """`inputs`' rows of the results on the host (waits for their copy only)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
+        return rows if self.rows is None else [rows[i] for i in self.rows]
 
 
+UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
 GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
@@ -317,13 +329,30 @@ class VerifierEngine:
             seqs = [self.seqs[item.seq_id] for item in inputs]
             self._reserve(inputs, seqs)
             launched = self._launch(inputs, seqs)
-        results = self._finish(launched)
-        if self.decode_ahead:
-            self._ahead = self._launch_ahead(launched, results)
+        # the next decode step goes to the device before this round is waited for: the GPU
+        # runs it back to back with this one while the host commits and answers
+        ahead = self._launch_ahead(launched) if self.decode_ahead else None
+        try:
+            results = self._finish(launched)
+        except BaseException:
+            self._ahead = ahead
+            self._drop_ahead()
+            raise
+        if ahead is not None:  # its inputs as the gateway will send them: each bonus token
+            for item, out in zip(ahead.inputs, results, strict=True):
+                item.pending_tokens = [out.bonus_token]
+        self._ahead = ahead
         return results
 
-    def _launch(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> _Launched:
-        """The round's forward and acceptance queued on the device (their room reserved)."""
+    def _launch(
+        self,
+        inputs: list[VerifyInput],
+        seqs: list[VerifierSeq],
+        tokens: torch.Tensor | None = None,
+    ) -> _Launched:
+        """The round's forward and acceptance queued on the device (their room reserved).
+        tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
+        yet)."""
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
@@ -335,22 +364,29 @@ class VerifierEngine:
             step.hidden_rows = list(range(p + n)) if aux else []
             steps.append(step)
         batch, row_slices = build_forward_batch(steps, self.kv.page_size)
-        out = self.graphs.forward(batch, aux) if self.graphs is not None else None
+        out = None if self.graphs is None else self.graphs.forward(batch, aux, tokens=tokens)
         if out is None:
-            out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
+            on_device = batch.to(self.device)
+            if tokens is not None:
+                on_device.input_ids = tokens.to(torch.int64)
+            out = self.model(on_device, self.kv, aux_layers=aux)
         # every hidden-state row crosses to the host now, queued before the acceptance's one
         # device-to-host copy of its results, whose wait covers it; rows are picked there
         hidden = None if out.hidden_states is None else _to_host(out.hidden_states)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
         packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
-        return _Launched(inputs, seqs, packed, hidden)
+        if packed.device.type != "cuda":
+            return _Launched(inputs, seqs, packed, hidden)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Launched(inputs, seqs, packed, hidden, host=host, copied=copied)
 
     def _finish(self, launched: _Launched) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them."""
-        rows: list[list[int]] = launched.packed.tolist()
-        if launched.rows is not None:
-            rows = [rows[i] for i in launched.rows]
+        rows = launched.result_rows()
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         results = [
             self._commit(item, seq, result)
@@ -362,38 +398,53 @@ class VerifierEngine:
 
     # -- decode steps run ahead ------------------------------------------------------------
 
-    def _launch_ahead(self, done: _Launched, results: list[VerifyOutput]) -> _Launched | None:
+    def _launch_ahead(self, done: _Launched) -> _Launched | None:
         """After a round of decode steps (every sequence: no tree, no hidden states), the same
-        sequences' next decode step, launched now: the round the gateway sends next when it
-        goes on decoding them all (each bonus token its one pending token, the same sampling).
-        On a GPU it runs while the answer travels and the gateway works; `_take_ahead` keeps it
-        only if the next round is exactly that step, so it changes no output (a sampled step
-        draws from each sequence's generator, whose state `_drop_ahead` puts back). None when
-        this round does not qualify or the next step would not fit (context, free pages)."""
+        sequences' next decode step, launched before `done` is waited for: the round the
+        gateway sends next when it goes on decoding them all (each bonus token its one pending
+        token, the same sampling). A decode round's commit is known before its tokens are (its
+        pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
+        each bonus token goes to it device to device from `done`'s acceptance (`_verify` writes
+        them into its inputs once known). On a GPU it runs back to back with `done` while the
+        host commits, answers and the gateway works; `_take_ahead` keeps it only if the next
+        round is exactly that step, so it changes no output (a sampled step draws from each
+        sequence's generator, whose state `_drop_ahead` puts back). None when this round does
+        not qualify or the next step would not fit (context, free pages)."""
         if self.synthetic_acceptance is not None or len(done.inputs) > self.decode_ahead_max_batch:
             return None
         for item in done.inputs:
             if item.tree or item.hidden_state_layers:
                 return None
-        inputs = [
-            VerifyInput(out.seq_id, False, out.kv_committed_len, [out.bonus_token], DraftTree(),
-                        item.sampling)
-            for item, out in zip(done.inputs, results, strict=True)
-        ]  # fmt: skip
-        if any(item.kv_committed_len + 1 > self.max_context for item in inputs):
+        committed = [
+            seq.kv.kv_committed_len + len(item.pending_tokens)
+            for item, seq in zip(done.inputs, done.seqs, strict=True)
+        ]
+        if any(length + 1 > self.max_context for length in committed):
             return None
+        inputs = [
+            VerifyInput(item.seq_id, False, length, [UNKNOWN_TOKEN], DraftTree(), item.sampling)
+            for item, length in zip(done.inputs, committed, strict=True)
+        ]
+        rows = done.rows if done.rows is not None else list(range(len(done.inputs)))
+        tokens = done.packed[torch.tensor(rows, device=done.packed.device), 1]
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
+        before = [seq.kv.kv_committed_len for seq in done.seqs]
+        for seq, length in zip(done.seqs, committed, strict=True):
+            seq.kv.kv_committed_len = length  # as `done`'s commit leaves it
         try:
             self._reserve(inputs, done.seqs)
         except ServiceError:  # no free pages for it: nothing runs ahead
             return None
-        states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
-        try:
-            launched = self._launch(inputs, done.seqs)
-        except Exception:  # the round itself is committed: its answer must still go out
-            log.exception("a decode step run ahead failed to launch")
-            self._ahead = _Launched(inputs, done.seqs, torch.empty(0), None, states)
-            self._drop_ahead()
-            return None
+        else:
+            try:
+                launched = self._launch(inputs, done.seqs, tokens)
+            except Exception:  # the round itself goes on: its answer must still go out
+                log.exception("a decode step run ahead failed to launch")
+                self._undo_ahead(_Launched(inputs, done.seqs, torch.empty(0), None, states))
+                return None
+        finally:
+            for seq, length in zip(done.seqs, before, strict=True):
+                seq.kv.kv_committed_len = length
         launched.generator_states = states
         return launched
 
@@ -425,7 +476,7 @@ class VerifierEngine:
             return ahead
         return _Launched(
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
-            None, rows=keep,
+            None, rows=keep, host=ahead.host, copied=ahead.copied,
         )  # fmt: skip
 
     def _drop_ahead(self) -> None:
@@ -616,7 +667,10 @@ class VerifierEngine:
         rest."""
         base = seq.kv.kv_committed_len + len(item.pending_tokens)
         seq.kv.kv_committed_len = base + len(result.accepted_nodes)
-        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        # a round without a tree reserved its pending tokens' room only (and the decode step
+        # run ahead may hold the next token's already): nothing to free
+        if item.tree:
+            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
         return VerifyOutput(
             seq_id=item.seq_id,
             accepted_tokens=[item.tree.tokens[i] for i in result.accepted_nodes],

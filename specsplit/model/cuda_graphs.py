@@ -137,6 +137,7 @@ class _Buffers:
         scratch_page: int,
         scratch_slot: int,
         features: torch.Tensor | None = None,  # [T, width] on the device
+        tokens: torch.Tensor | None = None,  # [T] on the device: the input ids, not the host's
     ) -> None:
         """Write `batch` (host tensors) and padding up to `bucket` into the host mirrors, then
         move them to the device (asynchronously, after the last move has finished); features go
@@ -186,6 +187,8 @@ class _Buffers:
         if features is not None:
             assert self.features is not None, "this graph takes no features"
             self.features[:t].copy_(features)
+        if tokens is not None:  # over the host's input ids, in stream order
+            self.dev["input_ids"][:t].copy_(tokens)
         self.copied.record()
 
     def _fill_mask(self, batch: ForwardBatch, q_lens: np.ndarray, ragged: bool) -> None:
@@ -327,12 +330,14 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------
 
-    def plan(self, batch: ForwardBatch, has_features: bool = False) -> tuple[int, int] | None:
+    def plan(self, batch: ForwardBatch, device_rows: bool = False) -> tuple[int, int] | None:
         """(q, batch size) of the graph that can run `batch` (host metadata), or None: the
         smallest captured q that holds its longest sequence; a sequence with fewer query tokens
         (a ragged batch, a tree's frontier, or q not captured itself) is padded to q
         (_Buffers.fill): with q > 1 every sequence's new tokens must fit the graph's [q, q]
-        mask, so q also holds the most new tokens of any sequence."""
+        mask, so q also holds the most new tokens of any sequence. device_rows: some of the
+        inputs come from the device (features, tokens): only a batch that needs no padding
+        rows between its sequences."""
         bs = batch.num_seqs
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
@@ -344,8 +349,9 @@ class CudaGraphRunner:
         q = min((n for n, sizes in captured.items() if n >= need and sizes[-1] >= bs), default=None)
         if q is None or (q == 1 and not one):
             return None
-        if has_features and batch.input_ids.shape[0] != bs * q:
-            return None  # padding rows would need the features scattered on the device too
+        if device_rows and batch.input_ids.shape[0] != bs * q:
+            # padding rows would need the device's features or tokens scattered there too
+            return None
         return q, next(b for b in captured[q] if b >= bs)
 
     def forward(
@@ -353,10 +359,12 @@ class CudaGraphRunner:
         batch: ForwardBatch,
         aux_layers: tuple[int, ...] = (),
         features: torch.Tensor | None = None,  # [T, width] on the device
+        tokens: torch.Tensor | None = None,  # [T] on the device: input ids the host lacks
     ) -> ForwardOutput | None:
-        """Replay the graph for `batch` (host tensors) and return its wanted rows, or None when
-        no captured graph fits (the caller runs the step eagerly)."""
-        plan = self.plan(batch, features is not None)
+        """Replay the graph for `batch` (host tensors; `tokens`, when given, in place of its
+        input ids) and return its wanted rows, or None when no captured graph fits (the caller
+        runs the step eagerly)."""
+        plan = self.plan(batch, features is not None or tokens is not None)
         if plan is None:
             return None
         q, bucket = plan
@@ -364,7 +372,7 @@ class CudaGraphRunner:
         self.capture(q=q, aux_layers=aux_layers)  # once; a no-op after
         bs = batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
-        buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot, features)
+        buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot, features, tokens)
         self.graphs[(q, aux_layers, bucket)].replay()
         assert buffers.logits is not None
         t, num_rows = bs * q, batch.logit_indices.shape[0]
