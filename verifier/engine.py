@@ -425,8 +425,12 @@ class VerifierEngine:
             VerifyInput(item.seq_id, False, length, [UNKNOWN_TOKEN], DraftTree(), item.sampling)
             for item, length in zip(done.inputs, committed, strict=True)
         ]
-        rows = done.rows if done.rows is not None else list(range(len(done.inputs)))
-        tokens = done.packed[torch.tensor(rows, device=done.packed.device), 1]
+        tokens = done.packed[: len(done.inputs), 1]  # views: nothing waits for the device
+        if done.rows is not None:  # a subset taken: its rows (the index crosses without a wait)
+            index = torch.tensor(done.rows)
+            if self.device.type == "cuda":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            tokens = done.packed[:, 1].index_select(0, index)
         states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
         before = [seq.kv.kv_committed_len for seq in done.seqs]
         for seq, length in zip(done.seqs, committed, strict=True):
