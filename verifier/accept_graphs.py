@@ -97,9 +97,15 @@ class _Graph:
         device = kv.device
         self.layout = layout
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
-        # the inputs' host mirror: a round fills it and copies it in (free again after the
-        # round's device-to-host copy of the results)
-        self.host = torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory()
+        # the inputs' host mirrors, taken in turn: a round fills one and copies it in. Two: a
+        # decode step run ahead is filled while the round before it may not have copied its
+        # own in yet (queued behind that round's forward); each is free again once its copy
+        # has run (`copied`)
+        self.hosts = [
+            torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory() for _ in range(2)
+        ]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0  # the mirror the last round filled
         self.argmax = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
@@ -155,17 +161,19 @@ class AcceptGraphs:
         graph = self.graphs.get(layout)
         if graph is None:
             graph = self.graphs[layout] = self._capture(layout)
-        return layout.host_arrays(graph.host.numpy())
+        graph.turn ^= 1
+        graph.copied[graph.turn].synchronize()  # the round before last's copy: long done
+        return layout.host_arrays(graph.hosts[graph.turn].numpy())
 
     def run(self, layout: Layout, logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Replay the layout's graph over its host mirror (`host_arrays`, filled) and the
         round's logits ([L, vocab], L <= max_rows): per sequence [accepted drafts, bonus,
-        nodes...] on the device, a view of the graph's output (valid until its next replay;
-        the host mirror is free again once it has been copied to the host)."""
+        nodes...] on the device, a view of the graph's output (valid until its next replay)."""
         graph = self.graphs[layout]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
-        graph.inputs.copy_(graph.host, non_blocking=True)
+        graph.inputs.copy_(graph.hosts[graph.turn], non_blocking=True)
+        graph.copied[graph.turn].record()
         torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
         graph.graph.replay()
         assert graph.out is not None
