@@ -321,19 +321,21 @@ class VerifierEngine:
     @torch.inference_mode()
     def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._validate(inputs)
-        launched = self._take_ahead(inputs)
-        if launched is None:
-            for item in inputs:
-                if item.begin:
-                    self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
-            seqs = [self.seqs[item.seq_id] for item in inputs]
-            self._reserve(inputs, seqs)
-            launched = self._launch(inputs, seqs)
+        taken, positions = self._take_ahead(inputs)
+        parts = [] if taken is None else [taken]
+        others = [i for i in range(len(inputs)) if i not in set(positions)]
+        if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
+            try:
+                parts.append(self._launch_new([inputs[i] for i in others]))
+            except BaseException:
+                if taken is not None:  # nothing of the round is committed: its draws go back
+                    self._undo_ahead(taken)
+                raise
         # the next decode step goes to the device before this round is waited for: the GPU
         # runs it back to back with this one while the host commits and answers
-        ahead = self._launch_ahead(launched) if self.decode_ahead else None
+        ahead = self._launch_ahead(parts) if self.decode_ahead else None
         try:
-            results = self._finish(launched)
+            results = [out for part in parts for out in self._finish(part)]
         except BaseException:
             self._ahead = ahead
             self._drop_ahead()
@@ -342,7 +344,17 @@ class VerifierEngine:
             for item, out in zip(ahead.inputs, results, strict=True):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
-        return results
+        by_position = dict(zip([*positions, *others], results, strict=True))
+        return [by_position[i] for i in range(len(inputs))]
+
+    def _launch_new(self, inputs: list[VerifyInput]) -> _Launched:
+        """A round's sequences (created on their first round), their room reserved, launched."""
+        for item in inputs:
+            if item.begin:
+                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
+        seqs = [self.seqs[item.seq_id] for item in inputs]
+        self._reserve(inputs, seqs)
+        return self._launch(inputs, seqs)
 
     def _launch(
         self,
@@ -398,9 +410,10 @@ class VerifierEngine:
 
     # -- decode steps run ahead ------------------------------------------------------------
 
-    def _launch_ahead(self, done: _Launched) -> _Launched | None:
-        """After a round of decode steps (every sequence: no tree, no hidden states), the same
-        sequences' next decode step, launched before `done` is waited for: the round the
+    def _launch_ahead(self, parts: list[_Launched]) -> _Launched | None:
+        """After a round of decode steps (every sequence: no tree, no hidden states; launched
+        as `parts`, one or two), the same sequences' next decode step, launched before the
+        round is waited for: the round the
         gateway sends next when it goes on decoding them all (each bonus token its one pending
         token, the same sampling). A decode round's commit is known before its tokens are (its
         pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
@@ -410,78 +423,90 @@ class VerifierEngine:
         round is exactly that step, so it changes no output (a sampled step draws from each
         sequence's generator, whose state `_drop_ahead` puts back). None when this round does
         not qualify or the next step would not fit (context, free pages)."""
-        if self.synthetic_acceptance is not None or len(done.inputs) > self.decode_ahead_max_batch:
+        done_inputs = [item for part in parts for item in part.inputs]
+        done_seqs = [seq for part in parts for seq in part.seqs]
+        if self.synthetic_acceptance is not None or len(done_inputs) > self.decode_ahead_max_batch:
             return None
-        for item in done.inputs:
+        for item in done_inputs:
             if item.tree or item.hidden_state_layers:
                 return None
         committed = [
             seq.kv.kv_committed_len + len(item.pending_tokens)
-            for item, seq in zip(done.inputs, done.seqs, strict=True)
+            for item, seq in zip(done_inputs, done_seqs, strict=True)
         ]
         if any(length + 1 > self.max_context for length in committed):
             return None
         inputs = [
             VerifyInput(item.seq_id, False, length, [UNKNOWN_TOKEN], DraftTree(), item.sampling)
-            for item, length in zip(done.inputs, committed, strict=True)
+            for item, length in zip(done_inputs, committed, strict=True)
         ]
-        tokens = done.packed[: len(done.inputs), 1]  # views: nothing waits for the device
-        if done.rows is not None:  # a subset taken: its rows (the index crosses without a wait)
-            index = torch.tensor(done.rows)
-            if self.device.type == "cuda":
-                index = index.pin_memory().to(self.device, non_blocking=True)
-            tokens = done.packed[:, 1].index_select(0, index)
-        states = [None if seq.generator is None else seq.generator.get_state() for seq in done.seqs]
-        before = [seq.kv.kv_committed_len for seq in done.seqs]
-        for seq, length in zip(done.seqs, committed, strict=True):
-            seq.kv.kv_committed_len = length  # as `done`'s commit leaves it
+        tokens = torch.cat([self._bonus_tokens(part) for part in parts])
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in done_seqs]
+        before = [seq.kv.kv_committed_len for seq in done_seqs]
+        for seq, length in zip(done_seqs, committed, strict=True):
+            seq.kv.kv_committed_len = length  # as the round's commit leaves it
         try:
-            self._reserve(inputs, done.seqs)
+            self._reserve(inputs, done_seqs)
         except ServiceError:  # no free pages for it: nothing runs ahead
             return None
         else:
             try:
-                launched = self._launch(inputs, done.seqs, tokens)
+                launched = self._launch(inputs, done_seqs, tokens)
             except Exception:  # the round itself goes on: its answer must still go out
                 log.exception("a decode step run ahead failed to launch")
-                self._undo_ahead(_Launched(inputs, done.seqs, torch.empty(0), None, states))
+                self._undo_ahead(_Launched(inputs, done_seqs, torch.empty(0), None, states))
                 return None
         finally:
-            for seq, length in zip(done.seqs, before, strict=True):
+            for seq, length in zip(done_seqs, before, strict=True):
                 seq.kv.kv_committed_len = length
         launched.generator_states = states
         return launched
 
-    def _take_ahead(self, inputs: list[VerifyInput]) -> _Launched | None:
-        """The decode step launched ahead when `inputs` (validated) are that step for its
-        sequences or some of them, in the same order: each its bonus token and nothing else,
-        the same sampling, no hidden states. Sequences of the step left out of the round
-        (finished and released, most often) get their room and draws back. Any other round
-        drops it first."""
+    def _bonus_tokens(self, done: _Launched) -> torch.Tensor:
+        """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
+        for a step taken in part its rows (the index crosses without a wait)."""
+        if done.rows is None:
+            return done.packed[: len(done.inputs), 1]
+        index = torch.tensor(done.rows)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return done.packed[:, 1].index_select(0, index)
+
+    def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[_Launched | None, list[int]]:
+        """The decode step launched ahead, for the items of `inputs` (validated) that are that
+        step for their sequence: its bonus token and nothing else, the same sampling, no hidden
+        states. Returns it (cut to those sequences, in the round's order) and their positions
+        in `inputs`; the round's other items (a sequence joining the batch, most often) are
+        launched beside it. Sequences of the step the round does not take it for (finished and
+        released, or sent another round) get their room and draws back. A round that takes
+        none of it drops it: (None, [])."""
         ahead = self._ahead
         if ahead is None:
-            return None
+            return None, []
+        index = {item.seq_id: j for j, item in enumerate(ahead.inputs)}
+        positions: list[int] = []
         keep: list[int] = []
-        j = 0
-        for item in inputs:
-            while j < len(ahead.inputs) and ahead.inputs[j].seq_id != item.seq_id:
-                j += 1
-            if j == len(ahead.inputs) or not _is_step(item, ahead.inputs[j]):
-                self._drop_ahead()
-                return None
-            keep.append(j)
-            j += 1
+        for i, item in enumerate(inputs):
+            j = index.get(item.seq_id)
+            if j is not None and _is_step(item, ahead.inputs[j]):
+                positions.append(i)
+                keep.append(j)
+        if not keep:
+            self._drop_ahead()
+            return None, []
         self._ahead = None
         self._undo_ahead(ahead, kept=set(keep))
         self.num_ahead_used += 1
         if self.on_decode_ahead is not None:
             self.on_decode_ahead("used")
-        if len(keep) == len(ahead.inputs):
-            return ahead
-        return _Launched(
+        if keep == list(range(len(ahead.inputs))):
+            return ahead, positions
+        states = ahead.generator_states or [None] * len(ahead.seqs)
+        taken = _Launched(
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
-            None, rows=keep, host=ahead.host, copied=ahead.copied,
+            None, [states[k] for k in keep], rows=keep, host=ahead.host, copied=ahead.copied,
         )  # fmt: skip
+        return taken, positions
 
     def _drop_ahead(self) -> None:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused

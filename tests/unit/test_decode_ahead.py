@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit.errors import ServiceError
+from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams, Truncation, VerifyInput, VerifyOutput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -83,15 +83,18 @@ class Driver:
     def round(
         self,
         trees: dict[str, DraftTree],
-        begin: bool = False,
+        begin: bool | set[str] = False,
         sampling: SamplingParams | None = None,
     ) -> list[VerifyOutput]:
+        """One round; `begin`: every sequence's first (True) or these sequences'."""
+        begins = set(trees) if begin is True else set(begin or ())
         inputs = []
         for seq_id, tree in trees.items():
-            if begin:
+            if seq_id in begins:
                 self.tokens[seq_id], self.committed[seq_id] = list(PROMPTS[seq_id]), 0
             committed = self.committed[seq_id]
-            item = VerifyInput(seq_id, begin, committed, self.tokens[seq_id][committed:], tree)
+            pending = self.tokens[seq_id][committed:]
+            item = VerifyInput(seq_id, seq_id in begins, committed, pending, tree)
             if sampling is not None:
                 item.sampling = sampling
             inputs.append(item)
@@ -164,23 +167,47 @@ def test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens(
     _release(plain, ahead)
 
 
-def test_a_tree_round_after_decode_drops_the_step_run_ahead(target_dir: Path, device: str) -> None:
+@pytest.mark.parametrize("drafted", [("a",), ("a", "b")])
+def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
+    target_dir: Path, device: str, drafted: tuple[str, ...]
+) -> None:
+    """A round with trees for some sequences takes the step run ahead for the others and runs
+    the trees beside it; with a tree for every sequence it drops the step."""
     plain, ahead = _both(target_dir, device)
     for driver in (plain, ahead):
         driver.begin("a", "b")
         driver.decode("a", "b", rounds=3)
-        trees = {"a": _chain(target_dir, device, driver, "a", 2), "b": DraftTree()}
-        outputs = driver.round(trees)
+        trees = {s: _chain(target_dir, device, driver, s, 2) for s in drafted}
+        outputs = driver.round({"a": trees["a"], "b": trees.get("b", DraftTree())})
         assert outputs[0].accepted_tokens == trees["a"].tokens[:2]
         driver.decode("a", "b", rounds=3)
     _same(plain, ahead)
-    assert ahead.engine.num_ahead_dropped == 1  # the tree round's
-    assert ahead.engine.num_ahead_used >= 4
+    # 3 + 2 decode rounds take theirs (the one after the tree round has none); "b"'s share
+    # in the tree round when it sends none
+    if drafted == ("a",):
+        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, 0)
+    else:
+        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (5, 1)
+    _release(plain, ahead)
+
+
+def test_a_sequence_joining_takes_the_step_for_the_others(target_dir: Path, device: str) -> None:
+    """As the gateway sends it, a newcomer's first round beside the running sequences' next
+    step: that step is taken, the newcomer's prefill runs beside it, and the next round's step
+    covers both."""
+    plain, ahead = _both(target_dir, device)
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=2)
+        driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"})
+        driver.decode("a", "b", rounds=3)
+    _same(plain, ahead)
+    assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, 0)
     _release(plain, ahead)
 
 
 @pytest.mark.parametrize("change", ["one leaves", "one joins", "order", "hidden states"])
-def test_another_batch_drops_the_step_run_ahead_unless_sequences_only_left(
+def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
     target_dir: Path, device: str, change: str
 ) -> None:
     plain, ahead = _both(target_dir, device)
@@ -207,10 +234,10 @@ def test_another_batch_drops_the_step_run_ahead_unless_sequences_only_left(
             driver.committed["a"] = out.kv_committed_len
             driver.decode("a", "b", rounds=2)
     _same(plain, ahead)
-    if change == "one leaves":  # the others' rounds take the step run ahead with it
+    if change in ("one leaves", "order"):  # each round takes the step for its sequences
         assert ahead.engine.num_ahead_dropped == 0
         assert ahead.engine.num_ahead_used == 6
-    else:
+    else:  # a newcomer's round alone, a round asking for hidden states: none of it the step
         assert ahead.engine.num_ahead_dropped >= 1
         assert ahead.engine.num_ahead_used >= 3
     _release(plain, ahead)
@@ -242,9 +269,10 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
     target_dir: Path, device: str, seed: int | None
 ) -> None:
     """Seeded sampling gives the same tokens with steps run ahead, also when one is dropped
-    (its draws are put back): after 3 rounds of "a", "b" the order turns to "b", "a"; then "b"
-    leaves and "a" samples on (its share of the step run ahead taken). Unseeded: each run draws
-    at random, so only the counts."""
+    (its draws are put back): the greedy prefill's step, dropped by the first sampled round;
+    after 3 rounds of "a", "b" the order turns to "b", "a" (taken as well); then "b" leaves and
+    "a" samples on (its share of the step run ahead taken). Unseeded: each run draws at
+    random, so only the counts."""
     plain, ahead = _both(target_dir, device)
     sampling = SamplingParams(temperature=0.8, seed=seed)
     for driver in (plain, ahead):
@@ -257,9 +285,8 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
             driver.round({"a": DraftTree()}, sampling=sampling)
     if seed is not None:
         _same(plain, ahead)
-    # dropped: the greedy prefill's step (by a sampled round) and a sampled one (by the order)
-    assert ahead.engine.num_ahead_dropped == 2
-    assert ahead.engine.num_ahead_used == 2 + 2 + 2
+    assert ahead.engine.num_ahead_dropped == 1  # the greedy prefill's, by a sampled round
+    assert ahead.engine.num_ahead_used == 2 + 3 + 2
     _release(plain, ahead)
 
 
@@ -275,6 +302,29 @@ def test_no_step_runs_ahead_without_a_free_page(target_dir: Path, device: str) -
     engine.release(["a"])
     assert engine.num_ahead_dropped == 0  # nothing was run ahead to drop
     assert engine.num_pages_used == 0
+
+
+def test_a_newcomer_refused_for_memory_leaves_the_others_as_they_were(
+    target_dir: Path, device: str
+) -> None:
+    """3 pages of 4 slots, all "a"'s (9 committed, the 10th slot run ahead): "b" joining is
+    refused (RESOURCE_EXHAUSTED) after the step was taken for "a"; nothing is committed, "a"'s
+    room is its own again, and sent alone its next rounds give the plain engine's tokens."""
+    plain = Driver(_engine(target_dir, False, device, num_pages=3))
+    ahead = Driver(_engine(target_dir, True, device, num_pages=3))
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=2)
+        assert driver.committed["a"] == 9 and driver.engine.num_pages_free == 0
+        with pytest.raises(ServiceError) as refused:
+            driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"})
+        assert refused.value.code == Code.RESOURCE_EXHAUSTED
+        del driver.tokens["b"], driver.committed["b"]
+        assert set(driver.engine.seqs) == {"a"} and driver.committed["a"] == 9
+        driver.engine.check_integrity()
+        driver.decode("a", rounds=2)
+    _same(plain, ahead)
+    _release(plain, ahead)
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["target-only", "some-speculate"])
