@@ -322,8 +322,12 @@ class VerifierEngine:
     def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._validate(inputs)
         taken, positions = self._take_ahead(inputs)
+        taken_at = set(positions)
+        others = [i for i in range(len(inputs)) if i not in taken_at]
         parts = [] if taken is None else [taken]
-        others = [i for i in range(len(inputs)) if i not in set(positions)]
+        bonus = [] if taken is None else [self._bonus_tokens(taken)]
+        if taken is not None and others:  # copied on the device now: the launch beside it may
+            bonus[0] = bonus[0].clone()  # reuse the acceptance graph whose output holds them
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
                 parts.append(self._launch_new([inputs[i] for i in others]))
@@ -331,9 +335,10 @@ class VerifierEngine:
                 if taken is not None:  # nothing of the round is committed: its draws go back
                     self._undo_ahead(taken)
                 raise
+            bonus.append(self._bonus_tokens(parts[-1]))
         # the next decode step goes to the device before this round is waited for: the GPU
         # runs it back to back with this one while the host commits and answers
-        ahead = self._launch_ahead(parts) if self.decode_ahead else None
+        ahead = self._launch_ahead(parts, bonus) if self.decode_ahead else None
         try:
             results = [out for part in parts for out in self._finish(part)]
         except BaseException:
@@ -410,16 +415,16 @@ class VerifierEngine:
 
     # -- decode steps run ahead ------------------------------------------------------------
 
-    def _launch_ahead(self, parts: list[_Launched]) -> _Launched | None:
+    def _launch_ahead(self, parts: list[_Launched], bonus: list[torch.Tensor]) -> _Launched | None:
         """After a round of decode steps (every sequence: no tree, no hidden states; launched
-        as `parts`, one or two), the same sequences' next decode step, launched before the
-        round is waited for: the round the
+        as `parts`, one or two, whose bonus tokens on the device are `bonus`), the same
+        sequences' next decode step, launched before the round is waited for: the round the
         gateway sends next when it goes on decoding them all (each bonus token its one pending
         token, the same sampling). A decode round's commit is known before its tokens are (its
         pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
-        each bonus token goes to it device to device from `done`'s acceptance (`_verify` writes
-        them into its inputs once known). On a GPU it runs back to back with `done` while the
-        host commits, answers and the gateway works; `_take_ahead` keeps it only if the next
+        each bonus token goes to it device to device (`_verify` writes them into its inputs
+        once known). On a GPU it runs back to back with the round while the host commits,
+        answers and the gateway works; `_take_ahead` keeps it only if the next
         round is exactly that step, so it changes no output (a sampled step draws from each
         sequence's generator, whose state `_drop_ahead` puts back). None when this round does
         not qualify or the next step would not fit (context, free pages)."""
@@ -440,7 +445,7 @@ class VerifierEngine:
             VerifyInput(item.seq_id, False, length, [UNKNOWN_TOKEN], DraftTree(), item.sampling)
             for item, length in zip(done_inputs, committed, strict=True)
         ]
-        tokens = torch.cat([self._bonus_tokens(part) for part in parts])
+        tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
         states = [None if seq.generator is None else seq.generator.get_state() for seq in done_seqs]
         before = [seq.kv.kv_committed_len for seq in done_seqs]
         for seq, length in zip(done_seqs, committed, strict=True):
