@@ -85,6 +85,13 @@ def verify_step(seq: SeqKV, pending: list[int], tree: DraftTree, logit_rows: lis
     )
 
 
+def _views(array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive pieces of `array` of these sizes, as tensors sharing its memory."""
+    whole = torch.from_numpy(array)
+    ends = np.cumsum(sizes).tolist()
+    return [whole[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+
+
 def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBatch, list[slice]]:
     """Concatenate steps (host tensors); returns the batch and each step's slice of the logit
     rows (its hidden rows follow each other in step order). The tree mask is built only when
@@ -124,21 +131,28 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
     for b, step in enumerate(steps):
         table[b, : len(step.seq.page_table)] = step.seq.page_table
     block_table = torch.from_numpy(table)
+    # one array per integer type, sliced into views (torch.tensor of each list costs ~5 us)
+    kv_lens = [step.kv_len for step in steps]
+    prefix_lens = [step.prefix_len for step in steps]
+    ints64 = _views(
+        np.array(input_ids + positions + slot_mapping + logit_indices + hidden_indices, np.int64),
+        [len(input_ids)] * 3 + [len(logit_indices), len(hidden_indices)],
+    )
+    ints32 = _views(
+        np.array(cu_seqlens + kv_lens + prefix_lens, np.int32),
+        [len(cu_seqlens), len(steps), len(steps)],
+    )
     batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
-        kv_lens=torch.tensor([step.kv_len for step in steps], dtype=torch.int32),
-        prefix_lens=torch.tensor([step.prefix_len for step in steps], dtype=torch.int32),
+        input_ids=ints64[0],
+        positions=ints64[1],
+        slot_mapping=ints64[2],
+        cu_seqlens_q=ints32[0],
+        kv_lens=ints32[1],
+        prefix_lens=ints32[2],
         block_table=block_table,
         tree_mask=tree_mask,
-        logit_indices=torch.tensor(logit_indices, dtype=torch.int64),
-        hidden_indices=(
-            torch.tensor(hidden_indices, dtype=torch.int64)
-            if any(step.hidden_rows for step in steps)
-            else None
-        ),
+        logit_indices=ints64[3],
+        hidden_indices=ints64[4] if any(step.hidden_rows for step in steps) else None,
         max_q_len=max_q,
         page_size=page_size,
     )

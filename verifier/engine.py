@@ -593,13 +593,17 @@ class VerifierEngine:
             graphs, layout = None, Layout(num_seqs, width, window_pages(width, self.kv.page_size))
             host, parts = layout.host_arrays()
         row_index_h, draft_h, parents_h, base_h, table_h = parts
-        base = np.empty(num_seqs, dtype=np.int64)
-        for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
-            n = len(item.tree)
-            row_index_h[b, : n + 1] = r
-            draft_h[b, :n] = item.tree.tokens
-            parents_h[b, :n] = item.tree.parents
-            base[b] = item.kv_committed_len + len(item.pending_tokens)
+        base = np.array(
+            [item.kv_committed_len + len(item.pending_tokens) for item in inputs], dtype=np.int64
+        )
+        if width == 0:  # decode steps: each sequence's one row, no drafts (one numpy write)
+            row_index_h[:num_seqs, 0] = [r.start for r in rows]
+        else:
+            for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
+                n = len(item.tree)
+                row_index_h[b, : n + 1] = r
+                draft_h[b, :n] = item.tree.tokens
+                parents_h[b, :n] = item.tree.parents
         table_h[:num_seqs], base_h[:num_seqs] = page_window(
             block_table.numpy(), base, layout.pages, self.kv.page_size
         )
