@@ -78,11 +78,13 @@ def _decoder(
     """ids -> text without clean-up. A fast tokenizer whose class keeps transformers' own
     decode is asked directly (the same text: transformers' decode adds only its clean-up, off
     here, around this call; a third of the time, and a round decodes every stream's window)."""
-    fast = isinstance(tokenizer, PreTrainedTokenizerFast)
-    if fast and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+    ):
         backend = tokenizer.backend_tokenizer
-        if type(tokenizer).decode is PreTrainedTokenizerBase.decode:
-            return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode(ids: list[int]) -> str:
         text = tokenizer.decode(

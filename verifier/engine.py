@@ -389,14 +389,13 @@ class VerifierEngine:
             out = self.model(on_device, self.kv, aux_layers=aux)
         # every hidden-state row crosses to the host now, queued before the acceptance's one
         # device-to-host copy of its results, whose wait covers it; rows are picked there
-        hidden = None if out.hidden_states is None else _to_host(out.hidden_states)
+        hidden = None if out.hidden_states is None else _to_host(out.hidden_states, torch.bfloat16)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
         packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
         if packed.device.type != "cuda":
             return _Launched(inputs, seqs, packed, hidden)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
+        host = _to_host(packed)
         copied = torch.cuda.Event()
         copied.record()
         return _Launched(inputs, seqs, packed, hidden, host=host, copied=copied)
@@ -424,10 +423,11 @@ class VerifierEngine:
         pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
         each bonus token goes to it device to device (`_verify` writes them into its inputs
         once known). On a GPU it runs back to back with the round while the host commits,
-        answers and the gateway works; `_take_ahead` keeps it only if the next
-        round is exactly that step, so it changes no output (a sampled step draws from each
-        sequence's generator, whose state `_drop_ahead` puts back). None when this round does
-        not qualify or the next step would not fit (context, free pages)."""
+        answers and the gateway works; `_take_ahead` keeps it only for the next round's items
+        that are exactly that step, so it changes no output (a sampled step draws from each
+        sequence's generator, whose state `_undo_ahead` puts back where it is not taken).
+        None when this round does not qualify or the next step would not fit (context, free
+        pages)."""
         done_inputs = [item for part in parts for item in part.inputs]
         done_seqs = [seq for part in parts for seq in part.seqs]
         if self.synthetic_acceptance is not None or len(done_inputs) > self.decode_ahead_max_batch:
@@ -813,10 +813,10 @@ class VerifierEngine:
             assert 0 <= seq.kv.kv_committed_len <= seq.kv.kv_allocated_len, seq_id
 
 
-def _to_host(rows: torch.Tensor) -> torch.Tensor:
-    """rows in bfloat16 on the host; from a GPU an asynchronous copy into pinned memory (valid
-    once the stream has been waited for)."""
-    rows = rows.to(torch.bfloat16)
+def _to_host(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """rows (in `dtype`, None = theirs) on the host; from a GPU an asynchronous copy into
+    pinned memory (valid once the stream has been waited for)."""
+    rows = rows if dtype is None else rows.to(dtype)
     if rows.device.type != "cuda":
         return rows
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
