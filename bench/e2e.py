@@ -332,12 +332,19 @@ def main() -> None:
         default="auto",
         help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
+    parser.add_argument(
+        "--decode-steps",
+        default=None,
+        help="`up --decode-steps` (tokens a plain round decodes; default: its own)",
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
 
-    flags = ("--round-lane", args.round_lane, "--decode-ahead", args.decode_ahead)
+    flags: tuple[str, ...] = ("--round-lane", args.round_lane, "--decode-ahead", args.decode_ahead)
+    if args.decode_steps is not None:
+        flags += ("--decode-steps", args.decode_steps)
     with services(args, flags) as stub:
         runners = service_runners(stub, args)
         if not args.no_hf:
@@ -351,7 +358,7 @@ def main() -> None:
         f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
         f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
         f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
-        f"{args.decode_ahead}"
+        f"{args.decode_ahead}, decode steps {args.decode_steps or 'default'}"
     )
     print(
         f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"

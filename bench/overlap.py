@@ -182,6 +182,11 @@ def main() -> None:
         help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
     parser.add_argument(
+        "--decode-steps",
+        default=None,
+        help="`up --decode-steps` (tokens a plain round decodes; default: its own)",
+    )
+    parser.add_argument(
         "--decode-ahead-max-batch",
         default=None,
         help="`up --decode-ahead-max-batch` (default: its own)",
@@ -222,6 +227,8 @@ def main() -> None:
         flags: tuple[str, ...] = ("--overlap", mode, "--decode-ahead", args.decode_ahead)
         if args.decode_ahead_max_batch is not None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
+        if args.decode_steps is not None:
+            flags += ("--decode-steps", args.decode_steps)
         with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
@@ -235,7 +242,8 @@ def main() -> None:
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy, "
-        f"decode ahead {args.decode_ahead} (max batch {args.decode_ahead_max_batch or 'default'})"
+        f"decode ahead {args.decode_ahead} (max batch {args.decode_ahead_max_batch or 'default'}), "
+        f"decode steps {args.decode_steps or 'default'}"
         f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
     )
     others = [m for m in modes if m != "serial"]

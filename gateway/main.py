@@ -159,6 +159,7 @@ async def serve(
     ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     round_lane: bool = True,
     lane_poll_s: float = 0.0,
+    decode_steps: int = 1,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -174,7 +175,8 @@ async def serve(
     run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a drafter
     or verifier on a Unix socket is reached on its round lane (specsplit.lane), the event loop
     polling up to `lane_poll_s` for each answer before it sleeps.
-    speculation_gate: draft only while it pays, measured (gateway/gate.py)."""
+    speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
+    tokens a plain round decodes in one Verify."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -206,6 +208,7 @@ async def serve(
         speculation_gate=speculation_gate,
         ahead_guesses=ahead_guesses,
         ahead_max_batch=ahead_max_batch,
+        decode_steps=decode_steps,
     )
     if scheduler.gate is not None:
         log.info("speculation gate on: rounds draft while that pays, measured per batch size")

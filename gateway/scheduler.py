@@ -32,7 +32,15 @@ from gateway.stopping import StopChecker
 from gateway.text import IncrementalDetokenizer
 from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import AheadTree, DraftOutput, SpecParams, Truncation, VerifyOutput
+from specsplit.messages import (
+    MAX_DECODE_STEPS,
+    AheadTree,
+    DraftOutput,
+    SpecParams,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -73,6 +81,7 @@ class Scheduler:
         speculation_gate: bool = False,
         ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
+        decode_steps: int = 1,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -90,13 +99,17 @@ class Scheduler:
         default lifetime; max_context: the model's, checked against a session's whole
         conversation (None: only the verifier checks it). speculation_gate: requests without
         their own spec draft only while speculating commits more tokens per second than plain
-        rounds, measured per batch size (gateway/gate.py); off = they always draft."""
+        rounds, measured per batch size (gateway/gate.py); off = they always draft.
+        decode_steps: a plain round (no tree, no target features) decodes up to this many
+        tokens in one Verify (VerifyInput.decode_steps)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
             raise ValueError(f"ahead_guesses = {ahead_guesses}: want 0 to {MAX_AHEAD_GUESSES}")
         if ahead_max_batch < 0:
             raise ValueError(f"ahead_max_batch = {ahead_max_batch}: want 0 or more")
+        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps = {decode_steps}: want 1 to {MAX_DECODE_STEPS}")
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -138,6 +151,7 @@ class Scheduler:
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
         self.ahead_guesses = ahead_guesses
         self.ahead_max_batch = ahead_max_batch
+        self.decode_steps = decode_steps
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
 
@@ -380,11 +394,13 @@ class Scheduler:
         with telemetry.round_span([seq.span for seq in batch]):  # carried to both services
             trees = await self._sent_then_stream(self._draft(batch))
             outputs = await self._sent_then_stream(
-                self.verifier.verify(
-                    [seq.verify_input(tree) for seq, tree in zip(batch, trees, strict=True)]
-                )
+                self.verifier.verify(self._verify_inputs(batch, trees))
             )
         self._commit(batch, trees, outputs)
+
+    def _verify_inputs(self, batch: list[Sequence], trees: list[DraftTree]) -> list[VerifyInput]:
+        steps = self.decode_steps
+        return [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
 
     async def _sent_then_stream(self, call: Awaitable[T]) -> T:
         """Await `call`; once it waits for an answer (its RPC on the way: not a call that
@@ -439,7 +455,7 @@ class Scheduler:
                 self._drafted[seq.seq_id] = tree
         trees = [self._drafted.pop(seq.seq_id) for seq in verify]
         with telemetry.round_span([seq.span for seq in verify]):
-            inputs = [seq.verify_input(tree) for seq, tree in zip(verify, trees, strict=True)]
+            inputs = self._verify_inputs(verify, trees)
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
             await asyncio.sleep(0)  # the Verify is on its way before the commit below
             try:
@@ -477,7 +493,7 @@ class Scheduler:
                 drafted = await self._sent_then_stream(self._draft(missing))
                 trees.update(zip(map(id, missing), drafted, strict=True))
             round_trees = [trees[id(seq)] for seq in batch]
-            inputs = [seq.verify_input(t) for seq, t in zip(batch, round_trees, strict=True)]
+            inputs = self._verify_inputs(batch, round_trees)
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
             await asyncio.sleep(0)  # the Verify is on its way before anything else
             try:
@@ -567,7 +583,7 @@ class Scheduler:
         for seq, tree, out in zip(batch, trees, outputs, strict=True):
             self._unstreamed.append((seq, seq.commit(out)))
             seq.adapt(tree, out)
-            self.num_tokens_committed += len(out.accepted_tokens) + 1
+            self.num_tokens_committed += len(out.new_tokens)
 
     def _commit_and_stream(
         self, pending: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]]

@@ -184,19 +184,27 @@ class Sequence:
         if self.hidden_state_layers:  # the drafter's features restart with the re-prefill
             self.drafter_num_tokens = 0
 
-    def verify_input(self, tree: DraftTree) -> VerifyInput:
-        item = VerifyInput(
+    def verify_input(self, tree: DraftTree, decode_steps: int = 1) -> VerifyInput:
+        """This round's Verify. decode_steps: how many tokens a plain round (no tree, no
+        features, not the prefill) decodes, at most the tokens still allowed; the stop rules
+        cut what comes past a stop when the round commits."""
+        # held back, the round asks for no features: plain rounds cost what the target
+        # alone does (scheduler._restart_features has them verified again on resuming)
+        layers = () if self.drafts_held else self.hidden_state_layers
+        steps = 1
+        if not tree and not layers and self.verifier_begun:
+            left = self.request.max_new_tokens - self.num_generated_tokens
+            steps = max(1, min(decode_steps, left))
+        return VerifyInput(
             seq_id=self.seq_id,
             begin=not self.verifier_begun,
             kv_committed_len=self.verifier_kv_committed_len,
             pending_tokens=self.tokens[self.verifier_kv_committed_len :],
             tree=tree,
             sampling=self.request.sampling,
-            # held back, the round asks for no features: plain rounds cost what the target
-            # alone does (scheduler._restart_features has them verified again on resuming)
-            hidden_state_layers=() if self.drafts_held else self.hidden_state_layers,
+            hidden_state_layers=layers,
+            decode_steps=steps,
         )
-        return item
 
     def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
         """Adaptive speculation: this round's acceptance of `tree` may move the draft shape."""
@@ -222,10 +230,11 @@ class Sequence:
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rounds_since_prefill += 1
-        self.stats.rounds += 1
+        # a round's further decode steps count as rounds of one token each
+        self.stats.rounds += 1 + len(out.decoded_tokens)
         self.stats.num_accepted_drafts += out.num_accepted_drafts
-        self.stats.num_accepted_tokens += out.num_accepted_tokens
-        new = [*out.accepted_tokens, out.bonus_token]
+        self.stats.num_accepted_tokens += out.num_accepted_tokens + len(out.decoded_tokens)
+        new = out.new_tokens
         text: str | None = None  # made here only when the rules read it
         if self.stop_checker.reads_text:
             outcome = self.stop_checker.commit(new)

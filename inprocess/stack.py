@@ -84,6 +84,7 @@ def build_local_stack(
     draft_graph_lens: tuple[int, ...] = (),
     overlap: str = "serial",
     decode_ahead: bool = False,
+    decode_steps: int = 1,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
@@ -91,7 +92,8 @@ def build_local_stack(
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
     rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
-    ("serial", "groups", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine)."""
+    ("serial", "groups", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine).
+    decode_steps: tokens a plain round decodes (the scheduler's)."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
     )
@@ -141,5 +143,6 @@ def build_local_stack(
         adaptive_rungs=adaptive_rungs,
         overlap=overlap,
         max_context=config.max_position_embeddings,
+        decode_steps=decode_steps,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

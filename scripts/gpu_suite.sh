@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead]
+#       [prefill] [small] [ahead] [steps]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -23,7 +23,8 @@
 # the RoPE + K/V store kernel's GPU tests and the engine step with it and without; prefill: a new
 # sequence's first round, graphs (up to 128 tokens) and eager; small: the fused small-linear layer
 # path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B; ahead: target-only rounds
-# through the services (random SmolLM2) with the verifier's decode steps run ahead and without.
+# through the services (random SmolLM2) with the verifier's decode steps run ahead and without;
+# steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +87,19 @@ for part in "${parts[@]}"; do
         run "ahead_$ahead" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
           --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
           --num-prompts 4 --no-hf --decode-ahead "$ahead"
+      done ;;
+    steps)  # target-only rounds through the services (random SmolLM2): plain rounds of 1, 4, 2
+      # and 8 decode steps, one stream (e2e), then 1 / 8 / 16 streams (overlap, steps 1 and 4)
+      random_smollm2
+      for steps in 1 4 2 8; do
+        run "steps_$steps" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
+          --num-prompts 4 --no-hf --decode-steps "$steps"
+      done
+      for steps in 1 4; do
+        run "steps_overlap_$steps" python3 bench/overlap.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 8 16 --max-new-tokens 128 --modes serial --decode-steps "$steps"
       done ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \

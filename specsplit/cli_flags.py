@@ -97,6 +97,8 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # step is host-bound there and the figures swing between machines), so larger rounds run nothing
 # ahead until that is understood
 DECODE_AHEAD_MAX_BATCH = 16
+# --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
+DECODE_STEPS_ON_GPU = 4
 
 
 def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
@@ -243,6 +245,13 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " serve-gateway, which cannot see the devices: off)"
     )
     flag(parser, "--speculation-gate", "auto", gate_help, choices=("auto", "on", "off"))
+    steps_help = (
+        "tokens a plain round (no drafts, no target features) decodes in one Verify: the"
+        " verifier runs the further decode steps itself, so the round trip through the gateway"
+        " is paid once for them (the stop rules cut what comes past a stop); none = auto (`up`:"
+        f" {DECODE_STEPS_ON_GPU} when the verifier runs on a GPU, else 1; serve-gateway: 1)"
+    )
+    flag(parser, "--decode-steps", None, steps_help, type=optional_int)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

@@ -122,6 +122,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             ahead_max_batch=args.ahead_max_batch,
             round_lane=args.round_lane == "on",
             lane_poll_s=(args.round_lane_poll_ms or 0.0) / 1e3,
+            decode_steps=args.decode_steps or 1,
             speculation_gate=args.speculation_gate == "on",
         )
     )

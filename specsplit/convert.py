@@ -268,6 +268,8 @@ def _fill_verify_input(msg: verifier_pb2.SequenceVerifyInput, item: VerifyInput)
     msg.kv_committed_len = item.kv_committed_len
     msg.pending_tokens.extend(item.pending_tokens)
     msg.hidden_state_layers.extend(item.hidden_state_layers)
+    if item.decode_steps != 1:
+        msg.decode_steps = item.decode_steps
     if item.tree.tokens:
         _fill_tree(msg.tree, item.tree)
     if item.sampling != GREEDY:
@@ -285,6 +287,7 @@ def verify_input_from_proto(msg: verifier_pb2.SequenceVerifyInput) -> VerifyInpu
         else DraftTree(),
         sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else GREEDY,
         hidden_state_layers=tuple(msg.hidden_state_layers),
+        decode_steps=msg.decode_steps or 1,
     )
 
 
@@ -301,6 +304,7 @@ def _fill_verify_output(msg: verifier_pb2.SequenceVerifyOutput, item: VerifyOutp
     msg.num_accepted_drafts = item.num_accepted_drafts
     msg.num_accepted_tokens = item.num_accepted_tokens
     msg.kv_committed_len = item.kv_committed_len
+    msg.decoded_tokens.extend(item.decoded_tokens)
     if item.hidden_states is not None:
         _fill_tensor(msg.hidden_states, item.hidden_states)
 
@@ -323,6 +327,7 @@ def verify_output_from_proto(msg: verifier_pb2.SequenceVerifyOutput) -> VerifyOu
         bonus_token=msg.bonus_token,
         kv_committed_len=msg.kv_committed_len,
         hidden_states=hidden,
+        decoded_tokens=list(msg.decoded_tokens),
     )
 
 

@@ -12,6 +12,8 @@ from specsplit.errors import invalid
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
+MAX_DECODE_STEPS = 16  # VerifyInput.decode_steps
+
 
 @dataclass(frozen=True)
 class SpecParams:
@@ -100,6 +102,9 @@ class VerifyInput:
     tree: DraftTree
     sampling: SamplingParams = field(default_factory=SamplingParams)
     hidden_state_layers: tuple[int, ...] = ()
+    # the round's target steps: after the first (the pending tokens and the tree), each further
+    # one decodes the next token, as a round of its own would (no tree, no hidden states)
+    decode_steps: int = 1
 
 
 @dataclass
@@ -109,6 +114,9 @@ class VerifyOutput:
     bonus_token: int
     kv_committed_len: int  # after this round
     hidden_states: torch.Tensor | None = None  # [pending + accepted, layers * hidden]
+    # the round's further decode steps (VerifyInput.decode_steps): the tokens they took as
+    # input, the first step's bonus token first; bonus_token is then the last step's
+    decoded_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_accepted_drafts(self) -> int:
@@ -116,7 +124,13 @@ class VerifyOutput:
 
     @property
     def num_accepted_tokens(self) -> int:
+        """Of the round's first step: its accepted drafts and bonus token."""
         return len(self.accepted_tokens) + 1
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """Every token the round appends, in order."""
+        return [*self.accepted_tokens, *self.decoded_tokens, self.bonus_token]
 
 
 @dataclass

@@ -17,7 +17,11 @@ from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from specsplit.cli_flags import DEFAULT_PORTS, SHARED_DRAFTER_KV_MEMORY_FRACTION
+from specsplit.cli_flags import (
+    DECODE_STEPS_ON_GPU,
+    DEFAULT_PORTS,
+    SHARED_DRAFTER_KV_MEMORY_FRACTION,
+)
 from specsplit.cli_generate import stream_generation
 from specsplit.up_security import UpSecurity
 
@@ -106,6 +110,7 @@ def child_commands(
     gateway += ["--ahead-max-batch", str(args.ahead_max_batch)]
     gateway += ["--round-lane", args.round_lane]
     gateway += ["--round-lane-poll-ms", str(gateway_lane_poll_ms(args))]
+    gateway += ["--decode-steps", str(gateway_decode_steps(args))]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
@@ -165,6 +170,15 @@ def gateway_lane_poll_ms(args: argparse.Namespace) -> float:
     if args.round_lane_poll_ms is not None:
         return float(args.round_lane_poll_ms)
     return LANE_POLL_MS_ON_GPU if args.device.startswith("cuda") else 0.0
+
+
+def gateway_decode_steps(args: argparse.Namespace) -> int:
+    """--decode-steps auto: DECODE_STEPS_ON_GPU when the verifier runs on a GPU, where a plain
+    round's trip through the gateway costs as much as the step itself; 1 on a CPU, where the
+    step dwarfs it and a stop inside a round would waste whole steps."""
+    if args.decode_steps is not None:
+        return int(args.decode_steps)
+    return DECODE_STEPS_ON_GPU if args.device.startswith("cuda") else 1
 
 
 def drafter_kv_memory_fraction(args: argparse.Namespace) -> float | None:

@@ -77,10 +77,11 @@ def make_stack(
     adaptive_spec: bool = False,
     overlap: str = "serial",
     decode_ahead: bool = False,
+    decode_steps: int = 1,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call. adaptive_*: adaptive speculation starting on `spec`.
-    decode_ahead: the verifier's."""
+    decode_ahead: the verifier's; decode_steps: the scheduler's."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -95,6 +96,7 @@ def make_stack(
         adaptive_rungs=adaptive_rungs,
         overlap=overlap,
         decode_ahead=decode_ahead,
+        decode_steps=decode_steps,
     )
 
 

@@ -26,7 +26,14 @@ from specsplit.kernels.accept import (
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
-from specsplit.messages import Truncated, Truncation, VerifyInput, VerifyOutput, truncate_each
+from specsplit.messages import (
+    MAX_DECODE_STEPS,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+    truncate_each,
+)
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import on_device, to_device
 from specsplit.model.config import default_aux_layers
@@ -316,7 +323,47 @@ class VerifierEngine:
 
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         with on_device(self.device):
-            return self._verify(inputs)
+            outputs = self._verify(inputs)
+            if any(item.decode_steps > 1 for item in inputs):
+                self._decode_further(inputs, outputs)
+            return outputs
+
+    def _decode_further(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> None:
+        """A round's further decode steps (VerifyInput.decode_steps), into its `outputs`: step s
+        is a decode round of its own for the items that ask for more than s steps, each
+        sequence's last token its input, exactly the round the gateway would send next (on a
+        GPU the step run ahead serves it, and the next launches behind it). A step with no room
+        (the context, the KV pool) ends its sequences' round where they are: each output says
+        how far it got."""
+        for step in range(1, max(item.decode_steps for item in inputs)):
+            more = [
+                i
+                for i, item in enumerate(inputs)
+                if item.decode_steps > step and outputs[i].kv_committed_len < self.max_context
+            ]
+            if not more:
+                return
+            step_inputs = [
+                VerifyInput(
+                    inputs[i].seq_id,
+                    False,
+                    outputs[i].kv_committed_len,
+                    [outputs[i].bonus_token],
+                    DraftTree(),
+                    inputs[i].sampling,
+                )
+                for i in more
+            ]
+            try:
+                stepped = self._verify(step_inputs)
+            except ServiceError as e:  # nothing of the step happened: the round ends here
+                if e.code != Code.RESOURCE_EXHAUSTED:
+                    raise
+                return
+            for i, out in zip(more, stepped, strict=True):
+                outputs[i].decoded_tokens.append(outputs[i].bonus_token)
+                outputs[i].bonus_token = out.bonus_token
+                outputs[i].kv_committed_len = out.kv_committed_len
 
     @torch.inference_mode()
     def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
@@ -741,6 +788,15 @@ class VerifierEngine:
                 )
             if not item.pending_tokens:
                 raise invalid(f"pending_tokens empty for {item.seq_id!r}")
+            if not 1 <= item.decode_steps <= MAX_DECODE_STEPS:
+                raise invalid(
+                    f"decode_steps = {item.decode_steps} for {item.seq_id!r}: want 1 to "
+                    f"{MAX_DECODE_STEPS}"
+                )
+            if item.decode_steps > 1 and (item.tree or item.hidden_state_layers):
+                raise invalid(
+                    f"{item.seq_id!r}: decode_steps > 1 asks for no tree and no hidden states"
+                )
             bad = [t for t in item.pending_tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise invalid(

@@ -85,8 +85,10 @@ class Driver:
         trees: dict[str, DraftTree],
         begin: bool | set[str] = False,
         sampling: SamplingParams | None = None,
+        steps: dict[str, int] | None = None,
     ) -> list[VerifyOutput]:
-        """One round; `begin`: every sequence's first (True) or these sequences'."""
+        """One round; `begin`: every sequence's first (True) or these sequences'; `steps`:
+        sequences' decode_steps (1 for the others)."""
         begins = set(trees) if begin is True else set(begin or ())
         inputs = []
         for seq_id, tree in trees.items():
@@ -95,6 +97,7 @@ class Driver:
             committed = self.committed[seq_id]
             pending = self.tokens[seq_id][committed:]
             item = VerifyInput(seq_id, seq_id in begins, committed, pending, tree)
+            item.decode_steps = (steps or {}).get(seq_id, 1)
             if sampling is not None:
                 item.sampling = sampling
             inputs.append(item)
@@ -102,7 +105,7 @@ class Driver:
         for out in outputs:
             tokens = self.tokens[out.seq_id]
             del tokens[out.kv_committed_len :]
-            tokens += [*out.accepted_tokens, out.bonus_token]
+            tokens += out.new_tokens
             self.committed[out.seq_id] = out.kv_committed_len
         self.engine.check_integrity()
         return outputs

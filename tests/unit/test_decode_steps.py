@@ -1,0 +1,225 @@
+"""A Verify round of several decode steps (`VerifyInput.decode_steps`): the verifier decodes the
+next tokens itself, each step as the round the gateway would send next, so the tokens, the
+committed KV and a seeded sampler's draws are those of one-step rounds, with its decode steps
+run ahead or not; a step with no room (the context, the KV pool) ends the round early. Through
+the scheduler: plain rounds decode several tokens, the stop rules cut what comes past a stop
+(EOS, a stop string, max_new_tokens), sessions keep exactly their turns' tokens, and no page
+stays held."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from specsplit import convert
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import MAX_DECODE_STEPS, SpecParams, VerifyInput, VerifyOutput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import (
+    Conversation,
+    check_no_leaks,
+    generate_all,
+    generated_ids,
+    make_stack,
+    mixed_requests,
+    save_tiny_llama,
+    target_only_ids,
+)
+from tests.unit.test_decode_ahead import Driver, _engine, _release, _same
+from tests.unit.test_sessions import _four_turns
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("steps") / "target", seed=29)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    """The engines' device (tests/gpu/test_decode_ahead_gpu.py runs these tests on CUDA)."""
+    return "cpu"
+
+
+def _pair(target_dir: Path, device: str, ahead: bool, **kwargs: int) -> tuple[Driver, Driver]:
+    """One-step rounds (the reference) and rounds of several steps, on the same kind of engine."""
+    return (
+        Driver(_engine(target_dir, ahead, device, **kwargs)),
+        Driver(_engine(target_dir, ahead, device, **kwargs)),
+    )
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "decode-ahead"])
+def test_a_round_of_steps_gives_the_tokens_and_kv_of_one_step_rounds(
+    target_dir: Path, device: str, ahead: bool
+) -> None:
+    """ "a" asks for 4 steps a round and "b" for 2, twice; the reference sends 8 one-step
+    rounds, "b" in the first 2 of each 4."""
+    single, steps = _pair(target_dir, device, ahead)
+    for driver in (single, steps):
+        driver.begin("a", "b")
+    for _ in range(2):
+        outputs = steps.round(dict.fromkeys("ab", DraftTree()), steps={"a": 4, "b": 2})
+        assert [len(o.decoded_tokens) for o in outputs] == [3, 1]
+        assert all(not o.accepted_tokens for o in outputs)
+        single.decode("a", "b", rounds=2)
+        single.decode("a", rounds=2)
+    _same(single, steps)  # the page run ahead aside, the same pages held
+    assert steps.committed["a"] == len(steps.tokens["a"]) - 1
+    if ahead:  # every step after the prefill's took the one run ahead but "b"'s first
+        assert steps.engine.num_ahead_used >= 6
+    _release(single, steps)
+
+
+def test_sampled_steps_draw_as_one_step_rounds(target_dir: Path, device: str) -> None:
+    single, steps = _pair(target_dir, device, True)
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    for driver in (single, steps):
+        driver.begin("a", "b")
+    for _ in range(3):
+        steps.round(dict.fromkeys("ab", DraftTree()), sampling=sampling, steps={"a": 3, "b": 3})
+        for _ in range(3):
+            single.round(dict.fromkeys("ab", DraftTree()), sampling=sampling)
+    _same(single, steps)
+    _release(single, steps)
+
+
+def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device: str) -> None:
+    """The context: "a" may hold 3 more tokens' KV, so a round of 6 steps makes 3 tokens (the
+    last one pending). The KV pool: 3 pages of 4 slots, "b" (4 prompt tokens) runs out after
+    its 12th slot, so a round of 16 steps stops there, commits what it made and holds nothing
+    more."""
+    engine = _engine(target_dir, False, device)
+    driver = Driver(engine)
+    driver.begin("a")
+    engine.max_context = driver.committed["a"] + 3
+    [out] = driver.round({"a": DraftTree()}, steps={"a": 6})
+    assert len(out.new_tokens) == 3 and out.kv_committed_len == engine.max_context
+    engine.check_integrity()
+    _release(driver)
+
+    engine = _engine(target_dir, True, device, num_pages=3)
+    driver = Driver(engine)
+    driver.begin("b")
+    [out] = driver.round({"b": DraftTree()}, steps={"b": MAX_DECODE_STEPS})
+    assert out.kv_committed_len == 12 and engine.num_pages_free == 0
+    assert len(out.new_tokens) == 12 - 4
+    reference = Driver(_engine(target_dir, False, device))
+    reference.begin("b")
+    reference.decode("b", rounds=8)
+    assert driver.tokens["b"] == reference.tokens["b"]
+    _release(driver, reference)
+
+
+@pytest.mark.parametrize(
+    ("steps", "tree", "layers"),
+    [(0, False, False), (MAX_DECODE_STEPS + 1, False, False), (2, True, False), (2, False, True)],
+    ids=["zero", "too-many", "with-a-tree", "with-hidden-states"],
+)
+def test_bad_decode_steps_are_refused_and_change_nothing(
+    target_dir: Path, device: str, steps: int, tree: bool, layers: bool
+) -> None:
+    engine = _engine(target_dir, False, device)
+    driver = Driver(engine)
+    driver.begin("a")
+    item = VerifyInput(
+        "a", False, driver.committed["a"], driver.tokens["a"][-1:],
+        DraftTree([4], [-1]) if tree else DraftTree(), hidden_state_layers=(0,) if layers else (),
+        decode_steps=steps,
+    )  # fmt: skip
+    before = (engine.seqs["a"].kv.kv_committed_len, engine.num_pages_used)
+    with pytest.raises(ServiceError) as refused:
+        engine.verify([item])
+    assert refused.value.code == Code.INVALID_ARGUMENT and "decode_steps" in refused.value.message
+    assert (engine.seqs["a"].kv.kv_committed_len, engine.num_pages_used) == before
+    _release(driver)
+
+
+def test_decode_steps_and_decoded_tokens_cross_the_wire() -> None:
+    item = VerifyInput("s", False, 9, [5], DraftTree(), decode_steps=4)
+    assert convert.verify_input_from_proto(convert.verify_input_to_proto(item)) == item
+    plain = VerifyInput("s", False, 9, [5], DraftTree())
+    assert not convert.verify_input_to_proto(plain).HasField("tree")
+    assert convert.verify_input_from_proto(convert.verify_input_to_proto(plain)).decode_steps == 1
+    out = VerifyOutput("s", [], 7, 12, decoded_tokens=[5, 6, 8])
+    back = convert.verify_output_from_proto(convert.verify_output_to_proto(out))
+    assert back.new_tokens == [5, 6, 8, 7] and back.kv_committed_len == 12
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["target-only", "some-speculate"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "decode-ahead"])
+def test_the_gateway_gets_the_target_tokens_with_rounds_of_steps(
+    target_dir: Path, smollm2_tokenizer: object, mixed: bool, ahead: bool
+) -> None:
+    """max_new_tokens not a multiple of the steps (the last round is cut to what is allowed),
+    and with some requests speculating (their rounds one step, the others' several)."""
+    requests = mixed_requests(5, seed=4, max_new_tokens=6)
+    for i, request in enumerate(requests):
+        request.max_new_tokens = 5 + 3 * i
+        request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else SpecParams(0, 1, 0)
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_ahead=ahead, decode_steps=4)  # fmt: skip
+    results = generate_all(stack, requests)
+    assert [generated_ids(c) for c in results] == expected
+    for request, chunks in zip(requests, results, strict=True):
+        stats = chunks[-1].stats
+        assert stats is not None and chunks[-1].finish_reason == "length"
+        if request.spec == SpecParams(0, 1, 0):  # each step counts as a round of one token
+            assert stats.rounds == request.max_new_tokens
+            assert stats.num_accepted_tokens == request.max_new_tokens
+    # fewer rounds than tokens: the longest request alone decodes 4 a round
+    assert stack.scheduler.num_rounds < max(r.max_new_tokens for r in requests)
+    check_no_leaks(stack)
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
+def test_session_turns_with_rounds_of_steps_equal_fresh_requests(
+    target_dir: Path, smollm2_tokenizer: object, seed: int | None
+) -> None:
+    """Turns ending by length, by EOS and by a stop string inside a round of 4 steps: the tokens
+    past the stop leave both services, and each turn equals a fresh request."""
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_steps=4)  # fmt: skip
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
+
+    async def run() -> None:
+        await stack.scheduler.start()
+        try:
+            conv = Conversation(stack, sampling)
+            await _four_turns(conv)
+            await stack.scheduler.sessions.close(conv.session.session_id)
+        finally:
+            await stack.scheduler.stop()
+
+    stack.scheduler.eos_token_ids = ()
+    asyncio.run(run())
+    check_no_leaks(stack)
+
+
+def test_rounds_of_steps_with_eos_end_at_the_eos(
+    target_dir: Path, smollm2_tokenizer: object
+) -> None:
+    """A request that stops at EOS mid-round streams nothing past it."""
+    [request] = mixed_requests(1, seed=8, max_new_tokens=12)
+    [probe] = target_only_ids(target_dir, smollm2_tokenizer, [request])
+    # the first token from the fourth on that did not come before: inside a round of 4 steps
+    at = next(i for i in range(3, len(probe)) if probe[i] not in probe[:i])
+    request.ignore_eos = False
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_steps=4)  # fmt: skip
+    stack.scheduler.eos_token_ids = (probe[at],)
+    [chunks] = generate_all(stack, [request])
+    assert generated_ids(chunks) == probe[: at + 1] and chunks[-1].finish_reason == "stop"
+    check_no_leaks(stack)
+
+
+def test_decode_steps_out_of_range_are_refused_by_the_scheduler(
+    target_dir: Path, smollm2_tokenizer: object
+) -> None:
+    for steps in (0, MAX_DECODE_STEPS + 1):
+        with pytest.raises(ValueError, match="decode_steps"):
+            make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_steps=steps)  # fmt: skip
