@@ -162,6 +162,9 @@ def cprofile_steps(
         bench.step(state, n)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / args.steps * 1e3
+    hidden = " + hidden states" if args.hidden_states else ""
+    print(f"\n== {args.shape} batch {len(state)} n {n}{hidden}: wall {wall:.3f} ms/step")
+    print_phases(phases, args.steps, " (unprofiled)")
     for timer in phases.values():
         timer.reset()
     profiler = cProfile.Profile()
@@ -169,8 +172,6 @@ def cprofile_steps(
     for _ in range(args.steps):
         bench.step(state, n)
     profiler.disable()
-    hidden = " + hidden states" if args.hidden_states else ""
-    print(f"\n== {args.shape} batch {len(state)} n {n}{hidden}: wall {wall:.3f} ms/step")
     print_phases(phases, args.steps, " (cProfiled)")
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
