@@ -88,9 +88,9 @@ def test_sampled_steps_draw_as_one_step_rounds(target_dir: Path, device: str) ->
 
 def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device: str) -> None:
     """The context: "a" may hold 3 more tokens' KV, so a round of 6 steps makes 3 tokens (the
-    last one pending). The KV pool: 3 pages of 4 slots, "b" (4 prompt tokens) runs out after
-    its 12th slot, so a round of 16 steps stops there, commits what it made and holds nothing
-    more."""
+    last one pending). The KV pool: 7 pages of 4 slots, 4 of them "a"'s (13 tokens), so "b" (4
+    prompt tokens) runs out after its 12th slot: a round of 16 steps stops there, commits what
+    it made and holds nothing more. (On a GPU the warm-up's rehearsal needs 6 pages.)"""
     engine = _engine(target_dir, False, device)
     driver = Driver(engine)
     driver.begin("a")
@@ -100,9 +100,13 @@ def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device
     engine.check_integrity()
     _release(driver)
 
-    engine = _engine(target_dir, True, device, num_pages=3)
+    engine = _engine(target_dir, True, device, num_pages=7)
     driver = Driver(engine)
-    driver.begin("b")
+    driver.begin("a")
+    driver.decode("a", rounds=6)
+    driver.begin("b")  # drops "a"'s step run ahead: "a" holds its 13 tokens' 4 pages
+    # "b" holds 2: its prompt's, and its step run ahead's for its 5th slot
+    assert driver.committed["a"] == 13 and engine.num_pages_free == 7 - 4 - 2
     [out] = driver.round({"b": DraftTree()}, steps={"b": MAX_DECODE_STEPS})
     assert out.kv_committed_len == 12 and engine.num_pages_free == 0
     assert len(out.new_tokens) == 12 - 4
