@@ -88,9 +88,9 @@ def test_sampled_steps_draw_as_one_step_rounds(target_dir: Path, device: str) ->
 
 def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device: str) -> None:
     """The context: "a" may hold 3 more tokens' KV, so a round of 6 steps makes 3 tokens (the
-    last one pending). The KV pool: 7 pages of 4 slots, 4 of them "a"'s (13 tokens), so "b" (4
-    prompt tokens) runs out after its 12th slot: a round of 16 steps stops there, commits what
-    it made and holds nothing more. (On a GPU the warm-up's rehearsal needs 6 pages.)"""
+    last one pending). The KV pool: 16 pages of 4 slots (a GPU warm-up's rehearsal needs
+    several), 13 of them "a"'s (49 tokens), so "b" (4 prompt tokens) runs out after its 12th
+    slot: a round of 16 steps stops there, commits what it made and holds nothing more."""
     engine = _engine(target_dir, False, device)
     driver = Driver(engine)
     driver.begin("a")
@@ -100,13 +100,14 @@ def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device
     engine.check_integrity()
     _release(driver)
 
-    engine = _engine(target_dir, True, device, num_pages=7)
+    engine = _engine(target_dir, True, device, num_pages=16)
     driver = Driver(engine)
     driver.begin("a")
-    driver.decode("a", rounds=6)
-    driver.begin("b")  # drops "a"'s step run ahead: "a" holds its 13 tokens' 4 pages
+    for steps in (16, 16, 10):
+        driver.round({"a": DraftTree()}, steps={"a": steps})
+    driver.begin("b")  # drops "a"'s step run ahead: "a" holds its 49 tokens' 13 pages
     # "b" holds 2: its prompt's, and its step run ahead's for its 5th slot
-    assert driver.committed["a"] == 13 and engine.num_pages_free == 7 - 4 - 2
+    assert driver.committed["a"] == 49 and engine.num_pages_free == 16 - 13 - 2
     [out] = driver.round({"b": DraftTree()}, steps={"b": MAX_DECODE_STEPS})
     assert out.kv_committed_len == 12 and engine.num_pages_free == 0
     assert len(out.new_tokens) == 12 - 4
