@@ -153,20 +153,31 @@ def test_decode_steps_and_decoded_tokens_cross_the_wire() -> None:
     assert back.new_tokens == [5, 6, 8, 7] and back.kv_committed_len == 12
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["target-only", "some-speculate"])
-@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "decode-ahead"])
+@pytest.mark.parametrize(
+    ("mixed", "ahead", "overlap"),
+    [
+        (False, False, "serial"),
+        (False, True, "serial"),
+        (True, False, "serial"),
+        (True, True, "serial"),
+        (True, True, "groups"),
+        (True, False, "both"),
+    ],
+    ids=["target-only", "target-only-ahead", "mixed", "mixed-ahead", "mixed-groups", "mixed-both"],
+)
 def test_the_gateway_gets_the_target_tokens_with_rounds_of_steps(
-    target_dir: Path, smollm2_tokenizer: object, mixed: bool, ahead: bool
+    target_dir: Path, smollm2_tokenizer: object, mixed: bool, ahead: bool, overlap: str
 ) -> None:
     """max_new_tokens not a multiple of the steps (the last round is cut to what is allowed),
-    and with some requests speculating (their rounds one step, the others' several)."""
+    and with some requests speculating (their rounds one step, the others' several), in each
+    overlap mode (decode-ahead: the verifier's steps run ahead)."""
     requests = mixed_requests(5, seed=4, max_new_tokens=6)
     for i, request in enumerate(requests):
         request.max_new_tokens = 5 + 3 * i
         request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else SpecParams(0, 1, 0)
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
-                       decode_ahead=ahead, decode_steps=4)  # fmt: skip
+                       decode_ahead=ahead, decode_steps=4, overlap=overlap)  # fmt: skip
     results = generate_all(stack, requests)
     assert [generated_ids(c) for c in results] == expected
     for request, chunks in zip(requests, results, strict=True):
