@@ -41,7 +41,7 @@ class GenerationRequest:
 
 @dataclass
 class SpecStats:
-    rounds: int = 0
+    rounds: int = 0  # target steps: a round of several decode steps counts each
     num_accepted_drafts: int = 0
     num_accepted_tokens: int = 0
     num_reused_tokens: int = 0  # a session turn's prompt tokens whose verifier KV was kept
