@@ -106,7 +106,8 @@ class EngineBench:
         state = state_dict_from_hf(config, hf.state_dict(), dtype, device)
         model = LlamaModel.from_state_dict(config, state, device)
         max_batch = max(args.batch)
-        pages_per_seq = -(-(args.context + args.steps * 2 + 200) // args.page_size) + 1
+        steps = getattr(args, "decode_steps", 1)  # tokens a decode round makes
+        pages_per_seq = -(-(args.context + args.steps * 2 * steps + 200) // args.page_size) + 1
         kv = make_kv_cache(config, max_batch * pages_per_seq + 8, args.page_size, dtype, device)
         query_lens = (1, *(1 + n for n in args.verify_n)) if graphs else ()
         self.engine = VerifierEngine(
@@ -143,8 +144,9 @@ class EngineBench:
             state[seq_id] = (out.kv_committed_len, out.bonus_token)
         return state
 
-    def step(self, state: dict[str, tuple[int, int]], n: int) -> None:
-        """One round for every sequence: its pending token + a chain of n random drafts."""
+    def step(self, state: dict[str, tuple[int, int]], n: int, decode_steps: int = 1) -> None:
+        """One round for every sequence: its pending token + a chain of n random drafts (or,
+        decode_steps > 1, that many decode steps)."""
         inputs = []
         for seq_id, (committed, pending) in state.items():
             tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
@@ -156,6 +158,7 @@ class EngineBench:
                     [pending],
                     tree,
                     hidden_state_layers=self.hidden_state_layers,
+                    decode_steps=decode_steps,
                 )
             )
         for out in self.engine.verify(inputs):
@@ -214,6 +217,10 @@ def bench_ours(
         state = bench.open(batch)
         decode = median_ms(lambda s=state: bench.step(s, 0), args.steps)
         record(rows, f"ours {label} decode", batch, decode)
+        if args.decode_steps > 1:  # per token: a round's time over its steps
+            k = args.decode_steps
+            ms = median_ms(lambda s=state, k=k: bench.step(s, 0, k), args.steps) / k
+            record(rows, f"ours {label} decode, rounds of {k} steps", batch, ms)
         if batch in args.verify_batch:
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
@@ -252,6 +259,12 @@ def main() -> None:
         "--decode-ahead",
         action="store_true",
         help="the verifier runs each decode step ahead (steps back to back: host and GPU overlap)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="also time decode rounds of this many steps (VerifyInput.decode_steps), per token",
     )
     args = parser.parse_args()
 

@@ -355,7 +355,9 @@ class VerifierEngine:
                 for i in more
             ]
             try:
-                stepped = self._verify(step_inputs)
+                # their lengths are the engine's, their tokens the target's, their sampling
+                # the round's (validated), their context checked above: no checks again
+                stepped = self._verify(step_inputs, validated=True)
             except ServiceError as e:  # nothing of the step happened: the round ends here
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
@@ -366,8 +368,11 @@ class VerifierEngine:
                 outputs[i].kv_committed_len = out.kv_committed_len
 
     @torch.inference_mode()
-    def _verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        self._validate(inputs)
+    def _verify(self, inputs: list[VerifyInput], validated: bool = False) -> list[VerifyOutput]:
+        """One round. validated: `inputs` need no checks (a round's further decode steps, built
+        here from what the engine committed)."""
+        if not validated:
+            self._validate(inputs)
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
