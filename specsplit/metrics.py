@@ -124,6 +124,11 @@ DECODE_AHEAD = Counter(
     " step of GPU time spent for nothing)",
     ["outcome"],
 )
+DECODED_TOKENS = Counter(
+    "specsplit_decoded_tokens",
+    "Tokens the verifier decoded in rounds' further decode steps (--decode-steps): of the"
+    " generated tokens, those whose round trip through the gateway another token paid",
+)
 SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
 SESSION_KV_PAGES = Gauge(
     "specsplit_session_kv_pages",
@@ -213,6 +218,8 @@ def observe_session_turn(num_reused_tokens: int) -> None:
 def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> None:
     """One sequence's round outcome (after seq.commit): acceptance, tokens, TTFT, ITL."""
     ACCEPTED_TOKENS_PER_ROUND.observe(out.num_accepted_tokens)
+    if out.decoded_tokens:
+        DECODED_TOKENS.inc(len(out.decoded_tokens))
     for depth in range(1, out.num_accepted_drafts + 1):
         ACCEPTED_DRAFTS.labels(depth=str(depth)).inc()
     num_tokens = len(chunk.token_ids)

@@ -60,6 +60,7 @@ KNOWN_METRICS = {
     "specsplit_speculating",
     "specsplit_decode_ahead_total",
     "specsplit_draft_ahead_total",
+    "specsplit_decoded_tokens_total",
 }
 
 

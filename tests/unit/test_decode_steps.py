@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
@@ -178,8 +179,13 @@ def test_the_gateway_gets_the_target_tokens_with_rounds_of_steps(
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
                        decode_ahead=ahead, decode_steps=4, overlap=overlap)  # fmt: skip
+    decoded = REGISTRY.get_sample_value("specsplit_decoded_tokens_total") or 0.0
     results = generate_all(stack, requests)
     assert [generated_ids(c) for c in results] == expected
+    # /metrics: the tokens of further decode steps (plain rounds, and a speculating request's
+    # rounds the n-gram drafter found nothing for), fewer than all
+    decoded = (REGISTRY.get_sample_value("specsplit_decoded_tokens_total") or 0.0) - decoded
+    assert 0 < decoded < sum(r.max_new_tokens for r in requests)
     for request, chunks in zip(requests, results, strict=True):
         stats = chunks[-1].stats
         assert stats is not None and chunks[-1].finish_reason == "length"
