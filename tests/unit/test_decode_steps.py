@@ -12,14 +12,17 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
+from gateway.request import GenerationRequest
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import MAX_DECODE_STEPS, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import (
+    TINY_VOCAB,
     Conversation,
     check_no_leaks,
     generate_all,
@@ -245,3 +248,22 @@ def test_decode_steps_out_of_range_are_refused_by_the_scheduler(
         with pytest.raises(ValueError, match="decode_steps"):
             make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
                        decode_steps=steps)  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+def test_a_full_kv_pool_preempts_rounds_of_steps_with_the_same_tokens(
+    target_dir: Path, smollm2_tokenizer: object, overlap: str
+) -> None:
+    """4 requests of 10 + 40 tokens need ~52 pages of 4; 30 hold about two. A round's further
+    steps end early where the pool runs out (its answer says how far), the next round is
+    refused and the gateway preempts, as with one-step rounds: the tokens of a roomy pool."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, TINY_VOCAB, (10,), generator=gen).tolist() for _ in range(4)]
+    requests = [GenerationRequest(p, 40, ignore_eos=True) for p in prompts]
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    tight = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0), page_size=4,
+                       num_pages=30, overlap=overlap, decode_steps=4)  # fmt: skip
+    out = generate_all(tight, requests)  # checks no KV is left in either service
+    assert [generated_ids(c) for c in out] == expected
+    assert all(c[-1].finish_reason == "length" for c in out)
+    assert tight.scheduler.num_preemptions > 0
