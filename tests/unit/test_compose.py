@@ -336,6 +336,14 @@ def test_the_cpu_override_reserves_no_gpu(
     assert set(merged["services"]) == set(plain(load(COMPOSE))["services"])
 
 
+def test_plain_rounds_decode_several_tokens_on_gpus_one_on_the_cpu(
+    base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--decode-steps as `up` picks it: 4 with the verifier on a GPU, 1 on the CPU."""
+    assert parsed(base, "gateway", monkeypatch).decode_steps == cli_flags.DECODE_STEPS_ON_GPU
+    assert parsed(merged, "gateway", monkeypatch).decode_steps == 1
+
+
 @pytest.mark.parametrize("which", ["base", "merged"])
 def test_healthy_dependencies_have_healthchecks(
     which: str, base: dict[str, Any], merged: dict[str, Any]
