@@ -88,8 +88,11 @@ for part in "${parts[@]}"; do
           --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
           --num-prompts 4 --no-hf --decode-ahead "$ahead"
       done ;;
-    steps)  # target-only rounds through the services (random SmolLM2): plain rounds of 1, 4, 2
-      # and 8 decode steps, one stream (e2e), then 1 / 8 / 16 streams (overlap, steps 1 and 4)
+    steps)  # rounds of several decode steps: in process (per token, decode ahead on), then
+      # target-only rounds through the services (random SmolLM2): plain rounds of 1, 4, 2 and
+      # 8 decode steps, one stream (e2e), then 1 / 8 / 16 streams (overlap, steps 1 and 4)
+      run engine_steps python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
+        --verify-n --verify-batch --steps 100 --no-hf --decode-ahead --decode-steps 4
       random_smollm2
       for steps in 1 4 2 8; do
         run "steps_$steps" python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
