@@ -8,22 +8,17 @@ stays held."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client import REGISTRY
 
-from gateway.request import GenerationRequest
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import MAX_DECODE_STEPS, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import (
-    TINY_VOCAB,
-    Conversation,
     check_no_leaks,
     generate_all,
     generated_ids,
@@ -33,7 +28,8 @@ from tests.support import (
     target_only_ids,
 )
 from tests.unit.test_decode_ahead import Driver, _engine, _release, _same
-from tests.unit.test_sessions import _four_turns
+from tests.unit.test_scheduler_preemption import _requests as _preemption_requests
+from tests.unit.test_sessions import _run
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +39,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def device() -> str:
-    """The engines' device (tests/gpu/test_decode_ahead_gpu.py runs these tests on CUDA)."""
+    """The engines' device (tests/gpu/test_decode_steps_gpu.py runs these tests on CUDA)."""
     return "cpu"
 
 
@@ -208,20 +204,7 @@ def test_session_turns_with_rounds_of_steps_equal_fresh_requests(
     past the stop leave both services, and each turn equals a fresh request."""
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
                        decode_steps=4)  # fmt: skip
-    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
-
-    async def run() -> None:
-        await stack.scheduler.start()
-        try:
-            conv = Conversation(stack, sampling)
-            await _four_turns(conv)
-            await stack.scheduler.sessions.close(conv.session.session_id)
-        finally:
-            await stack.scheduler.stop()
-
-    stack.scheduler.eos_token_ids = ()
-    asyncio.run(run())
-    check_no_leaks(stack)
+    _run(stack, SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed))
 
 
 def test_rounds_of_steps_with_eos_end_at_the_eos(
@@ -257,9 +240,7 @@ def test_a_full_kv_pool_preempts_rounds_of_steps_with_the_same_tokens(
     """4 requests of 10 + 40 tokens need ~52 pages of 4; 30 hold about two. A round's further
     steps end early where the pool runs out (its answer says how far), the next round is
     refused and the gateway preempts, as with one-step rounds: the tokens of a roomy pool."""
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, TINY_VOCAB, (10,), generator=gen).tolist() for _ in range(4)]
-    requests = [GenerationRequest(p, 40, ignore_eos=True) for p in prompts]
+    requests = _preemption_requests(4, max_new_tokens=40)
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     tight = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0), page_size=4,
                        num_pages=30, overlap=overlap, decode_steps=4)  # fmt: skip
