@@ -40,7 +40,7 @@ from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.sampling import make_generator, target_probs
+from specsplit.sampling import SamplingParams, make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
@@ -344,12 +344,10 @@ class VerifierEngine:
             if not more:
                 return
             step_inputs = [
-                VerifyInput(
+                _decode_step(
                     inputs[i].seq_id,
-                    False,
                     outputs[i].kv_committed_len,
-                    [outputs[i].bonus_token],
-                    DraftTree(),
+                    outputs[i].bonus_token,
                     inputs[i].sampling,
                 )
                 for i in more
@@ -494,7 +492,7 @@ class VerifierEngine:
         if any(length + 1 > self.max_context for length in committed):
             return None
         inputs = [
-            VerifyInput(item.seq_id, False, length, [UNKNOWN_TOKEN], DraftTree(), item.sampling)
+            _decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling)
             for item, length in zip(done_inputs, committed, strict=True)
         ]
         tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
@@ -882,6 +880,13 @@ def _to_host(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
         return rows
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     return host.copy_(rows, non_blocking=True)
+
+
+def _decode_step(
+    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams
+) -> VerifyInput:
+    """A sequence's decode step: its one pending token, no tree, no hidden states."""
+    return VerifyInput(seq_id, False, kv_committed_len, [token], DraftTree(), sampling)
 
 
 def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:
