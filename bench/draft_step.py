@@ -4,6 +4,10 @@ time counts), warmed up as the drafter service does (graphs captured, rounds reh
 
     PYTHONPATH=. python bench/draft_step.py --target DIR [--device cuda] [--batch 1 8 32] \
         [--shape 3x1x3 5x4x16] [--new 3] [--rounds 50] [--host-expansion] [--ahead 2]
+    PYTHONPATH=. python bench/draft_step.py --random-target llama-8b --torch-profile ...
+
+`--random-target SHAPE`: a random EAGLE-3 head of that target's width (8B: one 4096-wide layer,
+a 32,000-token draft vocabulary), in place of the shipped head and a checkpoint.
 
 Each round every sequence brings `--new` tokens (accepted drafts + bonus) with the target's
 features of the tokens before them, and asks for a tree of shape STEPSxTOPKxNODES. Prints the
@@ -24,8 +28,13 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_e2e import random_eagle3_head, random_model
+from bench.gpu_engine import SHAPES
+from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
+from drafter.tree_draft import CATCH_UP_LENS
 from specsplit.messages import DraftInput, SpecParams
 
 
@@ -85,11 +94,38 @@ class Rounds:
         self.engine.release(list(self.tokens))
 
 
+def kernel_profile(rounds: Rounds, spec: SpecParams, new: int, count: int) -> None:
+    """`count` rounds under torch.profiler: wall, GPU kernel time and kernels per round (the
+    wall grows under the profiler; the kernel time does not), then the top kernels."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        begin = time.perf_counter()
+        for _ in range(count):
+            rounds.run(spec, new)
+        wall = (time.perf_counter() - begin) / count * 1e3
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / count
+    launches = sum(e.count for e in kernels) / count
+    print(
+        f"torch.profiler: wall {wall:.3f} ms/round (profiled), GPU kernels {gpu_ms:.3f} "
+        f"ms/round, {launches:.0f} kernels/round"
+    )
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", required=True, help="the target checkpoint directory")
+    parser.add_argument("--target", help="the target checkpoint directory")
+    parser.add_argument(
+        "--random-target",
+        choices=sorted(SHAPES),
+        help="instead of --target: a random target of this shape and a random EAGLE-3 head of "
+        "its width (bench/gpu_e2e.py; --draft-vocab tokens), built in memory",
+    )
+    parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--head", default="specsplit/data/eagle3-smollm2")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -102,19 +138,34 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
     )
-    args = parser.parse_args()
-    engine = DrafterEngine.load(
-        "eagle3",
-        args.head,
-        target_path=args.target,
-        device=args.device,
-        dtype=torch.bfloat16,
-        num_pages=8192,
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="after the timed rounds, --rounds more under torch.profiler: GPU kernel time and "
+        "kernels per round, top kernels",
     )
+    args = parser.parse_args()
+    if args.random_target:
+        target = random_model(args.random_target, args.device, torch.bfloat16, seed=0)
+        head = random_eagle3_head(target, args.draft_vocab, seed=1, device=args.device)
+        del target
+        proposer = Eagle3Proposer(head, head.make_kv_cache(8192, 16))
+        engine = DrafterEngine(proposer, graph_catch_up_lens=CATCH_UP_LENS)
+    elif args.target:
+        engine = DrafterEngine.load(
+            "eagle3",
+            args.head,
+            target_path=args.target,
+            device=args.device,
+            dtype=torch.bfloat16,
+            num_pages=8192,
+        )
+    else:
+        parser.error("--target or --random-target")
     begin = time.perf_counter()
     engine.warmup()
     print(f"warm-up {time.perf_counter() - begin:.1f} s on {args.device}")
-    proposer = engine.proposer
+    proposer = engine.proposer  # type: ignore[assignment]
     if args.host_expansion:
         proposer.device_expansion = False  # type: ignore[attr-defined]
     width = proposer.feature_width  # type: ignore[attr-defined]
@@ -138,6 +189,8 @@ def main() -> None:
                 if profiler is not None:
                     profiler.disable()
                 times.append(1e3 * seconds)
+            if args.torch_profile:
+                kernel_profile(rounds, spec, args.new, args.rounds)
             rounds.release()
             if ahead_times:
                 print(
@@ -153,7 +206,9 @@ def main() -> None:
                 f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"
             )
             if profiler is not None:
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+                stats = pstats.Stats(profiler)
+                stats.sort_stats("tottime").print_stats(15)
+                stats.sort_stats("cumulative").print_stats(35)
     engine.check_integrity()
 
 

@@ -1,10 +1,19 @@
-"""The whole system in one process on one GPU with random weights: target + draft model through
-the real scheduler, drafter engine and verifier engine, SYNTHETIC ACCEPTANCE (draft positions
-accepted at the given rates: the output is not the target's; labelled in every line). Measures
-tokens/s of speculative rounds vs target-only rounds through the same stack, serial and
-pipelined-groups scheduling, at several batch sizes.
+"""The whole system in one process on one GPU with random weights: target + draft model (or a
+random EAGLE-3 head of the target's width, `--drafter eagle3`) through the real scheduler, drafter
+engine and verifier engine, SYNTHETIC ACCEPTANCE (draft positions accepted at the given rates: the
+output is not the target's; labelled in every line). Measures tokens/s of speculative rounds vs
+target-only rounds through the same stack, serial and pipelined-groups scheduling, at several
+batch sizes.
 
     PYTHONPATH=. python bench/gpu_e2e.py --target llama-8b --draft llama-1b --rates 0.8 0.7 0.6
+    PYTHONPATH=. python bench/gpu_e2e.py --target llama-8b --drafter eagle3 --spec 3 5 \
+        --modes serial --rates 0.8 0.7 0.6
+
+The target-only row is the baseline `specsplit up` runs on a GPU: real acceptance (a round with
+no drafts accepts nothing, synthetic or not), decode steps run ahead, rounds of
+`--decode-steps` steps. `--drafter eagle3`: an EAGLE-3 head shaped like the public ones for
+Llama-3.1-8B (one layer of the target's width, a 32,000-token draft vocabulary, three target
+layers' features), its weights random, so only its time means anything.
 
 What it leaves out: the RPCs of a real deployment (drafter and verifier share one process;
 their engine calls run on two threads, as the in-process clients do). On one GPU they also share
@@ -16,16 +25,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import functools
+import pstats
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_engine import SHAPES
 from bench.profile_step import EngineTime
+from drafter.eagle import Eagle3Head
+from drafter.eagle_checkpoint import HEAD_LAYER, Eagle3Config
+from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS
+from drafter.types import Proposer
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.clients import LocalDrafterClient, LocalVerifierClient
@@ -50,6 +68,82 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> Llam
     )
     del hf
     return model
+
+
+def random_eagle3_head(target: LlamaModel, draft_vocab: int, seed: int, device: str) -> Eagle3Head:
+    """An EAGLE-3 head for `target` with random weights on `device`: one decoder layer of the
+    target's width, heads and MLP (as the public heads for Llama-3.1-8B), `draft_vocab` tokens
+    mapped to a random subset of the target's vocabulary, the target's embedding."""
+    c = target.config
+    raw = {
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": 8192,
+    }
+    config = Eagle3Config.from_json(raw, c.num_layers)
+    embed = target.embed_tokens.weight.detach().to(device)
+    dtype = embed.dtype
+    gen = torch.Generator(device).manual_seed(seed)
+    h, q, kv, p = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, HEAD_LAYER
+    shapes = {
+        "fc.weight": (h, config.feature_width),
+        p + "self_attn.q_proj.weight": (q, 2 * h),
+        p + "self_attn.k_proj.weight": (kv, 2 * h),
+        p + "self_attn.v_proj.weight": (kv, 2 * h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+        p + "mlp.up_proj.weight": (c.intermediate_size, h),
+        p + "mlp.down_proj.weight": (h, c.intermediate_size),
+        "lm_head.weight": (draft_vocab, h),
+    }
+    weights = {
+        name: 0.02 * torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        for name, shape in shapes.items()
+    }
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        weights[p + name + ".weight"] = torch.ones(h, device=device, dtype=dtype)
+    weights["norm.weight"] = torch.ones(h, device=device, dtype=dtype)
+    ids = torch.randperm(VOCAB, generator=gen, device=device)[:draft_vocab].sort().values
+    weights["d2t"] = ids - torch.arange(draft_vocab, device=device)
+    return Eagle3Head(config, weights, embed)
+
+
+def make_proposer(
+    args: argparse.Namespace, target: LlamaModel, pages: int, device: str, dtype: torch.dtype
+) -> Proposer:
+    """The draft model (`--draft`) or a random EAGLE-3 head of the target's width."""
+    if args.drafter == "eagle3":
+        head = random_eagle3_head(target, args.draft_vocab, seed=1, device=device)
+        return Eagle3Proposer(head, head.make_kv_cache(pages, 16))
+    draft = random_model(args.draft, device, dtype, seed=1)
+    return ModelProposer(draft, make_kv_cache(draft.config, pages, 16, dtype, device), VOCAB, 8192)
+
+
+def engine_profilers(
+    drafter: DrafterEngine, verifier: VerifierEngine
+) -> dict[str, tuple[cProfile.Profile, Callable[[], None]]]:
+    """A cProfile of every draft and verify call (each on its engine's thread), wrapped in
+    place: name -> (profile, undo the wrapping)."""
+    out: dict[str, tuple[cProfile.Profile, Callable[[], None]]] = {}
+    for name, engine in (("draft", drafter), ("verify", verifier)):
+        profiler, method = cProfile.Profile(), getattr(engine, name)
+
+        def profiled(inputs: list[Any], p: cProfile.Profile = profiler, m: Any = method) -> Any:
+            p.enable()
+            try:
+                return m(inputs)
+            finally:
+                p.disable()
+
+        setattr(engine, name, profiled)
+        out[name] = (profiler, functools.partial(setattr, engine, name, method))
+    return out
 
 
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
@@ -81,7 +175,15 @@ def main() -> None:
     parser.add_argument("--target", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--draft", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.8, 0.7, 0.6])
-    parser.add_argument("--spec", type=int, default=3, help="chain length")
+    parser.add_argument("--drafter", choices=("model", "eagle3"), default="model")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the EAGLE-3 head's")
+    parser.add_argument("--spec", type=int, nargs="+", default=[3], help="chain lengths")
+    parser.add_argument(
+        "--modes", nargs="+", choices=("serial", "groups"), default=["serial", "groups"]
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=4, help="the target-only rounds' (up's GPU default)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -89,13 +191,18 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="the verifier's; default cuda (or cpu)")
     parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--eager-drafter", action="store_true", help="no drafter CUDA graphs")
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="cProfile each engine's calls (on its thread) in the timed speculative runs: the "
+        "top functions of the draft and verify calls after each row",
+    )
     args = parser.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft_device = args.drafter_device or device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     target = random_model(args.target, device, dtype, seed=0)
-    draft = random_model(args.draft, draft_device, dtype, seed=1)
     max_batch = max(args.batch)
     pages = max_batch * (-(-(args.prompt_len + args.max_new_tokens + 64) // 16)) + 64
     verifier = VerifierEngine(
@@ -103,14 +210,14 @@ def main() -> None:
         make_kv_cache(target.config, pages, 16, dtype, device),
         8192,
         VOCAB,
-        graph_query_lens=(1, 1 + args.spec),
+        graph_query_lens=(1, *(1 + n for n in args.spec)),
         max_batch_size=max_batch,
         synthetic_acceptance=tuple(args.rates),
+        decode_ahead=True,
+        decode_ahead_max_batch=16,
     )
     verifier.warmup()
-    proposer = ModelProposer(
-        draft, make_kv_cache(draft.config, pages, 16, dtype, draft_device), VOCAB, 8192
-    )
+    proposer = make_proposer(args, target, pages, draft_device, dtype)
     drafter = DrafterEngine(
         proposer,
         graph_catch_up_lens=() if args.eager_drafter else CATCH_UP_LENS,
@@ -118,22 +225,28 @@ def main() -> None:
     )
     drafter.warmup()  # and its CUDA graphs
     label = f"SYNTHETIC acceptance {args.rates}"
+    drafter_name = "EAGLE-3 head (random)" if args.drafter == "eagle3" else f"{args.draft} draft"
     print(
-        f"{args.target} target on {device}, {args.draft} draft on {draft_device}, {dtype}, "
-        f"{label}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, chain "
-        f"{args.spec}, drafter {'eager' if args.eager_drafter else 'CUDA graphs'}"
+        f"{args.target} target on {device}, {drafter_name} on {draft_device}, {dtype}, "
+        f"{label}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, chains "
+        f"{args.spec}, drafter {'eager' if args.eager_drafter else 'CUDA graphs'}, target-only "
+        f"rounds of {args.decode_steps} decode steps run ahead"
     )
     gen = torch.Generator().manual_seed(0)
     draft_time, verify_time = EngineTime(drafter, "draft"), EngineTime(verifier, "verify")
-    assert verifier.graphs is not None
-    parts = {  # where an engine call's time goes: graph replays, eager forwards, acceptance
-        "verify graph": EngineTime(verifier.graphs, "forward"),
-        "verify eager": EngineTime(verifier.model, "forward"),
-        "accept": EngineTime(verifier, "_accept"),
-        "draft eager": EngineTime(proposer.model, "forward"),
-    }
-    if proposer.graphs is not None:
-        parts["draft graph"] = EngineTime(proposer.graphs, "forward")
+    # where an engine call's time goes: graph replays, eager forwards, acceptance
+    parts: dict[str, EngineTime] = {}
+    if verifier.graphs is not None:
+        parts["verify graph"] = EngineTime(verifier.graphs, "forward")
+    parts["verify eager"] = EngineTime(verifier.model, "forward")
+    parts["accept"] = EngineTime(verifier, "_accept")
+    eager_draft = proposer.head if isinstance(proposer, Eagle3Proposer) else proposer
+    parts["draft eager"] = EngineTime(
+        eager_draft if isinstance(eager_draft, Eagle3Head) else eager_draft.model,  # type: ignore[attr-defined]
+        "forward",
+    )
+    if getattr(proposer, "graphs", None) is not None:
+        parts["draft graph"] = EngineTime(proposer.graphs, "forward")  # type: ignore[attr-defined]
     print(
         "| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only "
         "| draft ms/call | verify ms/call |"
@@ -146,7 +259,10 @@ def main() -> None:
         ]
         requests = [GenerationRequest(p, args.max_new_tokens, ignore_eos=True) for p in prompts]
         base = None
-        for overlap, spec in (("serial", 0), ("serial", args.spec), ("groups", args.spec)):
+        runs = [("serial", 0)] + [(mode, n) for n in args.spec for mode in args.modes]
+        for overlap, spec in runs:
+            # target-only rounds accept nothing: real acceptance there (its graphs, decode ahead)
+            verifier.synthetic_acceptance = None if spec == 0 else tuple(args.rates)
             scheduler = Scheduler(
                 LocalDrafterClient(drafter),
                 LocalVerifierClient(verifier),
@@ -155,12 +271,14 @@ def main() -> None:
                 default_spec=SpecParams(spec, 1, spec),
                 max_batch_size=max_batch,
                 overlap=overlap,
+                decode_steps=args.decode_steps if spec == 0 else 1,
             )
             # warm-up: the same batch once (the eager prefill's compiled kernels for its shapes,
             # the allocator), then the timed run
             run(scheduler, requests)
             for timer in (draft_time, verify_time, *parts.values()):
                 timer.reset()
+            profilers = engine_profilers(drafter, verifier) if args.cprofile and spec else {}
             tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
@@ -175,6 +293,10 @@ def main() -> None:
                 f"{name} {t.calls} x {t.ms_per_call:.2f} ms" for name, t in parts.items()
             )
             print(f"|  | ({details}) | | | | | | |", flush=True)
+            for name, (profiler, undo) in profilers.items():
+                undo()
+                print(f"\n{name} calls, cProfiled on the engine's thread:")
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
         assert verifier.num_pages_used == 0 and drafter.num_pages_used == 0
 
 
