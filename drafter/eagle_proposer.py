@@ -29,7 +29,7 @@ from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
-from specsplit.model.batch import ForwardBatch, ForwardOutput, to_device
+from specsplit.model.batch import ForwardBatch, ForwardOutput, HostRows
 from specsplit.step import causal_step
 
 
@@ -68,6 +68,7 @@ class Eagle3Proposer(TreeProposer):
         self.device = head.device
         self.num_heads = head.config.num_heads
         self.graph_features = (head.config.hidden_size, head.dtype)  # fused rows per token
+        self.host_rows = HostRows()  # a round's target features cross in one copy
 
     @classmethod
     def load(
@@ -158,7 +159,7 @@ class Eagle3Proposer(TreeProposer):
             return
         dtype, device = self.head.dtype, self.head.device
         if all(rows.device.type == "cpu" for _, rows in given):
-            flat = to_device(torch.cat([rows.to(dtype) for _, rows in given]), device)
+            flat = self.host_rows.join([rows.to(dtype) for _, rows in given], device)
         else:
             flat = torch.cat([rows.to(device=device, dtype=dtype) for _, rows in given])
         parts = flat.split([rows.shape[0] for _, rows in given])

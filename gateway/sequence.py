@@ -144,6 +144,8 @@ class Sequence:
             begin = end - chunk.shape[0]
             picked.append(chunk[max(start - begin, 0) :])
             end = begin
+        if len(picked) == 1:  # mostly: the last Verify's rows, a view (nothing writes them)
+            return picked[0]
         return torch.cat(picked[::-1]) if picked else self.hidden_states[-1][:0]
 
     def adopt_hidden_state_layers(self, layers: tuple[int, ...]) -> None:

@@ -94,6 +94,39 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class HostRows:
+    """Host tensors' rows joined on a device in one asynchronous copy: gathered by numpy into a
+    reused pinned buffer, not by torch.cat (which costs milliseconds for many small CPU tensors
+    on some GPU hosts: 4.6 ms for 32 bf16 tensors of [2, 12288] on an H100 host). The buffer is
+    written again only after its last copy has finished."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def join(self, parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """[n_i, width] CPU tensors of one dtype -> [sum of n_i, width] on `device`."""
+        if device.type != "cuda":
+            return torch.cat(parts).to(device)
+        total, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
+        if self.copied is None:
+            self.copied = torch.cuda.Event()
+        self.copied.synchronize()  # the buffer is free again (at once after a record-less start)
+        held = self.buffer
+        if held is None or held.shape[0] < total or held.shape[1] != width or held.dtype != dtype:
+            rows = max(total, 64, 0 if held is None else 2 * held.shape[0])
+            self.buffer = held = torch.empty(rows, width, dtype=dtype).pin_memory()
+        host = held[:total]
+        dst = host.view(torch.uint8).numpy()  # bytes: numpy has no bfloat16
+        row = 0
+        for part in parts:
+            dst[row : row + part.shape[0]] = part.contiguous().view(torch.uint8).numpy()
+            row += part.shape[0]
+        out = host.to(device, non_blocking=True)
+        self.copied.record()
+        return out
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """The calling thread's current CUDA device set to `device` for the block (Triton launches on
     the current device, and an engine's calls run on worker threads that start on cuda:0: an
