@@ -35,7 +35,7 @@ from specsplit.messages import (
     truncate_each,
 )
 from specsplit.model.attention import warm_up_attention
-from specsplit.model.batch import on_device, to_device
+from specsplit.model.batch import on_device, take_rows, to_device
 from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
@@ -613,7 +613,7 @@ class VerifierEngine:
                 sizes.append(p + len(path.accepted_nodes))
                 askers.append(output)
             start += p + len(item.tree)
-        hidden = hidden_states.index_select(0, torch.tensor(keep, dtype=torch.int64))
+        hidden = take_rows(hidden_states, keep)
         for output, part in zip(askers, hidden.split(sizes), strict=True):
             output.hidden_states = part
 

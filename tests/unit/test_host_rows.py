@@ -1,7 +1,8 @@
-"""A round's target features on their way to the drafter: the gateway's rows from where the
-drafter's features end (one chunk as a view, several joined), and `HostRows.join`, which puts
-the drafter's per-sequence host rows on the device in one copy (tests/gpu/test_host_rows_gpu.py
-runs it on a GPU, through its pinned buffer)."""
+"""A round's target features on their way to the drafter: the verifier's rows of the accepted
+paths (`take_rows`), the gateway's rows from where the drafter's features end (one chunk as a
+view, several joined), and `HostRows.join`, which puts the drafter's per-sequence host rows on
+the device in one copy (tests/gpu/test_host_rows_gpu.py runs it on a GPU, through its pinned
+buffer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from gateway.request import GenerationRequest
 from gateway.sequence import Sequence
 from specsplit.messages import SpecParams
-from specsplit.model.batch import HostRows
+from specsplit.model.batch import HostRows, take_rows
 
 
 def parts(dtype: torch.dtype, sizes: tuple[int, ...], width: int = 24) -> list[torch.Tensor]:
@@ -53,3 +54,13 @@ def test_gateway_rows_within_the_last_chunk_are_a_view_of_it() -> None:
     seq = _sequence_with_chunks([5, 3])
     rows = seq._hidden_rows_from(6)
     assert rows is not None and rows.data_ptr() == seq.hidden_states[-1][1:].data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64])
+def test_take_rows_is_index_select(dtype: torch.dtype) -> None:
+    host = (100 * torch.randn(9, 5, generator=torch.Generator().manual_seed(3))).to(dtype)
+    rows = [0, 4, 4, 8, 2]
+    picked = take_rows(host, rows)
+    assert picked.dtype == dtype
+    assert torch.equal(picked, host.index_select(0, torch.tensor(rows)))
+    assert torch.equal(take_rows(host[:, 1:], rows), host[:, 1:][rows])  # strided rows too
