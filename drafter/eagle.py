@@ -39,6 +39,12 @@ class Eagle3Head:
         self.embed = embed  # [V, H]
         check_weights(config, weights, embed)
         self.d2t = weights.get("d2t")  # [Vd] int64 or None (same vocabulary)
+        # [Vd] each draft token's target id, made once (a draft round maps its roots' logits)
+        self.target_ids = None
+        if self.d2t is not None:
+            self.target_ids = self.to_target_ids(
+                torch.arange(len(self.d2t), device=self.d2t.device)
+            )
         c = config
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(embed.device)
 
@@ -110,11 +116,10 @@ class Eagle3Head:
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[L, Vd] -> [L, V]: draft logits scattered to target ids, -inf elsewhere."""
-        if self.d2t is None:
+        if self.target_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        ids = self.to_target_ids(torch.arange(logits.shape[1], device=logits.device))
-        full[:, ids] = logits
+        full[:, self.target_ids] = logits
         return full
 
     @property
