@@ -99,17 +99,19 @@ _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 def take_rows(host: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """host[rows] for a CPU tensor, by numpy on the bytes: torch's CPU index_select opens an
-    OpenMP region whose sleeping threads cost milliseconds to wake (8 ms for 32 rows of
-    [64, 1728] on the 2-core VM, 0.04 ms on one thread; numpy 0.03 ms)."""
+    OpenMP region, which waits for every worker thread; with the cores busy (the services and
+    their engine threads share them) a descheduled worker costs a time slice. 32 rows of
+    [64, 1728] on the 2-core VM with both cores busy: 8.4 ms, numpy 0.04 ms (idle: 0.03 and
+    0.02 ms)."""
     raw = host.view(_SAME_SIZE_INTS[host.element_size()]).numpy()
     return torch.from_numpy(raw[rows]).view(host.dtype)
 
 
 class HostRows:
     """Host tensors' rows joined on a device in one asynchronous copy: gathered by numpy into a
-    reused pinned buffer, not by torch.cat (which costs milliseconds for many small CPU tensors
-    on some GPU hosts: 4.6 ms for 32 bf16 tensors of [2, 12288] on an H100 host). The buffer is
-    written again only after its last copy has finished."""
+    reused pinned buffer, not by torch.cat, whose OpenMP region waits for every worker thread
+    (4.6 ms for 32 bf16 tensors of [2, 12288] on an H100 host, cProfiled; numpy copies are
+    single-threaded). The buffer is written again only after its last copy has finished."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
