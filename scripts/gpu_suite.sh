@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps]
+#       [prefill] [small] [ahead] [steps] [eagle]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -24,7 +24,8 @@
 # sequence's first round, graphs (up to 128 tokens) and eager; small: the fused small-linear layer
 # path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B; ahead: target-only rounds
 # through the services (random SmolLM2) with the verifier's decode steps run ahead and without;
-# steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps.
+# steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps;
+# eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,11 @@ for part in "${parts[@]}"; do
       run e2e_smollm2 python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
         --num-prompts 8 --spec 3 5 --assistant-layers 0 ;;
+    eagle)  # an 8B target with a random EAGLE-3 head of its width (synthetic acceptance), in
+      # one process: serial and groups vs the target alone (4-step rounds run ahead); the
+      # head on cuda:0 and the target on cuda:1 when there are two GPUs
+      run e2e_8b_eagle python3 bench/gpu_e2e.py --target llama-8b --drafter eagle3 \
+        --rates 0.8 0.7 0.6 --spec 3 5 --batch 1 8 32 "${devices[@]}" ;;
     e2e2)  # the 8B / 1B system with the drafter and the verifier on two GPUs
       run e2e_8b_1b_2gpu python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
         --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 --device cuda:1 --drafter-device cuda:0 ;;
