@@ -135,10 +135,28 @@ class TreeProposer:
                     self.kv.trim(kv, kv.kv_committed_len)
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        self._share_chain_length(jobs)
         drafting, root_logits, root_features = self._roots(jobs)
         drafted = self._expand(drafting, root_logits, root_features)
         by_seq = {id(job): tree for job, tree in zip(drafting, drafted, strict=True)}
         return [by_seq.get(id(job), DraftTree()) for job in jobs]
+
+    def _share_chain_length(self, jobs: list[DraftJob]) -> None:
+        """Greedy chains expanded on the device are drafted at the round's longest chain length
+        and cut to their own after (`job.expand_steps`): one expansion (one graph replay, one
+        wait) for a round whose chains the gateway capped to fewer steps near max_new_tokens,
+        and no graph captured for a capped length mid-traffic. A chain's first steps do not
+        depend on the later ones, so its tokens are the same. A chain rides only where its
+        context has room for the longer one."""
+        chains = [
+            job
+            for job in jobs
+            if job.spec.topk == 1 and not job.ahead_guesses and self._expands_on_device(job)
+        ]
+        longest = max((job.spec.num_steps for job in chains), default=0)
+        for job in chains:
+            if job.spec.num_steps < longest <= self.max_context - len(job.seq.tokens):
+                job.expand_steps = longest
 
     def _roots(
         self, jobs: list[DraftJob]
@@ -386,7 +404,8 @@ class TreeProposer:
         for i, job in enumerate(jobs):
             spec = job.spec
             if self._expands_on_device(job):
-                groups.setdefault(Shape(spec.topk, spec.num_steps), []).append(i)
+                steps = max(spec.num_steps, job.expand_steps)
+                groups.setdefault(Shape(spec.topk, steps), []).append(i)
             elif spec.num_steps > 0:
                 on_host.append(i)
 
@@ -544,9 +563,11 @@ class TreeProposer:
 
 
 def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
-    """The tree of a chain's every candidate, or of a tree's best `num_draft_tokens`."""
+    """The tree of a chain's first `num_steps` candidates (all of them, unless it rode a longer
+    chain), or of a tree's best `num_draft_tokens`."""
     if spec.topk == 1:
-        return DraftTree(candidates.tokens, candidates.parents)
+        steps = spec.num_steps
+        return DraftTree(candidates.tokens[:steps], candidates.parents[:steps])
     chosen = sorted(candidates.order[: spec.num_draft_tokens])
     new_index = {old: new for new, old in enumerate(chosen)}
     parents = [candidates.parents[i] for i in chosen]

@@ -32,14 +32,18 @@ class DraftJob:
     # next round's trees for its outcomes instead of a tree for the root
     verifying: DraftTree | None = None
     ahead_guesses: int = 0
+    # a greedy chain drafted this many steps on the device (the round's longest chain), then
+    # cut to spec.num_steps; 0: its own (TreeProposer._share_chain_length)
+    expand_steps: int = 0
 
     @property
     def scratch_len(self) -> int:
         """Entries past the root the job writes in its sequence's own pages: the candidates
-        of its tree, or the nodes of the chain being verified (draft-ahead)."""
+        of its tree (of the longer chain it rides), or the nodes of the chain being verified
+        (draft-ahead)."""
         if self.ahead_guesses:
             return len(self.verifying or ())
-        return self.spec.max_draft_tokens
+        return max(self.spec.max_draft_tokens, self.expand_steps)
 
 
 class Proposer(Protocol):

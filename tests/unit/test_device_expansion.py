@@ -15,7 +15,7 @@ import specsplit.model.llama
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
-from drafter.expansion import Candidates, Shape
+from drafter.expansion import Candidates, DeviceExpansion, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import TreeProposer, select_tree
 from specsplit.kernels.paged_attention import _check_inputs
@@ -174,3 +174,75 @@ def test_select_tree_keeps_the_best_nodes_and_renumbers_parents() -> None:
 def test_shape_counts_the_host_expansions_candidates() -> None:
     for spec in SPECS:
         assert Shape(spec.topk, spec.num_steps).num_candidates == spec.max_draft_tokens
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_capped_chains_ride_the_rounds_longest_chain(
+    models: dict[str, Path], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains the gateway capped near max_new_tokens (1 and 2 steps beside 3) are drafted in the
+    3-step chain's expansion and cut to their own length: the host expansion's trees, the same
+    KV pages, one expansion of Shape(1, 3) for every round's chains (a tree beside them keeps
+    its own)."""
+    specs = [SpecParams(3, 1, 3), SpecParams(1, 1, 1), SpecParams(2, 1, 2), SpecParams(2, 2, 4)]
+    host = _engine(models, kind, 4, on_device=False)
+    device = _engine(models, kind, 4, on_device=True)
+    shapes: list[tuple[Shape, int]] = []
+    expand = DeviceExpansion.expand
+
+    def counted(self, shape, seqs, *args):  # type: ignore[no-untyped-def]
+        shapes.append((shape, len(seqs)))
+        return expand(self, shape, seqs, *args)
+
+    monkeypatch.setattr(DeviceExpansion, "expand", counted)
+    want, got = _rounds(host, specs), _rounds(device, specs)
+    _same(want, got)
+    assert [len(o.tree) for o in got[0][-1]] == [3, 1, 2, 4]
+    drafting_rounds = [shapes[i : i + 2] for i in range(0, len(shapes), 2)]
+    assert drafting_rounds and all(
+        sorted(r, key=str) == sorted([(Shape(1, 3), 3), (Shape(2, 2), 1)], key=str)
+        for r in drafting_rounds
+    ), shapes
+
+
+def test_a_chain_without_room_for_the_longest_keeps_its_own_length(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain capped by its context (no room for the round's longest chain) expands alone, at
+    its own length: the host expansion's trees, the KV intact."""
+    host = _engine(models, "model", 1, on_device=False)
+    device = _engine(models, "model", 1, on_device=True)
+    for engine in (host, device):  # s1 starts 3 tokens longer than s0: room 2 < 3 steps
+        engine.proposer.max_context = 12  # type: ignore[misc]
+    shapes: list[Shape] = []
+    expand = DeviceExpansion.expand
+
+    def counted(self, shape, seqs, *args):  # type: ignore[no-untyped-def]
+        shapes.append(shape)
+        return expand(self, shape, seqs, *args)
+
+    monkeypatch.setattr(DeviceExpansion, "expand", counted)
+    specs = [SpecParams(3, 1, 3), SpecParams(3, 1, 3)]
+    want, got = _one_round(host, specs), _one_round(device, specs)
+    assert [o.tree.tokens for o in got] == [o.tree.tokens for o in want]
+    assert [len(o.tree) for o in got] == [3, 2]
+    assert sorted(shapes, key=str) == [Shape(1, 2), Shape(1, 3)]
+    for engine in (host, device):
+        engine.check_integrity()
+        engine.release(["s0", "s1"])
+
+
+def _one_round(engine: DrafterEngine, specs: list[SpecParams]) -> list[DraftOutput]:
+    """A first round for sequences of 7 and 10 tokens (a draft model: no features needed)."""
+    gen = torch.Generator().manual_seed(2)
+    inputs = [
+        DraftInput(
+            f"s{b}",
+            True,
+            0,
+            torch.randint(3, TINY_VOCAB, (7 + 3 * b,), generator=gen).tolist(),
+            spec,
+        )
+        for b, spec in enumerate(specs)
+    ]
+    return engine.draft(inputs)
