@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_e2e import random_eagle3_head, random_model
 from bench.gpu_engine import SHAPES
+from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
@@ -104,9 +105,7 @@ def kernel_profile(rounds: Rounds, spec: SpecParams, new: int, count: int) -> No
             rounds.run(spec, new)
         wall = (time.perf_counter() - begin) / count * 1e3
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / count
-    launches = sum(e.count for e in kernels) / count
+    gpu_ms, launches = kernel_time(events, count)
     print(
         f"torch.profiler: wall {wall:.3f} ms/round (profiled), GPU kernels {gpu_ms:.3f} "
         f"ms/round, {launches:.0f} kernels/round"

@@ -43,7 +43,6 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS
-from drafter.types import Proposer
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.clients import LocalDrafterClient, LocalVerifierClient
@@ -116,7 +115,7 @@ def random_eagle3_head(target: LlamaModel, draft_vocab: int, seed: int, device: 
 
 def make_proposer(
     args: argparse.Namespace, target: LlamaModel, pages: int, device: str, dtype: torch.dtype
-) -> Proposer:
+) -> Eagle3Proposer | ModelProposer:
     """The draft model (`--draft`) or a random EAGLE-3 head of the target's width."""
     if args.drafter == "eagle3":
         head = random_eagle3_head(target, args.draft_vocab, seed=1, device=device)
@@ -240,13 +239,10 @@ def main() -> None:
         parts["verify graph"] = EngineTime(verifier.graphs, "forward")
     parts["verify eager"] = EngineTime(verifier.model, "forward")
     parts["accept"] = EngineTime(verifier, "_accept")
-    eager_draft = proposer.head if isinstance(proposer, Eagle3Proposer) else proposer
-    parts["draft eager"] = EngineTime(
-        eager_draft if isinstance(eager_draft, Eagle3Head) else eager_draft.model,  # type: ignore[attr-defined]
-        "forward",
-    )
-    if getattr(proposer, "graphs", None) is not None:
-        parts["draft graph"] = EngineTime(proposer.graphs, "forward")  # type: ignore[attr-defined]
+    draft_model = proposer.head if isinstance(proposer, Eagle3Proposer) else proposer.model
+    parts["draft eager"] = EngineTime(draft_model, "forward")
+    if proposer.graphs is not None:
+        parts["draft graph"] = EngineTime(proposer.graphs, "forward")
     print(
         "| scheduling | spec | batch | tokens/s | accepted tokens/round | vs target-only "
         "| draft ms/call | verify ms/call |"

@@ -20,6 +20,7 @@ import argparse
 import cProfile
 import pstats
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -119,11 +120,7 @@ def main() -> None:
                     bench.step(state, n)
                 wall = (time.perf_counter() - start) / args.steps * 1e3
             events = prof.key_averages()
-            kernels = [
-                e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"
-            ]
-            gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
-            launches = sum(e.count for e in kernels) / args.steps
+            gpu_ms, launches = kernel_time(events, args.steps)
             print(
                 f"\n== {args.shape} batch {batch} n {n}"
                 f"{' + hidden states' if args.hidden_states else ''}"
@@ -141,6 +138,13 @@ def main() -> None:
                 )
             )
         bench.close(state)
+
+
+def kernel_time(events: Any, steps: int) -> tuple[float, float]:
+    """A torch.profiler run's GPU kernel time (ms) and kernels, each per step of `steps`."""
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    return gpu_ms, sum(e.count for e in kernels) / steps
 
 
 def print_phases(phases: dict[str, EngineTime], steps: int, label: str = "") -> None:

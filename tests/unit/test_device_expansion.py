@@ -176,9 +176,23 @@ def test_shape_counts_the_host_expansions_candidates() -> None:
         assert Shape(spec.topk, spec.num_steps).num_candidates == spec.max_draft_tokens
 
 
+@pytest.fixture
+def expansions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Shape, int]]:
+    """(shape, sequences) of every DeviceExpansion.expand call, in order."""
+    calls: list[tuple[Shape, int]] = []
+    expand = DeviceExpansion.expand
+
+    def counted(self, shape, seqs, *args):  # type: ignore[no-untyped-def]
+        calls.append((shape, len(seqs)))
+        return expand(self, shape, seqs, *args)
+
+    monkeypatch.setattr(DeviceExpansion, "expand", counted)
+    return calls
+
+
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 def test_capped_chains_ride_the_rounds_longest_chain(
-    models: dict[str, Path], kind: str, monkeypatch: pytest.MonkeyPatch
+    models: dict[str, Path], kind: str, expansions: list[tuple[Shape, int]]
 ) -> None:
     """Chains the gateway capped near max_new_tokens (1 and 2 steps beside 3) are drafted in the
     3-step chain's expansion and cut to their own length: the host expansion's trees, the same
@@ -187,26 +201,18 @@ def test_capped_chains_ride_the_rounds_longest_chain(
     specs = [SpecParams(3, 1, 3), SpecParams(1, 1, 1), SpecParams(2, 1, 2), SpecParams(2, 2, 4)]
     host = _engine(models, kind, 4, on_device=False)
     device = _engine(models, kind, 4, on_device=True)
-    shapes: list[tuple[Shape, int]] = []
-    expand = DeviceExpansion.expand
-
-    def counted(self, shape, seqs, *args):  # type: ignore[no-untyped-def]
-        shapes.append((shape, len(seqs)))
-        return expand(self, shape, seqs, *args)
-
-    monkeypatch.setattr(DeviceExpansion, "expand", counted)
     want, got = _rounds(host, specs), _rounds(device, specs)
     _same(want, got)
     assert [len(o.tree) for o in got[0][-1]] == [3, 1, 2, 4]
-    drafting_rounds = [shapes[i : i + 2] for i in range(0, len(shapes), 2)]
+    drafting_rounds = [expansions[i : i + 2] for i in range(0, len(expansions), 2)]
     assert drafting_rounds and all(
         sorted(r, key=str) == sorted([(Shape(1, 3), 3), (Shape(2, 2), 1)], key=str)
         for r in drafting_rounds
-    ), shapes
+    ), expansions
 
 
 def test_a_chain_without_room_for_the_longest_keeps_its_own_length(
-    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    models: dict[str, Path], expansions: list[tuple[Shape, int]]
 ) -> None:
     """A chain capped by its context (no room for the round's longest chain) expands alone, at
     its own length: the host expansion's trees, the KV intact."""
@@ -214,19 +220,11 @@ def test_a_chain_without_room_for_the_longest_keeps_its_own_length(
     device = _engine(models, "model", 1, on_device=True)
     for engine in (host, device):  # s1 starts 3 tokens longer than s0: room 2 < 3 steps
         engine.proposer.max_context = 12  # type: ignore[misc]
-    shapes: list[Shape] = []
-    expand = DeviceExpansion.expand
-
-    def counted(self, shape, seqs, *args):  # type: ignore[no-untyped-def]
-        shapes.append(shape)
-        return expand(self, shape, seqs, *args)
-
-    monkeypatch.setattr(DeviceExpansion, "expand", counted)
     specs = [SpecParams(3, 1, 3), SpecParams(3, 1, 3)]
     want, got = _one_round(host, specs), _one_round(device, specs)
     assert [o.tree.tokens for o in got] == [o.tree.tokens for o in want]
     assert [len(o.tree) for o in got] == [3, 2]
-    assert sorted(shapes, key=str) == [Shape(1, 2), Shape(1, 3)]
+    assert sorted((shape for shape, _ in expansions), key=str) == [Shape(1, 2), Shape(1, 3)]
     for engine in (host, device):
         engine.check_integrity()
         engine.release(["s0", "s1"])
