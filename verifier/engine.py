@@ -21,7 +21,6 @@ from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kernels.accept import (
     BatchedAccept,
     accept_greedy_batched,
-    accepted_path,
     compact_and_pack,
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
@@ -80,6 +79,7 @@ class _Launched:
         return rows if self.rows is None else [rows[i] for i in self.rows]
 
 
+SYNTHETIC_BIG = 1e30  # synthetic acceptance's bent logits: +-this (fits bfloat16's range)
 UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
@@ -109,10 +109,12 @@ class VerifierEngine:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
         tokens per sequence and batches up to max_batch_size; () = always eager. With them,
         prefill_query_lens: graphs of these query tokens for batches up to PREFILL_MAX_BATCH.
-        synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: instead of acceptance, the first
-        child at depth d is accepted with probability synthetic_acceptance[d] (the last rate for
-        deeper levels), so random-weight models run the whole system at a chosen accepted
-        length; the bonus token is still the target's argmax.
+        synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: the first child at depth d is
+        accepted with probability synthetic_acceptance[d] (the last rate for deeper levels), so
+        random-weight models run the whole system at a chosen accepted length; the target's
+        logits are bent to that outcome (`_bend_logits`) and the round's own acceptance runs on
+        them (the greedy acceptance graphs where a real greedy round would use them), so the
+        bonus token is the target's argmax among the tokens not drafted there.
         decode_ahead: after a round of decode steps (no trees, no hidden states), launch
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
         round takes it when it is that step, else it is dropped; rounds of more than
@@ -480,7 +482,7 @@ class VerifierEngine:
         pages)."""
         done_inputs = [item for part in parts for item in part.inputs]
         done_seqs = [seq for part in parts for seq in part.seqs]
-        if self.synthetic_acceptance is not None or len(done_inputs) > self.decode_ahead_max_batch:
+        if len(done_inputs) > self.decode_ahead_max_batch:
             return None
         for item in done_inputs:
             if item.tree or item.hidden_state_layers:
@@ -631,7 +633,9 @@ class VerifierEngine:
         copies it to the host)."""
         width = max(len(item.tree) for item in inputs)  # N
         num_seqs = block_table.shape[0]
-        greedy = self.synthetic_acceptance is None and all(i.sampling.greedy for i in inputs)
+        if self.synthetic_acceptance is not None and width > 0:
+            self._bend_logits(inputs, logits, rows, self.synthetic_acceptance)
+        greedy = all(i.sampling.greedy for i in inputs)
         graphs = self.accept_graphs if greedy else None
         layout = None if graphs is None else graphs.layout(num_seqs, width)
         # one host array, one copy to the device (Layout.shapes: each sequence's rows of
@@ -670,14 +674,12 @@ class VerifierEngine:
         layout: Layout,
         greedy: bool,
     ) -> torch.Tensor:
-        """_accept's ops run one by one (the CPU; sampled and synthetic rounds; rounds past the
-        acceptance graphs)."""
+        """_accept's ops run one by one (the CPU; sampled rounds; rounds past the acceptance
+        graphs)."""
         row_index, draft_tokens, parents, base, table = layout.parts(
             to_device(torch.from_numpy(host), self.device)
         )
-        if self.synthetic_acceptance is not None:
-            accepted = self._accept_synthetic(inputs, logits, row_index)
-        elif greedy:
+        if greedy:
             target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
             accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
         else:
@@ -725,30 +727,30 @@ class VerifierEngine:
             probs, draft_tokens, parents, uniforms, q, to_device(has_q, self.device)
         )
 
-    def _accept_synthetic(
+    def _bend_logits(
         self,
         inputs: list[VerifyInput],
-        logits: torch.Tensor,  # [L, vocab]
-        row_index: torch.Tensor,  # [B, N + 1] each sequence's rows of `logits`
-    ) -> BatchedAccept:
-        """Benchmarks only (see __init__): first children accepted at the configured rates,
-        bonus = the target's argmax at the last accepted node."""
-        rates = self.synthetic_acceptance
-        assert rates is not None
-        accepted = torch.zeros(row_index.shape[0], row_index.shape[1] - 1, dtype=torch.bool)
-        for b, item in enumerate(inputs):
+        logits: torch.Tensor,  # [L, vocab] on the device, bent in place
+        rows: list[range],  # per sequence its n + 1 rows of `logits`
+        rates: tuple[float, ...],
+    ) -> None:
+        """Benchmarks only (see __init__): along each tree's first children, each accepted at
+        its depth's rate, the child's logit at its parent's row set to +BIG; where acceptance
+        stops, every child's to -BIG. Greedy acceptance and lossless sampling then both accept
+        exactly that path. One host-to-device copy."""
+        entries: list[tuple[int, int, int]] = []  # (row, token, +1 / -1)
+        for item, r in zip(inputs, rows, strict=True):
             node, depth = -1, 0
-            while (kids := item.tree.children(node)) and (
-                self._synthetic_rng.random() < rates[min(depth, len(rates) - 1)]
-            ):
+            while kids := item.tree.children(node):
+                row = r[node + 1]  # the row that predicts node's children
+                if self._synthetic_rng.random() >= rates[min(depth, len(rates) - 1)]:
+                    entries += [(row, item.tree.tokens[k], -1) for k in kids]
+                    break
+                entries.append((row, item.tree.tokens[kids[0]], 1))
                 node, depth = kids[0], depth + 1
-                accepted[b, node] = True
-        num_accepted_drafts, accepted_nodes, last_node = accepted_path(
-            to_device(accepted, self.device)
-        )
-        target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
-        bonus_tokens = target_argmax.gather(1, last_node[:, None] + 1).squeeze(1)
-        return BatchedAccept(num_accepted_drafts, accepted_nodes, bonus_tokens)
+        if entries:
+            row, token, sign = to_device(torch.tensor(entries).T, self.device)
+            logits[row, token] = sign.to(logits.dtype) * SYNTHETIC_BIG
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the

@@ -100,3 +100,43 @@ def test_accept_graphs_equal_the_eager_ops(target: Path, page_size: int) -> None
         engine.release(sorted(prompts))
         engine.check_integrity()
         assert engine.num_pages_used == 0
+
+
+def test_synthetic_acceptance_runs_on_the_graphs(target: Path) -> None:
+    """The benchmark-only synthetic acceptance bends the logits and then runs the round's own
+    acceptance: on the greedy acceptance graphs, with the same outcome as the eager ops; each
+    sequence accepts a prefix of its first children."""
+    engines = [_engine(target, 16, graphs) for graphs in (True, False)]
+    for engine in engines:
+        engine.synthetic_acceptance = (0.7, 0.6)
+    rng = random.Random(5)
+    tokens = {f"s{i}": [rng.randrange(3, TINY_VOCAB) for _ in range(6 + i)] for i in range(4)}
+    committed = dict.fromkeys(tokens, 0)
+    lengths = set()
+    for _ in range(10):
+        inputs = []
+        for seq_id in tokens:
+            draft = _tree(rng, [3, 4, 5], rng.choice(["chain", "tree"])) if committed[seq_id] else None
+            pending = tokens[seq_id][committed[seq_id] :]
+            inputs.append(
+                VerifyInput(seq_id, committed[seq_id] == 0, committed[seq_id], pending,
+                            draft or DraftTree())
+            )  # fmt: skip
+        got, want = (engine.verify(inputs) for engine in engines)
+        assert got == want
+        for item, out in zip(inputs, want, strict=True):
+            first_children, node = [], -1
+            while kids := item.tree.children(node):
+                node = kids[0]
+                first_children.append(item.tree.tokens[node])
+            n = len(out.accepted_tokens)
+            assert out.accepted_tokens == first_children[:n]
+            lengths.add(n)
+            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+    assert len(lengths) > 1  # the rates gave different accepted lengths
+    assert engines[0].accept_graphs is not None and engines[0].accept_graphs.graphs
+    for engine in engines:
+        engine.release(sorted(tokens))
+        engine.check_integrity()
+        assert engine.num_pages_used == 0

@@ -272,12 +272,14 @@ def test_prefill_with_hidden_states_computes_logits_only_at_the_root_and_nodes(
     engine.release(["s"])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize(("rate", "expected_drafts"), [(1.0, 3), (0.0, 0)])
 def test_synthetic_acceptance_accepts_first_children_at_the_rate(
-    target_dir: Path, rate: float, expected_drafts: int
+    target_dir: Path, rate: float, expected_drafts: int, temperature: float
 ) -> None:
-    """The benchmark-only mode: acceptance by rate (labelled not lossless), the K/V and lengths
-    kept consistent, nothing leaked."""
+    """The benchmark-only mode: acceptance by rate (labelled not lossless), greedy and sampled
+    sequences alike, the bonus token never a rejected draft, the K/V and lengths kept
+    consistent, nothing leaked."""
     model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
     kv = make_kv_cache(config, 64, 4, torch.float64, "cpu")
     engine = VerifierEngine(
@@ -287,13 +289,16 @@ def test_synthetic_acceptance_accepts_first_children_at_the_rate(
         config.vocab_size,
         synthetic_acceptance=(rate,),
     )
-    out = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree())])[0]
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    out = engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree(), sampling)])[0]
     for _ in range(3):
         tree = DraftTree([7, 8, 9, 10], [-1, 0, 1, -1])  # a chain of 3 and a second root child
         out = engine.verify(
-            [VerifyInput("s", False, out.kv_committed_len, [out.bonus_token], tree)]
+            [VerifyInput("s", False, out.kv_committed_len, [out.bonus_token], tree, sampling)]
         )[0]
         assert out.accepted_tokens == [7, 8, 9][:expected_drafts]
+        if expected_drafts == 0:
+            assert out.bonus_token not in (7, 10)  # both root children rejected
         engine.check_integrity()
     engine.release(["s"])
     assert engine.num_pages_used == 0
