@@ -45,6 +45,8 @@ from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# overlap "groups": a Verify sent a round early: (its group, its sequences, their trees, the call)
+EarlyVerify = tuple[int, list[Sequence], list[DraftTree], "asyncio.Future[list[VerifyOutput]]"]
 
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
 DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
@@ -140,6 +142,8 @@ class Scheduler:
         self._admission_held = False  # a preemption freed pages for the running ones only
         # overlap "groups": the last verified group's outputs, committed during the next Verify
         self._uncommitted: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]] | None = None
+        # and the other group's Verify, sent as soon as its trees were drafted
+        self._early: EarlyVerify | None = None
         # committed rounds whose chunks are not streamed yet, in order (_stream)
         self._unstreamed: list[tuple[Sequence, Committed]] = []
         self.num_preemptions = 0
@@ -186,6 +190,7 @@ class Scheduler:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._expiry = None
+        self.drop_early()
         self._stream()  # the rounds committed, before the error
         error = ServiceError(Code.UNAVAILABLE, message)
         for seq in [*self.running, *self.waiting]:
@@ -295,7 +300,7 @@ class Scheduler:
                     await self.step_groups(self.running)
                 else:
                     batch = self.running
-                    if self._leave_groups():
+                    if await self._leave_groups():
                         # the group committed just now may have finished: verify the others
                         batch = [s for s in batch if not (s.finished or s.cancelled)]
                     if batch:
@@ -368,16 +373,18 @@ class Scheduler:
         for seq in seqs:
             self._drafted.pop(seq.seq_id, None)
 
-    def _leave_groups(self) -> bool:
+    async def _leave_groups(self) -> bool:
         """Before a serial round in "groups" mode (the gate holds drafts back): commit the group
-        verified last round and drop the trees drafted ahead (their sequences draft again from
-        their tokens when speculation resumes). True when a group was committed."""
+        verified last round and the early Verify's, and drop the trees drafted ahead (their
+        sequences draft again from their tokens when speculation resumes). True when a group
+        was committed."""
+        landed = self._early is not None
+        await self.land_early()
         pending, self._uncommitted = self._uncommitted, None
         self._drafted.clear()
-        if pending is None:
-            return False
-        self._commit_and_stream(pending)
-        return True
+        if pending is not None:
+            self._commit_and_stream(pending)
+        return landed or pending is not None
 
     def _admit(self) -> None:
         if self._admission_held and self.running:
@@ -421,31 +428,79 @@ class Scheduler:
 
     async def step_groups(self, running: list[Sequence]) -> None:
         """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
-        turns. This round sends the Verify of one group, with the trees drafted for it during
-        the last round; while the verifier works, the gateway commits the other group's last
-        round (detokenizing, stop rules, streaming: off the verifier's path) and the drafter
-        drafts that group's next trees. The verified group's outputs are committed next round.
-        A sequence with no tree drafted ahead (new, or after a fault) is drafted first; with one
-        group empty a round commits, drafts and verifies in turn."""
+        turns. This round's Verify is one group's, with the trees drafted for it during the
+        last round, most often already sent then (`_early`); while the verifier works, the
+        gateway commits the other group's last round (detokenizing, stop rules, streaming: off
+        the verifier's path), the drafter drafts that group's next trees and their Verify goes
+        out at once, so the verifier has it before this one is done (it runs the two back to
+        back). The verified group's outputs are committed next round. A sequence with no tree
+        drafted ahead (new, or after a fault) is drafted first; with one group empty a round
+        commits, drafts and verifies in turn. A round that fails commits what it can first:
+        the last round's outputs and the early Verify's."""
         self._assign_groups(running)
-        turn = (
-            self._turn
-            if any(self._group[s.seq_id] == self._turn for s in running)
-            else 1 - self._turn
-        )
+        early, self._early = self._early, None
+        if early is not None:
+            turn, verify, trees, verifying = early
+        else:
+            turn = (
+                self._turn
+                if any(self._group[s.seq_id] == self._turn for s in running)
+                else 1 - self._turn
+            )
+            verify = [seq for seq in running if self._group[seq.seq_id] == turn]
         self._turn = 1 - turn
-        verify = [seq for seq in running if self._group[seq.seq_id] == turn]
-        ahead = [seq for seq in running if self._group[seq.seq_id] != turn]
+        sent = {id(seq) for seq in verify}
+        ahead = [seq for seq in running if self._group[seq.seq_id] != turn and id(seq) not in sent]
         pending, self._uncommitted = self._uncommitted, None
-        if pending is not None and not set(map(id, pending[0])).isdisjoint(map(id, verify)):
+        if pending is not None and not set(map(id, pending[0])).isdisjoint(sent):
             # the group verified last round is the one verified now
             self._commit_and_stream(pending)
             pending = None
-        verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
-        if not verify:
+        try:
+            if early is None:
+                verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
+                if not verify:
+                    if pending is not None:
+                        self._commit_and_stream(pending)
+                    return
+                trees = await self._trees(running, verify)
+            with telemetry.round_span([seq.span for seq in verify]):
+                if early is None:
+                    verifying = asyncio.ensure_future(
+                        self.verifier.verify(self._verify_inputs(verify, trees))
+                    )
+                    await asyncio.sleep(0)  # the Verify is on its way before the commit below
+                try:
+                    if pending is not None:
+                        self._commit(*pending)
+                        pending = None
+                    self._stream()  # and what earlier serial or draft-ahead rounds committed
+                    ahead = [
+                        seq
+                        for seq in ahead
+                        if not (seq.finished or seq.cancelled or seq.seq_id in self._drafted)
+                    ]
+                    drafted = await self._draft(ahead)
+                    for seq, tree in zip(ahead, drafted, strict=True):
+                        self._drafted[seq.seq_id] = tree
+                    self._send_early(running, 1 - turn)
+                    verified = await verifying
+                except BaseException:
+                    verifying.cancel()
+                    raise
+        except BaseException as e:
+            self._drafted.clear()  # whatever happens next, draft again from the tokens
             if pending is not None:
                 self._commit_and_stream(pending)
-            return
+            if isinstance(e, asyncio.CancelledError):
+                self.drop_early()
+            else:
+                await self.land_early()
+            raise
+        self._uncommitted = (verify, trees, verified)
+
+    async def _trees(self, running: list[Sequence], verify: list[Sequence]) -> list[DraftTree]:
+        """The trees for `verify`'s round: those drafted ahead, the missing ones drafted now."""
         if self.overlap == "both":  # after a draft-ahead round its trees serve
             guessed = self._take_ahead(running)
             self._drafted.update((s.seq_id, guessed[id(s)]) for s in running if id(s) in guessed)
@@ -453,32 +508,47 @@ class Scheduler:
         if missing:
             for seq, tree in zip(missing, await self._draft(missing), strict=True):
                 self._drafted[seq.seq_id] = tree
-        trees = [self._drafted.pop(seq.seq_id) for seq in verify]
-        with telemetry.round_span([seq.span for seq in verify]):
-            inputs = self._verify_inputs(verify, trees)
-            verifying = asyncio.ensure_future(self.verifier.verify(inputs))
-            await asyncio.sleep(0)  # the Verify is on its way before the commit below
-            try:
-                if pending is not None:
-                    self._commit(*pending)
-                self._stream()  # and what earlier serial or draft-ahead rounds committed
-                ahead = [
-                    seq
-                    for seq in ahead
-                    if not (seq.finished or seq.cancelled or seq.seq_id in self._drafted)
-                ]
-                drafted = await self._draft(ahead)
-            except BaseException:
-                verifying.cancel()
-                raise
-            try:
-                verified = await verifying
-            except BaseException:
-                self._drafted.clear()  # whatever happens next, draft again from the tokens
-                raise
-        for seq, tree in zip(ahead, drafted, strict=True):
-            self._drafted[seq.seq_id] = tree
-        self._uncommitted = (verify, trees, verified)
+        return [self._drafted.pop(seq.seq_id) for seq in verify]
+
+    def _send_early(self, running: list[Sequence], group: int) -> None:
+        """The Verify of `group`'s next round, sent now (`_early`) when each of its running
+        sequences has its tree: the next round verifies exactly these."""
+        batch = [
+            seq
+            for seq in running
+            if self._group.get(seq.seq_id) == group and not (seq.finished or seq.cancelled)
+        ]
+        if not batch or any(seq.seq_id not in self._drafted for seq in batch):
+            return
+        trees = [self._drafted.pop(seq.seq_id) for seq in batch]
+        verifying = asyncio.ensure_future(self.verifier.verify(self._verify_inputs(batch, trees)))
+        self._early = (group, batch, trees, verifying)
+
+    def drop_early(self) -> None:
+        """Cancel the early Verify (stopping, or the round cancelled): its outputs are lost, so
+        its sequences' state on the verifier is not known any more."""
+        early, self._early = self._early, None
+        if early is not None:
+            early[3].cancel()
+
+    async def land_early(self) -> None:
+        """The early Verify (`_early`), if one is out, waited for and its round committed
+        after the round before it: before anything but a groups round runs (or after one
+        failed). A failed early round is dropped: its sequences' tokens are as they were, and
+        the next round (or the fault's handling) finds what the verifier holds."""
+        early, self._early = self._early, None
+        if early is None:
+            return
+        _, batch, trees, verifying = early
+        try:
+            outputs = await verifying
+        except Exception as e:
+            log.warning("an early Verify failed: %s", e)
+            return
+        if self._uncommitted is not None:
+            self._commit_and_stream(self._uncommitted)
+            self._uncommitted = None
+        self._commit_and_stream((batch, trees, outputs))
 
     async def step_ahead(self, batch: list[Sequence]) -> None:
         """Draft-ahead (DESIGN.md §3): a sequence whose last outcome was among those guessed

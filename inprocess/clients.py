@@ -22,6 +22,7 @@ from specsplit.messages import (
     VerifyOutput,
 )
 from verifier.engine import VerifierEngine
+from verifier.pipelined import PipelinedRounds
 
 T = TypeVar("T")
 
@@ -84,14 +85,41 @@ class LocalDrafterClient(_LocalClient):
 
 
 class LocalVerifierClient(_LocalClient):
+    """On a GPU its rounds run pipelined, as the verifier service's do there
+    (verifier/pipelined.py): a round sent while another verifies launches behind it."""
+
     def __init__(
         self,
         engine: VerifierEngine,
         check_integrity: bool = False,
         executor: ThreadPoolExecutor | None = None,
+        pipelined: bool | None = None,
     ) -> None:
+        """pipelined: None = on a GPU."""
         super().__init__(engine, check_integrity, executor)
         self.verifier = engine
+        if pipelined is None:
+            pipelined = engine.device.type == "cuda"
+        self._pipelined = PipelinedRounds(engine, self._on_thread) if pipelined else None
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        return await self._call(self.verifier.verify, inputs, round=True)
+        if self._pipelined is None:
+            return await self._call(self.verifier.verify, inputs, round=True)
+        outputs, nanoseconds = await self._pipelined.verify(inputs)
+        self.last_engine_seconds = nanoseconds / 1e9
+        if self.check:  # on the engine's thread: another round may be launching there
+            await self._on_thread(self.engine.check_integrity)
+        return outputs
+
+    async def release(self, seq_ids: list[str]) -> None:
+        if self._pipelined is not None:
+            await self._pipelined.settle(seq_ids)
+        await super().release(seq_ids)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        if self._pipelined is not None:
+            await self._pipelined.settle([item.seq_id for item in items])
+        return await super().truncate(items)
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -166,9 +166,18 @@ class EngineServicer(Generic[EngineT]):
 
     async def _release_selected(self, select: Callable[[Iterable[str]], list[str]]) -> int:
         try:
+            await self.settle(None)
             return await self.engine.run(_release_selected, select)
         except RuntimeError:  # the engine thread has shut down: nothing left to free
             return 0
+
+    async def settle(self, seq_ids: list[str] | None) -> None:
+        """Wait until no round in flight holds any of `seq_ids` (None: no round at all) before
+        they are released or truncated. Rounds here run one at a time: nothing to wait for."""
+
+    async def engine_round(self, inputs: list[Any]) -> tuple[list[Any], int]:
+        """The service's round call on the engine (its thread, or the loop), timed."""
+        return await self.engine.run_timed(self.round_call[1], inputs)
 
     def _kv_pages(self) -> tuple[int, int]:
         """(used, free) KV pages; (0, 0) while loading. Read from the metrics thread."""
@@ -193,6 +202,7 @@ class EngineServicer(Generic[EngineT]):
         """Release the caller's own sequences: ids are scoped to the connection that made them
         (none at all when it holds nothing here)."""
         seq_ids = [] if scope is None else [scope.inside(s) for s in request.seq_ids]
+        await self.settle(seq_ids)
         num_released, num_pages_used = await self.engine.run(_release, seq_ids)
         return common_pb2.ReleaseResponse(num_released=num_released, num_pages_used=num_pages_used)
 
@@ -202,6 +212,7 @@ class EngineServicer(Generic[EngineT]):
         """Truncate the caller's own sequences (scoped as `release_in`)."""
         items = convert.truncate_request_from_proto(request)
         mine = [] if scope is None else scope.enter(items)
+        await self.settle([item.seq_id for item in mine])
         truncated, num_pages_used = await self.engine.run(_truncate, mine)
         if scope is None:
             truncated = [Truncated(t.seq_id, found=False) for t in items]
@@ -223,11 +234,11 @@ class EngineServicer(Generic[EngineT]):
     async def round_in(self, scope: Scope, request: Any) -> Any:
         """One round of the service's `round` (its RoundRpc and engine call) for a client in
         `scope`: the request parsed, the engine's call timed and traced, the response."""
-        rpc, run = self.round_call
+        rpc = self.round_call[0]
         start_ns = time.perf_counter_ns()
         inputs = scope.enter(rpc.request_from_proto(request))
         with telemetry.service_span(rpc.span, request) as span:
-            outputs, engine_ns = await self.engine.run_timed(run, inputs)
+            outputs, engine_ns = await self.engine_round(inputs)
             span.set_attribute(f"{rpc.span}_ns", engine_ns)
         rpc.seconds.observe(engine_ns / 1e9)
         response = rpc.response_to_proto(scope.leave(outputs), engine_ns)

@@ -291,6 +291,10 @@ class TimedClients:
     def overlapping_drafts(self) -> int:
         return sum(any(v0 < d0 < v1 for v0, v1 in self.verifies) for d0, _ in self.drafts)
 
+    def early_verifies(self) -> int:
+        """Verifies sent while another was still in flight."""
+        return sum(any(v0 < s < v1 for v0, v1 in self.verifies) for s, _ in self.verifies)
+
 
 def cancel_half_mid_generation(stack: LocalStack, requests: list[GenerationRequest]) -> None:
     """Start every request, close every other stream after its first chunk (cancelled

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +79,20 @@ class _Launched:
         return rows if self.rows is None else [rows[i] for i in self.rows]
 
 
+@dataclass
+class VerifyRound:
+    """A round `VerifierEngine.launch` queued on the device, for `finish`."""
+
+    inputs: list[VerifyInput]
+    order: list[int]  # the position in `inputs` of each result, as `parts` give them
+    parts: list[_Launched]  # a decode step run ahead taken, and the round's own launch
+    ahead: _Launched | None  # the next decode step, launched behind this round
+
+    def ready(self) -> bool:
+        """Whether the device is done with the round's results (finish will not wait)."""
+        return all(part.copied is None or part.copied.query() for part in self.parts)
+
+
 SYNTHETIC_BIG = 1e30  # synthetic acceptance's bent logits: +-this (fits bfloat16's range)
 UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
@@ -133,6 +147,7 @@ class VerifierEngine:
         self.decode_ahead = decode_ahead
         self.decode_ahead_max_batch = decode_ahead_max_batch
         self._ahead: _Launched | None = None  # the decode step launched before it was asked for
+        self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
@@ -324,11 +339,53 @@ class VerifierEngine:
     # -- the round -------------------------------------------------------------------------
 
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        return self.finish(self.launch(inputs))
+
+    def launch(self, inputs: list[VerifyInput]) -> VerifyRound:
+        """A round's first part: checked, its room reserved, its forward and acceptance queued
+        on the device; nothing waits for the device. `finish` commits it. On a GPU a second
+        round may launch before the first is finished (`can_launch`): the device runs it back
+        to back with the first while the host finishes that one."""
+        if not self.can_launch(inputs):
+            raise RuntimeError("verifier: a round launched beside one it may not run beside")
         with on_device(self.device):
-            outputs = self._verify(inputs)
-            if any(item.decode_steps > 1 for item in inputs):
-                self._decode_further(inputs, outputs)
-            return outputs
+            launched = self._launch_round(inputs)
+        self._in_flight.append(launched)
+        return launched
+
+    def finish(self, launched: VerifyRound) -> list[VerifyOutput]:
+        """A launched round's results (waiting for the device), committed; a round of several
+        decode steps runs its further steps here."""
+        try:
+            with on_device(self.device):
+                outputs = self._finish_round(launched)
+        finally:
+            self._in_flight.remove(launched)
+        if any(item.decode_steps > 1 for item in launched.inputs):
+            with on_device(self.device):
+                self._decode_further(launched.inputs, outputs)
+        return outputs
+
+    def can_launch(self, inputs: list[VerifyInput]) -> bool:
+        """Whether `inputs` may launch now: always with no round in flight; beside rounds in
+        flight only when none of them shares a sequence with it, none ran a decode step ahead
+        and no round involved takes several decode steps (those commit and launch again in
+        their `finish`)."""
+        if not self._in_flight:
+            return True
+        if any(item.decode_steps > 1 for item in inputs):
+            return False
+        ids = {item.seq_id for item in inputs}
+        return not any(
+            launched.ahead is not None
+            or any(item.decode_steps > 1 or item.seq_id in ids for item in launched.inputs)
+            for launched in self._in_flight
+        )
+
+    def in_flight(self, seq_ids: Iterable[str]) -> bool:
+        """Whether a launched, unfinished round holds any of `seq_ids`."""
+        ids = set(seq_ids)
+        return any(item.seq_id in ids for r in self._in_flight for item in r.inputs)
 
     def _decode_further(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> None:
         """A round's further decode steps (VerifyInput.decode_steps), into its `outputs`: step s
@@ -367,10 +424,13 @@ class VerifierEngine:
                 outputs[i].bonus_token = out.bonus_token
                 outputs[i].kv_committed_len = out.kv_committed_len
 
-    @torch.inference_mode()
     def _verify(self, inputs: list[VerifyInput], validated: bool = False) -> list[VerifyOutput]:
         """One round. validated: `inputs` need no checks (a round's further decode steps, built
         here from what the engine committed)."""
+        return self._finish_round(self._launch_round(inputs, validated))
+
+    @torch.inference_mode()
+    def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
         if not validated:
             self._validate(inputs)
         taken, positions = self._take_ahead(inputs)
@@ -389,10 +449,18 @@ class VerifierEngine:
                 raise
             bonus.append(self._bonus_tokens(parts[-1]))
         # the next decode step goes to the device before this round is waited for: the GPU
-        # runs it back to back with this one while the host commits and answers
-        ahead = self._launch_ahead(parts, bonus) if self.decode_ahead else None
+        # runs it back to back with this one while the host commits and answers (not beside
+        # another round in flight: that one may finish first and set its own)
+        ahead = None
+        if self.decode_ahead and not self._in_flight:
+            ahead = self._launch_ahead(parts, bonus)
+        return VerifyRound(inputs, [*positions, *others], parts, ahead)
+
+    @torch.inference_mode()
+    def _finish_round(self, launched: VerifyRound) -> list[VerifyOutput]:
+        ahead = launched.ahead
         try:
-            results = [out for part in parts for out in self._finish(part)]
+            results = [out for part in launched.parts for out in self._finish(part)]
         except BaseException:
             self._ahead = ahead
             self._drop_ahead()
@@ -401,8 +469,8 @@ class VerifierEngine:
             for item, out in zip(ahead.inputs, results, strict=True):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
-        by_position = dict(zip([*positions, *others], results, strict=True))
-        return [by_position[i] for i in range(len(inputs))]
+        by_position = dict(zip(launched.order, results, strict=True))
+        return [by_position[i] for i in range(len(launched.inputs))]
 
     def _launch_new(self, inputs: list[VerifyInput]) -> _Launched:
         """A round's sequences (created on their first round), their room reserved, launched."""
@@ -843,6 +911,8 @@ class VerifierEngine:
         sequence (tokens past a stop point, a turn taken back), free the pages past it, and
         restart its sampling generator (the next turn draws from its own seed)."""
         truncated = {item.seq_id for item in items}
+        if self.in_flight(truncated):
+            raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
             self._drop_ahead()  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
@@ -855,7 +925,10 @@ class VerifierEngine:
 
     def release(self, seq_ids: list[str]) -> int:
         """Free the sequences. A decode step run ahead for some of them stays: the next round
-        takes it for the others (`_take_ahead`); one for none left is dropped."""
+        takes it for the others (`_take_ahead`); one for none left is dropped. Not while a
+        round in flight holds one of them (`in_flight`: the caller waits for its finish)."""
+        if self.in_flight(seq_ids):
+            raise RuntimeError("verifier: release of a sequence whose round is in flight")
         released = 0
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)

@@ -1,19 +1,26 @@
-"""The Verifier gRPC service: protobuf in -> VerifierEngine on its thread -> protobuf out."""
+"""The Verifier gRPC service: protobuf in -> VerifierEngine on its thread -> protobuf out. On a
+GPU (engine calls on the event loop) rounds run pipelined (verifier/pipelined.py): a round that
+arrives while another verifies launches behind it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 
 from specsplit import rounds
 from specsplit.engine_servicer import EngineServicer
+from specsplit.errors import Code, ServiceError
 from specsplit.server import service_name
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.engine import VerifierEngine
+from verifier.pipelined import PipelinedRounds
 
 
 class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.VerifierServicer):
     name = "verifier"
     service_name = service_name(verifier_pb2.DESCRIPTOR, "Verifier")
+    _pipelined: PipelinedRounds | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
@@ -21,3 +28,30 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
     # VerifyRequest in -> VerifierEngine.verify -> VerifyResponse out, one per request, in order
     round_call = (rounds.VERIFY, VerifierEngine.verify)
     VerifyStream = EngineServicer.round_stream
+
+    async def engine_round(self, inputs: list[Any]) -> tuple[list[Any], int]:
+        pipelined = self.pipelined()
+        if pipelined is None:  # on the engine thread: one whole round at a time
+            return await super().engine_round(inputs)
+        return await pipelined.verify(inputs)
+
+    async def settle(self, seq_ids: list[str] | None) -> None:
+        pipelined = self.pipelined()
+        if pipelined is not None:
+            await pipelined.settle(seq_ids)
+
+    def pipelined(self) -> PipelinedRounds | None:
+        """Pipelined rounds when engine calls run on the loop (None: on the engine thread).
+        UNAVAILABLE until the engine is loaded and warm."""
+        if not self.engine.calls_on_loop:
+            return None
+        if self._pipelined is None:
+            engine = self.engine.loaded
+            if engine is None:
+                raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+            self._pipelined = PipelinedRounds(engine, _on_loop)
+        return self._pipelined
+
+
+async def _on_loop(fn: Any, *args: Any) -> Any:
+    return fn(*args)

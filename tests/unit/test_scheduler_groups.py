@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.request import GenerationRequest
+from inprocess.clients import LocalVerifierClient
+from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import SpecParams
 from tests.support import (
@@ -80,7 +82,7 @@ def test_pipelined_groups_equal_target_greedy(
 
 
 @pytest.mark.parametrize("overlap", ["serial", "groups"])
-def test_groups_draft_while_the_other_group_is_verified(
+def test_groups_draft_and_send_while_the_other_group_is_verified(
     models, smollm2_tokenizer, overlap: str
 ) -> None:
     stack = make_stack(
@@ -92,9 +94,12 @@ def test_groups_draft_while_the_other_group_is_verified(
     out = generate_all(stack, _requests(4, seed=3))
     assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
     if overlap == "serial":
-        assert timed.overlapping_drafts() == 0
+        assert timed.overlapping_drafts() == timed.early_verifies() == 0
     else:
         assert timed.overlapping_drafts() >= len(timed.drafts) // 2
+        # the other group's Verify goes out as soon as its trees are drafted, before this
+        # group's Verify is answered: the verifier can run the two back to back
+        assert timed.early_verifies() >= len(timed.verifies) // 3
 
 
 def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tokenizer) -> None:
@@ -108,11 +113,38 @@ def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tok
     check_no_leaks(stack)
 
 
-def test_groups_leave_no_kv_when_streams_are_cancelled(models, smollm2_tokenizer) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-call", "pipelined"])
+def test_groups_leave_no_kv_when_streams_are_cancelled(
+    models, smollm2_tokenizer, pipelined: bool
+) -> None:
     stack = make_stack(
         models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
     )
+    if pipelined:
+        _pipelined_verifier(stack)
     cancel_half_mid_generation(stack, _requests(6, seed=5))
+    check_no_leaks(stack)
+
+
+def _pipelined_verifier(stack: LocalStack) -> None:
+    """The in-process verifier client as on a GPU: rounds launched and finished apart, the
+    other group's launched while one is in flight (verifier/pipelined.py)."""
+    stack.scheduler.verifier = LocalVerifierClient(
+        stack.verifier, check_integrity=True, pipelined=True
+    )
+
+
+def test_groups_on_pipelined_verify_rounds_equal_target_greedy(models, smollm2_tokenizer) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 5, seed=8)
+    stack = make_stack(
+        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
+    )
+    _pipelined_verifier(stack)
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, _requests(5, seed=8))
+    assert [generated_ids(c) for c in out] == expected
+    assert timed.early_verifies() > 0
     check_no_leaks(stack)
 
 

@@ -1,0 +1,63 @@
+"""Verify rounds launched beside a round in flight (`VerifierEngine.launch` / `finish`), for
+the verifier service on a GPU and the in-process verifier client.
+
+A round is launched, the event loop polls until the device is done with it (every other task
+runs meanwhile), then it is finished. A second round that arrives meanwhile (the gateway's other
+group, drafted while this one verifies) launches right away when the engine allows it
+(`can_launch`: disjoint sequences, one decode step) and waits for the rounds in flight to
+change otherwise; the GPU then runs the two back to back while the host finishes the first.
+Release and Truncate wait until no round in flight holds their sequences (`settle`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from specsplit.messages import VerifyInput, VerifyOutput
+from verifier.engine import VerifierEngine, VerifyRound
+
+T = TypeVar("T")
+# runs fn(*args) where the engine's calls run (its thread, or the event loop's)
+EngineCall = Callable[..., Awaitable[Any]]
+
+
+class PipelinedRounds:
+    def __init__(self, engine: VerifierEngine, call: EngineCall) -> None:
+        self.engine = engine
+        self._call = call
+        self._changed = asyncio.Condition()  # a round finished
+
+    async def verify(self, inputs: list[VerifyInput]) -> tuple[list[VerifyOutput], int]:
+        """The round's outputs and its nanoseconds from launch to finish (the wait for the
+        rounds before it to allow the launch excluded)."""
+        engine = self.engine
+        async with self._changed:
+            await self._changed.wait_for(lambda: engine.can_launch(inputs))
+        start = time.perf_counter_ns()
+        launched: VerifyRound = await self._call(engine.launch, inputs)
+        try:
+            # asked where the engine's calls run: on a thread shared with another engine's
+            # calls a CUDA graph may be in capture, which a query from elsewhere would break
+            while not await self._call(launched.ready):
+                await asyncio.sleep(0)
+        finally:  # cancelled while it waited: still committed, as one call would have been
+            try:
+                outputs: list[VerifyOutput] = await asyncio.shield(
+                    self._call(engine.finish, launched)
+                )
+            finally:
+                async with self._changed:
+                    self._changed.notify_all()
+        return outputs, time.perf_counter_ns() - start
+
+    async def settle(self, seq_ids: list[str] | None) -> None:
+        """Wait until no round in flight holds any of `seq_ids` (None: any sequence)."""
+        engine = self.engine
+
+        def settled() -> bool:
+            return not engine.in_flight(list(engine.seqs) if seq_ids is None else seq_ids)
+
+        async with self._changed:
+            await self._changed.wait_for(settled)
