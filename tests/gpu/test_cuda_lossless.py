@@ -36,6 +36,7 @@ def _run(
     spec: SpecParams,
     sampling: SamplingParams = GREEDY,
     graph_query_lens: tuple[int, ...] = (),
+    overlap: str = "serial",
 ):
     stack = build_local_stack(
         str(models["target"]),
@@ -47,6 +48,7 @@ def _run(
         device="cuda",
         check_integrity=True,
         graph_query_lens=graph_query_lens,
+        overlap=overlap,
     )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 17, 6)]
@@ -84,6 +86,19 @@ def test_cuda_graph_rounds_equal_target_greedy(models, smollm2_tokenizer, spec: 
     assert got == expected
     target_only, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), GREEDY, (1,))
     assert target_only == expected
+
+
+@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(3, 2, 6)], ids=["chain3", "topk2"])
+def test_cuda_groups_on_pipelined_rounds_equal_target_greedy(
+    models, smollm2_tokenizer, spec: SpecParams
+) -> None:
+    """Pipelined groups on a GPU, CUDA graphs on: the in-process verifier client launches the
+    other group's round behind the one in flight (verifier/pipelined.py), and the tokens are
+    still the target's own greedy ones, nothing left held."""
+    expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    lens = (1, 1 + spec.num_draft_tokens)
+    got, _ = _run(models, smollm2_tokenizer, "model", spec, graph_query_lens=lens, overlap="groups")
+    assert got == expected
 
 
 def test_cuda_sampling_is_reproducible_with_seeds(models, smollm2_tokenizer) -> None:
