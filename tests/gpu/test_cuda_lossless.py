@@ -88,7 +88,9 @@ def test_cuda_graph_rounds_equal_target_greedy(models, smollm2_tokenizer, spec: 
     assert target_only == expected
 
 
-@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(3, 2, 6)], ids=["chain3", "topk2"])
+@pytest.mark.parametrize(
+    "spec", [SpecParams(3, 1, 3), SpecParams(3, 2, 6)], ids=["chain3", "topk2"]
+)
 def test_cuda_groups_on_pipelined_rounds_equal_target_greedy(
     models, smollm2_tokenizer, spec: SpecParams
 ) -> None:
