@@ -145,6 +145,39 @@ def engine_profilers(
     return out
 
 
+class RoundTime:
+    """Each Verify round's time from its launch to its finish (`VerifierEngine.launch` /
+    `finish`, wrapped in place): for pipelined rounds (groups on a GPU) it includes the wait
+    behind the round launched before it."""
+
+    def __init__(self, verifier: VerifierEngine) -> None:
+        self.seconds, self.calls = 0.0, 0
+        started: dict[int, float] = {}
+        launch, finish = verifier.launch, verifier.finish
+
+        def timed_launch(inputs: list[Any]) -> Any:
+            start = time.perf_counter()
+            launched = launch(inputs)
+            started[id(launched)] = start
+            return launched
+
+        def timed_finish(launched: Any) -> Any:
+            try:
+                return finish(launched)
+            finally:
+                self.seconds += time.perf_counter() - started.pop(id(launched))
+                self.calls += 1
+
+        verifier.launch, verifier.finish = timed_launch, timed_finish  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    @property
+    def ms_per_call(self) -> float:
+        return 1e3 * self.seconds / max(self.calls, 1)
+
+
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
     """(tokens, seconds, accepted tokens per round) for the requests run concurrently."""
 
@@ -232,7 +265,7 @@ def main() -> None:
         f"rounds of {args.decode_steps} decode steps run ahead"
     )
     gen = torch.Generator().manual_seed(0)
-    draft_time, verify_time = EngineTime(drafter, "draft"), EngineTime(verifier, "verify")
+    draft_time, verify_time = EngineTime(drafter, "draft"), RoundTime(verifier)
     # where an engine call's time goes: graph replays, eager forwards, acceptance
     parts: dict[str, EngineTime] = {}
     if verifier.graphs is not None:

@@ -21,7 +21,7 @@ from specsplit.messages import (
     VerifyInput,
     VerifyOutput,
 )
-from verifier.engine import VerifierEngine
+from verifier.engine import VerifierEngine, VerifyRound
 from verifier.pipelined import PipelinedRounds
 
 T = TypeVar("T")
@@ -95,12 +95,16 @@ class LocalVerifierClient(_LocalClient):
         executor: ThreadPoolExecutor | None = None,
         pipelined: bool | None = None,
     ) -> None:
-        """pipelined: None = on a GPU."""
+        """pipelined: None = on a GPU with a thread of its own (on a thread shared with the
+        drafter, a wait from another thread could meet a CUDA graph's capture there)."""
         super().__init__(engine, check_integrity, executor)
         self.verifier = engine
         if pipelined is None:
-            pipelined = engine.device.type == "cuda"
-        self._pipelined = PipelinedRounds(engine, self._on_thread) if pipelined else None
+            pipelined = engine.device.type == "cuda" and executor is None
+        self._pipelined = None
+        if pipelined:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="verify-wait")
+            self._pipelined = PipelinedRounds(engine, self._on_thread, self._wait)
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         if self._pipelined is None:
@@ -120,6 +124,11 @@ class LocalVerifierClient(_LocalClient):
         if self._pipelined is not None:
             await self._pipelined.settle([item.seq_id for item in items])
         return await super().truncate(items)
+
+    async def _wait(self, launched: VerifyRound) -> None:
+        """Until the device is done with `launched`: on a thread of its own (blocking there,
+        the GIL free), so that the engine's thread launches the next round meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(self._waiter, launched.wait)
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -92,6 +92,12 @@ class VerifyRound:
         """Whether the device is done with the round's results (finish will not wait)."""
         return all(part.copied is None or part.copied.query() for part in self.parts)
 
+    def wait(self) -> None:
+        """Until the device is done with the round's results."""
+        for part in self.parts:
+            if part.copied is not None:
+                part.copied.synchronize()
+
 
 SYNTHETIC_BIG = 1e30  # synthetic acceptance's bent logits: +-this (fits bfloat16's range)
 UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it

@@ -24,9 +24,18 @@ EngineCall = Callable[..., Awaitable[Any]]
 
 
 class PipelinedRounds:
-    def __init__(self, engine: VerifierEngine, call: EngineCall) -> None:
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        call: EngineCall,
+        wait: Callable[[VerifyRound], Awaitable[None]] | None = None,
+    ) -> None:
+        """call: runs an engine method where its calls run. wait: until the device is done
+        with a round, off the engine's thread (None: the event loop polls; the service, whose
+        loop thread is its only Python thread at work)."""
         self.engine = engine
         self._call = call
+        self._wait = wait or _poll
         self._changed = asyncio.Condition()  # a round finished
 
     async def verify(self, inputs: list[VerifyInput]) -> tuple[list[VerifyOutput], int]:
@@ -38,10 +47,7 @@ class PipelinedRounds:
         start = time.perf_counter_ns()
         launched: VerifyRound = await self._call(engine.launch, inputs)
         try:
-            # asked where the engine's calls run: on a thread shared with another engine's
-            # calls a CUDA graph may be in capture, which a query from elsewhere would break
-            while not await self._call(launched.ready):
-                await asyncio.sleep(0)
+            await self._wait(launched)
         finally:  # cancelled while it waited: still committed, as one call would have been
             try:
                 outputs: list[VerifyOutput] = await asyncio.shield(
@@ -61,3 +67,8 @@ class PipelinedRounds:
 
         async with self._changed:
             await self._changed.wait_for(settled)
+
+
+async def _poll(launched: VerifyRound) -> None:
+    while not launched.ready():
+        await asyncio.sleep(0)

@@ -116,7 +116,8 @@ def test_synthetic_acceptance_runs_on_the_graphs(target: Path) -> None:
     for _ in range(10):
         inputs = []
         for seq_id in tokens:
-            draft = _tree(rng, [3, 4, 5], rng.choice(["chain", "tree"])) if committed[seq_id] else None
+            shape = rng.choice(["chain", "tree"])
+            draft = _tree(rng, [3, 4, 5], shape) if committed[seq_id] else None
             pending = tokens[seq_id][committed[seq_id] :]
             inputs.append(
                 VerifyInput(seq_id, committed[seq_id] == 0, committed[seq_id], pending,
