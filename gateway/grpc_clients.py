@@ -1,12 +1,15 @@
 """The gateway's clients of the drafter and verifier over gRPC (gateway/clients.py protocols).
 
-Each client keeps ONE long-lived bidi stream to its service and runs one round at a time on it:
+Each client keeps long-lived bidi streams to its service and runs one round at a time on each:
 write one request, read one response (DESIGN.md §4: a stream round trip is ~2.5x cheaper than a
-unary call). A broken stream is dropped and reopened by the next round. A service on a Unix
-socket is reached on its round lane instead (specsplit.lane: the same messages as frames on a
-plain socket, about half gRPC's round trip), health still over gRPC. gRPC errors become
-ServiceError: INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED pass through with the service's
-message, anything else (service down, stream broken, internal error) is UNAVAILABLE.
+unary call). One stream serves a client with one round in flight; rounds in flight at once
+(disjoint sequences) each take their own stream, up to MAX_ROUND_STREAMS, opened as needed and
+kept. A broken stream is dropped and reopened by its next round. A service on a Unix socket is
+reached on its round lane instead (specsplit.lane: the same messages as frames on a plain
+socket, about half gRPC's round trip; a connection per round in flight likewise), health still
+over gRPC. gRPC errors become ServiceError: INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED
+pass through with the service's message, anything else (service down, stream broken, internal
+error) is UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from specsplit.messages import (
     VerifyInput,
     VerifyOutput,
 )
+from specsplit.pool import Pool
 from specsplit.rounds import In, Out, RoundRpc
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import TLSFiles, channel
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0  # opening a round stream waits at most this long for a connection
 HEALTH_TIMEOUT_S = 1.0  # a health check that takes longer counts as no answer
+MAX_ROUND_STREAMS = 4  # a client's rounds in flight at once on gRPC, one stream each
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -52,7 +57,9 @@ def service_error(err: grpc.aio.AioRpcError, service: str) -> ServiceError:
 
 
 class RoundStream(Generic[Req, Resp]):
-    """One bidi stream used as a request/response pipe: one round in flight at a time."""
+    """One bidi stream used as a request/response pipe, lent to one round at a time (a
+    StreamClient's `Pool`): opened on first use, dropped when a round on it broke or was
+    cancelled, reopened by its next round."""
 
     def __init__(
         self,
@@ -64,38 +71,40 @@ class RoundStream(Generic[Req, Resp]):
         self._open_call = open_call
         self._connect = connect
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._lock = asyncio.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self._call is not None
 
     async def round(self, request: Req) -> Resp:
-        async with self._lock:
-            if self._call is not None and self._call.done():  # ended between rounds
-                self._drop()
-            if self._call is None:
-                # a stream opened on a channel still connecting can wait forever on its first
-                # write: wait (bounded) for the channel to be READY, failing fast when it is not
-                if not await self._connect():
-                    raise ServiceError(Code.UNAVAILABLE, f"{self.service}: not reachable")
-                self._call = self._open_call()
-            call = self._call
-            try:
-                await call.write(request)
-                response = await call.read()
-            except grpc.aio.AioRpcError as err:
-                self._drop()
-                raise service_error(err, self.service) from err
-            except asyncio.InvalidStateError:  # the call ended under us ("RPC already finished")
-                self._drop()
-                code, details = await call.code(), await call.details()
-                raise ServiceError(
-                    Code.UNAVAILABLE, f"{self.service}: stream ended: {code.name}: {details}"
-                ) from None
-            except BaseException:  # cancelled mid-round: the answer would pair with the next
-                self._drop()
-                raise
-            if response is grpc.aio.EOF:
-                self._drop()
-                raise ServiceError(Code.UNAVAILABLE, f"{self.service}: the stream ended")
-            return response  # type: ignore[no-any-return]
+        if self._call is not None and self._call.done():  # ended between rounds
+            self._drop()
+        if self._call is None:
+            # a stream opened on a channel still connecting can wait forever on its first
+            # write: wait (bounded) for the channel to be READY, failing fast when it is not
+            if not await self._connect():
+                raise ServiceError(Code.UNAVAILABLE, f"{self.service}: not reachable")
+            self._call = self._open_call()
+        call = self._call
+        try:
+            await call.write(request)
+            response = await call.read()
+        except grpc.aio.AioRpcError as err:
+            self._drop()
+            raise service_error(err, self.service) from err
+        except asyncio.InvalidStateError:  # the call ended under us ("RPC already finished")
+            self._drop()
+            code, details = await call.code(), await call.details()
+            raise ServiceError(
+                Code.UNAVAILABLE, f"{self.service}: stream ended: {code.name}: {details}"
+            ) from None
+        except BaseException:  # cancelled mid-round: the answer would pair with the next
+            self._drop()
+            raise
+        if response is grpc.aio.EOF:
+            self._drop()
+            raise ServiceError(Code.UNAVAILABLE, f"{self.service}: the stream ended")
+        return response  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._drop()
@@ -108,8 +117,8 @@ class RoundStream(Generic[Req, Resp]):
 
 class StreamClient(Generic[In, Out]):
     """A service's client: a lazily opened channel (aio channels belong to the event loop that
-    first uses them), its round stream, Release and health. tls: the gateway's client
-    certificate and the CA of the service's (mutual TLS), or none."""
+    first uses them), its round streams (one per round in flight), Release and health. tls: the
+    gateway's client certificate and the CA of the service's (mutual TLS), or none."""
 
     rpc: RoundRpc[In, Out]  # the service's round (the subclasses': DRAFT, VERIFY)
 
@@ -127,7 +136,9 @@ class StreamClient(Generic[In, Out]):
         self.address = address
         self.tls = tls or TLSFiles()
         self._channel: grpc.aio.Channel | None = None
-        self._stream: RoundStream[Any, Any] = RoundStream(self.service, self._open, self._connect)
+        self.streams: Pool[RoundStream[Any, Any]] = Pool(
+            lambda: RoundStream(self.service, self._open, self._connect), MAX_ROUND_STREAMS
+        )
         path = lane_path(address) if round_lane and not self.tls.enabled else None
         self.lane = None if path is None else LaneConnection(self.service, path, lane_poll_s)
         self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
@@ -139,13 +150,18 @@ class StreamClient(Generic[In, Out]):
         return self._channel
 
     async def round(self, inputs: list[In]) -> list[Out]:
-        """One round on the stream: inputs out, outputs back, timed and traced."""
+        """One round on an idle stream (or lane connection): inputs out, outputs back, timed
+        and traced. Rounds in flight at once must name disjoint sequences."""
         start = time.perf_counter()
         request = self.rpc.request_to_proto(inputs)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         with metrics.timed(self.rpc.seconds):
             if self.lane is None:
-                response = await self._stream.round(request)
+                stream = await self.streams.take()
+                try:
+                    response = await stream.round(request)
+                finally:
+                    self.streams.give(stream)
             else:
                 answer = await self.lane.request(Kind.ROUND, request.SerializeToString())
                 response = self.rpc.response_type.FromString(answer)
@@ -191,7 +207,7 @@ class StreamClient(Generic[In, Out]):
         return Health.SERVING if serving else Health.LOADING
 
     async def close(self) -> None:
-        self._stream.close()
+        self.streams.close()
         if self.lane is not None:
             self.lane.close()
         if self._channel is not None:

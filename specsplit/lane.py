@@ -16,8 +16,10 @@ the gateway takes the lane unless `--round-lane off`.
 A connection opens with HELLO, whose body is the client's scope token: the service's
 sequence-id scope (specsplit.scopes) is keyed by it, so a client that reconnects (its round
 cancelled mid-way, the service restarted) finds its sequences again while the scope lives, and
-no other client can name them. A refused request answers with its status and the connection
-stays; a broken connection is the client's to reopen.
+no other client can name them. A connection carries one request at a time; a client with
+several in flight (`LaneConnection`) opens more connections, all with its one token, so they
+share its scope, which lives while any of them does. A refused request answers with its status
+and the connection stays; a broken connection is the client's to reopen.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from google.protobuf.message import DecodeError
 
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError, backend_error
+from specsplit.pool import Pool
 from specsplit.scopes import ConnectionScopes, Scope
 from specsplit.v1 import common_pb2
 
@@ -45,6 +48,7 @@ LANE_SUFFIX = ".rounds"
 HEADER = struct.Struct("<BI")  # kind or status, body length
 TOKEN_BYTES = 16
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # as gRPC's MAX_MESSAGE_BYTES (specsplit.server)
+MAX_CONNECTIONS = 4  # a LaneConnection's requests in flight at once, one connection each
 
 
 class Kind(enum.IntEnum):
@@ -85,39 +89,70 @@ def new_token() -> bytes:
 
 
 class LaneConnection:
-    """The gateway's end: one connection, one request at a time, opened on first use and
-    reopened (same token, same scope) after it broke. Raises ServiceError: the service's own
-    status for a refused request, UNAVAILABLE when the service cannot be reached or the
-    connection broke."""
+    """The gateway's end: up to `max_connections` connections (a `Pool`), one request at a
+    time on each, all opened with the client's one token (one scope on the service). A
+    request takes an idle connection, opening a new one while all are busy. Raises
+    ServiceError: the service's own status for a refused request, UNAVAILABLE when the service
+    cannot be reached or the request's connection broke."""
 
-    def __init__(self, service: str, path: str, spin_s: float = 0.0) -> None:
-        """spin_s: how long the event loop polls for an answer before it sleeps (`_answer`;
-        0 = never: where the gateway shares its cores with the engines, polling slows them)."""
+    def __init__(
+        self, service: str, path: str, spin_s: float = 0.0, max_connections: int = MAX_CONNECTIONS
+    ) -> None:
+        """spin_s: how long the event loop polls for an answer before it sleeps
+        (`LaneSocket`; 0 = never: where the gateway shares its cores with the engines,
+        polling slows them)."""
         self.service = service
         self.path = path
         self.token = new_token()
-        self.spin_s = spin_s
-        self._lock = asyncio.Lock()
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.sockets: Pool[LaneSocket] = Pool(
+            lambda: LaneSocket(service, path, self.token, spin_s), max_connections
+        )
 
     async def request(self, kind: Kind, body: bytes) -> bytes:
-        async with self._lock:
-            reader, writer = self._streams or await self._open()
-            try:
-                writer.write(frame(kind, body))
-                status, answer = await self._answer(reader)
-            except (OSError, EOFError, ConnectionError) as err:
-                self.close()
-                raise ServiceError(
-                    Code.UNAVAILABLE, f"{self.service}: the round lane broke ({err!r})"
-                ) from None
-            except BaseException:  # cancelled mid-request: its answer would pair with the next
-                self.close()
-                raise
+        socket = await self.sockets.take()
+        try:
+            status, answer = await socket.exchange(kind, body)
+        finally:
+            self.sockets.give(socket)
         if status == 0:
             return answer
         code = CODES.get(status, Code.INTERNAL)
         raise backend_error(self.service, code.value, answer.decode(errors="replace"))
+
+    def close(self) -> None:
+        self.sockets.close()
+
+
+class LaneSocket:
+    """One connection of a LaneConnection, lent to one request at a time: opened on first use
+    (HELLO with the client's token), closed when a request on it broke or was cancelled (its
+    answer would pair with the next request), reopened the same way by its next request."""
+
+    def __init__(self, service: str, path: str, token: bytes, spin_s: float) -> None:
+        self.service = service
+        self.path = path
+        self.token = token
+        self.spin_s = spin_s
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._streams is not None
+
+    async def exchange(self, kind: Kind, body: bytes) -> tuple[int, bytes]:
+        """One request's (status, answer): the response frame."""
+        reader, writer = self._streams or await self._open()
+        try:
+            writer.write(frame(kind, body))
+            return await self._answer(reader)
+        except (OSError, EOFError, ConnectionError) as err:
+            self.close()
+            raise ServiceError(
+                Code.UNAVAILABLE, f"{self.service}: the round lane broke ({err!r})"
+            ) from None
+        except BaseException:  # cancelled mid-request: its answer would pair with the next
+            self.close()
+            raise
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
         """The response frame. While it is awaited the event loop keeps polling (a callback

@@ -242,7 +242,7 @@ def test_dropped_internal_stream_frees_its_sequences(target_dir: Path) -> None:
             await gateway.verify([_prefill("a"), _prefill("b")])
             assert await _pages_used(address) == 6
             # a stream broken between rounds and reopened at once keeps the connection's state
-            gateway._stream.close()
+            gateway.streams.close()
             out = await gateway.verify([_prefill("a", False, len(PROMPT))])
             assert out[0].kv_committed_len == len(PROMPT) + 1
             await gateway.close()  # the gateway goes away without releasing

@@ -17,7 +17,7 @@ import pytest
 from gateway.grpc_clients import GrpcVerifierClient
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import HEADER, STATUS, Kind, frame, lane_path, new_token, read_frame
-from specsplit.messages import Truncation, VerifyInput
+from specsplit.messages import Truncation, VerifyInput, VerifyOutput
 from specsplit.server import ServiceHost
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
@@ -25,6 +25,7 @@ from verifier.engine import VerifierEngine
 from verifier.servicer import VerifierServicer
 
 PROMPT = list(range(10, 30))
+OTHER_PROMPT = list(range(40, 57))  # another sequence's, answered differently
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,13 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _with_verifier(
-    target: Path, tmp_path: Path, body: Callable[[ServiceHost, str], Awaitable[None]]
+    target: Path,
+    tmp_path: Path,
+    body: Callable[[ServiceHost, str], Awaitable[None]],
+    tcp: bool = False,
 ) -> None:
-    """Run `body(host, address)` against a verifier service on a Unix socket."""
-    address = f"unix:{tmp_path}/verifier.sock"
+    """Run `body(host, address)` against a verifier service on a Unix socket (or on TCP)."""
+    address = "127.0.0.1:0" if tcp else f"unix:{tmp_path}/verifier.sock"
 
     async def run() -> None:
         servicer = VerifierServicer(
@@ -46,7 +50,7 @@ def _with_verifier(
         await host.start()
         await host.load()
         try:
-            await body(host, address)
+            await body(host, host.where)
         finally:
             await host.stop()
 
@@ -59,16 +63,29 @@ def _engine(host: ServiceHost) -> VerifierEngine:
     return engine  # type: ignore[no-any-return]
 
 
-async def _decode(client: GrpcVerifierClient, seq_id: str, rounds: int) -> list[int]:
+async def _decode(
+    client: GrpcVerifierClient, seq_id: str, rounds: int, prompt: list[int] = PROMPT
+) -> list[int]:
     """A prefill, then `rounds` one-token rounds with a one-node draft; the tokens it got."""
-    (out,) = await client.verify([VerifyInput(seq_id, True, 0, PROMPT, DraftTree())])
+    (out,) = await client.verify([VerifyInput(seq_id, True, 0, prompt, DraftTree())])
     tokens = [out.bonus_token]
     for _ in range(rounds):
-        tree = DraftTree([tokens[-1]], [-1])
-        item = VerifyInput(seq_id, False, out.kv_committed_len, [tokens[-1]], tree)
-        (out,) = await client.verify([item])
+        (out,) = await client.verify([_next(seq_id, out)])
         tokens += [*out.accepted_tokens, out.bonus_token]
     return tokens
+
+
+def _next(seq_id: str, out: VerifyOutput) -> VerifyInput:
+    """The round after `out`: its bonus token, drafted as a one-node tree."""
+    tree = DraftTree([out.bonus_token], [-1])
+    return VerifyInput(seq_id, False, out.kv_committed_len, [out.bonus_token], tree)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait for what the service does when a connection goes (it sees the end, then acts)."""
+    async with asyncio.timeout(10):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("poll_s", [0.0, 0.005], ids=["sleeping", "polling"])
@@ -162,6 +179,32 @@ async def _decode_more(client: GrpcVerifierClient, seq_id: str) -> list[int]:
     item = VerifyInput(seq_id, False, kept.kv_committed_len, [7], DraftTree())
     (out,) = await client.verify([item])
     return [*out.accepted_tokens, out.bonus_token, out.kv_committed_len]
+
+
+def test_a_scope_with_two_live_connections_starts_its_orphan_grace_when_the_last_goes(
+    target: Path, tmp_path: Path
+) -> None:
+    async def body(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address)
+        assert client.lane is not None
+        try:
+            await asyncio.gather(_decode(client, "a", 1), _decode(client, "b", 1, OTHER_PROMPT))
+            scope = host.servable.scopes.find("lane:" + client.lane.token.hex())  # type: ignore[attr-defined]
+            assert scope is not None and scope.num_streams == 2  # two connections, one scope
+            first, second = client.lane.sockets.items
+            assert first.is_open and second.is_open
+            first.close()
+            await _until(lambda: scope.num_streams == 1)
+            assert scope.free_task is None  # one connection still lives: no grace runs
+            assert len(await _decode_more(client, "a")) == 2  # its sequences are all there
+        finally:
+            await client.close()
+        await _until(lambda: scope.num_streams == 0)
+        assert scope.free_task is not None  # the last one went: the grace runs
+        await _until(lambda: _engine(host).num_pages_used == 0)
+        assert not _engine(host).seqs
+
+    _with_verifier(target, tmp_path, body)
 
 
 def test_a_client_gone_for_its_orphan_grace_leaves_no_kv(target: Path, tmp_path: Path) -> None:
