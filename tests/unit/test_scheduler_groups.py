@@ -96,9 +96,10 @@ def test_groups_draft_and_send_while_the_other_group_is_verified(
     if overlap == "serial":
         assert timed.overlapping_drafts() == timed.early_verifies() == 0
     else:
-        assert timed.overlapping_drafts() >= len(timed.drafts) // 2
         # the other group's Verify goes out as soon as its trees are drafted, before this
-        # group's Verify is answered: the verifier can run the two back to back
+        # group's Verify is answered: the verifier can run the two back to back (so a group's
+        # draft may start after the other's early Verify has already been answered)
+        assert timed.overlapping_drafts() > 0
         assert timed.early_verifies() >= len(timed.verifies) // 3
 
 
