@@ -211,7 +211,11 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the EAGLE-3 head's")
     parser.add_argument("--spec", type=int, nargs="+", default=[3], help="chain lengths")
     parser.add_argument(
-        "--modes", nargs="+", choices=("serial", "groups"), default=["serial", "groups"]
+        "--modes",
+        nargs="+",
+        choices=("serial", "groups", "groups-early"),
+        default=["serial", "groups"],
+        help="groups-early: groups with the other group's Verify sent while one is in flight",
     )
     parser.add_argument(
         "--decode-steps", type=int, default=4, help="the target-only rounds' (up's GPU default)"
@@ -299,7 +303,8 @@ def main() -> None:
                 eos_token_ids=(),
                 default_spec=SpecParams(spec, 1, spec),
                 max_batch_size=max_batch,
-                overlap=overlap,
+                overlap=overlap.removesuffix("-early"),
+                early_verify=overlap.endswith("-early"),
                 decode_steps=args.decode_steps if spec == 0 else 1,
             )
             # warm-up: the same batch once (the eager prefill's compiled kernels for its shapes,

@@ -40,7 +40,8 @@ from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-MODES = ("serial", "groups", "ahead", "both")
+# "groups-early": groups with the other group's Verify sent while one is in flight
+MODES = ("serial", "groups", "groups-early", "ahead", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
@@ -226,7 +227,9 @@ def main() -> None:
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
     for mode in modes:
-        flags: tuple[str, ...] = ("--overlap", mode, "--decode-ahead", args.decode_ahead)
+        flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early"))
+        flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
+        flags += ("--decode-ahead", args.decode_ahead)
         if args.decode_ahead_max_batch is not None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
         if args.decode_steps is not None:

@@ -160,6 +160,7 @@ async def serve(
     round_lane: bool = True,
     lane_poll_s: float = 0.0,
     decode_steps: int = 1,
+    early_verify: bool = False,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -176,7 +177,8 @@ async def serve(
     or verifier on a Unix socket is reached on its round lane (specsplit.lane), the event loop
     polling up to `lane_poll_s` for each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
-    tokens a plain round decodes in one Verify."""
+    tokens a plain round decodes in one Verify. early_verify: groups send the other group's
+    Verify while one is in flight (Scheduler)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -209,6 +211,7 @@ async def serve(
         ahead_guesses=ahead_guesses,
         ahead_max_batch=ahead_max_batch,
         decode_steps=decode_steps,
+        early_verify=early_verify,
     )
     if scheduler.gate is not None:
         log.info("speculation gate on: rounds draft while that pays, measured per batch size")

@@ -84,6 +84,7 @@ class Scheduler:
         ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
         decode_steps: int = 1,
+        early_verify: bool = False,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -103,7 +104,11 @@ class Scheduler:
         their own spec draft only while speculating commits more tokens per second than plain
         rounds, measured per batch size (gateway/gate.py); off = they always draft.
         decode_steps: a plain round (no tree, no target features) decodes up to this many
-        tokens in one Verify (VerifyInput.decode_steps)."""
+        tokens in one Verify (VerifyInput.decode_steps). early_verify: groups send the other
+        group's Verify as soon as its trees are drafted, while this group's is in flight (the
+        verifier runs the two back to back: for a drafter and a verifier on two GPUs; on one
+        GPU shared by both it measured slower, bench/RESULTS.md); off = each group's Verify
+        goes out in its own round."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
@@ -156,6 +161,7 @@ class Scheduler:
         self.ahead_guesses = ahead_guesses
         self.ahead_max_batch = ahead_max_batch
         self.decode_steps = decode_steps
+        self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
 
@@ -512,7 +518,10 @@ class Scheduler:
 
     def _send_early(self, running: list[Sequence], group: int) -> None:
         """The Verify of `group`'s next round, sent now (`_early`) when each of its running
-        sequences has its tree: the next round verifies exactly these."""
+        sequences has its tree (and `early_verify` is on): the next round verifies exactly
+        these."""
+        if not self.early_verify:
+            return
         batch = [
             seq
             for seq in running

@@ -67,10 +67,12 @@ for part in "${parts[@]}"; do
       # one process: serial and groups vs the target alone (4-step rounds run ahead); the
       # head on cuda:0 and the target on cuda:1 when there are two GPUs
       run e2e_8b_eagle python3 bench/gpu_e2e.py --target llama-8b --drafter eagle3 \
-        --rates 0.8 0.7 0.6 --spec 3 5 --batch 1 8 32 "${devices[@]}" ;;
+        --rates 0.8 0.7 0.6 --spec 3 5 --batch 1 8 32 --modes serial groups groups-early \
+        "${devices[@]}" ;;
     e2e2)  # the 8B / 1B system with the drafter and the verifier on two GPUs
       run e2e_8b_1b_2gpu python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
-        --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 --device cuda:1 --drafter-device cuda:0 ;;
+        --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 --modes serial groups groups-early \
+        --device cuda:1 --drafter-device cuda:0 ;;
     memory)
       run memory python3 bench/memory.py --target llama-8b --draft llama-1b "${devices[@]}" \
         --context 2048 --batch 8 32 64 ;;

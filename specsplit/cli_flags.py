@@ -223,6 +223,14 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     )
     modes = ("auto", "serial", "groups", "ahead", "both")
     flag(parser, "--overlap", "auto", overlap_help, choices=modes)
+    switch(
+        parser,
+        "--early-verify",
+        False,
+        "--overlap groups: send the other group's Verify as soon as its trees are drafted,"
+        " while this group's is verified (the verifier runs the two back to back; meant for a"
+        " drafter and a verifier on two GPUs, not measured there yet; slower on one GPU)",
+    )
     flag(
         parser,
         "--ahead-guesses",

@@ -107,6 +107,7 @@ def child_commands(
     gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", gateway_overlap(args)]
     gateway += ["--speculation-gate", gateway_speculation_gate(args)]
     gateway += ["--ahead-guesses", str(args.ahead_guesses)]
+    gateway += ["--early-verify" if args.early_verify else "--no-early-verify"]
     gateway += ["--ahead-max-batch", str(args.ahead_max_batch)]
     gateway += ["--round-lane", args.round_lane]
     gateway += ["--round-lane-poll-ms", str(gateway_lane_poll_ms(args))]

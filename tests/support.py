@@ -78,10 +78,11 @@ def make_stack(
     overlap: str = "serial",
     decode_ahead: bool = False,
     decode_steps: int = 1,
+    early_verify: bool = False,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call. adaptive_*: adaptive speculation starting on `spec`.
-    decode_ahead: the verifier's; decode_steps: the scheduler's."""
+    decode_ahead: the verifier's; decode_steps, early_verify: the scheduler's."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -97,6 +98,7 @@ def make_stack(
         overlap=overlap,
         decode_ahead=decode_ahead,
         decode_steps=decode_steps,
+        early_verify=early_verify,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from gateway.request import GenerationRequest
+from inprocess.clients import LocalVerifierClient
 from inprocess.stack import build_local_stack
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
@@ -37,7 +38,10 @@ def _run(
     sampling: SamplingParams = GREEDY,
     graph_query_lens: tuple[int, ...] = (),
     overlap: str = "serial",
+    pipelined: bool = False,
 ):
+    """pipelined: groups send the other group's Verify early and the verifier's client (a
+    thread of its own) launches it behind the one in flight."""
     stack = build_local_stack(
         str(models["target"]),
         drafter,
@@ -49,7 +53,12 @@ def _run(
         check_integrity=True,
         graph_query_lens=graph_query_lens,
         overlap=overlap,
+        early_verify=pipelined,
     )
+    if pipelined:
+        stack.scheduler.verifier = LocalVerifierClient(
+            stack.verifier, check_integrity=True, pipelined=True
+        )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 17, 6)]
     requests = [GenerationRequest(p + p[:3], 24, sampling, ignore_eos=True) for p in prompts]
@@ -99,7 +108,10 @@ def test_cuda_groups_on_pipelined_rounds_equal_target_greedy(
     still the target's own greedy ones, nothing left held."""
     expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
     lens = (1, 1 + spec.num_draft_tokens)
-    got, _ = _run(models, smollm2_tokenizer, "model", spec, graph_query_lens=lens, overlap="groups")
+    got, _ = _run(
+        models, smollm2_tokenizer, "model", spec, graph_query_lens=lens, overlap="groups",
+        pipelined=True,
+    )  # fmt: skip
     assert got == expected
 
 

@@ -1,5 +1,6 @@
 """The three services as real processes with the gateway in pipelined-groups mode (--overlap
-groups): the Draft and Verify streams run at once over gRPC, and concurrent streams still equal
+groups, the other group's Verify sent while one is in flight: --early-verify): the Draft and
+Verify streams run at once over gRPC, and concurrent streams still equal
 target-only decoding token for token, with no KV left. The drafter and the verifier run their
 engine calls on the event loop's thread (--engine-calls loop, a GPU's default), so that mode
 also serves concurrent streams, Release and the stream's end over real gRPC. Faults in groups
@@ -36,7 +37,9 @@ def services(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
         extra={
             "drafter": ["--drafter", "model", "--draft-model", str(model), *ON_LOOP],
             "verifier": ON_LOOP,
-            "gateway": ["--overlap", "groups"],
+            # the other group's Verify sent while one is in flight: two rounds on two lane
+            # connections, the second launched behind the first (verifier/pipelined.py)
+            "gateway": ["--overlap", "groups", "--early-verify"],
         },
     )
     yield from svc.serving()

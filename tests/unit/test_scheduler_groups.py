@@ -81,13 +81,11 @@ def test_pipelined_groups_equal_target_greedy(
         assert all(c[-1].stats.num_accepted_drafts > 0 for c in out)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("overlap", ["serial", "groups"])
+@pytest.mark.parametrize("overlap", ["serial", "groups", "groups-early"])
 def test_groups_draft_and_send_while_the_other_group_is_verified(
     models, smollm2_tokenizer, overlap: str
 ) -> None:
-    stack = make_stack(
-        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
-    )
+    stack = _stack(models, smollm2_tokenizer, overlap)
     timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
     stack.scheduler.drafter = timed.drafter_client()
     stack.scheduler.verifier = timed.verifier_client()
@@ -95,6 +93,9 @@ def test_groups_draft_and_send_while_the_other_group_is_verified(
     assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
     if overlap == "serial":
         assert timed.overlapping_drafts() == timed.early_verifies() == 0
+    elif overlap == "groups":
+        assert timed.overlapping_drafts() >= len(timed.drafts) // 2
+        assert timed.early_verifies() == 0
     else:
         # the other group's Verify goes out as soon as its trees are drafted, before this
         # group's Verify is answered: the verifier can run the two back to back (so a group's
@@ -118,13 +119,23 @@ def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tok
 def test_groups_leave_no_kv_when_streams_are_cancelled(
     models, smollm2_tokenizer, pipelined: bool
 ) -> None:
-    stack = make_stack(
-        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
-    )
+    stack = _stack(models, smollm2_tokenizer, "groups-early" if pipelined else "groups")
     if pipelined:
         _pipelined_verifier(stack)
     cancel_half_mid_generation(stack, _requests(6, seed=5))
     check_no_leaks(stack)
+
+
+def _stack(models: dict[str, Path], tokenizer: object, overlap: str) -> LocalStack:
+    """A chain-3 stack; overlap "groups-early": groups with the early Verify."""
+    return make_stack(
+        models["target"],
+        "model",
+        tokenizer,
+        SpecParams(3, 1, 3),
+        overlap=overlap.removesuffix("-early"),
+        early_verify=overlap.endswith("-early"),
+    )
 
 
 def _pipelined_verifier(stack: LocalStack) -> None:
@@ -137,9 +148,7 @@ def _pipelined_verifier(stack: LocalStack) -> None:
 
 def test_groups_on_pipelined_verify_rounds_equal_target_greedy(models, smollm2_tokenizer) -> None:
     expected = _target_only(models, smollm2_tokenizer, 5, seed=8)
-    stack = make_stack(
-        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap="groups"
-    )
+    stack = _stack(models, smollm2_tokenizer, "groups-early")
     _pipelined_verifier(stack)
     timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
     stack.scheduler.verifier = timed.verifier_client()
@@ -149,17 +158,16 @@ def test_groups_on_pipelined_verify_rounds_equal_target_greedy(models, smollm2_t
     check_no_leaks(stack)
 
 
-@pytest.mark.parametrize("overlap", ["serial", "groups"])
+@pytest.mark.parametrize("overlap", ["serial", "groups", "groups-early"])
 @pytest.mark.parametrize("fail_at", [2, 3])
 def test_groups_survive_a_verifier_restart_with_the_same_tokens(
     models, smollm2_tokenizer, fail_at: int, overlap: str
 ) -> None:
     """A restart while one group's outputs wait to be committed and the other's trees wait to
-    be verified: everything re-prefills from the gateway's tokens, nothing is lost or repeated."""
+    be verified (or sent early): everything re-prefills from the gateway's tokens, nothing is
+    lost or repeated."""
     expected = _target_only(models, smollm2_tokenizer, 5, seed=6)
-    stack = make_stack(
-        models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap
-    )
+    stack = _stack(models, smollm2_tokenizer, overlap)
     restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
     stack.scheduler.verifier = restarting
     out = generate_all(stack, _requests(5, seed=6))
