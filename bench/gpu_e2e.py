@@ -298,7 +298,7 @@ def main() -> None:
             verifier.synthetic_acceptance = None if spec == 0 else tuple(args.rates)
             scheduler = Scheduler(
                 LocalDrafterClient(drafter),
-                LocalVerifierClient(verifier),
+                LocalVerifierClient(verifier, pipelined=overlap.endswith("-early")),
                 tokenizer,
                 eos_token_ids=(),
                 default_spec=SpecParams(spec, 1, spec),
