@@ -29,6 +29,11 @@ from specsplit.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
+def padded(width: int) -> int:
+    """A tree width's graph width: the next power of two (0 stays 0)."""
+    return 1 << (width - 1).bit_length() if width else 0
+
+
 def window_pages(width: int, page_size: int) -> int:
     """Pages of a window that holds storage [base, base + width) wherever base falls."""
     return 1 + -(-width // page_size)
@@ -141,19 +146,29 @@ class AcceptGraphs:
         bucket = next(b for b in self.batch_sizes if b >= num_seqs)
         # tree widths padded to a power of two (nodes past a tree's end are padding, as in a
         # batch of unequal trees): trees cut short near max_new_tokens share their graphs
-        padded_width = 1 << (width - 1).bit_length() if width else 0
+        padded_width = padded(width)
         return Layout(bucket, padded_width, window_pages(padded_width, self.kv.page_size))
 
     def capture_all(self, max_width: int) -> None:
         """Capture every layout of trees up to `max_width` nodes (a round past them captures
         its own on first use: tens of ms in the middle of traffic)."""
-        widths = [0] + [1 << i for i in range(max(max_width, 1).bit_length())]
-        for bucket in self.batch_sizes:
-            for width in widths:
-                layout = self.layout(bucket, width)
-                if layout is not None and layout not in self.graphs:
-                    self.graphs[layout] = self._capture(layout)
+        for layout in self.layouts(max_width):
+            if layout not in self.graphs:
+                self.graphs[layout] = self._capture(layout)
         log.info("captured %d acceptance graphs", len(self.graphs))
+
+    def layouts(self, max_width: int) -> list[Layout]:
+        """Every layout a round of trees up to `max_width` nodes takes (a 6-node tree takes
+        the 8-wide graph; 5 sequences the bucket of 8)."""
+        found = {
+            self.layout(num_seqs, width)
+            for num_seqs in range(1, self.batch_sizes[-1] + 1)
+            for width in range(max_width + 1)
+        }
+        return sorted(
+            (layout for layout in found if layout is not None),
+            key=lambda layout: (layout.bucket, layout.width),
+        )
 
     def host_arrays(self, layout: Layout) -> tuple[np.ndarray, list[np.ndarray]]:
         """Layout.host_arrays in the layout's graph's pinned host mirror (captured now if it

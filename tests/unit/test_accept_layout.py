@@ -32,6 +32,15 @@ def test_trees_cut_short_share_the_full_trees_graph(graphs) -> None:
     assert [graphs.layout(1, n).width for n in (1, 2, 5, 8)] == [1, 2, 8, 8]
 
 
+@pytest.mark.parametrize("max_width", [1, 3, 4, 6, 8])
+def test_warm_up_captures_every_layout_a_round_up_to_its_width_takes(graphs, max_width) -> None:
+    """A 6-node tree (1 + 6 query tokens) pads to the 8-wide graph: captured at warm-up, not
+    in the middle of traffic."""
+    warm = set(graphs.layouts(max_width))
+    taken = {graphs.layout(b, n) for b in range(1, 9) for n in range(max_width + 1)}
+    assert taken - {None} <= warm
+
+
 def test_rounds_past_the_graphs_run_eagerly(graphs) -> None:
     assert graphs.layout(9, 1) is None  # more sequences than the largest bucket
     assert graphs.layout(8, 5) is None  # 8 x 6 logits rows > 40

@@ -59,9 +59,17 @@ def _target_only(models, tokenizer, batch_size: int, seed: int) -> list[list[int
         ("ngram", SpecParams(3, 2, 6), 4, 1),
     ],
 )
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
 def test_pipelined_groups_equal_target_greedy(
-    models, smollm2_tokenizer, drafter: str, spec: SpecParams, batch_size: int, page_size: int
+    models,
+    smollm2_tokenizer,
+    drafter: str,
+    spec: SpecParams,
+    batch_size: int,
+    page_size: int,
+    early: bool,
 ) -> None:
+    """Early: the other group's Verify sent while one is in flight, to a pipelined verifier."""
     expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
     stack = make_stack(
         models["target"],
@@ -71,7 +79,10 @@ def test_pipelined_groups_equal_target_greedy(
         draft_dir=models["draft"] if drafter == "random" else None,
         page_size=page_size,
         overlap="groups",
+        early_verify=early,
     )
+    if early:
+        _pipelined_verifier(stack)
     out = generate_all(stack, _requests(batch_size, seed=batch_size))
     assert [generated_ids(chunks) for chunks in out] == expected
     for chunks in out:
