@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.health import Health
 from specsplit import convert, metrics, rounds, telemetry
 from specsplit.errors import Code, ServiceError, backend_error
-from specsplit.lane import Kind, LaneConnection, lane_path
+from specsplit.lane import Kind, LaneConnection, lane_path, new_token
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
@@ -37,6 +37,7 @@ from specsplit.messages import (
 )
 from specsplit.pool import Pool
 from specsplit.rounds import In, Out, RoundRpc
+from specsplit.scopes import SCOPE_METADATA
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import TLSFiles, channel
 from specsplit.v1 import common_pb2
@@ -135,12 +136,18 @@ class StreamClient(Generic[In, Out]):
         self.service = self.rpc.service
         self.address = address
         self.tls = tls or TLSFiles()
+        # the client's scope on the service, whichever stream or connection carries a call
+        # (specsplit.scopes): the lane's HELLO, the gRPC calls' metadata
+        self.token = new_token()
+        self._metadata = ((SCOPE_METADATA, self.token.hex()),)
         self._channel: grpc.aio.Channel | None = None
         self.streams: Pool[RoundStream[Any, Any]] = Pool(
             lambda: RoundStream(self.service, self._open, self._connect), MAX_ROUND_STREAMS
         )
         path = lane_path(address) if round_lane and not self.tls.enabled else None
-        self.lane = None if path is None else LaneConnection(self.service, path, lane_poll_s)
+        self.lane = None
+        if path is not None:
+            self.lane = LaneConnection(self.service, path, lane_poll_s, token=self.token)
         self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
 
     @property
@@ -179,7 +186,7 @@ class StreamClient(Generic[In, Out]):
             await self.lane.request(Kind.RELEASE, request.SerializeToString())
             return
         try:
-            await self.rpc.stub(self.channel).Release(request)
+            await self.rpc.stub(self.channel).Release(request, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise service_error(err, self.service) from err
 
@@ -193,7 +200,9 @@ class StreamClient(Generic[In, Out]):
             response = common_pb2.TruncateResponse.FromString(answer)
         else:
             try:
-                response = await self.rpc.stub(self.channel).Truncate(request)
+                response = await self.rpc.stub(self.channel).Truncate(
+                    request, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as err:
                 raise service_error(err, self.service) from err
         return convert.truncate_response_from_proto(response)
@@ -215,7 +224,7 @@ class StreamClient(Generic[In, Out]):
             self._channel = None
 
     def _open(self) -> grpc.aio.StreamStreamCall:
-        return getattr(self.rpc.stub(self.channel), self.rpc.stream)()
+        return getattr(self.rpc.stub(self.channel), self.rpc.stream)(metadata=self._metadata)
 
     async def _connect(self) -> bool:
         """Whether the channel is (or within CONNECT_TIMEOUT_S becomes) READY; False at once

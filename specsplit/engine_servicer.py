@@ -27,7 +27,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
 from specsplit.rounds import RoundRpc
-from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes, Scope
+from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes, Scope, grpc_scope_key
 from specsplit.server import service_errors
 from specsplit.v1 import common_pb2
 
@@ -188,13 +188,13 @@ class EngineServicer(Generic[EngineT]):
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
         async with service_errors(context):
-            return await self.release_in(self.scopes.find(context.peer()), request)
+            return await self.release_in(self.scopes.find(_scope_key(context)), request)
 
     async def Truncate(
         self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TruncateResponse:
         async with service_errors(context):
-            return await self.truncate_in(self.scopes.find(context.peer()), request)
+            return await self.truncate_in(self.scopes.find(_scope_key(context)), request)
 
     async def release_in(
         self, scope: Scope | None, request: common_pb2.ReleaseRequest
@@ -227,7 +227,7 @@ class EngineServicer(Generic[EngineT]):
         request, in order; a refused round ends the stream (its status from
         `service_errors`). Sequence ids are this connection's own (specsplit.scopes): its
         scope lives as long as the stream, then its orphan grace starts."""
-        async with service_errors(context), self.scopes.stream(context.peer()) as scope:
+        async with service_errors(context), self.scopes.stream(_scope_key(context)) as scope:
             async for request in request_iterator:
                 yield await self.round_in(scope, request)
 
@@ -262,6 +262,10 @@ def calls_on_loop(engine_calls: str, device: str) -> bool:
     if engine_calls == "auto":
         return device.startswith("cuda")
     return engine_calls == "loop"
+
+
+def _scope_key(context: grpc.aio.ServicerContext) -> str:
+    return grpc_scope_key(context.invocation_metadata(), context.peer())
 
 
 def _warmup(engine: Engine) -> None:

@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError, backend_error
 from specsplit.pool import Pool
-from specsplit.scopes import ConnectionScopes, Scope
+from specsplit.scopes import ConnectionScopes, Scope, client_key
 from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,19 @@ class LaneConnection:
     cannot be reached or the request's connection broke."""
 
     def __init__(
-        self, service: str, path: str, spin_s: float = 0.0, max_connections: int = MAX_CONNECTIONS
+        self,
+        service: str,
+        path: str,
+        spin_s: float = 0.0,
+        max_connections: int = MAX_CONNECTIONS,
+        token: bytes | None = None,
     ) -> None:
         """spin_s: how long the event loop polls for an answer before it sleeps
         (`LaneSocket`; 0 = never: where the gateway shares its cores with the engines,
-        polling slows them)."""
+        polling slows them). token: the client's scope token (None: a new one)."""
         self.service = service
         self.path = path
-        self.token = new_token()
+        self.token = token or new_token()
         self.sockets: Pool[LaneSocket] = Pool(
             lambda: LaneSocket(service, path, self.token, spin_s), max_connections
         )
@@ -247,7 +252,7 @@ class LaneServer:
             kind, token = await read_frame(reader)
             if kind != Kind.HELLO or len(token) != TOKEN_BYTES:
                 return
-            async with self.service.scopes.stream("lane:" + token.hex()) as scope:
+            async with self.service.scopes.stream(client_key(token.hex())) as scope:
                 while True:
                     kind, body = await read_frame(reader)
                     writer.write(await self._answer(scope, kind, body))

@@ -1,11 +1,14 @@
-"""Sequence ids scoped to the connection that created them (DESIGN.md §8).
+"""Sequence ids scoped to the client that created them (DESIGN.md §8).
 
-The drafter and the verifier keep state per `seq_id`, chosen by the gateway. Each client
-connection (its gRPC peer: address and port of one TCP connection) gets a random scope, and the
-engines see `"<scope>/<seq_id>"`: another client cannot touch, release or pre-create a
-connection's sequences, and when the connection's last stream has been gone for `orphan_grace_s`
+The drafter and the verifier keep state per `seq_id`, chosen by the gateway. Each client gets a
+random scope, and the engines see `"<scope>/<seq_id>"`: another client cannot touch, release or
+pre-create its sequences, and when the client's last stream has been gone for `orphan_grace_s`
 (its gateway is gone: a live gateway reopens a broken stream at its next round) every sequence
-of that scope is freed.
+of that scope is freed. A client is known by the random token it sends (`client_key`: the
+round lane's HELLO, or gRPC metadata `SCOPE_METADATA`; all its streams and lane connections
+share one scope), else by its gRPC peer (the address and port of one TCP connection; on a Unix
+socket every peer is "unix:", so a client there without a token shares one scope with every
+other such client).
 """
 
 from __future__ import annotations
@@ -23,6 +26,25 @@ from specsplit.errors import ServiceError
 log = logging.getLogger(__name__)
 
 ORPHAN_GRACE_S = 5.0
+SCOPE_METADATA = "specsplit-scope"  # gRPC metadata: the client's token, hex
+
+
+def client_key(token_hex: str) -> str:
+    """The scope key of a client that sent `token_hex` (on the lane or in gRPC metadata)."""
+    return "client:" + token_hex
+
+
+def grpc_scope_key(metadata: Iterable[tuple[str, Any]] | None, peer: str) -> str:
+    """A gRPC call's scope key: its client's token (32 hex digits) when it sent one, else its
+    peer."""
+    for key, value in metadata or ():
+        if key == SCOPE_METADATA and isinstance(value, str) and len(value) == 32:
+            try:
+                int(value, 16)
+            except ValueError:
+                break
+            return client_key(value.lower())
+    return peer
 
 
 class Keyed(Protocol):

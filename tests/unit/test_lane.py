@@ -18,6 +18,7 @@ from gateway.grpc_clients import GrpcVerifierClient
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import HEADER, STATUS, Kind, frame, lane_path, new_token, read_frame
 from specsplit.messages import Truncation, VerifyInput, VerifyOutput
+from specsplit.scopes import client_key
 from specsplit.server import ServiceHost
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
@@ -189,7 +190,7 @@ def test_a_scope_with_two_live_connections_starts_its_orphan_grace_when_the_last
         assert client.lane is not None
         try:
             await asyncio.gather(_decode(client, "a", 1), _decode(client, "b", 1, OTHER_PROMPT))
-            scope = host.servable.scopes.find("lane:" + client.lane.token.hex())  # type: ignore[attr-defined]
+            scope = host.servable.scopes.find(client_key(client.lane.token.hex()))  # type: ignore[attr-defined]
             assert scope is not None and scope.num_streams == 2  # two connections, one scope
             first, second = client.lane.sockets.items
             assert first.is_open and second.is_open

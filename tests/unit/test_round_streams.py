@@ -5,7 +5,8 @@ they answer one after the other; one round at a time keeps to one stream; a sequ
 stream is found by a round on another; a cancelled round drops its own stream only; a round
 past the cap waits for a stream given back; close() ends every stream, and the service frees
 what they held. Each on the lane, on gRPC over the Unix socket and on gRPC over TCP (where the
-service scopes by the TCP connection)."""
+service scopes by the TCP connection); two clients on one service have a scope each, known by
+their tokens."""
 
 from __future__ import annotations
 
@@ -167,3 +168,38 @@ def test_close_ends_every_stream_and_the_service_frees_what_they_held(
         return []
 
     _with_client(target, tmp_path, transport, body)
+
+
+@TRANSPORTS
+def test_two_clients_on_one_service_have_a_scope_each(
+    target: Path, tmp_path: Path, transport: str
+) -> None:
+    """Each client sends its own token (the lane's HELLO, gRPC metadata): on a Unix socket,
+    where every gRPC peer is "unix:", two gateways still cannot see each other's sequences, and
+    one client's lane and gRPC calls reach the same scope."""
+
+    async def run(host: ServiceHost, address: str) -> None:
+        lane = transport == "lane"
+        first = GrpcVerifierClient(address, round_lane=lane)
+        second = GrpcVerifierClient(address, round_lane=lane)
+        try:
+            (a,) = await first.verify([_prefill("s", PROMPT)])
+            (b,) = await second.verify([_prefill("s", OTHER_PROMPT)])  # the same id: no clash
+            assert len(_engine(host).seqs) == 2
+            (gone,) = await second.truncate([Truncation("x", 1)])
+            assert not gone.found  # nothing of the first client's is the second's to name
+            await second.release(["s"])
+            (still,) = await first.verify([_next("s", a)])
+            assert still.kv_committed_len == a.kv_committed_len + 1
+            if lane:  # the same client on gRPC (no lane) is in the same scope
+                assert first.lane is not None
+                first.lane = None
+                (kept,) = await first.truncate([Truncation("s", len(PROMPT))])
+                assert kept.found and kept.kv_committed_len == len(PROMPT)
+            await first.release(["s"])
+            assert _engine(host).num_pages_used == 0 and b.kv_committed_len == len(OTHER_PROMPT)
+        finally:
+            await first.close()
+            await second.close()
+
+    _with_verifier(target, tmp_path, run, tcp=transport == "grpc-tcp")
