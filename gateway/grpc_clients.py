@@ -164,11 +164,8 @@ class StreamClient(Generic[In, Out]):
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         with metrics.timed(self.rpc.seconds):
             if self.lane is None:
-                stream = await self.streams.take()
-                try:
+                async with self.streams.lent() as stream:
                     response = await stream.round(request)
-                finally:
-                    self.streams.give(stream)
             else:
                 answer = await self.lane.request(Kind.ROUND, request.SerializeToString())
                 response = self.rpc.response_type.FromString(answer)

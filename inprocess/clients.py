@@ -51,14 +51,17 @@ class _LocalClient:
 
     async def _call(self, fn: Callable[[list[Any]], T], arg: list[Any], round: bool = False) -> T:
         """fn(arg) on the engine's thread; a round (draft, verify) is timed."""
-        loop = asyncio.get_running_loop()
         if round:
-            out = await loop.run_in_executor(self._executor, self._timed, fn, arg)
+            out = await self._on_thread(self._timed, fn, arg)
         else:
-            out = await loop.run_in_executor(self._executor, fn, arg)
+            out = await self._on_thread(fn, arg)
         if self.check:
             self.engine.check_integrity()
         return out
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the engine's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def release(self, seq_ids: list[str]) -> None:
         await self._call(self.engine.release, seq_ids)
@@ -130,6 +133,3 @@ class LocalVerifierClient(_LocalClient):
         """Until the device is done with `launched`: on a thread of its own (blocking there,
         the GIL free), so that the engine's thread launches the next round meanwhile."""
         await asyncio.get_running_loop().run_in_executor(self._waiter, launched.wait)
-
-    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

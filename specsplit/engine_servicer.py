@@ -74,12 +74,16 @@ class EngineThread(Generic[E]):
         """The engine once loaded and warm, else None."""
         return self._engine
 
+    def warm(self) -> E:
+        """The engine; UNAVAILABLE until loaded and warm."""
+        if self._engine is None:
+            raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+        return self._engine
+
     async def run(self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """fn(engine, ...) on the engine thread (or here: `calls_on_loop`). UNAVAILABLE until
         loaded and warm."""
-        engine = self._engine
-        if engine is None:
-            raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+        engine = self.warm()
         if self.calls_on_loop:
             return fn(engine, *args, **kwargs)
         loop = asyncio.get_running_loop()

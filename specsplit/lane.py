@@ -114,11 +114,8 @@ class LaneConnection:
         )
 
     async def request(self, kind: Kind, body: bytes) -> bytes:
-        socket = await self.sockets.take()
-        try:
+        async with self.sockets.lent() as socket:
             status, answer = await socket.exchange(kind, body)
-        finally:
-            self.sockets.give(socket)
         if status == 0:
             return answer
         code = CODES.get(status, Code.INTERNAL)

@@ -5,7 +5,8 @@ at once, one per connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -40,6 +41,15 @@ class Pool(Generic[Item]):
     def give(self, item: Item) -> None:
         self._idle.append(item)
         self._free.release()
+
+    @contextlib.asynccontextmanager
+    async def lent(self) -> AsyncIterator[Item]:
+        """An item for the block (`take`), given back after it, however it ends."""
+        item = await self.take()
+        try:
+            yield item
+        finally:
+            self.give(item)
 
     def close(self) -> None:
         """Close every item (a lent one's request sees its connection end); an item reopens

@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from specsplit.messages import VerifyInput, VerifyOutput
 from verifier.engine import VerifierEngine, VerifyRound
 
-T = TypeVar("T")
 # runs fn(*args) where the engine's calls run (its thread, or the event loop's)
 EngineCall = Callable[..., Awaitable[Any]]
 

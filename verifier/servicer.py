@@ -10,7 +10,6 @@ import grpc
 
 from specsplit import rounds
 from specsplit.engine_servicer import EngineServicer
-from specsplit.errors import Code, ServiceError
 from specsplit.server import service_name
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.engine import VerifierEngine
@@ -46,10 +45,7 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         if not self.engine.calls_on_loop:
             return None
         if self._pipelined is None:
-            engine = self.engine.loaded
-            if engine is None:
-                raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
-            self._pipelined = PipelinedRounds(engine, _on_loop)
+            self._pipelined = PipelinedRounds(self.engine.warm(), _on_loop)
         return self._pipelined
 
 
