@@ -145,10 +145,10 @@ def engine_profilers(
     return out
 
 
-class RoundTime:
+class RoundTime(EngineTime):
     """Each Verify round's time from its launch to its finish (`VerifierEngine.launch` /
     `finish`, wrapped in place): for pipelined rounds (groups on a GPU) it includes the wait
-    behind the round launched before it."""
+    behind the round launched before it. Read as EngineTime's."""
 
     def __init__(self, verifier: VerifierEngine) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -169,13 +169,6 @@ class RoundTime:
                 self.calls += 1
 
         verifier.launch, verifier.finish = timed_launch, timed_finish  # type: ignore[method-assign]
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    @property
-    def ms_per_call(self) -> float:
-        return 1e3 * self.seconds / max(self.calls, 1)
 
 
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
