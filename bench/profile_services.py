@@ -12,7 +12,7 @@ absolute times.
 
     PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
         [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
-        [--target-only] [--top 25]
+        [--target-only] [--top 25] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import pstats
+import shutil
 import signal
 import tempfile
 import time
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--target-only", action="store_true", help="num_steps 0 per request")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--keep", default=None, help="copy the .prof files into this directory")
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
@@ -120,6 +122,9 @@ def main() -> None:
     for file in sorted(directory.glob("*.prof")):
         if file.name.startswith("up-"):
             continue
+        if args.keep:
+            Path(args.keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(file, Path(args.keep) / file.name)
         print(f"\n== {file.stem}: top {args.top} by own time")
         try:
             stats = pstats.Stats(str(file))

@@ -27,11 +27,27 @@ class DraftTree:
         n = len(self.tokens)
         if len(self.parents) != n:
             raise ValueError(f"tree.parents has {len(self.parents)} entries, tree.tokens has {n}")
-        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
-            if not 0 <= token < vocab_size:
+        if n and not (min(self.tokens) >= 0 and max(self.tokens) < vocab_size):
+            i = next(i for i, t in enumerate(self.tokens) if not 0 <= t < vocab_size)
+            raise ValueError(
+                f"tree.tokens[{i}] = {self.tokens[i]} outside the vocabulary [0, {vocab_size})"
+            )
+        # a chain (most rounds) has valid parents and no siblings: the checks below are per node
+        if not self.is_chain:
+            self._check_parents()
+        if self.draft_probs is not None:
+            if tuple(self.draft_probs.shape) != (n, vocab_size):
                 raise ValueError(
-                    f"tree.tokens[{i}] = {token} outside the vocabulary [0, {vocab_size})"
+                    f"tree.draft_probs shape {tuple(self.draft_probs.shape)} != ({n}, {vocab_size})"
                 )
+            if any(c > 1 for c in self.num_children()):
+                raise ValueError(
+                    "tree.draft_probs is only supported for chains (one child per node)"
+                )
+
+    def _check_parents(self) -> None:
+        """Each parent -1 or an earlier node, then no two siblings the same token."""
+        for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
                 raise ValueError(
                     f"tree.parents[{i}] = {parent}: must be -1 or an earlier node (< {i})"
@@ -43,20 +59,11 @@ class DraftTree:
                     f"tree.tokens[{i}] = {token} repeats a sibling under parent {parent}"
                 )
             siblings.add((parent, token))
-        if self.draft_probs is not None:
-            if tuple(self.draft_probs.shape) != (n, vocab_size):
-                raise ValueError(
-                    f"tree.draft_probs shape {tuple(self.draft_probs.shape)} != ({n}, {vocab_size})"
-                )
-            if any(c > 1 for c in self.num_children()):
-                raise ValueError(
-                    "tree.draft_probs is only supported for chains (one child per node)"
-                )
 
     @property
     def is_chain(self) -> bool:
         """Every node the only child of the one before (the empty tree too)."""
-        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+        return self.parents == list(range(-1, len(self.parents) - 1))
 
     def fitted(self, num_steps: int, num_draft_tokens: int) -> DraftTree:
         """The tree cut to at most `num_steps` levels and `num_draft_tokens` nodes
@@ -100,9 +107,14 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[i, j] = node j is node i or one of its ancestors."""
-        n = len(self.tokens)
-        mask = np.eye(n, dtype=bool)  # numpy: a row op costs ~1 us, a torch one ~5
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                mask[i] |= mask[parent]
-        return torch.from_numpy(mask)
+        return torch.from_numpy(ancestor_mask(self.parents))
+
+
+def ancestor_mask(parents: list[int] | tuple[int, ...]) -> np.ndarray:
+    """[n, n] bool for a tree of these parents: mask[i, j] = node j is node i or one of its
+    ancestors."""
+    mask = np.eye(len(parents), dtype=bool)  # numpy: a row op costs ~1 us, a torch one ~5
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask

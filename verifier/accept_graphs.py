@@ -16,7 +16,9 @@ gives: rows of the batch padded to the bucket (parents -2: nothing accepted, eve
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,16 +64,21 @@ class Layout:
     width: int
     pages: int
 
-    @property
+    @functools.cached_property  # a layout's properties are read every round: made once
     def shapes(self) -> list[tuple[int, ...]]:
         """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B] (within the
         window), page-table window [B, P]."""
         b, n = self.bucket, self.width
         return [(b, n + 1), (b, n), (b, n), (b,), (b, self.pages)]
 
-    @property
+    @functools.cached_property
     def sizes(self) -> list[int]:
-        return [int(np.prod(shape)) for shape in self.shapes]
+        return [math.prod(shape) for shape in self.shapes]
+
+    @functools.cached_property
+    def _bounds(self) -> list[tuple[int, int]]:
+        ends = np.cumsum(self.sizes).tolist()
+        return [(end - size, end) for size, end in zip(self.sizes, ends, strict=True)]
 
     def parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The parts of a flat tensor laid out as host_arrays' (on the device), as views."""
@@ -88,10 +95,8 @@ class Layout:
         else:
             host[:] = 0
         parts = [
-            part.reshape(shape)
-            for part, shape in zip(
-                np.split(host, np.cumsum(self.sizes)[:-1]), self.shapes, strict=True
-            )
+            host[start:end].reshape(shape)
+            for (start, end), shape in zip(self._bounds, self.shapes, strict=True)
         ]
         parts[2][:] = -2
         return host, parts
@@ -136,11 +141,19 @@ class AcceptGraphs:
         self.batch_sizes = batch_sizes
         self.max_rows = max_rows
         self.graphs: dict[Layout, _Graph] = {}
+        self._layouts: dict[tuple[int, int], Layout | None] = {}  # layout() by its arguments
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
 
     def layout(self, num_seqs: int, width: int) -> Layout | None:
         """The padded layout for a round of `num_seqs` trees of at most `width` nodes, or None
-        (more sequences or logits rows than the graphs hold)."""
+        (more sequences or logits rows than the graphs hold). One Layout per shape: its
+        properties are made once."""
+        key = (num_seqs, width)
+        if key not in self._layouts:
+            self._layouts[key] = self._make_layout(num_seqs, width)
+        return self._layouts[key]
+
+    def _make_layout(self, num_seqs: int, width: int) -> Layout | None:
         if num_seqs > self.batch_sizes[-1] or num_seqs * (width + 1) > self.max_rows:
             return None
         bucket = next(b for b in self.batch_sizes if b >= num_seqs)

@@ -115,6 +115,18 @@ def _bad_inputs() -> list[tuple[str, VerifyInput, Code, str]]:
             "tree.parents[0]",
         ),
         (
+            "repeated_sibling",
+            VerifyInput("live", False, len(PROMPT), [1], DraftTree([1, 1], [-1, -1])),
+            Code.INVALID_ARGUMENT,
+            "repeats a sibling",
+        ),
+        (
+            "negative_token",
+            VerifyInput("live", False, len(PROMPT), [1], DraftTree([1, -3], [-1, 0])),
+            Code.INVALID_ARGUMENT,
+            "tree.tokens[1]",
+        ),
+        (
             "token_outside_vocab",
             VerifyInput("live", False, len(PROMPT), [1], DraftTree([TINY_VOCAB], [-1])),
             Code.INVALID_ARGUMENT,

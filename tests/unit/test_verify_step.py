@@ -1,0 +1,74 @@
+"""A verify step's layout among its new tokens (specsplit/step.py): the mask and positions made
+once per shape and shared must equal the ones made from the definition, for every shape."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specsplit.kv_cache import KVCache
+from specsplit.step import _CACHED_PENDING, build_forward_batch, verify_step
+from specsplit.tree import DraftTree
+
+
+def _expected(c: int, p: int, parents: list[int]) -> tuple[np.ndarray, list[int]]:
+    """From the definition: pending i sees pending 0..i; node k sees every pending token, its
+    ancestors and itself; pending i sits at c + i, a node at depth d at c + p - 1 + d."""
+    n = len(parents)
+
+    def lineage(k: int) -> set[int]:
+        return set() if k < 0 else {k} | lineage(parents[k])
+
+    mask = np.zeros((p + n, p + n), dtype=bool)
+    for i in range(p):
+        mask[i, : i + 1] = True
+    for k in range(n):
+        mask[p + k, :p] = True
+        for j in lineage(k):
+            mask[p + k, p + j] = True
+    positions = [c + i for i in range(p)] + [c + p - 1 + len(lineage(k)) for k in range(n)]
+    return mask, positions
+
+
+SHAPES = [
+    (1, [-1, 0, 1]),  # a chain of 3 after one pending token: most rounds
+    (1, [-1, -1, 0, 0, 1, 2]),  # a top-2 tree
+    (3, [-1, 0, -1]),  # a few pending tokens after a gap
+    (_CACHED_PENDING + 4, [-1, 0]),  # a first round's prompt: made each time
+]
+
+
+@pytest.mark.parametrize(("p", "parents"), SHAPES, ids=["chain", "topk2", "pending3", "prompt"])
+def test_verify_step_layout_matches_its_definition(p: int, parents: list[int]) -> None:
+    kv = KVCache(1, 1, 4, 64, 4, torch.float32, "cpu")
+    for c in (0, 5, 13):  # same shape at different lengths: a shared layout, own positions
+        seq = kv.new_seq()
+        seq.kv_committed_len = c
+        kv.reserve(seq, c + p + len(parents))
+        tree = DraftTree(list(range(10, 10 + len(parents))), parents)
+        step = verify_step(seq, list(range(1, p + 1)), tree, [p - 1])
+        mask, positions = _expected(c, p, parents)
+        assert step.new_mask is not None
+        assert np.array_equal(step.new_mask.numpy(), mask)
+        assert step.positions == positions
+        assert step.storage == list(range(c, c + p + len(parents)))
+        kv.release(seq)
+
+
+def test_a_shared_layout_is_left_as_it_was_by_the_batch_built_from_it() -> None:
+    kv = KVCache(1, 1, 4, 64, 4, torch.float32, "cpu")
+    steps = []
+    for c in (2, 9):
+        seq = kv.new_seq()
+        seq.kv_committed_len = c
+        kv.reserve(seq, c + 4)
+        steps.append(verify_step(seq, [7], DraftTree([3, 4, 5], [-1, 0, 1]), [0, 1, 2, 3]))
+    assert steps[0].new_mask is steps[1].new_mask  # one layout for the shape
+    before = steps[0].new_mask.clone()
+    batch, _ = build_forward_batch(steps, 4)
+    assert batch.tree_mask is not None
+    batch.tree_mask[:] = False  # a consumer writing into the batch's mask
+    assert torch.equal(steps[0].new_mask, before)
+    for step in steps:
+        kv.release(step.seq)
