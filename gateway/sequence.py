@@ -53,6 +53,8 @@ class Sequence:
     # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16, one chunk per round)
     hidden_state_layers: tuple[int, ...] = ()
     hidden_states: list[torch.Tensor] = field(default_factory=list)
+    # num_feature_rows' count so far: (the list counted, its chunks counted, their rows)
+    _rows_counted: tuple[list[torch.Tensor], int, int] | None = field(default=None, repr=False)
     adaptive: AdaptiveSpec | None = None  # adaptive speculation: the draft shape, round by round
     turn: SessionTurn | None = None  # a session's turn (gateway/sessions.py)
     # draft-ahead: trees for the next round by the outcome of this one (the tokens it appends),
@@ -129,7 +131,14 @@ class Sequence:
     def num_feature_rows(self) -> int:
         """Leading tokens whose target features the gateway holds (all it committed, unless
         the speculation gate's plain rounds left a gap)."""
-        return sum(chunk.shape[0] for chunk in self.hidden_states)
+        chunks = self.hidden_states  # appended to, or replaced by another list: never edited
+        counted = self._rows_counted
+        if counted is None or counted[0] is not chunks or counted[1] > len(chunks):
+            counted = (chunks, 0, 0)
+        _, done, rows = counted  # a round's commit counts its one new chunk, not the history
+        rows += sum(chunk.shape[0] for chunk in chunks[done:])
+        self._rows_counted = (chunks, len(chunks), rows)
+        return rows
 
     def _hidden_rows_from(self, start: int) -> torch.Tensor | None:
         """Rows for tokens[start : verifier_kv_committed_len], joining only the chunks they span

@@ -56,6 +56,23 @@ def test_gateway_rows_within_the_last_chunk_are_a_view_of_it() -> None:
     assert rows is not None and rows.data_ptr() == seq.hidden_states[-1][1:].data_ptr()
 
 
+def test_gateway_counts_its_feature_rows_through_appends_truncations_and_new_lists() -> None:
+    """num_feature_rows counts only the chunks appended since it last counted (a round's commit
+    reads it: summing the whole history each round grew with the sequence's length)."""
+    seq = _sequence_with_chunks([4, 2])
+    assert seq.num_feature_rows == 6
+    seq.hidden_states.append(torch.zeros(3, 6))  # a round's chunk
+    assert seq.num_feature_rows == 9
+    seq.keep_verifier_kv(5)  # truncated: a new, shorter list
+    assert seq.num_feature_rows == 5
+    seq.hidden_states.append(torch.zeros(2, 6))
+    assert seq.num_feature_rows == 7
+    seq.forget_verifier()
+    assert seq.num_feature_rows == 0
+    seq.hidden_states = [torch.zeros(1, 6)]  # a session's turn takes another list
+    assert seq.num_feature_rows == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64])
 def test_take_rows_is_index_select(dtype: torch.dtype) -> None:
     host = (100 * torch.randn(9, 5, generator=torch.Generator().manual_seed(3))).to(dtype)
