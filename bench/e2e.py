@@ -127,14 +127,19 @@ Totals = Counter[tuple[str, str]]
 def scrape_totals() -> Totals:
     """The three processes' histogram sums and counts, unlabelled ones only, by (process,
     "<name>_sum" / "<name>_count"): exact means over an interval (two scrapes' difference);
-    and draft-ahead's rounds and decode steps run ahead by outcome, (process,
-    "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>")."""
+    draft-ahead's rounds and decode steps run ahead by outcome, (process,
+    "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>"); and
+    the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
+    / "..._count:<service>")."""
     totals: Totals = Counter()
     for process, sample in _samples():
         if sample.name.endswith(("_sum", "_count")) and not sample.labels:
             totals[(process, sample.name)] = float(sample.value)
         elif sample.name in ("specsplit_draft_ahead_total", "specsplit_decode_ahead_total"):
             key = f"{sample.name}:{sample.labels['outcome']}"
+            totals[(process, key)] = float(sample.value)
+        elif sample.name.startswith("specsplit_rpc_overhead_seconds_"):
+            key = f"{sample.name}:{sample.labels['service']}"
             totals[(process, key)] = float(sample.value)
     return totals
 

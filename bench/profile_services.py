@@ -60,20 +60,24 @@ def signal_all(pids: list[int], signum: int) -> None:
 def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     """The same run unprofiled: exact means per round from the services' histogram sums (the
     gateway's round wall, the part of it outside the verifier's engine, the verify and draft
-    engine calls, the verifier's own time per Verify beyond its engine)."""
+    engine calls, each service's own time per call beyond its engine, and each RPC's on the
+    gateway beyond the engine time its service reports)."""
     rounds = totals[("gateway", "specsplit_round_seconds_count")]
     print(f"unprofiled: {tokens / wall:.1f} tok/s, {rounds:.0f} rounds in {wall:.2f} s")
-    for process, name in (
-        ("gateway", "specsplit_round_seconds"),
-        ("gateway", "specsplit_round_outside_verify_seconds"),
-        ("verifier", "specsplit_verify_seconds"),
-        ("drafter", "specsplit_draft_seconds"),
-        ("verifier", "specsplit_service_overhead_seconds"),
+    for process, name, label in (
+        ("gateway", "specsplit_round_seconds", ""),
+        ("gateway", "specsplit_round_outside_verify_seconds", ""),
+        ("verifier", "specsplit_verify_seconds", ""),
+        ("drafter", "specsplit_draft_seconds", ""),
+        ("verifier", "specsplit_service_overhead_seconds", ""),
+        ("drafter", "specsplit_service_overhead_seconds", ""),
+        ("gateway", "specsplit_rpc_overhead_seconds", ":verifier"),
+        ("gateway", "specsplit_rpc_overhead_seconds", ":drafter"),
     ):
-        calls = totals[(process, f"{name}_count")]
-        seconds = totals[(process, f"{name}_sum")]
+        calls = totals[(process, f"{name}_count{label}")]
+        seconds = totals[(process, f"{name}_sum{label}")]
         mean = f"{1e3 * seconds / calls:.3f} ms" if calls else "-"
-        print(f"  {process} {name}: {calls:.0f} x {mean}")
+        print(f"  {process} {name}{label}: {calls:.0f} x {mean}")
 
 
 def main() -> None:
