@@ -16,11 +16,17 @@ target feature, the head's own layer output at its parent ([H], not fused again)
 DraftInput.target_hidden_states rows are the features of new_tokens[0], new_tokens[1], ... (fewer
 rows than new tokens: at least the root has none yet). Without features up to x_{L-2} there is
 nothing to draft from (the first round, before the verifier's prefill): the tree is empty.
+
+The target's features live in one pool beside the head's KV, a row per KV slot: h_i at the slot
+of storage i in the sequence's pages (the pages cover every feature kept, entries or not). A
+round appends every sequence's new rows in one scatter and gathers its catch-up's rows in one
+index (no per-sequence buffers, copies or concatenation), and the pool's memory is counted with
+the KV's when it is sized from the GPU's free memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,32 +35,21 @@ from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
-from specsplit.model.batch import ForwardBatch, ForwardOutput, HostRows
+from specsplit.model.batch import ForwardBatch, ForwardOutput, HostRows, to_device
 from specsplit.step import causal_step
 
 
 @dataclass
 class EagleSeqState(DraftKVState):
-    # kv.kv_committed_len = head entries computed (<= len(tokens) - 1)
-    # [capacity, feature_width]: rows [0, num_features) are the target's features of
-    # tokens[0 : num_features]; grown by doubling, so a round's append copies only its rows
-    feature_buffer: torch.Tensor = field(kw_only=True)
+    # kv.kv_committed_len = head entries computed (<= len(tokens) - 1); the target's features of
+    # tokens[0 : num_features] sit in the proposer's pool at the slots of storage 0..
+    # num_features - 1 (the sequence's pages hold them: trimmed to `kept_len`, not below)
     num_features: int = 0
 
     @property
-    def features(self) -> torch.Tensor:
-        """[F, feature_width] the target rows of tokens[0 : F] (a view)."""
-        return self.feature_buffer[: self.num_features]
-
-    def append_features(self, rows: torch.Tensor) -> None:
-        end = self.num_features + rows.shape[0]
-        if end > self.feature_buffer.shape[0]:
-            capacity = max(end, 2 * self.feature_buffer.shape[0], 64)
-            grown = self.feature_buffer.new_empty(capacity, self.feature_buffer.shape[1])
-            grown[: self.num_features] = self.features
-            self.feature_buffer = grown
-        self.feature_buffer[self.num_features : end] = rows
-        self.num_features = end
+    def kept_len(self) -> int:
+        """Storage the sequence's pages must keep: its entries and its features."""
+        return max(self.kv.kv_committed_len, self.num_features)
 
 
 class Eagle3Proposer(TreeProposer):
@@ -69,6 +64,11 @@ class Eagle3Proposer(TreeProposer):
         self.num_heads = head.config.num_heads
         self.graph_features = (head.config.hidden_size, head.dtype)  # fused rows per token
         self.host_rows = HostRows()  # a round's target features cross in one copy
+        # [num_slots, feature_width]: a row per KV slot (the scratch page's too)
+        num_slots = kv.scratch_slot + kv.page_size
+        self.features = torch.zeros(
+            num_slots, self.feature_width, dtype=head.dtype, device=head.device
+        )
 
     @classmethod
     def load(
@@ -84,15 +84,15 @@ class Eagle3Proposer(TreeProposer):
     ) -> Eagle3Proposer:
         """num_pages None: sized by `pool_num_pages` (as ModelProposer.load)."""
         head = load_eagle3(head_path, target_path, dtype, device)
-        per_page = head.kv_bytes_per_token * page_size
+        feature_bytes = head.config.feature_width * head.dtype.itemsize  # the pool's row
+        per_page = (head.kv_bytes_per_token + feature_bytes) * page_size
         num_pages = pool_num_pages(num_pages, device, per_page, kv_memory_fraction)
         return cls(head, head.make_kv_cache(num_pages, page_size))
 
     # -- per-sequence state ----------------------------------------------------------------
 
     def new_state(self, seq: DraftSeq) -> EagleSeqState:
-        empty = torch.zeros(0, self.feature_width, dtype=self.head.dtype, device=self.head.device)
-        return EagleSeqState(self.kv.new_seq(), feature_buffer=empty)
+        return EagleSeqState(self.kv.new_seq())
 
     def _state(self, seq: DraftSeq) -> EagleSeqState:
         state = super()._state(seq)
@@ -104,7 +104,19 @@ class Eagle3Proposer(TreeProposer):
         state.num_features = min(state.num_features, length)
         # entry i reads x_{i+1}: keep those with i + 1 < length
         state.kv.kv_committed_len = min(state.kv.kv_committed_len, max(length - 1, 0))
-        self.kv.trim(state.kv, state.kv.kv_committed_len)
+        self.kv.trim(state.kv, state.kept_len)
+
+    def kept_len(self, seq: DraftSeq) -> int:
+        return self._state(seq).kept_len
+
+    def feature_rows(self, seq: DraftSeq, start: int, end: int) -> torch.Tensor:
+        """[end - start, feature_width] the target's features of tokens[start:end] (a copy)."""
+        state = self._state(seq)
+        assert 0 <= start <= end <= state.num_features, (start, end, state.num_features)
+        slots = to_device(
+            torch.tensor(state.kv.slots_of(range(start, end)), dtype=torch.int64), self.device
+        )
+        return self.features.index_select(0, slots)
 
     # -- TreeProposer hooks ----------------------------------------------------------------
 
@@ -150,10 +162,10 @@ class Eagle3Proposer(TreeProposer):
                     f"target_hidden_states shape {tuple(rows.shape)} for {job.seq.seq_id!r}: "
                     f"want [rows, {self.feature_width}]"
                 )
-            if state.features.shape[0] != job.start:
+            if state.num_features != job.start:
                 raise invalid(
                     f"target_hidden_states for {job.seq.seq_id!r} start at token {job.start}, "
-                    f"the drafter has features up to {state.features.shape[0]}"
+                    f"the drafter has features up to {state.num_features}"
                 )
         if not given:
             return
@@ -162,9 +174,18 @@ class Eagle3Proposer(TreeProposer):
             flat = self.host_rows.join([rows.to(dtype) for _, rows in given], device)
         else:
             flat = torch.cat([rows.to(device=device, dtype=dtype) for _, rows in given])
-        parts = flat.split([rows.shape[0] for _, rows in given])
-        for (job, _), part in zip(given, parts, strict=True):
-            self._state(job.seq).append_features(part)
+        slots: list[int] = []
+        for job, rows in given:  # pages for the rows first: a full pool changes no sequence
+            state = self._state(job.seq)
+            self.kv.reserve(state.kv, job.start + rows.shape[0])
+        for job, rows in given:
+            state = self._state(job.seq)
+            end = job.start + rows.shape[0]
+            slots += state.kv.slots_of(range(job.start, end))
+            state.num_features = end
+        self.features.index_copy_(
+            0, to_device(torch.tensor(slots, dtype=torch.int64), device), flat
+        )
 
     def _roots(
         self, jobs: list[DraftJob]
@@ -175,7 +196,7 @@ class Eagle3Proposer(TreeProposer):
         for job in jobs:
             state = self._state(job.seq)
             tokens = job.seq.tokens
-            num_entries = min(state.features.shape[0], len(tokens) - 1)  # entries 0..n-1 possible
+            num_entries = min(state.num_features, len(tokens) - 1)  # entries 0..n-1 possible
             draft = num_entries == len(tokens) - 1 >= 1 and job.spec.num_steps > 0
             first = state.kv.kv_committed_len
             if draft:
@@ -187,16 +208,22 @@ class Eagle3Proposer(TreeProposer):
             if draft:
                 drafting.append(job)
         starts = self._catch_up_starts([s[1] for s in spans], [s[2] for s in spans])
-        steps, features = [], []
+        steps = []
         for (job, _, end, draft), first in zip(spans, starts, strict=True):
             state = self._state(job.seq)
             q = end - first
             tokens = job.seq.tokens[first + 1 : end + 1]
             logit_rows = [q - 1] if draft else []
             steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
-            features.append(state.features[first:end])
         if not steps:
             return [], torch.zeros(0, self.vocab_size, device=self.device), None
-        fused = self.head.fuse(torch.cat(features))  # one fc over every sequence's rows
+        # entry i reads h_i: the rows at the catch-up's own slots, in one index
+        slots = to_device(
+            torch.tensor(
+                [s for step in steps for s in step.seq.slots_of(step.storage)], dtype=torch.int64
+            ),
+            self.device,
+        )
+        fused = self.head.fuse(self.features.index_select(0, slots))  # one fc over every row
         logits, hidden = self._forward_rows(steps, fused)  # [D, V], [D, H]
         return drafting, logits, hidden

@@ -131,8 +131,7 @@ class TreeProposer:
                 return self._propose(jobs)
             finally:
                 for job in jobs:
-                    kv = self._seq_kv(job.seq)
-                    self.kv.trim(kv, kv.kv_committed_len)
+                    self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         self._share_chain_length(jobs)
@@ -187,8 +186,7 @@ class TreeProposer:
                 for fork in forks:
                     self.kv.release(self._seq_kv(fork))
                 for job in jobs:
-                    kv = self._seq_kv(job.seq)
-                    self.kv.trim(kv, kv.kv_committed_len)
+                    self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
 
     def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
         drafting, root_logits, root_features = self._roots(jobs)
@@ -371,6 +369,11 @@ class TreeProposer:
 
     def kv_committed_len(self, seq: DraftSeq) -> int:
         return self._seq_kv(seq).kv_committed_len
+
+    def kept_len(self, seq: DraftSeq) -> int:
+        """Storage a sequence's pages keep between rounds (its entries; an EAGLE proposer's
+        features too): a round's scratch past it is freed."""
+        return self.kv_committed_len(seq)
 
     def release(self, seq: DraftSeq) -> None:
         self.kv.release(self._seq_kv(seq))

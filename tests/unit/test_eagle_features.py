@@ -1,27 +1,110 @@
-"""An EAGLE drafter's per-sequence target features grow by amortised appends (not a copy of the
-whole history every round) and truncate by length, holding exactly the rows appended."""
+"""An EAGLE drafter's target features live in one pool beside the head's KV, a row per KV slot:
+appended round by round (one scatter for the batch), truncated by length, kept through the
+scratch of every round and a pool too full for a round, and counted when the pool is sized."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from drafter.eagle_proposer import EagleSeqState
-from specsplit.kv_cache import SeqKV
+from drafter.eagle import load_eagle3
+from drafter.eagle_proposer import Eagle3Proposer
+from drafter.engine import DrafterEngine
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import DraftInput, SpecParams
+from specsplit.model.loader import load_model
+from tests.eagle_random import save_random_eagle3
+from tests.support import save_tiny_llama
+
+SPEC = SpecParams(3, 1, 3)
 
 
-def test_features_append_truncate_and_regrow_hold_the_rows_appended() -> None:
-    state = EagleSeqState(SeqKV(page_size=16), feature_buffer=torch.zeros(0, 3))
+@pytest.fixture(scope="module")
+def head_and_target(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("features")
+    path = save_tiny_llama(root / "target", seed=0, num_layers=4)
+    target, _ = load_model(str(path), dtype=torch.float32, device="cpu")
+    head_dir = save_random_eagle3(root / "head", target.config, seed=1)
+    return load_eagle3(str(head_dir), None, torch.float32, "cpu", target=target), target
+
+
+def _engine(head_and_target, num_pages: int, page_size: int = 4) -> DrafterEngine:  # type: ignore[no-untyped-def]
+    head, _ = head_and_target
+    return DrafterEngine(Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size)))
+
+
+def test_features_appended_and_truncated_round_by_round_are_the_rows_sent(
+    head_and_target,  # type: ignore[no-untyped-def]
+) -> None:
+    engine = _engine(head_and_target, num_pages=64)
+    proposer = engine.proposer
+    assert isinstance(proposer, Eagle3Proposer)
+    width = proposer.feature_width
     gen = torch.Generator().manual_seed(0)
-    expected = torch.zeros(0, 3)
-    buffers = set()
-    for round_index in range(200):
-        rows = torch.randn(1 + round_index % 3, 3, generator=gen)
-        state.append_features(rows)
-        expected = torch.cat([expected, rows])
-        buffers.add(state.feature_buffer.data_ptr())
-        if round_index % 50 == 49:  # the gateway's tokens were cut back (a stop point, a fault)
-            keep = expected.shape[0] - 5
-            state.num_features = min(state.num_features, keep)
-            expected = expected[:keep]
-        assert torch.equal(state.features, expected)
-    assert len(buffers) <= 6  # 64, 128, 256, 512 rows: a handful of reallocations for ~400 rows
+    sent: dict[str, torch.Tensor] = {}  # per sequence the rows the drafter should hold
+    tokens: dict[str, list[int]] = {}
+    for round_index in range(40):
+        inputs = []
+        for seq_id in ("a", "b", "c"):
+            begin = seq_id not in tokens
+            held = sent.get(seq_id, torch.zeros(0, width))
+            if round_index % 13 == 12 and held.shape[0] > 6:  # cut back: a stop point, a fault
+                keep = held.shape[0] - 4
+                held = held[:keep]
+                tokens[seq_id] = tokens[seq_id][: keep + 1]
+            start = 0 if begin else held.shape[0]
+            new = [int(t) for t in torch.randint(3, 200, (1 + round_index % 3,), generator=gen)]
+            known = tokens.get(seq_id, [])[:start]
+            rows = torch.randn(len(known) + len(new) - 1 - start, width, generator=gen)
+            inputs.append(
+                DraftInput(
+                    seq_id, begin, start, known[start:] + new, SPEC, target_hidden_states=rows
+                )
+            )
+            tokens[seq_id] = known + new
+            sent[seq_id] = torch.cat([held, rows])
+        engine.draft(inputs)
+        for seq_id, rows in sent.items():
+            seq = engine.seqs[seq_id]
+            assert torch.equal(proposer.feature_rows(seq, 0, rows.shape[0]), rows), round_index
+    engine.release(list(sent))
+    engine.check_integrity()
+    assert engine.num_pages_used == 0
+
+
+def test_a_pool_too_full_for_a_round_keeps_the_features_held(head_and_target) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(head_and_target, num_pages=6)
+    proposer = engine.proposer
+    assert isinstance(proposer, Eagle3Proposer)
+    width = proposer.feature_width
+    rows = torch.randn(9, width, generator=torch.Generator().manual_seed(1))
+    engine.draft([DraftInput("a", True, 0, list(range(3, 13)), SPEC, target_hidden_states=rows)])
+    seq = engine.seqs["a"]
+    before = proposer.feature_rows(seq, 0, 9)
+    many = torch.randn(40, width)  # more rows than the pool holds
+    with pytest.raises(ServiceError) as err:
+        engine.draft(
+            [DraftInput("a", False, 9, list(range(20, 61)), SPEC, target_hidden_states=many)]
+        )
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+    assert torch.equal(proposer.feature_rows(seq, 0, 9), before)
+    engine.release(["a"])
+    engine.check_integrity()
+
+
+def test_the_pool_sized_from_memory_counts_the_features(tmp_path: Path, head_and_target) -> None:  # type: ignore[no-untyped-def]
+    """A page's bytes are its KV's and its feature rows': the pool of a fixed budget holds as
+    many tokens' features as KV entries (on the CPU the page count is fixed: the formula is
+    what is checked here)."""
+    head, _ = head_and_target
+    per_token = head.kv_bytes_per_token + head.config.feature_width * head.dtype.itemsize
+    assert head.config.feature_width * head.dtype.itemsize > head.kv_bytes_per_token
+    proposer = Eagle3Proposer(head, head.make_kv_cache(8, 4))
+    slots = (8 + 1) * 4  # the scratch page's too
+    assert proposer.features.shape == (slots, head.config.feature_width)
+    assert (
+        proposer.features.element_size() * proposer.features.shape[1] + head.kv_bytes_per_token
+        == per_token
+    )
