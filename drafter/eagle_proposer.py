@@ -84,10 +84,15 @@ class Eagle3Proposer(TreeProposer):
     ) -> Eagle3Proposer:
         """num_pages None: sized by `pool_num_pages` (as ModelProposer.load)."""
         head = load_eagle3(head_path, target_path, dtype, device)
-        feature_bytes = head.config.feature_width * head.dtype.itemsize  # the pool's row
-        per_page = (head.kv_bytes_per_token + feature_bytes) * page_size
+        per_page = cls.bytes_per_page(head, page_size)
         num_pages = pool_num_pages(num_pages, device, per_page, kv_memory_fraction)
         return cls(head, head.make_kv_cache(num_pages, page_size))
+
+    @staticmethod
+    def bytes_per_page(head: Eagle3Head, page_size: int) -> int:
+        """A page's memory: its slots' head K/V and their feature rows."""
+        feature_bytes = head.config.feature_width * head.dtype.itemsize
+        return (head.kv_bytes_per_token + feature_bytes) * page_size
 
     # -- per-sequence state ----------------------------------------------------------------
 

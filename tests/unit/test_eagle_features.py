@@ -4,25 +4,25 @@ scratch of every round and a pool too full for a round, and counted when the poo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from drafter.eagle import load_eagle3
+from drafter.eagle import Eagle3Head, load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, SpecParams
+from specsplit.model.llama import LlamaModel
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_random_eagle3
 from tests.support import save_tiny_llama
 
 SPEC = SpecParams(3, 1, 3)
+HeadAndTarget = tuple[Eagle3Head, LlamaModel]
 
 
 @pytest.fixture(scope="module")
-def head_and_target(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def head_and_target(tmp_path_factory: pytest.TempPathFactory) -> HeadAndTarget:
     root = tmp_path_factory.mktemp("features")
     path = save_tiny_llama(root / "target", seed=0, num_layers=4)
     target, _ = load_model(str(path), dtype=torch.float32, device="cpu")
@@ -30,13 +30,13 @@ def head_and_target(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[n
     return load_eagle3(str(head_dir), None, torch.float32, "cpu", target=target), target
 
 
-def _engine(head_and_target, num_pages: int, page_size: int = 4) -> DrafterEngine:  # type: ignore[no-untyped-def]
+def _engine(head_and_target: HeadAndTarget, num_pages: int, page_size: int = 4) -> DrafterEngine:
     head, _ = head_and_target
     return DrafterEngine(Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size)))
 
 
 def test_features_appended_and_truncated_round_by_round_are_the_rows_sent(
-    head_and_target,  # type: ignore[no-untyped-def]
+    head_and_target: HeadAndTarget,
 ) -> None:
     engine = _engine(head_and_target, num_pages=64)
     proposer = engine.proposer
@@ -74,7 +74,9 @@ def test_features_appended_and_truncated_round_by_round_are_the_rows_sent(
     assert engine.num_pages_used == 0
 
 
-def test_a_pool_too_full_for_a_round_keeps_the_features_held(head_and_target) -> None:  # type: ignore[no-untyped-def]
+def test_a_pool_too_full_for_a_round_keeps_the_features_held(
+    head_and_target: HeadAndTarget,
+) -> None:
     engine = _engine(head_and_target, num_pages=6)
     proposer = engine.proposer
     assert isinstance(proposer, Eagle3Proposer)
@@ -94,17 +96,13 @@ def test_a_pool_too_full_for_a_round_keeps_the_features_held(head_and_target) ->
     engine.check_integrity()
 
 
-def test_the_pool_sized_from_memory_counts_the_features(tmp_path: Path, head_and_target) -> None:  # type: ignore[no-untyped-def]
-    """A page's bytes are its KV's and its feature rows': the pool of a fixed budget holds as
-    many tokens' features as KV entries (on the CPU the page count is fixed: the formula is
-    what is checked here)."""
+def test_the_pool_sized_from_memory_counts_the_features(head_and_target: HeadAndTarget) -> None:
+    """The bytes a page is sized by (Eagle3Proposer.load divides the free memory by them) are
+    what a page allocates: its head K/V and its feature rows, the larger part."""
     head, _ = head_and_target
-    per_token = head.kv_bytes_per_token + head.config.feature_width * head.dtype.itemsize
-    assert head.config.feature_width * head.dtype.itemsize > head.kv_bytes_per_token
-    proposer = Eagle3Proposer(head, head.make_kv_cache(8, 4))
-    slots = (8 + 1) * 4  # the scratch page's too
-    assert proposer.features.shape == (slots, head.config.feature_width)
-    assert (
-        proposer.features.element_size() * proposer.features.shape[1] + head.kv_bytes_per_token
-        == per_token
-    )
+    num_pages, page_size = 8, 4
+    proposer = Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size))
+    allocated = proposer.kv.data.nbytes + proposer.features.nbytes
+    per_page = Eagle3Proposer.bytes_per_page(head, page_size)
+    assert allocated == (num_pages + 1) * per_page  # the scratch page's too
+    assert proposer.features.nbytes > proposer.kv.data.nbytes
