@@ -191,6 +191,7 @@ def drafter_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--draft-cuda-graphs", "1,2,4,8", graphs_help)
     fraction_help = (
         "share of the drafter GPU's memory free after loading its weights for its KV cache"
+        " (an EAGLE head's: with the target's feature rows beside it)"
         f" (when --num-pages is not set); none = {DRAFTER_KV_MEMORY_FRACTION}, or with `up`"
         f" {SHARED_DRAFTER_KV_MEMORY_FRACTION} when the drafter shares the verifier's GPU"
     )
