@@ -16,7 +16,7 @@ import torch
 
 from specsplit.kv_cache import SeqKV
 from specsplit.model.batch import ForwardBatch
-from specsplit.tree import DraftTree, ancestor_mask
+from specsplit.tree import DraftTree, ancestor_mask, depths
 
 
 @dataclass
@@ -92,8 +92,7 @@ def _new_tokens_layout(p: int, parents: tuple[int, ...]) -> tuple[torch.Tensor, 
     mask[:p, :p] = np.tri(p, dtype=bool)
     mask[p:, :p] = True
     mask[p:, p:] = ancestor_mask(parents)
-    depths = DraftTree(parents=list(parents)).depths()
-    return torch.from_numpy(mask), (*range(p), *(p - 1 + d for d in depths))
+    return torch.from_numpy(mask), (*range(p), *(p - 1 + d for d in depths(parents)))
 
 
 # Rounds repeat a few shapes (one pending token and the round's chain or tree, or a few pending

@@ -81,10 +81,7 @@ class DraftTree:
         )
 
     def depths(self) -> list[int]:
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return depth
+        return depths(self.parents)
 
     def num_children(self) -> list[int]:
         """Children per node, with the root last: [n + 1]."""
@@ -108,6 +105,14 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[i, j] = node j is node i or one of its ancestors."""
         return torch.from_numpy(ancestor_mask(self.parents))
+
+
+def depths(parents: list[int] | tuple[int, ...]) -> list[int]:
+    """Each node's depth in a tree of these parents (a child of the root: 1)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return depth
 
 
 def ancestor_mask(parents: list[int] | tuple[int, ...]) -> np.ndarray:

@@ -30,17 +30,19 @@ def head_and_target(tmp_path_factory: pytest.TempPathFactory) -> HeadAndTarget:
     return load_eagle3(str(head_dir), None, torch.float32, "cpu", target=target), target
 
 
-def _engine(head_and_target: HeadAndTarget, num_pages: int, page_size: int = 4) -> DrafterEngine:
+def _engine(
+    head_and_target: HeadAndTarget, num_pages: int, page_size: int = 4
+) -> tuple[DrafterEngine, Eagle3Proposer]:
+    """A drafter engine over the head, and its proposer (the feature pool's owner)."""
     head, _ = head_and_target
-    return DrafterEngine(Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size)))
+    proposer = Eagle3Proposer(head, head.make_kv_cache(num_pages, page_size))
+    return DrafterEngine(proposer), proposer
 
 
 def test_features_appended_and_truncated_round_by_round_are_the_rows_sent(
     head_and_target: HeadAndTarget,
 ) -> None:
-    engine = _engine(head_and_target, num_pages=64)
-    proposer = engine.proposer
-    assert isinstance(proposer, Eagle3Proposer)
+    engine, proposer = _engine(head_and_target, num_pages=64)
     width = proposer.feature_width
     gen = torch.Generator().manual_seed(0)
     sent: dict[str, torch.Tensor] = {}  # per sequence the rows the drafter should hold
@@ -77,9 +79,7 @@ def test_features_appended_and_truncated_round_by_round_are_the_rows_sent(
 def test_a_pool_too_full_for_a_round_keeps_the_features_held(
     head_and_target: HeadAndTarget,
 ) -> None:
-    engine = _engine(head_and_target, num_pages=6)
-    proposer = engine.proposer
-    assert isinstance(proposer, Eagle3Proposer)
+    engine, proposer = _engine(head_and_target, num_pages=6)
     width = proposer.feature_width
     rows = torch.randn(9, width, generator=torch.Generator().manual_seed(1))
     engine.draft([DraftInput("a", True, 0, list(range(3, 13)), SPEC, target_hidden_states=rows)])
