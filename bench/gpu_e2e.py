@@ -25,16 +25,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import functools
+import gzip
+import os
 import pstats
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench import trace_gaps
 from bench.gpu_engine import SHAPES
 from bench.profile_step import EngineTime
 from drafter.eagle import Eagle3Head
@@ -171,6 +178,25 @@ class RoundTime(EngineTime):
         verifier.launch, verifier.finish = timed_launch, timed_finish  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def traced(path: str | None) -> Iterator[None]:
+    """torch.profiler over the block, every thread's ops and Python frames, exported to `path`
+    (a chrome trace, gzipped); nothing without a path."""
+    if path is None:
+        yield
+        return
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=activities, with_stack=True, experimental_config=config) as prof:
+        yield
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    plain = path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(plain)
+
+
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
     """(tokens, seconds, accepted tokens per round) for the requests run concurrently."""
 
@@ -225,6 +251,13 @@ def main() -> None:
         action="store_true",
         help="cProfile each engine's calls (on its thread) in the timed speculative runs: the "
         "top functions of the draft and verify calls after each row",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="torch.profiler (every thread, Python stacks) over each timed speculative run: "
+        "DIR/trace_<mode>_<spec>_b<batch>.json.gz, and bench/trace_gaps.py's summary of what "
+        "the host did while the GPU idled",
     )
     args = parser.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -306,7 +339,9 @@ def main() -> None:
             for timer in (draft_time, verify_time, *parts.values()):
                 timer.reset()
             profilers = engine_profilers(drafter, verifier) if args.cprofile and spec else {}
-            tokens, seconds, accepted = run(scheduler, requests)
+            trace = f"{args.trace}/trace_{overlap}_{spec}_b{batch}.json.gz"
+            with traced(trace if args.trace and spec else None):
+                tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
             name = "target only" if spec == 0 else f"chain {spec}"
@@ -320,6 +355,8 @@ def main() -> None:
                 f"{name} {t.calls} x {t.ms_per_call:.2f} ms" for name, t in parts.items()
             )
             print(f"|  | ({details}) | | | | | | |", flush=True)
+            if args.trace and spec:
+                print(trace_gaps.summarise(trace, top=40, min_gap_us=20, match="/"), flush=True)
             for name, (profiler, undo) in profilers.items():
                 undo()
                 print(f"\n{name} calls, cProfiled on the engine's thread:")
