@@ -298,7 +298,7 @@ class Scheduler:
                 speculate = self.gate is None or self.gate.speculate(batch_size)
                 for seq in self.running:  # the gate holds back default-spec drafts only
                     seq.drafts_held = not speculate and seq.request.spec is None
-                resuming = [s for s in self.running if s.features_gap and not s.drafts_held]
+                resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
                 mode = self._round_mode(speculate)
@@ -343,6 +343,16 @@ class Scheduler:
         up its prefill (the two rounds after a sequence's prefill, or its features' re-verify,
         cost what steady rounds do not)."""
         return all(seq.request.spec is None and seq.rounds_since_prefill >= 2 for seq in batch)
+
+    def _resumes_features(self, seq: Sequence) -> bool:
+        """Whether `seq`'s features restart this round: some committed tokens have none (the
+        gate's plain rounds, or a drafter that lost rows the gateway let go), it drafts this
+        round, and the drafter answers (while it is down the re-verify would be for nothing)."""
+        return (
+            seq.features_gap
+            and not seq.drafts_held
+            and time.monotonic() >= self._drafter_down_until
+        )
 
     async def _restart_features(self, seqs: list[Sequence]) -> None:
         """Speculation resumes for sequences whose plain rounds carried no target features (the

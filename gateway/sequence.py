@@ -7,9 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from gateway.adaptive import AdaptiveSpec
+from gateway.features import FeatureRows
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.messages import AheadTree, DraftInput, SpecParams, VerifyInput, VerifyOutput
@@ -49,12 +48,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished
     last_token_ns: int | None = None  # elapsed_ns of the last chunk with tokens (metrics)
     span: Any = None  # the request's trace span (specsplit.telemetry)
-    # EAGLE drafters: target layers the verifier returns, and their rows for
-    # tokens[0 : verifier_kv_committed_len] ([rows, layers * hidden] bf16, one chunk per round)
+    # EAGLE drafters: target layers the verifier returns, and their rows for the tokens from
+    # the drafter's start to verifier_kv_committed_len (gateway/features.py)
     hidden_state_layers: tuple[int, ...] = ()
-    hidden_states: list[torch.Tensor] = field(default_factory=list)
-    # num_feature_rows' count so far: (the list counted, its chunks counted, their rows)
-    _rows_counted: tuple[list[torch.Tensor], int, int] | None = field(default=None, repr=False)
+    features: FeatureRows = field(default_factory=FeatureRows)
     adaptive: AdaptiveSpec | None = None  # adaptive speculation: the draft shape, round by round
     turn: SessionTurn | None = None  # a session's turn (gateway/sessions.py)
     # draft-ahead: trees for the next round by the outcome of this one (the tokens it appends),
@@ -121,41 +118,29 @@ class Sequence:
         self.drafter_begun = True
         self.drafter_num_tokens = len(self.tokens)
         if self.hidden_state_layers:
-            # rows for tokens[start : verifier_kv_committed_len]; next time start where the
-            # features end, so the drafter gets the feature of every token exactly once
-            item.target_hidden_states = self._hidden_rows_from(start)
-            self.drafter_num_tokens = min(len(self.tokens), self.verifier_kv_committed_len)
+            if start < self.features.start:  # not held: the verifier gives them again
+                self.lose_features()
+            # the drafter holds tokens[:start] and their rows (a Draft that fails starts it
+            # over: forget_drafter), so the rows before start go
+            self.features.drop_before(start)
+            # rows for tokens[start : features.end]; next time start where the rows end, so
+            # that the drafter gets the row of every token exactly once
+            item.target_hidden_states = self.features.rows_from(start)
+            self.drafter_num_tokens = min(len(self.tokens), self.features.end)
         return item
 
     @property
     def num_feature_rows(self) -> int:
-        """Leading tokens whose target features the gateway holds (all it committed, unless
-        the speculation gate's plain rounds left a gap)."""
-        chunks = self.hidden_states  # appended to, or replaced by another list: never edited
-        counted = self._rows_counted
-        if counted is None or counted[0] is not chunks or counted[1] > len(chunks):
-            counted = (chunks, 0, 0)
-        _, done, rows = counted  # a round's commit counts its one new chunk, not the history
-        rows += sum(chunk.shape[0] for chunk in chunks[done:])
-        self._rows_counted = (chunks, len(chunks), rows)
-        return rows
+        """Leading tokens whose target features the gateway has had (all it committed, unless
+        the speculation gate's plain rounds left a gap or the drafter lost its rows)."""
+        return self.features.end
 
-    def _hidden_rows_from(self, start: int) -> torch.Tensor | None:
-        """Rows for tokens[start : verifier_kv_committed_len], joining only the chunks they span
-        (the drafter's start is near the end: no copy of the whole history every round)."""
-        if not self.hidden_states:
-            return None
-        picked: list[torch.Tensor] = []
-        end = self.verifier_kv_committed_len
-        for chunk in reversed(self.hidden_states):
-            if end <= start:
-                break
-            begin = end - chunk.shape[0]
-            picked.append(chunk[max(start - begin, 0) :])
-            end = begin
-        if len(picked) == 1:  # mostly: the last Verify's rows, a view (nothing writes them)
-            return picked[0]
-        return torch.cat(picked[::-1]) if picked else self.hidden_states[-1][:0]
+    def lose_features(self) -> None:
+        """The rows the drafter needs next are not held (it lost the sequence after the gateway
+        let them go): the verifier verifies every token again, with its features, before
+        speculation resumes (the scheduler's `_restart_features`, as after a gap)."""
+        self.features = FeatureRows()
+        self.features_gap = True
 
     def adopt_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """The drafter reads these target layers (learned from its answer, before the prefill):
@@ -168,28 +153,25 @@ class Sequence:
                 )
 
     def forget_drafter(self) -> None:
-        """The drafter lost (or may have lost) this sequence: start over on the next Draft."""
+        """The drafter lost (or may have lost) this sequence: start over on the next Draft. Its
+        target features start over too when the gateway no longer holds them from token 0."""
         self.drafter_begun = False
         self.drafter_num_tokens = 0
+        if self.hidden_state_layers and self.features.start > 0:
+            self.lose_features()
 
     def keep_verifier_kv(self, length: int) -> None:
         """The verifier now holds the KV of tokens[:length] only (truncated): the EAGLE rows
         past it go too."""
         assert 0 <= length <= self.verifier_kv_committed_len, (self.seq_id, length)
         self.verifier_kv_committed_len = length
-        kept, num_rows = [], 0
-        for chunk in self.hidden_states:
-            if num_rows >= length:
-                break
-            kept.append(chunk[: length - num_rows])
-            num_rows += kept[-1].shape[0]
-        self.hidden_states = kept
+        self.features.keep(length)
 
     def forget_verifier(self) -> None:
         """The verifier lost this sequence: re-prefill all tokens on the next Verify."""
         self.verifier_begun = False
         self.verifier_kv_committed_len = 0
-        self.hidden_states = []
+        self.features = FeatureRows()
         self.features_gap = False  # the re-prefill brings every token's features
         self.rounds_since_prefill = 0
         if self.hidden_state_layers:  # the drafter's features restart with the re-prefill
@@ -234,7 +216,7 @@ class Sequence:
             assert out.hidden_states is not None, self.seq_id
             num_rows = self.num_feature_rows
             assert num_rows == self.verifier_kv_committed_len, (self.seq_id, num_rows)
-            self.hidden_states.append(out.hidden_states)
+            self.features.append(out.hidden_states)
             assert (
                 out.hidden_states.shape[0] == out.kv_committed_len - self.verifier_kv_committed_len
             )

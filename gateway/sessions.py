@@ -230,7 +230,7 @@ class SessionStore:
             keep = _common_prefix_len(last.tokens, tokens)
             seq.verifier_begun, seq.drafter_begun = last.verifier_begun, last.drafter_begun
             seq.verifier_kv_committed_len = last.verifier_kv_committed_len
-            seq.hidden_states = list(last.hidden_states)
+            seq.features = last.features.copy()
             seq.features_gap = last.features_gap  # plain rounds (the speculation gate's)
             seq.keep_verifier_kv(min(last.verifier_kv_committed_len, keep, len(tokens) - 1))
             seq.drafter_num_tokens = min(last.drafter_num_tokens, keep)
@@ -428,7 +428,7 @@ def _carry(turn: Sequence, last: Sequence) -> None:
     last.verifier_begun, last.drafter_begun = turn.verifier_begun, turn.drafter_begun
     last.hidden_state_layers = turn.hidden_state_layers
     last.verifier_kv_committed_len = turn.verifier_kv_committed_len
-    last.hidden_states = turn.hidden_states
+    last.features = turn.features
     last.features_gap = turn.features_gap
     last.drafter_num_tokens = turn.drafter_num_tokens
     if not turn.verifier_begun:
