@@ -107,6 +107,58 @@ def take_rows(host: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.from_numpy(raw[rows]).view(host.dtype)
 
 
+def copy_rows(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """dst (a [sum of n_i, width] CPU tensor) = the [n_i, width] CPU parts one after another, by
+    numpy on the bytes (numpy has no bfloat16; torch.cat's OpenMP region waits for every worker
+    thread, see take_rows)."""
+    out = dst.view(torch.uint8).numpy()
+    row = 0
+    for part in parts:
+        out[row : row + part.shape[0]] = part.contiguous().view(torch.uint8).numpy()
+        row += part.shape[0]
+
+
+def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n_i, width] CPU tensors of one dtype and width as one [sum of n_i, width]: a view when they
+    lie back to back in one storage (one answer's rows split per sequence and sent on in the
+    same order), else a copy. ValueError when their widths or dtypes differ."""
+    first = parts[0]
+    width, dtype = first.shape[1], first.dtype
+    for part in parts:
+        if part.dim() != 2 or part.shape[1] != width or part.dtype != dtype:
+            raise ValueError(
+                f"rows to join: {tuple(part.shape)} {part.dtype} after {tuple(first.shape)} "
+                f"{dtype} (one width and dtype)"
+            )
+    if len(parts) == 1:
+        return first
+    total = sum(part.shape[0] for part in parts)
+    nonempty = [part for part in parts if part.numel()]
+    if nonempty and _back_to_back(nonempty):
+        first = nonempty[0]
+        joined = torch.empty(0, dtype=dtype)
+        offset, size = first.storage_offset(), (total, width)
+        return joined.set_(first.untyped_storage(), offset, size, (width, 1))
+    joined = torch.empty(total, width, dtype=dtype)
+    copy_rows(joined, parts)
+    return joined
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> bool:
+    """Whether the contiguous parts follow each other in one storage."""
+    storage = parts[0].untyped_storage().data_ptr()
+    end = parts[0].data_ptr()
+    for part in parts:
+        if (
+            not part.is_contiguous()
+            or part.data_ptr() != end
+            or part.untyped_storage().data_ptr() != storage
+        ):
+            return False
+        end += part.numel() * part.element_size()
+    return True
+
+
 class HostRows:
     """Host tensors' rows joined on a device in one asynchronous copy: gathered by numpy into a
     reused pinned buffer, not by torch.cat, whose OpenMP region waits for every worker thread
@@ -130,11 +182,7 @@ class HostRows:
             rows = max(total, 64, 0 if held is None else 2 * held.shape[0])
             self.buffer = held = torch.empty(rows, width, dtype=dtype).pin_memory()
         host = held[:total]
-        dst = host.view(torch.uint8).numpy()  # bytes: numpy has no bfloat16
-        row = 0
-        for part in parts:
-            dst[row : row + part.shape[0]] = part.contiguous().view(torch.uint8).numpy()
-            row += part.shape[0]
+        copy_rows(host, parts)
         out = host.to(device, non_blocking=True)
         self.copied.record()
         return out

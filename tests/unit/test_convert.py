@@ -214,9 +214,60 @@ def test_verify_response_round_trip_and_counts_on_the_wire() -> None:
     assert msg.sequences[0].num_accepted_drafts == 2
     assert msg.sequences[0].num_accepted_tokens == 3
     assert msg.sequences[1].num_accepted_tokens == 1
-    assert not msg.sequences[1].HasField("hidden_states")
+    assert msg.sequences[0].num_hidden_rows == 3 and list(msg.hidden_states.shape) == [3, 16]
+    assert not msg.sequences[1].HasField("num_hidden_rows")
     for a, b in zip(outputs, convert.verify_response_from_proto(msg), strict=True):
         _assert_same(a, b)
+
+
+def _rows_of(sizes: list[int | None], width: int = 6) -> list[torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(len(sizes))
+    return [
+        None if n is None else torch.randn(n, width, generator=gen).to(torch.bfloat16)
+        for n in sizes
+    ]
+
+
+@pytest.mark.parametrize("sizes", [[3, None, 0, 2], [None, None], [1], [0, 0], [None, 4, 1]])
+def test_a_rounds_rows_travel_as_one_tensor_and_come_back_per_sequence(
+    sizes: list[int | None],
+) -> None:
+    """Verify answers and Draft requests carry every sequence's rows in one tensor message, with
+    a row count per sequence: each comes back with its own rows, an empty tensor as empty and
+    none as None."""
+    rows = _rows_of(sizes)
+    outputs = [VerifyOutput(f"s{i}", [], 5, 9, hidden_states=r) for i, r in enumerate(rows)]
+    msg = _wire(convert.verify_response_to_proto(outputs, verify_ns=1))
+    asked = [n for n in sizes if n is not None]
+    assert msg.HasField("hidden_states") == bool(asked)
+    if asked:
+        assert list(msg.hidden_states.shape) == [sum(asked), 6]
+    for a, b in zip(outputs, convert.verify_response_from_proto(msg), strict=True):
+        _assert_same(a, b)
+    inputs = [
+        DraftInput(f"s{i}", False, 4, [1, 2], SpecParams(), target_hidden_states=r)
+        for i, r in enumerate(rows)
+    ]
+    msg = _wire(convert.draft_request_to_proto(inputs))
+    for a, b in zip(inputs, convert.draft_request_from_proto(msg), strict=True):
+        _assert_same(a, b)
+
+
+def test_rows_whose_counts_disagree_with_the_tensor_are_refused() -> None:
+    outputs = [
+        VerifyOutput(f"s{i}", [], 5, 9, hidden_states=r) for i, r in enumerate(_rows_of([2, 3]))
+    ]
+    msg = _wire(convert.verify_response_to_proto(outputs, verify_ns=1))
+    msg.sequences[1].num_hidden_rows = 4
+    with pytest.raises(ServiceError, match=r"hidden_states has shape \[5, 6\]: want \[6 rows"):
+        convert.verify_response_from_proto(msg)
+    msg.sequences[1].num_hidden_rows = -1
+    with pytest.raises(ServiceError, match="negative"):
+        convert.verify_response_from_proto(msg)
+    msg.ClearField("hidden_states")
+    msg.sequences[1].num_hidden_rows = 3
+    with pytest.raises(ServiceError, match=r"hidden_states\.dtype '' unknown"):
+        convert.verify_response_from_proto(msg)
 
 
 def test_verify_output_with_inconsistent_counts_is_rejected() -> None:

@@ -13,7 +13,7 @@ from gateway.features import FeatureRows
 from gateway.request import GenerationRequest
 from gateway.sequence import Sequence
 from specsplit.messages import SpecParams
-from specsplit.model.batch import HostRows, take_rows
+from specsplit.model.batch import HostRows, join_rows, take_rows
 
 
 def parts(dtype: torch.dtype, sizes: tuple[int, ...], width: int = 24) -> list[torch.Tensor]:
@@ -61,3 +61,24 @@ def test_take_rows_is_index_select(dtype: torch.dtype) -> None:
     assert picked.dtype == dtype
     assert torch.equal(picked, host.index_select(0, torch.tensor(rows)))
     assert torch.equal(take_rows(host[:, 1:], rows), host[:, 1:][rows])  # strided rows too
+
+
+def test_join_rows_of_one_answer_split_in_order_is_a_view_of_it() -> None:
+    """One answer's rows, split per sequence and joined again in the same order (the gateway
+    sending the verifier's rows on to the drafter), are the answer itself: no copy."""
+    answer = torch.randn(9, 4).to(torch.bfloat16)
+    joined = join_rows(list(answer.split([2, 0, 4, 3])))
+    assert joined.data_ptr() == answer.data_ptr() and torch.equal(joined, answer)
+    reordered = list(answer.split([2, 4, 3]))[::-1]
+    copied = join_rows(reordered)
+    assert copied.data_ptr() != answer.data_ptr()
+    assert torch.equal(copied, torch.cat(reordered))
+    skipping = [answer[:2], answer[3:5]]  # a row left out between them
+    assert torch.equal(join_rows(skipping), torch.cat(skipping))
+
+
+def test_join_rows_refuses_mixed_widths_and_dtypes() -> None:
+    with pytest.raises(ValueError, match="one width and dtype"):
+        join_rows([torch.zeros(2, 4), torch.zeros(1, 5)])
+    with pytest.raises(ValueError, match="one width and dtype"):
+        join_rows([torch.zeros(2, 4), torch.zeros(1, 4, dtype=torch.bfloat16)])
