@@ -241,7 +241,9 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="enough that the prefill is a small share"
+    )
     parser.add_argument("--tokenizer", default=".gpu/tokenizer")
     parser.add_argument("--device", default=None, help="the verifier's; default cuda (or cpu)")
     parser.add_argument("--drafter-device", default=None, help="default: --device")

@@ -1,0 +1,102 @@
+"""The protobuf work of one speculative round, per batch size: each message of a Draft and a
+Verify built from the dataclasses and serialized on one side, parsed and converted back on the
+other (specsplit/convert.py), as the gateway and the services do every round. Synthetic rounds:
+chains of --depth drafts, --rows target feature rows a sequence of --width each (EAGLE-3 on
+SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls rounds.
+
+    PYTHONPATH=. python bench/wire_rounds.py [--batch 1 8 32] [--rows 4] [--width 1728]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from specsplit import convert
+from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.tree import DraftTree
+from specsplit.v1 import drafter_pb2, verifier_pb2
+
+
+def per_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
+    fn()
+    passes = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        passes.append((time.perf_counter() - start) / calls)
+    return 1e6 * statistics.median(passes)
+
+
+def round_messages(batch: int, depth: int, rows: int, width: int) -> dict[str, Any]:
+    """A round's four messages' contents: the Draft and Verify inputs and outputs."""
+    chain = DraftTree(list(range(10, 10 + depth)), list(range(-1, depth - 1)))
+    ids = [f"seq-{i:032x}" for i in range(batch)]
+    answer = torch.randn(batch * rows, width).to(torch.bfloat16)  # one Verify's rows
+    hidden = list(answer.split(rows))
+    layers = (1, 2, 3)
+    return {
+        "draft_in": [
+            DraftInput(
+                s, False, 300, [7] * rows, SpecParams(depth, 1, depth), target_hidden_states=h
+            )
+            for s, h in zip(ids, hidden, strict=True)
+        ],
+        "draft_out": [DraftOutput(s, chain, 300, layers) for s in ids],
+        "verify_in": [
+            VerifyInput(s, False, 300, [7], chain, hidden_state_layers=layers) for s in ids
+        ],
+        "verify_out": [
+            VerifyOutput(s, chain.tokens[: rows - 1], 5, 304, h)
+            for s, h in zip(ids, hidden, strict=True)
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=4, help="feature rows a sequence a round")
+    parser.add_argument("--width", type=int, default=1728)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(
+        f"| batch | Draft request out / in | Draft answer out / in | Verify request out / in "
+        f"| Verify answer out / in | round total (us; {args.rows} rows x {args.width} a sequence) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch in args.batch:
+        m = round_messages(batch, args.depth, args.rows, args.width)
+        pairs = (
+            (partial(convert.draft_request_to_proto, m["draft_in"]), drafter_pb2.DraftRequest,
+             convert.draft_request_from_proto),
+            (partial(convert.draft_response_to_proto, m["draft_out"], 1),
+             drafter_pb2.DraftResponse, convert.draft_response_from_proto),
+            (partial(convert.verify_request_to_proto, m["verify_in"]), verifier_pb2.VerifyRequest,
+             convert.verify_request_from_proto),
+            (partial(convert.verify_response_to_proto, m["verify_out"], 1),
+             verifier_pb2.VerifyResponse, convert.verify_response_from_proto),
+        )  # fmt: skip
+        cells, total = [], 0.0
+        for build, kind, read in pairs:
+            wire = build().SerializeToString()
+            out = per_call_us(lambda b=build: b().SerializeToString(), args.calls, args.repeats)
+            back = per_call_us(
+                lambda k=kind, r=read, w=wire: r(k.FromString(w)), args.calls, args.repeats
+            )
+            cells.append(f"{out:.0f} / {back:.0f}")
+            total += out + back
+        print(f"| {batch} | " + " | ".join(cells) + f" | {total:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
