@@ -133,7 +133,8 @@ def main() -> None:
         try:
             stats = pstats.Stats(str(file))
         except TypeError:  # pstats refuses a profile without calls: an idle main thread
-            print("no calls recorded")
+            error = file.with_suffix(".error")  # written when the profile could not start
+            print(error.read_text().strip() if error.exists() else "no calls recorded")
             continue
         stats.sort_stats("tottime").print_stats(args.top)
 

@@ -291,7 +291,14 @@ def profiled(name: str) -> Iterator[None]:
         try:
             profile.enable()
         except ValueError as e:  # another profiling tool holds the interpreter's hook
-            logging.getLogger(__name__).warning("profile not started: %s", e)
+            # (Python 3.12+: sys.monitoring's profiler id): say which, beside the profile
+            monitoring = getattr(sys, "monitoring", None)
+            holder = None if monitoring is None else monitoring.get_tool(monitoring.PROFILER_ID)
+            message = f"profile not started: {e} (the profiler hook's holder: {holder!r})"
+            logging.getLogger(__name__).warning("%s", message)
+            os.makedirs(directory, exist_ok=True)
+            with open(path.removesuffix(".prof") + ".error", "w") as f:
+                f.write(message + "\n")
 
     def stop(signum: int | None = None, frame: object = None) -> None:
         profile.disable()

@@ -52,3 +52,24 @@ def test_without_the_variable_nothing_is_written(
     monkeypatch.chdir(tmp_path)
     assert cli.main(["generate", "hello"]) == 0
     assert not list(tmp_path.rglob("*.prof"))
+
+
+def test_a_profile_that_cannot_start_says_why_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another tool holding the interpreter's profiler hook (Python 3.12: sys.monitoring's
+    profiler id) leaves an empty profile; the reason goes beside it, for profile_services."""
+    import cProfile
+
+    def taken(self: cProfile.Profile) -> None:
+        raise ValueError("Another profiling tool is already active")
+
+    monkeypatch.setattr(cProfile.Profile, "enable", taken)
+    monkeypatch.setitem(cli.COMMANDS, "generate", _command)
+    monkeypatch.setenv("SPECSPLIT_PROFILE_DIR", str(tmp_path / "prof"))
+    assert cli.main(["generate", "hello"]) == 0
+    (error,) = (tmp_path / "prof").glob("generate-*.error")
+    assert error.read_text().startswith(
+        "profile not started: Another profiling tool is already active (the profiler hook's "
+    )
+    assert error.with_suffix(".prof").exists()
