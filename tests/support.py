@@ -249,10 +249,13 @@ class PassThroughVerifier:
 
 class TimedClients:
     """Wraps the drafter and the verifier clients; records each call's (start, end) and the
-    drafter's inputs. The Verify takes 10 ms more, as on a GPU."""
+    drafter's inputs. The Verify takes `verify_delay` seconds more, as on a GPU."""
 
-    def __init__(self, drafter: DrafterClient, verifier: VerifierClient) -> None:
+    def __init__(
+        self, drafter: DrafterClient, verifier: VerifierClient, verify_delay: float = 0.01
+    ) -> None:
         self.drafter, self.verifier = drafter, verifier
+        self.verify_delay = verify_delay
         self.drafts: list[tuple[float, float]] = []
         self.draft_inputs: list[list[DraftInput]] = []
         self.verifies: list[tuple[float, float]] = []
@@ -285,7 +288,7 @@ class TimedClients:
                 return await timed._timed(timed.verifies, self._slow(inputs))
 
             async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-                await asyncio.sleep(0.01)  # a verify that takes a while, as on a GPU
+                await asyncio.sleep(timed.verify_delay)  # a verify that takes a while
                 return await self.inner.verify(inputs)
 
         return Verifier(timed.verifier)

@@ -97,7 +97,10 @@ def test_groups_draft_and_send_while_the_other_group_is_verified(
     models, smollm2_tokenizer, overlap: str
 ) -> None:
     stack = _stack(models, smollm2_tokenizer, overlap)
-    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
+    # early: a Verify long against a draft even on a loaded CI core (with 10 ms, one group's
+    # draft could outlast the other's Verify there, so that few Verifies went out early)
+    delay = 0.1 if overlap == "groups-early" else 0.01
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, verify_delay=delay)
     stack.scheduler.drafter = timed.drafter_client()
     stack.scheduler.verifier = timed.verifier_client()
     out = generate_all(stack, _requests(4, seed=3))
