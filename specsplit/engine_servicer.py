@@ -24,7 +24,7 @@ import grpc
 
 from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
-from specsplit.lane import SERVICE_POLL_S, LaneServer
+from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
 from specsplit.rounds import RoundRpc
 from specsplit.scopes import ORPHAN_GRACE_S, ConnectionScopes, Scope, grpc_scope_key
@@ -251,12 +251,8 @@ class EngineServicer(Generic[EngineT]):
         return response
 
     async def serve_lane(self, path: str) -> None:
-        """Serve the round lane (specsplit.lane) on the Unix socket `path`. An engine whose
-        calls run on the loop (on a GPU) has the loop poll for each next request for
-        SERVICE_POLL_S after an answer: the loop has nothing else to do, and waking from a sleep
-        costs ~0.1 ms of each round's trip."""
-        spin_s = SERVICE_POLL_S if self.engine.calls_on_loop else 0.0
-        self.lane = LaneServer(self, path, self.round_call[0].request_type, spin_s)
+        """Serve the round lane (specsplit.lane) on the Unix socket `path`."""
+        self.lane = LaneServer(self, path, self.round_call[0].request_type)
         await self.lane.start()
 
     async def close_lane(self) -> None:

@@ -49,7 +49,6 @@ HEADER = struct.Struct("<BI")  # kind or status, body length
 TOKEN_BYTES = 16
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # as gRPC's MAX_MESSAGE_BYTES (specsplit.server)
 MAX_CONNECTIONS = 4  # a LaneConnection's requests in flight at once, one connection each
-SERVICE_POLL_S = 0.005  # a GPU service's loop polls this long for its next request (LaneServer)
 
 
 class Kind(enum.IntEnum):
@@ -83,27 +82,6 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     if length > MAX_FRAME_BYTES:
         raise ConnectionError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
     return kind, await reader.readexactly(length)
-
-
-async def read_polled(reader: asyncio.StreamReader, spin_s: float) -> tuple[int, bytes]:
-    """`read_frame`, the event loop polling meanwhile (a callback that reschedules itself:
-    every other task still runs) for up to `spin_s`, then sleeping: a process that sleeps
-    until the frame comes wakes ~0.1 ms late on a GPU host (bench/rpc_overhead.py: the echo
-    that holds its loop 1.5 ms)."""
-    read = asyncio.ensure_future(read_frame(reader))
-    if spin_s > 0:
-        loop = asyncio.get_running_loop()
-        deadline = time.perf_counter() + spin_s
-
-        def spin() -> None:
-            if not read.done() and time.perf_counter() < deadline:
-                loop.call_soon(spin)
-
-        loop.call_soon(spin)
-    try:
-        return await read
-    finally:
-        read.cancel()  # cancelled itself: do not leave the read running
 
 
 def new_token() -> bytes:
@@ -179,8 +157,24 @@ class LaneSocket:
             raise
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
-        """The response frame, polled for up to `spin_s` (`read_polled`)."""
-        return await read_polled(reader, self.spin_s)
+        """The response frame. While it is awaited the event loop keeps polling (a callback
+        that reschedules itself: every other task still runs) for up to `spin_s`, then sleeps:
+        a process that sleeps through an engine call wakes ~0.1 ms late when the answer comes
+        (bench/rpc_overhead.py: the echo that holds its loop 1.5 ms)."""
+        answer = asyncio.ensure_future(read_frame(reader))
+        if self.spin_s > 0:
+            loop = asyncio.get_running_loop()
+            deadline = time.perf_counter() + self.spin_s
+
+            def spin() -> None:
+                if not answer.done() and time.perf_counter() < deadline:
+                    loop.call_soon(spin)
+
+            loop.call_soon(spin)
+        try:
+            return await answer
+        finally:
+            answer.cancel()  # cancelled itself: do not leave the read running
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
@@ -220,17 +214,10 @@ class LaneServer:
     """The service's end: a Unix socket server on the service's event loop. Each connection
     says HELLO with its token, then asks one request at a time in the token's scope."""
 
-    def __init__(
-        self, service: LaneService, path: str, request_type: Any, spin_s: float = 0.0
-    ) -> None:
-        """spin_s: after each answer, how long the loop polls for the connection's next
-        request before it sleeps (`read_polled`; a serial round's next Verify comes a Draft
-        later: ~2 ms at batch 1 on an H100). 0 = never: where the engine runs on another thread
-        of a shared CPU, polling slows it."""
+    def __init__(self, service: LaneService, path: str, request_type: Any) -> None:
         self.service = service
         self.path = path
         self.request_type = request_type  # the round's request message class
-        self.spin_s = spin_s
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -263,10 +250,9 @@ class LaneServer:
             if kind != Kind.HELLO or len(token) != TOKEN_BYTES:
                 return
             async with self.service.scopes.stream(client_key(token.hex())) as scope:
-                kind, body = await read_frame(reader)
                 while True:
+                    kind, body = await read_frame(reader)
                     writer.write(await self._answer(scope, kind, body))
-                    kind, body = await read_polled(reader, self.spin_s)
         except (EOFError, ConnectionError):
             pass  # the client went away; its scope's orphan grace starts
         finally:

@@ -93,11 +93,7 @@ async def _until(condition: Callable[[], bool]) -> None:
 def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(
     target: Path, tmp_path: Path, poll_s: float
 ) -> None:
-    """Polling: the gateway's loop polls for each answer, and the service's for each next
-    request (as a service whose engine calls run on its loop, on a GPU, does)."""
-
     async def body(host: ServiceHost, address: str) -> None:
-        host.servable.lane.spin_s = poll_s  # type: ignore[attr-defined]
         lane = GrpcVerifierClient(address, lane_poll_s=poll_s)
         grpc_only = GrpcVerifierClient(address, round_lane=False)
         assert lane.lane is not None and grpc_only.lane is None
