@@ -28,10 +28,8 @@ import asyncio
 import contextlib
 import cProfile
 import functools
-import gzip
 import os
 import pstats
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -181,7 +179,7 @@ class RoundTime(EngineTime):
 @contextlib.contextmanager
 def traced(path: str | None) -> Iterator[None]:
     """torch.profiler over the block, every thread's ops and Python frames, exported to `path`
-    (a chrome trace, gzipped); nothing without a path."""
+    (a chrome trace, .json.gz); nothing without a path."""
     if path is None:
         yield
         return
@@ -190,11 +188,7 @@ def traced(path: str | None) -> Iterator[None]:
     with profile(activities=activities, with_stack=True, experimental_config=config) as prof:
         yield
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    plain = path.removesuffix(".gz")
-    prof.export_chrome_trace(plain)
-    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(plain)
+    prof.export_chrome_trace(path)  # gzipped by torch for a path ending in .gz
 
 
 def run(scheduler: Scheduler, requests: list[GenerationRequest]) -> tuple[int, float, float]:
@@ -341,8 +335,10 @@ def main() -> None:
             for timer in (draft_time, verify_time, *parts.values()):
                 timer.reset()
             profilers = engine_profilers(drafter, verifier) if args.cprofile and spec else {}
-            trace = f"{args.trace}/trace_{overlap}_{spec}_b{batch}.json.gz"
-            with traced(trace if args.trace and spec else None):
+            trace = None
+            if args.trace and spec:
+                trace = f"{args.trace}/trace_{overlap}_{spec}_b{batch}.json.gz"
+            with traced(trace):
                 tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
@@ -357,7 +353,7 @@ def main() -> None:
                 f"{name} {t.calls} x {t.ms_per_call:.2f} ms" for name, t in parts.items()
             )
             print(f"|  | ({details}) | | | | | | |", flush=True)
-            if args.trace and spec:
+            if trace is not None:
                 print(trace_gaps.summarise(trace, top=40, min_gap_us=20, match="/"), flush=True)
             for name, (profiler, undo) in profilers.items():
                 undo()

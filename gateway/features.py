@@ -36,7 +36,8 @@ class FeatureRows:
 
     def rows_from(self, index: int) -> torch.Tensor | None:
         """Rows for tokens[index : end], joining only the chunks they span (one chunk's rows
-        are a view of it); None when no row was ever held. `index` >= start."""
+        are a view of it); None when no chunk is held (none yet, or all let go). `index` >=
+        start."""
         assert index >= self.start, (index, self.start)
         if not self.chunks:
             return None
