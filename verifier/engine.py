@@ -24,6 +24,7 @@ from specsplit.kernels.accept import (
     compact_and_pack,
 )
 from specsplit.kernels.accept_sampling import accept_sampling_batched
+from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import (
     MAX_DECODE_STEPS,
@@ -34,7 +35,7 @@ from specsplit.messages import (
     truncate_each,
 )
 from specsplit.model.attention import warm_up_attention
-from specsplit.model.batch import on_device, take_rows, to_device
+from specsplit.model.batch import on_device, to_device
 from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
@@ -513,12 +514,12 @@ class VerifierEngine:
             if tokens is not None:
                 on_device.input_ids = tokens.to(torch.int64)
             out = self.model(on_device, self.kv, aux_layers=aux)
-        # every hidden-state row crosses to the host now, queued before the acceptance's one
-        # device-to-host copy of its results, whose wait covers it; rows are picked there
-        hidden = None if out.hidden_states is None else _to_host(out.hidden_states, torch.bfloat16)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
         packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
+        hidden = None
+        if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
+            hidden = self._accepted_hidden(inputs, out.hidden_states, packed)
         if packed.device.type != "cuda":
             return _Launched(inputs, seqs, packed, hidden)
         host = _to_host(packed)
@@ -668,30 +669,45 @@ class VerifierEngine:
             elif seq.generator is not None:
                 seq.generator.set_state(state)
 
-    def _hidden_states_out(
+    def _accepted_hidden(
         self,
         inputs: list[VerifyInput],
+        hidden_states: torch.Tensor,  # [rows of the step, layers * hidden] on the device
+        packed: torch.Tensor,  # the acceptance's results on the device (`_accept`)
+    ) -> torch.Tensor:
+        """The hidden-state rows the drafter gets, on the host in bfloat16: per sequence that
+        asked, its pending tokens' rows, then its accepted path's, back to back from row 0
+        (`specsplit.kernels.accepted_rows`; from a GPU gathered there and copied
+        asynchronously, valid once the round's results are)."""
+        starts, pending, asks = [], [], []
+        row = 0  # each sequence's p + n hidden rows follow the last's
+        for item in inputs:
+            starts.append(row)
+            pending.append(len(item.pending_tokens))
+            asks.append(bool(item.hidden_state_layers))
+            row += len(item.pending_tokens) + len(item.tree)
+        if hidden_states.device.type != "cuda":
+            return accepted_rows_reference(
+                hidden_states, packed, starts, pending, asks, torch.bfloat16
+            )
+        meta = to_device(torch.tensor([starts, pending, asks], dtype=torch.int64), self.device)
+        return _to_host(accepted_rows(hidden_states, packed, meta, torch.bfloat16))
+
+    @staticmethod
+    def _hidden_states_out(
+        inputs: list[VerifyInput],
         accepted: list[AcceptResult],
-        hidden_states: torch.Tensor,  # [rows of the step, layers * hidden] bf16 on the host
+        hidden: torch.Tensor,  # `_accepted_hidden`'s rows
         results: list[VerifyOutput],
     ) -> None:
         """Each sequence that asked for hidden states gets [p + num_accepted_drafts, layers *
-        hidden]: its pending tokens, then the accepted path."""
-        keep: list[int] = []
-        sizes: list[int] = []
-        askers: list[VerifyOutput] = []
-        start = 0  # each sequence's p + n hidden rows follow the last's
+        hidden]: its pending tokens, then the accepted path (views of `hidden`, back to back)."""
+        row = 0
         for item, path, output in zip(inputs, accepted, results, strict=True):
-            p = len(item.pending_tokens)
             if item.hidden_state_layers:
-                keep += [start + i for i in range(p)]
-                keep += [start + p + node for node in path.accepted_nodes]
-                sizes.append(p + len(path.accepted_nodes))
-                askers.append(output)
-            start += p + len(item.tree)
-        hidden = take_rows(hidden_states, keep)
-        for output, part in zip(askers, hidden.split(sizes), strict=True):
-            output.hidden_states = part
+                end = row + len(item.pending_tokens) + len(path.accepted_nodes)
+                output.hidden_states = hidden[row:end]
+                row = end
 
     def _accept(
         self,

@@ -23,3 +23,16 @@ def test_host_rows_join_on_the_gpu_equals_cat(dtype: torch.dtype) -> None:
         assert out.device.type == "cuda" and out.dtype == dtype
         assert torch.equal(out.cpu(), torch.cat(rows))
     assert host_rows.buffer is not None and host_rows.buffer.is_pinned()
+
+
+def test_host_rows_join_of_one_pinned_buffers_rows_copies_from_it() -> None:
+    """A verify round's rows, split per sequence and sent on in order (in process): one copy
+    straight from their pinned buffer, none through HostRows' own."""
+    pinned = torch.randn(9, 12288).to(torch.bfloat16).pin_memory()
+    host_rows = HostRows()
+    out = host_rows.join([pinned[0:2], pinned[2:2], pinned[2:7]], CUDA)
+    assert torch.equal(out.cpu(), pinned[:7])
+    assert host_rows.buffer is None
+    shuffled = host_rows.join([pinned[2:7], pinned[0:2]], CUDA)  # not in order: through it
+    assert torch.equal(shuffled.cpu(), torch.cat([pinned[2:7], pinned[0:2]]))
+    assert host_rows.buffer is not None
