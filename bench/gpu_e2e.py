@@ -150,6 +150,19 @@ def engine_profilers(
     return out
 
 
+@contextlib.contextmanager
+def profiling(profiler: cProfile.Profile | None) -> Iterator[None]:
+    """`profiler` enabled on this thread for the block (None: nothing)."""
+    if profiler is None:
+        yield
+        return
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+
+
 class RoundTime(EngineTime):
     """Each Verify round's time from its launch to its finish (`VerifierEngine.launch` /
     `finish`, wrapped in place): for pipelined rounds (groups on a GPU) it includes the wait
@@ -243,6 +256,12 @@ def main() -> None:
     parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--eager-drafter", action="store_true", help="no drafter CUDA graphs")
     parser.add_argument(
+        "--cprofile-all",
+        action="store_true",
+        help="cProfile the timed speculative runs as a whole, by own time (Python >= 3.12: "
+        "every thread, the scheduler's included; not with --cprofile: one profiler at a time)",
+    )
+    parser.add_argument(
         "--cprofile",
         action="store_true",
         help="cProfile each engine's calls (on its thread) in the timed speculative runs: the "
@@ -256,6 +275,8 @@ def main() -> None:
         "the host did while the GPU idled",
     )
     args = parser.parse_args()
+    if args.cprofile and args.cprofile_all:
+        parser.error("--cprofile and --cprofile-all: one profiler at a time (Python 3.12)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft_device = args.drafter_device or device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -338,7 +359,8 @@ def main() -> None:
             trace = None
             if args.trace and spec:
                 trace = f"{args.trace}/trace_{overlap}_{spec}_b{batch}.json.gz"
-            with traced(trace):
+            whole = cProfile.Profile() if args.cprofile_all and spec else None
+            with traced(trace), profiling(whole):
                 tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate
@@ -359,6 +381,10 @@ def main() -> None:
                 undo()
                 print(f"\n{name} calls, cProfiled on the engine's thread:")
                 pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            if whole is not None:
+                print("\nthe whole run, cProfiled (every thread on Python >= 3.12):")
+                pstats.Stats(whole).sort_stats("tottime").print_stats(50)
         assert verifier.num_pages_used == 0 and drafter.num_pages_used == 0
 
 

@@ -691,9 +691,11 @@ class Scheduler:
             ids = set(map(id, seqs))
             now = [item for item in self._unstreamed if id(item[0]) in ids]
             self._unstreamed = [item for item in self._unstreamed if id(item[0]) not in ids]
-        for seq, committed in now:
-            chunk = seq.chunk(committed)
-            metrics.observe_commit(seq, committed.out, chunk)
+        chunks = [seq.chunk(committed) for seq, committed in now]
+        metrics.observe_commits(
+            (seq, committed.out, chunk) for (seq, committed), chunk in zip(now, chunks, strict=True)
+        )
+        for (seq, _), chunk in zip(now, chunks, strict=True):
             seq.outbox.put_nowait(chunk)
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:

@@ -9,9 +9,10 @@ their KV pages. All three: RPCs that ended in an error, by gRPC code.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -215,24 +216,43 @@ def observe_session_turn(num_reused_tokens: int) -> None:
     SESSION_TOKENS_REUSED.observe(num_reused_tokens)
 
 
-def observe_commit(seq: TokenClock, out: VerifyOutput, chunk: StreamedChunk) -> None:
-    """One sequence's round outcome (after seq.commit): acceptance, tokens, TTFT, ITL."""
-    ACCEPTED_TOKENS_PER_ROUND.observe(out.num_accepted_tokens)
-    if out.decoded_tokens:
-        DECODED_TOKENS.inc(len(out.decoded_tokens))
-    for depth in range(1, out.num_accepted_drafts + 1):
-        ACCEPTED_DRAFTS.labels(depth=str(depth)).inc()
-    num_tokens = len(chunk.token_ids)
-    if num_tokens == 0:
-        return
-    GENERATED_TOKENS.inc(num_tokens)
-    if seq.last_token_ns is None:
-        TIME_TO_FIRST_TOKEN.observe(chunk.elapsed_ns / 1e9)
-    else:
-        gap = (chunk.elapsed_ns - seq.last_token_ns) / 1e9 / num_tokens
-        for _ in range(num_tokens):
-            INTER_TOKEN_LATENCY.observe(gap)
-    seq.last_token_ns = chunk.elapsed_ns
+def observe_commits(rounds: Iterable[tuple[TokenClock, VerifyOutput, StreamedChunk]]) -> None:
+    """Sequences' round outcomes (after each seq.commit): acceptance, tokens, TTFT, ITL. The
+    counters move once per call, by the rounds' totals (a labelled child and an increment cost
+    ~2-5 us each on the host: per sequence and depth they were ~1 ms a round at batch 32)."""
+    decoded = generated = 0
+    by_depth: list[int] = []  # sequences whose drafts were accepted to depth d + 1
+    for seq, out, chunk in rounds:
+        ACCEPTED_TOKENS_PER_ROUND.observe(out.num_accepted_tokens)
+        decoded += len(out.decoded_tokens)
+        drafts = out.num_accepted_drafts
+        if drafts > len(by_depth):
+            by_depth += [0] * (drafts - len(by_depth))
+        for depth in range(drafts):
+            by_depth[depth] += 1
+        num_tokens = len(chunk.token_ids)
+        if num_tokens == 0:
+            continue
+        generated += num_tokens
+        if seq.last_token_ns is None:
+            TIME_TO_FIRST_TOKEN.observe(chunk.elapsed_ns / 1e9)
+        else:
+            gap = (chunk.elapsed_ns - seq.last_token_ns) / 1e9 / num_tokens
+            for _ in range(num_tokens):
+                INTER_TOKEN_LATENCY.observe(gap)
+        seq.last_token_ns = chunk.elapsed_ns
+    if decoded:
+        DECODED_TOKENS.inc(decoded)
+    for depth, count in enumerate(by_depth, start=1):
+        _accepted_drafts_at(depth).inc(count)
+    if generated:
+        GENERATED_TOKENS.inc(generated)
+
+
+@functools.cache
+def _accepted_drafts_at(depth: int) -> Counter:
+    """ACCEPTED_DRAFTS' child for a depth, made once."""
+    return ACCEPTED_DRAFTS.labels(depth=str(depth))
 
 
 def observe_round(seconds: float, verify_engine_seconds: float) -> None:

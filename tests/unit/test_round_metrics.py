@@ -1,15 +1,18 @@
 """The gateway's round metrics: every round's wall time, and the part of it outside the
-verifier's engine time (what the split and the drafting not hidden cost on the critical path)."""
+verifier's engine time (what the split and the drafting not hidden cost on the critical path);
+a round's commits counted once per round by their totals."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 
 from gateway.request import GenerationRequest
-from specsplit.messages import SpecParams
+from specsplit import metrics
+from specsplit.messages import SpecParams, VerifyOutput
 from tests.support import TINY_VOCAB, generate_all, make_stack, save_tiny_llama
 
 NAMES = ("specsplit_round_seconds", "specsplit_round_outside_verify_seconds")
@@ -47,3 +50,51 @@ def test_every_round_is_timed_and_its_verify_engine_time_taken_out(
     outside, total = (delta[f"{n}_sum"] for n in NAMES[::-1])
     assert 0 < outside < total  # the verifier's engine took part of every verifying round
     assert stack.scheduler.verifier.last_engine_seconds > 0
+
+
+@dataclass
+class _Seq:
+    last_token_ns: int | None = None
+
+
+@dataclass
+class _Chunk:
+    token_ids: list[int]
+    elapsed_ns: int
+
+
+def test_a_rounds_commits_move_each_counter_by_their_totals() -> None:
+    """observe_commits: accepted drafts by depth, decoded and generated tokens, one TTFT per
+    sequence's first tokens and one inter-token gap per later token, as per-sequence counting
+    would give."""
+    names = {
+        "depth1": ("specsplit_accepted_drafts_total", {"depth": "1"}),
+        "depth2": ("specsplit_accepted_drafts_total", {"depth": "2"}),
+        "depth3": ("specsplit_accepted_drafts_total", {"depth": "3"}),
+        "decoded": ("specsplit_decoded_tokens_total", {}),
+        "generated": ("specsplit_generated_tokens_total", {}),
+        "rounds": ("specsplit_accepted_tokens_per_round_count", {}),
+        "ttft": ("specsplit_time_to_first_token_seconds_count", {}),
+        "itl": ("specsplit_inter_token_latency_seconds_count", {}),
+        "itl_sum": ("specsplit_inter_token_latency_seconds_sum", {}),
+    }
+
+    def samples() -> dict[str, float]:
+        return {k: REGISTRY.get_sample_value(n, labels) or 0.0 for k, (n, labels) in names.items()}
+
+    first, later = _Seq(), _Seq(last_token_ns=1_000_000)
+    rounds = [
+        (first, VerifyOutput("a", [4, 5], 6, 9), _Chunk([4, 5, 6], 2_000_000)),
+        (later, VerifyOutput("b", [7, 8, 9], 1, 9), _Chunk([7, 8, 9, 1], 5_000_000)),
+        (_Seq(), VerifyOutput("c", [], 3, 9, decoded_tokens=[2, 2]), _Chunk([], 1)),
+    ]
+    before = samples()
+    metrics.observe_commits(rounds)
+    moved = {k: v - before[k] for k, v in samples().items()}
+    assert moved == pytest.approx(
+        {
+            "depth1": 2, "depth2": 2, "depth3": 1, "decoded": 2, "generated": 7, "rounds": 3,
+            "ttft": 1, "itl": 4, "itl_sum": 4 * (4_000_000 / 1e9 / 4),
+        }
+    )  # fmt: skip
+    assert (first.last_token_ns, later.last_token_ns) == (2_000_000, 5_000_000)
