@@ -10,8 +10,9 @@ host-side pick (on an H100 host a 3 MB host copy takes ~0.3 ms) and no wait for 
 first. `accepted_rows_reference` is the same with the results on the host: the CPU path, and
 what the kernel is tested against.
 
-Kernel: one program per (sequence, column block); each finds its sequence's first output row by
-summing the rows of the sequences before it, then copies its rows' columns. The launch depends
+Kernel: one program per (sequence, column block, row group); each finds its sequence's first
+output row by summing the rows of the sequences before it, then copies its share of the rows'
+columns (a prefill's many rows spread over row groups). The launch depends
 on host ints only, no host sync.
 """
 
@@ -29,6 +30,8 @@ from specsplit.model.batch import take_rows
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
 BLOCK_COLUMNS = 1024  # columns a program copies (the last block masked)
+ROWS_PER_PROGRAM = 16  # rows a program copies at most, up to MAX_ROW_GROUPS programs
+MAX_ROW_GROUPS = 64
 
 
 def accepted_rows_reference(
@@ -39,19 +42,16 @@ def accepted_rows_reference(
     asks: list[bool],  # [B] whether it wants its rows
     dtype: torch.dtype | None = None,  # the output's (None: hidden's)
 ) -> torch.Tensor:
-    """[R, width]: per asking sequence in order, its pending rows and then its accepted nodes'
-    rows (start + p + node), back to back from row 0; the rows after them are zero. The host
-    picks the rows by numpy (`take_rows`: torch's CPU index_select waits for every OpenMP
-    worker)."""
+    """[rows gathered, width] on the CPU: per asking sequence in order, its pending rows and then
+    its accepted nodes' rows (start + p + node), back to back (`accepted_rows` writes the same
+    rows at the head of an [R, width] output). The host picks them by numpy (`take_rows`:
+    torch's CPU index_select waits for every OpenMP worker)."""
     rows: list[int] = []
     for row, start, p, ask in zip(packed.tolist(), starts, pending, asks, strict=False):
         if ask:
             rows += range(start, start + p)
             rows += [start + p + node for node in row[2 : 2 + row[0]]]
-    out = torch.zeros(hidden.shape, dtype=dtype or hidden.dtype, device=hidden.device)
-    if rows:
-        out[: len(rows)] = take_rows(hidden.cpu().to(out.dtype), rows)
-    return out
+    return take_rows(hidden.cpu().to(dtype or hidden.dtype), rows)
 
 
 def _accepted_rows_kernel(
@@ -69,6 +69,8 @@ def _accepted_rows_kernel(
 ):
     b = tl.program_id(0)
     column_block = tl.program_id(1)
+    row_group = tl.program_id(2)  # rows row_group, + num_row_groups, ... of the sequence
+    num_row_groups = tl.num_programs(2)
     seqs = tl.arange(0, BLOCK_B)
     valid = seqs < num_seqs
     asks = tl.load(meta_ptr + 2 * num_seqs + seqs, mask=valid, other=0)
@@ -82,7 +84,7 @@ def _accepted_rows_kernel(
     num_rows = tl.where(ask != 0, p + tl.load(packed_ptr + b * stride_p), 0)
     columns = column_block * BLOCK_W + tl.arange(0, BLOCK_W)
     in_width = columns < width
-    for r in range(0, num_rows):
+    for r in range(row_group, num_rows, num_row_groups):
         node = tl.load(packed_ptr + b * stride_p + 2 + r - p, mask=r >= p, other=0)
         source = tl.where(r < p, start + r, start + p + node).to(tl.int64)
         row = tl.load(hidden_ptr + source * stride_h + columns, mask=in_width)
@@ -108,7 +110,8 @@ def accepted_rows(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`accepted_rows_reference` as one kernel launch, the per-sequence lists in `meta` (on the
-    device), no host sync. The rows after the gathered ones are left as they are (empty)."""
+    device), no host sync: [R, width], the gathered rows at its head, the rest left as they are
+    (empty)."""
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("accepted_rows needs triton; use accepted_rows_reference")
     interpret = interpreting()
@@ -117,7 +120,10 @@ def accepted_rows(
     num_seqs, width = meta.shape[1], hidden.shape[1]
     if num_seqs == 0 or hidden.shape[0] == 0:
         return out
-    grid = (num_seqs, -(-width // BLOCK_COLUMNS))
+    # rows split over programs, about ROWS_PER_PROGRAM each were one sequence to have them all
+    # (a long prompt's); a sequence of fewer rows leaves the groups past them idle
+    row_groups = min(-(-hidden.shape[0] // ROWS_PER_PROGRAM), MAX_ROW_GROUPS)
+    grid = (num_seqs, -(-width // BLOCK_COLUMNS), row_groups)
     _jitted_kernel(interpret)[grid](
         hidden, packed, meta, out, num_seqs, width,
         hidden.stride(0), packed.stride(0), out.stride(0),
