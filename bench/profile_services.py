@@ -2,7 +2,7 @@
 service's main thread under cProfile ($SPECSPLIT_PROFILE_DIR, specsplit/cli.py), --batch
 concurrent streams of --max-new-tokens each (bundled chat prompts, greedy) after a warm-up at
 that batch: once unprofiled (exact means per round from the services' histograms), then once
-profiled from start to end of that run only (SIGUSR1 / SIGUSR2 to the services), then the top
+profiled from start to end of that run only (a SIGUSR2 to the services at each end), then the top
 functions of each process by own time.
 
 On a GPU the engine calls run on the services' main threads (--engine-calls auto), so their
@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--target-only", action="store_true", help="num_steps 0 per request")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--keep", default=None, help="copy the .prof files into this directory")
+    parser.add_argument(
+        "--services-log", default=None, help="append the services' output to this file"
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
@@ -110,7 +113,7 @@ def main() -> None:
             totals = Counter(scrape_totals())
             totals.subtract(before)
             pids = service_pids(directory)
-            signal_all(pids, signal.SIGUSR1)  # profiles start
+            signal_all(pids, signal.SIGUSR2)  # profiles start
             outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec)
             signal_all(pids, signal.SIGUSR2)  # and stop, written
             time.sleep(1.0)

@@ -273,11 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def profiled(name: str) -> Iterator[None]:
     """With $SPECSPLIT_PROFILE_DIR set (a developer's switch, for benches): the command's main
-    thread under cProfile between SIGUSR1 (start) and SIGUSR2 (stop), its stats written to
+    thread under cProfile from one SIGUSR2 to the next (a toggle), its stats written to
     DIR/<name>-<pid>.prof at each stop and when the command returns. bench/profile_services.py
     signals the three services around its timed run, so loading and warm-up stay out. The event
     loop runs on the main thread, and on a GPU the engine calls too (--engine-calls); an engine
-    thread's calls on the CPU are not in it."""
+    thread's calls on the CPU are not in it. Not SIGUSR1: in the GPU services something loaded
+    after this handler takes that signal over, and a Python handler for it never runs there."""
     directory = os.environ.get("SPECSPLIT_PROFILE_DIR")
     if not directory:
         yield
@@ -287,9 +288,10 @@ def profiled(name: str) -> Iterator[None]:
     profile = cProfile.Profile()
     path = os.path.join(directory, f"{name}-{os.getpid()}.prof")
 
-    def start(signum: int, frame: object) -> None:
+    def start() -> None:
         try:
             profile.enable()
+            logging.getLogger(__name__).info("profile started: %s", path)
         except ValueError as e:  # another profiling tool holds the interpreter's hook
             # (Python 3.12+: sys.monitoring's profiler id): say which, beside the profile
             monitoring = getattr(sys, "monitoring", None)
@@ -300,18 +302,26 @@ def profiled(name: str) -> Iterator[None]:
             with open(path.removesuffix(".prof") + ".error", "w") as f:
                 f.write(message + "\n")
 
-    def stop(signum: int | None = None, frame: object = None) -> None:
+    def stop() -> None:
         profile.disable()
         os.makedirs(directory, exist_ok=True)
         profile.dump_stats(path)
+        functions = len(profile.getstats())
+        logging.getLogger(__name__).info("profile written: %s, %d functions", path, functions)
 
-    handlers = signal.signal(signal.SIGUSR1, start), signal.signal(signal.SIGUSR2, stop)
+    running = False
+
+    def toggle(signum: int, frame: object) -> None:
+        nonlocal running
+        running = not running
+        (start if running else stop)()
+
+    handler = signal.signal(signal.SIGUSR2, toggle)
     try:
         yield
     finally:
         stop()
-        signal.signal(signal.SIGUSR1, handlers[0])
-        signal.signal(signal.SIGUSR2, handlers[1])
+        signal.signal(signal.SIGUSR2, handler)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.kernels.triton_jit import check_device, interpreting, jit
 from specsplit.model.batch import take_rows
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
@@ -32,6 +32,7 @@ tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 BLOCK_COLUMNS = 1024  # columns a program copies (the last block masked)
 ROWS_PER_PROGRAM = 16  # rows a program copies at most, up to MAX_ROW_GROUPS programs
 MAX_ROW_GROUPS = 64
+BLOCK_SEQS = 64  # sequences a program sums at once for its first output row
 
 
 def accepted_rows_reference(
@@ -64,20 +65,23 @@ def _accepted_rows_kernel(
     stride_h,
     stride_p,
     stride_o,
-    BLOCK_B: tl.constexpr,  # next power of two >= num_seqs
+    BLOCK_B: tl.constexpr,  # sequences summed at once
     BLOCK_W: tl.constexpr,
 ):
     b = tl.program_id(0)
     column_block = tl.program_id(1)
     row_group = tl.program_id(2)  # rows row_group, + num_row_groups, ... of the sequence
     num_row_groups = tl.num_programs(2)
-    seqs = tl.arange(0, BLOCK_B)
-    valid = seqs < num_seqs
-    asks = tl.load(meta_ptr + 2 * num_seqs + seqs, mask=valid, other=0)
-    p_all = tl.load(meta_ptr + num_seqs + seqs, mask=valid, other=0)
-    a_all = tl.load(packed_ptr + seqs * stride_p, mask=valid, other=0)
-    keep = tl.where(asks != 0, p_all + a_all, 0)
-    offset = tl.reduce(tl.where(seqs < b, keep, 0), 0, tl.standard._sum_combine)
+    # the first output row: the rows of the sequences before this one, BLOCK_B at a time
+    offset = tl.load(meta_ptr) * 0  # an int64 zero (starts[0])
+    for first in range(0, b, BLOCK_B):
+        seqs = first + tl.arange(0, BLOCK_B)
+        before = seqs < b
+        asks = tl.load(meta_ptr + 2 * num_seqs + seqs, mask=before, other=0)
+        p_all = tl.load(meta_ptr + num_seqs + seqs, mask=before, other=0)
+        a_all = tl.load(packed_ptr + seqs * stride_p, mask=before, other=0)
+        keep = tl.where(asks != 0, p_all + a_all, 0)
+        offset += tl.reduce(keep, 0, tl.standard._sum_combine)
     start = tl.load(meta_ptr + b)
     p = tl.load(meta_ptr + num_seqs + b)
     ask = tl.load(meta_ptr + 2 * num_seqs + b)
@@ -99,8 +103,9 @@ def _accepted_rows_kernel(
 @functools.cache
 def _jitted_kernel(interpret: bool) -> Any:
     """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key); the batch
-    and the width are not specialised per value class."""
-    return jit(_accepted_rows_kernel, do_not_specialize=("num_seqs",))
+    and the results' row stride (2 + the tree width) are not specialised per value class, and
+    no block size follows the batch: one build serves every round of a model."""
+    return jit(_accepted_rows_kernel, do_not_specialize=("num_seqs", "stride_p"))
 
 
 def accepted_rows(
@@ -127,7 +132,7 @@ def accepted_rows(
     _jitted_kernel(interpret)[grid](
         hidden, packed, meta, out, num_seqs, width,
         hidden.stride(0), packed.stride(0), out.stride(0),
-        BLOCK_B=next_power_of_2(num_seqs), BLOCK_W=BLOCK_COLUMNS, num_warps=4,
+        BLOCK_B=BLOCK_SEQS, BLOCK_W=BLOCK_COLUMNS, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -16,13 +16,14 @@ from specsplit.model.loader import load_model
 from specsplit.tree import DraftTree
 from tests.gpu.test_cuda_graph_hidden_states import _rounds
 from tests.support import TINY_VOCAB, save_tiny_llama
-from tests.unit.test_accepted_rows import CASES, make_round, meta_of, num_kept
+from tests.unit.test_accepted_rows import CASES, MANY, make_round, meta_of, num_kept
 from verifier.engine import VerifierEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 CUDA = torch.device("cuda")
 SHAPES = {
     **CASES,
+    "more-sequences-than-a-block": MANY,
     "8b-features-batch-32": ([1] * 32, [3] * 32, [True] * 32, 3 * 4096),
     "batch-64-trees": ([1, 5] * 32, [8, 3] * 32, [True, False] * 32, 576 * 3),
     "prefill-1000-beside-31-rounds": ([1000] + [1] * 31, [0] + [3] * 31, [True] * 32, 3 * 4096),

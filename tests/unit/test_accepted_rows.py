@@ -71,6 +71,8 @@ CASES = {
     "none-asks": ([1, 1], [3, 3], [False, False], 16),
     "long-prompt-row-groups": ([70, 1, 1], [0, 3, 2], [True, True, True], 24),
 }
+# more sequences than the kernel sums at once (BLOCK_SEQS): one seed, slow interpreted
+MANY = ([1, 2] * 35, [2, 1] * 35, [True, True, False] * 23 + [True], 8)
 
 
 @pytest.mark.parametrize("extra_rows", [0, 3], ids=["exact", "padded"])
@@ -84,6 +86,14 @@ def test_kernel_equals_reference(case: str, extra_rows: int) -> None:
         num = num_kept(packed, pending, asks)
         assert expected.shape == (num, width)
         assert torch.equal(got[:num], expected), (case, seed)
+
+
+def test_kernel_sums_the_rows_before_past_a_block_of_sequences() -> None:
+    pending, nodes, asks, width = MANY
+    hidden, packed, starts = make_round(pending, nodes, asks, width, seed=5, extra_rows=1)
+    expected = accepted_rows_reference(hidden, packed, starts, pending, asks)
+    got = accepted_rows(hidden, packed, meta_of(starts, pending, asks))
+    assert torch.equal(got[: expected.shape[0]], expected)
 
 
 def test_kernel_writes_the_dtype_asked() -> None:

@@ -1,4 +1,4 @@
-"""$SPECSPLIT_PROFILE_DIR: a command's main thread under cProfile between SIGUSR1 and SIGUSR2,
+"""$SPECSPLIT_PROFILE_DIR: a command's main thread under cProfile from one SIGUSR2 to the next,
 its stats written at the stop and when it returns (bench/profile_services.py reads them)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _outside() -> int:
 
 def _command(args: argparse.Namespace) -> int:
     _outside()  # before the start: not profiled
-    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR2)
     _inside()
     os.kill(os.getpid(), signal.SIGUSR2)
     _outside()
@@ -36,12 +36,12 @@ def test_the_window_between_the_signals_is_profiled(
 ) -> None:
     monkeypatch.setitem(cli.COMMANDS, "generate", _command)
     monkeypatch.setenv("SPECSPLIT_PROFILE_DIR", str(tmp_path / "prof"))
-    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
+    before = signal.getsignal(signal.SIGUSR2)
     assert cli.main(["generate", "hello"]) == 0
     (file,) = (tmp_path / "prof").glob("generate-*.prof")
     functions = {name for _, _, name in pstats.Stats(str(file)).stats}  # type: ignore[attr-defined]
     assert "_inside" in functions and "_outside" not in functions
-    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)) == before
+    assert signal.getsignal(signal.SIGUSR2) == before
 
 
 def test_without_the_variable_nothing_is_written(
