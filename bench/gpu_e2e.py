@@ -150,19 +150,6 @@ def engine_profilers(
     return out
 
 
-@contextlib.contextmanager
-def profiling(profiler: cProfile.Profile | None) -> Iterator[None]:
-    """`profiler` enabled on this thread for the block (None: nothing)."""
-    if profiler is None:
-        yield
-        return
-    profiler.enable()
-    try:
-        yield
-    finally:
-        profiler.disable()
-
-
 class RoundTime(EngineTime):
     """Each Verify round's time from its launch to its finish (`VerifierEngine.launch` /
     `finish`, wrapped in place): for pipelined rounds (groups on a GPU) it includes the wait
@@ -360,7 +347,7 @@ def main() -> None:
             if args.trace and spec:
                 trace = f"{args.trace}/trace_{overlap}_{spec}_b{batch}.json.gz"
             whole = cProfile.Profile() if args.cprofile_all and spec else None
-            with traced(trace), profiling(whole):
+            with traced(trace), whole or contextlib.nullcontext():  # a Profile enables itself
                 tokens, seconds, accepted = run(scheduler, requests)
             rate = tokens / seconds
             base = base or rate

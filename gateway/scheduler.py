@@ -691,11 +691,9 @@ class Scheduler:
             ids = set(map(id, seqs))
             now = [item for item in self._unstreamed if id(item[0]) in ids]
             self._unstreamed = [item for item in self._unstreamed if id(item[0]) not in ids]
-        chunks = [seq.chunk(committed) for seq, committed in now]
-        metrics.observe_commits(
-            (seq, committed.out, chunk) for (seq, committed), chunk in zip(now, chunks, strict=True)
-        )
-        for (seq, _), chunk in zip(now, chunks, strict=True):
+        made = [(seq, committed.out, seq.chunk(committed)) for seq, committed in now]
+        metrics.observe_commits(made)
+        for seq, _, chunk in made:
             seq.outbox.put_nowait(chunk)
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:

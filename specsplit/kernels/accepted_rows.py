@@ -12,8 +12,8 @@ what the kernel is tested against.
 
 Kernel: one program per (sequence, column block, row group); each finds its sequence's first
 output row by summing the rows of the sequences before it, then copies its share of the rows'
-columns (a prefill's many rows spread over row groups). The launch depends
-on host ints only, no host sync.
+columns (a prefill's many rows spread over row groups). The launch depends on host ints only,
+no host sync.
 """
 
 from __future__ import annotations
