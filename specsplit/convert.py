@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 import torch
 
@@ -183,216 +184,303 @@ def tree_from_proto(msg: common_pb2.DraftTree, field: str = "tree") -> DraftTree
     return DraftTree(tokens=list(msg.tokens), parents=list(msg.parents), draft_probs=probs)
 
 
+# -- columns ---------------------------------------------------------------------------------
+# A round's request and response carry their sequences in columns (the .proto files): entry i
+# of a per-sequence column is sequence i's; a flat column holds the sequences' lists back to
+# back by a count column. Each column is read with one call; what few sequences carry (sampling,
+# draft probabilities, draft-ahead) travels as an indexed message beside the columns.
+
+
+def _column(values: Any, num_seqs: int, field: str, default: Any = None) -> list[Any]:
+    """A per-sequence column as a list: `num_seqs` entries, or none when it may be left empty
+    (`default` for every sequence)."""
+    column = list(values)
+    if not column and default is not None:
+        return [default] * num_seqs
+    if len(column) != num_seqs:
+        raise invalid(f"{field} has {len(column)} entries for {num_seqs} sequences")
+    return column
+
+
+def _split(flat: Any, counts: list[int], field: str, count_field: str) -> list[list[int]]:
+    """Each sequence's list of a flat column, `counts[i]` entries for sequence i."""
+    values = list(flat)
+    if counts and min(counts) < 0:
+        raise invalid(f"{count_field}: a sequence's count is negative ({min(counts)})")
+    if sum(counts) != len(values):
+        raise invalid(f"{field} has {len(values)} entries, {count_field} sums to {sum(counts)}")
+    parts, at = [], 0
+    for n in counts:
+        parts.append(values[at : at + n])
+        at += n
+    return parts
+
+
+def _lists(msg: Any, num_seqs: int, counts: str, flat: str, default: Any = None) -> list[Any]:
+    """Each sequence's list of the flat column `flat`, by the count column `counts`."""
+    column = _column(getattr(msg, counts), num_seqs, counts, default)
+    return _split(getattr(msg, flat), column, flat, counts)
+
+
+def _indexed(entries: Any, num_seqs: int, field: str) -> dict[int, Any]:
+    """An indexed side message per sequence that has one, by index (in order, each once)."""
+    by_index: dict[int, Any] = {}
+    last = -1
+    for entry in entries:
+        if not last < entry.index < num_seqs:
+            raise invalid(f"{field}: index {entry.index} out of order or outside [0, {num_seqs})")
+        by_index[entry.index] = entry
+        last = entry.index
+    return by_index
+
+
+def _fill_trees(msg: Any, trees: list[DraftTree], nodes: str, tokens: str, parents: str) -> None:
+    getattr(msg, nodes).extend([len(tree) for tree in trees])
+    getattr(msg, tokens).extend([t for tree in trees for t in tree.tokens])
+    getattr(msg, parents).extend([p for tree in trees for p in tree.parents])
+
+
+def _read_trees(msg: Any, num_seqs: int, nodes: str, tokens: str, parents: str) -> list[DraftTree]:
+    """Each sequence's tree from the three columns (no draft probabilities: see _indexed)."""
+    counts = _column(getattr(msg, nodes), num_seqs, nodes, default=0)
+    token_lists = _split(getattr(msg, tokens), counts, tokens, nodes)
+    parent_lists = _split(getattr(msg, parents), counts, parents, nodes)
+    return [DraftTree(t, p) for t, p in zip(token_lists, parent_lists, strict=True)]
+
+
+def _row_counts(per_sequence: list[torch.Tensor | None]) -> list[int]:
+    """A rows column: each sequence's row count, -1 for none; empty when no sequence has rows."""
+    if all(rows is None for rows in per_sequence):
+        return []
+    return [-1 if rows is None else rows.shape[0] for rows in per_sequence]
+
+
+def _rows_of(msg: Any, counts: Any, num_seqs: int, field: str, count_field: str) -> list[Any]:
+    column = _column(counts, num_seqs, count_field, default=-1)
+    return _split_rows(msg, [None if n == -1 else n for n in column], field)
+
+
 # -- drafter ---------------------------------------------------------------------------------
 
 GREEDY = SamplingParams()  # travels as an unset field
 
 
-def draft_input_to_proto(item: DraftInput) -> drafter_pb2.SequenceDraftInput:
-    msg = drafter_pb2.SequenceDraftInput()
-    _fill_draft_input(msg, item)
-    return msg
-
-
-def _fill_draft_input(msg: drafter_pb2.SequenceDraftInput, item: DraftInput) -> None:
-    msg.seq_id = item.seq_id
-    msg.begin = item.begin
-    msg.start = item.start
-    msg.new_tokens.extend(item.new_tokens)
-    msg.target_kv_committed_len = item.target_kv_committed_len
-    spec = msg.spec  # filled in place: a message built apart and copied in is built twice
-    spec.num_steps, spec.topk, spec.num_draft_tokens = (
-        item.spec.num_steps,
-        item.spec.topk,
-        item.spec.num_draft_tokens,
-    )
-    if item.sampling != GREEDY:  # greedy travels unset, as in a Verify
-        msg.sampling.CopyFrom(sampling_to_proto(item.sampling))
-    if item.target_hidden_states is not None:  # the rows go in the request's one tensor
-        msg.num_target_rows = item.target_hidden_states.shape[0]
-    if item.ahead_guesses:
-        _fill_tree(msg.verifying, item.verifying)
-        msg.ahead_guesses = item.ahead_guesses
-
-
-def draft_input_from_proto(
-    msg: drafter_pb2.SequenceDraftInput, hidden: torch.Tensor | None = None
-) -> DraftInput:
-    """`hidden`: its rows of the request's target_hidden_states (draft_request_from_proto)."""
-    return DraftInput(
-        seq_id=msg.seq_id,
-        begin=msg.begin,
-        start=msg.start,
-        new_tokens=list(msg.new_tokens),
-        spec=spec_from_proto(msg.spec),
-        sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else GREEDY,
-        target_kv_committed_len=msg.target_kv_committed_len,
-        target_hidden_states=hidden,
-        verifying=tree_from_proto(msg.verifying, f"{msg.seq_id}.verifying")
-        if msg.HasField("verifying")
-        else DraftTree(),
-        ahead_guesses=msg.ahead_guesses,
-    )
-
-
-def draft_output_to_proto(item: DraftOutput) -> drafter_pb2.SequenceDraftOutput:
-    msg = drafter_pb2.SequenceDraftOutput()
-    _fill_draft_output(msg, item)
-    return msg
-
-
-def _fill_draft_output(msg: drafter_pb2.SequenceDraftOutput, item: DraftOutput) -> None:
-    msg.seq_id = item.seq_id
-    _fill_tree(msg.tree, item.tree)
-    msg.kv_committed_len = item.kv_committed_len
-    msg.hidden_state_layers.extend(item.hidden_state_layers)
-    for ahead in item.ahead:
-        entry = msg.ahead.add()
-        entry.tokens.extend(ahead.tokens)
-        _fill_tree(entry.tree, ahead.tree)
-
-
-def draft_output_from_proto(msg: drafter_pb2.SequenceDraftOutput) -> DraftOutput:
-    return DraftOutput(
-        seq_id=msg.seq_id,
-        tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree"),
-        kv_committed_len=msg.kv_committed_len,
-        hidden_state_layers=tuple(msg.hidden_state_layers),
-        ahead=[
-            AheadTree(list(a.tokens), tree_from_proto(a.tree, f"{msg.seq_id}.ahead"))
-            for a in msg.ahead
-        ],
-    )
-
-
 def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest:
     msg = drafter_pb2.DraftRequest()
-    for item in inputs:
-        _fill_draft_input(msg.sequences.add(), item)
-    _fill_rows(msg.target_hidden_states, [item.target_hidden_states for item in inputs])
+    msg.seq_ids.extend([item.seq_id for item in inputs])
+    msg.begin.extend([item.begin for item in inputs])
+    msg.start.extend([item.start for item in inputs])
+    msg.num_new_tokens.extend([len(item.new_tokens) for item in inputs])
+    msg.new_tokens.extend([t for item in inputs for t in item.new_tokens])
+    msg.target_kv_committed_len.extend([item.target_kv_committed_len for item in inputs])
+    msg.num_steps.extend([item.spec.num_steps for item in inputs])
+    msg.topk.extend([item.spec.topk for item in inputs])
+    msg.num_draft_tokens.extend([item.spec.num_draft_tokens for item in inputs])
+    hidden = [item.target_hidden_states for item in inputs]
+    msg.num_target_rows.extend(_row_counts(hidden))
+    _fill_rows(msg.target_hidden_states, hidden)
+    for i, item in enumerate(inputs):
+        if item.sampling != GREEDY or item.ahead_guesses:
+            options = msg.options.add(index=i)
+            if item.sampling != GREEDY:
+                options.sampling.CopyFrom(sampling_to_proto(item.sampling))
+            if item.ahead_guesses:
+                _fill_tree(options.verifying, item.verifying)
+                options.ahead_guesses = item.ahead_guesses
     return msg
 
 
 def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
-    counts = [s.num_target_rows if s.HasField("num_target_rows") else None for s in msg.sequences]
-    rows = _split_rows(msg.target_hidden_states, counts, "target_hidden_states")
-    return [draft_input_from_proto(s, r) for s, r in zip(msg.sequences, rows, strict=True)]
+    seq_ids = list(msg.seq_ids)
+    n = len(seq_ids)
+    new_tokens = _lists(msg, n, "num_new_tokens", "new_tokens")
+    rows = _rows_of(
+        msg.target_hidden_states, msg.num_target_rows, n, "target_hidden_states", "num_target_rows"
+    )
+    inputs = [
+        DraftInput(seq_id, begin, start, tokens, SpecParams(steps, topk or 1, nodes),
+                   GREEDY, committed, hidden)
+        for seq_id, begin, start, tokens, steps, topk, nodes, committed, hidden in zip(
+            seq_ids,
+            _column(msg.begin, n, "begin"),
+            _column(msg.start, n, "start"),
+            new_tokens,
+            _column(msg.num_steps, n, "num_steps"),
+            _column(msg.topk, n, "topk"),
+            _column(msg.num_draft_tokens, n, "num_draft_tokens"),
+            _column(msg.target_kv_committed_len, n, "target_kv_committed_len"),
+            rows,
+            strict=True,
+        )
+    ]  # fmt: skip
+    for i, options in _indexed(msg.options, n, "options").items():
+        item = inputs[i]
+        if options.HasField("sampling"):
+            item.sampling = sampling_from_proto(options.sampling)
+        if options.HasField("verifying"):
+            item.verifying = tree_from_proto(options.verifying, f"{item.seq_id}.verifying")
+        item.ahead_guesses = options.ahead_guesses
+    return inputs
 
 
 def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafter_pb2.DraftResponse:
     msg = drafter_pb2.DraftResponse(draft_ns=draft_ns)
-    for item in outputs:
-        _fill_draft_output(msg.sequences.add(), item)
+    msg.seq_ids.extend([item.seq_id for item in outputs])
+    _fill_trees(
+        msg, [item.tree for item in outputs], "num_tree_nodes", "tree_tokens", "tree_parents"
+    )
+    msg.kv_committed_len.extend([item.kv_committed_len for item in outputs])
+    layers = {item.hidden_state_layers for item in outputs}
+    if len(layers) > 1:
+        raise ValueError(f"a drafter's outputs name different hidden_state_layers: {layers}")
+    msg.hidden_state_layers.extend(layers.pop() if layers else ())
+    for i, item in enumerate(outputs):
+        if item.tree.draft_probs is not None or item.ahead:
+            extras = msg.extras.add(index=i)
+            if item.tree.draft_probs is not None:
+                _fill_tensor(extras.draft_probs, item.tree.draft_probs)
+            for ahead in item.ahead:
+                entry = extras.ahead.add()
+                entry.tokens.extend(ahead.tokens)
+                _fill_tree(entry.tree, ahead.tree)
     return msg
 
 
 def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutput]:
-    return [draft_output_from_proto(s) for s in msg.sequences]
+    seq_ids = list(msg.seq_ids)
+    n = len(seq_ids)
+    layers = tuple(msg.hidden_state_layers)
+    trees = _read_trees(msg, n, "num_tree_nodes", "tree_tokens", "tree_parents")
+    outputs = [
+        DraftOutput(seq_id, tree, committed, layers)
+        for seq_id, tree, committed in zip(
+            seq_ids, trees, _column(msg.kv_committed_len, n, "kv_committed_len"), strict=True
+        )
+    ]
+    for i, extras in _indexed(msg.extras, n, "extras").items():
+        item = outputs[i]
+        if extras.HasField("draft_probs"):
+            item.tree.draft_probs = tensor_from_proto(
+                extras.draft_probs, f"{item.seq_id}.draft_probs"
+            )
+        item.ahead = [
+            AheadTree(list(a.tokens), tree_from_proto(a.tree, f"{item.seq_id}.ahead"))
+            for a in extras.ahead
+        ]
+    return outputs
 
 
 # -- verifier --------------------------------------------------------------------------------
 
 
-def verify_input_to_proto(item: VerifyInput) -> verifier_pb2.SequenceVerifyInput:
-    msg = verifier_pb2.SequenceVerifyInput()
-    _fill_verify_input(msg, item)
-    return msg
-
-
-def _fill_verify_input(msg: verifier_pb2.SequenceVerifyInput, item: VerifyInput) -> None:
-    """An empty tree and greedy sampling travel as unset fields (they read back as such): per
-    sequence and round, two sub-messages fewer to build and parse."""
-    msg.seq_id = item.seq_id
-    msg.begin = item.begin
-    msg.kv_committed_len = item.kv_committed_len
-    msg.pending_tokens.extend(item.pending_tokens)
-    msg.hidden_state_layers.extend(item.hidden_state_layers)
-    if item.decode_steps != 1:
-        msg.decode_steps = item.decode_steps
-    if item.tree.tokens:
-        _fill_tree(msg.tree, item.tree)
-    if item.sampling != GREEDY:
-        msg.sampling.CopyFrom(sampling_to_proto(item.sampling))
-
-
-def verify_input_from_proto(msg: verifier_pb2.SequenceVerifyInput) -> VerifyInput:
-    return VerifyInput(
-        seq_id=msg.seq_id,
-        begin=msg.begin,
-        kv_committed_len=msg.kv_committed_len,
-        pending_tokens=list(msg.pending_tokens),
-        tree=tree_from_proto(msg.tree, f"{msg.seq_id}.tree")
-        if msg.HasField("tree")
-        else DraftTree(),
-        sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else GREEDY,
-        hidden_state_layers=tuple(msg.hidden_state_layers),
-        decode_steps=msg.decode_steps or 1,
-    )
-
-
-def verify_output_to_proto(item: VerifyOutput) -> verifier_pb2.SequenceVerifyOutput:
-    msg = verifier_pb2.SequenceVerifyOutput()
-    _fill_verify_output(msg, item)
-    return msg
-
-
-def _fill_verify_output(msg: verifier_pb2.SequenceVerifyOutput, item: VerifyOutput) -> None:
-    msg.seq_id = item.seq_id
-    msg.accepted_tokens.extend(item.accepted_tokens)
-    msg.bonus_token = item.bonus_token
-    msg.num_accepted_drafts = item.num_accepted_drafts
-    msg.num_accepted_tokens = item.num_accepted_tokens
-    msg.kv_committed_len = item.kv_committed_len
-    msg.decoded_tokens.extend(item.decoded_tokens)
-    if item.hidden_states is not None:  # the rows go in the response's one tensor
-        msg.num_hidden_rows = item.hidden_states.shape[0]
-
-
-def verify_output_from_proto(
-    msg: verifier_pb2.SequenceVerifyOutput, hidden: torch.Tensor | None = None
-) -> VerifyOutput:
-    """`hidden`: its rows of the response's hidden_states (verify_response_from_proto)."""
-    accepted = list(msg.accepted_tokens)
-    if msg.num_accepted_drafts != len(accepted) or msg.num_accepted_tokens != len(accepted) + 1:
-        raise invalid(
-            f"{msg.seq_id}: num_accepted_drafts = {msg.num_accepted_drafts}, num_accepted_tokens"
-            f" = {msg.num_accepted_tokens} disagree with {len(accepted)} accepted_tokens"
-        )
-    return VerifyOutput(
-        seq_id=msg.seq_id,
-        accepted_tokens=accepted,
-        bonus_token=msg.bonus_token,
-        kv_committed_len=msg.kv_committed_len,
-        hidden_states=hidden,
-        decoded_tokens=list(msg.decoded_tokens),
-    )
-
-
 def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyRequest:
+    """Greedy sampling and no draft probabilities travel as no `sampled` entry; decode_steps
+    and wants_hidden_states as empty columns when every sequence has the default."""
     msg = verifier_pb2.VerifyRequest()
-    for item in inputs:
-        _fill_verify_input(msg.sequences.add(), item)
+    msg.seq_ids.extend([item.seq_id for item in inputs])
+    msg.begin.extend([item.begin for item in inputs])
+    msg.kv_committed_len.extend([item.kv_committed_len for item in inputs])
+    msg.num_pending_tokens.extend([len(item.pending_tokens) for item in inputs])
+    msg.pending_tokens.extend([t for item in inputs for t in item.pending_tokens])
+    _fill_trees(
+        msg, [item.tree for item in inputs], "num_tree_nodes", "tree_tokens", "tree_parents"
+    )
+    steps = [item.decode_steps for item in inputs]
+    if any(n != 1 for n in steps):
+        msg.decode_steps.extend(steps)
+    layers = {item.hidden_state_layers for item in inputs} - {()}
+    if layers:
+        if len(layers) > 1:  # the verifier refuses it; the wire cannot carry it
+            raise invalid(
+                "hidden_state_layers must be the same for every sequence of a round that asks"
+                " for hidden states"
+            )
+        msg.hidden_state_layers.extend(layers.pop())
+        msg.wants_hidden_states.extend([bool(item.hidden_state_layers) for item in inputs])
+    for i, item in enumerate(inputs):
+        if item.sampling != GREEDY or item.tree.draft_probs is not None:
+            sampled = msg.sampled.add(index=i)
+            if item.sampling != GREEDY:
+                sampled.sampling.CopyFrom(sampling_to_proto(item.sampling))
+            if item.tree.draft_probs is not None:
+                _fill_tensor(sampled.draft_probs, item.tree.draft_probs)
     return msg
 
 
 def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInput]:
-    return [verify_input_from_proto(s) for s in msg.sequences]
+    seq_ids = list(msg.seq_ids)
+    n = len(seq_ids)
+    pending = _lists(msg, n, "num_pending_tokens", "pending_tokens")
+    layers = tuple(msg.hidden_state_layers)
+    wants = _column(msg.wants_hidden_states, n, "wants_hidden_states", default=False)
+    if any(wants) and not layers:
+        raise invalid("wants_hidden_states set with no hidden_state_layers")
+    inputs = [
+        VerifyInput(seq_id, begin, committed, tokens, tree, GREEDY,
+                    layers if wanted else (), steps or 1)
+        for seq_id, begin, committed, tokens, tree, wanted, steps in zip(
+            seq_ids,
+            _column(msg.begin, n, "begin"),
+            _column(msg.kv_committed_len, n, "kv_committed_len"),
+            pending,
+            _read_trees(msg, n, "num_tree_nodes", "tree_tokens", "tree_parents"),
+            wants,
+            _column(msg.decode_steps, n, "decode_steps", default=1),
+            strict=True,
+        )
+    ]  # fmt: skip
+    for i, sampled in _indexed(msg.sampled, n, "sampled").items():
+        item = inputs[i]
+        if sampled.HasField("sampling"):
+            item.sampling = sampling_from_proto(sampled.sampling)
+        if sampled.HasField("draft_probs"):
+            item.tree.draft_probs = tensor_from_proto(
+                sampled.draft_probs, f"{item.seq_id}.tree.draft_probs"
+            )
+    return inputs
 
 
 def verify_response_to_proto(
     outputs: list[VerifyOutput], verify_ns: int
 ) -> verifier_pb2.VerifyResponse:
     msg = verifier_pb2.VerifyResponse(verify_ns=verify_ns)
-    for item in outputs:
-        _fill_verify_output(msg.sequences.add(), item)
-    _fill_rows(msg.hidden_states, [item.hidden_states for item in outputs])
+    msg.seq_ids.extend([item.seq_id for item in outputs])
+    msg.num_accepted_drafts.extend([len(item.accepted_tokens) for item in outputs])
+    msg.num_accepted_tokens.extend([len(item.accepted_tokens) + 1 for item in outputs])
+    msg.accepted_tokens.extend([t for item in outputs for t in item.accepted_tokens])
+    msg.bonus_token.extend([item.bonus_token for item in outputs])
+    msg.kv_committed_len.extend([item.kv_committed_len for item in outputs])
+    if any(item.decoded_tokens for item in outputs):
+        msg.num_decoded_tokens.extend([len(item.decoded_tokens) for item in outputs])
+        msg.decoded_tokens.extend([t for item in outputs for t in item.decoded_tokens])
+    hidden = [item.hidden_states for item in outputs]
+    msg.num_hidden_rows.extend(_row_counts(hidden))
+    _fill_rows(msg.hidden_states, hidden)
     return msg
 
 
 def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyOutput]:
-    counts = [s.num_hidden_rows if s.HasField("num_hidden_rows") else None for s in msg.sequences]
-    rows = _split_rows(msg.hidden_states, counts, "hidden_states")
-    return [verify_output_from_proto(s, r) for s, r in zip(msg.sequences, rows, strict=True)]
+    seq_ids = list(msg.seq_ids)
+    n = len(seq_ids)
+    drafts = _column(msg.num_accepted_drafts, n, "num_accepted_drafts")
+    tokens = _column(msg.num_accepted_tokens, n, "num_accepted_tokens")
+    if any(t != d + 1 for d, t in zip(drafts, tokens, strict=True)):
+        raise invalid("num_accepted_tokens must be num_accepted_drafts + 1 for every sequence")
+    accepted = _split(msg.accepted_tokens, drafts, "accepted_tokens", "num_accepted_drafts")
+    decoded = _lists(msg, n, "num_decoded_tokens", "decoded_tokens", default=0)
+    rows = _rows_of(msg.hidden_states, msg.num_hidden_rows, n, "hidden_states", "num_hidden_rows")
+    return [
+        VerifyOutput(seq_id, drafted, bonus, committed, hidden, steps)
+        for seq_id, drafted, bonus, committed, hidden, steps in zip(
+            seq_ids,
+            accepted,
+            _column(msg.bonus_token, n, "bonus_token"),
+            _column(msg.kv_committed_len, n, "kv_committed_len"),
+            rows,
+            decoded,
+            strict=True,
+        )
+    ]
 
 
 def truncate_request_to_proto(items: list[Truncation]) -> common_pb2.TruncateRequest:

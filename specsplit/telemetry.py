@@ -217,7 +217,7 @@ def service_span(name: str, request: Any) -> Iterator[Span]:
         yield _NO_SPAN
         return
     parent = propagate.extract(dict(request.trace_context))
-    attributes = {"specsplit.batch_size": len(request.sequences)}
+    attributes = {"specsplit.batch_size": len(request.seq_ids)}
     with _tracer.start_as_current_span(
         name, context=parent, kind=SpanKind.SERVER, attributes=attributes
     ) as span:

@@ -209,7 +209,7 @@ def test_pre_created_guessed_seq_ids_on_the_verifier_do_not_break_a_real_clients
                 squat = stub.VerifyStream()
                 guesses = [f"seq-{i}" for i in range(4)]
                 await squat.write(convert.verify_request_to_proto([_prefill(s) for s in guesses]))
-                assert len((await squat.read()).sequences) == 4
+                assert len((await squat.read()).seq_ids) == 4
 
                 gateway = GrpcVerifierClient(address)
                 out = await gateway.verify([_prefill("seq-0")])  # refused before: "exists"

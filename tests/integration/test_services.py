@@ -183,32 +183,33 @@ def test_cancelled_stream_frees_both_services(services: Services) -> None:
     services.wait_no_pages_used()
 
 
-def _verify_stream_error(
-    services: Services, item: verifier_pb2.SequenceVerifyInput
-) -> grpc.RpcError:
+def _verify_stream_error(services: Services, request: verifier_pb2.VerifyRequest) -> grpc.RpcError:
     with grpc.insecure_channel(services.address("verifier")) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(
-                stub.VerifyStream(iter([verifier_pb2.VerifyRequest(sequences=[item])]), timeout=10)
-            )
+            list(stub.VerifyStream(iter([request]), timeout=10))
         return err.value
 
 
 def test_internal_api_refuses_unknown_seq_id_and_malformed_tree(services: Services) -> None:
-    unknown = verifier_pb2.SequenceVerifyInput(
-        seq_id="nobody", kv_committed_len=3, pending_tokens=[5]
-    )
+    unknown = verifier_pb2.VerifyRequest(
+        seq_ids=["nobody"], begin=[False], kv_committed_len=[3], num_pending_tokens=[1],
+        pending_tokens=[5],
+    )  # fmt: skip
     err = _verify_stream_error(services, unknown)
     assert err.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.details()
-    malformed = verifier_pb2.SequenceVerifyInput(
-        seq_id="fresh",
-        begin=True,
-        pending_tokens=[5, 6],
-        tree=common_pb2.DraftTree(tokens=[7, 8], parents=[-1, 4]),
-    )
+    malformed = verifier_pb2.VerifyRequest(
+        seq_ids=["fresh"], begin=[True], kv_committed_len=[0], num_pending_tokens=[2],
+        pending_tokens=[5, 6], num_tree_nodes=[2], tree_tokens=[7, 8], tree_parents=[-1, 4],
+    )  # fmt: skip
     err = _verify_stream_error(services, malformed)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "parents" in err.details()
+    ragged = verifier_pb2.VerifyRequest(
+        seq_ids=["fresh"], begin=[True], kv_committed_len=[0], num_pending_tokens=[3],
+        pending_tokens=[5, 6],
+    )  # fmt: skip
+    err = _verify_stream_error(services, ragged)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "pending_tokens" in err.details()
     services.wait_no_pages_used()
     assert len(ids_of(generate(services.gateway(), token_request([9, 9], 3, ignore_eos=True)))) == 3
 

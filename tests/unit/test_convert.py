@@ -7,7 +7,14 @@ import torch
 
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    AheadTree,
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -211,13 +218,72 @@ def test_verify_response_round_trip_and_counts_on_the_wire() -> None:
     ]
     msg = _wire(convert.verify_response_to_proto(outputs, verify_ns=99))
     assert msg.verify_ns == 99
-    assert msg.sequences[0].num_accepted_drafts == 2
-    assert msg.sequences[0].num_accepted_tokens == 3
-    assert msg.sequences[1].num_accepted_tokens == 1
-    assert msg.sequences[0].num_hidden_rows == 3 and list(msg.hidden_states.shape) == [3, 16]
-    assert not msg.sequences[1].HasField("num_hidden_rows")
+    assert list(msg.seq_ids) == ["v", "w"]
+    assert list(msg.num_accepted_drafts) == [2, 0]
+    assert list(msg.num_accepted_tokens) == [3, 1]
+    assert list(msg.accepted_tokens) == [3, 4] and list(msg.bonus_token) == [8, 0]
+    assert list(msg.num_hidden_rows) == [3, -1] and list(msg.hidden_states.shape) == [3, 16]
+    assert not msg.num_decoded_tokens and not msg.decoded_tokens  # no decode steps: empty
     for a, b in zip(outputs, convert.verify_response_from_proto(msg), strict=True):
         _assert_same(a, b)
+
+
+def test_verify_request_columns_on_the_wire() -> None:
+    """Each per-sequence column has one entry a sequence; the flat ones hold the lists back to
+    back by their counts."""
+    inputs = [
+        VerifyInput("a", False, 17, [99], DraftTree([3, 4, 5], [-1, 0, 0]),
+                    hidden_state_layers=(2, 5)),
+        VerifyInput("b", True, 0, [1, 2, 3], DraftTree()),
+        VerifyInput("c", False, 8, [7], DraftTree([6], [-1]), hidden_state_layers=(2, 5)),
+    ]  # fmt: skip
+    msg = _wire(convert.verify_request_to_proto(inputs))
+    assert list(msg.seq_ids) == ["a", "b", "c"] and list(msg.begin) == [False, True, False]
+    assert list(msg.num_pending_tokens) == [1, 3, 1]
+    assert list(msg.pending_tokens) == [99, 1, 2, 3, 7]
+    assert list(msg.num_tree_nodes) == [3, 0, 1]
+    assert list(msg.tree_tokens) == [3, 4, 5, 6] and list(msg.tree_parents) == [-1, 0, 0, -1]
+    assert list(msg.hidden_state_layers) == [2, 5]
+    assert list(msg.wants_hidden_states) == [True, False, True]
+    assert not msg.decode_steps and not msg.sampled  # every default: nothing on the wire
+    for a, b in zip(inputs, convert.verify_request_from_proto(msg), strict=True):
+        _assert_same(a, b)
+
+
+def test_a_round_with_two_sets_of_hidden_state_layers_cannot_travel() -> None:
+    inputs = [
+        VerifyInput("a", False, 1, [9], DraftTree(), hidden_state_layers=(1,)),
+        VerifyInput("b", False, 1, [9], DraftTree(), hidden_state_layers=(2,)),
+    ]
+    with pytest.raises(ServiceError, match="the same for every sequence"):
+        convert.verify_request_to_proto(inputs)
+
+
+def _greedy_round() -> verifier_pb2.VerifyRequest:
+    inputs = [VerifyInput(s, False, 5, [7, 8], DraftTree([1, 2], [-1, 0])) for s in "ab"]
+    return _wire(convert.verify_request_to_proto(inputs))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda m: m.begin.append(True), "begin has 3 entries for 2 sequences"),
+        (lambda m: m.kv_committed_len.pop(), "kv_committed_len has 1 entries for 2 sequences"),
+        (lambda m: m.pending_tokens.append(3), "pending_tokens has 5 entries, num_pending_tokens"),
+        (lambda m: m.num_tree_nodes.__setitem__(0, -1), "num_tree_nodes: a sequence's count is"),
+        (lambda m: m.tree_parents.pop(), "tree_parents has 3 entries, num_tree_nodes sums to 4"),
+        (lambda m: m.decode_steps.append(2), "decode_steps has 1 entries for 2 sequences"),
+        (lambda m: m.wants_hidden_states.extend([True, False]), "wants_hidden_states set with"),
+        (lambda m: m.sampled.add(index=2), r"sampled: index 2 out of order or outside \[0, 2\)"),
+        (lambda m: [m.sampled.add(index=1), m.sampled.add(index=0)], "out of order"),
+    ],
+)
+def test_malformed_columns_are_refused_naming_the_field(damage, message: str) -> None:
+    msg = _greedy_round()
+    damage(msg)
+    with pytest.raises(ServiceError, match=message) as err:
+        convert.verify_request_from_proto(msg)
+    assert err.value.code == Code.INVALID_ARGUMENT
 
 
 def _rows_of(sizes: list[int | None], width: int = 6) -> list[torch.Tensor | None]:
@@ -258,37 +324,94 @@ def test_rows_whose_counts_disagree_with_the_tensor_are_refused() -> None:
         VerifyOutput(f"s{i}", [], 5, 9, hidden_states=r) for i, r in enumerate(_rows_of([2, 3]))
     ]
     msg = _wire(convert.verify_response_to_proto(outputs, verify_ns=1))
-    msg.sequences[1].num_hidden_rows = 4
+    msg.num_hidden_rows[1] = 4
     with pytest.raises(ServiceError, match=r"hidden_states has shape \[5, 6\]: want \[6 rows"):
         convert.verify_response_from_proto(msg)
-    msg.sequences[1].num_hidden_rows = -1
+    msg.num_hidden_rows[1] = -2
     with pytest.raises(ServiceError, match="negative"):
         convert.verify_response_from_proto(msg)
     msg.ClearField("hidden_states")
-    msg.sequences[1].num_hidden_rows = 3
+    msg.num_hidden_rows[1] = 3
     with pytest.raises(ServiceError, match=r"hidden_states\.dtype '' unknown"):
         convert.verify_response_from_proto(msg)
 
 
 def test_verify_output_with_inconsistent_counts_is_rejected() -> None:
-    msg = verifier_pb2.SequenceVerifyOutput(
-        seq_id="x", accepted_tokens=[1], num_accepted_drafts=2, num_accepted_tokens=3
-    )
-    with pytest.raises(ServiceError, match="disagree with 1 accepted_tokens"):
-        convert.verify_output_from_proto(msg)
+    msg = verifier_pb2.VerifyResponse(
+        seq_ids=["x"], accepted_tokens=[1], num_accepted_drafts=[1], num_accepted_tokens=[3],
+        bonus_token=[2], kv_committed_len=[4],
+    )  # fmt: skip
+    with pytest.raises(ServiceError, match="num_accepted_tokens must be num_accepted_drafts"):
+        convert.verify_response_from_proto(msg)
+    msg.num_accepted_tokens[0], msg.num_accepted_drafts[0] = 3, 2
+    with pytest.raises(ServiceError, match="accepted_tokens has 1 entries, num_accepted_drafts"):
+        convert.verify_response_from_proto(msg)
 
 
-def test_verify_input_leaves_an_empty_tree_and_greedy_sampling_unset() -> None:
-    """Target-only greedy rounds build and parse two sub-messages fewer per sequence; they read
-    back as the same input, and a real tree or sampling still travels."""
+def test_verify_input_leaves_greedy_sampling_and_defaults_unset() -> None:
+    """Target-only greedy rounds carry no side message per sequence; they read back as the same
+    input, and sampling or draft probabilities still travel, for their sequence only."""
     plain = VerifyInput("s", False, 5, [7], DraftTree())
-    msg = convert.verify_input_to_proto(plain)
-    assert not msg.HasField("tree") and not msg.HasField("sampling")
-    assert convert.verify_input_from_proto(msg) == plain
+    msg = convert.verify_request_to_proto([plain])
+    assert not msg.sampled and not msg.decode_steps and not msg.wants_hidden_states
+    assert convert.verify_request_from_proto(msg) == [plain]
+    probs = torch.softmax(torch.randn(2, 9), dim=-1)
     sampled = VerifyInput(
-        "s", True, 0, [1, 2], DraftTree([3, 4], [-1, 0]), SamplingParams(0.7, 0.9, 5, 11)
+        "t", True, 0, [1, 2], DraftTree([3, 4], [-1, 0], probs), SamplingParams(0.7, 0.9, 5, 11)
     )
-    msg = convert.verify_input_to_proto(sampled)
-    assert msg.HasField("tree") and msg.HasField("sampling")
-    back = convert.verify_input_from_proto(msg)
-    assert back.tree == sampled.tree and back.sampling.seed == 11 and back.sampling.top_k == 5
+    msg = _wire(convert.verify_request_to_proto([plain, sampled]))
+    assert [entry.index for entry in msg.sampled] == [1]
+    first, back = convert.verify_request_from_proto(msg)
+    assert first == plain
+    _assert_same(back.tree, sampled.tree)
+    assert back.sampling.seed == 11 and back.sampling.top_k == 5
+
+
+def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_only() -> None:
+    """A Draft's sampling and draft-ahead fields ride an indexed side message of the sequences
+    that have them; its answer's draft probabilities and trees drafted ahead likewise."""
+    verifying = DraftTree([5, 6], [-1, 0])
+    inputs = [
+        DraftInput("a", False, 4, [1, 2], SpecParams(2, 1, 2)),
+        DraftInput("b", False, 7, [3], SpecParams(2, 1, 2), verifying=verifying, ahead_guesses=2),
+        DraftInput("c", True, 0, [4, 5, 6], SpecParams(3, 2, 5), SamplingParams(1.0, seed=4)),
+    ]
+    msg = _wire(convert.draft_request_to_proto(inputs))
+    assert [entry.index for entry in msg.options] == [1, 2]
+    assert list(msg.num_new_tokens) == [2, 1, 3] and list(msg.topk) == [1, 1, 2]
+    for a, b in zip(inputs, convert.draft_request_from_proto(msg), strict=True):
+        _assert_same(a, b)
+    ahead = [AheadTree([5, 9], DraftTree([7, 8], [-1, 0])), AheadTree([4], DraftTree())]
+    outputs = [
+        DraftOutput("a", DraftTree([1, 2], [-1, 0]), 5, (3, 8)),
+        DraftOutput("b", DraftTree(), 7, (3, 8), ahead),
+        DraftOutput("c", DraftTree([3], [-1], torch.rand(1, 6)), 3, (3, 8)),
+    ]
+    msg = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
+    assert [entry.index for entry in msg.extras] == [1, 2]
+    assert list(msg.hidden_state_layers) == [3, 8] and list(msg.num_tree_nodes) == [2, 0, 1]
+    back = convert.draft_response_from_proto(msg)
+    for a, b in zip(outputs, back, strict=True):
+        assert [x.tokens for x in a.ahead] == [x.tokens for x in b.ahead]
+        assert [x.tree for x in a.ahead] == [x.tree for x in b.ahead]
+        a.ahead = b.ahead = []
+        _assert_same(a, b)
+
+
+def test_a_draft_answer_names_one_set_of_hidden_state_layers() -> None:
+    outputs = [DraftOutput("a", DraftTree(), 1, (1,)), DraftOutput("b", DraftTree(), 1, (2,))]
+    with pytest.raises(ValueError, match="different hidden_state_layers"):
+        convert.draft_response_to_proto(outputs, draft_ns=1)
+
+
+def test_a_draft_request_whose_row_counts_miss_a_sequence_is_refused() -> None:
+    rows = torch.zeros(2, 4, dtype=torch.bfloat16)
+    inputs = [
+        DraftInput("a", False, 4, [1, 2], SpecParams(), target_hidden_states=rows),
+        DraftInput("b", False, 4, [1], SpecParams()),
+    ]
+    msg = _wire(convert.draft_request_to_proto(inputs))
+    assert list(msg.num_target_rows) == [2, -1]
+    msg.num_target_rows.pop()
+    with pytest.raises(ServiceError, match="num_target_rows has 1 entries for 2 sequences"):
+        convert.draft_request_from_proto(msg)

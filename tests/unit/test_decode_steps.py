@@ -144,13 +144,17 @@ def test_bad_decode_steps_are_refused_and_change_nothing(
 
 def test_decode_steps_and_decoded_tokens_cross_the_wire() -> None:
     item = VerifyInput("s", False, 9, [5], DraftTree(), decode_steps=4)
-    assert convert.verify_input_from_proto(convert.verify_input_to_proto(item)) == item
-    plain = VerifyInput("s", False, 9, [5], DraftTree())
-    assert not convert.verify_input_to_proto(plain).HasField("tree")
-    assert convert.verify_input_from_proto(convert.verify_input_to_proto(plain)).decode_steps == 1
+    plain = VerifyInput("t", False, 9, [5], DraftTree())
+    msg = convert.verify_request_to_proto([item, plain])
+    assert list(msg.decode_steps) == [4, 1] and not msg.tree_tokens
+    assert convert.verify_request_from_proto(msg) == [item, plain]
+    assert not convert.verify_request_to_proto([plain]).decode_steps  # all 1: left empty
     out = VerifyOutput("s", [], 7, 12, decoded_tokens=[5, 6, 8])
-    back = convert.verify_output_from_proto(convert.verify_output_to_proto(out))
+    msg = convert.verify_response_to_proto([out, VerifyOutput("t", [2], 3, 11)], verify_ns=1)
+    assert list(msg.num_decoded_tokens) == [3, 0]
+    back, other = convert.verify_response_from_proto(msg)
     assert back.new_tokens == [5, 6, 8, 7] and back.kv_committed_len == 12
+    assert other.new_tokens == [2, 3]
 
 
 @pytest.mark.parametrize(
