@@ -16,7 +16,16 @@ import pytest
 
 from gateway.grpc_clients import GrpcVerifierClient
 from specsplit.errors import Code, ServiceError
-from specsplit.lane import HEADER, STATUS, Kind, frame, lane_path, new_token, read_frame
+from specsplit.lane import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    SCRATCH_BYTES,
+    STATUS,
+    FrameStream,
+    Kind,
+    lane_path,
+    new_token,
+)
 from specsplit.messages import Truncation, VerifyInput, VerifyOutput
 from specsplit.scopes import client_key
 from specsplit.server import ServiceHost
@@ -26,6 +35,18 @@ from verifier.engine import VerifierEngine
 from verifier.servicer import VerifierServicer
 
 PROMPT = list(range(10, 30))
+
+
+def frame(kind_or_status: int, body: bytes) -> bytes:
+    """A frame's bytes as the wire has them, written by hand (a client apart from FrameStream)."""
+    return HEADER.pack(kind_or_status, len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    kind, length = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return kind, await reader.readexactly(length)
+
+
 OTHER_PROMPT = list(range(40, 57))  # another sequence's, answered differently
 
 
@@ -266,5 +287,105 @@ def test_a_lane_path_too_long_for_a_socket_fails_the_start_with_its_path(tmp_pat
                 await host.start()
         finally:
             await host.stop()
+
+    asyncio.run(run())
+
+
+class _Transport(asyncio.Transport):
+    """What a FrameStream's reads need of a transport: closing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _feed(stream: FrameStream, data: bytes, chunk: int) -> None:
+    """`data` as the socket would hand it over, at most `chunk` bytes a read (as many as the
+    buffer the stream offers takes)."""
+    at = 0
+    while at < len(data):
+        buffer = stream.get_buffer(-1)
+        n = min(chunk, len(buffer), len(data) - at)
+        buffer[:n] = data[at : at + n]
+        stream.buffer_updated(n)
+        at += n
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 4096, 1 << 20])
+def test_frames_split_anywhere_by_the_socket_come_out_whole_and_in_order(chunk: int) -> None:
+    fits = SCRATCH_BYTES - HEADER.size  # the longest frame the scratch buffer holds whole
+    frames = [
+        (Kind.HELLO, new_token()),
+        (Kind.ROUND, b""),
+        (Kind.ROUND, os.urandom(SCRATCH_BYTES + 1000)),  # read into a buffer of its own
+        (Kind.RELEASE, bytes(range(256)) * 9),
+        (Kind.TRUNCATE, os.urandom(fits)),
+        (Kind.ROUND, os.urandom(fits + 1)),
+        (Kind.ROUND, b"x"),
+    ]
+    stream = FrameStream()
+    stream.connection_made(_Transport())
+    _feed(stream, b"".join(frame(kind, body) for kind, body in frames), chunk)
+
+    async def read_all() -> list[tuple[int, bytes]]:
+        return [(kind, bytes(body)) for kind, body in [await stream.read() for _ in frames]]
+
+    assert asyncio.run(read_all()) == frames
+
+
+def test_a_frame_over_the_limit_or_a_lost_connection_ends_the_reads() -> None:
+    stream = FrameStream()
+    transport = _Transport()
+    stream.connection_made(transport)
+    _feed(stream, HEADER.pack(Kind.ROUND, MAX_FRAME_BYTES + 1), 64)
+    assert transport.closed
+    with pytest.raises(ConnectionError, match="at most"):
+        asyncio.run(stream.read())
+    ended = FrameStream()
+    ended.connection_made(_Transport())
+    _feed(ended, frame(Kind.ROUND, b"abc") + HEADER.pack(Kind.ROUND, 10), 64)
+    ended.connection_lost(None)  # a frame cut short by the peer
+
+    async def reads() -> None:
+        assert await ended.read() == (Kind.ROUND, bytearray(b"abc"))  # what came whole stays
+        with pytest.raises(EOFError):
+            await ended.read()
+
+    asyncio.run(reads())
+
+
+def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
+    """Several MB (a round's feature rows at an 8B target's width), each way, byte for byte."""
+    body = os.urandom(3 << 20)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        path = str(tmp_path / "s")
+        echoes: list[asyncio.Task[None]] = []
+
+        async def echo(stream: FrameStream) -> None:
+            _, got = await stream.read()
+            stream.write(0, got)
+
+        def accept() -> FrameStream:
+            stream = FrameStream()
+            echoes.append(loop.create_task(echo(stream)))
+            return stream
+
+        server = await loop.create_unix_server(accept, path)
+        _, client = await loop.create_unix_connection(FrameStream, path)
+        client.write(Kind.ROUND, body)
+        status, answer = await client.read()
+        assert status == 0 and answer == body
+        await echoes[0]
+        client.close()
+        server.close()
+        await server.wait_closed()
 
     asyncio.run(run())
