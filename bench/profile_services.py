@@ -13,6 +13,9 @@ absolute times.
     PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
         [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
         [--target-only] [--top 25] [--keep DIR]
+
+Several --batch values: each measured unprofiled in turn, the last one profiled (none with
+--top 0).
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[32], help="the last one is profiled"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default="cpu")
@@ -92,7 +97,7 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--target-only", action="store_true", help="num_steps 0 per request")
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--top", type=int, default=25, help="0: no profiled run")
     parser.add_argument("--keep", default=None, help="copy the .prof files into this directory")
     parser.add_argument(
         "--services-log", default=None, help="append the services' output to this file"
@@ -101,17 +106,23 @@ def main() -> None:
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
-    prompts = [chats[i % len(chats)] for i in range(args.batch)]
     spec = TARGET_ONLY if args.target_only else None
+    kind = "target only" if args.target_only else "speculative"
     directory = Path(tempfile.mkdtemp(prefix="specsplit-profile-"))
     os.environ["SPECSPLIT_PROFILE_DIR"] = str(directory)  # `up` and its children inherit it
     try:
         with services(args) as stub:
-            run_batch(stub, prompts, 16, spec)  # warm-up at this batch
-            before = scrape_totals()
-            plain, plain_wall = run_batch(stub, prompts, args.max_new_tokens, spec)
-            totals = Counter(scrape_totals())
-            totals.subtract(before)
+            for batch in args.batch:
+                prompts = [chats[i % len(chats)] for i in range(batch)]
+                run_batch(stub, prompts, 16, spec)  # warm-up at this batch
+                before = scrape_totals()
+                plain, plain_wall = run_batch(stub, prompts, args.max_new_tokens, spec)
+                totals = Counter(scrape_totals())
+                totals.subtract(before)
+                print(f"== {batch} streams x {args.max_new_tokens} tokens, {kind}")
+                print_round_means(sum(map(len, plain)), plain_wall, totals)
+            if not args.top:
+                return
             pids = service_pids(directory)
             signal_all(pids, signal.SIGUSR2)  # profiles start
             outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec)
@@ -119,11 +130,9 @@ def main() -> None:
             time.sleep(1.0)
     finally:
         del os.environ["SPECSPLIT_PROFILE_DIR"]
-    print_round_means(sum(map(len, plain)), plain_wall, totals)
     tokens = sum(map(len, outputs))
     print(
-        f"{args.batch} streams x {args.max_new_tokens} tokens, "
-        f"{'target only' if args.target_only else 'speculative'}: {tokens / wall:.1f} tok/s "
+        f"{batch} streams x {args.max_new_tokens} tokens, {kind}: {tokens / wall:.1f} tok/s "
         f"(profiled, so slower than unprofiled; the profiles cover this run only)"
     )
     for file in sorted(directory.glob("*.prof")):

@@ -7,6 +7,7 @@ Malformed wire data raises ServiceError(INVALID_ARGUMENT) naming the field.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from typing import Any
@@ -209,11 +210,10 @@ def _split(flat: Any, counts: list[int], field: str, count_field: str) -> list[l
         raise invalid(f"{count_field}: a sequence's count is negative ({min(counts)})")
     if sum(counts) != len(values):
         raise invalid(f"{field} has {len(values)} entries, {count_field} sums to {sum(counts)}")
-    parts, at = [], 0
-    for n in counts:
-        parts.append(values[at : at + n])
-        at += n
-    return parts
+    if len(counts) == 1:  # a round of one sequence (batch 1): its list is the column
+        return [values]
+    ends = list(itertools.accumulate(counts))
+    return [values[end - n : end] for n, end in zip(counts, ends, strict=True)]
 
 
 def _lists(msg: Any, num_seqs: int, counts: str, flat: str, default: Any = None) -> list[Any]:
@@ -243,6 +243,8 @@ def _fill_trees(msg: Any, trees: list[DraftTree], nodes: str, tokens: str, paren
 def _read_trees(msg: Any, num_seqs: int, nodes: str, tokens: str, parents: str) -> list[DraftTree]:
     """Each sequence's tree from the three columns (no draft probabilities: see _indexed)."""
     counts = _column(getattr(msg, nodes), num_seqs, nodes, default=0)
+    if not any(counts) and not getattr(msg, tokens) and not getattr(msg, parents):
+        return [DraftTree() for _ in counts]  # no drafts: target-only rounds
     token_lists = _split(getattr(msg, tokens), counts, tokens, nodes)
     parent_lists = _split(getattr(msg, parents), counts, parents, nodes)
     return [DraftTree(t, p) for t, p in zip(token_lists, parent_lists, strict=True)]
