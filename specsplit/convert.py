@@ -206,12 +206,12 @@ def _column(values: Any, num_seqs: int, field: str, default: Any = None) -> list
 def _split(flat: Any, counts: list[int], field: str, count_field: str) -> list[list[int]]:
     """Each sequence's list of a flat column, `counts[i]` entries for sequence i."""
     values = list(flat)
+    if len(counts) == 1 and counts[0] == len(values):  # one sequence: its list is the column
+        return [values]
     if counts and min(counts) < 0:
         raise invalid(f"{count_field}: a sequence's count is negative ({min(counts)})")
     if sum(counts) != len(values):
         raise invalid(f"{field} has {len(values)} entries, {count_field} sums to {sum(counts)}")
-    if len(counts) == 1:  # a round of one sequence (batch 1): its list is the column
-        return [values]
     ends = list(itertools.accumulate(counts))
     return [values[end - n : end] for n, end in zip(counts, ends, strict=True)]
 
