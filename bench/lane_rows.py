@@ -1,0 +1,111 @@
+"""What a round's feature rows cost on one hop of the round lane: a Verify answer of --batch
+sequences x --rows rows of --width (bf16) built and serialized, sent through a real `LaneServer`
+and `LaneConnection` over a Unix socket (an echo service answers with it), then parsed and
+converted back. Median us per round over --rounds rounds after --warmup. No engine, no GPU: the
+host's copies of the rows alone (the issue-8 split; an 8B target's EAGLE-3 head reads 12288-wide
+rows, SmolLM2's shipped head 1728).
+
+    PYTHONPATH=. python bench/lane_rows.py [--width 12288 1728 0] [--batch 32] [--rows 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specsplit import convert
+from specsplit.lane import Kind, LaneConnection, LaneServer
+from specsplit.messages import VerifyOutput
+from specsplit.scopes import ConnectionScopes, Scope
+from specsplit.v1 import common_pb2, verifier_pb2
+
+
+class Echo:
+    """A lane service answering every round with one prebuilt Verify answer."""
+
+    name = "echo"
+
+    def __init__(self, answer: verifier_pb2.VerifyResponse) -> None:
+        self.answer = answer
+        self.scopes = ConnectionScopes(self._free, orphan_grace_s=0.0)
+
+    @staticmethod
+    async def _free(select: Any) -> int:
+        return 0
+
+    async def round_in(self, scope: Scope, request: Any) -> Any:
+        return self.answer
+
+    async def release_in(self, scope: Scope | None, request: Any) -> Any:
+        return common_pb2.ReleaseResponse()
+
+    async def truncate_in(self, scope: Scope | None, request: Any) -> Any:
+        return common_pb2.TruncateResponse()
+
+
+def answer_of(batch: int, rows: int, width: int) -> list[VerifyOutput]:
+    """A chain-3 round's outputs, `rows` feature rows a sequence (none when width is 0)."""
+    hidden = torch.randn(batch * rows, max(width, 1)).to(torch.bfloat16).split(rows)
+    return [
+        VerifyOutput(f"seq-{i:032x}", [1, 2, 3], 5, 300, hidden[i] if width else None)
+        for i in range(batch)
+    ]
+
+
+async def measure(outputs: list[VerifyOutput], rounds: int, warmup: int) -> dict[str, float]:
+    """Median us: the answer built + serialized; the lane's round trip (a small request out, the
+    echo's answer serialized on its side and back); the answer parsed + converted."""
+    path = str(Path(tempfile.mkdtemp()) / "echo.sock")
+    answer = convert.verify_response_to_proto(outputs, 1)
+    server = LaneServer(Echo(answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
+    await server.start()
+    lane = LaneConnection("echo", path)
+    request = verifier_pb2.VerifyRequest().SerializeToString()  # the echo does not read it
+    times: dict[str, list[float]] = {"build": [], "trip": [], "read": []}
+    try:
+        for i in range(warmup + rounds):
+            t0 = time.perf_counter()
+            convert.verify_response_to_proto(outputs, 1).SerializeToString()
+            t1 = time.perf_counter()
+            body = await lane.request(Kind.ROUND, request)
+            t2 = time.perf_counter()
+            convert.verify_response_from_proto(verifier_pb2.VerifyResponse.FromString(body))
+            t3 = time.perf_counter()
+            if i >= warmup:
+                for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                    times[key].append(seconds)
+    finally:
+        lane.close()
+        await server.close()
+        await asyncio.sleep(0.05)  # the connection's scope lets go (no orphan grace)
+    return {key: 1e6 * statistics.median(values) for key, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--width", type=int, nargs="+", default=[12288, 1728, 0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=4, help="feature rows a sequence")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    args = parser.parse_args()
+    print(
+        "| width | rows' bytes | build + serialize us | lane round trip us | parse + convert us |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for width in args.width:
+        outputs = answer_of(args.batch, args.rows, width)
+        us = asyncio.run(measure(outputs, args.rounds, args.warmup))
+        size = args.batch * args.rows * width * 2
+        print(f"| {width} | {size} | {us['build']:.0f} | {us['trip']:.0f} | {us['read']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
