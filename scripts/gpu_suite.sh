@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps] [eagle]
+#       [prefill] [small] [ahead] [steps] [eagle] [split]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -25,7 +25,9 @@
 # path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B; ahead: target-only rounds
 # through the services (random SmolLM2) with the verifier's decode steps run ahead and without;
 # steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps;
-# eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head.
+# eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head; split: a
+# round's cost outside the engines (bench/wire_rounds.py, bench/lane_rows.py, and
+# bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +127,14 @@ for part in "${parts[@]}"; do
         "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 32 \
         --max-new-tokens 64 --target-only ;;
+    split)  # a round's cost outside the engines: the protobuf work, the rows on one lane
+      # hop, and through the services at batch 1 to 64 (random SmolLM2 + the shipped head)
+      random_smollm2
+      run wire python3 bench/wire_rounds.py --batch 1 8 32
+      run lane_rows python3 bench/lane_rows.py
+      run split python3 bench/profile_services.py --model /tmp/smollm2_random "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 64 \
+        --max-new-tokens 128 --top 0 ;;
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
