@@ -234,19 +234,26 @@ def _indexed(entries: Any, num_seqs: int, field: str) -> dict[int, Any]:
     return by_index
 
 
-def _fill_trees(msg: Any, trees: list[DraftTree], nodes: str, tokens: str, parents: str) -> None:
-    getattr(msg, nodes).extend([len(tree) for tree in trees])
-    getattr(msg, tokens).extend([t for tree in trees for t in tree.tokens])
-    getattr(msg, parents).extend([p for tree in trees for p in tree.parents])
+def _fill_trees(
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, trees: list[DraftTree]
+) -> None:
+    """Each sequence's tree into the message's three tree columns (both messages name them
+    alike); draft probabilities go in the side messages."""
+    msg.num_tree_nodes.extend([len(tree) for tree in trees])
+    msg.tree_tokens.extend([t for tree in trees for t in tree.tokens])
+    msg.tree_parents.extend([p for tree in trees for p in tree.parents])
 
 
-def _read_trees(msg: Any, num_seqs: int, nodes: str, tokens: str, parents: str) -> list[DraftTree]:
-    """Each sequence's tree from the three columns (no draft probabilities: see _indexed)."""
-    counts = _column(getattr(msg, nodes), num_seqs, nodes, default=0)
-    if not any(counts) and not getattr(msg, tokens) and not getattr(msg, parents):
+def _read_trees(
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, num_seqs: int
+) -> list[DraftTree]:
+    """Each sequence's tree from the three tree columns (no draft probabilities: see
+    _indexed)."""
+    counts = _column(msg.num_tree_nodes, num_seqs, "num_tree_nodes", default=0)
+    if not any(counts) and not msg.tree_tokens and not msg.tree_parents:
         return [DraftTree() for _ in counts]  # no drafts: target-only rounds
-    token_lists = _split(getattr(msg, tokens), counts, tokens, nodes)
-    parent_lists = _split(getattr(msg, parents), counts, parents, nodes)
+    token_lists = _split(msg.tree_tokens, counts, "tree_tokens", "num_tree_nodes")
+    parent_lists = _split(msg.tree_parents, counts, "tree_parents", "num_tree_nodes")
     return [DraftTree(t, p) for t, p in zip(token_lists, parent_lists, strict=True)]
 
 
@@ -328,9 +335,7 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
 def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafter_pb2.DraftResponse:
     msg = drafter_pb2.DraftResponse(draft_ns=draft_ns)
     msg.seq_ids.extend([item.seq_id for item in outputs])
-    _fill_trees(
-        msg, [item.tree for item in outputs], "num_tree_nodes", "tree_tokens", "tree_parents"
-    )
+    _fill_trees(msg, [item.tree for item in outputs])
     msg.kv_committed_len.extend([item.kv_committed_len for item in outputs])
     layers = {item.hidden_state_layers for item in outputs}
     if len(layers) > 1:
@@ -352,7 +357,7 @@ def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutpu
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
     layers = tuple(msg.hidden_state_layers)
-    trees = _read_trees(msg, n, "num_tree_nodes", "tree_tokens", "tree_parents")
+    trees = _read_trees(msg, n)
     outputs = [
         DraftOutput(seq_id, tree, committed, layers)
         for seq_id, tree, committed in zip(
@@ -384,9 +389,7 @@ def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyReq
     msg.kv_committed_len.extend([item.kv_committed_len for item in inputs])
     msg.num_pending_tokens.extend([len(item.pending_tokens) for item in inputs])
     msg.pending_tokens.extend([t for item in inputs for t in item.pending_tokens])
-    _fill_trees(
-        msg, [item.tree for item in inputs], "num_tree_nodes", "tree_tokens", "tree_parents"
-    )
+    _fill_trees(msg, [item.tree for item in inputs])
     steps = [item.decode_steps for item in inputs]
     if any(n != 1 for n in steps):
         msg.decode_steps.extend(steps)
@@ -425,7 +428,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInp
             _column(msg.begin, n, "begin"),
             _column(msg.kv_committed_len, n, "kv_committed_len"),
             pending,
-            _read_trees(msg, n, "num_tree_nodes", "tree_tokens", "tree_parents"),
+            _read_trees(msg, n),
             wants,
             _column(msg.decode_steps, n, "decode_steps", default=1),
             strict=True,
