@@ -5,6 +5,11 @@ converted back. Median us per round over --rounds rounds after --warmup. No engi
 host's copies of the rows alone (the issue-8 split; an 8B target's EAGLE-3 head reads 12288-wide
 rows, SmolLM2's shipped head 1728).
 
+Multi-MB figures depend on glibc's malloc state: a buffer above its mmap threshold is fresh
+pages each time (page faults), and the threshold moves with what the process allocated and
+freed before (what it imported, too). With MALLOC_MMAP_THRESHOLD_=67108864 the 3 MB row's
+copies cost ~5x less on the 2-core VM (bench/RESULTS.md); compare runs under one setting.
+
     PYTHONPATH=. python bench/lane_rows.py [--width 12288 1728 0] [--batch 32] [--rows 4]
 """
 
@@ -16,38 +21,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from bench.rpc_overhead import LaneEcho
 from specsplit import convert
 from specsplit.lane import Kind, LaneConnection, LaneServer
 from specsplit.messages import VerifyOutput
-from specsplit.scopes import ConnectionScopes, Scope
-from specsplit.v1 import common_pb2, verifier_pb2
-
-
-class Echo:
-    """A lane service answering every round with one prebuilt Verify answer."""
-
-    name = "echo"
-
-    def __init__(self, answer: verifier_pb2.VerifyResponse) -> None:
-        self.answer = answer
-        self.scopes = ConnectionScopes(self._free, orphan_grace_s=0.0)
-
-    @staticmethod
-    async def _free(select: Any) -> int:
-        return 0
-
-    async def round_in(self, scope: Scope, request: Any) -> Any:
-        return self.answer
-
-    async def release_in(self, scope: Scope | None, request: Any) -> Any:
-        return common_pb2.ReleaseResponse()
-
-    async def truncate_in(self, scope: Scope | None, request: Any) -> Any:
-        return common_pb2.TruncateResponse()
+from specsplit.v1 import verifier_pb2
 
 
 def answer_of(batch: int, rows: int, width: int) -> list[VerifyOutput]:
@@ -64,7 +45,7 @@ async def measure(outputs: list[VerifyOutput], rounds: int, warmup: int) -> dict
     echo's answer serialized on its side and back); the answer parsed + converted."""
     path = str(Path(tempfile.mkdtemp()) / "echo.sock")
     answer = convert.verify_response_to_proto(outputs, 1)
-    server = LaneServer(Echo(answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
+    server = LaneServer(LaneEcho(lambda: answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
     await server.start()
     lane = LaneConnection("echo", path)
     request = verifier_pb2.VerifyRequest().SerializeToString()  # the echo does not read it

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -92,20 +93,22 @@ class Echo(verifier_pb2_grpc.VerifierServicer):
 
 
 class LaneEcho:
-    """The echo on a round lane (specsplit.lane), beside a Unix-socket echo."""
+    """An echo on a round lane (specsplit.lane): every round answered with `answer()` (here
+    the Unix-socket echo's; bench/lane_rows.py's a prebuilt answer). Nothing is held, so a
+    connection's scope goes as the connection does (no orphan grace)."""
 
     name = "echo"
 
-    def __init__(self, block_s: float) -> None:
-        self.echo = Echo(block_s)
+    def __init__(self, answer: Callable[[], verifier_pb2.VerifyResponse]) -> None:
+        self.answer = answer
 
         async def free(_select: object) -> int:
             return 0
 
-        self.scopes = ConnectionScopes(free)
+        self.scopes = ConnectionScopes(free, orphan_grace_s=0.0)
 
     async def round_in(self, scope: object, request: object) -> verifier_pb2.VerifyResponse:
-        return self.echo.answer()
+        return self.answer()
 
     async def release_in(self, scope: object, request: object) -> None:
         raise NotImplementedError
@@ -121,7 +124,7 @@ async def serve_echo(address: str, block_s: float) -> None:
     await server.start()
     path = lane_path(address)
     if path is not None:
-        await LaneServer(LaneEcho(block_s), path, verifier_pb2.VerifyRequest).start()  # type: ignore[arg-type]
+        await LaneServer(LaneEcho(Echo(block_s).answer), path, verifier_pb2.VerifyRequest).start()  # type: ignore[arg-type]
     await server.wait_for_termination()
 
 
