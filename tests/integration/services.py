@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,9 +33,17 @@ TINY_MODEL_NAME = "tiny-target"  # what the tiny_http_services fixture serves
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now. Each socket stays bound until all are drawn: ports drawn
+    one after another can repeat (a port just closed is free again for the next draw)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass
@@ -91,9 +100,8 @@ class Services:
         return [*cmd, "--metrics-listen", metrics, *self.extra.get(role, [])]
 
     def start(self, role: str) -> None:
-        self.ports.setdefault(role, free_port())
-        if self.metrics:
-            self.ports.setdefault(f"{role}-metrics", free_port())
+        names = [role, f"{role}-metrics"] if self.metrics else [role]
+        self.draw_ports(names)
         log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (lives with the process)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env |= self.env.get(role, {})
@@ -105,8 +113,10 @@ class Services:
         ports (up to `attempts` times)."""
         chosen = dict(self.ports)  # ports a test fixed itself are kept
         for attempt in range(attempts):
-            for role in (*ROLES, "http") if self.http else ROLES:
-                self.ports.setdefault(role, free_port())
+            names = [*ROLES, "http"] if self.http else list(ROLES)
+            if self.metrics:
+                names += [f"{role}-metrics" for role in ROLES]
+            self.draw_ports(names)
             for role in ROLES:
                 self.start(role)
             try:
@@ -118,6 +128,14 @@ class Services:
                     raise
                 self.stop_all()
                 self.ports = dict(chosen)
+
+    def draw_ports(self, names: list[str]) -> None:
+        """Free ports for the names that have none, distinct from each other and from those
+        drawn before."""
+        missing = [name for name in names if name not in self.ports]
+        taken = set(self.ports.values())
+        ports = [p for p in free_ports(len(missing) + len(taken)) if p not in taken]
+        self.ports |= dict(zip(missing, ports, strict=False))
 
     def serving(self, timeout: float = 240.0) -> Iterator[Services]:
         """For a fixture (`yield from svc.serving()`): start all three, hand them over, stop

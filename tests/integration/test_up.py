@@ -33,7 +33,7 @@ from specsplit.v1 import (
     gateway_pb2_grpc,
     verifier_pb2_grpc,
 )
-from tests.integration.services import free_port, generate, ids_of, token_request
+from tests.integration.services import free_ports, generate, ids_of, token_request
 from tests.support import save_tiny_llama
 
 VOCAB = 49152
@@ -96,7 +96,7 @@ class Up:
 def up_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Iterator[Up]:
     root = tmp_path_factory.mktemp("up")
     model = save_tiny_llama(root / "target", seed=5, vocab_size=VOCAB, tokenizer=smollm2_tokenizer)
-    ports = {name: free_port() for name in ("gateway", "http")}
+    ports = dict(zip(("gateway", "http"), free_ports(2), strict=True))
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--model", str(model)]
     argv += ["--device", "cpu", "--dtype", "float32", "--num-pages", "512"]
     argv += ["--drafter", "model", "--draft-model", str(model), "--metrics-listen", "none"]
