@@ -1,9 +1,11 @@
 """What a round's feature rows cost on one hop of the round lane: a Verify answer of --batch
 sequences x --rows rows of --width (bf16) built and serialized, sent through a real `LaneServer`
-and `LaneConnection` over a Unix socket (an echo service answers with it), then parsed and
-converted back. Median us per round over --rounds rounds after --warmup. No engine, no GPU: the
-host's copies of the rows alone (the issue-8 split; an 8B target's EAGLE-3 head reads 12288-wide
-rows, SmolLM2's shipped head 1728).
+and `LaneConnection` over a Unix socket (an echo service builds and serializes it each round
+and answers with it), then parsed and converted back. Median us per round over --rounds rounds
+after --warmup. No engine, no GPU: the host's copies of the rows alone (the issue-8 split; an
+8B target's EAGLE-3 head reads 12288-wide rows, SmolLM2's shipped head 1728). --mode beside:
+the rows beside the message (convert.Beside, as the lane sends them); in: in the message's
+tensor field (as gRPC sends them).
 
 Multi-MB figures depend on glibc's malloc state: a buffer above its mmap threshold is fresh
 pages each time (page faults), and the threshold moves with what the process allocated and
@@ -11,6 +13,7 @@ freed before (what it imported, too). With MALLOC_MMAP_THRESHOLD_=67108864 the 3
 copies cost ~5x less on the 2-core VM (bench/RESULTS.md); compare runs under one setting.
 
     PYTHONPATH=. python bench/lane_rows.py [--width 12288 1728 0] [--batch 32] [--rows 4]
+        [--mode beside in]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from bench.rpc_overhead import LaneEcho
 from specsplit import convert
-from specsplit.lane import Kind, LaneConnection, LaneServer
+from specsplit.lane import Buffer, Kind, LaneConnection, LaneServer
 from specsplit.messages import VerifyOutput
 from specsplit.v1 import verifier_pb2
 
@@ -40,12 +43,27 @@ def answer_of(batch: int, rows: int, width: int) -> list[VerifyOutput]:
     ]
 
 
-async def measure(outputs: list[VerifyOutput], rounds: int, warmup: int) -> dict[str, float]:
+def build(outputs: list[VerifyOutput], beside: bool) -> tuple[bytes, Buffer]:
+    """The answer's message serialized and its rows' bytes beside it (none unless `beside`)."""
+    rows = convert.Beside() if beside else None
+    body = convert.verify_response_to_proto(outputs, 1, rows).SerializeToString()
+    return body, b"" if rows is None else rows.data()
+
+
+async def measure(
+    outputs: list[VerifyOutput], beside: bool, rounds: int, warmup: int
+) -> dict[str, float]:
     """Median us: the answer built + serialized; the lane's round trip (a small request out, the
-    echo's answer serialized on its side and back); the answer parsed + converted."""
+    echo's answer built and serialized on its side and back); the answer parsed + converted."""
     path = str(Path(tempfile.mkdtemp()) / "echo.sock")
-    answer = convert.verify_response_to_proto(outputs, 1)
-    server = LaneServer(LaneEcho(lambda: answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
+
+    def answer() -> tuple[verifier_pb2.VerifyResponse, Buffer]:
+        rows = convert.Beside() if beside else None
+        return convert.verify_response_to_proto(
+            outputs, 1, rows
+        ), b"" if rows is None else rows.data()
+
+    server = LaneServer(LaneEcho(answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
     await server.start()
     lane = LaneConnection("echo", path)
     request = verifier_pb2.VerifyRequest().SerializeToString()  # the echo does not read it
@@ -53,11 +71,12 @@ async def measure(outputs: list[VerifyOutput], rounds: int, warmup: int) -> dict
     try:
         for i in range(warmup + rounds):
             t0 = time.perf_counter()
-            convert.verify_response_to_proto(outputs, 1).SerializeToString()
+            build(outputs, beside)
             t1 = time.perf_counter()
-            body = await lane.request(Kind.ROUND, request)
+            got = await lane.request(Kind.ROUND, request)
             t2 = time.perf_counter()
-            convert.verify_response_from_proto(verifier_pb2.VerifyResponse.FromString(body))
+            message = verifier_pb2.VerifyResponse.FromString(got.body)
+            convert.verify_response_from_proto(message, got.rows)
             t3 = time.perf_counter()
             if i >= warmup:
                 for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
@@ -76,16 +95,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="feature rows a sequence")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--mode", nargs="+", choices=("beside", "in"), default=["beside", "in"])
     args = parser.parse_args()
     print(
-        "| width | rows' bytes | build + serialize us | lane round trip us | parse + convert us |"
+        "| width | rows' bytes | rows | build + serialize us | lane round trip us "
+        "| parse + convert us |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|")
     for width in args.width:
         outputs = answer_of(args.batch, args.rows, width)
-        us = asyncio.run(measure(outputs, args.rounds, args.warmup))
         size = args.batch * args.rows * width * 2
-        print(f"| {width} | {size} | {us['build']:.0f} | {us['trip']:.0f} | {us['read']:.0f} |")
+        for mode in args.mode:
+            us = asyncio.run(measure(outputs, mode == "beside", args.rounds, args.warmup))
+            print(
+                f"| {width} | {size} | {mode} | {us['build']:.0f} | {us['trip']:.0f} "
+                f"| {us['read']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import grpc
 
 from gateway.grpc_clients import GrpcVerifierClient, wait_ready
 from specsplit import rounds
-from specsplit.lane import Kind, LaneConnection, LaneServer, lane_path
+from specsplit.lane import Buffer, Kind, LaneConnection, LaneServer, lane_path
 from specsplit.messages import VerifyInput
 from specsplit.scopes import ConnectionScopes
 from specsplit.tree import DraftTree
@@ -93,13 +93,14 @@ class Echo(verifier_pb2_grpc.VerifierServicer):
 
 
 class LaneEcho:
-    """An echo on a round lane (specsplit.lane): every round answered with `answer()` (here
-    the Unix-socket echo's; bench/lane_rows.py's a prebuilt answer). Nothing is held, so a
-    connection's scope goes as the connection does (no orphan grace)."""
+    """An echo on a round lane (specsplit.lane): every round answered with `answer()`, a
+    message and the bytes of rows beside it (here the Unix-socket echo's, no rows;
+    bench/lane_rows.py's a Verify answer's rows). Nothing is held, so a connection's scope goes
+    as the connection does (no orphan grace)."""
 
     name = "echo"
 
-    def __init__(self, answer: Callable[[], verifier_pb2.VerifyResponse]) -> None:
+    def __init__(self, answer: Callable[[], tuple[verifier_pb2.VerifyResponse, Buffer]]) -> None:
         self.answer = answer
 
         async def free(_select: object) -> int:
@@ -107,7 +108,9 @@ class LaneEcho:
 
         self.scopes = ConnectionScopes(free, orphan_grace_s=0.0)
 
-    async def round_in(self, scope: object, request: object) -> verifier_pb2.VerifyResponse:
+    async def round_in(
+        self, scope: object, request: object, beside: object = None
+    ) -> tuple[verifier_pb2.VerifyResponse, Buffer]:
         return self.answer()
 
     async def release_in(self, scope: object, request: object) -> None:
@@ -124,7 +127,9 @@ async def serve_echo(address: str, block_s: float) -> None:
     await server.start()
     path = lane_path(address)
     if path is not None:
-        await LaneServer(LaneEcho(Echo(block_s).answer), path, verifier_pb2.VerifyRequest).start()  # type: ignore[arg-type]
+        answer = Echo(block_s).answer
+        echo = LaneEcho(lambda: (answer(), b""))
+        await LaneServer(echo, path, verifier_pb2.VerifyRequest).start()  # type: ignore[arg-type]
     await server.wait_for_termination()
 
 
@@ -241,7 +246,8 @@ async def run_lane_echo(address: str, n: int, warmup: int, spin: bool) -> tuple[
     beyond, engine = [], []
     for i in range(n + warmup):
         start = time.perf_counter()
-        response = verifier_pb2.VerifyResponse.FromString(await lane.request(Kind.ROUND, body))
+        answer = await lane.request(Kind.ROUND, body)
+        response = verifier_pb2.VerifyResponse.FromString(answer.body)
         if i >= warmup:
             held = response.verify_ns / 1e9
             beyond.append(time.perf_counter() - start - held)

@@ -3,8 +3,11 @@ Verify built from the dataclasses and serialized on one side, parsed and convert
 other (specsplit/convert.py), as the gateway and the services do every round. Synthetic rounds:
 chains of --depth drafts, --rows target feature rows a sequence of --width each (EAGLE-3 on
 SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls rounds.
+--beside: the rows beside the messages (convert.Beside, as the round lane sends them), not in
+their tensor fields (as gRPC does).
 
     PYTHONPATH=. python bench/wire_rounds.py [--batch 1 8 32] [--rows 4] [--width 1728]
+        [--beside]
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ def round_messages(batch: int, depth: int, rows: int, width: int) -> dict[str, A
     }
 
 
+def serialized(build: Callable[..., Any], beside: bool) -> tuple[bytes, Any]:
+    """A message built and serialized, and a view of its rows' bytes beside it (`beside`;
+    else None)."""
+    if not beside:
+        return build(None).SerializeToString(), None
+    rows = convert.Beside()
+    return build(rows).SerializeToString(), rows.data()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -68,6 +80,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1728)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--beside", action="store_true", help="rows beside the messages")
     args = parser.parse_args()
     print(
         f"| batch | Draft request out / in | Draft answer out / in | Verify request out / in "
@@ -88,10 +101,13 @@ def main() -> None:
         )  # fmt: skip
         cells, total = [], 0.0
         for build, kind, read in pairs:
-            wire = build().SerializeToString()
-            out = per_call_us(lambda b=build: b().SerializeToString(), args.calls, args.repeats)
+            wire, view = serialized(build, args.beside)
+            rows = None if view is None else bytearray(view)  # as the lane reads them
+            out = per_call_us(lambda b=build: serialized(b, args.beside), args.calls, args.repeats)
             back = per_call_us(
-                lambda k=kind, r=read, w=wire: r(k.FromString(w)), args.calls, args.repeats
+                lambda k=kind, r=read, w=wire, b=rows: r(k.FromString(w), b),
+                args.calls,
+                args.repeats,
             )
             cells.append(f"{out:.0f} / {back:.0f}")
             total += out + back

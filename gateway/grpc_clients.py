@@ -160,16 +160,20 @@ class StreamClient(Generic[In, Out]):
         """One round on an idle stream (or lane connection): inputs out, outputs back, timed
         and traced. Rounds in flight at once must name disjoint sequences."""
         start = time.perf_counter()
-        request = self.rpc.request_to_proto(inputs)
+        beside = convert.Beside()  # on the lane a round's rows go beside its messages
+        request = self.rpc.request_to_proto(inputs, None if self.lane is None else beside)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         with metrics.timed(self.rpc.seconds):
             if self.lane is None:
                 async with self.streams.lent() as stream:
                     response = await stream.round(request)
+                rows = None
             else:
-                answer = await self.lane.request(Kind.ROUND, request.SerializeToString())
-                response = self.rpc.response_type.FromString(answer)
-        outputs = self.rpc.response_from_proto(response)
+                body = request.SerializeToString()
+                answer = await self.lane.request(Kind.ROUND, body, beside.data())
+                response = self.rpc.response_type.FromString(answer.body)
+                rows = answer.rows
+        outputs = self.rpc.response_from_proto(response, rows)
         self.last_engine_seconds = self.rpc.engine_ns(response) / 1e9
         overhead = time.perf_counter() - start - self.last_engine_seconds
         metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(max(overhead, 0.0))
@@ -194,7 +198,7 @@ class StreamClient(Generic[In, Out]):
         request = convert.truncate_request_to_proto(items)
         if self.lane is not None:
             answer = await self.lane.request(Kind.TRUNCATE, request.SerializeToString())
-            response = common_pb2.TruncateResponse.FromString(answer)
+            response = common_pb2.TruncateResponse.FromString(answer.body)
         else:
             try:
                 response = await self.rpc.stub(self.channel).Truncate(

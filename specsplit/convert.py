@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,17 +68,32 @@ def _fill_tensor(msg: common_pb2.Tensor, tensor: torch.Tensor) -> None:
     """Write `tensor` into `msg` in place. The builders below fill sub-messages where they
     are (`.add()`, a field's own message): a message built apart and then assigned or
     `CopyFrom`-ed is copied again, tensor bytes included."""
+    msg.data = tensor_bytes(_describe(msg, tensor)).tobytes()
+
+
+def _describe(msg: common_pb2.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Set `msg`'s dtype and shape (not its data) for `tensor`; the tensor on the CPU,
+    contiguous."""
     tensor = tensor.detach().to("cpu").contiguous()
     if tensor.dtype not in _DTYPE_NAMES:
         raise ValueError(f"tensor dtype {tensor.dtype} cannot cross the wire")
-    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
     msg.dtype = _DTYPE_NAMES[tensor.dtype]
     msg.shape.extend(tensor.shape)
-    msg.data = raw.numpy().tobytes()
+    return tensor
 
 
-def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
-    """A new (writable, CPU) tensor with the message's contents."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as they cross the wire, without a copy (a view that
+    keeps the tensor alive)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def tensor_from_proto(
+    msg: common_pb2.Tensor, field: str = "tensor", beside: bytearray | None = None
+) -> torch.Tensor:
+    """A new (writable, CPU) tensor with the message's contents. beside: its contents as they
+    came beside the message (the round lane; the message's own data then empty), taken as the
+    tensor's storage without a copy."""
     if msg.dtype not in DTYPES:
         raise invalid(f"{field}.dtype {msg.dtype!r} unknown; expected one of {sorted(DTYPES)}")
     dtype = DTYPES[msg.dtype]
@@ -85,37 +101,50 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
     if any(d < 0 for d in shape):
         raise invalid(f"{field}.shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * _ITEMSIZES[dtype]
-    if len(msg.data) != expected:
+    if beside and msg.data:
+        raise invalid(f"{field}: contents both in its data and beside the message")
+    data = beside or msg.data
+    if len(data) != expected:
         raise invalid(
-            f"{field}.data has {len(msg.data)} bytes, shape {list(shape)} of {msg.dtype} "
+            f"{field}.data has {len(data)} bytes, shape {list(shape)} of {msg.dtype} "
             f"needs {expected}"
         )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    storage = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(storage, dtype=dtype).reshape(shape)
 
 
-def _fill_rows(msg: common_pb2.Tensor, per_sequence: list[torch.Tensor | None]) -> None:
+def _fill_rows(
+    msg: common_pb2.Tensor, per_sequence: list[torch.Tensor | None], beside: Beside | None
+) -> None:
     """A round's per-sequence rows ([n_i, width] each, None: none asked) as one tensor message:
     per sequence a tensor message costs ~50 us to build and read (at 32 sequences more than the
     rest of the round's messages together); one answer's rows sent on in its order are joined
-    without a copy (join_rows)."""
+    without a copy (join_rows). With `beside` the rows go there and the message keeps only
+    their dtype and shape."""
     parts = [rows for rows in per_sequence if rows is not None]
-    if parts:
+    if not parts:
+        return
+    if beside is None:
         _fill_tensor(msg, join_rows(parts))
+    else:
+        beside.rows = _describe(msg, join_rows(parts))
 
 
 def _split_rows(
-    msg: common_pb2.Tensor, counts: list[int | None], field: str
+    msg: common_pb2.Tensor, counts: list[int | None], field: str, beside: bytearray | None
 ) -> list[torch.Tensor | None]:
     """Each sequence's rows of a round's one tensor message (views of one copy), by the row
     counts its sequences carry (None: the sequence has none, not even an empty tensor)."""
     wanted = [n for n in counts if n is not None]
     if not wanted:
+        if beside:
+            raise invalid(f"{field}: {len(beside)} bytes of rows beside a round that has none")
         return [None] * len(counts)
     if any(n < 0 for n in wanted):
         raise invalid(f"{field}: a sequence's row count is negative ({min(wanted)})")
-    rows = tensor_from_proto(msg, field)
+    rows = tensor_from_proto(msg, field, beside)
     if rows.dim() != 2 or rows.shape[0] != sum(wanted):
         raise invalid(
             f"{field} has shape {list(rows.shape)}: want [{sum(wanted)} rows (the sequences' "
@@ -123,6 +152,21 @@ def _split_rows(
         )
     parts = iter(rows.split(wanted))
     return [None if n is None else next(parts) for n in counts]
+
+
+@dataclass
+class Beside:
+    """A round message's feature rows set aside by its builder, to travel beside the
+    message's bytes instead of in its tensor field (the round lane: sent from the tensor's own
+    memory and read straight into the receiver's, where the field costs ~5 copies a hop of up
+    to 3 MB a round). The field keeps the rows' dtype and shape; a parser is given the bytes
+    that came beside (`bytearray`, taken as the tensor's storage)."""
+
+    rows: torch.Tensor | None = None  # None: the message has no rows
+
+    def data(self) -> memoryview | bytes:
+        """The rows' bytes as they go (a view of the tensor's memory; empty for none)."""
+        return b"" if self.rows is None else tensor_bytes(self.rows)
 
 
 # -- small messages --------------------------------------------------------------------------
@@ -264,9 +308,17 @@ def _row_counts(per_sequence: list[torch.Tensor | None]) -> list[int]:
     return [-1 if rows is None else rows.shape[0] for rows in per_sequence]
 
 
-def _rows_of(msg: Any, counts: Any, num_seqs: int, field: str, count_field: str) -> list[Any]:
+def _rows_of(
+    msg: Any, counts: Any, num_seqs: int, field: str, count_field: str, beside: bytearray | None
+) -> list[Any]:
     column = _column(counts, num_seqs, count_field, default=-1)
-    return _split_rows(msg, [None if n == -1 else n for n in column], field)
+    return _split_rows(msg, [None if n == -1 else n for n in column], field, beside)
+
+
+def _nothing_beside(beside: bytearray | None, message: str) -> None:
+    """A message that carries no rows: refuse bytes that came beside it."""
+    if beside:
+        raise invalid(f"{len(beside)} bytes beside a {message}, which carries no rows")
 
 
 # -- drafter ---------------------------------------------------------------------------------
@@ -274,7 +326,10 @@ def _rows_of(msg: Any, counts: Any, num_seqs: int, field: str, count_field: str)
 GREEDY = SamplingParams()  # travels as an unset field
 
 
-def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest:
+def draft_request_to_proto(
+    inputs: list[DraftInput], beside: Beside | None = None
+) -> drafter_pb2.DraftRequest:
+    """beside: the target's feature rows go there (`Beside`), not in the message."""
     msg = drafter_pb2.DraftRequest()
     msg.seq_ids.extend([item.seq_id for item in inputs])
     msg.begin.extend([item.begin for item in inputs])
@@ -287,7 +342,7 @@ def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest
     msg.num_draft_tokens.extend([item.spec.num_draft_tokens for item in inputs])
     hidden = [item.target_hidden_states for item in inputs]
     msg.num_target_rows.extend(_row_counts(hidden))
-    _fill_rows(msg.target_hidden_states, hidden)
+    _fill_rows(msg.target_hidden_states, hidden, beside)
     for i, item in enumerate(inputs):
         if item.sampling != GREEDY or item.ahead_guesses:
             options = msg.options.add(index=i)
@@ -299,12 +354,20 @@ def draft_request_to_proto(inputs: list[DraftInput]) -> drafter_pb2.DraftRequest
     return msg
 
 
-def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
+def draft_request_from_proto(
+    msg: drafter_pb2.DraftRequest, beside: bytearray | None = None
+) -> list[DraftInput]:
+    """beside: the feature rows' bytes that came beside the message (`Beside`)."""
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
     new_tokens = _lists(msg, n, "num_new_tokens", "new_tokens")
     rows = _rows_of(
-        msg.target_hidden_states, msg.num_target_rows, n, "target_hidden_states", "num_target_rows"
+        msg.target_hidden_states,
+        msg.num_target_rows,
+        n,
+        "target_hidden_states",
+        "num_target_rows",
+        beside,
     )
     inputs = [
         DraftInput(seq_id, begin, start, tokens, SpecParams(steps, topk or 1, nodes),
@@ -332,7 +395,10 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> list[DraftInput]:
     return inputs
 
 
-def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafter_pb2.DraftResponse:
+def draft_response_to_proto(
+    outputs: list[DraftOutput], draft_ns: int, beside: Beside | None = None
+) -> drafter_pb2.DraftResponse:
+    """beside: unused (a draft answer carries no rows); as the other builders take it."""
     msg = drafter_pb2.DraftResponse(draft_ns=draft_ns)
     msg.seq_ids.extend([item.seq_id for item in outputs])
     _fill_trees(msg, [item.tree for item in outputs])
@@ -353,7 +419,10 @@ def draft_response_to_proto(outputs: list[DraftOutput], draft_ns: int) -> drafte
     return msg
 
 
-def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutput]:
+def draft_response_from_proto(
+    msg: drafter_pb2.DraftResponse, beside: bytearray | None = None
+) -> list[DraftOutput]:
+    _nothing_beside(beside, "DraftResponse")
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
     layers = tuple(msg.hidden_state_layers)
@@ -380,9 +449,12 @@ def draft_response_from_proto(msg: drafter_pb2.DraftResponse) -> list[DraftOutpu
 # -- verifier --------------------------------------------------------------------------------
 
 
-def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyRequest:
+def verify_request_to_proto(
+    inputs: list[VerifyInput], beside: Beside | None = None
+) -> verifier_pb2.VerifyRequest:
     """Greedy sampling and no draft probabilities travel as no `sampled` entry; decode_steps
-    and wants_hidden_states as empty columns when every sequence has the default."""
+    and wants_hidden_states as empty columns when every sequence has the default. beside:
+    unused (a Verify request carries no rows)."""
     msg = verifier_pb2.VerifyRequest()
     msg.seq_ids.extend([item.seq_id for item in inputs])
     msg.begin.extend([item.begin for item in inputs])
@@ -412,7 +484,10 @@ def verify_request_to_proto(inputs: list[VerifyInput]) -> verifier_pb2.VerifyReq
     return msg
 
 
-def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInput]:
+def verify_request_from_proto(
+    msg: verifier_pb2.VerifyRequest, beside: bytearray | None = None
+) -> list[VerifyInput]:
+    _nothing_beside(beside, "VerifyRequest")
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
     pending = _lists(msg, n, "num_pending_tokens", "pending_tokens")
@@ -446,8 +521,9 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> list[VerifyInp
 
 
 def verify_response_to_proto(
-    outputs: list[VerifyOutput], verify_ns: int
+    outputs: list[VerifyOutput], verify_ns: int, beside: Beside | None = None
 ) -> verifier_pb2.VerifyResponse:
+    """beside: the hidden-state rows go there (`Beside`), not in the message."""
     msg = verifier_pb2.VerifyResponse(verify_ns=verify_ns)
     msg.seq_ids.extend([item.seq_id for item in outputs])
     msg.num_accepted_drafts.extend([len(item.accepted_tokens) for item in outputs])
@@ -460,11 +536,14 @@ def verify_response_to_proto(
         msg.decoded_tokens.extend([t for item in outputs for t in item.decoded_tokens])
     hidden = [item.hidden_states for item in outputs]
     msg.num_hidden_rows.extend(_row_counts(hidden))
-    _fill_rows(msg.hidden_states, hidden)
+    _fill_rows(msg.hidden_states, hidden, beside)
     return msg
 
 
-def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyOutput]:
+def verify_response_from_proto(
+    msg: verifier_pb2.VerifyResponse, beside: bytearray | None = None
+) -> list[VerifyOutput]:
+    """beside: the hidden-state rows' bytes that came beside the message (`Beside`)."""
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
     drafts = _column(msg.num_accepted_drafts, n, "num_accepted_drafts")
@@ -473,7 +552,9 @@ def verify_response_from_proto(msg: verifier_pb2.VerifyResponse) -> list[VerifyO
         raise invalid("num_accepted_tokens must be num_accepted_drafts + 1 for every sequence")
     accepted = _split(msg.accepted_tokens, drafts, "accepted_tokens", "num_accepted_drafts")
     decoded = _lists(msg, n, "num_decoded_tokens", "decoded_tokens", default=0)
-    rows = _rows_of(msg.hidden_states, msg.num_hidden_rows, n, "hidden_states", "num_hidden_rows")
+    rows = _rows_of(
+        msg.hidden_states, msg.num_hidden_rows, n, "hidden_states", "num_hidden_rows", beside
+    )
     return [
         VerifyOutput(seq_id, drafted, bonus, committed, hidden, steps)
         for seq_id, drafted, bonus, committed, hidden, steps in zip(

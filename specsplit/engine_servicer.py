@@ -233,22 +233,29 @@ class EngineServicer(Generic[EngineT]):
         scope lives as long as the stream, then its orphan grace starts."""
         async with service_errors(context), self.scopes.stream(_scope_key(context)) as scope:
             async for request in request_iterator:
-                yield await self.round_in(scope, request)
+                response, _ = await self.round_in(scope, request)
+                yield response
 
-    async def round_in(self, scope: Scope, request: Any) -> Any:
+    async def round_in(
+        self, scope: Scope, request: Any, beside: bytearray | None = None
+    ) -> tuple[Any, memoryview | bytes]:
         """One round of the service's `round` (its RoundRpc and engine call) for a client in
-        `scope`: the request parsed, the engine's call timed and traced, the response."""
+        `scope`: the request parsed, the engine's call timed and traced, the response and the
+        bytes of its rows beside it. beside: the request's rows' bytes that came beside it
+        (the round lane); then the response's rows go beside it too. None (gRPC): rows in the
+        messages, nothing beside."""
         rpc = self.round_call[0]
         start_ns = time.perf_counter_ns()
-        inputs = scope.enter(rpc.request_from_proto(request))
+        inputs = scope.enter(rpc.request_from_proto(request, beside))
         with telemetry.service_span(rpc.span, request) as span:
             outputs, engine_ns = await self.engine_round(inputs)
             span.set_attribute(f"{rpc.span}_ns", engine_ns)
         rpc.seconds.observe(engine_ns / 1e9)
-        response = rpc.response_to_proto(scope.leave(outputs), engine_ns)
+        rows = None if beside is None else convert.Beside()
+        response = rpc.response_to_proto(scope.leave(outputs), engine_ns, rows)
         overhead_ns = time.perf_counter_ns() - start_ns - engine_ns
         metrics.SERVICE_OVERHEAD_SECONDS.observe(max(overhead_ns, 0) / 1e9)
-        return response
+        return response, b"" if rows is None else rows.data()
 
     async def serve_lane(self, path: str) -> None:
         """Serve the round lane (specsplit.lane) on the Unix socket `path`."""

@@ -9,9 +9,17 @@ conversions, the same trace context in their fields); gRPC keeps health, reflect
 link that is not a Unix socket (TCP, TLS). A service listening on a Unix socket serves both;
 the gateway takes the lane unless `--round-lane off`.
 
-    request  = kind (1 byte) + length (4 bytes, little-endian) + body
-    response = status (1 byte: 0 OK, else an errors.Code) + length + body
-               (the response message, or the error's UTF-8 message)
+    request  = kind (1 byte) + body length (4 bytes, little-endian) + rows length (4) + body
+               + rows
+    response = status (1 byte: 0 OK, else an errors.Code) + body length + rows length + body
+               (the response message, or the error's UTF-8 message) + rows
+
+A round's feature rows (a Verify answer's hidden states, a Draft request's target features)
+travel as `rows`, their raw bytes beside the message (`convert.Beside`; its tensor field keeps
+dtype and shape): sent from the tensor's own memory and read straight into the buffer that
+becomes the receiver's tensor. In the message they cost ~5 copies a hop (the tensor's bytes,
+protobuf's field, its serialization, its parse, a writable copy), ~3 ms for the 3 MB of a
+batch-32 round at an 8B head's width on a 2-core VM (bench/lane_rows.py).
 
 A connection opens with HELLO, whose body is the client's scope token: the service's
 sequence-id scope (specsplit.scopes) is keyed by it, so a client that reconnects (its round
@@ -21,11 +29,11 @@ several in flight (`LaneConnection`) opens more connections, all with its one to
 share its scope, which lives while any of them does. A refused request answers with its status
 and the connection stays; a broken connection is the client's to reopen.
 
-Both ends read a long frame's body straight into a buffer of its own length (`FrameStream`, an
-asyncio buffered protocol) and write its header and body without joining them: a round's
-feature rows (3 MB at batch 32 for an 8B target's EAGLE head) are not copied by the link
-itself, where a stream reader's buffer and a joined frame copied them three times. Small
-frames (most rounds' requests) go through a scratch buffer: one read and one send each.
+Both ends read a long frame's body and rows straight into buffers of their own length
+(`FrameStream`, an asyncio buffered protocol) and write its header, body and rows without
+joining them: the link itself copies nothing but what asyncio keeps of a send the socket did
+not take at once. Small frames (most rounds' requests) go through a scratch buffer: one read
+and one send each.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import os
 import secrets
 import struct
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -52,11 +60,12 @@ from specsplit.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 LANE_SUFFIX = ".rounds"
-HEADER = struct.Struct("<BI")  # kind or status, body length
+HEADER = struct.Struct("<BII")  # kind or status, body length, rows length
 TOKEN_BYTES = 16
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # as gRPC's MAX_MESSAGE_BYTES (specsplit.server)
 MAX_CONNECTIONS = 4  # a LaneConnection's requests in flight at once, one connection each
 SCRATCH_BYTES = 64 * 1024  # a FrameStream's read buffer; longer frames get their own
+Buffer = bytes | bytearray | memoryview
 
 
 class Kind(enum.IntEnum):
@@ -80,20 +89,26 @@ def lane_path(address: str) -> str | None:
     return path + LANE_SUFFIX
 
 
+class Frame(NamedTuple):
+    kind: int  # a request's kind, a response's status
+    body: bytearray  # the message (or an error's text)
+    rows: bytearray  # the feature rows' bytes beside it (empty: none)
+
+
 class FrameStream(asyncio.BufferedProtocol):
     """One end of a lane connection: the socket read into a scratch buffer whose whole frames
-    are queued for `read`, except a frame too long for it, whose body is read straight into a
-    buffer of its own length (no copy of its bytes but the few that came with its header);
-    `write` sends a small frame in one piece, a long one as its header and its body as they
-    are."""
+    are queued for `read`, except a frame too long for it, whose body and rows are read
+    straight into buffers of their own lengths (no copy of their bytes but the few that came
+    with the header); `write` sends a small frame in one piece, a long one as its header and
+    body and its rows as they are."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(SCRATCH_BYTES)
         self._held = 0  # bytes of the scratch buffer not yet taken as frames
-        self._long: tuple[int, bytearray] | None = None  # a long frame's kind and body
-        self._filled = 0  # of the long frame's body
-        self._frames: collections.deque[tuple[int, bytearray]] = collections.deque()
+        self._long: Frame | None = None  # a long frame being read into its own buffers
+        self._filled = 0  # of the long frame's body, then rows
+        self._frames: collections.deque[Frame] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._lost: Exception | None = None  # set once the connection is gone
 
@@ -103,13 +118,16 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._long is not None:
-            return memoryview(self._long[1])[self._filled :]
+            body = len(self._long.body)
+            if self._filled < body:
+                return memoryview(self._long.body)[self._filled :]
+            return memoryview(self._long.rows)[self._filled - body :]
         return memoryview(self._scratch)[self._held :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._long is not None:
             self._filled += nbytes
-            if self._filled == len(self._long[1]):
+            if self._filled == len(self._long.body) + len(self._long.rows):
                 self._frames.append(self._long)
                 self._long = None
                 self._wake()
@@ -119,25 +137,30 @@ class FrameStream(asyncio.BufferedProtocol):
         self._wake()
 
     def _take_frames(self) -> None:
-        """Queue the scratch buffer's whole frames; start a long frame's own buffer; move what
-        is left (a frame's beginning) to the front."""
+        """Queue the scratch buffer's whole frames; start a long frame's own buffers; move
+        what is left (a frame's beginning) to the front."""
         scratch, at = self._scratch, 0
         while self._held - at >= HEADER.size:
-            kind, length = HEADER.unpack_from(scratch, at)
+            kind, body_len, rows_len = HEADER.unpack_from(scratch, at)
+            length = body_len + rows_len
             if length > MAX_FRAME_BYTES:
                 self._lose(
                     ConnectionError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
                 )
                 return
             body_at = at + HEADER.size
+            rows_at = body_at + body_len
             came = self._held - body_at
             if came >= length:
-                self._frames.append((kind, scratch[body_at : body_at + length]))
-                at = body_at + length
-            elif HEADER.size + length > len(scratch):  # read the rest into its own buffer
-                body = bytearray(length)
-                body[:came] = scratch[body_at : self._held]
-                self._long, self._filled = (kind, body), came
+                body = scratch[body_at:rows_at]
+                self._frames.append(Frame(kind, body, scratch[rows_at : rows_at + rows_len]))
+                at = rows_at + rows_len
+            elif HEADER.size + length > len(scratch):  # read the rest into its own buffers
+                long = Frame(kind, bytearray(body_len), bytearray(rows_len))
+                part = min(came, body_len)
+                long.body[:part] = scratch[body_at : body_at + part]
+                long.rows[: came - part] = scratch[body_at + part : self._held]
+                self._long, self._filled = long, came
                 at = self._held
                 break
             else:
@@ -153,9 +176,8 @@ class FrameStream(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lose(exc or EOFError("the peer closed the connection"))
 
-    async def read(self) -> tuple[int, bytearray]:
-        """The next frame's (kind or status, body); EOFError / ConnectionError once the
-        connection is gone."""
+    async def read(self) -> Frame:
+        """The next frame; EOFError / ConnectionError once the connection is gone."""
         while not self._frames:
             if self._lost is not None:
                 raise self._lost
@@ -166,15 +188,23 @@ class FrameStream(asyncio.BufferedProtocol):
                 self._waiter = None
         return self._frames.popleft()
 
-    def write(self, kind_or_status: int, body: bytes | bytearray) -> None:
+    def write(self, kind_or_status: int, body: Buffer, rows: Buffer = b"") -> None:
+        """Send a frame. `rows` may be a view of a tensor's memory: asyncio sends what the
+        socket takes at once and keeps the rest (a copy, or the view itself on newer Pythons):
+        the tensor must not change after it is written."""
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("the lane connection is closed")
-        header = HEADER.pack(kind_or_status, len(body))
-        if len(body) <= SCRATCH_BYTES:  # one send: joining costs less than a second one
+        header = HEADER.pack(kind_or_status, len(body), len(rows))
+        if len(body) + len(rows) <= SCRATCH_BYTES:  # one send: joining costs less than two
+            self.transport.write(b"".join((header, body, rows)))
+            return
+        if len(body) <= SCRATCH_BYTES:
             self.transport.write(header + body)
         else:
             self.transport.write(header)
             self.transport.write(body)
+        if len(rows):
+            self.transport.write(rows)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -221,13 +251,14 @@ class LaneConnection:
             lambda: LaneSocket(service, path, self.token, spin_s), max_connections
         )
 
-    async def request(self, kind: Kind, body: bytes) -> bytearray:
+    async def request(self, kind: Kind, body: Buffer, rows: Buffer = b"") -> Frame:
+        """The answer to a request (its message and the rows beside it; status OK)."""
         async with self.sockets.lent() as socket:
-            status, answer = await socket.exchange(kind, body)
-        if status == 0:
+            answer = await socket.exchange(kind, body, rows)
+        if answer.kind == 0:
             return answer
-        code = CODES.get(status, Code.INTERNAL)
-        raise backend_error(self.service, code.value, answer.decode(errors="replace"))
+        code = CODES.get(answer.kind, Code.INTERNAL)
+        raise backend_error(self.service, code.value, answer.body.decode(errors="replace"))
 
     def close(self) -> None:
         self.sockets.close()
@@ -249,11 +280,11 @@ class LaneSocket:
     def is_open(self) -> bool:
         return self._stream is not None
 
-    async def exchange(self, kind: Kind, body: bytes) -> tuple[int, bytearray]:
-        """One request's (status, answer): the response frame."""
+    async def exchange(self, kind: Kind, body: Buffer, rows: Buffer = b"") -> Frame:
+        """One request's response frame (its status, message and rows)."""
         stream = self._stream or await self._open()
         try:
-            stream.write(kind, body)
+            stream.write(kind, body, rows)
             return await self._answer(stream)
         except (OSError, EOFError, ConnectionError) as err:
             self.close()
@@ -264,7 +295,7 @@ class LaneSocket:
             self.close()
             raise
 
-    async def _answer(self, stream: FrameStream) -> tuple[int, bytearray]:
+    async def _answer(self, stream: FrameStream) -> Frame:
         """The response frame. While it is awaited the event loop keeps polling (a callback
         that reschedules itself: every other task still runs) for up to `spin_s`, then sleeps:
         a process that sleeps through an engine call wakes ~0.1 ms late when the answer comes
@@ -308,7 +339,9 @@ class LaneService(Protocol):
     name: str
     scopes: ConnectionScopes
 
-    async def round_in(self, scope: Scope, request: Any) -> Any: ...
+    async def round_in(
+        self, scope: Scope, request: Any, beside: bytearray | None = None
+    ) -> tuple[Any, Buffer]: ...
 
     async def release_in(
         self, scope: Scope | None, request: common_pb2.ReleaseRequest
@@ -366,25 +399,30 @@ class LaneServer:
 
     async def _connection(self, stream: FrameStream) -> None:
         try:
-            kind, token = await stream.read()
+            kind, token, _ = await stream.read()
             if kind != Kind.HELLO or len(token) != TOKEN_BYTES:
                 return
             async with self.service.scopes.stream(client_key(token.hex())) as scope:
                 while True:
-                    kind, body = await stream.read()
-                    stream.write(*await self._answer(scope, kind, body))
+                    stream.write(*await self._answer(scope, await stream.read()))
         except (EOFError, ConnectionError):
             pass  # the client went away; its scope's orphan grace starts
         finally:
             self._streams.discard(stream)
             stream.close()
 
-    async def _answer(self, scope: Scope, kind: int, body: bytearray) -> tuple[int, bytes]:
-        """One request's (status, body): the answer, or its refusal's status and message."""
+    async def _answer(self, scope: Scope, frame: Frame) -> tuple[int, Buffer, Buffer]:
+        """One request's (status, body, rows): the answer, or its refusal's status and
+        message."""
+        kind, body, rows = frame
         try:
             if kind == Kind.ROUND:
-                answer = await self.service.round_in(scope, self.request_type.FromString(body))
-            elif kind == Kind.RELEASE:
+                request = self.request_type.FromString(body)
+                answer, answer_rows = await self.service.round_in(scope, request, rows)
+                return 0, answer.SerializeToString(), answer_rows
+            if rows:
+                raise ServiceError(Code.INVALID_ARGUMENT, f"rows beside a request of kind {kind}")
+            if kind == Kind.RELEASE:
                 request = common_pb2.ReleaseRequest.FromString(body)
                 answer = await self.service.release_in(scope, request)
             elif kind == Kind.TRUNCATE:
@@ -394,12 +432,12 @@ class LaneServer:
                 raise ServiceError(Code.INVALID_ARGUMENT, f"unknown request kind {kind}")
         except ServiceError as err:
             metrics.count_error(err.code.value)
-            return STATUS[err.code], err.message.replace(scope.prefix, "").encode()
+            return STATUS[err.code], err.message.replace(scope.prefix, "").encode(), b""
         except DecodeError as err:
             metrics.count_error(Code.INVALID_ARGUMENT.value)
-            return STATUS[Code.INVALID_ARGUMENT], f"bad message: {err}".encode()
+            return STATUS[Code.INVALID_ARGUMENT], f"bad message: {err}".encode(), b""
         except Exception as err:
             log.exception("internal error")
             metrics.count_error(Code.INTERNAL.value)
-            return STATUS[Code.INTERNAL], f"{type(err).__name__}: {err}".encode()
-        return 0, answer.SerializeToString()
+            return STATUS[Code.INTERNAL], f"{type(err).__name__}: {err}".encode(), b""
+        return 0, answer.SerializeToString(), b""

@@ -31,10 +31,11 @@ class RoundRpc(Generic[In, Out]):
     stream: str  # the stub's bidi round method, "DraftStream"
     request_type: Any  # the request and response message classes (the round lane parses them)
     response_type: Any
-    request_to_proto: Callable[[list[In]], Any]
-    request_from_proto: Callable[[Any], list[In]]
-    response_to_proto: Callable[[list[Out], int], Any]  # (outputs, engine ns)
-    response_from_proto: Callable[[Any], list[Out]]
+    # the conversions; a message's feature rows beside it (convert.Beside) or, given None, in it
+    request_to_proto: Callable[[list[In], convert.Beside | None], Any]
+    request_from_proto: Callable[[Any, bytearray | None], list[In]]
+    response_to_proto: Callable[[list[Out], int, convert.Beside | None], Any]  # engine ns
+    response_from_proto: Callable[[Any, bytearray | None], list[Out]]
     engine_ns: Callable[[Any], int]  # the engine time a response reports
     seconds: Histogram  # engine time on the service, round trip on the gateway
 

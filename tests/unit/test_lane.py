@@ -13,8 +13,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from gateway.grpc_clients import GrpcVerifierClient
+from specsplit import convert
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import (
     HEADER,
@@ -37,14 +39,14 @@ from verifier.servicer import VerifierServicer
 PROMPT = list(range(10, 30))
 
 
-def frame(kind_or_status: int, body: bytes) -> bytes:
+def frame(kind_or_status: int, body: bytes, rows: bytes = b"") -> bytes:
     """A frame's bytes as the wire has them, written by hand (a client apart from FrameStream)."""
-    return HEADER.pack(kind_or_status, len(body)) + body
+    return HEADER.pack(kind_or_status, len(body), len(rows)) + body + rows
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    kind, length = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return kind, await reader.readexactly(length)
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes, bytes]:
+    kind, body_len, rows_len = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return kind, await reader.readexactly(body_len), await reader.readexactly(rows_len)
 
 
 OTHER_PROMPT = list(range(40, 57))  # another sequence's, answered differently
@@ -132,6 +134,42 @@ def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(
     _with_verifier(target, tmp_path, body)
 
 
+def test_feature_rows_beside_a_lane_answer_equal_those_in_a_grpc_answer(
+    target: Path, tmp_path: Path
+) -> None:
+    """The hidden-state rows travel beside the lane's message (convert.Beside), in the
+    message on gRPC: the same rows either way, each sequence's own."""
+
+    async def body(host: ServiceHost, address: str) -> None:
+        lane = GrpcVerifierClient(address)
+        grpc_only = GrpcVerifierClient(address, round_lane=False)
+        try:
+            answers = []
+            for client, tag in ((lane, "l"), (grpc_only, "g")):
+                inputs = [
+                    VerifyInput(f"{tag}{i}", True, 0, prompt, DraftTree(), hidden_state_layers=h)
+                    for i, (prompt, h) in enumerate(
+                        [(PROMPT, (0, 1)), (OTHER_PROMPT, ()), (PROMPT[:7], (0, 1))]
+                    )
+                ]
+                answers.append(await client.verify(inputs))
+                await client.release([item.seq_id for item in inputs])
+            for by_lane, by_grpc in zip(*answers, strict=True):
+                assert by_lane.bonus_token == by_grpc.bonus_token
+                if by_grpc.hidden_states is None:
+                    assert by_lane.hidden_states is None
+                else:
+                    assert by_lane.hidden_states is not None
+                    assert torch.equal(by_lane.hidden_states, by_grpc.hidden_states)
+            assert answers[1][0].hidden_states.shape[0] == len(PROMPT)  # type: ignore[union-attr]
+            assert _engine(host).num_pages_used == 0
+        finally:
+            await lane.close()
+            await grpc_only.close()
+
+    _with_verifier(target, tmp_path, body)
+
+
 def test_a_refused_round_carries_the_services_status_and_the_lane_stays(
     target: Path, tmp_path: Path
 ) -> None:
@@ -155,11 +193,20 @@ def test_a_refused_round_carries_the_services_status_and_the_lane_stays(
         assert path is not None
         reader, writer = await asyncio.open_unix_connection(path)
         writer.write(frame(Kind.HELLO, new_token()) + frame(9, b""))
-        status, message = await read_frame(reader)
+        status, message, _ = await read_frame(reader)
         assert status == STATUS[Code.INVALID_ARGUMENT] and b"kind 9" in message
         writer.write(frame(Kind.ROUND, b"\xff\xff"))
-        status, message = await read_frame(reader)
+        status, message, _ = await read_frame(reader)
         assert status == STATUS[Code.INVALID_ARGUMENT] and message.startswith(b"bad message")
+        writer.write(frame(Kind.RELEASE, b"", rows=b"\0" * 8))
+        status, message, _ = await read_frame(reader)
+        assert status == STATUS[Code.INVALID_ARGUMENT] and b"rows beside" in message
+        request = VerifyInput("r", True, 0, PROMPT, DraftTree())
+        body = convert.verify_request_to_proto([request]).SerializeToString()
+        writer.write(frame(Kind.ROUND, body, rows=b"\0" * 8))  # a Verify request has no rows
+        status, message, rows = await read_frame(reader)
+        assert status == STATUS[Code.INVALID_ARGUMENT] and b"carries no rows" in message
+        assert rows == b""
         writer.close()
 
     _with_verifier(target, tmp_path, body)
@@ -268,7 +315,7 @@ def test_lane_paths_sit_beside_unix_sockets_only() -> None:
     assert lane_path("unix:/tmp/a/verifier.sock") == "/tmp/a/verifier.sock.rounds"
     assert lane_path("unix:///tmp/a/v.sock") == "/tmp/a/v.sock.rounds"
     assert lane_path("127.0.0.1:50062") is None
-    assert HEADER.size == 5
+    assert HEADER.size == 9
 
 
 def test_a_lane_path_too_long_for_a_socket_fails_the_start_with_its_path(tmp_path: Path) -> None:
@@ -317,24 +364,30 @@ def _feed(stream: FrameStream, data: bytes, chunk: int) -> None:
         at += n
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 4096, 1 << 20])
+@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 9, 4096, 1 << 20])
 def test_frames_split_anywhere_by_the_socket_come_out_whole_and_in_order(chunk: int) -> None:
     fits = SCRATCH_BYTES - HEADER.size  # the longest frame the scratch buffer holds whole
     frames = [
-        (Kind.HELLO, new_token()),
-        (Kind.ROUND, b""),
-        (Kind.ROUND, os.urandom(SCRATCH_BYTES + 1000)),  # read into a buffer of its own
-        (Kind.RELEASE, bytes(range(256)) * 9),
-        (Kind.TRUNCATE, os.urandom(fits)),
-        (Kind.ROUND, os.urandom(fits + 1)),
-        (Kind.ROUND, b"x"),
+        (Kind.HELLO, new_token(), b""),
+        (Kind.ROUND, b"", b""),
+        (Kind.ROUND, os.urandom(SCRATCH_BYTES + 1000), b""),  # read into a buffer of its own
+        (Kind.ROUND, b"msg", os.urandom(SCRATCH_BYTES + 77)),  # its rows into one of their own
+        (Kind.ROUND, os.urandom(SCRATCH_BYTES + 5), os.urandom(SCRATCH_BYTES + 3)),  # both
+        (Kind.ROUND, b"", os.urandom(100)),  # rows without a body
+        (Kind.RELEASE, bytes(range(256)) * 9, b""),
+        (Kind.TRUNCATE, os.urandom(fits), b""),
+        (Kind.ROUND, os.urandom(fits - 10), os.urandom(10)),  # just fits with its rows
+        (Kind.ROUND, os.urandom(fits + 1), b""),
+        (Kind.ROUND, os.urandom(fits - 10), os.urandom(11)),  # a byte too long with its rows
+        (Kind.ROUND, b"x", b"y"),
     ]
     stream = FrameStream()
     stream.connection_made(_Transport())
-    _feed(stream, b"".join(frame(kind, body) for kind, body in frames), chunk)
+    _feed(stream, b"".join(frame(*f) for f in frames), chunk)
 
-    async def read_all() -> list[tuple[int, bytes]]:
-        return [(kind, bytes(body)) for kind, body in [await stream.read() for _ in frames]]
+    async def read_all() -> list[tuple[int, bytes, bytes]]:
+        read = [await stream.read() for _ in frames]
+        return [(kind, bytes(body), bytes(rows)) for kind, body, rows in read]
 
     assert asyncio.run(read_all()) == frames
 
@@ -343,17 +396,17 @@ def test_a_frame_over_the_limit_or_a_lost_connection_ends_the_reads() -> None:
     stream = FrameStream()
     transport = _Transport()
     stream.connection_made(transport)
-    _feed(stream, HEADER.pack(Kind.ROUND, MAX_FRAME_BYTES + 1), 64)
+    _feed(stream, HEADER.pack(Kind.ROUND, MAX_FRAME_BYTES // 2, MAX_FRAME_BYTES // 2 + 1), 64)
     assert transport.closed
     with pytest.raises(ConnectionError, match="at most"):
         asyncio.run(stream.read())
     ended = FrameStream()
     ended.connection_made(_Transport())
-    _feed(ended, frame(Kind.ROUND, b"abc") + HEADER.pack(Kind.ROUND, 10), 64)
+    _feed(ended, frame(Kind.ROUND, b"abc", b"de") + HEADER.pack(Kind.ROUND, 10, 0), 64)
     ended.connection_lost(None)  # a frame cut short by the peer
 
     async def reads() -> None:
-        assert await ended.read() == (Kind.ROUND, bytearray(b"abc"))  # what came whole stays
+        assert await ended.read() == (Kind.ROUND, b"abc", b"de")  # what came whole stays
         with pytest.raises(EOFError):
             await ended.read()
 
@@ -361,8 +414,11 @@ def test_a_frame_over_the_limit_or_a_lost_connection_ends_the_reads() -> None:
 
 
 def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
-    """Several MB (a round's feature rows at an 8B target's width), each way, byte for byte."""
+    """Several MB (a round's feature rows at an 8B target's width), each way, byte for byte,
+    in a body and beside it (from a tensor's memory)."""
     body = os.urandom(3 << 20)
+    rows = torch.randn(128, 12288).to(torch.bfloat16)
+    rows_bytes = bytes(convert.tensor_bytes(rows))
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -370,8 +426,8 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
         echoes: list[asyncio.Task[None]] = []
 
         async def echo(stream: FrameStream) -> None:
-            _, got = await stream.read()
-            stream.write(0, got)
+            _, got, got_rows = await stream.read()
+            stream.write(0, got, got_rows)
 
         def accept() -> FrameStream:
             stream = FrameStream()
@@ -380,9 +436,11 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
 
         server = await loop.create_unix_server(accept, path)
         _, client = await loop.create_unix_connection(FrameStream, path)
-        client.write(Kind.ROUND, body)
-        status, answer = await client.read()
-        assert status == 0 and answer == body
+        client.write(Kind.ROUND, body, convert.tensor_bytes(rows))
+        status, answer, answer_rows = await client.read()
+        assert status == 0 and answer == body and answer_rows == rows_bytes
+        back = torch.frombuffer(answer_rows, dtype=torch.bfloat16).reshape(rows.shape)
+        assert torch.equal(back, rows)
         await echoes[0]
         client.close()
         server.close()
