@@ -150,6 +150,8 @@ def _split_rows(
             f"{field} has shape {list(rows.shape)}: want [{sum(wanted)} rows (the sequences' "
             "counts), width]"
         )
+    if len(counts) == 1:  # one sequence: its rows are the tensor
+        return [rows]
     parts = iter(rows.split(wanted))
     return [None if n is None else next(parts) for n in counts]
 
