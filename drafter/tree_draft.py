@@ -23,11 +23,18 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import make_generator, sample, target_probs
 from specsplit.step import SeqStep, build_forward_batch, causal_step
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
 # brings 1..4 new tokens) padded up to the next of these
 CATCH_UP_LENS = (1, 2, 4, 8)
+# A sampled chain's drafts come from the draft model's distribution cut to its most likely
+# tokens, renormalized: rejection sampling is lossless for any draft distribution the verifier
+# is told exactly, and this one crosses the wire as 256 entries a node, not the vocabulary's
+# (bench/RESULTS.md: 590 KB a sequence a round at SmolLM2's, ~50 ms a round of conversions at
+# batch 32). The tokens it leaves out carry little of the draft model's mass, so acceptance
+# hardly changes (tests/unit/test_lossless_sampling_math.py).
+DRAFT_SUPPORT = 256
 # expansions captured at warm-up for every batch bucket: the gateway's default spec (a chain of
 # 3); other shapes are captured at their first round in each bucket
 EXPANSION_SHAPES = (Shape(topk=1, num_steps=3),)
@@ -48,7 +55,7 @@ class _Expansion:
     scores: list[float] = field(default_factory=list)  # cumulative log-probability
     paths: list[list[int]] = field(default_factory=list)  # candidate -> its ancestors and itself
     frontier: list[int] = field(default_factory=list)  # candidates forwarded next step
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # chain sampling: q per node
+    draft_probs: list[DraftProbs] = field(default_factory=list)  # chain sampling: q per node
     # per-node outputs a later step reads (EAGLE: the head's hidden state; -1 = the root)
     node_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -529,12 +536,16 @@ class TreeProposer:
         )
 
     def _grow_sampled_chain(self, tree: _Expansion, parent: int, logits: torch.Tensor) -> None:
-        """A sampled chain's next draft, drawn from the draft distribution q (kept with it)."""
+        """A sampled chain's next draft, drawn from the draft distribution cut to its
+        DRAFT_SUPPORT most likely tokens (kept with it, as the verifier's acceptance needs)."""
         job = tree.job
         generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
         q = target_probs(logits, job.sampling)  # [1, vocab]
-        token = int(sample(q, generator)[0])
-        tree.draft_probs.append(q[0].float().cpu())
+        weights, tokens = q.topk(min(DRAFT_SUPPORT, q.shape[-1]), dim=-1)  # [1, k] each
+        pick = sample(weights, generator)  # [1] an index into the support
+        probs = weights / weights.sum(dim=-1, keepdim=True)
+        token = int(tokens[0, pick[0]])
+        tree.draft_probs.append(DraftProbs(tokens.cpu(), probs.float().cpu(), q.shape[-1]))
         tree.frontier = [tree.add(token, parent, 0.0)]
 
     @staticmethod
@@ -556,7 +567,7 @@ class TreeProposer:
     @staticmethod
     def _select(tree: _Expansion) -> DraftTree:
         if tree.job.spec.topk == 1:
-            probs = torch.stack(tree.draft_probs) if tree.draft_probs else None
+            probs = DraftProbs.cat(tree.draft_probs) if tree.draft_probs else None
             return DraftTree(tree.tokens, tree.parents, probs)
         # best first; ties go to the shallower node so a parent always ranks before its
         # children (a child's score never exceeds its parent's)

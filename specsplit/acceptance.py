@@ -79,7 +79,8 @@ def accept_sampling(
         )
     if any(len(kids) > 1 for kids in children):
         raise ValueError("tree.draft_probs is only supported for chains (one child per node)")
-    return _accept_chain_with_q(tree, children, target_probs, tree.draft_probs, generator)
+    q = tree.draft_probs.dense(target_probs.device)
+    return _accept_chain_with_q(tree, children, target_probs, q, generator)
 
 
 def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:

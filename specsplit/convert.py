@@ -28,7 +28,7 @@ from specsplit.messages import (
 )
 from specsplit.model.batch import join_rows
 from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 assert sys.byteorder == "little", "tensor bytes on the wire are little-endian"
@@ -219,16 +219,43 @@ def _fill_tree(msg: common_pb2.DraftTree, tree: DraftTree) -> None:
     msg.tokens.extend(tree.tokens)
     msg.parents.extend(tree.parents)
     if tree.draft_probs is not None:
-        _fill_tensor(msg.draft_probs, tree.draft_probs)
+        _fill_probs(msg.draft_probs, tree.draft_probs)
 
 
 def tree_from_proto(msg: common_pb2.DraftTree, field: str = "tree") -> DraftTree:
     probs = (
-        tensor_from_proto(msg.draft_probs, f"{field}.draft_probs")
+        probs_from_proto(msg.draft_probs, f"{field}.draft_probs")
         if msg.HasField("draft_probs")
         else None
     )
     return DraftTree(tokens=list(msg.tokens), parents=list(msg.parents), draft_probs=probs)
+
+
+def _fill_probs(msg: common_pb2.DraftProbs, probs: DraftProbs) -> None:
+    msg.vocab_size = probs.vocab_size
+    _fill_tensor(msg.tokens, probs.tokens.to(torch.int32))
+    _fill_tensor(msg.probs, probs.probs.float())
+
+
+def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
+    """Draft distributions' supports, checked: [n, k] int32 tokens inside the vocabulary and
+    [n, k] float32 finite, non-negative probabilities."""
+    tokens = tensor_from_proto(msg.tokens, f"{field}.tokens")
+    probs = tensor_from_proto(msg.probs, f"{field}.probs")
+    if msg.vocab_size <= 0:
+        raise invalid(f"{field}.vocab_size = {msg.vocab_size}: must be > 0")
+    if tokens.dtype != torch.int32 or probs.dtype != torch.float32:
+        raise invalid(f"{field}: tokens must be int32 and probs float32")
+    if tokens.dim() != 2 or tokens.shape != probs.shape:
+        raise invalid(
+            f"{field}: tokens {list(tokens.shape)} and probs {list(probs.shape)} must be one "
+            "[n, k] shape"
+        )
+    if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < msg.vocab_size):
+        raise invalid(f"{field}.tokens outside the vocabulary [0, {msg.vocab_size})")
+    if probs.numel() and not bool((probs >= 0).all() and probs.isfinite().all()):
+        raise invalid(f"{field}.probs must be finite and >= 0")
+    return DraftProbs(tokens.long(), probs, msg.vocab_size)
 
 
 # -- columns ---------------------------------------------------------------------------------
@@ -413,7 +440,7 @@ def draft_response_to_proto(
         if item.tree.draft_probs is not None or item.ahead:
             extras = msg.extras.add(index=i)
             if item.tree.draft_probs is not None:
-                _fill_tensor(extras.draft_probs, item.tree.draft_probs)
+                _fill_probs(extras.draft_probs, item.tree.draft_probs)
             for ahead in item.ahead:
                 entry = extras.ahead.add()
                 entry.tokens.extend(ahead.tokens)
@@ -438,7 +465,7 @@ def draft_response_from_proto(
     for i, extras in _indexed(msg.extras, n, "extras").items():
         item = outputs[i]
         if extras.HasField("draft_probs"):
-            item.tree.draft_probs = tensor_from_proto(
+            item.tree.draft_probs = probs_from_proto(
                 extras.draft_probs, f"{item.seq_id}.draft_probs"
             )
         item.ahead = [
@@ -482,7 +509,7 @@ def verify_request_to_proto(
             if item.sampling != GREEDY:
                 sampled.sampling.CopyFrom(sampling_to_proto(item.sampling))
             if item.tree.draft_probs is not None:
-                _fill_tensor(sampled.draft_probs, item.tree.draft_probs)
+                _fill_probs(sampled.draft_probs, item.tree.draft_probs)
     return msg
 
 
@@ -516,7 +543,7 @@ def verify_request_from_proto(
         if sampled.HasField("sampling"):
             item.sampling = sampling_from_proto(sampled.sampling)
         if sampled.HasField("draft_probs"):
-            item.tree.draft_probs = tensor_from_proto(
+            item.tree.draft_probs = probs_from_proto(
                 sampled.draft_probs, f"{item.seq_id}.tree.draft_probs"
             )
     return inputs

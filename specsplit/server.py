@@ -28,7 +28,8 @@ from specsplit.tls import TLSFiles, add_port
 
 log = logging.getLogger(__name__)
 
-# draft_probs are [n, vocab] float32: 10 nodes x 150k vocab is 6 MB; leave plenty of room.
+# a round's feature rows: 3 MB at batch 32 for an 8B target's EAGLE-3 head, a prefill's
+# [prompt tokens, features] far more (4K tokens x 12288 bf16 = 100 MB); leave room.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

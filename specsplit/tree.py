@@ -9,15 +9,67 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+
+@dataclass(eq=False)
+class DraftProbs:
+    """A sampled chain's draft distributions, one row per node (the distribution its token was
+    drawn from), each as its support: token `tokens[i, j]` has probability `probs[i, j]` (0 for
+    padding), every other token of the vocabulary 0. The drafter draws from its distribution cut
+    to the most likely tokens (drafter.tree_draft.DRAFT_SUPPORT): acceptance stays lossless for
+    any draft distribution it is told exactly, and a row crosses the wire as k entries, not a
+    vocabulary's worth (196 KB a node at SmolLM2's 49152, 512 KB at 128K)."""
+
+    tokens: torch.Tensor  # [n, k] int64
+    probs: torch.Tensor  # [n, k] float32 (float64 in the tests' exact checks)
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense shape, [n, vocab]."""
+        return self.tokens.shape[0], self.vocab_size
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def rows(self, keep: list[int]) -> DraftProbs:
+        return DraftProbs(self.tokens[keep], self.probs[keep], self.vocab_size)
+
+    def add_to(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` [n, vocab] (zeros: the dense distributions) with these rows' probabilities
+        added, on its device."""
+        device = out.device
+        tokens = self.tokens.to(device, non_blocking=True)
+        return out.scatter_add_(1, tokens, self.probs.to(device, out.dtype, non_blocking=True))
+
+    def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[n, vocab], in the probabilities' dtype."""
+        return self.add_to(torch.zeros(self.shape, dtype=self.probs.dtype, device=device))
+
+    @staticmethod
+    def of(dense: torch.Tensor) -> DraftProbs:
+        """The support of [n, vocab] distributions (k: the most nonzero entries of a row)."""
+        k = max(int((dense != 0).sum(dim=-1).max()), 1) if dense.numel() else 1
+        probs, tokens = dense.topk(min(k, dense.shape[-1]), dim=-1)
+        return DraftProbs(tokens, probs, dense.shape[-1])
+
+    @staticmethod
+    def cat(parts: list[DraftProbs]) -> DraftProbs:
+        """Rows of one vocabulary, in order (supports of different sizes padded)."""
+        k = max(part.tokens.shape[1] for part in parts)
+        tokens = torch.cat([F.pad(p.tokens, (0, k - p.tokens.shape[1])) for p in parts])
+        probs = torch.cat([F.pad(p.probs, (0, k - p.probs.shape[1])) for p in parts])
+        return DraftProbs(tokens, probs, parts[0].vocab_size)
 
 
 @dataclass
 class DraftTree:
     tokens: list[int] = field(default_factory=list)  # [n] proposed token ids
     parents: list[int] = field(default_factory=list)  # [n] parent node index, -1 = root
-    # [n, vocab] float32: the draft distribution each token was sampled from (the one at its
-    # parent), or None for deterministic proposals (top-k trees, n-gram).
-    draft_probs: torch.Tensor | None = None
+    # the draft distribution each token was sampled from (the one at its parent), or None for
+    # deterministic proposals (top-k trees, n-gram)
+    draft_probs: DraftProbs | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -73,7 +125,7 @@ class DraftTree:
         if len(keep) == len(self.tokens):
             return self
         index = {old: new for new, old in enumerate(keep)}
-        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        probs = None if self.draft_probs is None else self.draft_probs.rows(keep)
         return DraftTree(
             [self.tokens[i] for i in keep],
             [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],

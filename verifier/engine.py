@@ -811,7 +811,7 @@ class VerifierEngine:
             if item.tree.draft_probs is not None:
                 if q is None:
                     q = torch.zeros(num_seqs, width, logits.shape[-1], device=self.device)
-                q[b, :n] = item.tree.draft_probs.to(self.device, non_blocking=True)
+                item.tree.draft_probs.add_to(q[b, :n])
                 has_q[b] = True
         return accept_sampling_batched(
             probs, draft_tokens, parents, uniforms, q, to_device(has_q, self.device)

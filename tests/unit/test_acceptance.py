@@ -13,7 +13,7 @@ from specsplit.acceptance import (
     residual_distribution,
 )
 from specsplit.sampling import make_generator
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 
 VOCAB = 64
 
@@ -135,7 +135,7 @@ def test_sampling_chain_with_q_equal_to_r_accepts_everything() -> None:
     # min(1, r(x) / q(x)) = 1 whenever q == r: every draft is accepted, bonus drawn at the end.
     target = torch.softmax(torch.randn(4, VOCAB, generator=make_generator(1)), dim=-1)
     target[3] = _one_hot([33])[0]
-    chain = DraftTree(tokens=[3, 5, 7], parents=[-1, 0, 1], draft_probs=target[:3].clone())
+    chain = DraftTree(tokens=[3, 5, 7], parents=[-1, 0, 1], draft_probs=DraftProbs.of(target[:3]))
     generator = make_generator(5)
     for _ in range(50):
         result = accept_sampling(chain, target, generator)
@@ -149,7 +149,7 @@ def test_sampling_chain_with_zero_target_mass_rejects_and_samples_residual() -> 
     q = torch.zeros(3, VOCAB)
     q[:, 3] = 0.5
     q[:, 9] = 0.5
-    chain = DraftTree(tokens=[3, 5, 7], parents=[-1, 0, 1], draft_probs=q)
+    chain = DraftTree(tokens=[3, 5, 7], parents=[-1, 0, 1], draft_probs=DraftProbs.of(q))
     result = accept_sampling(chain, target, make_generator(0))
     assert result == AcceptResult(accepted_nodes=[], bonus_token=9)
 
@@ -166,7 +166,11 @@ def test_sampling_is_reproducible_with_a_seed() -> None:
 
 
 def test_sampling_rejects_draft_probs_on_a_branching_tree() -> None:
-    tree = DraftTree(tokens=[1, 2], parents=[-1, -1], draft_probs=torch.full((2, VOCAB), 1 / VOCAB))
+    tree = DraftTree(
+        tokens=[1, 2],
+        parents=[-1, -1],
+        draft_probs=DraftProbs.of(torch.full((2, VOCAB), 1 / VOCAB)),
+    )
     with pytest.raises(ValueError, match="chains"):
         accept_sampling(tree, torch.full((3, VOCAB), 1 / VOCAB), make_generator(0))
 

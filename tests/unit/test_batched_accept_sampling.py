@@ -44,7 +44,7 @@ def batched_pairs(
         tokens[b, : len(tree)] = torch.tensor(tree.tokens)
         parents[b, : len(tree)] = torch.tensor(tree.parents)
         if tree.draft_probs is not None:
-            q[b, : len(tree)] = tree.draft_probs
+            q[b, : len(tree)] = tree.draft_probs.dense()
             has_q[b] = True
     generator = make_generator(seed)
     uniforms = torch.rand(batch, n + 1, generator=generator, dtype=torch.float64)

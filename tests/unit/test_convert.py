@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from specsplit.messages import (
     VerifyOutput,
 )
 from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -132,11 +134,61 @@ def test_empty_tree_stays_empty() -> None:
 
 
 def test_tree_round_trip_with_probs() -> None:
+    """Draft distributions cross as each row's support; they read back as the same dense
+    distributions (the padding of a shorter support adds nothing)."""
     probs = torch.softmax(torch.randn(3, 11), dim=-1)
-    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1], draft_probs=probs)
-    back = convert.tree_from_proto(_wire(convert.tree_to_proto(tree)))
+    probs[1, 4:] = 0  # a row of a smaller support
+    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1], draft_probs=DraftProbs.of(probs))
+    msg = _wire(convert.tree_to_proto(tree))
+    assert msg.draft_probs.vocab_size == 11 and list(msg.draft_probs.tokens.shape) == [3, 11]
+    back = convert.tree_from_proto(msg)
     assert back.draft_probs is not None
-    assert torch.equal(back.draft_probs, probs)
+    assert torch.equal(back.draft_probs.dense(), probs)
+    cut = DraftProbs.cat([DraftProbs.of(probs[:1, :]), DraftProbs.of(probs[1:2])])
+    assert cut.tokens.shape == (2, 11) and torch.equal(cut.dense(), probs[:2])
+    assert torch.equal(DraftProbs.of(probs[1:2]).dense(), probs[1:2])
+    assert DraftProbs.of(probs[1:2]).tokens.shape == (1, 4)  # its support only
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda m: setattr(m, "vocab_size", 0), "vocab_size = 0"),
+        (
+            lambda m: m.tokens.CopyFrom(
+                convert.tensor_to_proto(torch.full((2, 3), 11, dtype=torch.int32))
+            ),
+            "outside the vocabulary",
+        ),
+        (
+            lambda m: m.tokens.CopyFrom(
+                convert.tensor_to_proto(torch.zeros(2, 3, dtype=torch.int64))
+            ),
+            "int32",
+        ),
+        (
+            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.full((2, 3), -0.5))),
+            "finite and >= 0",
+        ),
+        (
+            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.full((2, 3), math.nan))),
+            "finite and >= 0",
+        ),
+        (
+            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.zeros(2, 2))),
+            "one [n, k] shape",
+        ),
+    ],
+    ids=["no-vocab", "token-outside", "token-dtype", "negative", "nan", "shapes"],
+)
+def test_malformed_draft_probs_are_refused_naming_the_field(damage, message) -> None:  # type: ignore[no-untyped-def]
+    probs = DraftProbs.of(torch.softmax(torch.randn(2, 11), dim=-1)[:, :3].contiguous())
+    probs = DraftProbs(probs.tokens, probs.probs, 11)
+    msg = convert.tree_to_proto(DraftTree([1, 2], [-1, 0], probs))
+    damage(msg.draft_probs)
+    with pytest.raises(ServiceError, match=r"tree\.draft_probs") as err:
+        convert.tree_from_proto(msg)
+    assert err.value.code == Code.INVALID_ARGUMENT and message in err.value.message
 
 
 def _draft_input(hidden: torch.Tensor | None) -> DraftInput:
@@ -160,7 +212,7 @@ def _assert_same(a: object, b: object) -> None:
         if isinstance(value, torch.Tensor):
             assert isinstance(other, torch.Tensor) and value.dtype == other.dtype
             assert torch.equal(value, other), name
-        elif isinstance(value, DraftTree):
+        elif isinstance(value, (DraftTree, DraftProbs)):
             _assert_same(value, other)
         else:
             assert value == other, name
@@ -180,7 +232,9 @@ def test_draft_request_round_trip(with_hidden: bool) -> None:
 
 def test_draft_response_round_trip() -> None:
     outputs = [
-        DraftOutput("a", DraftTree([1, 2], [-1, 0], torch.rand(2, 6)), kv_committed_len=12),
+        DraftOutput(
+            "a", DraftTree([1, 2], [-1, 0], DraftProbs.of(torch.rand(2, 6))), kv_committed_len=12
+        ),
         DraftOutput("b", DraftTree(), kv_committed_len=0),
     ]
     msg = _wire(convert.draft_response_to_proto(outputs, draft_ns=1234))
@@ -355,7 +409,7 @@ def test_verify_input_leaves_greedy_sampling_and_defaults_unset() -> None:
     msg = convert.verify_request_to_proto([plain])
     assert not msg.sampled and not msg.decode_steps and not msg.wants_hidden_states
     assert convert.verify_request_from_proto(msg) == [plain]
-    probs = torch.softmax(torch.randn(2, 9), dim=-1)
+    probs = DraftProbs.of(torch.softmax(torch.randn(2, 9), dim=-1))
     sampled = VerifyInput(
         "t", True, 0, [1, 2], DraftTree([3, 4], [-1, 0], probs), SamplingParams(0.7, 0.9, 5, 11)
     )
@@ -385,7 +439,7 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
     outputs = [
         DraftOutput("a", DraftTree([1, 2], [-1, 0]), 5, (3, 8)),
         DraftOutput("b", DraftTree(), 7, (3, 8), ahead),
-        DraftOutput("c", DraftTree([3], [-1], torch.rand(1, 6)), 3, (3, 8)),
+        DraftOutput("c", DraftTree([3], [-1], DraftProbs.of(torch.rand(1, 6))), 3, (3, 8)),
     ]
     msg = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
     assert [entry.index for entry in msg.extras] == [1, 2]

@@ -24,7 +24,7 @@ import torch
 
 from specsplit.acceptance import AcceptResult, accept_sampling
 from specsplit.sampling import SamplingParams, make_generator, sample, target_probs
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 
 V = 8
 N = 20_000
@@ -205,9 +205,11 @@ def test_topk_tree_check_catches_wrong_rule(
 
 
 def sampled_chains(
-    depth: int, params: SamplingParams, seed: int
+    depth: int, params: SamplingParams, seed: int, support: int | None = None
 ) -> list[tuple[DraftTree, torch.Tensor]]:
-    """N chains, each drawn afresh from the draft model, with q per draft and target rows."""
+    """N chains, each drawn afresh from the draft model, with q per draft and target rows.
+    support: each q cut to its `support` most likely tokens and renormalized before drawing
+    (as the drafter's DRAFT_SUPPORT cuts it)."""
     generator = make_generator(seed)
     drafts = torch.empty(N, depth, dtype=torch.int64)  # [N, depth] drafted tokens
     q_rows = torch.empty(N, depth, V, dtype=torch.float64)  # [N, depth, V]
@@ -217,10 +219,14 @@ def sampled_chains(
         r_rows[:, d] = table(lambda p: target(p, params), d)[prefixes]
         if d < depth:
             q_rows[:, d] = table(lambda p: draft(p, params, agreement=0.5), d)[prefixes]
+            if support is not None:
+                kept = q_rows[:, d].topk(support, dim=-1)
+                cut = torch.zeros_like(q_rows[:, d]).scatter_(-1, kept.indices, kept.values)
+                q_rows[:, d] = cut / cut.sum(dim=-1, keepdim=True)
             drafts[:, d] = sample(q_rows[:, d], generator)
     parents = list(range(-1, depth - 1))
     return [
-        (DraftTree(tokens, parents, draft_probs=q), r)
+        (DraftTree(tokens, parents, draft_probs=DraftProbs.of(q)), r)
         for tokens, q, r in zip(drafts.tolist(), q_rows, r_rows, strict=True)
     ]
 
@@ -231,9 +237,20 @@ def test_sampled_chain_with_q_is_lossless() -> None:
     assert ok, report
 
 
+def test_sampled_chain_drawn_from_a_cut_q_is_lossless() -> None:
+    """Drafts drawn from q cut to its 3 most likely of 8 tokens (the drafter's DRAFT_SUPPORT;
+    the target puts real mass outside it, which only the residual can emit) and told to the
+    verifier as that cut q: the output is still the target's."""
+    rounds = sampled_chains(depth=3, params=PLAIN, seed=5, support=3)
+    assert all(int((tree.draft_probs.dense() > 0).sum(-1).max()) <= 3 for tree, _ in rounds[:50])  # type: ignore[union-attr]
+    ok, report = passes_check(run_rounds(accept_sampling, rounds, PLAIN, seed=6), PLAIN)
+    assert ok, report
+
+
+@pytest.mark.parametrize("support", [None, 3], ids=["whole-q", "cut-q"])
 @pytest.mark.parametrize("wrong", [accept_every_draft, bonus_from_target_not_residual])
-def test_sampled_chain_check_catches_wrong_rule(wrong: Rule) -> None:
-    rounds = sampled_chains(depth=3, params=PLAIN, seed=2)
+def test_sampled_chain_check_catches_wrong_rule(wrong: Rule, support: int | None) -> None:
+    rounds = sampled_chains(depth=3, params=PLAIN, seed=2, support=support)
     ok, report = passes_check(run_rounds(wrong, rounds, PLAIN, seed=3), PLAIN)
     assert not ok, f"{wrong.__name__} passed: {report}"
 
@@ -247,7 +264,7 @@ def ngram_chain(one_hot_q: bool) -> DraftTree:
     for _ in range(3):
         tokens.append(int(target(tuple(tokens), PLAIN).topk(2).indices[1]))
     q = torch.nn.functional.one_hot(torch.tensor(tokens), V).double() if one_hot_q else None
-    tree = DraftTree(tokens, [-1, 0, 1], draft_probs=q)
+    tree = DraftTree(tokens, [-1, 0, 1], draft_probs=None if q is None else DraftProbs.of(q))
     tree.validate(V)
     return tree
 
