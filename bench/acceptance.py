@@ -1,4 +1,6 @@
-"""Accepted tokens per round for candidate drafters on the bundled prompt set (greedy).
+"""Accepted tokens per round for candidate drafters on the bundled prompt set (greedy, or
+sampled with --temperature: each request seeded by its index; outputs then differ from the
+target-only run's, only their law is the same).
 
 Runs the real engines in one process on the embedded default (or --model), all prompts as one
 batch, and prints one row per drafter and draft shape with the target-only run of the same
@@ -10,6 +12,13 @@ process as baseline:
 speculation row (gateway/adaptive.py) that starts on --start:
 
     python bench/acceptance.py --adaptive --self-layers --eagle3 HEAD_DIR --device cuda
+
+--draft-support N: a sampled chain's drafts drawn from the draft distribution cut to its N most
+likely tokens (drafter.tree_draft.DRAFT_SUPPORT; 0: the whole vocabulary), to see what the cut
+costs in acceptance:
+
+    python bench/acceptance.py --self-layers --eagle3 specsplit/data/eagle3-smollm2 \
+        --temperature 1.0 --draft-support 0
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ from importlib import resources
 
 import torch
 
+from drafter import tree_draft
 from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_ladder
 from gateway.request import GenerationRequest
 from inprocess.stack import accepted_tokens_per_round, build_local_stack, token_ids
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template
+from specsplit.sampling import SamplingParams
 
 
 def bundled_prompts() -> list[list[dict[str, str]]]:
@@ -47,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ladder", default=DEFAULT_LADDER, help="rungs STEPS[xTOPK[xNODES]],...")
     parser.add_argument("--start", default="3", help="the rung adaptive sequences start on")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--draft-support", type=int, default=None, help="0: whole vocabulary")
     return parser.parse_args()
 
 
@@ -81,10 +94,18 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     target = load_model(path, dtype=dtype, device=args.device)
     prompts = [apply_chat_template(tokenizer, messages) for messages in bundled_prompts()]
-    requests = [GenerationRequest(p, args.max_new_tokens) for p in prompts]
+    if args.draft_support is not None:
+        tree_draft.DRAFT_SUPPORT = args.draft_support or 1 << 31
+    requests = [
+        GenerationRequest(p, args.max_new_tokens, SamplingParams(args.temperature, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    if args.temperature and args.draft_support is not None:
+        mode += f", draft support {args.draft_support or 'the whole vocabulary'}"
 
     print(
-        f"model {path}\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
+        f"model {path}\n{len(prompts)} prompts, {mode}, max_new_tokens {args.max_new_tokens}, "
         f"all prompts in one batch, {args.device} {dtype}, torch threads {torch.get_num_threads()}"
     )
     if args.adaptive:
@@ -115,7 +136,9 @@ def main() -> None:
         outputs = [token_ids(chunks) for chunks in results]
         if reference is None:
             reference = outputs
-        same = "" if outputs == reference else "  OUTPUT DIFFERS FROM TARGET ONLY"
+        same = (
+            "" if outputs == reference or args.temperature else "  OUTPUT DIFFERS FROM TARGET ONLY"
+        )
         tokens = sum(len(o) for o in outputs)
         tps = tokens / seconds
         baseline_tps = baseline_tps or tps
