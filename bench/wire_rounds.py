@@ -4,10 +4,11 @@ other (specsplit/convert.py), as the gateway and the services do every round. Sy
 chains of --depth drafts, --rows target feature rows a sequence of --width each (EAGLE-3 on
 SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls rounds.
 --beside: the rows beside the messages (convert.Beside, as the round lane sends them), not in
-their tensor fields (as gRPC does).
+their tensor fields (as gRPC does). --sampled SUPPORT: sampled chains carrying their draft
+distributions (DraftProbs) of SUPPORT tokens each node.
 
     PYTHONPATH=. python bench/wire_rounds.py [--batch 1 8 32] [--rows 4] [--width 1728]
-        [--beside]
+        [--beside] [--sampled 256]
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import torch
 
 from specsplit import convert
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
-from specsplit.tree import DraftTree
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftProbs, DraftTree
 from specsplit.v1 import drafter_pb2, verifier_pb2
+
+VOCAB = 49152  # SmolLM2's
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
@@ -38,23 +42,31 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
     return 1e6 * statistics.median(passes)
 
 
-def round_messages(batch: int, depth: int, rows: int, width: int) -> dict[str, Any]:
-    """A round's four messages' contents: the Draft and Verify inputs and outputs."""
+def round_messages(
+    batch: int, depth: int, rows: int, width: int, support: int = 0
+) -> dict[str, Any]:
+    """A round's four messages' contents: the Draft and Verify inputs and outputs. support:
+    sampled chains whose draft distributions have that many tokens of SmolLM2's 49152 (0:
+    greedy)."""
     chain = DraftTree(list(range(10, 10 + depth)), list(range(-1, depth - 1)))
+    sampling = SamplingParams()
+    if support:
+        q = torch.softmax(torch.randn(depth, VOCAB), dim=-1).topk(support, dim=-1)
+        chain.draft_probs = DraftProbs(q.indices, q.values, VOCAB)
+        sampling = SamplingParams(temperature=0.7)
     ids = [f"seq-{i:032x}" for i in range(batch)]
     answer = torch.randn(batch * rows, width).to(torch.bfloat16)  # one Verify's rows
     hidden = list(answer.split(rows))
     layers = (1, 2, 3)
     return {
         "draft_in": [
-            DraftInput(
-                s, False, 300, [7] * rows, SpecParams(depth, 1, depth), target_hidden_states=h
-            )
+            DraftInput(s, False, 300, [7] * rows, SpecParams(depth, 1, depth), sampling, 300, h)
             for s, h in zip(ids, hidden, strict=True)
         ],
         "draft_out": [DraftOutput(s, chain, 300, layers) for s in ids],
         "verify_in": [
-            VerifyInput(s, False, 300, [7], chain, hidden_state_layers=layers) for s in ids
+            VerifyInput(s, False, 300, [7], chain, sampling, hidden_state_layers=layers)
+            for s in ids
         ],
         "verify_out": [
             VerifyOutput(s, chain.tokens[: rows - 1], 5, 304, h)
@@ -81,6 +93,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--beside", action="store_true", help="rows beside the messages")
+    parser.add_argument(
+        "--sampled",
+        type=int,
+        default=0,
+        metavar="SUPPORT",
+        help="sampled chains, draft distributions of SUPPORT tokens (the drafter's 256; 49152: "
+        "the whole vocabulary, as sent before the cut); 0: greedy",
+    )
     args = parser.parse_args()
     print(
         f"| batch | Draft request out / in | Draft answer out / in | Verify request out / in "
@@ -88,7 +108,7 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
-        m = round_messages(batch, args.depth, args.rows, args.width)
+        m = round_messages(batch, args.depth, args.rows, args.width, args.sampled)
         pairs = (
             (partial(convert.draft_request_to_proto, m["draft_in"]), drafter_pb2.DraftRequest,
              convert.draft_request_from_proto),
