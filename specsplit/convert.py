@@ -259,6 +259,35 @@ def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
     return DraftProbs(tokens.long(), probs, msg.vocab_size)
 
 
+def _fill_round_probs(msg: common_pb2.DraftProbs, trees: list[DraftTree]) -> None:
+    """The draft probabilities of a round's trees that have them, as one message: their rows
+    back to back in order (a message per sequence cost ~40 us a sequence to build and read)."""
+    parts = [tree.draft_probs for tree in trees if tree.draft_probs is not None]
+    if parts:
+        _fill_probs(msg, DraftProbs.cat(parts))
+
+
+def _read_round_probs(
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, trees: list[DraftTree]
+) -> None:
+    """Give each of `trees` (those said to have draft probabilities, in order) its rows of the
+    round's message: views of one checked copy."""
+    counts = [len(tree) for tree in trees]
+    if not msg.HasField("draft_probs"):
+        if trees:
+            raise invalid(f"{len(trees)} sequences have draft probabilities; draft_probs unset")
+        return
+    probs = probs_from_proto(msg.draft_probs, "draft_probs")
+    if len(probs) != sum(counts):
+        raise invalid(
+            f"draft_probs has {len(probs)} rows; the trees said to have them have {sum(counts)}"
+            " nodes"
+        )
+    parts = [probs] if len(trees) == 1 else probs.split(counts)
+    for tree, part in zip(trees, parts, strict=True):
+        tree.draft_probs = part
+
+
 # -- columns ---------------------------------------------------------------------------------
 # A round's request and response carry their sequences in columns (the .proto files): entry i
 # of a per-sequence column is sequence i's; a flat column holds the sequences' lists back to
@@ -437,11 +466,10 @@ def draft_response_to_proto(
     if len(layers) > 1:
         raise ValueError(f"a drafter's outputs name different hidden_state_layers: {layers}")
     msg.hidden_state_layers.extend(layers.pop() if layers else ())
+    _fill_round_probs(msg.draft_probs, [item.tree for item in outputs])
     for i, item in enumerate(outputs):
         if item.tree.draft_probs is not None or item.ahead:
-            extras = msg.extras.add(index=i)
-            if item.tree.draft_probs is not None:
-                _fill_probs(extras.draft_probs, item.tree.draft_probs)
+            extras = msg.extras.add(index=i, has_draft_probs=item.tree.draft_probs is not None)
             for ahead in item.ahead:
                 entry = extras.ahead.add()
                 entry.tokens.extend(ahead.tokens)
@@ -463,12 +491,11 @@ def draft_response_from_proto(
             seq_ids, trees, _column(msg.kv_committed_len, n, "kv_committed_len"), strict=True
         )
     ]
-    for i, extras in _indexed(msg.extras, n, "extras").items():
+    extras_of = _indexed(msg.extras, n, "extras")
+    with_probs = [i for i, extras in extras_of.items() if extras.has_draft_probs]
+    _read_round_probs(msg, [outputs[i].tree for i in with_probs])
+    for i, extras in extras_of.items():
         item = outputs[i]
-        if extras.HasField("draft_probs"):
-            item.tree.draft_probs = probs_from_proto(
-                extras.draft_probs, f"{item.seq_id}.draft_probs"
-            )
         item.ahead = [
             AheadTree(list(a.tokens), tree_from_proto(a.tree, f"{item.seq_id}.ahead"))
             for a in extras.ahead
@@ -505,12 +532,12 @@ def verify_request_to_proto(
         msg.hidden_state_layers.extend(layers.pop())
         msg.wants_hidden_states.extend([bool(item.hidden_state_layers) for item in inputs])
     for i, item in enumerate(inputs):
-        if item.sampling != GREEDY or item.tree.draft_probs is not None:
-            sampled = msg.sampled.add(index=i)
+        has_probs = item.tree.draft_probs is not None
+        if item.sampling != GREEDY or has_probs:
+            sampled = msg.sampled.add(index=i, has_draft_probs=has_probs)
             if item.sampling != GREEDY:
                 sampled.sampling.CopyFrom(sampling_to_proto(item.sampling))
-            if item.tree.draft_probs is not None:
-                _fill_probs(sampled.draft_probs, item.tree.draft_probs)
+    _fill_round_probs(msg.draft_probs, [item.tree for item in inputs])
     return msg
 
 
@@ -539,14 +566,13 @@ def verify_request_from_proto(
             strict=True,
         )
     ]  # fmt: skip
+    with_probs = []
     for i, sampled in _indexed(msg.sampled, n, "sampled").items():
-        item = inputs[i]
         if sampled.HasField("sampling"):
-            item.sampling = sampling_from_proto(sampled.sampling)
-        if sampled.HasField("draft_probs"):
-            item.tree.draft_probs = probs_from_proto(
-                sampled.draft_probs, f"{item.seq_id}.tree.draft_probs"
-            )
+            inputs[i].sampling = sampling_from_proto(sampled.sampling)
+        if sampled.has_draft_probs:
+            with_probs.append(i)
+    _read_round_probs(msg, [inputs[i].tree for i in with_probs])
     return inputs
 
 

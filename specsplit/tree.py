@@ -54,13 +54,27 @@ class DraftProbs:
         probs, tokens = dense.topk(min(k, dense.shape[-1]), dim=-1)
         return DraftProbs(tokens, probs, dense.shape[-1])
 
+    def split(self, counts: list[int]) -> list[DraftProbs]:
+        """Consecutive rows, `counts[i]` for part i (views)."""
+        tokens, probs = self.tokens.split(counts), self.probs.split(counts)
+        return [DraftProbs(t, p, self.vocab_size) for t, p in zip(tokens, probs, strict=True)]
+
     @staticmethod
     def cat(parts: list[DraftProbs]) -> DraftProbs:
-        """Rows of one vocabulary, in order (supports of different sizes padded)."""
+        """Rows of one vocabulary, in order (supports of different sizes padded). Joined by
+        numpy: torch.cat's OpenMP region waits for every worker (specsplit.model.batch)."""
+        if len(parts) == 1:
+            return parts[0]
         k = max(part.tokens.shape[1] for part in parts)
-        tokens = torch.cat([F.pad(p.tokens, (0, k - p.tokens.shape[1])) for p in parts])
-        probs = torch.cat([F.pad(p.probs, (0, k - p.probs.shape[1])) for p in parts])
-        return DraftProbs(tokens, probs, parts[0].vocab_size)
+        tokens = np.concatenate([_pad(p.tokens, k).numpy() for p in parts])
+        probs = np.concatenate([_pad(p.probs, k).numpy() for p in parts])
+        return DraftProbs(torch.from_numpy(tokens), torch.from_numpy(probs), parts[0].vocab_size)
+
+
+def _pad(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, j] -> [n, k] with zeros after (a support's padding); the CPU."""
+    rows = rows.cpu()
+    return rows if rows.shape[1] == k else F.pad(rows, (0, k - rows.shape[1]))
 
 
 @dataclass

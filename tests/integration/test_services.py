@@ -102,6 +102,27 @@ def test_plain_rounds_take_the_decode_steps_run_ahead(services: Services) -> Non
     services.wait_no_pages_used()
 
 
+def test_sampled_chains_cross_both_hops_with_their_draft_probabilities(services: Services) -> None:
+    """Sampled speculative chains: each Draft answer's draft probabilities go to the gateway
+    and on in the Verify request (one DraftProbs a round each way); seeded, the same tokens
+    twice, and the drafter drafted for them."""
+
+    def drafts() -> float:
+        return value(scrape(services, "drafter"), "specsplit_draft_seconds_count")
+
+    stub, chain = services.gateway(), common_pb2.SpecParams(num_steps=3, topk=1, num_draft_tokens=3)
+    sampled = common_pb2.SamplingParams(temperature=0.9, seed=7)
+    before = drafts()
+    runs = [
+        ids_of(generate(stub, token_request(_prompt(i % 2 + 1), 16, spec=chain, sampling=sampled,
+                                            ignore_eos=True)))
+        for i in range(3)
+    ]  # fmt: skip
+    assert runs[0] == runs[2] != runs[1] and all(len(run) == 16 for run in runs)
+    assert drafts() - before >= 3
+    services.wait_no_pages_used()
+
+
 def test_text_prompt_streams_text_that_decodes_the_tokens(
     services: Services, smollm2_tokenizer
 ) -> None:

@@ -204,6 +204,9 @@ def _draft_input(hidden: torch.Tensor | None) -> DraftInput:
     )
 
 
+SAMPLED = SamplingParams(temperature=0.7, seed=3)
+
+
 def _assert_same(a: object, b: object) -> None:
     """Dataclass equality that compares tensor fields exactly."""
     assert type(a) is type(b)
@@ -419,6 +422,51 @@ def test_verify_input_leaves_greedy_sampling_and_defaults_unset() -> None:
     assert first == plain
     _assert_same(back.tree, sampled.tree)
     assert back.sampling.seed == 11 and back.sampling.top_k == 5
+
+
+def test_a_rounds_draft_probabilities_travel_as_one_message_each_tree_its_rows() -> None:
+    """Sequences with sampled chains of different lengths and supports, between greedy ones:
+    their rows back to back in one DraftProbs (supports padded to the widest), each read back
+    as its own distributions, in both the Draft answer and the Verify request."""
+    supports = [torch.softmax(torch.randn(n, 13), dim=-1) for n in (3, 1, 2)]
+    supports[1][:, 5:] = 0  # a narrower support
+    trees = [DraftTree(list(range(1, n + 1)), list(range(-1, n - 1))) for n in (3, 1, 2)]
+    for tree, q in zip(trees, supports, strict=True):
+        tree.draft_probs = DraftProbs.of(q)
+    plain = DraftTree([4], [-1])
+    order = [plain, trees[0], trees[1], plain, trees[2]]
+    outputs = [DraftOutput(f"s{i}", t, 3) for i, t in enumerate(order)]
+    answer = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
+    assert list(answer.draft_probs.probs.shape) == [6, 13] and len(answer.extras) == 3
+    inputs = [VerifyInput(f"s{i}", False, 3, [2], t, SAMPLED) for i, t in enumerate(order)]
+    request = _wire(convert.verify_request_to_proto(inputs))
+    assert list(request.draft_probs.tokens.shape) == [6, 13]
+    for back in (
+        [out.tree for out in convert.draft_response_from_proto(answer)],
+        [item.tree for item in convert.verify_request_from_proto(request)],
+    ):
+        assert back[0].draft_probs is None and back[3].draft_probs is None
+        for got, q in zip([back[1], back[2], back[4]], supports, strict=True):
+            assert got.draft_probs is not None and torch.equal(got.draft_probs.dense(), q)
+
+
+def test_draft_probabilities_that_miss_their_trees_are_refused() -> None:
+    tree = DraftTree([1, 2], [-1, 0], DraftProbs.of(torch.softmax(torch.randn(2, 7), -1)))
+    request = _wire(
+        convert.verify_request_to_proto([VerifyInput("a", False, 3, [2], tree, SAMPLED)])
+    )
+    short = verifier_pb2.VerifyRequest()
+    short.CopyFrom(request)
+    short.num_tree_nodes[0] = 3
+    short.tree_tokens.append(5)
+    short.tree_parents.append(1)
+    with pytest.raises(ServiceError, match=r"draft_probs has 2 rows; .* have 3 nodes"):
+        convert.verify_request_from_proto(short)
+    unset = verifier_pb2.VerifyRequest()
+    unset.CopyFrom(request)
+    unset.ClearField("draft_probs")
+    with pytest.raises(ServiceError, match="draft_probs unset"):
+        convert.verify_request_from_proto(unset)
 
 
 def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_only() -> None:
