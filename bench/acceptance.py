@@ -59,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--start", default="3", help="the rung adaptive sequences start on")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     parser.add_argument("--draft-support", type=int, default=None, help="0: whole vocabulary")
     return parser.parse_args()
 
@@ -97,7 +98,9 @@ def main() -> None:
     if args.draft_support is not None:
         tree_draft.DRAFT_SUPPORT = args.draft_support or 1 << 31
     requests = [
-        GenerationRequest(p, args.max_new_tokens, SamplingParams(args.temperature, seed=i))
+        GenerationRequest(
+            p, args.max_new_tokens, SamplingParams(args.temperature, seed=args.seed + i)
+        )
         for i, p in enumerate(prompts)
     ]
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
