@@ -14,7 +14,9 @@ features of the tokens before them, and asks for a tree of shape STEPSxTOPKxNODE
 wall time of a round (median and p90 over `--rounds` after warm-up rounds) and the draft nodes
 returned. `--ahead G` also times, after each round, the draft-ahead call the gateway sends
 beside that round's Verify (`--overlap ahead`): the next round's trees for each accept length of
-the chain just drafted and G guessed bonus tokens (chain shapes only). `--host-expansion` runs
+the chain just drafted and G guessed bonus tokens (chain shapes only). `--temperature T`: every
+sequence samples (a chain is then drawn on the host, a step at a time, with its draft
+probabilities). `--host-expansion` runs
 the tree expansion on the host, one step at a time (the path before the expansion graphs), for
 comparison in the same run.
 """
@@ -37,6 +39,7 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
 from specsplit.messages import DraftInput, SpecParams
+from specsplit.sampling import SamplingParams
 
 
 def parse_shape(text: str) -> SpecParams:
@@ -49,8 +52,15 @@ def parse_shape(text: str) -> SpecParams:
 class Rounds:
     """`batch` sequences of `context` random tokens, each round `new` more tokens each."""
 
-    def __init__(self, engine: DrafterEngine, batch: int, context: int, width: int) -> None:
-        self.engine, self.width = engine, width
+    def __init__(
+        self,
+        engine: DrafterEngine,
+        batch: int,
+        context: int,
+        width: int,
+        sampling: SamplingParams,
+    ) -> None:
+        self.engine, self.width, self.sampling = engine, width, sampling
         gen = torch.Generator().manual_seed(batch)
         self.tokens = {
             f"s{b}": torch.randint(10, 40000, (context,), generator=gen).tolist()
@@ -68,7 +78,7 @@ class Rounds:
             rows = torch.randn(len(new_tokens) - 1, self.width, dtype=torch.bfloat16)
             inputs.append(
                 DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec,
-                           target_hidden_states=rows)
+                           self.sampling, target_hidden_states=rows)
             )  # fmt: skip
             self.held[seq_id] = len(tokens) - 1
         begin = time.perf_counter()
@@ -133,6 +143,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--host-expansion", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
@@ -171,7 +182,10 @@ def main() -> None:
     label = "host expansion" if args.host_expansion else "default"
     for spec in map(parse_shape, args.shape):
         for batch in args.batch:
-            rounds = Rounds(engine, batch, args.context, width)
+            sampling = (
+                SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
+            )
+            rounds = Rounds(engine, batch, args.context, width, sampling)
             rounds.run(spec, args.new)  # prefill
             for _ in range(5):
                 rounds.run(spec, args.new)

@@ -10,6 +10,7 @@ base + i (base = the proposer's kv_committed_len); it is scratch, freed after dr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -493,7 +494,8 @@ class TreeProposer:
         logits: torch.Tensor,  # [sum of frontiers, vocab], the trees' rows in order
     ) -> None:
         """Grow every tree by one level. What the host needs of the logits (argmax of greedy
-        chains, top-k of trees) crosses in one copy for the whole batch, not one per tree."""
+        chains, top-k of trees, sampled chains' draws) crosses in a copy or two for the whole
+        batch, not one per tree."""
         greedy_chain = [t.job.spec.topk == 1 and t.job.sampling.greedy for t in trees]
         argmax = logits.argmax(dim=-1).tolist() if any(greedy_chain) else []
         k = max((t.job.spec.topk for t in trees if t.job.spec.topk > 1), default=0)
@@ -501,19 +503,65 @@ class TreeProposer:
         if k:
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
             top = (top_lp.cpu(), top_tok.cpu())  # [rows, k] each
-        offset = 0
-        for tree, tree_parents, greedy in zip(trees, parents, greedy_chain, strict=True):
-            f = len(tree_parents)
-            rows = slice(offset, offset + f)
-            offset += f
-            if greedy:
+        starts = list(itertools.accumulate((len(p) for p in parents), initial=0))
+        sampled = [i for i, t in enumerate(trees) if t.job.spec.topk == 1 and not greedy_chain[i]]
+        draws = self._draw_sampled(
+            [trees[i] for i in sampled], [starts[i] for i in sampled], logits
+        )
+        drawn = dict(zip(sampled, draws, strict=True))
+        for i, (tree, tree_parents) in enumerate(zip(trees, parents, strict=True)):
+            rows = slice(starts[i], starts[i + 1])
+            if greedy_chain[i]:
                 tree.frontier = [tree.add(argmax[rows.start], tree_parents[0], 0.0)]
-            elif tree.job.spec.topk == 1:
-                self._grow_sampled_chain(tree, tree_parents[0], logits[rows])
+            elif i in drawn:
+                token, probs = drawn[i]
+                tree.draft_probs.append(probs)
+                tree.frontier = [tree.add(token, tree_parents[0], 0.0)]
             else:
                 assert top is not None
                 kt = tree.job.spec.topk
                 self._grow_topk(tree, tree_parents, top[0][rows, :kt], top[1][rows, :kt])
+
+    def _draw_sampled(
+        self, trees: list[_Expansion], rows: list[int], logits: torch.Tensor
+    ) -> list[tuple[int, DraftProbs]]:
+        """Sampled chains' next drafts (tree j's from logits[rows[j]]), each drawn with its
+        sequence's own generator from its draft distribution cut to the DRAFT_SUPPORT likeliest
+        tokens and renormalized (kept with it: the verifier's acceptance needs it exactly).
+        The distributions are computed once for each set of sampling params, and the draws
+        cross to the host in two copies for all the chains, not a sync per chain."""
+        if not trees:
+            return []
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        for j, tree in enumerate(trees):
+            params = tree.job.sampling
+            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(j)
+        vocab_size = logits.shape[-1]
+        k = min(DRAFT_SUPPORT, vocab_size)
+        order: list[int] = []  # the trees in the order of their rows below
+        weights, tokens = [], []
+        for members in groups.values():
+            index = torch.tensor([rows[j] for j in members], device=logits.device)
+            q = target_probs(logits.index_select(0, index), trees[members[0]].job.sampling)
+            top = q.topk(k, dim=-1)  # [g, k] each
+            weights.append(top.values)
+            tokens.append(top.indices)
+            order += members
+        support = torch.cat(weights) if len(weights) > 1 else weights[0]  # [n, k]
+        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        picks = []  # [1] each: an index into its support
+        for r, j in enumerate(order):
+            job = trees[j].job
+            generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
+            picks.append(sample(support[r : r + 1], generator))
+        chosen = ids.gather(1, torch.cat(picks)[:, None])  # [n, 1]
+        host_ids = torch.cat([chosen, ids], dim=1).cpu()  # [n, 1 + k]
+        host_probs = (support / support.sum(dim=-1, keepdim=True)).float().cpu()
+        out: dict[int, tuple[int, DraftProbs]] = {}
+        for r, j in enumerate(order):
+            probs = DraftProbs(host_ids[r : r + 1, 1:], host_probs[r : r + 1], vocab_size)
+            out[j] = (int(host_ids[r, 0]), probs)
+        return [out[j] for j in range(len(trees))]
 
     def _frontier_step(self, tree: _Expansion) -> SeqStep:
         """Forward the frontier: each node sees the prefix, its ancestors and itself."""
@@ -534,19 +582,6 @@ class TreeProposer:
             new_mask=mask,
             logit_rows=list(range(len(tree.frontier))),
         )
-
-    def _grow_sampled_chain(self, tree: _Expansion, parent: int, logits: torch.Tensor) -> None:
-        """A sampled chain's next draft, drawn from the draft distribution cut to its
-        DRAFT_SUPPORT most likely tokens (kept with it, as the verifier's acceptance needs)."""
-        job = tree.job
-        generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
-        q = target_probs(logits, job.sampling)  # [1, vocab]
-        weights, tokens = q.topk(min(DRAFT_SUPPORT, q.shape[-1]), dim=-1)  # [1, k] each
-        pick = sample(weights, generator)  # [1] an index into the support
-        probs = weights / weights.sum(dim=-1, keepdim=True)
-        token = int(tokens[0, pick[0]])
-        tree.draft_probs.append(DraftProbs(tokens.cpu(), probs.float().cpu(), q.shape[-1]))
-        tree.frontier = [tree.add(token, parent, 0.0)]
 
     @staticmethod
     def _grow_topk(
