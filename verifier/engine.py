@@ -7,6 +7,7 @@ sequence as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterable
@@ -42,7 +43,7 @@ from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams, make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
 
 log = logging.getLogger(__name__)
@@ -788,33 +789,59 @@ class VerifierEngine:
     ) -> BatchedAccept:
         """Lossless rejection sampling for the batch; greedy sequences in it walk a one-hot
         target (the same as greedy acceptance). Each sequence draws its N + 1 uniforms from its
-        own generator, so its tokens do not depend on the batch it is in."""
+        own generator, so its tokens do not depend on the batch it is in. The targets are
+        computed once for each set of sampling params, and the uniforms and draft
+        probabilities placed in one op each, not a few ops a sequence."""
         num_seqs, width = draft_tokens.shape
-        probs = torch.empty(num_seqs, width + 1, logits.shape[-1], device=self.device)
-        uniforms = torch.zeros(num_seqs, width + 1, dtype=torch.float64, device=self.device)
+        vocab = logits.shape[-1]
+        device = self.device
+        rows = logits[row_index]  # [B, N + 1, vocab]
+        probs = torch.empty(num_seqs, width + 1, vocab, device=device)
+        groups: dict[SamplingParams | None, list[int]] = {}  # None: greedy
+        for b, item in enumerate(inputs):
+            key = None if item.sampling.greedy else dataclasses.replace(item.sampling, seed=None)
+            groups.setdefault(key, []).append(b)
+        for params, members in groups.items():
+            index = to_device(torch.tensor(members), device)
+            picked = rows.index_select(0, index).flatten(0, 1)  # [g * (N + 1), vocab]
+            if params is None:
+                target = F.one_hot(picked.argmax(dim=-1), vocab).float()
+            else:
+                target = target_probs(picked, params)
+            probs.index_copy_(0, index, target.view(len(members), width + 1, vocab))
+        draws, places = [], []  # each sequence's N + 1 uniforms and where they go
+        with_q, q_rows = [], []  # the draft probabilities' sequences and rows
+        for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
+            n = len(item.tree)
+            if seq.generator is None:
+                seq.generator = make_generator(item.sampling.seed, device)
+            draws.append(
+                torch.rand(n + 1, generator=seq.generator, device=device, dtype=torch.float64)
+            )
+            places += [b * (width + 1) + j for j in range(n)] + [b * (width + 1) + width]
+            if item.tree.draft_probs is not None:
+                with_q.append(item.tree.draft_probs)
+                q_rows += [b * width + j for j in range(n)]
+        uniforms = torch.zeros(num_seqs * (width + 1), dtype=torch.float64, device=device)
+        uniforms.index_copy_(0, to_device(torch.tensor(places), device), torch.cat(draws))
         q = None
         has_q = torch.zeros(num_seqs, dtype=torch.bool)
-        for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
-            rows = logits[row_index[b]]  # [N + 1, vocab]
-            n = len(item.tree)
-            if item.sampling.greedy:
-                probs[b] = F.one_hot(rows.argmax(dim=-1), rows.shape[-1]).float()
-            else:
-                probs[b] = target_probs(rows, item.sampling)
-            if seq.generator is None:
-                seq.generator = make_generator(item.sampling.seed, self.device)
-            draws = torch.rand(
-                n + 1, generator=seq.generator, device=self.device, dtype=torch.float64
-            )
-            uniforms[b, :n] = draws[:n]
-            uniforms[b, width] = draws[n]
-            if item.tree.draft_probs is not None:
-                if q is None:
-                    q = torch.zeros(num_seqs, width, logits.shape[-1], device=self.device)
-                item.tree.draft_probs.add_to(q[b, :n])
-                has_q[b] = True
+        if with_q:
+            joined = DraftProbs.cat(with_q)
+            q = torch.zeros(num_seqs * width, vocab, device=device)
+            at = to_device(torch.tensor(q_rows), device)[:, None].expand(joined.tokens.shape)
+            tokens = joined.tokens.to(device, non_blocking=True)
+            q.index_put_((at, tokens), joined.probs.to(device, q.dtype), accumulate=True)
+            q = q.view(num_seqs, width, vocab)
+            for b, item in enumerate(inputs):
+                has_q[b] = item.tree.draft_probs is not None
         return accept_sampling_batched(
-            probs, draft_tokens, parents, uniforms, q, to_device(has_q, self.device)
+            probs,
+            draft_tokens,
+            parents,
+            uniforms.view(num_seqs, width + 1),
+            q,
+            to_device(has_q, device),
         )
 
     def _bend_logits(
