@@ -795,20 +795,27 @@ class VerifierEngine:
         num_seqs, width = draft_tokens.shape
         vocab = logits.shape[-1]
         device = self.device
-        rows = logits[row_index]  # [B, N + 1, vocab]
-        probs = torch.empty(num_seqs, width + 1, vocab, device=device)
         groups: dict[SamplingParams | None, list[int]] = {}  # None: greedy
         for b, item in enumerate(inputs):
             key = None if item.sampling.greedy else dataclasses.replace(item.sampling, seed=None)
             groups.setdefault(key, []).append(b)
-        for params, members in groups.items():
-            index = to_device(torch.tensor(members), device)
-            picked = rows.index_select(0, index).flatten(0, 1)  # [g * (N + 1), vocab]
+
+        def target(params: SamplingParams | None, rows: torch.Tensor) -> torch.Tensor:
+            """[g * (N + 1), vocab]: the target distributions at `rows` of the logits."""
+            picked = logits.index_select(0, rows)
             if params is None:
-                target = F.one_hot(picked.argmax(dim=-1), vocab).float()
-            else:
-                target = target_probs(picked, params)
-            probs.index_copy_(0, index, target.view(len(members), width + 1, vocab))
+                return F.one_hot(picked.argmax(dim=-1), vocab).float()
+            return target_probs(picked, params)
+
+        if len(groups) == 1:  # mostly: one set of params for the whole round
+            (params,) = groups
+            probs = target(params, row_index.flatten()).view(num_seqs, width + 1, vocab)
+        else:
+            probs = torch.empty(num_seqs, width + 1, vocab, device=device)
+            for params, members in groups.items():
+                index = to_device(torch.tensor(members), device)
+                rows = row_index.index_select(0, index).flatten()
+                probs.index_copy_(0, index, target(params, rows).view(-1, width + 1, vocab))
         draws, places = [], []  # each sequence's N + 1 uniforms and where they go
         with_q, q_rows = [], []  # the draft probabilities' sequences and rows
         for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
