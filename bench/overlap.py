@@ -52,19 +52,24 @@ def run_batch(
     prompts: list[list[int]],
     max_new_tokens: int,
     spec: common_pb2.SpecParams | None = None,
+    temperature: float = 0.0,
 ) -> tuple[list[list[int]], float]:
     """Every prompt as its own stream, all at once; (tokens of each, wall seconds). spec: the
-    requests' draft shape (None: the gateway's default)."""
+    requests' draft shape (None: the gateway's default). temperature > 0: stream i samples
+    with seed i."""
 
-    def one(prompt: list[int]) -> list[int]:
+    def one(i: int) -> list[int]:
         request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens, spec=spec
+            token_ids=gateway_pb2.TokenIds(ids=prompts[i]),
+            max_new_tokens=max_new_tokens,
+            spec=spec,
+            sampling=common_pb2.SamplingParams(temperature=temperature, seed=i),
         )
         return [t for r in stub.Generate(request) for t in r.token_ids]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
-        outputs = list(pool.map(one, prompts))
+        outputs = list(pool.map(one, range(len(prompts))))
         return outputs, time.perf_counter() - start
 
 
@@ -162,6 +167,13 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampled streams, stream i seeded i (0: greedy); their tokens then differ from "
+        "target-only's (the same law)",
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--drafter-device", default=None)
@@ -217,9 +229,9 @@ def main() -> None:
         prompts: list[list[int]],
         spec: Any = None,
     ) -> None:
-        run_batch(stub, prompts, WARMUP_TOKENS, spec)  # kernels first built for its shapes
+        run_batch(stub, prompts, WARMUP_TOKENS, spec, args.temperature)  # kernels first built
         before = scrape_totals()
-        results[key] = run_batch(stub, prompts, args.max_new_tokens, spec)
+        results[key] = run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature)
         totals[key] = Counter(scrape_totals())
         totals[key].subtract(before)
 
@@ -246,7 +258,8 @@ def main() -> None:
             parts[mode].subtract(before)
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
-        f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, greedy, "
+        f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, "
+        f"{f'temperature {args.temperature} (seeded)' if args.temperature else 'greedy'}, "
         f"decode ahead {args.decode_ahead} (max batch {args.decode_ahead_max_batch or 'default'}), "
         f"decode steps {args.decode_steps or 'default'}"
         f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
@@ -257,7 +270,7 @@ def main() -> None:
         + "".join(f"{m} tok/s | " for m in others)
         + "serial / target | "
         + "".join(f"{m} / target | {m} / serial | " for m in others)
-        + "streams with the same tokens |"
+        + "streams with the same tokens (greedy: all) |"
     )
     print("|---:|" + "---:|" * (2 + len(others) + 1 + 2 * len(others)) + "---|")
     for batch in args.batch:

@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--target-only", action="store_true", help="num_steps 0 per request")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampled streams, seeded (0: greedy)"
+    )
     parser.add_argument("--top", type=int, default=25, help="0: no profiled run")
     parser.add_argument("--keep", default=None, help="copy the .prof files into this directory")
     parser.add_argument(
@@ -108,15 +111,19 @@ def main() -> None:
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
     spec = TARGET_ONLY if args.target_only else None
     kind = "target only" if args.target_only else "speculative"
+    if args.temperature:
+        kind += f", temperature {args.temperature}"
     directory = Path(tempfile.mkdtemp(prefix="specsplit-profile-"))
     os.environ["SPECSPLIT_PROFILE_DIR"] = str(directory)  # `up` and its children inherit it
     try:
         with services(args) as stub:
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
-                run_batch(stub, prompts, 16, spec)  # warm-up at this batch
+                run_batch(stub, prompts, 16, spec, args.temperature)  # warm-up at this batch
                 before = scrape_totals()
-                plain, plain_wall = run_batch(stub, prompts, args.max_new_tokens, spec)
+                plain, plain_wall = run_batch(
+                    stub, prompts, args.max_new_tokens, spec, args.temperature
+                )
                 totals = Counter(scrape_totals())
                 totals.subtract(before)
                 print(f"== {batch} streams x {args.max_new_tokens} tokens, {kind}")
@@ -125,7 +132,7 @@ def main() -> None:
                 return
             pids = service_pids(directory)
             signal_all(pids, signal.SIGUSR2)  # profiles start
-            outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec)
+            outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature)
             signal_all(pids, signal.SIGUSR2)  # and stop, written
             time.sleep(1.0)
     finally:

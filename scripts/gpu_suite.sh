@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps] [eagle] [split]
+#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -27,7 +27,9 @@
 # steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps;
 # eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head; split: a
 # round's cost outside the engines (bench/wire_rounds.py, bench/lane_rows.py, and
-# bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64).
+# bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64); sampled: the same for sampled
+# chains (temperature 1: bench/wire_rounds.py --sampled, bench/draft_step.py --temperature,
+# bench/profile_services.py --temperature at batch 1 / 8 / 32).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +137,15 @@ for part in "${parts[@]}"; do
       run split python3 bench/profile_services.py --model /tmp/smollm2_random "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 64 \
         --max-new-tokens 128 --top 0 ;;
+    sampled)  # sampled chains (temperature 1): their draft probabilities' wire cost, a
+      # draft round in process, and through the services at batch 1 / 8 / 32 against greedy
+      random_smollm2
+      run sampled_wire python3 bench/wire_rounds.py --batch 1 8 32 --beside --sampled 256
+      run sampled_draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
+        --batch 1 8 32 --shape 3x1x3 --temperature 1.0
+      run sampled_split python3 bench/profile_services.py --model /tmp/smollm2_random \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --batch 1 8 32 --max-new-tokens 128 --top 0 --temperature 1.0 ;;
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
