@@ -132,16 +132,25 @@ def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
             )
     if len(parts) == 1:
         return first
-    total = sum(part.shape[0] for part in parts)
-    nonempty = [part for part in parts if part.numel()]
-    if nonempty and _back_to_back(nonempty):
-        first = nonempty[0]
-        joined = torch.empty(0, dtype=dtype)
-        offset, size = first.storage_offset(), (total, width)
-        return joined.set_(first.untyped_storage(), offset, size, (width, 1))
-    joined = torch.empty(total, width, dtype=dtype)
+    view = _joined_view(parts)
+    if view is not None:
+        return view
+    joined = torch.empty(sum(part.shape[0] for part in parts), width, dtype=dtype)
     copy_rows(joined, parts)
     return joined
+
+
+def _joined_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """[n_i, width] parts of one width and dtype as one [sum of n_i, width] view of their
+    storage when they lie back to back in it (empty parts aside), else None."""
+    nonempty = [part for part in parts if part.numel()]
+    if not nonempty or not _back_to_back(nonempty):
+        return None
+    first = nonempty[0]
+    width = first.shape[1]
+    joined = torch.empty(0, dtype=first.dtype)
+    size = (sum(part.shape[0] for part in parts), width)
+    return joined.set_(first.untyped_storage(), first.storage_offset(), size, (width, 1))
 
 
 def _back_to_back(parts: list[torch.Tensor]) -> bool:
@@ -174,10 +183,10 @@ class HostRows:
         """[n_i, width] CPU tensors of one dtype -> [sum of n_i, width] on `device`."""
         if device.type != "cuda":
             return torch.cat(parts).to(device)
-        nonempty = [part for part in parts if part.numel()]
-        if nonempty and nonempty[0].is_pinned() and _back_to_back(nonempty):
+        view = _joined_view(parts)
+        if view is not None and view.is_pinned():
             # one pinned buffer's rows in order (a verify round's, in process): no host copy
-            return join_rows(nonempty).to(device, non_blocking=True)
+            return view.to(device, non_blocking=True)
         total, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
         if self.copied is None:
             self.copied = torch.cuda.Event()
