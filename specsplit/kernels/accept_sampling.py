@@ -1,7 +1,10 @@
 """Batched lossless sampling acceptance on the device (DESIGN.md §2, "Acceptance that stays
 lossless"): the per-sequence reference is `specsplit.acceptance.accept_sampling`.
 
-One pass over the tree's nodes in index order, for every sequence at once. Parents precede
+One pass over the tree's nodes in index order, for every sequence at once, on [B]-sized values:
+what a node's test reads (the target's probability of its token at its parent, q's, each row's
+mass) is gathered up front, and the residual distribution is built once, at the end, for the
+node the walk stopped at. Parents precede
 children and the walk never returns to a node it left, so node j is tried exactly when its
 parent is the walk's current node when j comes up:
 - deterministic proposals (no q; any tree): accept x with probability r(x) / sum(r), else
@@ -41,39 +44,55 @@ def accept_sampling_batched(
         has_draft_probs is None or tuple(draft_probs.shape) != tuple(target_probs[:, 1:].shape)
     ):
         raise ValueError("draft_probs must be [B, N, V] and come with has_draft_probs [B]")
-    probs = target_probs.double()
-    device = probs.device
-    r = probs[:, 0].clone()  # [B, V] residual at the current node
+    vocab = target_probs.shape[2]
+    device = target_probs.device
+    with_q = has_draft_probs if draft_probs is not None else None
+    # what the walk reads of each node j, gathered up front ([B, N] each): the target's
+    # probability of its token at its parent, q's of its token, and each row's mass
+    parent_rows = (parents + 1).clamp_min(0)  # padding (-2) reads row 0, never used
+    flat_target = target_probs.reshape(batch, -1)
+    p_x = flat_target.gather(1, parent_rows * vocab + draft_tokens).double()
+    row_mass = target_probs.sum(dim=2, dtype=torch.float64)  # [B, N + 1]
+    q_x = None
+    if draft_probs is not None:
+        steps = torch.arange(n, device=device) * vocab
+        q_x = draft_probs.reshape(batch, -1).gather(1, steps + draft_tokens).double()
     current = torch.zeros(batch, dtype=torch.int64, device=device)  # row of the current node
+    mass = row_mass[:, 0]  # [B] what is left of r at the current node
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # a q chain rejected
+    rejected_q = torch.zeros(batch, dtype=torch.int64, device=device)  # its rejected node
     accepted = torch.zeros(batch, n, dtype=torch.bool, device=device)
+    rejected = torch.zeros(batch, n, dtype=torch.bool, device=device)  # deterministic ones
     for j in range(n):
         tried = (parents[:, j] + 1 == current) & (parents[:, j] >= -1) & ~stopped  # [B]
-        token = draft_tokens[:, j : j + 1]  # [B, 1]
-        r_x = r.gather(1, token).squeeze(1)  # [B]
-        u = uniforms[:, j].double()
-        threshold = r.sum(dim=1)  # deterministic: accept with r(x) / mass
-        if draft_probs is not None and has_draft_probs is not None:
-            q = draft_probs[:, j].double()  # [B, V] the distribution x was drawn from
-            q_x = q.gather(1, token).squeeze(1)
-            threshold = torch.where(has_draft_probs, q_x, threshold)  # min(1, r(x) / q(x))
-        accept = tried & (u * threshold < r_x)  # [B]
+        r_x = p_x[:, j]  # [B] r(x): a tried node's siblings so far carried other tokens
+        threshold = mass  # deterministic: accept with r(x) / mass
+        if q_x is not None and with_q is not None:
+            threshold = torch.where(with_q, q_x[:, j], mass)  # min(1, r(x) / q(x))
+        accept = tried & (uniforms[:, j].double() * threshold < r_x)
         reject = tried & ~accept
         accepted[:, j] = accept
         current = torch.where(accept, j + 1, current)
-        r = torch.where(accept[:, None], probs[:, j + 1], r)
-        # a rejected deterministic proposal: r(x) = 0, the next sibling sees the rest
-        r = r.scatter(1, token, torch.where(reject, 0.0, r.gather(1, token).squeeze(1))[:, None])
-        if draft_probs is not None and has_draft_probs is not None:
-            # a rejected sampled draft: the residual norm(max(r - q, 0)) of the target at the
-            # current node (the target itself where r <= q everywhere), and the walk stops
-            with_q = reject & has_draft_probs
-            rows = current[:, None, None].expand(-1, 1, probs.shape[2])
-            target_here = probs.gather(1, rows).squeeze(1)  # [B, V]
-            residual = (target_here - q).clamp_min(0)
-            residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, target_here)
-            r = torch.where(with_q[:, None], residual, r)
-            stopped = stopped | with_q
+        # an accepted node: r is the target at it; a rejected deterministic proposal: r(x) = 0
+        mass = torch.where(accept, row_mass[:, j + 1], torch.where(reject, mass - r_x, mass))
+        if with_q is not None:
+            stop = reject & with_q  # a rejected sampled draft: the walk stops
+            rejected_q = torch.where(stop, j, rejected_q)
+            stopped = stopped | stop
+            reject = reject & ~with_q
+        rejected[:, j] = reject
+    # r at the end: the target at the current node, less the tokens of its rejected children
+    # (deterministic), or norm(max(r - q, 0)) where a sampled draft was rejected
+    seq = torch.arange(batch, device=device)
+    here = target_probs[seq, current].double()  # [B, V]
+    gone = (parents + 1 == current[:, None]) & rejected  # [B, N]
+    zeroed = torch.zeros_like(here).scatter_add_(1, draft_tokens, gone.double())
+    r = here * (zeroed == 0)
+    if draft_probs is not None:
+        q = draft_probs[seq, rejected_q].double()  # [B, V] the rejected draft's distribution
+        residual = (here - q).clamp_min(0)
+        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, here)
+        r = torch.where(stopped[:, None], residual, r)
     num_accepted_drafts, accepted_nodes, _ = accepted_path(accepted)
     bonus_tokens = _inverse_cdf(r, uniforms[:, n].double())
     return BatchedAccept(num_accepted_drafts, accepted_nodes, bonus_tokens)

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from specsplit.kernels.accept import accept_greedy_batched
-from specsplit.kernels.accept_sampling import accept_sampling_batched
+from specsplit.kernels.accept import BatchedAccept, accept_greedy_batched, accepted_path
+from specsplit.kernels.accept_sampling import _inverse_cdf, accept_sampling_batched
 from specsplit.sampling import SamplingParams, make_generator, sample
 from specsplit.tree import DraftTree
 from tests.unit.test_lossless_sampling_math import (
@@ -140,3 +140,97 @@ def test_check_catches_a_batched_rule_that_accepts_every_tried_draft() -> None:
         torch.rand = original  # type: ignore[assignment]
     ok, report = passes_check(pairs, PLAIN)
     assert not ok, f"accepting every draft passed: {report}"
+
+
+# The walk as it ran before it went to [B]-sized values (a [B, V] residual carried node to
+# node): the new one must give the same outcome for the same uniforms.
+def dense_walk(
+    target_probs: torch.Tensor,  # [B, N + 1, V] the target at the root (row 0) and at each node
+    draft_tokens: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int64: -1 = root, earlier node, or -2 = padding (never tried)
+    uniforms: torch.Tensor,  # [B, N + 1] in [0, 1): column j for node j, column N for the bonus
+    draft_probs: torch.Tensor | None = None,  # [B, N, V] q of sampled chains, or None
+    has_draft_probs: torch.Tensor | None = None,  # [B] bool: which sequences carry q
+) -> BatchedAccept:
+    batch, n = draft_tokens.shape
+    if tuple(target_probs.shape[:2]) != (batch, n + 1) or target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [B, N + 1, V], got {tuple(target_probs.shape)}")
+    if parents.shape != draft_tokens.shape or tuple(uniforms.shape) != (batch, n + 1):
+        raise ValueError(
+            f"parents {tuple(parents.shape)} and uniforms {tuple(uniforms.shape)} must be "
+            f"[B, N] and [B, N + 1] for draft_tokens {tuple(draft_tokens.shape)}"
+        )
+    if draft_probs is not None and (
+        has_draft_probs is None or tuple(draft_probs.shape) != tuple(target_probs[:, 1:].shape)
+    ):
+        raise ValueError("draft_probs must be [B, N, V] and come with has_draft_probs [B]")
+    probs = target_probs.double()
+    device = probs.device
+    r = probs[:, 0].clone()  # [B, V] residual at the current node
+    current = torch.zeros(batch, dtype=torch.int64, device=device)  # row of the current node
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # a q chain rejected
+    accepted = torch.zeros(batch, n, dtype=torch.bool, device=device)
+    for j in range(n):
+        tried = (parents[:, j] + 1 == current) & (parents[:, j] >= -1) & ~stopped  # [B]
+        token = draft_tokens[:, j : j + 1]  # [B, 1]
+        r_x = r.gather(1, token).squeeze(1)  # [B]
+        u = uniforms[:, j].double()
+        threshold = r.sum(dim=1)  # deterministic: accept with r(x) / mass
+        if draft_probs is not None and has_draft_probs is not None:
+            q = draft_probs[:, j].double()  # [B, V] the distribution x was drawn from
+            q_x = q.gather(1, token).squeeze(1)
+            threshold = torch.where(has_draft_probs, q_x, threshold)  # min(1, r(x) / q(x))
+        accept = tried & (u * threshold < r_x)  # [B]
+        reject = tried & ~accept
+        accepted[:, j] = accept
+        current = torch.where(accept, j + 1, current)
+        r = torch.where(accept[:, None], probs[:, j + 1], r)
+        # a rejected deterministic proposal: r(x) = 0, the next sibling sees the rest
+        r = r.scatter(1, token, torch.where(reject, 0.0, r.gather(1, token).squeeze(1))[:, None])
+        if draft_probs is not None and has_draft_probs is not None:
+            # a rejected sampled draft: the residual norm(max(r - q, 0)) of the target at the
+            # current node (the target itself where r <= q everywhere), and the walk stops
+            with_q = reject & has_draft_probs
+            rows = current[:, None, None].expand(-1, 1, probs.shape[2])
+            target_here = probs.gather(1, rows).squeeze(1)  # [B, V]
+            residual = (target_here - q).clamp_min(0)
+            residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, target_here)
+            r = torch.where(with_q[:, None], residual, r)
+            stopped = stopped | with_q
+    num_accepted_drafts, accepted_nodes, _ = accepted_path(accepted)
+    bonus_tokens = _inverse_cdf(r, uniforms[:, n].double())
+    return BatchedAccept(num_accepted_drafts, accepted_nodes, bonus_tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_walk_gives_the_dense_walks_outcome_for_the_same_uniforms(seed: int) -> None:
+    """Random targets and uniforms over a batch of top-k trees, sampled chains with q (q cut
+    to a support, as the drafter sends it), n-gram chains and padding: the same accepted
+    nodes and bonus tokens as the dense walk, sequence by sequence."""
+    gen = make_generator(seed)
+    tree = topk_tree(2, 3, PLAIN)
+    chains = sampled_chains(depth=3, params=PLAIN, seed=seed, support=4)[:40]
+    ngram = ngram_chain(one_hot_q=False)
+    rounds = [(tree, None), *((c, None) for c, _ in chains), (ngram, None), (DraftTree(), None)]
+    batch, n = len(rounds), max(len(t) for t, _ in rounds)
+    probs = torch.softmax(3 * torch.randn(batch, n + 1, V, generator=gen), dim=-1)
+    probs[::3, :, 5:] = 0  # some targets with a small support (top-k)
+    probs /= probs.sum(dim=-1, keepdim=True)
+    tokens = torch.zeros(batch, n, dtype=torch.int64)
+    parents = torch.full((batch, n), -2, dtype=torch.int64)
+    q = torch.zeros(batch, n, V, dtype=torch.float64)
+    has_q = torch.zeros(batch, dtype=torch.bool)
+    for b, (t, _) in enumerate(rounds):
+        tokens[b, : len(t)] = torch.tensor(t.tokens, dtype=torch.int64)
+        parents[b, : len(t)] = torch.tensor(t.parents, dtype=torch.int64)
+        if t.draft_probs is not None:
+            q[b, : len(t)] = t.draft_probs.dense()
+            has_q[b] = True
+    uniforms = torch.rand(batch, n + 1, generator=gen, dtype=torch.float64)
+    got = accept_sampling_batched(probs, tokens, parents, uniforms, q, has_q)
+    want = dense_walk(probs, tokens, parents, uniforms, q, has_q)
+    assert torch.equal(got.num_accepted_drafts, want.num_accepted_drafts)
+    assert torch.equal(got.accepted_nodes, want.accepted_nodes)
+    assert torch.equal(got.bonus_tokens, want.bonus_tokens)
+    accepted = got.num_accepted_drafts
+    assert int((accepted > 0).sum()) > 5 and int((accepted == 0).sum()) > 5  # both happen
