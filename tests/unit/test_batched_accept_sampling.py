@@ -145,25 +145,15 @@ def test_check_catches_a_batched_rule_that_accepts_every_tried_draft() -> None:
 # The walk as it ran before it went to [B]-sized values (a [B, V] residual carried node to
 # node): the new one must give the same outcome for the same uniforms.
 def dense_walk(
-    target_probs: torch.Tensor,  # [B, N + 1, V] the target at the root (row 0) and at each node
-    draft_tokens: torch.Tensor,  # [B, N] int64
-    parents: torch.Tensor,  # [B, N] int64: -1 = root, earlier node, or -2 = padding (never tried)
-    uniforms: torch.Tensor,  # [B, N + 1] in [0, 1): column j for node j, column N for the bonus
-    draft_probs: torch.Tensor | None = None,  # [B, N, V] q of sampled chains, or None
-    has_draft_probs: torch.Tensor | None = None,  # [B] bool: which sequences carry q
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor,
+    has_draft_probs: torch.Tensor,
 ) -> BatchedAccept:
+    """The same arguments as accept_sampling_batched (unchecked), q given."""
     batch, n = draft_tokens.shape
-    if tuple(target_probs.shape[:2]) != (batch, n + 1) or target_probs.dim() != 3:
-        raise ValueError(f"target_probs must be [B, N + 1, V], got {tuple(target_probs.shape)}")
-    if parents.shape != draft_tokens.shape or tuple(uniforms.shape) != (batch, n + 1):
-        raise ValueError(
-            f"parents {tuple(parents.shape)} and uniforms {tuple(uniforms.shape)} must be "
-            f"[B, N] and [B, N + 1] for draft_tokens {tuple(draft_tokens.shape)}"
-        )
-    if draft_probs is not None and (
-        has_draft_probs is None or tuple(draft_probs.shape) != tuple(target_probs[:, 1:].shape)
-    ):
-        raise ValueError("draft_probs must be [B, N, V] and come with has_draft_probs [B]")
     probs = target_probs.double()
     device = probs.device
     r = probs[:, 0].clone()  # [B, V] residual at the current node
