@@ -20,10 +20,12 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from drafter.tree_draft import DRAFT_SUPPORT
 from specsplit.messages import VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
-from specsplit.tree import DraftTree
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftProbs, DraftTree
 from verifier.engine import VerifierEngine
 
 SHAPES = {
@@ -144,12 +146,25 @@ class EngineBench:
             state[seq_id] = (out.kv_committed_len, out.bonus_token)
         return state
 
-    def step(self, state: dict[str, tuple[int, int]], n: int, decode_steps: int = 1) -> None:
+    def step(
+        self,
+        state: dict[str, tuple[int, int]],
+        n: int,
+        decode_steps: int = 1,
+        temperature: float = 0.0,
+    ) -> None:
         """One round for every sequence: its pending token + a chain of n random drafts (or,
-        decode_steps > 1, that many decode steps)."""
+        decode_steps > 1, that many decode steps). temperature > 0: sampled, each chain with
+        a draft distribution cut to DRAFT_SUPPORT tokens (as the drafter sends it)."""
         inputs = []
-        for seq_id, (committed, pending) in state.items():
+        for i, (seq_id, (committed, pending)) in enumerate(state.items()):
             tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
+            if temperature and n:
+                support = torch.rand(n, DRAFT_SUPPORT, generator=self.gen)
+                tokens = torch.randint(3, self.vocab, (n, DRAFT_SUPPORT), generator=self.gen)
+                tokens[:, 0] = torch.tensor(tree.tokens)  # each draft inside its support
+                probs = support / support.sum(dim=-1, keepdim=True)
+                tree.draft_probs = DraftProbs(tokens, probs, self.vocab)
             inputs.append(
                 VerifyInput(
                     seq_id,
@@ -157,6 +172,7 @@ class EngineBench:
                     committed,
                     [pending],
                     tree,
+                    SamplingParams(temperature, seed=i),
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                 )
@@ -225,6 +241,9 @@ def bench_ours(
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
+            for n in args.sampled_n:
+                ms = median_ms(lambda s=state, n=n: bench.step(s, n, 1, 1.0), args.steps)
+                record(rows, f"ours {label} sampled verify 1+{n}", batch, ms)
         bench.close(state)
     for n in args.prefill:  # one at a time (a request's time to its first round)
         record(
@@ -244,6 +263,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--verify-n", type=int, nargs="*", default=[4, 8, 16, 32, 64])
     parser.add_argument("--verify-batch", type=int, nargs="*", default=[1, 8, 32])
+    parser.add_argument(
+        "--sampled-n",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time sampled verify rounds of 1 + n tokens (temperature 1, chains with "
+        "their cut draft distributions)",
+    )
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--page-size", type=int, default=16)

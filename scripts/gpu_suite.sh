@@ -28,8 +28,9 @@
 # eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head; split: a
 # round's cost outside the engines (bench/wire_rounds.py, bench/lane_rows.py, and
 # bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64); sampled: the same for sampled
-# chains (temperature 1: bench/wire_rounds.py --sampled, bench/draft_step.py --temperature,
-# bench/profile_services.py --temperature at batch 1 / 8 / 32).
+# chains (temperature 1: bench/wire_rounds.py --sampled, bench/gpu_engine.py --sampled-n on
+# both shapes, bench/draft_step.py --temperature, bench/profile_services.py --temperature at
+# batch 1 / 8 / 32).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,6 +142,10 @@ for part in "${parts[@]}"; do
       # draft round in process, and through the services at batch 1 / 8 / 32 against greedy
       random_smollm2
       run sampled_wire python3 bench/wire_rounds.py --batch 1 8 32 --beside --sampled 256
+      for shape in smollm2-135m llama-8b; do
+        run "sampled_engine_$shape" python3 bench/gpu_engine.py --shape "$shape" --batch 1 8 32 \
+          --verify-n 3 --sampled-n 3 --no-hf
+      done
       run sampled_draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 8 32 --shape 3x1x3 --temperature 1.0
       run sampled_split python3 bench/profile_services.py --model /tmp/smollm2_random \
