@@ -424,6 +424,33 @@ def test_verify_input_leaves_greedy_sampling_and_defaults_unset() -> None:
     assert back.sampling.seed == 11 and back.sampling.top_k == 5
 
 
+def test_rows_beside_a_message_are_its_tensor_and_must_fit_it() -> None:
+    """The round lane's rows beside a Verify answer (convert.Beside): the message keeps dtype
+    and shape, the rows come back as each sequence's own; rows that miss the shape, that
+    come twice, or that come beside an answer without rows are refused."""
+    rows = torch.randn(5, 6).to(torch.bfloat16)
+    outputs = [
+        VerifyOutput("a", [1], 2, 3, rows[:2]),
+        VerifyOutput("b", [], 4, 5),
+        VerifyOutput("c", [7, 8], 9, 10, rows[2:]),
+    ]
+    beside = convert.Beside()
+    msg = _wire(convert.verify_response_to_proto(outputs, 1, beside))
+    assert not msg.hidden_states.data and list(msg.hidden_states.shape) == [5, 6]
+    data = bytearray(beside.data())
+    a, b, c = convert.verify_response_from_proto(msg, data)
+    assert b.hidden_states is None
+    assert torch.equal(a.hidden_states, rows[:2]) and torch.equal(c.hidden_states, rows[2:])  # type: ignore[arg-type]
+    with pytest.raises(ServiceError, match=r"hidden_states\.data has 58 bytes"):
+        convert.verify_response_from_proto(msg, data[:-2])
+    inline = _wire(convert.verify_response_to_proto(outputs, 1))
+    with pytest.raises(ServiceError, match="both in its data and beside"):
+        convert.verify_response_from_proto(inline, data)
+    rowless = _wire(convert.verify_response_to_proto([VerifyOutput("d", [], 1, 2)], 1))
+    with pytest.raises(ServiceError, match="beside a round that has none"):
+        convert.verify_response_from_proto(rowless, bytearray(4))
+
+
 def test_a_rounds_draft_probabilities_travel_as_one_message_each_tree_its_rows() -> None:
     """Sequences with sampled chains of different lengths and supports, between greedy ones:
     their rows back to back in one DraftProbs (supports padded to the widest), each read back
