@@ -22,7 +22,7 @@ from specsplit.messages import AheadTree, SpecParams
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
-from specsplit.sampling import make_generator, sample, target_probs
+from specsplit.sampling import by_distribution, make_generator, sample, target_probs
 from specsplit.step import SeqStep, build_forward_batch, causal_step
 from specsplit.tree import DraftProbs, DraftTree
 
@@ -532,17 +532,13 @@ class TreeProposer:
         cross to the host in two copies for all the chains, not a sync per chain."""
         if not trees:
             return []
-        groups: dict[tuple[float, float, int], list[int]] = {}
-        for j, tree in enumerate(trees):
-            params = tree.job.sampling
-            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(j)
         vocab_size = logits.shape[-1]
         k = min(DRAFT_SUPPORT, vocab_size)
         order: list[int] = []  # the trees in the order of their rows below
         weights, tokens = [], []
-        for members in groups.values():
+        for params, members in by_distribution(tree.job.sampling for tree in trees).items():
             index = torch.tensor([rows[j] for j in members], device=logits.device)
-            q = target_probs(logits.index_select(0, index), trees[members[0]].job.sampling)
+            q = target_probs(logits.index_select(0, index), params)
             top = q.topk(k, dim=-1)  # [g, k] each
             weights.append(top.values)
             tokens.append(top.indices)

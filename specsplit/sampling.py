@@ -7,7 +7,9 @@ top-p, renormalised. Greedy (temperature 0) never builds a distribution: it take
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,17 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed = {self.seed}: must be in [0, 2**64) or unset")
+
+
+def by_distribution(params: Iterable[SamplingParams]) -> dict[SamplingParams, list[int]]:
+    """The indices of `params` grouped by the distribution they sample from, each group's key
+    its params without a seed (a seed picks the draws, not the distribution; every greedy one
+    is SamplingParams()): one `target_probs` call serves a group."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, item in enumerate(params):
+        key = SamplingParams() if item.greedy else dataclasses.replace(item, seed=None)
+        groups.setdefault(key, []).append(i)
+    return groups
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,7 +7,6 @@ sequence as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterable
@@ -41,7 +40,7 @@ from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.sampling import SamplingParams, make_generator, target_probs
+from specsplit.sampling import SamplingParams, by_distribution, make_generator, target_probs
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftProbs, DraftTree
 from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
@@ -795,15 +794,12 @@ class VerifierEngine:
         num_seqs, width = draft_tokens.shape
         vocab = logits.shape[-1]
         device = self.device
-        groups: dict[SamplingParams | None, list[int]] = {}  # None: greedy
-        for b, item in enumerate(inputs):
-            key = None if item.sampling.greedy else dataclasses.replace(item.sampling, seed=None)
-            groups.setdefault(key, []).append(b)
+        groups = by_distribution(item.sampling for item in inputs)
 
-        def target(params: SamplingParams | None, rows: torch.Tensor) -> torch.Tensor:
+        def target(params: SamplingParams, rows: torch.Tensor) -> torch.Tensor:
             """[g * (N + 1), vocab]: the target distributions at `rows` of the logits."""
             picked = logits.index_select(0, rows)
-            if params is None:
+            if params.greedy:
                 return F.one_hot(picked.argmax(dim=-1), vocab).float()
             return target_probs(picked, params)
 
@@ -818,6 +814,7 @@ class VerifierEngine:
                 probs.index_copy_(0, index, target(params, rows).view(-1, width + 1, vocab))
         draws, places = [], []  # each sequence's N + 1 uniforms and where they go
         with_q, q_rows = [], []  # the draft probabilities' sequences and rows
+        has_q = [item.tree.draft_probs is not None for item in inputs]
         for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
             n = len(item.tree)
             if seq.generator is None:
@@ -832,7 +829,6 @@ class VerifierEngine:
         uniforms = torch.zeros(num_seqs * (width + 1), dtype=torch.float64, device=device)
         uniforms.index_copy_(0, to_device(torch.tensor(places), device), torch.cat(draws))
         q = None
-        has_q = torch.zeros(num_seqs, dtype=torch.bool)
         if with_q:
             joined = DraftProbs.cat(with_q)
             q = torch.zeros(num_seqs * width, vocab, device=device)
@@ -840,15 +836,13 @@ class VerifierEngine:
             tokens = joined.tokens.to(device, non_blocking=True)
             q.index_put_((at, tokens), joined.probs.to(device, q.dtype), accumulate=True)
             q = q.view(num_seqs, width, vocab)
-            for b, item in enumerate(inputs):
-                has_q[b] = item.tree.draft_probs is not None
         return accept_sampling_batched(
             probs,
             draft_tokens,
             parents,
             uniforms.view(num_seqs, width + 1),
             q,
-            to_device(has_q, device),
+            to_device(torch.tensor(has_q), device),
         )
 
     def _bend_logits(
