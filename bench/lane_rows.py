@@ -43,11 +43,11 @@ def answer_of(batch: int, rows: int, width: int) -> list[VerifyOutput]:
     ]
 
 
-def build(outputs: list[VerifyOutput], beside: bool) -> tuple[bytes, Buffer]:
-    """The answer's message serialized and its rows' bytes beside it (none unless `beside`)."""
+def build(outputs: list[VerifyOutput], beside: bool) -> tuple[verifier_pb2.VerifyResponse, Buffer]:
+    """The answer's message and its rows' bytes beside it (none unless `beside`)."""
     rows = convert.Beside() if beside else None
-    body = convert.verify_response_to_proto(outputs, 1, rows).SerializeToString()
-    return body, b"" if rows is None else rows.data()
+    message = convert.verify_response_to_proto(outputs, 1, rows)
+    return message, b"" if rows is None else rows.data()
 
 
 async def measure(
@@ -57,13 +57,7 @@ async def measure(
     echo's answer built and serialized on its side and back); the answer parsed + converted."""
     path = str(Path(tempfile.mkdtemp()) / "echo.sock")
 
-    def answer() -> tuple[verifier_pb2.VerifyResponse, Buffer]:
-        rows = convert.Beside() if beside else None
-        return convert.verify_response_to_proto(
-            outputs, 1, rows
-        ), b"" if rows is None else rows.data()
-
-    server = LaneServer(LaneEcho(answer), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
+    server = LaneServer(LaneEcho(lambda: build(outputs, beside)), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
     await server.start()
     lane = LaneConnection("echo", path)
     request = verifier_pb2.VerifyRequest().SerializeToString()  # the echo does not read it
@@ -71,7 +65,7 @@ async def measure(
     try:
         for i in range(warmup + rounds):
             t0 = time.perf_counter()
-            build(outputs, beside)
+            build(outputs, beside)[0].SerializeToString()
             t1 = time.perf_counter()
             got = await lane.request(Kind.ROUND, request)
             t2 = time.perf_counter()
