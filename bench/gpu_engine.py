@@ -20,12 +20,11 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter.tree_draft import DRAFT_SUPPORT
 from specsplit.messages import VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftProbs, DraftTree
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from verifier.engine import VerifierEngine
 
 SHAPES = {

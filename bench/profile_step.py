@@ -81,6 +81,12 @@ def main() -> None:
     parser.add_argument(
         "--decode-ahead", action="store_true", help="the engine runs decode steps ahead"
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: sampled rounds (chains carry draft distributions cut as the drafter's)",
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -99,6 +105,7 @@ def main() -> None:
     phases["accept (queued)"] = EngineTime(engine, "_accept")
     phases["commit"] = EngineTime(engine, "_commit")
     phases["validate"] = EngineTime(engine, "_validate")
+    phases["sampling inputs"] = EngineTime(engine, "_sampling_inputs")
     phases["hidden states out"] = EngineTime(engine, "_hidden_states_out")
     phases["reserve"] = EngineTime(engine, "_reserve")
     phases["launch ahead"] = EngineTime(engine, "_launch_ahead")
@@ -107,7 +114,7 @@ def main() -> None:
         state = bench.open(batch)
         for n in args.n:
             for _ in range(5):
-                bench.step(state, n)
+                bench.step(state, n, 1, args.temperature)
             for timer in phases.values():
                 timer.reset()
             torch.cuda.synchronize()
@@ -117,14 +124,15 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    bench.step(state, n)
+                    bench.step(state, n, 1, args.temperature)
                 wall = (time.perf_counter() - start) / args.steps * 1e3
             events = prof.key_averages()
             gpu_ms, launches = kernel_time(events, args.steps)
             print(
                 f"\n== {args.shape} batch {batch} n {n}"
                 f"{' + hidden states' if args.hidden_states else ''}"
-                f"{', eager acceptance' if args.eager_accept else ''}: "
+                f"{', eager acceptance' if args.eager_accept else ''}"
+                f"{f', temperature {args.temperature}' if args.temperature else ''}: "
                 f"wall {wall:.3f} ms/step (profiled), "
                 f"GPU kernels {gpu_ms:.3f} ms/step, {launches:.0f} kernels/step"
             )
@@ -163,7 +171,7 @@ def cprofile_steps(
     """The steps' wall time unprofiled, then the host's functions under cProfile."""
     start = time.perf_counter()
     for _ in range(args.steps):
-        bench.step(state, n)
+        bench.step(state, n, 1, args.temperature)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / args.steps * 1e3
     hidden = " + hidden states" if args.hidden_states else ""
@@ -174,7 +182,7 @@ def cprofile_steps(
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
-        bench.step(state, n)
+        bench.step(state, n, 1, args.temperature)
     profiler.disable()
     print_phases(phases, args.steps, " (cProfiled)")
     stats = pstats.Stats(profiler)

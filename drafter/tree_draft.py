@@ -24,18 +24,11 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.sampling import by_distribution, make_generator, sample, target_probs
 from specsplit.step import SeqStep, build_forward_batch, causal_step
-from specsplit.tree import DraftProbs, DraftTree
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
 # brings 1..4 new tokens) padded up to the next of these
 CATCH_UP_LENS = (1, 2, 4, 8)
-# A sampled chain's drafts come from the draft model's distribution cut to its most likely
-# tokens, renormalized: rejection sampling is lossless for any draft distribution the verifier
-# is told exactly, and this one crosses the wire as 256 entries a node, not the vocabulary's
-# (bench/RESULTS.md: 590 KB a sequence a round at SmolLM2's, ~50 ms a round of conversions at
-# batch 32). The tokens it leaves out carry little of the draft model's mass, so acceptance
-# hardly changes (tests/unit/test_lossless_sampling_math.py).
-DRAFT_SUPPORT = 256
 # expansions captured at warm-up for every batch bucket: the gateway's default spec (a chain of
 # 3); other shapes are captured at their first round in each bucket
 EXPANSION_SHAPES = (Shape(topk=1, num_steps=3),)

@@ -81,6 +81,44 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def target_probs_rows(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R] float: 0 = greedy
+    top_k: torch.Tensor,  # [R] int: 0 (or >= V) = off
+    top_p: torch.Tensor,  # [R] float in (0, 1]: 1 = off
+    filters: bool = True,
+) -> torch.Tensor:
+    """[R, V] float32: row r as `target_probs` gives it for row r's params (a greedy row: the
+    one-hot of its argmax, lowest token id on ties). A fixed sequence of ops whatever the params
+    (a CUDA graph captures it). `filters` False: no row has top-k or top-p, and no sort runs.
+
+    Top-k and top-p rank the tokens by one descending sort of the tempered logits (ties at a
+    boundary are broken by its order)."""
+    if logits.dim() != 2 or any(t.shape != logits.shape[:1] for t in (temperature, top_k, top_p)):
+        raise ValueError(
+            f"logits [R, V] with temperature, top_k, top_p [R], got {tuple(logits.shape)}, "
+            f"{tuple(temperature.shape)}, {tuple(top_k.shape)}, {tuple(top_p.shape)}"
+        )
+    vocab_size = logits.shape[-1]
+    greedy = temperature == 0
+    x = logits.float() / torch.where(greedy, 1.0, temperature).float()[:, None]  # [R, V]
+    if filters:
+        ordered, order = x.sort(dim=-1, descending=True)  # [R, V] each
+        rank = torch.arange(vocab_size, device=x.device)
+        k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+        ordered = ordered.masked_fill(rank >= k[:, None], -math.inf)
+        sorted_probs = torch.softmax(ordered, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumsum
+        keep = (mass_before < (top_p.float() - _TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
+        kept = sorted_probs * (keep | (rank == 0))  # the most likely token always survives
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        probs = torch.zeros_like(x).scatter_(-1, order, kept)
+    else:
+        probs = torch.softmax(x, dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """[N, V] non-negative weights (rows need not sum to 1) -> [N] int64 token ids."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

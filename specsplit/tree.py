@@ -11,13 +11,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# A sampled chain's drafts come from the draft model's distribution cut to its DRAFT_SUPPORT
+# most likely tokens, renormalized: rejection sampling is lossless for any draft distribution the
+# verifier is told exactly, and this one crosses the wire as 256 entries a node, not the
+# vocabulary's (bench/RESULTS.md: 590 KB a sequence a round at SmolLM2's, ~50 ms a round of
+# conversions at batch 32). The tokens it leaves out carry little of the draft model's mass, so
+# acceptance hardly changes (tests/unit/test_lossless_sampling_math.py). The verifier's
+# acceptance graphs take supports of up to this many tokens.
+DRAFT_SUPPORT = 256
+
 
 @dataclass(eq=False)
 class DraftProbs:
     """A sampled chain's draft distributions, one row per node (the distribution its token was
     drawn from), each as its support: token `tokens[i, j]` has probability `probs[i, j]` (0 for
     padding), every other token of the vocabulary 0. The drafter draws from its distribution cut
-    to the most likely tokens (drafter.tree_draft.DRAFT_SUPPORT): acceptance stays lossless for
+    to the most likely tokens (DRAFT_SUPPORT): acceptance stays lossless for
     any draft distribution it is told exactly, and a row crosses the wire as k entries, not a
     vocabulary's worth (196 KB a node at SmolLM2's 49152, 512 KB at 128K)."""
 

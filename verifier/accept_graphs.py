@@ -1,4 +1,5 @@
-"""Greedy acceptance, the bonus token and the accepted path's K/V compaction as CUDA graphs.
+"""Acceptance (greedy, and lossless sampling), the bonus token and the accepted path's K/V
+compaction as CUDA graphs.
 
 `specsplit.kernels.accept` runs them as ~50 small torch ops over the batch, a fixed sequence for
 a given (batch, tree width): on an H100 host their launches cost ~0.4 ms per round at batch 1
@@ -12,6 +13,13 @@ Inputs travel as one int64 host array (pinned, one per graph) in the layout `Acc
 gives: rows of the batch padded to the bucket (parents -2: nothing accepted, every move scratch
 -> scratch), and of each sequence's page table only the window its tree's storage spans
 (`page_window`: a fixed width per tree width, whatever the context length).
+
+A sampled round (any sequence with temperature > 0) replays a graph of its own: `sampled_accept`
+over the round's logits copied into a buffer the sampled graphs share, and one more (float64)
+host array, `Sampling`: each sequence's params, its uniforms and its draft distribution on a
+support of DRAFT_SUPPORT tokens a node. Its host work is numpy writes (~0.3 ms at batch 32),
+against ~4.5 ms of torch ops a round eagerly on an H100 host (bench/profile_step.py
+--temperature). Graphs with top-k / top-p (a sort over the vocabulary) are captured on first use.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ import numpy as np
 import torch
 
 from specsplit.kernels.accept import accept_greedy_batched, compact_and_pack
+from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kv_cache import KVCache
+from specsplit.sampling import target_probs_rows
+from specsplit.tree import DRAFT_SUPPORT
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +66,17 @@ def page_window(
     return np.take_along_axis(table, cols, axis=1), base - first * page_size
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The padded shapes of one graph: `bucket` rows, `width` tree nodes, `pages` columns of
-    each sequence's page-table window."""
+class _Flat:
+    """A flat host array of `dtype` holding parts of `shapes` back to back: one copy to the
+    device carries them all."""
 
-    bucket: int
-    width: int
-    pages: int
+    dtype: type = np.int64
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        raise NotImplementedError
 
     @functools.cached_property  # a layout's properties are read every round: made once
-    def shapes(self) -> list[tuple[int, ...]]:
-        """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B] (within the
-        window), page-table window [B, P]."""
-        b, n = self.bucket, self.width
-        return [(b, n + 1), (b, n), (b, n), (b,), (b, self.pages)]
-
-    @functools.cached_property
     def sizes(self) -> list[int]:
         return [math.prod(shape) for shape in self.shapes]
 
@@ -88,24 +93,114 @@ class Layout:
         ]
 
     def host_arrays(self, host: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A zeroed host array (`host`, reset, or a new one) and its parts as views (parents
-        -2: padding)."""
+        """A host array of padding (`host`, reset, or a new one) and its parts as views."""
         if host is None:
-            host = np.zeros(sum(self.sizes), dtype=np.int64)
+            host = np.zeros(sum(self.sizes), dtype=self.dtype)
         else:
             host[:] = 0
         parts = [
             host[start:end].reshape(shape)
             for (start, end), shape in zip(self._bounds, self.shapes, strict=True)
         ]
-        parts[2][:] = -2
+        self._pad(parts)
         return host, parts
+
+    def _pad(self, parts: list[np.ndarray]) -> None:
+        """Set the padding values that are not 0."""
+
+
+@dataclass(frozen=True)
+class Layout(_Flat):
+    """The padded shapes of one graph: `bucket` rows, `width` tree nodes, `pages` columns of
+    each sequence's page-table window."""
+
+    bucket: int
+    width: int
+    pages: int
+
+    @functools.cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B] (within the
+        window), page-table window [B, P]."""
+        b, n = self.bucket, self.width
+        return [(b, n + 1), (b, n), (b, n), (b,), (b, self.pages)]
+
+    def _pad(self, parts: list[np.ndarray]) -> None:
+        parts[2][:] = -2  # parents: padding, never tried
+
+
+@dataclass(frozen=True)
+class Sampling(_Flat):
+    """A sampled round's own inputs (float64: token ids and top-k are exact in it), beside its
+    Layout's: each sequence's sampling params, its uniforms (one per node, the bonus's in
+    column `width`) and its draft distribution on a support of `support` tokens a node (0:
+    none in the round). `filters`: some sequence has top-k or top-p (the graph sorts the
+    vocabulary). Padding rows are greedy and carry no draft distribution."""
+
+    bucket: int
+    width: int
+    support: int
+    filters: bool
+
+    dtype = np.float64
+
+    @functools.cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """temperature [B], top_p [B], top_k [B], carries q [B], uniforms [B, N + 1], q's
+        tokens [B, N, S] and probabilities [B, N, S]."""
+        b, n, k = self.bucket, self.width, self.support
+        return [(b,), (b,), (b,), (b,), (b, n + 1), (b, n, k), (b, n, k)]
+
+    def _pad(self, parts: list[np.ndarray]) -> None:
+        parts[1][:] = 1.0  # top_p: off
+
+
+def sampled_accept(
+    layout: Layout,
+    sampling: Sampling,
+    inputs: torch.Tensor,  # layout's flat int64 inputs, on the device
+    floats: torch.Tensor,  # sampling's flat float64 inputs, on the device
+    logits: torch.Tensor,  # [>= rows, vocab] the round's logits
+    kv: KVCache,
+) -> torch.Tensor:
+    """Lossless sampling acceptance (greedy rows walk a one-hot target), the bonus token and
+    the accepted path's K/V compaction for a round laid out as `layout` and `sampling`: a
+    fixed sequence of ops (a graph's body, or run eagerly). [bucket, 2 + width] as
+    compact_and_pack's."""
+    row_index, draft_tokens, parents, base, table = layout.parts(inputs)
+    temperature, top_p, top_k, has_q, uniforms, q_tokens, q_probs = sampling.parts(floats)
+    bucket, rows = row_index.shape
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values[:, None].expand(bucket, rows).reshape(-1)
+
+    probs = target_probs_rows(
+        logits.index_select(0, row_index.reshape(-1)),
+        per_row(temperature),
+        per_row(top_k.long()),
+        per_row(top_p),
+        sampling.filters,
+    ).view(bucket, rows, -1)
+    q = (q_tokens.long(), q_probs) if sampling.support else None
+    accepted = accept_sampling_batched(probs, draft_tokens, parents, uniforms, q, has_q > 0)
+    return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 
 
 class _Graph:
-    def __init__(self, layout: Layout, max_rows: int, kv: KVCache) -> None:
+    """One layout's graph: greedy (the argmax of the round's logits copied in), or sampled
+    (`sampling`: the round's logits copied into the shared `logits` buffer, and the sampled
+    inputs' own host mirrors)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        max_rows: int,
+        kv: KVCache,
+        sampling: Sampling | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
         device = kv.device
-        self.layout = layout
+        self.layout, self.sampling = layout, sampling
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
         # the inputs' host mirrors, taken in turn: a round fills one and copies it in. Two: a
         # decode step run ahead is filled while the round before it may not have copied its
@@ -116,33 +211,56 @@ class _Graph:
         ]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.turn = 0  # the mirror the last round filled
-        self.argmax = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.argmax = torch.zeros(
+            max_rows if sampling is None else 0, dtype=torch.int64, device=device
+        )
+        self.floats = torch.zeros(0, dtype=torch.float64, device=device)
+        self.float_hosts: list[torch.Tensor] = []
+        self.logits = logits
+        if sampling is not None:
+            size = sum(sampling.sizes)
+            self.floats = torch.zeros(size, dtype=torch.float64, device=device)
+            self.float_hosts = [
+                torch.zeros(size, dtype=torch.float64).pin_memory() for _ in range(2)
+            ]
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
         self.kv = kv
 
     def body(self) -> torch.Tensor:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
+        kv = self.kv
+        if self.sampling is not None:
+            assert self.logits is not None
+            return sampled_accept(
+                self.layout, self.sampling, self.inputs, self.floats, self.logits, kv
+            )
         row_index, draft_tokens, parents, base, table = self.layout.parts(self.inputs)
         accepted = accept_greedy_batched(self.argmax[row_index], draft_tokens, parents)
-        kv = self.kv
         return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 
 
 class AcceptGraphs:
     """The graphs of one verifier engine: every layout `capture_all` captures at warm-up, any
     other on its first use. Padding sequences accept nothing and move scratch slots only, so
-    the KV cache is safe to share with the forward's graphs."""
+    the KV cache is safe to share with the forward's graphs. Sampled rounds have their own
+    graphs (a layout and its Sampling), which read the round's logits from one buffer they
+    share (`logits`, made at the first sampled capture)."""
 
-    def __init__(self, kv: KVCache, batch_sizes: list[int], max_rows: int) -> None:
+    def __init__(
+        self, kv: KVCache, batch_sizes: list[int], max_rows: int, vocab_size: int = 0
+    ) -> None:
         """batch_sizes: the buckets (ascending, as the forward's graphs); max_rows: the most
-        logits rows a round can have (the largest bucket x the largest query length)."""
+        logits rows a round can have (the largest bucket x the largest query length);
+        vocab_size: the logits' width (0: no sampled graphs)."""
         self.kv = kv
         self.batch_sizes = batch_sizes
         self.max_rows = max_rows
-        self.graphs: dict[Layout, _Graph] = {}
+        self.vocab_size = vocab_size
+        self.graphs: dict[tuple[Layout, Sampling | None], _Graph] = {}
         self._layouts: dict[tuple[int, int], Layout | None] = {}  # layout() by its arguments
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
+        self.logits: torch.Tensor | None = None  # the sampled graphs' [max_rows, vocab] input
 
     def layout(self, num_seqs: int, width: int) -> Layout | None:
         """The padded layout for a round of `num_seqs` trees of at most `width` nodes, or None
@@ -162,12 +280,23 @@ class AcceptGraphs:
         padded_width = padded(width)
         return Layout(bucket, padded_width, window_pages(padded_width, self.kv.page_size))
 
+    def sampling(self, layout: Layout, support: int, filters: bool) -> Sampling | None:
+        """The sampled inputs of a round laid out as `layout` whose draft distributions have
+        supports of at most `support` tokens, or None (a support past DRAFT_SUPPORT, or no
+        sampled graphs). A round with trees takes DRAFT_SUPPORT-wide supports whether or not
+        its trees carry a distribution: one graph for both."""
+        if not self.vocab_size or support > DRAFT_SUPPORT:
+            return None
+        return Sampling(layout.bucket, layout.width, DRAFT_SUPPORT if layout.width else 0, filters)
+
     def capture_all(self, max_width: int) -> None:
-        """Capture every layout of trees up to `max_width` nodes (a round past them captures
-        its own on first use: tens of ms in the middle of traffic)."""
+        """Capture every layout of trees up to `max_width` nodes, greedy and sampled without
+        top-k / top-p (a round past them captures its own on first use: tens of ms in the
+        middle of traffic)."""
         for layout in self.layouts(max_width):
-            if layout not in self.graphs:
-                self.graphs[layout] = self._capture(layout)
+            for sampling in (None, self.sampling(layout, 0, False)):
+                if (layout, sampling) not in self.graphs:
+                    self.graphs[(layout, sampling)] = self._capture(layout, sampling)
         log.info("captured %d acceptance graphs", len(self.graphs))
 
     def layouts(self, max_width: int) -> list[Layout]:
@@ -183,42 +312,67 @@ class AcceptGraphs:
             key=lambda layout: (layout.bucket, layout.width),
         )
 
-    def host_arrays(self, layout: Layout) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Layout.host_arrays in the layout's graph's pinned host mirror (captured now if it
-        was not): `run` copies it in without a staging copy."""
-        graph = self.graphs.get(layout)
+    def host_arrays(
+        self, layout: Layout, sampling: Sampling | None = None
+    ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """Layout.host_arrays in the graph's pinned host mirror (captured now if it was not),
+        and Sampling.host_arrays' parts in its own ([] for a greedy graph): `run` copies them
+        in without a staging copy."""
+        graph = self.graphs.get((layout, sampling))
         if graph is None:
-            graph = self.graphs[layout] = self._capture(layout)
+            graph = self.graphs[(layout, sampling)] = self._capture(layout, sampling)
         graph.turn ^= 1
         graph.copied[graph.turn].synchronize()  # the round before last's copy: long done
-        return layout.host_arrays(graph.hosts[graph.turn].numpy())
+        host, parts = layout.host_arrays(graph.hosts[graph.turn].numpy())
+        float_parts: list[np.ndarray] = []
+        if sampling is not None:
+            _, float_parts = sampling.host_arrays(graph.float_hosts[graph.turn].numpy())
+        return host, parts, float_parts
 
-    def run(self, layout: Layout, logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        """Replay the layout's graph over its host mirror (`host_arrays`, filled) and the
-        round's logits ([L, vocab], L <= max_rows): per sequence [accepted drafts, bonus,
-        nodes...] on the device, a view of the graph's output (valid until its next replay)."""
-        graph = self.graphs[layout]
+    def run(
+        self,
+        layout: Layout,
+        logits: torch.Tensor,
+        num_seqs: int,
+        sampling: Sampling | None = None,
+    ) -> torch.Tensor:
+        """Replay the graph of (`layout`, `sampling`) over its host mirrors (`host_arrays`,
+        filled) and the round's logits ([L, vocab], L <= max_rows): per sequence [accepted
+        drafts, bonus, nodes...] on the device, a view of the graph's output (valid until its
+        next replay)."""
+        graph = self.graphs[(layout, sampling)]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
         graph.inputs.copy_(graph.hosts[graph.turn], non_blocking=True)
+        if sampling is not None:
+            assert graph.logits is not None
+            graph.floats.copy_(graph.float_hosts[graph.turn], non_blocking=True)
+            graph.logits[:rows].copy_(logits)
+        else:
+            torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
         graph.copied[graph.turn].record()
-        torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
         graph.graph.replay()
         assert graph.out is not None
         return graph.out[:num_seqs]
 
-    def _capture(self, layout: Layout) -> _Graph:
+    def _capture(self, layout: Layout, sampling: Sampling | None) -> _Graph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = _Graph(layout, self.max_rows, self.kv)
+        device = self.kv.device
+        if sampling is not None and self.logits is None:
+            self.logits = torch.zeros(self.max_rows, self.vocab_size, device=device)
+        graph = _Graph(layout, self.max_rows, self.kv, sampling, self.logits)
         host, _ = layout.host_arrays()  # all padding: nothing moves but scratch slots
         graph.inputs.copy_(torch.from_numpy(host))
-        stream = torch.cuda.Stream(self.kv.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        if sampling is not None:
+            floats, _ = sampling.host_arrays()
+            graph.floats.copy_(torch.from_numpy(floats))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             graph.body()  # allocations settle outside the capture
             with torch.cuda.graph(graph.graph, pool=self.pool, stream=stream):
                 graph.out = graph.body()
-        torch.cuda.current_stream(self.kv.device).wait_stream(stream)
-        log.debug("captured the acceptance graph for %s", layout)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        log.debug("captured the acceptance graph for %s, %s", layout, sampling)
         return graph

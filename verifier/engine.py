@@ -14,16 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specsplit.acceptance import AcceptResult
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kernels.accept import (
-    BatchedAccept,
     accept_greedy_batched,
     compact_and_pack,
 )
-from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import (
@@ -40,10 +37,17 @@ from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.sampling import SamplingParams, by_distribution, make_generator, target_probs
+from specsplit.sampling import SamplingParams, make_generator
 from specsplit.step import build_forward_batch, verify_step
-from specsplit.tree import DraftProbs, DraftTree
-from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
+from specsplit.tree import DraftTree
+from verifier.accept_graphs import (
+    AcceptGraphs,
+    Layout,
+    Sampling,
+    page_window,
+    sampled_accept,
+    window_pages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +175,10 @@ class VerifierEngine:
                 max_query_len=max(graph_query_lens + self.prefill_query_lens),
             )
             self.accept_graphs = AcceptGraphs(
-                kv, self.graphs.batch_sizes, self.graphs.batch_sizes[-1] * max(graph_query_lens)
+                kv,
+                self.graphs.batch_sizes,
+                self.graphs.batch_sizes[-1] * max(graph_query_lens),
+                vocab_size,
             )
 
     @classmethod
@@ -228,7 +235,10 @@ class VerifierEngine:
             kv_cache_bytes_per_token(config, dtype) * page_size,
             kv_memory_fraction,
             reserve_bytes=2 * logits * len(graph_query_lens)
-            + 2 * prefill_rows * config.vocab_size * 4,
+            + 2 * prefill_rows * config.vocab_size * 4
+            # the sampled acceptance graphs' logits input and [rows, vocab] intermediates (a
+            # sort's values and int64 order, probabilities, their cumulative sum)
+            + (8 * logits if graph_query_lens else 0),
         )
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device
@@ -726,16 +736,30 @@ class VerifierEngine:
         if self.synthetic_acceptance is not None and width > 0:
             self._bend_logits(inputs, logits, rows, self.synthetic_acceptance)
         greedy = all(i.sampling.greedy for i in inputs)
-        graphs = self.accept_graphs if greedy else None
+        graphs = self.accept_graphs
         layout = None if graphs is None else graphs.layout(num_seqs, width)
+        sampling: Sampling | None = None
+        support, filters = 0, False
+        if not greedy:
+            supports = [i.tree.draft_probs for i in inputs if i.tree.draft_probs is not None]
+            support = max((probs.tokens.shape[1] for probs in supports), default=0)
+            filters = any(_filters(i.sampling, self.vocab_size) for i in inputs)
+            if graphs is not None and layout is not None:
+                sampling = graphs.sampling(layout, support, filters)
+                layout = None if sampling is None else layout
         # one host array, one copy to the device (Layout.shapes: each sequence's rows of
-        # `logits`, draft tokens, parents, storage of tree node 0, its page-table window);
+        # `logits`, draft tokens, parents, storage of tree node 0, its page-table window; a
+        # sampled round's params, uniforms and draft distributions in a float64 one beside it);
         # numpy views for the per-sequence writes (~1 us each, torch's ~5-10)
+        floats: np.ndarray | None = None
         if graphs is not None and layout is not None:  # a CUDA graph's padded layout
-            host, parts = graphs.host_arrays(layout)
+            host, parts, float_parts = graphs.host_arrays(layout, sampling)
         else:
             graphs, layout = None, Layout(num_seqs, width, window_pages(width, self.kv.page_size))
             host, parts = layout.host_arrays()
+            if not greedy:
+                sampling = Sampling(num_seqs, width, support if width else 0, filters)
+                floats, float_parts = sampling.host_arrays()
         row_index_h, draft_h, parents_h, base_h, table_h = parts
         base = np.array(
             [item.kv_committed_len + len(item.pending_tokens) for item in inputs], dtype=np.int64
@@ -751,99 +775,50 @@ class VerifierEngine:
         table_h[:num_seqs], base_h[:num_seqs] = page_window(
             block_table.numpy(), base, layout.pages, self.kv.page_size
         )
+        if sampling is not None:
+            self._sampling_inputs(inputs, seqs, float_parts, layout.width)
         if graphs is not None:
-            return graphs.run(layout, logits, num_seqs)
-        return self._accept_eager(inputs, seqs, logits, host, layout, greedy)
-
-    def _accept_eager(
-        self,
-        inputs: list[VerifyInput],
-        seqs: list[VerifierSeq],
-        logits: torch.Tensor,  # [L, vocab] on the device
-        host: np.ndarray,  # filled as `layout.host_arrays()`
-        layout: Layout,
-        greedy: bool,
-    ) -> torch.Tensor:
-        """_accept's ops run one by one (the CPU; sampled rounds; rounds past the acceptance
-        graphs)."""
-        row_index, draft_tokens, parents, base, table = layout.parts(
-            to_device(torch.from_numpy(host), self.device)
-        )
-        if greedy:
-            target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
-            accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
-        else:
-            accepted = self._sample(inputs, seqs, logits, row_index, draft_tokens, parents)
+            return graphs.run(layout, logits, num_seqs, sampling)
+        device_inputs = to_device(torch.from_numpy(host), self.device)
         kv = self.kv
-        return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
+        if sampling is not None:  # the CPU; rounds past the acceptance graphs
+            assert floats is not None
+            device_floats = to_device(torch.from_numpy(floats), self.device)
+            return sampled_accept(layout, sampling, device_inputs, device_floats, logits, kv)
+        row_index, draft_tokens, parents, base_t, table = layout.parts(device_inputs)
+        target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
+        accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
+        return compact_and_pack(accepted, base_t, table, kv.data, kv.page_size, kv.scratch_slot)
 
-    def _sample(
-        self,
+    @staticmethod
+    def _sampling_inputs(
         inputs: list[VerifyInput],
         seqs: list[VerifierSeq],
-        logits: torch.Tensor,  # [L, vocab]
-        row_index: torch.Tensor,  # [B, N + 1] each sequence's rows of `logits`
-        draft_tokens: torch.Tensor,  # [B, N]
-        parents: torch.Tensor,  # [B, N]
-    ) -> BatchedAccept:
-        """Lossless rejection sampling for the batch; greedy sequences in it walk a one-hot
-        target (the same as greedy acceptance). Each sequence draws its N + 1 uniforms from its
-        own generator, so its tokens do not depend on the batch it is in. The targets are
-        computed once for each set of sampling params, and the uniforms and draft
-        probabilities placed in one op each, not a few ops a sequence."""
-        num_seqs, width = draft_tokens.shape
-        vocab = logits.shape[-1]
-        device = self.device
-        groups = by_distribution(item.sampling for item in inputs)
-
-        def target(params: SamplingParams, rows: torch.Tensor) -> torch.Tensor:
-            """[g * (N + 1), vocab]: the target distributions at `rows` of the logits."""
-            picked = logits.index_select(0, rows)
-            if params.greedy:
-                return F.one_hot(picked.argmax(dim=-1), vocab).float()
-            return target_probs(picked, params)
-
-        if len(groups) == 1:  # mostly: one set of params for the whole round
-            (params,) = groups
-            probs = target(params, row_index.flatten()).view(num_seqs, width + 1, vocab)
-        else:
-            probs = torch.empty(num_seqs, width + 1, vocab, device=device)
-            for params, members in groups.items():
-                index = to_device(torch.tensor(members), device)
-                rows = row_index.index_select(0, index).flatten()
-                probs.index_copy_(0, index, target(params, rows).view(-1, width + 1, vocab))
-        draws, places = [], []  # each sequence's N + 1 uniforms and where they go
-        with_q, q_rows = [], []  # the draft probabilities' sequences and rows
-        has_q = [item.tree.draft_probs is not None for item in inputs]
+        parts: list[np.ndarray],  # Sampling.host_arrays' parts
+        width: int,  # the layout's tree width (the bonus's uniform goes in this column)
+    ) -> None:
+        """A sampled round's float inputs: each sequence's params, its N + 1 uniforms drawn
+        from its own generator (on the host: the same draws on any device, and whatever batch
+        it is in), and its draft distribution's support. Greedy sequences draw nothing (they
+        walk a one-hot target)."""
+        temperature, top_p, top_k, has_q, uniforms, q_tokens, q_probs = parts
         for b, (item, seq) in enumerate(zip(inputs, seqs, strict=True)):
-            n = len(item.tree)
+            params = item.sampling
+            if params.greedy:
+                continue
+            temperature[b], top_p[b], top_k[b] = params.temperature, params.top_p, params.top_k
             if seq.generator is None:
-                seq.generator = make_generator(item.sampling.seed, device)
-            draws.append(
-                torch.rand(n + 1, generator=seq.generator, device=device, dtype=torch.float64)
-            )
-            places += [b * (width + 1) + j for j in range(n)] + [b * (width + 1) + width]
-            if item.tree.draft_probs is not None:
-                with_q.append(item.tree.draft_probs)
-                q_rows += [b * width + j for j in range(n)]
-        uniforms = torch.zeros(num_seqs * (width + 1), dtype=torch.float64, device=device)
-        uniforms.index_copy_(0, to_device(torch.tensor(places), device), torch.cat(draws))
-        q = None
-        if with_q:
-            joined = DraftProbs.cat(with_q)
-            q = torch.zeros(num_seqs * width, vocab, device=device)
-            at = to_device(torch.tensor(q_rows), device)[:, None].expand(joined.tokens.shape)
-            tokens = joined.tokens.to(device, non_blocking=True)
-            q.index_put_((at, tokens), joined.probs.to(device, q.dtype), accumulate=True)
-            q = q.view(num_seqs, width, vocab)
-        return accept_sampling_batched(
-            probs,
-            draft_tokens,
-            parents,
-            uniforms.view(num_seqs, width + 1),
-            q,
-            to_device(torch.tensor(has_q), device),
-        )
+                seq.generator = make_generator(params.seed)
+            n = len(item.tree)
+            draws = torch.rand(n + 1, generator=seq.generator, dtype=torch.float64).numpy()
+            uniforms[b, :n] = draws[:n]
+            uniforms[b, width] = draws[n]
+            probs = item.tree.draft_probs
+            if probs is not None:
+                k = probs.tokens.shape[1]
+                q_tokens[b, :n, :k] = probs.tokens.numpy()
+                q_probs[b, :n, :k] = probs.probs.numpy()
+                has_q[b] = 1
 
     def _bend_logits(
         self,
@@ -1012,6 +987,12 @@ def _decode_step(
 ) -> VerifyInput:
     """A sequence's decode step: its one pending token, no tree, no hidden states."""
     return VerifyInput(seq_id, False, kv_committed_len, [token], DraftTree(), sampling)
+
+
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether sampling with `params` cuts the distribution (top-k or top-p): its round's
+    acceptance sorts the vocabulary."""
+    return not params.greedy and (params.top_p < 1.0 or 0 < params.top_k < vocab_size)
 
 
 def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:

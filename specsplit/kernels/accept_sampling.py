@@ -29,7 +29,9 @@ def accept_sampling_batched(
     draft_tokens: torch.Tensor,  # [B, N] int64
     parents: torch.Tensor,  # [B, N] int64: -1 = root, earlier node, or -2 = padding (never tried)
     uniforms: torch.Tensor,  # [B, N + 1] in [0, 1): column j for node j, column N for the bonus
-    draft_probs: torch.Tensor | None = None,  # [B, N, V] q of sampled chains, or None
+    # q of sampled chains on their supports, or None: tokens [B, N, S] int64 and probabilities
+    # [B, N, S] (padding entries: probability 0; a token listed twice counts both)
+    draft_probs: tuple[torch.Tensor, torch.Tensor] | None = None,
     has_draft_probs: torch.Tensor | None = None,  # [B] bool: which sequences carry q
 ) -> BatchedAccept:
     batch, n = draft_tokens.shape
@@ -41,11 +43,14 @@ def accept_sampling_batched(
             f"[B, N] and [B, N + 1] for draft_tokens {tuple(draft_tokens.shape)}"
         )
     if draft_probs is not None and (
-        has_draft_probs is None or tuple(draft_probs.shape) != tuple(target_probs[:, 1:].shape)
+        has_draft_probs is None
+        or draft_probs[0].shape != draft_probs[1].shape
+        or tuple(draft_probs[0].shape[:2]) != (batch, n)
     ):
-        raise ValueError("draft_probs must be [B, N, V] and come with has_draft_probs [B]")
-    vocab = target_probs.shape[2]
-    device = target_probs.device
+        raise ValueError(
+            "draft_probs must be tokens and probabilities [B, N, S] each, with has_draft_probs [B]"
+        )
+    vocab, device = target_probs.shape[2], target_probs.device
     with_q = has_draft_probs if draft_probs is not None else None
     # what the walk reads of each node j, gathered up front ([B, N] each): the target's
     # probability of its token at its parent, q's of its token, and each row's mass
@@ -57,8 +62,8 @@ def accept_sampling_batched(
     row_mass = target_probs.sum(dim=2).double()  # [B, N + 1]
     q_x = None
     if draft_probs is not None:
-        steps = torch.arange(n, device=device) * vocab
-        q_x = draft_probs.reshape(batch, -1).gather(1, steps + draft_tokens).double()
+        q_tokens, q_probs = draft_probs
+        q_x = (q_probs.double() * (q_tokens == draft_tokens[:, :, None])).sum(dim=2)  # [B, N]
     current = torch.zeros(batch, dtype=torch.int64, device=device)  # row of the current node
     mass = row_mass[:, 0]  # [B] what is left of r at the current node
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # a q chain rejected
@@ -91,7 +96,10 @@ def accept_sampling_batched(
     zeroed = torch.zeros_like(here).scatter_add_(1, draft_tokens, gone.double())
     r = here * (zeroed == 0)
     if draft_probs is not None:
-        q = draft_probs[seq, rejected_q].double()  # [B, V] the rejected draft's distribution
+        # [B, V] the rejected draft's distribution, from its support
+        q = torch.zeros_like(here).scatter_add_(
+            1, q_tokens[seq, rejected_q], q_probs[seq, rejected_q].double()
+        )
         residual = (here - q).clamp_min(0)
         residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, here)
         r = torch.where(stopped[:, None], residual, r)

@@ -15,7 +15,8 @@ import torch
 from specsplit.messages import VerifyInput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.tree import DraftTree
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from tests.support import TINY_VOCAB, save_tiny_llama
 from verifier.engine import VerifierEngine
 
@@ -139,5 +140,70 @@ def test_synthetic_acceptance_runs_on_the_graphs(target: Path) -> None:
     assert engines[0].accept_graphs is not None and engines[0].accept_graphs.graphs
     for engine in engines:
         engine.release(sorted(tokens))
+        engine.check_integrity()
+        assert engine.num_pages_used == 0
+
+
+def _draft_probs(rng: random.Random, tree: DraftTree) -> DraftProbs:
+    """A draft distribution per node on a support of DRAFT_SUPPORT distinct tokens (the
+    drafter's cut), the node's own token first."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    rows = []
+    for token in tree.tokens:
+        others = torch.randperm(TINY_VOCAB, generator=gen)
+        rows.append(
+            torch.cat([torch.tensor([token]), others[others != token][: DRAFT_SUPPORT - 1]])
+        )
+    weights = torch.rand(len(tree), DRAFT_SUPPORT, generator=gen) ** 4
+    return DraftProbs(torch.stack(rows), weights / weights.sum(dim=1, keepdim=True), TINY_VOCAB)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sampled_accept_graphs_equal_the_eager_ops(target: Path, page_size: int) -> None:
+    """Sampled rounds (temperatures, top-k, top-p, greedy sequences beside them; sampled
+    chains with their draft distributions, trees, decode steps; 1 to 5 sequences) on the
+    sampled acceptance graphs: the same tokens as the eager ops, round after round (each
+    sequence's uniforms come from its own seeded generator on the host, the same in both)."""
+    graphs, eager = _engine(target, page_size, True), _engine(target, page_size, False)
+    assert graphs.accept_graphs is not None
+    rng = random.Random(10 + page_size)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, seed=2),
+        SamplingParams(temperature=1.0, top_k=20, seed=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4),
+    ]
+    prompts = {f"s{i}": [rng.randrange(3, TINY_VOCAB) for _ in range(4 + 3 * i)] for i in range(5)}
+    tokens = {seq_id: list(p) for seq_id, p in prompts.items()}
+    committed = dict.fromkeys(prompts, 0)
+    lengths = set()
+    for round_number in range(16):
+        batch = rng.sample(sorted(prompts), rng.randint(1, 5))
+        inputs = []
+        for seq_id in batch:
+            sampling = params[int(seq_id[1:])]
+            right = _greedy(eager, tokens[seq_id], 3) if committed[seq_id] else []
+            shape = rng.choice(["chain", "tree", "none"])
+            draft = _tree(rng, right, shape) if right and shape != "none" else DraftTree()
+            if shape == "chain" and not sampling.greedy and draft.tokens:
+                draft.draft_probs = _draft_probs(rng, draft)
+            pending = tokens[seq_id][committed[seq_id] :]
+            inputs.append(
+                VerifyInput(
+                    seq_id, committed[seq_id] == 0, committed[seq_id], pending, draft, sampling
+                )
+            )
+        got, want = graphs.verify(inputs), eager.verify(inputs)
+        assert got == want, round_number
+        for out in want:
+            lengths.add(len(out.accepted_tokens))
+            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+    assert len(lengths) > 1
+    sampled = [key for key in graphs.accept_graphs.graphs if key[1] is not None]
+    assert any(s.filters for _, s in sampled) and any(not s.filters for _, s in sampled)
+    for engine in (graphs, eager):
+        engine.release(sorted(prompts))
         engine.check_integrity()
         assert engine.num_pages_used == 0

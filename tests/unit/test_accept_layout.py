@@ -10,7 +10,8 @@ import torch
 
 from specsplit.kernels.accept import accepted_kv_moves
 from specsplit.kv_cache import KVCache
-from verifier.accept_graphs import AcceptGraphs, Layout, page_window, window_pages
+from specsplit.tree import DRAFT_SUPPORT
+from verifier.accept_graphs import AcceptGraphs, Layout, Sampling, page_window, window_pages
 
 
 @pytest.fixture
@@ -92,3 +93,34 @@ def test_host_array_parts_are_views_with_padding_parents() -> None:
     rows[1, 2] = 7
     table[3, 1] = 9
     assert 7 in host and 9 in host  # writes land in the one array that travels
+
+
+def test_sampled_rounds_take_a_draft_support_wide_graph(graphs) -> None:
+    """A sampled round's graph reads supports of DRAFT_SUPPORT tokens whether or not its trees
+    carry a distribution; decode rounds read none; a wider support runs eagerly; an engine
+    without the vocabulary's width has no sampled graphs."""
+    kv = KVCache(1, 1, 16, 8, 16, torch.float32, "cpu")
+    sampled = AcceptGraphs(kv, batch_sizes=[1, 2, 4, 8], max_rows=8 * 5, vocab_size=100)
+    layout = sampled.layout(3, 3)
+    assert layout is not None
+    assert sampled.sampling(layout, 0, False) == Sampling(4, 4, DRAFT_SUPPORT, False)
+    assert sampled.sampling(layout, DRAFT_SUPPORT, True) == Sampling(4, 4, DRAFT_SUPPORT, True)
+    assert sampled.sampling(layout, DRAFT_SUPPORT + 1, False) is None
+    decode = sampled.layout(2, 0)
+    assert decode is not None and sampled.sampling(decode, 0, False) == Sampling(2, 0, 0, False)
+    assert graphs.sampling(layout, 0, False) is None  # vocab_size 0
+
+
+def test_sampling_host_array_pads_greedy_rows_without_a_cut() -> None:
+    """Padding rows: temperature 0 (greedy, a one-hot target), top_p 1, top_k 0, no draft
+    distribution; parts are views of the one float64 array that travels."""
+    sampling = Sampling(bucket=2, width=3, support=4, filters=False)
+    host, parts = sampling.host_arrays()
+    temperature, top_p, top_k, has_q, uniforms, _q_tokens, q_probs = parts
+    assert host.dtype == np.float64 and host.size == sum(sampling.sizes)
+    assert [p.shape for p in parts] == [(2,), (2,), (2,), (2,), (2, 4), (2, 3, 4), (2, 3, 4)]
+    assert (top_p == 1).all() and not (temperature.any() or top_k.any() or has_q.any())
+    q_probs[1, 2, 3] = 0.25
+    uniforms[0, 3] = 0.5
+    again, (_, top_p2, *_rest) = sampling.host_arrays(host)
+    assert 0.25 not in again and 0.5 not in again and (top_p2 == 1).all()  # reset each round

@@ -28,6 +28,26 @@ from tests.unit.test_lossless_sampling_math import (
 )
 
 
+def on_supports(
+    trees: list[DraftTree], n: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The trees' draft distributions on their supports as accept_sampling_batched takes them
+    (tokens and probabilities [B, N, S], padding entries token 0 with probability 0), and
+    [B] which trees carry one."""
+    cut = [t.draft_probs.tokens.shape[1] for t in trees if t.draft_probs is not None]
+    width = max(cut, default=1)
+    q_tokens = torch.zeros(len(trees), n, width, dtype=torch.int64)
+    q_probs = torch.zeros(len(trees), n, width, dtype=torch.float64)
+    has_q = torch.zeros(len(trees), dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        if tree.draft_probs is not None:
+            rows, k = tree.draft_probs.tokens.shape
+            q_tokens[b, :rows, :k] = tree.draft_probs.tokens
+            q_probs[b, :rows, :k] = tree.draft_probs.probs.double()
+            has_q[b] = True
+    return (q_tokens, q_probs), has_q
+
+
 def batched_pairs(
     rounds: list[tuple[DraftTree, torch.Tensor]], params: SamplingParams, seed: int
 ) -> torch.Tensor:
@@ -37,15 +57,11 @@ def batched_pairs(
     probs = torch.zeros(batch, n + 1, V, dtype=torch.float64)
     tokens = torch.zeros(batch, n, dtype=torch.int64)
     parents = torch.full((batch, n), -2, dtype=torch.int64)
-    q = torch.zeros(batch, n, V, dtype=torch.float64)
-    has_q = torch.zeros(batch, dtype=torch.bool)
     for b, (tree, rows) in enumerate(rounds):
         probs[b, : len(tree) + 1] = rows
         tokens[b, : len(tree)] = torch.tensor(tree.tokens)
         parents[b, : len(tree)] = torch.tensor(tree.parents)
-        if tree.draft_probs is not None:
-            q[b, : len(tree)] = tree.draft_probs.dense()
-            has_q[b] = True
+    q, has_q = on_supports([tree for tree, _ in rounds], n)
     generator = make_generator(seed)
     uniforms = torch.rand(batch, n + 1, generator=generator, dtype=torch.float64)
     out = accept_sampling_batched(
@@ -209,15 +225,14 @@ def test_the_walk_gives_the_dense_walks_outcome_for_the_same_uniforms(seed: int)
     tokens = torch.zeros(batch, n, dtype=torch.int64)
     parents = torch.full((batch, n), -2, dtype=torch.int64)
     q = torch.zeros(batch, n, V, dtype=torch.float64)
-    has_q = torch.zeros(batch, dtype=torch.bool)
     for b, (t, _) in enumerate(rounds):
         tokens[b, : len(t)] = torch.tensor(t.tokens, dtype=torch.int64)
         parents[b, : len(t)] = torch.tensor(t.parents, dtype=torch.int64)
         if t.draft_probs is not None:
             q[b, : len(t)] = t.draft_probs.dense()
-            has_q[b] = True
+    support, has_q = on_supports([t for t, _ in rounds], n)
     uniforms = torch.rand(batch, n + 1, generator=gen, dtype=torch.float64)
-    got = accept_sampling_batched(probs, tokens, parents, uniforms, q, has_q)
+    got = accept_sampling_batched(probs, tokens, parents, uniforms, support, has_q)
     want = dense_walk(probs, tokens, parents, uniforms, q, has_q)
     assert torch.equal(got.num_accepted_drafts, want.num_accepted_drafts)
     assert torch.equal(got.accepted_nodes, want.accepted_nodes)

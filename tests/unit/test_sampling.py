@@ -6,8 +6,15 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specsplit.sampling import SamplingParams, make_generator, sample, target_probs
+from specsplit.sampling import (
+    SamplingParams,
+    make_generator,
+    sample,
+    target_probs,
+    target_probs_rows,
+)
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:
@@ -140,3 +147,40 @@ def test_sample_never_draws_a_zero_probability_token() -> None:
 def test_unseeded_generators_differ() -> None:
     draws = {int(torch.randint(2**62, (), generator=make_generator(None))) for _ in range(4)}
     assert len(draws) == 4
+
+
+def test_target_probs_rows_give_each_rows_target_probs() -> None:
+    """Rows of one batch with their own params (greedy, temperature, top-k, top-p, both, and
+    a top-k past the vocabulary) are each what target_probs gives that row; without filters
+    (no sort) as well where no row cuts."""
+    gen = make_generator(7)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.7),
+        SamplingParams(temperature=0.9, top_k=12, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=500),
+    ]
+    logits = 3 * torch.randn(len(params), 64, generator=gen)
+    temperature = torch.tensor([p.temperature for p in params])
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    got = target_probs_rows(logits, temperature, top_k, top_p)
+    for i, p in enumerate(params):
+        if p.greedy:
+            want = F.one_hot(logits[i].argmax(), 64).float()
+        else:
+            want = target_probs(logits[i : i + 1], p)[0]
+        torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
+        assert torch.equal(got[i] > 0, want > 0), params[i]  # the same tokens kept
+    plain = [0, 1, 5]  # rows that cut nothing
+    unfiltered = target_probs_rows(
+        logits[plain], temperature[plain], top_k[plain], top_p[plain], filters=False
+    )
+    torch.testing.assert_close(unfiltered, got[plain], atol=1e-6, rtol=1e-5)
+
+
+def test_target_probs_rows_checks_shapes() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        target_probs_rows(torch.zeros(2, 4), torch.ones(3), torch.zeros(2), torch.ones(2))
