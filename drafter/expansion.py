@@ -10,7 +10,10 @@ kv_committed_len), so a frontier node's attention sees the keys the host expansi
 the same order. The frontier is always k nodes of one depth, sorted by candidate index.
 
 A chain (topk 1) takes the argmax at each step, score 0; topk > 1 keeps the k best children by
-cumulative log-probability. Sampled chains stay on the host path (their draws are per tree).
+cumulative log-probability. A sampled chain (`Shape.sampled`) draws each step from its
+distribution cut to DRAFT_SUPPORT tokens (`specsplit.sampling.draw_from_cut`) at a uniform its
+sequence's generator drew on the host, with its params as a row of inputs: the same draws as
+tree_draft's host path, and each cut distribution comes back with the candidates.
 
 Draft-ahead (`expand_ahead`, key `Ahead`) runs in the same way, one graph per (chain length,
 guesses, shape, batch bucket), captured on first use: the chain being verified, the guessed
@@ -30,6 +33,8 @@ import torch
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.cuda_graphs import BATCH_SIZES
+from specsplit.sampling import draw_from_cut
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ FrontierForward = Callable[
 class Shape:
     topk: int
     num_steps: int
+    sampled: bool = False  # a sampled chain (topk 1): draws from inputs' params and uniforms
 
     @property
     def num_candidates(self) -> int:
@@ -59,6 +65,7 @@ class Candidates:
     tokens: list[int]
     parents: list[int]
     order: list[int]
+    draft_probs: DraftProbs | None = None  # a sampled chain's cut distribution per node
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,14 @@ class _Inputs:
             size = rows * 3 * n + bs * (chain_len + 1) * key.guesses
         else:
             size = bs * 3 * n
-        self.out = torch.zeros(size, dtype=torch.int64, device=device)  # tokens, parents, order
+        # a sampled chain's rows: temperature, top_p, top_k, then a uniform per step
+        steps = shape.num_steps if shape.sampled else 0
+        self.sampling = torch.ones(bs, 3 + steps, dtype=torch.float32, device=device)
+        self.support = min(DRAFT_SUPPORT, vocab)
+        size += bs * steps * self.support  # each step's support's tokens
+        self.probs = torch.zeros(bs * steps * self.support, dtype=torch.float32, device=device)
+        # tokens, parents, order (then a sampled chain's supports' tokens)
+        self.out = torch.zeros(size, dtype=torch.int64, device=device)
 
 
 class DeviceExpansion:
@@ -138,8 +152,9 @@ class DeviceExpansion:
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
         self.captured: dict[tuple[Shape | Ahead, int], tuple[torch.cuda.CUDAGraph, _Inputs]] = {}
-        # pinned host mirrors of each graph's meta input and packed output
-        self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # pinned host mirrors of each graph's meta input and packed output, its sampling input
+        # and the supports' probabilities
+        self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
 
     def max_pages(self, key: Shape | Ahead) -> int:
         width = key.width if isinstance(key, Ahead) else key.num_candidates
@@ -153,10 +168,18 @@ class DeviceExpansion:
         seqs: list[SeqKV],  # each with base = kv_committed_len, pages reserved for the tree
         root_logits: torch.Tensor,  # [B, vocab] float32 on the device
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
+        sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
     ) -> list[Candidates]:
-        out = self._run(shape, seqs, root_logits, root_features, [])
-        cands = out.reshape(len(seqs), 3, shape.num_candidates)
-        return [_candidates(cands, b) for b in range(len(seqs))]
+        bs, n = len(seqs), shape.num_candidates
+        out, probs = self._run(shape, seqs, root_logits, root_features, [], sampling)
+        cands = out[: bs * 3 * n].reshape(bs, 3, n)
+        found = [_candidates(cands, b) for b in range(bs)]
+        if shape.sampled:
+            ids = torch.from_numpy(out[bs * 3 * n :].reshape(bs, n, -1))
+            weights = torch.from_numpy(probs.reshape(bs, n, -1))
+            for b, candidates in enumerate(found):
+                candidates.draft_probs = DraftProbs(ids[b], weights[b], self.vocab_size)
+        return found
 
     def expand_ahead(
         self,
@@ -173,7 +196,7 @@ class DeviceExpansion:
         bonus at base + L + o * (1 + n) and its candidates after it, each row seeing only its
         ancestors. Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
         bs, n, g = len(seqs), key.shape.num_candidates, key.guesses
-        out = self._run(key, seqs, root_logits, root_features, chains)
+        out, _ = self._run(key, seqs, root_logits, root_features, chains)
         rows = bs * key.num_outcomes
         bonus = out[rows * 3 * n :].reshape(bs, key.chain_len + 1, g)
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
@@ -193,9 +216,10 @@ class DeviceExpansion:
         root_logits: torch.Tensor,
         root_features: torch.Tensor | None,
         chains: list[list[int]],
-    ) -> np.ndarray:
+        sampling: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
-        on the host."""
+        and `inputs.probs` on the host, cut to the rows of `seqs`."""
         bs = len(seqs)
         bucket = next((b for b in self.batch_sizes if b >= bs), None)
         width = max(len(s.page_table) for s in seqs)
@@ -203,22 +227,32 @@ class DeviceExpansion:
             if (key, bucket) not in self.captured:
                 self._capture(key, bucket)
             graph, inputs = self.captured[(key, bucket)]
-            host_meta, host_out = self.host[(key, bucket)]
-            self._load(inputs, host_meta, seqs, root_logits, root_features, chains)
+            host_meta, host_out, host_sampling, host_probs = self.host[(key, bucket)]
+            sampled = None if sampling is None else host_sampling
+            self._load(inputs, host_meta, sampled, seqs, root_logits, root_features, chains)
+            if sampling is not None:
+                host_sampling[:bs].copy_(torch.from_numpy(sampling))
+                inputs.sampling.copy_(host_sampling, non_blocking=True)
             graph.replay()
             host_out.copy_(inputs.out, non_blocking=True)
+            host_probs.copy_(inputs.probs, non_blocking=True)
             torch.cuda.current_stream(self.kv.device).synchronize()  # the mirrors are free after
-            return _first_rows(host_out.numpy(), key, bucket, bs)
+            return _first_rows(host_out.numpy(), key, bucket, bs), host_probs.numpy()[
+                : inputs.probs.numel() // bucket * bs
+            ]
         inputs = _Inputs(key, bs, self.vocab_size, self.feature, width, self.kv.device)
         host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
-        self._load(inputs, host, seqs, root_logits, root_features, chains)
+        self._load(inputs, host, None, seqs, root_logits, root_features, chains)
+        if sampling is not None:
+            inputs.sampling.copy_(torch.from_numpy(sampling))
         self._body(key, inputs)
-        return inputs.out.cpu().numpy()
+        return inputs.out.cpu().numpy(), inputs.probs.cpu().numpy()
 
     def _load(
         self,
         inputs: _Inputs,
         host_meta: torch.Tensor,  # inputs.meta's host mirror (pinned for a graph's)
+        host_sampling: torch.Tensor | None,  # inputs.sampling's (a graph's), reset here
         seqs: list[SeqKV],
         root_logits: torch.Tensor,
         root_features: torch.Tensor | None,
@@ -229,6 +263,8 @@ class DeviceExpansion:
         bs = len(seqs)
         self._fill_meta(host_meta.numpy(), seqs, inputs.logits.shape[0], chains)
         inputs.meta.copy_(host_meta, non_blocking=True)
+        if host_sampling is not None:
+            host_sampling.fill_(1.0)  # padding rows: any valid params (temperature 1)
         inputs.logits[:bs].copy_(root_logits)
         if inputs.features is not None and root_features is not None:
             inputs.features[:bs].copy_(root_features)
@@ -274,9 +310,9 @@ class DeviceExpansion:
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         self.captured[(key, bucket)] = (graph, inputs)
-        self.host[(key, bucket)] = (
-            torch.zeros_like(inputs.meta, device="cpu").pin_memory(),
-            torch.zeros_like(inputs.out, device="cpu").pin_memory(),
+        self.host[(key, bucket)] = tuple(
+            torch.zeros_like(buffer, device="cpu").pin_memory()
+            for buffer in (inputs.meta, inputs.out, inputs.sampling, inputs.probs)
         )
         log.info("captured the expansion graph of %s at batch %d", key, bucket)
 
@@ -291,10 +327,16 @@ class DeviceExpansion:
         base32, table, _ = _split(inputs.meta, bs, 0)  # [B] int32, [B, pages] int32
         base = base32.long()
         width = key.num_candidates
-        out = self._grow(
-            key, inputs.logits, inputs.features, table, base32, base, base, None, width
+        sampling = inputs.sampling if key.sampled else None
+        out, supports = self._grow(
+            key, inputs.logits, inputs.features, table, base32, base, base, None, width, sampling
         )
-        inputs.out.copy_(out.reshape(-1))
+        if supports is None:
+            inputs.out.copy_(out.reshape(-1))
+            return
+        ids, probs = supports
+        inputs.out.copy_(torch.cat([out.reshape(-1), ids.reshape(-1)]))
+        inputs.probs.copy_(probs.reshape(-1))
 
     def _ahead_body(self, key: Ahead, inputs: _Inputs) -> None:
         """Draft-ahead's steps (`expand_ahead`) for `inputs`' rows; writes inputs.out: every
@@ -362,7 +404,7 @@ class DeviceExpansion:
         )
         root_logits, root_outputs = self.forward(batch, features)
         start = base_r + bonus_col + 1
-        cands = self._grow(
+        cands, _ = self._grow(
             key.shape,
             root_logits,
             root_outputs,
@@ -386,17 +428,32 @@ class DeviceExpansion:
         first_position: torch.Tensor,  # [R] int64: the position of depth-1 candidates
         visible: torch.Tensor | None,  # [R, width] bool: storage past prefix every node sees
         width: int,  # the new region's storage past prefix (masks' last dimension)
-    ) -> torch.Tensor:
+        sampling: torch.Tensor | None = None,  # [R, 3 + num_steps] a sampled chain's rows
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Expand a tree of `shape` from each row's root logits; [R, 3, n]: the candidates'
-        tokens, parents and best-first order."""
+        tokens, parents and best-first order, and a sampled chain's supports (tokens [R, n, S]
+        and probabilities [R, n, S]) or None."""
         k, n_all = shape.topk, shape.num_candidates
         bs, device, page = root_logits.shape[0], root_logits.device, self.kv.page_size
         col = start - prefix32.long()  # candidate 0's column in the masks
         tokens = torch.zeros(bs, n_all, dtype=torch.int64, device=device)
         parents = torch.full((bs, n_all), -1, dtype=torch.int64, device=device)
         scores = torch.zeros(bs, n_all, dtype=torch.float32, device=device)
+        drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # a sampled chain's supports
+
+        def chain_step(logits: torch.Tensor) -> torch.Tensor:
+            """A chain's next token per row: the argmax, or a draw from the cut distribution."""
+            if sampling is None:
+                return logits.argmax(dim=-1)
+            step = 3 + len(drawn)
+            token, ids, probs = draw_from_cut(
+                logits, sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
+            )
+            drawn.append((ids, probs))
+            return token
+
         if k == 1:
-            tokens[:, 0] = root_logits.argmax(dim=-1)
+            tokens[:, 0] = chain_step(root_logits)
         else:
             top_lp, top_tok = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
             tokens[:, :k] = top_tok
@@ -432,7 +489,7 @@ class DeviceExpansion:
             flat = None if features is None else features.reshape(bs * k, -1)
             logits, outputs = self.forward(batch, flat)  # [B * k, V], [B * k, width]
             if k == 1:
-                tokens[:, n] = logits.argmax(dim=-1)
+                tokens[:, n] = chain_step(logits)
                 parents[:, n] = frontier[:, 0]
                 keep = torch.zeros(bs, 1, dtype=torch.int64, device=device)
                 new = 1
@@ -454,7 +511,11 @@ class DeviceExpansion:
             frontier = n + keep
             n += new
         order = torch.sort(-scores, dim=1, stable=True).indices
-        return torch.stack([tokens, parents, order], dim=1)
+        cands = torch.stack([tokens, parents, order], dim=1)
+        if not drawn:
+            return cands, None
+        ids, probs = zip(*drawn, strict=True)
+        return cands, (torch.stack(ids, dim=1), torch.stack(probs, dim=1))
 
 
 def _slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:
@@ -469,8 +530,12 @@ def _candidates(out: np.ndarray, row: int) -> Candidates:
 
 def _first_rows(out: np.ndarray, key: Shape | Ahead, bucket: int, bs: int) -> np.ndarray:
     """The flat output of a graph's `bucket` rows cut to its first `bs` (the padding after)."""
-    if not isinstance(key, Ahead):
-        return out[: bs * 3 * key.num_candidates]
+    if not isinstance(key, Ahead):  # candidates, then a sampled chain's supports' tokens
+        cands = 3 * key.num_candidates
+        if not key.sampled:
+            return out[: bs * cands]
+        ids = (len(out) - bucket * cands) // bucket
+        return np.concatenate([out[: bs * cands], out[bucket * cands :][: bs * ids]])
     per_row = key.num_outcomes * 3 * key.shape.num_candidates
     bonus = (key.chain_len + 1) * key.guesses
     return np.concatenate([out[: bs * per_row], out[bucket * per_row :][: bs * bonus]])

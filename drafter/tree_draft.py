@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from drafter.expansion import Ahead, Candidates, DeviceExpansion, Shape
@@ -22,7 +23,7 @@ from specsplit.messages import AheadTree, SpecParams
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
-from specsplit.sampling import by_distribution, make_generator, sample, target_probs
+from specsplit.sampling import draw_from_cut, make_generator
 from specsplit.step import SeqStep, build_forward_batch, causal_step
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 
@@ -50,6 +51,7 @@ class _Expansion:
     paths: list[list[int]] = field(default_factory=list)  # candidate -> its ancestors and itself
     frontier: list[int] = field(default_factory=list)  # candidates forwarded next step
     draft_probs: list[DraftProbs] = field(default_factory=list)  # chain sampling: q per node
+    sampling: np.ndarray | None = None  # a sampled chain's row (`_sampling_rows`)
     # per-node outputs a later step reads (EAGLE: the head's hidden state; -1 = the root)
     node_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -77,8 +79,8 @@ class TreeProposer:
 
     On a GPU the catch-up steps (the new tokens of each sequence, padded to a length in
     `catch_up_lens` by recomputing a few cached entries) replay CUDA graphs, and so does the
-    whole expansion of a tree or greedy chain (drafter/expansion.py: every step in one replay,
-    one host sync a round); prefills and sampled chains' steps run eagerly."""
+    whole expansion of a tree or chain, greedy or sampled (drafter/expansion.py: every step in
+    one replay, one host sync a round); prefills run eagerly."""
 
     kv: KVCache
     device: torch.device
@@ -194,21 +196,23 @@ class TreeProposer:
         chains = [job for job in drafting if job.verifying is not None and job.verifying.is_chain]
         rows = {id(job): i for i, job in enumerate(drafting)}
         ahead: dict[int, list[AheadTree]] = {}
-        on_device = [job for job in chains if self._expands_on_device(job)]
+        on_device = [job for job in chains if self._ahead_on_device_ok(job)]
         if on_device:
             ahead.update(self._ahead_on_device(on_device, rows, root_logits, root_features))
-        in_forks = [job for job in chains if not self._expands_on_device(job)]
+        in_forks = [job for job in chains if not self._ahead_on_device_ok(job)]
         if in_forks:
             ahead.update(self._ahead_in_forks(in_forks, rows, root_logits, root_features, forks))
         return [ahead.get(id(job), []) for job in jobs]
 
     def _expands_on_device(self, job: DraftJob) -> bool:
-        """Whether `job`'s trees expand on the device (DeviceExpansion): deterministic trees
-        and greedy chains; sampled chains draw on the host."""
-        spec = job.spec
-        return (
-            self.device_expansion and spec.num_steps > 0 and (spec.topk > 1 or job.sampling.greedy)
-        )
+        """Whether `job`'s trees expand on the device (DeviceExpansion): all of them, trees,
+        greedy and sampled chains, where `device_expansion` is on."""
+        return self.device_expansion and job.spec.num_steps > 0
+
+    def _ahead_on_device_ok(self, job: DraftJob) -> bool:
+        """Whether `job`'s draft-ahead runs on the device (expand_ahead): deterministic trees
+        and greedy chains; sampled chains draft ahead in forks."""
+        return self._expands_on_device(job) and not _sampled_chain(job)
 
     def _ahead_on_device(
         self,
@@ -360,12 +364,12 @@ class TreeProposer:
     def _seq_kv(self, seq: DraftSeq) -> SeqKV:
         return self._state(seq).kv
 
-    def _set_generator(
-        self, seq: DraftSeq, seed: int | None, device: torch.device
-    ) -> torch.Generator:
+    def _set_generator(self, seq: DraftSeq, seed: int | None) -> torch.Generator:
+        """The sequence's draft generator, on the host (its uniforms travel with the round's
+        other inputs)."""
         state = self._state(seq)
         if state.generator is None:
-            state.generator = make_generator(_draft_seed(seed), device)
+            state.generator = make_generator(_draft_seed(seed))
         return state.generator
 
     def kv_committed_len(self, seq: DraftSeq) -> int:
@@ -399,9 +403,8 @@ class TreeProposer:
         root_logits: torch.Tensor,  # [B, vocab]
         root_features: torch.Tensor | None = None,  # [B, width] the root's outputs (EAGLE)
     ) -> list[DraftTree]:
-        """One tree per job: on the device (DeviceExpansion, one run per shape) where
-        `device_expansion` is on and the job's tree is deterministic or a greedy chain, the
-        rest here on the host, a step at a time."""
+        """One tree per job: on the device (DeviceExpansion, one run per shape; sampled chains
+        their own) where `device_expansion` is on, else here on the host, a step at a time."""
         trees: list[DraftTree] = [DraftTree() for _ in jobs]
         on_host: list[int] = []
         groups: dict[Shape, list[int]] = {}
@@ -409,7 +412,7 @@ class TreeProposer:
             spec = job.spec
             if self._expands_on_device(job):
                 steps = max(spec.num_steps, job.expand_steps)
-                groups.setdefault(Shape(spec.topk, steps), []).append(i)
+                groups.setdefault(Shape(spec.topk, steps, _sampled_chain(job)), []).append(i)
             elif spec.num_steps > 0:
                 on_host.append(i)
 
@@ -423,7 +426,10 @@ class TreeProposer:
 
         for shape, idx in groups.items():
             seqs = [self._seq_kv(jobs[i].seq) for i in idx]
-            found = self._expansion().expand(shape, seqs, *roots(idx))
+            sampling = None
+            if shape.sampled:
+                sampling = self._sampling_rows([jobs[i] for i in idx], shape.num_steps)
+            found = self._expansion().expand(shape, seqs, *roots(idx), sampling)
             for i, candidates in zip(idx, found, strict=True):
                 trees[i] = select_tree(candidates, jobs[i].spec)
         if on_host:
@@ -469,6 +475,12 @@ class TreeProposer:
         root_features: torch.Tensor | None,  # [B, width]
     ) -> list[DraftTree]:
         trees = [_Expansion(job) for job in jobs]
+        sampled = [tree for tree in trees if _sampled_chain(tree.job)]
+        if sampled:
+            steps = max(tree.job.spec.num_steps for tree in sampled)
+            rows = self._sampling_rows([tree.job for tree in sampled], steps)
+            for tree, row in zip(sampled, rows, strict=True):
+                tree.sampling = row
         if root_features is not None:
             for tree, features in zip(trees, root_features, strict=True):
                 tree.node_hidden[-1] = features
@@ -518,39 +530,44 @@ class TreeProposer:
     def _draw_sampled(
         self, trees: list[_Expansion], rows: list[int], logits: torch.Tensor
     ) -> list[tuple[int, DraftProbs]]:
-        """Sampled chains' next drafts (tree j's from logits[rows[j]]), each drawn with its
-        sequence's own generator from its draft distribution cut to the DRAFT_SUPPORT likeliest
-        tokens and renormalized (kept with it: the verifier's acceptance needs it exactly).
-        The distributions are computed once for each set of sampling params, and the draws
-        cross to the host in two copies for all the chains, not a sync per chain."""
+        """Sampled chains' next drafts (tree j's from logits[rows[j]]), each drawn from its
+        draft distribution cut to the DRAFT_SUPPORT likeliest tokens and renormalized (kept with
+        it: the verifier's acceptance needs it exactly), at the uniform its sequence's generator
+        drew for this step (`_sampling_rows`): the device expansion's draws. All the chains in
+        one draw_from_cut; its results cross to the host in one copy each."""
         if not trees:
             return []
+        device = logits.device
+        table = torch.from_numpy(
+            np.stack([tree.sampling for tree in trees if tree.sampling is not None])
+        )
+        steps = torch.tensor([3 + len(tree.tokens) for tree in trees])
+        uniforms = table.gather(1, steps[:, None]).squeeze(1)
+        tokens, ids, probs = draw_from_cut(
+            logits.index_select(0, torch.tensor(rows, device=device)),
+            table[:, :3].to(device),
+            uniforms.to(device),
+            DRAFT_SUPPORT,
+        )
+        tokens_h, ids_h, probs_h = tokens.tolist(), ids.cpu(), probs.cpu()
         vocab_size = logits.shape[-1]
-        k = min(DRAFT_SUPPORT, vocab_size)
-        order: list[int] = []  # the trees in the order of their rows below
-        weights, tokens = [], []
-        for params, members in by_distribution(tree.job.sampling for tree in trees).items():
-            index = torch.tensor([rows[j] for j in members], device=logits.device)
-            q = target_probs(logits.index_select(0, index), params)
-            top = q.topk(k, dim=-1)  # [g, k] each
-            weights.append(top.values)
-            tokens.append(top.indices)
-            order += members
-        support = torch.cat(weights) if len(weights) > 1 else weights[0]  # [n, k]
-        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
-        picks = []  # [1] each: an index into its support
-        for r, j in enumerate(order):
-            job = trees[j].job
-            generator = self._set_generator(job.seq, job.sampling.seed, logits.device)
-            picks.append(sample(support[r : r + 1], generator))
-        chosen = ids.gather(1, torch.cat(picks)[:, None])  # [n, 1]
-        host_ids = torch.cat([chosen, ids], dim=1).cpu()  # [n, 1 + k]
-        host_probs = (support / support.sum(dim=-1, keepdim=True)).float().cpu()
-        out: dict[int, tuple[int, DraftProbs]] = {}
-        for r, j in enumerate(order):
-            probs = DraftProbs(host_ids[r : r + 1, 1:], host_probs[r : r + 1], vocab_size)
-            out[j] = (int(host_ids[r, 0]), probs)
-        return [out[j] for j in range(len(trees))]
+        return [
+            (tokens_h[r], DraftProbs(ids_h[r : r + 1], probs_h[r : r + 1], vocab_size))
+            for r in range(len(trees))
+        ]
+
+    def _sampling_rows(self, jobs: list[DraftJob], steps: int) -> np.ndarray:
+        """[J, 3 + steps] float32, sampled chains' rows as draw_from_cut reads them: temperature,
+        top_p, top_k, then a uniform per step, drawn from the sequence's own generator on the
+        host. A chain draws its own num_steps uniforms whatever length it is expanded to (the
+        rest are 0.5, their drafts cut): its draws do not depend on the batch it is in."""
+        rows = np.full((len(jobs), 3 + steps), 0.5, dtype=np.float32)
+        for r, job in enumerate(jobs):
+            params, n = job.sampling, job.spec.num_steps
+            rows[r, :3] = (params.temperature, params.top_p, params.top_k)
+            generator = self._set_generator(job.seq, params.seed)
+            rows[r, 3 : 3 + n] = torch.rand(n, generator=generator).numpy()
+        return rows
 
     def _frontier_step(self, tree: _Expansion) -> SeqStep:
         """Forward the frontier: each node sees the prefix, its ancestors and itself."""
@@ -600,12 +617,23 @@ class TreeProposer:
         return select_tree(Candidates(tree.tokens, tree.parents, order), tree.job.spec)
 
 
+def _sampled_chain(job: DraftJob) -> bool:
+    """A chain that draws its drafts (and sends their distributions); trees are deterministic."""
+    return job.spec.topk == 1 and not job.sampling.greedy
+
+
 def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
     """The tree of a chain's first `num_steps` candidates (all of them, unless it rode a longer
-    chain), or of a tree's best `num_draft_tokens`."""
+    chain; a sampled chain's with their distributions), or of a tree's best
+    `num_draft_tokens`."""
     if spec.topk == 1:
         steps = spec.num_steps
-        return DraftTree(candidates.tokens[:steps], candidates.parents[:steps])
+        probs = candidates.draft_probs
+        return DraftTree(
+            candidates.tokens[:steps],
+            candidates.parents[:steps],
+            None if probs is None else probs.rows(list(range(steps))),
+        )
     chosen = sorted(candidates.order[: spec.num_draft_tokens])
     new_index = {old: new for new, old in enumerate(chosen)}
     parents = [candidates.parents[i] for i in chosen]

@@ -119,6 +119,46 @@ def target_probs_rows(
     return torch.where(greedy[:, None], one_hot, probs)
 
 
+def draw_from_cut(
+    logits: torch.Tensor,  # [R, V]
+    params: torch.Tensor,  # [R, 3] float: temperature (> 0), top_p, top_k (0 = off)
+    uniforms: torch.Tensor,  # [R] in [0, 1)
+    support: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft per row from the row's distribution (`target_probs` of its params) cut to its
+    `support` likeliest tokens and renormalized, by inverse CDF at the row's uniform: (tokens
+    [R] int64, the support's tokens [R, S] int64 and probabilities [R, S] float32, likeliest
+    first, 0 past a top-k / top-p cut). The draft is exactly a draw from that distribution, so
+    rejection sampling against it stays lossless. A fixed sequence of ops (a CUDA graph
+    captures it), no sort of the vocabulary: top-p measures mass against the whole
+    vocabulary's (or top-k's, where top-k <= support) normalizer; with a top-k wider than the
+    support and top-p both set, against the whole vocabulary's, a little looser than
+    target_probs' cut."""
+    vocab_size = logits.shape[-1]
+    support = min(support, vocab_size)
+    temperature, top_p, top_k = params.float().unbind(dim=1)
+    x = logits.float() / temperature[:, None]
+    values, tokens = x.topk(support, dim=-1)  # [R, S] each, likeliest first
+    rank = torch.arange(support, device=x.device)
+    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    cut = rank >= k[:, None]
+    log_norm = torch.where(
+        k <= support,
+        torch.logsumexp(values.masked_fill(cut, -math.inf), dim=-1),
+        torch.logsumexp(x, dim=-1),
+    )
+    probs = torch.exp(values - log_norm[:, None]).masked_fill(cut, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = (mass_before < (top_p - _TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
+    probs = probs * (keep | (rank == 0))
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    cdf = probs.cumsum(dim=-1)
+    at = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)
+    last = (probs > 0).sum(dim=-1, keepdim=True) - 1  # kept tokens are a prefix
+    pick = torch.minimum(at, last)
+    return tokens.gather(1, pick).squeeze(1), tokens, probs
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """[N, V] non-negative weights (rows need not sum to 1) -> [N] int64 token ids."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -6,6 +6,7 @@ there is no GPU (CI)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
 from tests.eagle_random import save_target_and_drafters
 from tests.support import TINY_VOCAB
 
@@ -47,7 +50,12 @@ def _engine(
     return DrafterEngine(proposer)
 
 
-def _rounds(engine: DrafterEngine, batch: int, spec: SpecParams) -> tuple[list[list[tuple]], int]:
+def _rounds(
+    engine: DrafterEngine,
+    batch: int,
+    spec: SpecParams,
+    sampling: SamplingParams | None = None,  # each sequence's, seeded by its index
+) -> tuple[list[list[tuple]], int]:
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(batch)
     tokens = [
@@ -66,18 +74,49 @@ def _rounds(engine: DrafterEngine, batch: int, spec: SpecParams) -> tuple[list[l
                 if width is None
                 else torch.randn(len(tokens[b]) - start - 1, width, generator=gen)
             )
-            inputs.append(
-                DraftInput(
-                    f"s{b}", r == 0, start, tokens[b][start:], spec, target_hidden_states=rows
-                )
+            item = DraftInput(
+                f"s{b}", r == 0, start, tokens[b][start:], spec, target_hidden_states=rows
             )
+            if sampling is not None:
+                item.sampling = dataclasses.replace(sampling, seed=b)
+            inputs.append(item)
             held[b] = len(tokens[b]) - (1 if width is not None else 0)
-        trees.append([(o.tree.tokens, o.tree.parents) for o in engine.draft(inputs)])
+        trees.append([_drafted(o.tree) for o in engine.draft(inputs)])
         engine.check_integrity()
     pages = engine.num_pages_used
     engine.release([f"s{b}" for b in range(batch)])
     assert engine.num_pages_used == 0
     return trees, pages
+
+
+def _drafted(tree: DraftTree) -> tuple:
+    """A tree's tokens and parents, and a sampled chain's distributions (tokens, and the
+    probabilities to 5 places)."""
+    probs = tree.draft_probs
+    if probs is None:
+        return tree.tokens, tree.parents
+    return tree.tokens, tree.parents, probs.tokens.tolist(), probs.probs.mul(1e5).round().tolist()
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50, top_p=0.9)],
+    ids=["t1", "cut"],
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sampled_chains_expansion_graph_draws_the_host_drafts(
+    models, kind: str, sampling: SamplingParams, batch: int
+) -> None:
+    """Sampled chains replay their own graph (a draw per step at uniforms drawn on the host)
+    and draw what the host expansion draws, with the same distributions."""
+    spec = SpecParams(3, 1, 3)
+    graphs = _engine(models, kind, graphs=True, device_expansion=True)
+    got = _rounds(graphs, batch, spec, sampling)
+    runner = graphs.proposer.device_expansion_runner  # type: ignore[attr-defined]
+    assert any(shape.sampled for shape, _ in runner.captured)
+    want = _rounds(_engine(models, kind, False, False), batch, spec, sampling)
+    assert got == want
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])

@@ -24,6 +24,7 @@ from specsplit.model.attention import attend
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
+from specsplit.tree import DRAFT_SUPPORT
 from tests.eagle_random import save_random_eagle3
 from tests.support import TINY_VOCAB, save_tiny_llama
 
@@ -136,26 +137,46 @@ def test_device_expansion_drafts_the_host_expansions_trees(
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_a_batch_of_different_shapes_and_a_sampled_chain(
+def test_a_batch_of_different_shapes_and_sampled_chains(
     models: dict[str, Path], kind: str
 ) -> None:
-    """Each shape is one device expansion; the sampled chain goes the host path, its draws
-    from its own generator as before."""
+    """Each shape is one device expansion, sampled chains theirs: each draws what the host
+    path draws (the same uniforms from its own generator, the same cut distribution), and
+    keeps its distribution: DRAFT_SUPPORT tokens a node, its draft among them."""
     specs = [
         SpecParams(3, 1, 3),
         SpecParams(2, 2, 4),
         SpecParams(3, 1, 3),
         SpecParams(3, 2, 6),
         SpecParams(2, 1, 2),
+        SpecParams(3, 1, 3),
+        SpecParams(3, 1, 3),
     ]
-    sampling = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, seed=4)]
+    sampling = [SamplingParams()] * 4 + [
+        SamplingParams(temperature=0.8, seed=4),
+        SamplingParams(temperature=1.0, top_k=40, seed=5),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=6),
+    ]
     host = _engine(models, kind, 4, on_device=False)
     device = _engine(models, kind, 4, on_device=True)
     want, got = _rounds(host, specs, sampling), _rounds(device, specs, sampling)
     _same(want, got)
-    for w, g in zip(want[0][-1], got[0][-1], strict=True):
-        assert (w.tree.draft_probs is None) == (g.tree.draft_probs is None)
-    assert got[0][-1][-1].tree.draft_probs is not None  # the sampled chain kept its distribution
+    for round_want, round_got in zip(want[0], got[0], strict=True):
+        for w, g, params in zip(round_want, round_got, sampling, strict=True):
+            assert (w.tree.draft_probs is None) == (g.tree.draft_probs is None) == params.greedy
+            if g.tree.draft_probs is None:
+                continue
+            assert g.tree.draft_probs.tokens.shape == (len(g.tree), DRAFT_SUPPORT)
+            assert torch.equal(w.tree.draft_probs.tokens, g.tree.draft_probs.tokens)
+            torch.testing.assert_close(w.tree.draft_probs.probs, g.tree.draft_probs.probs)
+            dense = g.tree.draft_probs.dense()
+            drafted = dense[torch.arange(len(g.tree)), torch.tensor(g.tree.tokens)]
+            assert (drafted > 0).all()  # each draft inside its distribution
+            if params.top_k:
+                assert ((dense > 0).sum(dim=1) <= params.top_k).all()
+    assert device.proposer.device_expansion_runner is not None
+    shapes = {shape for shape, _ in device.proposer.device_expansion_runner.captured}
+    assert not shapes  # on the CPU every expansion runs eagerly
 
 
 def test_select_tree_keeps_the_best_nodes_and_renumbers_parents() -> None:
