@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from specsplit.sampling import (
     SamplingParams,
+    draw_from_cut,
     make_generator,
     sample,
     target_probs,
@@ -184,3 +185,32 @@ def test_target_probs_rows_give_each_rows_target_probs() -> None:
 def test_target_probs_rows_checks_shapes() -> None:
     with pytest.raises(ValueError, match="logits"):
         target_probs_rows(torch.zeros(2, 4), torch.ones(3), torch.zeros(2), torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.7),
+        SamplingParams(temperature=0.9, top_k=12, top_p=0.5),
+    ],
+    ids=["plain", "top_k", "top_p", "both"],
+)
+def test_draw_from_cut_draws_target_probs_cut_to_its_support(params: SamplingParams) -> None:
+    """The support is target_probs' likeliest `support` tokens, renormalized (the tokens a
+    top-k / top-p cuts carry probability 0 in it); uniforms on a
+    fine grid land on each token in proportion to its probability, and never on one cut."""
+    logits = 2 * torch.randn(1, 64, generator=make_generator(3))
+    want = target_probs(logits, params)[0]
+    top = want.topk(16)
+    row = torch.tensor([[params.temperature, params.top_p, params.top_k]])
+    grid = (torch.arange(4000) + 0.5) / 4000
+    tokens, ids, probs = draw_from_cut(logits.expand(4000, -1), row.expand(4000, -1), grid, 16)
+    kept = top.values > 0  # the order of the cut tokens (probability 0) is any
+    assert torch.equal(ids[0][kept], top.indices[kept])
+    torch.testing.assert_close(probs[0], top.values / top.values.sum(), atol=1e-6, rtol=1e-5)
+    counts = torch.bincount(tokens, minlength=64).double() / 4000
+    dense = torch.zeros(64, dtype=torch.float64).scatter_(0, ids[0], probs[0].double())
+    assert (counts - dense).abs().max() < 1e-3
+    assert not counts[dense == 0].any()
