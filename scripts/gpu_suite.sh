@@ -29,8 +29,8 @@
 # round's cost outside the engines (bench/wire_rounds.py, bench/lane_rows.py, and
 # bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64); sampled: the same for sampled
 # chains (temperature 1: bench/wire_rounds.py --sampled, bench/gpu_engine.py --sampled-n on
-# both shapes, bench/draft_step.py --temperature, bench/profile_services.py --temperature at
-# batch 1 / 8 / 32).
+# both shapes; bench/draft_step.py and bench/profile_services.py at batch 1 / 8 / 32, greedy and
+# temperature 1).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -146,11 +146,13 @@ for part in "${parts[@]}"; do
         run "sampled_engine_$shape" python3 bench/gpu_engine.py --shape "$shape" --batch 1 8 32 \
           --verify-n 3 --sampled-n 3 --no-hf
       done
-      run sampled_draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
-        --batch 1 8 32 --shape 3x1x3 --temperature 1.0
-      run sampled_split python3 bench/profile_services.py --model /tmp/smollm2_random \
-        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-        --batch 1 8 32 --max-new-tokens 128 --top 0 --temperature 1.0 ;;
+      for t in 0 1.0; do
+        run "sampled_draft_t$t" python3 bench/draft_step.py --target /tmp/smollm2_random \
+          --device cuda:0 --batch 1 8 32 --shape 3x1x3 --temperature "$t"
+        run "sampled_split_t$t" python3 bench/profile_services.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 8 32 --max-new-tokens 128 --top 0 --temperature "$t"
+      done ;;
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
