@@ -137,9 +137,7 @@ def test_device_expansion_drafts_the_host_expansions_trees(
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_a_batch_of_different_shapes_and_sampled_chains(
-    models: dict[str, Path], kind: str
-) -> None:
+def test_a_batch_of_different_shapes_and_sampled_chains(models: dict[str, Path], kind: str) -> None:
     """Each shape is one device expansion, sampled chains theirs: each draws what the host
     path draws (the same uniforms from its own generator, the same cut distribution), and
     keeps its distribution: DRAFT_SUPPORT tokens a node, its draft among them."""
