@@ -151,6 +151,7 @@ class EngineBench:
         n: int,
         decode_steps: int = 1,
         temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> None:
         """One round for every sequence: its pending token + a chain of n random drafts (or,
         decode_steps > 1, that many decode steps). temperature > 0: sampled, each chain with
@@ -171,7 +172,7 @@ class EngineBench:
                     committed,
                     [pending],
                     tree,
-                    SamplingParams(temperature, seed=i),
+                    SamplingParams(temperature, top_p=top_p, seed=i),
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                 )
@@ -243,6 +244,12 @@ def bench_ours(
             for n in args.sampled_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n, 1, 1.0), args.steps)
                 record(rows, f"ours {label} sampled verify 1+{n}", batch, ms)
+                if args.sampled_top_p < 1:  # the acceptance sorts the vocabulary
+                    p = args.sampled_top_p
+                    ms = median_ms(
+                        lambda s=state, n=n, p=p: bench.step(s, n, 1, 1.0, p), args.steps
+                    )
+                    record(rows, f"ours {label} sampled verify 1+{n}, top_p {p}", batch, ms)
         bench.close(state)
     for n in args.prefill:  # one at a time (a request's time to its first round)
         record(
@@ -269,6 +276,12 @@ def main() -> None:
         default=[],
         help="also time sampled verify rounds of 1 + n tokens (temperature 1, chains with "
         "their cut draft distributions)",
+    )
+    parser.add_argument(
+        "--sampled-top-p",
+        type=float,
+        default=1.0,
+        help="< 1: the sampled verify rounds again with this top_p (a sort of the vocabulary)",
     )
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)

@@ -632,7 +632,7 @@ def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
         return DraftTree(
             candidates.tokens[:steps],
             candidates.parents[:steps],
-            None if probs is None else probs.rows(list(range(steps))),
+            None if probs is None else probs.rows(slice(0, steps)),
         )
     chosen = sorted(candidates.order[: spec.num_draft_tokens])
     new_index = {old: new for new, old in enumerate(chosen)}

@@ -144,7 +144,7 @@ for part in "${parts[@]}"; do
       run sampled_wire python3 bench/wire_rounds.py --batch 1 8 32 --beside --sampled 256
       for shape in smollm2-135m llama-8b; do
         run "sampled_engine_$shape" python3 bench/gpu_engine.py --shape "$shape" --batch 1 8 32 \
-          --verify-n 3 --sampled-n 3 --no-hf
+          --verify-n 3 --sampled-n 3 --sampled-top-p 0.9 --no-hf
       done
       for t in 0 1.0; do
         run "sampled_draft_t$t" python3 bench/draft_step.py --target /tmp/smollm2_random \

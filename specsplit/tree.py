@@ -42,7 +42,8 @@ class DraftProbs:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def rows(self, keep: list[int]) -> DraftProbs:
+    def rows(self, keep: list[int] | slice) -> DraftProbs:
+        """The rows `keep` (a slice: views, no copy)."""
         return DraftProbs(self.tokens[keep], self.probs[keep], self.vocab_size)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
