@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Nucleus boundary slack: a sorted prefix whose mass is within this of top_p counts as reaching
-# it, so float32 rounding in the cumulative sum cannot pull in one extra token.
-_TOP_P_SLACK = 1e-6
+from specsplit.kernels.nucleus import TOP_P_SLACK, cut_thresholds_rows
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # [N, V] each
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] exclusive cumsum
-        keep_sorted = mass_before < params.top_p - _TOP_P_SLACK
+        keep_sorted = mass_before < params.top_p - TOP_P_SLACK
         keep_sorted[:, 0] = True  # the most likely token always survives
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [N, V]
         probs = probs * keep
@@ -92,29 +90,21 @@ def target_probs_rows(
     one-hot of its argmax, lowest token id on ties). A fixed sequence of ops whatever the params
     (a CUDA graph captures it). `filters` False: no row has top-k or top-p, and no sort runs.
 
-    Top-k and top-p rank the tokens by one descending sort of the tempered logits (ties at a
-    boundary are broken by its order)."""
+    Top-k and top-p cut at one probability threshold a row (no sort of the vocabulary on a
+    GPU: specsplit/kernels/nucleus.py); tokens tied at a boundary are kept or cut together,
+    where target_probs breaks the tie by its sort's order."""
     if logits.dim() != 2 or any(t.shape != logits.shape[:1] for t in (temperature, top_k, top_p)):
         raise ValueError(
             f"logits [R, V] with temperature, top_k, top_p [R], got {tuple(logits.shape)}, "
             f"{tuple(temperature.shape)}, {tuple(top_k.shape)}, {tuple(top_p.shape)}"
         )
-    vocab_size = logits.shape[-1]
     greedy = temperature == 0
     x = logits.float() / torch.where(greedy, 1.0, temperature).float()[:, None]  # [R, V]
-    if filters:
-        ordered, order = x.sort(dim=-1, descending=True)  # [R, V] each
-        rank = torch.arange(vocab_size, device=x.device)
-        k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-        ordered = ordered.masked_fill(rank >= k[:, None], -math.inf)
-        sorted_probs = torch.softmax(ordered, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumsum
-        keep = (mass_before < (top_p.float() - _TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
-        kept = sorted_probs * (keep | (rank == 0))  # the most likely token always survives
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        probs = torch.zeros_like(x).scatter_(-1, order, kept)
-    else:
-        probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)
+    if filters:  # each row's cut as one probability threshold (specsplit/kernels/nucleus.py)
+        tau = cut_thresholds_rows(probs, top_k.long(), top_p.float())
+        kept = probs * (probs >= tau[:, None])
+        probs = kept / kept.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
@@ -149,7 +139,7 @@ def draw_from_cut(
     )
     probs = torch.exp(values - log_norm[:, None]).masked_fill(cut, 0.0)
     mass_before = probs.cumsum(dim=-1) - probs
-    keep = (mass_before < (top_p - _TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
+    keep = (mass_before < (top_p - TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
     probs = probs * (keep | (rank == 0))
     probs = probs / probs.sum(dim=-1, keepdim=True)
     cdf = probs.cumsum(dim=-1)
