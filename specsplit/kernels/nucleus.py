@@ -9,19 +9,20 @@ A row's cut keeps the tokens whose probability is at least its threshold tau = m
 For distinct probabilities this keeps exactly what a sort keeps (`specsplit.sampling
 .target_probs`); tokens tied at a boundary are kept or cut together.
 
-`cut_thresholds` finds both by a 64-way search on the float32 bit patterns (non-negative floats
-order as their bits): one Triton program per row, each pass over the row trying 64 thresholds at
-once, 5 passes a threshold; a fixed launch a CUDA graph captures. On a GPU it replaces a sort
-of [rows, V] (at SmolLM2's vocabulary a sampled batch-32 round's sort was 2.5 ms:
-bench/RESULTS.md). `cut_thresholds_reference` computes the same from a sort (the CPU path, and
-what the kernel is tested against; on a GPU their float32 sums of a row's mass may round a
-top-p boundary token differently).
+`cut_thresholds` finds both by bisection on the float32 bit patterns (non-negative floats
+order as their bits): one Triton program per row, 30 passes over the row for each threshold, a
+fixed launch a CUDA graph captures. From KERNEL_MIN_ROWS rows up it replaces a sort of [rows, V]
+(at SmolLM2's vocabulary a sampled batch-32 round's sort was 2.5 ms, the kernel ~0.6 ms on an
+H100; at batch 1 the sort of 4 rows is the quicker: bench/RESULTS.md). `cut_thresholds_reference`
+computes the same from a sort (the CPU path, few rows, and what the kernel is tested against; on
+a GPU their float32 sums of a row's mass may round a top-p boundary token differently).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -34,9 +35,8 @@ tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 # float32 rounding cannot pull in one extra token (specsplit.sampling's cuts use it too).
 TOP_P_SLACK = 1e-6
 _ONE_BITS = 0x3F800000  # 1.0f: no probability is above it
-_CANDIDATES = 64  # thresholds a pass tries at once
-_PASSES = 5  # 64-way passes that take [0, 2**30) (every bit pattern up to 1.0f) to one
-_BLOCK = 256
+_SEARCH_STEPS = 30  # halvings of [0, 2**30), which holds every bit pattern up to 1.0f
+_BLOCK = 2048
 
 
 def cut_thresholds_reference(
@@ -71,35 +71,28 @@ def _cut_thresholds_kernel(
     vocab,
     SLACK: tl.constexpr,
     ONE_BITS: tl.constexpr,
-    PASSES: tl.constexpr,
-    CANDIDATES: tl.constexpr,
+    STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = probs_ptr + row * stride_row
     offs = tl.arange(0, BLOCK)
-    j = tl.arange(0, CANDIDATES)
     k = tl.load(top_k_ptr + row)
     k = tl.where((k > 0) & (k < vocab), k, vocab)
     top_p = tl.load(top_p_ptr + row)
-    # tau_k: the smallest v with fewer than k tokens above it. Each pass tries CANDIDATES
-    # evenly spaced bit patterns of [lo, hi] at once and keeps the stretch ending at the first
-    # that fits: 64-way, 5 passes take [0, 2**30) to one pattern
+    # tau_k: the smallest v with fewer than k tokens above it
     lo = tl.full((), 0, tl.int32)
     hi = tl.full((), ONE_BITS, tl.int32)
-    for _ in range(PASSES):
-        step = (hi - lo + CANDIDATES) // CANDIDATES
-        cand = tl.minimum(lo + step * j + step - 1, hi)  # [CANDIDATES] int32, the last is hi
-        v = cand.to(tl.float32, bitcast=True)
-        above = tl.full((CANDIDATES,), 0, tl.int64)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        v = mid.to(tl.float32, bitcast=True)
+        above = tl.full((), 0, tl.int64)
         for start in range(0, vocab, BLOCK):
             p = tl.load(base + start + offs, mask=start + offs < vocab, other=0.0)
-            above += tl.reduce((p[:, None] > v[None, :]).to(tl.int64), 0, tl.standard._sum_combine)
-        # the stretch ending at the first candidate that fits (the last, hi, always does)
-        first = tl.reduce(tl.where(above < k, j, CANDIDATES - 1), 0, tl.standard._elementwise_min)
-        end = tl.reduce(tl.where(j == first, cand, 0), 0, tl.standard._sum_combine)
-        before = tl.reduce(tl.where(j == first - 1, cand, 0), 0, tl.standard._sum_combine)
-        lo, hi = tl.where(first == 0, lo, before + 1), end
+            above += tl.reduce((p > v).to(tl.int64), 0, tl.standard._sum_combine)
+        fits = above < k
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
     tau_k = lo.to(tl.float32, bitcast=True)
     kept = tl.full((), 0.0, tl.float32)
     largest = tl.full((), 0.0, tl.float32)
@@ -111,22 +104,16 @@ def _cut_thresholds_kernel(
     # tau_p: the smallest v whose likelier mass is below the limit
     lo = tl.full((), 0, tl.int32)
     hi = tl.full((), ONE_BITS, tl.int32)
-    for _ in range(PASSES):
-        step = (hi - lo + CANDIDATES) // CANDIDATES
-        cand = tl.minimum(lo + step * j + step - 1, hi)
-        v = cand.to(tl.float32, bitcast=True)
-        mass = tl.full((CANDIDATES,), 0.0, tl.float32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        v = mid.to(tl.float32, bitcast=True)
+        mass = tl.full((), 0.0, tl.float32)
         for start in range(0, vocab, BLOCK):
             p = tl.load(base + start + offs, mask=start + offs < vocab, other=0.0)
-            mass += tl.reduce(
-                tl.where(p[:, None] > v[None, :], p[:, None], 0.0), 0, tl.standard._sum_combine
-            )
-        first = tl.reduce(
-            tl.where(mass < limit, j, CANDIDATES - 1), 0, tl.standard._elementwise_min
-        )
-        end = tl.reduce(tl.where(j == first, cand, 0), 0, tl.standard._sum_combine)
-        before = tl.reduce(tl.where(j == first - 1, cand, 0), 0, tl.standard._sum_combine)
-        lo, hi = tl.where(first == 0, lo, before + 1), end
+            mass += tl.reduce(tl.where(p > v, p, 0.0), 0, tl.standard._sum_combine)
+        fits = mass < limit
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
     tau_p = tl.minimum(lo.to(tl.float32, bitcast=True), largest)
     tau_p = tl.where(top_p >= 1.0, 0.0, tau_p)
     tl.store(out_ptr + row, tl.maximum(tau_k, tau_p))
@@ -171,17 +158,25 @@ def cut_thresholds(
         return out
     _jitted_kernel(interpret)[(rows,)](
         probs, top_k, top_p, out, probs.stride(0), probs.shape[1],
-        SLACK=TOP_P_SLACK, ONE_BITS=_ONE_BITS, PASSES=_PASSES, CANDIDATES=_CANDIDATES,
-        BLOCK=_BLOCK,
+        SLACK=TOP_P_SLACK, ONE_BITS=_ONE_BITS, STEPS=_SEARCH_STEPS, BLOCK=_BLOCK,
         num_warps=1 if interpret else 8,
     )  # fmt: skip
     return out
 
 
+# `cut_thresholds_rows` takes the kernel from this many rows up: one program a row, the kernel's
+# passes over a few rows use as few SMs, where a sort of them is quicker (bench/RESULTS.md).
+# SPECSPLIT_NUCLEUS_KERNEL=1 / 0: the kernel / the sort at any count (benchmarks).
+KERNEL_MIN_ROWS = 32
+_KERNEL = os.environ.get("SPECSPLIT_NUCLEUS_KERNEL", "auto")
+
+
 def cut_thresholds_rows(
     probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """The kernel on a GPU (where triton is installed), the reference elsewhere."""
-    if probs.is_cuda and importlib.util.find_spec("triton") is not None:
+    """The kernel on a GPU (where triton is installed) for KERNEL_MIN_ROWS rows or more, the
+    reference elsewhere."""
+    enough = probs.shape[0] >= KERNEL_MIN_ROWS if _KERNEL == "auto" else _KERNEL == "1"
+    if enough and probs.is_cuda and importlib.util.find_spec("triton") is not None:
         return cut_thresholds(probs.contiguous(), top_k, top_p)
     return cut_thresholds_reference(probs, top_k, top_p)
