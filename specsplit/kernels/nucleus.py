@@ -12,10 +12,10 @@ For distinct probabilities this keeps exactly what a sort keeps (`specsplit.samp
 `cut_thresholds` finds both by bisection on the float32 bit patterns (non-negative floats
 order as their bits): one Triton program per row, 30 passes over the row for each threshold, a
 fixed launch a CUDA graph captures. From KERNEL_MIN_ROWS rows up it replaces a sort of [rows, V]
-(at SmolLM2's vocabulary a sampled batch-32 round's sort was 2.5 ms, the kernel ~0.6 ms on an
-H100; at batch 1 the sort of 4 rows is the quicker: bench/RESULTS.md). `cut_thresholds_reference`
-computes the same from a sort (the CPU path, few rows, and what the kernel is tested against; on
-a GPU their float32 sums of a row's mass may round a top-p boundary token differently).
+(the quicker below: one program a row leaves most SMs idle; see KERNEL_MIN_ROWS).
+`cut_thresholds_reference` computes the same from a sort (the CPU path, few rows, and what the
+kernel is tested against; on a GPU their float32 sums of a row's mass may round a top-p
+boundary token differently).
 """
 
 from __future__ import annotations
@@ -164,10 +164,12 @@ def cut_thresholds(
     return out
 
 
-# `cut_thresholds_rows` takes the kernel from this many rows up: one program a row, the kernel's
-# passes over a few rows use as few SMs, where a sort of them is quicker (bench/RESULTS.md).
-# SPECSPLIT_NUCLEUS_KERNEL=1 / 0: the kernel / the sort at any count (benchmarks).
-KERNEL_MIN_ROWS = 32
+# `cut_thresholds_rows` takes the kernel from this many rows up (a batch of 32 chains of 3):
+# one program a row, the kernel's passes over fewer rows use as few SMs, and a sort of them is
+# quicker. On an H100 (bench/RESULTS.md) the top-p cut of 128 rows cost 0.6 ms with the kernel
+# and 1.9 ms sorted at SmolLM2's vocabulary, 3.7 and 3.9 ms at Llama 3's; of 32 rows 0.4 and
+# 0.4 ms, 2.4 and 1.2 ms. SPECSPLIT_NUCLEUS_KERNEL=1 / 0: the kernel / the sort at any count.
+KERNEL_MIN_ROWS = 128
 _KERNEL = os.environ.get("SPECSPLIT_NUCLEUS_KERNEL", "auto")
 
 
