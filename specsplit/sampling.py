@@ -1,15 +1,17 @@
 """Sampling parameters and the target distribution they define (DESIGN.md §2).
 
 Speculative decoding stays lossless only if the acceptance walk and plain target decoding draw
-from the same distribution, so both go through `target_probs`: temperature, then top-k, then
-top-p, renormalised. Greedy (temperature 0) never builds a distribution: it takes the argmax.
+from the same distribution: temperature, then top-k, then top-p, renormalised. The verifier's
+rounds, speculative and plain alike, build it with `target_probs_rows` (every row its own
+params; the cut at one threshold a row, ties at it kept together); `target_probs`, the same
+law with a sort's ties, is the per-sequence reference. Greedy (temperature 0) never builds a
+distribution: it takes the argmax. `draw_from_cut` is the drafter's: a draft from its
+distribution cut to a few hundred tokens.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,17 +40,6 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed = {self.seed}: must be in [0, 2**64) or unset")
-
-
-def by_distribution(params: Iterable[SamplingParams]) -> dict[SamplingParams, list[int]]:
-    """The indices of `params` grouped by the distribution they sample from, each group's key
-    its params without a seed (a seed picks the draws, not the distribution; every greedy one
-    is SamplingParams()): one `target_probs` call serves a group."""
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, item in enumerate(params):
-        key = SamplingParams() if item.greedy else dataclasses.replace(item, seed=None)
-        groups.setdefault(key, []).append(i)
-    return groups
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
