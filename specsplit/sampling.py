@@ -79,7 +79,8 @@ def target_probs_rows(
 ) -> torch.Tensor:
     """[R, V] float32: row r as `target_probs` gives it for row r's params (a greedy row: the
     one-hot of its argmax, lowest token id on ties). A fixed sequence of ops whatever the params
-    (a CUDA graph captures it). `filters` False: no row has top-k or top-p, and no sort runs.
+    (a CUDA graph captures it). `filters` False: no row has top-k or top-p, and no cut threshold
+    is looked for.
 
     Top-k and top-p cut at one probability threshold a row (no sort of the vocabulary on a
     GPU: specsplit/kernels/nucleus.py); tokens tied at a boundary are kept or cut together,

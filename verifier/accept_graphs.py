@@ -20,8 +20,8 @@ host array, `Sampling`: each sequence's params, its uniforms and its draft distr
 support of DRAFT_SUPPORT tokens a node. Eagerly its ~500 ops cost ~4.5 ms of host time a round
 at batch 32 on an H100 host (bench/profile_step.py --temperature 1); on the graphs a SmolLM2
 verify round of 1 + 3 tokens took 3.9 ms against 5.7 at batch 32, 1.6 against 3.5 at batch 1
-(bench/RESULTS.md). Graphs with top-k / top-p (a sort over the vocabulary) are captured on first
-use.
+(bench/RESULTS.md). Graphs with top-k / top-p (each row's cut at one probability threshold,
+specsplit/kernels/nucleus.py) are captured on first use.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ class Sampling(_Flat):
     """A sampled round's own inputs (float64: token ids and top-k are exact in it), beside its
     Layout's: each sequence's sampling params, its uniforms (one per node, the bonus's in
     column `width`) and its draft distribution on a support of `support` tokens a node (0:
-    none in the round). `filters`: some sequence has top-k or top-p (the graph sorts the
-    vocabulary). Padding rows are greedy and carry no draft distribution."""
+    none in the round). `filters`: some sequence has top-k or top-p (the graph finds each
+    row's cut threshold). Padding rows are greedy and carry no draft distribution."""
 
     bucket: int
     width: int
@@ -155,6 +155,20 @@ class Sampling(_Flat):
 
     def _pad(self, parts: list[np.ndarray]) -> None:
         parts[1][:] = 1.0  # top_p: off
+
+
+def greedy_accept(
+    layout: Layout,
+    inputs: torch.Tensor,  # layout's flat int64 inputs, on the device
+    argmax: torch.Tensor,  # [>= rows] int64 the target's argmax at each of the round's rows
+    kv: KVCache,
+) -> torch.Tensor:
+    """Greedy acceptance, the bonus token and the accepted path's K/V compaction for a round
+    laid out as `layout` (a graph's body, or run eagerly): [bucket, 2 + width] as
+    compact_and_pack's."""
+    row_index, draft_tokens, parents, base, table = layout.parts(inputs)
+    accepted = accept_greedy_batched(argmax[row_index], draft_tokens, parents)
+    return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 
 
 def sampled_accept(
@@ -231,15 +245,12 @@ class _Graph:
 
     def body(self) -> torch.Tensor:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
-        kv = self.kv
         if self.sampling is not None:
             assert self.logits is not None
             return sampled_accept(
-                self.layout, self.sampling, self.inputs, self.floats, self.logits, kv
+                self.layout, self.sampling, self.inputs, self.floats, self.logits, self.kv
             )
-        row_index, draft_tokens, parents, base, table = self.layout.parts(self.inputs)
-        accepted = accept_greedy_batched(self.argmax[row_index], draft_tokens, parents)
-        return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
+        return greedy_accept(self.layout, self.inputs, self.argmax, self.kv)
 
 
 class AcceptGraphs:

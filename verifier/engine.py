@@ -17,10 +17,6 @@ import torch
 
 from specsplit.acceptance import AcceptResult
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
-from specsplit.kernels.accept import (
-    accept_greedy_batched,
-    compact_and_pack,
-)
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import (
@@ -44,6 +40,7 @@ from verifier.accept_graphs import (
     AcceptGraphs,
     Layout,
     Sampling,
+    greedy_accept,
     page_window,
     sampled_accept,
     window_pages,
@@ -236,8 +233,8 @@ class VerifierEngine:
             kv_memory_fraction,
             reserve_bytes=2 * logits * len(graph_query_lens)
             + 2 * prefill_rows * config.vocab_size * 4
-            # the sampled acceptance graphs' logits input and [rows, vocab] intermediates (a
-            # sort's values and int64 order, probabilities, their cumulative sum)
+            # the sampled acceptance graphs' logits input and [rows, vocab] intermediates
+            # (probabilities, a top-k / top-p cut's sort below 128 rows: values, int64 order)
             + (8 * logits if graph_query_lens else 0),
         )
         kv = make_kv_cache(
@@ -779,16 +776,13 @@ class VerifierEngine:
             self._sampling_inputs(inputs, seqs, float_parts, layout.width)
         if graphs is not None:
             return graphs.run(layout, logits, num_seqs, sampling)
+        # the CPU; rounds past the acceptance graphs: the graphs' bodies, run eagerly
         device_inputs = to_device(torch.from_numpy(host), self.device)
-        kv = self.kv
-        if sampling is not None:  # the CPU; rounds past the acceptance graphs
+        if sampling is not None:
             assert floats is not None
             device_floats = to_device(torch.from_numpy(floats), self.device)
-            return sampled_accept(layout, sampling, device_inputs, device_floats, logits, kv)
-        row_index, draft_tokens, parents, base_t, table = layout.parts(device_inputs)
-        target_argmax = logits.argmax(dim=-1)[row_index]  # [B, N + 1]
-        accepted = accept_greedy_batched(target_argmax, draft_tokens, parents)
-        return compact_and_pack(accepted, base_t, table, kv.data, kv.page_size, kv.scratch_slot)
+            return sampled_accept(layout, sampling, device_inputs, device_floats, logits, self.kv)
+        return greedy_accept(layout, device_inputs, logits.argmax(dim=-1), self.kv)
 
     @staticmethod
     def _sampling_inputs(
@@ -991,7 +985,7 @@ def _decode_step(
 
 def _filters(params: SamplingParams, vocab_size: int) -> bool:
     """Whether sampling with `params` cuts the distribution (top-k or top-p): its round's
-    acceptance sorts the vocabulary."""
+    acceptance finds each row's cut threshold."""
     return not params.greedy and (params.top_p < 1.0 or 0 < params.top_k < vocab_size)
 
 
