@@ -6,12 +6,18 @@ tokens. "target only" is the serial services with speculation off per request (n
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
         [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
-        [--services-log FILE]
+        [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
 rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
 round parts from the services' histograms (round wall, verify and draft engine time,
 the part outside the verifier's engine), p50 as bucket upper bounds.
+
+--synthetic-acceptance (timing only, labelled in every output): the verifier accepts each
+tree's first children at these rates (`serve-verifier --synthetic-acceptance`), so random-weight
+checkpoints (`bench/random_model.py --shape llama-8b` / `llama-1b` with `--drafter model`) run the
+whole system at a realistic accepted length; every stream runs to --max-new-tokens (EOS ignored)
+and outputs are not the target's, so the same-tokens column compares nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +59,11 @@ def run_batch(
     max_new_tokens: int,
     spec: common_pb2.SpecParams | None = None,
     temperature: float = 0.0,
+    ignore_eos: bool = False,
 ) -> tuple[list[list[int]], float]:
     """Every prompt as its own stream, all at once; (tokens of each, wall seconds). spec: the
     requests' draft shape (None: the gateway's default). temperature > 0: stream i samples
-    with seed i."""
+    with seed i. ignore_eos: every stream runs to max_new_tokens (random weights)."""
 
     def one(i: int) -> list[int]:
         request = gateway_pb2.GenerateRequest(
@@ -64,6 +71,7 @@ def run_batch(
             max_new_tokens=max_new_tokens,
             spec=spec,
             sampling=common_pb2.SamplingParams(temperature=temperature, seed=i),
+            ignore_eos=ignore_eos,
         )
         return [t for r in stub.Generate(request) for t in r.token_ids]
 
@@ -209,6 +217,13 @@ def main() -> None:
     parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
+    parser.add_argument(
+        "--synthetic-acceptance",
+        default=None,
+        metavar="RATES",
+        help="BENCHMARKS ONLY, NOT LOSSLESS: the verifier's `--synthetic-acceptance` (e.g. "
+        "0.8,0.7,0.6); outputs are then not the target's",
+    )
     args = parser.parse_args()
     if args.spec and args.speculation_gate == "on":
         parser.error("--speculation-gate on gates the gateway's default spec: leave out --spec")
@@ -229,12 +244,18 @@ def main() -> None:
         prompts: list[list[int]],
         spec: Any = None,
     ) -> None:
-        run_batch(stub, prompts, WARMUP_TOKENS, spec, args.temperature)  # kernels first built
+        # kernels first built
+        run_batch(stub, prompts, WARMUP_TOKENS, spec, args.temperature, synthetic)
         before = scrape_totals()
-        results[key] = run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature)
+        results[key] = run_batch(
+            stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
+        )
         totals[key] = Counter(scrape_totals())
         totals[key].subtract(before)
 
+    synthetic = args.synthetic_acceptance is not None
+    if synthetic:
+        print(f"SYNTHETIC ACCEPTANCE {args.synthetic_acceptance}: outputs are not the target's")
     modes = tuple(args.modes)
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
@@ -246,6 +267,8 @@ def main() -> None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
         if args.decode_steps is not None:
             flags += ("--decode-steps", args.decode_steps)
+        if synthetic:
+            flags += ("--synthetic-acceptance", args.synthetic_acceptance)
         with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             before = scrape_buckets()
@@ -263,6 +286,7 @@ def main() -> None:
         f"decode ahead {args.decode_ahead} (max batch {args.decode_ahead_max_batch or 'default'}), "
         f"decode steps {args.decode_steps or 'default'}"
         f"{', speculation gate on' if args.speculation_gate == 'on' else ''}"
+        + (f", SYNTHETIC ACCEPTANCE {args.synthetic_acceptance}" if synthetic else "")
     )
     others = [m for m in modes if m != "serial"]
     print(
@@ -284,7 +308,8 @@ def main() -> None:
         for m in others:
             cells += [f"{rate[m] / rate['target']:.2f}x", f"{rate[m] / rate['serial']:.2f}x"]
         print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{batch} |")
-    print_divergence(results, args.batch, modes)
+    if not synthetic:  # synthetic outputs are not the target's: nothing to compare
+        print_divergence(results, args.batch, modes)
     print_time_spent(results, totals, args.batch, modes)
     if args.speculation_gate == "on":
         print_gated_rounds(totals, args.batch, modes)

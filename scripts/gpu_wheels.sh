@@ -2,7 +2,8 @@
 # Fills .whl/ (git-ignored through .git/info/exclude) with the wheels the lent GPU machines lack
 # (their image has torch, triton, transformers, grpcio 1.84 and protobuf 7; see README "GPU runs"),
 # and .gpu/ with SmolLM2's tokenizer (tests/gpu read it from $SPECSPLIT_TEST_TOKENIZER) and the
-# embedded GGUF split into three parts under 64 MiB (one travels per device call; `cat` joins them).
+# embedded GGUF split into three parts (one travels per device call, the first with .whl and
+# the tokenizer; `cat` joins them).
 # Run once here, after scripts/dev.sh has set up .venv; then every device call carries .whl and
 # starts with scripts/gpu_env.sh.
 set -euo pipefail
@@ -39,9 +40,12 @@ tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.pa
 tokenizer.save_pretrained(".gpu/tokenizer")
 os.makedirs(".gpu/gguf", exist_ok=True)
 data = open(path, "rb").read()
-third = -(-len(data) // 3)
+# the first part travels with .whl and the tokenizer (and the ~23 MB tree): smaller than the others
+first = 26_000_000
+half = -(-(len(data) - first) // 2)
+bounds = [0, first, first + half, len(data)]
 for i in range(3):
     with open(f".gpu/gguf/p{i}", "wb") as part:
-        part.write(data[i * third : (i + 1) * third])
+        part.write(data[bounds[i] : bounds[i + 1]])
 PY
 ls -la .gpu/gguf

@@ -146,6 +146,25 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         "--decode-ahead only for rounds of at most this many sequences",
         type=int,
     )
+    synthetic_help = (
+        "BENCHMARKS ONLY, NOT LOSSLESS: accept the first child at depth d with the d-th of these"
+        " comma-separated rates (the last for deeper levels) instead of the target's choice, so"
+        " random-weight models run the whole system at a chosen accepted length; none = off"
+    )
+    flag(parser, "--synthetic-acceptance", None, synthetic_help, type=synthetic_rates)
+
+
+def synthetic_rates(value: str) -> tuple[float, ...] | None:
+    """--synthetic-acceptance's rates: none, or comma-separated probabilities."""
+    if value.lower() in ("", "none"):
+        return None
+    try:
+        rates = tuple(float(rate) for rate in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated rates: {value!r}") from None
+    if not all(0.0 <= rate <= 1.0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"rates are probabilities in [0, 1]: {value!r}")
+    return rates
 
 
 def decode_ahead(args: argparse.Namespace, device: str) -> bool:

@@ -34,6 +34,11 @@ def _opt(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
+def _rates(rates: tuple[float, ...] | None) -> str | None:
+    """--synthetic-acceptance's rates as the flag reads them."""
+    return None if rates is None else ",".join(map(str, rates))
+
+
 LIMIT_FLAGS = (  # the gateway's request limits, passed on as given
     "--limit-num-steps",
     "--limit-topk",
@@ -131,6 +136,7 @@ def child_commands(
             args.decode_ahead,
             "--decode-ahead-max-batch",
             str(args.decode_ahead_max_batch),
+            *_opt("--synthetic-acceptance", _rates(args.synthetic_acceptance)),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],

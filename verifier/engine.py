@@ -192,9 +192,11 @@ class VerifierEngine:
         max_batch_size: int = 64,
         decode_ahead: bool = False,
         decode_ahead_max_batch: int = 64,
+        synthetic_acceptance: tuple[float, ...] | None = None,
     ) -> VerifierEngine:
         """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
-        after loading the weights (less room kept for the CUDA graphs' logits)."""
+        after loading the weights (less room kept for the CUDA graphs' logits).
+        synthetic_acceptance: benchmarks only, not lossless (see __init__)."""
         model, _ = load_model(model_path, dtype=dtype, device=device)
         return cls.for_model(
             model,
@@ -205,6 +207,7 @@ class VerifierEngine:
             max_batch_size=max_batch_size,
             decode_ahead=decode_ahead,
             decode_ahead_max_batch=decode_ahead_max_batch,
+            synthetic_acceptance=synthetic_acceptance,
         )
 
     @classmethod
@@ -219,6 +222,7 @@ class VerifierEngine:
         max_batch_size: int = 64,
         decode_ahead: bool = False,
         decode_ahead_max_batch: int = 64,
+        synthetic_acceptance: tuple[float, ...] | None = None,
     ) -> VerifierEngine:
         """An engine over a loaded model, its KV pool sized as `load` says, on the model's
         device and in its dtype."""
@@ -255,6 +259,7 @@ class VerifierEngine:
             max_batch_size=max_batch_size,
             decode_ahead=decode_ahead,
             decode_ahead_max_batch=decode_ahead_max_batch,
+            synthetic_acceptance=synthetic_acceptance,
         )
 
     @property

@@ -28,12 +28,13 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
+    synthetic_acceptance: tuple[float, ...] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch:
-    VerifierEngine.load's. engine_calls: --engine-calls
-    (specsplit.engine_servicer.calls_on_loop)."""
+    plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
+    synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
+    --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
     load_engine = partial(
         VerifierEngine.load,
         model_path,
@@ -45,6 +46,7 @@ async def serve(
         graph_query_lens=graph_query_lens,
         decode_ahead=decode_ahead,
         decode_ahead_max_batch=decode_ahead_max_batch,
+        synthetic_acceptance=synthetic_acceptance,
     )
 
     def load() -> VerifierEngine:

@@ -363,6 +363,24 @@ def test_verifier_cuda_graph_and_kv_memory_flags_reach_the_verifier_child() -> N
         cli_flags.graph_query_lens(cli.parse_args(["serve-verifier", "--cuda-graphs", "1,x"]))
 
 
+def test_synthetic_acceptance_reaches_the_verifier_child_only() -> None:
+    """The benchmark-only rates go to the verifier as given; off unless asked; the other
+    children never see them."""
+    argv = ["up", "--synthetic-acceptance", "0.8,0.7,0.6"]
+    commands = up.child_commands(cli.parse_args(argv))
+    assert _child_args(commands["verifier"]).synthetic_acceptance == (0.8, 0.7, 0.6)
+    assert not any("--synthetic-acceptance" in commands[name] for name in ("drafter", "gateway"))
+    default = up.child_commands(cli.parse_args(["up"]))["verifier"]
+    assert "--synthetic-acceptance" not in default
+    assert _child_args(default).synthetic_acceptance is None
+
+
+@pytest.mark.parametrize("value", ["0.8,x", "1.5", "-0.1,0.5"])
+def test_synthetic_acceptance_refuses_what_is_not_rates(value: str) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve-verifier", "--synthetic-acceptance", value])
+
+
 def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch) -> None:
     gateway = _child_args(
         up.child_commands(cli.parse_args(["up", "--overlap", "groups"]))["gateway"]

@@ -292,13 +292,11 @@ def test_synthetic_acceptance_accepts_first_children_at_the_rate(
     """The benchmark-only mode: acceptance by rate (labelled not lossless), greedy and sampled
     sequences alike, the bonus token never a rejected draft, the K/V and lengths kept
     consistent, nothing leaked."""
-    model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
-    kv = make_kv_cache(config, 64, 4, torch.float64, "cpu")
-    engine = VerifierEngine(
-        model,
-        kv,
-        config.max_position_embeddings,
-        config.vocab_size,
+    engine = VerifierEngine.load(  # as `serve-verifier --synthetic-acceptance` loads it
+        str(target_dir),
+        dtype=torch.float64,
+        num_pages=64,
+        page_size=4,
         synthetic_acceptance=(rate,),
     )
     sampling = SamplingParams(temperature=temperature, seed=3)
