@@ -47,7 +47,7 @@ from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # "groups-early": groups with the other group's Verify sent while one is in flight
-MODES = ("serial", "groups", "groups-early", "ahead", "both")
+MODES = ("serial", "groups", "groups-early", "gated", "ahead", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")

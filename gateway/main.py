@@ -171,7 +171,8 @@ async def serve(
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
-    "serial", "groups" (pipelined groups), "ahead" (draft-ahead, `ahead_guesses` bonus tokens
+    "serial", "groups" (pipelined groups), "gated" (groups or serial rounds, whichever is
+    measured faster per batch size), "ahead" (draft-ahead, `ahead_guesses` bonus tokens
     guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch` requests
     run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a drafter
     or verifier on a Unix socket is reached on its round lane (specsplit.lane), the event loop

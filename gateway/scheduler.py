@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
-from gateway.gate import SpeculationGate
+from gateway.gate import OverlapGate, SpeculationGate
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Committed, Sequence
@@ -56,7 +56,7 @@ DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be b
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
-OVERLAP_MODES = ("serial", "groups", "ahead", "both")
+OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
 DEFAULT_AHEAD_MAX_BATCH = 4  # overlap "both": draft-ahead up to this many running, then groups
 MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
@@ -94,7 +94,9 @@ class Scheduler:
         refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
         passes --max-waiting, default DEFAULT_MAX_WAITING). overlap: "serial" (draft, then
         verify, for the whole batch) or "groups" (two groups take turns: while one is verified,
-        the other is drafted; DESIGN.md §3) or "ahead" (draft-ahead: while a round is verified
+        the other is drafted; DESIGN.md §3) or "gated" (speculating rounds as groups or serial
+        rounds, whichever commits more tokens per second, measured per batch size by the
+        overlap gate, gateway/gate.py) or "ahead" (draft-ahead: while a round is verified
         the drafter drafts the next round's trees for its likely outcomes, `ahead_guesses`
         bonus tokens per accept length; a round whose outcome was guessed sends no Draft
         before its Verify) or "both" (draft-ahead while at most `ahead_max_batch` sequences
@@ -156,6 +158,7 @@ class Scheduler:
         self._expiry: asyncio.Task[None] | None = None
         speculates = default_spec.num_steps > 0 or adaptive_spec
         self.gate = SpeculationGate() if speculation_gate and speculates else None
+        self.overlap_gate = OverlapGate() if overlap == "gated" else None
         self.num_tokens_committed = 0
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
         self.ahead_guesses = ahead_guesses
@@ -301,6 +304,7 @@ class Scheduler:
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
+                settled = all(seq.rounds_since_prefill >= 2 for seq in self.running)
                 mode = self._round_mode(speculate)
                 if mode == "groups":
                     await self.step_groups(self.running)
@@ -313,11 +317,14 @@ class Scheduler:
                         await (self.step_ahead if mode == "ahead" else self.step)(batch)
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
+                tokens = self.num_tokens_committed - committed
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
-                    tokens = self.num_tokens_committed - committed
                     self.gate.observe(batch_size, speculate, tokens, seconds, measured)
+                if self.overlap_gate is not None and speculate:
+                    groups = mode == "groups"
+                    self.overlap_gate.observe(batch_size, groups, tokens, seconds, settled)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently
@@ -329,10 +336,13 @@ class Scheduler:
     def _round_mode(self, speculate: bool) -> str:
         """This round's kind: "serial", "groups" or "ahead". Overlap "both" drafts ahead while
         at most `ahead_max_batch` sequences run (one sequence makes no two groups, and small
-        batches verify in about the time of one), groups above. Rounds the gate holds back
-        from drafting are serial."""
+        batches verify in about the time of one), groups above; "gated": the overlap gate's
+        choice at this batch size. Rounds the speculation gate holds back from drafting are
+        serial."""
         if not speculate or self.overlap == "serial":
             return "serial"
+        if self.overlap_gate is not None:
+            return "groups" if self.overlap_gate.groups(len(self.running)) else "serial"
         if self.overlap != "both":
             return self.overlap
         return "ahead" if len(self.running) <= self.ahead_max_batch else "groups"

@@ -93,7 +93,7 @@ def build_local_stack(
     model. adaptive_spec / adaptive_rungs: adaptive speculation (gateway/adaptive.py), `spec` the
     rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
-    ("serial", "groups", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine).
+    ("serial", "groups", "gated", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine).
     decode_steps: tokens a plain round decodes, early_verify: groups send the other group's
     Verify while one is in flight (the scheduler's)."""
     model, config = (

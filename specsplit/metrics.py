@@ -79,6 +79,12 @@ SPECULATING = Gauge(
     " back (plain rounds pay more there)",
     ["batch_bucket"],
 )
+PIPELINED_GROUPS = Gauge(
+    "specsplit_pipelined_groups",
+    "1 while the overlap gate runs speculating rounds at this batch size as pipelined groups, 0"
+    " while as serial rounds (those commit more tokens per second there)",
+    ["batch_bucket"],
+)
 # the speculation gate's rounds by kind (unlabelled histograms: bench/overlap.py reads exact means
 # from their sums): speculating, plain, and resuming (a round whose sequences' features are
 # caught up first, the gate having held them back)
@@ -189,6 +195,10 @@ def observe_gated_round(kind: str, seconds: float) -> None:
 
 def observe_speculation_gate(batch_bucket: int, speculating: bool) -> None:
     SPECULATING.labels(str(batch_bucket)).set(1 if speculating else 0)
+
+
+def observe_overlap_gate(batch_bucket: int, groups: bool) -> None:
+    PIPELINED_GROUPS.labels(str(batch_bucket)).set(1 if groups else 0)
 
 
 def observe_draft_ahead(hits: int, misses: int) -> None:

@@ -145,17 +145,19 @@ def child_commands(
 
 
 def gateway_overlap(args: argparse.Namespace) -> str:
-    """--overlap auto: pipelined groups when the drafter and the verifier each have a GPU (a
-    model drafter), else serial rounds. Through the services on two H200s groups ran 1.00x /
-    1.39x / 1.50x serial at batch 1 / 8 / 32; on one GPU the groups contend for it and on a
-    CPU for its cores, and lose (bench/RESULTS.md)."""
+    """--overlap auto: gated (pipelined groups or serial rounds, measured per batch size) when
+    the drafter and the verifier each have a GPU (a model drafter), else serial rounds. Through
+    the services on two H100s groups ran 1.33x / 1.18x serial at batch 8 / 32 with SmolLM2 and
+    its EAGLE-3 head but 0.84x / 0.94x with an 8B-shaped target and a 1B-shaped draft model
+    (a Verify of half the batch costs about what one of the whole batch does there); on one
+    GPU the groups contend for it and on a CPU for its cores, and lose (bench/RESULTS.md)."""
     if args.overlap != "auto":
         return str(args.overlap)
     drafter_device = args.drafter_device or args.device
     two_gpus = drafter_device != args.device and all(
         d.startswith("cuda") for d in (drafter_device, args.device)
     )
-    return "groups" if two_gpus and args.drafter != "ngram" else "serial"
+    return "gated" if two_gpus and args.drafter != "ngram" else "serial"
 
 
 def gateway_speculation_gate(args: argparse.Namespace) -> str:

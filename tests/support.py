@@ -249,13 +249,19 @@ class PassThroughVerifier:
 
 class TimedClients:
     """Wraps the drafter and the verifier clients; records each call's (start, end) and the
-    drafter's inputs. The Verify takes `verify_delay` seconds more, as on a GPU."""
+    drafter's inputs. The Verify takes `verify_delay` seconds more, as on a GPU; each call
+    `per_seq_delay` seconds more per sequence in it (a batch's cost that grows with it)."""
 
     def __init__(
-        self, drafter: DrafterClient, verifier: VerifierClient, verify_delay: float = 0.01
+        self,
+        drafter: DrafterClient,
+        verifier: VerifierClient,
+        verify_delay: float = 0.01,
+        per_seq_delay: float = 0.0,
     ) -> None:
         self.drafter, self.verifier = drafter, verifier
         self.verify_delay = verify_delay
+        self.per_seq_delay = per_seq_delay
         self.drafts: list[tuple[float, float]] = []
         self.draft_inputs: list[list[DraftInput]] = []
         self.verifies: list[tuple[float, float]] = []
@@ -273,7 +279,12 @@ class TimedClients:
         class Drafter:
             async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
                 timed.draft_inputs.append(inputs)
-                return await timed._timed(timed.drafts, timed.drafter.draft(inputs))
+                return await timed._timed(timed.drafts, self._slow(inputs))
+
+            async def _slow(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+                if timed.per_seq_delay:
+                    await asyncio.sleep(timed.per_seq_delay * len(inputs))
+                return await timed.drafter.draft(inputs)
 
             async def release(self, seq_ids: list[str]) -> None:
                 await timed.drafter.release(seq_ids)
@@ -288,7 +299,8 @@ class TimedClients:
                 return await timed._timed(timed.verifies, self._slow(inputs))
 
             async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-                await asyncio.sleep(timed.verify_delay)  # a verify that takes a while
+                # a verify that takes a while
+                await asyncio.sleep(timed.verify_delay + timed.per_seq_delay * len(inputs))
                 return await self.inner.verify(inputs)
 
         return Verifier(timed.verifier)

@@ -85,7 +85,7 @@ def test_a_bucket_left_while_exploring_takes_the_first_choice() -> None:
 
 def test_speculation_must_beat_plain_by_the_margin() -> None:
     """1% more tokens per second is within noise: plain rounds (they cost no drafter)."""
-    gate = SpeculationGate(window=2, probe_every=50, spec_margin=1.03)
+    gate = SpeculationGate(window=2, probe_every=50, margin=1.03)
     modes = _run(gate, 2 + 2 + SETTLE + 3, spec=(101, 1e-2), plain=(100, 1e-2))
     assert modes[-3:] == [False] * 3
 
