@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled]
+#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -12,7 +12,7 @@
 # 1B); rpc: bench/rpc_overhead.py on a random SmolLM2-shaped checkpoint (TCP, then Unix sockets
 # with the round lane); lane: bench/e2e.py through the services (random SmolLM2 + the shipped
 # head), round lane on and off; overlap:
-# bench/overlap.py (serial / groups / target-only through the services, $SMOLLM2_GGUF + the
+# bench/overlap.py (every overlap mode and target-only through the services, $SMOLLM2_GGUF + the
 # shipped head, batch 1 / 8 / 32); sessions: bench/sessions.py on $SMOLLM2_GGUF; profile:
 # bench/profile_services.py (cProfile of the three processes, 32 target-only streams; the GGUF
 # or, without $SMOLLM2_GGUF, random SmolLM2-shaped weights); cold: bench/cold_shapes.py (the
@@ -30,11 +30,13 @@
 # bench/profile_services.py unprofiled at batch 1 / 8 / 32 / 64); sampled: the same for sampled
 # chains (temperature 1: bench/wire_rounds.py --sampled, bench/gpu_engine.py --sampled-n on
 # both shapes; bench/draft_step.py and bench/profile_services.py at batch 1 / 8 / 32, greedy and
-# temperature 1).
+# temperature 1); overlap8b: bench/overlap.py through the services with random 8B- and 1B-shaped
+# checkpoints (bench/random_model.py) and synthetic acceptance 0.8 / 0.7 / 0.6, serial / groups /
+# gated (the drafter on cuda:0, the verifier on the last GPU).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export SPECSPLIT_TEST_TOKENIZER="$PWD/.gpu/tokenizer"
+export SPECSPLIT_TEST_TOKENIZER="${SPECSPLIT_TEST_TOKENIZER:-$PWD/.gpu/tokenizer}"  # gpu_env.sh sets it
 parts=("$@")
 [[ ${#parts[@]} -gt 0 ]] || parts=(tests engine e2e)
 out=${OUT:-/tmp}
@@ -49,9 +51,15 @@ run() {  # name, command...
   "$@" 2>&1 | tee "$out/$name.txt" | grep -v "^\s*$" | tail -40
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "== $name FAILED"; status=1; }
 }
+random_8b_1b() {  # random 8B- and 1B-shaped checkpoints (SmolLM2's vocabulary) at /tmp/llama{8b,1b}
+  [[ -d /tmp/llama8b ]] || python3 bench/random_model.py /tmp/llama8b --shape llama-8b \
+    --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device "cuda:$((gpus - 1))" --dtype bfloat16
+  [[ -d /tmp/llama1b ]] || python3 bench/random_model.py /tmp/llama1b --shape llama-1b \
+    --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device cuda:0 --dtype bfloat16
+}
 random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_random
   [[ -d /tmp/smollm2_random ]] ||
-    python3 bench/random_model.py /tmp/smollm2_random --tokenizer .gpu/tokenizer
+    python3 bench/random_model.py /tmp/smollm2_random --tokenizer "$SPECSPLIT_TEST_TOKENIZER"
 }
 for part in "${parts[@]}"; do
   case $part in
@@ -117,6 +125,11 @@ for part in "${parts[@]}"; do
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 8 16 --max-new-tokens 128 --modes serial --decode-steps "$steps"
       done ;;
+    overlap8b)  # the 8B / 1B system through the services, synthetic acceptance (timing only)
+      random_8b_1b
+      run overlap_8b_1b python3 bench/overlap.py --model /tmp/llama8b "${devices[@]}" \
+        --drafter model --draft-model /tmp/llama1b --batch 1 8 32 --max-new-tokens 128 --spec 3 \
+        --modes serial groups gated --synthetic-acceptance 0.8,0.7,0.6 ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
