@@ -1,6 +1,8 @@
-"""Gates: of two ways to run a round, the one that commits more tokens per second, measured
-per batch size. The speculation gate (speculate or plain rounds) is described below; the
-overlap gate (pipelined groups or serial rounds, `OverlapGate`) measures the same way.
+"""Gates: of several ways to run a round, the one that commits more tokens per second, measured
+per batch size (`ModeGate`). The speculation gate (speculate or plain rounds) is described
+below; the overlap gate (`OverlapGate`: a speculating round as pipelined groups, draft-ahead or
+a serial round) measures the same way, exploring its modes in order and probing the others in
+turn.
 
 The speculation gate: speculate only while it pays, measured.
 
@@ -44,16 +46,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from specsplit import metrics
 
 log = logging.getLogger(__name__)
 
 WINDOW = 8  # measured rounds per mode before choosing, and in each probe
-PROBE_EVERY = 96  # rounds in the chosen mode between probes of the other
+PROBE_EVERY = 96  # rounds in the chosen mode between probes of another
 SPEC_MARGIN = 1.03  # speculation must commit 3% more tokens per second than plain rounds
-GROUPS_MARGIN = 1.03  # pipelined groups must commit 3% more tokens per second than serial rounds
+OVERLAP_MARGIN = 1.03  # groups or draft-ahead must commit 3% more than serial rounds
 SETTLE = 1  # rounds after a switch that are not measured
 MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
 PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's time between
@@ -61,15 +62,16 @@ PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's
 
 @dataclass
 class _Bucket:
-    """One batch-size bucket's measurements and state."""
+    """One batch-size bucket's measurements and state; modes by their index."""
 
     key: int  # the batch-size bucket
     window: int
-    # (tokens, seconds) of measured rounds in the first mode (speculating, groups) and the other
-    first: deque[tuple[int, float]] = field(init=False)
-    other: deque[tuple[int, float]] = field(init=False)
-    use_first: bool = True  # the mode running now
-    chosen: bool | None = None  # the mode chosen after the last measurement; None: exploring
+    num_modes: int
+    # per mode: (tokens, seconds) of its measured rounds, the last `window`
+    rounds: list[deque[tuple[int, float]]] = field(init=False)
+    mode: int = 0  # the mode running now
+    chosen: int | None = None  # the mode chosen after the last measurement; None: exploring
+    next_probe: int = 0  # the mode the next probe tries (never the chosen one)
     rounds_in_mode: int = 0  # since the last switch
     settle: int = 0  # rounds left that are not measured
     probe_every: int = 0  # rounds in the chosen mode before the next probe (set on choosing)
@@ -78,24 +80,24 @@ class _Bucket:
     probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
 
     def __post_init__(self) -> None:
-        self.first = deque(maxlen=self.window)
-        self.other = deque(maxlen=self.window)
+        self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
-    def rate(self, first: bool) -> float | None:
+    def rate(self, mode: int) -> float | None:
         """Committed tokens per second of round over the window, None until it is full."""
-        rounds = self.first if first else self.other
+        rounds = self.rounds[mode]
         if len(rounds) < self.window:
             return None
         return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
 
 
 class ModeGate:
-    """Whether the next round runs in the first of two modes (explored first, chosen when it
-    commits `margin` times the other's tokens per second) or the other, per batch size, from
-    what rounds measured. Subclasses name the modes (log lines) and report each choice."""
+    """Which of `modes` the next round runs in, per batch size, from what rounds measured: each
+    explored in order, then the one committing the most tokens per second, where every mode but
+    the last (the plain one: plain rounds, serial rounds) must beat it by `margin`; the others
+    probed in turn now and then. Subclasses name the modes and report each choice."""
 
     name = "gate"
-    modes = ("the first mode", "the other mode")
+    modes: tuple[str, ...] = ("the first mode", "the other mode")
 
     def __init__(
         self,
@@ -105,6 +107,7 @@ class ModeGate:
         probe_budget: float = PROBE_BUDGET,
     ) -> None:
         assert window >= 1 and probe_every >= 1 and margin > 0 and 0 < probe_budget <= 1
+        assert len(self.modes) >= 2
         self.window = window
         self.probe_every = probe_every
         self.margin = margin
@@ -125,7 +128,7 @@ class ModeGate:
     def _new_bucket(self, key: int) -> _Bucket:
         """A batch size met for the first time starts from the nearest bucket that chose
         (`_adopt`). With none chosen yet, it explores."""
-        b = _Bucket(key, self.window)
+        b = _Bucket(key, self.window, len(self.modes))
         self._adopt(b, fresh=True)
         return b
 
@@ -139,34 +142,42 @@ class ModeGate:
         if b.chosen is not None or not chosen:
             return
         near = min(chosen, key=lambda o: abs(o.key.bit_length() - b.key.bit_length()))
-        b.first.extend(near.first)
-        b.other.extend(near.other)
+        assert near.chosen is not None
+        for mine, theirs in zip(b.rounds, near.rounds, strict=True):
+            mine.extend(theirs)
         if fresh:
-            b.use_first = bool(near.chosen)  # no round ran in it yet: no switch
-        elif b.use_first != near.chosen:
-            self._switch(b, bool(near.chosen))
-        b.chosen = b.use_first
+            b.mode = near.chosen  # no round ran in it yet: no switch
+        elif b.mode != near.chosen:
+            self._switch(b, near.chosen)
+        b.chosen = b.mode
+        b.next_probe = self._after(b.chosen, b.chosen)
         b.rounds_in_mode, b.seconds_in_mode = 0, 0.0  # the wait for its first probe starts now
         b.probe_every = self.probe_every
         b.probe_seconds = near.probe_seconds
-        self.report(b.key, b.chosen)
+        self.report(b.key, self.modes[b.chosen])
 
-    def report(self, batch_bucket: int, first: bool) -> None:
+    def _after(self, mode: int, chosen: int) -> int:
+        """The mode after `mode` in turn, skipping `chosen`."""
+        nxt = (mode + 1) % len(self.modes)
+        return (nxt + 1) % len(self.modes) if nxt == chosen else nxt
+
+    def report(self, batch_bucket: int, mode: str) -> None:
         """A bucket chose (a metric's hook)."""
 
-    def use_first(self, batch_size: int) -> bool:
-        """The next round's mode at this batch size: True = the first."""
-        return self._bucket(batch_size).use_first
+    def mode(self, batch_size: int) -> str:
+        """The next round's mode at this batch size."""
+        return self.modes[self._bucket(batch_size).mode]
 
-    def observe(
-        self, batch_size: int, first: bool, tokens: int, seconds: float, measured: bool = True
+    def observe_mode(
+        self, batch_size: int, mode: str, tokens: int, seconds: float, measured: bool = True
     ) -> None:
-        """A round: `tokens` committed in `seconds`, in the first mode or not (as `use_first`
-        gave it). Only `measured` rounds count towards the rates; every round's time counts
-        towards the time in the mode and the cost of a probe."""
+        """A round: `tokens` committed in `seconds`, in `mode` (as `mode()` gave it). Only
+        `measured` rounds count towards the rates; every round's time counts towards the time
+        in the mode and the cost of a probe."""
         b = self._bucket(batch_size)
-        if first != b.use_first:
-            return  # a round of the other mode (the bucket switched meanwhile)
+        index = self.modes.index(mode)
+        if index != b.mode:
+            return  # a round of another mode (the bucket switched meanwhile)
         b.seconds_in_mode += seconds
         if b.probing_since_switch is not None:
             b.probing_since_switch += seconds
@@ -176,7 +187,7 @@ class ModeGate:
         if b.settle > 0:
             b.settle -= 1
             return
-        if b.probing_since_switch is not None and b.use_first == b.chosen:
+        if b.probing_since_switch is not None and b.mode == b.chosen:
             # the first measured round back in the chosen mode: the probe's cost is known
             b.probe_seconds = b.probing_since_switch - seconds
             b.probing_since_switch = None
@@ -188,14 +199,14 @@ class ModeGate:
                 b.probe_every,
                 self._probe_wait(b),
             )
-        (b.first if first else b.other).append((tokens, seconds))
-        first_rate, other_rate = b.rate(True), b.rate(False)
-        if b.chosen is None:  # exploring: the first mode, then the other
-            if first and first_rate is not None:
-                self._switch(b, False)
-            elif not first and other_rate is not None:
-                self._choose(b)
-        elif b.use_first != b.chosen:  # probing the other mode
+        b.rounds[index].append((tokens, seconds))
+        if b.chosen is None:  # exploring: each mode in order
+            if b.rate(index) is not None:
+                if index + 1 < len(self.modes):
+                    self._switch(b, index + 1)
+                else:
+                    self._choose(b)
+        elif b.mode != b.chosen:  # probing another mode
             if b.rounds_in_mode >= self.window + SETTLE:
                 self._choose(b)
         elif b.rounds_in_mode >= b.probe_every and b.seconds_in_mode >= self._probe_wait(b):
@@ -203,25 +214,32 @@ class ModeGate:
                 "%s, batch <= %d: probing %s after %d rounds, %.2f s",
                 self.name,
                 b.key,
-                self.modes[bool(b.chosen)],
+                self.modes[b.next_probe],
                 b.rounds_in_mode,
                 b.seconds_in_mode,
             )
             b.probing_since_switch = 0.0
-            self._switch(b, not b.chosen)
+            probe = b.next_probe
+            b.next_probe = self._after(probe, b.chosen)
+            self._switch(b, probe)
 
     def _probe_wait(self, b: _Bucket) -> float:
         """Seconds in the chosen mode before the next probe: its cost / the budget. The cost is
-        the last probe's, and at least the other mode's measured window (a probe runs that
-        window again): so the first probe, whose resume cost is not known yet, waits too."""
-        other = b.other if b.chosen else b.first
-        cost = max(b.probe_seconds or 0.0, sum(seconds for _, seconds in other))
+        the last probe's, and at least the probed mode's measured window (a probe runs that
+        window again): so the first probe, whose cost is not known yet, waits too."""
+        probed = b.rounds[b.next_probe]
+        cost = max(b.probe_seconds or 0.0, sum(seconds for _, seconds in probed))
         return cost / self.probe_budget
 
     def _choose(self, b: _Bucket) -> None:
-        first_rate, other_rate = b.rate(True), b.rate(False)
-        assert first_rate is not None and other_rate is not None
-        chosen = first_rate >= self.margin * other_rate
+        rates = [b.rate(mode) for mode in range(len(self.modes))]
+        plain = len(self.modes) - 1
+        # every mode but the plain one must beat it by the margin; ties: the earlier mode
+        scores = [
+            -1.0 if rate is None else rate / (1.0 if mode == plain else self.margin)
+            for mode, rate in enumerate(rates)
+        ]
+        chosen = max(range(len(scores)), key=lambda mode: (scores[mode], -mode))
         # a probe that confirms the choice: the next comes twice as late (up to MAX_BACKOFF x)
         confirmed = chosen == b.chosen
         b.probe_every = (
@@ -230,67 +248,85 @@ class ModeGate:
             else self.probe_every
         )
         if not confirmed:
+            measured = ", ".join(
+                f"{name} {rate:.1f}"
+                for name, rate in zip(self.modes, rates, strict=True)
+                if rate is not None
+            )
             log.info(
-                "%s, batch <= %d: %s %.1f tokens/s, %s %.1f: %s",
+                "%s, batch <= %d: tokens/s %s: %s",
                 self.name,
                 b.key,
-                self.modes[0],
-                first_rate,
-                self.modes[1],
-                other_rate,
-                self.modes[not chosen],
+                measured,
+                self.modes[chosen],
             )
-            self.report(b.key, chosen)
+            self.report(b.key, self.modes[chosen])
+            b.next_probe = self._after(chosen, chosen)
         b.chosen = chosen
         self._switch(b, chosen)
         for other in self._buckets.values():  # those still exploring (met before any chose)
             self._adopt(other)
 
-    def _switch(self, b: _Bucket, first: bool) -> None:
-        if first != b.use_first:
+    def _switch(self, b: _Bucket, mode: int) -> None:
+        if mode != b.mode:
             self.num_switches += 1
             b.settle = SETTLE
-        b.use_first = first
+        b.mode = mode
         b.rounds_in_mode = 0
         b.seconds_in_mode = 0.0
 
-    def rates(self, batch_size: int) -> tuple[float | None, float | None]:
-        """(first mode, other mode) committed tokens per second at this batch size, as
-        measured."""
-        b = self._bucket(batch_size)
-        return b.rate(True), b.rate(False)
+    def rate(self, batch_size: int, mode: str) -> float | None:
+        """Committed tokens per second of `mode` at this batch size, as measured."""
+        return self._bucket(batch_size).rate(self.modes.index(mode))
 
 
 class SpeculationGate(ModeGate):
-    """Whether the next round speculates (the first mode) or runs plain rounds."""
+    """Whether the next round speculates or runs plain rounds."""
 
     name = "speculation gate"
     modes = ("speculating", "plain rounds")
 
     def speculate(self, batch_size: int) -> bool:
-        return self.use_first(batch_size)
+        return self.mode(batch_size) == "speculating"
 
-    def report(self, batch_bucket: int, first: bool) -> None:
-        metrics.observe_speculation_gate(batch_bucket, first)
+    def observe(
+        self, batch_size: int, speculated: bool, tokens: int, seconds: float, measured: bool = True
+    ) -> None:
+        mode = self.modes[0 if speculated else 1]
+        self.observe_mode(batch_size, mode, tokens, seconds, measured)
+
+    def rates(self, batch_size: int) -> tuple[float | None, float | None]:
+        """(speculating, plain) committed tokens per second at this batch size, as measured."""
+        return self.rate(batch_size, "speculating"), self.rate(batch_size, "plain rounds")
+
+    def report(self, batch_bucket: int, mode: str) -> None:
+        metrics.observe_speculation_gate(batch_bucket, mode == "speculating")
 
 
 class OverlapGate(ModeGate):
-    """Whether a speculating round runs as pipelined groups (the first mode: one group verified
-    while the other is drafted) or as a serial round of the whole batch. Groups hide the
-    draft, but each Verify carries half the batch: where a verify costs about the same for half
-    the batch as for all of it (a large target, memory-bound), two half-batch Verifies cost
-    more than the draft they hide. Through the services on two H100s, groups ran 1.33x / 1.18x
-    serial at batch 8 / 32 with SmolLM2 and its EAGLE-3 head, and 0.84x / 0.94x with an
-    8B-shaped target and a 1B-shaped draft model (bench/RESULTS.md): so it is measured."""
+    """Which round kind a speculating round runs as (the scheduler's: "groups", "ahead",
+    "serial"). Groups hide the draft, but each Verify carries half the batch: where a verify
+    costs about the same for half the batch as for all of it (a large target, memory-bound),
+    two half-batch Verifies cost more than the draft they hide. Draft-ahead hides the draft
+    only for the rounds whose outcome it guessed, and its call drafts (chain length + 1) x
+    guesses trees. Through the services on two H100s, groups ran 1.33x / 1.18x serial at batch
+    8 / 32 with SmolLM2 and its EAGLE-3 head, but 0.84x / 0.94x with an 8B-shaped target and a
+    1B-shaped draft model; draft-ahead 1.25x at batch 1 and 0.81x at 8 / 32 with SmolLM2
+    (bench/RESULTS.md): so it is measured."""
 
     name = "overlap gate"
-    modes = ("pipelined groups", "serial rounds")
 
-    def __init__(self, margin: float = GROUPS_MARGIN, **kwargs: Any) -> None:
-        super().__init__(margin=margin, **kwargs)
+    def __init__(
+        self,
+        modes: tuple[str, ...] = ("groups", "ahead", "serial"),
+        window: int = WINDOW,
+        probe_every: int = PROBE_EVERY,
+        margin: float = OVERLAP_MARGIN,
+        probe_budget: float = PROBE_BUDGET,
+    ) -> None:
+        assert modes[-1:] == ("serial",) and len(set(modes)) == len(modes)
+        self.modes = modes
+        super().__init__(window, probe_every, margin, probe_budget)
 
-    def groups(self, batch_size: int) -> bool:
-        return self.use_first(batch_size)
-
-    def report(self, batch_bucket: int, first: bool) -> None:
-        metrics.observe_overlap_gate(batch_bucket, first)
+    def report(self, batch_bucket: int, mode: str) -> None:
+        metrics.observe_overlap_gate(batch_bucket, mode, self.modes)

@@ -171,12 +171,12 @@ async def serve(
     max_new_tokens, prompt and message size); max_waiting: the waiting queue's length.
     verifier_wait_s: how long running requests wait for a verifier that went away (restarting,
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
-    "serial", "groups" (pipelined groups), "gated" (groups or serial rounds, whichever is
-    measured faster per batch size), "ahead" (draft-ahead, `ahead_guesses` bonus tokens
-    guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch` requests
-    run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a drafter
-    or verifier on a Unix socket is reached on its round lane (specsplit.lane), the event loop
-    polling up to `lane_poll_s` for each answer before it sleeps.
+    "serial", "groups" (pipelined groups), "gated" (groups, draft-ahead or serial rounds,
+    whichever is measured fastest per batch size), "ahead" (draft-ahead, `ahead_guesses` bonus
+    tokens guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch`
+    requests run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a
+    drafter or verifier on a Unix socket is reached on its round lane (specsplit.lane), the
+    event loop polling up to `lane_poll_s` for each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
     tokens a plain round decodes in one Verify. early_verify: groups send the other group's
     Verify while one is in flight (Scheduler)."""

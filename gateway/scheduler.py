@@ -94,9 +94,9 @@ class Scheduler:
         refused (RESOURCE_EXHAUSTED); None = no bound (in-process stacks; the gateway service
         passes --max-waiting, default DEFAULT_MAX_WAITING). overlap: "serial" (draft, then
         verify, for the whole batch) or "groups" (two groups take turns: while one is verified,
-        the other is drafted; DESIGN.md §3) or "gated" (speculating rounds as groups or serial
-        rounds, whichever commits more tokens per second, measured per batch size by the
-        overlap gate, gateway/gate.py) or "ahead" (draft-ahead: while a round is verified
+        the other is drafted; DESIGN.md §3) or "gated" (speculating rounds as groups, draft-ahead
+        or serial rounds, whichever commits more tokens per second, measured per batch size by
+        the overlap gate, gateway/gate.py) or "ahead" (draft-ahead: while a round is verified
         the drafter drafts the next round's trees for its likely outcomes, `ahead_guesses`
         bonus tokens per accept length; a round whose outcome was guessed sends no Draft
         before its Verify) or "both" (draft-ahead while at most `ahead_max_batch` sequences
@@ -323,8 +323,7 @@ class Scheduler:
                     metrics.observe_gated_round(kind, seconds)
                     self.gate.observe(batch_size, speculate, tokens, seconds, measured)
                 if self.overlap_gate is not None and speculate:
-                    groups = mode == "groups"
-                    self.overlap_gate.observe(batch_size, groups, tokens, seconds, settled)
+                    self.overlap_gate.observe_mode(batch_size, mode, tokens, seconds, settled)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently
@@ -337,12 +336,12 @@ class Scheduler:
         """This round's kind: "serial", "groups" or "ahead". Overlap "both" drafts ahead while
         at most `ahead_max_batch` sequences run (one sequence makes no two groups, and small
         batches verify in about the time of one), groups above; "gated": the overlap gate's
-        choice at this batch size. Rounds the speculation gate holds back from drafting are
-        serial."""
+        choice at this batch size (groups, ahead or serial). Rounds the speculation gate holds
+        back from drafting are serial."""
         if not speculate or self.overlap == "serial":
             return "serial"
         if self.overlap_gate is not None:
-            return "groups" if self.overlap_gate.groups(len(self.running)) else "serial"
+            return self.overlap_gate.mode(len(self.running))
         if self.overlap != "both":
             return self.overlap
         return "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
@@ -527,7 +526,7 @@ class Scheduler:
 
     async def _trees(self, running: list[Sequence], verify: list[Sequence]) -> list[DraftTree]:
         """The trees for `verify`'s round: those drafted ahead, the missing ones drafted now."""
-        if self.overlap == "both":  # after a draft-ahead round its trees serve
+        if self.overlap in ("both", "gated"):  # after a draft-ahead round its trees serve
             guessed = self._take_ahead(running)
             self._drafted.update((s.seq_id, guessed[id(s)]) for s in running if id(s) in guessed)
         missing = [seq for seq in verify if seq.seq_id not in self._drafted]

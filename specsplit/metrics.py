@@ -79,11 +79,11 @@ SPECULATING = Gauge(
     " back (plain rounds pay more there)",
     ["batch_bucket"],
 )
-PIPELINED_GROUPS = Gauge(
-    "specsplit_pipelined_groups",
-    "1 while the overlap gate runs speculating rounds at this batch size as pipelined groups, 0"
-    " while as serial rounds (those commit more tokens per second there)",
-    ["batch_bucket"],
+OVERLAP_MODE = Gauge(
+    "specsplit_overlap_mode",
+    "1 for the round kind (groups, ahead, serial) the overlap gate runs speculating rounds as at"
+    " this batch size (it commits the most tokens per second there), 0 for the others",
+    ["batch_bucket", "mode"],
 )
 # the speculation gate's rounds by kind (unlabelled histograms: bench/overlap.py reads exact means
 # from their sums): speculating, plain, and resuming (a round whose sequences' features are
@@ -197,8 +197,9 @@ def observe_speculation_gate(batch_bucket: int, speculating: bool) -> None:
     SPECULATING.labels(str(batch_bucket)).set(1 if speculating else 0)
 
 
-def observe_overlap_gate(batch_bucket: int, groups: bool) -> None:
-    PIPELINED_GROUPS.labels(str(batch_bucket)).set(1 if groups else 0)
+def observe_overlap_gate(batch_bucket: int, mode: str, modes: tuple[str, ...]) -> None:
+    for each in modes:
+        OVERLAP_MODE.labels(str(batch_bucket), each).set(1 if each == mode else 0)
 
 
 def observe_draft_ahead(hits: int, misses: int) -> None:

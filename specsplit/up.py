@@ -145,12 +145,13 @@ def child_commands(
 
 
 def gateway_overlap(args: argparse.Namespace) -> str:
-    """--overlap auto: gated (pipelined groups or serial rounds, measured per batch size) when
-    the drafter and the verifier each have a GPU (a model drafter), else serial rounds. Through
-    the services on two H100s groups ran 1.33x / 1.18x serial at batch 8 / 32 with SmolLM2 and
-    its EAGLE-3 head but 0.84x / 0.94x with an 8B-shaped target and a 1B-shaped draft model
-    (a Verify of half the batch costs about what one of the whole batch does there); on one
-    GPU the groups contend for it and on a CPU for its cores, and lose (bench/RESULTS.md)."""
+    """--overlap auto: gated (pipelined groups, draft-ahead or serial rounds, measured per batch
+    size) when the drafter and the verifier each have a GPU (a model drafter), else serial
+    rounds. Through the services on two H100s groups ran 1.33x / 1.18x serial at batch 8 / 32
+    with SmolLM2 and its EAGLE-3 head but 0.84x / 0.94x with an 8B-shaped target and a
+    1B-shaped draft model (a Verify of half the batch costs about what one of the whole batch
+    does there), draft-ahead 1.25x at batch 1 and 0.81x above (SmolLM2); on one GPU the modes
+    contend for it and on a CPU for its cores, and lose (bench/RESULTS.md)."""
     if args.overlap != "auto":
         return str(args.overlap)
     drafter_device = args.drafter_device or args.device

@@ -1,9 +1,10 @@
-"""Overlap "gated" (gateway/gate.py OverlapGate): speculating rounds run as pipelined groups or
-as serial rounds, whichever commits more tokens per second at the batch size. The gate keeps
-serial rounds where a Verify of half the batch costs what one of the whole batch does (a large
-memory-bound target), keeps groups where the draft and the verify grow with the batch, and the
-output is the target's own greedy output across its switches, a verifier restart included,
-with no KV left."""
+"""Overlap "gated" (gateway/gate.py OverlapGate): speculating rounds run as pipelined groups,
+draft-ahead or serial rounds, whichever commits the most tokens per second at the batch size.
+The gate keeps serial rounds where a Verify of half the batch costs what one of the whole batch
+does (a large memory-bound target), groups where the draft and the verify grow with the batch,
+draft-ahead where its guesses hit and the draft costs what the verify does, and the output is
+the target's own greedy output across its switches, a verifier restart included, with no KV
+left."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from tests.support import (
 
 MAX_NEW_TOKENS = 24
 WINDOW = 2  # measured rounds per mode: the gate chooses within a short generation
+MODES = ("groups", "ahead", "serial")
+CHAIN3 = SpecParams(3, 1, 3)
 
 
 @pytest.fixture(scope="module")
@@ -40,47 +43,66 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _requests(batch_size: int, seed: int) -> list[GenerationRequest]:
-    return mixed_requests(batch_size, seed, MAX_NEW_TOKENS)
+def _requests(
+    batch_size: int, seed: int, max_new_tokens: int = MAX_NEW_TOKENS
+) -> list[GenerationRequest]:
+    return mixed_requests(batch_size, seed, max_new_tokens)
 
 
 def _gated_stack(
-    models: dict[str, Path], tokenizer: object, spec: SpecParams, page_size: int = 16
+    models: dict[str, Path],
+    tokenizer: object,
+    spec: SpecParams = CHAIN3,
+    page_size: int = 16,
+    modes: tuple[str, ...] = MODES,
+    draft: str = "draft",
 ) -> LocalStack:
-    """A stack whose random draft model is accepted now and then (many rounds a request), its
-    overlap gate choosing after WINDOW measured rounds of each mode."""
+    """A stack whose random draft model is accepted now and then (many rounds a request; draft
+    "target": the target drafts, always accepted), its overlap gate choosing among `modes`
+    after WINDOW measured rounds of each."""
     stack = make_stack(
         models["target"],
         "model",
         tokenizer,
         spec,
-        draft_dir=models["draft"],
+        draft_dir=models[draft],
         page_size=page_size,
         overlap="gated",
     )
-    stack.scheduler.overlap_gate = OverlapGate(window=WINDOW, probe_every=1000)
+    stack.scheduler.overlap_gate = OverlapGate(modes, window=WINDOW, probe_every=1000)
     return stack
 
 
 def _timed_run(
-    models: dict[str, Path], tokenizer: object, seed: int, **delays: float
+    stack: LocalStack,
+    batch_size: int,
+    seed: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    **delays: float,
 ) -> tuple[OverlapGate, TimedClients]:
-    """Four requests through a gated stack whose Draft and Verify take `delays` (TimedClients'
-    verify_delay, per_seq_delay) more; each request generates its every token."""
-    stack = _gated_stack(models, tokenizer, SpecParams(3, 1, 3))
+    """`batch_size` requests through a gated stack whose Draft and Verify take `delays`
+    (TimedClients' verify_delay, per_seq_delay) more; each request generates its every token."""
     timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, **delays)
     stack.scheduler.drafter = timed.drafter_client()
     stack.scheduler.verifier = timed.verifier_client()
-    out = generate_all(stack, _requests(4, seed))
-    assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
+    out = generate_all(stack, _requests(batch_size, seed, max_new_tokens))  # and no KV is left
+    assert all(len(generated_ids(c)) == max_new_tokens for c in out)
     gate = stack.scheduler.overlap_gate
     assert gate is not None
     return gate, timed
 
 
-def _gauge(batch_bucket: int) -> float | None:
-    return REGISTRY.get_sample_value(
-        "specsplit_pipelined_groups", {"batch_bucket": str(batch_bucket)}
+def _rates(gate: OverlapGate, batch_size: int) -> dict[str, float | None]:
+    return {mode: gate.rate(batch_size, mode) for mode in gate.modes}
+
+
+def _gauges(batch_bucket: int) -> tuple[float | None, ...]:
+    """The specsplit_overlap_mode gauge of each of MODES."""
+    return tuple(
+        REGISTRY.get_sample_value(
+            "specsplit_overlap_mode", {"batch_bucket": str(batch_bucket), "mode": mode}
+        )
+        for mode in MODES
     )
 
 
@@ -91,14 +113,15 @@ def _gauge(batch_bucket: int) -> float | None:
 def test_gated_overlap_equals_target_greedy_across_its_switches(
     models, smollm2_tokenizer, spec: SpecParams, batch_size: int, page_size: int
 ) -> None:
-    """Explored groups first, then serial rounds, then the choice: the switch from groups to
-    serial commits the group left uncommitted and drops the trees drafted for the other."""
+    """Explored groups, then draft-ahead, then serial rounds, then the choice: leaving groups
+    commits the group left uncommitted and drops the trees drafted for the other; groups after
+    draft-ahead take the trees drafted ahead (trees of topk > 1 draft nothing ahead)."""
     expected = target_only_ids(models["target"], smollm2_tokenizer, _requests(batch_size, 1))
     stack = _gated_stack(models, smollm2_tokenizer, spec, page_size)
     out = generate_all(stack, _requests(batch_size, 1))  # checks that no KV is left
     assert [generated_ids(chunks) for chunks in out] == expected
     gate = stack.scheduler.overlap_gate
-    assert gate is not None and gate.num_switches >= 1
+    assert gate is not None and gate.num_switches >= 2
 
 
 def test_gated_overlap_keeps_serial_rounds_where_a_half_batch_verify_costs_a_whole_one(
@@ -106,34 +129,49 @@ def test_gated_overlap_keeps_serial_rounds_where_a_half_batch_verify_costs_a_who
 ) -> None:
     """Every Verify takes 40 ms whatever its batch (an 8B target at small batches), the draft
     nothing: a group's round commits half the tokens of a serial round in the same time."""
-    gate, _ = _timed_run(models, smollm2_tokenizer, seed=2, verify_delay=0.04)
-    groups_rate, serial_rate = gate.rates(4)
-    assert groups_rate is not None and serial_rate is not None and serial_rate > groups_rate
-    assert not gate.groups(4)
-    assert _gauge(4) == 0
+    stack = _gated_stack(models, smollm2_tokenizer, modes=("groups", "serial"))
+    gate, _ = _timed_run(stack, 4, seed=2, verify_delay=0.04)
+    rates = _rates(gate, 4)
+    assert rates["groups"] is not None and rates["serial"] is not None
+    assert rates["serial"] > rates["groups"]
+    assert gate.mode(4) == "serial"
 
 
 def test_gated_overlap_keeps_groups_where_draft_and_verify_grow_with_the_batch(
     models, smollm2_tokenizer
 ) -> None:
     """Draft and Verify each take 10 ms a sequence: a group's Verify hides the other group's
-    draft, so groups commit about twice the tokens per second of serial rounds."""
-    gate, timed = _timed_run(
-        models, smollm2_tokenizer, seed=3, verify_delay=0.0, per_seq_delay=0.01
-    )
-    groups_rate, serial_rate = gate.rates(4)
-    assert groups_rate is not None and serial_rate is not None and groups_rate > serial_rate
-    assert gate.groups(4)
-    assert gate.num_switches >= 2  # explored serial rounds, then back to groups
+    draft, so groups commit about twice the tokens per second of serial rounds (draft-ahead,
+    its guesses seldom right with a random draft model, about what serial rounds do)."""
+    stack = _gated_stack(models, smollm2_tokenizer)
+    gate, timed = _timed_run(stack, 4, seed=3, verify_delay=0.0, per_seq_delay=0.01)
+    rates = _rates(gate, 4)
+    assert None not in rates.values(), rates
+    assert gate.mode(4) == "groups", rates
+    assert gate.num_switches >= 3  # explored draft-ahead and serial rounds, then back
     assert timed.overlapping_drafts() > 0
-    assert _gauge(4) == 1
+    assert _gauges(4) == (1, 0, 0)
+
+
+def test_gated_overlap_drafts_ahead_where_its_guesses_hit(models, smollm2_tokenizer) -> None:
+    """One request; the target drafts a chain of 1 for itself (every draft accepted, so every
+    outcome is guessed), Draft and Verify 30 ms each: a draft-ahead round hides the Draft
+    behind the Verify, a serial round pays both (and one request makes no two groups)."""
+    stack = _gated_stack(models, smollm2_tokenizer, SpecParams(1, 1, 1), draft="target")
+    gate, timed = _timed_run(stack, 1, 4, 48, verify_delay=0.0, per_seq_delay=0.03)
+    rates = _rates(gate, 1)
+    assert None not in rates.values(), rates
+    assert gate.mode(1) == "ahead", rates
+    assert stack.scheduler.num_ahead_hits > 0
+    assert timed.overlapping_drafts() > 0
+    assert _gauges(1) == (0, 1, 0)
 
 
 def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
     models, smollm2_tokenizer
 ) -> None:
     expected = target_only_ids(models["target"], smollm2_tokenizer, _requests(5, 6))
-    stack = _gated_stack(models, smollm2_tokenizer, SpecParams(3, 1, 3))
+    stack = _gated_stack(models, smollm2_tokenizer)
     restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at=6)
     stack.scheduler.verifier = restarting
     out = generate_all(stack, _requests(5, 6))
@@ -141,16 +179,44 @@ def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
     assert restarting.calls > 6
 
 
-def test_overlap_gate_explores_groups_first_then_keeps_the_faster() -> None:
-    """Unit: groups (explored first) must beat serial rounds by the margin; rounds after a
-    switch are not measured."""
-    gate = OverlapGate(window=3, probe_every=100)
+def _drive(gate: OverlapGate, rounds: int, costs: dict[str, tuple[int, float]]) -> list[str]:
+    """`rounds` rounds at batch 8, each committing (tokens, seconds) of its mode; the modes the
+    gate gave, in order."""
     modes = []
-    for _ in range(3 + 3 + SETTLE + 5):
-        groups = gate.groups(8)
-        # a group's round: 8 tokens in 10 ms (half the batch); a serial round: 16 in 12 ms
-        gate.observe(8, groups, *((8, 10e-3) if groups else (16, 12e-3)))
-        modes.append(groups)
-    assert modes[:3] == [True] * 3
-    assert modes[3:] == [False] * (3 + SETTLE + 5)
-    assert _gauge(8) == 0
+    for _ in range(rounds):
+        mode = gate.mode(8)
+        gate.observe_mode(8, mode, *costs[mode])
+        modes.append(mode)
+    return modes
+
+
+def test_overlap_gate_explores_each_mode_in_order_then_keeps_the_fastest() -> None:
+    """Unit: groups, then draft-ahead, then serial rounds, WINDOW measured rounds each (the
+    round after a switch not measured), then the fastest; groups and draft-ahead must beat
+    serial rounds by the margin."""
+    gate = OverlapGate(window=3, probe_every=100)
+    # a group's round: 8 tokens (half the batch) in 10 ms; draft-ahead 16 in 12.1 ms (1%
+    # faster than serial rounds: within the margin); a serial round 16 in 12.2 ms
+    costs = {"groups": (8, 10e-3), "ahead": (16, 12.1e-3), "serial": (16, 12.2e-3)}
+    modes = _drive(gate, 3 + (SETTLE + 3) * 2 + 5, costs)
+    assert modes[:3] == ["groups"] * 3
+    assert modes[3 : 3 + SETTLE + 3] == ["ahead"] * (SETTLE + 3)
+    assert modes[3 + SETTLE + 3 :] == ["serial"] * (SETTLE + 3 + 5)
+    assert _gauges(8) == (0, 0, 1)
+
+
+def test_overlap_gate_probes_the_other_modes_in_turn() -> None:
+    """Chosen serial rounds, the gate probes groups, then draft-ahead, each after probe_every
+    rounds (twice as many after a probe that confirmed the choice); a probe that finds its mode
+    faster keeps it."""
+    gate = OverlapGate(window=2, probe_every=4, probe_budget=1.0)  # rounds alone count
+    costs = {"groups": (8, 10e-3), "ahead": (16, 14e-3), "serial": (16, 12e-3)}
+    _drive(gate, 2 + (SETTLE + 2) * 2, costs)  # explored: serial chosen
+    assert gate.mode(8) == "serial"
+    probe = _drive(gate, 4 + SETTLE + 2, costs)
+    assert probe == ["serial"] * 4 + ["groups"] * (SETTLE + 2)  # the first probe: groups
+    assert gate.mode(8) == "serial"
+    costs["ahead"] = (16, 6e-3)  # draft-ahead's guesses now hit: twice as fast
+    probe = _drive(gate, 8 + SETTLE + 2, costs)  # backed off to 8 rounds, then ahead
+    assert probe == ["serial"] * 8 + ["ahead"] * (SETTLE + 2)
+    assert gate.mode(8) == "ahead"
