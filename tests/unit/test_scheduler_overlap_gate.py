@@ -220,3 +220,20 @@ def test_overlap_gate_probes_the_other_modes_in_turn() -> None:
     probe = _drive(gate, 8 + SETTLE + 2, costs)  # backed off to 8 rounds, then ahead
     assert probe == ["serial"] * 8 + ["ahead"] * (SETTLE + 2)
     assert gate.mode(8) == "ahead"
+
+
+def test_overlap_gate_explores_each_batch_size_apart() -> None:
+    """Draft-ahead wins at batch 1 and groups at batch 8 (SmolLM2 on two H100s): batch 8, met
+    after batch 1 chose, explores for itself (groups first) instead of taking batch 1's
+    choice."""
+    gate = OverlapGate(window=2, probe_every=100)
+    explore = 2 + (SETTLE + 2) * 2
+    at_one = {"groups": (1, 10e-3), "ahead": (1, 6e-3), "serial": (1, 9e-3)}
+    for _ in range(explore):
+        mode = gate.mode(1)
+        gate.observe_mode(1, mode, *at_one[mode])
+    assert gate.mode(1) == "ahead"
+    at_eight = {"groups": (4, 5e-3), "ahead": (8, 14e-3), "serial": (8, 12e-3)}
+    modes = _drive(gate, explore, at_eight)
+    assert modes[0] == "groups" and gate.mode(8) == "groups"
+    assert gate.mode(1) == "ahead"
