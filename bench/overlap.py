@@ -47,7 +47,8 @@ from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # "groups-early": groups with the other group's Verify sent while one is in flight
-MODES = ("serial", "groups", "groups-early", "gated", "ahead", "both")
+# "ahead-plain": draft-ahead whose misses are verified with no tree (`--ahead-miss plain`)
+MODES = ("serial", "groups", "groups-early", "gated", "ahead", "ahead-plain", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 # ... and in "gated" mode this long: the overlap gate explores its three modes per batch size
@@ -265,8 +266,9 @@ def main() -> None:
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
     for mode in modes:
-        flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early"))
+        flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early").removesuffix("-plain"))
         flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
+        flags += ("--ahead-miss", "plain" if mode.endswith("-plain") else "draft")
         flags += ("--decode-ahead", args.decode_ahead)
         if args.decode_ahead_max_batch is not None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)

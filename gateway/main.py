@@ -156,6 +156,7 @@ async def serve(
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     speculation_gate: bool = False,
     ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
+    ahead_miss: str = "draft",
     ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     round_lane: bool = True,
     lane_poll_s: float = 0.0,
@@ -173,10 +174,11 @@ async def serve(
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
     "serial", "groups" (pipelined groups), "gated" (groups, draft-ahead or serial rounds,
     whichever is measured fastest per batch size), "ahead" (draft-ahead, `ahead_guesses` bonus
-    tokens guessed per accept length) or "both" (draft-ahead while at most `ahead_max_batch`
-    requests run, groups above). session_ttl_s: idle sessions' default lifetime. round_lane: a
-    drafter or verifier on a Unix socket is reached on its round lane (specsplit.lane), the
-    event loop polling up to `lane_poll_s` for each answer before it sleeps.
+    tokens guessed per accept length; `ahead_miss`: what a round not guessed does) or "both"
+    (draft-ahead while at most `ahead_max_batch` requests run, groups above). session_ttl_s:
+    idle sessions' default lifetime. round_lane: a drafter or verifier on a Unix socket is
+    reached on its round lane (specsplit.lane), the event loop polling up to `lane_poll_s` for
+    each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
     tokens a plain round decodes in one Verify. early_verify: groups send the other group's
     Verify while one is in flight (Scheduler)."""
@@ -210,6 +212,7 @@ async def serve(
         max_context=model.max_context,
         speculation_gate=speculation_gate,
         ahead_guesses=ahead_guesses,
+        ahead_miss=ahead_miss,
         ahead_max_batch=ahead_max_batch,
         decode_steps=decode_steps,
         early_verify=early_verify,

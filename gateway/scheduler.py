@@ -60,6 +60,7 @@ OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
 DEFAULT_AHEAD_MAX_BATCH = 4  # overlap "both": draft-ahead up to this many running, then groups
 MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
+AHEAD_MISSES = ("draft", "plain")  # what a draft-ahead round does for an outcome not guessed
 
 
 class Scheduler:
@@ -85,6 +86,7 @@ class Scheduler:
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
         decode_steps: int = 1,
         early_verify: bool = False,
+        ahead_miss: str = "draft",
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -110,11 +112,16 @@ class Scheduler:
         group's Verify as soon as its trees are drafted, while this group's is in flight (the
         verifier runs the two back to back: for a drafter and a verifier on two GPUs; on one
         GPU shared by both it measured slower, bench/RESULTS.md); off = each group's Verify
-        goes out in its own round."""
+        goes out in its own round. ahead_miss: in a draft-ahead round, a sequence whose outcome
+        was not guessed is drafted first ("draft"), or verified with no tree at once ("plain":
+        a plain decode step while its next round's trees are drafted ahead, so that the round
+        holds only the Verify on its path)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
             raise ValueError(f"ahead_guesses = {ahead_guesses}: want 0 to {MAX_AHEAD_GUESSES}")
+        if ahead_miss not in AHEAD_MISSES:
+            raise ValueError(f"ahead_miss {ahead_miss!r}: one of {AHEAD_MISSES}")
         if ahead_max_batch < 0:
             raise ValueError(f"ahead_max_batch = {ahead_max_batch}: want 0 or more")
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
@@ -163,6 +170,7 @@ class Scheduler:
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
         self.ahead_guesses = ahead_guesses
         self.ahead_max_batch = ahead_max_batch
+        self.ahead_miss = ahead_miss
         self.decode_steps = decode_steps
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
@@ -583,8 +591,15 @@ class Scheduler:
         has its tree already; the others are drafted first. Then the Verify goes out and,
         while the verifier works, the last round's chunks stream and the drafter drafts the
         next round's trees for this round's likely outcomes (`_draft_ahead`). A round where
-        every outcome was guessed holds only the Verify on its path."""
+        every outcome was guessed holds only the Verify on its path; with ahead_miss "plain"
+        every round does: a sequence that drafts ahead but whose outcome was not guessed is
+        verified with no tree (a plain decode step) while the drafter drafts ahead for it from
+        that step's likely outcomes (the draft's likeliest bonus tokens)."""
         trees = self._take_ahead(batch)
+        if self.ahead_miss == "plain":
+            for seq in batch:
+                if id(seq) not in trees and self._misses_plain(seq):
+                    trees[id(seq)] = DraftTree()
         with telemetry.round_span([seq.span for seq in batch]):
             missing = [seq for seq in batch if id(seq) not in trees]
             if missing:
@@ -625,6 +640,17 @@ class Scheduler:
         self.num_ahead_misses += misses
         metrics.observe_draft_ahead(hits, misses)
         return trees
+
+    def _misses_plain(self, seq: Sequence) -> bool:
+        """With ahead_miss "plain": whether `seq`, its outcome not guessed, is verified with no
+        tree at once. Not in its first round (the drafter first learns the sequence and tells
+        the layers its features come from, as in any draft-ahead round), and only where it
+        drafts ahead next: greedy chains (trees are never drafted ahead)."""
+        return (
+            seq.verifier_begun
+            and seq.round_spec().topk == 1
+            and self._drafts_ahead(seq, DraftTree())
+        )
 
     def _drafts_ahead(self, seq: Sequence, tree: DraftTree) -> bool:
         """Whether the drafter drafts ahead for `seq` this round: a greedy request (sampled

@@ -260,6 +260,12 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " each)",
         type=int,
     )
+    miss_help = (
+        "--overlap ahead: a round whose outcome was not guessed drafts first (draft) or is"
+        " verified with no tree at once (plain: a decode step while its next trees are drafted"
+        " ahead, so that no Draft waits before a Verify)"
+    )
+    flag(parser, "--ahead-miss", "draft", miss_help, choices=("draft", "plain"))
     flag(
         parser,
         "--ahead-max-batch",

@@ -381,6 +381,17 @@ def test_synthetic_acceptance_refuses_what_is_not_rates(value: str) -> None:
         cli.parse_args(["serve-verifier", "--synthetic-acceptance", value])
 
 
+def test_ahead_miss_reaches_the_gateway_child() -> None:
+    def miss(*flags: str) -> str:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
+        return _child_args(child).ahead_miss  # type: ignore[no-any-return]
+
+    assert miss() == "draft"
+    assert miss("--overlap", "ahead", "--ahead-miss", "plain") == "plain"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve-gateway", "--ahead-miss", "skip"])
+
+
 def test_overlap_flag_reaches_the_gateway_child(monkeypatch: pytest.MonkeyPatch) -> None:
     gateway = _child_args(
         up.child_commands(cli.parse_args(["up", "--overlap", "groups"]))["gateway"]

@@ -5,7 +5,9 @@ EAGLE-3 and n-gram drafters, chains and trees, page sizes 1 and 16, faults of ei
 cancellations); rounds hit when the drafts are right; a hit round's only drafter call runs while
 its Verify is in flight; sampled requests run as serial rounds do; no KV is left. Overlap
 "both" (draft-ahead for small batches, pipelined groups above): the same invariants while its
-rounds change kind as the batch shrinks, and every round."""
+rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
+"plain": a round not guessed is verified with no tree at once): the same output, faults
+included, and no Draft waits before a Verify but each sequence's first round's."""
 
 from __future__ import annotations
 
@@ -70,12 +72,14 @@ def _stack(
     spec: SpecParams = CHAIN,
     page_size: int = 16,
     overlap: str = "ahead",
+    ahead_miss: str = "draft",
 ):
     """drafter: "self" (the target drafts for itself: every draft is right), "random" (a
-    one-layer random draft model), "eagle3" (a random head) or "ngram"."""
+    one-layer random draft model), "eagle3" (a random head) or "ngram". ahead_miss: the
+    scheduler's (a round not guessed drafts first, or runs plain)."""
     kind = {"self": "model", "random": "model"}.get(drafter, drafter)
     draft_dir = {"random": models["draft"], "eagle3": models["head"]}.get(drafter)
-    return make_stack(
+    stack = make_stack(
         models["target"],
         kind,
         tokenizer,
@@ -84,6 +88,8 @@ def _stack(
         page_size=page_size,
         overlap=overlap,
     )
+    stack.scheduler.ahead_miss = ahead_miss
+    return stack
 
 
 @pytest.mark.parametrize(
@@ -324,3 +330,99 @@ def test_both_survives_faults_and_cancellations(models, smollm2_tokenizer) -> No
 def test_a_negative_ahead_max_batch_is_refused(smollm2_tokenizer) -> None:
     with pytest.raises(ValueError, match="ahead_max_batch"):
         Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="both", ahead_max_batch=-1)  # type: ignore[arg-type]
+
+
+def test_an_unknown_ahead_miss_is_refused(smollm2_tokenizer) -> None:
+    with pytest.raises(ValueError, match="ahead_miss"):
+        Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="ahead", ahead_miss="skip")  # type: ignore[arg-type]
+
+
+# -- misses run plain (ahead_miss "plain"): a sequence whose outcome was not guessed is verified
+# with no tree at once while the drafter drafts ahead from that step's likely outcomes; no Draft
+# waits before a Verify but each sequence's first round's.
+
+
+@pytest.mark.parametrize(
+    ("drafter", "spec", "batch_size", "page_size"),
+    [
+        ("self", CHAIN, 1, 16),
+        ("self", SpecParams(4, 1, 4), 3, 1),
+        ("random", CHAIN, 2, 1),
+        ("random", SpecParams(3, 2, 6), 3, 16),  # trees: drafted each round, never ahead
+        ("eagle3", CHAIN, 1, 16),
+        ("eagle3", SpecParams(2, 1, 2), 3, 1),
+    ],
+)
+def test_draft_ahead_with_plain_misses_equals_target_greedy(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams, batch_size: int, page_size: int
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
+    stack = _stack(models, smollm2_tokenizer, drafter, spec, page_size, ahead_miss="plain")
+    out = generate_all(stack, _requests(batch_size, batch_size))  # checks that no KV is left
+    assert [generated_ids(chunks) for chunks in out] == expected
+    scheduler = stack.scheduler
+    if drafter == "self":  # every draft right: after the first round every round hits
+        assert scheduler.num_ahead_misses <= batch_size
+        assert scheduler.num_ahead_hits > scheduler.num_ahead_misses
+        assert all(c[-1].stats.num_accepted_drafts > 0 for c in out)  # type: ignore[union-attr]
+    if spec.topk > 1:
+        assert scheduler.num_ahead_hits == scheduler.num_ahead_misses == 0
+
+
+def test_plain_misses_leave_no_draft_waiting_before_a_verify(models, smollm2_tokenizer) -> None:
+    """Every drafter call but the first round's Draft (the drafter learns the sequences) starts
+    while a Verify is in flight: misses run plain instead of sending a Draft first, and the
+    last round (no drafts: one token left) skips the drafter."""
+    stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, verify_delay=0.02)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, _requests(2, seed=5))
+    assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
+    assert stack.scheduler.num_ahead_misses > 0  # a random draft model: misses ran plain
+    assert len(timed.drafts) > 2 and timed.overlapping_drafts() == len(timed.drafts) - 1
+
+
+def test_sampled_requests_are_drafted_first_beside_plain_misses(models, smollm2_tokenizer) -> None:
+    """A sampled request never drafts ahead: it is drafted each round (serial), beside greedy
+    ones that run plain on a miss; each stream is the target's greedy output or seeded alike
+    across runs."""
+    requests = _requests(3, seed=7)
+    requests[1].sampling = SamplingParams(temperature=0.8, seed=11)
+    greedy = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    outs = [
+        [
+            generated_ids(c)
+            for c in generate_all(
+                _stack(models, smollm2_tokenizer, "random", ahead_miss="plain"), reqs
+            )
+        ]
+        for reqs in (requests, _requests(3, seed=7))
+    ]
+    assert outs[0][0] == greedy[0] and outs[0][2] == greedy[2]
+    sampled_again = _requests(3, seed=7)
+    sampled_again[1].sampling = SamplingParams(temperature=0.8, seed=11)
+    again = generate_all(
+        _stack(models, smollm2_tokenizer, "random", ahead_miss="plain"), sampled_again
+    )
+    assert generated_ids(again[1]) == outs[0][1]  # seeded: the same draws
+
+
+def test_plain_misses_survive_a_verifier_restart(models, smollm2_tokenizer) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 3, seed=6)
+    stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
+    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at=4)
+    stack.scheduler.verifier = restarting
+    out = generate_all(stack, _requests(3, 6))
+    assert [generated_ids(c) for c in out] == expected
+    assert restarting.calls > 4
+
+
+def test_plain_misses_with_the_drafter_down_decode_the_same_tokens(
+    models, smollm2_tokenizer
+) -> None:
+    expected = _target_only(models, smollm2_tokenizer, 3, seed=8)
+    stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
+    stack.scheduler.drafter = BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
+    out = generate_all(stack, _requests(3, 8))
+    assert [generated_ids(c) for c in out] == expected
