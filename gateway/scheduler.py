@@ -321,8 +321,11 @@ class Scheduler:
                     if await self._leave_groups():
                         # the group committed just now may have finished: verify the others
                         batch = [s for s in batch if not (s.finished or s.cancelled)]
-                    if batch:
-                        await (self.step_ahead if mode == "ahead" else self.step)(batch)
+                    if batch and mode == "serial":
+                        await self.step(batch)
+                    elif batch:  # "ahead", or "ahead-plain" (the overlap gate's: misses plain)
+                        plain = mode == "ahead-plain" or self.ahead_miss == "plain"
+                        await self.step_ahead(batch, plain)
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
                 tokens = self.num_tokens_committed - committed
@@ -341,11 +344,11 @@ class Scheduler:
                     self._fail(seq, error)
 
     def _round_mode(self, speculate: bool) -> str:
-        """This round's kind: "serial", "groups" or "ahead". Overlap "both" drafts ahead while
-        at most `ahead_max_batch` sequences run (one sequence makes no two groups, and small
-        batches verify in about the time of one), groups above; "gated": the overlap gate's
-        choice at this batch size (groups, ahead or serial). Rounds the speculation gate holds
-        back from drafting are serial."""
+        """This round's kind: "serial", "groups", "ahead" or "ahead-plain" (its misses plain).
+        Overlap "both" drafts ahead while at most `ahead_max_batch` sequences run (one sequence
+        makes no two groups, and small batches verify in about the time of one), groups above;
+        "gated": the overlap gate's choice at this batch size (groups, ahead, ahead-plain or
+        serial). Rounds the speculation gate holds back from drafting are serial."""
         if not speculate or self.overlap == "serial":
             return "serial"
         if self.overlap_gate is not None:
@@ -586,17 +589,17 @@ class Scheduler:
             self._uncommitted = None
         self._commit_and_stream((batch, trees, outputs))
 
-    async def step_ahead(self, batch: list[Sequence]) -> None:
+    async def step_ahead(self, batch: list[Sequence], plain: bool = False) -> None:
         """Draft-ahead (DESIGN.md §3): a sequence whose last outcome was among those guessed
         has its tree already; the others are drafted first. Then the Verify goes out and,
         while the verifier works, the last round's chunks stream and the drafter drafts the
         next round's trees for this round's likely outcomes (`_draft_ahead`). A round where
-        every outcome was guessed holds only the Verify on its path; with ahead_miss "plain"
-        every round does: a sequence that drafts ahead but whose outcome was not guessed is
-        verified with no tree (a plain decode step) while the drafter drafts ahead for it from
-        that step's likely outcomes (the draft's likeliest bonus tokens)."""
+        every outcome was guessed holds only the Verify on its path; with `plain` (misses run
+        plain) every round does: a sequence that drafts ahead but whose outcome was not guessed
+        is verified with no tree (a plain decode step) while the drafter drafts ahead for it
+        from that step's likely outcomes (the draft's likeliest bonus tokens)."""
         trees = self._take_ahead(batch)
-        if self.ahead_miss == "plain":
+        if plain:
             for seq in batch:
                 if id(seq) not in trees and self._misses_plain(seq):
                     trees[id(seq)] = DraftTree()
@@ -642,7 +645,7 @@ class Scheduler:
         return trees
 
     def _misses_plain(self, seq: Sequence) -> bool:
-        """With ahead_miss "plain": whether `seq`, its outcome not guessed, is verified with no
+        """With misses plain: whether `seq`, its outcome not guessed, is verified with no
         tree at once. Not in its first round (the drafter first learns the sequence and tells
         the layers its features come from, as in any draft-ahead round), and only where it
         drafts ahead next: greedy chains (trees are never drafted ahead)."""

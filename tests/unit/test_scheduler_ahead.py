@@ -261,9 +261,9 @@ def _count_rounds(scheduler: Scheduler) -> dict[str, int]:
     for kind in counts:
         step = getattr(scheduler, f"step_{kind}")
 
-        async def counted(batch, step=step, kind=kind):
+        async def counted(batch, *args, step=step, kind=kind):
             counts[kind] += 1
-            await step(batch)
+            await step(batch, *args)
 
         setattr(scheduler, f"step_{kind}", counted)
     return counts

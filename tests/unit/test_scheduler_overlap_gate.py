@@ -30,7 +30,8 @@ from tests.support import (
 
 MAX_NEW_TOKENS = 24
 WINDOW = 2  # measured rounds per mode: the gate chooses within a short generation
-MODES = ("groups", "ahead", "serial")
+MODES = ("groups", "ahead", "ahead-plain", "serial")  # the overlap gate's
+THREE = ("groups", "ahead", "serial")  # the unit tests' gates
 CHAIN3 = SpecParams(3, 1, 3)
 
 
@@ -96,13 +97,13 @@ def _rates(gate: OverlapGate, batch_size: int) -> dict[str, float | None]:
     return {mode: gate.rate(batch_size, mode) for mode in gate.modes}
 
 
-def _gauges(batch_bucket: int) -> tuple[float | None, ...]:
-    """The specsplit_overlap_mode gauge of each of MODES."""
+def _gauges(batch_bucket: int, modes: tuple[str, ...] = MODES) -> tuple[float | None, ...]:
+    """The specsplit_overlap_mode gauge of each of `modes`."""
     return tuple(
         REGISTRY.get_sample_value(
             "specsplit_overlap_mode", {"batch_bucket": str(batch_bucket), "mode": mode}
         )
-        for mode in MODES
+        for mode in modes
     )
 
 
@@ -142,15 +143,16 @@ def test_gated_overlap_keeps_groups_where_draft_and_verify_grow_with_the_batch(
 ) -> None:
     """Draft and Verify each take 10 ms a sequence: a group's Verify hides the other group's
     draft, so groups commit about twice the tokens per second of serial rounds (draft-ahead,
-    its guesses seldom right with a random draft model, about what serial rounds do)."""
-    stack = _gated_stack(models, smollm2_tokenizer)
+    its guesses seldom right with a random draft model, about what serial rounds do; with its
+    misses plain it would come near groups here, and is left out)."""
+    stack = _gated_stack(models, smollm2_tokenizer, modes=THREE)
     gate, timed = _timed_run(stack, 4, seed=3, verify_delay=0.0, per_seq_delay=0.01)
     rates = _rates(gate, 4)
     assert None not in rates.values(), rates
     assert gate.mode(4) == "groups", rates
     assert gate.num_switches >= 3  # explored draft-ahead and serial rounds, then back
     assert timed.overlapping_drafts() > 0
-    assert _gauges(4) == (1, 0, 0)
+    assert _gauges(4, THREE) == (1, 0, 0)
 
 
 def test_gated_overlap_drafts_ahead_where_its_guesses_hit(models, smollm2_tokenizer) -> None:
@@ -161,10 +163,10 @@ def test_gated_overlap_drafts_ahead_where_its_guesses_hit(models, smollm2_tokeni
     gate, timed = _timed_run(stack, 1, 4, 48, verify_delay=0.0, per_seq_delay=0.03)
     rates = _rates(gate, 1)
     assert None not in rates.values(), rates
-    assert gate.mode(1) == "ahead", rates
+    assert gate.mode(1).startswith("ahead"), rates  # every outcome guessed: the two alike
     assert stack.scheduler.num_ahead_hits > 0
     assert timed.overlapping_drafts() > 0
-    assert _gauges(1) == (0, 1, 0)
+    assert _gauges(1) in ((0, 1, 0, 0), (0, 0, 1, 0))
 
 
 def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
@@ -194,7 +196,7 @@ def test_overlap_gate_explores_each_mode_in_order_then_keeps_the_fastest() -> No
     """Unit: groups, then draft-ahead, then serial rounds, WINDOW measured rounds each (the
     round after a switch not measured), then the fastest; groups and draft-ahead must beat
     serial rounds by the margin."""
-    gate = OverlapGate(window=3, probe_every=100)
+    gate = OverlapGate(THREE, window=3, probe_every=100)
     # a group's round: 8 tokens (half the batch) in 10 ms; draft-ahead 16 in 12.1 ms (1%
     # faster than serial rounds: within the margin); a serial round 16 in 12.2 ms
     costs = {"groups": (8, 10e-3), "ahead": (16, 12.1e-3), "serial": (16, 12.2e-3)}
@@ -202,14 +204,14 @@ def test_overlap_gate_explores_each_mode_in_order_then_keeps_the_fastest() -> No
     assert modes[:3] == ["groups"] * 3
     assert modes[3 : 3 + SETTLE + 3] == ["ahead"] * (SETTLE + 3)
     assert modes[3 + SETTLE + 3 :] == ["serial"] * (SETTLE + 3 + 5)
-    assert _gauges(8) == (0, 0, 1)
+    assert _gauges(8, THREE) == (0, 0, 1)
 
 
 def test_overlap_gate_probes_the_other_modes_in_turn() -> None:
     """Chosen serial rounds, the gate probes groups, then draft-ahead, each after probe_every
     rounds (twice as many after a probe that confirmed the choice); a probe that finds its mode
     faster keeps it."""
-    gate = OverlapGate(window=2, probe_every=4, probe_budget=1.0)  # rounds alone count
+    gate = OverlapGate(THREE, window=2, probe_every=4, probe_budget=1.0)  # rounds alone count
     costs = {"groups": (8, 10e-3), "ahead": (16, 14e-3), "serial": (16, 12e-3)}
     _drive(gate, 2 + (SETTLE + 2) * 2, costs)  # explored: serial chosen
     assert gate.mode(8) == "serial"
@@ -226,7 +228,7 @@ def test_overlap_gate_explores_each_batch_size_apart() -> None:
     """Draft-ahead wins at batch 1 and groups at batch 8 (SmolLM2 on two H100s): batch 8, met
     after batch 1 chose, explores for itself (groups first) instead of taking batch 1's
     choice."""
-    gate = OverlapGate(window=2, probe_every=100)
+    gate = OverlapGate(THREE, window=2, probe_every=100)
     explore = 2 + (SETTLE + 2) * 2
     at_one = {"groups": (1, 10e-3), "ahead": (1, 6e-3), "serial": (1, 9e-3)}
     for _ in range(explore):
