@@ -1,6 +1,7 @@
 """On a CUDA device: draft-ahead (overlap "ahead") with the drafter's and the verifier's CUDA
-graphs, for a draft model and an EAGLE-3 head: the output is the target's greedy output, trees
-were drafted ahead and used, and no KV is left. Skipped where there is no GPU (CI)."""
+graphs, for a draft model and an EAGLE-3 head, misses drafted first or run plain: the output is
+the target's greedy output, trees were drafted ahead and used, and no KV is left. Skipped where
+there is no GPU (CI)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ def _outputs(stack) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("miss", ["draft", "plain"])
 @pytest.mark.parametrize("drafter", ["model", "eagle3"])
-def test_draft_ahead_with_graphs_equals_target_greedy(models, smollm2_tokenizer, drafter) -> None:
+def test_draft_ahead_with_graphs_equals_target_greedy(
+    models, smollm2_tokenizer, drafter: str, miss: str
+) -> None:
+    """miss "plain": a round not guessed is verified with no tree, and the drafter drafts
+    ahead from that step (an empty chain being verified: its own graphs)."""
     spec = SpecParams(3, 1, 3)
     target = stack_on("cuda", models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
     stack = stack_on("cuda", models, smollm2_tokenizer, drafter, spec, True, overlap="ahead")
+    stack.scheduler.ahead_miss = miss
     assert _outputs(stack) == _outputs(target)
     scheduler = stack.scheduler
     assert scheduler.num_ahead_hits + scheduler.num_ahead_misses > 0
