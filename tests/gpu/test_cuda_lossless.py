@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from gateway.gate import OverlapGate
 from gateway.request import GenerationRequest
 from inprocess.clients import LocalVerifierClient
 from inprocess.stack import build_local_stack
@@ -41,7 +42,8 @@ def _run(
     pipelined: bool = False,
 ):
     """pipelined: groups send the other group's Verify early and the verifier's client (a
-    thread of its own) launches it behind the one in flight."""
+    thread of its own) launches it behind the one in flight. overlap "gated": the overlap gate
+    chooses after 2 measured rounds of each mode (its switches within the run)."""
     stack = build_local_stack(
         str(models["target"]),
         drafter,
@@ -55,6 +57,8 @@ def _run(
         overlap=overlap,
         early_verify=pipelined,
     )
+    if overlap == "gated":
+        stack.scheduler.overlap_gate = OverlapGate(window=2, probe_every=8)
     if pipelined:
         stack.scheduler.verifier = LocalVerifierClient(
             stack.verifier, check_integrity=True, pipelined=True
@@ -97,19 +101,21 @@ def test_cuda_graph_rounds_equal_target_greedy(models, smollm2_tokenizer, spec: 
     assert target_only == expected
 
 
+@pytest.mark.parametrize("overlap", ["groups", "gated"])
 @pytest.mark.parametrize(
     "spec", [SpecParams(3, 1, 3), SpecParams(3, 2, 6)], ids=["chain3", "topk2"]
 )
 def test_cuda_groups_on_pipelined_rounds_equal_target_greedy(
-    models, smollm2_tokenizer, spec: SpecParams
+    models, smollm2_tokenizer, spec: SpecParams, overlap: str
 ) -> None:
     """Pipelined groups on a GPU, CUDA graphs on: the in-process verifier client launches the
     other group's round behind the one in flight (verifier/pipelined.py), and the tokens are
-    still the target's own greedy ones, nothing left held."""
+    still the target's own greedy ones, nothing left held; gated: the rounds change kind
+    (groups, draft-ahead with misses drafted and plain, serial) as the overlap gate explores."""
     expected, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
     lens = (1, 1 + spec.num_draft_tokens)
     got, _ = _run(
-        models, smollm2_tokenizer, "model", spec, graph_query_lens=lens, overlap="groups",
+        models, smollm2_tokenizer, "model", spec, graph_query_lens=lens, overlap=overlap,
         pipelined=True,
     )  # fmt: skip
     assert got == expected
