@@ -306,16 +306,17 @@ class SpeculationGate(ModeGate):
 
 
 class OverlapGate(ModeGate):
-    """Which round kind a speculating round runs as (the scheduler's: "groups", "ahead", "ahead-
-    plain" (draft-ahead whose misses are verified with no tree), "serial"). Groups hide the draft,
-    but each Verify carries half the batch: where a verify costs about the same for half the batch
-    as for all of it (a large target, memory-bound), two half-batch Verifies cost more than the
-    draft they hide. Draft-ahead hides the draft only for the rounds whose outcome it guessed, and
-    its call drafts (chain length + 1) x guesses trees. Through the services on two H100s, groups
-    ran 1.33x / 1.18x serial at batch 8 / 32 with SmolLM2 and its EAGLE-3 head, but 0.84x / 0.94x
-    with an 8B-shaped target and a 1B-shaped draft model; draft-ahead 1.25x at batch 1 and 0.81x at
-    8 / 32 with SmolLM2; draft-ahead whose misses run plain commits fewer tokens a round but never
-    waits for a Draft (not measured on a GPU yet) (bench/RESULTS.md): so it is measured."""
+    """Which round kind a speculating round runs as (the scheduler's: "groups", "ahead",
+    "serial"; "ahead-plain", draft-ahead whose misses are verified with no tree, only where
+    `modes` names it). Groups hide the draft, but each Verify carries half the batch: where a
+    verify costs about the same for half the batch as for all of it (a large target,
+    memory-bound), two half-batch Verifies cost more than the draft they hide. Draft-ahead hides
+    the draft only for the rounds whose outcome it guessed, and its call drafts (chain length +
+    1) x guesses trees. Through the services on two H100s, groups ran 1.33x / 1.18x serial at
+    batch 8 / 32 with SmolLM2 and its EAGLE-3 head, but 0.84x / 0.94x with an 8B-shaped target
+    and a 1B-shaped draft model; draft-ahead 1.25x at batch 1 and 0.81x at 8 / 32 with SmolLM2
+    (bench/RESULTS.md): so it is measured. "ahead" misses as the scheduler's `ahead_miss` says;
+    "ahead-plain" stays out of the default modes until it has run on a GPU."""
 
     name = "overlap gate"
     # each batch size explores: the fastest mode changes with it (draft-ahead 1.25x serial at
@@ -325,7 +326,7 @@ class OverlapGate(ModeGate):
 
     def __init__(
         self,
-        modes: tuple[str, ...] = ("groups", "ahead", "ahead-plain", "serial"),
+        modes: tuple[str, ...] = ("groups", "ahead", "serial"),
         window: int = WINDOW,
         probe_every: int = PROBE_EVERY,
         margin: float = OVERLAP_MARGIN,

@@ -235,9 +235,8 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--adaptive-ladder", None, ladder_help, type=optional_str)
     overlap_help = (
         "serial (draft, then verify, the whole batch), groups (two groups take turns: one is"
-        " verified while the other is drafted), gated (groups, ahead with misses drafted or"
-        " plain, or serial rounds, whichever commits the most tokens per second, measured per"
-        " batch size), ahead (draft-ahead: while a"
+        " verified while the other is drafted), gated (groups, ahead or serial rounds, whichever"
+        " commits the most tokens per second, measured per batch size), ahead (draft-ahead: while a"
         " round is verified, the drafter drafts the next round's trees for its likely"
         " outcomes; greedy chains), both (ahead while at most --ahead-max-batch requests run,"
         " groups above) or auto (`up`: gated when the drafter and the verifier run on two"

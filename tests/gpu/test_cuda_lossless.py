@@ -58,7 +58,8 @@ def _run(
         early_verify=pipelined,
     )
     if overlap == "gated":
-        stack.scheduler.overlap_gate = OverlapGate(window=2, probe_every=8)
+        modes = ("groups", "ahead", "ahead-plain", "serial")  # ahead-plain: asked for here
+        stack.scheduler.overlap_gate = OverlapGate(modes, window=2, probe_every=8)
     if pipelined:
         stack.scheduler.verifier = LocalVerifierClient(
             stack.verifier, check_integrity=True, pipelined=True
