@@ -109,6 +109,15 @@ def _samples() -> Iterator[tuple[str, Any]]:
                 yield process, sample
 
 
+def scrape_overlap_modes() -> dict[int, str]:
+    """The gateway's overlap gate's choice per batch bucket (`specsplit_overlap_mode`)."""
+    return {
+        int(sample.labels["batch_bucket"]): sample.labels["mode"]
+        for process, sample in _samples()
+        if process == "gateway" and sample.name == "specsplit_overlap_mode" and sample.value == 1
+    }
+
+
 def scrape_buckets() -> Buckets:
     """The three processes' histogram buckets (cumulative counts) by (process, name, labels,
     upper bound)."""

@@ -36,6 +36,7 @@ from bench.e2e import (
     Totals,
     quantile,
     scrape_buckets,
+    scrape_overlap_modes,
     scrape_totals,
     services,
 )
@@ -262,6 +263,7 @@ def main() -> None:
     synthetic = args.synthetic_acceptance is not None
     if synthetic:
         print(f"SYNTHETIC ACCEPTANCE {args.synthetic_acceptance}: outputs are not the target's")
+    gate_choices = ""
     modes = tuple(args.modes)
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
@@ -286,6 +288,9 @@ def main() -> None:
                     timed(stub, ("target", batch), prompts, TARGET_ONLY)
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
+            if mode == "gated":
+                chosen = sorted(scrape_overlap_modes().items())
+                gate_choices = ", ".join(f"batch <= {b}: {m}" for b, m in chosen) or "none yet"
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, "
@@ -317,6 +322,8 @@ def main() -> None:
         print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{batch} |")
     if not synthetic:  # synthetic outputs are not the target's: nothing to compare
         print_divergence(results, args.batch, modes)
+    if "gated" in modes:
+        print(f"the overlap gate's choices (gated): {gate_choices}")
     print_time_spent(results, totals, args.batch, modes)
     if args.speculation_gate == "on":
         print_gated_rounds(totals, args.batch, modes)
