@@ -58,6 +58,7 @@ KNOWN_METRICS = {
     "specsplit_session_evictions_total",
     "specsplit_session_tokens_reused",
     "specsplit_speculating",
+    "specsplit_overlap_mode",
     "specsplit_decode_ahead_total",
     "specsplit_draft_ahead_total",
     "specsplit_decoded_tokens_total",
