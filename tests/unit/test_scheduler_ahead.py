@@ -426,3 +426,25 @@ def test_plain_misses_with_the_drafter_down_decode_the_same_tokens(
     stack.scheduler.drafter = BrokenDrafter(ServiceError(Code.UNAVAILABLE, "drafter down"))
     out = generate_all(stack, _requests(3, 8))
     assert [generated_ids(c) for c in out] == expected
+
+
+@pytest.mark.parametrize(("guesses", "at_root"), [(2, 2 * (CHAIN.num_steps + 1)), (6, 16)])
+def test_a_plain_round_guesses_as_many_trees_as_a_chain_round(
+    models, smollm2_tokenizer, guesses: int, at_root: int
+) -> None:
+    """After a plain round (an empty tree: one accept length) the drafter is asked for (chain
+    length + 1) x ahead_guesses bonus tokens at the root, at most its limit of 16; after a
+    chain round, ahead_guesses per accept length."""
+    stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
+    stack.scheduler.ahead_guesses = guesses
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, verify_delay=0.0)
+    stack.scheduler.drafter = timed.drafter_client()
+    generate_all(stack, _requests(2, seed=9))
+    asked = {
+        (len(item.verifying), item.ahead_guesses)
+        for call in timed.draft_inputs
+        for item in call
+        if item.ahead_guesses
+    }
+    assert (0, at_root) in asked
+    assert {g for nodes, g in asked if nodes} == {guesses}
