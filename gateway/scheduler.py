@@ -312,7 +312,10 @@ class Scheduler:
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
-                settled = all(seq.rounds_since_prefill >= 2 for seq in self.running)
+                # a round the overlap gate measures: none of its sequences just prefilled
+                settled = self.overlap_gate is not None and all(
+                    seq.rounds_since_prefill >= 2 for seq in self.running
+                )
                 mode = self._round_mode(speculate)
                 if mode == "groups":
                     await self.step_groups(self.running)

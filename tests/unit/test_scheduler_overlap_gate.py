@@ -181,13 +181,15 @@ def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
     assert restarting.calls > 6
 
 
-def _drive(gate: OverlapGate, rounds: int, costs: dict[str, tuple[int, float]]) -> list[str]:
-    """`rounds` rounds at batch 8, each committing (tokens, seconds) of its mode; the modes the
-    gate gave, in order."""
+def _drive(
+    gate: OverlapGate, rounds: int, costs: dict[str, tuple[int, float]], batch_size: int = 8
+) -> list[str]:
+    """`rounds` rounds at `batch_size`, each committing (tokens, seconds) of its mode; the
+    modes the gate gave, in order."""
     modes = []
     for _ in range(rounds):
-        mode = gate.mode(8)
-        gate.observe_mode(8, mode, *costs[mode])
+        mode = gate.mode(batch_size)
+        gate.observe_mode(batch_size, mode, *costs[mode])
         modes.append(mode)
     return modes
 
@@ -231,9 +233,7 @@ def test_overlap_gate_explores_each_batch_size_apart() -> None:
     gate = OverlapGate(THREE, window=2, probe_every=100)
     explore = 2 + (SETTLE + 2) * 2
     at_one = {"groups": (1, 10e-3), "ahead": (1, 6e-3), "serial": (1, 9e-3)}
-    for _ in range(explore):
-        mode = gate.mode(1)
-        gate.observe_mode(1, mode, *at_one[mode])
+    _drive(gate, explore, at_one, batch_size=1)
     assert gate.mode(1) == "ahead"
     at_eight = {"groups": (4, 5e-3), "ahead": (8, 14e-3), "serial": (8, 12e-3)}
     modes = _drive(gate, explore, at_eight)
