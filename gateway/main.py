@@ -22,6 +22,7 @@ from gateway.request import DEFAULT_LIMITS, Limits
 from gateway.scheduler import (
     DEFAULT_AHEAD_GUESSES,
     DEFAULT_AHEAD_MAX_BATCH,
+    DEFAULT_AHEAD_MISS,
     DEFAULT_MAX_WAITING,
     DEFAULT_VERIFIER_WAIT_S,
     SHUTTING_DOWN,
@@ -156,7 +157,7 @@ async def serve(
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     speculation_gate: bool = False,
     ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
-    ahead_miss: str = "draft",
+    ahead_miss: str = DEFAULT_AHEAD_MISS,
     ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     round_lane: bool = True,
     lane_poll_s: float = 0.0,

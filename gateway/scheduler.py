@@ -61,6 +61,9 @@ DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
 DEFAULT_AHEAD_MAX_BATCH = 4  # overlap "both": draft-ahead up to this many running, then groups
 MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
 AHEAD_MISSES = ("draft", "plain")  # what a draft-ahead round does for an outcome not guessed
+# plain: 1.46x serial rounds at batch 1 against 1.36x with misses drafted (SmolLM2 + its
+# EAGLE-3 head through the services on two H100s, bench/RESULTS.md)
+DEFAULT_AHEAD_MISS = "plain"
 
 
 class Scheduler:
@@ -86,7 +89,7 @@ class Scheduler:
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
         decode_steps: int = 1,
         early_verify: bool = False,
-        ahead_miss: str = "draft",
+        ahead_miss: str = DEFAULT_AHEAD_MISS,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they

@@ -265,7 +265,7 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " verified with no tree at once (plain: a decode step while its next trees are drafted"
         " ahead, so that no Draft waits before a Verify)"
     )
-    flag(parser, "--ahead-miss", "draft", miss_help, choices=("draft", "plain"))
+    flag(parser, "--ahead-miss", "plain", miss_help, choices=("draft", "plain"))
     flag(
         parser,
         "--ahead-max-batch",

@@ -386,8 +386,8 @@ def test_ahead_miss_reaches_the_gateway_child() -> None:
         child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
         return _child_args(child).ahead_miss  # type: ignore[no-any-return]
 
-    assert miss() == "draft"
-    assert miss("--overlap", "ahead", "--ahead-miss", "plain") == "plain"
+    assert miss() == "plain"
+    assert miss("--overlap", "ahead", "--ahead-miss", "draft") == "draft"
     with pytest.raises(SystemExit):
         cli.parse_args(["serve-gateway", "--ahead-miss", "skip"])
 
