@@ -42,8 +42,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from bench import trace_gaps
 from bench.gpu_engine import SHAPES
 from bench.profile_step import EngineTime
+from bench.random_model import eagle3_head_config, random_eagle3_weights
 from drafter.eagle import Eagle3Head
-from drafter.eagle_checkpoint import HEAD_LAYER, Eagle3Config
+from drafter.eagle_checkpoint import Eagle3Config
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.model_proposer import ModelProposer
@@ -79,42 +80,10 @@ def random_eagle3_head(target: LlamaModel, draft_vocab: int, seed: int, device: 
     target's width, heads and MLP (as the public heads for Llama-3.1-8B), `draft_vocab` tokens
     mapped to a random subset of the target's vocabulary, the target's embedding."""
     c = target.config
-    raw = {
-        "hidden_size": c.hidden_size,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
-        "draft_vocab_size": draft_vocab,
-        "max_position_embeddings": 8192,
-    }
+    raw = eagle3_head_config(c, VOCAB, draft_vocab)
     config = Eagle3Config.from_json(raw, c.num_layers)
     embed = target.embed_tokens.weight.detach().to(device)
-    dtype = embed.dtype
-    gen = torch.Generator(device).manual_seed(seed)
-    h, q, kv, p = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, HEAD_LAYER
-    shapes = {
-        "fc.weight": (h, config.feature_width),
-        p + "self_attn.q_proj.weight": (q, 2 * h),
-        p + "self_attn.k_proj.weight": (kv, 2 * h),
-        p + "self_attn.v_proj.weight": (kv, 2 * h),
-        p + "self_attn.o_proj.weight": (h, q),
-        p + "mlp.gate_proj.weight": (c.intermediate_size, h),
-        p + "mlp.up_proj.weight": (c.intermediate_size, h),
-        p + "mlp.down_proj.weight": (h, c.intermediate_size),
-        "lm_head.weight": (draft_vocab, h),
-    }
-    weights = {
-        name: 0.02 * torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        for name, shape in shapes.items()
-    }
-    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        weights[p + name + ".weight"] = torch.ones(h, device=device, dtype=dtype)
-    weights["norm.weight"] = torch.ones(h, device=device, dtype=dtype)
-    ids = torch.randperm(VOCAB, generator=gen, device=device)[:draft_vocab].sort().values
-    weights["d2t"] = ids - torch.arange(draft_vocab, device=device)
+    weights = random_eagle3_weights(config, seed, device, embed.dtype)
     return Eagle3Head(config, weights, embed)
 
 

@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b]
+#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -32,7 +32,8 @@
 # both shapes; bench/draft_step.py and bench/profile_services.py at batch 1 / 8 / 32, greedy and
 # temperature 1); overlap8b: bench/overlap.py through the services with random 8B- and 1B-shaped
 # checkpoints (bench/random_model.py) and synthetic acceptance 0.8 / 0.7 / 0.6, serial / groups /
-# gated (the drafter on cuda:0, the verifier on the last GPU).
+# gated (the drafter on cuda:0, the verifier on the last GPU); overlap8b-eagle: the same with the
+# 8B target and a random EAGLE-3 head of its width (bench/random_model.py --eagle3-head).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,8 +53,10 @@ run() {  # name, command...
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "== $name FAILED"; status=1; }
 }
 random_8b_1b() {  # random 8B- and 1B-shaped checkpoints (SmolLM2's vocabulary) at /tmp/llama{8b,1b}
-  [[ -d /tmp/llama8b ]] || python3 bench/random_model.py /tmp/llama8b --shape llama-8b \
-    --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device "cuda:$((gpus - 1))" --dtype bfloat16
+  # and a random EAGLE-3 head for the 8B at /tmp/eagle8b
+  [[ -d /tmp/llama8b && -d /tmp/eagle8b ]] || python3 bench/random_model.py /tmp/llama8b \
+    --shape llama-8b --eagle3-head /tmp/eagle8b --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
+    --device "cuda:$((gpus - 1))" --dtype bfloat16
   [[ -d /tmp/llama1b ]] || python3 bench/random_model.py /tmp/llama1b --shape llama-1b \
     --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device cuda:0 --dtype bfloat16
 }
@@ -130,6 +133,12 @@ for part in "${parts[@]}"; do
       run overlap_8b_1b python3 bench/overlap.py --model /tmp/llama8b "${devices[@]}" \
         --drafter model --draft-model /tmp/llama1b --batch 1 8 32 --max-new-tokens 128 --spec 3 \
         --modes serial groups gated --synthetic-acceptance 0.8,0.7,0.6 ;;
+    overlap8b-eagle)  # the 8B target with a random EAGLE-3 head of its width through the
+      # services (synthetic acceptance: timing only), as an 8B would be served
+      random_8b_1b
+      run overlap_8b_eagle python3 bench/overlap.py --model /tmp/llama8b "${devices[@]}" \
+        --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 8 32 --max-new-tokens 128 \
+        --spec 3 --modes serial groups gated --synthetic-acceptance 0.8,0.7,0.6 ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \

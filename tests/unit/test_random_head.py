@@ -1,0 +1,29 @@
+"""bench/random_model.py's random EAGLE-3 head (`--eagle3-head`): written in the published
+layout, it loads as the drafter service loads a head, shaped as the target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from bench.random_model import save_eagle3_head
+from drafter.eagle import load_eagle3
+from tests.support import TINY_VOCAB, save_tiny_llama
+
+DRAFT_VOCAB = 48
+
+
+def test_the_random_head_loads_shaped_as_its_target(tmp_path: Path) -> None:
+    target = save_tiny_llama(tmp_path / "target", seed=0, num_layers=4)
+    config = LlamaConfig.from_pretrained(target)
+    save_eagle3_head(str(tmp_path / "head"), config, DRAFT_VOCAB, "cpu", torch.float32)
+    head = load_eagle3(str(tmp_path / "head"), str(target), torch.float32, "cpu")
+    c = head.config
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads) == (64, 4, 2)
+    assert c.intermediate_size == config.intermediate_size
+    assert c.feature_width == 3 * 64  # three target layers' outputs, fused
+    ids = head.to_target_ids(torch.arange(DRAFT_VOCAB))
+    assert ids.tolist() == sorted(set(ids.tolist()))  # distinct, in order
+    assert int(ids[0]) >= 0 and int(ids[-1]) < TINY_VOCAB
