@@ -5,7 +5,8 @@ and answers with it), then parsed and converted back. Median us per round over -
 after --warmup. No engine, no GPU: the host's copies of the rows alone (the issue-8 split; an
 8B target's EAGLE-3 head reads 12288-wide rows, SmolLM2's shipped head 1728). --mode beside:
 the rows beside the message (convert.Beside, as the lane sends them); in: in the message's
-tensor field (as gRPC sends them).
+tensor field (as gRPC sends them). --echo-process: the echo serves from another process (as the
+services do: each end's own event loop and core), not on the client's loop.
 
 Multi-MB figures depend on glibc's malloc state: a buffer above its mmap threshold is fresh
 pages each time (page faults), and the threshold moves with what the process allocated and
@@ -13,13 +14,15 @@ freed before (what it imported, too). With MALLOC_MMAP_THRESHOLD_=67108864 the 3
 copies cost ~5x less on the 2-core VM (bench/RESULTS.md); compare runs under one setting.
 
     PYTHONPATH=. python bench/lane_rows.py [--width 12288 1728 0] [--batch 32] [--rows 4]
-        [--mode beside in]
+        [--mode beside in] [--echo-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -50,15 +53,37 @@ def build(outputs: list[VerifyOutput], beside: bool) -> tuple[verifier_pb2.Verif
     return message, b"" if rows is None else rows.data()
 
 
+def echo_server(outputs: list[VerifyOutput], beside: bool, path: str) -> LaneServer:
+    return LaneServer(LaneEcho(lambda: build(outputs, beside)), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
+
+
+def serve_forever(outputs: list[VerifyOutput], beside: bool, path: str) -> None:
+    """The echo in a process of its own (--echo-process), until it is terminated."""
+
+    async def serve() -> None:
+        await echo_server(outputs, beside, path).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
 async def measure(
-    outputs: list[VerifyOutput], beside: bool, rounds: int, warmup: int
+    outputs: list[VerifyOutput], beside: bool, rounds: int, warmup: int, process: bool
 ) -> dict[str, float]:
     """Median us: the answer built + serialized; the lane's round trip (a small request out, the
     echo's answer built and serialized on its side and back); the answer parsed + converted."""
     path = str(Path(tempfile.mkdtemp()) / "echo.sock")
-
-    server = LaneServer(LaneEcho(lambda: build(outputs, beside)), path, verifier_pb2.VerifyRequest)  # type: ignore[arg-type]
-    await server.start()
+    server, child = None, None
+    if process:
+        child = multiprocessing.get_context("fork").Process(
+            target=serve_forever, args=(outputs, beside, path), daemon=True
+        )
+        child.start()
+        while not os.path.exists(path):
+            await asyncio.sleep(0.01)
+    else:
+        server = echo_server(outputs, beside, path)
+        await server.start()
     lane = LaneConnection("echo", path)
     request = verifier_pb2.VerifyRequest().SerializeToString()  # the echo does not read it
     times: dict[str, list[float]] = {"build": [], "trip": [], "read": []}
@@ -77,7 +102,11 @@ async def measure(
                     times[key].append(seconds)
     finally:
         lane.close()
-        await server.close()
+        if server is not None:
+            await server.close()
+        if child is not None:
+            child.terminate()
+            child.join()
         await asyncio.sleep(0.05)  # the connection's scope lets go (no orphan grace)
     return {key: 1e6 * statistics.median(values) for key, values in times.items()}
 
@@ -90,6 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--mode", nargs="+", choices=("beside", "in"), default=["beside", "in"])
+    parser.add_argument("--echo-process", action="store_true", help="the echo in another process")
     args = parser.parse_args()
     print(
         "| width | rows' bytes | rows | build + serialize us | lane round trip us "
@@ -100,7 +130,8 @@ def main() -> None:
         outputs = answer_of(args.batch, args.rows, width)
         size = args.batch * args.rows * width * 2
         for mode in args.mode:
-            us = asyncio.run(measure(outputs, mode == "beside", args.rounds, args.warmup))
+            beside = mode == "beside"
+            us = asyncio.run(measure(outputs, beside, args.rounds, args.warmup, args.echo_process))
             print(
                 f"| {width} | {size} | {mode} | {us['build']:.0f} | {us['trip']:.0f} "
                 f"| {us['read']:.0f} |"

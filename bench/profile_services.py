@@ -12,10 +12,12 @@ absolute times.
 
     PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
         [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
-        [--target-only] [--top 25] [--keep DIR]
+        [--target-only] [--top 25] [--keep DIR] [--synthetic-acceptance 0.8,0.7,0.6]
 
 Several --batch values: each measured unprofiled in turn, the last one profiled (none with
---top 0).
+--top 0). --synthetic-acceptance (BENCHMARKS ONLY, labelled): the verifier's, so that random
+weights run rounds of a realistic accepted length (an 8B-shaped target with a random EAGLE-3
+head: its feature rows per round as a real head's); the streams then ignore EOS.
 """
 
 from __future__ import annotations
@@ -105,7 +107,15 @@ def main() -> None:
     parser.add_argument(
         "--services-log", default=None, help="append the services' output to this file"
     )
+    parser.add_argument(
+        "--synthetic-acceptance",
+        default=None,
+        metavar="RATES",
+        help="BENCHMARKS ONLY, NOT LOSSLESS: the verifier's `--synthetic-acceptance`",
+    )
     args = parser.parse_args()
+    synthetic = args.synthetic_acceptance is not None
+    extra = ("--synthetic-acceptance", args.synthetic_acceptance) if synthetic else ()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
@@ -113,16 +123,18 @@ def main() -> None:
     kind = "target only" if args.target_only else "speculative"
     if args.temperature:
         kind += f", temperature {args.temperature}"
+    if synthetic:
+        kind += f", SYNTHETIC ACCEPTANCE {args.synthetic_acceptance} (not the target's output)"
     directory = Path(tempfile.mkdtemp(prefix="specsplit-profile-"))
     os.environ["SPECSPLIT_PROFILE_DIR"] = str(directory)  # `up` and its children inherit it
     try:
-        with services(args) as stub:
+        with services(args, extra) as stub:
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
-                run_batch(stub, prompts, 16, spec, args.temperature)  # warm-up at this batch
+                run_batch(stub, prompts, 16, spec, args.temperature, synthetic)  # warm-up
                 before = scrape_totals()
                 plain, plain_wall = run_batch(
-                    stub, prompts, args.max_new_tokens, spec, args.temperature
+                    stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
                 )
                 totals = Counter(scrape_totals())
                 totals.subtract(before)
@@ -132,7 +144,9 @@ def main() -> None:
                 return
             pids = service_pids(directory)
             signal_all(pids, signal.SIGUSR2)  # profiles start
-            outputs, wall = run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature)
+            outputs, wall = run_batch(
+                stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
+            )
             signal_all(pids, signal.SIGUSR2)  # and stop, written
             time.sleep(1.0)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from specsplit.lane import (
     HEADER,
     MAX_FRAME_BYTES,
     SCRATCH_BYTES,
+    SOCKET_BUFFER_BYTES,
     STATUS,
     FrameStream,
     Kind,
@@ -447,3 +449,43 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
         await server.wait_closed()
 
     asyncio.run(run())
+
+
+def test_both_ends_ask_for_socket_buffers_that_hold_a_rounds_rows(tmp_path: Path) -> None:
+    """A round's feature rows go in one send where the kernel allows it: each end's socket
+    buffers grow to what was asked, capped at net.core.wmem_max / rmem_max."""
+    caps = [Path(f"/proc/sys/net/core/{name}") for name in ("wmem_max", "rmem_max")]
+    if not all(cap.exists() for cap in caps):
+        pytest.skip("no Linux socket buffer limits to read")
+    send_cap, receive_cap = (int(cap.read_text()) for cap in caps)
+
+    async def run() -> list[tuple[int, int]]:
+        loop = asyncio.get_running_loop()
+        path = str(tmp_path / "s")
+        served: list[FrameStream] = []
+
+        def accept() -> FrameStream:
+            served.append(FrameStream())
+            return served[-1]
+
+        server = await loop.create_unix_server(accept, path)
+        _, client = await loop.create_unix_connection(FrameStream, path)
+        await asyncio.sleep(0.01)  # the server's end is made
+        sizes = []
+        for stream in (client, served[0]):
+            assert stream.transport is not None
+            sock = stream.transport.get_extra_info("socket")
+            sizes.append(
+                (
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                )
+            )
+        client.close()
+        server.close()
+        await server.wait_closed()
+        return sizes
+
+    for send, receive in asyncio.run(run()):  # Linux reports twice the size granted
+        assert send >= min(SOCKET_BUFFER_BYTES, send_cap)
+        assert receive >= min(SOCKET_BUFFER_BYTES, receive_cap)
