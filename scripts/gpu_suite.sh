@@ -3,7 +3,7 @@
 # call carries .whl and .gpu):
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
-#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle]
+#       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -33,7 +33,9 @@
 # temperature 1); overlap8b: bench/overlap.py through the services with random 8B- and 1B-shaped
 # checkpoints (bench/random_model.py) and synthetic acceptance 0.8 / 0.7 / 0.6, serial / groups /
 # gated (the drafter on cuda:0, the verifier on the last GPU); overlap8b-eagle: the same with the
-# 8B target and a random EAGLE-3 head of its width (bench/random_model.py --eagle3-head).
+# 8B target and a random EAGLE-3 head of its width (bench/random_model.py --eagle3-head);
+# profile8b-eagle: that system's round outside the engines (bench/profile_services.py, batch 1 /
+# 8 / 32) and the rows' lane hop (bench/lane_rows.py --echo-process).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +141,16 @@ for part in "${parts[@]}"; do
       run overlap_8b_eagle python3 bench/overlap.py --model /tmp/llama8b "${devices[@]}" \
         --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 8 32 --max-new-tokens 128 \
         --spec 3 --modes serial groups gated --synthetic-acceptance 0.8,0.7,0.6 ;;
+    profile8b-eagle)  # where a round goes outside the engines with the 8B target and its head
+      # through the services (serial rounds, synthetic acceptance), and the host's socket
+      # buffer caps (the round lane asks for 8 MB)
+      random_8b_1b
+      cat /proc/sys/net/core/wmem_max /proc/sys/net/core/rmem_max | paste -sd' ' |
+        sed 's/^/net.core.wmem_max rmem_max: /'
+      run profile_8b_eagle python3 bench/profile_services.py --model /tmp/llama8b \
+        "${devices[@]}" --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 8 32 \
+        --max-new-tokens 64 --top 0 --synthetic-acceptance 0.8,0.7,0.6
+      run lane_rows python3 bench/lane_rows.py --width 12288 1728 --mode beside --echo-process ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
