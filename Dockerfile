@@ -38,9 +38,11 @@ RUN pip install . \
     && cd / && python -c "import specsplit.v1.gateway_pb2_grpc, grpc_health.v1.health_pb2_grpc" \
     && rm -rf /src
 
+# /run/specsplit: where docker-compose.yml's `sockets` volume goes (the drafter's and verifier's
+# Unix sockets); a new volume takes this directory's owner, so the services may bind there
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin specsplit \
-    && mkdir -p /models \
-    && chown specsplit:specsplit /models
+    && mkdir -p /models /run/specsplit \
+    && chown specsplit:specsplit /models /run/specsplit
 USER specsplit
 WORKDIR /home/specsplit
 ENV HF_HOME=/home/specsplit/.cache/huggingface

