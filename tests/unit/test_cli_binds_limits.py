@@ -132,7 +132,10 @@ def test_compose_binds_every_interface_inside_and_publishes_on_loopback(
 
     base = plain(load(COMPOSE))
     for name in SPECSPLIT_SERVICES:  # the others reach them over the compose network
-        assert _hosts(parsed(base, name, monkeypatch)) == {"0.0.0.0"}, name
+        # the drafter and the verifier serve rounds on Unix sockets in a volume only the
+        # gateway shares (test_compose); every TCP listener binds every interface inside
+        hosts = _hosts(parsed(base, name, monkeypatch)) - {"unix"}
+        assert hosts == {"0.0.0.0"}, name
     for name, service in base["services"].items():
         for item in service.get("ports", []):
             assert str(item).startswith("127.0.0.1:"), (name, item)
