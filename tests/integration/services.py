@@ -8,9 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from specsplit.v1 import (
 ROLES = ("verifier", "drafter", "gateway")
 TINY_VOCAB_SIZE = 49152  # SmolLM2's tokenizer: text and chat prompts work on tiny models
 TINY_MODEL_NAME = "tiny-target"  # what the tiny_http_services fixture serves
+NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)  # target-only rounds
 
 
 def free_port() -> int:
@@ -238,3 +241,83 @@ def scrape(services: Services, role: str) -> dict[tuple[str, tuple[tuple[str, st
 
 def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def target_only(
+    services: Services, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Each prompt's tokens with speculation off, one stream at a time: the reference."""
+    stub = services.gateway()
+    return [
+        ids_of(generate(stub, token_request(p, max_new_tokens, spec=NO_SPEC, ignore_eos=True)))
+        for p in prompts
+    ]
+
+
+def streams_with_a_fault(
+    services: Services,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    spec: common_pb2.SpecParams,
+    fault: Callable[[], None],
+) -> list[list[int]]:
+    """Every prompt as its own stream, at once; `fault()` once the first stream has 6 tokens,
+    while all of them run. The tokens each stream received."""
+    stub = services.gateway()
+    first_tokens = threading.Event()
+
+    def run(i: int) -> list[int]:
+        received: list[int] = []
+        call = stub.Generate(
+            token_request(prompts[i], max_new_tokens, spec=spec, ignore_eos=True), timeout=300
+        )
+        for response in call:
+            received += response.token_ids
+            if i == 0 and len(received) >= 6:
+                first_tokens.set()
+        return received
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        running = [pool.submit(run, i) for i in range(len(prompts))]
+        assert first_tokens.wait(120)
+        assert not all(r.done() for r in running)  # the fault lands mid-stream
+        fault()
+        return [r.result() for r in running]
+
+
+def check_drafter_killed_mid_stream(
+    services: Services, prompts: list[list[int]], max_new_tokens: int, spec: common_pb2.SpecParams
+) -> None:
+    """Streams at once, the drafter killed mid-stream: each keeps target-only's tokens (decoded
+    without drafts meanwhile), no KV is left; the drafter is started again."""
+    expected = target_only(services, prompts, max_new_tokens)
+    try:
+        received = streams_with_a_fault(
+            services,
+            prompts,
+            max_new_tokens,
+            spec,
+            lambda: services.stop("drafter", signal.SIGKILL),
+        )
+    finally:
+        services.start("drafter")
+        services.wait_serving("drafter", 240)
+    assert received == expected
+    services.wait_no_pages_used()
+
+
+def check_verifier_restarted_mid_stream(
+    services: Services, prompts: list[list[int]], max_new_tokens: int, spec: common_pb2.SpecParams
+) -> None:
+    """Streams at once, the verifier killed and restarted mid-stream (every sequence's KV gone,
+    the gateway re-prefills each from its own tokens): nothing lost or repeated, no KV left."""
+    expected = target_only(services, prompts, max_new_tokens)
+
+    def restart() -> None:
+        services.stop("verifier", signal.SIGKILL)
+        services.start("verifier")
+
+    received = streams_with_a_fault(services, prompts, max_new_tokens, spec, restart)
+    assert received == expected
+    services.wait_serving("verifier", 240)
+    services.wait_no_pages_used()

@@ -10,20 +10,25 @@ gateway's tokens, nothing lost or repeated)."""
 
 from __future__ import annotations
 
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from specsplit.v1 import common_pb2, gateway_pb2
-from tests.integration.services import Services, generate, ids_of, token_request
+from tests.integration.services import (
+    NO_SPEC,
+    Services,
+    check_drafter_killed_mid_stream,
+    check_verifier_restarted_mid_stream,
+    generate,
+    ids_of,
+    token_request,
+)
 from tests.support import save_tiny_llama
 
 VOCAB = 49152
 SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
-NO_SPEC = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
 ON_LOOP = ["--engine-calls", "loop"]
 
 
@@ -63,71 +68,13 @@ def test_groups_mode_concurrent_streams_equal_target_only(services: Services) ->
     services.wait_no_pages_used()
 
 
-def _target_only(
-    services: Services, prompts: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """Each prompt's tokens with speculation off, one stream at a time: the reference."""
-    stub = services.gateway()
-    return [
-        ids_of(generate(stub, token_request(p, max_new_tokens, spec=NO_SPEC, ignore_eos=True)))
-        for p in prompts
-    ]
-
-
-def _streams_with_a_fault(
-    services: Services, prompts: list[list[int]], max_new_tokens: int, fault: Callable[[], None]
-) -> list[list[int]]:
-    """Every prompt as its own stream, at once (two groups); `fault()` once the first stream
-    has 6 tokens, while all of them run. The tokens each stream received."""
-    stub = services.gateway()
-    first_tokens = threading.Event()
-
-    def run(i: int) -> list[int]:
-        received: list[int] = []
-        call = stub.Generate(
-            token_request(prompts[i], max_new_tokens, spec=SPEC, ignore_eos=True), timeout=300
-        )
-        for response in call:
-            received += response.token_ids
-            if i == 0 and len(received) >= 6:
-                first_tokens.set()
-        return received
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        running = [pool.submit(run, i) for i in range(len(prompts))]
-        assert first_tokens.wait(120)
-        assert not all(r.done() for r in running)  # the fault lands mid-stream
-        fault()
-        return [r.result() for r in running]
-
-
-def test_groups_drafter_killed_mid_stream_every_stream_keeps_its_tokens(
-    services: Services,
-) -> None:
+def test_groups_drafter_killed_mid_stream_every_stream_keeps_its_tokens(services: Services) -> None:
     prompts = [[(31 * i + 7 * j) % 4000 + 100 for j in range(4 + 3 * i)] for i in range(4)]
-    expected = _target_only(services, prompts, 80)
-    try:
-        received = _streams_with_a_fault(
-            services, prompts, 80, lambda: services.stop("drafter", signal.SIGKILL)
-        )
-    finally:
-        services.start("drafter")
-        services.wait_serving("drafter", 240)
-    assert received == expected  # decoded without drafts meanwhile: the same tokens
-    services.wait_no_pages_used()
+    check_drafter_killed_mid_stream(services, prompts, 80, SPEC)
 
 
 def test_groups_verifier_restarted_mid_stream_every_stream_loses_and_repeats_nothing(
     services: Services,
 ) -> None:
     prompts = [[(17 * i + 5 * j) % 4000 + 100 for j in range(5 + 2 * i)] for i in range(4)]
-    expected = _target_only(services, prompts, 80)
-
-    def restart() -> None:
-        services.stop("verifier", signal.SIGKILL)  # every sequence's KV is gone
-        services.start("verifier")  # the gateway re-prefills each from its own tokens
-
-    received = _streams_with_a_fault(services, prompts, 80, restart)
-    assert received == expected
-    services.wait_serving("verifier", 240)
-    services.wait_no_pages_used()
+    check_verifier_restarted_mid_stream(services, prompts, 80, SPEC)
