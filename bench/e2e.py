@@ -196,6 +196,8 @@ def services(
            "--speculation-gate", getattr(args, "speculation_gate", "off")]  # fmt: skip
     if args.drafter_device:
         cmd += ["--drafter-device", args.drafter_device]
+    if getattr(args, "dtype", None):
+        cmd += ["--dtype", args.dtype]
     cmd += extra
     if args.model:
         cmd += ["--model", args.model]
@@ -325,6 +327,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="verifier's (and HF's) device")
     parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--no-hf", action="store_true", help="no HF rows (specsplit's only)")
+    parser.add_argument("--dtype", default=None, help="specsplit up --dtype (default: its own)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)

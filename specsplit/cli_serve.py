@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ from specsplit.cli_flags import (
     tls_files,
 )
 
+log = logging.getLogger(__name__)
+
 
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
@@ -26,6 +29,19 @@ def _model_path(args: argparse.Namespace) -> str:
     from specsplit.model.loader import embedded_default_model_path
 
     return embedded_default_model_path()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16; elsewhere it is
+    emulated, slower than float32). `--dtype auto` still takes float32 on a CPU, and says so:
+    the embedded default through `specsplit up` on the 2-core VM (Sapphire Rapids, 8 bundled
+    prompts) ran 34.4 tok/s in bfloat16 against 18.6 in float32, but only 4 of 8 streams kept
+    target-only decoding's tokens (8 of 8 in float32): a 4-row verify and a 1-row step tip
+    bf16 near-ties differently, as on a GPU (bench/RESULTS.md)."""
+    import torch
+
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,6 +97,12 @@ def serve_verifier(args: argparse.Namespace) -> int:
     from verifier.main import serve
 
     kwargs = _engine_kwargs(args)
+    if args.dtype == "auto" and kwargs["dtype"] == "float32" and cpu_has_bf16():
+        log.info(
+            "this CPU multiplies bfloat16 natively: --dtype bfloat16 runs ~2x faster, but greedy "
+            "output may then part from target-only decoding at bf16 near-ties (float32, the "
+            "default on a CPU, keeps it token for token)"
+        )
     graphs = {
         "graph_query_lens": graph_query_lens(args),
         "kv_memory_fraction": args.kv_memory_fraction,

@@ -470,3 +470,27 @@ def test_up_gates_speculation_by_default_only_with_the_verifier_on_a_gpu(
     assert cli.parse_args(["serve-gateway"]).speculation_gate == "auto"  # serve_gateway: off
     monkeypatch.setenv("SPECSPLIT_SPECULATION_GATE", "on")
     assert cli.parse_args(["serve-gateway"]).speculation_gate == "on"
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "native"),
+    [(True, False, True), (False, True, True), (False, False, False), (None, None, False)],
+)
+def test_a_cpu_multiplies_bf16_natively_with_amx_or_avx512_bf16(
+    monkeypatch: pytest.MonkeyPatch, amx: bool | None, avx512_bf16: bool | None, native: bool
+) -> None:
+    """The CPU check behind the verifier's hint that --dtype bfloat16 runs faster there (None:
+    a torch without that check)."""
+    import torch
+
+    from specsplit.cli_serve import cpu_has_bf16
+
+    for name, present in (
+        ("_is_amx_tile_supported", amx),
+        ("_is_avx512_bf16_supported", avx512_bf16),
+    ):
+        if present is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda present=present: present)
+    assert cpu_has_bf16() is native
