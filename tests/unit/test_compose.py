@@ -414,7 +414,9 @@ def socket_volume(compose: dict[str, Any], name: str, address: str) -> str:
     raise AssertionError(f"{name}: no volume at {directory}")
 
 
-def _health_server(status: Any) -> tuple[Any, int]:
+def _health_server(status: Any, address: str) -> tuple[Any, str]:
+    """A health service answering `status` on `address` (TCP port 0: a free one); the address
+    it listens on."""
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
 
@@ -422,12 +424,17 @@ def _health_server(status: Any) -> tuple[Any, int]:
     servicer = health.HealthServicer()
     servicer.set("", status)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    bound = server.add_insecure_port("127.0.0.1:0")
+    bound = server.add_insecure_port(address)
+    assert bound
     server.start()
-    return server, bound
+    return server, address if address.startswith("unix:") else f"127.0.0.1:{bound}"
 
 
-def test_the_health_probe_answers_like_the_health_service(base: dict[str, Any]) -> None:
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_the_health_probe_answers_like_the_health_service(
+    base: dict[str, Any], where: str, tmp_path: Path
+) -> None:
+    """On the gateway's TCP port and on an engine's Unix socket (as compose probes them)."""
     pytest.importorskip("grpc_health.v1")
     from grpc_health.v1 import health_pb2
 
@@ -437,16 +444,17 @@ def test_the_health_probe_answers_like_the_health_service(base: dict[str, Any]) 
         argv = [sys.executable, "-c", source, address]
         return subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode
 
+    address = "127.0.0.1:0" if where == "tcp" else f"unix:{tmp_path}/verifier.sock"
     for status, ok in (
         (health_pb2.HealthCheckResponse.SERVING, True),
         (health_pb2.HealthCheckResponse.NOT_SERVING, False),
     ):
-        server, bound = _health_server(status)
+        server, address = _health_server(status, address)
         try:
-            assert (run(f"127.0.0.1:{bound}") == 0) is ok
+            assert (run(address) == 0) is ok
         finally:
-            server.stop(None)
-    assert run(f"127.0.0.1:{bound}") != 0, "nothing listening"
+            server.stop(None).wait()
+    assert run(address) != 0, "nothing listening"
 
 
 # -- commands, flags, environment, ports --------------------------------------------------------
