@@ -347,6 +347,13 @@ class RestartingVerifier(PassThroughVerifier):
         self.engine, self.fail_at = engine, fail_at
         self.calls = 0
 
+    @classmethod
+    def installed(cls, stack: LocalStack, fail_at: int) -> RestartingVerifier:
+        """One in place of the stack scheduler's verifier (its engine the stack's)."""
+        restarting = cls(stack.scheduler.verifier, stack.verifier, fail_at)
+        stack.scheduler.verifier = restarting
+        return restarting
+
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self.calls += 1
         if self.calls == self.fail_at:

@@ -190,8 +190,7 @@ def test_draft_ahead_with_the_drafter_down_decodes_the_same_tokens(
 def test_draft_ahead_survives_a_verifier_restart(models, smollm2_tokenizer, fail_at: int) -> None:
     expected = _target_only(models, smollm2_tokenizer, 2, seed=6)
     stack = _stack(models, smollm2_tokenizer, "self")
-    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
-    stack.scheduler.verifier = restarting
+    restarting = RestartingVerifier.installed(stack, fail_at)
     out = generate_all(stack, _requests(2, seed=6))
     assert [generated_ids(c) for c in out] == expected
     assert restarting.calls > fail_at
@@ -311,8 +310,7 @@ def test_both_survives_faults_and_cancellations(models, smollm2_tokenizer) -> No
     expected = _target_only(models, smollm2_tokenizer, 3, seed=12)
     stack = _stack(models, smollm2_tokenizer, "self", overlap="both")
     stack.scheduler.ahead_max_batch = 2
-    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, 3)
-    stack.scheduler.verifier = restarting
+    RestartingVerifier.installed(stack, 3)
     out = generate_all(stack, _requests(3, seed=12))
     assert [generated_ids(c) for c in out] == expected
     check_no_leaks(stack)
@@ -411,8 +409,7 @@ def test_sampled_requests_are_drafted_first_beside_plain_misses(models, smollm2_
 def test_plain_misses_survive_a_verifier_restart(models, smollm2_tokenizer) -> None:
     expected = _target_only(models, smollm2_tokenizer, 3, seed=6)
     stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
-    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at=4)
-    stack.scheduler.verifier = restarting
+    restarting = RestartingVerifier.installed(stack, 4)
     out = generate_all(stack, _requests(3, 6))
     assert [generated_ids(c) for c in out] == expected
     assert restarting.calls > 4

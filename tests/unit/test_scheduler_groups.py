@@ -182,8 +182,7 @@ def test_groups_survive_a_verifier_restart_with_the_same_tokens(
     lost or repeated."""
     expected = _target_only(models, smollm2_tokenizer, 5, seed=6)
     stack = _stack(models, smollm2_tokenizer, overlap)
-    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at)
-    stack.scheduler.verifier = restarting
+    restarting = RestartingVerifier.installed(stack, fail_at)
     out = generate_all(stack, _requests(5, seed=6))
     assert [generated_ids(c) for c in out] == expected
     assert restarting.calls > fail_at

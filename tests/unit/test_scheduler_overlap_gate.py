@@ -174,8 +174,7 @@ def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
 ) -> None:
     expected = target_only_ids(models["target"], smollm2_tokenizer, _requests(5, 6))
     stack = _gated_stack(models, smollm2_tokenizer)
-    restarting = RestartingVerifier(stack.scheduler.verifier, stack.verifier, fail_at=6)
-    stack.scheduler.verifier = restarting
+    restarting = RestartingVerifier.installed(stack, 6)
     out = generate_all(stack, _requests(5, 6))
     assert [generated_ids(c) for c in out] == expected
     assert restarting.calls > 6
