@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import time
@@ -32,6 +33,13 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import drafter.eagle_proposer as eagle_proposer
+import drafter.expansion as expansion
+import drafter.tree_draft as tree_draft
+import specsplit.kv_cache as kv_cache
+import specsplit.model.batch as model_batch
+import specsplit.model.cuda_graphs as cuda_graphs
+import specsplit.step as step
 from bench.gpu_e2e import random_eagle3_head, random_model
 from bench.gpu_engine import SHAPES
 from bench.profile_step import kernel_time
@@ -59,8 +67,9 @@ class Rounds:
         context: int,
         width: int,
         sampling: SamplingParams,
+        pinned: bool = False,
     ) -> None:
-        self.engine, self.width, self.sampling = engine, width, sampling
+        self.engine, self.width, self.sampling, self.pinned = engine, width, sampling, pinned
         gen = torch.Generator().manual_seed(batch)
         self.tokens = {
             f"s{b}": torch.randint(10, 40000, (context,), generator=gen).tolist()
@@ -69,18 +78,25 @@ class Rounds:
         self.held: dict[str, int] = {}
 
     def run(self, spec: SpecParams, new: int) -> tuple[float, int]:
-        inputs = []
+        inputs, counts = [], []
         for seq_id, tokens in self.tokens.items():
             if seq_id in self.held:
                 tokens += [11 + i for i in range(new)]
             start = min(self.held.get(seq_id, 0), len(tokens) - 1)
             new_tokens = tokens[start:]
-            rows = torch.randn(len(new_tokens) - 1, self.width, dtype=torch.bfloat16)
+            counts.append(len(new_tokens) - 1)
             inputs.append(
-                DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec,
-                           self.sampling, target_hidden_states=rows)
-            )  # fmt: skip
+                DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec, self.sampling)
+            )
             self.held[seq_id] = len(tokens) - 1
+        # the rows back to back in one host buffer, as they come off the round lane (the
+        # drafter's on a GPU reads them into page-locked memory; --pageable-rows: as before)
+        flat = torch.randn(sum(counts), self.width, dtype=torch.bfloat16)
+        if self.pinned:
+            landed = model_batch.pinned_bytes(flat.numel() * flat.element_size())
+            flat = torch.frombuffer(landed, dtype=flat.dtype).reshape(flat.shape).copy_(flat)
+        for item, rows in zip(inputs, flat.split(counts), strict=True):
+            item.target_hidden_states = rows
         begin = time.perf_counter()
         outputs = self.engine.draft(inputs)
         seconds = time.perf_counter() - begin
@@ -103,6 +119,69 @@ class Rounds:
 
     def release(self) -> None:
         self.engine.release(list(self.tokens))
+
+
+class Phases:
+    """Host time inside chosen functions (no syncs added), summed per round: where a round's
+    host time goes without cProfile's cost per call. Nested phases count in each."""
+
+    def __init__(self, engine: DrafterEngine) -> None:
+        proposer = engine.proposer
+        runner = proposer.device_expansion_runner  # type: ignore[attr-defined]
+        self.seconds: dict[str, float] = {}
+        targets = [
+            (engine, "_validate"),
+            (proposer, "propose"),
+            (proposer, "add_features"),
+            (proposer, "_roots"),
+            (proposer, "_forward_rows"),
+            (proposer, "_expand"),
+            (proposer.head, "fuse"),  # type: ignore[attr-defined]
+            (proposer, "_tree_logits"),
+            (cuda_graphs.CudaGraphRunner, "forward"),
+            (cuda_graphs._Buffers, "fill"),
+            (expansion.DeviceExpansion, "_run"),
+            (expansion.DeviceExpansion, "_load"),
+            (step, "build_forward_batch"),
+            (step, "causal_step"),
+            (model_batch, "copy_rows"),
+            (model_batch.HostRows, "join"),
+            (kv_cache.KVCache, "reserve"),
+            (kv_cache.KVCache, "trim"),
+            (proposer, "truncate"),
+            (torch.cuda.Stream, "synchronize"),
+        ]
+        if runner is not None:
+            targets.append((runner, "expand"))
+        for owner, name in targets:
+            self._wrap(owner, name)
+        for module in (tree_draft, eagle_proposer):  # imported by name there
+            for name in ("build_forward_batch", "causal_step"):
+                if hasattr(module, name):
+                    setattr(module, name, getattr(step, name))
+
+    def _wrap(self, owner: object, name: str) -> None:
+        fn = getattr(owner, name)
+        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        seconds = self.seconds
+        seconds[label] = 0.0
+
+        def timed(*args: object, **kwargs: object) -> object:
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - begin
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        for label in self.seconds:
+            self.seconds[label] = 0.0
+
+    def report(self, rounds: int) -> None:
+        for label, seconds in self.seconds.items():
+            print(f"  {label:40s} {1e3 * seconds / rounds:7.3f} ms/round")
 
 
 def kernel_profile(rounds: Rounds, spec: SpecParams, new: int, count: int) -> None:
@@ -143,10 +222,23 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--host-expansion", action="store_true")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=["pinned", "pageable"],
+        default=["pinned"],
+        help="where each round's feature rows are on the host: page-locked (as the drafter's "
+        "round lane reads them on a GPU) or pageable (before; over gRPC); each is timed",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="host time inside the round's main functions, ms a round (no syncs added)",
     )
     parser.add_argument(
         "--torch-profile",
@@ -180,17 +272,21 @@ def main() -> None:
         proposer.device_expansion = False  # type: ignore[attr-defined]
     width = proposer.feature_width  # type: ignore[attr-defined]
     label = "host expansion" if args.host_expansion else "default"
+    phases = Phases(engine) if args.phases else None
     for spec in map(parse_shape, args.shape):
-        for batch in args.batch:
+        for batch, rows_kind in itertools.product(args.batch, args.rows):
+            pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (
                 SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
             )
-            rounds = Rounds(engine, batch, args.context, width, sampling)
+            rounds = Rounds(engine, batch, args.context, width, sampling, pinned)
             rounds.run(spec, args.new)  # prefill
             for _ in range(5):
                 rounds.run(spec, args.new)
             times, nodes, ahead_times, outcomes = [], 0, [], 0
             profiler = cProfile.Profile() if args.profile else None
+            if phases is not None:
+                phases.reset()
             for i in range(args.rounds + (3 if args.ahead else 0)):
                 if profiler is not None:
                     profiler.enable()
@@ -202,6 +298,8 @@ def main() -> None:
                 if profiler is not None:
                     profiler.disable()
                 times.append(1e3 * seconds)
+            if phases is not None:
+                phases.report(len(times))
             if args.torch_profile:
                 kernel_profile(rounds, spec, args.new, args.rounds)
             rounds.release()
@@ -214,7 +312,8 @@ def main() -> None:
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(
-                f"{label}: spec {spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
+                f"{label}, {rows_kind} rows: spec "
+                f"{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "
                 f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"
             )

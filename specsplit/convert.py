@@ -89,7 +89,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def tensor_from_proto(
-    msg: common_pb2.Tensor, field: str = "tensor", beside: bytearray | None = None
+    msg: common_pb2.Tensor, field: str = "tensor", beside: bytearray | memoryview | None = None
 ) -> torch.Tensor:
     """A new (writable, CPU) tensor with the message's contents. beside: its contents as they
     came beside the message (the round lane; the message's own data then empty), taken as the
@@ -111,7 +111,8 @@ def tensor_from_proto(
         )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    storage = data if isinstance(data, bytearray) else bytearray(data)
+    # a lane's buffer is taken as it is (writable; page-locked where the drafter is on a GPU)
+    storage = data if isinstance(data, bytearray | memoryview) else bytearray(data)
     return torch.frombuffer(storage, dtype=dtype).reshape(shape)
 
 
@@ -133,7 +134,10 @@ def _fill_rows(
 
 
 def _split_rows(
-    msg: common_pb2.Tensor, counts: list[int | None], field: str, beside: bytearray | None
+    msg: common_pb2.Tensor,
+    counts: list[int | None],
+    field: str,
+    beside: bytearray | memoryview | None,
 ) -> list[torch.Tensor | None]:
     """Each sequence's rows of a round's one tensor message (views of one copy), by the row
     counts its sequences carry (None: the sequence has none, not even an empty tensor)."""
@@ -162,7 +166,7 @@ class Beside:
     message's bytes instead of in its tensor field (the round lane: sent from the tensor's own
     memory and read straight into the receiver's, where the field costs ~5 copies a hop of up
     to 3 MB a round). The field keeps the rows' dtype and shape; a parser is given the bytes
-    that came beside (`bytearray`, taken as the tensor's storage)."""
+    that came beside (a writable buffer, taken as the tensor's storage)."""
 
     rows: torch.Tensor | None = None  # None: the message has no rows
 
@@ -368,13 +372,18 @@ def _row_counts(per_sequence: list[torch.Tensor | None]) -> list[int]:
 
 
 def _rows_of(
-    msg: Any, counts: Any, num_seqs: int, field: str, count_field: str, beside: bytearray | None
+    msg: Any,
+    counts: Any,
+    num_seqs: int,
+    field: str,
+    count_field: str,
+    beside: bytearray | memoryview | None,
 ) -> list[Any]:
     column = _column(counts, num_seqs, count_field, default=-1)
     return _split_rows(msg, [None if n == -1 else n for n in column], field, beside)
 
 
-def _nothing_beside(beside: bytearray | None, message: str) -> None:
+def _nothing_beside(beside: bytearray | memoryview | None, message: str) -> None:
     """A message that carries no rows: refuse bytes that came beside it."""
     if beside:
         raise invalid(f"{len(beside)} bytes beside a {message}, which carries no rows")
@@ -414,7 +423,7 @@ def draft_request_to_proto(
 
 
 def draft_request_from_proto(
-    msg: drafter_pb2.DraftRequest, beside: bytearray | None = None
+    msg: drafter_pb2.DraftRequest, beside: bytearray | memoryview | None = None
 ) -> list[DraftInput]:
     """beside: the feature rows' bytes that came beside the message (`Beside`)."""
     seq_ids = list(msg.seq_ids)
@@ -478,7 +487,7 @@ def draft_response_to_proto(
 
 
 def draft_response_from_proto(
-    msg: drafter_pb2.DraftResponse, beside: bytearray | None = None
+    msg: drafter_pb2.DraftResponse, beside: bytearray | memoryview | None = None
 ) -> list[DraftOutput]:
     _nothing_beside(beside, "DraftResponse")
     seq_ids = list(msg.seq_ids)
@@ -542,7 +551,7 @@ def verify_request_to_proto(
 
 
 def verify_request_from_proto(
-    msg: verifier_pb2.VerifyRequest, beside: bytearray | None = None
+    msg: verifier_pb2.VerifyRequest, beside: bytearray | memoryview | None = None
 ) -> list[VerifyInput]:
     _nothing_beside(beside, "VerifyRequest")
     seq_ids = list(msg.seq_ids)
@@ -597,7 +606,7 @@ def verify_response_to_proto(
 
 
 def verify_response_from_proto(
-    msg: verifier_pb2.VerifyResponse, beside: bytearray | None = None
+    msg: verifier_pb2.VerifyResponse, beside: bytearray | memoryview | None = None
 ) -> list[VerifyOutput]:
     """beside: the hidden-state rows' bytes that came beside the message (`Beside`)."""
     seq_ids = list(msg.seq_ids)

@@ -237,7 +237,7 @@ class EngineServicer(Generic[EngineT]):
                 yield response
 
     async def round_in(
-        self, scope: Scope, request: Any, beside: bytearray | None = None
+        self, scope: Scope, request: Any, beside: bytearray | memoryview | None = None
     ) -> tuple[Any, memoryview | bytes]:
         """One round of the service's `round` (its RoundRpc and engine call) for a client in
         `scope`: the request parsed, the engine's call timed and traced, the response and the
@@ -259,8 +259,12 @@ class EngineServicer(Generic[EngineT]):
 
     async def serve_lane(self, path: str) -> None:
         """Serve the round lane (specsplit.lane) on the Unix socket `path`."""
-        self.lane = LaneServer(self, path, self.round_call[0].request_type)
+        self.lane = LaneServer(self, path, self.round_call[0].request_type, self.rows_buffer)
         await self.lane.start()
+
+    def rows_buffer(self, num_bytes: int) -> bytearray | memoryview:
+        """Where a lane request's rows are read (`LaneServer`): host memory of its own."""
+        return bytearray(num_bytes)
 
     async def close_lane(self) -> None:
         if self.lane is not None:

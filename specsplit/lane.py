@@ -17,7 +17,8 @@ the gateway takes the lane unless `--round-lane off`.
 A round's feature rows (a Verify answer's hidden states, a Draft request's target features)
 travel as `rows`, their raw bytes beside the message (`convert.Beside`; its tensor field keeps
 dtype and shape): sent from the tensor's own memory and read straight into the buffer that
-becomes the receiver's tensor. In the message they cost ~5 copies a hop (the tensor's bytes,
+becomes the receiver's tensor (a drafter on a GPU: page-locked memory, `LaneServer`'s
+`rows_buffer`). In the message they cost ~5 copies a hop (the tensor's bytes,
 protobuf's field, its serialization, its parse, a writable copy), ~3 ms for the 3 MB of a
 batch-32 round at an 8B head's width on a 2-core VM (bench/lane_rows.py).
 
@@ -48,6 +49,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from google.protobuf.message import DecodeError
@@ -91,10 +93,13 @@ def lane_path(address: str) -> str | None:
     return path + LANE_SUFFIX
 
 
+Writable = bytearray | memoryview  # a frame's buffers, written in place as they are read
+
+
 class Frame(NamedTuple):
     kind: int  # a request's kind, a response's status
     body: bytearray  # the message (or an error's text)
-    rows: bytearray  # the feature rows' bytes beside it (empty: none)
+    rows: Writable  # the feature rows' bytes beside it (empty: none)
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -102,10 +107,13 @@ class FrameStream(asyncio.BufferedProtocol):
     are queued for `read`, except a frame too long for it, whose body and rows are read
     straight into buffers of their own lengths (no copy of their bytes but the few that came
     with the header); `write` sends a small frame in one piece, a long one as its header and
-    body and its rows as they are."""
+    body and its rows as they are. `rows_buffer(n)`: the writable buffer a long frame's n
+    bytes of rows are read into (a drafter on a GPU: page-locked memory, so that the rows
+    cross to the device from where they landed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows_buffer: Callable[[int], Writable] = bytearray) -> None:
         self.transport: asyncio.Transport | None = None
+        self._rows_buffer = rows_buffer
         self._scratch = bytearray(SCRATCH_BYTES)
         self._held = 0  # bytes of the scratch buffer not yet taken as frames
         self._long: Frame | None = None  # a long frame being read into its own buffers
@@ -161,7 +169,7 @@ class FrameStream(asyncio.BufferedProtocol):
                 self._frames.append(Frame(kind, body, scratch[rows_at : rows_at + rows_len]))
                 at = rows_at + rows_len
             elif HEADER.size + length > len(scratch):  # read the rest into its own buffers
-                long = Frame(kind, bytearray(body_len), bytearray(rows_len))
+                long = Frame(kind, bytearray(body_len), self._rows_buffer(rows_len))
                 part = min(came, body_len)
                 long.body[:part] = scratch[body_at : body_at + part]
                 long.rows[: came - part] = scratch[body_at + part : self._held]
@@ -370,7 +378,7 @@ class LaneService(Protocol):
     scopes: ConnectionScopes
 
     async def round_in(
-        self, scope: Scope, request: Any, beside: bytearray | None = None
+        self, scope: Scope, request: Any, beside: bytearray | memoryview | None = None
     ) -> tuple[Any, Buffer]: ...
 
     async def release_in(
@@ -386,10 +394,17 @@ class LaneServer:
     """The service's end: a Unix socket server on the service's event loop. Each connection
     says HELLO with its token, then asks one request at a time in the token's scope."""
 
-    def __init__(self, service: LaneService, path: str, request_type: Any) -> None:
+    def __init__(
+        self,
+        service: LaneService,
+        path: str,
+        request_type: Any,
+        rows_buffer: Callable[[int], Writable] = bytearray,
+    ) -> None:
         self.service = service
         self.path = path
         self.request_type = request_type  # the round's request message class
+        self.rows_buffer = rows_buffer  # where long requests' rows land (FrameStream)
         self._server: asyncio.Server | None = None
         self._streams: set[FrameStream] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -420,7 +435,7 @@ class LaneServer:
     def _accept(self) -> FrameStream:
         """A new connection's stream, served by a task of its own (it starts once the
         connection is made: the task's first step runs after the transport's)."""
-        stream = FrameStream()
+        stream = FrameStream(self.rows_buffer)
         self._streams.add(stream)
         task = asyncio.get_running_loop().create_task(self._connection(stream))
         self._tasks.add(task)

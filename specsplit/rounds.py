@@ -33,9 +33,9 @@ class RoundRpc(Generic[In, Out]):
     response_type: Any
     # the conversions; a message's feature rows beside it (convert.Beside) or, given None, in it
     request_to_proto: Callable[[list[In], convert.Beside | None], Any]
-    request_from_proto: Callable[[Any, bytearray | None], list[In]]
+    request_from_proto: Callable[[Any, bytearray | memoryview | None], list[In]]
     response_to_proto: Callable[[list[Out], int, convert.Beside | None], Any]  # engine ns
-    response_from_proto: Callable[[Any, bytearray | None], list[Out]]
+    response_from_proto: Callable[[Any, bytearray | memoryview | None], list[Out]]
     engine_ns: Callable[[Any], int]  # the engine time a response reports
     seconds: Histogram  # engine time on the service, round trip on the gateway
 

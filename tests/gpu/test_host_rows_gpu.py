@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.model.batch import HostRows
+from specsplit.model.batch import HostRows, pinned_bytes
 from tests.unit.test_host_rows import parts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -36,3 +36,21 @@ def test_host_rows_join_of_one_pinned_buffers_rows_copies_from_it() -> None:
     shuffled = host_rows.join([pinned[2:7], pinned[0:2]], CUDA)  # not in order: through it
     assert torch.equal(shuffled.cpu(), torch.cat([pinned[2:7], pinned[0:2]]))
     assert host_rows.buffer is not None
+
+
+def test_rows_read_into_pinned_bytes_cross_from_there_and_stay_held_until_copied() -> None:
+    """A Draft's rows as the drafter's round lane reads them (`pinned_bytes`, taken by
+    torch.frombuffer, split per sequence): page-locked, so they cross in one copy straight
+    from where they landed, and HostRows holds them until that copy is done (the next join)."""
+    rows = torch.randn(9, 12288).to(torch.bfloat16)
+    buffer = pinned_bytes(rows.numel() * rows.element_size())
+    landed = torch.frombuffer(buffer, dtype=torch.bfloat16).reshape(rows.shape)
+    landed.copy_(rows)
+    assert landed.is_pinned()
+    parts = list(landed.split([2, 0, 7]))
+    host_rows = HostRows()
+    out = host_rows.join(parts, CUDA)
+    assert host_rows.buffer is None and host_rows.sources == parts
+    assert torch.equal(out.cpu(), rows)
+    host_rows.join([torch.randn(3, 8)], CUDA)  # pageable: through its own buffer
+    assert host_rows.sources == [] and host_rows.buffer is not None

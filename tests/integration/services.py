@@ -254,6 +254,25 @@ def target_only(
     ]
 
 
+def check_eagle_rounds_equal_target_only(
+    services: Services, prompts: list[list[int]], max_new_tokens: int, spec: Any
+) -> None:
+    """Each prompt speculated with an EAGLE head (`spec`) gives its target-only tokens, after
+    rounds that drafted; then no KV is left, and the drafter got its features and drafted (a
+    failing Draft is logged as "drafter failed (...)" and its round goes on without drafts)."""
+    stub = services.gateway()
+    for prompt in prompts:
+        speculative = generate(
+            stub, token_request(prompt, max_new_tokens, spec=spec, ignore_eos=True)
+        )
+        plain = generate(stub, token_request(prompt, max_new_tokens, spec=NO_SPEC, ignore_eos=True))
+        assert ids_of(speculative) == ids_of(plain)
+        assert speculative[-1].spec_stats.rounds >= 1
+    services.wait_no_pages_used()
+    assert "drafter failed" not in services.log("gateway")
+    assert "Traceback" not in services.log("drafter")
+
+
 def streams_with_a_fault(
     services: Services,
     prompts: list[list[int]],

@@ -12,7 +12,7 @@ import torch
 from specsplit.model.loader import load_model
 from specsplit.v1 import common_pb2
 from tests.eagle_random import save_random_eagle, save_random_eagle3
-from tests.integration.services import Services, generate, ids_of, token_request
+from tests.integration.services import Services, check_eagle_rounds_equal_target_only
 from tests.support import save_tiny_llama
 
 SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
@@ -43,17 +43,7 @@ def services(
 
 
 def test_eagle3_over_the_services_equals_target_only_and_frees_kv(services: Services) -> None:
-    stub = services.gateway()
     prompts = [[100 + 7 * i + j for j in range(5 + 3 * i)] for i in range(3)]
-    for prompt in prompts:
-        speculative = generate(stub, token_request(prompt, 12, spec=SPEC, ignore_eos=True))
-        plain = generate(stub, token_request(prompt, 12, spec=NO_SPEC, ignore_eos=True))
-        assert ids_of(speculative) == ids_of(plain)
-        assert speculative[-1].spec_stats.rounds >= 1
-    services.wait_no_pages_used()
-    # the drafter received features and drafted: a failing Draft call is logged as
-    # "drafter failed (...)" and the round goes on without drafts
-    assert "drafter failed" not in services.log("gateway")
-    assert "Traceback" not in services.log("drafter")
+    check_eagle_rounds_equal_target_only(services, prompts, 12, SPEC)
     if services.unix_dir is not None:
         assert "round lane on" in services.log("drafter") + services.log("verifier")

@@ -451,6 +451,28 @@ def test_rows_beside_a_message_are_its_tensor_and_must_fit_it() -> None:
         convert.verify_response_from_proto(rowless, bytearray(4))
 
 
+def test_rows_beside_in_a_buffer_of_the_lanes_are_read_in_place() -> None:
+    """A Draft's rows read by the round lane into a buffer it was given (the drafter's
+    page-locked memory on a GPU, a memoryview): each sequence's rows are views of that
+    buffer's memory, not a copy."""
+    rows = torch.randn(5, 6).to(torch.bfloat16)
+    inputs = [
+        DraftInput("a", True, 0, [1, 2, 3], SpecParams(3, 1, 3), target_hidden_states=rows[:2]),
+        DraftInput("b", True, 0, [4, 5, 6, 7], SpecParams(3, 1, 3), target_hidden_states=rows[2:]),
+    ]
+    beside = convert.Beside()
+    msg = _wire(convert.draft_request_to_proto(inputs, beside))
+    landed = torch.zeros(rows.numel() * rows.element_size(), dtype=torch.uint8)
+    landed.copy_(rows.reshape(-1).view(torch.uint8))
+    buffer = memoryview(landed.numpy().data)
+    a, b = convert.draft_request_from_proto(msg, buffer)
+    assert torch.equal(a.target_hidden_states, rows[:2])  # type: ignore[arg-type]
+    assert torch.equal(b.target_hidden_states, rows[2:])  # type: ignore[arg-type]
+    assert a.target_hidden_states.data_ptr() == landed.data_ptr()  # type: ignore[union-attr]
+    landed.zero_()  # the same memory
+    assert not a.target_hidden_states.any() and not b.target_hidden_states.any()  # type: ignore[union-attr]
+
+
 def test_a_rounds_draft_probabilities_travel_as_one_message_each_tree_its_rows() -> None:
     """Sequences with sampled chains of different lengths and supports, between greedy ones:
     their rows back to back in one DraftProbs (supports padded to the widest), each read back

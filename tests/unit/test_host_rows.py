@@ -75,6 +75,13 @@ def test_join_rows_of_one_answer_split_in_order_is_a_view_of_it() -> None:
     assert torch.equal(copied, torch.cat(reordered))
     skipping = [answer[:2], answer[3:5]]  # a row left out between them
     assert torch.equal(join_rows(skipping), torch.cat(skipping))
+    raw = bytearray(torch.randn(16).numpy().tobytes())  # two storages, one after the other
+    first = torch.frombuffer(raw, dtype=torch.float32, count=8).reshape(2, 4)
+    second = torch.frombuffer(raw, dtype=torch.float32, count=8, offset=32).reshape(2, 4)
+    assert second.data_ptr() == first.data_ptr() + 32
+    apart = join_rows([first, second])  # not a view past the first one's storage
+    assert apart.data_ptr() != first.data_ptr()
+    assert torch.equal(apart, torch.cat([first, second]))
 
 
 def test_join_rows_refuses_mixed_widths_and_dtypes() -> None:

@@ -25,6 +25,7 @@ from specsplit.lane import (
     SCRATCH_BYTES,
     SOCKET_BUFFER_BYTES,
     STATUS,
+    Frame,
     FrameStream,
     Kind,
     lane_path,
@@ -392,6 +393,31 @@ def test_frames_split_anywhere_by_the_socket_come_out_whole_and_in_order(chunk: 
         return [(kind, bytes(body), bytes(rows)) for kind, body, rows in read]
 
     assert asyncio.run(read_all()) == frames
+
+
+def test_a_long_frames_rows_land_in_the_buffer_the_stream_was_given() -> None:
+    """`FrameStream(rows_buffer)`: a long frame's rows are read into a buffer it makes (the
+    drafter's page-locked memory on a GPU), the bytes that came with the header included;
+    rows that come whole in the scratch buffer stay a copy of their own."""
+    made: list[memoryview] = []
+
+    def rows_buffer(n: int) -> memoryview:
+        made.append(memoryview(bytearray(n)))
+        return made[-1]
+
+    long_rows, short_rows = os.urandom(3 * SCRATCH_BYTES + 11), os.urandom(40)
+    stream = FrameStream(rows_buffer)
+    stream.connection_made(_Transport())
+    data = frame(Kind.ROUND, b"body", long_rows) + frame(Kind.ROUND, b"short", short_rows)
+    _feed(stream, data, 4096)
+
+    async def read_two() -> tuple[Frame, Frame]:
+        return await stream.read(), await stream.read()
+
+    first, second = asyncio.run(read_two())
+    assert len(made) == 1 and first.rows is made[0] and bytes(first.rows) == long_rows
+    assert bytes(first.body) == b"body"
+    assert isinstance(second.rows, bytearray) and bytes(second.rows) == short_rows
 
 
 def test_a_frame_over_the_limit_or_a_lost_connection_ends_the_reads() -> None:
