@@ -139,7 +139,8 @@ def scrape_totals() -> Totals:
     draft-ahead's rounds and decode steps run ahead by outcome, (process,
     "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
-    / "..._count:<service>")."""
+    / "..._count:<service>"), and its RPCs' stages on the round lane, (process,
+    "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:...")."""
     totals: Totals = Counter()
     for process, sample in _samples():
         if sample.name.endswith(("_sum", "_count")) and not sample.labels:
@@ -149,6 +150,12 @@ def scrape_totals() -> Totals:
             totals[(process, key)] = float(sample.value)
         elif sample.name.startswith("specsplit_rpc_overhead_seconds_"):
             key = f"{sample.name}:{sample.labels['service']}"
+            totals[(process, key)] = float(sample.value)
+        elif sample.name in (
+            "specsplit_rpc_stage_seconds_sum",
+            "specsplit_rpc_stage_seconds_count",
+        ):
+            key = f"{sample.name}:{sample.labels['service']}:{sample.labels['stage']}"
             totals[(process, key)] = float(sample.value)
     return totals
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from bench.acceptance import bundled_prompts
 from bench.e2e import scrape_totals, services
 from bench.overlap import TARGET_ONLY, run_batch
+from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 
@@ -83,6 +84,15 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
         seconds = totals[(process, f"{name}_sum{label}")]
         mean = f"{1e3 * seconds / calls:.3f} ms" if calls else "-"
         print(f"  {process} {name}{label}: {calls:.0f} x {mean}")
+    for service in ("verifier", "drafter"):
+        means = []
+        for stage in RPC_STAGES:
+            key = f"specsplit_rpc_stage_seconds_{{}}:{service}:{stage}"
+            calls = totals[("gateway", key.format("count"))]
+            if calls:
+                means.append(f"{stage} {1e3 * totals[('gateway', key.format('sum'))] / calls:.3f}")
+        if means:  # the round lane's RPCs only
+            print(f"  gateway {service} RPC stages, mean ms: {', '.join(means)}")
 
 
 def main() -> None:

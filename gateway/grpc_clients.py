@@ -159,10 +159,11 @@ class StreamClient(Generic[In, Out]):
     async def round(self, inputs: list[In]) -> list[Out]:
         """One round on an idle stream (or lane connection): inputs out, outputs back, timed
         and traced. Rounds in flight at once must name disjoint sequences."""
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         beside = convert.Beside()  # on the lane a round's rows go beside its messages
         request = self.rpc.request_to_proto(inputs, None if self.lane is None else beside)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
+        stamps = None
         with metrics.timed(self.rpc.seconds):
             if self.lane is None:
                 async with self.streams.lent() as stream:
@@ -170,14 +171,33 @@ class StreamClient(Generic[In, Out]):
                 rows = None
             else:
                 body = request.SerializeToString()
+                sent = time.perf_counter_ns()
                 answer = await self.lane.request(Kind.ROUND, body, beside.data())
+                stamps = (start, sent, time.perf_counter_ns())
                 response = self.rpc.response_type.FromString(answer.body)
                 rows = answer.rows
         outputs = self.rpc.response_from_proto(response, rows)
-        self.last_engine_seconds = self.rpc.engine_ns(response) / 1e9
-        overhead = time.perf_counter() - start - self.last_engine_seconds
-        metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(max(overhead, 0.0))
+        end = time.perf_counter_ns()
+        engine_ns = self.rpc.engine_ns(response)
+        self.last_engine_seconds = engine_ns / 1e9
+        metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(
+            max(end - start - engine_ns, 0) / 1e9
+        )
+        if stamps is not None and response.received_ns and response.answered_ns:
+            self._observe_stages(*stamps, response.received_ns, response.answered_ns, end)
         return outputs
+
+    def _observe_stages(self, *stamps: int) -> None:
+        """The lane round's stages (metrics.RPC_STAGES) from its six stamps in order: started,
+        sent, answer read (the gateway's clock), received, answered (the service's: the same
+        clock on the one host a Unix socket joins), converted. Reordered: (start, sent,
+        received, answered, answer read, converted)."""
+        start, sent, got, received, answered, end = stamps
+        ordered = (start, sent, received, answered, got, end)
+        for stage, begin, finish in zip(metrics.RPC_STAGES, ordered[:-1], ordered[1:], strict=True):
+            metrics.RPC_STAGE_SECONDS.labels(self.service, stage).observe(
+                max(finish - begin, 0) / 1e9
+            )
 
     async def release(self, seq_ids: list[str]) -> None:
         if not seq_ids:

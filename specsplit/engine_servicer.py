@@ -237,13 +237,19 @@ class EngineServicer(Generic[EngineT]):
                 yield response
 
     async def round_in(
-        self, scope: Scope, request: Any, beside: bytearray | memoryview | None = None
+        self,
+        scope: Scope,
+        request: Any,
+        beside: bytearray | memoryview | None = None,
+        received_ns: int | None = None,
     ) -> tuple[Any, memoryview | bytes]:
         """One round of the service's `round` (its RoundRpc and engine call) for a client in
         `scope`: the request parsed, the engine's call timed and traced, the response and the
         bytes of its rows beside it. beside: the request's rows' bytes that came beside it
         (the round lane); then the response's rows go beside it too. None (gRPC): rows in the
-        messages, nothing beside."""
+        messages, nothing beside. received_ns: when the request had been read (the lane's
+        frame, before its parse; default: now), stamped in the response with the time it
+        was built (`time.perf_counter_ns`: CLOCK_MONOTONIC on Linux, one clock per host)."""
         rpc = self.round_call[0]
         start_ns = time.perf_counter_ns()
         inputs = scope.enter(rpc.request_from_proto(request, beside))
@@ -253,7 +259,9 @@ class EngineServicer(Generic[EngineT]):
         rpc.seconds.observe(engine_ns / 1e9)
         rows = None if beside is None else convert.Beside()
         response = rpc.response_to_proto(scope.leave(outputs), engine_ns, rows)
-        overhead_ns = time.perf_counter_ns() - start_ns - engine_ns
+        response.received_ns = start_ns if received_ns is None else received_ns
+        response.answered_ns = time.perf_counter_ns()
+        overhead_ns = response.answered_ns - start_ns - engine_ns
         metrics.SERVICE_OVERHEAD_SECONDS.observe(max(overhead_ns, 0) / 1e9)
         return response, b"" if rows is None else rows.data()
 

@@ -378,7 +378,11 @@ class LaneService(Protocol):
     scopes: ConnectionScopes
 
     async def round_in(
-        self, scope: Scope, request: Any, beside: bytearray | memoryview | None = None
+        self,
+        scope: Scope,
+        request: Any,
+        beside: bytearray | memoryview | None = None,
+        received_ns: int | None = None,
     ) -> tuple[Any, Buffer]: ...
 
     async def release_in(
@@ -460,10 +464,11 @@ class LaneServer:
         """One request's (status, body, rows): the answer, or its refusal's status and
         message."""
         kind, body, rows = frame
+        received_ns = time.perf_counter_ns()  # the frame is read: the round's stages start here
         try:
             if kind == Kind.ROUND:
                 request = self.request_type.FromString(body)
-                answer, answer_rows = await self.service.round_in(scope, request, rows)
+                answer, answer_rows = await self.service.round_in(scope, request, rows, received_ns)
                 return 0, answer.SerializeToString(), answer_rows
             if rows:
                 raise ServiceError(Code.INVALID_ARGUMENT, f"rows beside a request of kind {kind}")

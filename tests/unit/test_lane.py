@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from gateway.grpc_clients import GrpcVerifierClient
 from specsplit import convert
@@ -32,6 +34,7 @@ from specsplit.lane import (
     new_token,
 )
 from specsplit.messages import Truncation, VerifyInput, VerifyOutput
+from specsplit.metrics import RPC_STAGES
 from specsplit.scopes import client_key
 from specsplit.server import ServiceHost
 from specsplit.tree import DraftTree
@@ -130,6 +133,56 @@ def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(
             await lane.release(["a"])
             await grpc_only.release(["a"])
             assert _engine(host).num_pages_used == 0
+        finally:
+            await lane.close()
+            await grpc_only.close()
+
+    _with_verifier(target, tmp_path, body)
+
+
+def _stage_totals(service: str) -> dict[str, tuple[float, float]]:
+    """(count, sum in seconds) of the gateway's RPC stages for `service`, by stage."""
+    sample = REGISTRY.get_sample_value
+    return {
+        stage: (
+            sample("specsplit_rpc_stage_seconds_count", {"service": service, "stage": stage}) or 0,
+            sample("specsplit_rpc_stage_seconds_sum", {"service": service, "stage": stage}) or 0,
+        )
+        for stage in RPC_STAGES
+    }
+
+
+def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
+    target: Path, tmp_path: Path
+) -> None:
+    """On the lane (one host, one clock) each round's RPC is observed in its five stages from
+    the service's stamps (received, answered) between the gateway's own: together they are
+    the round trip, its service stage holds the engine call, and none is negative. Over gRPC
+    (maybe another host) no stage is observed."""
+
+    async def body(host: ServiceHost, address: str) -> None:
+        lane = GrpcVerifierClient(address)
+        grpc_only = GrpcVerifierClient(address, round_lane=False)
+        try:
+            await _decode(grpc_only, "g", 2)
+            before = _stage_totals("verifier")
+            spans, engine = [], 0.0
+            (out,) = await lane.verify([VerifyInput("a", True, 0, PROMPT, DraftTree())])
+            for _ in range(5):
+                begin = time.perf_counter()
+                (out,) = await lane.verify([_next("a", out)])
+                spans.append(time.perf_counter() - begin)
+                engine += lane.last_engine_seconds
+            await _decode(grpc_only, "g2", 2)
+            after = _stage_totals("verifier")
+            grown = {s: (after[s][0] - before[s][0], after[s][1] - before[s][1]) for s in after}
+            assert all(count == 6 for count, _ in grown.values()), grown  # lane rounds only
+            assert all(seconds >= 0 for _, seconds in grown.values()), grown
+            total = sum(seconds for _, seconds in grown.values())
+            first = total - sum(spans)  # the prefill round's stages, at most its round trip
+            assert first > 0 and grown["service"][1] >= engine
+            for client, seq_id in ((lane, "a"), (grpc_only, "g"), (grpc_only, "g2")):
+                await client.release([seq_id])
         finally:
             await lane.close()
             await grpc_only.close()
