@@ -93,7 +93,9 @@ class Rounds:
         # drafter's on a GPU reads them into page-locked memory; --pageable-rows: as before)
         flat = torch.randn(sum(counts), self.width, dtype=torch.bfloat16)
         if self.pinned:
-            landed = model_batch.pinned_bytes(flat.numel() * flat.element_size())
+            landed = model_batch.pinned_bytes(
+                flat.numel() * flat.element_size(), self.engine.proposer.device
+            )
             flat = torch.frombuffer(landed, dtype=flat.dtype).reshape(flat.shape).copy_(flat)
         for item, rows in zip(inputs, flat.split(counts), strict=True):
             item.target_hidden_states = rows

@@ -39,4 +39,4 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
         if not self._pinned_rows:
             self._pinned_rows = True
             log.info("drafter: the round lane reads feature rows into page-locked memory")
-        return pinned_bytes(num_bytes)
+        return pinned_bytes(num_bytes, engine.proposer.device)

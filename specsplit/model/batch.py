@@ -167,11 +167,15 @@ def _back_to_back(parts: list[torch.Tensor]) -> bool:
     return end <= storage.data_ptr() + storage.nbytes()
 
 
-def pinned_bytes(num_bytes: int) -> memoryview:
+def pinned_bytes(num_bytes: int, device: torch.device) -> memoryview:
     """`num_bytes` of page-locked host memory (torch's caching host allocator) as a writable
     buffer that keeps it alive: a tensor made on it (torch.frombuffer) crosses to a GPU
-    asynchronously. Its holder must keep it until such a copy has finished (HostRows does)."""
-    return memoryview(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy().data)
+    asynchronously. Its holder must keep it until such a copy has finished (HostRows does).
+    Allocated with `device` current (the thread's default, cuda:0, would get a CUDA context
+    of its own in a process whose engine is on another GPU)."""
+    with on_device(device):
+        pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return memoryview(pinned.numpy().data)
 
 
 class HostRows:

@@ -43,7 +43,7 @@ def test_rows_read_into_pinned_bytes_cross_from_there_and_stay_held_until_copied
     torch.frombuffer, split per sequence): page-locked, so they cross in one copy straight
     from where they landed, and HostRows holds them until that copy is done (the next join)."""
     rows = torch.randn(9, 12288).to(torch.bfloat16)
-    buffer = pinned_bytes(rows.numel() * rows.element_size())
+    buffer = pinned_bytes(rows.numel() * rows.element_size(), CUDA)
     landed = torch.frombuffer(buffer, dtype=torch.bfloat16).reshape(rows.shape)
     landed.copy_(rows)
     assert landed.is_pinned()
