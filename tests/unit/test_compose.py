@@ -63,6 +63,7 @@ KNOWN_METRICS = {
     "specsplit_decode_ahead_total",
     "specsplit_draft_ahead_total",
     "specsplit_decoded_tokens_total",
+    "specsplit_rpc_stage_seconds",
 }
 
 
