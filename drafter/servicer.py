@@ -27,6 +27,7 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
     round_call = (rounds.DRAFT, DrafterEngine.draft)
     DraftStream = EngineServicer.round_stream
     _pinned_rows = False  # logged once
+    _pinned_failed = False  # an allocation failed: pageable buffers since
 
     def rows_buffer(self, num_bytes: int) -> bytearray | memoryview:
         """A Draft's target features read from the lane into page-locked memory when the
@@ -34,9 +35,15 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
         (HostRows.join), not first copied into a page-locked buffer (~0.45 ms at batch 32 with
         an 8B head's rows, bench/draft_step.py --phases)."""
         engine = self.engine.loaded
-        if engine is None or engine.proposer.device.type != "cuda":
+        if engine is None or engine.proposer.device.type != "cuda" or self._pinned_failed:
+            return bytearray(num_bytes)
+        try:
+            buffer = pinned_bytes(num_bytes, engine.proposer.device)
+        except RuntimeError as err:  # the lane must go on reading: its own memory, from now on
+            self._pinned_failed = True
+            log.warning("drafter: no page-locked memory for the lane's rows (%s): pageable", err)
             return bytearray(num_bytes)
         if not self._pinned_rows:
             self._pinned_rows = True
             log.info("drafter: the round lane reads feature rows into page-locked memory")
-        return pinned_bytes(num_bytes, engine.proposer.device)
+        return buffer

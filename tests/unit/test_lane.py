@@ -18,6 +18,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from drafter.engine import DrafterEngine
+from drafter.servicer import DrafterServicer
 from gateway.grpc_clients import GrpcVerifierClient
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
@@ -568,3 +570,35 @@ def test_both_ends_ask_for_socket_buffers_that_hold_a_rounds_rows(tmp_path: Path
     for send, receive in asyncio.run(run()):  # Linux reports twice the size granted
         assert send >= min(SOCKET_BUFFER_BYTES, send_cap)
         assert receive >= min(SOCKET_BUFFER_BYTES, receive_cap)
+
+
+def test_a_drafter_on_a_gpu_reads_lane_rows_into_page_locked_memory_or_its_own_if_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`DrafterServicer.rows_buffer` (the lane's buffer for a Draft's rows): host memory of its
+    own until the engine is loaded, and for an engine on the CPU; page-locked memory on the
+    engine's GPU (`pinned_bytes`, here a stand-in that records its calls: this machine may have
+    no GPU); and, once that allocation fails, its own memory from then on without asking again,
+    so that the lane goes on reading."""
+    servicer = DrafterServicer(lambda: DrafterEngine.load("ngram", None))
+    assert isinstance(servicer.rows_buffer(8), bytearray)  # not loaded yet
+    asyncio.run(servicer.load())
+    engine = servicer.engine.loaded
+    assert engine is not None and isinstance(servicer.rows_buffer(8), bytearray)  # on the CPU
+    asked: list[tuple[int, torch.device]] = []
+
+    def pinned(num_bytes: int, device: torch.device) -> memoryview:
+        asked.append((num_bytes, device))
+        if len(asked) > 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return memoryview(bytearray(num_bytes))
+
+    monkeypatch.setattr("drafter.servicer.pinned_bytes", pinned)
+    engine.proposer.device = torch.device("cuda", 1)
+    assert isinstance(servicer.rows_buffer(16), memoryview)
+    with caplog.at_level("WARNING"):
+        assert isinstance(servicer.rows_buffer(32), bytearray)  # the allocation failed
+    assert "no page-locked memory" in caplog.text
+    assert isinstance(servicer.rows_buffer(64), bytearray)
+    assert asked == [(16, torch.device("cuda", 1)), (32, torch.device("cuda", 1))]
+    servicer.engine.close()
