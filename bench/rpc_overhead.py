@@ -109,7 +109,7 @@ class LaneEcho:
         self.scopes = ConnectionScopes(free, orphan_grace_s=0.0)
 
     async def round_in(
-        self, scope: object, request: object, beside: object = None
+        self, scope: object, request: object, beside: object = None, received_ns: object = None
     ) -> tuple[verifier_pb2.VerifyResponse, Buffer]:
         return self.answer()
 
