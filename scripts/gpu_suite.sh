@@ -4,6 +4,7 @@
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
+#       [draft8b-phases]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -35,7 +36,10 @@
 # gated (the drafter on cuda:0, the verifier on the last GPU); overlap8b-eagle: the same with the
 # 8B target and a random EAGLE-3 head of its width (bench/random_model.py --eagle3-head);
 # profile8b-eagle: that system's round outside the engines (bench/profile_services.py, batch 1 /
-# 8 / 32) and the rows' lane hop (bench/lane_rows.py --echo-process).
+# 8 / 32, 128 tokens a stream: each round-lane RPC in stages, and random SmolLM2 + the shipped
+# head at batch 1 / 32) and the rows' lane hop (bench/lane_rows.py --echo-process);
+# draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
+# the rows page-locked as the lane delivers them on a GPU, and pageable).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -149,8 +153,15 @@ for part in "${parts[@]}"; do
         sed 's/^/net.core.wmem_max rmem_max: /'
       run profile_8b_eagle python3 bench/profile_services.py --model /tmp/llama8b \
         "${devices[@]}" --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 8 32 \
-        --max-new-tokens 64 --top 0 --synthetic-acceptance 0.8,0.7,0.6
+        --max-new-tokens 128 --top 0 --synthetic-acceptance 0.8,0.7,0.6
+      random_smollm2
+      run profile_smollm2_stages python3 bench/profile_services.py --model /tmp/smollm2_random \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --batch 1 32 --max-new-tokens 128 --top 0
       run lane_rows python3 bench/lane_rows.py --width 12288 1728 --mode beside --echo-process ;;
+    draft8b-phases)  # the 8B head's draft round in process, by phase
+      run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
+        --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
     overlap)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
