@@ -139,8 +139,10 @@ def scrape_totals() -> Totals:
     draft-ahead's rounds and decode steps run ahead by outcome, (process,
     "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
-    / "..._count:<service>"), and its RPCs' stages on the round lane, (process,
-    "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:...")."""
+    / "..._count:<service>"), its RPCs' stages on the round lane, (process,
+    "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
+    garbage collections by generation, (process, "specsplit_gc_pause_seconds_sum:<generation>"
+    / "..._count:<generation>")."""
     totals: Totals = Counter()
     for process, sample in _samples():
         if sample.name.endswith(("_sum", "_count")) and not sample.labels:
@@ -151,13 +153,18 @@ def scrape_totals() -> Totals:
         elif sample.name.startswith("specsplit_rpc_overhead_seconds_"):
             key = f"{sample.name}:{sample.labels['service']}"
             totals[(process, key)] = float(sample.value)
-        elif sample.name in (
-            "specsplit_rpc_stage_seconds_sum",
-            "specsplit_rpc_stage_seconds_count",
-        ):
-            key = f"{sample.name}:{sample.labels['service']}:{sample.labels['stage']}"
+        elif sample.name.removesuffix("_sum").removesuffix("_count") in _LABELLED:
+            labels = _LABELLED[sample.name.removesuffix("_sum").removesuffix("_count")]
+            key = ":".join([sample.name, *(sample.labels[label] for label in labels)])
             totals[(process, key)] = float(sample.value)
     return totals
+
+
+# labelled histograms whose sums and counts scrape_totals keeps, keyed by their labels in order
+_LABELLED = {
+    "specsplit_rpc_stage_seconds": ("service", "stage"),
+    "specsplit_gc_pause_seconds": ("generation",),
+}
 
 
 def quantile(

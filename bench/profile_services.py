@@ -93,6 +93,13 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
                 means.append(f"{stage} {1e3 * totals[('gateway', key.format('sum'))] / calls:.3f}")
         if means:  # the round lane's RPCs only
             print(f"  gateway {service} RPC stages, mean ms: {', '.join(means)}")
+    for process in ("gateway", "verifier", "drafter"):
+        pauses = []
+        for generation in "012":
+            key = f"specsplit_gc_pause_seconds_{{}}:{generation}"
+            count, seconds = (totals[(process, key.format(part))] for part in ("count", "sum"))
+            pauses.append(f"gen {generation} {count:.0f} x {1e3 * seconds / max(count, 1):.3f}")
+        print(f"  {process} garbage collections (count x mean ms): {', '.join(pauses)}")
 
 
 def main() -> None:

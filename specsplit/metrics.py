@@ -10,6 +10,7 @@ their KV pages. All three: RPCs that ended in an error, by gRPC code.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -162,6 +163,30 @@ SESSION_TOKENS_REUSED = Histogram(
     "Per session turn: prompt tokens whose verifier KV was kept from earlier turns",
     buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
 )
+
+
+GC_PAUSE_SECONDS = Histogram(
+    "specsplit_gc_pause_seconds",
+    "One collection of Python's garbage collector (the whole process stops), by generation (2: a"
+    " full one, which walks every object the start-up freeze did not set aside)",
+    ["generation"],
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
+
+@functools.cache
+def watch_gc() -> None:
+    """Time every collection of this process's garbage collector (`gc.callbacks`; once)."""
+    started: list[float] = []
+    pauses = [GC_PAUSE_SECONDS.labels(str(generation)) for generation in range(3)]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses[info["generation"]].observe(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(timed)
 
 
 def serve(listen: str | None) -> int | None:

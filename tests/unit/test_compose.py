@@ -64,6 +64,7 @@ KNOWN_METRICS = {
     "specsplit_draft_ahead_total",
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",
+    "specsplit_gc_pause_seconds",
 }
 
 
