@@ -151,6 +151,8 @@ for part in "${parts[@]}"; do
       random_8b_1b
       cat /proc/sys/net/core/wmem_max /proc/sys/net/core/rmem_max | paste -sd' ' |
         sed 's/^/net.core.wmem_max rmem_max: /'
+      # the rows' hops cost more inside the services than alone: NUMA nodes apart?
+      lscpu | grep -iE "^(model name|socket|numa)" ; nvidia-smi topo -m 2>/dev/null | head -8
       run profile_8b_eagle python3 bench/profile_services.py --model /tmp/llama8b \
         "${devices[@]}" --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 8 32 \
         --max-new-tokens 128 --top 0 --synthetic-acceptance 0.8,0.7,0.6
