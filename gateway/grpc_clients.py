@@ -194,10 +194,12 @@ class StreamClient(Generic[In, Out]):
         received, answered, answer read, converted)."""
         start, sent, got, received, answered, end = stamps
         ordered = (start, sent, received, answered, got, end)
+        spans = {}  # on the round's span too: "specsplit.verifier_rpc.request_ns", ...
         for stage, begin, finish in zip(metrics.RPC_STAGES, ordered[:-1], ordered[1:], strict=True):
-            metrics.RPC_STAGE_SECONDS.labels(self.service, stage).observe(
-                max(finish - begin, 0) / 1e9
-            )
+            ns = max(finish - begin, 0)
+            metrics.RPC_STAGE_SECONDS.labels(self.service, stage).observe(ns / 1e9)
+            spans[f"specsplit.{self.service}_rpc.{stage}_ns"] = ns
+        telemetry.annotate(spans)
 
     async def release(self, seq_ids: list[str]) -> None:
         if not seq_ids:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
@@ -201,6 +201,12 @@ def round_span(request_spans: Sequence[Span]) -> Iterator[Span]:
         "specsplit.round", context=parent, links=links, attributes=attributes
     ) as span:
         yield span
+
+
+def annotate(attributes: Mapping[str, int]) -> None:
+    """Attributes on the current span (a round's: its RPCs' stages), when tracing is on."""
+    if _enabled:
+        trace.get_current_span().set_attributes(attributes)
 
 
 def inject(carrier: MutableMapping[str, str]) -> None:

@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from specsplit.metrics import RPC_STAGES
 from specsplit.v1 import common_pb2, gateway_pb2
 from tests.integration.services import (
     ROLES,
@@ -127,6 +128,7 @@ def services(
         extra={"drafter": ["--drafter", "model", "--draft-model", str(model)]},
         metrics=True,
         env=dict.fromkeys(ROLES, otel),
+        unix_dir=root,  # the engines on Unix sockets: the rounds on the lane, timed in stages
     )
     yield from svc.serving()
 
@@ -256,6 +258,9 @@ def test_one_trace_spans_gateway_drafter_and_verifier(
         assert round_span.parent_id == request_span.span_id
         assert [link.span_id.hex() for link in round_span.span.links] == [request_span.span_id]
         assert round_span.attributes["specsplit.batch_size"] == 1
+        for service in ("drafter", "verifier"):  # each RPC's stages on the lane
+            stages = [round_span.attributes[f"specsplit.{service}_rpc.{s}_ns"] for s in RPC_STAGES]
+            assert all(ns >= 0 for ns in stages) and stages[2] > 0, (service, stages)
     round_ids = {s.span_id for s in rounds}
     for name, service, timing in (
         ("specsplit.draft", "specsplit-drafter", "specsplit.draft_ns"),
