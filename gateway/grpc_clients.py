@@ -173,7 +173,7 @@ class StreamClient(Generic[In, Out]):
                 body = request.SerializeToString()
                 sent = time.perf_counter_ns()
                 answer = await self.lane.request(Kind.ROUND, body, beside.data())
-                stamps = (start, sent, time.perf_counter_ns())
+                stamps = (start, sent, answer.read_ns, time.perf_counter_ns())
                 response = self.rpc.response_type.FromString(answer.body)
                 rows = answer.rows
         outputs = self.rpc.response_from_proto(response, rows)
@@ -188,12 +188,12 @@ class StreamClient(Generic[In, Out]):
         return outputs
 
     def _observe_stages(self, *stamps: int) -> None:
-        """The lane round's stages (metrics.RPC_STAGES) from its six stamps in order: started,
-        sent, answer read (the gateway's clock), received, answered (the service's: the same
-        clock on the one host a Unix socket joins), converted. Reordered: (start, sent,
-        received, answered, answer read, converted)."""
-        start, sent, got, received, answered, end = stamps
-        ordered = (start, sent, received, answered, got, end)
+        """The lane round's stages (metrics.RPC_STAGES) from its seven stamps: started, sent,
+        answer read, round task resumed (the gateway's clock), received, answered (the
+        service's: the same clock on the one host a Unix socket joins), converted. Ordered:
+        (start, sent, received, answered, read, resumed, converted)."""
+        start, sent, read, got, received, answered, end = stamps
+        ordered = (start, sent, received, answered, read, got, end)
         spans = {}  # on the round's span too: "specsplit.verifier_rpc.request_ns", ...
         for stage, begin, finish in zip(metrics.RPC_STAGES, ordered[:-1], ordered[1:], strict=True):
             ns = max(finish - begin, 0)

@@ -100,6 +100,7 @@ class Frame(NamedTuple):
     kind: int  # a request's kind, a response's status
     body: bytearray  # the message (or an error's text)
     rows: Writable  # the feature rows' bytes beside it (empty: none)
+    read_ns: int = 0  # when its last byte had been read (time.perf_counter_ns)
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -141,7 +142,7 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._long is not None:
             self._filled += nbytes
             if self._filled == len(self._long.body) + len(self._long.rows):
-                self._frames.append(self._long)
+                self._frames.append(self._long._replace(read_ns=time.perf_counter_ns()))
                 self._long = None
                 self._wake()
             return
@@ -166,7 +167,8 @@ class FrameStream(asyncio.BufferedProtocol):
             came = self._held - body_at
             if came >= length:
                 body = scratch[body_at:rows_at]
-                self._frames.append(Frame(kind, body, scratch[rows_at : rows_at + rows_len]))
+                rows = scratch[rows_at : rows_at + rows_len]
+                self._frames.append(Frame(kind, body, rows, time.perf_counter_ns()))
                 at = rows_at + rows_len
             elif HEADER.size + length > len(scratch):  # read the rest into its own buffers
                 long = Frame(kind, bytearray(body_len), self._rows_buffer(rows_len))
@@ -448,7 +450,8 @@ class LaneServer:
 
     async def _connection(self, stream: FrameStream) -> None:
         try:
-            kind, token, _ = await stream.read()
+            hello = await stream.read()
+            kind, token = hello.kind, hello.body
             if kind != Kind.HELLO or len(token) != TOKEN_BYTES:
                 return
             async with self.service.scopes.stream(client_key(token.hex())) as scope:
@@ -463,7 +466,7 @@ class LaneServer:
     async def _answer(self, scope: Scope, frame: Frame) -> tuple[int, Buffer, Buffer]:
         """One request's (status, body, rows): the answer, or its refusal's status and
         message."""
-        kind, body, rows = frame
+        kind, body, rows = frame.kind, frame.body, frame.rows
         received_ns = time.perf_counter_ns()  # the frame is read: the round's stages start here
         try:
             if kind == Kind.ROUND:

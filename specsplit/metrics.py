@@ -64,11 +64,12 @@ RPC_STAGE_SECONDS = Histogram(
     "A round's RPC on the gateway by stage, on the round lane (one host, one clock): build (the"
     " request's message and bytes), request (until the service had read it: the hop and the"
     " service's wake-up), service (its parse, engine call and response built), response (its"
-    " serialization, the hop back and the gateway's wake-up), parse (the answer converted)",
+    " serialization and the hop back, until the gateway had read its last byte), wake (until"
+    " the round's task on the gateway went on), parse (the answer converted)",
     ["service", "stage"],
     buckets=_OVERHEAD_BUCKETS,
 )
-RPC_STAGES = ("build", "request", "service", "response", "parse")
+RPC_STAGES = ("build", "request", "service", "response", "wake", "parse")
 SERVICE_OVERHEAD_SECONDS = Histogram(
     "specsplit_service_overhead_seconds",
     "A round on a drafter or verifier from its request read to its response ready, less the"

@@ -179,6 +179,7 @@ def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
             after = _stage_totals("verifier")
             grown = {s: (after[s][0] - before[s][0], after[s][1] - before[s][1]) for s in after}
             assert all(count == 6 for count, _ in grown.values()), grown  # lane rounds only
+            assert set(grown) == set(RPC_STAGES) and len(RPC_STAGES) == 6
             assert all(seconds >= 0 for _, seconds in grown.values()), grown
             total = sum(seconds for _, seconds in grown.values())
             first = total - sum(spans)  # the prefill round's stages, at most its round trip
@@ -445,7 +446,7 @@ def test_frames_split_anywhere_by_the_socket_come_out_whole_and_in_order(chunk: 
 
     async def read_all() -> list[tuple[int, bytes, bytes]]:
         read = [await stream.read() for _ in frames]
-        return [(kind, bytes(body), bytes(rows)) for kind, body, rows in read]
+        return [(f.kind, bytes(f.body), bytes(f.rows)) for f in read]
 
     assert asyncio.run(read_all()) == frames
 
@@ -489,7 +490,8 @@ def test_a_frame_over_the_limit_or_a_lost_connection_ends_the_reads() -> None:
     ended.connection_lost(None)  # a frame cut short by the peer
 
     async def reads() -> None:
-        assert await ended.read() == (Kind.ROUND, b"abc", b"de")  # what came whole stays
+        whole = await ended.read()  # what came whole stays
+        assert (whole.kind, whole.body, whole.rows) == (Kind.ROUND, b"abc", b"de")
         with pytest.raises(EOFError):
             await ended.read()
 
@@ -509,7 +511,8 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
         echoes: list[asyncio.Task[None]] = []
 
         async def echo(stream: FrameStream) -> None:
-            _, got, got_rows = await stream.read()
+            got_frame = await stream.read()
+            got, got_rows = got_frame.body, got_frame.rows
             stream.write(0, got, got_rows)
 
         def accept() -> FrameStream:
@@ -520,7 +523,8 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
         server = await loop.create_unix_server(accept, path)
         _, client = await loop.create_unix_connection(FrameStream, path)
         client.write(Kind.ROUND, body, convert.tensor_bytes(rows))
-        status, answer, answer_rows = await client.read()
+        answer_frame = await client.read()
+        status, answer, answer_rows = answer_frame.kind, answer_frame.body, answer_frame.rows
         assert status == 0 and answer == body and answer_rows == rows_bytes
         back = torch.frombuffer(answer_rows, dtype=torch.bfloat16).reshape(rows.shape)
         assert torch.equal(back, rows)
