@@ -580,10 +580,10 @@ def test_a_drafter_on_a_gpu_reads_lane_rows_into_page_locked_memory_or_its_own_i
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`DrafterServicer.rows_buffer` (the lane's buffer for a Draft's rows): host memory of its
-    own until the engine is loaded, and for an engine on the CPU; page-locked memory on the
-    engine's GPU (`pinned_bytes`, here a stand-in that records its calls: this machine may have
-    no GPU); and, once that allocation fails, its own memory from then on without asking again,
-    so that the lane goes on reading."""
+    own until the engine is loaded; then the engine's choice (`DrafterEngine.rows_buffer`):
+    plain memory on the CPU, page-locked memory on the engine's GPU (`pinned_bytes`, here a
+    stand-in that records its calls: this machine may have no GPU), and, once that allocation
+    fails, plain memory from then on without asking again, so that the lane goes on reading."""
     servicer = DrafterServicer(lambda: DrafterEngine.load("ngram", None))
     assert isinstance(servicer.rows_buffer(8), bytearray)  # not loaded yet
     asyncio.run(servicer.load())
@@ -597,7 +597,7 @@ def test_a_drafter_on_a_gpu_reads_lane_rows_into_page_locked_memory_or_its_own_i
             raise RuntimeError("CUDA error: out of memory")
         return memoryview(bytearray(num_bytes))
 
-    monkeypatch.setattr("drafter.servicer.pinned_bytes", pinned)
+    monkeypatch.setattr("drafter.engine.pinned_bytes", pinned)
     engine.proposer.device = torch.device("cuda", 1)
     assert isinstance(servicer.rows_buffer(16), memoryview)
     with caplog.at_level("WARNING"):
