@@ -150,18 +150,20 @@ def scrape_totals() -> Totals:
         elif sample.name in ("specsplit_draft_ahead_total", "specsplit_decode_ahead_total"):
             key = f"{sample.name}:{sample.labels['outcome']}"
             totals[(process, key)] = float(sample.value)
-        elif sample.name.startswith("specsplit_rpc_overhead_seconds_"):
-            key = f"{sample.name}:{sample.labels['service']}"
-            totals[(process, key)] = float(sample.value)
-        elif sample.name.removesuffix("_sum").removesuffix("_count") in _LABELLED:
-            labels = _LABELLED[sample.name.removesuffix("_sum").removesuffix("_count")]
+        elif (labels := _LABELLED.get(_histogram_of(sample.name))) is not None:
             key = ":".join([sample.name, *(sample.labels[label] for label in labels)])
             totals[(process, key)] = float(sample.value)
     return totals
 
 
+def _histogram_of(sample_name: str) -> str:
+    """The histogram a "<name>_sum" / "<name>_count" sample belongs to (else the name itself)."""
+    return sample_name.removesuffix("_sum").removesuffix("_count")
+
+
 # labelled histograms whose sums and counts scrape_totals keeps, keyed by their labels in order
 _LABELLED = {
+    "specsplit_rpc_overhead_seconds": ("service",),
     "specsplit_rpc_stage_seconds": ("service", "stage"),
     "specsplit_gc_pause_seconds": ("generation",),
 }

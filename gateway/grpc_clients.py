@@ -163,7 +163,7 @@ class StreamClient(Generic[In, Out]):
         beside = convert.Beside()  # on the lane a round's rows go beside its messages
         request = self.rpc.request_to_proto(inputs, None if self.lane is None else beside)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
-        stamps = None
+        lane_stamps = None  # (sent, answer read, task resumed): the gateway's side of the stages
         with metrics.timed(self.rpc.seconds):
             if self.lane is None:
                 async with self.streams.lent() as stream:
@@ -173,7 +173,7 @@ class StreamClient(Generic[In, Out]):
                 body = request.SerializeToString()
                 sent = time.perf_counter_ns()
                 answer = await self.lane.request(Kind.ROUND, body, beside.data())
-                stamps = (start, sent, answer.read_ns, time.perf_counter_ns())
+                lane_stamps = (sent, answer.read_ns, time.perf_counter_ns())
                 response = self.rpc.response_type.FromString(answer.body)
                 rows = answer.rows
         outputs = self.rpc.response_from_proto(response, rows)
@@ -183,19 +183,18 @@ class StreamClient(Generic[In, Out]):
         metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(
             max(end - start - engine_ns, 0) / 1e9
         )
-        if stamps is not None and response.received_ns and response.answered_ns:
-            self._observe_stages(*stamps, response.received_ns, response.answered_ns, end)
+        if lane_stamps is not None and response.received_ns and response.answered_ns:
+            sent, read, resumed = lane_stamps
+            received, answered = response.received_ns, response.answered_ns
+            self._observe_stages((start, sent, received, answered, read, resumed, end))
         return outputs
 
-    def _observe_stages(self, *stamps: int) -> None:
-        """The lane round's stages (metrics.RPC_STAGES) from its seven stamps: started, sent,
-        answer read, round task resumed (the gateway's clock), received, answered (the
-        service's: the same clock on the one host a Unix socket joins), converted. Ordered:
-        (start, sent, received, answered, read, resumed, converted)."""
-        start, sent, read, got, received, answered, end = stamps
-        ordered = (start, sent, received, answered, read, got, end)
+    def _observe_stages(self, stamps: tuple[int, ...]) -> None:
+        """The lane round's stages (metrics.RPC_STAGES) between its seven stamps in time order:
+        started, sent, received, answered (the service's: the same clock on the one host a
+        Unix socket joins), answer read, round task resumed, converted."""
         spans = {}  # on the round's span too: "specsplit.verifier_rpc.request_ns", ...
-        for stage, begin, finish in zip(metrics.RPC_STAGES, ordered[:-1], ordered[1:], strict=True):
+        for stage, begin, finish in zip(metrics.RPC_STAGES, stamps[:-1], stamps[1:], strict=True):
             ns = max(finish - begin, 0)
             metrics.RPC_STAGE_SECONDS.labels(self.service, stage).observe(ns / 1e9)
             spans[f"specsplit.{self.service}_rpc.{stage}_ns"] = ns
