@@ -204,6 +204,26 @@ def kernel_profile(rounds: Rounds, spec: SpecParams, new: int, count: int) -> No
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
 
+def time_prefills(
+    engine: DrafterEngine, lengths: list[int], width: int, spec: SpecParams, new: int
+) -> None:
+    """A new sequence's first Draft (the catch-up over its prompt), then its second (a round's),
+    at each prompt length; 3 sequences a length, one after another (pinned rows on a GPU)."""
+    pinned = engine.proposer.device.type == "cuda"
+    for length in lengths:
+        firsts, seconds = [], []
+        for i in range(3):
+            rounds = Rounds(engine, 1, length + i, width, SamplingParams(), pinned)
+            firsts.append(1e3 * rounds.run(spec, new)[0])
+            seconds.append(1e3 * rounds.run(spec, new)[0])
+            rounds.release()
+        print(
+            f"prefill of {length}-{length + 2} tokens: first Draft "
+            f"{' / '.join(f'{ms:.2f}' for ms in firsts)} ms, the next "
+            f"{' / '.join(f'{ms:.2f}' for ms in seconds)} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -231,6 +251,23 @@ def main() -> None:
         default=["pinned"],
         help="where each round's feature rows are on the host: page-locked (as the drafter's "
         "round lane reads them on a GPU) or pageable (before; over gRPC); each is timed",
+    )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the drafter idles this long before each timed round (as it waits for a Verify in "
+        "the services: caches and clocks cool down); each is timed",
+    )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="TOKENS",
+        help="first time a new sequence's first Draft (its prompt's catch-up) at each of these "
+        "prompt lengths, 3 sequences each, one at a time, and print each",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
@@ -274,9 +311,10 @@ def main() -> None:
         proposer.device_expansion = False  # type: ignore[attr-defined]
     width = proposer.feature_width  # type: ignore[attr-defined]
     label = "host expansion" if args.host_expansion else "default"
+    time_prefills(engine, args.prefill, width, parse_shape(args.shape[0]), args.new)
     phases = Phases(engine) if args.phases else None
     for spec in map(parse_shape, args.shape):
-        for batch, rows_kind in itertools.product(args.batch, args.rows):
+        for batch, rows_kind, gap_ms in itertools.product(args.batch, args.rows, args.gap_ms):
             pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (
                 SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
@@ -290,6 +328,8 @@ def main() -> None:
             if phases is not None:
                 phases.reset()
             for i in range(args.rounds + (3 if args.ahead else 0)):
+                if gap_ms:
+                    time.sleep(gap_ms / 1e3)
                 if profiler is not None:
                     profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
@@ -314,7 +354,7 @@ def main() -> None:
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(
-                f"{label}, {rows_kind} rows: spec "
+                f"{label}, {rows_kind} rows, {gap_ms:g} ms idle before: spec "
                 f"{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "
                 f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"

@@ -12,7 +12,8 @@ absolute times.
 
     PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
         [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
-        [--target-only] [--top 25] [--keep DIR] [--synthetic-acceptance 0.8,0.7,0.6]
+        [--target-only] [--top 25] [--sort tottime cumulative] [--keep DIR]
+        [--synthetic-acceptance 0.8,0.7,0.6]
 
 Several --batch values: each measured unprofiled in turn, the last one profiled (none with
 --top 0). --synthetic-acceptance (BENCHMARKS ONLY, labelled): the verifier's, so that random
@@ -27,13 +28,14 @@ import os
 import pstats
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import scrape_totals, services
+from bench.e2e import Buckets, scrape_buckets, scrape_totals, services
 from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
@@ -56,6 +58,43 @@ def service_pids(directory: Path) -> list[int]:
             pids.append(int(proc.name))
     assert len(pids) == 3, f"expected the three services, found {pids}"
     return pids
+
+
+def print_call_spread(buckets: Buckets) -> None:
+    """How the engines' calls of the run spread over their histograms' buckets (a mean above
+    the in-process median: every call a little slower, or a few much slower?)."""
+    for process, name in (
+        ("verifier", "specsplit_verify_seconds"),
+        ("drafter", "specsplit_draft_seconds"),
+    ):
+        cumulative = sorted(
+            (le, n) for (p, h, _, le), n in buckets.items() if (p, h) == (process, name)
+        )
+        counts, below = [], 0
+        for le, n in cumulative:
+            if n > below:
+                counts.append(f"<= {1e3 * le:g} ms: {n - below:.0f}")
+            below = n
+        print(f"  {process} {name} calls by bucket: {', '.join(counts) or '-'}")
+
+
+def print_gpu_processes() -> None:
+    """Which processes hold a context on which GPU (nvidia-smi, when there is one): a service
+    with a context on another's GPU shares its time slices."""
+    if shutil.which("nvidia-smi") is None:
+        return
+    query = "--query-compute-apps=pid,gpu_bus_id,used_memory"
+    lines = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    for line in lines:
+        pid = line.split(",")[0].strip()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            cmdline = []
+        command = next((a.decode() for a in cmdline if a.startswith(b"serve-")), "?")
+        print(f"  GPU context: {command} {line}")
 
 
 def signal_all(pids: list[int], signum: int) -> None:
@@ -120,6 +159,13 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="sampled streams, seeded (0: greedy)"
     )
     parser.add_argument("--top", type=int, default=25, help="0: no profiled run")
+    parser.add_argument(
+        "--sort",
+        nargs="+",
+        default=["tottime"],
+        choices=["tottime", "cumulative"],
+        help="each process's top functions by these keys, in turn",
+    )
     parser.add_argument("--keep", default=None, help="copy the .prof files into this directory")
     parser.add_argument(
         "--services-log", default=None, help="append the services' output to this file"
@@ -149,14 +195,18 @@ def main() -> None:
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
                 run_batch(stub, prompts, 16, spec, args.temperature, synthetic)  # warm-up
-                before = scrape_totals()
+                before, before_buckets = scrape_totals(), scrape_buckets()
                 plain, plain_wall = run_batch(
                     stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
                 )
                 totals = Counter(scrape_totals())
                 totals.subtract(before)
+                spread = Counter(scrape_buckets())
+                spread.subtract(before_buckets)
                 print(f"== {batch} streams x {args.max_new_tokens} tokens, {kind}")
                 print_round_means(sum(map(len, plain)), plain_wall, totals)
+                print_call_spread(spread)
+                print_gpu_processes()
             if not args.top:
                 return
             pids = service_pids(directory)
@@ -179,14 +229,15 @@ def main() -> None:
         if args.keep:
             Path(args.keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(file, Path(args.keep) / file.name)
-        print(f"\n== {file.stem}: top {args.top} by own time")
         try:
             stats = pstats.Stats(str(file))
         except TypeError:  # pstats refuses a profile without calls: an idle main thread
             error = file.with_suffix(".error")  # written when the profile could not start
-            print(error.read_text().strip() if error.exists() else "no calls recorded")
+            print(f"\n== {file.stem}:", error.read_text().strip() if error.exists() else "no calls")
             continue
-        stats.sort_stats("tottime").print_stats(args.top)
+        for key in args.sort:
+            print(f"\n== {file.stem}: top {args.top} by {key} time")
+            stats.sort_stats(key).print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,14 @@ from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 # brings 1..4 new tokens) padded up to the next of these
 CATCH_UP_LENS = (1, 2, 4, 8)
 # expansions captured at warm-up for every batch bucket: the gateway's default spec (a chain of
-# 3); other shapes are captured at their first round in each bucket
-EXPANSION_SHAPES = (Shape(topk=1, num_steps=3),)
+# 3), greedy and sampled, and the shorter chains it asks for near a request's max_new_tokens
+# where no longer chain shares the round (`_share_chain_length`: a lone stream, or the last few);
+# other shapes are captured at their first round in each bucket (~10-40 ms that round)
+EXPANSION_SHAPES = tuple(
+    Shape(topk=1, num_steps=steps, sampled=sampled)
+    for sampled in (False, True)
+    for steps in (3, 2, 1)
+)
 
 
 def _draft_seed(seed: int | None) -> int | None:

@@ -147,3 +147,21 @@ def test_expansion_graph_drafts_the_host_trees(
     assert runner is not None and runner.graphs and runner.captured  # the rounds replayed graphs
     want = _rounds(_engine(models, kind, graphs=False, device_expansion=False), batch, spec)
     assert got == want
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
+    models, sampled: bool
+) -> None:
+    """A lone stream's last rounds ask for chains of 2 and 1 (capped near max_new_tokens): their
+    graphs come from the warm-up, not from a capture in the middle of traffic (a round ~10-40
+    ms slower, once per shape and batch bucket)."""
+    graphs = _engine(models, "eagle3", graphs=True, device_expansion=True)
+    runner = graphs.proposer.device_expansion_runner  # type: ignore[attr-defined]
+    before = set(runner.captured)
+    sampling = SamplingParams(temperature=0.8) if sampled else None
+    for steps in (3, 2, 1):
+        for batch in (1, 3):
+            _rounds(graphs, batch, SpecParams(steps, 1, steps), sampling)
+    assert set(runner.captured) == before
+    assert {shape.num_steps for shape, _ in before if shape.sampled == sampled} == {1, 2, 3}
