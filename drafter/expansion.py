@@ -286,12 +286,13 @@ class DeviceExpansion:
             chain[len(seqs) :] = 0
 
     def capture_all(self, shape: Shape) -> None:
-        """The graphs of `shape` at every batch bucket (warm-up), largest first."""
-        for bucket in reversed(self.batch_sizes):
-            if (shape, bucket) not in self.captured:
-                self._capture(shape, bucket)
+        """The graphs of `shape` at every batch bucket (warm-up), largest first; one log line."""
+        buckets = [b for b in reversed(self.batch_sizes) if (shape, b) not in self.captured]
+        for bucket in buckets:
+            self._capture(shape, bucket, logged=False)
+        log.info("captured the expansion graphs of %s at batch sizes %s", shape, buckets[::-1])
 
-    def _capture(self, key: Shape | Ahead, bucket: int) -> None:
+    def _capture(self, key: Shape | Ahead, bucket: int, logged: bool = True) -> None:
         device = self.kv.device
         inputs = _Inputs(key, bucket, self.vocab_size, self.feature, self.max_pages(key), device)
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
@@ -314,7 +315,8 @@ class DeviceExpansion:
             torch.zeros_like(buffer, device="cpu").pin_memory()
             for buffer in (inputs.meta, inputs.out, inputs.sampling, inputs.probs)
         )
-        log.info("captured the expansion graph of %s at batch %d", key, bucket)
+        if logged:  # one in traffic: a first round of its shape at this batch size
+            log.info("captured the expansion graph of %s at batch %d", key, bucket)
 
     # -- the expansion ---------------------------------------------------------------------
 

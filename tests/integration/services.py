@@ -177,9 +177,12 @@ class Services:
     def stop_all(self) -> dict[str, int]:
         return {role: self.stop(role) for role in list(self.procs)}
 
-    def log(self, role: str) -> str:
+    def log(self, role: str, whole: bool = False) -> str:
+        """The service's log: its last 4000 characters (what an assertion shows), or `whole`
+        (a line from its start-up, before the warm-up's)."""
         path = self.log_dir / f"{role}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text if whole else text[-4000:]
 
     # -- clients -----------------------------------------------------------------------------
 
