@@ -76,6 +76,14 @@ class Rounds:
             for b in range(batch)
         }
         self.held: dict[str, int] = {}
+        self.rows: dict[int, torch.Tensor] = {}  # random rows by count, drawn once
+
+    def _random_rows(self, count: int) -> torch.Tensor:
+        """[count, width] random bf16 rows, drawn once per count: a draw each round (CPU bf16
+        randn, OpenMP) took up to ~40 ms on one GPU host and disturbed the timed rounds."""
+        if count not in self.rows:
+            self.rows[count] = torch.randn(count, self.width).to(torch.bfloat16)
+        return self.rows[count]
 
     def run(self, spec: SpecParams, new: int) -> tuple[float, int]:
         inputs, counts = [], []
@@ -91,7 +99,7 @@ class Rounds:
             self.held[seq_id] = len(tokens) - 1
         # the rows back to back in one host buffer, as they come off the round lane (the
         # drafter's on a GPU reads them into page-locked memory; --pageable-rows: as before)
-        flat = torch.randn(sum(counts), self.width, dtype=torch.bfloat16)
+        flat = self._random_rows(sum(counts))
         if self.pinned:
             landed = model_batch.pinned_bytes(
                 flat.numel() * flat.element_size(), self.engine.proposer.device
