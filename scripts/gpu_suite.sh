@@ -4,7 +4,7 @@
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
-#       [draft8b-phases] [profile8b-drafter]
+#       [draft8b-phases] [profile8b-drafter] [critical]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -38,6 +38,8 @@
 # profile8b-eagle: that system's round outside the engines (bench/profile_services.py, batch 1 /
 # 8 / 32, 128 tokens a stream: each round-lane RPC in stages, and random SmolLM2 + the shipped
 # head at batch 1 / 32) and the rows' lane hop (bench/lane_rows.py --echo-process);
+# critical: the round's critical path outside the verifier's engine, p50 / p99, serial and
+# draft-ahead, $SMOLLM2_GGUF + the shipped head (bench/profile_services.py --overlap);
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -169,6 +171,13 @@ for part in "${parts[@]}"; do
         "${devices[@]}" --drafter eagle3 --draft-model /tmp/eagle8b --batch 1 \
         --max-new-tokens 128 --top 45 --sort tottime cumulative \
         --synthetic-acceptance 0.8,0.7,0.6 ;;
+    critical)  # the round's critical path outside the verifier's engine (p50 / p99), serial
+      # rounds and draft-ahead, with real acceptance ($SMOLLM2_GGUF + the shipped head)
+      for mode in serial ahead; do
+        run "critical_$mode" python3 bench/profile_services.py --model "$SMOLLM2_GGUF" \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 8 --max-new-tokens 128 --top 0 --overlap "$mode"
+      done ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
