@@ -33,7 +33,7 @@ CATCH_UP_LENS = (1, 2, 4, 8)
 # expansions captured at warm-up for every batch bucket: the gateway's default spec (a chain of
 # 3), greedy and sampled, and the shorter chains it asks for near a request's max_new_tokens
 # where no longer chain shares the round (`_share_chain_length`: a lone stream, or the last few);
-# other shapes are captured at their first round in each bucket (~10-40 ms that round)
+# other shapes are captured at their first round in each bucket (10-50 ms that round)
 EXPANSION_SHAPES = tuple(
     Shape(topk=1, num_steps=steps, sampled=sampled)
     for sampled in (False, True)

@@ -154,7 +154,7 @@ def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
     models, sampled: bool
 ) -> None:
     """A lone stream's last rounds ask for chains of 2 and 1 (capped near max_new_tokens): their
-    graphs come from the warm-up, not from a capture in the middle of traffic (a round ~10-40
+    graphs come from the warm-up, not from a capture in the middle of traffic (a round 10-50
     ms slower, once per shape and batch bucket)."""
     graphs = _engine(models, "eagle3", graphs=True, device_expansion=True)
     runner = graphs.proposer.device_expansion_runner  # type: ignore[attr-defined]
