@@ -232,6 +232,29 @@ def time_prefills(
         )
 
 
+def prefill_profile(
+    engine: DrafterEngine, length: int, width: int, spec: SpecParams, new: int
+) -> None:
+    """Three more first Drafts of `length`-token prompts under torch.profiler (after
+    time_prefills): GPU kernel time and kernels each, then the top ops by host time (a first
+    Draft's catch-up runs eagerly)."""
+    pinned = engine.proposer.device.type == "cuda"
+    if pinned:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            rounds = Rounds(engine, 1, length + i, width, SamplingParams(), pinned)
+            rounds.run(spec, new)
+            rounds.release()
+    events = prof.key_averages()
+    gpu_ms, launches = kernel_time(events, 3)
+    print(
+        f"torch.profiler, first Draft of a {length}-token prompt: GPU kernels {gpu_ms:.3f} ms, "
+        f"{launches:.0f} kernels each"
+    )
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,7 +298,8 @@ def main() -> None:
         default=[],
         metavar="TOKENS",
         help="first time a new sequence's first Draft (its prompt's catch-up) at each of these "
-        "prompt lengths, 3 sequences each, one at a time, and print each",
+        "prompt lengths, 3 sequences each, one at a time, and print each; with --torch-profile "
+        "also the longest's under torch.profiler",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
@@ -320,6 +344,8 @@ def main() -> None:
     width = proposer.feature_width  # type: ignore[attr-defined]
     label = "host expansion" if args.host_expansion else "default"
     time_prefills(engine, args.prefill, width, parse_shape(args.shape[0]), args.new)
+    if args.prefill and args.torch_profile:
+        prefill_profile(engine, args.prefill[-1], width, parse_shape(args.shape[0]), args.new)
     phases = Phases(engine) if args.phases else None
     for spec in map(parse_shape, args.shape):
         for batch, rows_kind, gap_ms in itertools.product(args.batch, args.rows, args.gap_ms):
