@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import itertools
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -194,34 +196,42 @@ class Phases:
             print(f"  {label:40s} {1e3 * seconds / rounds:7.3f} ms/round")
 
 
-def kernel_profile(rounds: Rounds, spec: SpecParams, new: int, count: int) -> None:
-    """`count` rounds under torch.profiler: wall, GPU kernel time and kernels per round (the
-    wall grows under the profiler; the kernel time does not), then the top kernels."""
-    torch.cuda.synchronize()
+def torch_profile(run: Callable[[], object], count: int, per: str, sort_by: str) -> None:
+    """`count` calls of `run` under torch.profiler: wall, GPU kernel time and kernels per call
+    (the wall grows under the profiler; the kernel time does not), then the top ops by
+    `sort_by`."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         begin = time.perf_counter()
         for _ in range(count):
-            rounds.run(spec, new)
+            run()
         wall = (time.perf_counter() - begin) / count * 1e3
     events = prof.key_averages()
     gpu_ms, launches = kernel_time(events, count)
     print(
-        f"torch.profiler: wall {wall:.3f} ms/round (profiled), GPU kernels {gpu_ms:.3f} "
-        f"ms/round, {launches:.0f} kernels/round"
+        f"torch.profiler: wall {wall:.3f} ms a {per} (profiled), GPU kernels {gpu_ms:.3f} "
+        f"ms a {per}, {launches:.0f} kernels a {per}"
     )
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by=sort_by, row_limit=15, max_name_column_width=60))
+
+
+def first_draft(engine: DrafterEngine, length: int, width: int) -> Rounds:
+    """A new sequence of a `length`-token prompt (page-locked rows on a GPU), before its first
+    Draft."""
+    pinned = engine.proposer.device.type == "cuda"
+    return Rounds(engine, 1, length, width, SamplingParams(), pinned)
 
 
 def time_prefills(
     engine: DrafterEngine, lengths: list[int], width: int, spec: SpecParams, new: int
 ) -> None:
     """A new sequence's first Draft (the catch-up over its prompt), then its second (a round's),
-    at each prompt length; 3 sequences a length, one after another (pinned rows on a GPU)."""
-    pinned = engine.proposer.device.type == "cuda"
+    at each prompt length; 3 sequences a length, one after another."""
     for length in lengths:
         firsts, seconds = [], []
         for i in range(3):
-            rounds = Rounds(engine, 1, length + i, width, SamplingParams(), pinned)
+            rounds = first_draft(engine, length + i, width)
             firsts.append(1e3 * rounds.run(spec, new)[0])
             seconds.append(1e3 * rounds.run(spec, new)[0])
             rounds.release()
@@ -236,23 +246,16 @@ def prefill_profile(
     engine: DrafterEngine, length: int, width: int, spec: SpecParams, new: int
 ) -> None:
     """Three more first Drafts of `length`-token prompts under torch.profiler (after
-    time_prefills): GPU kernel time and kernels each, then the top ops by host time (a first
-    Draft's catch-up runs eagerly)."""
-    pinned = engine.proposer.device.type == "cuda"
-    if pinned:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            rounds = Rounds(engine, 1, length + i, width, SamplingParams(), pinned)
-            rounds.run(spec, new)
-            rounds.release()
-    events = prof.key_averages()
-    gpu_ms, launches = kernel_time(events, 3)
-    print(
-        f"torch.profiler, first Draft of a {length}-token prompt: GPU kernels {gpu_ms:.3f} ms, "
-        f"{launches:.0f} kernels each"
-    )
-    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    time_prefills), the top ops by host time (a first Draft's catch-up runs eagerly)."""
+    lengths = iter(range(length, length + 3))
+
+    def run() -> None:
+        rounds = first_draft(engine, next(lengths), width)
+        rounds.run(spec, new)
+        rounds.release()
+
+    print(f"first Drafts of {length}-{length + 2}-token prompts:")
+    torch_profile(run, 3, "first Draft", "self_cpu_time_total")
 
 
 def main() -> None:
@@ -377,7 +380,12 @@ def main() -> None:
             if phases is not None:
                 phases.report(len(times))
             if args.torch_profile:
-                kernel_profile(rounds, spec, args.new, args.rounds)
+                torch_profile(
+                    functools.partial(rounds.run, spec, args.new),
+                    args.rounds,
+                    "round",
+                    "self_device_time_total",
+                )
             rounds.release()
             if ahead_times:
                 print(

@@ -169,12 +169,19 @@ _LABELLED = {
 }
 
 
+def cumulative_counts(
+    buckets: Buckets, key: tuple[str, str, tuple[tuple[str, str], ...]]
+) -> list[tuple[float, int]]:
+    """(upper bound in seconds, cumulative count) of the histogram `key`'s buckets, in order."""
+    return sorted((le, n) for (*k, le), n in buckets.items() if tuple(k) == key)
+
+
 def quantile(
     buckets: Buckets, key: tuple[str, str, tuple[tuple[str, str], ...]], q: float
 ) -> float:
     """Upper bound (seconds) of the bucket holding the q-quantile of the histogram `key`
     (process, name, labels); nan without samples."""
-    cumulative = sorted((le, n) for (*k, le), n in buckets.items() if tuple(k) == key)
+    cumulative = cumulative_counts(buckets, key)
     total = cumulative[-1][1] if cumulative else 0
     return (
         next((le for le, n in cumulative if n >= q * total), float("nan"))

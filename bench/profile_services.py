@@ -35,7 +35,14 @@ from collections import Counter
 from pathlib import Path
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import Buckets, quantile, scrape_buckets, scrape_totals, services
+from bench.e2e import (
+    Buckets,
+    cumulative_counts,
+    quantile,
+    scrape_buckets,
+    scrape_totals,
+    services,
+)
 from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
@@ -76,11 +83,8 @@ def print_call_spread(buckets: Buckets) -> None:
         ("verifier", "specsplit_verify_seconds"),
         ("drafter", "specsplit_draft_seconds"),
     ):
-        cumulative = sorted(
-            (le, n) for (p, h, _, le), n in buckets.items() if (p, h) == (process, name)
-        )
         counts, below = [], 0
-        for le, n in cumulative:
+        for le, n in cumulative_counts(buckets, (process, name, ())):
             if n > below:
                 counts.append(f"<= {1e3 * le:g} ms: {n - below:.0f}")
             below = n
