@@ -136,6 +136,13 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
         seconds = totals[(process, f"{name}_sum{label}")]
         mean = f"{1e3 * seconds / calls:.3f} ms" if calls else "-"
         print(f"  {process} {name}{label}: {calls:.0f} x {mean}")
+    accepted = totals[("gateway", "specsplit_accepted_tokens_per_round_sum")]
+    counted = totals[("gateway", "specsplit_accepted_tokens_per_round_count")]
+    hits, misses = (
+        totals[("gateway", f"specsplit_draft_ahead_total:{x}")] for x in ("hit", "miss")
+    )
+    ahead = f", draft-ahead hits {hits:.0f} / {hits + misses:.0f}" if hits + misses else ""
+    print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     for service in ("verifier", "drafter"):
         means = []
         for stage in RPC_STAGES:

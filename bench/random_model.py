@@ -3,6 +3,7 @@ tokenizer copied from a saved tokenizer directory, and optionally a random EAGLE
 
     python bench/random_model.py OUT_DIR --tokenizer TOKENIZER_DIR [--shape llama-8b]
         [--device cuda:0] [--eagle3-head HEAD_DIR [--draft-vocab 32000]]
+        [--mirror-draft DRAFT_DIR [--mirror-layers 1]]
 
 --shape: one of bench/gpu_engine.py's shapes (default SmolLM2-135M), its vocabulary cut to the
 tokenizer's so that the services can turn every token into text (an 8B shape with SmolLM2's
@@ -12,6 +13,15 @@ saved in --dtype. --eagle3-head: a head shaped like the public EAGLE-3 heads for
 (one decoder layer of the target's width, heads and MLP; --draft-vocab tokens mapped to a random
 subset of the target's; the target's embedding), in the published layout
 (drafter/eagle_checkpoint.py), for `--drafter eagle3 --draft-model HEAD_DIR`.
+
+--mirror-draft (timing only, labelled where used): the target's layers past the first
+--mirror-layers add nothing (their attention output and MLP down projections are zero, so each
+passes its input on unchanged, bit for bit, at the full layer's cost), and DRAFT_DIR gets a draft
+model of those first layers with the target's embedding, norm and LM head: its greedy tokens are
+the target's (but where bfloat16 rounds a near-tie differently in another batch shape). So a
+random 8B-shaped target runs at its own cost while the draft predicts it: draft-ahead's guesses
+hit as with a real draft, which no random pair does (`bench/profile_services.py --drafter model
+--draft-model DRAFT_DIR --overlap ahead`, with `--synthetic-acceptance` for its accept lengths).
 """
 
 from __future__ import annotations
@@ -100,6 +110,26 @@ def save_eagle3_head(
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(Path(out) / HEAD_WEIGHTS))
 
 
+def mirror(model: LlamaForCausalLM, layers: int, out: str) -> None:
+    """Zero `model`'s layers past the first `layers` (attention output and MLP down
+    projections: each adds nothing to its input) and save those first layers, with the
+    embedding, final norm and LM head, as a draft model at `out` (--mirror-draft)."""
+    with torch.no_grad():
+        for layer in model.model.layers[layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    config = LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": layers})
+    with torch.device(model.device):
+        draft = LlamaForCausalLM(config).to(model.dtype)
+    kept = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    draft.load_state_dict(kept)
+    draft.save_pretrained(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,6 +141,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--eagle3-head", default=None, help="also write a random EAGLE-3 head here")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the head's vocabulary")
+    parser.add_argument(
+        "--mirror-draft",
+        default=None,
+        help="TIMING ONLY: also write a draft model that predicts it",
+    )
+    parser.add_argument("--mirror-layers", type=int, default=1, help="the layers that draft keeps")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     sizes = dict(SHAPES[args.shape])
@@ -119,6 +155,9 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    if args.mirror_draft:
+        mirror(model, args.mirror_layers, args.mirror_draft)
+        tokenizer.save_pretrained(args.mirror_draft)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     if args.eagle3_head:

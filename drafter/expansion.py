@@ -285,12 +285,12 @@ class DeviceExpansion:
             chain[: len(seqs)] = chains
             chain[len(seqs) :] = 0
 
-    def capture_all(self, shape: Shape) -> None:
-        """The graphs of `shape` at every batch bucket (warm-up), largest first; one log line."""
-        buckets = [b for b in reversed(self.batch_sizes) if (shape, b) not in self.captured]
+    def capture_all(self, key: Shape | Ahead) -> None:
+        """The graphs of `key` at every batch bucket (warm-up), largest first; one log line."""
+        buckets = [b for b in reversed(self.batch_sizes) if (key, b) not in self.captured]
         for bucket in buckets:
-            self._capture(shape, bucket, logged=False)
-        log.info("captured the expansion graphs of %s at batch sizes %s", shape, buckets[::-1])
+            self._capture(key, bucket, logged=False)
+        log.info("captured the expansion graphs of %s at batch sizes %s", key, buckets[::-1])
 
     def _capture(self, key: Shape | Ahead, bucket: int, logged: bool = True) -> None:
         device = self.kv.device

@@ -39,6 +39,12 @@ EXPANSION_SHAPES = tuple(
     for sampled in (False, True)
     for steps in (3, 2, 1)
 )
+# draft-ahead's expansions captured at warm-up for every batch bucket: the gateway's defaults
+# (gateway/scheduler.py: 2 bonus guesses at each accept length of a chain of 3 being verified;
+# a plain round's (3 + 1) x 2 = 8 guesses at the root), which its overlap gate probes at each
+# batch size it meets (`up`'s default on two GPUs): before, each was captured in its first such
+# round, 10-50 ms on an 8B head
+AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -110,15 +116,17 @@ class TreeProposer:
         self, catch_up_lens: tuple[int, ...] = CATCH_UP_LENS, max_batch_size: int = 64
     ) -> None:
         """On a GPU, capture the steps of 1 and of `catch_up_lens` tokens per sequence for
-        batches up to `max_batch_size`, and the device expansion of EXPANSION_SHAPES at every
-        batch bucket (other shapes are captured at their first use); a no-op elsewhere."""
+        batches up to `max_batch_size`, and the device expansion of EXPANSION_SHAPES and
+        AHEAD_SHAPES at every batch bucket (others are captured at their first use); a no-op
+        elsewhere."""
         if self.device.type != "cuda" or not catch_up_lens:
             return
         with on_device(self.device):
             self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
             self.device_expansion_runner = self._new_expansion(graphs=True)
-            for shape in EXPANSION_SHAPES:
-                self.device_expansion_runner.capture_all(shape)
+            keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES)
+            for key in keys:
+                self.device_expansion_runner.capture_all(key)
 
     def _capture(self, lens: tuple[int, ...], max_batch_size: int) -> None:
         self.graphs = CudaGraphRunner(

@@ -4,7 +4,7 @@
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
-#       [draft8b-phases] [profile8b-drafter] [critical]
+#       [draft8b-phases] [profile8b-drafter] [critical] [critical8b]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -40,6 +40,8 @@
 # head at batch 1 / 32) and the rows' lane hop (bench/lane_rows.py --echo-process);
 # critical: the round's critical path outside the verifier's engine, p50 / p99, serial and
 # draft-ahead, $SMOLLM2_GGUF + the shipped head (bench/profile_services.py --overlap);
+# critical8b: the same with an 8B-shaped random target and a draft that predicts it
+# (bench/random_model.py --mirror-draft; synthetic acceptance);
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -177,6 +179,18 @@ for part in "${parts[@]}"; do
         run "critical_$mode" python3 bench/profile_services.py --model "$SMOLLM2_GGUF" \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 8 --max-new-tokens 128 --top 0 --overlap "$mode"
+      done ;;
+    critical8b)  # the same with an 8B-shaped target whose draft predicts it (random weights,
+      # bench/random_model.py --mirror-draft: its first layer; synthetic acceptance 0.8 / 0.7 /
+      # 0.6, timing only), so that draft-ahead's guesses hit at an 8B target's verify time
+      [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
+        --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
+        --device "cuda:$((gpus - 1))" --dtype bfloat16
+      for mode in serial ahead; do
+        run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
+          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 \
+          --max-new-tokens 128 --top 0 --overlap "$mode" --synthetic-acceptance 0.8,0.7,0.6 \
+          --services-log "$out/critical8b_services.log"
       done ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \

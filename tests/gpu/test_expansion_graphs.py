@@ -15,8 +15,9 @@ import torch
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
+from drafter.expansion import Ahead
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
+from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -165,3 +166,48 @@ def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
             _rounds(graphs, batch, SpecParams(steps, 1, steps), sampling)
     assert set(runner.captured) == before
     assert {shape.num_steps for shape, _ in before if shape.sampled == sampled} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_warm_up_captures_the_gateways_default_draft_ahead(models, kind: str) -> None:
+    """The gateway's default draft-ahead rounds (2 bonus guesses at each accept length of a
+    chain of 3 being verified; a plain round's 8 at the root), which its overlap gate probes
+    at every batch size, replay graphs from the warm-up: nothing is captured in traffic, every
+    outcome gets its tree, and no KV is left."""
+    engine = _engine(models, kind, graphs=True, device_expansion=True)
+    runner = engine.proposer.device_expansion_runner  # type: ignore[attr-defined]
+    before = set(runner.captured)
+    assert {key for key, _ in before if isinstance(key, Ahead)} == set(AHEAD_SHAPES)
+    width = getattr(engine.proposer, "feature_width", None)
+    gen = torch.Generator().manual_seed(0)
+    spec = SpecParams(3, 1, 3)
+    for batch in (1, 3):
+        ids = [f"s{batch}.{b}" for b in range(batch)]
+        tokens = [
+            torch.randint(3, TINY_VOCAB, (20 + b,), generator=gen).tolist() for b in range(batch)
+        ]
+        held = [0] * batch
+        verifying = [DraftTree()] * batch
+        for guesses in (0, 2, 8):  # a normal Draft, then a chain's draft-ahead, then a plain one
+            inputs = []
+            for b in range(batch):
+                if guesses:
+                    tokens[b] += torch.randint(3, TINY_VOCAB, (2,), generator=gen).tolist()
+                new = tokens[b][held[b] :]
+                rows = None if width is None else torch.randn(len(new) - 1, width, generator=gen)
+                item = DraftInput(
+                    ids[b], not guesses, held[b], new, spec, target_hidden_states=rows
+                )
+                item.verifying = verifying[b] if guesses == 2 else DraftTree()
+                item.ahead_guesses = guesses
+                inputs.append(item)
+                held[b] = len(tokens[b]) - (1 if width is not None else 0)
+            outputs = engine.draft(inputs)
+            engine.check_integrity()
+            if guesses:
+                assert [len(out.ahead) for out in outputs] == [8] * batch
+            verifying = [out.tree for out in outputs]
+            assert guesses or all(len(tree) == 3 for tree in verifying)
+        engine.release(ids)
+        assert engine.num_pages_used == 0
+    assert set(runner.captured) == before
