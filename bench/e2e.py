@@ -136,8 +136,9 @@ Totals = Counter[tuple[str, str]]
 def scrape_totals() -> Totals:
     """The three processes' histogram sums and counts, unlabelled ones only, by (process,
     "<name>_sum" / "<name>_count"): exact means over an interval (two scrapes' difference);
-    draft-ahead's rounds and decode steps run ahead by outcome, (process,
-    "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>"); and
+    draft-ahead's rounds, decode steps and hinted rounds run ahead by outcome, (process,
+    "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>" /
+    "specsplit_round_ahead_total:<outcome>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
     / "..._count:<service>"), its RPCs' stages on the round lane, (process,
     "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
@@ -147,7 +148,11 @@ def scrape_totals() -> Totals:
     for process, sample in _samples():
         if sample.name.endswith(("_sum", "_count")) and not sample.labels:
             totals[(process, sample.name)] = float(sample.value)
-        elif sample.name in ("specsplit_draft_ahead_total", "specsplit_decode_ahead_total"):
+        elif sample.name in (
+            "specsplit_draft_ahead_total",
+            "specsplit_decode_ahead_total",
+            "specsplit_round_ahead_total",
+        ):
             key = f"{sample.name}:{sample.labels['outcome']}"
             totals[(process, key)] = float(sample.value)
         elif (labels := _LABELLED.get(_histogram_of(sample.name))) is not None:

@@ -13,7 +13,7 @@ absolute times.
     PYTHONPATH=. python bench/profile_services.py --batch 32 --max-new-tokens 64 [--model PATH]
         [--device cuda:1 --drafter-device cuda:0] [--drafter KIND --draft-model PATH]
         [--target-only] [--top 25] [--sort tottime cumulative] [--keep DIR]
-        [--overlap ahead] [--synthetic-acceptance 0.8,0.7,0.6]
+        [--overlap ahead [--verify-ahead off]] [--synthetic-acceptance 0.8,0.7,0.6]
 
 Several --batch values: each measured unprofiled in turn, the last one profiled (none with
 --top 0). --synthetic-acceptance (BENCHMARKS ONLY, labelled): the verifier's, so that random
@@ -142,6 +142,11 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
         totals[("gateway", f"specsplit_draft_ahead_total:{x}")] for x in ("hit", "miss")
     )
     ahead = f", draft-ahead hits {hits:.0f} / {hits + misses:.0f}" if hits + misses else ""
+    used, dropped = (
+        totals[("verifier", f"specsplit_round_ahead_total:{x}")] for x in ("used", "dropped")
+    )
+    if used + dropped:
+        ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     for service in ("verifier", "drafter"):
         means = []
@@ -198,6 +203,12 @@ def main() -> None:
         "verifier's engine is printed as p50 / p99 either way",
     )
     parser.add_argument(
+        "--verify-ahead",
+        default=None,
+        choices=("on", "off"),
+        help="`up --verify-ahead` (default: its own, on): draft-ahead's hints to the verifier",
+    )
+    parser.add_argument(
         "--synthetic-acceptance",
         default=None,
         metavar="RATES",
@@ -208,6 +219,8 @@ def main() -> None:
     extra = ("--synthetic-acceptance", args.synthetic_acceptance) if synthetic else ()
     if args.overlap:
         extra += ("--overlap", args.overlap)
+    if args.verify_ahead:
+        extra += ("--verify-ahead", args.verify_ahead)
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]

@@ -13,6 +13,7 @@ from gateway.health import Health
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
+    NextTrees,
     Truncated,
     Truncation,
     VerifyInput,
@@ -35,6 +36,11 @@ class VerifierClient(Protocol):
         ...
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
+
+    async def hint(self, hints: list[NextTrees]) -> None:
+        """Draft-ahead's trees for the outcomes of rounds in flight (VerifierEngine.hint_next):
+        the verifier may launch each sequence's next round before it is asked for."""
+        ...
 
     async def release(self, seq_ids: list[str]) -> None: ...
 

@@ -30,6 +30,7 @@ from specsplit.lane import Kind, LaneConnection, lane_path, new_token
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
+    NextTrees,
     Truncated,
     Truncation,
     VerifyInput,
@@ -278,6 +279,20 @@ class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         return await self.round(inputs)
+
+    async def hint(self, hints: list[NextTrees]) -> None:
+        """On the lane when there is one (another connection than the round's in flight),
+        else the unary Hint."""
+        if not hints:
+            return
+        request = convert.hint_to_proto(hints)
+        if self.lane is not None:
+            await self.lane.request(Kind.HINT, request.SerializeToString())
+            return
+        try:
+            await self.rpc.stub(self.channel).Hint(request, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise service_error(err, self.service) from err
 
 
 async def health_status(

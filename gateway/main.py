@@ -158,6 +158,7 @@ async def serve(
     speculation_gate: bool = False,
     ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
     ahead_miss: str = DEFAULT_AHEAD_MISS,
+    verify_ahead: bool = True,
     ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
     round_lane: bool = True,
     lane_poll_s: float = 0.0,
@@ -175,7 +176,8 @@ async def serve(
     loading: its health) before they end with UNAVAILABLE. overlap: the scheduler's rounds,
     "serial", "groups" (pipelined groups), "gated" (groups, draft-ahead or serial rounds,
     whichever is measured fastest per batch size), "ahead" (draft-ahead, `ahead_guesses` bonus
-    tokens guessed per accept length; `ahead_miss`: what a round not guessed does) or "both"
+    tokens guessed per accept length; `ahead_miss`: what a round not guessed does;
+    `verify_ahead`: the trees drafted ahead go to the verifier as a hint) or "both"
     (draft-ahead while at most `ahead_max_batch` requests run, groups above). session_ttl_s:
     idle sessions' default lifetime. round_lane: a drafter or verifier on a Unix socket is
     reached on its round lane (specsplit.lane), the event loop polling up to `lane_poll_s` for
@@ -214,6 +216,7 @@ async def serve(
         speculation_gate=speculation_gate,
         ahead_guesses=ahead_guesses,
         ahead_miss=ahead_miss,
+        verify_ahead=verify_ahead,
         ahead_max_batch=ahead_max_batch,
         decode_steps=decode_steps,
         early_verify=early_verify,

@@ -36,6 +36,7 @@ from specsplit.messages import (
     MAX_DECODE_STEPS,
     AheadTree,
     DraftOutput,
+    NextTrees,
     SpecParams,
     Truncation,
     VerifyInput,
@@ -90,6 +91,7 @@ class Scheduler:
         decode_steps: int = 1,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
+        verify_ahead: bool = True,
     ) -> None:
         """adaptive_spec: requests without their own spec move along a ladder of draft shapes
         (`adaptive_rungs`, None = gateway.adaptive's default, plus `default_spec`, the rung they
@@ -118,7 +120,11 @@ class Scheduler:
         goes out in its own round. ahead_miss: in a draft-ahead round, a sequence whose outcome
         was not guessed is drafted first ("draft"), or verified with no tree at once ("plain":
         a plain decode step while its next round's trees are drafted ahead, so that the round
-        holds only the Verify on its path)."""
+        holds only the Verify on its path). verify_ahead: in a draft-ahead round, the trees
+        drafted ahead go to the verifier as a hint (VerifierClient.hint) as soon as they come,
+        so that it launches each sequence's next round as this one commits, before the gateway
+        asks for it (the answer's trip through the gateway and the next request's off the
+        verifier's path); off = only the gateway sends them, in the next Verify."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
@@ -174,6 +180,7 @@ class Scheduler:
         self.ahead_guesses = ahead_guesses
         self.ahead_max_batch = ahead_max_batch
         self.ahead_miss = ahead_miss
+        self.verify_ahead = verify_ahead
         self.decode_steps = decode_steps
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
@@ -626,6 +633,8 @@ class Scheduler:
                     if self._drafts_ahead(seq, tree)
                 ]
                 guessed = await self._draft_ahead(guessing)
+                if self.verify_ahead and not verifying.done():
+                    await self._hint(guessing, guessed, plain)
             except BaseException:
                 verifying.cancel()
                 raise
@@ -633,6 +642,31 @@ class Scheduler:
         for (seq, _), ahead in zip(guessing, guessed, strict=True):
             seq.keep_ahead(ahead)
         self._commit(batch, round_trees, outputs)
+
+    async def _hint(
+        self,
+        guessing: list[tuple[Sequence, DraftTree]],
+        guessed: list[list[AheadTree]],
+        plain: bool,
+    ) -> None:
+        """The trees drafted ahead, to the verifier while it verifies this round (verify_ahead):
+        per sequence the round it is for (its tokens before the commit: kv_committed_len +
+        pending) and, with misses plain, that an outcome not guessed runs no tree (as
+        `step_ahead` will send it). A hint that fails costs nothing but itself."""
+        hints = []
+        for (seq, _), ahead in zip(guessing, guessed, strict=True):
+            fitted = []
+            for outcome in ahead:  # each tree as `take_ahead` will cut it after that outcome
+                spec = seq.round_spec(committing=len(outcome.tokens))
+                tree = outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens)
+                fitted.append(AheadTree(outcome.tokens, tree))
+            misses_plain = plain and self._misses_plain(seq)
+            if fitted or misses_plain:
+                hints.append(NextTrees(seq.seq_id, len(seq.tokens), fitted, misses_plain))
+        try:
+            await self.verifier.hint(hints)
+        except ServiceError as e:
+            log.debug("a hint to the verifier failed: %s", e)
 
     def _take_ahead(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
         """The trees drafted ahead for the outcomes `seqs` had (by id), counted as hits and

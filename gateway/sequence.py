@@ -79,13 +79,14 @@ class Sequence:
             self.spec.num_steps == 0 and self.adaptive is None and self.request.session_id is None
         )
 
-    def round_spec(self) -> SpecParams:
+    def round_spec(self, committing: int = 0) -> SpecParams:
         """The tree shape this round: never deeper than the tokens still allowed (accepted
         drafts + bonus must fit max_new_tokens); no drafts while the speculation gate holds
-        them back (`drafts_held`)."""
+        them back (`drafts_held`). committing: tokens the round being verified will commit
+        first (the next round's shape, as far as it is known before: a hint's)."""
         left = 0 if self.drafts_held else self.request.max_new_tokens - self.num_generated_tokens
         spec = self.spec if self.adaptive is None else self.adaptive.spec
-        return spec.capped(left - 1)
+        return spec.capped(left - committing - 1)
 
     def keep_ahead(self, trees: list[AheadTree]) -> None:
         """Draft-ahead's trees for the round being verified now (before its commit)."""

@@ -16,6 +16,7 @@ from gateway.health import Health
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
+    NextTrees,
     Truncated,
     Truncation,
     VerifyInput,
@@ -118,6 +119,10 @@ class LocalVerifierClient(_LocalClient):
         if self.check:  # on the engine's thread: another round may be launching there
             await self._on_thread(self.engine.check_integrity)
         return outputs
+
+    async def hint(self, hints: list[NextTrees]) -> None:
+        """Straight to the engine, beside the round its thread runs (it only stores them)."""
+        self.verifier.hint_next(hints)
 
     async def release(self, seq_ids: list[str]) -> None:
         if self._pipelined is not None:

@@ -186,11 +186,12 @@ for part in "${parts[@]}"; do
       [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
         --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
         --device "cuda:$((gpus - 1))" --dtype bfloat16
-      for mode in serial ahead; do
+      for mode in serial ahead ahead-unhinted; do  # the last: --verify-ahead off
+        hint=on && [[ $mode == ahead-unhinted ]] && hint=off
         run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 \
-          --max-new-tokens 128 --top 0 --overlap "$mode" --synthetic-acceptance 0.8,0.7,0.6 \
-          --services-log "$out/critical8b_services.log"
+          --max-new-tokens 128 --top 0 --overlap "${mode%-unhinted}" --verify-ahead "$hint" \
+          --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
       done ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \

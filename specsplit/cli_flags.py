@@ -266,6 +266,13 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " ahead, so that no Draft waits before a Verify)"
     )
     flag(parser, "--ahead-miss", "plain", miss_help, choices=("draft", "plain"))
+    verify_ahead_help = (
+        "--overlap ahead: send the trees drafted ahead to the verifier as they come, so that it"
+        " runs each sequence's next round as soon as this one commits, before the gateway asks"
+        " (the round trip through the gateway off the verifier's path); off: only in the next"
+        " Verify"
+    )
+    flag(parser, "--verify-ahead", "on", verify_ahead_help, choices=("on", "off"))
     flag(
         parser,
         "--ahead-max-batch",

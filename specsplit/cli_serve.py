@@ -143,6 +143,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             overlap="serial" if args.overlap == "auto" else args.overlap,
             ahead_guesses=args.ahead_guesses,
             ahead_miss=args.ahead_miss,
+            verify_ahead=args.verify_ahead == "on",
             ahead_max_batch=args.ahead_max_batch,
             round_lane=args.round_lane == "on",
             lane_poll_s=(args.round_lane_poll_ms or 0.0) / 1e3,

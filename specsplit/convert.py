@@ -20,6 +20,7 @@ from specsplit.messages import (
     AheadTree,
     DraftInput,
     DraftOutput,
+    NextTrees,
     SpecParams,
     Truncated,
     Truncation,
@@ -342,7 +343,8 @@ def _indexed(entries: Any, num_seqs: int, field: str) -> dict[int, Any]:
 
 
 def _fill_trees(
-    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, trees: list[DraftTree]
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
+    trees: list[DraftTree],
 ) -> None:
     """Each sequence's tree into the message's three tree columns (both messages name them
     alike); draft probabilities go in the side messages."""
@@ -352,7 +354,8 @@ def _fill_trees(
 
 
 def _read_trees(
-    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, num_seqs: int
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
+    num_seqs: int,
 ) -> list[DraftTree]:
     """Each sequence's tree from the three tree columns (no draft probabilities: see
     _indexed)."""
@@ -629,6 +632,43 @@ def verify_response_from_proto(
             _column(msg.kv_committed_len, n, "kv_committed_len"),
             rows,
             decoded,
+            strict=True,
+        )
+    ]
+
+
+def hint_to_proto(hints: list[NextTrees]) -> verifier_pb2.VerifyHint:
+    """The hints' columns; an outcome's tree without draft probabilities (greedy rounds)."""
+    msg = verifier_pb2.VerifyHint()
+    msg.seq_ids.extend([hint.seq_id for hint in hints])
+    msg.base.extend([hint.base for hint in hints])
+    msg.plain.extend([hint.plain for hint in hints])
+    msg.num_outcomes.extend([len(hint.trees) for hint in hints])
+    outcomes = [ahead for hint in hints for ahead in hint.trees]
+    msg.num_outcome_tokens.extend([len(ahead.tokens) for ahead in outcomes])
+    msg.outcome_tokens.extend([t for ahead in outcomes for t in ahead.tokens])
+    _fill_trees(msg, [ahead.tree for ahead in outcomes])
+    return msg
+
+
+def hint_from_proto(msg: verifier_pb2.VerifyHint) -> list[NextTrees]:
+    """Unvalidated: the engine checks a round it runs on a hint as any round's."""
+    seq_ids = list(msg.seq_ids)
+    n = len(seq_ids)
+    counts = _column(msg.num_outcomes, n, "num_outcomes", default=0)
+    num_outcomes = sum(counts)
+    outcomes = _lists(msg, num_outcomes, "num_outcome_tokens", "outcome_tokens", default=0)
+    trees = _read_trees(msg, num_outcomes)
+    aheads = [AheadTree(t, tree) for t, tree in zip(outcomes, trees, strict=True)]
+    ends = list(itertools.accumulate(counts))
+    return [
+        NextTrees(seq_id, base, aheads[end - count : end], plain)
+        for seq_id, base, plain, count, end in zip(
+            seq_ids,
+            _column(msg.base, n, "base"),
+            _column(msg.plain, n, "plain", default=False),
+            counts,
+            ends,
             strict=True,
         )
     ]

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from specsplit import convert, metrics, telemetry
 from specsplit.errors import Code, ServiceError
@@ -223,6 +224,11 @@ class EngineServicer(Generic[EngineT]):
         else:
             truncated = scope.leave(truncated)
         return convert.truncate_response_to_proto(truncated, num_pages_used)
+
+    def hint_in(self, scope: Scope | None, body: bytes | bytearray | memoryview) -> Message:
+        """A hint for rounds in flight (the verifier's `Hint`); refused by a service without
+        them."""
+        raise ServiceError(Code.INVALID_ARGUMENT, f"{self.name} takes no hints")
 
     async def round_stream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError, backend_error
@@ -77,6 +77,7 @@ class Kind(enum.IntEnum):
     ROUND = 1
     RELEASE = 2
     TRUNCATE = 3
+    HINT = 4
 
 
 STATUS = {code: i for i, code in enumerate(Code, start=1)}  # 0 = OK
@@ -395,6 +396,8 @@ class LaneService(Protocol):
         self, scope: Scope | None, request: common_pb2.TruncateRequest
     ) -> common_pb2.TruncateResponse: ...
 
+    def hint_in(self, scope: Scope | None, body: bytes | bytearray | memoryview) -> Message: ...
+
 
 class LaneServer:
     """The service's end: a Unix socket server on the service's event loop. Each connection
@@ -481,6 +484,8 @@ class LaneServer:
             elif kind == Kind.TRUNCATE:
                 request = common_pb2.TruncateRequest.FromString(body)
                 answer = await self.service.truncate_in(scope, request)
+            elif kind == Kind.HINT:
+                answer = self.service.hint_in(scope, body)
             else:
                 raise ServiceError(Code.INVALID_ARGUMENT, f"unknown request kind {kind}")
         except ServiceError as err:

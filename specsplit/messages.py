@@ -85,6 +85,21 @@ class AheadTree:
 
 
 @dataclass
+class NextTrees:
+    """The gateway's hint for a sequence's round in flight on the verifier (draft-ahead's trees
+    for its outcomes, `VerifierEngine.hint_next`): once that round commits, the verifier
+    launches the round the gateway will send next, before it is asked for: the tree drafted
+    for the outcome that came (`trees`: accepted drafts + bonus -> tree), or none when no tree
+    was drafted for it and `plain` (misses run plain). `base`: the round's kv_committed_len +
+    its pending tokens (where its tree's nodes start), naming the round the hint is for."""
+
+    seq_id: str
+    base: int
+    trees: list[AheadTree]
+    plain: bool = False
+
+
+@dataclass
 class DraftOutput:
     seq_id: str
     tree: DraftTree

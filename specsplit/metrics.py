@@ -143,6 +143,12 @@ DECODE_AHEAD = Counter(
     " step of GPU time spent for nothing)",
     ["outcome"],
 )
+ROUND_AHEAD = Counter(
+    "specsplit_round_ahead",
+    "Verify rounds run on the gateway's draft-ahead hint before they were asked for, by whether "
+    "the next round was that round ('used') or not ('dropped')",
+    ["outcome"],
+)
 DECODED_TOKENS = Counter(
     "specsplit_decoded_tokens",
     "Tokens the verifier decoded in rounds' further decode steps (--decode-steps): of the"
@@ -333,6 +339,10 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
 
 def count_decode_ahead(outcome: str) -> None:
     DECODE_AHEAD.labels(outcome=outcome).inc()
+
+
+def count_round_ahead(outcome: str) -> None:
+    ROUND_AHEAD.labels(outcome=outcome).inc()
 
 
 def count_error(code_name: str) -> None:

@@ -112,6 +112,7 @@ def child_commands(
     gateway += ["--verifier-wait", str(args.verifier_wait), "--overlap", gateway_overlap(args)]
     gateway += ["--speculation-gate", gateway_speculation_gate(args)]
     gateway += ["--ahead-guesses", str(args.ahead_guesses), "--ahead-miss", args.ahead_miss]
+    gateway += ["--verify-ahead", args.verify_ahead]
     gateway += ["--early-verify" if args.early_verify else "--no-early-verify"]
     gateway += ["--ahead-max-batch", str(args.ahead_max_batch)]
     gateway += ["--round-lane", args.round_lane]

@@ -20,6 +20,7 @@ from specsplit.kv_cache import SeqKV
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
+    NextTrees,
     SpecParams,
     Truncated,
     Truncation,
@@ -232,6 +233,9 @@ class PassThroughVerifier:
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         return await self.inner.verify(inputs)
+
+    async def hint(self, hints: list[NextTrees]) -> None:
+        await self.inner.hint(hints)
 
     @property
     def last_engine_seconds(self) -> float:

@@ -21,6 +21,7 @@ from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_referen
 from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
 from specsplit.messages import (
     MAX_DECODE_STEPS,
+    NextTrees,
     Truncated,
     Truncation,
     VerifyInput,
@@ -68,17 +69,34 @@ class _Launched:
     # yet), put back when the step is dropped
     generator_states: list[torch.Tensor | None] | None = None
     rows: list[int] | None = None  # the rows of `packed` that are `inputs`' (None: the first)
+    hinted: bool = False  # a round run ahead on the gateway's hint (`_launch_next`)
+    # a part of a round run ahead (`rows` set): that round's inputs, whose hidden-state rows
+    # lie back to back before and between this part's
+    whole_inputs: list[VerifyInput] | None = None
     # `packed` on the host: from a GPU a copy queued right after the acceptance (the step run
     # ahead queues its work behind it, and may overwrite `packed`), valid once `copied` is
     host: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
 
-    def result_rows(self) -> list[list[int]]:
-        """`inputs`' rows of the results on the host (waits for their copy only)."""
+    def result_rows(self, whole: bool = False) -> list[list[int]]:
+        """`inputs`' rows of the results on the host (waits for their copy only); whole: every
+        row, of a part's whole round too."""
         if self.copied is not None:
             self.copied.synchronize()
         rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
-        return rows if self.rows is None else [rows[i] for i in self.rows]
+        return rows if self.rows is None or whole else [rows[i] for i in self.rows]
+
+    def hidden_starts(self) -> list[int] | None:
+        """Each input's first hidden-state row (None: back to back from row 0): a part's rows
+        sit among its whole round's, each asking sequence's pending and accepted rows in turn."""
+        if self.rows is None or self.whole_inputs is None:
+            return None
+        starts, row = [], 0
+        for item, result in zip(self.whole_inputs, self.result_rows(whole=True), strict=False):
+            starts.append(row)
+            if item.hidden_state_layers:
+                row += len(item.pending_tokens) + result[0]
+        return [starts[i] for i in self.rows]
 
 
 @dataclass(eq=False)
@@ -159,6 +177,12 @@ class VerifierEngine:
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
+        # the gateway's hints for rounds in flight (`hint_next`), by sequence; the rounds run
+        # ahead on them that the next round was / was not, and a callback for each
+        self._next: dict[str, NextTrees] = {}
+        self.num_next_used = 0
+        self.num_next_dropped = 0
+        self.on_round_ahead: Callable[[str], None] | None = None
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -280,6 +304,7 @@ class VerifierEngine:
         finally:
             self.on_decode_ahead = report
             self.num_ahead_used = self.num_ahead_dropped = 0
+            self.num_next_used = self.num_next_dropped = 0
 
     def _warmup(self) -> None:
         out = self.verify(
@@ -383,7 +408,20 @@ class VerifierEngine:
         if any(item.decode_steps > 1 for item in launched.inputs):
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
+        elif self._next and self._ahead is None and not self._in_flight:
+            with on_device(self.device):
+                self._ahead = self._launch_next(launched.inputs, outputs)
         return outputs
+
+    def hint_next(self, hints: list[NextTrees]) -> None:
+        """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
+        round they name finishes (`finish` launches the next round on them) or the sequence
+        is released or truncated; a hint for a round already finished is never used. Only
+        stores them (one dict entry each), so it may be called while a round runs on another
+        thread."""
+        for hint in hints:
+            if hint.seq_id in self.seqs:  # not one unknown here (nothing would ever drop it)
+                self._next[hint.seq_id] = hint
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in
@@ -548,7 +586,8 @@ class VerifierEngine:
             for item, seq, result in zip(launched.inputs, launched.seqs, accepted, strict=True)
         ]
         if launched.hidden is not None:
-            self._hidden_states_out(launched.inputs, accepted, launched.hidden, results)
+            starts = launched.hidden_starts()
+            self._hidden_states_out(launched.inputs, accepted, launched.hidden, results, starts)
         return results
 
     # -- decode steps run ahead ------------------------------------------------------------
@@ -606,6 +645,60 @@ class VerifierEngine:
         launched.generator_states = states
         return launched
 
+    @torch.inference_mode()
+    def _launch_next(
+        self, inputs: list[VerifyInput], outputs: list[VerifyOutput]
+    ) -> _Launched | None:
+        """The rounds the gateway hinted for the sequences of a round just finished (its
+        `inputs`, `outputs`), launched before they are asked for: each sequence whose hint
+        names this round (`NextTrees.base`), greedy, gets its bonus token as its pending token
+        and the tree drafted ahead for its outcome (accepted drafts + bonus), or none when the
+        hint runs misses plain; the same hidden-state layers as this round. While the answer
+        goes to the gateway and the gateway sends that round, the device runs it (the round
+        trip off the verifier's path); `_take_ahead` keeps it for the next round's items that
+        are exactly it (it changes no output), and drops it otherwise. None when no sequence
+        qualifies or the rounds are refused (checks, context, free pages)."""
+        items, seqs = [], []
+        for item, out in zip(inputs, outputs, strict=True):
+            hint = self._next.pop(item.seq_id, None)
+            seq = self.seqs.get(item.seq_id)
+            base = out.kv_committed_len - len(out.accepted_tokens)
+            if hint is None or seq is None or hint.base != base or not item.sampling.greedy:
+                continue
+            outcome = [*out.accepted_tokens, out.bonus_token]
+            tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)
+            if tree is None and not hint.plain:
+                continue
+            items.append(
+                VerifyInput(
+                    item.seq_id,
+                    False,
+                    out.kv_committed_len,
+                    [out.bonus_token],
+                    DraftTree() if tree is None else tree,
+                    item.sampling,
+                    item.hidden_state_layers,
+                )
+            )
+            seqs.append(seq)
+        if not items:
+            return None
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
+        try:
+            self._validate(items)  # a hint's trees come from the network: checked as a round's
+            self._reserve(items, seqs)
+        except ServiceError:
+            return None
+        try:
+            launched = self._launch(items, seqs)
+        except Exception:  # the round just finished is answered all the same
+            log.exception("a round run ahead on the gateway's hint failed to launch")
+            self._undo_ahead(_Launched(items, seqs, torch.empty(0), None, states))
+            return None
+        launched.generator_states = states
+        launched.hinted = True
+        return launched
+
     def _bonus_tokens(self, done: _Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
         for a step taken in part its rows (the index crosses without a wait)."""
@@ -640,15 +733,14 @@ class VerifierEngine:
             return None, []
         self._ahead = None
         self._undo_ahead(ahead, kept=set(keep))
-        self.num_ahead_used += 1
-        if self.on_decode_ahead is not None:
-            self.on_decode_ahead("used")
+        self._count_ahead(ahead, "used")
         if keep == list(range(len(ahead.inputs))):
             return ahead, positions
         states = ahead.generator_states or [None] * len(ahead.seqs)
         taken = _Launched(
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
-            None, [states[k] for k in keep], rows=keep, host=ahead.host, copied=ahead.copied,
+            ahead.hidden, [states[k] for k in keep], rows=keep, host=ahead.host,
+            copied=ahead.copied, hinted=ahead.hinted, whole_inputs=ahead.inputs,
         )  # fmt: skip
         return taken, positions
 
@@ -658,12 +750,24 @@ class VerifierEngine:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        self.num_ahead_dropped += 1
-        if self.on_decode_ahead is not None:
-            self.on_decode_ahead("dropped")
+        self._count_ahead(ahead, "dropped")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._undo_ahead(ahead)
+
+    def _count_ahead(self, ahead: _Launched, outcome: str) -> None:
+        """A round run ahead was taken ("used") or not ("dropped"): a decode step's counts, or
+        a hinted round's (`_launch_next`)."""
+        if ahead.hinted:
+            self.num_next_used += outcome == "used"
+            self.num_next_dropped += outcome == "dropped"
+            report = self.on_round_ahead
+        else:
+            self.num_ahead_used += outcome == "used"
+            self.num_ahead_dropped += outcome == "dropped"
+            report = self.on_decode_ahead
+        if report is not None:
+            report(outcome)
 
     def _undo_ahead(self, ahead: _Launched, kept: set[int] | None = None) -> None:
         """Each live sequence's share of a step run ahead not taken (all but the indices
@@ -711,12 +815,14 @@ class VerifierEngine:
         accepted: list[AcceptResult],
         hidden: torch.Tensor,  # `_accepted_hidden`'s rows
         results: list[VerifyOutput],
+        starts: list[int] | None = None,  # each input's first row (None: back to back)
     ) -> None:
         """Each sequence that asked for hidden states gets [p + num_accepted_drafts, layers *
         hidden]: its pending tokens, then the accepted path (views of `hidden`, back to back)."""
         row = 0
-        for item, path, output in zip(inputs, accepted, results, strict=True):
+        for i, (item, path, output) in enumerate(zip(inputs, accepted, results, strict=True)):
             if item.hidden_state_layers:
+                row = row if starts is None else starts[i]
                 end = row + len(item.pending_tokens) + len(path.accepted_nodes)
                 output.hidden_states = hidden[row:end]
                 row = end
@@ -937,6 +1043,8 @@ class VerifierEngine:
         truncated = {item.seq_id for item in items}
         if self.in_flight(truncated):
             raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
+        for seq_id in truncated:
+            self._next.pop(seq_id, None)
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
             self._drop_ahead()  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
@@ -955,6 +1063,7 @@ class VerifierEngine:
             raise RuntimeError("verifier: release of a sequence whose round is in flight")
         released = 0
         for seq_id in seq_ids:
+            self._next.pop(seq_id, None)
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)
@@ -995,13 +1104,16 @@ def _filters(params: SamplingParams, vocab_size: int) -> bool:
 
 
 def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:
-    """Whether a round's `item` is the decode step run ahead as `guess`."""
+    """Whether a round's `item` is the round run ahead as `guess` (a decode step, or a hinted
+    round: the same tree, no draft probabilities, the same hidden-state layers)."""
     return (
         not item.begin
         and item.seq_id == guess.seq_id
         and item.kv_committed_len == guess.kv_committed_len
         and item.pending_tokens == guess.pending_tokens
-        and not item.tree
-        and not item.hidden_state_layers
+        and item.tree.tokens == guess.tree.tokens
+        and item.tree.parents == guess.tree.parents
+        and item.tree.draft_probs is None
+        and item.hidden_state_layers == guess.hidden_state_layers
         and item.sampling == guess.sampling
     )

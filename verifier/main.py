@@ -52,6 +52,7 @@ async def serve(
     def load() -> VerifierEngine:
         engine = load_engine()
         engine.on_decode_ahead = metrics.count_decode_ahead
+        engine.on_round_ahead = metrics.count_round_ahead
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))

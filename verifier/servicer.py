@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
-from specsplit import rounds
+from specsplit import convert, rounds
 from specsplit.engine_servicer import EngineServicer
-from specsplit.server import service_name
+from specsplit.scopes import Scope, grpc_scope_key
+from specsplit.server import service_errors, service_name
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.pipelined import PipelinedRounds
@@ -38,6 +40,25 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         pipelined = self.pipelined()
         if pipelined is not None:
             await pipelined.settle(seq_ids)
+
+    def hint_in(self, scope: Scope | None, body: bytes | bytearray | memoryview) -> Message:
+        """The gateway's hints for rounds in flight (VerifierEngine.hint_next), for its own
+        sequences. Handed to the engine at once, beside a round in flight (on a GPU the loop
+        polls the device meanwhile; on the CPU the engine thread runs the round): a hint only
+        stores a dict entry per sequence, and one waiting behind the round would come too
+        late."""
+        hints = convert.hint_from_proto(verifier_pb2.VerifyHint.FromString(body))
+        if scope is not None:
+            self.engine.warm().hint_next(scope.enter(hints))
+        return verifier_pb2.VerifyHintResponse()
+
+    async def Hint(
+        self, request: verifier_pb2.VerifyHint, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.VerifyHintResponse:
+        async with service_errors(context):
+            key = grpc_scope_key(context.invocation_metadata(), context.peer())
+            scope = self.scopes.find(key)
+            return self.hint_in(scope, request.SerializeToString())
 
     def pipelined(self) -> PipelinedRounds | None:
         """Pipelined rounds when engine calls run on the loop (None: on the engine thread).

@@ -235,6 +235,22 @@ def test_internal_api_refuses_unknown_seq_id_and_malformed_tree(services: Servic
     assert len(ids_of(generate(services.gateway(), token_request([9, 9], 3, ignore_eos=True)))) == 3
 
 
+def test_hint_over_grpc_is_taken_and_one_malformed_is_refused(services: Services) -> None:
+    """The verifier's unary Hint (the gateway's on a TCP link): a hint for a sequence it does
+    not hold changes nothing; one whose columns disagree is INVALID_ARGUMENT."""
+    stub = verifier_pb2_grpc.VerifierStub(services.channel("verifier"))
+    hint = verifier_pb2.VerifyHint(
+        seq_ids=["nobody"], base=[3], plain=[True], num_outcomes=[1], num_outcome_tokens=[1],
+        outcome_tokens=[5], num_tree_nodes=[1], tree_tokens=[7], tree_parents=[-1],
+    )  # fmt: skip
+    assert stub.Hint(hint) == verifier_pb2.VerifyHintResponse()
+    hint.num_outcome_tokens[:] = [2]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Hint(hint)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    services.wait_no_pages_used()
+
+
 def test_drafter_down_keeps_generating_the_same_tokens(services: Services) -> None:
     stub = services.gateway()
     prompt = _prompt(3)

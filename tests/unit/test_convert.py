@@ -13,6 +13,7 @@ from specsplit.messages import (
     AheadTree,
     DraftInput,
     DraftOutput,
+    NextTrees,
     SpecParams,
     VerifyInput,
     VerifyOutput,
@@ -566,3 +567,19 @@ def test_a_draft_request_whose_row_counts_miss_a_sequence_is_refused() -> None:
     msg.num_target_rows.pop()
     with pytest.raises(ServiceError, match="num_target_rows has 1 entries for 2 sequences"):
         convert.draft_request_from_proto(msg)
+
+
+def test_hints_round_trip_in_columns() -> None:
+    """The verifier's Hint: per sequence its round's base, plain flag and outcomes (tokens and
+    tree each), none at all, and no hints."""
+    hints = [
+        NextTrees(
+            "a", 17, [AheadTree([4, 9], DraftTree([1, 2], [-1, 0])), AheadTree([5], DraftTree())]
+        ),
+        NextTrees("b", 3, [], plain=True),
+        NextTrees("c", 40, [AheadTree([7, 8, 9], DraftTree([3, 4, 5], [-1, -1, 0]))], plain=True),
+    ]
+    wire = convert.hint_to_proto(hints).SerializeToString()
+    got = convert.hint_from_proto(verifier_pb2.VerifyHint.FromString(wire))
+    assert got == hints
+    assert convert.hint_from_proto(convert.hint_to_proto([])) == []

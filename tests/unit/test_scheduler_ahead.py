@@ -11,6 +11,7 @@ included, and no Draft waits before a Verify but each sequence's first round's."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -445,3 +446,76 @@ def test_a_plain_round_guesses_as_many_trees_as_a_chain_round(
     }
     assert (0, at_root) in asked
     assert {g for nodes, g in asked if nodes} == {guesses}
+
+
+class _HintFirst(PassThroughVerifier):
+    """Holds each Verify until the draft-ahead of its round is answered and its hint sent (in
+    process a tiny model verifies before its drafter drafts ahead, so the hint would come too
+    late), as on two GPUs where the draft is the shorter."""
+
+    def __init__(self, inner, drafter) -> None:
+        super().__init__(inner)
+        self.drafter = drafter
+        self.ahead: asyncio.Future | None = None
+
+    async def verify(self, inputs):
+        for _ in range(3):  # the round's draft-ahead starts
+            await asyncio.sleep(0)
+        if self.ahead is not None:
+            await asyncio.shield(self.ahead)
+            for _ in range(3):  # and its hint goes out
+                await asyncio.sleep(0)
+        return await self.inner.verify(inputs)
+
+    def wrap_drafter(self):
+        verifier, inner = self, self.drafter
+
+        class Drafter:
+            async def draft(self, inputs):
+                if not any(item.ahead_guesses for item in inputs):
+                    return await inner.draft(inputs)
+                verifier.ahead = asyncio.ensure_future(inner.draft(inputs))
+                try:
+                    return await asyncio.shield(verifier.ahead)
+                finally:
+                    verifier.ahead = None
+
+            async def release(self, seq_ids):
+                await inner.release(seq_ids)
+
+            async def truncate(self, items):
+                return await inner.truncate(items)
+
+        return Drafter()
+
+
+@pytest.mark.parametrize(
+    ("drafter", "ahead_miss", "batch_size", "page_size"),
+    [
+        ("self", "plain", 1, 16),
+        ("self", "draft", 3, 1),
+        ("random", "plain", 2, 16),
+        ("eagle3", "plain", 3, 1),
+        ("eagle3", "draft", 1, 16),
+    ],
+)
+def test_rounds_run_ahead_on_hints_equal_target_greedy(
+    models, smollm2_tokenizer, drafter: str, ahead_miss: str, batch_size: int, page_size: int
+) -> None:
+    """verify_ahead (the default): the trees drafted ahead reach the verifier while it
+    verifies, and it launches the next rounds on them; the tokens are the target's, no KV is
+    left, and with the target drafting for itself the rounds run ahead are taken."""
+    expected = _target_only(models, smollm2_tokenizer, batch_size, seed=batch_size)
+    stack = _stack(models, smollm2_tokenizer, drafter, CHAIN, page_size, ahead_miss=ahead_miss)
+    scheduler = stack.scheduler
+    assert scheduler.verify_ahead
+    scheduler.verifier = hint_first = _HintFirst(scheduler.verifier, scheduler.drafter)
+    scheduler.drafter = hint_first.wrap_drafter()
+    out = generate_all(stack, _requests(batch_size, batch_size))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    check_no_leaks(stack)
+    engine = stack.verifier
+    if drafter == "self" or ahead_miss == "plain":  # a guessed outcome, or a miss run plain
+        assert engine.num_next_used + engine.num_next_dropped > 0  # ran ahead on the hints
+    if drafter == "self":  # every outcome guessed: the rounds run ahead are the next rounds
+        assert engine.num_next_used > engine.num_next_dropped

@@ -1,0 +1,160 @@
+"""The verifier's rounds run ahead on the gateway's hint (`VerifierEngine.hint_next`, draft-ahead's
+trees for the outcomes of a round in flight): once that round commits, the round the gateway
+will send next is launched before it is asked for, and kept only when the next round is exactly
+it. Whatever the gateway sends next (that round, another tree, a release, a truncation), the
+tokens and the committed KV are those of an engine without hints, and no page stays held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.messages import AheadTree, NextTrees, Truncation, VerifyInput
+from specsplit.tree import DraftTree
+from tests.support import save_tiny_llama
+from tests.unit.test_decode_ahead import Driver, _chain, _engine, _release, _same
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("round_ahead") / "target", seed=29)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cpu"
+
+
+WRONG = AheadTree([1, 2], DraftTree([3], [-1]))  # an outcome that does not come
+
+
+def _hinted_rounds(
+    target_dir: Path, device: str, rounds: int, cut: bool = False, hint_b: bool = True
+) -> tuple[Driver, Driver]:
+    """`rounds` chain rounds of "a" and plain rounds of "b" on two engines; before each round
+    of the second, a hint names the next round's tree for the outcome the first engine saw
+    ("a": among a wrong outcome's; "b", if `hint_b`: none, misses plain). cut: the round sent
+    next has a shorter tree for "a" than the hinted one."""
+    plain, hinted = (
+        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, False, device)),
+    )
+    for driver in (plain, hinted):
+        driver.begin("a", "b")
+    tree = _chain(target_dir, device, plain, "a", 2)
+    for r in range(rounds):
+        bases = {s: len(plain.tokens[s]) for s in "ab"}  # committed + pending
+        plain.round({"a": tree, "b": DraftTree()})
+        outcome = plain.tokens["a"][bases["a"] :]
+        following = _chain(target_dir, device, plain, "a", 1 + r % 3)
+        hints = [NextTrees("a", bases["a"], [WRONG, AheadTree(outcome, following)])]
+        if hint_b:
+            hints.append(NextTrees("b", bases["b"], [WRONG], plain=True))
+        hinted.engine.hint_next(hints)
+        hinted.round({"a": tree, "b": DraftTree()})
+        tree = DraftTree(following.tokens[:1], following.parents[:1]) if cut else following
+    return plain, hinted
+
+
+def test_hinted_rounds_are_taken_and_give_the_same_tokens(target_dir: Path, device: str) -> None:
+    plain, hinted = _hinted_rounds(target_dir, device, rounds=6)
+    _same(plain, hinted)
+    engine = hinted.engine
+    assert (engine.num_next_used, engine.num_next_dropped) == (5, 0)
+    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (0, 0)  # no decode step ahead
+    _release(plain, hinted)
+
+
+@pytest.mark.parametrize("hint_b", [False, True], ids=["dropped", "taken_in_part"])
+def test_a_round_other_than_the_hinted_one_drops_it(
+    target_dir: Path, device: str, hint_b: bool
+) -> None:
+    """A round whose tree for "a" is not the hinted one: the round run ahead is dropped, or
+    taken for "b" alone (its plain step) while "a"'s share gives its room back."""
+    plain, hinted = _hinted_rounds(target_dir, device, rounds=4, cut=True, hint_b=hint_b)
+    _same(plain, hinted)
+    want = (3, 0) if hint_b else (0, 3)
+    assert (hinted.engine.num_next_used, hinted.engine.num_next_dropped) == want
+    _release(plain, hinted)
+
+
+def test_a_hint_for_another_round_or_refused_runs_nothing(target_dir: Path, device: str) -> None:
+    driver = Driver(_engine(target_dir, False, device))
+    driver.begin("a")
+    base = len(driver.tokens["a"])
+    engine = driver.engine
+    bad = AheadTree([0], DraftTree([10**9], [-1]))  # a token outside the vocabulary
+    for hint in (NextTrees("a", base + 1, [], plain=True), NextTrees("a", base, [], plain=False)):
+        engine.hint_next([hint])
+        driver.round({"a": DraftTree()})
+        base = len(driver.tokens["a"])
+        assert engine._ahead is None and not engine._next
+    engine.hint_next([NextTrees("a", base, [AheadTree([t], bad.tree) for t in range(300)])])
+    driver.round({"a": DraftTree()})
+    assert engine._ahead is None and engine.num_pages_used == len(engine.seqs["a"].kv.page_table)
+    _release(driver)
+
+
+@pytest.mark.parametrize("then", ["release", "truncate"])
+def test_release_or_truncation_drops_the_round_run_ahead(
+    target_dir: Path, device: str, then: str
+) -> None:
+    driver = Driver(_engine(target_dir, False, device))
+    driver.begin("a", "b")
+    base = len(driver.tokens["a"])
+    engine = driver.engine
+    engine.hint_next([NextTrees("a", base, [], plain=True)])
+    driver.round({"a": DraftTree(), "b": DraftTree()})
+    assert engine._ahead is not None
+    if then == "release":
+        engine.release(["a"])
+        assert engine._ahead is None and engine.num_next_dropped == 1
+    else:
+        engine.truncate([Truncation("a", 3)])
+        assert engine._ahead is None and engine.num_next_dropped == 1
+        engine.hint_next([NextTrees("b", len(driver.tokens["b"]), [], plain=True)])
+        engine.release(["b"])
+        assert not engine._next
+    engine.check_integrity()
+    engine.release(list(engine.seqs))
+    assert engine.num_pages_used == 0
+
+
+def test_a_round_taken_in_part_gives_each_sequence_its_own_hidden_states(
+    target_dir: Path, device: str
+) -> None:
+    """Hinted rounds asking for hidden states (an EAGLE drafter's), the next round sent for
+    "b" only ("a" finished): "b" takes its share, with its own rows from among the round's."""
+    layers = (0, 1)
+    engines = [_engine(target_dir, False, device) for _ in range(2)]
+    committed = {"a": 0, "b": 0}
+    tokens = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
+    last = []
+    for step in range(3):
+        for n, engine in enumerate(engines):
+            ids = "ab" if step < 2 else "b"
+            if n == 1 and step == 1:  # before the second round: the hint for the third
+                engine.hint_next([NextTrees(s, len(tokens[s]), [], plain=True) for s in "ab"])
+            items = [
+                VerifyInput(s, step == 0, committed[s], tokens[s][committed[s] :], DraftTree(),
+                            hidden_state_layers=layers)
+                for s in ids
+            ]  # fmt: skip
+            if step == 2:
+                engine.release(["a"])
+            outputs = engine.verify(items)
+            if n == 1:
+                for out in outputs:
+                    tokens[out.seq_id] += out.new_tokens
+                    committed[out.seq_id] = out.kv_committed_len
+            last.append(outputs)
+    plain, hinted = last[-2], last[-1]
+    assert engines[1].num_next_used == 1
+    assert [o.bonus_token for o in hinted] == [o.bonus_token for o in plain]
+    assert hinted[0].hidden_states is not None and plain[0].hidden_states is not None
+    assert torch.equal(hinted[0].hidden_states, plain[0].hidden_states)
+    for engine in engines:
+        engine.release(list(engine.seqs))
+        assert engine.num_pages_used == 0
