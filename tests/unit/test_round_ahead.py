@@ -154,7 +154,11 @@ def test_a_round_taken_in_part_gives_each_sequence_its_own_hidden_states(
     assert engines[1].num_next_used == 1
     assert [o.bonus_token for o in hinted] == [o.bonus_token for o in plain]
     assert hinted[0].hidden_states is not None and plain[0].hidden_states is not None
-    assert torch.equal(hinted[0].hidden_states, plain[0].hidden_states)
+    # bit for bit on the CPU; on a GPU computed in a batch of two, as any round's across batches
+    tolerance = 0 if device == "cpu" else 1e-5
+    torch.testing.assert_close(
+        hinted[0].hidden_states, plain[0].hidden_states, rtol=0, atol=tolerance
+    )
     for engine in engines:
         engine.release(list(engine.seqs))
         assert engine.num_pages_used == 0
