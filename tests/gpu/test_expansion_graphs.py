@@ -165,7 +165,8 @@ def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
         for batch in (1, 3):
             _rounds(graphs, batch, SpecParams(steps, 1, steps), sampling)
     assert set(runner.captured) == before
-    assert {shape.num_steps for shape, _ in before if shape.sampled == sampled} == {1, 2, 3}
+    chains = [key for key, _ in before if not isinstance(key, Ahead)]
+    assert {shape.num_steps for shape in chains if shape.sampled == sampled} == {1, 2, 3}
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
