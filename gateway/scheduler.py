@@ -623,16 +623,23 @@ class Scheduler:
                 trees.update(zip(map(id, missing), drafted, strict=True))
             round_trees = [trees[id(seq)] for seq in batch]
             inputs = self._verify_inputs(batch, round_trees)
+            for seq, tree, item in zip(batch, round_trees, inputs, strict=True):
+                if not tree and self._drafts_ahead(seq, tree):
+                    # a round drafted ahead from decodes one step: the outcome guessed is its
+                    # bonus token (several steps would commit more than any guess)
+                    item.decode_steps = 1
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
             await asyncio.sleep(0)  # the Verify is on its way before anything else
             try:
-                self._stream()
                 guessing = [
                     (seq, tree)
                     for seq, tree in zip(batch, round_trees, strict=True)
                     if self._drafts_ahead(seq, tree)
                 ]
-                guessed = await self._draft_ahead(guessing)
+                # the last round's chunks stream once the Draft is on its way too: its trees
+                # must come before this Verify's answer to be of use (and their hint too)
+                guessed = await self._sent_then_stream(self._draft_ahead(guessing))
+                self._stream()
                 if self.verify_ahead and not verifying.done():
                     await self._hint(guessing, guessed, plain)
             except BaseException:

@@ -519,3 +519,31 @@ def test_rounds_run_ahead_on_hints_equal_target_greedy(
         assert engine.num_next_used + engine.num_next_dropped > 0  # ran ahead on the hints
     if drafter == "self":  # every outcome guessed: the rounds run ahead are the next rounds
         assert engine.num_next_used > engine.num_next_dropped
+
+
+class _Recording(PassThroughVerifier):
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.rounds: list[list] = []
+
+    async def verify(self, inputs):
+        self.rounds.append([(len(i.tree), i.decode_steps, i.begin) for i in inputs])
+        return await self.inner.verify(inputs)
+
+
+def test_plain_misses_decode_one_step_where_plain_rounds_take_several(
+    models, smollm2_tokenizer
+) -> None:
+    """With several decode steps a plain round (a GPU's default), a miss run plain still
+    decodes one: its outcome is the bonus token the drafter guessed from, so the next round can
+    be a hit (several steps would commit more than any guess). The tokens are the target's."""
+    expected = _target_only(models, smollm2_tokenizer, 2, seed=5)
+    stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
+    scheduler = stack.scheduler
+    scheduler.decode_steps = 4
+    scheduler.verifier = recording = _Recording(scheduler.verifier)
+    out = generate_all(stack, _requests(2, seed=5))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert scheduler.num_ahead_misses > 0  # a random draft model: misses ran plain
+    plain = [steps for r in recording.rounds for n, steps, begin in r if not n and not begin]
+    assert plain and all(steps == 1 for steps in plain)
