@@ -180,6 +180,12 @@ class VerifierEngine:
         # the gateway's hints for rounds in flight (`hint_next`), by sequence; the rounds run
         # ahead on them that the next round was / was not, and a callback for each
         self._next: dict[str, NextTrees] = {}
+        # launch_on_hint (the service sets it where its calls run on the event loop, as the
+        # hints do): a hint that comes after its round finished launches the next round then,
+        # if no round has started since; each sequence of the last round finished (its input
+        # and output) is kept for it in `_finished`
+        self.launch_on_hint = False
+        self._finished: dict[str, tuple[VerifyInput, VerifyOutput]] = {}
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
@@ -405,10 +411,11 @@ class VerifierEngine:
                 outputs = self._finish_round(launched)
         finally:
             self._in_flight.remove(launched)
+        self._finished.clear()
         if any(item.decode_steps > 1 for item in launched.inputs):
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
-        elif self._next and self._ahead is None and not self._in_flight:
+        elif (self._next or self.launch_on_hint) and self._ahead is None and not self._in_flight:
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
         return outputs
@@ -416,12 +423,19 @@ class VerifierEngine:
     def hint_next(self, hints: list[NextTrees]) -> None:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
         round they name finishes (`finish` launches the next round on them) or the sequence
-        is released or truncated; a hint for a round already finished is never used. Only
-        stores them (one dict entry each), so it may be called while a round runs on another
-        thread."""
+        is released or truncated. With `launch_on_hint` a hint for the round that finished last
+        launches the next round here when none has started since; else only stores them (one
+        dict entry each), so it may be called while a round runs on another thread, and a hint
+        for a round already finished is never used."""
         for hint in hints:
             if hint.seq_id in self.seqs:  # not one unknown here (nothing would ever drop it)
                 self._next[hint.seq_id] = hint
+        if not self._finished or self._ahead is not None or self._in_flight:
+            return
+        late = [self._finished.pop(h.seq_id) for h in hints if h.seq_id in self._finished]
+        if late:  # their round finished before the hint came, and none has started since
+            with on_device(self.device):
+                self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in
@@ -490,6 +504,7 @@ class VerifierEngine:
     def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
         if not validated:
             self._validate(inputs)
+        self._finished.clear()  # a round started: a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
@@ -663,7 +678,11 @@ class VerifierEngine:
             hint = self._next.pop(item.seq_id, None)
             seq = self.seqs.get(item.seq_id)
             base = out.kv_committed_len - len(out.accepted_tokens)
-            if hint is None or seq is None or hint.base != base or not item.sampling.greedy:
+            if seq is None or not item.sampling.greedy:
+                continue
+            if hint is None or hint.base != base:
+                if self.launch_on_hint:  # for its hint, if it comes before the next round
+                    self._finished[item.seq_id] = (item, out)
                 continue
             outcome = [*out.accepted_tokens, out.bonus_token]
             tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)
@@ -1045,6 +1064,7 @@ class VerifierEngine:
             raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
         for seq_id in truncated:
             self._next.pop(seq_id, None)
+            self._finished.pop(seq_id, None)
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
             self._drop_ahead()  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
@@ -1064,6 +1084,7 @@ class VerifierEngine:
         released = 0
         for seq_id in seq_ids:
             self._next.pop(seq_id, None)
+            self._finished.pop(seq_id, None)
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)

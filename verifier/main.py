@@ -49,11 +49,15 @@ async def serve(
         synthetic_acceptance=synthetic_acceptance,
     )
 
+    on_loop = calls_on_loop(engine_calls, device)
+
     def load() -> VerifierEngine:
         engine = load_engine()
         engine.on_decode_ahead = metrics.count_decode_ahead
         engine.on_round_ahead = metrics.count_round_ahead
+        # a hint (on the loop) may launch a round only where the engine's calls run there too
+        engine.launch_on_hint = on_loop
         return engine
 
-    servicer = VerifierServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
+    servicer = VerifierServicer(load, calls_on_loop=on_loop)
     await serve_host(servicer, address, grace=grace, tls=tls)

@@ -9,6 +9,7 @@ import torch
 
 from tests.unit.test_round_ahead import (  # noqa: F401  (pytest collects them here)
     target_dir,
+    test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started,
     test_a_hint_for_another_round_or_refused_runs_nothing,
     test_a_round_other_than_the_hinted_one_drops_it,
     test_a_round_taken_in_part_gives_each_sequence_its_own_hidden_states,

@@ -162,3 +162,36 @@ def test_a_round_taken_in_part_gives_each_sequence_its_own_hidden_states(
     for engine in engines:
         engine.release(list(engine.seqs))
         assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize("launch_on_hint", [False, True])
+def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started(
+    target_dir: Path, device: str, launch_on_hint: bool
+) -> None:
+    """launch_on_hint (the service's, where its calls run on the event loop): a hint that comes
+    after its round finished launches the next round then, if none has started since, and the
+    next round takes it; without it (the CPU's engine thread) the late hint runs nothing. A
+    round started before the hint: nothing runs either."""
+    plain, hinted = (
+        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, False, device)),
+    )
+    hinted.engine.launch_on_hint = launch_on_hint
+    for driver in (plain, hinted):
+        driver.begin("a", "b")
+    for late in (True, False):
+        bases = {s: len(hinted.tokens[s]) for s in "ab"}
+        for driver in (plain, hinted):
+            driver.round({"a": DraftTree(), "b": DraftTree()})
+        if not late:  # a round goes first
+            for driver in (plain, hinted):
+                driver.round({"a": DraftTree(), "b": DraftTree()})
+        hinted.engine.hint_next([NextTrees(s, bases[s], [], plain=True) for s in "ab"])
+        launched = hinted.engine._ahead is not None
+        assert launched == (launch_on_hint and late)
+        for driver in (plain, hinted):
+            driver.round({"a": DraftTree(), "b": DraftTree()})
+    _same(plain, hinted)
+    used = 1 if launch_on_hint else 0
+    assert (hinted.engine.num_next_used, hinted.engine.num_next_dropped) == (used, 0)
+    _release(plain, hinted)
