@@ -661,13 +661,19 @@ class Scheduler:
         pending) and, with misses plain, that an outcome not guessed runs no tree (as
         `step_ahead` will send it). A hint that fails costs nothing but itself."""
         hints = []
-        for (seq, _), ahead in zip(guessing, guessed, strict=True):
+        for (seq, tree), ahead in zip(guessing, guessed, strict=True):
             fitted = []
             for outcome in ahead:  # each tree as `take_ahead` will cut it after that outcome
+                if seq.stop_checker.would_finish(outcome.tokens):
+                    continue  # no next round: running one would only cost the verifier's GPU
                 spec = seq.round_spec(committing=len(outcome.tokens))
                 tree = outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens)
                 fitted.append(AheadTree(outcome.tokens, tree))
+            # a miss commits up to the whole tree and a bonus token: plain only if that leaves
+            # a next round (by length; a stop token among them is not known before)
+            room = len(tree) + 1
             misses_plain = plain and self._misses_plain(seq)
+            misses_plain = misses_plain and not seq.stop_checker.would_finish([-1] * room)
             if fitted or misses_plain:
                 hints.append(NextTrees(seq.seq_id, len(seq.tokens), fitted, misses_plain))
         try:

@@ -114,6 +114,11 @@ class StopChecker:
         text = self._detokenizer.add(text_ids)
         return text + self._detokenizer.flush() if finished else text
 
+    def would_finish(self, new_ids: Sequence[int]) -> bool:
+        """Whether committing `new_ids` next would finish the sequence by the token rules
+        (length, an EOS or stop token id; stop strings not looked at); state unchanged."""
+        return self._token_rules(new_ids).finish_reason is not None
+
     def _token_rules(self, new_ids: Sequence[int]) -> TokenOutcome:
         """The rules on the ids; state unchanged (the caller's _outcome records them)."""
         assert self.finish_reason is None, "commit() on a finished sequence"

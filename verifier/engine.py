@@ -186,6 +186,9 @@ class VerifierEngine:
         # and output) is kept for it in `_finished`
         self.launch_on_hint = False
         self._finished: dict[str, tuple[VerifyInput, VerifyOutput]] = {}
+        # sequences whose last round had a hint: their rounds run no decode step ahead (their
+        # next round is most often a tree the hint names, which would drop the step)
+        self._hinted: set[str] = set()
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
@@ -412,6 +415,11 @@ class VerifierEngine:
         finally:
             self._in_flight.remove(launched)
         self._finished.clear()
+        for item in launched.inputs:
+            if item.seq_id in self._next:
+                self._hinted.add(item.seq_id)
+            else:
+                self._hinted.discard(item.seq_id)
         if any(item.decode_steps > 1 for item in launched.inputs):
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
@@ -524,7 +532,8 @@ class VerifierEngine:
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
         ahead = None
-        if self.decode_ahead and not self._in_flight:
+        hinted = any(item.seq_id in self._hinted for item in inputs)
+        if self.decode_ahead and not self._in_flight and not hinted:
             ahead = self._launch_ahead(parts, bonus)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
@@ -1085,6 +1094,7 @@ class VerifierEngine:
         for seq_id in seq_ids:
             self._next.pop(seq_id, None)
             self._finished.pop(seq_id, None)
+            self._hinted.discard(seq_id)
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)

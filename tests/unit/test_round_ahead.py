@@ -195,3 +195,32 @@ def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started
     used = 1 if launch_on_hint else 0
     assert (hinted.engine.num_next_used, hinted.engine.num_next_dropped) == (used, 0)
     _release(plain, hinted)
+
+
+def test_hinted_sequences_run_no_decode_step_ahead_until_their_hints_stop(
+    target_dir: Path, device: str
+) -> None:
+    """With decode steps run ahead too: a sequence whose last round had a hint runs none (its
+    next round is most often the hinted tree, which would drop the step); once its rounds come
+    without hints, the steps run ahead again. Tokens and KV as without either."""
+    plain, hinted = (
+        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, True, device)),
+    )
+    for driver in (plain, hinted):
+        driver.begin("a", "b")
+    for r in range(8):
+        if r < 5:
+            hinted.engine.hint_next(
+                [NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"]
+            )
+        for driver in (plain, hinted):
+            driver.round({"a": DraftTree(), "b": DraftTree()})
+    _same(plain, hinted)
+    engine = hinted.engine
+    # rounds 0 and 1 take the steps the prefill and round 0 ran ahead (no hint seen yet at
+    # their launch); rounds 2-5 take the rounds hinted in 1-4, with no step ahead; round 6,
+    # after a round without a hint, runs a step ahead again, which round 7 takes
+    assert engine.num_next_used == 4 and engine.num_next_dropped == 0
+    assert engine.num_ahead_used == 3 and engine.num_ahead_dropped == 0
+    _release(plain, hinted)

@@ -263,3 +263,15 @@ def test_commit_tokens_refuses_stop_strings(make_checker: MakeChecker) -> None:
     assert checker.reads_text
     with pytest.raises(AssertionError):
         checker.commit_tokens([THE])
+
+
+def test_would_finish_reads_the_token_rules_and_changes_nothing(make_checker: MakeChecker) -> None:
+    """Draft-ahead's hints skip an outcome that would finish the sequence: by length, by an EOS
+    or stop token id; the checker's state is as it was."""
+    checker = make_checker(max_new_tokens=4, stop_token_ids=[QUICK])
+    checker.commit([THE])
+    assert not checker.would_finish([THE, THE])
+    assert checker.would_finish([THE, THE, THE])  # the fourth token: the length
+    assert checker.would_finish([EOS_ID]) and checker.would_finish([THE, QUICK])
+    assert checker.num_generated_tokens == 1 and checker.finish_reason is None
+    assert checker.commit([THE, THE]) == StopOutcome(" The The", 2, None)
