@@ -181,6 +181,7 @@ class Scheduler:
         self.ahead_max_batch = ahead_max_batch
         self.ahead_miss = ahead_miss
         self.verify_ahead = verify_ahead
+        self._hints: set[asyncio.Future[None]] = set()  # hints on their way (`_hint`)
         self.decode_steps = decode_steps
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
@@ -641,7 +642,11 @@ class Scheduler:
                 guessed = await self._sent_then_stream(self._draft_ahead(guessing))
                 self._stream()
                 if self.verify_ahead and not verifying.done():
-                    await self._hint(guessing, guessed, plain)
+                    # not waited for: its answer must not hold up this Verify's when it comes
+                    # first; it needs nothing from the answer (a failure is logged in `_hint`)
+                    hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
+                    self._hints.add(hinting)
+                    hinting.add_done_callback(self._hints.discard)
             except BaseException:
                 verifying.cancel()
                 raise
@@ -659,7 +664,8 @@ class Scheduler:
         """The trees drafted ahead, to the verifier while it verifies this round (verify_ahead):
         per sequence the round it is for (its tokens before the commit: kv_committed_len +
         pending) and, with misses plain, that an outcome not guessed runs no tree (as
-        `step_ahead` will send it). A hint that fails costs nothing but itself."""
+        `step_ahead` will send it). Nobody waits for it: a hint that fails costs nothing but
+        itself."""
         hints = []
         for (seq, tree), ahead in zip(guessing, guessed, strict=True):
             fitted = []
@@ -680,6 +686,8 @@ class Scheduler:
             await self.verifier.hint(hints)
         except ServiceError as e:
             log.debug("a hint to the verifier failed: %s", e)
+        except Exception:  # nobody waits for it: a hint's failure ends here
+            log.exception("a hint to the verifier failed")
 
     def _take_ahead(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
         """The trees drafted ahead for the outcomes `seqs` had (by id), counted as hits and
