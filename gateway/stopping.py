@@ -116,8 +116,11 @@ class StopChecker:
 
     def would_finish(self, new_ids: Sequence[int]) -> bool:
         """Whether committing `new_ids` next would finish the sequence by the token rules
-        (length, an EOS or stop token id; stop strings not looked at); state unchanged."""
-        return self._token_rules(new_ids).finish_reason is not None
+        (length, an EOS or stop token id; stop strings not looked at); state unchanged. True
+        once finished."""
+        return (
+            self.finish_reason is not None or self._token_rules(new_ids).finish_reason is not None
+        )
 
     def _token_rules(self, new_ids: Sequence[int]) -> TokenOutcome:
         """The rules on the ids; state unchanged (the caller's _outcome records them)."""

@@ -681,7 +681,8 @@ class VerifierEngine:
         goes to the gateway and the gateway sends that round, the device runs it (the round
         trip off the verifier's path); `_take_ahead` keeps it for the next round's items that
         are exactly it (it changes no output), and drops it otherwise. None when no sequence
-        qualifies or the rounds are refused (checks, context, free pages)."""
+        qualifies or the rounds are refused (checks, context, free pages). Reads the inputs'
+        ids only: the outputs' may have been renamed since (the service's scopes)."""
         items, seqs = [], []
         for item, out in zip(inputs, outputs, strict=True):
             hint = self._next.pop(item.seq_id, None)
