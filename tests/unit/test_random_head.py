@@ -27,3 +27,21 @@ def test_the_random_head_loads_shaped_as_its_target(tmp_path: Path) -> None:
     ids = head.to_target_ids(torch.arange(DRAFT_VOCAB))
     assert ids.tolist() == sorted(set(ids.tolist()))  # distinct, in order
     assert int(ids[0]) >= 0 and int(ids[-1]) < TINY_VOCAB
+
+
+def test_the_mirrored_draft_predicts_its_target(tmp_path: Path) -> None:
+    """`--mirror-draft`: the target's layers past the first add nothing, so the one-layer draft
+    gives the target's logits (bit for bit: each later layer adds zeros) at a fraction of its
+    layers."""
+    from transformers import LlamaForCausalLM
+
+    from bench.random_model import mirror
+
+    target = save_tiny_llama(tmp_path / "target", seed=3, num_layers=4)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float64)
+    mirror(model, 1, str(tmp_path / "draft"))
+    draft = LlamaForCausalLM.from_pretrained(tmp_path / "draft", dtype=torch.float64)
+    assert (model.config.num_hidden_layers, draft.config.num_hidden_layers) == (4, 1)
+    tokens = torch.randint(3, TINY_VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, draft(tokens).logits)
