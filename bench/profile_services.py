@@ -70,10 +70,15 @@ def service_pids(directory: Path) -> list[int]:
 def print_critical_path(buckets: Buckets) -> None:
     """p50 / p99 (bucket upper bounds) of the round's critical path outside the verifier's
     engine (the gateway's `specsplit_round_outside_verify_seconds`: both RPCs' overhead, a
-    Draft not hidden, its own work; the overlap issue's goal is 0.4 ms p50)."""
+    Draft not hidden, its own work; the overlap issue's goal is 0.4 ms p50), and of the time
+    the verifier's device waits between rounds of the same sequences (its
+    `specsplit_verifier_wait_seconds`: 0 where a round run ahead followed)."""
     key = ("gateway", "specsplit_round_outside_verify_seconds", ())
     p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
     print(f"  gateway round outside the verifier's engine: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
+    key = ("verifier", "specsplit_verifier_wait_seconds", ())
+    p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
+    print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
 
 
 def print_call_spread(buckets: Buckets) -> None:

@@ -85,6 +85,14 @@ ROUND_OUTSIDE_VERIFY_SECONDS = Histogram(
     " the gateway's own work)",
     buckets=_OVERHEAD_BUCKETS,
 )
+VERIFIER_WAIT_SECONDS = Histogram(
+    "specsplit_verifier_wait_seconds",
+    "On the verifier: from a round's finish (its results ready) to the next round of the same"
+    " sequences queued on the device, where nothing was queued behind it: what the device waits"
+    " for the answer's trip, the gateway and the next request (0: a round or decode step run"
+    " ahead followed)",
+    buckets=(0.0, *_OVERHEAD_BUCKETS),
+)
 SPECULATING = Gauge(
     "specsplit_speculating",
     "1 while the speculation gate lets rounds at this batch size draft, 0 while it holds them"
@@ -343,6 +351,10 @@ def count_decode_ahead(outcome: str) -> None:
 
 def count_round_ahead(outcome: str) -> None:
     ROUND_AHEAD.labels(outcome=outcome).inc()
+
+
+def observe_verifier_wait(seconds: float) -> None:
+    VERIFIER_WAIT_SECONDS.observe(seconds)
 
 
 def count_error(code_name: str) -> None:

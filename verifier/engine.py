@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -192,6 +193,11 @@ class VerifierEngine:
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
+        # how long the device waits between rounds of the same sequences (`on_wait`, seconds):
+        # from a finish with nothing queued behind it (its start, and its sequences) to the next
+        # round queued; 0 where a round or decode step run ahead followed
+        self.on_wait: Callable[[float], None] | None = None
+        self._waiting: tuple[int, set[str]] | None = None
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -307,11 +313,13 @@ class VerifierEngine:
         """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
         graphs (on a GPU). Its rounds are not traffic: the decode-ahead counts start after."""
         report, self.on_decode_ahead = self.on_decode_ahead, None
+        wait, self.on_wait = self.on_wait, None
         try:
             with on_device(self.device):
                 self._warmup()
         finally:
-            self.on_decode_ahead = report
+            self.on_decode_ahead, self.on_wait = report, wait
+            self._waiting = None
             self.num_ahead_used = self.num_ahead_dropped = 0
             self.num_next_used = self.num_next_dropped = 0
 
@@ -409,6 +417,7 @@ class VerifierEngine:
     def finish(self, launched: VerifyRound) -> list[VerifyOutput]:
         """A launched round's results (waiting for the device), committed; a round of several
         decode steps runs its further steps here."""
+        started = time.perf_counter_ns()
         try:
             with on_device(self.device):
                 outputs = self._finish_round(launched)
@@ -426,7 +435,16 @@ class VerifierEngine:
         elif (self._next or self.launch_on_hint) and self._ahead is None and not self._in_flight:
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
+        self._waiting = None
+        if self._in_flight or self._ahead is not None:  # the device has the next work already
+            self._report_wait(0)
+        else:
+            self._waiting = (started, {item.seq_id for item in launched.inputs})
         return outputs
+
+    def _report_wait(self, nanoseconds: int) -> None:
+        if self.on_wait is not None:
+            self.on_wait(nanoseconds / 1e9)
 
     def hint_next(self, hints: list[NextTrees]) -> None:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
@@ -535,6 +553,9 @@ class VerifierEngine:
         hinted = any(item.seq_id in self._hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
             ahead = self._launch_ahead(parts, bonus)
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and any(item.seq_id in waiting[1] for item in inputs):
+            self._report_wait(time.perf_counter_ns() - waiting[0])
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
     @torch.inference_mode()

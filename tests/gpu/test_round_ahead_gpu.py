@@ -16,6 +16,7 @@ from tests.unit.test_round_ahead import (  # noqa: F401  (pytest collects them h
     test_hinted_rounds_are_taken_and_give_the_same_tokens,
     test_hinted_sequences_run_no_decode_step_ahead_until_their_hints_stop,
     test_release_or_truncation_drops_the_round_run_ahead,
+    test_the_device_waits_between_rounds_only_where_nothing_ran_ahead,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

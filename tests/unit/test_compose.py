@@ -62,6 +62,8 @@ KNOWN_METRICS = {
     "specsplit_overlap_mode",
     "specsplit_decode_ahead_total",
     "specsplit_draft_ahead_total",
+    "specsplit_round_ahead_total",
+    "specsplit_verifier_wait_seconds",
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",
     "specsplit_gc_pause_seconds",

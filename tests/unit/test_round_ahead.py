@@ -224,3 +224,24 @@ def test_hinted_sequences_run_no_decode_step_ahead_until_their_hints_stop(
     assert engine.num_next_used == 4 and engine.num_next_dropped == 0
     assert engine.num_ahead_used == 3 and engine.num_ahead_dropped == 0
     _release(plain, hinted)
+
+
+def test_the_device_waits_between_rounds_only_where_nothing_ran_ahead(
+    target_dir: Path, device: str
+) -> None:
+    """`on_wait` (specsplit_verifier_wait_seconds): per round of the same sequences the time
+    from the last finish to its launch, 0 where a round run ahead on a hint followed; a round
+    of other sequences (a newcomer alone) reports nothing."""
+    driver = Driver(_engine(target_dir, False, device))
+    waits: list[float] = []
+    driver.engine.on_wait = waits.append
+    driver.begin("a")
+    driver.round({"a": DraftTree()})  # no hint: the device waited for this request
+    driver.engine.hint_next([NextTrees("a", len(driver.tokens["a"]), [], plain=True)])
+    driver.round({"a": DraftTree()})  # waited too; at its finish the hinted round launches
+    driver.round({"a": DraftTree()})  # that round: nothing waited
+    assert len(waits) == 3 and waits[0] > 0 and waits[1] > 0 and waits[2] == 0.0
+    assert driver.engine.num_next_used == 1
+    driver.begin("b")  # another sequence: no wait of "a"'s counted for it
+    assert len(waits) == 3
+    _release(driver)
