@@ -7,6 +7,7 @@ the verifier runs decode steps ahead (`--decode-ahead on`, the GPU default).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from gateway.grpc_clients import GrpcVerifierClient
+from specsplit.messages import AheadTree, NextTrees
+from specsplit.tree import DraftTree
 from specsplit.v1 import common_pb2, gateway_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.integration.services import Services, generate, ids_of, scrape, token_request, value
 from tests.support import save_tiny_llama
@@ -248,6 +252,23 @@ def test_hint_over_grpc_is_taken_and_one_malformed_is_refused(services: Services
     with pytest.raises(grpc.RpcError) as err:
         stub.Hint(hint)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    services.wait_no_pages_used()
+
+
+def test_the_gateways_client_hints_over_grpc(services: Services) -> None:
+    """GrpcVerifierClient.hint on a TCP link (no round lane): the unary Hint with the client's
+    scope token; from a client that holds no sequence there it is taken and changes nothing."""
+
+    async def hint() -> None:
+        client = GrpcVerifierClient(services.address("verifier"))
+        assert client.lane is None
+        try:
+            await client.hint([NextTrees("nobody", 3, [AheadTree([5], DraftTree([7], [-1]))])])
+            await client.hint([])  # nothing to send: no call
+        finally:
+            await client.close()
+
+    asyncio.run(hint())
     services.wait_no_pages_used()
 
 
