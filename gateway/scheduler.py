@@ -667,17 +667,17 @@ class Scheduler:
         `step_ahead` will send it). Nobody waits for it: a hint that fails costs nothing but
         itself."""
         hints = []
-        for (seq, tree), ahead in zip(guessing, guessed, strict=True):
+        for (seq, verifying), ahead in zip(guessing, guessed, strict=True):
             fitted = []
             for outcome in ahead:  # each tree as `take_ahead` will cut it after that outcome
                 if seq.stop_checker.would_finish(outcome.tokens):
                     continue  # no next round: running one would only cost the verifier's GPU
                 spec = seq.round_spec(committing=len(outcome.tokens))
-                tree = outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens)
-                fitted.append(AheadTree(outcome.tokens, tree))
-            # a miss commits up to the whole tree and a bonus token: plain only if that leaves
-            # a next round (by length; a stop token among them is not known before)
-            room = len(tree) + 1
+                next_tree = outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens)
+                fitted.append(AheadTree(outcome.tokens, next_tree))
+            # a miss commits up to the whole tree being verified and a bonus token: plain only
+            # if that leaves a next round (by length; a stop token among them is not known)
+            room = len(verifying) + 1
             misses_plain = plain and self._misses_plain(seq)
             misses_plain = misses_plain and not seq.stop_checker.would_finish([-1] * room)
             if fitted or misses_plain:

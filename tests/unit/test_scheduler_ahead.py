@@ -547,3 +547,49 @@ def test_plain_misses_decode_one_step_where_plain_rounds_take_several(
     assert scheduler.num_ahead_misses > 0  # a random draft model: misses ran plain
     plain = [steps for r in recording.rounds for n, steps, begin in r if not n and not begin]
     assert plain and all(steps == 1 for steps in plain)
+
+
+class _HintsSeen(_HintFirst):
+    """_HintFirst that keeps each Verify's tree size by (sequence, base) and every hint."""
+
+    def __init__(self, inner, drafter) -> None:
+        super().__init__(inner, drafter)
+        self.tree_sizes: dict[tuple[str, int], int] = {}
+        self.prompt_lens: dict[str, int] = {}
+        self.hints: list = []
+
+    async def verify(self, inputs):
+        for item in inputs:
+            if item.begin:
+                self.prompt_lens[item.seq_id] = len(item.pending_tokens)
+            base = item.kv_committed_len + len(item.pending_tokens)
+            self.tree_sizes[(item.seq_id, base)] = len(item.tree)
+        return await super().verify(inputs)
+
+    async def hint(self, hints):
+        self.hints += hints
+        await self.inner.hint(hints)
+
+
+def test_a_hint_runs_misses_plain_only_where_a_next_round_is_left(
+    models, smollm2_tokenizer
+) -> None:
+    """A miss commits up to the tree being verified and a bonus token: a hint says misses run
+    plain only where max_new_tokens leaves a round after that many (near the end it does not,
+    and the verifier would run a round for nothing). The target drafting for itself: every
+    chain is accepted whole, so a round near the end verifies a chain capped to what is
+    left, shorter than the trees drafted for the outcomes before it."""
+    stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
+    scheduler = stack.scheduler
+    scheduler.verifier = seen = _HintsSeen(scheduler.verifier, scheduler.drafter)
+    scheduler.drafter = seen.wrap_drafter()
+    generate_all(stack, _requests(2, seed=5))
+    lefts = []
+    for hint in seen.hints:
+        left = MAX_NEW_TOKENS - (hint.base - seen.prompt_lens[hint.seq_id])
+        if left == MAX_NEW_TOKENS:  # the prefill's round: its misses are drafted first
+            continue
+        room = seen.tree_sizes[(hint.seq_id, hint.base)] + 1
+        assert hint.plain == (left > room), (hint, left, room)
+        lefts.append(left)
+    assert min(lefts) <= 2  # hints came near the end too
