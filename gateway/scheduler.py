@@ -624,19 +624,16 @@ class Scheduler:
                 trees.update(zip(map(id, missing), drafted, strict=True))
             round_trees = [trees[id(seq)] for seq in batch]
             inputs = self._verify_inputs(batch, round_trees)
+            guessing = []
             for seq, tree, item in zip(batch, round_trees, inputs, strict=True):
-                if not tree and self._drafts_ahead(seq, tree):
-                    # a round drafted ahead from decodes one step: the outcome guessed is its
-                    # bonus token (several steps would commit more than any guess)
+                if self._drafts_ahead(seq, tree):
+                    guessing.append((seq, tree))
+                    # one step (a tree's round has one; a plain round's would have several):
+                    # the outcomes guessed end with its bonus token, more would match none
                     item.decode_steps = 1
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
             await asyncio.sleep(0)  # the Verify is on its way before anything else
             try:
-                guessing = [
-                    (seq, tree)
-                    for seq, tree in zip(batch, round_trees, strict=True)
-                    if self._drafts_ahead(seq, tree)
-                ]
                 # the last round's chunks stream once the Draft is on its way too: its trees
                 # must come before this Verify's answer to be of use (and their hint too)
                 guessed = await self._sent_then_stream(self._draft_ahead(guessing))
