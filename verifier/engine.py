@@ -79,21 +79,22 @@ class _Launched:
     host: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
 
-    def result_rows(self, whole: bool = False) -> list[list[int]]:
-        """`inputs`' rows of the results on the host (waits for their copy only); whole: every
-        row, of a part's whole round too."""
+    def result_rows(self) -> list[list[int]]:
+        """Every row of the results on the host, a part's whole round's (waits for their copy
+        only); `inputs`' own are `rows` of them (all when None)."""
         if self.copied is not None:
             self.copied.synchronize()
         rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
-        return rows if self.rows is None or whole else [rows[i] for i in self.rows]
+        return rows
 
-    def hidden_starts(self) -> list[int] | None:
+    def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:
         """Each input's first hidden-state row (None: back to back from row 0): a part's rows
-        sit among its whole round's, each asking sequence's pending and accepted rows in turn."""
+        sit among its whole round's (`whole`: `result_rows`), each asking sequence's pending
+        and accepted rows in turn."""
         if self.rows is None or self.whole_inputs is None:
             return None
         starts, row = [], 0
-        for item, result in zip(self.whole_inputs, self.result_rows(whole=True), strict=False):
+        for item, result in zip(self.whole_inputs, whole, strict=False):
             starts.append(row)
             if item.hidden_state_layers:
                 row += len(item.pending_tokens) + result[0]
@@ -624,14 +625,15 @@ class VerifierEngine:
 
     def _finish(self, launched: _Launched) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them."""
-        rows = launched.result_rows()
+        whole = launched.result_rows()
+        rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         results = [
             self._commit(item, seq, result)
             for item, seq, result in zip(launched.inputs, launched.seqs, accepted, strict=True)
         ]
         if launched.hidden is not None:
-            starts = launched.hidden_starts()
+            starts = launched.hidden_starts(whole)
             self._hidden_states_out(launched.inputs, accepted, launched.hidden, results, starts)
         return results
 
