@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
@@ -41,7 +42,7 @@ from specsplit.rounds import In, Out, RoundRpc
 from specsplit.scopes import SCOPE_METADATA
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import TLSFiles, channel
-from specsplit.v1 import common_pb2
+from specsplit.v1 import common_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ MAX_ROUND_STREAMS = 4  # a client's rounds in flight at once on gRPC, one stream
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+M = TypeVar("M", bound=Message)  # a unary call's response message
 
 
 def service_error(err: grpc.aio.AioRpcError, service: str) -> ServiceError:
@@ -205,30 +207,31 @@ class StreamClient(Generic[In, Out]):
         if not seq_ids:
             return
         request = common_pb2.ReleaseRequest(seq_ids=seq_ids)
-        if self.lane is not None:
-            await self.lane.request(Kind.RELEASE, request.SerializeToString())
-            return
-        try:
-            await self.rpc.stub(self.channel).Release(request, metadata=self._metadata)
-        except grpc.aio.AioRpcError as err:
-            raise service_error(err, self.service) from err
+        await self._unary(Kind.RELEASE, "Release", request, common_pb2.ReleaseResponse)
 
     async def truncate(self, items: list[Truncation]) -> list[Truncated]:
         """Keep a prefix of each sequence (a session's turn boundary)."""
         if not items:
             return []
         request = convert.truncate_request_to_proto(items)
-        if self.lane is not None:
-            answer = await self.lane.request(Kind.TRUNCATE, request.SerializeToString())
-            response = common_pb2.TruncateResponse.FromString(answer.body)
-        else:
-            try:
-                response = await self.rpc.stub(self.channel).Truncate(
-                    request, metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as err:
-                raise service_error(err, self.service) from err
+        response = await self._unary(
+            Kind.TRUNCATE, "Truncate", request, common_pb2.TruncateResponse
+        )
         return convert.truncate_response_from_proto(response)
+
+    async def _unary(self, kind: Kind, method: str, request: Message, response_type: type[M]) -> M:
+        """One request and its answer: a frame of `kind` on the round lane when there is one,
+        else the unary gRPC `method` (its errors as ServiceError)."""
+        if self.lane is not None:
+            answer = await self.lane.request(kind, request.SerializeToString())
+            return response_type.FromString(answer.body)
+        try:
+            response: M = await getattr(self.rpc.stub(self.channel), method)(
+                request, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as err:
+            raise service_error(err, self.service) from err
+        return response
 
     async def health(self) -> Health:
         """The service's health over this client's channel (its credentials, its address)."""
@@ -286,13 +289,7 @@ class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
         if not hints:
             return
         request = convert.hint_to_proto(hints)
-        if self.lane is not None:
-            await self.lane.request(Kind.HINT, request.SerializeToString())
-            return
-        try:
-            await self.rpc.stub(self.channel).Hint(request, metadata=self._metadata)
-        except grpc.aio.AioRpcError as err:
-            raise service_error(err, self.service) from err
+        await self._unary(Kind.HINT, "Hint", request, verifier_pb2.VerifyHintResponse)
 
 
 async def health_status(
