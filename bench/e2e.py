@@ -138,7 +138,9 @@ def scrape_totals() -> Totals:
     "<name>_sum" / "<name>_count"): exact means over an interval (two scrapes' difference);
     draft-ahead's rounds, decode steps and hinted rounds run ahead by outcome, (process,
     "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>" /
-    "specsplit_round_ahead_total:<outcome>"); and
+    "specsplit_round_ahead_total:<outcome>"), the verifier's rounds with none run ahead by
+    reason and the gateway's hints by outcome ("specsplit_round_not_ahead_total:<reason>",
+    "specsplit_hints_total:<outcome>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
     / "..._count:<service>"), its RPCs' stages on the round lane, (process,
     "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
@@ -171,6 +173,8 @@ _LABELLED = {
     "specsplit_rpc_overhead_seconds": ("service",),
     "specsplit_rpc_stage_seconds": ("service", "stage"),
     "specsplit_gc_pause_seconds": ("generation",),
+    "specsplit_round_not_ahead_total": ("reason",),
+    "specsplit_hints_total": ("outcome",),
 }
 
 

@@ -78,7 +78,9 @@ def print_critical_path(buckets: Buckets) -> None:
     print(f"  gateway round outside the verifier's engine: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
     key = ("verifier", "specsplit_verifier_wait_seconds", ())
     p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
-    print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
+    counts = cumulative_counts(buckets, key)
+    none = f", none {counts[0][1]:.0f} of {counts[-1][1]:.0f}" if counts else ""
+    print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms{none}")
 
 
 def print_call_spread(buckets: Buckets) -> None:
@@ -153,6 +155,23 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if used + dropped:
         ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
+    hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late")}
+    reasons = {
+        x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")]
+        for x in ("late", "stale", "unguessed", "refused", "busy")
+    }
+    if sum(hints.values()) or sum(reasons.values()):
+        print(
+            "  hints sent {sent:.0f}, not sent (the Verify answered first) {late:.0f}; ".format(
+                **hints
+            )
+            + "sequence rounds with none run ahead: "
+            + ", ".join(f"{x} {n:.0f}" for x, n in reasons.items())
+        )
+    waits = totals[("verifier", "specsplit_verifier_wait_seconds_count")]
+    if waits:
+        mean = 1e3 * totals[("verifier", "specsplit_verifier_wait_seconds_sum")] / waits
+        print(f"  verifier's device waiting between rounds: {waits:.0f} x {mean:.3f} ms")
     for service in ("verifier", "drafter"):
         means = []
         for stage in RPC_STAGES:

@@ -637,13 +637,9 @@ class Scheduler:
                 # the last round's chunks stream once the Draft is on its way too: its trees
                 # must come before this Verify's answer to be of use (and their hint too)
                 guessed = await self._sent_then_stream(self._draft_ahead(guessing))
+                if self._send_hint(guessing, guessed, plain, late=verifying.done()):
+                    await asyncio.sleep(0)  # the hint is written before the chunks stream
                 self._stream()
-                if self.verify_ahead and not verifying.done():
-                    # not waited for: its answer must not hold up this Verify's when it comes
-                    # first; it needs nothing from the answer (a failure is logged in `_hint`)
-                    hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
-                    self._hints.add(hinting)
-                    hinting.add_done_callback(self._hints.discard)
             except BaseException:
                 verifying.cancel()
                 raise
@@ -651,6 +647,27 @@ class Scheduler:
         for (seq, _), ahead in zip(guessing, guessed, strict=True):
             seq.keep_ahead(ahead)
         self._commit(batch, round_trees, outputs)
+
+    def _send_hint(
+        self,
+        guessing: list[tuple[Sequence, DraftTree]],
+        guessed: list[list[AheadTree]],
+        plain: bool,
+        late: bool,
+    ) -> bool:
+        """With verify ahead, start the hint (`_hint`) for the trees drafted ahead unless the
+        Verify has answered (`late`: its next round goes out at once); whether it started. Not
+        waited for: its answer must not hold up the Verify's; it needs nothing from it (a
+        failure is logged in `_hint`)."""
+        if not self.verify_ahead or not guessing:
+            return False
+        metrics.count_hint("late" if late else "sent")
+        if late:
+            return False
+        hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
+        self._hints.add(hinting)
+        hinting.add_done_callback(self._hints.discard)
+        return True
 
     async def _hint(
         self,

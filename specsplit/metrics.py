@@ -157,6 +157,20 @@ ROUND_AHEAD = Counter(
     "the next round was that round ('used') or not ('dropped')",
     ["outcome"],
 )
+ROUND_NOT_AHEAD = Counter(
+    "specsplit_round_not_ahead",
+    "Verify rounds of sequences that send draft-ahead hints after which no round ran ahead, by"
+    " reason: 'late' (no hint before the next round started), 'stale' (a hint for another"
+    " round), 'unguessed' (the outcome was not among the hint's), 'refused' (checks, context,"
+    " free pages), 'busy' (further decode steps, or other work queued on the device)",
+    ["reason"],
+)
+HINTS = Counter(
+    "specsplit_hints",
+    "Draft-ahead rounds on the gateway by whether their trees went to the verifier as a hint"
+    " ('sent') or not, the Verify having answered before the drafter ('late')",
+    ["outcome"],
+)
 DECODED_TOKENS = Counter(
     "specsplit_decoded_tokens",
     "Tokens the verifier decoded in rounds' further decode steps (--decode-steps): of the"
@@ -351,6 +365,14 @@ def count_decode_ahead(outcome: str) -> None:
 
 def count_round_ahead(outcome: str) -> None:
     ROUND_AHEAD.labels(outcome=outcome).inc()
+
+
+def count_round_not_ahead(reason: str) -> None:
+    ROUND_NOT_AHEAD.labels(reason=reason).inc()
+
+
+def count_hint(outcome: str) -> None:
+    HINTS.labels(outcome=outcome).inc()
 
 
 def observe_verifier_wait(seconds: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -194,6 +195,13 @@ class VerifierEngine:
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
+        # why a round of a sequence that sends hints (`_hinting`) had no round run ahead after
+        # it (`_not_ahead`); `_missed`: the ones counted "late" at the last round's start, by
+        # the round their hint would name (a hint that comes after that is dropped)
+        self._hinting: set[str] = set()
+        self._missed: dict[str, int] = {}
+        self.num_not_ahead: Counter[str] = Counter()
+        self.on_not_ahead: Callable[[str], None] | None = None
         # how long the device waits between rounds of the same sequences (`on_wait`, seconds):
         # from a finish with nothing queued behind it (its start, and its sequences) to the next
         # round queued; 0 where a round or decode step run ahead followed
@@ -430,10 +438,13 @@ class VerifierEngine:
                 self._hinted.add(item.seq_id)
             else:
                 self._hinted.discard(item.seq_id)
-        if any(item.decode_steps > 1 for item in launched.inputs):
+        further = any(item.decode_steps > 1 for item in launched.inputs)
+        if further:
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
-        elif (self._next or self.launch_on_hint) and self._ahead is None and not self._in_flight:
+        if further or self._ahead is not None or self._in_flight:
+            self._not_ahead([item.seq_id for item in launched.inputs], "busy")
+        elif self._next or self.launch_on_hint or self._hinting:
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
         self._waiting = None
@@ -455,11 +466,18 @@ class VerifierEngine:
         dict entry each), so it may be called while a round runs on another thread, and a hint
         for a round already finished is never used."""
         for hint in hints:
-            if hint.seq_id in self.seqs:  # not one unknown here (nothing would ever drop it)
+            if hint.seq_id not in self.seqs:  # not one unknown here (nothing would ever drop it)
+                continue
+            self._hinting.add(hint.seq_id)
+            if self._missed.get(hint.seq_id) != hint.base:  # else its round has started
                 self._next[hint.seq_id] = hint
         if not self._finished or self._ahead is not None or self._in_flight:
             return
-        late = [self._finished.pop(h.seq_id) for h in hints if h.seq_id in self._finished]
+        late = [
+            self._finished.pop(h.seq_id)
+            for h in hints
+            if h.seq_id in self._finished and self._next.get(h.seq_id) is h
+        ]
         if late:  # their round finished before the hint came, and none has started since
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
@@ -531,7 +549,10 @@ class VerifierEngine:
     def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
         if not validated:
             self._validate(inputs)
-        self._finished.clear()  # a round started: a late hint launches nothing now
+        if self._finished:  # a round started: a late hint launches nothing now
+            self._missed = {k: _base(out) for k, (_, out) in self._finished.items()}
+            self._not_ahead(list(self._missed), "late")
+            self._finished.clear()
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
@@ -710,16 +731,18 @@ class VerifierEngine:
         for item, out in zip(inputs, outputs, strict=True):
             hint = self._next.pop(item.seq_id, None)
             seq = self.seqs.get(item.seq_id)
-            base = out.kv_committed_len - len(out.accepted_tokens)
             if seq is None or not item.sampling.greedy:
                 continue
-            if hint is None or hint.base != base:
-                if self.launch_on_hint:  # for its hint, if it comes before the next round
-                    self._finished[item.seq_id] = (item, out)
+            if hint is None and self.launch_on_hint:  # for its hint, if it comes before the
+                self._finished[item.seq_id] = (item, out)  # next round
+                continue
+            if hint is None or hint.base != _base(out):
+                self._not_ahead([item.seq_id], "late" if hint is None else "stale")
                 continue
             outcome = [*out.accepted_tokens, out.bonus_token]
             tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)
             if tree is None and not hint.plain:
+                self._not_ahead([item.seq_id], "unguessed")
                 continue
             items.append(
                 VerifyInput(
@@ -740,6 +763,7 @@ class VerifierEngine:
             self._validate(items)  # a hint's trees come from the network: checked as a round's
             self._reserve(items, seqs)
         except ServiceError:
+            self._not_ahead([item.seq_id for item in items], "refused")
             return None
         try:
             launched = self._launch(items, seqs)
@@ -750,6 +774,20 @@ class VerifierEngine:
         launched.generator_states = states
         launched.hinted = True
         return launched
+
+    def _not_ahead(self, seq_ids: list[str], reason: str) -> None:
+        """Count the sequences of `seq_ids` that send hints as having no round run ahead after
+        their last round, for `reason` ("late": no hint for it before the next round started;
+        "stale": a hint for another round; "unguessed": its outcome was not among the hint's
+        and its misses do not run plain; "refused": the checks, context or free pages; "busy":
+        that round ran further decode steps, or the device had other work queued). Their hints
+        for that round are of no use now: dropped."""
+        for seq_id in seq_ids:
+            if seq_id in self._hinting:
+                self._next.pop(seq_id, None)
+                self.num_not_ahead[reason] += 1
+                if self.on_not_ahead is not None:
+                    self.on_not_ahead(reason)
 
     def _bonus_tokens(self, done: _Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
@@ -1119,6 +1157,8 @@ class VerifierEngine:
             self._next.pop(seq_id, None)
             self._finished.pop(seq_id, None)
             self._hinted.discard(seq_id)
+            self._hinting.discard(seq_id)
+            self._missed.pop(seq_id, None)
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)
@@ -1156,6 +1196,12 @@ def _filters(params: SamplingParams, vocab_size: int) -> bool:
     """Whether sampling with `params` cuts the distribution (top-k or top-p): its round's
     acceptance finds each row's cut threshold."""
     return not params.greedy and (params.top_p < 1.0 or 0 < params.top_k < vocab_size)
+
+
+def _base(out: VerifyOutput) -> int:
+    """The round `out` answers, as a hint names it (NextTrees.base): its sequence's length
+    before the round's accepted tokens (committed tokens + its pending ones)."""
+    return out.kv_committed_len - len(out.accepted_tokens)
 
 
 def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:

@@ -63,6 +63,8 @@ KNOWN_METRICS = {
     "specsplit_decode_ahead_total",
     "specsplit_draft_ahead_total",
     "specsplit_round_ahead_total",
+    "specsplit_round_not_ahead_total",
+    "specsplit_hints_total",
     "specsplit_verifier_wait_seconds",
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",

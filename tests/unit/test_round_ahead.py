@@ -64,6 +64,7 @@ def test_hinted_rounds_are_taken_and_give_the_same_tokens(target_dir: Path, devi
     engine = hinted.engine
     assert (engine.num_next_used, engine.num_next_dropped) == (5, 0)
     assert (engine.num_ahead_used, engine.num_ahead_dropped) == (0, 0)  # no decode step ahead
+    assert not engine.num_not_ahead  # every round had its next one run ahead
     _release(plain, hinted)
 
 
@@ -94,6 +95,8 @@ def test_a_hint_for_another_round_or_refused_runs_nothing(target_dir: Path, devi
     engine.hint_next([NextTrees("a", base, [AheadTree([t], bad.tree) for t in range(300)])])
     driver.round({"a": DraftTree()})
     assert engine._ahead is None and engine.num_pages_used == len(engine.seqs["a"].kv.page_table)
+    # both hints named the first round (the tuple was made before it), the last was refused
+    assert engine.num_not_ahead == {"stale": 2, "refused": 1}
     _release(driver)
 
 
@@ -194,6 +197,11 @@ def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started
     _same(plain, hinted)
     used = 1 if launch_on_hint else 0
     assert (hinted.engine.num_next_used, hinted.engine.num_next_dropped) == (used, 0)
+    # the rounds after which nothing ran ahead, once "b" and "a" sent hints: the one that took
+    # the late launch, and the two before the hint that came after a round started (and is
+    # dropped); without launch_on_hint a late hint is stale at the next round's finish
+    want = {"late": 6} if launch_on_hint else {"late": 4, "stale": 4}
+    assert hinted.engine.num_not_ahead == want
     _release(plain, hinted)
 
 
@@ -244,4 +252,25 @@ def test_the_device_waits_between_rounds_only_where_nothing_ran_ahead(
     assert driver.engine.num_next_used == 1
     driver.begin("b")  # another sequence: no wait of "a"'s counted for it
     assert len(waits) == 3
+    _release(driver)
+
+
+def test_each_round_with_none_run_ahead_after_it_is_counted_by_why(
+    target_dir: Path, device: str
+) -> None:
+    """`on_not_ahead` (specsplit_round_not_ahead_total): a round of a sequence that sends hints
+    with no round run ahead after it, by reason; a sequence that sent none counts nothing."""
+    driver = Driver(_engine(target_dir, False, device))
+    reasons: list[str] = []
+    driver.engine.on_not_ahead = reasons.append
+    driver.begin("a", "b")
+    both = {"a": DraftTree(), "b": DraftTree()}
+    driver.round(both)
+    assert reasons == []  # no hints yet
+    driver.engine.hint_next([NextTrees("a", len(driver.tokens["a"]), [], plain=True)])
+    driver.round(both, steps={"b": 2})  # "b"'s further step: the hint is dropped
+    assert reasons == ["busy"] and not driver.engine._next
+    driver.round(both)  # no hint for this one
+    assert reasons == ["busy", "late"]
+    assert driver.engine.num_not_ahead == {"busy": 1, "late": 1}
     _release(driver)

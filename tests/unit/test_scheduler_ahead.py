@@ -511,14 +511,65 @@ def test_rounds_run_ahead_on_hints_equal_target_greedy(
     assert scheduler.verify_ahead
     scheduler.verifier = hint_first = _HintFirst(scheduler.verifier, scheduler.drafter)
     scheduler.drafter = hint_first.wrap_drafter()
+    sent = _hints("sent")
     out = generate_all(stack, _requests(batch_size, batch_size))
     assert [generated_ids(chunks) for chunks in out] == expected
     check_no_leaks(stack)
+    assert _hints("sent") > sent  # counted (specsplit_hints_total)
     engine = stack.verifier
     if drafter == "self" or ahead_miss == "plain":  # a guessed outcome, or a miss run plain
         assert engine.num_next_used + engine.num_next_dropped > 0  # ran ahead on the hints
     if drafter == "self":  # every outcome guessed: the rounds run ahead are the next rounds
         assert engine.num_next_used > engine.num_next_dropped
+
+
+def _hints(outcome: str) -> float:
+    return REGISTRY.get_sample_value("specsplit_hints_total", {"outcome": outcome}) or 0.0
+
+
+class _VerifyFirst(PassThroughVerifier):
+    """Answers each Verify before the drafter answers its round's draft-ahead."""
+
+    def __init__(self, inner, drafter) -> None:
+        super().__init__(inner)
+        self.drafter = drafter
+        self.answered = asyncio.Event()
+
+    async def verify(self, inputs):
+        self.answered.clear()
+        try:
+            return await self.inner.verify(inputs)
+        finally:
+            self.answered.set()
+
+    def wrap_drafter(self):
+        verifier, inner = self, self.drafter
+
+        class Drafter:
+            async def draft(self, inputs):
+                outputs = await inner.draft(inputs)
+                if any(item.ahead_guesses for item in inputs):
+                    await verifier.answered.wait()
+                return outputs
+
+            async def release(self, seq_ids):
+                await inner.release(seq_ids)
+
+        return Drafter()
+
+
+def test_a_hint_is_not_sent_once_its_verify_has_answered(models, smollm2_tokenizer) -> None:
+    """A draft-ahead answered after its round's Verify: its hint would come after the round, so
+    none goes out, each counted 'late' (specsplit_hints_total), and nothing runs ahead."""
+    stack = _stack(models, smollm2_tokenizer, "self", CHAIN, 16, ahead_miss="plain")
+    scheduler = stack.scheduler
+    scheduler.verifier = verify_first = _VerifyFirst(scheduler.verifier, scheduler.drafter)
+    scheduler.drafter = verify_first.wrap_drafter()
+    sent, late = _hints("sent"), _hints("late")
+    generate_all(stack, _requests(1, 1))
+    check_no_leaks(stack)
+    assert _hints("late") > late and _hints("sent") == sent
+    assert stack.verifier.num_next_used == stack.verifier.num_next_dropped == 0
 
 
 class _Recording(PassThroughVerifier):
