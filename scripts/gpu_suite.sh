@@ -41,7 +41,8 @@
 # critical: the round's critical path outside the verifier's engine, p50 / p99, serial and
 # draft-ahead, $SMOLLM2_GGUF + the shipped head (bench/profile_services.py --overlap);
 # critical8b: the same with an 8B-shaped random target and a draft that predicts it
-# (bench/random_model.py --mirror-draft; synthetic acceptance);
+# (bench/random_model.py --mirror-draft; synthetic acceptance), batch 1 / 8 / 32, serial, ahead
+# with and without verify ahead, groups;
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -186,10 +187,10 @@ for part in "${parts[@]}"; do
       [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
         --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
         --device "cuda:$((gpus - 1))" --dtype bfloat16
-      for mode in serial ahead ahead-unhinted; do  # the last: --verify-ahead off
+      for mode in serial ahead ahead-unhinted groups; do  # ahead-unhinted: --verify-ahead off
         hint=on && [[ $mode == ahead-unhinted ]] && hint=off
         run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
-          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 \
+          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 \
           --max-new-tokens 128 --top 0 --overlap "${mode%-unhinted}" --verify-ahead "$hint" \
           --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
       done ;;
