@@ -189,6 +189,10 @@ class VerifierEngine:
         # and output) is kept for it in `_finished`
         self.launch_on_hint = False
         self._finished: dict[str, tuple[VerifyInput, VerifyOutput]] = {}
+        # with launch_on_hint: `finish` only parks its sequences in `_finished` and the caller
+        # launches the hinted rounds after its answer went out (`launch_parked`), so the
+        # answer does not wait for that launch's host work
+        self.launch_after_answer = False
         # sequences whose last round had a hint: their rounds run no decode step ahead (their
         # next round is most often a tree the hint names, which would drop the step)
         self._hinted: set[str] = set()
@@ -443,7 +447,13 @@ class VerifierEngine:
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
         if further or self._ahead is not None or self._in_flight:
+            for item in launched.inputs:  # their hints for this round are of no use now
+                self._next.pop(item.seq_id, None)
             self._not_ahead([item.seq_id for item in launched.inputs], "busy")
+        elif self.launch_on_hint and self.launch_after_answer:
+            for item, out in zip(launched.inputs, outputs, strict=True):
+                if item.sampling.greedy and item.seq_id in self.seqs:
+                    self._finished[item.seq_id] = (item, out)
         elif self._next or self.launch_on_hint or self._hinting:
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
@@ -471,14 +481,24 @@ class VerifierEngine:
             self._hinting.add(hint.seq_id)
             if self._missed.get(hint.seq_id) != hint.base:  # else its round has started
                 self._next[hint.seq_id] = hint
+        self._launch_finished([h.seq_id for h in hints if self._next.get(h.seq_id) is h])
+
+    def launch_parked(self) -> None:
+        """With launch_after_answer: the next rounds of the sequences of the round finished
+        last that have their hint, once its answer went out (none if a round started since)."""
+        self._launch_finished([seq_id for seq_id in self._finished if seq_id in self._next])
+
+    def _launch_finished(self, seq_ids: list[str]) -> None:
+        """The hinted next rounds of `seq_ids` among the round finished last, if no round has
+        started since (`_finished`)."""
         if not self._finished or self._ahead is not None or self._in_flight:
             return
         late = [
-            self._finished.pop(h.seq_id)
-            for h in hints
-            if h.seq_id in self._finished and self._next.get(h.seq_id) is h
+            self._finished.pop(s)
+            for s in seq_ids
+            if s in self._finished and self._next[s].base == _base(self._finished[s][1])
         ]
-        if late:  # their round finished before the hint came, and none has started since
+        if late:  # their round finished before now, and none has started since
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
 
@@ -780,11 +800,9 @@ class VerifierEngine:
         their last round, for `reason` ("late": no hint for it before the next round started;
         "stale": a hint for another round; "unguessed": its outcome was not among the hint's
         and its misses do not run plain; "refused": the checks, context or free pages; "busy":
-        that round ran further decode steps, or the device had other work queued). Their hints
-        for that round are of no use now: dropped."""
+        that round ran further decode steps, or the device had other work queued)."""
         for seq_id in seq_ids:
             if seq_id in self._hinting:
-                self._next.pop(seq_id, None)
                 self.num_not_ahead[reason] += 1
                 if self.on_not_ahead is not None:
                     self.on_not_ahead(reason)

@@ -55,6 +55,8 @@ class PipelinedRounds:
             finally:
                 async with self._changed:
                     self._changed.notify_all()
+        if engine.launch_after_answer:  # once this task has answered (its next step on)
+            asyncio.get_running_loop().call_soon(engine.launch_parked)
         return outputs, time.perf_counter_ns() - start
 
     async def settle(self, seq_ids: list[str] | None) -> None:

@@ -13,9 +13,11 @@ from tests.unit.test_round_ahead import (  # noqa: F401  (pytest collects them h
     test_a_hint_for_another_round_or_refused_runs_nothing,
     test_a_round_other_than_the_hinted_one_drops_it,
     test_a_round_taken_in_part_gives_each_sequence_its_own_hidden_states,
+    test_each_round_with_none_run_ahead_after_it_is_counted_by_why,
     test_hinted_rounds_are_taken_and_give_the_same_tokens,
     test_hinted_sequences_run_no_decode_step_ahead_until_their_hints_stop,
     test_release_or_truncation_drops_the_round_run_ahead,
+    test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens,
     test_the_device_waits_between_rounds_only_where_nothing_ran_ahead,
 )
 

@@ -274,3 +274,38 @@ def test_each_round_with_none_run_ahead_after_it_is_counted_by_why(
     assert reasons == ["busy", "late"]
     assert driver.engine.num_not_ahead == {"busy": 1, "late": 1}
     _release(driver)
+
+
+def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
+    target_dir: Path, device: str
+) -> None:
+    """launch_after_answer (the service, where its calls run on the event loop): `finish` only
+    parks its sequences, and `launch_parked`, once the answer went out, launches their hinted
+    rounds; a round started before it leaves nothing to launch."""
+    plain, hinted = (
+        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, False, device)),
+    )
+    engine = hinted.engine
+    engine.launch_on_hint = engine.launch_after_answer = True
+    both = {"a": DraftTree(), "b": DraftTree()}
+    for driver in (plain, hinted):
+        driver.begin("a", "b")
+    for _ in range(4):
+        engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
+        for driver in (plain, hinted):
+            driver.round(both)
+        assert engine._ahead is None  # parked: the answer goes first
+        engine.launch_parked()
+        assert engine._ahead is not None
+    engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
+    for _ in range(2):  # the second round starts before the first's hinted launch
+        for driver in (plain, hinted):
+            driver.round(both)
+    engine.launch_parked()
+    assert engine._ahead is None
+    _same(plain, hinted)
+    assert (engine.num_next_used, engine.num_next_dropped) == (4, 0)
+    # "a" and "b" after their first round (hints came after it) and the first of those two
+    assert engine.num_not_ahead == {"late": 4}
+    _release(plain, hinted)
