@@ -184,15 +184,13 @@ class VerifierEngine:
         # ahead on them that the next round was / was not, and a callback for each
         self._next: dict[str, NextTrees] = {}
         # launch_on_hint (the service sets it where its calls run on the event loop, as the
-        # hints do): a hint that comes after its round finished launches the next round then,
-        # if no round has started since; each sequence of the last round finished (its input
-        # and output) is kept for it in `_finished`
+        # hints do): `finish` keeps each sequence of its round (its input and output) in
+        # `_finished`, and their hinted next rounds launch once the answer went out (the
+        # caller's `launch_parked`: the answer does not wait for that launch's host work; on two
+        # H100s 1.02x / 1.04x the launch inside `finish` at batch 1 / 8, bench/RESULTS.md), or
+        # when a late hint comes (`hint_next`), if no round has started since
         self.launch_on_hint = False
         self._finished: dict[str, tuple[VerifyInput, VerifyOutput]] = {}
-        # with launch_on_hint: `finish` only parks its sequences in `_finished` and the caller
-        # launches the hinted rounds after its answer went out (`launch_parked`), so the
-        # answer does not wait for that launch's host work
-        self.launch_after_answer = False
         # sequences whose last round had a hint: their rounds run no decode step ahead (their
         # next round is most often a tree the hint names, which would drop the step)
         self._hinted: set[str] = set()
@@ -450,11 +448,11 @@ class VerifierEngine:
             for item in launched.inputs:  # their hints for this round are of no use now
                 self._next.pop(item.seq_id, None)
             self._not_ahead([item.seq_id for item in launched.inputs], "busy")
-        elif self.launch_on_hint and self.launch_after_answer:
+        elif self.launch_on_hint:  # launched once the answer went out (`launch_parked`)
             for item, out in zip(launched.inputs, outputs, strict=True):
                 if item.sampling.greedy and item.seq_id in self.seqs:
                     self._finished[item.seq_id] = (item, out)
-        elif self._next or self.launch_on_hint or self._hinting:
+        elif self._next or self._hinting:
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
         self._waiting = None
@@ -484,8 +482,8 @@ class VerifierEngine:
         self._launch_finished([h.seq_id for h in hints if self._next.get(h.seq_id) is h])
 
     def launch_parked(self) -> None:
-        """With launch_after_answer: the next rounds of the sequences of the round finished
-        last that have their hint, once its answer went out (none if a round started since)."""
+        """With launch_on_hint: the next rounds of the sequences of the round finished last
+        that have their hint, once its answer went out (none if a round started since)."""
         self._launch_finished([seq_id for seq_id in self._finished if seq_id in self._next])
 
     def _launch_finished(self, seq_ids: list[str]) -> None:
@@ -501,6 +499,9 @@ class VerifierEngine:
         if late:  # their round finished before now, and none has started since
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
+            waiting, self._waiting = self._waiting, None
+            if waiting is not None and self._ahead is not None:  # the device has work again
+                self._report_wait(time.perf_counter_ns() - waiting[0])
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in

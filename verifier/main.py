@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 from specsplit import metrics
@@ -60,8 +59,6 @@ async def serve(
         engine.on_wait = metrics.observe_verifier_wait
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop
-        # EXPERIMENT (A/B on two GPUs, to be settled): hinted rounds launched after the answer
-        engine.launch_after_answer = on_loop and os.environ.get("SPECSPLIT_LAUNCH_AFTER") == "1"
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)

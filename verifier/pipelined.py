@@ -55,7 +55,7 @@ class PipelinedRounds:
             finally:
                 async with self._changed:
                     self._changed.notify_all()
-        if engine.launch_after_answer:  # once this task has answered (its next step on)
+        if engine.launch_on_hint:  # the hinted next rounds, once this task has answered
             asyncio.get_running_loop().call_soon(engine.launch_parked)
         return outputs, time.perf_counter_ns() - start
 

@@ -279,15 +279,18 @@ def test_each_round_with_none_run_ahead_after_it_is_counted_by_why(
 def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
     target_dir: Path, device: str
 ) -> None:
-    """launch_after_answer (the service, where its calls run on the event loop): `finish` only
+    """launch_on_hint (the service, where its calls run on the event loop): `finish` only
     parks its sequences, and `launch_parked`, once the answer went out, launches their hinted
-    rounds; a round started before it leaves nothing to launch."""
+    rounds; a round started before it leaves nothing to launch. The device's wait ends at that
+    launch (`on_wait`)."""
     plain, hinted = (
         Driver(_engine(target_dir, False, device)),
         Driver(_engine(target_dir, False, device)),
     )
     engine = hinted.engine
-    engine.launch_on_hint = engine.launch_after_answer = True
+    engine.launch_on_hint = True
+    waits: list[float] = []
+    engine.on_wait = waits.append
     both = {"a": DraftTree(), "b": DraftTree()}
     for driver in (plain, hinted):
         driver.begin("a", "b")
@@ -296,8 +299,9 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
         for driver in (plain, hinted):
             driver.round(both)
         assert engine._ahead is None  # parked: the answer goes first
+        reported = len(waits)
         engine.launch_parked()
-        assert engine._ahead is not None
+        assert engine._ahead is not None and len(waits) == reported + 1 and waits[-1] > 0
     engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
     for _ in range(2):  # the second round starts before the first's hinted launch
         for driver in (plain, hinted):
