@@ -247,12 +247,9 @@ class TreeProposer:
             seqs = [self._seq_kv(job.seq) for job in group]
             for kv in seqs:
                 self.kv.reserve(kv, kv.kv_committed_len + key.width)
-            idx = torch.tensor([rows[id(job)] for job in group], device=root_logits.device)
-            features = None if root_features is None else root_features.index_select(0, idx)
+            logits, features = _rows_of(root_logits, root_features, [rows[id(j)] for j in group])
             chains = [list(job.verifying.tokens) for job in group if job.verifying is not None]
-            found = self._expansion().expand_ahead(
-                key, seqs, root_logits.index_select(0, idx), features, chains
-            )
+            found = self._expansion().expand_ahead(key, seqs, logits, features, chains)
             for job, outcomes, chain in zip(group, found, chains, strict=True):
                 ahead[id(job)] = [
                     AheadTree([*chain[:k], bonus], select_tree(candidates, job.spec))
@@ -655,3 +652,16 @@ def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
         [candidates.tokens[i] for i in chosen],
         [new_index[p] if p >= 0 else -1 for p in parents],
     )
+
+
+def _rows_of(
+    logits: torch.Tensor, features: torch.Tensor | None, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows` of the roots' logits [D, vocab] and features [D, width] (or None): the tensors
+    themselves when `rows` are all of them in order (most rounds: one group), else a gather
+    (its index crosses to the device first)."""
+    if rows == list(range(logits.shape[0])):
+        return logits, features
+    index = torch.tensor(rows, device=logits.device)
+    picked = None if features is None else features.index_select(0, index)
+    return logits.index_select(0, index), picked

@@ -113,6 +113,25 @@ def test_model_ahead_tree_is_the_next_rounds_draft(
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_round_of_draft_ahead_alone_runs_one_catch_up_forward(
+    models: dict[str, Path], kind: str
+) -> None:
+    """A Draft whose every item drafts ahead (a round whose outcome was guessed) runs the
+    catch-up to the root and the expansion, and no forward for an empty batch of normal
+    drafts (it ran before: one eager forward of the whole draft model, for nothing)."""
+    engine = _model_engine(models, 4) if kind == "model" else _eagle_engine(models, 4)
+    chain = _begin(engine, "s", CHAIN).tree
+    forwards: list[int] = []
+    run = engine.proposer._run
+    engine.proposer._run = lambda steps, *args: forwards.append(len(steps)) or run(steps, *args)
+    out = _ahead(engine, "s", chain, 2, CHAIN)
+    assert len(out.ahead) == (len(chain) + 1) * 2
+    assert forwards == [1]  # the catch-up of the root, one sequence
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_eagle_ahead_continues_the_heads_own_chain(models: dict[str, Path], page_size: int) -> None:
     """All drafts accepted and the bonus the head's top-1 after them: the tree drafted ahead is
