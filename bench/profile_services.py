@@ -47,6 +47,7 @@ from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
+from verifier.hints import NOT_AHEAD_REASONS
 
 
 def service_pids(directory: Path) -> list[int]:
@@ -157,8 +158,7 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late")}
     reasons = {
-        x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")]
-        for x in ("late", "stale", "unguessed", "refused", "busy")
+        x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")] for x in NOT_AHEAD_REASONS
     }
     if sum(hints.values()) or sum(reasons.values()):
         print(

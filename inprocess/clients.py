@@ -22,8 +22,9 @@ from specsplit.messages import (
     VerifyInput,
     VerifyOutput,
 )
-from verifier.engine import VerifierEngine, VerifyRound
+from verifier.engine import VerifierEngine
 from verifier.pipelined import PipelinedRounds
+from verifier.rounds import VerifyRound
 
 T = TypeVar("T")
 

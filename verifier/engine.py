@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +18,7 @@ import torch
 from specsplit.acceptance import AcceptResult
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
-from specsplit.kv_cache import KVCache, SeqKV, pool_num_pages
+from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
     MAX_DECODE_STEPS,
     NextTrees,
@@ -48,82 +46,20 @@ from verifier.accept_graphs import (
     sampled_accept,
     window_pages,
 )
+from verifier.hints import HintBook
+from verifier.rounds import (
+    UNKNOWN_TOKEN,
+    Launched,
+    VerifierSeq,
+    VerifyRound,
+    decode_step,
+    is_step,
+)
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class VerifierSeq:
-    seq_id: str
-    kv: SeqKV
-    generator: torch.Generator | None = None  # created on the first sampled round
-
-
-@dataclass
-class _Launched:
-    """A round queued on the device: what `_finish` needs to commit it."""
-
-    inputs: list[VerifyInput]
-    seqs: list[VerifierSeq]
-    packed: torch.Tensor  # [>= B, 2 + N] on the device: accepted drafts, bonus, nodes
-    hidden: torch.Tensor | None  # the hidden-state rows on the host, valid after the wait
-    # a step run ahead: each sequence's generator state before it drew (None: no generator
-    # yet), put back when the step is dropped
-    generator_states: list[torch.Tensor | None] | None = None
-    rows: list[int] | None = None  # the rows of `packed` that are `inputs`' (None: the first)
-    hinted: bool = False  # a round run ahead on the gateway's hint (`_launch_next`)
-    # a part of a round run ahead (`rows` set): that round's inputs, whose hidden-state rows
-    # lie back to back before and between this part's
-    whole_inputs: list[VerifyInput] | None = None
-    # `packed` on the host: from a GPU a copy queued right after the acceptance (the step run
-    # ahead queues its work behind it, and may overwrite `packed`), valid once `copied` is
-    host: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-
-    def result_rows(self) -> list[list[int]]:
-        """Every row of the results on the host, a part's whole round's (waits for their copy
-        only); `inputs`' own are `rows` of them (all when None)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
-        return rows
-
-    def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:
-        """Each input's first hidden-state row (None: back to back from row 0): a part's rows
-        sit among its whole round's (`whole`: `result_rows`), each asking sequence's pending
-        and accepted rows in turn."""
-        if self.rows is None or self.whole_inputs is None:
-            return None
-        starts, row = [], 0
-        for item, result in zip(self.whole_inputs, whole, strict=False):
-            starts.append(row)
-            if item.hidden_state_layers:
-                row += len(item.pending_tokens) + result[0]
-        return [starts[i] for i in self.rows]
-
-
-@dataclass(eq=False)
-class VerifyRound:
-    """A round `VerifierEngine.launch` queued on the device, for `finish`."""
-
-    inputs: list[VerifyInput]
-    order: list[int]  # the position in `inputs` of each result, as `parts` give them
-    parts: list[_Launched]  # a decode step run ahead taken, and the round's own launch
-    ahead: _Launched | None  # the next decode step, launched behind this round
-
-    def ready(self) -> bool:
-        """Whether the device is done with the round's results (finish will not wait)."""
-        return all(part.copied is None or part.copied.query() for part in self.parts)
-
-    def wait(self) -> None:
-        """Until the device is done with the round's results."""
-        for part in self.parts:
-            if part.copied is not None:
-                part.copied.synchronize()
-
-
 SYNTHETIC_BIG = 1e30  # synthetic acceptance's bent logits: +-this (fits bfloat16's range)
-UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
 GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
@@ -175,35 +111,24 @@ class VerifierEngine:
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.decode_ahead = decode_ahead
         self.decode_ahead_max_batch = decode_ahead_max_batch
-        self._ahead: _Launched | None = None  # the decode step launched before it was asked for
+        self._ahead: Launched | None = None  # the decode step launched before it was asked for
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
-        # the gateway's hints for rounds in flight (`hint_next`), by sequence; the rounds run
-        # ahead on them that the next round was / was not, and a callback for each
-        self._next: dict[str, NextTrees] = {}
+        # the gateway's hints for rounds in flight (`hint_next`); the rounds run ahead on them
+        # that the next round was / was not, and a callback for each
+        self.hints = HintBook()
         # launch_on_hint (the service sets it where its calls run on the event loop, as the
-        # hints do): `finish` keeps each sequence of its round (its input and output) in
-        # `_finished`, and their hinted next rounds launch once the answer went out (the
-        # caller's `launch_parked`: the answer does not wait for that launch's host work; on two
-        # H100s 1.02x / 1.04x the launch inside `finish` at batch 1 / 8, bench/RESULTS.md), or
-        # when a late hint comes (`hint_next`), if no round has started since
+        # hints do): `finish` keeps each sequence of its round in `hints.finished`, and their
+        # hinted next rounds launch once the answer went out (the caller's `launch_parked`: the
+        # answer does not wait for that launch's host work; on two H100s 1.02x / 1.04x the
+        # launch inside `finish` at batch 1 / 8, bench/RESULTS.md), or when a late hint comes
+        # (`hint_next`), if no round has started since
         self.launch_on_hint = False
-        self._finished: dict[str, tuple[VerifyInput, VerifyOutput]] = {}
-        # sequences whose last round had a hint: their rounds run no decode step ahead (their
-        # next round is most often a tree the hint names, which would drop the step)
-        self._hinted: set[str] = set()
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
-        # why a round of a sequence that sends hints (`_hinting`) had no round run ahead after
-        # it (`_not_ahead`); `_missed`: the ones counted "late" at the last round's start, by
-        # the round their hint would name (a hint that comes after that is dropped)
-        self._hinting: set[str] = set()
-        self._missed: dict[str, int] = {}
-        self.num_not_ahead: Counter[str] = Counter()
-        self.on_not_ahead: Callable[[str], None] | None = None
         # how long the device waits between rounds of the same sequences (`on_wait`, seconds):
         # from a finish with nothing queued behind it (its start, and its sequences) to the next
         # round queued; 0 where a round or decode step run ahead followed
@@ -434,25 +359,16 @@ class VerifierEngine:
                 outputs = self._finish_round(launched)
         finally:
             self._in_flight.remove(launched)
-        self._finished.clear()
-        for item in launched.inputs:
-            if item.seq_id in self._next:
-                self._hinted.add(item.seq_id)
-            else:
-                self._hinted.discard(item.seq_id)
+        self.hints.round_finished(launched.inputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         if further:
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
         if further or self._ahead is not None or self._in_flight:
-            for item in launched.inputs:  # their hints for this round are of no use now
-                self._next.pop(item.seq_id, None)
-            self._not_ahead([item.seq_id for item in launched.inputs], "busy")
+            self.hints.drop([item.seq_id for item in launched.inputs], "busy")
         elif self.launch_on_hint:  # launched once the answer went out (`launch_parked`)
-            for item, out in zip(launched.inputs, outputs, strict=True):
-                if item.sampling.greedy and item.seq_id in self.seqs:
-                    self._finished[item.seq_id] = (item, out)
-        elif self._next or self._hinting:
+            self.hints.park(launched.inputs, outputs, self.seqs)
+        elif self.hints.wants():
             with on_device(self.device):
                 self._ahead = self._launch_next(launched.inputs, outputs)
         self._waiting = None
@@ -473,29 +389,19 @@ class VerifierEngine:
         launches the next round here when none has started since; else only stores them (one
         dict entry each), so it may be called while a round runs on another thread, and a hint
         for a round already finished is never used."""
-        for hint in hints:
-            if hint.seq_id not in self.seqs:  # not one unknown here (nothing would ever drop it)
-                continue
-            self._hinting.add(hint.seq_id)
-            if self._missed.get(hint.seq_id) != hint.base:  # else its round has started
-                self._next[hint.seq_id] = hint
-        self._launch_finished([h.seq_id for h in hints if self._next.get(h.seq_id) is h])
+        self._launch_finished(self.hints.store(hints, self.seqs))
 
     def launch_parked(self) -> None:
         """With launch_on_hint: the next rounds of the sequences of the round finished last
         that have their hint, once its answer went out (none if a round started since)."""
-        self._launch_finished([seq_id for seq_id in self._finished if seq_id in self._next])
+        self._launch_finished(self.hints.waiting())
 
     def _launch_finished(self, seq_ids: list[str]) -> None:
         """The hinted next rounds of `seq_ids` among the round finished last, if no round has
-        started since (`_finished`)."""
-        if not self._finished or self._ahead is not None or self._in_flight:
+        started since (`hints.finished`)."""
+        if not self.hints.finished or self._ahead is not None or self._in_flight:
             return
-        late = [
-            self._finished.pop(s)
-            for s in seq_ids
-            if s in self._finished and self._next[s].base == _base(self._finished[s][1])
-        ]
+        late = self.hints.ready(seq_ids)
         if late:  # their round finished before now, and none has started since
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
@@ -540,7 +446,7 @@ class VerifierEngine:
             if not more:
                 return
             step_inputs = [
-                _decode_step(
+                decode_step(
                     inputs[i].seq_id,
                     outputs[i].kv_committed_len,
                     outputs[i].bonus_token,
@@ -570,10 +476,7 @@ class VerifierEngine:
     def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
         if not validated:
             self._validate(inputs)
-        if self._finished:  # a round started: a late hint launches nothing now
-            self._missed = {k: _base(out) for k, (_, out) in self._finished.items()}
-            self._not_ahead(list(self._missed), "late")
-            self._finished.clear()
+        self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
@@ -593,7 +496,7 @@ class VerifierEngine:
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
         ahead = None
-        hinted = any(item.seq_id in self._hinted for item in inputs)
+        hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
             ahead = self._launch_ahead(parts, bonus)
         waiting, self._waiting = self._waiting, None
@@ -617,7 +520,7 @@ class VerifierEngine:
         by_position = dict(zip(launched.order, results, strict=True))
         return [by_position[i] for i in range(len(launched.inputs))]
 
-    def _launch_new(self, inputs: list[VerifyInput]) -> _Launched:
+    def _launch_new(self, inputs: list[VerifyInput]) -> Launched:
         """A round's sequences (created on their first round), their room reserved, launched."""
         for item in inputs:
             if item.begin:
@@ -631,7 +534,7 @@ class VerifierEngine:
         inputs: list[VerifyInput],
         seqs: list[VerifierSeq],
         tokens: torch.Tensor | None = None,
-    ) -> _Launched:
+    ) -> Launched:
         """The round's forward and acceptance queued on the device (their room reserved).
         tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
         yet)."""
@@ -659,13 +562,13 @@ class VerifierEngine:
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = self._accepted_hidden(inputs, out.hidden_states, packed)
         if packed.device.type != "cuda":
-            return _Launched(inputs, seqs, packed, hidden)
+            return Launched(inputs, seqs, packed, hidden)
         host = _to_host(packed)
         copied = torch.cuda.Event()
         copied.record()
-        return _Launched(inputs, seqs, packed, hidden, host=host, copied=copied)
+        return Launched(inputs, seqs, packed, hidden, host=host, copied=copied)
 
-    def _finish(self, launched: _Launched) -> list[VerifyOutput]:
+    def _finish(self, launched: Launched) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them."""
         whole = launched.result_rows()
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
@@ -681,7 +584,7 @@ class VerifierEngine:
 
     # -- decode steps run ahead ------------------------------------------------------------
 
-    def _launch_ahead(self, parts: list[_Launched], bonus: list[torch.Tensor]) -> _Launched | None:
+    def _launch_ahead(self, parts: list[Launched], bonus: list[torch.Tensor]) -> Launched | None:
         """After a round of decode steps (every sequence: no tree, no hidden states; launched
         as `parts`, one or two, whose bonus tokens on the device are `bonus`), the same
         sequences' next decode step, launched before the round is waited for: the round the
@@ -709,7 +612,7 @@ class VerifierEngine:
         if any(length + 1 > self.max_context for length in committed):
             return None
         inputs = [
-            _decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling)
+            decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling)
             for item, length in zip(done_inputs, committed, strict=True)
         ]
         tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
@@ -726,7 +629,7 @@ class VerifierEngine:
                 launched = self._launch(inputs, done_seqs, tokens)
             except Exception:  # the round itself goes on: its answer must still go out
                 log.exception("a decode step run ahead failed to launch")
-                self._undo_ahead(_Launched(inputs, done_seqs, torch.empty(0), None, states))
+                self._undo_ahead(Launched(inputs, done_seqs, torch.empty(0), None, states))
                 return None
         finally:
             for seq, length in zip(done_seqs, before, strict=True):
@@ -737,7 +640,7 @@ class VerifierEngine:
     @torch.inference_mode()
     def _launch_next(
         self, inputs: list[VerifyInput], outputs: list[VerifyOutput]
-    ) -> _Launched | None:
+    ) -> Launched | None:
         """The rounds the gateway hinted for the sequences of a round just finished (its
         `inputs`, `outputs`), launched before they are asked for: each sequence whose hint
         names this round (`NextTrees.base`), greedy, gets its bonus token as its pending token
@@ -750,20 +653,13 @@ class VerifierEngine:
         ids only: the outputs' may have been renamed since (the service's scopes)."""
         items, seqs = [], []
         for item, out in zip(inputs, outputs, strict=True):
-            hint = self._next.pop(item.seq_id, None)
             seq = self.seqs.get(item.seq_id)
             if seq is None or not item.sampling.greedy:
+                self.hints.next.pop(item.seq_id, None)
                 continue
-            if hint is None and self.launch_on_hint:  # for its hint, if it comes before the
-                self._finished[item.seq_id] = (item, out)  # next round
-                continue
-            if hint is None or hint.base != _base(out):
-                self._not_ahead([item.seq_id], "late" if hint is None else "stale")
-                continue
-            outcome = [*out.accepted_tokens, out.bonus_token]
-            tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)
-            if tree is None and not hint.plain:
-                self._not_ahead([item.seq_id], "unguessed")
+            # with launch_on_hint a round with no hint yet waits for it (before the next round)
+            tree = self.hints.next_tree(item, out, park=self.launch_on_hint)
+            if tree is None:
                 continue
             items.append(
                 VerifyInput(
@@ -771,7 +667,7 @@ class VerifierEngine:
                     False,
                     out.kv_committed_len,
                     [out.bonus_token],
-                    DraftTree() if tree is None else tree,
+                    tree,
                     item.sampling,
                     item.hidden_state_layers,
                 )
@@ -784,31 +680,19 @@ class VerifierEngine:
             self._validate(items)  # a hint's trees come from the network: checked as a round's
             self._reserve(items, seqs)
         except ServiceError:
-            self._not_ahead([item.seq_id for item in items], "refused")
+            self.hints.not_ahead([item.seq_id for item in items], "refused")
             return None
         try:
             launched = self._launch(items, seqs)
         except Exception:  # the round just finished is answered all the same
             log.exception("a round run ahead on the gateway's hint failed to launch")
-            self._undo_ahead(_Launched(items, seqs, torch.empty(0), None, states))
+            self._undo_ahead(Launched(items, seqs, torch.empty(0), None, states))
             return None
         launched.generator_states = states
         launched.hinted = True
         return launched
 
-    def _not_ahead(self, seq_ids: list[str], reason: str) -> None:
-        """Count the sequences of `seq_ids` that send hints as having no round run ahead after
-        their last round, for `reason` ("late": no hint for it before the next round started;
-        "stale": a hint for another round; "unguessed": its outcome was not among the hint's
-        and its misses do not run plain; "refused": the checks, context or free pages; "busy":
-        that round ran further decode steps, or the device had other work queued)."""
-        for seq_id in seq_ids:
-            if seq_id in self._hinting:
-                self.num_not_ahead[reason] += 1
-                if self.on_not_ahead is not None:
-                    self.on_not_ahead(reason)
-
-    def _bonus_tokens(self, done: _Launched) -> torch.Tensor:
+    def _bonus_tokens(self, done: Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
         for a step taken in part its rows (the index crosses without a wait)."""
         if done.rows is None:
@@ -818,7 +702,7 @@ class VerifierEngine:
             index = index.pin_memory().to(self.device, non_blocking=True)
         return done.packed[:, 1].index_select(0, index)
 
-    def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[_Launched | None, list[int]]:
+    def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[Launched | None, list[int]]:
         """The decode step launched ahead, for the items of `inputs` (validated) that are that
         step for their sequence: its bonus token and nothing else, the same sampling, no hidden
         states. Returns it (cut to those sequences, in the round's order) and their positions
@@ -834,7 +718,7 @@ class VerifierEngine:
         keep: list[int] = []
         for i, item in enumerate(inputs):
             j = index.get(item.seq_id)
-            if j is not None and _is_step(item, ahead.inputs[j]):
+            if j is not None and is_step(item, ahead.inputs[j]):
                 positions.append(i)
                 keep.append(j)
         if not keep:
@@ -846,7 +730,7 @@ class VerifierEngine:
         if keep == list(range(len(ahead.inputs))):
             return ahead, positions
         states = ahead.generator_states or [None] * len(ahead.seqs)
-        taken = _Launched(
+        taken = Launched(
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
             ahead.hidden, [states[k] for k in keep], rows=keep, host=ahead.host,
             copied=ahead.copied, hinted=ahead.hinted, whole_inputs=ahead.inputs,
@@ -864,7 +748,7 @@ class VerifierEngine:
             torch.cuda.current_stream(self.device).synchronize()
         self._undo_ahead(ahead)
 
-    def _count_ahead(self, ahead: _Launched, outcome: str) -> None:
+    def _count_ahead(self, ahead: Launched, outcome: str) -> None:
         """A round run ahead was taken ("used") or not ("dropped"): a decode step's counts, or
         a hinted round's (`_launch_next`)."""
         if ahead.hinted:
@@ -878,7 +762,7 @@ class VerifierEngine:
         if report is not None:
             report(outcome)
 
-    def _undo_ahead(self, ahead: _Launched, kept: set[int] | None = None) -> None:
+    def _undo_ahead(self, ahead: Launched, kept: set[int] | None = None) -> None:
         """Each live sequence's share of a step run ahead not taken (all but the indices
         `kept`): free the room it reserved and put back the generator state it drew from. Its
         K/V writes sit past the sequence's committed length, where its next round writes again
@@ -1153,8 +1037,7 @@ class VerifierEngine:
         if self.in_flight(truncated):
             raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
         for seq_id in truncated:
-            self._next.pop(seq_id, None)
-            self._finished.pop(seq_id, None)
+            self.hints.forget(seq_id, released=False)
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
             self._drop_ahead()  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
@@ -1173,11 +1056,7 @@ class VerifierEngine:
             raise RuntimeError("verifier: release of a sequence whose round is in flight")
         released = 0
         for seq_id in seq_ids:
-            self._next.pop(seq_id, None)
-            self._finished.pop(seq_id, None)
-            self._hinted.discard(seq_id)
-            self._hinting.discard(seq_id)
-            self._missed.pop(seq_id, None)
+            self.hints.forget(seq_id, released=True)
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)
@@ -1204,36 +1083,7 @@ def _to_host(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     return host.copy_(rows, non_blocking=True)
 
 
-def _decode_step(
-    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams
-) -> VerifyInput:
-    """A sequence's decode step: its one pending token, no tree, no hidden states."""
-    return VerifyInput(seq_id, False, kv_committed_len, [token], DraftTree(), sampling)
-
-
 def _filters(params: SamplingParams, vocab_size: int) -> bool:
     """Whether sampling with `params` cuts the distribution (top-k or top-p): its round's
     acceptance finds each row's cut threshold."""
     return not params.greedy and (params.top_p < 1.0 or 0 < params.top_k < vocab_size)
-
-
-def _base(out: VerifyOutput) -> int:
-    """The round `out` answers, as a hint names it (NextTrees.base): its sequence's length
-    before the round's accepted tokens (committed tokens + its pending ones)."""
-    return out.kv_committed_len - len(out.accepted_tokens)
-
-
-def _is_step(item: VerifyInput, guess: VerifyInput) -> bool:
-    """Whether a round's `item` is the round run ahead as `guess` (a decode step, or a hinted
-    round: the same tree, no draft probabilities, the same hidden-state layers)."""
-    return (
-        not item.begin
-        and item.seq_id == guess.seq_id
-        and item.kv_committed_len == guess.kv_committed_len
-        and item.pending_tokens == guess.pending_tokens
-        and item.tree.tokens == guess.tree.tokens
-        and item.tree.parents == guess.tree.parents
-        and item.tree.draft_probs is None
-        and item.hidden_state_layers == guess.hidden_state_layers
-        and item.sampling == guess.sampling
-    )

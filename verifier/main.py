@@ -55,7 +55,7 @@ async def serve(
         engine = load_engine()
         engine.on_decode_ahead = metrics.count_decode_ahead
         engine.on_round_ahead = metrics.count_round_ahead
-        engine.on_not_ahead = metrics.count_round_not_ahead
+        engine.hints.on_not_ahead = metrics.count_round_not_ahead
         engine.on_wait = metrics.observe_verifier_wait
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop

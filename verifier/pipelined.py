@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from specsplit.messages import VerifyInput, VerifyOutput
-from verifier.engine import VerifierEngine, VerifyRound
+from verifier.engine import VerifierEngine
+from verifier.rounds import VerifyRound
 
 # runs fn(*args) where the engine's calls run (its thread, or the event loop's)
 EngineCall = Callable[..., Awaitable[Any]]

@@ -23,6 +23,8 @@ CLI_ROOT = frozenset(
 )
 TORCH_ENGINES = (
     "verifier.engine",
+    "verifier.rounds",
+    "verifier.hints",
     "drafter.engine",
     "drafter.types",
     "drafter.ngram",

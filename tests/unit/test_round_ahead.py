@@ -64,7 +64,7 @@ def test_hinted_rounds_are_taken_and_give_the_same_tokens(target_dir: Path, devi
     engine = hinted.engine
     assert (engine.num_next_used, engine.num_next_dropped) == (5, 0)
     assert (engine.num_ahead_used, engine.num_ahead_dropped) == (0, 0)  # no decode step ahead
-    assert not engine.num_not_ahead  # every round had its next one run ahead
+    assert not engine.hints.num_not_ahead  # every round had its next one run ahead
     _release(plain, hinted)
 
 
@@ -91,12 +91,12 @@ def test_a_hint_for_another_round_or_refused_runs_nothing(target_dir: Path, devi
         engine.hint_next([hint])
         driver.round({"a": DraftTree()})
         base = len(driver.tokens["a"])
-        assert engine._ahead is None and not engine._next
+        assert engine._ahead is None and not engine.hints.next
     engine.hint_next([NextTrees("a", base, [AheadTree([t], bad.tree) for t in range(300)])])
     driver.round({"a": DraftTree()})
     assert engine._ahead is None and engine.num_pages_used == len(engine.seqs["a"].kv.page_table)
     # both hints named the first round (the tuple was made before it), the last was refused
-    assert engine.num_not_ahead == {"stale": 2, "refused": 1}
+    assert engine.hints.num_not_ahead == {"stale": 2, "refused": 1}
     _release(driver)
 
 
@@ -119,7 +119,7 @@ def test_release_or_truncation_drops_the_round_run_ahead(
         assert engine._ahead is None and engine.num_next_dropped == 1
         engine.hint_next([NextTrees("b", len(driver.tokens["b"]), [], plain=True)])
         engine.release(["b"])
-        assert not engine._next
+        assert not engine.hints.next
     engine.check_integrity()
     engine.release(list(engine.seqs))
     assert engine.num_pages_used == 0
@@ -201,7 +201,7 @@ def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started
     # the late launch, and the two before the hint that came after a round started (and is
     # dropped); without launch_on_hint a late hint is stale at the next round's finish
     want = {"late": 6} if launch_on_hint else {"late": 4, "stale": 4}
-    assert hinted.engine.num_not_ahead == want
+    assert hinted.engine.hints.num_not_ahead == want
     _release(plain, hinted)
 
 
@@ -262,17 +262,17 @@ def test_each_round_with_none_run_ahead_after_it_is_counted_by_why(
     with no round run ahead after it, by reason; a sequence that sent none counts nothing."""
     driver = Driver(_engine(target_dir, False, device))
     reasons: list[str] = []
-    driver.engine.on_not_ahead = reasons.append
+    driver.engine.hints.on_not_ahead = reasons.append
     driver.begin("a", "b")
     both = {"a": DraftTree(), "b": DraftTree()}
     driver.round(both)
     assert reasons == []  # no hints yet
     driver.engine.hint_next([NextTrees("a", len(driver.tokens["a"]), [], plain=True)])
     driver.round(both, steps={"b": 2})  # "b"'s further step: the hint is dropped
-    assert reasons == ["busy"] and not driver.engine._next
+    assert reasons == ["busy"] and not driver.engine.hints.next
     driver.round(both)  # no hint for this one
     assert reasons == ["busy", "late"]
-    assert driver.engine.num_not_ahead == {"busy": 1, "late": 1}
+    assert driver.engine.hints.num_not_ahead == {"busy": 1, "late": 1}
     _release(driver)
 
 
@@ -311,5 +311,5 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
     _same(plain, hinted)
     assert (engine.num_next_used, engine.num_next_dropped) == (4, 0)
     # "a" and "b" after their first round (hints came after it) and the first of those two
-    assert engine.num_not_ahead == {"late": 4}
+    assert engine.hints.num_not_ahead == {"late": 4}
     _release(plain, hinted)

@@ -1,0 +1,117 @@
+"""A verify round's pieces on the verifier: a sequence's state (VerifierSeq), a round queued on
+the device (Launched: what finishing it needs; VerifyRound: what `VerifierEngine.launch` hands
+the caller for `finish`), and the rounds the verifier runs before they are asked for (a decode
+step run ahead, a round on the gateway's hint): how they are built (`decode_step`), which round a
+hint names (`round_base`) and whether a round asked for is the one run ahead (`is_step`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.kv_cache import SeqKV
+from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+
+UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
+
+
+@dataclass
+class VerifierSeq:
+    seq_id: str
+    kv: SeqKV
+    generator: torch.Generator | None = None  # created on the first sampled round
+
+
+@dataclass
+class Launched:
+    """A round queued on the device: what `_finish` needs to commit it."""
+
+    inputs: list[VerifyInput]
+    seqs: list[VerifierSeq]
+    packed: torch.Tensor  # [>= B, 2 + N] on the device: accepted drafts, bonus, nodes
+    hidden: torch.Tensor | None  # the hidden-state rows on the host, valid after the wait
+    # a step run ahead: each sequence's generator state before it drew (None: no generator
+    # yet), put back when the step is dropped
+    generator_states: list[torch.Tensor | None] | None = None
+    rows: list[int] | None = None  # the rows of `packed` that are `inputs`' (None: the first)
+    hinted: bool = False  # a round run ahead on the gateway's hint (`_launch_next`)
+    # a part of a round run ahead (`rows` set): that round's inputs, whose hidden-state rows
+    # lie back to back before and between this part's
+    whole_inputs: list[VerifyInput] | None = None
+    # `packed` on the host: from a GPU a copy queued right after the acceptance (the step run
+    # ahead queues its work behind it, and may overwrite `packed`), valid once `copied` is
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def result_rows(self) -> list[list[int]]:
+        """Every row of the results on the host, a part's whole round's (waits for their copy
+        only); `inputs`' own are `rows` of them (all when None)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
+        return rows
+
+    def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:
+        """Each input's first hidden-state row (None: back to back from row 0): a part's rows
+        sit among its whole round's (`whole`: `result_rows`), each asking sequence's pending
+        and accepted rows in turn."""
+        if self.rows is None or self.whole_inputs is None:
+            return None
+        starts, row = [], 0
+        for item, result in zip(self.whole_inputs, whole, strict=False):
+            starts.append(row)
+            if item.hidden_state_layers:
+                row += len(item.pending_tokens) + result[0]
+        return [starts[i] for i in self.rows]
+
+
+@dataclass(eq=False)
+class VerifyRound:
+    """A round `VerifierEngine.launch` queued on the device, for `finish`."""
+
+    inputs: list[VerifyInput]
+    order: list[int]  # the position in `inputs` of each result, as `parts` give them
+    parts: list[Launched]  # a decode step run ahead taken, and the round's own launch
+    ahead: Launched | None  # the next decode step, launched behind this round
+
+    def ready(self) -> bool:
+        """Whether the device is done with the round's results (finish will not wait)."""
+        return all(part.copied is None or part.copied.query() for part in self.parts)
+
+    def wait(self) -> None:
+        """Until the device is done with the round's results."""
+        for part in self.parts:
+            if part.copied is not None:
+                part.copied.synchronize()
+
+
+def decode_step(
+    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams
+) -> VerifyInput:
+    """A sequence's decode step: its one pending token, no tree, no hidden states."""
+    return VerifyInput(seq_id, False, kv_committed_len, [token], DraftTree(), sampling)
+
+
+def round_base(out: VerifyOutput) -> int:
+    """The round `out` answers, as a hint names it (NextTrees.base): its sequence's length
+    before the round's accepted tokens (committed tokens + its pending ones)."""
+    return out.kv_committed_len - len(out.accepted_tokens)
+
+
+def is_step(item: VerifyInput, guess: VerifyInput) -> bool:
+    """Whether a round's `item` is the round run ahead as `guess` (a decode step, or a hinted
+    round: the same tree, no draft probabilities, the same hidden-state layers)."""
+    return (
+        not item.begin
+        and item.seq_id == guess.seq_id
+        and item.kv_committed_len == guess.kv_committed_len
+        and item.pending_tokens == guess.pending_tokens
+        and item.tree.tokens == guess.tree.tokens
+        and item.tree.parents == guess.tree.parents
+        and item.tree.draft_probs is None
+        and item.hidden_state_layers == guess.hidden_state_layers
+        and item.sampling == guess.sampling
+    )
