@@ -86,3 +86,57 @@ def test_draft_ahead_verifier_restarted_mid_stream_loses_and_repeats_nothing(
 ) -> None:
     prompts = [[(19 * i + 3 * j) % 4000 + 100 for j in range(5 + 2 * i)] for i in range(3)]
     check_verifier_restarted_mid_stream(services, prompts, 64, CHAIN)
+
+
+@pytest.fixture(scope="module")
+def services_on_loop(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
+) -> Iterator[Services]:
+    """The same with the engines' calls on the services' event loops (--engine-calls loop, a
+    GPU's default): the verifier launches hinted rounds there, after each answer is written or
+    when a hint comes late (VerifierEngine.launch_parked, hint_next). A one-layer draft model
+    and a deeper, wider target, so that some draft-ahead calls answer before their Verify and
+    their hints go out (on the 2-core VM most still come late)."""
+    root = tmp_path_factory.mktemp("services_ahead_on_loop")
+    tokenizer = smollm2_tokenizer
+    model = save_tiny_llama(root / "target", 6, VOCAB, 16, hidden_size=256, tokenizer=tokenizer)
+    draft = save_tiny_llama(root / "draft", 6, VOCAB, num_layers=1, tokenizer=tokenizer)
+    on_loop = ["--engine-calls", "loop"]
+    svc = Services(
+        str(model),
+        root,
+        extra={
+            "drafter": ["--drafter", "model", "--draft-model", str(draft), *on_loop],
+            "verifier": on_loop,
+            "gateway": ["--overlap", "ahead"],
+        },
+        metrics=True,
+        unix_dir=root,
+    )
+    yield from svc.serving()
+
+
+def test_verify_ahead_on_the_loop_streams_equal_target_only(services_on_loop: Services) -> None:
+    """Concurrent greedy streams whose hints reach a verifier with its calls on the event loop:
+    whichever way each next round launches (after the answer, on a late hint, or at the
+    Verify), the tokens are target-only decoding's and no KV is left; every draft-ahead round
+    counts its hint as sent or late."""
+    services = services_on_loop
+    stub = services.gateway()
+    prompts = [[(31 * i + 7 * j) % 4000 + 100 for j in range(4 + 5 * i)] for i in range(3)]
+    before = scrape(services, "gateway")
+
+    def run(prompt: list[int]) -> list[gateway_pb2.GenerateResponse]:
+        return generate(stub, token_request(prompt, 24, spec=CHAIN, ignore_eos=True))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        ahead = list(pool.map(run, prompts))
+    assert [ids_of(out) for out in ahead] == target_only(services, prompts, 24)
+    after = scrape(services, "gateway")
+    hints = sum(
+        value(after, "specsplit_hints_total", outcome=x)
+        - value(before, "specsplit_hints_total", outcome=x)
+        for x in ("sent", "late")
+    )
+    assert hints > 0
+    services.wait_no_pages_used()
