@@ -16,13 +16,11 @@ import grpc
 
 from gateway.adaptive import format_ladder
 from gateway.auth import ApiKeys
+from gateway.draft_ahead import DEFAULT_AHEAD_GUESSES, DEFAULT_AHEAD_MAX_BATCH, DEFAULT_AHEAD_MISS
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Limits
 from gateway.scheduler import (
-    DEFAULT_AHEAD_GUESSES,
-    DEFAULT_AHEAD_MAX_BATCH,
-    DEFAULT_AHEAD_MISS,
     DEFAULT_MAX_WAITING,
     DEFAULT_VERIFIER_WAIT_S,
     SHUTTING_DOWN,

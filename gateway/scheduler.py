@@ -23,6 +23,16 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
+from gateway.draft_ahead import (
+    AHEAD_MISSES,
+    DEFAULT_AHEAD_GUESSES,
+    DEFAULT_AHEAD_MAX_BATCH,
+    DEFAULT_AHEAD_MISS,
+    MAX_AHEAD_GUESSES,
+    guesses,
+    next_trees,
+    take_ahead,
+)
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
@@ -36,7 +46,6 @@ from specsplit.messages import (
     MAX_DECODE_STEPS,
     AheadTree,
     DraftOutput,
-    NextTrees,
     SpecParams,
     Truncation,
     VerifyInput,
@@ -58,13 +67,6 @@ DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
-DEFAULT_AHEAD_GUESSES = 2  # draft-ahead: bonus tokens guessed per accept length
-DEFAULT_AHEAD_MAX_BATCH = 4  # overlap "both": draft-ahead up to this many running, then groups
-MAX_AHEAD_GUESSES = 16  # the drafter's limit (drafter/engine.py TreeLimits.max_topk)
-AHEAD_MISSES = ("draft", "plain")  # what a draft-ahead round does for an outcome not guessed
-# plain: 1.46x serial rounds at batch 1 against 1.36x with misses drafted (SmolLM2 + its
-# EAGLE-3 head through the services on two H100s, bench/RESULTS.md)
-DEFAULT_AHEAD_MISS = "plain"
 
 
 class Scheduler:
@@ -675,29 +677,15 @@ class Scheduler:
         guessed: list[list[AheadTree]],
         plain: bool,
     ) -> None:
-        """The trees drafted ahead, to the verifier while it verifies this round (verify_ahead):
-        per sequence the round it is for (its tokens before the commit: kv_committed_len +
-        pending) and, with misses plain, that an outcome not guessed runs no tree (as
-        `step_ahead` will send it). Nobody waits for it: a hint that fails costs nothing but
-        itself."""
-        hints = []
-        for (seq, verifying), ahead in zip(guessing, guessed, strict=True):
-            fitted = []
-            for outcome in ahead:  # each tree as `take_ahead` will cut it after that outcome
-                if seq.stop_checker.would_finish(outcome.tokens):
-                    continue  # no next round: running one would only cost the verifier's GPU
-                spec = seq.round_spec(committing=len(outcome.tokens))
-                next_tree = outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens)
-                fitted.append(AheadTree(outcome.tokens, next_tree))
-            # a miss commits up to the whole tree being verified and a bonus token: plain only
-            # if that leaves a next round (by length; a stop token among them is not known)
-            room = len(verifying) + 1
-            misses_plain = plain and self._misses_plain(seq)
-            misses_plain = misses_plain and not seq.stop_checker.would_finish([-1] * room)
-            if fitted or misses_plain:
-                hints.append(NextTrees(seq.seq_id, len(seq.tokens), fitted, misses_plain))
+        """The trees drafted ahead, to the verifier while it verifies this round (verify_ahead;
+        `next_trees`: with misses plain, an outcome not guessed runs no tree, as `step_ahead`
+        will send it). Nobody waits for it: a hint that fails costs nothing but itself."""
+        hints = [
+            next_trees(seq, verifying, ahead, plain and self._misses_plain(seq))
+            for (seq, verifying), ahead in zip(guessing, guessed, strict=True)
+        ]
         try:
-            await self.verifier.hint(hints)
+            await self.verifier.hint([hint for hint in hints if hint is not None])
         except ServiceError as e:
             log.debug("a hint to the verifier failed: %s", e)
         except Exception:  # nobody waits for it: a hint's failure ends here
@@ -705,15 +693,8 @@ class Scheduler:
 
     def _take_ahead(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
         """The trees drafted ahead for the outcomes `seqs` had (by id), counted as hits and
-        misses; every other tree drafted ahead is dropped."""
-        trees: dict[int, DraftTree] = {}
-        had_ahead = 0
-        for seq in seqs:
-            had_ahead += bool(seq.ahead)
-            tree = seq.take_ahead()
-            if tree is not None:
-                trees[id(seq)] = tree
-        hits, misses = len(trees), had_ahead - len(trees)
+        misses (`take_ahead`)."""
+        trees, hits, misses = take_ahead(seqs)
         self.num_ahead_hits += hits
         self.num_ahead_misses += misses
         metrics.observe_draft_ahead(hits, misses)
@@ -743,17 +724,6 @@ class Scheduler:
             and time.monotonic() >= self._drafter_down_until
         )
 
-    def _guesses(self, seq: Sequence, tree: DraftTree) -> int:
-        """Bonus tokens guessed per accept length of `tree`. A plain round's (an empty tree: one
-        accept length) guesses as many trees as a chain round of the sequence's shape would
-        draft, (chain length + 1) x ahead_guesses, up to the drafter's limit: the same drafting
-        for more of the root's likely tokens (in process, SmolLM2 + head, 2 guesses: 62% of
-        rounds hit against 58% with 2 guesses at the root, bench/RESULTS.md)."""
-        if tree:
-            return self.ahead_guesses
-        width = seq.round_spec().num_steps + 1
-        return min(self.ahead_guesses * width, MAX_AHEAD_GUESSES)
-
     async def _draft_ahead(self, batch: list[tuple[Sequence, DraftTree]]) -> list[list[AheadTree]]:
         """The drafter's trees for the likely outcomes of the trees being verified. It also
         takes each sequence's new tokens (and features), as a Draft does. A failure costs only
@@ -763,7 +733,7 @@ class Scheduler:
         inputs = []
         for seq, tree in batch:
             item = seq.draft_input()
-            item.verifying, item.ahead_guesses = tree, self._guesses(seq, tree)
+            item.verifying, item.ahead_guesses = tree, guesses(seq, tree, self.ahead_guesses)
             inputs.append(item)
         try:
             outputs = await self.drafter.draft(inputs)
