@@ -25,6 +25,7 @@ TORCH_ENGINES = (
     "verifier.engine",
     "verifier.rounds",
     "verifier.hints",
+    "verifier.round_accept",
     "drafter.engine",
     "drafter.types",
     "drafter.ngram",
