@@ -88,9 +88,10 @@ class VerifierEngine:
         synthetic_acceptance: BENCHMARKS ONLY, NOT LOSSLESS: the first child at depth d is
         accepted with probability synthetic_acceptance[d] (the last rate for deeper levels), so
         random-weight models run the whole system at a chosen accepted length; the target's
-        logits are bent to that outcome (`_bend_logits`) and the round's own acceptance runs on
-        them (the greedy acceptance graphs where a real greedy round would use them), so the
-        bonus token is the target's argmax among the tokens not drafted there.
+        logits are bent to that outcome (`round_accept.bend_logits`) and the round's own
+        acceptance runs on them (the greedy acceptance graphs where a real greedy round would
+        use them), so the bonus token is the target's argmax among the tokens not drafted
+        there.
         decode_ahead: after a round of decode steps (no trees, no hidden states), launch
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
         round takes it when it is that step, else it is dropped; rounds of more than
