@@ -68,10 +68,10 @@ class HintBook:
     def round_started(self) -> None:
         """A round started: the sequences waiting for their hints have none run ahead now
         ("late"), and a hint that comes for them after this is dropped (`missed`)."""
-        if self.finished:
-            self.missed = {k: round_base(out) for k, (_, out) in self.finished.items()}
+        if self.finished:  # (every greedy sequence of a round is parked: most send no hints)
+            finished, self.finished = self.finished, {}
+            self.missed = {k: round_base(o) for k, (_, o) in finished.items() if k in self.hinting}
             self.not_ahead(list(self.missed), "late")
-            self.finished.clear()
 
     def park(
         self, inputs: list[VerifyInput], outputs: list[VerifyOutput], known: Container[str]
