@@ -224,10 +224,8 @@ class DrafterEngine:
             )
         normal = [job for job in jobs if not job.ahead_guesses]
         ahead = [job for job in jobs if job.ahead_guesses]
-        trees: dict[int, DraftTree] = {}
         try:
-            if normal:  # none in a round of draft-ahead alone: no forward for nothing
-                trees = dict(zip(map(id, normal), self.proposer.propose(normal), strict=True))
+            trees = dict(zip(map(id, normal), self.proposer.propose(normal), strict=True))
             if ahead:  # after the others: its scratch (forks) is the larger
                 guessed = dict(zip(map(id, ahead), self.proposer.propose_ahead(ahead), strict=True))
         except KVCacheFullError as e:

@@ -142,7 +142,11 @@ class TreeProposer:
         self.catch_up_lens = lens
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        """One tree per job (`_propose`); the candidates' scratch K/V is freed after."""
+        """One tree per job (`_propose`); the candidates' scratch K/V is freed after. No jobs
+        (a Draft of draft-ahead items alone): nothing runs (a draft model's catch-up would run
+        a forward over an empty batch)."""
+        if not jobs:
+            return []
         with on_device(self.device):
             try:
                 return self._propose(jobs)

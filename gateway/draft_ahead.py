@@ -56,10 +56,7 @@ def next_trees(
     for outcome in ahead:
         if seq.stop_checker.would_finish(outcome.tokens):
             continue
-        spec = seq.round_spec(committing=len(outcome.tokens))
-        fitted.append(
-            AheadTree(outcome.tokens, outcome.tree.fitted(spec.num_steps, spec.num_draft_tokens))
-        )
+        fitted.append(AheadTree(outcome.tokens, seq.fit(outcome.tree, len(outcome.tokens))))
     # a miss commits up to the whole tree being verified and a bonus token: plain only if that
     # leaves a next round (by length; a stop token among them is not known)
     room = len(verifying) + 1

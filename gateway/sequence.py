@@ -101,8 +101,13 @@ class Sequence:
         if not guessed or self.ahead_round != self.stats.rounds - 1:
             return None
         tree = guessed.get(tuple(self.tokens[self.ahead_base :]))
-        spec = self.round_spec()
-        return None if tree is None else tree.fitted(spec.num_steps, spec.num_draft_tokens)
+        return None if tree is None else self.fit(tree)
+
+    def fit(self, tree: DraftTree, committing: int = 0) -> DraftTree:
+        """`tree` cut to this sequence's round shape (`round_spec`; after `committing` tokens:
+        the next round's, as a hint to the verifier names it)."""
+        spec = self.round_spec(committing)
+        return tree.fitted(spec.num_steps, spec.num_draft_tokens)
 
     def draft_input(self) -> DraftInput:
         # at least the root goes out again: after a failed verify nothing new was committed

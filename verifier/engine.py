@@ -34,9 +34,7 @@ from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
-from verifier.accept_graphs import (
-    AcceptGraphs,
-)
+from verifier.accept_graphs import AcceptGraphs
 from verifier.hints import HintBook
 from verifier.round_accept import (
     accepted_hidden,
@@ -380,6 +378,13 @@ class VerifierEngine:
         if self.on_wait is not None:
             self.on_wait(nanoseconds / 1e9)
 
+    def _end_wait(self, seq_ids: Iterable[str]) -> None:
+        """Work for `seq_ids` is queued on the device: the wait since the last finish ends
+        (reported where it was for any of them; forgotten either way)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and not waiting[1].isdisjoint(seq_ids):
+            self._report_wait(time.perf_counter_ns() - waiting[0])
+
     def hint_next(self, hints: list[NextTrees]) -> None:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
         round they name finishes (`finish` launches the next round on them) or the sequence
@@ -403,9 +408,8 @@ class VerifierEngine:
         if late:  # their round finished before now, and none has started since
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
-            waiting, self._waiting = self._waiting, None
-            if waiting is not None and self._ahead is not None:  # the device has work again
-                self._report_wait(time.perf_counter_ns() - waiting[0])
+            launched = [] if self._ahead is None else self._ahead.inputs
+            self._end_wait(item.seq_id for item in launched)  # the device has work again
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in
@@ -497,9 +501,7 @@ class VerifierEngine:
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
             ahead = self._launch_ahead(parts, bonus)
-        waiting, self._waiting = self._waiting, None
-        if waiting is not None and any(item.seq_id in waiting[1] for item in inputs):
-            self._report_wait(time.perf_counter_ns() - waiting[0])
+        self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
     @torch.inference_mode()

@@ -47,7 +47,12 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         polls the device meanwhile; on the CPU the engine thread runs the round): a hint only
         stores a dict entry per sequence, and one waiting behind the round would come too
         late."""
-        hints = convert.hint_from_proto(verifier_pb2.VerifyHint.FromString(body))
+        return self._hint(scope, verifier_pb2.VerifyHint.FromString(body))
+
+    def _hint(
+        self, scope: Scope | None, request: verifier_pb2.VerifyHint
+    ) -> verifier_pb2.VerifyHintResponse:
+        hints = convert.hint_from_proto(request)  # a malformed one is refused from any client
         if scope is not None:
             self.engine.warm().hint_next(scope.enter(hints))
         return verifier_pb2.VerifyHintResponse()
@@ -58,7 +63,7 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
         async with service_errors(context):
             key = grpc_scope_key(context.invocation_metadata(), context.peer())
             scope = self.scopes.find(key)
-            return self.hint_in(scope, request.SerializeToString())
+            return self._hint(scope, request)
 
     def pipelined(self) -> PipelinedRounds | None:
         """Pipelined rounds when engine calls run on the loop (None: on the engine thread).
