@@ -118,9 +118,10 @@ class StopChecker:
         """Whether committing `new_ids` next would finish the sequence by the token rules
         (length, an EOS or stop token id; stop strings not looked at); state unchanged. True
         once finished."""
-        return (
-            self.finish_reason is not None or self._token_rules(new_ids).finish_reason is not None
-        )
+        if self.finish_reason is not None:
+            return True
+        num_left = self._max_new_tokens - self.num_generated_tokens  # as _token_rules, quicker
+        return len(new_ids) >= num_left or not self._stop_token_ids.isdisjoint(new_ids)
 
     def _token_rules(self, new_ids: Sequence[int]) -> TokenOutcome:
         """The rules on the ids; state unchanged (the caller's _outcome records them)."""

@@ -342,29 +342,60 @@ def _indexed(entries: Any, num_seqs: int, field: str) -> dict[int, Any]:
     return by_index
 
 
-def _fill_trees(
-    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
-    trees: list[DraftTree],
-) -> None:
-    """Each sequence's tree into the message's three tree columns (both messages name them
-    alike); draft probabilities go in the side messages."""
-    msg.num_tree_nodes.extend([len(tree) for tree in trees])
-    msg.tree_tokens.extend([t for tree in trees for t in tree.tokens])
-    msg.tree_parents.extend([p for tree in trees for p in tree.parents])
+TREE_COLUMNS = ("num_tree_nodes", "tree_tokens", "tree_parents")  # a round's trees
+AHEAD_COLUMNS = ("num_ahead_nodes", "ahead_tokens", "ahead_parents")  # DraftResponse's ahead
+
+
+def _fill_trees(msg: Any, trees: list[DraftTree], columns: tuple[str, ...] = TREE_COLUMNS) -> None:
+    """Each tree into the message's three tree columns (`columns`: the node counts, the flat
+    tokens, the flat parents); draft probabilities go in the side messages."""
+    counts, tokens, parents = (getattr(msg, name) for name in columns)
+    counts.extend([len(tree) for tree in trees])
+    tokens.extend([t for tree in trees for t in tree.tokens])
+    parents.extend([p for tree in trees for p in tree.parents])
 
 
 def _read_trees(
-    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
-    num_seqs: int,
+    msg: Any, num_trees: int, columns: tuple[str, ...] = TREE_COLUMNS
 ) -> list[DraftTree]:
-    """Each sequence's tree from the three tree columns (no draft probabilities: see
-    _indexed)."""
-    counts = _column(msg.num_tree_nodes, num_seqs, "num_tree_nodes", default=0)
-    if not any(counts) and not msg.tree_tokens and not msg.tree_parents:
+    """Each tree from the three tree columns (no draft probabilities: see _indexed)."""
+    counts_name, tokens_name, parents_name = columns
+    counts = _column(getattr(msg, counts_name), num_trees, counts_name, default=0)
+    tokens, parents = getattr(msg, tokens_name), getattr(msg, parents_name)
+    if not any(counts) and not tokens and not parents:
         return [DraftTree() for _ in counts]  # no drafts: target-only rounds
-    token_lists = _split(msg.tree_tokens, counts, "tree_tokens", "num_tree_nodes")
-    parent_lists = _split(msg.tree_parents, counts, "tree_parents", "num_tree_nodes")
+    token_lists = _split(tokens, counts, tokens_name, counts_name)
+    parent_lists = _split(parents, counts, parents_name, counts_name)
     return [DraftTree(t, p) for t, p in zip(token_lists, parent_lists, strict=True)]
+
+
+def _fill_outcomes(
+    msg: drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
+    per_seq: list[list[AheadTree]],
+    columns: tuple[str, ...],
+) -> None:
+    """Each sequence's outcomes and the trees drafted for them into the outcome columns (the
+    counts, each outcome's tokens) and the tree columns `columns`."""
+    msg.num_outcomes.extend([len(aheads) for aheads in per_seq])
+    outcomes = [ahead for aheads in per_seq for ahead in aheads]
+    msg.num_outcome_tokens.extend([len(ahead.tokens) for ahead in outcomes])
+    msg.outcome_tokens.extend([t for ahead in outcomes for t in ahead.tokens])
+    _fill_trees(msg, [ahead.tree for ahead in outcomes], columns)
+
+
+def _read_outcomes(
+    msg: drafter_pb2.DraftResponse | verifier_pb2.VerifyHint,
+    num_seqs: int,
+    columns: tuple[str, ...],
+) -> list[list[AheadTree]]:
+    """Each sequence's outcomes with their trees, from the columns _fill_outcomes fills."""
+    counts = _column(msg.num_outcomes, num_seqs, "num_outcomes", default=0)
+    num_outcomes = sum(counts)
+    outcomes = _lists(msg, num_outcomes, "num_outcome_tokens", "outcome_tokens", default=0)
+    trees = _read_trees(msg, num_outcomes, columns)
+    aheads = [AheadTree(t, tree) for t, tree in zip(outcomes, trees, strict=True)]
+    ends = itertools.accumulate(counts)
+    return [aheads[end - count : end] for count, end in zip(counts, ends, strict=True)]
 
 
 def _row_counts(per_sequence: list[torch.Tensor | None]) -> list[int]:
@@ -480,12 +511,10 @@ def draft_response_to_proto(
     msg.hidden_state_layers.extend(layers.pop() if layers else ())
     _fill_round_probs(msg.draft_probs, [item.tree for item in outputs])
     for i, item in enumerate(outputs):
-        if item.tree.draft_probs is not None or item.ahead:
-            extras = msg.extras.add(index=i, has_draft_probs=item.tree.draft_probs is not None)
-            for ahead in item.ahead:
-                entry = extras.ahead.add()
-                entry.tokens.extend(ahead.tokens)
-                _fill_tree(entry.tree, ahead.tree)
+        if item.tree.draft_probs is not None:
+            msg.extras.add(index=i, has_draft_probs=True)
+    if any(item.ahead for item in outputs):
+        _fill_outcomes(msg, [item.ahead for item in outputs], AHEAD_COLUMNS)
     return msg
 
 
@@ -506,12 +535,9 @@ def draft_response_from_proto(
     extras_of = _indexed(msg.extras, n, "extras")
     with_probs = [i for i, extras in extras_of.items() if extras.has_draft_probs]
     _read_round_probs(msg, [outputs[i].tree for i in with_probs])
-    for i, extras in extras_of.items():
-        item = outputs[i]
-        item.ahead = [
-            AheadTree(list(a.tokens), tree_from_proto(a.tree, f"{item.seq_id}.ahead"))
-            for a in extras.ahead
-        ]
+    if msg.num_outcomes:
+        for item, ahead in zip(outputs, _read_outcomes(msg, n, AHEAD_COLUMNS), strict=True):
+            item.ahead = ahead
     return outputs
 
 
@@ -643,11 +669,7 @@ def hint_to_proto(hints: list[NextTrees]) -> verifier_pb2.VerifyHint:
     msg.seq_ids.extend([hint.seq_id for hint in hints])
     msg.base.extend([hint.base for hint in hints])
     msg.plain.extend([hint.plain for hint in hints])
-    msg.num_outcomes.extend([len(hint.trees) for hint in hints])
-    outcomes = [ahead for hint in hints for ahead in hint.trees]
-    msg.num_outcome_tokens.extend([len(ahead.tokens) for ahead in outcomes])
-    msg.outcome_tokens.extend([t for ahead in outcomes for t in ahead.tokens])
-    _fill_trees(msg, [ahead.tree for ahead in outcomes])
+    _fill_outcomes(msg, [hint.trees for hint in hints], TREE_COLUMNS)
     return msg
 
 
@@ -655,20 +677,13 @@ def hint_from_proto(msg: verifier_pb2.VerifyHint) -> list[NextTrees]:
     """Unvalidated: the engine checks a round it runs on a hint as any round's."""
     seq_ids = list(msg.seq_ids)
     n = len(seq_ids)
-    counts = _column(msg.num_outcomes, n, "num_outcomes", default=0)
-    num_outcomes = sum(counts)
-    outcomes = _lists(msg, num_outcomes, "num_outcome_tokens", "outcome_tokens", default=0)
-    trees = _read_trees(msg, num_outcomes)
-    aheads = [AheadTree(t, tree) for t, tree in zip(outcomes, trees, strict=True)]
-    ends = list(itertools.accumulate(counts))
     return [
-        NextTrees(seq_id, base, aheads[end - count : end], plain)
-        for seq_id, base, plain, count, end in zip(
+        NextTrees(seq_id, base, trees, plain)
+        for seq_id, base, plain, trees in zip(
             seq_ids,
             _column(msg.base, n, "base"),
             _column(msg.plain, n, "plain", default=False),
-            counts,
-            ends,
+            _read_outcomes(msg, n, TREE_COLUMNS),
             strict=True,
         )
     ]

@@ -145,6 +145,8 @@ class DraftTree:
         """The tree cut to at most `num_steps` levels and `num_draft_tokens` nodes
         (parents-first: the first nodes of the shallow ones form a tree), e.g. a tree drafted
         ahead for a shape the next round no longer allows (near max_new_tokens)."""
+        if len(self.tokens) <= min(num_steps, num_draft_tokens):  # no node deeper than n
+            return self  # (most trees: a hint cuts one per outcome, 384 a round at batch 32)
         keep = [i for i, d in enumerate(self.depths()) if d <= num_steps][:num_draft_tokens]
         if len(keep) == len(self.tokens):
             return self

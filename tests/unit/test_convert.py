@@ -521,7 +521,8 @@ def test_draft_probabilities_that_miss_their_trees_are_refused() -> None:
 
 def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_only() -> None:
     """A Draft's sampling and draft-ahead fields ride an indexed side message of the sequences
-    that have them; its answer's draft probabilities and trees drafted ahead likewise."""
+    that have them; its answer's draft probabilities likewise, and its trees drafted ahead
+    travel in outcome columns (a count per sequence, none for those that drafted none)."""
     verifying = DraftTree([5, 6], [-1, 0])
     inputs = [
         DraftInput("a", False, 4, [1, 2], SpecParams(2, 1, 2)),
@@ -540,7 +541,9 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
         DraftOutput("c", DraftTree([3], [-1], DraftProbs.of(torch.rand(1, 6))), 3, (3, 8)),
     ]
     msg = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
-    assert [entry.index for entry in msg.extras] == [1, 2]
+    assert [entry.index for entry in msg.extras] == [2]
+    assert list(msg.num_outcomes) == [0, 2, 0] and list(msg.num_outcome_tokens) == [2, 1]
+    assert list(msg.num_ahead_nodes) == [2, 0] and list(msg.ahead_tokens) == [7, 8]
     assert list(msg.hidden_state_layers) == [3, 8] and list(msg.num_tree_nodes) == [2, 0, 1]
     back = convert.draft_response_from_proto(msg)
     for a, b in zip(outputs, back, strict=True):
@@ -548,6 +551,24 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
         assert [x.tree for x in a.ahead] == [x.tree for x in b.ahead]
         a.ahead = b.ahead = []
         _assert_same(a, b)
+    none_ahead = _wire(convert.draft_response_to_proto(outputs[:1], draft_ns=1))
+    assert not none_ahead.num_outcomes and not none_ahead.outcome_tokens
+    assert convert.draft_response_from_proto(none_ahead)[0].ahead == []
+
+
+def test_a_draft_answer_whose_outcome_columns_do_not_add_up_is_refused() -> None:
+    ahead = [AheadTree([5, 9], DraftTree([7, 8], [-1, 0]))]
+    msg = _wire(convert.draft_response_to_proto([DraftOutput("a", DraftTree(), 7, (), ahead)], 1))
+    short = drafter_pb2.DraftResponse()
+    short.CopyFrom(msg)
+    short.ahead_parents.pop()
+    with pytest.raises(ServiceError, match="ahead_parents has 1 entries, num_ahead_nodes sums"):
+        convert.draft_response_from_proto(short)
+    wide = drafter_pb2.DraftResponse()
+    wide.CopyFrom(msg)
+    wide.num_outcomes.append(0)
+    with pytest.raises(ServiceError, match="num_outcomes has 2 entries for 1 sequences"):
+        convert.draft_response_from_proto(wide)
 
 
 def test_a_draft_answer_names_one_set_of_hidden_state_layers() -> None:

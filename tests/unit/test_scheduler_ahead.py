@@ -234,6 +234,9 @@ def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
     chain = DraftTree([1, 2, 3], [-1, 0, 1]).fitted(1, 1)
     assert chain.tokens == [1] and chain.parents == [-1]
     assert DraftTree([1, 2], [-1, 0]).fitted(0, 0).tokens == []
+    wide = DraftTree([1, 2, 3], [-1, -1, 1])  # depths 1 1 2: no node deeper than its count
+    assert wide.fitted(3, 3) is wide and wide.fitted(2, 3) is wide
+    assert wide.fitted(1, 3).tokens == [1, 2]
 
 
 @pytest.mark.parametrize("guesses", [-1, 17])

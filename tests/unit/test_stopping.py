@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Sequence
 
@@ -275,3 +276,17 @@ def test_would_finish_reads_the_token_rules_and_changes_nothing(make_checker: Ma
     assert checker.would_finish([EOS_ID]) and checker.would_finish([THE, QUICK])
     assert checker.num_generated_tokens == 1 and checker.finish_reason is None
     assert checker.commit([THE, THE]) == StopOutcome(" The The", 2, None)
+
+
+def test_would_finish_agrees_with_what_commit_would_do(make_checker: MakeChecker) -> None:
+    """would_finish (read for every outcome a hint names) is the commit's finish, every list
+    of ids and every point of the sequence's life, without running the rules."""
+    rng = random.Random(5)
+    checker = make_checker(max_new_tokens=6, stop_token_ids=[QUICK])
+    for committed in range(5):
+        for _ in range(50):
+            ids = [rng.choice([THE, QUICK, EOS_ID, BROWN]) for _ in range(rng.randint(1, 7))]
+            before = copy.deepcopy(checker)
+            assert checker.would_finish(ids) == (before.commit(ids).finish_reason is not None)
+        checker.commit([THE])
+        assert checker.num_generated_tokens == committed + 1
