@@ -52,7 +52,7 @@ from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 MODES = ("serial", "groups", "groups-early", "gated", "ahead", "ahead-plain", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
-# ... and in "gated" mode this long: the overlap gate explores its three modes per batch size
+# ... and in "gated" mode this long: the overlap gate explores its four modes per batch size
 # (WINDOW measured rounds each, gateway/gate.py) before the timed run sees its choice, as a
 # long-running gateway does (exploring is a one-time cost per batch size)
 GATED_WARMUP_TOKENS = 128

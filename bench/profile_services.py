@@ -156,15 +156,16 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if used + dropped:
         ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
-    hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late")}
+    hints = {
+        x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late", "off")
+    }
     reasons = {
         x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")] for x in NOT_AHEAD_REASONS
     }
     if sum(hints.values()) or sum(reasons.values()):
         print(
-            "  hints sent {sent:.0f}, not sent (the Verify answered first) {late:.0f}; ".format(
-                **hints
-            )
+            "  hints sent {sent:.0f}, not sent (the Verify answered first) {late:.0f}, off (the"
+            " overlap gate's ahead-unhinted) {off:.0f}; ".format(**hints)
             + "sequence rounds with none run ahead: "
             + ", ".join(f"{x} {n:.0f}" for x, n in reasons.items())
         )

@@ -126,7 +126,11 @@ class Scheduler:
         drafted ahead go to the verifier as a hint (VerifierClient.hint) as soon as they come,
         so that it launches each sequence's next round as this one commits, before the gateway
         asks for it (the answer's trip through the gateway and the next request's off the
-        verifier's path); off = only the gateway sends them, in the next Verify."""
+        verifier's path); off = only the gateway sends them, in the next Verify. With "gated"
+        the overlap gate also measures draft-ahead without the hint ("ahead-unhinted"): where
+        the drafter is the slower one, hints come too late to pay for their work (on two H100s
+        with an 8B-shaped target, 0.85x-0.94x of draft-ahead without them at batch 32, but
+        1.02x-1.11x at batch 1 / 8 in most runs, bench/RESULTS.md)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
@@ -176,7 +180,10 @@ class Scheduler:
         self._expiry: asyncio.Task[None] | None = None
         speculates = default_spec.num_steps > 0 or adaptive_spec
         self.gate = SpeculationGate() if speculation_gate and speculates else None
-        self.overlap_gate = OverlapGate() if overlap == "gated" else None
+        gated_modes = ("groups", "ahead", "ahead-unhinted", "serial")
+        if not verify_ahead:
+            gated_modes = ("groups", "ahead", "serial")  # "ahead" sends no hints already
+        self.overlap_gate = OverlapGate(gated_modes) if overlap == "gated" else None
         self.num_tokens_committed = 0
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
         self.ahead_guesses = ahead_guesses
@@ -339,9 +346,10 @@ class Scheduler:
                         batch = [s for s in batch if not (s.finished or s.cancelled)]
                     if batch and mode == "serial":
                         await self.step(batch)
-                    elif batch:  # "ahead", or "ahead-plain" (the overlap gate's: misses plain)
+                    elif batch:  # "ahead", or the overlap gate's "ahead-plain" (misses plain)
+                        # or "ahead-unhinted" (no hints)
                         plain = mode == "ahead-plain" or self.ahead_miss == "plain"
-                        await self.step_ahead(batch, plain)
+                        await self.step_ahead(batch, plain, hint=mode != "ahead-unhinted")
                 seconds = time.perf_counter() - start
                 metrics.observe_round(seconds, self.verifier.last_engine_seconds)
                 tokens = self.num_tokens_committed - committed
@@ -360,11 +368,13 @@ class Scheduler:
                     self._fail(seq, error)
 
     def _round_mode(self, speculate: bool) -> str:
-        """This round's kind: "serial", "groups", "ahead" or "ahead-plain" (its misses plain).
+        """This round's kind: "serial", "groups", "ahead", "ahead-plain" (its misses plain) or
+        "ahead-unhinted" (no hints to the verifier).
         Overlap "both" drafts ahead while at most `ahead_max_batch` sequences run (one sequence
         makes no two groups, and small batches verify in about the time of one), groups above;
-        "gated": the overlap gate's choice at this batch size (groups, ahead, ahead-plain or
-        serial). Rounds the speculation gate holds back from drafting are serial."""
+        "gated": the overlap gate's choice at this batch size (groups, ahead, ahead-plain,
+        ahead-unhinted or serial). Rounds the speculation gate holds back from drafting are
+        serial."""
         if not speculate or self.overlap == "serial":
             return "serial"
         if self.overlap_gate is not None:
@@ -605,7 +615,9 @@ class Scheduler:
             self._uncommitted = None
         self._commit_and_stream((batch, trees, outputs))
 
-    async def step_ahead(self, batch: list[Sequence], plain: bool = False) -> None:
+    async def step_ahead(
+        self, batch: list[Sequence], plain: bool = False, hint: bool = True
+    ) -> None:
         """Draft-ahead (DESIGN.md §3): a sequence whose last outcome was among those guessed
         has its tree already; the others are drafted first. Then the Verify goes out and,
         while the verifier works, the last round's chunks stream and the drafter drafts the
@@ -613,7 +625,8 @@ class Scheduler:
         every outcome was guessed holds only the Verify on its path; with `plain` (misses run
         plain) every round does: a sequence that drafts ahead but whose outcome was not guessed
         is verified with no tree (a plain decode step) while the drafter drafts ahead for it
-        from that step's likely outcomes (the draft's likeliest bonus tokens)."""
+        from that step's likely outcomes (the draft's likeliest bonus tokens). `hint`: the
+        trees drafted ahead go to the verifier as a hint where verify_ahead says so."""
         trees = self._take_ahead(batch)
         if plain:
             for seq in batch:
@@ -639,7 +652,7 @@ class Scheduler:
                 # the last round's chunks stream once the Draft is on its way too: its trees
                 # must come before this Verify's answer to be of use (and their hint too)
                 guessed = await self._sent_then_stream(self._draft_ahead(guessing))
-                if self._send_hint(guessing, guessed, plain, late=verifying.done()):
+                if self._send_hint(guessing, guessed, plain, hint, late=verifying.done()):
                     await asyncio.sleep(0)  # the hint is written before the chunks stream
                 self._stream()
             except BaseException:
@@ -655,16 +668,18 @@ class Scheduler:
         guessing: list[tuple[Sequence, DraftTree]],
         guessed: list[list[AheadTree]],
         plain: bool,
+        hint: bool,
         late: bool,
     ) -> bool:
         """With verify ahead, start the hint (`_hint`) for the trees drafted ahead unless the
-        Verify has answered (`late`: its next round goes out at once); whether it started. Not
-        waited for: its answer must not hold up the Verify's; it needs nothing from it (a
-        failure is logged in `_hint`)."""
+        round sends none (`hint` false: the overlap gate's "ahead-unhinted") or the Verify has
+        answered (`late`: its next round goes out at once); whether it started. Not waited for:
+        its answer must not hold up the Verify's; it needs nothing from it (a failure is logged
+        in `_hint`)."""
         if not self.verify_ahead or not guessing:
             return False
-        metrics.count_hint("late" if late else "sent")
-        if late:
+        metrics.count_hint("off" if not hint else "late" if late else "sent")
+        if late or not hint:
             return False
         hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
         self._hints.add(hinting)

@@ -168,7 +168,8 @@ ROUND_NOT_AHEAD = Counter(
 HINTS = Counter(
     "specsplit_hints",
     "Draft-ahead rounds on the gateway by whether their trees went to the verifier as a hint"
-    " ('sent') or not, the Verify having answered before the drafter ('late')",
+    " ('sent') or not: the Verify answered before the drafter ('late'), or the overlap gate ran"
+    " the round without hints ('off'; the verifier counts those rounds 'late' too)",
     ["outcome"],
 )
 DECODED_TOKENS = Counter(

@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY
 
 from gateway.gate import SETTLE, OverlapGate
 from gateway.request import GenerationRequest
+from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack
 from specsplit.messages import SpecParams
 from tests.support import (
@@ -167,6 +168,40 @@ def test_gated_overlap_drafts_ahead_where_its_guesses_hit(models, smollm2_tokeni
     assert stack.scheduler.num_ahead_hits > 0
     assert timed.overlapping_drafts() > 0
     assert _gauges(1) in ((0, 1, 0, 0), (0, 0, 1, 0))
+
+
+def test_gated_overlap_measures_draft_ahead_without_the_hint(models, smollm2_tokenizer) -> None:
+    """With verify ahead (the default) the gate also measures draft-ahead that sends the
+    verifier no hint ("ahead-unhinted": where the drafter is the slower service hints come late
+    and cost their work). Its rounds send none (counted 'off'), the "ahead" rounds send theirs,
+    and the output is the target's greedy output across the switches, with no KV left."""
+    plain = make_stack(models["target"], "model", smollm2_tokenizer, CHAIN3, overlap="gated")
+    default = plain.scheduler.overlap_gate
+    assert default is not None
+    assert default.modes == ("groups", "ahead", "ahead-unhinted", "serial")
+    clients = (plain.scheduler.drafter, plain.scheduler.verifier)
+    unhinted = Scheduler(
+        *clients, smollm2_tokenizer, (2,), CHAIN3, overlap="gated", verify_ahead=False
+    ).overlap_gate
+    assert unhinted is not None and unhinted.modes == ("groups", "ahead", "serial")
+    modes = ("ahead", "ahead-unhinted", "serial")
+    stack = _gated_stack(
+        models, smollm2_tokenizer, SpecParams(1, 1, 1), draft="target", modes=modes
+    )
+    requests = _requests(1, 7, 48)
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    before = {x: _hints(x) for x in ("sent", "late", "off")}
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == expected
+    gate = stack.scheduler.overlap_gate
+    assert gate is not None and None not in _rates(gate, 1).values()
+    assert _hints("off") > before["off"]  # the unhinted rounds
+    assert _hints("sent") + _hints("late") > before["sent"] + before["late"]  # the others
+    assert stack.scheduler.num_ahead_hits > 0
+
+
+def _hints(outcome: str) -> float:
+    return REGISTRY.get_sample_value("specsplit_hints_total", {"outcome": outcome}) or 0.0
 
 
 def test_gated_overlap_survives_a_verifier_restart_with_the_same_tokens(
