@@ -156,9 +156,7 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if used + dropped:
         ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
-    hints = {
-        x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late", "off")
-    }
+    hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late", "off")}
     reasons = {
         x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")] for x in NOT_AHEAD_REASONS
     }
