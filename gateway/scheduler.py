@@ -180,7 +180,7 @@ class Scheduler:
         self._expiry: asyncio.Task[None] | None = None
         speculates = default_spec.num_steps > 0 or adaptive_spec
         self.gate = SpeculationGate() if speculation_gate and speculates else None
-        gated_modes = ("groups", "ahead", "ahead-unhinted", "serial")
+        gated_modes: tuple[str, ...] = ("groups", "ahead", "ahead-unhinted", "serial")
         if not verify_ahead:
             gated_modes = ("groups", "ahead", "serial")  # "ahead" sends no hints already
         self.overlap_gate = OverlapGate(gated_modes) if overlap == "gated" else None
