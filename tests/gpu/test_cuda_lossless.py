@@ -58,7 +58,8 @@ def _run(
         early_verify=pipelined,
     )
     if overlap == "gated":
-        modes = ("groups", "ahead", "ahead-plain", "serial")  # ahead-plain: asked for here
+        # ahead-plain: asked for here; ahead-unhinted: the default gate's with verify ahead
+        modes = ("groups", "ahead", "ahead-plain", "ahead-unhinted", "serial")
         stack.scheduler.overlap_gate = OverlapGate(modes, window=2, probe_every=8)
     if pipelined:
         stack.scheduler.verifier = LocalVerifierClient(
