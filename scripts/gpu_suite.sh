@@ -4,7 +4,7 @@
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
-#       [draft8b-phases] [profile8b-drafter] [critical] [critical8b]
+#       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -42,7 +42,8 @@
 # draft-ahead, $SMOLLM2_GGUF + the shipped head (bench/profile_services.py --overlap);
 # critical8b: the same with an 8B-shaped random target and a draft that predicts it
 # (bench/random_model.py --mirror-draft; synthetic acceptance), batch 1 / 8 / 32, serial, ahead
-# with and without verify ahead, groups;
+# with and without verify ahead, groups; gated8b: the overlap gate's choices on that system
+# (bench/overlap.py --modes serial gated);
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -71,6 +72,12 @@ random_8b_1b() {  # random 8B- and 1B-shaped checkpoints (SmolLM2's vocabulary) 
     --device "cuda:$((gpus - 1))" --dtype bfloat16
   [[ -d /tmp/llama1b ]] || python3 bench/random_model.py /tmp/llama1b --shape llama-1b \
     --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device cuda:0 --dtype bfloat16
+}
+mirror_8b() {  # a random 8B-shaped target at /tmp/mirror8b and a draft that predicts it (its
+  # first layer, bench/random_model.py --mirror-draft) at /tmp/mirror8b_draft
+  [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
+    --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
+    --device "cuda:$((gpus - 1))" --dtype bfloat16
 }
 random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_random
   [[ -d /tmp/smollm2_random ]] ||
@@ -184,16 +191,22 @@ for part in "${parts[@]}"; do
     critical8b)  # the same with an 8B-shaped target whose draft predicts it (random weights,
       # bench/random_model.py --mirror-draft: its first layer; synthetic acceptance 0.8 / 0.7 /
       # 0.6, timing only), so that draft-ahead's guesses hit at an 8B target's verify time
-      [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
-        --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
-        --device "cuda:$((gpus - 1))" --dtype bfloat16
-      for mode in serial ahead ahead-unhinted groups; do  # ahead-unhinted: --verify-ahead off
+      mirror_8b
+      # ahead-unhinted: --verify-ahead off; $CRITICAL_MODES: fewer (the call's 10 minutes)
+      for mode in ${CRITICAL_MODES:-serial ahead ahead-unhinted groups}; do
         hint=on && [[ $mode == ahead-unhinted ]] && hint=off
         run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 \
           --max-new-tokens 128 --top 0 --overlap "${mode%-unhinted}" --verify-ahead "$hint" \
           --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
       done ;;
+    gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
+      # on its own, in the same run): it explores groups, draft-ahead with and without the
+      # hint, and serial rounds per batch size during the warm-up, then runs its choice
+      mirror_8b
+      run gated8b python3 bench/overlap.py --model /tmp/mirror8b "${devices[@]}" \
+        --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 --max-new-tokens 128 \
+        --modes serial gated --synthetic-acceptance 0.8,0.7,0.6 ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
