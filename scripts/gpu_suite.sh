@@ -203,10 +203,12 @@ for part in "${parts[@]}"; do
     gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
       # on its own, in the same run): it explores groups, draft-ahead with and without the
       # hint, and serial rounds per batch size during the warm-up, then runs its choice
+      # ($GATED_MODES, $GATED_BATCH: others, e.g. "serial ahead gated", "8 32")
       mirror_8b
       run gated8b python3 bench/overlap.py --model /tmp/mirror8b "${devices[@]}" \
-        --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 --max-new-tokens 128 \
-        --modes serial gated --synthetic-acceptance 0.8,0.7,0.6 ;;
+        --drafter model --draft-model /tmp/mirror8b_draft --batch ${GATED_BATCH:-1 8 32} \
+        --max-new-tokens 128 --modes ${GATED_MODES:-serial gated} \
+        --synthetic-acceptance 0.8,0.7,0.6 ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
