@@ -129,7 +129,7 @@ class Scheduler:
         verifier's path); off = only the gateway sends them, in the next Verify. With "gated"
         the overlap gate also measures draft-ahead without the hint ("ahead-unhinted"): where
         the drafter is the slower one, hints come too late to pay for their work (on two H100s
-        with an 8B-shaped target, 0.85x-0.94x of draft-ahead without them at batch 32, but
+        with an 8B-shaped target, 0.85x-0.99x of draft-ahead without them at batch 32, but
         1.02x-1.11x at batch 1 / 8 in most runs, bench/RESULTS.md)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
