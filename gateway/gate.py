@@ -1,8 +1,8 @@
 """Gates: of several ways to run a round, the one that commits more tokens per second, measured
 per batch size (`ModeGate`). The speculation gate (speculate or plain rounds) is described
 below; the overlap gate (`OverlapGate`: a speculating round as pipelined groups, draft-ahead or
-a serial round) measures the same way, exploring its modes in order and probing the others in
-turn.
+a serial round) measures the same way, exploring its modes in order (a batch size met after
+another chose: from that one's mode) and probing the others in turn.
 
 The speculation gate: speculate only while it pays, measured.
 
@@ -128,11 +128,25 @@ class ModeGate:
 
     def _new_bucket(self, key: int) -> _Bucket:
         """A batch size met for the first time starts from the nearest bucket that chose
-        (`_adopt`). With none chosen yet, it explores."""
+        (`_adopt`). With none chosen yet, it explores; a gate that does not adopt explores
+        each bucket, from the nearest chosen bucket's mode (a batch that shrinks as its
+        streams finish meets new buckets in its last rounds: they run the likely mode first,
+        not the first mode in order)."""
         b = _Bucket(key, self.window, len(self.modes))
         if self.adopts:
             self._adopt(b, fresh=True)
+        else:
+            near = self._nearest_chosen(key)
+            if near is not None and near.chosen is not None:
+                b.mode = near.chosen
         return b
+
+    def _nearest_chosen(self, key: int) -> _Bucket | None:
+        """The chosen bucket nearest `key` (in powers of two), if any chose."""
+        chosen = [other for other in self._buckets.values() if other.chosen is not None]
+        if not chosen:
+            return None
+        return min(chosen, key=lambda o: abs(o.key.bit_length() - key.bit_length()))
 
     def _adopt(self, b: _Bucket, fresh: bool = False) -> None:
         """An exploring bucket takes the nearest chosen bucket's measurements, choice and probe
@@ -140,11 +154,9 @@ class ModeGate:
         shrinks as its streams finish crosses a bucket every halving, and exploring each anew
         would switch modes there (resuming speculation verifies every sequence's tokens since
         its last features again). So exploring is left to the first bucket that gets there."""
-        chosen = [other for other in self._buckets.values() if other.chosen is not None]
-        if b.chosen is not None or not chosen:
+        near = self._nearest_chosen(b.key)
+        if b.chosen is not None or near is None or near.chosen is None:
             return
-        near = min(chosen, key=lambda o: abs(o.key.bit_length() - b.key.bit_length()))
-        assert near.chosen is not None
         for mine, theirs in zip(b.rounds, near.rounds, strict=True):
             mine.extend(theirs)
         if fresh:
@@ -202,10 +214,11 @@ class ModeGate:
                 self._probe_wait(b),
             )
         b.rounds[index].append((tokens, seconds))
-        if b.chosen is None:  # exploring: each mode in order
+        if b.chosen is None:  # exploring: each mode not measured yet, in order
             if b.rate(index) is not None:
-                if index + 1 < len(self.modes):
-                    self._switch(b, index + 1)
+                unmeasured = [mode for mode in range(len(self.modes)) if b.rate(mode) is None]
+                if unmeasured:
+                    self._switch(b, unmeasured[0])
                 else:
                     self._choose(b)
         elif b.mode != b.chosen:  # probing another mode
@@ -322,7 +335,8 @@ class OverlapGate(ModeGate):
     name = "overlap gate"
     # each batch size explores: the fastest mode changes with it (draft-ahead 1.46x serial at
     # batch 1 and 0.77x at 8 above), and trying one costs no re-verify (leaving groups commits
-    # the group verified last; at most one group's trees drafted for nothing)
+    # the group verified last; at most one group's trees drafted for nothing). It explores from
+    # the nearest chosen bucket's mode (`_new_bucket`)
     adopts = False
 
     def __init__(

@@ -262,8 +262,9 @@ def test_overlap_gate_probes_the_other_modes_in_turn() -> None:
 
 def test_overlap_gate_explores_each_batch_size_apart() -> None:
     """Draft-ahead wins at batch 1 and groups at batch 8 (SmolLM2 on two H100s): batch 8, met
-    after batch 1 chose, explores for itself (groups first) instead of taking batch 1's
-    choice."""
+    after batch 1 chose, explores for itself instead of taking batch 1's choice, from batch
+    1's mode (the likely one where a shrinking batch meets a new bucket in its last rounds),
+    then the others in order."""
     gate = OverlapGate(THREE, window=2, probe_every=100)
     explore = 2 + (SETTLE + 2) * 2
     at_one = {"groups": (1, 10e-3), "ahead": (1, 6e-3), "serial": (1, 9e-3)}
@@ -271,5 +272,8 @@ def test_overlap_gate_explores_each_batch_size_apart() -> None:
     assert gate.mode(1) == "ahead"
     at_eight = {"groups": (4, 5e-3), "ahead": (8, 14e-3), "serial": (8, 12e-3)}
     modes = _drive(gate, explore, at_eight)
-    assert modes[0] == "groups" and gate.mode(8) == "groups"
-    assert gate.mode(1) == "ahead"
+    assert modes[:2] == ["ahead"] * 2
+    assert modes[2:] == ["groups"] * (SETTLE + 2) + ["serial"] * (SETTLE + 2)
+    assert gate.mode(8) == "groups" and gate.mode(1) == "ahead"
+    assert _gauges(8, THREE) == (1, 0, 0)
+    assert _drive(gate, 1, at_eight, batch_size=16) == ["groups"]  # batch 8's choice first
