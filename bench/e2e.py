@@ -140,7 +140,8 @@ def scrape_totals() -> Totals:
     "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>" /
     "specsplit_round_ahead_total:<outcome>"), the verifier's rounds with none run ahead by
     reason and the gateway's hints by outcome ("specsplit_round_not_ahead_total:<reason>",
-    "specsplit_hints_total:<outcome>"); and
+    "specsplit_hints_total:<outcome>"), the verifier's host work between rounds by phase
+    ("specsplit_verifier_gap_seconds_sum:<phase>" / "..._count:<phase>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
     / "..._count:<service>"), its RPCs' stages on the round lane, (process,
     "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
@@ -175,6 +176,7 @@ _LABELLED = {
     "specsplit_gc_pause_seconds": ("generation",),
     "specsplit_round_not_ahead_total": ("reason",),
     "specsplit_hints_total": ("outcome",),
+    "specsplit_verifier_gap_seconds": ("phase",),
 }
 
 

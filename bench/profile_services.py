@@ -47,6 +47,7 @@ from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
+from verifier.engine import GAP_PHASES
 from verifier.hints import NOT_AHEAD_REASONS
 
 
@@ -171,6 +172,14 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if waits:
         mean = 1e3 * totals[("verifier", "specsplit_verifier_wait_seconds_sum")] / waits
         print(f"  verifier's device waiting between rounds: {waits:.0f} x {mean:.3f} ms")
+    gaps = []
+    for phase in GAP_PHASES:
+        calls = totals[("verifier", f"specsplit_verifier_gap_seconds_count:{phase}")]
+        if calls:
+            seconds = totals[("verifier", f"specsplit_verifier_gap_seconds_sum:{phase}")]
+            gaps.append(f"{phase} {calls:.0f} x {1e3 * seconds / calls:.3f}")
+    if gaps:  # the host work in that wait
+        print(f"  verifier's host work between rounds, mean ms: {', '.join(gaps)}")
     for service in ("verifier", "drafter"):
         means = []
         for stage in RPC_STAGES:

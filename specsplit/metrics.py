@@ -93,6 +93,16 @@ VERIFIER_WAIT_SECONDS = Histogram(
     " ahead followed)",
     buckets=(0.0, *_OVERHEAD_BUCKETS),
 )
+VERIFIER_GAP_SECONDS = Histogram(
+    "specsplit_verifier_gap_seconds",
+    "On the verifier, the host work in its device's wait between rounds, by phase: 'finish' (a"
+    " round's results read and committed once the device is done, every round), and where the"
+    " next round launches on the gateway's hint, 'answer' (from that finish to the hinted launch:"
+    " the answer built and written, or the hint's arrival) and 'launch' (the hinted round's"
+    " host work until it is queued on the device)",
+    ["phase"],
+    buckets=_OVERHEAD_BUCKETS,
+)
 SPECULATING = Gauge(
     "specsplit_speculating",
     "1 while the speculation gate lets rounds at this batch size draft, 0 while it holds them"
@@ -378,6 +388,10 @@ def count_hint(outcome: str) -> None:
 
 def observe_verifier_wait(seconds: float) -> None:
     VERIFIER_WAIT_SECONDS.observe(seconds)
+
+
+def observe_verifier_gap(phase: str, seconds: float) -> None:
+    VERIFIER_GAP_SECONDS.labels(phase=phase).observe(seconds)
 
 
 def count_error(code_name: str) -> None:

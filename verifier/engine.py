@@ -54,6 +54,11 @@ from verifier.rounds import (
 
 log = logging.getLogger(__name__)
 
+# the host work in the device's wait between rounds (VerifierEngine.on_gap): "finish" (a round's
+# results read and committed), then where a hinted round follows, "answer" (until its launch
+# began: the answer built and written, or the hint's arrival) and "launch" (its host work)
+GAP_PHASES = ("finish", "answer", "launch")
+
 
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
@@ -130,6 +135,10 @@ class VerifierEngine:
         # round queued; 0 where a round or decode step run ahead followed
         self.on_wait: Callable[[float], None] | None = None
         self._waiting: tuple[int, set[str]] | None = None
+        # that wait's host parts (`on_gap(phase, seconds)`, GAP_PHASES): every finish, and
+        # where a hinted round followed, the time until its launch began and the launch
+        self.on_gap: Callable[[str, float], None] | None = None
+        self._finished_ns = 0  # when the last finish returned
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -372,7 +381,13 @@ class VerifierEngine:
             self._report_wait(0)
         else:
             self._waiting = (started, {item.seq_id for item in launched.inputs})
+        self._finished_ns = time.perf_counter_ns()
+        self._report_gap("finish", self._finished_ns - started)
         return outputs
+
+    def _report_gap(self, phase: str, nanoseconds: int) -> None:
+        if self.on_gap is not None:
+            self.on_gap(phase, nanoseconds / 1e9)
 
     def _report_wait(self, nanoseconds: int) -> None:
         if self.on_wait is not None:
@@ -406,9 +421,12 @@ class VerifierEngine:
             return
         late = self.hints.ready(seq_ids)
         if late:  # their round finished before now, and none has started since
+            started = time.perf_counter_ns()
+            self._report_gap("answer", started - self._finished_ns)
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
             launched = [] if self._ahead is None else self._ahead.inputs
+            self._report_gap("launch", time.perf_counter_ns() - started)
             self._end_wait(item.seq_id for item in launched)  # the device has work again
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:

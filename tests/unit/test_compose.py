@@ -66,6 +66,7 @@ KNOWN_METRICS = {
     "specsplit_round_not_ahead_total",
     "specsplit_hints_total",
     "specsplit_verifier_wait_seconds",
+    "specsplit_verifier_gap_seconds",
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",
     "specsplit_gc_pause_seconds",

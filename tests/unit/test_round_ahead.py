@@ -15,6 +15,7 @@ from specsplit.messages import AheadTree, NextTrees, Truncation, VerifyInput
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import Driver, _chain, _engine, _release, _same
+from verifier.engine import GAP_PHASES
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +283,8 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
     """launch_on_hint (the service, where its calls run on the event loop): `finish` only
     parks its sequences, and `launch_parked`, once the answer went out, launches their hinted
     rounds; a round started before it leaves nothing to launch. The device's wait ends at that
-    launch (`on_wait`)."""
+    launch (`on_wait`), and its host parts are each reported (`on_gap`, GAP_PHASES): every
+    finish, and before a hinted launch the time since that finish, then the launch."""
     plain, hinted = (
         Driver(_engine(target_dir, False, device)),
         Driver(_engine(target_dir, False, device)),
@@ -291,6 +293,8 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
     engine.launch_on_hint = True
     waits: list[float] = []
     engine.on_wait = waits.append
+    gaps: list[tuple[str, float]] = []
+    engine.on_gap = lambda phase, seconds: gaps.append((phase, seconds))
     both = {"a": DraftTree(), "b": DraftTree()}
     for driver in (plain, hinted):
         driver.begin("a", "b")
@@ -299,9 +303,13 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
         for driver in (plain, hinted):
             driver.round(both)
         assert engine._ahead is None  # parked: the answer goes first
-        reported = len(waits)
+        assert gaps[-1][0] == "finish"
+        reported, phases = len(waits), len(gaps)
         engine.launch_parked()
         assert engine._ahead is not None and len(waits) == reported + 1 and waits[-1] > 0
+        assert [phase for phase, _ in gaps[phases:]] == ["answer", "launch"]
+    assert {phase for phase, _ in gaps} == set(GAP_PHASES)
+    assert all(seconds >= 0 for _, seconds in gaps)
     engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
     for _ in range(2):  # the second round starts before the first's hinted launch
         for driver in (plain, hinted):
