@@ -264,9 +264,9 @@ def _count_rounds(scheduler: Scheduler) -> dict[str, int]:
     for kind in counts:
         step = getattr(scheduler, f"step_{kind}")
 
-        async def counted(batch, *args, step=step, kind=kind):
+        async def counted(batch, *args, step=step, kind=kind, **kwargs):
             counts[kind] += 1
-            await step(batch, *args)
+            await step(batch, *args, **kwargs)
 
         setattr(scheduler, f"step_{kind}", counted)
     return counts
