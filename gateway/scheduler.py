@@ -34,6 +34,7 @@ from gateway.draft_ahead import (
     take_ahead,
 )
 from gateway.gate import OverlapGate, SpeculationGate
+from gateway.groups import GroupRounds, Round
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Committed, Sequence
@@ -55,8 +56,6 @@ from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# overlap "groups": a Verify sent a round early: (its group, its sequences, their trees, the call)
-EarlyVerify = tuple[int, list[Sequence], list[DraftTree], "asyncio.Future[list[VerifyOutput]]"]
 
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
 DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
@@ -69,7 +68,7 @@ SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 
 
-class Scheduler:
+class Scheduler(GroupRounds):
     def __init__(
         self,
         drafter: DrafterClient,
@@ -165,14 +164,8 @@ class Scheduler:
         self.draining = False  # shutting down: the APIs refuse new requests
         self.num_rounds = 0
         self.overlap = overlap
-        self._group: dict[str, int] = {}  # seq id -> 0 or 1 (overlap "groups")
-        self._turn = 0  # the group verified next
-        self._drafted: dict[str, DraftTree] = {}  # trees drafted ahead, for their next verify
+        self._init_groups()  # overlap "groups" (gateway/groups.py)
         self._admission_held = False  # a preemption freed pages for the running ones only
-        # overlap "groups": the last verified group's outputs, committed during the next Verify
-        self._uncommitted: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]] | None = None
-        # and the other group's Verify, sent as soon as its trees were drafted
-        self._early: EarlyVerify | None = None
         # committed rounds whose chunks are not streamed yet, in order (_stream)
         self._unstreamed: list[tuple[Sequence, Committed]] = []
         self.num_preemptions = 0
@@ -435,19 +428,6 @@ class Scheduler:
         for seq in seqs:
             self._drafted.pop(seq.seq_id, None)
 
-    async def _leave_groups(self) -> bool:
-        """Before a serial round in "groups" mode (the gate holds drafts back): commit the group
-        verified last round and the early Verify's, and drop the trees drafted ahead (their
-        sequences draft again from their tokens when speculation resumes). True when a group
-        was committed."""
-        landed = self._early is not None
-        await self.land_early()
-        pending, self._uncommitted = self._uncommitted, None
-        self._drafted.clear()
-        if pending is not None:
-            self._commit_and_stream(pending)
-        return landed or pending is not None
-
     def _admit(self) -> None:
         if self._admission_held and self.running:
             return  # after a preemption: until a running sequence finishes
@@ -487,133 +467,6 @@ class Scheduler:
                 task.cancel()
                 raise
         return await task
-
-    async def step_groups(self, running: list[Sequence]) -> None:
-        """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
-        turns. This round's Verify is one group's, with the trees drafted for it during the
-        last round, most often already sent then (`_early`); while the verifier works, the
-        gateway commits the other group's last round (detokenizing, stop rules, streaming: off
-        the verifier's path), the drafter drafts that group's next trees and their Verify goes
-        out at once, so the verifier has it before this one is done (it runs the two back to
-        back). The verified group's outputs are committed next round. A sequence with no tree
-        drafted ahead (new, or after a fault) is drafted first; with one group empty a round
-        commits, drafts and verifies in turn. A round that fails commits what it can first:
-        the last round's outputs and the early Verify's."""
-        self._assign_groups(running)
-        early, self._early = self._early, None
-        if early is not None:
-            turn, verify, trees, verifying = early
-        else:
-            turn = (
-                self._turn
-                if any(self._group[s.seq_id] == self._turn for s in running)
-                else 1 - self._turn
-            )
-            verify = [seq for seq in running if self._group[seq.seq_id] == turn]
-        self._turn = 1 - turn
-        sent = {id(seq) for seq in verify}
-        ahead = [seq for seq in running if self._group[seq.seq_id] != turn and id(seq) not in sent]
-        pending, self._uncommitted = self._uncommitted, None
-        if pending is not None and not set(map(id, pending[0])).isdisjoint(sent):
-            # the group verified last round is the one verified now
-            self._commit_and_stream(pending)
-            pending = None
-        try:
-            if early is None:
-                verify = [seq for seq in verify if not (seq.finished or seq.cancelled)]
-                if not verify:
-                    if pending is not None:
-                        self._commit_and_stream(pending)
-                    return
-                trees = await self._trees(running, verify)
-            with telemetry.round_span([seq.span for seq in verify]):
-                if early is None:
-                    verifying = asyncio.ensure_future(
-                        self.verifier.verify(self._verify_inputs(verify, trees))
-                    )
-                    await asyncio.sleep(0)  # the Verify is on its way before the commit below
-                try:
-                    if pending is not None:
-                        self._commit(*pending)
-                        pending = None
-                    self._stream()  # and what earlier serial or draft-ahead rounds committed
-                    ahead = [
-                        seq
-                        for seq in ahead
-                        if not (seq.finished or seq.cancelled or seq.seq_id in self._drafted)
-                    ]
-                    drafted = await self._draft(ahead)
-                    for seq, tree in zip(ahead, drafted, strict=True):
-                        self._drafted[seq.seq_id] = tree
-                    self._send_early(running, 1 - turn)
-                    verified = await verifying
-                except BaseException:
-                    verifying.cancel()
-                    raise
-        except BaseException as e:
-            self._drafted.clear()  # whatever happens next, draft again from the tokens
-            if pending is not None:
-                self._commit_and_stream(pending)
-            if isinstance(e, asyncio.CancelledError):
-                self.drop_early()
-            else:
-                await self.land_early()
-            raise
-        self._uncommitted = (verify, trees, verified)
-
-    async def _trees(self, running: list[Sequence], verify: list[Sequence]) -> list[DraftTree]:
-        """The trees for `verify`'s round: those drafted ahead, the missing ones drafted now."""
-        if self.overlap in ("both", "gated"):  # after a draft-ahead round its trees serve
-            guessed = self._take_ahead(running)
-            self._drafted.update((s.seq_id, guessed[id(s)]) for s in running if id(s) in guessed)
-        missing = [seq for seq in verify if seq.seq_id not in self._drafted]
-        if missing:
-            for seq, tree in zip(missing, await self._draft(missing), strict=True):
-                self._drafted[seq.seq_id] = tree
-        return [self._drafted.pop(seq.seq_id) for seq in verify]
-
-    def _send_early(self, running: list[Sequence], group: int) -> None:
-        """The Verify of `group`'s next round, sent now (`_early`) when each of its running
-        sequences has its tree (and `early_verify` is on): the next round verifies exactly
-        these."""
-        if not self.early_verify:
-            return
-        batch = [
-            seq
-            for seq in running
-            if self._group.get(seq.seq_id) == group and not (seq.finished or seq.cancelled)
-        ]
-        if not batch or any(seq.seq_id not in self._drafted for seq in batch):
-            return
-        trees = [self._drafted.pop(seq.seq_id) for seq in batch]
-        verifying = asyncio.ensure_future(self.verifier.verify(self._verify_inputs(batch, trees)))
-        self._early = (group, batch, trees, verifying)
-
-    def drop_early(self) -> None:
-        """Cancel the early Verify (stopping, or the round cancelled): its outputs are lost, so
-        its sequences' state on the verifier is not known any more."""
-        early, self._early = self._early, None
-        if early is not None:
-            early[3].cancel()
-
-    async def land_early(self) -> None:
-        """The early Verify (`_early`), if one is out, waited for and its round committed
-        after the round before it: before anything but a groups round runs (or after one
-        failed). A failed early round is dropped: its sequences' tokens are as they were, and
-        the next round (or the fault's handling) finds what the verifier holds."""
-        early, self._early = self._early, None
-        if early is None:
-            return
-        _, batch, trees, verifying = early
-        try:
-            outputs = await verifying
-        except Exception as e:
-            log.warning("an early Verify failed: %s", e)
-            return
-        if self._uncommitted is not None:
-            self._commit_and_stream(self._uncommitted)
-            self._uncommitted = None
-        self._commit_and_stream((batch, trees, outputs))
 
     async def step_ahead(
         self, batch: list[Sequence], plain: bool = False, hint: bool = True
@@ -760,17 +613,6 @@ class Scheduler:
             return [[] for _ in batch]
         return [out.ahead for out in outputs]
 
-    def _assign_groups(self, running: list[Sequence]) -> None:
-        """Forget sequences that left; a new one joins the smaller group."""
-        ids = {seq.seq_id for seq in running}
-        for gone in [seq_id for seq_id in self._group if seq_id not in ids]:
-            del self._group[gone]
-            self._drafted.pop(gone, None)
-        for seq in running:
-            if seq.seq_id not in self._group:
-                sizes = [list(self._group.values()).count(g) for g in (0, 1)]
-                self._group[seq.seq_id] = 0 if sizes[0] <= sizes[1] else 1
-
     def _commit(
         self, batch: list[Sequence], trees: list[DraftTree], outputs: list[VerifyOutput]
     ) -> None:
@@ -783,9 +625,7 @@ class Scheduler:
             seq.adapt(tree, out)
             self.num_tokens_committed += len(out.new_tokens)
 
-    def _commit_and_stream(
-        self, pending: tuple[list[Sequence], list[DraftTree], list[VerifyOutput]]
-    ) -> None:
+    def _commit_and_stream(self, pending: Round) -> None:
         """Groups commit a round while the other group's Verify is in flight (or must commit it
         before it is verified again): its chunks stream at once."""
         self._commit(*pending)
