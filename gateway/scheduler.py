@@ -29,9 +29,7 @@ from gateway.draft_ahead import (
     DEFAULT_AHEAD_MAX_BATCH,
     DEFAULT_AHEAD_MISS,
     MAX_AHEAD_GUESSES,
-    guesses,
-    next_trees,
-    take_ahead,
+    AheadRounds,
 )
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.groups import GroupRounds, Round
@@ -45,7 +43,6 @@ from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     MAX_DECODE_STEPS,
-    AheadTree,
     DraftOutput,
     SpecParams,
     Truncation,
@@ -68,7 +65,7 @@ SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 
 
-class Scheduler(GroupRounds):
+class Scheduler(GroupRounds, AheadRounds):
     def __init__(
         self,
         drafter: DrafterClient,
@@ -468,151 +465,6 @@ class Scheduler(GroupRounds):
                 raise
         return await task
 
-    async def step_ahead(
-        self, batch: list[Sequence], plain: bool = False, hint: bool = True
-    ) -> None:
-        """Draft-ahead (DESIGN.md §3): a sequence whose last outcome was among those guessed
-        has its tree already; the others are drafted first. Then the Verify goes out and,
-        while the verifier works, the last round's chunks stream and the drafter drafts the
-        next round's trees for this round's likely outcomes (`_draft_ahead`). A round where
-        every outcome was guessed holds only the Verify on its path; with `plain` (misses run
-        plain) every round does: a sequence that drafts ahead but whose outcome was not guessed
-        is verified with no tree (a plain decode step) while the drafter drafts ahead for it
-        from that step's likely outcomes (the draft's likeliest bonus tokens). `hint`: the
-        trees drafted ahead go to the verifier as a hint where verify_ahead says so."""
-        trees = self._take_ahead(batch)
-        if plain:
-            for seq in batch:
-                if id(seq) not in trees and self._misses_plain(seq):
-                    trees[id(seq)] = DraftTree()
-        with telemetry.round_span([seq.span for seq in batch]):
-            missing = [seq for seq in batch if id(seq) not in trees]
-            if missing:
-                drafted = await self._sent_then_stream(self._draft(missing))
-                trees.update(zip(map(id, missing), drafted, strict=True))
-            round_trees = [trees[id(seq)] for seq in batch]
-            inputs = self._verify_inputs(batch, round_trees)
-            guessing = []
-            for seq, tree, item in zip(batch, round_trees, inputs, strict=True):
-                if self._drafts_ahead(seq, tree):
-                    guessing.append((seq, tree))
-                    # one step (a tree's round has one; a plain round's would have several):
-                    # the outcomes guessed end with its bonus token, more would match none
-                    item.decode_steps = 1
-            verifying = asyncio.ensure_future(self.verifier.verify(inputs))
-            await asyncio.sleep(0)  # the Verify is on its way before anything else
-            try:
-                # the last round's chunks stream once the Draft is on its way too: its trees
-                # must come before this Verify's answer to be of use (and their hint too)
-                guessed = await self._sent_then_stream(self._draft_ahead(guessing))
-                if self._send_hint(guessing, guessed, plain, hint, late=verifying.done()):
-                    await asyncio.sleep(0)  # the hint is written before the chunks stream
-                self._stream()
-            except BaseException:
-                verifying.cancel()
-                raise
-            outputs = await verifying
-        for (seq, _), ahead in zip(guessing, guessed, strict=True):
-            seq.keep_ahead(ahead)
-        self._commit(batch, round_trees, outputs)
-
-    def _send_hint(
-        self,
-        guessing: list[tuple[Sequence, DraftTree]],
-        guessed: list[list[AheadTree]],
-        plain: bool,
-        hint: bool,
-        late: bool,
-    ) -> bool:
-        """With verify ahead, start the hint (`_hint`) for the trees drafted ahead unless the
-        round sends none (`hint` false: the overlap gate's "ahead-unhinted") or the Verify has
-        answered (`late`: its next round goes out at once); whether it started. Not waited for:
-        its answer must not hold up the Verify's; it needs nothing from it (a failure is logged
-        in `_hint`)."""
-        if not self.verify_ahead or not guessing:
-            return False
-        metrics.count_hint("off" if not hint else "late" if late else "sent")
-        if late or not hint:
-            return False
-        hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
-        self._hints.add(hinting)
-        hinting.add_done_callback(self._hints.discard)
-        return True
-
-    async def _hint(
-        self,
-        guessing: list[tuple[Sequence, DraftTree]],
-        guessed: list[list[AheadTree]],
-        plain: bool,
-    ) -> None:
-        """The trees drafted ahead, to the verifier while it verifies this round (verify_ahead;
-        `next_trees`: with misses plain, an outcome not guessed runs no tree, as `step_ahead`
-        will send it). Nobody waits for it: a hint that fails costs nothing but itself."""
-        hints = [
-            next_trees(seq, verifying, ahead, plain and self._misses_plain(seq))
-            for (seq, verifying), ahead in zip(guessing, guessed, strict=True)
-        ]
-        try:
-            await self.verifier.hint([hint for hint in hints if hint is not None])
-        except ServiceError as e:
-            log.debug("a hint to the verifier failed: %s", e)
-        except Exception:  # nobody waits for it: a hint's failure ends here
-            log.exception("a hint to the verifier failed")
-
-    def _take_ahead(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
-        """The trees drafted ahead for the outcomes `seqs` had (by id), counted as hits and
-        misses (`take_ahead`)."""
-        trees, hits, misses = take_ahead(seqs)
-        self.num_ahead_hits += hits
-        self.num_ahead_misses += misses
-        metrics.observe_draft_ahead(hits, misses)
-        return trees
-
-    def _misses_plain(self, seq: Sequence) -> bool:
-        """With misses plain: whether `seq`, its outcome not guessed, is verified with no
-        tree at once. Not in its first round (the drafter first learns the sequence and tells
-        the layers its features come from, as in any draft-ahead round), and only where it
-        drafts ahead next: greedy chains (trees are never drafted ahead)."""
-        return (
-            seq.verifier_begun
-            and seq.round_spec().topk == 1
-            and self._drafts_ahead(seq, DraftTree())
-        )
-
-    def _drafts_ahead(self, seq: Sequence, tree: DraftTree) -> bool:
-        """Whether the drafter drafts ahead for `seq` this round: a greedy request (sampled
-        chains carry their draws, drafted per round) verifying a chain, with drafts next round,
-        and a drafter that answers."""
-        return (
-            self.ahead_guesses > 0
-            and seq.request.sampling.greedy
-            and tree.is_chain
-            and self._needs_drafter(seq)
-            and seq.round_spec().num_steps > 0
-            and time.monotonic() >= self._drafter_down_until
-        )
-
-    async def _draft_ahead(self, batch: list[tuple[Sequence, DraftTree]]) -> list[list[AheadTree]]:
-        """The drafter's trees for the likely outcomes of the trees being verified. It also
-        takes each sequence's new tokens (and features), as a Draft does. A failure costs only
-        the guesses: the sequences start over on the drafter with their next Draft."""
-        if not batch:
-            return []
-        inputs = []
-        for seq, tree in batch:
-            item = seq.draft_input()
-            item.verifying, item.ahead_guesses = tree, guesses(seq, tree, self.ahead_guesses)
-            inputs.append(item)
-        try:
-            outputs = await self.drafter.draft(inputs)
-        except ServiceError as e:
-            log.warning("draft-ahead failed (%s: %s)", e.code.value, e.message)
-            if e.code in DRAFTER_DOWN:
-                self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
-            await self._forget_on_drafter([seq for seq, _ in batch])
-            return [[] for _ in batch]
-        return [out.ahead for out in outputs]
-
     def _commit(
         self, batch: list[Sequence], trees: list[DraftTree], outputs: list[VerifyOutput]
     ) -> None:
@@ -711,6 +563,12 @@ class Scheduler(GroupRounds):
                 self._drafter_refused.add(seq.seq_id)
                 await self._forget_on_drafter([seq])
         return drafted, outputs
+
+    def _drafter_down(self, error: ServiceError) -> None:
+        """A drafter that is unreachable or restarted (DRAFTER_DOWN) gets no Draft for
+        DRAFTER_RETRY_S; a refusal changes nothing here."""
+        if error.code in DRAFTER_DOWN:
+            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
 
     async def _forget_on_drafter(self, seqs: list[Sequence]) -> None:
         """Start these sequences over on the drafter (its next Draft of each begins anew)."""
