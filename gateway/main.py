@@ -17,15 +17,11 @@ import grpc
 from gateway.adaptive import format_ladder
 from gateway.auth import ApiKeys
 from gateway.draft_ahead import DEFAULT_AHEAD_GUESSES, DEFAULT_AHEAD_MAX_BATCH, DEFAULT_AHEAD_MISS
+from gateway.faults import DEFAULT_VERIFIER_WAIT_S
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Limits
-from gateway.scheduler import (
-    DEFAULT_MAX_WAITING,
-    DEFAULT_VERIFIER_WAIT_S,
-    SHUTTING_DOWN,
-    Scheduler,
-)
+from gateway.scheduler import DEFAULT_MAX_WAITING, SHUTTING_DOWN, Scheduler
 from gateway.servicer import GatewayServicer, ModelInfo
 from gateway.sessions import DEFAULT_SESSION_TTL_S
 from specsplit.messages import SpecParams

@@ -5,7 +5,9 @@ a drafter that is down or lost a sequence turns into empty trees (plain target d
 same output) until it answers again; a verifier that lost a sequence (restart) gets it
 re-prefilled from the gateway's own tokens. A session's turn (gateway/sessions.py) is a request
 whose KV stays in both services when it leaves: it is put away (`SessionStore.end_turn`) instead
-of released.
+of released. The Scheduler's other round kinds and its handling of a verifier's failed round are
+mixins in their own modules (each declares what it uses of the Scheduler): pipelined groups
+(gateway/groups.py), draft-ahead (gateway/draft_ahead.py), verifier faults (gateway/faults.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.draft_ahead import (
     MAX_AHEAD_GUESSES,
     AheadRounds,
 )
+from gateway.faults import DEFAULT_VERIFIER_WAIT_S, VerifierFaults
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.groups import GroupRounds, Round
 from gateway.health import Health
@@ -57,15 +60,13 @@ T = TypeVar("T")
 DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
 DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
 DEFAULT_MAX_WAITING = 256  # requests waiting for a place in the batch; more: RESOURCE_EXHAUSTED
-VERIFIER_RETRY_S = 0.5  # while the verifier is away, ask its health this often
-DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be back
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 
 
-class Scheduler(GroupRounds, AheadRounds):
+class Scheduler(GroupRounds, AheadRounds, VerifierFaults):
     def __init__(
         self,
         drafter: DrafterClient,
@@ -587,87 +588,6 @@ class Scheduler(GroupRounds, AheadRounds):
         if seq.round_spec().num_steps > 0:
             return True
         return not self._drafter_answered or seq.hidden_state_layers != self.hidden_state_layers
-
-    async def _fail_round(self, error: ServiceError) -> None:
-        """The verifier refused or failed the round: nothing was committed."""
-        self._stream()  # the last round's chunks, before any wait for the verifier
-        if error.code in (Code.UNAVAILABLE, Code.NOT_FOUND):
-            # restarted or unreachable: re-prefill every sequence from the gateway's tokens
-            log.warning("verifier failed (%s: %s); re-prefilling", error.code.value, error.message)
-            for seq in self.running:
-                seq.forget_verifier()
-            with contextlib.suppress(ServiceError):
-                await self.verifier.release([seq.seq_id for seq in self.running])
-            await self._await_verifier(error)
-        elif error.code == Code.RESOURCE_EXHAUSTED and await self.sessions.evict_idle():
-            pass  # an idle session's KV is free now: the round runs again
-        elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:
-            # KV full: the newest sequence gives way and waits again, the others go on
-            await self._preempt(self.running[-1], error)
-        else:
-            log.error("verify round refused (%s: %s)", error.code.value, error.message)
-            for seq in self.running:
-                self._fail(seq, error)
-
-    async def _await_verifier(self, error: ServiceError) -> None:
-        """Wait until the verifier's health says SERVING, polling it every VERIFIER_RETRY_S; a
-        verifier that answers NOT_SERVING (loading) is coming back. Once it has been away for
-        more than verifier_wait_s (from its first failed round), the running requests end with
-        UNAVAILABLE after the tokens they streamed. Returns early when none of them is left to
-        wait (all cancelled), so that they are retired."""
-        again = self._verifier_down_since is not None  # it failed a round after coming back
-        if self._verifier_down_since is None:
-            self._verifier_down_since = self.clock()
-            self._verifier_health = None
-        while any(not (seq.cancelled or seq.finished) for seq in self.running):
-            away = self.clock() - self._verifier_down_since
-            if away > self.verifier_wait_s:
-                message = (
-                    f"the verifier has been unavailable for {away:.0f} s, over the gateway's"
-                    f" limit of {self.verifier_wait_s:g} s (--verifier-wait): {error.message}"
-                )
-                log.error("%s; ending %d requests", message, len(self.running))
-                for seq in self.running:
-                    self._fail(seq, ServiceError(Code.UNAVAILABLE, message))
-                return
-            health = await self.verifier.health()
-            if health is Health.SERVING:
-                if again:  # SERVING yet failing rounds: retry at a calm pace, not in a spin
-                    await asyncio.sleep(VERIFIER_RETRY_S)
-                return
-            if health is not self._verifier_health:
-                self._verifier_health = health
-                state = "loading" if health is Health.LOADING else "not answering"
-                log.warning(
-                    "verifier %s; %d requests wait for it (%.0f of %g s)",
-                    state,
-                    len(self.running),
-                    away,
-                    self.verifier_wait_s,
-                )
-            await asyncio.sleep(VERIFIER_RETRY_S)
-
-    async def _preempt(self, seq: Sequence, error: ServiceError) -> None:
-        """Retract `seq` (DESIGN.md §8 memory pressure): free its KV in both services and put it
-        first in line again; once admitted it re-prefills from the gateway's tokens and goes on
-        where it stopped (greedy: the same tokens). Until a running sequence finishes, nothing
-        more is admitted, so that it does not take the pages back at once."""
-        log.warning(
-            "verifier KV full (%s); preempting %s (%d tokens), %d others go on",
-            error.message,
-            seq.seq_id,
-            len(seq.tokens),
-            len(self.running) - 1,
-        )
-        self.running.remove(seq)
-        await self._release([seq])
-        seq.forget_verifier()
-        seq.forget_drafter()
-        self._drafted.pop(seq.seq_id, None)
-        self.waiting.appendleft(seq)
-        self._admission_held = True
-        self.num_preemptions += 1
-        metrics.observe_preemption()
 
     def _fail(self, seq: Sequence, error: ServiceError) -> None:
         self._stream([seq])  # its committed rounds first

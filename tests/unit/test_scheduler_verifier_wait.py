@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import scheduler as scheduler_module
+from gateway import faults
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from inprocess.clients import LocalVerifierClient
@@ -34,7 +34,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "VERIFIER_RETRY_S", 0.001)
+    monkeypatch.setattr(faults, "VERIFIER_RETRY_S", 0.001)
 
 
 class _RestartingVerifier(PassThroughVerifier):
