@@ -7,7 +7,8 @@ re-prefilled from the gateway's own tokens. A session's turn (gateway/sessions.p
 whose KV stays in both services when it leaves: it is put away (`SessionStore.end_turn`) instead
 of released. The Scheduler's other round kinds and its handling of a verifier's failed round are
 mixins in their own modules (each declares what it uses of the Scheduler): pipelined groups
-(gateway/groups.py), draft-ahead (gateway/draft_ahead.py), verifier faults (gateway/faults.py).
+(gateway/groups.py), draft-ahead (gateway/draft_ahead.py), verifier faults (gateway/faults.py),
+the Draft calls and the drafter's faults (gateway/drafting.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gateway.draft_ahead import (
     MAX_AHEAD_GUESSES,
     AheadRounds,
 )
+from gateway.drafting import Drafting
 from gateway.faults import DEFAULT_VERIFIER_WAIT_S, VerifierFaults
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.groups import GroupRounds, Round
@@ -46,7 +48,6 @@ from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     MAX_DECODE_STEPS,
-    DraftOutput,
     SpecParams,
     Truncation,
     VerifyInput,
@@ -57,8 +58,6 @@ from specsplit.tree import DraftTree
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DRAFTER_RETRY_S = 1.0  # after a drafter failure, decode without drafts this long
-DRAFTER_DOWN = (Code.UNAVAILABLE, Code.NOT_FOUND)  # unreachable or restarted: not a refusal
 DEFAULT_MAX_WAITING = 256  # requests waiting for a place in the batch; more: RESOURCE_EXHAUSTED
 DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
@@ -66,7 +65,7 @@ SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
 
 
-class Scheduler(GroupRounds, AheadRounds, VerifierFaults):
+class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
     def __init__(
         self,
         drafter: DrafterClient,
@@ -146,15 +145,12 @@ class Scheduler(GroupRounds, AheadRounds, VerifierFaults):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.model_name = model_name  # gen_ai.request.model on request spans
-        self.hidden_state_layers = hidden_state_layers  # asked of the verifier (EAGLE drafters)
+        self._init_drafting(hidden_state_layers)  # gateway/drafting.py
         self.adaptive_ladder = build_ladder(default_spec, adaptive_rungs) if adaptive_spec else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._drafter_down_until = 0.0
-        self._drafter_answered = False  # hidden_state_layers is the drafter's answer
-        self._drafter_refused: set[str] = set()  # seq ids the drafter refused: no drafts
         self.verifier_wait_s = verifier_wait_s
         self._verifier_down_since: float | None = None  # on `clock`
         self._verifier_health: Health | None = None  # last logged while waiting for it
@@ -497,97 +493,6 @@ class Scheduler(GroupRounds, AheadRounds, VerifierFaults):
         metrics.observe_commits(made)
         for seq, _, chunk in made:
             seq.outbox.put_nowait(chunk)
-
-    async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
-        if time.monotonic() < self._drafter_down_until:
-            return [DraftTree() for _ in batch]
-        ids = {seq.seq_id for seq in [*self.running, *batch]}
-        self._drafter_refused &= ids  # forget the ones that left
-        drafting = [seq for seq in batch if self._needs_drafter(seq)]
-        if not drafting:
-            return [DraftTree() for _ in batch]
-        try:
-            try:
-                outputs = await self.drafter.draft([seq.draft_input() for seq in drafting])
-            except ServiceError as e:
-                if e.code in DRAFTER_DOWN:
-                    raise
-                if e.code == Code.RESOURCE_EXHAUSTED and await self.sessions.evict_idle():
-                    await self._forget_on_drafter(drafting)  # what it holds of them is unknown
-                    return [DraftTree() for _ in batch]  # and drafts them next round
-                # a refusal: of one sequence (its shape, its memory), not of drafting
-                drafting, outputs = await self._draft_one_by_one(drafting, e)
-        except ServiceError as e:
-            # drafter down or restarted (NOT_FOUND): decode without drafts for now, and start
-            # its sequences over when it answers again
-            log.warning("drafter failed (%s: %s); decoding without drafts", e.code.value, e.message)
-            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
-            await self._forget_on_drafter(batch)
-            return [DraftTree() for _ in batch]
-        for seq, out in zip(drafting, outputs, strict=True):
-            if not seq.verifier_begun:  # before its prefill: ask the verifier for these layers
-                seq.adopt_hidden_state_layers(out.hidden_state_layers)
-        if outputs:
-            self.hidden_state_layers = outputs[0].hidden_state_layers
-            self._drafter_answered = True
-        trees = {seq.seq_id: out.tree for seq, out in zip(drafting, outputs, strict=True)}
-        return [trees.get(seq.seq_id, DraftTree()) for seq in batch]
-
-    async def _draft_one_by_one(
-        self, batch: list[Sequence], refusal: ServiceError
-    ) -> tuple[list[Sequence], list[DraftOutput]]:
-        """The drafter refused a round (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...): draft each
-        sequence alone, so that one it refuses decodes without drafts for the rest of its life
-        while the others keep theirs. Returns the sequences drafted and their outputs; raises
-        when the drafter goes down meanwhile."""
-        log.warning(
-            "drafter refused a round of %d (%s: %s); drafting them one by one",
-            len(batch),
-            refusal.code.value,
-            refusal.message,
-        )
-        await self._forget_on_drafter(batch)  # what it holds of them is unknown now
-        drafted, outputs = [], []
-        for seq in batch:
-            try:
-                outputs += await self.drafter.draft([seq.draft_input()])
-                drafted.append(seq)
-            except ServiceError as e:
-                if e.code in DRAFTER_DOWN:
-                    raise
-                log.warning(
-                    "drafter refused %s (%s: %s); it decodes without drafts",
-                    seq.seq_id,
-                    e.code.value,
-                    e.message,
-                )
-                self._drafter_refused.add(seq.seq_id)
-                await self._forget_on_drafter([seq])
-        return drafted, outputs
-
-    def _drafter_down(self, error: ServiceError) -> None:
-        """A drafter that is unreachable or restarted (DRAFTER_DOWN) gets no Draft for
-        DRAFTER_RETRY_S; a refusal changes nothing here."""
-        if error.code in DRAFTER_DOWN:
-            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
-
-    async def _forget_on_drafter(self, seqs: list[Sequence]) -> None:
-        """Start these sequences over on the drafter (its next Draft of each begins anew)."""
-        for seq in seqs:
-            seq.forget_drafter()
-        with contextlib.suppress(ServiceError):
-            await self.drafter.release([seq.seq_id for seq in seqs])
-
-    def _needs_drafter(self, seq: Sequence) -> bool:
-        """A round without drafts (num_steps 0: speculation off, or one token left) skips the
-        drafter, once the sequence reads the hidden-state layers the drafter asked for: its new
-        tokens (and their features) reach the drafter with its next Draft, if any. A sequence
-        the drafter refused, or one that never drafts, never asks it."""
-        if seq.seq_id in self._drafter_refused or seq.never_drafts:
-            return False
-        if seq.round_spec().num_steps > 0:
-            return True
-        return not self._drafter_answered or seq.hidden_state_layers != self.hidden_state_layers
 
     def _fail(self, seq: Sequence, error: ServiceError) -> None:
         self._stream([seq])  # its committed rounds first

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import gateway.scheduler as scheduler_module
+import gateway.drafting as drafting_module
 from gateway.clients import DrafterClient
 from gateway.features import FeatureRows
 from gateway.request import GenerationRequest
@@ -177,7 +177,7 @@ def test_a_drafter_that_loses_its_sequences_gets_every_row_again(
     gateway no longer holds their early rows, so the verifier verifies their tokens again from
     token 0 (a Truncate to 0) and the drafter's next catch-up gets a row for every token. The
     output is the target's, and no KV is left."""
-    monkeypatch.setattr(scheduler_module, "DRAFTER_RETRY_S", 0.0)
+    monkeypatch.setattr(drafting_module, "DRAFTER_RETRY_S", 0.0)
     expected = _target_only(models, smollm2_tokenizer)
     stack = _eagle_stack(models, smollm2_tokenizer, overlap)
     watching = _Watching(stack.scheduler.drafter, stack.scheduler, lose_at=5)
