@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+T = TypeVar("T")
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
@@ -311,8 +313,9 @@ def _column(values: Any, num_seqs: int, field: str, default: Any = None) -> list
     return column
 
 
-def _split(flat: Any, counts: list[int], field: str, count_field: str) -> list[list[int]]:
-    """Each sequence's list of a flat column, `counts[i]` entries for sequence i."""
+def _split(flat: Iterable[T], counts: list[int], field: str, count_field: str) -> list[list[T]]:
+    """Each sequence's list of a flat column (or of items made from columns), `counts[i]`
+    entries for sequence i."""
     values = list(flat)
     if len(counts) == 1 and counts[0] == len(values):  # one sequence: its list is the column
         return [values]
@@ -394,8 +397,7 @@ def _read_outcomes(
     outcomes = _lists(msg, num_outcomes, "num_outcome_tokens", "outcome_tokens", default=0)
     trees = _read_trees(msg, num_outcomes, columns)
     aheads = [AheadTree(t, tree) for t, tree in zip(outcomes, trees, strict=True)]
-    ends = itertools.accumulate(counts)
-    return [aheads[end - count : end] for count, end in zip(counts, ends, strict=True)]
+    return _split(aheads, counts, "outcomes", "num_outcomes")
 
 
 def _row_counts(per_sequence: list[torch.Tensor | None]) -> list[int]:

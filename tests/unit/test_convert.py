@@ -569,6 +569,11 @@ def test_a_draft_answer_whose_outcome_columns_do_not_add_up_is_refused() -> None
     wide.num_outcomes.append(0)
     with pytest.raises(ServiceError, match="num_outcomes has 2 entries for 1 sequences"):
         convert.draft_response_from_proto(wide)
+    two = [DraftOutput(s, DraftTree(), 7, (), ahead) for s in "ab"]
+    negative = _wire(convert.draft_response_to_proto(two, 1))
+    negative.num_outcomes[:] = [-1, 3]  # sums to the outcomes there are
+    with pytest.raises(ServiceError, match="num_outcomes: a sequence's count is negative"):
+        convert.draft_response_from_proto(negative)
 
 
 def test_a_draft_answer_names_one_set_of_hidden_state_layers() -> None:
