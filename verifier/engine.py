@@ -364,6 +364,8 @@ class VerifierEngine:
                 outputs = self._finish_round(launched)
         finally:
             self._in_flight.remove(launched)
+        # the results read and committed (not a round's further decode steps, nor a launch)
+        self._report_gap("finish", time.perf_counter_ns() - started)
         self.hints.round_finished(launched.inputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         if further:
@@ -382,7 +384,6 @@ class VerifierEngine:
         else:
             self._waiting = (started, {item.seq_id for item in launched.inputs})
         self._finished_ns = time.perf_counter_ns()
-        self._report_gap("finish", self._finished_ns - started)
         return outputs
 
     def _report_gap(self, phase: str, nanoseconds: int) -> None:
