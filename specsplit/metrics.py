@@ -99,7 +99,9 @@ VERIFIER_GAP_SECONDS = Histogram(
     " round's results read and committed once the device is done, every round), and where the"
     " next round launches on the gateway's hint, 'answer' (from that finish to the hinted launch:"
     " the answer built and written, or the hint's arrival) and 'launch' (the hinted round's"
-    " host work until it is queued on the device)",
+    " host work until it is queued on the device); and 'chain': a hinted round chained on the"
+    " device behind the round in flight (its host work, done while the device runs that round:"
+    " it leaves no wait)",
     ["phase"],
     buckets=_OVERHEAD_BUCKETS,
 )

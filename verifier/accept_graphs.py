@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,15 +349,19 @@ class AcceptGraphs:
         logits: torch.Tensor,
         num_seqs: int,
         sampling: Sampling | None = None,
+        place: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> torch.Tensor:
         """Replay the graph of (`layout`, `sampling`) over its host mirrors (`host_arrays`,
         filled) and the round's logits ([L, vocab], L <= max_rows): per sequence [accepted
         drafts, bonus, nodes...] on the device, a view of the graph's output (valid until its
-        next replay)."""
+        next replay). place: rewrites the inputs on the device once copied in (a chained
+        round's, verifier/chain.py)."""
         graph = self.graphs[(layout, sampling)]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
         graph.inputs.copy_(graph.hosts[graph.turn], non_blocking=True)
+        if place is not None:
+            place(layout.parts(graph.inputs))
         if sampling is not None:
             assert graph.logits is not None
             graph.floats.copy_(graph.float_hosts[graph.turn], non_blocking=True)

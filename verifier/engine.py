@@ -7,11 +7,13 @@ sequence as it was.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from specsplit.acceptance import AcceptResult
@@ -35,6 +37,15 @@ from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
+from verifier.chain import (
+    Chain,
+    chain_inputs,
+    chainable,
+    joined_results,
+    place_accept,
+    place_forward,
+    resolve,
+)
 from verifier.hints import HintBook
 from verifier.round_accept import (
     accepted_hidden,
@@ -56,8 +67,10 @@ log = logging.getLogger(__name__)
 
 # the host work in the device's wait between rounds (VerifierEngine.on_gap): "finish" (a round's
 # results read and committed), then where a hinted round follows, "answer" (until its launch
-# began: the answer built and written, or the hint's arrival) and "launch" (its host work)
-GAP_PHASES = ("finish", "answer", "launch")
+# began: the answer built and written, or the hint's arrival) and "launch" (its host work); and
+# "chain": a hinted round chained on the device behind the round in flight (its host work, done
+# while the device runs that round: it leaves no wait)
+GAP_PHASES = ("finish", "answer", "launch", "chain")
 
 
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
@@ -139,6 +152,9 @@ class VerifierEngine:
         # where a hinted round followed, the time until its launch began and the launch
         self.on_gap: Callable[[str, float], None] | None = None
         self._finished_ns = 0  # when the last finish returned
+        # storage each sequence of a round in flight keeps past its commit: the room of the
+        # hinted round chained behind it (`_chain`), until that round is taken or dropped
+        self._held: dict[str, int] = {}
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -371,7 +387,13 @@ class VerifierEngine:
         if further:
             with on_device(self.device):
                 self._decode_further(launched.inputs, outputs)
-        if further or self._ahead is not None or self._in_flight:
+        chained = launched.chained
+        if chained is not None:  # the next round is queued on the device already
+            found = [item.seq_id for item in chained.inputs if item.kv_committed_len >= 0]
+            self.hints.take(found)
+            missed = [item.seq_id for item in chained.inputs if item.kv_committed_len < 0]
+            self.hints.drop(missed, "unguessed")
+        elif further or self._ahead is not None or self._in_flight:
             self.hints.drop([item.seq_id for item in launched.inputs], "busy")
         elif self.launch_on_hint:  # launched once the answer went out (`launch_parked`)
             self.hints.park(launched.inputs, outputs, self.seqs)
@@ -404,11 +426,19 @@ class VerifierEngine:
     def hint_next(self, hints: list[NextTrees]) -> None:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
         round they name finishes (`finish` launches the next round on them) or the sequence
-        is released or truncated. With `launch_on_hint` a hint for the round that finished last
-        launches the next round here when none has started since; else only stores them (one
-        dict entry each), so it may be called while a round runs on another thread, and a hint
-        for a round already finished is never used."""
-        self._launch_finished(self.hints.store(hints, self.seqs))
+        is released or truncated. With `launch_on_hint` a hint for the round in flight chains
+        the next round on the device behind it (`_chain`), and one for the round that finished
+        last launches the next round here when none has started since; else only stores them
+        (one dict entry each), so it may be called while a round runs on another thread, and a
+        hint for a round already finished is never used."""
+        kept = self.hints.store(hints, self.seqs)
+        if self.launch_on_hint and len(self._in_flight) == 1:
+            started = time.perf_counter_ns()
+            with on_device(self.device):
+                if self._chain(self._in_flight[0]):
+                    self._report_gap("chain", time.perf_counter_ns() - started)
+            return
+        self._launch_finished(kept)
 
     def launch_parked(self) -> None:
         """With launch_on_hint: the next rounds of the sequences of the round finished last
@@ -442,6 +472,7 @@ class VerifierEngine:
         ids = {item.seq_id for item in inputs}
         return not any(
             launched.ahead is not None
+            or launched.chained is not None
             or any(item.decode_steps > 1 or item.seq_id in ids for item in launched.inputs)
             for launched in self._in_flight
         )
@@ -502,9 +533,9 @@ class VerifierEngine:
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
         parts = [] if taken is None else [taken]
-        bonus = [] if taken is None else [self._bonus_tokens(taken)]
         if taken is not None and others:  # copied on the device now: the launch beside it may
-            bonus[0] = bonus[0].clone()  # reuse the acceptance graph whose output holds them
+            taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
+        bonus = [] if taken is None else [self._bonus_tokens(taken)]
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
                 parts.append(self._launch_new([inputs[i] for i in others]))
@@ -529,10 +560,20 @@ class VerifierEngine:
         try:
             results = [out for part in launched.parts for out in self._finish(part)]
         except BaseException:
-            self._ahead = ahead
+            self._held.clear()
+            self._ahead = launched.chained or ahead
             self._drop_ahead()
             raise
-        if ahead is not None:  # its inputs as the gateway will send them: each bonus token
+        finally:
+            for item in launched.inputs:
+                self._held.pop(item.seq_id, None)
+        if launched.chained is not None:  # the outcomes came: the round as it will be asked
+            chained = launched.chained
+            assert chained.chain_hints is not None
+            done = [(o.accepted_tokens, o.bonus_token, o.kv_committed_len) for o in results]
+            resolve(chained.inputs, chained.chain_hints, done)
+            ahead = chained
+        elif ahead is not None:  # its inputs as the gateway will send them: each bonus token
             for item, out in zip(ahead.inputs, results, strict=True):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
@@ -553,10 +594,12 @@ class VerifierEngine:
         inputs: list[VerifyInput],
         seqs: list[VerifierSeq],
         tokens: torch.Tensor | None = None,
+        chain: Chain | None = None,
     ) -> Launched:
         """The round's forward and acceptance queued on the device (their room reserved).
         tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
-        yet)."""
+        yet). chain: `inputs` are a chained round's reference, placed on the device on the
+        outcomes that came (verifier/chain.py)."""
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
@@ -568,15 +611,20 @@ class VerifierEngine:
             step.hidden_rows = list(range(p + n)) if aux else []
             steps.append(step)
         batch, row_slices = build_forward_batch(steps, self.kv.page_size)
-        out = None if self.graphs is None else self.graphs.forward(batch, aux, tokens=tokens)
+        place = None if chain is None else functools.partial(place_forward, chain=chain)
+        out = None
+        if self.graphs is not None:
+            out = self.graphs.forward(batch, aux, tokens=tokens, place=place)
         if out is None:
             on_device = batch.to(self.device)
             if tokens is not None:
                 on_device.input_ids = tokens.to(torch.int64)
+            if place is not None:
+                place(on_device)
             out = self.model(on_device, self.kv, aux_layers=aux)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
-        packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table)
+        packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table, chain)
         hidden = None
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
@@ -711,6 +759,67 @@ class VerifierEngine:
         launched.hinted = True
         return launched
 
+    @torch.inference_mode()
+    def _chain(self, launched: VerifyRound) -> bool:
+        """The hinted next round of the round in flight (`launched`), chained on the device
+        behind it (verifier/chain.py) when every sequence of it has a hint for it whose trees
+        share one shape (all the sequences' of one size) and nothing else is queued behind it:
+        its room reserved for the longest outcome, built for that one and placed on the
+        outcomes that came by device ops that run between the two rounds. Whether it was."""
+        if self._ahead is not None or launched.ahead is not None or launched.chained is not None:
+            return False
+        rounds = [item for part in launched.parts for item in part.inputs]  # as results come
+        hints = [self.hints.next.get(item.seq_id) for item in rounds]
+        trees = [chainable(item, hint) for item, hint in zip(rounds, hints, strict=True)]
+        if any(tree is None for tree in trees) or len({len(t or ()) for t in trees}) != 1:
+            return False
+        chain_hints = [hint for hint in hints if hint is not None]
+        seqs = [seq for part in launched.parts for seq in part.seqs]
+        if any(self.seqs.get(seq.seq_id) is not seq for seq in seqs):
+            return False
+        items = []  # the reference: each sequence's longest outcome
+        for item, hint, tree in zip(rounds, chain_hints, trees, strict=True):
+            longest = max(hint.trees, key=lambda t: len(t.tokens)).tokens
+            committed = hint.base + len(longest) - 1
+            reference = [longest[-1]]
+            items.append(
+                VerifyInput(item.seq_id, False, committed, reference, tree or DraftTree(),
+                            item.sampling)
+            )  # fmt: skip
+        before = [seq.kv.kv_committed_len for seq in seqs]
+        pages = [len(seq.kv.page_table) for seq in seqs]  # the round in flight's room
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
+        chained = None
+        try:
+            for seq, item in zip(seqs, items, strict=True):
+                seq.kv.kv_committed_len = item.kv_committed_len  # as that outcome leaves it
+            self._validate(items)  # a hint's trees come from the network
+            self._reserve(items, seqs)
+            table = np.zeros((len(seqs), max(len(s.kv.page_table) for s in seqs)), np.int32)
+            for b, seq in enumerate(seqs):
+                table[b, : len(seq.kv.page_table)] = seq.kv.page_table
+            packed = joined_results(launched.parts, self.device)
+            chain = chain_inputs(packed, rounds, chain_hints, table, self.kv.page_size)
+            chained = self._launch(items, seqs, chain=chain)
+        except ServiceError:  # refused: the hint is tried again once the round finishes
+            pass
+        except Exception:  # the round in flight is answered all the same
+            log.exception("a round chained on the gateway's hint failed to launch")
+        finally:
+            for seq, length in zip(seqs, before, strict=True):
+                seq.kv.kv_committed_len = length
+        if chained is None:  # the room it reserved, if any, goes back
+            for seq, num_pages in zip(seqs, pages, strict=True):
+                self.kv.trim(seq.kv, num_pages * self.kv.page_size)
+            return False
+        for item, seq in zip(items, seqs, strict=True):
+            self._held[item.seq_id] = len(seq.kv.page_table) * self.kv.page_size
+        chained.generator_states = states
+        chained.hinted = True
+        chained.chain_hints = chain_hints
+        launched.chained = chained
+        return True
+
     def _bonus_tokens(self, done: Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
         for a step taken in part its rows (the index crosses without a wait)."""
@@ -804,14 +913,20 @@ class VerifierEngine:
         logits: torch.Tensor,  # [L, vocab] on the device
         rows: list[range],  # per sequence its n + 1 rows of `logits`
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
+        chain: Chain | None = None,
     ) -> torch.Tensor:
         """The round's acceptance queued on the device (`queue_accept`), on logits bent to the
-        synthetic acceptance's outcome where that is on (benchmarks only)."""
+        synthetic acceptance's outcome where that is on (benchmarks only); a chained round's
+        placed on the outcomes that came."""
+        tokens = None if chain is None else chain.tokens
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
-            bend_logits(inputs, logits, rows, rates, rng, self.device)
+            bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)
         graphs, kv = self.accept_graphs, self.kv
-        return queue_accept(inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs)
+        place = None if chain is None else functools.partial(place_accept, chain=chain)
+        return queue_accept(
+            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place
+        )
 
     def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the
@@ -820,8 +935,8 @@ class VerifierEngine:
         seq.kv.kv_committed_len = base + len(result.accepted_nodes)
         # a round without a tree reserved its pending tokens' room only (and the decode step
         # run ahead may hold the next token's already): nothing to free
-        if item.tree:
-            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        if item.tree:  # (not the room of a round chained behind this one)
+            self.kv.trim(seq.kv, max(seq.kv.kv_committed_len, self._held.get(item.seq_id, 0)))
         return VerifyOutput(
             seq_id=item.seq_id,
             accepted_tokens=[item.tree.tokens[i] for i in result.accepted_nodes],

@@ -114,6 +114,12 @@ class HintBook:
             return None
         return DraftTree() if tree is None else tree
 
+    def take(self, seq_ids: list[str]) -> None:
+        """These sequences' hints were used: their next round is queued already (chained on
+        the device behind the round they named)."""
+        for seq_id in seq_ids:
+            self.next.pop(seq_id, None)
+
     def drop(self, seq_ids: list[str], reason: str) -> None:
         """No round runs ahead after these sequences' round (`reason`): their hints for it are
         of no use now."""

@@ -8,6 +8,7 @@ benchmarks (`bend_logits`); results to the host (`to_host`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -98,6 +99,7 @@ def queue_accept(
     kv: KVCache,
     vocab_size: int,
     graphs: AcceptGraphs | None,  # greedy and sampled acceptance's CUDA graphs, if captured
+    place: Callable[[list[torch.Tensor]], None] | None = None,  # a chained round's (chain.py)
 ) -> torch.Tensor:
     """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
     and the accepted path's K/V compaction for the whole batch, queued on the device:
@@ -147,9 +149,11 @@ def queue_accept(
     if sampling is not None:
         _sampling_inputs(inputs, seqs, float_parts, layout.width)
     if graphs is not None:
-        return graphs.run(layout, logits, num_seqs, sampling)
+        return graphs.run(layout, logits, num_seqs, sampling, place)
     # the CPU; rounds past the acceptance graphs: the graphs' bodies, run eagerly
     device_inputs = to_device(torch.from_numpy(host), kv.device)
+    if place is not None:
+        place(layout.parts(device_inputs))
     if sampling is not None:
         assert floats is not None
         device_floats = to_device(torch.from_numpy(floats), kv.device)
@@ -194,22 +198,31 @@ def bend_logits(
     rates: tuple[float, ...],
     rng: random.Random,
     device: torch.device,
+    tokens: torch.Tensor | None = None,  # [B, 1 + n] on the device: the input ids (chain.py)
 ) -> None:
     """Benchmarks only (VerifierEngine's synthetic_acceptance): along each tree's first
     children, each accepted at its depth's rate (drawn from `rng`), the child's logit at its
     parent's row set to +BIG; where acceptance stops, every child's to -BIG. Greedy
     acceptance and lossless sampling then both accept exactly that path. One host-to-device
-    copy."""
-    entries: list[tuple[int, int, int]] = []  # (row, token, +1 / -1)
-    for item, r in zip(inputs, rows, strict=True):
+    copy. tokens: the trees' tokens are these (a chained round's, placed on the device), not
+    the inputs'."""
+    entries: list[tuple[int, int, int]] = []  # (row, token or its index in tokens, +1 / -1)
+    width = 0 if tokens is None else tokens.shape[1]
+    for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
         node, depth = -1, 0
+
+        def token(k: int, item: VerifyInput = item, b: int = b) -> int:
+            return item.tree.tokens[k] if tokens is None else b * width + 1 + k
+
         while kids := item.tree.children(node):
             row = r[node + 1]  # the row that predicts node's children
             if rng.random() >= rates[min(depth, len(rates) - 1)]:
-                entries += [(row, item.tree.tokens[k], -1) for k in kids]
+                entries += [(row, token(k), -1) for k in kids]
                 break
-            entries.append((row, item.tree.tokens[kids[0]], 1))
+            entries.append((row, token(kids[0]), 1))
             node, depth = kids[0], depth + 1
     if entries:
-        row, token, sign = to_device(torch.tensor(entries).T, device)
-        logits[row, token] = sign.to(logits.dtype) * SYNTHETIC_BIG
+        row, token_ids, sign = to_device(torch.tensor(entries).T, device)
+        if tokens is not None:
+            token_ids = tokens.reshape(-1)[token_ids]
+        logits[row, token_ids] = sign.to(logits.dtype) * SYNTHETIC_BIG

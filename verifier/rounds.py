@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -45,6 +45,9 @@ class Launched:
     # ahead queues its work behind it, and may overwrite `packed`), valid once `copied` is
     host: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    # a round chained on the device behind the round it follows (verifier/chain.py): the hints
+    # it was built from, in its inputs' order
+    chain_hints: list[NextTrees] | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy
@@ -76,6 +79,8 @@ class VerifyRound:
     order: list[int]  # the position in `inputs` of each result, as `parts` give them
     parts: list[Launched]  # a decode step run ahead taken, and the round's own launch
     ahead: Launched | None  # the next decode step, launched behind this round
+    # the next round on the gateway's hint, chained on the device behind this one (`_chain`)
+    chained: Launched | None = None
 
     def ready(self) -> bool:
         """Whether the device is done with the round's results (finish will not wait)."""

@@ -115,8 +115,8 @@ def accepted_kv_moves(
     n = accepted_nodes.shape[1]
     offsets = torch.arange(n, dtype=torch.int64, device=accepted_nodes.device)  # [N]
     real = offsets[None, :] < num_accepted_drafts[:, None]  # [B, N]
-    src = _slots(base[:, None] + accepted_nodes.clamp_min(0), block_table, page_size)
-    dst = _slots(base[:, None] + offsets[None, :], block_table, page_size)
+    src = cache_slots(base[:, None] + accepted_nodes.clamp_min(0), block_table, page_size)
+    dst = cache_slots(base[:, None] + offsets[None, :], block_table, page_size)
     src = torch.where(real, src, scratch_slot)
     dst = torch.where(real, dst, scratch_slot)
     return src.reshape(-1), dst.reshape(-1)
@@ -179,7 +179,7 @@ def compact_and_pack(
     )
 
 
-def _slots(storage: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+def cache_slots(storage: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """[B, N] cache slots of per-sequence storage indices; pages clamped into the table."""
     pages = (storage // page_size).clamp(0, block_table.shape[1] - 1)  # [B, N]
     page_ids = block_table.gather(1, pages).to(torch.int64)  # [B, N]

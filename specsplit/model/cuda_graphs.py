@@ -360,11 +360,13 @@ class CudaGraphRunner:
         aux_layers: tuple[int, ...] = (),
         features: torch.Tensor | None = None,  # [T, width] on the device
         tokens: torch.Tensor | None = None,  # [T] on the device: input ids the host lacks
+        place: Callable[[ForwardBatch], None] | None = None,
     ) -> ForwardOutput | None:
         """Replay the graph for `batch` (host tensors; `tokens`, when given, in place of its
-        input ids) and return its wanted rows, or None when no captured graph fits (the caller
-        runs the step eagerly)."""
-        plan = self.plan(batch, features is not None or tokens is not None)
+        input ids; `place`, when given, rewrites the graph's inputs on the device first: a
+        chained round's, verifier/chain.py) and return its wanted rows, or None when no captured
+        graph fits (the caller runs the step eagerly)."""
+        plan = self.plan(batch, features is not None or tokens is not None or place is not None)
         if plan is None:
             return None
         q, bucket = plan
@@ -373,6 +375,8 @@ class CudaGraphRunner:
         bs = batch.num_seqs
         buffers = self.buffers[(q, aux_layers)]
         buffers.fill(batch, bucket, self.kv.scratch_page, self.kv.scratch_slot, features, tokens)
+        if place is not None:
+            place(buffers.batch(bucket, self.kv.page_size))
         self.graphs[(q, aux_layers, bucket)].replay()
         assert buffers.logits is not None
         t, num_rows = bs * q, batch.logit_indices.shape[0]

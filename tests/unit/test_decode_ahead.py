@@ -6,6 +6,7 @@ stays held."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,11 @@ class Driver:
         begin: bool | set[str] = False,
         sampling: SamplingParams | None = None,
         steps: dict[str, int] | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[VerifyOutput]:
         """One round; `begin`: every sequence's first (True) or these sequences'; `steps`:
-        sequences' decode_steps (1 for the others)."""
+        sequences' decode_steps (1 for the others); `meanwhile`: called between the round's
+        launch and its finish (the gateway's hint for it comes then)."""
         begins = set(trees) if begin is True else set(begin or ())
         inputs = []
         for seq_id, tree in trees.items():
@@ -101,7 +104,12 @@ class Driver:
             if sampling is not None:
                 item.sampling = sampling
             inputs.append(item)
-        outputs = self.engine.verify(inputs)
+        if meanwhile is None:
+            outputs = self.engine.verify(inputs)
+        else:
+            launched = self.engine.launch(inputs)
+            meanwhile()
+            outputs = self.engine.finish(launched)
         for out in outputs:
             tokens = self.tokens[out.seq_id]
             del tokens[out.kv_committed_len :]
@@ -126,7 +134,9 @@ def _both(target_dir: Path, device: str) -> tuple[Driver, Driver]:
     return Driver(_engine(target_dir, False, device)), Driver(_engine(target_dir, True, device))
 
 
-def _same(plain: Driver, ahead: Driver) -> None:
+def _same(plain: Driver, ahead: Driver, max_extra_pages: int | None = None) -> None:
+    """The same tokens, lengths and committed K/V; `ahead` holds at most `max_extra_pages`
+    more pages (default: one a sequence, a decode step's)."""
     assert ahead.tokens == plain.tokens
     assert ahead.committed == plain.committed
     for seq_id in plain.engine.seqs:
@@ -135,7 +145,7 @@ def _same(plain: Driver, ahead: Driver) -> None:
         torch.testing.assert_close(ahead.kv_rows(seq_id), plain.kv_rows(seq_id), rtol=0, atol=1e-5)
     # the step run ahead holds at most a page per sequence more
     extra = ahead.engine.num_pages_used - plain.engine.num_pages_used
-    assert 0 <= extra <= len(plain.engine.seqs)
+    assert 0 <= extra <= (len(plain.engine.seqs) if max_extra_pages is None else max_extra_pages)
 
 
 def _release(*drivers: Driver) -> None:

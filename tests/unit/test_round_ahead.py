@@ -308,7 +308,8 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
         engine.launch_parked()
         assert engine._ahead is not None and len(waits) == reported + 1 and waits[-1] > 0
         assert [phase for phase, _ in gaps[phases:]] == ["answer", "launch"]
-    assert {phase for phase, _ in gaps} == set(GAP_PHASES)
+    # ("chain", a round chained behind one in flight: tests/unit/test_round_chain.py)
+    assert {phase for phase, _ in gaps} == set(GAP_PHASES) - {"chain"}
     assert all(seconds >= 0 for _, seconds in gaps)
     engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
     for _ in range(2):  # the second round starts before the first's hinted launch

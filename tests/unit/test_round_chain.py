@@ -1,0 +1,270 @@
+"""Hinted rounds chained on the device behind the round they follow (verifier/chain.py): with the
+gateway's hint for a round in flight, the next round is queued right behind it, built for one
+outcome and placed on the outcome that came by device ops. Whatever came (an outcome among the
+hint's or not) and whatever the gateway sends next, the tokens and the committed KV are those
+of an engine without hints, and no page stays held."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.messages import AheadTree, NextTrees, VerifyInput
+from specsplit.tree import DraftTree
+from tests.support import save_tiny_llama
+from tests.unit.test_decode_ahead import PROMPTS, Driver, _chain, _engine, _release, _same
+from verifier.chain import chain_inputs, chain_inputs_reference, resolve
+from verifier.engine import VerifierEngine
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("round_chain") / "target", seed=31)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    """The engines' device (tests/gpu runs these tests on CUDA, with the graphs)."""
+    return "cpu"
+
+
+PHASES: list[str] = []  # the chained engine's last run's host phases (on_gap) and waits
+WAITS: list[float] = []
+
+
+def _shaped_like(tree: DraftTree, shift: int) -> DraftTree:
+    """A tree of `tree`'s shape with other tokens (a wrong outcome's)."""
+    return DraftTree([(t + shift) % 256 for t in tree.tokens], list(tree.parents))
+
+
+def _chained_engine(target_dir: Path, device: str, page_size: int, **kwargs: object) -> Driver:
+    driver = Driver(_engine(target_dir, False, device, page_size=page_size))
+    driver.engine.launch_on_hint = True  # the service's, where its calls run on the loop
+    for name, value in kwargs.items():
+        setattr(driver.engine, name, value)
+    return driver
+
+
+def _run(
+    target_dir: Path,
+    device: str,
+    rounds: int,
+    page_size: int = 4,
+    guessed: tuple[str, ...] = ("a", "b"),
+    nodes: int = 3,
+) -> tuple[Driver, Driver, list[bool]]:
+    """`rounds` rounds of chains of `nodes` for "a" and "b" on a plain engine and on one whose
+    hint for each round comes while it is in flight: the next round's tree for the outcome
+    the plain engine saw (for the sequences in `guessed`; the others' hint has wrong outcomes
+    only) beside a wrong outcome's of the same shape. Returns the drivers and whether each
+    round had its next one chained."""
+    plain = Driver(_engine(target_dir, False, device, page_size=page_size))
+    chained = _chained_engine(target_dir, device, page_size)
+    for driver in (plain, chained):
+        driver.begin("a", "b")
+    chained.engine.on_gap = lambda phase, _: PHASES.append(phase)
+    chained.engine.on_wait = WAITS.append
+    rights = {"a": [2, 0, 3, 1], "b": [1, 3, 0, 2]}  # right tokens per round, in turn
+    trees = {s: _padded(_chain(target_dir, device, plain, s, 1), nodes) for s in "ab"}
+    was_chained = []
+    for r in range(rounds):
+        bases = {s: len(plain.tokens[s]) for s in "ab"}
+        plain.round(trees)
+        following = {
+            s: _padded(_chain(target_dir, device, plain, s, max(1, rights[s][r % 4])), nodes)
+            for s in "ab"
+        }
+        hints = []
+        for s in "ab":
+            outcome = plain.tokens[s][bases[s] :]
+            wrong = AheadTree(
+                [*outcome[:-1], (outcome[-1] + 1) % 256], _shaped_like(following[s], 5)
+            )
+            right = AheadTree(outcome, following[s])
+            hints.append(NextTrees(s, bases[s], [wrong, right] if s in guessed else [wrong]))
+        engine = chained.engine
+        seen: list[bool] = []
+
+        def hint(
+            engine: VerifierEngine = engine, hints: list[NextTrees] = hints, seen: list[bool] = seen
+        ) -> None:
+            engine.hint_next(hints)
+            seen.append(engine._in_flight[0].chained is not None)
+
+        chained.round(trees, meanwhile=hint)
+        was_chained += seen
+        trees = following
+    return plain, chained, was_chained
+
+
+def _room(driver: Driver) -> int:
+    """The pages a chained round not yet taken may hold: each sequence's pending token and
+    tree past its longest outcome's end."""
+    ahead = driver.engine._ahead
+    if ahead is None:
+        return len(driver.engine.seqs)
+    page_size = driver.engine.kv.page_size
+    return sum(-(-(1 + 2 * len(item.tree)) // page_size) + 1 for item in ahead.inputs)
+
+
+def _padded(tree: DraftTree, nodes: int) -> DraftTree:
+    """`tree` (a chain) cut or lengthened to `nodes` nodes (wrong tokens past its end)."""
+    tokens = list(tree.tokens[:nodes])
+    while len(tokens) < nodes:
+        tokens.append((tokens[-1] + 3) % 256)
+    return DraftTree(tokens, list(range(-1, nodes - 1)))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_chained_rounds_are_taken_and_give_the_same_tokens(
+    target_dir: Path, device: str, page_size: int
+) -> None:
+    PHASES.clear()
+    WAITS.clear()
+    plain, chained, was_chained = _run(target_dir, device, rounds=6, page_size=page_size)
+    assert was_chained == [True] * 6
+    # each round's host work: its finish, and the next round chained while it was in flight;
+    # the device waited before the first (after the begin round), for no round after it
+    assert PHASES == ["chain", "finish"] * 6
+    assert len(WAITS) == 7 and WAITS[0] > 0 and WAITS[1:] == [0.0] * 6
+    _same(plain, chained, _room(chained))
+    engine = chained.engine
+    assert (engine.num_next_used, engine.num_next_dropped) == (5, 0)
+    assert not engine.hints.num_not_ahead
+    _release(plain, chained)
+
+
+def test_an_outcome_not_among_the_hints_drops_only_its_share(target_dir: Path, device: str) -> None:
+    """ "b"'s hint never has its outcome: each chained round is taken for "a" only ("b"'s share
+    dropped, its room freed), and "b"'s next round runs beside it."""
+    plain, chained, was_chained = _run(target_dir, device, rounds=5, guessed=("a",))
+    _same(plain, chained, _room(chained))
+    engine = chained.engine
+    assert was_chained == [True] * 5
+    assert (engine.num_next_used, engine.num_next_dropped) == (4, 0)
+    assert engine.hints.num_not_ahead == {"unguessed": 5}
+    _release(plain, chained)
+
+
+def test_the_last_chained_round_is_dropped_by_a_release(target_dir: Path, device: str) -> None:
+    """The round chained after the last one is never asked for: releasing the sequences drops
+    it and frees every page."""
+    plain, chained, _ = _run(target_dir, device, rounds=2)
+    assert chained.engine._ahead is not None
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+    assert chained.engine._ahead is None and chained.engine.num_next_dropped == 1
+
+
+def test_trees_of_different_shapes_are_launched_after_the_round(
+    target_dir: Path, device: str
+) -> None:
+    """A hint whose outcomes' trees differ in shape cannot be placed on the device: the round
+    is not chained, and the hinted round launches once the answer went out, as before."""
+    plain = Driver(_engine(target_dir, False, device))
+    chained = _chained_engine(target_dir, device, 4)
+    for driver in (plain, chained):
+        driver.begin("a")
+    tree = _chain(target_dir, device, plain, "a", 2)
+    base = len(plain.tokens["a"])
+    plain.round({"a": tree})
+    outcome = plain.tokens["a"][base:]
+    following = _chain(target_dir, device, plain, "a", 1)
+    other = DraftTree([1], [-1])  # one node where `following` has two
+    hint = NextTrees("a", base, [AheadTree([7], other), AheadTree(outcome, following)])
+    engine = chained.engine
+    chained.round({"a": tree}, meanwhile=lambda: engine.hint_next([hint]))
+    assert engine._ahead is None  # parked: launched once the answer went out
+    engine.launch_parked()
+    assert engine._ahead is not None
+    plain.round({"a": following})
+    chained.round({"a": following})
+    assert engine.num_next_used == 1
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
+def test_synthetic_acceptance_bends_the_placed_tokens(target_dir: Path, device: str) -> None:
+    """Benchmarks' synthetic acceptance on a chained round bends the logits of the tokens placed
+    on the device (the outcome that came), not the reference's: the same outcomes as an engine
+    without hints."""
+    rates = (0.8, 0.5, 0.3)
+    plain = Driver(_engine(target_dir, False, device))
+    plain.engine.synthetic_acceptance = rates
+    chained = _chained_engine(target_dir, device, 4, synthetic_acceptance=rates)
+    for driver in (plain, chained):
+        driver.begin("a", "b")
+    trees = {s: DraftTree([11, 12, 13], [-1, 0, 1]) for s in "ab"}
+    for r in range(8):
+        bases = {s: len(plain.tokens[s]) for s in "ab"}
+        plain.round(trees)
+        following = {s: DraftTree([(20 + r + k) % 256 for k in range(3)], [-1, 0, 1]) for s in "ab"}
+        hints = []
+        for s in "ab":
+            outcome = plain.tokens[s][bases[s] :]
+            others = [
+                AheadTree([*outcome[:-1], (outcome[-1] + k) % 256], following[s]) for k in (1, 2)
+            ]
+            hints.append(NextTrees(s, bases[s], [*others, AheadTree(outcome, following[s])]))
+        engine = chained.engine
+        chained.round(trees, meanwhile=lambda engine=engine, hints=hints: engine.hint_next(hints))
+        trees = following
+    _same(plain, chained, _room(chained))
+    assert chained.engine.num_next_used == 7
+    # the begin round and 8 rounds: 9 tokens each with nothing accepted; the rates took more
+    assert all(len(plain.tokens[s]) > len(PROMPTS[s]) + 9 for s in "ab")
+    _release(plain, chained)
+
+
+def test_chain_inputs_place_each_outcome_as_the_reference_does() -> None:
+    """`chain_inputs` on random results and hints (outcomes that came and that did not, trees
+    of every sequence one size) against the plain-Python reference."""
+    rng = random.Random(5)
+    for _ in range(20):
+        b, n, q = rng.randint(1, 5), rng.randint(0, 4), rng.randint(1, 4)
+        rounds, hints, rows = [], [], []
+        for i in range(b):
+            tree = DraftTree([rng.randrange(50) for _ in range(n)], list(range(-1, n - 1)))
+            committed = rng.randint(0, 20)
+            rounds.append(VerifyInput(f"s{i}", False, committed, [rng.randrange(50)], tree))
+            accepted = rng.randint(0, n)
+            bonus = rng.randrange(50)
+            rows.append([accepted, bonus, *range(accepted), *[-1] * (n - accepted)])
+            came = [*tree.tokens[:accepted], bonus]
+            trees = []
+            for _ in range(rng.randint(1, 4)):
+                length = rng.randint(1, n + 1)
+                tokens = (
+                    came
+                    if rng.random() < 0.3 and length == len(came)
+                    else [rng.randrange(50) for _ in range(length)]
+                )
+                nxt = DraftTree([rng.randrange(50) for _ in range(q - 1)], list(range(-1, q - 2)))
+                trees.append(AheadTree(tokens, nxt))
+            hints.append(NextTrees(f"s{i}", committed + 1, trees))
+        packed = torch.tensor(rows, dtype=torch.int64).reshape(b, 2 + n)
+        table = torch.zeros(b, 3, dtype=torch.int32).numpy()
+        chain = chain_inputs(packed, rounds, hints, table, page_size=4)
+        committed, tokens = chain_inputs_reference(rows, rounds, hints)
+        assert chain.committed.tolist() == committed
+        assert chain.tokens.tolist() == tokens
+
+
+def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None:
+    tree = DraftTree([4, 5], [-1, 0])
+    hints = [
+        NextTrees("a", 10, [AheadTree([9, 2], tree)]),
+        NextTrees("b", 3, [AheadTree([1], tree)]),
+    ]
+    chained = [VerifyInput(s, False, 0, [0], DraftTree([0, 0], [-1, 0])) for s in "ab"]
+    found = resolve(chained, hints, [([9], 2, 11), ([], 8, 3)])
+    assert found == [True, False]
+    assert (chained[0].kv_committed_len, chained[0].pending_tokens, chained[0].tree) == (
+        11,
+        [2],
+        tree,
+    )
+    assert chained[1].kv_committed_len == -1  # never taken

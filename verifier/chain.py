@@ -1,0 +1,194 @@
+"""A hinted round chained on the device behind the round it follows.
+
+While round r runs on the verifier's GPU, the gateway's hint names the tree it will send next
+for each outcome of r (accepted drafts + bonus -> tree). Where every sequence of r has such a
+hint and its outcomes' trees share one shape, the next round need not wait for r's results on
+the host: it is queued on the device right behind r, built for one outcome (the reference: the
+longest, whose room is reserved) and placed on the outcome that came by a few device ops run
+between r and it: each sequence's outcome is found among its hint's from r's results
+(`chain_inputs`), and the round's input ids, positions, KV slots and lengths (`place_forward`)
+and its acceptance's draft tokens and page window (`place_accept`) are rewritten from it. The
+GPU then runs r+1 back to back with r, while the host commits and answers r.
+
+The host learns the outcome when r finishes (`resolve`): a sequence whose outcome was among
+its hint's gets the round's inputs as the gateway will send them (`VerifierEngine._take_ahead`
+keeps it only for exactly that round); one whose outcome was not gets none (its share is
+dropped: its K/V writes sit past its committed length, where its next round writes again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specsplit.kernels.accept import cache_slots
+from specsplit.messages import AheadTree, NextTrees, VerifyInput
+from specsplit.model.batch import ForwardBatch, to_device
+from specsplit.tree import DraftTree
+from verifier.rounds import Launched
+
+NO_TOKEN = -1  # padding of an outcome's tokens past its end (never a token id)
+
+
+@dataclass
+class Chain:
+    """A chained round's placement on the device, computed there from r's results: per
+    sequence its committed length after r, its input ids (bonus token, then the tree drafted
+    for its outcome) and its page table (the reference outcome's reservation)."""
+
+    committed: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [B, q] int64
+    table: torch.Tensor  # [B, max_pages] int64
+    page_size: int
+
+    @property
+    def q(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
+    """The reference tree of `item`'s next round (its hint's tree for the longest outcome), or
+    None when that round cannot be chained: no hint for `item`'s round, a sampled round, one
+    with hidden states or several decode steps, or outcomes whose trees differ in shape (all
+    must read the same mask, positions and rows)."""
+    if (
+        hint is None
+        or not hint.trees
+        or hint.base != item.kv_committed_len + len(item.pending_tokens)
+        or not item.sampling.greedy
+        or item.hidden_state_layers
+        or item.decode_steps != 1
+    ):
+        return None
+    parents = hint.trees[0].tree.parents
+    if any(t.tree.parents != parents or t.tree.draft_probs is not None for t in hint.trees):
+        return None
+    if any(len(t.tokens) > len(item.tree) + 1 for t in hint.trees):
+        return None
+    return max(hint.trees, key=lambda t: len(t.tokens)).tree
+
+
+def chain_inputs(
+    packed: torch.Tensor,  # r's results on the device [>= B, 2 + N] (compact_and_pack's)
+    rounds: list[VerifyInput],  # r's inputs, in `packed`'s order
+    hints: list[NextTrees],  # each one's hint (`chainable`)
+    table: np.ndarray,  # [B, max_pages] the chained round's page tables
+    page_size: int,
+) -> Chain:
+    """The chained round's placement, queued on the device behind r (one host-to-device copy
+    of the hints' tables): each sequence's outcome (its accepted tokens and bonus, from r's
+    results and tree) matched against its hint's outcomes; where none matches, the first
+    outcome's tree is placed all the same (the host drops that share, `resolve`)."""
+    b = len(rounds)
+    n = max((len(item.tree) for item in rounds), default=0)  # N: r's widest tree
+    num_outcomes = max(len(hint.trees) for hint in hints)
+    q = 1 + len(hints[0].trees[0].tree)
+    bases = np.zeros(b, np.int64)
+    round_tokens = np.zeros((b, max(n, 1)), np.int64)
+    outcomes = np.full((b, num_outcomes, n + 1), -2, np.int64)  # -2: no outcome
+    next_tokens = np.zeros((b, num_outcomes, q), np.int64)
+    for i, (item, hint) in enumerate(zip(rounds, hints, strict=True)):
+        bases[i] = item.kv_committed_len + len(item.pending_tokens)
+        round_tokens[i, : len(item.tree)] = item.tree.tokens
+        for o, ahead in enumerate(hint.trees):
+            outcomes[i, o, :] = NO_TOKEN
+            outcomes[i, o, : len(ahead.tokens)] = ahead.tokens
+            next_tokens[i, o, 0] = ahead.tokens[-1]
+            next_tokens[i, o, 1:] = ahead.tree.tokens
+    parts = [bases, round_tokens, outcomes, next_tokens, table.astype(np.int64)]
+    flat = np.concatenate([part.reshape(-1) for part in parts])
+    device = to_device(torch.from_numpy(flat), packed.device)
+    sizes = [part.size for part in parts]
+    bases_d, round_d, outcomes_d, next_d, table_d = (
+        piece.view(part.shape) for piece, part in zip(device.split(sizes), parts, strict=True)
+    )
+    accepted, bonus = packed[:b, 0], packed[:b, 1]
+    nodes = packed[:b, 2 : 2 + n].clamp_min(0)
+    path = round_d[:, :n].gather(1, nodes)  # [B, N] the accepted nodes' tokens, then padding
+    column = torch.arange(n + 1, device=packed.device)[None, :]
+    padded_path = torch.cat([path, path.new_full((b, 1), NO_TOKEN)], dim=1)
+    came = torch.where(column < accepted[:, None], padded_path, NO_TOKEN)
+    came = torch.where(column == accepted[:, None], bonus[:, None], came)  # [B, N + 1]
+    match = (outcomes_d == came[:, None, :]).all(dim=2)  # [B, O]
+    index = match.to(torch.int8).argmax(dim=1)  # the first match (0: none)
+    tokens = next_d.gather(1, index[:, None, None].expand(b, 1, q)).squeeze(1)
+    return Chain(bases_d + accepted, tokens, table_d, page_size)
+
+
+def joined_results(parts: list[Launched], device: torch.device) -> torch.Tensor:
+    """The results of a round's parts on the device, their inputs' order ([B, 2 + N], -1
+    padded): a part taken for some of its sequences gives their rows."""
+    width = max(part.packed.shape[1] for part in parts)
+    pieces = []
+    for part in parts:
+        rows = part.packed[: len(part.inputs)]
+        if part.rows is not None:
+            index = torch.tensor(part.rows)
+            rows = part.packed.index_select(0, to_device(index, device))
+        pieces.append(torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def chain_inputs_reference(
+    results: list[list[int]],  # r's result rows on the host (compact_and_pack's)
+    rounds: list[VerifyInput],
+    hints: list[NextTrees],
+) -> tuple[list[int], list[list[int]]]:
+    """`chain_inputs`' committed lengths and input ids, per sequence in plain Python (tests)."""
+    committed, tokens = [], []
+    for row, item, hint in zip(results, rounds, hints, strict=True):
+        accepted, bonus, nodes = row[0], row[1], row[2 : 2 + row[0]]
+        came = [item.tree.tokens[node] for node in nodes] + [bonus]
+        ahead = next((t for t in hint.trees if t.tokens == came), hint.trees[0])
+        committed.append(item.kv_committed_len + len(item.pending_tokens) + accepted)
+        tokens.append([ahead.tokens[-1], *ahead.tree.tokens])
+    return committed, tokens
+
+
+def place_forward(batch: ForwardBatch, chain: Chain) -> None:
+    """Rewrite the first B sequences of `batch` (on the device, built for the reference
+    outcome: one pending token, then the tree) for the outcomes that came: input ids,
+    positions (each token's offset past the committed prefix kept), K/V slots and lengths."""
+    b, q = chain.tokens.shape
+    t = b * q
+    shift = chain.committed - batch.prefix_lens[:b].to(torch.int64)  # [B]
+    batch.positions[:t] += shift.repeat_interleave(q)
+    storage = chain.committed[:, None] + torch.arange(q, device=shift.device)[None, :]
+    batch.slot_mapping[:t] = cache_slots(storage, chain.table, chain.page_size).reshape(-1)
+    batch.kv_lens[:b] += shift.to(batch.kv_lens.dtype)
+    batch.prefix_lens[:b] = chain.committed.to(batch.prefix_lens.dtype)
+    batch.input_ids[:t] = chain.tokens.reshape(-1)
+
+
+def place_accept(parts: list[torch.Tensor], chain: Chain) -> None:
+    """Rewrite the first B rows of an acceptance's inputs (`Layout.parts` on the device) for the
+    outcomes that came: the draft tokens, and the page window from the tree's storage on."""
+    _, draft, _, base, window = parts
+    b, q = chain.tokens.shape
+    draft[:b, : q - 1] = chain.tokens[:, 1:]
+    start = chain.committed + 1  # tree node 0's storage (after the one pending token)
+    first = start // chain.page_size
+    columns = first[:, None] + torch.arange(window.shape[1], device=start.device)[None, :]
+    columns = columns.clamp_max(chain.table.shape[1] - 1)
+    window[:b] = chain.table.gather(1, columns)
+    base[:b] = start - first * chain.page_size
+
+
+def resolve(
+    chained: list[VerifyInput], hints: list[NextTrees], results: list[tuple[list[int], int, int]]
+) -> list[bool]:
+    """Once r is committed (`results`: each sequence's accepted tokens, bonus token and
+    committed length), each chained input becomes the round the gateway will send (its bonus
+    token pending, the tree drafted for its outcome) where its outcome was among its hint's;
+    the others can never be taken (kv_committed_len -1). Returns which were."""
+    found = []
+    for item, hint, (accepted, bonus, committed) in zip(chained, hints, results, strict=True):
+        came = [*accepted, bonus]
+        ahead: AheadTree | None = next((t for t in hint.trees if t.tokens == came), None)
+        found.append(ahead is not None)
+        item.kv_committed_len = committed if ahead is not None else -1
+        item.pending_tokens = [bonus]
+        item.tree = ahead.tree if ahead is not None else item.tree
+    return found
