@@ -19,17 +19,16 @@ dropped: its K/V writes sit past its committed length, where its next round writ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from specsplit.kernels.accept import cache_slots
-from specsplit.messages import AheadTree, NextTrees, VerifyInput
+from specsplit.messages import NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch, to_device
 from specsplit.tree import DraftTree
 from verifier.rounds import Launched
-
-NO_TOKEN = -1  # padding of an outcome's tokens past its end (never a token id)
 
 
 @dataclass
@@ -78,43 +77,53 @@ def chain_inputs(
     page_size: int,
 ) -> Chain:
     """The chained round's placement, queued on the device behind r (one host-to-device copy
-    of the hints' tables): each sequence's outcome (its accepted tokens and bonus, from r's
-    results and tree) matched against its hint's outcomes; where none matches, the first
-    outcome's tree is placed all the same (the host drops that share, `resolve`)."""
+    of the hints' tables, a few small ops): each sequence's outcome is the first of its hint's
+    with r's number of accepted drafts and bonus token (`outcome_index`); where none has them
+    the first outcome's tree is placed all the same (the host drops that share, `resolve`)."""
     b = len(rounds)
-    n = max((len(item.tree) for item in rounds), default=0)  # N: r's widest tree
     num_outcomes = max(len(hint.trees) for hint in hints)
     q = 1 + len(hints[0].trees[0].tree)
     bases = np.zeros(b, np.int64)
-    round_tokens = np.zeros((b, max(n, 1)), np.int64)
-    outcomes = np.full((b, num_outcomes, n + 1), -2, np.int64)  # -2: no outcome
+    keys = np.full((b, num_outcomes), -1, np.int64)  # -1: no outcome
     next_tokens = np.zeros((b, num_outcomes, q), np.int64)
     for i, (item, hint) in enumerate(zip(rounds, hints, strict=True)):
         bases[i] = item.kv_committed_len + len(item.pending_tokens)
-        round_tokens[i, : len(item.tree)] = item.tree.tokens
         for o, ahead in enumerate(hint.trees):
-            outcomes[i, o, :] = NO_TOKEN
-            outcomes[i, o, : len(ahead.tokens)] = ahead.tokens
+            keys[i, o] = _key(len(ahead.tokens) - 1, ahead.tokens[-1])
             next_tokens[i, o, 0] = ahead.tokens[-1]
             next_tokens[i, o, 1:] = ahead.tree.tokens
-    parts = [bases, round_tokens, outcomes, next_tokens, table.astype(np.int64)]
+    parts = [bases, keys, next_tokens, table.astype(np.int64)]
     flat = np.concatenate([part.reshape(-1) for part in parts])
     device = to_device(torch.from_numpy(flat), packed.device)
     sizes = [part.size for part in parts]
-    bases_d, round_d, outcomes_d, next_d, table_d = (
+    bases_d, keys_d, next_d, table_d = (
         piece.view(part.shape) for piece, part in zip(device.split(sizes), parts, strict=True)
     )
-    accepted, bonus = packed[:b, 0], packed[:b, 1]
-    nodes = packed[:b, 2 : 2 + n].clamp_min(0)
-    path = round_d[:, :n].gather(1, nodes)  # [B, N] the accepted nodes' tokens, then padding
-    column = torch.arange(n + 1, device=packed.device)[None, :]
-    padded_path = torch.cat([path, path.new_full((b, 1), NO_TOKEN)], dim=1)
-    came = torch.where(column < accepted[:, None], padded_path, NO_TOKEN)
-    came = torch.where(column == accepted[:, None], bonus[:, None], came)  # [B, N + 1]
-    match = (outcomes_d == came[:, None, :]).all(dim=2)  # [B, O]
-    index = match.to(torch.int8).argmax(dim=1)  # the first match (0: none)
+    accepted = packed[:b, 0]
+    came = _key(accepted, packed[:b, 1])
+    index = (keys_d == came[:, None]).to(torch.int32).argmax(dim=1)  # the first match (0: none)
     tokens = next_d.gather(1, index[:, None, None].expand(b, 1, q)).squeeze(1)
     return Chain(bases_d + accepted, tokens, table_d, page_size)
+
+
+KEY_SHIFT = 1 << 32  # an outcome's key: its accepted drafts * this + its bonus token
+
+
+def _key(num_accepted: Any, bonus: Any) -> Any:
+    return num_accepted * KEY_SHIFT + bonus
+
+
+def outcome_index(hint: NextTrees, accepted: list[int], bonus: int) -> int | None:
+    """The outcome of `hint` that `chain_inputs` places for a round that accepted `accepted`
+    and drew `bonus` (the first with that many accepted drafts and that bonus), or None."""
+    return next(
+        (
+            o
+            for o, ahead in enumerate(hint.trees)
+            if len(ahead.tokens) == len(accepted) + 1 and ahead.tokens[-1] == bonus
+        ),
+        None,
+    )
 
 
 def joined_results(parts: list[Launched], device: torch.device) -> torch.Tensor:
@@ -139,9 +148,9 @@ def chain_inputs_reference(
     """`chain_inputs`' committed lengths and input ids, per sequence in plain Python (tests)."""
     committed, tokens = [], []
     for row, item, hint in zip(results, rounds, hints, strict=True):
-        accepted, bonus, nodes = row[0], row[1], row[2 : 2 + row[0]]
-        came = [item.tree.tokens[node] for node in nodes] + [bonus]
-        ahead = next((t for t in hint.trees if t.tokens == came), hint.trees[0])
+        accepted, bonus = row[0], row[1]
+        index = outcome_index(hint, [0] * accepted, bonus)
+        ahead = hint.trees[0 if index is None else index]
         committed.append(item.kv_committed_len + len(item.pending_tokens) + accepted)
         tokens.append([ahead.tokens[-1], *ahead.tree.tokens])
     return committed, tokens
@@ -154,7 +163,7 @@ def place_forward(batch: ForwardBatch, chain: Chain) -> None:
     b, q = chain.tokens.shape
     t = b * q
     shift = chain.committed - batch.prefix_lens[:b].to(torch.int64)  # [B]
-    batch.positions[:t] += shift.repeat_interleave(q)
+    batch.positions[:t] += shift[:, None].expand(b, q).reshape(-1)
     storage = chain.committed[:, None] + torch.arange(q, device=shift.device)[None, :]
     batch.slot_mapping[:t] = cache_slots(storage, chain.table, chain.page_size).reshape(-1)
     batch.kv_lens[:b] += shift.to(batch.kv_lens.dtype)
@@ -185,8 +194,10 @@ def resolve(
     the others can never be taken (kv_committed_len -1). Returns which were."""
     found = []
     for item, hint, (accepted, bonus, committed) in zip(chained, hints, results, strict=True):
-        came = [*accepted, bonus]
-        ahead: AheadTree | None = next((t for t in hint.trees if t.tokens == came), None)
+        index = outcome_index(hint, accepted, bonus)  # the one placed on the device
+        ahead = None if index is None else hint.trees[index]
+        if ahead is not None and ahead.tokens != [*accepted, bonus]:
+            ahead = None  # another path of the same length and bonus: not this round
         found.append(ahead is not None)
         item.kv_committed_len = committed if ahead is not None else -1
         item.pending_tokens = [bonus]

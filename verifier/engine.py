@@ -140,6 +140,12 @@ class VerifierEngine:
         # launch inside `finish` at batch 1 / 8, bench/RESULTS.md), or when a late hint comes
         # (`hint_next`), if no round has started since
         self.launch_on_hint = False
+        # with launch_on_hint, chain a hinted round on the device behind the round in flight
+        # (`_chain`, verifier/chain.py) instead of launching it after that round's answer. Off
+        # by default: on two H100s (8B target, batch 1) its host work, 2.6 ms, comes after the
+        # hint and before the round's end and made rounds slower (bench/RESULTS.md);
+        # SPECSPLIT_CHAIN_ROUNDS=1 turns it on (the service reads it, verifier/main.py)
+        self.chain_rounds = False
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
@@ -432,7 +438,7 @@ class VerifierEngine:
         (one dict entry each), so it may be called while a round runs on another thread, and a
         hint for a round already finished is never used."""
         kept = self.hints.store(hints, self.seqs)
-        if self.launch_on_hint and len(self._in_flight) == 1:
+        if self.launch_on_hint and self.chain_rounds and len(self._in_flight) == 1:
             started = time.perf_counter_ns()
             with on_device(self.device):
                 if self._chain(self._in_flight[0]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 from specsplit import metrics
@@ -60,6 +61,7 @@ async def serve(
         engine.on_gap = metrics.observe_verifier_gap
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop
+        engine.chain_rounds = os.environ.get("SPECSPLIT_CHAIN_ROUNDS", "0") == "1"
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)

@@ -43,6 +43,7 @@ def _shaped_like(tree: DraftTree, shift: int) -> DraftTree:
 def _chained_engine(target_dir: Path, device: str, page_size: int, **kwargs: object) -> Driver:
     driver = Driver(_engine(target_dir, False, device, page_size=page_size))
     driver.engine.launch_on_hint = True  # the service's, where its calls run on the loop
+    driver.engine.chain_rounds = True
     for name, value in kwargs.items():
         setattr(driver.engine, name, value)
     return driver
@@ -254,17 +255,21 @@ def test_chain_inputs_place_each_outcome_as_the_reference_does() -> None:
 
 
 def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None:
+    """A sequence whose outcome is the hint's outcome placed on the device gets that round; one
+    whose outcome is not among the hint's, or is another path of the same length and bonus
+    than the one placed (the first with them), gets none."""
     tree = DraftTree([4, 5], [-1, 0])
     hints = [
         NextTrees("a", 10, [AheadTree([9, 2], tree)]),
         NextTrees("b", 3, [AheadTree([1], tree)]),
+        NextTrees("c", 3, [AheadTree([6, 2], tree), AheadTree([9, 2], tree)]),
     ]
-    chained = [VerifyInput(s, False, 0, [0], DraftTree([0, 0], [-1, 0])) for s in "ab"]
-    found = resolve(chained, hints, [([9], 2, 11), ([], 8, 3)])
-    assert found == [True, False]
+    chained = [VerifyInput(s, False, 0, [0], DraftTree([0, 0], [-1, 0])) for s in "abc"]
+    found = resolve(chained, hints, [([9], 2, 11), ([], 8, 3), ([9], 2, 4)])
+    assert found == [True, False, False]
     assert (chained[0].kv_committed_len, chained[0].pending_tokens, chained[0].tree) == (
         11,
         [2],
         tree,
     )
-    assert chained[1].kv_committed_len == -1  # never taken
+    assert chained[1].kv_committed_len == chained[2].kv_committed_len == -1  # never taken
