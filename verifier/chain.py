@@ -4,11 +4,12 @@ While round r runs on the verifier's GPU, the gateway's hint names the tree it w
 for each outcome of r (accepted drafts + bonus -> tree). Where every sequence of r has such a
 hint and its outcomes' trees share one shape, the next round need not wait for r's results on
 the host: it is queued on the device right behind r, built for one outcome (the reference: the
-longest, whose room is reserved) and placed on the outcome that came by a few device ops run
-between r and it: each sequence's outcome is found among its hint's from r's results
-(`chain_inputs`), and the round's input ids, positions, KV slots and lengths (`place_forward`)
-and its acceptance's draft tokens and page window (`place_accept`) are rewritten from it. The
-GPU then runs r+1 back to back with r, while the host commits and answers r.
+longest, whose room is reserved) and placed on the outcome that came by two kernels run
+between r and it (specsplit/kernels/place_chain.py; the hints' tables cross in one copy,
+`chain_inputs`): each sequence's outcome is found among its hint's from r's results, and the
+round's input ids, positions, KV slots and lengths (`place_forward`) and its acceptance's draft
+tokens and page window (`place_accept`) are rewritten for it. The GPU then runs r+1 back to
+back with r, while the host commits and answers r.
 
 The host learns the outcome when r finishes (`resolve`): a sequence whose outcome was among
 its hint's gets the round's inputs as the gateway will send them (`VerifierEngine._take_ahead`
@@ -19,12 +20,12 @@ dropped: its K/V writes sit past its committed length, where its next round writ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from specsplit.kernels.accept import cache_slots
+from specsplit.kernels import place_chain
+from specsplit.kernels.place_chain import outcome_keys
 from specsplit.messages import NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch, to_device
 from specsplit.tree import DraftTree
@@ -33,18 +34,18 @@ from verifier.rounds import Launched
 
 @dataclass
 class Chain:
-    """A chained round's placement on the device, computed there from r's results: per
-    sequence its committed length after r, its input ids (bonus token, then the tree drafted
-    for its outcome) and its page table (the reference outcome's reservation)."""
+    """A chained round's placement: r's results and the hints' tables on the device, and per
+    sequence, once placed (`place_forward`), its committed length after r and its input ids
+    (bonus token, then the tree drafted for its outcome)."""
 
-    committed: torch.Tensor  # [B] int64
-    tokens: torch.Tensor  # [B, q] int64
-    table: torch.Tensor  # [B, max_pages] int64
+    packed: torch.Tensor  # [>= B, 2 + N] int64: r's results (compact_and_pack's)
+    bases: torch.Tensor  # [B] int64: r's committed length + its pending tokens
+    keys: torch.Tensor  # [B, O] int64: each outcome's key (-1: none)
+    next_tokens: torch.Tensor  # [B, O, q] int64: each outcome's bonus token, then its tree
+    table: torch.Tensor  # [B, max_pages] int64: the page tables (the reference's room)
     page_size: int
-
-    @property
-    def q(self) -> int:
-        return int(self.tokens.shape[1])
+    committed: torch.Tensor  # [B] int64, written by `place_forward`
+    tokens: torch.Tensor  # [B, q] int64, written by `place_forward`
 
 
 def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
@@ -76,10 +77,10 @@ def chain_inputs(
     table: np.ndarray,  # [B, max_pages] the chained round's page tables
     page_size: int,
 ) -> Chain:
-    """The chained round's placement, queued on the device behind r (one host-to-device copy
-    of the hints' tables, a few small ops): each sequence's outcome is the first of its hint's
-    with r's number of accepted drafts and bonus token (`outcome_index`); where none has them
-    the first outcome's tree is placed all the same (the host drops that share, `resolve`)."""
+    """The chained round's placement: the hints' tables on the device (one host-to-device
+    copy), for `place_forward`, which places each sequence on the first outcome of its hint's
+    with r's number of accepted drafts and bonus token (`outcome_index`); where none has them,
+    on the first outcome all the same (the host drops that share, `resolve`)."""
     b = len(rounds)
     num_outcomes = max(len(hint.trees) for hint in hints)
     q = 1 + len(hints[0].trees[0].tree)
@@ -89,7 +90,7 @@ def chain_inputs(
     for i, (item, hint) in enumerate(zip(rounds, hints, strict=True)):
         bases[i] = item.kv_committed_len + len(item.pending_tokens)
         for o, ahead in enumerate(hint.trees):
-            keys[i, o] = _key(len(ahead.tokens) - 1, ahead.tokens[-1])
+            keys[i, o] = outcome_keys(len(ahead.tokens) - 1, ahead.tokens[-1])
             next_tokens[i, o, 0] = ahead.tokens[-1]
             next_tokens[i, o, 1:] = ahead.tree.tokens
     parts = [bases, keys, next_tokens, table.astype(np.int64)]
@@ -99,18 +100,9 @@ def chain_inputs(
     bases_d, keys_d, next_d, table_d = (
         piece.view(part.shape) for piece, part in zip(device.split(sizes), parts, strict=True)
     )
-    accepted = packed[:b, 0]
-    came = _key(accepted, packed[:b, 1])
-    index = (keys_d == came[:, None]).to(torch.int32).argmax(dim=1)  # the first match (0: none)
-    tokens = next_d.gather(1, index[:, None, None].expand(b, 1, q)).squeeze(1)
-    return Chain(bases_d + accepted, tokens, table_d, page_size)
-
-
-KEY_SHIFT = 1 << 32  # an outcome's key: its accepted drafts * this + its bonus token
-
-
-def _key(num_accepted: Any, bonus: Any) -> Any:
-    return num_accepted * KEY_SHIFT + bonus
+    committed = torch.empty(b, dtype=torch.int64, device=packed.device)
+    tokens = torch.empty(b, q, dtype=torch.int64, device=packed.device)
+    return Chain(packed, bases_d, keys_d, next_d, table_d, page_size, committed, tokens)
 
 
 def outcome_index(hint: NextTrees, accepted: list[int], bonus: int) -> int | None:
@@ -136,7 +128,9 @@ def joined_results(parts: list[Launched], device: torch.device) -> torch.Tensor:
         if part.rows is not None:
             index = torch.tensor(part.rows)
             rows = part.packed.index_select(0, to_device(index, device))
-        pieces.append(torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1))
+        if rows.shape[1] < width:
+            rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
+        pieces.append(rows)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -159,30 +153,28 @@ def chain_inputs_reference(
 def place_forward(batch: ForwardBatch, chain: Chain) -> None:
     """Rewrite the first B sequences of `batch` (on the device, built for the reference
     outcome: one pending token, then the tree) for the outcomes that came: input ids,
-    positions (each token's offset past the committed prefix kept), K/V slots and lengths."""
-    b, q = chain.tokens.shape
-    t = b * q
-    shift = chain.committed - batch.prefix_lens[:b].to(torch.int64)  # [B]
-    batch.positions[:t] += shift[:, None].expand(b, q).reshape(-1)
-    storage = chain.committed[:, None] + torch.arange(q, device=shift.device)[None, :]
-    batch.slot_mapping[:t] = cache_slots(storage, chain.table, chain.page_size).reshape(-1)
-    batch.kv_lens[:b] += shift.to(batch.kv_lens.dtype)
-    batch.prefix_lens[:b] = chain.committed.to(batch.prefix_lens.dtype)
-    batch.input_ids[:t] = chain.tokens.reshape(-1)
+    positions (each token's offset past the committed prefix kept), K/V slots and lengths;
+    `chain.committed` / `chain.tokens` set. One kernel on a GPU (specsplit/kernels/
+    place_chain.py), its torch reference elsewhere."""
+    place = place_chain.place_forward if _on_gpu(chain) else place_chain.place_forward_reference
+    place(
+        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.table, chain.page_size,
+        batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.prefix_lens,
+        chain.committed, chain.tokens,
+    )  # fmt: skip
 
 
 def place_accept(parts: list[torch.Tensor], chain: Chain) -> None:
     """Rewrite the first B rows of an acceptance's inputs (`Layout.parts` on the device) for the
-    outcomes that came: the draft tokens, and the page window from the tree's storage on."""
+    outcomes that came (after `place_forward`): the draft tokens, and the page window from the
+    tree's storage on."""
     _, draft, _, base, window = parts
-    b, q = chain.tokens.shape
-    draft[:b, : q - 1] = chain.tokens[:, 1:]
-    start = chain.committed + 1  # tree node 0's storage (after the one pending token)
-    first = start // chain.page_size
-    columns = first[:, None] + torch.arange(window.shape[1], device=start.device)[None, :]
-    columns = columns.clamp_max(chain.table.shape[1] - 1)
-    window[:b] = chain.table.gather(1, columns)
-    base[:b] = start - first * chain.page_size
+    place = place_chain.place_accept if _on_gpu(chain) else place_chain.place_accept_reference
+    place(chain.committed, chain.tokens, chain.table, chain.page_size, draft, base, window)
+
+
+def _on_gpu(chain: Chain) -> bool:
+    return chain.packed.device.type == "cuda"
 
 
 def resolve(

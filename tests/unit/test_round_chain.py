@@ -6,17 +6,15 @@ of an engine without hints, and no page stays held."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from specsplit.messages import AheadTree, NextTrees, VerifyInput
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import PROMPTS, Driver, _chain, _engine, _release, _same
-from verifier.chain import chain_inputs, chain_inputs_reference, resolve
+from verifier.chain import resolve
 from verifier.engine import VerifierEngine
 
 
@@ -218,40 +216,6 @@ def test_synthetic_acceptance_bends_the_placed_tokens(target_dir: Path, device: 
     # the begin round and 8 rounds: 9 tokens each with nothing accepted; the rates took more
     assert all(len(plain.tokens[s]) > len(PROMPTS[s]) + 9 for s in "ab")
     _release(plain, chained)
-
-
-def test_chain_inputs_place_each_outcome_as_the_reference_does() -> None:
-    """`chain_inputs` on random results and hints (outcomes that came and that did not, trees
-    of every sequence one size) against the plain-Python reference."""
-    rng = random.Random(5)
-    for _ in range(20):
-        b, n, q = rng.randint(1, 5), rng.randint(0, 4), rng.randint(1, 4)
-        rounds, hints, rows = [], [], []
-        for i in range(b):
-            tree = DraftTree([rng.randrange(50) for _ in range(n)], list(range(-1, n - 1)))
-            committed = rng.randint(0, 20)
-            rounds.append(VerifyInput(f"s{i}", False, committed, [rng.randrange(50)], tree))
-            accepted = rng.randint(0, n)
-            bonus = rng.randrange(50)
-            rows.append([accepted, bonus, *range(accepted), *[-1] * (n - accepted)])
-            came = [*tree.tokens[:accepted], bonus]
-            trees = []
-            for _ in range(rng.randint(1, 4)):
-                length = rng.randint(1, n + 1)
-                tokens = (
-                    came
-                    if rng.random() < 0.3 and length == len(came)
-                    else [rng.randrange(50) for _ in range(length)]
-                )
-                nxt = DraftTree([rng.randrange(50) for _ in range(q - 1)], list(range(-1, q - 2)))
-                trees.append(AheadTree(tokens, nxt))
-            hints.append(NextTrees(f"s{i}", committed + 1, trees))
-        packed = torch.tensor(rows, dtype=torch.int64).reshape(b, 2 + n)
-        table = torch.zeros(b, 3, dtype=torch.int32).numpy()
-        chain = chain_inputs(packed, rounds, hints, table, page_size=4)
-        committed, tokens = chain_inputs_reference(rows, rounds, hints)
-        assert chain.committed.tolist() == committed
-        assert chain.tokens.tolist() == tokens
 
 
 def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None:

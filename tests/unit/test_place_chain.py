@@ -1,0 +1,149 @@
+"""The chained round's placement kernels (specsplit/kernels/place_chain.py, under the interpreter
+on the CPU) equal their torch references, and both place each sequence as the plain-Python
+reference says (`verifier.chain.chain_inputs_reference`): the first outcome with the round's
+accepted drafts and bonus, the first where none matches; page sizes 1, 4 and 16; results padded
+past the batch (a CUDA graph's); the wrappers refuse what they cannot run."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specsplit.kernels.place_chain import (
+    place_accept,
+    place_accept_reference,
+    place_forward,
+    place_forward_reference,
+)
+from specsplit.messages import AheadTree, NextTrees, VerifyInput
+from specsplit.tree import DraftTree
+from verifier.accept_graphs import page_window
+from verifier.chain import Chain, chain_inputs, chain_inputs_reference
+
+pytest.importorskip("triton")
+
+
+def _case(
+    seed: int, page_size: int
+) -> tuple[Chain, list[list[int]], list[VerifyInput], list[NextTrees], dict[str, torch.Tensor]]:
+    """A round r of B chains of N nodes with random results (B + 2 rows: a graph's padding),
+    hints with random outcomes (some the one that came), the chained round's reference inputs
+    as the host builds them (positions past a reference prefix) and its page tables."""
+    rng = random.Random(seed)
+    b, n, q = rng.randint(1, 5), rng.randint(0, 4), rng.randint(1, 5)
+    rounds, hints, rows = [], [], []
+    for i in range(b):
+        tree = DraftTree([rng.randrange(50) for _ in range(n)], list(range(-1, n - 1)))
+        committed = rng.randint(0, 40)
+        rounds.append(VerifyInput(f"s{i}", False, committed, [rng.randrange(50)], tree))
+        accepted = rng.randint(0, n)
+        bonus = rng.randrange(50)
+        rows.append([accepted, bonus, *range(accepted), *[-1] * (n - accepted)])
+        came = [*tree.tokens[:accepted], bonus]
+        trees = []
+        for _ in range(rng.randint(1, 4)):
+            length = rng.randint(1, n + 1)
+            tokens = came if rng.random() < 0.4 else [rng.randrange(50) for _ in range(length)]
+            nxt = DraftTree([rng.randrange(50) for _ in range(q - 1)], list(range(-1, q - 2)))
+            trees.append(AheadTree(tokens, nxt))
+        hints.append(NextTrees(f"s{i}", committed + 1, trees))
+    num_pages = -(-(40 + 1 + 2 * n + q) // page_size) + 1
+    table = np.array([rng.sample(range(500), num_pages) for _ in range(b)], dtype=np.int32)
+    packed = torch.tensor([*rows, *[[7] * (2 + n)] * 2], dtype=torch.int64)
+    chain = chain_inputs(packed, rounds, hints, table, page_size)
+    # the forward's inputs as built for a reference prefix of 50: offsets 0, then depths
+    offsets = torch.tensor([0, *range(1, q)], dtype=torch.int64)
+    buffers = {
+        "input_ids": torch.full((b * q + 3,), -5, dtype=torch.int64),
+        "positions": (50 + offsets).repeat(b).tolist() + [0, 0, 0],
+        "slot_mapping": torch.full((b * q + 3,), -5, dtype=torch.int64),
+        "kv_lens": torch.full((b + 1,), 50 + q, dtype=torch.int32),
+        "prefix_lens": torch.full((b + 1,), 50, dtype=torch.int32),
+    }
+    buffers["positions"] = torch.tensor(buffers["positions"], dtype=torch.int64)
+    return chain, rows, rounds, hints, buffers
+
+
+def _forward(chain: Chain, buffers: dict[str, torch.Tensor], kernel: bool) -> None:
+    place = place_forward if kernel else place_forward_reference
+    place(
+        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.table, chain.page_size,
+        buffers["input_ids"], buffers["positions"], buffers["slot_mapping"], buffers["kv_lens"],
+        buffers["prefix_lens"], chain.committed, chain.tokens,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_the_kernels_place_each_outcome_as_the_references_do(page_size: int) -> None:
+    for seed in range(12):
+        chain, rows, rounds, hints, buffers = _case(seed, page_size)
+        kernel_buffers = {k: v.clone() for k, v in buffers.items()}
+        kernel_chain = Chain(**{**chain.__dict__, "committed": chain.committed.clone(),
+                                "tokens": chain.tokens.clone()})  # fmt: skip
+        _forward(chain, buffers, kernel=False)
+        _forward(kernel_chain, kernel_buffers, kernel=True)
+        for name in buffers:
+            assert torch.equal(kernel_buffers[name], buffers[name]), name
+        assert torch.equal(kernel_chain.committed, chain.committed)
+        assert torch.equal(kernel_chain.tokens, chain.tokens)
+        committed, tokens = chain_inputs_reference(rows, rounds, hints)
+        assert chain.committed.tolist() == committed and chain.tokens.tolist() == tokens
+        b, q = chain.tokens.shape
+        for i in range(b):  # positions keep their offsets; slots through the page table
+            expected = [committed[i], *(committed[i] + d for d in range(1, q))]
+            assert buffers["positions"][i * q : (i + 1) * q].tolist() == expected
+            slots = [
+                int(chain.table[i, s // page_size]) * page_size + s % page_size
+                for s in range(committed[i], committed[i] + q)
+            ]
+            assert buffers["slot_mapping"][i * q : (i + 1) * q].tolist() == slots
+        assert buffers["prefix_lens"][:b].tolist() == committed
+        assert buffers["kv_lens"][:b].tolist() == [c + q for c in committed]
+        assert buffers["input_ids"][b * q :].tolist() == [-5] * 3  # past the batch: untouched
+        # the acceptance's draft tokens and page window
+        width, pages = max(q - 1, 1) + 1, 3
+        draft = torch.full((b + 2, width), -3, dtype=torch.int64)
+        base = torch.full((b + 2,), -3, dtype=torch.int64)
+        window = torch.full((b + 2, pages), -3, dtype=torch.int64)
+        got = [t.clone() for t in (draft, base, window)]
+        place_accept_reference(
+            chain.committed, chain.tokens, chain.table, page_size, draft, base, window
+        )
+        place_accept(
+            kernel_chain.committed, kernel_chain.tokens, kernel_chain.table, page_size, *got
+        )
+        assert all(torch.equal(g, w) for g, w in zip(got, (draft, base, window), strict=True))
+        assert draft[:b, : q - 1].tolist() == [t[1:] for t in tokens]
+        table, starts = chain.table.numpy(), np.array(committed) + 1
+        want_window, want_base = page_window(table, starts, pages, page_size)
+        assert window[:b].tolist() == want_window.tolist()
+        assert base[:b].tolist() == want_base.tolist()
+        assert draft[b:].tolist() == [[-3] * width] * 2  # padding rows: untouched
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_the_wrappers_refuse_what_they_cannot_run() -> None:
+    chain, _, _, _, buffers = _case(3, 4)
+    short = {**buffers, "input_ids": buffers["input_ids"][:1]}
+    with pytest.raises(ValueError, match="fewer than"):
+        _forward(chain, short, kernel=True)
+    wrong = {**buffers, "kv_lens": buffers["kv_lens"].to(torch.int64)}
+    with pytest.raises(ValueError, match="int32"):
+        _forward(chain, wrong, kernel=True)
+    draft = torch.zeros(8, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int64"):
+        place_accept(chain.committed, chain.tokens, chain.table, 4, draft, draft[:, 0], draft)
+
+
+def test_the_kernels_run_on_the_cpu_only_interpreted() -> None:
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    chain, _, _, _, buffers = _case(1, 4)
+    with pytest.raises(ValueError, match="CUDA"):
+        _forward(chain, buffers, kernel=True)
