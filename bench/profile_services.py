@@ -241,6 +241,12 @@ def main() -> None:
         help="`up --verify-ahead` (default: its own, on): draft-ahead's hints to the verifier",
     )
     parser.add_argument(
+        "--chain-rounds",
+        default=None,
+        choices=("on", "off"),
+        help="`up --chain-rounds` (default: its own, off): hinted rounds chained on the device",
+    )
+    parser.add_argument(
         "--synthetic-acceptance",
         default=None,
         metavar="RATES",
@@ -248,11 +254,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     synthetic = args.synthetic_acceptance is not None
-    extra = ("--synthetic-acceptance", args.synthetic_acceptance) if synthetic else ()
+    extra: tuple[str, ...] = (
+        ("--synthetic-acceptance", args.synthetic_acceptance) if synthetic else ()
+    )
     if args.overlap:
         extra += ("--overlap", args.overlap)
     if args.verify_ahead:
         extra += ("--verify-ahead", args.verify_ahead)
+    if args.chain_rounds:
+        extra += ("--chain-rounds", args.chain_rounds)
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]

@@ -137,6 +137,8 @@ def child_commands(
             args.decode_ahead,
             "--decode-ahead-max-batch",
             str(args.decode_ahead_max_batch),
+            "--chain-rounds",
+            args.chain_rounds,
             *_opt("--synthetic-acceptance", _rates(args.synthetic_acceptance)),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],

@@ -141,10 +141,9 @@ class VerifierEngine:
         # (`hint_next`), if no round has started since
         self.launch_on_hint = False
         # with launch_on_hint, chain a hinted round on the device behind the round in flight
-        # (`_chain`, verifier/chain.py) instead of launching it after that round's answer. Off
-        # by default: on two H100s (8B target, batch 1) its host work, 2.6 ms, comes after the
-        # hint and before the round's end and made rounds slower (bench/RESULTS.md);
-        # SPECSPLIT_CHAIN_ROUNDS=1 turns it on (the service reads it, verifier/main.py)
+        # (`_chain`, verifier/chain.py) instead of launching it after that round's answer
+        # (`--chain-rounds`). Off by default: its host work comes after the hint and before the
+        # round's end; on two H100s (8B target) it gained nothing yet (bench/RESULTS.md)
         self.chain_rounds = False
         self.num_next_used = 0
         self.num_next_dropped = 0

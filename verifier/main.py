@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 from specsplit import metrics
@@ -29,13 +28,15 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
+    chain_rounds: bool = False,
     synthetic_acceptance: tuple[float, ...] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
-    --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
+    --engine-calls (specsplit.engine_servicer.calls_on_loop). chain_rounds: --chain-rounds
+    (VerifierEngine.chain_rounds, where the engine's calls run on the event loop)."""
     load_engine = partial(
         VerifierEngine.load,
         model_path,
@@ -61,7 +62,7 @@ async def serve(
         engine.on_gap = metrics.observe_verifier_gap
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop
-        engine.chain_rounds = os.environ.get("SPECSPLIT_CHAIN_ROUNDS", "0") == "1"
+        engine.chain_rounds = chain_rounds and on_loop
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)

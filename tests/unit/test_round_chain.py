@@ -237,3 +237,17 @@ def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None
         tree,
     )
     assert chained[1].kv_committed_len == chained[2].kv_committed_len == -1  # never taken
+
+
+@pytest.mark.parametrize("asked", [None, "on", "off"])
+def test_chained_rounds_are_off_unless_asked_and_up_passes_the_flag_to_the_verifier(
+    asked: str | None,
+) -> None:
+    """--chain-rounds (off by default: it has not gained on a GPU yet) goes from `up` to the
+    verifier's command line."""
+    from specsplit import cli, up
+
+    extra = [] if asked is None else ["--chain-rounds", asked]
+    commands = up.child_commands(cli.parse_args(["up", *extra]))
+    child = cli.parse_args(commands["verifier"][3:])  # after python -m specsplit.cli
+    assert child.chain_rounds == (asked or "off")
