@@ -2,7 +2,8 @@
 
 State per sequence is its SeqKV (page table + kv_committed_len) and its sampling generator.
 A round is validated as a whole before anything changes, so a refused request leaves every
-sequence as it was.
+sequence as it was. The rounds it runs before they are asked for (a decode step, a round on the
+gateway's hint, one chained behind the round in flight) are `RunAhead`'s (verifier/run_ahead.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import random
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 from specsplit.acceptance import AcceptResult
@@ -21,7 +21,6 @@ from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
     MAX_DECODE_STEPS,
-    NextTrees,
     Truncated,
     Truncation,
     VerifyInput,
@@ -39,9 +38,6 @@ from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import (
     Chain,
-    chain_inputs,
-    chainable,
-    joined_results,
     place_accept,
     place_forward,
     resolve,
@@ -55,13 +51,12 @@ from verifier.round_accept import (
     to_host,
 )
 from verifier.rounds import (
-    UNKNOWN_TOKEN,
     Launched,
     VerifierSeq,
     VerifyRound,
     decode_step,
-    is_step,
 )
+from verifier.run_ahead import RunAhead
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +78,7 @@ PREFILL_QUERY_LENS = (32, 64, 128)
 PREFILL_MAX_BATCH = 4
 
 
-class VerifierEngine:
+class VerifierEngine(RunAhead):
     def __init__(
         self,
         model: LlamaModel,
@@ -428,43 +423,6 @@ class VerifierEngine:
         if waiting is not None and not waiting[1].isdisjoint(seq_ids):
             self._report_wait(time.perf_counter_ns() - waiting[0])
 
-    def hint_next(self, hints: list[NextTrees]) -> None:
-        """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
-        round they name finishes (`finish` launches the next round on them) or the sequence
-        is released or truncated. With `launch_on_hint` a hint for the round in flight chains
-        the next round on the device behind it (`_chain`), and one for the round that finished
-        last launches the next round here when none has started since; else only stores them
-        (one dict entry each), so it may be called while a round runs on another thread, and a
-        hint for a round already finished is never used."""
-        kept = self.hints.store(hints, self.seqs)
-        if self.launch_on_hint and self.chain_rounds and len(self._in_flight) == 1:
-            started = time.perf_counter_ns()
-            with on_device(self.device):
-                if self._chain(self._in_flight[0]):
-                    self._report_gap("chain", time.perf_counter_ns() - started)
-            return
-        self._launch_finished(kept)
-
-    def launch_parked(self) -> None:
-        """With launch_on_hint: the next rounds of the sequences of the round finished last
-        that have their hint, once its answer went out (none if a round started since)."""
-        self._launch_finished(self.hints.waiting())
-
-    def _launch_finished(self, seq_ids: list[str]) -> None:
-        """The hinted next rounds of `seq_ids` among the round finished last, if no round has
-        started since (`hints.finished`)."""
-        if not self.hints.finished or self._ahead is not None or self._in_flight:
-            return
-        late = self.hints.ready(seq_ids)
-        if late:  # their round finished before now, and none has started since
-            started = time.perf_counter_ns()
-            self._report_gap("answer", started - self._finished_ns)
-            with on_device(self.device):
-                self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
-            launched = [] if self._ahead is None else self._ahead.inputs
-            self._report_gap("launch", time.perf_counter_ns() - started)
-            self._end_wait(item.seq_id for item in launched)  # the device has work again
-
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in
         flight only when none of them shares a sequence with it, none ran a decode step ahead
@@ -653,263 +611,6 @@ class VerifierEngine:
             starts = launched.hidden_starts(whole)
             hidden_states_out(launched.inputs, accepted, launched.hidden, results, starts)
         return results
-
-    # -- decode steps run ahead ------------------------------------------------------------
-
-    def _launch_ahead(self, parts: list[Launched], bonus: list[torch.Tensor]) -> Launched | None:
-        """After a round of decode steps (every sequence: no tree, no hidden states; launched
-        as `parts`, one or two, whose bonus tokens on the device are `bonus`), the same
-        sequences' next decode step, launched before the round is waited for: the round the
-        gateway sends next when it goes on decoding them all (each bonus token its one pending
-        token, the same sampling). A decode round's commit is known before its tokens are (its
-        pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
-        each bonus token goes to it device to device (`_verify` writes them into its inputs
-        once known). On a GPU it runs back to back with the round while the host commits,
-        answers and the gateway works; `_take_ahead` keeps it only for the next round's items
-        that are exactly that step, so it changes no output (a sampled step draws from each
-        sequence's generator, whose state `_undo_ahead` puts back where it is not taken).
-        None when this round does not qualify or the next step would not fit (context, free
-        pages)."""
-        done_inputs = [item for part in parts for item in part.inputs]
-        done_seqs = [seq for part in parts for seq in part.seqs]
-        if len(done_inputs) > self.decode_ahead_max_batch:
-            return None
-        for item in done_inputs:
-            if item.tree or item.hidden_state_layers:
-                return None
-        committed = [
-            seq.kv.kv_committed_len + len(item.pending_tokens)
-            for item, seq in zip(done_inputs, done_seqs, strict=True)
-        ]
-        if any(length + 1 > self.max_context for length in committed):
-            return None
-        inputs = [
-            decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling)
-            for item, length in zip(done_inputs, committed, strict=True)
-        ]
-        tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
-        states = [None if seq.generator is None else seq.generator.get_state() for seq in done_seqs]
-        before = [seq.kv.kv_committed_len for seq in done_seqs]
-        for seq, length in zip(done_seqs, committed, strict=True):
-            seq.kv.kv_committed_len = length  # as the round's commit leaves it
-        try:
-            self._reserve(inputs, done_seqs)
-        except ServiceError:  # no free pages for it: nothing runs ahead
-            return None
-        else:
-            try:
-                launched = self._launch(inputs, done_seqs, tokens)
-            except Exception:  # the round itself goes on: its answer must still go out
-                log.exception("a decode step run ahead failed to launch")
-                self._undo_ahead(Launched(inputs, done_seqs, torch.empty(0), None, states))
-                return None
-        finally:
-            for seq, length in zip(done_seqs, before, strict=True):
-                seq.kv.kv_committed_len = length
-        launched.generator_states = states
-        return launched
-
-    @torch.inference_mode()
-    def _launch_next(
-        self, inputs: list[VerifyInput], outputs: list[VerifyOutput]
-    ) -> Launched | None:
-        """The rounds the gateway hinted for the sequences of a round just finished (its
-        `inputs`, `outputs`), launched before they are asked for: each sequence whose hint
-        names this round (`NextTrees.base`), greedy, gets its bonus token as its pending token
-        and the tree drafted ahead for its outcome (accepted drafts + bonus), or none when the
-        hint runs misses plain; the same hidden-state layers as this round. While the answer
-        goes to the gateway and the gateway sends that round, the device runs it (the round
-        trip off the verifier's path); `_take_ahead` keeps it for the next round's items that
-        are exactly it (it changes no output), and drops it otherwise. None when no sequence
-        qualifies or the rounds are refused (checks, context, free pages). Reads the inputs'
-        ids only: the outputs' may have been renamed since (the service's scopes)."""
-        items, seqs = [], []
-        for item, out in zip(inputs, outputs, strict=True):
-            seq = self.seqs.get(item.seq_id)
-            if seq is None or not item.sampling.greedy:
-                self.hints.next.pop(item.seq_id, None)
-                continue
-            # with launch_on_hint a round with no hint yet waits for it (before the next round)
-            tree = self.hints.next_tree(item, out, park=self.launch_on_hint)
-            if tree is None:
-                continue
-            items.append(
-                VerifyInput(
-                    item.seq_id,
-                    False,
-                    out.kv_committed_len,
-                    [out.bonus_token],
-                    tree,
-                    item.sampling,
-                    item.hidden_state_layers,
-                )
-            )
-            seqs.append(seq)
-        if not items:
-            return None
-        states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
-        try:
-            self._validate(items)  # a hint's trees come from the network: checked as a round's
-            self._reserve(items, seqs)
-        except ServiceError:
-            self.hints.not_ahead([item.seq_id for item in items], "refused")
-            return None
-        try:
-            launched = self._launch(items, seqs)
-        except Exception:  # the round just finished is answered all the same
-            log.exception("a round run ahead on the gateway's hint failed to launch")
-            self._undo_ahead(Launched(items, seqs, torch.empty(0), None, states))
-            return None
-        launched.generator_states = states
-        launched.hinted = True
-        return launched
-
-    @torch.inference_mode()
-    def _chain(self, launched: VerifyRound) -> bool:
-        """The hinted next round of the round in flight (`launched`), chained on the device
-        behind it (verifier/chain.py) when every sequence of it has a hint for it whose trees
-        share one shape (all the sequences' of one size) and nothing else is queued behind it:
-        its room reserved for the longest outcome, built for that one and placed on the
-        outcomes that came by device ops that run between the two rounds. Whether it was."""
-        if self._ahead is not None or launched.ahead is not None or launched.chained is not None:
-            return False
-        rounds = [item for part in launched.parts for item in part.inputs]  # as results come
-        hints = [self.hints.next.get(item.seq_id) for item in rounds]
-        trees = [chainable(item, hint) for item, hint in zip(rounds, hints, strict=True)]
-        if any(tree is None for tree in trees) or len({len(t or ()) for t in trees}) != 1:
-            return False
-        chain_hints = [hint for hint in hints if hint is not None]
-        seqs = [seq for part in launched.parts for seq in part.seqs]
-        if any(self.seqs.get(seq.seq_id) is not seq for seq in seqs):
-            return False
-        items = []  # the reference: each sequence's longest outcome
-        for item, hint, tree in zip(rounds, chain_hints, trees, strict=True):
-            longest = max(hint.trees, key=lambda t: len(t.tokens)).tokens
-            committed = hint.base + len(longest) - 1
-            reference = [longest[-1]]
-            items.append(
-                VerifyInput(item.seq_id, False, committed, reference, tree or DraftTree(),
-                            item.sampling)
-            )  # fmt: skip
-        before = [seq.kv.kv_committed_len for seq in seqs]
-        pages = [len(seq.kv.page_table) for seq in seqs]  # the round in flight's room
-        states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
-        chained = None
-        try:
-            for seq, item in zip(seqs, items, strict=True):
-                seq.kv.kv_committed_len = item.kv_committed_len  # as that outcome leaves it
-            self._validate(items)  # a hint's trees come from the network
-            self._reserve(items, seqs)
-            table = np.zeros((len(seqs), max(len(s.kv.page_table) for s in seqs)), np.int32)
-            for b, seq in enumerate(seqs):
-                table[b, : len(seq.kv.page_table)] = seq.kv.page_table
-            packed = joined_results(launched.parts, self.device)
-            chain = chain_inputs(packed, rounds, chain_hints, table, self.kv.page_size)
-            chained = self._launch(items, seqs, chain=chain)
-        except ServiceError:  # refused: the hint is tried again once the round finishes
-            pass
-        except Exception:  # the round in flight is answered all the same
-            log.exception("a round chained on the gateway's hint failed to launch")
-        finally:
-            for seq, length in zip(seqs, before, strict=True):
-                seq.kv.kv_committed_len = length
-        if chained is None:  # the room it reserved, if any, goes back
-            for seq, num_pages in zip(seqs, pages, strict=True):
-                self.kv.trim(seq.kv, num_pages * self.kv.page_size)
-            return False
-        for item, seq in zip(items, seqs, strict=True):
-            self._held[item.seq_id] = len(seq.kv.page_table) * self.kv.page_size
-        chained.generator_states = states
-        chained.hinted = True
-        chained.chain_hints = chain_hints
-        launched.chained = chained
-        return True
-
-    def _bonus_tokens(self, done: Launched) -> torch.Tensor:
-        """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
-        for a step taken in part its rows (the index crosses without a wait)."""
-        if done.rows is None:
-            return done.packed[: len(done.inputs), 1]
-        index = torch.tensor(done.rows)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        return done.packed[:, 1].index_select(0, index)
-
-    def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[Launched | None, list[int]]:
-        """The decode step launched ahead, for the items of `inputs` (validated) that are that
-        step for their sequence: its bonus token and nothing else, the same sampling, no hidden
-        states. Returns it (cut to those sequences, in the round's order) and their positions
-        in `inputs`; the round's other items (a sequence joining the batch, most often) are
-        launched beside it. Sequences of the step the round does not take it for (finished and
-        released, or sent another round) get their room and draws back. A round that takes
-        none of it drops it: (None, [])."""
-        ahead = self._ahead
-        if ahead is None:
-            return None, []
-        index = {item.seq_id: j for j, item in enumerate(ahead.inputs)}
-        positions: list[int] = []
-        keep: list[int] = []
-        for i, item in enumerate(inputs):
-            j = index.get(item.seq_id)
-            if j is not None and is_step(item, ahead.inputs[j]):
-                positions.append(i)
-                keep.append(j)
-        if not keep:
-            self._drop_ahead()
-            return None, []
-        self._ahead = None
-        self._undo_ahead(ahead, kept=set(keep))
-        self._count_ahead(ahead, "used")
-        if keep == list(range(len(ahead.inputs))):
-            return ahead, positions
-        states = ahead.generator_states or [None] * len(ahead.seqs)
-        taken = Launched(
-            [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
-            ahead.hidden, [states[k] for k in keep], rows=keep, host=ahead.host,
-            copied=ahead.copied, hinted=ahead.hinted, whole_inputs=ahead.inputs,
-        )  # fmt: skip
-        return taken, positions
-
-    def _drop_ahead(self) -> None:
-        """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
-        by the next launch), then give each of its sequences its room and draws back."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        self._count_ahead(ahead, "dropped")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._undo_ahead(ahead)
-
-    def _count_ahead(self, ahead: Launched, outcome: str) -> None:
-        """A round run ahead was taken ("used") or not ("dropped"): a decode step's counts, or
-        a hinted round's (`_launch_next`)."""
-        if ahead.hinted:
-            self.num_next_used += outcome == "used"
-            self.num_next_dropped += outcome == "dropped"
-            report = self.on_round_ahead
-        else:
-            self.num_ahead_used += outcome == "used"
-            self.num_ahead_dropped += outcome == "dropped"
-            report = self.on_decode_ahead
-        if report is not None:
-            report(outcome)
-
-    def _undo_ahead(self, ahead: Launched, kept: set[int] | None = None) -> None:
-        """Each live sequence's share of a step run ahead not taken (all but the indices
-        `kept`): free the room it reserved and put back the generator state it drew from. Its
-        K/V writes sit past the sequence's committed length, where its next round writes again
-        (stream-ordered on a GPU, also into pages freed meanwhile: later steps write after it).
-        A released sequence has nothing left to undo."""
-        states = ahead.generator_states or [None] * len(ahead.seqs)
-        for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
-            if (kept is not None and k in kept) or self.seqs.get(seq.seq_id) is not seq:
-                continue
-            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
-            if state is None:
-                seq.generator = None  # the step made it: the next sampled round makes its own
-            elif seq.generator is not None:
-                seq.generator.set_state(state)
 
     def _accept(
         self,
