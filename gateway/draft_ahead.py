@@ -120,6 +120,8 @@ class AheadRounds:
                 trees.update(zip(map(id, missing), drafted, strict=True))
             round_trees = [trees[id(seq)] for seq in batch]
             inputs = self._verify_inputs(batch, round_trees)
+            for item in inputs:  # (the verifier counts its next round's absence as "off")
+                item.unhinted = self.verify_ahead and not hint
             guessing = []
             for seq, tree, item in zip(batch, round_trees, inputs, strict=True):
                 if self._drafts_ahead(seq, tree):

@@ -549,8 +549,8 @@ def draft_response_from_proto(
 def verify_request_to_proto(
     inputs: list[VerifyInput], beside: Beside | None = None
 ) -> verifier_pb2.VerifyRequest:
-    """Greedy sampling and no draft probabilities travel as no `sampled` entry; decode_steps
-    and wants_hidden_states as empty columns when every sequence has the default. beside:
+    """Greedy sampling and no draft probabilities travel as no `sampled` entry; decode_steps,
+    wants_hidden_states and unhinted as empty columns when every sequence has the default. beside:
     unused (a Verify request carries no rows)."""
     msg = verifier_pb2.VerifyRequest()
     msg.seq_ids.extend([item.seq_id for item in inputs])
@@ -562,6 +562,8 @@ def verify_request_to_proto(
     steps = [item.decode_steps for item in inputs]
     if any(n != 1 for n in steps):
         msg.decode_steps.extend(steps)
+    if any(item.unhinted for item in inputs):
+        msg.unhinted.extend([item.unhinted for item in inputs])
     layers = {item.hidden_state_layers for item in inputs} - {()}
     if layers:
         if len(layers) > 1:  # the verifier refuses it; the wire cannot carry it
@@ -606,6 +608,9 @@ def verify_request_from_proto(
             strict=True,
         )
     ]  # fmt: skip
+    for item, unhinted in zip(inputs, _column(msg.unhinted, n, "unhinted", default=False),
+                              strict=True):  # fmt: skip
+        item.unhinted = unhinted
     with_probs = []
     for i, sampled in _indexed(msg.sampled, n, "sampled").items():
         if sampled.HasField("sampling"):

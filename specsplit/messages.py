@@ -120,6 +120,9 @@ class VerifyInput:
     # the round's target steps: after the first (the pending tokens and the tree), each further
     # one decodes the next token, as a round of its own would (no tree, no hidden states)
     decode_steps: int = 1
+    # the gateway sends no hint for this round (the overlap gate's "ahead-unhinted" rounds): the
+    # verifier counts its next round's not running ahead as "off", not "late"
+    unhinted: bool = False
 
 
 @dataclass

@@ -174,7 +174,8 @@ ROUND_NOT_AHEAD = Counter(
     "Verify rounds of sequences that send draft-ahead hints after which no round ran ahead, by"
     " reason: 'late' (no hint before the next round started), 'stale' (a hint for another"
     " round), 'unguessed' (the outcome was not among the hint's), 'refused' (checks, context,"
-    " free pages), 'busy' (further decode steps, or other work queued on the device)",
+    " free pages), 'busy' (further decode steps, or other work queued on the device), 'off' (the"
+    " gateway sent no hint for that round: the overlap gate's draft-ahead rounds without hints)",
     ["reason"],
 )
 HINTS = Counter(

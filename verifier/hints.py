@@ -17,8 +17,9 @@ from verifier.rounds import round_base
 # for it before the next round started), "stale" (a hint for another round), "unguessed" (the
 # outcome was not among the hint's, and misses do not run plain), "refused" (the checks, the
 # context or free pages), "busy" (that round ran further decode steps, or the device had other
-# work queued)
-NOT_AHEAD_REASONS = ("late", "stale", "unguessed", "refused", "busy")
+# work queued), "off" (the gateway sent no hint for that round: VerifyInput.unhinted, the
+# overlap gate's draft-ahead rounds without hints)
+NOT_AHEAD_REASONS = ("late", "stale", "unguessed", "refused", "busy", "off")
 
 
 class HintBook:
@@ -71,7 +72,8 @@ class HintBook:
         if self.finished:  # (every greedy sequence of a round is parked: most send no hints)
             finished, self.finished = self.finished, {}
             self.missed = {k: round_base(o) for k, (_, o) in finished.items() if k in self.hinting}
-            self.not_ahead(list(self.missed), "late")
+            self.not_ahead([k for k in self.missed if not finished[k][0].unhinted], "late")
+            self.not_ahead([k for k in self.missed if finished[k][0].unhinted], "off")
 
     def park(
         self, inputs: list[VerifyInput], outputs: list[VerifyOutput], known: Container[str]
@@ -105,7 +107,8 @@ class HintBook:
             self.finished[item.seq_id] = (item, out)
             return None
         if hint is None or hint.base != round_base(out):
-            self.not_ahead([item.seq_id], "late" if hint is None else "stale")
+            reason = "stale" if hint is not None else "off" if item.unhinted else "late"
+            self.not_ahead([item.seq_id], reason)
             return None
         outcome = [*out.accepted_tokens, out.bonus_token]
         tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)

@@ -304,8 +304,22 @@ def test_verify_request_columns_on_the_wire() -> None:
     assert list(msg.hidden_state_layers) == [2, 5]
     assert list(msg.wants_hidden_states) == [True, False, True]
     assert not msg.decode_steps and not msg.sampled  # every default: nothing on the wire
+    assert not msg.unhinted
     for a, b in zip(inputs, convert.verify_request_from_proto(msg), strict=True):
         _assert_same(a, b)
+
+
+def test_a_round_the_gateway_sends_no_hint_for_says_so_per_sequence() -> None:
+    """VerifyInput.unhinted (the overlap gate's draft-ahead rounds without hints) travels as a
+    column, one entry a sequence, once any sequence has it; a wrong count is refused."""
+    inputs = [VerifyInput(s, False, 5, [7], DraftTree([1], [-1])) for s in "ab"]
+    inputs[1].unhinted = True
+    msg = _wire(convert.verify_request_to_proto(inputs))
+    assert list(msg.unhinted) == [False, True]
+    assert [item.unhinted for item in convert.verify_request_from_proto(msg)] == [False, True]
+    msg.unhinted.append(True)
+    with pytest.raises(ServiceError, match="unhinted has 3 entries for 2 sequences"):
+        convert.verify_request_from_proto(msg)
 
 
 def test_a_round_with_two_sets_of_hidden_state_layers_cannot_travel() -> None:

@@ -72,6 +72,25 @@ def test_a_hint_after_its_next_round_started_is_dropped_and_counted_late() -> No
     assert not book.next
 
 
+def test_a_round_the_gateway_sent_no_hint_for_is_counted_off_not_late() -> None:
+    """A sequence that sends hints, in a round the gateway marked unhinted (the overlap gate's
+    draft-ahead rounds without hints): its next round's not running ahead is "off", parked or
+    not."""
+    book = HintBook()
+    book.store([NextTrees("a", 1, [], plain=True)], {"a"})  # "a" sends hints
+    book.next.clear()
+    item, out = _round("a", 10, [], 4)
+    item.unhinted = True
+    book.park([item], [out], {"a"})
+    book.round_started()
+    assert book.num_not_ahead == {"off": 1}
+    assert book.next_tree(item, out, park=False) is None
+    assert book.num_not_ahead == {"off": 2}
+    item.unhinted = False
+    assert book.next_tree(item, out, park=False) is None
+    assert book.num_not_ahead == {"off": 2, "late": 1}
+
+
 def test_only_sequences_that_send_hints_are_counted() -> None:
     reasons: list[str] = []
     book = HintBook()

@@ -17,7 +17,7 @@ from gateway.gate import SETTLE, OverlapGate
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack
-from specsplit.messages import SpecParams
+from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
 from tests.support import (
     RestartingVerifier,
     TimedClients,
@@ -191,11 +191,22 @@ def test_gated_overlap_measures_draft_ahead_without_the_hint(models, smollm2_tok
     requests = _requests(1, 7, 48)
     expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
     before = {x: _hints(x) for x in ("sent", "late", "off")}
+    flags: set[bool] = set()
+    verify = stack.scheduler.verifier.verify
+
+    async def recording(inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        flags.update(item.unhinted for item in inputs if item.tree)
+        return await verify(inputs)
+
+    stack.scheduler.verifier.verify = recording  # type: ignore[method-assign]
     out = generate_all(stack, requests)
     assert [generated_ids(c) for c in out] == expected
     gate = stack.scheduler.overlap_gate
     assert gate is not None and None not in _rates(gate, 1).values()
     assert _hints("off") > before["off"]  # the unhinted rounds
+    # the unhinted rounds' Verify says so (the verifier counts their next rounds "off"); the
+    # others' does not
+    assert True in flags and False in flags
     assert _hints("sent") + _hints("late") > before["sent"] + before["late"]  # the others
     assert stack.scheduler.num_ahead_hits > 0
 
