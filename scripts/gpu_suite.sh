@@ -4,7 +4,7 @@
 #   source scripts/gpu_env.sh && scripts/gpu_suite.sh [tests] [engine] [e2e] [smollm2] [e2e2] \
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
-#       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b]
+#       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -43,7 +43,8 @@
 # critical8b: the same with an 8B-shaped random target and a draft that predicts it
 # (bench/random_model.py --mirror-draft; synthetic acceptance), batch 1 / 8 / 32, serial, ahead
 # with and without verify ahead, groups; gated8b: the overlap gate's choices on that system
-# (bench/overlap.py --modes serial gated);
+# (bench/overlap.py --modes serial gated); chain8b: draft-ahead on that system with hinted rounds
+# chained on the device (--chain-rounds on) and without;
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -199,6 +200,16 @@ for part in "${parts[@]}"; do
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 \
           --max-new-tokens 128 --top 0 --overlap "${mode%-unhinted}" --verify-ahead "$hint" \
           --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
+      done ;;
+    chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
+      # the device behind the round in flight (--chain-rounds on) and launched after the
+      # answer (off), batch 1 / 8 ($CHAIN_BATCH: others)
+      mirror_8b
+      for chain in on off; do
+        run "chain8b_$chain" python3 bench/profile_services.py --model /tmp/mirror8b \
+          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
+          --batch ${CHAIN_BATCH:-1 8} --max-new-tokens 128 --top 0 --overlap ahead \
+          --verify-ahead on --chain-rounds "$chain" --synthetic-acceptance 0.8,0.7,0.6
       done ;;
     gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
       # on its own, in the same run): it explores groups, draft-ahead with and without the
