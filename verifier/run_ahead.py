@@ -203,7 +203,8 @@ class RunAhead:
         behind it (verifier/chain.py) when every sequence of it has a hint for it whose trees
         share one shape (all the sequences' of one size) and nothing else is queued behind it:
         its room reserved for the longest outcome, built for that one and placed on the
-        outcomes that came by device ops that run between the two rounds. Whether it was."""
+        outcomes that came by two kernels that run between the two rounds
+        (specsplit/kernels/place_chain.py). Whether it was."""
         if self._ahead is not None or launched.ahead is not None or launched.chained is not None:
             return False
         rounds = [item for part in launched.parts for item in part.inputs]  # as results come
