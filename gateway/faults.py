@@ -9,38 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-from gateway.clients import VerifierClient
 from gateway.health import Health
+from gateway.retiring import Retiring
 from gateway.sequence import Sequence
-from gateway.sessions import SessionStore
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError
-from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
 VERIFIER_RETRY_S = 0.5  # while the verifier is away, ask its health this often
 DEFAULT_VERIFIER_WAIT_S = 300.0  # streams wait this long for a verifier to be back
 
 
-class VerifierFaults:
-    # the Scheduler's, which this handling uses
-    verifier: VerifierClient
-    running: list[Sequence]
-    waiting: deque[Sequence]
-    sessions: SessionStore
+class VerifierFaults(Retiring):  # (which frees the sequences it gives up on)
+    # the Scheduler's, which this handling uses (besides Retiring's)
     verifier_wait_s: float
     clock: Callable[[], float]  # of the verifier wait (a test's fake clock advances it)
     num_preemptions: int
     _verifier_down_since: float | None  # on `clock`
     _verifier_health: Health | None  # last logged while waiting for it
-    _admission_held: bool  # a preemption freed pages for the running ones only
-    _drafted: dict[str, DraftTree]
-    _stream: Callable[..., None]
-    _fail: Callable[[Sequence, ServiceError], None]
-    _release: Callable[[list[Sequence]], Awaitable[None]]
 
     async def _fail_round(self, error: ServiceError) -> None:
         """The verifier refused or failed the round: nothing was committed."""

@@ -8,7 +8,8 @@ whose KV stays in both services when it leaves: it is put away (`SessionStore.en
 of released. The Scheduler's other round kinds and its handling of a verifier's failed round are
 mixins in their own modules (each declares what it uses of the Scheduler): pipelined groups
 (gateway/groups.py), draft-ahead (gateway/draft_ahead.py), verifier faults (gateway/faults.py),
-the Draft calls and the drafter's faults (gateway/drafting.py).
+the Draft calls and the drafter's faults (gateway/drafting.py), requests leaving and their KV
+released, and features restarted (gateway/retiring.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     MAX_DECODE_STEPS,
     SpecParams,
-    Truncation,
     VerifyInput,
     VerifyOutput,
 )
@@ -377,51 +377,6 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         cost what steady rounds do not)."""
         return all(seq.request.spec is None and seq.rounds_since_prefill >= 2 for seq in batch)
 
-    def _resumes_features(self, seq: Sequence) -> bool:
-        """Whether `seq`'s features restart this round: some committed tokens have none (the
-        gate's plain rounds, or a drafter that lost rows the gateway let go), it drafts this
-        round, and the drafter answers (while it is down the re-verify would be for nothing)."""
-        return (
-            seq.features_gap
-            and not seq.drafts_held
-            and time.monotonic() >= self._drafter_down_until
-        )
-
-    async def _restart_features(self, seqs: list[Sequence]) -> None:
-        """Speculation resumes for sequences whose plain rounds carried no target features (the
-        gate held their drafts back, and an EAGLE drafter's features with them): the verifier
-        takes back the tokens past the last features it gave (Truncate) and verifies them again
-        with their features; meanwhile the drafter, short of features, drafts an empty tree,
-        then catches up from where it stopped. A verifier that no longer holds a sequence, or a
-        failed Truncate, starts it over on both services (a re-prefill with the features)."""
-        if not seqs:
-            return
-        self.num_feature_restarts += len(seqs)
-        held = [seq for seq in seqs if seq.verifier_begun]
-        lost = [seq for seq in seqs if not seq.verifier_begun]
-        if held:
-            items = [Truncation(seq.seq_id, seq.num_feature_rows) for seq in held]
-            try:
-                outs = await self.verifier.truncate(items)
-            except ServiceError as err:
-                log.warning("truncate to resume speculation failed (%s)", err.message)
-                lost += held
-            else:
-                for seq, item, out in zip(held, items, outs, strict=True):
-                    if out.found and out.kv_committed_len == item.max_len:
-                        seq.keep_verifier_kv(item.max_len)
-                        seq.features_gap = False
-                        seq.rounds_since_prefill = 0  # its tokens since are verified again
-                    else:
-                        lost.append(seq)
-        if lost:
-            await self._release(lost)
-            for seq in lost:
-                seq.forget_verifier()
-                seq.forget_drafter()
-        for seq in seqs:
-            self._drafted.pop(seq.seq_id, None)
-
     def _admit(self) -> None:
         if self._admission_held and self.running:
             return  # after a preemption: until a running sequence finishes
@@ -493,55 +448,3 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         metrics.observe_commits(made)
         for seq, _, chunk in made:
             seq.outbox.put_nowait(chunk)
-
-    def _fail(self, seq: Sequence, error: ServiceError) -> None:
-        self._stream([seq])  # its committed rounds first
-        seq.outbox.put_nowait(error)
-        seq.finished = True
-
-    async def _retire(self, seqs: list[Sequence] | None = None) -> None:
-        """Free the finished or cancelled sequences (`seqs`: these, unfinished ones too) on both
-        services; a session's turn is put away instead (its KV kept), also one cancelled while
-        it waited."""
-        if seqs is None:
-            done = [seq for seq in self.running if seq.finished or seq.cancelled]
-            done += [seq for seq in self.waiting if seq.cancelled and seq.turn is not None]
-        else:
-            done = list(seqs)
-        if not done:
-            return
-        self._stream(done)  # their last chunks (and a session's reply) before they go
-        # before forgetting them: stop() retires what is still here
-        await self._release([seq for seq in done if seq.turn is None])
-        for seq in done:
-            self._drafted.pop(seq.seq_id, None)  # a session's next turn has the same id
-            self._group.pop(seq.seq_id, None)
-            if seq.turn is not None:
-                await self.sessions.end_turn(seq)
-        # forget exactly what was released: a sequence cancelled during that await is retired
-        # (and released) next time, not dropped with its KV still held
-        released = {id(seq) for seq in done}
-        self.running = [seq for seq in self.running if id(seq) not in released]
-        self.waiting = deque(seq for seq in self.waiting if id(seq) not in released)
-        self._admission_held = False  # pages came free
-
-    async def _release(self, seqs: list[Sequence]) -> None:
-        """Free the sequences on both services at once (one round trip on the path, not two);
-        the drafter only for those that may have reached it (a sequence that never drafts
-        never did)."""
-        releases = [
-            (client, ids)
-            for client, ids in (
-                (self.drafter, [seq.seq_id for seq in seqs if not seq.never_drafts]),
-                (self.verifier, [seq.seq_id for seq in seqs]),
-            )
-            if ids
-        ]
-        await asyncio.gather(*(self._release_on(client, ids) for client, ids in releases))
-
-    @staticmethod
-    async def _release_on(client: DrafterClient | VerifierClient, ids: list[str]) -> None:
-        try:
-            await client.release(ids)
-        except Exception as e:  # the service frees them when it restarts or drops the seqs
-            log.warning("release failed on %s: %s", type(client).__name__, e)
