@@ -83,6 +83,11 @@ def print_critical_path(buckets: Buckets) -> None:
     counts = cumulative_counts(buckets, key)
     none = f", none {counts[0][1]:.0f} of {counts[-1][1]:.0f}" if counts else ""
     print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms{none}")
+    key = ("verifier", "specsplit_verifier_idle_seconds", ())
+    if cumulative_counts(buckets, key):
+        p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
+        idle = "verifier GPU idle before a round (CUDA events)"
+        print(f"  {idle}: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
 
 
 def print_call_spread(buckets: Buckets) -> None:
@@ -172,6 +177,10 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if waits:
         mean = 1e3 * totals[("verifier", "specsplit_verifier_wait_seconds_sum")] / waits
         print(f"  verifier's device waiting between rounds: {waits:.0f} x {mean:.3f} ms")
+    idles = totals[("verifier", "specsplit_verifier_idle_seconds_count")]
+    if idles:  # the device's own timestamps (a GPU)
+        mean = 1e3 * totals[("verifier", "specsplit_verifier_idle_seconds_sum")] / idles
+        print(f"  verifier GPU idle before a round (CUDA events): {idles:.0f} x {mean:.3f} ms")
     gaps = []
     for phase in GAP_PHASES:
         calls = totals[("verifier", f"specsplit_verifier_gap_seconds_count:{phase}")]

@@ -93,6 +93,14 @@ VERIFIER_WAIT_SECONDS = Histogram(
     " ahead followed)",
     buckets=(0.0, *_OVERHEAD_BUCKETS),
 )
+VERIFIER_IDLE_SECONDS = Histogram(
+    "specsplit_verifier_idle_seconds",
+    "On the verifier's GPU, from the CUDA event timestamps: its idle time from the end of a round"
+    " (its results' copy) to the start of the next round launched (its first work) where the two"
+    " share a sequence, however the next launched (on the request, on the gateway's hint, or"
+    " chained behind the round in flight); the device's own view of the wait between rounds",
+    buckets=(0.0, *_OVERHEAD_BUCKETS),
+)
 VERIFIER_GAP_SECONDS = Histogram(
     "specsplit_verifier_gap_seconds",
     "On the verifier, the host work in its device's wait between rounds, by phase: 'finish' (a"
@@ -391,6 +399,10 @@ def count_hint(outcome: str) -> None:
 
 def observe_verifier_wait(seconds: float) -> None:
     VERIFIER_WAIT_SECONDS.observe(seconds)
+
+
+def observe_verifier_idle(seconds: float) -> None:
+    VERIFIER_IDLE_SECONDS.observe(seconds)
 
 
 def observe_verifier_gap(phase: str, seconds: float) -> None:

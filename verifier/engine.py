@@ -151,6 +151,12 @@ class VerifierEngine(RunAhead):
         # that wait's host parts (`on_gap(phase, seconds)`, GAP_PHASES): every finish, and
         # where a hinted round followed, the time until its launch began and the launch
         self.on_gap: Callable[[str, float], None] | None = None
+        # on a GPU, the device's idle time before each round's first work where the round
+        # launched before it shared a sequence with it (`on_idle(seconds)`), from the two
+        # rounds' CUDA event timestamps: what the device saw, whichever way the round launched
+        # (after the request, on a hint, chained), where `on_wait` measures from the host
+        self.on_idle: Callable[[float], None] | None = None
+        self._last_end: tuple[torch.cuda.Event, set[str]] | None = None  # (its end, its ids)
         self._finished_ns = 0  # when the last finish returned
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
@@ -412,6 +418,11 @@ class VerifierEngine(RunAhead):
         if self.on_gap is not None:
             self.on_gap(phase, nanoseconds / 1e9)
 
+    def _report_idle(self, ended: torch.cuda.Event, started: torch.cuda.Event) -> None:
+        """The device's idle time from a round's end to the next round's start (both run)."""
+        if self.on_idle is not None:
+            self.on_idle(max(0.0, ended.elapsed_time(started)) / 1e3)
+
     def _report_wait(self, nanoseconds: int) -> None:
         if self.on_wait is not None:
             self.on_wait(nanoseconds / 1e9)
@@ -563,6 +574,10 @@ class VerifierEngine(RunAhead):
         tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
         yet). chain: `inputs` are a chained round's reference, placed on the device on the
         outcomes that came (verifier/chain.py)."""
+        started = None
+        if self.device.type == "cuda":  # before any of the round's device work
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
@@ -594,13 +609,21 @@ class VerifierEngine(RunAhead):
         if packed.device.type != "cuda":
             return Launched(inputs, seqs, packed, hidden)
         host = to_host(packed)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=True)
         copied.record()
-        return Launched(inputs, seqs, packed, hidden, host=host, copied=copied)
+        ids = {item.seq_id for item in inputs}
+        last, self._last_end = self._last_end, (copied, ids)
+        idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]
+        return Launched(
+            inputs, seqs, packed, hidden, host=host, copied=copied, started=started,
+            idle_from=idle_from,
+        )  # fmt: skip
 
     def _finish(self, launched: Launched) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them."""
         whole = launched.result_rows()
+        if launched.idle_from is not None and launched.started is not None:
+            self._report_idle(launched.idle_from, launched.started)
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         results = [

@@ -48,6 +48,11 @@ class Launched:
     # a round chained on the device behind the round it follows (verifier/chain.py): the hints
     # it was built from, in its inputs' order
     chain_hints: list[NextTrees] | None = None
+    # on a GPU: recorded before the round's first device work, and the end (`copied`) of the
+    # last round launched before it when that one shared a sequence with it: the device's idle
+    # time between the two, read once both have run (VerifierEngine.on_idle)
+    started: torch.cuda.Event | None = None
+    idle_from: torch.cuda.Event | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy

@@ -13,6 +13,7 @@ from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them h
     test_an_outcome_not_among_the_hints_drops_only_its_share,
     test_chained_rounds_are_taken_and_give_the_same_tokens,
     test_synthetic_acceptance_bends_the_placed_tokens,
+    test_the_devices_idle_time_before_a_round_comes_from_its_timestamps,
     test_the_last_chained_round_is_dropped_by_a_release,
     test_trees_of_different_shapes_are_launched_after_the_round,
 )

@@ -251,3 +251,21 @@ def test_chained_rounds_are_off_unless_asked_and_up_passes_the_flag_to_the_verif
     commands = up.child_commands(cli.parse_args(["up", *extra]))
     child = cli.parse_args(commands["verifier"][3:])  # after python -m specsplit.cli
     assert child.chain_rounds == (asked or "off")
+
+
+def test_the_devices_idle_time_before_a_round_comes_from_its_timestamps(
+    target_dir: Path, device: str
+) -> None:
+    """`on_idle` (specsplit_verifier_idle_seconds): on a GPU each round after the first of the
+    same sequences reports the device's idle time before it, from the two rounds' CUDA events;
+    on the CPU there are no device timestamps and nothing is reported."""
+    driver = Driver(_engine(target_dir, False, device))
+    idles: list[float] = []
+    driver.engine.on_idle = idles.append
+    driver.begin("a", "b")
+    driver.decode("a", "b", rounds=3)
+    if device == "cpu":
+        assert idles == []
+    else:
+        assert len(idles) == 3 and all(0.0 <= seconds < 5.0 for seconds in idles)
+    _release(driver)
