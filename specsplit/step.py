@@ -110,6 +110,15 @@ def _views(array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
     return [whole[end - size : end] for size, end in zip(sizes, ends, strict=True)]
 
 
+def page_tables(seqs: list[SeqKV]) -> np.ndarray:
+    """[B, the most pages of any (at least 1)] int32: each sequence's page table, 0-padded."""
+    width = max((len(seq.page_table) for seq in seqs), default=0)
+    table = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
+    for b, seq in enumerate(seqs):
+        table[b, : len(seq.page_table)] = seq.page_table
+    return table
+
+
 def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBatch, list[slice]]:
     """Concatenate steps (host tensors); returns the batch and each step's slice of the logit
     rows (its hidden rows follow each other in step order). The tree mask is built only when
@@ -144,11 +153,7 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
             else:  # causal: query i sees the new tokens up to its own storage index
                 mask[b, :q, :new] = np.tri(q, new, new - q, dtype=bool)
         tree_mask = torch.from_numpy(mask)
-    max_pages = max((len(step.seq.page_table) for step in steps), default=0)
-    table = np.zeros((len(steps), max(max_pages, 1)), dtype=np.int32)
-    for b, step in enumerate(steps):
-        table[b, : len(step.seq.page_table)] = step.seq.page_table
-    block_table = torch.from_numpy(table)
+    block_table = torch.from_numpy(page_tables([step.seq for step in steps]))
     # one array per integer type, sliced into views (torch.tensor of each list costs ~5 us)
     kv_lens = [step.kv_len for step in steps]
     prefix_lens = [step.prefix_len for step in steps]

@@ -105,14 +105,15 @@ def chain_inputs(
     return Chain(packed, bases_d, keys_d, next_d, table_d, page_size, committed, tokens)
 
 
-def outcome_index(hint: NextTrees, accepted: list[int], bonus: int) -> int | None:
-    """The outcome of `hint` that `chain_inputs` places for a round that accepted `accepted`
-    and drew `bonus` (the first with that many accepted drafts and that bonus), or None."""
+def outcome_index(hint: NextTrees, num_accepted: int, bonus: int) -> int | None:
+    """The outcome of `hint` that `chain_inputs` places for a round that accepted
+    `num_accepted` drafts and drew `bonus` (the first with that many accepted drafts and that
+    bonus), or None."""
     return next(
         (
             o
             for o, ahead in enumerate(hint.trees)
-            if len(ahead.tokens) == len(accepted) + 1 and ahead.tokens[-1] == bonus
+            if len(ahead.tokens) == num_accepted + 1 and ahead.tokens[-1] == bonus
         ),
         None,
     )
@@ -124,10 +125,7 @@ def joined_results(parts: list[Launched], device: torch.device) -> torch.Tensor:
     width = max(part.packed.shape[1] for part in parts)
     pieces = []
     for part in parts:
-        rows = part.packed[: len(part.inputs)]
-        if part.rows is not None:
-            index = torch.tensor(part.rows)
-            rows = part.packed.index_select(0, to_device(index, device))
+        rows = part.own_results(device)
         if rows.shape[1] < width:
             rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
         pieces.append(rows)
@@ -143,7 +141,7 @@ def chain_inputs_reference(
     committed, tokens = [], []
     for row, item, hint in zip(results, rounds, hints, strict=True):
         accepted, bonus = row[0], row[1]
-        index = outcome_index(hint, [0] * accepted, bonus)
+        index = outcome_index(hint, accepted, bonus)
         ahead = hint.trees[0 if index is None else index]
         committed.append(item.kv_committed_len + len(item.pending_tokens) + accepted)
         tokens.append([ahead.tokens[-1], *ahead.tree.tokens])
@@ -186,7 +184,7 @@ def resolve(
     the others can never be taken (kv_committed_len -1). Returns which were."""
     found = []
     for item, hint, (accepted, bonus, committed) in zip(chained, hints, results, strict=True):
-        index = outcome_index(hint, accepted, bonus)  # the one placed on the device
+        index = outcome_index(hint, len(accepted), bonus)  # the one placed on the device
         ahead = None if index is None else hint.trees[index]
         if ahead is not None and ahead.tokens != [*accepted, bonus]:
             ahead = None  # another path of the same length and bonus: not this round

@@ -533,8 +533,7 @@ class VerifierEngine(RunAhead):
         ahead = launched.ahead
         try:
             results = [out for part in launched.parts for out in self._finish(part)]
-        except BaseException:
-            self._held.clear()
+        except BaseException:  # (the room held for the chained round: `finally`, then undone)
             self._ahead = launched.chained or ahead
             self._drop_ahead()
             raise

@@ -12,6 +12,7 @@ import torch
 
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
+from specsplit.model.batch import to_device
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -61,6 +62,13 @@ class Launched:
             self.copied.synchronize()
         rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
         return rows
+
+    def own_results(self, device: torch.device) -> torch.Tensor:
+        """`inputs`' rows of `packed` on the device, in their order: a view, or for a part
+        (`rows` set) those rows gathered (the index crosses without a wait)."""
+        if self.rows is None:
+            return self.packed[: len(self.inputs)]
+        return self.packed.index_select(0, to_device(torch.tensor(self.rows), device))
 
     def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:
         """Each input's first hidden-state row (None: back to back from row 0): a part's rows

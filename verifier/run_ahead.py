@@ -11,13 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 from specsplit.errors import ServiceError
 from specsplit.kv_cache import KVCache
 from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
 from specsplit.model.batch import on_device
+from specsplit.step import page_tables
 from specsplit.tree import DraftTree
 from verifier.chain import chain_inputs, chainable, joined_results
 from verifier.hints import HintBook
@@ -234,9 +234,7 @@ class RunAhead:
                 seq.kv.kv_committed_len = item.kv_committed_len  # as that outcome leaves it
             self._validate(items)  # a hint's trees come from the network
             self._reserve(items, seqs)
-            table = np.zeros((len(seqs), max(len(s.kv.page_table) for s in seqs)), np.int32)
-            for b, seq in enumerate(seqs):
-                table[b, : len(seq.kv.page_table)] = seq.kv.page_table
+            table = page_tables([seq.kv for seq in seqs])  # the forward's block table's
             packed = joined_results(launched.parts, self.device)
             chain = chain_inputs(packed, rounds, chain_hints, table, self.kv.page_size)
             chained = self._launch(items, seqs, chain=chain)
@@ -262,12 +260,7 @@ class RunAhead:
     def _bonus_tokens(self, done: Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
         for a step taken in part its rows (the index crosses without a wait)."""
-        if done.rows is None:
-            return done.packed[: len(done.inputs), 1]
-        index = torch.tensor(done.rows)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        return done.packed[:, 1].index_select(0, index)
+        return done.own_results(self.device)[:, 1]
 
     def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[Launched | None, list[int]]:
         """The decode step launched ahead, for the items of `inputs` (validated) that are that
