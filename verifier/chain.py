@@ -19,6 +19,7 @@ dropped: its K/V writes sit past its committed length, where its next round writ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from specsplit.kernels.place_chain import outcome_keys
 from specsplit.messages import NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch, to_device
 from specsplit.tree import DraftTree
+from verifier.accept_graphs import padded, window_pages
 from verifier.rounds import Launched
 
 
@@ -169,6 +171,13 @@ def place_accept(parts: list[torch.Tensor], chain: Chain) -> None:
     _, draft, _, base, window = parts
     place = place_chain.place_accept if _on_gpu(chain) else place_chain.place_accept_reference
     place(chain.committed, chain.tokens, chain.table, chain.page_size, draft, base, window)
+
+
+def warm_up_chain(device: torch.device, query_lens: Sequence[int], page_size: int) -> None:
+    """The placement kernels compiled for rounds of `query_lens` tokens a sequence (the graphs'),
+    their acceptance's page windows as its graphs pad them."""
+    windows = [window_pages(padded(q - 1), page_size) for q in query_lens]
+    place_chain.warm_up(device, list(zip(query_lens, windows, strict=True)))
 
 
 def _on_gpu(chain: Chain) -> bool:

@@ -41,6 +41,7 @@ from verifier.chain import (
     place_accept,
     place_forward,
     resolve,
+    warm_up_chain,
 )
 from verifier.hints import HintBook
 from verifier.round_accept import (
@@ -315,6 +316,8 @@ class VerifierEngine(RunAhead):
                     self.graphs.capture(q, aux, max_batch=max_batch)
         if self.accept_graphs is not None:  # trees up to the largest graph's query length
             self.accept_graphs.capture_all(max(self.graph_query_lens) - 1)
+        if self.kv.device.type == "cuda":
+            warm_up_chain(self.device, self.graph_query_lens, self.kv.page_size)
         if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
             self._rehearse()
 

@@ -32,6 +32,9 @@ from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_p
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
 KEY_SHIFT = 1 << 32  # an outcome's key: its accepted drafts * this + its bonus token
+# the least blocks of query tokens and page-window columns: one compiled variant of each kernel
+# for rounds of up to 31 drafts and windows of up to 8 pages (`warm_up` compiles it)
+BLOCK_Q, BLOCK_W = 32, 8
 
 
 def outcome_keys(num_accepted: Any, bonus: Any) -> Any:
@@ -91,8 +94,8 @@ def place_accept_reference(
 def _place_forward_kernel(
     packed_ptr, bases_ptr, keys_ptr, next_ptr, table_ptr,
     ids_ptr, positions_ptr, slots_ptr, kv_lens_ptr, prefix_ptr, committed_ptr, tokens_ptr,
-    num_outcomes, num_pages, page_size, stride_p,
-    Q: tl.constexpr, BLOCK_Q: tl.constexpr, SHIFT: tl.constexpr,
+    num_outcomes, num_pages, page_size, stride_p, Q,
+    BLOCK_Q: tl.constexpr, SHIFT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     accepted = tl.load(packed_ptr + b * stride_p)
@@ -126,8 +129,8 @@ def _place_forward_kernel(
 
 def _place_accept_kernel(
     committed_ptr, tokens_ptr, table_ptr, draft_ptr, base_ptr, window_ptr,
-    num_pages, page_size, stride_d, stride_w,
-    Q: tl.constexpr, BLOCK_Q: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    num_pages, page_size, stride_d, stride_w, Q, W,
+    BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK_Q)
@@ -146,10 +149,15 @@ def _place_accept_kernel(
 
 @functools.cache
 def _jitted(kernel: str, interpret: bool) -> Any:
-    """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key)."""
-    if kernel == "forward":
-        return jit(_place_forward_kernel, do_not_specialize=("num_outcomes", "num_pages"))
-    return jit(_place_accept_kernel, do_not_specialize=("num_pages",))
+    """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key); generic:
+    the acceptance's inputs are views at offsets that vary with the graph bucket, and a chained
+    round must not wait for a compile."""
+    return jit(_place_forward_kernel if kernel == "forward" else _place_accept_kernel, generic=True)
+
+
+def _block(n: int, least: int) -> int:
+    """A block of at least `least` (one compiled variant for every n up to it)."""
+    return max(least, next_power_of_2(n))
 
 
 def place_forward(
@@ -187,8 +195,8 @@ def place_forward(
     _jitted("forward", interpret)[(b,)](
         packed, bases, keys, next_tokens, table,
         input_ids, positions, slot_mapping, kv_lens, prefix_lens, committed, tokens,
-        keys.shape[1], table.shape[1], page_size, packed.stride(0),
-        Q=q, BLOCK_Q=next_power_of_2(q), SHIFT=KEY_SHIFT, num_warps=1,
+        keys.shape[1], table.shape[1], page_size, packed.stride(0), q,
+        BLOCK_Q=_block(q, BLOCK_Q), SHIFT=KEY_SHIFT, num_warps=1,
     )  # fmt: skip
 
 
@@ -216,9 +224,26 @@ def place_accept(
     w = window.shape[1]
     _jitted("accept", interpret)[(b,)](
         committed, tokens, table, draft, base, window,
-        table.shape[1], page_size, draft.stride(0), window.stride(0),
-        Q=q, BLOCK_Q=next_power_of_2(q), W=w, BLOCK_W=next_power_of_2(w), num_warps=1,
+        table.shape[1], page_size, draft.stride(0), window.stride(0), q, w,
+        BLOCK_Q=_block(q, BLOCK_Q), BLOCK_W=_block(w, BLOCK_W), num_warps=1,
     )  # fmt: skip
+
+
+def warm_up(device: torch.device, shapes: list[tuple[int, int]]) -> None:
+    """Compile both kernels for rounds of these shapes (query tokens a sequence, page-window
+    columns; one variant per pair of blocks), so that no chained round waits for a compile; a
+    no-op without triton. Writes only its own scratch tensors."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    blocks = {(_block(q, BLOCK_Q), _block(w, BLOCK_W)) for q, w in shapes}
+    for q, w in sorted(blocks):  # the blocks' own sizes: one outcome, one sequence, one page
+        ints = functools.partial(torch.zeros, dtype=torch.int64, device=device)
+        tokens, committed, table = ints(1, q), ints(1), ints(1, 1)
+        place_forward(
+            ints(1, 2 + q), ints(1), ints(1, 1), ints(1, 1, q), table, 1, ints(q), ints(q),
+            ints(q), ints(1, dtype=torch.int32), ints(1, dtype=torch.int32), committed, tokens,
+        )  # fmt: skip
+        place_accept(committed, tokens, table, 1, ints(1, q), ints(1), ints(1, w))
 
 
 def _available() -> bool:

@@ -11,6 +11,7 @@ module global, bound by `jit`) and caches its jitted kernels per `interpreting()
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,18 +19,31 @@ from typing import Any
 import torch
 
 
-def jit(kernel: Callable[..., Any], do_not_specialize: Sequence[str] = ()) -> Any:
+def jit(
+    kernel: Callable[..., Any], do_not_specialize: Sequence[str] = (), generic: bool = False
+) -> Any:
     """`kernel` decorated by triton.jit: compiled, or interpreted under TRITON_INTERPRET=1 (the
     decoration reads the knob, so callers cache the result per `interpreting()`), with the `tl`
     of its module bound to triton.language. Integer arguments named in `do_not_specialize` do
-    not get a variant per value class (== 1, divisible by 16)."""
+    not get a variant per value class (== 1, divisible by 16). `generic`: none of its runtime
+    arguments does, and no pointer gets one per alignment either, so it compiles once per set
+    of constexprs (a kernel launched outside the warmed-up shapes, on views at any offset)."""
     import triton
     import triton.language
 
     vars(sys.modules[kernel.__module__])["tl"] = triton.language  # the kernel's globals
     if interpreting():
         _fix_interpreter_index()
-    return triton.jit(kernel, do_not_specialize=do_not_specialize)
+    if not generic:
+        return triton.jit(kernel, do_not_specialize=do_not_specialize)
+    runtime = runtime_params(kernel)
+    return triton.jit(kernel, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
+
+
+def runtime_params(kernel: Callable[..., Any]) -> list[str]:
+    """The names of `kernel`'s arguments that are not `tl.constexpr`."""
+    parameters = inspect.signature(kernel).parameters.items()
+    return [name for name, param in parameters if "constexpr" not in str(param.annotation)]
 
 
 def check_device(kernel: str, tensors: Sequence[torch.Tensor], interpret: bool) -> None:

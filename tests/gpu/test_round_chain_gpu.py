@@ -5,10 +5,14 @@ buffers while the round before it still runs. Skipped without a GPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.unit.test_decode_ahead import _engine, _release
 from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them here)
+    _run,
     target_dir,
     test_an_outcome_not_among_the_hints_drops_only_its_share,
     test_chained_rounds_are_taken_and_give_the_same_tokens,
@@ -24,3 +28,24 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def device() -> str:
     return "cuda"
+
+
+def _variants() -> int:
+    """The placement kernels' compiled variants on every device."""
+    from specsplit.kernels import place_chain
+
+    kernels = [place_chain._jitted(name, False) for name in ("forward", "accept")]
+    return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+
+
+def test_chained_rounds_compile_nothing_after_the_warm_up(target_dir: Path) -> None:  # noqa: F811
+    """The engine's warm-up compiles the placement kernels (one variant each) for its graphs'
+    shapes; chained rounds of other page sizes, trees and batches (the acceptance's inputs at
+    other offsets) compile nothing more (a compile stalls the round for hundreds of ms)."""
+    _engine(target_dir, False, "cuda")  # warmed up
+    assert _variants() == 2
+    for nodes, page_size in ((3, 4), (3, 16), (2, 1)):
+        plain, chained, was_chained = _run(target_dir, "cuda", 2, page_size, nodes=nodes)
+        _release(plain, chained)
+        assert was_chained == [True, True]
+    assert _variants() == 2

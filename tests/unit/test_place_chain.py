@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from specsplit.kernels import place_chain
 from specsplit.kernels.place_chain import (
     place_accept,
     place_accept_reference,
     place_forward,
     place_forward_reference,
 )
+from specsplit.kernels.triton_jit import jit, runtime_params
 from specsplit.messages import AheadTree, NextTrees, VerifyInput
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import page_window
@@ -109,7 +111,16 @@ def test_the_kernels_place_each_outcome_as_the_references_do(page_size: int) -> 
         draft = torch.full((b + 2, width), -3, dtype=torch.int64)
         base = torch.full((b + 2,), -3, dtype=torch.int64)
         window = torch.full((b + 2, pages), -3, dtype=torch.int64)
-        got = [t.clone() for t in (draft, base, window)]
+        # the kernel's as a Layout's parts: views of one flat buffer, at an odd offset
+        flat = torch.full((1 + draft.numel() + base.numel() + window.numel(),), -3)
+        got = [
+            piece.view(t.shape)
+            for piece, t in zip(
+                flat[1:].split([t.numel() for t in (draft, base, window)]),
+                (draft, base, window),
+                strict=True,
+            )
+        ]
         place_accept_reference(
             chain.committed, chain.tokens, chain.table, page_size, draft, base, window
         )
@@ -137,6 +148,26 @@ def test_the_wrappers_refuse_what_they_cannot_run() -> None:
     draft = torch.zeros(8, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="int64"):
         place_accept(chain.committed, chain.tokens, chain.table, 4, draft, draft[:, 0], draft)
+
+
+def test_the_kernels_compile_once_for_every_offset_and_count() -> None:
+    """No runtime argument gets a variant per value or per pointer alignment (a Layout's parts
+    sit at offsets that vary with the graph bucket; a compile would stall a chained round for
+    hundreds of milliseconds), and the block sizes have floors that the warm-up compiles."""
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    for kernel in (place_chain._place_forward_kernel, place_chain._place_accept_kernel):
+        params = {p.name: p for p in jit(kernel, generic=True).params}
+        runtime = runtime_params(kernel)
+        assert {"Q", "table_ptr", "page_size"} <= set(runtime)
+        assert not any("BLOCK" in name for name in runtime)
+        for name, param in params.items():
+            assert param.do_not_specialize == (name in runtime), name
+            assert param.do_not_specialize_on_alignment == (name in runtime), name
+    assert place_chain._block(4, place_chain.BLOCK_Q) == place_chain._block(17, 32) == 32
+    assert place_chain._block(33, place_chain.BLOCK_Q) == 64
 
 
 def test_the_kernels_run_on_the_cpu_only_interpreted() -> None:
