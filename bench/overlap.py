@@ -211,6 +211,12 @@ def main() -> None:
         help="`up --decode-ahead` (the verifier runs decode steps ahead)",
     )
     parser.add_argument(
+        "--chain-rounds",
+        choices=("on", "auto", "off"),
+        default=None,
+        help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
+    )
+    parser.add_argument(
         "--decode-steps",
         default=None,
         help="`up --decode-steps` (tokens a plain round decodes; default: its own)",
@@ -276,6 +282,8 @@ def main() -> None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
         if args.decode_steps is not None:
             flags += ("--decode-steps", args.decode_steps)
+        if args.chain_rounds is not None:
+            flags += ("--chain-rounds", args.chain_rounds)
         if synthetic:
             flags += ("--synthetic-acceptance", args.synthetic_acceptance)
         with services(args, flags) as stub:

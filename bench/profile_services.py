@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument(
         "--chain-rounds",
         default=None,
-        choices=("on", "off"),
+        choices=("on", "auto", "off"),
         help="`up --chain-rounds` (default: its own, off): hinted rounds chained on the device",
     )
     parser.add_argument(

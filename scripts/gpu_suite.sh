@@ -202,10 +202,11 @@ for part in "${parts[@]}"; do
           --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
       done ;;
     chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
-      # the device behind the round in flight (--chain-rounds on) and launched after the
-      # answer (off), batch 1 / 8 ($CHAIN_BATCH: others)
+      # the device behind the round in flight (--chain-rounds on; auto: where the chaining
+      # ends before that round) and launched after the answer (off), batch 1 / 8
+      # ($CHAIN_BATCH, $CHAIN_MODES: others)
       mirror_8b
-      for chain in on off; do
+      for chain in ${CHAIN_MODES:-on auto off}; do
         run "chain8b_$chain" python3 bench/profile_services.py --model /tmp/mirror8b \
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
           --batch ${CHAIN_BATCH:-1 8} --max-new-tokens 128 --top 0 --overlap ahead \
@@ -214,12 +215,13 @@ for part in "${parts[@]}"; do
     gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
       # on its own, in the same run): it explores groups, draft-ahead with and without the
       # hint, and serial rounds per batch size during the warm-up, then runs its choice
-      # ($GATED_MODES, $GATED_BATCH: others, e.g. "serial ahead gated", "8 32")
+      # ($GATED_MODES, $GATED_BATCH: others, e.g. "serial ahead gated", "8 32"; $GATED_CHAIN:
+      # the verifier's --chain-rounds)
       mirror_8b
       run gated8b python3 bench/overlap.py --model /tmp/mirror8b "${devices[@]}" \
         --drafter model --draft-model /tmp/mirror8b_draft --batch ${GATED_BATCH:-1 8 32} \
         --max-new-tokens 128 --modes ${GATED_MODES:-serial gated} \
-        --synthetic-acceptance 0.8,0.7,0.6 ;;
+        ${GATED_CHAIN:+--chain-rounds "$GATED_CHAIN"} --synthetic-acceptance 0.8,0.7,0.6 ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;

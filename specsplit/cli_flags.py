@@ -150,10 +150,10 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         "with the gateway's draft-ahead hints: queue the hinted next round on the GPU right"
         " behind the round in flight, placed on the outcome that came by two device kernels"
         " (no wait between the rounds), instead of launching it once the round is answered;"
-        " off: its host work comes after the hint and before the round's end, and on two H100s"
-        " it did not gain yet (bench/RESULTS.md)"
+        " on: for every hint that comes while its round runs; auto: where that host work ends"
+        " before the round does (by the last rounds' times at that batch size); off"
     )
-    flag(parser, "--chain-rounds", "off", chain_help, choices=("on", "off"))
+    flag(parser, "--chain-rounds", "off", chain_help, choices=("on", "auto", "off"))
     synthetic_help = (
         "BENCHMARKS ONLY, NOT LOSSLESS: accept the first child at depth d with the d-th of these"
         " comma-separated rates (the last for deeper levels) instead of the target's choice, so"

@@ -38,6 +38,7 @@ from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import (
     Chain,
+    ChainClock,
     place_accept,
     place_forward,
     resolve,
@@ -138,9 +139,12 @@ class VerifierEngine(RunAhead):
         self.launch_on_hint = False
         # with launch_on_hint, chain a hinted round on the device behind the round in flight
         # (`_chain`, verifier/chain.py) instead of launching it after that round's answer
-        # (`--chain-rounds`). Off by default: its host work comes after the hint and before the
-        # round's end; on two H100s (8B target) it gained nothing yet (bench/RESULTS.md)
-        self.chain_rounds = False
+        # (`--chain-rounds`): "on" for every hint that comes while its round is in flight,
+        # "auto" where the chaining's host work ends before that round does (`chain_clock`),
+        # "off". Its host work comes after the hint: ending after the round, it holds the
+        # round's answer back
+        self.chain_rounds = "off"
+        self.chain_clock = ChainClock()
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
@@ -391,6 +395,8 @@ class VerifierEngine(RunAhead):
             self._in_flight.remove(launched)
         # the results read and committed (not a round's further decode steps, nor a launch)
         self._report_gap("finish", time.perf_counter_ns() - started)
+        if self.chain_rounds == "auto":
+            self.chain_clock.ran(launched)
         self.hints.round_finished(launched.inputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         if further:
@@ -576,6 +582,7 @@ class VerifierEngine(RunAhead):
         tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
         yet). chain: `inputs` are a chained round's reference, placed on the device on the
         outcomes that came (verifier/chain.py)."""
+        queued_ns = time.perf_counter_ns()
         started = None
         if self.device.type == "cuda":  # before any of the round's device work
             started = torch.cuda.Event(enable_timing=True)
@@ -609,7 +616,7 @@ class VerifierEngine(RunAhead):
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
         if packed.device.type != "cuda":
-            return Launched(inputs, seqs, packed, hidden)
+            return Launched(inputs, seqs, packed, hidden, queued_ns=queued_ns)
         host = to_host(packed)
         copied = torch.cuda.Event(enable_timing=True)
         copied.record()
@@ -618,7 +625,7 @@ class VerifierEngine(RunAhead):
         idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]
         return Launched(
             inputs, seqs, packed, hidden, host=host, copied=copied, started=started,
-            idle_from=idle_from,
+            idle_from=idle_from, queued_ns=queued_ns,
         )  # fmt: skip
 
     def _finish(self, launched: Launched) -> list[VerifyOutput]:

@@ -28,7 +28,7 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
-    chain_rounds: bool = False,
+    chain_rounds: str = "off",
     synthetic_acceptance: tuple[float, ...] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
@@ -63,7 +63,7 @@ async def serve(
         engine.on_gap = metrics.observe_verifier_gap
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop
-        engine.chain_rounds = chain_rounds and on_loop
+        engine.chain_rounds = chain_rounds if on_loop else "off"
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)
