@@ -285,8 +285,9 @@ def _round(num_seqs: int, device_ms: float, parts: int = 1) -> VerifyRound:
 
 def test_the_chain_clock_chains_what_ends_before_the_round_by_batch_size() -> None:
     """ChainClock: the median of the last rounds' device times (one-launch rounds only) and of
-    the last chainings' host times, by number of sequences; untimed sizes chain."""
-    clock, ms = ChainClock(window=3), 1_000_000
+    the last chainings' host times, by number of sequences; untimed sizes chain, and every
+    `explore`-th hint judged late in a row."""
+    clock, ms = ChainClock(window=3, explore=4), 1_000_000
     four = _round(4, 6.0)
     assert clock.in_time(four, 0, 100 * ms)  # nothing timed yet
     clock.ran(four)
@@ -299,7 +300,13 @@ def test_the_chain_clock_chains_what_ends_before_the_round_by_batch_size() -> No
     assert clock.in_time(_round(2, 6.0), 0, 100 * ms)  # another size: untimed
     for took in (9 * ms, 9 * ms):  # the window keeps the last 3: 9, 9, 30 -> 9 ms
         clock.chained(four, took)
+    # late (9 > 6 ms): three in a row are not chained, the fourth is (and timed again)
+    assert [clock.in_time(four, 0, 0) for _ in range(8)] == [False] * 3 + [True] + [False] * 3 + [
+        True
+    ]
     assert not clock.in_time(four, 0, 0)
+    clock.chained(four, 1 * ms)  # 9, 30 -> 9, 9, 1 ms: median 9 still; the count starts over
+    assert [clock.in_time(four, 0, 0) for _ in range(4)] == [False] * 3 + [True]
 
 
 @pytest.mark.parametrize("asked", [None, "on", "auto", "off"])
