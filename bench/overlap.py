@@ -212,7 +212,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--chain-rounds",
-        choices=("on", "auto", "off"),
+        choices=("on", "off"),
         default=None,
         help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
     )

@@ -252,8 +252,8 @@ def main() -> None:
     parser.add_argument(
         "--chain-rounds",
         default=None,
-        choices=("on", "auto", "off"),
-        help="`up --chain-rounds` (default: its own, off): hinted rounds chained on the device",
+        choices=("on", "off"),
+        help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
     )
     parser.add_argument(
         "--synthetic-acceptance",

@@ -202,15 +202,16 @@ for part in "${parts[@]}"; do
           --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
       done ;;
     chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
-      # the device behind the round in flight (--chain-rounds on; auto: where the chaining
-      # ends before that round) and launched after the answer (off), batch 1 / 8
+      # the device behind the round in flight (--chain-rounds on, every batch size:
+      # --chain-max-batch 64) and launched after the answer (off), batch 1 / 8
       # ($CHAIN_BATCH, $CHAIN_MODES: others)
       mirror_8b
-      for chain in ${CHAIN_MODES:-on auto off}; do
+      for chain in ${CHAIN_MODES:-on off}; do
         run "chain8b_$chain" python3 bench/profile_services.py --model /tmp/mirror8b \
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
           --batch ${CHAIN_BATCH:-1 8} --max-new-tokens 128 --top 0 --overlap ahead \
-          --verify-ahead on --chain-rounds "$chain" --synthetic-acceptance 0.8,0.7,0.6
+          --verify-ahead on --chain-rounds "$chain" --chain-max-batch 64 \
+          --synthetic-acceptance 0.8,0.7,0.6
       done ;;
     gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
       # on its own, in the same run): it explores groups, draft-ahead with and without the

@@ -97,6 +97,11 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # step is host-bound there and the figures swing between machines), so larger rounds run nothing
 # ahead until that is understood
 DECODE_AHEAD_MAX_BATCH = 16
+# --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
+# target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
+# 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
+# in the round and the chaining's host work holds its answer back; 2-4 not measured yet
+CHAIN_MAX_BATCH = 1
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
 
@@ -147,13 +152,19 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
     )
     chain_help = (
-        "with the gateway's draft-ahead hints: queue the hinted next round on the GPU right"
-        " behind the round in flight, placed on the outcome that came by two device kernels"
-        " (no wait between the rounds), instead of launching it once the round is answered;"
-        " on: for every hint that comes while its round runs; auto: where that host work ends"
-        " before the round does (by the last rounds' times at that batch size); off"
+        "with the gateway's draft-ahead hints and the engine's calls on the event loop (a"
+        " GPU's): queue the hinted next round on the GPU right behind the round in flight,"
+        " placed on the outcome that came by two device kernels (no wait between the rounds),"
+        " instead of launching it once the round is answered (bench/RESULTS.md)"
     )
-    flag(parser, "--chain-rounds", "off", chain_help, choices=("on", "auto", "off"))
+    flag(parser, "--chain-rounds", "on", chain_help, choices=("on", "off"))
+    flag(
+        parser,
+        "--chain-max-batch",
+        CHAIN_MAX_BATCH,
+        "--chain-rounds only for rounds of at most this many sequences",
+        type=int,
+    )
     synthetic_help = (
         "BENCHMARKS ONLY, NOT LOSSLESS: accept the first child at depth d with the d-th of these"
         " comma-separated rates (the last for deeper levels) instead of the target's choice, so"

@@ -108,7 +108,8 @@ def serve_verifier(args: argparse.Namespace) -> int:
         "kv_memory_fraction": args.kv_memory_fraction,
         "decode_ahead": decode_ahead(args, kwargs["device"]),
         "decode_ahead_max_batch": args.decode_ahead_max_batch,
-        "chain_rounds": args.chain_rounds,
+        "chain_rounds": args.chain_rounds == "on",
+        "chain_max_batch": args.chain_max_batch,
         "synthetic_acceptance": args.synthetic_acceptance,
     }
     asyncio.run(serve(args.listen, _model_path(args), **kwargs, **graphs))

@@ -139,6 +139,8 @@ def child_commands(
             str(args.decode_ahead_max_batch),
             "--chain-rounds",
             args.chain_rounds,
+            "--chain-max-batch",
+            str(args.chain_max_batch),
             *_opt("--synthetic-acceptance", _rates(args.synthetic_acceptance)),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],

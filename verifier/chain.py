@@ -19,8 +19,6 @@ dropped: its K/V writes sit past its committed length, where its next round writ
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +31,7 @@ from specsplit.messages import NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch, to_device
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import padded, window_pages
-from verifier.rounds import Launched, VerifyRound
+from verifier.rounds import Launched
 
 
 @dataclass
@@ -173,53 +171,6 @@ def place_accept(parts: list[torch.Tensor], chain: Chain) -> None:
     _, draft, _, base, window = parts
     place = place_chain.place_accept if _on_gpu(chain) else place_chain.place_accept_reference
     place(chain.committed, chain.tokens, chain.table, chain.page_size, draft, base, window)
-
-
-class ChainClock:
-    """Whether a chained round's host work would end before the round in flight does (`--chain-
-    rounds auto`), by the round's number of sequences: the median of the last rounds' device
-    time (their CUDA events: one launch each) and of the last chainings' host time. A size not
-    timed yet chains (and is timed then), and so does every `explore`-th hint in a row judged
-    late (a first chaining's time, slowed by what it did first, does not rule out the rest)."""
-
-    def __init__(self, window: int = 8, explore: int = 16) -> None:
-        self._window = window
-        self._explore = explore
-        self._device: dict[int, deque[int]] = {}  # nanoseconds
-        self._host: dict[int, deque[int]] = {}
-        self._late: dict[int, int] = {}  # hints judged late in a row, by size
-
-    def ran(self, launched: VerifyRound) -> None:
-        """A finished round's device time (its results read: its events have run)."""
-        if len(launched.parts) != 1:
-            return
-        part = launched.parts[0]
-        if part.started is not None and part.copied is not None:
-            took = int(part.started.elapsed_time(part.copied) * 1e6)
-            self._add(self._device, len(launched.inputs), took)
-
-    def chained(self, launched: VerifyRound, nanoseconds: int) -> None:
-        """The host time of a round chained behind `launched`."""
-        self._add(self._host, len(launched.inputs), nanoseconds)
-        self._late.pop(len(launched.inputs), None)
-
-    def in_time(self, launched: VerifyRound, since_ns: int, now_ns: int) -> bool:
-        """Whether chaining behind `launched` (on the device from `since_ns` at the latest)
-        from `now_ns` on would end before it does."""
-        b = len(launched.inputs)
-        device, host = self._device.get(b), self._host.get(b)
-        if not device or not host:
-            return True
-        if now_ns + statistics.median(host) <= since_ns + statistics.median(device):
-            return True
-        self._late[b] = self._late.get(b, 0) + 1
-        if self._late[b] < self._explore:
-            return False
-        del self._late[b]  # timed again
-        return True
-
-    def _add(self, times: dict[int, deque[int]], num_seqs: int, nanoseconds: int) -> None:
-        times.setdefault(num_seqs, deque(maxlen=self._window)).append(nanoseconds)
 
 
 def warm_up_chain(device: torch.device, query_lens: Sequence[int], page_size: int) -> None:

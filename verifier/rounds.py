@@ -54,7 +54,6 @@ class Launched:
     # time between the two, read once both have run (VerifierEngine.on_idle)
     started: torch.cuda.Event | None = None
     idle_from: torch.cuda.Event | None = None
-    queued_ns: int = 0  # when its launch began (host clock, perf_counter_ns)
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy

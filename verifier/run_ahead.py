@@ -19,7 +19,7 @@ from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
 from specsplit.model.batch import on_device
 from specsplit.step import page_tables
 from specsplit.tree import DraftTree
-from verifier.chain import ChainClock, chain_inputs, chainable, joined_results
+from verifier.chain import chain_inputs, chainable, joined_results
 from verifier.hints import HintBook
 from verifier.rounds import UNKNOWN_TOKEN, Launched, VerifierSeq, VerifyRound, decode_step, is_step
 
@@ -34,8 +34,8 @@ class RunAhead:
     max_context: int
     hints: HintBook
     launch_on_hint: bool
-    chain_rounds: str
-    chain_clock: ChainClock
+    chain_rounds: bool
+    chain_max_batch: int
     decode_ahead_max_batch: int
     num_ahead_used: int
     num_ahead_dropped: int
@@ -57,23 +57,19 @@ class RunAhead:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the
         round they name finishes (`finish` launches the next round on them) or the sequence
         is released or truncated. With `launch_on_hint` a hint for the round in flight chains
-        the next round on the device behind it (`_chain`), and one for the round that finished
-        last launches the next round here when none has started since; else only stores them
-        (one dict entry each), so it may be called while a round runs on another thread, and a
-        hint for a round already finished is never used."""
+        the next round on the device behind it (`_chain`; with chain_rounds, for a round of at
+        most chain_max_batch sequences: else it launches after the answer), and one for the
+        round that finished last launches the next round here when none has started since; else
+        only stores them (one dict entry each), so it may be called while a round runs on
+        another thread, and a hint for a round already finished is never used."""
         kept = self.hints.store(hints, self.seqs)
-        if self.launch_on_hint and self.chain_rounds != "off" and len(self._in_flight) == 1:
+        if self.launch_on_hint and self.chain_rounds and len(self._in_flight) == 1:
             launched = self._in_flight[0]
-            started = time.perf_counter_ns()
-            # "auto": only where the chaining ends before the round does (else the round's
-            # answer would wait for it): launched once the answer went out instead
-            since = max(launched.parts[0].queued_ns, self._finished_ns)
-            if self.chain_rounds == "on" or self.chain_clock.in_time(launched, since, started):
+            if len(launched.inputs) <= self.chain_max_batch:  # else launched after the answer
+                started = time.perf_counter_ns()
                 with on_device(self.device):
                     if self._chain(launched):
-                        took = time.perf_counter_ns() - started
-                        self._report_gap("chain", took)
-                        self.chain_clock.chained(launched, took)
+                        self._report_gap("chain", time.perf_counter_ns() - started)
             return
         self._launch_finished(kept)
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from specsplit.messages import AheadTree, NextTrees, VerifyInput
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import PROMPTS, Driver, _chain, _engine, _release, _same
-from verifier.chain import ChainClock, resolve
+from verifier.chain import resolve
 from verifier.engine import VerifierEngine
-from verifier.rounds import Launched, VerifyRound
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +41,8 @@ def _shaped_like(tree: DraftTree, shift: int) -> DraftTree:
 def _chained_engine(target_dir: Path, device: str, page_size: int, **kwargs: object) -> Driver:
     driver = Driver(_engine(target_dir, False, device, page_size=page_size))
     driver.engine.launch_on_hint = True  # the service's, where its calls run on the loop
-    driver.engine.chain_rounds = "on"
+    driver.engine.chain_rounds = True
+    driver.engine.chain_max_batch = 64
     for name, value in kwargs.items():
         setattr(driver.engine, name, value)
     return driver
@@ -242,84 +241,31 @@ def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None
     assert chained[1].kv_committed_len == chained[2].kv_committed_len == -1  # never taken
 
 
-class _Late(ChainClock):
-    def in_time(self, launched: VerifyRound, since_ns: int, now_ns: int) -> bool:
-        return False
-
-
-def test_auto_chains_only_where_the_chaining_ends_before_the_round(
+def test_rounds_of_more_sequences_than_the_max_batch_are_not_chained(
     target_dir: Path, device: str
 ) -> None:
-    """--chain-rounds auto: where the chaining would end after the round in flight does, the
-    hint waits for the round's answer (as without chaining); where it ends before (and on the
-    CPU, which has no device times, always), the round is chained. The same tokens either way."""
+    """--chain-max-batch: a hint for a round of more sequences waits for the round's answer (as
+    without chaining); the same tokens."""
     PHASES.clear()
-    plain, late, was_chained = _run(
-        target_dir, device, rounds=3, chain_rounds="auto", chain_clock=_Late()
-    )
+    plain, late, was_chained = _run(target_dir, device, rounds=3, chain_max_batch=1)
     assert was_chained == [False] * 3 and PHASES == ["finish"] * 3
     _same(plain, late, _room(late))
     _release(plain, late)
-    plain, in_time, was_chained = _run(target_dir, device, rounds=3, chain_rounds="auto")
-    assert was_chained == [True] * 3
-    _same(plain, in_time, _room(in_time))
-    _release(plain, in_time)
 
 
-class _Event:
-    def __init__(self, ms: float) -> None:
-        self.ms = ms
-
-    def elapsed_time(self, end: _Event) -> float:
-        return end.ms - self.ms
-
-
-def _round(num_seqs: int, device_ms: float, parts: int = 1) -> VerifyRound:
-    inputs = [VerifyInput(f"s{i}", False, 0, [1], DraftTree()) for i in range(num_seqs)]
-    launched = [
-        Launched(inputs, [], torch.zeros(1), None, started=_Event(0.0), copied=_Event(device_ms))  # type: ignore[arg-type]
-        for _ in range(parts)
-    ]
-    return VerifyRound(inputs, list(range(num_seqs)), launched, None)
-
-
-def test_the_chain_clock_chains_what_ends_before_the_round_by_batch_size() -> None:
-    """ChainClock: the median of the last rounds' device times (one-launch rounds only) and of
-    the last chainings' host times, by number of sequences; untimed sizes chain, and every
-    `explore`-th hint judged late in a row."""
-    clock, ms = ChainClock(window=3, explore=4), 1_000_000
-    four = _round(4, 6.0)
-    assert clock.in_time(four, 0, 100 * ms)  # nothing timed yet
-    clock.ran(four)
-    clock.ran(_round(4, 60.0, parts=2))  # a round taken in parts: not timed
-    assert clock.in_time(four, 0, 100 * ms)  # no chaining timed yet
-    for took in (2 * ms, 2 * ms, 30 * ms):  # the median: 2 ms
-        clock.chained(four, took)
-    assert clock.in_time(four, 0, 4 * ms) and not clock.in_time(four, 0, 4 * ms + 1)
-    assert clock.in_time(four, 5 * ms, 9 * ms)  # on the device from 5 ms: it ends at 11 ms
-    assert clock.in_time(_round(2, 6.0), 0, 100 * ms)  # another size: untimed
-    for took in (9 * ms, 9 * ms):  # the window keeps the last 3: 9, 9, 30 -> 9 ms
-        clock.chained(four, took)
-    # late (9 > 6 ms): three in a row are not chained, the fourth is (and timed again)
-    assert [clock.in_time(four, 0, 0) for _ in range(8)] == [False] * 3 + [True] + [False] * 3 + [
-        True
-    ]
-    assert not clock.in_time(four, 0, 0)
-    clock.chained(four, 1 * ms)  # 9, 30 -> 9, 9, 1 ms: median 9 still; the count starts over
-    assert [clock.in_time(four, 0, 0) for _ in range(4)] == [False] * 3 + [True]
-
-
-@pytest.mark.parametrize("asked", [None, "on", "auto", "off"])
-def test_chained_rounds_are_off_unless_asked_and_up_passes_the_flag_to_the_verifier(
+@pytest.mark.parametrize("asked", [None, "on", "off"])
+def test_chained_rounds_are_on_unless_asked_off_and_up_passes_the_flags_to_the_verifier(
     asked: str | None,
 ) -> None:
-    """--chain-rounds (off by default) goes from `up` to the verifier's command line."""
+    """--chain-rounds (on by default, for rounds of one sequence: --chain-max-batch) goes from
+    `up` to the verifier's command line."""
     from specsplit import cli, up
 
-    extra = [] if asked is None else ["--chain-rounds", asked]
+    extra = [] if asked is None else ["--chain-rounds", asked, "--chain-max-batch", "4"]
     commands = up.child_commands(cli.parse_args(["up", *extra]))
     child = cli.parse_args(commands["verifier"][3:])  # after python -m specsplit.cli
-    assert child.chain_rounds == (asked or "off")
+    assert child.chain_rounds == (asked or "on")
+    assert child.chain_max_batch == (1 if asked is None else 4)
 
 
 def test_the_devices_idle_time_before_a_round_comes_from_its_timestamps(
