@@ -5,6 +5,7 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
+#       [profile8b-verifier]
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -44,7 +45,8 @@
 # (bench/random_model.py --mirror-draft; synthetic acceptance), batch 1 / 8 / 32, serial, ahead
 # with and without verify ahead, groups; gated8b: the overlap gate's choices on that system
 # (bench/overlap.py --modes serial gated); chain8b: draft-ahead on that system with hinted rounds
-# chained on the device (--chain-rounds on) and without;
+# chained on the device (--chain-rounds on) and without; profile8b-verifier: that system with
+# draft-ahead at batch 32, the services cProfiled;
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable).
@@ -213,6 +215,14 @@ for part in "${parts[@]}"; do
           --verify-ahead on --chain-rounds "$chain" --chain-max-batch 64 \
           --synthetic-acceptance 0.8,0.7,0.6
       done ;;
+    profile8b-verifier)  # the critical8b system with draft-ahead at batch 32 ($PROFILE_BATCH:
+      # others), each service's main thread cProfiled: where the verifier's host work between
+      # rounds goes (launch ~3 ms, answer ~2 ms there on two H100s), and the gateway's
+      mirror_8b
+      run profile8b_verifier python3 bench/profile_services.py --model /tmp/mirror8b \
+        "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
+        --batch ${PROFILE_BATCH:-32} --max-new-tokens 128 --top 45 --sort tottime cumulative \
+        --overlap ahead --verify-ahead on --synthetic-acceptance 0.8,0.7,0.6 ;;
     gated8b)  # the overlap gate's choices on the critical8b system (serial, and draft-ahead
       # on its own, in the same run): it explores groups, draft-ahead with and without the
       # hint, and serial rounds per batch size during the warm-up, then runs its choice
