@@ -318,9 +318,8 @@ class VerifierEngine(RunAhead):
                     self.graphs.capture(q, aux, max_batch=max_batch)
         if self.accept_graphs is not None:  # trees up to the largest graph's query length
             self.accept_graphs.capture_all(max(self.graph_query_lens) - 1)
-        if self.kv.device.type == "cuda":
-            warm_up_chain(self.device, self.graph_query_lens, self.kv.page_size)
         if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
+            warm_up_chain(self.device, self.graph_query_lens, self.kv.page_size)
             self._rehearse()
 
     def _rehearse(self) -> None:
