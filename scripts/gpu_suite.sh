@@ -216,8 +216,8 @@ for part in "${parts[@]}"; do
           --synthetic-acceptance 0.8,0.7,0.6
       done ;;
     profile8b-verifier)  # the critical8b system with draft-ahead at batch 32 ($PROFILE_BATCH:
-      # others), each service's main thread cProfiled: where the verifier's host work between
-      # rounds goes (launch ~3 ms, answer ~2 ms there on two H100s), and the gateway's
+      # others), each service's main thread cProfiled: where the verifier's ~3 ms of host work
+      # launching a round goes there on two H100s, and the gateway's
       mirror_8b
       run profile8b_verifier python3 bench/profile_services.py --model /tmp/mirror8b \
         "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
