@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from specsplit.acceptance import AcceptResult
-from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
+from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
-    MAX_DECODE_STEPS,
     Truncated,
     Truncation,
     VerifyInput,
@@ -56,6 +55,7 @@ from verifier.rounds import (
     VerifierSeq,
     VerifyRound,
     decode_step,
+    validate_round,
 )
 from verifier.run_ahead import RunAhead
 
@@ -679,53 +679,7 @@ class VerifierEngine(RunAhead):
     # -- checks and memory -----------------------------------------------------------------
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
-        check_seq_ids(inputs, self.seqs, "verifier")
-        if len({item.hidden_state_layers for item in inputs} - {()}) > 1:
-            raise invalid(
-                "hidden_state_layers must be the same for every sequence of a round that asks"
-                " for hidden states"
-            )
-        for item in inputs:
-            # layer i < num_layers: decoder layer i's output; num_layers: after the final norm
-            bad_layers = [x for x in item.hidden_state_layers if not 0 <= x <= self.num_layers]
-            if bad_layers:
-                raise invalid(
-                    f"hidden_state_layers {bad_layers} outside [0, {self.num_layers}] "
-                    f"({self.num_layers} = the last hidden state, after the final norm)"
-                )
-            committed = 0 if item.begin else self.seqs[item.seq_id].kv.kv_committed_len
-            if item.kv_committed_len != committed:
-                raise invalid(
-                    f"kv_committed_len = {item.kv_committed_len} for {item.seq_id!r}, "
-                    f"the verifier has {committed}"
-                )
-            if not item.pending_tokens:
-                raise invalid(f"pending_tokens empty for {item.seq_id!r}")
-            if not 1 <= item.decode_steps <= MAX_DECODE_STEPS:
-                raise invalid(
-                    f"decode_steps = {item.decode_steps} for {item.seq_id!r}: want 1 to "
-                    f"{MAX_DECODE_STEPS}"
-                )
-            if item.decode_steps > 1 and (item.tree or item.hidden_state_layers):
-                raise invalid(
-                    f"{item.seq_id!r}: decode_steps > 1 asks for no tree and no hidden states"
-                )
-            bad = [t for t in item.pending_tokens if not 0 <= t < self.vocab_size]
-            if bad:
-                raise invalid(
-                    f"pending_tokens {bad[:4]} outside the vocabulary [0, {self.vocab_size})"
-                )
-            try:
-                item.tree.validate(self.vocab_size)
-                item.sampling.validate()
-            except ValueError as e:
-                raise invalid(f"{item.seq_id!r}: {e}") from e
-            depth = max(item.tree.depths(), default=0)
-            if committed + len(item.pending_tokens) + depth > self.max_context:
-                raise invalid(
-                    f"{item.seq_id!r}: kv_committed_len + pending_tokens + tree depth exceeds "
-                    f"the context ({self.max_context})"
-                )
+        validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
 
     def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
         """Reserve room for pending + tree of every sequence, or nothing at all."""

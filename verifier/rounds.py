@@ -2,7 +2,8 @@
 the device (Launched: what finishing it needs; VerifyRound: what `VerifierEngine.launch` hands
 the caller for `finish`), and the rounds the verifier runs before they are asked for (a decode
 step run ahead, a round on the gateway's hint): how they are built (`decode_step`), which round a
-hint names (`round_base`) and whether a round asked for is the one run ahead (`is_step`)."""
+hint names (`round_base`) and whether a round asked for is the one run ahead (`is_step`); and
+what makes a round's inputs valid (`validate_round`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specsplit.errors import check_seq_ids, invalid
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
+from specsplit.messages import MAX_DECODE_STEPS, NextTrees, VerifyInput, VerifyOutput
 from specsplit.model.batch import to_device
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -133,3 +135,60 @@ def is_step(item: VerifyInput, guess: VerifyInput) -> bool:
         and item.hidden_state_layers == guess.hidden_state_layers
         and item.sampling == guess.sampling
     )
+
+
+def validate_round(
+    inputs: list[VerifyInput],
+    seqs: dict[str, VerifierSeq],
+    num_layers: int,
+    vocab_size: int,
+    max_context: int,
+) -> None:
+    """INVALID_ARGUMENT unless every item of a round can run on the verifier's sequences
+    `seqs` (known ids, the committed lengths they have, one set of hidden-state layers, tokens
+    in the vocabulary, trees and sampling well formed, within the context)."""
+    check_seq_ids(inputs, seqs, "verifier")
+    if len({item.hidden_state_layers for item in inputs} - {()}) > 1:
+        raise invalid(
+            "hidden_state_layers must be the same for every sequence of a round that asks"
+            " for hidden states"
+        )
+    for item in inputs:
+        # layer i < num_layers: decoder layer i's output; num_layers: after the final norm
+        bad_layers = [x for x in item.hidden_state_layers if not 0 <= x <= num_layers]
+        if bad_layers:
+            raise invalid(
+                f"hidden_state_layers {bad_layers} outside [0, {num_layers}] "
+                f"({num_layers} = the last hidden state, after the final norm)"
+            )
+        committed = 0 if item.begin else seqs[item.seq_id].kv.kv_committed_len
+        if item.kv_committed_len != committed:
+            raise invalid(
+                f"kv_committed_len = {item.kv_committed_len} for {item.seq_id!r}, "
+                f"the verifier has {committed}"
+            )
+        if not item.pending_tokens:
+            raise invalid(f"pending_tokens empty for {item.seq_id!r}")
+        if not 1 <= item.decode_steps <= MAX_DECODE_STEPS:
+            raise invalid(
+                f"decode_steps = {item.decode_steps} for {item.seq_id!r}: want 1 to "
+                f"{MAX_DECODE_STEPS}"
+            )
+        if item.decode_steps > 1 and (item.tree or item.hidden_state_layers):
+            raise invalid(
+                f"{item.seq_id!r}: decode_steps > 1 asks for no tree and no hidden states"
+            )
+        bad = [t for t in item.pending_tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise invalid(f"pending_tokens {bad[:4]} outside the vocabulary [0, {vocab_size})")
+        try:
+            item.tree.validate(vocab_size)
+            item.sampling.validate()
+        except ValueError as e:
+            raise invalid(f"{item.seq_id!r}: {e}") from e
+        depth = max(item.tree.depths(), default=0)
+        if committed + len(item.pending_tokens) + depth > max_context:
+            raise invalid(
+                f"{item.seq_id!r}: kv_committed_len + pending_tokens + tree depth exceeds "
+                f"the context ({max_context})"
+            )
