@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from specsplit.acceptance import AcceptResult
+from specsplit.cli_flags import CHAIN_MAX_BATCH
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
@@ -142,7 +143,7 @@ class VerifierEngine(RunAhead):
         # comes after the hint: where it ends after the round, it holds the round's answer back
         # (on two H100s, 8B target: 1.07x / 1.08x at batch 1, 0.93x at 8, 0.91x at 32)
         self.chain_rounds = False
-        self.chain_max_batch = 1  # the service sets --chain-max-batch
+        self.chain_max_batch = CHAIN_MAX_BATCH
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None

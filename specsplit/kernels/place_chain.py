@@ -236,8 +236,8 @@ def warm_up(device: torch.device, shapes: list[tuple[int, int]]) -> None:
     if importlib.util.find_spec("triton") is None:
         return
     blocks = {(_block(q, BLOCK_Q), _block(w, BLOCK_W)) for q, w in shapes}
+    ints = functools.partial(torch.zeros, dtype=torch.int64, device=device)
     for q, w in sorted(blocks):  # the blocks' own sizes: one outcome, one sequence, one page
-        ints = functools.partial(torch.zeros, dtype=torch.int64, device=device)
         tokens, committed, table = ints(1, q), ints(1), ints(1, 1)
         place_forward(
             ints(1, 2 + q), ints(1), ints(1, 1), ints(1, 1, q), table, 1, ints(q), ints(q),
