@@ -35,6 +35,12 @@ class VerifierClient(Protocol):
         """The verifier's engine time of the last verify round."""
         ...
 
+    @property
+    def last_device_seconds(self) -> float:
+        """The verifier's device time of the last verify round (VerifyResponse.device_ns; 0:
+        not measured)."""
+        ...
+
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
 
     async def hint(self, hints: list[NextTrees]) -> None:

@@ -152,6 +152,7 @@ class StreamClient(Generic[In, Out]):
         if path is not None:
             self.lane = LaneConnection(self.service, path, lane_poll_s, token=self.token)
         self.last_engine_seconds = 0.0  # the engine time of the last round, as reported
+        self.last_device_seconds = 0.0  # and its device time (the verifier's on a GPU; 0: none)
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -183,6 +184,7 @@ class StreamClient(Generic[In, Out]):
         end = time.perf_counter_ns()
         engine_ns = self.rpc.engine_ns(response)
         self.last_engine_seconds = engine_ns / 1e9
+        self.last_device_seconds = self.rpc.device_ns(response) / 1e9
         metrics.RPC_OVERHEAD_SECONDS.labels(self.service).observe(
             max(end - start - engine_ns, 0) / 1e9
         )

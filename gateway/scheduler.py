@@ -338,7 +338,10 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                         plain = mode == "ahead-plain" or self.ahead_miss == "plain"
                         await self.step_ahead(batch, plain, hint=mode != "ahead-unhinted")
                 seconds = time.perf_counter() - start
-                metrics.observe_round(seconds, self.verifier.last_engine_seconds)
+                verifier = self.verifier
+                metrics.observe_round(
+                    seconds, verifier.last_engine_seconds, verifier.last_device_seconds
+                )
                 tokens = self.num_tokens_committed - committed
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"

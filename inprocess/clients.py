@@ -43,6 +43,7 @@ class _LocalClient:
         self.check = check_integrity
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=type(engine).__name__)
         self.last_engine_seconds = 0.0  # the engine time of the last round, on its thread
+        self.last_device_seconds = 0.0  # its device time (pipelined verify rounds; 0: none)
 
     def _timed(self, fn: Callable[[list[Any]], T], arg: list[Any]) -> T:
         start = time.perf_counter()
@@ -115,8 +116,9 @@ class LocalVerifierClient(_LocalClient):
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         if self._pipelined is None:
             return await self._call(self.verifier.verify, inputs, round=True)
-        outputs, nanoseconds = await self._pipelined.verify(inputs)
+        outputs, nanoseconds, device_ns = await self._pipelined.verify(inputs)
         self.last_engine_seconds = nanoseconds / 1e9
+        self.last_device_seconds = device_ns / 1e9
         if self.check:  # on the engine's thread: another round may be launching there
             await self._on_thread(self.engine.check_integrity)
         return outputs

@@ -85,6 +85,14 @@ ROUND_OUTSIDE_VERIFY_SECONDS = Histogram(
     " the gateway's own work)",
     buckets=_OVERHEAD_BUCKETS,
 )
+ROUND_OUTSIDE_DEVICE_SECONDS = Histogram(
+    "specsplit_round_outside_device_seconds",
+    "A round's wall time on the gateway less the verifier's device time for it (CUDA events, its"
+    " first work to its results' copy, however early it ran: on a hint, chained behind the round"
+    " before): the round's critical path outside the verifier's GPU, where work done beside the"
+    " device's rounds counts not at all and host work while the device idles does (a GPU only)",
+    buckets=_OVERHEAD_BUCKETS,
+)
 VERIFIER_WAIT_SECONDS = Histogram(
     "specsplit_verifier_wait_seconds",
     "On the verifier: from a round's finish (its results ready) to the next round of the same"
@@ -352,10 +360,13 @@ def _accepted_drafts_at(depth: int) -> Counter:
     return ACCEPTED_DRAFTS.labels(depth=str(depth))
 
 
-def observe_round(seconds: float, verify_engine_seconds: float) -> None:
-    """A round's wall time on the gateway, and what of it the verifier's engine did not take."""
+def observe_round(seconds: float, verify_engine_seconds: float, device_seconds: float) -> None:
+    """A round's wall time on the gateway, and what of it the verifier's engine did not take
+    (its call, and where measured its device)."""
     ROUND_SECONDS.observe(seconds)
     ROUND_OUTSIDE_VERIFY_SECONDS.observe(max(seconds - verify_engine_seconds, 0.0))
+    if device_seconds > 0:
+        ROUND_OUTSIDE_DEVICE_SECONDS.observe(max(seconds - device_seconds, 0.0))
 
 
 class timed:

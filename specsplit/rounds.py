@@ -37,6 +37,7 @@ class RoundRpc(Generic[In, Out]):
     response_to_proto: Callable[[list[Out], int, convert.Beside | None], Any]  # engine ns
     response_from_proto: Callable[[Any, bytearray | memoryview | None], list[Out]]
     engine_ns: Callable[[Any], int]  # the engine time a response reports
+    device_ns: Callable[[Any], int]  # and its device time (0: not measured)
     seconds: Histogram  # engine time on the service, round trip on the gateway
 
 
@@ -52,6 +53,7 @@ DRAFT: RoundRpc[DraftInput, DraftOutput] = RoundRpc(
     response_to_proto=convert.draft_response_to_proto,
     response_from_proto=convert.draft_response_from_proto,
     engine_ns=lambda response: response.draft_ns,
+    device_ns=lambda response: 0,
     seconds=metrics.DRAFT_SECONDS,
 )
 
@@ -67,5 +69,6 @@ VERIFY: RoundRpc[VerifyInput, VerifyOutput] = RoundRpc(
     response_to_proto=convert.verify_response_to_proto,
     response_from_proto=convert.verify_response_from_proto,
     engine_ns=lambda response: response.verify_ns,
+    device_ns=lambda response: response.device_ns,
     seconds=metrics.VERIFY_SECONDS,
 )

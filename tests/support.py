@@ -241,6 +241,10 @@ class PassThroughVerifier:
     def last_engine_seconds(self) -> float:
         return self.inner.last_engine_seconds
 
+    @property
+    def last_device_seconds(self) -> float:
+        return self.inner.last_device_seconds
+
     async def release(self, seq_ids: list[str]) -> None:
         await self.inner.release(seq_ids)
 

@@ -397,7 +397,7 @@ class VerifierEngine(RunAhead):
         further = any(item.decode_steps > 1 for item in launched.inputs)
         if further:
             with on_device(self.device):
-                self._decode_further(launched.inputs, outputs)
+                launched.device_ns += self._decode_further(launched.inputs, outputs)
         chained = launched.chained
         if chained is not None:  # the next round is queued on the device already
             found = [item.seq_id for item in chained.inputs if item.kv_committed_len >= 0]
@@ -461,13 +461,14 @@ class VerifierEngine(RunAhead):
         ids = set(seq_ids)
         return any(item.seq_id in ids for r in self._in_flight for item in r.inputs)
 
-    def _decode_further(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> None:
+    def _decode_further(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> int:
         """A round's further decode steps (VerifyInput.decode_steps), into its `outputs`: step s
         is a decode round of its own for the items that ask for more than s steps, each
         sequence's last token its input, exactly the round the gateway would send next (on a
         GPU the step run ahead serves it, and the next launches behind it). A step with no room
         (the context, the KV pool) ends its sequences' round where they are: each output says
-        how far it got."""
+        how far it got. Returns the steps' device time, nanoseconds."""
+        device_ns = 0
         for step in range(1, max(item.decode_steps for item in inputs)):
             more = [
                 i
@@ -475,7 +476,7 @@ class VerifierEngine(RunAhead):
                 if item.decode_steps > step and outputs[i].kv_committed_len < self.max_context
             ]
             if not more:
-                return
+                break
             step_inputs = [
                 decode_step(
                     inputs[i].seq_id,
@@ -488,23 +489,23 @@ class VerifierEngine(RunAhead):
             try:
                 # their lengths are the engine's, their tokens the target's, their sampling
                 # the round's (validated), their context checked above: no checks again
-                stepped = self._verify(step_inputs, validated=True)
+                step_round = self._launch_round(step_inputs, validated=True)
             except ServiceError as e:  # nothing of the step happened: the round ends here
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
-                return
+                break
+            stepped = self._finish_round(step_round)
+            device_ns += step_round.device_ns
             for i, out in zip(more, stepped, strict=True):
                 outputs[i].decoded_tokens.append(outputs[i].bonus_token)
                 outputs[i].bonus_token = out.bonus_token
                 outputs[i].kv_committed_len = out.kv_committed_len
-
-    def _verify(self, inputs: list[VerifyInput], validated: bool = False) -> list[VerifyOutput]:
-        """One round. validated: `inputs` need no checks (a round's further decode steps, built
-        here from what the engine committed)."""
-        return self._finish_round(self._launch_round(inputs, validated))
+        return device_ns
 
     @torch.inference_mode()
     def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
+        """A round queued on the device. validated: `inputs` need no checks (a round's further
+        decode steps, built here from what the engine committed)."""
         if not validated:
             self._validate(inputs)
         self.hints.round_started()  # a late hint launches nothing now
@@ -555,6 +556,7 @@ class VerifierEngine(RunAhead):
             for item, out in zip(ahead.inputs, results, strict=True):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
+        launched.device_ns = sum(part.device_ns() for part in launched.parts)
         by_position = dict(zip(launched.order, results, strict=True))
         return [by_position[i] for i in range(len(launched.inputs))]
 
@@ -578,10 +580,6 @@ class VerifierEngine(RunAhead):
         tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
         yet). chain: `inputs` are a chained round's reference, placed on the device on the
         outcomes that came (verifier/chain.py)."""
-        started = None
-        if self.device.type == "cuda":  # before any of the round's device work
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
         steps = []
@@ -594,6 +592,10 @@ class VerifierEngine(RunAhead):
             steps.append(step)
         batch, row_slices = build_forward_batch(steps, self.kv.page_size)
         place = None if chain is None else functools.partial(place_forward, chain=chain)
+        started = None
+        if self.device.type == "cuda":  # before the round's first device work, after its host
+            started = torch.cuda.Event(enable_timing=True)  # building: the device idles there
+            started.record()
         out = None
         if self.graphs is not None:
             out = self.graphs.forward(batch, aux, tokens=tokens, place=place)

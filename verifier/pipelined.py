@@ -38,9 +38,9 @@ class PipelinedRounds:
         self._wait = wait or _poll
         self._changed = asyncio.Condition()  # a round finished
 
-    async def verify(self, inputs: list[VerifyInput]) -> tuple[list[VerifyOutput], int]:
-        """The round's outputs and its nanoseconds from launch to finish (the wait for the
-        rounds before it to allow the launch excluded)."""
+    async def verify(self, inputs: list[VerifyInput]) -> tuple[list[VerifyOutput], int, int]:
+        """The round's outputs, its nanoseconds from launch to finish (the wait for the rounds
+        before it to allow the launch excluded) and its device time (`VerifyRound.device_ns`)."""
         engine = self.engine
         async with self._changed:
             await self._changed.wait_for(lambda: engine.can_launch(inputs))
@@ -58,7 +58,7 @@ class PipelinedRounds:
                     self._changed.notify_all()
         if engine.launch_on_hint:  # the hinted next rounds, once this task has answered
             asyncio.get_running_loop().call_soon(engine.launch_parked)
-        return outputs, time.perf_counter_ns() - start
+        return outputs, time.perf_counter_ns() - start, launched.device_ns
 
     async def settle(self, seq_ids: list[str] | None) -> None:
         """Wait until no round in flight holds any of `seq_ids` (None: any sequence)."""

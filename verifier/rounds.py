@@ -65,6 +65,13 @@ class Launched:
         rows: list[list[int]] = (self.packed if self.host is None else self.host).tolist()
         return rows
 
+    def device_ns(self) -> int:
+        """Its device time, nanoseconds: from its first work to its results' copy (CUDA events,
+        once both have run; 0 off a GPU). A part of a round run ahead counts that round whole."""
+        if self.started is None or self.copied is None:
+            return 0
+        return round(self.started.elapsed_time(self.copied) * 1e6)
+
     def own_results(self, device: torch.device) -> torch.Tensor:
         """`inputs`' rows of `packed` on the device, in their order: a view, or for a part
         (`rows` set) those rows gathered (the index crosses without a wait)."""
@@ -96,6 +103,9 @@ class VerifyRound:
     ahead: Launched | None  # the next decode step, launched behind this round
     # the next round on the gateway's hint, chained on the device behind this one (`_chain`)
     chained: Launched | None = None
+    # once finished: its device time, nanoseconds (its parts' and further decode steps'; 0 off
+    # a GPU)
+    device_ns: int = 0
 
     def ready(self) -> bool:
         """Whether the device is done with the round's results (finish will not wait)."""

@@ -100,7 +100,7 @@ class RunAhead:
         gateway sends next when it goes on decoding them all (each bonus token its one pending
         token, the same sampling). A decode round's commit is known before its tokens are (its
         pending tokens, no drafts): the step is built on the KV lengths that commit makes, and
-        each bonus token goes to it device to device (`_verify` writes them into its inputs
+        each bonus token goes to it device to device (`_finish_round` writes them into its inputs
         once known). On a GPU it runs back to back with the round while the host commits,
         answers and the gateway works; `_take_ahead` keeps it only for the next round's items
         that are exactly that step, so it changes no output (a sampled step draws from each

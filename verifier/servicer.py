@@ -30,7 +30,7 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
     round_call = (rounds.VERIFY, VerifierEngine.verify)
     VerifyStream = EngineServicer.round_stream
 
-    async def engine_round(self, inputs: list[Any]) -> tuple[list[Any], int]:
+    async def engine_round(self, inputs: list[Any]) -> tuple[list[Any], int, int]:
         pipelined = self.pipelined()
         if pipelined is None:  # on the engine thread: one whole round at a time
             return await super().engine_round(inputs)

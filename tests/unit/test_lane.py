@@ -42,6 +42,7 @@ from specsplit.server import ServiceHost
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from verifier.engine import VerifierEngine
+from verifier.rounds import Launched
 from verifier.servicer import VerifierServicer
 
 PROMPT = list(range(10, 30))
@@ -70,13 +71,17 @@ def _with_verifier(
     tmp_path: Path,
     body: Callable[[ServiceHost, str], Awaitable[None]],
     tcp: bool = False,
+    calls_on_loop: bool = False,
 ) -> None:
-    """Run `body(host, address)` against a verifier service on a Unix socket (or on TCP)."""
+    """Run `body(host, address)` against a verifier service on a Unix socket (or on TCP).
+    calls_on_loop: its engine's calls on the event loop, rounds pipelined (as on a GPU)."""
     address = "127.0.0.1:0" if tcp else f"unix:{tmp_path}/verifier.sock"
 
     async def run() -> None:
         servicer = VerifierServicer(
-            lambda: VerifierEngine.load(str(target), num_pages=64), orphan_grace_s=0.2
+            lambda: VerifierEngine.load(str(target), num_pages=64),
+            orphan_grace_s=0.2,
+            calls_on_loop=calls_on_loop,
         )
         host = ServiceHost(servicer, address, grace=0.1)
         await host.start()
@@ -608,3 +613,37 @@ def test_a_drafter_on_a_gpu_reads_lane_rows_into_page_locked_memory_or_its_own_i
     assert isinstance(servicer.rows_buffer(64), bytearray)
     assert asked == [(16, torch.device("cuda", 1)), (32, torch.device("cuda", 1))]
     servicer.engine.close()
+
+
+@pytest.mark.parametrize("round_lane", [True, False], ids=["lane", "grpc"])
+def test_a_rounds_device_time_reaches_the_gateway_in_its_answer(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, round_lane: bool
+) -> None:
+    """The verifier's device time for a round (`Launched.device_ns`, CUDA events on a GPU;
+    stood in here by a fixed time a part, the CPU having no device clock) goes into its
+    VerifyResponse.device_ns and the gateway's client reads it (last_device_seconds), on the
+    lane and on gRPC; with its engine calls on a thread the service measures none (0)."""
+    monkeypatch.setattr(Launched, "device_ns", lambda self: 1_500_000)
+
+    async def body(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address, round_lane=round_lane)
+        try:
+            assert await _decode(client, "a", 2)
+            assert client.last_device_seconds == pytest.approx(1.5e-3)  # one part a round
+            assert client.last_engine_seconds > 0
+            await client.release(["a"])
+        finally:
+            await client.close()
+
+    _with_verifier(target, tmp_path, body, calls_on_loop=True)
+
+    async def on_thread(host: ServiceHost, address: str) -> None:
+        client = GrpcVerifierClient(address, round_lane=round_lane)
+        try:
+            assert await _decode(client, "b", 1)
+            assert client.last_device_seconds == 0.0
+            await client.release(["b"])
+        finally:
+            await client.close()
+
+    _with_verifier(target, tmp_path, on_thread)

@@ -52,6 +52,25 @@ def test_every_round_is_timed_and_its_verify_engine_time_taken_out(
     assert stack.scheduler.verifier.last_engine_seconds > 0
 
 
+def test_a_rounds_time_outside_the_verifiers_device_is_its_wall_less_the_device_time() -> None:
+    """observe_round: with the verifier's device time reported (a GPU), the round's wall less
+    it goes to specsplit_round_outside_device_seconds (never below 0: the device time of a
+    round run ahead may outlast the round's wall on the gateway); without, nothing does."""
+    name = "specsplit_round_outside_device_seconds"
+
+    def sample(kind: str) -> float:
+        return REGISTRY.get_sample_value(f"{name}_{kind}") or 0.0
+
+    count, total = sample("count"), sample("sum")
+    metrics.observe_round(0.010, 0.0095, 0.0091)
+    assert sample("count") == count + 1
+    assert sample("sum") - total == pytest.approx(0.0009)
+    metrics.observe_round(0.010, 0.002, 0.0)  # not measured: a CPU
+    metrics.observe_round(0.010, 0.002, 0.012)  # ran before the round asked for it
+    assert sample("count") == count + 2
+    assert sample("sum") - total == pytest.approx(0.0009)
+
+
 @dataclass
 class _Seq:
     last_token_ns: int | None = None

@@ -38,6 +38,10 @@ class _StallingVerifier:
     def last_engine_seconds(self) -> float:
         return self.inner.last_engine_seconds
 
+    @property
+    def last_device_seconds(self) -> float:
+        return self.inner.last_device_seconds
+
     async def release(self, seq_ids: list[str]) -> None:
         if self.stall:
             await asyncio.Event().wait()  # never answers
