@@ -35,7 +35,7 @@ from inprocess.stack import build_local_stack  # noqa: E402
 from specsplit.messages import SpecParams  # noqa: E402
 from specsplit.model.loader import load_tokenizer  # noqa: E402
 from specsplit.prompt import apply_chat_template  # noqa: E402
-from verifier.engine import GRAPH_QUERY_LENS  # noqa: E402
+from verifier.warmup import GRAPH_QUERY_LENS  # noqa: E402
 
 
 def kernels_built() -> set[str]:

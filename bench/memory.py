@@ -32,7 +32,8 @@ from inprocess.clients import LocalDrafterClient, LocalVerifierClient
 from specsplit.cli_flags import DRAFTER_KV_MEMORY_FRACTION, SHARED_DRAFTER_KV_MEMORY_FRACTION
 from specsplit.kv_cache import KVCache
 from specsplit.messages import SpecParams
-from verifier.engine import GRAPH_QUERY_LENS, VerifierEngine
+from verifier.engine import VerifierEngine
+from verifier.warmup import GRAPH_QUERY_LENS
 
 GIB = 2**30
 

@@ -35,6 +35,7 @@ class GroupRounds:
     _commit: Callable[[list[Sequence], list[DraftTree], list[VerifyOutput]], None]
     _commit_and_stream: Callable[[Round], None]
     _stream: Callable[..., None]
+    _sent_then_stream: Callable[[Awaitable[list[DraftTree]]], Awaitable[list[DraftTree]]]
 
     def _init_groups(self) -> None:
         self._group: dict[str, int] = {}  # seq id -> 0 or 1
@@ -49,13 +50,14 @@ class GroupRounds:
         """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
         turns. This round's Verify is one group's, with the trees drafted for it during the
         last round, most often already sent then (`_early`); while the verifier works, the
-        gateway commits the other group's last round (detokenizing, stop rules, streaming: off
-        the verifier's path), the drafter drafts that group's next trees and their Verify goes
-        out at once, so the verifier has it before this one is done (it runs the two back to
-        back). The verified group's outputs are committed next round. A sequence with no tree
-        drafted ahead (new, or after a fault) is drafted first; with one group empty a round
-        commits, drafts and verifies in turn. A round that fails commits what it can first:
-        the last round's outputs and the early Verify's."""
+        gateway commits the other group's last round, sends its next Draft and streams its
+        chunks while the drafter drafts (detokenizing, stop strings, streaming: off the path to
+        the next Verify), and that group's Verify goes out as soon as its trees come, so the
+        verifier has it before this one is done (it runs the two back to back). The verified
+        group's outputs are committed next round. A sequence with no tree drafted ahead (new,
+        or after a fault) is drafted first; with one group empty a round commits, drafts and
+        verifies in turn. A round that fails commits what it can first: the last round's
+        outputs and the early Verify's."""
         self._assign_groups(running)
         early, self._early = self._early, None
         if early is not None:
@@ -93,13 +95,16 @@ class GroupRounds:
                     if pending is not None:
                         self._commit(*pending)
                         pending = None
-                    self._stream()  # and what earlier serial or draft-ahead rounds committed
                     ahead = [
                         seq
                         for seq in ahead
                         if not (seq.finished or seq.cancelled or seq.seq_id in self._drafted)
                     ]
-                    drafted = await self._draft(ahead)
+                    # the committed group's chunks (and what earlier serial or draft-ahead
+                    # rounds committed) stream once its next Draft is on its way: the Draft,
+                    # then its Verify, are the path to the verifier's next round
+                    drafted = await self._sent_then_stream(self._draft(ahead))
+                    self._stream()  # where the Draft needed no RPC
                     for seq, tree in zip(ahead, drafted, strict=True):
                         self._drafted[seq.seq_id] = tree
                     self._send_early(running, 1 - turn)

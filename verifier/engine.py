@@ -27,21 +27,17 @@ from specsplit.messages import (
     VerifyOutput,
     truncate_each,
 )
-from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import on_device
-from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, verify_step
-from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import (
     Chain,
     place_accept,
     place_forward,
     resolve,
-    warm_up_chain,
 )
 from verifier.hints import HintBook
 from verifier.round_accept import (
@@ -59,6 +55,7 @@ from verifier.rounds import (
     validate_round,
 )
 from verifier.run_ahead import RunAhead
+from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +65,6 @@ log = logging.getLogger(__name__)
 # "chain": a hinted round chained on the device behind the round in flight (its host work, done
 # while the device runs that round: it leaves no wait)
 GAP_PHASES = ("finish", "answer", "launch", "chain")
-
-
-# query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
-# 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
-GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
-# and prefills (a prompt + its first tree, a session's next turn, a resumed sequence's tokens
-# since its last features) of up to 128 tokens, at most PREFILL_MAX_BATCH at once: the eager
-# forward is host-bound (SmolLM2 on an H100: 27-48 ms a step for ~1 ms of GPU time)
-PREFILL_QUERY_LENS = (32, 64, 128)
-PREFILL_MAX_BATCH = 4
 
 
 class VerifierEngine(RunAhead):
@@ -283,87 +270,12 @@ class VerifierEngine(RunAhead):
         wait, self.on_wait = self.on_wait, None
         try:
             with on_device(self.device):
-                self._warmup()
+                warm_up(self)
         finally:
             self.on_decode_ahead, self.on_wait = report, wait
             self._waiting = None
             self.num_ahead_used = self.num_ahead_dropped = 0
             self.num_next_used = self.num_next_dropped = 0
-
-    def _warmup(self) -> None:
-        out = self.verify(
-            [VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))]
-        )
-        self.verify(
-            [
-                VerifyInput(
-                    "__warmup__",
-                    False,
-                    out[0].kv_committed_len,
-                    [out[0].bonus_token],
-                    DraftTree([5, 6], [-1, -1]),
-                )
-            ]
-        )
-        self.release(["__warmup__"])
-        self.check_integrity()
-        warm_up_attention(self.kv, self.model.config.num_heads)
-        if self.graphs is not None:
-            for q in self.graph_query_lens:
-                self.graphs.capture(q)
-            # prefills with and without an EAGLE-3 head's hidden states (of every prompt token)
-            layers = default_aux_layers(self.model.config.num_layers)
-            for q in self.prefill_query_lens:
-                max_batch = min(PREFILL_MAX_BATCH, self.graphs.batch_sizes[-1])
-                for aux in ((), layers):
-                    self.graphs.capture(q, aux, max_batch=max_batch)
-        if self.accept_graphs is not None:  # trees up to the largest graph's query length
-            self.accept_graphs.capture_all(max(self.graph_query_lens) - 1)
-        if self.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
-            warm_up_chain(self.device, self.graph_query_lens, self.kv.page_size)
-            self._rehearse()
-
-    def _rehearse(self) -> None:
-        """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
-        a prefill with a tree, a second sequence joining, rounds with and without hidden
-        states (the graphs for the default EAGLE-3 layers are captured here, not on the first
-        request), trees, plain decode, one sequence and two. On a GPU this builds what the
-        capture does not: the eager steps' compiled kernels for inference tensors, 1 row and
-        many (torch.compile specialises both)."""
-        # an EAGLE-3 head's layers, as most heads read (a head reading others has its graphs
-        # with hidden states captured on its first round)
-        layers = default_aux_layers(self.model.config.num_layers)
-        chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
-        tokens = {"__warmup_a__": list(range(3, 23)), "__warmup_b__": list(range(5, 12))}
-        committed = dict.fromkeys(tokens, 0)
-        rounds: list[list[tuple[str, DraftTree, tuple[int, ...]]]] = [
-            [("__warmup_a__", chain, layers)],
-            [("__warmup_a__", chain, layers), ("__warmup_b__", tree, layers)],
-            [("__warmup_a__", DraftTree(), layers), ("__warmup_b__", DraftTree(), ())],
-            [("__warmup_b__", tree, ())],
-            [("__warmup_a__", chain, layers)],
-            [("__warmup_a__", DraftTree(), ())],
-        ]
-        for batch in rounds:
-            inputs = [
-                VerifyInput(
-                    seq_id,
-                    committed[seq_id] == 0,
-                    committed[seq_id],
-                    tokens[seq_id][committed[seq_id] :],
-                    draft,
-                    hidden_state_layers=aux,
-                )
-                for seq_id, draft, aux in batch
-            ]
-            for out in self.verify(inputs):
-                tokens[out.seq_id][out.kv_committed_len :] = [
-                    *out.accepted_tokens,
-                    out.bonus_token,
-                ]
-                committed[out.seq_id] = out.kv_committed_len
-        self.release(list(tokens))
-        self.check_integrity()
 
     # -- the round -------------------------------------------------------------------------
 

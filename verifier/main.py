@@ -10,8 +10,9 @@ from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
-from verifier.engine import GRAPH_QUERY_LENS, VerifierEngine
+from verifier.engine import VerifierEngine
 from verifier.servicer import VerifierServicer
+from verifier.warmup import GRAPH_QUERY_LENS
 
 
 async def serve(

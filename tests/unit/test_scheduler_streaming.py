@@ -13,10 +13,18 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from gateway.clients import VerifierClient
+from gateway.clients import DrafterClient, VerifierClient
 from gateway.request import GenerationRequest
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    DraftInput,
+    DraftOutput,
+    SpecParams,
+    Truncated,
+    Truncation,
+    VerifyInput,
+    VerifyOutput,
+)
 from tests.support import (
     TINY_VOCAB,
     PassThroughVerifier,
@@ -140,3 +148,49 @@ def test_a_verifier_failure_streams_the_committed_round_before_waiting(
     # (the fourth Verify) was sent, not only once it was on its way
     first_sent, fourth_sent = watching.calls[0][0], watching.calls[3][0]
     assert fourth_sent - first_sent == 2
+
+
+class _WatchingDrafter:
+    """The real drafter client; for each Draft, the tokens streamed to clients when it was sent
+    and when it answered."""
+
+    def __init__(self, inner: DrafterClient) -> None:
+        self.inner = inner
+        self.calls: list[tuple[float, float]] = []
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        sent = _streamed_tokens()
+        await asyncio.sleep(0.005)  # the request is on its way; the drafter works
+        self.calls.append((sent, _streamed_tokens()))
+        return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        return await self.inner.truncate(items)
+
+
+def test_groups_stream_the_committed_group_while_its_next_draft_is_in_flight(
+    target: Path, smollm2_tokenizer
+) -> None:
+    """Pipelined groups: the group verified last round is committed, its next Draft sent, and
+    only then its chunks made and streamed (during that Draft), not between the commit and the
+    Draft (the Draft, then its Verify, are the path to the verifier's next round). Same tokens
+    as the target alone."""
+    expected_stack = make_stack(target, "ngram", smollm2_tokenizer, TARGET_ONLY)
+    expected = [generated_ids(c) for c in generate_all(expected_stack, _requests(4))]
+    stack = make_stack(
+        target, "model", smollm2_tokenizer, SpecParams(2, 1, 2), overlap="groups",
+        early_verify=True,
+    )  # fmt: skip
+    watching = _WatchingDrafter(stack.scheduler.drafter)
+    stack.scheduler.drafter = watching
+    out = generate_all(stack, _requests(4))
+    assert [generated_ids(c) for c in out] == expected
+    streamed_during = [after > sent for sent, after in watching.calls]
+    # every Draft after a group's first commit streams that group's tokens while it is out
+    # (the first two draft the groups' first trees, with nothing committed before them)
+    assert sum(streamed_during) >= len(watching.calls) // 2, watching.calls
+    assert all(chunks[-1].finish_reason == "length" for chunks in out)
+    check_no_leaks(stack)

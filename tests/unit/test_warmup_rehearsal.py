@@ -17,6 +17,7 @@ from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
 from verifier.engine import VerifierEngine
+from verifier.warmup import rehearse
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_verifier_rehearsal_leaves_nothing(models) -> None:
     engine = VerifierEngine(
         model, make_kv_cache(config, 64, 16, torch.float32, "cpu"), 256, config.vocab_size
     )
-    engine._rehearse()
+    rehearse(engine)
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs
 

@@ -1,0 +1,121 @@
+"""The verifier engine's warm-up (`VerifierEngine.warmup`): a throwaway sequence's prefill and
+tree round, then on a GPU the CUDA graphs of the round shapes traffic runs, the acceptance
+graphs, the chained rounds' placement kernels and a rehearsal of rounds as traffic runs them,
+so that no request pays a capture or a compile."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specsplit.kv_cache import KVCache
+from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.model.attention import warm_up_attention
+from specsplit.model.config import default_aux_layers
+from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.llama import LlamaModel
+from specsplit.tree import DraftTree
+from verifier.accept_graphs import AcceptGraphs
+from verifier.chain import warm_up_chain
+
+# query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
+# 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
+GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
+# and prefills (a prompt + its first tree, a session's next turn, a resumed sequence's tokens
+# since its last features) of up to 128 tokens, at most PREFILL_MAX_BATCH at once: the eager
+# forward is host-bound (SmolLM2 on an H100: 27-48 ms a step for ~1 ms of GPU time)
+PREFILL_QUERY_LENS = (32, 64, 128)
+PREFILL_MAX_BATCH = 4
+
+
+class Engine(Protocol):
+    """What of `VerifierEngine` the warm-up uses."""
+
+    model: LlamaModel
+    kv: KVCache
+    device: torch.device
+    graphs: CudaGraphRunner | None
+    accept_graphs: AcceptGraphs | None
+    graph_query_lens: tuple[int, ...]
+    prefill_query_lens: tuple[int, ...]
+
+    def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]: ...
+
+    def release(self, seq_ids: list[str]) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
+
+def warm_up(engine: Engine) -> None:
+    """The warm-up's rounds and captures, on the engine's device (its counts and reports
+    are `VerifierEngine.warmup`'s)."""
+    out = engine.verify([VerifyInput("__warmup__", True, 0, [0, 1, 2], DraftTree([3, 4], [-1, 0]))])
+    engine.verify(
+        [
+            VerifyInput(
+                "__warmup__",
+                False,
+                out[0].kv_committed_len,
+                [out[0].bonus_token],
+                DraftTree([5, 6], [-1, -1]),
+            )
+        ]
+    )
+    engine.release(["__warmup__"])
+    engine.check_integrity()
+    warm_up_attention(engine.kv, engine.model.config.num_heads)
+    if engine.graphs is not None:
+        for q in engine.graph_query_lens:
+            engine.graphs.capture(q)
+        # prefills with and without an EAGLE-3 head's hidden states (of every prompt token)
+        layers = default_aux_layers(engine.model.config.num_layers)
+        for q in engine.prefill_query_lens:
+            max_batch = min(PREFILL_MAX_BATCH, engine.graphs.batch_sizes[-1])
+            for aux in ((), layers):
+                engine.graphs.capture(q, aux, max_batch=max_batch)
+    if engine.accept_graphs is not None:  # trees up to the largest graph's query length
+        engine.accept_graphs.capture_all(max(engine.graph_query_lens) - 1)
+    if engine.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
+        warm_up_chain(engine.device, engine.graph_query_lens, engine.kv.page_size)
+        rehearse(engine)
+
+
+def rehearse(engine: Engine) -> None:
+    """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
+    a prefill with a tree, a second sequence joining, rounds with and without hidden states
+    (the graphs for the default EAGLE-3 layers are captured here, not on the first request),
+    trees, plain decode, one sequence and two. On a GPU this builds what the capture does not:
+    the eager steps' compiled kernels for inference tensors, 1 row and many (torch.compile
+    specialises both). Leaves no sequence behind."""
+    # an EAGLE-3 head's layers, as most heads read (a head reading others has its graphs
+    # with hidden states captured on its first round)
+    layers = default_aux_layers(engine.model.config.num_layers)
+    chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
+    tokens = {"__warmup_a__": list(range(3, 23)), "__warmup_b__": list(range(5, 12))}
+    committed = dict.fromkeys(tokens, 0)
+    rounds: list[list[tuple[str, DraftTree, tuple[int, ...]]]] = [
+        [("__warmup_a__", chain, layers)],
+        [("__warmup_a__", chain, layers), ("__warmup_b__", tree, layers)],
+        [("__warmup_a__", DraftTree(), layers), ("__warmup_b__", DraftTree(), ())],
+        [("__warmup_b__", tree, ())],
+        [("__warmup_a__", chain, layers)],
+        [("__warmup_a__", DraftTree(), ())],
+    ]
+    for batch in rounds:
+        inputs = [
+            VerifyInput(
+                seq_id,
+                committed[seq_id] == 0,
+                committed[seq_id],
+                tokens[seq_id][committed[seq_id] :],
+                draft,
+                hidden_state_layers=aux,
+            )
+            for seq_id, draft, aux in batch
+        ]
+        for out in engine.verify(inputs):
+            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+    engine.release(list(tokens))
+    engine.check_integrity()
