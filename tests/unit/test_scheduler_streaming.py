@@ -60,6 +60,14 @@ def _streamed_tokens() -> float:
     return REGISTRY.get_sample_value("specsplit_generated_tokens_total") or 0.0
 
 
+async def _in_flight(calls: list[tuple[float, float]]) -> None:
+    """A call's request on its way and the service at work (5 ms): the tokens streamed to
+    clients when it was sent and when it answered, into `calls`."""
+    sent = _streamed_tokens()
+    await asyncio.sleep(0.005)
+    calls.append((sent, _streamed_tokens()))
+
+
 class _Watching(PassThroughVerifier):
     """The real verifier client; for each Verify, the tokens streamed to clients (the gateway's
     counter) when it was sent and when it answered."""
@@ -70,9 +78,7 @@ class _Watching(PassThroughVerifier):
         self.calls: list[tuple[float, float]] = []
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        sent = _streamed_tokens()
-        await asyncio.sleep(0.005)  # the request is on its way; the verifier works
-        self.calls.append((sent, _streamed_tokens()))
+        await _in_flight(self.calls)
         if len(self.calls) == self.fail_at:
             raise ServiceError(Code.INVALID_ARGUMENT, "refused")
         return await self.inner.verify(inputs)
@@ -159,9 +165,7 @@ class _WatchingDrafter:
         self.calls: list[tuple[float, float]] = []
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        sent = _streamed_tokens()
-        await asyncio.sleep(0.005)  # the request is on its way; the drafter works
-        self.calls.append((sent, _streamed_tokens()))
+        await _in_flight(self.calls)
         return await self.inner.draft(inputs)
 
     async def release(self, seq_ids: list[str]) -> None:
