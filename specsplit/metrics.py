@@ -104,7 +104,8 @@ VERIFIER_WAIT_SECONDS = Histogram(
 VERIFIER_IDLE_SECONDS = Histogram(
     "specsplit_verifier_idle_seconds",
     "On the verifier's GPU, from the CUDA event timestamps: its idle time from the end of a round"
-    " (its results' copy) to the start of the next round launched (its first work) where the two"
+    " (its results' copy) to the start of the next round launched (its first device work, after"
+    " its host building: the device idles there) where the two"
     " share a sequence, however the next launched (on the request, on the gateway's hint, or"
     " chained behind the round in flight); the device's own view of the wait between rounds",
     buckets=(0.0, *_OVERHEAD_BUCKETS),

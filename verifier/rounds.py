@@ -51,9 +51,10 @@ class Launched:
     # a round chained on the device behind the round it follows (verifier/chain.py): the hints
     # it was built from, in its inputs' order
     chain_hints: list[NextTrees] | None = None
-    # on a GPU: recorded before the round's first device work, and the end (`copied`) of the
-    # last round launched before it when that one shared a sequence with it: the device's idle
-    # time between the two, read once both have run (VerifierEngine.on_idle)
+    # on a GPU: recorded before the round's first device work (after its host building), and
+    # the end (`copied`) of the last round launched before it when that one shared a sequence
+    # with it: the device's idle time between the two, read once both have run
+    # (VerifierEngine.on_idle)
     started: torch.cuda.Event | None = None
     idle_from: torch.cuda.Event | None = None
 
