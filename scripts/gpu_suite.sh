@@ -5,7 +5,9 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier]
+#       [profile8b-verifier] [tests-1] [tests-2]
+# tests-1 / tests-2: tests/gpu in two halves, one a call (the whole suite took ~700 s on a cold
+# two-H100 machine in the thirty-fourth session, past one call's 600 s)
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -89,6 +91,10 @@ random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_
 for part in "${parts[@]}"; do
   case $part in
     tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest
+      mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
+        '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
+      run "$part" python3 -m pytest -q -p no:cacheprovider "${half[@]}" ;;
     engine)
       run engine_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 8 32 64 \
         --verify-n 4 8 16 32 64 --verify-batch 1 8 32 --steps 20 --compile-batch 1
