@@ -69,6 +69,12 @@ def service_pids(directory: Path) -> list[int]:
     return pids
 
 
+def observed(buckets: Buckets, key: tuple[str, str, tuple[tuple[str, str], ...]]) -> bool:
+    """Whether the histogram `key` has any sample (a GPU's only: none on the CPU)."""
+    counts = cumulative_counts(buckets, key)
+    return bool(counts) and counts[-1][1] > 0
+
+
 def print_critical_path(buckets: Buckets) -> None:
     """p50 / p99 (bucket upper bounds) of the round's critical path outside the verifier's
     engine (the gateway's `specsplit_round_outside_verify_seconds`: both RPCs' overhead, a
@@ -81,7 +87,7 @@ def print_critical_path(buckets: Buckets) -> None:
     p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
     print(f"  gateway round outside the verifier's engine: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
     key = ("gateway", "specsplit_round_outside_device_seconds", ())
-    if cumulative_counts(buckets, key):  # the verifier on a GPU
+    if observed(buckets, key):  # the verifier on a GPU
         p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
         device = "gateway round outside the verifier's device (CUDA events)"
         print(f"  {device}: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
@@ -91,7 +97,7 @@ def print_critical_path(buckets: Buckets) -> None:
     none = f", none {counts[0][1]:.0f} of {counts[-1][1]:.0f}" if counts else ""
     print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms{none}")
     key = ("verifier", "specsplit_verifier_idle_seconds", ())
-    if cumulative_counts(buckets, key):
+    if observed(buckets, key):
         p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
         idle = "verifier GPU idle before a round (CUDA events)"
         print(f"  {idle}: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
@@ -264,6 +270,13 @@ def main() -> None:
         help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
     )
     parser.add_argument(
+        "--early-verify",
+        default=None,
+        choices=("on", "off"),
+        help="`up --early-verify` (default: its own, off): groups send the other group's Verify"
+        " as soon as its trees are drafted",
+    )
+    parser.add_argument(
         "--synthetic-acceptance",
         default=None,
         metavar="RATES",
@@ -280,6 +293,8 @@ def main() -> None:
         extra += ("--verify-ahead", args.verify_ahead)
     if args.chain_rounds:
         extra += ("--chain-rounds", args.chain_rounds)
+    if args.early_verify:
+        extra += ("--early-verify" if args.early_verify == "on" else "--no-early-verify",)
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]

@@ -201,13 +201,17 @@ for part in "${parts[@]}"; do
       # bench/random_model.py --mirror-draft: its first layer; synthetic acceptance 0.8 / 0.7 /
       # 0.6, timing only), so that draft-ahead's guesses hit at an 8B target's verify time
       mirror_8b
-      # ahead-unhinted: --verify-ahead off; $CRITICAL_MODES: fewer (the call's 10 minutes)
+      # ahead-unhinted: --verify-ahead off; groups-early: groups with --early-verify;
+      # $CRITICAL_MODES: fewer or others (the call's 10 minutes)
       for mode in ${CRITICAL_MODES:-serial ahead ahead-unhinted groups}; do
         hint=on && [[ $mode == ahead-unhinted ]] && hint=off
+        early=off && [[ $mode == groups-early ]] && early=on
+        overlap=${mode%-unhinted} && overlap=${overlap%-early}
         run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
           "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 \
-          --max-new-tokens 128 --top 0 --overlap "${mode%-unhinted}" --verify-ahead "$hint" \
-          --synthetic-acceptance 0.8,0.7,0.6 --services-log "$out/critical8b_services.log"
+          --max-new-tokens 128 --top 0 --overlap "$overlap" --verify-ahead "$hint" \
+          --early-verify "$early" --synthetic-acceptance 0.8,0.7,0.6 \
+          --services-log "$out/critical8b_services.log"
       done ;;
     chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
       # the device behind the round in flight (--chain-rounds on, every batch size:
