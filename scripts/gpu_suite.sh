@@ -5,7 +5,9 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier] [tests-1] [tests-2]
+#       [profile8b-verifier] [tests-1] [tests-2] [hinted]
+# hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
+# on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU ops
 # tests-1 / tests-2: tests/gpu in two halves, one a call (the whole suite took ~700 s on a cold
 # two-H100 machine in the thirty-fourth session, past one call's 600 s)
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
@@ -91,6 +93,9 @@ random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_
 for part in "${parts[@]}"; do
   case $part in
     tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    hinted)
+      run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
+        --device "cuda:$((gpus - 1))" --batch 1 8 32 --profile torch ;;
     tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')

@@ -102,6 +102,12 @@ DECODE_AHEAD_MAX_BATCH = 16
 # 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
 # in the round and the chaining's host work holds its answer back; 2-4 not measured yet
 CHAIN_MAX_BATCH = 1
+# --chain-min-guess-rate: a chained round whose outcome the hint did not guess is dropped after
+# the device ran it (a whole verify lost), one guessed saves the device's wait between rounds
+# (0.3-0.8 ms at batch 1 against a 6.4 ms verify, 8B target on an H100: bench/RESULTS.md), so
+# chaining pays only where nearly every outcome is guessed (break-even there ~0.9); draft-ahead
+# with the shipped SmolLM2 head guessed 29-49% of rounds
+CHAIN_MIN_GUESS_RATE = 0.9
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
 
@@ -164,6 +170,15 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         CHAIN_MAX_BATCH,
         "--chain-rounds only for rounds of at most this many sequences",
         type=int,
+    )
+    flag(
+        parser,
+        "--chain-min-guess-rate",
+        CHAIN_MIN_GUESS_RATE,
+        "--chain-rounds only while at least this share of the last rounds with a hint had their"
+        " outcome among the hint's (a chained round whose outcome was missed costs the device a"
+        " whole round); 0 = always",
+        type=float,
     )
     synthetic_help = (
         "BENCHMARKS ONLY, NOT LOSSLESS: accept the first child at depth d with the d-th of these"

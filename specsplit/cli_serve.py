@@ -110,6 +110,7 @@ def serve_verifier(args: argparse.Namespace) -> int:
         "decode_ahead_max_batch": args.decode_ahead_max_batch,
         "chain_rounds": args.chain_rounds == "on",
         "chain_max_batch": args.chain_max_batch,
+        "chain_min_guess_rate": args.chain_min_guess_rate,
         "synthetic_acceptance": args.synthetic_acceptance,
     }
     asyncio.run(serve(args.listen, _model_path(args), **kwargs, **graphs))

@@ -141,6 +141,8 @@ def child_commands(
             args.chain_rounds,
             "--chain-max-batch",
             str(args.chain_max_batch),
+            "--chain-min-guess-rate",
+            str(args.chain_min_guess_rate),
             *_opt("--synthetic-acceptance", _rates(args.synthetic_acceptance)),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],

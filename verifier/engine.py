@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from specsplit.acceptance import AcceptResult
-from specsplit.cli_flags import CHAIN_MAX_BATCH
+from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
@@ -131,6 +131,9 @@ class VerifierEngine(RunAhead):
         # (on two H100s, 8B target: 1.07x / 1.08x at batch 1, 0.93x at 8, 0.91x at 32)
         self.chain_rounds = False
         self.chain_max_batch = CHAIN_MAX_BATCH
+        # ... and only while the hints' guess rate (`HintBook.guess_rate`) is at least this (a
+        # chained round whose outcome was not guessed is dropped after the device ran it)
+        self.chain_min_guess_rate = CHAIN_MIN_GUESS_RATE
         self.num_next_used = 0
         self.num_next_dropped = 0
         self.on_round_ahead: Callable[[str], None] | None = None
@@ -305,7 +308,7 @@ class VerifierEngine(RunAhead):
             self._in_flight.remove(launched)
         # the results read and committed (not a round's further decode steps, nor a launch)
         self._report_gap("finish", time.perf_counter_ns() - started)
-        self.hints.round_finished(launched.inputs)
+        self.hints.round_finished(launched.inputs, outputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         if further:
             with on_device(self.device):

@@ -6,7 +6,7 @@ launches the rounds (`VerifierEngine._launch_next`) and counts the ones taken or
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Container
 
 from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
@@ -20,6 +20,10 @@ from verifier.rounds import round_base
 # work queued), "off" (the gateway sent no hint for that round: VerifyInput.unhinted, the
 # overlap gate's draft-ahead rounds without hints)
 NOT_AHEAD_REASONS = ("late", "stale", "unguessed", "refused", "busy", "off")
+# the guess rate (`HintBook.guess_rate`): over the last GUESS_WINDOW sequence rounds that had a
+# hint for them, once GUESS_MIN_ROUNDS have
+GUESS_WINDOW = 32
+GUESS_MIN_ROUNDS = 8
 
 
 class HintBook:
@@ -37,6 +41,9 @@ class HintBook:
         self.missed: dict[str, int] = {}
         self.num_not_ahead: Counter[str] = Counter()
         self.on_not_ahead: Callable[[str], None] | None = None
+        # per sequence round that had a hint for it, lately: whether its outcome was among
+        # the hint's (`guess_rate`)
+        self.guessed: deque[bool] = deque(maxlen=GUESS_WINDOW)
 
     def store(self, hints: list[NextTrees], known: Container[str]) -> list[str]:
         """Keep `hints` by sequence (only for sequences in `known`: nothing would ever drop the
@@ -56,15 +63,27 @@ class HintBook:
         """Whether a finished round needs looking at: hints kept, or sequences that send them."""
         return bool(self.next or self.hinting)
 
-    def round_finished(self, inputs: list[VerifyInput]) -> None:
-        """A round of `inputs` finished: the round before it waits for no hint now, and which of
-        its sequences had one is noted (`hinted`)."""
+    def round_finished(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> None:
+        """A round of `inputs` finished (answered by `outputs`): the round before it waits for
+        no hint now, which of its sequences had one is noted (`hinted`), and for each hint
+        that named this round whether it guessed the outcome (`guess_rate`)."""
         self.finished.clear()
-        for item in inputs:
-            if item.seq_id in self.next:
-                self.hinted.add(item.seq_id)
-            else:
+        for item, out in zip(inputs, outputs, strict=True):
+            hint = self.next.get(item.seq_id)
+            if hint is None:
                 self.hinted.discard(item.seq_id)
+                continue
+            self.hinted.add(item.seq_id)
+            if hint.base == round_base(out):
+                outcome = [*out.accepted_tokens, out.bonus_token]
+                self.guessed.append(any(t.tokens == outcome for t in hint.trees))
+
+    def guess_rate(self) -> float | None:
+        """The share of the last sequence rounds with a hint whose outcome was among the
+        hint's (GUESS_WINDOW of them); None before GUESS_MIN_ROUNDS."""
+        if len(self.guessed) < GUESS_MIN_ROUNDS:
+            return None
+        return sum(self.guessed) / len(self.guessed)
 
     def round_started(self) -> None:
         """A round started: the sequences waiting for their hints have none run ahead now

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from specsplit import metrics
-from specsplit.cli_flags import CHAIN_MAX_BATCH
+from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
 from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
@@ -32,15 +32,16 @@ async def serve(
     decode_ahead_max_batch: int = 64,
     chain_rounds: bool = False,
     chain_max_batch: int = CHAIN_MAX_BATCH,
+    chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
     synthetic_acceptance: tuple[float, ...] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
-    --engine-calls (specsplit.engine_servicer.calls_on_loop). chain_rounds, chain_max_batch:
-    --chain-rounds, --chain-max-batch (VerifierEngine's, chaining where the engine's calls run
-    on the event loop)."""
+    --engine-calls (specsplit.engine_servicer.calls_on_loop). chain_rounds, chain_max_batch,
+    chain_min_guess_rate: --chain-rounds, --chain-max-batch, --chain-min-guess-rate
+    (VerifierEngine's, chaining where the engine's calls run on the event loop)."""
     load_engine = partial(
         VerifierEngine.load,
         model_path,
@@ -69,6 +70,7 @@ async def serve(
         engine.launch_on_hint = on_loop
         engine.chain_rounds = chain_rounds and on_loop
         engine.chain_max_batch = chain_max_batch
+        engine.chain_min_guess_rate = chain_min_guess_rate
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)

@@ -36,6 +36,7 @@ class RunAhead:
     launch_on_hint: bool
     chain_rounds: bool
     chain_max_batch: int
+    chain_min_guess_rate: float
     decode_ahead_max_batch: int
     num_ahead_used: int
     num_ahead_dropped: int
@@ -65,13 +66,24 @@ class RunAhead:
         kept = self.hints.store(hints, self.seqs)
         if self.launch_on_hint and self.chain_rounds and len(self._in_flight) == 1:
             launched = self._in_flight[0]
-            if len(launched.inputs) <= self.chain_max_batch:  # else launched after the answer
-                started = time.perf_counter_ns()
+            if len(launched.inputs) <= self.chain_max_batch and self._guessing():
+                started = time.perf_counter_ns()  # (else launched after the answer)
                 with on_device(self.device):
                     if self._chain(launched):
                         self._report_gap("chain", time.perf_counter_ns() - started)
             return
         self._launch_finished(kept)
+
+    def _guessing(self) -> bool:
+        """Whether the hints guess outcomes often enough to chain on them: a chained round
+        whose outcome the hint missed is dropped after the device ran it (a whole round's
+        device time lost), where a round launched after the answer runs only for an outcome
+        guessed (or a miss run plain). Unknown before the first rounds: not yet, unless
+        chain_min_guess_rate is 0."""
+        if self.chain_min_guess_rate <= 0:
+            return True
+        rate = self.hints.guess_rate()
+        return rate is not None and rate >= self.chain_min_guess_rate
 
     def launch_parked(self) -> None:
         """With launch_on_hint: the next rounds of the sequences of the round finished last

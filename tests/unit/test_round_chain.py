@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.messages import AheadTree, NextTrees, VerifyInput
+from specsplit.cli_flags import CHAIN_MIN_GUESS_RATE
+from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import PROMPTS, Driver, _chain, _engine, _release, _same
 from verifier.chain import resolve
 from verifier.engine import VerifierEngine
+from verifier.hints import GUESS_MIN_ROUNDS, GUESS_WINDOW, HintBook
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,7 @@ def _chained_engine(target_dir: Path, device: str, page_size: int, **kwargs: obj
     driver.engine.launch_on_hint = True  # the service's, where its calls run on the loop
     driver.engine.chain_rounds = True
     driver.engine.chain_max_batch = 64
+    driver.engine.chain_min_guess_rate = 0.0  # whatever the hints guessed before
     for name, value in kwargs.items():
         setattr(driver.engine, name, value)
     return driver
@@ -262,10 +265,66 @@ def test_chained_rounds_are_on_unless_asked_off_and_up_passes_the_flags_to_the_v
     from specsplit import cli, up
 
     extra = [] if asked is None else ["--chain-rounds", asked, "--chain-max-batch", "4"]
+    extra += [] if asked is None else ["--chain-min-guess-rate", "0.5"]
     commands = up.child_commands(cli.parse_args(["up", *extra]))
     child = cli.parse_args(commands["verifier"][3:])  # after python -m specsplit.cli
     assert child.chain_rounds == (asked or "on")
     assert child.chain_max_batch == (1 if asked is None else 4)
+    assert child.chain_min_guess_rate == (CHAIN_MIN_GUESS_RATE if asked is None else 0.5)
+
+
+@pytest.mark.parametrize("guessed", [("a", "b"), ()], ids=["guessed", "missed"])
+def test_rounds_chain_only_while_the_hints_guess_their_outcomes(
+    target_dir: Path, device: str, guessed: tuple[str, ...]
+) -> None:
+    """--chain-min-guess-rate: a chained round whose outcome the hint missed is dropped after
+    the device ran it, so the engine chains only once the last rounds' hints (GUESS_MIN_ROUNDS
+    sequence rounds, 2 a round here) had their outcomes at that rate, and never while they miss
+    them; the rounds not chained launch once the answer went out, as before. The same tokens
+    either way."""
+    rounds = 8
+    plain, chained, was_chained = _run(
+        target_dir, device, rounds=rounds, guessed=guessed, chain_min_guess_rate=0.9
+    )
+    first = GUESS_MIN_ROUNDS // 2  # rounds whose hints count before the rate is known
+    if guessed:
+        assert was_chained == [False] * first + [True] * (rounds - first)
+        assert chained.engine.hints.guess_rate() == 1.0
+    else:
+        assert was_chained == [False] * rounds
+        assert chained.engine.hints.guess_rate() == 0.0
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
+def test_the_guess_rate_counts_each_hint_for_the_round_it_names() -> None:
+    """HintBook.guess_rate: over the last GUESS_WINDOW sequence rounds finished with a hint for
+    them, whether the outcome was among the hint's; a hint for another round counts nothing;
+    unknown (None) before GUESS_MIN_ROUNDS."""
+    book = HintBook()
+    tree = DraftTree([4], [-1])
+    rounds = [VerifyInput(s, False, 10, [1], DraftTree([5, 6], [-1, 0])) for s in "ab"]
+    # "a" accepted [5] and drew 9 (its hint guessed it); "b" drew 8 after nothing (missed)
+    outputs = [VerifyOutput("a", [5], 9, 12), VerifyOutput("b", [], 8, 11)]
+    for _ in range(GUESS_MIN_ROUNDS // 2):
+        assert book.guess_rate() is None
+        book.store(
+            [
+                NextTrees("a", 11, [AheadTree([5, 9], tree)]),
+                NextTrees("b", 11, [AheadTree([5, 8], tree)]),
+            ],
+            {"a", "b"},
+        )
+        book.round_finished(rounds, outputs)
+        book.next.clear()
+    assert book.guess_rate() == 0.5
+    book.store([NextTrees("b", 99, [AheadTree([8], tree)])], {"b"})  # another round's
+    book.round_finished(rounds[1:], outputs[1:])
+    assert len(book.guessed) == GUESS_MIN_ROUNDS
+    for _ in range(GUESS_WINDOW):
+        book.store([NextTrees("a", 11, [AheadTree([5, 9], tree)])], {"a"})
+        book.round_finished(rounds[:1], outputs[:1])
+    assert book.guess_rate() == 1.0  # the window holds the last GUESS_WINDOW only
 
 
 def test_the_devices_idle_time_before_a_round_comes_from_its_timestamps(

@@ -1,0 +1,240 @@
+"""The verifier's host work for a round launched on the gateway's hint, in process: chained on
+the device behind the round in flight as the hint comes (`chain`: `RunAhead._chain`, the
+service's gap phase "chain"), or launched when the hint comes after the round finished
+(`after`: `_launch_next`, the phase "launch"), against the same round launched on its request
+(`plain`: `VerifierEngine.launch`). What the services' critical path at batch 1 waits on when a
+chain is late, and what a hinted launch at batch 8 / 32 costs while the GPU idles.
+
+Random weights (bench/gpu_engine.py's shapes; bf16 with CUDA graphs on a GPU, float32 eager on
+the CPU), every sequence at --context tokens, each round a chain of --nodes random drafts under
+SYNTHETIC ACCEPTANCE 0.8 / 0.7 / 0.6 (timing only). A `chain` hint names, per sequence, every
+accept length with --guesses random bonus tokens (a chain of --nodes each): its bonus tokens are
+not the target's, so the chained round is dropped when the next round comes (its undoing is in
+that launch's time) and the chaining's own host work is what is timed. An `after` hint names the
+outcome that came, so the next round takes the round launched on it.
+
+Per batch: the median host ms of each call over --rounds rounds (no device sync around them: a
+call that waits for the device shows it). --profile: those calls again, profiled: `cprofile`
+(the Python functions by own and cumulative time) or `torch` (torch.profiler's CPU ops by self
+time, each call profiled alone).
+
+    PYTHONPATH=. python bench/hinted_launch.py --shape llama-8b --batch 1 8 32 --profile torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.gpu_engine import SHAPES, EngineBench
+from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
+from specsplit.model.config import ModelConfig
+from specsplit.tree import DraftTree
+from verifier.engine import VerifierEngine
+
+RATES = (0.8, 0.7, 0.6)
+MODES = ("plain", "chain", "after")
+
+
+class CallProfile:
+    """Profiles of the timed calls alone, added up (`--profile`)."""
+
+    def __init__(self, kind: str | None) -> None:
+        self.kind = kind
+        self.cprofile = cProfile.Profile() if kind == "cprofile" else None
+        self.ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # self us, count
+        self.calls = 0
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self.calls += 1
+        if self.cprofile is not None:
+            self.cprofile.enable()
+            try:
+                return fn()
+            finally:
+                self.cprofile.disable()
+        if self.kind == "torch":
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                result = fn()
+            for event in prof.key_averages():
+                entry = self.ops[event.key]
+                entry[0] += event.self_cpu_time_total
+                entry[1] += event.count
+            return result
+        return fn()
+
+    def print(self, label: str, top: int) -> None:
+        if self.cprofile is not None:
+            print(f"  -- {label}: cProfile of {self.calls} calls, by own time, then cumulative")
+            stats = pstats.Stats(self.cprofile)
+            stats.sort_stats("tottime").print_stats(top)
+            stats.sort_stats("cumulative").print_stats(top)
+        elif self.kind == "torch":
+            print(f"  -- {label}: CPU ops by self time, us a call ({self.calls} calls)")
+            ranked = sorted(self.ops.items(), key=lambda kv: -kv[1][0])[:top]
+            for key, (self_us, count) in ranked:
+                print(f"    {self_us / self.calls:9.1f}  {count / self.calls:6.1f} x  {key}")
+
+
+class Rounds:
+    """Rounds of one batch of sequences on the engine, in one of MODES."""
+
+    def __init__(self, bench: EngineBench, batch: int, nodes: int, guesses: int) -> None:
+        self.bench, self.engine = bench, bench.engine
+        self.nodes, self.guesses = nodes, guesses
+        self.state = bench.open(batch)  # seq id -> (kv_committed_len, pending token)
+        self.trees = {seq_id: self._chain() for seq_id in self.state}
+
+    def _chain(self) -> DraftTree:
+        return DraftTree(self.bench._tokens(self.nodes), list(range(-1, self.nodes - 1)))
+
+    def inputs(self) -> list[VerifyInput]:
+        return [
+            VerifyInput(seq_id, False, committed, [pending], self.trees[seq_id])
+            for seq_id, (committed, pending) in self.state.items()
+        ]
+
+    def commit(self, outputs: list[VerifyOutput], trees: dict[str, DraftTree]) -> None:
+        for out in outputs:
+            self.state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
+        self.trees = trees
+
+    def guessed_hints(self, inputs: list[VerifyInput]) -> list[NextTrees]:
+        """Each sequence's hint for its round in flight: every accept length, each with
+        `guesses` random bonus tokens, the same chain for each (`chain`)."""
+        hints = []
+        for item in inputs:
+            nxt = self._chain()
+            outcomes = [
+                AheadTree([*item.tree.tokens[:k], guess], nxt)
+                for k in range(len(item.tree) + 1)
+                for guess in self.bench._tokens(self.guesses)
+            ]
+            hints.append(NextTrees(item.seq_id, item.kv_committed_len + 1, outcomes))
+        return hints
+
+    def outcome_hints(
+        self, inputs: list[VerifyInput], outputs: list[VerifyOutput]
+    ) -> tuple[list[NextTrees], dict[str, DraftTree]]:
+        """Each sequence's hint naming the outcome that came (`after`), and the trees so
+        hinted (its next round's)."""
+        hints, trees = [], {}
+        for item, out in zip(inputs, outputs, strict=True):
+            trees[item.seq_id] = self._chain()
+            outcome = AheadTree([*out.accepted_tokens, out.bonus_token], trees[item.seq_id])
+            hints.append(NextTrees(item.seq_id, item.kv_committed_len + 1, [outcome]))
+        return hints, trees
+
+    def close(self) -> None:
+        self.bench.close(self.state)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, 1e3 * (time.perf_counter() - start)
+
+
+def run_mode(
+    rounds: Rounds, mode: str, count: int, profiler: CallProfile | None
+) -> dict[str, list[float]]:
+    """`count` rounds in `mode`; each timed call's host ms by name (and the engine's gap
+    phases'). With `profiler`, the hinted calls (plain: the launch) run under it."""
+    engine = rounds.engine
+    engine.launch_on_hint = mode != "plain"
+    engine.chain_rounds = mode == "chain"
+    engine.chain_max_batch = 1 << 20
+    engine.chain_min_guess_rate = 0.0  # its hints' guesses are random: chain all the same
+    times: dict[str, list[float]] = defaultdict(list)
+    engine.on_gap = lambda phase, seconds: times[f"gap {phase}"].append(1e3 * seconds)
+
+    def run(name: str, fn: Callable[[], Any], profiled: bool) -> Any:
+        if profiled and profiler is not None:
+            result, ms = timed(lambda: profiler.run(fn))
+        else:
+            result, ms = timed(fn)
+        times[name].append(ms)
+        return result
+
+    for _ in range(count):
+        inputs = rounds.inputs()
+        launched = run("launch", lambda i=inputs: engine.launch(i), mode == "plain")
+        if mode == "chain":
+            hints = rounds.guessed_hints(inputs)
+            run("hint (chain)", lambda h=hints: engine.hint_next(h), True)
+        outputs = engine.finish(launched)
+        trees = {seq_id: rounds._chain() for seq_id in rounds.state}
+        if mode == "after":
+            hints, trees = rounds.outcome_hints(inputs, outputs)
+            run("hint (launch after)", lambda h=hints: engine.hint_next(h), True)
+        rounds.commit(outputs, trees)
+    engine.on_gap = None
+    _settle(engine)
+    return times
+
+
+def _settle(engine: VerifierEngine) -> None:
+    """Nothing left ahead (a round launched on the last hint): dropped, its room freed."""
+    if engine._ahead is not None:
+        engine._drop_ahead()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--nodes", type=int, default=3, help="drafts in each round's chain")
+    parser.add_argument("--guesses", type=int, default=2, help="bonus guesses an accept length")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--profile", choices=("cprofile", "torch"), default=None)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    # EngineBench's: its KV pool holds --steps rounds of each sequence, graphs of 1 + nodes
+    args.steps = 3 * args.rounds * (len(args.modes) + 1)
+    args.verify_n = [args.nodes]
+    torch.manual_seed(0)
+    gpu = args.device.startswith("cuda")
+    hf_config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, rms_norm_eps=1e-5)
+    with torch.device(args.device):
+        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16 if gpu else torch.float32).eval()
+    bench = EngineBench(hf, ModelConfig.from_hf(hf_config), args, graphs=gpu)
+    del hf
+    bench.engine.synthetic_acceptance = RATES
+    print(
+        f"== {args.shape} on {args.device}, context {args.context}, chains of {args.nodes}, "
+        f"SYNTHETIC ACCEPTANCE {RATES} (timing only); host ms a call, median of {args.rounds}"
+    )
+    for batch in args.batch:
+        rounds = Rounds(bench, batch, args.nodes, args.guesses)
+        for mode in args.modes:
+            run_mode(rounds, mode, 5, None)  # warm-up
+            times = run_mode(rounds, mode, args.rounds, None)
+            cells = ", ".join(
+                f"{name} {statistics.median(ms):.3f} ({len(ms)})" for name, ms in times.items()
+            )
+            print(f"batch {batch} {mode}: {cells}", flush=True)
+            if args.profile:
+                profiler = CallProfile(args.profile)
+                run_mode(rounds, mode, args.rounds, profiler)
+                profiler.print(f"batch {batch} {mode}", args.top)
+        rounds.close()
+
+
+if __name__ == "__main__":
+    main()
