@@ -14,9 +14,9 @@ that launch's time) and the chaining's own host work is what is timed. An `after
 outcome that came, so the next round takes the round launched on it.
 
 Per batch: the median host ms of each call over --rounds rounds (no device sync around them: a
-call that waits for the device shows it). --profile: those calls again, profiled: `cprofile`
-(the Python functions by own and cumulative time) or `torch` (torch.profiler's CPU ops by self
-time, each call profiled alone).
+call that waits for the device shows it), and on a GPU each round's device time for scale.
+--profile: those calls again, profiled: `cprofile` (the Python functions by own and cumulative
+time) or `torch` (torch.profiler's CPU ops by self time, each call profiled alone).
 
     PYTHONPATH=. python bench/hinted_launch.py --shape llama-8b --batch 1 8 32 --profile torch
 """
@@ -173,6 +173,8 @@ def run_mode(
             hints = rounds.guessed_hints(inputs)
             run("hint (chain)", lambda h=hints: engine.hint_next(h), True)
         outputs = engine.finish(launched)
+        if launched.device_ns:  # a GPU's: the round's own device time, for scale
+            times["round on the device"].append(launched.device_ns / 1e6)
         trees = {seq_id: rounds._chain() for seq_id in rounds.state}
         if mode == "after":
             hints, trees = rounds.outcome_hints(inputs, outputs)
