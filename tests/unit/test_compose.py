@@ -71,6 +71,8 @@ KNOWN_METRICS = {
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",
     "specsplit_gc_pause_seconds",
+    "specsplit_round_outside_verify_seconds",
+    "specsplit_round_outside_device_seconds",
 }
 
 
