@@ -84,23 +84,25 @@ def print_critical_path(buckets: Buckets) -> None:
     the verifier's device waits between rounds of the same sequences (its
     `specsplit_verifier_wait_seconds`: 0 where a round run ahead followed)."""
     key = ("gateway", "specsplit_round_outside_verify_seconds", ())
-    p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
-    print(f"  gateway round outside the verifier's engine: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
+    print_p50_p99(buckets, key, "gateway round outside the verifier's engine")
     key = ("gateway", "specsplit_round_outside_device_seconds", ())
     if observed(buckets, key):  # the verifier on a GPU
-        p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
-        device = "gateway round outside the verifier's device (CUDA events)"
-        print(f"  {device}: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
+        print_p50_p99(buckets, key, "gateway round outside the verifier's device (CUDA events)")
     key = ("verifier", "specsplit_verifier_wait_seconds", ())
-    p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
     counts = cumulative_counts(buckets, key)
     none = f", none {counts[0][1]:.0f} of {counts[-1][1]:.0f}" if counts else ""
-    print(f"  verifier's device waiting between rounds: p50 <= {p50:g} ms, p99 <= {p99:g} ms{none}")
+    print_p50_p99(buckets, key, "verifier's device waiting between rounds", none)
     key = ("verifier", "specsplit_verifier_idle_seconds", ())
     if observed(buckets, key):
-        p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
-        idle = "verifier GPU idle before a round (CUDA events)"
-        print(f"  {idle}: p50 <= {p50:g} ms, p99 <= {p99:g} ms")
+        print_p50_p99(buckets, key, "verifier GPU idle before a round (CUDA events)")
+
+
+def print_p50_p99(
+    buckets: Buckets, key: tuple[str, str, tuple[tuple[str, str], ...]], label: str, tail: str = ""
+) -> None:
+    """The histogram `key`'s p50 and p99 (bucket upper bounds, ms) on one line."""
+    p50, p99 = (1e3 * quantile(buckets, key, q) for q in (0.5, 0.99))
+    print(f"  {label}: p50 <= {p50:g} ms, p99 <= {p99:g} ms{tail}")
 
 
 def print_call_spread(buckets: Buckets) -> None:

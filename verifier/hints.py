@@ -75,8 +75,7 @@ class HintBook:
                 continue
             self.hinted.add(item.seq_id)
             if hint.base == round_base(out):
-                outcome = [*out.accepted_tokens, out.bonus_token]
-                self.guessed.append(any(t.tokens == outcome for t in hint.trees))
+                self.guessed.append(_outcome_tree(hint, out) is not None)
 
     def guess_rate(self) -> float | None:
         """The share of the last sequence rounds with a hint whose outcome was among the
@@ -129,8 +128,7 @@ class HintBook:
             reason = "stale" if hint is not None else "off" if item.unhinted else "late"
             self.not_ahead([item.seq_id], reason)
             return None
-        outcome = [*out.accepted_tokens, out.bonus_token]
-        tree = next((t.tree for t in hint.trees if t.tokens == outcome), None)
+        tree = _outcome_tree(hint, out)
         if tree is None and not hint.plain:
             self.not_ahead([item.seq_id], "unguessed")
             return None
@@ -166,3 +164,10 @@ class HintBook:
             self.hinted.discard(seq_id)
             self.hinting.discard(seq_id)
             self.missed.pop(seq_id, None)
+
+
+def _outcome_tree(hint: NextTrees, out: VerifyOutput) -> DraftTree | None:
+    """The tree `hint` names for the outcome `out` answers (its accepted drafts and bonus
+    token), or None where the hint did not guess it."""
+    outcome = [*out.accepted_tokens, out.bonus_token]
+    return next((t.tree for t in hint.trees if t.tokens == outcome), None)

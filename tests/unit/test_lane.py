@@ -624,26 +624,17 @@ def test_a_rounds_device_time_reaches_the_gateway_in_its_answer(
     VerifyResponse.device_ns and the gateway's client reads it (last_device_seconds), on the
     lane and on gRPC; with its engine calls on a thread the service measures none (0)."""
     monkeypatch.setattr(Launched, "device_ns", lambda self: 1_500_000)
+    # engine calls on the loop (pipelined rounds, as on a GPU): one part a round; on a thread
+    for on_loop, device_seconds in ((True, 1.5e-3), (False, 0.0)):
 
-    async def body(host: ServiceHost, address: str) -> None:
-        client = GrpcVerifierClient(address, round_lane=round_lane)
-        try:
-            assert await _decode(client, "a", 2)
-            assert client.last_device_seconds == pytest.approx(1.5e-3)  # one part a round
-            assert client.last_engine_seconds > 0
-            await client.release(["a"])
-        finally:
-            await client.close()
+        async def body(host: ServiceHost, address: str, expected: float = device_seconds) -> None:
+            client = GrpcVerifierClient(address, round_lane=round_lane)
+            try:
+                assert await _decode(client, "a", 2)
+                assert client.last_device_seconds == pytest.approx(expected)
+                assert client.last_engine_seconds > 0
+                await client.release(["a"])
+            finally:
+                await client.close()
 
-    _with_verifier(target, tmp_path, body, calls_on_loop=True)
-
-    async def on_thread(host: ServiceHost, address: str) -> None:
-        client = GrpcVerifierClient(address, round_lane=round_lane)
-        try:
-            assert await _decode(client, "b", 1)
-            assert client.last_device_seconds == 0.0
-            await client.release(["b"])
-        finally:
-            await client.close()
-
-    _with_verifier(target, tmp_path, on_thread)
+        _with_verifier(target, tmp_path, body, calls_on_loop=on_loop)
