@@ -106,7 +106,8 @@ CHAIN_MAX_BATCH = 1
 # the device ran it (a whole verify lost), one guessed saves the device's wait between rounds
 # (0.3-0.8 ms at batch 1 against a 6.4 ms verify, 8B target on an H100: bench/RESULTS.md), so
 # chaining pays only where nearly every outcome is guessed (break-even there ~0.9); draft-ahead
-# with the shipped SmolLM2 head guessed 29-49% of rounds
+# with the shipped SmolLM2 head guessed 29-49% of rounds. With misses run plain (the gateway's
+# default, --ahead-miss plain) a miss is placed as the plain round and counts as guessed
 CHAIN_MIN_GUESS_RATE = 0.9
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
@@ -176,8 +177,8 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         "--chain-min-guess-rate",
         CHAIN_MIN_GUESS_RATE,
         "--chain-rounds only while at least this share of the last rounds with a hint had their"
-        " outcome among the hint's (a chained round whose outcome was missed costs the device a"
-        " whole round); 0 = always",
+        " outcome among the hint's, or a miss the hint runs plain (a chained round whose outcome"
+        " was missed otherwise costs the device a whole round); 0 = always",
         type=float,
     )
     synthetic_help = (

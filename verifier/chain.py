@@ -8,13 +8,18 @@ longest, whose room is reserved) and placed on the outcome that came by two kern
 between r and it (specsplit/kernels/place_chain.py; the hints' tables cross in one copy,
 `chain_inputs`): each sequence's outcome is found among its hint's from r's results, and the
 round's input ids, positions, KV slots and lengths (`place_forward`) and its acceptance's draft
-tokens and page window (`place_accept`) are rewritten for it. The GPU then runs r+1 back to
-back with r, while the host commits and answers r.
+tokens and page window (`place_accept`) are rewritten for it. An outcome not among the hint's
+of a sequence whose hint runs misses plain (`NextTrees.plain`: the gateway then sends a round
+with r's bonus token and no tree) is placed as that plain round: r's bonus token first, the
+reference's tree after it, and no draft tokens for the acceptance, which takes none of them
+(its bonus token is the plain round's; the nodes' K/V sits past the committed length). The GPU
+then runs r+1 back to back with r, while the host commits and answers r.
 
 The host learns the outcome when r finishes (`resolve`): a sequence whose outcome was among
-its hint's gets the round's inputs as the gateway will send them (`VerifierEngine._take_ahead`
-keeps it only for exactly that round); one whose outcome was not gets none (its share is
-dropped: its K/V writes sit past its committed length, where its next round writes again).
+its hint's, or was placed plain, gets the round's inputs as the gateway will send them
+(`VerifierEngine._take_ahead` keeps it only for exactly that round); any other gets none (its
+share is dropped: its K/V writes sit past its committed length, where its next round writes
+again).
 """
 
 from __future__ import annotations
@@ -37,17 +42,19 @@ from verifier.rounds import Launched
 @dataclass
 class Chain:
     """A chained round's placement: r's results and the hints' tables on the device, and per
-    sequence, once placed (`place_forward`), its committed length after r and its input ids
-    (bonus token, then the tree drafted for its outcome)."""
+    sequence, once placed (`place_forward`), its committed length after r, its input ids (bonus
+    token, then the tree drafted for its outcome) and the outcome placed."""
 
     packed: torch.Tensor  # [>= B, 2 + N] int64: r's results (compact_and_pack's)
     bases: torch.Tensor  # [B] int64: r's committed length + its pending tokens
     keys: torch.Tensor  # [B, O] int64: each outcome's key (-1: none)
     next_tokens: torch.Tensor  # [B, O, q] int64: each outcome's bonus token, then its tree
+    plain: torch.Tensor  # [B] int64: 1 where the hint runs misses plain
     table: torch.Tensor  # [B, max_pages] int64: the page tables (the reference's room)
     page_size: int
     committed: torch.Tensor  # [B] int64, written by `place_forward`
     tokens: torch.Tensor  # [B, q] int64, written by `place_forward`
+    placed: torch.Tensor  # [B] int64, written by `place_forward`: the outcome, -1 a miss plain
 
 
 def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
@@ -82,29 +89,33 @@ def chain_inputs(
     """The chained round's placement: the hints' tables on the device (one host-to-device
     copy), for `place_forward`, which places each sequence on the first outcome of its hint's
     with r's number of accepted drafts and bonus token (`outcome_index`); where none has them,
-    on the first outcome all the same (the host drops that share, `resolve`)."""
+    on the first outcome all the same: as the plain round where the hint runs misses plain,
+    else as is (the host drops that share, `resolve`)."""
     b = len(rounds)
     num_outcomes = max(len(hint.trees) for hint in hints)
     q = 1 + len(hints[0].trees[0].tree)
     bases = np.zeros(b, np.int64)
     keys = np.full((b, num_outcomes), -1, np.int64)  # -1: no outcome
     next_tokens = np.zeros((b, num_outcomes, q), np.int64)
+    plain = np.array([hint.plain for hint in hints], np.int64)
     for i, (item, hint) in enumerate(zip(rounds, hints, strict=True)):
         bases[i] = item.kv_committed_len + len(item.pending_tokens)
         for o, ahead in enumerate(hint.trees):
             keys[i, o] = outcome_keys(len(ahead.tokens) - 1, ahead.tokens[-1])
             next_tokens[i, o, 0] = ahead.tokens[-1]
             next_tokens[i, o, 1:] = ahead.tree.tokens
-    parts = [bases, keys, next_tokens, table.astype(np.int64)]
+    parts = [bases, keys, next_tokens, plain, table.astype(np.int64)]
     flat = np.concatenate([part.reshape(-1) for part in parts])
     device = to_device(torch.from_numpy(flat), packed.device)
     sizes = [part.size for part in parts]
-    bases_d, keys_d, next_d, table_d = (
+    bases_d, keys_d, next_d, plain_d, table_d = (
         piece.view(part.shape) for piece, part in zip(device.split(sizes), parts, strict=True)
     )
-    committed = torch.empty(b, dtype=torch.int64, device=packed.device)
-    tokens = torch.empty(b, q, dtype=torch.int64, device=packed.device)
-    return Chain(packed, bases_d, keys_d, next_d, table_d, page_size, committed, tokens)
+    written = torch.empty(b * (q + 2), dtype=torch.int64, device=packed.device)
+    committed, placed, tokens = written[:b], written[b : 2 * b], written[2 * b :].view(b, q)
+    return Chain(
+        packed, bases_d, keys_d, next_d, plain_d, table_d, page_size, committed, tokens, placed
+    )
 
 
 def outcome_index(hint: NextTrees, num_accepted: int, bonus: int) -> int | None:
@@ -146,7 +157,8 @@ def chain_inputs_reference(
         index = outcome_index(hint, accepted, bonus)
         ahead = hint.trees[0 if index is None else index]
         committed.append(item.kv_committed_len + len(item.pending_tokens) + accepted)
-        tokens.append([ahead.tokens[-1], *ahead.tree.tokens])
+        first = bonus if index is None and hint.plain else ahead.tokens[-1]
+        tokens.append([first, *ahead.tree.tokens])
     return committed, tokens
 
 
@@ -158,19 +170,22 @@ def place_forward(batch: ForwardBatch, chain: Chain) -> None:
     place_chain.py), its torch reference elsewhere."""
     place = place_chain.place_forward if _on_gpu(chain) else place_chain.place_forward_reference
     place(
-        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.table, chain.page_size,
-        batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.prefix_lens,
-        chain.committed, chain.tokens,
+        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.plain, chain.table,
+        chain.page_size, batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens,
+        batch.prefix_lens, chain.committed, chain.tokens, chain.placed,
     )  # fmt: skip
 
 
 def place_accept(parts: list[torch.Tensor], chain: Chain) -> None:
     """Rewrite the first B rows of an acceptance's inputs (`Layout.parts` on the device) for the
-    outcomes that came (after `place_forward`): the draft tokens, and the page window from the
-    tree's storage on."""
+    outcomes that came (after `place_forward`): the draft tokens (none for a miss placed plain),
+    and the page window from the tree's storage on."""
     _, draft, _, base, window = parts
     place = place_chain.place_accept if _on_gpu(chain) else place_chain.place_accept_reference
-    place(chain.committed, chain.tokens, chain.table, chain.page_size, draft, base, window)
+    place(
+        chain.committed, chain.tokens, chain.placed, chain.table, chain.page_size, draft, base,
+        window,
+    )  # fmt: skip
 
 
 def warm_up_chain(device: torch.device, query_lens: Sequence[int], page_size: int) -> None:
@@ -189,16 +204,20 @@ def resolve(
 ) -> list[bool]:
     """Once r is committed (`results`: each sequence's accepted tokens, bonus token and
     committed length), each chained input becomes the round the gateway will send (its bonus
-    token pending, the tree drafted for its outcome) where its outcome was among its hint's;
-    the others can never be taken (kv_committed_len -1). Returns which were."""
+    token pending, the tree drafted for its outcome) where its outcome was among its hint's,
+    or the plain round (no tree) where it was placed plain (not among them, and the hint runs
+    misses plain); the others can never be taken (kv_committed_len -1). Returns which were."""
     found = []
     for item, hint, (accepted, bonus, committed) in zip(chained, hints, results, strict=True):
         index = outcome_index(hint, len(accepted), bonus)  # the one placed on the device
-        ahead = None if index is None else hint.trees[index]
-        if ahead is not None and ahead.tokens != [*accepted, bonus]:
-            ahead = None  # another path of the same length and bonus: not this round
-        found.append(ahead is not None)
-        item.kv_committed_len = committed if ahead is not None else -1
+        if index is None and hint.plain:
+            tree: DraftTree | None = DraftTree()  # placed plain: r's bonus token, no drafts
+        elif index is not None and hint.trees[index].tokens == [*accepted, bonus]:
+            tree = hint.trees[index].tree
+        else:  # (another path of the same length and bonus than the one placed: not it)
+            tree = None
+        found.append(tree is not None)
+        item.kv_committed_len = committed if tree is not None else -1
         item.pending_tokens = [bonus]
-        item.tree = ahead.tree if ahead is not None else item.tree
+        item.tree = item.tree if tree is None else tree
     return found

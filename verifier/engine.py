@@ -547,8 +547,9 @@ class VerifierEngine(RunAhead):
             self._report_idle(launched.idle_from, launched.started)
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
+        chained = launched.chain_hints is not None  # (room reserved for a tree, placed or not)
         results = [
-            self._commit(item, seq, result)
+            self._commit(item, seq, result, trim=chained)
             for item, seq, result in zip(launched.inputs, launched.seqs, accepted, strict=True)
         ]
         if launched.hidden is not None:
@@ -578,14 +579,17 @@ class VerifierEngine(RunAhead):
             inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place
         )
 
-    def _commit(self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult) -> VerifyOutput:
+    def _commit(
+        self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult, trim: bool = False
+    ) -> VerifyOutput:
         """The accepted path's K/V sits right after the pending tokens: commit it, free the
-        rest."""
+        rest. trim: free it for a round without a tree too (a chained round placed plain holds
+        its reference tree's room)."""
         base = seq.kv.kv_committed_len + len(item.pending_tokens)
         seq.kv.kv_committed_len = base + len(result.accepted_nodes)
         # a round without a tree reserved its pending tokens' room only (and the decode step
         # run ahead may hold the next token's already): nothing to free
-        if item.tree:  # (not the room of a round chained behind this one)
+        if item.tree or trim:  # (not the room of a round chained behind this one)
             self.kv.trim(seq.kv, max(seq.kv.kv_committed_len, self._held.get(item.seq_id, 0)))
         return VerifyOutput(
             seq_id=item.seq_id,

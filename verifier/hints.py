@@ -21,7 +21,8 @@ from verifier.rounds import round_base
 # overlap gate's draft-ahead rounds without hints)
 NOT_AHEAD_REASONS = ("late", "stale", "unguessed", "refused", "busy", "off")
 # the guess rate (`HintBook.guess_rate`): over the last GUESS_WINDOW sequence rounds that had a
-# hint for them, once GUESS_MIN_ROUNDS have
+# hint for them, once GUESS_MIN_ROUNDS have; a hint that runs misses plain guesses every round
+# (the one after a miss is the plain round)
 GUESS_WINDOW = 32
 GUESS_MIN_ROUNDS = 8
 
@@ -41,8 +42,8 @@ class HintBook:
         self.missed: dict[str, int] = {}
         self.num_not_ahead: Counter[str] = Counter()
         self.on_not_ahead: Callable[[str], None] | None = None
-        # per sequence round that had a hint for it, lately: whether its outcome was among
-        # the hint's (`guess_rate`)
+        # per sequence round that had a hint for it, lately: whether the hint named the round
+        # after it (its outcome among the hint's, or a miss run plain: `guess_rate`)
         self.guessed: deque[bool] = deque(maxlen=GUESS_WINDOW)
 
     def store(self, hints: list[NextTrees], known: Container[str]) -> list[str]:
@@ -66,7 +67,7 @@ class HintBook:
     def round_finished(self, inputs: list[VerifyInput], outputs: list[VerifyOutput]) -> None:
         """A round of `inputs` finished (answered by `outputs`): the round before it waits for
         no hint now, which of its sequences had one is noted (`hinted`), and for each hint
-        that named this round whether it guessed the outcome (`guess_rate`)."""
+        that named this round whether it named the round after it (`guess_rate`)."""
         self.finished.clear()
         for item, out in zip(inputs, outputs, strict=True):
             hint = self.next.get(item.seq_id)
@@ -75,11 +76,12 @@ class HintBook:
                 continue
             self.hinted.add(item.seq_id)
             if hint.base == round_base(out):
-                self.guessed.append(_outcome_tree(hint, out) is not None)
+                self.guessed.append(hint.plain or _outcome_tree(hint, out) is not None)
 
     def guess_rate(self) -> float | None:
-        """The share of the last sequence rounds with a hint whose outcome was among the
-        hint's (GUESS_WINDOW of them); None before GUESS_MIN_ROUNDS."""
+        """The share of the last sequence rounds with a hint whose next round the hint named:
+        its outcome among the hint's, or a miss the hint runs plain (GUESS_WINDOW of them); None
+        before GUESS_MIN_ROUNDS."""
         if len(self.guessed) < GUESS_MIN_ROUNDS:
             return None
         return sum(self.guessed) / len(self.guessed)

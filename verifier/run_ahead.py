@@ -77,7 +77,8 @@ class RunAhead:
 
     def _guessing(self) -> bool:
         """Whether the hints guess outcomes often enough to chain on them: a chained round
-        whose outcome the hint missed is dropped after the device ran it (a whole round's
+        whose outcome the hint missed (and does not run plain: a miss run plain is placed as
+        the plain round, verifier/chain.py) is dropped after the device ran it (a whole round's
         device time lost), where a round launched after the answer runs only for an outcome
         guessed (or a miss run plain). Unknown before the first rounds: not yet, unless
         chain_min_guess_rate is 0."""
@@ -311,6 +312,7 @@ class RunAhead:
             [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
             ahead.hidden, [states[k] for k in keep], rows=keep, host=ahead.host,
             copied=ahead.copied, hinted=ahead.hinted, whole_inputs=ahead.inputs,
+            chain_hints=None if ahead.chain_hints is None else [ahead.chain_hints[k] for k in keep],
         )  # fmt: skip
         return taken, positions
 

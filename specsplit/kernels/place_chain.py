@@ -5,13 +5,16 @@ inputs copied into the forward's buffers; once r's results are on the device, th
 rewrite them for the outcome that came, with no host sync:
 
 - `place_forward`: per sequence, the outcome of its hint with r's number of accepted drafts and
-  bonus token (keys `accepted * KEY_SHIFT + bonus`, the first that matches; the first outcome
-  where none does), its committed length after r (`bases + accepted`), and in the forward's
+  bonus token (keys `accepted * KEY_SHIFT + bonus`, the first that matches; where none does, the
+  first outcome, and where the hint runs misses plain (`plain`) that one with r's bonus token as
+  its first input: the plain round the gateway sends for a miss, whose drafts the acceptance
+  takes none of), its committed length after r (`bases + accepted`), and in the forward's
   inputs its input ids (that outcome's bonus token and tree), positions (each token's offset past
   the committed prefix kept), K/V slots (through its page table), kv_lens and prefix_lens; the
-  committed lengths and input ids also go to `committed` / `tokens` for the acceptance.
-- `place_accept`: the acceptance's draft tokens and page window (verifier/accept_graphs.py's
-  Layout) for the same outcomes.
+  committed lengths, input ids and the outcome placed (-1: a miss placed plain) also go to
+  `committed` / `tokens` / `placed` for the acceptance.
+- `place_accept`: the acceptance's draft tokens (none, -1, for a miss placed plain) and page
+  window (verifier/accept_graphs.py's Layout) for the same outcomes.
 
 Each is one Triton launch (one program per sequence) in place of ~20 small torch ops (~15 us of
 host time each on an H100 host); `place_forward_reference` / `place_accept_reference` are those
@@ -47,6 +50,7 @@ def place_forward_reference(
     bases: torch.Tensor,  # [B] int64: r's committed length + its pending tokens
     keys: torch.Tensor,  # [B, O] int64: each outcome's key (-1: none)
     next_tokens: torch.Tensor,  # [B, O, Q] int64: each outcome's bonus token, then its tree
+    plain: torch.Tensor,  # [B] int64: 1 where a miss runs plain (NextTrees.plain)
     table: torch.Tensor,  # [B, P] int64: page tables
     page_size: int,
     input_ids: torch.Tensor,  # [>= B * Q] int64, rewritten
@@ -56,13 +60,18 @@ def place_forward_reference(
     prefix_lens: torch.Tensor,  # [>= B] int32, rewritten
     committed: torch.Tensor,  # [B] int64, written
     tokens: torch.Tensor,  # [B, Q] int64, written
+    placed: torch.Tensor,  # [B] int64, written: the outcome placed, -1 a miss placed plain
 ) -> None:
     b, q = tokens.shape
     t = b * q
     accepted = packed[:b, 0]
     came = outcome_keys(accepted, packed[:b, 1])
-    index = (keys == came[:, None]).to(torch.int32).argmax(dim=1)  # the first match (0: none)
+    matches = keys == came[:, None]
+    index = matches.to(torch.int32).argmax(dim=1)  # the first match (0: none)
     tokens.copy_(next_tokens.gather(1, index[:, None, None].expand(b, 1, q)).squeeze(1))
+    as_plain = ~matches.any(dim=1) & (plain != 0)
+    tokens[:, 0] = torch.where(as_plain, packed[:b, 1], tokens[:, 0])
+    placed.copy_(torch.where(as_plain, -1, index.to(torch.int64)))
     committed.copy_(bases + accepted)
     shift = committed - prefix_lens[:b].to(torch.int64)  # [B]
     positions[:t] += shift[:, None].expand(b, q).reshape(-1)
@@ -76,6 +85,7 @@ def place_forward_reference(
 def place_accept_reference(
     committed: torch.Tensor,  # [B] int64 (`place_forward`'s)
     tokens: torch.Tensor,  # [B, Q] int64 (`place_forward`'s)
+    placed: torch.Tensor,  # [B] int64 (`place_forward`'s): -1 a miss placed plain
     table: torch.Tensor,  # [B, P] int64
     page_size: int,
     draft: torch.Tensor,  # [>= B, >= Q - 1] int64, rewritten
@@ -83,7 +93,7 @@ def place_accept_reference(
     window: torch.Tensor,  # [>= B, W] int64, rewritten: the page table from node 0's page on
 ) -> None:
     b, q = tokens.shape
-    draft[:b, : q - 1] = tokens[:, 1:]
+    draft[:b, : q - 1] = torch.where(placed[:, None] < 0, -1, tokens[:, 1:])
     start = committed + 1  # tree node 0's storage (after the one pending token)
     first = start // page_size
     columns = first[:, None] + torch.arange(window.shape[1], device=start.device)[None, :]
@@ -92,9 +102,9 @@ def place_accept_reference(
 
 
 def _place_forward_kernel(
-    packed_ptr, bases_ptr, keys_ptr, next_ptr, table_ptr,
+    packed_ptr, bases_ptr, keys_ptr, next_ptr, plain_ptr, table_ptr,
     ids_ptr, positions_ptr, slots_ptr, kv_lens_ptr, prefix_ptr, committed_ptr, tokens_ptr,
-    num_outcomes, num_pages, page_size, stride_p, Q,
+    placed_ptr, num_outcomes, num_pages, page_size, stride_p, Q,
     BLOCK_Q: tl.constexpr, SHIFT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -105,6 +115,7 @@ def _place_forward_kernel(
     for o in range(0, num_outcomes):
         key = tl.load(keys_ptr + b * num_outcomes + o)
         index = tl.where((index < 0) & (key == came), o, index)
+    as_plain = (index < 0) & (tl.load(plain_ptr + b) != 0)
     index = tl.maximum(index, 0)
     committed = tl.load(bases_ptr + b) + accepted
     old_prefix = tl.load(prefix_ptr + b).to(tl.int64)
@@ -113,6 +124,7 @@ def _place_forward_kernel(
     in_q = i < Q
     row = b * Q + i
     tokens = tl.load(next_ptr + (b * num_outcomes + index) * Q + i, mask=in_q, other=0)
+    tokens = tl.where((i == 0) & as_plain, bonus, tokens)  # a miss placed as the plain round
     position = tl.load(positions_ptr + row, mask=in_q, other=0)
     storage = committed + i
     page = tl.minimum(storage // page_size, num_pages - 1)
@@ -125,10 +137,11 @@ def _place_forward_kernel(
     tl.store(kv_lens_ptr + b, (kv_len + shift).to(kv_len.dtype))
     tl.store(prefix_ptr + b, committed.to(kv_len.dtype))
     tl.store(committed_ptr + b, committed)
+    tl.store(placed_ptr + b, tl.where(as_plain, -1, index))
 
 
 def _place_accept_kernel(
-    committed_ptr, tokens_ptr, table_ptr, draft_ptr, base_ptr, window_ptr,
+    committed_ptr, tokens_ptr, placed_ptr, table_ptr, draft_ptr, base_ptr, window_ptr,
     num_pages, page_size, stride_d, stride_w, Q, W,
     BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -136,6 +149,7 @@ def _place_accept_kernel(
     i = tl.arange(0, BLOCK_Q)
     nodes = i < Q - 1
     tokens = tl.load(tokens_ptr + b * Q + 1 + i, mask=nodes, other=0)
+    tokens = tl.where(tl.load(placed_ptr + b) < 0, -1, tokens)  # a miss placed plain: no drafts
     tl.store(draft_ptr + b * stride_d + i, tokens, mask=nodes)
     start = tl.load(committed_ptr + b) + 1
     first = start // page_size
@@ -165,6 +179,7 @@ def place_forward(
     bases: torch.Tensor,
     keys: torch.Tensor,
     next_tokens: torch.Tensor,
+    plain: torch.Tensor,
     table: torch.Tensor,
     page_size: int,
     input_ids: torch.Tensor,
@@ -174,28 +189,30 @@ def place_forward(
     prefix_lens: torch.Tensor,
     committed: torch.Tensor,
     tokens: torch.Tensor,
+    placed: torch.Tensor,
 ) -> None:
     """`place_forward_reference` as one kernel launch (one program per sequence)."""
     interpret = _available()
     b, q = tokens.shape
-    int64 = [bases, keys, next_tokens, table, input_ids, positions, slot_mapping]
-    int64 += [committed, tokens]
+    int64 = [bases, keys, next_tokens, plain, table, input_ids, positions, slot_mapping]
+    int64 += [committed, tokens, placed]
     _check("place_forward", int64, torch.int64)
     _check("place_forward", [kv_lens, prefix_lens], torch.int32)
     if packed.dtype != torch.int64 or packed.stride(1) != 1 or packed.shape[0] < b:
         _fail("place_forward", f"packed must be [>= {b}, 2 + N] int64 with contiguous rows")
-    if keys.shape[0] != b or next_tokens.shape != (b, keys.shape[1], q) or table.shape[0] != b:
-        shapes = [tuple(t.shape) for t in (keys, next_tokens, table)]
-        _fail("place_forward", f"keys, next_tokens, table {shapes} for {b} x {q} tokens")
+    per_seq = (keys.shape[0], table.shape[0], plain.numel(), placed.numel())
+    if per_seq != (b,) * 4 or next_tokens.shape != (b, keys.shape[1], q):
+        shapes = [tuple(t.shape) for t in (keys, next_tokens, plain, table, placed)]
+        _fail("place_forward", f"keys, next_tokens, plain, table, placed {shapes} for {b} x {q}")
     if min(input_ids.shape[0], positions.shape[0], slot_mapping.shape[0]) < b * q:
         _fail("place_forward", f"the forward's inputs hold fewer than {b * q} tokens")
     check_device("place_forward", [packed, *int64, kv_lens, prefix_lens], interpret)
     if b == 0:
         return
     _jitted("forward", interpret)[(b,)](
-        packed, bases, keys, next_tokens, table,
+        packed, bases, keys, next_tokens, plain, table,
         input_ids, positions, slot_mapping, kv_lens, prefix_lens, committed, tokens,
-        keys.shape[1], table.shape[1], page_size, packed.stride(0), q,
+        placed, keys.shape[1], table.shape[1], page_size, packed.stride(0), q,
         BLOCK_Q=_block(q, BLOCK_Q), SHIFT=KEY_SHIFT, num_warps=1,
     )  # fmt: skip
 
@@ -203,6 +220,7 @@ def place_forward(
 def place_accept(
     committed: torch.Tensor,
     tokens: torch.Tensor,
+    placed: torch.Tensor,
     table: torch.Tensor,
     page_size: int,
     draft: torch.Tensor,
@@ -212,18 +230,19 @@ def place_accept(
     """`place_accept_reference` as one kernel launch (one program per sequence)."""
     interpret = _available()
     b, q = tokens.shape
-    _check("place_accept", [committed, tokens, table, draft, base, window], torch.int64)
+    _check("place_accept", [committed, tokens, placed, table, draft, base, window], torch.int64)
     if draft.dim() != 2 or window.dim() != 2 or draft.shape[1] < q - 1:
         _fail("place_accept", f"draft {tuple(draft.shape)} and window {tuple(window.shape)} "
               f"must be 2-d, draft at least {q - 1} wide")  # fmt: skip
-    if min(draft.shape[0], base.shape[0], window.shape[0]) < b or table.shape[0] != b:
-        _fail("place_accept", f"draft, base, window and table must hold {b} sequences")
-    check_device("place_accept", [committed, tokens, table, draft, base, window], interpret)
+    rows = (draft.shape[0], base.shape[0], window.shape[0])
+    if min(rows) < b or (table.shape[0], placed.numel()) != (b, b):
+        _fail("place_accept", f"draft, base, window, table and placed must hold {b} sequences")
+    check_device("place_accept", [committed, tokens, placed, table, draft, base, window], interpret)
     if b == 0:
         return
     w = window.shape[1]
     _jitted("accept", interpret)[(b,)](
-        committed, tokens, table, draft, base, window,
+        committed, tokens, placed, table, draft, base, window,
         table.shape[1], page_size, draft.stride(0), window.stride(0), q, w,
         BLOCK_Q=_block(q, BLOCK_Q), BLOCK_W=_block(w, BLOCK_W), num_warps=1,
     )  # fmt: skip
@@ -238,12 +257,13 @@ def warm_up(device: torch.device, shapes: list[tuple[int, int]]) -> None:
     blocks = {(_block(q, BLOCK_Q), _block(w, BLOCK_W)) for q, w in shapes}
     ints = functools.partial(torch.zeros, dtype=torch.int64, device=device)
     for q, w in sorted(blocks):  # the blocks' own sizes: one outcome, one sequence, one page
-        tokens, committed, table = ints(1, q), ints(1), ints(1, 1)
+        tokens, committed, table, placed = ints(1, q), ints(1), ints(1, 1), ints(1)
         place_forward(
-            ints(1, 2 + q), ints(1), ints(1, 1), ints(1, 1, q), table, 1, ints(q), ints(q),
-            ints(q), ints(1, dtype=torch.int32), ints(1, dtype=torch.int32), committed, tokens,
+            ints(1, 2 + q), ints(1), ints(1, 1), ints(1, 1, q), ints(1), table, 1, ints(q),
+            ints(q), ints(q), ints(1, dtype=torch.int32), ints(1, dtype=torch.int32), committed,
+            tokens, placed,
         )  # fmt: skip
-        place_accept(committed, tokens, table, 1, ints(1, q), ints(1), ints(1, w))
+        place_accept(committed, tokens, placed, table, 1, ints(1, q), ints(1), ints(1, w))
 
 
 def _available() -> bool:

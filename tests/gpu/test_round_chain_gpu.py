@@ -14,6 +14,7 @@ from tests.unit.test_decode_ahead import _engine, _release
 from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them here)
     _run,
     target_dir,
+    test_a_miss_run_plain_is_placed_as_the_plain_round_and_taken,
     test_an_outcome_not_among_the_hints_drops_only_its_share,
     test_chained_rounds_are_taken_and_give_the_same_tokens,
     test_synthetic_acceptance_bends_the_placed_tokens,

@@ -1,7 +1,8 @@
 """The chained round's placement kernels (specsplit/kernels/place_chain.py, under the interpreter
 on the CPU) equal their torch references, and both place each sequence as the plain-Python
 reference says (`verifier.chain.chain_inputs_reference`): the first outcome with the round's
-accepted drafts and bonus, the first where none matches; page sizes 1, 4 and 16; results padded
+accepted drafts and bonus, the first where none matches (as the plain round, the round's bonus
+first and no drafts, where the hint runs misses plain); page sizes 1, 4 and 16; results padded
 past the batch (a CUDA graph's); the wrappers refuse what they cannot run."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from specsplit.kernels.triton_jit import jit, runtime_params
 from specsplit.messages import AheadTree, NextTrees, VerifyInput
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import page_window
-from verifier.chain import Chain, chain_inputs, chain_inputs_reference
+from verifier.chain import Chain, chain_inputs, chain_inputs_reference, outcome_index
 
 pytest.importorskip("triton")
 
@@ -51,7 +52,7 @@ def _case(
             tokens = came if rng.random() < 0.4 else [rng.randrange(50) for _ in range(length)]
             nxt = DraftTree([rng.randrange(50) for _ in range(q - 1)], list(range(-1, q - 2)))
             trees.append(AheadTree(tokens, nxt))
-        hints.append(NextTrees(f"s{i}", committed + 1, trees))
+        hints.append(NextTrees(f"s{i}", committed + 1, trees, plain=rng.random() < 0.5))
     num_pages = -(-(40 + 1 + 2 * n + q) // page_size) + 1
     table = np.array([rng.sample(range(500), num_pages) for _ in range(b)], dtype=np.int32)
     packed = torch.tensor([*rows, *[[7] * (2 + n)] * 2], dtype=torch.int64)
@@ -72,28 +73,39 @@ def _case(
 def _forward(chain: Chain, buffers: dict[str, torch.Tensor], kernel: bool) -> None:
     place = place_forward if kernel else place_forward_reference
     place(
-        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.table, chain.page_size,
-        buffers["input_ids"], buffers["positions"], buffers["slot_mapping"], buffers["kv_lens"],
-        buffers["prefix_lens"], chain.committed, chain.tokens,
+        chain.packed, chain.bases, chain.keys, chain.next_tokens, chain.plain, chain.table,
+        chain.page_size, buffers["input_ids"], buffers["positions"], buffers["slot_mapping"],
+        buffers["kv_lens"], buffers["prefix_lens"], chain.committed, chain.tokens, chain.placed,
     )  # fmt: skip
 
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_the_kernels_place_each_outcome_as_the_references_do(page_size: int) -> None:
+    plain_misses = 0
     for seed in range(12):
         chain, rows, rounds, hints, buffers = _case(seed, page_size)
         kernel_buffers = {k: v.clone() for k, v in buffers.items()}
-        kernel_chain = Chain(**{**chain.__dict__, "committed": chain.committed.clone(),
-                                "tokens": chain.tokens.clone()})  # fmt: skip
+        written = {name: getattr(chain, name).clone() for name in ("committed", "tokens", "placed")}
+        kernel_chain = Chain(**{**chain.__dict__, **written})
         _forward(chain, buffers, kernel=False)
         _forward(kernel_chain, kernel_buffers, kernel=True)
         for name in buffers:
             assert torch.equal(kernel_buffers[name], buffers[name]), name
-        assert torch.equal(kernel_chain.committed, chain.committed)
-        assert torch.equal(kernel_chain.tokens, chain.tokens)
+        for name in written:
+            assert torch.equal(getattr(kernel_chain, name), getattr(chain, name)), name
         committed, tokens = chain_inputs_reference(rows, rounds, hints)
         assert chain.committed.tolist() == committed and chain.tokens.tolist() == tokens
+        as_plain = [
+            hint.plain and outcome_index(hint, row[0], row[1]) is None
+            for hint, row in zip(hints, rows, strict=True)
+        ]
+        plain_misses += sum(as_plain)
+        for i, plain in enumerate(as_plain):  # a miss placed plain: the round's own bonus first
+            index = outcome_index(hints[i], rows[i][0], rows[i][1])
+            assert chain.placed[i].item() == (-1 if plain else index or 0)
+            if plain:
+                assert tokens[i][0] == rows[i][1]
         b, q = chain.tokens.shape
         for i in range(b):  # positions keep their offsets; slots through the page table
             expected = [committed[i], *(committed[i] + d for d in range(1, q))]
@@ -122,18 +134,24 @@ def test_the_kernels_place_each_outcome_as_the_references_do(page_size: int) -> 
             )
         ]
         place_accept_reference(
-            chain.committed, chain.tokens, chain.table, page_size, draft, base, window
-        )
+            chain.committed, chain.tokens, chain.placed, chain.table, page_size, draft, base,
+            window,
+        )  # fmt: skip
         place_accept(
-            kernel_chain.committed, kernel_chain.tokens, kernel_chain.table, page_size, *got
-        )
+            kernel_chain.committed, kernel_chain.tokens, kernel_chain.placed, kernel_chain.table,
+            page_size, *got,
+        )  # fmt: skip
         assert all(torch.equal(g, w) for g, w in zip(got, (draft, base, window), strict=True))
-        assert draft[:b, : q - 1].tolist() == [t[1:] for t in tokens]
+        drafts = [
+            [-1] * (q - 1) if plain else t[1:] for t, plain in zip(tokens, as_plain, strict=True)
+        ]
+        assert draft[:b, : q - 1].tolist() == drafts
         table, starts = chain.table.numpy(), np.array(committed) + 1
         want_window, want_base = page_window(table, starts, pages, page_size)
         assert window[:b].tolist() == want_window.tolist()
         assert base[:b].tolist() == want_base.tolist()
         assert draft[b:].tolist() == [[-3] * width] * 2  # padding rows: untouched
+    assert plain_misses > 3  # (the cases hold misses placed plain)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -147,7 +165,9 @@ def test_the_wrappers_refuse_what_they_cannot_run() -> None:
         _forward(chain, wrong, kernel=True)
     draft = torch.zeros(8, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="int64"):
-        place_accept(chain.committed, chain.tokens, chain.table, 4, draft, draft[:, 0], draft)
+        place_accept(
+            chain.committed, chain.tokens, chain.placed, chain.table, 4, draft, draft[:, 0], draft
+        )
 
 
 def test_the_kernels_compile_once_for_every_offset_and_count() -> None:

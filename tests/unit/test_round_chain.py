@@ -58,13 +58,16 @@ def _run(
     page_size: int = 4,
     guessed: tuple[str, ...] = ("a", "b"),
     nodes: int = 3,
+    misses_plain: bool = False,
     **chained_attrs: object,
 ) -> tuple[Driver, Driver, list[bool]]:
     """`rounds` rounds of chains of `nodes` for "a" and "b" on a plain engine and on one whose
     hint for each round comes while it is in flight: the next round's tree for the outcome
     the plain engine saw (for the sequences in `guessed`; the others' hint has wrong outcomes
     only) beside a wrong outcome's of the same shape (`chained_attrs`: the chaining engine's
-    attributes set). Returns the drivers and whether each round had its next one chained."""
+    attributes set). `misses_plain`: the hints run misses plain, and a sequence not in `guessed` is
+    sent the plain round (no tree) after each miss, as the gateway does. Returns the drivers
+    and whether each round had its next one chained."""
     plain = Driver(_engine(target_dir, False, device, page_size=page_size))
     chained = _chained_engine(target_dir, device, page_size, **chained_attrs)
     for driver in (plain, chained):
@@ -88,7 +91,8 @@ def _run(
                 [*outcome[:-1], (outcome[-1] + 1) % 256], _shaped_like(following[s], 5)
             )
             right = AheadTree(outcome, following[s])
-            hints.append(NextTrees(s, bases[s], [wrong, right] if s in guessed else [wrong]))
+            outcomes = [wrong, right] if s in guessed else [wrong]
+            hints.append(NextTrees(s, bases[s], outcomes, plain=misses_plain))
         engine = chained.engine
         seen: list[bool] = []
 
@@ -100,7 +104,7 @@ def _run(
 
         chained.round(trees, meanwhile=hint)
         was_chained += seen
-        trees = following
+        trees = {s: following[s] if s in guessed or not misses_plain else DraftTree() for s in "ab"}
     return plain, chained, was_chained
 
 
@@ -151,6 +155,33 @@ def test_an_outcome_not_among_the_hints_drops_only_its_share(target_dir: Path, d
     assert (engine.num_next_used, engine.num_next_dropped) == (4, 0)
     assert engine.hints.num_not_ahead == {"unguessed": 5}
     _release(plain, chained)
+
+
+@pytest.mark.parametrize("guessed", [("a",), ()], ids=["b-missed", "both-missed"])
+def test_a_miss_run_plain_is_placed_as_the_plain_round_and_taken(
+    target_dir: Path, device: str, guessed: tuple[str, ...]
+) -> None:
+    """Hints that run misses plain (the gateway's default): the chained round of a sequence
+    whose outcome was not among its hint's is placed on the device as the plain round the
+    gateway sends for a miss (r's bonus token, no drafts accepted) and taken for it, its
+    reference tree's room freed; nothing is dropped, and the tokens and the committed KV are
+    an engine's without hints."""
+    plain, chained, was_chained = _run(
+        target_dir, device, rounds=5, guessed=guessed, misses_plain=True, chain_min_guess_rate=0.9
+    )
+    engine = chained.engine
+    assert was_chained == [False] * (GUESS_MIN_ROUNDS // 2) + [True]  # the rate counts them
+    assert engine.hints.guess_rate() == 1.0
+    _same(plain, chained, _room(chained))
+    plain2, chained2, was_chained2 = _run(
+        target_dir, device, rounds=5, guessed=guessed, misses_plain=True
+    )
+    assert was_chained2 == [True] * 5
+    assert (chained2.engine.num_next_used, chained2.engine.num_next_dropped) == (4, 0)
+    assert not chained2.engine.hints.num_not_ahead  # (no "unguessed")
+    _same(plain2, chained2, _room(chained2))
+    _release(plain, chained)
+    _release(plain2, chained2)
 
 
 def test_the_last_chained_round_is_dropped_by_a_release(target_dir: Path, device: str) -> None:
@@ -242,6 +273,19 @@ def test_resolve_gives_each_chained_round_the_inputs_the_gateway_sends() -> None
         tree,
     )
     assert chained[1].kv_committed_len == chained[2].kv_committed_len == -1  # never taken
+    # misses run plain: "b" (no outcome with its length and bonus) was placed as the plain
+    # round; "c" was placed on [6, 2] (its first with one accepted and bonus 2), not plain
+    for hint in hints:
+        hint.plain = True
+    chained = [VerifyInput(s, False, 0, [0], DraftTree([0, 0], [-1, 0])) for s in "abc"]
+    found = resolve(chained, hints, [([9], 2, 11), ([], 8, 3), ([9], 2, 4)])
+    assert found == [True, True, False]
+    assert (chained[1].kv_committed_len, chained[1].pending_tokens, chained[1].tree) == (
+        3,
+        [8],
+        DraftTree(),
+    )
+    assert chained[2].kv_committed_len == -1
 
 
 def test_rounds_of_more_sequences_than_the_max_batch_are_not_chained(
@@ -325,6 +369,10 @@ def test_the_guess_rate_counts_each_hint_for_the_round_it_names() -> None:
         book.store([NextTrees("a", 11, [AheadTree([5, 9], tree)])], {"a"})
         book.round_finished(rounds[:1], outputs[:1])
     assert book.guess_rate() == 1.0  # the window holds the last GUESS_WINDOW only
+    for _ in range(GUESS_WINDOW):  # a miss the hint runs plain: its next round was named
+        book.store([NextTrees("b", 11, [AheadTree([5, 8], tree)], plain=True)], {"b"})
+        book.round_finished(rounds[1:], outputs[1:])
+    assert book.guess_rate() == 1.0
 
 
 def test_the_devices_idle_time_before_a_round_comes_from_its_timestamps(
