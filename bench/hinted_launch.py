@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import time
@@ -38,6 +39,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_engine import SHAPES, EngineBench
 from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
+from specsplit.model import batch as model_batch
+from specsplit.model.batch import STAGE_BYTES
 from specsplit.model.config import ModelConfig
 from specsplit.tree import DraftTree
 from verifier.engine import VerifierEngine
@@ -204,6 +207,14 @@ def main() -> None:
     parser.add_argument("--guesses", type=int, default=2, help="bonus guesses an accept length")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--staging",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="to_device's staging buffers (specsplit/model/batch.py) on, off (pin_memory each "
+        "copy, as before them), or both in turn",
+    )
     parser.add_argument("--profile", choices=("cprofile", "torch"), default=None)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
@@ -224,17 +235,20 @@ def main() -> None:
     )
     for batch in args.batch:
         rounds = Rounds(bench, batch, args.nodes, args.guesses)
-        for mode in args.modes:
+        for staging, mode in itertools.product(args.staging, args.modes):
+            model_batch.STAGE_BYTES = STAGE_BYTES if staging == "on" else -1
+            label = f"batch {batch} {mode}" + (f", staging {staging}" if staging == "off" else "")
             run_mode(rounds, mode, 5, None)  # warm-up
             times = run_mode(rounds, mode, args.rounds, None)
             cells = ", ".join(
                 f"{name} {statistics.median(ms):.3f} ({len(ms)})" for name, ms in times.items()
             )
-            print(f"batch {batch} {mode}: {cells}", flush=True)
+            print(f"{label}: {cells}", flush=True)
             if args.profile:
                 profiler = CallProfile(args.profile)
                 run_mode(rounds, mode, args.rounds, profiler)
-                profiler.print(f"batch {batch} {mode}", args.top)
+                profiler.print(label, args.top)
+        model_batch.STAGE_BYTES = STAGE_BYTES
         rounds.close()
 
 

@@ -284,6 +284,13 @@ def main() -> None:
         metavar="RATES",
         help="BENCHMARKS ONLY, NOT LOSSLESS: the verifier's `--synthetic-acceptance`",
     )
+    parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `up` argument, repeatable (e.g. --up-arg=--ahead-guesses=1)",
+    )
     args = parser.parse_args()
     synthetic = args.synthetic_acceptance is not None
     extra: tuple[str, ...] = (
@@ -297,6 +304,7 @@ def main() -> None:
         extra += ("--chain-rounds", args.chain_rounds)
     if args.early_verify:
         extra += ("--early-verify" if args.early_verify == "on" else "--no-early-verify",)
+    extra += tuple(args.up_arg)
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]

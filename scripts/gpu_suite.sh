@@ -7,7 +7,8 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [hinted]
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
-# on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU ops
+# on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
+# ops, with to_device's staging buffers and without
 # tests-1 / tests-2: tests/gpu in two halves, one a call (the whole suite took ~700 s on a cold
 # two-H100 machine in the thirty-fourth session, past one call's 600 s)
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
@@ -95,7 +96,7 @@ for part in "${parts[@]}"; do
     tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     hinted)
       run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
-        --device "cuda:$((gpus - 1))" --batch 1 8 32 --profile torch ;;
+        --device "cuda:$((gpus - 1))" --batch 1 8 32 --staging on off --profile torch ;;
     tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
@@ -207,16 +208,23 @@ for part in "${parts[@]}"; do
       # 0.6, timing only), so that draft-ahead's guesses hit at an 8B target's verify time
       mirror_8b
       # ahead-unhinted: --verify-ahead off; groups-early: groups with --early-verify;
-      # $CRITICAL_MODES: fewer or others (the call's 10 minutes)
+      # ahead-g1: one bonus guess per accept length (--ahead-guesses 1: the draft's top token,
+      # which the synthetic acceptance's rejections rule out, so ~1/3 of outcomes are guessed
+      # and the rest run plain, placed plain on the device when chained), ahead-g1-unchained:
+      # the same with --chain-rounds off; $CRITICAL_MODES: fewer or others (the call's 10
+      # minutes); $CRITICAL_BATCH: other batch sizes
       for mode in ${CRITICAL_MODES:-serial ahead ahead-unhinted groups}; do
         hint=on && [[ $mode == ahead-unhinted ]] && hint=off
         early=off && [[ $mode == groups-early ]] && early=on
-        overlap=${mode%-unhinted} && overlap=${overlap%-early}
+        more=()
+        [[ $mode == ahead-g1* ]] && more+=(--up-arg=--ahead-guesses=1)
+        [[ $mode == *-unchained ]] && more+=(--chain-rounds off)
+        overlap=${mode%%-*}
         run "critical8b_$mode" python3 bench/profile_services.py --model /tmp/mirror8b \
-          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft --batch 1 8 32 \
-          --max-new-tokens 128 --top 0 --overlap "$overlap" --verify-ahead "$hint" \
-          --early-verify "$early" --synthetic-acceptance 0.8,0.7,0.6 \
-          --services-log "$out/critical8b_services.log"
+          "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
+          --batch ${CRITICAL_BATCH:-1 8 32} --max-new-tokens 128 --top 0 --overlap "$overlap" \
+          --verify-ahead "$hint" --early-verify "$early" --synthetic-acceptance 0.8,0.7,0.6 \
+          "${more[@]}" --services-log "$out/critical8b_services.log"
       done ;;
     chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
       # the device behind the round in flight (--chain-rounds on, every batch size:
