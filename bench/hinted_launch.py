@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     # EngineBench's: its KV pool holds --steps rounds of each sequence, graphs of 1 + nodes
-    args.steps = 3 * args.rounds * (len(args.modes) + 1)
+    args.steps = 3 * args.rounds * (len(args.modes) * len(args.staging) + 1)
     args.verify_n = [args.nodes]
     torch.manual_seed(0)
     gpu = args.device.startswith("cuda")

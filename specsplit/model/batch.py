@@ -103,8 +103,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-# `to_device`'s staging: STAGE_SLOTS pinned buffers of STAGE_BYTES per device (256 KiB)
-STAGE_SLOTS, STAGE_BYTES = 16, 1 << 14
+# `to_device`'s staging: STAGE_SLOTS pinned buffers of STAGE_BYTES per device (1 MiB; a chained
+# round's placement tables at batch 32 are ~20 KiB)
+STAGE_SLOTS, STAGE_BYTES = 16, 1 << 16
 
 
 class _Staging:
