@@ -29,7 +29,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # -- flags -----------------------------------------------------------------------------------
 
 
-def _env_bool(name: str, default: bool) -> bool:
+def _env_bool(name: str, default: bool | None) -> bool | None:
     value = os.environ.get(name)
     if value is None:
         return default
@@ -44,10 +44,11 @@ def _env_name(flag: str, env: str | None = None) -> str:
     return "SPECSPLIT_" + (env or flag.removeprefix("--").replace("-", "_").upper())
 
 
-def switch(parser: argparse.ArgumentParser, flag: str, default: bool, help: str) -> None:
-    """--flag / --no-flag whose default is $SPECSPLIT_<FLAG> (a boolean) when set."""
+def switch(parser: argparse.ArgumentParser, flag: str, default: bool | None, help: str) -> None:
+    """--flag / --no-flag whose default is $SPECSPLIT_<FLAG> (a boolean) when set; a default of
+    None is "auto" (the reader decides)."""
     name = _env_name(flag)
-    shown = "on" if default else "off"
+    shown = "auto" if default is None else "on" if default else "off"
     parser.add_argument(
         flag,
         action=argparse.BooleanOptionalAction,
@@ -282,10 +283,12 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     switch(
         parser,
         "--early-verify",
-        False,
-        "--overlap groups: send the other group's Verify as soon as its trees are drafted,"
-        " while this group's is verified (the verifier runs the two back to back; on two H100s"
-        " it ran 0.79x-1.03x of groups without it, and slower on one GPU)",
+        None,
+        "--overlap groups (and gated's groups): send the other group's Verify as soon as its"
+        " trees are drafted, while this group's is verified (the verifier's GPU runs the two"
+        " back to back). auto: `up` turns it on when the drafter and the verifier run on two"
+        " different GPUs (two H100s, 8B-shaped target: 1.25x / 1.38x groups without it at"
+        " batch 8 / 32), serve-gateway, which cannot see the devices, leaves it off",
     )
     flag(
         parser,

@@ -437,6 +437,32 @@ def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus()
     assert overlap(*two_gpus, "--overlap", "groups") == "groups"
 
 
+def test_up_sends_groups_early_verifies_by_default_only_with_the_drafter_and_verifier_on_two_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--early-verify auto: on with two GPUs (the Verify queued on the verifier's GPU behind
+    the round in flight), off on one GPU or the CPU (the groups contend for it) and with serial
+    rounds; serve-gateway cannot see the devices: off unless asked (the GPU compose file asks)."""
+
+    def early(*flags: str) -> bool:
+        child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
+        return _child_args(child).early_verify  # type: ignore[no-any-return]
+
+    two_gpus = ("--device", "cuda:1", "--drafter-device", "cuda:0")
+    assert early(*two_gpus) is True
+    assert early(*two_gpus, "--overlap", "groups") is True
+    assert early(*two_gpus, "--overlap", "serial") is False
+    assert early(*two_gpus, "--no-early-verify") is False
+    assert early("--device", "cuda") is False
+    assert early("--device", "cpu") is False
+    assert early("--device", "cpu", "--overlap", "groups", "--early-verify") is True
+    assert cli.parse_args(["serve-gateway"]).early_verify is None  # serve_gateway: off
+    monkeypatch.setenv("SPECSPLIT_EARLY_VERIFY", "on")
+    assert cli.parse_args(["serve-gateway"]).early_verify is True
+    compose = (Path(__file__).parents[2] / "docker-compose.yml").read_text()
+    assert "SPECSPLIT_EARLY_VERIFY: ${SPECSPLIT_EARLY_VERIFY:-on}" in compose
+
+
 def test_drafter_kv_share_is_small_only_when_up_puts_it_on_the_verifiers_gpu() -> None:
     def drafter_fraction(*flags: str) -> float | None:
         child = up.child_commands(cli.parse_args(["up", *flags]))["drafter"]
