@@ -13,8 +13,9 @@ not the target's, so the chained round is dropped when the next round comes (its
 that launch's time) and the chaining's own host work is what is timed. An `after` hint names the
 outcome that came, so the next round takes the round launched on it.
 
-Per batch: the median host ms of each call over --rounds rounds (no device sync around them: a
-call that waits for the device shows it), and on a GPU each round's device time for scale.
+Per batch: the median host ms of each call over --rounds rounds (each --staging setting's in
+two halves, A B B A; no device sync around them: a call that waits for the device shows it),
+and on a GPU each round's device time for scale.
 --profile: those calls again, profiled: `cprofile` (the Python functions by own and cumulative
 time) or `torch` (torch.profiler's CPU ops by self time, each call profiled alone).
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import itertools
 import pstats
 import statistics
 import time
@@ -235,21 +235,34 @@ def main() -> None:
     )
     for batch in args.batch:
         rounds = Rounds(bench, batch, args.nodes, args.guesses)
-        for staging, mode in itertools.product(args.staging, args.modes):
-            model_batch.STAGE_BYTES = STAGE_BYTES if staging == "on" else -1
-            label = f"batch {batch} {mode}" + (f", staging {staging}" if staging == "off" else "")
-            run_mode(rounds, mode, 5, None)  # warm-up
-            times = run_mode(rounds, mode, args.rounds, None)
-            cells = ", ".join(
-                f"{name} {statistics.median(ms):.3f} ({len(ms)})" for name, ms in times.items()
-            )
-            print(f"{label}: {cells}", flush=True)
-            if args.profile:
-                profiler = CallProfile(args.profile)
-                run_mode(rounds, mode, args.rounds, profiler)
-                profiler.print(label, args.top)
-        model_batch.STAGE_BYTES = STAGE_BYTES
+        for mode in args.modes:
+            # each staging setting in two halves, in the order A B B A: neither always runs
+            # first (host times drift between passes)
+            times: dict[str, dict[str, list[float]]] = {s: defaultdict(list) for s in args.staging}
+            for staging in [*args.staging, *reversed(args.staging)]:
+                _stage(staging)
+                run_mode(rounds, mode, 5, None)  # warm-up
+                for name, ms in run_mode(rounds, mode, max(1, args.rounds // 2), None).items():
+                    times[staging][name] += ms
+            for staging in args.staging:
+                label = f"batch {batch} {mode}" + (", staging off" if staging == "off" else "")
+                cells = ", ".join(
+                    f"{name} {statistics.median(ms):.3f} ({len(ms)})"
+                    for name, ms in times[staging].items()
+                )
+                print(f"{label}: {cells}", flush=True)
+                if args.profile:
+                    _stage(staging)
+                    profiler = CallProfile(args.profile)
+                    run_mode(rounds, mode, args.rounds, profiler)
+                    profiler.print(label, args.top)
+        _stage("on")
         rounds.close()
+
+
+def _stage(staging: str) -> None:
+    """to_device's staging buffers on (the default) or off (every copy through pin_memory)."""
+    model_batch.STAGE_BYTES = STAGE_BYTES if staging == "on" else -1
 
 
 if __name__ == "__main__":
