@@ -184,6 +184,23 @@ def test_a_miss_run_plain_is_placed_as_the_plain_round_and_taken(
     _release(plain2, chained2)
 
 
+def test_a_round_placed_plain_frees_its_reference_trees_room(target_dir: Path, device: str) -> None:
+    """A chained round placed plain was given the room of its reference tree: taken for the
+    plain round, its commit frees what lies past the committed tokens (no round chained behind
+    it holds it)."""
+    plain, chained, _ = _run(target_dir, device, rounds=3, guessed=(), misses_plain=True)
+    engine = chained.engine
+    assert engine._ahead is not None  # the last round's, placed plain: taken now, no hint
+    for driver in (plain, chained):
+        driver.round({s: DraftTree() for s in "ab"})
+    assert engine.num_next_used == 3 and engine._ahead is None
+    for seq_id in "ab":
+        kv = engine.seqs[seq_id].kv
+        assert len(kv.page_table) == -(-kv.kv_committed_len // engine.kv.page_size)
+    _same(plain, chained, 0)
+    _release(plain, chained)
+
+
 def test_the_last_chained_round_is_dropped_by_a_release(target_dir: Path, device: str) -> None:
     """The round chained after the last one is never asked for: releasing the sequences drops
     it and frees every page."""
