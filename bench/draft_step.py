@@ -39,8 +39,8 @@ import drafter.eagle_proposer as eagle_proposer
 import drafter.expansion as expansion
 import drafter.tree_draft as tree_draft
 import specsplit.kv_cache as kv_cache
-import specsplit.model.batch as model_batch
 import specsplit.model.cuda_graphs as cuda_graphs
+import specsplit.model.transfer as transfer
 import specsplit.step as step
 from bench.gpu_e2e import random_eagle3_head, random_model
 from bench.gpu_engine import SHAPES
@@ -103,7 +103,7 @@ class Rounds:
         # drafter's on a GPU reads them into page-locked memory; --pageable-rows: as before)
         flat = self._random_rows(sum(counts))
         if self.pinned:
-            landed = model_batch.pinned_bytes(
+            landed = transfer.pinned_bytes(
                 flat.numel() * flat.element_size(), self.engine.proposer.device
             )
             flat = torch.frombuffer(landed, dtype=flat.dtype).reshape(flat.shape).copy_(flat)
@@ -156,8 +156,8 @@ class Phases:
             (expansion.DeviceExpansion, "_load"),
             (step, "build_forward_batch"),
             (step, "causal_step"),
-            (model_batch, "copy_rows"),
-            (model_batch.HostRows, "join"),
+            (transfer, "copy_rows"),
+            (transfer.HostRows, "join"),
             (kv_cache.KVCache, "reserve"),
             (kv_cache.KVCache, "trim"),
             (proposer, "truncate"),

@@ -39,9 +39,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_engine import SHAPES, EngineBench
 from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
-from specsplit.model import batch as model_batch
-from specsplit.model.batch import STAGE_BYTES
+from specsplit.model import transfer
 from specsplit.model.config import ModelConfig
+from specsplit.model.transfer import STAGE_BYTES
 from specsplit.tree import DraftTree
 from verifier.engine import VerifierEngine
 
@@ -262,7 +262,7 @@ def main() -> None:
 
 def _stage(staging: str) -> None:
     """to_device's staging buffers on (the default) or off (every copy through pin_memory)."""
-    model_batch.STAGE_BYTES = STAGE_BYTES if staging == "on" else -1
+    transfer.STAGE_BYTES = STAGE_BYTES if staging == "on" else -1
 
 
 if __name__ == "__main__":

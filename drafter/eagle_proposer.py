@@ -35,7 +35,8 @@ from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
-from specsplit.model.batch import ForwardBatch, ForwardOutput, HostRows, to_device
+from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.transfer import HostRows, to_device
 from specsplit.step import causal_step
 
 

@@ -32,7 +32,7 @@ from specsplit.messages import (
     Truncation,
     truncate_each,
 )
-from specsplit.model.batch import pinned_bytes
+from specsplit.model.transfer import pinned_bytes
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)

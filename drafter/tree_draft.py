@@ -21,8 +21,9 @@ from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import AheadTree, SpecParams
 from specsplit.model.attention import warm_up_attention
-from specsplit.model.batch import ForwardBatch, ForwardOutput, on_device
+from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.transfer import on_device
 from specsplit.sampling import draw_from_cut, make_generator
 from specsplit.step import SeqStep, build_forward_batch, causal_step
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree

@@ -28,7 +28,7 @@ from specsplit.messages import (
     VerifyInput,
     VerifyOutput,
 )
-from specsplit.model.batch import join_rows
+from specsplit.model.transfer import join_rows
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftProbs, DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2

@@ -33,7 +33,8 @@ import torch
 from specsplit.kernels import place_chain
 from specsplit.kernels.place_chain import outcome_keys
 from specsplit.messages import NextTrees, VerifyInput
-from specsplit.model.batch import ForwardBatch, to_device
+from specsplit.model.batch import ForwardBatch
+from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import padded, window_pages
 from verifier.rounds import Launched

@@ -27,10 +27,10 @@ from specsplit.messages import (
     VerifyOutput,
     truncate_each,
 )
-from specsplit.model.batch import on_device
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
+from specsplit.model.transfer import on_device
 from specsplit.step import build_forward_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import (

@@ -17,7 +17,7 @@ from specsplit.acceptance import AcceptResult
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.batch import to_device
+from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams, make_generator
 from verifier.accept_graphs import (
     AcceptGraphs,

@@ -14,7 +14,7 @@ import torch
 from specsplit.errors import check_seq_ids, invalid
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import MAX_DECODE_STEPS, NextTrees, VerifyInput, VerifyOutput
-from specsplit.model.batch import to_device
+from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 

@@ -16,7 +16,7 @@ import torch
 from specsplit.errors import ServiceError
 from specsplit.kv_cache import KVCache
 from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
-from specsplit.model.batch import on_device
+from specsplit.model.transfer import on_device
 from specsplit.step import page_tables
 from specsplit.tree import DraftTree
 from verifier.chain import chain_inputs, chainable, joined_results

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import torch
 
 from specsplit.kernels.triton_jit import check_device, interpreting, jit
-from specsplit.model.batch import take_rows
+from specsplit.model.transfer import take_rows
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.model.batch import HostRows, pinned_bytes
+from specsplit.model.transfer import HostRows, pinned_bytes
 from tests.unit.test_host_rows import parts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.model import batch
-from specsplit.model.batch import STAGE_BYTES, STAGE_SLOTS, to_device
+from specsplit.model import transfer
+from specsplit.model.transfer import STAGE_BYTES, STAGE_SLOTS, to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -32,7 +32,7 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 def test_staged_copies_keep_their_values_behind_the_devices_work_and_past_the_buffers() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     to_device(torch.zeros(1), device)  # the staging exists
-    stage = batch._STAGES[device]
+    stage = transfer._STAGES[device]
     staged = stage.num_staged
     torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work: every copy below waits behind it
     hosts, moved = [], []
@@ -56,7 +56,7 @@ def test_a_tensor_larger_than_a_buffer_goes_through_pin_memory() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     host = torch.arange(STAGE_BYTES // 8 + 1, dtype=torch.int64)
     to_device(torch.zeros(1), device)
-    stage = batch._STAGES[device]
+    stage = transfer._STAGES[device]
     staged = stage.num_staged
     assert torch.equal(to_device(host, device).cpu(), host)
     assert stage.num_staged == staged

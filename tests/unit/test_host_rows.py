@@ -13,7 +13,7 @@ from gateway.features import FeatureRows
 from gateway.request import GenerationRequest
 from gateway.sequence import Sequence
 from specsplit.messages import SpecParams
-from specsplit.model.batch import HostRows, join_rows, take_rows
+from specsplit.model.transfer import HostRows, join_rows, take_rows
 
 
 def parts(dtype: torch.dtype, sizes: tuple[int, ...], width: int = 24) -> list[torch.Tensor]:
