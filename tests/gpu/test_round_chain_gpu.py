@@ -15,6 +15,7 @@ from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them h
     _run,
     target_dir,
     test_a_miss_run_plain_is_placed_as_the_plain_round_and_taken,
+    test_a_round_accepting_more_than_the_hints_longest_outcome_stays_in_its_room,
     test_a_round_placed_plain_frees_its_reference_trees_room,
     test_an_outcome_not_among_the_hints_drops_only_its_share,
     test_chained_rounds_are_taken_and_give_the_same_tokens,

@@ -201,6 +201,35 @@ def test_a_round_placed_plain_frees_its_reference_trees_room(target_dir: Path, d
     _release(plain, chained)
 
 
+@pytest.mark.parametrize("misses_plain", [True, False], ids=["placed-plain", "dropped"])
+def test_a_round_accepting_more_than_the_hints_longest_outcome_stays_in_its_room(
+    target_dir: Path, device: str, misses_plain: bool
+) -> None:
+    """A hint need not name every accept length (the gateway leaves out outcomes that would
+    finish the sequence): a round that accepts more drafts than the hint's longest outcome has
+    its chained round placed past that outcome's end, so the room is reserved for the whole
+    tree accepted. The miss is placed plain and taken (or dropped), and the tokens and the
+    committed KV are an engine's without hints (page size 1: no slack in the room)."""
+    plain = Driver(_engine(target_dir, False, device, page_size=1))
+    chained = _chained_engine(target_dir, device, 1)
+    for driver in (plain, chained):
+        driver.begin("a")
+    tree = _chain(target_dir, device, plain, "a", 2)  # the target's next 2 tokens, a wrong one
+    base = len(plain.tokens["a"])
+    plain.round({"a": tree})
+    assert len(plain.tokens["a"]) - base == 3  # 2 drafts accepted and the bonus token
+    short = AheadTree([(plain.tokens["a"][base] + 1) % 256], DraftTree([1, 2, 3], [-1, 0, 1]))
+    hint = NextTrees("a", base, [short], plain=misses_plain)  # only an outcome of no drafts
+    engine = chained.engine
+    chained.round({"a": tree}, meanwhile=lambda: engine.hint_next([hint]))
+    assert engine._ahead is not None and engine._ahead.chain_hints is not None  # chained
+    for driver in (plain, chained):
+        driver.round({"a": DraftTree()})
+    assert (engine.num_next_used, engine.num_next_dropped) == ((1, 0) if misses_plain else (0, 1))
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
 def test_the_last_chained_round_is_dropped_by_a_release(target_dir: Path, device: str) -> None:
     """The round chained after the last one is never asked for: releasing the sequences drops
     it and frees every page."""
