@@ -166,6 +166,12 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
         seconds = totals[(process, f"{name}_sum{label}")]
         mean = f"{1e3 * seconds / calls:.3f} ms" if calls else "-"
         print(f"  {process} {name}{label}: {calls:.0f} x {mean}")
+    outside = totals[("gateway", "specsplit_round_outside_device_seconds_sum")]
+    if totals[("gateway", "specsplit_round_outside_device_seconds_count")]:  # a GPU verifier's
+        busy = 1 - outside / max(totals[("gateway", "specsplit_round_seconds_sum")], 1e-12)
+        print(  # issue 9's "of the verify bound", the device's time as the verify time
+            f"  verifier GPU busy in the rounds: {busy:.2f} (1 - outside the device / round)"
+        )
     accepted = totals[("gateway", "specsplit_accepted_tokens_per_round_sum")]
     counted = totals[("gateway", "specsplit_accepted_tokens_per_round_count")]
     hits, misses = (
