@@ -47,7 +47,8 @@ from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-# "groups-early": groups with the other group's Verify sent while one is in flight
+# "groups-early": groups with the other group's Verify sent while one is in flight ("groups":
+# without it; the other modes take `up`'s default, --early-verify auto)
 # "ahead-plain": draft-ahead whose misses are verified with no tree (`--ahead-miss plain`)
 MODES = ("serial", "groups", "groups-early", "gated", "ahead", "ahead-plain", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
@@ -275,7 +276,8 @@ def main() -> None:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
     for mode in modes:
         flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early").removesuffix("-plain"))
-        flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
+        if mode.startswith("groups"):  # (other modes: `up`'s default, on with two GPUs)
+            flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
         flags += ("--ahead-miss", "plain" if mode.endswith("-plain") else "draft")
         flags += ("--decode-ahead", args.decode_ahead)
         if args.decode_ahead_max_batch is not None:
