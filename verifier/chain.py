@@ -60,15 +60,15 @@ class Chain:
 
 def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
     """The reference tree of `item`'s next round (its hint's tree for the longest outcome), or
-    None when that round cannot be chained: no hint for `item`'s round, a sampled round, one
-    with hidden states or several decode steps, or outcomes whose trees differ in shape (all
-    must read the same mask, positions and rows)."""
+    None when that round cannot be chained: no hint for `item`'s round, a sampled round, one of
+    several decode steps, or outcomes whose trees differ in shape (all must read the same mask,
+    positions and rows; hidden-state rows too: the pending token's, then the accepted path's,
+    gathered on the device by the chained round's own acceptance)."""
     if (
         hint is None
         or not hint.trees
         or hint.base != item.kv_committed_len + len(item.pending_tokens)
         or not item.sampling.greedy
-        or item.hidden_state_layers
         or item.decode_steps != 1
     ):
         return None

@@ -243,7 +243,7 @@ class RunAhead:
             pending = [hint.trees[0].tokens[-1]]  # (a token in the vocabulary: placed over)
             items.append(
                 VerifyInput(item.seq_id, False, committed, pending, tree or DraftTree(),
-                            item.sampling)
+                            item.sampling, item.hidden_state_layers)
             )  # fmt: skip
         before = [seq.kv.kv_committed_len for seq in seqs]
         pages = [len(seq.kv.page_table) for seq in seqs]  # the round in flight's room

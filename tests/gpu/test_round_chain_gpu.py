@@ -19,6 +19,7 @@ from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them h
     test_a_round_placed_plain_frees_its_reference_trees_room,
     test_an_outcome_not_among_the_hints_drops_only_its_share,
     test_chained_rounds_are_taken_and_give_the_same_tokens,
+    test_rounds_with_hidden_states_chain_and_give_the_same_rows,
     test_synthetic_acceptance_bends_the_placed_tokens,
     test_the_devices_idle_time_before_a_round_comes_from_its_timestamps,
     test_the_last_chained_round_is_dropped_by_a_release,

@@ -73,10 +73,12 @@ def _engine(
 class Driver:
     """Sends rounds as the gateway does: each sequence's bonus token is its next pending token."""
 
-    def __init__(self, engine: VerifierEngine) -> None:
+    def __init__(self, engine: VerifierEngine, layers: tuple[int, ...] = ()) -> None:
         self.engine = engine
         self.tokens: dict[str, list[int]] = {}
         self.committed: dict[str, int] = {}
+        self.layers = layers  # every round's hidden-state layers (the EAGLE drafter's ask)
+        self.hidden: dict[str, list[torch.Tensor]] = {}  # each round's rows, with `layers`
 
     def begin(self, *seq_ids: str) -> None:
         self.round({s: DraftTree() for s in seq_ids}, begin=True)
@@ -100,6 +102,7 @@ class Driver:
             committed = self.committed[seq_id]
             pending = self.tokens[seq_id][committed:]
             item = VerifyInput(seq_id, seq_id in begins, committed, pending, tree)
+            item.hidden_state_layers = self.layers
             item.decode_steps = (steps or {}).get(seq_id, 1)
             if sampling is not None:
                 item.sampling = sampling
@@ -115,6 +118,8 @@ class Driver:
             del tokens[out.kv_committed_len :]
             tokens += out.new_tokens
             self.committed[out.seq_id] = out.kv_committed_len
+            if out.hidden_states is not None:
+                self.hidden.setdefault(out.seq_id, []).append(out.hidden_states.float())
         self.engine.check_integrity()
         return outputs
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specsplit.cli_flags import CHAIN_MIN_GUESS_RATE
 from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
@@ -59,6 +60,7 @@ def _run(
     guessed: tuple[str, ...] = ("a", "b"),
     nodes: int = 3,
     misses_plain: bool = False,
+    layers: tuple[int, ...] = (),
     **chained_attrs: object,
 ) -> tuple[Driver, Driver, list[bool]]:
     """`rounds` rounds of chains of `nodes` for "a" and "b" on a plain engine and on one whose
@@ -66,10 +68,12 @@ def _run(
     the plain engine saw (for the sequences in `guessed`; the others' hint has wrong outcomes
     only) beside a wrong outcome's of the same shape (`chained_attrs`: the chaining engine's
     attributes set). `misses_plain`: the hints run misses plain, and a sequence not in `guessed` is
-    sent the plain round (no tree) after each miss, as the gateway does. Returns the drivers
-    and whether each round had its next one chained."""
-    plain = Driver(_engine(target_dir, False, device, page_size=page_size))
+    sent the plain round (no tree) after each miss, as the gateway does. `layers`: every
+    round asks for these layers' hidden states. Returns the drivers and whether each round
+    had its next one chained."""
+    plain = Driver(_engine(target_dir, False, device, page_size=page_size), layers)
     chained = _chained_engine(target_dir, device, page_size, **chained_attrs)
+    chained.layers = layers
     for driver in (plain, chained):
         driver.begin("a", "b")
     chained.engine.on_gap = lambda phase, _: PHASES.append(phase)
@@ -227,6 +231,29 @@ def test_a_round_accepting_more_than_the_hints_longest_outcome_stays_in_its_room
         driver.round({"a": DraftTree()})
     assert (engine.num_next_used, engine.num_next_dropped) == ((1, 0) if misses_plain else (0, 1))
     _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
+def test_rounds_with_hidden_states_chain_and_give_the_same_rows(
+    target_dir: Path, device: str
+) -> None:
+    """An EAGLE drafter's rounds ask for the target's hidden states: their next rounds chain
+    too, with the same layers, and each round's rows (its pending token's, then its accepted
+    path's) are an engine's without hints, for an outcome guessed ("a") and a miss placed plain
+    ("b") alike."""
+    plain, chained, was_chained = _run(
+        target_dir, device, rounds=5, guessed=("a",), misses_plain=True, layers=(0, 1)
+    )
+    assert was_chained == [True] * 5
+    engine = chained.engine
+    assert (engine.num_next_used, engine.num_next_dropped) == (4, 0)
+    _same(plain, chained, _room(chained))
+    for seq_id in "ab":  # the begin round's and each round's
+        assert len(chained.hidden[seq_id]) == len(plain.hidden[seq_id]) == 6
+        for got, want in zip(chained.hidden[seq_id], plain.hidden[seq_id], strict=True):
+            assert got.shape[1] == 2 * 64  # two layers of the tiny model's width
+            # bfloat16 rows: one unit in the last place apart where a batch rounds differently
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     _release(plain, chained)
 
 
