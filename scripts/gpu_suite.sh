@@ -5,7 +5,7 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier] [tests-1] [tests-2] [hinted]
+#       [profile8b-verifier] [tests-1] [tests-2] [hinted] [critical8b-eagle]
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -225,6 +225,17 @@ for part in "${parts[@]}"; do
           --batch ${CRITICAL_BATCH:-1 8 32} --max-new-tokens 128 --top 0 --overlap "$overlap" \
           --verify-ahead "$hint" --early-verify "$early" --synthetic-acceptance 0.8,0.7,0.6 \
           "${more[@]}" --services-log "$out/critical8b_services.log"
+      done ;;
+    critical8b-eagle)  # draft-ahead at batch 1 ($CRITICAL_BATCH: others) with the 8B target and
+      # a random EAGLE-3 head of its width (synthetic acceptance: timing only), hinted rounds
+      # chained (hidden-state rounds chain since the thirty-fifth session) and not: the random
+      # head's bonus guesses miss, so nearly every outcome runs plain, chained ones placed plain
+      random_8b_1b
+      for chain in on off; do
+        run "critical8b_eagle_chain_$chain" python3 bench/profile_services.py \
+          --model /tmp/llama8b "${devices[@]}" --drafter eagle3 --draft-model /tmp/eagle8b \
+          --batch ${CRITICAL_BATCH:-1} --max-new-tokens 128 --top 0 --overlap ahead \
+          --verify-ahead on --chain-rounds "$chain" --synthetic-acceptance 0.8,0.7,0.6
       done ;;
     chain8b)  # draft-ahead with verify ahead on the critical8b system, hinted rounds chained on
       # the device behind the round in flight (--chain-rounds on, every batch size:
