@@ -4,16 +4,17 @@ While round r runs on the verifier's GPU, the gateway's hint names the tree it w
 for each outcome of r (accepted drafts + bonus -> tree). Where every sequence of r has such a
 hint and its outcomes' trees share one shape, the next round need not wait for r's results on
 the host: it is queued on the device right behind r, built for one outcome (the reference: r's
-whole tree accepted, the room of any outcome, reserved) and placed on the outcome that came by
-two kernels run between r and it (specsplit/kernels/place_chain.py; the hints' tables cross in
-one copy, `chain_inputs`): each sequence's outcome is found among its hint's from r's results,
-and the round's input ids, positions, KV slots and lengths (`place_forward`) and its
-acceptance's draft tokens and page window (`place_accept`) are rewritten for it. An outcome
-not among the hint's of a sequence whose hint runs misses plain (`NextTrees.plain`: the gateway
-then sends a round with r's bonus token and no tree) is placed as that plain round: r's bonus
-token first, the reference's tree after it, and no draft tokens for the acceptance, which takes
-none of them (its bonus token is the plain round's; the nodes' K/V sits past the committed
-length). The GPU then runs r+1 back to back with r, while the host commits and answers r.
+tree accepted to its deepest node, the room of any outcome, reserved) and placed on the outcome
+that came by two kernels run between r and it (specsplit/kernels/place_chain.py; the hints'
+tables cross in one copy, `chain_inputs`): each sequence's outcome is found among its hint's
+from r's results, and the round's input ids, positions, KV slots and lengths
+(`place_forward`) and its acceptance's draft tokens and page window (`place_accept`) are
+rewritten for it. An outcome not among the hint's of a sequence whose hint runs misses plain
+(`NextTrees.plain`: the gateway then sends a round with r's bonus token and no tree) is placed
+as that plain round: r's bonus token first, the reference's tree after it, and no draft tokens
+for the acceptance, which takes none of them (its bonus token is the plain round's; the nodes'
+K/V sits past the committed length). The GPU then runs r+1 back to back with r, while the
+host commits and answers r.
 
 The host learns the outcome when r finishes (`resolve`): a sequence whose outcome was among
 its hint's, or was placed plain, gets the round's inputs as the gateway will send them

@@ -220,9 +220,9 @@ class RunAhead:
         """The hinted next round of the round in flight (`launched`), chained on the device
         behind it (verifier/chain.py) when every sequence of it has a hint for it whose trees
         share one shape (all the sequences' of one size) and nothing else is queued behind it:
-        its room reserved for the round's whole tree accepted, built for that outcome and placed
-        on the outcomes that came by two kernels that run between the two rounds
-        (specsplit/kernels/place_chain.py). Whether it was."""
+        its room reserved for the round's tree accepted to its deepest node, built for that
+        outcome and placed on the outcomes that came by two kernels that run between the two
+        rounds (specsplit/kernels/place_chain.py). Whether it was."""
         if self._ahead is not None or launched.ahead is not None or launched.chained is not None:
             return False
         rounds = [item for part in launched.parts for item in part.inputs]  # as results come
@@ -234,12 +234,12 @@ class RunAhead:
         seqs = [seq for part in launched.parts for seq in part.seqs]
         if any(self.seqs.get(seq.seq_id) is not seq for seq in seqs):
             return False
-        # the reference: each sequence's round after its whole tree accepted, the room of any
-        # outcome that can come (the hint's longest may be shorter: the gateway leaves out
-        # outcomes that would finish the sequence, and a miss is placed by what r accepted)
+        # the reference: each sequence's round after its tree's deepest path accepted, the room
+        # of any outcome that can come (the hint's longest may be shorter: the gateway leaves
+        # out outcomes that would finish the sequence, and a miss is placed by what r accepted)
         items = []
         for item, hint, tree in zip(rounds, chain_hints, trees, strict=True):
-            committed = hint.base + len(item.tree)
+            committed = hint.base + max(item.tree.depths(), default=0)
             pending = [hint.trees[0].tokens[-1]]  # (a token in the vocabulary: placed over)
             items.append(
                 VerifyInput(item.seq_id, False, committed, pending, tree or DraftTree(),
