@@ -28,7 +28,6 @@ class GroupRounds:
     # the Scheduler's, which these rounds use
     verifier: VerifierClient
     overlap: str
-    early_verify: bool  # the other group's Verify goes out as soon as its trees are drafted
     _draft: Callable[[list[Sequence]], Awaitable[list[DraftTree]]]
     _verify_inputs: Callable[[list[Sequence], list[DraftTree]], list[VerifyInput]]
     _take_ahead: Callable[[list[Sequence]], dict[int, DraftTree]]
@@ -46,14 +45,15 @@ class GroupRounds:
         # and the other group's Verify, sent as soon as its trees were drafted
         self._early: EarlyVerify | None = None
 
-    async def step_groups(self, running: list[Sequence]) -> None:
+    async def step_groups(self, running: list[Sequence], early_verify: bool = False) -> None:
         """Pipelined groups (DESIGN.md §3): the running sequences form two groups that take
         turns. This round's Verify is one group's, with the trees drafted for it during the
         last round, most often already sent then (`_early`); while the verifier works, the
         gateway commits the other group's last round, sends its next Draft and streams its
         chunks while the drafter drafts (detokenizing, stop strings, streaming: off the path to
-        the next Verify), and that group's Verify goes out as soon as its trees come, so the
-        verifier has it before this one is done (it runs the two back to back). The verified
+        the next Verify), and (`early_verify`) that group's Verify goes out as soon as its trees
+        come, so the verifier has it before this one is done (it runs the two back to back;
+        "groups-early" rounds). The verified
         group's outputs are committed next round. A sequence with no tree drafted ahead (new,
         or after a fault) is drafted first; with one group empty a round commits, drafts and
         verifies in turn. A round that fails commits what it can first: the last round's
@@ -107,7 +107,8 @@ class GroupRounds:
                     self._stream()  # where the Draft needed no RPC
                     for seq, tree in zip(ahead, drafted, strict=True):
                         self._drafted[seq.seq_id] = tree
-                    self._send_early(running, 1 - turn)
+                    if early_verify:
+                        self._send_early(running, 1 - turn)
                     verified = await verifying
                 except BaseException:
                     verifying.cancel()
@@ -136,10 +137,7 @@ class GroupRounds:
 
     def _send_early(self, running: list[Sequence], group: int) -> None:
         """The Verify of `group`'s next round, sent now (`_early`) when each of its running
-        sequences has its tree (and `early_verify` is on): the next round verifies exactly
-        these."""
-        if not self.early_verify:
-            return
+        sequences has its tree: the next round verifies exactly these."""
         batch = [
             seq
             for seq in running

@@ -115,10 +115,14 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         group's Verify as soon as its trees are drafted, while this group's is in flight (the
         verifier runs the two back to back: for a drafter and a verifier on two GPUs; on one
         GPU shared by both it measured slower, bench/RESULTS.md); off = each group's Verify
-        goes out in its own round. ahead_miss: in a draft-ahead round, a sequence whose outcome
-        was not guessed is drafted first ("draft"), or verified with no tree at once ("plain":
-        a plain decode step while its next round's trees are drafted ahead, so that the round
-        holds only the Verify on its path). verify_ahead: in a draft-ahead round, the trees
+        goes out in its own round. With "gated" and `early_verify` the overlap gate measures
+        groups with the early Verify ("groups-early") and without it ("groups"): through the
+        services on two H100s it ran 1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped
+        target and 0.65x / 0.73x with SmolLM2 and its head (bench/RESULTS.md). ahead_miss: in a
+        draft-ahead round, a sequence whose outcome was not guessed is drafted first ("draft"),
+        or verified with no tree at once ("plain": a plain decode step while its next round's
+        trees are drafted ahead, so that the round holds only the Verify on its path).
+        verify_ahead: in a draft-ahead round, the trees
         drafted ahead go to the verifier as a hint (VerifierClient.hint) as soon as they come,
         so that it launches each sequence's next round as this one commits, before the gateway
         asks for it (the answer's trip through the gateway and the next request's off the
@@ -170,6 +174,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         gated_modes: tuple[str, ...] = ("groups", "ahead", "ahead-unhinted", "serial")
         if not verify_ahead:
             gated_modes = ("groups", "ahead", "serial")  # "ahead" sends no hints already
+        if early_verify:  # the gate measures groups with the early Verify and without it
+            gated_modes = ("groups-early", *gated_modes)
         self.overlap_gate = OverlapGate(gated_modes) if overlap == "gated" else None
         self.num_tokens_committed = 0
         self.num_feature_restarts = 0  # sequences whose features were caught up on resuming
@@ -324,8 +330,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     seq.rounds_since_prefill >= 2 for seq in self.running
                 )
                 mode = self._round_mode(speculate)
-                if mode == "groups":
-                    await self.step_groups(self.running)
+                if mode in ("groups", "groups-early"):
+                    await self.step_groups(self.running, early_verify=mode == "groups-early")
                 else:
                     batch = self.running
                     if await self._leave_groups():
@@ -358,20 +364,23 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     self._fail(seq, error)
 
     def _round_mode(self, speculate: bool) -> str:
-        """This round's kind: "serial", "groups", "ahead", "ahead-plain" (its misses plain) or
-        "ahead-unhinted" (no hints to the verifier).
+        """This round's kind: "serial", "groups", "groups-early" (groups whose other group's
+        Verify goes out early), "ahead", "ahead-plain" (its misses plain) or "ahead-unhinted"
+        (no hints to the verifier).
         Overlap "both" drafts ahead while at most `ahead_max_batch` sequences run (one sequence
         makes no two groups, and small batches verify in about the time of one), groups above;
-        "gated": the overlap gate's choice at this batch size (groups, ahead, ahead-plain,
+        groups are "groups-early" with `early_verify`. "gated": the overlap gate's choice at
+        this batch size (groups-early where `early_verify` is on, groups, ahead, ahead-plain,
         ahead-unhinted or serial). Rounds the speculation gate holds back from drafting are
         serial."""
         if not speculate or self.overlap == "serial":
             return "serial"
         if self.overlap_gate is not None:
             return self.overlap_gate.mode(len(self.running))
-        if self.overlap != "both":
-            return self.overlap
-        return "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
+        mode = self.overlap
+        if mode == "both":
+            mode = "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
+        return "groups-early" if mode == "groups" and self.early_verify else mode
 
     def _gated(self, batch: list[Sequence]) -> bool:
         """A round the speculation gate measures: every sequence follows the gateway's default

@@ -97,7 +97,9 @@ for part in "${parts[@]}"; do
     hinted)
       run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
         --device "cuda:$((gpus - 1))" --batch 1 8 32 --staging on off --profile torch ;;
-    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest
+    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest (one after
+      # the other: run beside tests-1 on the other GPU, tests-2 once failed to import
+      # opentelemetry, thirty-sixth session, not diagnosed)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
       run "$part" python3 -m pytest -q -p no:cacheprovider "${half[@]}" ;;
@@ -270,10 +272,12 @@ for part in "${parts[@]}"; do
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
-    overlap)
+    overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS: others (64 tokens a stream gave ~+-25% between
+      # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
-        --max-new-tokens 64 ;;
+        --max-new-tokens "${OVERLAP_TOKENS:-128}" \
+        --modes ${OVERLAP_MODES:-serial groups groups-early ahead gated} ;;
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;

@@ -58,8 +58,10 @@ def _run(
         early_verify=pipelined,
     )
     if overlap == "gated":
-        # ahead-plain: asked for here; ahead-unhinted: the default gate's with verify ahead
+        # ahead-plain: asked for here; ahead-unhinted: the default gate's with verify ahead;
+        # groups-early: the gate's with the early Verify (pipelined)
         modes = ("groups", "ahead", "ahead-plain", "ahead-unhinted", "serial")
+        modes = ("groups-early", *modes) if pipelined else modes
         stack.scheduler.overlap_gate = OverlapGate(modes, window=2, probe_every=8)
     if pipelined:
         stack.scheduler.verifier = LocalVerifierClient(
