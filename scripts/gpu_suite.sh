@@ -5,7 +5,7 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier] [tests-1] [tests-2] [hinted] [critical8b-eagle]
+#       [profile8b-verifier] [tests-1] [tests-2] [hinted] [critical8b-eagle] [groups-smollm2]
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -272,6 +272,16 @@ for part in "${parts[@]}"; do
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
+    groups-smollm2)  # groups with the early Verify and without it, SmolLM2 + the shipped head
+      # ($SMOLLM2_GGUF; real acceptance), batch 8 / 32: the round outside the verifier's
+      # device and each engine's call, to find why the early Verify ran 0.65x / 0.73x groups
+      # there (thirty-sixth session) where the 8B-shaped system gained 1.25x / 1.38x
+      for early in off on; do
+        run "groups_smollm2_early_$early" python3 bench/profile_services.py \
+          --model "$SMOLLM2_GGUF" "${devices[@]}" --drafter eagle3 \
+          --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 128 \
+          --top 0 --overlap groups --early-verify "$early"
+      done ;;
     overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS: others (64 tokens a stream gave ~+-25% between
       # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
