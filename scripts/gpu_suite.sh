@@ -97,9 +97,11 @@ for part in "${parts[@]}"; do
     hinted)
       run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
         --device "cuda:$((gpus - 1))" --batch 1 8 32 --staging on off --profile torch ;;
-    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest (one after
-      # the other: run beside tests-1 on the other GPU, tests-2 once failed to import
-      # opentelemetry, thirty-sixth session, not diagnosed)
+    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest; on two GPUs
+      # the halves can run at once, one per GPU, after `source scripts/gpu_env.sh` in the same
+      # shell: `source scripts/gpu_env.sh; CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh tests-1
+      # >"$OUT/t1.log" 2>&1 & scripts/gpu_suite.sh tests-2; wait` (mind `a && b &`: it sends the
+      # whole list, the `source` too, to the background)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
       run "$part" python3 -m pytest -q -p no:cacheprovider "${half[@]}" ;;
