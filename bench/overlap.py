@@ -6,7 +6,7 @@ tokens. "target only" is the serial services with speculation off per request (n
     PYTHONPATH=. python bench/overlap.py [--batch 1 4 8] [--max-new-tokens 48] [--device cpu]
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
         [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
-        [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6]
+        [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6] [--repeat 3]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
 rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
@@ -18,6 +18,10 @@ tree's first children at these rates (`serve-verifier --synthetic-acceptance`), 
 checkpoints (`bench/random_model.py --shape llama-8b` / `llama-1b` with `--drafter model`) run the
 whole system at a realistic accepted length; every stream runs to --max-new-tokens (EOS ignored)
 and outputs are not the target's, so the same-tokens column compares nothing.
+
+--repeat N: each (mode, batch) timed N times in its `up`; the tokens/s tables give the median
+run, the time-spent table all N together, and a line per run lists each run's tokens/s (the
+spread between `up` starts was ~+-25% at 64 tokens a stream, thirty-sixth session).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def run_batch(
 
 
 def print_time_spent(
-    results: dict[tuple[str, int], tuple[list[list[int]], float]],
+    runs: dict[tuple[str, int], list[tuple[int, float]]],
     totals: dict[tuple[str, int], Totals],
     batches: list[int],
     modes: tuple[str, ...],
@@ -100,7 +104,8 @@ def print_time_spent(
     time alone allows (every token over the verifier's engine time: the overlap issue's goal is
     >= 0.9). The
     hit rate: draft-ahead's; on target-only rows the share of the verifier's decode steps run
-    ahead that the next round took."""
+    ahead that the next round took. Over every timed run of a (mode, batch) (`runs`: tokens and
+    wall seconds of each)."""
     print(
         "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | drafter busy "
         "| accepted/round | verify-bound tok/s | of the bound | ahead hit rate |"
@@ -108,15 +113,16 @@ def print_time_spent(
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in ("target", *modes):
         for batch in batches:
-            outputs, wall = results[(mode, batch)]
+            tokens = sum(n for n, _ in runs[(mode, batch)])
+            wall = sum(w for _, w in runs[(mode, batch)])
             t = totals[(mode, batch)]
-            rate = sum(map(len, outputs)) / wall
+            rate = tokens / wall
             verify_s = t[("verifier", "specsplit_verify_seconds_sum")]
             draft_s = t[("drafter", "specsplit_draft_seconds_sum")]
             accepted = t[("gateway", "specsplit_accepted_tokens_per_round_sum")]
             seq_rounds = t[("gateway", "specsplit_accepted_tokens_per_round_count")]
             # every token over the verifier's time (a round of several decode steps included)
-            bound = sum(map(len, outputs)) / verify_s if verify_s else math.nan
+            bound = tokens / verify_s if verify_s else math.nan
             name = "target only" if mode == "target" else mode
             hits = t[("gateway", "specsplit_draft_ahead_total:hit")]
             misses = t[("gateway", "specsplit_draft_ahead_total:miss")]
@@ -228,6 +234,9 @@ def main() -> None:
         help="`up --decode-ahead-max-batch` (default: its own)",
     )
     parser.add_argument(
+        "--repeat", type=int, default=1, help="timed runs of each (mode, batch); the median's"
+    )
+    parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     parser.add_argument(
@@ -247,7 +256,10 @@ def main() -> None:
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    # (mode, batch): the median run's (tokens of each stream, wall), and every run's (tokens,
+    # wall)
     results: dict[tuple[str, int], tuple[list[list[int]], float]] = {}
+    runs: dict[tuple[str, int], list[tuple[int, float]]] = {}
     totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over each run
     parts: dict[str, Buckets] = {}
 
@@ -261,9 +273,14 @@ def main() -> None:
         warmup = GATED_WARMUP_TOKENS if key[0] == "gated" else WARMUP_TOKENS
         run_batch(stub, prompts, warmup, spec, args.temperature, synthetic)
         before = scrape_totals()
-        results[key] = run_batch(
-            stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
-        )
+        timed_runs = [
+            run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic)
+            for _ in range(args.repeat)
+        ]
+        runs[key] = [(sum(map(len, out)), wall) for out, wall in timed_runs]
+        results[key] = sorted(timed_runs, key=lambda run: sum(map(len, run[0])) / run[1])[
+            len(timed_runs) // 2
+        ]
         totals[key] = Counter(scrape_totals())
         totals[key].subtract(before)
 
@@ -334,7 +351,11 @@ def main() -> None:
         print_divergence(results, args.batch, modes)
     if "gated" in modes:
         print(f"the overlap gate's choices (gated): {gate_choices}")
-    print_time_spent(results, totals, args.batch, modes)
+    if args.repeat > 1:
+        for key, each in runs.items():
+            cells = ", ".join(f"{n / w:.1f}" for n, w in each)
+            print(f"{'target only' if key[0] == 'target' else key[0]} batch {key[1]} runs: {cells}")
+    print_time_spent(runs, totals, args.batch, modes)
     if args.speculation_gate == "on":
         print_gated_rounds(totals, args.batch, modes)
     print("round parts over all batches, p50 ms (bucket upper bounds):")

@@ -284,11 +284,11 @@ for part in "${parts[@]}"; do
           --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 128 \
           --top 0 --overlap groups --early-verify "$early"
       done ;;
-    overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS: others (64 tokens a stream gave ~+-25% between
+    overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS, $OVERLAP_REPEAT (timed runs each): others (64 tokens a stream gave ~+-25% between
       # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
-        --max-new-tokens "${OVERLAP_TOKENS:-128}" \
+        --max-new-tokens "${OVERLAP_TOKENS:-128}" --repeat "${OVERLAP_REPEAT:-1}" \
         --modes ${OVERLAP_MODES:-serial groups groups-early ahead gated} ;;
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
