@@ -5,7 +5,8 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier] [tests-1] [tests-2] [hinted] [critical8b-eagle] [groups-smollm2]
+#       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
+#       [groups-smollm2]
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -97,11 +98,18 @@ for part in "${parts[@]}"; do
     hinted)
       run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
         --device "cuda:$((gpus - 1))" --batch 1 8 32 --staging on off --profile torch ;;
-    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest; on two GPUs
-      # the halves can run at once, one per GPU, after `source scripts/gpu_env.sh` in the same
-      # shell: `source scripts/gpu_env.sh; CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh tests-1
-      # >"$OUT/t1.log" 2>&1 & scripts/gpu_suite.sh tests-2; wait` (mind `a && b &`: it sends the
-      # whole list, the `source` too, to the background)
+    tests-both)  # the two halves at once: tests-1 alone on the last GPU, tests-2 beside it
+      # (its two-GPU cases need both); one after the other they took 334 + 349 s on two H100s
+      # (thirty-sixth session). tests-1's output: $OUT/tests-1.txt
+      CUDA_VISIBLE_DEVICES=$((gpus > 0 ? gpus - 1 : 0)) OUT="$out" bash "$0" tests-1 \
+        >"$out/tests-1.log" 2>&1 &
+      first=$!
+      OUT="$out" bash "$0" tests-2 || status=1
+      wait "$first" || { echo "== tests-1 FAILED"; status=1; }
+      echo "== tests-1 (beside it):"
+      grep -v "^\s*$" "$out/tests-1.log" | tail -5 ;;
+    tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest (at once on
+      # two GPUs: tests-both)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
       run "$part" python3 -m pytest -q -p no:cacheprovider "${half[@]}" ;;
