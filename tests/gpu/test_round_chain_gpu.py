@@ -14,6 +14,7 @@ from tests.unit.test_decode_ahead import _engine, _release
 from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them here)
     _run,
     target_dir,
+    test_a_hint_for_a_round_the_gpu_is_done_with_launches_after_the_answer,
     test_a_miss_run_plain_is_placed_as_the_plain_round_and_taken,
     test_a_round_accepting_more_than_the_hints_longest_outcome_stays_in_its_room,
     test_a_round_placed_plain_frees_its_reference_trees_room,

@@ -295,6 +295,48 @@ def test_trees_of_different_shapes_are_launched_after_the_round(
     _release(plain, chained)
 
 
+def test_a_hint_for_a_round_the_gpu_is_done_with_launches_after_the_answer(
+    target_dir: Path, device: str
+) -> None:
+    """The round in flight already done on the GPU when its hint comes (the drafter's
+    draft-ahead call outlasting the verify): the next round is not chained (the chain's host
+    work would hold the answer back, and start that round no sooner) but launched once the
+    answer went out, and taken: the same tokens as an engine without hints. On a GPU the
+    device is synchronized before the hint; on the CPU, where a round is done when launched
+    and chains all the same, the engine is told the GPU is done with it."""
+    plain = Driver(_engine(target_dir, False, device))
+    chained = _chained_engine(target_dir, device, 4)
+    engine = chained.engine
+    if device == "cpu":
+        engine._still_running = lambda launched: False  # type: ignore[method-assign]
+    for driver in (plain, chained):
+        driver.begin("a")
+    tree = _chain(target_dir, device, plain, "a", 2)
+    for _ in range(3):
+        base = len(plain.tokens["a"])
+        plain.round({"a": tree})
+        outcome = plain.tokens["a"][base:]
+        following = _chain(target_dir, device, plain, "a", 1)
+        hint = NextTrees("a", base, [AheadTree(outcome, following)])
+
+        def done_then_hint(hint: NextTrees = hint) -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            engine.hint_next([hint])
+            assert engine._in_flight[0].chained is None
+
+        chained.round({"a": tree}, meanwhile=done_then_hint)
+        assert engine._ahead is None  # parked: launched once the answer went out
+        engine.launch_parked()
+        assert engine._ahead is not None
+        tree = following
+    plain.round({"a": tree})
+    chained.round({"a": tree})
+    assert (engine.num_next_used, engine.num_next_dropped) == (3, 0)
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
 def test_synthetic_acceptance_bends_the_placed_tokens(target_dir: Path, device: str) -> None:
     """Benchmarks' synthetic acceptance on a chained round bends the logits of the tokens placed
     on the device (the outcome that came), not the reference's: the same outcomes as an engine
