@@ -70,9 +70,6 @@ def _engine(
     return engine
 
 
-GPU_BUSY_CYCLES = 20_000_000  # ~10 ms of an H100's clock
-
-
 class Driver:
     """Sends rounds as the gateway does: each sequence's bonus token is its next pending token."""
 
@@ -96,9 +93,7 @@ class Driver:
     ) -> list[VerifyOutput]:
         """One round; `begin`: every sequence's first (True) or these sequences'; `steps`:
         sequences' decode_steps (1 for the others); `meanwhile`: called between the round's
-        launch and its finish (the gateway's hint for it comes then), on a GPU while the round
-        still runs there (queued behind GPU_BUSY_CYCLES of device work: the tiny rounds would
-        be done before it, and a hint for a round the GPU is done with is not chained)."""
+        launch and its finish (the gateway's hint for it comes then)."""
         begins = set(trees) if begin is True else set(begin or ())
         inputs = []
         for seq_id, tree in trees.items():
@@ -115,9 +110,6 @@ class Driver:
         if meanwhile is None:
             outputs = self.engine.verify(inputs)
         else:
-            if self.engine.device.type == "cuda":
-                with torch.cuda.device(self.engine.device):
-                    torch.cuda._sleep(GPU_BUSY_CYCLES)
             launched = self.engine.launch(inputs)
             meanwhile()
             outputs = self.engine.finish(launched)
