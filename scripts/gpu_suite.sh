@@ -286,12 +286,19 @@ for part in "${parts[@]}"; do
       # ($SMOLLM2_GGUF; real acceptance), batch 8 / 32: the round outside the verifier's
       # device and each engine's call, to find why the early Verify ran 0.65x / 0.73x groups
       # there (thirty-sixth session) where the 8B-shaped system gained 1.25x / 1.38x
+      # (then groups without it cProfiled at batch 8: where a group's round trip goes
+      # outside the engines; bench/groups_model.py: two groups are busy at most
+      # 2V / (V + D + 4R), so each RPC leg's ~0.6 ms there is what keeps them from 0.9)
       for early in off on; do
         run "groups_smollm2_early_$early" python3 bench/profile_services.py \
           --model "$SMOLLM2_GGUF" "${devices[@]}" --drafter eagle3 \
           --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 128 \
           --top 0 --overlap groups --early-verify "$early"
-      done ;;
+      done
+      run groups_smollm2_profiled python3 bench/profile_services.py --model "$SMOLLM2_GGUF" \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --batch 8 --max-new-tokens 128 --top 40 --sort tottime cumulative --overlap groups \
+        --early-verify off ;;
     overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS, $OVERLAP_REPEAT (timed runs each): others (64 tokens a stream gave ~+-25% between
       # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
