@@ -212,7 +212,7 @@ def main() -> None:
         nargs="+",
         choices=("on", "off"),
         default=["on"],
-        help="to_device's staging buffers (specsplit/model/batch.py) on, off (pin_memory each "
+        help="to_device's staging buffers (specsplit/model/transfer.py) on, off (pin_memory each "
         "copy, as before them), or both in turn",
     )
     parser.add_argument("--profile", choices=("cprofile", "torch"), default=None)

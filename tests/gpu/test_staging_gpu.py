@@ -1,4 +1,4 @@
-"""`to_device`'s staging buffers (specsplit/model/batch.py) on a CUDA device: small host tensors
+"""`to_device`'s staging buffers (specsplit/model/transfer.py) on a CUDA device: small host tensors
 of any dtype and layout reach the device with their values while the device is busy with work
 queued before them, through the pinned buffers reused once their copies ran; with every buffer's
 copy still queued, a copy goes through `pin_memory` instead, with the same values. Skipped
