@@ -281,8 +281,8 @@ def main() -> None:
         "--early-verify",
         default=None,
         choices=("on", "off"),
-        help="`up --early-verify` (default: its own, off): groups send the other group's Verify"
-        " as soon as its trees are drafted",
+        help="`up --early-verify` (default: its own, auto: on with two GPUs): groups send the"
+        " other group's Verify as soon as its trees are drafted",
     )
     parser.add_argument(
         "--synthetic-acceptance",
