@@ -258,6 +258,17 @@ def prefill_profile(
     torch_profile(run, 3, "first Draft", "self_cpu_time_total")
 
 
+def idle(seconds: float, how: str) -> None:
+    """The thread idles `seconds`: asleep, or polling the clock (a core kept busy)."""
+    if how == "sleep":
+        if seconds:
+            time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -293,6 +304,14 @@ def main() -> None:
         default=[0.0],
         help="the drafter idles this long before each timed round (as it waits for a Verify in "
         "the services: caches and clocks cool down); each is timed",
+    )
+    parser.add_argument(
+        "--gap-how",
+        nargs="+",
+        choices=["sleep", "poll"],
+        default=["sleep"],
+        help="how the thread idles through --gap-ms: asleep (a service's event loop waiting in "
+        "epoll) or polling (the loop kept busy, `--idle-poll-ms`); each is timed",
     )
     parser.add_argument(
         "--prefill",
@@ -351,7 +370,9 @@ def main() -> None:
         prefill_profile(engine, args.prefill[-1], width, parse_shape(args.shape[0]), args.new)
     phases = Phases(engine) if args.phases else None
     for spec in map(parse_shape, args.shape):
-        for batch, rows_kind, gap_ms in itertools.product(args.batch, args.rows, args.gap_ms):
+        gaps = [(0.0, "sleep")] if 0 in args.gap_ms else []
+        gaps += [(ms, how) for ms in args.gap_ms if ms for how in args.gap_how]
+        for batch, rows_kind, (gap_ms, gap_how) in itertools.product(args.batch, args.rows, gaps):
             pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (
                 SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
@@ -365,8 +386,7 @@ def main() -> None:
             if phases is not None:
                 phases.reset()
             for i in range(args.rounds + (3 if args.ahead else 0)):
-                if gap_ms:
-                    time.sleep(gap_ms / 1e3)
+                idle(gap_ms / 1e3, gap_how)
                 if profiler is not None:
                     profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
@@ -396,7 +416,8 @@ def main() -> None:
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(
-                f"{label}, {rows_kind} rows, {gap_ms:g} ms idle before: spec "
+                f"{label}, {rows_kind} rows, {gap_ms:g} ms idle"
+                f"{f' ({gap_how})' if gap_ms else ''} before: spec "
                 f"{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "
                 f"p90 {p90:7.3f}, {nodes / batch:.1f} nodes/seq"
