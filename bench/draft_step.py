@@ -311,7 +311,7 @@ def main() -> None:
         choices=["sleep", "poll"],
         default=["sleep"],
         help="how the thread idles through --gap-ms: asleep (a service's event loop waiting in "
-        "epoll) or polling (the loop kept busy, `--idle-poll-ms`); each is timed",
+        "epoll) or polling the clock (its core kept busy); each is timed",
     )
     parser.add_argument(
         "--prefill",

@@ -6,7 +6,7 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
-#       [groups-smollm2] [idle-poll]
+#       [groups-smollm2]
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -305,26 +305,6 @@ for part in "${parts[@]}"; do
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
         --batch 8 --max-new-tokens 128 --top 40 --sort tottime cumulative --overlap groups \
         --early-verify "${PROFILED_EARLY:-on}" ;;
-    idle-poll)  # the drafter's and verifier's event loops polling their round lanes between
-      # rounds (--idle-poll-ms, auto: 20 on a GPU) against asleep in epoll (0): first the
-      # drafter's round in process after 3 ms asleep and polling (bench/draft_step.py --gap-how),
-      # then through the services, random SmolLM2-shaped weights + the shipped head, SYNTHETIC
-      # ACCEPTANCE 0.5 / 0.4 / 0.3 (about the head's real accepted length; timing only): serial
-      # rounds at batch 1 / 8, groups with the early Verify at 8 / 32
-      random_smollm2
-      run idle_draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
-        --batch 1 4 --shape 3x1x3 --rounds 200 --gap-ms 0 3 --gap-how sleep poll
-      for poll in ${IDLE_POLLS:-20 0}; do
-        run "idle_poll_${poll}_serial" python3 bench/profile_services.py \
-          --model /tmp/smollm2_random --synthetic-acceptance 0.5,0.4,0.3 "${devices[@]}" \
-          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 \
-          --max-new-tokens 128 --top 0 --overlap serial --up-arg="--idle-poll-ms=$poll"
-        run "idle_poll_${poll}_groups" python3 bench/profile_services.py \
-          --model /tmp/smollm2_random --synthetic-acceptance 0.5,0.4,0.3 "${devices[@]}" \
-          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 \
-          --max-new-tokens 128 --top 0 --overlap groups --early-verify on \
-          --up-arg="--idle-poll-ms=$poll"
-      done ;;
     overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS, $OVERLAP_REPEAT (timed runs each): others (64 tokens a stream gave ~+-25% between
       # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \

@@ -110,9 +110,6 @@ CHAIN_MAX_BATCH = 1
 # with the shipped SmolLM2 head guessed 29-49% of rounds. With misses run plain (the gateway's
 # default, --ahead-miss plain) a miss is placed as the plain round and counts as guessed
 CHAIN_MIN_GUESS_RATE = 0.9
-# --idle-poll-ms auto for a drafter or verifier on a GPU (specsplit.lane.LoopPoll): longer than
-# the wait between two of a service's rounds (a serial 8B round's other half, ~10 ms)
-IDLE_POLL_MS_ON_GPU = 20.0
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
 
@@ -132,13 +129,6 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
         " during a call) or auto (loop on a GPU, thread on the CPU)"
     )
     flag(parser, "--engine-calls", "auto", calls_help, choices=ENGINE_CALLS)
-    poll_help = (
-        "drafter and verifier: how long the event loop keeps polling its round lane after an"
-        " answer before it sleeps (a service that sleeps between rounds wakes late and runs its"
-        f" next round's host work slower); none = auto ({IDLE_POLL_MS_ON_GPU:g} on a GPU, 0 on"
-        " the CPU, where the engine needs the cores)"
-    )
-    flag(parser, "--idle-poll-ms", None, poll_help, type=optional_float)
 
 
 def verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -510,13 +500,6 @@ def adaptive_rungs(args: argparse.Namespace) -> tuple[SpecParams, ...] | None:
     from gateway.adaptive import parse_ladder
 
     return None if args.adaptive_ladder is None else parse_ladder(args.adaptive_ladder)
-
-
-def idle_poll_s(idle_poll_ms: float | None, device: str) -> float:
-    """--idle-poll-ms in seconds, auto (None) resolved for a service on `device`."""
-    if idle_poll_ms is None:
-        idle_poll_ms = IDLE_POLL_MS_ON_GPU if device.startswith("cuda") else 0.0
-    return max(idle_poll_ms, 0.0) / 1e3
 
 
 def round_lane_flag(parser: argparse.ArgumentParser) -> None:

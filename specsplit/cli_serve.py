@@ -16,7 +16,6 @@ from specsplit.cli_flags import (
     decode_ahead,
     default_spec,
     graph_query_lens,
-    idle_poll_s,
     request_limits,
     tls_files,
 )
@@ -46,8 +45,8 @@ def cpu_has_bf16() -> bool:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """device, dtype ("auto" resolved), num_pages, page_size, grace, tls, engine_calls and
-    idle_poll_s (auto resolved) of a serve command."""
+    """device, dtype ("auto" resolved), num_pages, page_size, grace, tls and engine_calls of a
+    serve command."""
     import torch
 
     device = args.device
@@ -64,7 +63,6 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "grace": args.grace,
         "tls": tls_files(args),
         "engine_calls": args.engine_calls,
-        "idle_poll_s": idle_poll_s(args.idle_poll_ms, device),
     }
 
 

@@ -418,21 +418,6 @@ def test_up_has_the_gateway_poll_its_round_lanes_only_with_the_verifier_on_a_gpu
     assert _child_args(up.child_commands(cli.parse_args(["up"]))["gateway"]).round_lane == "on"
 
 
-def test_a_drafter_or_verifier_polls_its_round_lane_between_rounds_only_on_a_gpu() -> None:
-    """--idle-poll-ms auto resolves per service on its own device; `up` hands a value given to
-    both engine services and leaves auto to each."""
-    assert cli_flags.idle_poll_s(None, "cuda:1") == cli_flags.IDLE_POLL_MS_ON_GPU / 1e3
-    assert cli_flags.idle_poll_s(None, "cpu") == 0.0  # polling takes a core from the engine
-    assert cli_flags.idle_poll_s(2.0, "cpu") == 0.002
-    assert cli_flags.idle_poll_s(0.0, "cuda") == 0.0
-    for argv in (["serve-drafter"], ["serve-verifier"], ["up"]):
-        assert cli.parse_args(argv).idle_poll_ms is None
-    commands = up.child_commands(cli.parse_args(["up", "--idle-poll-ms", "7"]))
-    for service in ("drafter", "verifier"):
-        assert _child_args(commands[service]).idle_poll_ms == 7.0
-    assert "--idle-poll-ms" not in up.child_commands(cli.parse_args(["up"]))["verifier"]
-
-
 def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus() -> None:
     def overlap(*flags: str) -> str:
         child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
