@@ -53,7 +53,8 @@ from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # "groups-early": groups with the other group's Verify sent while one is in flight ("groups":
 # without it; the other modes take `up`'s default, --early-verify auto)
-# "ahead-plain": draft-ahead whose misses are verified with no tree (`--ahead-miss plain`)
+# "ahead": draft-ahead whose misses are drafted before their Verify (`--ahead-miss draft`);
+# "ahead-plain": misses verified with no tree (`--ahead-miss plain`, `up`'s default)
 MODES = ("serial", "groups", "groups-early", "gated", "ahead", "ahead-plain", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run

@@ -305,12 +305,13 @@ for part in "${parts[@]}"; do
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
         --batch 8 --max-new-tokens 128 --top 40 --sort tottime cumulative --overlap groups \
         --early-verify "${PROFILED_EARLY:-on}" ;;
-    overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS, $OVERLAP_REPEAT (timed runs each): others (64 tokens a stream gave ~+-25% between
-      # `up` starts in the thirty-sixth session; four modes at 64 tokens took 283 s)
+    overlap)  # $OVERLAP_MODES, $OVERLAP_TOKENS, $OVERLAP_REPEAT (timed runs each): others (64
+      # tokens a stream gave ~+-25% between `up` starts in the thirty-sixth session; four modes
+      # at 64 tokens took 283 s). "ahead" drafts its misses; "ahead-plain" is `up`'s default
       run overlap python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
         --max-new-tokens "${OVERLAP_TOKENS:-128}" --repeat "${OVERLAP_REPEAT:-1}" \
-        --modes ${OVERLAP_MODES:-serial groups groups-early ahead gated} ;;
+        --modes ${OVERLAP_MODES:-serial groups groups-early ahead ahead-plain gated} ;;
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;
