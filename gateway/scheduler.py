@@ -118,7 +118,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         goes out in its own round. With "gated" and `early_verify` the overlap gate measures
         groups with the early Verify ("groups-early") and without it ("groups"): through the
         services on two H100s it ran 1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped
-        target and 0.65x / 0.73x with SmolLM2 and its head (bench/RESULTS.md). ahead_miss: in a
+        target; with SmolLM2 and its head 0.65x / 0.73x in one run and 1.10x / 1.02x on
+        SmolLM2-shaped random weights in the next (bench/RESULTS.md). ahead_miss: in a
         draft-ahead round, a sequence whose outcome was not guessed is drafted first ("draft"),
         or verified with no tree at once ("plain": a plain decode step while its next round's
         trees are drafted ahead, so that the round holds only the Verify on its path).

@@ -289,8 +289,8 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " --overlap gated the gate measures groups with it (groups-early) and without it."
         " auto: `up` turns it on when the drafter and the verifier run on two different GPUs"
         " (two H100s: 1.25x / 1.38x groups without it at batch 8 / 32 with an 8B-shaped"
-        " target, 0.65x / 0.73x with SmolLM2), serve-gateway, which cannot see the devices,"
-        " leaves it off",
+        " target; with SmolLM2 0.65x / 0.73x in one run, 1.10x / 1.02x in the next),"
+        " serve-gateway, which cannot see the devices, leaves it off",
     )
     flag(
         parser,

@@ -179,7 +179,8 @@ def gateway_early_verify(args: argparse.Namespace) -> bool:
     with the early Verify ran 1.25x / 1.38x groups without it at batch 8 / 32, the verifier's
     GPU busy 0.96 / 0.95 of the rounds against 0.81 / 0.78 (the Verify queued on the device
     behind the round in flight instead of sent after its answer). With SmolLM2 and its head
-    (a ~2 ms verify) it ran 0.65x / 0.73x of groups (thirty-sixth session), so `gated`, `up`'s
+    (a ~2 ms verify) it ran 0.65x / 0.73x of groups in one run (thirty-sixth session) and
+    1.10x / 1.02x on SmolLM2-shaped random weights in the next, so `gated`, `up`'s
     overlap there, measures groups with it and without it (Scheduler `early_verify`); on one
     GPU and on a CPU the groups contend for it (0.75x / 0.83x of groups on one H100;
     bench/RESULTS.md)."""
