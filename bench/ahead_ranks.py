@@ -63,6 +63,11 @@ def recording(outcomes: list[Outcome]) -> Callable[[Sequence], DraftTree | None]
     return take_ahead
 
 
+def within(ranks: Counter[int], g: int) -> int:
+    """Outcomes ranked among the first `g` guesses."""
+    return sum(ranks[r] for r in range(g))
+
+
 def best_split(
     hits: dict[int, Counter[int]], lengths: int, outcomes: int, rounds: int
 ) -> tuple[float, list[int]]:
@@ -70,7 +75,7 @@ def best_split(
     dynamic programming over the lengths): its hit rate and the guesses per length."""
     best: dict[int, tuple[int, list[int]]] = {0: (0, [])}  # outcomes used -> (hits, split)
     for k in range(lengths):
-        cumulative = [sum(hits[k][r] for r in range(g)) for g in range(outcomes + 1)]
+        cumulative = [within(hits[k], g) for g in range(outcomes + 1)]
         step: dict[int, tuple[int, list[int]]] = {}
         for used, (hit, split) in best.items():
             for g in range(outcomes - used + 1):
@@ -99,20 +104,18 @@ def report(outcomes: list[Outcome], guesses: int) -> None:
         print(f"  k accepted | share | bonus among the first g guesses at k, g = 1..{guesses}")
         for k in range(lengths):
             count = by_k[k]
-            cumulative = [
-                sum(hits[k][r] for r in range(g)) / max(count, 1) for g in range(1, 1 + guesses)
-            ]
+            cumulative = [within(hits[k], g) / max(count, 1) for g in range(1, 1 + guesses)]
             print(f"  {k:10d} | {count / n:5.2f} | " + " ".join(f"{c:.2f}" for c in cumulative))
         print("  hit rate, uniform guesses per length (--ahead-guesses g) and the best split of")
         print("  the same number of outcomes:")
         for g in range(1, guesses + 1):
-            uniform = sum(sum(hits[k][r] for r in range(g)) for k in range(lengths)) / n
+            uniform = sum(within(hits[k], g) for k in range(lengths)) / n
             best, split = best_split(hits, lengths, g * lengths, n)
             print(f"    g = {g}: {uniform:.3f}; {g * lengths} outcomes split {split}: {best:.3f}")
     if plains:
         n = len(plains)
         ranks = Counter(rank for _, _, rank in plains if rank is not None)
-        cumulative = [sum(ranks[r] for r in range(g)) / n for g in range(1, 17)]
+        cumulative = [within(ranks, g) / n for g in range(1, 17)]
         print(f"plain rounds with trees drafted ahead: {n}; next token among the first g guesses,")
         print("  g = 1..16: " + " ".join(f"{c:.2f}" for c in cumulative))
 
