@@ -191,9 +191,16 @@ class Phases:
         for label in self.seconds:
             self.seconds[label] = 0.0
 
-    def report(self, rounds: int) -> None:
+    def take(self, into: dict[str, float]) -> None:
+        """Add the phases' sums since the last reset to `into`, then reset."""
         for label, seconds in self.seconds.items():
-            print(f"  {label:40s} {1e3 * seconds / rounds:7.3f} ms/round")
+            into[label] = into.get(label, 0.0) + seconds
+        self.reset()
+
+    @staticmethod
+    def report(sums: dict[str, float], calls: int, per: str = "round") -> None:
+        for label, seconds in sums.items():
+            print(f"  {label:40s} {1e3 * seconds / calls:7.3f} ms/{per}")
 
 
 def torch_profile(run: Callable[[], object], count: int, per: str, sort_by: str) -> None:
@@ -214,6 +221,12 @@ def torch_profile(run: Callable[[], object], count: int, per: str, sort_by: str)
         f"ms a {per}, {launches:.0f} kernels a {per}"
     )
     print(events.table(sort_by=sort_by, row_limit=15, max_name_column_width=60))
+
+
+def round_and_ahead(rounds: Rounds, spec: SpecParams, new: int, guesses: int) -> None:
+    """A round, then its draft-ahead call."""
+    rounds.run(spec, new)
+    rounds.ahead(spec, guesses)
 
 
 def first_draft(engine: DrafterEngine, length: int, width: int) -> Rounds:
@@ -383,6 +396,8 @@ def main() -> None:
                 rounds.run(spec, args.new)
             times, nodes, ahead_times, outcomes = [], 0, [], 0
             profiler = cProfile.Profile() if args.profile else None
+            round_phases: dict[str, float] = {}  # the Draft's phases, then draft-ahead's
+            ahead_phases: dict[str, float] = {}
             if phases is not None:
                 phases.reset()
             for i in range(args.rounds + (3 if args.ahead else 0)):
@@ -390,15 +405,22 @@ def main() -> None:
                 if profiler is not None:
                     profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
+                if phases is not None:
+                    phases.take(round_phases)
                 if args.ahead and spec.topk == 1:
                     ahead_seconds, outcomes = rounds.ahead(spec, args.ahead)
                     if i >= 3:  # the first ones capture its graphs
                         ahead_times.append(1e3 * ahead_seconds)
+                    if phases is not None:
+                        phases.take(ahead_phases)
                 if profiler is not None:
                     profiler.disable()
                 times.append(1e3 * seconds)
             if phases is not None:
-                phases.report(len(times))
+                Phases.report(round_phases, len(times))
+                if ahead_phases:
+                    print("  draft-ahead calls:")
+                    Phases.report(ahead_phases, len(times), "call")
             if args.torch_profile:
                 torch_profile(
                     functools.partial(rounds.run, spec, args.new),
@@ -406,6 +428,11 @@ def main() -> None:
                     "round",
                     "self_device_time_total",
                 )
+                if args.ahead and spec.topk == 1:  # a round and its draft-ahead call: the
+                    # pair's kernels less the round's above are the call's
+
+                    pair = functools.partial(round_and_ahead, rounds, spec, args.new, args.ahead)
+                    torch_profile(pair, args.rounds, "round + draft-ahead", "self_cpu_time_total")
             rounds.release()
             if ahead_times:
                 print(

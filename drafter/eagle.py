@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from drafter.eagle_checkpoint import (
     HEAD_LAYER,
@@ -20,11 +19,15 @@ from drafter.eagle_checkpoint import (
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.fused import rms_norm, rope_and_store
+from specsplit.model.fused import add_rms_norm, rms_norm, rope_and_store, silu_and_mul
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
 from specsplit.model.loader import load_model
-from specsplit.model.rope import rope_cos_sin, rope_inv_freq
+from specsplit.model.rope import RopeTable, rope_inv_freq
+
+# positions past the longest context the RoPE table covers: a draft tree's nodes and
+# draft-ahead's chain, bonus and tree past a sequence's last token (TreeLimits: 32 steps each)
+ROPE_TABLE_MARGIN = 256
 
 
 class Eagle3Head:
@@ -32,8 +35,14 @@ class Eagle3Head:
     (the layer under `midlayer.`, lm_head.weight always present); no nn.Module: nothing trains."""
 
     def __init__(
-        self, config: Eagle3Config, weights: dict[str, torch.Tensor], embed: torch.Tensor
+        self,
+        config: Eagle3Config,
+        weights: dict[str, torch.Tensor],
+        embed: torch.Tensor,
+        target_context: int = 0,
     ) -> None:
+        """target_context: the target's longest context (its max_position_embeddings), which
+        the drafter's sequences can reach where it is longer than the head's."""
         self.config = config
         self.w = weights
         self.embed = embed  # [V, H]
@@ -47,6 +56,25 @@ class Eagle3Head:
             )
         c = config
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(embed.device)
+        num_positions = max(c.max_position_embeddings, target_context) + ROPE_TABLE_MARGIN
+        self.rope = RopeTable(self.inv_freq, num_positions, self.dtype)
+        # q, k and v as one projection, gate and up as another (one GEMM each); the named
+        # weights become views of them (the same values, no second copy)
+        self.qkv_weight = self._fuse_rows(
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        )
+        self.gate_up_weight = self._fuse_rows(["mlp.gate_proj", "mlp.up_proj"])
+
+    def _fuse_rows(self, names: list[str]) -> torch.Tensor:
+        """The layer's weights `names` stacked by rows into one tensor, each name now a view."""
+        keys = [f"{HEAD_LAYER}{name}.weight" for name in names]
+        fused = torch.cat([self.w[key] for key in keys])
+        row = 0
+        for key in keys:
+            rows = self.w[key].shape[0]
+            self.w[key] = fused[row : row + rows]
+            row += rows
+        return fused
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,11 +104,10 @@ class Eagle3Head:
         c, w, p = self.config, self.w, HEAD_LAYER
         eps = c.rms_norm_eps
         x, residual = self._layer_input(self.embed[batch.input_ids], features)
-        h = residual + self._attention(x, batch, kv)  # [T, H]
-        y = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-        gate = linear(y, w[p + "mlp.gate_proj.weight"])
-        up = linear(y, w[p + "mlp.up_proj.weight"])
-        out = h + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])  # [T, H]
+        attn = self._attention(x, batch, kv)
+        h, y = add_rms_norm(attn, residual, w[p + "post_attention_layernorm.weight"], eps)
+        act = silu_and_mul(linear(y, self.gate_up_weight))
+        out = h + linear(act, w[p + "mlp.down_proj.weight"])  # [T, H]
         last = out[batch.logit_indices]  # [L, H]
         normed = rms_norm(last, w["norm.weight"], eps) if c.layout == "eagle3" else last
         return linear(normed, w["lm_head.weight"]).float(), last
@@ -103,10 +130,11 @@ class Eagle3Head:
     def _attention(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c, p = self.config, HEAD_LAYER + "self_attn."
         t = x.shape[0]
-        q = linear(x, self.w[p + "q_proj.weight"]).view(t, c.num_heads, c.head_dim)
-        k = linear(x, self.w[p + "k_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
-        v = linear(x, self.w[p + "v_proj.weight"]).view(t, c.num_kv_heads, c.head_dim)
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k, v = k.view(t, c.num_kv_heads, c.head_dim), v.view(t, c.num_kv_heads, c.head_dim)
+        cos, sin = self.rope.cos_sin(batch.positions)
         q = rope_and_store(q, k, v, cos, sin, kv.k[0], kv.v[0], batch.slot_mapping)
         out = attend(q, kv.k[0], kv.v[0], batch)  # [T, heads, D]
         return linear(out.view(t, -1), self.w[p + "o_proj.weight"])
@@ -163,4 +191,4 @@ def load_eagle3(
         for name, tensor in tensors.items()
     }
     embed = weights.pop("embed_tokens.weight")
-    return Eagle3Head(config, weights, embed)
+    return Eagle3Head(config, weights, embed, target.config.max_position_embeddings)

@@ -87,6 +87,41 @@ class Ahead:
         return self.chain_len + self.num_outcomes * (1 + self.shape.num_candidates)
 
 
+class _GrowConstants:
+    """What `_grow` reads that depends on its shape and rows alone, made once with a graph's
+    inputs (outside the graph: no kernel each replay) or per eager run."""
+
+    def __init__(self, topk: int, rows: int, device: torch.device) -> None:
+        self.cu = torch.arange(0, rows * topk + 1, topk, dtype=torch.int32, device=device)
+        self.every_row = torch.arange(rows * topk, device=device)
+        self.frontier = torch.arange(topk, device=device).expand(rows, topk)  # [R, k] ids
+
+
+class _AheadConstants:
+    """What draft-ahead's steps (`_ahead_body`) read that depends on its key and rows alone,
+    made once (as _GrowConstants). Outcome row r = (b, k, j) of B * (L + 1) * g."""
+
+    def __init__(self, key: Ahead, bs: int, device: torch.device) -> None:
+        chain_len, n, num = key.chain_len, key.shape.num_candidates, key.num_outcomes
+        rows = bs * num
+        cols = torch.arange(key.width, device=device)
+        self.one = torch.arange(bs + 1, dtype=torch.int32, device=device)  # cu_seqlens, 1 a row
+        self.every_row = torch.arange(bs, device=device)
+        # chain node t sees the chain up to itself: [L] masks of [B, 1, width]
+        self.chain_masks = [(cols <= t).expand(bs, 1, key.width) for t in range(chain_len)]
+        self.k_of = torch.arange(chain_len + 1, device=device).repeat_interleave(key.guesses)
+        self.k_of = self.k_of.repeat(bs)  # [R] each outcome's accept length
+        o_of = torch.arange(num, device=device).repeat(bs)
+        self.bonus_col = chain_len + o_of * (1 + n)  # [R] each outcome's bonus column
+        # [R, width]: an outcome's bonus sees the k chain nodes it follows and itself
+        self.visible = (cols[None, :] < self.k_of[:, None]) | (
+            cols[None, :] == self.bonus_col[:, None]
+        )
+        self.cu_rows = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(rows, device=device)
+        self.grow = _GrowConstants(key.shape.topk, rows, device)
+
+
 class _Inputs:
     """What one expansion reads and writes, for a batch of `bs` rows: the fixed buffers of a
     CUDA graph, or one eager run's tensors. Draft-ahead's (`ahead`) also read each row's chain
@@ -125,6 +160,8 @@ class _Inputs:
         self.probs = torch.zeros(bs * steps * self.support, dtype=torch.float32, device=device)
         # tokens, parents, order (then a sampled chain's supports' tokens)
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
+        self.ahead = _AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
+        self.grow = self.ahead.grow if self.ahead else _GrowConstants(shape.topk, bs, device)
 
 
 class DeviceExpansion:
@@ -331,7 +368,17 @@ class DeviceExpansion:
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
         out, supports = self._grow(
-            key, inputs.logits, inputs.features, table, base32, base, base, None, width, sampling
+            key,
+            inputs.grow,
+            inputs.logits,
+            inputs.features,
+            table,
+            base32,
+            base,
+            base,
+            None,
+            width,
+            sampling,
         )
         if supports is None:
             inputs.out.copy_(out.reshape(-1))
@@ -343,13 +390,12 @@ class DeviceExpansion:
     def _ahead_body(self, key: Ahead, inputs: _Inputs) -> None:
         """Draft-ahead's steps (`expand_ahead`) for `inputs`' rows; writes inputs.out: every
         outcome's candidates [B * outcomes, 3, n], then the bonus tokens [B, L + 1, g]."""
-        chain_len, g, n = key.chain_len, key.guesses, key.shape.num_candidates
-        bs, device, page = inputs.logits.shape[0], inputs.logits.device, self.kv.page_size
+        chain_len, g = key.chain_len, key.guesses
+        bs, page = inputs.logits.shape[0], self.kv.page_size
+        consts = inputs.ahead
+        assert consts is not None
         base32, table, chain32 = _split(inputs.meta, bs, chain_len)
         base, chain = base32.long(), chain32.long()
-        cols = torch.arange(key.width, device=device)
-        one = torch.arange(bs + 1, dtype=torch.int32, device=device)
-        every_row = torch.arange(bs, device=device)
         logits, outputs = [inputs.logits], [inputs.features]
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
             storage = base + t
@@ -358,12 +404,12 @@ class DeviceExpansion:
                 input_ids=chain[:, t],
                 positions=storage,
                 slot_mapping=slots,
-                cu_seqlens_q=one,
+                cu_seqlens_q=consts.one,
                 kv_lens=base32 + t + 1,
                 prefix_lens=base32,
                 block_table=table,
-                tree_mask=(cols <= t).expand(bs, 1, key.width),
-                logit_indices=every_row,
+                tree_mask=consts.chain_masks[t],
+                logit_indices=consts.every_row,
                 max_q_len=1,
                 page_size=page,
             )
@@ -378,14 +424,10 @@ class DeviceExpansion:
         # the outcomes: row r = (b, k, j) of B * (L + 1) * g
         num = key.num_outcomes
         rows = bs * num
-        k_of = torch.arange(chain_len + 1, device=device).repeat_interleave(g).repeat(bs)
-        o_of = torch.arange(num, device=device).repeat(bs)
         base_r = base.repeat_interleave(num)
         prefix_r = base32.repeat_interleave(num)
         table_r = table.repeat_interleave(num, dim=0)
-        bonus_col = chain_len + o_of * (1 + n)
-        visible = (cols[None, :] < k_of[:, None]) | (cols[None, :] == bonus_col[:, None])
-        storage = base_r + bonus_col
+        storage = base_r + consts.bonus_col
         slots = _slots(table_r, storage[:, None], page)[:, 0]
         features = None
         if inputs.features is not None:  # node k's output (the root's for k = 0)
@@ -393,28 +435,29 @@ class DeviceExpansion:
             features = per_k.repeat_interleave(g, dim=1).reshape(rows, -1)
         batch = ForwardBatch(
             input_ids=bonus.reshape(rows),
-            positions=base_r + k_of,
+            positions=base_r + consts.k_of,
             slot_mapping=slots,
-            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
-            kv_lens=(prefix_r + bonus_col + 1).to(torch.int32),
+            cu_seqlens_q=consts.cu_rows,
+            kv_lens=(prefix_r + consts.bonus_col + 1).to(torch.int32),
             prefix_lens=prefix_r,
             block_table=table_r,
-            tree_mask=visible[:, None, :],
-            logit_indices=torch.arange(rows, device=device),
+            tree_mask=consts.visible[:, None, :],
+            logit_indices=consts.rows,
             max_q_len=1,
             page_size=page,
         )
         root_logits, root_outputs = self.forward(batch, features)
-        start = base_r + bonus_col + 1
+        start = storage + 1
         cands, _ = self._grow(
             key.shape,
+            consts.grow,
             root_logits,
             root_outputs,
             table_r,
             prefix_r,
             start,
-            base_r + k_of + 1,
-            visible,
+            base_r + consts.k_of + 1,
+            consts.visible,
             key.width,
         )
         inputs.out.copy_(torch.cat([cands.reshape(-1), bonus.reshape(-1)]))
@@ -422,6 +465,7 @@ class DeviceExpansion:
     def _grow(
         self,
         shape: Shape,
+        consts: _GrowConstants,  # for shape.topk and R rows
         root_logits: torch.Tensor,  # [R, vocab]
         root_features: torch.Tensor | None,  # [R, width]
         table: torch.Tensor,  # [R, pages] int32
@@ -460,7 +504,7 @@ class DeviceExpansion:
             top_lp, top_tok = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
             tokens[:, :k] = top_tok
             scores[:, :k] = top_lp
-        frontier = torch.arange(k, device=device).expand(bs, k)  # [B, k] candidate ids
+        frontier = consts.frontier  # [B, k] candidate ids
         # [B, k, width]: frontier row r sees column c (an ancestor, or itself)
         seen = torch.zeros(bs, k, width, dtype=torch.bool, device=device)
         if visible is not None:
@@ -469,8 +513,6 @@ class DeviceExpansion:
         features = None
         if root_features is not None:
             features = root_features[:, None, :].expand(bs, k, -1)
-        cu = torch.arange(0, bs * k + 1, k, dtype=torch.int32, device=device)
-        every_row = torch.arange(bs * k, device=device)
         n = k
         for step in range(2, shape.num_steps + 1):
             storage = start[:, None] + frontier  # [B, k]
@@ -479,12 +521,12 @@ class DeviceExpansion:
                 input_ids=tokens.gather(1, frontier).reshape(-1),
                 positions=(first_position[:, None] + (step - 2)).expand(bs, k).reshape(-1),
                 slot_mapping=slots.reshape(-1),
-                cu_seqlens_q=cu,
+                cu_seqlens_q=consts.cu,
                 kv_lens=(prefix32 + col + n).to(torch.int32),
                 prefix_lens=prefix32,
                 block_table=table,
                 tree_mask=seen,
-                logit_indices=every_row,
+                logit_indices=consts.every_row,
                 max_q_len=k,
                 page_size=page,
             )

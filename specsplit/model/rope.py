@@ -58,6 +58,26 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeTable:
+    """`rope_cos_sin` for every position below `num_positions`, computed once: a step's cos and
+    sin are then two kernels (rope_cos_sin is 7, a cost where a small model's forward runs many
+    times a round, as an EAGLE head's in a draft tree). The same float32 products, cos and sin as
+    rope_cos_sin, so the same values below num_positions; a position past the table takes its
+    last row (wrong there, but no fault on a GPU): size it past every position a forward takes."""
+
+    def __init__(self, inv_freq: torch.Tensor, num_positions: int, dtype: torch.dtype) -> None:
+        positions = torch.arange(num_positions, device=inv_freq.device)
+        cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+        self.head_dim = cos.shape[1]
+        self.table = torch.cat([cos, sin], dim=1)  # [num_positions, 2 * head_dim]: cos | sin
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [T, head_dim] (views of one [T, 2 * head_dim] gather), for int
+        positions [T]."""
+        both = self.table[positions.clamp(max=self.table.shape[0] - 1)]
+        return both[:, : self.head_dim], both[:, self.head_dim :]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.eagle import Eagle3Head, load_eagle3
+from drafter.eagle_checkpoint import layer_names, read_tensors
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
@@ -142,6 +143,27 @@ def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> 
     torch.testing.assert_close(
         torch.cat([out_p, out_t]), ref_out, rtol=1e-5, atol=1e-6
     )  # rms_norm in fp32
+
+
+def test_head_projects_qkv_and_gate_up_in_one_gemm_each_over_the_named_weights(models) -> None:
+    """The fused projections hold the checkpoint's weights, and its named weights are views of
+    them (one copy in memory); the RoPE table covers the target's context past the head's."""
+    head = _head(models)
+    saved = layer_names(read_tensors(Path(models["head"])))
+    m = "midlayer."
+    for fused, names in (
+        (head.qkv_weight, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        (head.gate_up_weight, ["mlp.gate_proj", "mlp.up_proj"]),
+    ):
+        weights = [head.w[f"{m}{name}.weight"] for name in names]
+        assert torch.equal(fused, torch.cat(weights))
+        for weight in weights:
+            assert weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        want = [saved[f"{m}{name}.weight"].to(torch.float64) for name in names]
+        assert torch.equal(fused, torch.cat(want))
+    _, target_config = load_model(str(models["target"]), dtype=torch.float64, device="cpu")
+    longest = max(head.config.max_position_embeddings, target_config.max_position_embeddings)
+    assert head.rope.table.shape[0] > longest
 
 
 def test_draft_ids_map_to_target_ids_through_d2t(models) -> None:

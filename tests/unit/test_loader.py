@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (
 from specsplit.model import loader
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache
-from specsplit.model.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from specsplit.model.rope import RopeTable, apply_rotary, rope_cos_sin, rope_inv_freq
 from specsplit.step import build_forward_batch, causal_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -157,6 +157,22 @@ def test_apply_rotary_equals_transformers_rotate_half_convention() -> None:
     want, _ = apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)
     torch.testing.assert_close(apply_rotary(q, cos, sin), want, atol=0, rtol=0)
     torch.testing.assert_close(apply_rotary(q[:1], cos[:1], sin[:1]), q[:1])  # position 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_gives_rope_cos_sin_exactly_and_its_last_row_past_the_end(
+    dtype: torch.dtype,
+) -> None:
+    inv_freq = rope_inv_freq(16, 10_000.0, {"rope_type": "linear", "factor": 2.0})
+    table = RopeTable(inv_freq, 300, dtype)
+    positions = torch.tensor([0, 1, 7, 100, 3, 299])
+    cos, sin = table.cos_sin(positions)
+    want_cos, want_sin = rope_cos_sin(positions, inv_freq, dtype)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.dtype == dtype and cos.shape == (6, 16) and cos.stride(1) == 1
+    past_cos, past_sin = table.cos_sin(torch.tensor([300, 5000]))  # no error: the last row
+    assert torch.equal(past_cos, want_cos[-1:].expand(2, 16))
+    assert torch.equal(past_sin, want_sin[-1:].expand(2, 16))
 
 
 # --- loading a directory -----------------------------------------------------------------------

@@ -31,8 +31,8 @@ def test_the_random_head_loads_shaped_as_its_target(tmp_path: Path) -> None:
 
 def test_the_mirrored_draft_predicts_its_target(tmp_path: Path) -> None:
     """`--mirror-draft`: the target's layers past the first add nothing, so the one-layer draft
-    gives the target's logits (bit for bit: each later layer adds zeros) at a fraction of its
-    layers."""
+    gives the target's logits at a fraction of its layers (each later layer adds zeros; to the
+    last bit of float64, not bit for bit: transformers 5.24's forward differs there by 1e-15)."""
     from transformers import LlamaForCausalLM
 
     from bench.random_model import mirror
@@ -44,4 +44,6 @@ def test_the_mirrored_draft_predicts_its_target(tmp_path: Path) -> None:
     assert (model.config.num_hidden_layers, draft.config.num_hidden_layers) == (4, 1)
     tokens = torch.randint(3, TINY_VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(model(tokens).logits, draft(tokens).logits)
+        want, got = model(tokens).logits, draft(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
