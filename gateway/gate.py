@@ -327,14 +327,15 @@ class OverlapGate(ModeGate):
     the draft only for the rounds whose outcome it guessed, and its call drafts (chain length +
     1) x guesses trees. Through the services on two H100s, groups ran 1.33x / 1.18x serial at
     batch 8 / 32 with SmolLM2 and its EAGLE-3 head, but 0.84x / 0.94x with an 8B-shaped target
-    and a 1B-shaped draft model; draft-ahead 1.36x (misses drafted) and 1.46x (misses plain) at
-    batch 1 but 0.74x-0.92x at 8 / 32 with SmolLM2 (bench/RESULTS.md): so it is measured.
+    and a 1B-shaped draft model; draft-ahead 1.36x (misses drafted) and 1.14x-1.46x (misses
+    plain, four runs) at batch 1 but 0.74x-0.92x at 8 / 32 with SmolLM2 (bench/RESULTS.md):
+    so it is measured.
     "ahead" misses as the scheduler's `ahead_miss` says (plain by default); "ahead-plain"
     (always plain) only where asked."""
 
     name = "overlap gate"
-    # each batch size explores: the fastest mode changes with it (draft-ahead 1.46x serial at
-    # batch 1 and 0.77x at 8 above), and trying one costs no re-verify (leaving groups commits
+    # each batch size explores: the fastest mode changes with it (draft-ahead 1.14x-1.46x serial
+    # at batch 1 and 0.77x at 8 above), and trying one costs no re-verify (leaving groups commits
     # the group verified last; at most one group's trees drafted for nothing). It explores from
     # the nearest chosen bucket's mode (`_new_bucket`)
     adopts = False

@@ -157,8 +157,8 @@ def gateway_overlap(args: argparse.Namespace) -> str:
     rounds. Through the services on two H100s groups ran 1.33x / 1.18x serial at batch 8 / 32
     with SmolLM2 and its EAGLE-3 head but 0.84x / 0.94x with an 8B-shaped target and a
     1B-shaped draft model (a Verify of half the batch costs about what one of the whole batch
-    does there), draft-ahead 1.46x at batch 1 (misses plain) and 0.74x-0.92x above (SmolLM2);
-    on one GPU the modes contend for it and on a CPU for its cores, and lose
+    does there), draft-ahead 1.14x-1.46x at batch 1 (misses plain, four runs) and 0.74x-0.92x
+    above (SmolLM2); on one GPU the modes contend for it and on a CPU for its cores, and lose
     (bench/RESULTS.md)."""
     if args.overlap != "auto":
         return str(args.overlap)
