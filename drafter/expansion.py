@@ -161,7 +161,9 @@ class _Inputs:
         # tokens, parents, order (then a sampled chain's supports' tokens)
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
         self.ahead = _AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
-        self.grow = self.ahead.grow if self.ahead else _GrowConstants(shape.topk, bs, device)
+        self.grow = (
+            self.ahead.grow if self.ahead is not None else _GrowConstants(shape.topk, bs, device)
+        )
 
 
 class DeviceExpansion:
