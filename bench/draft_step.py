@@ -428,9 +428,9 @@ def main() -> None:
                     "round",
                     "self_device_time_total",
                 )
-                if args.ahead and spec.topk == 1:  # a round and its draft-ahead call: the
-                    # pair's kernels less the round's above are the call's
-
+                if args.ahead and spec.topk == 1:
+                    # a round and its draft-ahead call: the pair's kernels less the round's
+                    # above are the call's
                     pair = functools.partial(round_and_ahead, rounds, spec, args.new, args.ahead)
                     torch_profile(pair, args.rounds, "round + draft-ahead", "self_cpu_time_total")
             rounds.release()

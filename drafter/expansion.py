@@ -109,8 +109,8 @@ class _AheadConstants:
         self.every_row = torch.arange(bs, device=device)
         # chain node t sees the chain up to itself: [L] masks of [B, 1, width]
         self.chain_masks = [(cols <= t).expand(bs, 1, key.width) for t in range(chain_len)]
-        self.k_of = torch.arange(chain_len + 1, device=device).repeat_interleave(key.guesses)
-        self.k_of = self.k_of.repeat(bs)  # [R] each outcome's accept length
+        per_row = torch.arange(chain_len + 1, device=device).repeat_interleave(key.guesses)
+        self.k_of = per_row.repeat(bs)  # [R] each outcome's accept length
         o_of = torch.arange(num, device=device).repeat(bs)
         self.bonus_col = chain_len + o_of * (1 + n)  # [R] each outcome's bonus column
         # [R, width]: an outcome's bonus sees the k chain nodes it follows and itself
