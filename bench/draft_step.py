@@ -146,6 +146,8 @@ class Phases:
             (proposer, "propose"),
             (proposer, "add_features"),
             (proposer, "_roots"),
+            (proposer, "_root_steps"),
+            (proposer, "_fused_ahead"),
             (proposer, "_forward_rows"),
             (proposer, "_expand"),
             (proposer.head, "fuse"),  # type: ignore[attr-defined]
@@ -339,7 +341,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
-        "--profile", action="store_true", help="cProfile the timed rounds, top functions after"
+        "--profile",
+        nargs="?",
+        const="round",
+        choices=["round", "ahead"],
+        help="cProfile the timed rounds (or, `--profile ahead`, their draft-ahead calls only), "
+        "top functions after",
     )
     parser.add_argument(
         "--phases",
@@ -402,12 +409,14 @@ def main() -> None:
                 phases.reset()
             for i in range(args.rounds + (3 if args.ahead else 0)):
                 idle(gap_ms / 1e3, gap_how)
-                if profiler is not None:
+                if profiler is not None and args.profile == "round":
                     profiler.enable()
                 seconds, nodes = rounds.run(spec, args.new)
                 if phases is not None:
                     phases.take(round_phases)
                 if args.ahead and spec.topk == 1:
+                    if profiler is not None and args.profile == "ahead" and i >= 3:
+                        profiler.enable()
                     ahead_seconds, outcomes = rounds.ahead(spec, args.ahead)
                     if i >= 3:  # the first ones capture its graphs
                         ahead_times.append(1e3 * ahead_seconds)

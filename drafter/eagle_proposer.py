@@ -37,7 +37,7 @@ from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.transfer import HostRows, to_device
-from specsplit.step import causal_step
+from specsplit.step import SeqStep, causal_step
 
 
 @dataclass
@@ -193,9 +193,7 @@ class Eagle3Proposer(TreeProposer):
             0, to_device(torch.tensor(slots, dtype=torch.int64), device), flat
         )
 
-    def _roots(
-        self, jobs: list[DraftJob]
-    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
+    def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []
         self.add_features(jobs)
@@ -221,8 +219,9 @@ class Eagle3Proposer(TreeProposer):
             tokens = job.seq.tokens[first + 1 : end + 1]
             logit_rows = [q - 1] if draft else []
             steps.append(causal_step(state.kv, tokens, logit_rows, start=first))
-        if not steps:
-            return [], torch.zeros(0, self.vocab_size, device=self.device), None
+        return drafting, steps
+
+    def _forward_roots(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # entry i reads h_i: the rows at the catch-up's own slots, in one index
         slots = to_device(
             torch.tensor(
@@ -231,5 +230,8 @@ class Eagle3Proposer(TreeProposer):
             self.device,
         )
         fused = self.head.fuse(self.features.index_select(0, slots))  # one fc over every row
-        logits, hidden = self._forward_rows(steps, fused)  # [D, V], [D, H]
-        return drafting, logits, hidden
+        return self._forward_rows(steps, fused)  # [D, V], [D, H]
+
+    def _catch_up_features(self, batch: ForwardBatch) -> torch.Tensor:
+        """Entry i reads h_i, the row at its own slot."""
+        return self.head.fuse(self.features.index_select(0, batch.slot_mapping))

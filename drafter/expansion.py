@@ -16,8 +16,11 @@ sequence's generator drew on the host, with its params as a row of inputs: the s
 tree_draft's host path, and each cut distribution comes back with the candidates.
 
 Draft-ahead (`expand_ahead`, key `Ahead`) runs in the same way, one graph per (chain length,
-guesses, shape, batch bucket), captured on first use: the chain being verified, the guessed
-bonus tokens and every outcome's tree, all in the sequence's own storage past the root.
+guesses, shape, catch-up, batch bucket), captured on first use: the chain being verified, the
+guessed bonus tokens and every outcome's tree, all in the sequence's own storage past the root.
+With `Ahead.catch_up` = q it first runs the sequences' catch-up to their roots (q entries each,
+ending at the root's; `CatchUpForward`) in the same run, so that a draft-ahead call is one
+replay: no separate catch-up step, no host work between the two.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ log = logging.getLogger(__name__)
 FrontierForward = Callable[
     [ForwardBatch, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
+# a catch-up forward: q causal entries per sequence (logit_indices: each one's last) -> the
+# roots' logits [B, vocab] float32 in the target's vocabulary and their outputs [B, width] (the
+# next step's features) or None; the proposer reads whatever else an entry needs (an EAGLE
+# head: the target's features at the entry's own slot)
+CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,14 @@ class Candidates:
 @dataclass(frozen=True)
 class Ahead:
     """Draft-ahead's expansion (`DeviceExpansion.expand_ahead`): the chain of `chain_len` nodes
-    being verified, `guesses` bonus tokens per accept length, a tree of `shape` for each."""
+    being verified, `guesses` bonus tokens per accept length, a tree of `shape` for each; with
+    `catch_up` = q, first every sequence's last q entries up to its root (0: the roots' logits
+    and outputs are given)."""
 
     chain_len: int
     guesses: int
     shape: Shape
+    catch_up: int = 0
 
     @property
     def num_outcomes(self) -> int:
@@ -106,6 +117,11 @@ class _AheadConstants:
         rows = bs * num
         cols = torch.arange(key.width, device=device)
         self.one = torch.arange(bs + 1, dtype=torch.int32, device=device)  # cu_seqlens, 1 a row
+        # the catch-up: q entries a row, each row's last one's logits
+        q = key.catch_up
+        self.catch_up_cols = torch.arange(q, device=device)
+        self.catch_up_cu = self.one * q
+        self.catch_up_last = self.one[1:].long() * q - 1
         self.every_row = torch.arange(bs, device=device)
         # chain node t sees the chain up to itself: [L] masks of [B, 1, width]
         self.chain_masks = [(cols <= t).expand(bs, 1, key.width) for t in range(chain_len)]
@@ -138,15 +154,22 @@ class _Inputs:
     ) -> None:
         shape = key.shape if isinstance(key, Ahead) else key
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
+        catch_up = key.catch_up if isinstance(key, Ahead) else 0
         n = shape.num_candidates
-        self.logits = torch.zeros(bs, vocab, dtype=torch.float32, device=device)
+        self.bs = bs
+        # the roots' logits and outputs, unless the run computes them (a catch-up)
+        roots = bs if not catch_up else 0
+        self.logits = torch.zeros(roots, vocab, dtype=torch.float32, device=device)
         self.features = (
             None
             if feature is None
-            else torch.zeros(bs, feature[0], dtype=feature[1], device=device)
+            else torch.zeros(roots, feature[0], dtype=feature[1], device=device)
         )
-        # int32: every row's base [bs], the block table [bs, max_pages], the chains [bs, L]
-        self.meta = torch.zeros(bs * (1 + max_pages + chain_len), dtype=torch.int32, device=device)
+        # int32: every row's base [bs], the block table [bs, max_pages], the chains [bs, L],
+        # the catch-ups' input tokens [bs, q]
+        self.meta = torch.zeros(
+            bs * (1 + max_pages + chain_len + catch_up), dtype=torch.int32, device=device
+        )
         if isinstance(key, Ahead):
             rows = bs * key.num_outcomes
             size = rows * 3 * n + bs * (chain_len + 1) * key.guesses
@@ -181,8 +204,12 @@ class DeviceExpansion:
         feature: tuple[int, torch.dtype] | None,
         graphs: bool,
         max_batch_size: int = 64,
+        catch_up: CatchUpForward | None = None,
     ) -> None:
+        """catch_up: the proposer's catch-up forward, which `Ahead.catch_up` keys run (None:
+        none can)."""
         self.forward = forward
+        self.catch_up = catch_up
         self.kv = kv
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -224,18 +251,23 @@ class DeviceExpansion:
         self,
         key: Ahead,
         seqs: list[SeqKV],  # each with base = kv_committed_len, pages reserved for key.width
-        root_logits: torch.Tensor,  # [B, vocab] float32 on the device
+        root_logits: torch.Tensor | None,  # [B, vocab] float32 on the device (None: catch-up)
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
         chains: list[list[int]],  # [B][key.chain_len] the chains being verified
+        catch_ups: list[list[int]] | None = None,  # [B][key.catch_up] the catch-ups' tokens
     ) -> list[list[tuple[int, int, Candidates]]]:
-        """Draft-ahead in one run (one graph replay): the chain's nodes a step each (each
-        reads its parent's output), the guessed bonus tokens at every accept length k (the
-        likeliest at node k but the chain's next node), then each outcome's bonus and its tree,
-        all in the sequence's own storage past the root: the chain at base + [0, L), outcome o's
-        bonus at base + L + o * (1 + n) and its candidates after it, each row seeing only its
-        ancestors. Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
+        """Draft-ahead in one run (one graph replay): with `key.catch_up` = q, first each
+        sequence's entries at storage [base - q, base) from `catch_ups` (causal; the last one
+        the root's, whose logits and output the rest starts from, in place of `root_logits`
+        and `root_features`); then the chain's nodes a step each (each reads its parent's
+        output), the guessed bonus tokens at every accept length k (the likeliest at node k but
+        the chain's next node), then each outcome's bonus and its tree, all in the sequence's
+        own storage past the root: the chain at base + [0, L), outcome o's bonus at
+        base + L + o * (1 + n) and its candidates after it, each row seeing only its ancestors.
+        Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
         bs, n, g = len(seqs), key.shape.num_candidates, key.guesses
-        out, _ = self._run(key, seqs, root_logits, root_features, chains)
+        assert (root_logits is None) == bool(key.catch_up), key
+        out, _ = self._run(key, seqs, root_logits, root_features, chains, catch_ups=catch_ups)
         rows = bs * key.num_outcomes
         bonus = out[rows * 3 * n :].reshape(bs, key.chain_len + 1, g)
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
@@ -252,10 +284,11 @@ class DeviceExpansion:
         self,
         key: Shape | Ahead,
         seqs: list[SeqKV],
-        root_logits: torch.Tensor,
+        root_logits: torch.Tensor | None,
         root_features: torch.Tensor | None,
         chains: list[list[int]],
         sampling: np.ndarray | None = None,
+        catch_ups: list[list[int]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
         and `inputs.probs` on the host, cut to the rows of `seqs`."""
@@ -268,7 +301,9 @@ class DeviceExpansion:
             graph, inputs = self.captured[(key, bucket)]
             host_meta, host_out, host_sampling, host_probs = self.host[(key, bucket)]
             sampled = None if sampling is None else host_sampling
-            self._load(inputs, host_meta, sampled, seqs, root_logits, root_features, chains)
+            self._load(
+                inputs, host_meta, sampled, seqs, root_logits, root_features, chains, catch_ups
+            )
             if sampling is not None:
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
                 inputs.sampling.copy_(host_sampling, non_blocking=True)
@@ -281,7 +316,7 @@ class DeviceExpansion:
             ]
         inputs = _Inputs(key, bs, self.vocab_size, self.feature, width, self.kv.device)
         host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
-        self._load(inputs, host, None, seqs, root_logits, root_features, chains)
+        self._load(inputs, host, None, seqs, root_logits, root_features, chains, catch_ups)
         if sampling is not None:
             inputs.sampling.copy_(torch.from_numpy(sampling))
         self._body(key, inputs)
@@ -293,36 +328,48 @@ class DeviceExpansion:
         host_meta: torch.Tensor,  # inputs.meta's host mirror (pinned for a graph's)
         host_sampling: torch.Tensor | None,  # inputs.sampling's (a graph's), reset here
         seqs: list[SeqKV],
-        root_logits: torch.Tensor,
+        root_logits: torch.Tensor | None,
         root_features: torch.Tensor | None,
         chains: list[list[int]],
+        catch_ups: list[list[int]] | None,
     ) -> None:
         """Write the round into `inputs`: metadata through the host mirror, the roots' logits
-        and features device to device (padding rows keep what they held)."""
+        and features (unless the run catches up to them) device to device (padding rows keep
+        what they held)."""
         bs = len(seqs)
-        self._fill_meta(host_meta.numpy(), seqs, inputs.logits.shape[0], chains)
+        self._fill_meta(host_meta.numpy(), seqs, inputs.bs, chains, catch_ups or [])
         inputs.meta.copy_(host_meta, non_blocking=True)
         if host_sampling is not None:
             host_sampling.fill_(1.0)  # padding rows: any valid params (temperature 1)
-        inputs.logits[:bs].copy_(root_logits)
+        if root_logits is not None:
+            inputs.logits[:bs].copy_(root_logits)
         if inputs.features is not None and root_features is not None:
             inputs.features[:bs].copy_(root_features)
 
     def _fill_meta(
-        self, meta: np.ndarray, seqs: list[SeqKV], bs: int, chains: list[list[int]]
+        self,
+        meta: np.ndarray,
+        seqs: list[SeqKV],
+        bs: int,
+        chains: list[list[int]],
+        catch_ups: list[list[int]],
     ) -> None:
-        """Rows of `seqs` (base, block table, chain), then padding rows up to `bs`: base 1 on
-        the scratch page (they read and write only there)."""
+        """Rows of `seqs` (base, block table, chain, catch-up tokens), then padding rows up to
+        `bs`: base 1 past their catch-up on the scratch page (they read and write only there)."""
         chain_len = len(chains[0]) if chains else 0
-        base, table, chain = _split(meta, bs, chain_len)
+        catch_up = len(catch_ups[0]) if catch_ups else 0
+        base, table, chain, tokens = _split(meta, bs, chain_len, catch_up)
         for b, seq in enumerate(seqs):
             base[b] = seq.kv_committed_len
             table[b, : len(seq.page_table)] = seq.page_table
-        base[len(seqs) :] = 1
+        base[len(seqs) :] = 1 + catch_up
         table[len(seqs) :] = self.kv.scratch_page
         if chains:
             chain[: len(seqs)] = chains
             chain[len(seqs) :] = 0
+        if catch_ups:
+            tokens[: len(seqs)] = catch_ups
+            tokens[len(seqs) :] = 0
 
     def capture_all(self, key: Shape | Ahead) -> None:
         """The graphs of `key` at every batch bucket (warm-up), largest first; one log line."""
@@ -336,7 +383,14 @@ class DeviceExpansion:
         inputs = _Inputs(key, bucket, self.vocab_size, self.feature, self.max_pages(key), device)
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
-        self._fill_meta(meta, [], bucket, [[0] * chain_len] if chain_len else [])
+        catch_up = key.catch_up if isinstance(key, Ahead) else 0
+        self._fill_meta(
+            meta,
+            [],
+            bucket,
+            [[0] * chain_len] if chain_len else [],
+            [[0] * catch_up] if catch_up else [],
+        )
         inputs.meta.copy_(torch.from_numpy(meta))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -364,8 +418,8 @@ class DeviceExpansion:
         if isinstance(key, Ahead):
             self._ahead_body(key, inputs)
             return
-        bs = inputs.logits.shape[0]
-        base32, table, _ = _split(inputs.meta, bs, 0)  # [B] int32, [B, pages] int32
+        bs = inputs.bs
+        base32, table, _, _ = _split(inputs.meta, bs, 0)  # [B] int32, [B, pages] int32
         base = base32.long()
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
@@ -393,12 +447,16 @@ class DeviceExpansion:
         """Draft-ahead's steps (`expand_ahead`) for `inputs`' rows; writes inputs.out: every
         outcome's candidates [B * outcomes, 3, n], then the bonus tokens [B, L + 1, g]."""
         chain_len, g = key.chain_len, key.guesses
-        bs, page = inputs.logits.shape[0], self.kv.page_size
+        bs, page = inputs.bs, self.kv.page_size
         consts = inputs.ahead
         assert consts is not None
-        base32, table, chain32 = _split(inputs.meta, bs, chain_len)
+        base32, table, chain32, catch_up = _split(inputs.meta, bs, chain_len, key.catch_up)
         base, chain = base32.long(), chain32.long()
-        logits, outputs = [inputs.logits], [inputs.features]
+        if key.catch_up:
+            root = self._catch_up(key.catch_up, consts, table, base32, base, catch_up)
+        else:
+            root = (inputs.logits, inputs.features)
+        logits, outputs = [root[0]], [root[1]]
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
             storage = base + t
             slots = _slots(table, storage[:, None], page)[:, 0]
@@ -432,7 +490,7 @@ class DeviceExpansion:
         storage = base_r + consts.bonus_col
         slots = _slots(table_r, storage[:, None], page)[:, 0]
         features = None
-        if inputs.features is not None:  # node k's output (the root's for k = 0)
+        if outputs[0] is not None:  # node k's output (the root's for k = 0)
             per_k = torch.stack(outputs, dim=1)  # type: ignore[arg-type]
             features = per_k.repeat_interleave(g, dim=1).reshape(rows, -1)
         batch = ForwardBatch(
@@ -463,6 +521,34 @@ class DeviceExpansion:
             key.width,
         )
         inputs.out.copy_(torch.cat([cands.reshape(-1), bonus.reshape(-1)]))
+
+    def _catch_up(
+        self,
+        q: int,
+        consts: _AheadConstants,
+        table: torch.Tensor,  # [B, pages] int32
+        base32: torch.Tensor,  # [B] int32: each row's entries after the catch-up
+        base: torch.Tensor,  # the same, int64
+        tokens: torch.Tensor,  # [B, q] int32: the catch-up's input tokens
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The catch-up of `Ahead.catch_up`: entries [base - q, base) of every row, causal, at
+        positions equal to their storage; the roots' (last entries') logits and outputs."""
+        assert self.catch_up is not None, "this proposer has no catch-up forward"
+        storage = (base - q)[:, None] + consts.catch_up_cols  # [B, q]
+        batch = ForwardBatch(
+            input_ids=tokens.reshape(-1).long(),
+            positions=storage.reshape(-1),
+            slot_mapping=_slots(table, storage, self.kv.page_size).reshape(-1),
+            cu_seqlens_q=consts.catch_up_cu,
+            kv_lens=base32,
+            prefix_lens=base32 - q,
+            block_table=table,
+            tree_mask=None,
+            logit_indices=consts.catch_up_last,
+            max_q_len=q,
+            page_size=self.kv.page_size,
+        )
+        return self.catch_up(batch)
 
     def _grow(
         self,
@@ -590,8 +676,15 @@ def _first_rows(out: np.ndarray, key: Shape | Ahead, bucket: int, bs: int) -> np
 A = TypeVar("A", np.ndarray, torch.Tensor)
 
 
-def _split(meta: A, bs: int, chain_len: int) -> tuple[A, A, A]:
+def _split(meta: A, bs: int, chain_len: int, catch_up: int = 0) -> tuple[A, A, A, A]:
     """The flat meta buffer of `bs` rows as (base [bs], block table [bs, pages], chains
-    [bs, chain_len]) views."""
-    tables = meta[bs : len(meta) - bs * chain_len]
-    return meta[:bs], tables.reshape(bs, -1), meta[len(meta) - bs * chain_len :].reshape(bs, -1)
+    [bs, chain_len], catch-up tokens [bs, catch_up]) views."""
+    end = len(meta) - bs * catch_up
+    start = end - bs * chain_len
+    tables = meta[bs:start]
+    return (
+        meta[:bs],
+        tables.reshape(bs, -1),
+        meta[start:end].reshape(bs, chain_len),
+        meta[end:].reshape(bs, catch_up),
+    )

@@ -15,7 +15,7 @@ from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
-from specsplit.step import causal_step
+from specsplit.step import SeqStep, causal_step
 
 
 class ModelProposer(TreeProposer):
@@ -69,27 +69,23 @@ class ModelProposer(TreeProposer):
 
     # -- drafting --------------------------------------------------------------------------
 
-    def _roots(
-        self, jobs: list[DraftJob]
-    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
-        for job in jobs:
-            state = self._state(job.seq)
-            self.kv.reserve(state.kv, len(job.seq.tokens) + job.scratch_len)
-        return jobs, self._catch_up(jobs), None  # [B, vocab]
-
-    def _catch_up(self, jobs: list[DraftJob]) -> torch.Tensor:
-        """Run the tokens the draft KV does not cover; logits at each root."""
+    def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
+        """Each sequence's tokens the draft KV does not cover, the root's logits."""
         kvs = [self._state(job.seq).kv for job in jobs]
+        for job, kv in zip(jobs, kvs, strict=True):
+            self.kv.reserve(kv, len(job.seq.tokens) + job.scratch_len)
         ends = [len(job.seq.tokens) for job in jobs]
         starts = self._catch_up_starts([kv.kv_committed_len for kv in kvs], ends)
         steps = [
             causal_step(kv, job.seq.tokens[start:], [end - start - 1], start=start)
             for kv, job, start, end in zip(kvs, jobs, starts, ends, strict=True)
         ]
-        logits = self._run(steps).logits
         for kv, end in zip(kvs, ends, strict=True):
             kv.kv_committed_len = end
-        return logits
+        return jobs, steps
+
+    def _forward_roots(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._run(steps).logits, None  # [B, vocab]
 
     def _step_forward(
         self, batch: ForwardBatch, aux_layers: tuple[int, ...], features: torch.Tensor | None

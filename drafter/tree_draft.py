@@ -46,6 +46,12 @@ EXPANSION_SHAPES = tuple(
 # batch size it meets (`up`'s default on two GPUs): before, each was captured in its first such
 # round, 10-50 ms on an 8B head
 AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
+# and each of them with the catch-up in the same run (`Ahead.catch_up`, the fused draft-ahead
+# call: `TreeProposer._fused_ahead`) of every catch-up length: beside a chain of 3, a draft
+# model catches up the last round's 1-4 new tokens (accepted drafts and the bonus), an EAGLE
+# head 2-5 entries (the gateway sends the root again, which drops its entry), padded to 1, 2,
+# 4 or 8
+AHEAD_CATCH_UPS = CATCH_UP_LENS
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -106,6 +112,9 @@ class TreeProposer:
     # expand trees on the device (drafter/expansion.py; CUDA graphs on a GPU), else a step at a
     # time on the host
     device_expansion: bool = True
+    # a draft-ahead call runs its catch-up in the expansion's own device run where it can
+    # (`_fused_ahead`); off: the catch-up first, as a Draft's (the reference)
+    fused_catch_up: bool = True
     device_expansion_runner: DeviceExpansion | None = None
 
     def warm_up_kernels(self) -> None:
@@ -126,6 +135,13 @@ class TreeProposer:
             self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
             self.device_expansion_runner = self._new_expansion(graphs=True)
             keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES)
+            if self.fused_catch_up:
+                keys += tuple(
+                    dataclasses.replace(key, catch_up=q)
+                    for key in AHEAD_SHAPES
+                    for q in AHEAD_CATCH_UPS
+                    if q in self.catch_up_lens
+                )
             for key in keys:
                 self.device_expansion_runner.capture_all(key)
 
@@ -186,7 +202,37 @@ class TreeProposer:
         entries past it). Returns the jobs that can draft, their roots' logits [D, vocab] in
         the target's vocabulary, and the roots' outputs [D, width] a next step reads (EAGLE)
         or None."""
+        return self._run_roots(*self._root_steps(jobs))
+
+    def _run_roots(
+        self, drafting: list[DraftJob], steps: list[SeqStep]
+    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
+        """`_roots` once `_root_steps` has planned it: the catch-up's forward."""
+        if not steps:
+            return [], torch.zeros(0, self.vocab_size, device=self.device), None
+        logits, features = self._forward_roots(steps)
+        return drafting, logits, features
+
+    def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
+        """`_roots` but its forward: pages reserved and each sequence's entries counted as
+        caught up. Returns the jobs that can draft and the catch-up's steps, causal, one per
+        sequence with entries to compute (in the jobs' order; a drafting job's with the logits
+        of its last row, its root)."""
         raise NotImplementedError
+
+    def _forward_roots(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The catch-up's forward over `steps`: the logits of their logit rows [D, vocab] in the
+        target's vocabulary and those rows' outputs [D, width] (EAGLE) or None."""
+        raise NotImplementedError
+
+    def _catch_up_features(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """What a catch-up step's rows read besides their tokens ([T, width] on the device;
+        None: nothing): the device expansion's catch-up (`_catch_up_outputs`)."""
+        return None
+
+    def _catch_up_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A catch-up forward on the device (drafter/expansion.py CatchUpForward)."""
+        return self._frontier_outputs(batch, self._catch_up_features(batch))
 
     # -- draft-ahead -----------------------------------------------------------------------
 
@@ -211,7 +257,11 @@ class TreeProposer:
                     self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
 
     def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
-        drafting, root_logits, root_features = self._roots(jobs)
+        drafting, steps = self._root_steps(jobs)
+        fused = self._fused_ahead(jobs, drafting, steps)
+        if fused is not None:
+            return fused
+        drafting, root_logits, root_features = self._run_roots(drafting, steps)
         chains = [job for job in drafting if job.verifying is not None and job.verifying.is_chain]
         rows = {id(job): i for i, job in enumerate(drafting)}
         ahead: dict[int, list[AheadTree]] = {}
@@ -233,6 +283,36 @@ class TreeProposer:
         and greedy chains; sampled chains draft ahead in forks."""
         return self._expands_on_device(job) and not _sampled_chain(job)
 
+    def _fused_ahead(
+        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
+    ) -> list[list[AheadTree]] | None:
+        """Draft-ahead with the catch-up in the same device run (`Ahead.catch_up`: one graph
+        replay on a GPU, no host work between the two), where every job drafts ahead on the
+        device with one key and catches up the same number of entries (one step each, ending
+        at its root): a draft-ahead call's usual batch (`_catch_up_starts` pads the lengths).
+        None otherwise: the catch-up then runs first, as a Draft's."""
+        if not (self.fused_catch_up and jobs and len(drafting) == len(steps) == len(jobs)):
+            return None
+        q = len(steps[0].input_ids)
+        keys = set()
+        for job, step in zip(jobs, steps, strict=True):
+            if not (
+                job.verifying is not None
+                and job.verifying.is_chain
+                and self._ahead_on_device_ok(job)
+                and step.seq is self._seq_kv(job.seq)
+                and len(step.input_ids) == q
+                and step.logit_rows == [q - 1]
+                and step.kv_len == step.seq.kv_committed_len
+            ):
+                return None
+            keys.add(_ahead_key(job))
+        if len(keys) != 1:
+            return None
+        key = dataclasses.replace(keys.pop(), catch_up=q)
+        ahead = self._expand_ahead(key, jobs, None, None, [step.input_ids for step in steps])
+        return [ahead[id(job)] for job in jobs]
+
     def _ahead_on_device(
         self,
         jobs: list[DraftJob],
@@ -244,23 +324,36 @@ class TreeProposer:
         DeviceExpansion.expand_ahead (a graph's replay on a GPU)."""
         groups: dict[Ahead, list[DraftJob]] = {}
         for job in jobs:
-            assert job.verifying is not None
-            shape = Shape(job.spec.topk, job.spec.num_steps)
-            groups.setdefault(Ahead(len(job.verifying), job.ahead_guesses, shape), []).append(job)
+            groups.setdefault(_ahead_key(job), []).append(job)
         ahead: dict[int, list[AheadTree]] = {}
         for key, group in groups.items():
-            seqs = [self._seq_kv(job.seq) for job in group]
-            for kv in seqs:
-                self.kv.reserve(kv, kv.kv_committed_len + key.width)
             logits, features = _rows_of(root_logits, root_features, [rows[id(j)] for j in group])
-            chains = [list(job.verifying.tokens) for job in group if job.verifying is not None]
-            found = self._expansion().expand_ahead(key, seqs, logits, features, chains)
-            for job, outcomes, chain in zip(group, found, chains, strict=True):
-                ahead[id(job)] = [
-                    AheadTree([*chain[:k], bonus], select_tree(candidates, job.spec))
-                    for k, bonus, candidates in outcomes
-                ]
+            ahead.update(self._expand_ahead(key, group, logits, features))
         return ahead
+
+    def _expand_ahead(
+        self,
+        key: Ahead,
+        jobs: list[DraftJob],
+        root_logits: torch.Tensor | None,
+        root_features: torch.Tensor | None,
+        catch_ups: list[list[int]] | None = None,
+    ) -> dict[int, list[AheadTree]]:
+        """DeviceExpansion.expand_ahead of `key` for `jobs` (by id: each outcome's tree)."""
+        seqs = [self._seq_kv(job.seq) for job in jobs]
+        for kv in seqs:
+            self.kv.reserve(kv, kv.kv_committed_len + key.width)
+        chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
+        found = self._expansion().expand_ahead(
+            key, seqs, root_logits, root_features, chains, catch_ups
+        )
+        return {
+            id(job): [
+                AheadTree([*chain[:k], bonus], select_tree(candidates, job.spec))
+                for k, bonus, candidates in outcomes
+            ]
+            for job, outcomes, chain in zip(jobs, found, chains, strict=True)
+        }
 
     def _ahead_in_forks(
         self,
@@ -470,6 +563,7 @@ class TreeProposer:
             self.graph_features,
             graphs=graphs,
             max_batch_size=self.graphs.batch_sizes[-1] if self.graphs is not None else 64,
+            catch_up=self._catch_up_outputs,
         )
 
     def _frontier_outputs(
@@ -657,6 +751,12 @@ def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
         [candidates.tokens[i] for i in chosen],
         [new_index[p] if p >= 0 else -1 for p in parents],
     )
+
+
+def _ahead_key(job: DraftJob) -> Ahead:
+    """The device expansion of `job`'s draft-ahead (a chain being verified)."""
+    assert job.verifying is not None
+    return Ahead(len(job.verifying), job.ahead_guesses, Shape(job.spec.topk, job.spec.num_steps))
 
 
 def _rows_of(

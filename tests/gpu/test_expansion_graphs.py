@@ -17,7 +17,7 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import Ahead
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
+from drafter.tree_draft import AHEAD_CATCH_UPS, AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -178,7 +178,8 @@ def test_warm_up_captures_the_gateways_default_draft_ahead(models, kind: str) ->
     engine = _engine(models, kind, graphs=True, device_expansion=True)
     runner = engine.proposer.device_expansion_runner  # type: ignore[attr-defined]
     before = set(runner.captured)
-    assert {key for key, _ in before if isinstance(key, Ahead)} == set(AHEAD_SHAPES)
+    fused = {dataclasses.replace(key, catch_up=q) for key in AHEAD_SHAPES for q in AHEAD_CATCH_UPS}
+    assert {key for key, _ in before if isinstance(key, Ahead)} == set(AHEAD_SHAPES) | fused
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(0)
     spec = SpecParams(3, 1, 3)
@@ -212,3 +213,79 @@ def test_warm_up_captures_the_gateways_default_draft_ahead(models, kind: str) ->
         engine.release(ids)
         assert engine.num_pages_used == 0
     assert set(runner.captured) == before
+
+
+def _ahead_rounds(engine: DrafterEngine) -> list[list[tuple]]:
+    """At batch 1 and 3: a first Draft, then four draft-ahead calls as the gateway sends them
+    after each Verify (each sequence's 1-4 new tokens, their features, the chain it verifies
+    next: its first outcome's tree drafted ahead last call), then a normal round. Every
+    outcome's tokens and tree, and the last round's trees."""
+    width = getattr(engine.proposer, "feature_width", None)
+    gen = torch.Generator().manual_seed(0)
+    spec = SpecParams(3, 1, 3)
+    found: list[list[tuple]] = []
+    for batch in (1, 3):
+        ids = [f"s{batch}.{b}" for b in range(batch)]
+        tokens = [
+            torch.randint(3, TINY_VOCAB, (20 + b,), generator=gen).tolist() for b in range(batch)
+        ]
+        held = [0] * batch
+        verifying: list[DraftTree] = []
+        for r in range(6):
+            inputs = []
+            for b in range(batch):
+                if r:
+                    new = 1 + (r + b) % 4
+                    tokens[b] += torch.randint(3, TINY_VOCAB, (new,), generator=gen).tolist()
+                new_tokens = tokens[b][held[b] :]
+                rows = (
+                    None
+                    if width is None
+                    else torch.randn(len(new_tokens) - 1, width, generator=gen)
+                )
+                item = DraftInput(
+                    ids[b], r == 0, held[b], new_tokens, spec, target_hidden_states=rows
+                )
+                if 0 < r < 5:
+                    item.verifying, item.ahead_guesses = verifying[b], 2
+                inputs.append(item)
+                held[b] = len(tokens[b]) - (1 if width is not None else 0)
+            outputs = engine.draft(inputs)
+            engine.check_integrity()
+            if 0 < r < 5:
+                assert [len(out.ahead) for out in outputs] == [8] * batch
+                verifying = [out.ahead[0].tree for out in outputs]
+                found.append([[(a.tokens, a.tree.tokens) for a in out.ahead] for out in outputs])
+            else:
+                verifying = [out.tree for out in outputs]
+                found.append([out.tree.tokens for out in outputs])
+        engine.release(ids)
+        assert engine.num_pages_used == 0
+    return found
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_the_fused_draft_ahead_graph_drafts_what_the_catch_up_first_drafts(models, kind) -> None:
+    """A draft-ahead call's catch-up run in the expansion's graph itself (one replay,
+    `TreeProposer._fused_ahead`) drafts every outcome's tree, and the next round, as the
+    catch-up's own graph run first does: batch 1 and 3 (a padding row), catch-ups of 1-4 new
+    tokens padded to 1, 2 or 4, and nothing is captured in traffic."""
+    found = []
+    for fused in (True, False):
+        engine = _engine(models, kind, graphs=True, device_expansion=True)
+        engine.proposer.fused_catch_up = fused  # type: ignore[attr-defined]
+        runner = engine.proposer.device_expansion_runner  # type: ignore[attr-defined]
+        before = set(runner.captured)
+        calls: list[bool] = []
+        original = engine.proposer._fused_ahead  # type: ignore[attr-defined]
+
+        def counted(*args, original=original, calls=calls):
+            out = original(*args)
+            calls.append(out is not None)
+            return out
+
+        engine.proposer._fused_ahead = counted  # type: ignore[attr-defined]
+        found.append(_ahead_rounds(engine))
+        assert set(runner.captured) == before
+        assert calls == [fused] * 8
+    assert found[0] == found[1]

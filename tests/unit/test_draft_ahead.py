@@ -113,21 +113,29 @@ def test_model_ahead_tree_is_the_next_rounds_draft(
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "catch-up-first"])
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 def test_a_round_of_draft_ahead_alone_runs_one_catch_up_forward(
-    models: dict[str, Path], kind: str
+    models: dict[str, Path], kind: str, fused: bool
 ) -> None:
     """A Draft whose every item drafts ahead (a round whose outcome was guessed) runs the
     catch-up to the root and the expansion, and no forward for an empty batch of normal
-    drafts (it ran before: one eager forward of the whole draft model, for nothing)."""
+    drafts (it ran before: one eager forward of the whole draft model, for nothing). Fused
+    (the default), the catch-up runs inside the expansion's one device run: no forward of its
+    own; else one forward of the one sequence, then the expansion."""
     engine = _model_engine(models, 4) if kind == "model" else _eagle_engine(models, 4)
+    engine.proposer.fused_catch_up = fused  # type: ignore[attr-defined]
     chain = _begin(engine, "s", CHAIN).tree
     forwards: list[int] = []
-    run = engine.proposer._run
-    engine.proposer._run = lambda steps, *args: forwards.append(len(steps)) or run(steps, *args)
+    run = engine.proposer._run  # type: ignore[attr-defined]
+    engine.proposer._run = lambda steps, *args: forwards.append(len(steps)) or run(steps, *args)  # type: ignore[attr-defined]
+    expansion = engine.proposer._expansion()  # type: ignore[attr-defined]
+    catch_ups: list[int] = []
+    catch_up = expansion.catch_up
+    expansion.catch_up = lambda batch: catch_ups.append(batch.num_seqs) or catch_up(batch)
     out = _ahead(engine, "s", chain, 2, CHAIN)
     assert len(out.ahead) == (len(chain) + 1) * 2
-    assert forwards == [1]  # the catch-up of the root, one sequence
+    assert (forwards, catch_ups) == (([], [1]) if fused else ([1], []))
     engine.release(["s"])
     assert engine.num_pages_used == 0
 
@@ -263,3 +271,77 @@ def test_no_draft_ahead_past_the_context(models: dict[str, Path]) -> None:
     assert room > 0 and _ahead(engine, "s", chain, 2, CHAIN).ahead == []
     engine.release(["s"])
     assert engine.num_pages_used == 0
+
+
+def _ahead_after_a_round(
+    engine: DrafterEngine, new: list[int], spec: SpecParams
+) -> list[list[tuple[list[int], list[int], list[int]]]]:
+    """Two sequences drafted a chain each; then a draft-ahead call as the gateway sends it
+    after a Verify: each sequence's new tokens (new[i] - 1 of its chain's drafts accepted, then
+    a bonus), the target's features of the tokens before them (EAGLE), and the chain it
+    verifies next (its tree drafted ahead: here its first chain again). Then the next round
+    for the outcome "all accepted, bonus 7". Per sequence its outcomes (tokens, tree), then
+    the next round's trees."""
+    prompts = {"a": TOKENS, "b": TOKENS[::-1]}
+    chains = {}
+    for seq_id, prompt in prompts.items():
+        rows = _features(engine, len(prompt) - 1, seed=len(chains))
+        item = DraftInput(seq_id, True, 0, prompt, CHAIN, target_hidden_states=rows)
+        chains[seq_id] = engine.draft([item])[0].tree
+    items, after = [], []
+    for (seq_id, prompt), count in zip(prompts.items(), new, strict=True):
+        chain = chains[seq_id]
+        tokens = [*prompt, *chain.tokens[: count - 1], 300 + count]
+        rows = _features(engine, count, seed=count)
+        eagle = rows is not None
+        start = len(prompt) - 1 if eagle else len(prompt)  # EAGLE: where features end
+        items.append(
+            DraftInput(seq_id, False, start, tokens[start:], spec, target_hidden_states=rows,
+                       verifying=chain, ahead_guesses=2)
+        )  # fmt: skip
+        # the next round: the chain all accepted, bonus 7
+        rows = _features(engine, len(chain) + 1, seed=9) if eagle else None
+        start = len(tokens) - 1 if eagle else len(tokens)
+        grown = [*tokens, *chain.tokens, 7]
+        after.append(
+            DraftInput(seq_id, False, start, grown[start:], CHAIN, target_hidden_states=rows)
+        )
+    outs = engine.draft(items)
+    found = [[(a.tokens, a.tree.tokens, a.tree.parents) for a in out.ahead] for out in outs]
+    found.append([(out.tree.tokens, out.tree.parents, []) for out in engine.draft(after)])
+    engine.release(list(prompts))
+    assert engine.num_pages_used == 0
+    engine.check_integrity()
+    return found
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("new", [[3, 3], [1, 1], [2, 4]], ids=["3-3", "1-1", "2-4"])
+@pytest.mark.parametrize("spec", [CHAIN, SpecParams(3, 2, 5)], ids=["chain", "tree"])
+def test_the_fused_catch_up_drafts_what_the_catch_up_first_drafts(
+    models: dict[str, Path], kind: str, page_size: int, new: list[int], spec: SpecParams
+) -> None:
+    """A draft-ahead call whose catch-up runs in the expansion's own run (`_fused_ahead`; the
+    two sequences' catch-ups of one length) drafts the outcomes and leaves the drafter as the
+    catch-up run first does; catch-ups of different lengths (2-4, not padded on the CPU) run
+    first in either case."""
+    make = _model_engine if kind == "model" else _eagle_engine
+    found, fused_runs = [], []
+    for fused in (True, False):
+        engine = make(models, page_size)
+        engine.proposer.fused_catch_up = fused  # type: ignore[attr-defined]
+        calls: list[int] = []
+        original = engine.proposer._fused_ahead  # type: ignore[attr-defined]
+
+        def counted(*args: object, original: object = original, calls: list[int] = calls) -> object:
+            out = original(*args)  # type: ignore[operator]
+            calls.append(out is not None)
+            return out
+
+        engine.proposer._fused_ahead = counted  # type: ignore[attr-defined]
+        found.append(_ahead_after_a_round(engine, new, spec))
+        fused_runs.append(sum(calls))
+    assert found[0] == found[1]
+    assert all(len(per_seq) == 8 for per_seq in found[0][:2])
+    assert fused_runs == [int(new[0] == new[1]), 0]
