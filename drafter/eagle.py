@@ -19,7 +19,13 @@ from drafter.eagle_checkpoint import (
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.fused import add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from specsplit.model.fused import (
+    add_rms_norm,
+    norm_embed_and_cat,
+    rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
 from specsplit.model.loader import load_model
@@ -103,7 +109,7 @@ class Eagle3Head:
         next step's features) at batch.logit_indices."""
         c, w, p = self.config, self.w, HEAD_LAYER
         eps = c.rms_norm_eps
-        x, residual = self._layer_input(self.embed[batch.input_ids], features)
+        x, residual = self._layer_input(batch.input_ids, features)
         attn = self._attention(x, batch, kv)
         h, y = add_rms_norm(attn, residual, w[p + "post_attention_layernorm.weight"], eps)
         act = silu_and_mul(linear(y, self.gate_up_weight))
@@ -113,16 +119,23 @@ class Eagle3Head:
         return linear(normed, w["lm_head.weight"]).float(), last
 
     def _layer_input(
-        self, emb: torch.Tensor, features: torch.Tensor
+        self, input_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """emb, features [T, H] -> the attention's input ([T, 2H] EAGLE-3, [T, H] EAGLE-1/2) and
-        the residual [T, H]."""
+        """The tokens [T] and features [T, H] -> the attention's input ([T, 2H] EAGLE-3, [T, H]
+        EAGLE-1/2) and the residual [T, H]."""
         c, w, p = self.config, self.w, HEAD_LAYER
         eps = c.rms_norm_eps
         if c.layout == "eagle3":
-            hidden = rms_norm(features, w[p + "hidden_norm.weight"], eps)
-            x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), hidden], dim=-1)
+            x, hidden = norm_embed_and_cat(
+                features,
+                input_ids,
+                self.embed,
+                w[p + "input_layernorm.weight"],
+                w[p + "hidden_norm.weight"],
+                eps,
+            )
             return x, hidden if c.norm_before_residual else features
+        emb = self.embed[input_ids]
         fused = linear(torch.cat([emb, features], dim=-1), w["fc.weight"], w.get("fc.bias"))
         norm = w.get(p + "input_layernorm.weight")
         return (fused if norm is None else rms_norm(fused, norm, eps)), fused

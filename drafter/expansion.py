@@ -125,6 +125,8 @@ class _AheadConstants:
         self.every_row = torch.arange(bs, device=device)
         # chain node t sees the chain up to itself: [L] masks of [B, 1, width]
         self.chain_masks = [(cols <= t).expand(bs, 1, key.width) for t in range(chain_len)]
+        self.chain_cols = torch.arange(chain_len, device=device)[:, None]  # [L, 1] node t
+        self.chain_ends = (self.chain_cols + 1).to(torch.int32)  # [L, 1] entries up to it
         per_row = torch.arange(chain_len + 1, device=device).repeat_interleave(key.guesses)
         self.k_of = per_row.repeat(bs)  # [R] each outcome's accept length
         o_of = torch.arange(num, device=device).repeat(bs)
@@ -457,15 +459,17 @@ class DeviceExpansion:
         else:
             root = (inputs.logits, inputs.features)
         logits, outputs = [root[0]], [root[1]]
+        # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
+        storage = consts.chain_cols + base  # [L, B]
+        slots = _slots(table, storage.t(), page).t().contiguous()
+        kv_lens = consts.chain_ends + base32
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
-            storage = base + t
-            slots = _slots(table, storage[:, None], page)[:, 0]
             batch = ForwardBatch(
                 input_ids=chain[:, t],
-                positions=storage,
-                slot_mapping=slots,
+                positions=storage[t],
+                slot_mapping=slots[t],
                 cu_seqlens_q=consts.one,
-                kv_lens=base32 + t + 1,
+                kv_lens=kv_lens[t],
                 prefix_lens=base32,
                 block_table=table,
                 tree_mask=consts.chain_masks[t],

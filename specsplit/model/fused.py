@@ -69,6 +69,22 @@ rms_norm = _on_gpu(rms_norm_reference)
 
 
 @_on_gpu
+def norm_embed_and_cat(
+    features: torch.Tensor,  # [T, H]
+    input_ids: torch.Tensor,  # [T]
+    embed: torch.Tensor,  # [V, H]
+    embed_weight: torch.Tensor,  # [H] the embedding's norm
+    features_weight: torch.Tensor,  # [H] the features' norm
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 layer's input: (RMSNorm(embed[input_ids]) | RMSNorm(features)) [T, 2H], and
+    RMSNorm(features) [T, H]: the embedding gather, both norms and the concatenation."""
+    normed = rms_norm_reference(features, features_weight, eps)
+    emb = rms_norm_reference(embed[input_ids], embed_weight, eps)
+    return torch.cat([emb, normed], dim=-1), normed
+
+
+@_on_gpu
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
