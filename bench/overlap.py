@@ -65,6 +65,21 @@ GATED_WARMUP_TOKENS = 128
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
 
 
+def wait_for_drafter(
+    stub: gateway_pb2_grpc.GatewayStub, prompt: list[int], timeout: float = 300.0
+) -> None:
+    """Short streams until the drafter has answered a Draft: the gateway serves once the
+    verifier does and decodes without drafts until the drafter is ready, so a mode timed
+    before that would run target-only rounds (a drafter's warm-up can outlast the
+    verifier's)."""
+    deadline = time.monotonic() + timeout
+    while scrape_totals()[("drafter", "specsplit_draft_seconds_count")] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the drafter answered no Draft")
+        run_batch(stub, [prompt], 8)
+        time.sleep(0.5)
+
+
 def run_batch(
     stub: gateway_pb2_grpc.GatewayStub,
     prompts: list[list[int]],
@@ -308,6 +323,7 @@ def main() -> None:
             flags += ("--synthetic-acceptance", args.synthetic_acceptance)
         with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
+            wait_for_drafter(stub, chats[0])
             before = scrape_buckets()
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
