@@ -72,6 +72,25 @@ def wait_gateway(address: str, proc: subprocess.Popen[bytes], timeout: float) ->
     raise TimeoutError("gateway not serving")
 
 
+def wait_for_drafter(
+    stub: gateway_pb2_grpc.GatewayStub, prompt: list[int], timeout: float = 300.0
+) -> None:
+    """Short streams of `prompt` until the drafter has answered a Draft: the gateway serves
+    once the verifier does and decodes without drafts until the drafter is ready, so a run
+    timed before that measures target-only rounds (a drafter's warm-up can outlast the
+    verifier's: two serial runs of bench/overlap.py sent no Draft, thirty-ninth session)."""
+    deadline = time.monotonic() + timeout
+    while scrape_totals()[("drafter", "specsplit_draft_seconds_count")] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the drafter answered no Draft")
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8
+        )
+        for _ in stub.Generate(request):
+            pass
+        time.sleep(0.5)
+
+
 Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
 METRICS_PORT = 50170  # the gateway's /metrics; the drafter's and the verifier's on the next two
 # a round's parts: label -> (process, histogram, its labels)
@@ -397,6 +416,7 @@ def main() -> None:
     if args.decode_steps is not None:
         flags += ("--decode-steps", args.decode_steps)
     with services(args, flags) as stub:
+        wait_for_drafter(stub, prompts[0])
         runners = service_runners(stub, args)
         if not args.no_hf:
             max_len = max(map(len, prompts)) + args.max_new_tokens

@@ -7,6 +7,7 @@ tokens. "target only" is the serial services with speculation off per request (n
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
         [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
         [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6] [--repeat 3]
+        [--prompt-groups 4]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
 rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
@@ -22,6 +23,11 @@ and outputs are not the target's, so the same-tokens column compares nothing.
 --repeat N: each (mode, batch) timed N times in its `up`; the tokens/s tables give the median
 run, the time-spent table all N together, and a line per run lists each run's tokens/s (the
 spread between `up` starts was ~+-25% at 64 tokens a stream, thirty-sixth session).
+
+--prompt-groups G: each timed run streams G batches one after another, each of the next
+`batch` bundled prompts (16 of them, reused past the last), so a run covers several prompts'
+acceptance and lasts G times as long: at batch 1 one stream of 128 tokens took ~0.25 s and runs
+scattered by +-30% (thirty-ninth session).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from bench.e2e import (
     scrape_overlap_modes,
     scrape_totals,
     services,
+    wait_for_drafter,
 )
 from gateway.adaptive import parse_ladder
 from specsplit import convert
@@ -63,21 +70,6 @@ WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
 # long-running gateway does (exploring is a one-time cost per batch size)
 GATED_WARMUP_TOKENS = 128
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
-
-
-def wait_for_drafter(
-    stub: gateway_pb2_grpc.GatewayStub, prompt: list[int], timeout: float = 300.0
-) -> None:
-    """Short streams until the drafter has answered a Draft: the gateway serves once the
-    verifier does and decodes without drafts until the drafter is ready, so a mode timed
-    before that would run target-only rounds (a drafter's warm-up can outlast the
-    verifier's)."""
-    deadline = time.monotonic() + timeout
-    while scrape_totals()[("drafter", "specsplit_draft_seconds_count")] == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the drafter answered no Draft")
-        run_batch(stub, [prompt], 8)
-        time.sleep(0.5)
 
 
 def run_batch(
@@ -106,6 +98,25 @@ def run_batch(
         start = time.perf_counter()
         outputs = list(pool.map(one, range(len(prompts))))
         return outputs, time.perf_counter() - start
+
+
+def run_groups(
+    stub: gateway_pb2_grpc.GatewayStub,
+    groups: list[list[list[int]]],
+    max_new_tokens: int,
+    spec: common_pb2.SpecParams | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+) -> tuple[list[list[int]], float]:
+    """`run_batch` of each group of prompts, one after another: every stream's tokens (the
+    groups' in order) and the wall seconds of them all."""
+    outputs: list[list[int]] = []
+    wall = 0.0
+    for prompts in groups:
+        out, seconds = run_batch(stub, prompts, max_new_tokens, spec, temperature, ignore_eos)
+        outputs += out
+        wall += seconds
+    return outputs, wall
 
 
 def print_time_spent(
@@ -256,6 +267,13 @@ def main() -> None:
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     parser.add_argument(
+        "--prompt-groups",
+        type=int,
+        default=1,
+        help="each timed run streams this many batches one after another, each of the next "
+        "bundled prompts",
+    )
+    parser.add_argument(
         "--synthetic-acceptance",
         default=None,
         metavar="RATES",
@@ -282,15 +300,15 @@ def main() -> None:
     def timed(
         stub: gateway_pb2_grpc.GatewayStub,
         key: tuple[str, int],
-        prompts: list[list[int]],
+        groups: list[list[list[int]]],
         spec: Any = None,
     ) -> None:
         # kernels first built (and the overlap gate's choice made)
         warmup = GATED_WARMUP_TOKENS if key[0] == "gated" else WARMUP_TOKENS
-        run_batch(stub, prompts, warmup, spec, args.temperature, synthetic)
+        run_batch(stub, groups[0], warmup, spec, args.temperature, synthetic)
         before = scrape_totals()
         timed_runs = [
-            run_batch(stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic)
+            run_groups(stub, groups, args.max_new_tokens, spec, args.temperature, synthetic)
             for _ in range(args.repeat)
         ]
         runs[key] = [(sum(map(len, out)), wall) for out, wall in timed_runs]
@@ -326,10 +344,13 @@ def main() -> None:
             wait_for_drafter(stub, chats[0])
             before = scrape_buckets()
             for batch in args.batch:
-                prompts = [chats[i % len(chats)] for i in range(batch)]
-                timed(stub, (mode, batch), prompts, spec)
+                groups = [
+                    [chats[(g * batch + i) % len(chats)] for i in range(batch)]
+                    for g in range(args.prompt_groups)
+                ]
+                timed(stub, (mode, batch), groups, spec)
                 if mode == "serial":
-                    timed(stub, ("target", batch), prompts, TARGET_ONLY)
+                    timed(stub, ("target", batch), groups, TARGET_ONLY)
             parts[mode] = Counter(scrape_buckets())
             parts[mode].subtract(before)
             if mode == "gated":
@@ -363,7 +384,7 @@ def main() -> None:
         cells.append(f"{rate['serial'] / rate['target']:.2f}x")
         for m in others:
             cells += [f"{rate[m] / rate['target']:.2f}x", f"{rate[m] / rate['serial']:.2f}x"]
-        print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{batch} |")
+        print(f"| {batch} | " + " | ".join(cells) + f" | {same}/{len(outputs['target'])} |")
     if not synthetic:  # synthetic outputs are not the target's: nothing to compare
         print_divergence(results, args.batch, modes)
     if "gated" in modes:

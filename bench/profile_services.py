@@ -42,6 +42,7 @@ from bench.e2e import (
     scrape_buckets,
     scrape_totals,
     services,
+    wait_for_drafter,
 )
 from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
@@ -324,6 +325,8 @@ def main() -> None:
     os.environ["SPECSPLIT_PROFILE_DIR"] = str(directory)  # `up` and its children inherit it
     try:
         with services(args, extra) as stub:
+            if not args.target_only:
+                wait_for_drafter(stub, chats[0])
             for batch in args.batch:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
                 run_batch(stub, prompts, 16, spec, args.temperature, synthetic)  # warm-up

@@ -8,7 +8,7 @@
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [draft-ahead]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
-# three `up` starts each ($SMOLLM2_GGUF + the shipped head); draft-ahead: the drafter's round
+# three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); draft-ahead: the drafter's round
 # and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
@@ -315,10 +315,11 @@ for part in "${parts[@]}"; do
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 8 32 \
         --max-new-tokens "${OVERLAP_TOKENS:-128}" --repeat "${OVERLAP_REPEAT:-1}" \
         --modes ${OVERLAP_MODES:-serial groups groups-early ahead ahead-plain gated} ;;
-    ahead1)  # ~170 s on two H100s
+    ahead1)  # ~170 s on two H100s; each timed run streams 8 prompts one after another (runs
+      # of one 128-token stream scattered by +-30%, thirty-ninth session)
       run ahead1 python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
-        --max-new-tokens 128 --repeat 3 --modes serial ahead-plain ;;
+        --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain ;;
     draft-ahead)
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
