@@ -18,9 +18,10 @@ tree_draft's host path, and each cut distribution comes back with the candidates
 Draft-ahead (`expand_ahead`, key `Ahead`) runs in the same way, one graph per (chain length,
 guesses, shape, catch-up, batch bucket), captured on first use: the chain being verified, the
 guessed bonus tokens and every outcome's tree, all in the sequence's own storage past the root.
-With `Ahead.catch_up` = q it first runs the sequences' catch-up to their roots (q entries each,
-ending at the root's; `CatchUpForward`) in the same run, so that a draft-ahead call is one
-replay: no separate catch-up step, no host work between the two.
+A key with `catch_up` = q (`Shape.catch_up`, `Ahead.catch_up`) first runs the sequences'
+catch-up to their roots (q entries each, ending at the root's; `CatchUpForward`) in the same
+run, so that a Draft or a draft-ahead call is one replay: no separate catch-up step, no host
+work between the two.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Shape:
     topk: int
     num_steps: int
     sampled: bool = False  # a sampled chain (topk 1): draws from inputs' params and uniforms
+    # q > 0: first every sequence's last q entries up to its root (0: the roots' logits and
+    # outputs are given)
+    catch_up: int = 0
 
     @property
     def num_candidates(self) -> int:
@@ -108,6 +112,18 @@ class _GrowConstants:
         self.frontier = torch.arange(topk, device=device).expand(rows, topk)  # [R, k] ids
 
 
+class _CatchUpConstants:
+    """What a catch-up of q entries a row (`_catch_up`) reads that depends on q and the rows
+    alone, made once (as _GrowConstants)."""
+
+    def __init__(self, q: int, bs: int, device: torch.device) -> None:
+        rows = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        self.q = q
+        self.cols = torch.arange(q, device=device)
+        self.cu = rows * q  # cu_seqlens
+        self.last = rows[1:].long() * q - 1  # each row's last entry: its root
+
+
 class _AheadConstants:
     """What draft-ahead's steps (`_ahead_body`) read that depends on its key and rows alone,
     made once (as _GrowConstants). Outcome row r = (b, k, j) of B * (L + 1) * g."""
@@ -117,11 +133,6 @@ class _AheadConstants:
         rows = bs * num
         cols = torch.arange(key.width, device=device)
         self.one = torch.arange(bs + 1, dtype=torch.int32, device=device)  # cu_seqlens, 1 a row
-        # the catch-up: q entries a row, each row's last one's logits
-        q = key.catch_up
-        self.catch_up_cols = torch.arange(q, device=device)
-        self.catch_up_cu = self.one * q
-        self.catch_up_last = self.one[1:].long() * q - 1
         self.every_row = torch.arange(bs, device=device)
         # chain node t sees the chain up to itself: [L] masks of [B, 1, width]
         self.chain_masks = [(cols <= t).expand(bs, 1, key.width) for t in range(chain_len)]
@@ -156,7 +167,7 @@ class _Inputs:
     ) -> None:
         shape = key.shape if isinstance(key, Ahead) else key
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
-        catch_up = key.catch_up if isinstance(key, Ahead) else 0
+        catch_up = key.catch_up
         n = shape.num_candidates
         self.bs = bs
         # the roots' logits and outputs, unless the run computes them (a catch-up)
@@ -186,6 +197,7 @@ class _Inputs:
         # tokens, parents, order (then a sampled chain's supports' tokens)
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
         self.ahead = _AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
+        self.catch_up = _CatchUpConstants(catch_up, bs, device) if catch_up else None
         self.grow = (
             self.ahead.grow if self.ahead is not None else _GrowConstants(shape.topk, bs, device)
         )
@@ -208,8 +220,8 @@ class DeviceExpansion:
         max_batch_size: int = 64,
         catch_up: CatchUpForward | None = None,
     ) -> None:
-        """catch_up: the proposer's catch-up forward, which `Ahead.catch_up` keys run (None:
-        none can)."""
+        """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
+        can)."""
         self.forward = forward
         self.catch_up = catch_up
         self.kv = kv
@@ -224,6 +236,13 @@ class DeviceExpansion:
         # and the supports' probabilities
         self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
 
+    def ready(self, key: Shape | Ahead, bs: int) -> bool:
+        """Whether an expansion of `key` for `bs` rows runs without a capture first: eagerly,
+        or from a graph already captured (a fused catch-up's keys are captured at warm-up for
+        the usual shapes only; others take the unfused path)."""
+        bucket = next((b for b in self.batch_sizes if b >= bs), None)
+        return not self.graphs or bucket is None or (key, bucket) in self.captured
+
     def max_pages(self, key: Shape | Ahead) -> int:
         width = key.width if isinstance(key, Ahead) else key.num_candidates
         return -(-(self.max_context + width) // self.kv.page_size)
@@ -234,12 +253,16 @@ class DeviceExpansion:
         self,
         shape: Shape,
         seqs: list[SeqKV],  # each with base = kv_committed_len, pages reserved for the tree
-        root_logits: torch.Tensor,  # [B, vocab] float32 on the device
+        root_logits: torch.Tensor | None,  # [B, vocab] float32 on the device (None: catch-up)
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
+        catch_ups: list[list[int]] | None = None,  # [B][shape.catch_up] the catch-ups' tokens
     ) -> list[Candidates]:
+        """Each sequence's candidates (with `shape.catch_up` = q, after its catch-up of q
+        entries from `catch_ups`, as `expand_ahead`'s)."""
         bs, n = len(seqs), shape.num_candidates
-        out, probs = self._run(shape, seqs, root_logits, root_features, [], sampling)
+        assert (root_logits is None) == bool(shape.catch_up), shape
+        out, probs = self._run(shape, seqs, root_logits, root_features, [], sampling, catch_ups)
         cands = out[: bs * 3 * n].reshape(bs, 3, n)
         found = [_candidates(cands, b) for b in range(bs)]
         if shape.sampled:
@@ -385,7 +408,7 @@ class DeviceExpansion:
         inputs = _Inputs(key, bucket, self.vocab_size, self.feature, self.max_pages(key), device)
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
-        catch_up = key.catch_up if isinstance(key, Ahead) else 0
+        catch_up = key.catch_up
         self._fill_meta(
             meta,
             [],
@@ -421,15 +444,17 @@ class DeviceExpansion:
             self._ahead_body(key, inputs)
             return
         bs = inputs.bs
-        base32, table, _, _ = _split(inputs.meta, bs, 0)  # [B] int32, [B, pages] int32
+        # [B] int32, [B, pages] int32, [B, q] int32
+        base32, table, _, catch_up = _split(inputs.meta, bs, 0, key.catch_up)
         base = base32.long()
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
+        root_logits, root_features = self._roots(inputs, table, base32, base, catch_up)
         out, supports = self._grow(
             key,
             inputs.grow,
-            inputs.logits,
-            inputs.features,
+            root_logits,
+            root_features,
             table,
             base32,
             base,
@@ -454,10 +479,7 @@ class DeviceExpansion:
         assert consts is not None
         base32, table, chain32, catch_up = _split(inputs.meta, bs, chain_len, key.catch_up)
         base, chain = base32.long(), chain32.long()
-        if key.catch_up:
-            root = self._catch_up(key.catch_up, consts, table, base32, base, catch_up)
-        else:
-            root = (inputs.logits, inputs.features)
+        root = self._roots(inputs, table, base32, base, catch_up)
         logits, outputs = [root[0]], [root[1]]
         # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
         storage = consts.chain_cols + base  # [L, B]
@@ -526,29 +548,33 @@ class DeviceExpansion:
         )
         inputs.out.copy_(torch.cat([cands.reshape(-1), bonus.reshape(-1)]))
 
-    def _catch_up(
+    def _roots(
         self,
-        q: int,
-        consts: _AheadConstants,
+        inputs: _Inputs,
         table: torch.Tensor,  # [B, pages] int32
         base32: torch.Tensor,  # [B] int32: each row's entries after the catch-up
         base: torch.Tensor,  # the same, int64
         tokens: torch.Tensor,  # [B, q] int32: the catch-up's input tokens
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The catch-up of `Ahead.catch_up`: entries [base - q, base) of every row, causal, at
-        positions equal to their storage; the roots' (last entries') logits and outputs."""
+        """The roots' logits and outputs: the inputs' own, or, with a catch-up of q entries a
+        row (`inputs.catch_up`), computed here: entries [base - q, base) of every row, causal,
+        at positions equal to their storage, the last one's logits and output."""
+        consts = inputs.catch_up
+        if consts is None:
+            return inputs.logits, inputs.features
         assert self.catch_up is not None, "this proposer has no catch-up forward"
-        storage = (base - q)[:, None] + consts.catch_up_cols  # [B, q]
+        q = consts.q
+        storage = (base - q)[:, None] + consts.cols  # [B, q]
         batch = ForwardBatch(
             input_ids=tokens.reshape(-1).long(),
             positions=storage.reshape(-1),
             slot_mapping=_slots(table, storage, self.kv.page_size).reshape(-1),
-            cu_seqlens_q=consts.catch_up_cu,
+            cu_seqlens_q=consts.cu,
             kv_lens=base32,
             prefix_lens=base32 - q,
             block_table=table,
             tree_mask=None,
-            logit_indices=consts.catch_up_last,
+            logit_indices=consts.last,
             max_q_len=q,
             page_size=self.kv.page_size,
         )

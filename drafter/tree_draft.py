@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,15 @@ AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
 # head 2-5 entries (the gateway sends the root again, which drops its entry), padded to 1, 2,
 # 4 or 8
 AHEAD_CATCH_UPS = CATCH_UP_LENS
+# a Draft's catch-up in its expansion's run (`TreeProposer._fused_expand`), captured at warm-up
+# for the gateway's default chain of 3, greedy and sampled, at every catch-up length; the
+# shorter chains near max_new_tokens catch up first, from their own graphs
+FUSED_EXPANSION_SHAPES = tuple(
+    dataclasses.replace(shape, catch_up=q)
+    for shape in EXPANSION_SHAPES
+    if shape.num_steps == 3
+    for q in CATCH_UP_LENS
+)
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -112,8 +122,8 @@ class TreeProposer:
     # expand trees on the device (drafter/expansion.py; CUDA graphs on a GPU), else a step at a
     # time on the host
     device_expansion: bool = True
-    # a draft-ahead call runs its catch-up in the expansion's own device run where it can
-    # (`_fused_ahead`); off: the catch-up first, as a Draft's (the reference)
+    # a Draft or a draft-ahead call runs its catch-up in the expansion's own device run where it
+    # can (`_fused_expand`, `_fused_ahead`); off: the catch-up first (the reference)
     fused_catch_up: bool = True
     device_expansion_runner: DeviceExpansion | None = None
 
@@ -136,12 +146,13 @@ class TreeProposer:
             self.device_expansion_runner = self._new_expansion(graphs=True)
             keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES)
             if self.fused_catch_up:
-                keys += tuple(
+                fused_ahead = [
                     dataclasses.replace(key, catch_up=q)
                     for key in AHEAD_SHAPES
                     for q in AHEAD_CATCH_UPS
-                    if q in self.catch_up_lens
-                )
+                ]
+                fused: list[Shape | Ahead] = [*FUSED_EXPANSION_SHAPES, *fused_ahead]
+                keys += tuple(key for key in fused if key.catch_up in self.catch_up_lens)
             for key in keys:
                 self.device_expansion_runner.capture_all(key)
 
@@ -173,7 +184,11 @@ class TreeProposer:
 
     def _propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         self._share_chain_length(jobs)
-        drafting, root_logits, root_features = self._roots(jobs)
+        drafting, steps = self._root_steps(jobs)
+        fused = self._fused_expand(jobs, drafting, steps)
+        if fused is not None:
+            return fused
+        drafting, root_logits, root_features = self._run_roots(drafting, steps)
         drafted = self._expand(drafting, root_logits, root_features)
         by_seq = {id(job): tree for job, tree in zip(drafting, drafted, strict=True)}
         return [by_seq.get(id(job), DraftTree()) for job in jobs]
@@ -283,35 +298,73 @@ class TreeProposer:
         and greedy chains; sampled chains draft ahead in forks."""
         return self._expands_on_device(job) and not _sampled_chain(job)
 
-    def _fused_ahead(
-        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
-    ) -> list[list[AheadTree]] | None:
-        """Draft-ahead with the catch-up in the same device run (`Ahead.catch_up`: one graph
-        replay on a GPU, no host work between the two), where every job drafts ahead on the
-        device with one key and catches up the same number of entries (one step each, ending
-        at its root): a draft-ahead call's usual batch (`_catch_up_starts` pads the lengths).
-        None otherwise: the catch-up then runs first, as a Draft's."""
+    def _fused_key(
+        self,
+        jobs: list[DraftJob],
+        drafting: list[DraftJob],
+        steps: list[SeqStep],
+        key_of: Callable[[DraftJob], Shape | Ahead | None],
+    ) -> Shape | Ahead | None:
+        """The key of an expansion that runs the catch-up in its own device run (`catch_up`:
+        one graph replay on a GPU, no host work between the two), or None where `jobs` cannot:
+        every job drafts on the device with one key (`key_of`; None: it cannot) and catches up
+        the same number of entries in one step ending at its root (`_catch_up_starts` pads the
+        lengths), and the key's graph is captured (warm-up: the usual shapes) where graphs run.
+        Then the catch-up runs first, as it did before."""
         if not (self.fused_catch_up and jobs and len(drafting) == len(steps) == len(jobs)):
             return None
         q = len(steps[0].input_ids)
         keys = set()
         for job, step in zip(jobs, steps, strict=True):
+            key = key_of(job)
             if not (
-                job.verifying is not None
-                and job.verifying.is_chain
-                and self._ahead_on_device_ok(job)
+                key is not None
                 and step.seq is self._seq_kv(job.seq)
                 and len(step.input_ids) == q
                 and step.logit_rows == [q - 1]
                 and step.kv_len == step.seq.kv_committed_len
             ):
                 return None
-            keys.add(_ahead_key(job))
+            keys.add(key)
         if len(keys) != 1:
             return None
-        key = dataclasses.replace(keys.pop(), catch_up=q)
+        fused = dataclasses.replace(keys.pop(), catch_up=q)
+        return fused if self._expansion().ready(fused, len(jobs)) else None
+
+    def _fused_ahead(
+        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
+    ) -> list[list[AheadTree]] | None:
+        """Draft-ahead with the catch-up in the same device run (`_fused_key`): a draft-ahead
+        call's usual batch, every job verifying a chain and drafting ahead on the device. None
+        otherwise."""
+
+        def key_of(job: DraftJob) -> Ahead | None:
+            ok = job.verifying is not None and job.verifying.is_chain
+            return _ahead_key(job) if ok and self._ahead_on_device_ok(job) else None
+
+        key = self._fused_key(jobs, drafting, steps, key_of)
+        if not isinstance(key, Ahead):
+            return None
         ahead = self._expand_ahead(key, jobs, None, None, [step.input_ids for step in steps])
         return [ahead[id(job)] for job in jobs]
+
+    def _fused_expand(
+        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
+    ) -> list[DraftTree] | None:
+        """A Draft's trees with the catch-up in the expansion's device run (`_fused_key`):
+        every job's tree of one shape expanded on the device. None otherwise."""
+
+        def key_of(job: DraftJob) -> Shape | None:
+            return _expansion_key(job) if self._expands_on_device(job) else None
+
+        key = self._fused_key(jobs, drafting, steps, key_of)
+        if not isinstance(key, Shape):
+            return None
+        seqs = [self._seq_kv(job.seq) for job in jobs]
+        sampling = self._sampling_rows(jobs, key.num_steps) if key.sampled else None
+        catch_ups = [step.input_ids for step in steps]
+        found = self._expansion().expand(key, seqs, None, None, sampling, catch_ups)
+        return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
 
     def _ahead_on_device(
         self,
@@ -518,11 +571,9 @@ class TreeProposer:
         on_host: list[int] = []
         groups: dict[Shape, list[int]] = {}
         for i, job in enumerate(jobs):
-            spec = job.spec
             if self._expands_on_device(job):
-                steps = max(spec.num_steps, job.expand_steps)
-                groups.setdefault(Shape(spec.topk, steps, _sampled_chain(job)), []).append(i)
-            elif spec.num_steps > 0:
+                groups.setdefault(_expansion_key(job), []).append(i)
+            elif job.spec.num_steps > 0:
                 on_host.append(i)
 
         def roots(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -751,6 +802,12 @@ def select_tree(candidates: Candidates, spec: SpecParams) -> DraftTree:
         [candidates.tokens[i] for i in chosen],
         [new_index[p] if p >= 0 else -1 for p in parents],
     )
+
+
+def _expansion_key(job: DraftJob) -> Shape:
+    """The device expansion of `job`'s tree (a chain at its shared length)."""
+    spec = job.spec
+    return Shape(spec.topk, max(spec.num_steps, job.expand_steps), _sampled_chain(job))
 
 
 def _ahead_key(job: DraftJob) -> Ahead:

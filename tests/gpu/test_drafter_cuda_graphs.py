@@ -25,8 +25,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
-    """Outputs, final stats and graph replays of four requests; `graphs` False runs the same
-    padded steps eagerly."""
+    """Outputs, final stats and graph replays of four requests (catch-ups from their own graphs
+    or inside the expansion's); `graphs` False runs the same padded steps eagerly."""
     stack = stack_on("cuda", models, tokenizer, drafter, spec, graphs)
     proposer = stack.drafter.proposer
     replays = {"n": 0}
@@ -42,6 +42,14 @@ def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
             return out
 
         runner.forward = counted  # type: ignore[method-assign]
+        fused = proposer._fused_expand  # a Draft's catch-up inside its expansion's graph
+
+        def counted_fused(*args):  # type: ignore[no-untyped-def]
+            out = fused(*args)
+            replays["n"] += out is not None
+            return out
+
+        proposer._fused_expand = counted_fused  # type: ignore[method-assign]
     else:
         proposer.catch_up_lens = CATCH_UP_LENS
     gen = torch.Generator().manual_seed(0)
@@ -60,6 +68,6 @@ def test_drafter_graph_rounds_equal_target_greedy(
     expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
     got, stats, replays = _run(models, smollm2_tokenizer, drafter, spec, True)
     assert got == expected
-    assert replays > 0  # catch-ups (and a chain's draft steps) ran from graphs
+    assert replays > 0  # catch-ups ran from graphs (their own, or inside the expansion's)
     _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False)
     assert stats == eager_stats  # the same drafts as the same steps run eagerly

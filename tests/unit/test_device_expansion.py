@@ -17,7 +17,7 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import Candidates, DeviceExpansion, Shape
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import TreeProposer, select_tree
+from drafter.tree_draft import CATCH_UP_LENS, TreeProposer, select_tree
 from specsplit.kernels.paged_attention import _check_inputs
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.attention import attend
@@ -263,3 +263,56 @@ def _one_round(engine: DrafterEngine, specs: list[SpecParams]) -> list[DraftOutp
         for b, spec in enumerate(specs)
     ]
     return engine.draft(inputs)
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("spec", "sampled"),
+    [(spec, False) for spec in SPECS] + [(SpecParams(3, 1, 3), True)],
+    ids=[f"{s.num_steps}x{s.topk}x{s.num_draft_tokens}" for s in SPECS] + ["sampled-3x1x3"],
+)
+@pytest.mark.parametrize("padded", [False, True], ids=["one-sequence", "padded-three"])
+def test_a_drafts_catch_up_in_its_expansions_run_drafts_the_same_trees(
+    models: dict[str, Path],
+    kind: str,
+    page_size: int,
+    spec: SpecParams,
+    padded: bool,
+    sampled: bool,
+) -> None:
+    """A Draft whose catch-up runs in its expansion's own device run (`_fused_expand`: one
+    graph replay on a GPU) drafts what the catch-up run first drafts (the same trees, a sampled
+    chain's same distributions, the same KV pages): one sequence (always one catch-up length),
+    or three whose catch-ups are padded to one length as on a GPU (CATCH_UP_LENS)."""
+    specs = [spec] * (3 if padded else 1)
+    sampling = [SamplingParams(temperature=0.8, seed=b) for b in range(len(specs))]
+    found, fused_rounds = [], []
+    for fused in (True, False):
+        engine = _engine(models, kind, page_size, on_device=True)
+        proposer = engine.proposer
+        assert isinstance(proposer, TreeProposer)
+        proposer.fused_catch_up = fused
+        if padded:
+            proposer.catch_up_lens = CATCH_UP_LENS
+        calls: list[bool] = []
+        original = proposer._fused_expand
+
+        def counted(*args, original=original, calls=calls):  # type: ignore[no-untyped-def]
+            out = original(*args)
+            calls.append(out is not None)
+            return out
+
+        proposer._fused_expand = counted  # type: ignore[method-assign]
+        found.append(_rounds(engine, specs, sampling if sampled else None))
+        fused_rounds.append(sum(calls))
+    _same(found[1], found[0])
+    for want, got in zip(found[1][0], found[0][0], strict=True):
+        for w, g in zip(want, got, strict=True):
+            probs = (w.tree.draft_probs, g.tree.draft_probs)
+            assert (probs[0] is None) == (probs[1] is None) == (not sampled)
+            if sampled:
+                assert torch.equal(probs[0].dense(), probs[1].dense())  # type: ignore[union-attr]
+    # every round runs fused; with three sequences but the first (their prompts' catch-ups,
+    # of 6-13 entries, are longer than the longest padded length)
+    assert fused_rounds == [5 if padded else 6, 0]
