@@ -229,9 +229,13 @@ class Eagle3Proposer(TreeProposer):
             ),
             self.device,
         )
-        fused = self.head.fuse(self.features.index_select(0, slots))  # one fc over every row
-        return self._forward_rows(steps, fused)  # [D, V], [D, H]
+        return self._forward_rows(steps, self._fused_rows(slots))  # [D, V], [D, H]
 
     def _catch_up_features(self, batch: ForwardBatch) -> torch.Tensor:
         """Entry i reads h_i, the row at its own slot."""
-        return self.head.fuse(self.features.index_select(0, batch.slot_mapping))
+        return self._fused_rows(batch.slot_mapping)
+
+    def _fused_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The target's features at `slots` (device int64) through the head's fc: one fc over
+        every row."""
+        return self.head.fuse(self.features.index_select(0, slots))

@@ -113,8 +113,8 @@ class _GrowConstants:
 
 
 class _CatchUpConstants:
-    """What a catch-up of q entries a row (`_catch_up`) reads that depends on q and the rows
-    alone, made once (as _GrowConstants)."""
+    """What a catch-up of q entries a row (`DeviceExpansion._roots`) reads that depends on q
+    and the rows alone, made once (as _GrowConstants)."""
 
     def __init__(self, q: int, bs: int, device: torch.device) -> None:
         rows = torch.arange(bs + 1, dtype=torch.int32, device=device)
@@ -240,8 +240,12 @@ class DeviceExpansion:
         """Whether an expansion of `key` for `bs` rows runs without a capture first: eagerly,
         or from a graph already captured (a fused catch-up's keys are captured at warm-up for
         the usual shapes only; others take the unfused path)."""
-        bucket = next((b for b in self.batch_sizes if b >= bs), None)
+        bucket = self._bucket(bs)
         return not self.graphs or bucket is None or (key, bucket) in self.captured
+
+    def _bucket(self, bs: int) -> int | None:
+        """The smallest batch bucket that holds `bs` rows (None: none does)."""
+        return next((b for b in self.batch_sizes if b >= bs), None)
 
     def max_pages(self, key: Shape | Ahead) -> int:
         width = key.width if isinstance(key, Ahead) else key.num_candidates
@@ -318,7 +322,7 @@ class DeviceExpansion:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
         and `inputs.probs` on the host, cut to the rows of `seqs`."""
         bs = len(seqs)
-        bucket = next((b for b in self.batch_sizes if b >= bs), None)
+        bucket = self._bucket(bs)
         width = max(len(s.page_table) for s in seqs)
         if self.graphs and bucket is not None and width <= self.max_pages(key):
             if (key, bucket) not in self.captured:

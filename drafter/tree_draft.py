@@ -47,20 +47,15 @@ EXPANSION_SHAPES = tuple(
 # batch size it meets (`up`'s default on two GPUs): before, each was captured in its first such
 # round, 10-50 ms on an 8B head
 AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
-# and each of them with the catch-up in the same run (`Ahead.catch_up`, the fused draft-ahead
-# call: `TreeProposer._fused_ahead`) of every catch-up length: beside a chain of 3, a draft
-# model catches up the last round's 1-4 new tokens (accepted drafts and the bonus), an EAGLE
-# head 2-5 entries (the gateway sends the root again, which drops its entry), padded to 1, 2,
-# 4 or 8
-AHEAD_CATCH_UPS = CATCH_UP_LENS
-# a Draft's catch-up in its expansion's run (`TreeProposer._fused_expand`), captured at warm-up
-# for the gateway's default chain of 3, greedy and sampled, at every catch-up length; the
-# shorter chains near max_new_tokens catch up first, from their own graphs
-FUSED_EXPANSION_SHAPES = tuple(
-    dataclasses.replace(shape, catch_up=q)
-    for shape in EXPANSION_SHAPES
-    if shape.num_steps == 3
-    for q in CATCH_UP_LENS
+# keys also captured with the catch-up in the same run (`catch_up`: `TreeProposer._fused_expand`,
+# `_fused_ahead`) at every catch-up length: the gateway's default chain of 3, greedy and
+# sampled (the shorter chains near max_new_tokens catch up first, from their own graphs), and
+# AHEAD_SHAPES. Beside a chain of 3 a draft model catches up the last round's 1-4 new tokens
+# (accepted drafts and the bonus), an EAGLE head 2-5 entries (the gateway sends the root again,
+# which drops its entry), padded to a length in CATCH_UP_LENS
+FUSED_SHAPES: tuple[Shape | Ahead, ...] = (
+    *(shape for shape in EXPANSION_SHAPES if shape.num_steps == 3),
+    *AHEAD_SHAPES,
 )
 
 
@@ -146,13 +141,11 @@ class TreeProposer:
             self.device_expansion_runner = self._new_expansion(graphs=True)
             keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES)
             if self.fused_catch_up:
-                fused_ahead = [
+                keys += tuple(
                     dataclasses.replace(key, catch_up=q)
-                    for key in AHEAD_SHAPES
-                    for q in AHEAD_CATCH_UPS
-                ]
-                fused: list[Shape | Ahead] = [*FUSED_EXPANSION_SHAPES, *fused_ahead]
-                keys += tuple(key for key in fused if key.catch_up in self.catch_up_lens)
+                    for key in FUSED_SHAPES
+                    for q in self.catch_up_lens
+                )
             for key in keys:
                 self.device_expansion_runner.capture_all(key)
 
@@ -360,10 +353,23 @@ class TreeProposer:
         key = self._fused_key(jobs, drafting, steps, key_of)
         if not isinstance(key, Shape):
             return None
+        return self._expand_shape(key, jobs, None, None, [step.input_ids for step in steps])
+
+    def _expand_shape(
+        self,
+        shape: Shape,
+        jobs: list[DraftJob],
+        root_logits: torch.Tensor | None,
+        root_features: torch.Tensor | None,
+        catch_ups: list[list[int]] | None = None,
+    ) -> list[DraftTree]:
+        """DeviceExpansion.expand of `shape` for `jobs` (a sampled chain's uniforms drawn here,
+        once a round): each job's tree."""
         seqs = [self._seq_kv(job.seq) for job in jobs]
-        sampling = self._sampling_rows(jobs, key.num_steps) if key.sampled else None
-        catch_ups = [step.input_ids for step in steps]
-        found = self._expansion().expand(key, seqs, None, None, sampling, catch_ups)
+        sampling = self._sampling_rows(jobs, shape.num_steps) if shape.sampled else None
+        found = self._expansion().expand(
+            shape, seqs, root_logits, root_features, sampling, catch_ups
+        )
         return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
 
     def _ahead_on_device(
@@ -576,24 +582,14 @@ class TreeProposer:
             elif job.spec.num_steps > 0:
                 on_host.append(i)
 
-        def roots(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """The root rows of jobs `idx` (all of them as they are)."""
-            if len(idx) == len(jobs):
-                return root_logits, root_features
-            rows = torch.tensor(idx, device=root_logits.device)
-            features = None if root_features is None else root_features.index_select(0, rows)
-            return root_logits.index_select(0, rows), features
-
         for shape, idx in groups.items():
-            seqs = [self._seq_kv(jobs[i].seq) for i in idx]
-            sampling = None
-            if shape.sampled:
-                sampling = self._sampling_rows([jobs[i] for i in idx], shape.num_steps)
-            found = self._expansion().expand(shape, seqs, *roots(idx), sampling)
-            for i, candidates in zip(idx, found, strict=True):
-                trees[i] = select_tree(candidates, jobs[i].spec)
+            roots = _rows_of(root_logits, root_features, idx)
+            grown = self._expand_shape(shape, [jobs[i] for i in idx], *roots)
+            for i, tree in zip(idx, grown, strict=True):
+                trees[i] = tree
         if on_host:
-            grown = self._expand_on_host([jobs[i] for i in on_host], *roots(on_host))
+            roots = _rows_of(root_logits, root_features, on_host)
+            grown = self._expand_on_host([jobs[i] for i in on_host], *roots)
             for i, tree in zip(on_host, grown, strict=True):
                 trees[i] = tree
         return trees

@@ -17,7 +17,7 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import Ahead
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import AHEAD_CATCH_UPS, AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
+from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -178,7 +178,7 @@ def test_warm_up_captures_the_gateways_default_draft_ahead(models, kind: str) ->
     engine = _engine(models, kind, graphs=True, device_expansion=True)
     runner = engine.proposer.device_expansion_runner  # type: ignore[attr-defined]
     before = set(runner.captured)
-    fused = {dataclasses.replace(key, catch_up=q) for key in AHEAD_SHAPES for q in AHEAD_CATCH_UPS}
+    fused = {dataclasses.replace(key, catch_up=q) for key in AHEAD_SHAPES for q in CATCH_UP_LENS}
     assert {key for key, _ in before if isinstance(key, Ahead)} == set(AHEAD_SHAPES) | fused
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(0)
