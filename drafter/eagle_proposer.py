@@ -64,6 +64,9 @@ class Eagle3Proposer(TreeProposer):
         self.device = head.device
         self.num_heads = head.config.num_heads
         self.graph_features = (head.config.hidden_size, head.dtype)  # fused rows per token
+        ids = head.target_ids  # the draft vocabulary's target ids (None: the target's own)
+        if ids is not None and bool((ids[1:] > ids[:-1]).all()):
+            self.scored_ids = ids
         self.host_rows = HostRows()  # a round's target features cross in one copy
         # [num_slots, feature_width]: a row per KV slot (the scratch page's too)
         num_slots = kv.scratch_slot + kv.page_size

@@ -42,13 +42,14 @@ from specsplit.tree import DRAFT_SUPPORT, DraftProbs
 
 log = logging.getLogger(__name__)
 
-# one frontier forward: (batch, features [T, width] or None) -> (logits [T, vocab] float32 in
-# the target's vocabulary, the step's per-row outputs for the next step's features or None)
+# one frontier forward: (batch, features [T, width] or None) -> (logits [T, scored] float32 in
+# the vocabulary the forwards score (DeviceExpansion's `scored_ids`), the step's per-row
+# outputs for the next step's features or None)
 FrontierForward = Callable[
     [ForwardBatch, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
 # a catch-up forward: q causal entries per sequence (logit_indices: each one's last) -> the
-# roots' logits [B, vocab] float32 in the target's vocabulary and their outputs [B, width] (the
+# roots' logits [B, scored] float32 (as FrontierForward's) and their outputs [B, width] (the
 # next step's features) or None; the proposer reads whatever else an entry needs (an EAGLE
 # head: the target's features at the entry's own slot)
 CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
@@ -161,6 +162,7 @@ class _Inputs:
         key: Shape | Ahead,
         bs: int,
         vocab: int,
+        scored: int,  # the width of the forwards' logits (`DeviceExpansion.scored_ids`)
         feature: tuple[int, torch.dtype] | None,
         max_pages: int,
         device: torch.device,
@@ -172,7 +174,7 @@ class _Inputs:
         self.bs = bs
         # the roots' logits and outputs, unless the run computes them (a catch-up)
         roots = bs if not catch_up else 0
-        self.logits = torch.zeros(roots, vocab, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(roots, scored, dtype=torch.float32, device=device)
         self.features = (
             None
             if feature is None
@@ -207,7 +209,15 @@ class DeviceExpansion:
     """The expansion of TreeProposer on the device. `forward` runs one frontier step of the
     proposer's model over `kv`; `feature` is (width, dtype) of the per-row outputs a step feeds
     the next (an EAGLE head's), None when steps read none. `graphs`: capture CUDA graphs (on a
-    GPU), else every expansion runs eagerly."""
+    GPU), else every expansion runs eagerly.
+
+    `scored_ids` ([Vs] int64 on the device, ascending): the target id of each column of the
+    forwards' logits where they score a vocabulary of their own (an EAGLE head's draft
+    vocabulary); None: their logits are the target's. A greedy chain's argmax and draft-ahead's
+    guesses then run over those Vs columns and map the ids they pick (ascending: an argmax picks
+    what it would over the target's vocabulary with -inf elsewhere); a sampled draw and a
+    tree's log-probabilities read the logits in the target's vocabulary, as the host expansion
+    does."""
 
     def __init__(
         self,
@@ -219,6 +229,7 @@ class DeviceExpansion:
         graphs: bool,
         max_batch_size: int = 64,
         catch_up: CatchUpForward | None = None,
+        scored_ids: torch.Tensor | None = None,
     ) -> None:
         """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
         can)."""
@@ -226,6 +237,8 @@ class DeviceExpansion:
         self.catch_up = catch_up
         self.kv = kv
         self.vocab_size = vocab_size
+        self.scored_ids = scored_ids
+        self.scored = vocab_size if scored_ids is None else scored_ids.shape[0]
         self.max_context = max_context
         self.feature = feature
         self.graphs = graphs and kv.device.type == "cuda"
@@ -343,7 +356,7 @@ class DeviceExpansion:
             return _first_rows(host_out.numpy(), key, bucket, bs), host_probs.numpy()[
                 : inputs.probs.numel() // bucket * bs
             ]
-        inputs = _Inputs(key, bs, self.vocab_size, self.feature, width, self.kv.device)
+        inputs = _Inputs(key, bs, self.vocab_size, self.scored, self.feature, width, self.kv.device)
         host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
         self._load(inputs, host, None, seqs, root_logits, root_features, chains, catch_ups)
         if sampling is not None:
@@ -370,8 +383,11 @@ class DeviceExpansion:
         inputs.meta.copy_(host_meta, non_blocking=True)
         if host_sampling is not None:
             host_sampling.fill_(1.0)  # padding rows: any valid params (temperature 1)
-        if root_logits is not None:
-            inputs.logits[:bs].copy_(root_logits)
+        if root_logits is not None:  # given in the target's vocabulary
+            scored = root_logits
+            if self.scored_ids is not None:
+                scored = root_logits.index_select(1, self.scored_ids)
+            inputs.logits[:bs].copy_(scored)
         if inputs.features is not None and root_features is not None:
             inputs.features[:bs].copy_(root_features)
 
@@ -409,7 +425,9 @@ class DeviceExpansion:
 
     def _capture(self, key: Shape | Ahead, bucket: int, logged: bool = True) -> None:
         device = self.kv.device
-        inputs = _Inputs(key, bucket, self.vocab_size, self.feature, self.max_pages(key), device)
+        inputs = _Inputs(
+            key, bucket, self.vocab_size, self.scored, self.feature, self.max_pages(key), device
+        )
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
         catch_up = key.catch_up
@@ -507,7 +525,8 @@ class DeviceExpansion:
             logits.append(step_logits)
             outputs.append(step_out)
         # guesses: per accept length k the top g + 1 at node k, the chain's next node left out
-        top = torch.stack(logits, dim=1).topk(g + 1, dim=-1).indices  # [B, L + 1, g + 1]
+        # [B, L + 1, g + 1] target ids
+        top = self._target_ids(torch.stack(logits, dim=1).topk(g + 1, dim=-1).indices)
         after = torch.cat([chain, chain.new_full((bs, 1), -1)], dim=1)  # [B, L + 1]
         skip = (top == after[:, :, None]).to(torch.int8)
         bonus = top.gather(2, skip.argsort(dim=-1, stable=True)[:, :, :g])  # [B, L + 1, g]
@@ -612,10 +631,10 @@ class DeviceExpansion:
         def chain_step(logits: torch.Tensor) -> torch.Tensor:
             """A chain's next token per row: the argmax, or a draw from the cut distribution."""
             if sampling is None:
-                return logits.argmax(dim=-1)
+                return self._target_ids(logits.argmax(dim=-1))
             step = 3 + len(drawn)
             token, ids, probs = draw_from_cut(
-                logits, sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
+                self._in_target_vocab(logits), sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
             )
             drawn.append((ids, probs))
             return token
@@ -623,7 +642,8 @@ class DeviceExpansion:
         if k == 1:
             tokens[:, 0] = chain_step(root_logits)
         else:
-            top_lp, top_tok = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
+            full = self._in_target_vocab(root_logits)
+            top_lp, top_tok = torch.log_softmax(full.float(), dim=-1).topk(k, dim=-1)
             tokens[:, :k] = top_tok
             scores[:, :k] = top_lp
         frontier = consts.frontier  # [B, k] candidate ids
@@ -660,7 +680,8 @@ class DeviceExpansion:
                 keep = torch.zeros(bs, 1, dtype=torch.int64, device=device)
                 new = 1
             else:
-                top_lp, top_tok = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+                full = self._in_target_vocab(logits)
+                top_lp, top_tok = torch.log_softmax(full, dim=-1).topk(k, dim=-1)
                 cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
                 new = k * k
                 tokens[:, n : n + new] = top_tok.view(bs, new)
@@ -682,6 +703,19 @@ class DeviceExpansion:
             return cands, None
         ids, probs = zip(*drawn, strict=True)
         return cands, (torch.stack(ids, dim=1), torch.stack(probs, dim=1))
+
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids of the forwards' vocabulary as the target's."""
+        return ids if self.scored_ids is None else self.scored_ids[ids]
+
+    def _in_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R, scored] logits -> [R, vocab]: in the target's vocabulary, -inf where the forwards
+        score nothing."""
+        if self.scored_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.scored_ids] = logits
+        return full
 
 
 def _slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:

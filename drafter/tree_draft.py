@@ -121,6 +121,10 @@ class TreeProposer:
     # can (`_fused_expand`, `_fused_ahead`); off: the catch-up first (the reference)
     fused_catch_up: bool = True
     device_expansion_runner: DeviceExpansion | None = None
+    # [Vs] the target id of each column of the model's logits where it scores a vocabulary of
+    # its own in ascending target ids (an EAGLE head's draft vocabulary): the device expansion
+    # reads those columns alone (DeviceExpansion's `scored_ids`); None: the target's
+    scored_ids: torch.Tensor | None = None
 
     def warm_up_kernels(self) -> None:
         """On a GPU, every paged-attention variant of this model's KV layout."""
@@ -611,15 +615,17 @@ class TreeProposer:
             graphs=graphs,
             max_batch_size=self.graphs.batch_sizes[-1] if self.graphs is not None else 64,
             catch_up=self._catch_up_outputs,
+            scored_ids=self.scored_ids,
         )
 
     def _frontier_outputs(
         self, batch: ForwardBatch, features: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One frontier step on the device: logits in the target's vocabulary, and the rows'
-        outputs the next step reads (an EAGLE head's), or None."""
+        """One frontier step on the device: logits in the vocabulary the expansion scores
+        (`scored_ids`), and the rows' outputs the next step reads (an EAGLE head's), or None."""
         out = self._step_forward(batch, (), features)
-        return self._tree_logits(out.logits), out.hidden_states
+        logits = out.logits if self.scored_ids is not None else self._tree_logits(out.logits)
+        return logits, out.hidden_states
 
     def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """A step's logits in the target's vocabulary (an EAGLE head with its own maps them)."""

@@ -177,6 +177,34 @@ def test_a_batch_of_different_shapes_and_sampled_chains(models: dict[str, Path],
     assert not shapes  # on the CPU every expansion runs eagerly
 
 
+@pytest.mark.parametrize("ascending", [True, False], ids=["ascending", "shuffled"])
+def test_a_draft_vocabulary_is_scored_alone_where_its_target_ids_ascend(
+    models: dict[str, Path], ascending: bool
+) -> None:
+    """An EAGLE head with a draft vocabulary of its own (200 of the target's ids): where its
+    target ids ascend, the device expansion's argmax and draft-ahead's guesses read its 200
+    columns (`scored_ids`) and map what they pick; where they do not (a shuffled map), every
+    step's logits are the target's vocabulary as before. Either way the device drafts the
+    host expansion's trees."""
+
+    def engine(on_device: bool) -> DrafterEngine:
+        head = load_eagle3(str(models["head"]), str(models["target"]), torch.float64, "cpu")
+        assert head.target_ids is not None and head.d2t is not None
+        if not ascending:
+            ids = head.target_ids[torch.randperm(200, generator=torch.Generator().manual_seed(2))]
+            head.target_ids, head.d2t = ids, ids - torch.arange(200)
+        proposer = Eagle3Proposer(head, head.make_kv_cache(512, 4))
+        proposer.device_expansion = on_device
+        return DrafterEngine(proposer)
+
+    device = engine(on_device=True)
+    assert (device.proposer.scored_ids is not None) == ascending
+    for spec in SPECS:
+        _same(_rounds(engine(on_device=False), [spec] * 2), _rounds(device, [spec] * 2))
+    runner = device.proposer.device_expansion_runner
+    assert runner is not None and runner.scored == (200 if ascending else TINY_VOCAB)
+
+
 def test_select_tree_keeps_the_best_nodes_and_renumbers_parents() -> None:
     # candidates 0..4: 0 and 1 at depth 1, 2..4 children of 0 (2, 3) and 1 (4)
     found = Candidates(
