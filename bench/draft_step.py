@@ -205,10 +205,12 @@ class Phases:
             print(f"  {label:40s} {1e3 * seconds / calls:7.3f} ms/{per}")
 
 
-def torch_profile(run: Callable[[], object], count: int, per: str, sort_by: str) -> None:
+def torch_profile(
+    run: Callable[[], object], count: int, per: str, sort_by: str
+) -> dict[str, tuple[float, float]]:
     """`count` calls of `run` under torch.profiler: wall, GPU kernel time and kernels per call
     (the wall grows under the profiler; the kernel time does not), then the top ops by
-    `sort_by`."""
+    `sort_by`. Returns each GPU kernel's (launches, us) per call."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -223,6 +225,30 @@ def torch_profile(run: Callable[[], object], count: int, per: str, sort_by: str)
         f"ms a {per}, {launches:.0f} kernels a {per}"
     )
     print(events.table(sort_by=sort_by, row_limit=15, max_name_column_width=60))
+    kernels: dict[str, tuple[float, float]] = {}
+    for event in events:
+        if event.device_type.name == "CUDA" and event.device_time_total > 0:
+            launches, us = kernels.get(event.key, (0.0, 0.0))
+            kernels[event.key] = (
+                launches + event.count / count,
+                us + event.self_device_time_total / count,
+            )
+    return kernels
+
+
+def print_kernel_difference(
+    pair: dict[str, tuple[float, float]], alone: dict[str, tuple[float, float]], label: str
+) -> None:
+    """The GPU kernels of `pair` (per call) less those of `alone`: what the second call of a
+    pair adds (a draft-ahead call beside its round), by time, the top 25."""
+    diff = {
+        name: (n - alone.get(name, (0.0, 0.0))[0], us - alone.get(name, (0.0, 0.0))[1])
+        for name, (n, us) in pair.items()
+    }
+    launches, total = sum(n for n, _ in diff.values()), sum(us for _, us in diff.values())
+    print(f"{label}: {launches:.0f} kernels, {total:.0f} us of GPU time a call; by time:")
+    for name, (n, us) in sorted(diff.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"  {n:6.1f} x {us:7.1f} us  {name[:100]}")
 
 
 def round_and_ahead(rounds: Rounds, spec: SpecParams, new: int, guesses: int) -> None:
@@ -431,7 +457,7 @@ def main() -> None:
                     print("  draft-ahead calls:")
                     Phases.report(ahead_phases, len(times), "call")
             if args.torch_profile:
-                torch_profile(
+                alone = torch_profile(
                     functools.partial(rounds.run, spec, args.new),
                     args.rounds,
                     "round",
@@ -441,7 +467,10 @@ def main() -> None:
                     # a round and its draft-ahead call: the pair's kernels less the round's
                     # above are the call's
                     pair = functools.partial(round_and_ahead, rounds, spec, args.new, args.ahead)
-                    torch_profile(pair, args.rounds, "round + draft-ahead", "self_cpu_time_total")
+                    both = torch_profile(
+                        pair, args.rounds, "round + draft-ahead", "self_cpu_time_total"
+                    )
+                    print_kernel_difference(both, alone, "the draft-ahead call")
             rounds.release()
             if ahead_times:
                 print(
