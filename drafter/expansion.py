@@ -104,13 +104,20 @@ class Ahead:
 
 
 class _GrowConstants:
-    """What `_grow` reads that depends on its shape and rows alone, made once with a graph's
-    inputs (outside the graph: no kernel each replay) or per eager run."""
+    """What `_grow` reads that depends on its shape, rows and mask width alone, made once with
+    a graph's inputs (outside the graph: no kernel each replay) or per eager run."""
 
-    def __init__(self, topk: int, rows: int, device: torch.device) -> None:
+    def __init__(self, shape: Shape, rows: int, width: int, device: torch.device) -> None:
+        topk, steps = shape.topk, shape.num_steps
         self.cu = torch.arange(0, rows * topk + 1, topk, dtype=torch.int32, device=device)
         self.every_row = torch.arange(rows * topk, device=device)
         self.frontier = torch.arange(topk, device=device).expand(rows, topk)  # [R, k] ids
+        # a chain's (`_grow_chain`): its forwards' nodes [S - 1, 1], the mask columns [width],
+        # every candidate's parent and the best-first order (each node's score is 0) [R, S]
+        self.chain_nodes = torch.arange(max(steps - 1, 0), device=device)[:, None]
+        self.cols = torch.arange(width, device=device)
+        self.chain_parents = (torch.arange(steps, device=device) - 1).expand(rows, steps)
+        self.chain_order = torch.arange(steps, device=device).expand(rows, steps)
 
 
 class _CatchUpConstants:
@@ -143,13 +150,16 @@ class _AheadConstants:
         self.k_of = per_row.repeat(bs)  # [R] each outcome's accept length
         o_of = torch.arange(num, device=device).repeat(bs)
         self.bonus_col = chain_len + o_of * (1 + n)  # [R] each outcome's bonus column
+        # [R] each outcome's sequence, and its row of the chain's [B * (L + 1)] outputs
+        self.seq_of = torch.arange(bs, device=device).repeat_interleave(num)
+        self.node_of = self.seq_of * (chain_len + 1) + self.k_of
         # [R, width]: an outcome's bonus sees the k chain nodes it follows and itself
         self.visible = (cols[None, :] < self.k_of[:, None]) | (
             cols[None, :] == self.bonus_col[:, None]
         )
         self.cu_rows = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, device=device)
-        self.grow = _GrowConstants(key.shape.topk, rows, device)
+        self.grow = _GrowConstants(key.shape, rows, key.width, device)
 
 
 class _Inputs:
@@ -201,7 +211,9 @@ class _Inputs:
         self.ahead = _AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
         self.catch_up = _CatchUpConstants(catch_up, bs, device) if catch_up else None
         self.grow = (
-            self.ahead.grow if self.ahead is not None else _GrowConstants(shape.topk, bs, device)
+            self.ahead.grow
+            if self.ahead is not None
+            else _GrowConstants(shape, bs, shape.num_candidates, device)
         )
 
 
@@ -533,15 +545,15 @@ class DeviceExpansion:
         # the outcomes: row r = (b, k, j) of B * (L + 1) * g
         num = key.num_outcomes
         rows = bs * num
-        base_r = base.repeat_interleave(num)
-        prefix_r = base32.repeat_interleave(num)
-        table_r = table.repeat_interleave(num, dim=0)
+        base_r = base[consts.seq_of]
+        prefix_r = base32[consts.seq_of]
+        table_r = table[consts.seq_of]
         storage = base_r + consts.bonus_col
         slots = _slots(table_r, storage[:, None], page)[:, 0]
         features = None
         if outputs[0] is not None:  # node k's output (the root's for k = 0)
             per_k = torch.stack(outputs, dim=1)  # type: ignore[arg-type]
-            features = per_k.repeat_interleave(g, dim=1).reshape(rows, -1)
+            features = per_k.reshape(bs * (chain_len + 1), -1)[consts.node_of]
         batch = ForwardBatch(
             input_ids=bonus.reshape(rows),
             positions=base_r + consts.k_of,
@@ -619,33 +631,22 @@ class DeviceExpansion:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Expand a tree of `shape` from each row's root logits; [R, 3, n]: the candidates'
         tokens, parents and best-first order, and a sampled chain's supports (tokens [R, n, S]
-        and probabilities [R, n, S]) or None."""
+        and probabilities [R, n, S]) or None. A chain (topk 1) takes `_grow_chain`."""
+        if shape.topk == 1:
+            return self._grow_chain(
+                shape, consts, root_logits, root_features, table, prefix32, start,
+                first_position, visible, sampling,
+            )  # fmt: skip
         k, n_all = shape.topk, shape.num_candidates
         bs, device, page = root_logits.shape[0], root_logits.device, self.kv.page_size
         col = start - prefix32.long()  # candidate 0's column in the masks
         tokens = torch.zeros(bs, n_all, dtype=torch.int64, device=device)
         parents = torch.full((bs, n_all), -1, dtype=torch.int64, device=device)
         scores = torch.zeros(bs, n_all, dtype=torch.float32, device=device)
-        drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # a sampled chain's supports
-
-        def chain_step(logits: torch.Tensor) -> torch.Tensor:
-            """A chain's next token per row: the argmax, or a draw from the cut distribution."""
-            if sampling is None:
-                return self._target_ids(logits.argmax(dim=-1))
-            step = 3 + len(drawn)
-            token, ids, probs = draw_from_cut(
-                self._in_target_vocab(logits), sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
-            )
-            drawn.append((ids, probs))
-            return token
-
-        if k == 1:
-            tokens[:, 0] = chain_step(root_logits)
-        else:
-            full = self._in_target_vocab(root_logits)
-            top_lp, top_tok = torch.log_softmax(full.float(), dim=-1).topk(k, dim=-1)
-            tokens[:, :k] = top_tok
-            scores[:, :k] = top_lp
+        full = self._in_target_vocab(root_logits)
+        top_lp, top_tok = torch.log_softmax(full.float(), dim=-1).topk(k, dim=-1)
+        tokens[:, :k] = top_tok
+        scores[:, :k] = top_lp
         frontier = consts.frontier  # [B, k] candidate ids
         # [B, k, width]: frontier row r sees column c (an ancestor, or itself)
         seen = torch.zeros(bs, k, width, dtype=torch.bool, device=device)
@@ -674,20 +675,14 @@ class DeviceExpansion:
             )
             flat = None if features is None else features.reshape(bs * k, -1)
             logits, outputs = self.forward(batch, flat)  # [B * k, V], [B * k, width]
-            if k == 1:
-                tokens[:, n] = chain_step(logits)
-                parents[:, n] = frontier[:, 0]
-                keep = torch.zeros(bs, 1, dtype=torch.int64, device=device)
-                new = 1
-            else:
-                full = self._in_target_vocab(logits)
-                top_lp, top_tok = torch.log_softmax(full, dim=-1).topk(k, dim=-1)
-                cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
-                new = k * k
-                tokens[:, n : n + new] = top_tok.view(bs, new)
-                parents[:, n : n + new] = frontier[:, :, None].expand(bs, k, k).reshape(bs, new)
-                scores[:, n : n + new] = cum.view(bs, new)
-                keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
+            full = self._in_target_vocab(logits)
+            top_lp, top_tok = torch.log_softmax(full, dim=-1).topk(k, dim=-1)
+            cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
+            new = k * k
+            tokens[:, n : n + new] = top_tok.view(bs, new)
+            parents[:, n : n + new] = frontier[:, :, None].expand(bs, k, k).reshape(bs, new)
+            scores[:, n : n + new] = cum.view(bs, new)
+            keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
             from_row = keep // k  # the frontier row each kept child hangs from
             seen = seen.gather(1, from_row[:, :, None].expand(bs, k, width))
             seen.scatter_(2, (col[:, None] + n + keep)[:, :, None], True)
@@ -698,7 +693,71 @@ class DeviceExpansion:
             frontier = n + keep
             n += new
         order = torch.sort(-scores, dim=1, stable=True).indices
-        cands = torch.stack([tokens, parents, order], dim=1)
+        return torch.stack([tokens, parents, order], dim=1), None
+
+    def _grow_chain(
+        self,
+        shape: Shape,  # topk 1
+        consts: _GrowConstants,
+        root_logits: torch.Tensor,
+        root_features: torch.Tensor | None,
+        table: torch.Tensor,
+        prefix32: torch.Tensor,
+        start: torch.Tensor,
+        first_position: torch.Tensor,
+        visible: torch.Tensor | None,
+        sampling: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """`_grow` for a chain: node t (candidate t, depth t + 1) is the argmax of, or a draw
+        from, its parent's logits (the root's for t = 0) and sits at storage start + t. Every
+        forward's slots, positions, KV lengths and masks are known from the rows' storage alone,
+        so they are computed once for all of the chain's forwards ([S - 1, R] each), not a
+        step at a time as a tree's."""
+        drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # a sampled chain's supports
+
+        def next_token(logits: torch.Tensor) -> torch.Tensor:
+            """Each row's next node: the argmax, or a draw from the cut distribution."""
+            if sampling is None:
+                return self._target_ids(logits.argmax(dim=-1))
+            step = 3 + len(drawn)
+            token, ids, probs = draw_from_cut(
+                self._in_target_vocab(logits), sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
+            )
+            drawn.append((ids, probs))
+            return token
+
+        tokens = [next_token(root_logits)]
+        if shape.num_steps > 1:
+            page = self.kv.page_size
+            storage = start + consts.chain_nodes  # [S - 1, R]: node t's, forwarded at step t
+            slots = _slots(table, storage.t(), page).t().contiguous()
+            positions = first_position + consts.chain_nodes
+            kv_lens = (storage + 1).to(torch.int32)
+            # node t sees candidates 0..t (columns col..col + t) and what every row sees
+            rel = consts.cols - (start - prefix32.long())[:, None]  # [R, width]
+            masks = (rel >= 0) & (rel <= consts.chain_nodes[:, :, None])  # [S - 1, R, width]
+            if visible is not None:
+                masks |= visible
+            features = root_features
+            for t in range(shape.num_steps - 1):
+                batch = ForwardBatch(
+                    input_ids=tokens[t],
+                    positions=positions[t],
+                    slot_mapping=slots[t],
+                    cu_seqlens_q=consts.cu,
+                    kv_lens=kv_lens[t],
+                    prefix_lens=prefix32,
+                    block_table=table,
+                    tree_mask=masks[t][:, None, :],
+                    logit_indices=consts.every_row,
+                    max_q_len=1,
+                    page_size=page,
+                )
+                logits, features = self.forward(batch, features)
+                tokens.append(next_token(logits))
+        cands = torch.stack(
+            [torch.stack(tokens, dim=1), consts.chain_parents, consts.chain_order], dim=1
+        )
         if not drawn:
             return cands, None
         ids, probs = zip(*drawn, strict=True)

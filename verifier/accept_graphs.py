@@ -368,7 +368,7 @@ class AcceptGraphs:
             graph.logits[:rows].copy_(logits)
         else:
             torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
-        graph.copied[graph.turn].record()
+        graph.copied[graph.turn].record(torch.cuda.current_stream(graph.inputs.device))
         graph.graph.replay()
         assert graph.out is not None
         return graph.out[:num_seqs]

@@ -510,7 +510,7 @@ class VerifierEngine(RunAhead):
         started = None
         if self.device.type == "cuda":  # before the round's first device work, after its host
             started = torch.cuda.Event(enable_timing=True)  # building: the device idles there
-            started.record()
+            started.record(torch.cuda.current_stream(self.device))
         out = None
         if self.graphs is not None:
             out = self.graphs.forward(batch, aux, tokens=tokens, place=place)
@@ -531,7 +531,7 @@ class VerifierEngine(RunAhead):
             return Launched(inputs, seqs, packed, hidden)
         host = to_host(packed)
         copied = torch.cuda.Event(enable_timing=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))
         ids = {item.seq_id for item in inputs}
         last, self._last_end = self._last_end, (copied, ids)
         idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]

@@ -189,7 +189,7 @@ class _Buffers:
             self.features[:t].copy_(features)
         if tokens is not None:  # over the host's input ids, in stream order
             self.dev["input_ids"][:t].copy_(tokens)
-        self.copied.record()
+        self.copied.record(torch.cuda.current_stream(self.dev64.device))
 
     def _fill_mask(self, batch: ForwardBatch, q_lens: np.ndarray, ragged: bool) -> None:
         """Each sequence's [q, q] mask among its new tokens: the batch's tree mask or causal

@@ -185,7 +185,7 @@ class HostRows:
         view = _joined_view(parts)
         if view is not None and view.is_pinned():
             out = view.to(device, non_blocking=True)  # no host copy
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(device))
             self.sources = parts
             return out
         total, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
@@ -196,7 +196,7 @@ class HostRows:
         host = held[:total]
         copy_rows(host, parts)
         out = host.to(device, non_blocking=True)
-        self.copied.record()
+        self.copied.record(torch.cuda.current_stream(device))
         return out
 
 
