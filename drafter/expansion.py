@@ -520,19 +520,10 @@ class DeviceExpansion:
         slots = _slots(table, storage.t(), page).t().contiguous()
         kv_lens = consts.chain_ends + base32
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
-            batch = ForwardBatch(
-                input_ids=chain[:, t],
-                positions=storage[t],
-                slot_mapping=slots[t],
-                cu_seqlens_q=consts.one,
-                kv_lens=kv_lens[t],
-                prefix_lens=base32,
-                block_table=table,
-                tree_mask=consts.chain_masks[t],
-                logit_indices=consts.every_row,
-                max_q_len=1,
-                page_size=page,
-            )
+            batch = self._node_batch(
+                chain[:, t], storage[t], slots[t], kv_lens[t], base32, table,
+                consts.chain_masks[t], consts.one, consts.every_row,
+            )  # fmt: skip
             step_logits, step_out = self.forward(batch, outputs[-1])
             logits.append(step_logits)
             outputs.append(step_out)
@@ -740,19 +731,10 @@ class DeviceExpansion:
                 masks |= visible
             features = root_features
             for t in range(shape.num_steps - 1):
-                batch = ForwardBatch(
-                    input_ids=tokens[t],
-                    positions=positions[t],
-                    slot_mapping=slots[t],
-                    cu_seqlens_q=consts.cu,
-                    kv_lens=kv_lens[t],
-                    prefix_lens=prefix32,
-                    block_table=table,
-                    tree_mask=masks[t][:, None, :],
-                    logit_indices=consts.every_row,
-                    max_q_len=1,
-                    page_size=page,
-                )
+                batch = self._node_batch(
+                    tokens[t], positions[t], slots[t], kv_lens[t], prefix32, table,
+                    masks[t][:, None, :], consts.cu, consts.every_row,
+                )  # fmt: skip
                 logits, features = self.forward(batch, features)
                 tokens.append(next_token(logits))
         cands = torch.stack(
@@ -762,6 +744,33 @@ class DeviceExpansion:
             return cands, None
         ids, probs = zip(*drawn, strict=True)
         return cands, (torch.stack(ids, dim=1), torch.stack(probs, dim=1))
+
+    def _node_batch(
+        self,
+        tokens: torch.Tensor,  # [R] one query token a row
+        positions: torch.Tensor,  # [R]
+        slots: torch.Tensor,  # [R]
+        kv_lens: torch.Tensor,  # [R] int32
+        prefix32: torch.Tensor,  # [R] int32
+        table: torch.Tensor,  # [R, pages] int32
+        mask: torch.Tensor,  # [R, 1, width] bool
+        cu: torch.Tensor,  # [R + 1] int32
+        rows: torch.Tensor,  # [R] the logit rows: every row
+    ) -> ForwardBatch:
+        """A forward of one token a row (a chain's node)."""
+        return ForwardBatch(
+            input_ids=tokens,
+            positions=positions,
+            slot_mapping=slots,
+            cu_seqlens_q=cu,
+            kv_lens=kv_lens,
+            prefix_lens=prefix32,
+            block_table=table,
+            tree_mask=mask,
+            logit_indices=rows,
+            max_q_len=1,
+            page_size=self.kv.page_size,
+        )
 
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids of the forwards' vocabulary as the target's."""
