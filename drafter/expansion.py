@@ -227,9 +227,9 @@ class DeviceExpansion:
     forwards' logits where they score a vocabulary of their own (an EAGLE head's draft
     vocabulary); None: their logits are the target's. A greedy chain's argmax and draft-ahead's
     guesses then run over those Vs columns and map the ids they pick (ascending: an argmax picks
-    what it would over the target's vocabulary with -inf elsewhere); a sampled draw and a
-    tree's log-probabilities read the logits in the target's vocabulary, as the host expansion
-    does."""
+    what it would over the target's vocabulary with -inf elsewhere), and so do a tree's
+    log-probabilities and top-k (the host expansion's too) and a sampled chain's draw where Vs
+    holds a whole support (`draw_columns`; the host expansion draws over the same columns)."""
 
     def __init__(
         self,
@@ -634,9 +634,8 @@ class DeviceExpansion:
         tokens = torch.zeros(bs, n_all, dtype=torch.int64, device=device)
         parents = torch.full((bs, n_all), -1, dtype=torch.int64, device=device)
         scores = torch.zeros(bs, n_all, dtype=torch.float32, device=device)
-        full = self._in_target_vocab(root_logits)
-        top_lp, top_tok = torch.log_softmax(full.float(), dim=-1).topk(k, dim=-1)
-        tokens[:, :k] = top_tok
+        top_lp, top_tok = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
+        tokens[:, :k] = self._target_ids(top_tok)
         scores[:, :k] = top_lp
         frontier = consts.frontier  # [B, k] candidate ids
         # [B, k, width]: frontier row r sees column c (an ancestor, or itself)
@@ -666,11 +665,10 @@ class DeviceExpansion:
             )
             flat = None if features is None else features.reshape(bs * k, -1)
             logits, outputs = self.forward(batch, flat)  # [B * k, V], [B * k, width]
-            full = self._in_target_vocab(logits)
-            top_lp, top_tok = torch.log_softmax(full, dim=-1).topk(k, dim=-1)
+            top_lp, top_tok = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
             cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
             new = k * k
-            tokens[:, n : n + new] = top_tok.view(bs, new)
+            tokens[:, n : n + new] = self._target_ids(top_tok).view(bs, new)
             parents[:, n : n + new] = frontier[:, :, None].expand(bs, k, k).reshape(bs, new)
             scores[:, n : n + new] = cum.view(bs, new)
             keep = cum.view(bs, new).topk(k, dim=1).indices.sort(dim=1).values  # [B, k]
@@ -711,9 +709,9 @@ class DeviceExpansion:
             if sampling is None:
                 return self._target_ids(logits.argmax(dim=-1))
             step = 3 + len(drawn)
-            token, ids, probs = draw_from_cut(
-                self._in_target_vocab(logits), sampling[:, :3], sampling[:, step], DRAFT_SUPPORT
-            )
+            columns = draw_columns(self.scored_ids)
+            read = logits if columns is not None else self._in_target_vocab(logits)
+            token, ids, probs = draw_mapped(read, sampling[:, :3], sampling[:, step], columns)
             drawn.append((ids, probs))
             return token
 
@@ -784,6 +782,30 @@ class DeviceExpansion:
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         full[:, self.scored_ids] = logits
         return full
+
+
+def draw_columns(scored_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The columns a sampled chain's draw reads, by their target ids: a vocabulary of the
+    proposer's own (`scored_ids`) where it holds a whole support (DRAFT_SUPPORT ids, so the
+    supports keep their width), else None: the target's. Either way the draw is exactly one
+    from the distribution it reports (tokens outside the scored ones have probability 0)."""
+    if scored_ids is None or scored_ids.shape[0] < DRAFT_SUPPORT:
+        return None
+    return scored_ids
+
+
+def draw_mapped(
+    logits: torch.Tensor,  # [R, C] the logits of `columns` (None: of the target's vocabulary)
+    params: torch.Tensor,  # [R, 3]
+    uniforms: torch.Tensor,  # [R]
+    columns: torch.Tensor | None,  # [C] each column's target id
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draw_from_cut` over `logits`' columns, the draws and the supports' tokens as the
+    target's ids (the host and the device expansion draw alike)."""
+    token, ids, probs = draw_from_cut(logits, params, uniforms, DRAFT_SUPPORT)
+    if columns is not None:
+        token, ids = columns[token], columns[ids]
+    return token, ids, probs
 
 
 def _slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from drafter.expansion import Ahead, Candidates, DeviceExpansion, Shape
+from drafter.expansion import (
+    Ahead,
+    Candidates,
+    DeviceExpansion,
+    Shape,
+    draw_columns,
+    draw_mapped,
+)
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import AheadTree, SpecParams
@@ -25,9 +32,9 @@ from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.transfer import on_device
-from specsplit.sampling import draw_from_cut, make_generator
+from specsplit.sampling import make_generator
 from specsplit.step import SeqStep, build_forward_batch, causal_step
-from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
 # brings 1..4 new tokens) padded up to the next of these
@@ -668,8 +675,12 @@ class TreeProposer:
         argmax = logits.argmax(dim=-1).tolist() if any(greedy_chain) else []
         k = max((t.job.spec.topk for t in trees if t.job.spec.topk > 1), default=0)
         top: tuple[torch.Tensor, torch.Tensor] | None = None
-        if k:
-            top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        if k:  # over the scored columns where the model has its own (the device expansion's)
+            columns = self.scored_ids
+            scored = logits if columns is None else logits.index_select(1, columns)
+            top_lp, top_tok = torch.log_softmax(scored.float(), dim=-1).topk(k, dim=-1)
+            if columns is not None:
+                top_tok = columns[top_tok]
             top = (top_lp.cpu(), top_tok.cpu())  # [rows, k] each
         starts = list(itertools.accumulate((len(p) for p in parents), initial=0))
         sampled = [i for i, t in enumerate(trees) if t.job.spec.topk == 1 and not greedy_chain[i]]
@@ -706,11 +717,12 @@ class TreeProposer:
         )
         steps = torch.tensor([3 + len(tree.tokens) for tree in trees])
         uniforms = table.gather(1, steps[:, None]).squeeze(1)
-        tokens, ids, probs = draw_from_cut(
-            logits.index_select(0, torch.tensor(rows, device=device)),
-            table[:, :3].to(device),
-            uniforms.to(device),
-            DRAFT_SUPPORT,
+        picked = logits.index_select(0, torch.tensor(rows, device=device))
+        columns = draw_columns(self.scored_ids)  # (the device expansion's: `draw_mapped`)
+        if columns is not None:
+            picked = picked.index_select(1, columns)
+        tokens, ids, probs = draw_mapped(
+            picked, table[:, :3].to(device), uniforms.to(device), columns
         )
         tokens_h, ids_h, probs_h = tokens.tolist(), ids.cpu(), probs.cpu()
         vocab_size = logits.shape[-1]

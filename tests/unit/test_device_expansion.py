@@ -29,6 +29,9 @@ from tests.eagle_random import save_random_eagle3
 from tests.support import TINY_VOCAB, save_tiny_llama
 
 SPECS = [SpecParams(3, 1, 3), SpecParams(3, 2, 5), SpecParams(4, 3, 12), SpecParams(1, 4, 4)]
+# the EAGLE head's own vocabulary: 300 of the target's 512 ids, more than a sampled draw's
+# support (DRAFT_SUPPORT), so its draws read these columns alone (`draw_columns`)
+DRAFT_VOCAB = 300
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +56,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("expansion")
     target = save_tiny_llama(root / "target", seed=5, num_layers=3)
     _, config = load_model(str(target), dtype=torch.float64, device="cpu")
-    head = save_random_eagle3(root / "head", config, seed=9, draft_vocab_size=200)
+    head = save_random_eagle3(root / "head", config, seed=9, draft_vocab_size=DRAFT_VOCAB)
     return {"target": target, "head": head, "draft": save_tiny_llama(root / "draft", seed=21)}
 
 
@@ -181,28 +184,45 @@ def test_a_batch_of_different_shapes_and_sampled_chains(models: dict[str, Path],
 def test_a_draft_vocabulary_is_scored_alone_where_its_target_ids_ascend(
     models: dict[str, Path], ascending: bool
 ) -> None:
-    """An EAGLE head with a draft vocabulary of its own (200 of the target's ids): where its
-    target ids ascend, the device expansion's argmax and draft-ahead's guesses read its 200
-    columns (`scored_ids`) and map what they pick; where they do not (a shuffled map), every
-    step's logits are the target's vocabulary as before. Either way the device drafts the
-    host expansion's trees."""
+    """An EAGLE head with a draft vocabulary of its own (DRAFT_VOCAB of the target's ids):
+    where its target ids ascend, the device expansion's argmax, draft-ahead's guesses and
+    sampled draws read its columns (`scored_ids`) and map what they pick; where they do not
+    (a shuffled map), every step's logits are the target's vocabulary as before. Either way
+    the device drafts the host expansion's trees, and samples its draws."""
 
     def engine(on_device: bool) -> DrafterEngine:
         head = load_eagle3(str(models["head"]), str(models["target"]), torch.float64, "cpu")
         assert head.target_ids is not None and head.d2t is not None
         if not ascending:
-            ids = head.target_ids[torch.randperm(200, generator=torch.Generator().manual_seed(2))]
-            head.target_ids, head.d2t = ids, ids - torch.arange(200)
+            order = torch.randperm(DRAFT_VOCAB, generator=torch.Generator().manual_seed(2))
+            ids = head.target_ids[order]
+            head.target_ids, head.d2t = ids, ids - torch.arange(DRAFT_VOCAB)
         proposer = Eagle3Proposer(head, head.make_kv_cache(512, 4))
         proposer.device_expansion = on_device
         return DrafterEngine(proposer)
 
     device = engine(on_device=True)
     assert (device.proposer.scored_ids is not None) == ascending
+    head_ids = device.proposer.head.target_ids
     for spec in SPECS:
         _same(_rounds(engine(on_device=False), [spec] * 2), _rounds(device, [spec] * 2))
+    sampled = [
+        SamplingParams(temperature=0.9, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+    ]
+    want = _rounds(engine(on_device=False), [SpecParams(3, 1, 3)] * 2, sampled)
+    got = _rounds(device, [SpecParams(3, 1, 3)] * 2, sampled)
+    _same(want, got)
+    for round_want, round_got in zip(want[0], got[0], strict=True):
+        for w, g in zip(round_want, round_got, strict=True):
+            assert g.tree.draft_probs is not None and w.tree.draft_probs is not None
+            assert torch.equal(w.tree.draft_probs.tokens, g.tree.draft_probs.tokens)
+            torch.testing.assert_close(w.tree.draft_probs.probs, g.tree.draft_probs.probs)
+            assert g.tree.draft_probs.tokens.shape == (len(g.tree), DRAFT_SUPPORT)
+            kept = g.tree.draft_probs.tokens[g.tree.draft_probs.probs > 0]
+            assert torch.isin(kept, head_ids).all()  # only the head's own ids are drafted
     runner = device.proposer.device_expansion_runner
-    assert runner is not None and runner.scored == (200 if ascending else TINY_VOCAB)
+    assert runner is not None and runner.scored == (DRAFT_VOCAB if ascending else TINY_VOCAB)
 
 
 def test_select_tree_keeps_the_best_nodes_and_renumbers_parents() -> None:
