@@ -6,9 +6,12 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
-#       [groups-smollm2] [ahead1] [draft-ahead]
+#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
-# three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); draft-ahead: the drafter's round
+# three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
+# ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
+# .gpu/old; REV at 85e8c29 or later, which has --prompt-groups), on the same machine (~380 s on
+# two H200s); outputs $OUT/ahead1_new.txt and ahead1_old.txt; draft-ahead: the drafter's round
 # and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
@@ -320,6 +323,28 @@ for part in "${parts[@]}"; do
       run ahead1 python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
         --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain ;;
+    ahead1-ab)
+      if [[ ! -d .gpu/old ]]; then
+        echo "== ahead1-ab: no .gpu/old here (scripts/gpu_old.sh REV, and carry .gpu/old)"
+        status=1
+        continue
+      fi
+      cp -r specsplit/v1 specsplit/data .gpu/old/specsplit/  # the stubs gpu_env.sh made, the head
+      root=$PWD
+      path=${PYTHONPATH:-}
+      for tree in new old; do
+        dir=$root
+        [[ $tree == old ]] && dir=$root/.gpu/old
+        # from inside the tree: `specsplit up` starts the services from the working directory's
+        # package (the current directory comes first on the path)
+        cd "$dir"
+        export PYTHONPATH="$dir:/tmp/site"
+        run "ahead1_$tree" python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+          --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain
+      done
+      cd "$root"
+      export PYTHONPATH=$path ;;
     draft-ahead)
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
