@@ -48,7 +48,7 @@ from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
-from specsplit.messages import DraftInput, SpecParams
+from specsplit.messages import AheadTree, DraftInput, SpecParams
 from specsplit.sampling import SamplingParams
 
 
@@ -78,6 +78,7 @@ class Rounds:
             for b in range(batch)
         }
         self.held: dict[str, int] = {}
+        self.outcomes: list[list[AheadTree]] = []  # the last draft-ahead call's, per sequence
         self.rows: dict[int, torch.Tensor] = {}  # random rows by count, drawn once
 
     def _random_rows(self, count: int) -> torch.Tensor:
@@ -99,8 +100,17 @@ class Rounds:
                 DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec, self.sampling)
             )
             self.held[seq_id] = len(tokens) - 1
-        # the rows back to back in one host buffer, as they come off the round lane (the
-        # drafter's on a GPU reads them into page-locked memory; --pageable-rows: as before)
+        self._attach_rows(inputs, counts)
+        begin = time.perf_counter()
+        outputs = self.engine.draft(inputs)
+        seconds = time.perf_counter() - begin
+        self.trees = [out.tree for out in outputs]
+        return seconds, sum(len(out.tree) for out in outputs)
+
+    def _attach_rows(self, inputs: list[DraftInput], counts: list[int]) -> None:
+        """Each input's target features (random), `counts[i]` rows: back to back in one host
+        buffer, as they come off the round lane (the drafter's on a GPU reads them into
+        page-locked memory; --rows pageable: as before)."""
         flat = self._random_rows(sum(counts))
         if self.pinned:
             landed = transfer.pinned_bytes(
@@ -109,11 +119,6 @@ class Rounds:
             flat = torch.frombuffer(landed, dtype=flat.dtype).reshape(flat.shape).copy_(flat)
         for item, rows in zip(inputs, flat.split(counts), strict=True):
             item.target_hidden_states = rows
-        begin = time.perf_counter()
-        outputs = self.engine.draft(inputs)
-        seconds = time.perf_counter() - begin
-        self.trees = [out.tree for out in outputs]
-        return seconds, sum(len(out.tree) for out in outputs)
 
     def ahead(self, spec: SpecParams, guesses: int) -> tuple[float, int]:
         """The draft-ahead call for the trees the last round drafted: (seconds, outcomes)."""
@@ -127,6 +132,30 @@ class Rounds:
         begin = time.perf_counter()
         outputs = self.engine.draft(inputs)
         seconds = time.perf_counter() - begin
+        self.outcomes = [out.ahead for out in outputs]
+        return seconds, sum(len(out.ahead) for out in outputs)
+
+    def ahead_hit(self, spec: SpecParams, guesses: int, pick: int) -> tuple[float, int]:
+        """A draft-ahead call as the gateway sends it after a hit, with no Draft in the round:
+        each sequence takes one of the last call's outcomes (the `pick`-th, cycling: its
+        accepted drafts and bonus), brings those tokens with the target's features of all but
+        the new root (the catch-up), and the outcome's tree is the one being verified."""
+        inputs, counts = [], []
+        for (seq_id, tokens), outcomes in zip(self.tokens.items(), self.outcomes, strict=True):
+            outcome = outcomes[pick % len(outcomes)]
+            tokens += outcome.tokens
+            start = self.held[seq_id]
+            counts.append(len(tokens) - 1 - start)
+            inputs.append(
+                DraftInput(seq_id, False, start, tokens[start:], spec, self.sampling,
+                           verifying=outcome.tree, ahead_guesses=guesses)
+            )  # fmt: skip
+            self.held[seq_id] = len(tokens) - 1
+        self._attach_rows(inputs, counts)
+        begin = time.perf_counter()
+        outputs = self.engine.draft(inputs)
+        seconds = time.perf_counter() - begin
+        self.outcomes = [out.ahead for out in outputs]
         return seconds, sum(len(out.ahead) for out in outputs)
 
     def release(self) -> None:
@@ -367,6 +396,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
+        "--ahead-hits",
+        action="store_true",
+        help="with --ahead, then time draft-ahead calls as after hits: each brings an outcome of "
+        "the last call (its tokens and features) and verifies that outcome's tree, no Draft",
+    )
+    parser.add_argument(
         "--profile",
         nargs="?",
         const="round",
@@ -471,6 +506,25 @@ def main() -> None:
                         pair, args.rounds, "round + draft-ahead", "self_cpu_time_total"
                     )
                     print_kernel_difference(both, alone, "the draft-ahead call")
+            if args.ahead_hits and args.ahead and spec.topk == 1:
+                hit_times, hit_phases = [], {}
+                if phases is not None:
+                    phases.reset()
+                for i in range(args.rounds + 3):
+                    idle(gap_ms / 1e3, gap_how)
+                    hit_seconds, outcomes = rounds.ahead_hit(spec, args.ahead, i)
+                    if phases is not None:
+                        phases.take(hit_phases)
+                    if i >= 3:
+                        hit_times.append(1e3 * hit_seconds)
+                if phases is not None:
+                    print("  draft-ahead calls after a hit:")
+                    Phases.report(hit_phases, len(hit_times) + 3, "call")
+                print(
+                    f"draft-ahead after a hit ({args.ahead} guesses, the outcome's tokens and "
+                    f"features caught up): spec {spec.num_steps}x1 batch {batch:3d}: "
+                    f"{statistics.median(hit_times):7.3f} ms/call median"
+                )
             rounds.release()
             if ahead_times:
                 print(

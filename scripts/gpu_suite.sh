@@ -12,7 +12,8 @@
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
 # .gpu/old; REV at 85e8c29 or later, which has --prompt-groups), on the same machine (~380 s on
 # two H200s); outputs $OUT/ahead1_new.txt and ahead1_old.txt; draft-ahead: the drafter's round
-# and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4
+# and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4,
+# then draft-ahead calls as after hits (each catching up an outcome's tokens and features)
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -348,7 +349,7 @@ for part in "${parts[@]}"; do
     draft-ahead)
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
-        --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --phases --torch-profile ;;
+        --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases --torch-profile ;;
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;
