@@ -48,7 +48,7 @@ from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
-from specsplit.messages import AheadTree, DraftInput, SpecParams
+from specsplit.messages import AheadTree, DraftInput, DraftOutput, SpecParams
 from specsplit.sampling import SamplingParams
 
 
@@ -101,11 +101,15 @@ class Rounds:
             )
             self.held[seq_id] = len(tokens) - 1
         self._attach_rows(inputs, counts)
-        begin = time.perf_counter()
-        outputs = self.engine.draft(inputs)
-        seconds = time.perf_counter() - begin
+        seconds, outputs = self._timed(inputs)
         self.trees = [out.tree for out in outputs]
         return seconds, sum(len(out.tree) for out in outputs)
+
+    def _timed(self, inputs: list[DraftInput]) -> tuple[float, list[DraftOutput]]:
+        """The engine's Draft of `inputs`: (seconds, its outputs)."""
+        begin = time.perf_counter()
+        outputs = self.engine.draft(inputs)
+        return time.perf_counter() - begin, outputs
 
     def _attach_rows(self, inputs: list[DraftInput], counts: list[int]) -> None:
         """Each input's target features (random), `counts[i]` rows: back to back in one host
@@ -129,9 +133,7 @@ class Rounds:
                 DraftInput(seq_id, False, start, tokens[start:], spec, verifying=tree,
                            ahead_guesses=guesses)
             )  # fmt: skip
-        begin = time.perf_counter()
-        outputs = self.engine.draft(inputs)
-        seconds = time.perf_counter() - begin
+        seconds, outputs = self._timed(inputs)
         self.outcomes = [out.ahead for out in outputs]
         return seconds, sum(len(out.ahead) for out in outputs)
 
@@ -152,9 +154,7 @@ class Rounds:
             )  # fmt: skip
             self.held[seq_id] = len(tokens) - 1
         self._attach_rows(inputs, counts)
-        begin = time.perf_counter()
-        outputs = self.engine.draft(inputs)
-        seconds = time.perf_counter() - begin
+        seconds, outputs = self._timed(inputs)
         self.outcomes = [out.ahead for out in outputs]
         return seconds, sum(len(out.ahead) for out in outputs)
 
