@@ -16,6 +16,7 @@ from drafter.eagle_checkpoint import (
     layer_names,
     read_tensors,
 )
+from drafter.expansion import in_vocab
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
@@ -159,9 +160,7 @@ class Eagle3Head:
         """[L, Vd] -> [L, V]: draft logits scattered to target ids, -inf elsewhere."""
         if self.target_ids is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        full[:, self.target_ids] = logits
-        return full
+        return in_vocab(logits, self.target_ids, self.config.vocab_size)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -779,9 +779,15 @@ class DeviceExpansion:
         score nothing."""
         if self.scored_ids is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.scored_ids] = logits
-        return full
+        return in_vocab(logits, self.scored_ids, self.vocab_size)
+
+
+def in_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, C] logits of the ids `ids` [C] -> [R, vocab_size]: each at its id, -inf elsewhere
+    (an EAGLE head's draft logits in the target's vocabulary)."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    full[:, ids] = logits
+    return full
 
 
 def draw_columns(scored_ids: torch.Tensor | None) -> torch.Tensor | None:
