@@ -173,8 +173,8 @@ class Phases:
         targets = [
             (engine, "_validate"),
             (proposer, "propose"),
-            (proposer, "add_features"),
-            (proposer, "_roots"),
+            (proposer, "_take_features"),
+            (proposer, "_write_rows"),
             (proposer, "_root_steps"),
             (proposer, "_fused_ahead"),
             (proposer, "_forward_rows"),

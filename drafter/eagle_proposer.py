@@ -21,7 +21,10 @@ The target's features live in one pool beside the head's KV, a row per KV slot: 
 of storage i in the sequence's pages (the pages cover every feature kept, entries or not). A
 round appends every sequence's new rows in one scatter and gathers its catch-up's rows in one
 index (no per-sequence buffers, copies or concatenation), and the pool's memory is counted with
-the KV's when it is sized from the GPU's free memory.
+the KV's when it is sized from the GPU's free memory. A Draft or a draft-ahead call whose
+catch-up runs in the device expansion's own run (a graph's replay on a GPU) hands it the round's
+new rows instead: they cross with its inputs and it scatters them before the catch-up reads them
+(drafter/expansion.py `PoolRows`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter.eagle import Eagle3Head, load_eagle3
+from drafter.expansion import PoolRows
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
@@ -73,6 +77,7 @@ class Eagle3Proposer(TreeProposer):
         self.features = torch.zeros(
             num_slots, self.feature_width, dtype=head.dtype, device=head.device
         )
+        self.pool_rows = (self.feature_width, head.dtype)
 
     @classmethod
     def load(
@@ -155,10 +160,11 @@ class Eagle3Proposer(TreeProposer):
 
     # -- drafting --------------------------------------------------------------------------
 
-    def add_features(self, jobs: list[DraftJob]) -> None:
-        """Append each job's target features (rows for tokens[start:]) after those kept. Every
-        job is checked before any is changed, and the host rows of all of them cross to the
-        device in one copy."""
+    def _take_features(self, jobs: list[DraftJob]) -> PoolRows | None:
+        """Each job's target features (rows for tokens[start:]) to append after those kept:
+        every job's checked before any job changes, their pages reserved and their sequences'
+        feature counts advanced. Returns the rows (in the pool's dtype) and their slots, which
+        `_write_rows` (or a device run, `PoolRows`) writes into the pool; None: no rows."""
         given = [
             (job, rows)
             for job in jobs
@@ -177,29 +183,37 @@ class Eagle3Proposer(TreeProposer):
                     f"the drafter has features up to {state.num_features}"
                 )
         if not given:
-            return
-        dtype, device = self.head.dtype, self.head.device
-        if all(rows.device.type == "cpu" for _, rows in given):
-            flat = self.host_rows.join([rows.to(dtype) for _, rows in given], device)
-        else:
-            flat = torch.cat([rows.to(device=device, dtype=dtype) for _, rows in given])
-        slots: list[int] = []
+            return None
         for job, rows in given:  # pages for the rows first: a full pool changes no sequence
             state = self._state(job.seq)
             self.kv.reserve(state.kv, job.start + rows.shape[0])
+        slots = []
         for job, rows in given:
             state = self._state(job.seq)
             end = job.start + rows.shape[0]
-            slots += state.kv.slots_of(range(job.start, end))
+            slots.append(state.kv.slots_of(range(job.start, end)))
             state.num_features = end
-        self.features.index_copy_(
-            0, to_device(torch.tensor(slots, dtype=torch.int64), device), flat
-        )
+        return PoolRows([rows.to(self.head.dtype) for _, rows in given], slots)
+
+    def _write_rows(self, rows: PoolRows) -> None:
+        """The rows into the pool: host rows cross in one copy (`HostRows`)."""
+        device = self.head.device
+        if all(part.device.type == "cpu" for part in rows.parts):
+            flat = self.host_rows.join(rows.parts, device)
+        else:
+            flat = torch.cat([part.to(device) for part in rows.parts])
+        slots = [slot for own in rows.slots for slot in own]
+        self._write_pool_rows(to_device(torch.tensor(slots, dtype=torch.int64), device), flat)
+
+    def _write_pool_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.features.index_copy_(0, slots, rows)
 
     def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []
-        self.add_features(jobs)
+        # the new rows reach the pool with the forward that first reads them (`unwritten`)
+        self._flush_rows()
+        self.unwritten = self._take_features(jobs)
         for job in jobs:
             state = self._state(job.seq)
             tokens = job.seq.tokens

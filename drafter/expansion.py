@@ -21,7 +21,10 @@ guessed bonus tokens and every outcome's tree, all in the sequence's own storage
 A key with `catch_up` = q (`Shape.catch_up`, `Ahead.catch_up`) first runs the sequences'
 catch-up to their roots (q entries each, ending at the root's; `CatchUpForward`) in the same
 run, so that a Draft or a draft-ahead call is one replay: no separate catch-up step, no host
-work between the two.
+work between the two. A proposer with a row pool (`PoolRows`: an EAGLE head's target features,
+a row per KV slot) hands such a run the round's new rows too: they cross with the inputs and the
+run writes them into the pool before its catch-up reads it, instead of a copy and a scatter of
+their own before the run.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.cuda_graphs import BATCH_SIZES
+from specsplit.model.transfer import copy_rows
 from specsplit.sampling import draw_from_cut
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs
 
@@ -53,6 +57,22 @@ FrontierForward = Callable[
 # next step's features) or None; the proposer reads whatever else an entry needs (an EAGLE
 # head: the target's features at the entry's own slot)
 CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
+# a row pool's write: (slots [n] int64, rows [n, width]) on the device -> rows at those slots
+RowsWrite = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class PoolRows:
+    """Host rows for a proposer's row pool (an EAGLE head's target features at their KV slots):
+    [n_i, width] CPU parts of the pool's dtype, a sequence's each, and each part's slots."""
+
+    parts: list[torch.Tensor]
+    slots: list[list[int]]
+
+    def fit(self, q: int) -> bool:
+        """Whether every part has at most q rows (what a catch-up of q entries a sequence
+        carries)."""
+        return all(part.shape[0] <= q for part in self.parts)
 
 
 @dataclass(frozen=True)
@@ -176,6 +196,7 @@ class _Inputs:
         feature: tuple[int, torch.dtype] | None,
         max_pages: int,
         device: torch.device,
+        new_rows: torch.Tensor | None = None,  # [bs * catch_up, width]: the pool's new rows
     ) -> None:
         shape = key.shape if isinstance(key, Ahead) else key
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
@@ -190,10 +211,16 @@ class _Inputs:
             if feature is None
             else torch.zeros(roots, feature[0], dtype=feature[1], device=device)
         )
+        # a catch-up's new pool rows, written at their slots before it reads the pool (a
+        # sequence's at most q; the rest at the scratch page's first slot), or None
+        self.new_rows = new_rows if catch_up else None
+        self.row_slots = catch_up if self.new_rows is not None else 0  # a row's, in meta
         # int32: every row's base [bs], the block table [bs, max_pages], the chains [bs, L],
-        # the catch-ups' input tokens [bs, q]
+        # the catch-ups' input tokens [bs, q], the new pool rows' slots [bs, q]
         self.meta = torch.zeros(
-            bs * (1 + max_pages + chain_len + catch_up), dtype=torch.int32, device=device
+            bs * (1 + max_pages + chain_len + catch_up + self.row_slots),
+            dtype=torch.int32,
+            device=device,
         )
         if isinstance(key, Ahead):
             rows = bs * key.num_outcomes
@@ -229,7 +256,10 @@ class DeviceExpansion:
     guesses then run over those Vs columns and map the ids they pick (ascending: an argmax picks
     what it would over the target's vocabulary with -inf elsewhere), and so do a tree's
     log-probabilities and top-k (the host expansion's too) and a sampled chain's draw where Vs
-    holds a whole support (`draw_columns`; the host expansion draws over the same columns)."""
+    holds a whole support (`draw_columns`; the host expansion draws over the same columns).
+
+    `pool_rows` ((width, dtype)) and `write_rows`: the proposer's row pool (`PoolRows`), whose
+    new rows a run with a catch-up writes before the catch-up reads them; None: it has none."""
 
     def __init__(
         self,
@@ -242,6 +272,8 @@ class DeviceExpansion:
         max_batch_size: int = 64,
         catch_up: CatchUpForward | None = None,
         scored_ids: torch.Tensor | None = None,
+        pool_rows: tuple[int, torch.dtype] | None = None,
+        write_rows: RowsWrite | None = None,
     ) -> None:
         """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
         can)."""
@@ -260,6 +292,13 @@ class DeviceExpansion:
         # pinned host mirrors of each graph's meta input and packed output, its sampling input
         # and the supports' probabilities
         self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
+        self.pool_rows = pool_rows
+        self.write_rows = write_rows
+        # the graphs' new pool rows: one device buffer all of them read (each a view of its
+        # first bucket * q rows; grown for a larger one, whose earlier views keep the old),
+        # and its pinned host mirror (free again after each run, which waits for its copies)
+        self.rows_buffer: torch.Tensor | None = None
+        self.host_rows: torch.Tensor | None = None
 
     def ready(self, key: Shape | Ahead, bs: int) -> bool:
         """Whether an expansion of `key` for `bs` rows runs without a capture first: eagerly,
@@ -286,12 +325,15 @@ class DeviceExpansion:
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
         catch_ups: list[list[int]] | None = None,  # [B][shape.catch_up] the catch-ups' tokens
+        new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
     ) -> list[Candidates]:
         """Each sequence's candidates (with `shape.catch_up` = q, after its catch-up of q
         entries from `catch_ups`, as `expand_ahead`'s)."""
         bs, n = len(seqs), shape.num_candidates
         assert (root_logits is None) == bool(shape.catch_up), shape
-        out, probs = self._run(shape, seqs, root_logits, root_features, [], sampling, catch_ups)
+        out, probs = self._run(
+            shape, seqs, root_logits, root_features, [], sampling, catch_ups, new_rows
+        )
         cands = out[: bs * 3 * n].reshape(bs, 3, n)
         found = [_candidates(cands, b) for b in range(bs)]
         if shape.sampled:
@@ -309,6 +351,7 @@ class DeviceExpansion:
         root_features: torch.Tensor | None,  # [B, width] the root's outputs (EAGLE)
         chains: list[list[int]],  # [B][key.chain_len] the chains being verified
         catch_ups: list[list[int]] | None = None,  # [B][key.catch_up] the catch-ups' tokens
+        new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
     ) -> list[list[tuple[int, int, Candidates]]]:
         """Draft-ahead in one run (one graph replay): with `key.catch_up` = q, first each
         sequence's entries at storage [base - q, base) from `catch_ups` (causal; the last one
@@ -318,10 +361,13 @@ class DeviceExpansion:
         the chain's next node), then each outcome's bonus and its tree, all in the sequence's
         own storage past the root: the chain at base + [0, L), outcome o's bonus at
         base + L + o * (1 + n) and its candidates after it, each row seeing only its ancestors.
+        `new_rows` (a row pool's): written into the pool before the catch-up reads it.
         Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
         bs, n, g = len(seqs), key.shape.num_candidates, key.guesses
         assert (root_logits is None) == bool(key.catch_up), key
-        out, _ = self._run(key, seqs, root_logits, root_features, chains, catch_ups=catch_ups)
+        out, _ = self._run(
+            key, seqs, root_logits, root_features, chains, catch_ups=catch_ups, new_rows=new_rows
+        )
         rows = bs * key.num_outcomes
         bonus = out[rows * 3 * n :].reshape(bs, key.chain_len + 1, g)
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
@@ -343,9 +389,11 @@ class DeviceExpansion:
         chains: list[list[int]],
         sampling: np.ndarray | None = None,
         catch_ups: list[list[int]] | None = None,
+        new_rows: PoolRows | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
         and `inputs.probs` on the host, cut to the rows of `seqs`."""
+        assert new_rows is None or (key.catch_up and new_rows.fit(key.catch_up)), key
         bs = len(seqs)
         bucket = self._bucket(bs)
         width = max(len(s.page_table) for s in seqs)
@@ -356,7 +404,15 @@ class DeviceExpansion:
             host_meta, host_out, host_sampling, host_probs = self.host[(key, bucket)]
             sampled = None if sampling is None else host_sampling
             self._load(
-                inputs, host_meta, sampled, seqs, root_logits, root_features, chains, catch_ups
+                inputs,
+                host_meta,
+                sampled,
+                seqs,
+                root_logits,
+                root_features,
+                chains,
+                catch_ups,
+                new_rows,
             )
             if sampling is not None:
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
@@ -368,9 +424,20 @@ class DeviceExpansion:
             return _first_rows(host_out.numpy(), key, bucket, bs), host_probs.numpy()[
                 : inputs.probs.numel() // bucket * bs
             ]
-        inputs = _Inputs(key, bs, self.vocab_size, self.scored, self.feature, width, self.kv.device)
+        inputs = _Inputs(
+            key,
+            bs,
+            self.vocab_size,
+            self.scored,
+            self.feature,
+            width,
+            self.kv.device,
+            self._new_rows(bs * key.catch_up),
+        )
         host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
-        self._load(inputs, host, None, seqs, root_logits, root_features, chains, catch_ups)
+        self._load(
+            inputs, host, None, seqs, root_logits, root_features, chains, catch_ups, new_rows
+        )
         if sampling is not None:
             inputs.sampling.copy_(torch.from_numpy(sampling))
         self._body(key, inputs)
@@ -386,13 +453,28 @@ class DeviceExpansion:
         root_features: torch.Tensor | None,
         chains: list[list[int]],
         catch_ups: list[list[int]] | None,
+        new_rows: PoolRows | None = None,
     ) -> None:
-        """Write the round into `inputs`: metadata through the host mirror, the roots' logits
-        and features (unless the run catches up to them) device to device (padding rows keep
-        what they held)."""
+        """Write the round into `inputs`: metadata through the host mirror, the pool's new rows
+        (a sequence's at the start of its q) through theirs (a graph's) or straight, the roots'
+        logits and features (unless the run catches up to them) device to device (padding rows
+        keep what they held)."""
         bs = len(seqs)
-        self._fill_meta(host_meta.numpy(), seqs, inputs.bs, chains, catch_ups or [])
+        slots = None if new_rows is None else new_rows.slots
+        self._fill_meta(
+            host_meta.numpy(), seqs, inputs.bs, chains, catch_ups or [], inputs.row_slots, slots
+        )
         inputs.meta.copy_(host_meta, non_blocking=True)
+        if new_rows is not None and inputs.new_rows is not None:
+            q = inputs.row_slots
+            if inputs.new_rows.is_cuda:
+                host = self._host_rows(inputs.new_rows.shape[0])
+                for b, part in enumerate(new_rows.parts):
+                    copy_rows(host[b * q : b * q + part.shape[0]], [part])
+                inputs.new_rows.copy_(host, non_blocking=True)
+            else:
+                for b, part in enumerate(new_rows.parts):
+                    inputs.new_rows[b * q : b * q + part.shape[0]].copy_(part)
         if host_sampling is not None:
             host_sampling.fill_(1.0)  # padding rows: any valid params (temperature 1)
         if root_logits is not None:  # given in the target's vocabulary
@@ -410,12 +492,20 @@ class DeviceExpansion:
         bs: int,
         chains: list[list[int]],
         catch_ups: list[list[int]],
+        slots_per_row: int = 0,
+        row_slots: list[list[int]] | None = None,
     ) -> None:
-        """Rows of `seqs` (base, block table, chain, catch-up tokens), then padding rows up to
-        `bs`: base 1 past their catch-up on the scratch page (they read and write only there)."""
+        """Rows of `seqs` (base, block table, chain, catch-up tokens, the slots of the pool's
+        new rows: `slots_per_row` a row), then padding rows up to `bs`: base 1 past their
+        catch-up on the scratch page (they read and write only there). New rows' slots past a
+        sequence's own (and all of them without `row_slots`) are the scratch page's first."""
         chain_len = len(chains[0]) if chains else 0
         catch_up = len(catch_ups[0]) if catch_ups else 0
-        base, table, chain, tokens = _split(meta, bs, chain_len, catch_up)
+        base, table, chain, tokens, slots = _split(meta, bs, chain_len, catch_up, slots_per_row)
+        if slots_per_row:
+            slots[:] = self.kv.scratch_slot
+            for b, own in enumerate(row_slots or []):
+                slots[b, : len(own)] = own
         for b, seq in enumerate(seqs):
             base[b] = seq.kv_committed_len
             table[b, : len(seq.page_table)] = seq.page_table
@@ -428,6 +518,31 @@ class DeviceExpansion:
             tokens[: len(seqs)] = catch_ups
             tokens[len(seqs) :] = 0
 
+    def _new_rows(self, num: int) -> torch.Tensor | None:
+        """An eager run's buffer for `num` new pool rows (None: no pool, or no catch-up)."""
+        if self.pool_rows is None or not num:
+            return None
+        width, dtype = self.pool_rows
+        return torch.zeros(num, width, dtype=dtype, device=self.kv.device)
+
+    def _graph_rows(self, num: int) -> torch.Tensor | None:
+        """A graph's view of the shared buffer of new pool rows, its first `num` (grown first
+        where it is shorter; None: no pool, or no catch-up)."""
+        if self.pool_rows is None or not num:
+            return None
+        if self.rows_buffer is None or self.rows_buffer.shape[0] < num:
+            self.rows_buffer = self._new_rows(num)
+        assert self.rows_buffer is not None
+        return self.rows_buffer[:num]
+
+    def _host_rows(self, num: int) -> torch.Tensor:
+        """The pinned host mirror's first `num` rows (grown first where it is shorter)."""
+        assert self.pool_rows is not None
+        if self.host_rows is None or self.host_rows.shape[0] < num:
+            width, dtype = self.pool_rows
+            self.host_rows = torch.zeros(num, width, dtype=dtype).pin_memory()
+        return self.host_rows[:num]
+
     def capture_all(self, key: Shape | Ahead) -> None:
         """The graphs of `key` at every batch bucket (warm-up), largest first; one log line."""
         buckets = [b for b in reversed(self.batch_sizes) if (key, b) not in self.captured]
@@ -438,7 +553,14 @@ class DeviceExpansion:
     def _capture(self, key: Shape | Ahead, bucket: int, logged: bool = True) -> None:
         device = self.kv.device
         inputs = _Inputs(
-            key, bucket, self.vocab_size, self.scored, self.feature, self.max_pages(key), device
+            key,
+            bucket,
+            self.vocab_size,
+            self.scored,
+            self.feature,
+            self.max_pages(key),
+            device,
+            self._graph_rows(bucket * key.catch_up),
         )
         meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
@@ -449,6 +571,7 @@ class DeviceExpansion:
             bucket,
             [[0] * chain_len] if chain_len else [],
             [[0] * catch_up] if catch_up else [],
+            inputs.row_slots,
         )
         inputs.meta.copy_(torch.from_numpy(meta))
         if self.pool is None:
@@ -478,12 +601,14 @@ class DeviceExpansion:
             self._ahead_body(key, inputs)
             return
         bs = inputs.bs
-        # [B] int32, [B, pages] int32, [B, q] int32
-        base32, table, _, catch_up = _split(inputs.meta, bs, 0, key.catch_up)
+        # [B] int32, [B, pages] int32, [B, q] int32, [B, q or 0] int32
+        base32, table, _, catch_up, row_slots = _split(
+            inputs.meta, bs, 0, key.catch_up, inputs.row_slots
+        )
         base = base32.long()
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
-        root_logits, root_features = self._roots(inputs, table, base32, base, catch_up)
+        root_logits, root_features = self._roots(inputs, table, base32, base, catch_up, row_slots)
         out, supports = self._grow(
             key,
             inputs.grow,
@@ -511,9 +636,11 @@ class DeviceExpansion:
         bs, page = inputs.bs, self.kv.page_size
         consts = inputs.ahead
         assert consts is not None
-        base32, table, chain32, catch_up = _split(inputs.meta, bs, chain_len, key.catch_up)
+        base32, table, chain32, catch_up, row_slots = _split(
+            inputs.meta, bs, chain_len, key.catch_up, inputs.row_slots
+        )
         base, chain = base32.long(), chain32.long()
-        root = self._roots(inputs, table, base32, base, catch_up)
+        root = self._roots(inputs, table, base32, base, catch_up, row_slots)
         logits, outputs = [root[0]], [root[1]]
         # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
         storage = consts.chain_cols + base  # [L, B]
@@ -581,14 +708,19 @@ class DeviceExpansion:
         base32: torch.Tensor,  # [B] int32: each row's entries after the catch-up
         base: torch.Tensor,  # the same, int64
         tokens: torch.Tensor,  # [B, q] int32: the catch-up's input tokens
+        row_slots: torch.Tensor,  # [B, q or 0] int32: the slots of the pool's new rows
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The roots' logits and outputs: the inputs' own, or, with a catch-up of q entries a
         row (`inputs.catch_up`), computed here: entries [base - q, base) of every row, causal,
-        at positions equal to their storage, the last one's logits and output."""
+        at positions equal to their storage, the last one's logits and output (after the pool's
+        new rows are written, which the catch-up reads)."""
         consts = inputs.catch_up
         if consts is None:
             return inputs.logits, inputs.features
         assert self.catch_up is not None, "this proposer has no catch-up forward"
+        if inputs.new_rows is not None:
+            assert self.write_rows is not None
+            self.write_rows(row_slots.reshape(-1).long(), inputs.new_rows)
         q = consts.q
         storage = (base - q)[:, None] + consts.cols  # [B, q]
         batch = ForwardBatch(
@@ -840,15 +972,20 @@ def _first_rows(out: np.ndarray, key: Shape | Ahead, bucket: int, bs: int) -> np
 A = TypeVar("A", np.ndarray, torch.Tensor)
 
 
-def _split(meta: A, bs: int, chain_len: int, catch_up: int = 0) -> tuple[A, A, A, A]:
+def _split(
+    meta: A, bs: int, chain_len: int, catch_up: int = 0, row_slots: int = 0
+) -> tuple[A, A, A, A, A]:
     """The flat meta buffer of `bs` rows as (base [bs], block table [bs, pages], chains
-    [bs, chain_len], catch-up tokens [bs, catch_up]) views."""
-    end = len(meta) - bs * catch_up
+    [bs, chain_len], catch-up tokens [bs, catch_up], new pool rows' slots [bs, row_slots])
+    views."""
+    slots = len(meta) - bs * row_slots
+    end = slots - bs * catch_up
     start = end - bs * chain_len
     tables = meta[bs:start]
     return (
         meta[:bs],
         tables.reshape(bs, -1),
         meta[start:end].reshape(bs, chain_len),
-        meta[end:].reshape(bs, catch_up),
+        meta[end:slots].reshape(bs, catch_up),
+        meta[slots:].reshape(bs, row_slots),
     )

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from drafter.expansion import (
     Ahead,
     Candidates,
     DeviceExpansion,
+    PoolRows,
     Shape,
     draw_columns,
     draw_mapped,
@@ -64,6 +66,9 @@ FUSED_SHAPES: tuple[Shape | Ahead, ...] = (
     *(shape for shape in EXPANSION_SHAPES if shape.num_steps == 3),
     *AHEAD_SHAPES,
 )
+
+
+_R = TypeVar("_R")
 
 
 def _draft_seed(seed: int | None) -> int | None:
@@ -132,6 +137,12 @@ class TreeProposer:
     # its own in ascending target ids (an EAGLE head's draft vocabulary): the device expansion
     # reads those columns alone (DeviceExpansion's `scored_ids`); None: the target's
     scored_ids: torch.Tensor | None = None
+    # a row pool beside the KV (an EAGLE head's target features, a row per slot): its rows'
+    # (width, dtype), or None; and the round's new rows `_root_steps` took and the pool does not
+    # hold yet: a fused run writes them in its own device run (`_carried_rows`), any other path
+    # before its first forward (`_run_roots`), and a call that fails on the way at its end
+    pool_rows: tuple[int, torch.dtype] | None = None
+    unwritten: PoolRows | None = None
 
     def warm_up_kernels(self) -> None:
         """On a GPU, every paged-attention variant of this model's KV layout."""
@@ -183,6 +194,7 @@ class TreeProposer:
             try:
                 return self._propose(jobs)
             finally:
+                self._flush_rows()
                 for job in jobs:
                     self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
 
@@ -214,30 +226,58 @@ class TreeProposer:
             if job.spec.num_steps < longest <= self.max_context - len(job.seq.tokens):
                 job.expand_steps = longest
 
-    def _roots(
-        self, jobs: list[DraftJob]
-    ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
-        """Catch every job's sequence up to its root (pages reserved for `job.scratch_len`
-        entries past it). Returns the jobs that can draft, their roots' logits [D, vocab] in
-        the target's vocabulary, and the roots' outputs [D, width] a next step reads (EAGLE)
-        or None."""
-        return self._run_roots(*self._root_steps(jobs))
-
     def _run_roots(
         self, drafting: list[DraftJob], steps: list[SeqStep]
     ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
-        """`_roots` once `_root_steps` has planned it: the catch-up's forward."""
+        """The catch-up `_root_steps` planned: its forward (the new pool rows written first).
+        Returns the jobs that can draft, their roots' logits [D, vocab] in the target's
+        vocabulary, and the roots' outputs [D, width] a next step reads (EAGLE) or None."""
+        self._flush_rows()
         if not steps:
             return [], torch.zeros(0, self.vocab_size, device=self.device), None
         logits, features = self._forward_roots(steps)
         return drafting, logits, features
 
     def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
-        """`_roots` but its forward: pages reserved and each sequence's entries counted as
-        caught up. Returns the jobs that can draft and the catch-up's steps, causal, one per
-        sequence with entries to compute (in the jobs' order; a drafting job's with the logits
-        of its last row, its root)."""
+        """Plan the catch-up of every job's sequence up to its root: pages reserved (and for
+        `job.scratch_len` entries past it) and each sequence's entries counted as caught up
+        (an EAGLE head's new feature rows taken, `unwritten`). Returns the jobs that can
+        draft and the catch-up's steps, causal, one per sequence with entries to compute (in
+        the jobs' order; a drafting job's with the logits of its last row, its root)."""
         raise NotImplementedError
+
+    def _flush_rows(self) -> None:
+        """Write the new pool rows `_root_steps` took (`unwritten`), if any."""
+        rows, self.unwritten = self.unwritten, None
+        if rows is not None:
+            self._write_rows(rows)
+
+    def _write_rows(self, rows: PoolRows) -> None:
+        """Write host rows into the row pool (a proposer with one: `pool_rows`)."""
+        raise NotImplementedError
+
+    def _carried_rows(self, q: int) -> PoolRows | None:
+        """The new pool rows for a run with a catch-up of q entries a sequence (`unwritten`: they
+        cross with its inputs and it writes them): all of them where each sequence's fit in q
+        and they are on the host; else they are written here first, and None."""
+        rows = self.unwritten
+        if rows is not None and rows.fit(q) and all(p.device.type == "cpu" for p in rows.parts):
+            self.unwritten = None
+            return rows
+        self._flush_rows()
+        return None
+
+    def _carrying(self, catch_up: int, run: Callable[[PoolRows | None], _R]) -> _R:
+        """`run` of a device run with a catch-up of `catch_up` entries a sequence (0: none),
+        given the new pool rows it carries (`_carried_rows`) or None; where it fails, the rows
+        are written here (the pool must hold what the proposer counts)."""
+        new_rows = self._carried_rows(catch_up) if catch_up else None
+        try:
+            return run(new_rows)
+        except BaseException:
+            if new_rows is not None:
+                self._write_rows(new_rows)
+            raise
 
     def _forward_roots(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The catch-up's forward over `steps`: the logits of their logit rows [D, vocab] in the
@@ -270,6 +310,7 @@ class TreeProposer:
             try:
                 return self._propose_ahead(jobs, forks)
             finally:
+                self._flush_rows()
                 for fork in forks:
                     self.kv.release(self._seq_kv(fork))
                 for job in jobs:
@@ -378,8 +419,11 @@ class TreeProposer:
         once a round): each job's tree."""
         seqs = [self._seq_kv(job.seq) for job in jobs]
         sampling = self._sampling_rows(jobs, shape.num_steps) if shape.sampled else None
-        found = self._expansion().expand(
-            shape, seqs, root_logits, root_features, sampling, catch_ups
+        found = self._carrying(
+            shape.catch_up if catch_ups else 0,
+            lambda new_rows: self._expansion().expand(
+                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows
+            ),
         )
         return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
 
@@ -414,8 +458,11 @@ class TreeProposer:
         for kv in seqs:
             self.kv.reserve(kv, kv.kv_committed_len + key.width)
         chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
-        found = self._expansion().expand_ahead(
-            key, seqs, root_logits, root_features, chains, catch_ups
+        found = self._carrying(
+            key.catch_up if catch_ups else 0,
+            lambda new_rows: self._expansion().expand_ahead(
+                key, seqs, root_logits, root_features, chains, catch_ups, new_rows
+            ),
         )
         return {
             id(job): [
@@ -623,6 +670,8 @@ class TreeProposer:
             max_batch_size=self.graphs.batch_sizes[-1] if self.graphs is not None else 64,
             catch_up=self._catch_up_outputs,
             scored_ids=self.scored_ids,
+            pool_rows=self.pool_rows,
+            write_rows=self._write_pool_rows,
         )
 
     def _frontier_outputs(
@@ -633,6 +682,11 @@ class TreeProposer:
         out = self._step_forward(batch, (), features)
         logits = out.logits if self.scored_ids is not None else self._tree_logits(out.logits)
         return logits, out.hidden_states
+
+    def _write_pool_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The row pool's write on the device (rows [n, width] at slots [n] int64; a device
+        run's, `DeviceExpansion.write_rows`)."""
+        raise NotImplementedError
 
     def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """A step's logits in the target's vocabulary (an EAGLE head with its own maps them)."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from drafter.engine import DrafterEngine
+from drafter.expansion import DeviceExpansion
 from drafter.model_proposer import ModelProposer
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache
@@ -325,23 +326,77 @@ def test_the_fused_catch_up_drafts_what_the_catch_up_first_drafts(
     """A draft-ahead call whose catch-up runs in the expansion's own run (`_fused_ahead`; the
     two sequences' catch-ups of one length) drafts the outcomes and leaves the drafter as the
     catch-up run first does; catch-ups of different lengths (2-4, not padded on the CPU) run
-    first in either case."""
+    first in either case. An EAGLE head's fused runs write the round's target features into its
+    pool in their own run (`PoolRows`), and the pool ends as the unfused calls leave it."""
     make = _model_engine if kind == "model" else _eagle_engine
-    found, fused_runs = [], []
+    found, fused_runs, carried, pools = [], [], [], []
     for fused in (True, False):
         engine = make(models, page_size)
-        engine.proposer.fused_catch_up = fused  # type: ignore[attr-defined]
+        proposer = engine.proposer
+        proposer.fused_catch_up = fused  # type: ignore[attr-defined]
         calls: list[int] = []
-        original = engine.proposer._fused_ahead  # type: ignore[attr-defined]
+        taken: list[int] = []
+        original = proposer._fused_ahead  # type: ignore[attr-defined]
+        original_rows = proposer._carried_rows  # type: ignore[attr-defined]
 
         def counted(*args: object, original: object = original, calls: list[int] = calls) -> object:
             out = original(*args)  # type: ignore[operator]
             calls.append(out is not None)
             return out
 
-        engine.proposer._fused_ahead = counted  # type: ignore[attr-defined]
+        def rows(q: int, original: object = original_rows, taken: list[int] = taken) -> object:
+            out = original(q)  # type: ignore[operator]
+            taken.append(out is not None)
+            return out
+
+        proposer._fused_ahead = counted  # type: ignore[attr-defined]
+        proposer._carried_rows = rows  # type: ignore[attr-defined]
         found.append(_ahead_after_a_round(engine, new, spec))
         fused_runs.append(sum(calls))
+        carried.append(sum(taken))
+        if kind == "eagle3":  # the target features every call wrote, wherever it wrote them
+            pools.append(proposer.features[: proposer.kv.scratch_slot].clone())  # type: ignore[attr-defined]
     assert found[0] == found[1]
     assert all(len(per_seq) == 8 for per_seq in found[0][:2])
     assert fused_runs == [int(new[0] == new[1]), 0]
+    if kind == "eagle3":
+        assert torch.equal(pools[0], pools[1]) and pools[0].abs().sum() > 0
+        # fused, every call but an unfused draft-ahead took its new rows into its device run:
+        # each prompt's first Draft, the draft-ahead call, the next round's Draft
+        assert carried == [3 + fused_runs[0], 0]
+    else:  # no row pool: nothing to carry
+        assert carried == [0, 0]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_fused_run_that_fails_still_leaves_its_target_features_in_the_pool(
+    models: dict[str, Path], page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target features a fused Draft carries into its device run (`PoolRows`) are in the
+    head's pool even when that run fails: the proposer has counted them as kept (a failed call
+    leaves the rest of its catch-up to the gateway, which forgets the sequence on the drafter)."""
+    failing = _eagle_engine(models, page_size)
+    taken: list[bool] = []
+
+    def carried(q: int, original: object = failing.proposer._carried_rows) -> object:  # type: ignore[attr-defined]
+        out = original(q)  # type: ignore[operator]
+        taken.append(out is not None)
+        return out
+
+    failing.proposer._carried_rows = carried  # type: ignore[attr-defined]
+
+    def fail(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("the device run failed")
+
+    monkeypatch.setattr(DeviceExpansion, "_run", fail)
+    with pytest.raises(RuntimeError, match="device run failed"):
+        _begin(failing, "a", CHAIN)
+    assert taken == [True]  # the failing run had carried the rows
+    proposer = failing.proposer
+    seq = failing.seqs["a"]
+    rows = _features(failing, len(TOKENS) - 1)
+    assert rows is not None
+    assert torch.equal(proposer.feature_rows(seq, 0, len(TOKENS) - 1), rows)  # type: ignore[attr-defined]
+    failing.release(["a"])
+    assert failing.num_pages_used == 0
+    failing.check_integrity()

@@ -270,16 +270,16 @@ def test_drafter_features_are_the_targets_layer_outputs(
     """Every feature row the head reads is the target's (bf16) fused output of its aux layers at
     that token, as a plain prefill of the final tokens computes it; each arrives exactly once."""
     received: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    original = Eagle3Proposer.add_features
+    original = Eagle3Proposer._take_features
 
-    def record(self: Eagle3Proposer, jobs) -> None:  # type: ignore[no-untyped-def]
+    def record(self: Eagle3Proposer, jobs):  # type: ignore[no-untyped-def]
         for job in jobs:
             rows = job.target_hidden_states
             if rows is not None and rows.shape[0]:
                 received.setdefault(job.seq.seq_id, []).append((job.start, rows))
-        original(self, jobs)
+        return original(self, jobs)
 
-    monkeypatch.setattr(Eagle3Proposer, "add_features", record)
+    monkeypatch.setattr(Eagle3Proposer, "_take_features", record)
     stack = make_stack(
         models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
     )
