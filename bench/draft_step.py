@@ -418,7 +418,8 @@ def main() -> None:
         "--torch-profile",
         action="store_true",
         help="after the timed rounds, --rounds more under torch.profiler: GPU kernel time and "
-        "kernels per round, top kernels",
+        "kernels per round, top kernels (with --ahead-hits, then --rounds draft-ahead calls "
+        "after hits, top ops by self CPU time)",
     )
     args = parser.parse_args()
     if args.random_target:
@@ -525,6 +526,14 @@ def main() -> None:
                     f"features caught up): spec {spec.num_steps}x1 batch {batch:3d}: "
                     f"{statistics.median(hit_times):7.3f} ms/call median"
                 )
+                if args.torch_profile:  # its host ops (self CPU time), then its kernels
+                    picks = itertools.count(args.rounds + 3)
+                    torch_profile(
+                        lambda r=rounds, s=spec, p=picks: r.ahead_hit(s, args.ahead, next(p)),
+                        args.rounds,
+                        "draft-ahead call after a hit",
+                        "self_cpu_time_total",
+                    )
             rounds.release()
             if ahead_times:
                 print(

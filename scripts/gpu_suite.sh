@@ -13,7 +13,8 @@
 # .gpu/old; REV at 85e8c29 or later, which has --prompt-groups), on the same machine (~380 s on
 # two H200s); outputs $OUT/ahead1_new.txt and ahead1_old.txt; draft-ahead: the drafter's round
 # and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4,
-# then draft-ahead calls as after hits (each catching up an outcome's tokens and features)
+# then draft-ahead calls as after hits (each catching up an outcome's tokens and features),
+# and those calls' host ops (torch.profiler, by self CPU time)
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
