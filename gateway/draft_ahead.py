@@ -107,7 +107,9 @@ class AheadRounds:
         plain) every round does: a sequence that drafts ahead but whose outcome was not guessed
         is verified with no tree (a plain decode step) while the drafter drafts ahead for it
         from that step's likely outcomes (the draft's likeliest bonus tokens). `hint`: the
-        trees drafted ahead go to the verifier as a hint where verify_ahead says so."""
+        trees drafted ahead go to the verifier as a hint where verify_ahead says so. A Verify
+        that answers before the drafter is committed and streamed at once, while the drafter
+        drafts: the next round waits only for the trees."""
         trees = self._take_ahead(batch)
         if plain:
             for seq in batch:
@@ -129,24 +131,36 @@ class AheadRounds:
                     # one step (a tree's round has one; a plain round's would have several):
                     # the outcomes guessed end with its bonus token, more would match none
                     item.decode_steps = 1
+            # the trees drafted ahead are for the outcomes of this round: kept by the tokens
+            # and rounds before its commit, which may come first
+            marks = [(len(seq.tokens), seq.stats.rounds) for seq, _ in guessing]
+            # the Verify on its way before anything else, then the Draft in the same turn of
+            # the loop (tasks start in order): its trees must come before this Verify's answer
+            # to be of use (and their hint too)
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
-            await asyncio.sleep(0)  # the Verify is on its way before anything else
+            drafting = asyncio.ensure_future(self._draft_ahead(guessing))
+            committed = False
             try:
-                # the last round's chunks stream once the Draft is on its way too: its trees
-                # must come before this Verify's answer to be of use (and their hint too)
-                guessed: list[list[AheadTree]] = await self._sent_then_stream(
-                    self._draft_ahead(guessing)
-                )
-                if self._send_hint(guessing, guessed, plain, hint, late=verifying.done()):
-                    await asyncio.sleep(0)  # the hint is written before the chunks stream
+                await asyncio.sleep(0)  # both requests are sent: the last round's chunks stream
                 self._stream()
+                await asyncio.wait((verifying, drafting), return_when=asyncio.FIRST_COMPLETED)
+                if not drafting.done() and verifying.exception() is None:
+                    # the Verify answered first: its commit and chunks off the next round's
+                    # path, which waits for the trees
+                    self._commit(batch, round_trees, verifying.result())
+                    committed = True
+                    self._stream()
+                guessed = await drafting
+                self._send_hint(guessing, guessed, plain, hint, late=verifying.done())
             except BaseException:
                 verifying.cancel()
+                drafting.cancel()
                 raise
             outputs = await verifying
-        for (seq, _), ahead in zip(guessing, guessed, strict=True):
-            seq.keep_ahead(ahead)
-        self._commit(batch, round_trees, outputs)
+        for (seq, _), ahead, (base, rounds) in zip(guessing, guessed, marks, strict=True):
+            seq.keep_ahead(ahead, base, rounds)
+        if not committed:
+            self._commit(batch, round_trees, outputs)
 
     def _send_hint(
         self,
@@ -155,21 +169,21 @@ class AheadRounds:
         plain: bool,
         hint: bool,
         late: bool,
-    ) -> bool:
+    ) -> None:
         """With verify ahead, start the hint (`_hint`) for the trees drafted ahead unless the
         round sends none (`hint` false: the overlap gate's "ahead-unhinted") or the Verify has
-        answered (`late`: its next round goes out at once); whether it started. Not waited for:
-        its answer must not hold up the Verify's; it needs nothing from it (a failure is logged
-        in `_hint`)."""
+        answered (`late`: its next round goes out at once). Not waited for: its answer must
+        not hold up the Verify's; it needs nothing from it (a failure is logged in `_hint`).
+        It is written once the round waits for its Verify, from the sequences as they are
+        before its commit (which follows that answer)."""
         if not self.verify_ahead or not guessing:
-            return False
+            return
         metrics.count_hint("off" if not hint else "late" if late else "sent")
         if late or not hint:
-            return False
+            return
         hinting = asyncio.ensure_future(self._hint(guessing, guessed, plain))
         self._hints.add(hinting)
         hinting.add_done_callback(self._hints.discard)
-        return True
 
     async def _hint(
         self,

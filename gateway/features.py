@@ -47,7 +47,7 @@ class FeatureRows:
             if end <= index:
                 break
             begin = end - chunk.shape[0]
-            picked.append(chunk[max(index - begin, 0) :])
+            picked.append(chunk if index <= begin else chunk[index - begin :])
             end = begin
         if len(picked) == 1:  # mostly: the last round's rows
             return picked[0]

@@ -88,11 +88,12 @@ class Sequence:
         spec = self.spec if self.adaptive is None else self.adaptive.spec
         return spec.capped(left - committing - 1)
 
-    def keep_ahead(self, trees: list[AheadTree]) -> None:
-        """Draft-ahead's trees for the round being verified now (before its commit)."""
+    def keep_ahead(self, trees: list[AheadTree], base: int, rounds: int) -> None:
+        """Draft-ahead's trees for the round verified from the sequence's first `base` tokens
+        after `rounds` rounds (its state before that round's commit, which may come first)."""
         self.ahead = {tuple(a.tokens): a.tree for a in trees}
-        self.ahead_round = self.stats.rounds
-        self.ahead_base = len(self.tokens)
+        self.ahead_round = rounds
+        self.ahead_base = base
 
     def take_ahead(self) -> DraftTree | None:
         """The tree drafted ahead for the outcome the last round had (None: not guessed, or

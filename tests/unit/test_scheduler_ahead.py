@@ -12,6 +12,7 @@ included, and no Draft waits before a Verify but each sequence's first round's."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -573,6 +574,73 @@ def test_a_hint_is_not_sent_once_its_verify_has_answered(models, smollm2_tokeniz
     check_no_leaks(stack)
     assert _hints("late") > late and _hints("sent") == sent
     assert stack.verifier.num_next_used == stack.verifier.num_next_dropped == 0
+
+
+class _CommitsWatched(_VerifyFirst):
+    """_VerifyFirst whose draft-ahead answers only once the scheduler has committed the round
+    its Verify answered and streamed every token committed (or after a second without): for
+    each draft-ahead, whether it had."""
+
+    def __init__(self, inner, drafter, scheduler: Scheduler) -> None:
+        super().__init__(inner, drafter)
+        self.scheduler = scheduler
+        self.answered_len: dict[str, int] = {}  # each sequence's kv_committed_len, as answered
+        self.streamed_at_start = _streamed_tokens()
+        self.committed_first: list[bool] = []
+
+    async def verify(self, inputs):
+        outputs = await super().verify(inputs)
+        self.answered_len.update((out.seq_id, out.kv_committed_len) for out in outputs)
+        return outputs
+
+    def _committed_and_streamed(self) -> bool:
+        (seq,) = self.scheduler.running
+        committed = seq.verifier_kv_committed_len == self.answered_len[seq.seq_id]
+        streamed = _streamed_tokens() - self.streamed_at_start == seq.num_generated_tokens
+        return committed and streamed
+
+    def wrap_drafter(self):
+        watched, inner = self, self.drafter
+
+        class Drafter:
+            async def draft(self, inputs):
+                outputs = await inner.draft(inputs)
+                if any(item.ahead_guesses for item in inputs):
+                    await watched.answered.wait()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            while not watched._committed_and_streamed():
+                                await asyncio.sleep(0)
+                    watched.committed_first.append(watched._committed_and_streamed())
+                return outputs
+
+            async def release(self, seq_ids):
+                await inner.release(seq_ids)
+
+        return Drafter()
+
+
+def _streamed_tokens() -> float:
+    return REGISTRY.get_sample_value("specsplit_generated_tokens_total") or 0.0
+
+
+def test_a_verify_answered_first_is_committed_and_streamed_while_the_drafter_drafts(
+    models, smollm2_tokenizer
+) -> None:
+    """A round's Verify that answers before its draft-ahead: the round is committed and its
+    tokens stream at once, before the drafter answers (off the next round's path, which waits
+    only for the trees); the trees drafted ahead still serve the next round (the target
+    drafting for itself: every outcome guessed), and the tokens are the target's."""
+    expected = _target_only(models, smollm2_tokenizer, 1, seed=2)
+    stack = _stack(models, smollm2_tokenizer, "self", CHAIN, 16, ahead_miss="plain")
+    scheduler = stack.scheduler
+    scheduler.verifier = watched = _CommitsWatched(scheduler.verifier, scheduler.drafter, scheduler)
+    scheduler.drafter = watched.wrap_drafter()
+    out = generate_all(stack, _requests(1, seed=2))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert len(watched.committed_first) >= 2 and all(watched.committed_first)
+    assert scheduler.num_ahead_hits >= len(watched.committed_first) - 1
+    assert scheduler.num_ahead_misses == 0
 
 
 class _Recording(PassThroughVerifier):
