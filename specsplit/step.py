@@ -104,18 +104,24 @@ _tree_layout = functools.lru_cache(maxsize=1024)(_new_tokens_layout)
 
 
 def _views(array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive pieces of `array` of these sizes, as tensors sharing its memory."""
-    whole = torch.from_numpy(array)
-    ends = np.cumsum(sizes).tolist()
-    return [whole[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+    """Consecutive pieces of `array` of these sizes, as tensors sharing its memory (numpy's
+    slices, each wrapped: ~0.7 us a piece, where np.cumsum and torch's slices cost ~2)."""
+    pieces, end = [], 0
+    for size in sizes:
+        pieces.append(torch.from_numpy(array[end : end + size]))
+        end += size
+    return pieces
 
 
 def page_tables(seqs: list[SeqKV]) -> np.ndarray:
     """[B, the most pages of any (at least 1)] int32: each sequence's page table, 0-padded."""
-    width = max((len(seq.page_table) for seq in seqs), default=0)
+    tables = [seq.page_table for seq in seqs]
+    width = max(map(len, tables), default=0)
+    if width and all(len(table) == width for table in tables):  # (batch 1): one conversion
+        return np.array(tables, dtype=np.int32)
     table = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
-    for b, seq in enumerate(seqs):
-        table[b, : len(seq.page_table)] = seq.page_table
+    for b, pages in enumerate(tables):
+        table[b, : len(pages)] = pages
     return table
 
 

@@ -66,7 +66,8 @@ def page_window(
     Columns past a table's end repeat its last entry (no real move reads them)."""
     first = base // page_size
     cols = np.minimum(first[:, None] + np.arange(pages), table.shape[1] - 1)
-    return np.take_along_axis(table, cols, axis=1), base - first * page_size
+    rows = np.arange(table.shape[0])[:, None]  # (indexing: np.take_along_axis costs 2 us more)
+    return table[rows, cols], base - first * page_size
 
 
 class _Flat:
@@ -156,6 +157,12 @@ class Sampling(_Flat):
 
     def _pad(self, parts: list[np.ndarray]) -> None:
         parts[1][:] = 1.0  # top_p: off
+
+
+# off the graphs (the CPU; rounds past them) a round's Layout and Sampling, one per shape: their
+# properties, cached on the instance, are made once, not each round (~20 us at batch 1)
+eager_layout = functools.lru_cache(maxsize=256)(Layout)
+eager_sampling = functools.lru_cache(maxsize=256)(Sampling)
 
 
 def greedy_accept(

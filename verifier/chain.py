@@ -25,6 +25,7 @@ again).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,28 +97,39 @@ def chain_inputs(
     b = len(rounds)
     num_outcomes = max(len(hint.trees) for hint in hints)
     q = 1 + len(hints[0].trees[0].tree)
-    bases = np.zeros(b, np.int64)
-    keys = np.full((b, num_outcomes), -1, np.int64)  # -1: no outcome
-    next_tokens = np.zeros((b, num_outcomes, q), np.int64)
-    plain = np.array([hint.plain for hint in hints], np.int64)
+    # bases [B], keys [B, O] (-1: no outcome), next tokens [B, O, q], plain [B], table [B, P]:
+    # one flat host array, filled through numpy views (~1 us a write; np.zeros a part ~2)
+    shapes = [(b,), (b, num_outcomes), (b, num_outcomes, q), (b,), table.shape]
+    flat = np.zeros(sum(math.prod(shape) for shape in shapes), np.int64)
+    bases, keys, next_tokens, plain, table_h = _pieces(flat, shapes)
+    keys[:] = -1
     for i, (item, hint) in enumerate(zip(rounds, hints, strict=True)):
+        outcomes = hint.trees
         bases[i] = item.kv_committed_len + len(item.pending_tokens)
-        for o, ahead in enumerate(hint.trees):
-            keys[i, o] = outcome_keys(len(ahead.tokens) - 1, ahead.tokens[-1])
-            next_tokens[i, o, 0] = ahead.tokens[-1]
-            next_tokens[i, o, 1:] = ahead.tree.tokens
-    parts = [bases, keys, next_tokens, plain, table.astype(np.int64)]
-    flat = np.concatenate([part.reshape(-1) for part in parts])
+        plain[i] = hint.plain
+        keys[i, : len(outcomes)] = [outcome_keys(len(a.tokens) - 1, a.tokens[-1]) for a in outcomes]
+        next_tokens[i, : len(outcomes)] = [[a.tokens[-1], *a.tree.tokens] for a in outcomes]
+    table_h[:] = table
     device = to_device(torch.from_numpy(flat), packed.device)
-    sizes = [part.size for part in parts]
+    sizes = [math.prod(shape) for shape in shapes]
     bases_d, keys_d, next_d, plain_d, table_d = (
-        piece.view(part.shape) for piece, part in zip(device.split(sizes), parts, strict=True)
+        piece.view(shape) for piece, shape in zip(device.split(sizes), shapes, strict=True)
     )
     written = torch.empty(b * (q + 2), dtype=torch.int64, device=packed.device)
     committed, placed, tokens = written[:b], written[b : 2 * b], written[2 * b :].view(b, q)
     return Chain(
         packed, bases_d, keys_d, next_d, plain_d, table_d, page_size, committed, tokens, placed
     )
+
+
+def _pieces(flat: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Consecutive pieces of a flat array in these shapes, as views."""
+    pieces, end = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        pieces.append(flat[end : end + size].reshape(shape))
+        end += size
+    return pieces
 
 
 def outcome_index(hint: NextTrees, num_accepted: int, bonus: int) -> int | None:

@@ -430,7 +430,6 @@ class VerifierEngine(RunAhead):
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
             taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
-        bonus = [] if taken is None else [self._bonus_tokens(taken)]
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
                 parts.append(self._launch_new([inputs[i] for i in others]))
@@ -438,14 +437,13 @@ class VerifierEngine(RunAhead):
                 if taken is not None:  # nothing of the round is committed: its draws go back
                     self._undo_ahead(taken)
                 raise
-            bonus.append(self._bonus_tokens(parts[-1]))
         # the next decode step goes to the device before this round is waited for: the GPU
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
         ahead = None
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
-            ahead = self._launch_ahead(parts, bonus)
+            ahead = self._launch_ahead(parts, [self._bonus_tokens(part) for part in parts])
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 

@@ -21,8 +21,9 @@ from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams, make_generator
 from verifier.accept_graphs import (
     AcceptGraphs,
-    Layout,
     Sampling,
+    eager_layout,
+    eager_sampling,
     greedy_accept,
     page_window,
     sampled_accept,
@@ -126,10 +127,10 @@ def queue_accept(
     if graphs is not None and layout is not None:  # a CUDA graph's padded layout
         host, parts, float_parts = graphs.host_arrays(layout, sampling)
     else:
-        graphs, layout = None, Layout(num_seqs, width, window_pages(width, kv.page_size))
+        graphs, layout = None, eager_layout(num_seqs, width, window_pages(width, kv.page_size))
         host, parts = layout.host_arrays()
         if not greedy:
-            sampling = Sampling(num_seqs, width, support if width else 0, filters)
+            sampling = eager_sampling(num_seqs, width, support if width else 0, filters)
             floats, float_parts = sampling.host_arrays()
     row_index_h, draft_h, parents_h, base_h, table_h = parts
     base = np.array(
@@ -209,17 +210,15 @@ def bend_logits(
     entries: list[tuple[int, int, int]] = []  # (row, token or its index in tokens, +1 / -1)
     width = 0 if tokens is None else tokens.shape[1]
     for b, (item, r) in enumerate(zip(inputs, rows, strict=True)):
+        # each node's token, or its index in `tokens` (after the round's pending token)
+        ids = item.tree.tokens if tokens is None else range(b * width + 1, (b + 1) * width)
         node, depth = -1, 0
-
-        def token(k: int, item: VerifyInput = item, b: int = b) -> int:
-            return item.tree.tokens[k] if tokens is None else b * width + 1 + k
-
         while kids := item.tree.children(node):
             row = r[node + 1]  # the row that predicts node's children
             if rng.random() >= rates[min(depth, len(rates) - 1)]:
-                entries += [(row, token(k), -1) for k in kids]
+                entries += [(row, ids[k], -1) for k in kids]
                 break
-            entries.append((row, token(kids[0]), 1))
+            entries.append((row, ids[kids[0]], 1))
             node, depth = kids[0], depth + 1
     if entries:
         row, token_ids, sign = to_device(torch.tensor(entries).T, device)

@@ -11,7 +11,15 @@ import torch
 from specsplit.kernels.accept import accepted_kv_moves
 from specsplit.kv_cache import KVCache
 from specsplit.tree import DRAFT_SUPPORT
-from verifier.accept_graphs import AcceptGraphs, Layout, Sampling, page_window, window_pages
+from verifier.accept_graphs import (
+    AcceptGraphs,
+    Layout,
+    Sampling,
+    eager_layout,
+    eager_sampling,
+    page_window,
+    window_pages,
+)
 
 
 @pytest.fixture
@@ -124,3 +132,12 @@ def test_sampling_host_array_pads_greedy_rows_without_a_cut() -> None:
     uniforms[0, 3] = 0.5
     again, (_, top_p2, *_rest) = sampling.host_arrays(host)
     assert 0.25 not in again and 0.5 not in again and (top_p2 == 1).all()  # reset each round
+
+
+def test_an_eager_rounds_layout_is_made_once_per_shape() -> None:
+    """Off the graphs (the CPU) a round's Layout and Sampling are one instance per shape: their
+    cached properties are not made again each round."""
+    assert eager_layout(2, 4, 2) is eager_layout(2, 4, 2) == Layout(2, 4, 2)
+    assert eager_layout(2, 4, 2) is not eager_layout(3, 4, 2)
+    assert eager_sampling(2, 4, 8, False) is eager_sampling(2, 4, 8, False)
+    assert eager_sampling(2, 4, 8, False) == Sampling(2, 4, 8, False)

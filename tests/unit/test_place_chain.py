@@ -198,3 +198,29 @@ def test_the_kernels_run_on_the_cpu_only_interpreted() -> None:
     chain, _, _, _, buffers = _case(1, 4)
     with pytest.raises(ValueError, match="CUDA"):
         _forward(chain, buffers, kernel=True)
+
+
+def test_chain_inputs_lay_out_each_hints_outcomes_padded_with_no_outcome() -> None:
+    """The hints' tables as they cross: per sequence its base, each outcome's key and tokens
+    (bonus, then its tree), -1 keys and 0 tokens past its outcomes, its plain flag, its page
+    table as int64."""
+    nxt = DraftTree([40, 41], [-1, 0])
+    rounds = [
+        VerifyInput("a", False, 10, [1], DraftTree([5, 6], [-1, 0])),
+        VerifyInput("b", False, 20, [2, 3], DraftTree([7, 8], [-1, 0])),
+    ]
+    hints = [
+        NextTrees("a", 11, [AheadTree([9], nxt), AheadTree([5, 6, 12], nxt)], plain=True),
+        NextTrees("b", 22, [AheadTree([7, 13], nxt)]),
+    ]
+    table = np.array([[3, 4], [5, 6]], dtype=np.int32)
+    chain = chain_inputs(torch.zeros(2, 4, dtype=torch.int64), rounds, hints, table, 16)
+    assert chain.bases.tolist() == [11, 22]
+    key = place_chain.outcome_keys
+    assert chain.keys.tolist() == [[key(0, 9), key(2, 12)], [key(1, 13), -1]]
+    assert chain.next_tokens.tolist() == [
+        [[9, 40, 41], [12, 40, 41]],
+        [[13, 40, 41], [0, 0, 0]],
+    ]
+    assert chain.plain.tolist() == [1, 0]
+    assert chain.table.dtype == torch.int64 and chain.table.tolist() == [[3, 4], [5, 6]]

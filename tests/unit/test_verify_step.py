@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit.kv_cache import KVCache
-from specsplit.step import _CACHED_PENDING, build_forward_batch, verify_step
+from specsplit.step import _CACHED_PENDING, build_forward_batch, page_tables, verify_step
 from specsplit.tree import DraftTree
 
 
@@ -72,3 +72,48 @@ def test_a_shared_layout_is_left_as_it_was_by_the_batch_built_from_it() -> None:
     assert torch.equal(steps[0].new_mask, before)
     for step in steps:
         kv.release(step.seq)
+
+
+@pytest.mark.parametrize("lengths", [[3], [3, 3], [3, 1, 0], [0]])
+def test_page_tables_are_zero_padded_to_the_longest(lengths: list[int]) -> None:
+    """Tables of one length (a batch of 1) and of several: each row its table, then zeros;
+    at least one column."""
+    kv = KVCache(1, 1, 4, 16, 4, torch.float32, "cpu")
+    seqs = []
+    for n in lengths:
+        seq = kv.new_seq()
+        kv.reserve(seq, 4 * n)
+        seqs.append(seq)
+    width = max(max(lengths), 1)
+    want = [seq.page_table + [0] * (width - len(seq.page_table)) for seq in seqs]
+    table = page_tables(seqs)
+    assert table.dtype == np.int32
+    assert table.tolist() == want
+    for seq in seqs:
+        kv.release(seq)
+
+
+def test_batch_fields_hold_each_steps_values_in_order() -> None:
+    """Two steps' ids, positions, slots, row offsets and lengths, back to back."""
+    kv = KVCache(1, 1, 4, 16, 4, torch.float32, "cpu")
+    a, b = kv.new_seq(), kv.new_seq()
+    kv.reserve(a, 9)
+    kv.reserve(b, 6)
+    a.kv_committed_len, b.kv_committed_len = 5, 4
+    steps = [
+        verify_step(a, [11], DraftTree([12, 13], [-1, 0]), [0, 1, 2]),
+        verify_step(b, [21, 22], DraftTree(), [1]),
+    ]
+    steps[0].hidden_rows = [0, 1]
+    batch, slices = build_forward_batch(steps, 4)
+    assert batch.input_ids.tolist() == [11, 12, 13, 21, 22]
+    assert batch.positions.tolist() == [5, 6, 7, 4, 5]
+    assert batch.slot_mapping.tolist() == [*a.slots_of([5, 6, 7]), *b.slots_of([4, 5])]
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 5]
+    assert batch.kv_lens.tolist() == [8, 6]
+    assert batch.prefix_lens.tolist() == [5, 4]
+    assert batch.logit_indices.tolist() == [0, 1, 2, 4]
+    assert batch.hidden_indices is not None and batch.hidden_indices.tolist() == [0, 1]
+    assert slices == [slice(0, 3), slice(3, 4)]
+    kv.release(a)
+    kv.release(b)
