@@ -211,8 +211,9 @@ class Eagle3Proposer(TreeProposer):
     def _root_steps(self, jobs: list[DraftJob]) -> tuple[list[DraftJob], list[SeqStep]]:
         spans = []  # (job, first entry to compute, num_entries, drafts it)
         drafting = []
-        # the new rows reach the pool with the forward that first reads them (`unwritten`)
-        self._flush_rows()
+        # the new rows reach the pool with the forward that first reads them (`unwritten`;
+        # every call writes its own before it returns)
+        assert self.unwritten is None
         self.unwritten = self._take_features(jobs)
         for job in jobs:
             state = self._state(job.seq)

@@ -466,15 +466,12 @@ class DeviceExpansion:
         )
         inputs.meta.copy_(host_meta, non_blocking=True)
         if new_rows is not None and inputs.new_rows is not None:
-            q = inputs.row_slots
-            if inputs.new_rows.is_cuda:
-                host = self._host_rows(inputs.new_rows.shape[0])
-                for b, part in enumerate(new_rows.parts):
-                    copy_rows(host[b * q : b * q + part.shape[0]], [part])
-                inputs.new_rows.copy_(host, non_blocking=True)
-            else:
-                for b, part in enumerate(new_rows.parts):
-                    inputs.new_rows[b * q : b * q + part.shape[0]].copy_(part)
+            q, dst = inputs.row_slots, inputs.new_rows
+            host = self._host_rows(dst.shape[0]) if dst.is_cuda else dst
+            for b, part in enumerate(new_rows.parts):
+                copy_rows(host[b * q : b * q + part.shape[0]], [part])
+            if host is not dst:
+                dst.copy_(host, non_blocking=True)
         if host_sampling is not None:
             host_sampling.fill_(1.0)  # padding rows: any valid params (temperature 1)
         if root_logits is not None:  # given in the target's vocabulary

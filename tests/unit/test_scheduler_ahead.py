@@ -546,6 +546,10 @@ class _VerifyFirst(PassThroughVerifier):
         finally:
             self.answered.set()
 
+    async def hold(self) -> None:
+        """What a draft-ahead's answer waits for: its round's Verify answered."""
+        await self.answered.wait()
+
     def wrap_drafter(self):
         verifier, inner = self, self.drafter
 
@@ -553,7 +557,7 @@ class _VerifyFirst(PassThroughVerifier):
             async def draft(self, inputs):
                 outputs = await inner.draft(inputs)
                 if any(item.ahead_guesses for item in inputs):
-                    await verifier.answered.wait()
+                    await verifier.hold()
                 return outputs
 
             async def release(self, seq_ids):
@@ -599,25 +603,13 @@ class _CommitsWatched(_VerifyFirst):
         streamed = _streamed_tokens() - self.streamed_at_start == seq.num_generated_tokens
         return committed and streamed
 
-    def wrap_drafter(self):
-        watched, inner = self, self.drafter
-
-        class Drafter:
-            async def draft(self, inputs):
-                outputs = await inner.draft(inputs)
-                if any(item.ahead_guesses for item in inputs):
-                    await watched.answered.wait()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            while not watched._committed_and_streamed():
-                                await asyncio.sleep(0)
-                    watched.committed_first.append(watched._committed_and_streamed())
-                return outputs
-
-            async def release(self, seq_ids):
-                await inner.release(seq_ids)
-
-        return Drafter()
+    async def hold(self) -> None:
+        await super().hold()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                while not self._committed_and_streamed():
+                    await asyncio.sleep(0)
+        self.committed_first.append(self._committed_and_streamed())
 
 
 def _streamed_tokens() -> float:
