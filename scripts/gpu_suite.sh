@@ -6,7 +6,7 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
-#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead]
+#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -14,7 +14,9 @@
 # two H200s); outputs $OUT/ahead1_new.txt and ahead1_old.txt; draft-ahead: the drafter's round
 # and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4,
 # then draft-ahead calls as after hits (each catching up an outcome's tokens and features),
-# and those calls' host ops (torch.profiler, by self CPU time)
+# and those calls' host ops (torch.profiler, by self CPU time); probe: each replayed CUDA
+# graph's host time a replay and its nodes (bench/graph_probe.py), the drafter's and the
+# verifier's at batch 1, then the verifier's launches cProfiled
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -351,6 +353,18 @@ for part in "${parts[@]}"; do
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases --torch-profile ;;
+    probe)  # which CUDA graphs launch slowly (bench/graph_probe.py: each replayed graph's
+      # host us a replay() and its nodes), the drafter's (a round, draft-ahead, after hits)
+      # and the verifier's (plain, chained and after-the-hint launches), SmolLM2 shapes,
+      # batch 1; then the verifier's launches cProfiled
+      random_smollm2
+      run probe_drafter python3 bench/graph_probe.py --dot-dir "$out/dots_drafter" -- \
+        bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 --batch 1 \
+        --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits
+      run probe_verifier python3 bench/graph_probe.py --dot-dir "$out/dots_verifier" -- \
+        bench/hinted_launch.py --shape smollm2-135m --device cuda:0 --batch 1 --rounds 60
+      run hinted_cprofile python3 bench/hinted_launch.py --shape smollm2-135m --device cuda:0 \
+        --batch 1 --rounds 60 --profile cprofile ;;
     sessions)
       run sessions python3 bench/sessions.py --model "$SMOLLM2_GGUF" --device cuda:0 \
         --turns 8 --max-new-tokens 32 --passes 3 ;;
