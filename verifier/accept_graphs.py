@@ -7,7 +7,11 @@ and ~1.4 ms at batch 8 (bench/profile_step.py), against ~1 ms of GPU time for a 
 Captured at warm-up once per (batch bucket, power-of-two tree width), a round costs the argmax
 of the logits, one host-to-device copy of the round's integers, one replay and the round's one
 device-to-host copy. The ops are the same: the graph gives exactly the eager path's results
-(tests/gpu/test_accept_graphs.py).
+(tests/gpu/test_accept_graphs.py). On a GPU a greedy round's acceptance and K/V moves are one
+Triton kernel (`greedy_accept`, specsplit/kernels/accept_walk.py, the torch ops its reference):
+one launch and the compaction's two ops where the torch ops made the graph's 58 kernel nodes at
+batch 1; the SmolLM2 round on the device 1.052 -> 0.964 ms (bench/RESULTS.md, forty-second
+session).
 
 Inputs travel as one int64 host array (pinned, one per graph) in the layout `AcceptGraphs.layout`
 gives: rows of the batch padded to the bucket (parents -2: nothing accepted, every move scratch
@@ -27,8 +31,10 @@ specsplit/kernels/nucleus.py) are captured on first use.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +42,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsplit.kernels.accept import accept_greedy_batched, compact_and_pack
+from specsplit.kernels.accept import accept_greedy_batched, compact_accepted_kv, compact_and_pack
 from specsplit.kernels.accept_sampling import accept_sampling_batched
+from specsplit.kernels.accept_walk import accept_walk
 from specsplit.kv_cache import KVCache
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
 
 log = logging.getLogger(__name__)
+# greedy acceptance on a GPU as one Triton kernel (specsplit/kernels/accept_walk.py) and the K/V
+# compaction's two ops, where the torch ops are 58 kernel nodes at batch 1 (forty-second session);
+# SPECSPLIT_TRITON_ACCEPT=0 runs the torch ops instead (A/B), as does a missing triton
+TRITON_ACCEPT = (
+    os.environ.get("SPECSPLIT_TRITON_ACCEPT", "1") != "0"
+    and importlib.util.find_spec("triton") is not None
+)
 
 
 def padded(width: int) -> int:
@@ -175,6 +189,12 @@ def greedy_accept(
     laid out as `layout` (a graph's body, or run eagerly): [bucket, 2 + width] as
     compact_and_pack's."""
     row_index, draft_tokens, parents, base, table = layout.parts(inputs)
+    if TRITON_ACCEPT and inputs.is_cuda:
+        packed, src, dst = accept_walk(
+            argmax, row_index, draft_tokens, parents, base, table, kv.page_size, kv.scratch_slot
+        )
+        compact_accepted_kv(kv.data, src, dst)
+        return packed
     accepted = accept_greedy_batched(argmax[row_index], draft_tokens, parents)
     return compact_and_pack(accepted, base, table, kv.data, kv.page_size, kv.scratch_slot)
 

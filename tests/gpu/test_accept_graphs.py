@@ -1,23 +1,25 @@
 """On a CUDA device: greedy acceptance, the bonus token and the accepted path's K/V compaction
-replayed from CUDA graphs (verifier/accept_graphs.py) give exactly what the eager ops give, round
-after round (a wrong compaction would change every later round's logits), for chains and trees
-drafted partly right, ragged batches of 1 to 5 sequences, page sizes 1 and 16. Skipped where
-there is no GPU (CI)."""
+replayed from CUDA graphs (verifier/accept_graphs.py, the accept-walk kernel in them) give
+exactly what the eager torch ops give, round after round (a wrong compaction would change every
+later round's logits), for chains and trees drafted partly right, ragged batches of 1 to 5
+sequences, page sizes 1 and 16. Skipped where there is no GPU (CI)."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from specsplit.messages import VerifyInput
+from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from tests.support import TINY_VOCAB, save_tiny_llama
+from verifier import accept_graphs
 from verifier.engine import VerifierEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -37,6 +39,13 @@ def _engine(target: Path, page_size: int, graphs: bool) -> VerifierEngine:
     if not graphs:
         engine.accept_graphs = None
     return engine
+
+
+def _verify_torch_ops(engine: VerifierEngine, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+    """engine.verify with greedy acceptance as the torch ops (the accept-walk kernel's
+    reference) wherever it runs eagerly."""
+    with mock.patch.object(accept_graphs, "TRITON_ACCEPT", False):
+        return engine.verify(inputs)
 
 
 def _greedy(engine: VerifierEngine, prompt: list[int], n: int) -> list[int]:
@@ -89,7 +98,7 @@ def test_accept_graphs_equal_the_eager_ops(target: Path, page_size: int) -> None
             inputs.append(
                 VerifyInput(seq_id, committed[seq_id] == 0, committed[seq_id], pending, draft)
             )
-        got, want = graphs.verify(inputs), eager.verify(inputs)
+        got, want = graphs.verify(inputs), _verify_torch_ops(eager, inputs)
         assert got == want, round_number
         for out in want:
             num_accepted += len(out.accepted_tokens)
@@ -194,7 +203,7 @@ def test_sampled_accept_graphs_equal_the_eager_ops(target: Path, page_size: int)
                     seq_id, committed[seq_id] == 0, committed[seq_id], pending, draft, sampling
                 )
             )
-        got, want = graphs.verify(inputs), eager.verify(inputs)
+        got, want = graphs.verify(inputs), _verify_torch_ops(eager, inputs)
         assert got == want, round_number
         for out in want:
             lengths.add(len(out.accepted_tokens))
