@@ -6,7 +6,7 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
-#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe]
+#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -16,7 +16,9 @@
 # then draft-ahead calls as after hits (each catching up an outcome's tokens and features),
 # and those calls' host ops (torch.profiler, by self CPU time); probe: each replayed CUDA
 # graph's host time a replay and its nodes (bench/graph_probe.py), the drafter's and the
-# verifier's at batch 1, then the verifier's launches cProfiled
+# verifier's at batch 1, then the verifier's launches cProfiled; accept-ab: ahead1 with greedy
+# acceptance as the Triton walk and as the torch ops (SPECSPLIT_TRITON_ACCEPT), then the round on
+# the device in process, alternating
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -349,6 +351,19 @@ for part in "${parts[@]}"; do
       done
       cd "$root"
       export PYTHONPATH=$path ;;
+    accept-ab)  # greedy acceptance as the Triton walk and as the torch ops, through the services
+      # (ahead1's command, SPECSPLIT_TRITON_ACCEPT=1 then 0: the services inherit it), then in
+      # process: the round on the device (bench/hinted_launch.py, SmolLM2 shape, batch 1)
+      for walk in 1 0; do
+        SPECSPLIT_TRITON_ACCEPT=$walk run "ahead1_walk$walk" python3 bench/overlap.py \
+          --model "$SMOLLM2_GGUF" "${devices[@]}" --drafter eagle3 \
+          --draft-model specsplit/data/eagle3-smollm2 --batch 1 --max-new-tokens 128 --repeat 3 \
+          --prompt-groups 8 --modes serial ahead-plain
+      done
+      for walk in 1 0 1 0; do
+        SPECSPLIT_TRITON_ACCEPT=$walk run "hinted_walk$walk" python3 bench/hinted_launch.py \
+          --shape smollm2-135m --device cuda:0 --batch 1 8 --rounds 40 --modes plain
+      done ;;
     draft-ahead)
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
