@@ -2,9 +2,9 @@
 path and arguments after `--`) with every `torch.cuda.CUDAGraph` it makes in debug mode and the
 host time of each `replay()` recorded. At the end, per graph (in capture order, named by the
 code that captured it; graphs never replayed are left out): replays, median and p90 host us of
-`replay()` (the replays after its first), and its nodes by type, edges, forks and joins (nodes
-that wait for more than one), from the DOT file `cudaGraphDebugDotPrint` writes (kept in
---dot-dir).
+`replay()` (the replays after its first), median and p90 us on the GPU (CUDA events around each
+replay), and its nodes by type, edges, forks and joins (nodes that wait for more than one), from
+the DOT file `cudaGraphDebugDotPrint` writes (kept in --dot-dir).
 
     PYTHONPATH=. python bench/graph_probe.py --dot-dir /tmp/dots -- bench/draft_step.py \
         --target /tmp/smollm2_random --batch 1 --shape 3x1x3 --ahead 2 --ahead-hits
@@ -57,13 +57,24 @@ class ProbedGraph(torch.cuda.CUDAGraph):
         super().__init__(True)  # type: ignore[call-arg]
         self.enable_debug_mode()
         self.where = _caller()
-        self.replays: list[int] = []
+        self.replays: list[int] = []  # host ns of each replay()
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each on the GPU
         _Probe.graphs.append(self)
 
     def replay(self) -> None:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()  # the current stream: replay() launches there
         started = time.perf_counter_ns()
         super().replay()
         self.replays.append(time.perf_counter_ns() - started)
+        after.record()
+        self.events.append((before, after))
+
+    def device_us(self) -> list[float]:
+        """Each replay's time on the GPU (us, between events recorded around it; a replay
+        queued behind other work counts from when the GPU reached it), after its first."""
+        torch.cuda.synchronize()
+        return sorted(1e3 * before.elapsed_time(after) for before, after in self.events[1:])
 
 
 def dot_summary(path: str) -> str:
@@ -85,19 +96,25 @@ def report(dot_dir: str) -> None:
     os.makedirs(dot_dir, exist_ok=True)
     replayed = [(i, g) for i, g in enumerate(_Probe.graphs) if g.replays]
     print(f"\n== graph probe: {len(_Probe.graphs)} graphs captured, {len(replayed)} replayed")
-    print("  #  replays  median us  p90 us  captured by / nodes")
+    print("  #  replays  host us: median  p90  GPU us: median  p90  captured by / nodes")
     for i, graph in replayed:
-        times = sorted(graph.replays[1:])
-        median = statistics.median(times) / 1e3 if times else float("nan")
-        p90 = times[int(0.9 * (len(times) - 1))] / 1e3 if times else float("nan")
+        host = _median_p90([ns / 1e3 for ns in sorted(graph.replays[1:])])
+        gpu = _median_p90(graph.device_us())
         path = os.path.join(dot_dir, f"graph_{i}.dot")
         try:
             graph.debug_dump(path)
             shape = dot_summary(path)
         except Exception as e:  # a graph reset or never captured
             shape = f"(no dump: {e})"
-        print(f"{i:3d} {len(graph.replays):8d} {median:10.1f} {p90:7.1f}  {graph.where}")
-        print(f"{'':33}{shape}")
+        print(f"{i:3d} {len(graph.replays):8d} {host}  {gpu}  {graph.where}")
+        print(f"{'':13}{shape}")
+
+
+def _median_p90(values: list[float]) -> str:
+    """'median p90' of sorted values (nan where there are none)."""
+    if not values:
+        return f"{'nan':>7} {'nan':>6}"
+    return f"{statistics.median(values):7.1f} {values[int(0.9 * (len(values) - 1))]:6.1f}"
 
 
 def main() -> None:
