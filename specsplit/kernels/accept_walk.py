@@ -63,10 +63,10 @@ def _accept_walk_kernel(
     packed_ptr,  # [B, 2 + N] out
     moves_ptr,  # [2, B * N] out: source slots, then destination slots
     num_seqs,
+    N,  # tree nodes a sequence (padded)
+    PAGES,  # the page-table window's width
     page_size,
     scratch_slot,
-    N: tl.constexpr,
-    PAGES: tl.constexpr,
     BLOCK: tl.constexpr,  # N's next power of two (1 for N = 0)
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -114,7 +114,9 @@ def _accept_walk_kernel(
 @functools.cache
 def _jitted_kernel(interpret: bool) -> Any:
     """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key); built once
-    per (N, PAGES, BLOCK), whatever the batch and the inputs' offsets (views of one flat array)."""
+    per BLOCK (a power of two), whatever the batch, the tree width, the window and the inputs'
+    offsets (views of one flat array): the acceptance graphs' warm-up builds every BLOCK an
+    eager round (its exact width, not padded) can take, so no round compiles one in traffic."""
     return jit(_accept_walk_kernel, generic=True)
 
 
@@ -141,8 +143,8 @@ def accept_walk(
     if num_seqs:
         _jitted_kernel(interpret)[(num_seqs,)](
             argmax, row_index, draft_tokens, parents, base, table, packed, moves,
-            num_seqs, page_size, scratch_slot,
-            N=n, PAGES=table.shape[1], BLOCK=next_power_of_2(max(n, 1)), num_warps=1,
+            num_seqs, n, table.shape[1], page_size, scratch_slot,
+            BLOCK=next_power_of_2(max(n, 1)), num_warps=1,
         )  # fmt: skip
     return packed, moves[0], moves[1]
 
