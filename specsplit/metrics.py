@@ -350,14 +350,9 @@ def observe_commits(rounds: Iterable[tuple[TokenClock, VerifyOutput, StreamedChu
     if decoded:
         DECODED_TOKENS.inc(decoded)
     for depth, count in enumerate(by_depth, start=1):
-        _accepted_drafts_at(depth).inc(count)
+        _child(ACCEPTED_DRAFTS, str(depth)).inc(count)
     if generated:
         GENERATED_TOKENS.inc(generated)
-
-
-def _accepted_drafts_at(depth: int) -> Counter:
-    """ACCEPTED_DRAFTS' child for a depth, made once."""
-    return _child(ACCEPTED_DRAFTS, str(depth))  # type: ignore[no-any-return]
 
 
 @functools.cache

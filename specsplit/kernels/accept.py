@@ -28,6 +28,14 @@ class BatchedAccept:
         """[B] int64: accepted drafts plus the bonus token."""
         return self.num_accepted_drafts + 1
 
+    def packed(self) -> torch.Tensor:
+        """[B, 2 + N] int64: accepted drafts, bonus token, accepted nodes (-1 padded), for the
+        round's one device-to-host copy."""
+        return torch.cat(
+            [self.num_accepted_drafts[:, None], self.bonus_tokens[:, None], self.accepted_nodes],
+            dim=1,
+        )
+
 
 def accept_greedy_batched(
     target_argmax: torch.Tensor,  # [B, N + 1] int64: argmax at the root (col 0), node j (1 + j)
@@ -169,14 +177,7 @@ def compact_and_pack(
         scratch_slot,
     )
     compact_accepted_kv(kv_data, src, dst)
-    return torch.cat(
-        [
-            accepted.num_accepted_drafts[:, None],
-            accepted.bonus_tokens[:, None],
-            accepted.accepted_nodes,
-        ],
-        dim=1,
-    )
+    return accepted.packed()
 
 
 def cache_slots(storage: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:

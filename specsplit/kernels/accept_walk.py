@@ -42,15 +42,7 @@ def accept_walk_reference(
     src, dst = accepted_kv_moves(
         base, accepted.accepted_nodes, accepted.num_accepted_drafts, table, page_size, scratch_slot
     )
-    packed = torch.cat(
-        [
-            accepted.num_accepted_drafts[:, None],
-            accepted.bonus_tokens[:, None],
-            accepted.accepted_nodes,
-        ],
-        dim=1,
-    )
-    return packed, src, dst
+    return accepted.packed(), src, dst
 
 
 def _accept_walk_kernel(

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import specsplit.kernels.accept_walk as accept_walk_module
-from specsplit.kernels.accept_walk import accept_walk, accept_walk_reference
-from tests.unit.test_accept_walk import SCRATCH, random_round
+from tests.unit.test_accept_walk import assert_walk_matches, random_round
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,11 +25,7 @@ def test_the_compiled_walk_matches_the_torch_ops(width: int, page_size: int) -> 
             sizes = [rng.randint(0 if width == 0 else 1, width) for _ in range(batch)]
             padding = rng.randint(0, 3) if batch < 64 else 0
             round_ = random_round(rng, sizes, width, page_size, topk, padding=padding)
-            on_gpu = {name: t.cuda() for name, t in round_.items()}
-            got = accept_walk(**on_gpu, page_size=page_size, scratch_slot=SCRATCH)
-            want = accept_walk_reference(**on_gpu, page_size=page_size, scratch_slot=SCRATCH)
-            for g, w in zip(got, want, strict=True):
-                assert torch.equal(g, w), (width, topk, batch)
+            assert_walk_matches({name: t.cuda() for name, t in round_.items()}, page_size)
 
 
 def _builds() -> int:
@@ -47,11 +42,7 @@ def test_one_build_serves_every_width_of_a_block() -> None:
     def run(width: int, batch: int, page_size: int) -> None:
         sizes = [rng.randint(1, width) for _ in range(batch)]
         round_ = random_round(rng, sizes, width, page_size, topk=2)
-        on_gpu = {name: t.cuda() for name, t in round_.items()}
-        got = accept_walk(**on_gpu, page_size=page_size, scratch_slot=SCRATCH)
-        want = accept_walk_reference(**on_gpu, page_size=page_size, scratch_slot=SCRATCH)
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), (width, batch, page_size)
+        assert_walk_matches({name: t.cuda() for name, t in round_.items()}, page_size)
 
     run(8, 1, 16)
     built = _builds()

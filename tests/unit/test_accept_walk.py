@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specsplit.kernels.accept_walk import accept_walk, accept_walk_reference
+from verifier.accept_graphs import window_pages
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
@@ -56,7 +57,7 @@ def random_round(
                 token = rng.choice([t for t in range(1000, 1010) if t not in taken])
             draft[b, j], parents[b, j] = token, parent
             children.setdefault(parent, []).append(j)
-    pages = 1 + -(-width // page_size)
+    pages = window_pages(width, page_size)
     table = torch.tensor(
         [rng.sample(range(1, 100), pages) for _ in range(batch)], dtype=torch.int64
     ).reshape(batch, pages)
