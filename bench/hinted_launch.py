@@ -13,6 +13,10 @@ not the target's, so the chained round is dropped when the next round comes (its
 that launch's time) and the chaining's own host work is what is timed. An `after` hint names the
 outcome that came, so the next round takes the round launched on it.
 
+--hidden-states: every round asks for the EAGLE-3 layers' hidden states, as an EAGLE drafter's
+rounds do through the services; --no-synthetic: the random target's own acceptance (no logits
+bent on the host, work the services' launch does not have).
+
 Per batch: the median host ms of each call over --rounds rounds (each --staging setting's in
 two halves, A B B A; no device sync around them: a call that waits for the device shows it),
 and on a GPU each round's device time for scale.
@@ -103,7 +107,14 @@ class Rounds:
 
     def inputs(self) -> list[VerifyInput]:
         return [
-            VerifyInput(seq_id, False, committed, [pending], self.trees[seq_id])
+            VerifyInput(
+                seq_id,
+                False,
+                committed,
+                [pending],
+                self.trees[seq_id],
+                hidden_state_layers=self.bench.hidden_state_layers,
+            )
             for seq_id, (committed, pending) in self.state.items()
         ]
 
@@ -215,6 +226,18 @@ def main() -> None:
         help="to_device's staging buffers (specsplit/model/transfer.py) on, off (pin_memory each "
         "copy, as before them), or both in turn",
     )
+    parser.add_argument(
+        "--hidden-states",
+        action="store_true",
+        help="every round asks for the default EAGLE-3 layers' hidden states (as an EAGLE "
+        "drafter's rounds do through the services)",
+    )
+    parser.add_argument(
+        "--no-synthetic",
+        action="store_true",
+        help="the random target's own acceptance (next to nothing accepted) instead of the "
+        "synthetic rates: no logits bent on the host (the services' launch has no such work)",
+    )
     parser.add_argument("--profile", choices=("cprofile", "torch"), default=None)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
@@ -228,10 +251,14 @@ def main() -> None:
         hf = LlamaForCausalLM(hf_config).to(torch.bfloat16 if gpu else torch.float32).eval()
     bench = EngineBench(hf, ModelConfig.from_hf(hf_config), args, graphs=gpu)
     del hf
-    bench.engine.synthetic_acceptance = RATES
+    acceptance = "the random target's own acceptance"
+    if not args.no_synthetic:
+        bench.engine.synthetic_acceptance = RATES
+        acceptance = f"SYNTHETIC ACCEPTANCE {RATES} (timing only)"
+    hidden = f", hidden states of layers {bench.hidden_state_layers}" if args.hidden_states else ""
     print(
-        f"== {args.shape} on {args.device}, context {args.context}, chains of {args.nodes}, "
-        f"SYNTHETIC ACCEPTANCE {RATES} (timing only); host ms a call, median of {args.rounds}"
+        f"== {args.shape} on {args.device}, context {args.context}, chains of {args.nodes}"
+        f"{hidden}, {acceptance}; host ms a call, median of {args.rounds}"
     )
     for batch in args.batch:
         rounds = Rounds(bench, batch, args.nodes, args.guesses)

@@ -280,6 +280,12 @@ def main() -> None:
         help="BENCHMARKS ONLY, NOT LOSSLESS: the verifier's `--synthetic-acceptance` (e.g. "
         "0.8,0.7,0.6); outputs are then not the target's",
     )
+    parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="one more `up` argument for every mode, repeatable (e.g. --up-arg=--cpu-affinity=off)",
+    )
     args = parser.parse_args()
     if args.spec and args.speculation_gate == "on":
         parser.error("--speculation-gate on gates the gateway's default spec: leave out --spec")
@@ -339,6 +345,7 @@ def main() -> None:
             flags += ("--chain-rounds", args.chain_rounds)
         if synthetic:
             flags += ("--synthetic-acceptance", args.synthetic_acceptance)
+        flags += tuple(args.up_arg)
         with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             wait_for_drafter(stub, chats[0])

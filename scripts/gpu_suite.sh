@@ -6,7 +6,8 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
-#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab]
+#       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
+#       [ahead1-pin]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -18,7 +19,9 @@
 # graph's host time a replay and its nodes (bench/graph_probe.py), the drafter's and the
 # verifier's at batch 1, then the verifier's launches cProfiled; accept-ab: ahead1 with greedy
 # acceptance as the Triton walk and as the torch ops (SPECSPLIT_TRITON_ACCEPT), then the round on
-# the device in process, alternating
+# the device in process, alternating; affinity: `up --cpu-affinity` off / on / on / off
+# ($AFFINITY_MODES), batch-1 draft-ahead through the services on random SmolLM2 weights
+# (bench/profile_services.py); ahead1-pin: ahead1 pinned and not ($AFFINITY_MODES, default on off)
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -368,6 +371,22 @@ for part in "${parts[@]}"; do
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases --torch-profile ;;
+    affinity)  # `up --cpu-affinity` off and on in turn ($AFFINITY_MODES): draft-ahead at batch 1
+      # through the services, random SmolLM2 + the shipped head (bench/profile_services.py
+      # unprofiled: the round, the verifier's host work between rounds, the RPC stages)
+      random_smollm2
+      for pin in ${AFFINITY_MODES:-off on on off}; do
+        run "affinity_$pin" python3 bench/profile_services.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--cpu-affinity=$pin
+      done ;;
+    ahead1-pin)  # ahead1 (real weights: $SMOLLM2_GGUF) with each service pinned and not, in turn
+      for pin in ${AFFINITY_MODES:-on off}; do
+        run "ahead1_pin_$pin" python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+          --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain \
+          --up-arg=--cpu-affinity=$pin
+      done ;;
     probe)  # which CUDA graphs launch slowly (bench/graph_probe.py: each replayed graph's
       # host us a replay() and its nodes), the drafter's (a round, draft-ahead, after hits)
       # and the verifier's (plain, chained and after-the-hint launches), SmolLM2 shapes,

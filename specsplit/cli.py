@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     api_key_flags(up, server=True)
     tls_help = "auto = a throwaway local CA: TLS everywhere, mutual TLS to drafter and verifier"
     flag(up, "--tls", "off", f"{tls_help}; off = plaintext", choices=("off", "auto"))
+    affinity_help = (
+        "on: each service's process runs on 2 cores of its own (the verifier on the highest,"
+        " then the drafter, then the gateway), where at least 8 are there; auto: on when the"
+        " verifier and the drafter both run on a GPU; off: where the OS puts them"
+    )
+    flag(up, "--cpu-affinity", "auto", affinity_help, choices=("auto", "on", "off"))
 
     generate = commands.add_parser("generate", help="stream a generation from a gateway")
     generate.add_argument("prompt", help="prompt text")

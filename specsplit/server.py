@@ -37,6 +37,9 @@ _MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# the cores `specsplit up` gives a service (--cpu-affinity): "30,31"; every thread of the
+# process is pinned to them once it is SERVING (after the warm-up, whose compiles use every core)
+CPU_CORES_ENV = "SPECSPLIT_CPU_CORES"
 # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
 # share the connections with the first. Fail instead.
 SERVER_OPTIONS: list[tuple[str, int]] = [*_MESSAGE_SIZES, ("grpc.so_reuseport", 0)]
@@ -181,6 +184,9 @@ class ServiceHost:
         collector (`freeze_startup`), then health SERVING."""
         await self.servable.load()
         freeze_startup()
+        cores = os.environ.get(CPU_CORES_ENV)
+        if cores:
+            pin_to_cores({int(core) for core in cores.split(",")})
         await self.set_serving(True)
         log.info("%s SERVING on %s", self.servable.service_name, self.where)
 
@@ -213,6 +219,21 @@ class ServiceHost:
         await self.server.stop(max(self.grace - (time.monotonic() - started), STOP_SLACK_S))
         await self.servable.close()
         log.info("%s stopped after %.1f s", name, time.monotonic() - started)
+
+
+def pin_to_cores(cores: set[int]) -> None:
+    """Every thread of this process on `cores` only (Linux; threads started later inherit
+    their starter's). At batch 1 a GPU service's round is host work on three processes, and
+    left to the scheduler their threads move between cores (bench/RESULTS.md)."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
+    except (OSError, AttributeError, ValueError) as err:
+        log.warning("not pinned to cores %s: %s", sorted(cores), err)
+        return
+    log.info("%d threads pinned to cores %s", len(threads), sorted(cores))
 
 
 def freeze_startup() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,13 +15,12 @@ import pytest
 from specsplit import cli, cli_flags, up
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
+from specsplit.server import CPU_CORES_ENV
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No SPECSPLIT_* variable of the developer's shell leaks into a test."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("SPECSPLIT_"):
             monkeypatch.delenv(name)
@@ -325,6 +326,103 @@ def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
         assert services.stop(10.0) == 0
 
     asyncio.run(main())
+
+
+def test_affinity_plan_gives_each_service_cores_of_its_own_from_the_top_or_none() -> None:
+    names = ("verifier", "drafter", "gateway")
+    assert up.affinity_plan(range(16), names) == {
+        "verifier": {14, 15},
+        "drafter": {12, 13},
+        "gateway": {10, 11},
+    }
+    assert up.affinity_plan([0, 2, 4, 6, 8, 10, 12, 14], names) == {
+        "verifier": {12, 14},
+        "drafter": {8, 10},
+        "gateway": {4, 6},
+    }  # the cores up may use, whatever their numbers
+    assert up.affinity_plan(range(7), names) == {}  # two left for the rest: 8 at least
+    assert up.affinity_plan(range(2), names) == {}
+
+
+def test_cpu_affinity_pins_only_when_asked_and_the_cores_are_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    pinned = {"verifier": {30, 31}, "drafter": {28, 29}, "gateway": {26, 27}}
+
+    def plan(*argv: str) -> dict[str, set[int]]:
+        return up.cpu_affinity(cli.parse_args(["up", *argv]))
+
+    assert plan("--cpu-affinity", "on", "--device", "cpu") == pinned
+    assert plan("--cpu-affinity", "off", "--device", "cuda:1", "--drafter-device", "cuda:0") == {}
+    # auto: only where both engines run on a GPU (a CPU engine computes on its cores)
+    assert plan("--device", "cuda:1", "--drafter-device", "cuda:0") == pinned
+    assert plan("--device", "cuda") == pinned
+    assert plan("--device", "cuda", "--drafter-device", "cpu") == {}
+    assert plan("--device", "cpu") == {}
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert plan("--cpu-affinity", "on") == {}
+
+
+def test_up_resolves_device_auto_before_it_picks_the_gpu_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = cli.parse_args(["up"])  # --device auto on a machine with a GPU
+    up.resolve_devices(args)
+    assert (args.device, args.drafter_device) == ("cuda", None)
+    assert up.gateway_speculation_gate(args) == "on"
+    assert up.gateway_lane_poll_ms(args) == up.LANE_POLL_MS_ON_GPU
+    assert up.cpu_affinity(args) != {}
+    args = cli.parse_args(["up", "--drafter-device", "auto", "--device", "cpu"])
+    up.resolve_devices(args)
+    assert (args.device, args.drafter_device) == ("cpu", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli.parse_args(["up"])
+    up.resolve_devices(args)
+    assert args.device == "cpu"
+    assert (up.gateway_speculation_gate(args), up.cpu_affinity(args)) == ("off", {})
+
+
+def test_up_hands_each_pinned_service_its_cores_in_its_environment() -> None:
+    envs = {"verifier": {"A": "1"}, "drafter": {}, "gateway": {}}
+    plan = {"verifier": {31, 30}, "drafter": {28, 29}}
+    assert up.with_cores(envs, plan) == {
+        "verifier": {"A": "1", CPU_CORES_ENV: "30,31"},
+        "drafter": {CPU_CORES_ENV: "28,29"},
+        "gateway": {},
+    }
+    assert up.with_cores(envs, {}) == envs
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_pin_to_cores_pins_every_thread_of_the_process_and_those_started_after() -> None:
+    core = max(os.sched_getaffinity(0))
+    script = f"""
+import os, threading
+from specsplit.server import pin_to_cores
+started = threading.Event()
+done = threading.Event()
+def wait():
+    started.set()
+    done.wait()
+before = threading.Thread(target=wait)
+before.start()
+started.wait()
+pin_to_cores({{{core}}})
+after = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0))))
+after.start()
+after.join()
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(before.native_id)))
+done.set()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
+    assert out[:2] == [f"[{core}]", f"[{core}] [{core}]"]
 
 
 def test_up_child_envs_on_cpu_calm_openmp_and_keep_user_settings(

@@ -1,7 +1,8 @@
 """A service sets its start-up's objects aside from Python's garbage collector once loaded
 (`specsplit.server.freeze_startup`: a full collection would otherwise walk the loaded model's
 and tokenizer's hundreds of thousands of objects, stopping the process), and every collection's
-pause is in /metrics (`specsplit_gc_pause_seconds`, by generation)."""
+pause is in /metrics (`specsplit_gc_pause_seconds`, by generation). Once loaded it also pins
+itself to the cores `specsplit up` gave it, if any (`SPECSPLIT_CPU_CORES`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+from specsplit import server
 from specsplit.server import ServiceHost
 from tests.support import save_tiny_llama
 from verifier.engine import VerifierEngine
@@ -76,3 +78,16 @@ def test_the_freeze_can_be_switched_off_for_a_bench(
     engine = _load_a_verifier(save_tiny_llama(tmp_path / "target", seed=3), tmp_path)
     assert gc.get_freeze_count() == 0
     assert any(o is engine.kv for o in gc.get_objects())
+
+
+def test_a_service_pins_itself_to_the_cores_up_gave_it_once_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(server, "pin_to_cores", pinned.append)
+    monkeypatch.setenv(server.CPU_CORES_ENV, "30,31")
+    _load_a_verifier(save_tiny_llama(tmp_path / "target", seed=3), tmp_path)
+    assert pinned == [{30, 31}]
+    monkeypatch.delenv(server.CPU_CORES_ENV)
+    _load_a_verifier(save_tiny_llama(tmp_path / "other", seed=3), tmp_path)
+    assert pinned == [{30, 31}]  # none asked: left where it is
