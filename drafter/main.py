@@ -29,13 +29,14 @@ async def serve(
     grace: float = 5.0,
     tls: TLSFiles | None = None,
     engine_calls: str = "auto",
+    cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
     the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
     tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
     CUDA graphs (DrafterEngine; on a GPU). num_pages None: the KV pool takes
     `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU). engine_calls:
-    --engine-calls (specsplit.engine_servicer.calls_on_loop)."""
+    --engine-calls (specsplit.engine_servicer.calls_on_loop). cpu_cores: --cpu-cores."""
     sizes: dict[str, Any] = {"page_size": page_size, "kv_memory_fraction": kv_memory_fraction}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -51,4 +52,4 @@ async def serve(
         **sizes,
     )
     servicer = DrafterServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
-    await serve_host(servicer, address, grace=grace, tls=tls)
+    await serve_host(servicer, address, grace=grace, tls=tls, cpu_cores=cpu_cores)

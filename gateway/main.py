@@ -158,6 +158,7 @@ async def serve(
     lane_poll_s: float = 0.0,
     decode_steps: int = 1,
     early_verify: bool = False,
+    cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Listen on `address` (and the OpenAI HTTP API on `http_listen`, None = off) until
     SIGTERM / SIGINT; SERVING once the verifier is. adaptive_spec: adaptive speculation over
@@ -238,4 +239,5 @@ async def serve(
         tls=tls,
         interceptors=interceptors,
         max_receive_bytes=limits.max_message_bytes,
+        cpu_cores=cpu_cores,
     )

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from gateway.request import Limits
     from specsplit.messages import SpecParams
     from specsplit.tls import TLSFiles
 
+T = TypeVar("T")
 DEFAULT_PORTS = {"gateway": 50051, "drafter": 50061, "verifier": 50062}
 DEFAULT_HOST = "127.0.0.1"  # every listener, unless told otherwise (DESIGN.md §8)
 METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Prometheus /metrics
@@ -85,6 +86,24 @@ def optional_int(value: str) -> int | None:
 
 def optional_float(value: str) -> float | None:
     return None if value.lower() in ("", "none") else float(value)
+
+
+def comma_separated(value: str, convert: Callable[[str], T], what: str) -> tuple[T, ...] | None:
+    """A flag's comma-separated values (none: None); ArgumentTypeError naming `what`."""
+    if value.lower() in ("", "none"):
+        return None
+    try:
+        return tuple(convert(item) for item in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {value!r}") from None
+
+
+def cpu_cores(value: str) -> frozenset[int] | None:
+    """--cpu-cores: "30,31" (none: not pinned)."""
+    cores = comma_separated(value, int, "comma-separated core numbers")
+    if cores is not None and min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"core numbers are >= 0: {value!r}")
+    return None if cores is None else frozenset(cores)
 
 
 DRAFTER_KV_MEMORY_FRACTION = 0.8  # the drafter on a GPU of its own
@@ -192,12 +211,9 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
 
 def synthetic_rates(value: str) -> tuple[float, ...] | None:
     """--synthetic-acceptance's rates: none, or comma-separated probabilities."""
-    if value.lower() in ("", "none"):
+    rates = comma_separated(value, float, "comma-separated rates")
+    if rates is None:
         return None
-    try:
-        rates = tuple(float(rate) for rate in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated rates: {value!r}") from None
     if not all(0.0 <= rate <= 1.0 for rate in rates):
         raise argparse.ArgumentTypeError(f"rates are probabilities in [0, 1]: {value!r}")
     return rates
@@ -359,6 +375,11 @@ def server_flags(parser: argparse.ArgumentParser, service: str) -> None:
     metrics_help = "host:port of Prometheus /metrics; none = off"
     metrics = f":{METRICS_PORTS[service]}"
     flag(parser, "--metrics-listen", metrics, metrics_help, type=optional_str)
+    cores_help = (
+        "cores (e.g. 30,31) every thread of the service runs on once it is loaded, before it"
+        " reports SERVING (`up --cpu-affinity` sets it); none = where the OS puts them"
+    )
+    flag(parser, "--cpu-cores", None, cores_help, type=cpu_cores)
 
 
 def resolve_hosts(args: argparse.Namespace) -> None:

@@ -63,6 +63,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "grace": args.grace,
         "tls": tls_files(args),
         "engine_calls": args.engine_calls,
+        "cpu_cores": args.cpu_cores,
     }
 
 
@@ -153,6 +154,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps or 1,
             early_verify=bool(args.early_verify),  # auto: off (the devices are not seen here)
             speculation_gate=args.speculation_gate == "on",
+            cpu_cores=args.cpu_cores,
         )
     )
     return 0

@@ -37,9 +37,6 @@ _MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-# the cores `specsplit up` gives a service (--cpu-affinity): "30,31"; every thread of the
-# process is pinned to them once it is SERVING (after the warm-up, whose compiles use every core)
-CPU_CORES_ENV = "SPECSPLIT_CPU_CORES"
 # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
 # share the connections with the first. Fail instead.
 SERVER_OPTIONS: list[tuple[str, int]] = [*_MESSAGE_SIZES, ("grpc.so_reuseport", 0)]
@@ -133,8 +130,12 @@ class ServiceHost:
         tls: TLSFiles | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_receive_bytes: int | None = None,
+        cpu_cores: frozenset[int] | None = None,
     ) -> None:
+        """cpu_cores: where every thread of the process runs once loaded (`pin_to_cores`,
+        --cpu-cores), after the warm-up, whose compiles use every core; None = not pinned."""
         self.servable = servable
+        self.cpu_cores = cpu_cores
         self.address = address
         self.grace = grace
         self.tls = tls or TLSFiles()
@@ -184,9 +185,8 @@ class ServiceHost:
         collector (`freeze_startup`), then health SERVING."""
         await self.servable.load()
         freeze_startup()
-        cores = os.environ.get(CPU_CORES_ENV)
-        if cores:
-            pin_to_cores({int(core) for core in cores.split(",")})
+        if self.cpu_cores:
+            pin_to_cores(self.cpu_cores)
         await self.set_serving(True)
         log.info("%s SERVING on %s", self.servable.service_name, self.where)
 
@@ -221,7 +221,7 @@ class ServiceHost:
         log.info("%s stopped after %.1f s", name, time.monotonic() - started)
 
 
-def pin_to_cores(cores: set[int]) -> None:
+def pin_to_cores(cores: frozenset[int]) -> None:
     """Every thread of this process on `cores` only (Linux; threads started later inherit
     their starter's). At batch 1 a GPU service's round is host work on three processes, and
     left to the scheduler their threads move between cores (bench/RESULTS.md)."""
@@ -266,9 +266,11 @@ async def serve(
     tls: TLSFiles | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_receive_bytes: int | None = None,
+    cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Run until SIGTERM / SIGINT (or `stop` is set). Raises if loading fails.
-    max_receive_bytes: the largest request message (None = SERVER_OPTIONS')."""
+    max_receive_bytes: the largest request message (None = SERVER_OPTIONS'); cpu_cores:
+    ServiceHost's."""
     if stop is None:
         stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -282,6 +284,7 @@ async def serve(
         tls=tls,
         interceptors=interceptors,
         max_receive_bytes=max_receive_bytes,
+        cpu_cores=cpu_cores,
     )
     try:
         await host.start()

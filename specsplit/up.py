@@ -23,7 +23,6 @@ from specsplit.cli_flags import (
     SHARED_DRAFTER_KV_MEMORY_FRACTION,
 )
 from specsplit.cli_generate import stream_generation
-from specsplit.server import CPU_CORES_ENV
 from specsplit.up_security import UpSecurity
 
 log = logging.getLogger("specsplit.up")
@@ -122,6 +121,7 @@ def child_commands(
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)
+    cores = cpu_affinity(args)
     commands = {
         "verifier": [
             *base,
@@ -149,6 +149,8 @@ def child_commands(
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],
         "gateway": [*base, "serve-gateway", "--listen", addr["gateway"], *model, *gateway],
     }
+    for name, pinned in cores.items():
+        commands[name] += ["--cpu-cores", ",".join(map(str, sorted(pinned)))]
     return {name: [*cmd, "--metrics-listen", metrics[name]] for name, cmd in commands.items()}
 
 
@@ -305,7 +307,8 @@ def affinity_plan(
 def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
     """--cpu-affinity: `on` pins each service to cores of its own (`affinity_plan`; the
     verifier first, then the drafter and the gateway), where the machine has enough, once it is
-    SERVING (`specsplit.server.pin_to_cores`: the warm-up's compiles keep every core); `auto`
+    SERVING (each child's --cpu-cores, `specsplit.server.pin_to_cores`: the warm-up's compiles
+    keep every core); `auto`
     does when the verifier and the drafter both run on a GPU, whose rounds are bound by host
     work; `off` leaves them where the OS puts them. On two H200s (32 cores), batch-1 draft-ahead
     rounds through the services (SmolLM2-shaped, the shipped head) ran 1.61 ms against 2.19
@@ -321,16 +324,6 @@ def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
     if not plan:
         log.info("--cpu-affinity: too few cores to give each service its own; not pinned")
     return plan
-
-
-def with_cores(
-    envs: dict[str, dict[str, str]], plan: dict[str, set[int]]
-) -> dict[str, dict[str, str]]:
-    """The children's environments with each pinned service's cores (CPU_CORES_ENV)."""
-    pinned = {
-        name: {CPU_CORES_ENV: ",".join(map(str, sorted(cores)))} for name, cores in plan.items()
-    }
-    return {name: {**env, **pinned.get(name, {})} for name, env in envs.items()}
 
 
 class Interrupted(Exception):
@@ -404,8 +397,7 @@ class Services:
             preexec_fn=_die_with_parent if linux else None,
         )
         self.procs[name] = proc
-        cores = env.get(CPU_CORES_ENV)
-        log.info("started %s (pid %d)%s", name, proc.pid, f", cores {cores}" if cores else "")
+        log.info("started %s (pid %d)", name, proc.pid)
 
     async def supervise(self, work: Awaitable[T], stop: asyncio.Event) -> T:
         """Await `work` while tending the processes (`tend`): ServiceDied when the gateway
@@ -492,7 +484,7 @@ async def _run_services(
     gateway = addresses["gateway"]
     services = Services(
         security.commands(child_commands(args, addresses)),
-        with_cores(security.envs(child_envs(args)), cpu_affinity(args)),
+        security.envs(child_envs(args)),
         RestartPolicy(args.max_restarts),
     )
     tls = security.client_tls()

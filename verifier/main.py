@@ -34,6 +34,7 @@ async def serve(
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
     synthetic_acceptance: tuple[float, ...] | None = None,
+    cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
@@ -41,7 +42,8 @@ async def serve(
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop). chain_rounds, chain_max_batch,
     chain_min_guess_rate: --chain-rounds, --chain-max-batch, --chain-min-guess-rate
-    (VerifierEngine's, chaining where the engine's calls run on the event loop)."""
+    (VerifierEngine's, chaining where the engine's calls run on the event loop). cpu_cores:
+    --cpu-cores."""
     load_engine = partial(
         VerifierEngine.load,
         model_path,
@@ -74,4 +76,4 @@ async def serve(
         return engine
 
     servicer = VerifierServicer(load, calls_on_loop=on_loop)
-    await serve_host(servicer, address, grace=grace, tls=tls)
+    await serve_host(servicer, address, grace=grace, tls=tls, cpu_cores=cpu_cores)

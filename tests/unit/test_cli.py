@@ -15,7 +15,6 @@ import pytest
 from specsplit import cli, cli_flags, up
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
-from specsplit.server import CPU_CORES_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -387,15 +386,19 @@ def test_up_resolves_device_auto_before_it_picks_the_gpu_defaults(
     assert (up.gateway_speculation_gate(args), up.cpu_affinity(args)) == ("off", {})
 
 
-def test_up_hands_each_pinned_service_its_cores_in_its_environment() -> None:
-    envs = {"verifier": {"A": "1"}, "drafter": {}, "gateway": {}}
-    plan = {"verifier": {31, 30}, "drafter": {28, 29}}
-    assert up.with_cores(envs, plan) == {
-        "verifier": {"A": "1", CPU_CORES_ENV: "30,31"},
-        "drafter": {CPU_CORES_ENV: "28,29"},
-        "gateway": {},
-    }
-    assert up.with_cores(envs, {}) == envs
+def test_up_hands_each_pinned_service_its_cores_and_they_parse_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    args = cli.parse_args(["up", "--device", "cuda:1", "--drafter-device", "cuda:0"])
+    children = {name: _child_args(argv) for name, argv in up.child_commands(args).items()}
+    cores = {name: child.cpu_cores for name, child in children.items()}
+    assert cores == {"verifier": {30, 31}, "drafter": {28, 29}, "gateway": {26, 27}}
+    args = cli.parse_args(["up", "--device", "cuda:1", "--cpu-affinity", "off"])
+    assert all(_child_args(argv).cpu_cores is None for argv in up.child_commands(args).values())
+    assert cli.parse_args(["serve-verifier", "--cpu-cores", "3,5"]).cpu_cores == {3, 5}
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve-verifier", "--cpu-cores", "3,x"])
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")

@@ -2,7 +2,7 @@
 (`specsplit.server.freeze_startup`: a full collection would otherwise walk the loaded model's
 and tokenizer's hundreds of thousands of objects, stopping the process), and every collection's
 pause is in /metrics (`specsplit_gc_pause_seconds`, by generation). Once loaded it also pins
-itself to the cores `specsplit up` gave it, if any (`SPECSPLIT_CPU_CORES`)."""
+itself to the cores it was given, if any (`--cpu-cores`, which `specsplit up` sets)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,15 @@ def unfrozen() -> Iterator[None]:
     gc.unfreeze()
 
 
-def _load_a_verifier(target: Path, tmp_path: Path) -> VerifierEngine:
+def _load_a_verifier(
+    target: Path, tmp_path: Path, cpu_cores: frozenset[int] | None = None
+) -> VerifierEngine:
     engine: list[VerifierEngine] = []
 
     async def run() -> None:
         servicer = VerifierServicer(lambda: VerifierEngine.load(str(target), num_pages=64))
-        host = ServiceHost(servicer, f"unix:{tmp_path}/verifier.sock", grace=0.1)
+        address = f"unix:{tmp_path}/verifier.sock"
+        host = ServiceHost(servicer, address, grace=0.1, cpu_cores=cpu_cores)
         await host.start()
         try:
             await host.load()
@@ -80,14 +83,12 @@ def test_the_freeze_can_be_switched_off_for_a_bench(
     assert any(o is engine.kv for o in gc.get_objects())
 
 
-def test_a_service_pins_itself_to_the_cores_up_gave_it_once_loaded(
+def test_a_service_pins_itself_to_its_cores_once_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pinned: list[set[int]] = []
+    pinned: list[frozenset[int]] = []
     monkeypatch.setattr(server, "pin_to_cores", pinned.append)
-    monkeypatch.setenv(server.CPU_CORES_ENV, "30,31")
-    _load_a_verifier(save_tiny_llama(tmp_path / "target", seed=3), tmp_path)
+    _load_a_verifier(save_tiny_llama(tmp_path / "target", seed=3), tmp_path, frozenset({30, 31}))
     assert pinned == [{30, 31}]
-    monkeypatch.delenv(server.CPU_CORES_ENV)
     _load_a_verifier(save_tiny_llama(tmp_path / "other", seed=3), tmp_path)
-    assert pinned == [{30, 31}]  # none asked: left where it is
+    assert pinned == [{30, 31}]  # none given: left where it is
