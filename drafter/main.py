@@ -29,6 +29,7 @@ async def serve(
     grace: float = 5.0,
     tls: TLSFiles | None = None,
     engine_calls: str = "auto",
+    idle_poll_s: float = 0.0,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
@@ -36,7 +37,8 @@ async def serve(
     tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
     CUDA graphs (DrafterEngine; on a GPU). num_pages None: the KV pool takes
     `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU). engine_calls:
-    --engine-calls (specsplit.engine_servicer.calls_on_loop). cpu_cores: --cpu-cores."""
+    --engine-calls (specsplit.engine_servicer.calls_on_loop). idle_poll_s: --idle-poll-ms
+    (specsplit.lane.LoopPoll). cpu_cores: --cpu-cores."""
     sizes: dict[str, Any] = {"page_size": page_size, "kv_memory_fraction": kv_memory_fraction}
     if num_pages is not None:
         sizes["num_pages"] = num_pages
@@ -51,5 +53,6 @@ async def serve(
         graph_catch_up_lens=graph_catch_up_lens,
         **sizes,
     )
-    servicer = DrafterServicer(load, calls_on_loop=calls_on_loop(engine_calls, device))
+    on_loop = calls_on_loop(engine_calls, device)
+    servicer = DrafterServicer(load, calls_on_loop=on_loop, idle_poll_s=idle_poll_s)
     await serve_host(servicer, address, grace=grace, tls=tls, cpu_cores=cpu_cores)

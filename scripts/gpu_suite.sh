@@ -7,7 +7,7 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
-#       [ahead1-pin]
+#       [ahead1-pin] [idle-poll]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -21,7 +21,8 @@
 # acceptance as the Triton walk and as the torch ops (SPECSPLIT_TRITON_ACCEPT), then the round on
 # the device in process, alternating; affinity: `up --cpu-affinity` off / on / on / off
 # ($AFFINITY_MODES), batch-1 draft-ahead through the services on random SmolLM2 weights
-# (bench/profile_services.py); ahead1-pin: ahead1 pinned and not ($AFFINITY_MODES, default on off)
+# (bench/profile_services.py); ahead1-pin: ahead1 pinned and not ($AFFINITY_MODES, default on off);
+# idle-poll: the services' loops polling between rounds (--idle-poll-ms 20) or asleep, pinned
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -379,6 +380,16 @@ for part in "${parts[@]}"; do
         run "affinity_$pin" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--cpu-affinity=$pin
+      done ;;
+    idle-poll)  # the drafter's and verifier's loops polling their round lanes between rounds
+      # (`up --idle-poll-ms 20`) against asleep (0), in turn ($IDLE_POLL_MODES), each service on
+      # cores of its own (up's default on GPUs): batch-1 draft-ahead through the services,
+      # random SmolLM2 + the shipped head (bench/profile_services.py unprofiled)
+      random_smollm2
+      for poll in ${IDLE_POLL_MODES:-0 20 20 0}; do
+        run "idle_poll_$poll" python3 bench/profile_services.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--idle-poll-ms=$poll
       done ;;
     ahead1-pin)  # ahead1 (real weights: $SMOLLM2_GGUF) with each service pinned and not, in turn
       for pin in ${AFFINITY_MODES:-on off}; do

@@ -148,6 +148,13 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
         " during a call) or auto (loop on a GPU, thread on the CPU)"
     )
     flag(parser, "--engine-calls", "auto", calls_help, choices=ENGINE_CALLS)
+    poll_help = (
+        "drafter and verifier: how long the event loop keeps polling its round lane after an"
+        " answer before it sleeps (a service asleep between rounds wakes late); 0 = never (on"
+        " a CPU the engine needs the cores; on GPUs unpinned it gained nothing, thirty-seventh"
+        " session: an A/B with each service on cores of its own is to come)"
+    )
+    flag(parser, "--idle-poll-ms", 0.0, poll_help, type=float)
 
 
 def verifier_flags(parser: argparse.ArgumentParser) -> None:

@@ -45,8 +45,8 @@ def cpu_has_bf16() -> bool:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """device, dtype ("auto" resolved), num_pages, page_size, grace, tls and engine_calls of a
-    serve command."""
+    """device, dtype ("auto" resolved), num_pages, page_size, grace, tls, engine_calls,
+    idle_poll_s and cpu_cores of a serve command."""
     import torch
 
     device = args.device
@@ -64,6 +64,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tls": tls_files(args),
         "engine_calls": args.engine_calls,
         "cpu_cores": args.cpu_cores,
+        "idle_poll_s": max(args.idle_poll_ms, 0.0) / 1e3,
     }
 
 

@@ -154,10 +154,13 @@ class EngineServicer(Generic[EngineT]):
         load: Callable[[], EngineT],
         orphan_grace_s: float = ORPHAN_GRACE_S,
         calls_on_loop: bool = False,
+        idle_poll_s: float = 0.0,
     ) -> None:
         """calls_on_loop: engine calls on the event loop's thread (an engine on a GPU; module
-        docstring)."""
+        docstring). idle_poll_s: how long the loop keeps polling the round lane after an
+        answer (specsplit.lane.LoopPoll; --idle-poll-ms)."""
         self.engine = EngineThread(self.name, load, _warmup, calls_on_loop)
+        self.idle_poll_s = idle_poll_s
         self.scopes = ConnectionScopes(self._release_selected, orphan_grace_s)
         self.lane: LaneServer | None = None
         metrics.watch_kv_pages(self._kv_pages)
@@ -279,7 +282,8 @@ class EngineServicer(Generic[EngineT]):
 
     async def serve_lane(self, path: str) -> None:
         """Serve the round lane (specsplit.lane) on the Unix socket `path`."""
-        self.lane = LaneServer(self, path, self.round_call[0].request_type, self.rows_buffer)
+        request_type = self.round_call[0].request_type
+        self.lane = LaneServer(self, path, request_type, self.rows_buffer, self.idle_poll_s)
         await self.lane.start()
 
     def rows_buffer(self, num_bytes: int) -> bytearray | memoryview:

@@ -282,14 +282,15 @@ class LaneConnection:
         max_connections: int = MAX_CONNECTIONS,
         token: bytes | None = None,
     ) -> None:
-        """spin_s: how long the event loop polls for an answer before it sleeps
-        (`LaneSocket`; 0 = never: where the gateway shares its cores with the engines,
-        polling slows them). token: the client's scope token (None: a new one)."""
+        """spin_s: how long the event loop polls after a request is sent before it sleeps
+        (`LoopPoll`; 0 = never: where the gateway shares its cores with the engines, polling
+        slows them). token: the client's scope token (None: a new one)."""
         self.service = service
         self.path = path
         self.token = token or new_token()
+        self.poll = LoopPoll(spin_s)  # one for the connections: they share the event loop
         self.sockets: Pool[LaneSocket] = Pool(
-            lambda: LaneSocket(service, path, self.token, spin_s), max_connections
+            lambda: LaneSocket(service, path, self.token, self.poll), max_connections
         )
 
     async def request(self, kind: Kind, body: Buffer, rows: Buffer = b"") -> Frame:
@@ -305,16 +306,50 @@ class LaneConnection:
         self.sockets.close()
 
 
+class LoopPoll:
+    """Keeps the running event loop polling its sockets for `seconds` after each `extend`: a
+    callback that reschedules itself, so the loop's every pass selects without sleeping and
+    every other task still runs. A thread asleep in epoll wakes late, and its core runs the
+    next call slower: the drafter's host work for a SmolLM2 round at batch 1 took 1.6 ms
+    back to back and 2.6 ms after 3 ms asleep (bench/draft_step.py --gap-ms, one H100 host).
+    Where a CPU engine needs the cores, polling slows it: 0 = never."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = 0.0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop polled, while polling
+        self.passes = 0  # the loop's passes polled (tests)
+
+    def extend(self) -> None:
+        """Poll until `seconds` from now."""
+        if self.seconds <= 0:
+            return
+        self.deadline = time.perf_counter() + self.seconds
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:  # not polling (or a loop closed mid-poll)
+            self.loop = loop
+            loop.call_soon(self._poll, loop)
+
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self.loop:
+            return
+        self.passes += 1
+        if time.perf_counter() < self.deadline:
+            loop.call_soon(self._poll, loop)
+        else:
+            self.loop = None
+
+
 class LaneSocket:
     """One connection of a LaneConnection, lent to one request at a time: opened on first use
     (HELLO with the client's token), closed when a request on it broke or was cancelled (its
     answer would pair with the next request), reopened the same way by its next request."""
 
-    def __init__(self, service: str, path: str, token: bytes, spin_s: float) -> None:
+    def __init__(self, service: str, path: str, token: bytes, poll: LoopPoll) -> None:
         self.service = service
         self.path = path
         self.token = token
-        self.spin_s = spin_s
+        self.poll = poll
         self._stream: FrameStream | None = None
 
     @property
@@ -337,20 +372,12 @@ class LaneSocket:
             raise
 
     async def _answer(self, stream: FrameStream) -> Frame:
-        """The response frame. While it is awaited the event loop keeps polling (a callback
-        that reschedules itself: every other task still runs) for up to `spin_s`, then sleeps:
-        a process that sleeps through an engine call wakes ~0.1 ms late when the answer comes
-        (bench/rpc_overhead.py: the echo that holds its loop 1.5 ms)."""
+        """The response frame. While it is awaited the event loop keeps polling (`LoopPoll`,
+        up to the connection's `spin_s` after the request): a process that sleeps through an
+        engine call wakes ~0.1 ms late when the answer comes (bench/rpc_overhead.py: the echo
+        that holds its loop 1.5 ms)."""
         answer = asyncio.ensure_future(stream.read())
-        if self.spin_s > 0:
-            loop = asyncio.get_running_loop()
-            deadline = time.perf_counter() + self.spin_s
-
-            def spin() -> None:
-                if not answer.done() and time.perf_counter() < deadline:
-                    loop.call_soon(spin)
-
-            loop.call_soon(spin)
+        self.poll.extend()
         try:
             return await answer
         finally:
@@ -409,11 +436,15 @@ class LaneServer:
         path: str,
         request_type: Any,
         rows_buffer: Callable[[int], Writable] = bytearray,
+        idle_poll_s: float = 0.0,
     ) -> None:
+        """idle_poll_s: how long the event loop keeps polling after an answer before it sleeps
+        (`LoopPoll`; 0 = never)."""
         self.service = service
         self.path = path
         self.request_type = request_type  # the round's request message class
         self.rows_buffer = rows_buffer  # where long requests' rows land (FrameStream)
+        self.poll = LoopPoll(idle_poll_s)
         self._server: asyncio.Server | None = None
         self._streams: set[FrameStream] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -460,6 +491,7 @@ class LaneServer:
             async with self.service.scopes.stream(client_key(token.hex())) as scope:
                 while True:
                     stream.write(*await self._answer(scope, await stream.read()))
+                    self.poll.extend()  # the next request finds the loop awake
         except (EOFError, ConnectionError):
             pass  # the client went away; its scope's orphan grace starts
         finally:

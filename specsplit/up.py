@@ -95,6 +95,7 @@ def child_commands(
     model = _opt("--model", args.model)
     engine = [*model, "--dtype", args.dtype, "--page-size", str(args.page_size)]
     engine += ["--engine-calls", args.engine_calls]
+    engine += _opt("--idle-poll-ms", args.idle_poll_ms)
     engine += _opt("--num-pages", args.num_pages)
     device = ["--device", args.device]
     drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]

@@ -26,6 +26,7 @@ async def serve(
     grace: float = 5.0,
     tls: TLSFiles | None = None,
     engine_calls: str = "auto",
+    idle_poll_s: float = 0.0,
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
@@ -40,7 +41,8 @@ async def serve(
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
-    --engine-calls (specsplit.engine_servicer.calls_on_loop). chain_rounds, chain_max_batch,
+    --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
+    (specsplit.lane.LoopPoll). chain_rounds, chain_max_batch,
     chain_min_guess_rate: --chain-rounds, --chain-max-batch, --chain-min-guess-rate
     (VerifierEngine's, chaining where the engine's calls run on the event loop). cpu_cores:
     --cpu-cores."""
@@ -75,5 +77,5 @@ async def serve(
         engine.chain_min_guess_rate = chain_min_guess_rate
         return engine
 
-    servicer = VerifierServicer(load, calls_on_loop=on_loop)
+    servicer = VerifierServicer(load, calls_on_loop=on_loop, idle_poll_s=idle_poll_s)
     await serve_host(servicer, address, grace=grace, tls=tls, cpu_cores=cpu_cores)

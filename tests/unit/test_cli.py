@@ -519,6 +519,15 @@ def test_up_has_the_gateway_poll_its_round_lanes_only_with_the_verifier_on_a_gpu
     assert _child_args(up.child_commands(cli.parse_args(["up"]))["gateway"]).round_lane == "on"
 
 
+def test_a_drafter_or_verifier_polls_its_round_lane_between_rounds_only_when_asked() -> None:
+    """--idle-poll-ms: 0 (never) unless given; `up` hands it to both engine services."""
+    for argv in (["serve-drafter"], ["serve-verifier"], ["up"]):
+        assert cli.parse_args(argv).idle_poll_ms == 0.0
+    commands = up.child_commands(cli.parse_args(["up", "--idle-poll-ms", "7"]))
+    for service in ("drafter", "verifier"):
+        assert _child_args(commands[service]).idle_poll_ms == 7.0
+
+
 def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus() -> None:
     def overlap(*flags: str) -> str:
         child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]

@@ -32,6 +32,7 @@ from specsplit.lane import (
     Frame,
     FrameStream,
     Kind,
+    LoopPoll,
     lane_path,
     new_token,
 )
@@ -72,9 +73,11 @@ def _with_verifier(
     body: Callable[[ServiceHost, str], Awaitable[None]],
     tcp: bool = False,
     calls_on_loop: bool = False,
+    idle_poll_s: float = 0.0,
 ) -> None:
     """Run `body(host, address)` against a verifier service on a Unix socket (or on TCP).
-    calls_on_loop: its engine's calls on the event loop, rounds pipelined (as on a GPU)."""
+    calls_on_loop: its engine's calls on the event loop, rounds pipelined (as on a GPU);
+    idle_poll_s: its loop polling the lane after each answer (--idle-poll-ms)."""
     address = "127.0.0.1:0" if tcp else f"unix:{tmp_path}/verifier.sock"
 
     async def run() -> None:
@@ -82,6 +85,7 @@ def _with_verifier(
             lambda: VerifierEngine.load(str(target), num_pages=64),
             orphan_grace_s=0.2,
             calls_on_loop=calls_on_loop,
+            idle_poll_s=idle_poll_s,
         )
         host = ServiceHost(servicer, address, grace=0.1)
         await host.start()
@@ -129,22 +133,53 @@ async def _until(condition: Callable[[], bool]) -> None:
 def test_rounds_on_the_lane_answer_what_rounds_on_grpc_do(
     target: Path, tmp_path: Path, poll_s: float
 ) -> None:
+    """Either end's loop asleep between frames, or polling (the client after its request, the
+    service after its answer, `LoopPoll`): the same answers, and the polling stops."""
+
     async def body(host: ServiceHost, address: str) -> None:
         lane = GrpcVerifierClient(address, lane_poll_s=poll_s)
         grpc_only = GrpcVerifierClient(address, round_lane=False)
         assert lane.lane is not None and grpc_only.lane is None
         assert os.path.exists(lane_path(address) or "")
+        client_poll = lane.lane.poll
+        service_poll = host.servable.lane.poll  # type: ignore[attr-defined]
         try:
             assert await _decode(lane, "a", 6) == await _decode(grpc_only, "a", 6)
             assert lane.last_engine_seconds > 0
             await lane.release(["a"])
             await grpc_only.release(["a"])
             assert _engine(host).num_pages_used == 0
+            assert (client_poll.passes > 0) == (service_poll.passes > 0) == (poll_s > 0)
+            await _until(lambda: client_poll.loop is None and service_poll.loop is None)
         finally:
             await lane.close()
             await grpc_only.close()
 
-    _with_verifier(target, tmp_path, body)
+    _with_verifier(target, tmp_path, body, idle_poll_s=poll_s)
+
+
+def test_a_loop_poll_keeps_the_loop_awake_until_its_deadline_and_other_tasks_running() -> None:
+    """LoopPoll: each extend moves the deadline on; the loop's passes go on without a sleep
+    while other tasks still run, and stop at the deadline; 0 never polls."""
+
+    async def run() -> None:
+        poll, never = LoopPoll(0.05), LoopPoll(0.0)
+        never.extend()
+        poll.extend()
+        start = time.perf_counter()
+        await asyncio.sleep(0.02)  # another task: it still wakes on time
+        assert time.perf_counter() - start < 0.5
+        poll.extend()  # the deadline moves to 50 ms from here
+        passes = poll.passes
+        await asyncio.sleep(0.03)
+        assert poll.loop is not None and poll.passes > passes > 10
+        await _until(lambda: poll.loop is None)
+        assert time.perf_counter() - start >= 0.07
+        stopped = poll.passes
+        await asyncio.sleep(0.01)
+        assert poll.passes == stopped and never.passes == 0 and never.loop is None
+
+    asyncio.run(run())
 
 
 def _stage_totals(service: str) -> dict[str, tuple[float, float]]:
