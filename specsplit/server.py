@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit import metrics
+from specsplit.affinity import pin_to_cores
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import lane_path
 from specsplit.tls import TLSFiles, add_port
@@ -219,21 +220,6 @@ class ServiceHost:
         await self.server.stop(max(self.grace - (time.monotonic() - started), STOP_SLACK_S))
         await self.servable.close()
         log.info("%s stopped after %.1f s", name, time.monotonic() - started)
-
-
-def pin_to_cores(cores: frozenset[int]) -> None:
-    """Every thread of this process on `cores` only (Linux; threads started later inherit
-    their starter's). At batch 1 a GPU service's round is host work on three processes, and
-    left to the scheduler their threads move between cores (bench/RESULTS.md)."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-        for tid in threads:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setaffinity(tid, cores)
-    except (OSError, AttributeError, ValueError) as err:
-        log.warning("not pinned to cores %s: %s", sorted(cores), err)
-        return
-    log.info("%d threads pinned to cores %s", len(threads), sorted(cores))
 
 
 def freeze_startup() -> None:

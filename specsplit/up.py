@@ -14,9 +14,10 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
+from specsplit.affinity import affinity_plan
 from specsplit.cli_flags import (
     DECODE_STEPS_ON_GPU,
     DEFAULT_PORTS,
@@ -288,33 +289,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-CORES_PER_SERVICE = 2  # a service's main thread (engine calls, its event loop) and the rest
-
-
-def affinity_plan(
-    available: Sequence[int], names: Sequence[str], per_service: int = CORES_PER_SERVICE
-) -> dict[str, set[int]]:
-    """Disjoint cores for each of `names`, `per_service` each, from the top of `available`
-    (the low cores take most interrupts), in the order named; {} when that would leave fewer
-    than two cores for the rest of the machine."""
-    cores = sorted(available, reverse=True)
-    if len(cores) < per_service * len(names) + 2:
-        return {}
-    return {
-        name: set(cores[i * per_service : (i + 1) * per_service]) for i, name in enumerate(names)
-    }
-
-
 def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
     """--cpu-affinity: `on` pins each service to cores of its own (`affinity_plan`; the
     verifier first, then the drafter and the gateway), where the machine has enough, once it is
-    SERVING (each child's --cpu-cores, `specsplit.server.pin_to_cores`: the warm-up's compiles
-    keep every core); `auto`
-    does when the verifier and the drafter both run on a GPU, whose rounds are bound by host
-    work; `off` leaves them where the OS puts them. On two H200s (32 cores), batch-1 draft-ahead
-    rounds through the services (SmolLM2-shaped, the shipped head) ran 1.61 ms against 2.19
-    unpinned, 606 against 447 tokens/s, the verifier's launch 0.70 ms of host work against 1.11
-    (one run each, bench/RESULTS.md). A CPU service computes on its cores: not pinned."""
+    SERVING (each child's --cpu-cores, `specsplit.affinity.pin_to_cores`: the warm-up's compiles
+    keep every core); `auto` does when the verifier and the drafter both run on a GPU, whose
+    rounds are bound by host work; `off` leaves them where the OS puts them. On two H200s (32
+    cores), batch-1 draft-ahead rounds through the services (SmolLM2-shaped, the shipped head)
+    ran 1.61 ms against 2.19 unpinned, 606 against 447 tokens/s, the verifier's launch 0.70 ms
+    of host work against 1.11 (one run each, bench/RESULTS.md). A CPU service computes on its
+    cores: not pinned."""
     on = args.cpu_affinity == "on" or (
         args.cpu_affinity == "auto"
         and all(d.startswith("cuda") for d in (args.device, args.drafter_device or args.device))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import cli, cli_flags, up
+from specsplit import affinity, cli, cli_flags, up
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
 
@@ -329,18 +329,18 @@ def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
 
 def test_affinity_plan_gives_each_service_cores_of_its_own_from_the_top_or_none() -> None:
     names = ("verifier", "drafter", "gateway")
-    assert up.affinity_plan(range(16), names) == {
+    assert affinity.affinity_plan(range(16), names) == {
         "verifier": {14, 15},
         "drafter": {12, 13},
         "gateway": {10, 11},
     }
-    assert up.affinity_plan([0, 2, 4, 6, 8, 10, 12, 14], names) == {
+    assert affinity.affinity_plan([0, 2, 4, 6, 8, 10, 12, 14], names) == {
         "verifier": {12, 14},
         "drafter": {8, 10},
         "gateway": {4, 6},
     }  # the cores up may use, whatever their numbers
-    assert up.affinity_plan(range(7), names) == {}  # two left for the rest: 8 at least
-    assert up.affinity_plan(range(2), names) == {}
+    assert affinity.affinity_plan(range(7), names) == {}  # two left for the rest: 8 at least
+    assert affinity.affinity_plan(range(2), names) == {}
 
 
 def test_cpu_affinity_pins_only_when_asked_and_the_cores_are_there(
@@ -406,7 +406,7 @@ def test_pin_to_cores_pins_every_thread_of_the_process_and_those_started_after()
     core = max(os.sched_getaffinity(0))
     script = f"""
 import os, threading
-from specsplit.server import pin_to_cores
+from specsplit.affinity import pin_to_cores
 started = threading.Event()
 done = threading.Event()
 def wait():
