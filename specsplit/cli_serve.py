@@ -64,7 +64,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tls": tls_files(args),
         "engine_calls": args.engine_calls,
         "cpu_cores": args.cpu_cores,
-        "idle_poll_s": max(args.idle_poll_ms, 0.0) / 1e3,
+        "idle_poll_s": args.idle_poll_ms / 1e3,  # (<= 0: LoopPoll never polls)
     }
 
 

@@ -312,19 +312,24 @@ class LoopPoll:
     every other task still runs. A thread asleep in epoll wakes late, and its core runs the
     next call slower: the drafter's host work for a SmolLM2 round at batch 1 took 1.6 ms
     back to back and 2.6 ms after 3 ms asleep (bench/draft_step.py --gap-ms, one H100 host).
-    Where a CPU engine needs the cores, polling slows it: 0 = never."""
+    Polling that waits for answers (`extend(until=...)`, the gateway's) stops as soon as
+    they have all come. Where a CPU engine needs the cores, polling slows it: 0 = never."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.deadline = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop polled, while polling
+        self.awaited: list[asyncio.Future[Any]] = []  # answers polled for (none: to the deadline)
         self.passes = 0  # the loop's passes polled (tests)
 
-    def extend(self) -> None:
-        """Poll until `seconds` from now."""
+    def extend(self, until: asyncio.Future[Any] | None = None) -> None:
+        """Poll until `seconds` from now; given `until`, only until then or once it and every
+        other answer polled for is done."""
         if self.seconds <= 0:
             return
         self.deadline = time.perf_counter() + self.seconds
+        if until is not None:
+            self.awaited = [*(f for f in self.awaited if not f.done()), until]
         loop = asyncio.get_running_loop()
         if self.loop is not loop:  # not polling (or a loop closed mid-poll)
             self.loop = loop
@@ -334,10 +339,11 @@ class LoopPoll:
         if loop is not self.loop:
             return
         self.passes += 1
-        if time.perf_counter() < self.deadline:
+        answered = bool(self.awaited) and all(f.done() for f in self.awaited)
+        if not answered and time.perf_counter() < self.deadline:
             loop.call_soon(self._poll, loop)
         else:
-            self.loop = None
+            self.loop, self.awaited = None, []
 
 
 class LaneSocket:
@@ -372,12 +378,12 @@ class LaneSocket:
             raise
 
     async def _answer(self, stream: FrameStream) -> Frame:
-        """The response frame. While it is awaited the event loop keeps polling (`LoopPoll`,
-        up to the connection's `spin_s` after the request): a process that sleeps through an
+        """The response frame. While it is awaited the event loop keeps polling (`LoopPoll`:
+        until it comes, at most the connection's `spin_s`): a process that sleeps through an
         engine call wakes ~0.1 ms late when the answer comes (bench/rpc_overhead.py: the echo
         that holds its loop 1.5 ms)."""
         answer = asyncio.ensure_future(stream.read())
-        self.poll.extend()
+        self.poll.extend(until=answer)
         try:
             return await answer
         finally:

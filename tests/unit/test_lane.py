@@ -182,6 +182,28 @@ def test_a_loop_poll_keeps_the_loop_awake_until_its_deadline_and_other_tasks_run
     asyncio.run(run())
 
 
+def test_a_loop_poll_for_answers_stops_once_they_have_all_come() -> None:
+    """The gateway's polling (`extend(until=answer)`) ends with its last answer, long before
+    the deadline; an answer still out keeps it going."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        poll = LoopPoll(10.0)
+        first, second = loop.create_future(), loop.create_future()
+        poll.extend(until=first)
+        poll.extend(until=second)
+        await asyncio.sleep(0.01)
+        first.set_result(None)
+        await asyncio.sleep(0.01)
+        assert poll.loop is not None  # the second answer is still out
+        second.set_result(None)
+        start = time.perf_counter()
+        await _until(lambda: poll.loop is None)
+        assert time.perf_counter() - start < 1.0 and poll.awaited == []
+
+    asyncio.run(run())
+
+
 def _stage_totals(service: str) -> dict[str, tuple[float, float]]:
     """(count, sum in seconds) of the gateway's RPC stages for `service`, by stage."""
     sample = REGISTRY.get_sample_value
