@@ -7,7 +7,7 @@ tokens. "target only" is the serial services with speculation off per request (n
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
         [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
         [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6] [--repeat 3]
-        [--prompt-groups 4]
+        [--prompt-groups 4] [--ups 2]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
 rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
@@ -28,6 +28,13 @@ spread between `up` starts was ~+-25% at 64 tokens a stream, thirty-sixth sessio
 `batch` bundled prompts (16 of them, reused past the last), so a run covers several prompts'
 acceptance and lasts G times as long: at batch 1 one stream of 128 tokens took ~0.25 s and runs
 scattered by +-30% (thirty-ninth session).
+
+--ups N: the modes' `up`s N times in turn (serial, ahead-plain, serial, ahead-plain, ...), each
+mode's runs pooled over its `up`s; every `up` also times target-only, the yardstick of its own
+`up`. Runs within one `up` agree to a few percent while `up` starts on one machine differed by
++-15-25% (forty-fourth session), so one `up` per mode measures the `up` as much as the mode: the
+ratios are printed per pair of `up`s, as is, and with each mode's tokens/s over the target-only
+of its own `up`.
 """
 
 from __future__ import annotations
@@ -205,6 +212,44 @@ def print_gated_rounds(
             print(f"| {mode} | {batch} | " + " | ".join(cells) + " |")
 
 
+def print_ups(
+    up_rates: dict[tuple[str, int], list[float]],
+    up_target: dict[tuple[str, int], list[float]],
+    batches: list[int],
+    others: list[str],
+) -> None:
+    """--ups: each `up`'s median tokens/s of a mode and of target-only in that `up`; each mode's
+    ratio to serial per pair of `up`s (the i-th of each), as is and with each over its own `up`'s
+    target-only (an `up` that ran slow ran its target-only slow too), and their medians."""
+    print("by `up` (tokens/s, the `up`'s median run; target-only in the same `up` after '/'):")
+    for batch in batches:
+        for mode in ("serial", *others):
+            cells = ", ".join(
+                f"{r:.1f} / {t:.1f}"
+                for r, t in zip(up_rates[(mode, batch)], up_target[(mode, batch)], strict=True)
+            )
+            print(f"  {mode} batch {batch}: {cells}")
+        serial = up_rates[("serial", batch)]
+        serial_norm = [r / t for r, t in zip(serial, up_target[("serial", batch)], strict=True)]
+        for mode in others:
+            rates = up_rates[(mode, batch)]
+            norm = [r / t for r, t in zip(rates, up_target[(mode, batch)], strict=True)]
+            plain = [r / s for r, s in zip(rates, serial, strict=True)]
+            yardstick = [n / s for n, s in zip(norm, serial_norm, strict=True)]
+            print(
+                f"  {mode} / serial batch {batch} by pair of `up`s: "
+                f"{', '.join(f'{x:.2f}' for x in plain)} (median {_median(plain):.2f}x); "
+                f"each over its `up`'s target-only: {', '.join(f'{x:.2f}' for x in yardstick)} "
+                f"(median {_median(yardstick):.2f}x)"
+            )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def _per_call(seconds: float, calls: float) -> str:
     return f"{1e3 * seconds / calls:.2f}" if calls else "-"
 
@@ -264,6 +309,12 @@ def main() -> None:
         "--repeat", type=int, default=1, help="timed runs of each (mode, batch); the median's"
     )
     parser.add_argument(
+        "--ups",
+        type=int,
+        default=1,
+        help="each mode's `up` this many times, the modes in turn; target-only timed in each",
+    )
+    parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     parser.add_argument(
@@ -299,16 +350,22 @@ def main() -> None:
     # (mode, batch): the median run's (tokens of each stream, wall), and every run's (tokens,
     # wall)
     results: dict[tuple[str, int], tuple[list[list[int]], float]] = {}
+    every_run: dict[tuple[str, int], list[tuple[list[list[int]], float]]] = {}
     runs: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over each run
+    totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over its runs
     parts: dict[str, Buckets] = {}
+    # (mode, batch): each `up`'s median tokens/s, and target-only's in that `up`
+    up_rates: dict[tuple[str, int], list[float]] = {}
+    up_target: dict[tuple[str, int], list[float]] = {}
 
     def timed(
         stub: gateway_pb2_grpc.GatewayStub,
         key: tuple[str, int],
         groups: list[list[list[int]]],
         spec: Any = None,
-    ) -> None:
+    ) -> float:
+        """key's runs in this `up`, pooled with its earlier `up`s'; this `up`'s median
+        tokens/s."""
         # kernels first built (and the overlap gate's choice made)
         warmup = GATED_WARMUP_TOKENS if key[0] == "gated" else WARMUP_TOKENS
         run_batch(stub, groups[0], warmup, spec, args.temperature, synthetic)
@@ -317,12 +374,17 @@ def main() -> None:
             run_groups(stub, groups, args.max_new_tokens, spec, args.temperature, synthetic)
             for _ in range(args.repeat)
         ]
-        runs[key] = [(sum(map(len, out)), wall) for out, wall in timed_runs]
-        results[key] = sorted(timed_runs, key=lambda run: sum(map(len, run[0])) / run[1])[
-            len(timed_runs) // 2
+        after: Totals = Counter(scrape_totals())
+        after.subtract(before)
+        totals.setdefault(key, Counter()).update(after)
+        runs.setdefault(key, []).extend((sum(map(len, out)), wall) for out, wall in timed_runs)
+        pooled = every_run.setdefault(key, [])
+        pooled += timed_runs
+        results[key] = sorted(pooled, key=lambda run: sum(map(len, run[0])) / run[1])[
+            len(pooled) // 2
         ]
-        totals[key] = Counter(scrape_totals())
-        totals[key].subtract(before)
+        rates = sorted(sum(map(len, out)) / wall for out, wall in timed_runs)
+        return rates[len(rates) // 2]
 
     synthetic = args.synthetic_acceptance is not None
     if synthetic:
@@ -331,7 +393,7 @@ def main() -> None:
     modes = tuple(args.modes)
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
-    for mode in modes:
+    for mode in [m for _ in range(args.ups) for m in modes]:
         flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early").removesuffix("-plain"))
         if mode.startswith("groups"):  # (other modes: `up`'s default, on with two GPUs)
             flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
@@ -355,11 +417,17 @@ def main() -> None:
                     [chats[(g * batch + i) % len(chats)] for i in range(batch)]
                     for g in range(args.prompt_groups)
                 ]
-                timed(stub, (mode, batch), groups, spec)
-                if mode == "serial":
-                    timed(stub, ("target", batch), groups, TARGET_ONLY)
-            parts[mode] = Counter(scrape_buckets())
-            parts[mode].subtract(before)
+                up_rates.setdefault((mode, batch), []).append(
+                    timed(stub, (mode, batch), groups, spec)
+                )
+                if mode == "serial" or args.ups > 1:  # target-only's own key: serial `up`s'
+                    target_key = ("target" if mode == "serial" else f"target in {mode}", batch)
+                    up_target.setdefault((mode, batch), []).append(
+                        timed(stub, target_key, groups, TARGET_ONLY)
+                    )
+            spent: Buckets = Counter(scrape_buckets())
+            spent.subtract(before)
+            parts.setdefault(mode, Counter()).update(spent)
             if mode == "gated":
                 chosen = sorted(scrape_overlap_modes().items())
                 gate_choices = ", ".join(f"batch <= {b}: {m}" for b, m in chosen) or "none yet"
@@ -398,8 +466,12 @@ def main() -> None:
         print(f"the overlap gate's choices (gated): {gate_choices}")
     if args.repeat > 1:
         for key, each in runs.items():
-            cells = ", ".join(f"{n / w:.1f}" for n, w in each)
-            print(f"{'target only' if key[0] == 'target' else key[0]} batch {key[1]} runs: {cells}")
+            listed = ", ".join(f"{n / w:.1f}" for n, w in each)
+            print(
+                f"{'target only' if key[0] == 'target' else key[0]} batch {key[1]} runs: {listed}"
+            )
+    if args.ups > 1:
+        print_ups(up_rates, up_target, args.batch, others)
     print_time_spent(runs, totals, args.batch, modes)
     if args.speculation_gate == "on":
         print_gated_rounds(totals, args.batch, modes)

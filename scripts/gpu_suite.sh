@@ -7,7 +7,7 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
-#       [ahead1-pin] [idle-poll]
+#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -22,7 +22,9 @@
 # the device in process, alternating; affinity: `up --cpu-affinity` off / on / on / off
 # ($AFFINITY_MODES), batch-1 draft-ahead through the services on random SmolLM2 weights
 # (bench/profile_services.py); ahead1-pin: ahead1 pinned and not ($AFFINITY_MODES, default on off);
-# idle-poll: the services' loops polling between rounds (--idle-poll-ms 20) or asleep, pinned
+# idle-poll: the services' loops polling between rounds (--idle-poll-ms 20) or asleep;
+# ahead1-ups: ahead1 with each mode's `up` twice, in turn; drift: four `up`s of one setup, the
+# GPUs' clocks and the services' threads' cores sampled beside each
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -382,14 +384,43 @@ for part in "${parts[@]}"; do
           --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--cpu-affinity=$pin
       done ;;
     idle-poll)  # the drafter's and verifier's loops polling their round lanes between rounds
-      # (`up --idle-poll-ms 20`) against asleep (0), in turn ($IDLE_POLL_MODES), each service on
-      # cores of its own (up's default on GPUs): batch-1 draft-ahead through the services,
+      # (`up --idle-poll-ms 20`) against asleep (0), in turn ($IDLE_POLL_MODES), unpinned
+      # (up's default; --cpu-affinity on ran alike): batch-1 draft-ahead through the services,
       # random SmolLM2 + the shipped head (bench/profile_services.py unprofiled)
       random_smollm2
       for poll in ${IDLE_POLL_MODES:-0 20 20 0}; do
         run "idle_poll_$poll" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--idle-poll-ms=$poll
+      done ;;
+    ahead1-ups)  # ahead1 with each mode's `up` $AHEAD_UPS times in turn (default 2; target-only
+      # timed in each `up`: bench/overlap.py --ups), two runs an `up`
+      run ahead1_ups python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+        --max-new-tokens 128 --repeat 2 --prompt-groups 8 --modes serial ahead-plain \
+        --ups "${AHEAD_UPS:-2}" ;;
+    drift)  # why one `up` runs faster than the next: $DRIFT_UPS `up`s (default 4) of one setup
+      # (batch-1 draft-ahead through the services, random SmolLM2 + the shipped head, 1024
+      # tokens), each with the GPUs' clocks sampled beside it (nvidia-smi every 100 ms:
+      # $OUT/drift_smi_N.csv) and the cores its services' threads ran on (ps every 0.5 s:
+      # $OUT/drift_ps_N.txt); the run's end time stamped in drift_N.txt
+      random_smollm2
+      lscpu -e >"$out/drift_topology.txt" 2>&1
+      for i in $(seq "${DRIFT_UPS:-4}"); do
+        nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,utilization.gpu \
+          --format=csv,noheader -lms 100 >"$out/drift_smi_$i.csv" 2>&1 &
+        local_smi=$!
+        while true; do
+          pids=$(pgrep -d, -f "serve-(verifier|drafter|gateway)")
+          [[ -n $pids ]] && { date +%s.%N; ps -Lo pid,tid,psr,pcpu,comm --no-headers -p "$pids"; }
+          sleep 0.5
+        done >"$out/drift_ps_$i.txt" 2>/dev/null &
+        local_ps=$!
+        run "drift_$i" python3 bench/profile_services.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 --max-new-tokens 1024 --top 0 --overlap ahead
+        echo "ended $(date +%s.%N)" >>"$out/drift_$i.txt"
+        kill "$local_smi" "$local_ps"
       done ;;
     ahead1-pin)  # ahead1 (real weights: $SMOLLM2_GGUF) with each service pinned and not, in turn
       for pin in ${AFFINITY_MODES:-on off}; do

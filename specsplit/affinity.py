@@ -1,8 +1,9 @@
-"""Where a service's threads run: `specsplit up` gives each of its three processes cores of its
-own where both engines are on a GPU (`--cpu-affinity`), and each service pins every thread of it
-to them once loaded (`--cpu-cores`, `specsplit.server.ServiceHost`). At batch 1 a GPU round is
-host work on three processes; left to the scheduler their threads moved between cores, and every
-host phase ran 25-47% longer (two H200s, bench/RESULTS.md, forty-third session)."""
+"""Where a service's threads run: `specsplit up --cpu-affinity on` gives each of its three
+processes cores of its own, and each service pins every thread of it to them once loaded
+(`--cpu-cores`, `specsplit.server.ServiceHost`). Off by default: on two H200s, batch-1 rounds
+through the services ran alike pinned and not, alternating runs (bench/RESULTS.md,
+forty-fourth session); one earlier run each (25-47% shorter host phases pinned) came first on a
+fresh machine and measured the machine warming up."""
 
 from __future__ import annotations
 

@@ -120,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag(up, "--tls", "off", f"{tls_help}; off = plaintext", choices=("off", "auto"))
     affinity_help = (
         "on: each service's process runs on 2 cores of its own (the verifier on the highest,"
-        " then the drafter, then the gateway), where at least 8 are there; auto: on when the"
-        " verifier and the drafter both run on a GPU; off: where the OS puts them"
+        " then the drafter, then the gateway), where at least 8 are there; off: where the OS"
+        " puts them"
     )
-    flag(up, "--cpu-affinity", "auto", affinity_help, choices=("auto", "on", "off"))
+    flag(up, "--cpu-affinity", "off", affinity_help, choices=("on", "off"))
 
     generate = commands.add_parser("generate", help="stream a generation from a gateway")
     generate.add_argument("prompt", help="prompt text")

@@ -290,19 +290,14 @@ def _die_with_parent() -> None:
 
 
 def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
-    """--cpu-affinity: `on` pins each service to cores of its own (`affinity_plan`; the
-    verifier first, then the drafter and the gateway), where the machine has enough, once it is
-    SERVING (each child's --cpu-cores, `specsplit.affinity.pin_to_cores`: the warm-up's compiles
-    keep every core); `auto` does when the verifier and the drafter both run on a GPU, whose
-    rounds are bound by host work; `off` leaves them where the OS puts them. On two H200s (32
-    cores), batch-1 draft-ahead rounds through the services (SmolLM2-shaped, the shipped head)
-    ran 1.61 ms against 2.19 unpinned, 606 against 447 tokens/s, the verifier's launch 0.70 ms
-    of host work against 1.11 (one run each, bench/RESULTS.md). A CPU service computes on its
-    cores: not pinned."""
-    on = args.cpu_affinity == "on" or (
-        args.cpu_affinity == "auto"
-        and all(d.startswith("cuda") for d in (args.device, args.drafter_device or args.device))
-    )
+    """--cpu-affinity on: each service pinned to cores of its own (`affinity_plan`; the verifier
+    first, then the drafter and the gateway), where the machine has enough, once it is SERVING
+    (each child's --cpu-cores, `specsplit.affinity.pin_to_cores`: the warm-up's compiles keep
+    every core); off (the default): where the OS puts them. Off by default because it did not
+    pay: on two H200s, batch-1 draft-ahead rounds through the services (SmolLM2-shaped, the
+    shipped head), alternating, ran 574 tokens/s pinned against 572 unpinned (mean of four
+    `up`s each; every run within +-15% of its mode's mean, bench/RESULTS.md)."""
+    on = args.cpu_affinity == "on"
     if not on or not hasattr(os, "sched_getaffinity"):
         return {}
     plan = affinity_plan(sorted(os.sched_getaffinity(0)), ("verifier", "drafter", "gateway"))

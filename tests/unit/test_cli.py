@@ -354,10 +354,9 @@ def test_cpu_affinity_pins_only_when_asked_and_the_cores_are_there(
 
     assert plan("--cpu-affinity", "on", "--device", "cpu") == pinned
     assert plan("--cpu-affinity", "off", "--device", "cuda:1", "--drafter-device", "cuda:0") == {}
-    # auto: only where both engines run on a GPU (a CPU engine computes on its cores)
-    assert plan("--device", "cuda:1", "--drafter-device", "cuda:0") == pinned
-    assert plan("--device", "cuda") == pinned
-    assert plan("--device", "cuda", "--drafter-device", "cpu") == {}
+    # off by default, on a GPU too: pinned and not ran alike there
+    assert plan("--device", "cuda:1", "--drafter-device", "cuda:0") == {}
+    assert plan("--device", "cuda", "--cpu-affinity", "on") == pinned
     assert plan("--device", "cpu") == {}
     monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert plan("--cpu-affinity", "on") == {}
@@ -375,7 +374,6 @@ def test_up_resolves_device_auto_before_it_picks_the_gpu_defaults(
     assert (args.device, args.drafter_device) == ("cuda", None)
     assert up.gateway_speculation_gate(args) == "on"
     assert up.gateway_lane_poll_ms(args) == up.LANE_POLL_MS_ON_GPU
-    assert up.cpu_affinity(args) != {}
     args = cli.parse_args(["up", "--drafter-device", "auto", "--device", "cpu"])
     up.resolve_devices(args)
     assert (args.device, args.drafter_device) == ("cpu", "cuda")
@@ -383,14 +381,16 @@ def test_up_resolves_device_auto_before_it_picks_the_gpu_defaults(
     args = cli.parse_args(["up"])
     up.resolve_devices(args)
     assert args.device == "cpu"
-    assert (up.gateway_speculation_gate(args), up.cpu_affinity(args)) == ("off", {})
+    assert up.gateway_speculation_gate(args) == "off"
 
 
 def test_up_hands_each_pinned_service_its_cores_and_they_parse_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    args = cli.parse_args(["up", "--device", "cuda:1", "--drafter-device", "cuda:0"])
+    args = cli.parse_args(
+        ["up", "--device", "cuda:1", "--drafter-device", "cuda:0", "--cpu-affinity", "on"]
+    )
     children = {name: _child_args(argv) for name, argv in up.child_commands(args).items()}
     cores = {name: child.cpu_cores for name, child in children.items()}
     assert cores == {"verifier": {30, 31}, "drafter": {28, 29}, "gateway": {26, 27}}
