@@ -46,6 +46,14 @@ from specsplit.tree import DRAFT_SUPPORT, DraftProbs
 
 log = logging.getLogger(__name__)
 
+# a fused key (catch-up in the run) not captured at warm-up is captured at its round that asks
+# for it this many times at one batch bucket (`DeviceExpansion.ready`): a shape that keeps
+# coming (a client's own spec, `--ahead-guesses 4`, the short chains near max_new_tokens) gets
+# the one-replay run, a one-off keeps the unfused path rather than a 10-50 ms capture in
+# traffic. Unfused, a Draft of a chain of 2 took 1.35 ms on two H200s against 0.63 for the
+# fused default chain of 3 (SmolLM2 + the shipped head, batch 1, bench/RESULTS.md)
+FUSED_CAPTURE_AFTER = 8
+
 # one frontier forward: (batch, features [T, width] or None) -> (logits [T, scored] float32 in
 # the vocabulary the forwards score (DeviceExpansion's `scored_ids`), the step's per-row
 # outputs for the next step's features or None)
@@ -289,6 +297,8 @@ class DeviceExpansion:
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
         self.captured: dict[tuple[Shape | Ahead, int], tuple[torch.cuda.CUDAGraph, _Inputs]] = {}
+        # how often `ready` was asked for each (key, bucket) not captured
+        self.asked: dict[tuple[Shape | Ahead, int], int] = {}
         # pinned host mirrors of each graph's meta input and packed output, its sampling input
         # and the supports' probabilities
         self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
@@ -301,11 +311,16 @@ class DeviceExpansion:
         self.host_rows: torch.Tensor | None = None
 
     def ready(self, key: Shape | Ahead, bs: int) -> bool:
-        """Whether an expansion of `key` for `bs` rows runs without a capture first: eagerly,
-        or from a graph already captured (a fused catch-up's keys are captured at warm-up for
-        the usual shapes only; others take the unfused path)."""
+        """Whether an expansion of `key` (a fused catch-up's) for `bs` rows is to run: eagerly,
+        from a graph already captured (warm-up captures the usual shapes), or from one its
+        `expand` captures now, this being the FUSED_CAPTURE_AFTER-th time the key was asked
+        for at this batch bucket; False before that (the caller takes the unfused path)."""
         bucket = self._bucket(bs)
-        return not self.graphs or bucket is None or (key, bucket) in self.captured
+        if not self.graphs or bucket is None or (key, bucket) in self.captured:
+            return True
+        asked = self.asked.get((key, bucket), 0) + 1
+        self.asked[(key, bucket)] = asked
+        return asked >= FUSED_CAPTURE_AFTER
 
     def _bucket(self, bs: int) -> int | None:
         """The smallest batch bucket that holds `bs` rows (None: none does)."""

@@ -59,9 +59,10 @@ AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
 # keys also captured with the catch-up in the same run (`catch_up`: `TreeProposer._fused_expand`,
 # `_fused_ahead`) at every catch-up length: the gateway's default chain of 3, greedy and
 # sampled (the shorter chains near max_new_tokens catch up first, from their own graphs), and
-# AHEAD_SHAPES. Beside a chain of 3 a draft model catches up the last round's 1-4 new tokens
-# (accepted drafts and the bonus), an EAGLE head 2-5 entries (the gateway sends the root again,
-# which drops its entry), padded to a length in CATCH_UP_LENS
+# AHEAD_SHAPES; other keys once they keep coming (expansion.FUSED_CAPTURE_AFTER). Beside a
+# chain of 3 a draft model catches up the last round's 1-4 new tokens (accepted drafts and the
+# bonus), an EAGLE head 2-5 entries (the gateway sends the root again, which drops its entry),
+# padded to a length in CATCH_UP_LENS
 FUSED_SHAPES: tuple[Shape | Ahead, ...] = (
     *(shape for shape in EXPANSION_SHAPES if shape.num_steps == 3),
     *AHEAD_SHAPES,
@@ -354,8 +355,9 @@ class TreeProposer:
         one graph replay on a GPU, no host work between the two), or None where `jobs` cannot:
         every job drafts on the device with one key (`key_of`; None: it cannot) and catches up
         the same number of entries in one step ending at its root (`_catch_up_starts` pads the
-        lengths), and the key's graph is captured (warm-up: the usual shapes) where graphs run.
-        Then the catch-up runs first, as it did before."""
+        lengths), and the key's graph is captured where graphs run (warm-up: the usual shapes;
+        others once asked for often enough, `DeviceExpansion.ready`). Otherwise the catch-up
+        runs first, as it did before."""
         if not (self.fused_catch_up and jobs and len(drafting) == len(steps) == len(jobs)):
             return None
         q = len(steps[0].input_ids)

@@ -15,7 +15,7 @@ import torch
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
-from drafter.expansion import Ahead
+from drafter.expansion import FUSED_CAPTURE_AFTER, Ahead, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
@@ -56,6 +56,7 @@ def _rounds(
     batch: int,
     spec: SpecParams,
     sampling: SamplingParams | None = None,  # each sequence's, seeded by its index
+    rounds: int = 4,
 ) -> tuple[list[list[tuple]], int]:
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(batch)
@@ -64,7 +65,7 @@ def _rounds(
     ]
     held: dict[int, int] = {}
     trees = []
-    for r in range(4):
+    for r in range(rounds):
         inputs = []
         for b in range(batch):
             if r:
@@ -167,6 +168,28 @@ def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
     assert set(runner.captured) == before
     chains = [key for key, _ in before if not isinstance(key, Ahead)]
     assert {shape.num_steps for shape in chains if shape.sampled == sampled} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_shape_that_keeps_coming_gets_its_fused_graph_and_drafts_the_same(
+    models, kind: str
+) -> None:
+    """A chain of 2 in every round (a client's own spec): warm-up captured its expansion but not
+    with the catch-up inside, so its first rounds catch up first; from its FUSED_CAPTURE_AFTER-th
+    round at a batch bucket the catch-up runs inside the expansion's graph, captured then, and
+    the drafts are still the host expansion's."""
+    spec = SpecParams(2, 1, 2)
+    rounds = FUSED_CAPTURE_AFTER + 4
+    graphs = _engine(models, kind, graphs=True, device_expansion=True)
+    runner = graphs.proposer.device_expansion_runner  # type: ignore[attr-defined]
+    before = set(runner.captured)
+    got = _rounds(graphs, 1, spec, rounds=rounds)
+    new = {key for key, _ in set(runner.captured) - before}
+    assert new and all(
+        isinstance(key, Shape) and key.num_steps == 2 and key.catch_up for key in new
+    ), new
+    want = _rounds(_engine(models, kind, False, False), 1, spec, rounds=rounds)
+    assert got == want
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])

@@ -15,7 +15,7 @@ import specsplit.model.llama
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
-from drafter.expansion import Candidates, DeviceExpansion, Shape
+from drafter.expansion import FUSED_CAPTURE_AFTER, Candidates, DeviceExpansion, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer, select_tree
 from specsplit.kernels.paged_attention import _check_inputs
@@ -364,3 +364,27 @@ def test_a_drafts_catch_up_in_its_expansions_run_drafts_the_same_trees(
     # every round runs fused; with three sequences but the first (their prompts' catch-ups,
     # of 6-13 entries, are longer than the longest padded length)
     assert fused_rounds == [5 if padded else 6, 0]
+
+
+def test_a_fused_key_missed_at_warm_up_is_captured_once_it_keeps_coming(
+    models: dict[str, Path],
+) -> None:
+    """Where graphs run, a fused catch-up's key that warm-up did not capture (a client's own
+    spec, other draft-ahead guesses) takes the unfused path until it has been asked for
+    FUSED_CAPTURE_AFTER times at one batch bucket, then runs (its `expand` captures it): a
+    one-off costs no capture in traffic, a shape that keeps coming gets the one-replay run.
+    Each bucket counts its own; a captured key, or no graphs (the CPU), runs at once."""
+    proposer = _engine(models, "model", 16, on_device=True).proposer
+    assert isinstance(proposer, TreeProposer)
+    runner = proposer._expansion()
+    key = Shape(1, 2, catch_up=2)
+    assert all(runner.ready(key, 1) for _ in range(2 * FUSED_CAPTURE_AFTER))  # no graphs: eager
+    runner.graphs = True  # as on a GPU: `ready` only counts, nothing is captured here
+    runner.asked.clear()
+    answers = [runner.ready(key, 1) for _ in range(FUSED_CAPTURE_AFTER)]
+    assert answers == [False] * (FUSED_CAPTURE_AFTER - 1) + [True]
+    assert not runner.ready(key, 3)  # batch 3's bucket counts its own
+    assert not runner.ready(Shape(1, 2, catch_up=4), 1)  # so does another catch-up length
+    warmed = Shape(1, 3, catch_up=2)
+    runner.captured[(warmed, 1)] = (None, None)  # type: ignore[assignment]  # as warm-up leaves it
+    assert runner.ready(warmed, 1)
