@@ -7,7 +7,7 @@ tokens. "target only" is the serial services with speculation off per request (n
         [--drafter-device DEVICE] [--model PATH] [--drafter KIND] [--draft-model PATH]
         [--spec 5x4x16 | --speculation-gate on] [--modes serial groups ahead both]
         [--services-log FILE] [--synthetic-acceptance 0.8,0.7,0.6] [--repeat 3]
-        [--prompt-groups 4] [--ups 2]
+        [--prompt-groups 4] [--ups 2] [--variant "--ahead-guesses=4"]
 
 Prints tokens/s per (mode, batch), the ratios to target-only and to serial, draft-ahead's hit
 rate (rounds whose tree was drafted ahead, of those with trees drafted ahead), and each mode's
@@ -35,6 +35,10 @@ mode's runs pooled over its `up`s; every `up` also times target-only, the yardst
 +-15-25% (forty-fourth session), so one `up` per mode measures the `up` as much as the mode: the
 ratios are printed per pair of `up`s, as is, and with each mode's tokens/s over the target-only
 of its own `up`.
+
+--variant ARGS: each mode but serial also run with these `up` arguments (after every other),
+as a mode of its own named "MODE ARGS": a knob A/B'd in the same run, against the same serial
+and target-only (with --ups, in turn with the others).
 """
 
 from __future__ import annotations
@@ -315,6 +319,13 @@ def main() -> None:
         help="each mode's `up` this many times, the modes in turn; target-only timed in each",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="each mode but serial also with these `up` arguments, as a mode of its own;"
+        " repeatable (e.g. --variant=--ahead-guesses=4)",
+    )
+    parser.add_argument(
         "--services-log", default=None, help="append the services' output (logs) to this file"
     )
     parser.add_argument(
@@ -367,7 +378,7 @@ def main() -> None:
         """key's runs in this `up`, pooled with its earlier `up`s'; this `up`'s median
         tokens/s."""
         # kernels first built (and the overlap gate's choice made)
-        warmup = GATED_WARMUP_TOKENS if key[0] == "gated" else WARMUP_TOKENS
+        warmup = GATED_WARMUP_TOKENS if key[0].partition(" ")[0] == "gated" else WARMUP_TOKENS
         run_batch(stub, groups[0], warmup, spec, args.temperature, synthetic)
         before = scrape_totals()
         timed_runs = [
@@ -393,11 +404,13 @@ def main() -> None:
     modes = tuple(args.modes)
     if "serial" not in modes:
         parser.error("--modes needs serial (target-only runs with it, and every ratio is to it)")
+    modes += tuple(f"{m} {v}" for v in args.variant for m in args.modes if m != "serial")
     for mode in [m for _ in range(args.ups) for m in modes]:
-        flags: tuple[str, ...] = ("--overlap", mode.removesuffix("-early").removesuffix("-plain"))
-        if mode.startswith("groups"):  # (other modes: `up`'s default, on with two GPUs)
-            flags += ("--early-verify" if mode.endswith("-early") else "--no-early-verify",)
-        flags += ("--ahead-miss", "plain" if mode.endswith("-plain") else "draft")
+        base, _, variant = mode.partition(" ")  # a --variant's mode: "MODE ARGS"
+        flags: tuple[str, ...] = ("--overlap", base.removesuffix("-early").removesuffix("-plain"))
+        if base.startswith("groups"):  # (other modes: `up`'s default, on with two GPUs)
+            flags += ("--early-verify" if base.endswith("-early") else "--no-early-verify",)
+        flags += ("--ahead-miss", "plain" if base.endswith("-plain") else "draft")
         flags += ("--decode-ahead", args.decode_ahead)
         if args.decode_ahead_max_batch is not None:
             flags += ("--decode-ahead-max-batch", args.decode_ahead_max_batch)
@@ -407,7 +420,7 @@ def main() -> None:
             flags += ("--chain-rounds", args.chain_rounds)
         if synthetic:
             flags += ("--synthetic-acceptance", args.synthetic_acceptance)
-        flags += tuple(args.up_arg)
+        flags += tuple(args.up_arg) + tuple(variant.split())
         with services(args, flags) as stub:
             run_batch(stub, chats[:2], 8)  # warm-up
             wait_for_drafter(stub, chats[0])
@@ -428,7 +441,7 @@ def main() -> None:
             spent: Buckets = Counter(scrape_buckets())
             spent.subtract(before)
             parts.setdefault(mode, Counter()).update(spent)
-            if mode == "gated":
+            if base == "gated":
                 chosen = sorted(scrape_overlap_modes().items())
                 gate_choices = ", ".join(f"batch <= {b}: {m}" for b, m in chosen) or "none yet"
     print(

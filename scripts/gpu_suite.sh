@@ -7,7 +7,7 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
-#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift]
+#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -24,7 +24,8 @@
 # (bench/profile_services.py); ahead1-pin: ahead1 pinned and not ($AFFINITY_MODES, default on off);
 # idle-poll: the services' loops polling between rounds (--idle-poll-ms 20) or asleep;
 # ahead1-ups: ahead1 with each mode's `up` twice, in turn; drift: four `up`s of one setup, the
-# GPUs' clocks and the services' threads' cores sampled beside each
+# GPUs' clocks and the services' threads' cores sampled beside each; knobs1: ahead1's
+# ahead-plain with 4 guesses and with --chain-rounds off beside it, every `up` twice in turn
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
@@ -399,6 +400,14 @@ for part in "${parts[@]}"; do
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
         --max-new-tokens 128 --repeat 2 --prompt-groups 8 --modes serial ahead-plain \
         --ups "${AHEAD_UPS:-2}" ;;
+    knobs1)  # batch-1 draft-ahead's knobs A/B'd in one run ($SMOLLM2_GGUF + the shipped head):
+      # ahead-plain as `up` ships it, with 4 guesses (fused once they keep coming since
+      # FUSED_CAPTURE_AFTER) and with --chain-rounds off, each mode's `up` twice in turn
+      # against serial and each `up`'s target-only (bench/overlap.py --variant, --ups; ~480 s)
+      run knobs1 python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+        --max-new-tokens 128 --repeat 2 --prompt-groups 8 --modes serial ahead-plain \
+        --variant=--ahead-guesses=4 --variant=--chain-rounds=off --ups 2 ;;
     drift)  # why one `up` runs faster than the next: $DRIFT_UPS `up`s (default 4) of one setup
       # (batch-1 draft-ahead through the services, random SmolLM2 + the shipped head, 1024
       # tokens), each with the GPUs' clocks sampled beside it (nvidia-smi every 100 ms:
