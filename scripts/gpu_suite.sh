@@ -410,26 +410,29 @@ for part in "${parts[@]}"; do
         --variant=--ahead-guesses=4 --variant=--chain-rounds=off --ups 2 ;;
     drift)  # why one `up` runs faster than the next: $DRIFT_UPS `up`s (default 4) of one setup
       # (batch-1 draft-ahead through the services, random SmolLM2 + the shipped head, 1024
-      # tokens), each with the GPUs' clocks sampled beside it (nvidia-smi every 100 ms:
-      # $OUT/drift_smi_N.csv) and the cores its services' threads ran on (ps every 0.5 s:
-      # $OUT/drift_ps_N.txt); the run's end time stamped in drift_N.txt
+      # tokens), each with the GPUs' clocks (nvidia-smi every 100 ms) and the cores its
+      # services' threads ran on (ps every 0.5 s) sampled beside it, in /tmp/drift; the last
+      # seconds' samples summed up in $OUT/drift_N.txt (bench/drift_summary.py: $OUT takes 8
+      # files at most)
       random_smollm2
-      lscpu -e >"$out/drift_topology.txt" 2>&1
+      mkdir -p /tmp/drift
       for i in $(seq "${DRIFT_UPS:-4}"); do
         nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,utilization.gpu \
-          --format=csv,noheader -lms 100 >"$out/drift_smi_$i.csv" 2>&1 &
+          --format=csv,noheader -lms 100 >"/tmp/drift/smi_$i.csv" 2>&1 &
         local_smi=$!
         while true; do
           pids=$(pgrep -d, -f "serve-(verifier|drafter|gateway)")
           [[ -n $pids ]] && { date +%s.%N; ps -Lo pid,tid,psr,pcpu,comm --no-headers -p "$pids"; }
           sleep 0.5
-        done >"$out/drift_ps_$i.txt" 2>/dev/null &
+        done >"/tmp/drift/ps_$i.txt" 2>/dev/null &
         local_ps=$!
         run "drift_$i" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 --max-new-tokens 1024 --top 0 --overlap ahead
-        echo "ended $(date +%s.%N)" >>"$out/drift_$i.txt"
+        ended=$(date +%s.%N)
         kill "$local_smi" "$local_ps"
+        python3 bench/drift_summary.py "/tmp/drift/smi_$i.csv" "/tmp/drift/ps_$i.txt" "$ended" |
+          tee -a "$out/drift_$i.txt"
       done ;;
     ahead1-pin)  # ahead1 (real weights: $SMOLLM2_GGUF) with each service pinned and not, in turn
       for pin in ${AFFINITY_MODES:-on off}; do
