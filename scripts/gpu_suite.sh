@@ -377,12 +377,13 @@ for part in "${parts[@]}"; do
         --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases --torch-profile ;;
     affinity)  # `up --cpu-affinity` off and on in turn ($AFFINITY_MODES): draft-ahead at batch 1
       # through the services, random SmolLM2 + the shipped head (bench/profile_services.py
-      # unprofiled: the round, the verifier's host work between rounds, the RPC stages)
+      # unprofiled: the round, the verifier's host work between rounds, the RPC stages); 1024
+      # rounds a run, where `up`s of one setup agreed to +-4% (+-15-25% with 128-512)
       random_smollm2
       for pin in ${AFFINITY_MODES:-off on on off}; do
         run "affinity_$pin" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-          --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--cpu-affinity=$pin
+          --batch 1 --max-new-tokens 1024 --top 0 --overlap ahead --up-arg=--cpu-affinity=$pin
       done ;;
     idle-poll)  # the drafter's and verifier's loops polling their round lanes between rounds
       # (`up --idle-poll-ms 20`) against asleep (0), in turn ($IDLE_POLL_MODES), unpinned
@@ -392,7 +393,7 @@ for part in "${parts[@]}"; do
       for poll in ${IDLE_POLL_MODES:-0 20 20 0}; do
         run "idle_poll_$poll" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-          --batch 1 --max-new-tokens 128 --top 0 --overlap ahead --up-arg=--idle-poll-ms=$poll
+          --batch 1 --max-new-tokens 1024 --top 0 --overlap ahead --up-arg=--idle-poll-ms=$poll
       done ;;
     ahead1-ups)  # ahead1 with each mode's `up` $AHEAD_UPS times in turn (default 2; target-only
       # timed in each `up`: bench/overlap.py --ups), two runs an `up`
