@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -242,16 +243,27 @@ def print_ups(
             yardstick = [n / s for n, s in zip(norm, serial_norm, strict=True)]
             print(
                 f"  {mode} / serial batch {batch} by pair of `up`s: "
-                f"{', '.join(f'{x:.2f}' for x in plain)} (median {_median(plain):.2f}x); "
+                f"{', '.join(f'{x:.2f}' for x in plain)} (median {statistics.median(plain):.2f}x); "
                 f"each over its `up`'s target-only: {', '.join(f'{x:.2f}' for x in yardstick)} "
-                f"(median {_median(yardstick):.2f}x)"
+                f"(median {statistics.median(yardstick):.2f}x)"
             )
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+# a timed run: each stream's tokens and the wall seconds of them all
+Run = tuple[list[list[int]], float]
+
+
+def _tokens(run: Run) -> int:
+    return sum(map(len, run[0]))
+
+
+def _rate(run: Run) -> float:
+    return _tokens(run) / run[1]
+
+
+def _median_run(runs: list[Run]) -> Run:
+    """The median run by tokens/s (the upper of the middle two: a run that happened)."""
+    return sorted(runs, key=_rate)[len(runs) // 2]
 
 
 def _per_call(seconds: float, calls: float) -> str:
@@ -358,11 +370,8 @@ def main() -> None:
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
-    # (mode, batch): the median run's (tokens of each stream, wall), and every run's (tokens,
-    # wall)
-    results: dict[tuple[str, int], tuple[list[list[int]], float]] = {}
-    every_run: dict[tuple[str, int], list[tuple[list[list[int]], float]]] = {}
-    runs: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    # (mode, batch): every timed run's (tokens of each stream, wall), over all its `up`s
+    every_run: dict[tuple[str, int], list[Run]] = {}
     totals: dict[tuple[str, int], Totals] = {}  # the services' histogram sums over its runs
     parts: dict[str, Buckets] = {}
     # (mode, batch): each `up`'s median tokens/s, and target-only's in that `up`
@@ -375,8 +384,8 @@ def main() -> None:
         groups: list[list[list[int]]],
         spec: Any = None,
     ) -> float:
-        """key's runs in this `up`, pooled with its earlier `up`s'; this `up`'s median
-        tokens/s."""
+        """key's runs in this `up`, kept with its earlier `up`s' (`every_run`); this `up`'s
+        median run's tokens/s."""
         # kernels first built (and the overlap gate's choice made)
         warmup = GATED_WARMUP_TOKENS if key[0].partition(" ")[0] == "gated" else WARMUP_TOKENS
         run_batch(stub, groups[0], warmup, spec, args.temperature, synthetic)
@@ -388,14 +397,8 @@ def main() -> None:
         after: Totals = Counter(scrape_totals())
         after.subtract(before)
         totals.setdefault(key, Counter()).update(after)
-        runs.setdefault(key, []).extend((sum(map(len, out)), wall) for out, wall in timed_runs)
-        pooled = every_run.setdefault(key, [])
-        pooled += timed_runs
-        results[key] = sorted(pooled, key=lambda run: sum(map(len, run[0])) / run[1])[
-            len(pooled) // 2
-        ]
-        rates = sorted(sum(map(len, out)) / wall for out, wall in timed_runs)
-        return rates[len(rates) // 2]
+        every_run.setdefault(key, []).extend(timed_runs)
+        return _rate(_median_run(timed_runs))
 
     synthetic = args.synthetic_acceptance is not None
     if synthetic:
@@ -444,6 +447,9 @@ def main() -> None:
             if base == "gated":
                 chosen = sorted(scrape_overlap_modes().items())
                 gate_choices = ", ".join(f"batch <= {b}: {m}" for b, m in chosen) or "none yet"
+    # each (mode, batch)'s median run over all its `up`s, and every run's (tokens, wall)
+    results = {key: _median_run(each) for key, each in every_run.items()}
+    runs = {key: [(_tokens(r), r[1]) for r in each] for key, each in every_run.items()}
     print(
         f"model {path}, device {args.device}, drafter {args.drafter or 'default'}, "
         f"spec {args.spec or 'the default'}, {args.max_new_tokens} new tokens per stream, "

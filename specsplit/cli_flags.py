@@ -151,8 +151,8 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
     poll_help = (
         "drafter and verifier: how long the event loop keeps polling its round lane after an"
         " answer before it sleeps (a service asleep between rounds wakes late); 0 = never (on"
-        " a CPU the engine needs the cores; on GPUs unpinned it gained nothing, thirty-seventh"
-        " session: an A/B with each service on cores of its own is to come)"
+        " a CPU the engine needs the cores; on GPUs it gained nothing measurable, pinned or"
+        " not)"
     )
     flag(parser, "--idle-poll-ms", 0.0, poll_help, type=float)
 

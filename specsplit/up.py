@@ -297,8 +297,7 @@ def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
     pay: on two H200s, batch-1 draft-ahead rounds through the services (SmolLM2-shaped, the
     shipped head), alternating, ran 574 tokens/s pinned against 572 unpinned (mean of four
     `up`s each; every run within +-15% of its mode's mean, bench/RESULTS.md)."""
-    on = args.cpu_affinity == "on"
-    if not on or not hasattr(os, "sched_getaffinity"):
+    if args.cpu_affinity != "on" or not hasattr(os, "sched_getaffinity"):
         return {}
     plan = affinity_plan(sorted(os.sched_getaffinity(0)), ("verifier", "drafter", "gateway"))
     if not plan:
@@ -501,8 +500,8 @@ def run_up(args: argparse.Namespace) -> int:
 
 def resolve_devices(args: argparse.Namespace) -> None:
     """--device auto (and --drafter-device auto) as the children would resolve it: the defaults
-    `up` picks per device (overlap, the speculation gate, polling, decode steps, CPU affinity)
-    read the device, and would take a GPU's `auto` for a CPU."""
+    `up` picks per device (overlap, the speculation gate, polling, decode steps) read the
+    device, and would take a GPU's `auto` for a CPU."""
     args.device = _resolve_device(args.device)
     if args.drafter_device is not None:
         args.drafter_device = _resolve_device(args.drafter_device)
