@@ -307,7 +307,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--chain-rounds",
-        choices=("on", "off"),
+        choices=("auto", "on", "off"),
         default=None,
         help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
     )

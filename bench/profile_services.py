@@ -275,7 +275,7 @@ def main() -> None:
     parser.add_argument(
         "--chain-rounds",
         default=None,
-        choices=("on", "off"),
+        choices=("auto", "on", "off"),
         help="`up --chain-rounds` (default: its own): hinted rounds chained on the device",
     )
     parser.add_argument(

@@ -189,9 +189,11 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         "with the gateway's draft-ahead hints and the engine's calls on the event loop (a"
         " GPU's): queue the hinted next round on the GPU right behind the round in flight,"
         " placed on the outcome that came by two device kernels (no wait between the rounds),"
-        " instead of launching it once the round is answered (bench/RESULTS.md)"
+        " instead of launching it once the round is answered; auto = while a round's device"
+        " time is at least twice a chain's host work, both measured (an 8B target's rounds,"
+        " not SmolLM2's: bench/RESULTS.md)"
     )
-    flag(parser, "--chain-rounds", "on", chain_help, choices=("on", "off"))
+    flag(parser, "--chain-rounds", "auto", chain_help, choices=("auto", "on", "off"))
     flag(
         parser,
         "--chain-max-batch",

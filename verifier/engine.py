@@ -39,6 +39,7 @@ from verifier.chain import (
     place_forward,
     resolve,
 )
+from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
 from verifier.round_accept import (
     accepted_hidden,
@@ -130,6 +131,9 @@ class VerifierEngine(RunAhead):
         # comes after the hint: where it ends after the round, it holds the round's answer back
         # (on two H100s, 8B target: 1.07x / 1.08x at batch 1, 0.93x at 8, 0.91x at 32)
         self.chain_rounds = False
+        # `--chain-rounds auto`: only while a round's device time well exceeds a chain's host
+        # work (ChainGate.auto; off: every chain the rest allows)
+        self.chain_gate = ChainGate()
         self.chain_max_batch = CHAIN_MAX_BATCH
         # ... and only while the hints' guess rate (`HintBook.guess_rate`) is at least this (a
         # chained round whose outcome was not guessed is dropped after the device ran it)
@@ -313,6 +317,8 @@ class VerifierEngine(RunAhead):
         if further:
             with on_device(self.device):
                 launched.device_ns += self._decode_further(launched.inputs, outputs)
+        elif len(launched.inputs) <= self.chain_max_batch:  # a round that may have chained
+            self.chain_gate.round_ran(launched.device_ns)
         chained = launched.chained
         if chained is not None:  # the next round is queued on the device already
             found = [item.seq_id for item in chained.inputs if item.kv_committed_len >= 0]

@@ -31,7 +31,7 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
-    chain_rounds: bool = False,
+    chain_rounds: str = "off",
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
     synthetic_acceptance: tuple[float, ...] | None = None,
@@ -42,7 +42,7 @@ async def serve(
     plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
-    (specsplit.lane.LoopPoll). chain_rounds, chain_max_batch,
+    (specsplit.lane.LoopPoll). chain_rounds ("auto", "on", "off"), chain_max_batch,
     chain_min_guess_rate: --chain-rounds, --chain-max-batch, --chain-min-guess-rate
     (VerifierEngine's, chaining where the engine's calls run on the event loop). cpu_cores:
     --cpu-cores."""
@@ -72,7 +72,8 @@ async def serve(
         engine.on_gap = metrics.observe_verifier_gap
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop
-        engine.chain_rounds = chain_rounds and on_loop
+        engine.chain_rounds = chain_rounds != "off" and on_loop
+        engine.chain_gate.auto = chain_rounds == "auto"
         engine.chain_max_batch = chain_max_batch
         engine.chain_min_guess_rate = chain_min_guess_rate
         return engine

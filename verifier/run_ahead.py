@@ -20,6 +20,7 @@ from specsplit.model.transfer import on_device
 from specsplit.step import page_tables
 from specsplit.tree import DraftTree
 from verifier.chain import chain_inputs, chainable, joined_results
+from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
 from verifier.rounds import UNKNOWN_TOKEN, Launched, VerifierSeq, VerifyRound, decode_step, is_step
 
@@ -35,6 +36,7 @@ class RunAhead:
     hints: HintBook
     launch_on_hint: bool
     chain_rounds: bool
+    chain_gate: ChainGate
     chain_max_batch: int
     chain_min_guess_rate: float
     decode_ahead_max_batch: int
@@ -59,8 +61,9 @@ class RunAhead:
         round they name finishes (`finish` launches the next round on them) or the sequence
         is released or truncated. With `launch_on_hint` a hint for the round in flight chains
         the next round on the device behind it (`_chain`; with chain_rounds, for a round of at
-        most chain_max_batch sequences while the hints guess well, `_guessing`, and the GPU
-        still runs it, `_still_running`: else it launches after the answer), and one for the
+        most chain_max_batch sequences while the hints guess well, `_guessing`, the GPU still
+        runs it, `_still_running`, and chaining pays, `chain_gate`: else it launches after the
+        answer), and one for the
         round that finished last launches the next round here when none has started since;
         else only stores them (one dict entry each), so it may be called while a round runs on
         another thread, and a hint for a round already finished is never used."""
@@ -71,11 +74,14 @@ class RunAhead:
                 len(launched.inputs) <= self.chain_max_batch
                 and self._guessing()
                 and self._still_running(launched)
+                and self.chain_gate.pays()
             ):
                 started = time.perf_counter_ns()  # (else launched after the answer)
                 with on_device(self.device):
                     if self._chain(launched):
-                        self._report_gap("chain", time.perf_counter_ns() - started)
+                        host_ns = time.perf_counter_ns() - started
+                        self.chain_gate.chained(host_ns)
+                        self._report_gap("chain", host_ns)
             return
         self._launch_finished(kept)
 

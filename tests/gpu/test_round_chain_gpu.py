@@ -19,6 +19,7 @@ from tests.unit.test_round_chain import (  # noqa: F401  (pytest collects them h
     test_a_round_accepting_more_than_the_hints_longest_outcome_stays_in_its_room,
     test_a_round_placed_plain_frees_its_reference_trees_room,
     test_an_outcome_not_among_the_hints_drops_only_its_share,
+    test_auto_chains_only_where_a_round_outlasts_the_chains_host_work,
     test_chained_rounds_are_taken_and_give_the_same_tokens,
     test_rounds_with_hidden_states_chain_and_give_the_same_rows,
     test_synthetic_acceptance_bends_the_placed_tokens,

@@ -17,6 +17,13 @@ from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import PROMPTS, Driver, _chain, _engine, _release, _same
 from verifier.chain import resolve
+from verifier.chain_gate import (
+    CHAIN_MIN_SAMPLES,
+    CHAIN_PAYS_MARGIN,
+    CHAIN_PROBE_EVERY,
+    CHAIN_WINDOW,
+    ChainGate,
+)
 from verifier.engine import VerifierEngine
 from verifier.hints import GUESS_MIN_ROUNDS, GUESS_WINDOW, HintBook
 
@@ -424,18 +431,18 @@ def test_rounds_of_more_sequences_than_the_max_batch_are_not_chained(
 
 
 @pytest.mark.parametrize("asked", [None, "on", "off"])
-def test_chained_rounds_are_on_unless_asked_off_and_up_passes_the_flags_to_the_verifier(
+def test_chained_rounds_are_auto_unless_asked_and_up_passes_the_flags_to_the_verifier(
     asked: str | None,
 ) -> None:
-    """--chain-rounds (on by default, for rounds of one sequence: --chain-max-batch) goes from
-    `up` to the verifier's command line."""
+    """--chain-rounds (auto by default, for rounds of one sequence: --chain-max-batch) goes
+    from `up` to the verifier's command line."""
     from specsplit import cli, up
 
     extra = [] if asked is None else ["--chain-rounds", asked, "--chain-max-batch", "4"]
     extra += [] if asked is None else ["--chain-min-guess-rate", "0.5"]
     commands = up.child_commands(cli.parse_args(["up", *extra]))
     child = cli.parse_args(commands["verifier"][3:])  # after python -m specsplit.cli
-    assert child.chain_rounds == (asked or "on")
+    assert child.chain_rounds == (asked or "auto")
     assert child.chain_max_batch == (1 if asked is None else 4)
     assert child.chain_min_guess_rate == (CHAIN_MIN_GUESS_RATE if asked is None else 0.5)
 
@@ -462,6 +469,56 @@ def test_rounds_chain_only_while_the_hints_guess_their_outcomes(
         assert chained.engine.hints.guess_rate() == 0.0
     _same(plain, chained, _room(chained))
     _release(plain, chained)
+
+
+def _gate(device_ns: int, chain_ns: int) -> ChainGate:
+    """An auto gate that has measured rounds of `device_ns` and chains of `chain_ns`."""
+    gate = ChainGate(auto=True)
+    for _ in range(CHAIN_WINDOW):
+        gate.round_ran(device_ns)
+        gate.chained(chain_ns)
+    return gate
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["long-rounds", "short-rounds"])
+def test_auto_chains_only_where_a_round_outlasts_the_chains_host_work(
+    target_dir: Path, device: str, pays: bool
+) -> None:
+    """--chain-rounds auto (ChainGate): with rounds measured far longer on the device than a
+    chain's host work every hint for a round in flight chains; with rounds shorter than it none
+    does (they launch once the answer went out). The same tokens either way."""
+    rounds = 6
+    gate = _gate(device_ns=10**12 if pays else 1, chain_ns=10**6)
+    plain, chained, was_chained = _run(target_dir, device, rounds=rounds, chain_gate=gate)
+    assert was_chained == [pays] * rounds
+    _same(plain, chained, _room(chained))
+    _release(plain, chained)
+
+
+def test_the_chain_gate_measures_first_then_compares_and_probes_now_and_then() -> None:
+    """ChainGate: `auto` off chains always; on, it chains until CHAIN_MIN_SAMPLES chains and
+    rounds are measured (a round of 0 ns, off a GPU, counts nothing), then while the rounds'
+    median device time is at least CHAIN_PAYS_MARGIN times the chains' median host work, and
+    otherwise on one hint in CHAIN_PROBE_EVERY only."""
+    assert ChainGate(auto=False).pays()
+    gate = ChainGate(auto=True)
+    for _ in range(CHAIN_MIN_SAMPLES):
+        gate.round_ran(0)
+        gate.chained(10**6)
+    assert gate.pays() and not gate.device_ns  # no device time measured yet
+    for _ in range(CHAIN_MIN_SAMPLES):
+        gate.round_ran(int(CHAIN_PAYS_MARGIN * 10**6))
+    assert gate.pays()  # exactly at the margin
+    for _ in range(CHAIN_WINDOW):
+        gate.round_ran(int(CHAIN_PAYS_MARGIN * 10**6) - 1)
+    choices = [gate.pays() for _ in range(2 * CHAIN_PROBE_EVERY)]
+    probes = [i for i, chain in enumerate(choices) if chain]
+    assert probes == [CHAIN_PROBE_EVERY - 1, 2 * CHAIN_PROBE_EVERY - 1]
+    gate.chained(10**3)  # the probe's chain, far cheaper: the median moves only with the window
+    assert not gate.pays()
+    for _ in range(CHAIN_WINDOW // 2 + 1):
+        gate.chained(10**3)
+    assert gate.pays()
 
 
 def test_the_guess_rate_counts_each_hint_for_the_round_it_names() -> None:
