@@ -7,7 +7,7 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
-#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1]
+#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -409,6 +409,13 @@ for part in "${parts[@]}"; do
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
         --max-new-tokens 128 --repeat 2 --prompt-groups 8 --modes serial ahead-plain \
         --variant=--ahead-guesses=4 --variant=--chain-rounds=off --ups 2 ;;
+    chain-auto)  # --chain-rounds auto (the default since 7635dba) against off and serial, each
+      # mode's `up` twice in turn ($SMOLLM2_GGUF + the shipped head, batch 1; ~400 s); the
+      # services' log (the chain gate's choice) in $OUT/chain_auto_services.log
+      run chain_auto python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+        --max-new-tokens 128 --repeat 2 --prompt-groups 8 --modes serial ahead-plain \
+        --variant=--chain-rounds=off --ups 2 --services-log "$out/chain_auto_services.log" ;;
     drift)  # why one `up` runs faster than the next: $DRIFT_UPS `up`s (default 4) of one setup
       # (batch-1 draft-ahead through the services, random SmolLM2 + the shipped head, 1024
       # tokens), each with the GPUs' clocks (nvidia-smi every 100 ms) and the cores its
