@@ -32,7 +32,8 @@ CHAIN_PROBE_EVERY = 64
 class ChainGate:
     """`--chain-rounds auto`'s choice, from what the engine measures: `round_ran` (a round's
     device time, of rounds small enough to chain) and `chained` (a chain's host time). With
-    `auto` off every chain the other conditions allow goes ahead (`--chain-rounds on`)."""
+    `auto` off every chain the other conditions allow goes ahead (`--chain-rounds on`). Its
+    first choice is logged at info, later changes at debug."""
 
     def __init__(self, auto: bool = False) -> None:
         self.auto = auto
@@ -60,8 +61,9 @@ class ChainGate:
             return True
         device, chain = statistics.median(self.device_ns), statistics.median(self.chain_ns)
         paying = device >= CHAIN_PAYS_MARGIN * chain
-        if paying != self.paying:
-            log.info(
+        if paying != self.paying:  # the first choice at info, later changes (near the margin
+            # they may come with each probe) at debug
+            (log.info if self.paying is None else log.debug)(
                 "chained rounds %s: a round %.2f ms on the device, a chain's host work %.2f ms"
                 " (--chain-rounds auto chains at %.1fx or more)",
                 "on" if paying else "off", device / 1e6, chain / 1e6, CHAIN_PAYS_MARGIN,
