@@ -63,10 +63,10 @@ class RunAhead:
         the next round on the device behind it (`_chain`; with chain_rounds, for a round of at
         most chain_max_batch sequences while the hints guess well, `_guessing`, the GPU still
         runs it, `_still_running`, and chaining pays, `chain_gate`: else it launches after the
-        answer), and one for the
-        round that finished last launches the next round here when none has started since;
-        else only stores them (one dict entry each), so it may be called while a round runs on
-        another thread, and a hint for a round already finished is never used."""
+        answer), and one for the round that finished last launches the next round here when
+        none has started since; else only stores them (one dict entry each), so it may be
+        called while a round runs on another thread, and a hint for a round already finished
+        is never used."""
         kept = self.hints.store(hints, self.seqs)
         if self.launch_on_hint and self.chain_rounds and len(self._in_flight) == 1:
             launched = self._in_flight[0]
