@@ -113,7 +113,7 @@ random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_
 }
 for part in "${parts[@]}"; do
   case $part in
-    tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    tests) run tests python3 -m pytest -q -p no:cacheprovider --durations=15 tests/gpu ;;
     hinted)
       run hinted_launch python3 bench/hinted_launch.py --shape llama-8b \
         --device "cuda:$((gpus - 1))" --batch 1 8 32 --staging on off --profile torch ;;
@@ -131,7 +131,7 @@ for part in "${parts[@]}"; do
       # two GPUs: tests-both)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
-      run "$part" python3 -m pytest -q -p no:cacheprovider "${half[@]}" ;;
+      run "$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${half[@]}" ;;
     engine)
       run engine_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 8 32 64 \
         --verify-n 4 8 16 32 64 --verify-batch 1 8 32 --steps 20 --compile-batch 1
