@@ -234,6 +234,10 @@ def print_ups(
                 for r, t in zip(up_rates[(mode, batch)], up_target[(mode, batch)], strict=True)
             )
             print(f"  {mode} batch {batch}: {cells}")
+        slow = slow_ups({mode: up_target[(mode, batch)] for mode in ("serial", *others)})
+        if slow:
+            print(f"  slow `up`s at batch {batch} (target-only under {SLOW_UP:.2f}x the median"
+                  f" of every `up`'s; their raw pairs mislead): {', '.join(slow)}")  # fmt: skip
         serial = up_rates[("serial", batch)]
         serial_norm = [r / t for r, t in zip(serial, up_target[("serial", batch)], strict=True)]
         for mode in others:
@@ -247,6 +251,22 @@ def print_ups(
                 f"each over its `up`'s target-only: {', '.join(f'{x:.2f}' for x in yardstick)} "
                 f"(median {statistics.median(yardstick):.2f}x)"
             )
+
+
+SLOW_UP = 0.85  # an `up` whose target-only ran under this share of the median `up`'s
+
+
+def slow_ups(targets: dict[str, list[float]]) -> list[str]:
+    """The `up`s (mode #i, 1-based) whose target-only tokens/s fell under SLOW_UP times the
+    median of every `up`'s: the machine ran slow through them, so a raw ratio with one of them
+    says more about the machine than about the mode."""
+    median = statistics.median(t for ups in targets.values() for t in ups)
+    return [
+        f"{mode} #{i + 1} ({t:.1f} against {median:.1f})"
+        for mode, ups in targets.items()
+        for i, t in enumerate(ups)
+        if t < SLOW_UP * median
+    ]
 
 
 # a timed run: each stream's tokens and the wall seconds of them all
