@@ -4,11 +4,12 @@
 A chained round's host work starts when the hint comes, mid-round. Where it ends after the
 device is done with the round in flight, it holds that round's answer back and the next round
 starts no sooner than a launch after the answer would. So chaining pays where a round keeps
-the device busy well past the chain's host work: an 8B target's round (~8 ms on the device
-against ~1.5 ms of chaining, 1.07x-1.12x at batch 1 on two H100s), not SmolLM2's (~0.8-1.1
-ms against ~1.0-1.2 ms: chaining ran 0.85x of launching after the answer on two H200s,
-forty-fifth session; bench/RESULTS.md). The gate compares the two, measured: the median
-device time of the last rounds that may chain and the median host time of the last chains.
+the device busy well past the chain's host work: an 8B target's round (~6.5 ms on the
+device against 1.5-2.1 ms of chaining, 1.07x-1.12x at batch 1 on two H100s), not SmolLM2's
+(~1.0-1.4 ms against ~2.0-2.1 ms as the gate measured it on two H200s, where chaining ran
+0.85x of launching after the answer, forty-fifth session; bench/RESULTS.md). The gate
+compares the two, measured: the median device time of the last rounds that may chain and the
+median host time of the last chains.
 """
 
 from __future__ import annotations
