@@ -7,7 +7,7 @@ starts no sooner than a launch after the answer would. So chaining pays where a 
 the device busy well past the chain's host work: an 8B target's round (~6.5 ms on the
 device against 1.5-2.1 ms of chaining, 1.07x-1.12x at batch 1 on two H100s), not SmolLM2's
 (~1.0-1.4 ms against ~2.0-2.1 ms as the gate measured it on two H200s, where chaining ran
-0.85x of launching after the answer, forty-fifth session; bench/RESULTS.md). The gate
+0.83x of launching after the answer, forty-fifth session; bench/RESULTS.md). The gate
 compares the two, measured: the median device time of the last rounds that may chain and the
 median host time of the last chains.
 """
