@@ -22,6 +22,9 @@ two halves, A B B A; no device sync around them: a call that waits for the devic
 and on a GPU each round's device time for scale.
 --profile: those calls again, profiled: `cprofile` (the Python functions by own and cumulative
 time) or `torch` (torch.profiler's CPU ops by self time, each call profiled alone).
+--phases: those calls again with the launch's steps timed (`Phases`: each one's host time a
+call, inclusive, and the time from a launch's start to its first CUDA graph replay, while the
+device idles), no profiler's overhead beyond a clock read around each step.
 
     PYTHONPATH=. python bench/hinted_launch.py --shape llama-8b --batch 1 8 32 --profile torch
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import pstats
 import statistics
 import time
@@ -91,6 +95,81 @@ class CallProfile:
             ranked = sorted(self.ops.items(), key=lambda kv: -kv[1][0])[:top]
             for key, (self_us, count) in ranked:
                 print(f"    {self_us / self.calls:9.1f}  {count / self.calls:6.1f} x  {key}")
+
+
+# the launch's steps --phases times: (owner, attribute name, label)
+PHASE_TARGETS = (
+    ("verifier.engine:VerifierEngine", "_validate", "validate"),
+    ("verifier.engine:VerifierEngine", "_take_ahead", "take ahead"),
+    ("verifier.engine:VerifierEngine", "_reserve", "reserve"),
+    ("verifier.engine", "verify_step", "verify_step"),
+    ("verifier.engine", "build_forward_batch", "build_forward_batch"),
+    ("specsplit.model.cuda_graphs:CudaGraphRunner", "plan", "graphs.plan"),
+    ("specsplit.model.cuda_graphs:_Buffers", "fill", "graphs fill"),
+    ("specsplit.model.cuda_graphs:CudaGraphRunner", "forward", "graphs.forward"),
+    ("torch.cuda:CUDAGraph", "replay", "CUDAGraph.replay"),
+    ("verifier.engine:VerifierEngine", "_accept", "_accept"),
+    ("verifier.accept_graphs:AcceptGraphs", "host_arrays", "accept host_arrays"),
+    ("verifier.accept_graphs:AcceptGraphs", "run", "accept run"),
+    ("verifier.engine", "accepted_hidden", "accepted_hidden"),
+    ("verifier.engine", "to_host", "to_host"),
+    ("verifier.run_ahead", "chain_inputs", "chain_inputs"),
+    ("verifier.run_ahead", "joined_results", "joined_results"),
+    ("verifier.run_ahead", "page_tables", "page_tables"),
+    ("verifier.engine:VerifierEngine", "_launch", "_launch"),
+)
+
+
+class Phases:
+    """--phases: the launch's steps (PHASE_TARGETS) wrapped with a clock each, host ms summed
+    per timed call; and from the timed call's start to its first CUDA graph replay."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.per_call: dict[str, list[float]] = defaultdict(list)
+        self.start_ns: int | None = None
+        self.originals: list[tuple[Any, str, Any]] = []
+        for owner_path, name, label in PHASE_TARGETS:
+            module_name, _, cls = owner_path.partition(":")
+            owner: Any = importlib.import_module(module_name)
+            if cls:
+                owner = getattr(owner, cls)
+            original = getattr(owner, name)
+            self.originals.append((owner, name, original))
+            setattr(owner, name, self._wrap(original, label))
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed_fn(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            if label == "CUDAGraph.replay" and self.start_ns is not None:
+                self.sums["(to the first replay)"] += (start - self.start_ns) / 1e6
+                self.start_ns = None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sums[label] += (time.perf_counter_ns() - start) / 1e6
+
+        return timed_fn
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self.sums.clear()
+        self.start_ns = time.perf_counter_ns()
+        try:
+            return fn()
+        finally:
+            self.start_ns = None
+            for label, ms in self.sums.items():
+                self.per_call[label].append(ms)
+
+    def print(self, label: str) -> None:
+        print(f"  -- {label}: host ms a call, inclusive (median over calls that had it)")
+        for name, ms in sorted(self.per_call.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"    {statistics.median(ms):7.3f}  {name} ({len(ms)})")
+        self.per_call.clear()
+
+    def close(self) -> None:
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
 
 
 class Rounds:
@@ -160,7 +239,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def run_mode(
-    rounds: Rounds, mode: str, count: int, profiler: CallProfile | None
+    rounds: Rounds, mode: str, count: int, profiler: CallProfile | Phases | None
 ) -> dict[str, list[float]]:
     """`count` rounds in `mode`; each timed call's host ms by name (and the engine's gap
     phases'). With `profiler`, the hinted calls (plain: the launch) run under it."""
@@ -239,6 +318,7 @@ def main() -> None:
         "synthetic rates: no logits bent on the host (the services' launch has no such work)",
     )
     parser.add_argument("--profile", choices=("cprofile", "torch"), default=None)
+    parser.add_argument("--phases", action="store_true", help="the launch's steps timed")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     # EngineBench's: its KV pool holds --steps rounds of each sequence, graphs of 1 + nodes
@@ -283,6 +363,14 @@ def main() -> None:
                     profiler = CallProfile(args.profile)
                     run_mode(rounds, mode, args.rounds, profiler)
                     profiler.print(label, args.top)
+                if args.phases:
+                    _stage(staging)
+                    phases = Phases()
+                    try:
+                        run_mode(rounds, mode, args.rounds, phases)
+                    finally:
+                        phases.close()
+                    phases.print(label)
         _stage("on")
         rounds.close()
 

@@ -7,6 +7,7 @@ benchmarks (`bend_logits`); results to the host (`to_host`)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -60,17 +61,30 @@ def accepted_hidden(
     asked, its pending tokens' rows, then its accepted path's, back to back from row 0
     (`specsplit.kernels.accepted_rows`; from a GPU gathered there and copied
     asynchronously, valid once the round's results are)."""
-    starts, pending, asks = [], [], []
-    row = 0  # each sequence's p + n hidden rows follow the last's
-    for item in inputs:
-        starts.append(row)
-        pending.append(len(item.pending_tokens))
-        asks.append(bool(item.hidden_state_layers))
-        row += len(item.pending_tokens) + len(item.tree)
+    # per sequence: pending tokens, tree nodes, whether it asked (its rows follow the last's)
+    shape = tuple((len(i.pending_tokens), len(i.tree), bool(i.hidden_state_layers)) for i in inputs)
     if hidden_states.device.type != "cuda":
+        starts, pending, asks = _rows_meta(shape)
         return accepted_rows_reference(hidden_states, packed, starts, pending, asks, torch.bfloat16)
-    meta = to_device(torch.tensor([starts, pending, asks], dtype=torch.int64), device)
+    meta = _device_meta(shape, device)
     return to_host(accepted_rows(hidden_states, packed, meta, torch.bfloat16))
+
+
+def _rows_meta(shape: tuple[tuple[int, int, bool], ...]) -> tuple[list[int], list[int], list[bool]]:
+    """`accepted_rows`' starts, pending and asks of a batch of this shape (`accepted_hidden`)."""
+    starts, row = [], 0
+    for p, n, _ in shape:
+        starts.append(row)
+        row += p + n
+    return starts, [p for p, _, _ in shape], [ask for _, _, ask in shape]
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_meta(shape: tuple[tuple[int, int, bool], ...], device: torch.device) -> torch.Tensor:
+    """`_rows_meta` of `shape` as `accepted_rows`' [3, B] int64 on `device`, made once per shape
+    (rounds repeat a few: one pending token and the round's tree), never written: a round reads
+    it while the next may take it again (~40 us of host work a round otherwise)."""
+    return to_device(torch.tensor(_rows_meta(shape), dtype=torch.int64), device)
 
 
 def hidden_states_out(

@@ -15,6 +15,7 @@ largest bucket) runs eagerly: the same forward, the same tokens.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,9 +39,9 @@ StepForward = Callable[[ForwardBatch, tuple[int, ...], torch.Tensor | None], For
 
 class _Buffers:
     """Fixed inputs and outputs of the graphs of one (q, aux_layers). The inputs are views of
-    two packed device tensors with pinned host mirrors: a step fills the mirrors and moves them
-    in two asynchronous copies (pageable copies would wait for the GPU each time). The outputs
-    are sized from the first (largest) warm-up run."""
+    one packed device tensor with a pinned host mirror: a step fills the mirror and moves it in
+    one asynchronous copy (a pageable copy would wait for the GPU each time). The outputs are
+    sized from the first (largest) warm-up run."""
 
     def __init__(
         self,
@@ -52,26 +53,33 @@ class _Buffers:
     ) -> None:
         t = max_bs * q
         self.q, self.max_bs, self.max_pages = q, max_bs, max_pages
-        # int64, each [max_bs * q]: input_ids, positions, slot_mapping, the step's logit rows,
-        # its hidden-state rows, and every row (an arange: what the graphs compute)
-        self.host64 = torch.zeros(6 * t, dtype=torch.int64).pin_memory()
-        self.host64[5 * t :] = torch.arange(t)
-        # int32: cu_seqlens_q [max_bs + 1], kv_lens, prefix_lens [max_bs], block_table
-        self.host32 = torch.zeros(1 + 3 * max_bs + max_bs * max_pages, dtype=torch.int32)
-        self.host32 = self.host32.pin_memory()
-        self.host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
-        self.host_mask = torch.zeros(max_bs, q, q, dtype=torch.bool).pin_memory()
-        self.dev64 = self.host64.to(device)
-        self.dev32 = self.host32.to(device)
-        self.dev_mask = self.host_mask.to(device)
+        # one pinned host mirror and its device copy, bytes seen as three arrays (a step moves
+        # them in one copy, ~10 us of host work each): int64, each [max_bs * q]: input_ids,
+        # positions, slot_mapping, the step's logit rows, its hidden-state rows, and every row
+        # (an arange: what the graphs compute); int32: cu_seqlens_q [max_bs + 1], kv_lens,
+        # prefix_lens [max_bs], block_table; the bool mask [max_bs, q, q] (copied where q > 1)
+        sizes = [6 * t * 8, (1 + 3 * max_bs + max_bs * max_pages) * 4, max_bs * q * q]
+        # each array 256-byte aligned, as an allocation of its own would be (kernels' loads)
+        ends = list(itertools.accumulate(-(-size // 256) * 256 for size in sizes))
+        self.host_bytes = torch.zeros(ends[-1], dtype=torch.uint8).pin_memory()
+        self.dev_bytes = self.host_bytes.to(device)
+        # (the mask's bytes are copied only where q > 1: the two arrays before it are all of a
+        # step's inputs otherwise)
+        num_copied = ends[-1] if q > 1 else ends[1]
+        self.host_copied = self.host_bytes[:num_copied]
+        self.dev_copied = self.dev_bytes[:num_copied]
+        host64, host32, host_mask = self._arrays(self.host_bytes, sizes, ends)
+        host64[5 * t :] = torch.arange(t)
+        host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
+        self.dev_bytes.copy_(self.host_bytes)
         self.copied = torch.cuda.Event()
         # views made once: numpy ones of the mirrors (a step fills them at numpy's cost, ~1 us
         # a slice, not torch's ~5 us), tensor ones of the device inputs
         self.host: dict[str, Any] = {
             name: None if view is None else view.numpy()
-            for name, view in self._views(self.host64, self.host32, self.host_mask).items()
+            for name, view in self._views(host64, host32, host_mask).items()
         }
-        self.dev: dict[str, Any] = self._views(self.dev64, self.dev32, self.dev_mask)
+        self.dev: dict[str, Any] = self._views(*self._arrays(self.dev_bytes, sizes, ends))
         self.causal = np.tril(np.ones((q, q), dtype=bool))
         self.features = (
             None
@@ -91,6 +99,16 @@ class _Buffers:
         self.logits[:t].copy_(out.logits)
         if self.hidden_states is not None and out.hidden_states is not None:
             self.hidden_states[:t].copy_(out.hidden_states)
+
+    def _arrays(
+        self, data: torch.Tensor, sizes: list[int], ends: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int64, int32 and mask arrays in `data`'s bytes (pieces of `sizes` bytes, each
+        starting where the one before ends, `ends`)."""
+        starts = [0, *ends[:-1]]
+        pieces = [data[a : a + size] for a, size in zip(starts, sizes, strict=True)]
+        mask = pieces[2].view(torch.bool).view(self.max_bs, self.q, self.q)
+        return pieces[0].view(torch.int64), pieces[1].view(torch.int32), mask
 
     def _views(
         self, packed64: torch.Tensor, packed32: torch.Tensor, mask: torch.Tensor
@@ -180,16 +198,13 @@ class _Buffers:
         v["block_table"][bs:bucket] = scratch_page
         if v["tree_mask"] is not None:
             v["tree_mask"][bs:bucket] = self.causal
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        if q > 1:
-            self.dev_mask.copy_(self.host_mask, non_blocking=True)
+        self.dev_copied.copy_(self.host_copied, non_blocking=True)
         if features is not None:
             assert self.features is not None, "this graph takes no features"
             self.features[:t].copy_(features)
         if tokens is not None:  # over the host's input ids, in stream order
             self.dev["input_ids"][:t].copy_(tokens)
-        self.copied.record(torch.cuda.current_stream(self.dev64.device))
+        self.copied.record(torch.cuda.current_stream(self.dev_bytes.device))
 
     def _fill_mask(self, batch: ForwardBatch, q_lens: np.ndarray, ragged: bool) -> None:
         """Each sequence's [q, q] mask among its new tokens: the batch's tree mask or causal
@@ -344,7 +359,9 @@ class CudaGraphRunner:
         captured = self.q_sizes  # any layers: forward() captures these on use
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
-        need = 1 if one else max(batch.max_q_len, int((batch.kv_lens - batch.prefix_lens).max()))
+        # the most new tokens of any sequence, in numpy (torch's CPU ops cost ~10 us each here)
+        news = 0 if one else int((batch.kv_lens.numpy() - batch.prefix_lens.numpy()).max())
+        need = 1 if one else max(batch.max_q_len, news)
         # the smallest q that holds it and has a bucket for its batch (a prefill's q has few)
         q = min((n for n, sizes in captured.items() if n >= need and sizes[-1] >= bs), default=None)
         if q is None or (q == 1 and not one):
