@@ -517,7 +517,8 @@ class VerifierEngine(RunAhead):
             started.record(torch.cuda.current_stream(self.device))
         out = None
         if self.graphs is not None:
-            out = self.graphs.forward(batch, aux, tokens=tokens, place=place)
+            # (views of the graph's outputs: the acceptance and rows below are queued at once)
+            out = self.graphs.forward(batch, aux, tokens=tokens, place=place, views=True)
         if out is None:
             on_device = batch.to(self.device)
             if tokens is not None:
