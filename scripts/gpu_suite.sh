@@ -7,7 +7,7 @@
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
-#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto]
+#       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -358,6 +358,19 @@ for part in "${parts[@]}"; do
       done
       cd "$root"
       export PYTHONPATH=$path ;;
+    launch-ab)  # the verifier's launch by phase (bench/hinted_launch.py --phases, SmolLM2 shape,
+      # hidden states, batch 1 / 8), this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried)
+      # in turn, twice: the bench script of this tree, the code of each
+      [[ -d .gpu/old ]] && cp -r specsplit/v1 .gpu/old/specsplit/
+      for pass in new1 old1 new2 old2; do
+        tree=${pass%?}
+        [[ $tree == old && ! -d .gpu/old ]] && continue
+        dir=$PWD
+        [[ $tree == old ]] && dir=$PWD/.gpu/old
+        PYTHONPATH="$dir:/tmp/site" run "launch_$pass" python3 bench/hinted_launch.py \
+          --shape smollm2-135m --device cuda:0 --modes plain after --hidden-states \
+          --no-synthetic --rounds 80 --batch 1 8 --phases
+      done ;;
     accept-ab)  # greedy acceptance as the Triton walk and as the torch ops, through the services
       # (ahead1's command, SPECSPLIT_TRITON_ACCEPT=1 then 0: the services inherit it), then in
       # process: the round on the device (bench/hinted_launch.py, SmolLM2 shape, batch 1)
