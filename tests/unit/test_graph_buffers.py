@@ -1,0 +1,78 @@
+"""The CUDA graphs' fixed inputs and outputs (specsplit/model/cuda_graphs.py `_Buffers`), on the
+CPU: one byte buffer seen as the int64, int32 and mask arrays, moved in one copy, and a step's
+wanted rows as views of the outputs only where they are all its rows in order. (Pinned memory
+and CUDA events need a GPU: here plain memory stands in for both, the copy is the same.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+from specsplit.model.cuda_graphs import _Buffers
+
+MAX_BS, Q, MAX_PAGES = 4, 3, 5
+
+
+@pytest.fixture
+def buffers() -> Iterator[_Buffers]:
+    with (
+        mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
+        mock.patch.object(torch.cuda, "Event", mock.Mock),
+    ):
+        yield _Buffers(MAX_BS, Q, MAX_PAGES, None, torch.device("cpu"))
+
+
+def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: _Buffers) -> None:
+    host, dev = buffers.host, buffers.dev
+    t = MAX_BS * Q
+    assert dev["all_rows"].tolist() == list(range(t))  # made once, at construction
+    assert dev["cu_seqlens_q"].tolist() == list(range(0, t + 1, Q))
+    for name in ("input_ids", "positions", "slot_mapping", "rows", "hidden_rows"):
+        assert dev[name].dtype == torch.int64 and dev[name].shape == (t,)
+    for name in ("kv_lens", "prefix_lens"):
+        assert dev[name].dtype == torch.int32 and dev[name].shape == (MAX_BS,)
+    assert dev["block_table"].shape == (MAX_BS, MAX_PAGES)
+    assert dev["tree_mask"].dtype == torch.bool and dev["tree_mask"].shape == (MAX_BS, Q, Q)
+    for name in ("input_ids", "cu_seqlens_q", "tree_mask"):  # each array's start 256-aligned
+        assert dev[name].data_ptr() % 256 == buffers.dev_bytes.data_ptr() % 256
+    host["input_ids"][:3] = [5, 6, 7]
+    host["kv_lens"][:] = [7, 8, 9, 10]
+    host["block_table"][2, 4] = 11
+    host["tree_mask"][1, 2, 0] = True
+    buffers.dev_copied.copy_(buffers.host_copied)  # what `fill` moves
+    assert dev["input_ids"][:4].tolist() == [5, 6, 7, 0]
+    assert dev["kv_lens"].tolist() == [7, 8, 9, 10]
+    assert dev["block_table"][2, 4].item() == 11
+    assert dev["tree_mask"][1].tolist() == [[False] * 3, [False] * 3, [True, False, False]]
+
+
+def test_a_step_of_all_its_rows_in_order_gets_views_only_when_asked(buffers: _Buffers) -> None:
+    t = 2 * Q  # two sequences of Q tokens
+    out = torch.arange(MAX_BS * Q * 2, dtype=torch.float32).view(MAX_BS * Q, 2)[:t]
+    buffers.host["rows"][:t] = range(t)
+    buffers.dev_copied.copy_(buffers.host_copied)
+    view = buffers.rows(out, "rows", t, views=True)
+    assert view.data_ptr() == out.data_ptr() and torch.equal(view, out)
+    gathered = buffers.rows(out, "rows", t, views=False)
+    assert gathered.data_ptr() != out.data_ptr() and torch.equal(gathered, out)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [0, 1, 2, 3, 4],  # fewer rows than the step's (a round without every row's logits)
+        [0, 1, 2, 4, 5, 3],  # all of them, out of order
+        [0, 2, 3, 4, 5, 5],  # padding between sequences (a ragged batch's)
+    ],
+)
+def test_other_rows_are_gathered(buffers: _Buffers, rows: list[int]) -> None:
+    t = 2 * Q
+    out = torch.arange(MAX_BS * Q * 2, dtype=torch.float32).view(MAX_BS * Q, 2)[:t]
+    buffers.host["rows"][: len(rows)] = rows
+    buffers.dev_copied.copy_(buffers.host_copied)
+    got = buffers.rows(out, "rows", len(rows), views=True)
+    assert got.data_ptr() != out.data_ptr()
+    assert torch.equal(got, out[rows])
