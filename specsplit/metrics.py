@@ -114,9 +114,10 @@ VERIFIER_GAP_SECONDS = Histogram(
     "specsplit_verifier_gap_seconds",
     "On the verifier, the host work in its device's wait between rounds, by phase: 'finish' (a"
     " round's results read and committed once the device is done, every round), and where the"
-    " next round launches on the gateway's hint, 'answer' (from that finish to the hinted launch:"
-    " the answer built and written, or the hint's arrival) and 'launch' (the hinted round's"
-    " host work until it is queued on the device); and 'chain': a hinted round chained on the"
+    " next round launches on the gateway's hint, from that finish to the hinted launch: 'answer'"
+    " (the hint had come: the answer built and written first) or 'hint' (the hint came after"
+    " the finish: how late it was), then 'launch' (the hinted round's host work until it is"
+    " queued on the device); and 'chain': a hinted round chained on the"
     " device behind the round in flight (its host work, done while the device runs that round:"
     " it leaves no wait)",
     ["phase"],

@@ -61,11 +61,12 @@ from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_L
 log = logging.getLogger(__name__)
 
 # the host work in the device's wait between rounds (VerifierEngine.on_gap): "finish" (a round's
-# results read and committed), then where a hinted round follows, "answer" (until its launch
-# began: the answer built and written, or the hint's arrival) and "launch" (its host work); and
-# "chain": a hinted round chained on the device behind the round in flight (its host work, done
-# while the device runs that round: it leaves no wait)
-GAP_PHASES = ("finish", "answer", "launch", "chain")
+# results read and committed), then where a hinted round follows, the time until its launch
+# began, "answer" where its hint had come before the finish (the answer built and written
+# first) or "hint" where the hint came after it (the wait for the hint: how late it was), and
+# "launch" (its host work); and "chain": a hinted round chained on the device behind the round
+# in flight (its host work, done while the device runs that round: it leaves no wait)
+GAP_PHASES = ("finish", "answer", "hint", "launch", "chain")
 
 
 class VerifierEngine(RunAhead):

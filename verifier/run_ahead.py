@@ -83,7 +83,7 @@ class RunAhead:
                         self.chain_gate.chained(host_ns)
                         self._report_gap("chain", host_ns)
             return
-        self._launch_finished(kept)
+        self._launch_finished(kept, "hint")
 
     def _still_running(self, launched: VerifyRound) -> bool:
         """Whether the GPU is not yet done with the round in flight. A round it is done with is
@@ -110,17 +110,19 @@ class RunAhead:
     def launch_parked(self) -> None:
         """With launch_on_hint: the next rounds of the sequences of the round finished last
         that have their hint, once its answer went out (none if a round started since)."""
-        self._launch_finished(self.hints.waiting())
+        self._launch_finished(self.hints.waiting(), "answer")
 
-    def _launch_finished(self, seq_ids: list[str]) -> None:
+    def _launch_finished(self, seq_ids: list[str], waited: str) -> None:
         """The hinted next rounds of `seq_ids` among the round finished last, if no round has
-        started since (`hints.finished`)."""
+        started since (`hints.finished`). waited: what the launch waited for since that finish,
+        its gap phase: "answer" (the hints had come: the answer went out first) or "hint"
+        (launched as the hints came, after the finish)."""
         if not self.hints.finished or self._ahead is not None or self._in_flight:
             return
         late = self.hints.ready(seq_ids)
         if late:  # their round finished before now, and none has started since
             started = time.perf_counter_ns()
-            self._report_gap("answer", started - self._finished_ns)
+            self._report_gap(waited, started - self._finished_ns)
             with on_device(self.device):
                 self._ahead = self._launch_next([i for i, _ in late], [o for _, o in late])
             launched = [] if self._ahead is None else self._ahead.inputs

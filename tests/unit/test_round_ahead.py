@@ -173,14 +173,17 @@ def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started
     target_dir: Path, device: str, launch_on_hint: bool
 ) -> None:
     """launch_on_hint (the service's, where its calls run on the event loop): a hint that comes
-    after its round finished launches the next round then, if none has started since, and the
-    next round takes it; without it (the CPU's engine thread) the late hint runs nothing. A
-    round started before the hint: nothing runs either."""
+    after its round finished launches the next round then, if none has started since (the time
+    since the finish reported as the gap phase "hint"), and the next round takes it; without it
+    (the CPU's engine thread) the late hint runs nothing. A round started before the hint:
+    nothing runs either."""
     plain, hinted = (
         Driver(_engine(target_dir, False, device)),
         Driver(_engine(target_dir, False, device)),
     )
     hinted.engine.launch_on_hint = launch_on_hint
+    gaps: list[str] = []
+    hinted.engine.on_gap = lambda phase, seconds: gaps.append(phase)
     for driver in (plain, hinted):
         driver.begin("a", "b")
     for late in (True, False):
@@ -190,9 +193,12 @@ def test_a_hint_after_its_round_finished_launches_the_next_round_if_none_started
         if not late:  # a round goes first
             for driver in (plain, hinted):
                 driver.round({"a": DraftTree(), "b": DraftTree()})
+        gaps.clear()
         hinted.engine.hint_next([NextTrees(s, bases[s], [], plain=True) for s in "ab"])
         launched = hinted.engine._ahead is not None
         assert launched == (launch_on_hint and late)
+        # the launch waited for the hint since the finish (how late it came), then ran
+        assert gaps == (["hint", "launch"] if launched else [])
         for driver in (plain, hinted):
             driver.round({"a": DraftTree(), "b": DraftTree()})
     _same(plain, hinted)
@@ -308,8 +314,9 @@ def test_rounds_launched_after_the_answer_are_taken_and_give_the_same_tokens(
         engine.launch_parked()
         assert engine._ahead is not None and len(waits) == reported + 1 and waits[-1] > 0
         assert [phase for phase, _ in gaps[phases:]] == ["answer", "launch"]
-    # ("chain", a round chained behind one in flight: tests/unit/test_round_chain.py)
-    assert {phase for phase, _ in gaps} == set(GAP_PHASES) - {"chain"}
+    # ("chain", a round chained behind one in flight: tests/unit/test_round_chain.py; "hint",
+    # a hint that came after its round finished: the test before this one)
+    assert {phase for phase, _ in gaps} == set(GAP_PHASES) - {"chain", "hint"}
     assert all(seconds >= 0 for _, seconds in gaps)
     engine.hint_next([NextTrees(s, len(hinted.tokens[s]), [], plain=True) for s in "ab"])
     for _ in range(2):  # the second round starts before the first's hinted launch
