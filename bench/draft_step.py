@@ -40,6 +40,7 @@ import drafter.expansion as expansion
 import drafter.tree_draft as tree_draft
 import specsplit.kv_cache as kv_cache
 import specsplit.model.cuda_graphs as cuda_graphs
+import specsplit.model.graph_buffers as graph_buffers
 import specsplit.model.transfer as transfer
 import specsplit.step as step
 from bench.gpu_e2e import random_eagle3_head, random_model
@@ -182,7 +183,7 @@ class Phases:
             (proposer.head, "fuse"),  # type: ignore[attr-defined]
             (proposer, "_tree_logits"),
             (cuda_graphs.CudaGraphRunner, "forward"),
-            (cuda_graphs._Buffers, "fill"),
+            (graph_buffers.GraphBuffers, "fill"),
             (expansion.DeviceExpansion, "_run"),
             (expansion.DeviceExpansion, "_load"),
             (step, "build_forward_batch"),

@@ -105,7 +105,7 @@ PHASE_TARGETS = (
     ("verifier.engine", "verify_step", "verify_step"),
     ("verifier.engine", "build_forward_batch", "build_forward_batch"),
     ("specsplit.model.cuda_graphs:CudaGraphRunner", "plan", "graphs.plan"),
-    ("specsplit.model.cuda_graphs:_Buffers", "fill", "graphs fill"),
+    ("specsplit.model.graph_buffers:GraphBuffers", "fill", "graphs fill"),
     ("specsplit.model.cuda_graphs:CudaGraphRunner", "forward", "graphs.forward"),
     ("torch.cuda:CUDAGraph", "replay", "CUDAGraph.replay"),
     ("verifier.engine:VerifierEngine", "_accept", "_accept"),

@@ -1,4 +1,4 @@
-"""The CUDA graphs' fixed inputs and outputs (specsplit/model/cuda_graphs.py `_Buffers`), on the
+"""The CUDA graphs' fixed inputs and outputs (specsplit/model/graph_buffers.py), on the
 CPU: one byte buffer seen as the int64, int32 and mask arrays, moved in one copy, and a step's
 wanted rows as views of the outputs only where they are all its rows in order. (Pinned memory
 and CUDA events need a GPU: here plain memory stands in for both, the copy is the same.)"""
@@ -11,21 +11,21 @@ from unittest import mock
 import pytest
 import torch
 
-from specsplit.model.cuda_graphs import _Buffers
+from specsplit.model.graph_buffers import GraphBuffers
 
 MAX_BS, Q, MAX_PAGES = 4, 3, 5
 
 
 @pytest.fixture
-def buffers() -> Iterator[_Buffers]:
+def buffers() -> Iterator[GraphBuffers]:
     with (
         mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
         mock.patch.object(torch.cuda, "Event", mock.Mock),
     ):
-        yield _Buffers(MAX_BS, Q, MAX_PAGES, None, torch.device("cpu"))
+        yield GraphBuffers(MAX_BS, Q, MAX_PAGES, None, torch.device("cpu"))
 
 
-def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: _Buffers) -> None:
+def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: GraphBuffers) -> None:
     host, dev = buffers.host, buffers.dev
     t = MAX_BS * Q
     assert dev["all_rows"].tolist() == list(range(t))  # made once, at construction
@@ -49,7 +49,7 @@ def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: _Buffers) ->
     assert dev["tree_mask"][1].tolist() == [[False] * 3, [False] * 3, [True, False, False]]
 
 
-def test_a_step_of_all_its_rows_in_order_gets_views_only_when_asked(buffers: _Buffers) -> None:
+def test_a_step_of_all_its_rows_in_order_gets_views_only_when_asked(buffers: GraphBuffers) -> None:
     t = 2 * Q  # two sequences of Q tokens
     out = torch.arange(MAX_BS * Q * 2, dtype=torch.float32).view(MAX_BS * Q, 2)[:t]
     buffers.host["rows"][:t] = range(t)
@@ -68,7 +68,7 @@ def test_a_step_of_all_its_rows_in_order_gets_views_only_when_asked(buffers: _Bu
         [0, 2, 3, 4, 5, 5],  # padding between sequences (a ragged batch's)
     ],
 )
-def test_other_rows_are_gathered(buffers: _Buffers, rows: list[int]) -> None:
+def test_other_rows_are_gathered(buffers: GraphBuffers, rows: list[int]) -> None:
     t = 2 * Q
     out = torch.arange(MAX_BS * Q * 2, dtype=torch.float32).view(MAX_BS * Q, 2)[:t]
     buffers.host["rows"][: len(rows)] = rows
