@@ -7,8 +7,14 @@ would. Runs are interleaved prompt by prompt, in an order that rotates from prom
 shared machine's drift in speed hits every row alike; the services sit idle while HF generates
 (in this process). --passes repeats the whole sweep; every pass must give the same tokens.
 
+--batch B (one table each, default 1): the prompts in groups of B (cycled to fill the last), a
+group's prompts as B streams at once through the services, and as one left-padded batch through
+HF `generate` (plain and with the static cache + compile; HF's prompt lookup and assisted
+generation take one sequence at a time, so they run at batch 1 only); tokens/s over the
+groups' wall time. A padded batch's greedy tokens may part from the unpadded ones at near-ties.
+
     PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda:1]
-        [--drafter-device cuda:0]
+        [--drafter-device cuda:0] [--batch 1 8 32]
         [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8] [--passes 2]
 
 After the table: the split's cost per round on the gateway's critical path (its histograms
@@ -34,6 +40,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +98,8 @@ def wait_for_drafter(
         time.sleep(0.5)
 
 
-Runner = Callable[[list[int]], tuple[list[int], int, int]]  # prompt -> (tokens, rounds, accepted)
+# a group of prompts at once -> per prompt (tokens, rounds, accepted tokens)
+Runner = Callable[[list[list[int]]], list[tuple[list[int], int, int]]]
 METRICS_PORT = 50170  # the gateway's /metrics; the drafter's and the verifier's on the next two
 # a round's parts: label -> (process, histogram, its labels)
 ROUND_PARTS = {
@@ -284,7 +292,7 @@ def service_runners(
     specs["specsplit target only"] = common_pb2.SpecParams(num_steps=0, topk=1)
 
     def runner(spec: common_pb2.SpecParams | None) -> Runner:
-        def run(prompt: list[int]) -> tuple[list[int], int, int]:
+        def one(prompt: list[int]) -> tuple[list[int], int, int]:
             request = gateway_pb2.GenerateRequest(
                 token_ids=gateway_pb2.TokenIds(ids=prompt),
                 max_new_tokens=args.max_new_tokens,
@@ -295,68 +303,119 @@ def service_runners(
             tokens = [t for r in responses for t in r.token_ids]
             return tokens, stats.rounds, stats.num_accepted_drafts + stats.rounds
 
+        def run(prompts: list[list[int]]) -> list[tuple[list[int], int, int]]:
+            if len(prompts) == 1:
+                return [one(prompts[0])]
+            with ThreadPoolExecutor(len(prompts)) as pool:  # B streams at once
+                return list(pool.map(one, prompts))
+
         return run
 
     return {name: runner(spec) for name, spec in specs.items()}
 
 
-def hf_runners(args: argparse.Namespace, path: str, max_len: int) -> dict[str, Runner]:
-    """HF `generate` variants on the same weights; max_len: the longest prompt + new tokens."""
+def hf_model(args: argparse.Namespace, path: str) -> Any:
+    """The target as an HF model on --device (bf16 on a GPU, float32 on the CPU)."""
     name, kwargs = from_pretrained_args(path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
-    variants: dict[str, dict[str, object]] = {
-        "HF generate": {},
-        "HF generate prompt_lookup 3": {"prompt_lookup_num_tokens": 3},
-    }
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(args.device)
+
+
+def hf_runners(
+    args: argparse.Namespace, model: Any, max_len: int, batch: int = 1
+) -> dict[str, Runner]:
+    """HF `generate` variants on the same weights for groups of `batch` prompts (prompt lookup
+    and assisted generation at batch 1 only: HF takes one sequence there); max_len: the longest
+    prompt + new tokens."""
+    variants: dict[str, dict[str, object]] = {"HF generate": {}}
+    if batch == 1:
+        variants["HF generate prompt_lookup 3"] = {"prompt_lookup_num_tokens": 3}
     if args.device.startswith("cuda"):
         # transformers compiles the decode step of a static cache; one cache of one length for
-        # every prompt (reset per call), so the step compiles once, not once per prompt length
+        # every group (reset per call), so the step compiles once, not once per prompt length
         cache = StaticCache(config=model.config, max_cache_len=max_len)
         variants["HF generate static cache + compile"] = {"past_key_values": cache}
-    if args.assistant_layers:
+    if args.assistant_layers and batch == 1:
         assistant = copy.deepcopy(model)
         assistant.model.layers = assistant.model.layers[: args.assistant_layers]
         assistant.config.num_hidden_layers = args.assistant_layers
         variants[f"HF assisted (first {args.assistant_layers} layers)"] = {
             "assistant_model": assistant
         }
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else min(eos_ids, default=0)
 
     def runner(extra: dict[str, object]) -> Runner:
-        def run(prompt: list[int]) -> tuple[list[int], int, int]:
+        def run(prompts: list[list[int]]) -> list[tuple[list[int], int, int]]:
             cache = extra.get("past_key_values")
             if isinstance(cache, StaticCache):
                 cache.reset()
+            ids, mask = left_padded(prompts, pad)
             out = model.generate(
-                torch.tensor([prompt], device=args.device),
+                ids.to(args.device),
+                attention_mask=mask.to(args.device),
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
+                pad_token_id=pad,
                 **extra,
             )
-            return out[0, len(prompt) :].tolist(), 0, 0
+            rows = out[:, ids.shape[1] :].tolist()
+            return [(through_eos(row, eos_ids), 0, 0) for row in rows]
 
         return run
 
     return {label: runner(extra) for label, extra in variants.items()}
 
 
-def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -> dict[str, Row]:
-    """Every runner on every prompt, interleaved: prompt i runs the runners in an order rotated
-    by i (and by the pass). One warm-up generation each first. The gateway's histograms are
-    read around each specsplit run (outside its timing) and kept per row."""
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, longest] input ids padded on the left with `pad`, and their attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, width - len(prompt) :] = torch.tensor(prompt)
+        mask[b, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def through_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """`tokens` up to and with the first end-of-sequence token (a batch's row runs on with
+    padding after it)."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in eos_ids), len(tokens))
+    return tokens[:end]
+
+
+def prompt_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The prompts in groups of `batch`, in order, cycled to fill the last group (the whole
+    set at least once)."""
+    num_groups = -(-len(prompts) // batch)
+    return [
+        [prompts[(g * batch + j) % len(prompts)] for j in range(batch)] for g in range(num_groups)
+    ]
+
+
+def measure(
+    runners: dict[str, Runner], groups: list[list[list[int]]], passes: int
+) -> dict[str, Row]:
+    """Every runner on every group of prompts (`prompt_groups`; one prompt a group at batch 1),
+    interleaved: group i runs the runners in an order rotated by i (and by the pass). One
+    warm-up group each first. The gateway's histograms are read around each specsplit run
+    (outside its timing) and kept per row."""
     names = list(runners)
     for name in names:
-        runners[name](prompts[0])
+        runners[name](groups[0])
     rows = {name: Row() for name in names}
     for sweep in range(passes):
-        for i, prompt in enumerate(prompts):
+        for i, group in enumerate(groups):
             shift = (i + sweep) % len(names)
             for name in names[shift:] + names[:shift]:
                 probe = name.startswith("specsplit")
                 before = scrape_buckets() if probe else Counter()
                 before_totals = scrape_totals() if probe else Counter()
                 start = time.perf_counter()
-                tokens, rounds, accepted = runners[name](prompt)
+                results = runners[name](group)
                 row = rows[name]
                 row.seconds += time.perf_counter() - start
                 if probe:
@@ -364,12 +423,14 @@ def measure(runners: dict[str, Runner], prompts: list[list[int]], passes: int) -
                     row.buckets.subtract(before)
                     row.totals.update(scrape_totals())
                     row.totals.subtract(before_totals)
-                row.rounds += rounds
-                row.num_accepted_tokens += accepted
-                if sweep == 0:
-                    row.outputs.append(tokens)
-                elif tokens != row.outputs[i]:
-                    raise RuntimeError(f"{name}: pass {sweep} changed the tokens of prompt {i}")
+                for j, (tokens, rounds, accepted) in enumerate(results):
+                    row.rounds += rounds
+                    row.num_accepted_tokens += accepted
+                    k = i * len(group) + j
+                    if sweep == 0:
+                        row.outputs.append(tokens)
+                    elif tokens != row.outputs[k]:
+                        raise RuntimeError(f"{name}: pass {sweep} changed the tokens of stream {k}")
     return rows
 
 
@@ -394,6 +455,9 @@ def main() -> None:
     parser.add_argument("--assistant-layers", type=int, default=8, help="0 = no assisted row")
     parser.add_argument("--passes", type=int, default=1, help="sweeps over the prompts")
     parser.add_argument(
+        "--batch", type=int, nargs="+", default=[1], help="streams at once, a table each"
+    )
+    parser.add_argument(
         "--round-lane", choices=("on", "off"), default="on", help="`up --round-lane`"
     )
     parser.add_argument(
@@ -417,31 +481,43 @@ def main() -> None:
         flags += ("--decode-steps", args.decode_steps)
     with services(args, flags) as stub:
         wait_for_drafter(stub, prompts[0])
-        runners = service_runners(stub, args)
-        if not args.no_hf:
-            max_len = max(map(len, prompts)) + args.max_new_tokens
-            runners.update(hf_runners(args, path, max_len))
-        rows = measure(runners, prompts, args.passes)
+        model = None if args.no_hf else hf_model(args, path)
+        max_len = max(map(len, prompts)) + args.max_new_tokens
+        for batch in args.batch:
+            runners = service_runners(stub, args)
+            if model is not None:
+                runners.update(hf_runners(args, model, max_len, batch))
+            rows = measure(runners, prompt_groups(prompts, batch), args.passes)
+            report(args, path, len(prompts), batch, rows)
+
+
+def report(
+    args: argparse.Namespace, path: str, num_prompts: int, batch: int, rows: dict[str, Row]
+) -> None:
+    """One batch size's table: tokens/s and accepted tokens a round against target-only, HF
+    generate and HF's best row, then a round's parts and the split's cost on the services."""
     reference = rows["specsplit target only"].outputs
     tps = {name: args.passes * row.num_tokens / row.seconds for name, row in rows.items()}
     base = {"target only": tps["specsplit target only"], "HF": tps.get("HF generate", math.nan)}
+    best_hf = max((v for k, v in tps.items() if k.startswith("HF")), default=math.nan)
+    streams = "one at a time" if batch == 1 else f"{batch} streams at once (HF: one batch)"
     print(
-        f"model {path}; {len(prompts)} prompts one at a time, greedy, max_new_tokens "
-        f"{args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
+        f"\n== batch {batch}: model {path}; {num_prompts} prompts {streams}, greedy, "
+        f"max_new_tokens {args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
         f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
         f"{args.decode_ahead}, decode steps {args.decode_steps or 'default'}"
     )
     print(
-        f"{'run':<30}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
-        f"{'vs target-only':>16}{'vs HF':>8}  same tokens as target-only"
+        f"{'run':<36}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"
+        f"{'vs target-only':>16}{'vs HF':>8}{'vs HF best':>12}  same tokens as target-only"
     )
     for name, row in rows.items():
         acc = row.num_accepted_tokens / row.rounds if row.rounds else float("nan")
         same = sum(o == r for o, r in zip(row.outputs, reference, strict=True))
         print(
-            f"{name:<30}{row.num_tokens:>8}{row.seconds:>9.2f}{tps[name]:>10.1f}{acc:>10.2f}"
+            f"{name:<36}{row.num_tokens:>8}{row.seconds:>9.2f}{tps[name]:>10.1f}{acc:>10.2f}"
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
-            f"  {same}/{len(row.outputs)}"
+            f"{tps[name] / best_hf:>11.2f}x  {same}/{len(row.outputs)}"
         )
     print("a round's parts and the split's cost, ms: exact means (unlabelled histograms' sums")
     print("over counts), p50 and p99 as histogram bucket upper bounds")

@@ -8,6 +8,7 @@
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
+#       [smollm2-batch]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -144,6 +145,11 @@ for part in "${parts[@]}"; do
       run e2e_smollm2 python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
         --num-prompts 8 --spec 3 5 --assistant-layers 0 ;;
+    smollm2-batch)  # the same at batch 8 and 32 (8 streams at once, and the 8 prompts cycled to
+      # 32), HF generate on one left-padded batch each, plain and static cache + compile
+      run e2e_smollm2_batch python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
+        --num-prompts 8 --spec 3 --assistant-layers 0 --batch 8 32 ;;
     eagle)  # an 8B target with a random EAGLE-3 head of its width (synthetic acceptance), in
       # one process: serial and groups vs the target alone (4-step rounds run ahead); the
       # head on cuda:0 and the target on cuda:1 when there are two GPUs

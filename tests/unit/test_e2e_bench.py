@@ -1,0 +1,53 @@
+"""bench/e2e.py's batches: the prompts in groups, HF `generate` on a left-padded group giving each
+prompt's tokens as alone (float32, a tiny random Llama), rows cut after their first EOS."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.e2e import hf_runners, left_padded, prompt_groups, through_eos
+
+EOS = 7  # the tiny model below draws it first after the third prompt, not after the others
+
+
+def test_groups_keep_the_prompts_in_order_and_cycle_to_fill_the_last() -> None:
+    prompts = [[1], [2], [3]]
+    assert prompt_groups(prompts, 1) == [[[1]], [[2]], [[3]]]
+    assert prompt_groups(prompts, 2) == [[[1], [2]], [[3], [1]]]
+    assert prompt_groups(prompts, 8) == [[[1], [2], [3], [1], [2], [3], [1], [2]]]
+
+
+def test_left_padding_puts_each_prompt_at_the_end_with_its_mask() -> None:
+    ids, mask = left_padded([[7, 8, 9], [4]], pad=0)
+    assert ids.tolist() == [[7, 8, 9], [0, 0, 4]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_a_row_ends_with_its_first_eos() -> None:
+    assert through_eos([4, EOS, 0, 0], {EOS}) == [4, EOS]
+    assert through_eos([4, 6, 7], {EOS}) == [4, 6, 7]  # max_new_tokens reached first
+    assert through_eos([EOS], {EOS, 2}) == [EOS]
+
+
+def test_a_padded_group_gives_each_prompt_its_tokens_alone() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = None
+    args = argparse.Namespace(device="cpu", max_new_tokens=12, assistant_layers=0)
+    prompts = [[1, 9, 17, 33, 40], [2, 3], [60, 11, 12, 13, 14, 15, 16, 21]]
+    alone = hf_runners(args, model, 32, batch=1)
+    together = hf_runners(args, model, 32, batch=len(prompts))
+    assert set(together) == {"HF generate"}  # prompt lookup and assisted: batch 1 only
+    assert set(alone) == {"HF generate", "HF generate prompt_lookup 3"}
+    expected = [alone["HF generate"]([p])[0] for p in prompts]
+    assert together["HF generate"](prompts) == expected
+    # one row ends at its EOS while the others run on: the group's row is cut there too
+    assert sorted(len(tokens) for tokens, _, _ in expected) == [1, 12, 12]
