@@ -138,7 +138,8 @@ def print_time_spent(
     modes: tuple[str, ...],
 ) -> None:
     """Per run, exact means from the services' histogram sums: engine time per call, each
-    engine's busy fraction (engine-call time / wall: an upper bound of its GPU's), accepted
+    engine's busy fraction (engine-call time / wall: an upper bound of its GPU's), the
+    verifier GPU's own (its rounds' device time from CUDA events / wall; "-" off a GPU), accepted
     tokens per sequence-round (of a round's first step), and tokens/s against what the verify
     time alone allows (every token over the verifier's engine time: the overlap issue's goal is
     >= 0.9). The
@@ -146,10 +147,11 @@ def print_time_spent(
     ahead that the next round took. Over every timed run of a (mode, batch) (`runs`: tokens and
     wall seconds of each)."""
     print(
-        "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | drafter busy "
-        "| accepted/round | verify-bound tok/s | of the bound | ahead hit rate |"
+        "| run | batch | tok/s | verify ms/call | draft ms/call | verifier busy | verifier GPU "
+        "busy | drafter busy | accepted/round | verify-bound tok/s | of the bound "
+        "| ahead hit rate |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in ("target", *modes):
         for batch in batches:
             tokens = sum(n for n, _ in runs[(mode, batch)])
@@ -158,6 +160,8 @@ def print_time_spent(
             rate = tokens / wall
             verify_s = t[("verifier", "specsplit_verify_seconds_sum")]
             draft_s = t[("drafter", "specsplit_draft_seconds_sum")]
+            device_s = t[("verifier", "specsplit_verify_device_seconds_sum")]
+            device_busy = f"{device_s / wall:.2f}" if device_s else "-"
             accepted = t[("gateway", "specsplit_accepted_tokens_per_round_sum")]
             seq_rounds = t[("gateway", "specsplit_accepted_tokens_per_round_count")]
             # every token over the verifier's time (a round of several decode steps included)
@@ -173,7 +177,7 @@ def print_time_spent(
                 f"| {name} | {batch} | {rate:.1f} "
                 f"| {_per_call(verify_s, t[('verifier', 'specsplit_verify_seconds_count')])} "
                 f"| {_per_call(draft_s, t[('drafter', 'specsplit_draft_seconds_count')])} "
-                f"| {verify_s / wall:.2f} | {draft_s / wall:.2f} "
+                f"| {verify_s / wall:.2f} | {device_busy} | {draft_s / wall:.2f} "
                 f"| {accepted / max(seq_rounds, 1):.2f} | {bound:.1f} | {rate / bound:.2f} "
                 f"| {hit_rate} |"
             )

@@ -270,6 +270,8 @@ class EngineServicer(Generic[EngineT]):
             if device_ns:  # the verifier's on a GPU (VerifyResponse.device_ns)
                 span.set_attribute("specsplit.device_ns", device_ns)
         rpc.seconds.observe(engine_ns / 1e9)
+        if device_ns:
+            metrics.VERIFY_DEVICE_SECONDS.observe(device_ns / 1e9)
         rows = None if beside is None else convert.Beside()
         response = rpc.response_to_proto(scope.leave(outputs), engine_ns, rows)
         if device_ns:

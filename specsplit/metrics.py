@@ -48,6 +48,13 @@ VERIFY_SECONDS = Histogram(
     "A verify round: engine time on the verifier, round trip on the gateway",
     buckets=_LATENCY_BUCKETS,
 )
+VERIFY_DEVICE_SECONDS = Histogram(
+    "specsplit_verify_device_seconds",
+    "On the verifier's GPU, a verify round's own device time (CUDA events from its first device"
+    " work to its results' copy, VerifyResponse.device_ns): its sum over the wall is the GPU's"
+    " busy fraction",
+    buckets=_LATENCY_BUCKETS,
+)
 _OVERHEAD_BUCKETS = (
     0.0001, 0.0002, 0.0003, 0.0004, 0.0006, 0.0008, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
     0.025, 0.05, 0.1,

@@ -73,6 +73,7 @@ KNOWN_METRICS = {
     "specsplit_gc_pause_seconds",
     "specsplit_round_outside_verify_seconds",
     "specsplit_round_outside_device_seconds",
+    "specsplit_verify_device_seconds",
 }
 
 

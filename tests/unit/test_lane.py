@@ -679,8 +679,15 @@ def test_a_rounds_device_time_reaches_the_gateway_in_its_answer(
     """The verifier's device time for a round (`Launched.device_ns`, CUDA events on a GPU;
     stood in here by a fixed time a part, the CPU having no device clock) goes into its
     VerifyResponse.device_ns and the gateway's client reads it (last_device_seconds), on the
-    lane and on gRPC; with its engine calls on a thread the service measures none (0)."""
+    lane and on gRPC, and into the verifier's specsplit_verify_device_seconds (the GPU's busy
+    time); with its engine calls on a thread the service measures none (0)."""
     monkeypatch.setattr(Launched, "device_ns", lambda self: 1_500_000)
+
+    def device_histogram() -> tuple[float, float]:
+        name = "specsplit_verify_device_seconds"
+        count, total = (REGISTRY.get_sample_value(f"{name}_{part}") for part in ("count", "sum"))
+        return count or 0.0, total or 0.0
+
     # engine calls on the loop (pipelined rounds, as on a GPU): one part a round; on a thread
     for on_loop, device_seconds in ((True, 1.5e-3), (False, 0.0)):
 
@@ -694,4 +701,10 @@ def test_a_rounds_device_time_reaches_the_gateway_in_its_answer(
             finally:
                 await client.close()
 
+        count, total = device_histogram()
         _with_verifier(target, tmp_path, body, calls_on_loop=on_loop)
+        rounds, seconds = (
+            after - before for after, before in zip(device_histogram(), (count, total), strict=True)
+        )
+        assert rounds == (3 if on_loop else 0)  # `_decode`'s prefill and two rounds
+        assert seconds == pytest.approx(rounds * device_seconds)
