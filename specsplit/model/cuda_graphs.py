@@ -171,9 +171,10 @@ class CudaGraphRunner:
         captured = self.q_sizes  # any layers: forward() captures these on use
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
-        # the most new tokens of any sequence, in numpy (torch's CPU ops cost ~10 us each here)
-        news = 0 if one else int((batch.kv_lens.numpy() - batch.prefix_lens.numpy()).max())
-        need = 1 if one else max(batch.max_q_len, news)
+        need = 1
+        if not one:  # its most new tokens (in numpy: torch's CPU ops cost ~10 us each here)
+            news = batch.kv_lens.numpy() - batch.prefix_lens.numpy()
+            need = max(batch.max_q_len, int(news.max()))
         # the smallest q that holds it and has a bucket for its batch (a prefill's q has few)
         q = min((n for n, sizes in captured.items() if n >= need and sizes[-1] >= bs), default=None)
         if q is None or (q == 1 and not one):
@@ -217,9 +218,8 @@ class CudaGraphRunner:
         logits = buffers.rows(buffers.logits[:t], "rows", num_rows, views)
         hidden = None
         if buffers.hidden_states is not None:
-            if batch.hidden_indices is None:  # the logits' rows
-                hidden = buffers.rows(buffers.hidden_states[:t], "rows", num_rows, views)
-            else:
-                num = batch.hidden_indices.shape[0]
-                hidden = buffers.rows(buffers.hidden_states[:t], "hidden_rows", num, views)
+            name, num = ("rows", num_rows)  # the logits' rows, unless it names its own
+            if batch.hidden_indices is not None:
+                name, num = "hidden_rows", batch.hidden_indices.shape[0]
+            hidden = buffers.rows(buffers.hidden_states[:t], name, num, views)
         return ForwardOutput(logits=logits, hidden_states=hidden)
