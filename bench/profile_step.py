@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import time
 from typing import Any
@@ -27,8 +28,10 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import verifier.engine as engine_module
+import verifier.round_accept as round_accept_module
 from bench.gpu_engine import SHAPES, EngineBench
 from specsplit.model.config import ModelConfig
+from verifier.engine import VerifierEngine
 
 
 class EngineTime:
@@ -36,7 +39,7 @@ class EngineTime:
 
     def __init__(self, owner: object, name: str) -> None:
         self.seconds, self.calls = 0.0, 0
-        method = getattr(owner, name)
+        method = getattr(owner, name)  # (an AttributeError here: the engine renamed it)
 
         def timed(*args: object, **kwargs: object) -> object:
             start = time.perf_counter()
@@ -47,6 +50,7 @@ class EngineTime:
                 self.calls += 1
 
         setattr(owner, name, timed)
+        self.restore = functools.partial(setattr, owner, name, method)
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -98,18 +102,7 @@ def main() -> None:
     engine = bench.engine
     if args.eager_accept:
         engine.accept_graphs = None
-    phases = {"build batch": EngineTime(engine_module, "build_forward_batch")}
-    if engine.graphs is not None:
-        phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
-    phases["eager forward"] = EngineTime(engine.model, "forward")
-    phases["accept (queued)"] = EngineTime(engine, "_accept")
-    phases["commit"] = EngineTime(engine, "_commit")
-    phases["validate"] = EngineTime(engine, "_validate")
-    phases["sampling inputs"] = EngineTime(engine, "_sampling_inputs")
-    phases["hidden states out"] = EngineTime(engine, "_hidden_states_out")
-    phases["reserve"] = EngineTime(engine, "_reserve")
-    phases["launch ahead"] = EngineTime(engine, "_launch_ahead")
-    phases["finish (+ wait)"] = EngineTime(engine, "_finish")
+    phases = step_phases(engine)
     for batch in args.batch:
         state = bench.open(batch)
         for n in args.n:
@@ -146,6 +139,26 @@ def main() -> None:
                 )
             )
         bench.close(state)
+
+
+def step_phases(engine: VerifierEngine) -> dict[str, EngineTime]:
+    """The engine step's host phases, each timed in place where the engine looks it up (its
+    methods on the engine, the functions it imports in its module, round_accept's own helpers
+    there); `EngineTime.restore` each to undo."""
+    phases = {"build batch": EngineTime(engine_module, "build_forward_batch")}
+    if engine.graphs is not None:
+        phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
+    phases["eager forward"] = EngineTime(engine.model, "forward")
+    phases["accept (queued)"] = EngineTime(engine, "_accept")
+    phases["commit"] = EngineTime(engine, "_commit")
+    phases["validate"] = EngineTime(engine, "_validate")
+    phases["sampling inputs"] = EngineTime(round_accept_module, "_sampling_inputs")
+    phases["accepted hidden rows"] = EngineTime(engine_module, "accepted_hidden")
+    phases["hidden states out"] = EngineTime(engine_module, "hidden_states_out")
+    phases["reserve"] = EngineTime(engine, "_reserve")
+    phases["launch ahead"] = EngineTime(engine, "_launch_ahead")
+    phases["finish (+ wait)"] = EngineTime(engine, "_finish")
+    return phases
 
 
 def kernel_time(events: Any, steps: int) -> tuple[float, float]:

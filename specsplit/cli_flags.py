@@ -115,7 +115,8 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # H100 (random SmolLM2, target-only rounds, bench/RESULTS.md) decode ahead gave 1.29x at 1
 # stream, 1.56x / 1.85x at 8, 1.25x at 16; at 32 the runs disagree (0.86x, 0.90x, 1.47x: the
 # step is host-bound there and the figures swing between machines), so larger rounds run nothing
-# ahead until that is understood
+# ahead until that is understood; a round's own further decode steps (--decode-steps) always
+# take the step run ahead, so they run ahead at any batch
 DECODE_AHEAD_MAX_BATCH = 16
 # --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
@@ -182,7 +183,8 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--decode-ahead-max-batch",
         DECODE_AHEAD_MAX_BATCH,
-        "--decode-ahead only for rounds of at most this many sequences",
+        "--decode-ahead only for rounds of at most this many sequences (a round's own further"
+        " --decode-steps at any batch)",
         type=int,
     )
     chain_help = (

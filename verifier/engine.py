@@ -97,7 +97,8 @@ class VerifierEngine(RunAhead):
         decode_ahead: after a round of decode steps (no trees, no hidden states), launch
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
         round takes it when it is that step, else it is dropped; rounds of more than
-        decode_ahead_max_batch sequences run nothing ahead."""
+        decode_ahead_max_batch sequences run nothing ahead, but for a round's own further
+        decode steps (VerifyInput.decode_steps), which always take it."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
@@ -408,10 +409,12 @@ class VerifierEngine(RunAhead):
                 )
                 for i in more
             ]
+            # the step after this one is the round's own when every sequence here asks for it
+            own_next = all(inputs[i].decode_steps > step + 1 for i in more)
             try:
                 # their lengths are the engine's, their tokens the target's, their sampling
                 # the round's (validated), their context checked above: no checks again
-                step_round = self._launch_round(step_inputs, validated=True)
+                step_round = self._launch_round(step_inputs, validated=True, own_next=own_next)
             except ServiceError as e:  # nothing of the step happened: the round ends here
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
@@ -425,9 +428,15 @@ class VerifierEngine(RunAhead):
         return device_ns
 
     @torch.inference_mode()
-    def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
+    def _launch_round(
+        self, inputs: list[VerifyInput], validated: bool = False, own_next: bool | None = None
+    ) -> VerifyRound:
         """A round queued on the device. validated: `inputs` need no checks (a round's further
-        decode steps, built here from what the engine committed)."""
+        decode steps, built here from what the engine committed). own_next: whether the next
+        decode step is this round's own further step for every sequence (default: whether
+        each of `inputs` asks for more than one step); then it runs ahead at any batch size."""
+        if own_next is None:
+            own_next = all(item.decode_steps > 1 for item in inputs)
         if not validated:
             self._validate(inputs)
         self.hints.round_started()  # a late hint launches nothing now
@@ -450,7 +459,8 @@ class VerifierEngine(RunAhead):
         ahead = None
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
-            ahead = self._launch_ahead(parts, [self._bonus_tokens(part) for part in parts])
+            bonus = [self._bonus_tokens(part) for part in parts]
+            ahead = self._launch_ahead(parts, bonus, capped=not own_next)
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 

@@ -129,7 +129,9 @@ class RunAhead:
             self._report_gap("launch", time.perf_counter_ns() - started)
             self._end_wait(item.seq_id for item in launched)  # the device has work again
 
-    def _launch_ahead(self, parts: list[Launched], bonus: list[torch.Tensor]) -> Launched | None:
+    def _launch_ahead(
+        self, parts: list[Launched], bonus: list[torch.Tensor], capped: bool = True
+    ) -> Launched | None:
         """After a round of decode steps (every sequence: no tree, no hidden states; launched
         as `parts`, one or two, whose bonus tokens on the device are `bonus`), the same
         sequences' next decode step, launched before the round is waited for: the round the
@@ -142,10 +144,12 @@ class RunAhead:
         that are exactly that step, so it changes no output (a sampled step draws from each
         sequence's generator, whose state `_undo_ahead` puts back where it is not taken).
         None when this round does not qualify or the next step would not fit (context, free
-        pages)."""
+        pages). `capped`: none for more than decode_ahead_max_batch sequences (the next round
+        is the gateway's, which may be another; not when it is the round's own further step,
+        which always takes it)."""
         done_inputs = [item for part in parts for item in part.inputs]
         done_seqs = [seq for part in parts for seq in part.seqs]
-        if len(done_inputs) > self.decode_ahead_max_batch:
+        if capped and len(done_inputs) > self.decode_ahead_max_batch:
             return None
         for item in done_inputs:
             if item.tree or item.hidden_state_layers:

@@ -10,6 +10,7 @@ import torch
 from tests.unit.test_decode_steps import (  # noqa: F401  (pytest collects them here)
     target_dir,
     test_a_round_of_steps_gives_the_tokens_and_kv_of_one_step_rounds,
+    test_a_rounds_own_steps_run_ahead_past_the_batch_limit,
     test_a_step_with_no_room_ends_the_round_where_it_is,
     test_bad_decode_steps_are_refused_and_change_nothing,
     test_sampled_steps_draw_as_one_step_rounds,
