@@ -8,7 +8,7 @@
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
-#       [smollm2-batch]
+#       [smollm2-batch] [steps-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -377,6 +377,24 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --device cuda:0 --modes plain after --hidden-states \
           --no-synthetic --rounds 80 --batch 1 8 --phases
       done ;;
+    steps-ab)  # target-only rounds (4 decode steps each, `up`'s default) at batch 8 / 32 through
+      # the services (random SmolLM2), this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried)
+      # in turn, twice: a round's own further steps run ahead at 32 (7c7378d) or not; then where a
+      # decode step's time goes in process at batch 8 / 32 (kernels against host phases)
+      random_smollm2
+      [[ -d .gpu/old ]] && cp -r specsplit/v1 .gpu/old/specsplit/
+      for pass in new1 old1 new2 old2; do
+        tree=${pass%?}
+        [[ $tree == old && ! -d .gpu/old ]] && continue
+        dir=$PWD
+        [[ $tree == old ]] && dir=$PWD/.gpu/old
+        PYTHONPATH="$dir:/tmp/site" run "steps_$pass" python3 bench/profile_services.py \
+          --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+          --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 256 \
+          --top 0 --target-only
+      done
+      run profile_step_batch python3 bench/profile_step.py --shape smollm2-135m --batch 8 32 \
+        --n 0 --steps 30 ;;
     accept-ab)  # greedy acceptance as the Triton walk and as the torch ops, through the services
       # (ahead1's command, SPECSPLIT_TRITON_ACCEPT=1 then 0: the services inherit it), then in
       # process: the round on the device (bench/hinted_launch.py, SmolLM2 shape, batch 1)
