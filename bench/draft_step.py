@@ -45,6 +45,7 @@ import specsplit.model.transfer as transfer
 import specsplit.step as step
 from bench.gpu_e2e import random_eagle3_head, random_model
 from bench.gpu_engine import SHAPES
+from bench.host_phases import clock
 from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
@@ -205,19 +206,12 @@ class Phases:
                     setattr(module, name, getattr(step, name))
 
     def _wrap(self, owner: object, name: str) -> None:
-        fn = getattr(owner, name)
         label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
-        seconds = self.seconds
-        seconds[label] = 0.0
+        self.seconds[label] = 0.0
+        clock(owner, name, functools.partial(self._add, label))
 
-        def timed(*args: object, **kwargs: object) -> object:
-            begin = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - begin
-
-        setattr(owner, name, timed)
+    def _add(self, label: str, seconds: float) -> None:
+        self.seconds[label] += seconds
 
     def reset(self) -> None:
         for label in self.seconds:

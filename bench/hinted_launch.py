@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import importlib
 import pstats
 import statistics
@@ -46,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_engine import SHAPES, EngineBench
+from bench.host_phases import clock
 from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
 from specsplit.model import transfer
 from specsplit.model.config import ModelConfig
@@ -128,28 +130,24 @@ class Phases:
         self.sums: dict[str, float] = defaultdict(float)
         self.per_call: dict[str, list[float]] = defaultdict(list)
         self.start_ns: int | None = None
-        self.originals: list[tuple[Any, str, Any]] = []
+        self.restores: list[Callable[[], None]] = []
         for owner_path, name, label in PHASE_TARGETS:
             module_name, _, cls = owner_path.partition(":")
             owner: Any = importlib.import_module(module_name)
             if cls:
                 owner = getattr(owner, cls)
-            original = getattr(owner, name)
-            self.originals.append((owner, name, original))
-            setattr(owner, name, self._wrap(original, label))
+            on_start = self._first_replay if label == "CUDAGraph.replay" else None
+            adding = functools.partial(self._add, label)
+            self.restores.append(clock(owner, name, adding, on_start=on_start))
 
-    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def timed_fn(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter_ns()
-            if label == "CUDAGraph.replay" and self.start_ns is not None:
-                self.sums["(to the first replay)"] += (start - self.start_ns) / 1e6
-                self.start_ns = None
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sums[label] += (time.perf_counter_ns() - start) / 1e6
+    def _first_replay(self) -> None:
+        """The time from the timed call's start to its first CUDA graph replay."""
+        if self.start_ns is not None:
+            self.sums["(to the first replay)"] += (time.perf_counter_ns() - self.start_ns) / 1e6
+            self.start_ns = None
 
-        return timed_fn
+    def _add(self, label: str, seconds: float) -> None:
+        self.sums[label] += seconds * 1e3
 
     def run(self, fn: Callable[[], Any]) -> Any:
         self.sums.clear()
@@ -168,8 +166,8 @@ class Phases:
         self.per_call.clear()
 
     def close(self) -> None:
-        for owner, name, original in self.originals:
-            setattr(owner, name, original)
+        for restore in self.restores:
+            restore()
 
 
 class Rounds:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import pstats
 import time
 from typing import Any
@@ -30,27 +29,22 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import verifier.engine as engine_module
 import verifier.round_accept as round_accept_module
 from bench.gpu_engine import SHAPES, EngineBench
+from bench.host_phases import clock
 from specsplit.model.config import ModelConfig
 from verifier.engine import VerifierEngine
 
 
 class EngineTime:
-    """Wall time and calls of a method or function (`owner.name`), wrapped in place."""
+    """Wall time and calls of a method or function (`owner.name`), wrapped in place
+    (`bench/host_phases.clock`); `restore` puts it back."""
 
     def __init__(self, owner: object, name: str) -> None:
         self.seconds, self.calls = 0.0, 0
-        method = getattr(owner, name)  # (an AttributeError here: the engine renamed it)
+        self.restore = clock(owner, name, self._add)
 
-        def timed(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
-
-        setattr(owner, name, timed)
-        self.restore = functools.partial(setattr, owner, name, method)
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.calls += 1
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
