@@ -393,6 +393,10 @@ for part in "${parts[@]}"; do
           --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 256 \
           --top 0 --target-only
       done
+      # rounds of 8 steps (`--decode-steps 8`) now that their own steps run ahead at any batch
+      run steps_new_8 python3 bench/profile_services.py --model /tmp/smollm2_random \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --batch 8 32 --max-new-tokens 256 --top 0 --target-only --up-arg=--decode-steps=8
       run profile_step_batch python3 bench/profile_step.py --shape smollm2-135m --batch 8 32 \
         --n 0 --steps 30 ;;
     accept-ab)  # greedy acceptance as the Triton walk and as the torch ops, through the services
