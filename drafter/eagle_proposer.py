@@ -24,7 +24,7 @@ index (no per-sequence buffers, copies or concatenation), and the pool's memory 
 the KV's when it is sized from the GPU's free memory. A Draft or a draft-ahead call whose
 catch-up runs in the device expansion's own run (a graph's replay on a GPU) hands it the round's
 new rows instead: they cross with its inputs and it scatters them before the catch-up reads them
-(drafter/expansion.py `PoolRows`).
+(drafter/expansion_inputs.py `PoolRows`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter.eagle import Eagle3Head, load_eagle3
-from drafter.expansion import PoolRows
+from drafter.expansion_inputs import PoolRows
 from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid

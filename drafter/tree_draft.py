@@ -18,15 +18,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from drafter.expansion import (
-    Ahead,
-    Candidates,
-    DeviceExpansion,
-    PoolRows,
-    Shape,
-    draw_columns,
-    draw_mapped,
-)
+from drafter.expansion import DeviceExpansion, draw_columns, draw_mapped
+from drafter.expansion_inputs import Ahead, Candidates, PoolRows, Shape
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import AheadTree, SpecParams

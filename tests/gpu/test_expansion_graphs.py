@@ -15,7 +15,8 @@ import torch
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
-from drafter.expansion import FUSED_CAPTURE_AFTER, Ahead, Shape
+from drafter.expansion import FUSED_CAPTURE_AFTER
+from drafter.expansion_inputs import Ahead, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams

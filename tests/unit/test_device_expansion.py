@@ -15,7 +15,8 @@ import specsplit.model.llama
 from drafter.eagle import load_eagle3
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
-from drafter.expansion import FUSED_CAPTURE_AFTER, Candidates, DeviceExpansion, Shape
+from drafter.expansion import FUSED_CAPTURE_AFTER, DeviceExpansion
+from drafter.expansion_inputs import Candidates, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer, select_tree
 from specsplit.kernels.paged_attention import _check_inputs
