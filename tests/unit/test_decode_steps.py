@@ -73,29 +73,33 @@ def test_a_round_of_steps_gives_the_tokens_and_kv_of_one_step_rounds(
     _release(single, steps)
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize(
     ("steps", "used"),
     [({"a": 3, "b": 3}, 2), ({"a": 3, "b": 2}, 1)],
     ids=["all-go-on", "one-stops-first"],
 )
 def test_a_rounds_own_steps_run_ahead_past_the_batch_limit(
-    target_dir: Path, device: str, steps: dict[str, int], used: int
+    target_dir: Path, device: str, steps: dict[str, int], used: int, sampled: bool
 ) -> None:
     """With decode_ahead_max_batch 0 (no round of the gateway's runs ahead), a round of 2
     sequences still runs its own further steps ahead while both take them ("all-go-on": steps
     2 and 3; "one-stops-first": step 2 only, then "a" alone), and nothing after its last
-    step: that round is the gateway's."""
+    step: that round is the gateway's. The tokens, KV and a seeded sampler's draws are those
+    of one-step rounds."""
+    sampling = SamplingParams(temperature=0.9, seed=11) if sampled else None
     single, several = _pair(target_dir, device, True)
     several.engine.decode_ahead_max_batch = 0
     for driver in (single, several):
         driver.begin("a", "b")
     for _ in range(2):
         before = several.engine.num_ahead_used
-        several.round(dict.fromkeys("ab", DraftTree()), steps=steps)
+        several.round(dict.fromkeys("ab", DraftTree()), sampling=sampling, steps=steps)
         assert several.engine.num_ahead_used - before == used
         assert several.engine._ahead is None  # nothing launched past the round's last step
         for step in range(max(steps.values())):
-            single.decode(*[s for s in "ab" if steps[s] > step], rounds=1)
+            going_on = [s for s in "ab" if steps[s] > step]
+            single.round(dict.fromkeys(going_on, DraftTree()), sampling=sampling)
     assert several.engine.num_ahead_dropped == 0
     _same(single, several)
     _release(single, several)
