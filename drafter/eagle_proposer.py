@@ -35,7 +35,8 @@ import torch
 
 from drafter.eagle import Eagle3Head, load_eagle3
 from drafter.expansion_inputs import PoolRows
-from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
+from drafter.host_expansion import Expansion
+from drafter.tree_draft import DraftKVState, TreeProposer
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import invalid
 from specsplit.kv_cache import KVCache, pool_num_pages
@@ -134,7 +135,7 @@ class Eagle3Proposer(TreeProposer):
 
     # -- TreeProposer hooks ----------------------------------------------------------------
 
-    def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
+    def _forward_frontier(self, trees: list[Expansion]) -> torch.Tensor:
         steps = [self._frontier_step(t) for t in trees]
         features = torch.stack(
             [t.node_hidden[t.parents[node]] for t in trees for node in t.frontier]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.tree_draft import DraftKVState, TreeProposer, _Expansion
+from drafter.host_expansion import Expansion
+from drafter.tree_draft import DraftKVState, TreeProposer
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.model.batch import ForwardBatch, ForwardOutput
@@ -92,5 +93,5 @@ class ModelProposer(TreeProposer):
     ) -> ForwardOutput:
         return self.model(batch, self.kv, aux_layers=aux_layers)
 
-    def _forward_frontier(self, trees: list[_Expansion]) -> torch.Tensor:
+    def _forward_frontier(self, trees: list[Expansion]) -> torch.Tensor:
         return self._run([self._frontier_step(t) for t in trees]).logits

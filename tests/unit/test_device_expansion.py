@@ -17,8 +17,9 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import FUSED_CAPTURE_AFTER, DeviceExpansion
 from drafter.expansion_inputs import Candidates, Shape
+from drafter.host_expansion import select_tree
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import CATCH_UP_LENS, TreeProposer, select_tree
+from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from specsplit.kernels.paged_attention import _check_inputs
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.attention import attend
