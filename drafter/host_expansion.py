@@ -47,6 +47,10 @@ class Expansion:
 
 
 class HostExpansion:
+    """A round's trees grown a level at a time (`_expand_on_host`): each level's frontier
+    forwarded by the proposer, what the host needs of its logits (a greedy chain's argmax, a
+    tree's top-k, a sampled chain's draw) read in one copy for the batch."""
+
     # the proposer's (TreeProposer), which the host expansion uses: the scored columns, the
     # frontier forward (logits [sum of frontiers, vocab]), a sequence's draft KV and generator
     scored_ids: torch.Tensor | None
