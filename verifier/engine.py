@@ -400,21 +400,22 @@ class VerifierEngine(RunAhead):
             ]
             if not more:
                 break
+            # each with the steps left of its round (`_launch_round` runs the next ahead when
+            # every sequence has one left)
             step_inputs = [
                 decode_step(
                     inputs[i].seq_id,
                     outputs[i].kv_committed_len,
                     outputs[i].bonus_token,
                     inputs[i].sampling,
+                    steps=inputs[i].decode_steps - step,
                 )
                 for i in more
             ]
-            # the step after this one is the round's own when every sequence here asks for it
-            own_next = all(inputs[i].decode_steps > step + 1 for i in more)
             try:
                 # their lengths are the engine's, their tokens the target's, their sampling
                 # the round's (validated), their context checked above: no checks again
-                step_round = self._launch_round(step_inputs, validated=True, own_next=own_next)
+                step_round = self._launch_round(step_inputs, validated=True)
             except ServiceError as e:  # nothing of the step happened: the round ends here
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
@@ -428,15 +429,11 @@ class VerifierEngine(RunAhead):
         return device_ns
 
     @torch.inference_mode()
-    def _launch_round(
-        self, inputs: list[VerifyInput], validated: bool = False, own_next: bool | None = None
-    ) -> VerifyRound:
+    def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
         """A round queued on the device. validated: `inputs` need no checks (a round's further
-        decode steps, built here from what the engine committed). own_next: whether the next
-        decode step is this round's own further step for every sequence (default: whether
-        each of `inputs` asks for more than one step); then it runs ahead at any batch size."""
-        if own_next is None:
-            own_next = all(item.decode_steps > 1 for item in inputs)
+        decode steps, built here from what the engine committed). Where every one of `inputs`
+        has a step left (decode_steps > 1), the next step is the round's own: it runs ahead at
+        any batch size."""
         if not validated:
             self._validate(inputs)
         self.hints.round_started()  # a late hint launches nothing now
@@ -460,6 +457,7 @@ class VerifierEngine(RunAhead):
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         if self.decode_ahead and not self._in_flight and not hinted:
             bonus = [self._bonus_tokens(part) for part in parts]
+            own_next = all(item.decode_steps > 1 for item in inputs)
             ahead = self._launch_ahead(parts, bonus, capped=not own_next)
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)

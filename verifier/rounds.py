@@ -120,10 +120,13 @@ class VerifyRound:
 
 
 def decode_step(
-    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams
+    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams, steps: int = 1
 ) -> VerifyInput:
-    """A sequence's decode step: its one pending token, no tree, no hidden states."""
-    return VerifyInput(seq_id, False, kv_committed_len, [token], DraftTree(), sampling)
+    """A sequence's decode step: its one pending token, no tree, no hidden states; `steps`:
+    its decode_steps (a round's further step: the steps left of that round, itself included)."""
+    return VerifyInput(
+        seq_id, False, kv_committed_len, [token], DraftTree(), sampling, decode_steps=steps
+    )
 
 
 def round_base(out: VerifyOutput) -> int:
