@@ -94,6 +94,26 @@ run() {  # name, command...
   "$@" 2>&1 | tee "$out/$name.txt" | grep -v "^\s*$" | tail -40
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "== $name FAILED"; status=1; }
 }
+in_trees() {  # passes, name, command...: the command run from inside this tree ("new...") and
+  # .gpu/old ("old...": `scripts/gpu_old.sh REV`, carried) in the order of `passes` (e.g. "new
+  # old"), each tree's code first on the path: `specsplit up` starts the services from the working
+  # directory's package (`python -m`: the current directory comes first). $out/<name>_<pass>.txt
+  local passes=$1 name=$2 pass dir root=$PWD
+  shift 2
+  if [[ ! -d .gpu/old ]]; then
+    echo "== $name: no .gpu/old here (scripts/gpu_old.sh REV, and carry .gpu/old)"
+    status=1
+    return
+  fi
+  cp -r specsplit/v1 specsplit/data .gpu/old/specsplit/  # the stubs gpu_env.sh made, the head
+  for pass in $passes; do
+    dir=$root
+    [[ $pass == old* ]] && dir=$root/.gpu/old
+    cd "$dir"
+    PYTHONPATH="$dir:/tmp/site" run "${name}_$pass" "$@"
+  done
+  cd "$root"
+}
 random_8b_1b() {  # random 8B- and 1B-shaped checkpoints (SmolLM2's vocabulary) at /tmp/llama{8b,1b}
   # and a random EAGLE-3 head for the 8B at /tmp/eagle8b
   [[ -d /tmp/llama8b && -d /tmp/eagle8b ]] || python3 bench/random_model.py /tmp/llama8b \
@@ -343,27 +363,9 @@ for part in "${parts[@]}"; do
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
         --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain ;;
     ahead1-ab)
-      if [[ ! -d .gpu/old ]]; then
-        echo "== ahead1-ab: no .gpu/old here (scripts/gpu_old.sh REV, and carry .gpu/old)"
-        status=1
-        continue
-      fi
-      cp -r specsplit/v1 specsplit/data .gpu/old/specsplit/  # the stubs gpu_env.sh made, the head
-      root=$PWD
-      path=${PYTHONPATH:-}
-      for tree in new old; do
-        dir=$root
-        [[ $tree == old ]] && dir=$root/.gpu/old
-        # from inside the tree: `specsplit up` starts the services from the working directory's
-        # package (the current directory comes first on the path)
-        cd "$dir"
-        export PYTHONPATH="$dir:/tmp/site"
-        run "ahead1_$tree" python3 bench/overlap.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
-          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
-          --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain
-      done
-      cd "$root"
-      export PYTHONPATH=$path ;;
+      in_trees "new old" ahead1 python3 bench/overlap.py --model "$SMOLLM2_GGUF" \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 1 \
+        --max-new-tokens 128 --repeat 3 --prompt-groups 8 --modes serial ahead-plain ;;
     launch-ab)  # the verifier's launch by phase (bench/hinted_launch.py --phases, SmolLM2 shape,
       # hidden states, batch 1 / 8), this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried)
       # in turn, twice: the bench script of this tree, the code of each
@@ -382,17 +384,10 @@ for part in "${parts[@]}"; do
       # in turn, twice: a round's own further steps run ahead at 32 (7c7378d) or not; then where a
       # decode step's time goes in process at batch 8 / 32 (kernels against host phases)
       random_smollm2
-      [[ -d .gpu/old ]] && cp -r specsplit/v1 .gpu/old/specsplit/
-      for pass in new1 old1 new2 old2; do
-        tree=${pass%?}
-        [[ $tree == old && ! -d .gpu/old ]] && continue
-        dir=$PWD
-        [[ $tree == old ]] && dir=$PWD/.gpu/old
-        PYTHONPATH="$dir:/tmp/site" run "steps_$pass" python3 bench/profile_services.py \
-          --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
-          --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 256 \
-          --top 0 --target-only
-      done
+      in_trees "new1 old1 new2 old2" steps python3 bench/profile_services.py \
+        --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+        --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 256 \
+        --top 0 --target-only
       # rounds of 8 steps (`--decode-steps 8`) now that their own steps run ahead at any batch
       run steps_new_8 python3 bench/profile_services.py --model /tmp/smollm2_random \
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
