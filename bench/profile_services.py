@@ -1,9 +1,10 @@
 """Where the three processes' Python time goes at a given batch: `specsplit up` with each
 service's main thread under cProfile ($SPECSPLIT_PROFILE_DIR, specsplit/cli.py), --batch
 concurrent streams of --max-new-tokens each (bundled chat prompts, greedy) after a warm-up at
-that batch: once unprofiled (exact means per round from the services' histograms), then once
-profiled from start to end of that run only (a SIGUSR2 to the services at each end), then the top
-functions of each process by own time.
+that batch: unprofiled (--repeat times: each run's tok/s and their median; exact means per round
+from the services' histograms over them all), then once profiled from start to end of that run
+only (a SIGUSR2 to the services at each end), then the top functions of each process by own
+time.
 
 On a GPU the engine calls run on the services' main threads (--engine-calls auto), so their
 host work is in the verifier's and drafter's profiles; on the CPU they run on an engine thread
@@ -28,6 +29,7 @@ import os
 import pstats
 import shutil
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -145,6 +147,14 @@ def signal_all(pids: list[int], signum: int) -> None:
         os.kill(pid, signum)
 
 
+def runs_line(tokens: list[int], walls: list[float]) -> str:
+    """Each unprofiled run's tokens/s in order and their median (--repeat): one `up`'s runs
+    spread less than runs of separate `up`s, so an A/B compares medians of several."""
+    rates = [n / wall for n, wall in zip(tokens, walls, strict=True)]
+    each = ", ".join(f"{rate:.1f}" for rate in rates)
+    return f"unprofiled runs: {each} tok/s; median {statistics.median(rates):.1f}"
+
+
 def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     """The same run unprofiled: exact means per round from the services' histogram sums (the
     gateway's round wall, the part of it outside the verifier's engine, the verify and draft
@@ -238,6 +248,13 @@ def main() -> None:
         "--batch", type=int, nargs="+", default=[32], help="the last one is profiled"
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="unprofiled runs at each batch, one after another (each's tok/s and the median;"
+        " the round means over them all)",
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--drafter-device", default=None)
@@ -331,15 +348,22 @@ def main() -> None:
                 prompts = [chats[i % len(chats)] for i in range(batch)]
                 run_batch(stub, prompts, 16, spec, args.temperature, synthetic)  # warm-up
                 before, before_buckets = scrape_totals(), scrape_buckets()
-                plain, plain_wall = run_batch(
-                    stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
-                )
+                counts: list[int] = []
+                walls: list[float] = []
+                for _ in range(args.repeat):  # the histograms' sums cover every run
+                    plain, wall = run_batch(
+                        stub, prompts, args.max_new_tokens, spec, args.temperature, synthetic
+                    )
+                    counts.append(sum(map(len, plain)))
+                    walls.append(wall)
                 totals = Counter(scrape_totals())
                 totals.subtract(before)
                 spread = Counter(scrape_buckets())
                 spread.subtract(before_buckets)
                 print(f"== {batch} streams x {args.max_new_tokens} tokens, {kind}")
-                print_round_means(sum(map(len, plain)), plain_wall, totals)
+                if args.repeat > 1:
+                    print(runs_line(counts, walls))
+                print_round_means(sum(counts), sum(walls), totals)
                 print_critical_path(spread)
                 print_call_spread(spread)
                 print_gpu_processes()

@@ -8,7 +8,8 @@
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-both] [hinted] [critical8b-eagle]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
-#       [smollm2-batch] [steps-ab]
+#       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
+#       [profile-steps]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -148,6 +149,54 @@ for part in "${parts[@]}"; do
       wait "$first" || { echo "== tests-1 FAILED"; status=1; }
       echo "== tests-1 (beside it):"
       grep -v "^\s*$" "$out/tests-1.log" | tail -5 ;;
+    tests-par)  # tests/gpu in $TEST_JOBS (default 3) pytest processes at once on the one GPU,
+      # the files dealt round-robin (one call on a one-GPU machine; the two-GPU cases skip there);
+      # each process's output: $OUT/tests-par-<n>.txt
+      jobs=${TEST_JOBS:-3}
+      pids=()
+      for ((j = 0; j < jobs; j++)); do
+        mapfile -t mine < <(printf '%s\n' tests/gpu/test_*.py | awk -v j="$j" -v n="$jobs" \
+          '(NR - 1) % n == j')
+        python3 -m pytest -q -p no:cacheprovider --durations=5 "${mine[@]}" \
+          >"$out/tests-par-$j.txt" 2>&1 &
+        pids+=($!)
+      done
+      for ((j = 0; j < jobs; j++)); do
+        wait "${pids[$j]}" || { echo "== tests-par-$j FAILED"; status=1; }
+        echo "== tests-par-$j:"
+        grep -v "^\s*$" "$out/tests-par-$j.txt" | tail -4
+      done ;;
+    ahead-cap)  # target-only rounds at batch 32 through the services (random SmolLM2): the step
+      # after a round's last run ahead (--decode-ahead-max-batch 64) or not (the default 16), rounds
+      # of 4 and 8 decode steps, each `up` twice in turn, five runs of 512 tokens a stream each
+      # (the forty-eighth session's single runs of 256 spread 13.1-15.4k tok/s for one setup)
+      random_smollm2
+      for pass in 1 2; do
+        for steps in 4 8; do
+          for cap in 16 64; do
+            run "cap${cap}_steps${steps}_$pass" python3 bench/profile_services.py \
+              --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+              --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 \
+              --repeat 5 --top 0 --target-only --up-arg=--decode-steps=$steps \
+              --up-arg=--decode-ahead-max-batch=$cap
+          done
+        done
+      done
+      for steps in 4 8; do  # one file a setup (a call brings back 8 files at most)
+        for cap in 16 64; do
+          cat "$out/cap${cap}_steps${steps}"_{1,2}.txt >"$out/cap${cap}_steps${steps}.txt"
+          rm -f "$out/cap${cap}_steps${steps}"_{1,2}.txt
+        done
+      done
+      run profile_step_batch python3 bench/profile_step.py --shape smollm2-135m --batch 8 32 \
+        --n 0 --steps 30 ;;
+    profile-steps)  # the services cProfiled at batch 32, target-only rounds of 4 decode steps
+      # with the step after a round's last run ahead (where the verifier's host time a step goes)
+      random_smollm2
+      run profile_steps python3 bench/profile_services.py --model /tmp/smollm2_random \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 32 \
+        --max-new-tokens 512 --top 45 --sort tottime cumulative --target-only \
+        --up-arg=--decode-ahead-max-batch=64 ;;
     tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest (at once on
       # two GPUs: tests-both)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \

@@ -316,9 +316,11 @@ class VerifierEngine(RunAhead):
         self._report_gap("finish", time.perf_counter_ns() - started)
         self.hints.round_finished(launched.inputs, outputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
+        ready = started  # where the wait for the next round starts: the results' read
         if further:
             with on_device(self.device):
                 launched.device_ns += self._decode_further(launched.inputs, outputs)
+            ready = time.perf_counter_ns()  # the round's results are its last step's
         elif len(launched.inputs) <= self.chain_max_batch:  # a round that may have chained
             self.chain_gate.round_ran(launched.device_ns)
         chained = launched.chained
@@ -338,7 +340,7 @@ class VerifierEngine(RunAhead):
         if self._in_flight or self._ahead is not None:  # the device has the next work already
             self._report_wait(0)
         else:
-            self._waiting = (started, {item.seq_id for item in launched.inputs})
+            self._waiting = (ready, {item.seq_id for item in launched.inputs})
         self._finished_ns = time.perf_counter_ns()
         return outputs
 

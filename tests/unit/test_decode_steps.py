@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+import verifier.engine as engine_module
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import MAX_DECODE_STEPS, SpecParams, VerifyInput, VerifyOutput
@@ -103,6 +104,32 @@ def test_a_rounds_own_steps_run_ahead_past_the_batch_limit(
     assert several.engine.num_ahead_dropped == 0
     _same(single, several)
     _release(single, several)
+
+
+def test_the_wait_after_a_round_of_steps_starts_after_its_last_step(
+    target_dir: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`on_wait` (specsplit_verifier_wait_seconds) after a round of several decode steps runs
+    from its last step's results, not from the start of its `finish`: the steps are device
+    work, not the device waiting for the next request. A clock that moves only while the
+    further steps run: the next round's wait is 0, not their second."""
+    clock = [0]
+    monkeypatch.setattr(engine_module.time, "perf_counter_ns", lambda: clock[0])
+    driver = Driver(_engine(target_dir, False, device))
+    further = driver.engine._decode_further
+
+    def slow_steps(*args: object) -> int:
+        clock[0] += 10**9  # the further steps take a second
+        return further(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(driver.engine, "_decode_further", slow_steps)
+    waits: list[float] = []
+    driver.engine.on_wait = waits.append
+    driver.begin("a")
+    driver.round({"a": DraftTree()}, steps={"a": 3})
+    driver.round({"a": DraftTree()})  # launched at once after the round of steps: no wait
+    assert waits[-1] == 0.0
+    _release(driver)
 
 
 def test_sampled_steps_draw_as_one_step_rounds(target_dir: Path, device: str) -> None:
