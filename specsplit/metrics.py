@@ -102,7 +102,8 @@ ROUND_OUTSIDE_DEVICE_SECONDS = Histogram(
 )
 VERIFIER_WAIT_SECONDS = Histogram(
     "specsplit_verifier_wait_seconds",
-    "On the verifier: from a round's finish (its results ready) to the next round of the same"
+    "On the verifier: from a round's finish (its results ready; a round of several decode steps:"
+    " its last step's) to the next round of the same"
     " sequences queued on the device, where nothing was queued behind it: what the device waits"
     " for the answer's trip, the gateway and the next request (0: a round or decode step run"
     " ahead followed)",
