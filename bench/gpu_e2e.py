@@ -53,6 +53,7 @@ from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.clients import LocalDrafterClient, LocalVerifierClient
 from inprocess.stack import token_ids
+from specsplit.cli_flags import DECODE_AHEAD_MAX_BATCH
 from specsplit.messages import SpecParams
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
@@ -249,7 +250,7 @@ def main() -> None:
         max_batch_size=max_batch,
         synthetic_acceptance=tuple(args.rates),
         decode_ahead=True,
-        decode_ahead_max_batch=16,
+        decode_ahead_max_batch=DECODE_AHEAD_MAX_BATCH,  # `up`'s
     )
     verifier.warmup()
     proposer = make_proposer(args, target, pages, draft_device, dtype)
