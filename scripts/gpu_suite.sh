@@ -166,27 +166,27 @@ for part in "${parts[@]}"; do
         echo "== tests-par-$j:"
         grep -v "^\s*$" "$out/tests-par-$j.txt" | tail -4
       done ;;
-    ahead-cap)  # target-only rounds at batch 32 through the services (random SmolLM2): the step
-      # after a round's last run ahead (--decode-ahead-max-batch 64) or not (the default 16), rounds
-      # of 4 and 8 decode steps, each `up` twice in turn, five runs of 512 tokens a stream each
-      # (the forty-eighth session's single runs of 256 spread 13.1-15.4k tok/s for one setup)
+    ahead-cap)  # target-only rounds at batch 32 through the services (random SmolLM2): `up`'s
+      # default (rounds of 4 decode steps, --decode-ahead-max-batch 16: the step after a round's
+      # last not run ahead), then that step run ahead (cap 64) with rounds of 4, 8 and 16 steps;
+      # each `up` twice in turn, five runs of 512 tokens a stream each (the forty-eighth
+      # session's single runs of 256 spread 13.1-18.1k tok/s for one setup)
       random_smollm2
+      setups=("4 16" "4 64" "8 64" "16 64")
       for pass in 1 2; do
-        for steps in 4 8; do
-          for cap in 16 64; do
-            run "cap${cap}_steps${steps}_$pass" python3 bench/profile_services.py \
-              --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
-              --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 \
-              --repeat 5 --top 0 --target-only --up-arg=--decode-steps=$steps \
-              --up-arg=--decode-ahead-max-batch=$cap
-          done
+        for setup in "${setups[@]}"; do
+          read -r steps cap <<<"$setup"
+          run "cap${cap}_steps${steps}_$pass" python3 bench/profile_services.py \
+            --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+            --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 \
+            --repeat 5 --top 0 --target-only --up-arg=--decode-steps=$steps \
+            --up-arg=--decode-ahead-max-batch=$cap
         done
       done
-      for steps in 4 8; do  # one file a setup (a call brings back 8 files at most)
-        for cap in 16 64; do
-          cat "$out/cap${cap}_steps${steps}"_{1,2}.txt >"$out/cap${cap}_steps${steps}.txt"
-          rm -f "$out/cap${cap}_steps${steps}"_{1,2}.txt
-        done
+      for setup in "${setups[@]}"; do  # one file a setup (a call brings back 8 files at most)
+        read -r steps cap <<<"$setup"
+        cat "$out/cap${cap}_steps${steps}"_{1,2}.txt >"$out/cap${cap}_steps${steps}.txt"
+        rm -f "$out/cap${cap}_steps${steps}"_{1,2}.txt
       done
       run profile_step_batch python3 bench/profile_step.py --shape smollm2-135m --batch 8 32 \
         --n 0 --steps 30 ;;
