@@ -31,8 +31,10 @@
 # hinted: bench/hinted_launch.py, the verifier's host work for a round chained on a hint, launched
 # on a late hint and launched on its request, 8B shape, batch 1 / 8 / 32, torch.profiler's CPU
 # ops, with to_device's staging buffers and without
-# tests-1 / tests-2: tests/gpu in two halves, one a call (the whole suite took ~700 s on a cold
-# two-H100 machine in the thirty-fourth session, past one call's 600 s)
+# tests-par: tests/gpu in three pytest processes at once on one GPU (304 s on an H200, the
+# forty-eighth session); tests-1 / tests-2: tests/gpu in two halves, one a call (the whole
+# suite took ~700 s on a cold two-H100 machine in the thirty-fourth session, past one call's
+# 600 s)
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
