@@ -12,9 +12,12 @@ group's prompts as B streams at once through the services, and as one left-padde
 HF `generate` (plain and with the static cache + compile; HF's prompt lookup and assisted
 generation take one sequence at a time, so they run at batch 1 only); tokens/s over the
 groups' wall time. A padded batch's greedy tokens may part from the unpadded ones at near-ties.
+--ignore-eos: every stream, specsplit's and HF's, runs to --max-new-tokens past EOS, so a
+batch's streams are all as long (no tail where the last few run alone) and both sides time the
+same tokens; labelled in each table's header.
 
     PYTHONPATH=. python bench/e2e.py --max-new-tokens 64 [--model PATH] [--device cuda:1]
-        [--drafter-device cuda:0] [--batch 1 8 32]
+        [--drafter-device cuda:0] [--batch 1 8 32] [--ignore-eos]
         [--drafter KIND] [--spec 5 5x2x8 ...] [--assistant-layers 8] [--passes 2]
 
 After the table: the split's cost per round on the gateway's critical path (its histograms
@@ -297,6 +300,7 @@ def service_runners(
                 token_ids=gateway_pb2.TokenIds(ids=prompt),
                 max_new_tokens=args.max_new_tokens,
                 spec=spec,
+                ignore_eos=args.ignore_eos,
             )
             responses = list(stub.Generate(request))
             stats = responses[-1].spec_stats
@@ -346,6 +350,8 @@ def hf_runners(
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else min(eos_ids, default=0)
+    if args.ignore_eos:  # no stop on EOS: every row runs to max_new_tokens, as specsplit's streams
+        variants = {label: {**extra, "eos_token_id": None} for label, extra in variants.items()}
 
     def runner(extra: dict[str, object]) -> Runner:
         def run(prompts: list[list[int]]) -> list[tuple[list[int], int, int]]:
@@ -362,7 +368,7 @@ def hf_runners(
                 **extra,
             )
             rows = out[:, ids.shape[1] :].tolist()
-            return [(through_eos(row, eos_ids), 0, 0) for row in rows]
+            return [(row if args.ignore_eos else through_eos(row, eos_ids), 0, 0) for row in rows]
 
         return run
 
@@ -471,6 +477,13 @@ def main() -> None:
         default=None,
         help="`up --decode-steps` (tokens a plain round decodes; default: its own)",
     )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every stream, specsplit's and HF's, runs to --max-new-tokens past EOS (the same"
+        " tokens each, no tail of a batch's streams ending early: throughput at a fixed length,"
+        " as vLLM's benchmarks' ignore_eos); labelled in each table's header",
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
@@ -506,6 +519,7 @@ def report(
         f"max_new_tokens {args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
         f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
         f"{args.decode_ahead}, decode steps {args.decode_steps or 'default'}"
+        + (", IGNORE EOS (every stream runs to max_new_tokens)" if args.ignore_eos else "")
     )
     print(
         f"{'run':<36}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"

@@ -9,7 +9,7 @@
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
-#       [profile-steps]
+#       [profile-steps] [smollm2-fixed]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -221,6 +221,13 @@ for part in "${parts[@]}"; do
       run e2e_smollm2_batch python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
         --num-prompts 8 --spec 3 --assistant-layers 0 --batch 8 32 ;;
+    smollm2-fixed)  # issue 8's batch comparison at a fixed length: every stream, specsplit's
+      # and HF's, runs 256 tokens past EOS (--ignore-eos), batch $FIXED_BATCHES (default 32: HF's
+      # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch
+      run e2e_smollm2_fixed python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
+        --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
+        --batch ${FIXED_BATCHES:-32} ;;
     eagle)  # an 8B target with a random EAGLE-3 head of its width (synthetic acceptance), in
       # one process: serial and groups vs the target alone (4-step rounds run ahead); the
       # head on cuda:0 and the target on cuda:1 when there are two GPUs

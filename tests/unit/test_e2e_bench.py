@@ -1,5 +1,6 @@
 """bench/e2e.py's batches: the prompts in groups, HF `generate` on a left-padded group giving each
-prompt's tokens as alone (float32, a tiny random Llama), rows cut after their first EOS."""
+prompt's tokens as alone (float32, a tiny random Llama), rows cut after their first EOS, or run
+on to max_new_tokens past it (--ignore-eos)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_a_row_ends_with_its_first_eos() -> None:
     assert through_eos([EOS], {EOS, 2}) == [EOS]
 
 
-def test_a_padded_group_gives_each_prompt_its_tokens_alone() -> None:
+def _tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -41,7 +42,12 @@ def test_a_padded_group_gives_each_prompt_its_tokens_alone() -> None:
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = None
-    args = argparse.Namespace(device="cpu", max_new_tokens=12, assistant_layers=0)
+    return model
+
+
+def test_a_padded_group_gives_each_prompt_its_tokens_alone() -> None:
+    model = _tiny_model()
+    args = argparse.Namespace(device="cpu", max_new_tokens=12, assistant_layers=0, ignore_eos=False)
     prompts = [[1, 9, 17, 33, 40], [2, 3], [60, 11, 12, 13, 14, 15, 16, 21]]
     alone = hf_runners(args, model, 32, batch=1)
     together = hf_runners(args, model, 32, batch=len(prompts))
@@ -51,3 +57,23 @@ def test_a_padded_group_gives_each_prompt_its_tokens_alone() -> None:
     assert together["HF generate"](prompts) == expected
     # one row ends at its EOS while the others run on: the group's row is cut there too
     assert sorted(len(tokens) for tokens, _, _ in expected) == [1, 12, 12]
+
+
+def test_with_ignore_eos_every_row_runs_to_max_new_tokens_past_its_eos() -> None:
+    """--ignore-eos: HF generates on past EOS (no stop, no cut), as specsplit's streams with
+    ignore_eos do, so both sides time the same number of tokens; the tokens before the EOS are
+    those of a run that stops there."""
+    model, prompts = _tiny_model(), [[60, 11, 12, 13, 14, 15, 16, 21], [2, 3]]
+    stopping = argparse.Namespace(
+        device="cpu", max_new_tokens=12, assistant_layers=0, ignore_eos=False
+    )
+    past = argparse.Namespace(**{**vars(stopping), "ignore_eos": True})
+    for batch in (1, len(prompts)):
+        stopped = hf_runners(stopping, model, 32, batch=batch)["HF generate"]
+        ran_on = hf_runners(past, model, 32, batch=batch)["HF generate"]
+        groups = [[p] for p in prompts] if batch == 1 else [prompts]
+        for group in groups:
+            for (cut, _, _), (whole, _, _) in zip(stopped(group), ran_on(group), strict=True):
+                assert len(whole) == 12
+                assert whole[: len(cut)] == cut
+    assert stopped([prompts[0]])[0][0] == [EOS]  # (that prompt's first token is the EOS)
