@@ -195,6 +195,10 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if used + dropped:
         ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
+    asked = totals[("gateway", "specsplit_decode_steps_count")]
+    if asked:  # --decode-steps-adaptive
+        steps = totals[("gateway", "specsplit_decode_steps_sum")] / asked
+        print(f"  decode steps a plain round asked for (adaptive), mean: {steps:.2f}")
     hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late", "off")}
     reasons = {
         x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")] for x in NOT_AHEAD_REASONS

@@ -157,6 +157,7 @@ async def serve(
     round_lane: bool = True,
     lane_poll_s: float = 0.0,
     decode_steps: int = 1,
+    adaptive_decode_steps: bool = False,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:
@@ -178,8 +179,9 @@ async def serve(
     reached on its round lane (specsplit.lane), the event loop polling up to `lane_poll_s` for
     each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
-    tokens a plain round decodes in one Verify. early_verify: groups send the other group's
-    Verify while one is in flight (Scheduler)."""
+    tokens a plain round decodes in one Verify (adaptive_decode_steps: grown from it where the
+    verifier's device idles between rounds, gateway/decode_steps.py). early_verify: groups
+    send the other group's Verify while one is in flight (Scheduler)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -214,6 +216,7 @@ async def serve(
         verify_ahead=verify_ahead,
         ahead_max_batch=ahead_max_batch,
         decode_steps=decode_steps,
+        adaptive_decode_steps=adaptive_decode_steps,
         early_verify=early_verify,
     )
     if scheduler.gate is not None:

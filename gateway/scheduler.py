@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
+from gateway.decode_steps import DecodeSteps, is_plain
 from gateway.draft_ahead import (
     AHEAD_MISSES,
     DEFAULT_AHEAD_GUESSES,
@@ -87,6 +88,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         ahead_guesses: int = DEFAULT_AHEAD_GUESSES,
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
         decode_steps: int = 1,
+        adaptive_decode_steps: bool = False,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
         verify_ahead: bool = True,
@@ -111,7 +113,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         their own spec draft only while speculating commits more tokens per second than plain
         rounds, measured per batch size (gateway/gate.py); off = they always draft.
         decode_steps: a plain round (no tree, no target features) decodes up to this many
-        tokens in one Verify (VerifyInput.decode_steps). early_verify: groups send the other
+        tokens in one Verify (VerifyInput.decode_steps); adaptive_decode_steps: serial plain
+        rounds grow from it, per batch size, while the verifier's device idles between rounds
+        (gateway/decode_steps.py). early_verify: groups send the other
         group's Verify as soon as its trees are drafted, while this group's is in flight (the
         verifier runs the two back to back: for a drafter and a verifier on two GPUs; on one
         GPU shared by both it measured slower, bench/RESULTS.md); off = each group's Verify
@@ -186,6 +190,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         self.verify_ahead = verify_ahead
         self._hints: set[asyncio.Future[None]] = set()  # hints on their way (`_hint`)
         self.decode_steps = decode_steps
+        self.steps_policy = DecodeSteps(decode_steps) if adaptive_decode_steps else None
+        self._plain_round: tuple[int, int] | None = None  # (batch size, steps) of a plain round
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
@@ -319,6 +325,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     await self._wakeup.wait()
                     continue
                 start = time.perf_counter()
+                self._plain_round = None  # (_verify_inputs)
                 batch_size, committed = len(self.running), self.num_tokens_committed
                 speculate = self.gate is None or self.gate.speculate(batch_size)
                 for seq in self.running:  # the gate holds back default-spec drafts only
@@ -349,6 +356,10 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 metrics.observe_round(
                     seconds, verifier.last_engine_seconds, verifier.last_device_seconds
                 )
+                if self.steps_policy is not None and mode == "serial" and self._plain_round:
+                    batch_size, steps = self._plain_round
+                    device_seconds = verifier.last_device_seconds
+                    self.steps_policy.observe(batch_size, steps, seconds, device_seconds)
                 tokens = self.num_tokens_committed - committed
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
@@ -411,7 +422,13 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
 
     def _verify_inputs(self, batch: list[Sequence], trees: list[DraftTree]) -> list[VerifyInput]:
         steps = self.decode_steps
-        return [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
+        if self.steps_policy is not None:
+            steps = self.steps_policy.steps(len(batch))
+            metrics.observe_decode_steps(steps)
+        inputs = [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
+        if all(is_plain(item) for item in inputs):  # what the policy learns from
+            self._plain_round = (len(batch), max(item.decode_steps for item in inputs))
+        return inputs
 
     async def _sent_then_stream(self, call: Awaitable[T]) -> T:
         """Await `call`; once it waits for an answer (its RPC on the way: not a call that

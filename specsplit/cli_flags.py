@@ -361,6 +361,13 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         f" {DECODE_STEPS_ON_GPU} when the verifier runs on a GPU, else 1; serve-gateway: 1)"
     )
     flag(parser, "--decode-steps", None, steps_help, type=optional_int)
+    adaptive_help = (
+        "plain rounds grow from --decode-steps, per batch size, up to 16 steps while the"
+        " verifier's device idles between rounds more than a tenth of its busy time (the trip"
+        " through the gateway its step run ahead does not cover; measured, so each machine finds"
+        " its own: gateway/decode_steps.py); off = every plain round takes --decode-steps"
+    )
+    switch(parser, "--decode-steps-adaptive", False, adaptive_help)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,12 @@ ACCEPTED_TOKENS_PER_ROUND = Histogram(
     "num_accepted_tokens (accepted drafts + bonus) of one sequence in one round",
     buckets=tuple(range(1, 17)),
 )
+DECODE_STEPS = Histogram(
+    "specsplit_decode_steps",
+    "Decode steps a round asked for of each plain sequence, with --decode-steps-adaptive (grown"
+    " per batch size while the verifier's device idles between rounds)",
+    buckets=(1, 2, 4, 8, 12, 16),
+)
 ACCEPTED_DRAFTS = Counter(
     "specsplit_accepted_drafts",
     "Accepted draft tokens, by their depth in the draft tree (1 = the root's child)",
@@ -372,6 +378,10 @@ def _child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
     (outcomes, reasons, phases, batch buckets), so the cache stays small; no metric here ever
     removes a child, so a cached one is always the registry's."""
     return metric.labels(*values)
+
+
+def observe_decode_steps(steps: int) -> None:
+    DECODE_STEPS.observe(steps)
 
 
 def observe_round(seconds: float, verify_engine_seconds: float, device_seconds: float) -> None:

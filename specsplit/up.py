@@ -120,6 +120,10 @@ def child_commands(
     gateway += ["--round-lane", args.round_lane]
     gateway += ["--round-lane-poll-ms", str(gateway_lane_poll_ms(args))]
     gateway += ["--decode-steps", str(gateway_decode_steps(args))]
+    adaptive = (
+        "--decode-steps-adaptive" if args.decode_steps_adaptive else "--no-decode-steps-adaptive"
+    )
+    gateway += [adaptive]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)

@@ -74,6 +74,7 @@ KNOWN_METRICS = {
     "specsplit_round_outside_verify_seconds",
     "specsplit_round_outside_device_seconds",
     "specsplit_verify_device_seconds",
+    "specsplit_decode_steps",
 }
 
 

@@ -1,0 +1,156 @@
+"""--decode-steps-adaptive (gateway/decode_steps.py): plain rounds stay at the base until a batch
+size's rounds were measured, then grow to the fewest steps that hold the verifier's device idle
+time between rounds to a tenth of its busy time, up to 16; no device time (a CPU) leaves them at
+the base. Through the scheduler the tokens stay the target's, in fewer rounds."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from gateway.decode_steps import MIN_ROUNDS, DecodeSteps, is_plain
+from specsplit import cli, up
+from specsplit.messages import SpecParams, VerifyInput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import (
+    generate_all,
+    generated_ids,
+    make_stack,
+    mixed_requests,
+    save_tiny_llama,
+    target_only_ids,
+)
+
+MS = 1e-3
+
+
+def _measured(
+    policy: DecodeSteps, batch: int, rounds: int, steps: int, step: float, idle: float
+) -> None:
+    for _ in range(rounds):
+        policy.observe(batch, steps, steps * step + idle, steps * step)
+
+
+def test_rounds_stay_at_the_base_until_a_batch_size_was_measured() -> None:
+    policy = DecodeSteps(4)
+    _measured(policy, 32, MIN_ROUNDS - 1, steps=4, step=1.2 * MS, idle=1.75 * MS)
+    assert policy.steps(32) == 4
+    _measured(policy, 32, 1, steps=4, step=1.2 * MS, idle=1.75 * MS)
+    assert policy.steps(32) == 15  # 1.75 / (0.1 * 1.2) = 14.6
+
+
+def test_batch_sizes_share_a_power_of_two_bucket_and_learn_apart() -> None:
+    policy = DecodeSteps(4)
+    _measured(policy, 17, MIN_ROUNDS, steps=4, step=1.0 * MS, idle=0.75 * MS)
+    assert policy.steps(32) == policy.steps(17) == 8
+    assert policy.steps(33) == policy.steps(16) == 4  # not measured
+
+
+def test_a_trip_the_step_run_ahead_covers_keeps_the_base() -> None:
+    policy = DecodeSteps(4)
+    _measured(policy, 1, MIN_ROUNDS, steps=4, step=0.7 * MS, idle=0.05 * MS)
+    assert policy.steps(1) == 4
+
+
+def test_an_idle_time_of_a_whole_number_of_tenths_asks_for_that_many_steps() -> None:
+    policy = DecodeSteps(4)
+    _measured(policy, 32, MIN_ROUNDS, steps=4, step=1.2 * MS, idle=1.8 * MS)
+    assert policy.steps(32) == 15  # 1.8 / (0.1 * 1.2) = 15 (15.000000000000002 in floats)
+
+
+def test_rounds_grow_to_sixteen_steps_at_most() -> None:
+    policy = DecodeSteps(4)
+    _measured(policy, 8, MIN_ROUNDS, steps=4, step=0.5 * MS, idle=10 * MS)
+    assert policy.steps(8) == 16
+
+
+def test_rounds_shrink_back_when_the_idle_time_falls() -> None:
+    """A running mean: the rounds follow the device's idle time down again."""
+    policy = DecodeSteps(4)
+    _measured(policy, 32, MIN_ROUNDS, steps=4, step=1.0 * MS, idle=1.6 * MS)
+    assert policy.steps(32) == 16
+    _measured(policy, 32, 40, steps=16, step=1.0 * MS, idle=0.45 * MS)
+    assert policy.steps(32) == 5
+
+
+def test_no_device_time_learns_nothing() -> None:
+    """A CPU verifier reports no device time: its rounds stay at the base."""
+    policy = DecodeSteps(2)
+    for _ in range(10):
+        policy.observe(4, 2, 0.05, 0.0)
+    assert policy.steps(4) == 2
+
+
+@pytest.mark.parametrize("base,most", [(0, 16), (5, 4), (4, 17)])
+def test_bases_outside_one_to_sixteen_are_refused(base: int, most: int) -> None:
+    with pytest.raises(ValueError, match="decode steps"):
+        DecodeSteps(base, most)
+
+
+def test_a_plain_item_has_no_tree_no_features_and_is_not_the_first_round() -> None:
+    greedy = SamplingParams()
+    assert is_plain(VerifyInput("a", False, 5, [1], DraftTree(), greedy))
+    assert not is_plain(VerifyInput("a", True, 0, [1, 2], DraftTree(), greedy))
+    assert not is_plain(VerifyInput("a", False, 5, [1], DraftTree([3], [-1]), greedy))
+    assert not is_plain(VerifyInput("a", False, 5, [1], DraftTree(), greedy, (1, 2)))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("adaptive") / "target", seed=31)
+
+
+def _device_seconds(stack: Any, seconds: float) -> None:
+    """The in-process verifier's rounds report `seconds` of device time (a CPU's is 0)."""
+    client = stack.scheduler.verifier
+    verify: Callable[..., Any] = client.verify
+
+    async def reported(inputs: list[VerifyInput]) -> Any:
+        outputs = await verify(inputs)
+        client.last_device_seconds = seconds
+        return outputs
+
+    client.verify = reported
+
+
+@pytest.mark.parametrize("device", [1e-6, 0.0], ids=["device-idles", "no-device-time"])
+def test_the_scheduler_grows_plain_rounds_with_the_same_tokens(
+    target_dir: Path, smollm2_tokenizer: object, device: float
+) -> None:
+    """Target-only requests through the in-process stack, whose verifier reports almost no
+    device time (the device idles nearly the whole round): after MIN_ROUNDS rounds of 4 steps
+    the rounds ask for 16, the tokens stay the target's and take fewer rounds; with no device
+    time reported they stay at 4."""
+    requests = mixed_requests(3, seed=5, max_new_tokens=60)
+    for request in requests:
+        request.spec = SpecParams(0, 1, 0)
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       decode_steps=4)  # fmt: skip
+    stack.scheduler.steps_policy = DecodeSteps(4)
+    _device_seconds(stack, device)
+    before = REGISTRY.get_sample_value("specsplit_decode_steps_bucket", {"le": "12.0"}) or 0.0
+    total = REGISTRY.get_sample_value("specsplit_decode_steps_count") or 0.0
+    results = generate_all(stack, requests)
+    assert [generated_ids(c) for c in results] == expected
+    up_to_12 = REGISTRY.get_sample_value("specsplit_decode_steps_bucket", {"le": "12.0"}) or 0.0
+    rounds = (REGISTRY.get_sample_value("specsplit_decode_steps_count") or 0.0) - total
+    grown = rounds - (up_to_12 - before)  # rounds that asked for more than 12 steps
+    if device:
+        assert grown > 0 and stack.scheduler.num_rounds < 1 + MIN_ROUNDS + 60 // 16 + 2
+    else:
+        assert grown == 0 and stack.scheduler.num_rounds >= 1 + 60 // 4
+
+
+@pytest.mark.parametrize("argv,on", [(["up"], False), (["up", "--decode-steps-adaptive"], True)])
+def test_up_passes_the_adaptive_rounds_to_the_gateway(argv: list[str], on: bool) -> None:
+    """Off by default (until a GPU run measures it against fixed rounds)."""
+    gateway = up.child_commands(cli.parse_args(argv))["gateway"]
+    assert gateway[:3] == [sys.executable, "-m", "specsplit.cli"]
+    assert cli.parse_args(gateway[3:]).decode_steps_adaptive is on
