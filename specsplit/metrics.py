@@ -124,6 +124,14 @@ VERIFIER_IDLE_SECONDS = Histogram(
     " chained behind the round in flight); the device's own view of the wait between rounds",
     buckets=(0.0, *_OVERHEAD_BUCKETS),
 )
+VERIFIER_STEP_IDLE_SECONDS = Histogram(
+    "specsplit_verifier_step_idle_seconds",
+    "On the verifier's GPU, from the CUDA event timestamps: its idle time before each further"
+    " decode step of a round of several (--decode-steps), where the host prepares each step"
+    " while the one before runs; the rest of specsplit_verifier_idle_seconds falls between"
+    " rounds",
+    buckets=(0.0, *_OVERHEAD_BUCKETS),
+)
 VERIFIER_GAP_SECONDS = Histogram(
     "specsplit_verifier_gap_seconds",
     "On the verifier, the host work in its device's wait between rounds, by phase: 'finish' (a"
@@ -438,6 +446,10 @@ def observe_verifier_wait(seconds: float) -> None:
 
 def observe_verifier_idle(seconds: float) -> None:
     VERIFIER_IDLE_SECONDS.observe(seconds)
+
+
+def observe_verifier_step_idle(seconds: float) -> None:
+    VERIFIER_STEP_IDLE_SECONDS.observe(seconds)
 
 
 def observe_verifier_gap(phase: str, seconds: float) -> None:

@@ -156,6 +156,9 @@ class VerifierEngine(RunAhead):
         # rounds' CUDA event timestamps: what the device saw, whichever way the round launched
         # (after the request, on a hint, chained), where `on_wait` measures from the host
         self.on_idle: Callable[[float], None] | None = None
+        # the same for a round's further decode steps alone (`on_step_idle(seconds)`): the
+        # device's idle time inside a round of several steps, where the host prepares each step
+        self.on_step_idle: Callable[[float], None] | None = None
         self._last_end: tuple[torch.cuda.Event, set[str]] | None = None  # (its end, its ids)
         self._finished_ns = 0  # when the last finish returned
         # storage each sequence of a round in flight keeps past its commit: the room of the
@@ -348,10 +351,17 @@ class VerifierEngine(RunAhead):
         if self.on_gap is not None:
             self.on_gap(phase, nanoseconds / 1e9)
 
-    def _report_idle(self, ended: torch.cuda.Event, started: torch.cuda.Event) -> None:
-        """The device's idle time from a round's end to the next round's start (both run)."""
-        if self.on_idle is not None:
-            self.on_idle(max(0.0, ended.elapsed_time(started)) / 1e3)
+    def _report_idle(
+        self, ended: torch.cuda.Event, started: torch.cuda.Event, further: bool = False
+    ) -> None:
+        """The device's idle time from a round's end to the next round's start (both run);
+        further: the next is a round's further decode step."""
+        wanted = (self.on_idle, self.on_step_idle if further else None)
+        reports = [report for report in wanted if report is not None]
+        if reports:
+            seconds = max(0.0, ended.elapsed_time(started)) / 1e3
+            for report in reports:
+                report(seconds)
 
     def _report_wait(self, nanoseconds: int) -> None:
         if self.on_wait is not None:
@@ -422,7 +432,7 @@ class VerifierEngine(RunAhead):
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
                 break
-            stepped = self._finish_round(step_round)
+            stepped = self._finish_round(step_round, further=True)
             device_ns += step_round.device_ns
             for i, out in zip(more, stepped, strict=True):
                 outputs[i].decoded_tokens.append(outputs[i].bonus_token)
@@ -465,10 +475,10 @@ class VerifierEngine(RunAhead):
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
     @torch.inference_mode()
-    def _finish_round(self, launched: VerifyRound) -> list[VerifyOutput]:
+    def _finish_round(self, launched: VerifyRound, further: bool = False) -> list[VerifyOutput]:
         ahead = launched.ahead
         try:
-            results = [out for part in launched.parts for out in self._finish(part)]
+            results = [out for part in launched.parts for out in self._finish(part, further)]
         except BaseException:  # (the room held for the chained round: `finally`, then undone)
             self._ahead = launched.chained or ahead
             self._drop_ahead()
@@ -556,11 +566,12 @@ class VerifierEngine(RunAhead):
             idle_from=idle_from,
         )  # fmt: skip
 
-    def _finish(self, launched: Launched) -> list[VerifyOutput]:
-        """Wait for a launched round's results (its one device-to-host copy) and commit them."""
+    def _finish(self, launched: Launched, further: bool = False) -> list[VerifyOutput]:
+        """Wait for a launched round's results (its one device-to-host copy) and commit them.
+        further: a round's further decode step (its idle time reported as such too)."""
         whole = launched.result_rows()
         if launched.idle_from is not None and launched.started is not None:
-            self._report_idle(launched.idle_from, launched.started)
+            self._report_idle(launched.idle_from, launched.started, further)
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         chained = launched.chain_hints is not None  # (room reserved for a tree, placed or not)

@@ -69,6 +69,7 @@ async def serve(
         engine.hints.on_not_ahead = metrics.count_round_not_ahead
         engine.on_wait = metrics.observe_verifier_wait
         engine.on_idle = metrics.observe_verifier_idle
+        engine.on_step_idle = metrics.observe_verifier_step_idle
         engine.on_gap = metrics.observe_verifier_gap
         # a hint (on the loop) may launch a round only where the engine's calls run there too
         engine.launch_on_hint = on_loop

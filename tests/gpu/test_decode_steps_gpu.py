@@ -14,6 +14,7 @@ from tests.unit.test_decode_steps import (  # noqa: F401  (pytest collects them 
     test_a_step_with_no_room_ends_the_round_where_it_is,
     test_bad_decode_steps_are_refused_and_change_nothing,
     test_sampled_steps_draw_as_one_step_rounds,
+    test_the_device_idle_time_before_a_rounds_further_steps_is_reported_apart,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

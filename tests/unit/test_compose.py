@@ -68,6 +68,7 @@ KNOWN_METRICS = {
     "specsplit_verifier_wait_seconds",
     "specsplit_verifier_gap_seconds",
     "specsplit_verifier_idle_seconds",
+    "specsplit_verifier_step_idle_seconds",
     "specsplit_decoded_tokens_total",
     "specsplit_rpc_stage_seconds",
     "specsplit_gc_pause_seconds",

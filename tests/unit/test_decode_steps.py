@@ -132,6 +132,27 @@ def test_the_wait_after_a_round_of_steps_starts_after_its_last_step(
     _release(driver)
 
 
+def test_the_device_idle_time_before_a_rounds_further_steps_is_reported_apart(
+    target_dir: Path, device: str
+) -> None:
+    """`on_step_idle` (specsplit_verifier_step_idle_seconds): on a GPU each further step of a
+    round of 4 reports the device's idle time before it, from the CUDA events, besides `on_idle`
+    (every round's); on the CPU there are no device timestamps and nothing is reported."""
+    driver = Driver(_engine(target_dir, True, device))
+    idles: list[float] = []
+    step_idles: list[float] = []
+    driver.engine.on_idle = idles.append
+    driver.engine.on_step_idle = step_idles.append
+    driver.begin("a", "b")
+    driver.round(dict.fromkeys("ab", DraftTree()), steps={"a": 4, "b": 4})
+    if device == "cpu":
+        assert idles == step_idles == []
+    else:  # the round's first step after the prefill, then its three further steps
+        assert len(step_idles) == 3 and len(idles) == 4
+        assert step_idles == idles[1:] and all(0.0 <= seconds < 5.0 for seconds in idles)
+    _release(driver)
+
+
 def test_sampled_steps_draw_as_one_step_rounds(target_dir: Path, device: str) -> None:
     single, steps = _pair(target_dir, device, True)
     sampling = SamplingParams(temperature=0.9, seed=11)
