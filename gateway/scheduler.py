@@ -337,7 +337,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 settled = self.overlap_gate is not None and all(
                     seq.rounds_since_prefill >= 2 for seq in self.running
                 )
-                mode = self._round_mode(speculate)
+                # a round in which no sequence drafts has nothing to overlap: serial
+                drafting = any(not (s.never_drafts or s.drafts_held) for s in self.running)
+                mode = self._round_mode(speculate and drafting)
                 if mode in ("groups", "groups-early"):
                     await self.step_groups(self.running, early_verify=mode == "groups-early")
                 else:
@@ -365,7 +367,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
                     self.gate.observe(batch_size, speculate, tokens, seconds, measured)
-                if self.overlap_gate is not None and speculate:
+                if self.overlap_gate is not None and speculate and drafting:
                     self.overlap_gate.observe_mode(batch_size, mode, tokens, seconds, settled)
             except ServiceError as e:
                 await self._fail_round(e)
@@ -384,7 +386,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         groups are "groups-early" with `early_verify`. "gated": the overlap gate's choice at
         this batch size (groups-early where `early_verify` is on, groups, ahead, ahead-plain,
         ahead-unhinted or serial). Rounds the speculation gate holds back from drafting are
-        serial."""
+        serial, and so are rounds in which no sequence drafts (`speculate` false for both)."""
         if not speculate or self.overlap == "serial":
             return "serial"
         if self.overlap_gate is not None:

@@ -264,6 +264,35 @@ def test_gated_groups_send_the_early_verify_only_in_groups_early_rounds(
         assert timed.early_verifies() >= len(timed.verifies) // 3
 
 
+@pytest.mark.parametrize("mode", ["groups", "ahead"])
+def test_a_batch_that_drafts_nothing_runs_serial_rounds_of_the_whole_batch(
+    models, smollm2_tokenizer, mode: str
+) -> None:
+    """Target-only requests (their own spec of no draft steps) under a gate that would run
+    every speculating round as `mode`: nothing to draft, nothing to overlap, so each round
+    verifies the whole batch at once (groups would verify half of it a round), the tokens the
+    target's, and the gate measures none of these rounds."""
+    requests = _requests(4, 9)
+    for request in requests:
+        request.spec = SpecParams(0, 1, 0)
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    stack = _gated_stack(models, smollm2_tokenizer)
+    gate = OverlapGate((mode, "serial"), window=10_000)
+    stack.scheduler.overlap_gate = gate
+    sizes: list[int] = []
+    verify = stack.scheduler.verifier.verify
+
+    async def counted(inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        sizes.append(len(inputs))
+        return await verify(inputs)
+
+    stack.scheduler.verifier.verify = counted  # type: ignore[method-assign]
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == expected
+    assert len(sizes) == MAX_NEW_TOKENS and all(size == 4 for size in sizes)
+    assert gate.mode(4) == mode and gate._bucket(4).rounds_in_mode == 0
+
+
 def _hints(outcome: str) -> float:
     return REGISTRY.get_sample_value("specsplit_hints_total", {"outcome": outcome}) or 0.0
 
