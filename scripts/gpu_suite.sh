@@ -171,27 +171,20 @@ for part in "${parts[@]}"; do
     ahead-cap)  # target-only rounds at batch 32 through the services (random SmolLM2): `up`'s
       # default (rounds of 4 decode steps, --decode-ahead-max-batch 16: the step after a round's
       # last not run ahead), then that step run ahead (cap 64) with rounds of 4, 8 and 16 steps
-      # and with rounds grown from 4 as measured (--decode-steps-adaptive, "a"); each `up` twice
-      # in turn, five runs of 512 tokens a stream each (the forty-eighth session's single runs of
-      # 256 spread 13.1-18.1k tok/s for one setup); ~8 min
+      # and with rounds grown from 4 as measured (--decode-steps-adaptive, "a"); five runs of
+      # 512 tokens a stream each per `up` (the forty-eighth session's single runs of 256 spread
+      # 13.1-18.1k tok/s for one setup). One `up` a setup takes ~55 s on an H200, so a call runs
+      # the setups once (~5 min): run the part in two calls (CAP_PASS=1, then 2) for each setup's
+      # second `up`. Output: $OUT/cap<cap>_steps<steps>_<pass>.txt, five files
       random_smollm2
-      setups=("4 16" "4 64" "8 64" "16 64" "a 64")
-      for pass in 1 2; do
-        for setup in "${setups[@]}"; do
-          read -r steps cap <<<"$setup"
-          rounds=(--up-arg=--decode-steps=$steps)
-          [[ $steps == a ]] && rounds=(--up-arg=--decode-steps=4 --up-arg=--decode-steps-adaptive)
-          run "cap${cap}_steps${steps}_$pass" python3 bench/profile_services.py \
-            --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
-            --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 \
-            --repeat 5 --top 0 --target-only "${rounds[@]}" \
-            --up-arg=--decode-ahead-max-batch=$cap
-        done
-      done
-      for setup in "${setups[@]}"; do  # one file a setup (a call brings back 8 files at most)
+      for setup in "4 16" "4 64" "8 64" "16 64" "a 64"; do
         read -r steps cap <<<"$setup"
-        cat "$out/cap${cap}_steps${steps}"_{1,2}.txt >"$out/cap${cap}_steps${steps}.txt"
-        rm -f "$out/cap${cap}_steps${steps}"_{1,2}.txt
+        rounds=(--up-arg=--decode-steps=$steps)
+        [[ $steps == a ]] && rounds=(--up-arg=--decode-steps=4 --up-arg=--decode-steps-adaptive)
+        run "cap${cap}_steps${steps}_${CAP_PASS:-1}" python3 bench/profile_services.py \
+          --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+          --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 \
+          --repeat 5 --top 0 --target-only "${rounds[@]}" --up-arg=--decode-ahead-max-batch=$cap
       done ;;
     profile-steps)  # the services cProfiled at batch 32, target-only rounds of 4 decode steps
       # with the step after a round's last run ahead (where the verifier's host time a step goes)
