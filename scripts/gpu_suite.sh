@@ -153,13 +153,14 @@ for part in "${parts[@]}"; do
       grep -v "^\s*$" "$out/tests-1.log" | tail -5 ;;
     tests-par)  # tests/gpu in $TEST_JOBS (default 3) pytest processes at once on the one GPU,
       # the files dealt round-robin (one call on a one-GPU machine; the two-GPU cases skip there);
-      # each process's output: $OUT/tests-par-<n>.txt
+      # each process's output with every test's duration (to deal the files by time later):
+      # $OUT/tests-par-<n>.txt
       jobs=${TEST_JOBS:-3}
       pids=()
       for ((j = 0; j < jobs; j++)); do
         mapfile -t mine < <(printf '%s\n' tests/gpu/test_*.py | awk -v j="$j" -v n="$jobs" \
           '(NR - 1) % n == j')
-        python3 -m pytest -q -p no:cacheprovider --durations=5 "${mine[@]}" \
+        python3 -m pytest -q -p no:cacheprovider --durations=0 "${mine[@]}" \
           >"$out/tests-par-$j.txt" 2>&1 &
         pids+=($!)
       done
