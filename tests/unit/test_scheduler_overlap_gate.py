@@ -293,6 +293,34 @@ def test_a_batch_that_drafts_nothing_runs_serial_rounds_of_the_whole_batch(
     assert gate.mode(4) == mode and gate._bucket(4).rounds_in_mode == 0
 
 
+@pytest.mark.parametrize("mode", ["groups", "groups-early", "ahead"])
+def test_groups_left_when_the_drafting_requests_finish_keep_the_target_tokens(
+    models, smollm2_tokenizer, mode: str
+) -> None:
+    """Speculating requests finish early, target-only ones run on: the rounds leave `mode`
+    for serial rounds mid-generation (a group's round in flight committed first), and every
+    request's tokens are the target's, with no KV left."""
+    requests = _requests(4, 12)
+    for i, request in enumerate(requests):
+        request.max_new_tokens = 6 if i % 2 else MAX_NEW_TOKENS
+        request.spec = CHAIN3 if i % 2 else SpecParams(0, 1, 0)
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    stack = _gated_stack(models, smollm2_tokenizer)
+    stack.scheduler.early_verify = mode == "groups-early"
+    stack.scheduler.overlap_gate = OverlapGate((mode, "serial"), window=10_000)
+    modes: list[str] = []
+    round_mode = stack.scheduler._round_mode
+
+    def recorded(speculate: bool) -> str:
+        modes.append(round_mode(speculate))
+        return modes[-1]
+
+    stack.scheduler._round_mode = recorded  # type: ignore[method-assign]
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == expected
+    assert mode in modes and modes[-1] == "serial"  # left for serial rounds
+
+
 def _hints(outcome: str) -> float:
     return REGISTRY.get_sample_value("specsplit_hints_total", {"outcome": outcome}) or 0.0
 
