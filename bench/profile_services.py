@@ -218,10 +218,11 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if idles:  # the device's own timestamps (a GPU)
         mean = 1e3 * totals[("verifier", "specsplit_verifier_idle_seconds_sum")] / idles
         print(f"  verifier GPU idle before a round (CUDA events): {idles:.0f} x {mean:.3f} ms")
-    steps = totals[("verifier", "specsplit_verifier_step_idle_seconds_count")]
-    if steps:  # of them, those before a round's further decode steps
-        mean = 1e3 * totals[("verifier", "specsplit_verifier_step_idle_seconds_sum")] / steps
-        print(f"    of them before a round's further decode steps: {steps:.0f} x {mean:.3f} ms")
+    step_idles = totals[("verifier", "specsplit_verifier_step_idle_seconds_count")]
+    if step_idles:  # of them, those before a round's further decode steps
+        mean = 1e3 * totals[("verifier", "specsplit_verifier_step_idle_seconds_sum")] / step_idles
+        label = "of them before a round's further decode steps"
+        print(f"    {label}: {step_idles:.0f} x {mean:.3f} ms")
     gaps = []
     for phase in GAP_PHASES:
         calls = totals[("verifier", f"specsplit_verifier_gap_seconds_count:{phase}")]

@@ -423,12 +423,11 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         self._commit(batch, trees, outputs)
 
     def _verify_inputs(self, batch: list[Sequence], trees: list[DraftTree]) -> list[VerifyInput]:
-        steps = self.decode_steps
-        if self.steps_policy is not None:
-            steps = self.steps_policy.steps(len(batch))
-            metrics.observe_decode_steps(steps)
+        policy = self.steps_policy
+        steps = self.decode_steps if policy is None else policy.steps(len(batch))
         inputs = [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
-        if all(is_plain(item) for item in inputs):  # what the policy learns from
+        if policy is not None and all(is_plain(item) for item in inputs):  # what it learns from
+            metrics.observe_decode_steps(steps)
             self._plain_round = (len(batch), max(item.decode_steps for item in inputs))
         return inputs
 

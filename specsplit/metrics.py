@@ -35,8 +35,8 @@ ACCEPTED_TOKENS_PER_ROUND = Histogram(
 )
 DECODE_STEPS = Histogram(
     "specsplit_decode_steps",
-    "Decode steps a round asked for of each plain sequence, with --decode-steps-adaptive (grown"
-    " per batch size while the verifier's device idles between rounds)",
+    "Decode steps a plain round asked for, with --decode-steps-adaptive (grown per batch size"
+    " while the verifier's device idles between rounds)",
     buckets=(1, 2, 4, 8, 12, 16),
 )
 ACCEPTED_DRAFTS = Counter(
