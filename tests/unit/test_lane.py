@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -222,8 +223,9 @@ def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
     """On the lane (one host, one clock) each round's RPC is observed in its six stages from
     the service's stamps (received, answered) and the answer frame's read time between the
     gateway's own: together they are the round trip (within each call as the caller timed it,
-    most of it), its service stage holds the engine call, and none is negative. Over gRPC
-    (maybe another host) no stage is observed."""
+    most of it in the median round: a pause of the host outside the stamps, a 2-core CI VM's,
+    falls in one round), its service stage holds the engine call, and none is negative. Over
+    gRPC (maybe another host) no stage is observed."""
 
     async def body(host: ServiceHost, address: str) -> None:
         lane = GrpcVerifierClient(address)
@@ -231,12 +233,17 @@ def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
         try:
             await _decode(grpc_only, "g", 2)
             before = _stage_totals("verifier")
-            spans, engine = [], 0.0
+            covered, engine = [], 0.0  # each round's stages over its round trip
             items = [VerifyInput("a", True, 0, PROMPT, DraftTree())]
             for _ in range(6):  # a prefill, then five one-token rounds
+                start = _stage_totals("verifier")
                 begin = time.perf_counter()
                 (out,) = await lane.verify(items)
-                spans.append(time.perf_counter() - begin)
+                span = time.perf_counter() - begin
+                end = _stage_totals("verifier")
+                stages = sum(end[s][1] - start[s][1] for s in end)
+                assert 0 <= stages <= span, (stages, span)
+                covered.append(stages / span)
                 engine += lane.last_engine_seconds
                 items = [_next("a", out)]
             await _decode(grpc_only, "g2", 2)
@@ -245,8 +252,7 @@ def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
             assert all(count == 6 for count, _ in grown.values()), grown  # lane rounds only
             assert set(grown) == set(RPC_STAGES) and len(RPC_STAGES) == 6
             assert all(seconds >= 0 for _, seconds in grown.values()), grown
-            total = sum(seconds for _, seconds in grown.values())
-            assert 0.5 * sum(spans) < total <= sum(spans), (total, spans)
+            assert statistics.median(covered) > 0.5, covered
             assert grown["service"][1] >= engine
             for client, seq_id in ((lane, "a"), (grpc_only, "g"), (grpc_only, "g2")):
                 await client.release([seq_id])
