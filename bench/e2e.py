@@ -484,6 +484,13 @@ def main() -> None:
         " tokens each, no tail of a batch's streams ending early: throughput at a fixed length,"
         " as vLLM's benchmarks' ignore_eos); labelled in each table's header",
     )
+    parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="one more `up` argument, repeatable (e.g. --up-arg=--decode-ahead-max-batch=64);"
+        " named in each table's header",
+    )
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
@@ -492,6 +499,7 @@ def main() -> None:
     flags: tuple[str, ...] = ("--round-lane", args.round_lane, "--decode-ahead", args.decode_ahead)
     if args.decode_steps is not None:
         flags += ("--decode-steps", args.decode_steps)
+    flags += tuple(args.up_arg)
     with services(args, flags) as stub:
         wait_for_drafter(stub, prompts[0])
         model = None if args.no_hf else hf_model(args, path)
@@ -520,6 +528,7 @@ def report(
         f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
         f"{args.decode_ahead}, decode steps {args.decode_steps or 'default'}"
         + (", IGNORE EOS (every stream runs to max_new_tokens)" if args.ignore_eos else "")
+        + (f", up {' '.join(args.up_arg)}" if args.up_arg else "")
     )
     print(
         f"{'run':<36}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'acc/round':>10}"

@@ -218,11 +218,12 @@ for part in "${parts[@]}"; do
         --num-prompts 8 --spec 3 --assistant-layers 0 --batch 8 32 ;;
     smollm2-fixed)  # issue 8's batch comparison at a fixed length: every stream, specsplit's
       # and HF's, runs 256 tokens past EOS (--ignore-eos), batch $FIXED_BATCHES (default 32: HF's
-      # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch
+      # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch;
+      # $FIXED_UP_ARGS: `up` arguments (e.g. "--up-arg=--decode-ahead-max-batch=64")
       run e2e_smollm2_fixed python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
-        --batch ${FIXED_BATCHES:-32} ;;
+        --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
     eagle)  # an 8B target with a random EAGLE-3 head of its width (synthetic acceptance), in
       # one process: serial and groups vs the target alone (4-step rounds run ahead); the
       # head on cuda:0 and the target on cuda:1 when there are two GPUs
