@@ -365,9 +365,11 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         "plain rounds grow from --decode-steps, per batch size, up to 16 steps while the"
         " verifier's device idles between rounds more than a tenth of its busy time (the trip"
         " through the gateway its step run ahead does not cover; measured, so each machine finds"
-        " its own: gateway/decode_steps.py); off = every plain round takes --decode-steps"
+        " its own: gateway/decode_steps.py); off = every plain round takes --decode-steps; auto"
+        " (`up`: on when the verifier runs on a GPU and --decode-steps is not given; serve-gateway,"
+        " which cannot see the devices: off)"
     )
-    switch(parser, "--decode-steps-adaptive", False, adaptive_help)
+    switch(parser, "--decode-steps-adaptive", None, adaptive_help)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

@@ -471,6 +471,8 @@ class VerifierEngine(RunAhead):
             bonus = [self._bonus_tokens(part) for part in parts]
             own_next = all(item.decode_steps > 1 for item in inputs)
             ahead = self._launch_ahead(parts, bonus, capped=not own_next)
+            if ahead is not None:
+                ahead.on_request = not validated
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
@@ -568,10 +570,12 @@ class VerifierEngine(RunAhead):
 
     def _finish(self, launched: Launched, further: bool = False) -> list[VerifyOutput]:
         """Wait for a launched round's results (its one device-to-host copy) and commit them.
-        further: a round's further decode step (its idle time reported as such too)."""
+        further: a round's further decode step (its idle time reported as such too, unless it
+        was launched when the round's request came: `Launched.on_request`)."""
         whole = launched.result_rows()
         if launched.idle_from is not None and launched.started is not None:
-            self._report_idle(launched.idle_from, launched.started, further)
+            within = further and not launched.on_request  # (not the trip between rounds)
+            self._report_idle(launched.idle_from, launched.started, within)
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
         accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         chained = launched.chain_hints is not None  # (room reserved for a tree, placed or not)
