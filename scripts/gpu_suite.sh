@@ -9,7 +9,7 @@
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
-#       [profile-steps] [smollm2-fixed]
+#       [profile-steps] [smollm2-fixed] [fixed-random]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -176,10 +176,11 @@ for part in "${parts[@]}"; do
       # 512 tokens a stream each per `up` (the forty-eighth session's single runs of 256 spread
       # 13.1-18.1k tok/s for one setup). One `up` a setup takes ~55 s on an H200, so a call runs
       # the setups once (~5 min): run the part in two calls (CAP_PASS=1, then 2) for each setup's
-      # second `up`. Output: $OUT/cap<cap>_steps<steps>_<pass>.txt, five files
+      # second `up`. Output: $OUT/cap<cap>_steps<steps>_<pass>.txt, five files ($CAP_SETUPS:
+      # others, STEPS:CAP each, e.g. "a:16 a:64")
       random_smollm2
-      for setup in "4 16" "4 64" "8 64" "16 64" "a 64"; do
-        read -r steps cap <<<"$setup"
+      for setup in ${CAP_SETUPS:-4:16 4:64 8:64 16:64 a:64}; do
+        IFS=: read -r steps cap <<<"$setup"
         rounds=(--up-arg=--decode-steps=$steps)
         [[ $steps == a ]] && rounds=(--up-arg=--decode-steps=4 --up-arg=--decode-steps-adaptive)
         run "cap${cap}_steps${steps}_${CAP_PASS:-1}" python3 bench/profile_services.py \
@@ -221,6 +222,14 @@ for part in "${parts[@]}"; do
       # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch;
       # $FIXED_UP_ARGS: `up` arguments (e.g. "--up-arg=--decode-ahead-max-batch=64")
       run e2e_smollm2_fixed python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
+        --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
+        --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
+    fixed-random)  # smollm2-fixed's comparison on random SmolLM2-shaped weights (the speed
+      # only, no GGUF needed; every stream runs 256 tokens): `up`'s defaults ($FIXED_UP_ARGS:
+      # more) against HF's batch, batch $FIXED_BATCHES (default 32)
+      random_smollm2
+      run e2e_random_fixed python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
         --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
