@@ -170,8 +170,9 @@ for part in "${parts[@]}"; do
         grep -v "^\s*$" "$out/tests-par-$j.txt" | tail -4
       done ;;
     ahead-cap)  # target-only rounds at batch 32 through the services (random SmolLM2): `up`'s
-      # default (rounds of 4 decode steps, --decode-ahead-max-batch 16: the step after a round's
-      # last not run ahead), then that step run ahead (cap 64) with rounds of 4, 8 and 16 steps
+      # defaults before the forty-ninth session (rounds of 4 decode steps, --decode-ahead-max-batch
+      # 16: the step after a round's last not run ahead), then that step run ahead (cap 64, the
+      # default since) with rounds of 4, 8 and 16 steps
       # and with rounds grown from 4 as measured (--decode-steps-adaptive, "a"); five runs of
       # 512 tokens a stream each per `up` (the forty-eighth session's single runs of 256 spread
       # 13.1-18.1k tok/s for one setup). One `up` a setup takes ~55 s on an H200, so a call runs

@@ -113,11 +113,13 @@ SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier
 ENGINE_CALLS = ("auto", "thread", "loop")
 # --decode-ahead-max-batch (verifier/engine.py `_launch_ahead`): through the services on one
 # H100 (random SmolLM2, target-only rounds, bench/RESULTS.md) decode ahead gave 1.29x at 1
-# stream, 1.56x / 1.85x at 8, 1.25x at 16; at 32 the runs disagree (0.86x, 0.90x, 1.47x: the
-# step is host-bound there and the figures swing between machines), so larger rounds run nothing
-# ahead until that is understood; a round's own further decode steps (--decode-steps) always
-# take the step run ahead, so they run ahead at any batch
-DECODE_AHEAD_MAX_BATCH = 16
+# stream, 1.56x / 1.85x at 8, 1.25x at 16; at 32 one-step rounds disagreed (0.86x, 0.90x,
+# 1.47x). With rounds of several steps (which always run their own further steps ahead) the
+# step after a round's last, run ahead at 32 streams against not, gave 1.14x, 1.04x, 1.08x
+# (rounds of 4), 0.93x, 1.13x (rounds of 8) and 1.08x with adaptive rounds (H200s, the
+# forty-eighth and forty-ninth sessions; the last with every run of five faster): the device
+# works through the trip between rounds instead of waiting 3.4 ms a round
+DECODE_AHEAD_MAX_BATCH = 64
 # --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
 # 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
