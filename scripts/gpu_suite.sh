@@ -387,7 +387,11 @@ for part in "${parts[@]}"; do
       run gated8b python3 bench/overlap.py --model /tmp/mirror8b "${devices[@]}" \
         --drafter model --draft-model /tmp/mirror8b_draft --batch ${GATED_BATCH:-1 8 32} \
         --max-new-tokens 128 --modes ${GATED_MODES:-serial gated} \
-        ${GATED_CHAIN:+--chain-rounds "$GATED_CHAIN"} --synthetic-acceptance 0.8,0.7,0.6 ;;
+        ${GATED_CHAIN:+--chain-rounds "$GATED_CHAIN"} --synthetic-acceptance 0.8,0.7,0.6 \
+        --services-log "$out/gated8b_services.log"
+      # the gates' measurements behind each choice (the forty-ninth session's chose serial at
+      # batch 1 where draft-ahead ran 1.56x serial in the same run)
+      grep -E "overlap gate|speculation gate" "$out/gated8b_services.log" | tail -20 ;;
     draft8b-phases)  # the 8B head's draft round in process, by phase
       run draft8b_phases python3 bench/draft_step.py --random-target llama-8b --batch 1 8 32 \
         --shape 3x1x3 --rounds 200 --phases --rows pinned pageable ;;
