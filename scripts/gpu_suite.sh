@@ -9,7 +9,7 @@
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
-#       [profile-steps] [smollm2-fixed] [fixed-random]
+#       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -637,6 +637,17 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --batch 1 8 --verify-n 8 --verify-batch 1 --steps 50 --no-hf
         SPECSPLIT_SMALL_LINEAR=$small run "profile_small$small" python3 bench/profile_step.py \
           --shape smollm2-135m --batch 1 --n 0 8
+      done ;;
+    broadcast)  # the small-linear broadcast path above 4 rows (a bench's switch,
+      # $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS: 8 / 16 move the default path's limit with it):
+      # its GPU tests at 16, then the engine step in process at batch 1 / 4 / 8 / 16 (rounds of
+      # 4 decode steps run ahead) with the limit at 4 (the default), 8 and 16, in turn
+      SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=16 run broadcast_tests python3 -m pytest -q \
+        -p no:cacheprovider tests/gpu/test_small_linear_gpu.py
+      for rows in 4 8 16; do
+        SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=$rows run "engine_broadcast$rows" python3 \
+          bench/gpu_engine.py --shape smollm2-135m --batch 1 4 8 16 --verify-n --verify-batch \
+          --steps 100 --no-hf --decode-ahead --decode-steps 4
       done ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;

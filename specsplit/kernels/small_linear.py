@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -327,7 +328,18 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-BROADCAST_ROWS = 4  # above this many rows, tensor cores (BLOCK_M = 16)
+def _broadcast_rows() -> int:
+    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS (a developer's switch, for benches: 1, 2, 4, 8 or
+    16; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16 rows
+    on tensor cores were slower than it (module docstring). Whether the broadcast path still
+    pays at 8 or 16 rows (decode at batch 8 / 16) is not measured yet."""
+    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", "4")
+    if value not in ("1", "2", "4", "8", "16"):
+        raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS={value!r}: one of 1, 2, 4, 8, 16")
+    return int(value)
+
+
+BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M = 16)
 
 
 def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> Tiles:

@@ -189,6 +189,47 @@ def test_qkv_rope_store_matches_reference(num_rows: int, bias: bool) -> None:
     torch.testing.assert_close(rope.v_cache, want_rope.v_cache, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("num_rows", [8, 9, 16])
+@pytest.mark.parametrize("op", [*OPS, "norm_linear_rope_store"])
+def test_the_broadcast_path_above_four_rows_matches_reference(
+    op: str, num_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=16 (a bench's switch): 8 to 16 rows on the
+    broadcast path (BLOCK_M 8 / 16, no tensor cores) give the reference's results too."""
+    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 16)
+    assert not small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True).use_dot
+    if op == "norm_linear_rope_store":
+        case, rope = rope_case(num_rows, bias=True)
+        want_rope = rope._replace(k_cache=rope.k_cache.clone(), v_cache=rope.v_cache.clone())
+        got = norm_linear_rope_store(case.x, case.norm_weight, EPS, case.weight, case.bias, rope)
+        want = norm_linear_rope_store_reference(
+            case.x, case.norm_weight, EPS, case.weight, case.bias, want_rope
+        )
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(rope.k_cache, want_rope.k_cache, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(rope.v_cache, want_rope.v_cache, atol=ATOL, rtol=RTOL)
+        return
+    assert_matches_reference(op, make_case(num_rows, 80, 100, True, gate_up=OPS[op][3]))
+
+
+@pytest.mark.parametrize(
+    ("value", "rows"), [(None, 4), ("8", 8), ("16", 16), ("3", None), ("32", None)]
+)
+def test_the_broadcast_rows_switch(
+    value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default 4; a power of two up to 16 (BLOCK_M is one); anything else stops the process."""
+    if value is None:
+        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", value)
+    if rows is None:
+        with pytest.raises(SystemExit, match="BROADCAST_ROWS"):
+            small_linear._broadcast_rows()
+    else:
+        assert small_linear._broadcast_rows() == rows
+
+
 def test_qkv_rope_store_refuses_a_mismatched_cache() -> None:
     case, rope = rope_case(2, False)
     with pytest.raises(ValueError, match="rows: q, k, v"):  # 3 + 2 x 2 heads, not 4 + 2 x 2
