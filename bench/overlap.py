@@ -77,10 +77,13 @@ from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 MODES = ("serial", "groups", "groups-early", "gated", "ahead", "ahead-plain", "both")
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
 WARMUP_TOKENS = 16  # each batch runs once this long before its timed run
-# ... and in "gated" mode this long: the overlap gate explores its four modes per batch size
-# (WINDOW measured rounds each, gateway/gate.py) before the timed run sees its choice, as a
-# long-running gateway does (exploring is a one-time cost per batch size)
-GATED_WARMUP_TOKENS = 128
+# ... and in "gated" mode this long: the overlap gate explores its modes per batch size (five
+# on two GPUs: groups with the early Verify and without, draft-ahead with hints and without,
+# serial; WINDOW measured rounds each after a settling one, gateway/gate.py) before the timed
+# run sees its choice, as a long-running gateway does (exploring is a one-time cost per batch
+# size). 128 tokens were ~51 rounds of a stream at 2.5 tokens a round against the 45 that
+# exploring takes: a mode whose misses commit one token a round pushed it into the timed run
+GATED_WARMUP_TOKENS = 256
 PARTS = ("round (gateway)", "verify engine", "draft engine", "round outside verify engine")
 
 
