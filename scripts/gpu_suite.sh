@@ -639,14 +639,14 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --batch 1 --n 0 8
       done ;;
     broadcast)  # the small-linear broadcast path above 4 rows (a bench's switch,
-      # $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS: 8 / 16 move the default path's limit with it):
-      # its GPU tests at 16, then the engine step in process at batch 1 / 4 / 8 / 16 (rounds of
-      # 4 decode steps run ahead) with the limit at 4 (the default), 8 and 16, in turn
-      SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=16 run broadcast_tests python3 -m pytest -q \
+      # $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS: 8 / 16 / 32 move the default path's limit with
+      # it): its GPU tests at 32, then the engine step in process at batch 1 / 8 / 16 / 32
+      # (rounds of 4 decode steps run ahead) with the limit at 4 (the default), 8, 16 and 32
+      SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 run broadcast_tests python3 -m pytest -q \
         -p no:cacheprovider tests/gpu/test_small_linear_gpu.py
-      for rows in 4 8 16; do
+      for rows in 4 8 16 32; do
         SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=$rows run "engine_broadcast$rows" python3 \
-          bench/gpu_engine.py --shape smollm2-135m --batch 1 4 8 16 --verify-n --verify-batch \
+          bench/gpu_engine.py --shape smollm2-135m --batch 1 8 16 32 --verify-n --verify-batch \
           --steps 100 --no-hf --decode-ahead --decode-steps 4
       done ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps

@@ -26,7 +26,9 @@ One kernel, its ops chosen by constexpr flags: program p computes output columns
 half, intermediate_size rows further down the weight, for silu-and-mul), so each weight row is
 read once. Rows are padded to BLOCK_M, a power of two: up to 4 rows the product is a broadcast
 multiply summed once at the end (CUDA cores; the K loop is unrolled, so every weight load is in
-flight at once), above that BLOCK_M = 16 rows on tensor cores (tl.dot, loads pipelined). K is a
+flight at once), above that BLOCK_M = 16 rows on tensor cores (tl.dot, loads pipelined). A
+bench's switch, $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS, keeps up to 8, 16 or 32 rows on the
+broadcast path (and lets the model's small path take that many: specsplit/model/llama.py). K is a
 constexpr (fixed per model), the row count is not specialised: one kernel per (op, BLOCK_M class)
 serves every step of a model. No host syncs: capturable in a CUDA graph.
 
@@ -56,7 +58,7 @@ from specsplit.model.linear import linear
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
-MAX_ROWS = 16  # rows (tokens) a launch takes: decode and verify steps of a small batch
+DOT_ROWS = 16  # the tensor-core path's one row block (BLOCK_M)
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -329,17 +331,24 @@ class Tiles(NamedTuple):
 
 
 def _broadcast_rows() -> int:
-    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS (a developer's switch, for benches: 1, 2, 4, 8 or
-    16; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16 rows
-    on tensor cores were slower than it (module docstring). Whether the broadcast path still
-    pays at 8 or 16 rows (decode at batch 8 / 16) is not measured yet."""
+    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS (a developer's switch, for benches: 1, 2, 4, 8, 16
+    or 32; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16
+    rows on tensor cores were slower than it (module docstring: their 16-column tiles make too
+    few programs to read the weights in parallel, where the broadcast path's 4 columns make
+    four times as many). Whether the broadcast path still pays at 8-32 rows (decode at batch
+    8-32) is not measured yet."""
     value = os.environ.get("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", "4")
-    if value not in ("1", "2", "4", "8", "16"):
-        raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS={value!r}: one of 1, 2, 4, 8, 16")
+    if value not in ("1", "2", "4", "8", "16", "32"):
+        raise SystemExit(
+            f"SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS={value!r}: one of 1, 2, 4, 8, 16, 32"
+        )
     return int(value)
 
 
-BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M = 16)
+BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M = DOT_ROWS)
+# rows (tokens) a launch takes: decode and verify steps of a small batch (the tensor-core path's
+# row block, or the broadcast path's when that is larger)
+MAX_ROWS = max(DOT_ROWS, BROADCAST_ROWS)
 
 
 def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> Tiles:
@@ -349,7 +358,7 @@ def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> 
     and at most a warp's span (its sums over K stay in the warp); the tensor-core path's K loop
     pipelined 4 deep."""
     use_dot = num_rows > BROADCAST_ROWS
-    block_m = MAX_ROWS if use_dot else next_power_of_2(num_rows)
+    block_m = DOT_ROWS if use_dot else next_power_of_2(num_rows)
     if interpret:  # small tiles: the tests cross tile edges with small shapes
         return Tiles(block_m, 16 if use_dot else 8, 32, use_dot, 1, 1)
     if use_dot:
@@ -516,8 +525,9 @@ def _check_inputs(
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         fail(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
     num_rows, k = x.shape
-    if num_rows > MAX_ROWS:
-        fail(f"x has {num_rows} rows; at most {MAX_ROWS} (use F.linear beyond)")
+    most = max(DOT_ROWS, BROADCAST_ROWS)  # MAX_ROWS, as the paths are now
+    if num_rows > most:
+        fail(f"x has {num_rows} rows; at most {most} (use F.linear beyond)")
     if k == 0 or weight.shape[0] == 0 or (silu_mul and weight.shape[0] % 2):
         fail(f"weight {tuple(weight.shape)}: K and N must be > 0"
              + (", N even ([gate | up] rows)" if silu_mul else ""))  # fmt: skip

@@ -60,7 +60,7 @@ _META = torch.device("meta")
 # bench/RESULTS.md); their tensor-core path (5-16 rows) is slower than cuBLAS + the compiled
 # pointwise kernels there (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so
 # it runs only with `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a
-# missing triton too. `SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=8` (or 16) moves the broadcast
+# missing triton too. `SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=8` (16, 32) moves the broadcast
 # path's limit, and the default path's with it (not measured yet: `scripts/gpu_suite.sh
 # broadcast`).
 _SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "auto")

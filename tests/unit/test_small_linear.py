@@ -189,14 +189,14 @@ def test_qkv_rope_store_matches_reference(num_rows: int, bias: bool) -> None:
     torch.testing.assert_close(rope.v_cache, want_rope.v_cache, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("num_rows", [8, 9, 16])
+@pytest.mark.parametrize("num_rows", [8, 9, 16, 17, 32])
 @pytest.mark.parametrize("op", [*OPS, "norm_linear_rope_store"])
 def test_the_broadcast_path_above_four_rows_matches_reference(
     op: str, num_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=16 (a bench's switch): 8 to 16 rows on the
-    broadcast path (BLOCK_M 8 / 16, no tensor cores) give the reference's results too."""
-    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 16)
+    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 (a bench's switch): 8 to 32 rows on the
+    broadcast path (BLOCK_M 8 / 16 / 32, no tensor cores) give the reference's results too."""
+    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
     assert not small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True).use_dot
     if op == "norm_linear_rope_store":
         case, rope = rope_case(num_rows, bias=True)
@@ -213,12 +213,12 @@ def test_the_broadcast_path_above_four_rows_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("value", "rows"), [(None, 4), ("8", 8), ("16", 16), ("3", None), ("32", None)]
+    ("value", "rows"), [(None, 4), ("8", 8), ("32", 32), ("3", None), ("64", None)]
 )
 def test_the_broadcast_rows_switch(
     value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Default 4; a power of two up to 16 (BLOCK_M is one); anything else stops the process."""
+    """Default 4; a power of two up to 32 (BLOCK_M is one); anything else stops the process."""
     if value is None:
         monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", raising=False)
     else:
@@ -228,6 +228,16 @@ def test_the_broadcast_rows_switch(
             small_linear._broadcast_rows()
     else:
         assert small_linear._broadcast_rows() == rows
+
+
+def test_rows_past_both_paths_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows than the tensor-core path's block and the broadcast path's limit: refused (not
+    computed on one row block), whatever MAX_ROWS said at import."""
+    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 4)
+    monkeypatch.setattr(small_linear, "MAX_ROWS", 32)
+    case = make_case(small_linear.DOT_ROWS + 1, 64, 48, False)
+    with pytest.raises(ValueError, match="at most 16"):
+        run_linear_residual(case, linear_residual)
 
 
 def test_qkv_rope_store_refuses_a_mismatched_cache() -> None:
@@ -296,7 +306,9 @@ def run_both(
         return norm_linear_rope_store(*args)
 
     with monkeypatch.context() as patch:  # the small path on the CPU, under the interpreter
-        patch.setattr(LlamaModel, "uses_small_linear", lambda self, n, device: n <= MAX_ROWS)
+        patch.setattr(
+            LlamaModel, "uses_small_linear", lambda self, n, device: n <= small_linear.MAX_ROWS
+        )
         patch.setattr(DecoderLayer, "forward_small", spy)
         patch.setattr(llama, "norm_linear_rope_store", qkv_spy)
         got = model(batch, kv, aux_layers=aux_layers)
@@ -306,20 +318,36 @@ def run_both(
     return want, got, want_kv, kv.data.clone()
 
 
+def prefilled(arch: str, seed: int) -> tuple[LlamaModel, KVCache, list[Any], torch.Generator]:
+    """A tiny model with two sequences prefilled (forward, 13 and 22 tokens), room for 40 each;
+    the generator that drew their prompts, for the next steps' tokens."""
+    model = tiny_model(ARCHS[arch])
+    kv = make_kv_cache(model.config, num_pages=24, page_size=4, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 22)]
+    seqs = new_seqs(kv, [40, 40], random.Random(seed))
+    model(make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]), kv)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.kv_committed_len = len(prompt)
+    return model, kv, seqs, gen
+
+
+def assert_small_path_alike(
+    model: LlamaModel, step: list[Any], kv: KVCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want, got, want_kv, got_kv = run_both(model, make_batch(step), kv, monkeypatch)
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got.hidden_states, want.hidden_states, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got_kv, want_kv, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.raw_kv
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_small_path_steps_equal_the_layer_path(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two sequences prefilled (forward), then a decode step (2 rows), a verify step of chains
     (10 rows) and a tree step (9 rows): logits, aux hidden states and the written K/V alike."""
-    model = tiny_model(ARCHS[arch])
-    kv = make_kv_cache(model.config, num_pages=24, page_size=4, dtype=torch.float32, device="cpu")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 22)]
-    seqs = new_seqs(kv, [40, 40], random.Random(1))
-    model(make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]), kv)
-    for seq, prompt in zip(seqs, prompts, strict=True):
-        seq.kv_committed_len = len(prompt)
+    model, kv, seqs, gen = prefilled(arch, 1)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(0, 96, (n,), generator=gen).tolist()
@@ -330,10 +358,22 @@ def test_small_path_steps_equal_the_layer_path(arch: str, monkeypatch: pytest.Mo
         [tree_step(seqs[0], 7, tokens(5), [-1, -1, 0, 1, 3]), causal_step(seqs[1], tokens(3))],
     ]
     for step in steps:
-        want, got, want_kv, got_kv = run_both(model, make_batch(step), kv, monkeypatch)
-        torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(got.hidden_states, want.hidden_states, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(got_kv, want_kv, atol=ATOL, rtol=RTOL)
+        assert_small_path_alike(model, step, kv, monkeypatch)
+
+
+@pytest.mark.raw_kv
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_step_of_32_rows_on_the_broadcast_path_equals_the_layer_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32: a verify step of two sequences x 16 tokens
+    (32 rows, as a decode step at batch 32 has) through the small path, every projection on
+    the broadcast path: logits, aux hidden states and the written K/V as the layer path's."""
+    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
+    monkeypatch.setattr(small_linear, "MAX_ROWS", 32)
+    model, kv, seqs, gen = prefilled("llama_gqa_all_biases", 2)
+    step = [causal_step(s, torch.randint(0, 96, (16,), generator=gen).tolist()) for s in seqs]
+    assert_small_path_alike(model, step, kv, monkeypatch)
 
 
 def test_which_steps_take_the_small_path(monkeypatch: pytest.MonkeyPatch) -> None:
