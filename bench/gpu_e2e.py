@@ -201,7 +201,10 @@ def main() -> None:
         help="groups-early: groups with the other group's Verify sent while one is in flight",
     )
     parser.add_argument(
-        "--decode-steps", type=int, default=4, help="the target-only rounds' (up's GPU default)"
+        "--decode-steps",
+        type=int,
+        default=4,
+        help="the target-only rounds' (up's GPU base; `up` grows them as measured)",
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -182,6 +182,11 @@ for part in "${parts[@]}"; do
       random_smollm2
       for setup in ${CAP_SETUPS:-4:16 4:64 8:64 16:64 a:64}; do
         IFS=: read -r steps cap <<<"$setup"
+        if [[ -z $steps || -z $cap ]]; then
+          echo "== ahead-cap: bad setup $setup (want STEPS:CAP)"
+          status=1
+          continue
+        fi
         rounds=(--up-arg=--decode-steps=$steps)
         [[ $steps == a ]] && rounds=(--up-arg=--decode-steps=4 --up-arg=--decode-steps-adaptive)
         run "cap${cap}_steps${steps}_${CAP_PASS:-1}" python3 bench/profile_services.py \
@@ -190,12 +195,13 @@ for part in "${parts[@]}"; do
           --repeat 5 --top 0 --target-only "${rounds[@]}" --up-arg=--decode-ahead-max-batch=$cap
       done ;;
     profile-steps)  # the services cProfiled at batch 32, target-only rounds of 4 decode steps
-      # with the step after a round's last run ahead (where the verifier's host time a step goes)
+      # (fixed) with the step after a round's last run ahead (where the verifier's host time a
+      # step goes)
       random_smollm2
       run profile_steps python3 bench/profile_services.py --model /tmp/smollm2_random \
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --batch 32 \
         --max-new-tokens 512 --top 45 --sort tottime cumulative --target-only \
-        --up-arg=--decode-ahead-max-batch=64 ;;
+        --up-arg=--decode-steps=4 --up-arg=--decode-ahead-max-batch=64 ;;
     tests-1|tests-2)  # the files up to test_paged_attention_gpu.py, and the rest (at once on
       # two GPUs: tests-both)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
@@ -221,7 +227,7 @@ for part in "${parts[@]}"; do
     smollm2-fixed)  # issue 8's batch comparison at a fixed length: every stream, specsplit's
       # and HF's, runs 256 tokens past EOS (--ignore-eos), batch $FIXED_BATCHES (default 32: HF's
       # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch;
-      # $FIXED_UP_ARGS: `up` arguments (e.g. "--up-arg=--decode-ahead-max-batch=64")
+      # $FIXED_UP_ARGS: more bench/e2e.py arguments (e.g. "--up-arg=--decode-steps=4")
       run e2e_smollm2_fixed python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
@@ -447,7 +453,8 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --device cuda:0 --modes plain after --hidden-states \
           --no-synthetic --rounds 80 --batch 1 8 --phases
       done ;;
-    steps-ab)  # target-only rounds (4 decode steps each, `up`'s default) at batch 8 / 32 through
+    steps-ab)  # target-only rounds (4 decode steps each, fixed: `up`'s default before the
+      # forty-ninth session grew them as measured) at batch 8 / 32 through
       # the services (random SmolLM2), this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried)
       # in turn, twice: a round's own further steps run ahead at 32 (7c7378d) or not; then where a
       # decode step's time goes in process at batch 8 / 32 (kernels against host phases)
@@ -455,7 +462,7 @@ for part in "${parts[@]}"; do
       in_trees "new1 old1 new2 old2" steps python3 bench/profile_services.py \
         --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
         --draft-model specsplit/data/eagle3-smollm2 --batch 8 32 --max-new-tokens 256 \
-        --top 0 --target-only
+        --top 0 --target-only --up-arg=--decode-steps=4
       # rounds of 8 steps (`--decode-steps 8`) now that their own steps run ahead at any batch
       run steps_new_8 python3 bench/profile_services.py --model /tmp/smollm2_random \
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \

@@ -32,7 +32,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def _env_bool(name: str, default: bool | None) -> bool | None:
     value = os.environ.get(name)
-    if value is None:
+    if value is None or (default is None and value.lower() == "auto"):
         return default
     if value.lower() in _TRUE:
         return True
@@ -118,7 +118,8 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # step after a round's last, run ahead at 32 streams against not, gave 1.14x, 1.04x, 1.08x
 # (rounds of 4), 0.93x, 1.13x (rounds of 8) and 1.08x with adaptive rounds (H200s, the
 # forty-eighth and forty-ninth sessions; the last with every run of five faster): the device
-# works through the trip between rounds instead of waiting 3.4 ms a round
+# works through the trip between rounds instead of waiting 3.4 ms a round. One-step rounds at
+# 17-64 sequences (--decode-steps 1, serve-gateway's default) were not measured again at it
 DECODE_AHEAD_MAX_BATCH = 64
 # --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave

@@ -127,9 +127,10 @@ VERIFIER_IDLE_SECONDS = Histogram(
 VERIFIER_STEP_IDLE_SECONDS = Histogram(
     "specsplit_verifier_step_idle_seconds",
     "On the verifier's GPU, from the CUDA event timestamps: its idle time before each further"
-    " decode step of a round of several (--decode-steps), where the host prepares each step"
-    " while the one before runs; the rest of specsplit_verifier_idle_seconds falls between"
-    " rounds",
+    " decode step of a round of several (--decode-steps) launched within the round, where the"
+    " host prepares each step while the one before runs; the rest of"
+    " specsplit_verifier_idle_seconds falls between rounds (the step launched when the round's"
+    " request came, behind a first step run ahead before it, included)",
     buckets=(0.0, *_OVERHEAD_BUCKETS),
 )
 VERIFIER_GAP_SECONDS = Histogram(

@@ -229,9 +229,10 @@ def gateway_decode_steps(args: argparse.Namespace) -> int:
 def gateway_decode_steps_adaptive(args: argparse.Namespace) -> bool:
     """--decode-steps-adaptive auto: on when the verifier runs on a GPU and --decode-steps is
     not given. Through the services on two H200s (random SmolLM2, 32 target-only streams,
-    bench/RESULTS.md) rounds grown as measured ran 20.9k tokens/s against 12.8k for rounds of
-    DECODE_STEPS_ON_GPU: the trip between rounds (~2.5 ms there) is longer than a step (~1.2
-    ms), so the step run ahead does not cover it. On a CPU the step dwarfs the trip (and no
+    bench/RESULTS.md) rounds grown as measured ran 20.9k tokens/s against 13.9k for rounds of
+    DECODE_STEPS_ON_GPU (the step after a round's last run ahead in both): the trip between
+    rounds (~2.5 ms there) is longer than a step (~1.2 ms), so the step run ahead does not
+    cover it. On a CPU the step dwarfs the trip (and no
     device time is reported); a given --decode-steps is kept as asked."""
     if args.decode_steps_adaptive is not None:
         return bool(args.decode_steps_adaptive)

@@ -471,8 +471,8 @@ class VerifierEngine(RunAhead):
             bonus = [self._bonus_tokens(part) for part in parts]
             own_next = all(item.decode_steps > 1 for item in inputs)
             ahead = self._launch_ahead(parts, bonus, capped=not own_next)
-            if ahead is not None:
-                ahead.on_request = not validated
+            if ahead is not None:  # behind a step run ahead before the request (the trip)
+                ahead.on_request = not validated and taken is not None and not others
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 

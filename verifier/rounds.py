@@ -57,9 +57,9 @@ class Launched:
     # (VerifierEngine.on_idle)
     started: torch.cuda.Event | None = None
     idle_from: torch.cuda.Event | None = None
-    # a round's own next decode step launched when its request came: the device's idle time
-    # before it is the trip between rounds (the step before it ran ahead of the request), not
-    # a further step's wait for the host (VerifierEngine.on_step_idle)
+    # a round's own next decode step launched when its request came, behind the round's first
+    # step that ran ahead before the request: the device's idle time before it is the trip
+    # between rounds, not a further step's wait for the host (VerifierEngine.on_step_idle)
     on_request: bool = False
 
     def result_rows(self) -> list[list[int]]:

@@ -346,9 +346,15 @@ def _broadcast_rows() -> int:
 
 
 BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M = DOT_ROWS)
-# rows (tokens) a launch takes: decode and verify steps of a small batch (the tensor-core path's
-# row block, or the broadcast path's when that is larger)
-MAX_ROWS = max(DOT_ROWS, BROADCAST_ROWS)
+
+
+def max_rows() -> int:
+    """Rows (tokens) a launch takes: decode and verify steps of a small batch (the tensor-core
+    path's row block, or the broadcast path's limit when that is larger)."""
+    return max(DOT_ROWS, BROADCAST_ROWS)
+
+
+MAX_ROWS = max_rows()  # as the paths are at import
 
 
 def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> Tiles:
@@ -525,7 +531,7 @@ def _check_inputs(
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         fail(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
     num_rows, k = x.shape
-    most = max(DOT_ROWS, BROADCAST_ROWS)  # MAX_ROWS, as the paths are now
+    most = max_rows()  # as the paths are now (a test may move them)
     if num_rows > most:
         fail(f"x has {num_rows} rows; at most {most} (use F.linear beyond)")
     if k == 0 or weight.shape[0] == 0 or (silu_mul and weight.shape[0] % 2):

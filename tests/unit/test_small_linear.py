@@ -1,7 +1,8 @@
 """The small-linear Triton kernels equal their plain-torch references (float32, under the Triton
 interpreter on the CPU): RMSNorm + projection, projection + residual add, RMSNorm + gate/up
-projection + SiLU-and-mul, at 1 to 16 rows (the broadcast path and the tensor-core path), with
-and without bias, N not a multiple of the tile, row-strided inputs; a tiny model's steps through
+projection + SiLU-and-mul, at 1 to 16 rows (the broadcast path and the tensor-core path; up to
+32 on the broadcast path with its bench switch), with and without bias, N not a multiple of the
+tile, row-strided inputs; a tiny model's steps through
 `forward_small` equal `forward`'s; when the model takes that path; and the wrappers refuse what
 they cannot run."""
 
