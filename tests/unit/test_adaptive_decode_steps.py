@@ -52,22 +52,21 @@ def test_batch_sizes_share_a_power_of_two_bucket_and_learn_apart() -> None:
     assert policy.steps(33) == policy.steps(16) == 4  # not measured
 
 
-def test_a_trip_the_step_run_ahead_covers_keeps_the_base() -> None:
+@pytest.mark.parametrize(
+    ("batch", "step_ms", "idle_ms", "want"),
+    [
+        pytest.param(1, 0.7, 0.05, 4, id="a_trip_the_step_run_ahead_covers_keeps_the_base"),
+        # 1.8 / (0.1 * 1.2) = 15 (15.000000000000002 in floats)
+        pytest.param(32, 1.2, 1.8, 15, id="a_whole_number_of_tenths_asks_for_that_many_steps"),
+        pytest.param(8, 0.5, 10, 16, id="rounds_grow_to_sixteen_steps_at_most"),
+    ],
+)
+def test_measured_rounds_ask_for_the_steps_that_cover_the_idle_time(
+    batch: int, step_ms: float, idle_ms: float, want: int
+) -> None:
     policy = DecodeSteps(4)
-    _measured(policy, 1, MIN_ROUNDS, steps=4, step=0.7 * MS, idle=0.05 * MS)
-    assert policy.steps(1) == 4
-
-
-def test_an_idle_time_of_a_whole_number_of_tenths_asks_for_that_many_steps() -> None:
-    policy = DecodeSteps(4)
-    _measured(policy, 32, MIN_ROUNDS, steps=4, step=1.2 * MS, idle=1.8 * MS)
-    assert policy.steps(32) == 15  # 1.8 / (0.1 * 1.2) = 15 (15.000000000000002 in floats)
-
-
-def test_rounds_grow_to_sixteen_steps_at_most() -> None:
-    policy = DecodeSteps(4)
-    _measured(policy, 8, MIN_ROUNDS, steps=4, step=0.5 * MS, idle=10 * MS)
-    assert policy.steps(8) == 16
+    _measured(policy, batch, MIN_ROUNDS, steps=4, step=step_ms * MS, idle=idle_ms * MS)
+    assert policy.steps(batch) == want
 
 
 def test_rounds_shrink_back_when_the_idle_time_falls() -> None:
