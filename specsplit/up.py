@@ -232,8 +232,8 @@ def gateway_decode_steps_adaptive(args: argparse.Namespace) -> bool:
     bench/RESULTS.md) rounds grown as measured ran 20.9k tokens/s against 13.9k for rounds of
     DECODE_STEPS_ON_GPU (the step after a round's last run ahead in both): the trip between
     rounds (~2.5 ms there) is longer than a step (~1.2 ms), so the step run ahead does not
-    cover it. On a CPU the step dwarfs the trip (and no
-    device time is reported); a given --decode-steps is kept as asked."""
+    cover it. On a CPU the step dwarfs the trip (and no device time is reported); a given
+    --decode-steps is kept as asked."""
     if args.decode_steps_adaptive is not None:
         return bool(args.decode_steps_adaptive)
     return args.decode_steps is None and args.device.startswith("cuda")
