@@ -9,7 +9,7 @@
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
-#       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast]
+#       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -656,6 +656,18 @@ for part in "${parts[@]}"; do
           bench/gpu_engine.py --shape smollm2-135m --batch 1 8 16 32 --verify-n --verify-batch \
           --steps 100 --no-hf --decode-ahead --decode-steps 4
       done ;;
+    serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
+      # chunk gaps, tokens/s), random SmolLM2, target only, 128 tokens a stream past EOS,
+      # $SERVING_RATES requests a second (default 20 80 inf), $SERVING_REQUESTS (default 128);
+      # `up`'s defaults (adaptive rounds on a GPU) against rounds of 4 ($SERVING_SETUPS: more,
+      # NAME=FLAG each, space-separated)
+      random_smollm2
+      setups=(--setup default= --setup steps4=--decode-steps=4)
+      for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done
+      run serving python3 bench/serving.py --model /tmp/smollm2_random "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --ignore-eos \
+        --max-new-tokens 128 --num-requests ${SERVING_REQUESTS:-128} \
+        --rate ${SERVING_RATES:-20 80 inf} "${setups[@]}" ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -1,0 +1,273 @@
+"""Serving under arrivals: requests arrive as a Poisson process at --rate requests a second
+(`inf`: all at once), each a stream through `specsplit up`, as a server's users send them.
+Per stream: time to first token (TTFT: the request sent to its first chunk with tokens), time a
+token after the first (TPOT: the stream's last token less its first, over its tokens less one)
+and the gaps between its chunks (a round's tokens stream as one chunk: rounds of N decode steps
+stream N tokens at once). Per run: output tokens a second over the run's wall time (its first
+request sent to its last stream's end), p50 / p90 / p99 of each.
+
+Each --setup is one `up` with more flags (`NAME=FLAGS`, the flags space-separated; default: `up`'s
+defaults, and rounds of 4 fixed decode steps beside them), all run on one schedule of arrivals
+(--seed) with the same prompts (the bundled chat prompts, cycled), so the rows compare the
+setups. Before its timed runs each `up` serves the first rate's schedule once untimed (its
+adaptive policies measure their batch sizes then, as a long-running server's have). --spec:
+each request's draft shape, `target` (target only, no drafts) or `default` (the gateway's).
+
+    PYTHONPATH=. python bench/serving.py [--model PATH] [--device cuda:0] [--drafter-device ...]
+        [--rate 4 16 inf] [--num-requests 64] [--max-new-tokens 128] [--ignore-eos]
+        [--spec target default] [--setup default= --setup steps4=--decode-steps=4]
+
+Every stream must end with its tokens (a failed stream fails the run); how many streams gave
+the first setup's tokens is printed beside each row (greedy: a batch's makeup may part tokens
+at near-ties on a GPU, so it is shown, not asserted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import random
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.acceptance import bundled_prompts
+from bench.e2e import services, wait_for_drafter
+from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.prompt import apply_chat_template
+from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+GATEWAY = "127.0.0.1:50151"  # bench.e2e.services' gateway
+TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1)
+DEFAULT_SETUPS = ("default=", "steps4=--decode-steps=4")
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass
+class Stream:
+    """One request's times (seconds on the client's perf_counter) and tokens."""
+
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrived, tokens in it)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0][0] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds a token after the first; None for a one-token stream."""
+        if len(self.token_ids) < 2:
+            return None
+        return (self.chunks[-1][0] - self.chunks[0][0]) / (len(self.token_ids) - 1)
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b[0] - a[0] for a, b in itertools.pairwise(self.chunks)]
+
+    @property
+    def ended(self) -> float:
+        return self.chunks[-1][0]
+
+
+def arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the run's start at which each request is sent: a Poisson process of `rate`
+    requests a second (exponential gaps, the first at 0), all at 0 when `rate` is inf."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def one_stream(
+    stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, delay: float,
+    start: float,
+) -> Stream:  # fmt: skip
+    """`request` sent `delay` seconds after `start` (perf_counter), its chunks timed."""
+    await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+    stream = Stream(sent=time.perf_counter())
+    async for response in stub.Generate(request):
+        if response.token_ids:
+            stream.chunks.append((time.perf_counter(), len(response.token_ids)))
+            stream.token_ids.extend(response.token_ids)
+    if not stream.chunks:
+        raise RuntimeError("a stream ended without tokens")
+    return stream
+
+
+async def run_load(
+    stub: gateway_pb2_grpc.GatewayStub,
+    requests: Sequence[gateway_pb2.GenerateRequest],
+    delays: Sequence[float],
+) -> tuple[list[Stream], float]:
+    """Every request at its delay, all at once in flight as they arrive; (the streams in
+    request order, the run's wall seconds: its start to its last stream's end)."""
+    start = time.perf_counter()
+    streams = await asyncio.gather(
+        *(one_stream(stub, r, d, start) for r, d in zip(requests, delays, strict=True))
+    )
+    return list(streams), max(s.ended for s in streams) - start
+
+
+def quantiles(values: Sequence[float]) -> tuple[float, ...]:
+    """QUANTILES of `values` (nearest rank); nan each when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return tuple(math.nan for _ in QUANTILES)
+    return tuple(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] for q in QUANTILES)
+
+
+@dataclass
+class Summary:
+    tokens_per_s: float
+    requests_per_s: float
+    ttft: tuple[float, ...]  # QUANTILES, seconds
+    tpot: tuple[float, ...]
+    gap: tuple[float, ...]
+    tokens_per_chunk: float
+
+    @classmethod
+    def of(cls, streams: Sequence[Stream], wall: float) -> Summary:
+        num_tokens = sum(len(s.token_ids) for s in streams)
+        tpots = [t for s in streams if (t := s.tpot) is not None]
+        return cls(
+            tokens_per_s=num_tokens / wall,
+            requests_per_s=len(streams) / wall,
+            ttft=quantiles([s.ttft for s in streams]),
+            tpot=quantiles(tpots),
+            gap=quantiles([g for s in streams for g in s.gaps]),
+            tokens_per_chunk=num_tokens / sum(len(s.chunks) for s in streams),
+        )
+
+
+def parse_setup(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME=FLAGS` -> (NAME, the flags split as a shell would)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--setup {text!r}: want NAME=FLAGS (FLAGS may be empty)")
+    return name, tuple(shlex.split(flags))
+
+
+def requests_for(
+    prompts: Sequence[list[int]], args: argparse.Namespace, spec: str
+) -> list[gateway_pb2.GenerateRequest]:
+    return [
+        gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompts[i % len(prompts)]),
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+            spec=TARGET_ONLY if spec == "target" else None,
+        )
+        for i in range(args.num_requests)
+    ]
+
+
+def ms(values: tuple[float, ...]) -> str:
+    return " / ".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def report(
+    args: argparse.Namespace,
+    spec: str,
+    rate: float,
+    rows: dict[str, tuple[Summary, list[list[int]]]],
+) -> None:
+    first_name = next(iter(rows))
+    base, reference = rows[first_name]
+    flags = " ".join(f"--{k.replace('_', '-')}={v}" for k, v in (("spec", spec), ("rate", rate)))
+    eos = ", --ignore-eos" if args.ignore_eos else ""
+    print(
+        f"\n{flags}: {args.num_requests} requests, {args.max_new_tokens} new tokens at most{eos}"
+        f", arrivals seed {args.seed}; vs = against {first_name}"
+    )
+    print(
+        "| setup | tok/s (vs) | req/s | TTFT p50 / p90 / p99 ms (p50 vs) | TPOT p50 / p90 / p99 ms"
+        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | streams as the first setup's |"
+    )
+    print("|---|---:|---:|---|---|---|---:|---:|")
+    for name, (s, outputs) in rows.items():
+        same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+        print(
+            f"| {name} | {s.tokens_per_s:.0f} ({s.tokens_per_s / base.tokens_per_s:.2f}x)"
+            f" | {s.requests_per_s:.2f} | {ms(s.ttft)} ({s.ttft[0] / base.ttft[0]:.2f}x)"
+            f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f} | {same}/{len(outputs)} |"
+        )
+
+
+async def serve_setup(
+    args: argparse.Namespace,
+    workloads: list[tuple[str, float, list[gateway_pb2.GenerateRequest], list[float]]],
+) -> list[tuple[Summary, list[list[int]]]]:
+    """One `up`'s runs: the first workload untimed, then each timed, in order."""
+    async with grpc.aio.insecure_channel(GATEWAY) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        _, _, requests, delays = workloads[0]
+        await run_load(stub, requests, delays)  # warm-up
+        results = []
+        for _, _, requests, delays in workloads:
+            streams, wall = await run_load(stub, requests, delays)
+            results.append((Summary.of(streams, wall), [s.token_ids for s in streams]))
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="target checkpoint (default: embedded)")
+    parser.add_argument("--device", default="cpu", help="the verifier's device")
+    parser.add_argument("--drafter-device", default=None, help="default: --device")
+    parser.add_argument("--dtype", default=None, help="specsplit up --dtype (default: its own)")
+    parser.add_argument("--drafter", default=None, help="specsplit up --drafter")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument(
+        "--rate", type=float, nargs="+", default=[4.0, 16.0, math.inf], help="requests a second"
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true", help="every stream runs to the end")
+    parser.add_argument("--spec", nargs="+", choices=("target", "default"), default=["target"])
+    parser.add_argument("--seed", type=int, default=0, help="the arrivals' schedule")
+    parser.add_argument(
+        "--setup",
+        action="append",
+        type=parse_setup,
+        default=None,
+        help="NAME=FLAGS: one `up` with more flags, repeatable (default: "
+        + " ".join(DEFAULT_SETUPS)
+        + ")",
+    )
+    parser.add_argument("--services-log", default=None, help="append the services' output here")
+    args = parser.parse_args()
+    args.speculation_gate = "off"
+    setups = args.setup or [parse_setup(s) for s in DEFAULT_SETUPS]
+    path = args.model or embedded_default_model_path()
+    tokenizer = load_tokenizer(path)
+    prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    workloads = [
+        (spec, rate, requests_for(prompts, args, spec), delays)
+        for spec in args.spec
+        for rate in args.rate
+        for delays in [arrivals(args.num_requests, rate, args.seed)]
+    ]
+    by_setup = {}
+    for name, flags in setups:
+        with services(args, flags) as sync_stub:
+            wait_for_drafter(sync_stub, prompts[0])
+            by_setup[name] = asyncio.run(serve_setup(args, workloads))
+    for i, (spec, rate, _, _) in enumerate(workloads):
+        report(args, spec, rate, {name: results[i] for name, results in by_setup.items()})
+
+
+if __name__ == "__main__":
+    main()

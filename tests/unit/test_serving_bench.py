@@ -1,0 +1,119 @@
+"""bench/serving.py: its arrivals (a Poisson process, reproducible by seed; all at once at an
+infinite rate), its per-stream times and quantiles, its setups' parsing, and its load through the
+gateway's real gRPC servicer over the in-process engines: each request sent at its arrival, every
+stream the target's own tokens, no KV left behind."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import statistics
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bench.serving import Stream, Summary, arrivals, parse_setup, quantiles, run_load
+from gateway.request import ModelInfo
+from gateway.servicer import GatewayServicer
+from specsplit.messages import SpecParams
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.support import TINY_VOCAB, check_no_leaks, make_stack, save_tiny_llama
+
+
+def test_arrivals_are_a_seeded_poisson_process_starting_at_zero() -> None:
+    times = arrivals(4000, rate=50.0, seed=3)
+    assert times == arrivals(4000, rate=50.0, seed=3) != arrivals(4000, rate=50.0, seed=4)
+    assert times[0] == 0.0 and times == sorted(times)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.05)
+    # exponential gaps: the standard deviation equals the mean
+    assert statistics.stdev(gaps) == pytest.approx(1 / 50, rel=0.1)
+
+
+def test_an_infinite_rate_sends_everything_at_once() -> None:
+    assert arrivals(5, rate=math.inf, seed=0) == [0.0] * 5
+
+
+def test_quantiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1 .. 100
+    assert quantiles(values) == (50.0, 90.0, 99.0)
+    assert quantiles([7.0]) == (7.0, 7.0, 7.0)
+    assert all(math.isnan(q) for q in quantiles([]))
+
+
+def test_a_stream_times_its_first_token_tokens_after_it_and_chunk_gaps() -> None:
+    stream = Stream(sent=10.0, chunks=[(10.5, 1), (10.7, 4), (11.0, 3)], token_ids=list(range(8)))
+    assert stream.ttft == pytest.approx(0.5)
+    assert stream.tpot == pytest.approx(0.5 / 7)  # 7 tokens in the 0.5 s after the first
+    assert stream.gaps == pytest.approx([0.2, 0.3])
+    assert Stream(sent=0.0, chunks=[(1.0, 1)], token_ids=[5]).tpot is None
+    summary = Summary.of([stream], wall=2.0)
+    assert summary.tokens_per_s == 4.0 and summary.requests_per_s == 0.5
+    assert summary.tokens_per_chunk == pytest.approx(8 / 3)
+    assert summary.ttft == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_a_setup_is_a_name_and_up_flags() -> None:
+    assert parse_setup("steps4=--decode-steps=4 --overlap serial") == (
+        "steps4",
+        ("--decode-steps=4", "--overlap", "serial"),
+    )
+    assert parse_setup("default=") == ("default", ())
+    for bad in ("no-equals", "=--flag"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_setup(bad)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("serving") / "target", seed=23)
+
+
+def test_the_load_sends_each_request_at_its_arrival_and_streams_the_targets_tokens(
+    target_dir: Path, smollm2_tokenizer, one_torch_thread: None
+) -> None:
+    stack = make_stack(target_dir, "model", smollm2_tokenizer, SpecParams(3, 1, 3), num_pages=512)
+    model = ModelInfo(smollm2_tokenizer, TINY_VOCAB, 512, eos_token_ids=(2,))
+    servicer = GatewayServicer(model, stack.scheduler)
+    requests = [
+        gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=[(13 * i + 5 * j) % 400 + 3 for j in range(3 + i)]),
+            max_new_tokens=12,
+            ignore_eos=True,
+        )
+        for i in range(6)
+    ]
+    delays = arrivals(len(requests), rate=40.0, seed=1)
+
+    async def main() -> tuple[list[Stream], float, list[list[int]]]:
+        server = grpc.aio.server()
+        servicer.register(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await stack.scheduler.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                alone = []
+                for request in requests:  # one at a time: each prompt's tokens alone
+                    streams, _ = await run_load(stub, [request], [0.0])
+                    alone.append(streams[0].token_ids)
+                streams, wall = await run_load(stub, requests, delays)
+                return streams, wall, alone
+        finally:
+            await stack.scheduler.stop()
+            await server.stop(0)
+            servicer.close()
+
+    streams, wall, alone = asyncio.run(main())
+    check_no_leaks(stack)
+    assert [s.token_ids for s in streams] == alone
+    assert all(len(s.token_ids) == 12 for s in streams)  # ignore_eos: every stream runs to 12
+    first_sent = min(s.sent for s in streams)
+    for stream, delay in zip(streams, delays, strict=True):
+        assert stream.sent - first_sent == pytest.approx(delay, abs=0.05)
+        assert stream.ttft > 0 and stream.ended <= first_sent + wall + 0.05
+        assert sum(n for _, n in stream.chunks) == 12
