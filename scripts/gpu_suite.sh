@@ -10,6 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
+#       [tiles]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -656,6 +657,19 @@ for part in "${parts[@]}"; do
           bench/gpu_engine.py --shape smollm2-135m --batch 1 8 16 32 --verify-n --verify-batch \
           --steps 100 --no-hf --decode-ahead --decode-steps 4
       done ;;
+    tiles)  # the small-linear kernels' tensor-core tiles swept at 8 / 16 / 32 rows against the
+      # unfused ops (bench/small_linear_tiles.py, at most $TILES_SECONDS, default 200), then the
+      # engine step in process at batch 8 / 16 / 32: the default path (unfused above 4 rows)
+      # against the small path up to 32 rows on tensor cores with the sweep's best tile
+      # (SPECSPLIT_SMALL_LINEAR=1, _DOT_ROWS=32, _DOT_TILES)
+      run small_linear_tiles python3 bench/small_linear_tiles.py --max-seconds ${TILES_SECONDS:-200}
+      best=$(awk '$1 == "BEST_TILES" && $2 == "all" {print $3}' "$out/small_linear_tiles.txt")
+      engine=(python3 bench/gpu_engine.py --shape smollm2-135m --batch 8 16 32 --verify-n
+        --verify-batch --steps 100 --no-hf --decode-ahead)
+      run engine_tiles_default "${engine[@]}"
+      SPECSPLIT_SMALL_LINEAR=1 SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 \
+        SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run "engine_tiles_${best:-none}" \
+        "${engine[@]}" ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
       # chunk gaps, tokens/s), random SmolLM2, target only, 128 tokens a stream past EOS,
       # $SERVING_RATES requests a second (default 20 80 inf), $SERVING_REQUESTS (default 128);

@@ -26,7 +26,9 @@ One kernel, its ops chosen by constexpr flags: program p computes output columns
 half, intermediate_size rows further down the weight, for silu-and-mul), so each weight row is
 read once. Rows are padded to BLOCK_M, a power of two: up to 4 rows the product is a broadcast
 multiply summed once at the end (CUDA cores; the K loop is unrolled, so every weight load is in
-flight at once), above that BLOCK_M = 16 rows on tensor cores (tl.dot, loads pipelined). A
+flight at once), above that BLOCK_M = 16 rows on tensor cores (tl.dot, loads pipelined; 32
+rows as one block with the bench's switch $SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32, its tiles from
+$SPECSPLIT_SMALL_LINEAR_DOT_TILES: bench/small_linear_tiles.py sweeps them). A
 bench's switch, $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS, keeps up to 8, 16 or 32 rows on the
 broadcast path (and lets the model's small path take that many: specsplit/model/llama.py). K is a
 constexpr (fixed per model), the row count is not specialised: one kernel per (op, BLOCK_M class)
@@ -58,7 +60,6 @@ from specsplit.model.linear import linear
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
-DOT_ROWS = 16  # the tensor-core path's one row block (BLOCK_M)
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -163,7 +164,7 @@ def _small_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,  # tensor cores (BLOCK_M = 16), else a broadcast multiply
+    USE_DOT: tl.constexpr,  # tensor cores (BLOCK_M 16 or 32), else a broadcast multiply
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the tensor-core K loop's software pipelining
 ):
@@ -345,12 +346,25 @@ def _broadcast_rows() -> int:
     return int(value)
 
 
-BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M = DOT_ROWS)
+BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M 16 or 32)
+
+
+def _dot_rows() -> int:
+    """$SPECSPLIT_SMALL_LINEAR_DOT_ROWS (a developer's switch, for benches: 16 or 32; default
+    16): the most rows on the tensor-core path, 17-32 rows as one 32-row block (decode at batch
+    17-32). Not measured against the unfused layer yet (`scripts/gpu_suite.sh tiles`)."""
+    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", "16")
+    if value not in ("16", "32"):
+        raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_DOT_ROWS={value!r}: 16 or 32")
+    return int(value)
+
+
+DOT_ROWS = _dot_rows()  # the tensor-core path's largest row block (BLOCK_M)
 
 
 def max_rows() -> int:
     """Rows (tokens) a launch takes: decode and verify steps of a small batch (the tensor-core
-    path's row block, or the broadcast path's limit when that is larger)."""
+    path's largest row block, or the broadcast path's limit when that is larger)."""
     return max(DOT_ROWS, BROADCAST_ROWS)
 
 
@@ -364,15 +378,41 @@ def tiles_for(num_rows: int, n: int, k: int, itemsize: int, interpret: bool) -> 
     and at most a warp's span (its sums over K stay in the warp); the tensor-core path's K loop
     pipelined 4 deep."""
     use_dot = num_rows > BROADCAST_ROWS
-    block_m = DOT_ROWS if use_dot else next_power_of_2(num_rows)
+    block_m = max(16, next_power_of_2(num_rows)) if use_dot else next_power_of_2(num_rows)
     if interpret:  # small tiles: the tests cross tile edges with small shapes
         return Tiles(block_m, 16 if use_dot else 8, 32, use_dot, 1, 1)
     if use_dot:
+        if DOT_TILES is not None:
+            return Tiles(block_m, *DOT_TILES[:2], True, *DOT_TILES[2:])
         return Tiles(block_m, 16, 128, True, 4, 4)
     warp_span = 32 * (16 // itemsize)  # K lanes of one warp's 16-byte loads
     block_n = 8 if n > 1024 and block_m == 1 else 4
     block_k = min(warp_span, 4 * warp_span // (block_m * block_n), next_power_of_2(k))
     return Tiles(block_m, block_n, max(block_k, 32), False, 4, 1)
+
+
+def _dot_tiles() -> tuple[int, int, int, int] | None:
+    """$SPECSPLIT_SMALL_LINEAR_DOT_TILES=BLOCK_N,BLOCK_K,WARPS,STAGES (a developer's switch, for
+    benches: the tensor-core path's tiles, powers of two, BLOCK_N and BLOCK_K at least 16, at
+    most 256; default unset: 16,128,4,4)."""
+    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_DOT_TILES")
+    if not value:
+        return None
+    try:
+        block_n, block_k, warps, stages = (int(v) for v in value.split(","))
+    except ValueError:
+        block_n = block_k = warps = stages = 0  # refused below
+    powers = all(v & (v - 1) == 0 for v in (block_n, block_k, warps))
+    if not (16 <= block_n <= 256 and 16 <= block_k <= 256 and 1 <= warps <= 16 and powers
+            and 1 <= stages <= 8):  # fmt: skip
+        raise SystemExit(
+            f"SPECSPLIT_SMALL_LINEAR_DOT_TILES={value!r}: BLOCK_N,BLOCK_K,WARPS,STAGES (powers of"
+            " two, BLOCK_N and BLOCK_K in 16..256, WARPS in 1..16; STAGES in 1..8)"
+        )
+    return block_n, block_k, warps, stages
+
+
+DOT_TILES = _dot_tiles()
 
 
 class RopeStore(NamedTuple):

@@ -199,6 +199,26 @@ def test_the_broadcast_path_above_four_rows_matches_reference(
     broadcast path (BLOCK_M 8 / 16 / 32, no tensor cores) give the reference's results too."""
     monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
     assert not small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True).use_dot
+    assert_op_matches_reference(op, num_rows)
+
+
+@pytest.mark.parametrize("num_rows", [17, 24, 32])
+@pytest.mark.parametrize("op", [*OPS, "norm_linear_rope_store"])
+def test_the_tensor_core_path_at_17_to_32_rows_matches_reference(
+    op: str, num_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 (a bench's switch): 17 to 32 rows as one 32-row block
+    on tensor cores give the reference's results too."""
+    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 4)
+    monkeypatch.setattr(small_linear, "DOT_ROWS", 32)
+    tiles = small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True)
+    assert tiles.use_dot and tiles.block_m == 32
+    assert_op_matches_reference(op, num_rows)
+
+
+def assert_op_matches_reference(op: str, num_rows: int) -> None:
+    """`op` (OPS', or the qkv projection with RoPE + K/V store) at `num_rows` rows, N = 100 not
+    a multiple of the tile, against its reference (the cache rows too)."""
     if op == "norm_linear_rope_store":
         case, rope = rope_case(num_rows, bias=True)
         want_rope = rope._replace(k_cache=rope.k_cache.clone(), v_cache=rope.v_cache.clone())
@@ -211,6 +231,47 @@ def test_the_broadcast_path_above_four_rows_matches_reference(
         torch.testing.assert_close(rope.v_cache, want_rope.v_cache, atol=ATOL, rtol=RTOL)
         return
     assert_matches_reference(op, make_case(num_rows, 80, 100, True, gate_up=OPS[op][3]))
+
+
+@pytest.mark.parametrize(("value", "rows"), [(None, 16), ("32", 32), ("8", None), ("64", None)])
+def test_the_dot_rows_switch(
+    value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default 16; 32 allowed (one 32-row block); anything else stops the process."""
+    if value is None:
+        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", value)
+    if rows is None:
+        with pytest.raises(SystemExit, match="DOT_ROWS"):
+            small_linear._dot_rows()
+    else:
+        assert small_linear._dot_rows() == rows
+
+
+@pytest.mark.parametrize(
+    ("value", "tiles"),
+    [(None, None), ("32,64,8,3", (32, 64, 8, 3)), ("16,256,2,1", (16, 256, 2, 1)),
+     ("12,64,4,2", None), ("16,64", None), ("16,512,4,2", None), ("a,b,c,d", None)],
+)  # fmt: skip
+def test_the_dot_tiles_switch(
+    value: str | None, tiles: tuple[int, ...] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset: the built-in tiles; BLOCK_N,BLOCK_K,WARPS,STAGES as asked, which the tensor-core
+    launches on a GPU then take; anything malformed stops the process."""
+    if value is None:
+        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_DOT_TILES", raising=False)
+        assert small_linear._dot_tiles() is None
+        return
+    monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_DOT_TILES", value)
+    if tiles is None:
+        with pytest.raises(SystemExit, match="DOT_TILES"):
+            small_linear._dot_tiles()
+        return
+    assert small_linear._dot_tiles() == tiles
+    monkeypatch.setattr(small_linear, "DOT_TILES", tiles)
+    got = small_linear.tiles_for(9, 960, 576, itemsize=2, interpret=False)
+    assert got == small_linear.Tiles(16, tiles[0], tiles[1], True, tiles[2], tiles[3])
 
 
 @pytest.mark.parametrize(
@@ -364,13 +425,19 @@ def test_small_path_steps_equal_the_layer_path(arch: str, monkeypatch: pytest.Mo
 
 @pytest.mark.raw_kv
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_step_of_32_rows_on_the_broadcast_path_equals_the_layer_path(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("path", ["broadcast", "tensor cores"])
+def test_a_32_row_step_through_the_small_path_equals_the_layer_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32: a verify step of two sequences x 16 tokens
-    (32 rows, as a decode step at batch 32 has) through the small path, every projection on
-    the broadcast path: logits, aux hidden states and the written K/V as the layer path's."""
-    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
+    """A verify step of two sequences x 16 tokens (32 rows, as a decode step at batch 32 has)
+    through the small path, every projection on the broadcast path
+    ($SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32) or as one 32-row block on tensor cores
+    ($SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32): logits, aux hidden states and the written K/V as
+    the layer path's."""
+    if path == "broadcast":
+        monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
+    else:
+        monkeypatch.setattr(small_linear, "DOT_ROWS", 32)
     monkeypatch.setattr(small_linear, "MAX_ROWS", 32)
     model, kv, seqs, gen = prefilled("llama_gqa_all_biases", 2)
     step = [causal_step(s, torch.randint(0, 96, (16,), generator=gen).tolist()) for s in seqs]
