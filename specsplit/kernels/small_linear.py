@@ -336,8 +336,9 @@ def _broadcast_rows() -> int:
     or 32; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16
     rows on tensor cores were slower than it (module docstring: their 16-column tiles make too
     few programs to read the weights in parallel, where the broadcast path's 4 columns make
-    four times as many). Whether the broadcast path still pays at 8-32 rows (decode at batch
-    8-32) is not measured yet."""
+    four times as many). Above 4 rows it loses to the unfused layer (H200, SmolLM2 decode step
+    in process: 1.17 / 2.62 / 8.12 ms at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15 ms;
+    bench/RESULTS.md, fiftieth session), so 4 stays the default."""
     value = os.environ.get("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", "4")
     if value not in ("1", "2", "4", "8", "16", "32"):
         raise SystemExit(
