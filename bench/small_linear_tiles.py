@@ -43,11 +43,13 @@ def sweep_tiles() -> list[Tile]:
     return tiles if DEFAULT in tiles else [DEFAULT, *tiles]
 
 
-def make_inputs(num_rows: int) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_rows: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(num_rows)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
 
     return {
         "hidden": randn(num_rows, HIDDEN, scale=3.0),
@@ -67,7 +69,7 @@ OPS: dict[str, Op] = {
     "qkv norm_linear": (
         sl.norm_linear,
         sl.norm_linear_reference,
-        lambda t: (t["hidden"], t["norm_weight"], EPS, t["qkv"]),
+        lambda t: (t["hidden"], t["norm_weight"], EPS, t["qkv"], None),
         lambda t: (t["hidden"], t["qkv"]),
     ),
     "o linear_residual": (
@@ -79,7 +81,7 @@ OPS: dict[str, Op] = {
     "gate_up norm_linear_silu_mul": (
         sl.norm_linear_silu_mul,
         sl.norm_linear_silu_mul_reference,
-        lambda t: (t["hidden"], t["norm_weight"], EPS, t["gate_up"]),
+        lambda t: (t["hidden"], t["norm_weight"], EPS, t["gate_up"], None),
         lambda t: (t["hidden"], t["gate_up"]),
     ),
     "down linear_residual": (
