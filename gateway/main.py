@@ -16,6 +16,7 @@ import grpc
 
 from gateway.adaptive import format_ladder
 from gateway.auth import ApiKeys
+from gateway.decode_steps import QUIET_SECONDS
 from gateway.draft_ahead import DEFAULT_AHEAD_GUESSES, DEFAULT_AHEAD_MAX_BATCH, DEFAULT_AHEAD_MISS
 from gateway.faults import DEFAULT_VERIFIER_WAIT_S
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
@@ -158,6 +159,7 @@ async def serve(
     lane_poll_s: float = 0.0,
     decode_steps: int = 1,
     adaptive_decode_steps: bool = False,
+    decode_steps_quiet_s: float = QUIET_SECONDS,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:
@@ -180,7 +182,8 @@ async def serve(
     each answer before it sleeps.
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
     tokens a plain round decodes in one Verify (adaptive_decode_steps: grown from it where the
-    verifier's device idles between rounds, gateway/decode_steps.py). early_verify: groups
+    verifier's device idles between rounds, once no request arrived for
+    `decode_steps_quiet_s`: gateway/decode_steps.py). early_verify: groups
     send the other group's Verify while one is in flight (Scheduler)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
@@ -217,6 +220,7 @@ async def serve(
         ahead_max_batch=ahead_max_batch,
         decode_steps=decode_steps,
         adaptive_decode_steps=adaptive_decode_steps,
+        decode_steps_quiet_s=decode_steps_quiet_s,
         early_verify=early_verify,
     )
     if scheduler.gate is not None:

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec, build_ladder
 from gateway.clients import DrafterClient, VerifierClient
-from gateway.decode_steps import DecodeSteps, is_plain
+from gateway.decode_steps import QUIET_SECONDS, DecodeSteps, is_plain
 from gateway.draft_ahead import (
     AHEAD_MISSES,
     DEFAULT_AHEAD_GUESSES,
@@ -89,6 +89,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         ahead_max_batch: int = DEFAULT_AHEAD_MAX_BATCH,
         decode_steps: int = 1,
         adaptive_decode_steps: bool = False,
+        decode_steps_quiet_s: float = QUIET_SECONDS,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
         verify_ahead: bool = True,
@@ -114,11 +115,12 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         rounds, measured per batch size (gateway/gate.py); off = they always draft.
         decode_steps: a plain round (no tree, no target features) decodes up to this many
         tokens in one Verify (VerifyInput.decode_steps); adaptive_decode_steps: serial plain
-        rounds grow from it, per batch size, while the verifier's device idles between rounds
-        (gateway/decode_steps.py). early_verify: groups send the other
-        group's Verify as soon as its trees are drafted, while this group's is in flight (the
-        verifier runs the two back to back: for a drafter and a verifier on two GPUs; on one
-        GPU shared by both it measured slower, bench/RESULTS.md); off = each group's Verify
+        rounds grow from it, per batch size, while the verifier's device idles between rounds,
+        once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py).
+        early_verify: groups send the other group's Verify as soon as its trees are drafted,
+        while this group's is in flight (the verifier runs the two back to back: for a drafter
+        and a verifier on two GPUs; on one GPU shared by both it measured slower,
+        bench/RESULTS.md); off = each group's Verify
         goes out in its own round. With "gated" and `early_verify` the overlap gate measures
         groups with the early Verify ("groups-early") and without it ("groups"): through the
         services on two H100s it ran 1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped
@@ -190,7 +192,11 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         self.verify_ahead = verify_ahead
         self._hints: set[asyncio.Future[None]] = set()  # hints on their way (`_hint`)
         self.decode_steps = decode_steps
-        self.steps_policy = DecodeSteps(decode_steps) if adaptive_decode_steps else None
+        self.steps_policy = (
+            DecodeSteps(decode_steps, quiet_seconds=decode_steps_quiet_s)
+            if adaptive_decode_steps
+            else None
+        )
         self._plain_round: tuple[int, int] | None = None  # (batch size, steps) of a plain round
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
@@ -267,6 +273,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
             seq = self._new_sequence(request)
         seq.span = telemetry.start_request(self.model_name, request)  # child of the caller's
         self.waiting.append(seq)
+        if self.steps_policy is not None:
+            self.steps_policy.arrived()
         self._wakeup.set()
         error: BaseException | None = None
         try:

@@ -671,8 +671,9 @@ for part in "${parts[@]}"; do
         SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run "engine_tiles_${best:-none}" \
         "${engine[@]}" ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
-      # chunk gaps, tokens/s), random SmolLM2, target only, 128 tokens a stream past EOS,
-      # $SERVING_RATES requests a second (default 20 80 inf), $SERVING_REQUESTS (default 128);
+      # chunk gaps, tokens/s), random SmolLM2, target only, $SERVING_TOKENS (default 128) tokens
+      # a stream past EOS, $SERVING_RATES requests a second (default 20 80 inf),
+      # $SERVING_REQUESTS (default 128);
       # `up`'s defaults (adaptive rounds on a GPU) against rounds of 4 ($SERVING_SETUPS: more,
       # NAME=FLAG each, space-separated)
       random_smollm2
@@ -680,7 +681,7 @@ for part in "${parts[@]}"; do
       for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done
       run serving python3 bench/serving.py --model /tmp/smollm2_random "${devices[@]}" \
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --ignore-eos \
-        --max-new-tokens 128 --num-requests ${SERVING_REQUESTS:-128} \
+        --max-new-tokens ${SERVING_TOKENS:-128} --num-requests ${SERVING_REQUESTS:-128} \
         --rate ${SERVING_RATES:-20 80 inf} "${setups[@]}" ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;

@@ -84,6 +84,14 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() in ("", "none") else int(value)
 
 
+def milliseconds(value: str) -> float:
+    """A duration in milliseconds, >= 0."""
+    ms = float(value)
+    if not ms >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{value}: want milliseconds >= 0")
+    return ms
+
+
 def optional_float(value: str) -> float | None:
     return None if value.lower() in ("", "none") else float(value)
 
@@ -373,6 +381,15 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " which cannot see the devices: off)"
     )
     switch(parser, "--decode-steps-adaptive", None, adaptive_help)
+    quiet_help = (
+        "with --decode-steps-adaptive: plain rounds grow only once no request arrived for this"
+        " long (a request arriving during a round waits for its end: under steady arrivals,"
+        " grown rounds tripled the time to first token for no throughput, bench/serving.py);"
+        " 0 = regardless of arrivals"
+    )
+    from gateway.decode_steps import QUIET_SECONDS  # a light module; imported where used
+
+    flag(parser, "--decode-steps-quiet-ms", 1e3 * QUIET_SECONDS, quiet_help, type=milliseconds)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

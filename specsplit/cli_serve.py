@@ -154,6 +154,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             lane_poll_s=(args.round_lane_poll_ms or 0.0) / 1e3,
             decode_steps=args.decode_steps or 1,
             adaptive_decode_steps=bool(args.decode_steps_adaptive),
+            decode_steps_quiet_s=args.decode_steps_quiet_ms / 1e3,
             early_verify=bool(args.early_verify),  # auto: off (the devices are not seen here)
             speculation_gate=args.speculation_gate == "on",
             cpu_cores=args.cpu_cores,

@@ -122,6 +122,7 @@ def child_commands(
     gateway += ["--decode-steps", str(gateway_decode_steps(args))]
     adaptive = gateway_decode_steps_adaptive(args)
     gateway += ["--decode-steps-adaptive" if adaptive else "--no-decode-steps-adaptive"]
+    gateway += ["--decode-steps-quiet-ms", str(args.decode_steps_quiet_ms)]
     for flag in LIMIT_FLAGS:
         gateway += _opt(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
     metrics = metrics_addresses(args.metrics_listen)

@@ -78,6 +78,40 @@ def test_rounds_shrink_back_when_the_idle_time_falls() -> None:
     assert policy.steps(32) == 5
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rounds_keep_the_base_while_requests_arrive() -> None:
+    """A request arriving during a round waits for its end: rounds grow only once none arrived
+    for quiet_seconds, and fall back to the base at the next arrival."""
+    clock = _Clock()
+    policy = DecodeSteps(4, quiet_seconds=0.1, clock=clock)
+    _measured(policy, 32, MIN_ROUNDS, steps=4, step=1.2 * MS, idle=1.8 * MS)
+    assert policy.steps(32) == 15  # nothing arrived yet
+    policy.arrived()
+    assert policy.steps(32) == 4
+    clock.now += 0.099
+    assert policy.steps(32) == 4
+    clock.now += 0.002
+    assert policy.steps(32) == 15
+    policy.arrived()
+    assert policy.steps(32) == 4
+
+
+def test_a_quiet_time_of_zero_grows_rounds_regardless_of_arrivals() -> None:
+    policy = DecodeSteps(4, quiet_seconds=0.0, clock=_Clock())
+    _measured(policy, 32, MIN_ROUNDS, steps=4, step=1.2 * MS, idle=1.8 * MS)
+    policy.arrived()
+    assert policy.steps(32) == 15
+    with pytest.raises(ValueError, match="quiet_seconds"):
+        DecodeSteps(4, quiet_seconds=-1.0)
+
+
 def test_no_device_time_learns_nothing() -> None:
     """A CPU verifier reports no device time: its rounds stay at the base."""
     policy = DecodeSteps(2)
@@ -118,21 +152,26 @@ def _device_seconds(stack: Any, seconds: float) -> None:
     client.verify = reported
 
 
-@pytest.mark.parametrize("device", [1e-6, 0.0], ids=["device-idles", "no-device-time"])
+@pytest.mark.parametrize(
+    ("device", "quiet"),
+    [(1e-6, 0.0), (0.0, 0.0), (1e-6, 3600.0)],
+    ids=["device-idles", "no-device-time", "requests-arrived-just-now"],
+)
 def test_the_scheduler_grows_plain_rounds_with_the_same_tokens(
-    target_dir: Path, smollm2_tokenizer: object, device: float
+    target_dir: Path, smollm2_tokenizer: object, device: float, quiet: float
 ) -> None:
     """Target-only requests through the in-process stack, whose verifier reports almost no
     device time (the device idles nearly the whole round): after MIN_ROUNDS rounds of 4 steps
     the rounds ask for 16, the tokens stay the target's and take fewer rounds; with no device
-    time reported they stay at 4."""
+    time reported, or while the requests' arrival is more recent than the quiet time (an
+    hour), they stay at 4."""
     requests = mixed_requests(3, seed=5, max_new_tokens=60)
     for request in requests:
         request.spec = SpecParams(0, 1, 0)
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
                        decode_steps=4)  # fmt: skip
-    stack.scheduler.steps_policy = DecodeSteps(4)
+    stack.scheduler.steps_policy = DecodeSteps(4, quiet_seconds=quiet)
     _device_seconds(stack, device)
     before = REGISTRY.get_sample_value("specsplit_decode_steps_bucket", {"le": "12.0"}) or 0.0
     total = REGISTRY.get_sample_value("specsplit_decode_steps_count") or 0.0
@@ -141,7 +180,7 @@ def test_the_scheduler_grows_plain_rounds_with_the_same_tokens(
     up_to_12 = REGISTRY.get_sample_value("specsplit_decode_steps_bucket", {"le": "12.0"}) or 0.0
     rounds = (REGISTRY.get_sample_value("specsplit_decode_steps_count") or 0.0) - total
     grown = rounds - (up_to_12 - before)  # rounds that asked for more than 12 steps
-    if device:
+    if device and not quiet:
         assert grown > 0 and stack.scheduler.num_rounds < 1 + MIN_ROUNDS + 60 // 16 + 2
     else:
         assert grown == 0 and stack.scheduler.num_rounds >= 1 + 60 // 4
@@ -164,6 +203,20 @@ def test_up_passes_the_adaptive_rounds_to_the_gateway(argv: list[str], on: bool)
     gateway = up.child_commands(cli.parse_args(argv))["gateway"]
     assert gateway[:3] == [sys.executable, "-m", "specsplit.cli"]
     assert cli.parse_args(gateway[3:]).decode_steps_adaptive is on
+
+
+@pytest.mark.parametrize(("value", "ms"), [(None, 100.0), ("0", 0.0), ("250", 250.0)])
+def test_up_passes_the_quiet_time_to_the_gateway(value: str | None, ms: float) -> None:
+    flags = [] if value is None else [f"--decode-steps-quiet-ms={value}"]
+    argv = ["up", "--device", "cuda:0", *flags]
+    gateway = up.child_commands(cli.parse_args(argv))["gateway"]
+    assert cli.parse_args(gateway[3:]).decode_steps_quiet_ms == ms
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_a_quiet_time_below_zero_or_not_a_number_is_refused(value: str) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["up", f"--decode-steps-quiet-ms={value}"])
 
 
 @pytest.mark.parametrize(("value", "parsed"), [("auto", None), ("on", True), ("off", False)])
