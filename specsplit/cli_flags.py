@@ -143,6 +143,9 @@ CHAIN_MAX_BATCH = 1
 CHAIN_MIN_GUESS_RATE = 0.9
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
+# gateway/decode_steps.py's QUIET_SECONDS in ms (not imported: the parser is built before the
+# services quiet tqdm, and the gateway's modules import torch)
+DECODE_STEPS_QUIET_MS = 100.0
 
 
 def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
@@ -387,9 +390,7 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " grown rounds tripled the time to first token for no throughput, bench/serving.py);"
         " 0 = regardless of arrivals"
     )
-    from gateway.decode_steps import QUIET_SECONDS  # a light module; imported where used
-
-    flag(parser, "--decode-steps-quiet-ms", 1e3 * QUIET_SECONDS, quiet_help, type=milliseconds)
+    flag(parser, "--decode-steps-quiet-ms", DECODE_STEPS_QUIET_MS, quiet_help, type=milliseconds)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.decode_steps import MIN_ROUNDS, DecodeSteps, is_plain
-from specsplit import cli, up
+from gateway.decode_steps import MIN_ROUNDS, QUIET_SECONDS, DecodeSteps, is_plain
+from specsplit import cli, cli_flags, up
 from specsplit.messages import SpecParams, VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -203,6 +203,10 @@ def test_up_passes_the_adaptive_rounds_to_the_gateway(argv: list[str], on: bool)
     gateway = up.child_commands(cli.parse_args(argv))["gateway"]
     assert gateway[:3] == [sys.executable, "-m", "specsplit.cli"]
     assert cli.parse_args(gateway[3:]).decode_steps_adaptive is on
+
+
+def test_the_flags_default_quiet_time_is_the_policys() -> None:
+    assert cli_flags.DECODE_STEPS_QUIET_MS == 1e3 * QUIET_SECONDS
 
 
 @pytest.mark.parametrize(("value", "ms"), [(None, 100.0), ("0", 0.0), ("250", 250.0)])
