@@ -1,10 +1,13 @@
 """Serving under arrivals: requests arrive as a Poisson process at --rate requests a second
 (`inf`: all at once), each a stream through `specsplit up`, as a server's users send them.
 Per stream: time to first token (TTFT: the request sent to its first chunk with tokens), time a
-token after the first (TPOT: the stream's last token less its first, over its tokens less one)
-and the gaps between its chunks (a round's tokens stream as one chunk: rounds of N decode steps
-stream N tokens at once). Per run: output tokens a second over the run's wall time (its first
-request sent to its last stream's end), p50 / p90 / p99 of each.
+token after the first chunk (TPOT: its last chunk's arrival less its first's, over the tokens
+after the first chunk) and the gaps between its chunks (a round's tokens stream as one chunk:
+rounds of N decode steps stream N tokens at once). Per run: output tokens a second over the
+run's wall time (its first request sent to its last stream's end), p50 / p90 / p99 of each.
+Below saturation the tokens a second follow the arrivals (the offered load, requests a second x
+tokens a request, is printed beside them): only a rate the server cannot keep up with, or
+`inf`, compares throughput.
 
 Each --setup is one `up` with more flags (`NAME=FLAGS`, the flags space-separated; default: `up`'s
 defaults, and rounds of 4 fixed decode steps beside them), all run on one schedule of arrivals
@@ -62,10 +65,12 @@ class Stream:
 
     @property
     def tpot(self) -> float | None:
-        """Seconds a token after the first; None for a one-token stream."""
-        if len(self.token_ids) < 2:
+        """Seconds a token after the first chunk's: the later chunks' tokens over the time
+        they took; None for a stream of one chunk."""
+        if len(self.chunks) < 2:
             return None
-        return (self.chunks[-1][0] - self.chunks[0][0]) / (len(self.token_ids) - 1)
+        later = len(self.token_ids) - self.chunks[0][1]
+        return (self.chunks[-1][0] - self.chunks[0][0]) / later
 
     @property
     def gaps(self) -> list[float]:
@@ -186,9 +191,14 @@ def report(
     base, reference = rows[first_name]
     flags = " ".join(f"--{k.replace('_', '-')}={v}" for k, v in (("spec", spec), ("rate", rate)))
     eos = ", --ignore-eos" if args.ignore_eos else ""
+    offered = (
+        "all at once"
+        if math.isinf(rate)
+        else f"offered load {rate * args.max_new_tokens:.0f} tokens/s at most"
+    )
     print(
         f"\n{flags}: {args.num_requests} requests, {args.max_new_tokens} new tokens at most{eos}"
-        f", arrivals seed {args.seed}; vs = against {first_name}"
+        f", arrivals seed {args.seed}, {offered}; vs = against {first_name}"
     )
     print(
         "| setup | tok/s (vs) | req/s | TTFT p50 / p90 / p99 ms (p50 vs) | TPOT p50 / p90 / p99 ms"

@@ -11,10 +11,11 @@ covered.
 A request that arrives during a round is admitted after it, so long rounds cost arrivals time to
 first token: under Poisson arrivals through `up` on an H200 (random SmolLM2, 128 target-only
 streams of 128 tokens, bench/serving.py) rounds grown regardless of arrivals gave 2.5x / 3.4x the
-TTFT p50 of rounds of 4 at 20 / 80 requests a second (19.3 / 30.6 ms against 7.7 / 9.1) for no
-more tokens a second (1.00x / 0.92x). So rounds grow only once no request arrived for
-`quiet_seconds` (QUIET_SECONDS by default; 0: regardless of arrivals): a closed batch (every
-request in at once) grows a moment after it starts, a stream of arrivals keeps the base."""
+TTFT p50 of rounds of 4 at 20 / 80 requests a second (19.3 / 30.6 ms against 7.7 / 9.1), and
+0.92x their tokens a second at 80 (at 20 the arrivals set the tokens a second). So rounds grow
+only once no request arrived for `quiet_seconds` (QUIET_SECONDS by default; 0: regardless of
+arrivals): a closed batch (every request in at once) grows a moment after it starts, a stream
+of arrivals keeps the base."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from specsplit.messages import MAX_DECODE_STEPS, VerifyInput
 IDLE_SHARE = 0.1  # the device's idle time between rounds, at most this share of its busy time
 SMOOTHING = 0.2  # each plain round's weight in the running means
 MIN_ROUNDS = 4  # rounds of a batch size measured before its rounds grow
-# no arrival for this long before rounds grow: ~4x a grown round at batch 32 on an H200 (16
+# no arrival for this long before rounds grow: ~5x a grown round at batch 32 on an H200 (16
 # steps of ~1.2 ms); at 20 requests a second rounds then grow ~14% of the time (e^-2)
 QUIET_SECONDS = 0.1
 

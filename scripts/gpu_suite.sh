@@ -657,18 +657,23 @@ for part in "${parts[@]}"; do
           bench/gpu_engine.py --shape smollm2-135m --batch 1 8 16 32 --verify-n --verify-batch \
           --steps 100 --no-hf --decode-ahead --decode-steps 4
       done ;;
-    tiles)  # the small-linear kernels' tensor-core tiles swept at 8 / 16 / 32 rows against the
-      # unfused ops (bench/small_linear_tiles.py, at most $TILES_SECONDS, default 200), then the
-      # engine step in process at batch 8 / 16 / 32: the default path (unfused above 4 rows)
-      # against the small path up to 32 rows on tensor cores with the sweep's best tile
+    tiles)  # the small-linear kernels' tensor-core tiles swept at 8 / 16 / 32 rows against
+      # cuBLAS's GEMM alone (bench/small_linear_tiles.py, each call's weights from HBM, at most
+      # $TILES_SECONDS, default 200), the kernels' GPU tests with the best tile up to 32 rows,
+      # then the engine step in process at batch 8 / 16 / 32: the default path (unfused above
+      # 4 rows) against the small path up to 32 rows on tensor cores with the sweep's best tile
       # (SPECSPLIT_SMALL_LINEAR=1, _DOT_ROWS=32, _DOT_TILES)
       run small_linear_tiles python3 bench/small_linear_tiles.py --max-seconds ${TILES_SECONDS:-200}
       best=$(awk '$1 == "BEST_TILES" && $2 == "all" {print $3}' "$out/small_linear_tiles.txt")
+      echo "== the best tile over all rows: ${best:-none (the built-in 16,128,4,4 below)}"
+      SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} \
+        run tiles_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_small_linear_gpu.py \
+        -k "matches_reference or graph_replay"
       engine=(python3 bench/gpu_engine.py --shape smollm2-135m --batch 8 16 32 --verify-n
         --verify-batch --steps 100 --no-hf --decode-ahead)
       run engine_tiles_default "${engine[@]}"
       SPECSPLIT_SMALL_LINEAR=1 SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 \
-        SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run "engine_tiles_${best:-none}" \
+        SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run engine_tiles_best \
         "${engine[@]}" ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
       # chunk gaps, tokens/s), random SmolLM2, target only, $SERVING_TOKENS (default 128) tokens

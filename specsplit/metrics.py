@@ -36,7 +36,8 @@ ACCEPTED_TOKENS_PER_ROUND = Histogram(
 DECODE_STEPS = Histogram(
     "specsplit_decode_steps",
     "Decode steps a plain round asked for, with --decode-steps-adaptive (grown per batch size"
-    " while the verifier's device idles between rounds)",
+    " while the verifier's device idles between rounds, once no request arrived for"
+    " --decode-steps-quiet-ms)",
     buckets=(1, 2, 4, 8, 12, 16),
 )
 ACCEPTED_DRAFTS = Counter(

@@ -353,7 +353,9 @@ BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_
 def _dot_rows() -> int:
     """$SPECSPLIT_SMALL_LINEAR_DOT_ROWS (a developer's switch, for benches: 16 or 32; default
     16): the most rows on the tensor-core path, 17-32 rows as one 32-row block (decode at batch
-    17-32). Not measured against the unfused layer yet (`scripts/gpu_suite.sh tiles`)."""
+    17-32). The model takes the path past 4 rows only with SPECSPLIT_SMALL_LINEAR=1
+    (specsplit/model/llama.py); there it measured 0.89-1.12x the unfused step at batch 8-32 on
+    an H200, within the spread between processes (`scripts/gpu_suite.sh tiles`)."""
     value = os.environ.get("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", "16")
     if value not in ("16", "32"):
         raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_DOT_ROWS={value!r}: 16 or 32")

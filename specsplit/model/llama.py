@@ -63,7 +63,8 @@ _META = torch.device("meta")
 # missing triton too. `SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=8` (16, 32) moves the broadcast
 # path's limit, and the default path's with it (slower above 4 rows: 1.17 / 2.62 / 8.12 ms a
 # decode step at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15 on an H200);
-# `SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32` lets the tensor-core path take 17-32 rows.
+# with `SPECSPLIT_SMALL_LINEAR=1`, `SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32` lets the tensor-core
+# path take 17-32 rows.
 _SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "auto")
 SMALL_LINEAR = _SMALL_LINEAR_ENV != "0" and importlib.util.find_spec("triton") is not None
 SMALL_LINEAR_ROWS = MAX_ROWS if _SMALL_LINEAR_ENV == "1" else BROADCAST_ROWS

@@ -84,7 +84,8 @@ def run(op: str, inputs: Inputs, reference: bool = False) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# (17 and 32 rows where $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 lets a launch take them)
+# (17 and 32 rows where $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 or _DOT_ROWS=32 lets a
+# launch take them; with $SPECSPLIT_SMALL_LINEAR_DOT_TILES the tensor-core launches take its tiles)
 @pytest.mark.parametrize("num_rows", [1, 4, 9, 16, *(r for r in (17, 32) if r <= sl.MAX_ROWS)])
 @pytest.mark.parametrize("op", list(OPS))
 def test_kernel_matches_reference(op: str, num_rows: int, bias: bool) -> None:

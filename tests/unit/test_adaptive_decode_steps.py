@@ -1,10 +1,12 @@
 """--decode-steps-adaptive (gateway/decode_steps.py): plain rounds stay at the base until a batch
 size's rounds were measured, then grow to the fewest steps that hold the verifier's device idle
-time between rounds to a tenth of its busy time, up to 16; no device time (a CPU) leaves them at
-the base. Through the scheduler the tokens stay the target's, in fewer rounds."""
+time between rounds to a tenth of its busy time, up to 16, once no request arrived for the quiet
+time; no device time (a CPU) leaves them at the base. Through the scheduler the tokens stay the
+target's, in fewer rounds."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.decode_steps import MIN_ROUNDS, QUIET_SECONDS, DecodeSteps, is_plain
+from gateway.request import GenerationRequest
+from gateway.scheduler import Scheduler
 from specsplit import cli, cli_flags, up
+from specsplit.errors import ServiceError
 from specsplit.messages import SpecParams, VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -217,7 +222,7 @@ def test_up_passes_the_quiet_time_to_the_gateway(value: str | None, ms: float) -
     assert cli.parse_args(gateway[3:]).decode_steps_quiet_ms == ms
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e400", "soon"])
 def test_a_quiet_time_below_zero_or_not_a_number_is_refused(value: str) -> None:
     with pytest.raises(SystemExit):
         cli.parse_args(["up", f"--decode-steps-quiet-ms={value}"])
@@ -232,3 +237,49 @@ def test_the_adaptive_switch_reads_auto_from_the_environment(
     monkeypatch.setenv("SPECSPLIT_DECODE_STEPS_ADAPTIVE", value)
     assert cli.parse_args(["up"]).decode_steps_adaptive is parsed
     assert cli.parse_args(["serve-gateway"]).decode_steps_adaptive is parsed
+
+
+def test_the_scheduler_counts_admitted_requests_and_session_turns_as_arrivals(
+    smollm2_tokenizer: object,
+) -> None:
+    """An unstarted scheduler (nothing leaves its queue): a request it queues and a session's
+    turn each hold the rounds at the base for the quiet time; a request refused at once (past
+    --max-waiting) does not."""
+    scheduler = Scheduler(
+        None, None, smollm2_tokenizer, (), SpecParams(), max_waiting=2,  # type: ignore[arg-type]
+        decode_steps=4, adaptive_decode_steps=True,
+    )  # fmt: skip
+    clock = _Clock()
+    policy = scheduler.steps_policy = DecodeSteps(4, quiet_seconds=0.1, clock=clock)
+    _measured(policy, 8, MIN_ROUNDS, steps=4, step=1.0 * MS, idle=1.6 * MS)
+    assert policy.steps(8) == 16
+
+    async def main() -> None:
+        waits = []
+
+        async def queue(request: GenerationRequest) -> None:
+            stream = scheduler.generate(request)
+            queued = len(scheduler.waiting)
+            waits.append(asyncio.ensure_future(anext(stream)))  # type: ignore[arg-type]
+            for _ in range(100):  # a session's turn takes a few steps of the loop to its queue
+                await asyncio.sleep(0)
+                if len(scheduler.waiting) > queued:
+                    return
+            raise AssertionError("the request was not queued")
+
+        await queue(GenerationRequest([1, 2], 4))
+        assert len(scheduler.waiting) == 1 and policy.steps(8) == 4
+        clock.now += 0.2
+        assert policy.steps(8) == 16
+        session = scheduler.sessions.open()
+        await queue(GenerationRequest([3, 4], 4, session_id=session.session_id))
+        assert len(scheduler.waiting) == 2 and policy.steps(8) == 4
+        clock.now += 0.2
+        with pytest.raises(ServiceError, match="waiting"):  # a third: refused, not queued
+            scheduler.generate(GenerationRequest([5, 6], 4))
+        assert policy.steps(8) == 16
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+    asyncio.run(main())

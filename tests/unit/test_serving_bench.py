@@ -50,6 +50,10 @@ def test_a_stream_times_its_first_token_tokens_after_it_and_chunk_gaps() -> None
     assert stream.tpot == pytest.approx(0.5 / 7)  # 7 tokens in the 0.5 s after the first
     assert stream.gaps == pytest.approx([0.2, 0.3])
     assert Stream(sent=0.0, chunks=[(1.0, 1)], token_ids=[5]).tpot is None
+    assert Stream(sent=0.0, chunks=[(1.0, 5)], token_ids=[1, 2, 3, 4, 5]).tpot is None
+    # a first chunk of 3 tokens (a first round that drafted): the 2 after it took 0.4 s
+    first_three = Stream(sent=0.0, chunks=[(1.0, 3), (1.4, 2)], token_ids=[1, 2, 3, 4, 5])
+    assert first_three.tpot == pytest.approx(0.2)
     summary = Summary.of([stream], wall=2.0)
     assert summary.tokens_per_s == 4.0 and summary.requests_per_s == 0.5
     assert summary.tokens_per_chunk == pytest.approx(8 / 3)
@@ -113,7 +117,10 @@ def test_the_load_sends_each_request_at_its_arrival_and_streams_the_targets_toke
     assert [s.token_ids for s in streams] == alone
     assert all(len(s.token_ids) == 12 for s in streams)  # ignore_eos: every stream runs to 12
     first_sent = min(s.sent for s in streams)
+    # the wall time runs from the load's start (the first send) to the last stream's end
+    assert wall == pytest.approx(max(s.ended for s in streams) - first_sent, abs=0.05)
+    assert Summary.of(streams, wall).tokens_per_s == pytest.approx(6 * 12 / wall)
     for stream, delay in zip(streams, delays, strict=True):
         assert stream.sent - first_sent == pytest.approx(delay, abs=0.05)
-        assert stream.ttft > 0 and stream.ended <= first_sent + wall + 0.05
-        assert sum(n for _, n in stream.chunks) == 12
+        assert 0 < stream.ttft <= stream.ended - stream.sent
+        assert sum(n for _, n in stream.chunks) == 12 and len(stream.chunks) >= 2

@@ -1,7 +1,7 @@
 """The small-linear Triton kernels equal their plain-torch references (float32, under the Triton
 interpreter on the CPU): RMSNorm + projection, projection + residual add, RMSNorm + gate/up
 projection + SiLU-and-mul, at 1 to 16 rows (the broadcast path and the tensor-core path; up to
-32 on the broadcast path with its bench switch), with and without bias, N not a multiple of the
+32 on either path with its bench switch), with and without bias, N not a multiple of the
 tile, row-strided inputs; a tiny model's steps through
 `forward_small` equal `forward`'s; when the model takes that path; and the wrappers refuse what
 they cannot run."""
@@ -252,7 +252,8 @@ def test_the_dot_rows_switch(
 @pytest.mark.parametrize(
     ("value", "tiles"),
     [(None, None), ("32,64,8,3", (32, 64, 8, 3)), ("16,256,2,1", (16, 256, 2, 1)),
-     ("12,64,4,2", None), ("16,64", None), ("16,512,4,2", None), ("a,b,c,d", None)],
+     ("12,64,4,2", None), ("16,64", None), ("16,512,4,2", None), ("a,b,c,d", None),
+     ("16,64,3,2", None), ("16,64,4,0", None), ("16,64,4,9", None)],
 )  # fmt: skip
 def test_the_dot_tiles_switch(
     value: str | None, tiles: tuple[int, ...] | None, monkeypatch: pytest.MonkeyPatch
