@@ -120,12 +120,12 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         early_verify: groups send the other group's Verify as soon as its trees are drafted,
         while this group's is in flight (the verifier runs the two back to back: for a drafter
         and a verifier on two GPUs; on one GPU shared by both it measured slower,
-        bench/RESULTS.md); off = each group's Verify
-        goes out in its own round. With "gated" and `early_verify` the overlap gate measures
-        groups with the early Verify ("groups-early") and without it ("groups"): through the
-        services on two H100s it ran 1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped
-        target; with SmolLM2 and its head 0.65x / 0.73x in one run and 1.10x / 1.02x on
-        SmolLM2-shaped random weights in the next (bench/RESULTS.md). ahead_miss: in a
+        bench/RESULTS.md); off = each group's Verify goes out in its own round. With "gated"
+        and `early_verify` the overlap gate measures groups with the early Verify
+        ("groups-early") and without it ("groups"): through the services on two H100s it ran
+        1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped target; with SmolLM2 and its
+        head 0.65x / 0.73x in one run and 1.10x / 1.02x on SmolLM2-shaped random weights in the
+        next (bench/RESULTS.md). ahead_miss: in a
         draft-ahead round, a sequence whose outcome was not guessed is drafted first ("draft"),
         or verified with no tree at once ("plain": a plain decode step while its next round's
         trees are drafted ahead, so that the round holds only the Verify on its path).
