@@ -160,6 +160,7 @@ async def serve(
     decode_steps: int = 1,
     adaptive_decode_steps: bool = False,
     decode_steps_quiet_s: float = QUIET_SECONDS,
+    prefill_rounds_one_step: bool = False,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:
@@ -183,7 +184,8 @@ async def serve(
     speculation_gate: draft only while it pays, measured (gateway/gate.py). decode_steps: the
     tokens a plain round decodes in one Verify (adaptive_decode_steps: grown from it where the
     verifier's device idles between rounds, once no request arrived for
-    `decode_steps_quiet_s`: gateway/decode_steps.py). early_verify: groups
+    `decode_steps_quiet_s`: gateway/decode_steps.py; prefill_rounds_one_step: one step in a
+    round that starts a sequence). early_verify: groups
     send the other group's Verify while one is in flight (Scheduler)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
@@ -221,6 +223,7 @@ async def serve(
         decode_steps=decode_steps,
         adaptive_decode_steps=adaptive_decode_steps,
         decode_steps_quiet_s=decode_steps_quiet_s,
+        prefill_rounds_one_step=prefill_rounds_one_step,
         early_verify=early_verify,
     )
     if scheduler.gate is not None:

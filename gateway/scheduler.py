@@ -90,6 +90,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         decode_steps: int = 1,
         adaptive_decode_steps: bool = False,
         decode_steps_quiet_s: float = QUIET_SECONDS,
+        prefill_rounds_one_step: bool = False,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
         verify_ahead: bool = True,
@@ -116,11 +117,14 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         decode_steps: a plain round (no tree, no target features) decodes up to this many
         tokens in one Verify (VerifyInput.decode_steps); adaptive_decode_steps: serial plain
         rounds grow from it, per batch size, while the verifier's device idles between rounds,
-        once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py).
-        early_verify: groups send the other group's Verify as soon as its trees are drafted,
-        while this group's is in flight (the verifier runs the two back to back: for a drafter
-        and a verifier on two GPUs; on one GPU shared by both it measured slower,
-        bench/RESULTS.md); off = each group's Verify goes out in its own round. With "gated"
+        once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py);
+        prefill_rounds_one_step: a round that starts a sequence (its prefill) decodes one step
+        for every sequence in it, so the new one's first token streams after that step, not
+        after the others' further steps. early_verify: groups send the other group's Verify
+        as soon as its trees are drafted, while this group's is in flight (the verifier runs
+        the two back to back: for a drafter and a verifier on two GPUs; on one GPU shared by
+        both it measured slower, bench/RESULTS.md); off = each group's Verify goes out in its
+        own round. With "gated"
         and `early_verify` the overlap gate measures groups with the early Verify
         ("groups-early") and without it ("groups"): through the services on two H100s it ran
         1.25x / 1.38x groups at batch 8 / 32 with an 8B-shaped target; with SmolLM2 and its
@@ -198,6 +202,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
             else None
         )
         self._plain_round: tuple[int, int] | None = None  # (batch size, steps) of a plain round
+        self.prefill_rounds_one_step = prefill_rounds_one_step
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
@@ -433,6 +438,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
     def _verify_inputs(self, batch: list[Sequence], trees: list[DraftTree]) -> list[VerifyInput]:
         policy = self.steps_policy
         steps = self.decode_steps if policy is None else policy.steps(len(batch))
+        if self.prefill_rounds_one_step and any(not seq.verifier_begun for seq in batch):
+            steps = 1  # the new sequences' first tokens: after this step, not the others' last
         inputs = [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
         if policy is not None and all(is_plain(item) for item in inputs):  # what it learns from
             metrics.observe_decode_steps(steps)

@@ -680,7 +680,7 @@ for part in "${parts[@]}"; do
       # a stream past EOS, $SERVING_RATES requests a second (default 20 80 inf),
       # $SERVING_REQUESTS (default 128);
       # `up`'s defaults (adaptive rounds on a GPU) against rounds of 4 ($SERVING_SETUPS: more,
-      # NAME=FLAG each, space-separated)
+      # NAME=FLAG each, space-separated, e.g. prefill1=--prefill-rounds-one-step)
       random_smollm2
       setups=(--setup default= --setup steps4=--decode-steps=4)
       for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done

@@ -392,6 +392,13 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " 0 = regardless of arrivals"
     )
     flag(parser, "--decode-steps-quiet-ms", DECODE_STEPS_QUIET_MS, quiet_help, type=milliseconds)
+    prefill_help = (
+        "a round that starts a request (its prefill) decodes one step for every request in it,"
+        " so the new request's first token streams after that step, not after the others'"
+        " further decode steps (--decode-steps); costs the others a round trip. Off until"
+        " measured (bench/serving.py: time to first token against tokens a second)"
+    )
+    switch(parser, "--prefill-rounds-one-step", False, prefill_help)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:
