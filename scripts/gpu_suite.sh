@@ -681,13 +681,16 @@ for part in "${parts[@]}"; do
       # $SERVING_REQUESTS (default 128);
       # `up`'s defaults (adaptive rounds on a GPU) against rounds of 4 ($SERVING_SETUPS: more,
       # NAME=FLAG each, space-separated, e.g. prefill1=--prefill-rounds-one-step)
-      random_smollm2
+      # $SERVING_MODEL: another checkpoint (e.g. "$SMOLLM2_GGUF": real weights, the shipped
+      # head's real acceptance), $SERVING_SPEC: the requests' draft shape(s) (target default)
+      [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
       setups=(--setup default= --setup steps4=--decode-steps=4)
       for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done
-      run serving python3 bench/serving.py --model /tmp/smollm2_random "${devices[@]}" \
-        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --ignore-eos \
-        --max-new-tokens ${SERVING_TOKENS:-128} --num-requests ${SERVING_REQUESTS:-128} \
-        --rate ${SERVING_RATES:-20 80 inf} "${setups[@]}" ;;
+      run serving python3 bench/serving.py --model "${SERVING_MODEL:-/tmp/smollm2_random}" \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
+        --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
+        --spec ${SERVING_SPEC:-target} "${setups[@]}" ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;
