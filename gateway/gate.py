@@ -20,7 +20,9 @@ first two rounds after a prefill (the prefill, then the drafter's catch-up of it
   after another has chosen starts from the nearest one's measurements and choice instead, and
   one still exploring when another chooses takes that choice (exploring is left to the first);
 - then the mode with more committed tokens per second of round (running sums over the last
-  WINDOW measured rounds of each mode; speculation must beat plain by SPEC_MARGIN) runs;
+  WINDOW measured rounds of each mode less the slowest of them: the first rounds of a mode may
+  build kernels or capture graphs, a stall that is not the mode's speed; speculation must beat
+  plain by SPEC_MARGIN) runs;
 - after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
   anew: acceptance changes with the prompts, the round times with the batch. Each probe that
   confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
@@ -83,10 +85,14 @@ class _Bucket:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
     def rate(self, mode: int) -> float | None:
-        """Committed tokens per second of round over the window, None until it is full."""
-        rounds = self.rounds[mode]
+        """Committed tokens per second of round over the window less its slowest round (a
+        one-off stall, as a kernel built or a graph captured on a mode's first use, or a
+        collection, does not decide), None until it is full."""
+        rounds = list(self.rounds[mode])
         if len(rounds) < self.window:
             return None
+        if len(rounds) > 2:
+            rounds.remove(max(rounds, key=lambda r: r[1]))
         return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
 
 

@@ -4,6 +4,8 @@ probe the other mode now and then, ignore the round after a switch."""
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.gate import SETTLE, SpeculationGate
 
 
@@ -198,3 +200,22 @@ def test_a_new_bucket_takes_the_nearest_probe_cost() -> None:
     _probe_with_resume(gate, resume_seconds=0.2)  # ~0.2 s: the next waits ~2 s
     modes = _run(gate, 100, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=2)
     assert modes == [False] * 100  # 0.2 s of rounds: far from 2 s, though past probe_every
+
+
+def test_one_stalled_round_does_not_decide_the_choice() -> None:
+    """Speculation explored first pays (3 tokens in 4 ms against 1 in 3 ms), but its first
+    measured round stalls for a second (a kernel built on first use): the window's slowest
+    round is left out, so speculation is still chosen; two stalled rounds would decide."""
+    gate = SpeculationGate(window=4, probe_every=100)
+    gate.observe(1, True, 3, 1.0)  # the stall
+    _run(gate, 3, spec=(3, 4e-3), plain=(1, 3e-3))
+    modes = _run(gate, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 3e-3))
+    assert modes[: 4 + SETTLE] == [False] * (4 + SETTLE) and modes[4 + SETTLE :] == [True] * 5
+    assert gate.rates(1)[0] == pytest.approx(9 / 12e-3)  # the three rounds of 4 ms
+
+    stalled_twice = SpeculationGate(window=4, probe_every=100)
+    for _ in range(2):
+        stalled_twice.observe(1, True, 3, 1.0)
+    _run(stalled_twice, 2, spec=(3, 4e-3), plain=(1, 3e-3))
+    modes = _run(stalled_twice, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 3e-3))
+    assert modes[4 + SETTLE :] == [False] * 5
