@@ -13,12 +13,15 @@ Each --setup is one `up` with more flags (`NAME=FLAGS`, the flags space-separate
 defaults, and rounds of 4 fixed decode steps beside them), all run on one schedule of arrivals
 (--seed) with the same prompts (the bundled chat prompts, cycled), so the rows compare the
 setups. Before its timed runs each `up` serves the first rate's schedule once untimed (its
-adaptive policies measure their batch sizes then, as a long-running server's have). --spec:
+adaptive policies measure their batch sizes then, as a long-running server's have). --ups N runs
+each setup's `up` N times, the setups in turn (A B A B ...), and reports each figure's median
+over them, each `up`'s tokens a second beside it: one `up` can run tens of percent faster than
+the next on a shared machine. --spec:
 each request's draft shape, `target` (target only, no drafts) or `default` (the gateway's).
 
     PYTHONPATH=. python bench/serving.py [--model PATH] [--device cuda:0] [--drafter-device ...]
         [--rate 4 16 inf] [--num-requests 64] [--max-new-tokens 128] [--ignore-eos]
-        [--spec target default] [--setup default= --setup steps4=--decode-steps=4]
+        [--spec target default] [--setup default= --setup steps4=--decode-steps=4] [--ups 3]
 
 Every stream must end with its tokens (a failed stream fails the run); how many streams gave
 the first setup's tokens is printed beside each row (greedy: a batch's makeup may part tokens
@@ -33,6 +36,7 @@ import itertools
 import math
 import random
 import shlex
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -142,6 +146,22 @@ class Summary:
     tokens_per_chunk: float
 
     @classmethod
+    def median(cls, summaries: Sequence[Summary]) -> Summary:
+        """Each figure's median over `summaries` (several `up`s of one setup)."""
+
+        def each(values: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+            return tuple(statistics.median(column) for column in zip(*values, strict=True))
+
+        return cls(
+            tokens_per_s=statistics.median(s.tokens_per_s for s in summaries),
+            requests_per_s=statistics.median(s.requests_per_s for s in summaries),
+            ttft=each([s.ttft for s in summaries]),
+            tpot=each([s.tpot for s in summaries]),
+            gap=each([s.gap for s in summaries]),
+            tokens_per_chunk=statistics.median(s.tokens_per_chunk for s in summaries),
+        )
+
+    @classmethod
     def of(cls, streams: Sequence[Stream], wall: float) -> Summary:
         num_tokens = sum(len(s.token_ids) for s in streams)
         tpots = [t for s in streams if (t := s.tpot) is not None]
@@ -181,12 +201,24 @@ def ms(values: tuple[float, ...]) -> str:
     return " / ".join(f"{v * 1e3:.1f}" for v in values)
 
 
+def up_order(names: Sequence[str], ups: int) -> list[str]:
+    """The setups' `up`s in turn, `ups` rounds of them (A B A B ...): a machine's drift between
+    `up`s falls on every setup alike."""
+    return [name for _ in range(ups) for name in names]
+
+
 def report(
     args: argparse.Namespace,
     spec: str,
     rate: float,
-    rows: dict[str, tuple[Summary, list[list[int]]]],
+    per_up: dict[str, list[tuple[Summary, list[list[int]]]]],
 ) -> None:
+    """One workload's table: each setup's median over its `up`s (each `up`'s tokens/s beside it
+    when there were several), its streams' tokens against the first setup's first `up`."""
+    rows = {
+        name: (Summary.median([s for s, _ in results]), results[0][1])
+        for name, results in per_up.items()
+    }
     first_name = next(iter(rows))
     base, reference = rows[first_name]
     flags = " ".join(f"--{k.replace('_', '-')}={v}" for k, v in (("spec", spec), ("rate", rate)))
@@ -199,18 +231,22 @@ def report(
     print(
         f"\n{flags}: {args.num_requests} requests, {args.max_new_tokens} new tokens at most{eos}"
         f", arrivals seed {args.seed}, {offered}; vs = against {first_name}"
+        + (f"; medians over {args.ups} `up`s a setup, in turn" if args.ups > 1 else "")
     )
     print(
         "| setup | tok/s (vs) | req/s | TTFT p50 / p90 / p99 ms (p50 vs) | TPOT p50 / p90 / p99 ms"
-        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | streams as the first setup's |"
+        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | streams as the first setup's"
+        " | tok/s each up |"
     )
-    print("|---|---:|---:|---|---|---|---:|---:|")
+    print("|---|---:|---:|---|---|---|---:|---:|---|")
     for name, (s, outputs) in rows.items():
         same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+        each_up = ", ".join(f"{u.tokens_per_s:.0f}" for u, _ in per_up[name])
         print(
             f"| {name} | {s.tokens_per_s:.0f} ({s.tokens_per_s / base.tokens_per_s:.2f}x)"
             f" | {s.requests_per_s:.2f} | {ms(s.ttft)} ({s.ttft[0] / base.ttft[0]:.2f}x)"
-            f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f} | {same}/{len(outputs)} |"
+            f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f} | {same}/{len(outputs)}"
+            f" | {each_up} |"
         )
 
 
@@ -257,6 +293,9 @@ def main() -> None:
         + " ".join(DEFAULT_SETUPS)
         + ")",
     )
+    parser.add_argument(
+        "--ups", type=int, default=1, help="`up`s a setup, in turn (medians reported)"
+    )
     parser.add_argument("--services-log", default=None, help="append the services' output here")
     args = parser.parse_args()
     args.speculation_gate = "off"
@@ -270,13 +309,16 @@ def main() -> None:
         for rate in args.rate
         for delays in [arrivals(args.num_requests, rate, args.seed)]
     ]
-    by_setup = {}
-    for name, flags in setups:
-        with services(args, flags) as sync_stub:
+    flags_of = dict(setups)
+    # setup -> per `up`: per workload (Summary, tokens)
+    by_setup: dict[str, list[list[tuple[Summary, list[list[int]]]]]] = {n: [] for n in flags_of}
+    for name in up_order(list(flags_of), args.ups):
+        with services(args, flags_of[name]) as sync_stub:
             wait_for_drafter(sync_stub, prompts[0])
-            by_setup[name] = asyncio.run(serve_setup(args, workloads))
+            by_setup[name].append(asyncio.run(serve_setup(args, workloads)))
     for i, (spec, rate, _, _) in enumerate(workloads):
-        report(args, spec, rate, {name: results[i] for name, results in by_setup.items()})
+        per_up = {name: [up[i] for up in ups] for name, ups in by_setup.items()}
+        report(args, spec, rate, per_up)
 
 
 if __name__ == "__main__":

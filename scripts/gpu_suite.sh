@@ -682,7 +682,8 @@ for part in "${parts[@]}"; do
       # `up`'s defaults (adaptive rounds on a GPU) against rounds of 4 ($SERVING_SETUPS: more,
       # NAME=FLAG each, space-separated, e.g. prefill1=--prefill-rounds-one-step)
       # $SERVING_MODEL: another checkpoint (e.g. "$SMOLLM2_GGUF": real weights, the shipped
-      # head's real acceptance), $SERVING_SPEC: the requests' draft shape(s) (target default)
+      # head's real acceptance), $SERVING_SPEC: the requests' draft shape(s) (target default),
+      # $SERVING_UPS: `up`s a setup, in turn (medians; default 1)
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
       setups=(--setup default= --setup steps4=--decode-steps=4)
       for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done
@@ -690,7 +691,7 @@ for part in "${parts[@]}"; do
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
         --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
         --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
-        --spec ${SERVING_SPEC:-target} "${setups[@]}" ;;
+        --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

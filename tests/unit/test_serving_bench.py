@@ -15,7 +15,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.serving import Stream, Summary, arrivals, parse_setup, quantiles, run_load
+from bench.serving import (
+    Stream,
+    Summary,
+    arrivals,
+    parse_setup,
+    quantiles,
+    report,
+    run_load,
+    up_order,
+)
 from gateway.request import ModelInfo
 from gateway.servicer import GatewayServicer
 from specsplit.messages import SpecParams
@@ -58,6 +67,29 @@ def test_a_stream_times_its_first_token_tokens_after_it_and_chunk_gaps() -> None
     assert summary.tokens_per_s == 4.0 and summary.requests_per_s == 0.5
     assert summary.tokens_per_chunk == pytest.approx(8 / 3)
     assert summary.ttft == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_setups_take_turns_and_report_medians_over_their_ups(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert up_order(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
+
+    def summary(tokens_per_s: float, ttft: float) -> Summary:
+        return Summary(tokens_per_s, 1.0, (ttft, 2 * ttft, 3 * ttft), (1.0,) * 3, (2.0,) * 3, 4.0)
+
+    ups = [summary(100.0, 0.010), summary(300.0, 0.030), summary(200.0, 0.020)]
+    median = Summary.median(ups)
+    assert median.tokens_per_s == 200.0 and median.ttft == pytest.approx((0.02, 0.04, 0.06))
+    args = argparse.Namespace(ignore_eos=True, max_new_tokens=8, num_requests=1, seed=0, ups=3)
+    tokens = [[1, 2]]
+    report(args, "target", math.inf, {
+        "a": [(u, tokens) for u in ups],
+        "b": [(summary(400.0, 0.010), tokens)] * 3,
+    })  # fmt: skip
+    out = capsys.readouterr().out
+    assert "medians over 3 `up`s a setup" in out
+    assert "| a | 200 (1.00x) |" in out and "| 100, 300, 200 |" in out
+    assert "| b | 400 (2.00x) |" in out and "20.0 / 40.0 / 60.0 (1.00x)" in out
 
 
 def test_a_setup_is_a_name_and_up_flags() -> None:
