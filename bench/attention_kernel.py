@@ -20,7 +20,7 @@ import argparse
 import contextlib
 import json
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ def make_layers(
     return layers, kv_bytes
 
 
-def time_in_graph(calls: list[Callable[[], Any]], replays: int) -> float:
+def time_in_graph(calls: Sequence[Callable[[], Any]], replays: int) -> float:
     """Median microseconds per call over `replays` replays of one graph of all `calls`."""
     for call in calls:  # compile, warm the allocator
         call()

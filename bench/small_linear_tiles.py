@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.attention_kernel import time_in_graph
 from specsplit.kernels import small_linear as sl
 
 HIDDEN, INTER, EPS = 576, 1536, 1e-5
@@ -97,32 +97,6 @@ OPS: dict[str, Op] = {
 }
 
 
-def graph_us(calls: Sequence[Callable[[], torch.Tensor]], replays: int) -> float:
-    """Microseconds a call, `calls` captured one after another in one CUDA graph: the median
-    replay over `replays` (after warm-up), / len(calls)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,8 +128,8 @@ def main() -> None:
             bound = [kernel_args(copy) for copy in copies]
             want = reference(*bound[0])
             baselines[(num_rows, name)] = (
-                graph_us([functools.partial(reference, *b) for b in bound], args.replays),
-                graph_us(
+                time_in_graph([functools.partial(reference, *b) for b in bound], args.replays),
+                time_in_graph(
                     [functools.partial(F.linear, *gemm_args(copy)) for copy in copies], args.replays
                 ),
             )
@@ -168,7 +142,7 @@ def main() -> None:
                     got = kernel(*bound[0])
                     torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
                     calls = [functools.partial(kernel, *b) for b in bound]
-                    results[tile] = graph_us(calls, args.replays)
+                    results[tile] = time_in_graph(calls, args.replays)
                 except Exception as e:  # a tile that does not build or fit: reported, skipped
                     print(f"  {name}, {num_rows} rows, tile {tile}: {type(e).__name__}: {e}")
     sl.DOT_TILES = None

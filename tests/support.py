@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -14,6 +17,7 @@ from gateway.clients import DrafterClient, VerifierClient
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
 from gateway.scheduler import Scheduler
+from gateway.servicer import GatewayServicer
 from inprocess.stack import LocalStack, build_local_stack, token_ids
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import SeqKV
@@ -29,6 +33,7 @@ from specsplit.messages import (
 )
 from specsplit.sampling import SamplingParams
 from specsplit.step import SeqStep
+from specsplit.v1 import gateway_pb2_grpc
 
 TINY_VOCAB = 512
 
@@ -101,6 +106,26 @@ def make_stack(
         decode_steps=decode_steps,
         early_verify=early_verify,
     )
+
+
+@contextlib.asynccontextmanager
+async def gateway_stub(
+    stack: LocalStack, servicer: GatewayServicer
+) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+    """The gateway's real gRPC servicer on a loopback port over the stack's scheduler
+    (started), and a stub to it; everything stopped and closed after."""
+    server = grpc.aio.server()
+    servicer.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await stack.scheduler.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield gateway_pb2_grpc.GatewayStub(channel)
+    finally:
+        await stack.scheduler.stop()
+        await server.stop(0)
+        servicer.close()
 
 
 def check_no_leaks(stack: LocalStack) -> None:

@@ -331,6 +331,15 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
+def _rows_switch(name: str, default: str, allowed: tuple[str, ...]) -> int:
+    """$name's row count, one of `allowed` (default `default`); anything else stops the
+    process."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise SystemExit(f"{name}={value!r}: one of {', '.join(allowed)}")
+    return int(value)
+
+
 def _broadcast_rows() -> int:
     """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS (a developer's switch, for benches: 1, 2, 4, 8, 16
     or 32; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16
@@ -339,12 +348,9 @@ def _broadcast_rows() -> int:
     four times as many). Above 4 rows it loses to the unfused layer (H200, SmolLM2 decode step
     in process: 1.17 / 2.62 / 8.12 ms at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15 ms;
     bench/RESULTS.md, fiftieth session), so 4 stays the default."""
-    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", "4")
-    if value not in ("1", "2", "4", "8", "16", "32"):
-        raise SystemExit(
-            f"SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS={value!r}: one of 1, 2, 4, 8, 16, 32"
-        )
-    return int(value)
+    return _rows_switch(
+        "SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", "4", ("1", "2", "4", "8", "16", "32")
+    )
 
 
 BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_M 16 or 32)
@@ -356,10 +362,7 @@ def _dot_rows() -> int:
     17-32). The model takes the path past 4 rows only with SPECSPLIT_SMALL_LINEAR=1
     (specsplit/model/llama.py); there it measured 0.89-1.12x the unfused step at batch 8-32 on
     an H200, within the spread between processes (`scripts/gpu_suite.sh tiles`)."""
-    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", "16")
-    if value not in ("16", "32"):
-        raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_DOT_ROWS={value!r}: 16 or 32")
-    return int(value)
+    return _rows_switch("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", "16", ("16", "32"))
 
 
 DOT_ROWS = _dot_rows()  # the tensor-core path's largest row block (BLOCK_M)

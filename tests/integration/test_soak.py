@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import pytest
 
 from bench.soak import make_plan, references, soak
@@ -19,8 +18,8 @@ from gateway.servicer import GatewayServicer
 from inprocess.clients import LocalDrafterClient
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
-from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support import TINY_VOCAB, check_no_leaks, make_stack, save_tiny_llama
+from specsplit.v1 import gateway_pb2
+from tests.support import TINY_VOCAB, check_no_leaks, gateway_stub, make_stack, save_tiny_llama
 
 NUM_STREAMS = 64
 MAX_NEW_TOKENS = 48
@@ -92,29 +91,18 @@ def test_soak_64_streams_cancellations_bad_requests_and_a_drafter_kill(
         }
 
     async def main() -> None:
-        server = grpc.aio.server()
-        servicer.register(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await stack.scheduler.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GatewayStub(channel)
-                expected = await references(stub, _prompts())
-                report = await soak(
-                    stub,
-                    _prompts(),
-                    expected,
-                    plan,
-                    kill_drafter=lambda: drafter.kill(DRAFTER_DOWN_S),
-                    pages_used=pages_used,
-                    timeout_s=60,
-                    settle_s=5,
-                )
-        finally:
-            await stack.scheduler.stop()
-            await server.stop(0)
-            servicer.close()
+        async with gateway_stub(stack, servicer) as stub:
+            expected = await references(stub, _prompts())
+            report = await soak(
+                stub,
+                _prompts(),
+                expected,
+                plan,
+                kill_drafter=lambda: drafter.kill(DRAFTER_DOWN_S),
+                pages_used=pages_used,
+                timeout_s=60,
+                settle_s=5,
+            )
         print(report.table())
         assert report.failures() == []
         kinds = [p.kind for p in plan]

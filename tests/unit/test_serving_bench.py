@@ -12,7 +12,6 @@ import math
 import statistics
 from pathlib import Path
 
-import grpc
 import pytest
 
 from bench.serving import (
@@ -28,8 +27,8 @@ from bench.serving import (
 from gateway.request import ModelInfo
 from gateway.servicer import GatewayServicer
 from specsplit.messages import SpecParams
-from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support import TINY_VOCAB, check_no_leaks, make_stack, save_tiny_llama
+from specsplit.v1 import gateway_pb2
+from tests.support import TINY_VOCAB, check_no_leaks, gateway_stub, make_stack, save_tiny_llama
 
 
 def test_arrivals_are_a_seeded_poisson_process_starting_at_zero() -> None:
@@ -125,24 +124,13 @@ def test_the_load_sends_each_request_at_its_arrival_and_streams_the_targets_toke
     delays = arrivals(len(requests), rate=40.0, seed=1)
 
     async def main() -> tuple[list[Stream], float, list[list[int]]]:
-        server = grpc.aio.server()
-        servicer.register(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await stack.scheduler.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GatewayStub(channel)
-                alone = []
-                for request in requests:  # one at a time: each prompt's tokens alone
-                    streams, _ = await run_load(stub, [request], [0.0])
-                    alone.append(streams[0].token_ids)
-                streams, wall = await run_load(stub, requests, delays)
-                return streams, wall, alone
-        finally:
-            await stack.scheduler.stop()
-            await server.stop(0)
-            servicer.close()
+        async with gateway_stub(stack, servicer) as stub:
+            alone = []
+            for request in requests:  # one at a time: each prompt's tokens alone
+                streams, _ = await run_load(stub, [request], [0.0])
+                alone.append(streams[0].token_ids)
+            streams, wall = await run_load(stub, requests, delays)
+            return streams, wall, alone
 
     streams, wall, alone = asyncio.run(main())
     check_no_leaks(stack)

@@ -233,22 +233,6 @@ def assert_op_matches_reference(op: str, num_rows: int) -> None:
     assert_matches_reference(op, make_case(num_rows, 80, 100, True, gate_up=OPS[op][3]))
 
 
-@pytest.mark.parametrize(("value", "rows"), [(None, 16), ("32", 32), ("8", None), ("64", None)])
-def test_the_dot_rows_switch(
-    value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Default 16; 32 allowed (one 32-row block); anything else stops the process."""
-    if value is None:
-        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", raising=False)
-    else:
-        monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", value)
-    if rows is None:
-        with pytest.raises(SystemExit, match="DOT_ROWS"):
-            small_linear._dot_rows()
-    else:
-        assert small_linear._dot_rows() == rows
-
-
 @pytest.mark.parametrize(
     ("value", "tiles"),
     [(None, None), ("32,64,8,3", (32, 64, 8, 3)), ("16,256,2,1", (16, 256, 2, 1)),
@@ -276,21 +260,31 @@ def test_the_dot_tiles_switch(
 
 
 @pytest.mark.parametrize(
-    ("value", "rows"), [(None, 4), ("8", 8), ("32", 32), ("3", None), ("64", None)]
-)
-def test_the_broadcast_rows_switch(
-    value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
+    ("switch", "value", "rows"),
+    [
+        # broadcast: default 4; a power of two up to 32 (BLOCK_M is one)
+        *[("BROADCAST_ROWS", v, r) for v, r in
+          [(None, 4), ("8", 8), ("32", 32), ("3", None), ("64", None)]],
+        # tensor cores: default 16; 32 allowed (one 32-row block)
+        *[("DOT_ROWS", v, r) for v, r in [(None, 16), ("32", 32), ("8", None), ("64", None)]],
+    ],
+)  # fmt: skip
+def test_the_rows_switches(
+    switch: str, value: str | None, rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Default 4; a power of two up to 32 (BLOCK_M is one); anything else stops the process."""
+    """$SPECSPLIT_SMALL_LINEAR_<switch>: its default unset, the values it allows as asked,
+    anything else stops the process."""
+    read = {"BROADCAST_ROWS": small_linear._broadcast_rows, "DOT_ROWS": small_linear._dot_rows}
+    name = f"SPECSPLIT_SMALL_LINEAR_{switch}"
     if value is None:
-        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS", value)
+        monkeypatch.setenv(name, value)
     if rows is None:
-        with pytest.raises(SystemExit, match="BROADCAST_ROWS"):
-            small_linear._broadcast_rows()
+        with pytest.raises(SystemExit, match=switch):
+            read[switch]()
     else:
-        assert small_linear._broadcast_rows() == rows
+        assert read[switch]() == rows
 
 
 def test_rows_past_both_paths_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
