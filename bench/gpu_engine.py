@@ -71,6 +71,18 @@ SHAPES = {
 }
 
 
+def random_model(shape: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """HF's model of `shape` with random weights (seed 0), bf16 on the GPU (float32 on the CPU),
+    and our config of it."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rms_norm_eps=1e-5)
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_config).to(dtype).eval()
+    return hf, ModelConfig.from_hf(hf_config)
+
+
 def median_ms(fn: Callable[[], object], steps: int, warmup: int = 3) -> float:
     """Median wall time of fn() in ms; fn must end synchronised with the device."""
     for _ in range(warmup):
@@ -137,11 +149,12 @@ class EngineBench:
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
 
-    def open(self, batch: int) -> dict[str, tuple[int, int]]:
-        """`batch` sequences prefilled to the context; seq id -> (kv_committed_len, pending)."""
+    def open(self, batch: int, prefix: str = "s") -> dict[str, tuple[int, int]]:
+        """`batch` sequences prefilled to the context, named `prefix` + index; seq id ->
+        (kv_committed_len, pending)."""
         state = {}
         for b in range(batch):
-            seq_id = f"s{b}"
+            seq_id = f"{prefix}{b}"
             out = self.engine.verify(
                 [VerifyInput(seq_id, True, 0, self._tokens(self.context), DraftTree())]
             )[0]
@@ -310,13 +323,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    hf_config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, rms_norm_eps=1e-5)
-    with torch.device(device):
-        hf = LlamaForCausalLM(hf_config).to(dtype).eval()
-    config = ModelConfig.from_hf(hf_config)
+    hf, config = random_model(args.shape)
+    hf_config, device, dtype = hf.config, hf.device, hf.dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     if hf_config.tie_word_embeddings:
         weight_bytes += hf.lm_head.weight.numel() * hf.lm_head.weight.element_size()  # read twice

@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles]
+#       [tiles] [pdl]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -675,6 +675,19 @@ for part in "${parts[@]}"; do
       SPECSPLIT_SMALL_LINEAR=1 SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 \
         SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run engine_tiles_best \
         "${engine[@]}" ;;
+    pdl)  # programmatic dependent launch (SPECSPLIT_PDL=1, triton_jit.pdl): its GPU tests (bit
+      # for bit the launches without it) and the small-linear and attention kernels' tests with
+      # it on, then the engine's decode step in one process (bench/step_ab.py, random SmolLM2,
+      # batch $PDL_BATCHES, default 1 8 16 32) with the switches alternating: the default, PDL
+      # with and without the L2 prefetch, the small path to 32 rows on tensor cores without and
+      # with PDL ($PDL_VARIANTS replaces the list)
+      run pdl_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py
+      SPECSPLIT_PDL=1 run pdl_kernel_tests python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_small_linear_gpu.py tests/gpu/test_paged_attention_gpu.py
+      read -ra variants <<<"${PDL_VARIANTS:-base= pdl=pdl=1 pdl-wait=pdl=1,prefetch=0 \
+        small32=rows=32 small32-pdl=rows=32,pdl=1 small32-pdl-tiles=rows=32,pdl=1,tiles=32/64/4/4}"
+      run step_ab python3 bench/step_ab.py --shape smollm2-135m --batch ${PDL_BATCHES:-1 8 16 32} \
+        "${variants[@]/#/--variant=}" --reps ${PDL_REPS:-5} --steps 20 --decode-steps 4 ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
       # chunk gaps, tokens/s), random SmolLM2, target only, $SERVING_TOKENS (default 128) tokens
       # a stream past EOS, $SERVING_RATES requests a second (default 20 80 inf),

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
@@ -175,7 +175,11 @@ def _paged_attention_kernel(
     HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # write partials for _merge_splits_kernel instead of out
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
 ):
+    if PDL:  # every program waits for the kernel before (q, this step's K/V, the lengths)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
     kv_head = tl.program_id(1)
@@ -296,9 +300,13 @@ def _merge_splits_kernel(
     stride_o_h,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
 ):
     """One (token, head) row of out from its num_splits partials. A split that saw no key (max
     -inf) weighs 0; a row that saw none at all gets 0, as in the single pass."""
+    if PDL:  # every program waits for the attention kernel's partials
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.load(cu_seqlens_q_ptr)
@@ -467,6 +475,8 @@ def paged_attention(
         partial_o = partial_m = partial_l = out  # never written
 
     attention_kernel, merge_kernel = _jitted_kernels(interpret)
+    dependent = pdl(q.device)
+    launch = {"launch_pdl": True} if dependent else {}
     grid = (num_seqs * num_q_blocks, num_kv_heads, num_splits)
     attention_kernel[grid](
         q, k_cache, v_cache, out, partial_o, partial_m, partial_l,
@@ -480,15 +490,15 @@ def paged_attention(
         *tm_strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
-        DOT_PRECISION=dot_precision, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision, SPLIT=split, PDL=dependent,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if split:
         merge_kernel[(num_tokens, num_heads)](
             out, partial_o, partial_m, partial_l, cu_seqlens_q,
             num_seqs, num_splits, num_tokens, num_heads, out.stride(0), out.stride(1),
-            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=1 if interpret or head_dim <= 64 else 2,
+            BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim, PDL=dependent,
+            num_warps=1 if interpret or head_dim <= 64 else 2, **launch,
         )  # fmt: skip
     return out
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels.rope_store import rope_store_reference
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
 from specsplit.model.fused import rms_norm_reference
 from specsplit.model.linear import linear
 
@@ -167,6 +167,10 @@ def _small_linear_kernel(
     USE_DOT: tl.constexpr,  # tensor cores (BLOCK_M 16 or 32), else a broadcast multiply
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the tensor-core K loop's software pipelining
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
+    PREFETCH_LINES: tl.constexpr,  # PDL: > 0 prefetches the weight rows to L2 before the wait,
+    # in lines of LINE_ELEMS elements (128 bytes), PREFETCH_LINES (a power of two) a row
+    LINE_ELEMS: tl.constexpr,
 ):
     act = x_ptr.dtype.element_ty  # the activation dtype: each op's result is rounded to it
     rows = tl.arange(0, BLOCK_M)
@@ -176,6 +180,22 @@ def _small_linear_kernel(
         cols = pairs // (HEAD_DIM // 2) * HEAD_DIM + pairs % (HEAD_DIM // 2)
     else:
         cols = pairs
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start (and prefetch)
+        if PREFETCH_LINES > 0:  # the weights are constant: read to L2 while the kernel
+            # before still runs, one address a 128-byte line of this program's rows (clamped)
+            lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
+            w_rows = weight_ptr + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * K + lines
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; // $0", "=r,l", [w_rows], dtype=tl.int32,
+                is_pure=False, pack=1,
+            )  # fmt: skip
+            if TWO_SETS:
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; // $0", "=r,l", [w_rows + SECOND * K],
+                    dtype=tl.int32, is_pure=False, pack=1,
+                )  # fmt: skip
+        tl.extra.cuda.gdc_wait()  # the kernel before finished: x, the residual, the cache
     out_ok = (rows < num_rows)[:, None] & col_ok[None, :]  # [BLOCK_M, BLOCK_N]
     # the epilogue's inputs, loaded first: their latency hides behind the weights'
     bias = tl.full([1, BLOCK_N], 0.0, dtype=tl.float32)
@@ -419,6 +439,10 @@ def _dot_tiles() -> tuple[int, int, int, int] | None:
 
 
 DOT_TILES = _dot_tiles()
+# with programmatic dependent launch (triton_jit.pdl): prefetch each program's weight rows to L2
+# before waiting for the kernel before ($SPECSPLIT_SMALL_LINEAR_PREFETCH=0: wait first, a bench's
+# switch)
+PREFETCH = os.environ.get("SPECSPLIT_SMALL_LINEAR_PREFETCH", "1") != "0"
 
 
 class RopeStore(NamedTuple):
@@ -465,6 +489,9 @@ def _launch(
     else:
         cos, sin, k_cache, v_cache = rope.cos, rope.sin, rope.k_cache, rope.v_cache
         slots = rope.slot_mapping
+    dependent = pdl(x.device)
+    line_elems = 128 // x.element_size()
+    prefetch = next_power_of_2(-(-k // line_elems)) if dependent and PREFETCH else 0
     _jitted_kernel(interpret)[(-(-n // tiles.block_n),)](
         x, weight, weight if bias is None else bias, norm_weight,
         out if residual is None else residual, out, cos, sin, k_cache, v_cache, slots,
@@ -477,8 +504,10 @@ def _launch(
         TWO_SETS=silu_mul or rope is not None, SECOND=head_dim // 2 if rope is not None else n,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        NUM_STAGES=tiles.num_stages,
+        NUM_STAGES=tiles.num_stages, PDL=dependent, PREFETCH_LINES=prefetch,
+        LINE_ELEMS=line_elems,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
+        **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
     return out
 

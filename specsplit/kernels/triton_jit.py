@@ -7,11 +7,24 @@ no `@triton.jit` function of triton's library (tl.zeros, tl.max, tl.sum: use tl.
 tl.reduce with triton's combine functions), so it also runs interpreted when triton was
 imported before TRITON_INTERPRET was set. Each kernel module names triton.language `tl` (a
 module global, bound by `jit`) and caches its jitted kernels per `interpreting()`.
+
+Programmatic dependent launch (PDL, Hopper and later: `pdl`): a kernel launched with it may start
+while the kernel before it in the stream still runs; it reads nothing that kernel may write until
+`tl.extra.cuda.gdc_wait()` returns (that kernel finished, its writes visible). The decode path's
+kernels (small_linear, paged_attention) take a `PDL` constexpr: with it every program calls
+`gdc_launch_dependents()` first (the next kernel may launch once all of them have) and then
+`gdc_wait()` before its first load of anything a kernel writes; only constant weights may be
+touched before (small_linear's L2 prefetch). Every program waits, also one with nothing to do:
+a kernel that ended before its predecessor would let the kernel after it pass its own wait
+early. So a decoder layer's launches overlap their ramps and a projection's weight reads the
+kernel before it, where kernel launches and memory latency bound a small model's step.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,6 +71,33 @@ def check_device(kernel: str, tensors: Sequence[torch.Tensor], interpret: bool) 
             f"{kernel}: tensors are on {device}: the kernel runs on CUDA, or on the CPU under "
             f"TRITON_INTERPRET=1; elsewhere use {kernel}_reference"
         )
+
+
+def _pdl_switch() -> str:
+    """$SPECSPLIT_PDL: "1" launches the decode path's kernels with programmatic dependent launch
+    where the GPU has it (compute capability 9.0+), "0" never; default "0" (not yet measured
+    against launches without it: bench/step_ab.py)."""
+    value = os.environ.get("SPECSPLIT_PDL", "0")
+    if value not in ("0", "1"):
+        raise SystemExit(f"SPECSPLIT_PDL={value!r}: 0 or 1")
+    return value
+
+
+PDL_SWITCH = _pdl_switch()  # read at each launch (a bench may change it between captures)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether a launch on `device` uses programmatic dependent launch (module docstring): the
+    switch is on, the device is a CUDA GPU of compute capability 9.0 or later, and the kernel
+    is compiled (the interpreter runs kernels one after another anyway)."""
+    if PDL_SWITCH != "1" or device.type != "cuda" or interpreting():
+        return False
+    return _capability(device) >= 9
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def interpreting() -> bool:

@@ -152,6 +152,19 @@ def test_cuda_graph_replay_follows_new_inputs() -> None:
         torch.testing.assert_close(out, want_out, atol=ATOL, rtol=RTOL)
 
 
+def smollm2_layers(num_layers: int = 4) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """A random SmolLM2-shaped model of `num_layers` layers (seed 0, a 2048-token vocabulary),
+    float32 on the CPU, and our config of it."""
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(
+        vocab_size=2048, hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=num_layers, num_attention_heads=9, num_key_value_heads=3,
+        tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=EPS,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    return ModelConfig.from_hf(hf_config), LlamaForCausalLM(hf_config).eval()
+
+
 @pytest.mark.raw_kv
 def test_graph_steps_equal_eager_layer_path_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A random SmolLM2-shaped model (4 layers): decode and verify steps of two sequences
@@ -160,14 +173,7 @@ def test_graph_steps_equal_eager_layer_path_steps(monkeypatch: pytest.MonkeyPatc
     same model in float32 as the yardstick: the graphs' logits are no farther from float32's
     than the eager bf16 path's are (both sum in another order, so neither is exact), and give
     the same greedy token wherever the float32 logits' top two are clearly apart."""
-    torch.manual_seed(0)
-    hf_config = LlamaConfig(
-        vocab_size=2048, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=4,
-        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-        rope_theta=100000.0, rms_norm_eps=EPS, max_position_embeddings=512,
-    )  # fmt: skip
-    config = ModelConfig.from_hf(hf_config)
-    hf = LlamaForCausalLM(hf_config).eval()
+    config, hf = smollm2_layers()
     state = state_dict_from_hf(config, hf.state_dict(), torch.bfloat16, "cuda")
     state["embed_tokens.weight"] *= 8  # the tied LM head too: logits ~4, not ~0.5, apart
     model = LlamaModel.from_state_dict(config, state, "cuda")

@@ -1,0 +1,167 @@
+"""The verifier engine's decode step under several kernel switches, alternating in one process.
+
+    PYTHONPATH=. python bench/step_ab.py --shape smollm2-135m --batch 1 8 32 \
+        --variant base= --variant pdl=pdl=1 --variant small32=rows=32 \
+        --variant small32-pdl=rows=32,pdl=1
+
+A switch changes a step by ~10% where two processes of one setup differ by as much (bench/
+RESULTS.md, fiftieth session), so a verdict needs the setups side by side in one process: each
+variant is an engine of its own (its KV cache, its CUDA graphs captured under its switches) on
+one set of random weights, and the timing goes round the variants `--reps` times, `--steps`
+target-only decode rounds of `--decode-steps` steps each a turn, per batch. Prints each
+variant's median ms a step over its turns, its ratio to the first variant's (the median of the
+turns' ratios, with their least and most), and whether its tokens equal the first variant's
+(switches that keep the arithmetic, as programmatic dependent launch does, must give the same
+tokens; the tensor-core path sums in another order, so its bf16 tokens may part).
+
+Switches (module globals read at each launch, set before a variant's capture and its turns):
+  pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
+  prefetch=0|1    with it, small_linear's L2 prefetch of the weights (small_linear.PREFETCH)
+  rows=4|16|32    the most rows on the small-linear path (llama.SMALL_LINEAR_ROWS; above 4 the
+                  tensor-core path, 17-32 rows as one 32-row block: small_linear.DOT_ROWS)
+  tiles=N/K/W/S   the tensor-core path's tiles (small_linear.DOT_TILES), e.g. 32/64/4/4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.gpu_engine import SHAPES, EngineBench, median_ms, random_model
+from specsplit.kernels import small_linear, triton_jit
+from specsplit.model import llama
+
+
+@dataclass
+class Variant:
+    name: str
+    switches: dict[str, str]
+    bench: EngineBench | None = None
+    states: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    ms: dict[int, list[float]] = field(default_factory=dict)  # batch -> ms a step, per turn
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # batch -> the first turn's
+
+
+def parse_variant(text: str) -> Variant:
+    """NAME=KEY=VALUE,KEY=VALUE (NAME= alone: the defaults)."""
+    name, _, rest = text.partition("=")
+    if not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME=KEY=VALUE,...")
+    switches = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in SWITCHES:
+            raise argparse.ArgumentTypeError(f"{item!r}: one of {', '.join(SWITCHES)}=VALUE")
+        switches[key] = value
+    return Variant(name, switches)
+
+
+def _rows(value: str) -> None:
+    rows = int(value)
+    if rows not in (4, 16, 32):
+        raise SystemExit(f"rows={value}: 4, 16 or 32")
+    llama.SMALL_LINEAR_ROWS = rows
+    small_linear.DOT_ROWS = max(16, rows)
+
+
+def _tiles(value: str) -> None:
+    small_linear.DOT_TILES = tuple(int(v) for v in value.split("/"))  # type: ignore[assignment]
+
+
+SWITCHES = {
+    "pdl": lambda value: setattr(triton_jit, "PDL_SWITCH", value),
+    "prefetch": lambda value: setattr(small_linear, "PREFETCH", value != "0"),
+    "rows": _rows,
+    "tiles": _tiles,
+}
+DEFAULTS = {
+    "pdl": triton_jit.PDL_SWITCH,
+    "prefetch": "1" if small_linear.PREFETCH else "0",
+    "rows": str(llama.SMALL_LINEAR_ROWS),
+    "tiles": "",
+}
+
+
+def apply(variant: Variant) -> None:
+    """Every switch as `variant` sets it, the rest at their defaults (as at import)."""
+    for key, setter in SWITCHES.items():
+        value = variant.switches.get(key, DEFAULTS[key])
+        if key == "tiles" and not value:
+            small_linear.DOT_TILES = None
+        else:
+            setter(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20, help="decode rounds a variant's turn")
+    parser.add_argument("--reps", type=int, default=7, help="turns a variant")
+    parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args()
+    variants: list[Variant] = args.variant or [parse_variant("base="), parse_variant("pdl=pdl=1")]
+    # EngineBench's: graphs for decode only, decode steps run ahead
+    args.verify_n, args.decode_ahead = [], True
+
+    hf, config = random_model(args.shape)
+    device, dtype = hf.device, hf.dtype
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(
+        f"{args.shape} on {name}, {dtype}, context {args.context}, rounds of "
+        f"{args.decode_steps} decode steps, {args.reps} turns of {args.steps} rounds"
+    )
+    graphs = device.type == "cuda"
+    for variant in variants:
+        apply(variant)
+        variant.bench = EngineBench(hf, config, args, graphs)
+        for batch in args.batch:
+            variant.states[batch] = variant.bench.open(batch, f"b{batch}-")
+    for rep in range(args.reps):
+        for variant in variants:
+            apply(variant)
+            bench = variant.bench
+            assert bench is not None
+            for batch in args.batch:
+                state = variant.states[batch]
+                if rep == 0:  # the same prompts, the same steps: the same tokens, or not
+                    bench.step(state, 0, args.decode_steps)
+                    variant.tokens[batch] = [pending for _, pending in state.values()]
+                ms = median_ms(lambda b=bench, s=state: b.step(s, 0, args.decode_steps), args.steps)
+                variant.ms.setdefault(batch, []).append(ms / args.decode_steps)
+    report(variants, args.batch)
+    for variant in variants:  # every page back
+        assert variant.bench is not None
+        variant.bench.close({k: v for state in variant.states.values() for k, v in state.items()})
+
+
+def report(variants: list[Variant], batches: list[int]) -> None:
+    base = variants[0]
+    print(f"\nms a decode step (median of turns); ratio to {base.name} (median of the turns' "
+          "ratios, least-most); tokens as its")  # fmt: skip
+    print("| variant | switches | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|---|" + "---|" * len(batches))
+    for variant in variants:
+        cells = []
+        for batch in batches:
+            ms = statistics.median(variant.ms[batch])
+            ratios = [a / b for a, b in zip(variant.ms[batch], base.ms[batch], strict=True)]
+            same = variant.tokens[batch] == base.tokens[batch]
+            cells.append(
+                f"{ms:.3f} ({statistics.median(ratios):.3f}x, {min(ratios):.2f}-"
+                f"{max(ratios):.2f}; tokens {'same' if same else 'differ'})"
+            )
+        switches = ",".join(f"{k}={v}" for k, v in variant.switches.items()) or "defaults"
+        print(f"| {variant.name} | {switches} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

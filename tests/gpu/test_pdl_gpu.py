@@ -1,0 +1,166 @@
+"""On a CUDA GPU of compute capability 9.0+: programmatic dependent launch (triton_jit.pdl) changes
+no result. Each kernel launched with it gives bit for bit what it gives without it, also as a
+chain of dependent launches captured in a CUDA graph (a kernel that read its input before the
+kernel before it finished would read stale values there), and a SmolLM2-shaped model's decode and
+verify steps replayed from graphs captured with it give the logits and K/V of graphs captured
+without it, on the broadcast and the tensor-core small-linear paths. Skipped elsewhere (CI)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+import torch
+
+from specsplit.kernels import small_linear as sl
+from specsplit.kernels import triton_jit
+from specsplit.kernels.paged_attention import paged_attention
+from specsplit.model import llama
+from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
+from tests.forward_steps import causal_step, make_batch, new_seqs
+from tests.gpu.test_small_linear_gpu import EPS, OPS, make_inputs, run, smollm2_layers
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a CUDA GPU with programmatic dependent launch (compute capability 9.0+)",
+)
+T = TypeVar("T")
+
+
+@pytest.fixture(params=["prefetch", "wait-first"])
+def pdl_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch on, small_linear's weights prefetched to L2 or not."""
+    monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
+    monkeypatch.setattr(sl, "PREFETCH", request.param == "prefetch")
+
+
+def without_pdl(fn: Callable[[], T]) -> T:
+    """fn() with the switch off (the reference launches)."""
+    before, triton_jit.PDL_SWITCH = triton_jit.PDL_SWITCH, "0"
+    try:
+        return fn()
+    finally:
+        triton_jit.PDL_SWITCH = before
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 9, 16])
+@pytest.mark.parametrize("op", list(OPS))
+def test_small_linear_with_pdl_is_bitwise_without(pdl_on: None, op: str, num_rows: int) -> None:
+    assert triton_jit.pdl(torch.device("cuda"))
+    inputs = make_inputs(num_rows, bias=True)
+    want = without_pdl(lambda: run(op, inputs))
+    assert torch.equal(run(op, inputs), want)
+
+
+def test_dependent_chain_in_a_graph_is_bitwise_without_pdl(pdl_on: None) -> None:
+    """Sixty launches, each reading the one before's output at once (a residual stream through
+    o_proj- and gate_up-shaped kernels at 1 and 9 rows), captured with PDL, replayed on new
+    inputs: every replay equals the chain launched without PDL."""
+    for num_rows in (1, 9):
+        static = make_inputs(num_rows, bias=False, seed=num_rows)
+        hidden = static["hidden"]
+        assert hidden is not None
+
+        def chain(x: torch.Tensor = hidden, t: dict = static) -> torch.Tensor:
+            for _ in range(20):
+                x = sl.linear_residual(x, t["o"], None, x)
+                act = sl.norm_linear_silu_mul(x, t["norm_weight"], EPS, t["gate_up"], None)
+                x = sl.linear_residual(act, t["down"], None, x)
+            return x
+
+        chain()  # built before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for seed in (1, 2, 3):
+            new = make_inputs(num_rows, bias=False, seed=100 + seed)["hidden"]
+            assert new is not None
+            hidden.copy_(new)
+            graph.replay()
+            want = without_pdl(chain)
+            assert torch.equal(out, want), (num_rows, seed)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_attention_with_pdl_is_bitwise_without(pdl_on: None, num_splits: int) -> None:
+    """Decode at batch 4 over 300 keys a sequence, GQA 3, in a graph behind a kernel that writes
+    its queries: equal to the launches without PDL (single pass and split with its merge)."""
+    gen = torch.Generator().manual_seed(0)
+    num_seqs, kv_len, page = 4, 300, 16
+    pages = -(-kv_len // page)
+    k_cache, v_cache = (
+        torch.randn(num_seqs * pages * page, 3, 64, generator=gen).to("cuda", torch.bfloat16)
+        for _ in range(2)
+    )
+    block_table = torch.randperm(num_seqs * pages, generator=gen).view(num_seqs, pages)
+    meta = {
+        "cu_seqlens_q": torch.arange(num_seqs + 1, dtype=torch.int32),
+        "kv_lens": torch.full((num_seqs,), kv_len, dtype=torch.int32),
+        "prefix_lens": torch.full((num_seqs,), kv_len - 1, dtype=torch.int32),
+        "block_table": block_table.to(torch.int32),
+    }
+    meta = {name: t.cuda() for name, t in meta.items()}
+    source = torch.randn(num_seqs, 9, 64, generator=gen).to("cuda", torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        q = source * 2  # written by the kernel before
+        return paged_attention(
+            q, k_cache, v_cache, meta["cu_seqlens_q"], meta["kv_lens"], meta["prefix_lens"],
+            meta["block_table"], page, None, 1, 0.125, num_splits=num_splits,
+        )  # fmt: skip
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (1, 2):
+        source.copy_(torch.randn(num_seqs, 9, 64, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, without_pdl(step)), seed
+
+
+@pytest.mark.raw_kv
+def test_model_graphs_with_pdl_equal_graphs_without(
+    pdl_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random SmolLM2-shaped model (4 layers), graphs of decode (1 token) and verify (5 tokens)
+    steps of one or two sequences, the small-linear path up to 16 rows (1-2 rows broadcast,
+    5-10 on tensor cores): the graphs captured with PDL give the logits and the K/V of the
+    graphs captured without it, bit for bit."""
+    monkeypatch.setattr(llama, "SMALL_LINEAR_ROWS", 16)
+    config, hf = smollm2_layers()
+    model = LlamaModel.from_state_dict(
+        config, state_dict_from_hf(config, hf.state_dict(), torch.bfloat16, "cuda"), "cuda"
+    )
+    caches = [
+        make_kv_cache(config, num_pages=32, page_size=16, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (40, 57)]
+    seqs = new_seqs(caches[0], [120, 120], random.Random(0))  # the other's slots alike
+    prefill = make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)])
+    for kv in caches:
+        model(prefill.to("cuda"), kv)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.kv_committed_len = len(prompt)
+    runners = []
+    for kv, switch in zip(caches, ("0", "1"), strict=True):
+        monkeypatch.setattr(triton_jit, "PDL_SWITCH", switch)  # read at capture
+        runner = CudaGraphRunner.for_model(model, kv, 256, max_batch_size=2, max_query_len=5)
+        for q in (1, 5):
+            runner.capture(q)
+        runners.append(runner)
+    for q_len, num_seqs in ((1, 2), (5, 2), (1, 1), (5, 1), (1, 2)):
+        tokens = [torch.randint(0, 2048, (q_len,), generator=gen).tolist() for _ in seqs]
+        steps = zip(seqs[:num_seqs], tokens[:num_seqs], strict=True)
+        batch = make_batch([causal_step(s, t) for s, t in steps])
+        without, with_pdl = (runner.forward(batch) for runner in runners)
+        assert without is not None and with_pdl is not None
+        assert torch.equal(with_pdl.logits, without.logits), (q_len, num_seqs)
+        assert torch.equal(caches[1].data, caches[0].data), (q_len, num_seqs)
+        for seq in seqs[:num_seqs]:
+            seq.kv_committed_len += q_len

@@ -1,0 +1,74 @@
+"""bench/step_ab.py's parts that run without a GPU: variants parse from NAME=KEY=VALUE,..., each
+variant sets its switches and leaves the rest at their defaults, a tiny model's run through the
+alternation reports every variant with the same tokens (the CPU path ignores the GPU switches),
+and programmatic dependent launch is never used off a GPU."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from bench import step_ab
+from specsplit.kernels import small_linear, triton_jit
+from specsplit.model import llama
+
+
+@pytest.fixture
+def restore_switches() -> Iterator[None]:
+    before = (triton_jit.PDL_SWITCH, small_linear.PREFETCH, llama.SMALL_LINEAR_ROWS,
+              small_linear.DOT_ROWS, small_linear.DOT_TILES)  # fmt: skip
+    yield
+    (triton_jit.PDL_SWITCH, small_linear.PREFETCH, llama.SMALL_LINEAR_ROWS, small_linear.DOT_ROWS,
+     small_linear.DOT_TILES) = before  # fmt: skip
+
+
+def test_variants_parse_and_refuse_unknown_switches() -> None:
+    variant = step_ab.parse_variant("fast=pdl=1,rows=32,tiles=32/64/4/4")
+    assert variant.name == "fast"
+    assert variant.switches == {"pdl": "1", "rows": "32", "tiles": "32/64/4/4"}
+    assert step_ab.parse_variant("base=").switches == {}
+    for bad in ("=pdl=1", "x=speed=2", "x=pdl"):
+        with pytest.raises(Exception, match=r"NAME|one of"):
+            step_ab.parse_variant(bad)
+
+
+@pytest.mark.usefixtures("restore_switches")
+def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() -> None:
+    step_ab.apply(step_ab.parse_variant("a=pdl=1,prefetch=0,rows=32,tiles=32/64/4/4"))
+    assert triton_jit.PDL_SWITCH == "1" and small_linear.PREFETCH is False
+    assert llama.SMALL_LINEAR_ROWS == 32 and small_linear.DOT_ROWS == 32
+    assert small_linear.DOT_TILES == (32, 64, 4, 4)
+    step_ab.apply(step_ab.parse_variant("b=rows=16"))
+    assert step_ab.DEFAULTS["pdl"] == triton_jit.PDL_SWITCH
+    assert small_linear.PREFETCH is (step_ab.DEFAULTS["prefetch"] == "1")
+    assert llama.SMALL_LINEAR_ROWS == 16 and small_linear.DOT_ROWS == 16
+    assert small_linear.DOT_TILES is None
+
+
+@pytest.mark.usefixtures("restore_switches")
+def test_a_tiny_run_reports_every_variant_with_the_first_ones_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
+            "2", "--steps", "2", "--decode-steps", "2", "--variant", "base=", "--variant",
+            "pdl=pdl=1", "--variant", "small=rows=16"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    step_ab.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| base", "| pdl", "| small"]
+    for row in rows[1:]:
+        assert row.count("tokens same") == 2, row
+    assert "1.000x" in rows[1]
+
+
+def test_pdl_is_never_used_off_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
+    assert not triton_jit.pdl(torch.device("cpu"))
+    monkeypatch.setenv("SPECSPLIT_PDL", "2")
+    with pytest.raises(SystemExit, match="SPECSPLIT_PDL"):
+        triton_jit._pdl_switch()
+    monkeypatch.setenv("SPECSPLIT_PDL", "1")
+    assert triton_jit._pdl_switch() == "1"
