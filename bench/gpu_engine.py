@@ -120,8 +120,12 @@ class EngineBench:
         model = LlamaModel.from_state_dict(config, state, device)
         max_batch = max(args.batch)
         steps = getattr(args, "decode_steps", 1)  # tokens a decode round makes
-        pages_per_seq = -(-(args.context + args.steps * 2 * steps + 200) // args.page_size) + 1
-        kv = make_kv_cache(config, max_batch * pages_per_seq + 8, args.page_size, dtype, device)
+        # room for `kv_seqs` sequences (default: the largest batch) of `kv_room` tokens past the
+        # context each (default: this script's timed rounds and their warm-up)
+        room = getattr(args, "kv_room", args.steps * 2 * steps + 200)
+        pages_per_seq = -(-(args.context + room) // args.page_size) + 1
+        num_seqs = getattr(args, "kv_seqs", max_batch)
+        kv = make_kv_cache(config, num_seqs * pages_per_seq + 8, args.page_size, dtype, device)
         # the sampled rounds' lengths too: without a graph of their length they would run the
         # eager forward (tens of ms) and say nothing of the sampled acceptance
         verify_n = sorted({*args.verify_n, *getattr(args, "sampled_n", ())})

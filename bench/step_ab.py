@@ -109,8 +109,11 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
     variants: list[Variant] = args.variant or [parse_variant("base="), parse_variant("pdl=pdl=1")]
-    # EngineBench's: graphs for decode only, decode steps run ahead
+    # EngineBench's: graphs for decode only, decode steps run ahead, every batch's sequences
+    # open at once for all the turns (a turn's warm-up and tokens' round included)
     args.verify_n, args.decode_ahead = [], True
+    args.kv_seqs = sum(args.batch)
+    args.kv_room = args.reps * (args.steps + 4) * args.decode_steps + 64
 
     hf, config = random_model(args.shape)
     device, dtype = hf.device, hf.dtype
