@@ -443,6 +443,11 @@ DOT_TILES = _dot_tiles()
 # before waiting for the kernel before ($SPECSPLIT_SMALL_LINEAR_PREFETCH=0: wait first, a bench's
 # switch)
 PREFETCH = os.environ.get("SPECSPLIT_SMALL_LINEAR_PREFETCH", "1") != "0"
+# the tensor-core path launches without PDL: with it (and the prefetch) a SmolLM2 decode step at
+# batch 8 took 1.15x the step without (H200, bench/step_ab.py, fifty-first session), where the
+# broadcast path's took 0.75x at batch 1; $SPECSPLIT_SMALL_LINEAR_PDL_DOT=1 (a bench's switch)
+# launches it with PDL too
+PDL_ON_TENSOR_CORES = os.environ.get("SPECSPLIT_SMALL_LINEAR_PDL_DOT", "0") == "1"
 
 
 class RopeStore(NamedTuple):
@@ -489,7 +494,7 @@ def _launch(
     else:
         cos, sin, k_cache, v_cache = rope.cos, rope.sin, rope.k_cache, rope.v_cache
         slots = rope.slot_mapping
-    dependent = pdl(x.device)
+    dependent = pdl(x.device) and (PDL_ON_TENSOR_CORES or not tiles.use_dot)
     line_elems = 128 // x.element_size()
     prefetch = next_power_of_2(-(-k // line_elems)) if dependent and PREFETCH else 0
     _jitted_kernel(interpret)[(-(-n // tiles.block_n),)](

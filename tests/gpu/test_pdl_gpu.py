@@ -32,8 +32,10 @@ T = TypeVar("T")
 
 @pytest.fixture(params=["prefetch", "wait-first"])
 def pdl_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Programmatic dependent launch on, small_linear's weights prefetched to L2 or not."""
+    """Programmatic dependent launch on, the tensor-core path's launches too (a bench's switch),
+    small_linear's weights prefetched to L2 or not."""
     monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
+    monkeypatch.setattr(sl, "PDL_ON_TENSOR_CORES", True)
     monkeypatch.setattr(sl, "PREFETCH", request.param == "prefetch")
 
 

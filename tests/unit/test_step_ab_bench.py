@@ -18,11 +18,11 @@ from specsplit.model import llama
 
 @pytest.fixture
 def restore_switches() -> Iterator[None]:
-    before = (triton_jit.PDL_SWITCH, small_linear.PREFETCH, llama.SMALL_LINEAR_ROWS,
-              small_linear.DOT_ROWS, small_linear.DOT_TILES)  # fmt: skip
+    before = (triton_jit.PDL_SWITCH, small_linear.PREFETCH, small_linear.PDL_ON_TENSOR_CORES,
+              llama.SMALL_LINEAR_ROWS, small_linear.DOT_ROWS, small_linear.DOT_TILES)  # fmt: skip
     yield
-    (triton_jit.PDL_SWITCH, small_linear.PREFETCH, llama.SMALL_LINEAR_ROWS, small_linear.DOT_ROWS,
-     small_linear.DOT_TILES) = before  # fmt: skip
+    (triton_jit.PDL_SWITCH, small_linear.PREFETCH, small_linear.PDL_ON_TENSOR_CORES,
+     llama.SMALL_LINEAR_ROWS, small_linear.DOT_ROWS, small_linear.DOT_TILES) = before  # fmt: skip
 
 
 def test_variants_parse_and_refuse_unknown_switches() -> None:
@@ -37,13 +37,15 @@ def test_variants_parse_and_refuse_unknown_switches() -> None:
 
 @pytest.mark.usefixtures("restore_switches")
 def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() -> None:
-    step_ab.apply(step_ab.parse_variant("a=pdl=1,prefetch=0,rows=32,tiles=32/64/4/4"))
-    assert triton_jit.PDL_SWITCH == "1" and small_linear.PREFETCH is False
+    step_ab.apply(step_ab.parse_variant("a=pdl=0,prefetch=0,pdl_dot=1,rows=32,tiles=32/64/4/4"))
+    assert triton_jit.PDL_SWITCH == "0" and small_linear.PREFETCH is False
+    assert small_linear.PDL_ON_TENSOR_CORES is True
     assert llama.SMALL_LINEAR_ROWS == 32 and small_linear.DOT_ROWS == 32
     assert small_linear.DOT_TILES == (32, 64, 4, 4)
     step_ab.apply(step_ab.parse_variant("b=rows=16"))
     assert step_ab.DEFAULTS["pdl"] == triton_jit.PDL_SWITCH
     assert small_linear.PREFETCH is (step_ab.DEFAULTS["prefetch"] == "1")
+    assert small_linear.PDL_ON_TENSOR_CORES is (step_ab.DEFAULTS["pdl_dot"] == "1")
     assert llama.SMALL_LINEAR_ROWS == 16 and small_linear.DOT_ROWS == 16
     assert small_linear.DOT_TILES is None
 
@@ -54,7 +56,7 @@ def test_a_tiny_run_reports_every_variant_with_the_first_ones_tokens(
 ) -> None:
     argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
             "2", "--steps", "2", "--decode-steps", "2", "--variant", "base=", "--variant",
-            "pdl=pdl=1", "--variant", "small=rows=16"]  # fmt: skip
+            "pdl=pdl=0", "--variant", "small=rows=16"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     step_ab.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
