@@ -379,9 +379,9 @@ BROADCAST_ROWS = _broadcast_rows()  # above this many rows, tensor cores (BLOCK_
 def _dot_rows() -> int:
     """$SPECSPLIT_SMALL_LINEAR_DOT_ROWS (a developer's switch, for benches: 16 or 32; default
     16): the most rows on the tensor-core path, 17-32 rows as one 32-row block (decode at batch
-    17-32). The model takes the path past 4 rows only with SPECSPLIT_SMALL_LINEAR=1
-    (specsplit/model/llama.py); there it measured 0.89-1.12x the unfused step at batch 8-32 on
-    an H200, within the spread between processes (`scripts/gpu_suite.sh tiles`)."""
+    17-32). The model's steps take the path up to 16 rows by default (specsplit/model/llama.py:
+    0.91-0.94x the unfused decode step at batch 8 on an H200, alternating in one process); at
+    32 rows it measured within the spread (bench/step_ab.py, bench/RESULTS.md)."""
     return _rows_switch("SPECSPLIT_SMALL_LINEAR_DOT_ROWS", "16", ("16", "32"))
 
 

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from specsplit.kernels.small_linear import (
-    BROADCAST_ROWS,
     MAX_ROWS,
     RopeStore,
     linear_residual,
@@ -55,19 +54,18 @@ _META = torch.device("meta")
 # SMALL_LINEAR_MAX_WEIGHT_BYTES: a projection that reads that little is bound by launches and
 # latency, which the fusion saves; a larger one (1B-class and up) is bound by bandwidth, where
 # cuBLAS is hard to beat and launches matter less. SMALL_LINEAR_ROWS is the most tokens a step may
-# have: by default the kernels' broadcast path (<= 4 rows), which beats the unfused layer (H100,
-# SmolLM2-135M, decode at batch 1: 1.20 -> 1.03 ms a step, 0.97 with RoPE fused in;
-# bench/RESULTS.md); their tensor-core path (5-16 rows) is slower than cuBLAS + the compiled
-# pointwise kernels there (verify 1 + 8: 1.53 -> 1.70 ms; decode at batch 8: 1.37 -> 1.58 ms), so
-# it runs only with `SPECSPLIT_SMALL_LINEAR=1`. `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a
-# missing triton too. `SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=8` (16, 32) moves the broadcast
-# path's limit, and the default path's with it (slower above 4 rows: 1.17 / 2.62 / 8.12 ms a
-# decode step at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15 on an H200);
-# with `SPECSPLIT_SMALL_LINEAR=1`, `SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32` lets the tensor-core
-# path take 17-32 rows.
-_SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "auto")
+# have: the kernels' broadcast path up to 4 rows (launched with programmatic dependent launch:
+# SmolLM2 decode at batch 1 0.52 ms on an H200, 0.69 without, 1.20 unfused on an H100), their
+# tensor-core path at 5-16 rows (decode at batch 8 on an H200: 0.94x / 0.91x the unfused step,
+# alternating in one process, bench/step_ab.py; slower than cuBLAS on an H100 before RoPE was
+# fused in). `SPECSPLIT_SMALL_LINEAR=0` turns the path off; a missing triton too.
+# `SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=8` (16, 32) moves the broadcast path's limit (slower
+# above 4 rows: 1.17 / 2.62 / 8.12 ms a decode step at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15
+# unfused on an H200); `SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32` lets the tensor-core path take 17-32
+# rows (within the spread at batch 32).
+_SMALL_LINEAR_ENV = os.environ.get("SPECSPLIT_SMALL_LINEAR", "1")
 SMALL_LINEAR = _SMALL_LINEAR_ENV != "0" and importlib.util.find_spec("triton") is not None
-SMALL_LINEAR_ROWS = MAX_ROWS if _SMALL_LINEAR_ENV == "1" else BROADCAST_ROWS
+SMALL_LINEAR_ROWS = MAX_ROWS
 SMALL_LINEAR_MAX_WEIGHT_BYTES = 16 << 20
 
 

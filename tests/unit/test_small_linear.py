@@ -440,17 +440,16 @@ def test_a_32_row_step_through_the_small_path_equals_the_layer_path(
 
 
 def test_which_steps_take_the_small_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, at most 4 tokens by default (16 with SPECSPLIT_SMALL_LINEAR=1), small layer
-    weights, not turned off; never on the CPU. (The models stay on the meta device: only their
-    shapes are read.)"""
-    assert llama.SMALL_LINEAR_ROWS == BROADCAST_ROWS == 4  # the default (the env is unset)
+    """On a GPU, at most 16 tokens by default (4 on the broadcast path, 5-16 on tensor cores),
+    small layer weights, not turned off; never on the CPU. (The models stay on the meta device:
+    only their shapes are read.)"""
+    assert llama.SMALL_LINEAR_ROWS == MAX_ROWS == 16  # the default (the env is unset)
+    assert BROADCAST_ROWS == 4
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small = LlamaModel(ModelConfig.from_hf(ARCHS["llama_gqa_all_biases"]), "cpu")
     monkeypatch.setattr(llama, "SMALL_LINEAR", True)  # triton is there
     assert small.uses_small_linear(1, cuda) and small.uses_small_linear(4, cuda)
-    assert not small.uses_small_linear(5, cuda)
-    monkeypatch.setattr(llama, "SMALL_LINEAR_ROWS", MAX_ROWS)  # SPECSPLIT_SMALL_LINEAR=1
-    assert small.uses_small_linear(1, cuda) and small.uses_small_linear(MAX_ROWS, cuda)
+    assert small.uses_small_linear(5, cuda) and small.uses_small_linear(MAX_ROWS, cuda)
     assert not small.uses_small_linear(MAX_ROWS + 1, cuda)
     assert not small.uses_small_linear(1, cpu)
     assert not small.uses_small_linear(0, cuda)
