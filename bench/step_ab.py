@@ -18,6 +18,7 @@ Switches (module globals read at each launch, set before a variant's capture and
   pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (small_linear.PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (small_linear.PDL_ON_TENSOR_CORES)
+  late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
   rows=4|16|32    the most rows on the small-linear path (llama.SMALL_LINEAR_ROWS; above 4 the
                   tensor-core path, 17-32 rows as one 32-row block: small_linear.DOT_ROWS)
   tiles=N/K/W/S   the tensor-core path's tiles (small_linear.DOT_TILES), e.g. 32/64/4/4
@@ -76,6 +77,7 @@ SWITCHES = {
     "pdl": lambda value: setattr(triton_jit, "PDL_SWITCH", value),
     "prefetch": lambda value: setattr(small_linear, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear, "PDL_ON_TENSOR_CORES", value == "1"),
+    "late": lambda value: setattr(small_linear, "PDL_TRIGGER_LATE", value == "1"),
     "rows": _rows,
     "tiles": _tiles,
 }
@@ -83,6 +85,7 @@ DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
     "prefetch": "1" if small_linear.PREFETCH else "0",
     "pdl_dot": "1" if small_linear.PDL_ON_TENSOR_CORES else "0",
+    "late": "1" if small_linear.PDL_TRIGGER_LATE else "0",
     "rows": str(llama.SMALL_LINEAR_ROWS),
     "tiles": "",
 }

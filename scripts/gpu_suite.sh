@@ -679,14 +679,14 @@ for part in "${parts[@]}"; do
       # for bit the launches without it) and the small-linear and attention kernels' tests with
       # it on, then the engine's decode step in one process (bench/step_ab.py, random SmolLM2,
       # batch $PDL_BATCHES, default 1 8 16 32) with the switches alternating: the default (PDL
-      # on), without PDL, the small path to 16 rows on tensor cores (launched without PDL) with
-      # PDL elsewhere and without, with PDL on tensor cores too (no prefetch), the small path to
-      # 32 rows ($PDL_VARIANTS replaces the list)
+      # on, the tensor-core path at 5-16 rows launched without it), without PDL, unfused above 4
+      # rows, PDL on tensor cores too (their dependents launched at once, or after the K loop,
+      # with and without the prefetch), the small path to 32 rows ($PDL_VARIANTS replaces them)
       run pdl_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py
       SPECSPLIT_PDL=1 run pdl_kernel_tests python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_small_linear_gpu.py tests/gpu/test_paged_attention_gpu.py
-      read -ra variants <<<"${PDL_VARIANTS:-base= nopdl=pdl=0 small16=rows=16 \
-        small16-nopdl=rows=16,pdl=0 small16-pdldot=rows=16,pdl_dot=1,prefetch=0 small32=rows=32}"
+      read -ra variants <<<"${PDL_VARIANTS:-base= nopdl=pdl=0 unfused=rows=4 dotpdl=pdl_dot=1 \
+        dotpdl-late=pdl_dot=1,late=1 dotpdl-late-nopf=pdl_dot=1,late=1,prefetch=0 small32=rows=32}"
       run step_ab python3 bench/step_ab.py --shape smollm2-135m --batch ${PDL_BATCHES:-1 8 16 32} \
         "${variants[@]/#/--variant=}" --reps ${PDL_REPS:-5} --steps 20 --decode-steps 4 ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,

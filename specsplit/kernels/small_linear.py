@@ -171,6 +171,7 @@ def _small_linear_kernel(
     PREFETCH_LINES: tl.constexpr,  # PDL: > 0 prefetches the weight rows to L2 before the wait,
     # in lines of LINE_ELEMS elements (128 bytes), PREFETCH_LINES (a power of two) a row
     LINE_ELEMS: tl.constexpr,
+    TRIGGER_LATE: tl.constexpr,  # PDL: let the next kernel launch after the K loop, not first
 ):
     act = x_ptr.dtype.element_ty  # the activation dtype: each op's result is rounded to it
     rows = tl.arange(0, BLOCK_M)
@@ -181,7 +182,8 @@ def _small_linear_kernel(
     else:
         cols = pairs
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start (and prefetch)
+        if not TRIGGER_LATE:
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start (and prefetch)
         if PREFETCH_LINES > 0:  # the weights are constant: read to L2 while the kernel
             # before still runs, one address a 128-byte line of this program's rows (clamped)
             lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
@@ -283,6 +285,8 @@ def _small_linear_kernel(
         if TWO_SETS:
             up = tl.reduce(up, 2, tl.standard._sum_combine)
 
+    if PDL and TRIGGER_LATE:  # one kernel ahead at most, launched as this one ends
+        tl.extra.cuda.gdc_launch_dependents()
     # the epilogue: the projection (its bias added in float32) rounded, then each op rounded
     y = (gate + bias).to(act)  # [BLOCK_M, BLOCK_N]
     if SILU_MUL:
@@ -448,6 +452,10 @@ PREFETCH = os.environ.get("SPECSPLIT_SMALL_LINEAR_PREFETCH", "1") != "0"
 # broadcast path's took 0.75x at batch 1; $SPECSPLIT_SMALL_LINEAR_PDL_DOT=1 (a bench's switch)
 # launches it with PDL too
 PDL_ON_TENSOR_CORES = os.environ.get("SPECSPLIT_SMALL_LINEAR_PDL_DOT", "0") == "1"
+# with it, $SPECSPLIT_SMALL_LINEAR_PDL_LATE=1 (a bench's switch) lets the kernel after a
+# tensor-core launch start only once that launch's K loop is done, not at once (one kernel ahead
+# at most, not a cascade of waiting programs: a guess at the slowdown above, not measured)
+PDL_TRIGGER_LATE = os.environ.get("SPECSPLIT_SMALL_LINEAR_PDL_LATE", "0") == "1"
 
 
 class RopeStore(NamedTuple):
@@ -510,7 +518,7 @@ def _launch(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages, PDL=dependent, PREFETCH_LINES=prefetch,
-        LINE_ELEMS=line_elems,
+        LINE_ELEMS=line_elems, TRIGGER_LATE=tiles.use_dot and PDL_TRIGGER_LATE,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
         **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip

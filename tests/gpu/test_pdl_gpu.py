@@ -30,13 +30,15 @@ pytestmark = pytest.mark.skipif(
 T = TypeVar("T")
 
 
-@pytest.fixture(params=["prefetch", "wait-first"])
+@pytest.fixture(params=["prefetch", "wait-first", "trigger-late"])
 def pdl_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch on, the tensor-core path's launches too (a bench's switch),
-    small_linear's weights prefetched to L2 or not."""
+    small_linear's weights prefetched to L2 or not, the tensor-core launches' dependents let
+    start at once or after their K loop."""
     monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
     monkeypatch.setattr(sl, "PDL_ON_TENSOR_CORES", True)
-    monkeypatch.setattr(sl, "PREFETCH", request.param == "prefetch")
+    monkeypatch.setattr(sl, "PREFETCH", request.param != "wait-first")
+    monkeypatch.setattr(sl, "PDL_TRIGGER_LATE", request.param == "trigger-late")
 
 
 def without_pdl(fn: Callable[[], T]) -> T:
