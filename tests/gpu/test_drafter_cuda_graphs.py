@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter import eagle
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
@@ -71,3 +72,23 @@ def test_drafter_graph_rounds_equal_target_greedy(
     assert replays > 0  # catch-ups ran from graphs (their own, or inside the expansion's)
     _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False)
     assert stats == eager_stats  # the same drafts as the same steps run eagerly
+
+
+@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(2, 2, 4)], ids=["chain", "tree"])
+def test_head_small_linear_rounds_equal_target_greedy(
+    models, smollm2_tokenizer, spec: SpecParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The EAGLE-3 head's steps through the small-linear kernels (SPECSPLIT_HEAD_SMALL_LINEAR=1):
+    the target's greedy output, from graphs, the same drafts as those steps run eagerly, and as
+    many tokens a round as the unfused head's within bf16's reach (the drafts may part on a
+    near tie)."""
+    expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
+    _, unfused_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, True)
+    monkeypatch.setattr(eagle, "HEAD_SMALL_LINEAR", True)
+    got, stats, replays = _run(models, smollm2_tokenizer, "eagle3", spec, True)
+    assert got == expected
+    assert replays > 0
+    _, eager_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, False)
+    assert stats == eager_stats
+    accepted = [sum(s.num_accepted_drafts for s in run) for run in (stats, unfused_stats)]
+    assert abs(accepted[0] - accepted[1]) <= 0.1 * max(accepted[1], 10), accepted
