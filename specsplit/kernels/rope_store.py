@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2
+from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
 from specsplit.model.rope import apply_rotary
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
@@ -74,7 +74,11 @@ def _rope_store_kernel(
     BLOCK_ROWS: tl.constexpr,  # next power of two >= NUM_HEADS + NUM_KV_HEADS
     BLOCK_KV: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
 ):
+    if PDL:  # every program waits for the projection before it (q, k, v)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token * stride_slot)
     act = q_ptr.dtype.element_ty  # the activation dtype: products and sums are rounded to it
@@ -160,6 +164,7 @@ def rope_store(
         return out
     num_kv_heads = k.shape[1]
     block_rows = next_power_of_2(num_heads + num_kv_heads)
+    dependent = pdl(q.device)
     _jitted_kernel(interpret)[(num_tokens,)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -167,9 +172,9 @@ def rope_store(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         slot_mapping.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_ROWS=block_rows,
-        BLOCK_KV=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        BLOCK_KV=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, PDL=dependent,
         num_warps=1 if interpret else _num_warps(block_rows * head_dim),
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
     return out
 

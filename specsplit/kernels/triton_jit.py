@@ -11,7 +11,7 @@ module global, bound by `jit`) and caches its jitted kernels per `interpreting()
 Programmatic dependent launch (PDL, Hopper and later: `pdl`): a kernel launched with it may start
 while the kernel before it in the stream still runs; it reads nothing that kernel may write until
 `tl.extra.cuda.gdc_wait()` returns (that kernel finished, its writes visible). The decode path's
-kernels (small_linear, paged_attention) take a `PDL` constexpr: with it every program calls
+kernels (small_linear, paged_attention, rope_store) take a `PDL` constexpr: with it every program calls
 `gdc_launch_dependents()` first (the next kernel may launch once all of them have) and then
 `gdc_wait()` before its first load of anything a kernel writes; only constant weights may be
 touched before (small_linear's L2 prefetch). Every program waits, also one with nothing to do:

@@ -1,9 +1,10 @@
 """On a CUDA GPU of compute capability 9.0+: programmatic dependent launch (triton_jit.pdl) changes
-no result. Each kernel launched with it gives bit for bit what it gives without it, also as a
-chain of dependent launches captured in a CUDA graph (a kernel that read its input before the
-kernel before it finished would read stale values there), and a SmolLM2-shaped model's decode and
-verify steps replayed from graphs captured with it give the logits and K/V of graphs captured
-without it, on the broadcast and the tensor-core small-linear paths. Skipped elsewhere (CI)."""
+no result. Each kernel launched with it (small_linear, paged_attention, rope_store) gives bit
+for bit what it gives without it, also as a chain of dependent launches captured in a CUDA graph
+(a kernel that read its input before the kernel before it finished would read stale values
+there), and a SmolLM2-shaped model's decode and verify steps replayed from graphs captured with
+it give the logits and K/V of graphs captured without it, on the broadcast and the tensor-core
+small-linear paths. Skipped elsewhere (CI)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from specsplit.kernels import small_linear as sl
 from specsplit.kernels import triton_jit
 from specsplit.kernels.paged_attention import paged_attention
+from specsplit.kernels.rope_store import rope_store
 from specsplit.model import llama
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
@@ -124,6 +126,28 @@ def test_paged_attention_with_pdl_is_bitwise_without(pdl_on: None, num_splits: i
         source.copy_(torch.randn(num_seqs, 9, 64, generator=gen).to("cuda", torch.bfloat16))
         graph.replay()
         assert torch.equal(out, without_pdl(step)), seed
+
+
+def test_rope_store_with_pdl_is_bitwise_without(pdl_on: None) -> None:
+    """RoPE + K/V store at 12 rows (SmolLM2's heads), behind a kernel that writes its q, k and
+    v: q and the cache as the launch without PDL leaves them."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    source, cos, sin = randn(12, 15, 64), randn(12, 64), randn(12, 64)
+    slots = torch.randperm(40, generator=gen)[:12].cuda()
+    caches = [torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+
+    def step(cache: torch.Tensor) -> torch.Tensor:
+        qkv = source * 2  # written by the kernel before
+        q, k, v = qkv.split([9, 3, 3], dim=1)
+        return rope_store(q, k, v, cos, sin, cache[0], cache[1], slots)
+
+    got = step(caches[0])
+    want = without_pdl(lambda: step(caches[1]))
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[1])
 
 
 @pytest.mark.raw_kv
