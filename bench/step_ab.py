@@ -1,8 +1,8 @@
 """The verifier engine's decode step under several kernel switches, alternating in one process.
 
     PYTHONPATH=. python bench/step_ab.py --shape smollm2-135m --batch 1 8 32 \
-        --variant base= --variant pdl=pdl=1 --variant small32=rows=32 \
-        --variant small32-pdl=rows=32,pdl=1
+        --variant base= --variant nopdl=pdl=0 --variant unfused=rows=4 \
+        --variant small32=rows=32
 
 A switch changes a step by ~10% where two processes of one setup differ by as much (bench/
 RESULTS.md, fiftieth session), so a verdict needs the setups side by side in one process: each
@@ -73,8 +73,14 @@ def _tiles(value: str) -> None:
     small_linear.DOT_TILES = tuple(int(v) for v in value.split("/"))  # type: ignore[assignment]
 
 
+def _pdl(value: str) -> None:
+    if value not in ("0", "1"):
+        raise SystemExit(f"pdl={value}: 0 or 1")
+    triton_jit.PDL_SWITCH = value
+
+
 SWITCHES = {
-    "pdl": lambda value: setattr(triton_jit, "PDL_SWITCH", value),
+    "pdl": _pdl,
     "prefetch": lambda value: setattr(small_linear, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear, "PDL_ON_TENSOR_CORES", value == "1"),
     "late": lambda value: setattr(small_linear, "PDL_TRIGGER_LATE", value == "1"),
@@ -114,7 +120,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
-    variants: list[Variant] = args.variant or [parse_variant("base="), parse_variant("pdl=pdl=1")]
+    variants: list[Variant] = args.variant or [parse_variant("base="), parse_variant("nopdl=pdl=0")]
     # EngineBench's: graphs for decode only, decode steps run ahead, every batch's sequences
     # open at once for all the turns (a turn's warm-up and tokens' round included)
     args.verify_n, args.decode_ahead = [], True

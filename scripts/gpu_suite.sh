@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl] [head-small]
+#       [tiles] [pdl] [head-small] [advancing]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -53,9 +53,10 @@
 # the speculation gate through the services (bench/e2e.py and bench/overlap.py with
 # --speculation-gate on, $SMOLLM2_GGUF + the shipped head); graphs: bench/graph_launch.py; rope:
 # the RoPE + K/V store kernel's GPU tests and the engine step with it and without; prefill: a new
-# sequence's first round, graphs (up to 128 tokens) and eager; small: the fused small-linear layer
-# path (SPECSPLIT_SMALL_LINEAR=1) under every GPU test, and its A/B; ahead: target-only rounds
-# through the services (random SmolLM2) with the verifier's decode steps run ahead and without;
+# sequence's first round, graphs (up to 128 tokens) and eager; small: every GPU test with the
+# fused small-linear layer path off (SPECSPLIT_SMALL_LINEAR=0), and its A/B; ahead: target-only
+# rounds through the services (random SmolLM2) with the verifier's decode steps run ahead and
+# without;
 # steps: target-only rounds through the services with plain rounds of 1, 2, 4 and 8 decode steps;
 # eagle: bench/gpu_e2e.py with an 8B target and an 8B-shaped random EAGLE-3 head; split: a
 # round's cost outside the engines (bench/wire_rounds.py, bench/lane_rows.py, and
@@ -614,6 +615,19 @@ for part in "${parts[@]}"; do
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16
       run draft_host python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16 --host-expansion ;;
+    advancing)  # self-advancing decode steps (SPECSPLIT_ADVANCING_DECODE=1, off by default
+      # until this runs: verifier/advancing.py): their GPU tests, then target-only rounds through
+      # the services (random SmolLM2, `up`'s defaults) at batch $ADV_BATCHES (default 8 32),
+      # off / on / off / on, three runs of 256 tokens a stream each per `up`
+      run advancing_tests python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_advancing_decode_gpu.py
+      random_smollm2
+      for pass in 0 1 0b 1b; do
+        SPECSPLIT_ADVANCING_DECODE=${pass:0:1} run "advancing$pass" python3 \
+          bench/profile_services.py --model /tmp/smollm2_random "${devices[@]}" \
+          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch ${ADV_BATCHES:-8 32} --max-new-tokens 256 --top 0 --target-only --repeat 3
+      done ;;
     head-small)  # the EAGLE-3 head's steps through the small-linear kernels
       # (SPECSPLIT_HEAD_SMALL_LINEAR=1, off by default until this runs): its GPU tests, then a
       # draft round in process (random SmolLM2 + the shipped head) unfused / fused / unfused /
@@ -649,9 +663,9 @@ for part in "${parts[@]}"; do
         --verify-n --verify-batch --steps 20 --no-hf --prefill 20 60 120 200
       run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
         --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
-    small)  # the fused small-linear layer path (off by default): every GPU test with it on,
-      # then the engine step and its profile with it off and on
-      SPECSPLIT_SMALL_LINEAR=1 run small_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    small)  # the fused small-linear layer path (on by default, up to 16 rows): every GPU test
+      # with it off, then the engine step and its profile with it off and on
+      SPECSPLIT_SMALL_LINEAR=0 run small_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
       for small in 0 1; do
         SPECSPLIT_SMALL_LINEAR=$small run "engine_smollm2_small$small" python3 bench/gpu_engine.py \
           --shape smollm2-135m --batch 1 8 --verify-n 8 --verify-batch 1 --steps 50 --no-hf
@@ -659,9 +673,10 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --batch 1 --n 0 8
       done ;;
     broadcast)  # the small-linear broadcast path above 4 rows (a bench's switch,
-      # $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS: 8 / 16 / 32 move the default path's limit with
-      # it): its GPU tests at 32, then the engine step in process at batch 1 / 8 / 16 / 32
-      # (rounds of 4 decode steps run ahead) with the limit at 4 (the default), 8, 16 and 32
+      # $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS: 8 / 16 / 32 rows on it, not on tensor cores; 32
+      # also moves the small path's limit to 32): its GPU tests at 32, then the engine step in
+      # process at batch 1 / 8 / 16 / 32 (rounds of 4 decode steps run ahead) with the limit at
+      # 4 (the default), 8, 16 and 32
       SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 run broadcast_tests python3 -m pytest -q \
         -p no:cacheprovider tests/gpu/test_small_linear_gpu.py
       for rows in 4 8 16 32; do
@@ -672,9 +687,9 @@ for part in "${parts[@]}"; do
     tiles)  # the small-linear kernels' tensor-core tiles swept at 8 / 16 / 32 rows against
       # cuBLAS's GEMM alone (bench/small_linear_tiles.py, each call's weights from HBM, at most
       # $TILES_SECONDS, default 200), the kernels' GPU tests with the best tile up to 32 rows,
-      # then the engine step in process at batch 8 / 16 / 32: the default path (unfused above
-      # 4 rows) against the small path up to 32 rows on tensor cores with the sweep's best tile
-      # (SPECSPLIT_SMALL_LINEAR=1, _DOT_ROWS=32, _DOT_TILES)
+      # then the engine step in process at batch 8 / 16 / 32: the default path (tensor cores to
+      # 16 rows, unfused above) against the small path up to 32 rows on tensor cores with the
+      # sweep's best tile (SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32, _DOT_TILES)
       run small_linear_tiles python3 bench/small_linear_tiles.py --max-seconds ${TILES_SECONDS:-200}
       best=$(awk '$1 == "BEST_TILES" && $2 == "all" {print $3}' "$out/small_linear_tiles.txt")
       echo "== the best tile over all rows: ${best:-none (the built-in 16,128,4,4 below)}"
@@ -684,7 +699,7 @@ for part in "${parts[@]}"; do
       engine=(python3 bench/gpu_engine.py --shape smollm2-135m --batch 8 16 32 --verify-n
         --verify-batch --steps 100 --no-hf --decode-ahead)
       run engine_tiles_default "${engine[@]}"
-      SPECSPLIT_SMALL_LINEAR=1 SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 \
+      SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 \
         SPECSPLIT_SMALL_LINEAR_DOT_TILES=${best:-16,128,4,4} run engine_tiles_best \
         "${engine[@]}" ;;
     pdl)  # programmatic dependent launch (SPECSPLIT_PDL=1, triton_jit.pdl): its GPU tests (bit
@@ -695,8 +710,9 @@ for part in "${parts[@]}"; do
       # rows, PDL on tensor cores too (their dependents launched at once, or after the K loop,
       # with and without the prefetch), the small path to 32 rows ($PDL_VARIANTS replaces them)
       run pdl_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py
-      SPECSPLIT_PDL=1 run pdl_kernel_tests python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_small_linear_gpu.py tests/gpu/test_paged_attention_gpu.py
+      run pdl_kernel_tests python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_small_linear_gpu.py tests/gpu/test_paged_attention_gpu.py \
+        tests/gpu/test_rope_store_gpu.py
       read -ra variants <<<"${PDL_VARIANTS:-base= nopdl=pdl=0 unfused=rows=4 dotpdl=pdl_dot=1 \
         dotpdl-late=pdl_dot=1,late=1 dotpdl-late-nopf=pdl_dot=1,late=1,prefetch=0 small32=rows=32}"
       run step_ab python3 bench/step_ab.py --shape smollm2-135m --batch ${PDL_BATCHES:-1 8 16 32} \

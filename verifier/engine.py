@@ -28,11 +28,13 @@ from specsplit.messages import (
     truncate_each,
 )
 from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.decode_graphs import AdvancingDecode
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
 from specsplit.step import build_forward_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
+from verifier.advancing import ADVANCING_DECODE, commit_advanced, launch_advancing
 from verifier.chain import (
     Chain,
     place_accept,
@@ -164,6 +166,11 @@ class VerifierEngine(RunAhead):
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
         self._held: dict[str, int] = {}
+        # a round's further greedy decode steps queued at its launch, advancing themselves on
+        # the device (verifier/advancing.py; $SPECSPLIT_ADVANCING_DECODE=1, with CUDA graphs)
+        self.advancing: AdvancingDecode | None = None
+        if ADVANCING_DECODE and graph_query_lens and self.device.type == "cuda":
+            self.advancing = AdvancingDecode(model, kv, max_context, max_batch_size)
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -320,7 +327,11 @@ class VerifierEngine(RunAhead):
         self.hints.round_finished(launched.inputs, outputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         ready = started  # where the wait for the next round starts: the results' read
-        if further:
+        if launched.advanced is not None:  # queued at the launch: their tokens committed
+            in_parts_order = [outputs[i] for i in launched.order]
+            launched.device_ns += commit_advanced(launched.advanced, in_parts_order)
+            ready = time.perf_counter_ns()
+        elif further:
             with on_device(self.device):
                 launched.device_ns += self._decode_further(launched.inputs, outputs)
             ready = time.perf_counter_ns()  # the round's results are its last step's
@@ -465,16 +476,24 @@ class VerifierEngine(RunAhead):
         # the next decode step goes to the device before this round is waited for: the GPU
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
-        ahead = None
+        ahead = advanced = None
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
-        if self.decode_ahead and not self._in_flight and not hinted:
+        own_next = all(item.decode_steps > 1 for item in inputs)
+        run_ahead = self.decode_ahead or self.advancing is not None
+        if run_ahead and not self._in_flight and not hinted:
             bonus = [self._bonus_tokens(part) for part in parts]
-            own_next = all(item.decode_steps > 1 for item in inputs)
-            ahead = self._launch_ahead(parts, bonus, capped=not own_next)
-            if ahead is not None:  # behind a step run ahead before the request (the trip)
-                ahead.on_request = not validated and taken is not None and not others
+            if own_next and not validated and self.advancing is not None:
+                # the round's further steps queued now, advancing on the device
+                ordered = [inputs[i] for i in [*positions, *others]]  # as the parts give them
+                advanced = launch_advancing(
+                    self.advancing, self.kv, self.max_context, ordered, parts, bonus
+                )
+            if advanced is None and self.decode_ahead:
+                ahead = self._launch_ahead(parts, bonus, capped=not own_next)
+                if ahead is not None:  # behind a step run ahead before the request (the trip)
+                    ahead.on_request = not validated and taken is not None and not others
         self._end_wait(item.seq_id for item in inputs)
-        return VerifyRound(inputs, [*positions, *others], parts, ahead)
+        return VerifyRound(inputs, [*positions, *others], parts, ahead, advanced=advanced)
 
     @torch.inference_mode()
     def _finish_round(self, launched: VerifyRound, further: bool = False) -> list[VerifyOutput]:

@@ -384,9 +384,9 @@ def _rows_switch(name: str, default: str, allowed: tuple[str, ...]) -> int:
 def _broadcast_rows() -> int:
     """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS (a developer's switch, for benches: 1, 2, 4, 8, 16
     or 32; default 4). Up to 4 rows the broadcast path beat the unfused layer on an H100; 5-16
-    rows on tensor cores were slower than it (module docstring: their 16-column tiles make too
-    few programs to read the weights in parallel, where the broadcast path's 4 columns make
-    four times as many). Above 4 rows it loses to the unfused layer (H200, SmolLM2 decode step
+    rows on tensor cores were slower than it there (module docstring), and are 0.91-0.94x the
+    unfused step on an H200 with RoPE fused in (the default since: `_dot_rows`). Above 4 rows
+    the broadcast path loses to the unfused layer (H200, SmolLM2 decode step
     in process: 1.17 / 2.62 / 8.12 ms at batch 8 / 16 / 32 against 1.02 / 1.08 / 1.15 ms;
     bench/RESULTS.md, fiftieth session), so 4 stays the default."""
     return _rows_switch(
@@ -506,7 +506,7 @@ def _launch(
     if rope is not None:
         num_kv_heads, head_dim = rope.k_cache.shape[1], rope.k_cache.shape[2]
         num_heads = rope.num_heads
-        _check_rope(x, weight, rope, interpret)
+        _check_rope(op, x, weight, rope, interpret)
         out = torch.empty(num_rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
@@ -535,16 +535,18 @@ def _launch(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages, PDL=dependent, PREFETCH_LINES=prefetch,
-        LINE_ELEMS=line_elems, TRIGGER_LATE=tiles.use_dot and PDL_TRIGGER_LATE,
+        LINE_ELEMS=line_elems, TRIGGER_LATE=dependent and tiles.use_dot and PDL_TRIGGER_LATE,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
         **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
     return out
 
 
-def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, interpret: bool) -> None:
+def _check_rope(
+    op: str, x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, interpret: bool
+) -> None:
     def fail(what: str) -> NoReturn:
-        raise ValueError(f"norm_linear_rope_store: {what}")
+        raise ValueError(f"{op}: {what}")
 
     num_rows = x.shape[0]
     k_cache, v_cache = rope.k_cache, rope.v_cache
@@ -568,7 +570,7 @@ def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, interpre
              f"{[t.dtype for t in tensors]}")  # fmt: skip
     if any(t.stride(-1) != 1 for t in tensors):
         fail(f"last dims must be contiguous, strides {[t.stride() for t in tensors]}")
-    check_device("norm_linear_rope_store", [x, *tensors, rope.slot_mapping], interpret)
+    check_device(op, [x, *tensors, rope.slot_mapping], interpret)
 
 
 def norm_linear(

@@ -11,13 +11,13 @@ module global, bound by `jit`) and caches its jitted kernels per `interpreting()
 Programmatic dependent launch (PDL, Hopper and later: `pdl`): a kernel launched with it may start
 while the kernel before it in the stream still runs; it reads nothing that kernel may write until
 `tl.extra.cuda.gdc_wait()` returns (that kernel finished, its writes visible). The decode path's
-kernels (small_linear, paged_attention, rope_store) take a `PDL` constexpr: with it every program calls
-`gdc_launch_dependents()` first (the next kernel may launch once all of them have) and then
-`gdc_wait()` before its first load of anything a kernel writes; only constant weights may be
-touched before (small_linear's L2 prefetch). Every program waits, also one with nothing to do:
-a kernel that ended before its predecessor would let the kernel after it pass its own wait
-early. So a decoder layer's launches overlap their ramps and a projection's weight reads the
-kernel before it, where kernel launches and memory latency bound a small model's step.
+kernels (small_linear, paged_attention, rope_store) take a `PDL` constexpr: with it every
+program calls `gdc_launch_dependents()` first (the next kernel may launch once all of them
+have) and then `gdc_wait()` before its first load of anything a kernel writes; only constant
+weights may be touched before (small_linear's L2 prefetch). Every program waits, also one with
+nothing to do: a kernel that ended before its predecessor would let the kernel after it pass
+its own wait early. So a decoder layer's launches overlap their ramps and a projection's weight
+reads the kernel before it, where kernel launches and memory latency bound a small model's step.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def pdl(device: torch.device) -> bool:
     """Whether a launch on `device` uses programmatic dependent launch (module docstring): the
     switch is on, the device is a CUDA GPU of compute capability 9.0 or later, and the kernel
     is compiled (the interpreter runs kernels one after another anyway)."""
-    if PDL_SWITCH != "1" or device.type != "cuda" or interpreting():
+    if PDL_SWITCH != "1" or device.type != "cuda" or torch.version.hip or interpreting():
         return False
     return _capability(device) >= 9
 

@@ -6,6 +6,7 @@ eagerly. Skipped where there is no GPU (CI)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,14 +79,23 @@ def test_drafter_graph_rounds_equal_target_greedy(
 def test_head_small_linear_rounds_equal_target_greedy(
     models, smollm2_tokenizer, spec: SpecParams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The EAGLE-3 head's steps through the small-linear kernels (SPECSPLIT_HEAD_SMALL_LINEAR=1):
-    the target's greedy output, from graphs, the same drafts as those steps run eagerly, and as
-    many tokens a round as the unfused head's within bf16's reach (the drafts may part on a
-    near tie)."""
+    """The EAGLE-3 head's steps through the small-linear kernels (SPECSPLIT_HEAD_SMALL_LINEAR=1,
+    float32 here): they ran, the target's greedy output, from graphs, the same drafts as those
+    steps run eagerly, and about as many drafts accepted as the unfused head's (its GEMMs sum
+    in another order)."""
     expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
+    monkeypatch.setattr(eagle, "HEAD_SMALL_LINEAR", False)
     _, unfused_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, True)
     monkeypatch.setattr(eagle, "HEAD_SMALL_LINEAR", True)
+    layer_small, ran = eagle.Eagle3Head._layer_small, []
+
+    def spy(self: eagle.Eagle3Head, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        ran.append(x.shape[0])
+        return layer_small(self, x, *args)
+
+    monkeypatch.setattr(eagle.Eagle3Head, "_layer_small", spy)
     got, stats, replays = _run(models, smollm2_tokenizer, "eagle3", spec, True)
+    assert ran, "the head's small-linear path did not run"
     assert got == expected
     assert replays > 0
     _, eager_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, False)

@@ -23,7 +23,14 @@ from specsplit.model import llama
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from tests.forward_steps import causal_step, make_batch, new_seqs
-from tests.gpu.test_small_linear_gpu import EPS, OPS, make_inputs, run, smollm2_layers
+from tests.gpu.test_small_linear_gpu import (
+    EPS,
+    OPS,
+    make_inputs,
+    rope_inputs,
+    run,
+    smollm2_layers,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -32,12 +39,15 @@ pytestmark = pytest.mark.skipif(
 T = TypeVar("T")
 
 
-@pytest.fixture(params=["prefetch", "wait-first", "trigger-late"])
+@pytest.fixture(params=["default", "prefetch", "wait-first", "trigger-late"])
 def pdl_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Programmatic dependent launch on, the tensor-core path's launches too (a bench's switch),
-    small_linear's weights prefetched to L2 or not, the tensor-core launches' dependents let
-    start at once or after their K loop."""
+    """Programmatic dependent launch on: as shipped ("default": the tensor-core launches without
+    it), or the tensor-core path's launches with it too (a bench's switch), small_linear's
+    weights prefetched to L2 or not, the tensor-core launches' dependents let start at once or
+    after their K loop."""
     monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
+    if request.param == "default":
+        return
     monkeypatch.setattr(sl, "PDL_ON_TENSOR_CORES", True)
     monkeypatch.setattr(sl, "PREFETCH", request.param != "wait-first")
     monkeypatch.setattr(sl, "PDL_TRIGGER_LATE", request.param == "trigger-late")
@@ -53,10 +63,28 @@ def without_pdl(fn: Callable[[], T]) -> T:
 
 
 @pytest.mark.parametrize("num_rows", [1, 4, 9, 16])
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("op", [*OPS, "qkv_rope_store", "qkv_rope_store_normed"])
 def test_small_linear_with_pdl_is_bitwise_without(pdl_on: None, op: str, num_rows: int) -> None:
+    """Each op's PDL build (and its RoPE + K/V store: q and the cache) against the launch
+    without PDL, on inputs made before (the races are the chain test's)."""
     assert triton_jit.pdl(torch.device("cuda"))
     inputs = make_inputs(num_rows, bias=True)
+    if op.startswith("qkv_rope_store"):
+        caches = [torch.zeros(2, 64, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in "ab"]
+
+        def qkv(cache: torch.Tensor) -> torch.Tensor:
+            rope = rope_inputs(num_rows, cache)
+            x, weight, bias = inputs["hidden"], inputs["qkv"], inputs["qkv_bias"]
+            assert x is not None and weight is not None
+            if op.endswith("normed"):
+                norm = inputs["norm_weight"]
+                assert norm is not None
+                return sl.norm_linear_rope_store(x, norm, EPS, weight, bias, rope)
+            return sl.linear_rope_store(x, weight, bias, rope)
+
+        want = without_pdl(lambda: qkv(caches[1]))
+        assert torch.equal(qkv(caches[0]), want) and torch.equal(caches[0], caches[1])
+        return
     want = without_pdl(lambda: run(op, inputs))
     assert torch.equal(run(op, inputs), want)
 
@@ -92,8 +120,10 @@ def test_dependent_chain_in_a_graph_is_bitwise_without_pdl(pdl_on: None) -> None
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_attention_with_pdl_is_bitwise_without(pdl_on: None, num_splits: int) -> None:
-    """Decode at batch 4 over 300 keys a sequence, GQA 3, in a graph behind a kernel that writes
-    its queries: equal to the launches without PDL (single pass and split with its merge)."""
+    """Decode at batch 4 over 300 keys a sequence, GQA 3, in a graph behind the PDL kernel that
+    writes its queries (a 4-row o_proj-shaped small-linear launch, which lets its dependent
+    start at once): equal to the launches without PDL (single pass and split with its
+    merge)."""
     gen = torch.Generator().manual_seed(0)
     num_seqs, kv_len, page = 4, 300, 16
     pages = -(-kv_len // page)
@@ -109,10 +139,11 @@ def test_paged_attention_with_pdl_is_bitwise_without(pdl_on: None, num_splits: i
         "block_table": block_table.to(torch.int32),
     }
     meta = {name: t.cuda() for name, t in meta.items()}
-    source = torch.randn(num_seqs, 9, 64, generator=gen).to("cuda", torch.bfloat16)
+    source = torch.randn(num_seqs, 9 * 64, generator=gen).to("cuda", torch.bfloat16)
+    weight = (torch.randn(9 * 64, 9 * 64, generator=gen) / 24).to("cuda", torch.bfloat16)
 
     def step() -> torch.Tensor:
-        q = source * 2  # written by the kernel before
+        q = sl.linear_residual(source, weight, None, source).view(num_seqs, 9, 64)
         return paged_attention(
             q, k_cache, v_cache, meta["cu_seqlens_q"], meta["kv_lens"], meta["prefix_lens"],
             meta["block_table"], page, None, 1, 0.125, num_splits=num_splits,
@@ -123,25 +154,28 @@ def test_paged_attention_with_pdl_is_bitwise_without(pdl_on: None, num_splits: i
     with torch.cuda.graph(graph):
         out = step()
     for seed in (1, 2):
-        source.copy_(torch.randn(num_seqs, 9, 64, generator=gen).to("cuda", torch.bfloat16))
+        source.copy_(torch.randn(num_seqs, 9 * 64, generator=gen).to("cuda", torch.bfloat16))
         graph.replay()
         assert torch.equal(out, without_pdl(step)), seed
 
 
 def test_rope_store_with_pdl_is_bitwise_without(pdl_on: None) -> None:
-    """RoPE + K/V store at 12 rows (SmolLM2's heads), behind a kernel that writes its q, k and
-    v: q and the cache as the launch without PDL leaves them."""
+    """RoPE + K/V store at 4 rows (SmolLM2's heads), behind the PDL kernel that writes its q, k
+    and v (a 4-row small-linear launch, its dependent let start at once): q and the cache as
+    the launches without PDL leave them."""
     gen = torch.Generator().manual_seed(0)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=gen)).to("cuda", torch.bfloat16)
 
-    source, cos, sin = randn(12, 15, 64), randn(12, 64), randn(12, 64)
-    slots = torch.randperm(40, generator=gen)[:12].cuda()
+    source, weight = randn(4, 576), randn(15 * 64, 576, scale=576**-0.5)
+    norm = 1 + randn(576, scale=0.1)
+    cos, sin = randn(4, 64), randn(4, 64)
+    slots = torch.randperm(40, generator=gen)[:4].cuda()
     caches = [torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
 
     def step(cache: torch.Tensor) -> torch.Tensor:
-        qkv = source * 2  # written by the kernel before
+        qkv = sl.norm_linear(source, norm, EPS, weight).view(4, 15, 64)
         q, k, v = qkv.split([9, 3, 3], dim=1)
         return rope_store(q, k, v, cos, sin, cache[0], cache[1], slots)
 

@@ -95,6 +95,43 @@ def test_kernel_matches_reference(op: str, num_rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+def rope_inputs(num_rows: int, cache: torch.Tensor) -> sl.RopeStore:
+    """SmolLM2's RoPE at positions 5.. and `cache` ([2, 64 slots, 3 KV heads, 64]), the rows'
+    slots scattered over it."""
+    gen = torch.Generator().manual_seed(num_rows)
+    angles = torch.arange(5, 5 + num_rows)[:, None] * torch.rand(32, generator=gen)[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = (t.to("cuda", torch.bfloat16) for t in (emb.cos(), emb.sin()))
+    slots = torch.randperm(64, generator=gen)[:num_rows].cuda()
+    return sl.RopeStore(cos, sin, cache[0], cache[1], slots, 9)
+
+
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("num_rows", [1, 4, 9, 16])
+def test_qkv_rope_store_matches_reference(num_rows: int, normed: bool) -> None:
+    """norm_linear_rope_store and linear_rope_store (an EAGLE head's: no norm) in bfloat16: q
+    and the cache rows the reference writes, every other slot untouched."""
+    inputs = make_inputs(num_rows, bias=True)
+    x, weight, bias, norm = (
+        inputs["hidden"],
+        inputs["qkv"],
+        inputs["qkv_bias"],
+        inputs["norm_weight"],
+    )
+    assert x is not None and weight is not None and norm is not None
+    caches = [torch.randn(2, 64, 3, 64).to("cuda", torch.bfloat16) for _ in "ab"]
+    caches[1].copy_(caches[0])
+    got_rope, want_rope = (rope_inputs(num_rows, cache) for cache in caches)
+    if normed:
+        got = sl.norm_linear_rope_store(x, norm, EPS, weight, bias, got_rope)
+        want = sl.norm_linear_rope_store_reference(x, norm, EPS, weight, bias, want_rope)
+    else:
+        got = sl.linear_rope_store(x, weight, bias, got_rope)
+        want = sl.linear_rope_store_reference(x, weight, bias, want_rope)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(caches[0], caches[1], atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.skipif(
     sl.BROADCAST_ROWS != 4, reason="the default row classes (SMALL_LINEAR_BROADCAST_ROWS)"
 )
