@@ -488,6 +488,9 @@ class VerifierEngine(RunAhead):
                 advanced = launch_advancing(
                     self.advancing, self.kv, self.max_context, ordered, parts, bonus
                 )
+                if advanced is not None and advanced.copied is not None:
+                    # the next round's idle time runs from the last step's end
+                    self._last_end = (advanced.copied, {item.seq_id for item in inputs})
             if advanced is None and self.decode_ahead:
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)
                 if ahead is not None:  # behind a step run ahead before the request (the trip)

@@ -121,5 +121,14 @@ def rehearse(engine: Engine) -> None:
         for out in engine.verify(inputs):
             tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
             committed[out.seq_id] = out.kv_committed_len
+    # a round of several decode steps (its further steps as traffic runs them: advancing on the
+    # device where that is on)
+    steps = [
+        VerifyInput(seq_id, False, committed[seq_id], ids[committed[seq_id] :], DraftTree())
+        for seq_id, ids in tokens.items()
+    ]
+    for item in steps:
+        item.decode_steps = 3
+    engine.verify(steps)
     engine.release(list(tokens))
     engine.check_integrity()
