@@ -10,6 +10,7 @@ on; off until measured on a GPU)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -24,6 +25,8 @@ from verifier.round_accept import to_host
 from verifier.rounds import Advanced, Launched, VerifierSeq
 
 ADVANCING_DECODE = os.environ.get("SPECSPLIT_ADVANCING_DECODE", "0") == "1"
+
+log = logging.getLogger(__name__)
 
 
 def launch_advancing(
@@ -41,6 +44,8 @@ def launch_advancing(
     num_steps = inputs[0].decode_steps - 1
     if not 1 <= num_steps <= advancing.max_steps:
         return None
+    if any(part.hinted or part.chain_hints is not None for part in parts):
+        return None  # (a chained round's commit trims its room: not the steps')
     for item in inputs:
         plain = not item.tree and not item.hidden_state_layers and item.sampling.greedy
         if not plain or item.decode_steps != num_steps + 1:
@@ -55,22 +60,32 @@ def launch_advancing(
     if max(ends) > max_context:
         return None
     need = sum(kv.num_new_pages(seq.kv, end) for seq, end in zip(seqs, ends, strict=True))
-    most_pages = max(-(-end // kv.page_size) for end in ends)
+    most_pages = max(
+        max(len(seq.kv.page_table), -(-end // kv.page_size))
+        for seq, end in zip(seqs, ends, strict=True)
+    )
     if need > kv.allocator.num_free or not advancing.fits(len(seqs), most_pages):
         return None
+    held = [seq.kv.kv_allocated_len for seq in seqs]
     for seq, end in zip(seqs, ends, strict=True):
         kv.reserve(seq.kv, end)
-    advancing.start(_first_step(seqs, lengths, kv.page_size), torch.cat(bonus))
-    started = copied = None
-    if kv.device.type == "cuda":
-        started = torch.cuda.Event(enable_timing=True)
-        started.record(torch.cuda.current_stream(kv.device))
-    for _ in range(num_steps):
-        advancing.step()
-    host = to_host(advancing.tokens(num_steps))
-    if kv.device.type == "cuda":
-        copied = torch.cuda.Event(enable_timing=True)
-        copied.record(torch.cuda.current_stream(kv.device))
+    try:
+        started = copied = None
+        if kv.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(kv.device))
+        advancing.start(_first_step(seqs, lengths, kv.page_size), torch.cat(bonus))
+        for _ in range(num_steps):
+            advancing.step()
+        host = to_host(advancing.tokens(num_steps))
+        if kv.device.type == "cuda":
+            copied = torch.cuda.Event(enable_timing=True)
+            copied.record(torch.cuda.current_stream(kv.device))
+    except Exception:  # the round goes on step by step: its room as it was
+        log.exception("a round's advancing decode steps failed to launch")
+        for seq, length in zip(seqs, held, strict=True):
+            kv.trim(seq.kv, length)
+        return None
     return Advanced(seqs, num_steps, host, copied, started)
 
 

@@ -51,6 +51,7 @@ from verifier.round_accept import (
     to_host,
 )
 from verifier.rounds import (
+    Advanced,
     Launched,
     VerifierSeq,
     VerifyRound,
@@ -320,6 +321,12 @@ class VerifierEngine(RunAhead):
         try:
             with on_device(self.device):
                 outputs = self._finish_round(launched)
+        except BaseException:
+            if launched.advanced is not None:  # its steps' room back (stream-ordered writes
+                for seq in launched.advanced.seqs:  # into freed pages, as a dropped step's)
+                    if self.seqs.get(seq.seq_id) is seq:
+                        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+            raise
         finally:
             self._in_flight.remove(launched)
         # the results read and committed (not a round's further decode steps, nor a launch)
@@ -330,6 +337,9 @@ class VerifierEngine(RunAhead):
         if launched.advanced is not None:  # queued at the launch: their tokens committed
             in_parts_order = [outputs[i] for i in launched.order]
             launched.device_ns += commit_advanced(launched.advanced, in_parts_order)
+            if self._ahead is not None and self._ahead is launched.ahead:  # its inputs as
+                for item, out in zip(self._ahead.inputs, in_parts_order, strict=True):
+                    item.pending_tokens = [out.bonus_token]  # the gateway will send them
             ready = time.perf_counter_ns()
         elif further:
             with on_device(self.device):
@@ -479,24 +489,40 @@ class VerifierEngine(RunAhead):
         ahead = advanced = None
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         own_next = all(item.decode_steps > 1 for item in inputs)
-        run_ahead = self.decode_ahead or self.advancing is not None
-        if run_ahead and not self._in_flight and not hinted:
+        advance = own_next and not validated and self.advancing is not None
+        if (self.decode_ahead or advance) and not self._in_flight and not hinted:
             bonus = [self._bonus_tokens(part) for part in parts]
-            if own_next and not validated and self.advancing is not None:
-                # the round's further steps queued now, advancing on the device
+            if advance:  # the round's further steps queued now, advancing on the device
                 ordered = [inputs[i] for i in [*positions, *others]]  # as the parts give them
-                advanced = launch_advancing(
-                    self.advancing, self.kv, self.max_context, ordered, parts, bonus
-                )
-                if advanced is not None and advanced.copied is not None:
-                    # the next round's idle time runs from the last step's end
-                    self._last_end = (advanced.copied, {item.seq_id for item in inputs})
+                advanced, ahead = self._advance(ordered, parts, bonus)
             if advanced is None and self.decode_ahead:
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)
-                if ahead is not None:  # behind a step run ahead before the request (the trip)
-                    ahead.on_request = not validated and taken is not None and not others
+            if ahead is not None:  # behind a step run ahead before the request (the trip)
+                ahead.on_request = not validated and taken is not None and not others
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead, advanced=advanced)
+
+    def _advance(
+        self, ordered: list[VerifyInput], parts: list[Launched], bonus: list[torch.Tensor]
+    ) -> tuple[Advanced | None, Launched | None]:
+        """A round's further decode steps queued behind its first (`parts`, their bonus tokens
+        on the device; `ordered`: the round's inputs as the parts give them), advancing on the
+        device (verifier/advancing.py), and behind them the gateway's next round's first step
+        where decode steps run ahead (its input tokens the last step's): (None, None) where
+        they do not qualify."""
+        assert self.advancing is not None
+        advanced = launch_advancing(
+            self.advancing, self.kv, self.max_context, ordered, parts, bonus
+        )
+        if advanced is None:
+            return None, None
+        if advanced.copied is not None:  # the next round's idle time runs from the last step
+            self._last_end = (advanced.copied, {item.seq_id for item in ordered})
+        ahead = None
+        if self.decode_ahead:
+            last = [self.advancing.tokens(advanced.num_steps)[-1]]
+            ahead = self._launch_ahead(parts, last, capped=True, extra=advanced.num_steps)
+        return advanced, ahead
 
     @torch.inference_mode()
     def _finish_round(self, launched: VerifyRound, further: bool = False) -> list[VerifyOutput]:

@@ -1,9 +1,11 @@
 """A round's further greedy decode steps queued at its launch as self-advancing steps
 (verifier/advancing.py, specsplit/model/decode_graphs.py; the CPU runs their body eagerly,
 tests/gpu/test_advancing_decode_gpu.py replays their CUDA graphs): the tokens, committed KV and
-pages of one-step rounds, with and without a step run ahead before the round; rounds that do not
-qualify (unequal steps, sampled, no room for every step, past the context) run step by step with
-the same tokens; a round's pages come back on release."""
+pages of one-step rounds, with and without a step run ahead before the round, over a round of
+two parts and three sequences; the next round's step runs ahead behind them and is taken;
+rounds that do not qualify (unequal steps, sampled, no room for every step, past the context)
+or whose steps fail to launch run step by step with the same tokens; a round's pages come back
+on release."""
 
 from __future__ import annotations
 
@@ -128,3 +130,65 @@ def test_no_room_for_every_step_runs_the_round_step_by_step(
     reference.decode("b", rounds=12 - 4)
     assert driver.tokens["b"] == reference.tokens["b"]
     _release(driver, reference)
+
+
+def test_the_next_rounds_step_runs_ahead_after_the_advanced_steps(
+    target_dir: Path, device: str, advanced: list[int]
+) -> None:
+    """With decode-ahead, behind a round's advancing steps the gateway's next round's first step
+    runs ahead (its input the last step's token), and the next round takes it."""
+    single = Driver(_engine(target_dir, True, device))
+    steps = _advancing(target_dir, device, True)
+    for driver in (single, steps):
+        driver.begin("a", "b")
+    steps.round(dict.fromkeys("ab", DraftTree()), steps={"a": 4, "b": 4})
+    assert advanced == [3] and steps.engine._ahead is not None
+    used = steps.engine.num_ahead_used
+    steps.decode("a", "b", rounds=2)
+    assert steps.engine.num_ahead_used == used + 2 and steps.engine.num_ahead_dropped == 0
+    single.decode("a", "b", rounds=6)
+    _same(single, steps)
+    _release(single, steps)
+
+
+def test_a_round_of_two_parts_and_three_sequences_advances(
+    target_dir: Path, device: str, advanced: list[int]
+) -> None:
+    """A round whose first step is a step run ahead for "a" and a launch of its own for "b" and
+    "c" (two parts, three sequences: a bucket of 4 with a padding row on a GPU) advances over
+    all three, with the tokens and KV of one-step rounds."""
+    single = Driver(_engine(target_dir, True, device))
+    steps = _advancing(target_dir, device, True)
+    for driver in (single, steps):
+        driver.begin("a")
+        driver.begin("b", "c")
+        driver.decode("a", rounds=1)  # "a"'s next step runs ahead, not "b"'s and "c"'s
+    outputs = steps.round(dict.fromkeys("abc", DraftTree()), steps=dict.fromkeys("abc", 5))
+    assert advanced == [4] and [len(o.decoded_tokens) for o in outputs] == [4, 4, 4]
+    single.decode("a", "b", "c", rounds=5)
+    _same(single, steps)
+    _release(single, steps)
+
+
+def test_a_failed_launch_of_the_steps_runs_the_round_step_by_step(
+    target_dir: Path, device: str, advanced: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where queuing the advancing steps fails, the round runs step by step with the same
+    tokens, and the room reserved for them goes back."""
+    single, steps = (
+        Driver(_engine(target_dir, False, device)),
+        _advancing(target_dir, device, False),
+    )
+    assert steps.engine.advancing is not None
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a replay failed")
+
+    monkeypatch.setattr(steps.engine.advancing, "start", broken)
+    for driver in (single, steps):
+        driver.begin("a", "b")
+    steps.round(dict.fromkeys("ab", DraftTree()), steps={"a": 6, "b": 6})
+    single.decode("a", "b", rounds=6)
+    assert advanced == []
+    _same(single, steps)
+    _release(single, steps)
