@@ -126,9 +126,10 @@ class AdvancingDecode:
         assert num_steps <= self.max_steps, (num_steps, self.max_steps)
         return self.tokens_out[:num_steps, : self.num_seqs]
 
-    @torch.inference_mode()
     def _step(self, batch: ForwardBatch) -> None:
-        """The captured body: forward, argmax, the next step's inputs in place."""
+        """The captured body: forward, argmax, the next step's inputs in place (captured in the
+        grad mode the target's other graphs are, CudaGraphRunner's: their compiled kernels
+        serve both)."""
         bs = batch.num_seqs
         logits = self.model(batch, self.kv).logits  # [bs, vocab] float32: every row's
         tokens = logits.argmax(dim=-1)  # [bs] the bonus tokens (a decode step's acceptance)
