@@ -170,6 +170,7 @@ class VerifierEngine(RunAhead):
         # a round's further greedy decode steps queued at its launch, advancing themselves on
         # the device (verifier/advancing.py; $SPECSPLIT_ADVANCING_DECODE=1, with CUDA graphs)
         self.advancing: AdvancingDecode | None = None
+        self.on_advanced: Callable[[int], None] | None = None  # the tokens each such round made
         if ADVANCING_DECODE and graph_query_lens and self.device.type == "cuda":
             self.advancing = AdvancingDecode(model, kv, max_context, max_batch_size)
         self.graph_query_lens = graph_query_lens
@@ -337,6 +338,8 @@ class VerifierEngine(RunAhead):
         if launched.advanced is not None:  # queued at the launch: their tokens committed
             in_parts_order = [outputs[i] for i in launched.order]
             launched.device_ns += commit_advanced(launched.advanced, in_parts_order)
+            if self.on_advanced is not None:
+                self.on_advanced(launched.advanced.num_steps * len(in_parts_order))
             if self._ahead is not None and self._ahead is launched.ahead:  # its inputs as
                 for item, out in zip(self._ahead.inputs, in_parts_order, strict=True):
                     item.pending_tokens = [out.bonus_token]  # the gateway will send them

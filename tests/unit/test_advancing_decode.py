@@ -65,6 +65,8 @@ def test_advanced_rounds_give_the_tokens_and_kv_of_one_step_rounds(
         Driver(_engine(target_dir, ahead, device)),
         _advancing(target_dir, device, ahead),
     )
+    made: list[int] = []  # specsplit_advanced_decode_steps_total's increments
+    steps.engine.on_advanced = made.append
     for driver in (single, steps):
         driver.begin("a", "b")
     for _ in range(2):
@@ -75,7 +77,7 @@ def test_advanced_rounds_give_the_tokens_and_kv_of_one_step_rounds(
     single.decode("b", rounds=3)
     steps.decode("a", "b", rounds=1)
     single.decode("a", "b", rounds=1)
-    assert advanced == [4, 4, 2]
+    assert advanced == [4, 4, 2] and made == [8, 8, 2]
     _same(single, steps)
     assert steps.engine.num_pages_used <= single.engine.num_pages_used + 2
     _release(single, steps)

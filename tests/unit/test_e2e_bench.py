@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
+from prometheus_client.samples import Sample
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench import e2e
 from bench.e2e import hf_runners, left_padded, prompt_groups, through_eos
 
 EOS = 7  # the tiny model below draws it first after the third prompt, not after the others
@@ -77,3 +80,22 @@ def test_with_ignore_eos_every_row_runs_to_max_new_tokens_past_its_eos() -> None
                 assert len(whole) == 12
                 assert whole[: len(cut)] == cut
     assert stopped([prompts[0]])[0][0] == [EOS]  # (that prompt's first token is the EOS)
+
+
+def test_scrape_totals_keeps_the_unlabelled_counters_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The further decode steps' tokens and the self-advancing steps' (unlabelled counters) are
+    kept by name; other unlabelled counters are not, labelled ones by their label."""
+    samples = [
+        ("gateway", Sample("specsplit_decoded_tokens_total", {}, 12.0)),
+        ("verifier", Sample("specsplit_advanced_decode_steps_total", {}, 9.0)),
+        ("gateway", Sample("specsplit_generated_tokens_total", {}, 40.0)),
+        ("verifier", Sample("specsplit_decode_ahead_total", {"outcome": "used"}, 3.0)),
+    ]
+    monkeypatch.setattr(e2e, "_samples", lambda: iter(samples))
+    assert e2e.scrape_totals() == {
+        ("gateway", "specsplit_decoded_tokens_total"): 12.0,
+        ("verifier", "specsplit_advanced_decode_steps_total"): 9.0,
+        ("verifier", "specsplit_decode_ahead_total:used"): 3.0,
+    }
