@@ -22,7 +22,7 @@ from specsplit.model.decode_graphs import AdvancingDecode
 from specsplit.step import build_forward_batch, verify_step
 from specsplit.tree import DraftTree
 from verifier.round_accept import to_host
-from verifier.rounds import Advanced, Launched, VerifierSeq
+from verifier.rounds import Advanced, Launched, VerifierSeq, committed_as
 
 ADVANCING_DECODE = os.environ.get("SPECSPLIT_ADVANCING_DECODE", "0") == "1"
 
@@ -93,14 +93,8 @@ def _first_step(seqs: list[VerifierSeq], lengths: list[int], page_size: int) -> 
     """The first further step's batch (host tensors): one token a sequence at storage and
     position `lengths` (its input id a placeholder: the device's bonus token replaces it), the
     sequences' whole page tables. Built at the lengths the first step's commit will leave."""
-    before = [seq.kv.kv_committed_len for seq in seqs]
-    try:
-        for seq, length in zip(seqs, lengths, strict=True):
-            seq.kv.kv_committed_len = length
+    with committed_as(seqs, lengths):
         steps = [verify_step(seq.kv, [0], DraftTree(), [0]) for seq in seqs]
-    finally:
-        for seq, length in zip(seqs, before, strict=True):
-            seq.kv.kv_committed_len = length
     return build_forward_batch(steps, page_size)[0]
 
 

@@ -7,6 +7,8 @@ what makes a round's inputs valid (`validate_round`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,20 @@ class Launched:
             if item.hidden_state_layers:
                 row += len(item.pending_tokens) + result[0]
         return [starts[i] for i in self.rows]
+
+
+@contextmanager
+def committed_as(seqs: list[VerifierSeq], lengths: list[int]) -> Iterator[None]:
+    """Each sequence's kv_committed_len as `lengths` inside the block, as it was after: a round
+    built on a commit not made yet (the round in flight's, or the outcome guessed for it)."""
+    before = [seq.kv.kv_committed_len for seq in seqs]
+    for seq, length in zip(seqs, lengths, strict=True):
+        seq.kv.kv_committed_len = length
+    try:
+        yield
+    finally:
+        for seq, length in zip(seqs, before, strict=True):
+            seq.kv.kv_committed_len = length
 
 
 @dataclass(eq=False)

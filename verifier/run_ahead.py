@@ -22,7 +22,15 @@ from specsplit.tree import DraftTree
 from verifier.chain import chain_inputs, chainable, joined_results
 from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
-from verifier.rounds import UNKNOWN_TOKEN, Launched, VerifierSeq, VerifyRound, decode_step, is_step
+from verifier.rounds import (
+    UNKNOWN_TOKEN,
+    Launched,
+    VerifierSeq,
+    VerifyRound,
+    committed_as,
+    decode_step,
+    is_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,23 +175,17 @@ class RunAhead:
         ]
         tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
         states = [None if seq.generator is None else seq.generator.get_state() for seq in done_seqs]
-        before = [seq.kv.kv_committed_len for seq in done_seqs]
-        for seq, length in zip(done_seqs, committed, strict=True):
-            seq.kv.kv_committed_len = length  # as the round's commit leaves it
-        try:
-            self._reserve(inputs, done_seqs)
-        except ServiceError:  # no free pages for it: nothing runs ahead
-            return None
-        else:
+        with committed_as(done_seqs, committed):  # as the round's commit leaves them
+            try:
+                self._reserve(inputs, done_seqs)
+            except ServiceError:  # no free pages for it: nothing runs ahead
+                return None
             try:
                 launched = self._launch(inputs, done_seqs, tokens)
             except Exception:  # the round itself goes on: its answer must still go out
                 log.exception("a decode step run ahead failed to launch")
                 self._undo_ahead(Launched(inputs, done_seqs, torch.empty(0), None, states))
                 return None
-        finally:
-            for seq, length in zip(done_seqs, before, strict=True):
-                seq.kv.kv_committed_len = length
         launched.generator_states = states
         return launched
 
@@ -272,26 +274,21 @@ class RunAhead:
                 VerifyInput(item.seq_id, False, committed, pending, tree or DraftTree(),
                             item.sampling, item.hidden_state_layers)
             )  # fmt: skip
-        before = [seq.kv.kv_committed_len for seq in seqs]
         pages = [len(seq.kv.page_table) for seq in seqs]  # the round in flight's room
         states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
         chained = None
-        try:
-            for seq, item in zip(seqs, items, strict=True):
-                seq.kv.kv_committed_len = item.kv_committed_len  # as that outcome leaves it
-            self._validate(items)  # a hint's trees come from the network
-            self._reserve(items, seqs)
-            table = page_tables([seq.kv for seq in seqs])  # the forward's block table's
-            packed = joined_results(launched.parts, self.device)
-            chain = chain_inputs(packed, rounds, chain_hints, table, self.kv.page_size)
-            chained = self._launch(items, seqs, chain=chain)
+        try:  # at the lengths that outcome leaves
+            with committed_as(seqs, [item.kv_committed_len for item in items]):
+                self._validate(items)  # a hint's trees come from the network
+                self._reserve(items, seqs)
+                table = page_tables([seq.kv for seq in seqs])  # the forward's block table's
+                packed = joined_results(launched.parts, self.device)
+                chain = chain_inputs(packed, rounds, chain_hints, table, self.kv.page_size)
+                chained = self._launch(items, seqs, chain=chain)
         except ServiceError:  # refused: the hint is tried again once the round finishes
             pass
         except Exception:  # the round in flight is answered all the same
             log.exception("a round chained on the gateway's hint failed to launch")
-        finally:
-            for seq, length in zip(seqs, before, strict=True):
-                seq.kv.kv_committed_len = length
         if chained is None:  # the room it reserved, if any, goes back
             for seq, num_pages in zip(seqs, pages, strict=True):
                 self.kv.trim(seq.kv, num_pages * self.kv.page_size)
