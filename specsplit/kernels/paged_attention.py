@@ -30,7 +30,14 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
+from specsplit.kernels.triton_jit import (
+    check_device,
+    interpreting,
+    jit,
+    next_power_of_2,
+    pdl,
+    pdl_launch,
+)
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
@@ -476,7 +483,7 @@ def paged_attention(
 
     attention_kernel, merge_kernel = _jitted_kernels(interpret)
     dependent = pdl(q.device)
-    launch = {"launch_pdl": True} if dependent else {}
+    launch = pdl_launch(dependent)
     grid = (num_seqs * num_q_blocks, num_kv_heads, num_splits)
     attention_kernel[grid](
         q, k_cache, v_cache, out, partial_o, partial_m, partial_l,

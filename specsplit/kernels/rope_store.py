@@ -21,7 +21,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
+from specsplit.kernels.triton_jit import (
+    check_device,
+    interpreting,
+    jit,
+    next_power_of_2,
+    pdl,
+    pdl_launch,
+)
 from specsplit.model.rope import apply_rotary
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
@@ -174,7 +181,7 @@ def rope_store(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_ROWS=block_rows,
         BLOCK_KV=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, PDL=dependent,
         num_warps=1 if interpret else _num_warps(block_rows * head_dim),
-        enable_fp_fusion=False, **({"launch_pdl": True} if dependent else {}),
+        enable_fp_fusion=False, **pdl_launch(dependent),
     )  # fmt: skip
     return out
 

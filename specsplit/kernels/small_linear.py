@@ -55,7 +55,14 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels.rope_store import rope_store_reference
-from specsplit.kernels.triton_jit import check_device, interpreting, jit, next_power_of_2, pdl
+from specsplit.kernels.triton_jit import (
+    check_device,
+    interpreting,
+    jit,
+    next_power_of_2,
+    pdl,
+    pdl_launch,
+)
 from specsplit.model.fused import rms_norm_reference
 from specsplit.model.linear import linear
 
@@ -537,7 +544,7 @@ def _launch(
         NUM_STAGES=tiles.num_stages, PDL=dependent, PREFETCH_LINES=prefetch,
         LINE_ELEMS=line_elems, TRIGGER_LATE=dependent and tiles.use_dot and PDL_TRIGGER_LATE,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
-        **({"launch_pdl": True} if dependent else {}),
+        **pdl_launch(dependent),
     )  # fmt: skip
     return out
 

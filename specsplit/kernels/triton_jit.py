@@ -96,6 +96,12 @@ def pdl(device: torch.device) -> bool:
     return _capability(device) >= 9
 
 
+def pdl_launch(dependent: bool) -> dict[str, bool]:
+    """A launch's keyword for programmatic dependent launch where `dependent` (`pdl`); none
+    otherwise (the interpreter takes no such keyword)."""
+    return {"launch_pdl": True} if dependent else {}
+
+
 @functools.cache
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]

@@ -1,6 +1,6 @@
 """Greedy decode steps that advance themselves on the device (`AdvancingDecode`): a round's
 further decode steps (VerifyInput.decode_steps) queued back to back behind its first, with no
-host work between them (verifier/engine.py `_advance_round`).
+host work between them (verifier/advancing.py `launch_advancing`).
 
 One step is the model's forward over fixed inputs (one query token per sequence), the greedy
 acceptance of a decode step (each row's argmax: its bonus token, as `queue_accept` takes it),
