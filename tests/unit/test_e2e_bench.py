@@ -5,6 +5,7 @@ on to max_new_tokens past it (--ignore-eos)."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 import pytest
 import torch
@@ -99,3 +100,23 @@ def test_scrape_totals_keeps_the_unlabelled_counters_it_names(
         ("verifier", "specsplit_advanced_decode_steps_total"): 9.0,
         ("verifier", "specsplit_decode_ahead_total:used"): 3.0,
     }
+
+
+def test_measure_counts_the_streams_a_later_pass_changed() -> None:
+    """--passes: a stream whose tokens in a later pass are not its first pass's is counted in
+    its row (bf16 near-ties at another batch shape), not an error that loses the run."""
+    calls = Counter[str]()
+
+    def runner(name: str, flip: bool) -> e2e.Runner:
+        def run(group: list[list[int]]) -> list[tuple[list[int], int, int]]:
+            calls[name] += 1
+            later = calls[name] > 3  # the warm-up group, then pass 1's two groups
+            return [([7, 1 if flip and later and k == 0 else 2], 2, 2) for k in range(len(group))]
+
+        return run
+
+    runners = {"HF generate": runner("HF generate", True), "HF other": runner("HF other", False)}
+    rows = e2e.measure(runners, [[[1], [2]], [[3], [4]]], passes=3)
+    assert rows["HF generate"].num_changed == 4  # stream 0 of each group, passes 2 and 3
+    assert rows["HF other"].num_changed == 0
+    assert rows["HF generate"].outputs == [[7, 2]] * 4  # the first pass's tokens
