@@ -4,7 +4,6 @@ loading from a checkpoint (layouts and their formulas: drafter/eagle_checkpoint.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -18,17 +17,10 @@ from drafter.eagle_checkpoint import (
     read_tensors,
 )
 from drafter.expansion import in_vocab
-from specsplit.kernels.small_linear import (
-    RopeStore,
-    linear_residual,
-    linear_rope_store,
-    norm_linear_silu_mul,
-)
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.fused import (
-    TRITON_ROPE,
     add_rms_norm,
     norm_embed_and_cat,
     rms_norm,
@@ -36,16 +28,10 @@ from specsplit.model.fused import (
     silu_and_mul,
 )
 from specsplit.model.linear import linear
-from specsplit.model.llama import LlamaModel, small_linear_fits
+from specsplit.model.llama import LlamaModel
 from specsplit.model.loader import load_model
 from specsplit.model.rope import RopeTable, rope_inv_freq
 
-# A few tokens' step through the small-linear kernels as the target's layers take it
-# (specsplit/model/llama.py: the qkv projection with RoPE and the K/V store, o_proj with the
-# residual add, the post-attention norm with gate_up and SiLU-mul, down_proj with the residual
-# add: 4 launches around attention where the unfused layer takes 8), where the head's weights
-# are small; `SPECSPLIT_HEAD_SMALL_LINEAR=1` (off until measured on a GPU: bench/draft_step.py)
-HEAD_SMALL_LINEAR = os.environ.get("SPECSPLIT_HEAD_SMALL_LINEAR", "0") == "1"
 # positions past the longest context the RoPE table covers: a draft tree's nodes and
 # draft-ahead's chain, bonus and tree past a sequence's last token (TreeLimits: 32 steps each)
 ROPE_TABLE_MARGIN = 256
@@ -85,11 +71,6 @@ class Eagle3Head:
             ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
         )
         self.gate_up_weight = self._fuse_rows(["mlp.gate_proj", "mlp.up_proj"])
-        projections = [self.qkv_weight, self.gate_up_weight]
-        projections += [
-            weights[HEAD_LAYER + n] for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-        ]
-        self.max_weight_bytes = max(t.numel() for t in projections) * self.dtype.itemsize
 
     def _fuse_rows(self, names: list[str]) -> torch.Tensor:
         """The layer's weights `names` stacked by rows into one tensor, each name now a view."""
@@ -130,42 +111,13 @@ class Eagle3Head:
         c, w, p = self.config, self.w, HEAD_LAYER
         eps = c.rms_norm_eps
         x, residual = self._layer_input(batch.input_ids, features)
-        if self.uses_small_linear(x.shape[0], x.device) and kv.data.dtype == x.dtype:
-            out = self._layer_small(x, residual, batch, kv)
-        else:
-            attn = self._attention(x, batch, kv)
-            h, y = add_rms_norm(attn, residual, w[p + "post_attention_layernorm.weight"], eps)
-            act = silu_and_mul(linear(y, self.gate_up_weight))
-            out = h + linear(act, w[p + "mlp.down_proj.weight"])  # [T, H]
+        attn = self._attention(x, batch, kv)
+        h, y = add_rms_norm(attn, residual, w[p + "post_attention_layernorm.weight"], eps)
+        act = silu_and_mul(linear(y, self.gate_up_weight))
+        out = h + linear(act, w[p + "mlp.down_proj.weight"])  # [T, H]
         last = out[batch.logit_indices]  # [L, H]
         normed = rms_norm(last, w["norm.weight"], eps) if c.layout == "eagle3" else last
         return linear(normed, w["lm_head.weight"]).float(), last
-
-    def uses_small_linear(self, num_tokens: int, device: torch.device) -> bool:
-        """Whether a step of `num_tokens` runs `_layer_small` (HEAD_SMALL_LINEAR): on a GPU,
-        as the target's layers would (llama.small_linear_fits), with the Triton RoPE."""
-        fits = small_linear_fits(num_tokens, device, self.max_weight_bytes)
-        return HEAD_SMALL_LINEAR and TRITON_ROPE and fits
-
-    def _layer_small(
-        self,
-        x: torch.Tensor,  # [T, 2H] (EAGLE-3) or [T, H]: the attention's input, normed
-        residual: torch.Tensor,  # [T, H]
-        batch: ForwardBatch,
-        kv: KVCache,
-    ) -> torch.Tensor:
-        """`forward`'s layer as four small-linear kernels around attention: [T, H]."""
-        c, w, p = self.config, self.w, HEAD_LAYER
-        num_tokens = x.shape[0]
-        cos, sin = self.rope.cos_sin(batch.positions)
-        rope = RopeStore(cos, sin, kv.k[0], kv.v[0], batch.slot_mapping, c.num_heads)
-        q = linear_rope_store(x, self.qkv_weight, None, rope)
-        attn = attend(q.view(num_tokens, c.num_heads, c.head_dim), kv.k[0], kv.v[0], batch)
-        o_proj = w[p + "self_attn.o_proj.weight"]
-        h = linear_residual(attn.view(num_tokens, -1), o_proj, None, residual)
-        norm = w[p + "post_attention_layernorm.weight"]
-        act = norm_linear_silu_mul(h, norm, c.rms_norm_eps, self.gate_up_weight)
-        return linear_residual(act, w[p + "mlp.down_proj.weight"], None, h)
 
     def _layer_input(
         self, input_ids: torch.Tensor, features: torch.Tensor

@@ -10,7 +10,6 @@ launch that also does what sits next to it in the layer:
     norm_linear_silu_mul  silu(g) * u, [g | u] = RMSNorm(x) @ W.T (+ b)     gate_up
     norm_linear_rope_store  qkv = RMSNorm(x) @ W.T (+ b), then RoPE on q and k, k and v to the
                           paged cache (rope_store's arithmetic): the q heads are returned
-    linear_rope_store     the same without the norm (an EAGLE head's input is normed before)
 
 so a layer is norm_linear_rope_store, attention, linear_residual, norm_linear_silu_mul,
 linear_residual: 5 kernels (6 with split-KV attention) where it was 9 (10); 6 (7) where the
@@ -97,30 +96,14 @@ def norm_linear_rope_store_reference(
 ) -> torch.Tensor:
     """[M, num_heads * head_dim] q of RMSNorm(x) @ weight.T + bias after RoPE; k after RoPE and
     v written to the cache (rope_store_reference: the unfused layer's arithmetic)."""
-    return _rope_store_qkv(norm_linear_reference(x, norm_weight, eps, weight, bias), rope)
-
-
-def linear_rope_store_reference(
-    x: torch.Tensor,  # [M, K], normed already (or not at all)
-    weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]
-    bias: torch.Tensor | None,
-    rope: RopeStore,
-) -> torch.Tensor:
-    """`norm_linear_rope_store_reference` without the norm: x @ weight.T + bias."""
-    return _rope_store_qkv(linear(x, weight, bias), rope)
-
-
-def _rope_store_qkv(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:
-    """[M, num_heads * head_dim] q of the projected [M, q | k | v] after RoPE; k after RoPE and
-    v written to the cache."""
-    num_rows = qkv.shape[0]
     num_kv_heads, head_dim = rope.k_cache.shape[1], rope.k_cache.shape[2]
+    qkv = norm_linear_reference(x, norm_weight, eps, weight, bias)
     sizes = [rope.num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-    q, k, v = (t.view(num_rows, -1, head_dim) for t in qkv.split(sizes, dim=-1))
+    q, k, v = (t.view(x.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1))
     q = rope_store_reference(
         q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
     )
-    return q.reshape(num_rows, -1)
+    return q.reshape(x.shape[0], -1)
 
 
 def linear_residual_reference(
@@ -602,17 +585,6 @@ def norm_linear_rope_store(
     """`norm_linear_rope_store_reference` as one launch: writes k (rotated) and v to the cache
     rows at rope.slot_mapping and returns the rotated q, [M, num_heads * head_dim]."""
     return _launch("norm_linear_rope_store", x, weight, bias, (norm_weight, eps), None, False, rope)
-
-
-def linear_rope_store(
-    x: torch.Tensor,  # [M <= 16, K], last dim contiguous: normed already (an EAGLE head's input)
-    weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]: q, k, v rows
-    bias: torch.Tensor | None,  # [that] contiguous, x's dtype
-    rope: RopeStore,
-) -> torch.Tensor:
-    """`linear_rope_store_reference` as one launch (`norm_linear_rope_store` without the norm):
-    the rotated q, [M, num_heads * head_dim]; k (rotated) and v to the cache."""
-    return _launch("linear_rope_store", x, weight, bias, None, None, False, rope)
 
 
 def linear_residual(

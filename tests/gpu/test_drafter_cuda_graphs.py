@@ -6,12 +6,10 @@ eagerly. Skipped where there is no GPU (CI)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from drafter import eagle
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
@@ -73,32 +71,3 @@ def test_drafter_graph_rounds_equal_target_greedy(
     assert replays > 0  # catch-ups ran from graphs (their own, or inside the expansion's)
     _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False)
     assert stats == eager_stats  # the same drafts as the same steps run eagerly
-
-
-@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(2, 2, 4)], ids=["chain", "tree"])
-def test_head_small_linear_rounds_equal_target_greedy(
-    models, smollm2_tokenizer, spec: SpecParams, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The EAGLE-3 head's steps through the small-linear kernels (SPECSPLIT_HEAD_SMALL_LINEAR=1,
-    float32 here): they ran, the target's greedy output, from graphs, the same drafts as those
-    steps run eagerly, and about as many drafts accepted as the unfused head's (its GEMMs sum
-    in another order)."""
-    expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False)
-    monkeypatch.setattr(eagle, "HEAD_SMALL_LINEAR", False)
-    _, unfused_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, True)
-    monkeypatch.setattr(eagle, "HEAD_SMALL_LINEAR", True)
-    layer_small, ran = eagle.Eagle3Head._layer_small, []
-
-    def spy(self: eagle.Eagle3Head, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        ran.append(x.shape[0])
-        return layer_small(self, x, *args)
-
-    monkeypatch.setattr(eagle.Eagle3Head, "_layer_small", spy)
-    got, stats, replays = _run(models, smollm2_tokenizer, "eagle3", spec, True)
-    assert ran, "the head's small-linear path did not run"
-    assert got == expected
-    assert replays > 0
-    _, eager_stats, _ = _run(models, smollm2_tokenizer, "eagle3", spec, False)
-    assert stats == eager_stats
-    accepted = [sum(s.num_accepted_drafts for s in run) for run in (stats, unfused_stats)]
-    assert abs(accepted[0] - accepted[1]) <= 0.1 * max(accepted[1], 10), accepted

@@ -63,24 +63,21 @@ def without_pdl(fn: Callable[[], T]) -> T:
 
 
 @pytest.mark.parametrize("num_rows", [1, 4, 9, 16])
-@pytest.mark.parametrize("op", [*OPS, "qkv_rope_store", "qkv_rope_store_normed"])
+@pytest.mark.parametrize("op", [*OPS, "qkv_rope_store"])
 def test_small_linear_with_pdl_is_bitwise_without(pdl_on: None, op: str, num_rows: int) -> None:
     """Each op's PDL build (and its RoPE + K/V store: q and the cache) against the launch
     without PDL, on inputs made before (the races are the chain test's)."""
     assert triton_jit.pdl(torch.device("cuda"))
     inputs = make_inputs(num_rows, bias=True)
-    if op.startswith("qkv_rope_store"):
+    if op == "qkv_rope_store":
         caches = [torch.zeros(2, 64, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in "ab"]
 
         def qkv(cache: torch.Tensor) -> torch.Tensor:
             rope = rope_inputs(num_rows, cache)
             x, weight, bias = inputs["hidden"], inputs["qkv"], inputs["qkv_bias"]
-            assert x is not None and weight is not None
-            if op.endswith("normed"):
-                norm = inputs["norm_weight"]
-                assert norm is not None
-                return sl.norm_linear_rope_store(x, norm, EPS, weight, bias, rope)
-            return sl.linear_rope_store(x, weight, bias, rope)
+            norm = inputs["norm_weight"]
+            assert x is not None and weight is not None and norm is not None
+            return sl.norm_linear_rope_store(x, norm, EPS, weight, bias, rope)
 
         want = without_pdl(lambda: qkv(caches[1]))
         assert torch.equal(qkv(caches[0]), want) and torch.equal(caches[0], caches[1])

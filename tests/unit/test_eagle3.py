@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -16,12 +15,11 @@ from drafter.eagle_checkpoint import layer_names, read_tensors
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.tree_draft import CATCH_UP_LENS
 from gateway.request import GenerationRequest
-from specsplit.kv_cache import SeqKV
 from specsplit.messages import SpecParams
 from specsplit.model.config import default_aux_layers
 from specsplit.model.loader import load_model
 from specsplit.model.rope import apply_rotary, rope_cos_sin
-from specsplit.step import SeqStep, build_forward_batch
+from specsplit.step import build_forward_batch
 from specsplit.tree import DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import (
@@ -145,72 +143,6 @@ def test_head_paged_prefill_and_tree_equal_reference(models, page_size: int) -> 
     torch.testing.assert_close(
         torch.cat([out_p, out_t]), ref_out, rtol=1e-5, atol=1e-6
     )  # rms_norm in fp32
-
-
-@pytest.mark.raw_kv
-@pytest.mark.usefixtures("triton_interpreter")
-def test_head_steps_through_the_small_linear_kernels_equal_the_layer_path(
-    models, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """float32 under the Triton interpreter: after a prefill, a tree step (4 rows) and a chain
-    step of two sequences (8 rows) through `_layer_small` (the small-linear kernels, as on a GPU)
-    give the logits, the layer outputs and the written K/V of the unfused layer."""
-    pytest.importorskip("triton")
-    head = load_eagle3(str(models["head"]), str(models["target"]), torch.float32, "cpu")
-    kv = head.make_kv_cache(num_pages=16, page_size=4)
-    seqs = [kv.new_seq() for _ in range(2)]
-    gen = torch.Generator().manual_seed(1)
-    hidden = head.config.hidden_size
-
-    def features(n: int) -> torch.Tensor:
-        return torch.randn(n, hidden, generator=gen)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist()
-
-    def causal(seq: SeqKV, ids: list[int]) -> SeqStep:
-        start, n = seq.kv_committed_len, len(ids)
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions = list(range(start, start + n))
-        return dense_step(seq, ids, positions, positions, mask, list(range(n)))
-
-    for seq in seqs:
-        kv.reserve(seq, 24)
-    prefill, _ = build_forward_batch([causal(seq, tokens(7)) for seq in seqs], kv.page_size)
-    head.forward(prefill, kv, features(14))
-    for seq in seqs:
-        seq.kv_committed_len = 7
-    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 1])
-    mask = torch.zeros(len(tree), 7 + len(tree), dtype=torch.bool)
-    mask[:, :7], mask[:, 7:] = True, tree.ancestor_mask()
-    positions = [6 + d for d in tree.depths()]
-    storage = list(range(7, 7 + len(tree)))
-    tree_step = dense_step(seqs[0], tree.tokens, positions, storage, mask, list(range(4)))
-    steps = [[tree_step], [causal(seq, tokens(4)) for seq in seqs]]
-    layer_small, ran = Eagle3Head._layer_small, []
-
-    def spy(self: Eagle3Head, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        ran.append(x.shape[0])
-        return layer_small(self, x, *args)
-
-    for step in steps:
-        batch, _ = build_forward_batch(step, kv.page_size)
-        rows = features(batch.input_ids.shape[0])
-        before = kv.data.clone()
-        want_logits, want_out = head.forward(batch, kv, rows)
-        want_kv = kv.data.clone()
-        kv.data.copy_(before)
-        with monkeypatch.context() as patch:
-            patch.setattr(Eagle3Head, "uses_small_linear", lambda self, n, device: n <= 16)
-            patch.setattr(Eagle3Head, "_layer_small", spy)
-            got_logits, got_out = head.forward(batch, kv, rows)
-        assert ran.pop() == batch.input_ids.shape[0] and not ran
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kv.data, want_kv, atol=1e-5, rtol=1e-5)
-    for seq in seqs:
-        kv.release(seq)
 
 
 def test_head_projects_qkv_and_gate_up_in_one_gemm_each_over_the_named_weights(models) -> None:

@@ -24,8 +24,6 @@ from specsplit.kernels.small_linear import (
     RopeStore,
     linear_residual,
     linear_residual_reference,
-    linear_rope_store,
-    linear_rope_store_reference,
     norm_linear,
     norm_linear_reference,
     norm_linear_rope_store,
@@ -174,24 +172,18 @@ def rope_case(num_rows: int, bias: bool, seed: int = 0) -> tuple[Case, RopeStore
     return case, RopeStore(cos, sin, cache[0], cache[1], slots, num_heads)
 
 
-@pytest.mark.parametrize("normed", [True, False])
 @pytest.mark.parametrize(
     ("num_rows", "bias"), [(1, False), (3, True), (4, False), (6, True), (16, False)]
 )
-def test_qkv_rope_store_matches_reference(num_rows: int, bias: bool, normed: bool) -> None:
-    """norm_linear_rope_store (and linear_rope_store, its input not normed: an EAGLE head's):
-    q rotated (returned), k rotated and v as projected in the cache at the rows' slots, every
-    other slot untouched; 1-4 rows broadcast, 6 and 16 tensor cores."""
+def test_qkv_rope_store_matches_reference(num_rows: int, bias: bool) -> None:
+    """norm_linear_rope_store: q rotated (returned), k rotated and v as projected in the cache
+    at the rows' slots, every other slot untouched; 1-4 rows broadcast, 6 and 16 tensor cores."""
     case, rope = rope_case(num_rows, bias)
     want_rope = rope._replace(k_cache=rope.k_cache.clone(), v_cache=rope.v_cache.clone())
-    if normed:
-        got = norm_linear_rope_store(case.x, case.norm_weight, EPS, case.weight, case.bias, rope)
-        want = norm_linear_rope_store_reference(
-            case.x, case.norm_weight, EPS, case.weight, case.bias, want_rope
-        )
-    else:
-        got = linear_rope_store(case.x, case.weight, case.bias, rope)
-        want = linear_rope_store_reference(case.x, case.weight, case.bias, want_rope)
+    got = norm_linear_rope_store(case.x, case.norm_weight, EPS, case.weight, case.bias, rope)
+    want = norm_linear_rope_store_reference(
+        case.x, case.norm_weight, EPS, case.weight, case.bias, want_rope
+    )
     assert got.shape == want.shape == (num_rows, 3 * 16) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(rope.k_cache, want_rope.k_cache, atol=ATOL, rtol=RTOL)
