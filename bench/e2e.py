@@ -179,11 +179,10 @@ def scrape_totals() -> Totals:
     / "..._count:<service>"), its RPCs' stages on the round lane, (process,
     "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
     garbage collections by generation, (process, "specsplit_gc_pause_seconds_sum:<generation>"
-    / "..._count:<generation>"); and the counters of _UNLABELLED_TOTALS by name."""
+    / "..._count:<generation>")."""
     totals: Totals = Counter()
     for process, sample in _samples():
-        kept = sample.name.endswith(("_sum", "_count")) or sample.name in _UNLABELLED_TOTALS
-        if kept and not sample.labels:
+        if sample.name.endswith(("_sum", "_count")) and not sample.labels:
             totals[(process, sample.name)] = float(sample.value)
         elif sample.name in (
             "specsplit_draft_ahead_total",
@@ -203,9 +202,6 @@ def _histogram_of(sample_name: str) -> str:
     return sample_name.removesuffix("_sum").removesuffix("_count")
 
 
-# unlabelled counters scrape_totals keeps: the further decode steps' tokens, and of them those
-# of self-advancing steps
-_UNLABELLED_TOTALS = ("specsplit_decoded_tokens_total", "specsplit_advanced_decode_steps_total")
 # labelled histograms whose sums and counts scrape_totals keeps, keyed by their labels in order
 _LABELLED = {
     "specsplit_rpc_overhead_seconds": ("service",),

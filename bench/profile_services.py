@@ -199,12 +199,6 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     if asked:  # --decode-steps-adaptive
         steps = totals[("gateway", "specsplit_decode_steps_sum")] / asked
         print(f"  decode steps a plain round asked for (adaptive), mean: {steps:.2f}")
-    advanced = totals[("verifier", "specsplit_advanced_decode_steps_total")]
-    if advanced:  # SPECSPLIT_ADVANCING_DECODE=1
-        decoded = totals[("gateway", "specsplit_decoded_tokens_total")]
-        print(
-            f"  tokens of self-advancing steps: {advanced:.0f} of {decoded:.0f} further-step ones"
-        )
     hints = {x: totals[("gateway", f"specsplit_hints_total:{x}")] for x in ("sent", "late", "off")}
     reasons = {
         x: totals[("verifier", f"specsplit_round_not_ahead_total:{x}")] for x in NOT_AHEAD_REASONS

@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl] [head-small] [advancing]
+#       [tiles] [pdl]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -615,31 +615,6 @@ for part in "${parts[@]}"; do
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16
       run draft_host python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
         --batch 1 8 32 --shape 3x1x3 5x1x5 4x2x8 5x4x16 --host-expansion ;;
-    advancing)  # self-advancing decode steps (SPECSPLIT_ADVANCING_DECODE=1, off by default
-      # until this runs: verifier/advancing.py): their GPU tests, then target-only rounds through
-      # the services (random SmolLM2, `up`'s defaults) at batch $ADV_BATCHES (default 8 32),
-      # off / on / off / on, three runs of 256 tokens a stream each per `up`
-      run advancing_tests python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_advancing_decode_gpu.py
-      random_smollm2
-      for pass in 0 1 0b 1b; do
-        SPECSPLIT_ADVANCING_DECODE=${pass:0:1} run "advancing$pass" python3 \
-          bench/profile_services.py --model /tmp/smollm2_random "${devices[@]}" \
-          --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-          --batch ${ADV_BATCHES:-8 32} --max-new-tokens 256 --top 0 --target-only --repeat 3
-      done ;;
-    head-small)  # the EAGLE-3 head's steps through the small-linear kernels
-      # (SPECSPLIT_HEAD_SMALL_LINEAR=1, off by default until this runs): its GPU tests, then a
-      # draft round in process (random SmolLM2 + the shipped head) unfused / fused / unfused /
-      # fused, one process each (bench/draft_step.py)
-      run head_small_tests python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_drafter_cuda_graphs.py -k head_small_linear
-      random_smollm2
-      for pass in 0 1 0b 1b; do
-        SPECSPLIT_HEAD_SMALL_LINEAR=${pass:0:1} run "draft_head_small$pass" python3 \
-          bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 --batch 1 8 \
-          --shape 3x1x3 4x2x8
-      done ;;
     gate)  # the speculation gate: one stream (e2e, a 4x2x8 row ungated beside it), then
       # serial / groups gated vs target-only at batch 1 / 8 / 32 (needs $SMOLLM2_GGUF)
       run gate_e2e python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" --drafter eagle3 \

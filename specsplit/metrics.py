@@ -232,11 +232,6 @@ DECODED_TOKENS = Counter(
     "Tokens the verifier decoded in rounds' further decode steps (--decode-steps): of the"
     " generated tokens, those whose round trip through the gateway another token paid",
 )
-ADVANCED_STEPS = Counter(
-    "specsplit_advanced_decode_steps",
-    "Tokens the verifier decoded as self-advancing steps (SPECSPLIT_ADVANCING_DECODE=1): a"
-    " round's further decode steps queued at its launch, no host work between them",
-)
 SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
 SESSION_KV_PAGES = Gauge(
     "specsplit_session_kv_pages",
@@ -433,10 +428,6 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
 
 def count_decode_ahead(outcome: str) -> None:
     _child(DECODE_AHEAD, outcome).inc()
-
-
-def count_advanced_steps(tokens: int) -> None:
-    ADVANCED_STEPS.inc(tokens)
 
 
 def count_round_ahead(outcome: str) -> None:

@@ -28,13 +28,11 @@ from specsplit.messages import (
     truncate_each,
 )
 from specsplit.model.cuda_graphs import CudaGraphRunner
-from specsplit.model.decode_graphs import AdvancingDecode
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
 from specsplit.step import build_forward_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
-from verifier.advancing import ADVANCING_DECODE, commit_advanced, launch_advancing
 from verifier.chain import (
     Chain,
     place_accept,
@@ -51,7 +49,6 @@ from verifier.round_accept import (
     to_host,
 )
 from verifier.rounds import (
-    Advanced,
     Launched,
     VerifierSeq,
     VerifyRound,
@@ -167,12 +164,6 @@ class VerifierEngine(RunAhead):
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
         self._held: dict[str, int] = {}
-        # a round's further greedy decode steps queued at its launch, advancing themselves on
-        # the device (verifier/advancing.py; $SPECSPLIT_ADVANCING_DECODE=1, with CUDA graphs)
-        self.advancing: AdvancingDecode | None = None
-        self.on_advanced: Callable[[int], None] | None = None  # the tokens each such round made
-        if ADVANCING_DECODE and graph_query_lens and self.device.type == "cuda":
-            self.advancing = AdvancingDecode(model, kv, max_context, max_batch_size)
         self.graph_query_lens = graph_query_lens
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
@@ -322,12 +313,6 @@ class VerifierEngine(RunAhead):
         try:
             with on_device(self.device):
                 outputs = self._finish_round(launched)
-        except BaseException:
-            if launched.advanced is not None:  # its steps' room back (stream-ordered writes
-                for seq in launched.advanced.seqs:  # into freed pages, as a dropped step's)
-                    if self.seqs.get(seq.seq_id) is seq:
-                        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
-            raise
         finally:
             self._in_flight.remove(launched)
         # the results read and committed (not a round's further decode steps, nor a launch)
@@ -335,16 +320,7 @@ class VerifierEngine(RunAhead):
         self.hints.round_finished(launched.inputs, outputs)
         further = any(item.decode_steps > 1 for item in launched.inputs)
         ready = started  # where the wait for the next round starts: the results' read
-        if launched.advanced is not None:  # queued at the launch: their tokens committed
-            in_parts_order = [outputs[i] for i in launched.order]
-            launched.device_ns += commit_advanced(launched.advanced, in_parts_order)
-            if self.on_advanced is not None:
-                self.on_advanced(launched.advanced.num_steps * len(in_parts_order))
-            if self._ahead is not None and self._ahead is launched.ahead:  # its inputs as
-                for item, out in zip(self._ahead.inputs, in_parts_order, strict=True):
-                    item.pending_tokens = [out.bonus_token]  # the gateway will send them
-            ready = time.perf_counter_ns()
-        elif further:
+        if further:
             with on_device(self.device):
                 launched.device_ns += self._decode_further(launched.inputs, outputs)
             ready = time.perf_counter_ns()  # the round's results are its last step's
@@ -489,43 +465,16 @@ class VerifierEngine(RunAhead):
         # the next decode step goes to the device before this round is waited for: the GPU
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
-        ahead = advanced = None
+        ahead = None
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
-        own_next = all(item.decode_steps > 1 for item in inputs)
-        advance = own_next and not validated and self.advancing is not None
-        if (self.decode_ahead or advance) and not self._in_flight and not hinted:
+        if self.decode_ahead and not self._in_flight and not hinted:
             bonus = [self._bonus_tokens(part) for part in parts]
-            if advance:  # the round's further steps queued now, advancing on the device
-                ordered = [inputs[i] for i in [*positions, *others]]  # as the parts give them
-                advanced, ahead = self._advance(ordered, parts, bonus)
-            if advanced is None and self.decode_ahead:
-                ahead = self._launch_ahead(parts, bonus, capped=not own_next)
+            own_next = all(item.decode_steps > 1 for item in inputs)
+            ahead = self._launch_ahead(parts, bonus, capped=not own_next)
             if ahead is not None:  # behind a step run ahead before the request (the trip)
                 ahead.on_request = not validated and taken is not None and not others
         self._end_wait(item.seq_id for item in inputs)
-        return VerifyRound(inputs, [*positions, *others], parts, ahead, advanced=advanced)
-
-    def _advance(
-        self, ordered: list[VerifyInput], parts: list[Launched], bonus: list[torch.Tensor]
-    ) -> tuple[Advanced | None, Launched | None]:
-        """A round's further decode steps queued behind its first (`parts`, their bonus tokens
-        on the device; `ordered`: the round's inputs as the parts give them), advancing on the
-        device (verifier/advancing.py), and behind them the gateway's next round's first step
-        where decode steps run ahead (its input tokens the last step's): (None, None) where
-        they do not qualify."""
-        assert self.advancing is not None
-        advanced = launch_advancing(
-            self.advancing, self.kv, self.max_context, ordered, parts, bonus
-        )
-        if advanced is None:
-            return None, None
-        if advanced.copied is not None:  # the next round's idle time runs from the last step
-            self._last_end = (advanced.copied, {item.seq_id for item in ordered})
-        ahead = None
-        if self.decode_ahead:
-            last = [self.advancing.tokens(advanced.num_steps)[-1]]
-            ahead = self._launch_ahead(parts, last, capped=True, extra=advanced.num_steps)
-        return advanced, ahead
+        return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
     @torch.inference_mode()
     def _finish_round(self, launched: VerifyRound, further: bool = False) -> list[VerifyOutput]:

@@ -115,28 +115,6 @@ def committed_as(seqs: list[VerifierSeq], lengths: list[int]) -> Iterator[None]:
 
 
 @dataclass(eq=False)
-class Advanced:
-    """A round's further greedy decode steps queued behind its first as self-advancing steps
-    (verifier/advancing.py): committed in `finish` from their tokens."""
-
-    seqs: list[VerifierSeq]  # in the order of the round's parts (VerifyRound.order)
-    num_steps: int
-    host: torch.Tensor  # [num_steps, B] int64: each step's tokens (on the host once copied)
-    copied: torch.cuda.Event | None = None  # on a GPU: recorded after the tokens' copy
-    started: torch.cuda.Event | None = None  # ... and before the first step
-
-    def wait(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
-
-    def device_ns(self) -> int:
-        """Its steps' device time, nanoseconds (after `wait`; 0 off a GPU)."""
-        if self.started is None or self.copied is None:
-            return 0
-        return int(self.started.elapsed_time(self.copied) * 1e6)
-
-
-@dataclass(eq=False)
 class VerifyRound:
     """A round `VerifierEngine.launch` queued on the device, for `finish`."""
 
@@ -149,22 +127,16 @@ class VerifyRound:
     # once finished: its device time, nanoseconds (its parts' and further decode steps'; 0 off
     # a GPU)
     device_ns: int = 0
-    advanced: Advanced | None = None  # its further decode steps, queued behind it (advancing.py)
 
     def ready(self) -> bool:
         """Whether the device is done with the round's results (finish will not wait)."""
-        copies = [part.copied for part in self.parts]
-        if self.advanced is not None:
-            copies.append(self.advanced.copied)
-        return all(copied is None or copied.query() for copied in copies)
+        return all(part.copied is None or part.copied.query() for part in self.parts)
 
     def wait(self) -> None:
         """Until the device is done with the round's results."""
         for part in self.parts:
             if part.copied is not None:
                 part.copied.synchronize()
-        if self.advanced is not None:
-            self.advanced.wait()
 
 
 def decode_step(

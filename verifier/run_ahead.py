@@ -138,7 +138,7 @@ class RunAhead:
             self._end_wait(item.seq_id for item in launched)  # the device has work again
 
     def _launch_ahead(
-        self, parts: list[Launched], bonus: list[torch.Tensor], capped: bool = True, extra: int = 0
+        self, parts: list[Launched], bonus: list[torch.Tensor], capped: bool = True
     ) -> Launched | None:
         """After a round of decode steps (every sequence: no tree, no hidden states; launched
         as `parts`, one or two, whose bonus tokens on the device are `bonus`), the same
@@ -154,8 +154,7 @@ class RunAhead:
         None when this round does not qualify or the next step would not fit (context, free
         pages). `capped`: none for more than decode_ahead_max_batch sequences (the next round
         is the gateway's, which may be another; not when it is the round's own further step,
-        which always takes it). `extra`: decode steps queued behind the round before this one
-        (a round's advancing steps, verifier/advancing.py), `bonus` their last's tokens."""
+        which always takes it)."""
         done_inputs = [item for part in parts for item in part.inputs]
         done_seqs = [seq for part in parts for seq in part.seqs]
         if capped and len(done_inputs) > self.decode_ahead_max_batch:
@@ -164,7 +163,7 @@ class RunAhead:
             if item.tree or item.hidden_state_layers:
                 return None
         committed = [
-            seq.kv.kv_committed_len + len(item.pending_tokens) + extra
+            seq.kv.kv_committed_len + len(item.pending_tokens)
             for item, seq in zip(done_inputs, done_seqs, strict=True)
         ]
         if any(length + 1 > self.max_context for length in committed):

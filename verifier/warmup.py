@@ -14,7 +14,6 @@ from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
-from specsplit.model.decode_graphs import AdvancingDecode
 from specsplit.model.llama import LlamaModel
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
@@ -38,7 +37,6 @@ class Engine(Protocol):
     device: torch.device
     graphs: CudaGraphRunner | None
     accept_graphs: AcceptGraphs | None
-    advancing: AdvancingDecode | None
     graph_query_lens: tuple[int, ...]
     prefill_query_lens: tuple[int, ...]
 
@@ -78,8 +76,6 @@ def warm_up(engine: Engine) -> None:
                 engine.graphs.capture(q, aux, max_batch=max_batch)
     if engine.accept_graphs is not None:  # trees up to the largest graph's query length
         engine.accept_graphs.capture_all(max(engine.graph_query_lens) - 1)
-    if engine.advancing is not None:  # a round's further decode steps (advancing.py)
-        engine.advancing.capture()
     if engine.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
         warm_up_chain(engine.device, engine.graph_query_lens, engine.kv.page_size)
         rehearse(engine)
@@ -121,8 +117,7 @@ def rehearse(engine: Engine) -> None:
         for out in engine.verify(inputs):
             tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
             committed[out.seq_id] = out.kv_committed_len
-    # a round of several decode steps (its further steps as traffic runs them: advancing on the
-    # device where that is on)
+    # a round of several decode steps (its further steps as traffic runs them)
     steps = [
         VerifyInput(seq_id, False, committed[seq_id], ids[committed[seq_id] :], DraftTree())
         for seq_id, ids in tokens.items()

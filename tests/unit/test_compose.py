@@ -70,7 +70,6 @@ KNOWN_METRICS = {
     "specsplit_verifier_idle_seconds",
     "specsplit_verifier_step_idle_seconds",
     "specsplit_decoded_tokens_total",
-    "specsplit_advanced_decode_steps_total",
     "specsplit_rpc_stage_seconds",
     "specsplit_gc_pause_seconds",
     "specsplit_round_outside_verify_seconds",

@@ -83,21 +83,22 @@ def test_with_ignore_eos_every_row_runs_to_max_new_tokens_past_its_eos() -> None
     assert stopped([prompts[0]])[0][0] == [EOS]  # (that prompt's first token is the EOS)
 
 
-def test_scrape_totals_keeps_the_unlabelled_counters_it_names(
+def test_scrape_totals_keeps_unlabelled_sums_and_counts_and_outcomes_by_label(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The further decode steps' tokens and the self-advancing steps' (unlabelled counters) are
-    kept by name; other unlabelled counters are not, labelled ones by their label."""
+    """Unlabelled histograms' sums and counts are kept by name, unlabelled counters are not,
+    labelled ones by their label."""
     samples = [
         ("gateway", Sample("specsplit_decoded_tokens_total", {}, 12.0)),
-        ("verifier", Sample("specsplit_advanced_decode_steps_total", {}, 9.0)),
         ("gateway", Sample("specsplit_generated_tokens_total", {}, 40.0)),
+        ("drafter", Sample("specsplit_draft_seconds_sum", {}, 0.5)),
+        ("drafter", Sample("specsplit_draft_seconds_count", {}, 4.0)),
         ("verifier", Sample("specsplit_decode_ahead_total", {"outcome": "used"}, 3.0)),
     ]
     monkeypatch.setattr(e2e, "_samples", lambda: iter(samples))
     assert e2e.scrape_totals() == {
-        ("gateway", "specsplit_decoded_tokens_total"): 12.0,
-        ("verifier", "specsplit_advanced_decode_steps_total"): 9.0,
+        ("drafter", "specsplit_draft_seconds_sum"): 0.5,
+        ("drafter", "specsplit_draft_seconds_count"): 4.0,
         ("verifier", "specsplit_decode_ahead_total:used"): 3.0,
     }
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import verifier.engine as engine_module
 from drafter.engine import DrafterEngine
 from specsplit.kernels.paged_attention import warm_up
-from specsplit.model.decode_graphs import AdvancingDecode
+from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
@@ -39,28 +38,23 @@ def test_attention_warm_up_launches_every_variant(
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])  # the cache is only read
 
 
-@pytest.mark.parametrize("advancing", [False, True], ids=["step-by-step", "advancing"])
-def test_verifier_rehearsal_leaves_nothing(
-    models, advancing: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its rounds, the last of 3 decode steps (advancing on the device where that is on: its
-    2 further steps committed from the self-advancing steps), leave no sequence or page."""
+def test_verifier_rehearsal_leaves_nothing(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its rounds, the last of 3 decode steps (its 2 further steps run step by step), leave no
+    sequence or page."""
     model, config = load_model(str(models["target"]), dtype=torch.float32, device="cpu")
     engine = VerifierEngine(
         model, make_kv_cache(config, 64, 16, torch.float32, "cpu"), 256, config.vocab_size
     )
-    committed: list[int] = []
-    if advancing:
-        engine.advancing = AdvancingDecode(model, engine.kv, engine.max_context)
-        commit = engine_module.commit_advanced
+    verify, rounds = engine.verify, []
 
-        def counted(advanced, outputs):  # type: ignore[no-untyped-def]
-            committed.append(advanced.num_steps)
-            return commit(advanced, outputs)
+    def recorded(inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        outputs = verify(inputs)
+        rounds.append(outputs)
+        return outputs
 
-        monkeypatch.setattr(engine_module, "commit_advanced", counted)
+    monkeypatch.setattr(engine, "verify", recorded)
     rehearse(engine)
-    assert committed == ([2] if advancing else [])
+    assert rounds and all(len(out.decoded_tokens) == 2 for out in rounds[-1])
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs
 
