@@ -227,19 +227,23 @@ for part in "${parts[@]}"; do
         --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 128 \
         --num-prompts 8 --spec 3 --assistant-layers 0 --batch 8 32 ;;
     smollm2-fixed)  # issue 8's batch comparison at a fixed length: every stream, specsplit's
-      # and HF's, runs 256 tokens past EOS (--ignore-eos), batch $FIXED_BATCHES (default 32: HF's
-      # compiles took ~250 s a batch size); target-only and a chain of 3 against HF's batch;
-      # $FIXED_UP_ARGS: more bench/e2e.py arguments (e.g. "--up-arg=--decode-steps=4")
+      # and HF's, runs $FIXED_TOKENS (default 256) tokens past EOS (--ignore-eos), batch
+      # $FIXED_BATCHES (default 32: HF's compiles took ~250 s a batch size); target-only and a
+      # chain of 3 against HF's batch; $FIXED_UP_ARGS: more bench/e2e.py arguments (e.g.
+      # "--up-arg=--decode-steps=4"). Runs of 256 tokens (0.3-0.5 s) swung 1.8x-3.1x HF at batch
+      # 8 between two calls (fifty-second session): longer ones settle a ratio
       run e2e_smollm2_fixed python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
-        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --max-new-tokens ${FIXED_TOKENS:-256} \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
         --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
     fixed-random)  # smollm2-fixed's comparison on random SmolLM2-shaped weights (the speed
-      # only, no GGUF needed; every stream runs 256 tokens): `up`'s defaults ($FIXED_UP_ARGS:
-      # more) against HF's batch, batch $FIXED_BATCHES (default 32)
+      # only, no GGUF needed; every stream runs $FIXED_TOKENS tokens): `up`'s defaults
+      # ($FIXED_UP_ARGS: more) against HF's batch, batch $FIXED_BATCHES (default 32)
       random_smollm2
       run e2e_random_fixed python3 bench/e2e.py --model /tmp/smollm2_random "${devices[@]}" \
-        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --max-new-tokens 256 \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --max-new-tokens ${FIXED_TOKENS:-256} \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
         --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
     eagle)  # an 8B target with a random EAGLE-3 head of its width (synthetic acceptance), in
