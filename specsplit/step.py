@@ -125,6 +125,34 @@ def page_tables(seqs: list[SeqKV]) -> np.ndarray:
     return table
 
 
+def decode_batch(
+    seqs: list[SeqKV], tokens: list[int], page_size: int
+) -> tuple[ForwardBatch, list[slice]]:
+    """`build_forward_batch` of decode steps, each sequence's one token appended causally at its
+    committed length, its logit row wanted (`verify_step(seq, [token], DraftTree(), [0])`),
+    built with array ops instead of a SeqStep a sequence: the same batch, field for field (the
+    host work of a decode step at batch 32 and up, where the device may outrun it)."""
+    num_seqs = len(seqs)
+    assert len(tokens) == num_seqs, (len(tokens), num_seqs)
+    assert all(seq.page_size == page_size for seq in seqs), page_size
+    committed = np.fromiter((seq.kv_committed_len for seq in seqs), np.int64, num_seqs)
+    table = page_tables(seqs)
+    pages = table[np.arange(num_seqs), committed // page_size].astype(np.int64)  # (reserved)
+    slots = pages * page_size + committed % page_size
+    rows = np.arange(num_seqs, dtype=np.int64)  # each sequence's one row: its logits' too
+    lens = committed.astype(np.int32)
+    batch = _packed_batch(
+        np.concatenate([np.array(tokens, np.int64), committed, slots, rows]),
+        (num_seqs, num_seqs, 0),
+        np.concatenate([np.arange(num_seqs + 1, dtype=np.int32), lens + 1, lens]),
+        torch.from_numpy(table),
+        None,
+        1 if num_seqs else 0,
+        page_size,
+    )
+    return batch, [slice(b, b + 1) for b in range(num_seqs)]
+
+
 def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBatch, list[slice]]:
     """Concatenate steps (host tensors); returns the batch and each step's slice of the logit
     rows (its hidden rows follow each other in step order). The tree mask is built only when
@@ -160,29 +188,46 @@ def build_forward_batch(steps: list[SeqStep], page_size: int) -> tuple[ForwardBa
                 mask[b, :q, :new] = np.tri(q, new, new - q, dtype=bool)
         tree_mask = torch.from_numpy(mask)
     block_table = torch.from_numpy(page_tables([step.seq for step in steps]))
-    # one array per integer type, sliced into views (torch.tensor of each list costs ~5 us)
     kv_lens = [step.kv_len for step in steps]
     prefix_lens = [step.prefix_len for step in steps]
-    ints64 = _views(
+    batch = _packed_batch(
         np.array(input_ids + positions + slot_mapping + logit_indices + hidden_indices, np.int64),
-        [len(input_ids)] * 3 + [len(logit_indices), len(hidden_indices)],
-    )
-    ints32 = _views(
+        (len(input_ids), len(logit_indices), len(hidden_indices)),
         np.array(cu_seqlens + kv_lens + prefix_lens, np.int32),
-        [len(cu_seqlens), len(steps), len(steps)],
-    )
-    batch = ForwardBatch(
-        input_ids=ints64[0],
-        positions=ints64[1],
-        slot_mapping=ints64[2],
-        cu_seqlens_q=ints32[0],
-        kv_lens=ints32[1],
-        prefix_lens=ints32[2],
-        block_table=block_table,
-        tree_mask=tree_mask,
-        logit_indices=ints64[3],
-        hidden_indices=ints64[4] if any(step.hidden_rows for step in steps) else None,
-        max_q_len=max_q,
-        page_size=page_size,
+        block_table,
+        tree_mask,
+        max_q,
+        page_size,
     )
     return batch, logit_slices
+
+
+def _packed_batch(
+    ints64: np.ndarray,  # input ids, positions, slots [T] each, then logit rows, hidden rows
+    sizes: tuple[int, int, int],  # T, the logit rows', the hidden rows'
+    ints32: np.ndarray,  # cu_seqlens_q [B + 1], kv_lens [B], prefix_lens [B]
+    block_table: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    max_q_len: int,
+    page_size: int,
+) -> ForwardBatch:
+    """A batch whose integer fields are views of one array per integer type (torch.tensor of
+    each list costs ~5 us); no hidden rows: hidden_indices None."""
+    num_tokens, num_logits, num_hidden = sizes
+    num_seqs = (ints32.shape[0] - 1) // 3
+    i64 = _views(ints64, [num_tokens] * 3 + [num_logits, num_hidden])
+    i32 = _views(ints32, [num_seqs + 1, num_seqs, num_seqs])
+    return ForwardBatch(
+        input_ids=i64[0],
+        positions=i64[1],
+        slot_mapping=i64[2],
+        cu_seqlens_q=i32[0],
+        kv_lens=i32[1],
+        prefix_lens=i32[2],
+        block_table=block_table,
+        tree_mask=tree_mask,
+        logit_indices=i64[3],
+        hidden_indices=i64[4] if num_hidden else None,
+        max_q_len=max_q_len,
+        page_size=page_size,
+    )

@@ -31,7 +31,7 @@ from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
-from specsplit.step import build_forward_batch, verify_step
+from specsplit.step import build_forward_batch, decode_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import (
     Chain,
@@ -524,15 +524,20 @@ class VerifierEngine(RunAhead):
         outcomes that came (verifier/chain.py)."""
         # the layers the sequences that ask for hidden states name (one set: _validate)
         aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
-        steps = []
-        for item, seq in zip(inputs, seqs, strict=True):
-            p, n = len(item.pending_tokens), len(item.tree)
-            # logits of the root (last pending token) and every tree node; hidden states of
-            # every pending token and node when they are wanted
-            step = verify_step(seq.kv, item.pending_tokens, item.tree, list(range(p - 1, p + n)))
-            step.hidden_rows = list(range(p + n)) if aux else []
-            steps.append(step)
-        batch, row_slices = build_forward_batch(steps, self.kv.page_size)
+        if not aux and all(len(item.pending_tokens) == 1 and not item.tree for item in inputs):
+            tokens_in = [item.pending_tokens[0] for item in inputs]  # decode steps, as arrays
+            batch, row_slices = decode_batch([seq.kv for seq in seqs], tokens_in, self.kv.page_size)
+        else:
+            steps = []
+            for item, seq in zip(inputs, seqs, strict=True):
+                p, n = len(item.pending_tokens), len(item.tree)
+                # logits of the root (last pending token) and every tree node; hidden states of
+                # every pending token and node when they are wanted
+                wanted = list(range(p - 1, p + n))
+                step = verify_step(seq.kv, item.pending_tokens, item.tree, wanted)
+                step.hidden_rows = list(range(p + n)) if aux else []
+                steps.append(step)
+            batch, row_slices = build_forward_batch(steps, self.kv.page_size)
         place = None if chain is None else functools.partial(place_forward, chain=chain)
         started = None
         if self.device.type == "cuda":  # before the round's first device work, after its host

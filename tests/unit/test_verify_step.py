@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from specsplit.kv_cache import KVCache
-from specsplit.step import _CACHED_PENDING, build_forward_batch, page_tables, verify_step
+from specsplit.step import (
+    _CACHED_PENDING,
+    build_forward_batch,
+    decode_batch,
+    page_tables,
+    verify_step,
+)
 from specsplit.tree import DraftTree
 
 
@@ -117,3 +123,34 @@ def test_batch_fields_hold_each_steps_values_in_order() -> None:
     assert slices == [slice(0, 3), slice(3, 4)]
     kv.release(a)
     kv.release(b)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_batch_is_the_batch_of_its_decode_steps(page_size: int) -> None:
+    """decode_batch (array ops) gives build_forward_batch's batch of one-token decode steps
+    field for field, dtypes included: committed lengths inside a page, at a page's start (the
+    next page just reserved) and past pages a longer sequence holds (ragged tables), shuffled
+    page ids."""
+    kv = KVCache(1, 1, 4, 256, page_size, torch.float32, "cpu")
+    rng = np.random.default_rng(page_size)
+    taken = kv.allocator.alloc(7)  # the sequences' pages are not 0, 1, 2, ...
+    seqs = [kv.new_seq() for _ in range(9)]
+    committed = [0, 1, page_size - 1, page_size, 2 * page_size, 3 * page_size + 1, 5, 40, 17]
+    for seq, length in zip(seqs, committed, strict=True):
+        kv.reserve(seq, length + 1 + int(rng.integers(0, 2 * page_size)))  # room past the step
+        seq.kv_committed_len = length
+    tokens = rng.integers(0, 1000, len(seqs)).tolist()
+    got, got_slices = decode_batch(seqs, tokens, page_size)
+    steps = [verify_step(seq, [t], DraftTree(), [0]) for seq, t in zip(seqs, tokens, strict=True)]
+    want, want_slices = build_forward_batch(steps, page_size)
+    assert got_slices == want_slices
+    assert got.max_q_len == want.max_q_len == 1 and got.page_size == want.page_size
+    assert got.tree_mask is None and want.tree_mask is None
+    assert got.hidden_indices is None and want.hidden_indices is None
+    for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "kv_lens",
+                 "prefix_lens", "block_table", "logit_indices"):  # fmt: skip
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for seq in seqs:
+        kv.release(seq)
+    kv.allocator.free(taken)

@@ -1,0 +1,96 @@
+"""The verifier's host work a decode step: rounds of --steps greedy decode steps at each
+--batch (VerifyInput.decode_steps, decode ahead on: the engine's further-step loop, the step
+run ahead, the commit), with the model's forward replaced by a stub that returns fixed logits
+(LABELLED: no forward runs), so the median ms a step is the bookkeeping alone: building each
+step's batch, reserving pages, the acceptance's inputs, the commit. On a GPU the step run ahead
+leaves the host one device step to do all this (the device idles where the host is slower);
+this measures it on any machine, the CPU included.
+
+    PYTHONPATH=. python bench/decode_host.py [--batch 8 32 64] [--steps 16] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.model.batch import ForwardBatch, ForwardOutput
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import save_tiny_llama
+from verifier.engine import VerifierEngine
+
+PROMPT_LEN = 20
+
+
+def engine_with_stub(directory: Path, max_batch: int) -> VerifierEngine:
+    """A CPU engine on a tiny random checkpoint whose forward is a stub: every row's logits
+    favour token 7 (so every step's bonus token is known, and the acceptance runs as usual)."""
+    model, config = load_model(str(save_tiny_llama(directory, seed=1)), torch.float32, "cpu")
+    kv = make_kv_cache(config, 64 * max_batch, 16, torch.float32, "cpu")
+    engine = VerifierEngine(model, kv, 2048, config.vocab_size, decode_ahead=True)
+    vocab = config.vocab_size
+
+    def stub(batch: ForwardBatch, kv: object, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        logits = torch.zeros(batch.logit_indices.shape[0], vocab)
+        logits[:, 7] = 1.0
+        return ForwardOutput(logits=logits, hidden_states=None)
+
+    engine.model = stub  # type: ignore[assignment]
+    return engine
+
+
+def decode_round(
+    seq_id: str, out: VerifyOutput, sampling: SamplingParams, steps: int
+) -> VerifyInput:
+    """The round after `out`: its bonus token pending, `steps` decode steps."""
+    return VerifyInput(
+        seq_id, False, out.kv_committed_len, [out.bonus_token], DraftTree(), sampling,
+        decode_steps=steps,
+    )  # fmt: skip
+
+
+def ms_a_step(engine: VerifierEngine, batch: int, steps: int, rounds: int) -> float:
+    """Median host ms a decode step over `rounds` rounds of `steps` steps at `batch`."""
+    greedy = SamplingParams()
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(PROMPT_LEN)] for i in range(batch)]
+    begin = zip(ids, prompts, strict=True)
+    outs = engine.verify([VerifyInput(s, True, 0, p, DraftTree(), greedy) for s, p in begin])
+    times = []
+    for r in range(rounds + 3):  # three rounds to warm up
+        start = time.perf_counter()
+        outs = engine.verify(
+            [decode_round(s, o, greedy, steps) for s, o in zip(ids, outs, strict=True)]
+        )
+        if r >= 3:
+            times.append((time.perf_counter() - start) / steps)
+    engine.release(ids)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps a round")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = engine_with_stub(Path(tmp), max(args.batch))
+        print("verifier host ms a decode step, FORWARD STUBBED (bookkeeping only), CPU")
+        for batch in args.batch:
+            ms = ms_a_step(engine, batch, args.steps, args.rounds)
+            print(f"batch {batch:3d}: {ms:.3f} ms a step ({args.steps} steps a round)")
+
+
+if __name__ == "__main__":
+    main()
