@@ -1,0 +1,33 @@
+"""bench/decode_host.py: its stubbed engine decodes every round's steps (each bonus token the
+stub's favourite), its timing is of whole rounds, and it gives every page back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import decode_host
+from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+
+
+def test_the_stubbed_engine_decodes_each_rounds_steps_and_frees_its_pages(tmp_path: Path) -> None:
+    engine = decode_host.engine_with_stub(tmp_path, max_batch=4)
+    rounds: list[list[VerifyOutput]] = []
+    verify = engine.verify
+
+    def recorded(inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        outputs = verify(inputs)
+        rounds.append(outputs)
+        return outputs
+
+    engine.verify = recorded  # type: ignore[method-assign]
+    ms = decode_host.ms_a_step(engine, batch=3, steps=4, rounds=2)
+    assert ms > 0
+    assert len(rounds) == 1 + 3 + 2  # the prompts', the warm-up's, the timed ones
+    for outputs in rounds[1:]:  # 4 steps a round: 3 decoded tokens, then the bonus
+        assert [out.decoded_tokens + [out.bonus_token] for out in outputs] == [[7] * 4] * 3
+    assert [out.kv_committed_len for out in rounds[-1]] == [decode_host.PROMPT_LEN + 5 * 4] * 3
+    assert engine.num_pages_used == 0 and not engine.seqs
+    first = decode_host.decode_round("s", rounds[-1][0], SamplingParams(), 4)
+    assert first.pending_tokens == [7] and first.tree == DraftTree() and first.decode_steps == 4
