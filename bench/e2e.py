@@ -241,12 +241,9 @@ class Row:
     num_accepted_tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)  # each stream's, of the first pass
     num_changed: int = 0  # streams' runs in a later pass whose tokens were not the first's
+    num_timed_tokens: int = 0  # every pass's tokens (a changed stream may differ in length)
     buckets: Buckets = field(default_factory=Counter)  # the services', during this row's runs
     totals: Totals = field(default_factory=Counter)  # their histogram sums and counts, the same
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(map(len, self.outputs))
 
 
 @contextlib.contextmanager
@@ -434,6 +431,7 @@ def measure(
                     row.totals.update(scrape_totals())
                     row.totals.subtract(before_totals)
                 for j, (tokens, rounds, accepted) in enumerate(results):
+                    row.num_timed_tokens += len(tokens)
                     row.rounds += rounds
                     row.num_accepted_tokens += accepted
                     k = i * len(group) + j
@@ -522,7 +520,7 @@ def report(
     """One batch size's table: tokens/s and accepted tokens a round against target-only, HF
     generate and HF's best row, then a round's parts and the split's cost on the services."""
     reference = rows["specsplit target only"].outputs
-    tps = {name: args.passes * row.num_tokens / row.seconds for name, row in rows.items()}
+    tps = {name: row.num_timed_tokens / row.seconds for name, row in rows.items()}
     base = {"target only": tps["specsplit target only"], "HF": tps.get("HF generate", math.nan)}
     best_hf = max((v for k, v in tps.items() if k.startswith("HF")), default=math.nan)
     streams = "one at a time" if batch == 1 else f"{batch} streams at once (HF: one batch)"
@@ -542,7 +540,7 @@ def report(
         acc = row.num_accepted_tokens / row.rounds if row.rounds else float("nan")
         same = sum(o == r for o, r in zip(row.outputs, reference, strict=True))
         print(
-            f"{name:<36}{row.num_tokens:>8}{row.seconds:>9.2f}{tps[name]:>10.1f}{acc:>10.2f}"
+            f"{name:<36}{row.num_timed_tokens:>8}{row.seconds:>9.2f}{tps[name]:>10.1f}{acc:>10.2f}"
             f"{tps[name] / base['target only']:>15.2f}x{tps[name] / base['HF']:>7.2f}x"
             f"{tps[name] / best_hf:>11.2f}x  {same}/{len(row.outputs)}"
         )

@@ -121,3 +121,4 @@ def test_measure_counts_the_streams_a_later_pass_changed() -> None:
     assert rows["HF generate"].num_changed == 4  # stream 0 of each group, passes 2 and 3
     assert rows["HF other"].num_changed == 0
     assert rows["HF generate"].outputs == [[7, 2]] * 4  # the first pass's tokens
+    assert rows["HF generate"].num_timed_tokens == 3 * 4 * 2  # every pass's, as timed

@@ -130,7 +130,7 @@ def test_decode_batch_is_the_batch_of_its_decode_steps(page_size: int) -> None:
     """decode_batch (array ops) gives build_forward_batch's batch of one-token decode steps
     field for field, dtypes included: committed lengths inside a page, at a page's start (the
     next page just reserved) and past pages a longer sequence holds (ragged tables), shuffled
-    page ids."""
+    page ids, a fork (shared pages); and an empty batch."""
     kv = KVCache(1, 1, 4, 256, page_size, torch.float32, "cpu")
     rng = np.random.default_rng(page_size)
     taken = kv.allocator.alloc(7)  # the sequences' pages are not 0, 1, 2, ...
@@ -139,6 +139,9 @@ def test_decode_batch_is_the_batch_of_its_decode_steps(page_size: int) -> None:
     for seq, length in zip(seqs, committed, strict=True):
         kv.reserve(seq, length + 1 + int(rng.integers(0, 2 * page_size)))  # room past the step
         seq.kv_committed_len = length
+    fork = kv.fork(seqs[5], 3 * page_size + 1)  # shared pages, its partial one copied
+    kv.reserve(fork, 3 * page_size + 2)
+    seqs.append(fork)
     tokens = rng.integers(0, 1000, len(seqs)).tolist()
     got, got_slices = decode_batch(seqs, tokens, page_size)
     steps = [verify_step(seq, [t], DraftTree(), [0]) for seq, t in zip(seqs, tokens, strict=True)]
@@ -151,6 +154,22 @@ def test_decode_batch_is_the_batch_of_its_decode_steps(page_size: int) -> None:
                  "prefix_lens", "block_table", "logit_indices"):  # fmt: skip
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    for seq in seqs:
+    empty, no_slices = decode_batch([], [], page_size)
+    assert empty.num_seqs == 0 and no_slices == [] and empty.max_q_len == 0
+    for seq in reversed(seqs):  # (the fork before the sequence it shares pages with)
         kv.release(seq)
     kv.allocator.free(taken)
+
+
+def test_decode_batch_refuses_a_token_past_its_own_pages() -> None:
+    """A sequence whose next token's page is not reserved is refused, even beside a sequence
+    with a wider table (whose padding would otherwise hand it another sequence's page)."""
+    kv = KVCache(1, 1, 4, 16, 4, torch.float32, "cpu")
+    wide, short = kv.new_seq(), kv.new_seq()
+    kv.reserve(wide, 12)
+    kv.reserve(short, 4)
+    wide.kv_committed_len, short.kv_committed_len = 5, 4  # short's token needs a second page
+    with pytest.raises(AssertionError):
+        decode_batch([wide, short], [1, 2], 4)
+    kv.release(wide)
+    kv.release(short)
