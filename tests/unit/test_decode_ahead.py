@@ -28,7 +28,7 @@ from tests.support import (
 )
 from verifier.engine import VerifierEngine
 
-PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12], "c": [11, 13, 17, 19, 23]}
+PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
 
 
 @pytest.fixture(scope="module")
