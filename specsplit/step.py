@@ -137,10 +137,11 @@ def decode_batch(
     assert all(seq.page_size == page_size for seq in seqs), page_size
     committed = np.fromiter((seq.kv_committed_len for seq in seqs), np.int64, num_seqs)
     held = np.fromiter((len(seq.page_table) for seq in seqs), np.int64, num_seqs)
+    column = committed // page_size  # each token's page in its table
     # each token's page reserved in its own table (a wider table's padding is another's page)
-    assert ((committed >= 0) & (committed // page_size < held)).all(), (committed, held)
+    assert ((committed >= 0) & (column < held)).all(), (committed, held)
     table = page_tables(seqs)
-    pages = table[np.arange(num_seqs), committed // page_size].astype(np.int64)
+    pages = table[np.arange(num_seqs), column].astype(np.int64)
     slots = pages * page_size + committed % page_size
     rows = np.arange(num_seqs, dtype=np.int64)  # each sequence's one row: its logits' too
     lens = committed.astype(np.int32)

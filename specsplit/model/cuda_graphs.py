@@ -37,25 +37,6 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
 StepForward = Callable[[ForwardBatch, tuple[int, ...], torch.Tensor | None], ForwardOutput]
 
 
-def empty_batch(page_size: int) -> ForwardBatch:
-    """No sequences: filling graph buffers with it pads every sequence."""
-    none = torch.zeros(0, dtype=torch.int64)
-    none32 = torch.zeros(0, dtype=torch.int32)
-    return ForwardBatch(
-        input_ids=none,
-        positions=none,
-        slot_mapping=none,
-        cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        kv_lens=none32,
-        prefix_lens=none32,
-        block_table=torch.zeros(0, 1, dtype=torch.int32),
-        tree_mask=None,
-        logit_indices=none,
-        max_q_len=0,
-        page_size=page_size,
-    )
-
-
 class CudaGraphRunner:
     """Captured runs of `forward` over `kv`, keyed by (q, aux_layers, bucket): every q given to
     `capture` at warm-up without hidden states, and the same q with a new set of hidden-state
@@ -127,7 +108,7 @@ class CudaGraphRunner:
         sizes = self.q_sizes[q]
         buffers = GraphBuffers(sizes[-1], q, self.max_pages, self.features, self.device)
         self.buffers[key] = buffers
-        empty = empty_batch(self.kv.page_size)
+        empty = self._empty_batch()
         buffers.fill(empty, sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -155,6 +136,24 @@ class CudaGraphRunner:
     ) -> None:
         features = None if buffers.features is None else buffers.features[:t]
         buffers.keep(self.step_forward(batch, aux_layers, features))
+
+    def _empty_batch(self) -> ForwardBatch:
+        """No sequences: filling buffers with it pads every sequence."""
+        none = torch.zeros(0, dtype=torch.int64)
+        none32 = torch.zeros(0, dtype=torch.int32)
+        return ForwardBatch(
+            input_ids=none,
+            positions=none,
+            slot_mapping=none,
+            cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+            kv_lens=none32,
+            prefix_lens=none32,
+            block_table=torch.zeros(0, 1, dtype=torch.int32),
+            tree_mask=None,
+            logit_indices=none,
+            max_q_len=0,
+            page_size=self.kv.page_size,
+        )
 
     # -- replay ----------------------------------------------------------------------------
 

@@ -69,18 +69,6 @@ SMALL_LINEAR_ROWS = MAX_ROWS
 SMALL_LINEAR_MAX_WEIGHT_BYTES = 16 << 20
 
 
-def small_linear_fits(num_tokens: int, device: torch.device, weight_bytes: int) -> bool:
-    """Whether a step of `num_tokens` whose largest projection weighs `weight_bytes` runs its
-    projections as the small-linear kernels (see SMALL_LINEAR): on a GPU, at most
-    SMALL_LINEAR_ROWS tokens, at most SMALL_LINEAR_MAX_WEIGHT_BYTES."""
-    return (
-        SMALL_LINEAR
-        and device.type == "cuda"
-        and 0 < num_tokens <= SMALL_LINEAR_ROWS
-        and weight_bytes <= SMALL_LINEAR_MAX_WEIGHT_BYTES
-    )
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device: torch.device | str = _META) -> None:
         super().__init__()
@@ -252,8 +240,12 @@ class LlamaModel(nn.Module):
         """Whether a step of `num_tokens` runs the layers' `forward_small` (see SMALL_LINEAR):
         on a GPU, at most SMALL_LINEAR_ROWS tokens, every layer weight at most
         SMALL_LINEAR_MAX_WEIGHT_BYTES. The CPU always runs `forward`, the reference."""
-        return small_linear_fits(
-            num_tokens, device, self.max_layer_weight_numel * self.dtype.itemsize
+        weight_bytes = self.max_layer_weight_numel * self.dtype.itemsize
+        return (
+            SMALL_LINEAR
+            and device.type == "cuda"
+            and 0 < num_tokens <= SMALL_LINEAR_ROWS
+            and weight_bytes <= SMALL_LINEAR_MAX_WEIGHT_BYTES
         )
 
     def truncated(self, num_layers: int) -> LlamaModel:
