@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.messages import VerifyInput
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -27,6 +27,7 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from verifier.engine import VerifierEngine
+from verifier.rounds import decode_step
 
 PROMPT_LEN = 20
 
@@ -48,16 +49,6 @@ def engine_with_stub(directory: Path, max_batch: int) -> VerifierEngine:
     return engine
 
 
-def decode_round(
-    seq_id: str, out: VerifyOutput, sampling: SamplingParams, steps: int
-) -> VerifyInput:
-    """The round after `out`: its bonus token pending, `steps` decode steps."""
-    return VerifyInput(
-        seq_id, False, out.kv_committed_len, [out.bonus_token], DraftTree(), sampling,
-        decode_steps=steps,
-    )  # fmt: skip
-
-
 def ms_a_step(engine: VerifierEngine, batch: int, steps: int, rounds: int) -> float:
     """Median host ms a decode step over `rounds` rounds of `steps` steps at `batch`."""
     greedy = SamplingParams()
@@ -69,7 +60,10 @@ def ms_a_step(engine: VerifierEngine, batch: int, steps: int, rounds: int) -> fl
     for r in range(rounds + 3):  # three rounds to warm up
         start = time.perf_counter()
         outs = engine.verify(
-            [decode_round(s, o, greedy, steps) for s, o in zip(ids, outs, strict=True)]
+            [
+                decode_step(s, o.kv_committed_len, o.bonus_token, greedy, steps)
+                for s, o in zip(ids, outs, strict=True)
+            ]
         )
         if r >= 3:
             times.append((time.perf_counter() - start) / steps)
