@@ -154,8 +154,12 @@ class KVCache:
 
     def reserve(self, seq: SeqKV, length: int) -> None:
         """Make sure `length` slots are allocated (rounded up to whole pages)."""
-        if need := self.num_new_pages(seq, length):
-            seq.page_table.extend(self.allocator.alloc(need))
+        self.add_pages(seq, self.num_new_pages(seq, length))
+
+    def add_pages(self, seq: SeqKV, num: int) -> None:
+        """`num` more pages at the end of `seq`'s page table (`num_new_pages` counts them)."""
+        if num:
+            seq.page_table.extend(self.allocator.alloc(num))
 
     def trim(self, seq: SeqKV, length: int) -> None:
         """Free the pages not needed to hold `length` tokens."""

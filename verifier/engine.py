@@ -486,8 +486,9 @@ class VerifierEngine(RunAhead):
             self._drop_ahead()
             raise
         finally:
-            for item in launched.inputs:
-                self._held.pop(item.seq_id, None)
+            if self._held:  # (room held for a chained round: rarely any)
+                for item in launched.inputs:
+                    self._held.pop(item.seq_id, None)
         if launched.chained is not None:  # the outcomes came: the round as it will be asked
             chained = launched.chained
             assert chained.chain_hints is not None
@@ -499,6 +500,8 @@ class VerifierEngine(RunAhead):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
         launched.device_ns = sum(part.device_ns() for part in launched.parts)
+        if len(launched.parts) == 1:  # (its order is the round's)
+            return results
         by_position = dict(zip(launched.order, results, strict=True))
         return [by_position[i] for i in range(len(launched.inputs))]
 
@@ -582,13 +585,14 @@ class VerifierEngine(RunAhead):
             within = further and not launched.on_request  # (not the trip between rounds)
             self._report_idle(launched.idle_from, launched.started, within)
         rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
-        accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
         chained = launched.chain_hints is not None  # (room reserved for a tree, placed or not)
+        # each row: the number of accepted nodes a, the bonus token, then the a nodes
         results = [
-            self._commit(item, seq, result, trim=chained)
-            for item, seq, result in zip(launched.inputs, launched.seqs, accepted, strict=True)
+            self._commit(item, seq, row[2 : 2 + row[0]], row[1], trim=chained)
+            for item, seq, row in zip(launched.inputs, launched.seqs, rows, strict=True)
         ]
         if launched.hidden is not None:
+            accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
             starts = launched.hidden_starts(whole)
             hidden_states_out(launched.inputs, accepted, launched.hidden, results, starts)
         return results
@@ -616,23 +620,19 @@ class VerifierEngine(RunAhead):
         )
 
     def _commit(
-        self, item: VerifyInput, seq: VerifierSeq, result: AcceptResult, trim: bool = False
+        self, item: VerifyInput, seq: VerifierSeq, nodes: list[int], bonus: int, trim: bool
     ) -> VerifyOutput:
-        """The accepted path's K/V sits right after the pending tokens: commit it, free the
-        rest. trim: free it for a round without a tree too (a chained round placed plain holds
-        its reference tree's room)."""
-        base = seq.kv.kv_committed_len + len(item.pending_tokens)
-        seq.kv.kv_committed_len = base + len(result.accepted_nodes)
+        """The accepted path (tree `nodes`, then `bonus`)'s K/V sits right after the pending
+        tokens: commit it, free the rest. trim: free it for a round without a tree too (a
+        chained round placed plain holds its reference tree's room)."""
+        kv = seq.kv
+        kv.kv_committed_len += len(item.pending_tokens) + len(nodes)
         # a round without a tree reserved its pending tokens' room only (and the decode step
         # run ahead may hold the next token's already): nothing to free
-        if item.tree or trim:  # (not the room of a round chained behind this one)
-            self.kv.trim(seq.kv, max(seq.kv.kv_committed_len, self._held.get(item.seq_id, 0)))
-        return VerifyOutput(
-            seq_id=item.seq_id,
-            accepted_tokens=[item.tree.tokens[i] for i in result.accepted_nodes],
-            bonus_token=result.bonus_token,
-            kv_committed_len=seq.kv.kv_committed_len,
-        )
+        if trim or item.tree:  # (not the room of a round chained behind this one)
+            self.kv.trim(kv, max(kv.kv_committed_len, self._held.get(item.seq_id, 0)))
+        tokens = item.tree.tokens
+        return VerifyOutput(item.seq_id, [tokens[i] for i in nodes], bonus, kv.kv_committed_len)
 
     # -- checks and memory -----------------------------------------------------------------
 
@@ -641,22 +641,24 @@ class VerifierEngine(RunAhead):
 
     def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
         """Reserve room for pending + tree of every sequence, or nothing at all."""
-        lengths = [
-            seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
+        kv = self.kv
+        new_pages = [
+            kv.num_new_pages(
+                seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
+            )
             for item, seq in zip(inputs, seqs, strict=True)
         ]
-        need = sum(self.kv.num_new_pages(seq.kv, n) for seq, n in zip(seqs, lengths, strict=True))
-        if need > self.kv.allocator.num_free:
+        need = sum(new_pages)
+        if need > kv.allocator.num_free:
             for item in inputs:
                 if item.begin:
                     del self.seqs[item.seq_id]
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,
-                f"verifier KV cache full: round needs {need} pages, "
-                f"{self.kv.allocator.num_free} free",
+                f"verifier KV cache full: round needs {need} pages, {kv.allocator.num_free} free",
             )
-        for seq, length in zip(seqs, lengths, strict=True):
-            self.kv.reserve(seq.kv, length)
+        for seq, num in zip(seqs, new_pages, strict=True):
+            kv.add_pages(seq.kv, num)
 
     def truncate(self, items: list[Truncation]) -> list[Truncated]:
         """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each

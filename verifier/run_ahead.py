@@ -328,7 +328,8 @@ class RunAhead:
             self._drop_ahead()
             return None, []
         self._ahead = None
-        self._undo_ahead(ahead, kept=set(keep))
+        if len(keep) < len(ahead.inputs):  # (most rounds take the whole step)
+            self._undo_ahead(ahead, kept=set(keep))
         self._count_ahead(ahead, "used")
         if keep == list(range(len(ahead.inputs))):
             return ahead, positions
