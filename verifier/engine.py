@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from specsplit.acceptance import AcceptResult
 from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache, pool_num_pages
@@ -592,9 +591,8 @@ class VerifierEngine(RunAhead):
             for item, seq, row in zip(launched.inputs, launched.seqs, rows, strict=True)
         ]
         if launched.hidden is not None:
-            accepted = [AcceptResult(row[2 : 2 + row[0]], bonus_token=row[1]) for row in rows]
             starts = launched.hidden_starts(whole)
-            hidden_states_out(launched.inputs, accepted, launched.hidden, results, starts)
+            hidden_states_out(launched.inputs, launched.hidden, results, starts)
         return results
 
     def _accept(

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from specsplit.acceptance import AcceptResult
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
@@ -89,18 +88,17 @@ def _device_meta(shape: tuple[tuple[int, int, bool], ...], device: torch.device)
 
 def hidden_states_out(
     inputs: list[VerifyInput],
-    accepted: list[AcceptResult],
     hidden: torch.Tensor,  # `accepted_hidden`'s rows
-    results: list[VerifyOutput],
+    results: list[VerifyOutput],  # committed: their accepted drafts say each path's length
     starts: list[int] | None = None,  # each input's first row (None: back to back)
 ) -> None:
     """Each sequence that asked for hidden states gets [p + num_accepted_drafts, layers *
     hidden]: its pending tokens, then the accepted path (views of `hidden`, back to back)."""
     row = 0
-    for i, (item, path, output) in enumerate(zip(inputs, accepted, results, strict=True)):
+    for i, (item, output) in enumerate(zip(inputs, results, strict=True)):
         if item.hidden_state_layers:
             row = row if starts is None else starts[i]
-            end = row + len(item.pending_tokens) + len(path.accepted_nodes)
+            end = row + len(item.pending_tokens) + output.num_accepted_drafts
             output.hidden_states = hidden[row:end]
             row = end
 
