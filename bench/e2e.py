@@ -449,6 +449,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="verifier's (and HF's) device")
     parser.add_argument("--drafter-device", default=None, help="default: --device")
     parser.add_argument("--no-hf", action="store_true", help="no HF rows (specsplit's only)")
+    parser.add_argument("--services-log", default=None, help="append the services' output here")
     parser.add_argument("--dtype", default=None, help="specsplit up --dtype (default: its own)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")

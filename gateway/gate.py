@@ -28,7 +28,12 @@ first two rounds after a prefill (the prefill, then the drafter's catch-up of it
   confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
   changes it starts over from PROBE_EVERY;
 - and a probe waits until the chosen mode has run for 1 / PROBE_BUDGET times as long as the
-  last probe took, so that probing takes at most PROBE_BUDGET of the time. A probe of
+  last probe took, so that probing takes at most PROBE_BUDGET of the time;
+- where speculation could not win even with every draft accepted (its measured round time
+  with each sequence committing its whole draft path and bonus token, the round's `most`,
+  still commits fewer tokens per second than plain rounds), the first wait is
+  MAX_BACKOFF x PROBE_EVERY at once: probes then only follow a change in the round times
+  (the batch, the context), which acceptance alone cannot bring. A probe of
   speculation is costly where it loses: its first round verifies again every token since the
   last features (two H200s, SmolLM2, 8 or 32 streams: 30-100 ms, a dozen plain rounds), then
   WINDOW rounds speculate at up to twice a plain round's time. Its cost is every round's time
@@ -69,8 +74,9 @@ class _Bucket:
     key: int  # the batch-size bucket
     window: int
     num_modes: int
-    # per mode: (tokens, seconds) of its measured rounds, the last `window`
-    rounds: list[deque[tuple[int, float]]] = field(init=False)
+    # per mode: (tokens, seconds, most) of its measured rounds, the last `window`; most: the
+    # tokens the round could have committed at best (None: not known)
+    rounds: list[deque[tuple[int, float, int | None]]] = field(init=False)
     mode: int = 0  # the mode running now
     chosen: int | None = None  # the mode chosen after the last measurement; None: exploring
     next_probe: int = 0  # the mode the next probe tries (never the chosen one)
@@ -80,20 +86,36 @@ class _Bucket:
     seconds_in_mode: float = 0.0  # the rounds' time since the last switch (measured or not)
     probe_seconds: float | None = None  # the last probe's cost (None: none yet)
     probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
+    hopeless_logged: bool = False  # `ModeGate._hopeless` said so once
 
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
-    def rate(self, mode: int) -> float | None:
-        """Committed tokens per second of round over the window less its slowest round (a
-        one-off stall, as a kernel built or a graph captured on a mode's first use, or a
-        collection, does not decide), None until it is full."""
+    def _window(self, mode: int) -> list[tuple[int, float, int | None]] | None:
+        """The mode's measured rounds less the slowest (a one-off stall, as a kernel built or a
+        graph captured on a mode's first use, or a collection, does not decide), None until
+        the window is full."""
         rounds = list(self.rounds[mode])
         if len(rounds) < self.window:
             return None
         if len(rounds) > 2:
             rounds.remove(max(rounds, key=lambda r: r[1]))
-        return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
+        return rounds
+
+    def rate(self, mode: int) -> float | None:
+        """Committed tokens per second of round over the window (`_window`)."""
+        rounds = self._window(mode)
+        if rounds is None:
+            return None
+        return sum(r[0] for r in rounds) / max(sum(r[1] for r in rounds), 1e-9)
+
+    def ceiling(self, mode: int) -> float | None:
+        """Tokens per second the same rounds would have committed at best (each its `most`),
+        None until the window is full or where a round's best is not known."""
+        rounds = self._window(mode)
+        if rounds is None or any(r[2] is None for r in rounds):
+            return None
+        return sum(r[2] or 0 for r in rounds) / max(sum(r[1] for r in rounds), 1e-9)
 
 
 class ModeGate:
@@ -112,13 +134,19 @@ class ModeGate:
         probe_every: int = PROBE_EVERY,
         margin: float = SPEC_MARGIN,
         probe_budget: float = PROBE_BUDGET,
+        hopeless_backoff: int = MAX_BACKOFF,
     ) -> None:
+        """hopeless_backoff: the wait for the first probe, in probe_every's, after choosing the
+        plain mode where no other could have beaten it at its best (`_choose`); 1 = as any
+        choice."""
         assert window >= 1 and probe_every >= 1 and margin > 0 and 0 < probe_budget <= 1
+        assert 1 <= hopeless_backoff <= MAX_BACKOFF
         assert len(self.modes) >= 2
         self.window = window
         self.probe_every = probe_every
         self.margin = margin
         self.probe_budget = probe_budget
+        self.hopeless_backoff = hopeless_backoff
         self._buckets: dict[int, _Bucket] = {}
         self.num_switches = 0
 
@@ -189,11 +217,18 @@ class ModeGate:
         return self.modes[self._bucket(batch_size).mode]
 
     def observe_mode(
-        self, batch_size: int, mode: str, tokens: int, seconds: float, measured: bool = True
+        self,
+        batch_size: int,
+        mode: str,
+        tokens: int,
+        seconds: float,
+        measured: bool = True,
+        most: int | None = None,
     ) -> None:
-        """A round: `tokens` committed in `seconds`, in `mode` (as `mode()` gave it). Only
-        `measured` rounds count towards the rates; every round's time counts towards the time
-        in the mode and the cost of a probe."""
+        """A round: `tokens` committed in `seconds`, in `mode` (as `mode()` gave it); `most`:
+        the tokens it could have committed at best (None: not known). Only `measured` rounds
+        count towards the rates; every round's time counts towards the time in the mode and
+        the cost of a probe."""
         b = self._bucket(batch_size)
         index = self.modes.index(mode)
         if index != b.mode:
@@ -219,7 +254,7 @@ class ModeGate:
                 b.probe_every,
                 self._probe_wait(b),
             )
-        b.rounds[index].append((tokens, seconds))
+        b.rounds[index].append((tokens, seconds, most))
         if b.chosen is None:  # exploring: each mode not measured yet, in order
             if b.rate(index) is not None:
                 unmeasured = [mode for mode in range(len(self.modes)) if b.rate(mode) is None]
@@ -249,7 +284,7 @@ class ModeGate:
         the last probe's, and at least the probed mode's measured window (a probe runs that
         window again): so the first probe, whose cost is not known yet, waits too."""
         probed = b.rounds[b.next_probe]
-        cost = max(b.probe_seconds or 0.0, sum(seconds for _, seconds in probed))
+        cost = max(b.probe_seconds or 0.0, sum(r[1] for r in probed))
         return cost / self.probe_budget
 
     def _choose(self, b: _Bucket) -> None:
@@ -268,6 +303,8 @@ class ModeGate:
             if confirmed
             else self.probe_every
         )
+        if chosen == plain and self._hopeless(b):
+            b.probe_every = max(b.probe_every, self.hopeless_backoff * self.probe_every)
         if not confirmed:
             measured = ", ".join(
                 f"{name} {rate:.1f}"
@@ -288,6 +325,27 @@ class ModeGate:
         for other in self._buckets.values() if self.adopts else ():
             self._adopt(other)  # those still exploring (met before any chose)
 
+    def _hopeless(self, b: _Bucket) -> bool:
+        """No mode but the plain one could have beaten it even at its best: each one's
+        `ceiling` is known and below the plain mode's rate (with the margin)."""
+        plain = len(self.modes) - 1
+        plain_rate = b.rate(plain)
+        ceilings = [b.ceiling(mode) for mode in range(plain)]
+        if plain_rate is None or any(c is None or c >= plain_rate * self.margin for c in ceilings):
+            return False
+        if not b.hopeless_logged:
+            b.hopeless_logged = True
+            log.info(
+                "%s, batch <= %d: at best %s tokens/s against %s %.1f: probing after %d rounds",
+                self.name,
+                b.key,
+                ", ".join(f"{self.modes[m]} {c or 0.0:.1f}" for m, c in enumerate(ceilings)),
+                self.modes[plain],
+                plain_rate,
+                self.hopeless_backoff * self.probe_every,
+            )
+        return True
+
     def _switch(self, b: _Bucket, mode: int) -> None:
         if mode != b.mode:
             self.num_switches += 1
@@ -300,6 +358,11 @@ class ModeGate:
         """Committed tokens per second of `mode` at this batch size, as measured."""
         return self._bucket(batch_size).rate(self.modes.index(mode))
 
+    def ceiling(self, batch_size: int, mode: str) -> float | None:
+        """The most tokens per second `mode`'s measured rounds could have committed at this
+        batch size (None: not known)."""
+        return self._bucket(batch_size).ceiling(self.modes.index(mode))
+
 
 class SpeculationGate(ModeGate):
     """Whether the next round speculates or runs plain rounds."""
@@ -311,10 +374,18 @@ class SpeculationGate(ModeGate):
         return self.mode(batch_size) == "speculating"
 
     def observe(
-        self, batch_size: int, speculated: bool, tokens: int, seconds: float, measured: bool = True
+        self,
+        batch_size: int,
+        speculated: bool,
+        tokens: int,
+        seconds: float,
+        measured: bool = True,
+        most: int | None = None,
     ) -> None:
+        """most: a speculating round's tokens had every sequence's draft path been accepted
+        whole (its depth + the bonus token, summed)."""
         mode = self.modes[0 if speculated else 1]
-        self.observe_mode(batch_size, mode, tokens, seconds, measured)
+        self.observe_mode(batch_size, mode, tokens, seconds, measured, most)
 
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculating, plain) committed tokens per second at this batch size, as measured."""

@@ -346,6 +346,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
+                best = self._best_commits(self.running) if measured and speculate else None
                 # a round the overlap gate measures: none of its sequences just prefilled
                 settled = self.overlap_gate is not None and all(
                     seq.rounds_since_prefill >= 2 for seq in self.running
@@ -379,7 +380,10 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
-                    self.gate.observe(batch_size, speculate, tokens, seconds, measured)
+                    most = None
+                    if best is not None:  # the sequences this round committed (one group's)
+                        most = max(tokens, sum(m for seq, r, m in best if seq.stats.rounds > r))
+                    self.gate.observe(batch_size, speculate, tokens, seconds, measured, most)
                 if self.overlap_gate is not None and speculate and drafting:
                     self.overlap_gate.observe_mode(batch_size, mode, tokens, seconds, settled)
             except ServiceError as e:
@@ -408,6 +412,21 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         if mode == "both":
             mode = "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
         return "groups-early" if mode == "groups" and self.early_verify else mode
+
+    @staticmethod
+    def _best_commits(batch: list[Sequence]) -> list[tuple[Sequence, int, int]]:
+        """Before a speculating round, for the speculation gate's `most`: each sequence, its
+        committed rounds so far (those it commits in this round are the ones whose count
+        grows: a groups round commits one group) and the most tokens it could commit (its
+        whole draft path accepted and its bonus token, at the deepest shape its adaptive
+        ladder may reach)."""
+        best = []
+        for seq in batch:
+            depth = seq.round_spec().num_steps
+            if seq.adaptive is not None:
+                depth = max(depth, *(rung.num_steps for rung in seq.adaptive.ladder))
+            best.append((seq, seq.stats.rounds, depth + 1))
+        return best
 
     def _gated(self, batch: list[Sequence]) -> bool:
         """A round the speculation gate measures: every sequence follows the gateway's default

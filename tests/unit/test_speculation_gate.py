@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.gate import SETTLE, SpeculationGate
+from gateway.gate import MAX_BACKOFF, SETTLE, SpeculationGate
 
 
 def _run(
@@ -15,14 +15,17 @@ def _run(
     spec: tuple[int, float],
     plain: tuple[int, float],
     batch_size: int = 1,
+    most: int | None = None,
 ) -> list[bool]:
-    """`rounds` rounds at `batch_size`, each committing (tokens, seconds) of its mode; the
-    modes the gate gave, in order."""
+    """`rounds` rounds at `batch_size`, each committing (tokens, seconds) of its mode (a
+    speculating one `most` tokens a sequence at best, None: not told); the modes the gate
+    gave, in order."""
     modes = []
     for _ in range(rounds):
         speculate = gate.speculate(batch_size)
         tokens, seconds = spec if speculate else plain
-        gate.observe(batch_size, speculate, tokens * batch_size, seconds)
+        best = None if most is None or not speculate else most * batch_size
+        gate.observe(batch_size, speculate, tokens * batch_size, seconds, most=best)
         modes.append(speculate)
     return modes
 
@@ -219,3 +222,35 @@ def test_one_stalled_round_does_not_decide_the_choice() -> None:
     _run(stalled_twice, 2, spec=(3, 4e-3), plain=(1, 3e-3))
     modes = _run(stalled_twice, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 3e-3))
     assert modes[4 + SETTLE :] == [False] * 5
+
+
+def test_speculation_that_cannot_win_at_its_best_is_probed_late() -> None:
+    """Speculating rounds take 12 ms and could commit 4 tokens at best (a chain of 3 and the
+    bonus token): 333 tokens/s even with every draft accepted, against plain rounds' 400. No
+    change of acceptance can make it pay, so its first probe waits MAX_BACKOFF x probe_every
+    rounds, not probe_every."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)  # plain chosen
+    assert gate.ceiling(1, "speculating") == pytest.approx(4 / 12e-3)
+    modes = _run(gate, MAX_BACKOFF * 10, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
+    assert modes == [False] * (MAX_BACKOFF * 10)
+    assert _run(gate, 1, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4) == [True]
+
+
+@pytest.mark.parametrize("most", [5, None], ids=["could-win", "best-not-told"])
+def test_speculation_that_could_win_at_its_best_is_probed_as_before(most: int | None) -> None:
+    """At 5 tokens a round at best (250 tokens/s against plain rounds' 200), or with its best
+    not told, speculation that loses now is probed after probe_every rounds: higher
+    acceptance could make it pay."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(gate, 2 + 2 + SETTLE, spec=(2, 20e-3), plain=(1, 5e-3), most=most)
+    modes = _run(gate, 11, spec=(2, 20e-3), plain=(1, 5e-3), most=most)
+    assert modes == [False] * 10 + [True]
+
+
+def test_a_hopeless_backoff_of_one_probes_as_before() -> None:
+    """hopeless_backoff=1 (the scheduler tests that exercise probes): the first probe after
+    probe_every rounds, however far speculation is from paying."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0, hopeless_backoff=1)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
+    assert _run(gate, 11, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4) == [False] * 10 + [True]
