@@ -33,7 +33,8 @@ first two rounds after a prefill (the prefill, then the drafter's catch-up of it
   with each sequence committing its whole draft path and bonus token, the round's `most`,
   still commits fewer tokens per second than plain rounds), the first wait is
   MAX_BACKOFF x PROBE_EVERY at once: probes then only follow a change in the round times
-  (the batch, the context), which acceptance alone cannot bring. A probe of
+  (the batch, the context), which acceptance alone cannot bring; a larger batch size met
+  later waits as long for its first (a draft's gain shrinks as the batch grows). A probe of
   speculation is costly where it loses: its first round verifies again every token since the
   last features (two H200s, SmolLM2, 8 or 32 streams: 30-100 ms, a dozen plain rounds), then
   WINDOW rounds speculate at up to twice a plain round's time. Its cost is every round's time
@@ -86,7 +87,9 @@ class _Bucket:
     seconds_in_mode: float = 0.0  # the rounds' time since the last switch (measured or not)
     probe_seconds: float | None = None  # the last probe's cost (None: none yet)
     probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
-    hopeless_logged: bool = False  # `ModeGate._hopeless` said so once
+    # its last choice was the plain mode where no other could have beaten it at its best
+    # (`ModeGate._hopeless`), or it took that from a smaller bucket (`ModeGate._adopt`)
+    hopeless: bool = False
 
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
@@ -184,10 +187,12 @@ class ModeGate:
 
     def _adopt(self, b: _Bucket, fresh: bool = False) -> None:
         """An exploring bucket takes the nearest chosen bucket's measurements, choice and probe
-        cost (probed again after probe_every rounds here), if any bucket chose: a batch that
-        shrinks as its streams finish crosses a bucket every halving, and exploring each anew
-        would switch modes there (resuming speculation verifies every sequence's tokens since
-        its last features again). So exploring is left to the first bucket that gets there."""
+        cost (probed again after probe_every rounds here; hopeless_backoff x that for a larger
+        batch than a bucket where no mode could beat the plain one), if any bucket chose: a
+        batch that shrinks as its streams finish crosses a bucket every halving, and exploring
+        each anew would switch modes there (resuming speculation verifies every sequence's
+        tokens since its last features again). So exploring is left to the first bucket that
+        gets there."""
         near = self._nearest_chosen(b.key)
         if b.chosen is not None or near is None or near.chosen is None:
             return
@@ -201,6 +206,12 @@ class ModeGate:
         b.next_probe = self._after(b.chosen, b.chosen)
         b.rounds_in_mode, b.seconds_in_mode = 0, 0.0  # the wait for its first probe starts now
         b.probe_every = self.probe_every
+        # a larger batch than a bucket where nothing could beat the plain mode at its best
+        # waits as long for its first probe: a draft's gain only shrinks as the batch grows
+        # (a verify's rows grow with it while plain rounds get cheaper a token)
+        if near.hopeless and b.key > near.key:
+            b.hopeless = True
+            b.probe_every = self.hopeless_backoff * self.probe_every
         b.probe_seconds = near.probe_seconds
         self.report(b.key, self.modes[b.chosen])
 
@@ -303,7 +314,11 @@ class ModeGate:
             if confirmed
             else self.probe_every
         )
-        if chosen == plain and self._hopeless(b):
+        hopeless = chosen == plain and self._hopeless(b)
+        if hopeless and not b.hopeless:
+            self._log_hopeless(b)
+        b.hopeless = hopeless
+        if hopeless:
             b.probe_every = max(b.probe_every, self.hopeless_backoff * self.probe_every)
         if not confirmed:
             measured = ", ".join(
@@ -330,21 +345,22 @@ class ModeGate:
         `ceiling` is known and below the plain mode's rate (with the margin)."""
         plain = len(self.modes) - 1
         plain_rate = b.rate(plain)
-        ceilings = [b.ceiling(mode) for mode in range(plain)]
-        if plain_rate is None or any(c is None or c >= plain_rate * self.margin for c in ceilings):
-            return False
-        if not b.hopeless_logged:
-            b.hopeless_logged = True
-            log.info(
-                "%s, batch <= %d: at best %s tokens/s against %s %.1f: probing after %d rounds",
-                self.name,
-                b.key,
-                ", ".join(f"{self.modes[m]} {c or 0.0:.1f}" for m, c in enumerate(ceilings)),
-                self.modes[plain],
-                plain_rate,
-                self.hopeless_backoff * self.probe_every,
-            )
-        return True
+        return plain_rate is not None and all(
+            (c := b.ceiling(mode)) is not None and c < plain_rate * self.margin
+            for mode in range(plain)
+        )
+
+    def _log_hopeless(self, b: _Bucket) -> None:
+        plain = len(self.modes) - 1
+        log.info(
+            "%s, batch <= %d: at best %s tokens/s against %s %.1f: probing after %d rounds",
+            self.name,
+            b.key,
+            ", ".join(f"{self.modes[m]} {b.ceiling(m) or 0.0:.1f}" for m in range(plain)),
+            self.modes[plain],
+            b.rate(plain) or 0.0,
+            self.hopeless_backoff * self.probe_every,
+        )
 
     def _switch(self, b: _Bucket, mode: int) -> None:
         if mode != b.mode:

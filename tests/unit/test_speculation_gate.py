@@ -254,3 +254,20 @@ def test_a_hopeless_backoff_of_one_probes_as_before() -> None:
     gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0, hopeless_backoff=1)
     _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
     assert _run(gate, 11, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4) == [False] * 10 + [True]
+
+
+def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
+    """Batch 1 finds speculation unable to win at its best; batch 8, met later, takes that
+    choice and waits MAX_BACKOFF x probe_every rounds for its first probe too (a draft's gain
+    shrinks as the batch grows). Batch 1, met after a hopeless batch 8, probes after
+    probe_every as before."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
+    modes = _run(gate, MAX_BACKOFF * 10, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4)
+    assert modes == [False] * (MAX_BACKOFF * 10)
+    assert _run(gate, 1, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4) == [True]
+
+    smaller = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(smaller, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4)
+    modes = _run(smaller, 11, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
+    assert modes == [False] * 10 + [True]
