@@ -58,6 +58,7 @@ from transformers import AutoModelForCausalLM, StaticCache
 from bench.acceptance import bundled_prompts
 from gateway.adaptive import format_ladder, parse_ladder
 from specsplit import convert
+from specsplit.metrics import GATE_ROUND_KINDS
 from specsplit.model.loader import (
     embedded_default_model_path,
     from_pretrained_args,
@@ -562,6 +563,26 @@ def report(
             if calls and not labels:
                 mean = 1e3 * row.totals[(process, metric + "_sum")] / calls
             print(f"{name:<30}{label:<32}{mean:>8.2f}{p50:>8.2f}{p99:>8.2f}")
+    if args.speculation_gate == "on":
+        print_gated_rounds(rows)
+
+
+def print_gated_rounds(rows: dict[str, Row]) -> None:
+    """With the speculation gate on: each specsplit row's rounds by the gate's kind (count x
+    mean ms, from the gateway's gate histograms): what its probes of speculation cost there
+    (the resume rounds re-verify every token since the last features)."""
+    print("the speculation gate's rounds by kind, count x mean ms")
+    print(f"{'run':<44}" + "".join(f"{kind:>20}" for kind in GATE_ROUND_KINDS))
+    for name, row in rows.items():
+        if not name.startswith("specsplit"):
+            continue
+        cells = []
+        for kind in GATE_ROUND_KINDS:
+            metric = f"specsplit_gate_{kind}_round_seconds"
+            calls = row.totals[("gateway", metric + "_count")]
+            mean = 1e3 * row.totals[("gateway", metric + "_sum")] / calls if calls else math.nan
+            cells.append(f"{calls:.0f} x {mean:.2f}")
+        print(f"{name:<44}" + "".join(f"{cell:>20}" for cell in cells))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl]
+#       [tiles] [pdl] [gated]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -237,6 +237,16 @@ for part in "${parts[@]}"; do
         --max-new-tokens ${FIXED_TOKENS:-256} \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
         --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
+    gated)  # what `up`'s default on a GPU streams: the speculation gate on (the default-shape
+      # row gated) against target-only requests through the same `up`, no HF rows (smollm2-fixed
+      # has them), $FIXED_TOKENS (default 1024) tokens a stream past EOS, batch $FIXED_BATCHES
+      # (default "1 8 32"), $GATED_PASSES passes (default 1), the gate's rounds by kind;
+      # $SMOLLM2_GGUF + the shipped head; the gate's choices in $OUT/e2e_gated_services.log
+      run e2e_gated python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --max-new-tokens ${FIXED_TOKENS:-1024} --num-prompts 8 --spec --assistant-layers 0 \
+        --ignore-eos --no-hf --speculation-gate on --passes ${GATED_PASSES:-1} \
+        --services-log "$out/e2e_gated_services.log" --batch ${FIXED_BATCHES:-1 8 32} ;;
     fixed-random)  # smollm2-fixed's comparison on random SmolLM2-shaped weights (the speed
       # only, no GGUF needed; every stream runs $FIXED_TOKENS tokens): `up`'s defaults
       # ($FIXED_UP_ARGS: more) against HF's batch, batch $FIXED_BATCHES (default 32)

@@ -122,3 +122,22 @@ def test_measure_counts_the_streams_a_later_pass_changed() -> None:
     assert rows["HF other"].num_changed == 0
     assert rows["HF generate"].outputs == [[7, 2]] * 4  # the first pass's tokens
     assert rows["HF generate"].num_timed_tokens == 3 * 4 * 2  # every pass's, as timed
+
+
+def test_gated_rounds_print_each_kinds_count_and_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculation-gate on: each specsplit row's gated rounds by kind (count x mean ms) from
+    the gateway's gate histograms; HF rows have none."""
+    row = e2e.Row()
+    row.totals.update(
+        {
+            ("gateway", "specsplit_gate_speculating_round_seconds_count"): 4.0,
+            ("gateway", "specsplit_gate_speculating_round_seconds_sum"): 0.02,
+            ("gateway", "specsplit_gate_plain_round_seconds_count"): 60.0,
+            ("gateway", "specsplit_gate_plain_round_seconds_sum"): 0.6,
+        }
+    )
+    e2e.print_gated_rounds({"specsplit default shape": row, "HF generate": e2e.Row()})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3  # the title, the header, the one specsplit row
+    cells = lines[2].removeprefix("specsplit default shape").split()
+    assert cells == ["4", "x", "5.00", "60", "x", "10.00", "0", "x", "nan"]
