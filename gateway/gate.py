@@ -370,6 +370,11 @@ class ModeGate:
         b.rounds_in_mode = 0
         b.seconds_in_mode = 0.0
 
+    def settled(self, batch_size: int) -> bool:
+        """At this batch size a mode was chosen and runs (neither exploring nor probing)."""
+        b = self._bucket(batch_size)
+        return b.chosen is not None and b.mode == b.chosen
+
     def rate(self, batch_size: int, mode: str) -> float | None:
         """Committed tokens per second of `mode` at this batch size, as measured."""
         return self._bucket(batch_size).rate(self.modes.index(mode))

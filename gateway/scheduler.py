@@ -346,7 +346,15 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
-                best = self._best_commits(self.running) if measured and speculate else None
+                # a speculating round's best counts only in the overlap gate's chosen round
+                # kind (while it explores or probes one, the round is not speculation's best)
+                best = None
+                if (
+                    measured
+                    and speculate
+                    and (self.overlap_gate is None or self.overlap_gate.settled(batch_size))
+                ):
+                    best = self._best_commits(self.running)
                 # a round the overlap gate measures: none of its sequences just prefilled
                 settled = self.overlap_gate is not None and all(
                     seq.rounds_since_prefill >= 2 for seq in self.running

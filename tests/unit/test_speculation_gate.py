@@ -271,3 +271,15 @@ def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
     _run(smaller, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4)
     modes = _run(smaller, 11, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
     assert modes == [False] * 10 + [True]
+
+
+def test_settled_once_chosen_and_not_while_probing() -> None:
+    """`settled`: the bucket chose and runs its choice; not while exploring or probing (the
+    scheduler then reports no speculating round's best to the speculation gate: a round of an
+    overlap kind being explored is not speculation at its best)."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    assert not gate.settled(1)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3))  # explored: plain chosen
+    assert gate.settled(1)
+    _run(gate, 10, spec=(1, 5e-3), plain=(1, 2e-3))
+    assert gate.speculate(1) and not gate.settled(1)  # the probe
