@@ -574,15 +574,20 @@ def print_gated_rounds(rows: dict[str, Row]) -> None:
     print("the speculation gate's rounds by kind, count x mean ms")
     print(f"{'run':<44}" + "".join(f"{kind:>20}" for kind in GATE_ROUND_KINDS))
     for name, row in rows.items():
-        if not name.startswith("specsplit"):
-            continue
-        cells = []
-        for kind in GATE_ROUND_KINDS:
-            metric = f"specsplit_gate_{kind}_round_seconds"
-            calls = row.totals[("gateway", metric + "_count")]
-            mean = 1e3 * row.totals[("gateway", metric + "_sum")] / calls if calls else math.nan
-            cells.append(f"{calls:.0f} x {mean:.2f}")
-        print(f"{name:<44}" + "".join(f"{cell:>20}" for cell in cells))
+        if name.startswith("specsplit"):
+            print(f"{name:<44}" + "".join(f"{c:>20}" for c in gated_round_cells(row.totals)))
+
+
+def gated_round_cells(totals: Totals) -> list[str]:
+    """The speculation gate's rounds by kind (GATE_ROUND_KINDS), each "count x mean ms" ("-":
+    none), from the gateway's gate histograms in `totals` (scrape_totals)."""
+    cells = []
+    for kind in GATE_ROUND_KINDS:
+        name = f"specsplit_gate_{kind}_round_seconds"
+        calls = totals[("gateway", f"{name}_count")]
+        mean = f"{1e3 * totals[('gateway', f'{name}_sum')] / calls:.2f}" if calls else "-"
+        cells.append(f"{calls:.0f} x {mean}")
+    return cells
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from bench.e2e import (
     ROUND_PARTS,
     Buckets,
     Totals,
+    gated_round_cells,
     quantile,
     scrape_buckets,
     scrape_overlap_modes,
@@ -215,12 +216,7 @@ def print_gated_rounds(
     print("|---|---:|" + "---:|" * len(GATE_ROUND_KINDS))
     for mode in modes:
         for batch in batches:
-            t = totals[(mode, batch)]
-            cells = []
-            for kind in GATE_ROUND_KINDS:
-                name = f"specsplit_gate_{kind}_round_seconds"
-                calls = t[("gateway", f"{name}_count")]
-                cells.append(f"{calls:.0f} x {_per_call(t[('gateway', f'{name}_sum')], calls)}")
+            cells = gated_round_cells(totals[(mode, batch)])
             print(f"| {mode} | {batch} | " + " | ".join(cells) + " |")
 
 

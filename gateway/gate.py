@@ -107,18 +107,23 @@ class _Bucket:
 
     def rate(self, mode: int) -> float | None:
         """Committed tokens per second of round over the window (`_window`)."""
-        rounds = self._window(mode)
-        if rounds is None:
-            return None
-        return sum(r[0] for r in rounds) / max(sum(r[1] for r in rounds), 1e-9)
+        return self._per_second(mode, 0)
 
     def ceiling(self, mode: int) -> float | None:
         """Tokens per second the same rounds would have committed at best (each its `most`),
         None until the window is full or where a round's best is not known."""
+        return self._per_second(mode, 2)
+
+    def _per_second(self, mode: int, column: int) -> float | None:
+        """Column `column` of the window's rounds (0: tokens, 2: most) summed over their time;
+        None until the window is full or where a round's value is not known."""
         rounds = self._window(mode)
-        if rounds is None or any(r[2] is None for r in rounds):
+        if rounds is None:
             return None
-        return sum(r[2] or 0 for r in rounds) / max(sum(r[1] for r in rounds), 1e-9)
+        values = [r[column] for r in rounds]
+        if any(v is None for v in values):
+            return None
+        return sum(v for v in values if v is not None) / max(sum(r[1] for r in rounds), 1e-9)
 
 
 class ModeGate:

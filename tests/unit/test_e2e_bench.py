@@ -140,4 +140,4 @@ def test_gated_rounds_print_each_kinds_count_and_mean(capsys: pytest.CaptureFixt
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3  # the title, the header, the one specsplit row
     cells = lines[2].removeprefix("specsplit default shape").split()
-    assert cells == ["4", "x", "5.00", "60", "x", "10.00", "0", "x", "nan"]
+    assert cells == ["4", "x", "5.00", "60", "x", "10.00", "0", "x", "-"]

@@ -210,16 +210,8 @@ class _FlippingGate(SpeculationGate):
         self.calls += 1
         return self.calls % 4 >= 2
 
-    def observe(
-        self,
-        batch_size: int,
-        speculated: bool,
-        tokens: int,
-        seconds: float,
-        measured: bool = True,
-        most: int | None = None,
-    ) -> None:
-        pass
+    def observe(self, *args: object, **kwargs: object) -> None:
+        pass  # what rounds measure changes nothing here
 
 
 @pytest.mark.parametrize("overlap", ["serial", "groups"])
