@@ -36,7 +36,7 @@ class Drafting:
         self._drafter_refused: set[str] = set()  # seq ids the drafter refused: no drafts
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
-        if time.monotonic() < self._drafter_down_until:
+        if self._drafter_resting():
             return [DraftTree() for _ in batch]
         ids = {seq.seq_id for seq in [*self.running, *batch]}
         self._drafter_refused &= ids  # forget the ones that left
@@ -101,6 +101,10 @@ class Drafting:
                 self._drafter_refused.add(seq.seq_id)
                 await self._forget_on_drafter([seq])
         return drafted, outputs
+
+    def _drafter_resting(self) -> bool:
+        """The drafter is down (unreachable or restarted): rounds decode without drafts."""
+        return time.monotonic() < self._drafter_down_until
 
     def _drafter_down(self, error: ServiceError) -> None:
         """A drafter that is unreachable or restarted (DRAFTER_DOWN) gets no Draft for

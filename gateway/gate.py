@@ -15,7 +15,9 @@ alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch s
 Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the gateway's rounds in which
 every sequence follows the gateway's default spec (a request that asks for its own spec always
 gets it, and rounds with one in them are not measured), and in which no sequence is in its
-first two rounds after a prefill (the prefill, then the drafter's catch-up of it):
+first two rounds after a prefill (the prefill, then the drafter's catch-up of it), and, for
+a speculating round, the drafter was up (down or still loading, rounds decode without drafts:
+as fast as plain ones; on two H200s such rounds read 3x plain rounds' speed):
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
   after another has chosen starts from the nearest one's measurements and choice instead, and
   one still exploring when another chooses takes that choice (exploring is left to the first);
@@ -319,7 +321,10 @@ class ModeGate:
             if confirmed
             else self.probe_every
         )
-        hopeless = chosen == plain and self._hopeless(b)
+        # a window whose best is not known (the overlap gate explored or probed a round kind
+        # meanwhile) keeps the last verdict: it showed nothing that could win
+        verdict = self._hopeless(b) if chosen == plain else False
+        hopeless = b.hopeless if verdict is None else verdict
         if hopeless and not b.hopeless:
             self._log_hopeless(b)
         b.hopeless = hopeless
@@ -345,15 +350,15 @@ class ModeGate:
         for other in self._buckets.values() if self.adopts else ():
             self._adopt(other)  # those still exploring (met before any chose)
 
-    def _hopeless(self, b: _Bucket) -> bool:
+    def _hopeless(self, b: _Bucket) -> bool | None:
         """No mode but the plain one could have beaten it even at its best: each one's
-        `ceiling` is known and below the plain mode's rate (with the margin)."""
+        `ceiling` below the plain mode's rate (with the margin). None where one's is not known."""
         plain = len(self.modes) - 1
         plain_rate = b.rate(plain)
-        return plain_rate is not None and all(
-            (c := b.ceiling(mode)) is not None and c < plain_rate * self.margin
-            for mode in range(plain)
-        )
+        ceilings = [b.ceiling(mode) for mode in range(plain)]
+        if plain_rate is None or any(c is None for c in ceilings):
+            return None
+        return all(c is not None and c < plain_rate * self.margin for c in ceilings)
 
     def _log_hopeless(self, b: _Bucket) -> None:
         plain = len(self.modes) - 1

@@ -343,6 +343,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 speculate = self.gate is None or self.gate.speculate(batch_size)
                 for seq in self.running:  # the gate holds back default-spec drafts only
                     seq.drafts_held = not speculate and seq.request.spec is None
+                drafter_up = not self._drafter_resting()
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
                 measured = self.gate is not None and self._gated(self.running)
@@ -385,6 +386,10 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     device_seconds = verifier.last_device_seconds
                     self.steps_policy.observe(batch_size, steps, seconds, device_seconds)
                 tokens = self.num_tokens_committed - committed
+                # a round the drafter was down for (at its start or since) decoded without
+                # drafts: not a speculating round's speed, for either gate
+                drafted = drafter_up and not self._drafter_resting()
+                measured = measured and (drafted or not speculate)
                 if self.gate is not None:
                     kind = "resuming" if resuming else "speculating" if speculate else "plain"
                     metrics.observe_gated_round(kind, seconds)
@@ -393,7 +398,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                         most = max(tokens, sum(m for seq, r, m in best if seq.stats.rounds > r))
                     self.gate.observe(batch_size, speculate, tokens, seconds, measured, most)
                 if self.overlap_gate is not None and speculate and drafting:
-                    self.overlap_gate.observe_mode(batch_size, mode, tokens, seconds, settled)
+                    self.overlap_gate.observe_mode(
+                        batch_size, mode, tokens, seconds, settled and drafted
+                    )
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently

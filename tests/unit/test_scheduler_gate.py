@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -268,3 +269,52 @@ def test_a_failed_truncate_starts_the_sequences_over(models, smollm2_tokenizer) 
     out = generate_all(stack, _requests(seed=5))
     assert [generated_ids(chunks) for chunks in out] == expected
     assert stack.scheduler.num_feature_restarts > 0
+
+
+class _LoadingDrafter(_SlowDrafter):
+    """A drafter still loading its model for its first `loading` Drafts (UNAVAILABLE)."""
+
+    def __init__(self, inner: DrafterClient, loading: int) -> None:
+        super().__init__(inner, delay=0.0)
+        self.loading = loading
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        self.calls += 1
+        if self.calls <= self.loading:
+            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
+        return await self.inner.draft(inputs)
+
+
+class _RecordingGate(SpeculationGate):
+    """Records each observed round: (speculated, measured, the drafter down at its end)."""
+
+    def __init__(self, scheduler: object) -> None:
+        super().__init__(window=2, probe_every=1000)
+        self.scheduler = scheduler
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def observe(self, *args: Any) -> None:
+        """The scheduler's call: (batch_size, speculated, tokens, seconds, measured, most)."""
+        resting = self.scheduler._drafter_resting()  # type: ignore[attr-defined]
+        self.seen.append((args[1], args[4], resting))
+        super().observe(*args)
+
+
+def test_rounds_without_the_drafter_are_not_measured_as_speculating(
+    models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drafter still loading when the first requests come (UNAVAILABLE): those rounds decode
+    without drafts, as fast as plain ones. Counted as speculating they made it look 3x faster
+    than plain rounds on two H200s; the gate does not measure them."""
+    from gateway import drafting as drafting_module
+
+    monkeypatch.setattr(drafting_module, "DRAFTER_RETRY_S", 0.05)
+    expected = _target_only(models, smollm2_tokenizer, seed=6, max_new_tokens=40)
+    stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "serial")
+    stack.scheduler.drafter = _LoadingDrafter(stack.scheduler.drafter, loading=2)
+    gate = stack.scheduler.gate = _RecordingGate(stack.scheduler)
+    out = generate_all(stack, _requests(seed=6, max_new_tokens=40))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert any(spec and resting for spec, _, resting in gate.seen)  # rounds without drafts
+    assert not any(spec and measured and resting for spec, measured, resting in gate.seen)
+    assert any(spec and measured for spec, measured, _ in gate.seen)  # then measured again

@@ -273,6 +273,21 @@ def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
     assert modes == [False] * 10 + [True]
 
 
+def test_a_probe_whose_best_is_not_told_keeps_the_hopeless_verdict() -> None:
+    """Batch 1 finds speculation unable to win at its best; its later probe runs while the
+    overlap gate explores a round kind (the scheduler then tells no round's best) and loses
+    again. The verdict stands: batch 8, met after that probe, waits MAX_BACKOFF x probe_every
+    rounds for its first probe (two H200s: batch 8 and 32 probed after 96 rounds and paid a
+    0.36 s re-verify when the verdict was dropped)."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)  # hopeless
+    modes = _run(gate, MAX_BACKOFF * 10 + 2 + SETTLE + 1, spec=(1, 12e-3), plain=(1, 2.5e-3))
+    assert modes[MAX_BACKOFF * 10 :] == [True] * (2 + SETTLE) + [False]  # the probe, untold
+    assert gate.ceiling(1, "speculating") is None
+    modes = _run(gate, MAX_BACKOFF * 10, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8)
+    assert modes == [False] * (MAX_BACKOFF * 10)
+
+
 def test_settled_once_chosen_and_not_while_probing() -> None:
     """`settled`: the bucket chose and runs its choice; not while exploring or probing (the
     scheduler then reports no speculating round's best to the speculation gate: a round of an
