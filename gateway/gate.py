@@ -17,7 +17,8 @@ every sequence follows the gateway's default spec (a request that asks for its o
 gets it, and rounds with one in them are not measured), and in which no sequence is in its
 first two rounds after a prefill (the prefill, then the drafter's catch-up of it), and, for
 a speculating round, the drafter was up (down or still loading, rounds decode without drafts:
-as fast as plain ones; on two H200s such rounds read 3x plain rounds' speed):
+as fast as plain ones; on two H200s such rounds read 3x plain rounds' speed) and, with the
+overlap gate, the round ran the kind it chose (not one it explores or probes: the scheduler's):
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
   after another has chosen starts from the nearest one's measurements and choice instead, and
   one still exploring when another chooses takes that choice (exploring is left to the first);

@@ -346,22 +346,18 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 drafter_up = not self._drafter_resting()
                 resuming = [s for s in self.running if self._resumes_features(s)]
                 await self._restart_features(resuming)
+                # a round in which no sequence drafts has nothing to overlap: serial
+                drafting = any(not (s.never_drafts or s.drafts_held) for s in self.running)
                 measured = self.gate is not None and self._gated(self.running)
-                # a speculating round's best counts only in the overlap gate's chosen round
-                # kind (while it explores or probes one, the round is not speculation's best)
-                best = None
-                if (
-                    measured
-                    and speculate
-                    and (self.overlap_gate is None or self.overlap_gate.settled(batch_size))
-                ):
-                    best = self._best_commits(self.running)
+                # speculation's speed (and its best) is its round kind's that the overlap gate
+                # chose: a speculating round of a kind it explores or probes is not measured
+                if measured and speculate and drafting and self.overlap_gate is not None:
+                    measured = self.overlap_gate.settled(batch_size)
+                best = self._best_commits(self.running) if measured and speculate else None
                 # a round the overlap gate measures: none of its sequences just prefilled
                 settled = self.overlap_gate is not None and all(
                     seq.rounds_since_prefill >= 2 for seq in self.running
                 )
-                # a round in which no sequence drafts has nothing to overlap: serial
-                drafting = any(not (s.never_drafts or s.drafts_held) for s in self.running)
                 mode = self._round_mode(speculate and drafting)
                 if mode in ("groups", "groups-early"):
                     await self.step_groups(self.running, early_verify=mode == "groups-early")

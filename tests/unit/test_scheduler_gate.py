@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gateway.clients import DrafterClient
-from gateway.gate import SpeculationGate
+from gateway.gate import OverlapGate, SpeculationGate
 from gateway.request import GenerationRequest
 from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
@@ -286,17 +286,20 @@ class _LoadingDrafter(_SlowDrafter):
 
 
 class _RecordingGate(SpeculationGate):
-    """Records each observed round: (speculated, measured, the drafter down at its end)."""
+    """Records each observed round: (speculated, measured, the drafter down at its end, the
+    overlap gate settled at its batch size: None without one)."""
 
     def __init__(self, scheduler: object) -> None:
         super().__init__(window=2, probe_every=1000)
         self.scheduler = scheduler
-        self.seen: list[tuple[bool, bool, bool]] = []
+        self.seen: list[tuple[bool, bool, bool, bool | None]] = []
 
     def observe(self, *args: Any) -> None:
         """The scheduler's call: (batch_size, speculated, tokens, seconds, measured, most)."""
         resting = self.scheduler._drafter_resting()  # type: ignore[attr-defined]
-        self.seen.append((args[1], args[4], resting))
+        overlap = self.scheduler.overlap_gate  # type: ignore[attr-defined]
+        settled = None if overlap is None else overlap.settled(args[0])
+        self.seen.append((args[1], args[4], resting, settled))
         super().observe(*args)
 
 
@@ -315,6 +318,30 @@ def test_rounds_without_the_drafter_are_not_measured_as_speculating(
     gate = stack.scheduler.gate = _RecordingGate(stack.scheduler)
     out = generate_all(stack, _requests(seed=6, max_new_tokens=40))
     assert [generated_ids(chunks) for chunks in out] == expected
-    assert any(spec and resting for spec, _, resting in gate.seen)  # rounds without drafts
-    assert not any(spec and measured and resting for spec, measured, resting in gate.seen)
-    assert any(spec and measured for spec, measured, _ in gate.seen)  # then measured again
+    assert any(spec and resting for spec, _, resting, _ in gate.seen)  # rounds without drafts
+    assert not any(spec and measured and resting for spec, measured, resting, _ in gate.seen)
+    assert any(spec and measured for spec, measured, _, _ in gate.seen)  # then measured again
+
+
+def test_speculation_is_measured_in_the_overlap_gates_chosen_kind(
+    models, smollm2_tokenizer
+) -> None:
+    """With --overlap gated, speculating rounds of a kind the overlap gate explores are not
+    speculation's speed: the speculation gate measures only those of the chosen kind, so its
+    window has every round's best and a draft that cannot pay is known hopeless at once (two
+    H200s: measured while the overlap gate explored, the best was unknown, and larger batches
+    probed early and paid a 0.14-0.19 s resume)."""
+    expected = _target_only(models, smollm2_tokenizer, seed=7, max_new_tokens=60)
+    stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "gated")
+    scheduler = stack.scheduler
+    scheduler.overlap_gate = OverlapGate(("groups", "ahead", "serial"), window=2)
+    gate = scheduler.gate = _RecordingGate(scheduler)
+    scheduler.drafter = _SlowDrafter(scheduler.drafter, delay=0.08)
+    out = generate_all(stack, _requests(seed=7, max_new_tokens=60))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert any(spec and not settled for spec, _, _, settled in gate.seen)  # overlap explored
+    assert all(settled for spec, measured, _, settled in gate.seen if spec and measured)
+    assert not gate.speculate(BATCH)  # plain rounds chosen
+    ceiling, plain = gate.ceiling(BATCH, "speculating"), gate.rate(BATCH, "plain rounds")
+    assert ceiling is not None and plain is not None and ceiling < plain
+    assert gate._bucket(BATCH).hopeless
