@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -86,7 +85,7 @@ class AheadRounds:
     num_ahead_hits: int  # rounds whose tree was drafted ahead
     num_ahead_misses: int  # and rounds that had trees drafted ahead, none for the outcome
     _hints: set[asyncio.Future[None]]  # hints on their way (`_hint`)
-    _drafter_down_until: float
+    _drafter_resting: Callable[[], bool]  # the drafter is down: no Draft for now
     _drafter_down: Callable[[ServiceError], None]  # a failure: no Draft for a while if down
     _sent_then_stream: Callable[[Awaitable[Any]], Awaitable[Any]]
     _draft: Callable[[list[Sequence]], Awaitable[list[DraftTree]]]
@@ -235,7 +234,7 @@ class AheadRounds:
             and tree.is_chain
             and self._needs_drafter(seq)
             and seq.round_spec().num_steps > 0
-            and time.monotonic() >= self._drafter_down_until
+            and not self._drafter_resting()
         )
 
     async def _draft_ahead(self, batch: list[tuple[Sequence, DraftTree]]) -> list[list[AheadTree]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -34,18 +33,14 @@ class Retiring:
     _drafted: dict[str, DraftTree]
     _group: dict[str, int]
     _admission_held: bool  # a preemption freed pages for the running ones only
-    _drafter_down_until: float
+    _drafter_resting: Callable[[], bool]  # the drafter is down: no Draft for now
     _stream: Callable[..., None]
 
     def _resumes_features(self, seq: Sequence) -> bool:
         """Whether `seq`'s features restart this round: some committed tokens have none (the
         gate's plain rounds, or a drafter that lost rows the gateway let go), it drafts this
         round, and the drafter answers (while it is down the re-verify would be for nothing)."""
-        return (
-            seq.features_gap
-            and not seq.drafts_held
-            and time.monotonic() >= self._drafter_down_until
-        )
+        return seq.features_gap and not seq.drafts_held and not self._drafter_resting()
 
     async def _restart_features(self, seqs: list[Sequence]) -> None:
         """Speculation resumes for sequences whose plain rounds carried no target features (the
