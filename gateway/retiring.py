@@ -112,19 +112,27 @@ class Retiring:
         """Free the sequences on both services at once (one round trip on the path, not two);
         the drafter only for those that may have reached it (a sequence that never drafts
         never did)."""
+        # a drafter known down (or still loading) failing the release is expected: not warned
         releases = [
-            (client, ids)
-            for client, ids in (
-                (self.drafter, [seq.seq_id for seq in seqs if not seq.never_drafts]),
-                (self.verifier, [seq.seq_id for seq in seqs]),
+            (client, ids, quiet)
+            for client, ids, quiet in (
+                (
+                    self.drafter,
+                    [seq.seq_id for seq in seqs if not seq.never_drafts],
+                    self._drafter_resting(),
+                ),
+                (self.verifier, [seq.seq_id for seq in seqs], False),
             )
             if ids
         ]
-        await asyncio.gather(*(self._release_on(client, ids) for client, ids in releases))
+        await asyncio.gather(*(self._release_on(*release) for release in releases))
 
     @staticmethod
-    async def _release_on(client: DrafterClient | VerifierClient, ids: list[str]) -> None:
+    async def _release_on(
+        client: DrafterClient | VerifierClient, ids: list[str], quiet: bool
+    ) -> None:
         try:
             await client.release(ids)
         except Exception as e:  # the service frees them when it restarts or drops the seqs
-            log.warning("release failed on %s: %s", type(client).__name__, e)
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "release failed on %s: %s", type(client).__name__, e)

@@ -345,3 +345,41 @@ def test_speculation_is_measured_in_the_overlap_gates_chosen_kind(
     ceiling, plain = gate.ceiling(BATCH, "speculating"), gate.rate(BATCH, "plain rounds")
     assert ceiling is not None and plain is not None and ceiling < plain
     assert gate._bucket(BATCH).hopeless
+
+
+class _DownDrafter(_SlowDrafter):
+    """A drafter whose Drafts (while `down`) and Releases (while `down` or `release_fails`)
+    fail UNAVAILABLE."""
+
+    def __init__(self, inner: DrafterClient, down: bool, release_fails: bool) -> None:
+        super().__init__(inner, delay=0.0)
+        self.down, self.release_fails = down, release_fails
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        if self.down:
+            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
+        return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)  # the stack's leak check reads the real drafter
+        if self.down or self.release_fails:
+            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
+
+
+@pytest.mark.parametrize("down", [True, False], ids=["drafter-down", "drafter-up"])
+def test_a_release_on_a_drafter_known_down_is_not_warned(
+    models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch, caplog, down: bool
+) -> None:
+    """Requests that finish while the drafter loads: their Release to it fails as expected and
+    is not warned (two H200s: a warning per retired request during the drafter's start-up). A
+    Release that fails on a drafter that answers Drafts is still warned."""
+    from gateway import drafting as drafting_module
+
+    monkeypatch.setattr(drafting_module, "DRAFTER_RETRY_S", 60.0)
+    stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "serial")
+    stack.scheduler.drafter = _DownDrafter(stack.scheduler.drafter, down, release_fails=True)
+    with caplog.at_level("WARNING", logger="gateway.retiring"):
+        out = generate_all(stack, _requests(seed=8))
+    assert all(generated_ids(chunks) for chunks in out)
+    warned = [r for r in caplog.records if "release failed" in r.getMessage()]
+    assert bool(warned) == (not down)
