@@ -272,17 +272,23 @@ def test_a_failed_truncate_starts_the_sequences_over(models, smollm2_tokenizer) 
 
 
 class _LoadingDrafter(_SlowDrafter):
-    """A drafter still loading its model for its first `loading` Drafts (UNAVAILABLE)."""
+    """A drafter still loading its model for its first `loading` Drafts (UNAVAILABLE); with
+    `release_fails`, every Release fails UNAVAILABLE too (after the real one: no leak)."""
 
-    def __init__(self, inner: DrafterClient, loading: int) -> None:
+    def __init__(self, inner: DrafterClient, loading: int, release_fails: bool = False) -> None:
         super().__init__(inner, delay=0.0)
-        self.loading = loading
+        self.loading, self.release_fails = loading, release_fails
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
         self.calls += 1
         if self.calls <= self.loading:
             raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
         return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)  # the stack's leak check reads the real drafter
+        if self.release_fails:
+            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
 
 
 class _RecordingGate(SpeculationGate):
@@ -347,25 +353,6 @@ def test_speculation_is_measured_in_the_overlap_gates_chosen_kind(
     assert gate._bucket(BATCH).hopeless
 
 
-class _DownDrafter(_SlowDrafter):
-    """A drafter whose Drafts (while `down`) and Releases (while `down` or `release_fails`)
-    fail UNAVAILABLE."""
-
-    def __init__(self, inner: DrafterClient, down: bool, release_fails: bool) -> None:
-        super().__init__(inner, delay=0.0)
-        self.down, self.release_fails = down, release_fails
-
-    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        if self.down:
-            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
-        return await self.inner.draft(inputs)
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await self.inner.release(seq_ids)  # the stack's leak check reads the real drafter
-        if self.down or self.release_fails:
-            raise ServiceError(Code.UNAVAILABLE, "drafter is still loading its model")
-
-
 @pytest.mark.parametrize("down", [True, False], ids=["drafter-down", "drafter-up"])
 def test_a_release_on_a_drafter_known_down_is_not_warned(
     models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch, caplog, down: bool
@@ -377,7 +364,8 @@ def test_a_release_on_a_drafter_known_down_is_not_warned(
 
     monkeypatch.setattr(drafting_module, "DRAFTER_RETRY_S", 60.0)
     stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "serial")
-    stack.scheduler.drafter = _DownDrafter(stack.scheduler.drafter, down, release_fails=True)
+    loading = 10**9 if down else 0  # every Draft fails, or none
+    stack.scheduler.drafter = _LoadingDrafter(stack.scheduler.drafter, loading, release_fails=True)
     with caplog.at_level("WARNING", logger="gateway.retiring"):
         out = generate_all(stack, _requests(seed=8))
     assert all(generated_ids(chunks) for chunks in out)
