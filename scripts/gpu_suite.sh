@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl] [gated]
+#       [tiles] [pdl] [gated] [target-split]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -723,6 +723,16 @@ for part in "${parts[@]}"; do
         --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
         --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
         --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" ;;
+    target-split)  # issue 8's split on target-only rounds: the decode step in process (rounds of
+      # 4 steps, the next step run ahead), then target-only streams through the services at
+      # batch 1 / 8 / 32, $SPLIT_TOKENS (default 1024) tokens each, two runs a batch (random
+      # SmolLM2; bench/profile_services.py unprofiled: the round outside the verifier's device)
+      random_smollm2
+      run engine_steps_ahead python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
+        --verify-n --verify-batch --steps 100 --no-hf --decode-ahead --decode-steps 4
+      run target_split python3 bench/profile_services.py --model /tmp/smollm2_random \
+        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+        --batch 1 8 32 --max-new-tokens ${SPLIT_TOKENS:-1024} --repeat 2 --top 0 --target-only ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;
