@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl] [gated] [target-split]
+#       [tiles] [pdl] [gated] [target-split] [ahead-depth]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -733,6 +733,21 @@ for part in "${parts[@]}"; do
       run target_split python3 bench/profile_services.py --model /tmp/smollm2_random \
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
         --batch 1 8 32 --max-new-tokens ${SPLIT_TOKENS:-1024} --repeat 2 --top 0 --target-only ;;
+    ahead-depth)  # decode steps run ahead after a round's last step (verifier/ahead_depth.py):
+      # the decode-ahead GPU tests, then target-only streams through the services at batch 1 /
+      # 8 / 32, $SPLIT_TOKENS (default 1024) tokens each, two runs a batch, one `up` for each of
+      # $DEPTHS in turn (default "1 0 0 1": one step, auto; random SmolLM2)
+      run ahead_depth_tests python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_decode_ahead_gpu.py
+      random_smollm2
+      n=0
+      for d in ${DEPTHS:-1 0 0 1}; do
+        n=$((n + 1))
+        run "ahead_depth_${n}_d$d" python3 bench/profile_services.py --model /tmp/smollm2_random \
+          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
+          --batch 1 8 32 --max-new-tokens ${SPLIT_TOKENS:-1024} --repeat 2 --top 0 \
+          --target-only --up-arg=--decode-ahead-depth=$d
+      done ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

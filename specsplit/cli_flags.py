@@ -130,6 +130,7 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # works through the trip between rounds instead of waiting 3.4 ms a round. One-step rounds at
 # 17-64 sequences (--decode-steps 1, serve-gateway's default) were not measured again at it
 DECODE_AHEAD_MAX_BATCH = 64
+MAX_AHEAD_DEPTH = 3  # --decode-ahead-depth (verifier/ahead_depth.py)
 # --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
 # 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
@@ -200,6 +201,16 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         DECODE_AHEAD_MAX_BATCH,
         "--decode-ahead only for rounds of at most this many sequences (a round's own further"
         " --decode-steps at any batch)",
+        type=int,
+    )
+    flag(
+        parser,
+        "--decode-ahead-depth",
+        0,
+        "--decode-ahead: decode steps run ahead after a round's last step, each behind the one"
+        f" before (1 to {MAX_AHEAD_DEPTH}); 0 = auto: as many as cover the trip between rounds"
+        " (the answer, the gateway's work, the next request), measured against a step's GPU"
+        " time per batch size",
         type=int,
     )
     chain_help = (

@@ -110,6 +110,7 @@ def serve_verifier(args: argparse.Namespace) -> int:
         "kv_memory_fraction": args.kv_memory_fraction,
         "decode_ahead": decode_ahead(args, kwargs["device"]),
         "decode_ahead_max_batch": args.decode_ahead_max_batch,
+        "decode_ahead_depth": args.decode_ahead_depth,
         "chain_rounds": args.chain_rounds,
         "chain_max_batch": args.chain_max_batch,
         "chain_min_guess_rate": args.chain_min_guess_rate,

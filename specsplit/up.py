@@ -145,6 +145,8 @@ def child_commands(
             args.decode_ahead,
             "--decode-ahead-max-batch",
             str(args.decode_ahead_max_batch),
+            "--decode-ahead-depth",
+            str(args.decode_ahead_depth),
             "--chain-rounds",
             args.chain_rounds,
             "--chain-max-batch",

@@ -32,6 +32,7 @@ from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
 from specsplit.step import build_forward_batch, decode_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
+from verifier.ahead_depth import AheadDepth
 from verifier.chain import (
     Chain,
     place_accept,
@@ -111,6 +112,9 @@ class VerifierEngine(RunAhead):
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.decode_ahead = decode_ahead
         self.decode_ahead_max_batch = decode_ahead_max_batch
+        # decode steps run ahead after a round's last step (`--decode-ahead-depth`; auto: as
+        # many as cover the trip between rounds, measured)
+        self.ahead_depth = AheadDepth()
         self._ahead: Launched | None = None  # the decode step launched before it was asked for
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
@@ -447,13 +451,28 @@ class VerifierEngine(RunAhead):
         any batch size."""
         if not validated:
             self._validate(inputs)
+        trip_ns = time.perf_counter_ns() - self._finished_ns  # (a request: since the finish)
         self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
+        # the steps queued behind the step taken (after a round's last step): this round's own
+        # next step, or the next round's, when it goes on with that step's sequences alone
+        follower = None
+        if taken is not None:
+            follower, taken.follower = taken.follower, None
+            if not validated and not others:  # the gateway's next round of the same batch
+                self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
             taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
+        hinted = any(item.seq_id in self.hints.hinted for item in inputs)
+        running_ahead = self.decode_ahead and not self._in_flight and not hinted
+        if follower is not None and (others or not running_ahead):  # not this round's steps
+            assert taken is not None
+            taken.follower = follower
+            self._drop_followers(taken)
+            follower = None
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
                 parts.append(self._launch_new([inputs[i] for i in others]))
@@ -465,13 +484,17 @@ class VerifierEngine(RunAhead):
         # runs it back to back with this one while the host commits and answers (not beside
         # another round in flight: that one may finish first and set its own)
         ahead = None
-        hinted = any(item.seq_id in self.hints.hinted for item in inputs)
-        if self.decode_ahead and not self._in_flight and not hinted:
-            bonus = [self._bonus_tokens(part) for part in parts]
+        if running_ahead:
             own_next = all(item.decode_steps > 1 for item in inputs)
-            ahead = self._launch_ahead(parts, bonus, capped=not own_next)
-            if ahead is not None:  # behind a step run ahead before the request (the trip)
-                ahead.on_request = not validated and taken is not None and not others
+            if follower is not None:  # launched behind the step taken, before the request
+                ahead = follower
+            else:
+                bonus = [self._bonus_tokens(part) for part in parts]
+                ahead = self._launch_ahead(parts, bonus, capped=not own_next)
+                if ahead is not None:  # behind a step run ahead before the request (the trip)
+                    ahead.on_request = not validated and taken is not None and not others
+            if ahead is not None and not own_next:  # the round's last step: the next round's
+                self._extend_ahead(ahead, self.ahead_depth.depth(len(inputs)))
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 
@@ -580,6 +603,9 @@ class VerifierEngine(RunAhead):
         further: a round's further decode step (its idle time reported as such too, unless it
         was launched when the round's request came: `Launched.on_request`)."""
         whole = launched.result_rows()
+        if launched.generator_states is not None and not launched.hinted:  # a decode step's
+            batch_size = len(launched.whole_inputs or launched.inputs)  # device time
+            self.ahead_depth.observe_step(batch_size, launched.device_ns())
         if launched.idle_from is not None and launched.started is not None:
             within = further and not launched.on_request  # (not the trip between rounds)
             self._report_idle(launched.idle_from, launched.started, within)

@@ -10,6 +10,7 @@ from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
+from verifier.ahead_depth import AheadDepth
 from verifier.engine import VerifierEngine
 from verifier.servicer import VerifierServicer
 from verifier.warmup import GRAPH_QUERY_LENS
@@ -31,6 +32,7 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
+    decode_ahead_depth: int = 0,
     chain_rounds: str = "off",
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
@@ -40,6 +42,7 @@ async def serve(
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
+    decode_ahead_depth (verifier/ahead_depth.py, 0 = auto),
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
     (specsplit.lane.LoopPoll). chain_rounds ("auto", "on", "off"), chain_max_batch,
@@ -76,6 +79,7 @@ async def serve(
         engine.chain_rounds = chain_rounds != "off" and on_loop
         engine.chain_gate.auto = chain_rounds == "auto"
         engine.chain_max_batch = chain_max_batch
+        engine.ahead_depth = AheadDepth(decode_ahead_depth)
         engine.chain_min_guess_rate = chain_min_guess_rate
         return engine
 

@@ -63,6 +63,9 @@ class Launched:
     # step that ran ahead before the request: the device's idle time before it is the trip
     # between rounds, not a further step's wait for the host (VerifierEngine.on_step_idle)
     on_request: bool = False
+    # a decode step run ahead: the next step, launched behind it on its bonus tokens (after a
+    # round's last step, as many as the trip between rounds needs: verifier/ahead_depth.py)
+    follower: Launched | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy

@@ -1,9 +1,11 @@
 """The verifier's rounds run before they are asked for (`RunAhead`, a mixin of VerifierEngine that
 declares what it uses of it): the next decode step after a round of decode steps
-(`_launch_ahead`), the round the gateway's hint names once its round finished (`hint_next`,
-`launch_parked`, `_launch_next`) or chained on the device behind the round in flight (`_chain`,
-verifier/chain.py), and how the next round takes such a round (`_take_ahead`), or drops it and
-gives back its room and draws (`_drop_ahead`, `_undo_ahead`)."""
+(`_launch_ahead`) and after a round's last step the steps behind it that the trip between
+rounds needs (`_extend_ahead`, verifier/ahead_depth.py), the round the gateway's hint names once
+its round finished (`hint_next`, `launch_parked`, `_launch_next`) or chained on the device
+behind the round in flight (`_chain`, verifier/chain.py), and how the next round takes such a
+round (`_take_ahead`), or drops it and gives back its room and draws (`_drop_ahead`,
+`_undo_ahead`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from specsplit.messages import NextTrees, VerifyInput, VerifyOutput
 from specsplit.model.transfer import on_device
 from specsplit.step import page_tables
 from specsplit.tree import DraftTree
+from verifier.ahead_depth import AheadDepth
 from verifier.chain import chain_inputs, chainable, joined_results
 from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
@@ -48,6 +51,7 @@ class RunAhead:
     chain_max_batch: int
     chain_min_guess_rate: float
     decode_ahead_max_batch: int
+    ahead_depth: AheadDepth
     num_ahead_used: int
     num_ahead_dropped: int
     num_next_used: int
@@ -162,10 +166,9 @@ class RunAhead:
         for item in done_inputs:
             if item.tree or item.hidden_state_layers:
                 return None
-        committed = [
-            seq.kv.kv_committed_len + len(item.pending_tokens)
-            for item, seq in zip(done_inputs, done_seqs, strict=True)
-        ]
+        # as the round's commit leaves them (the round's items' lengths: a step run ahead's
+        # are past its sequences' committed lengths until the rounds before it commit)
+        committed = [item.kv_committed_len + len(item.pending_tokens) for item in done_inputs]
         if any(length + 1 > self.max_context for length in committed):
             return None
         inputs = [
@@ -187,6 +190,32 @@ class RunAhead:
                 return None
         launched.generator_states = states
         return launched
+
+    def _extend_ahead(self, ahead: Launched, depth: int) -> None:
+        """After a round's last step, the decode steps behind `ahead` (the next round's first,
+        run ahead) until `depth` are queued, each launched on the one before's bonus tokens on
+        the device (`Launched.follower`): the next round takes them in turn, as its first step
+        and its own further steps (or, a round of one step, as the step after it)."""
+        last, queued = ahead, 1
+        while last.follower is not None:
+            last, queued = last.follower, queued + 1
+        while queued < depth:
+            follower = self._launch_ahead([last], [self._bonus_tokens(last)])
+            if follower is None:
+                return
+            last.follower, last, queued = follower, follower, queued + 1
+
+    def _drop_followers(self, ahead: Launched) -> None:
+        """Drop the steps queued behind `ahead` (its followers), which itself stays: wait for
+        them (as `_drop_ahead`), then give their room back down to `ahead`'s step (the
+        committed length + 1) and their draws back (the last launched first)."""
+        follower, ahead.follower = ahead.follower, None
+        if follower is None:
+            return
+        self._count_ahead(follower, "dropped")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._undo_ahead(follower, room=1)
 
     @torch.inference_mode()
     def _launch_next(
@@ -328,10 +357,13 @@ class RunAhead:
             self._drop_ahead()
             return None, []
         self._ahead = None
+        whole = keep == list(range(len(ahead.inputs)))
+        if not whole:  # the steps behind it are for its sequences in its order, not the round's
+            self._drop_followers(ahead)
         if len(keep) < len(ahead.inputs):  # (most rounds take the whole step)
             self._undo_ahead(ahead, kept=set(keep))
         self._count_ahead(ahead, "used")
-        if keep == list(range(len(ahead.inputs))):
+        if whole:
             return ahead, positions
         states = ahead.generator_states or [None] * len(ahead.seqs)
         taken = Launched(
@@ -367,17 +399,23 @@ class RunAhead:
         if report is not None:
             report(outcome)
 
-    def _undo_ahead(self, ahead: Launched, kept: set[int] | None = None) -> None:
+    def _undo_ahead(self, ahead: Launched, kept: set[int] | None = None, room: int = 0) -> None:
         """Each live sequence's share of a step run ahead not taken (all but the indices
-        `kept`): free the room it reserved and put back the generator state it drew from. Its
-        K/V writes sit past the sequence's committed length, where its next round writes again
-        (stream-ordered on a GPU, also into pages freed meanwhile: later steps write after it).
-        A released sequence has nothing left to undo."""
+        `kept`), and of the steps queued behind it (`Launched.follower`, undone first, the last
+        launched first): free the room they reserved past the committed length + `room` and
+        put back the generator state the step drew from. Their K/V writes sit past the
+        sequence's committed length, where its next round writes again (stream-ordered on a
+        GPU, also into pages freed meanwhile: later steps write after them). A released
+        sequence has nothing left to undo."""
+        if ahead.follower is not None:
+            follower, ahead.follower = ahead.follower, None
+            self._count_ahead(follower, "dropped")
+            self._undo_ahead(follower, room=room)
         states = ahead.generator_states or [None] * len(ahead.seqs)
         for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
             if (kept is not None and k in kept) or self.seqs.get(seq.seq_id) is not seq:
                 continue
-            self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+            self.kv.trim(seq.kv, seq.kv.kv_committed_len + room)
             if state is None:
                 seq.generator = None  # the step made it: the next sampled round makes its own
             elif seq.generator is not None:

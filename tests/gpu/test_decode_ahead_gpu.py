@@ -19,6 +19,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     test_each_step_run_ahead_is_reported_once_and_warm_up_is_not,
     test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead,
     test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back,
+    test_the_steps_behind_a_rounds_last_step_are_queued_and_taken_in_turn,
     test_truncation_and_refusals_leave_no_step_run_ahead,
 )
 
@@ -28,6 +29,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def device() -> str:
     return "cuda"
+
+
+@pytest.fixture(params=[1, 3], ids=lambda d: f"depth{d}")
+def depth(request: pytest.FixtureRequest) -> int:
+    """Steps run ahead after a round's last step: one, and the most (each behind the one
+    before on the GPU, on the bonus tokens the one before left there)."""
+    return int(request.param)
 
 
 def test_bf16_decode_rounds_give_the_same_tokens_and_kv(target_dir) -> None:  # noqa: F811

@@ -1,8 +1,9 @@
 """The verifier's decode steps run ahead (`VerifierEngine(decode_ahead=True)`): the next decode
-step is launched before it is asked for and kept only when the next round is exactly that step.
-Whatever the gateway sends next (that step, a tree, another batch, a release, a truncation, a
-sampled round), the tokens and the committed KV are those of an engine without it, and no page
-stays held."""
+step is launched before it is asked for and kept only when the next round is exactly that step;
+after a round's last step, `depth` steps, each behind the one before (verifier/ahead_depth.py;
+every case runs at depths 1 to 3). Whatever the gateway sends next (that step, a tree, another
+batch, a release, a truncation, a sampled round), the tokens and the committed KV are those of an
+engine without it, and no page stays held."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.support import (
     save_tiny_llama,
     target_only_ids,
 )
+from verifier.ahead_depth import MAX_DEPTH, AheadDepth
 from verifier.engine import VerifierEngine
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
@@ -42,6 +44,12 @@ def device() -> str:
     return "cpu"
 
 
+@pytest.fixture(params=range(1, MAX_DEPTH + 1), ids=lambda d: f"depth{d}")
+def depth(request: pytest.FixtureRequest) -> int:
+    """Decode steps run ahead after a round's last step (`--decode-ahead-depth`)."""
+    return int(request.param)
+
+
 def _engine(
     target_dir: Path,
     decode_ahead: bool,
@@ -49,9 +57,10 @@ def _engine(
     num_pages: int = 64,
     dtype: torch.dtype | None = None,
     page_size: int = 4,
+    depth: int = 1,
 ) -> VerifierEngine:
     """float64 on the CPU; on a GPU float32 (or `dtype`) with the decode and 1 + 3 graphs, as
-    served."""
+    served; `depth` steps run ahead after a round's last step."""
     dtype = dtype or (torch.float64 if device == "cpu" else torch.float32)
     model, config = load_model(str(target_dir), dtype=dtype, device=device)
     kv = make_kv_cache(config, num_pages, page_size, dtype, device)
@@ -65,6 +74,7 @@ def _engine(
         max_batch_size=4,
         decode_ahead=decode_ahead,
     )
+    engine.ahead_depth = AheadDepth(depth)
     if graphs:
         engine.warmup()
     return engine
@@ -135,8 +145,9 @@ class Driver:
         )
 
 
-def _both(target_dir: Path, device: str) -> tuple[Driver, Driver]:
-    return Driver(_engine(target_dir, False, device)), Driver(_engine(target_dir, True, device))
+def _both(target_dir: Path, device: str, depth: int = 1) -> tuple[Driver, Driver]:
+    plain = Driver(_engine(target_dir, False, device))
+    return plain, Driver(_engine(target_dir, True, device, depth=depth))
 
 
 def _same(plain: Driver, ahead: Driver, max_extra_pages: int | None = None) -> None:
@@ -148,7 +159,8 @@ def _same(plain: Driver, ahead: Driver, max_extra_pages: int | None = None) -> N
         # bit for bit, but for a step taken for fewer sequences than it was run for: computed
         # in a larger batch, its matmuls may round differently (as any step's across batches)
         torch.testing.assert_close(ahead.kv_rows(seq_id), plain.kv_rows(seq_id), rtol=0, atol=1e-5)
-    # the step run ahead holds at most a page per sequence more
+    # the steps run ahead (at most MAX_DEPTH, fewer than a page's slots) hold at most a page
+    # per sequence more
     extra = ahead.engine.num_pages_used - plain.engine.num_pages_used
     assert 0 <= extra <= (len(plain.engine.seqs) if max_extra_pages is None else max_extra_pages)
 
@@ -190,9 +202,9 @@ def _chain(target_dir: Path, device: str, driver: Driver, seq_id: str, right: in
 
 
 def test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens(
-    target_dir: Path, device: str
+    target_dir: Path, device: str, depth: int
 ) -> None:
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a", "b")
         driver.decode("a", "b", rounds=12)
@@ -203,13 +215,43 @@ def test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens(
     _release(plain, ahead)
 
 
+def _queued(engine: VerifierEngine) -> int:
+    """Decode steps run ahead and not yet taken: the step and those queued behind it."""
+    queued, step = 0, engine._ahead
+    while step is not None:
+        queued, step = queued + 1, step.follower
+    return queued
+
+
+def test_the_steps_behind_a_rounds_last_step_are_queued_and_taken_in_turn(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    """After every round's last step `depth` steps are queued (a prefill's too), and rounds of
+    one step and of several (decode_steps: the steps queued are their first and their own
+    further ones) take them all: nothing is dropped, the tokens are the plain engine's."""
+    plain, ahead = _both(target_dir, device, depth)
+    for driver in (plain, ahead):
+        driver.begin("a", "b")
+        if driver is ahead:
+            assert _queued(ahead.engine) == depth
+        for steps in (1, 3, 1, 2, 4, 1):
+            driver.round(dict.fromkeys("ab", DraftTree()), steps={"a": steps, "b": steps})
+            if driver is ahead:
+                assert _queued(ahead.engine) == depth
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_used == 1 + 3 + 1 + 2 + 4 + 1
+    assert ahead.engine.num_ahead_dropped == 0
+    _release(plain, ahead)
+    assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
+
+
 @pytest.mark.parametrize("drafted", [("a",), ("a", "b")])
 def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
-    target_dir: Path, device: str, drafted: tuple[str, ...]
+    target_dir: Path, device: str, depth: int, drafted: tuple[str, ...]
 ) -> None:
     """A round with trees for some sequences takes the step run ahead for the others and runs
     the trees beside it; with a tree for every sequence it drops the step."""
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a", "b")
         driver.decode("a", "b", rounds=3)
@@ -219,34 +261,37 @@ def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
         driver.decode("a", "b", rounds=3)
     _same(plain, ahead)
     # 3 + 2 decode rounds take theirs (the one after the tree round has none); "b"'s share
-    # in the tree round when it sends none
+    # in the tree round when it sends none (the steps behind it dropped), else all dropped
     if drafted == ("a",):
-        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, 0)
+        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, depth - 1)
     else:
-        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (5, 1)
+        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (5, depth)
     _release(plain, ahead)
 
 
-def test_a_sequence_joining_takes_the_step_for_the_others(target_dir: Path, device: str) -> None:
+def test_a_sequence_joining_takes_the_step_for_the_others(
+    target_dir: Path, device: str, depth: int
+) -> None:
     """As the gateway sends it, a newcomer's first round beside the running sequences' next
     step: that step is taken, the newcomer's prefill runs beside it, and the next round's step
     covers both."""
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a")
         driver.decode("a", rounds=2)
         driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"})
         driver.decode("a", "b", rounds=3)
     _same(plain, ahead)
-    assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, 0)
+    # the steps behind "a"'s are dropped by the round "b" joins (the next covers both)
+    assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, depth - 1)
     _release(plain, ahead)
 
 
 @pytest.mark.parametrize("change", ["one leaves", "one joins", "order", "hidden states"])
 def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
-    target_dir: Path, device: str, change: str
+    target_dir: Path, device: str, depth: int, change: str
 ) -> None:
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a", "b") if change != "one joins" else driver.begin("a")
         driver.decode(*driver.tokens, rounds=3)
@@ -271,7 +316,7 @@ def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
             driver.decode("a", "b", rounds=2)
     _same(plain, ahead)
     if change in ("one leaves", "order"):  # each round takes the step for its sequences
-        assert ahead.engine.num_ahead_dropped == 0
+        assert ahead.engine.num_ahead_dropped == depth - 1  # (the steps behind it: the batch's)
         assert ahead.engine.num_ahead_used == 6
     else:  # a newcomer's round alone, a round asking for hidden states: none of it the step
         assert ahead.engine.num_ahead_dropped >= 1
@@ -279,8 +324,10 @@ def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
     _release(plain, ahead)
 
 
-def test_truncation_and_refusals_leave_no_step_run_ahead(target_dir: Path, device: str) -> None:
-    plain, ahead = _both(target_dir, device)
+def test_truncation_and_refusals_leave_no_step_run_ahead(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a")
         driver.decode("a", rounds=4)
@@ -296,20 +343,20 @@ def test_truncation_and_refusals_leave_no_step_run_ahead(target_dir: Path, devic
         driver.committed["a"] = keep
         driver.decode("a", rounds=3)
     _same(plain, ahead)
-    assert ahead.engine.num_ahead_dropped == 1  # by the truncation (a refusal keeps it)
+    assert ahead.engine.num_ahead_dropped == depth  # by the truncation (a refusal keeps them)
     _release(plain, ahead)
 
 
 @pytest.mark.parametrize("seed", [5, None], ids=["seeded", "unseeded"])
 def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
-    target_dir: Path, device: str, seed: int | None
+    target_dir: Path, device: str, depth: int, seed: int | None
 ) -> None:
     """Seeded sampling gives the same tokens with steps run ahead, also when one is dropped
     (its draws are put back): the greedy prefill's step, dropped by the first sampled round;
     after 3 rounds of "a", "b" the order turns to "b", "a" (taken as well); then "b" leaves and
     "a" samples on (its share of the step run ahead taken). Unseeded: each run draws at
     random, so only the counts."""
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     sampling = SamplingParams(temperature=0.8, seed=seed)
     for driver in (plain, ahead):
         driver.begin("a", "b")  # greedy prefill
@@ -321,15 +368,17 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
             driver.round({"a": DraftTree()}, sampling=sampling)
     if seed is not None:
         _same(plain, ahead)
-    assert ahead.engine.num_ahead_dropped == 1  # the greedy prefill's, by a sampled round
+    # the greedy prefill's, by a sampled round; the steps behind the first "b", "a" round's and
+    # the first round of "a" alone's
+    assert ahead.engine.num_ahead_dropped == depth + 2 * (depth - 1)
     assert ahead.engine.num_ahead_used == 2 + 3 + 2
     _release(plain, ahead)
 
 
-def test_no_step_runs_ahead_without_a_free_page(target_dir: Path, device: str) -> None:
+def test_no_step_runs_ahead_without_a_free_page(target_dir: Path, device: str, depth: int) -> None:
     # 3 pages of 4 slots; prompt "a" has 7 tokens: 5 decode rounds commit 12, the 13th slot
     # would need a 4th page
-    engine = _engine(target_dir, True, device, num_pages=3)
+    engine = _engine(target_dir, True, device, num_pages=3, depth=depth)
     driver = Driver(engine)
     driver.begin("a")
     driver.decode("a", rounds=5)
@@ -341,13 +390,13 @@ def test_no_step_runs_ahead_without_a_free_page(target_dir: Path, device: str) -
 
 
 def test_a_newcomer_refused_for_memory_leaves_the_others_as_they_were(
-    target_dir: Path, device: str
+    target_dir: Path, device: str, depth: int
 ) -> None:
     """3 pages of 4 slots, all "a"'s (9 committed, the 10th slot run ahead): "b" joining is
     refused (RESOURCE_EXHAUSTED) after the step was taken for "a"; nothing is committed, "a"'s
     room is its own again, and sent alone its next rounds give the plain engine's tokens."""
     plain = Driver(_engine(target_dir, False, device, num_pages=3))
-    ahead = Driver(_engine(target_dir, True, device, num_pages=3))
+    ahead = Driver(_engine(target_dir, True, device, num_pages=3, depth=depth))
     for driver in (plain, ahead):
         driver.begin("a")
         driver.decode("a", rounds=2)
@@ -381,9 +430,9 @@ def test_the_gateway_gets_the_target_tokens_with_steps_run_ahead(
 
 
 def test_each_step_run_ahead_is_reported_once_and_warm_up_is_not(
-    target_dir: Path, device: str
+    target_dir: Path, device: str, depth: int
 ) -> None:
-    engine = _engine(target_dir, True, device)
+    engine = _engine(target_dir, True, device, depth=depth)
     reported: list[str] = []
     engine.on_decode_ahead = reported.append  # the verifier service counts these in /metrics
     engine.warmup()  # its rounds are not traffic
@@ -392,11 +441,13 @@ def test_each_step_run_ahead_is_reported_once_and_warm_up_is_not(
     driver.begin("a")
     driver.decode("a", rounds=3)
     engine.release(["a"])
-    assert reported == ["used"] * 3 + ["dropped"]
+    assert reported == ["used"] * 3 + ["dropped"] * depth
 
 
-def test_rounds_past_the_batch_limit_run_nothing_ahead(target_dir: Path, device: str) -> None:
-    engine = _engine(target_dir, True, device)
+def test_rounds_past_the_batch_limit_run_nothing_ahead(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    engine = _engine(target_dir, True, device, depth=depth)
     engine.decode_ahead_max_batch = 1
     driver = Driver(engine)
     driver.begin("a", "b")
@@ -409,9 +460,9 @@ def test_rounds_past_the_batch_limit_run_nothing_ahead(target_dir: Path, device:
 
 
 def test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead(
-    target_dir: Path, device: str
+    target_dir: Path, device: str, depth: int
 ) -> None:
-    plain, ahead = _both(target_dir, device)
+    plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a")
         driver.begin("b")
@@ -423,6 +474,6 @@ def test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead(
     _same(plain, ahead)
     # dropped: the prefills' steps ("a"'s by "b"'s prefill, "b"'s by "a"'s round); then the
     # truncation of "b" and the empty Release keep "a"'s, so its 3 later rounds take theirs
-    assert ahead.engine.num_ahead_dropped == 2
+    assert ahead.engine.num_ahead_dropped == 2 * depth
     assert ahead.engine.num_ahead_used == 3
     _release(plain, ahead)

@@ -1,0 +1,58 @@
+"""How many decode steps the verifier runs ahead after a round's last step (AheadDepth): fixed,
+or as many as cover the trip between rounds, measured per batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier.ahead_depth import MAX_DEPTH, MAX_TRIP_NS, AheadDepth
+
+
+def test_a_fixed_depth_is_kept_whatever_is_measured() -> None:
+    depth = AheadDepth(2)
+    depth.observe_trip(8, 5_000_000)
+    depth.observe_step(8, 1_000_000)
+    assert depth.depth(8) == depth.depth(1) == 2
+
+
+@pytest.mark.parametrize("fixed", [-1, MAX_DEPTH + 1])
+def test_a_depth_out_of_range_is_refused(fixed: int) -> None:
+    with pytest.raises(ValueError, match="decode-ahead depth"):
+        AheadDepth(fixed)
+
+
+def test_auto_runs_one_step_until_the_trip_and_a_step_are_measured() -> None:
+    depth = AheadDepth()
+    assert depth.depth(32) == 1
+    depth.observe_trip(32, 2_300_000)
+    assert depth.depth(32) == 1  # no step's device time yet (the CPU never has one)
+    depth.observe_step(32, 0)
+    assert depth.depth(32) == 1
+    depth.observe_step(32, 1_100_000)
+    assert depth.depth(32) == 3  # ceil(2.3 / 1.1)
+    assert depth.depth(8) == 1  # measured per batch size
+
+
+@pytest.mark.parametrize(
+    ("trip_ms", "step_ms", "expected"),
+    [(0.2, 0.5, 1), (0.5, 0.5, 1), (0.68, 0.54, 2), (2.2, 1.1, 2), (2.27, 1.14, 2), (9.0, 1.0, 3)],
+)
+def test_auto_covers_the_trip_with_the_fewest_steps(
+    trip_ms: float, step_ms: float, expected: int
+) -> None:
+    depth = AheadDepth()
+    depth.observe_trip(1, round(trip_ms * 1e6))
+    depth.observe_step(1, round(step_ms * 1e6))
+    assert depth.depth(1) == expected
+
+
+def test_auto_follows_the_running_means_and_skips_pauses() -> None:
+    depth = AheadDepth()
+    depth.observe_step(4, 1_000_000)
+    depth.observe_trip(4, 900_000)
+    assert depth.depth(4) == 1
+    depth.observe_trip(4, MAX_TRIP_NS + 1)  # the streams paused: not a trip between rounds
+    assert depth.depth(4) == 1
+    for _ in range(20):  # the trips grow (more streams' work on the gateway)
+        depth.observe_trip(4, 1_800_000)
+    assert depth.depth(4) == 2

@@ -1,0 +1,61 @@
+"""How many decode steps the verifier runs ahead after a round's last step (`AheadDepth`).
+
+After a round of decode steps the verifier launches the same sequences' next step before the
+gateway asks for it (`RunAhead._launch_ahead`): the GPU computes it while the answer travels,
+the gateway commits and streams, and the next request comes back. Where that trip takes longer
+than a step, one step does not cover it and the GPU idles for the rest: at 32 streams on two
+H200s (random SmolLM2, target only) the trip took ~2.3 ms against a ~1.1 ms step, and the GPU
+idled 0.9 of every ten rounds' time (bench/RESULTS.md, fifty-sixth session). So the steps after
+it are launched too, each behind the one before (`Launched.follower`), as many as cover the
+trip: depth = ceil(trip / step), both measured per batch size, at most MAX_DEPTH. A step the next
+round does not take (a sequence joined, left or stopped) is dropped and gives its room and draws
+back, as one step always could; it cost the device its time, so the depth is no more than the
+trip needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from specsplit.cli_flags import MAX_AHEAD_DEPTH as MAX_DEPTH  # steps run ahead, at most
+
+SMOOTHING = 0.2  # each observation's weight in the running means (the first's: all)
+# a trip longer than this is not the gateway's round trip (the streams paused, a client came
+# back later): not measured
+MAX_TRIP_NS = 20_000_000
+
+
+class AheadDepth:
+    """Decode steps to run ahead after a round's last step, by batch size: `fixed` (1 to
+    MAX_DEPTH), or with fixed 0 (auto) the fewest whose device time covers the trip between
+    rounds (`observe_trip`: from a round's finish to the next request's launch on the host;
+    `observe_step`: a decode step's device time), 1 until both are measured (on the CPU, where
+    nothing runs beside the host, always 1)."""
+
+    def __init__(self, fixed: int = 0) -> None:
+        if not 0 <= fixed <= MAX_DEPTH:
+            raise ValueError(f"decode-ahead depth {fixed}: want 0 (auto) to {MAX_DEPTH}")
+        self.fixed = fixed
+        self._trip_ns: dict[int, float] = {}
+        self._step_ns: dict[int, float] = {}
+
+    def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
+        if 0 <= nanoseconds <= MAX_TRIP_NS:
+            _smooth(self._trip_ns, batch_size, nanoseconds)
+
+    def observe_step(self, batch_size: int, nanoseconds: int) -> None:
+        if nanoseconds > 0:
+            _smooth(self._step_ns, batch_size, nanoseconds)
+
+    def depth(self, batch_size: int) -> int:
+        if self.fixed:
+            return self.fixed
+        trip, step = self._trip_ns.get(batch_size), self._step_ns.get(batch_size)
+        if trip is None or not step:
+            return 1
+        return max(1, min(MAX_DEPTH, math.ceil(trip / step)))
+
+
+def _smooth(means: dict[int, float], key: int, value: float) -> None:
+    mean = means.get(key)
+    means[key] = value if mean is None else mean + SMOOTHING * (value - mean)
