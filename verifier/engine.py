@@ -164,6 +164,7 @@ class VerifierEngine(RunAhead):
         self.on_step_idle: Callable[[float], None] | None = None
         self._last_end: tuple[torch.cuda.Event, set[str]] | None = None  # (its end, its ids)
         self._finished_ns = 0  # when the last finish returned
+        self._extended_ns = 0  # host time since then in `extend_ahead`
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
         self._held: dict[str, int] = {}
@@ -348,6 +349,7 @@ class VerifierEngine(RunAhead):
         else:
             self._waiting = (ready, {item.seq_id for item in launched.inputs})
         self._finished_ns = time.perf_counter_ns()
+        self._extended_ns = 0
         return outputs
 
     def _report_gap(self, phase: str, nanoseconds: int) -> None:
@@ -451,7 +453,8 @@ class VerifierEngine(RunAhead):
         any batch size."""
         if not validated:
             self._validate(inputs)
-        trip_ns = time.perf_counter_ns() - self._finished_ns  # (a request: since the finish)
+        # (a request: since the last finish, less the steps launched ahead after its answer)
+        trip_ns = time.perf_counter_ns() - self._finished_ns - self._extended_ns
         self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
@@ -493,8 +496,6 @@ class VerifierEngine(RunAhead):
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)
                 if ahead is not None:  # behind a step run ahead before the request (the trip)
                     ahead.on_request = not validated and taken is not None and not others
-            if ahead is not None and not own_next:  # the round's last step: the next round's
-                self._extend_ahead(ahead, self.ahead_depth.depth(len(inputs)))
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 

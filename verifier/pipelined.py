@@ -56,8 +56,11 @@ class PipelinedRounds:
             finally:
                 async with self._changed:
                     self._changed.notify_all()
+        loop = asyncio.get_running_loop()
         if engine.launch_on_hint:  # the hinted next rounds, once this task has answered
-            asyncio.get_running_loop().call_soon(engine.launch_parked)
+            loop.call_soon(engine.launch_parked)
+        if engine.decode_ahead:  # the decode steps behind the one run ahead, likewise
+            loop.call_soon(engine.extend_ahead)
         return outputs, time.perf_counter_ns() - start, launched.device_ns
 
     async def settle(self, seq_ids: list[str] | None) -> None:

@@ -62,6 +62,7 @@ class RunAhead:
     _in_flight: list[VerifyRound]
     _held: dict[str, int]
     _finished_ns: int
+    _extended_ns: int
     _validate: Callable[[list[VerifyInput]], None]
     _reserve: Callable[[list[VerifyInput], list[VerifierSeq]], None]
     _launch: Callable[..., Launched]
@@ -191,15 +192,32 @@ class RunAhead:
         launched.generator_states = states
         return launched
 
+    @torch.inference_mode()
+    def extend_ahead(self) -> None:
+        """Once a round's answer went out (the service's `PipelinedRounds`): queue the decode
+        steps behind the one run ahead until `ahead_depth` are (`_extend_ahead`), while the
+        answer travels and the gateway works; the host's time for them is taken off the trip
+        the depth is measured on."""
+        ahead = self._ahead
+        if ahead is None or ahead.hinted or self._in_flight:
+            return
+        started = time.perf_counter_ns()
+        with on_device(self.device):
+            self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
+        self._extended_ns += time.perf_counter_ns() - started
+
     def _extend_ahead(self, ahead: Launched, depth: int) -> None:
-        """After a round's last step, the decode steps behind `ahead` (the next round's first,
-        run ahead) until `depth` are queued, each launched on the one before's bonus tokens on
-        the device (`Launched.follower`): the next round takes them in turn, as its first step
-        and its own further steps (or, a round of one step, as the step after it)."""
+        """The decode steps behind `ahead` (the next round's first, run ahead) until `depth`
+        are queued, each launched on the one before's bonus tokens on the device
+        (`Launched.follower`): the next round takes them in turn, as its first step and its
+        own further steps (or, a round of one step, as the step after it). The one before
+        keeps its results in a copy of its own (the steps replay one CUDA graph, whose output
+        each overwrites): a round that takes it but not the steps behind reads them there."""
         last, queued = ahead, 1
         while last.follower is not None:
             last, queued = last.follower, queued + 1
         while queued < depth:
+            last.packed = last.packed.clone()
             follower = self._launch_ahead([last], [self._bonus_tokens(last)])
             if follower is None:
                 return

@@ -123,6 +123,7 @@ class Driver:
             launched = self.engine.launch(inputs)
             meanwhile()
             outputs = self.engine.finish(launched)
+        self.engine.extend_ahead()  # as the service does once the answer went out
         for out in outputs:
             tokens = self.tokens[out.seq_id]
             del tokens[out.kv_committed_len :]
