@@ -112,9 +112,9 @@ class VerifierEngine(RunAhead):
             log.warning("SYNTHETIC ACCEPTANCE %s: output is not the target's", synthetic_acceptance)
         self.decode_ahead = decode_ahead
         self.decode_ahead_max_batch = decode_ahead_max_batch
-        # decode steps run ahead after a round's last step (`--decode-ahead-depth`; auto: as
+        # decode steps run ahead after a round's last step (`--decode-ahead-depth`; 0, auto: as
         # many as cover the trip between rounds, measured)
-        self.ahead_depth = AheadDepth()
+        self.ahead_depth = AheadDepth(1)
         self._ahead: Launched | None = None  # the decode step launched before it was asked for
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was

@@ -32,7 +32,7 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
-    decode_ahead_depth: int = 0,
+    decode_ahead_depth: int = 1,
     chain_rounds: str = "off",
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
