@@ -7,6 +7,7 @@ engine without it, and no page stays held."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tests.support import (
 )
 from verifier.ahead_depth import MAX_DEPTH, AheadDepth
 from verifier.engine import VerifierEngine
+from verifier.pipelined import PipelinedRounds
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
 
@@ -244,6 +246,37 @@ def test_the_steps_behind_a_rounds_last_step_are_queued_and_taken_in_turn(
     assert ahead.engine.num_ahead_dropped == 0
     _release(plain, ahead)
     assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
+
+
+def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
+    target_dir: Path, device: str
+) -> None:
+    """Through `PipelinedRounds` (the service on a GPU): the steps behind the one run ahead are
+    queued once the round's task has answered (a callback on the loop), so their launches do
+    not hold the answer back."""
+    engine = _engine(target_dir, True, device, depth=3)
+
+    async def call(fn: Callable[..., object], *args: object) -> object:
+        return fn(*args)
+
+    async def rounds() -> None:
+        pipelined = PipelinedRounds(engine, call)
+        committed, pending = 0, list(PROMPTS["a"])
+        for begin in (True, False, False):
+            outputs, _, _ = await pipelined.verify(
+                [VerifyInput("a", begin, committed, pending, DraftTree())]
+            )
+            # the answer goes out first: with the step run ahead (after the prefill), or the
+            # steps that were queued behind the one this round took
+            assert _queued(engine) == (1 if begin else 2)
+            await asyncio.sleep(0)
+            assert _queued(engine) == 3
+            committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
+
+    asyncio.run(rounds())
+    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (2, 0)
+    engine.release(["a"])
+    assert engine.num_ahead_dropped == 3 and engine.num_pages_used == 0
 
 
 @pytest.mark.parametrize("drafted", [("a",), ("a", "b")])
