@@ -228,12 +228,8 @@ class RunAhead:
         them (as `_drop_ahead`), then give their room back down to `ahead`'s step (the
         committed length + 1) and their draws back (the last launched first)."""
         follower, ahead.follower = ahead.follower, None
-        if follower is None:
-            return
-        self._count_ahead(follower, "dropped")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._undo_ahead(follower, room=1)
+        if follower is not None:
+            self._drop(follower, room=1)
 
     @torch.inference_mode()
     def _launch_next(
@@ -396,12 +392,16 @@ class RunAhead:
         """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
         by the next launch), then give each of its sequences its room and draws back."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        self._count_ahead(ahead, "dropped")
+        if ahead is not None:
+            self._drop(ahead)
+
+    def _drop(self, step: Launched, room: int = 0) -> None:
+        """Count `step` dropped, wait for the device, then undo it and the steps behind it
+        (`_undo_ahead`, down to the committed length + `room`)."""
+        self._count_ahead(step, "dropped")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._undo_ahead(ahead)
+        self._undo_ahead(step, room=room)
 
     def _count_ahead(self, ahead: Launched, outcome: str) -> None:
         """A round run ahead was taken ("used") or not ("dropped"): a decode step's counts, or
