@@ -736,7 +736,8 @@ for part in "${parts[@]}"; do
     ahead-depth)  # decode steps run ahead after a round's last step (verifier/ahead_depth.py):
       # the decode-ahead GPU tests, then target-only streams through the services at batch 1 /
       # 8 / 32, $SPLIT_TOKENS (default 1024) tokens each, two runs a batch, one `up` for each of
-      # $DEPTHS in turn (default "1 0 0 1": one step, auto; random SmolLM2)
+      # $DEPTHS in turn (default "1 0 0 1": one step, auto; random SmolLM2); auto's choices
+      # (the verifier's log) from $OUT/ahead_depth_services.log
       run ahead_depth_tests python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_decode_ahead_gpu.py
       random_smollm2
@@ -746,8 +747,10 @@ for part in "${parts[@]}"; do
         run "ahead_depth_${n}_d$d" python3 bench/profile_services.py --model /tmp/smollm2_random \
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 8 32 --max-new-tokens ${SPLIT_TOKENS:-1024} --repeat 2 --top 0 \
-          --target-only --up-arg=--decode-ahead-depth=$d
-      done ;;
+          --target-only --up-arg=--decode-ahead-depth=$d \
+          --services-log "$out/ahead_depth_services.log"
+      done
+      grep -h "decode-ahead depth" "$out/ahead_depth_services.log" | cut -c1-160 | tail -20 ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

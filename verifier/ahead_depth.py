@@ -15,9 +15,12 @@ trip needs.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from specsplit.cli_flags import MAX_AHEAD_DEPTH as MAX_DEPTH  # steps run ahead, at most
+
+log = logging.getLogger(__name__)
 
 SMOOTHING = 0.2  # each observation's weight in the running means (the first's: all)
 # a trip longer than this is not the gateway's round trip (the streams paused, a client came
@@ -38,6 +41,7 @@ class AheadDepth:
         self.fixed = fixed
         self._trip_ns: dict[int, float] = {}
         self._step_ns: dict[int, float] = {}
+        self._chosen: dict[int, int] = {}  # auto's last depth by batch size (logged on change)
 
     def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
         if 0 <= nanoseconds <= MAX_TRIP_NS:
@@ -53,7 +57,15 @@ class AheadDepth:
         trip, step = self._trip_ns.get(batch_size), self._step_ns.get(batch_size)
         if trip is None or not step:
             return 1
-        return max(1, min(MAX_DEPTH, math.ceil(trip / step)))
+        depth = max(1, min(MAX_DEPTH, math.ceil(trip / step)))
+        if self._chosen.get(batch_size, 1) != depth:
+            self._chosen[batch_size] = depth
+            log.info(
+                "decode-ahead depth %d at %d sequences: the trip between rounds %.3f ms, a"
+                " step %.3f ms on the device",
+                depth, batch_size, trip / 1e6, step / 1e6,
+            )  # fmt: skip
+        return depth
 
 
 def _smooth(means: dict[int, float], key: int, value: float) -> None:

@@ -3,6 +3,8 @@ or as many as cover the trip between rounds, measured per batch size."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from verifier.ahead_depth import MAX_DEPTH, MAX_TRIP_NS, AheadDepth
@@ -56,3 +58,19 @@ def test_auto_follows_the_running_means_and_skips_pauses() -> None:
     for _ in range(20):  # the trips grow (more streams' work on the gateway)
         depth.observe_trip(4, 1_800_000)
     assert depth.depth(4) == 2
+
+
+def test_auto_logs_each_change_of_depth_once(caplog: pytest.LogCaptureFixture) -> None:
+    depth = AheadDepth()
+    depth.observe_step(32, 1_100_000)
+    depth.observe_trip(32, 2_300_000)
+    with caplog.at_level(logging.INFO, logger="verifier.ahead_depth"):
+        assert [depth.depth(32) for _ in range(3)] == [3, 3, 3]
+        depth.observe_trip(32, 0)
+        depth.observe_trip(32, 0)
+        depth.observe_trip(32, 0)
+        assert depth.depth(32) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert messages[0].startswith("decode-ahead depth 3 at 32 sequences: the trip between rounds")
+    assert messages[1].startswith("decode-ahead depth 2 at 32 sequences")
