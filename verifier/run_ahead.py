@@ -192,17 +192,16 @@ class RunAhead:
         launched.generator_states = states
         return launched
 
-    @torch.inference_mode()
     def extend_ahead(self) -> None:
         """Once a round's answer went out (the service's `PipelinedRounds`): queue the decode
         steps behind the one run ahead until `ahead_depth` are (`_extend_ahead`), while the
         answer travels and the gateway works; the host's time for them is taken off the trip
-        the depth is measured on."""
+        the depth is measured on. Nothing to do at depth 1 (the default)."""
         ahead = self._ahead
-        if ahead is None or ahead.hinted or self._in_flight:
+        if ahead is None or ahead.hinted or self._in_flight or self.ahead_depth.fixed == 1:
             return
         started = time.perf_counter_ns()
-        with on_device(self.device):
+        with torch.inference_mode(), on_device(self.device):
             self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
         self._extended_ns += time.perf_counter_ns() - started
 
