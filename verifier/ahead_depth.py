@@ -43,6 +43,11 @@ class AheadDepth:
         self._step_ns: dict[int, float] = {}
         self._chosen: dict[int, int] = {}  # auto's last depth by batch size (logged on change)
 
+    @property
+    def auto(self) -> bool:
+        """Whether the depth follows what is measured (the only use of `observe_*`)."""
+        return not self.fixed
+
     def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
         if 0 <= nanoseconds <= MAX_TRIP_NS:
             _smooth(self._trip_ns, batch_size, nanoseconds)

@@ -453,8 +453,6 @@ class VerifierEngine(RunAhead):
         any batch size."""
         if not validated:
             self._validate(inputs)
-        # (a request: since the last finish, less the steps launched ahead after its answer)
-        trip_ns = time.perf_counter_ns() - self._finished_ns - self._extended_ns
         self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
@@ -464,7 +462,10 @@ class VerifierEngine(RunAhead):
         follower = None
         if taken is not None:
             follower, taken.follower = taken.follower, None
-            if not validated and not others:  # the gateway's next round of the same batch
+            # the gateway's next round of the same batch: the trip since the last finish, less
+            # the steps launched ahead after its answer
+            if self.ahead_depth.auto and not validated and not others:
+                trip_ns = time.perf_counter_ns() - self._finished_ns - self._extended_ns
                 self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
@@ -472,9 +473,7 @@ class VerifierEngine(RunAhead):
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         running_ahead = self.decode_ahead and not self._in_flight and not hinted
         if follower is not None and (others or not running_ahead):  # not this round's steps
-            assert taken is not None
-            taken.follower = follower
-            self._drop_followers(taken)
+            self._drop(follower, room=1)  # (the step taken keeps its room)
             follower = None
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
@@ -604,8 +603,8 @@ class VerifierEngine(RunAhead):
         further: a round's further decode step (its idle time reported as such too, unless it
         was launched when the round's request came: `Launched.on_request`)."""
         whole = launched.result_rows()
-        if launched.generator_states is not None and not launched.hinted:  # a decode step's
-            batch_size = len(launched.whole_inputs or launched.inputs)  # device time
+        if self.ahead_depth.auto and launched.generator_states is not None and not launched.hinted:
+            batch_size = len(launched.whole_inputs or launched.inputs)  # a decode step's time
             self.ahead_depth.observe_step(batch_size, launched.device_ns())
         if launched.idle_from is not None and launched.started is not None:
             within = further and not launched.on_request  # (not the trip between rounds)

@@ -12,6 +12,7 @@ from verifier.ahead_depth import MAX_DEPTH, MAX_TRIP_NS, AheadDepth
 
 def test_a_fixed_depth_is_kept_whatever_is_measured() -> None:
     depth = AheadDepth(2)
+    assert not depth.auto and AheadDepth().auto  # (the engine measures only for auto)
     depth.observe_trip(8, 5_000_000)
     depth.observe_step(8, 1_000_000)
     assert depth.depth(8) == depth.depth(1) == 2
