@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving]
-#       [tiles] [pdl] [gated] [target-split] [ahead-depth]
+#       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -737,9 +737,9 @@ for part in "${parts[@]}"; do
       # the decode-ahead GPU tests, then target-only streams through the services at batch 1 /
       # 8 / 32, $SPLIT_TOKENS (default 1024) tokens each, two runs a batch, one `up` for each of
       # $DEPTHS in turn (default "1 0 0 1": one step, auto; random SmolLM2); auto's choices
-      # (the verifier's log) from $OUT/ahead_depth_services.log
-      run ahead_depth_tests python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_decode_ahead_gpu.py
+      # (the verifier's log) from $OUT/ahead_depth_services.log; AHEAD_TESTS=0: no tests
+      [[ ${AHEAD_TESTS:-1} == 0 ]] || run ahead_depth_tests python3 -m pytest -q \
+        -p no:cacheprovider tests/gpu/test_decode_ahead_gpu.py
       random_smollm2
       n=0
       for d in ${DEPTHS:-1 0 0 1}; do
@@ -751,6 +751,14 @@ for part in "${parts[@]}"; do
           --services-log "$out/ahead_depth_services.log"
       done
       grep -h "decode-ahead depth" "$out/ahead_depth_services.log" | cut -c1-160 | tail -20 ;;
+    profile-depth)  # the services cProfiled at batch 32, target-only streams of 512 tokens, `up`'s
+      # defaults but --decode-ahead-depth $PROFILE_DEPTH (default 2): where the verifier's host
+      # time goes with steps queued after a round's answer (random SmolLM2)
+      random_smollm2
+      run "profile_depth${PROFILE_DEPTH:-2}" python3 bench/profile_services.py \
+        --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+        --draft-model specsplit/data/eagle3-smollm2 --batch 32 --max-new-tokens 512 --top 40 \
+        --sort tottime cumulative --target-only --up-arg=--decode-ahead-depth=${PROFILE_DEPTH:-2} ;;
     graphs)  # CUDA graph launch vs execution, and the engine step with idle gaps between steps
       run graph_launch python3 bench/graph_launch.py --chunks 1 2 5 --steps 200 ;;
     *) echo "unknown part $part"; exit 2 ;;

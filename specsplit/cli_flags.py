@@ -209,9 +209,9 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         1,
         "--decode-ahead: decode steps run ahead after a round's last step, each behind the one"
         f" before (1 to {MAX_AHEAD_DEPTH}); 0 = auto: as many as cover the trip between rounds"
-        " (the answer, the gateway's work, the next request), measured against a step's GPU"
-        " time per batch size. Default 1: on two H200s auto ran no faster at 1 / 8 / 32"
-        " streams (bench/RESULTS.md)",
+        " (the answer, the gateway's work, the next request) and the next step's launch,"
+        " measured against a step's GPU time per batch size. Default 1: on two H200s auto"
+        " streamed no more tokens a second at 1 / 8 / 32 streams (bench/RESULTS.md)",
         type=int,
     )
     chain_help = (

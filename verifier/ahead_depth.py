@@ -2,15 +2,23 @@
 
 After a round of decode steps the verifier launches the same sequences' next step before the
 gateway asks for it (`RunAhead._launch_ahead`): the GPU computes it while the answer travels,
-the gateway commits and streams, and the next request comes back. Where that trip takes longer
-than a step, one step does not cover it and the GPU idles for the rest: at 32 streams on two
-H200s (random SmolLM2, target only) the trip took ~2.3 ms against a ~1.1 ms step, and the GPU
-idled 0.9 of every ten rounds' time (bench/RESULTS.md, fifty-sixth session). So the steps after
-it are launched too, each behind the one before (`Launched.follower`), as many as cover the
-trip: depth = ceil(trip / step), both measured per batch size, at most MAX_DEPTH. A step the next
-round does not take (a sequence joined, left or stopped) is dropped and gives its room and draws
-back, as one step always could; it cost the device its time, so the depth is no more than the
-trip needs.
+the gateway commits and streams, and the next request comes back. The GPU idles unless the steps
+queued ahead last until the host has launched the next new step: the trip (the round's finish
+to the next request's launch on the host) plus the host's time to launch a step once the request
+is in (take the step run ahead, launch the one after it: ~0.4 ms at 8 streams, ~0.6-0.8 ms at
+32 on an H200 host, random SmolLM2). So the steps after it are launched too, each behind the one
+before (`Launched.follower`, one a turn of the service's loop): depth = ceil((trip + launch) /
+step), all three measured per batch size, at most MAX_DEPTH, changed only once the ratio leaves
+the current depth's range by HYSTERESIS (a ratio near an integer flipped it round by round).
+
+The trip is measured whole, with any launch it waited for: less those launches it came out
+shorter at depth 2 than at 1, and the depth flipped. Measured whole it grows with the depth (a
+request read while steps are queued waits for them), and on two H200s auto settled at 3 at every
+batch size. There, at 32 streams, the round's time outside the GPU fell to <= 0.1-0.2 ms p50 in
+3 of 6 `up`s (depth 1: 1-5 ms), at the same tokens a second (bench/RESULTS.md, fifty-seventh
+session). A step the next round does not take (a sequence joined, left or stopped) is dropped
+and gives its room and draws back, as one step always could; it cost the device its time and a
+wait, which is why the default stays 1.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ SMOOTHING = 0.2  # each observation's weight in the running means (the first's: 
 # a trip longer than this is not the gateway's round trip (the streams paused, a client came
 # back later): not measured
 MAX_TRIP_NS = 20_000_000
+HYSTERESIS = 0.1  # steps the ratio must pass the current depth's range by to change it
 
 
 class AheadDepth:
@@ -41,6 +50,7 @@ class AheadDepth:
         self.fixed = fixed
         self._trip_ns: dict[int, float] = {}
         self._step_ns: dict[int, float] = {}
+        self._launch_ns: dict[int, float] = {}
         self._chosen: dict[int, int] = {}  # auto's last depth by batch size (logged on change)
 
     @property
@@ -56,19 +66,28 @@ class AheadDepth:
         if nanoseconds > 0:
             _smooth(self._step_ns, batch_size, nanoseconds)
 
+    def observe_launch(self, batch_size: int, nanoseconds: int) -> None:
+        if 0 <= nanoseconds <= MAX_TRIP_NS:
+            _smooth(self._launch_ns, batch_size, nanoseconds)
+
     def depth(self, batch_size: int) -> int:
         if self.fixed:
             return self.fixed
         trip, step = self._trip_ns.get(batch_size), self._step_ns.get(batch_size)
         if trip is None or not step:
             return 1
-        depth = max(1, min(MAX_DEPTH, math.ceil(trip / step)))
-        if self._chosen.get(batch_size, 1) != depth:
+        launch = self._launch_ns.get(batch_size, 0.0)
+        ratio = (trip + launch) / step  # depth d covers a ratio in (d - 1, d]
+        current = self._chosen.get(batch_size, 1)
+        if current - 1 - HYSTERESIS <= ratio <= current + HYSTERESIS:
+            return current
+        depth = max(1, min(MAX_DEPTH, math.ceil(ratio)))
+        if depth != current:
             self._chosen[batch_size] = depth
             log.info(
                 "decode-ahead depth %d at %d sequences: the trip between rounds %.3f ms, a"
-                " step %.3f ms on the device",
-                depth, batch_size, trip / 1e6, step / 1e6,
+                " step's launch %.3f ms on the host, a step %.3f ms on the device",
+                depth, batch_size, trip / 1e6, launch / 1e6, step / 1e6,
             )  # fmt: skip
         return depth
 

@@ -164,7 +164,6 @@ class VerifierEngine(RunAhead):
         self.on_step_idle: Callable[[float], None] | None = None
         self._last_end: tuple[torch.cuda.Event, set[str]] | None = None  # (its end, its ids)
         self._finished_ns = 0  # when the last finish returned
-        self._extended_ns = 0  # host time since then in `extend_ahead`
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
         self._held: dict[str, int] = {}
@@ -349,7 +348,6 @@ class VerifierEngine(RunAhead):
         else:
             self._waiting = (ready, {item.seq_id for item in launched.inputs})
         self._finished_ns = time.perf_counter_ns()
-        self._extended_ns = 0
         return outputs
 
     def _report_gap(self, phase: str, nanoseconds: int) -> None:
@@ -451,6 +449,7 @@ class VerifierEngine(RunAhead):
         decode steps, built here from what the engine committed). Where every one of `inputs`
         has a step left (decode_steps > 1), the next step is the round's own: it runs ahead at
         any batch size."""
+        started_ns = time.perf_counter_ns()
         if not validated:
             self._validate(inputs)
         self.hints.round_started()  # a late hint launches nothing now
@@ -462,10 +461,10 @@ class VerifierEngine(RunAhead):
         follower = None
         if taken is not None:
             follower, taken.follower = taken.follower, None
-            # the gateway's next round of the same batch: the trip since the last finish, less
-            # the steps launched ahead after its answer
+            # the gateway's next round of the same batch: the trip since the last finish (with
+            # at most one step's launch behind the one run ahead that it waited for)
             if self.ahead_depth.auto and not validated and not others:
-                trip_ns = time.perf_counter_ns() - self._finished_ns - self._extended_ns
+                trip_ns = time.perf_counter_ns() - self._finished_ns
                 self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
@@ -495,6 +494,10 @@ class VerifierEngine(RunAhead):
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)
                 if ahead is not None:  # behind a step run ahead before the request (the trip)
                     ahead.on_request = not validated and taken is not None and not others
+                    if self.ahead_depth.auto and validated and taken is not None and not others:
+                        # a step taken, the next launched: what a request costs after its trip
+                        launch_ns = time.perf_counter_ns() - started_ns
+                        self.ahead_depth.observe_launch(len(inputs), launch_ns)
         self._end_wait(item.seq_id for item in inputs)
         return VerifyRound(inputs, [*positions, *others], parts, ahead)
 

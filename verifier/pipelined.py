@@ -60,8 +60,14 @@ class PipelinedRounds:
         if engine.launch_on_hint:  # the hinted next rounds, once this task has answered
             loop.call_soon(engine.launch_parked)
         if engine.decode_ahead:  # the decode steps behind the one run ahead, likewise
-            loop.call_soon(engine.extend_ahead)
+            loop.call_soon(self._extend_ahead)
         return outputs, time.perf_counter_ns() - start, launched.device_ns
+
+    def _extend_ahead(self) -> None:
+        """One decode step queued behind the one run ahead, and the next on the loop's next
+        turn while more are wanted: a request that arrives meanwhile is taken after one."""
+        if self.engine.extend_ahead():
+            asyncio.get_running_loop().call_soon(self._extend_ahead)
 
     async def settle(self, seq_ids: list[str] | None) -> None:
         """Wait until no round in flight holds any of `seq_ids` (None: any sequence)."""

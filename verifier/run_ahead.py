@@ -62,7 +62,6 @@ class RunAhead:
     _in_flight: list[VerifyRound]
     _held: dict[str, int]
     _finished_ns: int
-    _extended_ns: int
     _validate: Callable[[list[VerifyInput]], None]
     _reserve: Callable[[list[VerifyInput], list[VerifierSeq]], None]
     _launch: Callable[..., Launched]
@@ -192,35 +191,36 @@ class RunAhead:
         launched.generator_states = states
         return launched
 
-    def extend_ahead(self) -> None:
-        """Once a round's answer went out (the service's `PipelinedRounds`): queue the decode
-        steps behind the one run ahead until `ahead_depth` are (`_extend_ahead`), while the
-        answer travels and the gateway works; the host's time for them is taken off the trip
-        the depth is measured on. Nothing to do at depth 1 (the default)."""
+    def extend_ahead(self) -> bool:
+        """Once a round's answer went out (the service's `PipelinedRounds`): queue one more
+        decode step behind the one run ahead if fewer than `ahead_depth` are
+        (`_extend_ahead`), while the answer travels and the gateway works. One a call, so that
+        a request arriving meanwhile waits for one launch at most (the caller calls again on
+        its event loop's next turn). Whether another is wanted. Nothing to do at depth 1 (the
+        default)."""
         ahead = self._ahead
         if ahead is None or ahead.hinted or self._in_flight or self.ahead_depth.fixed == 1:
-            return
-        started = time.perf_counter_ns()
+            return False
         with torch.inference_mode(), on_device(self.device):
-            self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
-        self._extended_ns += time.perf_counter_ns() - started
+            return self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
 
-    def _extend_ahead(self, ahead: Launched, depth: int) -> None:
-        """The decode steps behind `ahead` (the next round's first, run ahead) until `depth`
-        are queued, each launched on the one before's bonus tokens on the device
-        (`Launched.follower`): the next round takes them in turn, as its first step and its
-        own further steps (or, a round of one step, as the step after it). The one before
-        keeps its results in a copy of its own (the steps replay one CUDA graph, whose output
-        each overwrites): a round that takes it but not the steps behind reads them there."""
+    def _extend_ahead(self, ahead: Launched, depth: int) -> bool:
+        """One decode step behind the last of `ahead` (the next round's first, run ahead) and
+        those queued behind it if fewer than `depth` are, launched on the one before's bonus
+        tokens on the device (`Launched.follower`): the next round takes them in turn, as its
+        first step and its own further steps (or, a round of one step, as the step after it).
+        The one before keeps its results in a copy of its own (the steps replay one CUDA graph,
+        whose output each overwrites): a round that takes it but not the steps behind reads
+        them there. Whether more are wanted."""
         last, queued = ahead, 1
         while last.follower is not None:
             last, queued = last.follower, queued + 1
-        while queued < depth:
-            last.packed = last.packed.clone()
-            follower = self._launch_ahead([last], [self._bonus_tokens(last)])
-            if follower is None:
-                return
-            last.follower, last, queued = follower, follower, queued + 1
+        if queued >= depth:
+            return False
+        last.packed = last.packed.clone()
+        follower = self._launch_ahead([last], [self._bonus_tokens(last)])
+        last.follower = follower
+        return follower is not None and queued + 1 < depth
 
     def _drop_followers(self, ahead: Launched) -> None:
         """Drop the steps queued behind `ahead` (its followers), which itself stays: wait for

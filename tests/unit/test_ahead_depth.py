@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from verifier.ahead_depth import MAX_DEPTH, MAX_TRIP_NS, AheadDepth
+from verifier.ahead_depth import HYSTERESIS, MAX_DEPTH, MAX_TRIP_NS, AheadDepth
 
 
 def test_a_fixed_depth_is_kept_whatever_is_measured() -> None:
@@ -75,3 +75,32 @@ def test_auto_logs_each_change_of_depth_once(caplog: pytest.LogCaptureFixture) -
     assert len(messages) == 2
     assert messages[0].startswith("decode-ahead depth 3 at 32 sequences: the trip between rounds")
     assert messages[1].startswith("decode-ahead depth 2 at 32 sequences")
+
+
+def _settle(depth: AheadDepth, trip_ms: float, launch_ms: float, step_ms: float) -> int:
+    """The depth at batch 8 once the running means have reached these values."""
+    for _ in range(60):
+        depth.observe_trip(8, round(trip_ms * 1e6))
+        depth.observe_launch(8, round(launch_ms * 1e6))
+        depth.observe_step(8, round(step_ms * 1e6))
+    return depth.depth(8)
+
+
+def test_auto_covers_the_next_steps_launch_after_the_trip_too() -> None:
+    """A trip shorter than a step still leaves the device idle while the host takes the step
+    run ahead and launches the next (fifty-seventh session: trip 1.25 ms, step 1.3 ms at 32
+    streams, the GPU busy 0.87-0.90 with one step ahead)."""
+    assert _settle(AheadDepth(), trip_ms=0.9, launch_ms=0.0, step_ms=1.0) == 1
+    assert _settle(AheadDepth(), trip_ms=0.9, launch_ms=0.4, step_ms=1.0) == 2
+
+
+def test_auto_keeps_its_depth_while_the_ratio_stays_near_it() -> None:
+    """A ratio (trip + launch) / step near an integer flipped the depth round by round; it
+    changes only once the ratio leaves the depth's range (d - 1, d] by HYSTERESIS."""
+    depth = AheadDepth()
+    near = HYSTERESIS / 2
+    assert _settle(depth, trip_ms=1.0 + near, launch_ms=0.0, step_ms=1.0) == 1
+    assert _settle(depth, trip_ms=1.0 + 2 * HYSTERESIS, launch_ms=0.0, step_ms=1.0) == 2
+    assert _settle(depth, trip_ms=1.0 - near, launch_ms=0.0, step_ms=1.0) == 2
+    assert _settle(depth, trip_ms=1.0 - 2 * HYSTERESIS, launch_ms=0.0, step_ms=1.0) == 1
+    assert _settle(depth, trip_ms=2.5, launch_ms=0.5, step_ms=1.0) == 3

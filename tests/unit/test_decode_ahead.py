@@ -125,7 +125,8 @@ class Driver:
             launched = self.engine.launch(inputs)
             meanwhile()
             outputs = self.engine.finish(launched)
-        self.engine.extend_ahead()  # as the service does once the answer went out
+        while self.engine.extend_ahead():  # as the service does once the answer went out
+            pass
         for out in outputs:
             tokens = self.tokens[out.seq_id]
             del tokens[out.kv_committed_len :]
@@ -218,6 +219,42 @@ def test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens(
     _release(plain, ahead)
 
 
+class _Recorded(AheadDepth):
+    """Auto's depth, each measurement it is given kept."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.trips: list[tuple[int, int]] = []
+        self.launches: list[tuple[int, int]] = []
+
+    def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
+        self.trips.append((batch_size, nanoseconds))
+        super().observe_trip(batch_size, nanoseconds)
+
+    def observe_launch(self, batch_size: int, nanoseconds: int) -> None:
+        self.launches.append((batch_size, nanoseconds))
+        super().observe_launch(batch_size, nanoseconds)
+
+
+def test_auto_depth_measures_the_trip_and_each_further_steps_launch(
+    target_dir: Path, device: str
+) -> None:
+    """At auto the engine measures each trip (a round's request taking the step run ahead) and
+    the host's launch of each further decode step (the step taken, the next launched); the
+    tokens are the plain engine's (on the CPU no step's device time: the depth stays 1)."""
+    plain, ahead = _both(target_dir, device)
+    recorded = ahead.engine.ahead_depth = _Recorded()
+    for driver in (plain, ahead):
+        driver.begin("a", "b")
+        for _ in range(3):
+            driver.round(dict.fromkeys("ab", DraftTree()), steps={"a": 4, "b": 4})
+    _same(plain, ahead)
+    assert [size for size, _ in recorded.trips] == [2, 2, 2]
+    assert [size for size, _ in recorded.launches] == [2] * 3 * 3  # steps 2-4 of each round
+    assert all(ns > 0 for _, ns in recorded.trips + recorded.launches)
+    _release(plain, ahead)
+
+
 def _queued(engine: VerifierEngine) -> int:
     """Decode steps run ahead and not yet taken: the step and those queued behind it."""
     queued, step = 0, engine._ahead
@@ -269,6 +306,8 @@ def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
             # the answer goes out first: with the step run ahead (after the prefill), or the
             # steps that were queued behind the one this round took
             assert _queued(engine) == (1 if begin else 2)
+            await asyncio.sleep(0)  # one a turn of the loop: a request waits for one at most
+            assert _queued(engine) == (2 if begin else 3)
             await asyncio.sleep(0)
             assert _queued(engine) == 3
             committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
