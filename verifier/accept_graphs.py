@@ -46,6 +46,7 @@ from specsplit.kernels.accept import accept_greedy_batched, compact_accepted_kv,
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kernels.accept_walk import accept_walk
 from specsplit.kv_cache import KVCache
+from specsplit.model.graph_buffers import HOST_MIRRORS
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
 
@@ -246,14 +247,14 @@ class _Graph:
         device = kv.device
         self.layout, self.sampling = layout, sampling
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
-        # the inputs' host mirrors, taken in turn: a round fills one and copies it in. Two: a
-        # decode step run ahead is filled while the round before it may not have copied its
-        # own in yet (queued behind that round's forward); each is free again once its copy
-        # has run (`copied`)
+        # the inputs' host mirrors, taken in turn: a round fills one and copies it in, and
+        # each is free again once its copy has run (`copied`), behind every step queued before
+        # it: as many as the forward's (HOST_MIRRORS: decode steps queued ahead)
         self.hosts = [
-            torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory() for _ in range(2)
+            torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory()
+            for _ in range(HOST_MIRRORS)
         ]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.copied = [torch.cuda.Event() for _ in range(HOST_MIRRORS)]
         self.turn = 0  # the mirror the last round filled
         self.argmax = torch.zeros(
             max_rows if sampling is None else 0, dtype=torch.int64, device=device
@@ -265,7 +266,7 @@ class _Graph:
             size = sum(sampling.sizes)
             self.floats = torch.zeros(size, dtype=torch.float64, device=device)
             self.float_hosts = [
-                torch.zeros(size, dtype=torch.float64).pin_memory() for _ in range(2)
+                torch.zeros(size, dtype=torch.float64).pin_memory() for _ in range(HOST_MIRRORS)
             ]
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
@@ -362,8 +363,8 @@ class AcceptGraphs:
         graph = self.graphs.get((layout, sampling))
         if graph is None:
             graph = self.graphs[(layout, sampling)] = self._capture(layout, sampling)
-        graph.turn ^= 1
-        graph.copied[graph.turn].synchronize()  # the round before last's copy: long done
+        graph.turn = (graph.turn + 1) % HOST_MIRRORS
+        graph.copied[graph.turn].synchronize()  # that mirror's last copy has run
         host, parts = layout.host_arrays(graph.hosts[graph.turn].numpy())
         float_parts: list[np.ndarray] = []
         if sampling is not None:

@@ -12,12 +12,22 @@ import torch
 
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 
+# pinned host mirrors a graph's inputs are filled into in turn. A mirror is free again once its
+# copy to the device has run, and that copy is stream-ordered behind every step queued before
+# it: with one mirror a step's launch waited until the device had finished the step before the
+# last, so the host could not queue more than ~one step ahead (--decode-ahead-depth 2-3 did not:
+# at depth 3 a further step's launch took 0.87 ms at 8 streams on an H200 host, ~a step's device
+# time, against 0.42 ms at depth 1-2; fifty-seventh session). The verifier queues a round's step
+# and up to 3 run ahead behind it (MAX_AHEAD_DEPTH), and a hinted round beside them: five mirrors
+# leave every launch free of waiting
+HOST_MIRRORS = 5
+
 
 class GraphBuffers:
     """Fixed inputs and outputs of the graphs of one (q, aux_layers). The inputs are views of
-    one packed device tensor with a pinned host mirror: a step fills the mirror and moves it in
-    one asynchronous copy (a pageable copy would wait for the GPU each time). The outputs are
-    sized from the first (largest) warm-up run."""
+    one packed device tensor with pinned host mirrors (HOST_MIRRORS, taken in turn): a step
+    fills a mirror and moves it in one asynchronous copy (a pageable copy would wait for the GPU
+    each time). The outputs are sized from the first (largest) warm-up run."""
 
     def __init__(
         self,
@@ -37,24 +47,27 @@ class GraphBuffers:
         sizes = [6 * t * 8, (1 + 3 * max_bs + max_bs * max_pages) * 4, max_bs * q * q]
         # each array 256-byte aligned, as an allocation of its own would be (kernels' loads)
         ends = list(itertools.accumulate(-(-size // 256) * 256 for size in sizes))
-        self.host_bytes = torch.zeros(ends[-1], dtype=torch.uint8).pin_memory()
-        self.dev_bytes = self.host_bytes.to(device)
         # (the mask's bytes are copied only where q > 1: the two arrays before it are all of a
         # step's inputs otherwise)
         num_copied = ends[-1] if q > 1 else ends[1]
-        self.host_copied = self.host_bytes[:num_copied]
+        mirrors = [torch.zeros(ends[-1], dtype=torch.uint8) for _ in range(HOST_MIRRORS)]
+        self._mirrors: list[tuple[torch.Tensor, dict[str, Any], torch.cuda.Event]] = []
+        for i, data in enumerate(mirrors):
+            data = mirrors[i] = data.pin_memory()
+            host64, host32, host_mask = self._arrays(data, sizes, ends)
+            host64[5 * t :] = torch.arange(t)
+            host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
+            # views made once: numpy ones of the mirrors (a step fills them at numpy's cost,
+            # ~1 us a slice, not torch's ~5 us)
+            views = {
+                name: None if view is None else view.numpy()
+                for name, view in self._views(host64, host32, host_mask).items()
+            }
+            self._mirrors.append((data[:num_copied], views, torch.cuda.Event()))
+        self._turn = 0  # the mirror the last `fill` wrote
+        self.host_copied, self.host, self.copied = self._mirrors[0]
+        self.dev_bytes = mirrors[0].to(device)
         self.dev_copied = self.dev_bytes[:num_copied]
-        host64, host32, host_mask = self._arrays(self.host_bytes, sizes, ends)
-        host64[5 * t :] = torch.arange(t)
-        host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
-        self.dev_bytes.copy_(self.host_bytes)
-        self.copied = torch.cuda.Event()
-        # views made once: numpy ones of the mirrors (a step fills them at numpy's cost, ~1 us
-        # a slice, not torch's ~5 us), tensor ones of the device inputs
-        self.host: dict[str, Any] = {
-            name: None if view is None else view.numpy()
-            for name, view in self._views(host64, host32, host_mask).items()
-        }
         self.dev: dict[str, Any] = self._views(*self._arrays(self.dev_bytes, sizes, ends))
         self.causal = np.tril(np.ones((q, q), dtype=bool))
         self.features = (
@@ -137,8 +150,11 @@ class GraphBuffers:
         move them to the device (asynchronously, after the last move has finished); features go
         device to device (the padding rows keep what they held). A sequence with fewer than q
         query tokens is padded at its end with rows that read its first new token and write
-        the scratch slot (CudaGraphRunner.plan)."""
-        self.copied.synchronize()  # the mirrors are free again
+        the scratch slot (CudaGraphRunner.plan). Each fill writes the next of the host mirrors
+        (HOST_MIRRORS), waiting only until that one's last copy has run."""
+        self._turn = (self._turn + 1) % len(self._mirrors)
+        self.host_copied, self.host, self.copied = self._mirrors[self._turn]
+        self.copied.synchronize()  # this mirror is free again
         v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
         cu = batch.cu_seqlens_q.numpy()

@@ -11,7 +11,9 @@ from unittest import mock
 import pytest
 import torch
 
-from specsplit.model.graph_buffers import GraphBuffers
+from specsplit.kv_cache import SeqKV
+from specsplit.model.graph_buffers import HOST_MIRRORS, GraphBuffers
+from specsplit.step import decode_batch
 
 MAX_BS, Q, MAX_PAGES = 4, 3, 5
 
@@ -21,8 +23,37 @@ def buffers() -> Iterator[GraphBuffers]:
     with (
         mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
         mock.patch.object(torch.cuda, "Event", mock.Mock),
+        mock.patch.object(torch.cuda, "current_stream", mock.Mock()),  # (fill records on it)
     ):
         yield GraphBuffers(MAX_BS, Q, MAX_PAGES, None, torch.device("cpu"))
+
+
+def test_fills_take_the_host_mirrors_in_turn_and_wait_for_that_ones_copy_only() -> None:
+    """A launch fills the next pinned mirror and waits only until that mirror's last copy has
+    run: up to HOST_MIRRORS steps' inputs may sit in the device's queue at once (decode steps
+    queued ahead), where one mirror made each launch wait for the step before it."""
+    with (
+        mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
+        mock.patch.object(torch.cuda, "Event", mock.Mock),
+        mock.patch.object(torch.cuda, "current_stream", mock.Mock()),
+    ):
+        buffers = GraphBuffers(MAX_BS, 1, MAX_PAGES, None, torch.device("cpu"))
+        seqs = [SeqKV(4, [2, 3], 5), SeqKV(4, [1], 2)]
+        filled = []
+        for step in range(HOST_MIRRORS + 1):
+            batch, _ = decode_batch(seqs, [10 + step, 20 + step], page_size=4)
+            buffers.fill(batch, 2, scratch_page=0, scratch_slot=0)
+            filled.append((buffers.host_copied, buffers.copied))
+            assert buffers.host["input_ids"][:2].tolist() == [10 + step, 20 + step]
+            buffers.copied.record.assert_called_once()  # once its copy is queued
+            assert buffers.copied.synchronize.call_count == 1 + (step >= HOST_MIRRORS)
+            # what the graph reads: this step's inputs, moved from its own mirror
+            assert buffers.dev["input_ids"][:2].tolist() == [10 + step, 20 + step]
+            buffers.copied.record.reset_mock()
+        mirrors = [host.data_ptr() for host, _ in filled]
+        assert len(set(mirrors[:HOST_MIRRORS])) == HOST_MIRRORS
+        assert mirrors[HOST_MIRRORS] == mirrors[0] and filled[HOST_MIRRORS][1] is filled[0][1]
+        assert buffers.dev["kv_lens"][:2].tolist() == [6, 3]  # (committed + 1)
 
 
 def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: GraphBuffers) -> None:
