@@ -1,5 +1,5 @@
 """The verifier's host work for a round launched on the gateway's hint, in process: chained on
-the device behind the round in flight as the hint comes (`chain`: `RunAhead._chain`, the
+the device behind the round in flight as the hint comes (`chain`: `HintedRounds._chain`, the
 service's gap phase "chain"), or launched when the hint comes after the round finished
 (`after`: `_launch_next`, the phase "launch"), against the same round launched on its request
 (`plain`: `VerifierEngine.launch`). What the services' critical path at batch 1 waits on when a

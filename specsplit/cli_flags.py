@@ -131,7 +131,7 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # 17-64 sequences (--decode-steps 1, serve-gateway's default) were not measured again at it
 DECODE_AHEAD_MAX_BATCH = 64
 MAX_AHEAD_DEPTH = 3  # --decode-ahead-depth (verifier/ahead_depth.py)
-# --chain-max-batch (verifier/run_ahead.py `hint_next`): through the services on two H100s (8B
+# --chain-max-batch (verifier/hinted_rounds.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
 # 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
 # in the round and the chaining's host work holds its answer back; 2-4 not measured yet

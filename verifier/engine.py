@@ -2,8 +2,9 @@
 
 State per sequence is its SeqKV (page table + kv_committed_len) and its sampling generator.
 A round is validated as a whole before anything changes, so a refused request leaves every
-sequence as it was. The rounds it runs before they are asked for (a decode step, a round on the
-gateway's hint, one chained behind the round in flight) are `RunAhead`'s (verifier/run_ahead.py).
+sequence as it was. The rounds it runs before they are asked for are its mixins': decode steps
+`RunAhead`'s (verifier/run_ahead.py), rounds on the gateway's hints (launched after the answer,
+or chained behind the round in flight) `HintedRounds`' (verifier/hinted_rounds.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from verifier.chain import (
     resolve,
 )
 from verifier.chain_gate import ChainGate
+from verifier.hinted_rounds import HintedRounds
 from verifier.hints import HintBook
 from verifier.round_accept import (
     accepted_hidden,
@@ -55,7 +57,6 @@ from verifier.rounds import (
     decode_step,
     validate_round,
 )
-from verifier.run_ahead import RunAhead
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 GAP_PHASES = ("finish", "answer", "hint", "launch", "chain")
 
 
-class VerifierEngine(RunAhead):
+class VerifierEngine(HintedRounds):
     def __init__(
         self,
         model: LlamaModel,
