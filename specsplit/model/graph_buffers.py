@@ -18,8 +18,8 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput
 # last, so the host could not queue more than ~one step ahead (--decode-ahead-depth 2-3 did not:
 # at depth 3 a further step's launch took 0.87 ms at 8 streams on an H200 host, ~a step's device
 # time, against 0.42 ms at depth 1-2; fifty-seventh session). The verifier queues a round's step
-# and up to 3 run ahead behind it (MAX_AHEAD_DEPTH), and a hinted round beside them: five mirrors
-# leave every launch free of waiting
+# and up to 3 run ahead behind it (MAX_AHEAD_DEPTH), and a hinted round beside them: up to five
+# mirrors leave every launch free of waiting
 HOST_MIRRORS = 5
 
 
@@ -50,23 +50,14 @@ class GraphBuffers:
         # (the mask's bytes are copied only where q > 1: the two arrays before it are all of a
         # step's inputs otherwise)
         num_copied = ends[-1] if q > 1 else ends[1]
-        mirrors = [torch.zeros(ends[-1], dtype=torch.uint8) for _ in range(HOST_MIRRORS)]
+        self._layout = (sizes, ends, num_copied)
+        # the host mirrors, made as launches find the next one still waiting for its copy (one
+        # where nothing is queued ahead: a long context's page tables make each several MB)
         self._mirrors: list[tuple[torch.Tensor, dict[str, Any], torch.cuda.Event]] = []
-        for i, data in enumerate(mirrors):
-            data = mirrors[i] = data.pin_memory()
-            host64, host32, host_mask = self._arrays(data, sizes, ends)
-            host64[5 * t :] = torch.arange(t)
-            host32[: max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
-            # views made once: numpy ones of the mirrors (a step fills them at numpy's cost,
-            # ~1 us a slice, not torch's ~5 us)
-            views = {
-                name: None if view is None else view.numpy()
-                for name, view in self._views(host64, host32, host_mask).items()
-            }
-            self._mirrors.append((data[:num_copied], views, torch.cuda.Event()))
         self._turn = 0  # the mirror the last `fill` wrote
-        self.host_copied, self.host, self.copied = self._mirrors[0]
-        self.dev_bytes = mirrors[0].to(device)
+        self.host_copied, self.host, self.copied = self._new_mirror()
+        self.dev_bytes = torch.zeros(ends[-1], dtype=torch.uint8, device=device)
+        self.dev_bytes[:num_copied].copy_(self.host_copied)
         self.dev_copied = self.dev_bytes[:num_copied]
         self.dev: dict[str, Any] = self._views(*self._arrays(self.dev_bytes, sizes, ends))
         self.causal = np.tril(np.ones((q, q), dtype=bool))
@@ -77,6 +68,25 @@ class GraphBuffers:
         )
         self.logits: torch.Tensor | None = None  # [max_bs * q, vocab] float32
         self.hidden_states: torch.Tensor | None = None  # [max_bs * q, width] when there are any
+
+    def _new_mirror(self) -> tuple[torch.Tensor, dict[str, Any], torch.cuda.Event]:
+        """Another pinned host mirror (its bytes to copy, its numpy views, its copy's event),
+        its constant arrays filled: every row (an arange) and the full buckets' cu_seqlens_q."""
+        sizes, ends, num_copied = self._layout
+        t, q = self.max_bs * self.q, self.q
+        data = torch.zeros(ends[-1], dtype=torch.uint8).pin_memory()
+        host64, host32, host_mask = self._arrays(data, sizes, ends)
+        host64[5 * t :] = torch.arange(t)
+        host32[: self.max_bs + 1] = torch.arange(0, t + 1, q, dtype=torch.int32)
+        # views made once: numpy ones of the mirrors (a step fills them at numpy's cost, ~1 us
+        # a slice, not torch's ~5 us)
+        views = {
+            name: None if view is None else view.numpy()
+            for name, view in self._views(host64, host32, host_mask).items()
+        }
+        mirror = (data[:num_copied], views, torch.cuda.Event())
+        self._mirrors.append(mirror)
+        return mirror
 
     def keep(self, out: ForwardOutput) -> None:
         """Copy a run's outputs (all rows) into the fixed output buffers, made on the first."""
@@ -151,8 +161,12 @@ class GraphBuffers:
         device to device (the padding rows keep what they held). A sequence with fewer than q
         query tokens is padded at its end with rows that read its first new token and write
         the scratch slot (CudaGraphRunner.plan). Each fill writes the next of the host mirrors
-        (HOST_MIRRORS), waiting only until that one's last copy has run."""
+        (HOST_MIRRORS, made while the next one's copy has not run), waiting only until that
+        one's last copy has run."""
         self._turn = (self._turn + 1) % len(self._mirrors)
+        if len(self._mirrors) < HOST_MIRRORS and not self._mirrors[self._turn][2].query():
+            self._turn = len(self._mirrors)  # steps queued ahead: one more mirror
+            self._new_mirror()
         self.host_copied, self.host, self.copied = self._mirrors[self._turn]
         self.copied.synchronize()  # this mirror is free again
         v, q, bs = self.host, self.q, batch.num_seqs

@@ -28,32 +28,51 @@ def buffers() -> Iterator[GraphBuffers]:
         yield GraphBuffers(MAX_BS, Q, MAX_PAGES, None, torch.device("cpu"))
 
 
-def test_fills_take_the_host_mirrors_in_turn_and_wait_for_that_ones_copy_only() -> None:
-    """A launch fills the next pinned mirror and waits only until that mirror's last copy has
-    run: up to HOST_MIRRORS steps' inputs may sit in the device's queue at once (decode steps
-    queued ahead), where one mirror made each launch wait for the step before it."""
+def _filled(copies_done: bool, steps: int) -> list[tuple[torch.Tensor, mock.Mock]]:
+    """`steps` decode steps' fills of one GraphBuffers (q = 1), each step's mirror (its copied
+    bytes) and its copy's event; copies_done: whether each event reports its copy as run."""
+
+    def event() -> mock.Mock:
+        return mock.Mock(**{"query.return_value": copies_done})
+
     with (
         mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
-        mock.patch.object(torch.cuda, "Event", mock.Mock),
+        mock.patch.object(torch.cuda, "Event", event),
         mock.patch.object(torch.cuda, "current_stream", mock.Mock()),
     ):
         buffers = GraphBuffers(MAX_BS, 1, MAX_PAGES, None, torch.device("cpu"))
         seqs = [SeqKV(4, [2, 3], 5), SeqKV(4, [1], 2)]
         filled = []
-        for step in range(HOST_MIRRORS + 1):
+        for step in range(steps):
             batch, _ = decode_batch(seqs, [10 + step, 20 + step], page_size=4)
             buffers.fill(batch, 2, scratch_page=0, scratch_slot=0)
-            filled.append((buffers.host_copied, buffers.copied))
             assert buffers.host["input_ids"][:2].tolist() == [10 + step, 20 + step]
-            buffers.copied.record.assert_called_once()  # once its copy is queued
-            assert buffers.copied.synchronize.call_count == 1 + (step >= HOST_MIRRORS)
-            # what the graph reads: this step's inputs, moved from its own mirror
+            assert buffers.host["all_rows"][:3].tolist() == [0, 1, 2]  # (each mirror's)
+            # what the graph reads: this step's inputs, moved from its mirror
             assert buffers.dev["input_ids"][:2].tolist() == [10 + step, 20 + step]
-            buffers.copied.record.reset_mock()
-        mirrors = [host.data_ptr() for host, _ in filled]
-        assert len(set(mirrors[:HOST_MIRRORS])) == HOST_MIRRORS
-        assert mirrors[HOST_MIRRORS] == mirrors[0] and filled[HOST_MIRRORS][1] is filled[0][1]
-        assert buffers.dev["kv_lens"][:2].tolist() == [6, 3]  # (committed + 1)
+            assert buffers.dev["kv_lens"][:2].tolist() == [6, 3]  # (committed + 1)
+            filled.append((buffers.host_copied, buffers.copied))
+    return filled
+
+
+def test_launches_queued_ahead_take_more_mirrors_and_wait_for_their_own_copy_only() -> None:
+    """While the next mirror's copy has not run (steps queued ahead on the device) a launch
+    takes a new one, up to HOST_MIRRORS, then the oldest again once its copy has run: one
+    mirror made each launch wait for the device to reach the step before it."""
+    filled = _filled(copies_done=False, steps=HOST_MIRRORS + 2)
+    mirrors = [host.data_ptr() for host, _ in filled]
+    assert len(set(mirrors)) == HOST_MIRRORS
+    assert mirrors[HOST_MIRRORS:] == mirrors[:2]  # then in turn
+    for host_event in filled[HOST_MIRRORS:]:
+        assert host_event[1].synchronize.call_count == 2  # its first use's and this one's
+    assert all(event.record.call_count >= 1 for _, event in filled)  # each after its copy
+
+
+def test_launches_with_nothing_queued_ahead_keep_one_mirror() -> None:
+    """Every copy has run by the next launch (nothing queued ahead): one mirror, as many MB as
+    a long context's page tables take, is all that is made."""
+    filled = _filled(copies_done=True, steps=4)
+    assert len({host.data_ptr() for host, _ in filled}) == 1
 
 
 def test_the_arrays_share_one_buffer_and_cross_in_one_copy(buffers: GraphBuffers) -> None:
