@@ -115,9 +115,9 @@ PHASE_TARGETS = (
     ("verifier.accept_graphs:AcceptGraphs", "run", "accept run"),
     ("verifier.engine", "accepted_hidden", "accepted_hidden"),
     ("verifier.engine", "to_host", "to_host"),
-    ("verifier.run_ahead", "chain_inputs", "chain_inputs"),
-    ("verifier.run_ahead", "joined_results", "joined_results"),
-    ("verifier.run_ahead", "page_tables", "page_tables"),
+    ("verifier.hinted_rounds", "chain_inputs", "chain_inputs"),
+    ("verifier.hinted_rounds", "joined_results", "joined_results"),
+    ("verifier.hinted_rounds", "page_tables", "page_tables"),
     ("verifier.engine:VerifierEngine", "_launch", "_launch"),
 )
 
