@@ -249,28 +249,33 @@ class _Graph:
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
         # the inputs' host mirrors, taken in turn: a round fills one and copies it in, and
         # each is free again once its copy has run (`copied`), behind every step queued before
-        # it: as many as the forward's (HOST_MIRRORS: decode steps queued ahead)
-        self.hosts = [
-            torch.zeros(sum(layout.sizes), dtype=torch.int64).pin_memory()
-            for _ in range(HOST_MIRRORS)
-        ]
-        self.copied = [torch.cuda.Event() for _ in range(HOST_MIRRORS)]
+        # it. Two, and more (up to the forward's HOST_MIRRORS) as rounds find the next one's
+        # copy still queued (decode steps queued ahead: `add_mirror`)
+        self.hosts: list[torch.Tensor] = []
+        self.float_hosts: list[torch.Tensor] = []
+        self.copied: list[torch.cuda.Event] = []
         self.turn = 0  # the mirror the last round filled
         self.argmax = torch.zeros(
             max_rows if sampling is None else 0, dtype=torch.int64, device=device
         )
         self.floats = torch.zeros(0, dtype=torch.float64, device=device)
-        self.float_hosts: list[torch.Tensor] = []
         self.logits = logits
         if sampling is not None:
             size = sum(sampling.sizes)
             self.floats = torch.zeros(size, dtype=torch.float64, device=device)
-            self.float_hosts = [
-                torch.zeros(size, dtype=torch.float64).pin_memory() for _ in range(HOST_MIRRORS)
-            ]
+        for _ in range(2):
+            self.add_mirror()
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
         self.kv = kv
+
+    def add_mirror(self) -> None:
+        """One more set of pinned host mirrors (the layout's, the sampling's) and its event."""
+        self.hosts.append(torch.zeros(sum(self.layout.sizes), dtype=torch.int64).pin_memory())
+        if self.sampling is not None:
+            size = sum(self.sampling.sizes)
+            self.float_hosts.append(torch.zeros(size, dtype=torch.float64).pin_memory())
+        self.copied.append(torch.cuda.Event())
 
     def body(self) -> torch.Tensor:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
@@ -363,7 +368,10 @@ class AcceptGraphs:
         graph = self.graphs.get((layout, sampling))
         if graph is None:
             graph = self.graphs[(layout, sampling)] = self._capture(layout, sampling)
-        graph.turn = (graph.turn + 1) % HOST_MIRRORS
+        graph.turn = (graph.turn + 1) % len(graph.hosts)
+        if len(graph.hosts) < HOST_MIRRORS and not graph.copied[graph.turn].query():
+            graph.turn = len(graph.hosts)  # rounds queued ahead: one more mirror
+            graph.add_mirror()
         graph.copied[graph.turn].synchronize()  # that mirror's last copy has run
         host, parts = layout.host_arrays(graph.hosts[graph.turn].numpy())
         float_parts: list[np.ndarray] = []

@@ -4,17 +4,21 @@ host array's parts."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 
 from specsplit.kernels.accept import accepted_kv_moves
 from specsplit.kv_cache import KVCache
+from specsplit.model.graph_buffers import HOST_MIRRORS
 from specsplit.tree import DRAFT_SUPPORT
 from verifier.accept_graphs import (
     AcceptGraphs,
     Layout,
     Sampling,
+    _Graph,
     eager_layout,
     eager_sampling,
     page_window,
@@ -141,3 +145,45 @@ def test_an_eager_rounds_layout_is_made_once_per_shape() -> None:
     assert eager_layout(2, 4, 2) is not eager_layout(3, 4, 2)
     assert eager_sampling(2, 4, 8, False) is eager_sampling(2, 4, 8, False)
     assert eager_sampling(2, 4, 8, False) == Sampling(2, 4, 8, False)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rounds_queued_ahead_take_more_host_mirrors_up_to_the_forwards(
+    graphs: AcceptGraphs, sampled: bool
+) -> None:
+    """A graph's inputs have two pinned host mirrors, taken in turn; a round that finds the
+    next one's copy still queued on the device (decode steps queued ahead) makes one more, up
+    to HOST_MIRRORS, then takes the oldest once its copy has run. (Pinning, events and the
+    graph object need a GPU: stand-ins here; the mirrors' bookkeeping is the same.)"""
+    layout = graphs.layout(2, 0)
+    sampling = Sampling(layout.bucket, layout.width, 0, False) if sampled else None
+    busy = {"copies_done": False}
+
+    def event() -> mock.Mock:  # as CUDA's: done until recorded, then as the copies are
+        made = mock.Mock()
+        made.query.side_effect = lambda: not made.record.called or busy["copies_done"]
+        return made
+
+    with (
+        mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
+        mock.patch.object(torch.cuda, "Event", event),
+        mock.patch.object(torch.cuda, "CUDAGraph", mock.Mock),
+    ):
+        graph = _Graph(layout, graphs.max_rows, graphs.kv, sampling, torch.zeros(40, 8))
+        graphs.graphs[(layout, sampling)] = graph
+        assert len(graph.hosts) == 2 and len(graph.float_hosts) == (2 if sampled else 0)
+        turns = []
+        for _ in range(HOST_MIRRORS + 2):
+            host, _, floats = graphs.host_arrays(layout, sampling)
+            graph.copied[graph.turn].record()  # as `run` does once its copy is queued
+            turns.append(graph.turn)
+            assert np.shares_memory(host, graph.hosts[graph.turn].numpy())
+            assert bool(floats) == sampled
+        # the two made first, then one more each time the next is still queued, then in turn
+        assert turns == [1, 0, *range(2, HOST_MIRRORS), 0, 1]
+        assert len(graph.hosts) == len(graph.copied) == HOST_MIRRORS
+        assert len(graph.float_hosts) == (HOST_MIRRORS if sampled else 0)
+        busy["copies_done"] = True  # nothing queued: the mirrors in turn, none made
+        for _ in range(3):
+            graphs.host_arrays(layout, sampling)
+        assert len(graph.hosts) == HOST_MIRRORS

@@ -32,8 +32,10 @@ def _filled(copies_done: bool, steps: int) -> list[tuple[torch.Tensor, mock.Mock
     """`steps` decode steps' fills of one GraphBuffers (q = 1), each step's mirror (its copied
     bytes) and its copy's event; copies_done: whether each event reports its copy as run."""
 
-    def event() -> mock.Mock:
-        return mock.Mock(**{"query.return_value": copies_done})
+    def event() -> mock.Mock:  # as CUDA's: done until recorded, then as the copies are
+        made = mock.Mock()
+        made.query.side_effect = lambda: not made.record.called or copies_done
+        return made
 
     with (
         mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
