@@ -7,7 +7,8 @@ queued ahead last until the host has launched the next new step: the trip (the r
 to the next request's launch on the host) plus the host's time to launch a step once the request
 is in (take the step run ahead, launch the one after it: ~0.4 ms at 8 streams, ~0.6-0.8 ms at
 32 on an H200 host, random SmolLM2). So the steps after it are launched too, each behind the one
-before (`Launched.follower`, one a turn of the service's loop): depth = ceil((trip + launch) /
+before (`Launched.follower`; while the host waits for the device, `RunAhead.top_up`, else one a
+turn of the service's loop once the answer went out): depth = ceil((trip + launch) /
 step), all three measured per batch size, at most MAX_DEPTH, changed only once the ratio leaves
 the current depth's range by HYSTERESIS (a ratio near an integer flipped it round by round).
 

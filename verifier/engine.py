@@ -436,6 +436,7 @@ class VerifierEngine(HintedRounds):
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
                 break
+            self.top_up(step_round)  # (on a GPU, while the device runs the step)
             stepped = self._finish_round(step_round, further=True)
             device_ns += step_round.device_ns
             for i, out in zip(more, stepped, strict=True):

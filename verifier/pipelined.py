@@ -47,6 +47,8 @@ class PipelinedRounds:
         start = time.perf_counter_ns()
         launched: VerifyRound = await self._call(engine.launch, inputs)
         try:
+            if engine.decode_ahead and engine.ahead_depth.fixed != 1:  # the steps behind the
+                await self._call(engine.top_up, launched)  # one run ahead, as the GPU works
             await self._wait(launched)
         finally:  # cancelled while it waited: still committed, as one call would have been
             try:

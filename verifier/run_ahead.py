@@ -112,6 +112,23 @@ class RunAhead:
         with torch.inference_mode(), on_device(self.device):
             return self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
 
+    def top_up(self, launched: VerifyRound) -> None:
+        """While the device still runs `launched` (its results not yet copied: the host would
+        only wait for them), queue decode steps behind the one launched ahead of it
+        (`launched.ahead`) until `ahead_depth` are: the host's idle time, not the trip after
+        the answer, pays for their launches, and a request never waits behind them. Called by
+        the service before it waits for a round's first step and by `_decode_further` before
+        each further step's wait; the steps still missing once the answer went out follow then
+        (`extend_ahead`). Nothing at depth 1 (the default), nor off a GPU (a round there is
+        done when launched)."""
+        ahead = launched.ahead
+        if ahead is None or ahead.hinted or self.ahead_depth.fixed == 1:
+            return
+        depth = self.ahead_depth.depth(len(ahead.inputs))
+        with torch.inference_mode(), on_device(self.device):
+            while not launched.ready() and self._extend_ahead(ahead, depth):
+                pass
+
     def _extend_ahead(self, ahead: Launched, depth: int) -> bool:
         """One decode step behind the last of `ahead` (the next round's first, run ahead) and
         those queued behind it if fewer than `depth` are, launched on the one before's bonus

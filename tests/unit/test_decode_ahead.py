@@ -31,6 +31,7 @@ from tests.support import (
 from verifier.ahead_depth import MAX_DEPTH, AheadDepth
 from verifier.engine import VerifierEngine
 from verifier.pipelined import PipelinedRounds
+from verifier.rounds import VerifyRound
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
 
@@ -283,6 +284,75 @@ def test_the_steps_behind_a_rounds_last_step_are_queued_and_taken_in_turn(
     assert ahead.engine.num_ahead_dropped == 0
     _release(plain, ahead)
     assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
+
+
+def test_steps_are_queued_behind_while_the_device_still_runs_each_step(
+    target_dir: Path, device: str, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the device runs a step (here: every round reports itself unfinished, as a GPU's
+    does until its results are copied) the host queues the steps behind the one run ahead up
+    to `depth` (`top_up`, before each further step's wait): inside a round of several steps
+    and across its end, the queue stays `depth` deep, every step is taken and the tokens are
+    the plain engine's, sampled ones included (their draws in the same order)."""
+    monkeypatch.setattr(VerifyRound, "ready", lambda self: False)
+    plain, ahead = _both(target_dir, device, depth)
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    queued_at_answer = []  # before the steps the service queues once the answer went out
+    extend = ahead.engine.extend_ahead
+
+    def extend_after_answer() -> bool:
+        queued_at_answer.append(_queued(ahead.engine))
+        return extend()
+
+    monkeypatch.setattr(ahead.engine, "extend_ahead", extend_after_answer)
+    for driver in (plain, ahead):
+        driver.round(dict.fromkeys("ab", DraftTree()), begin=True, sampling=sampling)
+        for steps in (4, 1, 3, 5):
+            trees = dict.fromkeys("ab", DraftTree())
+            driver.round(trees, sampling=sampling, steps={"a": steps, "b": steps})
+            if driver is ahead:
+                assert _queued(ahead.engine) == depth
+                # a round of several steps queued them all while the device ran its steps
+                assert steps == 1 or queued_at_answer[-1] == depth
+    _same(plain, ahead)
+    assert ahead.engine.num_ahead_used == 4 + 1 + 3 + 5
+    assert ahead.engine.num_ahead_dropped == 0
+    _release(plain, ahead)
+    assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
+
+
+def test_the_service_queues_the_steps_behind_while_the_device_runs_the_round(
+    target_dir: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `PipelinedRounds`: a round the device has not finished (here: its first two
+    looks at it) has the steps behind the one run ahead queued before the service waits for
+    it, so the answer goes out with all `depth` queued and nothing is left for after it."""
+    engine = _engine(target_dir, True, device, depth=3)
+    looks: dict[int, int] = {}
+
+    def ready(launched: VerifyRound) -> bool:  # unfinished at the first two looks
+        looks[id(launched)] = looks.get(id(launched), 0) + 1
+        return looks[id(launched)] > 2
+
+    monkeypatch.setattr(VerifyRound, "ready", ready)
+
+    async def call(fn: Callable[..., object], *args: object) -> object:
+        return fn(*args)
+
+    async def rounds() -> None:
+        pipelined = PipelinedRounds(engine, call)
+        committed, pending = 0, list(PROMPTS["a"])
+        for begin in (True, False, False):
+            outputs, _, _ = await pipelined.verify(
+                [VerifyInput("a", begin, committed, pending, DraftTree())]
+            )
+            assert _queued(engine) == 3  # as the answer goes out
+            committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
+
+    asyncio.run(rounds())
+    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (2, 0)
+    engine.release(["a"])
+    assert engine.num_ahead_dropped == 3 and engine.num_pages_used == 0
 
 
 def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
