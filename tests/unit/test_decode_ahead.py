@@ -8,7 +8,7 @@ engine without it, and no page stays held."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -321,6 +321,32 @@ def test_steps_are_queued_behind_while_the_device_still_runs_each_step(
     assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
 
 
+def _three_served_rounds(
+    engine: VerifierEngine, answered: Callable[[bool], Awaitable[None]]
+) -> None:
+    """Sequence "a"'s prefill and two decode rounds through `PipelinedRounds` (the service on
+    a GPU: engine calls on the loop), `answered(begin)` awaited as each answer is out; then
+    every step was taken and the release drops the 3 queued."""
+
+    async def call(fn: Callable[..., object], *args: object) -> object:
+        return fn(*args)
+
+    async def rounds() -> None:
+        pipelined = PipelinedRounds(engine, call)
+        committed, pending = 0, list(PROMPTS["a"])
+        for begin in (True, False, False):
+            outputs, _, _ = await pipelined.verify(
+                [VerifyInput("a", begin, committed, pending, DraftTree())]
+            )
+            await answered(begin)
+            committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
+
+    asyncio.run(rounds())
+    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (2, 0)
+    engine.release(["a"])
+    assert engine.num_ahead_dropped == 3 and engine.num_pages_used == 0
+
+
 def test_the_service_queues_the_steps_behind_while_the_device_runs_the_round(
     target_dir: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -336,23 +362,10 @@ def test_the_service_queues_the_steps_behind_while_the_device_runs_the_round(
 
     monkeypatch.setattr(VerifyRound, "ready", ready)
 
-    async def call(fn: Callable[..., object], *args: object) -> object:
-        return fn(*args)
+    async def answered(begin: bool) -> None:
+        assert _queued(engine) == 3
 
-    async def rounds() -> None:
-        pipelined = PipelinedRounds(engine, call)
-        committed, pending = 0, list(PROMPTS["a"])
-        for begin in (True, False, False):
-            outputs, _, _ = await pipelined.verify(
-                [VerifyInput("a", begin, committed, pending, DraftTree())]
-            )
-            assert _queued(engine) == 3  # as the answer goes out
-            committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
-
-    asyncio.run(rounds())
-    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (2, 0)
-    engine.release(["a"])
-    assert engine.num_ahead_dropped == 3 and engine.num_pages_used == 0
+    _three_served_rounds(engine, answered)
 
 
 def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
@@ -363,29 +376,16 @@ def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
     not hold the answer back."""
     engine = _engine(target_dir, True, device, depth=3)
 
-    async def call(fn: Callable[..., object], *args: object) -> object:
-        return fn(*args)
+    async def answered(begin: bool) -> None:
+        # the answer goes out first: with the step run ahead (after the prefill), or the
+        # steps that were queued behind the one this round took
+        assert _queued(engine) == (1 if begin else 2)
+        await asyncio.sleep(0)  # one a turn of the loop: a request waits for one at most
+        assert _queued(engine) == (2 if begin else 3)
+        await asyncio.sleep(0)
+        assert _queued(engine) == 3
 
-    async def rounds() -> None:
-        pipelined = PipelinedRounds(engine, call)
-        committed, pending = 0, list(PROMPTS["a"])
-        for begin in (True, False, False):
-            outputs, _, _ = await pipelined.verify(
-                [VerifyInput("a", begin, committed, pending, DraftTree())]
-            )
-            # the answer goes out first: with the step run ahead (after the prefill), or the
-            # steps that were queued behind the one this round took
-            assert _queued(engine) == (1 if begin else 2)
-            await asyncio.sleep(0)  # one a turn of the loop: a request waits for one at most
-            assert _queued(engine) == (2 if begin else 3)
-            await asyncio.sleep(0)
-            assert _queued(engine) == 3
-            committed, pending = outputs[0].kv_committed_len, [outputs[0].bonus_token]
-
-    asyncio.run(rounds())
-    assert (engine.num_ahead_used, engine.num_ahead_dropped) == (2, 0)
-    engine.release(["a"])
-    assert engine.num_ahead_dropped == 3 and engine.num_pages_used == 0
+    _three_served_rounds(engine, answered)
 
 
 @pytest.mark.parametrize("drafted", [("a",), ("a", "b")])
