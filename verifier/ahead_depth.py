@@ -3,14 +3,16 @@
 After a round of decode steps the verifier launches the same sequences' next step before the
 gateway asks for it (`RunAhead._launch_ahead`): the GPU computes it while the answer travels,
 the gateway commits and streams, and the next request comes back. The GPU idles unless the steps
-queued ahead last until the host has launched the next new step: the trip (the round's finish
-to the next request's launch on the host) plus the host's time to launch a step once the request
-is in (take the step run ahead, launch the one after it: ~0.4 ms at 8 streams, ~0.6-0.8 ms at
-32 on an H200 host, random SmolLM2). So the steps after it are launched too, each behind the one
-before (`Launched.follower`; while the host waits for the device, `RunAhead.top_up`, else one a
-turn of the service's loop once the answer went out): depth = ceil((trip + launch) /
-step), all three measured per batch size, at most MAX_DEPTH, changed only once the ratio leaves
-the current depth's range by HYSTERESIS (a ratio near an integer flipped it round by round).
+queued ahead last until the host has launched the next new step: the trip (from the round's
+results read, its last step done on the device, to the next request's launch on the host: the
+commit, the answer, the gateway's work, the request) plus the host's time to launch a step once
+the request is in (take the step run ahead, launch the one after it: ~0.4 ms at 8 streams,
+~0.6-0.8 ms at 32 on an H200 host, random SmolLM2). So the steps after it are launched too, each
+behind the one before (`Launched.follower`; while the host waits for the device,
+`RunAhead.top_up`, else one a turn of the service's loop once the answer went out): depth =
+ceil((trip + launch) / step), all three measured per batch size, at most MAX_DEPTH, changed only
+once the ratio leaves the current depth's range by HYSTERESIS (a ratio near an integer flipped it
+round by round).
 
 The trip is measured whole, with any launch it waited for: less those launches it came out
 shorter at depth 2 than at 1, and the depth flipped. Measured whole it grows with the depth (a
@@ -19,7 +21,11 @@ batch size. There, at 32 streams, the round's time outside the GPU fell to <= 0.
 3 of 6 `up`s (depth 1: 1-5 ms), at the same tokens a second (bench/RESULTS.md, fifty-seventh
 session). A step the next round does not take (a sequence joined, left or stopped) is dropped
 and gives its room and draws back, as one step always could; it cost the device its time and a
-wait, which is why the default stays 1.
+wait, which is why the default stays 1. Newer than those runs, and not yet on a GPU: the steps
+queued while the host waits (fewer left to launch after the answer, for a request to wait
+behind), the trip measured from the results' read (not the finish's end), and the inputs' host
+mirrors that no longer make a queued step's launch wait for the device
+(specsplit/model/graph_buffers.py).
 """
 
 from __future__ import annotations

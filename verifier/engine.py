@@ -165,6 +165,7 @@ class VerifierEngine(HintedRounds):
         self.on_step_idle: Callable[[float], None] | None = None
         self._last_end: tuple[torch.cuda.Event, set[str]] | None = None  # (its end, its ids)
         self._finished_ns = 0  # when the last finish returned
+        self._results_ns = 0  # when it read its results (its last step's): the device was done
         # storage each sequence of a round in flight keeps past its commit: the room of the
         # hinted round chained behind it (`_chain`), until that round is taken or dropped
         self._held: dict[str, int] = {}
@@ -348,7 +349,7 @@ class VerifierEngine(HintedRounds):
             self._report_wait(0)
         else:
             self._waiting = (ready, {item.seq_id for item in launched.inputs})
-        self._finished_ns = time.perf_counter_ns()
+        self._finished_ns, self._results_ns = time.perf_counter_ns(), ready
         return outputs
 
     def _report_gap(self, phase: str, nanoseconds: int) -> None:
@@ -463,10 +464,11 @@ class VerifierEngine(HintedRounds):
         follower = None
         if taken is not None:
             follower, taken.follower = taken.follower, None
-            # the gateway's next round of the same batch: the trip since the last finish (with
-            # at most one step's launch behind the one run ahead that it waited for)
+            # the gateway's next round of the same batch: the trip since the last round's
+            # results were read (the device then ran the step taken: the commit, the answer,
+            # the gateway's work and this request; with any launch behind it that it waited for)
             if self.ahead_depth.auto and not validated and not others:
-                trip_ns = time.perf_counter_ns() - self._finished_ns
+                trip_ns = time.perf_counter_ns() - self._results_ns
                 self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
