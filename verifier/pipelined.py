@@ -11,6 +11,7 @@ Release and Truncate wait until no round in flight holds their sequences (`settl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from specsplit.messages import VerifyInput, VerifyOutput
 from verifier.engine import VerifierEngine
 from verifier.rounds import VerifyRound
+
+log = logging.getLogger(__name__)
 
 # runs fn(*args) where the engine's calls run (its thread, or the event loop's)
 EngineCall = Callable[..., Awaitable[Any]]
@@ -37,6 +40,7 @@ class PipelinedRounds:
         self._call = call
         self._wait = wait or _poll
         self._changed = asyncio.Condition()  # a round finished
+        self._after: set[asyncio.Task[None]] = set()  # `_answered` tasks running
 
     async def verify(self, inputs: list[VerifyInput]) -> tuple[list[VerifyOutput], int, int]:
         """The round's outputs, its nanoseconds from launch to finish (the wait for the rounds
@@ -58,18 +62,26 @@ class PipelinedRounds:
             finally:
                 async with self._changed:
                     self._changed.notify_all()
-        loop = asyncio.get_running_loop()
-        if engine.launch_on_hint:  # the hinted next rounds, once this task has answered
-            loop.call_soon(engine.launch_parked)
-        if engine.decode_ahead:  # the decode steps behind the one run ahead, likewise
-            loop.call_soon(self._extend_ahead)
+        if engine.launch_on_hint or (engine.decode_ahead and engine.ahead_depth.fixed != 1):
+            task = asyncio.get_running_loop().create_task(self._answered())
+            self._after.add(task)  # (a task the loop holds weakly only)
+            task.add_done_callback(self._after.discard)
         return outputs, time.perf_counter_ns() - start, launched.device_ns
 
-    def _extend_ahead(self) -> None:
-        """One decode step queued behind the one run ahead, and the next on the loop's next
-        turn while more are wanted: a request that arrives meanwhile is taken after one."""
-        if self.engine.extend_ahead():
-            asyncio.get_running_loop().call_soon(self._extend_ahead)
+    async def _answered(self) -> None:
+        """Once this task has answered (from the loop's next turn), where the engine's calls
+        run: the hinted next rounds (`launch_parked`), then the decode steps behind the one run
+        ahead, one a turn of the loop while more are wanted (a request that arrives meanwhile
+        is taken after one)."""
+        engine = self.engine
+        try:
+            if engine.launch_on_hint:
+                await self._call(engine.launch_parked)
+            if engine.decode_ahead:
+                while await self._call(engine.extend_ahead):
+                    await asyncio.sleep(0)
+        except Exception:  # the round was answered; the next is launched on its request
+            log.exception("launching rounds ahead after an answer failed")
 
     async def settle(self, seq_ids: list[str] | None) -> None:
         """Wait until no round in flight holds any of `seq_ids` (None: any sequence)."""

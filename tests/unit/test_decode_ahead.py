@@ -372,8 +372,8 @@ def test_the_service_queues_the_steps_behind_once_the_answer_went_out(
     target_dir: Path, device: str
 ) -> None:
     """Through `PipelinedRounds` (the service on a GPU): the steps behind the one run ahead are
-    queued once the round's task has answered (a callback on the loop), so their launches do
-    not hold the answer back."""
+    queued once the round's task has answered (a task of their own on the loop), so their
+    launches do not hold the answer back."""
     engine = _engine(target_dir, True, device, depth=3)
 
     async def answered(begin: bool) -> None:
