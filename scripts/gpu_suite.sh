@@ -750,7 +750,9 @@ for part in "${parts[@]}"; do
           --target-only --up-arg=--decode-ahead-depth=$d \
           --services-log "$out/ahead_depth_services.log"
       done
-      grep -h "decode-ahead depth" "$out/ahead_depth_services.log" | cut -c1-160 | tail -20 ;;
+      grep -h "decode-ahead depth" "$out/ahead_depth_services.log" | cut -c1-160 | tail -20
+      echo "== ahead-depth: each up, batch 1 | 8 | 32 (scripts/profile_summary.sh)"
+      scripts/profile_summary.sh "$out"/ahead_depth_[0-9]*_d*.txt ;;
     profile-depth)  # the services cProfiled at batch 32, target-only streams of 512 tokens, `up`'s
       # defaults but --decode-ahead-depth $PROFILE_DEPTH (default 2): where the verifier's host
       # time goes with steps queued after a round's answer (random SmolLM2)
