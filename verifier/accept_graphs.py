@@ -46,7 +46,7 @@ from specsplit.kernels.accept import accept_greedy_batched, compact_accepted_kv,
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kernels.accept_walk import accept_walk
 from specsplit.kv_cache import KVCache
-from specsplit.model.graph_buffers import HOST_MIRRORS
+from specsplit.model.graph_buffers import next_mirror
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
 
@@ -368,11 +368,7 @@ class AcceptGraphs:
         graph = self.graphs.get((layout, sampling))
         if graph is None:
             graph = self.graphs[(layout, sampling)] = self._capture(layout, sampling)
-        graph.turn = (graph.turn + 1) % len(graph.hosts)
-        if len(graph.hosts) < HOST_MIRRORS and not graph.copied[graph.turn].query():
-            graph.turn = len(graph.hosts)  # rounds queued ahead: one more mirror
-            graph.add_mirror()
-        graph.copied[graph.turn].synchronize()  # that mirror's last copy has run
+        graph.turn = next_mirror(graph.turn, graph.copied, graph.add_mirror)
         host, parts = layout.host_arrays(graph.hosts[graph.turn].numpy())
         float_parts: list[np.ndarray] = []
         if sampling is not None:

@@ -47,9 +47,10 @@ HYSTERESIS = 0.1  # steps the ratio must pass the current depth's range by to ch
 class AheadDepth:
     """Decode steps to run ahead after a round's last step, by batch size: `fixed` (1 to
     MAX_DEPTH), or with fixed 0 (auto) the fewest whose device time covers the trip between
-    rounds (`observe_trip`: from a round's finish to the next request's launch on the host;
-    `observe_step`: a decode step's device time), 1 until both are measured (on the CPU, where
-    nothing runs beside the host, always 1)."""
+    rounds and the next step's launch (`observe_trip`: from a round's results read to the next
+    request's launch on the host; `observe_launch`: the host's time to take a step run ahead and
+    launch the next; `observe_step`: a decode step's device time), 1 until the trip and a step
+    are measured (on the CPU, where nothing runs beside the host, always 1)."""
 
     def __init__(self, fixed: int = 0) -> None:
         if not 0 <= fixed <= MAX_DEPTH:
@@ -64,6 +65,11 @@ class AheadDepth:
     def auto(self) -> bool:
         """Whether the depth follows what is measured (the only use of `observe_*`)."""
         return not self.fixed
+
+    @property
+    def queues(self) -> bool:
+        """Whether steps may be queued behind the one run ahead (any depth but a fixed 1)."""
+        return self.fixed != 1
 
     def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
         if 0 <= nanoseconds <= MAX_TRIP_NS:

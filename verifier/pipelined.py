@@ -46,13 +46,14 @@ class PipelinedRounds:
         """The round's outputs, its nanoseconds from launch to finish (the wait for the rounds
         before it to allow the launch excluded) and its device time (`VerifyRound.device_ns`)."""
         engine = self.engine
+        queues = engine.decode_ahead and engine.ahead_depth.queues  # steps behind the one ahead
         async with self._changed:
             await self._changed.wait_for(lambda: engine.can_launch(inputs))
         start = time.perf_counter_ns()
         launched: VerifyRound = await self._call(engine.launch, inputs)
         try:
-            if engine.decode_ahead and engine.ahead_depth.fixed != 1:  # the steps behind the
-                await self._call(engine.top_up, launched)  # one run ahead, as the GPU works
+            if queues:  # as the GPU works
+                await self._call(engine.top_up, launched)
             await self._wait(launched)
         finally:  # cancelled while it waited: still committed, as one call would have been
             try:
@@ -62,22 +63,22 @@ class PipelinedRounds:
             finally:
                 async with self._changed:
                     self._changed.notify_all()
-        if engine.launch_on_hint or (engine.decode_ahead and engine.ahead_depth.fixed != 1):
-            task = asyncio.get_running_loop().create_task(self._answered())
+        if engine.launch_on_hint or queues:
+            task = asyncio.get_running_loop().create_task(self._answered(queues))
             self._after.add(task)  # (a task the loop holds weakly only)
             task.add_done_callback(self._after.discard)
         return outputs, time.perf_counter_ns() - start, launched.device_ns
 
-    async def _answered(self) -> None:
+    async def _answered(self, queues: bool) -> None:
         """Once this task has answered (from the loop's next turn), where the engine's calls
-        run: the hinted next rounds (`launch_parked`), then the decode steps behind the one run
-        ahead, one a turn of the loop while more are wanted (a request that arrives meanwhile
-        is taken after one)."""
+        run: the hinted next rounds (`launch_parked`), then with `queues` the decode steps
+        behind the one run ahead, one a turn of the loop while more are wanted (a request that
+        arrives meanwhile is taken after one)."""
         engine = self.engine
         try:
             if engine.launch_on_hint:
                 await self._call(engine.launch_parked)
-            if engine.decode_ahead:
+            if queues:
                 while await self._call(engine.extend_ahead):
                     await asyncio.sleep(0)
         except Exception:  # the round was answered; the next is launched on its request

@@ -107,7 +107,7 @@ class RunAhead:
         its event loop's next turn). Whether another is wanted. Nothing to do at depth 1 (the
         default)."""
         ahead = self._ahead
-        if ahead is None or ahead.hinted or self._in_flight or self.ahead_depth.fixed == 1:
+        if ahead is None or ahead.hinted or self._in_flight or not self.ahead_depth.queues:
             return False
         with torch.inference_mode(), on_device(self.device):
             return self._extend_ahead(ahead, self.ahead_depth.depth(len(ahead.inputs)))
@@ -122,7 +122,7 @@ class RunAhead:
         (`extend_ahead`). Nothing at depth 1 (the default), nor off a GPU (a round there is
         done when launched)."""
         ahead = launched.ahead
-        if ahead is None or ahead.hinted or self.ahead_depth.fixed == 1:
+        if ahead is None or ahead.hinted or not self.ahead_depth.queues:
             return
         depth = self.ahead_depth.depth(len(ahead.inputs))
         with torch.inference_mode(), on_device(self.device):

@@ -5,6 +5,7 @@ moved in one copy, its outputs' wanted rows taken from the graphs' output buffer
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,18 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput
 # and up to 3 run ahead behind it (MAX_AHEAD_DEPTH), and a hinted round beside them: up to five
 # mirrors leave every launch free of waiting
 HOST_MIRRORS = 5
+
+
+def next_mirror(turn: int, copied: list[torch.cuda.Event], add: Callable[[], None]) -> int:
+    """The host mirror to fill after mirror `turn` (mirrors taken in turn, each's last copy's
+    event in `copied`): the next one, or while its copy has not run and fewer than
+    HOST_MIRRORS exist a new one (`add` appends it and its event); once its last copy has run."""
+    turn = (turn + 1) % len(copied)
+    if len(copied) < HOST_MIRRORS and not copied[turn].query():
+        add()  # steps queued ahead: one more mirror
+        turn = len(copied) - 1
+    copied[turn].synchronize()  # this mirror is free again
+    return turn
 
 
 class GraphBuffers:
@@ -53,9 +66,12 @@ class GraphBuffers:
         self._layout = (sizes, ends, num_copied)
         # the host mirrors, made as launches find the next one still waiting for its copy (one
         # where nothing is queued ahead: a long context's page tables make each several MB)
-        self._mirrors: list[tuple[torch.Tensor, dict[str, Any], torch.cuda.Event]] = []
+        self._mirrors: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (bytes to copy, views)
+        self._copied: list[torch.cuda.Event] = []  # each mirror's last copy
         self._turn = 0  # the mirror the last `fill` wrote
-        self.host_copied, self.host, self.copied = self._new_mirror()
+        self._new_mirror()
+        self.host_copied, self.host = self._mirrors[0]
+        self.copied = self._copied[0]
         self.dev_bytes = torch.zeros(ends[-1], dtype=torch.uint8, device=device)
         self.dev_bytes[:num_copied].copy_(self.host_copied)
         self.dev_copied = self.dev_bytes[:num_copied]
@@ -69,8 +85,8 @@ class GraphBuffers:
         self.logits: torch.Tensor | None = None  # [max_bs * q, vocab] float32
         self.hidden_states: torch.Tensor | None = None  # [max_bs * q, width] when there are any
 
-    def _new_mirror(self) -> tuple[torch.Tensor, dict[str, Any], torch.cuda.Event]:
-        """Another pinned host mirror (its bytes to copy, its numpy views, its copy's event),
+    def _new_mirror(self) -> None:
+        """Another pinned host mirror (its bytes to copy, its numpy views) and its copy's event,
         its constant arrays filled: every row (an arange) and the full buckets' cu_seqlens_q."""
         sizes, ends, num_copied = self._layout
         t, q = self.max_bs * self.q, self.q
@@ -84,9 +100,8 @@ class GraphBuffers:
             name: None if view is None else view.numpy()
             for name, view in self._views(host64, host32, host_mask).items()
         }
-        mirror = (data[:num_copied], views, torch.cuda.Event())
-        self._mirrors.append(mirror)
-        return mirror
+        self._mirrors.append((data[:num_copied], views))
+        self._copied.append(torch.cuda.Event())
 
     def keep(self, out: ForwardOutput) -> None:
         """Copy a run's outputs (all rows) into the fixed output buffers, made on the first."""
@@ -163,12 +178,9 @@ class GraphBuffers:
         the scratch slot (CudaGraphRunner.plan). Each fill writes the next of the host mirrors
         (HOST_MIRRORS, made while the next one's copy has not run), waiting only until that
         one's last copy has run."""
-        self._turn = (self._turn + 1) % len(self._mirrors)
-        if len(self._mirrors) < HOST_MIRRORS and not self._mirrors[self._turn][2].query():
-            self._turn = len(self._mirrors)  # steps queued ahead: one more mirror
-            self._new_mirror()
-        self.host_copied, self.host, self.copied = self._mirrors[self._turn]
-        self.copied.synchronize()  # this mirror is free again
+        self._turn = next_mirror(self._turn, self._copied, self._new_mirror)
+        self.host_copied, self.host = self._mirrors[self._turn]
+        self.copied = self._copied[self._turn]  # (its event, recorded once the copy is queued)
         v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
         cu = batch.cu_seqlens_q.numpy()
