@@ -103,6 +103,16 @@ def hidden_states_out(
             row = end
 
 
+def decode_accept(logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """`queue_accept` of a greedy round without trees whose sequence b has logits row b (decode
+    steps, first rounds): nothing to accept or move, each bonus token its row's argmax. [B, 2]
+    as compact_and_pack's, in three ops: the acceptance's way (a host array, its copy in, a
+    graph replay) cost ~0.18 ms of a GPU host's time a decode step (bench/RESULTS.md), about a
+    third of what the host spends launching one."""
+    bonus = logits[:num_seqs].argmax(dim=-1)
+    return torch.stack((torch.zeros_like(bonus), bonus), dim=1)
+
+
 def queue_accept(
     inputs: list[VerifyInput],
     seqs: list[VerifierSeq],
@@ -118,6 +128,29 @@ def queue_accept(
     and the accepted path's K/V compaction for the whole batch, queued on the device:
     per sequence [accepted drafts, bonus, nodes...] ([B, 2 + N], -1 padded;
     `VerifierEngine._finish` copies it to the host)."""
+    greedy = all(i.sampling.greedy for i in inputs)
+    plain = place is None and all(
+        not i.tree and r.start == b for b, (i, r) in enumerate(zip(inputs, rows, strict=True))
+    )
+    if greedy and plain:
+        return decode_accept(logits, block_table.shape[0])
+    args = (inputs, seqs, logits, rows, block_table, kv, vocab_size, graphs, place)
+    return queue_full_accept(*args)
+
+
+def queue_full_accept(
+    inputs: list[VerifyInput],
+    seqs: list[VerifierSeq],
+    logits: torch.Tensor,
+    rows: list[range],
+    block_table: torch.Tensor,
+    kv: KVCache,
+    vocab_size: int,
+    graphs: AcceptGraphs | None,
+    place: Callable[[list[torch.Tensor]], None] | None = None,
+) -> torch.Tensor:
+    """`queue_accept`'s way for any round: its inputs in one host array copied in, then the
+    acceptance graph of its layout replayed, or (the CPU; past the graphs) its body run."""
     width = max(len(item.tree) for item in inputs)  # N
     num_seqs = block_table.shape[0]
     greedy = all(i.sampling.greedy for i in inputs)
