@@ -131,6 +131,12 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # 17-64 sequences (--decode-steps 1, serve-gateway's default) were not measured again at it
 DECODE_AHEAD_MAX_BATCH = 64
 MAX_AHEAD_DEPTH = 3  # --decode-ahead-depth (verifier/ahead_depth.py)
+# --decode-ahead-depth: on two H200s (random SmolLM2, target only, fifty-eighth session) 2 steps
+# against 1 streamed 1.00x / 1.01x / 1.11x the tokens a second under Poisson arrivals of 20 / 80
+# requests a second and all at once, with a lower time per output token at each, and 0.95x /
+# 1.09x / 1.03x at 1 / 8 / 32 closed streams (medians of 4-5 `up`s); auto (0) met the split goal
+# but doubled 80/s's TTFT p90 (three steps queued behind a round a newcomer waits for)
+DECODE_AHEAD_DEPTH = 2
 # --chain-max-batch (verifier/hinted_rounds.py `hint_next`): through the services on two H100s (8B
 # target, 1B draft, draft-ahead, synthetic acceptance, bench/RESULTS.md) chained rounds gave
 # 1.07x / 1.08x at 1 stream (two runs) but 0.93x at 8 and 0.91x at 32, where the hint comes late
@@ -206,12 +212,13 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
     flag(
         parser,
         "--decode-ahead-depth",
-        1,
+        DECODE_AHEAD_DEPTH,
         "--decode-ahead: decode steps run ahead after a round's last step, each behind the one"
         f" before (1 to {MAX_AHEAD_DEPTH}); 0 = auto: as many as cover the trip between rounds"
         " (the answer, the gateway's work, the next request) and the next step's launch,"
-        " measured against a step's GPU time per batch size. Default 1: on two H200s auto"
-        " streamed no more tokens a second at 1 / 8 / 32 streams (bench/RESULTS.md)",
+        " measured against a step's GPU time per batch size. Default 2: on two H200s it streamed"
+        " 1.00-1.11x depth 1's tokens a second under Poisson arrivals, where auto's queued"
+        " steps cost newcomers' first tokens (bench/RESULTS.md)",
         type=int,
     )
     chain_help = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from specsplit import metrics
-from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
+from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE, DECODE_AHEAD_DEPTH
 from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
@@ -32,7 +32,7 @@ async def serve(
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
-    decode_ahead_depth: int = 1,
+    decode_ahead_depth: int = DECODE_AHEAD_DEPTH,
     chain_rounds: str = "off",
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
