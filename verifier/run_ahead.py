@@ -148,9 +148,9 @@ class RunAhead:
         return follower is not None and queued + 1 < depth
 
     def _drop_followers(self, ahead: Launched) -> None:
-        """Drop the steps queued behind `ahead` (its followers), which itself stays: wait for
-        them (as `_drop_ahead`), then give their room back down to `ahead`'s step (the
-        committed length + 1) and their draws back (the last launched first)."""
+        """Drop the steps queued behind `ahead` (its followers), which itself stays: give their
+        room back down to `ahead`'s step (the committed length + 1) and their draws back (the
+        last launched first), as `_drop`."""
         follower, ahead.follower = ahead.follower, None
         if follower is not None:
             self._drop(follower, room=1)
@@ -201,18 +201,21 @@ class RunAhead:
         return taken, positions
 
     def _drop_ahead(self) -> None:
-        """Forget the decode step run ahead: wait for it (its inputs' host buffers are reused
-        by the next launch), then give each of its sequences its room and draws back."""
+        """Forget the decode step run ahead: give each of its sequences its room and draws back
+        (`_drop`)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             self._drop(ahead)
 
     def _drop(self, step: Launched, room: int = 0) -> None:
-        """Count `step` dropped, wait for the device, then undo it and the steps behind it
-        (`_undo_ahead`, down to the committed length + `room`)."""
+        """Count `step` dropped, then undo it and the steps behind it (`_undo_ahead`, down to the
+        committed length + `room`) without waiting for the device: it still runs them, and
+        whatever the host launches next runs after them (one stream), so their K/V writes land
+        before any later write to the pages given back, and every host buffer their launches
+        filled (the graphs' mirrors, `to_device`'s staging) is reused only once its copy has run
+        (its event). Until the fifty-eighth session the host waited here for the device: a
+        newcomer whose round dropped queued steps waited for them before its own launch."""
         self._count_ahead(step, "dropped")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
         self._undo_ahead(step, room=room)
 
     def _count_ahead(self, ahead: Launched, outcome: str) -> None:

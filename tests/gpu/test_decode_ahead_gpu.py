@@ -12,6 +12,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     _engine,
     _release,
     target_dir,
+    test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back,
     test_a_sequence_joining_takes_the_step_for_the_others,
     test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree,
     test_another_batch_takes_the_step_unless_none_of_it_is_that_step,

@@ -430,6 +430,30 @@ def test_a_sequence_joining_takes_the_step_for_the_others(
     _release(plain, ahead)
 
 
+@pytest.mark.parametrize("before", [0, 1, 2, 3], ids=lambda n: f"after{n}")
+def test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back(
+    target_dir: Path, device: str, depth: int, before: int
+) -> None:
+    """A newcomer whose first round drops the steps queued behind the running sequence's
+    (not waited for: on a GPU they may still be running) gets the page they held when the
+    last of them crossed a page boundary (freed pages go out first), and its prefill's K/V
+    land after theirs: the same tokens and K/V as without steps run ahead, wherever the
+    boundary falls ("a" has 7 tokens, pages of 4 slots)."""
+    plain, ahead = _both(target_dir, device, depth)
+    reused = False
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=before)
+        held = set(driver.engine.seqs["a"].kv.page_table)  # with the steps queued behind
+        driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"})
+        reused |= driver is ahead and bool(held & set(driver.engine.seqs["b"].kv.page_table))
+        driver.decode("a", "b", rounds=3)
+    _same(plain, ahead)
+    # the steps behind "a"'s first step (slot 7 + before) reach the next page (slot 8 or 12)
+    assert reused == ((before == 0 and depth > 1) or (before == 3 and depth == 3))
+    _release(plain, ahead)
+
+
 @pytest.mark.parametrize("change", ["one leaves", "one joins", "order", "hidden states"])
 def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
     target_dir: Path, device: str, depth: int, change: str
