@@ -16,16 +16,13 @@ round by round).
 
 The trip is measured whole, with any launch it waited for: less those launches it came out
 shorter at depth 2 than at 1, and the depth flipped. Measured whole it grows with the depth (a
-request read while steps are queued waits for them), and on two H200s auto settled at 3 at every
-batch size. There, at 32 streams, the round's time outside the GPU fell to <= 0.1-0.2 ms p50 in
-3 of 6 `up`s (depth 1: 1-5 ms), at the same tokens a second (bench/RESULTS.md, fifty-seventh
-session). A step the next round does not take (a sequence joined, left or stopped) is dropped
-and gives its room and draws back, as one step always could; it cost the device its time and a
-wait, which is why the default stays 1. Newer than those runs, and not yet on a GPU: the steps
-queued while the host waits (fewer left to launch after the answer, for a request to wait
-behind), the trip measured from the results' read (not the finish's end), and the inputs' host
-mirrors that no longer make a queued step's launch wait for the device
-(specsplit/model/graph_buffers.py).
+request read while steps are queued waits for them). On two H200s (fifty-eighth session, the
+inputs' host mirrors no longer making a queued launch wait for the device) auto settled at 3
+(2-3 at 8 streams) and kept the round's time outside the GPU at <= 0.1-0.4 ms p50 at 1, 8 and 32
+closed streams, with 1.10x depth 1's tokens a second at 8 and 32 and 0.91x at 1, where a step's
+launch takes the host about a step's device time. Under Poisson arrivals its three queued steps
+cost the newcomers that dropped them, where 2 (the default since) did best: so while batches
+change auto queues at most CHURN_DEPTH (`observe_drop`; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +39,12 @@ SMOOTHING = 0.2  # each observation's weight in the running means (the first's: 
 # back later): not measured
 MAX_TRIP_NS = 20_000_000
 HYSTERESIS = 0.1  # steps the ratio must pass the current depth's range by to change it
+# while batches change (a step run ahead dropped: a sequence joined, left or stopped) at most
+# CHURN_DEPTH steps, until STABLE_ROUNDS rounds in a row took their step whole: under Poisson
+# arrivals on two H200s auto's three queued steps cost newcomers (TTFT p90 38 ms against 18 at
+# 80 requests a second), where two streamed the most tokens (fifty-eighth session)
+CHURN_DEPTH = 2
+STABLE_ROUNDS = 16
 
 
 class AheadDepth:
@@ -50,7 +53,9 @@ class AheadDepth:
     rounds and the next step's launch (`observe_trip`: from a round's results read to the next
     request's launch on the host; `observe_launch`: the host's time to take a step run ahead and
     launch the next; `observe_step`: a decode step's device time), 1 until the trip and a step
-    are measured (on the CPU, where nothing runs beside the host, always 1)."""
+    are measured (on the CPU, where nothing runs beside the host, always 1); at most
+    CHURN_DEPTH while batches change (`observe_drop`: a step run ahead was dropped, fewer than
+    STABLE_ROUNDS trips ago)."""
 
     def __init__(self, fixed: int = 0) -> None:
         if not 0 <= fixed <= MAX_DEPTH:
@@ -60,6 +65,7 @@ class AheadDepth:
         self._step_ns: dict[int, float] = {}
         self._launch_ns: dict[int, float] = {}
         self._chosen: dict[int, int] = {}  # auto's last depth by batch size (logged on change)
+        self._stable = STABLE_ROUNDS  # trips since a step run ahead was dropped
 
     @property
     def auto(self) -> bool:
@@ -72,8 +78,15 @@ class AheadDepth:
         return self.fixed != 1
 
     def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
+        self._stable += 1
         if 0 <= nanoseconds <= MAX_TRIP_NS:
             _smooth(self._trip_ns, batch_size, nanoseconds)
+
+    def observe_drop(self) -> None:
+        """A decode step run ahead was dropped (its round's batch changed)."""
+        if self._stable >= STABLE_ROUNDS and any(d > CHURN_DEPTH for d in self._chosen.values()):
+            log.info("decode-ahead depth at most %d: batches change", CHURN_DEPTH)
+        self._stable = 0
 
     def observe_step(self, batch_size: int, nanoseconds: int) -> None:
         if nanoseconds > 0:
@@ -86,6 +99,11 @@ class AheadDepth:
     def depth(self, batch_size: int) -> int:
         if self.fixed:
             return self.fixed
+        depth = self._covering(batch_size)
+        return depth if self._stable >= STABLE_ROUNDS else min(depth, CHURN_DEPTH)
+
+    def _covering(self, batch_size: int) -> int:
+        """The fewest steps that cover the trip and the next launch at `batch_size`."""
         trip, step = self._trip_ns.get(batch_size), self._step_ns.get(batch_size)
         if trip is None or not step:
             return 1

@@ -228,6 +228,8 @@ class RunAhead:
         else:
             self.num_ahead_used += outcome == "used"
             self.num_ahead_dropped += outcome == "dropped"
+            if outcome == "dropped" and self.ahead_depth.auto:
+                self.ahead_depth.observe_drop()
             report = self.on_decode_ahead
         if report is not None:
             report(outcome)

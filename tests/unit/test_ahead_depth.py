@@ -7,7 +7,14 @@ import logging
 
 import pytest
 
-from verifier.ahead_depth import HYSTERESIS, MAX_DEPTH, MAX_TRIP_NS, AheadDepth
+from verifier.ahead_depth import (
+    CHURN_DEPTH,
+    HYSTERESIS,
+    MAX_DEPTH,
+    MAX_TRIP_NS,
+    STABLE_ROUNDS,
+    AheadDepth,
+)
 
 
 def test_a_fixed_depth_is_kept_whatever_is_measured() -> None:
@@ -104,3 +111,27 @@ def test_auto_keeps_its_depth_while_the_ratio_stays_near_it() -> None:
     assert _settle(depth, trip_ms=1.0 - near, launch_ms=0.0, step_ms=1.0) == 2
     assert _settle(depth, trip_ms=1.0 - 2 * HYSTERESIS, launch_ms=0.0, step_ms=1.0) == 1
     assert _settle(depth, trip_ms=2.5, launch_ms=0.5, step_ms=1.0) == 3
+
+
+def test_auto_queues_at_most_two_steps_while_batches_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A step run ahead dropped (a sequence joined, left or stopped) caps auto at CHURN_DEPTH
+    until STABLE_ROUNDS trips in a row took their step: under arrivals three queued steps cost
+    the newcomers that drop them (fifty-eighth session)."""
+    depth = AheadDepth()
+    assert _settle(depth, trip_ms=2.3, launch_ms=0.7, step_ms=1.1) == 3  # 60 trips: stable
+    with caplog.at_level(logging.INFO, logger="verifier.ahead_depth"):
+        depth.observe_drop()
+        depth.observe_drop()  # (logged once)
+    assert depth.depth(8) == CHURN_DEPTH
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode-ahead depth at most 2: batches change"
+    ]
+    for _ in range(STABLE_ROUNDS - 1):
+        depth.observe_trip(8, 2_300_000)
+    assert depth.depth(8) == CHURN_DEPTH
+    depth.observe_trip(8, 2_300_000)
+    assert depth.depth(8) == 3
+    assert AheadDepth(3).depth(8) == 3  # a fixed depth is kept: drops are not even counted
+    assert _settle(AheadDepth(), trip_ms=0.9, launch_ms=0.4, step_ms=1.0) == 2  # below: as is

@@ -227,6 +227,11 @@ class _Recorded(AheadDepth):
         super().__init__(0)
         self.trips: list[tuple[int, int]] = []
         self.launches: list[tuple[int, int]] = []
+        self.drops = 0
+
+    def observe_drop(self) -> None:
+        self.drops += 1
+        super().observe_drop()
 
     def observe_trip(self, batch_size: int, nanoseconds: int) -> None:
         self.trips.append((batch_size, nanoseconds))
@@ -253,6 +258,17 @@ def test_auto_depth_measures_the_trip_and_each_further_steps_launch(
     assert [size for size, _ in recorded.trips] == [2, 2, 2]
     assert [size for size, _ in recorded.launches] == [2] * 3 * 3  # steps 2-4 of each round
     assert all(ns > 0 for _, ns in recorded.trips + recorded.launches)
+    assert recorded.drops == 0
+    for driver in (plain, ahead):  # "b" leaves, "a" goes on: the step is taken for "a" alone
+        driver.engine.release(["b"])
+        del driver.tokens["b"], driver.committed["b"]
+        driver.decode("a", rounds=1)
+    assert recorded.drops == 0
+    for driver in (plain, ahead):  # a round asking for hidden states: none of it the step
+        driver.layers = (0,)
+        driver.decode("a", rounds=1)
+    _same(plain, ahead)
+    assert recorded.drops == 1  # (auto then queues at most CHURN_DEPTH for a while)
     _release(plain, ahead)
 
 
