@@ -31,7 +31,7 @@ from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
-from specsplit.step import build_forward_batch, decode_batch, verify_step
+from specsplit.step import build_forward_batch, decode_batch, same_tree_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
 from verifier.ahead_depth import AheadDepth
 from verifier.chain import (
@@ -55,6 +55,7 @@ from verifier.rounds import (
     VerifierSeq,
     VerifyRound,
     decode_step,
+    one_tree_shape,
     validate_round,
 )
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
@@ -559,6 +560,11 @@ class VerifierEngine(HintedRounds):
         if not aux and all(len(item.pending_tokens) == 1 and not item.tree for item in inputs):
             tokens_in = [item.pending_tokens[0] for item in inputs]  # decode steps, as arrays
             batch, row_slices = decode_batch([seq.kv for seq in seqs], tokens_in, self.kv.page_size)
+        elif one_tree_shape(inputs):  # a round of chains, most often: as arrays too
+            roots = [item.pending_tokens[0] for item in inputs]
+            trees = [item.tree for item in inputs]
+            kvs, page_size = [seq.kv for seq in seqs], self.kv.page_size
+            batch, row_slices = same_tree_batch(kvs, roots, trees, page_size, bool(aux))
         else:
             steps = []
             for item, seq in zip(inputs, seqs, strict=True):

@@ -152,6 +152,15 @@ def decode_step(
     )
 
 
+def one_tree_shape(inputs: list[VerifyInput]) -> bool:
+    """Whether every item has one pending token and a tree, all of one shape (the same
+    parents): its forward batch is `same_tree_batch`'s."""
+    parents = inputs[0].tree.parents
+    return bool(parents) and all(
+        len(item.pending_tokens) == 1 and item.tree.parents == parents for item in inputs
+    )
+
+
 def round_base(out: VerifyOutput) -> int:
     """The round `out` answers, as a hint names it (NextTrees.base): its sequence's length
     before the round's accepted tokens (committed tokens + its pending ones)."""

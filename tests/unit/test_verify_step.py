@@ -13,6 +13,7 @@ from specsplit.step import (
     build_forward_batch,
     decode_batch,
     page_tables,
+    same_tree_batch,
     verify_step,
 )
 from specsplit.tree import DraftTree
@@ -173,3 +174,47 @@ def test_decode_batch_refuses_a_token_past_its_own_pages() -> None:
         decode_batch([wide, short], [1, 2], 4)
     kv.release(wide)
     kv.release(short)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, -1, 0, 1, 1]], ids=["chain", "tree"])
+def test_same_tree_batch_is_the_batch_of_its_verify_steps(
+    page_size: int, hidden: bool, parents: list[int]
+) -> None:
+    """same_tree_batch (array ops) gives build_forward_batch's batch of verify steps with one
+    pending token and trees of one shape, field for field, dtypes and the tree mask included:
+    committed lengths inside a page, at a page's start and crossing pages, ragged tables,
+    shuffled page ids, a fork (shared pages)."""
+    kv = KVCache(1, 1, 4, 512, page_size, torch.float32, "cpu")
+    rng = np.random.default_rng(page_size + len(parents))
+    taken = kv.allocator.alloc(7)  # the sequences' pages are not 0, 1, 2, ...
+    n = len(parents)
+    seqs = [kv.new_seq() for _ in range(8)]
+    committed = [0, 1, page_size - 1, page_size, 2 * page_size, 3 * page_size + 1, 5, 40]
+    for seq, length in zip(seqs, committed, strict=True):
+        kv.reserve(seq, length + 1 + n + int(rng.integers(0, 2 * page_size)))
+        seq.kv_committed_len = length
+    fork = kv.fork(seqs[5], 3 * page_size + 1)
+    kv.reserve(fork, 3 * page_size + 2 + n)
+    seqs.append(fork)
+    roots = rng.integers(0, 1000, len(seqs)).tolist()
+    trees = [DraftTree(rng.integers(0, 1000, n).tolist(), parents) for _ in seqs]
+    got, got_slices = same_tree_batch(seqs, roots, trees, page_size, hidden)
+    steps = []
+    for seq, root, tree in zip(seqs, roots, trees, strict=True):
+        step = verify_step(seq, [root], tree, list(range(1 + n)))
+        step.hidden_rows = list(range(1 + n)) if hidden else []
+        steps.append(step)
+    want, want_slices = build_forward_batch(steps, page_size)
+    assert got_slices == want_slices
+    assert got.max_q_len == want.max_q_len == 1 + n and got.page_size == want.page_size
+    assert (got.hidden_indices is None) == (want.hidden_indices is None) == (not hidden)
+    names = ["input_ids", "positions", "slot_mapping", "cu_seqlens_q", "kv_lens", "prefix_lens",
+             "block_table", "logit_indices", "tree_mask"] + ["hidden_indices"] * hidden  # fmt: skip
+    for name in names:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for seq in reversed(seqs):
+        kv.release(seq)
+    kv.allocator.free(taken)
