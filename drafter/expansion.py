@@ -346,7 +346,8 @@ class DeviceExpansion:
                 slots[b, : len(own)] = own
         for b, seq in enumerate(seqs):
             base[b] = seq.kv_committed_len
-            table[b, : len(seq.page_table)] = seq.page_table
+            pages = seq.table_array()
+            table[b, : len(pages)] = pages
         base[len(seqs) :] = 1 + catch_up
         table[len(seqs) :] = self.kv.scratch_page
         if chains:

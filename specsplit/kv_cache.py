@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 CPU_NUM_PAGES = 2048  # a pool on the CPU when none is asked for: 32k tokens at page size 16
@@ -98,6 +99,34 @@ class SeqKV:
     # leading pages borrowed from the sequence this one was forked from (KVCache.fork): read,
     # never written or freed here
     num_shared_pages: int = 0
+    # page_table's int32 mirror for the batches built every step (`table_array`): its first
+    # `_mirrored` entries are the table's (of the list `_mirrored_of`); KVCache.trim and release
+    # lower the count, so only pages added since are copied in
+    _array: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False
+    )
+    _mirrored: int = field(default=0, repr=False, compare=False)
+    _mirrored_of: int = field(default=0, repr=False, compare=False)
+
+    def table_array(self) -> np.ndarray:
+        """The page table as int32 (a view of the mirror, valid until the table changes): a
+        step's batch reads it without converting the list, whose length grows with the context
+        (~0.28 ms a step for 32 sequences of 8k tokens at page size 16 on a CPU)."""
+        table, n = self.page_table, len(self.page_table)
+        if id(table) != self._mirrored_of:  # (a table assigned whole)
+            self._mirrored, self._mirrored_of = 0, id(table)
+        if n > self._array.shape[0]:
+            grown = np.zeros(max(n, 2 * self._array.shape[0], 16), np.int32)
+            grown[: self._mirrored] = self._array[: self._mirrored]
+            self._array = grown
+        if self._mirrored < n:
+            self._array[self._mirrored : n] = table[self._mirrored :]
+        self._mirrored = n
+        return self._array[:n]
+
+    def cut_mirror(self, length: int) -> None:
+        """The page table was cut to `length` entries (`table_array` copies what follows anew)."""
+        self._mirrored = min(self._mirrored, length)
 
     @property
     def kv_allocated_len(self) -> int:
@@ -168,10 +197,12 @@ class KVCache:
         if keep < len(seq.page_table):
             self.allocator.free(seq.page_table[keep:])
             del seq.page_table[keep:]
+            seq.cut_mirror(keep)
 
     def release(self, seq: SeqKV) -> None:
         self.allocator.free(seq.page_table[seq.num_shared_pages :])
         seq.page_table.clear()
+        seq.cut_mirror(0)
         seq.kv_committed_len = 0
         seq.num_shared_pages = 0
 

@@ -114,11 +114,12 @@ def _views(array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def page_tables(seqs: list[SeqKV]) -> np.ndarray:
-    """[B, the most pages of any (at least 1)] int32: each sequence's page table, 0-padded."""
-    tables = [seq.page_table for seq in seqs]
+    """[B, the most pages of any (at least 1)] int32: each sequence's page table, 0-padded,
+    from each one's int32 mirror (`SeqKV.table_array`), not its list."""
+    tables = [seq.table_array() for seq in seqs]
     width = max(map(len, tables), default=0)
-    if width and all(len(table) == width for table in tables):  # (batch 1): one conversion
-        return np.array(tables, dtype=np.int32)
+    if width and all(len(table) == width for table in tables):  # (batch 1, equal lengths)
+        return np.stack(tables)
     table = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
     for b, pages in enumerate(tables):
         table[b, : len(pages)] = pages
