@@ -126,6 +126,24 @@ def page_tables(seqs: list[SeqKV]) -> np.ndarray:
     return table
 
 
+def _appended_slots(
+    seqs: list[SeqKV], q: int, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(committed lengths [B] int64, the page tables `page_tables`, [B, q] int64 cache slots)
+    of q tokens appended at each sequence's committed length (storage committed + 0..q-1),
+    each in a page reserved in its own table (a wider table's padding is another's page)."""
+    num_seqs = len(seqs)
+    assert all(seq.page_size == page_size for seq in seqs), page_size
+    committed = np.fromiter((seq.kv_committed_len for seq in seqs), np.int64, num_seqs)
+    held = np.fromiter((len(seq.page_table) for seq in seqs), np.int64, num_seqs)
+    storage = committed[:, None] + np.arange(q)  # [B, q]
+    column = storage // page_size  # each token's page in its table
+    assert ((committed >= 0) & (column[:, -1] < held)).all(), (committed, held)
+    table = page_tables(seqs)
+    pages = table[np.arange(num_seqs)[:, None], column].astype(np.int64)
+    return committed, table, pages * page_size + storage % page_size
+
+
 def decode_batch(
     seqs: list[SeqKV], tokens: list[int], page_size: int
 ) -> tuple[ForwardBatch, list[slice]]:
@@ -135,19 +153,11 @@ def decode_batch(
     host work of a decode step at batch 32 and up, where the device may outrun it)."""
     num_seqs = len(seqs)
     assert len(tokens) == num_seqs, (len(tokens), num_seqs)
-    assert all(seq.page_size == page_size for seq in seqs), page_size
-    committed = np.fromiter((seq.kv_committed_len for seq in seqs), np.int64, num_seqs)
-    held = np.fromiter((len(seq.page_table) for seq in seqs), np.int64, num_seqs)
-    column = committed // page_size  # each token's page in its table
-    # each token's page reserved in its own table (a wider table's padding is another's page)
-    assert ((committed >= 0) & (column < held)).all(), (committed, held)
-    table = page_tables(seqs)
-    pages = table[np.arange(num_seqs), column].astype(np.int64)
-    slots = pages * page_size + committed % page_size
+    committed, table, slots = _appended_slots(seqs, 1, page_size)
     rows = np.arange(num_seqs, dtype=np.int64)  # each sequence's one row: its logits' too
     lens = committed.astype(np.int32)
     batch = _packed_batch(
-        np.concatenate([np.array(tokens, np.int64), committed, slots, rows]),
+        np.concatenate([np.array(tokens, np.int64), committed, slots[:, 0], rows]),
         (num_seqs, num_seqs, 0),
         np.concatenate([np.arange(num_seqs + 1, dtype=np.int32), lens + 1, lens]),
         torch.from_numpy(table),
@@ -173,16 +183,9 @@ def same_tree_batch(
     num_seqs, parents = len(seqs), tuple(trees[0].parents)
     q = 1 + len(parents)
     assert q > 1, "a tree (decode steps: decode_batch)"
-    assert all(seq.page_size == page_size for seq in seqs), page_size
     assert all(tuple(tree.parents) == parents for tree in trees), "trees of one shape"
     mask, offsets = _tree_layout(1, parents)
-    committed = np.fromiter((seq.kv_committed_len for seq in seqs), np.int64, num_seqs)
-    held = np.fromiter((len(seq.page_table) for seq in seqs), np.int64, num_seqs)
-    storage = committed[:, None] + np.arange(q)  # [B, q]
-    column = storage // page_size
-    assert ((committed >= 0) & (column[:, -1] < held)).all(), (committed, held)
-    table = page_tables(seqs)
-    slots = table[np.arange(num_seqs)[:, None], column].astype(np.int64) * page_size
+    committed, table, slots = _appended_slots(seqs, q, page_size)
     ids = np.empty((num_seqs, q), np.int64)
     ids[:, 0] = roots
     ids[:, 1:] = [tree.tokens for tree in trees]
@@ -193,7 +196,7 @@ def same_tree_batch(
             [
                 ids.reshape(-1),
                 (committed[:, None] + np.array(offsets, np.int64)).reshape(-1),
-                (slots + storage % page_size).reshape(-1),
+                slots.reshape(-1),
                 rows,
                 rows if hidden else rows[:0],
             ]
