@@ -104,8 +104,7 @@ class RunAhead:
         decode step behind the one run ahead if fewer than `ahead_depth` are
         (`_extend_ahead`), while the answer travels and the gateway works. One a call, so that
         a request arriving meanwhile waits for one launch at most (the caller calls again on
-        its event loop's next turn). Whether another is wanted. Nothing to do at depth 1 (the
-        default)."""
+        its event loop's next turn). Whether another is wanted. Nothing to do at depth 1."""
         ahead = self._ahead
         if ahead is None or ahead.hinted or self._in_flight or not self.ahead_depth.queues:
             return False
@@ -119,7 +118,7 @@ class RunAhead:
         the answer, pays for their launches, and a request never waits behind them. Called by
         the service before it waits for a round's first step and by `_decode_further` before
         each further step's wait; the steps still missing once the answer went out follow then
-        (`extend_ahead`). Nothing at depth 1 (the default), nor off a GPU (a round there is
+        (`extend_ahead`). Nothing at depth 1, nor off a GPU (a round there is
         done when launched)."""
         ahead = launched.ahead
         if ahead is None or ahead.hinted or not self.ahead_depth.queues:
