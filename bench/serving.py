@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import services, wait_for_drafter
+from bench.e2e import scrape_totals, services, wait_for_drafter
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -144,6 +144,10 @@ class Summary:
     tpot: tuple[float, ...]
     gap: tuple[float, ...]
     tokens_per_chunk: float
+    # the verifier's decode steps run ahead during the run, taken and dropped
+    # (`specsplit_decode_ahead_total`): a dropped one is a step of device time thrown away
+    ahead_used: float = 0.0
+    ahead_dropped: float = 0.0
 
     @classmethod
     def median(cls, summaries: Sequence[Summary]) -> Summary:
@@ -159,6 +163,8 @@ class Summary:
             tpot=each([s.tpot for s in summaries]),
             gap=each([s.gap for s in summaries]),
             tokens_per_chunk=statistics.median(s.tokens_per_chunk for s in summaries),
+            ahead_used=statistics.median(s.ahead_used for s in summaries),
+            ahead_dropped=statistics.median(s.ahead_dropped for s in summaries),
         )
 
     @classmethod
@@ -235,17 +241,18 @@ def report(
     )
     print(
         "| setup | tok/s (vs) | req/s | TTFT p50 / p90 / p99 ms (p50 vs) | TPOT p50 / p90 / p99 ms"
-        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | streams as the first setup's"
-        " | tok/s each up |"
+        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | steps ahead used / dropped"
+        " | streams as the first setup's | tok/s each up |"
     )
-    print("|---|---:|---:|---|---|---|---:|---:|---|")
+    print("|---|---:|---:|---|---|---|---:|---|---:|---|")
     for name, (s, outputs) in rows.items():
         same = sum(a == b for a, b in zip(outputs, reference, strict=True))
         each_up = ", ".join(f"{u.tokens_per_s:.0f}" for u, _ in per_up[name])
         print(
             f"| {name} | {s.tokens_per_s:.0f} ({s.tokens_per_s / base.tokens_per_s:.2f}x)"
             f" | {s.requests_per_s:.2f} | {ms(s.ttft)} ({s.ttft[0] / base.ttft[0]:.2f}x)"
-            f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f} | {same}/{len(outputs)}"
+            f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f}"
+            f" | {s.ahead_used:.0f} / {s.ahead_dropped:.0f} | {same}/{len(outputs)}"
             f" | {each_up} |"
         )
 
@@ -261,8 +268,17 @@ async def serve_setup(
         await run_load(stub, requests, delays)  # warm-up
         results = []
         for _, _, requests, delays in workloads:
+            before = scrape_totals()
             streams, wall = await run_load(stub, requests, delays)
-            results.append((Summary.of(streams, wall), [s.token_ids for s in streams]))
+            after = scrape_totals()
+            summary = Summary.of(streams, wall)
+            used, dropped = (
+                ("verifier", f"specsplit_decode_ahead_total:{outcome}")
+                for outcome in ("used", "dropped")
+            )
+            summary.ahead_used = after[used] - before[used]
+            summary.ahead_dropped = after[dropped] - before[dropped]
+            results.append((summary, [s.token_ids for s in streams]))
         return results
 
 

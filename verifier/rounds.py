@@ -89,6 +89,23 @@ class Launched:
             return self.packed[: len(self.inputs)]
         return self.packed.index_select(0, to_device(torch.tensor(self.rows), device))
 
+    def part(self, keep: list[int]) -> Launched:
+        """This round for its inputs at `keep` alone, in that order (a round that takes a step
+        run ahead for some of its sequences): the same results, events and flags, its rows those
+        inputs' (a part's part indexes the whole round's), and the steps queued behind it cut
+        alike (`follower`: each is the next step of the same sequences, in the same order)."""
+        states = self.generator_states
+        return Launched(
+            [self.inputs[k] for k in keep], [self.seqs[k] for k in keep], self.packed,
+            self.hidden, None if states is None else [states[k] for k in keep],
+            rows=keep if self.rows is None else [self.rows[k] for k in keep],
+            hinted=self.hinted, whole_inputs=self.whole_inputs or self.inputs, host=self.host,
+            copied=self.copied,
+            chain_hints=None if self.chain_hints is None else [self.chain_hints[k] for k in keep],
+            started=self.started, idle_from=self.idle_from, on_request=self.on_request,
+            follower=None if self.follower is None else self.follower.part(keep),
+        )  # fmt: skip
+
     def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:
         """Each input's first hidden-state row (None: back to back from row 0): a part's rows
         sit among its whole round's (`whole`: `result_rows`), each asking sequence's pending

@@ -146,14 +146,6 @@ class RunAhead:
         last.follower = follower
         return follower is not None and queued + 1 < depth
 
-    def _drop_followers(self, ahead: Launched) -> None:
-        """Drop the steps queued behind `ahead` (its followers), which itself stays: give their
-        room back down to `ahead`'s step (the committed length + 1) and their draws back (the
-        last launched first), as `_drop`."""
-        follower, ahead.follower = ahead.follower, None
-        if follower is not None:
-            self._drop(follower, room=1)
-
     def _bonus_tokens(self, done: Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
         for a step taken in part its rows (the index crosses without a wait)."""
@@ -162,11 +154,14 @@ class RunAhead:
     def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[Launched | None, list[int]]:
         """The decode step launched ahead, for the items of `inputs` (validated) that are that
         step for their sequence: its bonus token and nothing else, the same sampling, no hidden
-        states. Returns it (cut to those sequences, in the round's order) and their positions
-        in `inputs`; the round's other items (a sequence joining the batch, most often) are
-        launched beside it. Sequences of the step the round does not take it for (finished and
-        released, or sent another round) get their room and draws back. A round that takes
-        none of it drops it: (None, [])."""
+        states. Returns it (cut to those sequences, in the round's order, with the steps queued
+        behind it: `Launched.part`) and their positions in `inputs`; the round's other items (a
+        sequence joining the batch, most often) are launched beside it. Sequences of the step
+        the round does not take it for (finished and released, or sent another round) get their
+        room and draws back, the queued steps' too. A round that takes none of it drops it:
+        (None, []). Until the fifty-ninth session a round that took the step for some of its
+        sequences dropped the steps queued behind it: at depth 2 a step of device time thrown
+        away whenever a sequence finished."""
         ahead = self._ahead
         if ahead is None:
             return None, []
@@ -182,21 +177,15 @@ class RunAhead:
             self._drop_ahead()
             return None, []
         self._ahead = None
-        whole = keep == list(range(len(ahead.inputs)))
-        if not whole:  # the steps behind it are for its sequences in its order, not the round's
-            self._drop_followers(ahead)
-        if len(keep) < len(ahead.inputs):  # (most rounds take the whole step)
-            self._undo_ahead(ahead, kept=set(keep))
         self._count_ahead(ahead, "used")
-        if whole:
+        if keep == list(range(len(ahead.inputs))):  # (most rounds take the whole step)
             return ahead, positions
-        states = ahead.generator_states or [None] * len(ahead.seqs)
-        taken = Launched(
-            [ahead.inputs[k] for k in keep], [ahead.seqs[k] for k in keep], ahead.packed,
-            ahead.hidden, [states[k] for k in keep], rows=keep, host=ahead.host,
-            copied=ahead.copied, hinted=ahead.hinted, whole_inputs=ahead.inputs,
-            chain_hints=None if ahead.chain_hints is None else [ahead.chain_hints[k] for k in keep],
-        )  # fmt: skip
+        taken = ahead.part(keep)  # (the queued steps cut alike: their sequences, the round's order)
+        if len(keep) < len(ahead.inputs):
+            # the others' room past their committed length (the queued steps' too) and the
+            # draws of the step, the first that drew
+            ahead.follower = None
+            self._undo_ahead(ahead, kept=set(keep))
         return taken, positions
 
     def _drop_ahead(self) -> None:

@@ -14,6 +14,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     target_dir,
     test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back,
     test_a_sequence_joining_takes_the_step_for_the_others,
+    test_a_sequence_sitting_out_gets_back_the_draws_of_the_steps_queued_for_it,
     test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree,
     test_another_batch_takes_the_step_unless_none_of_it_is_that_step,
     test_decode_rounds_take_the_step_run_ahead_and_give_the_same_tokens,

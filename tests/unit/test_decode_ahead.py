@@ -499,8 +499,10 @@ def test_another_batch_takes_the_step_unless_none_of_it_is_that_step(
             driver.decode("a", "b", rounds=2)
     _same(plain, ahead)
     if change in ("one leaves", "order"):  # each round takes the step for its sequences
-        assert ahead.engine.num_ahead_dropped == depth - 1  # (the steps behind it: the batch's)
+        # and the steps queued behind it, cut to them alike (`Launched.part`): none dropped
+        assert ahead.engine.num_ahead_dropped == 0
         assert ahead.engine.num_ahead_used == 6
+        assert _queued(ahead.engine) == depth
     else:  # a newcomer's round alone, a round asking for hidden states: none of it the step
         assert ahead.engine.num_ahead_dropped >= 1
         assert ahead.engine.num_ahead_used >= 3
@@ -537,8 +539,9 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
     """Seeded sampling gives the same tokens with steps run ahead, also when one is dropped
     (its draws are put back): the greedy prefill's step, dropped by the first sampled round;
     after 3 rounds of "a", "b" the order turns to "b", "a" (taken as well); then "b" leaves and
-    "a" samples on (its share of the step run ahead taken). Unseeded: each run draws at
-    random, so only the counts."""
+    "a" samples on (its share of the step run ahead taken, and of the steps queued behind it:
+    "b"'s draws in them go back with the step's). Unseeded: each run draws at random, so only
+    the counts."""
     plain, ahead = _both(target_dir, device, depth)
     sampling = SamplingParams(temperature=0.8, seed=seed)
     for driver in (plain, ahead):
@@ -551,10 +554,31 @@ def test_sampled_rounds_run_ahead_and_a_dropped_step_gives_its_draws_back(
             driver.round({"a": DraftTree()}, sampling=sampling)
     if seed is not None:
         _same(plain, ahead)
-    # the greedy prefill's, by a sampled round; the steps behind the first "b", "a" round's and
-    # the first round of "a" alone's
-    assert ahead.engine.num_ahead_dropped == depth + 2 * (depth - 1)
+    # the greedy prefill's, by a sampled round (the others taken, cut to the round's sequences)
+    assert ahead.engine.num_ahead_dropped == depth
     assert ahead.engine.num_ahead_used == 2 + 3 + 2
+    _release(plain, ahead)
+
+
+def test_a_sequence_sitting_out_gets_back_the_draws_of_the_steps_queued_for_it(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    """Seeded sampling: "b" decodes alone for two rounds while "a" (alive) sits them out, then
+    both go on. The first of them takes the step run ahead and the steps queued behind it for
+    "b" (`Launched.part`); "a"'s share of all of them is undone: its room past its committed
+    length and its generator's state from before the first of them drew. The tokens are the
+    plain engine's."""
+    plain, ahead = _both(target_dir, device, depth)
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    for driver in (plain, ahead):
+        driver.round(dict.fromkeys("ab", DraftTree()), begin=True, sampling=sampling)
+        for seq_ids in ["ab"] * 3 + ["b"] * 2 + ["ab"] * 2:
+            driver.round(dict.fromkeys(seq_ids, DraftTree()), sampling=sampling)
+    _same(plain, ahead)
+    # every round takes the step run ahead ("b"'s share when "a" rejoins, beside "a"'s own
+    # launch, which drops the steps queued behind it: they were "b"'s alone)
+    assert ahead.engine.num_ahead_used == 3 + 2 + 2
+    assert ahead.engine.num_ahead_dropped == depth - 1
     _release(plain, ahead)
 
 
