@@ -50,7 +50,7 @@ from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
-from verifier.engine import GAP_PHASES
+from verifier.device_waits import GAP_PHASES
 from verifier.hints import NOT_AHEAD_REASONS
 
 

@@ -2,9 +2,13 @@
 
 State per sequence is its SeqKV (page table + kv_committed_len) and its sampling generator.
 A round is validated as a whole before anything changes, so a refused request leaves every
-sequence as it was. The rounds it runs before they are asked for are its mixins': decode steps
-`RunAhead`'s (verifier/run_ahead.py), rounds on the gateway's hints (launched after the answer,
-or chained behind the round in flight) `HintedRounds`' (verifier/hinted_rounds.py).
+sequence as it was. Its mixins, each over the one before: `DeviceWaits` (verifier/device_waits.py:
+how long the device waits between rounds, reported), `RunAhead` (verifier/run_ahead.py: decode
+steps run before they are asked for), `HintedRounds` (verifier/hinted_rounds.py: rounds on the
+gateway's hints, launched after the answer or chained behind the round in flight) and
+`SeqMemory` (verifier/seq_memory.py: a round's checks and room, truncation, release, the
+invariants). This module is the round itself: launch, finish, further decode steps, the forward
+and the acceptance queued on the device, the commit.
 """
 
 from __future__ import annotations
@@ -21,11 +25,8 @@ from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVCache, pool_num_pages
 from specsplit.messages import (
-    Truncated,
-    Truncation,
     VerifyInput,
     VerifyOutput,
-    truncate_each,
 )
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
@@ -41,7 +42,6 @@ from verifier.chain import (
     resolve,
 )
 from verifier.chain_gate import ChainGate
-from verifier.hinted_rounds import HintedRounds
 from verifier.hints import HintBook
 from verifier.round_accept import (
     accepted_hidden,
@@ -56,22 +56,14 @@ from verifier.rounds import (
     VerifyRound,
     decode_step,
     one_tree_shape,
-    validate_round,
 )
+from verifier.seq_memory import SeqMemory
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
 
 log = logging.getLogger(__name__)
 
-# the host work in the device's wait between rounds (VerifierEngine.on_gap): "finish" (a round's
-# results read and committed), then where a hinted round follows, the time until its launch
-# began, "answer" where its hint had come before the finish (the answer built and written
-# first) or "hint" where the hint came after it (the wait for the hint: how late it was), and
-# "launch" (its host work); and "chain": a hinted round chained on the device behind the round
-# in flight (its host work, done while the device runs that round: it leaves no wait)
-GAP_PHASES = ("finish", "answer", "hint", "launch", "chain")
 
-
-class VerifierEngine(HintedRounds):
+class VerifierEngine(SeqMemory):
     def __init__(
         self,
         model: LlamaModel,
@@ -273,14 +265,6 @@ class VerifierEngine(HintedRounds):
             synthetic_acceptance=synthetic_acceptance,
         )
 
-    @property
-    def num_pages_used(self) -> int:
-        return self.kv.allocator.num_used
-
-    @property
-    def num_pages_free(self) -> int:
-        return self.kv.allocator.num_free
-
     def warmup(self) -> None:
         """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
         graphs (on a GPU). Its rounds are not traffic: the decode-ahead counts start after."""
@@ -352,33 +336,6 @@ class VerifierEngine(HintedRounds):
             self._waiting = (ready, {item.seq_id for item in launched.inputs})
         self._finished_ns, self._results_ns = time.perf_counter_ns(), ready
         return outputs
-
-    def _report_gap(self, phase: str, nanoseconds: int) -> None:
-        if self.on_gap is not None:
-            self.on_gap(phase, nanoseconds / 1e9)
-
-    def _report_idle(
-        self, ended: torch.cuda.Event, started: torch.cuda.Event, further: bool = False
-    ) -> None:
-        """The device's idle time from a round's end to the next round's start (both run);
-        further: the next is a round's further decode step."""
-        wanted = (self.on_idle, self.on_step_idle if further else None)
-        reports = [report for report in wanted if report is not None]
-        if reports:
-            seconds = max(0.0, ended.elapsed_time(started)) / 1e3
-            for report in reports:
-                report(seconds)
-
-    def _report_wait(self, nanoseconds: int) -> None:
-        if self.on_wait is not None:
-            self.on_wait(nanoseconds / 1e9)
-
-    def _end_wait(self, seq_ids: Iterable[str]) -> None:
-        """Work for `seq_ids` is queued on the device: the wait since the last finish ends
-        (reported where it was for any of them; forgotten either way)."""
-        waiting, self._waiting = self._waiting, None
-        if waiting is not None and not waiting[1].isdisjoint(seq_ids):
-            self._report_wait(time.perf_counter_ns() - waiting[0])
 
     def can_launch(self, inputs: list[VerifyInput]) -> bool:
         """Whether `inputs` may launch now: always with no round in flight; beside rounds in
@@ -670,72 +627,3 @@ class VerifierEngine(HintedRounds):
             self.kv.trim(kv, max(kv.kv_committed_len, self._held.get(item.seq_id, 0)))
         tokens = item.tree.tokens
         return VerifyOutput(item.seq_id, [tokens[i] for i in nodes], bonus, kv.kv_committed_len)
-
-    # -- checks and memory -----------------------------------------------------------------
-
-    def _validate(self, inputs: list[VerifyInput]) -> None:
-        validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
-
-    def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
-        """Reserve room for pending + tree of every sequence, or nothing at all."""
-        kv = self.kv
-        new_pages = [
-            kv.num_new_pages(
-                seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
-            )
-            for item, seq in zip(inputs, seqs, strict=True)
-        ]
-        need = sum(new_pages)
-        if need > kv.allocator.num_free:
-            for item in inputs:
-                if item.begin:
-                    del self.seqs[item.seq_id]
-            raise ServiceError(
-                Code.RESOURCE_EXHAUSTED,
-                f"verifier KV cache full: round needs {need} pages, {kv.allocator.num_free} free",
-            )
-        for seq, num in zip(seqs, new_pages, strict=True):
-            kv.add_pages(seq.kv, num)
-
-    def truncate(self, items: list[Truncation]) -> list[Truncated]:
-        """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
-        sequence (tokens past a stop point, a turn taken back), free the pages past it, and
-        restart its sampling generator (the next turn draws from its own seed)."""
-        truncated = {item.seq_id for item in items}
-        if self.in_flight(truncated):
-            raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
-        for seq_id in truncated:
-            self.hints.forget(seq_id, released=False)
-        if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
-            self._drop_ahead()  # their next rounds start from the new lengths
-        return truncate_each(items, self.seqs, self._truncate)
-
-    def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
-        seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
-        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
-        seq.generator = None
-        return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
-
-    def release(self, seq_ids: list[str]) -> int:
-        """Free the sequences. A decode step run ahead for some of them stays: the next round
-        takes it for the others (`_take_ahead`); one for none left is dropped. Not while a
-        round in flight holds one of them (`in_flight`: the caller waits for its finish)."""
-        if self.in_flight(seq_ids):
-            raise RuntimeError("verifier: release of a sequence whose round is in flight")
-        released = 0
-        for seq_id in seq_ids:
-            self.hints.forget(seq_id, released=True)
-            seq = self.seqs.pop(seq_id, None)
-            if seq is not None:
-                self.kv.release(seq.kv)
-                released += 1
-        ahead = self._ahead
-        if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
-            self._drop_ahead()
-        return released
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        assert sum(len(s.kv.page_table) for s in self.seqs.values()) == self.kv.allocator.num_used
-        for seq_id, seq in self.seqs.items():
-            assert 0 <= seq.kv.kv_committed_len <= seq.kv.kv_allocated_len, seq_id

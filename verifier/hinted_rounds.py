@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -37,8 +37,6 @@ class HintedRounds(RunAhead):
     _held: dict[str, int]
     _finished_ns: int
     _validate: Callable[[list[VerifyInput]], None]
-    _report_gap: Callable[[str, int], None]
-    _end_wait: Callable[[Iterable[str]], None]
 
     def hint_next(self, hints: list[NextTrees]) -> None:
         """The gateway's hints for rounds in flight (NextTrees): kept by sequence until the

@@ -17,6 +17,7 @@ from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import on_device
 from verifier.ahead_depth import AheadDepth
+from verifier.device_waits import DeviceWaits
 from verifier.rounds import (
     UNKNOWN_TOKEN,
     Launched,
@@ -30,7 +31,7 @@ from verifier.rounds import (
 log = logging.getLogger(__name__)
 
 
-class RunAhead:
+class RunAhead(DeviceWaits):
     # the engine's, which these rounds use
     seqs: dict[str, VerifierSeq]
     kv: KVCache

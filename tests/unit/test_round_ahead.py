@@ -15,7 +15,7 @@ from specsplit.messages import AheadTree, NextTrees, Truncation, VerifyInput
 from specsplit.tree import DraftTree
 from tests.support import save_tiny_llama
 from tests.unit.test_decode_ahead import Driver, _chain, _engine, _release, _same
-from verifier.engine import GAP_PHASES
+from verifier.device_waits import GAP_PHASES
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,95 @@
+"""The verifier's sequences and their KV memory (`SeqMemory`, the last of VerifierEngine's
+mixins, over `HintedRounds`, declaring what else it uses of the engine): a round checked whole
+before anything changes (`_validate`), its room reserved whole or not at all (`_reserve`), a
+session's turn boundary (`truncate`), release, and the invariants (`check_integrity`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from specsplit.errors import Code, ServiceError
+from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
+from verifier.hinted_rounds import HintedRounds
+from verifier.rounds import VerifierSeq, validate_round
+
+
+class SeqMemory(HintedRounds):
+    # the engine's, which these use
+    num_layers: int
+    vocab_size: int
+    in_flight: Callable[[Iterable[str]], bool]
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.kv.allocator.num_used
+
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free
+
+    def _validate(self, inputs: list[VerifyInput]) -> None:
+        validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
+
+    def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
+        """Reserve room for pending + tree of every sequence, or nothing at all."""
+        kv = self.kv
+        new_pages = [
+            kv.num_new_pages(
+                seq.kv, seq.kv.kv_committed_len + len(item.pending_tokens) + len(item.tree)
+            )
+            for item, seq in zip(inputs, seqs, strict=True)
+        ]
+        need = sum(new_pages)
+        if need > kv.allocator.num_free:
+            for item in inputs:
+                if item.begin:
+                    del self.seqs[item.seq_id]
+            raise ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"verifier KV cache full: round needs {need} pages, {kv.allocator.num_free} free",
+            )
+        for seq, num in zip(seqs, new_pages, strict=True):
+            kv.add_pages(seq.kv, num)
+
+    def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
+        sequence (tokens past a stop point, a turn taken back), free the pages past it, and
+        restart its sampling generator (the next turn draws from its own seed)."""
+        truncated = {item.seq_id for item in items}
+        if self.in_flight(truncated):
+            raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
+        for seq_id in truncated:
+            self.hints.forget(seq_id, released=False)
+        if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
+            self._drop_ahead()  # their next rounds start from the new lengths
+        return truncate_each(items, self.seqs, self._truncate)
+
+    def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
+        seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
+        self.kv.trim(seq.kv, seq.kv.kv_committed_len)
+        seq.generator = None
+        return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
+
+    def release(self, seq_ids: list[str]) -> int:
+        """Free the sequences. A decode step run ahead for some of them stays: the next round
+        takes it for the others (`_take_ahead`); one for none left is dropped. Not while a
+        round in flight holds one of them (`in_flight`: the caller waits for its finish)."""
+        if self.in_flight(seq_ids):
+            raise RuntimeError("verifier: release of a sequence whose round is in flight")
+        released = 0
+        for seq_id in seq_ids:
+            self.hints.forget(seq_id, released=True)
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None:
+                self.kv.release(seq.kv)
+                released += 1
+        ahead = self._ahead
+        if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
+            self._drop_ahead()
+        return released
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        assert sum(len(s.kv.page_table) for s in self.seqs.values()) == self.kv.allocator.num_used
+        for seq_id, seq in self.seqs.items():
+            assert 0 <= seq.kv.kv_committed_len <= seq.kv.kv_allocated_len, seq_id
