@@ -194,6 +194,11 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     )
     if used + dropped:
         ahead += f", rounds run ahead on hints used {used:.0f} / {used + dropped:.0f}"
+    used, dropped = (
+        totals[("verifier", f"specsplit_decode_ahead_total:{x}")] for x in ("used", "dropped")
+    )
+    if used + dropped:  # (a dropped one: a step of device time thrown away)
+        ahead += f", decode steps run ahead used {used:.0f} / {used + dropped:.0f}"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     asked = totals[("gateway", "specsplit_decode_steps_count")]
     if asked:  # --decode-steps-adaptive
