@@ -13,6 +13,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     _release,
     target_dir,
     test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back,
+    test_a_round_whose_sequences_stop_at_different_steps_keeps_the_steps_queued,
     test_a_sequence_joining_takes_the_step_for_the_others,
     test_a_sequence_sitting_out_gets_back_the_draws_of_the_steps_queued_for_it,
     test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree,

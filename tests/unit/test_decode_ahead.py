@@ -337,6 +337,24 @@ def test_steps_are_queued_behind_while_the_device_still_runs_each_step(
     assert ahead.engine.num_ahead_dropped == depth and _queued(ahead.engine) == 0
 
 
+def test_a_round_whose_sequences_stop_at_different_steps_keeps_the_steps_queued(
+    target_dir: Path, device: str, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded sampling, the device busy at every look (steps queued behind up to `depth`): in a
+    round where "b" asks for fewer decode steps than "a", the steps after "b"'s last are "a"'s
+    alone and take the queued steps cut to "a" (`Launched.part`; "b"'s share of them undone, its
+    draws put back). The tokens are the plain engine's."""
+    monkeypatch.setattr(VerifyRound, "ready", lambda self: False)
+    plain, ahead = _both(target_dir, device, depth)
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    for driver in (plain, ahead):
+        driver.round(dict.fromkeys("ab", DraftTree()), begin=True, sampling=sampling)
+        for steps in ({"a": 4, "b": 2}, {"a": 3, "b": 1}, {"a": 2, "b": 2}):
+            driver.round(dict.fromkeys("ab", DraftTree()), sampling=sampling, steps=steps)
+    _same(plain, ahead)
+    _release(plain, ahead)
+
+
 def _three_served_rounds(
     engine: VerifierEngine, answered: Callable[[bool], Awaitable[None]]
 ) -> None:
