@@ -154,14 +154,22 @@ for part in "${parts[@]}"; do
       echo "== tests-1 (beside it):"
       grep -v "^\s*$" "$out/tests-1.log" | tail -5 ;;
     tests-par)  # tests/gpu in $TEST_JOBS (default 3) pytest processes at once on the one GPU,
-      # the files dealt round-robin (one call on a one-GPU machine; the two-GPU cases skip there);
-      # each process's output with every test's duration (to deal the files by time later):
-      # $OUT/tests-par-<n>.txt
+      # the files dealt by their measured time (scripts/deal_tests.py, tests/gpu/durations.txt:
+      # longest first, each to the process with the least so far) so that the processes end
+      # together (one call on a one-GPU machine; the two-GPU cases skip there); each process's
+      # output with every test's duration: $OUT/tests-par-<n>.txt (`python3
+      # scripts/deal_tests.py --update tests/gpu/durations.txt <them>` rewrites the table)
       jobs=${TEST_JOBS:-3}
+      mapfile -t dealt < <(python3 scripts/deal_tests.py --jobs "$jobs" tests/gpu/test_*.py)
       pids=()
       for ((j = 0; j < jobs; j++)); do
-        mapfile -t mine < <(printf '%s\n' tests/gpu/test_*.py | awk -v j="$j" -v n="$jobs" \
-          '(NR - 1) % n == j')
+        read -ra mine <<<"${dealt[$j]:-}"
+        if ((${#mine[@]} == 0)); then  # more processes than files (pytest alone runs tests/)
+          : >"$out/tests-par-$j.txt"
+          true &
+          pids+=($!)
+          continue
+        fi
         python3 -m pytest -q -p no:cacheprovider --durations=0 "${mine[@]}" \
           >"$out/tests-par-$j.txt" 2>&1 &
         pids+=($!)
