@@ -40,8 +40,9 @@ SMOOTHING = 0.2  # each observation's weight in the running means (the first's: 
 # back later): not measured
 MAX_TRIP_NS = 20_000_000
 HYSTERESIS = 0.1  # steps the ratio must pass the current depth's range by to change it
-# while batches change (a step run ahead dropped: a sequence joined, or sent what the step is
-# not; one that left no longer drops it, `Launched.part`) at most CHURN_DEPTH steps, until
+# while batches change (a step run ahead dropped: a sequence joined with more than 2 queued, or
+# one sent what the step is not; one that left no longer drops it, `Launched.part`, nor one that
+# joined at depth 2, `RunAhead._join_ahead`) at most CHURN_DEPTH steps, until
 # STABLE_ROUNDS trips in a row came with no drop: under Poisson arrivals on two H200s auto's three
 # queued steps cost newcomers (TTFT p90 38 ms against 18 at 80 requests a second), where two
 # streamed the most tokens (fifty-eighth session)

@@ -418,7 +418,7 @@ class VerifierEngine(SeqMemory):
         taken_at = set(positions)
         others = [i for i in range(len(inputs)) if i not in taken_at]
         # the steps queued behind the step taken (after a round's last step): this round's own
-        # next step, or the next round's, when it goes on with that step's sequences alone
+        # next step, or the next round's (with the others' beside it: `_join_ahead`)
         follower = None
         if taken is not None:
             follower, taken.follower = taken.follower, None
@@ -431,9 +431,11 @@ class VerifierEngine(SeqMemory):
         parts = [] if taken is None else [taken]
         if taken is not None and others:  # copied on the device now: the launch beside it may
             taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
+            if follower is not None:  # (its results: the bonus tokens of the steps behind)
+                follower.packed = follower.packed.clone()
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         running_ahead = self.decode_ahead and not self._in_flight and not hinted
-        if follower is not None and (others or not running_ahead):  # not this round's steps
+        if follower is not None and not running_ahead:  # not this round's steps
             self._drop(follower, room=1)  # (the step taken keeps its room)
             follower = None
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
@@ -441,6 +443,7 @@ class VerifierEngine(SeqMemory):
                 parts.append(self._launch_new([inputs[i] for i in others]))
             except BaseException:
                 if taken is not None:  # nothing of the round is committed: its draws go back
+                    taken.follower = follower  # (and the steps behind it, undone first)
                     self._undo_ahead(taken)
                 raise
         # the next decode step goes to the device before this round is waited for: the GPU
@@ -450,7 +453,8 @@ class VerifierEngine(SeqMemory):
         if running_ahead:
             own_next = all(item.decode_steps > 1 for item in inputs)
             if follower is not None:  # launched behind the step taken, before the request
-                ahead = follower
+                # with the others' next step beside it (a newcomer's), as one step
+                ahead = follower if not others else self._join_ahead(follower, parts[-1])
             else:
                 bonus = [self._bonus_tokens(part) for part in parts]
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)
@@ -483,7 +487,9 @@ class VerifierEngine(SeqMemory):
             resolve(chained.inputs, chained.chain_hints, done)
             ahead = chained
         elif ahead is not None:  # its inputs as the gateway will send them: each bonus token
-            for item, out in zip(ahead.inputs, results, strict=True):
+            # (the round's first results: a step queued behind the step taken may cover that
+            # part alone, the others' launched beside it unable to run ahead: `_join_ahead`)
+            for item, out in zip(ahead.inputs, results[: len(ahead.inputs)], strict=True):
                 item.pending_tokens = [out.bonus_token]
         self._ahead = ahead
         launched.device_ns = sum(part.device_ns() for part in launched.parts)

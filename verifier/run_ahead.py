@@ -18,6 +18,7 @@ from specsplit.messages import VerifyInput
 from specsplit.model.transfer import on_device
 from verifier.ahead_depth import AheadDepth
 from verifier.device_waits import DeviceWaits
+from verifier.round_accept import to_host
 from verifier.rounds import (
     UNKNOWN_TOKEN,
     Launched,
@@ -72,9 +73,8 @@ class RunAhead(DeviceWaits):
         done_seqs = [seq for part in parts for seq in part.seqs]
         if capped and len(done_inputs) > self.decode_ahead_max_batch:
             return None
-        for item in done_inputs:
-            if item.tree or item.hidden_state_layers:
-                return None
+        if not _plain(done_inputs):
+            return None
         # as the round's commit leaves them (the round's items' lengths: a step run ahead's
         # are past its sequences' committed lengths until the rounds before it commit)
         committed = [item.kv_committed_len + len(item.pending_tokens) for item in done_inputs]
@@ -146,6 +146,27 @@ class RunAhead(DeviceWaits):
         follower = self._launch_ahead([last], [self._bonus_tokens(last)])
         last.follower = follower
         return follower is not None and queued + 1 < depth
+
+    def _join_ahead(self, queued: Launched, new: Launched) -> Launched:
+        """The next step of a round that took a step run ahead and launched `new` beside it (a
+        newcomer's prefill, most often), when a step was `queued` behind the one taken: that
+        step, and `new`'s sequences' next step launched now on its bonus tokens, as one step
+        run ahead (`_joined`: the next round takes it whole, the steps queued behind it cover
+        both). Until the sixtieth session the queued step was dropped and one for all launched
+        in its place: at depth 2 a step of device time thrown away a newcomer. The steps queued
+        behind `queued` (depth 3) are dropped first: they are its sequences' alone, and the
+        newcomers' step may take the pages they give back. `queued` alone when `new`'s next
+        step cannot run ahead (a tree, hidden states, no room, past decode_ahead_max_batch
+        together): the next round takes it and launches those sequences beside it again."""
+        if len(queued.inputs) + len(new.inputs) > self.decode_ahead_max_batch:
+            return queued
+        if not _plain(new.inputs):
+            return queued
+        if queued.follower is not None:
+            behind, queued.follower = queued.follower, None
+            self._drop(behind, room=2)  # (the steps taken and queued keep their room)
+        beside = self._launch_ahead([new], [self._bonus_tokens(new)], capped=False)
+        return queued if beside is None else _joined(queued, beside, self.device)
 
     def _bonus_tokens(self, done: Launched) -> torch.Tensor:
         """`done`'s bonus tokens on the device, its inputs' order: a view of its results, or
@@ -244,3 +265,31 @@ class RunAhead(DeviceWaits):
                 seq.generator = None  # the step made it: the next sampled round makes its own
             elif seq.generator is not None:
                 seq.generator.set_state(state)
+
+
+def _plain(items: list[VerifyInput]) -> bool:
+    """Whether a round of `items` may have its next decode step run ahead: no tree, no hidden
+    states."""
+    return not any(item.tree or item.hidden_state_layers for item in items)
+
+
+def _joined(first: Launched, beside: Launched, device: torch.device) -> Launched:
+    """Two decode steps run ahead, the second launched beside the first for other sequences,
+    as one: their inputs, sequences and draws in turn, their results (a decode step's two
+    columns: no drafts accepted, the bonus token) gathered into one tensor queued on the device
+    after both, with its own copy to the host. Its device time is not counted (no `started`:
+    a step's time is measured on steps launched whole)."""
+    first_rows = first.own_results(device)[:, :2]
+    beside_rows = beside.own_results(device)[:, :2].to(first_rows.dtype)
+    packed = torch.cat([first_rows, beside_rows])
+    states = [
+        *(first.generator_states or [None] * len(first.seqs)),
+        *(beside.generator_states or [None] * len(beside.seqs)),
+    ]
+    inputs, seqs = [*first.inputs, *beside.inputs], [*first.seqs, *beside.seqs]
+    if packed.device.type != "cuda":
+        return Launched(inputs, seqs, packed, None, states)
+    host = to_host(packed)
+    copied = torch.cuda.Event(enable_timing=True)
+    copied.record(torch.cuda.current_stream(device))
+    return Launched(inputs, seqs, packed, None, states, host=host, copied=copied)

@@ -427,7 +427,9 @@ def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
     target_dir: Path, device: str, depth: int, drafted: tuple[str, ...]
 ) -> None:
     """A round with trees for some sequences takes the step run ahead for the others and runs
-    the trees beside it; with a tree for every sequence it drops the step."""
+    the trees beside it; the step queued behind it goes on (the next round takes it for those
+    others, and the sequence back to decoding joins them: `_join_ahead`); with a tree for
+    every sequence it drops the step."""
     plain, ahead = _both(target_dir, device, depth)
     for driver in (plain, ahead):
         driver.begin("a", "b")
@@ -437,30 +439,38 @@ def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
         assert outputs[0].accepted_tokens == trees["a"].tokens[:2]
         driver.decode("a", "b", rounds=3)
     _same(plain, ahead)
-    # 3 + 2 decode rounds take theirs (the one after the tree round has none); "b"'s share
-    # in the tree round when it sends none (the steps behind it dropped), else all dropped
+    # 3 + 3 decode rounds and "b"'s share in the tree round when "a" alone sends one (at
+    # depth 1 the round after it has none: the tree's sequence cannot run ahead; above, the
+    # step queued behind "b"'s, and then "a" joins it), else all dropped
     if drafted == ("a",):
-        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, depth - 1)
+        used, dropped = (6, 0) if depth == 1 else (7, depth - 2)
+        assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (used, dropped)
     else:
         assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (5, depth)
     _release(plain, ahead)
 
 
+@pytest.mark.parametrize("seed", [None, 13], ids=["greedy", "sampled"])
 def test_a_sequence_joining_takes_the_step_for_the_others(
-    target_dir: Path, device: str, depth: int
+    target_dir: Path, device: str, depth: int, seed: int | None
 ) -> None:
     """As the gateway sends it, a newcomer's first round beside the running sequences' next
     step: that step is taken, the newcomer's prefill runs beside it, and the next round's step
-    covers both."""
+    covers both: at depth 1 one launched for both, above it the step queued behind the one
+    taken with the newcomer's next step launched beside it, as one (`_join_ahead`; the steps
+    queued behind those, "a"'s alone, dropped). Seeded sampling draws as without them."""
     plain, ahead = _both(target_dir, device, depth)
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
     for driver in (plain, ahead):
-        driver.begin("a")
-        driver.decode("a", rounds=2)
-        driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"})
-        driver.decode("a", "b", rounds=3)
+        driver.round({"a": DraftTree()}, begin=True, sampling=sampling)
+        for _ in range(2):
+            driver.round({"a": DraftTree()}, sampling=sampling)
+        driver.round({"a": DraftTree(), "b": DraftTree()}, begin={"b"}, sampling=sampling)
+        for _ in range(3):
+            driver.round(dict.fromkeys("ab", DraftTree()), sampling=sampling)
     _same(plain, ahead)
-    # the steps behind "a"'s are dropped by the round "b" joins (the next covers both)
-    assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (6, depth - 1)
+    assert ahead.engine.num_ahead_used == 6
+    assert ahead.engine.num_ahead_dropped == max(0, depth - 2)
     _release(plain, ahead)
 
 
@@ -469,10 +479,11 @@ def test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back(
     target_dir: Path, device: str, depth: int, before: int
 ) -> None:
     """A newcomer whose first round drops the steps queued behind the running sequence's
-    (not waited for: on a GPU they may still be running) gets the page they held when the
-    last of them crossed a page boundary (freed pages go out first), and its prefill's K/V
-    land after theirs: the same tokens and K/V as without steps run ahead, wherever the
-    boundary falls ("a" has 7 tokens, pages of 4 slots)."""
+    (those behind the one that goes on: `_join_ahead`; not waited for: on a GPU they may still
+    be running) gets the page they held when the last of them crossed a page boundary (freed
+    pages go out first), and its prefill's K/V land after theirs: the same tokens and K/V as
+    without steps run ahead, wherever the boundary falls ("a" has 7 tokens, pages of 4
+    slots)."""
     plain, ahead = _both(target_dir, device, depth)
     reused = False
     for driver in (plain, ahead):
@@ -483,8 +494,9 @@ def test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back(
         reused |= driver is ahead and bool(held & set(driver.engine.seqs["b"].kv.page_table))
         driver.decode("a", "b", rounds=3)
     _same(plain, ahead)
-    # the steps behind "a"'s first step (slot 7 + before) reach the next page (slot 8 or 12)
-    assert reused == ((before == 0 and depth > 1) or (before == 3 and depth == 3))
+    # "a"'s first step and the one queued behind it go on (`_join_ahead`); the third, at depth
+    # 3 (slot 9 + before), alone reaches a page of its own (slot 12)
+    assert reused == (before == 3 and depth == 3)
     _release(plain, ahead)
 
 
@@ -594,9 +606,10 @@ def test_a_sequence_sitting_out_gets_back_the_draws_of_the_steps_queued_for_it(
             driver.round(dict.fromkeys(seq_ids, DraftTree()), sampling=sampling)
     _same(plain, ahead)
     # every round takes the step run ahead ("b"'s share when "a" rejoins, beside "a"'s own
-    # launch, which drops the steps queued behind it: they were "b"'s alone)
+    # launch; the step queued behind it goes on with "a"'s next step launched beside it, and
+    # the one behind that, "b"'s alone, is dropped: `_join_ahead`)
     assert ahead.engine.num_ahead_used == 3 + 2 + 2
-    assert ahead.engine.num_ahead_dropped == depth - 1
+    assert ahead.engine.num_ahead_dropped == max(0, depth - 2)
     _release(plain, ahead)
 
 
