@@ -158,9 +158,13 @@ for part in "${parts[@]}"; do
       # longest first, each to the process with the least so far) so that the processes end
       # together (one call on a one-GPU machine; the two-GPU cases skip there); each process's
       # output with every test's duration: $OUT/tests-par-<n>.txt (`python3
-      # scripts/deal_tests.py --update tests/gpu/durations.txt <them>` rewrites the table)
+      # scripts/deal_tests.py --update tests/gpu/durations.txt <them>` rewrites the table);
+      # $TEST_FILES: those files alone (space-separated), e.g. a change's GPU tests before a
+      # benchmark in the same call (`TEST_FILES="tests/gpu/a.py tests/gpu/b.py" TEST_JOBS=2
+      # scripts/gpu_suite.sh tests-par serving`)
       jobs=${TEST_JOBS:-3}
-      mapfile -t dealt < <(python3 scripts/deal_tests.py --jobs "$jobs" tests/gpu/test_*.py)
+      read -ra files <<<"${TEST_FILES:-$(echo tests/gpu/test_*.py)}"
+      mapfile -t dealt < <(python3 scripts/deal_tests.py --jobs "$jobs" "${files[@]}")
       pids=()
       for ((j = 0; j < jobs; j++)); do
         read -ra mine <<<"${dealt[$j]:-}"
