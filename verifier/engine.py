@@ -452,9 +452,10 @@ class VerifierEngine(SeqMemory):
         ahead = None
         if running_ahead:
             own_next = all(item.decode_steps > 1 for item in inputs)
-            if follower is not None:  # launched behind the step taken, before the request
-                # with the others' next step beside it (a newcomer's), as one step
-                ahead = follower if not others else self._join_ahead(follower, parts[-1])
+            if follower is not None and not others:  # launched behind the step taken
+                ahead = follower  # (before the request)
+            elif follower is not None:  # with the others' next step beside it, as one step
+                ahead = self._join_ahead(follower, parts[-1], capped=not own_next)
             else:
                 bonus = [self._bonus_tokens(part) for part in parts]
                 ahead = self._launch_ahead(parts, bonus, capped=not own_next)

@@ -147,7 +147,7 @@ class RunAhead(DeviceWaits):
         last.follower = follower
         return follower is not None and queued + 1 < depth
 
-    def _join_ahead(self, queued: Launched, new: Launched) -> Launched:
+    def _join_ahead(self, queued: Launched, new: Launched, capped: bool = True) -> Launched:
         """The next step of a round that took a step run ahead and launched `new` beside it (a
         newcomer's prefill, most often), when a step was `queued` behind the one taken: that
         step, and `new`'s sequences' next step launched now on its bonus tokens, as one step
@@ -157,8 +157,9 @@ class RunAhead(DeviceWaits):
         behind `queued` (depth 3) are dropped first: they are its sequences' alone, and the
         newcomers' step may take the pages they give back. `queued` alone when `new`'s next
         step cannot run ahead (a tree, hidden states, no room, past decode_ahead_max_batch
-        together): the next round takes it and launches those sequences beside it again."""
-        if len(queued.inputs) + len(new.inputs) > self.decode_ahead_max_batch:
+        together, unless not `capped`: `_launch_ahead`): the next round takes it and launches
+        those sequences beside it again."""
+        if capped and len(queued.inputs) + len(new.inputs) > self.decode_ahead_max_batch:
             return queued
         if not _plain(new.inputs):
             return queued

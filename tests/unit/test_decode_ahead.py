@@ -31,7 +31,7 @@ from tests.support import (
 from verifier.ahead_depth import MAX_DEPTH, AheadDepth
 from verifier.engine import VerifierEngine
 from verifier.pipelined import PipelinedRounds
-from verifier.rounds import VerifyRound
+from verifier.rounds import Launched, VerifyRound
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 8], "b": [7, 7, 300, 12]}
 
@@ -471,6 +471,38 @@ def test_a_sequence_joining_takes_the_step_for_the_others(
     _same(plain, ahead)
     assert ahead.engine.num_ahead_used == 6
     assert ahead.engine.num_ahead_dropped == max(0, depth - 2)
+    _release(plain, ahead)
+
+
+def test_a_newcomer_in_a_round_of_several_steps_joins_past_the_batch_cap(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    """A newcomer's first round of 3 decode steps beside the running sequence's: the round's own
+    further steps run ahead at any batch size, so past decode_ahead_max_batch (1 here) the
+    newcomer's next step still joins the step queued behind the one taken."""
+    plain, ahead = _both(target_dir, device, depth)
+    engine = ahead.engine
+    engine.decode_ahead_max_batch = 1
+    joins, join = [], engine._join_ahead  # each join's sequences
+
+    def recorded(queued: Launched, new: Launched, capped: bool = True) -> Launched:
+        joined = join(queued, new, capped)
+        joins.append(sorted(item.seq_id for item in joined.inputs))
+        return joined
+
+    engine._join_ahead = recorded  # type: ignore[method-assign]
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=2)
+        driver.round(dict.fromkeys("ab", DraftTree()), begin={"b"}, steps={"a": 3, "b": 3})
+        driver.round(dict.fromkeys("ab", DraftTree()), steps={"a": 2, "b": 2})
+    _same(plain, ahead)
+    # 2 + the round "b" joins: 1 + 2 further; the next: its further step only (past the cap
+    # nothing runs ahead after a round's last step); the steps queued behind the one that goes
+    # on (depth 3) dropped
+    assert ahead.engine.num_ahead_used == 2 + 3 + 1
+    assert ahead.engine.num_ahead_dropped == max(0, depth - 2)
+    assert joins == ([] if depth == 1 else [["a", "b"]])  # (depth 1 queues no step behind)
     _release(plain, ahead)
 
 
