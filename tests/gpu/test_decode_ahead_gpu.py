@@ -12,6 +12,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     _engine,
     _release,
     target_dir,
+    test_a_newcomer_in_a_round_of_several_steps_joins_past_the_batch_cap,
     test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back,
     test_a_round_whose_sequences_stop_at_different_steps_keeps_the_steps_queued,
     test_a_sequence_joining_takes_the_step_for_the_others,
