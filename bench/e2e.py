@@ -173,7 +173,8 @@ def scrape_totals() -> Totals:
     draft-ahead's rounds, decode steps and hinted rounds run ahead by outcome, (process,
     "specsplit_draft_ahead_total:<outcome>" / "specsplit_decode_ahead_total:<outcome>" /
     "specsplit_round_ahead_total:<outcome>"), the verifier's rounds with none run ahead by
-    reason and the gateway's hints by outcome ("specsplit_round_not_ahead_total:<reason>",
+    reason, its decode steps run ahead and dropped by reason and the gateway's hints by outcome
+    ("specsplit_round_not_ahead_total:<reason>", "specsplit_decode_ahead_dropped_total:<reason>",
     "specsplit_hints_total:<outcome>"), the verifier's host work between rounds by phase
     ("specsplit_verifier_gap_seconds_sum:<phase>" / "..._count:<phase>"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
@@ -209,6 +210,7 @@ _LABELLED = {
     "specsplit_rpc_stage_seconds": ("service", "stage"),
     "specsplit_gc_pause_seconds": ("generation",),
     "specsplit_round_not_ahead_total": ("reason",),
+    "specsplit_decode_ahead_dropped_total": ("reason",),
     "specsplit_hints_total": ("outcome",),
     "specsplit_verifier_gap_seconds": ("phase",),
 }

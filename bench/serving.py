@@ -148,6 +148,9 @@ class Summary:
     # (`specsplit_decode_ahead_total`): a dropped one is a step of device time thrown away
     ahead_used: float = 0.0
     ahead_dropped: float = 0.0
+    # ... those dropped by why (`specsplit_decode_ahead_dropped_total`, verifier/run_ahead.py
+    # DROP_REASONS)
+    dropped_by: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def median(cls, summaries: Sequence[Summary]) -> Summary:
@@ -165,6 +168,19 @@ class Summary:
             tokens_per_chunk=statistics.median(s.tokens_per_chunk for s in summaries),
             ahead_used=statistics.median(s.ahead_used for s in summaries),
             ahead_dropped=statistics.median(s.ahead_dropped for s in summaries),
+            dropped_by={
+                reason: statistics.median(s.dropped_by.get(reason, 0.0) for s in summaries)
+                for reason in {r for s in summaries for r in s.dropped_by}
+            },
+        )
+
+    def ahead(self) -> str:
+        """The steps run ahead: "used / dropped (reason n, ...)"."""
+        reasons = ", ".join(
+            f"{reason} {n:.0f}" for reason, n in sorted(self.dropped_by.items()) if n
+        )
+        return f"{self.ahead_used:.0f} / {self.ahead_dropped:.0f}" + (
+            f" ({reasons})" if reasons else ""
         )
 
     @classmethod
@@ -241,7 +257,7 @@ def report(
     )
     print(
         "| setup | tok/s (vs) | req/s | TTFT p50 / p90 / p99 ms (p50 vs) | TPOT p50 / p90 / p99 ms"
-        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | steps ahead used / dropped"
+        " | chunk gap p50 / p90 / p99 ms | tokens a chunk | steps ahead used / dropped (why)"
         " | streams as the first setup's | tok/s each up |"
     )
     print("|---|---:|---:|---|---|---|---:|---|---:|---|")
@@ -252,7 +268,7 @@ def report(
             f"| {name} | {s.tokens_per_s:.0f} ({s.tokens_per_s / base.tokens_per_s:.2f}x)"
             f" | {s.requests_per_s:.2f} | {ms(s.ttft)} ({s.ttft[0] / base.ttft[0]:.2f}x)"
             f" | {ms(s.tpot)} | {ms(s.gap)} | {s.tokens_per_chunk:.1f}"
-            f" | {s.ahead_used:.0f} / {s.ahead_dropped:.0f} | {same}/{len(outputs)}"
+            f" | {s.ahead()} | {same}/{len(outputs)}"
             f" | {each_up} |"
         )
 
@@ -278,6 +294,12 @@ async def serve_setup(
             )
             summary.ahead_used = after[used] - before[used]
             summary.ahead_dropped = after[dropped] - before[dropped]
+            prefix = "specsplit_decode_ahead_dropped_total:"
+            summary.dropped_by = {
+                key.removeprefix(prefix): after[(process, key)] - before[(process, key)]
+                for process, key in after
+                if process == "verifier" and key.startswith(prefix)
+            }
             results.append((summary, [s.token_ids for s in streams]))
         return results
 

@@ -205,6 +205,14 @@ DECODE_AHEAD = Counter(
     " step of GPU time spent for nothing)",
     ["outcome"],
 )
+DECODE_AHEAD_DROPPED = Counter(
+    "specsplit_decode_ahead_dropped",
+    "Verifier decode steps run ahead and dropped, by why (verifier/run_ahead.py DROP_REASONS):"
+    " 'unasked' (the next round took none of it), 'released', 'truncated', 'joined' (queued"
+    " behind a step that a newcomer joined, depth 3), 'other work' (the next round was hinted or"
+    " beside another in flight), 'failed' (a round failed)",
+    ["reason"],
+)
 ROUND_AHEAD = Counter(
     "specsplit_round_ahead",
     "Verify rounds run on the gateway's draft-ahead hint before they were asked for, by whether "
@@ -428,6 +436,10 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
 
 def count_decode_ahead(outcome: str) -> None:
     _child(DECODE_AHEAD, outcome).inc()
+
+
+def count_decode_ahead_dropped(reason: str) -> None:
+    _child(DECODE_AHEAD_DROPPED, reason).inc()
 
 
 def count_round_ahead(outcome: str) -> None:

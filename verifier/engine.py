@@ -17,6 +17,7 @@ import functools
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -113,7 +114,9 @@ class VerifierEngine(SeqMemory):
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         self.num_ahead_dropped = 0  # ... and that it was not
+        self.num_ahead_dropped_by: Counter[str] = Counter()  # ... by why (DROP_REASONS)
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
+        self.on_decode_ahead_dropped: Callable[[str], None] | None = None  # and its reason
         # the gateway's hints for rounds in flight (`hint_next`); the rounds run ahead on them
         # that the next round was / was not, and a callback for each
         self.hints = HintBook()
@@ -269,12 +272,15 @@ class VerifierEngine(SeqMemory):
         """One prefill + one tree round on a throwaway sequence, then release it; then the CUDA
         graphs (on a GPU). Its rounds are not traffic: the decode-ahead counts start after."""
         report, self.on_decode_ahead = self.on_decode_ahead, None
+        report_drop, self.on_decode_ahead_dropped = self.on_decode_ahead_dropped, None
         wait, self.on_wait = self.on_wait, None
         try:
             with on_device(self.device):
                 warm_up(self)
         finally:
             self.on_decode_ahead, self.on_wait = report, wait
+            self.on_decode_ahead_dropped = report_drop
+            self.num_ahead_dropped_by.clear()
             self._waiting = None
             self.num_ahead_used = self.num_ahead_dropped = 0
             self.num_next_used = self.num_next_dropped = 0
@@ -436,7 +442,7 @@ class VerifierEngine(SeqMemory):
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         running_ahead = self.decode_ahead and not self._in_flight and not hinted
         if follower is not None and not running_ahead:  # not this round's steps
-            self._drop(follower, room=1)  # (the step taken keeps its room)
+            self._drop(follower, "other work", room=1)  # (the step taken keeps its room)
             follower = None
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
@@ -475,7 +481,7 @@ class VerifierEngine(SeqMemory):
             results = [out for part in launched.parts for out in self._finish(part, further)]
         except BaseException:  # (the room held for the chained round: `finally`, then undone)
             self._ahead = launched.chained or ahead
-            self._drop_ahead()
+            self._drop_ahead("failed")
             raise
         finally:
             if self._held:  # (room held for a chained round: rarely any)

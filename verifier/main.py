@@ -68,6 +68,7 @@ async def serve(
     def load() -> VerifierEngine:
         engine = load_engine()
         engine.on_decode_ahead = metrics.count_decode_ahead
+        engine.on_decode_ahead_dropped = metrics.count_decode_ahead_dropped
         engine.on_round_ahead = metrics.count_round_ahead
         engine.hints.on_not_ahead = metrics.count_round_not_ahead
         engine.on_wait = metrics.observe_verifier_wait

@@ -8,6 +8,7 @@ or drops it and gives back its room and draws (`_drop_ahead`, `_undo_ahead`)."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,12 @@ from verifier.rounds import (
 
 log = logging.getLogger(__name__)
 
+# why a decode step run ahead was dropped (`RunAhead.num_ahead_dropped_by`, /metrics'
+# specsplit_decode_ahead_dropped_total): the next round took none of it; its sequences were
+# released or truncated; it was queued behind a step a newcomer joined (`_join_ahead`, depth 3);
+# the next round was hinted or launched beside another in flight; a round failed
+DROP_REASONS = ("unasked", "released", "truncated", "joined", "other work", "failed")
+
 
 class RunAhead(DeviceWaits):
     # the engine's, which these rounds use
@@ -42,9 +49,11 @@ class RunAhead(DeviceWaits):
     ahead_depth: AheadDepth
     num_ahead_used: int
     num_ahead_dropped: int
+    num_ahead_dropped_by: Counter[str]  # by DROP_REASONS
     num_next_used: int
     num_next_dropped: int
     on_decode_ahead: Callable[[str], None] | None
+    on_decode_ahead_dropped: Callable[[str], None] | None  # each dropped step's reason
     on_round_ahead: Callable[[str], None] | None
     _ahead: Launched | None
     _in_flight: list[VerifyRound]
@@ -165,7 +174,7 @@ class RunAhead(DeviceWaits):
             return queued
         if queued.follower is not None:
             behind, queued.follower = queued.follower, None
-            self._drop(behind, room=2)  # (the steps taken and queued keep their room)
+            self._drop(behind, "joined", room=2)  # (the steps that go on keep their room)
         beside = self._launch_ahead([new], [self._bonus_tokens(new)], capped=False)
         return queued if beside is None else _joined(queued, beside, self.device)
 
@@ -197,7 +206,7 @@ class RunAhead(DeviceWaits):
                 positions.append(i)
                 keep.append(j)
         if not keep:
-            self._drop_ahead()
+            self._drop_ahead("unasked")
             return None, []
         self._ahead = None
         self._count_ahead(ahead, "used")
@@ -211,27 +220,29 @@ class RunAhead(DeviceWaits):
             self._undo_ahead(ahead, kept=set(keep))
         return taken, positions
 
-    def _drop_ahead(self) -> None:
-        """Forget the decode step run ahead: give each of its sequences its room and draws back
-        (`_drop`)."""
+    def _drop_ahead(self, reason: str) -> None:
+        """Forget the decode step run ahead (for `reason`, one of DROP_REASONS): give each of
+        its sequences its room and draws back (`_drop`)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            self._drop(ahead)
+            self._drop(ahead, reason)
 
-    def _drop(self, step: Launched, room: int = 0) -> None:
-        """Count `step` dropped, then undo it and the steps behind it (`_undo_ahead`, down to the
-        committed length + `room`) without waiting for the device: it still runs them, and
-        whatever the host launches next runs after them (one stream), so their K/V writes land
-        before any later write to the pages given back, and every host buffer their launches
-        filled (the graphs' mirrors, `to_device`'s staging) is reused only once its copy has run
-        (its event). Until the fifty-eighth session the host waited here for the device: a
-        newcomer whose round dropped queued steps waited for them before its own launch."""
-        self._count_ahead(step, "dropped")
-        self._undo_ahead(step, room=room)
+    def _drop(self, step: Launched, reason: str, room: int = 0) -> None:
+        """Count `step` dropped for `reason`, then undo it and the steps behind it
+        (`_undo_ahead`, down to the committed length + `room`) without waiting for the device:
+        it still runs them, and whatever the host launches next runs after them (one stream),
+        so their K/V writes land before any later write to the pages given back, and every host
+        buffer their launches filled (the graphs' mirrors, `to_device`'s staging) is reused
+        only once its copy has run (its event). Until the fifty-eighth session the host waited
+        here for the device: a newcomer whose round dropped queued steps waited for them before
+        its own launch."""
+        self._count_ahead(step, "dropped", reason)
+        self._undo_ahead(step, room=room, reason=reason)
 
-    def _count_ahead(self, ahead: Launched, outcome: str) -> None:
-        """A round run ahead was taken ("used") or not ("dropped"): a decode step's counts, or
-        a hinted round's (`_launch_next`)."""
+    def _count_ahead(self, ahead: Launched, outcome: str, reason: str = "") -> None:
+        """A round run ahead was taken ("used") or not ("dropped", for `reason`: a decode
+        step's, one of DROP_REASONS): a decode step's counts, or a hinted round's
+        (`_launch_next`)."""
         if ahead.hinted:
             self.num_next_used += outcome == "used"
             self.num_next_dropped += outcome == "dropped"
@@ -239,24 +250,31 @@ class RunAhead(DeviceWaits):
         else:
             self.num_ahead_used += outcome == "used"
             self.num_ahead_dropped += outcome == "dropped"
-            if outcome == "dropped" and self.ahead_depth.auto:
-                self.ahead_depth.observe_drop()
+            if outcome == "dropped":
+                self.num_ahead_dropped_by[reason] += 1
+                if self.on_decode_ahead_dropped is not None:
+                    self.on_decode_ahead_dropped(reason)
+                if self.ahead_depth.auto:
+                    self.ahead_depth.observe_drop()
             report = self.on_decode_ahead
         if report is not None:
             report(outcome)
 
-    def _undo_ahead(self, ahead: Launched, kept: set[int] | None = None, room: int = 0) -> None:
+    def _undo_ahead(
+        self, ahead: Launched, kept: set[int] | None = None, room: int = 0, reason: str = "failed"
+    ) -> None:
         """Each live sequence's share of a step run ahead not taken (all but the indices
         `kept`), and of the steps queued behind it (`Launched.follower`, undone first, the last
-        launched first): free the room they reserved past the committed length + `room` and
-        put back the generator state the step drew from. Their K/V writes sit past the
+        launched first, counted dropped for `reason`: a failed round's unless a drop's): free
+        the room they reserved past the committed length + `room` and put back the generator
+        state the step drew from. Their K/V writes sit past the
         sequence's committed length, where its next round writes again (stream-ordered on a
         GPU, also into pages freed meanwhile: later steps write after them). A released
         sequence has nothing left to undo."""
         if ahead.follower is not None:
             follower, ahead.follower = ahead.follower, None
-            self._count_ahead(follower, "dropped")
-            self._undo_ahead(follower, room=room)
+            self._count_ahead(follower, "dropped", reason)
+            self._undo_ahead(follower, room=room, reason=reason)
         states = ahead.generator_states or [None] * len(ahead.seqs)
         for k, (seq, state) in enumerate(zip(ahead.seqs, states, strict=True)):
             if (kept is not None and k in kept) or self.seqs.get(seq.seq_id) is not seq:

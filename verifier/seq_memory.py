@@ -61,7 +61,7 @@ class SeqMemory(HintedRounds):
         for seq_id in truncated:
             self.hints.forget(seq_id, released=False)
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
-            self._drop_ahead()  # their next rounds start from the new lengths
+            self._drop_ahead("truncated")  # their next rounds start from the new lengths
         return truncate_each(items, self.seqs, self._truncate)
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
@@ -85,7 +85,7 @@ class SeqMemory(HintedRounds):
                 released += 1
         ahead = self._ahead
         if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
-            self._drop_ahead()
+            self._drop_ahead("released")
         return released
 
     def check_integrity(self) -> None:

@@ -445,8 +445,9 @@ def test_a_tree_round_takes_the_step_for_the_sequences_without_a_tree(
     if drafted == ("a",):
         used, dropped = (6, 0) if depth == 1 else (7, depth - 2)
         assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (used, dropped)
-    else:
+    else:  # by the round with a tree for each: it asked for none of the step
         assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (5, depth)
+        assert ahead.engine.num_ahead_dropped_by == {"unasked": depth}
     _release(plain, ahead)
 
 
@@ -471,6 +472,7 @@ def test_a_sequence_joining_takes_the_step_for_the_others(
     _same(plain, ahead)
     assert ahead.engine.num_ahead_used == 6
     assert ahead.engine.num_ahead_dropped == max(0, depth - 2)
+    assert ahead.engine.num_ahead_dropped_by == ({"joined": 1} if depth == 3 else {})
     _release(plain, ahead)
 
 
@@ -591,6 +593,7 @@ def test_truncation_and_refusals_leave_no_step_run_ahead(
         driver.decode("a", rounds=3)
     _same(plain, ahead)
     assert ahead.engine.num_ahead_dropped == depth  # by the truncation (a refusal keeps them)
+    assert ahead.engine.num_ahead_dropped_by == {"truncated": depth}
     _release(plain, ahead)
 
 
@@ -704,14 +707,18 @@ def test_each_step_run_ahead_is_reported_once_and_warm_up_is_not(
 ) -> None:
     engine = _engine(target_dir, True, device, depth=depth)
     reported: list[str] = []
+    reasons: list[str] = []
     engine.on_decode_ahead = reported.append  # the verifier service counts these in /metrics
+    engine.on_decode_ahead_dropped = reasons.append  # and the drops by why
     engine.warmup()  # its rounds are not traffic
     assert reported == [] and engine.num_ahead_used == engine.num_ahead_dropped == 0
+    assert reasons == [] and not engine.num_ahead_dropped_by
     driver = Driver(engine)
     driver.begin("a")
     driver.decode("a", rounds=3)
     engine.release(["a"])
     assert reported == ["used"] * 3 + ["dropped"] * depth
+    assert reasons == ["released"] * depth and engine.num_ahead_dropped_by == {"released": depth}
 
 
 def test_rounds_past_the_batch_limit_run_nothing_ahead(

@@ -77,8 +77,13 @@ def test_setups_take_turns_and_report_medians_over_their_ups(
         return Summary(tokens_per_s, 1.0, (ttft, 2 * ttft, 3 * ttft), (1.0,) * 3, (2.0,) * 3, 4.0)
 
     ups = [summary(100.0, 0.010), summary(300.0, 0.030), summary(200.0, 0.020)]
+    for up, (used, dropped_by) in zip(ups, [(90, {"unasked": 4.0}), (70, {}), (80, {
+        "unasked": 2.0, "released": 6.0})], strict=True):  # fmt: skip
+        up.ahead_used, up.ahead_dropped, up.dropped_by = used, sum(dropped_by.values()), dropped_by
     median = Summary.median(ups)
     assert median.tokens_per_s == 200.0 and median.ttft == pytest.approx((0.02, 0.04, 0.06))
+    # the steps run ahead: medians each (a reason an `up` did not report counts 0 there)
+    assert median.ahead() == "80 / 4 (unasked 2)"
     args = argparse.Namespace(ignore_eos=True, max_new_tokens=8, num_requests=1, seed=0, ups=3)
     tokens = [[1, 2]]
     report(args, "target", math.inf, {
@@ -88,6 +93,7 @@ def test_setups_take_turns_and_report_medians_over_their_ups(
     out = capsys.readouterr().out
     assert "medians over 3 `up`s a setup" in out
     assert "| a | 200 (1.00x) |" in out and "| 100, 300, 200 |" in out
+    assert "| 80 / 4 (unasked 2) |" in out and "| 0 / 0 |" in out
     assert "| b | 400 (2.00x) |" in out and "20.0 / 40.0 / 60.0 (1.00x)" in out
 
 
