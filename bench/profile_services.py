@@ -52,6 +52,7 @@ from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from verifier.device_waits import GAP_PHASES
 from verifier.hints import NOT_AHEAD_REASONS
+from verifier.run_ahead import DROP_REASONS
 
 
 def service_pids(directory: Path) -> list[int]:
@@ -199,6 +200,10 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     )
     if used + dropped:  # (a dropped one: a step of device time thrown away)
         ahead += f", decode steps run ahead used {used:.0f} / {used + dropped:.0f}"
+        key = "specsplit_decode_ahead_dropped_total"
+        why = {x: totals[("verifier", f"{key}:{x}")] for x in DROP_REASONS}
+        if dropped:
+            ahead += " (dropped: " + ", ".join(f"{x} {n:.0f}" for x, n in why.items() if n) + ")"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     asked = totals[("gateway", "specsplit_decode_steps_count")]
     if asked:  # --decode-steps-adaptive
