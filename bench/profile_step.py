@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import verifier.engine as engine_module
+import verifier.device_rounds as device_rounds_module
 import verifier.round_accept as round_accept_module
 from bench.gpu_engine import SHAPES, EngineBench
 from bench.host_phases import clock
@@ -139,7 +139,7 @@ def step_phases(engine: VerifierEngine) -> dict[str, EngineTime]:
     """The engine step's host phases, each timed in place where the engine looks it up (its
     methods on the engine, the functions it imports in its module, round_accept's own helpers
     there); `EngineTime.restore` each to undo."""
-    phases = {"build batch": EngineTime(engine_module, "build_forward_batch")}
+    phases = {"build batch": EngineTime(device_rounds_module, "build_forward_batch")}
     if engine.graphs is not None:
         phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
     phases["eager forward"] = EngineTime(engine.model, "forward")
@@ -147,8 +147,8 @@ def step_phases(engine: VerifierEngine) -> dict[str, EngineTime]:
     phases["commit"] = EngineTime(engine, "_commit")
     phases["validate"] = EngineTime(engine, "_validate")
     phases["sampling inputs"] = EngineTime(round_accept_module, "_sampling_inputs")
-    phases["accepted hidden rows"] = EngineTime(engine_module, "accepted_hidden")
-    phases["hidden states out"] = EngineTime(engine_module, "hidden_states_out")
+    phases["accepted hidden rows"] = EngineTime(device_rounds_module, "accepted_hidden")
+    phases["hidden states out"] = EngineTime(device_rounds_module, "hidden_states_out")
     phases["reserve"] = EngineTime(engine, "_reserve")
     phases["launch ahead"] = EngineTime(engine, "_launch_ahead")
     phases["finish (+ wait)"] = EngineTime(engine, "_finish")

@@ -3,17 +3,18 @@
 State per sequence is its SeqKV (page table + kv_committed_len) and its sampling generator.
 A round is validated as a whole before anything changes, so a refused request leaves every
 sequence as it was. Its mixins, each over the one before: `DeviceWaits` (verifier/device_waits.py:
-how long the device waits between rounds, reported), `RunAhead` (verifier/run_ahead.py: decode
-steps run before they are asked for), `HintedRounds` (verifier/hinted_rounds.py: rounds on the
-gateway's hints, launched after the answer or chained behind the round in flight) and
-`SeqMemory` (verifier/seq_memory.py: a round's checks and room, truncation, release, the
-invariants). This module is the round itself: launch, finish, further decode steps, the forward
-and the acceptance queued on the device, the commit.
+how long the device waits between rounds, reported), `DeviceRounds` (verifier/device_rounds.py:
+a launch's forward and acceptance queued on the device, its results read and committed),
+`RunAhead` (verifier/run_ahead.py: decode steps run before they are asked for), `HintedRounds`
+(verifier/hinted_rounds.py: rounds on the gateway's hints, launched after the answer or chained
+behind the round in flight) and `SeqMemory` (verifier/seq_memory.py: a round's checks and room,
+truncation, release, the invariants). This module is the round itself: launch (the parts run
+ahead taken, the rest launched beside them, the next step run ahead), finish, further decode
+steps.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
@@ -33,30 +34,18 @@ from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.model.transfer import on_device
-from specsplit.step import build_forward_batch, decode_batch, same_tree_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
 from verifier.ahead_depth import AheadDepth
 from verifier.chain import (
-    Chain,
-    place_accept,
-    place_forward,
     resolve,
 )
 from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
-from verifier.round_accept import (
-    accepted_hidden,
-    bend_logits,
-    hidden_states_out,
-    queue_accept,
-    to_host,
-)
 from verifier.rounds import (
     Launched,
     VerifierSeq,
     VerifyRound,
     decode_step,
-    one_tree_shape,
 )
 from verifier.seq_memory import SeqMemory
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
@@ -513,130 +502,3 @@ class VerifierEngine(SeqMemory):
         seqs = [self.seqs[item.seq_id] for item in inputs]
         self._reserve(inputs, seqs)
         return self._launch(inputs, seqs)
-
-    def _launch(
-        self,
-        inputs: list[VerifyInput],
-        seqs: list[VerifierSeq],
-        tokens: torch.Tensor | None = None,
-        chain: Chain | None = None,
-    ) -> Launched:
-        """The round's forward and acceptance queued on the device (their room reserved).
-        tokens: the input ids on the device (a decode step run ahead: its inputs' are not known
-        yet). chain: `inputs` are a chained round's reference, placed on the device on the
-        outcomes that came (verifier/chain.py)."""
-        # the layers the sequences that ask for hidden states name (one set: _validate)
-        aux = next((item.hidden_state_layers for item in inputs if item.hidden_state_layers), ())
-        if not aux and all(len(item.pending_tokens) == 1 and not item.tree for item in inputs):
-            tokens_in = [item.pending_tokens[0] for item in inputs]  # decode steps, as arrays
-            batch, row_slices = decode_batch([seq.kv for seq in seqs], tokens_in, self.kv.page_size)
-        elif one_tree_shape(inputs):  # a round of chains, most often: as arrays too
-            roots = [item.pending_tokens[0] for item in inputs]
-            trees = [item.tree for item in inputs]
-            kvs, page_size = [seq.kv for seq in seqs], self.kv.page_size
-            batch, row_slices = same_tree_batch(kvs, roots, trees, page_size, bool(aux))
-        else:
-            steps = []
-            for item, seq in zip(inputs, seqs, strict=True):
-                p, n = len(item.pending_tokens), len(item.tree)
-                # logits of the root (last pending token) and every tree node; hidden states of
-                # every pending token and node when they are wanted
-                wanted = list(range(p - 1, p + n))
-                step = verify_step(seq.kv, item.pending_tokens, item.tree, wanted)
-                step.hidden_rows = list(range(p + n)) if aux else []
-                steps.append(step)
-            batch, row_slices = build_forward_batch(steps, self.kv.page_size)
-        place = None if chain is None else functools.partial(place_forward, chain=chain)
-        started = None
-        if self.device.type == "cuda":  # before the round's first device work, after its host
-            started = torch.cuda.Event(enable_timing=True)  # building: the device idles there
-            started.record(torch.cuda.current_stream(self.device))
-        out = None
-        if self.graphs is not None:
-            # (views of the graph's outputs: the acceptance and rows below are queued at once)
-            out = self.graphs.forward(batch, aux, tokens=tokens, place=place, views=True)
-        if out is None:
-            on_device = batch.to(self.device)
-            if tokens is not None:
-                on_device.input_ids = tokens.to(torch.int64)
-            if place is not None:
-                place(on_device)
-            out = self.model(on_device, self.kv, aux_layers=aux)
-        # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
-        rows = [range(r.start, r.stop) for r in row_slices]
-        packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table, chain)
-        hidden = None
-        if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
-            hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
-        if packed.device.type != "cuda":
-            return Launched(inputs, seqs, packed, hidden)
-        host = to_host(packed)
-        copied = torch.cuda.Event(enable_timing=True)
-        copied.record(torch.cuda.current_stream(self.device))
-        ids = {item.seq_id for item in inputs}
-        last, self._last_end = self._last_end, (copied, ids)
-        idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]
-        return Launched(
-            inputs, seqs, packed, hidden, host=host, copied=copied, started=started,
-            idle_from=idle_from,
-        )  # fmt: skip
-
-    def _finish(self, launched: Launched, further: bool = False) -> list[VerifyOutput]:
-        """Wait for a launched round's results (its one device-to-host copy) and commit them.
-        further: a round's further decode step (its idle time reported as such too, unless it
-        was launched when the round's request came: `Launched.on_request`)."""
-        whole = launched.result_rows()
-        if self.ahead_depth.auto and launched.generator_states is not None and not launched.hinted:
-            batch_size = len(launched.whole_inputs or launched.inputs)  # a decode step's time
-            self.ahead_depth.observe_step(batch_size, launched.device_ns())
-        if launched.idle_from is not None and launched.started is not None:
-            within = further and not launched.on_request  # (not the trip between rounds)
-            self._report_idle(launched.idle_from, launched.started, within)
-        rows = whole if launched.rows is None else [whole[i] for i in launched.rows]
-        chained = launched.chain_hints is not None  # (room reserved for a tree, placed or not)
-        # each row: the number of accepted nodes a, the bonus token, then the a nodes
-        results = [
-            self._commit(item, seq, row[2 : 2 + row[0]], row[1], trim=chained)
-            for item, seq, row in zip(launched.inputs, launched.seqs, rows, strict=True)
-        ]
-        if launched.hidden is not None:
-            starts = launched.hidden_starts(whole)
-            hidden_states_out(launched.inputs, launched.hidden, results, starts)
-        return results
-
-    def _accept(
-        self,
-        inputs: list[VerifyInput],
-        seqs: list[VerifierSeq],
-        logits: torch.Tensor,  # [L, vocab] on the device
-        rows: list[range],  # per sequence its n + 1 rows of `logits`
-        block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
-        chain: Chain | None = None,
-    ) -> torch.Tensor:
-        """The round's acceptance queued on the device (`queue_accept`), on logits bent to the
-        synthetic acceptance's outcome where that is on (benchmarks only); a chained round's
-        placed on the outcomes that came."""
-        tokens = None if chain is None else chain.tokens
-        if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
-            rng, rates = self._synthetic_rng, self.synthetic_acceptance
-            bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)
-        graphs, kv = self.accept_graphs, self.kv
-        place = None if chain is None else functools.partial(place_accept, chain=chain)
-        return queue_accept(
-            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place
-        )
-
-    def _commit(
-        self, item: VerifyInput, seq: VerifierSeq, nodes: list[int], bonus: int, trim: bool
-    ) -> VerifyOutput:
-        """The accepted path (tree `nodes`, then `bonus`)'s K/V sits right after the pending
-        tokens: commit it, free the rest. trim: free it for a round without a tree too (a
-        chained round placed plain holds its reference tree's room)."""
-        kv = seq.kv
-        kv.kv_committed_len += len(item.pending_tokens) + len(nodes)
-        # a round without a tree reserved its pending tokens' room only (and the decode step
-        # run ahead may hold the next token's already): nothing to free
-        if trim or item.tree:  # (not the room of a round chained behind this one)
-            self.kv.trim(kv, max(kv.kv_committed_len, self._held.get(item.seq_id, 0)))
-        tokens = item.tree.tokens
-        return VerifyOutput(item.seq_id, [tokens[i] for i in nodes], bonus, kv.kv_committed_len)

@@ -14,11 +14,9 @@ from collections.abc import Callable
 import torch
 
 from specsplit.errors import ServiceError
-from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import on_device
-from verifier.ahead_depth import AheadDepth
-from verifier.device_waits import DeviceWaits
+from verifier.device_rounds import DeviceRounds
 from verifier.round_accept import to_host
 from verifier.rounds import (
     UNKNOWN_TOKEN,
@@ -39,14 +37,11 @@ log = logging.getLogger(__name__)
 DROP_REASONS = ("unasked", "released", "truncated", "joined", "other work", "failed")
 
 
-class RunAhead(DeviceWaits):
-    # the engine's, which these rounds use
+class RunAhead(DeviceRounds):
+    # the engine's, which these rounds use (with DeviceRounds')
     seqs: dict[str, VerifierSeq]
-    kv: KVCache
-    device: torch.device
     max_context: int
     decode_ahead_max_batch: int
-    ahead_depth: AheadDepth
     num_ahead_used: int
     num_ahead_dropped: int
     num_ahead_dropped_by: Counter[str]  # by DROP_REASONS
@@ -58,7 +53,6 @@ class RunAhead(DeviceWaits):
     _ahead: Launched | None
     _in_flight: list[VerifyRound]
     _reserve: Callable[[list[VerifyInput], list[VerifierSeq]], None]
-    _launch: Callable[..., Launched]
 
     def _launch_ahead(
         self, parts: list[Launched], bonus: list[torch.Tensor], capped: bool = True

@@ -23,6 +23,7 @@ CLI_ROOT = frozenset(
 )
 TORCH_ENGINES = (
     "verifier.engine",
+    "verifier.device_rounds",
     "verifier.rounds",
     "verifier.hints",
     "verifier.round_accept",

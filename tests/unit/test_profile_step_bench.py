@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import verifier.engine as engine_module
+import verifier.device_rounds as device_rounds_module
 import verifier.round_accept as round_accept_module
 from bench.profile_step import step_phases
 from specsplit.sampling import SamplingParams
@@ -25,7 +25,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_each_phase_counts_the_engines_calls_and_restores(target_dir: Path) -> None:
     engine = _engine(target_dir, decode_ahead=True)
-    originals = (engine_module.build_forward_batch, round_accept_module._sampling_inputs)
+    originals = (device_rounds_module.build_forward_batch, round_accept_module._sampling_inputs)
     phases = step_phases(engine)
     try:
         driver = Driver(engine, layers=(1,))  # hidden-state rows, as an EAGLE drafter asks
@@ -51,5 +51,8 @@ def test_each_phase_counts_the_engines_calls_and_restores(target_dir: Path) -> N
     finally:
         for timer in phases.values():
             timer.restore()
-    assert (engine_module.build_forward_batch, round_accept_module._sampling_inputs) == originals
+    assert (
+        device_rounds_module.build_forward_batch,
+        round_accept_module._sampling_inputs,
+    ) == originals
     assert engine._accept.__func__ is VerifierEngine._accept  # the wrapper gone
