@@ -48,7 +48,7 @@ from verifier.rounds import (
     decode_step,
 )
 from verifier.seq_memory import SeqMemory
-from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, warm_up
+from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_QUERY_LENS, graphs_reserve_bytes, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -222,19 +222,12 @@ class VerifierEngine(SeqMemory):
         """An engine over a loaded model, its KV pool sized as `load` says, on the model's
         device and in its dtype."""
         config, dtype, device = model.config, model.dtype, model.device
-        logits = max_batch_size * max(graph_query_lens, default=1) * config.vocab_size * 4
-        # the prefill graphs' float32 logits of every row, without and with hidden states
-        prefill_rows = PREFILL_MAX_BATCH * sum(PREFILL_QUERY_LENS) if graph_query_lens else 0
         num_pages = pool_num_pages(
             num_pages,
             device,
             kv_cache_bytes_per_token(config, dtype) * page_size,
             kv_memory_fraction,
-            reserve_bytes=2 * logits * len(graph_query_lens)
-            + 2 * prefill_rows * config.vocab_size * 4
-            # the sampled acceptance graphs' logits input and [rows, vocab] intermediates
-            # (probabilities, a top-k / top-p cut's sort below 128 rows: values, int64 order)
-            + (8 * logits if graph_query_lens else 0),
+            reserve_bytes=graphs_reserve_bytes(config.vocab_size, graph_query_lens, max_batch_size),
         )
         kv = make_kv_cache(
             config, num_pages=num_pages, page_size=page_size, dtype=dtype, device=device

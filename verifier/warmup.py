@@ -29,6 +29,21 @@ PREFILL_QUERY_LENS = (32, 64, 128)
 PREFILL_MAX_BATCH = 4
 
 
+def graphs_reserve_bytes(
+    vocab_size: int, graph_query_lens: tuple[int, ...], max_batch_size: int
+) -> int:
+    """The device memory the warm-up's graphs take beyond the weights, kept out of the KV pool
+    (`VerifierEngine.for_model`): each step graph's float32 logits of every row, without and
+    with hidden states, the prefill graphs' alike, and the sampled acceptance graphs' logits
+    input and [rows, vocab] intermediates (probabilities, a top-k / top-p cut's sort below 128
+    rows: values, int64 order). 0 without graphs."""
+    if not graph_query_lens:
+        return 0
+    logits = max_batch_size * max(graph_query_lens) * vocab_size * 4
+    prefill_rows = PREFILL_MAX_BATCH * sum(PREFILL_QUERY_LENS)
+    return 2 * logits * len(graph_query_lens) + 2 * prefill_rows * vocab_size * 4 + 8 * logits
+
+
 class Engine(Protocol):
     """What of `VerifierEngine` the warm-up uses."""
 

@@ -18,7 +18,7 @@ from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
 from verifier.engine import VerifierEngine
-from verifier.warmup import rehearse
+from verifier.warmup import graphs_reserve_bytes, rehearse
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +68,12 @@ def test_drafter_rehearsal_leaves_nothing(models, kind: str) -> None:
     assert engine._rehearse() >= 10  # drafted in every round (EAGLE: from the features)
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs
+
+
+def test_the_kv_pool_keeps_room_for_the_graphs_only_when_there_are_graphs() -> None:
+    assert graphs_reserve_bytes(49152, (), 64) == 0  # eager: every byte to the KV pool
+    # SmolLM2's vocabulary, the default shapes: float32 logits of 64 x 17 rows, twice per step
+    # graph (5) and 8 more for the sampled acceptance, plus 4 prefills of 32 + 64 + 128 rows, twice
+    logits = 64 * 17 * 49152 * 4
+    expected = 2 * logits * 5 + 8 * logits + 2 * 4 * 224 * 49152 * 4
+    assert graphs_reserve_bytes(49152, (1, 4, 5, 9, 17), 64) == expected
