@@ -102,8 +102,7 @@ class VerifierEngine(SeqMemory):
         self._ahead: Launched | None = None  # the decode step launched before it was asked for
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
-        self.num_ahead_dropped = 0  # ... and that it was not
-        self.num_ahead_dropped_by: Counter[str] = Counter()  # ... by why (DROP_REASONS)
+        self.num_ahead_dropped_by: Counter[str] = Counter()  # ... and that it was not, by why
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
         self.on_decode_ahead_dropped: Callable[[str], None] | None = None  # and its reason
         # the gateway's hints for rounds in flight (`hint_next`); the rounds run ahead on them
@@ -264,7 +263,7 @@ class VerifierEngine(SeqMemory):
             self.on_decode_ahead_dropped = report_drop
             self.num_ahead_dropped_by.clear()
             self._waiting = None
-            self.num_ahead_used = self.num_ahead_dropped = 0
+            self.num_ahead_used = 0
             self.num_next_used = self.num_next_dropped = 0
 
     # -- the round -------------------------------------------------------------------------

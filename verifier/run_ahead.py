@@ -43,8 +43,7 @@ class RunAhead(DeviceRounds):
     max_context: int
     decode_ahead_max_batch: int
     num_ahead_used: int
-    num_ahead_dropped: int
-    num_ahead_dropped_by: Counter[str]  # by DROP_REASONS
+    num_ahead_dropped_by: Counter[str]  # decode steps run ahead and dropped, by DROP_REASONS
     num_next_used: int
     num_next_dropped: int
     on_decode_ahead: Callable[[str], None] | None
@@ -53,6 +52,11 @@ class RunAhead(DeviceRounds):
     _ahead: Launched | None
     _in_flight: list[VerifyRound]
     _reserve: Callable[[list[VerifyInput], list[VerifierSeq]], None]
+
+    @property
+    def num_ahead_dropped(self) -> int:
+        """Decode steps run ahead that the next round was not (every reason)."""
+        return sum(self.num_ahead_dropped_by.values())
 
     def _launch_ahead(
         self, parts: list[Launched], bonus: list[torch.Tensor], capped: bool = True
@@ -243,7 +247,6 @@ class RunAhead(DeviceRounds):
             report = self.on_round_ahead
         else:
             self.num_ahead_used += outcome == "used"
-            self.num_ahead_dropped += outcome == "dropped"
             if outcome == "dropped":
                 self.num_ahead_dropped_by[reason] += 1
                 if self.on_decode_ahead_dropped is not None:
