@@ -416,15 +416,15 @@ class VerifierEngine(SeqMemory):
                 trip_ns = time.perf_counter_ns() - self._results_ns
                 self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
-        if taken is not None and others:  # copied on the device now: the launch beside it may
-            taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
-            if follower is not None:  # (its results: the bonus tokens of the steps behind)
-                follower.packed = follower.packed.clone()
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         running_ahead = self.decode_ahead and not self._in_flight and not hinted
         if follower is not None and not running_ahead:  # not this round's steps
             self._drop(follower, "other work", room=1)  # (the step taken keeps its room)
             follower = None
+        if taken is not None and others:  # copied on the device now: the launch beside it may
+            taken.packed = taken.packed.clone()  # reuse the acceptance graph that holds them
+            if follower is not None:  # (its results: the bonus tokens of the steps behind)
+                follower.packed = follower.packed.clone()
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             try:
                 parts.append(self._launch_new([inputs[i] for i in others]))
