@@ -20,7 +20,7 @@ from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.host_expansion import Expansion, HostExpansion, sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
-from specsplit.kv_cache import KVCache, SeqKV
+from specsplit.kv_cache import KVCache, KVPages, SeqKV
 from specsplit.messages import AheadTree
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
@@ -77,7 +77,7 @@ class DraftKVState:
     generator: torch.Generator | None = None
 
 
-class TreeProposer(HostExpansion):
+class TreeProposer(HostExpansion, KVPages):
     """Tree expansion over a model with its own paged KV (`self.kv`); per-sequence state is a
     DraftKVState. Subclasses provide `_step_forward` (one forward over a ForwardBatch) and
     `_forward_frontier` (logits [sum of frontiers, vocab]).
@@ -578,14 +578,6 @@ class TreeProposer(HostExpansion):
 
     def release(self, seq: DraftSeq) -> None:
         self.kv.release(self._seq_kv(seq))
-
-    @property
-    def num_pages_used(self) -> int:
-        return self.kv.allocator.num_used
-
-    @property
-    def num_pages_free(self) -> int:
-        return self.kv.allocator.num_free
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

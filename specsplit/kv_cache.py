@@ -225,3 +225,19 @@ class KVCache:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+
+
+class KVPages:
+    """The pages an engine's KV pool (`kv`) has in use and free, as the services report them
+    (the Release and Truncate answers, the /metrics gauges): the verifier engine's and a
+    model-backed drafter's."""
+
+    kv: KVCache
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.kv.allocator.num_used
+
+    @property
+    def num_pages_free(self) -> int:
+        return self.kv.allocator.num_free

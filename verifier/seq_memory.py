@@ -8,24 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from specsplit.errors import Code, ServiceError
+from specsplit.kv_cache import KVPages
 from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
 from verifier.hinted_rounds import HintedRounds
 from verifier.rounds import VerifierSeq, validate_round
 
 
-class SeqMemory(HintedRounds):
+class SeqMemory(HintedRounds, KVPages):
     # the engine's, which these use
     num_layers: int
     vocab_size: int
     in_flight: Callable[[Iterable[str]], bool]
-
-    @property
-    def num_pages_used(self) -> int:
-        return self.kv.allocator.num_used
-
-    @property
-    def num_pages_free(self) -> int:
-        return self.kv.allocator.num_free
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
         validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
