@@ -200,10 +200,12 @@ def print_round_means(tokens: int, wall: float, totals: Counter) -> None:
     )
     if used + dropped:  # (a dropped one: a step of device time thrown away)
         ahead += f", decode steps run ahead used {used:.0f} / {used + dropped:.0f}"
-        key = "specsplit_decode_ahead_dropped_total"
-        why = {x: totals[("verifier", f"{key}:{x}")] for x in DROP_REASONS}
-        if dropped:
-            ahead += " (dropped: " + ", ".join(f"{x} {n:.0f}" for x, n in why.items() if n) + ")"
+        if dropped:  # by why
+            why = [
+                (x, totals[("verifier", f"specsplit_decode_ahead_dropped_total:{x}")])
+                for x in DROP_REASONS
+            ]
+            ahead += " (dropped: " + ", ".join(f"{x} {n:.0f}" for x, n in why if n) + ")"
     print(f"  accepted tokens per sequence round: {accepted / max(counted, 1):.2f}{ahead}")
     asked = totals[("gateway", "specsplit_decode_steps_count")]
     if asked:  # --decode-steps-adaptive
