@@ -160,7 +160,7 @@ async def serve(
     decode_steps: int = 1,
     adaptive_decode_steps: bool = False,
     decode_steps_quiet_s: float = QUIET_SECONDS,
-    prefill_rounds_one_step: bool = False,
+    prefill_rounds_one_step: bool = True,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:

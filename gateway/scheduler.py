@@ -90,7 +90,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         decode_steps: int = 1,
         adaptive_decode_steps: bool = False,
         decode_steps_quiet_s: float = QUIET_SECONDS,
-        prefill_rounds_one_step: bool = False,
+        prefill_rounds_one_step: bool = True,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
         verify_ahead: bool = True,

@@ -414,10 +414,11 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     prefill_help = (
         "a round that starts a request (its prefill) decodes one step for every request in it,"
         " so the new request's first token streams after that step, not after the others'"
-        " further decode steps (--decode-steps); costs the others a round trip. Off until"
-        " measured (bench/serving.py: time to first token against tokens a second)"
+        " further decode steps (--decode-steps); costs the others a round trip. Under Poisson"
+        " arrivals through `up` on two H200s it cut the time to first token (p50) to"
+        " 0.68-0.83x at the same tokens a second (bench/RESULTS.md)"
     )
-    switch(parser, "--prefill-rounds-one-step", False, prefill_help)
+    switch(parser, "--prefill-rounds-one-step", True, prefill_help)
 
 
 def generation_flags(parser: argparse.ArgumentParser) -> None:

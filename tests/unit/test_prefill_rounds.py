@@ -1,7 +1,8 @@
 """--prefill-rounds-one-step: a round that starts a sequence (its prefill) asks every sequence in
 it for one decode step, so the new sequence's first token streams after that step, not after
-the others' further steps; off, the others take their --decode-steps. Through the in-process
-stack a request that arrives while another decodes gets the target's own tokens either way."""
+the others' further steps (the default); off, the others take their --decode-steps. Through
+the in-process stack a request that arrives while another decodes gets the target's own tokens
+either way."""
 
 from __future__ import annotations
 
@@ -96,7 +97,10 @@ async def _collect(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
 
 
-@pytest.mark.parametrize(("argv", "on"), [([], False), (["--prefill-rounds-one-step"], True)])
+@pytest.mark.parametrize(
+    ("argv", "on"),
+    [([], True), (["--no-prefill-rounds-one-step"], False), (["--prefill-rounds-one-step"], True)],
+)
 def test_up_passes_the_switch_to_the_gateway(argv: list[str], on: bool) -> None:
     gateway = up.child_commands(cli.parse_args(["up", *argv]))["gateway"]
     assert cli.parse_args(gateway[3:]).prefill_rounds_one_step is on
