@@ -273,6 +273,24 @@ def report(
         )
 
 
+def progress(
+    name: str,
+    number: int,
+    seconds: float,
+    workloads: Sequence[tuple[str, float, object, object]],
+    results: Sequence[tuple[Summary, object]],
+) -> str:
+    """One line as an `up` ends (printed at once, so a run cut short by a time limit still
+    shows the `up`s it finished): its setup, how long it took, each workload's tokens a
+    second and TTFT / TPOT p50."""
+    runs = "; ".join(
+        f"{spec} rate {rate:g}: {s.tokens_per_s:.0f} tok/s, TTFT p50 {s.ttft[0] * 1e3:.1f} ms"
+        f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms"
+        for (spec, rate, _, _), (s, _) in zip(workloads, results, strict=True)
+    )
+    return f"`up` {number} ({name}, {seconds:.0f} s): {runs}"
+
+
 async def serve_setup(
     args: argparse.Namespace,
     workloads: list[tuple[str, float, list[gateway_pb2.GenerateRequest], list[float]]],
@@ -350,10 +368,13 @@ def main() -> None:
     flags_of = dict(setups)
     # setup -> per `up`: per workload (Summary, tokens)
     by_setup: dict[str, list[list[tuple[Summary, list[list[int]]]]]] = {n: [] for n in flags_of}
-    for name in up_order(list(flags_of), args.ups):
+    for number, name in enumerate(up_order(list(flags_of), args.ups), start=1):
+        started = time.perf_counter()
         with services(args, flags_of[name]) as sync_stub:
             wait_for_drafter(sync_stub, prompts[0])
             by_setup[name].append(asyncio.run(serve_setup(args, workloads)))
+        seconds = time.perf_counter() - started
+        print(progress(name, number, seconds, workloads, by_setup[name][-1]), flush=True)
     for i, (spec, rate, _, _) in enumerate(workloads):
         per_up = {name: [up[i] for up in ups] for name, ups in by_setup.items()}
         report(args, spec, rate, per_up)

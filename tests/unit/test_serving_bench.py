@@ -19,6 +19,7 @@ from bench.serving import (
     Summary,
     arrivals,
     parse_setup,
+    progress,
     quantiles,
     report,
     run_load,
@@ -95,6 +96,18 @@ def test_setups_take_turns_and_report_medians_over_their_ups(
     assert "| a | 200 (1.00x) |" in out and "| 100, 300, 200 |" in out
     assert "| 80 / 4 (unasked 2) |" in out and "| 0 / 0 |" in out
     assert "| b | 400 (2.00x) |" in out and "20.0 / 40.0 / 60.0 (1.00x)" in out
+
+
+def test_each_up_prints_a_line_as_it_ends() -> None:
+    """So a run cut short by a time limit still shows the `up`s it finished."""
+    first = Summary(2197.4, 17.2, (0.0079, 0.0102, 0.0131), (0.0009,) * 3, (0.003,) * 3, 3.9)
+    second = Summary(8286.0, 64.7, (0.0117, 0.0144, 0.016), (0.0014,) * 3, (0.005,) * 3, 3.9)
+    workloads = [("target", 20.0, None, None), ("target", math.inf, None, None)]
+    line = progress("prefill1", 3, 41.6, workloads, [(first, None), (second, None)])
+    assert line == (
+        "`up` 3 (prefill1, 42 s): target rate 20: 2197 tok/s, TTFT p50 7.9 ms, TPOT p50 0.9 ms"
+        "; target rate inf: 8286 tok/s, TTFT p50 11.7 ms, TPOT p50 1.4 ms"
+    )
 
 
 def test_a_setup_is_a_name_and_up_flags() -> None:
