@@ -96,10 +96,12 @@ class DrafterEngine:
         kv_memory_fraction: float = 0.8,
         target_path: str | None = None,
         graph_catch_up_lens: tuple[int, ...] = CATCH_UP_LENS,
+        max_batch_size: int = 64,
     ) -> DrafterEngine:
         """kind: "model" (a draft checkpoint), "self" (the target's first draft_layers layers),
         "eagle3" (model_path = an EAGLE-3 head, target_path = its target, for the embeddings)
-        or "ngram" (prompt lookup, no weights). graph_catch_up_lens: see __init__ (on a GPU).
+        or "ngram" (prompt lookup, no weights). graph_catch_up_lens, max_batch_size: see
+        __init__ (on a GPU).
         num_pages None: the KV pool is `kv_memory_fraction` of the GPU memory free after the
         weights (specsplit.kv_cache.pool_num_pages; 2048 pages on the CPU)."""
         if kind == "ngram":
@@ -118,6 +120,7 @@ class DrafterEngine:
                     kv_memory_fraction=kv_memory_fraction,
                 ),
                 graph_catch_up_lens=graph_catch_up_lens,
+                max_batch_size=max_batch_size,
             )
         if model_path is None:
             raise ValueError(f"drafter kind {kind!r} needs a model path")
@@ -135,6 +138,7 @@ class DrafterEngine:
                 kv_memory_fraction=kv_memory_fraction,
             ),
             graph_catch_up_lens=graph_catch_up_lens,
+            max_batch_size=max_batch_size,
         )
 
     @property

@@ -40,7 +40,7 @@ from drafter.expansion_steps import (
     split_meta,
 )
 from specsplit.kv_cache import KVCache, SeqKV
-from specsplit.model.cuda_graphs import BATCH_SIZES
+from specsplit.model.cuda_graphs import batch_buckets
 from specsplit.model.transfer import copy_rows
 from specsplit.tree import DraftProbs
 
@@ -97,7 +97,7 @@ class DeviceExpansion(ExpansionSteps):
         self.max_context = max_context
         self.feature = feature
         self.graphs = graphs and kv.device.type == "cuda"
-        self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
+        self.batch_sizes = batch_buckets(max_batch_size)
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
         self.captured: dict[
             tuple[Shape | Ahead, int], tuple[torch.cuda.CUDAGraph, ExpansionInputs]

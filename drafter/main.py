@@ -25,6 +25,7 @@ async def serve(
     num_pages: int | None = None,
     page_size: int = 16,
     graph_catch_up_lens: tuple[int, ...] = (),
+    graph_max_batch: int = 64,
     kv_memory_fraction: float = 0.8,
     grace: float = 5.0,
     tls: TLSFiles | None = None,
@@ -35,8 +36,9 @@ async def serve(
     """Listen on `address`, load the drafter (kind "model", "self", "ngram" or "eagle3") off
     the event loop, SERVING once warm; return after SIGTERM / SIGINT and a graceful stop.
     tls: mutual TLS (specsplit.tls), None = plaintext. graph_catch_up_lens: the draft steps'
-    CUDA graphs (DrafterEngine; on a GPU). num_pages None: the KV pool takes
-    `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU). engine_calls:
+    CUDA graphs (DrafterEngine; on a GPU), for batches up to graph_max_batch. num_pages None:
+    the KV pool takes `kv_memory_fraction` of the GPU's free memory (2048 pages on the CPU).
+    engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop). idle_poll_s: --idle-poll-ms
     (specsplit.lane.LoopPoll). cpu_cores: --cpu-cores."""
     sizes: dict[str, Any] = {"page_size": page_size, "kv_memory_fraction": kv_memory_fraction}
@@ -51,6 +53,7 @@ async def serve(
         device=device,
         dtype=torch_dtype(dtype),
         graph_catch_up_lens=graph_catch_up_lens,
+        max_batch_size=graph_max_batch,
         **sizes,
     )
     on_loop = calls_on_loop(engine_calls, device)

@@ -130,6 +130,9 @@ ENGINE_CALLS = ("auto", "thread", "loop")
 # works through the trip between rounds instead of waiting 3.4 ms a round. One-step rounds at
 # 17-64 sequences (--decode-steps 1, serve-gateway's default) were not measured again at it
 DECODE_AHEAD_MAX_BATCH = 64
+# --graph-max-batch: the largest batch the drafter's and the verifier's CUDA graphs are captured
+# for (a larger round runs eagerly, host-bound); `up` raises it to --max-batch-size
+GRAPH_MAX_BATCH = 64
 MAX_AHEAD_DEPTH = 3  # --decode-ahead-depth (verifier/ahead_depth.py)
 # --decode-ahead-depth: on two H200s (random SmolLM2, target only, fifty-eighth session) 2 steps
 # against 1 streamed 1.00x / 1.01x / 1.11x the tokens a second under Poisson arrivals of 20 / 80
@@ -178,6 +181,12 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
         " not)"
     )
     flag(parser, "--idle-poll-ms", 0.0, poll_help, type=float)
+    graph_batch_help = (
+        "drafter and verifier: the largest batch their CUDA graphs are captured for (on a"
+        " GPU; a larger round runs eagerly, host-bound), at most 256; `up` passes the larger of"
+        " it and --max-batch-size"
+    )
+    flag(parser, "--graph-max-batch", GRAPH_MAX_BATCH, graph_batch_help, type=graph_max_batch)
 
 
 def verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +278,18 @@ def decode_ahead(args: argparse.Namespace, device: str) -> bool:
     if args.decode_ahead == "auto":
         return device.startswith("cuda") and bool(graph_query_lens(args))
     return bool(args.decode_ahead == "on")
+
+
+def graph_max_batch(value: str) -> int:
+    """--graph-max-batch's value: an integer in [1, 256] (the largest of the graphs' buckets,
+    specsplit/model/cuda_graphs.py BATCH_SIZES)."""
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 0 < size <= 256:
+        raise argparse.ArgumentTypeError(f"{size} is not in [1, 256]")
+    return size
 
 
 def graph_query_lens(args: argparse.Namespace, name: str = "cuda_graphs") -> tuple[int, ...]:

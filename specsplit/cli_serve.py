@@ -84,6 +84,7 @@ def serve_drafter(args: argparse.Namespace) -> int:
             draft_layers=args.draft_layers,
             target_path=target_path,
             graph_catch_up_lens=graph_query_lens(args, "draft_cuda_graphs"),
+            graph_max_batch=args.graph_max_batch,
             kv_memory_fraction=(
                 DRAFTER_KV_MEMORY_FRACTION
                 if args.draft_kv_memory_fraction is None
@@ -107,6 +108,7 @@ def serve_verifier(args: argparse.Namespace) -> int:
         )
     graphs = {
         "graph_query_lens": graph_query_lens(args),
+        "graph_max_batch": args.graph_max_batch,
         "kv_memory_fraction": args.kv_memory_fraction,
         "decode_ahead": decode_ahead(args, kwargs["device"]),
         "decode_ahead_max_batch": args.decode_ahead_max_batch,

@@ -98,6 +98,8 @@ def child_commands(
     engine += ["--engine-calls", args.engine_calls]
     engine += _opt("--idle-poll-ms", args.idle_poll_ms)
     engine += _opt("--num-pages", args.num_pages)
+    # graphs for every batch the gateway may send (a larger round would run eagerly)
+    engine += ["--graph-max-batch", str(max(args.graph_max_batch, args.max_batch_size))]
     device = ["--device", args.device]
     drafter = ["--drafter", args.drafter, "--device", args.drafter_device or args.device]
     drafter += _opt("--draft-model", args.draft_model) + _opt("--draft-layers", args.draft_layers)

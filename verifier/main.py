@@ -29,6 +29,7 @@ async def serve(
     engine_calls: str = "auto",
     idle_poll_s: float = 0.0,
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
+    graph_max_batch: int = 64,
     kv_memory_fraction: float = 0.8,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
@@ -41,7 +42,8 @@ async def serve(
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
-    plaintext. graph_query_lens, kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
+    plaintext. graph_query_lens, graph_max_batch (the engine's max_batch_size: its graphs'
+    largest batch), kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
     decode_ahead_depth (verifier/ahead_depth.py, 0 = auto),
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
@@ -58,6 +60,7 @@ async def serve(
         page_size=page_size,
         kv_memory_fraction=kv_memory_fraction,
         graph_query_lens=graph_query_lens,
+        max_batch_size=graph_max_batch,
         decode_ahead=decode_ahead,
         decode_ahead_max_batch=decode_ahead_max_batch,
         synthetic_acceptance=synthetic_acceptance,

@@ -29,7 +29,15 @@ from specsplit.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
+# a runner's batch buckets: these below its largest (`max_batch_size`, --graph-max-batch), then it
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes graphs are captured for, up to `max_batch_size` (a batch pads to the
+    smallest that holds it)."""
+    return [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
+
 
 # The forward a runner captures: (batch, aux_layers, features) -> logits (and hidden states) of
 # every row. features: [T, feature_width] per-token inputs besides the tokens (an EAGLE head's
@@ -56,7 +64,7 @@ class CudaGraphRunner:
         self.kv = kv
         self.device = kv.device
         self.features = features
-        self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
+        self.batch_sizes = batch_buckets(max_batch_size)
         self.max_pages = -(-(max_context + max_query_len) // kv.page_size)
         self.max_query_len = max_query_len
         self.q_sizes: dict[int, list[int]] = {}  # each captured q's batch buckets

@@ -137,3 +137,33 @@ def test_a_prefill_replays_a_graph_of_its_own_batch_limit(target: Path) -> None:
     for seq in [*seqs, prompt]:
         kv.release(seq)
     kv.check_integrity()
+
+
+def test_a_batch_past_64_replays_the_bucket_of_96(target: Path) -> None:
+    """`--graph-max-batch 96` (`up --max-batch-size 96`): a decode step of 70 sequences replays
+    the 96 bucket's graph, its logits those of the eager forward."""
+    model, config = load_model(str(target), torch.float32, "cuda")
+    kv = make_kv_cache(config, 2 * 70 + 8, 16, torch.float32, "cuda")
+    seqs = []
+    for i in range(70):
+        seq = kv.new_seq()
+        kv.reserve(seq, 6)
+        batch, _ = build_forward_batch([causal_step(seq, [3 + i % 50, 4, 5, 6, 7], [])], 16)
+        model(batch.to("cuda"), kv)
+        seq.kv_committed_len = 5
+        seqs.append(seq)
+    runner = CudaGraphRunner.for_model(model, kv, max_context=256, max_batch_size=96)
+    runner.capture(1)
+    assert runner.sizes(1)[-3:] == [48, 64, 96]
+    batch, _ = build_forward_batch(
+        [causal_step(s, [8 + i % 40], [0]) for i, s in enumerate(seqs)], 16
+    )
+    assert runner.plan(batch) == (1, 96)
+    want = model(batch.to("cuda"), kv)
+    got = runner.forward(batch, ())
+    assert got is not None
+    difference = (got.logits - want.logits).abs().max()
+    assert torch.allclose(got.logits, want.logits, atol=1e-4), difference
+    for seq in seqs:
+        kv.release(seq)
+    kv.check_integrity()

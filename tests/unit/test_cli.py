@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -630,3 +631,64 @@ def test_a_cpu_multiplies_bf16_natively_with_amx_or_avx512_bf16(
         else:
             monkeypatch.setattr(torch.cpu, name, lambda present=present: present)
     assert cpu_has_bf16() is native
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        ([], 64),  # graphs up to the default, above the gateway's 32
+        (["--max-batch-size", "128"], 128),  # every batch the gateway may send
+        (["--max-batch-size", "8", "--graph-max-batch", "96"], 96),
+    ],
+)
+def test_up_captures_graphs_for_every_batch_the_gateway_may_send(
+    argv: list[str], want: int
+) -> None:
+    """A round larger than the services' graphs runs eagerly (host-bound on a GPU): `up`
+    passes both of them the larger of --graph-max-batch and the gateway's --max-batch-size."""
+    commands = up.child_commands(cli.parse_args(["up", *argv]))
+    for name in ("verifier", "drafter"):
+        assert _child_args(commands[name]).graph_max_batch == want
+
+
+@pytest.mark.parametrize("value", ["0", "257", "x"])
+def test_graph_max_batch_is_between_1_and_256(value: str) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve-verifier", "--graph-max-batch", value])
+
+
+def test_serve_commands_hand_the_graphs_largest_batch_to_their_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """serve-verifier and serve-drafter pass --graph-max-batch on (the engines' max_batch_size)."""
+    import drafter.main
+    import verifier.main
+    from specsplit import cli_serve
+
+    seen: dict[str, int] = {}
+
+    async def fake_serve(name: str, *args: object, graph_max_batch: int, **kwargs: object) -> None:
+        seen[name] = graph_max_batch
+
+    monkeypatch.setattr(verifier.main, "serve", partial(fake_serve, "verifier"))
+    monkeypatch.setattr(drafter.main, "serve", partial(fake_serve, "drafter"))
+    cli_serve.serve_verifier(cli.parse_args(["serve-verifier", "--graph-max-batch", "96"]))
+    cli_serve.serve_drafter(cli.parse_args(["serve-drafter", "--graph-max-batch", "128"]))
+    assert seen == {"verifier": 96, "drafter": 128}
+
+
+@pytest.mark.parametrize(
+    ("largest", "buckets"),
+    [
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+        (128, [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]),
+        (100, [1, 2, 4, 8, 16, 32, 48, 64, 96, 100]),
+        (8, [1, 2, 4, 8]),
+    ],
+)
+def test_graphs_past_64_take_buckets_of_96_and_up(largest: int, buckets: list[int]) -> None:
+    """A batch of 65 pads to 96, not to the largest batch (the verifier's and the drafter's
+    graphs alike)."""
+    from specsplit.model.cuda_graphs import batch_buckets
+
+    assert batch_buckets(largest) == buckets

@@ -147,3 +147,10 @@ def test_bad_draft_is_refused_and_changes_nothing(
     assert engine.num_pages_used == pages
     engine.release(["live"])
     assert engine.num_pages_used == 0
+
+
+def test_load_sizes_the_graphs_for_the_batch_asked(draft_dir: Path) -> None:
+    """--graph-max-batch reaches the engine: its CUDA graphs (on a GPU) cover batches up to it."""
+    engine = DrafterEngine.load("model", str(draft_dir), num_pages=16, max_batch_size=96)
+    assert engine.max_batch_size == 96
+    assert DrafterEngine.load("model", str(draft_dir), num_pages=16).max_batch_size == 64
