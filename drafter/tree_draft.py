@@ -16,18 +16,18 @@ from typing import TypeVar
 
 import torch
 
+from drafter.draft_ahead import DraftAhead, rows_of
 from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.host_expansion import Expansion, HostExpansion, sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, KVPages, SeqKV
-from specsplit.messages import AheadTree
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.transfer import on_device
 from specsplit.sampling import make_generator
-from specsplit.step import SeqStep, build_forward_batch, causal_step
+from specsplit.step import SeqStep, build_forward_batch
 from specsplit.tree import DraftTree
 
 # catch-up lengths captured as CUDA graphs: a round's accepted drafts + bonus (a chain of 3
@@ -77,7 +77,7 @@ class DraftKVState:
     generator: torch.Generator | None = None
 
 
-class TreeProposer(HostExpansion, KVPages):
+class TreeProposer(HostExpansion, DraftAhead, KVPages):
     """Tree expansion over a model with its own paged KV (`self.kv`); per-sequence state is a
     DraftKVState. Subclasses provide `_step_forward` (one forward over a ForwardBatch) and
     `_forward_frontier` (logits [sum of frontiers, vocab]).
@@ -262,55 +262,12 @@ class TreeProposer(HostExpansion, KVPages):
         """A catch-up forward on the device (drafter/expansion.py CatchUpForward)."""
         return self._frontier_outputs(batch, self._catch_up_features(batch))
 
-    # -- draft-ahead -----------------------------------------------------------------------
-
-    def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
-        """Draft-ahead, while the verifier verifies `job.verifying` (a chain) for each job's
-        root: the chain's nodes go through the draft model as the expansion would run them
-        (each reads its parent's output), and at each accept length k (0..len) the draft's
-        `ahead_guesses` likeliest tokens other than the chain's next one are the guessed
-        bonus tokens. Each outcome (k drafts accepted, then bonus b) is drafted in a fork of the
-        sequence's KV (KVCache.fork: the prefix and the k nodes shared): b goes through the
-        model, reading node k's output as a node does (EAGLE: the head's own features where
-        the target's do not exist yet), then the next round's tree expands from it. Forks and
-        node entries are scratch, freed before returning."""
-        with on_device(self.device):
-            forks: list[DraftSeq] = []
-            try:
-                return self._propose_ahead(jobs, forks)
-            finally:
-                self._flush_rows()
-                for fork in forks:
-                    self.kv.release(self._seq_kv(fork))
-                for job in jobs:
-                    self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
-
-    def _propose_ahead(self, jobs: list[DraftJob], forks: list[DraftSeq]) -> list[list[AheadTree]]:
-        drafting, steps = self._root_steps(jobs)
-        fused = self._fused_ahead(jobs, drafting, steps)
-        if fused is not None:
-            return fused
-        drafting, root_logits, root_features = self._run_roots(drafting, steps)
-        chains = [job for job in drafting if job.verifying is not None and job.verifying.is_chain]
-        rows = {id(job): i for i, job in enumerate(drafting)}
-        ahead: dict[int, list[AheadTree]] = {}
-        on_device = [job for job in chains if self._ahead_on_device_ok(job)]
-        if on_device:
-            ahead.update(self._ahead_on_device(on_device, rows, root_logits, root_features))
-        in_forks = [job for job in chains if not self._ahead_on_device_ok(job)]
-        if in_forks:
-            ahead.update(self._ahead_in_forks(in_forks, rows, root_logits, root_features, forks))
-        return [ahead.get(id(job), []) for job in jobs]
+    # -- the device expansion's keys ------------------------------------------------------
 
     def _expands_on_device(self, job: DraftJob) -> bool:
         """Whether `job`'s trees expand on the device (DeviceExpansion): all of them, trees,
         greedy and sampled chains, where `device_expansion` is on."""
         return self.device_expansion and job.spec.num_steps > 0
-
-    def _ahead_on_device_ok(self, job: DraftJob) -> bool:
-        """Whether `job`'s draft-ahead runs on the device (expand_ahead): deterministic trees
-        and greedy chains; sampled chains draft ahead in forks."""
-        return self._expands_on_device(job) and not sampled_chain(job)
 
     def _fused_key(
         self,
@@ -346,23 +303,6 @@ class TreeProposer(HostExpansion, KVPages):
         fused = dataclasses.replace(keys.pop(), catch_up=q)
         return fused if self._expansion().ready(fused, len(jobs)) else None
 
-    def _fused_ahead(
-        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
-    ) -> list[list[AheadTree]] | None:
-        """Draft-ahead with the catch-up in the same device run (`_fused_key`): a draft-ahead
-        call's usual batch, every job verifying a chain and drafting ahead on the device. None
-        otherwise."""
-
-        def key_of(job: DraftJob) -> Ahead | None:
-            ok = job.verifying is not None and job.verifying.is_chain
-            return _ahead_key(job) if ok and self._ahead_on_device_ok(job) else None
-
-        key = self._fused_key(jobs, drafting, steps, key_of)
-        if not isinstance(key, Ahead):
-            return None
-        ahead = self._expand_ahead(key, jobs, None, None, [step.input_ids for step in steps])
-        return [ahead[id(job)] for job in jobs]
-
     def _fused_expand(
         self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
     ) -> list[DraftTree] | None:
@@ -396,131 +336,6 @@ class TreeProposer(HostExpansion, KVPages):
             ),
         )
         return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
-
-    def _ahead_on_device(
-        self,
-        jobs: list[DraftJob],
-        rows: dict[int, int],
-        root_logits: torch.Tensor,
-        root_features: torch.Tensor | None,
-    ) -> dict[int, list[AheadTree]]:
-        """Draft-ahead for `jobs` as one device run per (chain length, guesses, shape):
-        DeviceExpansion.expand_ahead (a graph's replay on a GPU)."""
-        groups: dict[Ahead, list[DraftJob]] = {}
-        for job in jobs:
-            groups.setdefault(_ahead_key(job), []).append(job)
-        ahead: dict[int, list[AheadTree]] = {}
-        for key, group in groups.items():
-            logits, features = _rows_of(root_logits, root_features, [rows[id(j)] for j in group])
-            ahead.update(self._expand_ahead(key, group, logits, features))
-        return ahead
-
-    def _expand_ahead(
-        self,
-        key: Ahead,
-        jobs: list[DraftJob],
-        root_logits: torch.Tensor | None,
-        root_features: torch.Tensor | None,
-        catch_ups: list[list[int]] | None = None,
-    ) -> dict[int, list[AheadTree]]:
-        """DeviceExpansion.expand_ahead of `key` for `jobs` (by id: each outcome's tree)."""
-        seqs = [self._seq_kv(job.seq) for job in jobs]
-        for kv in seqs:
-            self.kv.reserve(kv, kv.kv_committed_len + key.width)
-        chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
-        found = self._carrying(
-            key.catch_up if catch_ups else 0,
-            lambda new_rows: self._expansion().expand_ahead(
-                key, seqs, root_logits, root_features, chains, catch_ups, new_rows
-            ),
-        )
-        return {
-            id(job): [
-                AheadTree([*chain[:k], bonus], select_tree(candidates, job.spec))
-                for k, bonus, candidates in outcomes
-            ]
-            for job, outcomes, chain in zip(jobs, found, chains, strict=True)
-        }
-
-    def _ahead_in_forks(
-        self,
-        chains: list[DraftJob],
-        rows: dict[int, int],
-        root_logits: torch.Tensor,
-        root_features: torch.Tensor | None,
-        forks: list[DraftSeq],
-    ) -> dict[int, list[AheadTree]]:
-        """Draft-ahead a step at a time, each outcome in a fork of the sequence's KV: the
-        reference of the device run, and the path of sampled chains."""
-        runs = [Expansion(job) for job in chains]
-        if root_features is not None:
-            for run in runs:
-                run.node_hidden[-1] = root_features[rows[id(run.job)]]
-        # [len + 1, vocab] per chain: the logits at the root, then at each node
-        logits = [[root_logits[rows[id(run.job)]]] for run in runs]
-        for depth in range(1, max(len(job.verifying or ()) for job in chains) + 1):
-            active = [i for i, run in enumerate(runs) if len(run.job.verifying or ()) >= depth]
-            for i in active:
-                run = runs[i]
-                assert run.job.verifying is not None
-                run.frontier = [run.add(run.job.verifying.tokens[depth - 1], depth - 2, 0.0)]
-            rows_out = self._forward_frontier([runs[i] for i in active])
-            for i, row in zip(active, rows_out, strict=True):
-                logits[i].append(row)
-        guesses = self._guesses(runs, logits)
-        outcomes: list[tuple[int, int, int]] = []  # (run, k accepted, bonus)
-        steps, features = [], []
-        for i, (run, per_k) in enumerate(zip(runs, guesses, strict=True)):
-            parent = self._seq_kv(run.job.seq)
-            base = parent.kv_committed_len
-            for k, bonus_tokens in enumerate(per_k):
-                for bonus in bonus_tokens:
-                    kv = self.kv.fork(parent, base + k)
-                    self.kv.reserve(kv, base + k + 1 + run.job.spec.max_draft_tokens)
-                    state = dataclasses.replace(self._state(run.job.seq), kv=kv, generator=None)
-                    forks.append(DraftSeq(run.job.seq.seq_id, state=state))
-                    outcomes.append((i, k, bonus))
-                    steps.append(causal_step(kv, [bonus], [0], start=base + k))
-                    if run.node_hidden:
-                        features.append(run.node_hidden[k - 1])
-        if not steps:
-            return {}
-        bonus_logits, bonus_features = self._forward_rows(
-            steps, torch.stack(features) if features else None
-        )
-        fork_jobs = []
-        for fork, (i, _, _) in zip(forks, outcomes, strict=True):
-            self._seq_kv(fork).kv_committed_len += 1
-            job = runs[i].job
-            fork_jobs.append(DraftJob(fork, job.spec, job.sampling))
-        trees = self._expand(fork_jobs, bonus_logits, bonus_features)
-        ahead: dict[int, list[AheadTree]] = {}
-        for (i, k, bonus), tree in zip(outcomes, trees, strict=True):
-            job = runs[i].job
-            assert job.verifying is not None
-            ahead.setdefault(id(job), []).append(
-                AheadTree([*job.verifying.tokens[:k], bonus], tree)
-            )
-        return ahead
-
-    @staticmethod
-    def _guesses(runs: list[Expansion], logits: list[list[torch.Tensor]]) -> list[list[list[int]]]:
-        """Per chain, per accept length k, the guessed bonus tokens: the draft's likeliest at
-        node k (the root for k = 0) but the chain's own next node, which the verifier rejected
-        if it stopped there (greedy). One host read for the batch."""
-        g = max(run.job.ahead_guesses for run in runs)
-        flat = torch.stack([row for per_chain in logits for row in per_chain])
-        top = flat.topk(min(g + 1, flat.shape[1]), dim=-1).indices.tolist()
-        out, row = [], 0
-        for run, per_chain in zip(runs, logits, strict=True):
-            chain = run.job.verifying.tokens if run.job.verifying is not None else []
-            per_k = []
-            for k in range(len(per_chain)):
-                others = [t for t in top[row + k] if k >= len(chain) or t != chain[k]]
-                per_k.append(others[: run.job.ahead_guesses])
-            out.append(per_k)
-            row += len(per_chain)
-        return out
 
     def _forward_rows(
         self, steps: list[SeqStep], features: torch.Tensor | None
@@ -604,12 +419,12 @@ class TreeProposer(HostExpansion, KVPages):
                 on_host.append(i)
 
         for shape, idx in groups.items():
-            roots = _rows_of(root_logits, root_features, idx)
+            roots = rows_of(root_logits, root_features, idx)
             grown = self._expand_shape(shape, [jobs[i] for i in idx], *roots)
             for i, tree in zip(idx, grown, strict=True):
                 trees[i] = tree
         if on_host:
-            roots = _rows_of(root_logits, root_features, on_host)
+            roots = rows_of(root_logits, root_features, on_host)
             grown = self._expand_on_host([jobs[i] for i in on_host], *roots)
             for i, tree in zip(on_host, grown, strict=True):
                 trees[i] = tree
@@ -660,22 +475,3 @@ def _expansion_key(job: DraftJob) -> Shape:
     """The device expansion of `job`'s tree (a chain at its shared length)."""
     spec = job.spec
     return Shape(spec.topk, max(spec.num_steps, job.expand_steps), sampled_chain(job))
-
-
-def _ahead_key(job: DraftJob) -> Ahead:
-    """The device expansion of `job`'s draft-ahead (a chain being verified)."""
-    assert job.verifying is not None
-    return Ahead(len(job.verifying), job.ahead_guesses, Shape(job.spec.topk, job.spec.num_steps))
-
-
-def _rows_of(
-    logits: torch.Tensor, features: torch.Tensor | None, rows: list[int]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`rows` of the roots' logits [D, vocab] and features [D, width] (or None): the tensors
-    themselves when `rows` are all of them in order (most rounds: one group), else a gather
-    (its index crosses to the device first)."""
-    if rows == list(range(logits.shape[0])):
-        return logits, features
-    index = torch.tensor(rows, device=logits.device)
-    picked = None if features is None else features.index_select(0, index)
-    return logits.index_select(0, index), picked

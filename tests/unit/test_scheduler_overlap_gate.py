@@ -144,19 +144,20 @@ def test_gated_overlap_keeps_groups_where_draft_and_verify_grow_with_the_batch(
     models, smollm2_tokenizer
 ) -> None:
     """Draft and Verify each take 10 ms a sequence: a group's Verify hides the other group's
-    draft, so groups commit about twice the tokens per second of serial rounds (draft-ahead,
-    its guesses seldom right with a random draft model, about what serial rounds do; with its
-    misses plain it would come near groups here, and is left out). Four measured rounds a mode:
-    over two, one stall of a loaded CI machine in groups' rounds could put draft-ahead ahead
-    (groups 60 against draft-ahead 78 tokens/s once, where runs give ~80 against ~57)."""
-    stack = _gated_stack(models, smollm2_tokenizer, modes=THREE, window=4)
+    draft, so groups commit about twice the tokens per second of serial rounds (80 against 44
+    here). Draft-ahead is left out: it ran 0.75-0.8x groups here (59-64 tokens/s), close
+    enough that one stall of a loaded machine in groups' measured rounds put it ahead (twice in
+    two sessions' CI-sized runs, at two and at four rounds a mode). The gate's choice among
+    three modes: `test_overlap_gate_explores_each_mode_in_order_then_keeps_the_fastest`."""
+    modes = ("groups", "serial")
+    stack = _gated_stack(models, smollm2_tokenizer, modes=modes, window=4)
     gate, timed = _timed_run(stack, 4, seed=3, verify_delay=0.0, per_seq_delay=0.01)
     rates = _rates(gate, 4)
     assert None not in rates.values(), rates
     assert gate.mode(4) == "groups", rates
-    assert gate.num_switches >= 3  # explored draft-ahead and serial rounds, then back
+    assert gate.num_switches >= 2  # explored serial rounds, then back
     assert timed.overlapping_drafts() > 0
-    assert _gauges(4, THREE) == (1, 0, 0)
+    assert _gauges(4, modes) == (1, 0)
 
 
 def test_gated_overlap_drafts_ahead_where_its_guesses_hit(models, smollm2_tokenizer) -> None:
