@@ -23,7 +23,6 @@ from specsplit.tree import DraftTree
 
 if TYPE_CHECKING:
     from drafter.expansion import DeviceExpansion
-    from drafter.tree_draft import DraftKVState
 
 
 class DraftAhead:
@@ -49,7 +48,7 @@ class DraftAhead:
     _expansion: Callable[[], DeviceExpansion]
     _carrying: Callable[[int, Callable[[PoolRows | None], Any]], Any]
     _flush_rows: Callable[[], None]
-    _state: Callable[[DraftSeq], DraftKVState]
+    _state: Callable[[DraftSeq], Any]  # its DraftKVState (drafter/tree_draft.py imports this)
     _seq_kv: Callable[[DraftSeq], SeqKV]
     kept_len: Callable[[DraftSeq], int]
     _forward_frontier: Callable[[list[Expansion]], torch.Tensor]
