@@ -2,8 +2,9 @@
 and sessions as an extension: POST /v1/sessions, DELETE /v1/sessions/{id}, and a `session_id`
 field in a completions or chat body (its prompt or messages are the session's next turn).
 
-    JSON body -> OpenAIRequest (parsed here) -> build_request (the validation the gRPC API uses)
-    -> the scheduler's chunks -> one JSON response, or SSE `data: {...}` chunks and `data: [DONE]`
+    JSON body -> OpenAIRequest (gateway/openai_body.py) -> build_request (the validation the
+    gRPC API uses) -> the scheduler's chunks -> one JSON response, or SSE `data: {...}` chunks
+    and `data: [DONE]`
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 parameter, 404 for an unknown route or model, 503 while the backend is unavailable. A client that
@@ -21,240 +22,33 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 
 from gateway.auth import ApiKeys
+from gateway.openai_body import (
+    Kind,
+    OpenAIError,
+    OpenAIRequest,
+    body_field,
+    choice,
+    from_service_error,
+    parse_request,
+    usage,
+)
 from gateway.request import (
-    CHAT_ROLES,
     DEFAULT_LIMITS,
     Chunk,
     GenerationRequest,
-    InvalidField,
     Limits,
     ModelInfo,
     build_request,
 )
 from gateway.servicer import NOT_TAKING_REQUESTS, ChunkSource
-from specsplit.errors import Code, ServiceError
-from specsplit.sampling import SamplingParams
+from specsplit.errors import ServiceError
 
 log = logging.getLogger(__name__)
-
-Kind = Literal["completion", "chat"]
-HTTP_STATUS = {
-    Code.INVALID_ARGUMENT: 400,
-    Code.NOT_FOUND: 404,
-    Code.FAILED_PRECONDITION: 409,
-    Code.RESOURCE_EXHAUSTED: 429,
-    Code.UNAVAILABLE: 503,
-    Code.INTERNAL: 500,
-}
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",  # a route called with the wrong method
-    409: "invalid_request_error",  # a session turn while another runs
-    413: "invalid_request_error",  # a body over the gateway's message limit
-    429: "rate_limit_error",  # the gateway's waiting queue is full
-    503: "service_unavailable",
-}
-# The domain's field names (gateway.request) as OpenAI calls them.
-OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the context
-
-
-class OpenAIError(Exception):
-    """An HTTP error in OpenAI's JSON shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        error_type = ERROR_TYPES.get(self.status, "server_error")
-        code = "model_not_found" if self.param == "model" and self.status == 404 else None
-        code = "rate_limit_exceeded" if self.status == 429 else code
-        return {
-            "error": {
-                "message": self.message,
-                "type": error_type,
-                "param": self.param,
-                "code": code,
-            }
-        }
-
-
-def _bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, f"{param}: {message}", param)
-
-
-def from_service_error(err: ServiceError, kind: Kind) -> OpenAIError:
-    if not isinstance(err, InvalidField):
-        return OpenAIError(HTTP_STATUS[err.code], err.message)
-    param = "messages" if err.field == "prompt" and kind == "chat" else err.field
-    param = OPENAI_PARAMS.get(param, param)
-    message = err.message.removeprefix("sampling.").replace(err.field, param)
-    return OpenAIError(400, message, param)
-
-
-# -- request parsing -------------------------------------------------------------------------
-
-
-@dataclass
-class OpenAIRequest:
-    """The fields of a completions / chat completions body this server acts on."""
-
-    kind: Kind
-    prompt_kind: Literal["text", "chat", "token_ids"]
-    prompt: Any  # str, list of token ids, or a list of {"role", "content"}
-    max_tokens: int | None
-    sampling: SamplingParams
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    session_id: str | None = None  # extension: a session's turn (POST /v1/sessions)
-
-
-def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
-    """body[name], checked against `types` (bools are not numbers); null = default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(name, f"expected a number, got {value!r}")
-    if not isinstance(value, types):
-        raise _bad(name, f"wrong type {type(value).__name__}")
-    return value
-
-
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
-
-
-def _prompt(body: dict[str, Any], kind: Kind) -> tuple[Any, Any]:
-    """(prompt_kind, prompt) of a body: one text or token-id prompt, or the chat messages."""
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages", "must be a non-empty list of {role, content}")
-        return "chat", [_message(i, m) for i, m in enumerate(messages)]
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return "text", prompt
-    if _int_list(prompt):
-        return "token_ids", prompt
-    raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
-
-
-def _message(i: int, message: Any) -> dict[str, str]:
-    """messages[i] as {"role", "content"}: a known role; content a string, text parts or null."""
-    if not isinstance(message, dict):
-        raise _bad(f"messages[{i}]", "must be an object with a role and a content")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise _bad(f"messages[{i}].content", "only text content parts are supported")
-        content = "".join(p["text"] for p in content)
-    if content is not None and not isinstance(content, str):
-        raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
-    return {"role": role, "content": content or ""}
-
-
-def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
-    """Type checks and OpenAI's defaults; range checks are build_request's."""
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "the body must be a JSON object")
-    if _get(body, "n", int, 1) != 1:
-        raise _bad("n", "only n = 1 is supported")
-    if _get(body, "best_of", int, 1) != 1:
-        raise _bad("best_of", "only best_of = 1 is supported")
-    for name in ("echo", "logprobs", "top_logprobs", "suffix", "tools", "logit_bias"):
-        if body.get(name) not in (None, False, 0, "", [], {}):
-            raise _bad(name, "not supported")
-    prompt_kind, prompt = _prompt(body, kind)
-    max_tokens = _get(body, "max_completion_tokens", int, None)
-    max_tokens = _get(body, "max_tokens", int, max_tokens)
-    if max_tokens is None and kind == "completion":
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-    top_k = _get(body, "top_k", int, 0)
-    sampling = SamplingParams(
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        top_k=0 if top_k == -1 else top_k,  # -1 = off, as in vLLM
-        seed=_get(body, "seed", int, None),
-    )
-    stop = _get(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", "must be a string or a list of strings")
-    stop_token_ids = _get(body, "stop_token_ids", list, [])
-    if not _int_list(stop_token_ids):
-        raise _bad("stop_token_ids", "must be a list of token ids")
-    options = _get(body, "stream_options", dict, {})
-    return OpenAIRequest(
-        kind=kind,
-        prompt_kind=prompt_kind,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_get(body, "ignore_eos", bool, False),
-        stream=_get(body, "stream", bool, False),
-        include_usage=bool(options.get("include_usage", False)),
-        session_id=_get(body, "session_id", str, None) or None,
-    )
-
-
-# -- response shapes -------------------------------------------------------------------------
-
-
-def usage(last: Chunk) -> dict[str, Any]:
-    """OpenAI's usage block plus the speculative stats under "specsplit"."""
-    stats = last.stats
-    return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "specsplit": {
-            "rounds": stats.rounds if stats else 0,
-            "num_accepted_drafts": stats.num_accepted_drafts if stats else 0,
-            "mean_accepted_tokens": stats.mean_accepted_tokens if stats else 0.0,
-            "num_reused_tokens": stats.num_reused_tokens if stats else 0,
-        },
-    }
-
-
-def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool) -> dict:
-    """choices[0] of a response (stream=False) or of a streamed chunk; text None = no delta."""
-    body: dict[str, Any] = {"index": 0}
-    if kind == "completion":
-        body["text"] = text or ""
-    elif stream:
-        body["delta"] = {} if text is None else {"content": text}
-    else:
-        body["message"] = {"role": "assistant", "content": text}
-    return {**body, "logprobs": None, "finish_reason": finish_reason}
-
-
-# -- the server ------------------------------------------------------------------------------
 
 
 class OpenAIServer:
@@ -360,7 +154,7 @@ class OpenAIServer:
         body = await request.json() if request.can_read_body else {}
         if not isinstance(body, dict):
             raise OpenAIError(400, "the body must be a JSON object")
-        ttl = _get(body, "ttl_seconds", (int, float), None)
+        ttl = body_field(body, "ttl_seconds", (int, float), None)
         if self.draining:
             raise OpenAIError(503, NOT_TAKING_REQUESTS)
         try:
