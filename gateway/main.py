@@ -136,7 +136,7 @@ async def serve(
     drafter_address: str,
     verifier_address: str,
     default_spec: SpecParams,
-    max_batch_size: int = 32,
+    max_batch_size: int = 64,
     grace: float = 5.0,
     http_listen: str | None = None,
     served_model_name: str | None = None,

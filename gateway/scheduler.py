@@ -74,7 +74,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: tuple[int, ...],
         default_spec: SpecParams,
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         model_name: str = "",
         hidden_state_layers: tuple[int, ...] = (),
         adaptive_spec: bool = False,

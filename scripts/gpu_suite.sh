@@ -726,10 +726,13 @@ for part in "${parts[@]}"; do
       # NAME=FLAG each, space-separated, e.g. prefill1=--prefill-rounds-one-step)
       # $SERVING_MODEL: another checkpoint (e.g. "$SMOLLM2_GGUF": real weights, the shipped
       # head's real acceptance), $SERVING_SPEC: the requests' draft shape(s) (target default),
-      # $SERVING_UPS: `up`s a setup, in turn (medians; default 1)
+      # $SERVING_UPS: `up`s a setup, in turn (medians; default 1); $SERVING_BASE: the setups
+      # measured before $SERVING_SETUPS (default "default= steps4=--decode-steps=4")
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
-      setups=(--setup default= --setup steps4=--decode-steps=4)
-      for setup in ${SERVING_SETUPS:-}; do setups+=(--setup "$setup"); done
+      setups=()
+      for setup in ${SERVING_BASE:-default= steps4=--decode-steps=4} ${SERVING_SETUPS:-}; do
+        setups+=(--setup "${setup//,/ }")  # NAME=FLAG,FLAG: one setup's flags
+      done
       run serving python3 bench/serving.py --model "${SERVING_MODEL:-/tmp/smollm2_random}" \
         "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
         --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \

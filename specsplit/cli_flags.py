@@ -133,6 +133,12 @@ DECODE_AHEAD_MAX_BATCH = 64
 # --graph-max-batch: the largest batch the drafter's and the verifier's CUDA graphs are captured
 # for (a larger round runs eagerly, host-bound); `up` raises it to --max-batch-size
 GRAPH_MAX_BATCH = 64
+# --max-batch-size: through `up` on two H200s (SmolLM2-135M, sixty-second session, bench/serving.py)
+# 64 against 32 streamed 2.13x the tokens a second with 256 requests all at once (random weights;
+# TTFT p50 0.36x, TPOT unchanged) and, with the real weights and the speculation gate on (`up`'s
+# default), 1.38x all at once (TTFT p50 0.31x) and the same at 20 requests a second; 128 streamed
+# 2.04x with twice 64's time per output token
+MAX_BATCH_SIZE = 64
 MAX_AHEAD_DEPTH = 3  # --decode-ahead-depth (verifier/ahead_depth.py)
 # --decode-ahead-depth: on two H200s (random SmolLM2, target only, fifty-eighth session) 2 steps
 # against 1 streamed 1.00x / 1.01x / 1.11x the tokens a second under Poisson arrivals of 20 / 80
@@ -340,7 +346,7 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--topk", 1, "default children per draft node; 1 = a chain", type=int)
     nodes_help = "default draft tree nodes; none = num_steps * topk"
     flag(parser, "--num-draft-tokens", None, nodes_help, type=optional_int)
-    flag(parser, "--max-batch-size", 32, "sequences per round", type=int)
+    flag(parser, "--max-batch-size", MAX_BATCH_SIZE, "sequences per round", type=int)
     switch(
         parser,
         "--adaptive-spec",

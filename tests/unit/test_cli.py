@@ -46,7 +46,7 @@ def test_every_subcommand_has_a_handler() -> None:
                 "num_steps": 3,
                 "topk": 1,
                 "num_draft_tokens": None,
-                "max_batch_size": 32,
+                "max_batch_size": 64,
                 "adaptive_spec": False,
                 "adaptive_ladder": None,
             },
