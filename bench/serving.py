@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.acceptance import bundled_prompts
-from bench.e2e import scrape_totals, services, wait_for_drafter
+from bench.e2e import Totals, scrape_overlap_modes, scrape_totals, services, wait_for_drafter
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -151,6 +151,8 @@ class Summary:
     # ... those dropped by why (`specsplit_decode_ahead_dropped_total`, verifier/run_ahead.py
     # DROP_REASONS)
     dropped_by: dict[str, float] = field(default_factory=dict)
+    # the gateway's gates during the run (`gate_note`): "" where neither measured a round
+    gates: str = ""
 
     @classmethod
     def median(cls, summaries: Sequence[Summary]) -> Summary:
@@ -195,6 +197,24 @@ class Summary:
             gap=quantiles([g for s in streams for g in s.gaps]),
             tokens_per_chunk=num_tokens / sum(len(s.chunks) for s in streams),
         )
+
+
+def gate_note(before: Totals, after: Totals, modes: dict[int, str]) -> str:
+    """What the gateway's gates did during a run: the speculation gate's rounds by kind
+    (speculating, plain, resuming) with their mean wall time, and the overlap gate's round kind
+    per batch bucket at its end. Why a setup speculated slower or faster than another."""
+    kinds = []
+    for kind in ("speculating", "plain", "resuming"):
+        count, total = (
+            after[("gateway", f"specsplit_gate_{kind}_round_seconds_{part}")]
+            - before[("gateway", f"specsplit_gate_{kind}_round_seconds_{part}")]
+            for part in ("count", "sum")
+        )
+        if count:
+            kinds.append(f"{kind} {count:.0f} ({total / count * 1e3:.1f} ms)")
+    rounds = "rounds " + ", ".join(kinds) if kinds else ""
+    chosen = " ".join(f"b{bucket} {mode}" for bucket, mode in sorted(modes.items()))
+    return "; ".join(part for part in (rounds, f"overlap {chosen}" if chosen else "") if part)
 
 
 def parse_setup(text: str) -> tuple[str, tuple[str, ...]]:
@@ -282,10 +302,10 @@ def progress(
 ) -> str:
     """One line as an `up` ends (printed at once, so a run cut short by a time limit still
     shows the `up`s it finished): its setup, how long it took, each workload's tokens a
-    second and TTFT / TPOT p50."""
+    second and TTFT / TPOT p50, and what the gateway's gates did (`gate_note`)."""
     runs = "; ".join(
         f"{spec} rate {rate:g}: {s.tokens_per_s:.0f} tok/s, TTFT p50 {s.ttft[0] * 1e3:.1f} ms"
-        f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms"
+        f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms" + (f" [{s.gates}]" if s.gates else "")
         for (spec, rate, _, _), (s, _) in zip(workloads, results, strict=True)
     )
     return f"`up` {number} ({name}, {seconds:.0f} s): {runs}"
@@ -318,6 +338,7 @@ async def serve_setup(
                 for process, key in after
                 if process == "verifier" and key.startswith(prefix)
             }
+            summary.gates = gate_note(before, after, scrape_overlap_modes())
             results.append((summary, [s.token_ids for s in streams]))
         return results
 

@@ -137,6 +137,23 @@ random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_
   [[ -d /tmp/smollm2_random ]] ||
     python3 bench/random_model.py /tmp/smollm2_random --tokenizer "$SPECSPLIT_TEST_TOKENIZER"
 }
+serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part says; $SERVING_DRAFTER:
+  # the drafter's flags, $SERVING_EXTRA: a flag added to every setup)
+  local setups=() setup
+  for setup in ${SERVING_BASE:-default= steps4=--decode-steps=4} ${SERVING_SETUPS:-}; do
+    setup="${setup//,/ }"  # NAME=FLAG,FLAG: one setup's flags
+    if [[ -n ${SERVING_EXTRA:-} ]]; then
+      if [[ -n ${setup#*=} ]]; then setup="$setup $SERVING_EXTRA"; else setup="$setup$SERVING_EXTRA"; fi
+    fi
+    setups+=(--setup "$setup")
+  done
+  # shellcheck disable=SC2086  # $SERVING_DRAFTER and the lists are words
+  run serving python3 bench/serving.py --model "${SERVING_MODEL:-/tmp/smollm2_random}" \
+    "${devices[@]}" ${SERVING_DRAFTER:---drafter eagle3 --draft-model specsplit/data/eagle3-smollm2} \
+    --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
+    --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
+    --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}"
+}
 for part in "${parts[@]}"; do
   case $part in
     tests) run tests python3 -m pytest -q -p no:cacheprovider --durations=15 tests/gpu ;;
@@ -729,15 +746,17 @@ for part in "${parts[@]}"; do
       # $SERVING_UPS: `up`s a setup, in turn (medians; default 1); $SERVING_BASE: the setups
       # measured before $SERVING_SETUPS (default "default= steps4=--decode-steps=4")
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
-      setups=()
-      for setup in ${SERVING_BASE:-default= steps4=--decode-steps=4} ${SERVING_SETUPS:-}; do
-        setups+=(--setup "${setup//,/ }")  # NAME=FLAG,FLAG: one setup's flags
-      done
-      run serving python3 bench/serving.py --model "${SERVING_MODEL:-/tmp/smollm2_random}" \
-        "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-        --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
-        --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
-        --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" ;;
+      serving ;;
+    serving8b)  # serving's Poisson arrivals on the 8B-shaped mirror target (random weights) and
+      # its one-layer draft model, each setup with --synthetic-acceptance 0.8,0.7,0.6 (timing
+      # only: the outputs are not the target's), $SERVING_SPEC default "target default",
+      # $SERVING_BASE default "spec= gate=--speculation-gate=on" (bench/serving.py forces
+      # speculation on default-spec requests unless a setup turns the gate on)
+      mirror_8b
+      SERVING_MODEL=/tmp/mirror8b SERVING_SPEC=${SERVING_SPEC:-target default} \
+        SERVING_BASE=${SERVING_BASE:-spec= gate=--speculation-gate=on} \
+        SERVING_DRAFTER="--drafter model --draft-model /tmp/mirror8b_draft" \
+        SERVING_EXTRA="--synthetic-acceptance=0.8,0.7,0.6" serving ;;
     target-split)  # issue 8's split on target-only rounds: the decode step in process (rounds of
       # 4 steps, the next step run ahead), then target-only streams through the services at
       # batch 1 / 8 / 32, $SPLIT_TOKENS (default 1024) tokens each, two runs a batch (random

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from bench.serving import (
     Stream,
     Summary,
     arrivals,
+    gate_note,
     parse_setup,
     progress,
     quantiles,
@@ -108,6 +110,24 @@ def test_each_up_prints_a_line_as_it_ends() -> None:
         "`up` 3 (prefill1, 42 s): target rate 20: 2197 tok/s, TTFT p50 7.9 ms, TPOT p50 0.9 ms"
         "; target rate inf: 8286 tok/s, TTFT p50 11.7 ms, TPOT p50 1.4 ms"
     )
+
+
+def test_a_run_notes_the_gates_rounds_by_kind_and_the_overlap_modes_chosen() -> None:
+    """Where a setup's speculation ran slower, the note says which rounds the gates ran."""
+    before = Counter({("gateway", "specsplit_gate_speculating_round_seconds_count"): 10.0})
+    before[("gateway", "specsplit_gate_speculating_round_seconds_sum")] = 0.1
+    after = Counter(before)
+    after[("gateway", "specsplit_gate_speculating_round_seconds_count")] += 40
+    after[("gateway", "specsplit_gate_speculating_round_seconds_sum")] += 0.4
+    after[("gateway", "specsplit_gate_plain_round_seconds_count")] += 4
+    after[("gateway", "specsplit_gate_plain_round_seconds_sum")] += 0.02
+    assert gate_note(before, after, {8: "groups", 1: "serial"}) == (
+        "rounds speculating 40 (10.0 ms), plain 4 (5.0 ms); overlap b1 serial b8 groups"
+    )
+    assert gate_note(before, before, {}) == ""
+    summary = Summary(100.0, 1.0, (0.01,) * 3, (0.002,) * 3, (0.004,) * 3, 2.0, gates="x")
+    line = progress("a", 1, 3.0, [("default", 20.0, None, None)], [(summary, None)])
+    assert line.endswith("TPOT p50 2.0 ms [x]")
 
 
 def test_a_setup_is_a_name_and_up_flags() -> None:
