@@ -54,20 +54,24 @@ class GroupRounds:
         the next Verify), and (`early_verify`) that group's Verify goes out as soon as its trees
         come, so the verifier has it before this one is done (it runs the two back to back;
         "groups-early" rounds). The verified
-        group's outputs are committed next round. A sequence with no tree drafted ahead (new,
-        or after a fault) is drafted first; with one group empty a round commits, drafts and
-        verifies in turn. A round that fails commits what it can first: the last round's
-        outputs and the early Verify's."""
-        self._assign_groups(running)
+        group's outputs are committed next round. A new sequence joins the smaller group, on a
+        tie the one drafted this round (`_assign_groups`); one with no tree drafted ahead (new
+        in the verified group, or after a fault) is drafted first; with one group empty a
+        round commits, drafts and verifies in turn. A round that fails commits what it can
+        first: the last round's outputs and the early Verify's."""
         early, self._early = self._early, None
         if early is not None:
             turn, verify, trees, verifying = early
         else:
             turn = (
                 self._turn
-                if any(self._group[s.seq_id] == self._turn for s in running)
+                if any(self._group.get(s.seq_id) == self._turn for s in running)
                 else 1 - self._turn
             )
+        self._assign_groups(running, turn)
+        if early is None:
+            if not any(self._group[s.seq_id] == turn for s in running):
+                turn = 1 - turn  # all of them new: the group they joined
             verify = [seq for seq in running if self._group[seq.seq_id] == turn]
         self._turn = 1 - turn
         sent = {id(seq) for seq in verify}
@@ -188,13 +192,20 @@ class GroupRounds:
             self._commit_and_stream(pending)
         return landed or pending is not None
 
-    def _assign_groups(self, running: list[Sequence]) -> None:
-        """Forget sequences that left; a new one joins the smaller group."""
+    def _assign_groups(self, running: list[Sequence], verified: int) -> None:
+        """Forget sequences that left; a new one joins the smaller group, on a tie the one
+        drafted this round (not `verified`, the group this round verifies). There it is
+        drafted while this round's Verify runs; in the verified group its first Draft would
+        hold that Verify back (or, with the group's Verify sent early without it, wait a
+        round)."""
         ids = {seq.seq_id for seq in running}
         for gone in [seq_id for seq_id in self._group if seq_id not in ids]:
             del self._group[gone]
             self._drafted.pop(gone, None)
+        sizes = [list(self._group.values()).count(g) for g in (0, 1)]
+        drafted = 1 - verified
         for seq in running:
             if seq.seq_id not in self._group:
-                sizes = [list(self._group.values()).count(g) for g in (0, 1)]
-                self._group[seq.seq_id] = 0 if sizes[0] <= sizes[1] else 1
+                group = drafted if sizes[drafted] <= sizes[verified] else verified
+                self._group[seq.seq_id] = group
+                sizes[group] += 1

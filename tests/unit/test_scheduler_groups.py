@@ -4,11 +4,13 @@ the draft of one group runs while the other's verify is in flight, and no KV is 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from gateway.request import GenerationRequest
+from gateway.sequence import Sequence
 from inprocess.clients import LocalVerifierClient
 from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
@@ -116,6 +118,73 @@ def test_groups_draft_and_send_while_the_other_group_is_verified(
         # draft may start after the other's early Verify has already been answered)
         assert timed.overlapping_drafts() > 0
         assert timed.early_verifies() >= len(timed.verifies) // 3
+
+
+def _seq(seq_id: str) -> Sequence:
+    request = GenerationRequest([5, 6, 7], max_new_tokens=4)
+    return Sequence(seq_id, request, SpecParams(3, 1, 3), stop_checker=None)  # type: ignore[arg-type]
+
+
+def test_a_newcomer_joins_the_smaller_group_and_on_a_tie_the_one_drafted_this_round(
+    models, smollm2_tokenizer
+) -> None:
+    """Drafted while the other group's Verify runs, not before it (the Verify would wait)."""
+    scheduler = _stack(models, smollm2_tokenizer, "groups").scheduler
+    a, b, d = _seq("a"), _seq("b"), _seq("d")
+    for verified in (0, 1):
+        scheduler._init_groups()
+        scheduler._group.update(a=0, b=1)
+        scheduler._assign_groups([a, b, _seq("new")], verified)
+        assert scheduler._group["new"] == 1 - verified
+    scheduler._init_groups()
+    scheduler._group.update(a=0, b=1, d=0, gone=1)  # "gone" left: group 1 holds b alone
+    scheduler._assign_groups([a, b, d, _seq("new")], verified=1)
+    assert scheduler._group["new"] == 1 and "gone" not in scheduler._group  # the smaller one
+    scheduler._init_groups()
+    scheduler._assign_groups([_seq(f"n{i}") for i in range(3)], verified=0)  # all new
+    assert scheduler._group == {"n0": 1, "n1": 0, "n2": 1}
+
+
+@pytest.mark.parametrize("chunks_before", [1, 2, 3])
+def test_a_newcomer_is_first_drafted_while_a_verify_is_in_flight(
+    models, smollm2_tokenizer, chunks_before: int
+) -> None:
+    """Two streams run as two groups; a third arrives after the first stream's first
+    `chunks_before` chunks (so at either group's turn). Its first Draft goes out while the other
+    group's Verify runs, and every stream is the target's own."""
+    requests = mixed_requests(3, seed=11, max_new_tokens=12)
+    for request in requests[:2]:  # still running when the newcomer comes
+        request.max_new_tokens = 32
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    stack = _stack(models, smollm2_tokenizer, "groups")
+    scheduler = stack.scheduler
+    timed = TimedClients(scheduler.drafter, scheduler.verifier, verify_delay=0.1)
+    scheduler.drafter = timed.drafter_client()
+    scheduler.verifier = timed.verifier_client()
+
+    async def read(request: GenerationRequest, chunks: list[list[int]]) -> list[int]:
+        async for chunk in scheduler.generate(request):
+            chunks.append(chunk.token_ids)
+        return [token for tokens in chunks for token in tokens]
+
+    async def run() -> list[list[int]]:
+        await scheduler.start()
+        try:
+            seen: list[list[list[int]]] = [[], [], []]
+            both = [asyncio.ensure_future(read(requests[i], seen[i])) for i in (0, 1)]
+            while len(seen[0]) < chunks_before:
+                await asyncio.sleep(0.001)
+            late = asyncio.ensure_future(read(requests[2], seen[2]))
+            return [*await asyncio.gather(*both), await late]
+        finally:
+            await scheduler.stop()
+
+    assert asyncio.run(run()) == expected
+    check_no_leaks(stack)
+    begun = [i for i, inputs in enumerate(timed.draft_inputs) if any(x.begin for x in inputs)]
+    assert len(begun) >= 2  # the first two streams' first Draft, then the newcomer's
+    start, _ = timed.drafts[begun[-1]]
+    assert any(s < start < e for s, e in timed.verifies), (start, timed.verifies)
 
 
 def test_groups_with_the_drafter_down_decode_the_same_tokens(models, smollm2_tokenizer) -> None:
