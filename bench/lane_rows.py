@@ -4,7 +4,7 @@ and `LaneConnection` over a Unix socket (an echo service builds and serializes i
 and answers with it), then parsed and converted back. Median us per round over --rounds rounds
 after --warmup. No engine, no GPU: the host's copies of the rows alone (the issue-8 split; an
 8B target's EAGLE-3 head reads 12288-wide rows, SmolLM2's shipped head 1728). --mode beside:
-the rows beside the message (convert.Beside, as the lane sends them); in: in the message's
+the rows beside the message (wire_tensors.Beside, as the lane sends them); in: in the message's
 tensor field (as gRPC sends them). --echo-process: the echo serves from another process (as the
 services do: each end's own event loop and core), not on the client's loop.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.rpc_overhead import LaneEcho
-from specsplit import convert
+from specsplit import convert, wire_tensors
 from specsplit.lane import Buffer, Kind, LaneConnection, LaneServer
 from specsplit.messages import VerifyOutput
 from specsplit.v1 import verifier_pb2
@@ -48,7 +48,7 @@ def answer_of(batch: int, rows: int, width: int) -> list[VerifyOutput]:
 
 def build(outputs: list[VerifyOutput], beside: bool) -> tuple[verifier_pb2.VerifyResponse, Buffer]:
     """The answer's message and its rows' bytes beside it (none unless `beside`)."""
-    rows = convert.Beside() if beside else None
+    rows = wire_tensors.Beside() if beside else None
     message = convert.verify_response_to_proto(outputs, 1, rows)
     return message, b"" if rows is None else rows.data()
 

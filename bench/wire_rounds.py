@@ -3,7 +3,7 @@ Verify built from the dataclasses and serialized on one side, parsed and convert
 other (specsplit/convert.py), as the gateway and the services do every round. Synthetic rounds:
 chains of --depth drafts, --rows target feature rows a sequence of --width each (EAGLE-3 on
 SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls rounds.
---beside: the rows beside the messages (convert.Beside, as the round lane sends them), not in
+--beside: the rows beside the messages (wire_tensors.Beside, as the round lane sends them), not in
 their tensor fields (as gRPC does). --sampled SUPPORT: sampled chains carrying their draft
 distributions (DraftProbs) of SUPPORT tokens each node.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specsplit import convert
+from specsplit import convert, wire_tensors
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftProbs, DraftTree
@@ -80,7 +80,7 @@ def serialized(build: Callable[..., Any], beside: bool) -> tuple[bytes, Any]:
     else None)."""
     if not beside:
         return build(None).SerializeToString(), None
-    rows = convert.Beside()
+    rows = wire_tensors.Beside()
     return build(rows).SerializeToString(), rows.data()
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from drafter.engine import DrafterEngine
 from drafter.servicer import DrafterServicer
-from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
+from specsplit.wire_tensors import torch_dtype
 
 
 async def serve(

@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
-from specsplit import convert, metrics, rounds, telemetry
+from specsplit import convert, metrics, rounds, telemetry, wire_tensors
 from specsplit.errors import Code, ServiceError, backend_error
 from specsplit.lane import Kind, LaneConnection, lane_path, new_token
 from specsplit.messages import (
@@ -175,7 +175,7 @@ class StreamClient(Generic[In, Out]):
         """One round on an idle stream (or lane connection): inputs out, outputs back, timed
         and traced. Rounds in flight at once must name disjoint sequences."""
         start = time.perf_counter_ns()
-        beside = convert.Beside()  # on the lane a round's rows go beside its messages
+        beside = wire_tensors.Beside()  # on the lane a round's rows go beside its messages
         request = self.rpc.request_to_proto(inputs, None if self.lane is None else beside)
         telemetry.inject(request.trace_context)  # the round span: parent of the service's span
         lane_stamps = None  # (sent, answer read, task resumed): the gateway's side of the stages

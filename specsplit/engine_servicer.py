@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Typ
 import grpc
 from google.protobuf.message import Message
 
-from specsplit import convert, metrics, telemetry
+from specsplit import convert, metrics, telemetry, wire_tensors
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
@@ -272,7 +272,7 @@ class EngineServicer(Generic[EngineT]):
         rpc.seconds.observe(engine_ns / 1e9)
         if device_ns:
             metrics.VERIFY_DEVICE_SECONDS.observe(device_ns / 1e9)
-        rows = None if beside is None else convert.Beside()
+        rows = None if beside is None else wire_tensors.Beside()
         response = rpc.response_to_proto(scope.leave(outputs), engine_ns, rows)
         if device_ns:
             response.device_ns = device_ns

@@ -15,7 +15,7 @@ the gateway takes the lane unless `--round-lane off`.
                (the response message, or the error's UTF-8 message) + rows
 
 A round's feature rows (a Verify answer's hidden states, a Draft request's target features)
-travel as `rows`, their raw bytes beside the message (`convert.Beside`; its tensor field keeps
+travel as `rows`, their raw bytes beside the message (`wire_tensors.Beside`; its tensor field keeps
 dtype and shape): sent from the tensor's own memory and read straight into the buffer that
 becomes the receiver's tensor (a drafter on a GPU: page-locked memory, `LaneServer`'s
 `rows_buffer`). In the message they cost ~5 copies a hop (the tensor's bytes,

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from prometheus_client import Histogram
 
-from specsplit import convert, metrics
+from specsplit import convert, metrics, wire_tensors
 from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from specsplit.scopes import Keyed
 from specsplit.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -31,10 +31,10 @@ class RoundRpc(Generic[In, Out]):
     stream: str  # the stub's bidi round method, "DraftStream"
     request_type: Any  # the request and response message classes (the round lane parses them)
     response_type: Any
-    # the conversions; a message's feature rows beside it (convert.Beside) or, given None, in it
-    request_to_proto: Callable[[list[In], convert.Beside | None], Any]
+    # the conversions; a message's feature rows beside it (wire_tensors.Beside) or in it (None)
+    request_to_proto: Callable[[list[In], wire_tensors.Beside | None], Any]
     request_from_proto: Callable[[Any, bytearray | memoryview | None], list[In]]
-    response_to_proto: Callable[[list[Out], int, convert.Beside | None], Any]  # engine ns
+    response_to_proto: Callable[[list[Out], int, wire_tensors.Beside | None], Any]  # engine ns
     response_from_proto: Callable[[Any, bytearray | memoryview | None], list[Out]]
     engine_ns: Callable[[Any], int]  # the engine time a response reports
     device_ns: Callable[[Any], int]  # and its device time (0: not measured)

@@ -6,10 +6,10 @@ from functools import partial
 
 from specsplit import metrics
 from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE, DECODE_AHEAD_DEPTH
-from specsplit.convert import torch_dtype
 from specsplit.engine_servicer import calls_on_loop
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
+from specsplit.wire_tensors import torch_dtype
 from verifier.ahead_depth import AheadDepth
 from verifier.engine import VerifierEngine
 from verifier.servicer import VerifierServicer

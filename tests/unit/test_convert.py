@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specsplit import convert
+from specsplit import convert, wire_tensors
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     AheadTree,
@@ -28,12 +28,12 @@ def _wire(msg):
     return type(msg).FromString(msg.SerializeToString())
 
 
-@pytest.mark.parametrize("dtype", sorted(convert.DTYPES))
+@pytest.mark.parametrize("dtype", sorted(wire_tensors.DTYPES))
 def test_tensor_round_trip_is_bit_exact(dtype: str) -> None:
-    torch_dtype = convert.DTYPES[dtype]
+    torch_dtype = wire_tensors.DTYPES[dtype]
     source = torch.randn(3, 5, 7) * 100
     tensor = source > 0 if torch_dtype == torch.bool else source.to(torch_dtype)
-    back = convert.tensor_from_proto(_wire(convert.tensor_to_proto(tensor)))
+    back = wire_tensors.tensor_from_proto(_wire(wire_tensors.tensor_to_proto(tensor)))
     assert back.dtype == tensor.dtype
     assert back.shape == tensor.shape
     assert torch.equal(back, tensor)
@@ -42,33 +42,35 @@ def test_tensor_round_trip_is_bit_exact(dtype: str) -> None:
 def test_bfloat16_keeps_every_bit_pattern() -> None:
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # all 65536 patterns
     tensor = bits.view(torch.bfloat16).reshape(256, 256)
-    msg = convert.tensor_to_proto(tensor)
+    msg = wire_tensors.tensor_to_proto(tensor)
     assert msg.dtype == "bfloat16"
     assert len(msg.data) == 2 * 65536
-    back = convert.tensor_from_proto(_wire(msg))
+    back = wire_tensors.tensor_from_proto(_wire(msg))
     assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))  # NaNs included
 
 
 def test_tensor_non_contiguous_and_scalar_and_empty() -> None:
     strided = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
-    assert torch.equal(convert.tensor_from_proto(convert.tensor_to_proto(strided)), strided)
+    assert torch.equal(
+        wire_tensors.tensor_from_proto(wire_tensors.tensor_to_proto(strided)), strided
+    )
     scalar = torch.tensor(2.5)
-    back = convert.tensor_from_proto(convert.tensor_to_proto(scalar))
+    back = wire_tensors.tensor_from_proto(wire_tensors.tensor_to_proto(scalar))
     assert back.shape == () and back.item() == 2.5
     empty = torch.empty(0, 4, dtype=torch.bfloat16)
-    back = convert.tensor_from_proto(convert.tensor_to_proto(empty))
+    back = wire_tensors.tensor_from_proto(wire_tensors.tensor_to_proto(empty))
     assert back.shape == (0, 4) and back.dtype == torch.bfloat16
 
 
 def test_tensor_from_proto_is_writable_copy() -> None:
-    msg = convert.tensor_to_proto(torch.zeros(4))
-    back = convert.tensor_from_proto(msg)
+    msg = wire_tensors.tensor_to_proto(torch.zeros(4))
+    back = wire_tensors.tensor_from_proto(msg)
     back += 1  # must not touch the message's bytes
-    assert convert.tensor_from_proto(msg).sum().item() == 0
+    assert wire_tensors.tensor_from_proto(msg).sum().item() == 0
 
 
 def test_tensor_bytes_are_little_endian_row_major() -> None:
-    msg = convert.tensor_to_proto(torch.tensor([[1, 2]], dtype=torch.int32))
+    msg = wire_tensors.tensor_to_proto(torch.tensor([[1, 2]], dtype=torch.int32))
     assert msg.data == b"\x01\x00\x00\x00\x02\x00\x00\x00"
     assert list(msg.shape) == [1, 2]
 
@@ -76,7 +78,7 @@ def test_tensor_bytes_are_little_endian_row_major() -> None:
 def test_tensor_wrong_byte_count_names_the_field() -> None:
     msg = common_pb2.Tensor(dtype="float32", shape=[2, 3], data=b"\x00" * 20)
     with pytest.raises(ServiceError) as err:
-        convert.tensor_from_proto(msg, "tree.draft_probs")
+        wire_tensors.tensor_from_proto(msg, "tree.draft_probs")
     assert err.value.code == Code.INVALID_ARGUMENT
     assert "tree.draft_probs.data has 20 bytes" in err.value.message
     assert "needs 24" in err.value.message
@@ -85,13 +87,13 @@ def test_tensor_wrong_byte_count_names_the_field() -> None:
 def test_tensor_unknown_dtype_is_invalid() -> None:
     msg = common_pb2.Tensor(dtype="complex64", shape=[1], data=b"\x00" * 8)
     with pytest.raises(ServiceError, match=r"hidden_states\.dtype 'complex64' unknown"):
-        convert.tensor_from_proto(msg, "hidden_states")
+        wire_tensors.tensor_from_proto(msg, "hidden_states")
 
 
 def test_torch_dtype_names() -> None:
-    assert convert.torch_dtype("bfloat16") is torch.bfloat16
+    assert wire_tensors.torch_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
-        convert.torch_dtype("fp8")
+        wire_tensors.torch_dtype("fp8")
 
 
 def test_sampling_round_trip_with_and_without_seed() -> None:
@@ -157,26 +159,26 @@ def test_tree_round_trip_with_probs() -> None:
         (lambda m: setattr(m, "vocab_size", 0), "vocab_size = 0"),
         (
             lambda m: m.tokens.CopyFrom(
-                convert.tensor_to_proto(torch.full((2, 3), 11, dtype=torch.int32))
+                wire_tensors.tensor_to_proto(torch.full((2, 3), 11, dtype=torch.int32))
             ),
             "outside the vocabulary",
         ),
         (
             lambda m: m.tokens.CopyFrom(
-                convert.tensor_to_proto(torch.zeros(2, 3, dtype=torch.int64))
+                wire_tensors.tensor_to_proto(torch.zeros(2, 3, dtype=torch.int64))
             ),
             "int32",
         ),
         (
-            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.full((2, 3), -0.5))),
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((2, 3), -0.5))),
             "finite and >= 0",
         ),
         (
-            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.full((2, 3), math.nan))),
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((2, 3), math.nan))),
             "finite and >= 0",
         ),
         (
-            lambda m: m.probs.CopyFrom(convert.tensor_to_proto(torch.zeros(2, 2))),
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(2, 2))),
             "one [n, k] shape",
         ),
     ],
@@ -440,7 +442,7 @@ def test_verify_input_leaves_greedy_sampling_and_defaults_unset() -> None:
 
 
 def test_rows_beside_a_message_are_its_tensor_and_must_fit_it() -> None:
-    """The round lane's rows beside a Verify answer (convert.Beside): the message keeps dtype
+    """The round lane's rows beside a Verify answer (wire_tensors.Beside): the message keeps dtype
     and shape, the rows come back as each sequence's own; rows that miss the shape, that
     come twice, or that come beside an answer without rows are refused."""
     rows = torch.randn(5, 6).to(torch.bfloat16)
@@ -449,7 +451,7 @@ def test_rows_beside_a_message_are_its_tensor_and_must_fit_it() -> None:
         VerifyOutput("b", [], 4, 5),
         VerifyOutput("c", [7, 8], 9, 10, rows[2:]),
     ]
-    beside = convert.Beside()
+    beside = wire_tensors.Beside()
     msg = _wire(convert.verify_response_to_proto(outputs, 1, beside))
     assert not msg.hidden_states.data and list(msg.hidden_states.shape) == [5, 6]
     data = bytearray(beside.data())
@@ -475,7 +477,7 @@ def test_rows_beside_in_a_buffer_of_the_lanes_are_read_in_place() -> None:
         DraftInput("a", True, 0, [1, 2, 3], SpecParams(3, 1, 3), target_hidden_states=rows[:2]),
         DraftInput("b", True, 0, [4, 5, 6, 7], SpecParams(3, 1, 3), target_hidden_states=rows[2:]),
     ]
-    beside = convert.Beside()
+    beside = wire_tensors.Beside()
     msg = _wire(convert.draft_request_to_proto(inputs, beside))
     landed = torch.zeros(rows.numel() * rows.element_size(), dtype=torch.uint8)
     landed.copy_(rows.reshape(-1).view(torch.uint8))

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from drafter.engine import DrafterEngine
 from drafter.servicer import DrafterServicer
 from gateway.grpc_clients import GrpcVerifierClient
-from specsplit import convert
+from specsplit import convert, wire_tensors
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import (
     HEADER,
@@ -266,7 +266,7 @@ def test_a_lane_rounds_rpc_is_split_into_stages_that_add_up_to_it(
 def test_feature_rows_beside_a_lane_answer_equal_those_in_a_grpc_answer(
     target: Path, tmp_path: Path
 ) -> None:
-    """The hidden-state rows travel beside the lane's message (convert.Beside), in the
+    """The hidden-state rows travel beside the lane's message (wire_tensors.Beside), in the
     message on gRPC: the same rows either way, each sequence's own."""
 
     async def body(host: ServiceHost, address: str) -> None:
@@ -573,7 +573,7 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
     in a body and beside it (from a tensor's memory)."""
     body = os.urandom(3 << 20)
     rows = torch.randn(128, 12288).to(torch.bfloat16)
-    rows_bytes = bytes(convert.tensor_bytes(rows))
+    rows_bytes = bytes(wire_tensors.tensor_bytes(rows))
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -592,7 +592,7 @@ def test_a_large_frame_crosses_a_real_socket_both_ways(tmp_path: Path) -> None:
 
         server = await loop.create_unix_server(accept, path)
         _, client = await loop.create_unix_connection(FrameStream, path)
-        client.write(Kind.ROUND, body, convert.tensor_bytes(rows))
+        client.write(Kind.ROUND, body, wire_tensors.tensor_bytes(rows))
         answer_frame = await client.read()
         status, answer, answer_rows = answer_frame.kind, answer_frame.body, answer_frame.rows
         assert status == 0 and answer == body and answer_rows == rows_bytes
