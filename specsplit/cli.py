@@ -17,28 +17,15 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from specsplit.cli_args import flag, optional_str
 from specsplit.cli_flags import (
-    DEFAULT_PORTS,
     adaptive_rungs,
-    api_key_flags,
-    backend_tls_flags,
-    client_tls_flags,
     default_spec,
     drafter_flags,
-    fault_flags,
-    flag,
     generation_flags,
-    host_flag,
-    http_flags,
-    limit_flags,
     model_flags,
-    optional_str,
-    resolve_hosts,
     round_lane_flag,
-    server_flags,
     spec_flags,
-    tls_files,
-    tls_flags,
     verifier_flags,
 )
 from specsplit.cli_generate import stream_generation
@@ -48,6 +35,20 @@ from specsplit.cli_serve import (
     serve_gateway,
     serve_verifier,
     start_observability,
+)
+from specsplit.cli_server_flags import (
+    DEFAULT_PORTS,
+    api_key_flags,
+    backend_tls_flags,
+    client_tls_flags,
+    fault_flags,
+    host_flag,
+    http_flags,
+    limit_flags,
+    resolve_hosts,
+    server_flags,
+    tls_files,
+    tls_flags,
 )
 from specsplit.up import run_up
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from specsplit.cli_flags import tls_files
+from specsplit.cli_server_flags import tls_files
 from specsplit.server import CHANNEL_OPTIONS
 from specsplit.tls import channel_credentials
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

@@ -16,9 +16,8 @@ from specsplit.cli_flags import (
     decode_ahead,
     default_spec,
     graph_query_lens,
-    request_limits,
-    tls_files,
 )
+from specsplit.cli_server_flags import request_limits, tls_files
 
 log = logging.getLogger(__name__)
 

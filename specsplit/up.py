@@ -18,12 +18,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from specsplit.affinity import affinity_plan
-from specsplit.cli_flags import (
-    DECODE_STEPS_ON_GPU,
-    DEFAULT_PORTS,
-    SHARED_DRAFTER_KV_MEMORY_FRACTION,
-)
+from specsplit.cli_flags import DECODE_STEPS_ON_GPU, SHARED_DRAFTER_KV_MEMORY_FRACTION
 from specsplit.cli_generate import stream_generation
+from specsplit.cli_server_flags import DEFAULT_PORTS
 from specsplit.up_security import UpSecurity
 
 log = logging.getLogger("specsplit.up")

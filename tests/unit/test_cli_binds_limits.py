@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specsplit import cli, cli_flags, up
+from specsplit import cli, cli_server_flags, up
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def _child(argv: list[str]):
 def test_every_listener_binds_loopback_by_default(command: str) -> None:
     args = cli.parse_args([command])
     assert _hosts(args) == {"127.0.0.1"}
-    port = cli_flags.METRICS_PORTS[command.removeprefix("serve-")]
+    port = cli_server_flags.METRICS_PORTS[command.removeprefix("serve-")]
     assert args.metrics_listen == f"127.0.0.1:{port}"
 
 
@@ -62,7 +62,7 @@ def test_host_flag_and_env_open_every_listener(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_request_limit_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    limits = cli_flags.request_limits(cli.parse_args(["serve-gateway"]))
+    limits = cli_server_flags.request_limits(cli.parse_args(["serve-gateway"]))
     assert (limits.max_num_steps, limits.max_topk, limits.max_num_draft_tokens) == (16, 8, 64)
     assert (limits.max_new_tokens, limits.max_prompt_bytes) == (4096, None)
     assert limits.max_message_bytes == 4 * 1024 * 1024
@@ -70,12 +70,12 @@ def test_request_limit_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSPLIT_LIMIT_PROMPT_BYTES", "1000")
     monkeypatch.setenv("SPECSPLIT_MAX_WAITING", "3")
     args = cli.parse_args(["serve-gateway", "--limit-new-tokens", "100"])
-    limits = cli_flags.request_limits(args)
+    limits = cli_server_flags.request_limits(args)
     assert (limits.max_num_steps, limits.max_prompt_bytes, limits.max_new_tokens) == (4, 1000, 100)
     assert args.max_waiting == 3
     # `up` hands them to its gateway
     gateway = _child(up.child_commands(cli.parse_args(["up", "--limit-topk", "2"]))["gateway"])
-    assert cli_flags.request_limits(gateway) == cli_flags.request_limits(
+    assert cli_server_flags.request_limits(gateway) == cli_server_flags.request_limits(
         cli.parse_args(["serve-gateway", "--limit-topk", "2"])
     )
     assert gateway.max_waiting == 3

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from specsplit import cli, cli_flags, up
+from specsplit import cli, cli_flags, cli_server_flags, up
 from specsplit.lane import lane_path
 from specsplit.model.loader import embedded_default_head_path
 
@@ -519,7 +519,7 @@ def test_services_parse_their_environment(
     """The settings each container really gets, and that they agree with each other."""
     services = base["services"]
     args = {name: parsed(base, name, monkeypatch) for name in SPECSPLIT_SERVICES}
-    assert port(args["gateway"].listen) == cli_flags.DEFAULT_PORTS["gateway"]
+    assert port(args["gateway"].listen) == cli_server_flags.DEFAULT_PORTS["gateway"]
     host = args["gateway"].listen.rsplit(":", 1)[0]
     assert host in ("0.0.0.0", "[::]"), "the gateway must listen beyond its loopback"
     for name in SPECSPLIT_SERVICES:

@@ -16,6 +16,7 @@ CLI_ROOT = frozenset(
     {
         "specsplit.cli",
         "specsplit.cli_flags",
+        "specsplit.cli_server_flags",
         "specsplit.cli_serve",
         "specsplit.cli_generate",
         "specsplit.up",

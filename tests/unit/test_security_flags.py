@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import cli, cli_flags, up
+from specsplit import cli, cli_server_flags, up
 from specsplit.up_security import UpSecurity
 
 
@@ -47,9 +47,9 @@ def test_a_service_certificate_needs_its_key_and_the_drafter_and_verifier_need_t
         with pytest.raises(SystemExit):  # mutual TLS only: the clients' CA is required
             cli.parse_args([service, *cert])
         args = cli.parse_args([service, *cert, "--tls-ca", str(files["ca.pem"])])
-        assert cli_flags.tls_files(args).ca == str(files["ca.pem"])
+        assert cli_server_flags.tls_files(args).ca == str(files["ca.pem"])
     gateway = cli.parse_args(["serve-gateway", *cert])
-    assert cli_flags.tls_files(gateway).cert == str(files["cert.pem"])
+    assert cli_server_flags.tls_files(gateway).cert == str(files["cert.pem"])
     with pytest.raises(SystemExit):
         cli.parse_args(["serve-gateway", "--tls-cert", str(files["cert.pem"])])  # no key
     with pytest.raises(SystemExit):
@@ -72,12 +72,15 @@ def test_up_tls_auto_gives_every_child_tls_files_and_the_gateway_its_keys_in_the
             argv[:3] == [sys.executable, "-m", "specsplit.cli"] for argv in commands.values()
         )
         for name in ("verifier", "drafter"):
-            tls = cli_flags.tls_files(children[name])
+            tls = cli_server_flags.tls_files(children[name])
             assert tls.cert and tls.key and tls.ca == pki.ca
         gateway = children["gateway"]
-        assert cli_flags.tls_files(gateway).cert and cli_flags.tls_files(gateway).ca is None
-        backend = cli_flags.tls_files(gateway, "backend_tls")
-        assert backend.cert == cli_flags.tls_files(gateway).cert and backend.ca == pki.ca
+        assert (
+            cli_server_flags.tls_files(gateway).cert
+            and cli_server_flags.tls_files(gateway).ca is None
+        )
+        backend = cli_server_flags.tls_files(gateway, "backend_tls")
+        assert backend.cert == cli_server_flags.tls_files(gateway).cert and backend.ca == pki.ca
         assert gateway.max_concurrent_per_key == 2
         assert all("secret" not in argv for argv in commands.values())  # `ps` shows argv
         envs = security.envs(up.child_envs(args))
