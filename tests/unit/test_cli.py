@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import affinity, cli, cli_flags, up
+from specsplit import affinity, cli, cli_flags, up, up_services
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
 
@@ -272,15 +272,15 @@ def test_supervise_restarts_a_dead_drafter_until_its_restarts_per_minute_are_use
     crash = f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(3)"
 
     async def main() -> None:
-        services = up.Services(
+        services = up_services.Services(
             {
                 "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
                 "drafter": [sys.executable, "-c", crash],
             },
-            restarts=up.RestartPolicy(max_per_minute=2, backoff_s=(0.1, 0.2)),
+            restarts=up_services.RestartPolicy(max_per_minute=2, backoff_s=(0.1, 0.2)),
         )
         services.start()
-        with pytest.raises(up.ServiceDied, match="drafter exited with 3 after 2 restarts"):
+        with pytest.raises(up_services.ServiceDied, match="drafter exited with 3 after 2 restarts"):
             await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
         assert starts.read_text() == "xxx"  # started, then restarted twice
         assert services.stop(10.0) == 1  # the drafter's exit code 3; the SIGTERM'd one is fine
@@ -291,14 +291,14 @@ def test_supervise_restarts_a_dead_drafter_until_its_restarts_per_minute_are_use
 
 def test_supervise_stops_when_the_gateway_dies() -> None:
     async def main() -> None:
-        services = up.Services(
+        services = up_services.Services(
             {
                 "verifier": [sys.executable, "-c", "import time; time.sleep(60)"],
                 "gateway": [sys.executable, "-c", "raise SystemExit(4)"],
             }
         )
         services.start()
-        with pytest.raises(up.ServiceDied, match="gateway exited with 4"):
+        with pytest.raises(up_services.ServiceDied, match="gateway exited with 4"):
             await asyncio.wait_for(services.supervise(asyncio.sleep(60), asyncio.Event()), 30)
         assert services.stop(10.0) == 1
 
@@ -307,7 +307,7 @@ def test_supervise_stops_when_the_gateway_dies() -> None:
 
 def test_restart_policy_backs_off_and_forgets_restarts_older_than_a_minute() -> None:
     now = [0.0]
-    policy = up.RestartPolicy(max_per_minute=3, backoff_s=(0.5, 1.0), clock=lambda: now[0])
+    policy = up_services.RestartPolicy(max_per_minute=3, backoff_s=(0.5, 1.0), clock=lambda: now[0])
     assert [policy.next_delay("drafter") for _ in range(4)] == [0.5, 1.0, 1.0, None]
     assert policy.next_delay("verifier") == 0.5  # counted per service
     now[0] = 61.0
@@ -316,12 +316,14 @@ def test_restart_policy_backs_off_and_forgets_restarts_older_than_a_minute() -> 
 
 def test_supervise_returns_the_result_or_stops_on_interrupt() -> None:
     async def main() -> None:
-        services = up.Services({"verifier": [sys.executable, "-c", "import time; time.sleep(60)"]})
+        services = up_services.Services(
+            {"verifier": [sys.executable, "-c", "import time; time.sleep(60)"]}
+        )
         services.start()
         assert await services.supervise(asyncio.sleep(0.1, result=7), asyncio.Event()) == 7
         stop = asyncio.Event()
         asyncio.get_running_loop().call_later(0.1, stop.set)
-        with pytest.raises(up.Interrupted):
+        with pytest.raises(up_services.Interrupted):
             await services.supervise(asyncio.sleep(60), stop)
         assert services.stop(10.0) == 0
 
