@@ -32,7 +32,8 @@ import torch
 
 from bench.rpc_overhead import LaneEcho
 from specsplit import convert, wire_tensors
-from specsplit.lane import Buffer, Kind, LaneConnection, LaneServer
+from specsplit.lane import LaneConnection, LaneServer
+from specsplit.lane_frames import Buffer, Kind
 from specsplit.messages import VerifyOutput
 from specsplit.v1 import verifier_pb2
 

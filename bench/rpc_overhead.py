@@ -44,7 +44,8 @@ import grpc
 
 from gateway.grpc_clients import GrpcVerifierClient, wait_ready
 from specsplit import rounds
-from specsplit.lane import Buffer, Kind, LaneConnection, LaneServer, lane_path
+from specsplit.lane import LaneConnection, LaneServer, lane_path
+from specsplit.lane_frames import Buffer, Kind
 from specsplit.messages import VerifyInput
 from specsplit.scopes import ConnectionScopes
 from specsplit.tree import DraftTree

@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.health import Health
 from specsplit import convert, metrics, rounds, telemetry, wire_tensors
 from specsplit.errors import Code, ServiceError, backend_error
-from specsplit.lane import Kind, LaneConnection, lane_path, new_token
+from specsplit.lane import LaneConnection, lane_path
+from specsplit.lane_frames import Kind, new_token
 from specsplit.messages import (
     DraftInput,
     DraftOutput,

@@ -24,7 +24,8 @@ from drafter.servicer import DrafterServicer
 from gateway.grpc_clients import GrpcVerifierClient
 from specsplit import convert, wire_tensors
 from specsplit.errors import Code, ServiceError
-from specsplit.lane import (
+from specsplit.lane import LoopPoll, lane_path
+from specsplit.lane_frames import (
     HEADER,
     MAX_FRAME_BYTES,
     SCRATCH_BYTES,
@@ -33,8 +34,6 @@ from specsplit.lane import (
     Frame,
     FrameStream,
     Kind,
-    LoopPoll,
-    lane_path,
     new_token,
 )
 from specsplit.messages import Truncation, VerifyInput, VerifyOutput
