@@ -14,8 +14,10 @@ alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch s
 
 Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the gateway's rounds in which
 every sequence follows the gateway's default spec (a request that asks for its own spec always
-gets it, and rounds with one in them are not measured), and in which no sequence is in its
-first two rounds after a prefill (the prefill, then the drafter's catch-up of it), and, for
+gets it, and rounds with one in them are not measured), and in which at most one sequence in
+eight (none below eight: the scheduler's NEW_SHARE) is in its first two rounds after a prefill
+(the prefill, then the drafter's catch-up of it: under steady arrivals at a full batch some
+always are), and, for
 a speculating round, the drafter was up (down or still loading, rounds decode without drafts:
 as fast as plain ones; on two H200s such rounds read 3x plain rounds' speed) and, with the
 overlap gate, the round ran the kind it chose (not one it explores or probes: the scheduler's):

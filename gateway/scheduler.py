@@ -64,6 +64,15 @@ DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
+# The gates measure a round in which at most one sequence in NEW_SHARE is new (in its first two
+# rounds after a prefill: the prefill, then the drafter's catch-up of it; none below NEW_SHARE
+# sequences). Under steady arrivals at a full batch some always are: each finished request's
+# place goes to a newcomer (an 8B-shaped target at 80 requests a second on two H200s: 64
+# sequences of 128 tokens committing ~2.7 each a round, so ~1.3 finish and join a round), and a
+# gate that measured no such round never measured at all, keeping its first mode (there
+# speculation, at 0.69x the target alone's tokens a second, sixty-second session). Both modes
+# pay for the prefills alike; a speculating round pays for the catch-up too: speculation's cost.
+NEW_SHARE = 8
 
 
 class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
@@ -354,10 +363,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 if measured and speculate and drafting and self.overlap_gate is not None:
                     measured = self.overlap_gate.settled(batch_size)
                 best = self._best_commits(self.running) if measured and speculate else None
-                # a round the overlap gate measures: none of its sequences just prefilled
-                settled = self.overlap_gate is not None and all(
-                    seq.rounds_since_prefill >= 2 for seq in self.running
-                )
+                # a round the overlap gate measures: few of its sequences just prefilled
+                settled = self.overlap_gate is not None and self._steady(self.running)
                 mode = self._round_mode(speculate and drafting)
                 if mode in ("groups", "groups-early"):
                     await self.step_groups(self.running, early_verify=mode == "groups-early")
@@ -441,10 +448,16 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
 
     def _gated(self, batch: list[Sequence]) -> bool:
         """A round the speculation gate measures: every sequence follows the gateway's default
-        spec (the gate's to hold back), and none is prefilled in it or has the drafter catch
+        spec (the gate's to hold back) and the round is `_steady`."""
+        return all(seq.request.spec is None for seq in batch) and self._steady(batch)
+
+    @staticmethod
+    def _steady(batch: list[Sequence]) -> bool:
+        """At most one sequence in NEW_SHARE is prefilled in this round or has the drafter catch
         up its prefill (the two rounds after a sequence's prefill, or its features' re-verify,
-        cost what steady rounds do not)."""
-        return all(seq.request.spec is None and seq.rounds_since_prefill >= 2 for seq in batch)
+        cost what steady rounds do not); none in a batch of fewer than NEW_SHARE."""
+        new = sum(seq.rounds_since_prefill < 2 for seq in batch)
+        return new <= len(batch) // NEW_SHARE
 
     def _admit(self) -> None:
         if self._admission_held and self.running:

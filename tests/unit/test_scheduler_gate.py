@@ -16,6 +16,8 @@ import torch
 from gateway.clients import DrafterClient
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.request import GenerationRequest
+from gateway.scheduler import NEW_SHARE
+from gateway.sequence import Sequence
 from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
@@ -197,6 +199,33 @@ def test_requests_with_their_own_spec_are_not_gated(models, smollm2_tokenizer) -
     out = generate_all(stack, requests)
     assert all(c[-1].stats is not None and c[-1].stats.num_accepted_drafts > 0 for c in out)
     assert gate.rates(BATCH) == (None, None) and gate.num_switches == 0
+
+
+def test_the_gates_measure_rounds_with_few_new_sequences(models, smollm2_tokenizer) -> None:
+    """Under steady arrivals at a full batch every round holds a sequence in its first two
+    rounds (its prefill, the drafter's catch-up): such rounds are measured while at most one
+    sequence in NEW_SHARE is new, else a gate would never measure (nor choose) there."""
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3))
+    scheduler = stack.scheduler
+
+    def batch(size: int, new: int, own_spec: int = 0) -> list[Sequence]:
+        seqs = []
+        for i in range(size):
+            seq = scheduler._new_sequence(GenerationRequest([5, 6, 7], 4))
+            seq.rounds_since_prefill = 0 if i < new else 2
+            if i >= size - own_spec:
+                seq.request.spec = SpecParams(2, 1, 2)
+            seqs.append(seq)
+        return seqs
+
+    assert scheduler._gated(batch(4, new=0)) and scheduler._steady(batch(4, new=0))
+    assert not scheduler._gated(batch(NEW_SHARE - 1, new=1))  # a small batch: none new
+    assert scheduler._gated(batch(NEW_SHARE, new=1))
+    assert not scheduler._gated(batch(NEW_SHARE, new=2))
+    assert scheduler._gated(batch(64, new=64 // NEW_SHARE))
+    assert not scheduler._gated(batch(64, new=64 // NEW_SHARE + 1))
+    assert not scheduler._steady(batch(64, new=64 // NEW_SHARE + 1))  # the overlap gate's too
+    assert not scheduler._gated(batch(64, new=0, own_spec=1))  # the gate's to hold back: none
 
 
 class _FlippingGate(SpeculationGate):
