@@ -6,7 +6,8 @@ same output) until it answers again; a verifier that lost a sequence (restart) g
 re-prefilled from the gateway's own tokens. A session's turn (gateway/sessions.py) is a request
 whose KV stays in both services when it leaves: it is put away (`SessionStore.end_turn`) instead
 of released. The Scheduler's other round kinds and its handling of a verifier's failed round are
-mixins in their own modules (each declares what it uses of the Scheduler): pipelined groups
+mixins in their own modules (each declares what it uses of the Scheduler): a round's plan, run
+and measures as the gates see them (gateway/round_gates.py), pipelined groups
 (gateway/groups.py), draft-ahead (gateway/draft_ahead.py), verifier faults (gateway/faults.py),
 the Draft calls and the drafter's faults (gateway/drafting.py), requests leaving and their KV
 released, and features restarted (gateway/retiring.py).
@@ -42,6 +43,7 @@ from gateway.gate import OverlapGate, SpeculationGate
 from gateway.groups import GroupRounds, Round
 from gateway.health import Health
 from gateway.request import Chunk, GenerationRequest
+from gateway.round_gates import RoundGates
 from gateway.sequence import Committed, Sequence
 from gateway.sessions import DEFAULT_SESSION_TTL_S, SessionStore
 from gateway.stopping import StopChecker
@@ -64,18 +66,9 @@ DRAIN_POLL_S = 0.05
 STOP_RELEASE_S = 0.5  # at stop, the services get this long to free the sequences left
 SHUTTING_DOWN = "the gateway is shutting down"
 OVERLAP_MODES = ("serial", "groups", "gated", "ahead", "both")
-# The gates measure a round in which at most one sequence in NEW_SHARE is new (in its first two
-# rounds after a prefill: the prefill, then the drafter's catch-up of it; none below NEW_SHARE
-# sequences). Under steady arrivals at a full batch some always are: each finished request's
-# place goes to a newcomer (an 8B-shaped target at 80 requests a second on two H200s: 64
-# sequences of 128 tokens committing ~2.7 each a round, so ~1.3 finish and join a round), and a
-# gate that measured no such round never measured at all, keeping its first mode (there
-# speculation, at 0.69x the target alone's tokens a second, sixty-second session). Both modes
-# pay for the prefills alike; a speculating round pays for the catch-up too: speculation's cost.
-NEW_SHARE = 8
 
 
-class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
+class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
     def __init__(
         self,
         drafter: DrafterClient,
@@ -346,64 +339,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                start = time.perf_counter()
-                self._plain_round = None  # (_verify_inputs)
-                batch_size, committed = len(self.running), self.num_tokens_committed
-                speculate = self.gate is None or self.gate.speculate(batch_size)
-                for seq in self.running:  # the gate holds back default-spec drafts only
-                    seq.drafts_held = not speculate and seq.request.spec is None
-                drafter_up = not self._drafter_resting()
-                resuming = [s for s in self.running if self._resumes_features(s)]
-                await self._restart_features(resuming)
-                # a round in which no sequence drafts has nothing to overlap: serial
-                drafting = any(not (s.never_drafts or s.drafts_held) for s in self.running)
-                measured = self.gate is not None and self._gated(self.running)
-                # speculation's speed (and its best) is its round kind's that the overlap gate
-                # chose: a speculating round of a kind it explores or probes is not measured
-                if measured and speculate and drafting and self.overlap_gate is not None:
-                    measured = self.overlap_gate.settled(batch_size)
-                best = self._best_commits(self.running) if measured and speculate else None
-                # a round the overlap gate measures: few of its sequences just prefilled
-                settled = self.overlap_gate is not None and self._steady(self.running)
-                mode = self._round_mode(speculate and drafting)
-                if mode in ("groups", "groups-early"):
-                    await self.step_groups(self.running, early_verify=mode == "groups-early")
-                else:
-                    batch = self.running
-                    if await self._leave_groups():
-                        # the group committed just now may have finished: verify the others
-                        batch = [s for s in batch if not (s.finished or s.cancelled)]
-                    if batch and mode == "serial":
-                        await self.step(batch)
-                    elif batch:  # "ahead", or the overlap gate's "ahead-plain" (misses plain)
-                        # or "ahead-unhinted" (no hints)
-                        plain = mode == "ahead-plain" or self.ahead_miss == "plain"
-                        await self.step_ahead(batch, plain, hint=mode != "ahead-unhinted")
-                seconds = time.perf_counter() - start
-                verifier = self.verifier
-                metrics.observe_round(
-                    seconds, verifier.last_engine_seconds, verifier.last_device_seconds
-                )
-                if self.steps_policy is not None and mode == "serial" and self._plain_round:
-                    batch_size, steps = self._plain_round
-                    device_seconds = verifier.last_device_seconds
-                    self.steps_policy.observe(batch_size, steps, seconds, device_seconds)
-                tokens = self.num_tokens_committed - committed
-                # a round the drafter was down for (at its start or since) decoded without
-                # drafts: not a speculating round's speed, for either gate
-                drafted = drafter_up and not self._drafter_resting()
-                measured = measured and (drafted or not speculate)
-                if self.gate is not None:
-                    kind = "resuming" if resuming else "speculating" if speculate else "plain"
-                    metrics.observe_gated_round(kind, seconds)
-                    most = None
-                    if best is not None:  # the sequences this round committed (one group's)
-                        most = max(tokens, sum(m for seq, r, m in best if seq.stats.rounds > r))
-                    self.gate.observe(batch_size, speculate, tokens, seconds, measured, most)
-                if self.overlap_gate is not None and speculate and drafting:
-                    self.overlap_gate.observe_mode(
-                        batch_size, mode, tokens, seconds, settled and drafted
-                    )
+                plan = await self._plan_round()
+                await self._run_round(plan.mode)
+                self._observe_round(plan)
             except ServiceError as e:
                 await self._fail_round(e)
             except Exception:  # a bug must fail the requests, never stall them silently
@@ -411,53 +349,6 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults):
                 error = ServiceError(Code.INTERNAL, "internal error in the gateway's round")
                 for seq in self.running:
                     self._fail(seq, error)
-
-    def _round_mode(self, speculate: bool) -> str:
-        """This round's kind: "serial", "groups", "groups-early" (groups whose other group's
-        Verify goes out early), "ahead", "ahead-plain" (its misses plain) or "ahead-unhinted"
-        (no hints to the verifier).
-        Overlap "both" drafts ahead while at most `ahead_max_batch` sequences run (one sequence
-        makes no two groups, and small batches verify in about the time of one), groups above;
-        groups are "groups-early" with `early_verify`. "gated": the overlap gate's choice at
-        this batch size (groups-early where `early_verify` is on, groups, ahead, ahead-plain,
-        ahead-unhinted or serial). Rounds the speculation gate holds back from drafting are
-        serial, and so are rounds in which no sequence drafts (`speculate` false for both)."""
-        if not speculate or self.overlap == "serial":
-            return "serial"
-        if self.overlap_gate is not None:
-            return self.overlap_gate.mode(len(self.running))
-        mode = self.overlap
-        if mode == "both":
-            mode = "ahead" if len(self.running) <= self.ahead_max_batch else "groups"
-        return "groups-early" if mode == "groups" and self.early_verify else mode
-
-    @staticmethod
-    def _best_commits(batch: list[Sequence]) -> list[tuple[Sequence, int, int]]:
-        """Before a speculating round, for the speculation gate's `most`: each sequence, its
-        committed rounds so far (those it commits in this round are the ones whose count
-        grows: a groups round commits one group) and the most tokens it could commit (its
-        whole draft path accepted and its bonus token, at the deepest shape its adaptive
-        ladder may reach)."""
-        best = []
-        for seq in batch:
-            depth = seq.round_spec().num_steps
-            if seq.adaptive is not None:
-                depth = max(depth, *(rung.num_steps for rung in seq.adaptive.ladder))
-            best.append((seq, seq.stats.rounds, depth + 1))
-        return best
-
-    def _gated(self, batch: list[Sequence]) -> bool:
-        """A round the speculation gate measures: every sequence follows the gateway's default
-        spec (the gate's to hold back) and the round is `_steady`."""
-        return all(seq.request.spec is None for seq in batch) and self._steady(batch)
-
-    @staticmethod
-    def _steady(batch: list[Sequence]) -> bool:
-        """At most one sequence in NEW_SHARE is prefilled in this round or has the drafter catch
-        up its prefill (the two rounds after a sequence's prefill, or its features' re-verify,
-        cost what steady rounds do not); none in a batch of fewer than NEW_SHARE."""
-        new = sum(seq.rounds_since_prefill < 2 for seq in batch)
-        return new <= len(batch) // NEW_SHARE
 
     def _admit(self) -> None:
         if self._admission_held and self.running:

@@ -16,7 +16,7 @@ import torch
 from gateway.clients import DrafterClient
 from gateway.gate import OverlapGate, SpeculationGate
 from gateway.request import GenerationRequest
-from gateway.scheduler import NEW_SHARE
+from gateway.round_gates import NEW_SHARE
 from gateway.sequence import Sequence
 from inprocess.stack import LocalStack
 from specsplit.errors import Code, ServiceError
