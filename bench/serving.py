@@ -200,9 +200,21 @@ class Summary:
 
 
 def gate_note(before: Totals, after: Totals, modes: dict[int, str]) -> str:
-    """What the gateway's gates did during a run: the speculation gate's rounds by kind
-    (speculating, plain, resuming) with their mean wall time, and the overlap gate's round kind
-    per batch bucket at its end. Why a setup speculated slower or faster than another."""
+    """What the gateway's gates did during a run: its rounds by kind (plain, or the kind a
+    speculating round ran as), the speculation gate's rounds by kind (speculating, plain,
+    resuming) with their mean wall time, and the overlap gate's round kind per batch bucket at
+    its end. Why a setup speculated slower or faster than another."""
+    prefix = "specsplit_rounds_total:"
+    ran = {
+        key.removeprefix(prefix): after[(process, key)] - before[(process, key)]
+        for process, key in after
+        if process == "gateway" and key.startswith(prefix)
+    }
+    run = (
+        "ran " + ", ".join(f"{k} {n:.0f}" for k, n in sorted(ran.items()) if n)
+        if any(ran.values())
+        else ""
+    )
     kinds = []
     for kind in ("speculating", "plain", "resuming"):
         count, total = (
@@ -212,9 +224,10 @@ def gate_note(before: Totals, after: Totals, modes: dict[int, str]) -> str:
         )
         if count:
             kinds.append(f"{kind} {count:.0f} ({total / count * 1e3:.1f} ms)")
-    rounds = "rounds " + ", ".join(kinds) if kinds else ""
+    rounds = "gate rounds " + ", ".join(kinds) if kinds else ""
     chosen = " ".join(f"b{bucket} {mode}" for bucket, mode in sorted(modes.items()))
-    return "; ".join(part for part in (rounds, f"overlap {chosen}" if chosen else "") if part)
+    overlap = f"overlap {chosen}" if chosen else ""
+    return "; ".join(part for part in (run, rounds, overlap) if part)
 
 
 def parse_setup(text: str) -> tuple[str, tuple[str, ...]]:

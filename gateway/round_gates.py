@@ -123,7 +123,10 @@ class RoundGates:
         serial round) and the gates (where `plan` says they measure it)."""
         seconds = time.perf_counter() - plan.start
         verifier = self.verifier
-        metrics.observe_round(seconds, verifier.last_engine_seconds, verifier.last_device_seconds)
+        round_kind = plan.mode if plan.speculate and plan.drafting else "plain"
+        metrics.observe_round(
+            round_kind, seconds, verifier.last_engine_seconds, verifier.last_device_seconds
+        )
         batch_size = plan.batch_size
         if self.steps_policy is not None and plan.mode == "serial" and self._plain_round:
             batch_size, steps = self._plain_round

@@ -93,6 +93,14 @@ SERVICE_OVERHEAD_SECONDS = Histogram(
 ROUND_SECONDS = Histogram(
     "specsplit_round_seconds", "A round on the gateway, wall time", buckets=_LATENCY_BUCKETS
 )
+ROUNDS = Counter(
+    "specsplit_rounds",
+    "Rounds the gateway ran by kind: 'plain' (no sequence drafted: target-only requests, or the"
+    " speculation gate holding drafts back) or a speculating round's (`serial`, `groups`,"
+    " `groups-early`, `ahead`, `ahead-plain`, `ahead-unhinted`: what the overlap gate, or"
+    " --overlap, ran it as)",
+    ["kind"],
+)
 ROUND_OUTSIDE_VERIFY_SECONDS = Histogram(
     "specsplit_round_outside_verify_seconds",
     "A round's critical path outside the verifier's engine time (drafting not hidden, both RPCs,"
@@ -402,9 +410,12 @@ def observe_decode_steps(steps: int) -> None:
     DECODE_STEPS.observe(steps)
 
 
-def observe_round(seconds: float, verify_engine_seconds: float, device_seconds: float) -> None:
-    """A round's wall time on the gateway, and what of it the verifier's engine did not take
-    (its call, and where measured its device)."""
+def observe_round(
+    kind: str, seconds: float, verify_engine_seconds: float, device_seconds: float
+) -> None:
+    """A round of `kind` (ROUNDS), its wall time on the gateway, and what of it the verifier's
+    engine did not take (its call, and where measured its device)."""
+    _child(ROUNDS, kind).inc()
     ROUND_SECONDS.observe(seconds)
     ROUND_OUTSIDE_VERIFY_SECONDS.observe(max(seconds - verify_engine_seconds, 0.0))
     if device_seconds > 0:

@@ -76,6 +76,7 @@ KNOWN_METRICS = {
     "specsplit_round_outside_device_seconds",
     "specsplit_verify_device_seconds",
     "specsplit_decode_steps",
+    "specsplit_rounds_total",
 }
 
 

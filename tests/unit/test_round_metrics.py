@@ -52,6 +52,30 @@ def test_every_round_is_timed_and_its_verify_engine_time_taken_out(
     assert stack.scheduler.verifier.last_engine_seconds > 0
 
 
+def _rounds(kind: str) -> float:
+    return REGISTRY.get_sample_value("specsplit_rounds_total", {"kind": kind}) or 0.0
+
+
+@pytest.mark.parametrize("overlap", ["serial", "groups"])
+def test_rounds_are_counted_by_kind(target: Path, smollm2_tokenizer, overlap: str) -> None:
+    """Speculating rounds by the kind they ran as; target-only requests' rounds as plain. So a
+    dashboard (and bench/serving.py) shows what the gates chose to run."""
+    stack = make_stack(target, "model", smollm2_tokenizer, SpecParams(3, 1, 3), overlap=overlap)
+    prompts = [[5, 9, 11, 3], [7, 7, 2, 8, 13, 21]]
+    kinds = ("plain", "serial", "groups")
+    before = {kind: _rounds(kind) for kind in kinds}
+    generate_all(stack, [GenerationRequest(p, 10, ignore_eos=True) for p in prompts])
+    middle = {kind: _rounds(kind) - before[kind] for kind in kinds}
+    assert middle[overlap] > 0 and middle["plain"] == 0
+    assert middle["groups" if overlap == "serial" else "serial"] == 0
+    target_only = SpecParams(0, 1, 0)
+    generate_all(
+        stack, [GenerationRequest(p, 6, ignore_eos=True, spec=target_only) for p in prompts]
+    )
+    after = {kind: _rounds(kind) - before[kind] - middle[kind] for kind in kinds}
+    assert after["plain"] > 0 and after[overlap] == 0
+
+
 def test_a_rounds_time_outside_the_verifiers_device_is_its_wall_less_the_device_time() -> None:
     """observe_round: with the verifier's device time reported (a GPU), the round's wall less
     it goes to specsplit_round_outside_device_seconds (never below 0: the device time of a
@@ -62,11 +86,11 @@ def test_a_rounds_time_outside_the_verifiers_device_is_its_wall_less_the_device_
         return REGISTRY.get_sample_value(f"{name}_{kind}") or 0.0
 
     count, total = sample("count"), sample("sum")
-    metrics.observe_round(0.010, 0.0095, 0.0091)
+    metrics.observe_round("plain", 0.010, 0.0095, 0.0091)
     assert sample("count") == count + 1
     assert sample("sum") - total == pytest.approx(0.0009)
-    metrics.observe_round(0.010, 0.002, 0.0)  # not measured: a CPU
-    metrics.observe_round(0.010, 0.002, 0.012)  # ran before the round asked for it
+    metrics.observe_round("plain", 0.010, 0.002, 0.0)  # not measured: a CPU
+    metrics.observe_round("plain", 0.010, 0.002, 0.012)  # ran before the round asked for it
     assert sample("count") == count + 2
     assert sample("sum") - total == pytest.approx(0.0009)
 

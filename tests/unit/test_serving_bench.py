@@ -121,8 +121,12 @@ def test_a_run_notes_the_gates_rounds_by_kind_and_the_overlap_modes_chosen() -> 
     after[("gateway", "specsplit_gate_speculating_round_seconds_sum")] += 0.4
     after[("gateway", "specsplit_gate_plain_round_seconds_count")] += 4
     after[("gateway", "specsplit_gate_plain_round_seconds_sum")] += 0.02
+    after[("gateway", "specsplit_rounds_total:groups")] += 30
+    after[("gateway", "specsplit_rounds_total:serial")] += 10
+    after[("gateway", "specsplit_rounds_total:plain")] += 4
     assert gate_note(before, after, {8: "groups", 1: "serial"}) == (
-        "rounds speculating 40 (10.0 ms), plain 4 (5.0 ms); overlap b1 serial b8 groups"
+        "ran groups 30, plain 4, serial 10; gate rounds speculating 40 (10.0 ms), plain 4 (5.0 ms)"
+        "; overlap b1 serial b8 groups"
     )
     assert gate_note(before, before, {}) == ""
     summary = Summary(100.0, 1.0, (0.01,) * 3, (0.002,) * 3, (0.004,) * 3, 2.0, gates="x")
