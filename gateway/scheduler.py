@@ -146,6 +146,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
         1.02x-1.11x at batch 1 / 8 in most runs, bench/RESULTS.md)."""
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_MODES}")
+        if max_batch_size < 1:  # no request would ever be admitted
+            raise ValueError(f"max_batch_size = {max_batch_size}: want 1 or more")
         if not 0 <= ahead_guesses <= MAX_AHEAD_GUESSES:
             raise ValueError(f"ahead_guesses = {ahead_guesses}: want 0 to {MAX_AHEAD_GUESSES}")
         if ahead_miss not in AHEAD_MISSES:

@@ -68,6 +68,17 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() in ("", "none") else int(value)
 
 
+def positive_int(value: str) -> int:
+    """An integer >= 1 (a batch's size, a page's tokens: 0 would stall or break the service)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number}: want 1 or more")
+    return number
+
+
 def milliseconds(value: str) -> float:
     """A duration in milliseconds, finite and >= 0."""
     ms = float(value)

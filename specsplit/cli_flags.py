@@ -20,6 +20,7 @@ from specsplit.cli_args import (
     optional_float,
     optional_int,
     optional_str,
+    positive_int,
     switch,
 )
 
@@ -86,7 +87,7 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
     dtype_help = "weights and KV dtype; auto = bfloat16 on cuda, float32 on cpu"
     flag(parser, "--dtype", "auto", dtype_help, choices=DTYPE_CHOICES)
     flag(parser, "--num-pages", None, "KV cache pages; none = the engine's", type=optional_int)
-    flag(parser, "--page-size", 16, "tokens per KV page", type=int)
+    flag(parser, "--page-size", 16, "tokens per KV page", type=positive_int)
     calls_help = (
         "drafter and verifier: where engine calls run: thread (a thread of the engine's own),"
         " loop (the event loop's thread: two thread wake-ups fewer per round, the loop blocked"
@@ -259,7 +260,7 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--topk", 1, "default children per draft node; 1 = a chain", type=int)
     nodes_help = "default draft tree nodes; none = num_steps * topk"
     flag(parser, "--num-draft-tokens", None, nodes_help, type=optional_int)
-    flag(parser, "--max-batch-size", MAX_BATCH_SIZE, "sequences per round", type=int)
+    flag(parser, "--max-batch-size", MAX_BATCH_SIZE, "sequences per round", type=positive_int)
     switch(
         parser,
         "--adaptive-spec",

@@ -160,6 +160,21 @@ def test_flags_beat_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.parse_args(["serve-verifier", "--device", "cpu"]).device == "cpu"
 
 
+@pytest.mark.parametrize("command", ["serve-gateway", "up"])
+@pytest.mark.parametrize("flag", ["--max-batch-size", "--page-size"])
+def test_a_batch_or_page_of_no_size_is_refused(
+    command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 sequences a round would never admit a request; 0 tokens a page has no KV."""
+    if flag == "--page-size" and command == "serve-gateway":
+        command = "serve-verifier"
+    for value in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            cli.parse_args([command, flag, value])
+        assert flag in capsys.readouterr().err
+    assert getattr(cli.parse_args([command, flag, "1"]), flag[2:].replace("-", "_")) == 1
+
+
 def test_bad_env_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSPLIT_DRAFTER", "eagle")
     with pytest.raises(SystemExit, match="SPECSPLIT_DRAFTER='eagle'"):

@@ -335,6 +335,13 @@ def test_a_negative_ahead_max_batch_is_refused(smollm2_tokenizer) -> None:
         Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="both", ahead_max_batch=-1)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_batch_of_no_sequences_is_refused(smollm2_tokenizer, size: int) -> None:
+    """It would never admit a request (the command line refuses it too)."""
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Scheduler(None, None, smollm2_tokenizer, (), CHAIN, max_batch_size=size)  # type: ignore[arg-type]
+
+
 def test_an_unknown_ahead_miss_is_refused(smollm2_tokenizer) -> None:
     with pytest.raises(ValueError, match="ahead_miss"):
         Scheduler(None, None, smollm2_tokenizer, (), CHAIN, overlap="ahead", ahead_miss="skip")  # type: ignore[arg-type]
