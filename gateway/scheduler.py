@@ -122,8 +122,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
         once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py);
         prefill_rounds_one_step: a round that starts a sequence (its prefill) decodes one step
         for every sequence in it, so the new one's first token streams after that step, not
-        after the others' further steps. early_verify: groups send the other group's Verify
-        as soon as its trees are drafted, while this group's is in flight (the verifier runs
+        after the others' further steps; not while requests wait for a place in the batch.
+        early_verify: groups send the other group's Verify as soon as its trees are drafted,
+        while this group's is in flight (the verifier runs
         the two back to back: for a drafter and a verifier on two GPUs; on one GPU shared by
         both it measured slower, bench/RESULTS.md); off = each group's Verify goes out in its
         own round. With "gated"
@@ -374,8 +375,16 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
     def _verify_inputs(self, batch: list[Sequence], trees: list[DraftTree]) -> list[VerifyInput]:
         policy = self.steps_policy
         steps = self.decode_steps if policy is None else policy.steps(len(batch))
-        if self.prefill_rounds_one_step and any(not seq.verifier_begun for seq in batch):
-            steps = 1  # the new sequences' first tokens: after this step, not the others' last
+        if (
+            self.prefill_rounds_one_step
+            and any(not seq.verifier_begun for seq in batch)
+            and not any(not seq.cancelled for seq in self.waiting)
+        ):
+            # the new sequences' first tokens: after this step, not the others' last. Not while
+            # requests wait for a place: the batch is full, each finished request's place goes
+            # to a newcomer so that nearly every round starts one, and one-step rounds would
+            # cut the rate that frees the places they wait for
+            steps = 1
         inputs = [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
         if policy is not None and all(is_plain(item) for item in inputs):  # what it learns from
             metrics.observe_decode_steps(steps)

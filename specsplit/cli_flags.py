@@ -357,7 +357,8 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " so the new request's first token streams after that step, not after the others'"
         " further decode steps (--decode-steps); costs the others a round trip. Under Poisson"
         " arrivals through `up` on two H200s it cut the time to first token (p50) to"
-        " 0.68-0.83x at the same tokens a second (bench/RESULTS.md)"
+        " 0.68-0.83x at the same tokens a second (bench/RESULTS.md). Not while requests wait for"
+        " a place in the batch"
     )
     switch(parser, "--prefill-rounds-one-step", True, prefill_help)
 

@@ -43,6 +43,15 @@ def test_a_round_with_a_prefill_asks_the_others_for_one_step_when_on(
     inputs = scheduler._verify_inputs([running, new], [DraftTree(), DraftTree()])
     assert [item.decode_steps for item in inputs] == want
     assert [item.begin for item in inputs] == [False, True]
+    # while requests wait for a place (a full batch) the round keeps its steps: there nearly
+    # every round starts a request, and one-step rounds would slow the batch that frees places
+    waiting = scheduler._new_sequence(GenerationRequest([3, 4], 32))
+    scheduler.waiting.append(waiting)
+    steps = [i.decode_steps for i in scheduler._verify_inputs([running, new], [DraftTree()] * 2)]
+    assert steps == [4, 1]
+    waiting.cancelled = True  # a cancelled one does not wait
+    steps = [i.decode_steps for i in scheduler._verify_inputs([running, new], [DraftTree()] * 2)]
+    assert steps == want
     # a round with no prefill keeps its steps
     new.verifier_begun = True
     steps = [i.decode_steps for i in scheduler._verify_inputs([running, new], [DraftTree()] * 2)]
