@@ -203,11 +203,8 @@ def decode_ahead(args: argparse.Namespace, device: str) -> bool:
 def graph_max_batch(value: str) -> int:
     """--graph-max-batch's value: an integer in [1, 256] (the largest of the graphs' buckets,
     specsplit/model/cuda_graphs.py BATCH_SIZES)."""
-    try:
-        size = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if not 0 < size <= 256:
+    size = positive_int(value)
+    if size > 256:
         raise argparse.ArgumentTypeError(f"{size} is not in [1, 256]")
     return size
 
