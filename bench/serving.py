@@ -151,7 +151,7 @@ class Summary:
     # ... those dropped by why (`specsplit_decode_ahead_dropped_total`, verifier/run_ahead.py
     # DROP_REASONS)
     dropped_by: dict[str, float] = field(default_factory=dict)
-    # the gateway's gates during the run (`gate_note`): "" where neither measured a round
+    # the gateway's rounds by kind and its gates during the run (`gate_note`; "" for none)
     gates: str = ""
 
     @classmethod
@@ -199,17 +199,22 @@ class Summary:
         )
 
 
+def by_label(before: Totals, after: Totals, process: str, prefix: str) -> dict[str, float]:
+    """A labelled counter's growth during a run by its label (`scrape_totals`' keys "<name>:<label>"
+    under `prefix`), for `process`."""
+    return {
+        key.removeprefix(prefix): after[(who, key)] - before[(who, key)]
+        for who, key in after
+        if who == process and key.startswith(prefix)
+    }
+
+
 def gate_note(before: Totals, after: Totals, modes: dict[int, str]) -> str:
     """What the gateway's gates did during a run: its rounds by kind (plain, or the kind a
     speculating round ran as), the speculation gate's rounds by kind (speculating, plain,
     resuming) with their mean wall time, and the overlap gate's round kind per batch bucket at
     its end. Why a setup speculated slower or faster than another."""
-    prefix = "specsplit_rounds_total:"
-    ran = {
-        key.removeprefix(prefix): after[(process, key)] - before[(process, key)]
-        for process, key in after
-        if process == "gateway" and key.startswith(prefix)
-    }
+    ran = by_label(before, after, "gateway", "specsplit_rounds_total:")
     run = (
         "ran " + ", ".join(f"{k} {n:.0f}" for k, n in sorted(ran.items()) if n)
         if any(ran.values())
@@ -345,12 +350,9 @@ async def serve_setup(
             )
             summary.ahead_used = after[used] - before[used]
             summary.ahead_dropped = after[dropped] - before[dropped]
-            prefix = "specsplit_decode_ahead_dropped_total:"
-            summary.dropped_by = {
-                key.removeprefix(prefix): after[(process, key)] - before[(process, key)]
-                for process, key in after
-                if process == "verifier" and key.startswith(prefix)
-            }
+            summary.dropped_by = by_label(
+                before, after, "verifier", "specsplit_decode_ahead_dropped_total:"
+            )
             summary.gates = gate_note(before, after, scrape_overlap_modes())
             results.append((summary, [s.token_ids for s in streams]))
         return results
