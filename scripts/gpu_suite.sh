@@ -141,11 +141,8 @@ serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part say
   # the drafter's flags, $SERVING_EXTRA: a flag added to every setup)
   local setups=() setup
   for setup in ${SERVING_BASE:-default= steps4=--decode-steps=4} ${SERVING_SETUPS:-}; do
-    setup="${setup//,/ }"  # NAME=FLAG,FLAG: one setup's flags
-    if [[ -n ${SERVING_EXTRA:-} ]]; then
-      if [[ -n ${setup#*=} ]]; then setup="$setup $SERVING_EXTRA"; else setup="$setup$SERVING_EXTRA"; fi
-    fi
-    setups+=(--setup "$setup")
+    # NAME=FLAG,FLAG: one setup's flags (bench/serving.py splits them as a shell would)
+    setups+=(--setup "${setup//,/ }${SERVING_EXTRA:+ $SERVING_EXTRA}")
   done
   # shellcheck disable=SC2086  # $SERVING_DRAFTER and the lists are words
   run serving python3 bench/serving.py --model "${SERVING_MODEL:-/tmp/smollm2_random}" \
