@@ -24,6 +24,10 @@ overlap gate, the round ran the kind it chose (not one it explores or probes: th
 - first WINDOW measured rounds speculating, then WINDOW rounds plain (no drafts); a bucket met
   after another has chosen starts from the nearest one's measurements and choice instead, and
   one still exploring when another chooses takes that choice (exploring is left to the first);
+  a larger batch than one that chose speculation probes plain rounds after its own first
+  WINDOW rounds (a draft's gain shrinks as the batch grows: two H200s, 8B-shaped target at 80
+  requests a second, batch 64 took batch 32's speculation, committed 0.8x the target alone's
+  tokens a second, and its first probe would have waited longer than the 3 s run);
 - then the mode with more committed tokens per second of round (running sums over the last
   WINDOW measured rounds of each mode less the slowest of them: the first rounds of a mode may
   build kernels or capture graphs, a stall that is not the mode's speed; speculation must beat
@@ -95,6 +99,8 @@ class _Bucket:
     # its last choice was the plain mode where no other could have beaten it at its best
     # (`ModeGate._hopeless`), or it took that from a smaller bucket (`ModeGate._adopt`)
     hopeless: bool = False
+    # its first probe after `window` rounds, whatever the probe costs (`ModeGate._adopt`)
+    early_probe: bool = False
 
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
@@ -222,6 +228,11 @@ class ModeGate:
         if near.hopeless and b.key > near.key:
             b.hopeless = True
             b.probe_every = self.hopeless_backoff * self.probe_every
+        # nor does a larger batch than one where another mode beat the plain one know that
+        # it does here too: it probes the plain mode once its own window is measured
+        elif b.key > near.key and b.chosen != len(self.modes) - 1:
+            b.early_probe = True
+            b.probe_every = self.window
         b.probe_seconds = near.probe_seconds
         self.report(b.key, self.modes[b.chosen])
 
@@ -286,7 +297,9 @@ class ModeGate:
         elif b.mode != b.chosen:  # probing another mode
             if b.rounds_in_mode >= self.window + SETTLE:
                 self._choose(b)
-        elif b.rounds_in_mode >= b.probe_every and b.seconds_in_mode >= self._probe_wait(b):
+        elif b.rounds_in_mode >= b.probe_every and (
+            b.early_probe or b.seconds_in_mode >= self._probe_wait(b)
+        ):
             log.info(
                 "%s, batch <= %d: probing %s after %d rounds, %.2f s",
                 self.name,
@@ -296,6 +309,8 @@ class ModeGate:
                 b.seconds_in_mode,
             )
             b.probing_since_switch = 0.0
+            if b.early_probe:  # later probes as any bucket's
+                b.early_probe, b.probe_every = False, self.probe_every
             probe = b.next_probe
             b.next_probe = self._after(probe, b.chosen)
             self._switch(b, probe)

@@ -273,6 +273,37 @@ def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
     assert modes == [False] * 10 + [True]
 
 
+def test_a_larger_batch_than_a_speculating_one_probes_plain_after_its_window() -> None:
+    """Speculation pays at batch 8; batch 64, met later (a load spike), takes that choice but
+    probes plain rounds once its own window is measured, however long the probe wait would be
+    (its first probe is all it knows of speculation here), and keeps plain where they win.
+    Later probes wait as any bucket's. A smaller batch (8, met after a speculating 64) waits
+    probe_every as before."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=0.01)
+    _run(gate, 2 + 2 + SETTLE, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=8)
+    assert gate.speculate(8)
+    # at 64: speculating 2 tokens in 9 ms, plain 1 in 3 ms
+    modes = _run(gate, 2 + SETTLE + 2 + 20, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=64)
+    assert modes[:2] == [True] * 2 and modes[2:] == [False] * (SETTLE + 2 + 20)
+    assert gate.speculate(8)  # batch 8's choice stands
+    spec_rate, plain_rate = gate.rates(64)
+    assert spec_rate is not None and plain_rate is not None
+    assert spec_rate == pytest.approx(2 * 64 / 9e-3)  # its own rounds, not batch 8's
+
+    # where speculation pays there too, it goes back and waits as any bucket for the next
+    paying = SpeculationGate(window=2, probe_every=10, probe_budget=0.01)
+    _run(paying, 2 + 2 + SETTLE, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=8)
+    modes = _run(
+        paying, 2 + SETTLE + 2 + SETTLE + 30, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=64
+    )
+    assert modes[: 2 + SETTLE + 2 + SETTLE] == [True] * 2 + [False] * (SETTLE + 2) + [True] * SETTLE
+    assert modes[2 + SETTLE + 2 + SETTLE :] == [True] * 30  # the budget's wait: no probe yet
+
+    smaller = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(smaller, 2 + 2 + SETTLE, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=64)
+    assert _run(smaller, 10, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=8) == [True] * 10
+
+
 def test_a_probe_whose_best_is_not_told_keeps_the_hopeless_verdict() -> None:
     """Batch 1 finds speculation unable to win at its best; its later probe runs while the
     overlap gate explores a round kind (the scheduler then tells no round's best) and loses
