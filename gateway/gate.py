@@ -29,9 +29,11 @@ overlap gate, the round ran the kind it chose (not one it explores or probes: th
   requests a second, batch 64 took batch 32's speculation, committed 0.8x the target alone's
   tokens a second, and its first probe would have waited longer than the 3 s run);
 - then the mode with more committed tokens per second of round (running sums over the last
-  WINDOW measured rounds of each mode less the slowest of them: the first rounds of a mode may
-  build kernels or capture graphs, a stall that is not the mode's speed; speculation must beat
-  plain by SPEC_MARGIN) runs;
+  WINDOW measured rounds of each mode, less the slowest of them where it took more than STALL
+  x their median: the first rounds of a mode may build kernels or capture graphs, a stall that
+  is not the mode's speed; a slow round that is, as one group's round holding a newcomer's
+  prefill and catch-up under arrivals, stays, or a mode whose rounds are lumpy would read up to
+  a WINDOW-th faster than it runs; speculation must beat plain by SPEC_MARGIN) runs;
 - after PROBE_EVERY rounds the other mode runs WINDOW rounds again, and the choice is made
   anew: acceptance changes with the prompts, the round times with the batch. Each probe that
   confirms the choice doubles the wait for the next (up to MAX_BACKOFF x PROBE_EVERY); one that
@@ -61,6 +63,7 @@ change, so the output is the target's in either mode.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -75,6 +78,7 @@ OVERLAP_MARGIN = 1.03  # groups or draft-ahead must commit 3% more than serial r
 SETTLE = 1  # rounds after a switch that are not measured
 MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
 PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's time between
+STALL = 4.0  # a window's slowest round past this x its median round is a stall, left out
 
 
 @dataclass
@@ -106,14 +110,15 @@ class _Bucket:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
     def _window(self, mode: int) -> list[tuple[int, float, int | None]] | None:
-        """The mode's measured rounds less the slowest (a one-off stall, as a kernel built or a
-        graph captured on a mode's first use, or a collection, does not decide), None until
-        the window is full."""
+        """The mode's measured rounds less the slowest where it stalled (past STALL x their
+        median: a one-off stall, as a kernel built or a graph captured on a mode's first use,
+        or a collection, does not decide), None until the window is full."""
         rounds = list(self.rounds[mode])
         if len(rounds) < self.window:
             return None
-        if len(rounds) > 2:
-            rounds.remove(max(rounds, key=lambda r: r[1]))
+        slowest = max(rounds, key=lambda r: r[1])
+        if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
+            rounds.remove(slowest)
         return rounds
 
     def rate(self, mode: int) -> float | None:

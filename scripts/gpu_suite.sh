@@ -149,7 +149,8 @@ serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part say
     "${devices[@]}" ${SERVING_DRAFTER:---drafter eagle3 --draft-model specsplit/data/eagle3-smollm2} \
     --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
     --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
-    --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}"
+    --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" \
+    --services-log "$out/serving_services.log"  # the gates' choices with their rates
 }
 for part in "${parts[@]}"; do
   case $part in

@@ -273,6 +273,22 @@ def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
     assert modes == [False] * 10 + [True]
 
 
+def test_a_slow_round_of_the_modes_own_counts() -> None:
+    """Speculation's rounds are lumpy under arrivals (one in four holds a newcomer's prefill
+    and its catch-up: 3x a round) while plain rounds pay theirs evenly: the slow rounds are
+    speculation's speed, not a stall, and stay in its window. Left out, speculation would
+    read 1.25x faster than it runs and win; kept, plain rounds (as fast) win."""
+    gate = SpeculationGate(window=4, probe_every=100)
+    for seconds in (10e-3, 10e-3, 10e-3, 30e-3):  # 4 x 30 tokens in 60 ms: 2000 tokens/s
+        gate.observe(1, True, 30, seconds)
+    gate.observe(1, False, 20, 10e-3, measured=True)  # the settle round
+    for _ in range(4):
+        gate.observe(1, False, 20, 10e-3)  # 2000 tokens/s
+    spec_rate, plain_rate = gate.rates(1)
+    assert spec_rate == pytest.approx(120 / 60e-3) and plain_rate == pytest.approx(2000)
+    assert not gate.speculate(1)  # speculation must beat plain by the margin
+
+
 def test_a_larger_batch_than_a_speculating_one_probes_plain_after_its_window() -> None:
     """Speculation pays at batch 8; batch 64, met later (a load spike), takes that choice but
     probes plain rounds once its own window is measured, however long the probe wait would be
