@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.gate import SETTLE, OverlapGate
+from gateway.gate import OverlapGate
+from gateway.mode_gate import SETTLE
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.gate import MAX_BACKOFF, SETTLE, SpeculationGate
+from gateway.gate import SpeculationGate
+from gateway.mode_gate import MAX_BACKOFF, SETTLE
 
 
 def _run(

@@ -1,0 +1,399 @@
+"""A gate: of several ways to run a round (its modes, the last of them the plain one), the one
+that commits more tokens per second of round, measured per batch size (`ModeGate`). The
+speculation gate and the overlap gate (gateway/gate.py) are two; the rounds each measures are
+the scheduler's to say (gateway/round_gates.py).
+
+Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the rounds the gate is told
+are measured:
+- first WINDOW measured rounds of each mode, in order; a bucket met after another has chosen
+  starts from the nearest one's measurements and choice instead, and one still exploring when
+  another chooses takes that choice (exploring is left to the first; a gate that does not
+  adopt, as the overlap gate, explores each bucket, from the nearest one's mode); a larger
+  batch than one that chose a mode other than the plain one probes the plain one after its
+  own first WINDOW rounds (a draft's gain shrinks as the batch grows: two H200s, 8B-shaped
+  target at 80 requests a second, batch 64 took batch 32's speculation, committed 0.8x the
+  target alone's tokens a second, and its first probe would have waited longer than the 3 s
+  run);
+- then the mode with the most committed tokens per second of round (running sums over the
+  last WINDOW measured rounds of each mode, less the slowest of them where it took more than
+  STALL x their median: the first rounds of a mode may build kernels or capture graphs, a
+  stall that is not the mode's speed; a slow round that is, as one group's round holding a
+  newcomer's prefill and catch-up under arrivals, stays, or a mode whose rounds are lumpy
+  would read up to a WINDOW-th faster than it runs; every mode but the plain one must beat it
+  by MARGIN) runs;
+- after PROBE_EVERY rounds another mode runs WINDOW rounds again (each in turn), and the
+  choice is made anew: acceptance changes with the prompts, the round times with the batch.
+  Each probe that confirms the choice doubles the wait for the next (up to MAX_BACKOFF x
+  PROBE_EVERY); one that changes it starts over from PROBE_EVERY;
+- and a probe waits until the chosen mode has run for 1 / PROBE_BUDGET times as long as the
+  last probe took, so that probing takes at most PROBE_BUDGET of the time;
+- where no other mode could beat the plain one even at its best (a speculating round's
+  `most`: its measured round time with each sequence committing its whole draft path and
+  bonus token, still fewer tokens per second than plain rounds), the first wait is
+  MAX_BACKOFF x PROBE_EVERY at once: probes then only follow a change in the round times
+  (the batch, the context), which acceptance alone cannot bring; a larger batch size met
+  later waits as long for its first (a draft's gain shrinks as the batch grows). A probe of
+  speculation is costly where it loses: its first round verifies again every token since the
+  last features (two H200s, SmolLM2, 8 or 32 streams: 30-100 ms, a dozen plain rounds), then
+  WINDOW rounds speculate at up to twice a plain round's time. Its cost is every round's time
+  from the switch until the first measured round back in the chosen mode (the settle and
+  catch-up rounds included), and at least the other mode's measured window (so that the
+  first probe, before any cost is known, waits too); a bucket met for the first time takes the
+  nearest one's.
+The first SETTLE rounds after a switch are not measured (the pipelined groups refill; an EAGLE
+drafter catches up).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+WINDOW = 8  # measured rounds per mode before choosing, and in each probe
+PROBE_EVERY = 96  # rounds in the chosen mode between probes of another
+MARGIN = 1.03  # every mode but the plain one must commit 3% more tokens per second than it
+SETTLE = 1  # rounds after a switch that are not measured
+MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
+PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's time between
+STALL = 4.0  # a window's slowest round past this x its median round is a stall, left out
+
+
+@dataclass
+class _Bucket:
+    """One batch-size bucket's measurements and state; modes by their index."""
+
+    key: int  # the batch-size bucket
+    window: int
+    num_modes: int
+    # per mode: (tokens, seconds, most) of its measured rounds, the last `window`; most: the
+    # tokens the round could have committed at best (None: not known)
+    rounds: list[deque[tuple[int, float, int | None]]] = field(init=False)
+    mode: int = 0  # the mode running now
+    chosen: int | None = None  # the mode chosen after the last measurement; None: exploring
+    next_probe: int = 0  # the mode the next probe tries (never the chosen one)
+    rounds_in_mode: int = 0  # since the last switch
+    settle: int = 0  # rounds left that are not measured
+    probe_every: int = 0  # rounds in the chosen mode before the next probe (set on choosing)
+    seconds_in_mode: float = 0.0  # the rounds' time since the last switch (measured or not)
+    probe_seconds: float | None = None  # the last probe's cost (None: none yet)
+    probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
+    # its last choice was the plain mode where no other could have beaten it at its best
+    # (`ModeGate._hopeless`), or it took that from a smaller bucket (`ModeGate._adopt`)
+    hopeless: bool = False
+    # its first probe after `window` rounds, whatever the probe costs (`ModeGate._adopt`)
+    early_probe: bool = False
+
+    def __post_init__(self) -> None:
+        self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
+
+    def _window(self, mode: int) -> list[tuple[int, float, int | None]] | None:
+        """The mode's measured rounds less the slowest where it stalled (past STALL x their
+        median: a one-off stall, as a kernel built or a graph captured on a mode's first use,
+        or a collection, does not decide), None until the window is full."""
+        rounds = list(self.rounds[mode])
+        if len(rounds) < self.window:
+            return None
+        slowest = max(rounds, key=lambda r: r[1])
+        if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
+            rounds.remove(slowest)
+        return rounds
+
+    def rate(self, mode: int) -> float | None:
+        """Committed tokens per second of round over the window (`_window`)."""
+        return self._per_second(mode, 0)
+
+    def ceiling(self, mode: int) -> float | None:
+        """Tokens per second the same rounds would have committed at best (each its `most`),
+        None until the window is full or where a round's best is not known."""
+        return self._per_second(mode, 2)
+
+    def _per_second(self, mode: int, column: int) -> float | None:
+        """Column `column` of the window's rounds (0: tokens, 2: most) summed over their time;
+        None until the window is full or where a round's value is not known."""
+        rounds = self._window(mode)
+        if rounds is None:
+            return None
+        values = [r[column] for r in rounds]
+        if any(v is None for v in values):
+            return None
+        return sum(v for v in values if v is not None) / max(sum(r[1] for r in rounds), 1e-9)
+
+
+class ModeGate:
+    """Which of `modes` the next round runs in, per batch size, from what rounds measured: each
+    explored in order, then the one committing the most tokens per second, where every mode but
+    the last (the plain one: plain rounds, serial rounds) must beat it by `margin`; the others
+    probed in turn now and then. Subclasses name the modes and report each choice."""
+
+    name = "gate"
+    modes: tuple[str, ...] = ("the first mode", "the other mode")
+    adopts = True  # a bucket met after another chose takes its choice (`_adopt`)
+
+    def __init__(
+        self,
+        window: int = WINDOW,
+        probe_every: int = PROBE_EVERY,
+        margin: float = MARGIN,
+        probe_budget: float = PROBE_BUDGET,
+        hopeless_backoff: int = MAX_BACKOFF,
+    ) -> None:
+        """hopeless_backoff: the wait for the first probe, in probe_every's, after choosing the
+        plain mode where no other could have beaten it at its best (`_choose`); 1 = as any
+        choice."""
+        assert window >= 1 and probe_every >= 1 and margin > 0 and 0 < probe_budget <= 1
+        assert 1 <= hopeless_backoff <= MAX_BACKOFF
+        assert len(self.modes) >= 2
+        self.window = window
+        self.probe_every = probe_every
+        self.margin = margin
+        self.probe_budget = probe_budget
+        self.hopeless_backoff = hopeless_backoff
+        self._buckets: dict[int, _Bucket] = {}
+        self.num_switches = 0
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        return 1 << max(batch_size - 1, 0).bit_length()
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = self.bucket_of(batch_size)
+        if key not in self._buckets:
+            self._buckets[key] = self._new_bucket(key)
+        return self._buckets[key]
+
+    def _new_bucket(self, key: int) -> _Bucket:
+        """A batch size met for the first time starts from the nearest bucket that chose
+        (`_adopt`). With none chosen yet, it explores; a gate that does not adopt explores
+        each bucket, from the nearest chosen bucket's mode (a batch that shrinks as its
+        streams finish meets new buckets in its last rounds: they run the likely mode first,
+        not the first mode in order)."""
+        b = _Bucket(key, self.window, len(self.modes))
+        if self.adopts:
+            self._adopt(b, fresh=True)
+        else:
+            near = self._nearest_chosen(key)
+            if near is not None and near.chosen is not None:
+                b.mode = near.chosen
+        return b
+
+    def _nearest_chosen(self, key: int) -> _Bucket | None:
+        """The chosen bucket nearest `key` (in powers of two), if any chose."""
+        chosen = [other for other in self._buckets.values() if other.chosen is not None]
+        if not chosen:
+            return None
+        return min(chosen, key=lambda o: abs(o.key.bit_length() - key.bit_length()))
+
+    def _adopt(self, b: _Bucket, fresh: bool = False) -> None:
+        """An exploring bucket takes the nearest chosen bucket's measurements, choice and probe
+        cost (probed again after probe_every rounds here; hopeless_backoff x that for a larger
+        batch than a bucket where no mode could beat the plain one), if any bucket chose: a
+        batch that shrinks as its streams finish crosses a bucket every halving, and exploring
+        each anew would switch modes there (resuming speculation verifies every sequence's
+        tokens since its last features again). So exploring is left to the first bucket that
+        gets there."""
+        near = self._nearest_chosen(b.key)
+        if b.chosen is not None or near is None or near.chosen is None:
+            return
+        for mine, theirs in zip(b.rounds, near.rounds, strict=True):
+            mine.extend(theirs)
+        if fresh:
+            b.mode = near.chosen  # no round ran in it yet: no switch
+        elif b.mode != near.chosen:
+            self._switch(b, near.chosen)
+        b.chosen = b.mode
+        b.next_probe = self._after(b.chosen, b.chosen)
+        b.rounds_in_mode, b.seconds_in_mode = 0, 0.0  # the wait for its first probe starts now
+        b.probe_every = self.probe_every
+        # a larger batch than a bucket where nothing could beat the plain mode at its best
+        # waits as long for its first probe: a draft's gain only shrinks as the batch grows
+        # (a verify's rows grow with it while plain rounds get cheaper a token)
+        if near.hopeless and b.key > near.key:
+            b.hopeless = True
+            b.probe_every = self.hopeless_backoff * self.probe_every
+        # nor does a larger batch than one where another mode beat the plain one know that
+        # it does here too: it probes the plain mode once its own window is measured
+        elif b.key > near.key and b.chosen != len(self.modes) - 1:
+            b.early_probe = True
+            b.probe_every = self.window
+        b.probe_seconds = near.probe_seconds
+        self.report(b.key, self.modes[b.chosen])
+
+    def _after(self, mode: int, chosen: int) -> int:
+        """The mode after `mode` in turn, skipping `chosen`."""
+        nxt = (mode + 1) % len(self.modes)
+        return (nxt + 1) % len(self.modes) if nxt == chosen else nxt
+
+    def report(self, batch_bucket: int, mode: str) -> None:
+        """A bucket chose (a metric's hook)."""
+
+    def mode(self, batch_size: int) -> str:
+        """The next round's mode at this batch size."""
+        return self.modes[self._bucket(batch_size).mode]
+
+    def observe_mode(
+        self,
+        batch_size: int,
+        mode: str,
+        tokens: int,
+        seconds: float,
+        measured: bool = True,
+        most: int | None = None,
+    ) -> None:
+        """A round: `tokens` committed in `seconds`, in `mode` (as `mode()` gave it); `most`:
+        the tokens it could have committed at best (None: not known). Only `measured` rounds
+        count towards the rates; every round's time counts towards the time in the mode and
+        the cost of a probe."""
+        b = self._bucket(batch_size)
+        index = self.modes.index(mode)
+        if index != b.mode:
+            return  # a round of another mode (the bucket switched meanwhile)
+        b.seconds_in_mode += seconds
+        if b.probing_since_switch is not None:
+            b.probing_since_switch += seconds
+        if not measured:
+            return
+        b.rounds_in_mode += 1
+        if b.settle > 0:
+            b.settle -= 1
+            return
+        if b.probing_since_switch is not None and b.mode == b.chosen:
+            # the first measured round back in the chosen mode: the probe's cost is known
+            b.probe_seconds = b.probing_since_switch - seconds
+            b.probing_since_switch = None
+            log.info(
+                "%s, batch <= %d: the probe took %.3f s; the next after %d rounds and %.1f s",
+                self.name,
+                b.key,
+                b.probe_seconds,
+                b.probe_every,
+                self._probe_wait(b),
+            )
+        b.rounds[index].append((tokens, seconds, most))
+        if b.chosen is None:  # exploring: each mode not measured yet, in order
+            if b.rate(index) is not None:
+                unmeasured = [mode for mode in range(len(self.modes)) if b.rate(mode) is None]
+                if unmeasured:
+                    self._switch(b, unmeasured[0])
+                else:
+                    self._choose(b)
+        elif b.mode != b.chosen:  # probing another mode
+            if b.rounds_in_mode >= self.window + SETTLE:
+                self._choose(b)
+        elif b.rounds_in_mode >= b.probe_every and (
+            b.early_probe or b.seconds_in_mode >= self._probe_wait(b)
+        ):
+            log.info(
+                "%s, batch <= %d: probing %s after %d rounds, %.2f s",
+                self.name,
+                b.key,
+                self.modes[b.next_probe],
+                b.rounds_in_mode,
+                b.seconds_in_mode,
+            )
+            b.probing_since_switch = 0.0
+            if b.early_probe:  # later probes as any bucket's
+                b.early_probe, b.probe_every = False, self.probe_every
+            probe = b.next_probe
+            b.next_probe = self._after(probe, b.chosen)
+            self._switch(b, probe)
+
+    def _probe_wait(self, b: _Bucket) -> float:
+        """Seconds in the chosen mode before the next probe: its cost / the budget. The cost is
+        the last probe's, and at least the probed mode's measured window (a probe runs that
+        window again): so the first probe, whose cost is not known yet, waits too."""
+        probed = b.rounds[b.next_probe]
+        cost = max(b.probe_seconds or 0.0, sum(r[1] for r in probed))
+        return cost / self.probe_budget
+
+    def _choose(self, b: _Bucket) -> None:
+        rates = [b.rate(mode) for mode in range(len(self.modes))]
+        plain = len(self.modes) - 1
+        # every mode but the plain one must beat it by the margin; ties: the earlier mode
+        scores = [
+            -1.0 if rate is None else rate / (1.0 if mode == plain else self.margin)
+            for mode, rate in enumerate(rates)
+        ]
+        chosen = max(range(len(scores)), key=lambda mode: (scores[mode], -mode))
+        # a probe that confirms the choice: the next comes twice as late (up to MAX_BACKOFF x)
+        confirmed = chosen == b.chosen
+        b.probe_every = (
+            min(2 * b.probe_every, MAX_BACKOFF * self.probe_every)
+            if confirmed
+            else self.probe_every
+        )
+        # a window whose best is not known (the overlap gate explored or probed a round kind
+        # meanwhile) keeps the last verdict: it showed nothing that could win
+        verdict = self._hopeless(b) if chosen == plain else False
+        hopeless = b.hopeless if verdict is None else verdict
+        if hopeless and not b.hopeless:
+            self._log_hopeless(b)
+        b.hopeless = hopeless
+        if hopeless:
+            b.probe_every = max(b.probe_every, self.hopeless_backoff * self.probe_every)
+        if not confirmed:
+            measured = ", ".join(
+                f"{name} {rate:.1f}"
+                for name, rate in zip(self.modes, rates, strict=True)
+                if rate is not None
+            )
+            log.info(
+                "%s, batch <= %d: tokens/s %s: %s",
+                self.name,
+                b.key,
+                measured,
+                self.modes[chosen],
+            )
+            self.report(b.key, self.modes[chosen])
+            b.next_probe = self._after(chosen, chosen)
+        b.chosen = chosen
+        self._switch(b, chosen)
+        for other in self._buckets.values() if self.adopts else ():
+            self._adopt(other)  # those still exploring (met before any chose)
+
+    def _hopeless(self, b: _Bucket) -> bool | None:
+        """No mode but the plain one could have beaten it even at its best: each one's
+        `ceiling` below the plain mode's rate (with the margin). None where one's is not known."""
+        plain = len(self.modes) - 1
+        plain_rate = b.rate(plain)
+        ceilings = [b.ceiling(mode) for mode in range(plain)]
+        if plain_rate is None or any(c is None for c in ceilings):
+            return None
+        return all(c is not None and c < plain_rate * self.margin for c in ceilings)
+
+    def _log_hopeless(self, b: _Bucket) -> None:
+        plain = len(self.modes) - 1
+        log.info(
+            "%s, batch <= %d: at best %s tokens/s against %s %.1f: probing after %d rounds",
+            self.name,
+            b.key,
+            ", ".join(f"{self.modes[m]} {b.ceiling(m) or 0.0:.1f}" for m in range(plain)),
+            self.modes[plain],
+            b.rate(plain) or 0.0,
+            self.hopeless_backoff * self.probe_every,
+        )
+
+    def _switch(self, b: _Bucket, mode: int) -> None:
+        if mode != b.mode:
+            self.num_switches += 1
+            b.settle = SETTLE
+        b.mode = mode
+        b.rounds_in_mode = 0
+        b.seconds_in_mode = 0.0
+
+    def settled(self, batch_size: int) -> bool:
+        """At this batch size a mode was chosen and runs (neither exploring nor probing)."""
+        b = self._bucket(batch_size)
+        return b.chosen is not None and b.mode == b.chosen
+
+    def rate(self, batch_size: int, mode: str) -> float | None:
+        """Committed tokens per second of `mode` at this batch size, as measured."""
+        return self._bucket(batch_size).rate(self.modes.index(mode))
+
+    def ceiling(self, batch_size: int, mode: str) -> float | None:
+        """The most tokens per second `mode`'s measured rounds could have committed at this
+        batch size (None: not known)."""
+        return self._bucket(batch_size).ceiling(self.modes.index(mode))
