@@ -282,7 +282,7 @@ class PassThroughVerifier:
 
 class TimedClients:
     """Wraps the drafter and the verifier clients; records each call's (start, end) and the
-    drafter's inputs. The Verify takes `verify_delay` seconds more, as on a GPU; each call
+    inputs of each. The Verify takes `verify_delay` seconds more, as on a GPU; each call
     `per_seq_delay` seconds more per sequence in it (a batch's cost that grows with it)."""
 
     def __init__(
@@ -298,6 +298,7 @@ class TimedClients:
         self.drafts: list[tuple[float, float]] = []
         self.draft_inputs: list[list[DraftInput]] = []
         self.verifies: list[tuple[float, float]] = []
+        self.verify_inputs: list[list[VerifyInput]] = []
 
     async def _timed(self, calls: list[tuple[float, float]], coro):
         start = time.perf_counter()
@@ -329,6 +330,7 @@ class TimedClients:
 
         class Verifier(PassThroughVerifier):
             async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+                timed.verify_inputs.append(inputs)
                 return await timed._timed(timed.verifies, self._slow(inputs))
 
             async def _slow(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:

@@ -145,6 +145,43 @@ def test_a_newcomer_joins_the_smaller_group_and_on_a_tie_the_one_drafted_this_ro
     assert scheduler._group == {"n0": 1, "n1": 0, "n2": 1}
 
 
+def test_a_verify_leaves_its_surplus_to_the_other_group(models, smollm2_tokenizer) -> None:
+    """Requests left group 1 (six against two): group 0's next Verify carries four, the two
+    past an even split move to group 1 (they go out with its Verify); groups one apart stay."""
+    scheduler = _stack(models, smollm2_tokenizer, "groups").scheduler
+    seqs = [_seq(f"s{i}") for i in range(8)]
+    scheduler._group.update({f"s{i}": 0 for i in range(6)} | {"s6": 1, "s7": 1})
+    assert [s.seq_id for s in scheduler._rebalance(seqs, 0)] == ["s0", "s1", "s2", "s3"]
+    assert scheduler._group["s4"] == scheduler._group["s5"] == 1
+    assert [s.seq_id for s in scheduler._rebalance(seqs, 1)] == ["s4", "s5", "s6", "s7"]
+    seqs[0].finished = True  # groups of 3 and 4: none moves
+    assert len(scheduler._rebalance(seqs, 1)) == 4 and len(scheduler._rebalance(seqs, 0)) == 3
+
+
+@pytest.mark.parametrize("overlap", ["groups", "groups-early"])
+def test_groups_rebalance_when_one_groups_requests_end_first(
+    models, smollm2_tokenizer, overlap: str
+) -> None:
+    """Six streams in two groups; the three of one group end after 4 tokens, the others run to
+    24. The three left split 2 / 1 (not 3 / 0: one Verify a round, nothing to overlap), every
+    stream is the target's own and no KV is left."""
+    requests = mixed_requests(6, seed=12, max_new_tokens=24)
+    for request in requests[0::2]:  # every other newcomer joins the same group
+        request.max_new_tokens = 4
+    expected = target_only_ids(models["target"], smollm2_tokenizer, requests)
+    stack = _stack(models, smollm2_tokenizer, overlap)
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, verify_delay=0.01)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == expected
+    check_no_leaks(stack)
+    long_ids = {item.seq_id for inputs in timed.verify_inputs[-4:] for item in inputs}
+    assert len(long_ids) == 3  # the last rounds: the three long streams only
+    late = [len(inputs) for inputs in timed.verify_inputs[-6:]]
+    assert max(late) <= 2 and 1 in late, late  # split 2 / 1
+
+
 @pytest.mark.parametrize("chunks_before", [1, 2, 3])
 def test_a_newcomer_is_first_drafted_while_a_verify_is_in_flight(
     models, smollm2_tokenizer, chunks_before: int
