@@ -1,5 +1,7 @@
 """A round's work on the verifier's device (`DeviceRounds`, a mixin of VerifierEngine under
-`RunAhead`, declaring what it uses of the engine): its forward batch built (decode steps, and
+`RunAhead`, declaring what it uses of the engine): its sequences as one step, or two where a
+few long runs of new tokens would take the whole round off the CUDA graphs (`_graph_groups`);
+its forward batch built (decode steps, and
 rounds of one tree shape, as arrays; any other round sequence by sequence), the target's forward
 (a CUDA graph's replay where one fits) and the acceptance queued on the device with one copy of
 the results to the host (`_launch`, `_accept`); then those results read and each sequence's
@@ -14,7 +16,7 @@ import torch
 
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
 from specsplit.model.llama import LlamaModel
 from specsplit.step import build_forward_batch, decode_batch, same_tree_batch, verify_step
 from verifier.accept_graphs import AcceptGraphs
@@ -44,6 +46,14 @@ class DeviceRounds(DeviceWaits):
     ahead_depth: AheadDepth
     _held: dict[str, int]
     _last_end: tuple[torch.cuda.Event, set[str]] | None
+
+    def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
+        """`others` (positions in `inputs`) as one launch, or as two where a few long runs of
+        new tokens would take the whole round off the CUDA graphs (`graph_parts`)."""
+        if self.graphs is None or len(others) < 2:
+            return [others]
+        news = [len(inputs[i].pending_tokens) + len(inputs[i].tree) for i in others]
+        return [[others[j] for j in part] for part in graph_parts(news, self.graphs.q_sizes)]
 
     def _launch(
         self,

@@ -426,8 +426,10 @@ class VerifierEngine(SeqMemory):
             if follower is not None:  # (its results: the bonus tokens of the steps behind)
                 follower.packed = follower.packed.clone()
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
+            groups = [others] if taken is not None else self._graph_groups(inputs, others)
+            others = [i for group in groups for i in group]  # the results' order
             try:
-                parts.append(self._launch_new([inputs[i] for i in others]))
+                parts += self._launch_new([[inputs[i] for i in group] for group in groups])
             except BaseException:
                 if taken is not None:  # nothing of the round is committed: its draws go back
                     taken.follower = follower  # (and the steps behind it, undone first)
@@ -485,12 +487,3 @@ class VerifierEngine(SeqMemory):
             return results
         by_position = dict(zip(launched.order, results, strict=True))
         return [by_position[i] for i in range(len(launched.inputs))]
-
-    def _launch_new(self, inputs: list[VerifyInput]) -> Launched:
-        """A round's sequences (created on their first round), their room reserved, launched."""
-        for item in inputs:
-            if item.begin:
-                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
-        seqs = [self.seqs[item.seq_id] for item in inputs]
-        self._reserve(inputs, seqs)
-        return self._launch(inputs, seqs)

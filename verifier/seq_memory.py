@@ -1,6 +1,7 @@
 """The verifier's sequences and their KV memory (`SeqMemory`, the last of VerifierEngine's
 mixins, over `HintedRounds`, declaring what else it uses of the engine): a round checked whole
-before anything changes (`_validate`), its room reserved whole or not at all (`_reserve`), a
+before anything changes (`_validate`), its room reserved whole or not at all (`_reserve`), its
+new sequences created and its parts launched (`_launch_new`), a
 session's turn boundary (`truncate`), release, and the invariants (`check_integrity`)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVPages
 from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
 from verifier.hinted_rounds import HintedRounds
-from verifier.rounds import VerifierSeq, validate_round
+from verifier.rounds import Launched, VerifierSeq, validate_round
 
 
 class SeqMemory(HintedRounds, KVPages):
@@ -22,6 +23,21 @@ class SeqMemory(HintedRounds, KVPages):
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
         validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
+
+    def _launch_new(self, groups: list[list[VerifyInput]]) -> list[Launched]:
+        """A round's sequences (created on their first round), their room reserved (all of
+        them before any launches), launched a group each (`_graph_groups`)."""
+        for item in (item for group in groups for item in group):
+            if item.begin:
+                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
+        seqs = [[self.seqs[item.seq_id] for item in group] for group in groups]
+        self._reserve([i for g in groups for i in g], [s for g in seqs for s in g])
+        parts: list[Launched] = []
+        for group, group_seqs in zip(groups, seqs, strict=True):
+            if parts:  # copied on the device: the launch beside it may reuse the acceptance
+                parts[-1].packed = parts[-1].packed.clone()  # graph that holds them
+            parts.append(self._launch(group, group_seqs))
+        return parts
 
     def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:
         """Reserve room for pending + tree of every sequence, or nothing at all."""

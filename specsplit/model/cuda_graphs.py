@@ -39,6 +39,35 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
 
 
+def graph_parts(news: list[int], q_sizes: dict[int, list[int]]) -> list[list[int]]:
+    """A batch's sequences (each bringing `news[i]` new tokens: pending and tree) by position,
+    as one step, or as two where one step would find no captured graph (`q_sizes`: each q's
+    batch buckets, `CudaGraphRunner.q_sizes`) but each part does: a few long runs of new tokens
+    (a newcomer's prefill, a resumed sequence's tokens since its last features: prefill graphs
+    hold at most a few sequences) beside many short ones (decode steps, trees) would run the
+    whole batch eagerly, a host-bound forward (an 8B-shaped target: ~30 ms against ~6 for a
+    replay). Two replays read the weights twice, still far less. Sizes only: a part may still
+    run eagerly for its context (`plan`)."""
+
+    def fits(n: int, most: int) -> bool:
+        return any(q >= most and sizes[-1] >= n for q, sizes in q_sizes.items())
+
+    everyone = list(range(len(news)))
+    if not news or fits(len(news), max(news)):
+        return [everyone]
+    for q in sorted(q_sizes, reverse=True):  # the most sequences in the short part first
+        short = [i for i in everyone if news[i] <= q]
+        long = [i for i in everyone if news[i] > q]
+        if (
+            short
+            and long
+            and fits(len(short), max(news[i] for i in short))
+            and fits(len(long), max(news[i] for i in long))
+        ):
+            return [short, long]
+    return [everyone]
+
+
 # The forward a runner captures: (batch, aux_layers, features) -> logits (and hidden states) of
 # every row. features: [T, feature_width] per-token inputs besides the tokens (an EAGLE head's
 # fused target features or its own earlier outputs); None for a plain model.

@@ -1,0 +1,82 @@
+"""A round launched in two parts on a CUDA device (`graph_parts`): six sequences' trees and a
+newcomer's prefill replay two graphs, none of it eagerly, and every round answers as an engine
+without graphs does (tokens, committed KV lengths, hidden-state rows). Skipped without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from tests.unit.test_graph_parts import _rounds, target_dir, truths  # noqa: F401 (fixtures)
+from verifier.engine import VerifierEngine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+JOINING = {0: "abcdef", 3: "g"}  # round 3: six trees and a prefill
+
+
+class CountingModel:
+    """The engine's model, counting its eager forwards (a graph's replay calls none)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _engine(path: Path, graphs: bool) -> tuple[VerifierEngine, CountingModel]:
+    model, config = load_model(str(path), dtype=torch.float32, device="cuda")
+    kv = make_kv_cache(config, 128, 4, torch.float32, "cuda")
+    engine = VerifierEngine(
+        model,
+        kv,
+        config.max_position_embeddings,
+        config.vocab_size,
+        graph_query_lens=(1, 4, 5) if graphs else (),
+        max_batch_size=8,
+    )
+    if graphs:
+        engine.warmup()
+    counting = CountingModel(engine.model)
+    engine.model = counting  # type: ignore[assignment]
+    return engine, counting
+
+
+@pytest.mark.parametrize("layers", [(), (0, 1)], ids=["", "hidden"])
+def test_trees_beside_a_prefill_replay_two_graphs_and_answer_as_eager(
+    target_dir: Path,  # noqa: F811
+    truths: dict[str, list[int]],  # noqa: F811
+    layers: tuple[int, ...],
+) -> None:
+    eager, _ = _engine(target_dir, graphs=False)
+    expected = _rounds(eager, truths, layers, sampled=False, joining=JOINING)
+    engine, counting = _engine(target_dir, graphs=True)
+    calls = []
+    launch = engine.launch
+
+    def counted(inputs: Any) -> Any:
+        before = counting.calls
+        launched = launch(inputs)
+        calls.append((len(inputs), sum(i.begin for i in inputs), counting.calls - before))
+        return launched
+
+    engine.launch = counted  # type: ignore[method-assign]
+    got = _rounds(engine, truths, layers, sampled=False, joining=JOINING)
+    assert [(o.accepted_tokens, o.bonus_token, o.kv_committed_len) for o in got] == [
+        (o.accepted_tokens, o.bonus_token, o.kv_committed_len) for o in expected
+    ]
+    for a, b in zip(expected, got, strict=True):
+        if layers:
+            assert a.hidden_states is not None and b.hidden_states is not None
+            torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
+    # round 0: six prefills at once, past the prefill graphs' 4: eager; round 3: two replays
+    assert calls[0] == (6, 6, 1) and calls[3] == (7, 1, 0), calls

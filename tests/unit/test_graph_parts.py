@@ -1,0 +1,166 @@
+"""A round launched as two parts (verifier `_graph_groups`, `graph_parts`): on a GPU a few long
+runs of new tokens (newcomers' prefills, resumed sequences) beside many short ones would take
+the whole round off the CUDA graphs, so each part replays its own. Which split the graphs' sizes
+give, and, on the CPU with the split forced, a round in parts answers exactly as one launch:
+tokens, committed KV lengths, hidden-state rows, seeded sampling, and no page held after."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.model.cuda_graphs import graph_parts
+from specsplit.model.llama import make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB, save_tiny_llama
+from tests.unit.test_verify_pipelined import _same
+from verifier.engine import VerifierEngine
+
+# the verifier's captures at --graph-max-batch 64: decode and verify q's for every bucket, the
+# prefill q's for at most 4 sequences (verifier/warmup.py)
+SERVED = {q: [1, 2, 4, 8, 16, 32, 48, 64] for q in (1, 4, 5, 9, 17)} | {
+    q: [1, 2, 4] for q in (32, 64, 128)
+}
+
+
+@pytest.mark.parametrize(
+    ("news", "parts"),
+    [
+        ([5] * 8, [list(range(8))]),  # trees alike: one replay
+        ([40, 1, 1], [[0, 1, 2]]),  # a prefill among few: a prefill graph holds them all
+        ([5] * 6 + [40], [list(range(6)), [6]]),  # a newcomer beside trees
+        ([1, 70, 1, 1, 1, 90, 1], [[0, 2, 3, 4, 6], [1, 5]]),  # two beside decode steps
+        ([5] * 6 + [40] * 5, [list(range(11))]),  # five prefills: no graph holds them
+        ([5] * 6 + [300], [list(range(7))]),  # past the longest prefill graph
+        ([5] * 70, [list(range(70))]),  # past the largest bucket
+        ([], [[]]),
+    ],
+)
+def test_graph_parts_split_only_where_each_part_replays(
+    news: list[int], parts: list[list[int]]
+) -> None:
+    assert graph_parts(news, SERVED) == parts
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("parts") / "target", seed=5)
+
+
+def _halves(inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
+    half = len(others) // 2
+    return [others[half:], others[:half]] if half else [others]
+
+
+def _engine(target_dir: Path, split: bool) -> VerifierEngine:
+    model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
+    kv = make_kv_cache(config, 96, 4, torch.float64, "cpu")
+    engine = VerifierEngine(model, kv, config.max_position_embeddings, config.vocab_size)
+    if split:  # as graph_parts would on a GPU: halves, the later ones first
+        engine._graph_groups = _halves  # type: ignore[method-assign]
+    return engine
+
+
+def _truth(target_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """The target's first n greedy tokens after `prompt`, one plain round each."""
+    engine = _engine(target_dir, split=False)
+    out = engine.verify([VerifyInput("t", True, 0, prompt, DraftTree())])[0]
+    tokens = [out.bonus_token]
+    while len(tokens) < n:
+        item = VerifyInput("t", False, out.kv_committed_len, [tokens[-1]], DraftTree())
+        out = engine.verify([item])[0]
+        tokens.append(out.bonus_token)
+    return tokens
+
+
+def _tree(rng: random.Random, right: list[int]) -> DraftTree:
+    """From the target's next greedy tokens `right`: a chain of 3 right ones, a right one
+    and a wrong one, two branches (the right one second, two deep), or none (a decode step)."""
+    wrong = [(t + 1 + rng.randrange(TINY_VOCAB - 4)) % TINY_VOCAB for t in right]
+    kind = rng.randrange(4)
+    if kind == 0:
+        return DraftTree(tokens=right[:3], parents=[-1, 0, 1])
+    if kind == 1:
+        return DraftTree(tokens=[right[0], wrong[1], wrong[2]], parents=[-1, 0, 1])
+    if kind == 2:
+        return DraftTree(tokens=[wrong[0], right[0], wrong[1], right[1]], parents=[-1, -1, 0, 1])
+    return DraftTree()
+
+
+PROMPTS = {
+    seq_id: [random.Random(i).randrange(3, TINY_VOCAB) for _ in range(9 + 5 * i)]
+    for i, seq_id in enumerate("abcdefg")
+}
+
+
+@pytest.fixture(scope="module")
+def truths(target_dir: Path) -> dict[str, list[int]]:
+    return {seq_id: _truth(target_dir, prompt, 40) for seq_id, prompt in PROMPTS.items()}
+
+
+JOINING = {0: "abc", 3: "d", 5: "e"}  # round: the sequences that begin in it
+
+
+def _rounds(
+    engine: VerifierEngine,
+    truths: dict[str, list[int]],
+    layers: tuple[int, ...],
+    sampled: bool,
+    joining: dict[int, str] = JOINING,
+) -> list[VerifyOutput]:
+    """Eight rounds as a gateway sends them, from one seed: sequences begin as `joining` says
+    (by default three, then two more mid-way: a prefill beside the others' trees), and each
+    round drafts a tree or a decode step per sequence."""
+    rng = random.Random(0)
+    tokens: dict[str, list[int]] = {}
+    committed: dict[str, int] = {}
+    outputs = []
+    for r in range(8):
+        joins = joining.get(r, "")
+        for seq_id in joins:
+            tokens[seq_id] = list(PROMPTS[seq_id])
+            committed[seq_id] = 0
+        inputs = []
+        for i, seq_id in enumerate(tokens):
+            sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
+            generated = len(tokens[seq_id]) - len(PROMPTS[seq_id])
+            right = truths[seq_id][generated : generated + 3]
+            tree = DraftTree() if seq_id in joins else _tree(rng, right)
+            item = VerifyInput(
+                seq_id,
+                seq_id in joins,
+                committed[seq_id],
+                tokens[seq_id][committed[seq_id] :],
+                tree,
+                sampling,
+            )
+            item.hidden_state_layers = layers
+            inputs.append(item)
+        for out in engine.verify(inputs):
+            tokens[out.seq_id] += [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+            outputs.append(out)
+    engine.release(list(tokens))
+    assert engine.num_pages_used == 0
+    engine.check_integrity()
+    return outputs
+
+
+@pytest.mark.parametrize("layers", [(), (0, 1)], ids=["", "hidden"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_round_in_two_parts_answers_as_one(
+    target_dir: Path, truths: dict[str, list[int]], layers: tuple[int, ...], sampled: bool
+) -> None:
+    whole = _rounds(_engine(target_dir, split=False), truths, layers, sampled)
+    parts = _rounds(_engine(target_dir, split=True), truths, layers, sampled)
+    assert len(parts) == len(whole) == 3 * 8 + 5 + 3
+    _same(parts, whole)
+    assert all((out.hidden_states is not None) == bool(layers) for out in parts)
+    accepted = [len(out.accepted_tokens) for out in whole]
+    assert (max(accepted) == 3 and 1 in accepted) or sampled  # whole paths and cut ones
