@@ -5,7 +5,10 @@
 Per shape: the floor (weight bytes / device-to-device bandwidth measured in this run), our
 target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
 and eager), the cost of verifying 1 + n tokens, with `--prefill N` a new sequence's first round
-(N prompt tokens and a chain of 3 drafts), and HF transformers' decode step on the same
+(N prompt tokens and a chain of 3 drafts), with `--newcomer N` a round of chains of 3 at each
+`--verify-batch` size with such a newcomer beside them (launched in two parts, each a graph's
+replay, and as one launch, which no graph holds: the verifier's `_graph_groups`), and HF
+transformers' decode step on the same
 weights (`generate` eager with its dynamic cache, and with a static cache, which it compiles). Each
 figure is the median of `--steps` timed steps after warm-up, at a context of `--context` tokens.
 """
@@ -124,11 +127,13 @@ class EngineBench:
         # context each (default: this script's timed rounds and their warm-up)
         room = getattr(args, "kv_room", args.steps * 2 * steps + 200)
         pages_per_seq = -(-(args.context + room) // args.page_size) + 1
-        num_seqs = getattr(args, "kv_seqs", max_batch)
+        # and the chains of 3 beside a newcomer, who needs room of its own
+        newcomer = (3,) if getattr(args, "newcomer", ()) else ()
+        num_seqs = getattr(args, "kv_seqs", max_batch) + len(newcomer)
         kv = make_kv_cache(config, num_seqs * pages_per_seq + 8, args.page_size, dtype, device)
         # the sampled rounds' lengths too: without a graph of their length they would run the
         # eager forward (tens of ms) and say nothing of the sampled acceptance
-        verify_n = sorted({*args.verify_n, *getattr(args, "sampled_n", ())})
+        verify_n = sorted({*args.verify_n, *getattr(args, "sampled_n", ()), *newcomer})
         query_lens = (1, *(1 + n for n in verify_n)) if graphs else ()
         self.engine = VerifierEngine(
             model,
@@ -172,10 +177,12 @@ class EngineBench:
         decode_steps: int = 1,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        newcomer: int = 0,
     ) -> None:
         """One round for every sequence: its pending token + a chain of n random drafts (or,
         decode_steps > 1, that many decode steps). temperature > 0: sampled, each chain with
-        a draft distribution cut to DRAFT_SUPPORT tokens (as the drafter sends it)."""
+        a draft distribution cut to DRAFT_SUPPORT tokens (as the drafter sends it). newcomer:
+        a new sequence of that many prompt tokens and a chain of 3 beside them, released after."""
         inputs = []
         for i, (seq_id, (committed, pending)) in enumerate(state.items()):
             tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
@@ -197,8 +204,16 @@ class EngineBench:
                     decode_steps=decode_steps,
                 )
             )
+        if newcomer:
+            tree = DraftTree(self._tokens(3), [-1, 0, 1])
+            new = VerifyInput("newcomer", True, 0, self._tokens(newcomer), tree)
+            new.hidden_state_layers = self.hidden_state_layers
+            inputs.append(new)
         for out in self.engine.verify(inputs):
-            state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
+            if out.seq_id in state:
+                state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
+        if newcomer:
+            self.engine.release(["newcomer"])
 
     def prefill(self, n: int) -> None:
         """A new sequence's first round: n prompt tokens and a chain of 3 drafts; released."""
@@ -261,6 +276,15 @@ def bench_ours(
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
+            for n in args.newcomer:
+                ms = median_ms(lambda s=state, n=n: bench.step(s, 3, newcomer=n), args.steps)
+                what = f"ours {label} verify 1+3 with a newcomer of {n}"
+                record(rows, what, batch, ms)
+                if graphs:  # the round as one launch: no graph holds it
+                    bench.engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
+                    ms = median_ms(lambda s=state, n=n: bench.step(s, 3, newcomer=n), args.steps)
+                    del bench.engine._graph_groups  # the class's again
+                    record(rows, what + ", one launch", batch, ms)
             for n in args.sampled_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n, 1, 1.0), args.steps)
                 record(rows, f"ours {label} sampled verify 1+{n}", batch, ms)
@@ -310,6 +334,14 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
     parser.add_argument(
         "--prefill", type=int, nargs="*", default=[], help="also time a prompt of N tokens"
+    )
+    parser.add_argument(
+        "--newcomer",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time a round of chains of 3 at each --verify-batch with a new sequence of N "
+        "prompt tokens beside them (in two parts, and as one launch)",
     )
     parser.add_argument(
         "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"

@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
-#       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth]
+#       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -679,6 +679,13 @@ for part in "${parts[@]}"; do
         --verify-n --verify-batch --steps 20 --no-hf --prefill 20 60 120 200
       run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
         --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
+    newcomer)  # a round of chains of 3 with a newcomer's prefill beside them, at 4 / 8 / 32 / 64:
+      # in two parts (each a graph's replay) and as one launch (eager); then the GPU test
+      run newcomer_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 4 8 32 64 \
+        --verify-n --verify-batch 4 8 32 64 --steps 20 --no-hf --newcomer 40 120
+      run newcomer_8b python3 bench/gpu_engine.py --shape llama-8b --batch 4 8 32 64 \
+        --verify-n --verify-batch 4 8 32 64 --steps 10 --no-hf --newcomer 40 120
+      run newcomer_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graph_parts_gpu.py ;;
     small)  # the fused small-linear layer path (on by default, up to 16 rows): every GPU test
       # with it off, then the engine step and its profile with it off and on
       SPECSPLIT_SMALL_LINEAR=0 run small_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
