@@ -6,7 +6,7 @@ Per shape: the floor (weight bytes / device-to-device bandwidth measured in this
 target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
 and eager), the cost of verifying 1 + n tokens, with `--prefill N` a new sequence's first round
 (N prompt tokens and a chain of 3 drafts), with `--newcomer N` a round of chains of 3 at each
-`--verify-batch` size with such a newcomer beside them (launched in two parts, each a graph's
+`--verify-batch` size with such a newcomer beside them (launched in parts, each a graph's
 replay, and as one launch, which no graph holds: the verifier's `_graph_groups`), and HF
 transformers' decode step on the same
 weights (`generate` eager with its dynamic cache, and with a static cache, which it compiles). Each
@@ -341,7 +341,7 @@ def main() -> None:
         nargs="*",
         default=[],
         help="also time a round of chains of 3 at each --verify-batch with a new sequence of N "
-        "prompt tokens beside them (in two parts, and as one launch)",
+        "prompt tokens beside them (in parts, and as one launch)",
     )
     parser.add_argument(
         "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"

@@ -680,7 +680,7 @@ for part in "${parts[@]}"; do
       run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
         --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
     newcomer)  # a round of chains of 3 with a newcomer's prefill beside them, at 4 / 8 / 32 / 64:
-      # in two parts (each a graph's replay) and as one launch (eager); then the GPU test
+      # in parts (each a graph's replay) and as one launch (eager); then the GPU test
       run newcomer_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 4 8 32 64 \
         --verify-n --verify-batch 4 8 32 64 --steps 20 --no-hf --newcomer 40 120
       run newcomer_8b python3 bench/gpu_engine.py --shape llama-8b --batch 4 8 32 64 \

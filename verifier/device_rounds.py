@@ -1,6 +1,6 @@
 """A round's work on the verifier's device (`DeviceRounds`, a mixin of VerifierEngine under
-`RunAhead`, declaring what it uses of the engine): its sequences as one step, or two where a
-few long runs of new tokens would take the whole round off the CUDA graphs (`_graph_groups`);
+`RunAhead`, declaring what it uses of the engine): its sequences as one step, or in parts where
+long runs of new tokens would take the whole round off the CUDA graphs (`_graph_groups`);
 its forward batch built (decode steps, and
 rounds of one tree shape, as arrays; any other round sequence by sequence), the target's forward
 (a CUDA graph's replay where one fits) and the acceptance queued on the device with one copy of
@@ -48,8 +48,8 @@ class DeviceRounds(DeviceWaits):
     _last_end: tuple[torch.cuda.Event, set[str]] | None
 
     def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
-        """`others` (positions in `inputs`) as one launch, or as two where a few long runs of
-        new tokens would take the whole round off the CUDA graphs (`graph_parts`)."""
+        """`others` (positions in `inputs`) as one launch, or in parts where long runs of new
+        tokens would take the whole round off the CUDA graphs (`graph_parts`)."""
         if self.graphs is None or len(others) < 2:
             return [others]
         news = [len(inputs[i].pending_tokens) + len(inputs[i].tree) for i in others]

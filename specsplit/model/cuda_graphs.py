@@ -39,15 +39,22 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
 
 
-def graph_parts(news: list[int], q_sizes: dict[int, list[int]]) -> list[list[int]]:
+# the most parts `graph_parts` launches a round in: each replay reads the weights once (an
+# 8B-shaped target on an H200: ~3.4 ms), an eager forward costs ~30 ms of host time
+MAX_PARTS = 4
+
+
+def graph_parts(
+    news: list[int], q_sizes: dict[int, list[int]], max_parts: int = MAX_PARTS
+) -> list[list[int]]:
     """A batch's sequences (each bringing `news[i]` new tokens: pending and tree) by position,
-    as one step, or as two where one step would find no captured graph (`q_sizes`: each q's
-    batch buckets, `CudaGraphRunner.q_sizes`) but each part does: a few long runs of new tokens
-    (a newcomer's prefill, a resumed sequence's tokens since its last features: prefill graphs
-    hold at most a few sequences) beside many short ones (decode steps, trees) would run the
-    whole batch eagerly, a host-bound forward (an 8B-shaped target: ~30 ms against ~6 for a
-    replay). Two replays read the weights twice, still far less. Sizes only: a part may still
-    run eagerly for its context (`plan`)."""
+    as one step, or in parts where one step would find no captured graph (`q_sizes`: each q's
+    batch buckets, `CudaGraphRunner.q_sizes`) but each part does, at most `max_parts`: the
+    short runs (decode steps, trees) in one, the long ones (a newcomer's prefill, a resumed
+    sequence's tokens since its last features) in as few as the graphs that hold them take
+    (prefill graphs: 4 sequences). One step would run the whole batch eagerly, a host-bound
+    forward (an 8B-shaped target: ~30 ms against ~6 for a replay; SmolLM2: 27-48 ms against
+    ~2). Sizes only: a part may still run eagerly for its context (`plan`)."""
 
     def fits(n: int, most: int) -> bool:
         return any(q >= most and sizes[-1] >= n for q, sizes in q_sizes.items())
@@ -55,16 +62,19 @@ def graph_parts(news: list[int], q_sizes: dict[int, list[int]]) -> list[list[int
     everyone = list(range(len(news)))
     if not news or fits(len(news), max(news)):
         return [everyone]
-    for q in sorted(q_sizes, reverse=True):  # the most sequences in the short part first
+    # the most sequences in the short part first; none at last (every run long)
+    for q in [*sorted(q_sizes, reverse=True), 0]:
         short = [i for i in everyone if news[i] <= q]
         long = [i for i in everyone if news[i] > q]
-        if (
-            short
-            and long
-            and fits(len(short), max(news[i] for i in short))
-            and fits(len(long), max(news[i] for i in long))
-        ):
-            return [short, long]
+        if short and not fits(len(short), max(news[i] for i in short)):
+            continue
+        most = max(news[i] for i in long)
+        # the most sequences a graph that holds the longest run takes
+        size = max((sizes[-1] for n, sizes in q_sizes.items() if n >= most), default=0)
+        if size == 0:
+            break  # none holds it: a smaller q only makes the long part longer
+        parts = ([short] if short else []) + [long[k : k + size] for k in range(0, len(long), size)]
+        return parts if len(parts) <= max_parts else [everyone]
     return [everyone]
 
 

@@ -1,6 +1,7 @@
-"""A round launched in two parts on a CUDA device (`graph_parts`): six sequences' trees and a
-newcomer's prefill replay two graphs, none of it eagerly, and every round answers as an engine
-without graphs does (tokens, committed KV lengths, hidden-state rows). Skipped without a GPU."""
+"""A round launched in parts on a CUDA device (`graph_parts`): six prefills at once replay two
+prefill graphs, six sequences' trees and a newcomer's prefill two graphs, none of it eagerly,
+and every round answers as an engine without graphs does (tokens, committed KV lengths,
+hidden-state rows). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -78,5 +79,7 @@ def test_trees_beside_a_prefill_replay_two_graphs_and_answer_as_eager(
         if layers:
             assert a.hidden_states is not None and b.hidden_states is not None
             torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
-    # round 0: six prefills at once, past the prefill graphs' 4: eager; round 3: two replays
-    assert calls[0] == (6, 6, 1) and calls[3] == (7, 1, 0), calls
+    # round 0: six prefills at once, past the prefill graphs' 4: two parts of them (4 + 2);
+    # round 3: the trees and the newcomer, two parts; no round eager
+    assert calls[0] == (6, 6, 0) and calls[3] == (7, 1, 0), calls
+    assert all(eager == 0 for _, _, eager in calls), calls

@@ -1,6 +1,7 @@
-"""A round launched as two parts (verifier `_graph_groups`, `graph_parts`): on a GPU a few long
-runs of new tokens (newcomers' prefills, resumed sequences) beside many short ones would take
-the whole round off the CUDA graphs, so each part replays its own. Which split the graphs' sizes
+"""A round launched in parts (verifier `_graph_groups`, `graph_parts`): on a GPU a few long runs
+of new tokens (newcomers' prefills, resumed sequences) beside many short ones, or more long
+ones than a prefill graph holds, would take the whole round off the CUDA graphs, so each part
+replays its own. Which split the graphs' sizes
 give, and, on the CPU with the split forced, a round in parts answers exactly as one launch:
 tokens, committed KV lengths, hidden-state rows, seeded sampling, and no page held after."""
 
@@ -36,13 +37,16 @@ SERVED = {q: [1, 2, 4, 8, 16, 32, 48, 64] for q in (1, 4, 5, 9, 17)} | {
         ([40, 1, 1], [[0, 1, 2]]),  # a prefill among few: a prefill graph holds them all
         ([5] * 6 + [40], [list(range(6)), [6]]),  # a newcomer beside trees
         ([1, 70, 1, 1, 1, 90, 1], [[0, 2, 3, 4, 6], [1, 5]]),  # two beside decode steps
-        ([5] * 6 + [40] * 5, [list(range(11))]),  # five prefills: no graph holds them
+        ([5] * 6 + [40] * 5, [list(range(6)), [6, 7, 8, 9], [10]]),  # five prefills: 4 + 1
+        ([36] * 10, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),  # resumed sequences: runs alike
+        ([36] * 17, [list(range(17))]),  # past four parts: eager
+        ([5] * 6 + [40] * 13, [list(range(19))]),  # the trees and four parts of prefills
         ([5] * 6 + [300], [list(range(7))]),  # past the longest prefill graph
-        ([5] * 70, [list(range(70))]),  # past the largest bucket
+        ([5] * 70, [list(range(64)), list(range(64, 70))]),  # past the largest bucket
         ([], [[]]),
     ],
 )
-def test_graph_parts_split_only_where_each_part_replays(
+def test_graph_parts_split_only_where_each_part_replays_and_four_at_most(
     news: list[int], parts: list[list[int]]
 ) -> None:
     assert graph_parts(news, SERVED) == parts
@@ -53,17 +57,18 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("parts") / "target", seed=5)
 
 
-def _halves(inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
-    half = len(others) // 2
-    return [others[half:], others[:half]] if half else [others]
+def _thirds(inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
+    """Three parts where there are three sequences (else two or one), the last ones first."""
+    cut = -(-len(others) // 3)
+    return [others[k : k + cut] for k in range(0, len(others), cut)][::-1]
 
 
 def _engine(target_dir: Path, split: bool) -> VerifierEngine:
     model, config = load_model(str(target_dir), dtype=torch.float64, device="cpu")
     kv = make_kv_cache(config, 96, 4, torch.float64, "cpu")
     engine = VerifierEngine(model, kv, config.max_position_embeddings, config.vocab_size)
-    if split:  # as graph_parts would on a GPU: halves, the later ones first
-        engine._graph_groups = _halves  # type: ignore[method-assign]
+    if split:  # as graph_parts would on a GPU: in parts, the later ones first
+        engine._graph_groups = _thirds  # type: ignore[method-assign]
     return engine
 
 
