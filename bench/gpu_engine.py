@@ -6,8 +6,10 @@ Per shape: the floor (weight bytes / device-to-device bandwidth measured in this
 target-only decode step (`VerifierEngine.verify` with one pending token and no tree, CUDA graphs
 and eager), the cost of verifying 1 + n tokens, with `--prefill N` a new sequence's first round
 (N prompt tokens and a chain of 3 drafts), with `--newcomer N` a round of chains of 3 at each
-`--verify-batch` size with such a newcomer beside them (launched in parts, each a graph's
-replay, and as one launch, which no graph holds: the verifier's `_graph_groups`), and HF
+`--verify-batch` size with such a newcomer beside them, with `--resume N` a round in which every
+sequence brings N + 1 tokens (a resume round's, after the speculation gate's plain rounds; each
+launched in parts, each a graph's replay, and as one launch, which no graph holds: the
+verifier's `_graph_groups`), and HF
 transformers' decode step on the same
 weights (`generate` eager with its dynamic cache, and with a static cache, which it compiles). Each
 figure is the median of `--steps` timed steps after warm-up, at a context of `--context` tokens.
@@ -126,6 +128,8 @@ class EngineBench:
         # room for `kv_seqs` sequences (default: the largest batch) of `kv_room` tokens past the
         # context each (default: this script's timed rounds and their warm-up)
         room = getattr(args, "kv_room", args.steps * 2 * steps + 200)
+        for n in getattr(args, "resume", ()):  # each timed round (and warm-up) n + 1 more
+            room = max(room, 2 * (args.steps + 3) * (n + 1) + 200)
         pages_per_seq = -(-(args.context + room) // args.page_size) + 1
         # and the chains of 3 beside a newcomer, who needs room of its own
         newcomer = (3,) if getattr(args, "newcomer", ()) else ()
@@ -178,11 +182,13 @@ class EngineBench:
         temperature: float = 0.0,
         top_p: float = 1.0,
         newcomer: int = 0,
+        resume: int = 0,
     ) -> None:
         """One round for every sequence: its pending token + a chain of n random drafts (or,
         decode_steps > 1, that many decode steps). temperature > 0: sampled, each chain with
         a draft distribution cut to DRAFT_SUPPORT tokens (as the drafter sends it). newcomer:
-        a new sequence of that many prompt tokens and a chain of 3 beside them, released after."""
+        a new sequence of that many prompt tokens and a chain of 3 beside them, released after.
+        resume: each sequence's pending token and that many more (no tree)."""
         inputs = []
         for i, (seq_id, (committed, pending)) in enumerate(state.items()):
             tree = DraftTree(self._tokens(n), list(range(-1, n - 1))) if n else DraftTree()
@@ -197,7 +203,7 @@ class EngineBench:
                     seq_id,
                     False,
                     committed,
-                    [pending],
+                    [pending, *self._tokens(resume)],
                     tree,
                     SamplingParams(temperature, top_p=top_p, seed=i),
                     hidden_state_layers=self.hidden_state_layers,
@@ -258,6 +264,25 @@ def record(rows: list[tuple[str, int, float]], label: str, batch: int, ms: float
     print(f"  {label}, batch {batch}: {ms:.3f} ms", flush=True)
 
 
+def round_in_parts(
+    rows: list[tuple[str, int, float]],
+    what: str,
+    bench: EngineBench,
+    batch: int,
+    fn: Callable[[], object],
+    graphs: bool,
+    steps: int,
+) -> None:
+    """`fn`'s round timed as the verifier launches it (in parts where one launch would find no
+    graph: `_graph_groups`) and, with graphs, as one launch (eager)."""
+    record(rows, what, batch, median_ms(fn, steps))
+    if graphs:
+        bench.engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
+        ms = median_ms(fn, steps)
+        del bench.engine._graph_groups  # the class's again
+        record(rows, what + ", one launch", batch, ms)
+
+
 def bench_ours(
     hf: LlamaForCausalLM, config: ModelConfig, args: argparse.Namespace, graphs: bool
 ) -> list[tuple[str, int, float]]:
@@ -277,14 +302,27 @@ def bench_ours(
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
             for n in args.newcomer:
-                ms = median_ms(lambda s=state, n=n: bench.step(s, 3, newcomer=n), args.steps)
                 what = f"ours {label} verify 1+3 with a newcomer of {n}"
-                record(rows, what, batch, ms)
-                if graphs:  # the round as one launch: no graph holds it
-                    bench.engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
-                    ms = median_ms(lambda s=state, n=n: bench.step(s, 3, newcomer=n), args.steps)
-                    del bench.engine._graph_groups  # the class's again
-                    record(rows, what + ", one launch", batch, ms)
+                round_in_parts(
+                    rows,
+                    what,
+                    bench,
+                    batch,
+                    lambda s=state, n=n: bench.step(s, 3, newcomer=n),
+                    graphs,
+                    args.steps,
+                )
+            for n in args.resume:
+                what = f"ours {label} resume {n} + 1 tokens each"
+                round_in_parts(
+                    rows,
+                    what,
+                    bench,
+                    batch,
+                    lambda s=state, n=n: bench.step(s, 0, resume=n),
+                    graphs,
+                    args.steps,
+                )
             for n in args.sampled_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n, 1, 1.0), args.steps)
                 record(rows, f"ours {label} sampled verify 1+{n}", batch, ms)
@@ -342,6 +380,14 @@ def main() -> None:
         default=[],
         help="also time a round of chains of 3 at each --verify-batch with a new sequence of N "
         "prompt tokens beside them (in parts, and as one launch)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time a round at each --verify-batch in which every sequence brings N + 1 "
+        "tokens (in parts, and as one launch)",
     )
     parser.add_argument(
         "--compile-batch", type=int, nargs="*", default=[1], help="HF static + compile batches"
