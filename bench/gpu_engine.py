@@ -301,28 +301,19 @@ def bench_ours(
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
-            for n in args.newcomer:
-                what = f"ours {label} verify 1+3 with a newcomer of {n}"
-                round_in_parts(
-                    rows,
-                    what,
-                    bench,
-                    batch,
+            long_runs: list[tuple[str, Callable[[], None]]] = [
+                (
+                    f"verify 1+3 with a newcomer of {n}",
                     lambda s=state, n=n: bench.step(s, 3, newcomer=n),
-                    graphs,
-                    args.steps,
                 )
-            for n in args.resume:
-                what = f"ours {label} resume {n} + 1 tokens each"
-                round_in_parts(
-                    rows,
-                    what,
-                    bench,
-                    batch,
-                    lambda s=state, n=n: bench.step(s, 0, resume=n),
-                    graphs,
-                    args.steps,
-                )
+                for n in args.newcomer
+            ]
+            long_runs += [
+                (f"resume {n} + 1 tokens each", lambda s=state, n=n: bench.step(s, 0, resume=n))
+                for n in args.resume
+            ]
+            for what, fn in long_runs:
+                round_in_parts(rows, f"ours {label} {what}", bench, batch, fn, graphs, args.steps)
             for n in args.sampled_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n, 1, 1.0), args.steps)
                 record(rows, f"ours {label} sampled verify 1+{n}", batch, ms)
