@@ -153,6 +153,8 @@ class Summary:
     dropped_by: dict[str, float] = field(default_factory=dict)
     # the gateway's rounds by kind and its gates during the run (`gate_note`; "" for none)
     gates: str = ""
+    # the verifier's forwards during the run by path (graph, eager), "graph N, eager M"
+    forwards: str = ""
 
     @classmethod
     def median(cls, summaries: Sequence[Summary]) -> Summary:
@@ -320,10 +322,13 @@ def progress(
 ) -> str:
     """One line as an `up` ends (printed at once, so a run cut short by a time limit still
     shows the `up`s it finished): its setup, how long it took, each workload's tokens a
-    second and TTFT / TPOT p50, and what the gateway's gates did (`gate_note`)."""
+    second and TTFT / TPOT p50, what the gateway's gates did (`gate_note`) and the verifier's
+    forwards by path (an eager one is host-bound on a GPU)."""
     runs = "; ".join(
         f"{spec} rate {rate:g}: {s.tokens_per_s:.0f} tok/s, TTFT p50 {s.ttft[0] * 1e3:.1f} ms"
-        f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms" + (f" [{s.gates}]" if s.gates else "")
+        f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms"
+        + (f" [{s.gates}]" if s.gates else "")
+        + (f" [verifier forwards {s.forwards}]" if s.forwards else "")
         for (spec, rate, _, _), (s, _) in zip(workloads, results, strict=True)
     )
     return f"`up` {number} ({name}, {seconds:.0f} s): {runs}"
@@ -354,6 +359,8 @@ async def serve_setup(
                 before, after, "verifier", "specsplit_decode_ahead_dropped_total:"
             )
             summary.gates = gate_note(before, after, scrape_overlap_modes())
+            paths = by_label(before, after, "verifier", "specsplit_verifier_forwards_total:")
+            summary.forwards = ", ".join(f"{p} {n:.0f}" for p, n in sorted(paths.items()) if n)
             results.append((summary, [s.token_ids for s in streams]))
         return results
 

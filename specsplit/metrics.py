@@ -213,6 +213,13 @@ DECODE_AHEAD = Counter(
     " step of GPU time spent for nothing)",
     ["outcome"],
 )
+VERIFIER_FORWARDS = Counter(
+    "specsplit_verifier_forwards",
+    "The verifier's forwards (each part of a round, each decode step run ahead or further) by"
+    " path: 'graph' (a CUDA graph's replay) or 'eager' (no captured graph holds it, host-bound"
+    " on a GPU: tens of ms; or none captured, as on the CPU)",
+    ["path"],
+)
 DECODE_AHEAD_DROPPED = Counter(
     "specsplit_decode_ahead_dropped",
     "Verifier decode steps run ahead and dropped, by why (verifier/run_ahead.py DROP_REASONS):"
@@ -447,6 +454,10 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
 
 def count_decode_ahead(outcome: str) -> None:
     _child(DECODE_AHEAD, outcome).inc()
+
+
+def count_verifier_forward(path: str) -> None:
+    _child(VERIFIER_FORWARDS, path).inc()
 
 
 def count_decode_ahead_dropped(reason: str) -> None:

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from specsplit import metrics
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
@@ -96,6 +97,7 @@ class DeviceRounds(DeviceWaits):
         if self.graphs is not None:
             # (views of the graph's outputs: the acceptance and rows below are queued at once)
             out = self.graphs.forward(batch, aux, tokens=tokens, place=place, views=True)
+        metrics.count_verifier_forward("eager" if out is None else "graph")
         if out is None:
             on_device = batch.to(self.device)
             if tokens is not None:

@@ -77,6 +77,7 @@ KNOWN_METRICS = {
     "specsplit_verify_device_seconds",
     "specsplit_decode_steps",
     "specsplit_rounds_total",
+    "specsplit_verifier_forwards_total",
 }
 
 

@@ -169,3 +169,21 @@ def test_a_round_in_two_parts_answers_as_one(
     assert all((out.hidden_states is not None) == bool(layers) for out in parts)
     accepted = [len(out.accepted_tokens) for out in whole]
     assert (max(accepted) == 3 and 1 in accepted) or sampled  # whole paths and cut ones
+
+
+def test_the_verifier_counts_its_forwards_by_path(target_dir: Path) -> None:
+    """`specsplit_verifier_forwards_total{path}`: a forward each part (on the CPU, eager)."""
+    from prometheus_client import REGISTRY
+
+    def eager() -> float:
+        labels = {"path": "eager"}
+        return REGISTRY.get_sample_value("specsplit_verifier_forwards_total", labels) or 0.0
+
+    engine = _engine(target_dir, split=True)
+    inputs = [VerifyInput(s, True, 0, PROMPTS[s], DraftTree()) for s in "abc"]
+    before = eager()
+    engine.verify(inputs)
+    assert eager() - before == 3  # the three parts
+    engine.verify([VerifyInput("d", True, 0, PROMPTS["d"], DraftTree())])
+    assert eager() - before == 4
+    engine.release(["a", "b", "c", "d"])
