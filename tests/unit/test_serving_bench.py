@@ -132,6 +132,9 @@ def test_a_run_notes_the_gates_rounds_by_kind_and_the_overlap_modes_chosen() -> 
     summary = Summary(100.0, 1.0, (0.01,) * 3, (0.002,) * 3, (0.004,) * 3, 2.0, gates="x")
     line = progress("a", 1, 3.0, [("default", 20.0, None, None)], [(summary, None)])
     assert line.endswith("TPOT p50 2.0 ms [x]")
+    summary.forwards = "eager 3, graph 40"  # the verifier's forwards by path
+    line = progress("a", 1, 3.0, [("default", 20.0, None, None)], [(summary, None)])
+    assert line.endswith("TPOT p50 2.0 ms [x] [verifier forwards eager 3, graph 40]")
 
 
 def test_a_setup_is_a_name_and_up_flags() -> None:
