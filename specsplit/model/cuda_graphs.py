@@ -39,6 +39,14 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [b for b in BATCH_SIZES if b < max_batch_size] + [max_batch_size]
 
 
+def smallest_q(q_sizes: dict[int, list[int]], num_seqs: int, most: int) -> int | None:
+    """The smallest captured q (`q_sizes`: each q's batch buckets) that holds `most` new tokens
+    a sequence and has a bucket for `num_seqs` sequences (a prefill's q has few), or None."""
+    return min(
+        (q for q, sizes in q_sizes.items() if q >= most and sizes[-1] >= num_seqs), default=None
+    )
+
+
 # the most parts `graph_parts` launches a round in: each replay reads the weights once (an
 # 8B-shaped target on an H200: ~3.4 ms), an eager forward costs ~30 ms of host time
 MAX_PARTS = 4
@@ -57,7 +65,7 @@ def graph_parts(
     ~2). Sizes only: a part may still run eagerly for its context (`plan`)."""
 
     def fits(n: int, most: int) -> bool:
-        return any(q >= most and sizes[-1] >= n for q, sizes in q_sizes.items())
+        return smallest_q(q_sizes, n, most) is not None
 
     everyone = list(range(len(news)))
     if not news or fits(len(news), max(news)):
@@ -215,21 +223,19 @@ class CudaGraphRunner:
         bs = batch.num_seqs
         if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
             return None
-        captured = self.q_sizes  # any layers: forward() captures these on use
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
         need = 1
         if not one:  # its most new tokens (in numpy: torch's CPU ops cost ~10 us each here)
             news = batch.kv_lens.numpy() - batch.prefix_lens.numpy()
             need = max(batch.max_q_len, int(news.max()))
-        # the smallest q that holds it and has a bucket for its batch (a prefill's q has few)
-        q = min((n for n, sizes in captured.items() if n >= need and sizes[-1] >= bs), default=None)
+        q = smallest_q(self.q_sizes, bs, need)  # any layers: forward() captures these on use
         if q is None or (q == 1 and not one):
             return None
         if device_rows and batch.input_ids.shape[0] != bs * q:
             # padding rows would need the device's features or tokens scattered there too
             return None
-        return q, next(b for b in captured[q] if b >= bs)
+        return q, next(b for b in self.q_sizes[q] if b >= bs)
 
     def forward(
         self,
