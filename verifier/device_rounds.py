@@ -54,7 +54,8 @@ class DeviceRounds(DeviceWaits):
         if self.graphs is None or len(others) < 2:
             return [others]
         news = [len(inputs[i].pending_tokens) + len(inputs[i].tree) for i in others]
-        return [[others[j] for j in part] for part in graph_parts(news, self.graphs.q_sizes)]
+        parts = graph_parts(news, self.graphs.q_sizes, pays=self.graphs.parts_pay)
+        return [[others[j] for j in part] for part in parts]
 
     def _launch(
         self,

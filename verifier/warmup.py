@@ -1,10 +1,13 @@
 """The verifier engine's warm-up (`VerifierEngine.warmup`): a throwaway sequence's prefill and
 tree round, then on a GPU the CUDA graphs of the round shapes traffic runs, the acceptance
 graphs, the chained rounds' placement kernels and a rehearsal of rounds as traffic runs them,
-so that no request pays a capture or a compile."""
+so that no request pays a capture or a compile; then a round timed eagerly and replayed (what
+a round in graph parts is weighed against)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Protocol
 
 import torch
@@ -18,6 +21,8 @@ from specsplit.model.llama import LlamaModel
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import warm_up_chain
+
+log = logging.getLogger(__name__)
 
 # query tokens per sequence of the steps captured as CUDA graphs: decode, and verify rounds of
 # 3, 4, 8 and 16 draft tokens (chain 3 is the gateway's default)
@@ -94,6 +99,8 @@ def warm_up(engine: Engine) -> None:
     if engine.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
         warm_up_chain(engine.device, engine.graph_query_lens, engine.kv.page_size)
         rehearse(engine)
+        if engine.graphs is not None:
+            time_rounds(engine, engine.graphs)
 
 
 def rehearse(engine: Engine) -> None:
@@ -142,3 +149,42 @@ def rehearse(engine: Engine) -> None:
     engine.verify(steps)
     engine.release(list(tokens))
     engine.check_integrity()
+
+
+def time_rounds(engine: Engine, graphs: CudaGraphRunner, times: int = 3) -> None:
+    """Two throwaway sequences' rounds of a chain of 3 timed (the fastest of `times`): run
+    eagerly (the graphs set aside) and as a graph's replay, for `CudaGraphRunner.parts_pay`:
+    an eager round's wall time, and a graph round's host time beyond its replay."""
+    chain = DraftTree([7, 8, 9], [-1, 0, 1])
+    tokens = {"__warmup_c__": list(range(3, 13)), "__warmup_d__": list(range(5, 11))}
+    committed = dict.fromkeys(tokens, 0)
+
+    def round_ms() -> float:
+        inputs = []
+        for seq_id, ids in tokens.items():
+            n = committed[seq_id]
+            inputs.append(VerifyInput(seq_id, n == 0, n, ids[n:], chain))
+        torch.cuda.synchronize(engine.device)
+        started = time.perf_counter()
+        for out in engine.verify(inputs):
+            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+            committed[out.seq_id] = out.kv_committed_len
+        return (time.perf_counter() - started) * 1e3
+
+    round_ms()  # the prefills
+    engine.graphs = None
+    try:
+        eager = min(round_ms() for _ in range(times))
+    finally:
+        engine.graphs = graphs
+    replayed = min(round_ms() for _ in range(times))
+    engine.release(list(tokens))
+    engine.check_integrity()
+    graphs.eager_round_ms = eager
+    graphs.part_host_ms = max(0.0, replayed - graphs.graph_ms([4, 4]))
+    log.info(
+        "rounds of two chains: %.2f ms eager, %.2f ms replayed (host %.2f ms beside the replay)",
+        eager,
+        replayed,
+        graphs.part_host_ms,
+    )

@@ -47,13 +47,16 @@ def smallest_q(q_sizes: dict[int, list[int]], num_seqs: int, most: int) -> int |
     )
 
 
-# the most parts `graph_parts` launches a round in: each replay reads the weights once (an
-# 8B-shaped target on an H200: ~3.4 ms), an eager forward costs ~30 ms of host time
-MAX_PARTS = 4
+# the most parts `graph_parts` launches a round in (each one's results are copied before the
+# next launches); whether parts beat one eager launch is `CudaGraphRunner.parts_pay`'s measure
+MAX_PARTS = 8
 
 
 def graph_parts(
-    news: list[int], q_sizes: dict[int, list[int]], max_parts: int = MAX_PARTS
+    news: list[int],
+    q_sizes: dict[int, list[int]],
+    max_parts: int = MAX_PARTS,
+    pays: Callable[[list[list[int]]], bool] | None = None,
 ) -> list[list[int]]:
     """A batch's sequences (each bringing `news[i]` new tokens: pending and tree) by position,
     as one step, or in parts where one step would find no captured graph (`q_sizes`: each q's
@@ -62,7 +65,10 @@ def graph_parts(
     sequence's tokens since its last features) in as few as the graphs that hold them take
     (prefill graphs: 4 sequences). One step would run the whole batch eagerly, a host-bound
     forward (an 8B-shaped target: ~30 ms against ~6 for a replay; SmolLM2: 27-48 ms against
-    ~2). Sizes only: a part may still run eagerly for its context (`plan`)."""
+    ~2). `pays`: given each part's runs, whether the parts cost less than one launch (else
+    one launch: many long runs in parts on a large model are the device's work, padded to the
+    graphs' q, not the host's). Sizes only: a part may still run eagerly for its context
+    (`plan`)."""
 
     def fits(n: int, most: int) -> bool:
         return smallest_q(q_sizes, n, most) is not None
@@ -82,8 +88,22 @@ def graph_parts(
         if size == 0:
             break  # none holds it: a smaller q only makes the long part longer
         parts = ([short] if short else []) + [long[k : k + size] for k in range(0, len(long), size)]
-        return parts if len(parts) <= max_parts else [everyone]
+        if len(parts) > max_parts or (pays and not pays([[news[i] for i in p] for p in parts])):
+            return [everyone]
+        return parts
     return [everyone]
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, times: int = 3) -> float:
+    """A captured graph's replay on the device in ms (after one untimed), the mean of `times`."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(times):
+        graph.replay()
+    end.record(stream)
+    end.synchronize()
+    return float(start.elapsed_time(end)) / times
 
 
 # The forward a runner captures: (batch, aux_layers, features) -> logits (and hidden states) of
@@ -118,6 +138,12 @@ class CudaGraphRunner:
         self.pool: Any = None  # one memory pool for every graph
         self.buffers: dict[tuple[int, tuple[int, ...]], GraphBuffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
+        # each (q, bucket)'s replay on the device in ms, timed at its capture (without layers)
+        self.replay_ms: dict[tuple[int, int], float] = {}
+        # a round's wall time run eagerly, and a graph round's host time beyond its replay, in
+        # ms: timed at the verifier's warm-up (`time_rounds`); None = not timed, parts pay
+        self.eager_round_ms: float | None = None
+        self.part_host_ms = 0.0
 
     @classmethod
     def for_model(
@@ -178,9 +204,34 @@ class CudaGraphRunner:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(q, aux_layers, bs)] = graph
+                if not aux_layers:
+                    self.replay_ms[(q, bs)] = _replay_ms(graph, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for q=%d aux=%s, batch sizes %s", q, aux_layers, sizes)
+
+    def graph_ms(self, news: list[int]) -> float:
+        """The replay time in ms (timed at capture) of the graph that holds a step of these
+        sequences (`news`: each one's new tokens), 0 where none does or none was timed."""
+        q = smallest_q(self.q_sizes, len(news), max(news))
+        if q is None:
+            return 0.0
+        bucket = next(b for b in self.q_sizes[q] if b >= len(news))
+        return self.replay_ms.get((q, bucket), 0.0)
+
+    def parts_pay(self, parts: list[list[int]]) -> bool:
+        """Whether a round in `parts` (each part's new tokens a sequence), replayed one after
+        another, costs less than one eager launch of them all: each part its graph's replay
+        (timed at capture) and a graph round's host time beside it, against the larger of an
+        eager round's wall time (host-bound) and the device's time for the round's tokens at
+        the largest graph's rate (a large model's long runs: the device's work, which the
+        parts pad to their graphs' q). True where the warm-up timed no rounds."""
+        if self.eager_round_ms is None:
+            return True
+        parts_ms = sum(self.graph_ms(part) + self.part_host_ms for part in parts)
+        (q, bs), ms = max(self.replay_ms.items(), key=lambda item: item[0][0] * item[0][1])
+        tokens = sum(sum(part) for part in parts)
+        return parts_ms < max(self.eager_round_ms, tokens * ms / (q * bs))
 
     def sizes(self, q: int) -> list[int]:
         """The batch buckets captured for steps of q query tokens."""

@@ -78,7 +78,8 @@ def test_trees_beside_a_prefill_replay_two_graphs_and_answer_as_eager(
     for a, b in zip(expected, got, strict=True):
         if layers:
             assert a.hidden_states is not None and b.hidden_states is not None
-            torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
+            # float32: the graphs' padded steps reduce in another order (2.4e-4 on an H200)
+            torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-3, rtol=1e-3)
     # round 0: six prefills at once, past the prefill graphs' 4: two parts of them (4 + 2);
     # round 3: the trees and the newcomer, two parts; no round eager
     assert calls[0] == (6, 6, 0) and calls[3] == (7, 1, 0), calls

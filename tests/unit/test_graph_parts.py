@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.cuda_graphs import graph_parts
+from specsplit.model.batch import ForwardOutput
+from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
@@ -39,17 +41,77 @@ SERVED = {q: [1, 2, 4, 8, 16, 32, 48, 64] for q in (1, 4, 5, 9, 17)} | {
         ([1, 70, 1, 1, 1, 90, 1], [[0, 2, 3, 4, 6], [1, 5]]),  # two beside decode steps
         ([5] * 6 + [40] * 5, [list(range(6)), [6, 7, 8, 9], [10]]),  # five prefills: 4 + 1
         ([36] * 10, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),  # resumed sequences: runs alike
-        ([36] * 17, [list(range(17))]),  # past four parts: eager
-        ([5] * 6 + [40] * 13, [list(range(19))]),  # the trees and four parts of prefills
+        ([36] * 17, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16]]),
+        ([36] * 33, [list(range(33))]),  # past eight parts: eager
+        ([5] * 6 + [40] * 29, [list(range(35))]),  # the trees and eight parts of prefills
         ([5] * 6 + [300], [list(range(7))]),  # past the longest prefill graph
         ([5] * 70, [list(range(64)), list(range(64, 70))]),  # past the largest bucket
         ([], [[]]),
     ],
 )
-def test_graph_parts_split_only_where_each_part_replays_and_four_at_most(
+def test_graph_parts_split_only_where_each_part_replays_and_eight_at_most(
     news: list[int], parts: list[list[int]]
 ) -> None:
     assert graph_parts(news, SERVED) == parts
+    assert graph_parts(news, SERVED, pays=lambda _: True) == parts
+
+
+def test_graph_parts_launch_once_where_the_parts_do_not_pay() -> None:
+    seen: list[list[list[int]]] = []
+
+    def never(parts: list[list[int]]) -> bool:
+        seen.append(parts)
+        return False
+
+    assert graph_parts([5] * 6 + [40], SERVED, pays=never) == [list(range(7))]
+    assert seen == [[[5] * 6, [40]]]  # each part's runs weighed
+    assert graph_parts([5] * 8, SERVED, pays=never) == [list(range(8))]  # one graph: not asked
+    assert len(seen) == 1
+
+
+def _no_forward(*_: object) -> ForwardOutput:
+    raise AssertionError("nothing runs: the timings alone")
+
+
+def _runner(replay_ms: dict[tuple[int, int], float], eager: float | None) -> CudaGraphRunner:
+    """A runner's timings as a GPU's warm-up sets them (nothing captured: no GPU here)."""
+    kv = KVCache(1, 1, 4, num_pages=4, page_size=4, dtype=torch.float32, device="cpu")
+    runner = CudaGraphRunner(_no_forward, kv, max_context=64)
+    runner.q_sizes = dict(SERVED)
+    runner.replay_ms = replay_ms
+    runner.eager_round_ms, runner.part_host_ms = eager, 0.5
+    return runner
+
+
+def _timings(weights_ms: float, token_ms: float) -> dict[tuple[int, int], float]:
+    """Each served graph's replay: the weights read once, or its padded tokens' compute."""
+    return {(q, b): max(weights_ms, q * b * token_ms) for q, sizes in SERVED.items() for b in sizes}
+
+
+@pytest.mark.parametrize(
+    ("replays", "eager", "news", "pays"),
+    [
+        # SmolLM2 on an H200: replays ~0.3 ms, an eager round ~20 ms of host time: parts pay,
+        # eight of them too
+        (_timings(0.3, 0.002), 20.0, [5] * 16 + [40], True),
+        (_timings(0.3, 0.002), 20.0, [33] * 32, True),
+        # an 8B-shaped target: a newcomer beside 64 trees pays; sixteen resumed sequences of 33
+        # tokens padded to graphs of 64 (4 parts of ~8 ms) cost more than one eager launch
+        (_timings(3.4, 0.03), 22.0, [5] * 64 + [40], True),
+        (_timings(3.4, 0.03), 22.0, [33] * 16, False),
+        # the warm-up timed no rounds (tests, a CPU): parts whenever the graphs hold them
+        (_timings(3.4, 0.03), None, [33] * 16, True),
+    ],
+    ids=["smollm2-newcomer", "smollm2-resume-8-parts", "8b-newcomer", "8b-resume", "untimed"],
+)
+def test_parts_pay_against_an_eager_round_by_the_timings(
+    replays: dict[tuple[int, int], float], eager: float | None, news: list[int], pays: bool
+) -> None:
+    runner = _runner(replays, eager)
+    parts = graph_parts(news, SERVED)
+    assert len(parts) > 1
+    assert runner.parts_pay([[news[i] for i in part] for part in parts]) is pays
+    assert (graph_parts(news, SERVED, pays=runner.parts_pay) == parts) is pays
 
 
 @pytest.fixture(scope="module")
