@@ -85,9 +85,11 @@ class DeviceExpansion(ExpansionSteps):
         scored_ids: torch.Tensor | None = None,
         pool_rows: tuple[int, torch.dtype] | None = None,
         write_rows: RowsWrite | None = None,
+        catch_up_lens: tuple[int, ...] = (),
     ) -> None:
         """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
-        can)."""
+        can). catch_up_lens: the catch-up lengths a key's graph may have (the proposer's padded
+        lengths; () = any)."""
         self.forward = forward
         self.catch_up = catch_up
         self.kv = kv
@@ -109,6 +111,7 @@ class DeviceExpansion(ExpansionSteps):
         self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
         self.pool_rows = pool_rows
         self.write_rows = write_rows
+        self.catch_up_lens = catch_up_lens
         # the graphs' new pool rows: one device buffer all of them read (each a view of its
         # first bucket * q rows; grown for a larger one, whose earlier views keep the old),
         # and its pinned host mirror (free again after each run, which waits for its copies)
@@ -119,10 +122,15 @@ class DeviceExpansion(ExpansionSteps):
         """Whether an expansion of `key` (a fused catch-up's) for `bs` rows is to run: eagerly,
         from a graph already captured (warm-up captures the usual shapes), or from one its
         `expand` captures now, this being the FUSED_CAPTURE_AFTER-th time the key was asked
-        for at this batch bucket; False before that (the caller takes the unfused path)."""
+        for at this batch bucket; False before that (the caller takes the unfused path), and
+        always for a catch-up of a length outside `catch_up_lens` (tokens since a run of plain
+        rounds, tens of them: a graph for each length as it came, ~0.3 s apiece in the round,
+        made the 8B mirror's TTFT p99 ~0.7 s under the speculation gate's probes)."""
         bucket = self._bucket(bs)
         if not self.graphs or bucket is None or (key, bucket) in self.captured:
             return True
+        if key.catch_up and self.catch_up_lens and key.catch_up not in self.catch_up_lens:
+            return False
         asked = self.asked.get((key, bucket), 0) + 1
         self.asked[(key, bucket)] = asked
         return asked >= FUSED_CAPTURE_AFTER

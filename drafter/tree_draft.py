@@ -450,6 +450,7 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
             scored_ids=self.scored_ids,
             pool_rows=self.pool_rows,
             write_rows=self._write_pool_rows,
+            catch_up_lens=self.catch_up_lens,
         )
 
     def _frontier_outputs(

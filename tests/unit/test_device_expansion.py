@@ -375,7 +375,8 @@ def test_a_fused_key_missed_at_warm_up_is_captured_once_it_keeps_coming(
     spec, other draft-ahead guesses) takes the unfused path until it has been asked for
     FUSED_CAPTURE_AFTER times at one batch bucket, then runs (its `expand` captures it): a
     one-off costs no capture in traffic, a shape that keeps coming gets the one-replay run.
-    Each bucket counts its own; a captured key, or no graphs (the CPU), runs at once."""
+    Each bucket counts its own; a captured key, or no graphs (the CPU), runs at once; a
+    catch-up of a length outside the proposer's padded ones never does where graphs run."""
     proposer = _engine(models, "model", 16, on_device=True).proposer
     assert isinstance(proposer, TreeProposer)
     runner = proposer._expansion()
@@ -387,6 +388,12 @@ def test_a_fused_key_missed_at_warm_up_is_captured_once_it_keeps_coming(
     assert answers == [False] * (FUSED_CAPTURE_AFTER - 1) + [True]
     assert not runner.ready(key, 3)  # batch 3's bucket counts its own
     assert not runner.ready(Shape(1, 2, catch_up=4), 1)  # so does another catch-up length
+    # a catch-up of a length the proposer does not pad to (tens of tokens after plain rounds):
+    # never captured in traffic, one graph per length as they came
+    runner.catch_up_lens = CATCH_UP_LENS
+    assert not any(
+        runner.ready(Shape(1, 3, catch_up=44), 1) for _ in range(3 * FUSED_CAPTURE_AFTER)
+    )
     warmed = Shape(1, 3, catch_up=2)
     runner.captured[(warmed, 1)] = (None, None)  # type: ignore[assignment]  # as warm-up leaves it
     assert runner.ready(warmed, 1)
