@@ -48,6 +48,14 @@ EXPANSION_SHAPES = tuple(
 # batch size it meets (`up`'s default on two GPUs): before, each was captured in its first such
 # round, 10-50 ms on an 8B head
 AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
+# and the shorter chains' near a request's max_new_tokens (chains of 2 and 1, and a plain
+# round's (n + 1) x 2 guesses for them), without a catch-up: captured in traffic, each took
+# ~0.3 s of a round (the 8B mirror's speculation at 20 requests a second, TTFT p99 134 ms)
+AHEAD_NEAR_END = tuple(
+    ahead
+    for n in (2, 1)
+    for ahead in (Ahead(n, 2, Shape(1, n)), Ahead(0, (n + 1) * 2, Shape(1, n)))
+)
 # keys also captured with the catch-up in the same run (`catch_up`: `TreeProposer._fused_expand`,
 # `_fused_ahead`) at every catch-up length: the gateway's default chain of 3, greedy and
 # sampled (the shorter chains near max_new_tokens catch up first, from their own graphs), and
@@ -123,14 +131,15 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
     ) -> None:
         """On a GPU, capture the steps of 1 and of `catch_up_lens` tokens per sequence for
         batches up to `max_batch_size`, and the device expansion of EXPANSION_SHAPES and
-        AHEAD_SHAPES at every batch bucket (others are captured at their first use); a no-op
+        AHEAD_SHAPES and AHEAD_NEAR_END at every batch bucket (others are captured at their
+        first use); a no-op
         elsewhere."""
         if self.device.type != "cuda" or not catch_up_lens:
             return
         with on_device(self.device):
             self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
             self.device_expansion_runner = self._new_expansion(graphs=True)
-            keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES)
+            keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES, *AHEAD_NEAR_END)
             if self.fused_catch_up:
                 keys += tuple(
                     dataclasses.replace(key, catch_up=q)

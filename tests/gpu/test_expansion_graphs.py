@@ -18,7 +18,7 @@ from drafter.engine import DrafterEngine
 from drafter.expansion import FUSED_CAPTURE_AFTER
 from drafter.expansion_inputs import Ahead, Shape
 from drafter.model_proposer import ModelProposer
-from drafter.tree_draft import AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
+from drafter.tree_draft import AHEAD_NEAR_END, AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
 from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -203,7 +203,8 @@ def test_warm_up_captures_the_gateways_default_draft_ahead(models, kind: str) ->
     runner = engine.proposer.device_expansion_runner  # type: ignore[attr-defined]
     before = set(runner.captured)
     fused = {dataclasses.replace(key, catch_up=q) for key in AHEAD_SHAPES for q in CATCH_UP_LENS}
-    assert {key for key, _ in before if isinstance(key, Ahead)} == set(AHEAD_SHAPES) | fused
+    warmed = set(AHEAD_SHAPES) | fused | set(AHEAD_NEAR_END)  # and the shorter chains' plain
+    assert {key for key, _ in before if isinstance(key, Ahead)} == warmed
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(0)
     spec = SpecParams(3, 1, 3)
