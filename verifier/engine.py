@@ -418,7 +418,11 @@ class VerifierEngine(SeqMemory):
         parts = [] if taken is None else [taken]
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
         running_ahead = self.decode_ahead and not self._in_flight and not hinted
-        if follower is not None and not running_ahead:  # not this round's steps
+        # what the step taken does not cover (newcomers), in graph parts where one launch would
+        # find no graph (more than a prefill graph holds)
+        groups = self._graph_groups(inputs, others) if others else []
+        if follower is not None and (not running_ahead or len(groups) > 1):
+            # not this round's steps, or the others in parts (`_join_ahead` takes them as one)
             self._drop(follower, "other work", room=1)  # (the step taken keeps its room)
             follower = None
         if taken is not None and others:  # copied on the device now: the launch beside it may
@@ -426,7 +430,6 @@ class VerifierEngine(SeqMemory):
             if follower is not None:  # (its results: the bonus tokens of the steps behind)
                 follower.packed = follower.packed.clone()
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
-            groups = [others] if taken is not None else self._graph_groups(inputs, others)
             others = [i for group in groups for i in group]  # the results' order
             try:
                 parts += self._launch_new([[inputs[i] for i in group] for group in groups])

@@ -22,8 +22,12 @@ from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import TINY_VOCAB, save_tiny_llama
-from tests.unit.test_verify_pipelined import _same
+from tests.unit import test_decode_ahead as ahead_tests
+from tests.unit.test_decode_ahead import _both, _release, _same
+from tests.unit.test_verify_pipelined import _same as _same_outputs
+from verifier.ahead_depth import MAX_DEPTH
 from verifier.engine import VerifierEngine
+from verifier.rounds import Launched
 
 # the verifier's captures at --graph-max-batch 64: decode and verify q's for every bucket, the
 # prefill q's for at most 4 sequences (verifier/warmup.py)
@@ -227,7 +231,7 @@ def test_a_round_in_two_parts_answers_as_one(
     whole = _rounds(_engine(target_dir, split=False), truths, layers, sampled)
     parts = _rounds(_engine(target_dir, split=True), truths, layers, sampled)
     assert len(parts) == len(whole) == 3 * 8 + 5 + 3
-    _same(parts, whole)
+    _same_outputs(parts, whole)
     assert all((out.hidden_states is not None) == bool(layers) for out in parts)
     accepted = [len(out.accepted_tokens) for out in whole]
     assert (max(accepted) == 3 and 1 in accepted) or sampled  # whole paths and cut ones
@@ -249,3 +253,44 @@ def test_the_verifier_counts_its_forwards_by_path(target_dir: Path) -> None:
     engine.verify([VerifyInput("d", True, 0, PROMPTS["d"], DraftTree())])
     assert eager() - before == 4
     engine.release(["a", "b", "c", "d"])
+
+
+@pytest.mark.parametrize("depth", range(1, MAX_DEPTH + 1), ids=lambda d: f"depth{d}")
+def test_newcomers_beside_a_step_run_ahead_launch_in_parts(
+    target_dir: Path, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newcomers whose prefills the graphs take in parts, beside the running sequence's decode
+    step run ahead: the step is still taken, the newcomers launch in parts beside it, the steps
+    queued behind it are dropped (their join takes the newcomers as one part) and the next
+    step runs ahead for all; the tokens and committed K/V are an engine's without steps ahead
+    or parts, and no page stays held."""
+    monkeypatch.setitem(ahead_tests.PROMPTS, "c", [9, 40, 2, 77, 5])  # (the driver's prompts)
+    monkeypatch.setitem(ahead_tests.PROMPTS, "d", [61, 3, 18])
+    plain, ahead = _both(target_dir, "cpu", depth)
+    engine = ahead.engine
+    engine._graph_groups = _thirds  # type: ignore[method-assign]
+    rounds: list[tuple[bool, int]] = []  # each launch's (a step taken, parts launched beside it)
+    take, launch_new = engine._take_ahead, engine._launch_new
+
+    def taking(inputs: list[VerifyInput]) -> tuple[Launched | None, list[int]]:
+        taken, positions = take(inputs)
+        rounds.append((taken is not None, 0))
+        return taken, positions
+
+    def launching(groups: list[list[VerifyInput]]) -> list[Launched]:
+        rounds[-1] = (rounds[-1][0], len(groups))
+        return launch_new(groups)
+
+    engine._take_ahead = taking  # type: ignore[method-assign]
+    engine._launch_new = launching  # type: ignore[method-assign]
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=2)
+        driver.round(dict.fromkeys("acd", DraftTree()), begin={"c", "d"})
+        driver.decode("a", "c", "d", rounds=3)
+    _same(plain, ahead)
+    assert rounds[3] == (True, 2)  # "a"'s step taken, "c" and "d" in two parts beside it
+    assert all(taken for taken, _ in rounds[1:]), rounds  # every round after the first
+    # the steps queued behind the one taken (depth - 1 of them)
+    assert engine.num_ahead_dropped_by == ({"other work": depth - 1} if depth > 1 else {})
+    _release(plain, ahead)
