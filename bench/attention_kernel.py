@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import specsplit.kernels.paged_attention as pa
+from specsplit.kernels.paged_attention_reference import paged_attention_with_plan, reference_plan
 
 PAGE_SIZE = 16
 SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
@@ -124,9 +125,9 @@ def kernel_call(layer: dict[str, Any], out: torch.Tensor, **kw: Any) -> Callable
 
 def reference_call(layer: dict[str, Any], out: torch.Tensor) -> Callable[[], Any]:
     plan_keys = ("cu_seqlens_q", "kv_lens", "prefix_lens", "block_table", "page_size", "tree_mask")
-    plan = pa.reference_plan(**{k: layer[k] for k in plan_keys})
+    plan = reference_plan(**{k: layer[k] for k in plan_keys})
     q, k, v, scale = layer["q"], layer["k_cache"], layer["v_cache"], layer["scale"]
-    return lambda: pa.paged_attention_with_plan(q, k, v, plan, scale, out)
+    return lambda: paged_attention_with_plan(q, k, v, plan, scale, out)
 
 
 def bench_one(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.kernels.paged_attention import paged_attention, paged_attention_with_plan
+from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.paged_attention import warm_up as warm_up_kernels
+from specsplit.kernels.paged_attention_reference import paged_attention_with_plan
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch
 

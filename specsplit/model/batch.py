@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from specsplit.kernels.paged_attention import reference_plan
+from specsplit.kernels.paged_attention_reference import reference_plan
 from specsplit.model.transfer import to_device
 
-# the attention backend's per-forward host plan (specsplit.kernels.paged_attention.reference_plan)
+# the attention backend's per-forward host plan (paged_attention_reference.reference_plan)
 _Plan = list[tuple[int, int, torch.Tensor, torch.Tensor]]
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels.paged_attention import paged_attention, paged_attention_reference
+from specsplit.kernels.paged_attention import paged_attention
+from specsplit.kernels.paged_attention_reference import paged_attention_reference
 from specsplit.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,13 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from specsplit.kernels.paged_attention import (
-    MAX_SPLITS,
-    auto_num_splits,
-    paged_attention,
-    paged_attention_reference,
-    reference_plan,
-)
+from specsplit.kernels.paged_attention import MAX_SPLITS, auto_num_splits, paged_attention
+from specsplit.kernels.paged_attention_reference import paged_attention_reference, reference_plan
 from specsplit.tree import DraftTree
 
 pytest.importorskip("triton")
