@@ -19,11 +19,18 @@ from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
 from specsplit.model.llama import LlamaModel
-from specsplit.step import build_forward_batch, decode_batch, same_tree_batch, verify_step
+from specsplit.step import (
+    build_forward_batch,
+    causal_step,
+    decode_batch,
+    same_tree_batch,
+    verify_step,
+)
 from verifier.accept_graphs import AcceptGraphs
 from verifier.ahead_depth import AheadDepth
 from verifier.chain import Chain, place_accept, place_forward
 from verifier.device_waits import DeviceWaits
+from verifier.lead_in import MIN_LEAD_Q, lead_len, lead_waves
 from verifier.round_accept import (
     accepted_hidden,
     bend_logits,
@@ -47,15 +54,91 @@ class DeviceRounds(DeviceWaits):
     ahead_depth: AheadDepth
     _held: dict[str, int]
     _last_end: tuple[torch.cuda.Event, set[str]] | None
+    # a lead-in's chunk of pending tokens (verifier/lead_in.py); None: on a GPU the largest
+    # captured q, none without graphs (tests set it to lead in on the CPU)
+    lead_q: int | None = None
+
+    def _device_mark(self) -> torch.cuda.Event | None:
+        """On a GPU an event recorded now on the device's stream (timing on), else None."""
+        if self.device.type != "cuda":
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
 
     def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
         """`others` (positions in `inputs`) as one launch, or in parts where long runs of new
-        tokens would take the whole round off the CUDA graphs (`graph_parts`)."""
+        tokens would take the whole round off the CUDA graphs (`graph_parts`), each run counted
+        past its lead-in (`_lead_lens`)."""
         if self.graphs is None or len(others) < 2:
             return [others]
-        news = [len(inputs[i].pending_tokens) + len(inputs[i].tree) for i in others]
+        items = [inputs[i] for i in others]
+        leads = self._lead_lens(items)
+        news = [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
         parts = graph_parts(news, self.graphs.q_sizes, pays=self.graphs.parts_pay)
         return [[others[j] for j in part] for part in parts]
+
+    def _lead_chunk(self) -> int | None:
+        """A lead-in's chunk: `lead_q` where set, else on a GPU the largest captured q (a
+        prefill graph's); None: no lead-ins."""
+        if self.lead_q is not None:
+            return self.lead_q
+        if self.graphs is None or not self.graphs.q_sizes:
+            return None
+        q = max(self.graphs.q_sizes)
+        return q if q >= MIN_LEAD_Q else None
+
+    def _lead_lens(self, items: list[VerifyInput]) -> list[int]:
+        """Per item, how many of its pending tokens lead in ahead of its round
+        (verifier/lead_in.py): 0 where its run fits a chunk, and all 0 where the lead-in and the
+        round's graph parts would cost more than one eager launch (`parts_pay`: a large model's
+        long prompt is the device's work, which every chunk's weight read adds to)."""
+        q = self._lead_chunk()
+        leads = [0 if q is None else lead_len(item, q) for item in items]
+        if q is None or not any(leads) or self.graphs is None:
+            return leads
+        sizes = self.graphs.q_sizes
+        rest = [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
+        waves = [[q] * len(wave) for wave in lead_waves(leads, q, sizes[q][-1])]
+        parts = [[rest[i] for i in part] for part in graph_parts(rest, sizes)]
+        return leads if self.graphs.parts_pay(waves + parts) else [0] * len(items)
+
+    def _lead_in(
+        self, items: list[VerifyInput], seqs: list[VerifierSeq], leads: list[int]
+    ) -> list[torch.Tensor | None]:
+        """Each item's first `leads[i]` pending tokens forwarded and committed ahead of its
+        round, a chunk of a few sequences a forward (`lead_waves`): the hidden-state rows of
+        those that ask for them (on the host in bfloat16, valid once the round's results are),
+        else None."""
+        q = self._lead_chunk()
+        assert q is not None, leads
+        most = len(items) if self.graphs is None else self.graphs.q_sizes[q][-1]
+        rows: list[list[torch.Tensor]] = [[] for _ in items]
+        for wave in lead_waves(leads, q, most):
+            aux = next(
+                (items[i].hidden_state_layers for i in wave if items[i].hidden_state_layers), ()
+            )
+            steps = []
+            for i in wave:
+                done = seqs[i].kv.kv_committed_len - items[i].kv_committed_len
+                chunk = items[i].pending_tokens[done : min(done + q, leads[i])]
+                step = causal_step(seqs[i].kv, chunk, [len(chunk) - 1])
+                step.hidden_rows = list(range(len(chunk))) if aux else []
+                steps.append(step)
+            batch, _ = build_forward_batch(steps, self.kv.page_size)
+            out = None if self.graphs is None else self.graphs.forward(batch, aux)
+            metrics.count_verifier_forward("eager" if out is None else "graph")
+            if out is None:
+                out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
+            row = 0  # each step's hidden rows, back to back
+            for i, step in zip(wave, steps, strict=True):
+                q_len = len(step.input_ids)
+                seqs[i].kv.kv_committed_len += q_len
+                if items[i].hidden_state_layers:
+                    assert out.hidden_states is not None
+                    rows[i].append(out.hidden_states[row : row + q_len])
+                row += q_len
+        return [to_host(torch.cat(r), torch.bfloat16) if r else None for r in rows]
 
     def _launch(
         self,
@@ -90,10 +173,8 @@ class DeviceRounds(DeviceWaits):
                 steps.append(step)
             batch, row_slices = build_forward_batch(steps, self.kv.page_size)
         place = None if chain is None else functools.partial(place_forward, chain=chain)
-        started = None
-        if self.device.type == "cuda":  # before the round's first device work, after its host
-            started = torch.cuda.Event(enable_timing=True)  # building: the device idles there
-            started.record(torch.cuda.current_stream(self.device))
+        # before the round's first device work, after its host building: the device idles there
+        started = self._device_mark()
         out = None
         if self.graphs is not None:
             # (views of the graph's outputs: the acceptance and rows below are queued at once)
@@ -146,6 +227,11 @@ class DeviceRounds(DeviceWaits):
         if launched.hidden is not None:
             starts = launched.hidden_starts(whole)
             hidden_states_out(launched.inputs, launched.hidden, results, starts)
+        if launched.lead_rows is not None:  # the rows of pending tokens that led in come first
+            for out, led in zip(results, launched.lead_rows, strict=True):
+                if led is not None:
+                    assert out.hidden_states is not None
+                    out.hidden_states = torch.cat([led, out.hidden_states])
         return results
 
     def _accept(

@@ -66,6 +66,9 @@ class Launched:
     # a decode step run ahead: the next step, launched behind it on its bonus tokens (after a
     # round's last step, as many as the trip between rounds needs: verifier/ahead_depth.py)
     follower: Launched | None = None
+    # per input: the hidden-state rows of its pending tokens that led in ahead of the round
+    # (verifier/lead_in.py; on the host, before the round's own), None where none did
+    lead_rows: list[torch.Tensor | None] | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy

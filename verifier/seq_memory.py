@@ -12,6 +12,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVPages
 from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
 from verifier.hinted_rounds import HintedRounds
+from verifier.lead_in import led_in
 from verifier.rounds import Launched, VerifierSeq, validate_round
 
 
@@ -31,12 +32,31 @@ class SeqMemory(HintedRounds, KVPages):
             if item.begin:
                 self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
         seqs = [[self.seqs[item.seq_id] for item in group] for group in groups]
-        self._reserve([i for g in groups for i in g], [s for g in seqs for s in g])
+        items, all_seqs = [i for g in groups for i in g], [s for g in seqs for s in g]
+        self._reserve(items, all_seqs)
+        leads = self._lead_lens(items)
         parts: list[Launched] = []
-        for group, group_seqs in zip(groups, seqs, strict=True):
-            if parts:  # copied on the device: the launch beside it may reuse the acceptance
-                parts[-1].packed = parts[-1].packed.clone()  # graph that holds them
-            parts.append(self._launch(group, group_seqs))
+        try:
+            led, started = None, None
+            if any(leads):  # (the round's device work starts with them)
+                started = self._device_mark()
+                led = self._lead_in(items, all_seqs, leads)
+            start = 0
+            for group, group_seqs in zip(groups, seqs, strict=True):
+                if parts:  # copied on the device: the launch beside it may reuse the acceptance
+                    parts[-1].packed = parts[-1].packed.clone()  # graph that holds them
+                end = start + len(group)
+                rounds = [led_in(item, m) for item, m in zip(group, leads[start:end], strict=True)]
+                parts.append(self._launch(rounds, group_seqs))
+                if led is not None:
+                    parts[-1].lead_rows = led[start:end]
+                start = end
+            if started is not None:
+                parts[0].started = started
+        except BaseException:  # nothing of the round is committed: nor are its lead-ins
+            for seq, item in zip(all_seqs, items, strict=True):
+                seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, item.kv_committed_len)
+            raise
         return parts
 
     def _reserve(self, inputs: list[VerifyInput], seqs: list[VerifierSeq]) -> None:

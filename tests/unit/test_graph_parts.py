@@ -27,6 +27,7 @@ from tests.unit.test_decode_ahead import _both, _release, _same
 from tests.unit.test_verify_pipelined import _same as _same_outputs
 from verifier.ahead_depth import MAX_DEPTH
 from verifier.engine import VerifierEngine
+from verifier.lead_in import lead_len, lead_waves, led_in
 from verifier.rounds import Launched
 
 # the verifier's captures at --graph-max-batch 64: decode and verify q's for every bucket, the
@@ -184,10 +185,11 @@ def _rounds(
     layers: tuple[int, ...],
     sampled: bool,
     joining: dict[int, str] = JOINING,
+    first_trees: bool = False,
 ) -> list[VerifyOutput]:
     """Eight rounds as a gateway sends them, from one seed: sequences begin as `joining` says
     (by default three, then two more mid-way: a prefill beside the others' trees), and each
-    round drafts a tree or a decode step per sequence."""
+    round drafts a tree or a decode step per sequence (first_trees: a prompt's round too)."""
     rng = random.Random(0)
     tokens: dict[str, list[int]] = {}
     committed: dict[str, int] = {}
@@ -202,7 +204,7 @@ def _rounds(
             sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
             generated = len(tokens[seq_id]) - len(PROMPTS[seq_id])
             right = truths[seq_id][generated : generated + 3]
-            tree = DraftTree() if seq_id in joins else _tree(rng, right)
+            tree = DraftTree() if seq_id in joins and not first_trees else _tree(rng, right)
             item = VerifyInput(
                 seq_id,
                 seq_id in joins,
@@ -294,3 +296,102 @@ def test_newcomers_beside_a_step_run_ahead_launch_in_parts(
     # the steps queued behind the one taken (depth - 1 of them)
     assert engine.num_ahead_dropped_by == ({"other work": depth - 1} if depth > 1 else {})
     _release(plain, ahead)
+
+
+@pytest.mark.parametrize("first_trees", [False, True], ids=["prompts", "prompts-with-trees"])
+@pytest.mark.parametrize("layers", [(), (0, 1)], ids=["", "hidden"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_prompts_led_in_by_chunks_answer_as_one_round(
+    target_dir: Path,
+    truths: dict[str, list[int]],
+    layers: tuple[int, ...],
+    sampled: bool,
+    first_trees: bool,
+) -> None:
+    """Prompts of 9-29 tokens led in ahead of their rounds in chunks of 8 (verifier/lead_in.py;
+    on a GPU chunks of the largest prefill graph, each a replay) answer as rounds that take
+    them whole: tokens, committed lengths, seeded sampling, every pending token's hidden-state
+    row (the led-in ones first), and no page held after; in parts too."""
+    whole = _rounds(_engine(target_dir, False), truths, layers, sampled, first_trees=first_trees)
+    for split in (False, True):
+        engine = _engine(target_dir, split)
+        engine.lead_q = 8
+        led: list[tuple[VerifyInput, int]] = []  # each item that led in, and its lead
+        lead_in = engine._lead_in
+
+        def counted(items, seqs, leads, lead_in=lead_in, led=led):  # type: ignore[no-untyped-def]
+            led.extend((item, m) for item, m in zip(items, leads, strict=True) if m)
+            return lead_in(items, seqs, leads)
+
+        engine._lead_in = counted  # type: ignore[method-assign]
+        got = _rounds(engine, truths, layers, sampled, first_trees=first_trees)
+        _same_outputs(got, whole)
+        # every prompt (9-29 tokens: the first round's three, "d"'s and "e"'s) led in, leaving
+        # its round a chunk at most, its root always
+        assert sorted(item.seq_id for item, _ in led) == list("abcde")
+        for item, m in led:
+            assert 0 < m < len(item.pending_tokens)
+            assert len(item.pending_tokens) + len(item.tree) - m <= 8
+        if not first_trees:  # whole chunks: 9 -> 8 + 1, 14 -> 8 + 6, 19 -> 16 + 3, 24 -> 16 + 8
+            assert sorted(m for _, m in led) == [8, 8, 16, 16, 24]
+    if layers:  # a prompt's round: a row for every prompt token, then the accepted path's
+        rows = [out.hidden_states.shape[0] - len(out.accepted_tokens) for out in whole[:3]]  # type: ignore[union-attr]
+        assert rows == [len(PROMPTS[s]) for s in "abc"]
+
+
+def test_lead_in_lengths_and_waves() -> None:
+    def item(p: int, n: int) -> VerifyInput:
+        tree = DraftTree(list(range(n)), [-1, *range(n - 1)])
+        return VerifyInput("s", True, 0, list(range(p)), tree)
+
+    assert lead_len(item(128, 0), 128) == 0  # one chunk: none
+    assert lead_len(item(129, 0), 128) == 128  # the root alone in the round
+    assert lead_len(item(300, 3), 128) == 256  # 44 + 3 in the round
+    assert lead_len(item(124, 4), 128) == 0
+    assert lead_len(item(126, 4), 128) == 125  # a short chunk: the root and the tree left
+    assert lead_len(item(2, 200), 128) == 0  # a tree past a chunk: nothing lets it fit
+    # chunk by chunk, at most `most` sequences a forward
+    assert lead_waves([256, 0, 128, 384, 128, 128], 128, 4) == [[0, 2, 3, 4], [5], [0, 3], [3]]
+    assert lead_waves([0, 0], 128, 4) == []
+    led = led_in(item(300, 3), 256)
+    assert (led.begin, led.kv_committed_len, led.pending_tokens) == (
+        False,
+        256,
+        list(range(256, 300)),
+    )
+
+
+def test_a_round_that_fails_after_its_lead_in_commits_none_of_it(target_dir: Path) -> None:
+    """A resumed sequence's 30 pending tokens lead in (chunks of 8), then the round's launch
+    fails: the sequence's committed length is as before the round, no page is lost, and the
+    gateway's retry of the same round answers as an engine that never led in."""
+    tokens = PROMPTS["c"][:10]
+    resume = PROMPTS["g"][:30]
+
+    def rounds(engine: VerifierEngine, fail: bool) -> VerifyOutput:
+        first = engine.verify([VerifyInput("a", True, 0, tokens, DraftTree())])[0]
+        item = VerifyInput(
+            "a", False, first.kv_committed_len, [first.bonus_token, *resume], DraftTree()
+        )
+        if fail:
+            launch = engine._launch
+
+            def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+                raise RuntimeError("device lost")
+
+            engine._launch = failing  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="device lost"):
+                engine.verify([item])
+            engine._launch = launch  # type: ignore[method-assign]
+            assert engine.seqs["a"].kv.kv_committed_len == first.kv_committed_len
+            engine.check_integrity()
+        out = engine.verify([item])[0]
+        engine.release(["a"])
+        assert engine.num_pages_used == 0
+        return out
+
+    want = rounds(_engine(target_dir, split=False), fail=False)
+    engine = _engine(target_dir, split=False)
+    engine.lead_q = 8
+    got = rounds(engine, fail=True)
+    assert (got.bonus_token, got.kv_committed_len) == (want.bonus_token, want.kv_committed_len)
