@@ -281,12 +281,15 @@ def round_in_parts(
     steps: int,
 ) -> None:
     """`fn`'s round timed as the verifier launches it (in parts where one launch would find no
-    graph: `_graph_groups`) and, with graphs, as one launch (eager)."""
+    graph: `_graph_groups`; a run past the prefill graphs led in: `_lead_lens`) and, with
+    graphs, as one launch (eager)."""
     record(rows, what, batch, median_ms(fn, steps))
     if graphs:
-        bench.engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
+        engine = bench.engine
+        engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
+        engine._lead_lens = lambda items: [0] * len(items)  # type: ignore[method-assign]
         ms = median_ms(fn, steps)
-        del bench.engine._graph_groups  # the class's again
+        del engine._graph_groups, engine._lead_lens  # the class's again
         record(rows, what + ", one launch", batch, ms)
 
 

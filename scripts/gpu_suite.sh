@@ -679,13 +679,15 @@ for part in "${parts[@]}"; do
         --verify-n --verify-batch --steps 20 --no-hf --prefill 20 60 120 200
       run prefill_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 \
         --verify-n --verify-batch --steps 10 --no-hf --prefill 60 120 200 ;;
-    newcomer)  # a round of chains of 3 with a newcomer's prefill beside them, and a resume round
-      # (33 tokens each), at 4 / 8 / 16 / 32 / 64: in parts (each a graph's replay) and as one
-      # launch (eager); then the GPU test
+    newcomer)  # a round of chains of 3 with a newcomer's prefill beside them (600 tokens: led
+      # in past the prefill graphs), and a resume round (33 tokens each), at 4 / 8 / 16 / 32 /
+      # 64: in parts (each a graph's replay) and as one launch (eager); then the GPU test
       run newcomer_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 4 8 16 32 64 \
-        --verify-n --verify-batch 4 8 16 32 64 --steps 20 --no-hf --newcomer 40 120 --resume 32
+        --verify-n --verify-batch 4 8 16 32 64 --steps 20 --no-hf --newcomer 40 120 600 \
+        --resume 32
       run newcomer_8b python3 bench/gpu_engine.py --shape llama-8b --batch 4 8 16 32 64 \
-        --verify-n --verify-batch 4 8 16 32 64 --steps 10 --no-hf --newcomer 40 120 --resume 32
+        --verify-n --verify-batch 4 8 16 32 64 --steps 10 --no-hf --newcomer 40 120 600 \
+        --resume 32
       run newcomer_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graph_parts_gpu.py ;;
     small)  # the fused small-linear layer path (on by default, up to 16 rows): every GPU test
       # with it off, then the engine step and its profile with it off and on
