@@ -395,3 +395,32 @@ def test_a_round_that_fails_after_its_lead_in_commits_none_of_it(target_dir: Pat
     engine.lead_q = 8
     got = rounds(engine, fail=True)
     assert (got.bonus_token, got.kv_committed_len) == (want.bonus_token, want.kv_committed_len)
+
+
+@pytest.mark.parametrize("depth", range(1, MAX_DEPTH + 1), ids=lambda d: f"depth{d}")
+def test_a_long_prompt_beside_a_step_run_ahead_leads_in(
+    target_dir: Path, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's 21-token prompt led in (chunks of 8) beside the running sequence's decode
+    step run ahead: the step is taken, the newcomer's round brings 5 tokens, and the tokens and
+    committed K/V are an engine's that leads nothing in and runs nothing ahead."""
+    monkeypatch.setitem(ahead_tests.PROMPTS, "c", PROMPTS["e"][:21])
+    plain, ahead = _both(target_dir, "cpu", depth)
+    ahead.engine.lead_q = 8
+    leads: list[int] = []
+    lead_in = ahead.engine._lead_in
+
+    def counted(items, seqs, lens):  # type: ignore[no-untyped-def]
+        leads.extend(lens)
+        return lead_in(items, seqs, lens)
+
+    ahead.engine._lead_in = counted  # type: ignore[method-assign]
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.decode("a", rounds=2)
+        driver.round(dict.fromkeys("ac", DraftTree()), begin={"c"})
+        driver.decode("a", "c", rounds=3)
+    _same(plain, ahead)
+    assert leads == [16]  # "c" alone: "a"'s step was taken
+    assert ahead.engine.num_ahead_used >= 4
+    _release(plain, ahead)
