@@ -11,7 +11,8 @@ tokens a request, is printed beside them): only a rate the server cannot keep up
 
 Each --setup is one `up` with more flags (`NAME=FLAGS`, the flags space-separated; default: `up`'s
 defaults, and rounds of 4 fixed decode steps beside them), all run on one schedule of arrivals
-(--seed) with the same prompts (the bundled chat prompts, cycled), so the rows compare the
+(--seed) with the same prompts (the bundled chat prompts, cycled; --prompt-tokens N: each made
+N tokens long from them), so the rows compare the
 setups. Before its timed runs each `up` serves the first rate's schedule once untimed (its
 adaptive policies measure their batch sizes then, as a long-running server's have). --ups N runs
 each setup's `up` N times, the setups in turn (A B A B ...), and reports each figure's median
@@ -245,6 +246,23 @@ def parse_setup(text: str) -> tuple[str, tuple[str, ...]]:
     return name, tuple(shlex.split(flags))
 
 
+def lengthened(prompts: Sequence[list[int]], tokens: int | None) -> list[list[int]]:
+    """Each prompt made `tokens` long (None: as it is): its own tokens, then the other prompts'
+    in turn, cut there (long prompts for timing: a prompt past the verifier's prefill graphs
+    leads in by chunks; the words are the bundled prompts', not one text)."""
+    if tokens is None:
+        return [list(p) for p in prompts]
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt)
+        for other in itertools.cycle(prompts[i + 1 :] + prompts[: i + 1]):
+            if len(ids) >= tokens:
+                break
+            ids += other
+        out.append(ids[:tokens])
+    return out
+
+
 def requests_for(
     prompts: Sequence[list[int]], args: argparse.Namespace, spec: str
 ) -> list[gateway_pb2.GenerateRequest]:
@@ -379,6 +397,12 @@ def main() -> None:
         "--rate", type=float, nargs="+", default=[4.0, 16.0, math.inf], help="requests a second"
     )
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="each prompt made N tokens long from the bundled ones (default: as they are)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help="every stream runs to the end")
     parser.add_argument("--spec", nargs="+", choices=("target", "default"), default=["target"])
@@ -401,7 +425,8 @@ def main() -> None:
     setups = args.setup or [parse_setup(s) for s in DEFAULT_SETUPS]
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
-    prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
+    prompts = lengthened(chats, args.prompt_tokens)
     workloads = [
         (spec, rate, requests_for(prompts, args, spec), delays)
         for spec in args.spec

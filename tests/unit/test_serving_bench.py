@@ -20,6 +20,7 @@ from bench.serving import (
     Summary,
     arrivals,
     gate_note,
+    lengthened,
     parse_setup,
     progress,
     quantiles,
@@ -190,3 +191,14 @@ def test_the_load_sends_each_request_at_its_arrival_and_streams_the_targets_toke
         assert stream.sent - first_sent == pytest.approx(delay, abs=0.05)
         assert 0 < stream.ttft <= stream.ended - stream.sent
         assert sum(n for _, n in stream.chunks) == 12 and len(stream.chunks) >= 2
+
+
+def test_prompts_lengthened_from_their_own_tokens_then_the_others() -> None:
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    assert lengthened(prompts, None) == prompts
+    assert lengthened(prompts, 7) == [
+        [1, 2, 3, 4, 5, 6, 1],
+        [4, 5, 6, 1, 2, 3, 4],
+        [6, 1, 2, 3, 4, 5, 6],
+    ]
+    assert lengthened(prompts, 2) == [[1, 2], [4, 5], [6, 1]]
