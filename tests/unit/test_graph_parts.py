@@ -424,3 +424,31 @@ def test_a_long_prompt_beside_a_step_run_ahead_leads_in(
     assert leads == [16]  # "c" alone: "a"'s step was taken
     assert ahead.engine.num_ahead_used >= 4
     _release(plain, ahead)
+
+
+@pytest.mark.parametrize(
+    ("replays", "eager", "leads"),
+    [
+        # SmolLM2 on an H200: four chunks of 128 (~0.5 ms each) beside the chains' replay
+        # against a ~20 ms eager launch: the prompt leads in
+        (_timings(0.3, 0.002), 20.0, 512),
+        # an 8B-shaped target: each chunk reads the weights again (~4-5 ms a chunk): one eager
+        # launch of the 856 tokens (~22 ms) costs less
+        (_timings(3.4, 0.03), 22.0, 0),
+    ],
+    ids=["smollm2", "8b"],
+)
+def test_a_long_prompt_leads_in_where_the_timings_say_it_pays(
+    target_dir: Path, replays: dict[tuple[int, int], float], eager: float, leads: int
+) -> None:
+    """A 600-token newcomer beside 64 chains of 3: led in by chunks of 128 where the warm-up's
+    timings (`parts_pay`) say the chunks and the round's parts cost less than one eager
+    launch, else not at all (no other sequence leads in either way)."""
+    engine = _engine(target_dir, split=False)
+    engine.graphs = _runner(replays, eager)
+    chains = [
+        VerifyInput(f"s{i}", False, 10, [5], DraftTree([1, 2, 3], [-1, 0, 1])) for i in range(64)
+    ]
+    newcomer = VerifyInput("new", True, 0, list(range(600)), DraftTree())
+    assert engine._lead_lens([*chains, newcomer]) == [0] * 64 + [leads]
+    engine.graphs = None
