@@ -212,6 +212,20 @@ def by_label(before: Totals, after: Totals, process: str, prefix: str) -> dict[s
     }
 
 
+def forwards_note(before: Totals, after: Totals) -> str:
+    """The verifier's forwards during a run by path, its eager ones by why no graph ran them:
+    "eager 12 (run 9, batch 3), graph 400"."""
+    paths = by_label(before, after, "verifier", "specsplit_verifier_forwards_total:")
+    whys = by_label(before, after, "verifier", "specsplit_verifier_eager_forwards_total:")
+    why = ", ".join(f"{w} {n:.0f}" for w, n in sorted(whys.items()) if n)
+    notes = [
+        f"{p} {n:.0f}" + (f" ({why})" if p == "eager" and why else "")
+        for p, n in sorted(paths.items())
+        if n
+    ]
+    return ", ".join(notes)
+
+
 def gate_note(before: Totals, after: Totals, modes: dict[int, str]) -> str:
     """What the gateway's gates did during a run: its rounds by kind (plain, or the kind a
     speculating round ran as), the speculation gate's rounds by kind (speculating, plain,
@@ -377,8 +391,7 @@ async def serve_setup(
                 before, after, "verifier", "specsplit_decode_ahead_dropped_total:"
             )
             summary.gates = gate_note(before, after, scrape_overlap_modes())
-            paths = by_label(before, after, "verifier", "specsplit_verifier_forwards_total:")
-            summary.forwards = ", ".join(f"{p} {n:.0f}" for p, n in sorted(paths.items()) if n)
+            summary.forwards = forwards_note(before, after)
             results.append((summary, [s.token_ids for s in streams]))
         return results
 

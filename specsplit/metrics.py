@@ -220,6 +220,14 @@ VERIFIER_FORWARDS = Counter(
     " on a GPU: tens of ms; or none captured, as on the CPU)",
     ["path"],
 )
+VERIFIER_EAGER_FORWARDS = Counter(
+    "specsplit_verifier_eager_forwards",
+    "The verifier's eager forwards by why no CUDA graph ran them: 'no graphs' (none captured:"
+    " the CPU, --cuda-graphs off), 'batch' (more sequences than the largest bucket), 'context'"
+    " (a page table past the graphs'), 'run' (a sequence's new tokens past every captured q with"
+    " a bucket for the batch), 'rows' (device inputs that would need padding rows)",
+    ["why"],
+)
 DECODE_AHEAD_DROPPED = Counter(
     "specsplit_decode_ahead_dropped",
     "Verifier decode steps run ahead and dropped, by why (verifier/run_ahead.py DROP_REASONS):"
@@ -456,8 +464,13 @@ def count_decode_ahead(outcome: str) -> None:
     _child(DECODE_AHEAD, outcome).inc()
 
 
-def count_verifier_forward(path: str) -> None:
-    _child(VERIFIER_FORWARDS, path).inc()
+def count_verifier_forward(eager_why: str | None) -> None:
+    """A verifier forward: a graph's replay (None), or eager and why (VERIFIER_EAGER_FORWARDS)."""
+    if eager_why is None:
+        _child(VERIFIER_FORWARDS, "graph").inc()
+        return
+    _child(VERIFIER_FORWARDS, "eager").inc()
+    _child(VERIFIER_EAGER_FORWARDS, eager_why).inc()
 
 
 def count_decode_ahead_dropped(reason: str) -> None:

@@ -17,6 +17,7 @@ import torch
 from specsplit import metrics
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.model.batch import ForwardBatch
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
 from specsplit.model.llama import LlamaModel
 from specsplit.step import (
@@ -65,6 +66,15 @@ class DeviceRounds(DeviceWaits):
         mark = torch.cuda.Event(enable_timing=True)
         mark.record(torch.cuda.current_stream(self.device))
         return mark
+
+    def _count_forward(self, eager: bool, batch: ForwardBatch, device_rows: bool) -> None:
+        """A forward counted by path, an eager one by why no graph ran it (`why_eager`)."""
+        if not eager:
+            metrics.count_verifier_forward(None)
+        elif self.graphs is None:
+            metrics.count_verifier_forward("no graphs")
+        else:
+            metrics.count_verifier_forward(self.graphs.why_eager(batch, device_rows))
 
     def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
         """`others` (positions in `inputs`) as one launch, or in parts where long runs of new
@@ -127,7 +137,7 @@ class DeviceRounds(DeviceWaits):
                 steps.append(step)
             batch, _ = build_forward_batch(steps, self.kv.page_size)
             out = None if self.graphs is None else self.graphs.forward(batch, aux)
-            metrics.count_verifier_forward("eager" if out is None else "graph")
+            self._count_forward(out is None, batch, device_rows=False)
             if out is None:
                 out = self.model(batch.to(self.device), self.kv, aux_layers=aux)
             row = 0  # each step's hidden rows, back to back
@@ -179,7 +189,7 @@ class DeviceRounds(DeviceWaits):
         if self.graphs is not None:
             # (views of the graph's outputs: the acceptance and rows below are queued at once)
             out = self.graphs.forward(batch, aux, tokens=tokens, place=place, views=True)
-        metrics.count_verifier_forward("eager" if out is None else "graph")
+        self._count_forward(out is None, batch, tokens is not None or place is not None)
         if out is None:
             on_device = batch.to(self.device)
             if tokens is not None:

@@ -264,16 +264,31 @@ class CudaGraphRunner:
     # -- replay ----------------------------------------------------------------------------
 
     def plan(self, batch: ForwardBatch, device_rows: bool = False) -> tuple[int, int] | None:
-        """(q, batch size) of the graph that can run `batch` (host metadata), or None: the
-        smallest captured q that holds its longest sequence; a sequence with fewer query tokens
-        (a ragged batch, a tree's frontier, or q not captured itself) is padded to q
-        (GraphBuffers.fill): with q > 1 every sequence's new tokens must fit the graph's [q, q]
-        mask, so q also holds the most new tokens of any sequence. device_rows: some of the
-        inputs come from the device (features, tokens): only a batch that needs no padding
-        rows between its sequences."""
+        """(q, batch size) of the graph that can run `batch`, or None (`_plan`)."""
+        found = self._plan(batch, device_rows)
+        return None if isinstance(found, str) else found
+
+    def why_eager(self, batch: ForwardBatch, device_rows: bool = False) -> str:
+        """Why no captured graph runs `batch` (`_plan`'s reason; "none" where one does)."""
+        found = self._plan(batch, device_rows)
+        return found if isinstance(found, str) else "none"
+
+    def _plan(self, batch: ForwardBatch, device_rows: bool) -> tuple[int, int] | str:
+        """(q, batch size) of the graph that can run `batch` (host metadata): the smallest
+        captured q that holds its longest sequence; a sequence with fewer query tokens (a ragged
+        batch, a tree's frontier, or q not captured itself) is padded to q (GraphBuffers.fill):
+        with q > 1 every sequence's new tokens must fit the graph's [q, q] mask, so q also holds
+        the most new tokens of any sequence. device_rows: some of the inputs come from the
+        device (features, tokens): only a batch that needs no padding rows between its
+        sequences. Else why none does: "batch" (more sequences than the largest bucket, or
+        none), "context" (a page table longer than the graphs'), "run" (no captured q holds a
+        sequence's new tokens with a bucket for the batch), "rows" (device inputs that would
+        need padding rows)."""
         bs = batch.num_seqs
-        if bs == 0 or bs > self.batch_sizes[-1] or batch.block_table.shape[1] > self.max_pages:
-            return None
+        if bs == 0 or bs > self.batch_sizes[-1]:
+            return "batch"
+        if batch.block_table.shape[1] > self.max_pages:
+            return "context"
         # one query token per sequence sees all its new tokens: no mask (a chain's draft step)
         one = batch.max_q_len == 1 and (batch.tree_mask is None or batch.tree_mask.shape[2] == 1)
         need = 1
@@ -282,10 +297,10 @@ class CudaGraphRunner:
             need = max(batch.max_q_len, int(news.max()))
         q = smallest_q(self.q_sizes, bs, need)  # any layers: forward() captures these on use
         if q is None or (q == 1 and not one):
-            return None
+            return "run"
         if device_rows and batch.input_ids.shape[0] != bs * q:
             # padding rows would need the device's features or tokens scattered there too
-            return None
+            return "rows"
         return q, next(b for b in self.q_sizes[q] if b >= bs)
 
     def forward(

@@ -78,6 +78,7 @@ KNOWN_METRICS = {
     "specsplit_decode_steps",
     "specsplit_rounds_total",
     "specsplit_verifier_forwards_total",
+    "specsplit_verifier_eager_forwards_total",
 }
 
 

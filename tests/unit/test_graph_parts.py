@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit.kv_cache import KVCache
+from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.batch import ForwardOutput
+from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
+from specsplit.step import build_forward_batch, causal_step
 from specsplit.tree import DraftTree
 from tests.support import TINY_VOCAB, save_tiny_llama
 from tests.unit import test_decode_ahead as ahead_tests
@@ -240,20 +241,23 @@ def test_a_round_in_two_parts_answers_as_one(
 
 
 def test_the_verifier_counts_its_forwards_by_path(target_dir: Path) -> None:
-    """`specsplit_verifier_forwards_total{path}`: a forward each part (on the CPU, eager)."""
+    """`specsplit_verifier_forwards_total{path}`: a forward each part (on the CPU, eager), and
+    `specsplit_verifier_eager_forwards_total{why}` beside it ("no graphs")."""
     from prometheus_client import REGISTRY
 
-    def eager() -> float:
-        labels = {"path": "eager"}
-        return REGISTRY.get_sample_value("specsplit_verifier_forwards_total", labels) or 0.0
+    def eager() -> tuple[float, float]:
+        """Eager forwards, and those counted as run with no graphs captured (the CPU)."""
+        path = "specsplit_verifier_forwards_total", {"path": "eager"}
+        why = "specsplit_verifier_eager_forwards_total", {"why": "no graphs"}
+        return REGISTRY.get_sample_value(*path) or 0.0, REGISTRY.get_sample_value(*why) or 0.0
 
     engine = _engine(target_dir, split=True)
     inputs = [VerifyInput(s, True, 0, PROMPTS[s], DraftTree()) for s in "abc"]
     before = eager()
     engine.verify(inputs)
-    assert eager() - before == 3  # the three parts
+    assert [n - b for n, b in zip(eager(), before, strict=True)] == [3, 3]  # the three parts
     engine.verify([VerifyInput("d", True, 0, PROMPTS["d"], DraftTree())])
-    assert eager() - before == 4
+    assert [n - b for n, b in zip(eager(), before, strict=True)] == [4, 4]
     engine.release(["a", "b", "c", "d"])
 
 
@@ -452,3 +456,37 @@ def test_a_long_prompt_leads_in_where_the_timings_say_it_pays(
     newcomer = VerifyInput("new", True, 0, list(range(600)), DraftTree())
     assert engine._lead_lens([*chains, newcomer]) == [0] * 64 + [leads]
     engine.graphs = None
+
+
+def test_why_no_captured_graph_runs_a_step() -> None:
+    """`CudaGraphRunner.why_eager` (what the verifier counts its eager forwards by): too many
+    sequences, a page table past the graphs', a run no captured q holds, device inputs that
+    would need padding rows; "none" where a graph runs it."""
+    kv = KVCache(1, 1, 4, num_pages=256, page_size=4, dtype=torch.float32, device="cpu")
+    runner = CudaGraphRunner(_no_forward, kv, max_context=512)  # graphs' tables: 144 pages
+    runner.q_sizes = dict(SERVED)
+    seqs: list[SeqKV] = []
+
+    def batch(*runs: tuple[int, int]) -> ForwardBatch:
+        """A step of sequences each (committed, new tokens), the last one's pages freed."""
+        for seq in seqs:
+            kv.release(seq)
+        seqs.clear()
+        steps = []
+        for committed, new in runs:
+            seq = kv.new_seq()
+            kv.reserve(seq, committed + new)
+            seq.kv_committed_len = committed
+            seqs.append(seq)
+            steps.append(causal_step(seq, [5] * new, [new - 1]))
+        return build_forward_batch(steps, kv.page_size)[0]
+
+    assert runner.why_eager(batch((3, 4), (9, 4))) == "none"
+    assert runner.why_eager(batch(*[(0, 1)] * 70)) == "batch"  # past the largest bucket, 64
+    assert runner.why_eager(batch((0, 200))) == "run"  # past the largest q, 128
+    assert runner.why_eager(batch((40, 60), *[(3, 4)] * 8)) == "run"  # q=64 holds at most 4
+    assert runner.why_eager(batch((599, 1))) == "context"  # 150 pages
+    assert runner.why_eager(batch((3, 1), (9, 4)), device_rows=True) == "rows"  # padded to q=4
+    assert runner.why_eager(batch((3, 4), (9, 4)), device_rows=True) == "none"
+    for seq in seqs:
+        kv.release(seq)

@@ -19,6 +19,7 @@ from bench.serving import (
     Stream,
     Summary,
     arrivals,
+    forwards_note,
     gate_note,
     lengthened,
     parse_setup,
@@ -202,3 +203,18 @@ def test_prompts_lengthened_from_their_own_tokens_then_the_others() -> None:
         [6, 1, 2, 3, 4, 5, 6],
     ]
     assert lengthened(prompts, 2) == [[1, 2], [4, 5], [6, 1]]
+
+
+def test_the_verifiers_forwards_by_path_and_its_eager_ones_by_why() -> None:
+    before = Counter({("verifier", "specsplit_verifier_forwards_total:graph"): 10.0})
+    after = Counter(
+        {
+            ("verifier", "specsplit_verifier_forwards_total:graph"): 410.0,
+            ("verifier", "specsplit_verifier_forwards_total:eager"): 12.0,
+            ("verifier", "specsplit_verifier_eager_forwards_total:run"): 9.0,
+            ("verifier", "specsplit_verifier_eager_forwards_total:batch"): 3.0,
+            ("gateway", "specsplit_verifier_forwards_total:eager"): 99.0,  # not the verifier's
+        }
+    )
+    assert forwards_note(before, after) == "eager 12 (batch 3, run 9), graph 400"
+    assert forwards_note(before, before) == ""
