@@ -490,3 +490,25 @@ def test_why_no_captured_graph_runs_a_step() -> None:
     assert runner.why_eager(batch((3, 4), (9, 4)), device_rows=True) == "none"
     for seq in seqs:
         kv.release(seq)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_long_prompt_led_in_in_a_round_of_several_decode_steps(
+    target_dir: Path, sampled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's 21-token prompt led in (chunks of 8) in a round of 3 decode steps beside a
+    running sequence's: its further steps decode from the round's results as without the
+    lead-in (seeded sampling too), and no page is left."""
+    monkeypatch.setitem(ahead_tests.PROMPTS, "c", PROMPTS["e"][:21])
+    sampling = SamplingParams(temperature=0.9, seed=4) if sampled else None
+    plain, ahead = _both(target_dir, "cpu", 2)
+    ahead.engine.lead_q = 8
+    for driver in (plain, ahead):
+        driver.begin("a")
+        driver.round(
+            dict.fromkeys("ac", DraftTree()), begin={"c"}, steps={"a": 3, "c": 3}, sampling=sampling
+        )
+        driver.round(dict.fromkeys("ac", DraftTree()), steps={"a": 2, "c": 2}, sampling=sampling)
+    _same(plain, ahead)
+    assert len(ahead.tokens["c"]) == 21 + 3 + 2
+    _release(plain, ahead)
