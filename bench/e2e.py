@@ -177,9 +177,9 @@ def scrape_totals() -> Totals:
     ("specsplit_round_not_ahead_total:<reason>", "specsplit_decode_ahead_dropped_total:<reason>",
     "specsplit_hints_total:<outcome>"), the verifier's host work between rounds by phase
     ("specsplit_verifier_gap_seconds_sum:<phase>" / "..._count:<phase>"), the gateway's rounds by
-    kind ("specsplit_rounds_total:<kind>"), the verifier's forwards by path and its eager ones
-    by why ("specsplit_verifier_forwards_total:<path>",
-    "specsplit_verifier_eager_forwards_total:<why>"); and
+    kind ("specsplit_rounds_total:<kind>"), the verifier's and the drafter's forwards by path
+    and their eager ones by why ("specsplit_verifier_forwards_total:<path>",
+    "specsplit_verifier_eager_forwards_total:<why>", the same for "drafter"); and
     the gateway's RPC overhead by service, (process, "specsplit_rpc_overhead_seconds_sum:<service>"
     / "..._count:<service>"), its RPCs' stages on the round lane, (process,
     "specsplit_rpc_stage_seconds_sum:<service>:<stage>" / "..._count:..."), and each process's
@@ -219,6 +219,8 @@ _LABELLED = {
     "specsplit_rounds_total": ("kind",),
     "specsplit_verifier_forwards_total": ("path",),
     "specsplit_verifier_eager_forwards_total": ("why",),
+    "specsplit_drafter_forwards_total": ("path",),
+    "specsplit_drafter_eager_forwards_total": ("why",),
 }
 
 

@@ -154,8 +154,10 @@ class Summary:
     dropped_by: dict[str, float] = field(default_factory=dict)
     # the gateway's rounds by kind and its gates during the run (`gate_note`; "" for none)
     gates: str = ""
-    # the verifier's forwards during the run by path (graph, eager), "graph N, eager M"
+    # the verifier's and the drafter's forwards during the run by path (graph, eager: why),
+    # `forwards_note`'s
     forwards: str = ""
+    drafter_forwards: str = ""
 
     @classmethod
     def median(cls, summaries: Sequence[Summary]) -> Summary:
@@ -212,11 +214,12 @@ def by_label(before: Totals, after: Totals, process: str, prefix: str) -> dict[s
     }
 
 
-def forwards_note(before: Totals, after: Totals) -> str:
-    """The verifier's forwards during a run by path, its eager ones by why no graph ran them:
-    "eager 12 (run 9, batch 3), graph 400"."""
-    paths = by_label(before, after, "verifier", "specsplit_verifier_forwards_total:")
-    whys = by_label(before, after, "verifier", "specsplit_verifier_eager_forwards_total:")
+def forwards_note(before: Totals, after: Totals, service: str = "verifier") -> str:
+    """A service's forwards during a run by path (the verifier's, or the drafter's catch-up and
+    root steps), its eager ones by why no graph ran them: "eager 12 (run 9, batch 3), graph
+    400"."""
+    paths = by_label(before, after, service, f"specsplit_{service}_forwards_total:")
+    whys = by_label(before, after, service, f"specsplit_{service}_eager_forwards_total:")
     why = ", ".join(f"{w} {n:.0f}" for w, n in sorted(whys.items()) if n)
     notes = [
         f"{p} {n:.0f}" + (f" ({why})" if p == "eager" and why else "")
@@ -355,12 +358,13 @@ def progress(
     """One line as an `up` ends (printed at once, so a run cut short by a time limit still
     shows the `up`s it finished): its setup, how long it took, each workload's tokens a
     second and TTFT / TPOT p50, what the gateway's gates did (`gate_note`) and the verifier's
-    forwards by path (an eager one is host-bound on a GPU)."""
+    and the drafter's forwards by path (an eager one is host-bound on a GPU)."""
     runs = "; ".join(
         f"{spec} rate {rate:g}: {s.tokens_per_s:.0f} tok/s, TTFT p50 {s.ttft[0] * 1e3:.1f} ms"
         f", TPOT p50 {s.tpot[0] * 1e3:.1f} ms"
         + (f" [{s.gates}]" if s.gates else "")
         + (f" [verifier forwards {s.forwards}]" if s.forwards else "")
+        + (f" [drafter forwards {s.drafter_forwards}]" if s.drafter_forwards else "")
         for (spec, rate, _, _), (s, _) in zip(workloads, results, strict=True)
     )
     return f"`up` {number} ({name}, {seconds:.0f} s): {runs}"
@@ -392,6 +396,7 @@ async def serve_setup(
             )
             summary.gates = gate_note(before, after, scrape_overlap_modes())
             summary.forwards = forwards_note(before, after)
+            summary.drafter_forwards = forwards_note(before, after, "drafter")
             results.append((summary, [s.token_ids for s in streams]))
         return results
 

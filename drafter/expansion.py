@@ -39,6 +39,7 @@ from drafter.expansion_steps import (
     RowsWrite,
     split_meta,
 )
+from specsplit import metrics
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.cuda_graphs import batch_buckets
 from specsplit.model.transfer import copy_rows
@@ -246,12 +247,15 @@ class DeviceExpansion(ExpansionSteps):
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
                 inputs.sampling.copy_(host_sampling, non_blocking=True)
             graph.replay()
+            metrics.count_drafter_forward(None)
             host_out.copy_(inputs.out, non_blocking=True)
             host_probs.copy_(inputs.probs, non_blocking=True)
             torch.cuda.current_stream(self.kv.device).synchronize()  # the mirrors are free after
             return _first_rows(host_out.numpy(), key, bucket, bs), host_probs.numpy()[
                 : inputs.probs.numel() // bucket * bs
             ]
+        why = "no graphs" if not self.graphs else "batch" if bucket is None else "context"
+        metrics.count_drafter_forward(why)
         inputs = ExpansionInputs(
             key,
             bs,

@@ -21,6 +21,7 @@ from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.host_expansion import Expansion, HostExpansion, sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
+from specsplit import metrics
 from specsplit.kv_cache import KVCache, KVPages, SeqKV
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
@@ -363,9 +364,16 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
         """One forward over `steps`: a CUDA graph's replay where one fits, else eager."""
         batch, _ = build_forward_batch(steps, self.kv.page_size)
         out = None if self.graphs is None else self.graphs.forward(batch, (), features)
-        if out is None:
-            out = self._step_forward(batch.to(self.device), (), features)
-        return out
+        if out is not None:
+            metrics.count_drafter_forward(None)
+            return out
+        why = (
+            "no graphs"
+            if self.graphs is None
+            else self.graphs.why_eager(batch, features is not None)
+        )
+        metrics.count_drafter_forward(why)
+        return self._step_forward(batch.to(self.device), (), features)
 
     def _catch_up_starts(self, starts: list[int], ends: list[int]) -> list[int]:
         """Where each sequence's catch-up step (entries [start, end)) begins: at `starts`, or

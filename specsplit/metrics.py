@@ -228,6 +228,20 @@ VERIFIER_EAGER_FORWARDS = Counter(
     " a bucket for the batch), 'rows' (device inputs that would need padding rows)",
     ["why"],
 )
+DRAFTER_FORWARDS = Counter(
+    "specsplit_drafter_forwards",
+    "The drafter's device runs by path: each forward of catch-up or root steps, and each tree"
+    " expansion run (its catch-up inside it or not), 'graph' (a CUDA graph's replay) or 'eager'"
+    " (host-bound on a GPU)",
+    ["path"],
+)
+DRAFTER_EAGER_FORWARDS = Counter(
+    "specsplit_drafter_eager_forwards",
+    "The drafter's eager forwards by why no CUDA graph ran them (as the verifier's:"
+    " specsplit_verifier_eager_forwards); 'run' most often a newcomer's prompt caught up beside"
+    " the others' few tokens",
+    ["why"],
+)
 DECODE_AHEAD_DROPPED = Counter(
     "specsplit_decode_ahead_dropped",
     "Verifier decode steps run ahead and dropped, by why (verifier/run_ahead.py DROP_REASONS):"
@@ -466,11 +480,20 @@ def count_decode_ahead(outcome: str) -> None:
 
 def count_verifier_forward(eager_why: str | None) -> None:
     """A verifier forward: a graph's replay (None), or eager and why (VERIFIER_EAGER_FORWARDS)."""
+    _count_forward(VERIFIER_FORWARDS, VERIFIER_EAGER_FORWARDS, eager_why)
+
+
+def count_drafter_forward(eager_why: str | None) -> None:
+    """A drafter forward: a graph's replay (None), or eager and why (DRAFTER_EAGER_FORWARDS)."""
+    _count_forward(DRAFTER_FORWARDS, DRAFTER_EAGER_FORWARDS, eager_why)
+
+
+def _count_forward(paths: Counter, whys: Counter, eager_why: str | None) -> None:
     if eager_why is None:
-        _child(VERIFIER_FORWARDS, "graph").inc()
+        _child(paths, "graph").inc()
         return
-    _child(VERIFIER_FORWARDS, "eager").inc()
-    _child(VERIFIER_EAGER_FORWARDS, eager_why).inc()
+    _child(paths, "eager").inc()
+    _child(whys, eager_why).inc()
 
 
 def count_decode_ahead_dropped(reason: str) -> None:

@@ -79,6 +79,8 @@ KNOWN_METRICS = {
     "specsplit_rounds_total",
     "specsplit_verifier_forwards_total",
     "specsplit_verifier_eager_forwards_total",
+    "specsplit_drafter_forwards_total",
+    "specsplit_drafter_eager_forwards_total",
 }
 
 

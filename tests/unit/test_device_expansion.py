@@ -397,3 +397,21 @@ def test_a_fused_key_missed_at_warm_up_is_captured_once_it_keeps_coming(
     warmed = Shape(1, 3, catch_up=2)
     runner.captured[(warmed, 1)] = (None, None)  # type: ignore[assignment]  # as warm-up leaves it
     assert runner.ready(warmed, 1)
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_the_drafter_counts_its_forwards_by_path(models: dict[str, Path], kind: str) -> None:
+    """`specsplit_drafter_forwards_total{path}`: each catch-up or root forward and each
+    expansion run (on the CPU eager, `specsplit_drafter_eager_forwards_total{why="no graphs"}`
+    beside it)."""
+    from prometheus_client import REGISTRY
+
+    def counts() -> tuple[float, float]:
+        path = "specsplit_drafter_forwards_total", {"path": "eager"}
+        why = "specsplit_drafter_eager_forwards_total", {"why": "no graphs"}
+        return REGISTRY.get_sample_value(*path) or 0.0, REGISTRY.get_sample_value(*why) or 0.0
+
+    before = counts()
+    _rounds(_engine(models, kind, 16, on_device=True), [SpecParams(3, 1, 3)])
+    grown = [n - b for n, b in zip(counts(), before, strict=True)]
+    assert grown[0] == grown[1] >= 6  # an expansion run a round at least, every one eager
