@@ -18,7 +18,7 @@ from specsplit import metrics
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts
+from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts, smallest_q
 from specsplit.model.llama import LlamaModel
 from specsplit.step import (
     build_forward_batch,
@@ -111,6 +111,8 @@ class DeviceRounds(DeviceWaits):
         rest = [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
         waves = [[q] * len(wave) for wave in lead_waves(leads, q, sizes[q][-1])]
         parts = [[rest[i] for i in part] for part in graph_parts(rest, sizes)]
+        if any(smallest_q(sizes, len(part), max(part)) is None for part in parts):
+            return [0] * len(items)  # the round would run eagerly all the same
         return leads if self.graphs.parts_pay(waves + parts) else [0] * len(items)
 
     def _lead_in(

@@ -455,6 +455,11 @@ def test_a_long_prompt_leads_in_where_the_timings_say_it_pays(
     ]
     newcomer = VerifyInput("new", True, 0, list(range(600)), DraftTree())
     assert engine._lead_lens([*chains, newcomer]) == [0] * 64 + [leads]
+    # 36 resumed sequences of 200 tokens: what is left of them (72 each) needs nine parts of
+    # the prefill graphs (four a replay), past MAX_PARTS: the round runs eagerly anyway, so
+    # nothing leads in (nine cheap chunks would have, were the rest's eager launch not counted)
+    resumed = [VerifyInput(f"r{i}", False, 10, list(range(200)), DraftTree()) for i in range(36)]
+    assert engine._lead_lens(resumed) == [0] * 36
     engine.graphs = None
 
 
