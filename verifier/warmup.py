@@ -103,6 +103,31 @@ def warm_up(engine: Engine) -> None:
             time_rounds(engine, engine.graphs)
 
 
+def _round(
+    engine: Engine,
+    tokens: dict[str, list[int]],
+    committed: dict[str, int],
+    batch: list[tuple[str, DraftTree, tuple[int, ...]]],
+) -> None:
+    """One round of throwaway sequences as the gateway sends it (each (id, tree, hidden-state
+    layers)): its tokens since its committed length (all of them at first: a prefill), its
+    accepted tokens and bonus token then kept in `tokens`, its new length in `committed`."""
+    inputs = [
+        VerifyInput(
+            seq_id,
+            committed[seq_id] == 0,
+            committed[seq_id],
+            tokens[seq_id][committed[seq_id] :],
+            draft,
+            hidden_state_layers=aux,
+        )
+        for seq_id, draft, aux in batch
+    ]
+    for out in engine.verify(inputs):
+        tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
+        committed[out.seq_id] = out.kv_committed_len
+
+
 def rehearse(engine: Engine) -> None:
     """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
     a prefill with a tree, a second sequence joining, rounds with and without hidden states
@@ -125,20 +150,7 @@ def rehearse(engine: Engine) -> None:
         [("__warmup_a__", DraftTree(), ())],
     ]
     for batch in rounds:
-        inputs = [
-            VerifyInput(
-                seq_id,
-                committed[seq_id] == 0,
-                committed[seq_id],
-                tokens[seq_id][committed[seq_id] :],
-                draft,
-                hidden_state_layers=aux,
-            )
-            for seq_id, draft, aux in batch
-        ]
-        for out in engine.verify(inputs):
-            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
-            committed[out.seq_id] = out.kv_committed_len
+        _round(engine, tokens, committed, batch)
     # a round of several decode steps (its further steps as traffic runs them)
     steps = [
         VerifyInput(seq_id, False, committed[seq_id], ids[committed[seq_id] :], DraftTree())
@@ -162,15 +174,9 @@ def time_rounds(engine: Engine, graphs: CudaGraphRunner, times: int = 3) -> None
     committed = dict.fromkeys(tokens, 0)
 
     def round_ms() -> float:
-        inputs = []
-        for seq_id, ids in tokens.items():
-            n = committed[seq_id]
-            inputs.append(VerifyInput(seq_id, n == 0, n, ids[n:], chain))
         torch.cuda.synchronize(engine.device)
         started = time.perf_counter()
-        for out in engine.verify(inputs):
-            tokens[out.seq_id][out.kv_committed_len :] = [*out.accepted_tokens, out.bonus_token]
-            committed[out.seq_id] = out.kv_committed_len
+        _round(engine, tokens, committed, [(seq_id, chain, ()) for seq_id in tokens])
         return (time.perf_counter() - started) * 1e3
 
     round_ms()  # the prefills
