@@ -31,7 +31,7 @@ from verifier.accept_graphs import AcceptGraphs
 from verifier.ahead_depth import AheadDepth
 from verifier.chain import Chain, place_accept, place_forward
 from verifier.device_waits import DeviceWaits
-from verifier.lead_in import MIN_LEAD_Q, lead_len, lead_waves
+from verifier.lead_in import MIN_LEAD_Q, lead_len, lead_waves, round_news
 from verifier.round_accept import (
     accepted_hidden,
     bend_logits,
@@ -83,8 +83,7 @@ class DeviceRounds(DeviceWaits):
         if self.graphs is None or len(others) < 2:
             return [others]
         items = [inputs[i] for i in others]
-        leads = self._lead_lens(items)
-        news = [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
+        news = round_news(items, self._lead_lens(items))
         parts = graph_parts(news, self.graphs.q_sizes, pays=self.graphs.parts_pay)
         return [[others[j] for j in part] for part in parts]
 
@@ -108,7 +107,7 @@ class DeviceRounds(DeviceWaits):
         if q is None or not any(leads) or self.graphs is None:
             return leads
         sizes = self.graphs.q_sizes
-        rest = [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
+        rest = round_news(items, leads)
         waves = [[q] * len(wave) for wave in lead_waves(leads, q, sizes[q][-1])]
         parts = [[rest[i] for i in part] for part in graph_parts(rest, sizes)]
         if any(smallest_q(sizes, len(part), max(part)) is None for part in parts):

@@ -33,6 +33,11 @@ def lead_len(item: VerifyInput, q: int) -> int:
     return m if p + n - m <= q else 0
 
 
+def round_news(items: list[VerifyInput], leads: list[int]) -> list[int]:
+    """Each item's new tokens in its round (pending and tree) past the `leads` led in."""
+    return [len(i.pending_tokens) + len(i.tree) - m for i, m in zip(items, leads, strict=True)]
+
+
 def lead_waves(leads: list[int], q: int, most: int) -> list[list[int]]:
     """The forwards that lead in `leads` (positions of the items with a lead), chunk by chunk:
     each forward one chunk of at most `most` sequences (a prefill graph's largest bucket)."""
