@@ -25,7 +25,7 @@ from specsplit import metrics
 from specsplit.kv_cache import KVCache, KVPages, SeqKV
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
-from specsplit.model.cuda_graphs import CudaGraphRunner
+from specsplit.model.cuda_graphs import CudaGraphRunner, why_eager
 from specsplit.model.transfer import on_device
 from specsplit.sampling import make_generator
 from specsplit.step import SeqStep, build_forward_batch
@@ -367,12 +367,7 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
         if out is not None:
             metrics.count_drafter_forward(None)
             return out
-        why = (
-            "no graphs"
-            if self.graphs is None
-            else self.graphs.why_eager(batch, features is not None)
-        )
-        metrics.count_drafter_forward(why)
+        metrics.count_drafter_forward(why_eager(self.graphs, batch, features is not None))
         return self._step_forward(batch.to(self.device), (), features)
 
     def _catch_up_starts(self, starts: list[int], ends: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ from specsplit import metrics
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.batch import ForwardBatch
-from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts, smallest_q
+from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts, smallest_q, why_eager
 from specsplit.model.llama import LlamaModel
 from specsplit.step import (
     build_forward_batch,
@@ -69,12 +69,9 @@ class DeviceRounds(DeviceWaits):
 
     def _count_forward(self, eager: bool, batch: ForwardBatch, device_rows: bool) -> None:
         """A forward counted by path, an eager one by why no graph ran it (`why_eager`)."""
-        if not eager:
-            metrics.count_verifier_forward(None)
-        elif self.graphs is None:
-            metrics.count_verifier_forward("no graphs")
-        else:
-            metrics.count_verifier_forward(self.graphs.why_eager(batch, device_rows))
+        metrics.count_verifier_forward(
+            why_eager(self.graphs, batch, device_rows) if eager else None
+        )
 
     def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
         """`others` (positions in `inputs`) as one launch, or in parts where long runs of new

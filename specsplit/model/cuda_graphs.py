@@ -94,6 +94,12 @@ def graph_parts(
     return [everyone]
 
 
+def why_eager(runner: CudaGraphRunner | None, batch: ForwardBatch, device_rows: bool) -> str:
+    """Why no captured graph ran `batch`: "no graphs" without a runner (the CPU), else the
+    runner's reason (`CudaGraphRunner.why_eager`)."""
+    return "no graphs" if runner is None else runner.why_eager(batch, device_rows)
+
+
 def _replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, times: int = 3) -> float:
     """A captured graph's replay on the device in ms (after one untimed), the mean of `times`."""
     graph.replay()
