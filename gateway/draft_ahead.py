@@ -91,6 +91,7 @@ class AheadRounds:
     _draft: Callable[[list[Sequence]], Awaitable[list[DraftTree]]]
     _verify_inputs: Callable[[list[Sequence], list[DraftTree]], list[VerifyInput]]
     _needs_drafter: Callable[[Sequence], bool]
+    _layers_known: Callable[[Sequence], bool]
     _forget_on_drafter: Callable[[list[Sequence]], Awaitable[None]]
     _commit: Callable[[list[Sequence], list[DraftTree], list[VerifyOutput]], None]
     _stream: Callable[..., None]
@@ -215,11 +216,13 @@ class AheadRounds:
 
     def _misses_plain(self, seq: Sequence) -> bool:
         """With misses plain: whether `seq`, its outcome not guessed, is verified with no
-        tree at once. Not in its first round (the drafter first learns the sequence and tells
-        the layers its features come from, as in any draft-ahead round), and only where it
-        drafts ahead next: greedy chains (trees are never drafted ahead)."""
+        tree at once. In its first round too once the drafter has told the layers it reads
+        (`_layers_known`: the prefill needs nothing from a Draft; the draft-ahead call beside
+        it catches the prompt up, off the other sequences' path: a long prompt's catch-up is
+        the drafter's slowest forward), and only where it drafts ahead next: greedy chains
+        (trees are never drafted ahead)."""
         return (
-            seq.verifier_begun
+            (seq.verifier_begun or self._layers_known(seq))
             and seq.round_spec().topk == 1
             and self._drafts_ahead(seq, DraftTree())
         )

@@ -121,11 +121,21 @@ class Drafting:
 
     def _needs_drafter(self, seq: Sequence) -> bool:
         """A round without drafts (num_steps 0: speculation off, or one token left) skips the
-        drafter, once the sequence reads the hidden-state layers the drafter asked for: its new
-        tokens (and their features) reach the drafter with its next Draft, if any. A sequence
-        the drafter refused, or one that never drafts, never asks it."""
+        drafter, once the sequence reads the hidden-state layers the drafter asked for
+        (`_layers_known`): its new tokens (and their features) reach the drafter with its next
+        Draft, if any. So does a round before the prefill of a sequence whose drafter reads
+        target features it does not have yet (an EAGLE head): that Draft could only answer an
+        empty tree. A sequence the drafter refused, or one that never drafts, never asks it."""
         if seq.seq_id in self._drafter_refused or seq.never_drafts:
             return False
-        if seq.round_spec().num_steps > 0:
+        if not self._layers_known(seq):
             return True
-        return not self._drafter_answered or seq.hidden_state_layers != self.hidden_state_layers
+        return seq.round_spec().num_steps > 0 and not (
+            seq.hidden_state_layers and not seq.verifier_begun
+        )
+
+    def _layers_known(self, seq: Sequence) -> bool:
+        """Whether the drafter has told the target layers it reads (an answer, this gateway's
+        life) and `seq` reads those: its prefill asks the verifier for them (none for a draft
+        model or n-grams), so its first round need not wait for a Draft to learn them."""
+        return self._drafter_answered and seq.hidden_state_layers == self.hidden_state_layers

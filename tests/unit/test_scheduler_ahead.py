@@ -7,7 +7,8 @@ its Verify is in flight; sampled requests run as serial rounds do; no KV is left
 "both" (draft-ahead for small batches, pipelined groups above): the same invariants while its
 rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
 "plain": a round not guessed is verified with no tree at once): the same output, faults
-included, and no Draft waits before a Verify but each sequence's first round's."""
+included, and no Draft waits before a Verify but the gateway's first (the drafter tells the
+layers it reads); a newcomer's prompt is caught up beside its prefill."""
 
 from __future__ import annotations
 
@@ -349,7 +350,7 @@ def test_an_unknown_ahead_miss_is_refused(smollm2_tokenizer) -> None:
 
 # -- misses run plain (ahead_miss "plain"): a sequence whose outcome was not guessed is verified
 # with no tree at once while the drafter drafts ahead from that step's likely outcomes; no Draft
-# waits before a Verify but each sequence's first round's.
+# waits before a Verify but the gateway's first, before the drafter has told its layers.
 
 
 @pytest.mark.parametrize(
@@ -391,6 +392,54 @@ def test_plain_misses_leave_no_draft_waiting_before_a_verify(models, smollm2_tok
     assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
     assert stack.scheduler.num_ahead_misses > 0  # a random draft model: misses ran plain
     assert len(timed.drafts) > 2 and timed.overlapping_drafts() == len(timed.drafts) - 1
+
+
+def test_a_newcomer_after_the_drafters_first_answer_waits_for_no_draft(
+    models, smollm2_tokenizer
+) -> None:
+    """Once the drafter has told the layers it reads (none: a draft model), a newcomer's
+    first round is its prefill with no tree, and the draft-ahead call beside it catches its
+    prompt up: no drafter call starts outside a Verify, and the next rounds take the trees
+    drafted ahead (a draft that is always right: they hit)."""
+    stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
+    generate_all(stack, _requests(1, seed=4))  # the drafter answers once
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, verify_delay=0.02)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    hits = stack.scheduler.num_ahead_hits
+    requests = _requests(3, seed=9)
+    out = generate_all(stack, requests)
+    assert [generated_ids(c) for c in out] == target_only_ids(
+        models["target"], smollm2_tokenizer, _requests(3, seed=9)
+    )
+    first = timed.verify_inputs[0]
+    assert all(item.begin and not item.tree for item in first)  # prefills, no trees
+    assert timed.overlapping_drafts() == len(timed.drafts) > 0
+    assert all(item.ahead_guesses for inputs in timed.draft_inputs for item in inputs)
+    assert stack.scheduler.num_ahead_hits - hits >= 3
+
+
+@pytest.mark.parametrize("overlap", ["serial", "ahead", "groups"])
+def test_an_eagle_newcomer_sends_no_draft_before_its_features(
+    models, smollm2_tokenizer, overlap: str
+) -> None:
+    """An EAGLE head drafts nothing before the prefill brings the target's features: once it
+    has told its layers, a newcomer's first round asks it nothing (no Draft on the round's
+    path), every drafter call carries feature rows, and the output is the target's."""
+    stack = _stack(models, smollm2_tokenizer, "eagle3", overlap=overlap, ahead_miss="plain")
+    generate_all(stack, _requests(1, seed=4))  # the drafter answers once: its layers
+    timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier)
+    stack.scheduler.drafter = timed.drafter_client()
+    stack.scheduler.verifier = timed.verifier_client()
+    out = generate_all(stack, _requests(3, seed=10))
+    assert [generated_ids(c) for c in out] == target_only_ids(
+        models["target"], smollm2_tokenizer, _requests(3, seed=10)
+    )
+    assert timed.draft_inputs  # it drafted once the features came
+    for inputs in timed.draft_inputs:
+        for item in inputs:
+            rows = item.target_hidden_states
+            assert rows is not None and rows.shape[0] > 0, item.seq_id
 
 
 def test_sampled_requests_are_drafted_first_beside_plain_misses(models, smollm2_tokenizer) -> None:
