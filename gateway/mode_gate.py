@@ -69,9 +69,9 @@ class _Bucket:
     key: int  # the batch-size bucket
     window: int
     num_modes: int
-    # per mode: (tokens, seconds, most) of its measured rounds, the last `window`; most: the
-    # tokens the round could have committed at best (None: not known)
-    rounds: list[deque[tuple[int, float, int | None]]] = field(init=False)
+    # per mode: (tokens, seconds, most, batch size) of its measured rounds, the last `window`;
+    # most: the tokens the round could have committed at best (None: not known)
+    rounds: list[deque[tuple[int, float, int | None, int]]] = field(init=False)
     mode: int = 0  # the mode running now
     chosen: int | None = None  # the mode chosen after the last measurement; None: exploring
     next_probe: int = 0  # the mode the next probe tries (never the chosen one)
@@ -90,7 +90,7 @@ class _Bucket:
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
-    def _window(self, mode: int) -> list[tuple[int, float, int | None]] | None:
+    def _window(self, mode: int) -> list[tuple[int, float, int | None, int]] | None:
         """The mode's measured rounds less the slowest where it stalled (past STALL x their
         median: a one-off stall, as a kernel built or a graph captured on a mode's first use,
         or a collection, does not decide), None until the window is full."""
@@ -101,6 +101,16 @@ class _Bucket:
         if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
             rounds.remove(slowest)
         return rounds
+
+    def shape(self, mode: int) -> str:
+        """The window's mean batch size and round time (what the log says of a rate: a
+        bucket spans sizes up to twice each other, and a mode measured at other sizes than
+        another is not compared like for like); "" until the window is full."""
+        rounds = self._window(mode)
+        if rounds is None:
+            return ""
+        batch = statistics.fmean(r[3] for r in rounds)
+        return f" ({statistics.fmean(r[1] for r in rounds) * 1e3:.1f} ms at batch {batch:.0f})"
 
     def rate(self, mode: int) -> float | None:
         """Committed tokens per second of round over the window (`_window`)."""
@@ -272,7 +282,7 @@ class ModeGate:
                 b.probe_every,
                 self._probe_wait(b),
             )
-        b.rounds[index].append((tokens, seconds, most))
+        b.rounds[index].append((tokens, seconds, most, batch_size))
         if b.chosen is None:  # exploring: each mode not measured yet, in order
             if b.rate(index) is not None:
                 unmeasured = [mode for mode in range(len(self.modes)) if b.rate(mode) is None]
@@ -336,8 +346,8 @@ class ModeGate:
             b.probe_every = max(b.probe_every, self.hopeless_backoff * self.probe_every)
         if not confirmed:
             measured = ", ".join(
-                f"{name} {rate:.1f}"
-                for name, rate in zip(self.modes, rates, strict=True)
+                f"{name} {rate:.1f}{b.shape(mode)}"
+                for mode, (name, rate) in enumerate(zip(self.modes, rates, strict=True))
                 if rate is not None
             )
             log.info(

@@ -346,3 +346,20 @@ def test_settled_once_chosen_and_not_while_probing() -> None:
     assert gate.settled(1)
     _run(gate, 10, spec=(1, 5e-3), plain=(1, 2e-3))
     assert gate.speculate(1) and not gate.settled(1)  # the probe
+
+
+def test_a_choice_is_logged_with_each_modes_batch_and_round_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bucket spans batch sizes up to twice each other: the choice's log line says at which
+    batch size and round time each mode was measured (speculating at 40, plain rounds at 64
+    here), so that a choice made on unlike windows shows."""
+    gate = SpeculationGate(window=4, probe_every=50)
+    with caplog.at_level("INFO", logger="gateway.mode_gate"):
+        _run(gate, 4, spec=(2, 8e-3), plain=(1, 5e-3), batch_size=40)
+        _run(gate, 4 + SETTLE, spec=(2, 8e-3), plain=(1, 5e-3), batch_size=64)
+    chosen = [r.getMessage() for r in caplog.records if "tokens/s" in r.getMessage()]
+    assert chosen == [
+        "speculation gate, batch <= 64: tokens/s speculating 10000.0 (8.0 ms at batch 40), "
+        "plain rounds 12800.0 (5.0 ms at batch 64): plain rounds"
+    ]
