@@ -10,16 +10,15 @@ base + i (base = the proposer's kv_committed_len); it is scratch, freed after dr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from drafter.draft_ahead import DraftAhead, rows_of
 from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
-from drafter.host_expansion import Expansion, HostExpansion, sampled_chain, select_tree
+from drafter.expansion_keys import ExpansionKeys, expansion_key
+from drafter.host_expansion import Expansion, HostExpansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit import metrics
 from specsplit.kv_cache import KVCache, KVPages, SeqKV
@@ -70,9 +69,6 @@ FUSED_SHAPES: tuple[Shape | Ahead, ...] = (
 )
 
 
-_R = TypeVar("_R")
-
-
 def _draft_seed(seed: int | None) -> int | None:
     """A seed unrelated to the verifier's: drafts must be independent of its acceptance draws."""
     return None if seed is None else (seed * 6364136223846793005 + 1442695040888963407) % 2**63
@@ -86,7 +82,7 @@ class DraftKVState:
     generator: torch.Generator | None = None
 
 
-class TreeProposer(HostExpansion, DraftAhead, KVPages):
+class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
     """Tree expansion over a model with its own paged KV (`self.kv`); per-sequence state is a
     DraftKVState. Subclasses provide `_step_forward` (one forward over a ForwardBatch) and
     `_forward_frontier` (logits [sum of frontiers, vocab]).
@@ -188,23 +184,6 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
         by_seq = {id(job): tree for job, tree in zip(drafting, drafted, strict=True)}
         return [by_seq.get(id(job), DraftTree()) for job in jobs]
 
-    def _share_chain_length(self, jobs: list[DraftJob]) -> None:
-        """Greedy chains expanded on the device are drafted at the round's longest chain length
-        and cut to their own after (`job.expand_steps`): one expansion (one graph replay, one
-        wait) for a round whose chains the gateway capped to fewer steps near max_new_tokens,
-        and no graph captured for a capped length mid-traffic. A chain's first steps do not
-        depend on the later ones, so its tokens are the same. A chain rides only where its
-        context has room for the longer one."""
-        chains = [
-            job
-            for job in jobs
-            if job.spec.topk == 1 and not job.ahead_guesses and self._expands_on_device(job)
-        ]
-        longest = max((job.spec.num_steps for job in chains), default=0)
-        for job in chains:
-            if job.spec.num_steps < longest <= self.max_context - len(job.seq.tokens):
-                job.expand_steps = longest
-
     def _run_roots(
         self, drafting: list[DraftJob], steps: list[SeqStep]
     ) -> tuple[list[DraftJob], torch.Tensor, torch.Tensor | None]:
@@ -235,29 +214,6 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
         """Write host rows into the row pool (a proposer with one: `pool_rows`)."""
         raise NotImplementedError
 
-    def _carried_rows(self, q: int) -> PoolRows | None:
-        """The new pool rows for a run with a catch-up of q entries a sequence (`unwritten`: they
-        cross with its inputs and it writes them): all of them where each sequence's fit in q
-        and they are on the host; else they are written here first, and None."""
-        rows = self.unwritten
-        if rows is not None and rows.fit(q) and all(p.device.type == "cpu" for p in rows.parts):
-            self.unwritten = None
-            return rows
-        self._flush_rows()
-        return None
-
-    def _carrying(self, catch_up: int, run: Callable[[PoolRows | None], _R]) -> _R:
-        """`run` of a device run with a catch-up of `catch_up` entries a sequence (0: none),
-        given the new pool rows it carries (`_carried_rows`) or None; where it fails, the rows
-        are written here (the pool must hold what the proposer counts)."""
-        new_rows = self._carried_rows(catch_up) if catch_up else None
-        try:
-            return run(new_rows)
-        except BaseException:
-            if new_rows is not None:
-                self._write_rows(new_rows)
-            raise
-
     def _forward_roots(self, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The catch-up's forward over `steps`: the logits of their logit rows [D, vocab] in the
         target's vocabulary and those rows' outputs [D, width] (EAGLE) or None."""
@@ -271,81 +227,6 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
     def _catch_up_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A catch-up forward on the device (drafter/expansion.py CatchUpForward)."""
         return self._frontier_outputs(batch, self._catch_up_features(batch))
-
-    # -- the device expansion's keys ------------------------------------------------------
-
-    def _expands_on_device(self, job: DraftJob) -> bool:
-        """Whether `job`'s trees expand on the device (DeviceExpansion): all of them, trees,
-        greedy and sampled chains, where `device_expansion` is on."""
-        return self.device_expansion and job.spec.num_steps > 0
-
-    def _fused_key(
-        self,
-        jobs: list[DraftJob],
-        drafting: list[DraftJob],
-        steps: list[SeqStep],
-        key_of: Callable[[DraftJob], Shape | Ahead | None],
-    ) -> Shape | Ahead | None:
-        """The key of an expansion that runs the catch-up in its own device run (`catch_up`:
-        one graph replay on a GPU, no host work between the two), or None where `jobs` cannot:
-        every job drafts on the device with one key (`key_of`; None: it cannot) and catches up
-        the same number of entries in one step ending at its root (`_catch_up_starts` pads the
-        lengths), and the key's graph is captured where graphs run (warm-up: the usual shapes;
-        others once asked for often enough, `DeviceExpansion.ready`). Otherwise the catch-up
-        runs first, as it did before."""
-        if not (self.fused_catch_up and jobs and len(drafting) == len(steps) == len(jobs)):
-            return None
-        q = len(steps[0].input_ids)
-        keys = set()
-        for job, step in zip(jobs, steps, strict=True):
-            key = key_of(job)
-            if not (
-                key is not None
-                and step.seq is self._seq_kv(job.seq)
-                and len(step.input_ids) == q
-                and step.logit_rows == [q - 1]
-                and step.kv_len == step.seq.kv_committed_len
-            ):
-                return None
-            keys.add(key)
-        if len(keys) != 1:
-            return None
-        fused = dataclasses.replace(keys.pop(), catch_up=q)
-        return fused if self._expansion().ready(fused, len(jobs)) else None
-
-    def _fused_expand(
-        self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
-    ) -> list[DraftTree] | None:
-        """A Draft's trees with the catch-up in the expansion's device run (`_fused_key`):
-        every job's tree of one shape expanded on the device. None otherwise."""
-
-        def key_of(job: DraftJob) -> Shape | None:
-            return _expansion_key(job) if self._expands_on_device(job) else None
-
-        key = self._fused_key(jobs, drafting, steps, key_of)
-        if not isinstance(key, Shape):
-            return None
-        return self._expand_shape(key, jobs, None, None, [step.input_ids for step in steps])
-
-    def _expand_shape(
-        self,
-        shape: Shape,
-        jobs: list[DraftJob],
-        root_logits: torch.Tensor | None,
-        root_features: torch.Tensor | None,
-        catch_ups: list[list[int]] | None = None,
-    ) -> list[DraftTree]:
-        """DeviceExpansion.expand of `shape` for `jobs` (a sampled chain's uniforms drawn here,
-        once a round): each job's tree."""
-        seqs = [self._seq_kv(job.seq) for job in jobs]
-        sampling = self._sampling_rows(jobs, shape.num_steps) if shape.sampled else None
-        found = self._carrying(
-            shape.catch_up if catch_ups else 0,
-            lambda new_rows: self._expansion().expand(
-                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows
-            ),
-        )
-        return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
 
     def _forward_rows(
         self, steps: list[SeqStep], features: torch.Tensor | None
@@ -426,7 +307,7 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
         groups: dict[Shape, list[int]] = {}
         for i, job in enumerate(jobs):
             if self._expands_on_device(job):
-                groups.setdefault(_expansion_key(job), []).append(i)
+                groups.setdefault(expansion_key(job), []).append(i)
             elif job.spec.num_steps > 0:
                 on_host.append(i)
 
@@ -441,29 +322,6 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
             for i, tree in zip(on_host, grown, strict=True):
                 trees[i] = tree
         return trees
-
-    def _expansion(self) -> DeviceExpansion:
-        """The device expansion: with CUDA graphs once capture_cuda_graphs has run, eager
-        before (and on the CPU)."""
-        if self.device_expansion_runner is None:
-            self.device_expansion_runner = self._new_expansion(graphs=False)
-        return self.device_expansion_runner
-
-    def _new_expansion(self, graphs: bool) -> DeviceExpansion:
-        return DeviceExpansion(
-            self._frontier_outputs,
-            self.kv,
-            self.vocab_size,
-            self.max_context,
-            self.graph_features,
-            graphs=graphs,
-            max_batch_size=self.graphs.batch_sizes[-1] if self.graphs is not None else 64,
-            catch_up=self._catch_up_outputs,
-            scored_ids=self.scored_ids,
-            pool_rows=self.pool_rows,
-            write_rows=self._write_pool_rows,
-            catch_up_lens=self.catch_up_lens,
-        )
 
     def _frontier_outputs(
         self, batch: ForwardBatch, features: torch.Tensor | None
@@ -482,9 +340,3 @@ class TreeProposer(HostExpansion, DraftAhead, KVPages):
     def _tree_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """A step's logits in the target's vocabulary (an EAGLE head with its own maps them)."""
         return logits
-
-
-def _expansion_key(job: DraftJob) -> Shape:
-    """The device expansion of `job`'s tree (a chain at its shared length)."""
-    spec = job.spec
-    return Shape(spec.topk, max(spec.num_steps, job.expand_steps), sampled_chain(job))
