@@ -419,6 +419,24 @@ def test_a_newcomer_after_the_drafters_first_answer_waits_for_no_draft(
     assert stack.scheduler.num_ahead_hits - hits >= 3
 
 
+@pytest.mark.parametrize("code", [Code.UNAVAILABLE, Code.INVALID_ARGUMENT])
+def test_a_newcomer_whose_draft_ahead_fails_decodes_the_same_tokens(
+    models, smollm2_tokenizer, code: Code
+) -> None:
+    """After the drafter's first answer a newcomer reaches it only through draft-ahead calls
+    beside its Verifies: when every one of them fails (down, or refused), its rounds run
+    plain and its output is the target's; no KV is left on either service."""
+    stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
+    generate_all(stack, _requests(1, seed=4))  # the drafter answers once
+    failing = _FailingAhead(stack.scheduler.drafter, code)
+    stack.scheduler.drafter = failing
+    out = generate_all(stack, _requests(3, seed=11))  # checks that no KV is left
+    assert [generated_ids(c) for c in out] == target_only_ids(
+        models["target"], smollm2_tokenizer, _requests(3, seed=11)
+    )
+    assert failing.failed > 0
+
+
 @pytest.mark.parametrize("overlap", ["serial", "ahead", "groups"])
 def test_an_eagle_newcomer_sends_no_draft_before_its_features(
     models, smollm2_tokenizer, overlap: str
