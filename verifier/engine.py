@@ -417,7 +417,12 @@ class VerifierEngine(SeqMemory):
                 self.ahead_depth.observe_trip(len(inputs), trip_ns)
         parts = [] if taken is None else [taken]
         hinted = any(item.seq_id in self.hints.hinted for item in inputs)
-        running_ahead = self.decode_ahead and not self._in_flight and not hinted
+        # a draft-ahead round without a hint (`unhinted`: the overlap gate's "ahead-unhinted")
+        # verifies its misses with no tree while the drafter drafts their next trees: where it
+        # guessed the outcome the next round carries one, and a step run ahead would be dropped
+        # ("unasked") after holding that round behind a decode step on the device
+        drafting_ahead = any(item.unhinted for item in inputs)
+        running_ahead = self.decode_ahead and not (self._in_flight or hinted or drafting_ahead)
         # what the step taken does not cover (newcomers), in graph parts where one launch would
         # find no graph (more than a prefill graph holds)
         groups = self._graph_groups(inputs, others) if others else []

@@ -91,6 +91,7 @@ class Driver:
         self.tokens: dict[str, list[int]] = {}
         self.committed: dict[str, int] = {}
         self.layers = layers  # every round's hidden-state layers (the EAGLE drafter's ask)
+        self.unhinted = False  # every round's items marked so (a draft-ahead round, no hint)
         self.hidden: dict[str, list[torch.Tensor]] = {}  # each round's rows, with `layers`
 
     def begin(self, *seq_ids: str) -> None:
@@ -117,6 +118,7 @@ class Driver:
             item = VerifyInput(seq_id, seq_id in begins, committed, pending, tree)
             item.hidden_state_layers = self.layers
             item.decode_steps = (steps or {}).get(seq_id, 1)
+            item.unhinted = self.unhinted
             if sampling is not None:
                 item.sampling = sampling
             inputs.append(item)
@@ -734,6 +736,32 @@ def test_rounds_past_the_batch_limit_run_nothing_ahead(
     assert engine.num_ahead_used == 2  # "b" alone: its second and third rounds
     assert engine.num_ahead_dropped == 0
     engine.release(["b"])
+
+
+def test_a_draft_ahead_round_without_a_hint_runs_no_step_ahead(
+    target_dir: Path, device: str, depth: int
+) -> None:
+    """Rounds the gateway marks unhinted (draft-ahead with no hint: its plain items are
+    misses, whose next round carries a tree where the drafter guessed the outcome) launch no
+    decode step ahead, which would mostly be dropped and hold that round behind it on the
+    device; the tokens are the same."""
+    plain, ahead = _both(target_dir, device, depth)
+    for driver in (plain, ahead):
+        driver.begin("a", "b")
+        driver.unhinted = True
+        driver.decode("a", "b", rounds=2)  # (the first takes the prefill's step ahead)
+    used, dropped = ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped
+    for driver in (plain, ahead):
+        driver.decode("a", "b", rounds=3)
+    assert (ahead.engine.num_ahead_used, ahead.engine.num_ahead_dropped) == (used, dropped)
+    assert ahead.engine._ahead is None
+    _same(plain, ahead)
+    for driver in (plain, ahead):
+        driver.unhinted = False
+        driver.decode("a", "b", rounds=2)  # plain rounds run ahead again
+    assert ahead.engine.num_ahead_used == used + 1
+    _same(plain, ahead)
+    _release(plain, ahead)
 
 
 def test_releasing_or_truncating_another_sequence_keeps_the_step_run_ahead(
