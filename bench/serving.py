@@ -23,10 +23,12 @@ each request's draft shape, `target` (target only, no drafts) or `default` (the 
     PYTHONPATH=. python bench/serving.py [--model PATH] [--device cuda:0] [--drafter-device ...]
         [--rate 4 16 inf] [--num-requests 64] [--max-new-tokens 128] [--ignore-eos]
         [--spec target default] [--setup default= --setup steps4=--decode-steps=4] [--ups 3]
+        [--temperature 1.0]
 
 Every stream must end with its tokens (a failed stream fails the run); how many streams gave
 the first setup's tokens is printed beside each row (greedy: a batch's makeup may part tokens
-at near-ties on a GPU, so it is shown, not asserted).
+at near-ties on a GPU, so it is shown, not asserted; sampled, --temperature: the target's
+distribution, not its draws, so few match).
 """
 
 from __future__ import annotations
@@ -289,6 +291,10 @@ def requests_for(
             max_new_tokens=args.max_new_tokens,
             ignore_eos=args.ignore_eos,
             spec=TARGET_ONLY if spec == "target" else None,
+            # sampled: seeded by the request's index, the same draws in every setup and `up`
+            sampling=common_pb2.SamplingParams(temperature=args.temperature, seed=i)
+            if args.temperature
+            else None,
         )
         for i in range(args.num_requests)
     ]
@@ -320,6 +326,7 @@ def report(
     base, reference = rows[first_name]
     flags = " ".join(f"--{k.replace('_', '-')}={v}" for k, v in (("spec", spec), ("rate", rate)))
     eos = ", --ignore-eos" if args.ignore_eos else ""
+    eos += f", sampled at temperature {args.temperature:g}" if args.temperature else ""
     offered = (
         "all at once"
         if math.isinf(rate)
@@ -423,6 +430,12 @@ def main() -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help="every stream runs to the end")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampled requests at this temperature, seeded by their index (default 0: greedy)",
+    )
     parser.add_argument("--spec", nargs="+", choices=("target", "default"), default=["target"])
     parser.add_argument("--seed", type=int, default=0, help="the arrivals' schedule")
     parser.add_argument(

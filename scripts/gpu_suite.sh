@@ -150,6 +150,7 @@ serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part say
     --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
     --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
     ${SERVING_PROMPT_TOKENS:+--prompt-tokens $SERVING_PROMPT_TOKENS} \
+    ${SERVING_TEMPERATURE:+--temperature $SERVING_TEMPERATURE} \
     --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" \
     --services-log "$out/serving_services.log"  # the gates' choices with their rates
 }
@@ -755,6 +756,7 @@ for part in "${parts[@]}"; do
       # $SERVING_UPS: `up`s a setup, in turn (medians; default 1); $SERVING_BASE: the setups
       # measured before $SERVING_SETUPS (default "default= steps4=--decode-steps=4");
       # $SERVING_PROMPT_TOKENS: prompts made that long (e.g. 600: past the prefill graphs)
+      # $SERVING_TEMPERATURE: sampled requests at that temperature (seeded by their index)
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
       serving ;;
     serving8b)  # serving's Poisson arrivals on the 8B-shaped mirror target (random weights) and

@@ -26,6 +26,7 @@ from bench.serving import (
     progress,
     quantiles,
     report,
+    requests_for,
     run_load,
     up_order,
 )
@@ -89,7 +90,9 @@ def test_setups_take_turns_and_report_medians_over_their_ups(
     assert median.tokens_per_s == 200.0 and median.ttft == pytest.approx((0.02, 0.04, 0.06))
     # the steps run ahead: medians each (a reason an `up` did not report counts 0 there)
     assert median.ahead() == "80 / 4 (unasked 2)"
-    args = argparse.Namespace(ignore_eos=True, max_new_tokens=8, num_requests=1, seed=0, ups=3)
+    args = argparse.Namespace(
+        ignore_eos=True, max_new_tokens=8, num_requests=1, seed=0, ups=3, temperature=0.0
+    )
     tokens = [[1, 2]]
     report(args, "target", math.inf, {
         "a": [(u, tokens) for u in ups],
@@ -203,6 +206,21 @@ def test_prompts_lengthened_from_their_own_tokens_then_the_others() -> None:
         [6, 1, 2, 3, 4, 5, 6],
     ]
     assert lengthened(prompts, 2) == [[1, 2], [4, 5], [6, 1]]
+
+
+def test_requests_are_greedy_or_sampled_seeded_by_their_index() -> None:
+    """--temperature: every request sampled at it, seeded by its index (the same draws in
+    every setup and `up`); 0: greedy (no sampling params sent). --spec target: no drafts."""
+    prompts = [[1, 2, 3], [4, 5]]
+    args = argparse.Namespace(num_requests=3, max_new_tokens=8, ignore_eos=True, temperature=0.0)
+    greedy = requests_for(prompts, args, "default")
+    assert [list(r.token_ids.ids) for r in greedy] == [[1, 2, 3], [4, 5], [1, 2, 3]]
+    assert not any(r.HasField("sampling") or r.HasField("spec") for r in greedy)
+    args.temperature = 0.7
+    sampled = requests_for(prompts, args, "target")
+    assert [r.sampling.seed for r in sampled] == [0, 1, 2]
+    assert all(r.sampling.temperature == pytest.approx(0.7) for r in sampled)
+    assert all(r.spec.num_steps == 0 for r in sampled)
 
 
 def test_the_verifiers_forwards_by_path_and_its_eager_ones_by_why() -> None:
