@@ -291,7 +291,7 @@ def requests_for(
             max_new_tokens=args.max_new_tokens,
             ignore_eos=args.ignore_eos,
             spec=TARGET_ONLY if spec == "target" else None,
-            # sampled: seeded by the request's index, the same draws in every setup and `up`
+            # sampled: seeded by the request's index, the same seeds in every setup and `up`
             sampling=common_pb2.SamplingParams(temperature=args.temperature, seed=i)
             if args.temperature
             else None,

@@ -209,7 +209,7 @@ def test_prompts_lengthened_from_their_own_tokens_then_the_others() -> None:
 
 
 def test_requests_are_greedy_or_sampled_seeded_by_their_index() -> None:
-    """--temperature: every request sampled at it, seeded by its index (the same draws in
+    """--temperature: every request sampled at it, seeded by its index (the same seeds in
     every setup and `up`); 0: greedy (no sampling params sent). --spec target: no drafts."""
     prompts = [[1, 2, 3], [4, 5]]
     args = argparse.Namespace(num_requests=3, max_new_tokens=8, ignore_eos=True, temperature=0.0)
