@@ -15,7 +15,7 @@ from gateway.clients import DrafterClient, VerifierClient
 from gateway.sequence import Sequence
 from specsplit import metrics, telemetry
 from specsplit.errors import ServiceError
-from specsplit.messages import AheadTree, NextTrees, VerifyInput, VerifyOutput
+from specsplit.messages import AheadTree, NextTrees, SpecParams, VerifyInput, VerifyOutput
 from specsplit.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -109,12 +109,21 @@ class AheadRounds:
         from that step's likely outcomes (the draft's likeliest bonus tokens). `hint`: the
         trees drafted ahead go to the verifier as a hint where verify_ahead says so. A Verify
         that answers before the drafter is committed and streamed at once, while the drafter
-        drafts: the next round waits only for the trees."""
+        drafts: the next round waits only for the trees. With `plain`, a sampled newcomer (it
+        never drafts ahead) is not drafted first either once the drafter has told its layers
+        (`_catches_up_beside`): its prefill goes with no tree and the same drafter call catches
+        its prompt up."""
         trees = self._take_ahead(batch)
+        catching: list[Sequence] = []  # newcomers caught up beside the Verify, no tree
         if plain:
             for seq in batch:
-                if id(seq) not in trees and self._misses_plain(seq):
+                if id(seq) in trees:
+                    continue
+                if self._misses_plain(seq):
                     trees[id(seq)] = DraftTree()
+                elif self._catches_up_beside(seq):
+                    trees[id(seq)] = DraftTree()
+                    catching.append(seq)
         with telemetry.round_span([seq.span for seq in batch]):
             missing = [seq for seq in batch if id(seq) not in trees]
             if missing:
@@ -138,7 +147,7 @@ class AheadRounds:
             # the loop (tasks start in order): its trees must come before this Verify's answer
             # to be of use (and their hint too)
             verifying = asyncio.ensure_future(self.verifier.verify(inputs))
-            drafting = asyncio.ensure_future(self._draft_ahead(guessing))
+            drafting = asyncio.ensure_future(self._draft_ahead(guessing, catching))
             committed = False
             try:
                 await asyncio.sleep(0)  # both requests are sent: the last round's chunks stream
@@ -240,22 +249,47 @@ class AheadRounds:
             and not self._drafter_resting()
         )
 
-    async def _draft_ahead(self, batch: list[tuple[Sequence, DraftTree]]) -> list[list[AheadTree]]:
+    async def _draft_ahead(
+        self, batch: list[tuple[Sequence, DraftTree]], catching: list[Sequence] | None = None
+    ) -> list[list[AheadTree]]:
         """The drafter's trees for the likely outcomes of the trees being verified. It also
-        takes each sequence's new tokens (and features), as a Draft does. A failure costs only
-        the guesses: the sequences start over on the drafter with their next Draft."""
-        if not batch:
+        takes each sequence's new tokens (and features), as a Draft does, and in the same call
+        `catching`'s prompts (no drafts: `_catches_up_beside`). A failure costs only the
+        guesses: the sequences start over on the drafter with their next Draft."""
+        catching = catching or []
+        if not batch and not catching:
             return []
         inputs = []
         for seq, tree in batch:
             item = seq.draft_input()
             item.verifying, item.ahead_guesses = tree, guesses(seq, tree, self.ahead_guesses)
             inputs.append(item)
+        for seq in catching:
+            item = seq.draft_input()
+            item.spec = SpecParams()  # its tokens only: its next Draft drafts
+            inputs.append(item)
         try:
             outputs = await self.drafter.draft(inputs)
         except ServiceError as e:
             log.warning("draft-ahead failed (%s: %s)", e.code.value, e.message)
             self._drafter_down(e)
-            await self._forget_on_drafter([seq for seq, _ in batch])
+            await self._forget_on_drafter([seq for seq, _ in batch] + catching)
             return [[] for _ in batch]
-        return [out.ahead for out in outputs]
+        return [out.ahead for out in outputs[: len(batch)]]
+
+    def _catches_up_beside(self, seq: Sequence) -> bool:
+        """Whether a newcomer that never drafts ahead (sampled) goes without a tree in its
+        first round while the drafter takes its prompt in the call beside the Verify, rather
+        than drafted first on every sequence's path (a long prompt's catch-up is the drafter's
+        slowest forward): where the drafter has told the layers it reads and they are none (an
+        EAGLE head has no features before the prefill: it is not asked, as `_needs_drafter`
+        says) and the sequence drafts at all. A greedy newcomer drafts ahead instead
+        (`_misses_plain`); a tree's is drafted first, as before."""
+        return (
+            not seq.verifier_begun
+            and not seq.request.sampling.greedy
+            and self._layers_known(seq)
+            and not seq.hidden_state_layers
+            and self._needs_drafter(seq)
+            and not self._drafter_resting()
+        )

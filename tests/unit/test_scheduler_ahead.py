@@ -419,6 +419,48 @@ def test_a_newcomer_after_the_drafters_first_answer_waits_for_no_draft(
     assert stack.scheduler.num_ahead_hits - hits >= 3
 
 
+def test_a_sampled_newcomer_is_caught_up_beside_its_prefill(models, smollm2_tokenizer) -> None:
+    """A sampled newcomer never drafts ahead; once the drafter has told its layers it is not
+    drafted first either: its prefill goes with no tree while the drafter call beside the
+    Verify takes its prompt (no drafts), and its later rounds are drafted as any sampled
+    round's. Seeded, it streams the same tokens run after run; the greedy ones beside it are
+    the target's."""
+
+    def run() -> tuple[list[list[int]], TimedClients]:
+        stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
+        generate_all(stack, _requests(1, seed=4))  # the drafter answers once
+        timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, 0.02)
+        stack.scheduler.drafter = timed.drafter_client()
+        stack.scheduler.verifier = timed.verifier_client()
+        requests = _requests(3, seed=12)
+        requests[1].sampling = SamplingParams(temperature=0.8, seed=5)
+        return [generated_ids(c) for c in generate_all(stack, requests)], timed
+
+    out, timed = run()
+    greedy = target_only_ids(models["target"], smollm2_tokenizer, _requests(3, seed=12))
+    assert out[0] == greedy[0] and out[2] == greedy[2]
+    assert run()[0][1] == out[1]  # seeded: the same draws
+    k, prefill = next(
+        (k, item)
+        for k, inputs in enumerate(timed.verify_inputs)
+        for item in inputs
+        if not item.sampling.greedy
+    )
+    sampled_id = prefill.seq_id
+    assert prefill.begin and not prefill.tree
+    first = [
+        (i, item)
+        for i, inputs in enumerate(timed.draft_inputs)
+        for item in inputs
+        if item.seq_id == sampled_id
+    ]
+    i, item = first[0]
+    assert item.begin and item.spec == SpecParams() and not item.ahead_guesses
+    v0, v1 = timed.verifies[k]
+    assert v0 < timed.drafts[i][0] < v1  # beside the prefill's Verify
+    assert any(item.spec.num_steps > 0 for _, item in first[1:])  # then drafted
+
+
 @pytest.mark.parametrize("code", [Code.UNAVAILABLE, Code.INVALID_ARGUMENT])
 def test_a_newcomer_whose_draft_ahead_fails_decodes_the_same_tokens(
     models, smollm2_tokenizer, code: Code
