@@ -12,6 +12,7 @@ from tests.unit.test_decode_ahead import (  # noqa: F401  (pytest collects them 
     _engine,
     _release,
     target_dir,
+    test_a_draft_ahead_round_without_a_hint_runs_no_step_ahead,
     test_a_newcomer_in_a_round_of_several_steps_joins_past_the_batch_cap,
     test_a_newcomer_writes_the_pages_the_dropped_steps_gave_back,
     test_a_round_whose_sequences_stop_at_different_steps_keeps_the_steps_queued,
