@@ -286,7 +286,7 @@ def round_in_parts(
     record(rows, what, batch, median_ms(fn, steps))
     if graphs:
         engine = bench.engine
-        engine._graph_groups = lambda inputs, others: [others]  # type: ignore[method-assign]
+        engine._graph_groups = lambda inputs, others, leads: [others]  # type: ignore[method-assign]
         engine._lead_lens = lambda items: [0] * len(items)  # type: ignore[method-assign]
         ms = median_ms(fn, steps)
         del engine._graph_groups, engine._lead_lens  # the class's again

@@ -73,14 +73,15 @@ class DeviceRounds(DeviceWaits):
             why_eager(self.graphs, batch, device_rows) if eager else None
         )
 
-    def _graph_groups(self, inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
+    def _graph_groups(
+        self, inputs: list[VerifyInput], others: list[int], leads: dict[int, int]
+    ) -> list[list[int]]:
         """`others` (positions in `inputs`) as one launch, or in parts where long runs of new
         tokens would take the whole round off the CUDA graphs (`graph_parts`), each run counted
-        past its lead-in (`_lead_lens`)."""
+        past its lead-in (`leads` by position: `_lead_lens`)."""
         if self.graphs is None or len(others) < 2:
             return [others]
-        items = [inputs[i] for i in others]
-        news = round_news(items, self._lead_lens(items))
+        news = round_news([inputs[i] for i in others], [leads[i] for i in others])
         parts = graph_parts(news, self.graphs.q_sizes, pays=self.graphs.parts_pay)
         return [[others[j] for j in part] for part in parts]
 

@@ -423,9 +423,11 @@ class VerifierEngine(SeqMemory):
         # ("unasked") after holding that round behind a decode step on the device
         drafting_ahead = any(item.unhinted for item in inputs)
         running_ahead = self.decode_ahead and not (self._in_flight or hinted or drafting_ahead)
-        # what the step taken does not cover (newcomers), in graph parts where one launch would
-        # find no graph (more than a prefill graph holds)
-        groups = self._graph_groups(inputs, others) if others else []
+        # what the step taken does not cover (newcomers): the pending tokens each leads in ahead
+        # of the round (by position), and the round in graph parts where one launch would find
+        # no graph (more than a prefill graph holds)
+        leads = dict(zip(others, self._lead_lens([inputs[i] for i in others]), strict=True))
+        groups = self._graph_groups(inputs, others, leads) if others else []
         if follower is not None and (not running_ahead or len(groups) > 1):
             # not this round's steps, or the others in parts (`_join_ahead` takes them as one)
             self._drop(follower, "other work", room=1)  # (the step taken keeps its room)
@@ -437,7 +439,9 @@ class VerifierEngine(SeqMemory):
         if others:  # the whole round, or what the step run ahead does not cover (a newcomer)
             others = [i for group in groups for i in group]  # the results' order
             try:
-                parts += self._launch_new([[inputs[i] for i in group] for group in groups])
+                parts += self._launch_new(
+                    [[inputs[i] for i in group] for group in groups], [leads[i] for i in others]
+                )
             except BaseException:
                 if taken is not None:  # nothing of the round is committed: its draws go back
                     taken.follower = follower  # (and the steps behind it, undone first)

@@ -25,16 +25,16 @@ class SeqMemory(HintedRounds, KVPages):
     def _validate(self, inputs: list[VerifyInput]) -> None:
         validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
 
-    def _launch_new(self, groups: list[list[VerifyInput]]) -> list[Launched]:
+    def _launch_new(self, groups: list[list[VerifyInput]], leads: list[int]) -> list[Launched]:
         """A round's sequences (created on their first round), their room reserved (all of
-        them before any launches), launched a group each (`_graph_groups`)."""
+        them before any launches), launched a group each (`_graph_groups`) after the pending
+        tokens each leads in (`leads`, the groups' items in order: `_lead_lens`)."""
         for item in (item for group in groups for item in group):
             if item.begin:
                 self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
         seqs = [[self.seqs[item.seq_id] for item in group] for group in groups]
         items, all_seqs = [i for g in groups for i in g], [s for g in seqs for s in g]
         self._reserve(items, all_seqs)
-        leads = self._lead_lens(items)
         parts: list[Launched] = []
         try:
             led, started = None, None

@@ -125,7 +125,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("parts") / "target", seed=5)
 
 
-def _thirds(inputs: list[VerifyInput], others: list[int]) -> list[list[int]]:
+def _thirds(inputs: list[VerifyInput], others: list[int], leads: dict[int, int]) -> list[list[int]]:
     """Three parts where there are three sequences (else two or one), the last ones first."""
     cut = -(-len(others) // 3)
     return [others[k : k + cut] for k in range(0, len(others), cut)][::-1]
@@ -283,9 +283,9 @@ def test_newcomers_beside_a_step_run_ahead_launch_in_parts(
         rounds.append((taken is not None, 0))
         return taken, positions
 
-    def launching(groups: list[list[VerifyInput]]) -> list[Launched]:
+    def launching(groups: list[list[VerifyInput]], leads: list[int]) -> list[Launched]:
         rounds[-1] = (rounds[-1][0], len(groups))
-        return launch_new(groups)
+        return launch_new(groups, leads)
 
     engine._take_ahead = taking  # type: ignore[method-assign]
     engine._launch_new = launching  # type: ignore[method-assign]
