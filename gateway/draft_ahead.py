@@ -250,13 +250,12 @@ class AheadRounds:
         )
 
     async def _draft_ahead(
-        self, batch: list[tuple[Sequence, DraftTree]], catching: list[Sequence] | None = None
+        self, batch: list[tuple[Sequence, DraftTree]], catching: list[Sequence]
     ) -> list[list[AheadTree]]:
         """The drafter's trees for the likely outcomes of the trees being verified. It also
         takes each sequence's new tokens (and features), as a Draft does, and in the same call
         `catching`'s prompts (no drafts: `_catches_up_beside`). A failure costs only the
         guesses: the sequences start over on the drafter with their next Draft."""
-        catching = catching or []
         if not batch and not catching:
             return []
         inputs = []
