@@ -191,7 +191,11 @@ for part in "${parts[@]}"; do
           pids+=($!)
           continue
         fi
-        python3 -m pytest -q -p no:cacheprovider --durations=0 "${mine[@]}" \
+        # a test past $TEST_DUMP_S seconds dumps every thread's stack into its output (one
+        # hang in the sixty-sixth session's first call: tests/gpu/test_sessions_gpu.py[eagle3],
+        # past 350 s, where it takes 9 s; not seen again in two runs)
+        python3 -m pytest -q -p no:cacheprovider --durations=0 \
+          -o faulthandler_timeout="${TEST_DUMP_S:-240}" "${mine[@]}" \
           >"$out/tests-par-$j.txt" 2>&1 &
         pids+=($!)
       done
