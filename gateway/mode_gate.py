@@ -13,7 +13,9 @@ are measured:
   own first WINDOW rounds (a draft's gain shrinks as the batch grows: two H200s, 8B-shaped
   target at 80 requests a second, batch 64 took batch 32's speculation, committed 0.8x the
   target alone's tokens a second, and its first probe would have waited longer than the 3 s
-  run);
+  run), and so does a smaller batch than one that chose the plain one probe the others (the
+  same system at 20 requests a second after 80: batches up to 16 took batch 64's plain rounds
+  and ran them 4.5 s, 236 rounds, before their first probe found speculation 2.4x faster);
 - then the mode with the most committed tokens per second of round (running sums over the
   last WINDOW measured rounds of each mode, less the slowest of them where it took more than
   STALL x their median: the first rounds of a mode may build kernels or capture graphs, a
@@ -221,12 +223,14 @@ class ModeGate:
         # a larger batch than a bucket where nothing could beat the plain mode at its best
         # waits as long for its first probe: a draft's gain only shrinks as the batch grows
         # (a verify's rows grow with it while plain rounds get cheaper a token)
+        plain = len(self.modes) - 1
         if near.hopeless and b.key > near.key:
             b.hopeless = True
             b.probe_every = self.hopeless_backoff * self.probe_every
         # nor does a larger batch than one where another mode beat the plain one know that
-        # it does here too: it probes the plain mode once its own window is measured
-        elif b.key > near.key and b.chosen != len(self.modes) - 1:
+        # it does here too, nor a smaller batch than one where the plain one won that it wins
+        # here: it probes the other mode(s) once its own window is measured
+        elif (b.key > near.key and b.chosen != plain) or (b.key < near.key and b.chosen == plain):
             b.early_probe = True
             b.probe_every = self.window
         b.probe_seconds = near.probe_seconds

@@ -117,17 +117,19 @@ def test_a_round_of_the_other_mode_is_ignored() -> None:
 
 
 def test_a_new_batch_size_starts_from_the_nearest_choice() -> None:
-    """A batch that shrinks as its streams finish meets new buckets: they take the nearest
-    chosen bucket's choice at once (no exploring, no switch), and probe after probe_every."""
+    """A batch that grows or shrinks meets new buckets: they take the nearest chosen bucket's
+    choice at once (no exploring, no switch); a larger batch than one where plain rounds won
+    probes after probe_every (a smaller one sooner:
+    `test_a_smaller_batch_than_a_plain_one_probes_speculation_after_its_window`)."""
     gate = SpeculationGate(window=2, probe_every=6, probe_budget=1.0)
-    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=32)
-    assert not gate.speculate(32)
+    _run(gate, 2 + 2 + SETTLE, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16)
+    assert not gate.speculate(16)
     switches = gate.num_switches
-    assert _run(gate, 5, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16) == [False] * 5
+    assert _run(gate, 5, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=32) == [False] * 5
     assert not gate.speculate(3) and gate.num_switches == switches  # nearest chosen: 16's
-    assert gate.rates(16)[0] is not None  # the measurements came along
-    assert _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=16) == [False]
-    assert gate.speculate(16)  # after probe_every rounds of its own: the probe
+    assert gate.rates(32)[0] is not None  # the measurements came along
+    assert _run(gate, 1, spec=(1, 5e-3), plain=(1, 2e-3), batch_size=32) == [False]
+    assert gate.speculate(32)  # after probe_every rounds of its own: the probe
 
 
 def test_the_choice_is_a_gauge_per_batch_bucket() -> None:
@@ -260,8 +262,8 @@ def test_a_hopeless_backoff_of_one_probes_as_before() -> None:
 def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
     """Batch 1 finds speculation unable to win at its best; batch 8, met later, takes that
     choice and waits MAX_BACKOFF x probe_every rounds for its first probe too (a draft's gain
-    shrinks as the batch grows). Batch 1, met after a hopeless batch 8, probes after
-    probe_every as before."""
+    shrinks as the batch grows). Batch 1, met after a hopeless batch 8, probes speculation once
+    its own window is measured (a smaller batch does not know that the plain rounds win)."""
     gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
     _run(gate, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
     modes = _run(gate, MAX_BACKOFF * 10, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4)
@@ -270,8 +272,8 @@ def test_a_larger_batch_than_a_hopeless_one_waits_as_long() -> None:
 
     smaller = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
     _run(smaller, 2 + 2 + SETTLE, spec=(1, 12e-3), plain=(1, 2.5e-3), batch_size=8, most=4)
-    modes = _run(smaller, 11, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
-    assert modes == [False] * 10 + [True]
+    modes = _run(smaller, 3, spec=(1, 12e-3), plain=(1, 2.5e-3), most=4)
+    assert modes == [False] * 2 + [True]
 
 
 def test_a_slow_round_of_the_modes_own_counts() -> None:
@@ -363,3 +365,24 @@ def test_a_choice_is_logged_with_each_modes_batch_and_round_time(
         "speculation gate, batch <= 64: tokens/s speculating 10000.0 (8.0 ms at batch 40), "
         "plain rounds 12800.0 (5.0 ms at batch 64): plain rounds"
     ]
+
+
+def test_a_smaller_batch_than_a_plain_one_probes_speculation_after_its_window() -> None:
+    """Plain rounds win at batch 64 (a load spike); batch 8, met after it (the load falls: two
+    H200s, 20 requests a second after 80), takes that choice but probes speculation once its
+    own window is measured, however long the probe wait would be, and speculates where that
+    pays; later probes wait as any bucket's. A larger batch than a plain one waits as before."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=0.01)
+    _run(gate, 2 + 2 + SETTLE, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=64)
+    assert not gate.speculate(64)
+    modes = _run(gate, 2 + SETTLE + 2 + SETTLE + 30, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=8)
+    assert modes[:2] == [False] * 2  # batch 64's choice, its own window measured
+    assert modes[2 : 2 + SETTLE + 2] == [True] * (SETTLE + 2)  # the early probe
+    assert modes[2 + SETTLE + 2 :] == [True] * (SETTLE + 30)  # chosen; the budget's wait
+    assert not gate.speculate(64)  # batch 64's choice stands
+    spec_rate, plain_rate = gate.rates(8)
+    assert spec_rate == pytest.approx(3 * 8 / 4e-3) and plain_rate == pytest.approx(8 / 3e-3)
+
+    larger = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(larger, 2 + 2 + SETTLE, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=8)
+    assert _run(larger, 10, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=64) == [False] * 10
