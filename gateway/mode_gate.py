@@ -88,6 +88,9 @@ class _Bucket:
     hopeless: bool = False
     # its first probe after `window` rounds, whatever the probe costs (`ModeGate._adopt`)
     early_probe: bool = False
+    # the bucket whose own measurements made its choice: its key once it chose, else the
+    # source of the bucket it took the choice from (`ModeGate._adopt`)
+    source: int = 0
 
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
@@ -210,6 +213,9 @@ class ModeGate:
         near = self._nearest_chosen(b.key)
         if b.chosen is not None or near is None or near.chosen is None:
             return
+        # the batch size those measurements were made at (where `near` took them in turn from
+        # another bucket, as every bucket still exploring does when one first chooses)
+        source = b.source = near.source
         for mine, theirs in zip(b.rounds, near.rounds, strict=True):
             mine.extend(theirs)
         if fresh:
@@ -224,13 +230,13 @@ class ModeGate:
         # waits as long for its first probe: a draft's gain only shrinks as the batch grows
         # (a verify's rows grow with it while plain rounds get cheaper a token)
         plain = len(self.modes) - 1
-        if near.hopeless and b.key > near.key:
+        if near.hopeless and b.key > source:
             b.hopeless = True
             b.probe_every = self.hopeless_backoff * self.probe_every
         # nor does a larger batch than one where another mode beat the plain one know that
         # it does here too, nor a smaller batch than one where the plain one won that it wins
         # here: it probes the other mode(s) once its own window is measured
-        elif (b.key > near.key and b.chosen != plain) or (b.key < near.key and b.chosen == plain):
+        elif (b.key > source and b.chosen != plain) or (b.key < source and b.chosen == plain):
             b.early_probe = True
             b.probe_every = self.window
         b.probe_seconds = near.probe_seconds
@@ -363,7 +369,7 @@ class ModeGate:
             )
             self.report(b.key, self.modes[chosen])
             b.next_probe = self._after(chosen, chosen)
-        b.chosen = chosen
+        b.chosen, b.source = chosen, b.key
         self._switch(b, chosen)
         for other in self._buckets.values() if self.adopts else ():
             self._adopt(other)  # those still exploring (met before any chose)

@@ -386,3 +386,21 @@ def test_a_smaller_batch_than_a_plain_one_probes_speculation_after_its_window() 
     larger = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
     _run(larger, 2 + 2 + SETTLE, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=8)
     assert _run(larger, 10, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=64) == [False] * 10
+
+
+def test_buckets_exploring_when_a_larger_one_chooses_plain_all_probe_early() -> None:
+    """Batches 1 to 16 were met while the load rose (each still exploring: too few rounds);
+    batch 64 then chooses plain rounds and every exploring bucket takes its choice, the smaller
+    ones from each other in turn: each still probes speculation once its own window is
+    measured (two H200s: batch 1 did, batches 8 and 16, which took the choice from a smaller
+    bucket that had taken it from 64, waited 200-235 rounds, 4.7 s)."""
+    gate = SpeculationGate(window=2, probe_every=50, probe_budget=0.01)
+    for batch in (1, 2, 4, 8, 16):
+        _run(gate, 1, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=batch)
+    _run(gate, 2 + 2 + SETTLE, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=64)
+    assert not gate.speculate(64)
+    for batch in (1, 2, 4, 8, 16):
+        assert not gate.speculate(batch)  # batch 64's choice
+    for batch in (16, 8, 1):
+        modes = _run(gate, 2 + SETTLE + 2, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=batch)
+        assert True in modes[: 2 + SETTLE + 1], (batch, modes)
