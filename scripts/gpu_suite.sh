@@ -191,11 +191,13 @@ for part in "${parts[@]}"; do
           pids+=($!)
           continue
         fi
-        # a test past $TEST_DUMP_S seconds dumps every thread's stack into its output (one
-        # hang in the sixty-sixth session's first call: tests/gpu/test_sessions_gpu.py[eagle3],
-        # past 350 s, where it takes 9 s; not seen again in two runs)
+        # a test past $TEST_DUMP_S seconds dumps every thread's stack into its output, and
+        # warnings are logged live, each under its test's name (one hang in the sixty-sixth
+        # session's first call: tests/gpu/test_sessions_gpu.py[eagle3], past 350 s, where it
+        # takes 9 s; not seen again in two runs; a round failing over and over would log)
         python3 -m pytest -q -p no:cacheprovider --durations=0 \
-          -o faulthandler_timeout="${TEST_DUMP_S:-240}" "${mine[@]}" \
+          -o faulthandler_timeout="${TEST_DUMP_S:-240}" -o log_cli=true \
+          --log-cli-level=WARNING "${mine[@]}" \
           >"$out/tests-par-$j.txt" 2>&1 &
         pids+=($!)
       done
