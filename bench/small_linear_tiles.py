@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from bench.attention_kernel import time_in_graph
 from specsplit.kernels import small_linear as sl
+from specsplit.kernels import small_linear_tiles
 
 HIDDEN, INTER, EPS = 576, 1536, 1e-5
 QKV = (9 + 2 * 3) * 64  # SmolLM2: 9 query heads, 3 KV heads of 64
@@ -110,8 +111,8 @@ def main() -> None:
         "--warm-weights", action="store_true", help="every call of a graph reads one weight copy"
     )
     args = parser.parse_args()
-    sl.BROADCAST_ROWS = 4  # the default path's row classes, whatever the environment says
-    sl.DOT_ROWS = 32  # BLOCK_M 32 for 17-32 rows (the bench's switch's value)
+    small_linear_tiles.BROADCAST_ROWS = 4  # the default row classes, whatever the env says
+    small_linear_tiles.DOT_ROWS = 32  # BLOCK_M 32 for 17-32 rows (the bench's switch's value)
     deadline = time.monotonic() + args.max_seconds
     tiles = sweep_tiles()
     print(f"{torch.cuda.get_device_name()}, bf16, SmolLM2-135M projections, {len(tiles)} tiles")
@@ -137,7 +138,7 @@ def main() -> None:
             for tile in tiles:
                 if time.monotonic() > deadline:
                     break
-                sl.DOT_TILES = tile
+                small_linear_tiles.DOT_TILES = tile
                 try:
                     got = kernel(*bound[0])
                     torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
@@ -145,7 +146,7 @@ def main() -> None:
                     results[tile] = time_in_graph(calls, args.replays)
                 except Exception as e:  # a tile that does not build or fit: reported, skipped
                     print(f"  {name}, {num_rows} rows, tile {tile}: {type(e).__name__}: {e}")
-    sl.DOT_TILES = None
+    small_linear_tiles.DOT_TILES = None
     report(timed, baselines, args.rows)
 
 

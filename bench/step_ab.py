@@ -14,14 +14,15 @@ turns' ratios, with their least and most), and whether its tokens equal the firs
 (switches that keep the arithmetic, as programmatic dependent launch does, must give the same
 tokens; the tensor-core path sums in another order, so its bf16 tokens may part).
 
-Switches (module globals read at each launch, set before a variant's capture and its turns):
+Switches (module globals read at each launch, set before a variant's capture and its turns;
+small_linear's in specsplit.kernels.small_linear_tiles):
   pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
-  prefetch=0|1    with it, small_linear's L2 prefetch of the weights (small_linear.PREFETCH)
-  pdl_dot=0|1     with it, the tensor-core path's launches too (small_linear.PDL_ON_TENSOR_CORES)
+  prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
+  pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
   late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
   rows=4|16|32    the most rows on the small-linear path (llama.SMALL_LINEAR_ROWS; above 4 the
-                  tensor-core path, 17-32 rows as one 32-row block: small_linear.DOT_ROWS)
-  tiles=N/K/W/S   the tensor-core path's tiles (small_linear.DOT_TILES), e.g. 32/64/4/4
+                  tensor-core path, 17-32 rows as one 32-row block: DOT_ROWS)
+  tiles=N/K/W/S   the tensor-core path's tiles (DOT_TILES), e.g. 32/64/4/4
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.gpu_engine import SHAPES, EngineBench, median_ms, random_model
-from specsplit.kernels import small_linear, triton_jit
+from specsplit.kernels import small_linear_tiles, triton_jit
 from specsplit.model import llama
 
 
@@ -66,11 +67,12 @@ def _rows(value: str) -> None:
     if rows not in (4, 16, 32):
         raise SystemExit(f"rows={value}: 4, 16 or 32")
     llama.SMALL_LINEAR_ROWS = rows
-    small_linear.DOT_ROWS = max(16, rows)
+    small_linear_tiles.DOT_ROWS = max(16, rows)
 
 
 def _tiles(value: str) -> None:
-    small_linear.DOT_TILES = tuple(int(v) for v in value.split("/"))  # type: ignore[assignment]
+    tiles = tuple(int(v) for v in value.split("/"))
+    small_linear_tiles.DOT_TILES = tiles  # type: ignore[assignment]
 
 
 def _pdl(value: str) -> None:
@@ -81,17 +83,17 @@ def _pdl(value: str) -> None:
 
 SWITCHES = {
     "pdl": _pdl,
-    "prefetch": lambda value: setattr(small_linear, "PREFETCH", value != "0"),
-    "pdl_dot": lambda value: setattr(small_linear, "PDL_ON_TENSOR_CORES", value == "1"),
-    "late": lambda value: setattr(small_linear, "PDL_TRIGGER_LATE", value == "1"),
+    "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
+    "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
+    "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
     "rows": _rows,
     "tiles": _tiles,
 }
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
-    "prefetch": "1" if small_linear.PREFETCH else "0",
-    "pdl_dot": "1" if small_linear.PDL_ON_TENSOR_CORES else "0",
-    "late": "1" if small_linear.PDL_TRIGGER_LATE else "0",
+    "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
+    "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",
+    "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",
     "rows": str(llama.SMALL_LINEAR_ROWS),
     "tiles": "",
 }
@@ -102,7 +104,7 @@ def apply(variant: Variant) -> None:
     for key, setter in SWITCHES.items():
         value = variant.switches.get(key, DEFAULTS[key])
         if key == "tiles" and not value:
-            small_linear.DOT_TILES = None
+            small_linear_tiles.DOT_TILES = None
         else:
             setter(value)
 

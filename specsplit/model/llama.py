@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from specsplit.kernels.small_linear import (
-    MAX_ROWS,
     RopeStore,
     linear_residual,
     norm_linear,
     norm_linear_rope_store,
     norm_linear_silu_mul,
 )
+from specsplit.kernels.small_linear_tiles import MAX_ROWS
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput

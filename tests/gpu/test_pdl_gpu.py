@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specsplit.kernels import small_linear as sl
-from specsplit.kernels import triton_jit
+from specsplit.kernels import small_linear_tiles, triton_jit
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope_store import rope_store
 from specsplit.model import llama
@@ -48,9 +48,9 @@ def pdl_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(triton_jit, "PDL_SWITCH", "1")
     if request.param == "default":
         return
-    monkeypatch.setattr(sl, "PDL_ON_TENSOR_CORES", True)
-    monkeypatch.setattr(sl, "PREFETCH", request.param != "wait-first")
-    monkeypatch.setattr(sl, "PDL_TRIGGER_LATE", request.param == "trigger-late")
+    monkeypatch.setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", True)
+    monkeypatch.setattr(small_linear_tiles, "PREFETCH", request.param != "wait-first")
+    monkeypatch.setattr(small_linear_tiles, "PDL_TRIGGER_LATE", request.param == "trigger-late")
 
 
 def without_pdl(fn: Callable[[], T]) -> T:

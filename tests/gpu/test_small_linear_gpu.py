@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specsplit.kernels import small_linear as sl
+from specsplit.kernels import small_linear_tiles
 from specsplit.model import llama
 from specsplit.model.config import ModelConfig
 from specsplit.model.cuda_graphs import CudaGraphRunner
@@ -86,7 +87,9 @@ def run(op: str, inputs: Inputs, reference: bool = False) -> torch.Tensor:
 @pytest.mark.parametrize("bias", [False, True])
 # (17 and 32 rows where $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 or _DOT_ROWS=32 lets a
 # launch take them; with $SPECSPLIT_SMALL_LINEAR_DOT_TILES the tensor-core launches take its tiles)
-@pytest.mark.parametrize("num_rows", [1, 4, 9, 16, *(r for r in (17, 32) if r <= sl.MAX_ROWS)])
+@pytest.mark.parametrize(
+    "num_rows", [1, 4, 9, 16, *(r for r in (17, 32) if r <= small_linear_tiles.MAX_ROWS)]
+)
 @pytest.mark.parametrize("op", list(OPS))
 def test_kernel_matches_reference(op: str, num_rows: int, bias: bool) -> None:
     inputs = make_inputs(num_rows, bias)
@@ -128,7 +131,8 @@ def test_qkv_rope_store_matches_reference(num_rows: int) -> None:
 
 
 @pytest.mark.skipif(
-    sl.BROADCAST_ROWS != 4, reason="the default row classes (SMALL_LINEAR_BROADCAST_ROWS)"
+    small_linear_tiles.BROADCAST_ROWS != 4,
+    reason="the default row classes (SMALL_LINEAR_BROADCAST_ROWS)",
 )
 def test_one_kernel_serves_each_row_class() -> None:
     """The row count is not specialised: 5 to 16 rows (tensor cores) reuse one kernel, and so do

@@ -17,10 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qwen3Config
 
-from specsplit.kernels import small_linear
+from specsplit.kernels import small_linear_tiles
 from specsplit.kernels.small_linear import (
-    BROADCAST_ROWS,
-    MAX_ROWS,
     RopeStore,
     linear_residual,
     linear_residual_reference,
@@ -31,6 +29,7 @@ from specsplit.kernels.small_linear import (
     norm_linear_silu_mul,
     norm_linear_silu_mul_reference,
 )
+from specsplit.kernels.small_linear_tiles import BROADCAST_ROWS, MAX_ROWS
 from specsplit.kv_cache import KVCache
 from specsplit.model import llama
 from specsplit.model.batch import ForwardBatch, ForwardOutput
@@ -197,8 +196,8 @@ def test_the_broadcast_path_above_four_rows_matches_reference(
 ) -> None:
     """$SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS=32 (a bench's switch): 8 to 32 rows on the
     broadcast path (BLOCK_M 8 / 16 / 32, no tensor cores) give the reference's results too."""
-    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
-    assert not small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True).use_dot
+    monkeypatch.setattr(small_linear_tiles, "BROADCAST_ROWS", 32)
+    assert not small_linear_tiles.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True).use_dot
     assert_op_matches_reference(op, num_rows)
 
 
@@ -209,9 +208,9 @@ def test_the_tensor_core_path_at_17_to_32_rows_matches_reference(
 ) -> None:
     """$SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32 (a bench's switch): 17 to 32 rows as one 32-row block
     on tensor cores give the reference's results too."""
-    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 4)
-    monkeypatch.setattr(small_linear, "DOT_ROWS", 32)
-    tiles = small_linear.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True)
+    monkeypatch.setattr(small_linear_tiles, "BROADCAST_ROWS", 4)
+    monkeypatch.setattr(small_linear_tiles, "DOT_ROWS", 32)
+    tiles = small_linear_tiles.tiles_for(num_rows, 100, 80, itemsize=4, interpret=True)
     assert tiles.use_dot and tiles.block_m == 32
     assert_op_matches_reference(op, num_rows)
 
@@ -246,17 +245,17 @@ def test_the_dot_tiles_switch(
     launches on a GPU then take; anything malformed stops the process."""
     if value is None:
         monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_DOT_TILES", raising=False)
-        assert small_linear._dot_tiles() is None
+        assert small_linear_tiles._dot_tiles() is None
         return
     monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_DOT_TILES", value)
     if tiles is None:
         with pytest.raises(SystemExit, match="DOT_TILES"):
-            small_linear._dot_tiles()
+            small_linear_tiles._dot_tiles()
         return
-    assert small_linear._dot_tiles() == tiles
-    monkeypatch.setattr(small_linear, "DOT_TILES", tiles)
-    got = small_linear.tiles_for(9, 960, 576, itemsize=2, interpret=False)
-    assert got == small_linear.Tiles(16, tiles[0], tiles[1], True, tiles[2], tiles[3])
+    assert small_linear_tiles._dot_tiles() == tiles
+    monkeypatch.setattr(small_linear_tiles, "DOT_TILES", tiles)
+    got = small_linear_tiles.tiles_for(9, 960, 576, itemsize=2, interpret=False)
+    assert got == small_linear_tiles.Tiles(16, tiles[0], tiles[1], True, tiles[2], tiles[3])
 
 
 @pytest.mark.parametrize(
@@ -274,7 +273,10 @@ def test_the_rows_switches(
 ) -> None:
     """$SPECSPLIT_SMALL_LINEAR_<switch>: its default unset, the values it allows as asked,
     anything else stops the process."""
-    read = {"BROADCAST_ROWS": small_linear._broadcast_rows, "DOT_ROWS": small_linear._dot_rows}
+    read = {
+        "BROADCAST_ROWS": small_linear_tiles._broadcast_rows,
+        "DOT_ROWS": small_linear_tiles._dot_rows,
+    }
     name = f"SPECSPLIT_SMALL_LINEAR_{switch}"
     if value is None:
         monkeypatch.delenv(name, raising=False)
@@ -290,9 +292,9 @@ def test_the_rows_switches(
 def test_rows_past_both_paths_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """More rows than the tensor-core path's block and the broadcast path's limit: refused (not
     computed on one row block), whatever MAX_ROWS said at import."""
-    monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 4)
-    monkeypatch.setattr(small_linear, "MAX_ROWS", 32)
-    case = make_case(small_linear.DOT_ROWS + 1, 64, 48, False)
+    monkeypatch.setattr(small_linear_tiles, "BROADCAST_ROWS", 4)
+    monkeypatch.setattr(small_linear_tiles, "MAX_ROWS", 32)
+    case = make_case(small_linear_tiles.DOT_ROWS + 1, 64, 48, False)
     with pytest.raises(ValueError, match="at most 16"):
         run_linear_residual(case, linear_residual)
 
@@ -364,7 +366,9 @@ def run_both(
 
     with monkeypatch.context() as patch:  # the small path on the CPU, under the interpreter
         patch.setattr(
-            LlamaModel, "uses_small_linear", lambda self, n, device: n <= small_linear.MAX_ROWS
+            LlamaModel,
+            "uses_small_linear",
+            lambda self, n, device: n <= small_linear_tiles.MAX_ROWS,
         )
         patch.setattr(DecoderLayer, "forward_small", spy)
         patch.setattr(llama, "norm_linear_rope_store", qkv_spy)
@@ -430,10 +434,10 @@ def test_a_32_row_step_through_the_small_path_equals_the_layer_path(
     ($SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32): logits, aux hidden states and the written K/V as
     the layer path's."""
     if path == "broadcast":
-        monkeypatch.setattr(small_linear, "BROADCAST_ROWS", 32)
+        monkeypatch.setattr(small_linear_tiles, "BROADCAST_ROWS", 32)
     else:
-        monkeypatch.setattr(small_linear, "DOT_ROWS", 32)
-    monkeypatch.setattr(small_linear, "MAX_ROWS", 32)
+        monkeypatch.setattr(small_linear_tiles, "DOT_ROWS", 32)
+    monkeypatch.setattr(small_linear_tiles, "MAX_ROWS", 32)
     model, kv, seqs, gen = prefilled("llama_gqa_all_biases", 2)
     step = [causal_step(s, torch.randint(0, 96, (16,), generator=gen).tolist()) for s in seqs]
     assert_small_path_alike(model, step, kv, monkeypatch)
@@ -555,6 +559,6 @@ def test_wrapper_rejects_cpu_tensors_without_the_interpreter(
 def test_interpreter_tiles_cross_the_test_shapes() -> None:
     """The shapes above cross tile edges: N and K span several tiles, some partial."""
     for num_rows, k, n, _ in SHAPES.values():
-        tiles = small_linear.tiles_for(num_rows, n, k, itemsize=4, interpret=True)
+        tiles = small_linear_tiles.tiles_for(num_rows, n, k, itemsize=4, interpret=True)
         assert tiles.use_dot == (num_rows > 4) and tiles.block_m >= num_rows
         assert n > tiles.block_n and k > tiles.block_k

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import small_linear_tiles as bench
-from specsplit.kernels import small_linear as sl
+from specsplit.kernels import small_linear_tiles
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
@@ -33,7 +33,7 @@ def test_the_sweep_holds_the_default_and_only_tiles_the_switch_accepts(
     assert bench.DEFAULT in tiles and len(set(tiles)) == len(tiles)
     for tile in tiles:
         monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_DOT_TILES", ",".join(map(str, tile)))
-        assert sl._dot_tiles() == tile
+        assert small_linear_tiles._dot_tiles() == tile
 
 
 def test_the_report_names_the_best_tile_per_row_class(capsys: pytest.CaptureFixture[str]) -> None:

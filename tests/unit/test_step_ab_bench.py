@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from bench import step_ab
-from specsplit.kernels import small_linear, triton_jit
+from specsplit.kernels import small_linear_tiles, triton_jit
 from specsplit.model import llama
 
 
 @pytest.fixture
 def restore_switches() -> Iterator[None]:
     names = [(triton_jit, "PDL_SWITCH"), (llama, "SMALL_LINEAR_ROWS")] + [
-        (small_linear, name)
+        (small_linear_tiles, name)
         for name in ("PREFETCH", "PDL_ON_TENSOR_CORES", "PDL_TRIGGER_LATE", "DOT_ROWS", "DOT_TILES")
     ]
     before = [getattr(module, name) for module, name in names]
@@ -42,17 +42,18 @@ def test_variants_parse_and_refuse_unknown_switches() -> None:
 def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() -> None:
     variant = step_ab.parse_variant("a=pdl=0,prefetch=0,pdl_dot=1,late=1,rows=32,tiles=32/64/4/4")
     step_ab.apply(variant)
-    assert triton_jit.PDL_SWITCH == "0" and small_linear.PREFETCH is False
-    assert small_linear.PDL_ON_TENSOR_CORES is True and small_linear.PDL_TRIGGER_LATE is True
-    assert llama.SMALL_LINEAR_ROWS == 32 and small_linear.DOT_ROWS == 32
-    assert small_linear.DOT_TILES == (32, 64, 4, 4)
+    assert triton_jit.PDL_SWITCH == "0" and small_linear_tiles.PREFETCH is False
+    assert small_linear_tiles.PDL_ON_TENSOR_CORES is True
+    assert small_linear_tiles.PDL_TRIGGER_LATE is True
+    assert llama.SMALL_LINEAR_ROWS == 32 and small_linear_tiles.DOT_ROWS == 32
+    assert small_linear_tiles.DOT_TILES == (32, 64, 4, 4)
     step_ab.apply(step_ab.parse_variant("b=rows=16"))
     assert step_ab.DEFAULTS["pdl"] == triton_jit.PDL_SWITCH
-    assert small_linear.PREFETCH is (step_ab.DEFAULTS["prefetch"] == "1")
-    assert small_linear.PDL_ON_TENSOR_CORES is (step_ab.DEFAULTS["pdl_dot"] == "1")
-    assert small_linear.PDL_TRIGGER_LATE is (step_ab.DEFAULTS["late"] == "1")
-    assert llama.SMALL_LINEAR_ROWS == 16 and small_linear.DOT_ROWS == 16
-    assert small_linear.DOT_TILES is None
+    assert small_linear_tiles.PREFETCH is (step_ab.DEFAULTS["prefetch"] == "1")
+    assert small_linear_tiles.PDL_ON_TENSOR_CORES is (step_ab.DEFAULTS["pdl_dot"] == "1")
+    assert small_linear_tiles.PDL_TRIGGER_LATE is (step_ab.DEFAULTS["late"] == "1")
+    assert llama.SMALL_LINEAR_ROWS == 16 and small_linear_tiles.DOT_ROWS == 16
+    assert small_linear_tiles.DOT_TILES is None
 
 
 @pytest.mark.usefixtures("restore_switches")
