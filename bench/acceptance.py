@@ -13,12 +13,10 @@ speculation row (gateway/adaptive.py) that starts on --start:
 
     python bench/acceptance.py --adaptive --self-layers --eagle3 HEAD_DIR --device cuda
 
---draft-support N: a sampled chain's drafts drawn from the draft distribution cut to its N most
-likely tokens (drafter.tree_draft.DRAFT_SUPPORT; 0: the whole vocabulary), to see what the cut
-costs in acceptance:
-
-    python bench/acceptance.py --self-layers --eagle3 specsplit/data/eagle3-smollm2 \
-        --temperature 1.0 --draft-support 0
+A sampled chain's drafts come from the draft distribution cut to its DRAFT_SUPPORT likeliest
+tokens (specsplit/tree.py), a size the verifier's acceptance graphs are captured for: it is not a
+knob here (--draft-support, until the sixty-sixth session, had set a name no code read since the
+constant moved out of drafter/tree_draft.py).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from importlib import resources
 
 import torch
 
-from drafter import tree_draft
 from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_ladder
 from gateway.request import GenerationRequest
 from inprocess.stack import accepted_tokens_per_round, build_local_stack, token_ids
@@ -60,7 +57,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
-    parser.add_argument("--draft-support", type=int, default=None, help="0: whole vocabulary")
     return parser.parse_args()
 
 
@@ -95,8 +91,6 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     target = load_model(path, dtype=dtype, device=args.device)
     prompts = [apply_chat_template(tokenizer, messages) for messages in bundled_prompts()]
-    if args.draft_support is not None:
-        tree_draft.DRAFT_SUPPORT = args.draft_support or 1 << 31
     requests = [
         GenerationRequest(
             p, args.max_new_tokens, SamplingParams(args.temperature, seed=args.seed + i)
@@ -104,8 +98,6 @@ def main() -> None:
         for i, p in enumerate(prompts)
     ]
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    if args.temperature and args.draft_support is not None:
-        mode += f", draft support {args.draft_support or 'the whole vocabulary'}"
 
     print(
         f"model {path}\n{len(prompts)} prompts, {mode}, max_new_tokens {args.max_new_tokens}, "

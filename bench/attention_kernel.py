@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 import specsplit.kernels.paged_attention as pa
-from specsplit.kernels.paged_attention_reference import paged_attention_with_plan, reference_plan
+from specsplit.kernels.paged_attention_reference import (
+    paged_attention_reference,
+    paged_attention_with_plan,
+    reference_plan,
+)
 
 PAGE_SIZE = 16
 SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
@@ -159,7 +163,7 @@ def bench_one(
     first = layers[0]
     got = pa.paged_attention(**first).float()
     up = {name: first[name].float() for name in ("q", "k_cache", "v_cache")}
-    want = pa.paged_attention_reference(**{**first, **up})
+    want = paged_attention_reference(**{**first, **up})
     row["err"] = (got - want).abs().max().item()
     single = pa.paged_attention(**first, num_splits=1).float()
     row["err_single"] = (single - want).abs().max().item()

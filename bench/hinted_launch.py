@@ -279,7 +279,7 @@ def run_mode(
 def _settle(engine: VerifierEngine) -> None:
     """Nothing left ahead (a round launched on the last hint): dropped, its room freed."""
     if engine._ahead is not None:
-        engine._drop_ahead()
+        engine._drop_ahead("released")
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
