@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from gateway.clients import DrafterClient
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.model.loader import embedded_default_model_path, load_tokenizer
 from tests.support import (
+    PassThroughDrafter,
     PassThroughVerifier,
     generate_all,
     generated_ids,
@@ -75,15 +75,9 @@ def run(
         async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
             return await verifier.call(lambda: self.inner.verify(inputs))
 
-    class ModelledDrafter:
-        def __init__(self, inner: DrafterClient) -> None:
-            self.inner = inner
-
+    class ModelledDrafter(PassThroughDrafter):
         async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
             return await drafter.call(lambda: self.inner.draft(inputs))
-
-        async def release(self, seq_ids: list[str]) -> None:
-            await self.inner.release(seq_ids)
 
     scheduler.verifier = ModelledVerifier(scheduler.verifier)
     scheduler.drafter = ModelledDrafter(scheduler.drafter)

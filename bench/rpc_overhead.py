@@ -197,17 +197,19 @@ async def run_stub(address: str, n: int, warmup: int, seq_id: str) -> tuple[list
     channel = grpc.aio.insecure_channel(address)
     call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
     try:
-        await call.write(rounds.VERIFY.request_to_proto([decode_input(seq_id, 0, PROMPT)]))
-        (out,) = rounds.VERIFY.response_from_proto(await call.read())
+        await call.write(rounds.VERIFY.request_to_proto([decode_input(seq_id, 0, PROMPT)], None))
+        (out,) = rounds.VERIFY.response_from_proto(await call.read(), None)
         committed, token = out.kv_committed_len, out.bonus_token
         beyond, engine = [], []
         for i in range(n + warmup):
-            request = rounds.VERIFY.request_to_proto([decode_input(seq_id, committed, [token])])
+            request = rounds.VERIFY.request_to_proto(
+                [decode_input(seq_id, committed, [token])], None
+            )
             start = time.perf_counter()
             await call.write(request)
             response = await call.read()
             wall = time.perf_counter() - start
-            (out,) = rounds.VERIFY.response_from_proto(response)
+            (out,) = rounds.VERIFY.response_from_proto(response, None)
             committed, token = out.kv_committed_len, out.bonus_token
             if i >= warmup:
                 engine_s = rounds.VERIFY.engine_ns(response) / 1e9
@@ -223,7 +225,7 @@ async def run_echo(address: str, n: int, warmup: int) -> tuple[list, list]:
     channel = grpc.aio.insecure_channel(address)
     await asyncio.wait_for(channel.channel_ready(), 120)  # the echo child still importing
     call = verifier_pb2_grpc.VerifierStub(channel).VerifyStream()
-    request = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])])
+    request = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])], None)
     beyond, engine = [], []
     for i in range(n + warmup):
         start = time.perf_counter()
@@ -243,7 +245,7 @@ async def run_lane_echo(address: str, n: int, warmup: int, spin: bool) -> tuple[
     path = lane_path(address)
     assert path is not None
     lane = LaneConnection("echo", path, LANE_POLL_MS_ON_GPU / 1e3 if spin else 0.0)
-    body = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])]).SerializeToString()
+    body = rounds.VERIFY.request_to_proto([decode_input("a", 33, [7])], None).SerializeToString()
     beyond, engine = [], []
     for i in range(n + warmup):
         start = time.perf_counter()

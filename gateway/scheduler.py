@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
@@ -260,7 +260,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
 
     # -- client side -----------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         """Stream a generation; closing the iterator early cancels it and frees its KV.
         Raises RESOURCE_EXHAUSTED right away (before any iteration) when `max_waiting` requests
         already wait for a place in the batch; for a session's turn, NOT_FOUND (unknown or
@@ -276,7 +276,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates):
             self.sessions.check_free(request.session_id)
         return self._generate(request)
 
-    async def _generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         if request.session_id is not None:  # the whole conversation, its KV carried over
             seq = await self.sessions.begin_turn(request, self._new_sequence)
         else:

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from gateway.clients import DrafterClient, VerifierClient
 from gateway.health import Health
@@ -73,7 +73,7 @@ def save_tiny_llama(
 def make_stack(
     target_dir: Path,
     drafter: str,
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     spec: SpecParams,
     draft_dir: Path | None = None,
     page_size: int = 16,
@@ -230,7 +230,7 @@ def mixed_requests(
 
 
 def target_only_ids(
-    target_dir: Path, tokenizer: object, requests: list[GenerationRequest]
+    target_dir: Path, tokenizer: PreTrainedTokenizerBase, requests: list[GenerationRequest]
 ) -> list[list[int]]:
     """What the target alone generates for each request (speculation off)."""
     stack = make_stack(target_dir, "ngram", tokenizer, SpecParams(0, 1, 0))
@@ -247,6 +247,23 @@ def dense_step(
 ) -> SeqStep:
     """A step given by a dense mask (tests): everything is its new region, no fixed prefix."""
     return SeqStep(seq, input_ids, positions, storage, int(mask.shape[1]), 0, mask, logit_rows)
+
+
+class PassThroughDrafter:
+    """A drafter client that hands every call to `inner`; a double subclasses it and overrides
+    what it changes (a modelled drafter's timing, in bench/groups_model.py)."""
+
+    def __init__(self, inner: DrafterClient) -> None:
+        self.inner = inner
+
+    async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
+        return await self.inner.draft(inputs)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self.inner.release(seq_ids)
+
+    async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+        return await self.inner.truncate(items)
 
 
 class PassThroughVerifier:
@@ -322,6 +339,9 @@ class TimedClients:
 
             async def release(self, seq_ids: list[str]) -> None:
                 await timed.drafter.release(seq_ids)
+
+            async def truncate(self, items: list[Truncation]) -> list[Truncated]:
+                return await timed.drafter.truncate(items)
 
         return Drafter()
 
