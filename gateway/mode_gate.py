@@ -13,9 +13,11 @@ are measured:
   own first WINDOW rounds (a draft's gain shrinks as the batch grows: two H200s, 8B-shaped
   target at 80 requests a second, batch 64 took batch 32's speculation, committed 0.8x the
   target alone's tokens a second, and its first probe would have waited longer than the 3 s
-  run), and so does a smaller batch than one that chose the plain one probe the others (the
+  run); likewise a smaller batch than one that chose the plain one probes the others (the
   same system at 20 requests a second after 80: batches up to 16 took batch 64's plain rounds
   and ran them 4.5 s, 236 rounds, before their first probe found speculation 2.4x faster);
+  "than one" is the batch size whose own rounds made the choice (a bucket may take it from
+  another that took it in turn);
 - then the mode with the most committed tokens per second of round (running sums over the
   last WINDOW measured rounds of each mode, less the slowest of them where it took more than
   STALL x their median: the first rounds of a mode may build kernels or capture graphs, a
