@@ -251,7 +251,7 @@ def dense_step(
 
 class PassThroughDrafter:
     """A drafter client that hands every call to `inner`; a double subclasses it and overrides
-    what it changes (a modelled drafter's timing, in bench/groups_model.py)."""
+    what it changes (a timed or modelled Draft: TimedClients, bench/groups_model.py)."""
 
     def __init__(self, inner: DrafterClient) -> None:
         self.inner = inner
@@ -327,7 +327,7 @@ class TimedClients:
     def drafter_client(self) -> DrafterClient:
         timed = self
 
-        class Drafter:
+        class Drafter(PassThroughDrafter):
             async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
                 timed.draft_inputs.append(inputs)
                 return await timed._timed(timed.drafts, self._slow(inputs))
@@ -335,15 +335,9 @@ class TimedClients:
             async def _slow(self, inputs: list[DraftInput]) -> list[DraftOutput]:
                 if timed.per_seq_delay:
                     await asyncio.sleep(timed.per_seq_delay * len(inputs))
-                return await timed.drafter.draft(inputs)
+                return await self.inner.draft(inputs)
 
-            async def release(self, seq_ids: list[str]) -> None:
-                await timed.drafter.release(seq_ids)
-
-            async def truncate(self, items: list[Truncation]) -> list[Truncated]:
-                return await timed.drafter.truncate(items)
-
-        return Drafter()
+        return Drafter(timed.drafter)
 
     def verifier_client(self) -> VerifierClient:
         timed = self
