@@ -2,7 +2,10 @@
 verifier verifies a round's chain, the drafter drafts the next round's tree for each likely
 outcome (an accept length along the chain and a guessed bonus token), on the device in one run
 (`DeviceExpansion.expand_ahead`, with the catch-up in it where it can) or a step at a time in
-forks of the sequence's KV (sampled chains, and the reference)."""
+forks of the sequence's KV (the reference). A sampled chain's outcomes all draw at the uniforms
+its next Draft would have drawn (one draw from its generator a call, whatever the outcomes):
+the tree the next round takes is drawn from its draft distributions at uniforms nothing else
+has read, so the verifier's acceptance stays exact."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
@@ -56,6 +60,8 @@ class DraftAhead:
         [list[SeqStep], torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
     ]
     _expand: Callable[[list[DraftJob], torch.Tensor, torch.Tensor | None], list[DraftTree]]
+    _sampling_rows: Callable[[list[DraftJob], int], np.ndarray]
+    _set_generator: Callable[[DraftSeq, int | None], torch.Generator]
 
     def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
         """Draft-ahead, while the verifier verifies `job.verifying` (a chain) for each job's
@@ -96,9 +102,9 @@ class DraftAhead:
         return [ahead.get(id(job), []) for job in jobs]
 
     def _ahead_on_device_ok(self, job: DraftJob) -> bool:
-        """Whether `job`'s draft-ahead runs on the device (expand_ahead): deterministic trees
-        and greedy chains; sampled chains draft ahead in forks."""
-        return self._expands_on_device(job) and not sampled_chain(job)
+        """Whether `job`'s draft-ahead runs on the device (expand_ahead): where its Draft's
+        expansion would (`_expands_on_device`)."""
+        return self._expands_on_device(job)
 
     def _fused_ahead(
         self, jobs: list[DraftJob], drafting: list[DraftJob], steps: list[SeqStep]
@@ -143,15 +149,18 @@ class DraftAhead:
         root_features: torch.Tensor | None,
         catch_ups: list[list[int]] | None = None,
     ) -> dict[int, list[AheadTree]]:
-        """DeviceExpansion.expand_ahead of `key` for `jobs` (by id: each outcome's tree)."""
+        """DeviceExpansion.expand_ahead of `key` for `jobs` (by id: each outcome's tree; a
+        sampled chain's uniforms drawn here, once a call)."""
         seqs = [self._seq_kv(job.seq) for job in jobs]
         for kv in seqs:
             self.kv.reserve(kv, kv.kv_committed_len + key.width)
         chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
+        steps = key.shape.num_steps
+        sampling = self._sampling_rows(jobs, steps) if key.shape.sampled else None
         found = self._carrying(
             key.catch_up if catch_ups else 0,
             lambda new_rows: self._expansion().expand_ahead(
-                key, seqs, root_logits, root_features, chains, catch_ups, new_rows
+                key, seqs, root_logits, root_features, chains, catch_ups, new_rows, sampling
             ),
         )
         return {
@@ -171,7 +180,9 @@ class DraftAhead:
         forks: list[DraftSeq],
     ) -> dict[int, list[AheadTree]]:
         """Draft-ahead a step at a time, each outcome in a fork of the sequence's KV: the
-        reference of the device run, and the path of sampled chains."""
+        reference of the device run. A sampled chain's forks start from a copy of its
+        generator, which then moves on once: each fork draws the uniforms the device run's
+        outcomes draw."""
         runs = [Expansion(job) for job in chains]
         if root_features is not None:
             for run in runs:
@@ -193,16 +204,24 @@ class DraftAhead:
         for i, (run, per_k) in enumerate(zip(runs, guesses, strict=True)):
             parent = self._seq_kv(run.job.seq)
             base = parent.kv_committed_len
+            drawing = None
+            if sampled_chain(run.job):
+                drawing = self._set_generator(run.job.seq, run.job.sampling.seed)
             for k, bonus_tokens in enumerate(per_k):
                 for bonus in bonus_tokens:
                     kv = self.kv.fork(parent, base + k)
                     self.kv.reserve(kv, base + k + 1 + run.job.spec.max_draft_tokens)
-                    state = dataclasses.replace(self._state(run.job.seq), kv=kv, generator=None)
+                    generator = None if drawing is None else copy_generator(drawing)
+                    state = dataclasses.replace(
+                        self._state(run.job.seq), kv=kv, generator=generator
+                    )
                     forks.append(DraftSeq(run.job.seq.seq_id, state=state))
                     outcomes.append((i, k, bonus))
                     steps.append(causal_step(kv, [bonus], [0], start=base + k))
                     if run.node_hidden:
                         features.append(run.node_hidden[k - 1])
+            if drawing is not None:  # its forks' draws, once (as `_sampling_rows` draws)
+                torch.rand(run.job.spec.num_steps, generator=drawing)
         if not steps:
             return {}
         bonus_logits, bonus_features = self._forward_rows(
@@ -246,7 +265,15 @@ class DraftAhead:
 def ahead_key(job: DraftJob) -> Ahead:
     """The device expansion of `job`'s draft-ahead (a chain being verified)."""
     assert job.verifying is not None
-    return Ahead(len(job.verifying), job.ahead_guesses, Shape(job.spec.topk, job.spec.num_steps))
+    shape = Shape(job.spec.topk, job.spec.num_steps, sampled_chain(job))
+    return Ahead(len(job.verifying), job.ahead_guesses, shape)
+
+
+def copy_generator(generator: torch.Generator) -> torch.Generator:
+    """A generator that draws what `generator` would draw next."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
 
 
 def rows_of(

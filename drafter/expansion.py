@@ -181,6 +181,7 @@ class DeviceExpansion(ExpansionSteps):
         chains: list[list[int]],  # [B][key.chain_len] the chains being verified
         catch_ups: list[list[int]] | None = None,  # [B][key.catch_up] the catch-ups' tokens
         new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
+        sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
     ) -> list[list[tuple[int, int, Candidates]]]:
         """Draft-ahead in one run (one graph replay): with `key.catch_up` = q, first each
         sequence's entries at storage [base - q, base) from `catch_ups` (causal; the last one
@@ -190,19 +191,28 @@ class DeviceExpansion(ExpansionSteps):
         the chain's next node), then each outcome's bonus and its tree, all in the sequence's
         own storage past the root: the chain at base + [0, L), outcome o's bonus at
         base + L + o * (1 + n) and its candidates after it, each row seeing only its ancestors.
-        `new_rows` (a row pool's): written into the pool before the catch-up reads it.
+        `new_rows` (a row pool's): written into the pool before the catch-up reads it. A
+        sampled chain's outcomes (`key.shape.sampled`) all draw at its row of `sampling`.
         Per sequence, per outcome (k, j): (k, bonus, its tree's candidates)."""
         bs, n, g = len(seqs), key.shape.num_candidates, key.guesses
         assert (root_logits is None) == bool(key.catch_up), key
-        out, _ = self._run(
-            key, seqs, root_logits, root_features, chains, catch_ups=catch_ups, new_rows=new_rows
+        assert (sampling is not None) == key.shape.sampled, key
+        out, probs = self._run(
+            key, seqs, root_logits, root_features, chains, sampling, catch_ups, new_rows
         )
         rows = bs * key.num_outcomes
-        bonus = out[rows * 3 * n :].reshape(bs, key.chain_len + 1, g)
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
+        end = rows * 3 * n + bs * (key.chain_len + 1) * g
+        bonus = out[rows * 3 * n : end].reshape(bs, key.chain_len + 1, g)
+        found = [_candidates(cands, r) for r in range(rows)]
+        if key.shape.sampled:
+            ids = torch.from_numpy(out[end:].reshape(rows, n, -1))
+            weights = torch.from_numpy(probs.reshape(rows, n, -1))
+            for r, candidates in enumerate(found):
+                candidates.draft_probs = DraftProbs(ids[r], weights[r], self.vocab_size)
         return [
             [
-                (k, int(bonus[b, k, j]), _candidates(cands, (b * (key.chain_len + 1) + k) * g + j))
+                (k, int(bonus[b, k, j]), found[(b * (key.chain_len + 1) + k) * g + j])
                 for k in range(key.chain_len + 1)
                 for j in range(g)
             ]
@@ -431,12 +441,16 @@ def _candidates(out: np.ndarray, row: int) -> Candidates:
 
 def _first_rows(out: np.ndarray, key: Shape | Ahead, bucket: int, bs: int) -> np.ndarray:
     """The flat output of a graph's `bucket` rows cut to its first `bs` (the padding after)."""
-    if not isinstance(key, Ahead):  # candidates, then a sampled chain's supports' tokens
-        cands = 3 * key.num_candidates
-        if not key.sampled:
-            return out[: bs * cands]
-        ids = (len(out) - bucket * cands) // bucket
-        return np.concatenate([out[: bs * cands], out[bucket * cands :][: bs * ids]])
-    per_row = key.num_outcomes * 3 * key.shape.num_candidates
-    bonus = (key.chain_len + 1) * key.guesses
-    return np.concatenate([out[: bs * per_row], out[bucket * per_row :][: bs * bonus]])
+    # a row's part of each: candidates (draft-ahead's: then the bonus tokens), then a sampled
+    # chain's supports' tokens
+    shape = key.shape if isinstance(key, Ahead) else key
+    chains = key.num_outcomes if isinstance(key, Ahead) else 1
+    parts = [chains * 3 * shape.num_candidates]
+    if isinstance(key, Ahead):
+        parts.append((key.chain_len + 1) * key.guesses)
+    if shape.sampled:
+        parts.append((len(out) - bucket * sum(parts)) // bucket)
+    if len(parts) == 1:
+        return out[: bs * parts[0]]
+    starts = np.cumsum([0, *parts]) * bucket
+    return np.concatenate([out[s : s + bs * p] for s, p in zip(starts[:-1], parts, strict=True)])

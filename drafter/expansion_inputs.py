@@ -178,14 +178,17 @@ class ExpansionInputs:
             rows = bs * key.num_outcomes
             size = rows * 3 * n + bs * (chain_len + 1) * key.guesses
         else:
+            rows = bs
             size = bs * 3 * n
-        # a sampled chain's rows: temperature, top_p, top_k, then a uniform per step
+        # a sampled chain's rows, a sequence's (each of its outcomes' chains draws at the same
+        # uniforms): temperature, top_p, top_k, then a uniform per step
         steps = shape.num_steps if shape.sampled else 0
         self.sampling = torch.ones(bs, 3 + steps, dtype=torch.float32, device=device)
         self.support = min(DRAFT_SUPPORT, vocab)
-        size += bs * steps * self.support  # each step's support's tokens
-        self.probs = torch.zeros(bs * steps * self.support, dtype=torch.float32, device=device)
-        # tokens, parents, order (then a sampled chain's supports' tokens)
+        size += rows * steps * self.support  # each chain's steps' supports' tokens
+        self.probs = torch.zeros(rows * steps * self.support, dtype=torch.float32, device=device)
+        # tokens, parents, order (draft-ahead's: then the bonus tokens), then a sampled chain's
+        # supports' tokens
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
         self.ahead = AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
         self.catch_up = CatchUpConstants(catch_up, bs, device) if catch_up else None

@@ -96,7 +96,9 @@ class ExpansionSteps:
 
     def _ahead_body(self, key: Ahead, inputs: ExpansionInputs) -> None:
         """Draft-ahead's steps (`expand_ahead`) for `inputs`' rows; writes inputs.out: every
-        outcome's candidates [B * outcomes, 3, n], then the bonus tokens [B, L + 1, g]."""
+        outcome's candidates [B * outcomes, 3, n], then the bonus tokens [B, L + 1, g], then
+        (a sampled chain's) every outcome's supports' tokens [B * outcomes, n, S], their
+        probabilities in inputs.probs."""
         chain_len, g = key.chain_len, key.guesses
         bs, page = inputs.bs, self.kv.page_size
         consts = inputs.ahead
@@ -152,7 +154,10 @@ class ExpansionSteps:
         )
         root_logits, root_outputs = self.forward(batch, features)
         start = storage + 1
-        cands, _ = self._grow(
+        # a sampled chain's outcomes each draw at its sequence's uniforms: the ones its next
+        # Draft would have drawn, whichever outcome comes
+        sampling = inputs.sampling[consts.seq_of] if key.shape.sampled else None
+        cands, supports = self._grow(
             key.shape,
             consts.grow,
             root_logits,
@@ -163,8 +168,13 @@ class ExpansionSteps:
             base_r + consts.k_of + 1,
             consts.visible,
             key.width,
+            sampling,
         )
-        inputs.out.copy_(torch.cat([cands.reshape(-1), bonus.reshape(-1)]))
+        parts = [cands.reshape(-1), bonus.reshape(-1)]
+        if supports is not None:
+            parts.append(supports[0].reshape(-1))
+            inputs.probs.copy_(supports[1].reshape(-1))
+        inputs.out.copy_(torch.cat(parts))
 
     def _roots(
         self,

@@ -46,15 +46,20 @@ EXPANSION_SHAPES = tuple(
 # (gateway/scheduler.py: 2 bonus guesses at each accept length of a chain of 3 being verified;
 # a plain round's (3 + 1) x 2 = 8 guesses at the root), which its overlap gate probes at each
 # batch size it meets (`up`'s default on two GPUs): before, each was captured in its first such
-# round, 10-50 ms on an 8B head
-AHEAD_SHAPES = (Ahead(3, 2, Shape(1, 3)), Ahead(0, 8, Shape(1, 3)))
+# round, 10-50 ms on an 8B head; greedy and sampled
+AHEAD_SHAPES = tuple(
+    ahead
+    for sampled in (False, True)
+    for ahead in (Ahead(3, 2, Shape(1, 3, sampled)), Ahead(0, 8, Shape(1, 3, sampled)))
+)
 # and the shorter chains' near a request's max_new_tokens (chains of 2 and 1, and a plain
 # round's (n + 1) x 2 guesses for them), without a catch-up: captured in traffic, each took
 # ~0.3 s of a round (the 8B mirror's speculation at 20 requests a second, TTFT p99 134 ms)
 AHEAD_NEAR_END = tuple(
     ahead
+    for sampled in (False, True)
     for n in (2, 1)
-    for ahead in (Ahead(n, 2, Shape(1, n)), Ahead(0, (n + 1) * 2, Shape(1, n)))
+    for ahead in (Ahead(n, 2, Shape(1, n, sampled)), Ahead(0, (n + 1) * 2, Shape(1, n, sampled)))
 )
 # keys also captured with the catch-up in the same run (`catch_up`: `TreeProposer._fused_expand`,
 # `_fused_ahead`) at every catch-up length: the gateway's default chain of 3, greedy and

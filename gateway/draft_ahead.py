@@ -109,8 +109,8 @@ class AheadRounds:
         from that step's likely outcomes (the draft's likeliest bonus tokens). `hint`: the
         trees drafted ahead go to the verifier as a hint where verify_ahead says so. A Verify
         that answers before the drafter is committed and streamed at once, while the drafter
-        drafts: the next round waits only for the trees. With `plain`, a sampled newcomer (it
-        never drafts ahead) is not drafted first either once the drafter has told its layers
+        drafts: the next round waits only for the trees. With `plain`, a sampled tree's newcomer
+        (trees never draft ahead) is not drafted first either once the drafter has told its layers
         (`_catches_up_beside`): its prefill goes with no tree and the same drafter call catches
         its prompt up."""
         trees = self._take_ahead(batch)
@@ -134,8 +134,9 @@ class AheadRounds:
             for item in inputs:  # (the verifier counts its next round's absence as "off")
                 item.unhinted = self.verify_ahead and not hint
             guessing = []
+            caught = {id(seq) for seq in catching}  # (a sampled tree's: no draft-ahead)
             for seq, tree, item in zip(batch, round_trees, inputs, strict=True):
-                if self._drafts_ahead(seq, tree):
+                if self._drafts_ahead(seq, tree) and id(seq) not in caught:
                     guessing.append((seq, tree))
                     # one step (a tree's round has one; a plain round's would have several):
                     # the outcomes guessed end with its bonus token, more would match none
@@ -206,6 +207,7 @@ class AheadRounds:
         hints = [
             next_trees(seq, verifying, ahead, plain and self._misses_plain(seq))
             for (seq, verifying), ahead in zip(guessing, guessed, strict=True)
+            if seq.request.sampling.greedy  # the verifier runs greedy rounds ahead only
         ]
         try:
             await self.verifier.hint([hint for hint in hints if hint is not None])
@@ -228,8 +230,8 @@ class AheadRounds:
         tree at once. In its first round too once the drafter has told the layers it reads
         (`_layers_known`: the prefill needs nothing from a Draft; the draft-ahead call beside
         it catches the prompt up, off the other sequences' path: a long prompt's catch-up is
-        the drafter's slowest forward), and only where it drafts ahead next: greedy chains
-        (trees are never drafted ahead)."""
+        the drafter's slowest forward), and only where it drafts ahead next: chains, greedy or
+        sampled (trees are never drafted ahead)."""
         return (
             (seq.verifier_begun or self._layers_known(seq))
             and seq.round_spec().topk == 1
@@ -237,12 +239,12 @@ class AheadRounds:
         )
 
     def _drafts_ahead(self, seq: Sequence, tree: DraftTree) -> bool:
-        """Whether the drafter drafts ahead for `seq` this round: a greedy request (sampled
-        chains carry their draws, drafted per round) verifying a chain, with drafts next round,
-        and a drafter that answers."""
+        """Whether the drafter drafts ahead for `seq` this round: verifying a chain, with
+        drafts next round, and a drafter that answers. Greedy or sampled: a sampled chain's
+        trees drafted ahead draw at the uniforms its next Draft would have drawn, with their
+        draft distributions (drafter/draft_ahead.py)."""
         return (
             self.ahead_guesses > 0
-            and seq.request.sampling.greedy
             and tree.is_chain
             and self._needs_drafter(seq)
             and seq.round_spec().num_steps > 0
@@ -277,13 +279,13 @@ class AheadRounds:
         return [out.ahead for out in outputs[: len(batch)]]
 
     def _catches_up_beside(self, seq: Sequence) -> bool:
-        """Whether a newcomer that never drafts ahead (sampled) goes without a tree in its
+        """Whether a sampled newcomer that never drafts ahead (a tree) goes without a tree in its
         first round while the drafter takes its prompt in the call beside the Verify, rather
         than drafted first on every sequence's path (a long prompt's catch-up is the drafter's
         slowest forward): where the drafter has told the layers it reads and they are none (an
         EAGLE head has no features before the prefill: it is not asked, as `_needs_drafter`
-        says) and the sequence drafts at all. A greedy newcomer drafts ahead instead
-        (`_misses_plain`); a tree's is drafted first, as before."""
+        says) and the sequence drafts at all. A chain's newcomer drafts ahead instead
+        (`_misses_plain`); a greedy tree's is drafted first, as before."""
         return (
             not seq.verifier_begun
             and not seq.request.sampling.greedy

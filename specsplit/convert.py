@@ -189,11 +189,20 @@ def draft_response_to_proto(
         raise ValueError(f"a drafter's outputs name different hidden_state_layers: {layers}")
     msg.hidden_state_layers.extend(layers.pop() if layers else ())
     fill_round_probs(msg.draft_probs, [item.tree for item in outputs])
-    for i, item in enumerate(outputs):
-        if item.tree.draft_probs is not None:
-            msg.extras.add(index=i, has_draft_probs=True)
+    # a sampled chain's trees drafted ahead: all of them carry draft probabilities
+    ahead_probs = [any(a.tree.draft_probs is not None for a in item.ahead) for item in outputs]
+    for i, (item, ahead) in enumerate(zip(outputs, ahead_probs, strict=True)):
+        if item.tree.draft_probs is not None or ahead:
+            msg.extras.add(
+                index=i, has_draft_probs=item.tree.draft_probs is not None, ahead_draft_probs=ahead
+            )
     if any(item.ahead for item in outputs):
         fill_outcomes(msg, [item.ahead for item in outputs], AHEAD_COLUMNS)
+        fill_round_probs(
+            msg.ahead_draft_probs,
+            [a.tree for item, ahead in zip(outputs, ahead_probs, strict=True) if ahead
+             for a in item.ahead],
+        )  # fmt: skip
     return msg
 
 
@@ -217,6 +226,9 @@ def draft_response_from_proto(
     if msg.num_outcomes:
         for item, ahead in zip(outputs, read_outcomes(msg, n, AHEAD_COLUMNS), strict=True):
             item.ahead = ahead
+    sampled = [i for i, extras in extras_of.items() if extras.ahead_draft_probs]
+    trees = [ahead.tree for i in sampled for ahead in outputs[i].ahead]
+    read_round_probs(msg, trees, "ahead_draft_probs")
     return outputs
 
 

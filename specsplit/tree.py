@@ -150,6 +150,8 @@ class DraftTree:
         keep = [i for i, d in enumerate(self.depths()) if d <= num_steps][:num_draft_tokens]
         if len(keep) == len(self.tokens):
             return self
+        if not keep:  # (no draft probabilities either: a plain round's)
+            return DraftTree()
         index = {old: new for new, old in enumerate(keep)}
         probs = None if self.draft_probs is None else self.draft_probs.rows(keep)
         return DraftTree(

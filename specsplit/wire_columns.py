@@ -58,20 +58,21 @@ def fill_round_probs(msg: common_pb2.DraftProbs, trees: list[DraftTree]) -> None
 
 
 def read_round_probs(
-    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse, trees: list[DraftTree]
+    msg: verifier_pb2.VerifyRequest | drafter_pb2.DraftResponse,
+    trees: list[DraftTree],
+    field: str = "draft_probs",
 ) -> None:
     """Give each of `trees` (those said to have draft probabilities, in order) its rows of the
-    round's message: views of one checked copy."""
+    round's message (`field`: its DraftProbs field): views of one checked copy."""
     counts = [len(tree) for tree in trees]
-    if not msg.HasField("draft_probs"):
+    if not msg.HasField(field):  # type: ignore[arg-type]
         if trees:
-            raise invalid(f"{len(trees)} sequences have draft probabilities; draft_probs unset")
+            raise invalid(f"{len(trees)} trees have draft probabilities; {field} unset")
         return
-    probs = probs_from_proto(msg.draft_probs, "draft_probs")
+    probs = probs_from_proto(getattr(msg, field), field)
     if len(probs) != sum(counts):
         raise invalid(
-            f"draft_probs has {len(probs)} rows; the trees said to have them have {sum(counts)}"
-            " nodes"
+            f"{field} has {len(probs)} rows; the trees said to have them have {sum(counts)} nodes"
         )
     parts = [probs] if len(trees) == 1 else probs.split(counts)
     for tree, part in zip(trees, parts, strict=True):

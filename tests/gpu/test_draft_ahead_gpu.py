@@ -1,6 +1,7 @@
 """On a CUDA device: draft-ahead (overlap "ahead") with the drafter's and the verifier's CUDA
 graphs, for a draft model and an EAGLE-3 head, misses drafted first or run plain: the output is
-the target's greedy output, trees were drafted ahead and used, and no KV is left. Skipped where
+the target's greedy output, trees were drafted ahead and used, and no KV is left; sampled chains
+draft ahead from the warm-up's graphs, seeded alike run after run. Skipped where
 there is no GPU (CI)."""
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter.expansion_inputs import Ahead
 from gateway.request import GenerationRequest
 from specsplit.messages import SpecParams
+from specsplit.sampling import SamplingParams
 from tests.eagle_random import save_target_and_drafters
 from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, stack_on
 
@@ -46,3 +49,33 @@ def test_draft_ahead_with_graphs_equals_target_greedy(
     assert _outputs(stack) == _outputs(target)
     scheduler = stack.scheduler
     assert scheduler.num_ahead_hits + scheduler.num_ahead_misses > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_sampled_draft_ahead_replays_the_warm_up_graphs_and_is_seeded(
+    models, smollm2_tokenizer, drafter: str
+) -> None:
+    """Sampled chains draft ahead from the drafter's graphs as greedy ones do (the warm-up
+    captured their keys: no draft-ahead graph is captured in traffic); rounds take the chains
+    drafted ahead, a seeded request streams the same tokens run after run, and no KV is
+    left. (Their distribution: tests/unit/test_lossless_sampling.py on the CPU.)"""
+    spec = SpecParams(3, 1, 3)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 12, 17)]
+    runs = []
+    for _ in range(2):
+        stack = stack_on("cuda", models, smollm2_tokenizer, drafter, spec, True, overlap="ahead")
+        runner = stack.drafter.proposer.device_expansion_runner
+        warmed = set(runner.captured)
+        requests = [
+            GenerationRequest(
+                p + p[:4], 24, SamplingParams(temperature=0.3, seed=b), ignore_eos=True
+            )
+            for b, p in enumerate(prompts)
+        ]
+        runs.append([generated_ids(c) for c in stack.generate_all(requests)])
+        check_no_leaks(stack)
+        assert stack.scheduler.num_ahead_hits > 0
+        new = [key for key, _ in set(runner.captured) - warmed if isinstance(key, Ahead)]
+        assert not new, new
+    assert runs[0] == runs[1] and all(len(out) == 24 for out in runs[0])

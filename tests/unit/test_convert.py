@@ -572,6 +572,45 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
     assert convert.draft_response_from_proto(none_ahead)[0].ahead == []
 
 
+def test_trees_drafted_ahead_for_a_sampled_chain_carry_their_draft_probabilities() -> None:
+    """A sampled chain's trees drafted ahead travel with their draft distributions, in one
+    message beside the outcome columns, marked on the sequence's extras entry; a greedy
+    sequence's beside them carry none. Rows that do not add up are refused."""
+
+    def sampled(tokens: list[int]) -> DraftTree:
+        probs = DraftProbs.of(torch.softmax(torch.randn(len(tokens), 9), -1))
+        return DraftTree(tokens, list(range(-1, len(tokens) - 1)), probs)
+
+    ahead = [AheadTree([5, 9], sampled([7, 8])), AheadTree([4], sampled([2, 3]))]
+    greedy = [AheadTree([6], DraftTree([1], [-1]))]
+    outputs = [
+        DraftOutput("a", DraftTree(), 7, (), greedy),
+        DraftOutput("b", DraftTree(), 7, (), ahead),
+    ]
+    msg = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
+    assert [(e.index, e.has_draft_probs, e.ahead_draft_probs) for e in msg.extras] == [
+        (1, False, True)
+    ]
+    back = convert.draft_response_from_proto(msg)
+    assert back[0].ahead[0].tree.draft_probs is None
+    for a, b in zip(ahead, back[1].ahead, strict=True):
+        assert a.tokens == b.tokens and a.tree.tokens == b.tree.tokens
+        assert a.tree.draft_probs is not None and b.tree.draft_probs is not None
+        torch.testing.assert_close(b.tree.draft_probs.dense(), a.tree.draft_probs.dense())
+    short = drafter_pb2.DraftResponse()
+    short.CopyFrom(msg)
+    short.num_ahead_nodes[1] = 3  # one more node in a sampled tree than the rows sent
+    short.ahead_tokens.insert(1, 1)
+    short.ahead_parents.insert(1, -1)
+    with pytest.raises(ServiceError, match=r"ahead_draft_probs has 4 rows; .* have 5 nodes"):
+        convert.draft_response_from_proto(short)
+    unset = drafter_pb2.DraftResponse()
+    unset.CopyFrom(msg)
+    unset.ClearField("ahead_draft_probs")
+    with pytest.raises(ServiceError, match="ahead_draft_probs unset"):
+        convert.draft_response_from_proto(unset)
+
+
 def test_a_draft_answer_whose_outcome_columns_do_not_add_up_is_refused() -> None:
     ahead = [AheadTree([5, 9], DraftTree([7, 8], [-1, 0]))]
     msg = _wire(convert.draft_response_to_proto([DraftOutput("a", DraftTree(), 7, (), ahead)], 1))

@@ -6,6 +6,9 @@ KV. Named invariants:
 - an EAGLE head's tree drafted ahead for "all accepted, bonus = the draft's top-1" continues the
   head's own chain (node outputs as features where the target's do not exist yet);
 - the guesses never repeat the chain's own next node (the verifier rejected it there);
+- a sampled chain's trees drafted ahead are the next round's Draft at the same uniforms (one
+  draw from its generator a call, whatever the outcome), with their draft distributions, on
+  the device as in the forks;
 - draft-ahead changes nothing the drafter keeps: no pages left, the same next normal draft.
 """
 
@@ -24,6 +27,7 @@ from specsplit.kv_cache import KVCache
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
+from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import save_tiny_llama
@@ -71,16 +75,27 @@ def _features(engine: DrafterEngine, rows: int, seed: int = 0) -> torch.Tensor |
     return torch.randn(rows, width, generator=gen, dtype=torch.float64)
 
 
-def _begin(engine: DrafterEngine, seq_id: str, spec: SpecParams) -> DraftOutput:
+SAMPLED = SamplingParams(temperature=0.9, seed=4)
+
+
+def _begin(
+    engine: DrafterEngine, seq_id: str, spec: SpecParams, sampling: SamplingParams | None = None
+) -> DraftOutput:
     """A first draft of TOKENS (EAGLE: with the target's features of every token but the
     root)."""
     rows = _features(engine, len(TOKENS) - 1)
     item = DraftInput(seq_id, True, 0, TOKENS, spec, target_hidden_states=rows)
+    item.sampling = sampling or item.sampling
     return engine.draft([item])[0]
 
 
 def _ahead(
-    engine: DrafterEngine, seq_id: str, verifying: DraftTree, guesses: int, spec: SpecParams
+    engine: DrafterEngine,
+    seq_id: str,
+    verifying: DraftTree,
+    guesses: int,
+    spec: SpecParams,
+    sampling: SamplingParams | None = None,
 ) -> DraftOutput:
     """The draft-ahead call the gateway sends beside the Verify of `verifying`: the root again
     (the drafter holds every token before it), no new features."""
@@ -88,7 +103,42 @@ def _ahead(
     item = DraftInput(
         seq_id, False, start, TOKENS[start:], spec, verifying=verifying, ahead_guesses=guesses
     )
+    item.sampling = sampling or item.sampling
     return engine.draft([item])[0]
+
+
+def _rows(tree: DraftTree) -> torch.Tensor:
+    """A tree's draft distributions, dense over the vocabulary [nodes, vocab] (none: 0 rows)."""
+    return torch.zeros(0) if tree.draft_probs is None else tree.draft_probs.dense()
+
+
+@pytest.mark.parametrize("device_expansion", [True, False], ids=["device", "forks"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_sampled_chain_ahead_is_the_next_rounds_draft_at_the_same_uniforms(
+    models: dict[str, Path], page_size: int, device_expansion: bool
+) -> None:
+    """Every outcome's chain drafted ahead is what the next round's Draft draws once that
+    outcome is committed: the same uniforms (its generator moved on once by the call), so the
+    same tokens and the same draft distributions."""
+    engine = _model_engine(models, page_size)
+    engine.proposer.device_expansion = device_expansion  # type: ignore[attr-defined]
+    chain = _begin(engine, "s", CHAIN, SAMPLED).tree
+    assert chain.draft_probs is not None
+    out = _ahead(engine, "s", chain, 2, CHAIN, SAMPLED)
+    assert len(out.ahead) == (len(chain) + 1) * 2
+    for i, ahead in enumerate(out.ahead):
+        fresh = _model_engine(models, page_size)
+        assert _begin(fresh, "n", CHAIN, SAMPLED).tree.tokens == chain.tokens  # its first draw
+        start = len(TOKENS) - 1
+        item = DraftInput("n", False, start, TOKENS[start:] + ahead.tokens, CHAIN, SAMPLED)
+        normal = fresh.draft([item])[0].tree
+        assert ahead.tree.tokens == normal.tokens, (i, ahead.tokens)
+        assert ahead.tree.parents == normal.parents
+        torch.testing.assert_close(_rows(ahead.tree), _rows(normal), rtol=0, atol=1e-12)
+        assert len(_rows(ahead.tree)) == CHAIN.num_steps
+        fresh.release(["n"])
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -241,24 +291,37 @@ def test_kv_fork_shares_full_pages_and_copies_the_partial_one(page_size: int) ->
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("spec", [CHAIN, SpecParams(3, 2, 5)], ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    ("spec", "sampling"),
+    [(CHAIN, None), (SpecParams(3, 2, 5), None), (CHAIN, SAMPLED)],
+    ids=["chain", "tree", "sampled-chain"],
+)
 def test_one_device_run_drafts_what_the_forks_draft(
-    models: dict[str, Path], kind: str, page_size: int, spec: SpecParams
+    models: dict[str, Path],
+    kind: str,
+    page_size: int,
+    spec: SpecParams,
+    sampling: SamplingParams | None,
 ) -> None:
     """DeviceExpansion.expand_ahead (every outcome in the sequence's own storage, one run) and
-    its reference, a fork of the KV per outcome expanded a step at a time on the host."""
+    its reference, a fork of the KV per outcome expanded a step at a time on the host; a
+    sampled chain's outcomes at the same uniforms, with the same draft distributions."""
     make = _model_engine if kind == "model" else _eagle_engine
-    found = []
+    found, probs = [], []
     for device_expansion in (True, False):
         engine = make(models, page_size)
         engine.proposer.device_expansion = device_expansion  # type: ignore[attr-defined]
-        chain = _begin(engine, "s", CHAIN).tree
-        out = _ahead(engine, "s", chain, 2, spec)
+        chain = _begin(engine, "s", CHAIN, sampling).tree
+        out = _ahead(engine, "s", chain, 2, spec, sampling)
         found.append([(a.tokens, a.tree.tokens, a.tree.parents) for a in out.ahead])
+        probs.append([_rows(a.tree) for a in out.ahead])
         engine.release(["s"])
         assert engine.num_pages_used == 0
     assert found[0] == found[1]
     assert len(found[0]) == 8
+    for device_rows, fork_rows in zip(*probs, strict=True):
+        torch.testing.assert_close(device_rows, fork_rows, rtol=0, atol=1e-9)
+    assert all(len(rows) == (spec.num_steps if sampling else 0) for rows in probs[0])
 
 
 def test_no_draft_ahead_past_the_context(models: dict[str, Path]) -> None:
@@ -275,19 +338,20 @@ def test_no_draft_ahead_past_the_context(models: dict[str, Path]) -> None:
 
 
 def _ahead_after_a_round(
-    engine: DrafterEngine, new: list[int], spec: SpecParams
+    engine: DrafterEngine, new: list[int], spec: SpecParams, sampling: SamplingParams | None
 ) -> list[list[tuple[list[int], list[int], list[int]]]]:
     """Two sequences drafted a chain each; then a draft-ahead call as the gateway sends it
     after a Verify: each sequence's new tokens (new[i] - 1 of its chain's drafts accepted, then
     a bonus), the target's features of the tokens before them (EAGLE), and the chain it
     verifies next (its tree drafted ahead: here its first chain again). Then the next round
     for the outcome "all accepted, bonus 7". Per sequence its outcomes (tokens, tree), then
-    the next round's trees."""
+    the next round's trees. `sampling`: every call's (None: greedy)."""
     prompts = {"a": TOKENS, "b": TOKENS[::-1]}
     chains = {}
     for seq_id, prompt in prompts.items():
         rows = _features(engine, len(prompt) - 1, seed=len(chains))
         item = DraftInput(seq_id, True, 0, prompt, CHAIN, target_hidden_states=rows)
+        item.sampling = sampling or item.sampling
         chains[seq_id] = engine.draft([item])[0].tree
     items, after = [], []
     for (seq_id, prompt), count in zip(prompts.items(), new, strict=True):
@@ -307,6 +371,8 @@ def _ahead_after_a_round(
         after.append(
             DraftInput(seq_id, False, start, grown[start:], CHAIN, target_hidden_states=rows)
         )
+    for item in items + after:
+        item.sampling = sampling or item.sampling
     outs = engine.draft(items)
     found = [[(a.tokens, a.tree.tokens, a.tree.parents) for a in out.ahead] for out in outs]
     found.append([(out.tree.tokens, out.tree.parents, []) for out in engine.draft(after)])
@@ -319,9 +385,18 @@ def _ahead_after_a_round(
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("new", [[3, 3], [1, 1], [2, 4]], ids=["3-3", "1-1", "2-4"])
-@pytest.mark.parametrize("spec", [CHAIN, SpecParams(3, 2, 5)], ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    ("spec", "sampling"),
+    [(CHAIN, None), (SpecParams(3, 2, 5), None), (CHAIN, SAMPLED)],
+    ids=["chain", "tree", "sampled-chain"],
+)
 def test_the_fused_catch_up_drafts_what_the_catch_up_first_drafts(
-    models: dict[str, Path], kind: str, page_size: int, new: list[int], spec: SpecParams
+    models: dict[str, Path],
+    kind: str,
+    page_size: int,
+    new: list[int],
+    spec: SpecParams,
+    sampling: SamplingParams | None,
 ) -> None:
     """A draft-ahead call whose catch-up runs in the expansion's own run (`_fused_ahead`; the
     two sequences' catch-ups of one length) drafts the outcomes and leaves the drafter as the
@@ -351,7 +426,7 @@ def test_the_fused_catch_up_drafts_what_the_catch_up_first_drafts(
 
         proposer._fused_ahead = counted  # type: ignore[attr-defined]
         proposer._carried_rows = rows  # type: ignore[attr-defined]
-        found.append(_ahead_after_a_round(engine, new, spec))
+        found.append(_ahead_after_a_round(engine, new, spec, sampling))
         fused_runs.append(sum(calls))
         carried.append(sum(taken))
         if kind == "eagle3":  # the target features every call wrote, wherever it wrote them

@@ -5,7 +5,8 @@ seeded requests generate two tokens each. The empirical distributions of the fir
 second token and the pair are compared with the exact ones computed from transformers' model.
 Tolerance on total variation: 1.5 * sqrt(K / N) for K outcomes and N samples (the expected
 distance of a correct sampler is below 0.5 * sqrt(2K / (pi N)), about a quarter of that), so
-the bound shrinks as samples grow.
+the bound shrinks as samples grow. With draft-ahead the requests generate four tokens, so that
+rounds take sampled chains drafted ahead, and each token's marginal is checked.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
+def _stack(models, tokenizer, drafter: str, spec: SpecParams, overlap: str, num_pages: int):
+    """A float32 stack with `drafter` ("model": the random draft model, or "eagle3") that takes
+    every request into one batch."""
+    stack = make_stack(
+        models["target"],
+        drafter,
+        tokenizer,
+        spec,
+        draft_dir=models[drafter if drafter == "eagle3" else "draft"],
+        dtype=torch.float32,
+        num_pages=num_pages,
+        overlap=overlap,
+    )
+    stack.scheduler.max_batch_size = 1000
+    return stack
+
+
 @pytest.mark.parametrize(
     ("name", "spec", "sampling", "overlap"),
     [
@@ -78,8 +96,8 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
         # pipelined groups: a group's trees are drafted while the other group is verified
         ("groups_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "groups"),
         ("groups_tree_topk2", SpecParams(2, 2, 4), SamplingParams(temperature=0.8), "groups"),
-        # draft-ahead drafts ahead for greedy chains only: sampled rounds take its Draft path;
-        # "both" runs its groups rounds above --ahead-max-batch
+        # two tokens: no round takes a tree drafted ahead (test_tokens_drafted_ahead_... below
+        # does); "both" runs its groups rounds above --ahead-max-batch
         ("ahead_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "ahead"),
         ("both_chain", SpecParams(3, 1, 3), SamplingParams(temperature=1.0), "both"),
     ],
@@ -93,17 +111,7 @@ def test_first_tokens_follow_target_distribution(
     overlap: str,
 ) -> None:
     drafter = "eagle3" if name.startswith("eagle3") else "model"
-    stack = make_stack(
-        models["target"],
-        drafter,
-        smollm2_tokenizer,
-        spec,
-        draft_dir=models[drafter if drafter == "eagle3" else "draft"],
-        dtype=torch.float32,
-        num_pages=2048,
-        overlap=overlap,
-    )
-    stack.scheduler.max_batch_size = 1000
+    stack = _stack(models, smollm2_tokenizer, drafter, spec, overlap, num_pages=2048)
     requests = [
         GenerationRequest(
             list(PROMPT),
@@ -133,3 +141,50 @@ def test_first_tokens_follow_target_distribution(
     for cell in top:
         p = joint[cell]
         assert abs(pair_counts[cell] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-9, cell
+
+
+AHEAD_TOKENS = 4
+AHEAD_SAMPLES = 2000
+
+
+def _exact_marginals(target_dir: Path, sampling: SamplingParams, length: int) -> list[torch.Tensor]:
+    """[V] probability of each of the first `length` generated tokens under plain target
+    sampling, over every prefix of the tokens before it (V ** (length - 1) at the last)."""
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    prefixes, weights = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64)
+    marginals = []
+    with torch.no_grad():
+        for t in range(length):
+            probs = target_probs(model(prefixes).logits[:, -1], sampling).double()  # [P, V]
+            joint = weights[:, None] * probs
+            marginals.append(joint.sum(0))
+            if t + 1 < length:
+                tokens = torch.arange(VOCAB).repeat(len(prefixes))[:, None]
+                prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), tokens], dim=1)
+                weights = joint.reshape(-1)
+    return marginals
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_tokens_drafted_ahead_follow_target_distribution(
+    models, smollm2_tokenizer, drafter: str
+) -> None:
+    """Draft-ahead of sampled chains (overlap "ahead"): rounds take the chains drafted ahead
+    for their outcomes, drawn at the drafter's next uniforms with their draft distributions
+    (an EAGLE head's from its own features past the root), and each of the first four tokens
+    follows the target's own distribution (misses run plain, the default)."""
+    spec, sampling = SpecParams(3, 1, 3), SamplingParams(temperature=1.0)
+    stack = _stack(models, smollm2_tokenizer, drafter, spec, "ahead", num_pages=4096)
+    requests = [
+        GenerationRequest(list(PROMPT), AHEAD_TOKENS, SamplingParams(1.0, seed=i), ignore_eos=True)
+        for i in range(AHEAD_SAMPLES)
+    ]
+    outs = [generated_ids(chunks) for chunks in generate_all(stack, requests)]
+    assert all(len(out) == AHEAD_TOKENS for out in outs)
+    assert stack.scheduler.num_ahead_hits > AHEAD_SAMPLES // 4  # rounds took trees drafted ahead
+    n = len(outs)
+    for t, exact in enumerate(_exact_marginals(models["target"], sampling, AHEAD_TOKENS)):
+        probs = {v: float(exact[v]) for v in range(VOCAB)}
+        counts = Counter(out[t] for out in outs)
+        support = sum(1 for v in probs.values() if v > 0)
+        assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n), t

@@ -3,7 +3,8 @@ next round's trees for its likely outcomes; a round whose outcome was guessed se
 before its Verify. Named invariants: the output is the target's own greedy output (model,
 EAGLE-3 and n-gram drafters, chains and trees, page sizes 1 and 16, faults of either service,
 cancellations); rounds hit when the drafts are right; a hit round's only drafter call runs while
-its Verify is in flight; sampled requests run as serial rounds do; no KV is left. Overlap
+its Verify is in flight; sampled chains draft ahead too (seeded: the same tokens run after run;
+their distribution: tests/unit/test_lossless_sampling.py); no KV is left. Overlap
 "both" (draft-ahead for small batches, pipelined groups above): the same invariants while its
 rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
 "plain": a round not guessed is verified with no tree at once): the same output, faults
@@ -206,26 +207,28 @@ def test_draft_ahead_leaves_no_kv_when_streams_are_cancelled(models, smollm2_tok
     check_no_leaks(stack)
 
 
-def test_sampled_requests_run_as_serial_rounds(models, smollm2_tokenizer) -> None:
-    """Draft-ahead is for greedy chains: a seeded sampled request gives what it gives in serial
-    rounds (the same Draft and Verify calls)."""
-    sampling = SamplingParams(temperature=0.8, seed=11)
+@pytest.mark.parametrize("ahead_miss", ["draft", "plain"])
+def test_sampled_chains_draft_ahead_and_hit(models, smollm2_tokenizer, ahead_miss: str) -> None:
+    """A sampled chain drafts ahead as a greedy one does: its draft-ahead calls carry its
+    sampling, rounds take the trees drafted ahead (with their draft distributions), and a
+    seeded request streams the same tokens run after run (its drafter draws once a call)."""
+    sampling = SamplingParams(temperature=0.3, seed=11)
     outs = []
-    for overlap in ("serial", "ahead"):
-        stack = make_stack(
-            models["target"],
-            "model",
-            smollm2_tokenizer,
-            CHAIN,
-            draft_dir=models["draft"],
-            overlap=overlap,
-        )
+    for _ in range(2):
+        stack = _stack(models, smollm2_tokenizer, "self", ahead_miss=ahead_miss)
+        timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, 0.0)
+        stack.scheduler.drafter = timed.drafter_client()
+        stack.scheduler.verifier = timed.verifier_client()
         outs.append(
             [generated_ids(c) for c in generate_all(stack, _requests(2, 8, sampling=sampling))]
         )
-        assert stack.scheduler.num_ahead_hits == 0
+        assert stack.scheduler.num_ahead_hits > 0
+        ahead = [item for inputs in timed.draft_inputs for item in inputs if item.ahead_guesses]
+        assert ahead and all(item.sampling == sampling for item in ahead)
+        trees = [item.tree for inputs in timed.verify_inputs for item in inputs if item.tree]
+        assert trees and all(tree.draft_probs is not None for tree in trees)
         check_no_leaks(stack)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] and all(len(out) == MAX_NEW_TOKENS for out in outs[0])
 
 
 def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
@@ -419,12 +422,15 @@ def test_a_newcomer_after_the_drafters_first_answer_waits_for_no_draft(
     assert stack.scheduler.num_ahead_hits - hits >= 3
 
 
-def test_a_sampled_newcomer_is_caught_up_beside_its_prefill(models, smollm2_tokenizer) -> None:
-    """A sampled newcomer never drafts ahead; once the drafter has told its layers it is not
-    drafted first either: its prefill goes with no tree while the drafter call beside the
-    Verify takes its prompt (no drafts), and its later rounds are drafted as any sampled
-    round's. Seeded, it streams the same tokens run after run; the greedy ones beside it are
-    the target's."""
+@pytest.mark.parametrize("spec", [CHAIN, SpecParams(2, 2, 4)], ids=["chain", "tree"])
+def test_a_sampled_newcomer_is_caught_up_beside_its_prefill(
+    models, smollm2_tokenizer, spec: SpecParams
+) -> None:
+    """Once the drafter has told its layers a sampled newcomer is not drafted first: its
+    prefill goes with no tree while the drafter call beside the Verify takes its prompt and,
+    a chain's, drafts ahead for the prefill's outcomes (a tree's, which never drafts ahead:
+    no drafts); its later rounds are drafted. Seeded, it streams the same tokens run after
+    run; the greedy ones beside it are the target's."""
 
     def run() -> tuple[list[list[int]], TimedClients]:
         stack = _stack(models, smollm2_tokenizer, "random", ahead_miss="plain")
@@ -434,6 +440,7 @@ def test_a_sampled_newcomer_is_caught_up_beside_its_prefill(models, smollm2_toke
         stack.scheduler.verifier = timed.verifier_client()
         requests = _requests(3, seed=12)
         requests[1].sampling = SamplingParams(temperature=0.8, seed=5)
+        requests[1].spec = spec
         return [generated_ids(c) for c in generate_all(stack, requests)], timed
 
     out, timed = run()
@@ -455,7 +462,10 @@ def test_a_sampled_newcomer_is_caught_up_beside_its_prefill(models, smollm2_toke
         if item.seq_id == sampled_id
     ]
     i, item = first[0]
-    assert item.begin and item.spec == SpecParams() and not item.ahead_guesses
+    if spec.topk == 1:  # drafts ahead for the prefill's likely bonus tokens
+        assert item.begin and item.spec == spec and item.ahead_guesses and not item.verifying
+    else:
+        assert item.begin and item.spec == SpecParams() and not item.ahead_guesses
     v0, v1 = timed.verifies[k]
     assert v0 < timed.drafts[i][0] < v1  # beside the prefill's Verify
     assert any(item.spec.num_steps > 0 for _, item in first[1:])  # then drafted
@@ -502,10 +512,9 @@ def test_an_eagle_newcomer_sends_no_draft_before_its_features(
             assert rows is not None and rows.shape[0] > 0, item.seq_id
 
 
-def test_sampled_requests_are_drafted_first_beside_plain_misses(models, smollm2_tokenizer) -> None:
-    """A sampled request never drafts ahead: it is drafted each round (serial), beside greedy
-    ones that run plain on a miss; each stream is the target's greedy output or seeded alike
-    across runs."""
+def test_sampled_requests_beside_plain_misses(models, smollm2_tokenizer) -> None:
+    """A sampled request drafts ahead beside greedy ones, all running plain on a miss; each
+    stream is the target's greedy output or seeded alike across runs."""
     requests = _requests(3, seed=7)
     requests[1].sampling = SamplingParams(temperature=0.8, seed=11)
     greedy = target_only_ids(models["target"], smollm2_tokenizer, requests)
