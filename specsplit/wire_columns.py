@@ -22,9 +22,22 @@ T = TypeVar("T")
 
 
 def fill_probs(msg: common_pb2.DraftProbs, probs: DraftProbs) -> None:
+    """The supports, without their trailing columns that are 0 in every row: a drafter's rows
+    hold their kept tokens first (`draw_from_cut`: 0 past a top-k / top-p cut), so under a
+    top-p or top-k a round's supports cross at their widest kept width, not DRAFT_SUPPORT's.
+    Exact: a token the support does not list has probability 0 either way (the reader pads)."""
     msg.vocab_size = probs.vocab_size
-    fill_tensor(msg.tokens, probs.tokens.to(torch.int32))
-    fill_tensor(msg.probs, probs.probs.float())
+    width = kept_width(probs.probs)
+    fill_tensor(msg.tokens, probs.tokens[:, :width].to(torch.int32))
+    fill_tensor(msg.probs, probs.probs[:, :width].float())
+
+
+def kept_width(probs: torch.Tensor) -> int:
+    """[n, k] -> the columns up to the last one nonzero in some row (at least one column)."""
+    if probs.shape[0] == 0 or probs.shape[1] <= 1:
+        return probs.shape[1]
+    used = (probs != 0).any(dim=0).nonzero()
+    return int(used[-1]) + 1 if used.numel() else 1
 
 
 def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:

@@ -106,16 +106,20 @@ def test_plain_rounds_take_the_decode_steps_run_ahead(services: Services) -> Non
     services.wait_no_pages_used()
 
 
-def test_sampled_chains_cross_both_hops_with_their_draft_probabilities(services: Services) -> None:
+@pytest.mark.parametrize("top_p", [1.0, 0.8], ids=["whole", "top-p"])
+def test_sampled_chains_cross_both_hops_with_their_draft_probabilities(
+    services: Services, top_p: float
+) -> None:
     """Sampled speculative chains: each Draft answer's draft probabilities go to the gateway
-    and on in the Verify request (one DraftProbs a round each way); seeded, the same tokens
-    twice, and the drafter drafted for them."""
+    and on in the Verify request (one DraftProbs a round each way; under a top-p cut narrower
+    than the drafter's support); seeded, the same tokens twice, and the drafter drafted for
+    them."""
 
     def drafts() -> float:
         return value(scrape(services, "drafter"), "specsplit_draft_seconds_count")
 
     stub, chain = services.gateway(), common_pb2.SpecParams(num_steps=3, topk=1, num_draft_tokens=3)
-    sampled = common_pb2.SamplingParams(temperature=0.9, seed=7)
+    sampled = common_pb2.SamplingParams(temperature=0.9, top_p=top_p, seed=7)
     before = drafts()
     runs = [
         ids_of(generate(stub, token_request(_prompt(i % 2 + 1), 16, spec=chain, sampling=sampled,

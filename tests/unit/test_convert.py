@@ -572,6 +572,25 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
     assert convert.draft_response_from_proto(none_ahead)[0].ahead == []
 
 
+def test_supports_cross_without_the_columns_no_row_keeps() -> None:
+    """Draft supports cross the wire cut after their last column nonzero in some row (rows hold
+    their kept tokens first, 0 past a top-p / top-k cut): the same distributions come back,
+    narrower; a support every column of which some row keeps crosses whole."""
+    probs = torch.zeros(3, 8)
+    probs[0, :2], probs[1, :5], probs[2, :1] = 0.5, 0.2, 1.0
+    cut = DraftProbs(torch.arange(24).reshape(3, 8), probs, 40)
+    whole = DraftProbs(torch.arange(24).reshape(3, 8), torch.full((3, 8), 0.125), 40)
+    for sent, width in [(cut, 5), (whole, 8)]:
+        tree = DraftTree([1, 2, 3], [-1, 0, 1], sent)
+        msg = _wire(
+            convert.verify_request_to_proto([VerifyInput("a", False, 3, [2], tree, SAMPLED)])
+        )
+        assert list(msg.draft_probs.tokens.shape) == [3, width]
+        back = convert.verify_request_from_proto(msg)[0].tree.draft_probs
+        assert back is not None and back.probs.shape == (3, width)
+        torch.testing.assert_close(back.dense(), sent.dense())
+
+
 def test_trees_drafted_ahead_for_a_sampled_chain_carry_their_draft_probabilities() -> None:
     """A sampled chain's trees drafted ahead travel with their draft distributions, in one
     message beside the outcome columns, marked on the sequence's extras entry; a greedy
