@@ -185,7 +185,10 @@ class AheadRounds:
         answered (`late`: its next round goes out at once). Not waited for: its answer must
         not hold up the Verify's; it needs nothing from it (a failure is logged in `_hint`).
         It is written once the round waits for its Verify, from the sequences as they are
-        before its commit (which follows that answer)."""
+        before its commit (which follows that answer). Greedy sequences' only: the verifier
+        runs no sampled round ahead."""
+        greedy = [i for i, (seq, _) in enumerate(guessing) if seq.request.sampling.greedy]
+        guessing, guessed = [guessing[i] for i in greedy], [guessed[i] for i in greedy]
         if not self.verify_ahead or not guessing:
             return
         metrics.count_hint("off" if not hint else "late" if late else "sent")
@@ -207,7 +210,6 @@ class AheadRounds:
         hints = [
             next_trees(seq, verifying, ahead, plain and self._misses_plain(seq))
             for (seq, verifying), ahead in zip(guessing, guessed, strict=True)
-            if seq.request.sampling.greedy  # the verifier runs greedy rounds ahead only
         ]
         try:
             await self.verifier.hint([hint for hint in hints if hint is not None])

@@ -211,11 +211,15 @@ def test_draft_ahead_leaves_no_kv_when_streams_are_cancelled(models, smollm2_tok
 def test_sampled_chains_draft_ahead_and_hit(models, smollm2_tokenizer, ahead_miss: str) -> None:
     """A sampled chain drafts ahead as a greedy one does: its draft-ahead calls carry its
     sampling, rounds take the trees drafted ahead (with their draft distributions), and a
-    seeded request streams the same tokens run after run (its drafter draws once a call)."""
+    seeded request streams the same tokens run after run (its drafter draws once a call).
+    With verify ahead on, no hint goes out for it (the verifier runs greedy rounds ahead
+    only)."""
     sampling = SamplingParams(temperature=0.3, seed=11)
     outs = []
     for _ in range(2):
         stack = _stack(models, smollm2_tokenizer, "self", ahead_miss=ahead_miss)
+        stack.scheduler.verify_ahead = True
+        hints = [_hints(outcome) for outcome in ("sent", "late", "off")]
         timed = TimedClients(stack.scheduler.drafter, stack.scheduler.verifier, 0.0)
         stack.scheduler.drafter = timed.drafter_client()
         stack.scheduler.verifier = timed.verifier_client()
@@ -227,6 +231,7 @@ def test_sampled_chains_draft_ahead_and_hit(models, smollm2_tokenizer, ahead_mis
         assert ahead and all(item.sampling == sampling for item in ahead)
         trees = [item.tree for inputs in timed.verify_inputs for item in inputs if item.tree]
         assert trees and all(tree.draft_probs is not None for tree in trees)
+        assert [_hints(outcome) for outcome in ("sent", "late", "off")] == hints
         check_no_leaks(stack)
     assert outs[0] == outs[1] and all(len(out) == MAX_NEW_TOKENS for out in outs[0])
 
