@@ -4,9 +4,9 @@ before its Verify. Named invariants: the output is the target's own greedy outpu
 EAGLE-3 and n-gram drafters, chains and trees, page sizes 1 and 16, faults of either service,
 cancellations); rounds hit when the drafts are right; a hit round's only drafter call runs while
 its Verify is in flight; sampled chains draft ahead too (seeded: the same tokens run after run;
-their distribution: tests/unit/test_lossless_sampling.py); no KV is left. Overlap
-"both" (draft-ahead for small batches, pipelined groups above): the same invariants while its
-rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
+their distribution: tests/unit/test_lossless_sampling.py; faults and cancellations too); no KV
+is left. Overlap "both" (draft-ahead for small batches, pipelined groups above): the same
+invariants while its rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
 "plain": a round not guessed is verified with no tree at once): the same output, faults
 included, and no Draft waits before a Verify but the gateway's first (the drafter tells the
 layers it reads); a newcomer's prompt is caught up beside its prefill."""
@@ -151,14 +151,15 @@ def test_hit_rounds_send_their_only_draft_while_the_verify_runs(models, smollm2_
 
 
 class _FailingAhead:
-    """The real drafter, but every draft-ahead call fails with `code` (normal Drafts work)."""
+    """The real drafter, but every draft-ahead call (the first `times` of them) fails with
+    `code` (normal Drafts work)."""
 
-    def __init__(self, inner, code: Code) -> None:
-        self.inner, self.code = inner, code
+    def __init__(self, inner, code: Code, times: int | None = None) -> None:
+        self.inner, self.code, self.times = inner, code, times
         self.failed = 0
 
     async def draft(self, inputs: list[DraftInput]) -> list[DraftOutput]:
-        if any(item.ahead_guesses for item in inputs):
+        if any(item.ahead_guesses for item in inputs) and self.failed != self.times:
             self.failed += 1
             raise ServiceError(self.code, "draft-ahead failed")
         return await self.inner.draft(inputs)
@@ -198,6 +199,29 @@ def test_draft_ahead_survives_a_verifier_restart(models, smollm2_tokenizer, fail
     out = generate_all(stack, _requests(2, seed=6))
     assert [generated_ids(c) for c in out] == expected
     assert restarting.calls > fail_at
+    check_no_leaks(stack)
+
+
+@pytest.mark.parametrize("fault", ["draft-ahead fails", "verifier restarts", "cancelled"])
+def test_sampled_draft_ahead_survives_faults(models, smollm2_tokenizer, fault: str) -> None:
+    """Sampled chains drafting ahead (the target drafting for itself: rounds hit) through
+    refused draft-ahead calls (the sequences start over on the drafter), a verifier restart or
+    cancelled streams: every stream that is not cancelled gets all its tokens, rounds still take
+    trees drafted ahead, and no KV is left on either service."""
+    stack = _stack(models, smollm2_tokenizer, "self", ahead_miss="plain")
+    requests = _requests(3, seed=8, sampling=SamplingParams(temperature=0.3, seed=2))
+    if fault == "cancelled":
+        cancel_half_mid_generation(stack, requests)
+    else:
+        if fault == "draft-ahead fails":
+            failing = _FailingAhead(stack.scheduler.drafter, Code.INVALID_ARGUMENT, times=2)
+            stack.scheduler.drafter = failing
+        else:
+            restarting = RestartingVerifier.installed(stack, 3)
+        out = generate_all(stack, requests)
+        assert all(len(generated_ids(c)) == MAX_NEW_TOKENS for c in out)
+        assert (failing.failed if fault == "draft-ahead fails" else restarting.calls > 3) > 0
+    assert stack.scheduler.num_ahead_hits > 0
     check_no_leaks(stack)
 
 
