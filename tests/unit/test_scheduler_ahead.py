@@ -6,10 +6,10 @@ cancellations); rounds hit when the drafts are right; a hit round's only drafter
 its Verify is in flight; sampled chains draft ahead too (seeded: the same tokens run after run;
 their distribution: tests/unit/test_lossless_sampling.py; faults and cancellations too); no KV
 is left. Overlap "both" (draft-ahead for small batches, pipelined groups above): the same
-invariants while its rounds change kind as the batch shrinks, and every round. Misses run plain (ahead_miss
-"plain": a round not guessed is verified with no tree at once): the same output, faults
-included, and no Draft waits before a Verify but the gateway's first (the drafter tells the
-layers it reads); a newcomer's prompt is caught up beside its prefill."""
+invariants while its rounds change kind as the batch shrinks, and every round. Misses run
+plain (ahead_miss "plain": a round not guessed is verified with no tree at once): the same
+output, faults included, and no Draft waits before a Verify but the gateway's first (the
+drafter tells the layers it reads); a newcomer's prompt is caught up beside its prefill."""
 
 from __future__ import annotations
 
