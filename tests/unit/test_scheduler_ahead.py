@@ -28,7 +28,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.messages import DraftInput, DraftOutput, SpecParams
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftProbs, DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import (
     BrokenDrafter,
@@ -271,6 +271,19 @@ def test_a_tree_fitted_to_a_smaller_shape_keeps_a_tree() -> None:
     wide = DraftTree([1, 2, 3], [-1, -1, 1])  # depths 1 1 2: no node deeper than its count
     assert wide.fitted(3, 3) is wide and wide.fitted(2, 3) is wide
     assert wide.fitted(1, 3).tokens == [1, 2]
+
+
+def test_a_sampled_chain_fitted_keeps_its_nodes_rows_and_none_for_no_nodes() -> None:
+    """A sampled chain drafted ahead, cut to the next round's shape, keeps its kept nodes' draft
+    distributions; cut to no node it is a plain round's empty tree, with no distributions (an
+    empty [0, k] support would be a tree with draft probabilities and no nodes)."""
+    probs = DraftProbs.of(torch.softmax(torch.randn(3, 9), dim=-1))
+    chain = DraftTree([1, 2, 3], [-1, 0, 1], probs)
+    cut = chain.fitted(2, 2)
+    assert cut.tokens == [1, 2] and cut.draft_probs is not None
+    torch.testing.assert_close(cut.draft_probs.dense(), probs.dense()[:2])
+    empty = chain.fitted(0, 0)
+    assert empty.tokens == [] and empty.draft_probs is None
 
 
 @pytest.mark.parametrize("guesses", [-1, 17])
