@@ -15,8 +15,8 @@ wall time of a round (median and p90 over `--rounds` after warm-up rounds) and t
 returned. `--ahead G` also times, after each round, the draft-ahead call the gateway sends
 beside that round's Verify (`--overlap ahead`): the next round's trees for each accept length of
 the chain just drafted and G guessed bonus tokens (chain shapes only). `--temperature T`: every
-sequence samples (a chain is then drawn on the host, a step at a time, with its draft
-probabilities). `--host-expansion` runs
+sequence samples (its chains, draft-ahead's outcomes' too, draw at its generator's uniforms and
+come with their draft probabilities). `--host-expansion` runs
 the tree expansion on the host, one step at a time (the path before the expansion graphs), for
 comparison in the same run.
 """

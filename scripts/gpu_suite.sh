@@ -16,9 +16,10 @@
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
 # .gpu/old; REV at 85e8c29 or later, which has --prompt-groups), on the same machine (~380 s on
 # two H200s); outputs $OUT/ahead1_new.txt and ahead1_old.txt; draft-ahead: the drafter's round
-# and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4,
-# then draft-ahead calls as after hits (each catching up an outcome's tokens and features),
-# and those calls' host ops (torch.profiler, by self CPU time); probe: each replayed CUDA
+# and its draft-ahead call in process by phase, and their kernels (torch.profiler), batch 1 / 4
+# ($DRAFT_BATCHES), then draft-ahead calls as after hits (each catching up an outcome's tokens
+# and features), and those calls' host ops (torch.profiler, by self CPU time); sampled chains
+# with $DRAFT_TEMPERATURE > 0; probe: each replayed CUDA
 # graph's host time a replay and its nodes (bench/graph_probe.py), the drafter's and the
 # verifier's at batch 1, then the verifier's launches cProfiled; accept-ab: ahead1 with greedy
 # acceptance as the Triton walk and as the torch ops (SPECSPLIT_TRITON_ACCEPT), then the round on
@@ -536,7 +537,8 @@ for part in "${parts[@]}"; do
     draft-ahead)
       random_smollm2
       run draft_ahead python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
-        --batch 1 4 --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases --torch-profile ;;
+        --batch ${DRAFT_BATCHES:-1 4} --shape 3x1x3 --rounds 100 --ahead 2 --ahead-hits --phases \
+        --torch-profile --temperature "${DRAFT_TEMPERATURE:-0}" ;;
     affinity)  # `up --cpu-affinity` off and on in turn ($AFFINITY_MODES): draft-ahead at batch 1
       # through the services, random SmolLM2 + the shipped head (bench/profile_services.py
       # unprofiled: the round, the verifier's host work between rounds, the RPC stages); 1024
