@@ -6,7 +6,9 @@ second token and the pair are compared with the exact ones computed from transfo
 Tolerance on total variation: 1.5 * sqrt(K / N) for K outcomes and N samples (the expected
 distance of a correct sampler is below 0.5 * sqrt(2K / (pi N)), about a quarter of that), so
 the bound shrinks as samples grow. With draft-ahead the requests generate four tokens, so that
-rounds take sampled chains drafted ahead, and each token's marginal is checked.
+rounds take sampled chains drafted ahead, and each token's marginal is checked; and the chains
+drafted ahead are themselves checked as draws from the distributions they report (a biased
+uniform, u squared, gives a distance twice the bound).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from drafter.engine import DrafterEngine
 from gateway.request import GenerationRequest
-from specsplit.messages import SpecParams
+from specsplit.messages import DraftInput, SpecParams
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams, target_probs
+from specsplit.tree import DraftTree
 from tests.eagle_random import save_random_eagle3
 from tests.support import generate_all, generated_ids, make_stack, save_tiny_llama
 
@@ -188,3 +192,42 @@ def test_tokens_drafted_ahead_follow_target_distribution(
         counts = Counter(out[t] for out in outs)
         support = sum(1 for v in probs.values() if v > 0)
         assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n), t
+
+
+@pytest.mark.parametrize("device_expansion", [True, False], ids=["device", "forks"])
+def test_chains_drafted_ahead_are_draws_from_the_distributions_they_report(
+    models, device_expansion: bool
+) -> None:
+    """What acceptance's exactness rests on for trees drafted ahead: a sampled chain drafted
+    ahead for an outcome is a draw from the draft distributions it reports. A newcomer's first
+    draft-ahead call (no chain verified: guesses at the root, the same for every seed) for many
+    seeded sequences: per guessed bonus token, the chains' first drafts follow the row they
+    report for it, and their second drafts the rows reported after each first draft."""
+    chain, n = SpecParams(3, 1, 3), AHEAD_SAMPLES
+    # a page a sequence, and one a fork of it (the forks' reference copies the partial page)
+    engine = DrafterEngine.load(
+        "model", str(models["draft"]), dtype=torch.float32, num_pages=6 * n, page_size=16
+    )
+    engine.proposer.device_expansion = device_expansion  # type: ignore[attr-defined]
+    items = [
+        DraftInput(f"s{i}", True, 0, list(PROMPT), chain, SamplingParams(1.0, seed=i),
+                   verifying=DraftTree(), ahead_guesses=4)
+        for i in range(n)
+    ]  # fmt: skip
+    by_bonus: dict[int, list[DraftTree]] = {}
+    for out in engine.draft(items):
+        assert len(out.ahead) == 4
+        for ahead in out.ahead:
+            by_bonus.setdefault(ahead.tokens[-1], []).append(ahead.tree)
+    assert len(by_bonus) == 4
+    bound = 1.5 * math.sqrt(VOCAB / n)
+    for trees in by_bonus.values():
+        assert len(trees) == n and all(len(tree) == chain.num_steps for tree in trees)
+        rows = torch.stack([tree.draft_probs.dense() for tree in trees])  # type: ignore[union-attr]
+        for step in range(2):  # each draft against the mean of the rows it was drawn from
+            want = rows[:, step].double().mean(dim=0)
+            counts = Counter(tree.tokens[step] for tree in trees)
+            probs = {v: float(want[v]) for v in range(VOCAB)}
+            assert _total_variation(counts, probs, n) < bound, step
+    engine.release([item.seq_id for item in items])
+    assert engine.num_pages_used == 0
