@@ -391,8 +391,12 @@ def test_the_service_queues_the_steps_behind_while_the_device_runs_the_round(
     it, so the answer goes out with all `depth` queued and nothing is left for after it."""
     engine = _engine(target_dir, True, device, depth=3)
     looks: dict[int, int] = {}
+    # every round looked at, kept alive: a round freed would let a later one take its id (and
+    # its count: "ready" at its first look, with fewer steps queued; seen once in CI)
+    seen: list[VerifyRound] = []
 
     def ready(launched: VerifyRound) -> bool:  # unfinished at the first two looks
+        seen.append(launched)
         looks[id(launched)] = looks.get(id(launched), 0) + 1
         return looks[id(launched)] > 2
 
