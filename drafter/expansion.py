@@ -165,10 +165,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         cands = out[: bs * 3 * n].reshape(bs, 3, n)
         found = [_candidates(cands, b) for b in range(bs)]
         if shape.sampled:
-            ids = torch.from_numpy(out[bs * 3 * n :].reshape(bs, n, -1))
-            weights = torch.from_numpy(probs.reshape(bs, n, -1))
-            for b, candidates in enumerate(found):
-                candidates.draft_probs = DraftProbs(ids[b], weights[b], self.vocab_size)
+            self._attach_supports(found, out[bs * 3 * n :], probs)
         return found
 
     def expand_ahead(
@@ -205,10 +202,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         bonus = out[rows * 3 * n : end].reshape(bs, key.chain_len + 1, g)
         found = [_candidates(cands, r) for r in range(rows)]
         if key.shape.sampled:
-            ids = torch.from_numpy(out[end:].reshape(rows, n, -1))
-            weights = torch.from_numpy(probs.reshape(rows, n, -1))
-            for r, candidates in enumerate(found):
-                candidates.draft_probs = DraftProbs(ids[r], weights[r], self.vocab_size)
+            self._attach_supports(found, out[end:], probs)
         return [
             [
                 (k, int(bonus[b, k, j]), found[(b * (key.chain_len + 1) + k) * g + j])
@@ -217,6 +211,19 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
             ]
             for b in range(bs)
         ]
+
+    def _attach_supports(
+        self,
+        found: list[Candidates],  # a sampled chain's each, rows in order
+        ids: np.ndarray,  # flat [rows, n, S] the supports' tokens (out's part after the rest)
+        probs: np.ndarray,  # flat [rows, n, S] their probabilities
+    ) -> None:
+        """Give each sampled chain's candidates its nodes' cut distributions."""
+        rows, n = len(found), len(found[0].tokens) if found else 0
+        tokens = torch.from_numpy(ids.reshape(rows, n, -1))
+        weights = torch.from_numpy(probs.reshape(rows, n, -1))
+        for r, candidates in enumerate(found):
+            candidates.draft_probs = DraftProbs(tokens[r], weights[r], self.vocab_size)
 
     def _run(
         self,
