@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specsplit.kernels import small_linear as sl
-from specsplit.kernels import small_linear_tiles
+from specsplit.kernels import small_linear_kernels, small_linear_tiles
 from specsplit.model import llama
 from specsplit.model.config import ModelConfig
 from specsplit.model.cuda_graphs import CudaGraphRunner
@@ -137,7 +137,7 @@ def test_qkv_rope_store_matches_reference(num_rows: int) -> None:
 def test_one_kernel_serves_each_row_class() -> None:
     """The row count is not specialised: 5 to 16 rows (tensor cores) reuse one kernel, and so do
     3 and 4 rows (BLOCK_M 4)."""
-    kernel = sl._jitted_kernel(False)
+    kernel = small_linear_kernels.jitted_kernel(False)
 
     def built() -> int:
         return sum(len(caches[0]) for caches in kernel.device_caches.values())
