@@ -1,8 +1,8 @@
-"""The verifier's sequences and their KV memory (`SeqMemory`, the last of VerifierEngine's
-mixins, over `HintedRounds`, declaring what else it uses of the engine): a round checked whole
-before anything changes (`_validate`), its room reserved whole or not at all (`_reserve`), its
-new sequences created and its parts launched (`_launch_new`), a
-session's turn boundary (`truncate`), release, and the invariants (`check_integrity`)."""
+"""The verifier's sequences and their KV memory (`SeqMemory`, a mixin of VerifierEngine under
+`EngineSetup`, over `HintedRounds`, declaring what else it uses of the engine): a round checked
+whole before anything changes (`_validate`), its room reserved whole or not at all (`_reserve`),
+its new sequences created and its parts launched (`_launch_new`), a session's turn boundary
+(`truncate`), release, and the invariants (`check_integrity`)."""
 
 from __future__ import annotations
 
