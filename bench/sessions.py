@@ -26,7 +26,7 @@ from bench.acceptance import bundled_prompts
 from gateway.adaptive import parse_ladder
 from gateway.request import Chunk, GenerationRequest, ModelInfo, build_request
 from gateway.scheduler import Scheduler
-from gateway.sessions import Session
+from gateway.session_state import Session
 from inprocess.stack import build_local_stack, token_ids
 from specsplit.model.loader import embedded_default_model_path, load_config, load_tokenizer
 from specsplit.sampling import SamplingParams

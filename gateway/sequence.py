@@ -16,7 +16,7 @@ from specsplit.tree import DraftTree
 
 
 class SessionTurn(Protocol):
-    """What a sequence knows of the session turn it is (gateway/sessions.py:Turn)."""
+    """What a sequence knows of the session turn it is (gateway/session_state.py:Turn)."""
 
     reply_parts: list[str]  # the text streamed to the client
 

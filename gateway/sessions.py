@@ -18,15 +18,8 @@ that only the new tokens are computed:
 The gateway's tokens stay authoritative: a session whose KV was evicted (memory pressure) or
 lost (a service restarted) re-prefills from them on its next turn, with the same output.
 
-Continuations (what "the whole conversation" is for each prompt kind):
-- token ids: the session's tokens + the ids;
-- text: the session's tokens + the text encoded on its own, special tokens added only on a
-  session's first turn;
-- chat: the chat template over the session's earlier messages, each earlier reply as the
-  assistant message the client received (its streamed text), then the new messages. The KV of
-  the longest common prefix with the session's tokens is kept: normally all of them, less where
-  the rendering differs from what was generated (a reply cut by a stop string, a reply the
-  tokenizer encodes differently).
+The conversation each prompt kind makes is in gateway/continuation.py; the session and its
+running turn are in gateway/session_state.py.
 """
 
 from __future__ import annotations
@@ -38,18 +31,18 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from gateway.clients import DrafterClient, VerifierClient
+from gateway.continuation import carry, common_prefix_len, continuation
 from gateway.request import GenerationRequest, InvalidField
 from gateway.sequence import Sequence
+from gateway.session_state import Session, Turn
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import Truncation
-from specsplit.prompt import apply_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -62,52 +55,6 @@ class Backends(Protocol):
 
     drafter: DrafterClient
     verifier: VerifierClient
-
-
-@dataclass(eq=False)
-class Turn:
-    """A running turn, on its Sequence (`Sequence.turn`)."""
-
-    session: Session
-    verifier_start: int  # the verifier's kv_committed_len when the turn began (rollback point)
-    drafter_start: int  # the drafter's tokens when the turn began
-    messages: list[dict[str, str]] | None  # chat: the conversation's messages with this turn's
-    reply_parts: list[str] = field(default_factory=list)  # the text streamed to the client
-
-
-@dataclass(eq=False)
-class Session:
-    session_id: str
-    seq_id: str  # its sequence on both services
-    ttl_s: float
-    last_used: float  # on the store's clock
-    # the last completed turn: the conversation's tokens and what each service holds of them
-    state: Sequence | None = None
-    # the chat so far ([] before the first turn); None once a text or token-id turn is in it
-    messages: list[dict[str, str]] | None = field(default_factory=list)
-    claimed: bool = False  # a turn has it, from its request to its end
-    turn: Sequence | None = None  # that turn, once it runs
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # no turn nor RPC holds it
-    num_kv_pages: int = 0  # verifier pages it holds between turns (the verifier's answer)
-    closed: bool = False
-
-    def __post_init__(self) -> None:
-        self.ready.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [] if self.state is None else self.state.tokens
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.state is not None and (self.state.verifier_begun or self.state.drafter_begun)
-
-    @property
-    def busy(self) -> bool:
-        """A turn is on it and still generating (finished or cancelled ones are being put
-        away: the next turn waits for that)."""
-        turn = self.turn
-        return self.claimed and (turn is None or not (turn.finished or turn.cancelled))
 
 
 class SessionStore:
@@ -227,7 +174,7 @@ class SessionStore:
             await self._free(session)  # the drafter reads other layers now: start over
             last = None
         if last is not None:
-            keep = _common_prefix_len(last.tokens, tokens)
+            keep = common_prefix_len(last.tokens, tokens)
             seq.verifier_begun, seq.drafter_begun = last.verifier_begun, last.drafter_begun
             seq.verifier_kv_committed_len = last.verifier_kv_committed_len
             seq.features = last.features.copy()
@@ -285,7 +232,7 @@ class SessionStore:
                 await self._free(session)
             else:  # taken back: the services return to where the turn began
                 await self._truncate(session, seq, turn.verifier_start, turn.drafter_start)
-                _carry(seq, session.state)
+                carry(seq, session.state)
         finally:
             session.turn = None
             session.claimed = False
@@ -394,55 +341,6 @@ class SessionStore:
             seq.forget_drafter()
             session.num_kv_pages = 0
             await self._release(seq.seq_id)
-
-
-def continuation(
-    tokenizer: PreTrainedTokenizerBase, session: Session, request: GenerationRequest
-) -> tuple[list[int], list[dict[str, str]] | None]:
-    """A turn's whole conversation (its tokens, and its chat messages for a chat turn): see the
-    module docstring. Runs the tokenizer: off the event loop."""
-    kind, prompt = request.turn_prompt or ("token_ids", request.prompt_ids)
-    held = session.tokens
-    if kind == "token_ids":
-        return held + request.prompt_ids, None
-    if kind == "text":
-        if not held:
-            return list(request.prompt_ids), None
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        if not ids:
-            raise InvalidField("prompt", "prompt.text encodes to no tokens")
-        return held + ids, None
-    if held and session.messages is None:
-        raise InvalidField(
-            "prompt",
-            "this session holds text or token-id turns: a chat turn continues only a session of "
-            "chat turns (send text or token ids, or open a new session)",
-        )
-    messages = [*(session.messages or []), *prompt]
-    return apply_chat_template(tokenizer, messages), messages
-
-
-def _carry(turn: Sequence, last: Sequence) -> None:
-    """A taken-back turn's service state, truncated to where it began, onto the session's last
-    completed turn (the two agree up to there)."""
-    last.verifier_begun, last.drafter_begun = turn.verifier_begun, turn.drafter_begun
-    last.hidden_state_layers = turn.hidden_state_layers
-    last.verifier_kv_committed_len = turn.verifier_kv_committed_len
-    last.features = turn.features
-    last.features_gap = turn.features_gap
-    last.drafter_num_tokens = turn.drafter_num_tokens
-    if not turn.verifier_begun:
-        last.forget_verifier()
-    if not turn.drafter_begun:
-        last.forget_drafter()
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _busy(session_id: str) -> ServiceError:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gateway.request import GenerationRequest, ModelInfo, build_request
-from gateway.sessions import Session
+from gateway.session_state import Session
 from inprocess.stack import LocalStack
 from specsplit import metrics
 from specsplit.errors import Code, ServiceError
