@@ -154,11 +154,15 @@ class EngineBench:
             print(f"  graphs captured in {time.perf_counter() - start:.1f} s", flush=True)
             runner = self.engine.graphs
             assert runner is not None
-            print(
-                f"  warm-up's rounds: {runner.eager_round_ms:.2f} ms eager, host "
-                f"{runner.part_host_ms:.2f} ms beside a replay (what parts are weighed against)",
-                flush=True,
-            )
+            if runner.eager_round_ms is None:  # no graph holds two chains (batch 1 only)
+                print("  warm-up's rounds: not timed (graph parts always pay)", flush=True)
+            else:
+                print(
+                    f"  warm-up's rounds: {runner.eager_round_ms:.2f} ms eager, host "
+                    f"{runner.part_host_ms:.2f} ms beside a replay (what parts are weighed "
+                    "against)",
+                    flush=True,
+                )
         self.context = args.context
         self.vocab = config.vocab_size
         # an EAGLE-3 drafter's rounds: the default layers' hidden states for every sequence

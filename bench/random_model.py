@@ -3,7 +3,7 @@ tokenizer copied from a saved tokenizer directory, and optionally a random EAGLE
 
     python bench/random_model.py OUT_DIR --tokenizer TOKENIZER_DIR [--shape llama-8b]
         [--device cuda:0] [--eagle3-head HEAD_DIR [--draft-vocab 32000]]
-        [--mirror-draft DRAFT_DIR [--mirror-layers 1]]
+        [--mirror-draft DRAFT_DIR [--mirror-layers 1]] [--logit-scale 8]
 
 --shape: one of bench/gpu_engine.py's shapes (default SmolLM2-135M), its vocabulary cut to the
 tokenizer's so that the services can turn every token into text (an 8B shape with SmolLM2's
@@ -22,6 +22,13 @@ the target's (but where bfloat16 rounds a near-tie differently in another batch 
 random 8B-shaped target runs at its own cost while the draft predicts it: draft-ahead's guesses
 hit as with a real draft, which no random pair does (`bench/profile_services.py --drafter model
 --draft-model DRAFT_DIR --overlap ahead`, with `--synthetic-acceptance` for its accept lengths).
+
+--logit-scale S (timing only): the final norm's weight times S, so the logits are S times
+sharper (the draft's too, which shares that norm). A random model's next-token distribution at
+temperature 1 is nearly flat over the vocabulary (no sampled bonus token is ever guessed);
+scaled, its likeliest token carries most of the mass, as a trained model's often does, and
+sampled draft-ahead's bonus guesses can hit. The script prints the top token's probability
+(temperature 1) over random contexts.
 """
 
 from __future__ import annotations
@@ -130,6 +137,22 @@ def mirror(model: LlamaForCausalLM, layers: int, out: str) -> None:
     draft.save_pretrained(out)
 
 
+def sharpen(model: LlamaForCausalLM, scale: float) -> None:
+    """Scale the final norm's weight (the logits) by `scale`, then print the top token's
+    probability at temperature 1 over 8 random contexts of 64 tokens (quartiles)."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(scale)
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, model.config.vocab_size, (8, 64), generator=generator)
+        logits = model(ids.to(model.device)).logits.float()  # [8, 64, vocab]
+        top = logits.softmax(-1).amax(-1).flatten().cpu()
+    quartiles = torch.quantile(top, torch.tensor([0.25, 0.5, 0.75])).tolist()
+    print(
+        f"logit scale {scale:g}: top token's probability at temperature 1, quartiles "
+        + " / ".join(f"{q:.3f}" for q in quartiles)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,6 +170,12 @@ def main() -> None:
         help="TIMING ONLY: also write a draft model that predicts it",
     )
     parser.add_argument("--mirror-layers", type=int, default=1, help="the layers that draft keeps")
+    parser.add_argument(
+        "--logit-scale",
+        type=float,
+        default=1.0,
+        help="TIMING ONLY: the logits this many times sharper (the final norm's weight)",
+    )
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     sizes = dict(SHAPES[args.shape])
@@ -155,6 +184,8 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    if args.logit_scale != 1.0:
+        sharpen(model, args.logit_scale)
     if args.mirror_draft:
         mirror(model, args.mirror_layers, args.mirror_draft)
         tokenizer.save_pretrained(args.mirror_draft)

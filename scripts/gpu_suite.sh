@@ -129,10 +129,13 @@ random_8b_1b() {  # random 8B- and 1B-shaped checkpoints (SmolLM2's vocabulary) 
     --tokenizer "$SPECSPLIT_TEST_TOKENIZER" --device cuda:0 --dtype bfloat16
 }
 mirror_8b() {  # a random 8B-shaped target at /tmp/mirror8b and a draft that predicts it (its
-  # first layer, bench/random_model.py --mirror-draft) at /tmp/mirror8b_draft
+  # first layer, bench/random_model.py --mirror-draft) at /tmp/mirror8b_draft; $MIRROR_LOGIT_SCALE:
+  # its logits that many times sharper (sampled rounds whose bonus tokens can be guessed; made
+  # once a machine: a later call on it keeps the first call's scale)
   [[ -d /tmp/mirror8b ]] || python3 bench/random_model.py /tmp/mirror8b --shape llama-8b \
     --mirror-draft /tmp/mirror8b_draft --tokenizer "$SPECSPLIT_TEST_TOKENIZER" \
-    --device "cuda:$((gpus - 1))" --dtype bfloat16
+    --device "cuda:$((gpus - 1))" --dtype bfloat16 \
+    ${MIRROR_LOGIT_SCALE:+--logit-scale "$MIRROR_LOGIT_SCALE"}
 }
 random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_random
   [[ -d /tmp/smollm2_random ]] ||

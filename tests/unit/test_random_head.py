@@ -47,3 +47,30 @@ def test_the_mirrored_draft_predicts_its_target(tmp_path: Path) -> None:
         want, got = model(tokens).logits, draft(tokens).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_sharpened_mirror_draft_still_predicts_its_target_with_a_peaked_distribution(
+    tmp_path: Path,
+) -> None:
+    """`--logit-scale`: the logits are S times the unscaled model's (the final norm's weight
+    scaled), the mirrored draft shares that norm and still gives the target's logits, and the
+    top token's probability at temperature 1 rises."""
+    from transformers import LlamaForCausalLM
+
+    from bench.random_model import mirror, sharpen
+
+    target = save_tiny_llama(tmp_path / "target", seed=3, num_layers=4)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float64)
+    tokens = torch.randint(3, TINY_VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        flat = model(tokens).logits
+    sharpen(model, 8.0)
+    with torch.no_grad():
+        sharp = model(tokens).logits
+    torch.testing.assert_close(sharp, 8.0 * flat, rtol=1e-10, atol=1e-10)
+    mirror(model, 1, str(tmp_path / "draft"))
+    draft = LlamaForCausalLM.from_pretrained(tmp_path / "draft", dtype=torch.float64)
+    with torch.no_grad():
+        want, got = model(tokens).logits, draft(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert bool((sharp.softmax(-1).amax(-1) > flat.softmax(-1).amax(-1)).all())
