@@ -5,7 +5,9 @@ the scheduler's to say (gateway/round_gates.py).
 
 Per batch-size bucket (powers of two: 1, 2, 3-4, 5-8, ...), over the rounds the gate is told
 are measured:
-- first WINDOW measured rounds of each mode, in order; a bucket met after another has chosen
+- first WINDOW measured rounds of each mode, in order (CUT_ROUNDS where a mode commits under
+  1 / CUT of the rate another mode measured: its window stays unfilled, it is not chosen, and a
+  later probe measures it again; `_cut`); a bucket met after another has chosen
   starts from the nearest one's measurements and choice instead, and one still exploring when
   another chooses takes that choice (exploring is left to the first; a gate that does not
   adopt, as the overlap gate, explores each bucket, from the nearest one's mode); a larger
@@ -25,7 +27,8 @@ are measured:
   newcomer's prefill and catch-up under arrivals, stays, or a mode whose rounds are lumpy
   would read up to a WINDOW-th faster than it runs; every mode but the plain one must beat it
   by MARGIN) runs;
-- after PROBE_EVERY rounds another mode runs WINDOW rounds again (each in turn), and the
+- after PROBE_EVERY rounds another mode runs WINDOW rounds again (each in turn; CUT_ROUNDS
+  where it commits under 1 / CUT of the chosen one's rate), and the
   choice is made anew: acceptance changes with the prompts, the round times with the batch.
   Each probe that confirms the choice doubles the wait for the next (up to MAX_BACKOFF x
   PROBE_EVERY); one that changes it starts over from PROBE_EVERY;
@@ -51,9 +54,8 @@ drafter catches up).
 from __future__ import annotations
 
 import logging
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
+
+from gateway.gate_bucket import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -63,81 +65,8 @@ MARGIN = 1.03  # every mode but the plain one must commit 3% more tokens per sec
 SETTLE = 1  # rounds after a switch that are not measured
 MAX_BACKOFF = 8  # probes that confirm the choice space out, up to this many x PROBE_EVERY
 PROBE_BUDGET = 0.05  # the chosen mode runs at least 1 / this x the last probe's time between
-STALL = 4.0  # a window's slowest round past this x its median round is a stall, left out
-
-
-@dataclass
-class _Bucket:
-    """One batch-size bucket's measurements and state; modes by their index."""
-
-    key: int  # the batch-size bucket
-    window: int
-    num_modes: int
-    # per mode: (tokens, seconds, most, batch size) of its measured rounds, the last `window`;
-    # most: the tokens the round could have committed at best (None: not known)
-    rounds: list[deque[tuple[int, float, int | None, int]]] = field(init=False)
-    mode: int = 0  # the mode running now
-    chosen: int | None = None  # the mode chosen after the last measurement; None: exploring
-    next_probe: int = 0  # the mode the next probe tries (never the chosen one)
-    rounds_in_mode: int = 0  # since the last switch
-    settle: int = 0  # rounds left that are not measured
-    probe_every: int = 0  # rounds in the chosen mode before the next probe (set on choosing)
-    seconds_in_mode: float = 0.0  # the rounds' time since the last switch (measured or not)
-    probe_seconds: float | None = None  # the last probe's cost (None: none yet)
-    probing_since_switch: float | None = None  # the open probe's time so far (None: closed)
-    # its last choice was the plain mode where no other could have beaten it at its best
-    # (`ModeGate._hopeless`), or it took that from a smaller bucket (`ModeGate._adopt`)
-    hopeless: bool = False
-    # its first probe after `window` rounds, whatever the probe costs (`ModeGate._adopt`)
-    early_probe: bool = False
-    # the bucket whose own measurements made its choice: its key once it chose, else the
-    # source of the bucket it took the choice from (`ModeGate._adopt`)
-    source: int = 0
-
-    def __post_init__(self) -> None:
-        self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
-
-    def _window(self, mode: int) -> list[tuple[int, float, int | None, int]] | None:
-        """The mode's measured rounds less the slowest where it stalled (past STALL x their
-        median: a one-off stall, as a kernel built or a graph captured on a mode's first use,
-        or a collection, does not decide), None until the window is full."""
-        rounds = list(self.rounds[mode])
-        if len(rounds) < self.window:
-            return None
-        slowest = max(rounds, key=lambda r: r[1])
-        if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
-            rounds.remove(slowest)
-        return rounds
-
-    def shape(self, mode: int) -> str:
-        """The window's mean batch size and round time (what the log says of a rate: a
-        bucket spans sizes up to twice each other, and a mode measured at other sizes than
-        another is not compared like for like); "" until the window is full."""
-        rounds = self._window(mode)
-        if rounds is None:
-            return ""
-        batch = statistics.fmean(r[3] for r in rounds)
-        return f" ({statistics.fmean(r[1] for r in rounds) * 1e3:.1f} ms at batch {batch:.0f})"
-
-    def rate(self, mode: int) -> float | None:
-        """Committed tokens per second of round over the window (`_window`)."""
-        return self._per_second(mode, 0)
-
-    def ceiling(self, mode: int) -> float | None:
-        """Tokens per second the same rounds would have committed at best (each its `most`),
-        None until the window is full or where a round's best is not known."""
-        return self._per_second(mode, 2)
-
-    def _per_second(self, mode: int, column: int) -> float | None:
-        """Column `column` of the window's rounds (0: tokens, 2: most) summed over their time;
-        None until the window is full or where a round's value is not known."""
-        rounds = self._window(mode)
-        if rounds is None:
-            return None
-        values = [r[column] for r in rounds]
-        if any(v is None for v in values):
-            return None
-        return sum(v for v in values if v is not None) / max(sum(r[1] for r in rounds), 1e-9)
+CUT = 2.0  # a mode explored or probed that commits under 1 / CUT of another's measured rate
+CUT_ROUNDS = 3  # after this many measured rounds stops there (`ModeGate._cut`)
 
 
 class ModeGate:
@@ -169,26 +98,26 @@ class ModeGate:
         self.margin = margin
         self.probe_budget = probe_budget
         self.hopeless_backoff = hopeless_backoff
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, Bucket] = {}
         self.num_switches = 0
 
     @staticmethod
     def bucket_of(batch_size: int) -> int:
         return 1 << max(batch_size - 1, 0).bit_length()
 
-    def _bucket(self, batch_size: int) -> _Bucket:
+    def _bucket(self, batch_size: int) -> Bucket:
         key = self.bucket_of(batch_size)
         if key not in self._buckets:
             self._buckets[key] = self._new_bucket(key)
         return self._buckets[key]
 
-    def _new_bucket(self, key: int) -> _Bucket:
+    def _new_bucket(self, key: int) -> Bucket:
         """A batch size met for the first time starts from the nearest bucket that chose
         (`_adopt`). With none chosen yet, it explores; a gate that does not adopt explores
         each bucket, from the nearest chosen bucket's mode (a batch that shrinks as its
         streams finish meets new buckets in its last rounds: they run the likely mode first,
         not the first mode in order)."""
-        b = _Bucket(key, self.window, len(self.modes))
+        b = Bucket(key, self.window, len(self.modes))
         if self.adopts:
             self._adopt(b, fresh=True)
         else:
@@ -197,14 +126,14 @@ class ModeGate:
                 b.mode = near.chosen
         return b
 
-    def _nearest_chosen(self, key: int) -> _Bucket | None:
+    def _nearest_chosen(self, key: int) -> Bucket | None:
         """The chosen bucket nearest `key` (in powers of two), if any chose."""
         chosen = [other for other in self._buckets.values() if other.chosen is not None]
         if not chosen:
             return None
         return min(chosen, key=lambda o: abs(o.key.bit_length() - key.bit_length()))
 
-    def _adopt(self, b: _Bucket, fresh: bool = False) -> None:
+    def _adopt(self, b: Bucket, fresh: bool = False) -> None:
         """An exploring bucket takes the nearest chosen bucket's measurements, choice and probe
         cost (probed again after probe_every rounds here; hopeless_backoff x that for a larger
         batch than a bucket where no mode could beat the plain one), if any bucket chose: a
@@ -295,15 +224,21 @@ class ModeGate:
                 self._probe_wait(b),
             )
         b.rounds[index].append((tokens, seconds, most, batch_size))
-        if b.chosen is None:  # exploring: each mode not measured yet, in order
-            if b.rate(index) is not None:
-                unmeasured = [mode for mode in range(len(self.modes)) if b.rate(mode) is None]
+        if b.mode != b.chosen:  # exploring or probing: what `_cut` reads
+            b.visit.append((tokens, seconds))
+        if b.chosen is None:  # exploring: each mode not measured (nor cut) yet, in order
+            if b.rate(index) is not None or self._cut(b, index):
+                unmeasured = [
+                    mode
+                    for mode in range(len(self.modes))
+                    if b.rate(mode) is None and mode not in b.cut
+                ]
                 if unmeasured:
                     self._switch(b, unmeasured[0])
                 else:
                     self._choose(b)
         elif b.mode != b.chosen:  # probing another mode
-            if b.rounds_in_mode >= self.window + SETTLE:
+            if b.rounds_in_mode >= self.window + SETTLE or self._cut(b, index):
                 self._choose(b)
         elif b.rounds_in_mode >= b.probe_every and (
             b.early_probe or b.seconds_in_mode >= self._probe_wait(b)
@@ -323,7 +258,35 @@ class ModeGate:
             b.next_probe = self._after(probe, b.chosen)
             self._switch(b, probe)
 
-    def _probe_wait(self, b: _Bucket) -> float:
+    def _cut(self, b: Bucket, mode: int) -> bool:
+        """Whether `mode`, explored or probed, stops short: after CUT_ROUNDS measured rounds
+        it commits under 1 / CUT of the best rate another mode measured (a full window). Its
+        window stays unfilled (no rate: it is not chosen) until a later probe fills it. Where
+        one mode is far slower (draft-ahead at an overloaded batch 64 on two H200s: 53-64 ms
+        rounds against groups' 11) each of its visits then costs 3 rounds instead of a window;
+        a mode within CUT of the best is measured whole, as before."""
+        if len(b.visit) < CUT_ROUNDS:
+            return False
+        others = [b.rate(other) for other in range(len(self.modes)) if other != mode]
+        best = max((rate for rate in others if rate is not None), default=None)
+        rate = b.visit_rate()
+        if best is None or rate * CUT >= best:
+            return False
+        if b.chosen is None:
+            b.cut.add(mode)
+        log.info(
+            "%s, batch <= %d: %s cut after %d rounds: %.1f tokens/s, under 1/%g of %.1f",
+            self.name,
+            b.key,
+            self.modes[mode],
+            len(b.visit),
+            rate,
+            CUT,
+            best,
+        )
+        return True
+
+    def _probe_wait(self, b: Bucket) -> float:
         """Seconds in the chosen mode before the next probe: its cost / the budget. The cost is
         the last probe's, and at least the probed mode's measured window (a probe runs that
         window again): so the first probe, whose cost is not known yet, waits too."""
@@ -331,7 +294,7 @@ class ModeGate:
         cost = max(b.probe_seconds or 0.0, sum(r[1] for r in probed))
         return cost / self.probe_budget
 
-    def _choose(self, b: _Bucket) -> None:
+    def _choose(self, b: Bucket) -> None:
         rates = [b.rate(mode) for mode in range(len(self.modes))]
         plain = len(self.modes) - 1
         # every mode but the plain one must beat it by the margin; ties: the earlier mode
@@ -372,11 +335,12 @@ class ModeGate:
             self.report(b.key, self.modes[chosen])
             b.next_probe = self._after(chosen, chosen)
         b.chosen, b.source = chosen, b.key
+        b.cut.clear()
         self._switch(b, chosen)
         for other in self._buckets.values() if self.adopts else ():
             self._adopt(other)  # those still exploring (met before any chose)
 
-    def _hopeless(self, b: _Bucket) -> bool | None:
+    def _hopeless(self, b: Bucket) -> bool | None:
         """No mode but the plain one could have beaten it even at its best: each one's
         `ceiling` below the plain mode's rate (with the margin). None where one's is not known."""
         plain = len(self.modes) - 1
@@ -386,7 +350,7 @@ class ModeGate:
             return None
         return all(c is not None and c < plain_rate * self.margin for c in ceilings)
 
-    def _log_hopeless(self, b: _Bucket) -> None:
+    def _log_hopeless(self, b: Bucket) -> None:
         plain = len(self.modes) - 1
         log.info(
             "%s, batch <= %d: at best %s tokens/s against %s %.1f: probing after %d rounds",
@@ -398,13 +362,14 @@ class ModeGate:
             self.hopeless_backoff * self.probe_every,
         )
 
-    def _switch(self, b: _Bucket, mode: int) -> None:
+    def _switch(self, b: Bucket, mode: int) -> None:
         if mode != b.mode:
             self.num_switches += 1
             b.settle = SETTLE
         b.mode = mode
         b.rounds_in_mode = 0
         b.seconds_in_mode = 0.0
+        b.visit = []
 
     def settled(self, batch_size: int) -> bool:
         """At this batch size a mode was chosen and runs (neither exploring nor probing)."""

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.gate import OverlapGate
-from gateway.mode_gate import SETTLE
+from gateway.mode_gate import CUT_ROUNDS, SETTLE
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack
@@ -403,3 +403,18 @@ def test_overlap_gate_explores_each_batch_size_apart() -> None:
     assert gate.mode(8) == "groups" and gate.mode(1) == "ahead"
     assert _gauges(8, THREE) == (1, 0, 0)
     assert _drive(gate, 1, at_eight, batch_size=16) == ["groups"]  # batch 8's choice first
+
+
+def test_overlap_gate_cuts_a_mode_far_slower_than_one_measured() -> None:
+    """Groups explored first commit 16 tokens in 11 ms; draft-ahead's rounds 16 in 53 ms
+    (overloaded batch 64 on two H200s, sampled) stop after CUT_ROUNDS measured rounds; serial
+    rounds (16 in 20 ms: within CUT of groups) are measured whole; groups chosen."""
+    gate = OverlapGate(THREE, window=8, probe_every=100)
+    costs = {"groups": (16, 11e-3), "ahead": (16, 53e-3), "serial": (16, 20e-3)}
+    modes = _drive(gate, 8 + (SETTLE + CUT_ROUNDS) + (SETTLE + 8) + 3, costs, batch_size=64)
+    assert modes[:8] == ["groups"] * 8
+    assert modes[8 : 8 + SETTLE + CUT_ROUNDS] == ["ahead"] * (SETTLE + CUT_ROUNDS)
+    start = 8 + SETTLE + CUT_ROUNDS
+    assert modes[start : start + SETTLE + 8] == ["serial"] * (SETTLE + 8)
+    assert modes[start + SETTLE + 8 :] == ["groups"] * 3
+    assert gate.rate(64, "ahead") is None and gate.rate(64, "serial") is not None

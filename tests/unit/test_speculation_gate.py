@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.gate import SpeculationGate
-from gateway.mode_gate import MAX_BACKOFF, SETTLE
+from gateway.mode_gate import CUT_ROUNDS, MAX_BACKOFF, SETTLE
 
 
 def _run(
@@ -44,7 +44,8 @@ def test_speculation_that_loses_is_held_back_after_exploring_both() -> None:
 
 def test_speculation_that_pays_keeps_running() -> None:
     gate = SpeculationGate(window=4, probe_every=20)
-    modes = _run(gate, 4 + 4 + SETTLE + 15, spec=(3, 4e-3), plain=(1, 3e-3))
+    # within CUT of each other (750 and 500 tokens/s): each measured a whole window
+    modes = _run(gate, 4 + 4 + SETTLE + 15, spec=(3, 4e-3), plain=(1, 2e-3))
     assert modes[:4] == [True] * 4 and modes[4 : 8 + SETTLE] == [False] * (4 + SETTLE)
     assert modes[8 + SETTLE :] == [True] * 15
     assert gate.num_switches == 2
@@ -209,21 +210,21 @@ def test_a_new_bucket_takes_the_nearest_probe_cost() -> None:
 
 
 def test_one_stalled_round_does_not_decide_the_choice() -> None:
-    """Speculation explored first pays (3 tokens in 4 ms against 1 in 3 ms), but its first
+    """Speculation explored first pays (3 tokens in 4 ms against 1 in 2 ms), but its first
     measured round stalls for a second (a kernel built on first use): the window's slowest
     round is left out, so speculation is still chosen; two stalled rounds would decide."""
     gate = SpeculationGate(window=4, probe_every=100)
     gate.observe(1, True, 3, 1.0)  # the stall
-    _run(gate, 3, spec=(3, 4e-3), plain=(1, 3e-3))
-    modes = _run(gate, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 3e-3))
+    _run(gate, 3, spec=(3, 4e-3), plain=(1, 2e-3))
+    modes = _run(gate, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 2e-3))
     assert modes[: 4 + SETTLE] == [False] * (4 + SETTLE) and modes[4 + SETTLE :] == [True] * 5
     assert gate.rates(1)[0] == pytest.approx(9 / 12e-3)  # the three rounds of 4 ms
 
     stalled_twice = SpeculationGate(window=4, probe_every=100)
     for _ in range(2):
         stalled_twice.observe(1, True, 3, 1.0)
-    _run(stalled_twice, 2, spec=(3, 4e-3), plain=(1, 3e-3))
-    modes = _run(stalled_twice, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 3e-3))
+    _run(stalled_twice, 2, spec=(3, 4e-3), plain=(1, 2e-3))
+    modes = _run(stalled_twice, 4 + SETTLE + 5, spec=(3, 4e-3), plain=(1, 2e-3))
     assert modes[4 + SETTLE :] == [False] * 5
 
 
@@ -404,3 +405,29 @@ def test_buckets_exploring_when_a_larger_one_chooses_plain_all_probe_early() -> 
     for batch in (16, 8, 1):
         modes = _run(gate, 2 + SETTLE + 2, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=batch)
         assert True in modes[: 2 + SETTLE + 1], (batch, modes)
+
+
+def test_a_mode_explored_at_under_half_the_measured_rate_is_cut_after_three_rounds() -> None:
+    """Speculation explored first commits 3 tokens in 4 ms (750 tokens/s); plain rounds at 1 in
+    3 ms (333) commit under half of it: they stop after CUT_ROUNDS measured rounds (not a
+    window) and speculation is chosen; plain rounds keep no rate (their window unfilled)."""
+    gate = SpeculationGate(window=8, probe_every=100)
+    modes = _run(gate, 8 + SETTLE + CUT_ROUNDS + 5, spec=(3, 4e-3), plain=(1, 3e-3))
+    assert modes[:8] == [True] * 8
+    assert modes[8 : 8 + SETTLE + CUT_ROUNDS] == [False] * (SETTLE + CUT_ROUNDS)
+    assert modes[8 + SETTLE + CUT_ROUNDS :] == [True] * 5
+    assert gate.rates(1) == (pytest.approx(750.0), None)
+
+
+def test_a_probe_at_under_half_the_chosen_rate_stops_after_three_rounds() -> None:
+    """Chosen plain rounds (1 token in 2 ms, 500 tokens/s); the probe of speculation finds 1
+    token in 5 ms (200): it stops after CUT_ROUNDS measured rounds and plain rounds run
+    again; a probe within CUT of the choice runs its whole window."""
+    gate = SpeculationGate(window=4, probe_every=10, probe_budget=1.0)  # rounds alone count
+    _run(gate, 4 + 4 + SETTLE, spec=(1, 3e-3), plain=(1, 2e-3))  # explored: plain chosen
+    assert gate.speculate(1) is False
+    modes = _run(gate, 10 + SETTLE + CUT_ROUNDS + 3, spec=(1, 5e-3), plain=(1, 2e-3))
+    assert modes == [False] * 10 + [True] * (SETTLE + CUT_ROUNDS) + [False] * 3
+    # the probe confirmed plain rounds: the next after 20 rounds (3 of them run above)
+    modes = _run(gate, 17 + SETTLE + 4 + 2, spec=(1, 3e-3), plain=(1, 2e-3))  # 333 vs 500
+    assert modes == [False] * 17 + [True] * (SETTLE + 4) + [False] * 2
