@@ -7,8 +7,22 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 STALL = 4.0  # a window's slowest round past this x its median round is a stall, left out
+
+Round = TypeVar("Round", bound=tuple[Any, ...])  # a measured round, its seconds at [1]
+
+
+def without_stall(rounds: list[Round]) -> list[Round]:
+    """`rounds` less the slowest where it stalled: past STALL x their median (a one-off stall,
+    as a kernel built or a graph captured on a mode's first use, or a collection, does not
+    decide)."""
+    rounds = list(rounds)
+    slowest = max(rounds, key=lambda r: r[1])
+    if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
+        rounds.remove(slowest)
+    return rounds
 
 
 @dataclass
@@ -46,24 +60,15 @@ class Bucket:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]
 
     def _window(self, mode: int) -> list[tuple[int, float, int | None, int]] | None:
-        """The mode's measured rounds less the slowest where it stalled (past STALL x their
-        median: a one-off stall, as a kernel built or a graph captured on a mode's first use,
-        or a collection, does not decide), None until the window is full."""
+        """The mode's measured rounds less a stall (`without_stall`), None until the window is
+        full."""
         rounds = list(self.rounds[mode])
-        if len(rounds) < self.window:
-            return None
-        slowest = max(rounds, key=lambda r: r[1])
-        if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
-            rounds.remove(slowest)
-        return rounds
+        return without_stall(rounds) if len(rounds) == self.window else None
 
     def visit_rate(self) -> float:
-        """Committed tokens per second of the measured rounds since the last switch, less the
-        slowest where it stalled (as `_window`)."""
-        rounds = list(self.visit)
-        slowest = max(rounds, key=lambda r: r[1])
-        if len(rounds) > 2 and slowest[1] > STALL * statistics.median(r[1] for r in rounds):
-            rounds.remove(slowest)
+        """Committed tokens per second of the measured rounds since the last switch, less a
+        stall (`without_stall`)."""
+        rounds = without_stall(self.visit)
         return sum(r[0] for r in rounds) / max(sum(r[1] for r in rounds), 1e-9)
 
     def shape(self, mode: int) -> str:
