@@ -22,7 +22,8 @@ from gateway.faults import DEFAULT_VERIFIER_WAIT_S
 from gateway.grpc_clients import GrpcDrafterClient, GrpcVerifierClient, wait_ready
 from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Limits
-from gateway.scheduler import DEFAULT_MAX_WAITING, SHUTTING_DOWN, Scheduler
+from gateway.requests_lifecycle import DEFAULT_MAX_WAITING, SHUTTING_DOWN
+from gateway.scheduler import Scheduler
 from gateway.servicer import GatewayServicer, ModelInfo
 from gateway.sessions import DEFAULT_SESSION_TTL_S
 from specsplit.messages import SpecParams
