@@ -54,7 +54,6 @@ class Bucket:
     source: int = 0
     # (tokens, seconds) of the measured rounds since the last switch (`ModeGate._cut`)
     visit: list[tuple[int, float]] = field(default_factory=list)
-    cut: set[int] = field(default_factory=set)  # modes cut short while exploring
 
     def __post_init__(self) -> None:
         self.rounds = [deque(maxlen=self.window) for _ in range(self.num_modes)]

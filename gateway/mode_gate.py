@@ -226,13 +226,9 @@ class ModeGate:
         b.rounds[index].append((tokens, seconds, most, batch_size))
         if b.mode != b.chosen:  # exploring or probing: what `_cut` reads
             b.visit.append((tokens, seconds))
-        if b.chosen is None:  # exploring: each mode not measured (nor cut) yet, in order
+        if b.chosen is None:  # exploring: each mode with no rounds yet (not measured nor cut)
             if b.rate(index) is not None or self._cut(b, index):
-                unmeasured = [
-                    mode
-                    for mode in range(len(self.modes))
-                    if b.rate(mode) is None and mode not in b.cut
-                ]
+                unmeasured = [mode for mode in range(len(self.modes)) if not b.rounds[mode]]
                 if unmeasured:
                     self._switch(b, unmeasured[0])
                 else:
@@ -272,8 +268,6 @@ class ModeGate:
         rate = b.visit_rate()
         if best is None or rate * CUT >= best:
             return False
-        if b.chosen is None:
-            b.cut.add(mode)
         log.info(
             "%s, batch <= %d: %s cut after %d rounds: %.1f tokens/s, under 1/%g of %.1f",
             self.name,
@@ -335,7 +329,6 @@ class ModeGate:
             self.report(b.key, self.modes[chosen])
             b.next_probe = self._after(chosen, chosen)
         b.chosen, b.source = chosen, b.key
-        b.cut.clear()
         self._switch(b, chosen)
         for other in self._buckets.values() if self.adopts else ():
             self._adopt(other)  # those still exploring (met before any chose)
