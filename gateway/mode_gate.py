@@ -8,7 +8,8 @@ are measured:
 - first WINDOW measured rounds of each mode, in order (CUT_ROUNDS where a mode commits under
   1 / CUT of the rate another mode measured: its window stays unfilled, it is not chosen, and a
   later probe measures it again; `_cut`); a bucket met after another has chosen
-  starts from the nearest one's measurements and choice instead, and one still exploring when
+  starts from the nearest one's measurements and choice instead (a mode's first round measured
+  here drops the rounds taken: a window mixes no batch sizes), and one still exploring when
   another chooses takes that choice (exploring is left to the first; a gate that does not
   adopt, as the overlap gate, explores each bucket, from the nearest one's mode); a larger
   batch than one that chose a mode other than the plain one probes the plain one after its
@@ -147,8 +148,10 @@ class ModeGate:
         # the batch size those measurements were made at (where `near` took them in turn from
         # another bucket, as every bucket still exploring does when one first chooses)
         source = b.source = near.source
-        for mine, theirs in zip(b.rounds, near.rounds, strict=True):
-            mine.extend(theirs)
+        for mode, (mine, theirs) in enumerate(zip(b.rounds, near.rounds, strict=True)):
+            if theirs:
+                mine.extend(theirs)
+                b.adopted.add(mode)
         if fresh:
             b.mode = near.chosen  # no round ran in it yet: no switch
         elif b.mode != near.chosen:
@@ -223,7 +226,7 @@ class ModeGate:
                 b.probe_every,
                 self._probe_wait(b),
             )
-        b.rounds[index].append((tokens, seconds, most, batch_size))
+        b.measure(index, (tokens, seconds, most, batch_size))
         if b.mode != b.chosen:  # exploring or probing: what `_cut` reads
             b.visit.append((tokens, seconds))
         if b.chosen is None:  # exploring: each mode with no rounds yet (not measured nor cut)

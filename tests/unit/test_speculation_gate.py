@@ -431,3 +431,17 @@ def test_a_probe_at_under_half_the_chosen_rate_stops_after_three_rounds() -> Non
     # the probe confirmed plain rounds: the next after 20 rounds (3 of them run above)
     modes = _run(gate, 17 + SETTLE + 4 + 2, spec=(1, 3e-3), plain=(1, 2e-3))  # 333 vs 500
     assert modes == [False] * 17 + [True] * (SETTLE + 4) + [False] * 2
+
+
+def test_a_cut_probe_reads_no_rounds_taken_from_another_bucket() -> None:
+    """Batch 64 speculates (3 tokens in 10 ms against plain rounds' 1 in 5 ms); batch 8 takes
+    its choice and its rounds, speculates at 6000 tokens/s of its own, and probes plain rounds
+    at 2667: cut after CUT_ROUNDS. Their window holds those 3 rounds only, not batch 64's
+    (which read 12800 tokens/s mixed in: plain rounds would have won), so speculation stays."""
+    gate = SpeculationGate(window=4, probe_every=10, probe_budget=1.0)
+    _run(gate, 4 + SETTLE + 4 + SETTLE, spec=(3, 10e-3), plain=(1, 5e-3), batch_size=64)
+    assert gate.speculate(64)
+    modes = _run(gate, 10 + SETTLE + CUT_ROUNDS + 5, spec=(3, 4e-3), plain=(1, 3e-3), batch_size=8)
+    assert modes == [True] * 10 + [False] * (SETTLE + CUT_ROUNDS) + [True] * 5
+    assert gate.rates(8) == (pytest.approx(3 * 8 / 4e-3), None)
+    assert gate.rates(64)[1] == pytest.approx(64 / 5e-3)  # batch 64's own stay there
