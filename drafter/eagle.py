@@ -16,7 +16,7 @@ from drafter.eagle_checkpoint import (
     layer_names,
     read_tensors,
 )
-from drafter.expansion_steps import in_vocab
+from drafter.expansion_maps import in_vocab
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch

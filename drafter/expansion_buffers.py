@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from drafter.expansion_inputs import ExpansionInputs, PoolRows
-from drafter.expansion_steps import split_meta
+from drafter.expansion_maps import split_meta
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.transfer import copy_rows
 

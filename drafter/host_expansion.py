@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from drafter.expansion_inputs import Candidates
-from drafter.expansion_steps import draw_columns, draw_mapped
+from drafter.expansion_maps import draw_columns, draw_mapped
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import SeqKV
 from specsplit.messages import SpecParams

@@ -149,6 +149,6 @@ def save_target_and_drafters(root: Path, hidden_size: int = 128) -> dict[str, Pa
         "target": target,
         "model": save_tiny_llama(root / "draft", seed=1, num_layers=1, hidden_size=hidden_size),
         # 300 of the target's 512 ids: more than a sampled draw's support (DRAFT_SUPPORT), so a
-        # draw reads the head's columns alone (drafter/expansion.py draw_columns)
+        # draw reads the head's columns alone (drafter/expansion_maps.py draw_columns)
         "eagle3": save_random_eagle3(root / "head", config, seed=3, draft_vocab_size=300),
     }

@@ -14,9 +14,9 @@ batch 1; the SmolLM2 round on the device 1.052 -> 0.964 ms (bench/RESULTS.md, fo
 session).
 
 Inputs travel as one int64 host array (pinned, one per graph) in the layout `AcceptGraphs.layout`
-gives: rows of the batch padded to the bucket (parents -2: nothing accepted, every move scratch
--> scratch), and of each sequence's page table only the window its tree's storage spans
-(`page_window`: a fixed width per tree width, whatever the context length).
+gives (verifier/accept_layout.py): rows of the batch padded to the bucket (parents -2: nothing
+accepted, every move scratch -> scratch), and of each sequence's page table only the window its
+tree's storage spans (`page_window`: a fixed width per tree width, whatever the context length).
 
 A sampled round (any sequence with temperature > 0) replays a graph of its own: `sampled_accept`
 over the round's logits copied into a buffer the sampled graphs share, and one more (float64)
@@ -30,13 +30,10 @@ specsplit/kernels/nucleus.py) are captured on first use.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
-import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +46,7 @@ from specsplit.kv_cache import KVCache
 from specsplit.model.graph_buffers import next_mirror
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
+from verifier.accept_layout import Layout, Sampling, padded, window_pages
 
 log = logging.getLogger(__name__)
 # greedy acceptance on a GPU as one Triton kernel (specsplit/kernels/accept_walk.py) and the K/V
@@ -58,126 +56,6 @@ TRITON_ACCEPT = (
     os.environ.get("SPECSPLIT_TRITON_ACCEPT", "1") != "0"
     and importlib.util.find_spec("triton") is not None
 )
-
-
-def padded(width: int) -> int:
-    """A tree width's graph width: the next power of two (0 stays 0)."""
-    return 1 << (width - 1).bit_length() if width else 0
-
-
-def window_pages(width: int, page_size: int) -> int:
-    """Pages of a window that holds storage [base, base + width) wherever base falls."""
-    return 1 + -(-width // page_size)
-
-
-def page_window(
-    table: np.ndarray,  # [B, max_pages] each sequence's page table
-    base: np.ndarray,  # [B] storage index of tree node 0
-    pages: int,  # the window's width (window_pages)
-    page_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """([B, pages] the table's columns from base's page on, [B] base within the window's first
-    page): the tree's storage has the same slots through the window as through the table.
-    Columns past a table's end repeat its last entry (no real move reads them)."""
-    first = base // page_size
-    cols = np.minimum(first[:, None] + np.arange(pages), table.shape[1] - 1)
-    rows = np.arange(table.shape[0])[:, None]  # (indexing: np.take_along_axis costs 2 us more)
-    return table[rows, cols], base - first * page_size
-
-
-class _Flat:
-    """A flat host array of `dtype` holding parts of `shapes` back to back: one copy to the
-    device carries them all."""
-
-    dtype: type = np.int64
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        raise NotImplementedError
-
-    @functools.cached_property  # a layout's properties are read every round: made once
-    def sizes(self) -> list[int]:
-        return [math.prod(shape) for shape in self.shapes]
-
-    @functools.cached_property
-    def _bounds(self) -> list[tuple[int, int]]:
-        ends = np.cumsum(self.sizes).tolist()
-        return [(end - size, end) for size, end in zip(self.sizes, ends, strict=True)]
-
-    def parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The parts of a flat tensor laid out as host_arrays' (on the device), as views."""
-        return [
-            part.view(shape)
-            for part, shape in zip(flat.split(self.sizes), self.shapes, strict=True)
-        ]
-
-    def host_arrays(self, host: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A host array of padding (`host`, reset, or a new one) and its parts as views."""
-        if host is None:
-            host = np.zeros(sum(self.sizes), dtype=self.dtype)
-        else:
-            host[:] = 0
-        parts = [
-            host[start:end].reshape(shape)
-            for (start, end), shape in zip(self._bounds, self.shapes, strict=True)
-        ]
-        self._pad(parts)
-        return host, parts
-
-    def _pad(self, parts: list[np.ndarray]) -> None:
-        """Set the padding values that are not 0."""
-
-
-@dataclass(frozen=True)
-class Layout(_Flat):
-    """The padded shapes of one graph: `bucket` rows, `width` tree nodes, `pages` columns of
-    each sequence's page-table window."""
-
-    bucket: int
-    width: int
-    pages: int
-
-    @functools.cached_property
-    def shapes(self) -> list[tuple[int, ...]]:
-        """row_index [B, N + 1], draft tokens [B, N], parents [B, N], base [B] (within the
-        window), page-table window [B, P]."""
-        b, n = self.bucket, self.width
-        return [(b, n + 1), (b, n), (b, n), (b,), (b, self.pages)]
-
-    def _pad(self, parts: list[np.ndarray]) -> None:
-        parts[2][:] = -2  # parents: padding, never tried
-
-
-@dataclass(frozen=True)
-class Sampling(_Flat):
-    """A sampled round's own inputs (float64: token ids and top-k are exact in it), beside its
-    Layout's: each sequence's sampling params, its uniforms (one per node, the bonus's in
-    column `width`) and its draft distribution on a support of `support` tokens a node (0:
-    none in the round). `filters`: some sequence has top-k or top-p (the graph finds each
-    row's cut threshold). Padding rows are greedy and carry no draft distribution."""
-
-    bucket: int
-    width: int
-    support: int
-    filters: bool
-
-    dtype = np.float64
-
-    @functools.cached_property
-    def shapes(self) -> list[tuple[int, ...]]:
-        """temperature [B], top_p [B], top_k [B], carries q [B], uniforms [B, N + 1], q's
-        tokens [B, N, S] and probabilities [B, N, S]."""
-        b, n, k = self.bucket, self.width, self.support
-        return [(b,), (b,), (b,), (b,), (b, n + 1), (b, n, k), (b, n, k)]
-
-    def _pad(self, parts: list[np.ndarray]) -> None:
-        parts[1][:] = 1.0  # top_p: off
-
-
-# off the graphs (the CPU; rounds past them) a round's Layout and Sampling, one per shape: their
-# properties, cached on the instance, are made once, not each round (~20 us at batch 1)
-eager_layout = functools.lru_cache(maxsize=256)(Layout)
-eager_sampling = functools.lru_cache(maxsize=256)(Sampling)
 
 
 def greedy_accept(

@@ -38,7 +38,7 @@ from specsplit.messages import NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
-from verifier.accept_graphs import padded, window_pages
+from verifier.accept_layout import padded, window_pages
 from verifier.rounds import Launched
 
 

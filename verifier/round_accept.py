@@ -1,5 +1,5 @@
 """A verify round's acceptance on the verifier's device, apart from the engine that schedules it:
-`queue_accept` lays the batch out in one host array (verifier/accept_graphs.py's Layout, and a
+`queue_accept` lays the batch out in one host array (verifier/accept_layout.py's Layout, and a
 sampled round's Sampling with each sequence's uniforms drawn from its own generator), then runs
 the acceptance as a CUDA graph's replay where one fits, else eagerly; the hidden-state rows the
 drafter gets (`accepted_hidden`, `hidden_states_out`); synthetic acceptance's bent logits for
@@ -19,16 +19,8 @@ from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams, make_generator
-from verifier.accept_graphs import (
-    AcceptGraphs,
-    Sampling,
-    eager_layout,
-    eager_sampling,
-    greedy_accept,
-    page_window,
-    sampled_accept,
-    window_pages,
-)
+from verifier.accept_graphs import AcceptGraphs, greedy_accept, sampled_accept
+from verifier.accept_layout import Sampling, eager_layout, eager_sampling, page_window, window_pages
 from verifier.rounds import VerifierSeq
 
 SYNTHETIC_BIG = 1e30  # synthetic acceptance's bent logits: +-this (fits bfloat16's range)

@@ -14,7 +14,7 @@ rewrite them for the outcome that came, with no host sync:
   committed lengths, input ids and the outcome placed (-1: a miss placed plain) also go to
   `committed` / `tokens` / `placed` for the acceptance.
 - `place_accept`: the acceptance's draft tokens (none, -1, for a miss placed plain) and page
-  window (verifier/accept_graphs.py's Layout) for the same outcomes.
+  window (verifier/accept_layout.py's Layout) for the same outcomes.
 
 Each is one Triton launch (one program per sequence) in place of ~20 small torch ops (~15 us of
 host time each on an H100 host); `place_forward_reference` / `place_accept_reference` are those

@@ -1,6 +1,6 @@
-"""The padded layouts of the verifier's acceptance graphs (verifier/accept_graphs.py; the graphs
-themselves run on a GPU: tests/gpu/test_accept_graphs.py): which round gets which graph, and the
-host array's parts."""
+"""The padded layouts of the verifier's acceptance graphs (verifier/accept_layout.py; the graphs,
+verifier/accept_graphs.py, themselves run on a GPU: tests/gpu/test_accept_graphs.py): which round
+gets which graph, and the host array's parts."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from specsplit.kernels.accept import accepted_kv_moves
 from specsplit.kv_cache import KVCache
 from specsplit.model.graph_buffers import HOST_MIRRORS
 from specsplit.tree import DRAFT_SUPPORT
-from verifier.accept_graphs import (
-    AcceptGraphs,
+from verifier.accept_graphs import AcceptGraphs, _Graph
+from verifier.accept_layout import (
     Layout,
     Sampling,
-    _Graph,
     eager_layout,
     eager_sampling,
     page_window,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsplit.kernels.accept_walk import accept_walk, accept_walk_reference
-from verifier.accept_graphs import window_pages
+from verifier.accept_layout import window_pages
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py

@@ -23,7 +23,7 @@ from specsplit.kernels.place_chain import (
 from specsplit.kernels.triton_jit import jit, runtime_params
 from specsplit.messages import AheadTree, NextTrees, VerifyInput
 from specsplit.tree import DraftTree
-from verifier.accept_graphs import page_window
+from verifier.accept_layout import page_window
 from verifier.chain import Chain, chain_inputs, chain_inputs_reference, outcome_index
 
 pytest.importorskip("triton")
