@@ -13,6 +13,11 @@ accept lengths; for plain rounds (a miss run plain, --ahead-miss plain): how oft
 token was among the first g guesses.
 
     PYTHONPATH=. python bench/ahead_ranks.py [--guesses 8] [--max-new-tokens 96] [--prompts 8]
+        [--temperature 0.7]
+
+--temperature T: sampled streams (each prompt seeded by its index), whose chains are drawn and
+whose bonus tokens are drawn from the target's residual distribution (or its own after a whole
+chain): the guesses are the draft's likeliest tokens as for greedy ones.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=8, help="bundled prompts, one at a time")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     path = args.model or embedded_default_model_path()
@@ -149,10 +155,13 @@ def main() -> None:
     print(
         f"model {path}, head {head}, chain {args.chain}, {args.guesses} guesses per accept "
         f"length, misses {args.ahead_miss}, {len(chats)} prompts one at a time x "
-        f"{args.max_new_tokens} tokens, greedy, CPU {args.dtype}"
+        f"{args.max_new_tokens} tokens, "
+        + (f"temperature {args.temperature}" if args.temperature else "greedy")
+        + f", CPU {args.dtype}"
     )
-    for chat in chats:
-        stack.generate_all([GenerationRequest(chat, args.max_new_tokens, SamplingParams())])
+    for i, chat in enumerate(chats):
+        sampling = SamplingParams(temperature=args.temperature, seed=i)
+        stack.generate_all([GenerationRequest(chat, args.max_new_tokens, sampling)])
     report(outcomes, args.guesses)
     hits, misses = stack.scheduler.num_ahead_hits, stack.scheduler.num_ahead_misses
     print(f"the gateway's count: {hits} hits, {misses} misses")
