@@ -71,6 +71,10 @@ class Bucket:
             self.adopted.discard(mode)
         self.rounds[mode].append(entry)
 
+    def measured_here(self, mode: int) -> bool:
+        """The mode's window is full of rounds measured in this bucket (none taken)."""
+        return mode not in self.adopted and len(self.rounds[mode]) == self.window
+
     def _window(self, mode: int) -> list[tuple[int, float, int | None, int]] | None:
         """The mode's measured rounds less a stall (`without_stall`), None until the window is
         full."""

@@ -239,8 +239,11 @@ class ModeGate:
         elif b.mode != b.chosen:  # probing another mode
             if b.rounds_in_mode >= self.window + SETTLE or self._cut(b, index):
                 self._choose(b)
-        elif b.rounds_in_mode >= b.probe_every and (
-            b.early_probe or b.seconds_in_mode >= self._probe_wait(b)
+        elif (
+            b.rounds_in_mode >= b.probe_every
+            and b.measured_here(b.chosen)  # what the probe is weighed against (a switch's
+            # settle rounds count in rounds_in_mode, not in the window)
+            and (b.early_probe or b.seconds_in_mode >= self._probe_wait(b))
         ):
             log.info(
                 "%s, batch <= %d: probing %s after %d rounds, %.2f s",

@@ -445,3 +445,17 @@ def test_a_cut_probe_reads_no_rounds_taken_from_another_bucket() -> None:
     assert modes == [True] * 10 + [False] * (SETTLE + CUT_ROUNDS) + [True] * 5
     assert gate.rates(8) == (pytest.approx(3 * 8 / 4e-3), None)
     assert gate.rates(64)[1] == pytest.approx(64 / 5e-3)  # batch 64's own stay there
+
+
+def test_a_probe_waits_for_the_chosen_modes_own_window() -> None:
+    """Batch 8, exploring, takes batch 64's plain rounds with a switch (a settle round) and
+    probes speculation early: only once plain rounds filled a window of their own at batch 8,
+    so that the probe is weighed against them (plain 2667 tokens/s against 2000) and plain
+    rounds stay; a window still short of its own rounds would have let speculation win unseen."""
+    gate = SpeculationGate(window=2, probe_every=10, probe_budget=1.0)
+    _run(gate, 1, spec=(1, 4e-3), plain=(1, 3e-3), batch_size=8)  # exploring: speculating
+    _run(gate, 2 + SETTLE + 2, spec=(2, 9e-3), plain=(1, 3e-3), batch_size=64)
+    assert not gate.speculate(64)  # 64 chose plain rounds; 8 took that with a switch
+    modes = _run(gate, SETTLE + 2 + SETTLE + 2 + 4, spec=(1, 4e-3), plain=(1, 3e-3), batch_size=8)
+    assert modes == [False] * (SETTLE + 2) + [True] * (SETTLE + 2) + [False] * 4
+    assert gate.rates(8) == (pytest.approx(8 / 4e-3), pytest.approx(8 / 3e-3))
