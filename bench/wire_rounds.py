@@ -5,10 +5,11 @@ chains of --depth drafts, --rows target feature rows a sequence of --width each 
 SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls rounds.
 --beside: the rows beside the messages (wire_tensors.Beside, as the round lane sends them), not in
 their tensor fields (as gRPC does). --sampled SUPPORT: sampled chains carrying their draft
-distributions (DraftProbs) of SUPPORT tokens each node.
+distributions (DraftProbs) of SUPPORT tokens each node; --kept: each node's row keeping only
+that many of them (each row crosses at its own width).
 
     PYTHONPATH=. python bench/wire_rounds.py [--batch 1 8 32] [--rows 4] [--width 1728]
-        [--beside] [--sampled 256]
+        [--beside] [--sampled 256 [--kept 3 14 70]]
 """
 
 from __future__ import annotations
@@ -43,16 +44,19 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
 
 
 def round_messages(
-    batch: int, depth: int, rows: int, width: int, support: int = 0
+    batch: int, depth: int, rows: int, width: int, support: int = 0, kept: list[int] | None = None
 ) -> dict[str, Any]:
     """A round's four messages' contents: the Draft and Verify inputs and outputs. support:
     sampled chains whose draft distributions have that many tokens of SmolLM2's 49152 (0:
-    greedy)."""
+    greedy); kept: node i's row keeps kept[i % len(kept)] of them, 0 past (None: all)."""
     chain = DraftTree(list(range(10, 10 + depth)), list(range(-1, depth - 1)))
     sampling = SamplingParams()
     if support:
         q = torch.softmax(torch.randn(depth, VOCAB), dim=-1).topk(support, dim=-1)
-        chain.draft_probs = DraftProbs(q.indices, q.values, VOCAB)
+        values = q.values.clone()
+        for node in range(depth) if kept else ():
+            values[node, kept[node % len(kept)] :] = 0  # type: ignore[index]
+        chain.draft_probs = DraftProbs(q.indices, values, VOCAB)
         sampling = SamplingParams(temperature=0.7)
     ids = [f"seq-{i:032x}" for i in range(batch)]
     answer = torch.randn(batch * rows, width).to(torch.bfloat16)  # one Verify's rows
@@ -101,6 +105,14 @@ def main() -> None:
         help="sampled chains, draft distributions of SUPPORT tokens (the drafter's 256; 49152: "
         "the whole vocabulary, as sent before the cut); 0: greedy",
     )
+    parser.add_argument(
+        "--kept",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --sampled: node i's row keeps KEPT[i %% len] tokens, 0 past (the embedded "
+        "SmolLM2's own rows at T = 0.7: 3 14 70 254 by quartile and p90)",
+    )
     args = parser.parse_args()
     print(
         f"| batch | Draft request out / in | Draft answer out / in | Verify request out / in "
@@ -108,7 +120,7 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
-        m = round_messages(batch, args.depth, args.rows, args.width, args.sampled)
+        m = round_messages(batch, args.depth, args.rows, args.width, args.sampled, args.kept)
         pairs = (
             (partial(convert.draft_request_to_proto, m["draft_in"]), drafter_pb2.DraftRequest,
              convert.draft_request_from_proto),

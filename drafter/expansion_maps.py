@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specsplit.sampling import draw_from_cut
-from specsplit.tree import DRAFT_SUPPORT
+from specsplit.tree import DRAFT_SUPPORT, DRAFT_TAIL
 
 
 def in_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -41,7 +41,7 @@ def draw_mapped(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`draw_from_cut` over `logits`' columns, the draws and the supports' tokens as the
     target's ids (the host and the device expansion draw alike)."""
-    token, ids, probs = draw_from_cut(logits, params, uniforms, DRAFT_SUPPORT)
+    token, ids, probs = draw_from_cut(logits, params, uniforms, DRAFT_SUPPORT, DRAFT_TAIL)
     if columns is not None:
         token, ids = columns[token], columns[ids]
     return token, ids, probs

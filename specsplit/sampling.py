@@ -106,12 +106,16 @@ def draw_from_cut(
     params: torch.Tensor,  # [R, 3] float: temperature (> 0), top_p, top_k (0 = off)
     uniforms: torch.Tensor,  # [R] in [0, 1)
     support: int,
+    tail: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft per row from the row's distribution (`target_probs` of its params) cut to its
     `support` likeliest tokens and renormalized, by inverse CDF at the row's uniform: (tokens
     [R] int64, the support's tokens [R, S] int64 and probabilities [R, S] float32, likeliest
-    first, 0 past a top-k / top-p cut). The draft is exactly a draw from that distribution, so
-    rejection sampling against it stays lossless. A fixed sequence of ops (a CUDA graph
+    first, 0 past a top-k / top-p cut). `tail` > 0 cuts each row after its likeliest tokens
+    holding 1 - tail of the mass too (as a top-p of 1 - tail where top-p is wider or off): a
+    row of a peaked distribution keeps a few tokens, not `support`. The draft is exactly a draw
+    from that distribution, so rejection sampling against it stays lossless (a cut of mass m
+    lowers a node's acceptance by at most m). A fixed sequence of ops (a CUDA graph
     captures it), no sort of the vocabulary: top-p measures mass against the whole
     vocabulary's (or top-k's, where top-k <= support) normalizer; with a top-k wider than the
     support and top-p both set, against the whole vocabulary's, a little looser than
@@ -131,7 +135,10 @@ def draw_from_cut(
     )
     probs = torch.exp(values - log_norm[:, None]).masked_fill(cut, 0.0)
     mass_before = probs.cumsum(dim=-1) - probs
-    keep = (mass_before < (top_p - TOP_P_SLACK)[:, None]) | (top_p >= 1.0)[:, None]
+    bound = torch.where(top_p >= 1.0, math.inf, top_p - TOP_P_SLACK)  # top-p off: no bound
+    if tail > 0:
+        bound = bound.clamp(max=1.0 - tail)
+    keep = mass_before < bound[:, None]
     probs = probs * (keep | (rank == 0))
     probs = probs / probs.sum(dim=-1, keepdim=True)
     cdf = probs.cumsum(dim=-1)

@@ -10,11 +10,12 @@ import math
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from specsplit.errors import invalid
 from specsplit.messages import AheadTree
-from specsplit.tree import DraftProbs, DraftTree
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.wire_tensors import fill_tensor, split_rows, tensor_from_proto
 
@@ -22,44 +23,63 @@ T = TypeVar("T")
 
 
 def fill_probs(msg: common_pb2.DraftProbs, probs: DraftProbs) -> None:
-    """The supports, without their trailing columns that are 0 in every row: a drafter's rows
-    hold their kept tokens first (`draw_from_cut`: 0 past a top-k / top-p cut), so under a
-    top-p or top-k a round's supports cross at their widest kept width, not DRAFT_SUPPORT's.
+    """Each row's support up to its last nonzero probability, rows back to back, with their
+    widths: a drafter's rows hold their kept tokens first (`draw_from_cut`: 0 past its tail,
+    top-k and top-p cuts), so a round's rows cross at their own widths, not the widest's nor
+    DRAFT_SUPPORT's (a real model's draft rows at T = 0.7 keep 14 tokens at the median).
     Exact: a token the support does not list has probability 0 either way (the reader pads)."""
     msg.vocab_size = probs.vocab_size
-    width = kept_width(probs.probs)
-    fill_tensor(msg.tokens, probs.tokens[:, :width].to(torch.int32))
-    fill_tensor(msg.probs, probs.probs[:, :width].float())
+    values = probs.probs.detach().cpu().float().numpy()
+    ids = probs.tokens.detach().cpu().numpy()
+    widths = row_widths(values)
+    kept = np.arange(values.shape[1]) < widths[:, None]
+    msg.row_widths.extend(widths.tolist())
+    fill_tensor(msg.tokens, torch.from_numpy(ids[kept].astype(np.int32)))
+    fill_tensor(msg.probs, torch.from_numpy(values[kept]))
 
 
-def kept_width(probs: torch.Tensor) -> int:
-    """[n, k] -> the columns up to the last one nonzero in some row (at least one column)."""
-    if probs.shape[0] == 0 or probs.shape[1] <= 1:
-        return probs.shape[1]
-    used = (probs != 0).any(dim=0).nonzero()
-    return int(used[-1]) + 1 if used.numel() else 1
+def row_widths(probs: np.ndarray) -> np.ndarray:
+    """[n, k] -> [n] int32: each row's columns up to its last nonzero one (0 for none)."""
+    nonzero = probs != 0
+    last = probs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
+    return np.where(nonzero.any(axis=1), last, 0).astype(np.int32)
 
 
 def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
-    """Draft distributions' supports, checked: [n, k] int32 tokens inside the vocabulary and
-    [n, k] float32 finite, non-negative probabilities."""
+    """Draft distributions' supports, checked and padded to [n, k] (k: the widest row's, at
+    least 1): int32 tokens inside the vocabulary and float32 finite, non-negative
+    probabilities, as many of each as the rows' widths add up to."""
     tokens = tensor_from_proto(msg.tokens, f"{field}.tokens")
     probs = tensor_from_proto(msg.probs, f"{field}.probs")
     if msg.vocab_size <= 0:
         raise invalid(f"{field}.vocab_size = {msg.vocab_size}: must be > 0")
     if tokens.dtype != torch.int32 or probs.dtype != torch.float32:
         raise invalid(f"{field}: tokens must be int32 and probs float32")
-    if tokens.dim() != 2 or tokens.shape != probs.shape:
+    widths = np.asarray(msg.row_widths, dtype=np.int64)
+    if widths.size and widths.min() < 0:
+        raise invalid(f"{field}.row_widths must be >= 0")
+    total = int(widths.sum())
+    if tokens.shape != (total,) or probs.shape != (total,):
         raise invalid(
-            f"{field}: tokens {list(tokens.shape)} and probs {list(probs.shape)} must be one "
-            "[n, k] shape"
+            f"{field}: tokens {list(tokens.shape)} and probs {list(probs.shape)} must both be "
+            f"[{total}], the row_widths' sum"
+        )
+    n, k = widths.size, max(int(widths.max()) if widths.size else 0, 1)
+    if n * k > 2 * total + n * DRAFT_SUPPORT:  # padded, a message could ask for any memory
+        raise invalid(
+            f"{field}.row_widths pad to {n} x {k} entries, past twice the {total} sent plus "
+            f"{DRAFT_SUPPORT} a row"
         )
     ids, values = tokens.numpy(), probs.numpy()  # numpy: a few us a check, where torch's ~5
     if ids.size and not (ids.min() >= 0 and ids.max() < msg.vocab_size):
         raise invalid(f"{field}.tokens outside the vocabulary [0, {msg.vocab_size})")
     if values.size and not ((values >= 0).all() and values.max() < math.inf):  # nan fails >= 0
         raise invalid(f"{field}.probs must be finite and >= 0")
-    return DraftProbs(tokens.long(), probs, msg.vocab_size)
+    kept = np.arange(k) < widths[:, None]
+    rows_ids = np.zeros((n, k), dtype=np.int64)
+    rows_probs = np.zeros((n, k), dtype=np.float32)
+    rows_ids[kept], rows_probs[kept] = ids, values
+    return DraftProbs(torch.from_numpy(rows_ids), torch.from_numpy(rows_probs), msg.vocab_size)
 
 
 def fill_round_probs(msg: common_pb2.DraftProbs, trees: list[DraftTree]) -> None:

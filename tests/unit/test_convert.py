@@ -19,7 +19,7 @@ from specsplit.messages import (
     VerifyOutput,
 )
 from specsplit.sampling import SamplingParams
-from specsplit.tree import DraftProbs, DraftTree
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -136,14 +136,24 @@ def test_empty_tree_stays_empty() -> None:
     assert len(back) == 0 and back.draft_probs is None
 
 
+def _one_wide_row(msg: common_pb2.DraftProbs) -> None:
+    """Row 0 4 x DRAFT_SUPPORT entries wide and 9 empty rows: padded, 10 x that."""
+    wide = 4 * DRAFT_SUPPORT
+    del msg.row_widths[:]
+    msg.row_widths.extend([wide] + [0] * 9)
+    msg.tokens.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(wide, dtype=torch.int32)))
+    msg.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(wide)))
+
+
 def test_tree_round_trip_with_probs() -> None:
-    """Draft distributions cross as each row's support; they read back as the same dense
-    distributions (the padding of a shorter support adds nothing)."""
+    """Draft distributions cross as each row's support at its own width; they read back as
+    the same dense distributions (the padding of a shorter support adds nothing)."""
     probs = torch.softmax(torch.randn(3, 11), dim=-1)
     probs[1, 4:] = 0  # a row of a smaller support
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 1], draft_probs=DraftProbs.of(probs))
     msg = _wire(convert.tree_to_proto(tree))
-    assert msg.draft_probs.vocab_size == 11 and list(msg.draft_probs.tokens.shape) == [3, 11]
+    assert msg.draft_probs.vocab_size == 11 and list(msg.draft_probs.row_widths) == [11, 4, 11]
+    assert list(msg.draft_probs.tokens.shape) == list(msg.draft_probs.probs.shape) == [26]
     back = convert.tree_from_proto(msg)
     assert back.draft_probs is not None
     assert torch.equal(back.draft_probs.dense(), probs)
@@ -159,31 +169,35 @@ def test_tree_round_trip_with_probs() -> None:
         (lambda m: setattr(m, "vocab_size", 0), "vocab_size = 0"),
         (
             lambda m: m.tokens.CopyFrom(
-                wire_tensors.tensor_to_proto(torch.full((2, 3), 11, dtype=torch.int32))
+                wire_tensors.tensor_to_proto(torch.full((6,), 11, dtype=torch.int32))
             ),
             "outside the vocabulary",
         ),
         (
-            lambda m: m.tokens.CopyFrom(
-                wire_tensors.tensor_to_proto(torch.zeros(2, 3, dtype=torch.int64))
-            ),
+            lambda m: m.tokens.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(6).long())),
             "int32",
         ),
         (
-            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((2, 3), -0.5))),
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((6,), -0.5))),
             "finite and >= 0",
         ),
         (
-            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((2, 3), math.nan))),
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((6,), math.nan))),
             "finite and >= 0",
         ),
         (
-            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(2, 2))),
-            "one [n, k] shape",
+            lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.zeros(4))),
+            "must both be [6], the row_widths' sum",
         ),
+        (lambda m: m.row_widths.__setitem__(0, 4), "must both be [7], the row_widths' sum"),
+        (lambda m: m.row_widths.__setitem__(0, -1), "row_widths must be >= 0"),
+        (lambda m: _one_wide_row(m), f"pad to 10 x {4 * DRAFT_SUPPORT} entries"),
     ],
-    ids=["no-vocab", "token-outside", "token-dtype", "negative", "nan", "shapes"],
-)
+    ids=[
+        "no-vocab", "token-outside", "token-dtype", "negative", "nan", "short", "widths",
+        "negative-width", "padding-past-the-data",
+    ],
+)  # fmt: skip
 def test_malformed_draft_probs_are_refused_naming_the_field(damage, message) -> None:  # type: ignore[no-untyped-def]
     probs = DraftProbs.of(torch.softmax(torch.randn(2, 11), dim=-1)[:, :3].contiguous())
     probs = DraftProbs(probs.tokens, probs.probs, 11)
@@ -492,8 +506,8 @@ def test_rows_beside_in_a_buffer_of_the_lanes_are_read_in_place() -> None:
 
 def test_a_rounds_draft_probabilities_travel_as_one_message_each_tree_its_rows() -> None:
     """Sequences with sampled chains of different lengths and supports, between greedy ones:
-    their rows back to back in one DraftProbs (supports padded to the widest), each read back
-    as its own distributions, in both the Draft answer and the Verify request."""
+    their rows back to back in one DraftProbs (each row at its own width), each read back as
+    its own distributions, in both the Draft answer and the Verify request."""
     supports = [torch.softmax(torch.randn(n, 13), dim=-1) for n in (3, 1, 2)]
     supports[1][:, 5:] = 0  # a narrower support
     trees = [DraftTree(list(range(1, n + 1)), list(range(-1, n - 1))) for n in (3, 1, 2)]
@@ -503,10 +517,12 @@ def test_a_rounds_draft_probabilities_travel_as_one_message_each_tree_its_rows()
     order = [plain, trees[0], trees[1], plain, trees[2]]
     outputs = [DraftOutput(f"s{i}", t, 3) for i, t in enumerate(order)]
     answer = _wire(convert.draft_response_to_proto(outputs, draft_ns=1))
-    assert list(answer.draft_probs.probs.shape) == [6, 13] and len(answer.extras) == 3
+    widths = [13, 13, 13, 5, 13, 13]
+    assert list(answer.draft_probs.row_widths) == widths and len(answer.extras) == 3
     inputs = [VerifyInput(f"s{i}", False, 3, [2], t, SAMPLED) for i, t in enumerate(order)]
     request = _wire(convert.verify_request_to_proto(inputs))
-    assert list(request.draft_probs.tokens.shape) == [6, 13]
+    assert list(request.draft_probs.row_widths) == widths
+    assert list(request.draft_probs.tokens.shape) == [sum(widths)]
     for back in (
         [out.tree for out in convert.draft_response_from_proto(answer)],
         [item.tree for item in convert.verify_request_from_proto(request)],
@@ -572,22 +588,23 @@ def test_draft_ahead_and_sampling_travel_beside_the_columns_for_their_sequences_
     assert convert.draft_response_from_proto(none_ahead)[0].ahead == []
 
 
-def test_supports_cross_without_the_columns_no_row_keeps() -> None:
-    """Draft supports cross the wire cut after their last column nonzero in some row (rows hold
-    their kept tokens first, 0 past a top-p / top-k cut): the same distributions come back,
-    narrower; a support every column of which some row keeps crosses whole."""
+def test_supports_cross_at_each_rows_own_width() -> None:
+    """Each draft support row crosses the wire cut after its own last nonzero column (rows hold
+    their kept tokens first, 0 past the tail, top-p and top-k cuts): the same distributions
+    come back, padded to the widest row's; rows every column of which is kept cross whole."""
     probs = torch.zeros(3, 8)
     probs[0, :2], probs[1, :5], probs[2, :1] = 0.5, 0.2, 1.0
     cut = DraftProbs(torch.arange(24).reshape(3, 8), probs, 40)
     whole = DraftProbs(torch.arange(24).reshape(3, 8), torch.full((3, 8), 0.125), 40)
-    for sent, width in [(cut, 5), (whole, 8)]:
+    for sent, widths in [(cut, [2, 5, 1]), (whole, [8, 8, 8])]:
         tree = DraftTree([1, 2, 3], [-1, 0, 1], sent)
         msg = _wire(
             convert.verify_request_to_proto([VerifyInput("a", False, 3, [2], tree, SAMPLED)])
         )
-        assert list(msg.draft_probs.tokens.shape) == [3, width]
+        assert list(msg.draft_probs.row_widths) == widths
+        assert list(msg.draft_probs.tokens.shape) == [sum(widths)]
         back = convert.verify_request_from_proto(msg)[0].tree.draft_probs
-        assert back is not None and back.probs.shape == (3, width)
+        assert back is not None and back.probs.shape == (3, max(widths))
         torch.testing.assert_close(back.dense(), sent.dense())
 
 

@@ -17,6 +17,7 @@ from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.expansion import FUSED_CAPTURE_AFTER, DeviceExpansion
 from drafter.expansion_inputs import Candidates, Shape
+from drafter.expansion_maps import draw_mapped
 from drafter.host_expansion import select_tree
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
@@ -415,3 +416,18 @@ def test_the_drafter_counts_its_forwards_by_path(models: dict[str, Path], kind: 
     _rounds(_engine(models, kind, 16, on_device=True), [SpecParams(3, 1, 3)])
     grown = [n - b for n, b in zip(counts(), before, strict=True)]
     assert grown[0] == grown[1] >= 6  # an expansion run a round at least, every one eager
+
+
+def test_a_drafters_draw_keeps_a_peaked_rows_few_tokens() -> None:
+    """Both expansions draw through `draw_mapped`: a row whose likeliest tokens hold all but
+    DRAFT_TAIL (1e-3) of the mass keeps those alone (the wire then sends them alone), a flat row its
+    whole DRAFT_SUPPORT; each draws from what it keeps."""
+    logits = torch.zeros(2, 4 * DRAFT_SUPPORT)
+    logits[0, :3] = torch.tensor([20.0, 19.0, 18.0])  # the other 1021 hold ~2e-6 < DRAFT_TAIL
+    params = torch.tensor([[1.0, 1.0, 0.0]] * 2)
+    token, ids, probs = draw_mapped(logits, params, torch.tensor([0.99, 0.5]), None)
+    kept = (probs > 0).sum(dim=1).tolist()
+    assert kept == [3, DRAFT_SUPPORT] and ids.shape == (2, DRAFT_SUPPORT)
+    assert ids[0, :3].tolist() == [0, 1, 2] and int(token[0]) == 2  # its cdf: 0.67, 0.91, 1
+    torch.testing.assert_close(probs[0, :3], torch.softmax(logits[0, :3], dim=0))
+    torch.testing.assert_close(probs[1], torch.full((DRAFT_SUPPORT,), 1 / DRAFT_SUPPORT))

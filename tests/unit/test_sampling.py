@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specsplit.kernels.nucleus import TOP_P_SLACK
 from specsplit.sampling import (
     SamplingParams,
     draw_from_cut,
@@ -214,3 +215,33 @@ def test_draw_from_cut_draws_target_probs_cut_to_its_support(params: SamplingPar
     dense = torch.zeros(64, dtype=torch.float64).scatter_(0, ids[0], probs[0].double())
     assert (counts - dense).abs().max() < 1e-3
     assert not counts[dense == 0].any()
+
+
+@pytest.mark.parametrize(
+    "top_p", [1.0, 0.995, 0.5], ids=["top_p-off", "top_p-wider", "top_p-tighter"]
+)
+def test_draw_from_cut_with_a_tail_keeps_the_tokens_holding_all_but_it(top_p: float) -> None:
+    """tail t: a row keeps its likeliest tokens until they hold 1 - t of the mass (top-p's
+    cut where that is tighter), renormalized, and its draws land on those alone, in
+    proportion; tail 0 with top-p off keeps the whole support."""
+    logits = 4 * torch.randn(1, 64, generator=make_generator(5))
+    row = torch.tensor([[1.0, top_p, 0]])
+    grid = (torch.arange(4000) + 0.5) / 4000
+    tail = 0.01
+    tokens, ids, probs = draw_from_cut(
+        logits.expand(4000, -1), row.expand(4000, -1), grid, 64, tail
+    )
+    full = torch.softmax(logits[0].double(), dim=-1).sort(descending=True)
+    before = full.values.cumsum(0) - full.values
+    bound = min(1.0 - tail, top_p - TOP_P_SLACK if top_p < 1 else math.inf)
+    kept = (before < bound) | (torch.arange(64) == 0)
+    assert 1 <= int(kept.sum()) < 64  # a peaked row: a few tokens
+    assert torch.equal(ids[0][: int(kept.sum())], full.indices[kept])
+    want = torch.where(kept, full.values, 0.0)
+    torch.testing.assert_close(probs[0].double(), want / want.sum(), atol=1e-6, rtol=1e-5)
+    counts = torch.bincount(tokens, minlength=64).double() / 4000
+    dense = torch.zeros(64, dtype=torch.float64).scatter_(0, ids[0], probs[0].double())
+    assert (counts - dense).abs().max() < 1e-3 and not counts[dense == 0].any()
+    if top_p == 1.0:
+        _, _, whole = draw_from_cut(logits, row, grid[:1], 64)
+        assert bool((whole > 0).all())
