@@ -2,9 +2,9 @@
 the verifier gave (k accepted drafts, then the bonus token) against the guesses made for it
 (the draft's likeliest tokens at node k other than the chain's next one, in the drafter's
 order). Runs the engines in one process (the embedded default and its shipped EAGLE-3 head, or
---model / --eagle3) with `--overlap ahead`, `--guesses` bonus tokens per accept length, greedy,
-the bundled prompts one stream at a time; the hit rate does not depend on the device, so the
-CPU serves.
+--model / --eagle3) with `--overlap ahead`, `--guesses` bonus tokens per accept length, greedy
+unless --temperature, the bundled prompts one stream at a time; the hit rate does not depend
+on the device, so the CPU serves.
 
 Prints, for chain rounds: how often each accept length came, and how often the bonus token was
 among the first g guesses at that length; the hit rate of every uniform number of guesses

@@ -1,7 +1,7 @@
 """Maps the host and device expansions share, as plain functions: a proposer's logits into the
 target's vocabulary (`in_vocab`), a sampled chain's draw over the proposer's columns with its
 tokens mapped to the target's ids (`draw_columns`, `draw_mapped`), storage indices to cache
-slots through a block table (`_slots`), and a run's flat metadata buffer to its per-row views
+slots through a block table (`cache_slots`), and a run's flat metadata buffer to its per-row views
 (`split_meta`)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def draw_mapped(
     return token, ids, probs
 
 
-def _slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:
+def cache_slots(table: torch.Tensor, storage: torch.Tensor, page: int) -> torch.Tensor:
     """Cache slots [R, q] of storage indices [R, q] through each row's block table [R, pages]."""
     return table.gather(1, storage // page).long() * page + storage % page
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from drafter.expansion_inputs import Ahead, ExpansionInputs, GrowConstants, Shape
-from drafter.expansion_maps import _slots, draw_columns, draw_mapped, in_vocab, split_meta
+from drafter.expansion_maps import cache_slots, draw_columns, draw_mapped, in_vocab, split_meta
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch
 
@@ -108,7 +108,7 @@ class ExpansionSteps:
         logits, outputs = [root[0]], [root[1]]
         # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
         storage = consts.chain_cols + base  # [L, B]
-        slots = _slots(table, storage.t(), page).t().contiguous()
+        slots = cache_slots(table, storage.t(), page).t().contiguous()
         kv_lens = consts.chain_ends + base32
         for t in range(chain_len):  # the chain, a node a step: each reads its parent's output
             batch = self._node_batch(
@@ -131,7 +131,7 @@ class ExpansionSteps:
         prefix_r = base32[consts.seq_of]
         table_r = table[consts.seq_of]
         storage = base_r + consts.bonus_col
-        slots = _slots(table_r, storage[:, None], page)[:, 0]
+        slots = cache_slots(table_r, storage[:, None], page)[:, 0]
         features = None
         if outputs[0] is not None:  # node k's output (the root's for k = 0)
             per_k = torch.stack(outputs, dim=1)  # type: ignore[arg-type]
@@ -198,7 +198,7 @@ class ExpansionSteps:
         batch = ForwardBatch(
             input_ids=tokens.reshape(-1).long(),
             positions=storage.reshape(-1),
-            slot_mapping=_slots(table, storage, self.kv.page_size).reshape(-1),
+            slot_mapping=cache_slots(table, storage, self.kv.page_size).reshape(-1),
             cu_seqlens_q=consts.cu,
             kv_lens=base32,
             prefix_lens=base32 - q,
@@ -253,7 +253,7 @@ class ExpansionSteps:
         n = k
         for step in range(2, shape.num_steps + 1):
             storage = start[:, None] + frontier  # [B, k]
-            slots = _slots(table, storage, page)
+            slots = cache_slots(table, storage, page)
             batch = ForwardBatch(
                 input_ids=tokens.gather(1, frontier).reshape(-1),
                 positions=(first_position[:, None] + (step - 2)).expand(bs, k).reshape(-1),
@@ -323,7 +323,7 @@ class ExpansionSteps:
         if shape.num_steps > 1:
             page = self.kv.page_size
             storage = start + consts.chain_nodes  # [S - 1, R]: node t's, forwarded at step t
-            slots = _slots(table, storage.t(), page).t().contiguous()
+            slots = cache_slots(table, storage.t(), page).t().contiguous()
             positions = first_position + consts.chain_nodes
             kv_lens = (storage + 1).to(torch.int32)
             # node t sees candidates 0..t (columns col..col + t) and what every row sees
