@@ -56,7 +56,8 @@ def round_messages(
         values = q.values.clone()
         for node in range(depth) if kept else ():
             values[node, kept[node % len(kept)] :] = 0  # type: ignore[index]
-        chain.draft_probs = DraftProbs(q.indices, values, VOCAB)
+        # ragged, as the drafter's come (cut to each row's width inside its engine call)
+        chain.draft_probs = DraftProbs(q.indices, values, VOCAB).as_ragged()
         sampling = SamplingParams(temperature=0.7)
     ids = [f"seq-{i:032x}" for i in range(batch)]
     answer = torch.randn(batch * rows, width).to(torch.bfloat16)  # one Verify's rows

@@ -220,10 +220,14 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
     ) -> None:
         """Give each sampled chain's candidates its nodes' cut distributions."""
         rows, n = len(found), len(found[0].tokens) if found else 0
-        tokens = torch.from_numpy(ids.reshape(rows, n, -1))
-        weights = torch.from_numpy(probs.reshape(rows, n, -1))
-        for r, candidates in enumerate(found):
-            candidates.draft_probs = DraftProbs(tokens[r], weights[r], self.vocab_size)
+        if not rows:
+            return
+        tokens = torch.from_numpy(ids.reshape(rows * n, -1))
+        weights = torch.from_numpy(probs.reshape(rows * n, -1))
+        # cut to the rows' own widths at once (as they cross the wire), a part a candidate
+        every = DraftProbs(tokens, weights, self.vocab_size).as_ragged()
+        for candidates, part in zip(found, every.split([n] * rows), strict=True):
+            candidates.draft_probs = part
 
     def _run(
         self,

@@ -5,7 +5,9 @@ Nodes are stored parents-first: parent[i] < i. Depth of a child of the root is 1
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,29 +28,116 @@ DRAFT_SUPPORT = 256
 DRAFT_TAIL = 1e-3
 
 
-@dataclass(eq=False)
+class Flat(NamedTuple):
+    """A support's rows at their own widths, back to back (as the wire carries them): row i's
+    entries at [sum(widths[:i]), sum(widths[:i + 1])) of `tokens` and `probs`."""
+
+    tokens: np.ndarray  # [total] int32
+    probs: np.ndarray  # [total] float32
+    widths: np.ndarray  # [n] int64
+
+
 class DraftProbs:
     """A sampled chain's draft distributions, one row per node (the distribution its token was
     drawn from), each as its support: token `tokens[i, j]` has probability `probs[i, j]` (0 for
     padding), every other token of the vocabulary 0. The drafter draws from its distribution cut
     to the most likely tokens (DRAFT_SUPPORT): acceptance stays lossless for
     any draft distribution it is told exactly, and a row crosses the wire as k entries, not a
-    vocabulary's worth (196 KB a node at SmolLM2's 49152, 512 KB at 128K)."""
+    vocabulary's worth (196 KB a node at SmolLM2's 49152, 512 KB at 128K).
 
-    tokens: torch.Tensor  # [n, k] int64
-    probs: torch.Tensor  # [n, k] float32 (float64 in the tests' exact checks)
-    vocab_size: int
+    Held padded ([n, k] tensors) or ragged (`DraftProbs.ragged`: each row up to its last nonzero
+    entry, as the wire carries them), so that a round's rows cross the gateway, and are split
+    and joined there, without being padded and cut again; `tokens` / `probs` pad a ragged one
+    on first use."""
+
+    def __init__(self, tokens: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> None:
+        self._tokens: torch.Tensor | None = tokens  # [n, k] int64
+        self._probs: torch.Tensor | None = probs  # [n, k] float32 (float64 in exact tests)
+        self.vocab_size = vocab_size
+        self._flat: Flat | None = None
+
+    @staticmethod
+    def ragged(flat: Flat, vocab_size: int) -> DraftProbs:
+        """Rows at their own widths (none padded until asked for)."""
+        probs = DraftProbs.__new__(DraftProbs)
+        probs._tokens = probs._probs = None
+        probs.vocab_size, probs._flat = vocab_size, flat
+        return probs
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._pad()
+        assert self._tokens is not None
+        return self._tokens
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._pad()
+        assert self._probs is not None
+        return self._probs
 
     @property
     def shape(self) -> tuple[int, int]:
         """The dense shape, [n, vocab]."""
-        return self.tokens.shape[0], self.vocab_size
+        return len(self), self.vocab_size
+
+    @property
+    def padded(self) -> bool:
+        """Whether the [n, k] tensors are held (made, or asked for once)."""
+        return self._tokens is not None
+
+    @property
+    def width(self) -> int:
+        """k: the padded rows' width (a ragged one's widest row, at least 1)."""
+        if self._tokens is not None:
+            return int(self._tokens.shape[1])
+        assert self._flat is not None
+        widths = self._flat.widths
+        return max(int(widths.max()) if widths.size else 0, 1)
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        if self._tokens is not None:
+            return int(self._tokens.shape[0])
+        assert self._flat is not None
+        return int(self._flat.widths.size)
+
+    def flat(self) -> Flat:
+        """The rows at their own widths (a padded one's cut after each row's last nonzero
+        probability: a drafter's rows hold their kept tokens first, `draw_from_cut`)."""
+        if self._flat is None:
+            values = self.probs.detach().cpu().float().numpy()
+            widths = row_widths(values)
+            kept = np.arange(values.shape[1]) < widths[:, None]
+            ids = self.tokens.detach().cpu().numpy()[kept].astype(np.int32)
+            self._flat = Flat(ids, values[kept], widths.astype(np.int64))
+        return self._flat
+
+    def as_ragged(self) -> DraftProbs:
+        return self if self._tokens is None else DraftProbs.ragged(self.flat(), self.vocab_size)
+
+    def fill(self, tokens: np.ndarray, probs: np.ndarray) -> None:
+        """Write the rows into the first columns of `tokens` and `probs` ([n, >= width] host
+        arrays of zeros, any dtypes), each row's padding left as it is."""
+        if self._tokens is not None:
+            k = self.width
+            tokens[:, :k], probs[:, :k] = self.tokens.cpu().numpy(), self.probs.cpu().numpy()
+            return
+        flat = self.flat()
+        kept = np.arange(self.width) < flat.widths[:, None]
+        tokens[:, : self.width][kept], probs[:, : self.width][kept] = flat.tokens, flat.probs
 
     def rows(self, keep: list[int] | slice) -> DraftProbs:
         """The rows `keep` (a slice: views, no copy)."""
+        if self._flat is not None and isinstance(keep, slice) and keep.step in (None, 1):
+            flat = self.flat()
+            widths = flat.widths[keep]
+            begin = int(flat.widths[: keep.indices(len(self))[0]].sum())
+            end = begin + int(widths.sum())
+            return DraftProbs.ragged(
+                Flat(flat.tokens[begin:end], flat.probs[begin:end], widths), self.vocab_size
+            )
         return DraftProbs(self.tokens[keep], self.probs[keep], self.vocab_size)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
@@ -70,20 +159,53 @@ class DraftProbs:
         return DraftProbs(tokens, probs, dense.shape[-1])
 
     def split(self, counts: list[int]) -> list[DraftProbs]:
-        """Consecutive rows, `counts[i]` for part i (views)."""
+        """Consecutive rows, `counts[i]` for part i (views; ragged where this one is)."""
+        if self._flat is not None:
+            flat = self.flat()
+            rows = list(itertools.accumulate(counts, initial=0))
+            ends = np.concatenate([[0], np.cumsum(flat.widths)])[rows].tolist()
+            return [
+                DraftProbs.ragged(
+                    Flat(flat.tokens[a:b], flat.probs[a:b], flat.widths[r:s]), self.vocab_size
+                )
+                for (a, b), (r, s) in zip(
+                    itertools.pairwise(ends), itertools.pairwise(rows), strict=True
+                )
+            ]
         tokens, probs = self.tokens.split(counts), self.probs.split(counts)
         return [DraftProbs(t, p, self.vocab_size) for t, p in zip(tokens, probs, strict=True)]
 
     @staticmethod
     def cat(parts: list[DraftProbs]) -> DraftProbs:
-        """Rows of one vocabulary, in order (supports of different sizes padded). Joined by
-        numpy: torch.cat's OpenMP region waits for every worker (specsplit.model.batch)."""
+        """Rows of one vocabulary, in order: ragged ones (or ones cut once) joined ragged, others
+        padded to the widest. Joined by numpy: torch.cat's OpenMP region waits for every worker
+        (specsplit.model.batch)."""
         if len(parts) == 1:
             return parts[0]
-        k = max(part.tokens.shape[1] for part in parts)
+        vocab_size = parts[0].vocab_size
+        if all(part._flat is not None for part in parts):
+            flats = [part.flat() for part in parts]
+            return DraftProbs.ragged(
+                Flat(*(np.concatenate(column) for column in zip(*flats, strict=True))),
+                vocab_size,
+            )
+        k = max(part.width for part in parts)
         tokens = np.concatenate([_pad(p.tokens, k).numpy() for p in parts])
         probs = np.concatenate([_pad(p.probs, k).numpy() for p in parts])
-        return DraftProbs(torch.from_numpy(tokens), torch.from_numpy(probs), parts[0].vocab_size)
+        return DraftProbs(torch.from_numpy(tokens), torch.from_numpy(probs), vocab_size)
+
+    def _pad(self) -> None:
+        n, k = len(self), self.width
+        tokens, probs = np.zeros((n, k), dtype=np.int64), np.zeros((n, k), dtype=np.float32)
+        self.fill(tokens, probs)
+        self._tokens, self._probs = torch.from_numpy(tokens), torch.from_numpy(probs)
+
+
+def row_widths(probs: np.ndarray) -> np.ndarray:
+    """[n, k] -> [n] int32: each row's columns up to its last nonzero one (0 for none)."""
+    nonzero = probs != 0
+    last = probs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
+    return np.where(nonzero.any(axis=1), last, 0).astype(np.int32)
 
 
 def _pad(rows: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from specsplit.errors import invalid
 from specsplit.messages import AheadTree
-from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree, Flat
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.wire_tensors import fill_tensor, split_rows, tensor_from_proto
 
@@ -24,31 +24,23 @@ T = TypeVar("T")
 
 def fill_probs(msg: common_pb2.DraftProbs, probs: DraftProbs) -> None:
     """Each row's support up to its last nonzero probability, rows back to back, with their
-    widths: a drafter's rows hold their kept tokens first (`draw_from_cut`: 0 past its tail,
-    top-k and top-p cuts), so a round's rows cross at their own widths, not the widest's nor
-    DRAFT_SUPPORT's (a real model's draft rows at T = 0.7 keep 14 tokens at the median).
-    Exact: a token the support does not list has probability 0 either way (the reader pads)."""
+    widths (`DraftProbs.flat`): a drafter's rows hold their kept tokens first
+    (`draw_from_cut`: 0 past its tail, top-k and top-p cuts), so a round's rows cross at their
+    own widths, not the widest's nor DRAFT_SUPPORT's (a real model's draft rows at T = 0.7 keep
+    14 tokens at the median). Exact: a token the support does not list has probability 0
+    either way (the reader pads)."""
     msg.vocab_size = probs.vocab_size
-    values = probs.probs.detach().cpu().float().numpy()
-    ids = probs.tokens.detach().cpu().numpy()
-    widths = row_widths(values)
-    kept = np.arange(values.shape[1]) < widths[:, None]
-    msg.row_widths.extend(widths.tolist())
-    fill_tensor(msg.tokens, torch.from_numpy(ids[kept].astype(np.int32)))
-    fill_tensor(msg.probs, torch.from_numpy(values[kept]))
-
-
-def row_widths(probs: np.ndarray) -> np.ndarray:
-    """[n, k] -> [n] int32: each row's columns up to its last nonzero one (0 for none)."""
-    nonzero = probs != 0
-    last = probs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
-    return np.where(nonzero.any(axis=1), last, 0).astype(np.int32)
+    flat = probs.flat()
+    msg.row_widths.extend(flat.widths.tolist())
+    fill_tensor(msg.tokens, torch.from_numpy(flat.tokens))
+    fill_tensor(msg.probs, torch.from_numpy(flat.probs))
 
 
 def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
-    """Draft distributions' supports, checked and padded to [n, k] (k: the widest row's, at
-    least 1): int32 tokens inside the vocabulary and float32 finite, non-negative
-    probabilities, as many of each as the rows' widths add up to."""
+    """Draft distributions' supports, checked, at their rows' own widths (padded to [n, k],
+    k the widest row's, where asked for: the verifier's acceptance): int32 tokens inside the
+    vocabulary and float32 finite, non-negative probabilities, as many of each as the rows'
+    widths add up to."""
     tokens = tensor_from_proto(msg.tokens, f"{field}.tokens")
     probs = tensor_from_proto(msg.probs, f"{field}.probs")
     if msg.vocab_size <= 0:
@@ -75,11 +67,7 @@ def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
         raise invalid(f"{field}.tokens outside the vocabulary [0, {msg.vocab_size})")
     if values.size and not ((values >= 0).all() and values.max() < math.inf):  # nan fails >= 0
         raise invalid(f"{field}.probs must be finite and >= 0")
-    kept = np.arange(k) < widths[:, None]
-    rows_ids = np.zeros((n, k), dtype=np.int64)
-    rows_probs = np.zeros((n, k), dtype=np.float32)
-    rows_ids[kept], rows_probs[kept] = ids, values
-    return DraftProbs(torch.from_numpy(rows_ids), torch.from_numpy(rows_probs), msg.vocab_size)
+    return DraftProbs.ragged(Flat(ids, values, widths), msg.vocab_size)
 
 
 def fill_round_probs(msg: common_pb2.DraftProbs, trees: list[DraftTree]) -> None:

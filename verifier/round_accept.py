@@ -151,7 +151,7 @@ def queue_full_accept(
     support, filters = 0, False
     if not greedy:
         supports = [i.tree.draft_probs for i in inputs if i.tree.draft_probs is not None]
-        support = max((probs.tokens.shape[1] for probs in supports), default=0)
+        support = max((probs.width for probs in supports), default=0)
         filters = any(_filters(i.sampling, vocab_size) for i in inputs)
         if graphs is not None and layout is not None:
             sampling = graphs.sampling(layout, support, filters)
@@ -223,9 +223,7 @@ def _sampling_inputs(
         uniforms[b, width] = draws[n]
         probs = item.tree.draft_probs
         if probs is not None:
-            k = probs.tokens.shape[1]
-            q_tokens[b, :n, :k] = probs.tokens.numpy()
-            q_probs[b, :n, :k] = probs.probs.numpy()
+            probs.fill(q_tokens[b, :n], q_probs[b, :n])
             has_q[b] = 1
 
 
