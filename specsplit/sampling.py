@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specsplit.kernels.cut_draw import cut_draw, cut_draw_reference, takes_kernel
 from specsplit.kernels.nucleus import TOP_P_SLACK, cut_thresholds_rows
 
 
@@ -122,30 +123,12 @@ def draw_from_cut(
     target_probs' cut."""
     vocab_size = logits.shape[-1]
     support = min(support, vocab_size)
-    temperature, top_p, top_k = params.float().unbind(dim=1)
-    x = logits.float() / temperature[:, None]
+    x = logits.float() / params[:, 0].float()[:, None]
     values, tokens = x.topk(support, dim=-1)  # [R, S] each, likeliest first
-    rank = torch.arange(support, device=x.device)
-    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-    cut = rank >= k[:, None]
-    log_norm = torch.where(
-        k <= support,
-        torch.logsumexp(values.masked_fill(cut, -math.inf), dim=-1),
-        torch.logsumexp(x, dim=-1),
-    )
-    probs = torch.exp(values - log_norm[:, None]).masked_fill(cut, 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs
-    bound = torch.where(top_p >= 1.0, math.inf, top_p - TOP_P_SLACK)  # top-p off: no bound
-    if tail > 0:
-        bound = bound.clamp(max=1.0 - tail)
-    keep = mass_before < bound[:, None]
-    probs = probs * (keep | (rank == 0))
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    cdf = probs.cumsum(dim=-1)
-    at = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)
-    last = (probs > 0).sum(dim=-1, keepdim=True) - 1  # kept tokens are a prefix
-    pick = torch.minimum(at, last)
-    return tokens.gather(1, pick).squeeze(1), tokens, probs
+    # the cut and the draw: one launch on a GPU (specsplit/kernels/cut_draw.py)
+    draw = cut_draw if takes_kernel(values) else cut_draw_reference
+    probs, pick = draw(values, torch.logsumexp(x, dim=-1), params, uniforms, vocab_size, tail)
+    return tokens.gather(1, pick[:, None]).squeeze(1), tokens, probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
