@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import Health
-from specsplit import convert, metrics, rounds, telemetry, wire_tensors
+from specsplit import convert_beside, metrics, rounds, telemetry, wire_tensors
 from specsplit.errors import Code, ServiceError, backend_error
 from specsplit.lane import LaneConnection, lane_path
 from specsplit.lane_frames import Kind, new_token
@@ -224,11 +224,11 @@ class StreamClient(Generic[In, Out]):
         """Keep a prefix of each sequence (a session's turn boundary)."""
         if not items:
             return []
-        request = convert.truncate_request_to_proto(items)
+        request = convert_beside.truncate_request_to_proto(items)
         response = await self._unary(
             Kind.TRUNCATE, "Truncate", request, common_pb2.TruncateResponse
         )
-        return convert.truncate_response_from_proto(response)
+        return convert_beside.truncate_response_from_proto(response)
 
     async def _unary(self, kind: Kind, method: str, request: Message, response_type: type[M]) -> M:
         """One request and its answer: a frame of `kind` on the round lane when there is one,
@@ -299,7 +299,7 @@ class GrpcVerifierClient(StreamClient[VerifyInput, VerifyOutput]):
         else the unary Hint."""
         if not hints:
             return
-        request = convert.hint_to_proto(hints)
+        request = convert_beside.hint_to_proto(hints)
         await self._unary(Kind.HINT, "Hint", request, verifier_pb2.VerifyHintResponse)
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Typ
 import grpc
 from google.protobuf.message import Message
 
-from specsplit import convert, metrics, telemetry, wire_tensors
+from specsplit import convert_beside, metrics, telemetry, wire_tensors
 from specsplit.errors import Code, ServiceError
 from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
@@ -220,7 +220,7 @@ class EngineServicer(Generic[EngineT]):
         self, scope: Scope | None, request: common_pb2.TruncateRequest
     ) -> common_pb2.TruncateResponse:
         """Truncate the caller's own sequences (scoped as `release_in`)."""
-        items = convert.truncate_request_from_proto(request)
+        items = convert_beside.truncate_request_from_proto(request)
         mine = [] if scope is None else scope.enter(items)
         await self.settle([item.seq_id for item in mine])
         truncated, num_pages_used = await self.engine.run(_truncate, mine)
@@ -228,7 +228,7 @@ class EngineServicer(Generic[EngineT]):
             truncated = [Truncated(t.seq_id, found=False) for t in items]
         else:
             truncated = scope.leave(truncated)
-        return convert.truncate_response_to_proto(truncated, num_pages_used)
+        return convert_beside.truncate_response_to_proto(truncated, num_pages_used)
 
     def hint_in(self, scope: Scope | None, body: bytes | bytearray | memoryview) -> Message:
         """A hint for rounds in flight (the verifier's `Hint`); refused by a service without

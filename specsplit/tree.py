@@ -129,7 +129,9 @@ class DraftProbs:
         tokens[:, : self.width][kept], probs[:, : self.width][kept] = flat.tokens, flat.probs
 
     def rows(self, keep: list[int] | slice) -> DraftProbs:
-        """The rows `keep` (a slice: views, no copy)."""
+        """The rows `keep` (a slice: views, no copy; all of them: this one)."""
+        if isinstance(keep, slice) and keep.indices(len(self)) == (0, len(self), 1):
+            return self  # (a chain's every draft, `select_tree`: per sequence a round)
         if self._flat is not None and isinstance(keep, slice) and keep.step in (None, 1):
             flat = self.flat()
             widths = flat.widths[keep]

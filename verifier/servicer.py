@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from specsplit import convert, rounds
+from specsplit import convert_beside, rounds
 from specsplit.engine_servicer import EngineServicer
 from specsplit.scopes import Scope, grpc_scope_key
 from specsplit.server import service_errors, service_name
@@ -52,7 +52,8 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
     def _hint(
         self, scope: Scope | None, request: verifier_pb2.VerifyHint
     ) -> verifier_pb2.VerifyHintResponse:
-        hints = convert.hint_from_proto(request)  # a malformed one is refused from any client
+        # a malformed one is refused from any client
+        hints = convert_beside.hint_from_proto(request)
         if scope is not None:
             self.engine.warm().hint_next(scope.enter(hints))
         return verifier_pb2.VerifyHintResponse()

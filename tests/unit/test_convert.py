@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specsplit import convert, wire_tensors
+from specsplit import convert, convert_beside, wire_tensors
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     AheadTree,
@@ -701,7 +701,7 @@ def test_hints_round_trip_in_columns() -> None:
         NextTrees("b", 3, [], plain=True),
         NextTrees("c", 40, [AheadTree([7, 8, 9], DraftTree([3, 4, 5], [-1, -1, 0]))], plain=True),
     ]
-    wire = convert.hint_to_proto(hints).SerializeToString()
-    got = convert.hint_from_proto(verifier_pb2.VerifyHint.FromString(wire))
+    wire = convert_beside.hint_to_proto(hints).SerializeToString()
+    got = convert_beside.hint_from_proto(verifier_pb2.VerifyHint.FromString(wire))
     assert got == hints
-    assert convert.hint_from_proto(convert.hint_to_proto([])) == []
+    assert convert_beside.hint_from_proto(convert_beside.hint_to_proto([])) == []
