@@ -17,7 +17,7 @@ from specsplit.errors import invalid
 from specsplit.messages import AheadTree
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree, Flat
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specsplit.wire_tensors import fill_tensor, split_rows, tensor_from_proto
+from specsplit.wire_tensors import split_rows
 
 T = TypeVar("T")
 
@@ -32,8 +32,13 @@ def fill_probs(msg: common_pb2.DraftProbs, probs: DraftProbs) -> None:
     msg.vocab_size = probs.vocab_size
     flat = probs.flat()
     msg.row_widths.extend(flat.widths.tolist())
-    fill_tensor(msg.tokens, torch.from_numpy(flat.tokens))
-    fill_tensor(msg.probs, torch.from_numpy(flat.probs))
+    for column, values, dtype in (
+        (msg.tokens, flat.tokens, "int32"),
+        (msg.probs, flat.probs, "float32"),
+    ):
+        column.dtype = dtype
+        column.shape.append(values.size)
+        column.data = values.astype(dtype, copy=False).tobytes()
 
 
 def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
@@ -41,28 +46,31 @@ def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
     k the widest row's, where asked for: the verifier's acceptance): int32 tokens inside the
     vocabulary and float32 finite, non-negative probabilities, as many of each as the rows'
     widths add up to."""
-    tokens = tensor_from_proto(msg.tokens, f"{field}.tokens")
-    probs = tensor_from_proto(msg.probs, f"{field}.probs")
     if msg.vocab_size <= 0:
         raise invalid(f"{field}.vocab_size = {msg.vocab_size}: must be > 0")
-    if tokens.dtype != torch.int32 or probs.dtype != torch.float32:
+    if msg.tokens.dtype != "int32" or msg.probs.dtype != "float32":
         raise invalid(f"{field}: tokens must be int32 and probs float32")
     widths = np.asarray(msg.row_widths, dtype=np.int64)
     if widths.size and widths.min() < 0:
         raise invalid(f"{field}.row_widths must be >= 0")
     total = int(widths.sum())
-    if tokens.shape != (total,) or probs.shape != (total,):
+    shapes = list(msg.tokens.shape), list(msg.probs.shape)
+    if shapes != ([total], [total]):
         raise invalid(
-            f"{field}: tokens {list(tokens.shape)} and probs {list(probs.shape)} must both be "
-            f"[{total}], the row_widths' sum"
+            f"{field}: tokens {shapes[0]} and probs {shapes[1]} must both be [{total}], the "
+            "row_widths' sum"
         )
+    if len(msg.tokens.data) != 4 * total or len(msg.probs.data) != 4 * total:
+        raise invalid(f"{field}: tokens and probs must carry {4 * total} bytes each")
     n, k = widths.size, max(int(widths.max()) if widths.size else 0, 1)
     if n * k > 2 * total + n * DRAFT_SUPPORT:  # padded, a message could ask for any memory
         raise invalid(
             f"{field}.row_widths pad to {n} x {k} entries, past twice the {total} sent plus "
             f"{DRAFT_SUPPORT} a row"
         )
-    ids, values = tokens.numpy(), probs.numpy()  # numpy: a few us a check, where torch's ~5
+    # read-only views of the message's bytes (numpy: a few us a check, where torch's ~5)
+    ids = np.frombuffer(msg.tokens.data, dtype=np.int32)
+    values = np.frombuffer(msg.probs.data, dtype=np.float32)
     if ids.size and not (ids.min() >= 0 and ids.max() < msg.vocab_size):
         raise invalid(f"{field}.tokens outside the vocabulary [0, {msg.vocab_size})")
     if values.size and not ((values >= 0).all() and values.max() < math.inf):  # nan fails >= 0
