@@ -10,7 +10,7 @@
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
-#       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer]
+#       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -770,6 +770,27 @@ for part in "${parts[@]}"; do
       # $SERVING_TEMPERATURE: sampled requests at that temperature (seeded by their index)
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
       serving ;;
+    sampled8b)  # a sampled round against a greedy one on the critical8b system with its logits
+      # sharpened ($MIRROR_LOGIT_SCALE, 6 unless set: the top token's probability at T = 1
+      # 0.38 / 0.58 / 0.83 by quartile, so a sampled bonus token can be guessed; the mirror is
+      # made once a machine), batch $SAMPLED_BATCH (8): serial and draft-ahead at T = 1, serial
+      # greedy (bench/profile_services.py unprofiled: the RPC stages, each service's overhead);
+      # then the sampled draft call in process (random SmolLM2 + the shipped head, batch 1 / 8)
+      # with the cut-and-draw kernel and with its torch ops (SPECSPLIT_CUT_DRAW_KERNEL)
+      MIRROR_LOGIT_SCALE=${MIRROR_LOGIT_SCALE:-6} mirror_8b
+      for setup in "serial 1.0" "serial 0" "ahead 1.0"; do
+        read -r mode temperature <<<"$setup"
+        run "sampled8b_${mode}_T$temperature" python3 bench/profile_services.py \
+          --model /tmp/mirror8b "${devices[@]}" --drafter model --draft-model /tmp/mirror8b_draft \
+          --batch "${SAMPLED_BATCH:-8}" --max-new-tokens 128 --top 0 --overlap "$mode" \
+          --temperature "$temperature" --synthetic-acceptance 0.8,0.7,0.6
+      done
+      random_smollm2
+      for kernel in 1 0; do
+        SPECSPLIT_CUT_DRAW_KERNEL=$kernel run "sampled8b_draw_kernel$kernel" python3 \
+          bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 --batch 1 8 \
+          --shape 3x1x3 --rounds 100 --torch-profile --temperature 1.0
+      done ;;
     serving8b)  # serving's Poisson arrivals on the 8B-shaped mirror target (random weights) and
       # its one-layer draft model, each setup with --synthetic-acceptance 0.8,0.7,0.6 (timing
       # only: the outputs are not the target's), $SERVING_SPEC default "target default",

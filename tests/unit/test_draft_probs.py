@@ -5,6 +5,7 @@ gateway without ever being padded."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from specsplit import convert
@@ -59,9 +60,11 @@ def test_rows_written_out_ragged_match_their_padded_form() -> None:
     np.testing.assert_allclose(got_p, want_p)
 
 
+@pytest.mark.filterwarnings("error")  # e.g. torch over the message's read-only bytes
 def test_a_gateway_passes_a_rounds_draft_rows_on_without_padding_them() -> None:
     """The drafter's answer read, its trees sent on in a Verify and read by the verifier: the
-    rows are never padded on the way, and arrive with the distributions the drafter drew."""
+    rows are never padded on the way (nor copied out of the messages' bytes, read-only), and
+    arrive with the distributions the drafter drew."""
     sampled = SamplingParams(temperature=0.7, seed=1)
     trees = [
         DraftTree([1, 2, 3], [-1, 0, 1], _padded(w).as_ragged()) for w in ([2, 5, 1], [4, 4, 8])
