@@ -42,7 +42,7 @@ from drafter.expansion_steps import (
 from specsplit import metrics
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.cuda_graphs import batch_buckets
-from specsplit.tree import DraftProbs
+from specsplit.tree import DraftProbs, cut_rows
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +222,9 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         rows, n = len(found), len(found[0].tokens) if found else 0
         if not rows:
             return
-        tokens = torch.from_numpy(ids.reshape(rows * n, -1))
-        weights = torch.from_numpy(probs.reshape(rows * n, -1))
         # cut to the rows' own widths at once (as they cross the wire), a part a candidate
-        every = DraftProbs(tokens, weights, self.vocab_size).as_ragged()
+        cut = cut_rows(ids.reshape(rows * n, -1), probs.reshape(rows * n, -1))
+        every = DraftProbs.ragged(cut, self.vocab_size)
         for candidates, part in zip(found, every.split([n] * rows), strict=True):
             candidates.draft_probs = part
 

@@ -66,17 +66,11 @@ class DraftProbs:
 
     @property
     def tokens(self) -> torch.Tensor:
-        if self._tokens is None:
-            self._pad()
-        assert self._tokens is not None
-        return self._tokens
+        return self._padded()[0]
 
     @property
     def probs(self) -> torch.Tensor:
-        if self._probs is None:
-            self._pad()
-        assert self._probs is not None
-        return self._probs
+        return self._padded()[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,8 +88,7 @@ class DraftProbs:
         if self._tokens is not None:
             return int(self._tokens.shape[1])
         assert self._flat is not None
-        widths = self._flat.widths
-        return max(int(widths.max()) if widths.size else 0, 1)
+        return padded_width(self._flat.widths)
 
     def __len__(self) -> int:
         if self._tokens is not None:
@@ -107,11 +100,8 @@ class DraftProbs:
         """The rows at their own widths (a padded one's cut after each row's last nonzero
         probability: a drafter's rows hold their kept tokens first, `draw_from_cut`)."""
         if self._flat is None:
-            values = self.probs.detach().cpu().float().numpy()
-            widths = row_widths(values)
-            kept = np.arange(values.shape[1]) < widths[:, None]
-            ids = self.tokens.detach().cpu().numpy()[kept].astype(np.int32)
-            self._flat = Flat(ids, values[kept], widths.astype(np.int64))
+            tokens, probs = self.tokens.detach().cpu(), self.probs.detach().cpu().float()
+            self._flat = cut_rows(tokens.numpy(), probs.numpy())
         return self._flat
 
     def as_ragged(self) -> DraftProbs:
@@ -124,18 +114,19 @@ class DraftProbs:
             k = self.width
             tokens[:, :k], probs[:, :k] = self.tokens.cpu().numpy(), self.probs.cpu().numpy()
             return
-        flat = self.flat()
-        kept = np.arange(self.width) < flat.widths[:, None]
-        tokens[:, : self.width][kept], probs[:, : self.width][kept] = flat.tokens, flat.probs
+        flat, k = self.flat(), self.width
+        kept = _kept(flat.widths, k)
+        tokens[:, :k][kept], probs[:, :k][kept] = flat.tokens, flat.probs
 
     def rows(self, keep: list[int] | slice) -> DraftProbs:
         """The rows `keep` (a slice: views, no copy; all of them: this one)."""
-        if isinstance(keep, slice) and keep.indices(len(self)) == (0, len(self), 1):
+        start, stop, step = keep.indices(len(self)) if isinstance(keep, slice) else (0, 0, 0)
+        if (start, stop, step) == (0, len(self), 1):
             return self  # (a chain's every draft, `select_tree`: per sequence a round)
-        if self._flat is not None and isinstance(keep, slice) and keep.step in (None, 1):
+        if self._flat is not None and step == 1:
             flat = self.flat()
-            widths = flat.widths[keep]
-            begin = int(flat.widths[: keep.indices(len(self))[0]].sum())
+            widths = flat.widths[start:stop]
+            begin = int(flat.widths[:start].sum())
             end = begin + int(widths.sum())
             return DraftProbs.ragged(
                 Flat(flat.tokens[begin:end], flat.probs[begin:end], widths), self.vocab_size
@@ -196,18 +187,34 @@ class DraftProbs:
         probs = np.concatenate([_pad(p.probs, k).numpy() for p in parts])
         return DraftProbs(torch.from_numpy(tokens), torch.from_numpy(probs), vocab_size)
 
-    def _pad(self) -> None:
-        n, k = len(self), self.width
-        tokens, probs = np.zeros((n, k), dtype=np.int64), np.zeros((n, k), dtype=np.float32)
-        self.fill(tokens, probs)
-        self._tokens, self._probs = torch.from_numpy(tokens), torch.from_numpy(probs)
+    def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [n, k] tokens and probabilities (a ragged one's padded once, kept)."""
+        if self._tokens is None or self._probs is None:
+            n, k = len(self), self.width
+            tokens, probs = np.zeros((n, k), dtype=np.int64), np.zeros((n, k), dtype=np.float32)
+            self.fill(tokens, probs)
+            self._tokens, self._probs = torch.from_numpy(tokens), torch.from_numpy(probs)
+        return self._tokens, self._probs
 
 
-def row_widths(probs: np.ndarray) -> np.ndarray:
-    """[n, k] -> [n] int32: each row's columns up to its last nonzero one (0 for none)."""
+def cut_rows(tokens: np.ndarray, probs: np.ndarray) -> Flat:
+    """[n, k] rows of a support -> each cut after its last nonzero probability (all of a row
+    with none: width 0), back to back."""
     nonzero = probs != 0
     last = probs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
-    return np.where(nonzero.any(axis=1), last, 0).astype(np.int32)
+    widths = np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
+    kept = _kept(widths, probs.shape[1])
+    return Flat(tokens[kept].astype(np.int32), probs[kept], widths)
+
+
+def padded_width(widths: np.ndarray) -> int:
+    """k: the width rows of these widths pad to (the widest, at least 1)."""
+    return max(int(widths.max()) if widths.size else 0, 1)
+
+
+def _kept(widths: np.ndarray, k: int) -> np.ndarray:
+    """[n, k] bool: each row's first widths[i] columns."""
+    return np.arange(k) < widths[:, None]
 
 
 def _pad(rows: torch.Tensor, k: int) -> torch.Tensor:

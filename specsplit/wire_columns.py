@@ -15,7 +15,7 @@ import torch
 
 from specsplit.errors import invalid
 from specsplit.messages import AheadTree
-from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree, Flat
+from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree, Flat, padded_width
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.wire_tensors import split_rows
 
@@ -62,7 +62,7 @@ def probs_from_proto(msg: common_pb2.DraftProbs, field: str) -> DraftProbs:
         )
     if len(msg.tokens.data) != 4 * total or len(msg.probs.data) != 4 * total:
         raise invalid(f"{field}: tokens and probs must carry {4 * total} bytes each")
-    n, k = widths.size, max(int(widths.max()) if widths.size else 0, 1)
+    n, k = widths.size, padded_width(widths)
     if n * k > 2 * total + n * DRAFT_SUPPORT:  # padded, a message could ask for any memory
         raise invalid(
             f"{field}.row_widths pad to {n} x {k} entries, past twice the {total} sent plus "
