@@ -24,7 +24,6 @@ from specsplit.cli_flags import (
     drafter_flags,
     generation_flags,
     model_flags,
-    round_lane_flag,
     spec_flags,
     verifier_flags,
 )
@@ -46,6 +45,7 @@ from specsplit.cli_server_flags import (
     http_flags,
     limit_flags,
     resolve_hosts,
+    round_lane_flag,
     server_flags,
     tls_files,
     tls_flags,

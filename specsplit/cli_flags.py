@@ -2,7 +2,7 @@
 each group a function adding its flags to a subcommand's parser (`specsplit/cli_args.py`'s
 `flag` / `switch`: defaults from SPECSPLIT_* environment variables), the defaults' measured
 reasons, and what the serve commands read back from them (spec, graph sizes). Listener,
-limit and security flags: `specsplit/cli_server_flags.py`.
+round lane, limit and security flags: `specsplit/cli_server_flags.py`.
 
 Service modules are imported inside the functions that need them: the command line starts
 without torch (--help, `generate`).
@@ -387,19 +387,3 @@ def adaptive_rungs(args: argparse.Namespace) -> tuple[SpecParams, ...] | None:
     from gateway.adaptive import parse_ladder
 
     return None if args.adaptive_ladder is None else parse_ladder(args.adaptive_ladder)
-
-
-def round_lane_flag(parser: argparse.ArgumentParser) -> None:
-    lane_help = (
-        "on: a drafter or verifier on a Unix socket takes its rounds, Release and Truncate on"
-        " its round lane (the same messages as frames on a plain socket beside it, about half"
-        " gRPC's round trip); off: everything on gRPC"
-    )
-    flag(parser, "--round-lane", "on", lane_help, choices=("on", "off"))
-    poll_help = (
-        "how long the gateway's event loop polls for a round lane's answer before it sleeps"
-        " (waking from a sleep through an engine call costs ~0.1 ms on a GPU host); none ="
-        " auto (`up`: 5 when the verifier runs on a GPU, else 0; serve-gateway: 0); polling"
-        " takes a core that a CPU engine needs"
-    )
-    flag(parser, "--round-lane-poll-ms", None, poll_help, type=optional_float)

@@ -1,5 +1,6 @@
-"""The serve commands' listener, limit, fault and security flags (DESIGN.md §8; gateway/auth.py,
-specsplit/tls.py) and what the serve commands read back from them (request limits, TLS files).
+"""The serve commands' listener, round lane, limit, fault and security flags (DESIGN.md §8;
+gateway/auth.py, specsplit/tls.py) and what the serve commands read back from them (request
+limits, TLS files).
 
 Service modules are imported inside the functions that need them: the command line starts
 without torch.
@@ -10,7 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from specsplit.cli_args import cpu_cores, flag, optional_int, optional_str, switch
+from specsplit.cli_args import (
+    cpu_cores,
+    flag,
+    optional_float,
+    optional_int,
+    optional_str,
+    switch,
+)
 
 if TYPE_CHECKING:
     from gateway.request import Limits
@@ -24,6 +32,22 @@ METRICS_PORTS = {"gateway": 9400, "drafter": 9401, "verifier": 9402}  # Promethe
 def host_flag(parser: argparse.ArgumentParser, what: str) -> None:
     host_help = f"interface {what} listen on when an address names no host (:PORT)"
     flag(parser, "--host", DEFAULT_HOST, f"{host_help}; 0.0.0.0 = every interface")
+
+
+def round_lane_flag(parser: argparse.ArgumentParser) -> None:
+    lane_help = (
+        "on: a drafter or verifier on a Unix socket takes its rounds, Release and Truncate on"
+        " its round lane (the same messages as frames on a plain socket beside it, about half"
+        " gRPC's round trip); off: everything on gRPC"
+    )
+    flag(parser, "--round-lane", "on", lane_help, choices=("on", "off"))
+    poll_help = (
+        "how long the gateway's event loop polls for a round lane's answer before it sleeps"
+        " (waking from a sleep through an engine call costs ~0.1 ms on a GPU host); none ="
+        " auto (`up`: 5 when the verifier runs on a GPU, else 0; serve-gateway: 0); polling"
+        " takes a core that a CPU engine needs"
+    )
+    flag(parser, "--round-lane-poll-ms", None, poll_help, type=optional_float)
 
 
 def server_flags(parser: argparse.ArgumentParser, service: str) -> None:
