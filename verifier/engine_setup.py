@@ -9,7 +9,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable
-from typing import Self
+from typing import Self, TypedDict, Unpack
 
 import torch
 
@@ -29,6 +29,19 @@ from verifier.seq_memory import SeqMemory
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_QUERY_LENS, graphs_reserve_bytes, warm_up
 
 log = logging.getLogger(__name__)
+
+
+class EngineOptions(TypedDict, total=False):
+    """`EngineSetup.for_model`'s keywords, which `load` passes on (its defaults there)."""
+
+    num_pages: int | None
+    page_size: int
+    kv_memory_fraction: float
+    graph_query_lens: tuple[int, ...]
+    max_batch_size: int
+    decode_ahead: bool
+    decode_ahead_max_batch: int
+    synthetic_acceptance: tuple[float, ...] | None
 
 
 class EngineSetup(SeqMemory):
@@ -160,30 +173,12 @@ class EngineSetup(SeqMemory):
         *,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        num_pages: int | None = None,
-        page_size: int = 16,
-        kv_memory_fraction: float = 0.8,
-        graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
-        max_batch_size: int = 64,
-        decode_ahead: bool = False,
-        decode_ahead_max_batch: int = 64,
-        synthetic_acceptance: tuple[float, ...] | None = None,
+        **options: Unpack[EngineOptions],
     ) -> Self:
-        """num_pages None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free
-        after loading the weights (less room kept for the CUDA graphs' logits).
-        synthetic_acceptance: benchmarks only, not lossless (see __init__)."""
+        """The model at `model_path` loaded on `device` in `dtype`, then `for_model`'s engine
+        over it (`options`: its keywords, with its defaults)."""
         model, _ = load_model(model_path, dtype=dtype, device=device)
-        return cls.for_model(
-            model,
-            num_pages=num_pages,
-            page_size=page_size,
-            kv_memory_fraction=kv_memory_fraction,
-            graph_query_lens=graph_query_lens,
-            max_batch_size=max_batch_size,
-            decode_ahead=decode_ahead,
-            decode_ahead_max_batch=decode_ahead_max_batch,
-            synthetic_acceptance=synthetic_acceptance,
-        )
+        return cls.for_model(model, **options)
 
     @classmethod
     def for_model(
@@ -199,8 +194,10 @@ class EngineSetup(SeqMemory):
         decode_ahead_max_batch: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
     ) -> Self:
-        """An engine over a loaded model, its KV pool sized as `load` says, on the model's
-        device and in its dtype."""
+        """An engine over a loaded model, on the model's device and in its dtype. num_pages
+        None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free after loading
+        the weights (less room kept for the CUDA graphs' logits). synthetic_acceptance:
+        benchmarks only, not lossless (see __init__)."""
         config, dtype, device = model.config, model.dtype, model.device
         num_pages = pool_num_pages(
             num_pages,
