@@ -17,7 +17,7 @@ import torch
 from specsplit import metrics
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
-from specsplit.model.batch import ForwardBatch
+from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts, smallest_q, why_eager
 from specsplit.model.llama import LlamaModel
 from specsplit.step import (
@@ -198,7 +198,7 @@ class DeviceRounds(DeviceWaits):
             out = self.model(on_device, self.kv, aux_layers=aux)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
-        packed = self._accept(inputs, seqs, out.logits, rows, batch.block_table, chain)
+        packed = self._accept(inputs, seqs, out, rows, batch.block_table, chain)
         hidden = None
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
@@ -247,22 +247,24 @@ class DeviceRounds(DeviceWaits):
         self,
         inputs: list[VerifyInput],
         seqs: list[VerifierSeq],
-        logits: torch.Tensor,  # [L, vocab] on the device
-        rows: list[range],  # per sequence its n + 1 rows of `logits`
+        out: ForwardOutput,  # the step's: logits [L, vocab] on the device (and their argmax)
+        rows: list[range],  # per sequence its n + 1 rows of the logits
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
         chain: Chain | None = None,
     ) -> torch.Tensor:
         """The round's acceptance queued on the device (`queue_accept`), on logits bent to the
-        synthetic acceptance's outcome where that is on (benchmarks only); a chained round's
-        placed on the outcomes that came."""
+        synthetic acceptance's outcome where that is on (benchmarks only: the forward's argmax
+        is then taken again); a chained round's placed on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
+        logits, greedy = out.logits, out.greedy
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)
+            greedy = None
         graphs, kv = self.accept_graphs, self.kv
         place = None if chain is None else functools.partial(place_accept, chain=chain)
         return queue_accept(
-            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place
+            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place, greedy
         )
 
     def _commit(

@@ -158,6 +158,7 @@ class EngineSetup(SeqMemory):
                 max_batch_size=max_batch_size,
                 max_context=max_context,
                 max_query_len=max(graph_query_lens + self.prefill_query_lens),
+                greedy=True,
             )
             self.accept_graphs = AcceptGraphs(
                 kv,

@@ -90,3 +90,4 @@ class ForwardBatch:
 class ForwardOutput:
     logits: torch.Tensor  # [L, vocab] float32
     hidden_states: torch.Tensor | None  # [H, num_aux_layers * hidden] or None
+    greedy: torch.Tensor | None = None  # [L] int64, each logits row's argmax, where computed

@@ -132,8 +132,10 @@ class CudaGraphRunner:
         max_batch_size: int = 64,
         max_query_len: int = 64,
         features: tuple[int, torch.dtype] | None = None,
+        greedy: bool = False,
     ) -> None:
         self.step_forward = forward
+        self.greedy = greedy  # each replay also takes its logits rows' argmax (ForwardOutput)
         self.kv = kv
         self.device = kv.device
         self.features = features
@@ -159,8 +161,10 @@ class CudaGraphRunner:
         max_context: int | None = None,
         max_batch_size: int = 64,
         max_query_len: int = 64,
+        greedy: bool = False,
     ) -> CudaGraphRunner:
-        """Graphs of a plain model's steps (the target's, a draft model's)."""
+        """Graphs of a plain model's steps (the target's, a draft model's); greedy: each replay
+        also takes its logits rows' argmax (the verifier's acceptance reads it)."""
 
         def forward(
             batch: ForwardBatch, aux_layers: tuple[int, ...], _: torch.Tensor | None
@@ -173,6 +177,7 @@ class CudaGraphRunner:
             max_context or model.config.max_position_embeddings,
             max_batch_size=max_batch_size,
             max_query_len=max_query_len,
+            greedy=greedy,
         )
 
     # -- capture ---------------------------------------------------------------------------
@@ -193,7 +198,9 @@ class CudaGraphRunner:
         if key in self.buffers:
             return
         sizes = self.q_sizes[q]
-        buffers = GraphBuffers(sizes[-1], q, self.max_pages, self.features, self.device)
+        buffers = GraphBuffers(
+            sizes[-1], q, self.max_pages, self.features, self.device, self.greedy
+        )
         self.buffers[key] = buffers
         empty = self._empty_batch()
         buffers.fill(empty, sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
@@ -347,4 +354,7 @@ class CudaGraphRunner:
             if batch.hidden_indices is not None:
                 name, num = "hidden_rows", batch.hidden_indices.shape[0]
             hidden = buffers.rows(buffers.hidden_states[:t], name, num, views)
-        return ForwardOutput(logits=logits, hidden_states=hidden)
+        greedy = None
+        if buffers.greedy is not None:
+            greedy = buffers.rows(buffers.greedy[:t], "rows", num_rows, views)
+        return ForwardOutput(logits=logits, hidden_states=hidden, greedy=greedy)

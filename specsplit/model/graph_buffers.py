@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specsplit.kernels.argmax import argmax_rows
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 
 # pinned host mirrors a graph's inputs are filled into in turn. A mirror is free again once its
@@ -49,6 +50,7 @@ class GraphBuffers:
         max_pages: int,
         features: tuple[int, torch.dtype] | None,  # (width, dtype) of a features input
         device: torch.device,
+        greedy: bool = False,  # each run also takes its logits rows' argmax (`greedy`)
     ) -> None:
         t = max_bs * q
         self.q, self.max_bs, self.max_pages = q, max_bs, max_pages
@@ -84,6 +86,9 @@ class GraphBuffers:
         )
         self.logits: torch.Tensor | None = None  # [max_bs * q, vocab] float32
         self.hidden_states: torch.Tensor | None = None  # [max_bs * q, width] when there are any
+        # [max_bs * q] int64: each logits row's argmax (greedy acceptance's and decoding's), in
+        # the graph beside the logits (argmax_rows: ~10 us less a step than torch.argmax after)
+        self.greedy = torch.zeros(t, dtype=torch.int64, device=device) if greedy else None
 
     def _new_mirror(self) -> None:
         """Another pinned host mirror (its bytes to copy, its numpy views) and its copy's event,
@@ -113,6 +118,8 @@ class GraphBuffers:
         self.logits[:t].copy_(out.logits)
         if self.hidden_states is not None and out.hidden_states is not None:
             self.hidden_states[:t].copy_(out.hidden_states)
+        if self.greedy is not None:
+            argmax_rows(self.logits[:t], out=self.greedy[:t])
 
     def _arrays(
         self, data: torch.Tensor, sizes: list[int], ends: list[int]
