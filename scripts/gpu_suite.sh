@@ -11,6 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
+#       [engine-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -508,6 +509,25 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --device cuda:0 --modes plain after --hidden-states \
           --no-synthetic --rounds 80 --batch 1 8 --phases
       done ;;
+    engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
+      # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode
+      # and verify 1 + 3 steps (bench/gpu_engine.py, random weights, batch 1 / 8 / 32) and the
+      # drafter's greedy chain-3 call (bench/draft_step.py, the shipped head, batch 1 / 8); then
+      # the split argmax against torch.argmax (bench/argmax_kernel.py). The bench scripts are this
+      # tree's, the code each tree's.
+      [[ -d .gpu/old ]] && cp -r specsplit/v1 .gpu/old/specsplit/
+      for pass in ${AB_PASSES:-new1 old1 new2 old2}; do
+        tree=${pass%%[0-9]*}
+        [[ $tree == old && ! -d .gpu/old ]] && continue
+        dir=$PWD
+        [[ $tree == old ]] && dir=$PWD/.gpu/old
+        PYTHONPATH="$dir:/tmp/site" run "engine_$pass" python3 bench/gpu_engine.py \
+          --shape smollm2-135m --batch 1 8 32 --verify-n 3 --verify-batch 1 8 --steps 60 --no-hf
+        PYTHONPATH="$dir:/tmp/site" run "draft_$pass" python3 bench/draft_step.py \
+          --random-target smollm2-135m --head "$PWD/specsplit/data/eagle3-smollm2" \
+          --device cuda:0 --batch 1 8 --shape 3x1x3 --rounds 300
+      done
+      run argmax python3 bench/argmax_kernel.py ;;
     steps-ab)  # target-only rounds (4 decode steps each, fixed: `up`'s default before the
       # forty-ninth session grew them as measured) at batch 8 / 32 through
       # the services (random SmolLM2), this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried)
