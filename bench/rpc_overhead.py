@@ -23,6 +23,7 @@ same client on gRPC, and the echo child answers on a lane too (frames alone).
 
     PYTHONPATH=. python bench/rpc_overhead.py --model /tmp/tiny_target [--rounds 400]
         [--device cpu] [--transport tcp|unix] [--address 127.0.0.1:50391]
+        [--verifier-arg=--engine-calls=loop]
 
 Without --model only the echo rows are measured (no context limit: --rounds 5000 is fine; a
 tiny model's 512 positions allow ~450 rounds of the verifier's).
@@ -66,6 +67,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--address", default=None, help="the verifier's; default: by --transport")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument(
+        "--verifier-arg",
+        action="append",
+        default=[],
+        help="one more serve-verifier argument, repeatable (e.g. --verifier-arg=--engine-calls=loop"
+        " on a CPU, so that its engine calls run on the loop's thread as on a GPU)",
+    )
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)  # the echo child
     parser.add_argument(
         "--echo-block-ms",
@@ -314,6 +322,7 @@ async def verifier_rows(args: argparse.Namespace, address: str) -> list[str]:
             args.device,
             "--metrics-listen",
             "none",
+            *args.verifier_arg,
         ]
     )
     n, warmup = args.rounds, args.warmup
