@@ -256,15 +256,15 @@ class DeviceRounds(DeviceWaits):
         synthetic acceptance's outcome where that is on (benchmarks only: the forward's argmax
         is then taken again); a chained round's placed on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
-        logits, greedy = out.logits, out.greedy
+        logits, argmax = out.logits, out.greedy
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)
-            greedy = None
+            argmax = None
         graphs, kv = self.accept_graphs, self.kv
         place = None if chain is None else functools.partial(place_accept, chain=chain)
         return queue_accept(
-            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place, greedy
+            inputs, seqs, logits, rows, block_table, kv, self.vocab_size, graphs, place, argmax
         )
 
     def _commit(

@@ -96,15 +96,15 @@ def hidden_states_out(
 
 
 def decode_accept(
-    logits: torch.Tensor, num_seqs: int, greedy: torch.Tensor | None = None
+    logits: torch.Tensor, num_seqs: int, argmax: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`queue_accept` of a greedy round without trees whose sequence b has logits row b (decode
     steps, first rounds): nothing to accept or move, each bonus token its row's argmax (taken
-    in the forward's graph where it gives `greedy`). [B, 2] as compact_and_pack's, in two or
+    in the forward's graph where it gives `argmax`). [B, 2] as compact_and_pack's, in two or
     three ops: the acceptance's way (a host array, its copy in, a graph replay) cost ~0.18 ms of
     a GPU host's time a decode step (bench/RESULTS.md), about a third of what the host spends
     launching one."""
-    bonus = logits[:num_seqs].argmax(dim=-1) if greedy is None else greedy[:num_seqs]
+    bonus = logits[:num_seqs].argmax(dim=-1) if argmax is None else argmax[:num_seqs]
     return torch.stack((torch.zeros_like(bonus), bonus), dim=1)
 
 
@@ -118,20 +118,20 @@ def queue_accept(
     vocab_size: int,
     graphs: AcceptGraphs | None,  # greedy and sampled acceptance's CUDA graphs, if captured
     place: Callable[[list[torch.Tensor]], None] | None = None,  # a chained round's (chain.py)
-    greedy: torch.Tensor | None = None,  # [L] int64 each logits row's argmax, if taken
+    argmax: torch.Tensor | None = None,  # [L] int64 each logits row's argmax, if taken
 ) -> torch.Tensor:
     """Acceptance (greedy, or lossless sampling when any sequence samples), the bonus token
     and the accepted path's K/V compaction for the whole batch, queued on the device:
     per sequence [accepted drafts, bonus, nodes...] ([B, 2 + N], -1 padded;
-    `VerifierEngine._finish` copies it to the host). greedy: the logits' argmax where the
+    `VerifierEngine._finish` copies it to the host). argmax: the logits' argmax where the
     forward's graph took it (ForwardOutput.greedy), else taken here."""
-    all_greedy = all(i.sampling.greedy for i in inputs)
+    greedy = all(i.sampling.greedy for i in inputs)
     plain = place is None and all(
         not i.tree and r.start == b for b, (i, r) in enumerate(zip(inputs, rows, strict=True))
     )
-    if all_greedy and plain:
-        return decode_accept(logits, block_table.shape[0], greedy)
-    args = (inputs, seqs, logits, rows, block_table, kv, vocab_size, graphs, place, greedy)
+    if greedy and plain:
+        return decode_accept(logits, block_table.shape[0], argmax)
+    args = (inputs, seqs, logits, rows, block_table, kv, vocab_size, graphs, place, argmax)
     return queue_full_accept(*args)
 
 
