@@ -511,22 +511,15 @@ for part in "${parts[@]}"; do
       done ;;
     engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
       # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode
-      # and verify 1 + 3 steps (bench/gpu_engine.py, random weights, batch 1 / 8 / 32) and the
+      # and verify 1 + 3 steps (bench/gpu_engine.py, random weights, batch 1 / 8 / 32), then the
       # drafter's greedy chain-3 call (bench/draft_step.py, the shipped head, batch 1 / 8); then
-      # the split argmax against torch.argmax (bench/argmax_kernel.py). The bench scripts are this
-      # tree's, the code each tree's.
-      [[ -d .gpu/old ]] && cp -r specsplit/v1 .gpu/old/specsplit/
-      for pass in ${AB_PASSES:-new1 old1 new2 old2}; do
-        tree=${pass%%[0-9]*}
-        [[ $tree == old && ! -d .gpu/old ]] && continue
-        dir=$PWD
-        [[ $tree == old ]] && dir=$PWD/.gpu/old
-        PYTHONPATH="$dir:/tmp/site" run "engine_$pass" python3 bench/gpu_engine.py \
-          --shape smollm2-135m --batch 1 8 32 --verify-n 3 --verify-batch 1 8 --steps 60 --no-hf
-        PYTHONPATH="$dir:/tmp/site" run "draft_$pass" python3 bench/draft_step.py \
-          --random-target smollm2-135m --head "$PWD/specsplit/data/eagle3-smollm2" \
-          --device cuda:0 --batch 1 8 --shape 3x1x3 --rounds 300
-      done
+      # the split argmax against torch.argmax (bench/argmax_kernel.py)
+      passes=${AB_PASSES:-new1 old1 new2 old2}
+      in_trees "$passes" engine python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
+        --verify-n 3 --verify-batch 1 8 --steps 60 --no-hf
+      in_trees "$passes" draft python3 bench/draft_step.py --random-target smollm2-135m \
+        --head specsplit/data/eagle3-smollm2 --device cuda:0 --batch 1 8 --shape 3x1x3 \
+        --rounds 300
       run argmax python3 bench/argmax_kernel.py ;;
     steps-ab)  # target-only rounds (4 decode steps each, fixed: `up`'s default before the
       # forty-ninth session grew them as measured) at batch 8 / 32 through
