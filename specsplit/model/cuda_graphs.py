@@ -347,14 +347,18 @@ class CudaGraphRunner:
         self.graphs[(q, aux_layers, bucket)].replay()
         assert buffers.logits is not None
         t, num_rows = bs * q, batch.logit_indices.shape[0]
-        logits = buffers.rows(buffers.logits[:t], "rows", num_rows, views)
+        in_order = views and buffers.in_order("rows", num_rows, t)  # (GraphBuffers.rows)
+
+        def logit_rows(out: torch.Tensor) -> torch.Tensor:  # the logits' rows of an output
+            return out[:t] if in_order else buffers.gather(out[:t], "rows", num_rows)
+
+        logits = logit_rows(buffers.logits)
         hidden = None
         if buffers.hidden_states is not None:
-            name, num = ("rows", num_rows)  # the logits' rows, unless it names its own
-            if batch.hidden_indices is not None:
-                name, num = "hidden_rows", batch.hidden_indices.shape[0]
-            hidden = buffers.rows(buffers.hidden_states[:t], name, num, views)
-        greedy = None
-        if buffers.greedy is not None:
-            greedy = buffers.rows(buffers.greedy[:t], "rows", num_rows, views)
+            if batch.hidden_indices is None:  # the logits' rows
+                hidden = logit_rows(buffers.hidden_states)
+            else:
+                num = batch.hidden_indices.shape[0]
+                hidden = buffers.rows(buffers.hidden_states[:t], "hidden_rows", num, views)
+        greedy = None if buffers.greedy is None else logit_rows(buffers.greedy)
         return ForwardOutput(logits=logits, hidden_states=hidden, greedy=greedy)

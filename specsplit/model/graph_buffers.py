@@ -234,13 +234,17 @@ class GraphBuffers:
     def rows(self, out: torch.Tensor, name: str, num: int, views: bool) -> torch.Tensor:
         """The first `num` rows named `name` ("rows", "hidden_rows": filled by the last `fill`)
         of the step's outputs `out` ([t, width]): `out` itself where `views` allows it and they
-        are its rows 0..t-1 in order, else gathered."""
-        if (
-            views
-            and num == out.shape[0]
-            and np.array_equal(self.host[name][:num], self.host["all_rows"][:num])
-        ):
+        are its rows 0..t-1 in order (`in_order`), else gathered."""
+        if views and self.in_order(name, num, out.shape[0]):
             return out
+        return self.gather(out, name, num)
+
+    def in_order(self, name: str, num: int, t: int) -> bool:
+        """Whether the first `num` rows named `name` are the step's rows 0..t-1 in order."""
+        return num == t and np.array_equal(self.host[name][:num], self.host["all_rows"][:num])
+
+    def gather(self, out: torch.Tensor, name: str, num: int) -> torch.Tensor:
+        """The first `num` rows named `name` of `out`, gathered on the device."""
         return out.index_select(0, self.dev[name][:num])
 
     def _fill_mask(self, batch: ForwardBatch, q_lens: np.ndarray, ragged: bool) -> None:
