@@ -568,12 +568,22 @@ for part in "${parts[@]}"; do
     idle-poll)  # the drafter's and verifier's loops polling their round lanes between rounds
       # (`up --idle-poll-ms 20`) against asleep (0), in turn ($IDLE_POLL_MODES), unpinned
       # (up's default; --cpu-affinity on ran alike): batch-1 draft-ahead through the services,
-      # random SmolLM2 + the shipped head (bench/profile_services.py unprofiled)
+      # random SmolLM2 + the shipped head (bench/profile_services.py unprofiled);
+      # $IDLE_POLL_OVERLAP: another --overlap ("auto": up's own), $IDLE_POLL_BATCHES (default 1),
+      # $IDLE_POLL_TOKENS (default 1024), $IDLE_POLL_EXTRA: more bench arguments (e.g.
+      # "--synthetic-acceptance 0.8,0.7,0.6": rounds of a realistic accepted length)
       random_smollm2
+      local_overlap=()
+      [[ ${IDLE_POLL_OVERLAP:-ahead} != auto ]] && local_overlap=(--overlap "${IDLE_POLL_OVERLAP:-ahead}")
+      pass=0
       for poll in ${IDLE_POLL_MODES:-0 20 20 0}; do
-        run "idle_poll_$poll" python3 bench/profile_services.py --model /tmp/smollm2_random \
-          "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
-          --batch 1 --max-new-tokens 1024 --top 0 --overlap ahead --up-arg=--idle-poll-ms=$poll
+        pass=$((pass + 1))
+        # shellcheck disable=SC2086  # the lists are words
+        run "idle_poll_${pass}_$poll" python3 bench/profile_services.py \
+          --model /tmp/smollm2_random "${devices[@]}" --drafter eagle3 \
+          --draft-model specsplit/data/eagle3-smollm2 --batch ${IDLE_POLL_BATCHES:-1} \
+          --max-new-tokens ${IDLE_POLL_TOKENS:-1024} --top 0 "${local_overlap[@]}" \
+          --up-arg=--idle-poll-ms=$poll ${IDLE_POLL_EXTRA:-}
       done ;;
     ahead1-ups)  # ahead1 with each mode's `up` $AHEAD_UPS times in turn (default 2; target-only
       # timed in each `up`: bench/overlap.py --ups), two runs an `up`

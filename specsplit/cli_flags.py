@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 DRAFTER_KINDS = ("auto", "ngram", "self", "model", "eagle3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# --idle-poll-ms's default on a GPU: SmolLM2 rounds through `up` at batch 1, polling against
+# asleep, 1.13x tok/s over five pairs on one H200 and 1.11x serial on two (batch 8 1.03x, 32
+# 0.98x: within the runs' spread); bench/RESULTS.md, seventy-third session
+IDLE_POLL_MS_ON_GPU = 20.0
 DRAFTER_KV_MEMORY_FRACTION = 0.8  # the drafter on a GPU of its own
 SHARED_DRAFTER_KV_MEMORY_FRACTION = 0.1  # `up` with the drafter on the verifier's GPU
 
@@ -96,11 +100,11 @@ def model_flags(parser: argparse.ArgumentParser, *, engine: bool = True) -> None
     flag(parser, "--engine-calls", "auto", calls_help, choices=ENGINE_CALLS)
     poll_help = (
         "drafter and verifier: how long the event loop keeps polling its round lane after an"
-        " answer before it sleeps (a service asleep between rounds wakes late); 0 = never (on"
-        " a CPU the engine needs the cores; on GPUs it gained nothing measurable, pinned or"
-        " not)"
+        " answer before it sleeps (a service asleep between rounds wakes late); 0 = never;"
+        f" none = {IDLE_POLL_MS_ON_GPU:g} on a GPU (batch-1 rounds 1.13x faster on an H200),"
+        " 0 on the CPU (the engine needs the cores)"
     )
-    flag(parser, "--idle-poll-ms", 0.0, poll_help, type=float)
+    flag(parser, "--idle-poll-ms", None, poll_help, type=optional_float)
     graph_batch_help = (
         "drafter and verifier: the largest batch their CUDA graphs are captured for (on a"
         " GPU; a larger round runs eagerly, host-bound), at most 256; `up` passes the larger of"

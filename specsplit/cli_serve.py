@@ -12,6 +12,7 @@ from typing import Any
 
 from specsplit.cli_flags import (
     DRAFTER_KV_MEMORY_FRACTION,
+    IDLE_POLL_MS_ON_GPU,
     adaptive_rungs,
     decode_ahead,
     default_spec,
@@ -43,6 +44,15 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
+def idle_poll_ms(given: float | None, device: str) -> float:
+    """--idle-poll-ms for a service on `device`: as given, else IDLE_POLL_MS_ON_GPU on a GPU
+    (a loop asleep between rounds wakes ~0.1 ms late for the next request) and 0 on the CPU,
+    where a polling loop takes a core from the engine."""
+    if given is not None:
+        return given
+    return IDLE_POLL_MS_ON_GPU if device.startswith("cuda") else 0.0
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """device, dtype ("auto" resolved), num_pages, page_size, grace, tls, engine_calls,
     idle_poll_s and cpu_cores of a serve command."""
@@ -63,7 +73,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tls": tls_files(args),
         "engine_calls": args.engine_calls,
         "cpu_cores": args.cpu_cores,
-        "idle_poll_s": args.idle_poll_ms / 1e3,  # (<= 0: LoopPoll never polls)
+        "idle_poll_s": idle_poll_ms(args.idle_poll_ms, device) / 1e3,  # (0: LoopPoll never polls)
     }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import affinity, cli, cli_flags, up, up_services
+from specsplit import affinity, cli, cli_flags, cli_serve, up, up_services
 from specsplit.messages import SpecParams
 from specsplit.model.loader import embedded_default_head_path
 
@@ -537,13 +537,23 @@ def test_up_has_the_gateway_poll_its_round_lanes_only_with_the_verifier_on_a_gpu
     assert _child_args(up.child_commands(cli.parse_args(["up"]))["gateway"]).round_lane == "on"
 
 
-def test_a_drafter_or_verifier_polls_its_round_lane_between_rounds_only_when_asked() -> None:
-    """--idle-poll-ms: 0 (never) unless given; `up` hands it to both engine services."""
+def test_a_drafter_or_verifier_polls_its_round_lane_between_rounds_on_a_gpu_only() -> None:
+    """--idle-poll-ms: unless given, each service polls on a GPU and never on the CPU (its
+    own device, resolved where it serves); `up` hands a given value to both engine services and
+    leaves the default to each."""
     for argv in (["serve-drafter"], ["serve-verifier"], ["up"]):
-        assert cli.parse_args(argv).idle_poll_ms == 0.0
+        assert cli.parse_args(argv).idle_poll_ms is None
+    assert cli_serve.idle_poll_ms(None, "cuda") == cli_flags.IDLE_POLL_MS_ON_GPU > 0
+    assert cli_serve.idle_poll_ms(None, "cuda:1") == cli_flags.IDLE_POLL_MS_ON_GPU
+    assert cli_serve.idle_poll_ms(None, "cpu") == 0.0  # the CPU engine needs the cores
+    assert cli_serve.idle_poll_ms(0.0, "cuda:0") == 0.0
+    assert cli_serve.idle_poll_ms(7.0, "cpu") == 7.0
     commands = up.child_commands(cli.parse_args(["up", "--idle-poll-ms", "7"]))
     for service in ("drafter", "verifier"):
         assert _child_args(commands[service]).idle_poll_ms == 7.0
+    commands = up.child_commands(cli.parse_args(["up", "--device", "cuda:0"]))
+    for service in ("drafter", "verifier"):
+        assert _child_args(commands[service]).idle_poll_ms is None  # each service's default
 
 
 def test_up_overlaps_by_default_only_with_the_drafter_and_verifier_on_two_gpus() -> None:
