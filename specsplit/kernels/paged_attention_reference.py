@@ -2,15 +2,25 @@
 CPU path: `reference_plan` (each sequence's key slots and dense visibility mask, built on the
 host once per forward) and `paged_attention_with_plan` (SDPA per sequence, every layer), so the
 CPU path builds its gathers and masks once per forward, not once per layer. The visibility
-rules are the kernel's (its module docstring)."""
+rules are the kernel's (its module docstring).
+
+Grouped-query attention runs as one SDPA over each KV head's keys with its query heads stacked as
+rows (no copy of the keys per query head), the keys gathered with index_select (~4x faster than
+indexing on the CPU), and a sequence whose every query sees every key (a decode step) has no
+mask. SmolLM2's decode attention a layer at 512 keys 1.4-1.9x faster on a 2-core CPU than with
+the keys repeated per query head (bench/RESULTS.md, seventy-third session). SDPA, not the softmax
+written out with matmuls: its CPU kernel sums in fixed blocks, so a query's output does not move
+with keys hidden from it (draft-ahead's outcomes in one run equal their forks to 1e-9,
+tests/unit/test_draft_ahead.py); matmuls over more keys sum in another order."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# (q_start, q_end, slots [kv_len] int64, mask [q_len, kv_len] bool) per sequence
-PlanEntry = tuple[int, int, torch.Tensor, torch.Tensor]
+# (q_start, q_end, slots [kv_len] int64, mask [q_len, kv_len] bool or None: every key visible
+# to every query) per sequence
+PlanEntry = tuple[int, int, torch.Tensor, torch.Tensor | None]
 
 
 def reference_plan(
@@ -21,8 +31,9 @@ def reference_plan(
     page_size: int,
     tree_mask: torch.Tensor | None,  # [B, max_q, max_new] bool/uint8, None = causal
 ) -> list[PlanEntry]:
-    """Per sequence: its query rows, the slots of its keys and its dense visibility mask. Built on
-    the host once per forward (it reads the lengths), shared by every layer."""
+    """Per sequence: its query rows, the slots of its keys and its dense visibility mask (None
+    where it is all visible). Built on the host once per forward (it reads the lengths), shared
+    by every layer."""
     cu = cu_seqlens_q.tolist()
     device = block_table.device
     plan: list[PlanEntry] = []
@@ -43,7 +54,7 @@ def reference_plan(
         elif num_new > 0 and q_len > 0:
             assert tree_mask.shape[2] >= num_new, (tree_mask.shape, num_new)
             mask[:, prefix_len:] = tree_mask[b, :q_len, :num_new].to(device, torch.bool)
-        plan.append((q_start, q_end, slots, mask))
+        plan.append((q_start, q_end, slots, None if bool(mask.all()) else mask))
     return plan
 
 
@@ -55,18 +66,29 @@ def paged_attention_with_plan(
     scale: float,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
 ) -> torch.Tensor:
-    """SDPA per sequence over the gathered keys; what `paged_attention` computes, in torch."""
+    """SDPA per sequence over its gathered keys; what `paged_attention` computes, in torch. A
+    KV head's `groups` query heads are rows of one SDPA over its keys (query head h reads KV
+    head h // groups, as repeat_kv pairs them)."""
     if out is None:
         out = torch.empty_like(q)
-    groups = q.shape[1] // k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
+    groups = q.shape[1] // num_kv_heads
     for q_start, q_end, slots, mask in plan:
-        if q_end == q_start:
+        q_len = q_end - q_start
+        if q_len == 0:
             continue
-        q_b = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-        k_b = _expand_kv(k_cache[slots], groups).to(q.dtype)  # [H, kv_len, D]
-        v_b = _expand_kv(v_cache[slots], groups).to(q.dtype)
-        o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask, scale=scale)
-        out[q_start:q_end] = o_b.transpose(0, 1)  # [q_len, H, D]
+        # [q_len, H, D] -> [KV heads, groups * q_len, D]: row g * q_len + i is query i, head g
+        q_b = q[q_start:q_end].view(q_len, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+        q_b = q_b.reshape(num_kv_heads, groups * q_len, head_dim)
+        # [KV heads, kv_len, D] (index_select: ~4x faster than indexing on the CPU)
+        k_b = k_cache.index_select(0, slots).transpose(0, 1)
+        v_b = v_cache.index_select(0, slots).transpose(0, 1)
+        rows_mask = None if mask is None else mask.repeat(groups, 1)  # [groups * q_len, kv_len]
+        o_b = F.scaled_dot_product_attention(
+            q_b, k_b.to(q.dtype), v_b.to(q.dtype), attn_mask=rows_mask, scale=scale
+        )
+        o_b = o_b.view(num_kv_heads, groups, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = o_b.reshape(q_len, num_kv_heads * groups, head_dim)
     return out
 
 
@@ -87,13 +109,3 @@ def paged_attention_reference(
     """`paged_attention`'s arguments, plain torch: the reference the kernel is tested against."""
     plan = reference_plan(cu_seqlens_q, kv_lens, prefix_lens, block_table, page_size, tree_mask)
     return paged_attention_with_plan(q, k_cache, v_cache, plan, scale, out)
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[kv_len, num_kv_heads, D] -> [num_kv_heads * groups, kv_len, D] (repeat_kv)."""
-    kv_len, num_kv_heads, head_dim = x.shape
-    x = x.transpose(0, 1)  # [num_kv_heads, kv_len, D]
-    if groups == 1:
-        return x
-    x = x[:, None].expand(num_kv_heads, groups, kv_len, head_dim)
-    return x.reshape(num_kv_heads * groups, kv_len, head_dim)

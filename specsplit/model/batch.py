@@ -17,7 +17,7 @@ from specsplit.kernels.paged_attention_reference import reference_plan
 from specsplit.model.transfer import to_device
 
 # the attention backend's per-forward host plan (paged_attention_reference.reference_plan)
-_Plan = list[tuple[int, int, torch.Tensor, torch.Tensor]]
+_Plan = list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
