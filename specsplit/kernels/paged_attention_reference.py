@@ -7,8 +7,9 @@ rules are the kernel's (its module docstring).
 Grouped-query attention runs as one SDPA over each KV head's keys with its query heads stacked as
 rows (no copy of the keys per query head), the keys gathered with index_select (~4x faster than
 indexing on the CPU), and a sequence whose every query sees every key (a decode step) has no
-mask. SmolLM2's decode attention a layer at 512 keys 1.4-1.9x faster on a 2-core CPU than with
-the keys repeated per query head (bench/RESULTS.md, seventy-third session). SDPA, not the softmax
+mask. SmolLM2's decode attention a layer 1.4x / 3.5x / 2.2x faster at 128 / 512 / 2048 keys on
+a 2-core CPU than with the keys repeated per query head (bench/cpu_attention.py; RESULTS.md,
+seventy-third session). SDPA, not the softmax
 written out with matmuls: its CPU kernel sums in fixed blocks, so a query's output does not move
 with keys hidden from it (draft-ahead's outcomes in one run equal their forks to 1e-9,
 tests/unit/test_draft_ahead.py); matmuls over more keys sum in another order."""
