@@ -266,8 +266,8 @@ class AcceptGraphs:
         filled) and the round's logits ([L, vocab], L <= max_rows): per sequence [accepted
         drafts, bonus, nodes...] on the device, a view of the graph's output (valid until its
         next replay). place: rewrites the inputs on the device once copied in (a chained
-        round's, verifier/chain.py). argmax: [L] the logits' argmax where the forward's graph
-        took it (a copy in, not torch.argmax's one block a row: ~10 us less on the device)."""
+        round's, verifier/chain.py). argmax: [L] a greedy round's argmax of the logits
+        (`queue_accept` takes it, where the forward's graph did not), copied in."""
         graph = self.graphs[(layout, sampling)]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
@@ -278,10 +278,9 @@ class AcceptGraphs:
             assert graph.logits is not None
             graph.floats.copy_(graph.float_hosts[graph.turn], non_blocking=True)
             graph.logits[:rows].copy_(logits)
-        elif argmax is not None:
-            graph.argmax[:rows].copy_(argmax)
         else:
-            torch.argmax(logits, dim=-1, out=graph.argmax[:rows])
+            assert argmax is not None, "a greedy round comes with its argmax"
+            graph.argmax[:rows].copy_(argmax)
         graph.copied[graph.turn].record(torch.cuda.current_stream(graph.inputs.device))
         graph.graph.replay()
         assert graph.out is not None

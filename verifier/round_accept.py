@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specsplit.kernels.accepted_rows import accepted_rows, accepted_rows_reference
+from specsplit.kernels.argmax import greedy_tokens
 from specsplit.kv_cache import KVCache
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.transfer import to_device
@@ -95,16 +96,13 @@ def hidden_states_out(
             row = end
 
 
-def decode_accept(
-    logits: torch.Tensor, num_seqs: int, argmax: torch.Tensor | None = None
-) -> torch.Tensor:
+def decode_accept(argmax: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """`queue_accept` of a greedy round without trees whose sequence b has logits row b (decode
-    steps, first rounds): nothing to accept or move, each bonus token its row's argmax (taken
-    in the forward's graph where it gives `argmax`). [B, 2] as compact_and_pack's, in two or
-    three ops: the acceptance's way (a host array, its copy in, a graph replay) cost ~0.18 ms of
-    a GPU host's time a decode step (bench/RESULTS.md), about a third of what the host spends
-    launching one."""
-    bonus = logits[:num_seqs].argmax(dim=-1) if argmax is None else argmax[:num_seqs]
+    steps, first rounds): nothing to accept or move, each bonus token its row's argmax
+    (`argmax`, [L]). [B, 2] as compact_and_pack's, in two ops: the acceptance's way (a host
+    array, its copy in, a graph replay) cost ~0.18 ms of a GPU host's time a decode step
+    (bench/RESULTS.md), about a third of what the host spends launching one."""
+    bonus = argmax[:num_seqs]
     return torch.stack((torch.zeros_like(bonus), bonus), dim=1)
 
 
@@ -124,13 +122,18 @@ def queue_accept(
     and the accepted path's K/V compaction for the whole batch, queued on the device:
     per sequence [accepted drafts, bonus, nodes...] ([B, 2 + N], -1 padded;
     `VerifierEngine._finish` copies it to the host). argmax: the logits' argmax where the
-    forward's graph took it (ForwardOutput.greedy), else taken here."""
+    forward's graph took it (ForwardOutput.greedy); a greedy round's is taken here otherwise,
+    the one place a round takes it (`greedy_tokens`: the GPU's many-program argmax)."""
     greedy = all(i.sampling.greedy for i in inputs)
+    if not greedy:
+        argmax = None  # acceptance reads the logits
+    elif argmax is None:
+        argmax = greedy_tokens(logits)
     plain = place is None and all(
         not i.tree and r.start == b for b, (i, r) in enumerate(zip(inputs, rows, strict=True))
     )
-    if greedy and plain:
-        return decode_accept(logits, block_table.shape[0], argmax)
+    if argmax is not None and plain:
+        return decode_accept(argmax, block_table.shape[0])
     args = (inputs, seqs, logits, rows, block_table, kv, vocab_size, graphs, place, argmax)
     return queue_full_accept(*args)
 
@@ -145,13 +148,16 @@ def queue_full_accept(
     vocab_size: int,
     graphs: AcceptGraphs | None,
     place: Callable[[list[torch.Tensor]], None] | None = None,
-    argmax: torch.Tensor | None = None,  # [L] int64 each logits row's argmax, if taken
+    argmax: torch.Tensor | None = None,  # [L] int64 each logits row's argmax: a greedy round's
 ) -> torch.Tensor:
     """`queue_accept`'s way for any round: its inputs in one host array copied in, then the
-    acceptance graph of its layout replayed, or (the CPU; past the graphs) its body run."""
+    acceptance graph of its layout replayed, or (the CPU; past the graphs) its body run. A
+    greedy round (every sequence greedy) comes with the logits' `argmax`, a sampled one
+    without."""
     width = max(len(item.tree) for item in inputs)  # N
     num_seqs = block_table.shape[0]
     greedy = all(i.sampling.greedy for i in inputs)
+    assert greedy == (argmax is not None), "a greedy round's argmax, and only a greedy round's"
     layout = None if graphs is None else graphs.layout(num_seqs, width)
     sampling: Sampling | None = None
     support, filters = 0, False
@@ -202,7 +208,7 @@ def queue_full_accept(
         assert floats is not None
         device_floats = to_device(torch.from_numpy(floats), kv.device)
         return sampled_accept(layout, sampling, device_inputs, device_floats, logits, kv)
-    argmax = logits.argmax(dim=-1) if argmax is None else argmax
+    assert argmax is not None
     return greedy_accept(layout, device_inputs, argmax, kv)
 
 

@@ -57,9 +57,13 @@ def _table(seqs: list[VerifierSeq]) -> torch.Tensor:
 
 
 def _queue(kv, seqs, inputs, logits, rows, full=False):
-    """The round's acceptance as the engine queues it (full: the way any round takes)."""
-    accept = queue_full_accept if full else queue_accept
-    return accept(inputs, seqs, logits, rows, _table(seqs), kv, VOCAB, None)
+    """The round's acceptance as the engine queues it (full: the way any round takes, given
+    a greedy round's argmax as queue_accept gives it)."""
+    if full:
+        argmax = logits.argmax(dim=-1) if all(i.sampling.greedy for i in inputs) else None
+        args = (inputs, seqs, logits, rows, _table(seqs), kv, VOCAB, None, None, argmax)
+        return queue_full_accept(*args)
+    return queue_accept(inputs, seqs, logits, rows, _table(seqs), kv, VOCAB, None)
 
 
 def _refuse(*_: object) -> torch.Tensor:
