@@ -23,6 +23,9 @@ small_linear's in specsplit.kernels.small_linear_tiles):
   rows=4|16|32    the most rows on the small-linear path (llama.SMALL_LINEAR_ROWS; above 4 the
                   tensor-core path, 17-32 rows as one 32-row block: DOT_ROWS)
   tiles=N/K/W/S   the tensor-core path's tiles (DOT_TILES), e.g. 32/64/4/4
+  max_weight_mb=N the largest layer weight, MB, whose model takes the small-linear path
+                  (llama.SMALL_LINEAR_MAX_WEIGHT_BYTES, default 16: SmolLM2 does, an 8B does not;
+                  e.g. 1024 puts an 8B's batch-1 steps on the broadcast path's fused kernels)
 """
 
 from __future__ import annotations
@@ -75,6 +78,13 @@ def _tiles(value: str) -> None:
     small_linear_tiles.DOT_TILES = tiles  # type: ignore[assignment]
 
 
+def _max_weight_mb(value: str) -> None:
+    megabytes = int(value)
+    if megabytes <= 0:
+        raise SystemExit(f"max_weight_mb={value}: a positive number of MB")
+    llama.SMALL_LINEAR_MAX_WEIGHT_BYTES = megabytes << 20
+
+
 def _pdl(value: str) -> None:
     if value not in ("0", "1"):
         raise SystemExit(f"pdl={value}: 0 or 1")
@@ -88,6 +98,7 @@ SWITCHES = {
     "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
     "rows": _rows,
     "tiles": _tiles,
+    "max_weight_mb": _max_weight_mb,
 }
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
@@ -96,6 +107,7 @@ DEFAULTS = {
     "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",
     "rows": str(llama.SMALL_LINEAR_ROWS),
     "tiles": "",
+    "max_weight_mb": str(llama.SMALL_LINEAR_MAX_WEIGHT_BYTES >> 20),
 }
 
 

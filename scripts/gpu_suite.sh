@@ -11,7 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
-#       [engine-ab]
+#       [engine-ab] [engine8b-small]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -254,6 +254,16 @@ for part in "${parts[@]}"; do
         --verify-n 4 8 16 32 64 --verify-batch 1 8 32 --steps 20 --compile-batch 1
       run engine_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
         --verify-n 8 --verify-batch 1 --steps 50 --compile-batch 1 ;;
+    engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
+      # small-linear broadcast path's fused kernels (with PDL, with and without the weights' L2
+      # prefetch) against the default unfused layer (cuBLAS; llama.SMALL_LINEAR_MAX_WEIGHT_BYTES
+      # keeps the small path to SmolLM2-sized layers, never measured on an 8B), alternating in one
+      # process (bench/step_ab.py); the seventy-fifth session's H200 decoded at batch 1 in 5.315
+      # ms, 0.74 of the floor (issue 8: >= 0.80, <= 4.7 ms)
+      run step_ab_8b python3 bench/step_ab.py --shape llama-8b --batch ${SMALL8B_BATCHES:-1 4} \
+        --variant base= --variant small=max_weight_mb=1024 \
+        --variant small-nopf=max_weight_mb=1024,prefetch=0 --reps ${SMALL8B_REPS:-5} --steps 10 \
+        --decode-steps 4 ;;
     e2e)
       run e2e_8b_1b python3 bench/gpu_e2e.py --target llama-8b --draft llama-1b \
         --rates 0.8 0.7 0.6 --spec 3 --batch 1 8 32 ;;
