@@ -23,6 +23,8 @@ small_linear's in specsplit.kernels.small_linear_tiles):
   rows=4|16|32    the most rows on the small-linear path (llama.SMALL_LINEAR_ROWS; above 4 the
                   tensor-core path, 17-32 rows as one 32-row block: DOT_ROWS)
   tiles=N/K/W/S   the tensor-core path's tiles (DOT_TILES), e.g. 32/64/4/4
+  prefetch_lines=N  with the prefetch, at most N (a power of two) 128-byte lines of each weight
+                  row, its first (PREFETCH_MAX_LINES; 0 = whole rows, the default)
   max_weight_mb=N the largest layer weight, MB, whose model takes the small-linear path
                   (llama.SMALL_LINEAR_MAX_WEIGHT_BYTES, default 16: SmolLM2 does, an 8B does not;
                   e.g. 1024 puts an 8B's batch-1 steps on the broadcast path's fused kernels)
@@ -85,6 +87,13 @@ def _max_weight_mb(value: str) -> None:
     llama.SMALL_LINEAR_MAX_WEIGHT_BYTES = megabytes << 20
 
 
+def _prefetch_lines(value: str) -> None:
+    lines = int(value)
+    if lines < 0 or lines & (lines - 1):
+        raise SystemExit(f"prefetch_lines={value}: 0 or a power of two")
+    small_linear_tiles.PREFETCH_MAX_LINES = lines or None
+
+
 def _pdl(value: str) -> None:
     if value not in ("0", "1"):
         raise SystemExit(f"pdl={value}: 0 or 1")
@@ -99,6 +108,7 @@ SWITCHES = {
     "rows": _rows,
     "tiles": _tiles,
     "max_weight_mb": _max_weight_mb,
+    "prefetch_lines": _prefetch_lines,
 }
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
@@ -108,6 +118,7 @@ DEFAULTS = {
     "rows": str(llama.SMALL_LINEAR_ROWS),
     "tiles": "",
     "max_weight_mb": str(llama.SMALL_LINEAR_MAX_WEIGHT_BYTES >> 20),
+    "prefetch_lines": str(small_linear_tiles.PREFETCH_MAX_LINES or 0),
 }
 
 

@@ -255,13 +255,15 @@ for part in "${parts[@]}"; do
       run engine_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
         --verify-n 8 --verify-batch 1 --steps 50 --compile-batch 1 ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
-      # small-linear broadcast path's fused kernels (with PDL, with and without the weights' L2
-      # prefetch) against the default unfused layer (cuBLAS; llama.SMALL_LINEAR_MAX_WEIGHT_BYTES
-      # keeps the small path to SmolLM2-sized layers, never measured on an 8B), alternating in one
-      # process (bench/step_ab.py); the seventy-fifth session's H200 decoded at batch 1 in 5.315
-      # ms, 0.74 of the floor (issue 8: >= 0.80, <= 4.7 ms)
+      # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole
+      # rows, of each row's first 8 lines, or none) against the default unfused layer (cuBLAS;
+      # llama.SMALL_LINEAR_MAX_WEIGHT_BYTES keeps the small path to SmolLM2-sized layers, never
+      # measured on an 8B), alternating in one process (bench/step_ab.py); the seventy-fifth
+      # session's H200 decoded at batch 1 in 5.315 ms, 0.74 of the floor (issue 8: >= 0.80,
+      # <= 4.7 ms)
       run step_ab_8b python3 bench/step_ab.py --shape llama-8b --batch ${SMALL8B_BATCHES:-1 4} \
         --variant base= --variant small=max_weight_mb=1024 \
+        --variant small-pf8=max_weight_mb=1024,prefetch_lines=8 \
         --variant small-nopf=max_weight_mb=1024,prefetch=0 --reps ${SMALL8B_REPS:-5} --steps 10 \
         --decode-steps 4 ;;
     e2e)

@@ -170,6 +170,8 @@ def _launch(
     dependent = pdl(x.device) and (tiling.PDL_ON_TENSOR_CORES or not tiles.use_dot)
     line_elems = 128 // x.element_size()
     prefetch = next_power_of_2(-(-k // line_elems)) if dependent and tiling.PREFETCH else 0
+    if tiling.PREFETCH_MAX_LINES is not None:  # a bench's cap: the rows' first lines only
+        prefetch = min(prefetch, tiling.PREFETCH_MAX_LINES)
     jitted_kernel(interpret)[(-(-n // tiles.block_n),)](
         x, weight, weight if bias is None else bias, norm_weight,
         out if residual is None else residual, out, cos, sin, k_cache, v_cache, slots,

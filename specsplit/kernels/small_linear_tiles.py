@@ -7,8 +7,8 @@ bench's switch $SPECSPLIT_SMALL_LINEAR_DOT_ROWS=32, its tiles from
 $SPECSPLIT_SMALL_LINEAR_DOT_TILES: bench/small_linear_tiles.py sweeps them). A bench's switch,
 $SPECSPLIT_SMALL_LINEAR_BROADCAST_ROWS, keeps up to 8, 16 or 32 rows on the broadcast path (and
 lets the model's small path take that many: MAX_ROWS, specsplit/model/llama.py). With
-programmatic dependent launch, $SPECSPLIT_SMALL_LINEAR_PREFETCH, _PDL_DOT and _PDL_LATE choose
-the weights' L2 prefetch and which launches take it.
+programmatic dependent launch, $SPECSPLIT_SMALL_LINEAR_PREFETCH, _PREFETCH_LINES, _PDL_DOT and
+_PDL_LATE choose the weights' L2 prefetch (how much of each row) and which launches take it.
 
 Each switch is read from the environment once, at import, into a module global here;
 small_linear.py reads those globals at each launch, so a bench (bench/step_ab.py,
@@ -126,6 +126,22 @@ DOT_TILES = _dot_tiles()
 # before waiting for the kernel before ($SPECSPLIT_SMALL_LINEAR_PREFETCH=0: wait first, a bench's
 # switch)
 PREFETCH = os.environ.get("SPECSPLIT_SMALL_LINEAR_PREFETCH", "1") != "0"
+
+
+def _prefetch_max_lines() -> int | None:
+    """$SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES (a developer's switch, for benches: a power of two;
+    unset: whole rows): the prefetch's 128-byte lines a weight row at most, its first ones. A
+    whole row is the prefetch of a small model (SmolLM2: 9-24 lines); an 8B's rows are 64-224
+    lines, more than L2 holds for all the programs at once."""
+    value = os.environ.get("SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1 or int(value) & (int(value) - 1):
+        raise SystemExit(f"SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES={value!r}: a power of two")
+    return int(value)
+
+
+PREFETCH_MAX_LINES = _prefetch_max_lines()
 # the tensor-core path launches without PDL: with it (and the prefetch) a SmolLM2 decode step at
 # batch 8 took 1.15x the step without (H200, bench/step_ab.py, fifty-first session), where the
 # broadcast path's took 0.75x at batch 1; $SPECSPLIT_SMALL_LINEAR_PDL_DOT=1 (a bench's switch)

@@ -233,6 +233,26 @@ def assert_op_matches_reference(op: str, num_rows: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "lines"),
+    [(None, None), ("", None), ("8", 8), ("1", 1), ("3", None), ("0", None), ("x", None)],
+)
+def test_the_prefetch_lines_switch(
+    value: str | None, lines: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES: unset or empty, whole rows (None); a power of
+    two, that cap; anything else stops the process."""
+    if value is None:
+        monkeypatch.delenv("SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES", raising=False)
+    else:
+        monkeypatch.setenv("SPECSPLIT_SMALL_LINEAR_PREFETCH_LINES", value)
+    if lines is None and value not in (None, ""):
+        with pytest.raises(SystemExit, match="PREFETCH_LINES"):
+            small_linear_tiles._prefetch_max_lines()
+        return
+    assert small_linear_tiles._prefetch_max_lines() == lines
+
+
+@pytest.mark.parametrize(
     ("value", "tiles"),
     [(None, None), ("32,64,8,3", (32, 64, 8, 3)), ("16,256,2,1", (16, 256, 2, 1)),
      ("12,64,4,2", None), ("16,64", None), ("16,512,4,2", None), ("a,b,c,d", None),

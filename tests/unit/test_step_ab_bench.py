@@ -24,7 +24,14 @@ def restore_switches() -> Iterator[None]:
         (llama, "SMALL_LINEAR_MAX_WEIGHT_BYTES"),
     ] + [
         (small_linear_tiles, name)
-        for name in ("PREFETCH", "PDL_ON_TENSOR_CORES", "PDL_TRIGGER_LATE", "DOT_ROWS", "DOT_TILES")
+        for name in (
+            "PREFETCH",
+            "PREFETCH_MAX_LINES",
+            "PDL_ON_TENSOR_CORES",
+            "PDL_TRIGGER_LATE",
+            "DOT_ROWS",
+            "DOT_TILES",
+        )
     ]
     before = [getattr(module, name) for module, name in names]
     yield
@@ -45,10 +52,12 @@ def test_variants_parse_and_refuse_unknown_switches() -> None:
 @pytest.mark.usefixtures("restore_switches")
 def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() -> None:
     variant = step_ab.parse_variant(
-        "a=pdl=0,prefetch=0,pdl_dot=1,late=1,rows=32,tiles=32/64/4/4,max_weight_mb=1024"
+        "a=pdl=0,prefetch=0,pdl_dot=1,late=1,rows=32,tiles=32/64/4/4,max_weight_mb=1024,"
+        "prefetch_lines=8"
     )
     step_ab.apply(variant)
     assert llama.SMALL_LINEAR_MAX_WEIGHT_BYTES == 1 << 30
+    assert small_linear_tiles.PREFETCH_MAX_LINES == 8
     assert triton_jit.PDL_SWITCH == "0" and small_linear_tiles.PREFETCH is False
     assert small_linear_tiles.PDL_ON_TENSOR_CORES is True
     assert small_linear_tiles.PDL_TRIGGER_LATE is True
@@ -62,8 +71,10 @@ def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() ->
     assert llama.SMALL_LINEAR_ROWS == 16 and small_linear_tiles.DOT_ROWS == 16
     assert small_linear_tiles.DOT_TILES is None
     assert llama.SMALL_LINEAR_MAX_WEIGHT_BYTES == 16 << 20
-    with pytest.raises(SystemExit, match="max_weight_mb"):
-        step_ab.apply(step_ab.parse_variant("c=max_weight_mb=0"))
+    assert small_linear_tiles.PREFETCH_MAX_LINES is None
+    for bad in ("c=max_weight_mb=0", "c=prefetch_lines=3"):
+        with pytest.raises(SystemExit, match=r"max_weight_mb|prefetch_lines"):
+            step_ab.apply(step_ab.parse_variant(bad))
 
 
 @pytest.mark.usefixtures("restore_switches")
