@@ -9,10 +9,11 @@ rows (no copy of the keys per query head), the keys gathered with index_select (
 indexing on the CPU), and a sequence whose every query sees every key (a decode step) has no
 mask. SmolLM2's decode attention a layer 1.4x / 3.5x / 2.2x faster at 128 / 512 / 2048 keys on
 a 2-core CPU than with the keys repeated per query head (bench/cpu_attention.py; RESULTS.md,
-seventy-third session). SDPA, not the softmax
-written out with matmuls: its CPU kernel sums in fixed blocks, so a query's output does not move
-with keys hidden from it (draft-ahead's outcomes in one run equal their forks to 1e-9,
-tests/unit/test_draft_ahead.py); matmuls over more keys sum in another order."""
+seventy-third session), and its flash kernel (4-D inputs) 1.5-2x faster a layer than its math
+path at 300-1000 keys (seventy-fifth session). SDPA, not the softmax written out with matmuls:
+a query's output does not move with keys hidden from it (draft-ahead's outcomes in one run equal
+their forks to 1e-9, tests/unit/test_draft_ahead.py); matmuls over more keys sum in another
+order."""
 
 from __future__ import annotations
 
@@ -85,12 +86,25 @@ def paged_attention_with_plan(
         k_b = k_cache.index_select(0, slots).transpose(0, 1)
         v_b = v_cache.index_select(0, slots).transpose(0, 1)
         rows_mask = None if mask is None else mask.repeat(groups, 1)  # [groups * q_len, kv_len]
-        o_b = F.scaled_dot_product_attention(
-            q_b, k_b.to(q.dtype), v_b.to(q.dtype), attn_mask=rows_mask, scale=scale
-        )
+        o_b = _sdpa(q_b, k_b.to(q.dtype), v_b.to(q.dtype), rows_mask, scale)
         o_b = o_b.view(num_kv_heads, groups, q_len, head_dim).permute(2, 0, 1, 3)
         out[q_start:q_end] = o_b.reshape(q_len, num_kv_heads * groups, head_dim)
     return out
+
+
+def _sdpa(
+    q: torch.Tensor,  # [KV heads, rows, D]
+    k: torch.Tensor,  # [KV heads, kv_len, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [rows, kv_len] bool
+    scale: float,
+) -> torch.Tensor:
+    """SDPA over each KV head's rows. On the CPU as [1, KV heads, rows, D]: 4-D inputs take
+    its flash kernel (3-D ones its math path: bmm, softmax, bmm, 1.5-2x slower a layer at
+    300-1000 keys, bench/RESULTS.md); on a GPU (the kernel tests' reference) as given."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
 
 
 def paged_attention_reference(
