@@ -11,7 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
-#       [engine-ab] [engine8b-small]
+#       [engine-ab] [engine8b-small] [engine-ahead]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -254,13 +254,20 @@ for part in "${parts[@]}"; do
         --verify-n 4 8 16 32 64 --verify-batch 1 8 32 --steps 20 --compile-batch 1
       run engine_smollm2 python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
         --verify-n 8 --verify-batch 1 --steps 50 --compile-batch 1 ;;
+    engine-ahead)  # issue 8's engine goals as a GPU verifier runs by default: the next decode
+      # step run ahead, rounds of 1 and of 4 steps, HF beside (~210 s on an H200; the
+      # seventy-sixth session's 8B batch 1: 4.611 ms, 0.86 of the floor)
+      run engine_8b_ahead python3 bench/gpu_engine.py --shape llama-8b --batch 1 32 --verify-n 8 \
+        --verify-batch 1 --steps 30 --decode-steps 4 --decode-ahead --compile-batch 1
+      run engine_smollm2_ahead python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
+        --verify-n 8 --verify-batch 1 --steps 50 --decode-steps 4 --decode-ahead --compile-batch 1 ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
       # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole
       # rows, of each row's first 8 lines, or none) against the default unfused layer (cuBLAS;
-      # llama.SMALL_LINEAR_MAX_WEIGHT_BYTES keeps the small path to SmolLM2-sized layers, never
-      # measured on an 8B), alternating in one process (bench/step_ab.py); the seventy-fifth
-      # session's H200 decoded at batch 1 in 5.315 ms, 0.74 of the floor (issue 8: >= 0.80,
-      # <= 4.7 ms)
+      # llama.SMALL_LINEAR_MAX_WEIGHT_BYTES keeps the small path to SmolLM2-sized layers),
+      # alternating in one process (bench/step_ab.py); the small path's first compile at an
+      # 8B's K takes ~200 s, so one batch with two variants fits a call. The seventy-sixth
+      # session's H200 at batch 1: small 8.747 ms a step, base 4.583 (1.91x slower)
       run step_ab_8b python3 bench/step_ab.py --shape llama-8b --batch ${SMALL8B_BATCHES:-1 4} \
         --variant base= --variant small=max_weight_mb=1024 \
         --variant small-pf8=max_weight_mb=1024,prefetch_lines=8 \
