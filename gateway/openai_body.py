@@ -5,6 +5,7 @@ from the services' codes), and the response's usage and choice blocks."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,26 @@ ERROR_TYPES = {
 # The domain's field names (gateway.request) as OpenAI calls them.
 OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the context
+# OpenAI's and vLLM's parameters that would change what a request returns, which this server
+# does not implement: a body may name them only where they change nothing (they are refused,
+# 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
+NOT_SUPPORTED = (
+    "echo", "logprobs", "top_logprobs", "prompt_logprobs", "suffix", "logit_bias",
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "tools", "functions",
+    "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
+    "continue_final_message",
+)  # fmt: skip
+# These only at the values (besides null) that ask for what the server does anyway.
+ONLY_AS_DONE = {
+    "repetition_penalty": (1,),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
+    "function_call": ("none", "auto"),
+    "skip_special_tokens": (True,),
+    "add_generation_prompt": (True,),
+    "modalities": (["text"],),
+}
 
 
 class OpenAIError(Exception):
@@ -148,6 +169,21 @@ def _message(i: int, message: Any) -> dict[str, str]:
     return {"role": role, "content": content or ""}
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """400 for a parameter of NOT_SUPPORTED that is on, or of ONLY_AS_DONE at another value."""
+    for name in NOT_SUPPORTED:
+        if body.get(name) not in (None, False, 0, "", [], {}):
+            raise _bad(name, "not supported")
+    for name, values in ONLY_AS_DONE.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        same_type = isinstance(value, bool) == isinstance(values[0], bool)  # true is not 1
+        if not same_type or value not in values:
+            allowed = " or ".join(json.dumps(v) for v in values)
+            raise _bad(name, f"only {allowed} is supported")
+
+
 def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     """Type checks and OpenAI's defaults; range checks are build_request's."""
     if not isinstance(body, dict):
@@ -156,9 +192,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         raise _bad("n", "only n = 1 is supported")
     if body_field(body, "best_of", int, 1) != 1:
         raise _bad("best_of", "only best_of = 1 is supported")
-    for name in ("echo", "logprobs", "top_logprobs", "suffix", "tools", "logit_bias"):
-        if body.get(name) not in (None, False, 0, "", [], {}):
-            raise _bad(name, "not supported")
+    _refuse_unsupported(body)
     prompt_kind, prompt = _prompt(body, kind)
     max_tokens = body_field(body, "max_completion_tokens", int, None)
     max_tokens = body_field(body, "max_tokens", int, max_tokens)

@@ -1,6 +1,7 @@
 """Every refusal of the OpenAI-compatible HTTP API is a 4xx in OpenAI's JSON error shape, never a
-plain-text 500: chat contents that are not text, unknown roles, lone surrogates, a wrong method
-(405), a body over the limit (413), a full waiting queue (429)."""
+plain-text 500: chat contents that are not text, unknown roles, lone surrogates, parameters that
+would change the output but are not implemented (never ignored), a wrong method (405), a body
+over the limit (413), a full waiting queue (429)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.openai_http import OpenAIServer
@@ -101,6 +103,72 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         response = await client.post("/v1/chat/completions", data=chat, headers=headers)
         assert (await _error(response, 400))["param"] == "messages"
         assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("repetition_penalty", True),
+        ("min_p", 0.1),
+        ("min_tokens", 3),
+        ("response_format", {"type": "json_object"}),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", {"name": "f"}),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("logit_bias", {"7": 100}),
+        ("guided_json", {"type": "object"}),
+        ("guided_choice", ["a", "b"]),
+        ("structured_outputs", {"regex": "a+"}),
+        ("prediction", {"type": "content", "content": "hello"}),
+        ("include_stop_str_in_output", True),
+        ("skip_special_tokens", False),
+        ("add_generation_prompt", False),
+        ("modalities", ["text", "audio"]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_parameter_that_would_change_the_output_unimplemented_is_400(
+    smollm2_tokenizer, param: str, value: Any
+) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        response = await client.post("/v1/chat/completions", json={**_chat("hi"), param: value})
+        error = await _error(response, 400)
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+        assert "supported" in error["message"], error
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+def test_those_parameters_where_they_change_nothing_are_served(smollm2_tokenizer) -> None:
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0,
+        "logprobs": False,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "function_call": "auto",
+        "tools": [],
+        "skip_special_tokens": True,
+        "add_generation_prompt": True,
+        "modalities": ["text"],
+        "user": "someone",  # (no effect on the output by definition)
+    }
+
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        response = await client.post("/v1/chat/completions", json={**_chat("hi"), **neutral})
+        assert response.status == 200, await response.text()
+        assert len(scheduler.requests) == 1
 
     _run(smollm2_tokenizer, body)
 
