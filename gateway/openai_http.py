@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway: /v1/models, /v1/completions, /v1/chat/completions,
 and sessions as an extension: POST /v1/sessions, DELETE /v1/sessions/{id}, and a `session_id`
-field in a completions or chat body (its prompt or messages are the session's next turn).
+field in a completions or chat body (its prompt or messages are the session's next turn). GET
+/health and /ping (no API key) answer 200 while requests are taken, 503 before and after.
 
     JSON body -> OpenAIRequest (gateway/openai_body.py) -> build_request (the validation the
     gRPC API uses) -> the scheduler's chunks -> one JSON response, or SSE `data: {...}` chunks
@@ -26,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.auth import ApiKeys
+from gateway.auth import OPEN_HTTP_PATHS, ApiKeys
 from gateway.openai_body import (
     Kind,
     OpenAIError,
@@ -84,6 +85,8 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/sessions", self.open_session)
         self.app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
+        for path in OPEN_HTTP_PATHS:  # load balancers' and orchestrators' probes, keyless
+            self.app.router.add_get(path, self.health)
         self._runner: web.AppRunner | None = None
 
     async def start(
@@ -135,6 +138,15 @@ class OpenAIServer:
             "owned_by": "specsplit",
             "max_model_len": self.model.max_context,
         }
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health (and /ping): 200 while requests are taken, as the gRPC health service's
+        SERVING; 503 before the verifier is SERVING and once shutting down."""
+        if self.draining:
+            raise OpenAIError(503, NOT_TAKING_REQUESTS)
+        if not self.ready:
+            raise OpenAIError(503, "the gateway is waiting for the verifier")
+        return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})

@@ -396,8 +396,9 @@ def test_http_client_without_or_with_a_wrong_key_is_401_in_openai_error_shape(
                     for path in ("/v1/models", "/v1/models/m"):
                         async with session.get(f"{url}{path}") as response:
                             assert response.status == 401, path
-                    async with session.get(f"{url}/health") as response:
-                        assert response.status != 401  # open (404 while there is no route)
+                    for path in ("/health", "/ping"):  # open: probes carry no key
+                        async with session.get(f"{url}{path}") as response:
+                            assert response.status == 200, path
                     auth = {"Authorization": f"Bearer {KEY}"}
                     async with session.post(
                         f"{url}/v1/completions", json=body, headers=auth

@@ -78,3 +78,29 @@ def test_not_ready_is_503_in_openai_error_shape() -> None:
         assert scheduler.requests == []
 
     _run(body)
+
+
+def test_health_is_503_until_ready_200_then_503_once_draining() -> None:
+    async def body(scheduler: EndlessScheduler, server: OpenAIServer, url: str) -> None:
+        root = url.removesuffix("/v1")
+        async with aiohttp.ClientSession() as session:
+
+            async def statuses() -> list[int]:
+                found = []
+                for path in ("/health", "/ping"):
+                    async with session.get(f"{root}{path}") as response:
+                        found.append(response.status)
+                        if response.status == 503:
+                            error = (await response.json())["error"]
+                            assert error["type"] == "service_unavailable", error
+                        else:
+                            assert await response.json() == {"status": "ok"}
+                return found
+
+            assert await statuses() == [503, 503]  # the verifier not yet SERVING
+            server.ready = True
+            assert await statuses() == [200, 200]
+            server.draining = True  # shutting down: no new requests
+            assert await statuses() == [503, 503]
+
+    _run(body)
