@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.request import CHAT_ROLES, Chunk, InvalidField
+from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
 from specsplit.errors import Code, ServiceError
 from specsplit.sampling import SamplingParams
 
@@ -34,6 +34,9 @@ ERROR_TYPES = {
 # The domain's field names (gateway.request) as OpenAI calls them.
 OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the context
+# The most choices a body may ask for (n, times the prompts of a completions body): each is a
+# sequence of its own in the gateway's batch.
+MAX_CHOICES = 64
 # OpenAI's and vLLM's parameters that would change what a request returns, which this server
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
@@ -100,8 +103,10 @@ class OpenAIRequest:
     """The fields of a completions / chat completions body this server acts on."""
 
     kind: Kind
-    prompt_kind: Literal["text", "chat", "token_ids"]
-    prompt: Any  # str, list of token ids, or a list of {"role", "content"}
+    # (kind, prompt) each: "text" and a str, "token_ids" and a list of ids, or "chat" and a list
+    # of {"role", "content"}; a completions body may hold several, a chat body holds one
+    prompts: list[tuple[PromptKind, Any]]
+    n: int  # samples of each prompt: choice j * n + k is prompt j's sample k
     max_tokens: int | None
     sampling: SamplingParams
     stop: list[str]
@@ -132,21 +137,24 @@ def _int_list(value: Any) -> bool:
     )
 
 
-def _prompt(body: dict[str, Any], kind: Kind) -> tuple[Any, Any]:
-    """(prompt_kind, prompt) of a body: one text or token-id prompt, or the chat messages."""
+def _prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any]]:
+    """A body's (prompt_kind, prompt) pairs: the chat messages, or a completions body's text or
+    token-id prompt, or a batch of them (a list of strings or of token-id lists)."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "must be a non-empty list of {role, content}")
-        return "chat", [_message(i, m) for i, m in enumerate(messages)]
+        return [("chat", [_message(i, m) for i, m in enumerate(messages)])]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return "text", prompt
-    if _int_list(prompt):
-        return "token_ids", prompt
-    raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+        return [("text", prompt)]
+    if _int_list(prompt) and prompt:
+        return [("token_ids", prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [("text", p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(_int_list(p) for p in prompt):
+        return [("token_ids", p) for p in prompt]
+    raise _bad("prompt", "must be a string, a list of token ids, or a list of either (a batch)")
 
 
 def _message(i: int, message: Any) -> dict[str, str]:
@@ -188,12 +196,19 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     """Type checks and OpenAI's defaults; range checks are build_request's."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object")
-    if body_field(body, "n", int, 1) != 1:
-        raise _bad("n", "only n = 1 is supported")
-    if body_field(body, "best_of", int, 1) != 1:
-        raise _bad("best_of", "only best_of = 1 is supported")
+    n = body_field(body, "n", int, 1)
+    if n < 1:
+        raise _bad("n", f"n = {n}: must be >= 1")
+    if body_field(body, "best_of", int, n) != n:
+        raise _bad("best_of", "only best_of = n is supported")
     _refuse_unsupported(body)
-    prompt_kind, prompt = _prompt(body, kind)
+    prompts = _prompts(body, kind)
+    if n * len(prompts) > MAX_CHOICES:
+        param = "n" if len(prompts) == 1 else "prompt"
+        raise _bad(param, f"{len(prompts)} prompts x n = {n}: at most {MAX_CHOICES} choices")
+    session_id = body_field(body, "session_id", str, None) or None
+    if session_id is not None and n * len(prompts) > 1:
+        raise _bad("session_id", "a session's turn is one prompt and n = 1")
     max_tokens = body_field(body, "max_completion_tokens", int, None)
     max_tokens = body_field(body, "max_tokens", int, max_tokens)
     if max_tokens is None and kind == "completion":
@@ -215,8 +230,8 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     options = body_field(body, "stream_options", dict, {})
     return OpenAIRequest(
         kind=kind,
-        prompt_kind=prompt_kind,
-        prompt=prompt,
+        prompts=prompts,
+        n=n,
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stop,
@@ -224,32 +239,43 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         ignore_eos=body_field(body, "ignore_eos", bool, False),
         stream=body_field(body, "stream", bool, False),
         include_usage=bool(options.get("include_usage", False)),
-        session_id=body_field(body, "session_id", str, None) or None,
+        session_id=session_id,
     )
 
 
 # -- response shapes -------------------------------------------------------------------------
 
 
-def usage(last: Chunk) -> dict[str, Any]:
-    """OpenAI's usage block plus the speculative stats under "specsplit"."""
-    stats = last.stats
+def usage(lasts: list[Chunk], n: int) -> dict[str, Any]:
+    """OpenAI's usage block over the choices' last chunks (n samples of each prompt: its prompt
+    counted once), plus the speculative stats, summed, under "specsplit"."""
+    prompt_tokens = sum(last.prompt_tokens for last in lasts[::n])
+    completion_tokens = sum(last.completion_tokens for last in lasts)
+    stats = SpecStats()
+    for last in lasts:
+        if last.stats is not None:
+            stats.rounds += last.stats.rounds
+            stats.num_accepted_drafts += last.stats.num_accepted_drafts
+            stats.num_accepted_tokens += last.stats.num_accepted_tokens
+            stats.num_reused_tokens += last.stats.num_reused_tokens
     return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         "specsplit": {
-            "rounds": stats.rounds if stats else 0,
-            "num_accepted_drafts": stats.num_accepted_drafts if stats else 0,
-            "mean_accepted_tokens": stats.mean_accepted_tokens if stats else 0.0,
-            "num_reused_tokens": stats.num_reused_tokens if stats else 0,
+            "rounds": stats.rounds,
+            "num_accepted_drafts": stats.num_accepted_drafts,
+            "mean_accepted_tokens": stats.mean_accepted_tokens,
+            "num_reused_tokens": stats.num_reused_tokens,
         },
     }
 
 
-def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool) -> dict:
-    """choices[0] of a response (stream=False) or of a streamed chunk; text None = no delta."""
-    body: dict[str, Any] = {"index": 0}
+def choice(
+    kind: Kind, text: str | None, finish_reason: str | None, stream: bool, index: int = 0
+) -> dict:
+    """choices[i] of a response (stream=False) or of a streamed chunk; text None = no delta."""
+    body: dict[str, Any] = {"index": index}
     if kind == "completion":
         body["text"] = text or ""
     elif stream:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -38,6 +39,7 @@ from gateway.openai_body import (
     parse_request,
     usage,
 )
+from gateway.openai_choices import choice_requests, close_all, merged
 from gateway.request import (
     DEFAULT_LIMITS,
     Chunk,
@@ -209,59 +211,64 @@ class OpenAIServer:
             raise OpenAIError(503, "the gateway is waiting for the verifier")
         loop = asyncio.get_running_loop()
         try:
-            gen_req = await loop.run_in_executor(self.tokenize, self._build, req)
+            per_prompt = await loop.run_in_executor(self.tokenize, self._build, req)
         except ServiceError as err:
             raise from_service_error(err, kind) from None
         response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         header = {"id": response_id, "created": int(time.time()), "model": self.model_name}
-        if self.draining:  # no await from here to the scheduler taking the request
+        if self.draining:  # no await from here to the scheduler taking the requests
             raise OpenAIError(503, NOT_TAKING_REQUESTS)
+        streams: list[AsyncIterator[Chunk]] = []
         try:
-            chunks = self.scheduler.generate(gen_req)
-        except ServiceError as err:  # the waiting queue is full (429)
-            raise from_service_error(err, kind) from None
-        try:
+            for gen_req in choice_requests(per_prompt, req.n):
+                streams.append(self.scheduler.generate(gen_req))
             if req.stream:
-                return await self._stream(request, req, header, chunks)
-            return await self._complete(req, header, chunks)
-        finally:  # done, failed or the client went away (cancelled): free the sequence
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+                return await self._stream(request, req, header, streams)
+            return await self._complete(req, header, streams)
+        except ServiceError as err:  # the waiting queue is full (429): no choice runs
+            raise from_service_error(err, kind) from None
+        finally:  # done, failed or the client went away (cancelled): free the sequences
+            await close_all(streams)
 
-    def _build(self, req: OpenAIRequest) -> GenerationRequest:
-        return build_request(
-            self.model,
-            req.prompt_kind,
-            req.prompt,
-            max_new_tokens=req.max_tokens,
-            sampling=req.sampling,
-            stop_strings=req.stop,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            limits=self.limits,
-            session_id=req.session_id,
-        )
+    def _build(self, req: OpenAIRequest) -> list[GenerationRequest]:
+        """Each prompt's request (validated and tokenized)."""
+        return [
+            build_request(
+                self.model,
+                prompt_kind,
+                prompt,
+                max_new_tokens=req.max_tokens,
+                sampling=req.sampling,
+                stop_strings=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                limits=self.limits,
+                session_id=req.session_id,
+            )
+            for prompt_kind, prompt in req.prompts
+        ]
 
     async def _complete(
-        self, req: OpenAIRequest, header: dict[str, Any], chunks: AsyncIterator[Chunk]
+        self, req: OpenAIRequest, header: dict[str, Any], streams: list[AsyncIterator[Chunk]]
     ) -> web.Response:
-        texts, last = [], None
+        texts: list[list[str]] = [[] for _ in streams]
+        lasts: list[Chunk | None] = [None] * len(streams)
         try:
-            async for chunk in chunks:
-                texts.append(chunk.text)
-                last = chunk
+            async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
+                async for index, chunk in chunks:
+                    texts[index].append(chunk.text)
+                    lasts[index] = chunk
         except ServiceError as err:
             raise from_service_error(err, req.kind) from None
-        assert last is not None and last.finish_reason is not None, "a stream ends finished"
+        done = [last for last in lasts if last is not None and last.finish_reason is not None]
+        assert len(done) == len(streams), "every stream ends finished"
         obj = "text_completion" if req.kind == "completion" else "chat.completion"
+        choices = [
+            choice(req.kind, "".join(text), last.finish_reason, stream=False, index=i)
+            for i, (text, last) in enumerate(zip(texts, done, strict=True))
+        ]
         return web.json_response(
-            {
-                **header,
-                "object": obj,
-                "choices": [choice(req.kind, "".join(texts), last.finish_reason, stream=False)],
-                "usage": usage(last),
-            }
+            {**header, "object": obj, "choices": choices, "usage": usage(done, req.n)}
         )
 
     async def _stream(
@@ -269,7 +276,7 @@ class OpenAIServer:
         request: web.Request,
         req: OpenAIRequest,
         header: dict[str, Any],
-        chunks: AsyncIterator[Chunk],
+        streams: list[AsyncIterator[Chunk]],
     ) -> web.StreamResponse:
         obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
         response = web.StreamResponse(
@@ -281,25 +288,31 @@ class OpenAIServer:
             payload = data if isinstance(data, str) else json.dumps(data)
             await response.write(f"data: {payload}\n\n".encode())
 
-        def event(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        def event(index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
             event = {
                 **header,
                 "object": obj,
-                "choices": [choice(req.kind, text, finish_reason, stream=True)],
+                "choices": [choice(req.kind, text, finish_reason, stream=True, index=index)],
             }
             return {**event, "usage": None} if req.include_usage else event
 
-        if req.kind == "chat":  # the role comes first, as OpenAI sends it
-            first = event("", None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            await send(first)
+        if req.kind == "chat":  # each choice's role comes first, as OpenAI sends it
+            for index in range(len(streams)):
+                first = event(index, "", None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                await send(first)
+        finished: dict[int, Chunk] = {}  # each choice's last chunk
         try:
-            async for chunk in chunks:
-                if chunk.text or chunk.finish_reason is not None:
-                    text = chunk.text if chunk.text or req.kind == "completion" else None
-                    await send(event(text, chunk.finish_reason))
-                if chunk.finish_reason is not None and req.include_usage:
-                    await send({**header, "object": obj, "choices": [], "usage": usage(chunk)})
+            async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
+                async for index, chunk in chunks:
+                    if chunk.text or chunk.finish_reason is not None:
+                        text = chunk.text if chunk.text or req.kind == "completion" else None
+                        await send(event(index, text, chunk.finish_reason))
+                    if chunk.finish_reason is not None:
+                        finished[index] = chunk
+            if req.include_usage:  # once every choice finished
+                lasts = [finished[i] for i in range(len(streams))]
+                await send({**header, "object": obj, "choices": [], "usage": usage(lasts, req.n)})
         except ServiceError as err:  # headers are sent: the error becomes an event
             await send(from_service_error(err, req.kind).body())
         await send("[DONE]")

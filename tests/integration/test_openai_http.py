@@ -147,13 +147,74 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
         assert (text, finish) == (full[: full.index(stop)], "stop"), stream
 
 
-def test_n_above_one_is_400_in_openai_error_shape(client: openai.OpenAI) -> None:
+def test_n_samples_are_each_the_single_request_with_seed_plus_k(
+    services: Services, client: openai.OpenAI
+) -> None:
+    kwargs = {"model": MODEL_NAME, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    out = client.completions.create(prompt=PROMPT, temperature=1.0, seed=7, n=3, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    singles = [
+        client.completions.create(prompt=PROMPT, temperature=1.0, seed=7 + k, **kwargs)
+        for k in range(3)
+    ]
+    assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in out.choices}) > 1  # seeds 7, 8, 9 draw apart
+    assert out.usage is not None and singles[0].usage is not None
+    assert out.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counted once
+    assert out.usage.completion_tokens == 3 * 8
+    greedy = client.completions.create(prompt=PROMPT, temperature=0, n=2, **kwargs)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    services.wait_no_pages_used()
+
+
+def test_batched_prompts_are_prompt_major_choices_each_the_single_request(
+    client: openai.OpenAI,
+) -> None:
+    prompts = [PROMPT, "Once upon a time", [100 + 13 * j for j in range(5)]]
+    kwargs = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
+    kwargs["extra_body"] = {"ignore_eos": True}
+    singles = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    out = client.completions.create(prompt=prompts[:2], n=2, **kwargs)
+    assert [c.text for c in out.choices] == [singles[0]] * 2 + [singles[1]] * 2
+    ids = client.completions.create(prompt=[prompts[2], prompts[2]], **kwargs)
+    assert [c.text for c in ids.choices] == [singles[2]] * 2
+    events = list(client.completions.create(prompt=prompts[:2], stream=True, **kwargs))
+    texts = ["".join(e.choices[0].text for e in events if e.choices[0].index == i) for i in (0, 1)]
+    assert texts == singles[:2]
+    finished = [e.choices[0].index for e in events if e.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]
+
+
+def test_streamed_chat_with_n_sends_each_choice_its_role_and_usage_once(
+    services: Services, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "user", "content": "Say hello"}]
+    kwargs = {"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    events = list(
+        client.chat.completions.create(  # type: ignore[call-overload]
+            **kwargs, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    usage_events = [e for e in events if e.usage is not None]
+    assert len(usage_events) == 1 and usage_events[0] is events[-1]
+    assert usage_events[0].usage.completion_tokens == 2 * whole.usage.completion_tokens
+    choice_events = events[:-1]
+    for index in (0, 1):
+        mine = [e.choices[0] for e in choice_events if e.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[0].message.content
+        assert mine[-1].finish_reason == whole.choices[0].finish_reason
+    services.wait_no_pages_used()
+
+
+def test_more_choices_than_the_limit_is_400_naming_n(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, n=2)
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, n=65)
     assert err.value.status_code == 400
     error = err.value.response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "n")
-    assert "n = 1" in error["message"]
+    assert "64" in error["message"]
 
 
 @pytest.mark.parametrize(
