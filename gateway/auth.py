@@ -95,19 +95,25 @@ class ApiKeys:
             raise Refused(401, "invalid API key")
         return found
 
-    def acquire(self, authorization: str | None) -> Callable[[], None]:
-        """Take one of the key's concurrent calls; returns what gives it back. Refused (401 or
-        429) when the call may not go on. Open gateway: nothing to take."""
-        if not self.enabled:
+    def acquire(self, authorization: str | None, count: int = 1) -> Callable[[], None]:
+        """Take `count` of the key's concurrent calls (an HTTP body's further choices take one
+        each); returns what gives them back. Refused (401 or 429) when they may not go on: all
+        or none. Open gateway: nothing to take."""
+        if not self.enabled or count <= 0:
             return _nothing
         index = self.identify(authorization)
         limit = self.max_concurrent_per_key
-        if limit and self._in_flight[index] >= limit:
-            raise Refused(429, f"this API key already has {limit} calls in flight (the limit)")
-        self._in_flight[index] += 1
+        if limit and self._in_flight[index] + count > limit:
+            in_flight = self._in_flight[index]
+            raise Refused(
+                429,
+                f"this API key has {in_flight} calls in flight and the limit is {limit}"
+                + (f"; this one asks for {count} more" if count > 1 else ""),
+            )
+        self._in_flight[index] += count
 
         def release() -> None:
-            self._in_flight[index] -= 1
+            self._in_flight[index] -= count
             if not self._in_flight[index]:
                 del self._in_flight[index]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.auth import OPEN_HTTP_PATHS, ApiKeys
+from gateway.auth import OPEN_HTTP_PATHS, ApiKeys, Refused
 from gateway.openai_body import (
     Kind,
     OpenAIError,
@@ -77,6 +77,7 @@ class OpenAIServer:
         self.ready = False
         self.draining = False  # shutting down: new requests get 503
         self.created = int(time.time())
+        self.api_keys = api_keys
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
         self.app = web.Application(
             middlewares=[*auth, self._errors], client_max_size=limits.max_message_bytes
@@ -218,6 +219,14 @@ class OpenAIServer:
         header = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         if self.draining:  # no await from here to the scheduler taking the requests
             raise OpenAIError(503, NOT_TAKING_REQUESTS)
+        # each further choice is a call of the key's too (--max-concurrent-per-key)
+        release = None
+        if self.api_keys is not None:
+            authorization = request.headers.get("Authorization")
+            try:
+                release = self.api_keys.acquire(authorization, req.n * len(per_prompt) - 1)
+            except Refused as refused:
+                raise OpenAIError(refused.status, refused.message) from None
         streams: list[AsyncIterator[Chunk]] = []
         try:
             for gen_req in choice_requests(per_prompt, req.n):
@@ -229,6 +238,8 @@ class OpenAIServer:
             raise from_service_error(err, kind) from None
         finally:  # done, failed or the client went away (cancelled): free the sequences
             await close_all(streams)
+            if release is not None:
+                release()
 
     def _build(self, req: OpenAIRequest) -> list[GenerationRequest]:
         """Each prompt's request (validated and tokenized)."""

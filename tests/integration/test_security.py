@@ -427,6 +427,38 @@ def test_http_client_without_or_with_a_wrong_key_is_401_in_openai_error_shape(
     asyncio.run(run())
 
 
+def test_each_choice_of_an_http_body_is_one_of_its_keys_concurrent_calls() -> None:
+    keys = ApiKeys([KEY], max_concurrent_per_key=2)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def run() -> None:
+        with ThreadPoolExecutor(1) as tokenize:
+            model = ModelInfo(tokenizer=None, vocab_size=100, max_context=512)
+            server = OpenAIServer(model, _OneChunk(), "m", tokenize, keys)
+            server.ready = True
+            address = f"127.0.0.1:{free_port()}"
+            await server.start(address, 0.5)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    for n, status in ((3, 429), (2, 200), (1, 200)):
+                        body = {"model": "m", "prompt": [1, 2], "max_tokens": 4, "n": n}
+                        async with session.post(
+                            f"http://{address}/v1/completions", json=body, headers=auth
+                        ) as response:
+                            assert response.status == status, n
+                            answer = await response.json()
+                        if status == 429:
+                            assert answer["error"]["code"] == "rate_limit_exceeded"
+                            assert "2 more" in answer["error"]["message"], answer
+                        else:
+                            assert len(answer["choices"]) == n
+                        assert keys.in_flight() == 0  # every slot given back
+            finally:
+                await server.stop()
+
+    asyncio.run(run())
+
+
 def test_no_key_configured_lets_every_client_in_and_keys_come_from_flags_or_env() -> None:
     open_gateway = ApiKeys(parse_keys(None, None))
     assert not open_gateway.enabled and "no API key" in open_gateway.describe()
