@@ -162,6 +162,8 @@ def _message(i: int, message: Any) -> dict[str, str]:
     if not isinstance(message, dict):
         raise _bad(f"messages[{i}]", "must be an object with a role and a content")
     role = message.get("role")
+    if role == "developer":  # OpenAI's newer name for the system message
+        role = "system"
     if role not in CHAT_ROLES:
         raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
     content = message.get("content")

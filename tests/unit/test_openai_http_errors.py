@@ -92,6 +92,19 @@ def test_unknown_chat_role_is_400(smollm2_tokenizer) -> None:
     _run(smollm2_tokenizer, body)
 
 
+def test_developer_message_is_the_system_message(smollm2_tokenizer) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        for role in ("developer", "system"):
+            messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+            chat = {"model": "m", "messages": messages, "max_tokens": 4}
+            response = await client.post("/v1/chat/completions", json=chat)
+            assert response.status == 200, await response.text()
+        developer, system = scheduler.requests
+        assert developer.prompt_ids == system.prompt_ids
+
+    _run(smollm2_tokenizer, body)
+
+
 def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
     async def body(client: TestClient, scheduler: _Scheduler) -> None:
         raw = '{"model": "m", "prompt": "a\\ud800b", "max_tokens": 4}'  # JSON allows it
