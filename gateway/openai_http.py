@@ -229,7 +229,10 @@ class OpenAIServer:
                 raise OpenAIError(refused.status, refused.message) from None
         streams: list[AsyncIterator[Chunk]] = []
         try:
-            for gen_req in choice_requests(per_prompt, req.n):
+            # (the first asks for room for them all: the others wait once iterated)
+            requests = choice_requests(per_prompt, req.n)
+            streams.append(self.scheduler.generate(requests[0], waiting_too=len(requests) - 1))
+            for gen_req in requests[1:]:
                 streams.append(self.scheduler.generate(gen_req))
             if req.stream:
                 return await self._stream(request, req, header, streams)

@@ -108,12 +108,15 @@ class RequestsLifecycle:
 
     # -- client side -----------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+    def generate(
+        self, request: GenerationRequest, waiting_too: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
         """Stream a generation; closing the iterator early cancels it and frees its KV.
         Raises RESOURCE_EXHAUSTED right away (before any iteration) when `max_waiting` requests
-        already wait for a place in the batch; for a session's turn, NOT_FOUND (unknown or
-        closed) or FAILED_PRECONDITION (a turn runs on it)."""
-        num_waiting = sum(not seq.cancelled for seq in self.waiting)
+        already wait for a place in the batch, counting `waiting_too` more (a body's further
+        choices, asked for with this one: they wait once iterated); for a session's turn,
+        NOT_FOUND (unknown or closed) or FAILED_PRECONDITION (a turn runs on it)."""
+        num_waiting = sum(not seq.cancelled for seq in self.waiting) + waiting_too
         if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,

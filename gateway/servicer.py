@@ -42,7 +42,7 @@ class ChunkSource(Protocol):
 
     sessions: SessionStore
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]: ...
+    def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]: ...
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -354,7 +354,7 @@ class _OneChunk:
     def __init__(self) -> None:
         self.hold = asyncio.Event()
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]:
         if req.max_new_tokens == 99:
             await self.hold.wait()
         yield Chunk(token_ids=[7], text="a", finish_reason="stop", prompt_tokens=2)

@@ -76,14 +76,15 @@ def test_one_streams_error_ends_the_merge_and_every_stream_closes() -> None:
 
 
 class _Scheduler:
-    """Streams one chunk a request; refuses (a full queue) from its `room`-th request on."""
+    """Streams one chunk a request; refuses (a full queue) where its requests and those asked
+    for with them (`waiting_too`) would pass `room`, and the `refuse_at`-th request anyway."""
 
-    def __init__(self, room: int) -> None:
-        self.room, self.streams = room, []  # type: ignore[var-annotated]
+    def __init__(self, room: int, refuse_at: int | None = None) -> None:
+        self.room, self.refuse_at, self.streams = room, refuse_at, []  # type: ignore[var-annotated]
         self.requests: list[GenerationRequest] = []
 
-    def generate(self, req: GenerationRequest) -> Any:
-        if len(self.requests) >= self.room:
+    def generate(self, req: GenerationRequest, waiting_too: int = 0) -> Any:
+        if len(self.requests) + waiting_too >= self.room or len(self.requests) == self.refuse_at:
             raise ServiceError(Code.RESOURCE_EXHAUSTED, "the gateway's waiting queue is full")
         self.requests.append(req)
         stream = _Stream([0.0])
@@ -105,10 +106,20 @@ def _post(tokenizer: Any, scheduler: _Scheduler, body: dict[str, Any]) -> tuple[
     return asyncio.run(main())
 
 
+def test_a_body_asks_room_for_all_its_choices_at_once(smollm2_tokenizer) -> None:
+    scheduler = _Scheduler(room=3)
+    body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 4}
+    status, answer = _post(smollm2_tokenizer, scheduler, body)
+    assert status == 429 and answer["error"]["code"] == "rate_limit_exceeded"
+    assert scheduler.requests == []  # none of the four taken
+    status, answer = _post(smollm2_tokenizer, _Scheduler(room=4), body)
+    assert status == 200 and len(answer["choices"]) == 4
+
+
 def test_a_refused_choice_refuses_the_body_and_closes_the_choices_queued(
     smollm2_tokenizer,
 ) -> None:
-    scheduler = _Scheduler(room=2)
+    scheduler = _Scheduler(room=99, refuse_at=2)
     body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 4}
     status, answer = _post(smollm2_tokenizer, scheduler, body)
     assert status == 429 and answer["error"]["code"] == "rate_limit_exceeded"

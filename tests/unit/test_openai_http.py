@@ -24,7 +24,7 @@ class EndlessScheduler:
         self.closed = asyncio.Event()
         self.requests: list[GenerationRequest] = []
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]:
         self.requests.append(req)
         try:
             yield Chunk(token_ids=[7], text="a")

@@ -27,7 +27,7 @@ class _Scheduler:
         self.refuse = refuse
         self.requests: list[GenerationRequest] = []
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+    def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]:
         if self.refuse:
             raise ServiceError(Code.RESOURCE_EXHAUSTED, "the gateway is busy")
         self.requests.append(req)
@@ -226,6 +226,12 @@ def test_scheduler_refuses_past_max_waiting_at_once(smollm2_tokenizer) -> None:
         waits[0].cancel()  # a client gives up: its place is free again
         await asyncio.gather(waits[0], return_exceptions=True)
         assert scheduler.waiting[0].cancelled
+        try:  # a body's further choices count before they wait: one place, two asked
+            scheduler.generate(GenerationRequest([1, 2], 4), waiting_too=1)
+        except ServiceError as err:
+            assert err.code == Code.RESOURCE_EXHAUSTED
+        else:
+            raise AssertionError("room for two was found with one place left")
         scheduler.generate(GenerationRequest([1, 2], 4))
         waits[1].cancel()
         await asyncio.gather(waits[1], return_exceptions=True)

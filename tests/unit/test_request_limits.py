@@ -139,7 +139,7 @@ class _OneChunkScheduler:
     def __init__(self) -> None:
         self.requests: list[GenerationRequest] = []
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+    def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]:
         self.requests.append(req)
 
         async def chunks() -> AsyncIterator[Chunk]:
