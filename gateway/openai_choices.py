@@ -9,8 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
 from gateway.request import Chunk, GenerationRequest
-
-SEED_SPACE = 2**64  # SamplingParams.seed's range
+from specsplit.sampling import SEED_SPACE
 
 
 def choice_requests(per_prompt: Sequence[GenerationRequest], n: int) -> list[GenerationRequest]:

@@ -19,6 +19,8 @@ import torch
 from specsplit.kernels.cut_draw import cut_draw, cut_draw_reference, takes_kernel
 from specsplit.kernels.nucleus import TOP_P_SLACK, cut_thresholds_rows
 
+SEED_SPACE = 2**64  # a seed is in [0, SEED_SPACE)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,7 +41,7 @@ class SamplingParams:
             raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
+        if self.seed is not None and not 0 <= self.seed < SEED_SPACE:
             raise ValueError(f"seed = {self.seed}: must be in [0, 2**64) or unset")
 
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.openai_choices import SEED_SPACE, choice_requests, close_all, merged
+from gateway.openai_choices import choice_requests, close_all, merged
 from gateway.openai_http import OpenAIServer
 from gateway.request import Chunk, GenerationRequest, ModelInfo
 from specsplit.errors import Code, ServiceError
-from specsplit.sampling import SamplingParams
+from specsplit.sampling import SEED_SPACE, SamplingParams
 
 
 def _request(prompt: list[int], seed: int | None) -> GenerationRequest:
