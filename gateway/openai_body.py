@@ -41,7 +41,7 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "echo", "logprobs", "top_logprobs", "prompt_logprobs", "suffix", "logit_bias",
+    "echo", "prompt_logprobs", "suffix", "logit_bias",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
@@ -90,6 +90,7 @@ def from_service_error(err: ServiceError, kind: Kind) -> OpenAIError:
     if not isinstance(err, InvalidField):
         return OpenAIError(HTTP_STATUS[err.code], err.message)
     param = "messages" if err.field == "prompt" and kind == "chat" else err.field
+    param = "top_logprobs" if err.field == "logprobs" and kind == "chat" else param
     param = OPENAI_PARAMS.get(param, param)
     message = err.message.removeprefix("sampling.").replace(err.field, param)
     return OpenAIError(400, message, param)
@@ -115,6 +116,9 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     session_id: str | None = None  # extension: a session's turn (POST /v1/sessions)
+    # each token's log-probability and this many most likely tokens' (chat: `logprobs` true
+    # and `top_logprobs`; completions: `logprobs`); None: none
+    logprobs: int | None = None
 
 
 def body_field(
@@ -230,6 +234,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     if not _int_list(stop_token_ids):
         raise _bad("stop_token_ids", "must be a list of token ids")
     options = body_field(body, "stream_options", dict, {})
+    logprobs = _logprobs(body, kind)
     return OpenAIRequest(
         kind=kind,
         prompts=prompts,
@@ -242,7 +247,23 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         stream=body_field(body, "stream", bool, False),
         include_usage=bool(options.get("include_usage", False)),
         session_id=session_id,
+        logprobs=logprobs,
     )
+
+
+def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
+    """How many most likely tokens each token's log-probability comes with, None for none: a
+    chat body's `top_logprobs` (0 when not given) where its `logprobs` is true, a completions
+    body's `logprobs` (0: the tokens' own alone). Ranges are build_request's."""
+    if kind == "completion":
+        if body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs", "a chat parameter: completions take logprobs: N")
+        return body_field(body, "logprobs", int, None)
+    asked = body_field(body, "logprobs", bool, False)
+    top = body_field(body, "top_logprobs", int, None)
+    if top and not asked:  # (0 asks for nothing)
+        raise _bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 # -- response shapes -------------------------------------------------------------------------
@@ -274,9 +295,15 @@ def usage(lasts: list[Chunk], n: int) -> dict[str, Any]:
 
 
 def choice(
-    kind: Kind, text: str | None, finish_reason: str | None, stream: bool, index: int = 0
+    kind: Kind,
+    text: str | None,
+    finish_reason: str | None,
+    stream: bool,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict:
-    """choices[i] of a response (stream=False) or of a streamed chunk; text None = no delta."""
+    """choices[i] of a response (stream=False) or of a streamed chunk; text None = no delta;
+    logprobs: its block (gateway/openai_logprobs.py), None where not asked."""
     body: dict[str, Any] = {"index": index}
     if kind == "completion":
         body["text"] = text or ""
@@ -284,7 +311,7 @@ def choice(
         body["delta"] = {} if text is None else {"content": text}
     else:
         body["message"] = {"role": "assistant", "content": text}
-    return {**body, "logprobs": None, "finish_reason": finish_reason}
+    return {**body, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 # -- the server ------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ from gateway.openai_body import (
     usage,
 )
 from gateway.openai_choices import choice_requests, close_all, merged
+from gateway.openai_logprobs import (
+    Listed,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    listed_tokens,
+)
 from gateway.request import (
     DEFAULT_LIMITS,
     Chunk,
@@ -78,6 +85,7 @@ class OpenAIServer:
         self.draining = False  # shutting down: new requests get 503
         self.created = int(time.time())
         self.api_keys = api_keys
+        self.token_texts = TokenTexts(model.tokenizer)  # the logprobs blocks' token texts
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
         self.app = web.Application(
             middlewares=[*auth, self._errors], client_max_size=limits.max_message_bytes
@@ -244,6 +252,22 @@ class OpenAIServer:
             if release is not None:
                 release()
 
+    def _stop_ids(self, req: OpenAIRequest) -> frozenset[int]:
+        """The tokens that end a choice of `req` without their text (EOS, stop_token_ids)."""
+        eos = () if req.ignore_eos else self.model.eos_token_ids
+        return frozenset(eos) | frozenset(req.stop_token_ids)
+
+    def _logprobs_block(
+        self, req: OpenAIRequest, entries: list[Listed], offset: int
+    ) -> tuple[dict[str, Any] | None, int]:
+        """A choice's (or a streamed chunk's) `logprobs` block of `entries` (None where the
+        body asks for none), and a completions choice's text offset after them."""
+        if req.logprobs is None:
+            return None, offset
+        if req.kind == "chat":
+            return chat_logprobs(entries, self.token_texts), offset
+        return completion_logprobs(entries, self.token_texts, offset)
+
     def _build(self, req: OpenAIRequest) -> list[GenerationRequest]:
         """Each prompt's request (validated and tokenized)."""
         return [
@@ -258,6 +282,7 @@ class OpenAIServer:
                 ignore_eos=req.ignore_eos,
                 limits=self.limits,
                 session_id=req.session_id,
+                logprobs=req.logprobs,
             )
             for prompt_kind, prompt in req.prompts
         ]
@@ -267,20 +292,25 @@ class OpenAIServer:
     ) -> web.Response:
         texts: list[list[str]] = [[] for _ in streams]
         lasts: list[Chunk | None] = [None] * len(streams)
+        listed: list[list[Listed]] = [[] for _ in streams]
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
                 async for index, chunk in chunks:
                     texts[index].append(chunk.text)
                     lasts[index] = chunk
+                    listed[index] += listed_tokens(chunk, self._stop_ids(req))
         except ServiceError as err:
             raise from_service_error(err, req.kind) from None
         done = [last for last in lasts if last is not None and last.finish_reason is not None]
         assert len(done) == len(streams), "every stream ends finished"
         obj = "text_completion" if req.kind == "completion" else "chat.completion"
         choices = [
-            choice(req.kind, "".join(text), last.finish_reason, stream=False, index=i)
-            for i, (text, last) in enumerate(zip(texts, done, strict=True))
-        ]
+            choice(
+                req.kind, "".join(text), last.finish_reason, stream=False, index=i,
+                logprobs=self._logprobs_block(req, entries, 0)[0],
+            )
+            for i, (text, last, entries) in enumerate(zip(texts, done, listed, strict=True))
+        ]  # fmt: skip
         return web.json_response(
             {**header, "object": obj, "choices": choices, "usage": usage(done, req.n)}
         )
@@ -302,12 +332,19 @@ class OpenAIServer:
             payload = data if isinstance(data, str) else json.dumps(data)
             await response.write(f"data: {payload}\n\n".encode())
 
-        def event(index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-            event = {
-                **header,
-                "object": obj,
-                "choices": [choice(req.kind, text, finish_reason, stream=True, index=index)],
-            }
+        offsets = [0] * len(streams)  # each completions choice's characters listed so far
+
+        def event(
+            index: int, text: str | None, finish_reason: str | None, chunk: Chunk | None = None
+        ) -> dict[str, Any]:
+            logprobs = None
+            if chunk is not None:
+                entries = listed_tokens(chunk, self._stop_ids(req))
+                logprobs, offsets[index] = self._logprobs_block(req, entries, offsets[index])
+            body = choice(
+                req.kind, text, finish_reason, stream=True, index=index, logprobs=logprobs
+            )
+            event = {**header, "object": obj, "choices": [body]}
             return {**event, "usage": None} if req.include_usage else event
 
         if req.kind == "chat":  # each choice's role comes first, as OpenAI sends it
@@ -319,9 +356,11 @@ class OpenAIServer:
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
                 async for index, chunk in chunks:
-                    if chunk.text or chunk.finish_reason is not None:
+                    # (a chunk whose text is held back still sends its tokens' logprobs)
+                    lists = req.logprobs is not None and bool(chunk.token_ids)
+                    if chunk.text or chunk.finish_reason is not None or lists:
                         text = chunk.text if chunk.text or req.kind == "completion" else None
-                        await send(event(index, text, chunk.finish_reason))
+                        await send(event(index, text, chunk.finish_reason, chunk))
                     if chunk.finish_reason is not None:
                         finished[index] = chunk
             if req.include_usage:  # once every choice finished

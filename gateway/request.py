@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 from jinja2 import TemplateError
 
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import SpecParams
+from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
 
@@ -37,6 +37,9 @@ class GenerationRequest:
     session_id: str | None = None
     turn_prompt: tuple[PromptKind, Any] | None = None
     max_new_tokens_default: bool = False  # not given: the rest of the context, up to the limit
+    # each generated token's log-probability under the target and this many most likely
+    # tokens' beside it (Chunk.logprobs); None: none
+    logprobs: int | None = None
 
 
 @dataclass
@@ -62,6 +65,8 @@ class Chunk:
     completion_tokens: int = 0
     stats: SpecStats | None = None
     elapsed_ns: int = 0
+    # the request's GenerationRequest.logprobs: one entry per token of token_ids
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ def build_request(
     ignore_eos: bool = False,
     limits: Limits = DEFAULT_LIMITS,
     session_id: str | None = None,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
@@ -165,6 +171,12 @@ def build_request(
     for i, stop in enumerate(stop_strings):
         if not stop:
             raise InvalidField("stop", f"stop[{i}] is empty")
+    if logprobs is not None and not 0 <= logprobs <= min(MAX_TOP_LOGPROBS, model.vocab_size):
+        raise InvalidField(
+            "logprobs",
+            f"logprobs = {logprobs}: the most likely tokens a token comes with, 0 to "
+            f"{min(MAX_TOP_LOGPROBS, model.vocab_size)}",
+        )
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -176,6 +188,7 @@ def build_request(
         session_id=session_id or None,
         turn_prompt=_turn_prompt(prompt_kind, prompt) if session_id else None,
         max_new_tokens_default=max_new_tokens_default,
+        logprobs=logprobs,
     )
 
 

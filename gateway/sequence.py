@@ -11,7 +11,15 @@ from gateway.adaptive import AdaptiveSpec
 from gateway.features import FeatureRows
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
-from specsplit.messages import AheadTree, DraftInput, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    NO_LOGPROBS,
+    AheadTree,
+    DraftInput,
+    SpecParams,
+    TokenLogprobs,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.tree import DraftTree
 
 
@@ -204,6 +212,7 @@ class Sequence:
             sampling=self.request.sampling,
             hidden_state_layers=layers,
             decode_steps=steps,
+            logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
         )
 
     def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
@@ -248,6 +257,10 @@ class Sequence:
                 rules.num_text_tokens,
             )
         kept = new[:num_kept]
+        logprobs = None
+        if self.request.logprobs is not None:
+            assert out.logprobs is not None and len(out.logprobs) == len(new), self.seq_id
+            logprobs = out.logprobs.cut(num_kept)
         self.tokens += kept
         if finish is not None:
             self.finished = True
@@ -259,7 +272,7 @@ class Sequence:
                 self.verifier_kv_committed_len,
                 len(self.tokens),
             )
-        return Committed(out, kept, kept[:num_text], finish is not None, text)
+        return Committed(out, kept, kept[:num_text], finish is not None, text, logprobs)
 
     def chunk(self, committed: Committed) -> Chunk:
         """What to stream of a committed round: its text (detokenized now unless the stop rules
@@ -273,6 +286,7 @@ class Sequence:
             token_ids=committed.token_ids,
             text=text,
             elapsed_ns=time.monotonic_ns() - self.arrival_ns,
+            logprobs=committed.logprobs,
         )
         if committed.finished:
             chunk.finish_reason = self.finish_reason
@@ -291,3 +305,4 @@ class Committed:
     text_ids: list[int]  # of them, those whose text is streamed (all but an EOS / stop token)
     finished: bool  # the sequence's last round
     text: str | None  # made already when the stop rules read the text (stop strings)
+    logprobs: TokenLogprobs | None = None  # the kept tokens' (where the request asks)

@@ -183,6 +183,7 @@ def generation_request(
         ignore_eos=msg.ignore_eos,
         limits=limits,
         session_id=msg.session_id or None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -197,6 +198,14 @@ def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateRespons
     if chunk.finish_reason is not None:
         msg.usage.prompt_tokens = chunk.prompt_tokens
         msg.usage.completion_tokens = chunk.completion_tokens
+    if chunk.logprobs is not None:
+        lp = chunk.logprobs
+        for token, value, ids, values in zip(
+            chunk.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, strict=True
+        ):
+            entry = msg.logprobs.add(token_id=token, logprob=value)
+            for top_id, top_value in zip(ids, values, strict=True):
+                entry.top_logprobs.add(token_id=top_id, logprob=top_value)
     if chunk.stats is not None:
         msg.spec_stats.rounds = chunk.stats.rounds
         msg.spec_stats.num_accepted_drafts = chunk.stats.num_accepted_drafts

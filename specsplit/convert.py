@@ -7,6 +7,7 @@ ServiceError(INVALID_ARGUMENT) naming the field.
 
 from __future__ import annotations
 
+from specsplit.convert_logprobs import fill_asks, fill_logprobs, read_asks, read_logprobs
 from specsplit.errors import invalid
 from specsplit.messages import (
     DraftInput,
@@ -249,6 +250,7 @@ def verify_request_to_proto(
         msg.decode_steps.extend(steps)
     if any(item.unhinted for item in inputs):
         msg.unhinted.extend([item.unhinted for item in inputs])
+    fill_asks(msg, inputs)
     layers = {item.hidden_state_layers for item in inputs} - {()}
     if layers:
         if len(layers) > 1:  # the verifier refuses it; the wire cannot carry it
@@ -296,6 +298,7 @@ def verify_request_from_proto(
     for item, unhinted in zip(inputs, column_of(msg.unhinted, n, "unhinted", default=False),
                               strict=True):  # fmt: skip
         item.unhinted = unhinted
+    read_asks(msg, inputs)
     with_probs = []
     for i, sampled in indexed(msg.sampled, n, "sampled").items():
         if sampled.HasField("sampling"):
@@ -323,6 +326,7 @@ def verify_response_to_proto(
     hidden = [item.hidden_states for item in outputs]
     msg.num_hidden_rows.extend(row_counts(hidden))
     fill_rows(msg.hidden_states, hidden, beside)
+    fill_logprobs(msg, outputs)
     return msg
 
 
@@ -341,7 +345,7 @@ def verify_response_from_proto(
     rows = rows_of(
         msg.hidden_states, msg.num_hidden_rows, n, "hidden_states", "num_hidden_rows", beside
     )
-    return [
+    outputs = [
         VerifyOutput(seq_id, drafted, bonus, committed, hidden, steps)
         for seq_id, drafted, bonus, committed, hidden, steps in zip(
             seq_ids,
@@ -353,3 +357,5 @@ def verify_response_from_proto(
             strict=True,
         )
     ]
+    read_logprobs(msg, outputs)
+    return outputs

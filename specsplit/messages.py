@@ -13,6 +13,10 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
 MAX_DECODE_STEPS = 16  # VerifyInput.decode_steps
+# VerifyInput.logprobs: the most alternatives a token's log-probability comes with (OpenAI's
+# top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
+NO_LOGPROBS = -1  # VerifyInput.logprobs: none asked
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,32 @@ class VerifyInput:
     # the gateway sends no hint for this round (the overlap gate's "ahead-unhinted" rounds): the
     # verifier counts its next round's not running ahead as "off", not "late"
     unhinted: bool = False
+    # each new token's log-probability under the target (its raw logits: no temperature, no
+    # top-k / top-p) and this many most likely tokens' beside it; NO_LOGPROBS: none
+    logprobs: int = NO_LOGPROBS
+
+
+@dataclass
+class TokenLogprobs:
+    """The log-probabilities of a round's new tokens (VerifyOutput.new_tokens' order) under the
+    target's distribution at each token's place: each token's own, then the most likely tokens
+    there with theirs, best first (as many as the round asked)."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+    def cut(self, end: int) -> TokenLogprobs:
+        """The first `end` tokens'."""
+        return TokenLogprobs(self.logprobs[:end], self.top_ids[:end], self.top_logprobs[:end])
 
 
 @dataclass
@@ -135,6 +165,7 @@ class VerifyOutput:
     # the round's further decode steps (VerifyInput.decode_steps): the tokens they took as
     # input, the first step's bonus token first; bonus_token is then the last step's
     decoded_tokens: list[int] = field(default_factory=list)
+    logprobs: TokenLogprobs | None = None  # one entry per new token where the round asked
 
     @property
     def num_accepted_drafts(self) -> int:

@@ -34,7 +34,7 @@ import torch
 
 from specsplit.kernels import place_chain
 from specsplit.kernels.place_chain import outcome_keys
-from specsplit.messages import NextTrees, VerifyInput
+from specsplit.messages import NO_LOGPROBS, NextTrees, VerifyInput
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
@@ -63,15 +63,17 @@ class Chain:
 def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
     """The reference tree of `item`'s next round (its hint's tree for the longest outcome), or
     None when that round cannot be chained: no hint for `item`'s round, a sampled round, one of
-    several decode steps, or outcomes whose trees differ in shape (all must read the same mask,
-    positions and rows; hidden-state rows too: the pending token's, then the accepted path's,
-    gathered on the device by the chained round's own acceptance)."""
+    several decode steps, one that asks for log-probabilities, or outcomes whose trees differ in
+    shape (all must read the same mask, positions and rows; hidden-state rows too: the pending
+    token's, then the accepted path's, gathered on the device by the chained round's own
+    acceptance)."""
     if (
         hint is None
         or not hint.trees
         or hint.base != item.kv_committed_len + len(item.pending_tokens)
         or not item.sampling.greedy
         or item.decode_steps != 1
+        or item.logprobs != NO_LOGPROBS
     ):
         return None
     parents = hint.trees[0].tree.parents

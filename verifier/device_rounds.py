@@ -39,6 +39,7 @@ from verifier.round_accept import (
     queue_accept,
     to_host,
 )
+from verifier.round_logprobs import queue_logprobs, read_logprobs
 from verifier.rounds import Launched, VerifierSeq, one_tree_shape
 
 
@@ -202,8 +203,9 @@ class DeviceRounds(DeviceWaits):
         hidden = None
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
+        logprobs = queue_logprobs(inputs, out.logits, rows, packed)  # (the same: none if unasked)
         if packed.device.type != "cuda":
-            return Launched(inputs, seqs, packed, hidden)
+            return Launched(inputs, seqs, packed, hidden, logprobs=logprobs)
         host = to_host(packed)
         copied = torch.cuda.Event(enable_timing=True)
         copied.record(torch.cuda.current_stream(self.device))
@@ -212,7 +214,7 @@ class DeviceRounds(DeviceWaits):
         idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]
         return Launched(
             inputs, seqs, packed, hidden, host=host, copied=copied, started=started,
-            idle_from=idle_from,
+            idle_from=idle_from, logprobs=logprobs,
         )  # fmt: skip
 
     def _finish(self, launched: Launched, further: bool = False) -> list[VerifyOutput]:
@@ -236,6 +238,10 @@ class DeviceRounds(DeviceWaits):
         if launched.hidden is not None:
             starts = launched.hidden_starts(whole)
             hidden_states_out(launched.inputs, launched.hidden, results, starts)
+        if launched.logprobs is not None:
+            logprobs = read_logprobs(launched.logprobs, launched.inputs, rows)
+            for out, asked in zip(results, logprobs, strict=True):
+                out.logprobs = asked
         if launched.lead_rows is not None:  # the rows of pending tokens that led in come first
             for out, led in zip(results, launched.lead_rows, strict=True):
                 if led is not None:

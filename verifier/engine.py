@@ -141,6 +141,7 @@ class VerifierEngine(EngineSetup):
                     outputs[i].bonus_token,
                     inputs[i].sampling,
                     steps=inputs[i].decode_steps - step,
+                    logprobs=inputs[i].logprobs,
                 )
                 for i in more
             ]
@@ -158,6 +159,10 @@ class VerifierEngine(EngineSetup):
             for i, out in zip(more, stepped, strict=True):
                 outputs[i].decoded_tokens.append(outputs[i].bonus_token)
                 outputs[i].bonus_token = out.bonus_token
+                if out.logprobs is not None:  # (the round's asked for them too)
+                    logprobs = outputs[i].logprobs
+                    assert logprobs is not None
+                    logprobs.extend(out.logprobs)
                 outputs[i].kv_committed_len = out.kv_committed_len
         return device_ns
 

@@ -15,7 +15,14 @@ import torch
 
 from specsplit.errors import check_seq_ids, invalid
 from specsplit.kv_cache import SeqKV
-from specsplit.messages import MAX_DECODE_STEPS, NextTrees, VerifyInput, VerifyOutput
+from specsplit.messages import (
+    MAX_DECODE_STEPS,
+    MAX_TOP_LOGPROBS,
+    NO_LOGPROBS,
+    NextTrees,
+    VerifyInput,
+    VerifyOutput,
+)
 from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -28,6 +35,18 @@ class VerifierSeq:
     seq_id: str
     kv: SeqKV
     generator: torch.Generator | None = None  # created on the first sampled round
+
+
+@dataclass
+class RoundLogprobs:
+    """A round's log-probabilities, queued: `values` (on the host once the round's results are)
+    holds, flat, each asking sequence's tree nodes' log-probabilities (in sequence order), then
+    each one's bonus token's, then every asking row's top `width` log-probabilities, then their
+    token ids ([rows, width] each)."""
+
+    values: torch.Tensor  # float64
+    asked: list[int]  # the positions in the round's inputs that ask
+    width: int  # the most alternatives any of them asks for
 
 
 @dataclass
@@ -69,6 +88,9 @@ class Launched:
     # per input: the hidden-state rows of its pending tokens that led in ahead of the round
     # (verifier/lead_in.py; on the host, before the round's own), None where none did
     lead_rows: list[torch.Tensor | None] | None = None
+    # the log-probabilities its inputs ask for (verifier/round_logprobs.py), None: none asks
+    # (nor may it then be cut in parts, run ahead or chained)
+    logprobs: RoundLogprobs | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy
@@ -97,6 +119,7 @@ class Launched:
         run ahead for some of its sequences): the same results, events and flags, its rows those
         inputs' (a part's part indexes the whole round's), and the steps queued behind it cut
         alike (`follower`: each is the next step of the same sequences, in the same order)."""
+        assert self.logprobs is None, "a round that asks for log-probabilities is not cut"
         states = self.generator_states
         return Launched(
             [self.inputs[k] for k in keep], [self.seqs[k] for k in keep], self.packed,
@@ -163,13 +186,20 @@ class VerifyRound:
 
 
 def decode_step(
-    seq_id: str, kv_committed_len: int, token: int, sampling: SamplingParams, steps: int = 1
+    seq_id: str,
+    kv_committed_len: int,
+    token: int,
+    sampling: SamplingParams,
+    steps: int = 1,
+    logprobs: int = NO_LOGPROBS,
 ) -> VerifyInput:
     """A sequence's decode step: its one pending token, no tree, no hidden states; `steps`:
-    its decode_steps (a round's further step: the steps left of that round, itself included)."""
+    its decode_steps (a round's further step: the steps left of that round, itself included);
+    `logprobs`: as the round's (VerifyInput.logprobs)."""
     return VerifyInput(
-        seq_id, False, kv_committed_len, [token], DraftTree(), sampling, decode_steps=steps
-    )
+        seq_id, False, kv_committed_len, [token], DraftTree(), sampling, decode_steps=steps,
+        logprobs=logprobs,
+    )  # fmt: skip
 
 
 def one_tree_shape(inputs: list[VerifyInput]) -> bool:
@@ -200,6 +230,7 @@ def is_step(item: VerifyInput, guess: VerifyInput) -> bool:
         and item.tree.draft_probs is None
         and item.hidden_state_layers == guess.hidden_state_layers
         and item.sampling == guess.sampling
+        and item.logprobs == guess.logprobs
     )
 
 
@@ -247,6 +278,11 @@ def validate_round(
         bad = [t for t in item.pending_tokens if not 0 <= t < vocab_size]
         if bad:
             raise invalid(f"pending_tokens {bad[:4]} outside the vocabulary [0, {vocab_size})")
+        if not NO_LOGPROBS <= item.logprobs <= min(MAX_TOP_LOGPROBS, vocab_size):
+            raise invalid(
+                f"logprobs = {item.logprobs} for {item.seq_id!r}: want {NO_LOGPROBS} (none) to "
+                f"{min(MAX_TOP_LOGPROBS, vocab_size)}"
+            )
         try:
             item.tree.validate(vocab_size)
             item.sampling.validate()

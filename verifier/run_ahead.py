@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from specsplit.errors import ServiceError
-from specsplit.messages import VerifyInput
+from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.transfer import on_device
 from verifier.device_rounds import DeviceRounds
 from verifier.round_accept import to_host
@@ -285,8 +285,10 @@ class RunAhead(DeviceRounds):
 
 def _plain(items: list[VerifyInput]) -> bool:
     """Whether a round of `items` may have its next decode step run ahead: no tree, no hidden
-    states."""
-    return not any(item.tree or item.hidden_state_layers for item in items)
+    states, no log-probabilities asked."""
+    return not any(
+        item.tree or item.hidden_state_layers or item.logprobs != NO_LOGPROBS for item in items
+    )
 
 
 def _joined(first: Launched, beside: Launched, device: torch.device) -> Launched:

@@ -270,3 +270,57 @@ def test_closed_stream_frees_kv_on_both_services(services: Services, client: ope
     # still serving
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_logprobs_list_each_returned_token_as_grpc_gives_them(
+    services: Services, client: openai.OpenAI
+) -> None:
+    """Greedy: each token is its place's most likely, its bytes make up the returned text, and
+    the gRPC API's log-probabilities (which also list the EOS that ends it) are the same."""
+    messages = [{"role": "user", "content": "Say hello"}]
+    kwargs = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12, "temperature": 0}
+    out = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)  # type: ignore[call-overload]
+    choice = out.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    content = choice.logprobs.content
+    text = b"".join(bytes(entry.bytes or []) for entry in content)
+    assert text.decode("utf-8", errors="replace") == choice.message.content
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.logprob <= 0.0
+    request = gateway_pb2.GenerateRequest(max_new_tokens=12, logprobs=3)
+    request.chat.messages.add(role="user", content="Say hello")
+    responses = generate(services.gateway(), request)
+    listed = [entry for r in responses for entry in r.logprobs]
+    assert [entry.token_id for entry in listed] == ids_of(responses)
+    assert len(listed) - len(content) == (choice.finish_reason == "stop")  # (the EOS)
+    for grpc_entry, http_entry in zip(listed, content, strict=False):
+        assert grpc_entry.logprob == pytest.approx(http_entry.logprob, abs=1e-4)
+        assert len(grpc_entry.top_logprobs) == 3
+    plain = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert plain.choices[0].message.content == choice.message.content
+    assert plain.choices[0].logprobs is None
+    services.wait_no_pages_used()
+
+
+def test_streamed_completion_logprobs_add_up_to_the_whole(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    kwargs["extra_body"] = {"ignore_eos": True}
+    whole = client.completions.create(**kwargs, logprobs=2).choices[0]
+    assert whole.logprobs is not None and whole.logprobs.tokens is not None
+    assert len(whole.logprobs.tokens) == 12
+    assert whole.logprobs.text_offset == [
+        sum(len(t) for t in whole.logprobs.tokens[:i]) for i in range(12)
+    ]
+    assert all(len(top) <= 2 for top in whole.logprobs.top_logprobs or [])
+    events = list(client.completions.create(**kwargs, logprobs=2, stream=True))
+    streamed = [e.choices[0].logprobs for e in events if e.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or []] == whole.logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs or []] == pytest.approx(
+        whole.logprobs.token_logprobs, abs=1e-6
+    )
+    assert [o for lp in streamed for o in lp.text_offset or []] == whole.logprobs.text_offset

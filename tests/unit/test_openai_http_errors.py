@@ -134,8 +134,8 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", {"name": "f"}),
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("echo", True),
+        ("prompt_logprobs", 1),
         ("logit_bias", {"7": 100}),
         ("guided_json", {"type": "object"}),
         ("guided_choice", ["a", "b"]),
@@ -182,6 +182,59 @@ def test_those_parameters_where_they_change_nothing_are_served(smollm2_tokenizer
         response = await client.post("/v1/chat/completions", json={**_chat("hi"), **neutral})
         assert response.status == 200, await response.text()
         assert len(scheduler.requests) == 1
+
+    _run(smollm2_tokenizer, body)
+
+
+async def _post(client: TestClient, route: str, extra: dict[str, Any]) -> Any:
+    """A chat body ("chat") or a completions body with `extra`'s fields."""
+    if route == "chat":
+        return await client.post("/v1/chat/completions", json={**_chat("hi"), **extra})
+    return await client.post("/v1/completions", json={"model": "m", "prompt": "hi", **extra})
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"logprobs": 3}, "logprobs"),  # a completions body's form
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"logprobs": True}, "logprobs"),
+        ("completions", {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
+    ],
+)
+def test_logprobs_out_of_range_or_in_the_other_apis_form_is_400(
+    smollm2_tokenizer, route: str, extra: dict[str, Any], param: str
+) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        response = await _post(client, route, extra)
+        error = await _error(response, 400)
+        assert error["param"] == param, error
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "asked"),
+    [
+        ("chat", {"logprobs": True}, 0),
+        ("chat", {"logprobs": True, "top_logprobs": 20}, 20),
+        ("chat", {"logprobs": False, "top_logprobs": 0}, None),
+        ("completions", {"logprobs": 0}, 0),
+        ("completions", {"logprobs": 5}, 5),
+        ("completions", {"logprobs": None}, None),
+    ],
+)
+def test_logprobs_asks_reach_the_request(
+    smollm2_tokenizer, route: str, extra: dict[str, Any], asked: int | None
+) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        response = await _post(client, route, extra)
+        assert response.status == 200, await response.text()
+        assert [r.logprobs for r in scheduler.requests] == [asked]
 
     _run(smollm2_tokenizer, body)
 
