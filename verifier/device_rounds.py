@@ -239,7 +239,7 @@ class DeviceRounds(DeviceWaits):
             starts = launched.hidden_starts(whole)
             hidden_states_out(launched.inputs, launched.hidden, results, starts)
         if launched.logprobs is not None:
-            logprobs = read_logprobs(launched.logprobs, launched.inputs, rows)
+            logprobs = read_logprobs(launched.logprobs, len(launched.inputs), rows)
             for out, asked in zip(results, logprobs, strict=True):
                 out.logprobs = asked
         if launched.lead_rows is not None:  # the rows of pending tokens that led in come first

@@ -144,6 +144,7 @@ class HintedRounds(RunAhead):
                     tree,
                     item.sampling,
                     item.hidden_state_layers,
+                    logprobs=item.logprobs,
                 )
             )
             seqs.append(seq)

@@ -17,7 +17,7 @@ import torch
 from specsplit.messages import TokenLogprobs, VerifyInput
 from specsplit.model.transfer import to_device
 from verifier.round_accept import to_host
-from verifier.rounds import RoundLogprobs
+from verifier.rounds import LogprobSlot, RoundLogprobs
 
 
 def queue_logprobs(
@@ -33,15 +33,17 @@ def queue_logprobs(
         return None
     width = max(inputs[b].logprobs for b in asked)
     # host indices, one copy in: every asking row; each node's parent row and token; each
-    # sequence's root row and its position among the asking ones
+    # sequence's root row and its position in the round
     asked_rows: list[int] = []
     parent_rows: list[int] = []
     node_tokens: list[int] = []
-    for b in asked:
-        tree, r = inputs[b].tree, rows[b]
+    slots = []
+    for k, b in enumerate(asked):
+        item, r = inputs[b], rows[b]
+        slots.append(LogprobSlot(b, k, len(node_tokens), len(asked_rows), item.logprobs))
         asked_rows += r
-        parent_rows += [r[p + 1] for p in tree.parents]  # (parent -1: the root's row)
-        node_tokens += tree.tokens
+        parent_rows += [r[p + 1] for p in item.tree.parents]  # (parent -1: the root's row)
+        node_tokens += item.tree.tokens
     roots = [rows[b].start for b in asked]
     index = to_device(
         torch.tensor([*asked_rows, *parent_rows, *node_tokens, *roots, *asked]), logits.device
@@ -61,39 +63,34 @@ def queue_logprobs(
     if width:
         top, top_ids = logits.index_select(0, asked_d).float().topk(width, dim=-1)
         parts += [(top - lse[asked_d, None]).double().reshape(-1), top_ids.double().reshape(-1)]
-    values = torch.cat(parts)
-    return RoundLogprobs(to_host(values), asked, width)
+    values = to_host(torch.cat(parts))
+    return RoundLogprobs(values, slots, len(node_tokens), len(asked_rows), width)
 
 
 def read_logprobs(
     launched: RoundLogprobs,
-    inputs: list[VerifyInput],
+    num_inputs: int,
     results: list[list[int]],  # per input its results row: [a, bonus, the a accepted nodes...]
 ) -> list[TokenLogprobs | None]:
     """Per input, its new tokens' log-probabilities (its accepted drafts', then its bonus
     token's), None where it asked for none; `launched`'s values valid (the round's results read)."""
     values = launched.values.tolist()
-    nodes_total = sum(len(inputs[b].tree) for b in launched.asked)
-    num_rows = nodes_total + len(launched.asked)  # (each asking sequence's n + 1 rows)
     width = launched.width
-    bonus_at = nodes_total
-    top_at = bonus_at + len(launched.asked)
-    ids_at = top_at + num_rows * width
-    out: list[TokenLogprobs | None] = [None] * len(inputs)
-    node_base, row_base = 0, 0
-    for k, b in enumerate(launched.asked):
-        item, row = inputs[b], results[b]
+    bonus_at = launched.num_nodes
+    top_at = bonus_at + (launched.num_rows - launched.num_nodes)  # (a bonus per asking root)
+    ids_at = top_at + launched.num_rows * width
+    out: list[TokenLogprobs | None] = [None] * num_inputs
+    for slot in launched.slots:
+        row = results[slot.position]
         nodes = row[2 : 2 + row[0]]
-        chosen = [values[node_base + node] for node in nodes] + [values[bonus_at + k]]
+        chosen = [values[slot.first_node + node] for node in nodes]
+        chosen.append(values[bonus_at + slot.index])
         # each new token's row among the sequence's: the root's, then each accepted node's
-        local = [0, *(node + 1 for node in nodes)]
-        asks = item.logprobs
-        starts = [(row_base + r) * width for r in local]
+        starts = [(slot.first_row + r) * width for r in [0, *(node + 1 for node in nodes)]]
+        asks = slot.asks
         top_ids = [[int(t) for t in values[ids_at + s : ids_at + s + asks]] for s in starts]
         top_lps = [values[top_at + s : top_at + s + asks] for s in starts]
-        out[b] = TokenLogprobs(chosen, top_ids, top_lps)
-        node_base += len(item.tree)
-        row_base += len(item.tree) + 1
+        out[slot.position] = TokenLogprobs(chosen, top_ids, top_lps)
     return out
 
 

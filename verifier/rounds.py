@@ -7,6 +7,7 @@ what makes a round's inputs valid (`validate_round`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,15 +39,39 @@ class VerifierSeq:
 
 
 @dataclass
+class LogprobSlot:
+    """Where an asking input's share of RoundLogprobs.values lies."""
+
+    position: int  # the input's position among the round's (a part's: among the part's)
+    index: int  # its place among the asking inputs (its bonus token's entry)
+    first_node: int  # its tree's first node among the asking inputs' nodes
+    first_row: int  # its root's row among the asking inputs' rows (each n + 1)
+    asks: int  # the alternatives it asks for (VerifyInput.logprobs)
+
+
+@dataclass
 class RoundLogprobs:
-    """A round's log-probabilities, queued: `values` (on the host once the round's results are)
-    holds, flat, each asking sequence's tree nodes' log-probabilities (in sequence order), then
-    each one's bonus token's, then every asking row's top `width` log-probabilities, then their
-    token ids ([rows, width] each)."""
+    """A round's log-probabilities, queued (verifier/round_logprobs.py): `values` (on the host
+    once the round's results are) holds, flat, the asking inputs' tree nodes' log-probabilities
+    (`num_nodes`), then each one's bonus token's, then every asking row's top `width`
+    log-probabilities, then their token ids ([num_rows, width] each)."""
 
     values: torch.Tensor  # float64
-    asked: list[int]  # the positions in the round's inputs that ask
+    slots: list[LogprobSlot]  # the asking inputs'
+    num_nodes: int
+    num_rows: int
     width: int  # the most alternatives any of them asks for
+
+    def part(self, keep: list[int]) -> RoundLogprobs | None:
+        """For the round's inputs at `keep` alone, in that order (`Launched.part`); None where
+        none of them asks."""
+        by_position = {slot.position: slot for slot in self.slots}
+        slots = [
+            dataclasses.replace(by_position[old], position=new)
+            for new, old in enumerate(keep)
+            if old in by_position
+        ]
+        return dataclasses.replace(self, slots=slots) if slots else None
 
 
 @dataclass
@@ -89,7 +114,6 @@ class Launched:
     # (verifier/lead_in.py; on the host, before the round's own), None where none did
     lead_rows: list[torch.Tensor | None] | None = None
     # the log-probabilities its inputs ask for (verifier/round_logprobs.py), None: none asks
-    # (nor may it then be cut in parts, run ahead or chained)
     logprobs: RoundLogprobs | None = None
 
     def result_rows(self) -> list[list[int]]:
@@ -119,7 +143,6 @@ class Launched:
         run ahead for some of its sequences): the same results, events and flags, its rows those
         inputs' (a part's part indexes the whole round's), and the steps queued behind it cut
         alike (`follower`: each is the next step of the same sequences, in the same order)."""
-        assert self.logprobs is None, "a round that asks for log-probabilities is not cut"
         states = self.generator_states
         return Launched(
             [self.inputs[k] for k in keep], [self.seqs[k] for k in keep], self.packed,
@@ -130,6 +153,7 @@ class Launched:
             chain_hints=None if self.chain_hints is None else [self.chain_hints[k] for k in keep],
             started=self.started, idle_from=self.idle_from, on_request=self.on_request,
             follower=None if self.follower is None else self.follower.part(keep),
+            logprobs=None if self.logprobs is None else self.logprobs.part(keep),
         )  # fmt: skip
 
     def hidden_starts(self, whole: list[list[int]]) -> list[int] | None:

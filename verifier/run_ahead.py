@@ -88,7 +88,7 @@ class RunAhead(DeviceRounds):
         if any(length + 1 > self.max_context for length in committed):
             return None
         inputs = [
-            decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling)
+            decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling, logprobs=item.logprobs)
             for item, length in zip(done_inputs, committed, strict=True)
         ]
         tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
@@ -168,8 +168,8 @@ class RunAhead(DeviceRounds):
         those sequences beside it again."""
         if capped and len(queued.inputs) + len(new.inputs) > self.decode_ahead_max_batch:
             return queued
-        if not _plain(new.inputs):
-            return queued
+        if not _plain(new.inputs) or _asks_logprobs(queued.inputs + new.inputs):
+            return queued  # (`_joined` gathers results, not log-probabilities)
         if queued.follower is not None:
             behind, queued.follower = queued.follower, None
             self._drop(behind, "joined", room=2)  # (the steps that go on keep their room)
@@ -285,10 +285,12 @@ class RunAhead(DeviceRounds):
 
 def _plain(items: list[VerifyInput]) -> bool:
     """Whether a round of `items` may have its next decode step run ahead: no tree, no hidden
-    states, no log-probabilities asked."""
-    return not any(
-        item.tree or item.hidden_state_layers or item.logprobs != NO_LOGPROBS for item in items
-    )
+    states."""
+    return not any(item.tree or item.hidden_state_layers for item in items)
+
+
+def _asks_logprobs(items: list[VerifyInput]) -> bool:
+    return any(item.logprobs != NO_LOGPROBS for item in items)
 
 
 def _joined(first: Launched, beside: Launched, device: torch.device) -> Launched:

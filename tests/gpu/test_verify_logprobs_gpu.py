@@ -12,6 +12,7 @@ from tests.unit.test_verify_logprobs import (  # noqa: F401  (pytest collects th
     target_dir,
     test_asking_changes_no_token_and_only_askers_get_them,
     test_decode_steps_round_has_every_steps_logprobs,
+    test_decode_steps_run_ahead_carry_the_askers_logprobs,
     test_logprobs_out_of_range_refused,
     test_sampled_round_logprobs_are_the_raw_distribution,
     test_tree_round_logprobs_are_the_full_forwards,

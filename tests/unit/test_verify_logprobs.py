@@ -191,3 +191,46 @@ def test_logprobs_cross_the_wire() -> None:
     assert read[1].logprobs is None
     none_asked = verify_response_to_proto([outputs[1]], verify_ns=1)
     assert not none_asked.num_logprobs and not none_asked.token_logprobs
+
+
+def test_decode_steps_run_ahead_carry_the_askers_logprobs(
+    target_dir: Path, reference: LlamaForCausalLM, device: str
+) -> None:
+    """A batch of decode rounds where one sequence asks: the next step still runs ahead for
+    both and is taken, the asker's log-probabilities those of its tokens; then a round of the
+    asker alone and one of the other alone take their part of the step run ahead."""
+    engine = _engine(target_dir, device)
+    prompts = {"a": PROMPT, "b": PROMPT[2:]}
+    asks = {"a": 3, "b": NO_LOGPROBS}
+    tokens = {s: list(p) for s, p in prompts.items()}
+    committed = dict.fromkeys(prompts, 0)
+
+    def round_of(seq_ids: list[str]) -> None:
+        inputs = [
+            VerifyInput(
+                s, committed[s] == 0, committed[s], tokens[s][committed[s] :], DraftTree(),
+                logprobs=asks[s],
+            )
+            for s in seq_ids
+        ]  # fmt: skip
+        for out in engine.verify(inputs):
+            start = len(tokens[out.seq_id])
+            tokens[out.seq_id] += out.new_tokens
+            committed[out.seq_id] = out.kv_committed_len
+            if asks[out.seq_id] == NO_LOGPROBS:
+                assert out.logprobs is None
+            else:
+                want = _expected(reference, tokens[out.seq_id], start, asks[out.seq_id])
+                _assert_close(out.logprobs, want, device)
+
+    for _ in range(4):
+        round_of(["a", "b"])
+    assert engine.num_ahead_used >= 2
+    used = engine.num_ahead_used
+    round_of(["a"])  # (the step run ahead for both, taken for "a" alone)
+    round_of(["a"])
+    round_of(["b"])  # ("b"'s was dropped; its own round now)
+    round_of(["a", "b"])
+    assert engine.num_ahead_used > used
+    engine.release(["a", "b"])
+    assert engine.num_pages_used == 0
