@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specsplit.messages import VerifyInput
+from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.sampling import SamplingParams
@@ -168,6 +168,8 @@ class EngineBench:
         # an EAGLE-3 drafter's rounds: the default layers' hidden states for every sequence
         hidden = getattr(args, "hidden_states", False)
         self.hidden_state_layers = default_aux_layers(config.num_layers) if hidden else ()
+        # every sequence's ask for log-probabilities (VerifyInput.logprobs)
+        self.logprobs = getattr(args, "logprobs", NO_LOGPROBS)
         self.gen = torch.Generator().manual_seed(0)
 
     def _tokens(self, n: int) -> list[int]:
@@ -219,6 +221,7 @@ class EngineBench:
                     SamplingParams(temperature, top_p=top_p, seed=i),
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
+                    logprobs=self.logprobs,
                 )
             )
         if newcomer:
@@ -407,6 +410,13 @@ def main() -> None:
         type=int,
         default=1,
         help="also time decode rounds of this many steps (VerifyInput.decode_steps), per token",
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=NO_LOGPROBS,
+        help="every round's sequences ask for their tokens' log-probabilities and this many "
+        "most likely tokens' (-1: none)",
     )
     args = parser.parse_args()
 

@@ -41,7 +41,7 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "echo", "prompt_logprobs", "suffix", "logit_bias",
+    "prompt_logprobs", "suffix", "logit_bias",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
@@ -119,6 +119,7 @@ class OpenAIRequest:
     # each token's log-probability and this many most likely tokens' (chat: `logprobs` true
     # and `top_logprobs`; completions: `logprobs`); None: none
     logprobs: int | None = None
+    echo: bool = False  # a completions body's: each choice's text starts with its prompt's
 
 
 def body_field(
@@ -235,6 +236,11 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         raise _bad("stop_token_ids", "must be a list of token ids")
     options = body_field(body, "stream_options", dict, {})
     logprobs = _logprobs(body, kind)
+    echo = body_field(body, "echo", bool, False)
+    if echo and kind == "chat":
+        raise _bad("echo", "a completions parameter, not supported in chat")
+    if echo and logprobs is not None:
+        raise _bad("echo", "with logprobs (the prompt's log-probabilities) is not supported")
     return OpenAIRequest(
         kind=kind,
         prompts=prompts,
@@ -248,6 +254,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         include_usage=bool(options.get("include_usage", False)),
         session_id=session_id,
         logprobs=logprobs,
+        echo=echo,
     )
 
 

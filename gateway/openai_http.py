@@ -223,6 +223,9 @@ class OpenAIServer:
             per_prompt = await loop.run_in_executor(self.tokenize, self._build, req)
         except ServiceError as err:
             raise from_service_error(err, kind) from None
+        echoes = None  # each choice's prompt text, where the body echoes it
+        if req.echo:
+            echoes = await loop.run_in_executor(self.tokenize, self._echoes, req)
         response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         header = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         if self.draining:  # no await from here to the scheduler taking the requests
@@ -243,8 +246,8 @@ class OpenAIServer:
             for gen_req in requests[1:]:
                 streams.append(self.scheduler.generate(gen_req))
             if req.stream:
-                return await self._stream(request, req, header, streams)
-            return await self._complete(req, header, streams)
+                return await self._stream(request, req, header, streams, echoes)
+            return await self._complete(req, header, streams, echoes)
         except ServiceError as err:  # the waiting queue is full (429): no choice runs
             raise from_service_error(err, kind) from None
         finally:  # done, failed or the client went away (cancelled): free the sequences
@@ -268,6 +271,14 @@ class OpenAIServer:
             return chat_logprobs(entries, self.token_texts), offset
         return completion_logprobs(entries, self.token_texts, offset)
 
+    def _echoes(self, req: OpenAIRequest) -> list[str]:
+        """Each choice's prompt as text (`echo`): a text prompt as sent, token ids decoded."""
+        texts = [
+            prompt if kind == "text" else self.model.tokenizer.decode(prompt)
+            for kind, prompt in req.prompts
+        ]
+        return [text for text in texts for _ in range(req.n)]
+
     def _build(self, req: OpenAIRequest) -> list[GenerationRequest]:
         """Each prompt's request (validated and tokenized)."""
         return [
@@ -288,9 +299,15 @@ class OpenAIServer:
         ]
 
     async def _complete(
-        self, req: OpenAIRequest, header: dict[str, Any], streams: list[AsyncIterator[Chunk]]
+        self,
+        req: OpenAIRequest,
+        header: dict[str, Any],
+        streams: list[AsyncIterator[Chunk]],
+        echoes: list[str] | None,
     ) -> web.Response:
-        texts: list[list[str]] = [[] for _ in streams]
+        texts: list[list[str]] = [
+            [] if echoes is None else [echoes[i]] for i in range(len(streams))
+        ]
         lasts: list[Chunk | None] = [None] * len(streams)
         listed: list[list[Listed]] = [[] for _ in streams]
         try:
@@ -321,6 +338,7 @@ class OpenAIServer:
         req: OpenAIRequest,
         header: dict[str, Any],
         streams: list[AsyncIterator[Chunk]],
+        echoes: list[str] | None,
     ) -> web.StreamResponse:
         obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
         response = web.StreamResponse(
@@ -352,6 +370,8 @@ class OpenAIServer:
                 first = event(index, "", None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 await send(first)
+        for index, echo in enumerate(echoes or ()):  # each choice's prompt, then its text
+            await send(event(index, echo, None))
         finished: dict[int, Chunk] = {}  # each choice's last chunk
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)

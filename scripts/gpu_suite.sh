@@ -261,6 +261,15 @@ for part in "${parts[@]}"; do
         --verify-batch 1 --steps 30 --decode-steps 4 --decode-ahead --compile-batch 1
       run engine_smollm2_ahead python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 8 32 \
         --verify-n 8 --verify-batch 1 --steps 50 --decode-steps 4 --decode-ahead --compile-batch 1 ;;
+    logprobs-cost)  # what asking for log-probabilities (and 5 most likely tokens) costs a
+      # round in process, decode steps run ahead: each shape without, then with (no HF)
+      for shape in smollm2-135m llama-8b; do
+        for ask in -1 5; do
+          run "logprobs_${shape}_$ask" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
+            --verify-n 8 --verify-batch 1 32 --steps 30 --decode-steps 4 --decode-ahead --no-hf \
+            --sampled-n 8 --logprobs "$ask"
+        done
+      done ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
       # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole
       # rows, of each row's first 8 lines, or none) against the default unfused layer (cuBLAS;

@@ -324,3 +324,23 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(client: openai.OpenAI)
         whole.logprobs.token_logprobs, abs=1e-6
     )
     assert [o for lp in streamed for o in lp.text_offset or []] == whole.logprobs.text_offset
+
+
+def test_echo_starts_each_choice_with_its_prompt(client: openai.OpenAI, smollm2_tokenizer) -> None:
+    ids = [100 + 13 * j for j in range(5)]
+    kwargs = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
+    kwargs["extra_body"] = {"ignore_eos": True}
+    prompts = [PROMPT, "Once upon a time"]
+    plain = client.completions.create(prompt=prompts, **kwargs).choices
+    echoed = client.completions.create(prompt=prompts, echo=True, n=2, **kwargs).choices
+    pairs = zip(prompts, plain, strict=True)
+    assert [c.text for c in echoed] == [p + c.text for p, c in pairs for _ in range(2)]
+    from_ids = client.completions.create(prompt=ids, **kwargs).choices[0].text
+    echoed_ids = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
+    assert echoed_ids == smollm2_tokenizer.decode(ids) + from_ids
+    events = list(client.completions.create(prompt=PROMPT, echo=True, stream=True, **kwargs))
+    assert events[0].choices[0].text == PROMPT
+    assert "".join(e.choices[0].text for e in events) == PROMPT + plain[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **kwargs)
+    assert err.value.response.json()["error"]["param"] == "echo"
