@@ -30,6 +30,7 @@ import verifier.device_rounds as device_rounds_module
 import verifier.round_accept as round_accept_module
 from bench.gpu_engine import SHAPES, EngineBench
 from bench.host_phases import clock
+from specsplit.messages import NO_LOGPROBS
 from specsplit.model.config import ModelConfig
 from verifier.engine import VerifierEngine
 
@@ -84,6 +85,13 @@ def main() -> None:
         type=float,
         default=0.0,
         help="> 0: sampled rounds (chains carry draft distributions cut as the drafter's)",
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=NO_LOGPROBS,
+        help="every round asks for its tokens' log-probabilities and this many most likely "
+        "tokens' (-1: none)",
     )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]

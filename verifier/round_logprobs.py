@@ -5,15 +5,17 @@ predicted it: the root's for the first, then each accepted node's) less that row
 the raw distribution, before temperature and top-k / top-p, as vLLM and OpenAI report it. Only
 sequences that ask pay for it: a round where none does queues nothing.
 
-Every tree node's log-probability is gathered (its row and token are known before acceptance),
+Every tree node's log-probability is taken (its row and token are known before acceptance),
 the bonus token's at the row of the last accepted node (read from the acceptance's results on
-the device), and every row's top tokens; the host picks the accepted path's. One device-to-host
-copy of a float64 tensor, queued before the round's results' copy, whose wait covers it."""
+the device), and every row's top tokens, by specsplit/kernels/logprobs.py's two launches on a
+GPU (their references on the CPU); the host picks the accepted path's. One device-to-host copy
+of a float32 tensor, queued before the round's results' copy, whose wait covers it."""
 
 from __future__ import annotations
 
 import torch
 
+from specsplit.kernels.logprobs import token_logprobs, top_logprobs
 from specsplit.messages import TokenLogprobs, VerifyInput
 from specsplit.model.transfer import to_device
 from verifier.round_accept import to_host
@@ -26,45 +28,32 @@ def queue_logprobs(
     rows: list[range],  # per sequence its n + 1 rows of `logits`: the root, then each node
     packed: torch.Tensor,  # the acceptance's results on the device ([>= B, 2 + N])
 ) -> RoundLogprobs | None:
-    """The log-probabilities the round's sequences ask for, queued on `logits`' device; None
-    when none asks."""
+    """The log-probabilities the round's sequences ask for, queued on `logits`' device
+    (specsplit/kernels/logprobs.py: one launch for the tokens, one for the rows' top tokens);
+    None when none asks."""
     asked = [b for b, item in enumerate(inputs) if item.logprobs >= 0]
     if not asked:
         return None
     width = max(inputs[b].logprobs for b in asked)
-    # host indices, one copy in: every asking row; each node's parent row and token; each
-    # sequence's root row and its position in the round
-    asked_rows: list[int] = []
-    parent_rows: list[int] = []
-    node_tokens: list[int] = []
+    # one host array, one copy in: a query (row, token, -1) per tree node at its parent's row,
+    # a query (root row, 0, b) per asking sequence's bonus token, then (row, 0, 0) per row
+    nodes: list[tuple[int, int, int]] = []
+    top_rows: list[tuple[int, int, int]] = []
     slots = []
     for k, b in enumerate(asked):
         item, r = inputs[b], rows[b]
-        slots.append(LogprobSlot(b, k, len(node_tokens), len(asked_rows), item.logprobs))
-        asked_rows += r
-        parent_rows += [r[p + 1] for p in item.tree.parents]  # (parent -1: the root's row)
-        node_tokens += item.tree.tokens
-    roots = [rows[b].start for b in asked]
-    index = to_device(
-        torch.tensor([*asked_rows, *parent_rows, *node_tokens, *roots, *asked]), logits.device
-    )
-    asked_d, parents_d, tokens_d, roots_d, positions_d = index.split(
-        [len(asked_rows), len(parent_rows), len(node_tokens), len(roots), len(asked)]
-    )
-    lse = torch.logsumexp(logits.float(), dim=-1)  # [L]
-    nodes = logits[parents_d, tokens_d].double() - lse[parents_d].double()
-    # the bonus token's row: the last accepted node's (each result [a, bonus, nodes...])
-    results = packed.index_select(0, positions_d).long()
-    num_accepted, bonus = results[:, 0], results[:, 1]
-    last = results.gather(1, (num_accepted + 1).clamp(max=results.shape[1] - 1)[:, None])[:, 0]
-    bonus_rows = roots_d + torch.where(num_accepted > 0, last + 1, 0)
-    bonus_lp = logits[bonus_rows, bonus].double() - lse[bonus_rows].double()
-    parts = [nodes, bonus_lp]
-    if width:
-        top, top_ids = logits.index_select(0, asked_d).float().topk(width, dim=-1)
-        parts += [(top - lse[asked_d, None]).double().reshape(-1), top_ids.double().reshape(-1)]
-    values = to_host(torch.cat(parts))
-    return RoundLogprobs(values, slots, len(node_tokens), len(asked_rows), width)
+        slots.append(LogprobSlot(b, k, len(nodes), len(top_rows), item.logprobs))
+        tree = item.tree
+        nodes += [(r[p + 1], t, -1) for p, t in zip(tree.parents, tree.tokens, strict=True)]
+        top_rows += [(row, 0, 0) for row in r]
+    bonuses = [(rows[b].start, 0, b) for b in asked]
+    queries = len(nodes) + len(bonuses)
+    meta = to_device(torch.tensor([*nodes, *bonuses, *top_rows]), logits.device)
+    values = torch.empty(queries + len(top_rows) * 2 * width, device=logits.device)
+    token_logprobs(logits, meta[:queries], packed, out=values[:queries])
+    top = values[queries:].view(len(top_rows), 2 * width)
+    top_logprobs(logits, meta[queries:], width, out=top)
+    return RoundLogprobs(to_host(values), slots, len(nodes), len(top_rows), width)
 
 
 def read_logprobs(
@@ -78,18 +67,20 @@ def read_logprobs(
     width = launched.width
     bonus_at = launched.num_nodes
     top_at = bonus_at + (launched.num_rows - launched.num_nodes)  # (a bonus per asking root)
-    ids_at = top_at + launched.num_rows * width
     out: list[TokenLogprobs | None] = [None] * num_inputs
     for slot in launched.slots:
         row = results[slot.position]
         nodes = row[2 : 2 + row[0]]
         chosen = [values[slot.first_node + node] for node in nodes]
         chosen.append(values[bonus_at + slot.index])
-        # each new token's row among the sequence's: the root's, then each accepted node's
-        starts = [(slot.first_row + r) * width for r in [0, *(node + 1 for node in nodes)]]
+        # each new token's row among the sequence's (the root's, then each accepted node's):
+        # its k largest values, then their columns
+        starts = [
+            top_at + (slot.first_row + r) * 2 * width for r in [0, *(node + 1 for node in nodes)]
+        ]
         asks = slot.asks
-        top_ids = [[int(t) for t in values[ids_at + s : ids_at + s + asks]] for s in starts]
-        top_lps = [values[top_at + s : top_at + s + asks] for s in starts]
+        top_lps = [values[s : s + asks] for s in starts]
+        top_ids = [[int(t) for t in values[s + width : s + width + asks]] for s in starts]
         out[slot.position] = TokenLogprobs(chosen, top_ids, top_lps)
     return out
 
