@@ -82,7 +82,7 @@ class OpenAIError(Exception):
         }
 
 
-def _bad(param: str, message: str) -> OpenAIError:
+def bad_param(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param)
 
 
@@ -130,9 +130,9 @@ def body_field(
     if value is None:
         return default
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(name, f"expected a number, got {value!r}")
+        raise bad_param(name, f"expected a number, got {value!r}")
     if not isinstance(value, types):
-        raise _bad(name, f"wrong type {type(value).__name__}")
+        raise bad_param(name, f"wrong type {type(value).__name__}")
     return value
 
 
@@ -142,13 +142,13 @@ def _int_list(value: Any) -> bool:
     )
 
 
-def _prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any]]:
+def body_prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any]]:
     """A body's (prompt_kind, prompt) pairs: the chat messages, or a completions body's text or
     token-id prompt, or a batch of them (a list of strings or of token-id lists)."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _bad("messages", "must be a non-empty list of {role, content}")
+            raise bad_param("messages", "must be a non-empty list of {role, content}")
         return [("chat", [_message(i, m) for i, m in enumerate(messages)])]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -159,28 +159,30 @@ def _prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any]]:
         return [("text", p) for p in prompt]
     if isinstance(prompt, list) and prompt and all(_int_list(p) for p in prompt):
         return [("token_ids", p) for p in prompt]
-    raise _bad("prompt", "must be a string, a list of token ids, or a list of either (a batch)")
+    raise bad_param(
+        "prompt", "must be a string, a list of token ids, or a list of either (a batch)"
+    )
 
 
 def _message(i: int, message: Any) -> dict[str, str]:
     """messages[i] as {"role", "content"}: a known role; content a string, text parts or null."""
     if not isinstance(message, dict):
-        raise _bad(f"messages[{i}]", "must be an object with a role and a content")
+        raise bad_param(f"messages[{i}]", "must be an object with a role and a content")
     role = message.get("role")
     if role == "developer":  # OpenAI's newer name for the system message
         role = "system"
     if role not in CHAT_ROLES:
-        raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
+        raise bad_param(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text ones
         if not all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content
         ):
-            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+            raise bad_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
-        raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        raise bad_param(f"messages[{i}].content", "must be a string or a list of text parts")
     return {"role": role, "content": content or ""}
 
 
@@ -188,7 +190,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     """400 for a parameter of NOT_SUPPORTED that is on, or of ONLY_AS_DONE at another value."""
     for name in NOT_SUPPORTED:
         if body.get(name) not in (None, False, 0, "", [], {}):
-            raise _bad(name, "not supported")
+            raise bad_param(name, "not supported")
     for name, values in ONLY_AS_DONE.items():
         value = body.get(name)
         if value is None:
@@ -196,7 +198,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         same_type = isinstance(value, bool) == isinstance(values[0], bool)  # true is not 1
         if not same_type or value not in values:
             allowed = " or ".join(json.dumps(v) for v in values)
-            raise _bad(name, f"only {allowed} is supported")
+            raise bad_param(name, f"only {allowed} is supported")
 
 
 def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
@@ -205,17 +207,17 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         raise OpenAIError(400, "the body must be a JSON object")
     n = body_field(body, "n", int, 1)
     if n < 1:
-        raise _bad("n", f"n = {n}: must be >= 1")
+        raise bad_param("n", f"n = {n}: must be >= 1")
     if body_field(body, "best_of", int, n) != n:
-        raise _bad("best_of", "only best_of = n is supported")
+        raise bad_param("best_of", "only best_of = n is supported")
     _refuse_unsupported(body)
-    prompts = _prompts(body, kind)
+    prompts = body_prompts(body, kind)
     if n * len(prompts) > MAX_CHOICES:
         param = "n" if len(prompts) == 1 else "prompt"
-        raise _bad(param, f"{len(prompts)} prompts x n = {n}: at most {MAX_CHOICES} choices")
+        raise bad_param(param, f"{len(prompts)} prompts x n = {n}: at most {MAX_CHOICES} choices")
     session_id = body_field(body, "session_id", str, None) or None
     if session_id is not None and n * len(prompts) > 1:
-        raise _bad("session_id", "a session's turn is one prompt and n = 1")
+        raise bad_param("session_id", "a session's turn is one prompt and n = 1")
     max_tokens = body_field(body, "max_completion_tokens", int, None)
     max_tokens = body_field(body, "max_tokens", int, max_tokens)
     if max_tokens is None and kind == "completion":
@@ -230,17 +232,17 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     stop = body_field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", "must be a string or a list of strings")
+        raise bad_param("stop", "must be a string or a list of strings")
     stop_token_ids = body_field(body, "stop_token_ids", list, [])
     if not _int_list(stop_token_ids):
-        raise _bad("stop_token_ids", "must be a list of token ids")
+        raise bad_param("stop_token_ids", "must be a list of token ids")
     options = body_field(body, "stream_options", dict, {})
     logprobs = _logprobs(body, kind)
     echo = body_field(body, "echo", bool, False)
     if echo and kind == "chat":
-        raise _bad("echo", "a completions parameter, not supported in chat")
+        raise bad_param("echo", "a completions parameter, not supported in chat")
     if echo and logprobs is not None:
-        raise _bad("echo", "with logprobs (the prompt's log-probabilities) is not supported")
+        raise bad_param("echo", "with logprobs (the prompt's log-probabilities) is not supported")
     return OpenAIRequest(
         kind=kind,
         prompts=prompts,
@@ -264,12 +266,12 @@ def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
     body's `logprobs` (0: the tokens' own alone). Ranges are build_request's."""
     if kind == "completion":
         if body.get("top_logprobs") is not None:
-            raise _bad("top_logprobs", "a chat parameter: completions take logprobs: N")
+            raise bad_param("top_logprobs", "a chat parameter: completions take logprobs: N")
         return body_field(body, "logprobs", int, None)
     asked = body_field(body, "logprobs", bool, False)
     top = body_field(body, "top_logprobs", int, None)
     if top and not asked:  # (0 asks for nothing)
-        raise _bad("top_logprobs", "needs logprobs: true")
+        raise bad_param("top_logprobs", "needs logprobs: true")
     return (top or 0) if asked else None
 
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the gateway: /v1/models, /v1/completions, /v1/chat/completions,
 and sessions as an extension: POST /v1/sessions, DELETE /v1/sessions/{id}, and a `session_id`
 field in a completions or chat body (its prompt or messages are the session's next turn). GET
-/health and /ping (no API key) answer 200 while requests are taken, 503 before and after.
+/health and /ping (no API key) answer 200 while requests are taken, 503 before and after. POST
+/tokenize and /detokenize as vLLM serves them (gateway/openai_tokens.py).
 
     JSON body -> OpenAIRequest (gateway/openai_body.py) -> build_request (the validation the
     gRPC API uses) -> the scheduler's chunks -> one JSON response, or SSE `data: {...}` chunks
@@ -47,6 +48,7 @@ from gateway.openai_logprobs import (
     completion_logprobs,
     listed_tokens,
 )
+from gateway.openai_tokens import TokenRoutes
 from gateway.request import (
     DEFAULT_LIMITS,
     Chunk,
@@ -98,6 +100,7 @@ class OpenAIServer:
         self.app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
         for path in OPEN_HTTP_PATHS:  # load balancers' and orchestrators' probes, keyless
             self.app.router.add_get(path, self.health)
+        TokenRoutes(model, limits, tokenize, self._check_model).add_to(self.app)
         self._runner: web.AppRunner | None = None
 
     async def start(

@@ -149,8 +149,7 @@ def build_request(
     if spec is not None:
         spec.validate()
         limits.check_spec(spec)
-    check_prompt(model, prompt_kind, prompt, limits.prompt_bytes(model))
-    prompt_ids = _prompt_ids(model, prompt_kind, prompt)
+    prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits)
     _check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
     max_new_tokens_default = max_new_tokens is None
     if max_new_tokens is None:  # the rest of the context (OpenAI's chat default), up to the limit
@@ -190,6 +189,18 @@ def build_request(
         max_new_tokens_default=max_new_tokens_default,
         logprobs=logprobs,
     )
+
+
+def checked_prompt_ids(
+    model: ModelInfo,
+    kind: PromptKind,
+    prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
+    limits: Limits = DEFAULT_LIMITS,
+) -> list[int]:
+    """A prompt's token ids as a request's generation reads them, its size checked before it is
+    tokenized (`check_prompt`); InvalidField("prompt") otherwise. Tokenizes: off the event loop."""
+    check_prompt(model, kind, prompt, limits.prompt_bytes(model))
+    return _prompt_ids(model, kind, prompt)
 
 
 def _turn_prompt(
