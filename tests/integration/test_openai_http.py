@@ -344,3 +344,16 @@ def test_echo_starts_each_choice_with_its_prompt(client: openai.OpenAI, smollm2_
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **kwargs)
     assert err.value.response.json()["error"]["param"] == "echo"
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Count to five"}]
+    kwargs = {"model": MODEL_NAME, "messages": messages, "max_tokens": 10, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=1)  # type: ignore[call-overload]
+    events = list(
+        client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=1, stream=True)  # type: ignore[call-overload]
+    )
+    streamed = [e for e in events if e.choices and e.choices[0].logprobs is not None]
+    tokens = [c.token for e in streamed for c in e.choices[0].logprobs.content or []]
+    assert whole.choices[0].logprobs is not None
+    assert tokens == [c.token for c in whole.choices[0].logprobs.content or []]

@@ -5,6 +5,8 @@ listed tokens' text."""
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, listed_tokens
 from gateway.request import Chunk, GenerationRequest
 from gateway.sequence import Sequence
@@ -96,3 +98,25 @@ def test_completion_offsets_count_the_listed_tokens_text(smollm2_tokenizer) -> N
     assert chat[0]["top_logprobs"] == [
         {"token": chat[0]["token"], "logprob": -0.5, "bytes": chat[0]["bytes"]}
     ]
+
+
+def test_grpc_asks_are_checked_and_chunks_carry_one_entry_per_token(smollm2_tokenizer) -> None:
+    from gateway.request import ModelInfo
+    from gateway.servicer import chunk_to_proto, generation_request
+    from specsplit.errors import Code, ServiceError
+    from specsplit.v1 import gateway_pb2
+
+    model = ModelInfo(smollm2_tokenizer, smollm2_tokenizer.vocab_size, 2048)
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=4, logprobs=3)
+    assert generation_request(msg, model).logprobs == 3
+    unasked = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=4)
+    assert generation_request(unasked, model).logprobs is None
+    msg.logprobs = 21
+    with pytest.raises(ServiceError) as err:
+        generation_request(msg, model)
+    assert err.value.code == Code.INVALID_ARGUMENT and "logprobs" in err.value.message
+    chunk = Chunk(token_ids=[11, EOS], text="a", finish_reason="stop", logprobs=_logprobs(2))
+    entries = chunk_to_proto(chunk, 0).logprobs
+    assert [e.token_id for e in entries] == [11, EOS]  # (the EOS too: token_ids' order)
+    assert [[t.token_id for t in e.top_logprobs] for e in entries] == [[100, 200], [101, 201]]
+    assert entries[1].logprob == pytest.approx(-0.2)
