@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
 from specsplit.errors import Code, ServiceError
@@ -136,7 +136,7 @@ def body_field(
     return value
 
 
-def _int_list(value: Any) -> bool:
+def int_list(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     )
@@ -153,11 +153,11 @@ def body_prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [("text", prompt)]
-    if _int_list(prompt) and prompt:
+    if int_list(prompt) and prompt:
         return [("token_ids", prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return [("text", p) for p in prompt]
-    if isinstance(prompt, list) and prompt and all(_int_list(p) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(int_list(p) for p in prompt):
         return [("token_ids", p) for p in prompt]
     raise bad_param(
         "prompt", "must be a string, a list of token ids, or a list of either (a batch)"
@@ -234,7 +234,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     if not all(isinstance(s, str) for s in stop):
         raise bad_param("stop", "must be a string or a list of strings")
     stop_token_ids = body_field(body, "stop_token_ids", list, [])
-    if not _int_list(stop_token_ids):
+    if not int_list(stop_token_ids):
         raise bad_param("stop_token_ids", "must be a list of token ids")
     options = body_field(body, "stream_options", dict, {})
     logprobs = _logprobs(body, kind)

@@ -313,12 +313,13 @@ class OpenAIServer:
         ]
         lasts: list[Chunk | None] = [None] * len(streams)
         listed: list[list[Listed]] = [[] for _ in streams]
+        stop_ids = self._stop_ids(req)
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
                 async for index, chunk in chunks:
                     texts[index].append(chunk.text)
                     lasts[index] = chunk
-                    listed[index] += listed_tokens(chunk, self._stop_ids(req))
+                    listed[index] += listed_tokens(chunk, stop_ids)
         except ServiceError as err:
             raise from_service_error(err, req.kind) from None
         done = [last for last in lasts if last is not None and last.finish_reason is not None]
@@ -354,13 +355,14 @@ class OpenAIServer:
             await response.write(f"data: {payload}\n\n".encode())
 
         offsets = [0] * len(streams)  # each completions choice's characters listed so far
+        stop_ids = self._stop_ids(req)
 
         def event(
             index: int, text: str | None, finish_reason: str | None, chunk: Chunk | None = None
         ) -> dict[str, Any]:
             logprobs = None
             if chunk is not None:
-                entries = listed_tokens(chunk, self._stop_ids(req))
+                entries = listed_tokens(chunk, stop_ids)
                 logprobs, offsets[index] = self._logprobs_block(req, entries, offsets[index])
             body = choice(
                 req.kind, text, finish_reason, stream=True, index=index, logprobs=logprobs

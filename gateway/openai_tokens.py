@@ -22,8 +22,9 @@ from gateway.openai_body import (
     body_field,
     body_prompts,
     from_service_error,
+    int_list,
 )
-from gateway.request import InvalidField, Limits, ModelInfo, checked_prompt_ids
+from gateway.request import InvalidField, Limits, ModelInfo, check_vocab, checked_prompt_ids
 from specsplit.errors import ServiceError
 
 # these only at the value (besides null) the generation routes use
@@ -70,20 +71,16 @@ class TokenRoutes:
     async def detokenize_route(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
+        if not int_list(tokens):
             raise bad_param("tokens", "must be a list of token ids")
         if len(tokens) > self.model.max_context:
             raise bad_param(
                 "tokens", f"{len(tokens)} tokens: over the context of {self.model.max_context}"
             )
-        bad = [t for t in tokens if not 0 <= t < self.model.vocab_size]
-        if bad:
-            err = InvalidField(
-                "tokens", f"tokens {bad[:4]} outside the vocabulary [0, {self.model.vocab_size})"
-            )
-            raise from_service_error(err, "completion")
+        try:
+            check_vocab(tokens, "tokens", self.model.vocab_size)
+        except InvalidField as err:
+            raise from_service_error(err, "completion") from None
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(self.tokenize, self.model.tokenizer.decode, tokens)
         return web.json_response({"prompt": text})

@@ -150,7 +150,7 @@ def build_request(
         spec.validate()
         limits.check_spec(spec)
     prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits)
-    _check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
+    check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
     max_new_tokens_default = max_new_tokens is None
     if max_new_tokens is None:  # the rest of the context (OpenAI's chat default), up to the limit
         max_new_tokens = min(max(model.max_context - len(prompt_ids), 0), limits.max_new_tokens)
@@ -279,13 +279,13 @@ def _prompt_ids(
             raise InvalidField("prompt", f"the model's chat template refused it: {err}") from None
     else:
         ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-        _check_vocab(ids, "prompt.token_ids", model.vocab_size)
+        check_vocab(ids, "prompt.token_ids", model.vocab_size)
     if not ids:
         raise InvalidField("prompt", f"prompt.{kind} encodes to no tokens")
     return ids
 
 
-def _check_vocab(ids: Sequence[int], field: str, vocab_size: int) -> None:
+def check_vocab(ids: Sequence[int], field: str, vocab_size: int) -> None:
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise InvalidField(

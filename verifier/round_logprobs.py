@@ -53,7 +53,7 @@ def queue_logprobs(
     token_logprobs(logits, meta[:queries], packed, out=values[:queries])
     top = values[queries:].view(len(top_rows), 2 * width)
     top_logprobs(logits, meta[queries:], width, out=top)
-    return RoundLogprobs(to_host(values), slots, len(nodes), len(top_rows), width)
+    return RoundLogprobs(to_host(values), slots, len(nodes), queries, width)
 
 
 def read_logprobs(
@@ -65,8 +65,7 @@ def read_logprobs(
     token's), None where it asked for none; `launched`'s values valid (the round's results read)."""
     values = launched.values.tolist()
     width = launched.width
-    bonus_at = launched.num_nodes
-    top_at = bonus_at + (launched.num_rows - launched.num_nodes)  # (a bonus per asking root)
+    bonus_at, top_at = launched.num_nodes, launched.num_queries
     out: list[TokenLogprobs | None] = [None] * num_inputs
     for slot in launched.slots:
         row = results[slot.position]

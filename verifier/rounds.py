@@ -53,13 +53,13 @@ class LogprobSlot:
 class RoundLogprobs:
     """A round's log-probabilities, queued (verifier/round_logprobs.py): `values` (on the host
     once the round's results are) holds, flat, the asking inputs' tree nodes' log-probabilities
-    (`num_nodes`), then each one's bonus token's, then every asking row's top `width`
-    log-probabilities, then their token ids ([num_rows, width] each)."""
+    (`num_nodes`), then each one's bonus token's (`num_queries` in all), then per asking row its
+    top `width` log-probabilities and their token ids ([rows, 2 * width])."""
 
-    values: torch.Tensor  # float64
+    values: torch.Tensor  # float32
     slots: list[LogprobSlot]  # the asking inputs'
     num_nodes: int
-    num_rows: int
+    num_queries: int
     width: int  # the most alternatives any of them asks for
 
     def part(self, keep: list[int]) -> RoundLogprobs | None:
