@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeGuard
 
 from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
 from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import Penalties, bias_of
 from specsplit.sampling import SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -41,15 +42,13 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "prompt_logprobs", "suffix", "logit_bias",
-    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "tools", "functions",
+    "prompt_logprobs", "suffix", "min_p", "min_tokens", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
     "continue_final_message",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
 ONLY_AS_DONE = {
-    "repetition_penalty": (1,),
     "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
     "function_call": ("none", "auto"),
@@ -120,6 +119,8 @@ class OpenAIRequest:
     # and `top_logprobs`; completions: `logprobs`); None: none
     logprobs: int | None = None
     echo: bool = False  # a completions body's: each choice's text starts with its prompt's
+    # logit_bias, presence_penalty, frequency_penalty, repetition_penalty (vLLM's); None: none
+    penalties: Penalties | None = None
 
 
 def body_field(
@@ -257,6 +258,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         session_id=session_id,
         logprobs=logprobs,
         echo=echo,
+        penalties=_penalties(body),
     )
 
 
@@ -273,6 +275,25 @@ def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
     if top and not asked:  # (0 asks for nothing)
         raise bad_param("top_logprobs", "needs logprobs: true")
     return (top or 0) if asked else None
+
+
+def _penalties(body: dict[str, Any]) -> Penalties | None:
+    """The body's logit bias (token ids as strings or numbers, to biases) and penalties; None
+    where none is given. Ranges are build_request's."""
+    bias = body_field(body, "logit_bias", dict, {})
+    entries = []
+    for key, value in bias.items():
+        token = key if isinstance(key, int) else int(key) if str(key).isdigit() else None
+        if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_param("logit_bias", "must map token ids to numbers")
+        entries.append((token, float(value)))
+    penalties = Penalties(
+        bias_of(entries),
+        float(body_field(body, "presence_penalty", (int, float), 0.0)),
+        float(body_field(body, "frequency_penalty", (int, float), 0.0)),
+        float(body_field(body, "repetition_penalty", (int, float), 1.0)),
+    )
+    return penalties if penalties.active else None
 
 
 # -- response shapes -------------------------------------------------------------------------

@@ -297,6 +297,7 @@ class OpenAIServer:
                 limits=self.limits,
                 session_id=req.session_id,
                 logprobs=req.logprobs,
+                penalties=req.penalties,
             )
             for prompt_kind, prompt in req.prompts
         ]

@@ -11,6 +11,7 @@ from typing import Any, Literal, cast
 from jinja2 import TemplateError
 
 from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import Penalties
 from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
@@ -40,6 +41,8 @@ class GenerationRequest:
     # each generated token's log-probability under the target and this many most likely
     # tokens' beside it (Chunk.logprobs); None: none
     logprobs: int | None = None
+    # a logit bias and penalties (specsplit/logit_rules.py); None: none
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -137,6 +140,7 @@ def build_request(
     limits: Limits = DEFAULT_LIMITS,
     session_id: str | None = None,
     logprobs: int | None = None,
+    penalties: Penalties | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
@@ -176,6 +180,11 @@ def build_request(
             f"logprobs = {logprobs}: the most likely tokens a token comes with, 0 to "
             f"{min(MAX_TOP_LOGPROBS, model.vocab_size)}",
         )
+    if penalties is not None:
+        try:
+            penalties.validate(model.vocab_size)
+        except ValueError as err:  # the message starts with the field's name
+            raise InvalidField(str(err).split(" ", 1)[0].rstrip(":"), str(err)) from None
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -188,6 +197,7 @@ def build_request(
         turn_prompt=_turn_prompt(prompt_kind, prompt) if session_id else None,
         max_new_tokens_default=max_new_tokens_default,
         logprobs=logprobs,
+        penalties=penalties if penalties is not None and penalties.active else None,
     )
 
 

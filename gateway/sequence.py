@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ from gateway.adaptive import AdaptiveSpec
 from gateway.features import FeatureRows
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
+from specsplit.logit_rules import distinct, rules_for
 from specsplit.messages import (
     NO_LOGPROBS,
     AheadTree,
@@ -68,10 +70,18 @@ class Sequence:
     ahead_round: int = -1
     ahead_base: int = 0  # len(tokens) when they were drafted
 
+    # with the request's penalties (specsplit/logit_rules.py): the prompt's distinct tokens
+    # and the output's counts, which each round's rules read
+    prompt_distinct: tuple[int, ...] = ()
+    output_counts: Counter[int] = field(default_factory=Counter)
+
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.request.prompt_ids)
             self.num_prompt_tokens = len(self.tokens)
+        penalties = self.request.penalties
+        if penalties is not None and penalties.repetition != 1:
+            self.prompt_distinct = distinct(self.request.prompt_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -213,6 +223,7 @@ class Sequence:
             hidden_state_layers=layers,
             decode_steps=steps,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
+            rules=rules_for(self.request.penalties, self.prompt_distinct, self.output_counts),
         )
 
     def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
@@ -262,6 +273,8 @@ class Sequence:
             assert out.logprobs is not None and len(out.logprobs) == len(new), self.seq_id
             logprobs = out.logprobs.cut(num_kept)
         self.tokens += kept
+        if self.request.penalties is not None:
+            self.output_counts.update(kept)
         if finish is not None:
             self.finished = True
             self.finish_reason = str(finish)

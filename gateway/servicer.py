@@ -24,6 +24,7 @@ from gateway.request import (
 from gateway.sessions import SessionStore
 from specsplit import convert, telemetry
 from specsplit.errors import Code, ServiceError, invalid
+from specsplit.logit_rules import Penalties, bias_of
 from specsplit.server import service_errors, service_name
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -184,6 +185,12 @@ def generation_request(
         limits=limits,
         session_id=msg.session_id or None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        penalties=Penalties(
+            bias_of(msg.logit_bias.items()),
+            msg.presence_penalty,
+            msg.frequency_penalty,
+            msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        ),
     )
 
 

@@ -8,6 +8,7 @@ ServiceError(INVALID_ARGUMENT) naming the field.
 from __future__ import annotations
 
 from specsplit.convert_logprobs import fill_asks, fill_logprobs, read_asks, read_logprobs
+from specsplit.convert_rules import fill_rules, read_rules
 from specsplit.errors import invalid
 from specsplit.messages import (
     DraftInput,
@@ -251,6 +252,7 @@ def verify_request_to_proto(
     if any(item.unhinted for item in inputs):
         msg.unhinted.extend([item.unhinted for item in inputs])
     fill_asks(msg, inputs)
+    fill_rules(msg, inputs)
     layers = {item.hidden_state_layers for item in inputs} - {()}
     if layers:
         if len(layers) > 1:  # the verifier refuses it; the wire cannot carry it
@@ -299,6 +301,7 @@ def verify_request_from_proto(
                               strict=True):  # fmt: skip
         item.unhinted = unhinted
     read_asks(msg, inputs)
+    read_rules(msg, inputs)
     with_probs = []
     for i, sampled in indexed(msg.sampled, n, "sampled").items():
         if sampled.HasField("sampling"):

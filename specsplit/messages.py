@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 
 from specsplit.errors import invalid
+from specsplit.logit_rules import LogitRules
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -130,6 +131,9 @@ class VerifyInput:
     # each new token's log-probability under the target (its raw logits: no temperature, no
     # top-k / top-p) and this many most likely tokens' beside it; NO_LOGPROBS: none
     logprobs: int = NO_LOGPROBS
+    # the generation's logit bias and penalties with the output so far (specsplit/logit_rules.py):
+    # the verifier bends the round's rows by them before the acceptance; None: none
+    rules: LogitRules | None = None
 
 
 @dataclass

@@ -63,7 +63,8 @@ class Chain:
 def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
     """The reference tree of `item`'s next round (its hint's tree for the longest outcome), or
     None when that round cannot be chained: no hint for `item`'s round, a sampled round, one of
-    several decode steps, one that asks for log-probabilities, or outcomes whose trees differ in
+    several decode steps, one that asks for log-probabilities or has logit rules (the
+    next round's read its outcome), or outcomes whose trees differ in
     shape (all must read the same mask, positions and rows; hidden-state rows too: the pending
     token's, then the accepted path's, gathered on the device by the chained round's own
     acceptance)."""
@@ -74,6 +75,7 @@ def chainable(item: VerifyInput, hint: NextTrees | None) -> DraftTree | None:
         or not item.sampling.greedy
         or item.decode_steps != 1
         or item.logprobs != NO_LOGPROBS
+        or item.rules is not None
     ):
         return None
     parents = hint.trees[0].tree.parents

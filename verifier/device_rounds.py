@@ -16,7 +16,7 @@ import torch
 
 from specsplit import metrics
 from specsplit.kv_cache import KVCache
-from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.messages import NO_LOGPROBS, VerifyInput, VerifyOutput
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner, graph_parts, smallest_q, why_eager
 from specsplit.model.llama import LlamaModel
@@ -40,6 +40,7 @@ from verifier.round_accept import (
     to_host,
 )
 from verifier.round_logprobs import queue_logprobs, read_logprobs
+from verifier.round_rules import bend_by_rules
 from verifier.rounds import Launched, VerifierSeq, one_tree_shape
 
 
@@ -199,11 +200,15 @@ class DeviceRounds(DeviceWaits):
             out = self.model(on_device, self.kv, aux_layers=aux)
         # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
         rows = [range(r.start, r.stop) for r in row_slices]
+        raw = out.logits  # log-probabilities read the rows as the target gives them
+        asks = any(i.logprobs != NO_LOGPROBS for i in inputs)
+        if asks and any(i.rules is not None for i in inputs):
+            raw = raw.clone()  # (the acceptance's are bent by the rules)
         packed = self._accept(inputs, seqs, out, rows, batch.block_table, chain)
         hidden = None
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
-        logprobs = queue_logprobs(inputs, out.logits, rows, packed)  # (the same: none if unasked)
+        logprobs = queue_logprobs(inputs, raw, rows, packed)  # (the same: none if unasked)
         if packed.device.type != "cuda":
             return Launched(inputs, seqs, packed, hidden, logprobs=logprobs)
         host = to_host(packed)
@@ -258,11 +263,14 @@ class DeviceRounds(DeviceWaits):
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
         chain: Chain | None = None,
     ) -> torch.Tensor:
-        """The round's acceptance queued on the device (`queue_accept`), on logits bent to the
-        synthetic acceptance's outcome where that is on (benchmarks only: the forward's argmax
-        is then taken again); a chained round's placed on the outcomes that came."""
+        """The round's acceptance queued on the device (`queue_accept`), on logits bent by the
+        sequences' rules (verifier/round_rules.py), then to the synthetic acceptance's outcome
+        where that is on (benchmarks only); the forward's argmax is then taken again. A chained
+        round's placed on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
         logits, argmax = out.logits, out.greedy
+        if bend_by_rules(inputs, logits, rows):
+            argmax = None
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)

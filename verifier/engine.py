@@ -34,6 +34,7 @@ from verifier.engine_setup import EngineSetup
 from verifier.rounds import (
     VerifyRound,
     decode_step,
+    rules_after,
 )
 
 
@@ -133,7 +134,7 @@ class VerifierEngine(EngineSetup):
             if not more:
                 break
             # each with the steps left of its round (`_launch_round` runs the next ahead when
-            # every sequence has one left)
+            # every sequence has one left, none with rules) and its rules read the steps' tokens
             step_inputs = [
                 decode_step(
                     inputs[i].seq_id,
@@ -142,6 +143,7 @@ class VerifierEngine(EngineSetup):
                     inputs[i].sampling,
                     steps=inputs[i].decode_steps - step,
                     logprobs=inputs[i].logprobs,
+                    rules=rules_after(inputs[i], outputs[i]),
                 )
                 for i in more
             ]

@@ -20,7 +20,7 @@ from specsplit.tree import DraftTree
 from verifier.chain import chain_inputs, chainable, joined_results
 from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
-from verifier.rounds import Launched, VerifyRound, committed_as
+from verifier.rounds import Launched, VerifyRound, committed_as, rules_after
 from verifier.run_ahead import RunAhead
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ class HintedRounds(RunAhead):
         `inputs`, `outputs`), launched before they are asked for: each sequence whose hint
         names this round (`NextTrees.base`), greedy, gets its bonus token as its pending token
         and the tree drafted ahead for its outcome (accepted drafts + bonus), or none when the
-        hint runs misses plain; the same hidden-state layers as this round. While the answer
+        hint runs misses plain; the same hidden-state layers as this round, its rules reading the
+        outcome. While the answer
         goes to the gateway and the gateway sends that round, the device runs it (the round
         trip off the verifier's path); `_take_ahead` keeps it for the next round's items that
         are exactly it (it changes no output), and drops it otherwise. None when no sequence
@@ -145,6 +146,7 @@ class HintedRounds(RunAhead):
                     item.sampling,
                     item.hidden_state_layers,
                     logprobs=item.logprobs,
+                    rules=rules_after(item, out),
                 )
             )
             seqs.append(seq)

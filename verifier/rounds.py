@@ -16,6 +16,7 @@ import torch
 
 from specsplit.errors import check_seq_ids, invalid
 from specsplit.kv_cache import SeqKV
+from specsplit.logit_rules import LogitRules
 from specsplit.messages import (
     MAX_DECODE_STEPS,
     MAX_TOP_LOGPROBS,
@@ -216,14 +217,22 @@ def decode_step(
     sampling: SamplingParams,
     steps: int = 1,
     logprobs: int = NO_LOGPROBS,
+    rules: LogitRules | None = None,
 ) -> VerifyInput:
     """A sequence's decode step: its one pending token, no tree, no hidden states; `steps`:
     its decode_steps (a round's further step: the steps left of that round, itself included);
-    `logprobs`: as the round's (VerifyInput.logprobs)."""
+    `logprobs`: as the round's (VerifyInput.logprobs); `rules`: the step's (its output so far
+    through `token`)."""
     return VerifyInput(
         seq_id, False, kv_committed_len, [token], DraftTree(), sampling, decode_steps=steps,
-        logprobs=logprobs,
+        logprobs=logprobs, rules=rules,
     )  # fmt: skip
+
+
+def rules_after(item: VerifyInput, out: VerifyOutput) -> LogitRules | None:
+    """The rules of the round after `item`'s (its further decode step, a hinted round): its
+    rules, reading what `out` appended."""
+    return None if item.rules is None else item.rules.after(out.new_tokens)
 
 
 def one_tree_shape(inputs: list[VerifyInput]) -> bool:
@@ -255,6 +264,7 @@ def is_step(item: VerifyInput, guess: VerifyInput) -> bool:
         and item.hidden_state_layers == guess.hidden_state_layers
         and item.sampling == guess.sampling
         and item.logprobs == guess.logprobs
+        and item.rules == guess.rules
     )
 
 
@@ -310,6 +320,8 @@ def validate_round(
         try:
             item.tree.validate(vocab_size)
             item.sampling.validate()
+            if item.rules is not None:
+                item.rules.validate(vocab_size)
         except ValueError as e:
             raise invalid(f"{item.seq_id!r}: {e}") from e
         depth = max(item.tree.depths(), default=0)

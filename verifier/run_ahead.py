@@ -285,8 +285,8 @@ class RunAhead(DeviceRounds):
 
 def _plain(items: list[VerifyInput]) -> bool:
     """Whether a round of `items` may have its next decode step run ahead: no tree, no hidden
-    states."""
-    return not any(item.tree or item.hidden_state_layers for item in items)
+    states, no logit rules (the next step's read the token this one draws)."""
+    return not any(item.tree or item.hidden_state_layers or item.rules for item in items)
 
 
 def _asks_logprobs(items: list[VerifyInput]) -> bool:

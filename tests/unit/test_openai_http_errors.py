@@ -17,6 +17,7 @@ from gateway.openai_http import OpenAIServer
 from gateway.request import DEFAULT_LIMITS, Chunk, GenerationRequest, Limits, ModelInfo
 from gateway.scheduler import Scheduler
 from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams
 
 
@@ -123,10 +124,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("repetition_penalty", 1.2),
-        ("repetition_penalty", True),
         ("min_p", 0.1),
         ("min_tokens", 3),
         ("response_format", {"type": "json_object"}),
@@ -136,7 +133,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         ("function_call", {"name": "f"}),
         ("echo", True),
         ("prompt_logprobs", 1),
-        ("logit_bias", {"7": 100}),
         ("guided_json", {"type": "object"}),
         ("guided_choice", ["a", "b"]),
         ("structured_outputs", {"regex": "a+"}),
@@ -161,11 +157,63 @@ def test_parameter_that_would_change_the_output_unimplemented_is_400(
     _run(smollm2_tokenizer, body)
 
 
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", "1"),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.5),
+        ("repetition_penalty", True),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"-1": 1}),
+        ("logit_bias", {"7": 101}),
+        ("logit_bias", {"7": "1"}),
+        ("logit_bias", {"10000000": 1}),  # past the vocabulary
+        ("logit_bias", [7, 1]),
+    ],
+    ids=str,
+)
+def test_a_bias_or_penalty_out_of_range_is_400_naming_it(
+    smollm2_tokenizer, param: str, value: Any
+) -> None:
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        for route in ("chat", "completion"):
+            response = await _post(client, route, {param: value})
+            error = await _error(response, 400)
+            assert error["param"] == param, error
+        assert scheduler.requests == []
+
+    _run(smollm2_tokenizer, body)
+
+
+def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
+    """OpenAI's logit_bias (token ids as strings), presence and frequency penalties and vLLM's
+    repetition_penalty become the request's Penalties, by token id."""
+    extra = {
+        "logit_bias": {"9": -100, "7": 2.5},
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+    }
+
+    async def body(client: TestClient, scheduler: _Scheduler) -> None:
+        for route in ("chat", "completion"):
+            response = await _post(client, route, extra)
+            assert response.status == 200, await response.text()
+        for request in scheduler.requests:
+            assert request.penalties == Penalties(((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2)
+
+    _run(smollm2_tokenizer, body)
+
+
 def test_those_parameters_where_they_change_nothing_are_served(smollm2_tokenizer) -> None:
     neutral = {
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
+        "logit_bias": {},
         "min_p": 0,
         "logprobs": False,
         "response_format": {"type": "text"},
@@ -182,6 +230,7 @@ def test_those_parameters_where_they_change_nothing_are_served(smollm2_tokenizer
         response = await client.post("/v1/chat/completions", json={**_chat("hi"), **neutral})
         assert response.status == 200, await response.text()
         assert len(scheduler.requests) == 1
+        assert scheduler.requests[0].penalties is None
 
     _run(smollm2_tokenizer, body)
 

@@ -1,0 +1,48 @@
+"""A Verify round's logit rules on the wire (VerifyRequest.rules; specsplit/convert.py calls
+these): an entry for each sequence with rules, none for the others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specsplit.errors import invalid
+from specsplit.logit_rules import LogitRules, Penalties
+from specsplit.messages import VerifyInput
+from specsplit.wire_columns import indexed
+
+
+def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
+    """VerifyRequest.rules: one entry per input with rules."""
+    for i, item in enumerate(inputs):
+        rules = item.rules
+        if rules is None:
+            continue
+        p = rules.penalties
+        entry = msg.rules.add(
+            index=i,
+            presence_penalty=p.presence,
+            frequency_penalty=p.frequency,
+            repetition_penalty=p.repetition,
+        )
+        entry.bias_tokens.extend([token for token, _ in p.bias])
+        entry.bias_values.extend([value for _, value in p.bias])
+        entry.output_tokens.extend([token for token, _ in rules.counts])
+        entry.output_counts.extend([count for _, count in rules.counts])
+        entry.prompt_tokens.extend(rules.prompt)
+
+
+def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
+    """Each input's rules from VerifyRequest.rules (range checks are the verifier's)."""
+    for i, entry in indexed(msg.rules, len(inputs), "rules").items():
+        if len(entry.bias_tokens) != len(entry.bias_values):
+            raise invalid("rules.bias_tokens and rules.bias_values differ in length")
+        if len(entry.output_tokens) != len(entry.output_counts):
+            raise invalid("rules.output_tokens and rules.output_counts differ in length")
+        penalties = Penalties(
+            tuple(zip(entry.bias_tokens, entry.bias_values, strict=True)),
+            entry.presence_penalty,
+            entry.frequency_penalty,
+            entry.repetition_penalty or 1.0,
+        )
+        counts = tuple(zip(entry.output_tokens, entry.output_counts, strict=True))
+        inputs[i].rules = LogitRules(penalties, counts, tuple(entry.prompt_tokens))

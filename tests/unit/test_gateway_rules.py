@@ -1,0 +1,76 @@
+"""A request's logit bias and penalties on the gateway: the gRPC fields become its Penalties
+(checked, each named when out of range; at their neutral values none), and each round's Verify
+carries them with the output so far, the prompt's distinct tokens beside them where the
+repetition penalty reads them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.request import GenerationRequest, ModelInfo
+from gateway.sequence import Sequence
+from gateway.servicer import generation_request
+from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import LogitRules, Penalties
+from specsplit.messages import SpecParams, VerifyOutput
+from specsplit.tree import DraftTree
+from specsplit.v1 import gateway_pb2
+
+
+def _model(tokenizer) -> ModelInfo:  # type: ignore[no-untyped-def]
+    return ModelInfo(tokenizer, tokenizer.vocab_size, 2048)
+
+
+def test_grpc_fields_become_the_requests_penalties(smollm2_tokenizer) -> None:
+    msg = gateway_pb2.GenerateRequest(
+        text="Hi", max_new_tokens=4, presence_penalty=0.5, frequency_penalty=-1.0,
+        repetition_penalty=1.25, logit_bias={9: -100.0, 7: 2.5},
+    )  # fmt: skip
+    got = generation_request(msg, _model(smollm2_tokenizer)).penalties
+    assert got == Penalties(((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.25)
+    neutral = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=4, repetition_penalty=1.0)
+    assert generation_request(neutral, _model(smollm2_tokenizer)).penalties is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("nan")),
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {10**7: 1.0}),
+        ("logit_bias", {-1: 1.0}),
+    ],
+    ids=str,
+)
+def test_grpc_out_of_range_is_invalid_argument_naming_the_field(
+    smollm2_tokenizer, field: str, value: object
+) -> None:
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=4, **{field: value})
+    with pytest.raises(ServiceError) as err:
+        generation_request(msg, _model(smollm2_tokenizer))
+    assert err.value.code == Code.INVALID_ARGUMENT and field in err.value.message
+
+
+def test_each_round_carries_the_rules_with_the_output_so_far() -> None:
+    penalties = Penalties(presence=0.5, repetition=1.1)
+    request = GenerationRequest([5, 6, 5, 9], max_new_tokens=8, penalties=penalties)
+    seq = Sequence("s", request, SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
+    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (), (5, 6, 9))
+    seq.commit(VerifyOutput("s", [], 6, 4))
+    seq.commit(VerifyOutput("s", [6, 2], 6, 7))
+    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, ((2, 1), (6, 3)), (5, 6, 9))
+    plain = Sequence("p", GenerationRequest([5], 8), SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
+    assert plain.verify_input(DraftTree()).rules is None
+
+
+class _Rules:
+    """Stop rules that keep every token and never stop."""
+
+    reads_text = False
+
+    def commit_tokens(self, new: list[int]) -> object:
+        return type("Kept", (), {"num_kept_tokens": len(new), "finish_reason": None,
+                                 "num_text_tokens": len(new)})()  # fmt: skip

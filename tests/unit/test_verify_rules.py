@@ -1,0 +1,268 @@
+"""Logit rules (VerifyInput.rules: a bias, presence / frequency / repetition penalties): the
+verifier bends each row exactly as the one-row reference does, reading the output so far and
+the row's path in the tree; speculative rounds then commit exactly the target's greedy tokens
+under the same rules (as plain decoding and several decode steps do); sampled rounds draw from
+the bent distribution; log-probabilities stay the raw ones; a round with rules runs no decode
+step ahead; the wire carries them; malformed rules are refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specsplit.convert import verify_request_from_proto, verify_request_to_proto
+from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import LogitRules, Penalties, bend_row, distinct, rules_for
+from specsplit.messages import VerifyInput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB
+from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
+    PROMPT,
+    _assert_close,
+    _engine,
+    _expected,
+    device,
+    reference,
+    target_dir,
+)
+from verifier.engine import VerifierEngine
+from verifier.round_rules import bend_by_rules, node_paths
+
+# strong enough that greedy decoding under them differs from without
+STRONG = Penalties(bias=((11, 3.0), (40, -100.0)), presence=1.5, frequency=2.0, repetition=1.8)
+NUM_TOKENS = 14
+
+
+def _rules(penalties: Penalties | None, output: list[int]) -> LogitRules | None:
+    return rules_for(penalties, distinct(PROMPT), Counter(output))
+
+
+def _greedy(reference: LlamaForCausalLM, penalties: Penalties | None) -> list[int]:  # noqa: F811
+    """The target's first NUM_TOKENS + 3 greedy tokens under `penalties`, a full forward
+    each."""
+    out: list[int] = []
+    for _ in range(NUM_TOKENS + 3):
+        with torch.no_grad():
+            row = reference(torch.tensor([PROMPT + out])).logits[0, -1].float()
+        rules = _rules(penalties, out)
+        out.append(int((row if rules is None else bend_row(row, rules, [])).argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
+    return _greedy(reference, STRONG)
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        Penalties(bias=((2, 1.5), (7, -100.0), (9, 40.0))),
+        Penalties(repetition=1.7),
+        Penalties(repetition=0.6),
+        Penalties(presence=0.75, frequency=-1.25),
+        STRONG,
+    ],
+    ids=["bias", "repetition", "repetition-below-1", "presence-frequency", "all"],
+)
+def test_bent_rows_are_the_reference_rows(penalties: Penalties) -> None:
+    """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
+    row's path read: trees whose paths repeat tokens of the output and of themselves; a
+    sequence without rules between them untouched."""
+    torch.manual_seed(3)
+    vocab = 48
+    trees = [
+        DraftTree([4, 6, 4, 9, 4, 6], [-1, -1, 0, 2, 3, 1]),
+        DraftTree([1, 2], [-1, 0]),
+        DraftTree(),
+    ]
+    rules = [
+        rules_for(penalties, distinct([1, 2, 3, 3, 9, 40]), Counter([4, 4, 5, 9, 11])),
+        None,
+        rules_for(penalties, (0, 47), Counter([47, 6, 6])),
+    ]
+    inputs = [
+        VerifyInput(f"s{i}", False, 10, [4], tree, rules=r)
+        for i, (tree, r) in enumerate(zip(trees, rules, strict=True))
+    ]
+    starts = [0, len(trees[0]) + 1, len(trees[0]) + len(trees[1]) + 2]
+    rows = [range(s, s + len(t) + 1) for s, t in zip(starts, trees, strict=True)]
+    logits = torch.randn(rows[-1].stop, vocab) * 4
+    want = logits.clone()
+    for item, r in zip(inputs, rows, strict=True):
+        if item.rules is not None:
+            paths = [[], *node_paths(item.tree)]
+            for j, row in enumerate(r):
+                want[row] = bend_row(logits[row], item.rules, paths[j])
+    got = logits.clone()
+    assert bend_by_rules(inputs, got, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[rows[1].start : rows[1].stop], logits[rows[1].start : rows[1].stop])
+    assert not torch.equal(got, logits)
+    assert not bend_by_rules([VerifyInput("x", False, 1, [4], DraftTree())], got, rows[:1])
+
+
+def test_speculative_rounds_commit_the_targets_greedy_tokens_under_the_rules(
+    target_dir: Path,  # noqa: F811
+    reference: LlamaForCausalLM,  # noqa: F811
+    device: str,  # noqa: F811
+    truth: list[int],
+) -> None:
+    """Trees of the right tokens, a wrong one and decoys, each round's rules the output so far:
+    the target's greedy tokens under the rules, which differ from those without."""
+    assert truth != _greedy(reference, None)
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+    out = engine.verify([first])[0]
+    got = [out.bonus_token]
+    while len(got) < NUM_TOKENS:
+        k = len(got)  # the next two right, then a wrong one; a decoy beside the first
+        wrong, decoy = (truth[k + 2] + 1) % TINY_VOCAB, (truth[k] + 5) % TINY_VOCAB
+        tree = DraftTree([decoy, truth[k], truth[k + 1], wrong], [-1, -1, 1, 2])
+        item = VerifyInput(
+            "s", False, len(PROMPT) + len(got) - 1, got[-1:], tree, rules=_rules(STRONG, got)
+        )
+        out = engine.verify([item])[0]
+        got += out.new_tokens
+    assert got[:NUM_TOKENS] == truth[:NUM_TOKENS]
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+def test_decode_steps_under_rules_are_the_targets_greedy_tokens(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+    truth: list[int],
+) -> None:
+    """A round of several decode steps reads each step's token into the next step's rules; no
+    step runs ahead of a round with rules (its rules would read a token not yet drawn), as one
+    does of the same round without."""
+    engine = _engine(target_dir, device)
+    first = engine.verify(
+        [VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))]
+    )
+    got = [first[0].bonus_token]
+    item = VerifyInput("s", False, len(PROMPT), got[-1:], DraftTree(), rules=_rules(STRONG, got))
+    item.decode_steps = 6
+    out = engine.verify([item])[0]
+    got += out.new_tokens
+    assert engine._ahead is None
+    item = VerifyInput(
+        "s", False, out.kv_committed_len, got[-1:], DraftTree(), rules=_rules(STRONG, got)
+    )
+    got += engine.verify([item])[0].new_tokens
+    assert engine._ahead is None
+    assert got == truth[: len(got)] and len(got) == 8
+    plain = VerifyInput("s", False, len(PROMPT) + len(got) - 1, got[-1:], DraftTree())
+    engine.verify([plain])
+    assert engine._ahead is not None  # (without rules the next step runs ahead)
+    engine.release(["s"])
+
+
+def test_sampled_rounds_draw_from_the_bent_distribution(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+) -> None:
+    """A +100 bias makes its token all but certain; -100 on all but two tokens leaves those
+    two: speculative sampled rounds draw from that, drafts or not."""
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    for penalties, allowed in (
+        (Penalties(bias=((13, 100.0),)), {13}),
+        (Penalties(bias=tuple((t, -100.0) for t in range(TINY_VOCAB) if t not in (3, 4))), {3, 4}),
+    ):
+        engine = _engine(target_dir, device)
+        first = VerifyInput(
+            "s", True, 0, PROMPT, DraftTree(), sampling, rules=_rules(penalties, [])
+        )
+        got = engine.verify([first])[0].new_tokens
+        for _ in range(4):
+            tree = DraftTree([13, 3, 4, 9], [-1, 0, 1, 2])
+            item = VerifyInput(
+                "s", False, len(PROMPT) + len(got) - 1, got[-1:], tree, sampling,
+                rules=_rules(penalties, got),
+            )  # fmt: skip
+            got += engine.verify([item])[0].new_tokens
+        assert set(got) <= allowed and len(got) >= 5
+        engine.release(["s"])
+
+
+def test_logprobs_under_rules_are_the_raw_distribution(
+    target_dir: Path,  # noqa: F811
+    reference: LlamaForCausalLM,  # noqa: F811
+    device: str,  # noqa: F811
+    truth: list[int],
+) -> None:
+    """The rules choose the tokens; their log-probabilities are the target's own."""
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []), logprobs=2)
+    out = engine.verify([first])[0]
+    got = [out.bonus_token]
+    tree = DraftTree(truth[1:4], [-1, 0, 1])
+    item = VerifyInput("s", False, len(PROMPT), got, tree, rules=_rules(STRONG, got), logprobs=2)
+    out = engine.verify([item])[0]
+    assert got + out.new_tokens == truth[:5]
+    _assert_close(
+        out.logprobs, _expected(reference, PROMPT + truth[:5], len(PROMPT) + 1, 2), device
+    )
+    engine.release(["s"])
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        LogitRules(Penalties(bias=((TINY_VOCAB, 1.0),))),
+        LogitRules(Penalties(bias=((3, 101.0),))),
+        LogitRules(Penalties(bias=((5, 1.0), (3, 1.0)))),
+        LogitRules(Penalties(presence=2.5)),
+        LogitRules(Penalties(repetition=0.0)),
+        LogitRules(Penalties(frequency=1.0), counts=((5, 1), (3, 2))),
+        LogitRules(Penalties(frequency=1.0), counts=((5, 0),)),
+        LogitRules(Penalties(repetition=1.5), prompt=(9, 9)),
+    ],
+    ids=[
+        "token-past-vocab",
+        "bias-past-100",
+        "bias-unsorted",
+        "presence-past-2",
+        "repetition-0",
+        "counts-unsorted",
+        "count-0",
+        "prompt-twice",
+    ],
+)
+def test_malformed_rules_are_refused(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+    rules: LogitRules,
+) -> None:
+    engine: VerifierEngine = _engine(target_dir, device)
+    with pytest.raises(ServiceError) as err:
+        engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=rules)])
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert engine.num_pages_used == 0 and not engine.seqs
+
+
+def test_rules_cross_the_wire() -> None:
+    rules = _rules(STRONG, [4, 4, 7])
+    assert rules is not None and rules.prompt == distinct(PROMPT)
+    inputs = [
+        VerifyInput("a", False, 3, [4], DraftTree(), rules=rules),
+        VerifyInput("b", False, 5, [6], DraftTree()),
+        VerifyInput("c", False, 5, [6], DraftTree(), rules=_rules(Penalties(presence=0.5), [1])),
+    ]
+    back = verify_request_from_proto(verify_request_to_proto(inputs))
+    assert [item.rules for item in back] == [item.rules for item in inputs]
+    assert back[2].rules is not None and back[2].rules.prompt == ()  # (read by repetition only)
+    assert not verify_request_to_proto(inputs[1:2]).rules
+
+
+def test_rules_after_reads_the_new_tokens() -> None:
+    rules = _rules(STRONG, [4, 9])
+    assert rules is not None
+    assert rules.after([9, 2, 9]) == _rules(STRONG, [4, 9, 9, 2, 9])
+    assert rules.after([9]).count(9) == 2 and rules.count(9) == 1
