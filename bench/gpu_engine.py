@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specsplit.logit_rules import LogitRules, Penalties, bias_of, distinct
 from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
@@ -171,6 +172,17 @@ class EngineBench:
         # every sequence's ask for log-probabilities (VerifyInput.logprobs)
         self.logprobs = getattr(args, "logprobs", NO_LOGPROBS)
         self.gen = torch.Generator().manual_seed(0)
+        # every sequence's logit rules (--rules): a served request's with a long output
+        self.rules = self._rules() if getattr(args, "rules", False) else None
+
+    def _rules(self) -> LogitRules:
+        """A 64-token bias, presence, frequency and repetition penalties, an output of 256
+        distinct tokens and a prompt of the context's length."""
+        output = sorted(set(self._tokens(256)))
+        bias = bias_of((t, -5.0) for t in self._tokens(64))
+        penalties = Penalties(bias, presence=0.5, frequency=0.5, repetition=1.1)
+        counts = tuple((t, 1 + t % 3) for t in output)
+        return LogitRules(penalties, counts, distinct(self._tokens(self.context)))
 
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
@@ -222,6 +234,7 @@ class EngineBench:
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                     logprobs=self.logprobs,
+                    rules=self.rules,
                 )
             )
         if newcomer:
@@ -417,6 +430,12 @@ def main() -> None:
         default=NO_LOGPROBS,
         help="every round's sequences ask for their tokens' log-probabilities and this many "
         "most likely tokens' (-1: none)",
+    )
+    parser.add_argument(
+        "--rules",
+        action="store_true",
+        help="every round's sequences carry logit rules (a bias, presence, frequency and "
+        "repetition penalties over a 256-token output and the context's prompt)",
     )
     args = parser.parse_args()
 

@@ -11,7 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
-#       [engine-ab] [engine8b-small] [engine-ahead]
+#       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -268,6 +268,16 @@ for part in "${parts[@]}"; do
           run "logprobs_${shape}_$ask" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
             --verify-n 8 --verify-batch 1 32 --steps 30 --decode-steps 4 --decode-ahead --no-hf \
             --sampled-n 8 --logprobs "$ask"
+        done
+      done ;;
+    rules-cost)  # what logit rules (a bias and the three penalties over a 256-token output and
+      # the prompt: bench/gpu_engine.py --rules) cost a round in process, decode steps run ahead
+      # where a round allows it (not with rules): each shape without, then with (no HF)
+      for shape in smollm2-135m llama-8b; do
+        for rules in "" --rules; do
+          run "rules_${shape}${rules}" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
+            --verify-n 8 --verify-batch 1 32 --steps 30 --decode-steps 4 --decode-ahead --no-hf \
+            --sampled-n 8 $rules
         done
       done ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the

@@ -9,7 +9,7 @@ At a row, in this order (vLLM's):
 2. `repetition` (r != 1): each token of the prompt or of the output so far: a positive logit
    divided by r, a negative one multiplied by r;
 3. `frequency` f and `presence` p: each token that occurs c > 0 times in the output so far:
-   minus f * c + p.
+   minus f * c + p (in float32, as the logits are).
 The output so far at a row is the generation's output through the round's last pending token
 (`LogitRules.counts`, the gateway's) and the tree's nodes from the root to the row's node.
 
@@ -20,11 +20,13 @@ for one row that the tests compare the verifier's batched bending with.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
@@ -55,16 +57,22 @@ class Penalties:
             raise ValueError(f"repetition_penalty = {self.repetition}: must be > 0 (1 = off)")
         if len(self.bias) > MAX_BIASED_TOKENS:
             raise ValueError(f"logit_bias has {len(self.bias)} tokens: at most {MAX_BIASED_TOKENS}")
-        tokens = [token for token, _ in self.bias]
-        if tokens != sorted(set(tokens)):
-            raise ValueError("logit_bias: each token once, by token id")
-        for token, value in self.bias:
-            if not 0 <= token < vocab_size:
-                raise ValueError(
-                    f"logit_bias: token {token} outside the vocabulary [0, {vocab_size})"
-                )
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias: {token}: {value} must be in [-100, 100]")
+        tokens, values = self.bias_arrays
+        check_ids(tokens, vocab_size, "logit_bias")
+        if not np.all(np.abs(values) <= MAX_LOGIT_BIAS):  # (also refuses nan)
+            raise ValueError("logit_bias: each bias must be in [-100, 100]")
+
+    @functools.cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The biased tokens (int64) and their biases (float64)."""
+        pairs = np.array(self.bias, dtype=np.float64).reshape(-1, 2)
+        return pairs[:, 0].astype(np.int64), pairs[:, 1]
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    """ValueError naming `name` unless `ids` are distinct, by id, in [0, vocab_size)."""
+    if len(ids) and not (ids[0] >= 0 and ids[-1] < vocab_size and np.all(ids[1:] > ids[:-1])):
+        raise ValueError(f"{name}: distinct token ids in [0, {vocab_size}), by id")
 
 
 def bias_of(entries: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -80,30 +88,35 @@ class LogitRules:
     penalties: Penalties
     counts: tuple[tuple[int, int], ...] = ()  # the output's tokens, (token, count > 0) by id
     prompt: tuple[int, ...] = ()  # the prompt's distinct tokens, by id (repetition != 1 only)
-    _counter: Counter[int] = field(default_factory=Counter, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_counter", Counter(dict(self.counts)))
+    @functools.cached_property
+    def counter(self) -> Counter[int]:
+        return Counter(dict(self.counts))
+
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The output's tokens and counts and the prompt's tokens as int64 arrays (the
+        verifier's checks and bending read them)."""
+        counts = np.array(self.counts, dtype=np.int64).reshape(-1, 2)
+        prompt = np.fromiter(self.prompt, dtype=np.int64, count=len(self.prompt))
+        return counts[:, 0], counts[:, 1], prompt
 
     def count(self, token: int) -> int:
-        return self._counter[token]
+        return self.counter[token]
 
     def after(self, tokens: Iterable[int]) -> LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
-        counter = self._counter + Counter(tokens)
+        counter = self.counter + Counter(tokens)
         return replace(self, counts=tuple(sorted(counter.items())))
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed."""
         self.penalties.validate(vocab_size)
-        tokens = [token for token, _ in self.counts]
-        if tokens != sorted(set(tokens)) or any(c <= 0 for _, c in self.counts):
-            raise ValueError("rules.counts: distinct tokens by id, each counted > 0")
-        if list(self.prompt) != sorted(set(self.prompt)):
-            raise ValueError("rules.prompt: distinct tokens by id")
-        for name, ids in (("counts", tokens), ("prompt", self.prompt)):
-            if ids and not (ids[0] >= 0 and ids[-1] < vocab_size):
-                raise ValueError(f"rules.{name}: a token outside the vocabulary [0, {vocab_size})")
+        tokens, counts, prompt = self.arrays
+        check_ids(tokens, vocab_size, "rules.counts")
+        if not np.all(counts > 0):
+            raise ValueError("rules.counts: each token counted > 0")
+        check_ids(prompt, vocab_size, "rules.prompt")
 
 
 def distinct(ids: Iterable[int]) -> tuple[int, ...]:
@@ -130,12 +143,13 @@ def bend_row(row: torch.Tensor, rules: LogitRules, path: list[int]) -> torch.Ten
     p = rules.penalties
     for token, value in p.bias:
         row[token] += torch.tensor(value, dtype=row.dtype)
-    counts = rules._counter + Counter(path)
+    counts = rules.counter + Counter(path)
     if p.repetition != 1:
         for token in sorted(set(rules.prompt) | set(counts)):
             x = row[token]
             row[token] = x / p.repetition if x > 0 else x * p.repetition
     if p.presence != 0 or p.frequency != 0:
+        frequency, presence = (torch.tensor(v, dtype=row.dtype) for v in (p.frequency, p.presence))
         for token, c in counts.items():
-            row[token] += torch.tensor(-(p.frequency * c + p.presence), dtype=row.dtype)
+            row[token] = row[token] - (frequency * c + presence)
     return row

@@ -1,12 +1,16 @@
 """A round's logit rules (specsplit/logit_rules.py) on its logits, before the acceptance: every
 row of every sequence with rules bent in place, as `bend_row` bends one, in one host-to-device
-copy and three indexed ops on the device whatever the batch. The host lists the entries: per
-row, the biased tokens; the tokens the repetition penalty divides (the prompt's and the
-output's, each row's path beside them); the tokens the frequency and presence penalties lower,
-each (row, token) once with its whole count, so that no two entries add to one logit (an
-accumulating scatter's order would change its rounding)."""
+copy and a fixed run of device ops whatever the batch.
+
+The host lists, per sequence with rules (k), its biased tokens, its output's counts and its
+prompt's tokens, and per row of it the counts its path changes (each token on the path from the
+root to the row's node: its whole count, the output's and the path's); the device spreads them
+over [sequences, vocab] and [rows, vocab] and bends the rows' logits in three elementwise steps
+(float32, as `bend_row`)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import torch
@@ -15,6 +19,9 @@ from specsplit.logit_rules import LogitRules
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
+
+# the host table's sections, each [3, n] int32: (sequence k or rule row, token, value)
+_BIAS, _COUNTS, _PROMPT, _PATHS = range(4)
 
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
@@ -25,36 +32,28 @@ def node_paths(tree: DraftTree) -> list[list[int]]:
     return paths
 
 
-def _entries(rules: LogitRules, tree: DraftTree, first_row: int) -> tuple[list[np.ndarray], ...]:
-    """One sequence's (rows, tokens, values) for the bias, the repetition and the penalties."""
-    p = rules.penalties
-    n_rows = len(tree) + 1
-    rows = np.arange(first_row, first_row + n_rows, dtype=np.float64)
-    paths = [[], *node_paths(tree)]  # per row: the root's, then each node's
-    bias, repeat, lower = [], [], []
-    if p.bias:
-        tokens, values = np.array(p.bias, dtype=np.float64).T
-        bias.append(np.stack([np.repeat(rows, len(tokens)), np.tile(tokens, n_rows),
-                              np.tile(values, n_rows)]))  # fmt: skip
-    path_rows = np.array([rows[j] for j, path in enumerate(paths) for _ in path], np.float64)
-    path_tokens = np.array([t for path in paths for t in path], dtype=np.float64)
-    if p.repetition != 1:
-        seen = np.array(sorted(set(rules.prompt) | {t for t, _ in rules.counts}), np.float64)
-        keys_rows = np.concatenate([np.repeat(rows, len(seen)), path_rows])
-        keys_tokens = np.concatenate([np.tile(seen, n_rows), path_tokens])
-        repeat.append(np.stack([keys_rows, keys_tokens, np.full(len(keys_rows), p.repetition)]))
-    if p.presence != 0 or p.frequency != 0:
-        counted = np.array(rules.counts, dtype=np.float64).reshape(-1, 2)
-        # (row, token, count): the output's on every row, then one per path token
-        keys = np.concatenate([
-            np.stack([np.repeat(rows, len(counted)), np.tile(counted[:, 0], n_rows),
-                      np.tile(counted[:, 1], n_rows)]),
-            np.stack([path_rows, path_tokens, np.ones(len(path_rows))]),
-        ], axis=1)  # fmt: skip
-        pairs, where = np.unique(keys[:2], axis=1, return_inverse=True)
-        counts = np.bincount(where.reshape(-1), weights=keys[2], minlength=pairs.shape[1])
-        lower.append(np.stack([*pairs, -(p.frequency * counts + p.presence)]))
-    return bias, repeat, lower
+def _as_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as the int32 holding their bits (the table is one int32 array)."""
+    return values.astype(np.float32).view(np.int32)
+
+
+def _from_bits(column: torch.Tensor) -> torch.Tensor:
+    return column.contiguous().view(torch.float32)
+
+
+def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np.ndarray]:
+    """Sequence k's share of each section; `first`: its root's row among the rule rows."""
+    bias_tokens, bias_values = rules.penalties.bias_arrays
+    tokens, counts, prompt = rules.arrays
+    paths: list[tuple[int, int, int]] = []
+    for j, path in enumerate(node_paths(tree), start=first + 1):
+        paths += [(j, t, rules.count(t) + c) for t, c in Counter(path).items()]
+    return [
+        np.stack([np.full(len(bias_tokens), k), bias_tokens, _as_bits(bias_values)]),
+        np.stack([np.full(len(tokens), k), tokens, counts]),
+        np.stack([np.full(len(prompt), k), prompt, np.ones_like(prompt)]),
+        np.array(paths, dtype=np.int64).reshape(-1, 3).T,
+    ]
 
 
 def bend_by_rules(
@@ -64,24 +63,55 @@ def bend_by_rules(
 ) -> bool:
     """The rows of the inputs with rules bent by them; whether any were (the logits' argmax
     must then be taken again)."""
-    kinds: tuple[list[np.ndarray], ...] = ([], [], [])
-    for item, r in zip(inputs, rows, strict=True):
-        if item.rules is not None:
-            for kind, found in zip(kinds, _entries(item.rules, item.tree, r.start), strict=True):
-                kind.extend(found)
-    sizes = [sum(e.shape[1] for e in kind) for kind in kinds]
-    if not any(sizes):
+    ruled = [(item, r) for item, r in zip(inputs, rows, strict=True) if item.rules is not None]
+    if not ruled:
         return False
-    table = np.concatenate([e for kind in kinds for e in kind], axis=1)
+    sections: list[list[np.ndarray]] = [[], [], [], []]
+    row_of: list[int] = []  # per rule row: its logits row
+    k_of: list[int] = []  # per rule row: its sequence
+    scalars: list[tuple[float, float, float]] = []  # per sequence
+    for k, (item, r) in enumerate(ruled):
+        assert item.rules is not None
+        shares = _sections(item.rules, item.tree, k, len(row_of))
+        for section, part in zip(sections, shares, strict=True):
+            section.append(part)
+        row_of += r
+        k_of += [k] * len(r)
+        p = item.rules.penalties
+        scalars.append((p.repetition, p.frequency, p.presence))
+    parts = [np.concatenate(section, axis=1) for section in sections]
+    sizes = [part.shape[1] for part in parts]
+    rule_rows = np.stack([np.array(row_of), np.array(k_of), np.zeros(len(row_of), np.int64)])
+    parts = [*parts, rule_rows, _as_bits(np.array(scalars).T)]
+    table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     on_device = to_device(torch.from_numpy(table), logits.device)
-    row, token = on_device[0].long(), on_device[1].long()
-    value = on_device[2].to(logits.dtype)
-    a, b = sizes[0], sizes[0] + sizes[1]
-    if sizes[0]:  # each (row, token) once per sequence: the scatter adds one value to each
-        logits.index_put_((row[:a], token[:a]), value[:a], accumulate=True)
-    if sizes[1]:  # a (row, token) listed twice is written twice with one value
-        x = logits[row[a:b], token[a:b]]
-        logits[row[a:b], token[a:b]] = torch.where(x > 0, x / value[a:b], x * value[a:b])
-    if sizes[2]:
-        logits.index_put_((row[b:], token[b:]), value[b:], accumulate=True)
+    ends = np.cumsum([*sizes, len(row_of)]).tolist()
+    # the sections as indices (int64), and the bits of the biases and the scalars as float32
+    bias, counts, prompt, paths, rule_rows_d, _ = torch.tensor_split(on_device.long(), ends, dim=1)
+    biases = _from_bits(on_device[2, : ends[0]])
+    scalar = _from_bits(on_device[:, ends[-1] :])  # [3, K]: repetition, frequency, presence
+    num_seqs, vocab = len(ruled), logits.shape[1]
+    rows_at, ks = rule_rows_d[0], rule_rows_d[1]
+    x = logits[rows_at]  # [R, vocab]
+    if sizes[_BIAS]:
+        spread = logits.new_zeros(num_seqs, vocab)
+        spread[bias[0], bias[1]] = biases
+        x = x + spread[ks]
+    repeats = any(s[0] != 1 for s in scalars)
+    if repeats or any(s[1] != 0 or s[2] != 0 for s in scalars):
+        count = logits.new_zeros(num_seqs, vocab)
+        count[counts[0], counts[1]] = counts[2].to(logits.dtype)
+        count = count[ks]  # [R, vocab]: each row's output counts, then its path's
+        count[paths[0], paths[1]] = paths[2].to(logits.dtype)
+        present = count > 0
+        repetition, frequency, presence = (s[ks][:, None] for s in scalar)
+        if repeats:  # (x / 1 and x * 1 are x: the rows without it keep theirs)
+            seen = present
+            if sizes[_PROMPT]:
+                prompt_seen = torch.zeros(num_seqs, vocab, dtype=torch.bool, device=x.device)
+                prompt_seen[prompt[0], prompt[1]] = True
+                seen = seen | prompt_seen[ks]
+            x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        x = x - (frequency * count + presence * present)
+    logits[rows_at] = x
     return True

@@ -28,9 +28,10 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-# `to_device`'s staging: STAGE_SLOTS pinned buffers of STAGE_BYTES per device (1 MiB; a chained
-# round's placement tables at batch 32 are ~20 KiB)
-STAGE_SLOTS, STAGE_BYTES = 16, 1 << 16
+# `to_device`'s staging: STAGE_SLOTS pinned buffers of STAGE_BYTES per device (8 MiB; a chained
+# round's placement tables at batch 32 are ~20 KiB, a round's logit rules at batch 32 with
+# 512-token prompts ~320 KiB: verifier/round_rules.py)
+STAGE_SLOTS, STAGE_BYTES = 16, 1 << 19
 
 
 class _Staging:
