@@ -42,7 +42,7 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "prompt_logprobs", "suffix", "min_p", "min_tokens", "tools", "functions",
+    "prompt_logprobs", "suffix", "min_p", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
     "continue_final_message",
@@ -121,6 +121,7 @@ class OpenAIRequest:
     echo: bool = False  # a completions body's: each choice's text starts with its prompt's
     # logit_bias, presence_penalty, frequency_penalty, repetition_penalty (vLLM's); None: none
     penalties: Penalties | None = None
+    min_tokens: int = 0  # vLLM's: no stop before this many tokens
 
 
 def body_field(
@@ -259,6 +260,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         logprobs=logprobs,
         echo=echo,
         penalties=_penalties(body),
+        min_tokens=body_field(body, "min_tokens", int, 0),
     )
 
 

@@ -298,6 +298,7 @@ class OpenAIServer:
                 session_id=req.session_id,
                 logprobs=req.logprobs,
                 penalties=req.penalties,
+                min_tokens=req.min_tokens,
             )
             for prompt_kind, prompt in req.prompts
         ]

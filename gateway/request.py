@@ -5,13 +5,13 @@ one place a request is validated (`build_request`): the gRPC and the OpenAI HTTP
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
 
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import Penalties
+from specsplit.logit_rules import Penalties, distinct
 from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
@@ -43,6 +43,9 @@ class GenerationRequest:
     logprobs: int | None = None
     # a logit bias and penalties (specsplit/logit_rules.py); None: none
     penalties: Penalties | None = None
+    # no EOS, stop token or stop string ends the generation before this many tokens (the
+    # verifier holds the stop tokens back: Penalties.min_tokens)
+    min_tokens: int = 0
 
 
 @dataclass
@@ -141,6 +144,7 @@ def build_request(
     session_id: str | None = None,
     logprobs: int | None = None,
     penalties: Penalties | None = None,
+    min_tokens: int = 0,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
@@ -180,6 +184,14 @@ def build_request(
             f"logprobs = {logprobs}: the most likely tokens a token comes with, 0 to "
             f"{min(MAX_TOP_LOGPROBS, model.vocab_size)}",
         )
+    if not 0 <= min_tokens <= max_new_tokens:
+        raise InvalidField(
+            "min_tokens", f"min_tokens = {min_tokens}: must be in [0, max_new_tokens]"
+        )
+    if min_tokens:  # the stop tokens the verifier holds back until then
+        eos = () if ignore_eos else model.eos_token_ids
+        stop_ids = distinct((*eos, *stop_token_ids))
+        penalties = replace(penalties or Penalties(), min_tokens=min_tokens, stop_ids=stop_ids)
     if penalties is not None:
         try:
             penalties.validate(model.vocab_size)
@@ -198,6 +210,7 @@ def build_request(
         max_new_tokens_default=max_new_tokens_default,
         logprobs=logprobs,
         penalties=penalties if penalties is not None and penalties.active else None,
+        min_tokens=min_tokens,
     )
 
 

@@ -162,6 +162,7 @@ class RequestsLifecycle:
             max_new_tokens=request.max_new_tokens,
             stop_token_ids=request.stop_token_ids,
             stop_strings=request.stop_strings,
+            min_tokens=request.min_tokens,
         )
         spec = request.spec if request.spec is not None else self.default_spec
         adaptive = None

@@ -191,6 +191,7 @@ def generation_request(
             msg.frequency_penalty,
             msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         ),
+        min_tokens=msg.min_tokens,
     )
 
 

@@ -54,7 +54,10 @@ class StopChecker:
         max_new_tokens: int,
         stop_token_ids: Iterable[int] = (),
         stop_strings: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
+        """min_tokens: no stop token ends the sequence as one of its first min_tokens tokens, no
+        stop string before it has that many (vLLM's; the verifier holds the stop tokens back)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if any(not s for s in stop_strings):
@@ -63,6 +66,7 @@ class StopChecker:
         self._stop_token_ids = frozenset(eos_token_ids) | frozenset(stop_token_ids)
         self._stop_strings = tuple(stop_strings)
         self._max_new_tokens = max_new_tokens
+        self._min_tokens = min_tokens
         self.num_generated_tokens = 0
         self.finish_reason: FinishReason | None = None
         # Detokenized text not streamed yet: a suffix that may be the start of a stop string.
@@ -84,6 +88,8 @@ class StopChecker:
             # Token by token, so the sequence ends at the first token completing a stop string.
             for i, token in enumerate(text_ids):
                 self._held_text += self._detokenizer.add([token])
+                if self.num_generated_tokens + i + 1 < self._min_tokens:
+                    continue
                 if (stop_at := self._find_stop_string()) is not None:
                     return self._outcome(i + 1, self._take_held_text(stop_at), FinishReason.STOP)
         else:
@@ -121,7 +127,11 @@ class StopChecker:
         if self.finish_reason is not None:
             return True
         num_left = self._max_new_tokens - self.num_generated_tokens  # as _token_rules, quicker
-        return len(new_ids) >= num_left or not self._stop_token_ids.isdisjoint(new_ids)
+        if len(new_ids) >= num_left:
+            return True
+        if self.num_generated_tokens + len(new_ids) <= self._min_tokens:
+            return False  # (no stop token counts yet)
+        return not self._stop_token_ids.isdisjoint(new_ids[self._first_stop_at() :])
 
     def _token_rules(self, new_ids: Sequence[int]) -> TokenOutcome:
         """The rules on the ids; state unchanged (the caller's _outcome records them)."""
@@ -131,9 +141,14 @@ class StopChecker:
         finish = FinishReason.LENGTH if num_kept == num_left else None
         num_text_tokens = num_kept  # the kept tokens whose text is streamed: all but EOS / stop
         for i, token in enumerate(new_ids[:num_kept]):
-            if token in self._stop_token_ids:
+            if token in self._stop_token_ids and i >= self._first_stop_at():
                 return TokenOutcome(i + 1, i, FinishReason.STOP)
         return TokenOutcome(num_kept, num_text_tokens, finish)
+
+    def _first_stop_at(self) -> int:
+        """The first index of a round's new tokens at which a stop token ends the sequence: the
+        token after the first min_tokens."""
+        return max(0, self._min_tokens - self.num_generated_tokens)
 
     def _outcome(self, num_kept: int, text: str, finish: FinishReason | None) -> StopOutcome:
         self.num_generated_tokens += num_kept

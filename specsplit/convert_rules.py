@@ -23,7 +23,9 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             presence_penalty=p.presence,
             frequency_penalty=p.frequency,
             repetition_penalty=p.repetition,
+            min_tokens=p.min_tokens,
         )
+        entry.stop_tokens.extend(p.stop_ids)
         entry.bias_tokens.extend([token for token, _ in p.bias])
         entry.bias_values.extend([value for _, value in p.bias])
         entry.output_tokens.extend([token for token, _ in rules.counts])
@@ -43,6 +45,8 @@ def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             entry.presence_penalty,
             entry.frequency_penalty,
             entry.repetition_penalty or 1.0,
+            entry.min_tokens,
+            tuple(entry.stop_tokens),
         )
         counts = tuple(zip(entry.output_tokens, entry.output_counts, strict=True))
         inputs[i].rules = LogitRules(penalties, counts, tuple(entry.prompt_tokens))

@@ -1,5 +1,6 @@
 """A generation's rules for the target's logits (OpenAI's `logit_bias`, `presence_penalty` and
-`frequency_penalty`, vLLM's `repetition_penalty`), applied by the verifier to every row it
+`frequency_penalty`, vLLM's `repetition_penalty` and `min_tokens`), applied by the verifier to
+every row it
 accepts from (verifier/round_rules.py), before temperature, top-k and top-p: greedy takes the
 argmax of the bent row, sampling draws from it, so speculation stays lossless against the
 target with the same rules.
@@ -9,7 +10,9 @@ At a row, in this order (vLLM's):
 2. `repetition` (r != 1): each token of the prompt or of the output so far: a positive logit
    divided by r, a negative one multiplied by r;
 3. `frequency` f and `presence` p: each token that occurs c > 0 times in the output so far:
-   minus f * c + p (in float32, as the logits are).
+   minus f * c + p (in float32, as the logits are);
+4. `min_tokens` m: while the output so far holds fewer than m tokens, the stop tokens' logits
+   (`stop_ids`: EOS and the request's stop token ids) are -inf.
 The output so far at a row is the generation's output through the round's last pending token
 (`LogitRules.counts`, the gateway's) and the tree's nodes from the root to the row's node.
 
@@ -42,10 +45,18 @@ class Penalties:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0  # > 0; 1 = off
+    min_tokens: int = 0  # no stop token before this many output tokens
+    stop_ids: tuple[int, ...] = ()  # the tokens min_tokens holds back, by id, each once
 
     @property
     def active(self) -> bool:
-        return bool(self.bias) or self.presence != 0 or self.frequency != 0 or self.repetition != 1
+        return (
+            bool(self.bias)
+            or self.presence != 0
+            or self.frequency != 0
+            or self.repetition != 1
+            or (self.min_tokens > 0 and bool(self.stop_ids))
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the field (OpenAI's name) when a setting is out of range."""
@@ -57,6 +68,10 @@ class Penalties:
             raise ValueError(f"repetition_penalty = {self.repetition}: must be > 0 (1 = off)")
         if len(self.bias) > MAX_BIASED_TOKENS:
             raise ValueError(f"logit_bias has {len(self.bias)} tokens: at most {MAX_BIASED_TOKENS}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens = {self.min_tokens}: must be >= 0")
+        stop_ids = np.fromiter(self.stop_ids, dtype=np.int64, count=len(self.stop_ids))
+        check_ids(stop_ids, vocab_size, "rules.stop_ids")
         tokens, values = self.bias_arrays
         check_ids(tokens, vocab_size, "logit_bias")
         if not np.all(np.abs(values) <= MAX_LOGIT_BIAS):  # (also refuses nan)
@@ -130,6 +145,8 @@ def rules_for(
     """A round's rules from its request's penalties, its prompt's `distinct` tokens and its
     output so far (the gateway's); None where the penalties change nothing. The prompt goes
     only where it is read (a repetition penalty)."""
+    if penalties is not None and penalties.min_tokens and output.total() >= penalties.min_tokens:
+        penalties = replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
     if penalties is None or not penalties.active:
         return None
     prompt = prompt if penalties.repetition != 1 else ()
@@ -152,4 +169,6 @@ def bend_row(row: torch.Tensor, rules: LogitRules, path: list[int]) -> torch.Ten
         frequency, presence = (torch.tensor(v, dtype=row.dtype) for v in (p.frequency, p.presence))
         for token, c in counts.items():
             row[token] = row[token] - (frequency * c + presence)
+    if counts.total() < p.min_tokens:
+        row[list(p.stop_ids)] = -math.inf
     return row

@@ -21,7 +21,7 @@ from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
 
 # the host table's sections, each [3, n] int32: (sequence k or rule row, token, value)
-_BIAS, _COUNTS, _PROMPT, _PATHS = range(4)
+_BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS = range(5)
 
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
@@ -48,11 +48,23 @@ def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np
     paths: list[tuple[int, int, int]] = []
     for j, path in enumerate(node_paths(tree), start=first + 1):
         paths += [(j, t, rules.count(t) + c) for t, c in Counter(path).items()]
+    # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
+    held = rules.penalties.min_tokens - int(counts.sum())
+    stop_ids = np.array(rules.penalties.stop_ids, dtype=np.int64)
+    rows = np.array(
+        [first] + [first + 1 + i for i, d in enumerate(tree.depths()) if d < held]
+        if held > 0 and len(stop_ids)
+        else [],
+        dtype=np.int64,
+    )
+    stops = np.stack([np.repeat(rows, len(stop_ids)), np.tile(stop_ids, len(rows)),
+                      np.zeros(len(rows) * len(stop_ids), np.int64)])  # fmt: skip
     return [
         np.stack([np.full(len(bias_tokens), k), bias_tokens, _as_bits(bias_values)]),
         np.stack([np.full(len(tokens), k), tokens, counts]),
         np.stack([np.full(len(prompt), k), prompt, np.ones_like(prompt)]),
         np.array(paths, dtype=np.int64).reshape(-1, 3).T,
+        stops,
     ]
 
 
@@ -66,7 +78,7 @@ def bend_by_rules(
     ruled = [(item, r) for item, r in zip(inputs, rows, strict=True) if item.rules is not None]
     if not ruled:
         return False
-    sections: list[list[np.ndarray]] = [[], [], [], []]
+    sections: list[list[np.ndarray]] = [[], [], [], [], []]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
     scalars: list[tuple[float, float, float]] = []  # per sequence
@@ -87,7 +99,8 @@ def bend_by_rules(
     on_device = to_device(torch.from_numpy(table), logits.device)
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
     # the sections as indices (int64), and the bits of the biases and the scalars as float32
-    bias, counts, prompt, paths, rule_rows_d, _ = torch.tensor_split(on_device.long(), ends, dim=1)
+    split = torch.tensor_split(on_device.long(), ends, dim=1)
+    bias, counts, prompt, paths, stops, rule_rows_d = split[:6]
     biases = _from_bits(on_device[2, : ends[0]])
     scalar = _from_bits(on_device[:, ends[-1] :])  # [3, K]: repetition, frequency, presence
     num_seqs, vocab = len(ruled), logits.shape[1]
@@ -113,5 +126,7 @@ def bend_by_rules(
                 seen = seen | prompt_seen[ks]
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         x = x - (frequency * count + presence * present)
+    if sizes[_STOPS]:
+        x[stops[0], stops[1]] = -torch.inf
     logits[rows_at] = x
     return True

@@ -14,13 +14,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from gateway.request import GenerationRequest
+from gateway.request import GenerationRequest, ModelInfo, build_request
 from specsplit.logit_rules import Penalties, bend_row, distinct, rules_for
 from specsplit.messages import SpecParams
-from tests.support import generate_all, generated_ids, make_stack
+from specsplit.sampling import SamplingParams
+from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack
 from tests.unit.test_lossless_greedy import _prompts, models  # noqa: F401  (a fixture)
 
 MAX_NEW_TOKENS = 12
+GREEDY = SamplingParams()
 PENALTIES = Penalties(bias=((7, 2.0), (300, -100.0)), presence=0.8, frequency=1.5, repetition=1.3)
 
 
@@ -87,3 +89,33 @@ def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
     if drafter == "self":  # (drafts of the unbent target: some the rules keep, most not)
         accepted = [chunks[-1].stats.num_accepted_drafts for chunks in out[:-1]]  # type: ignore[union-attr]
         assert sum(accepted) > 0, accepted
+
+
+def test_min_tokens_hold_a_stop_token_back_exactly_as_the_target_would(
+    models: dict[str, Path],  # noqa: F811
+    smollm2_tokenizer,
+) -> None:
+    """A stop token the target emits second: without min_tokens the generation ends there;
+    with min_tokens 6 it is held back for the first 6 tokens (their logits -inf), the tokens
+    are the target's greedy ones under that, speculative and target-only alike, and the stop
+    token ends the generation where it first comes after them."""
+    prompt = _prompts(1, seed=9)[0]
+    plain = GenerationRequest(prompt, MAX_NEW_TOKENS, ignore_eos=True)
+    stop = _reference(models["target"], plain)[1]
+    model = ModelInfo(smollm2_tokenizer, TINY_VOCAB, 4096)
+    request = build_request(
+        model, "token_ids", prompt, max_new_tokens=MAX_NEW_TOKENS, sampling=GREEDY,
+        stop_token_ids=[stop], ignore_eos=True, min_tokens=6,
+    )  # fmt: skip
+    want = _reference(models["target"], request)
+    if stop in want[6:]:
+        want = want[: want.index(stop, 6) + 1]
+    assert stop not in want[:6] and len(want) > 2
+    got = []
+    for spec, drafter in ((SpecParams(0, 1, 0), "ngram"), (SpecParams(3, 1, 3), "model")):
+        stack = make_stack(models["target"], drafter, smollm2_tokenizer, spec)
+        early = replace(request, penalties=None, min_tokens=0)
+        outs = generate_all(stack, [request, early])
+        got.append(generated_ids(outs[0]))
+        assert generated_ids(outs[1]) == want[:1] + [stop]  # (without min_tokens)
+    assert got == [want, want]

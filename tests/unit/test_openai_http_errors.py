@@ -125,7 +125,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
     ("param", "value"),
     [
         ("min_p", 0.1),
-        ("min_tokens", 3),
         ("response_format", {"type": "json_object"}),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -172,6 +171,9 @@ def test_parameter_that_would_change_the_output_unimplemented_is_400(
         ("logit_bias", {"7": "1"}),
         ("logit_bias", {"10000000": 1}),  # past the vocabulary
         ("logit_bias", [7, 1]),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past max_tokens
+        ("min_tokens", 2.5),
     ],
     ids=str,
 )
@@ -180,7 +182,7 @@ def test_a_bias_or_penalty_out_of_range_is_400_naming_it(
 ) -> None:
     async def body(client: TestClient, scheduler: _Scheduler) -> None:
         for route in ("chat", "completion"):
-            response = await _post(client, route, {param: value})
+            response = await _post(client, route, {param: value, "max_tokens": 16})
             error = await _error(response, 400)
             assert error["param"] == param, error
         assert scheduler.requests == []
@@ -196,14 +198,19 @@ def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
         "presence_penalty": 0.5,
         "frequency_penalty": -1,
         "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "stop_token_ids": [12, 5],
     }
 
     async def body(client: TestClient, scheduler: _Scheduler) -> None:
         for route in ("chat", "completion"):
             response = await _post(client, route, extra)
             assert response.status == 200, await response.text()
-        for request in scheduler.requests:
-            assert request.penalties == Penalties(((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2)
+        for request in scheduler.requests:  # (this model names no EOS)
+            assert request.penalties == Penalties(
+                ((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2, min_tokens=3, stop_ids=(5, 12)
+            )
+            assert request.min_tokens == 3
 
     _run(smollm2_tokenizer, body)
 

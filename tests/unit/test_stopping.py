@@ -34,6 +34,7 @@ def make_checker(smollm2_tokenizer: PreTrainedTokenizerBase, prompt_ids: list[in
         max_new_tokens: int = 100,
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> StopChecker:
         return StopChecker(
             IncrementalDetokenizer(smollm2_tokenizer, prompt_ids),
@@ -41,6 +42,7 @@ def make_checker(smollm2_tokenizer: PreTrainedTokenizerBase, prompt_ids: list[in
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             stop_strings=stop_strings,
+            min_tokens=min_tokens,
         )
 
     return make
@@ -290,3 +292,24 @@ def test_would_finish_agrees_with_what_commit_would_do(make_checker: MakeChecker
             assert checker.would_finish(ids) == (before.commit(ids).finish_reason is not None)
         checker.commit([THE])
         assert checker.num_generated_tokens == committed + 1
+
+
+def test_min_tokens_no_stop_token_among_the_first(make_checker: MakeChecker) -> None:
+    """A stop token among the first min_tokens tokens ends nothing (the verifier holds them
+    back; were one there, it is text like any); the first after them does."""
+    checker = make_checker(stop_token_ids=[FOX], min_tokens=3)
+    assert not checker.would_finish([THE, FOX, QUICK])
+    assert checker.commit_tokens([THE, FOX]).finish_reason is None
+    assert checker.would_finish([QUICK, FOX])
+    outcome = checker.commit_tokens([QUICK, FOX, BROWN])
+    assert (outcome.num_kept_tokens, outcome.finish_reason) == (2, FinishReason.STOP)
+
+
+def test_min_tokens_no_stop_string_before_them(make_checker: MakeChecker) -> None:
+    """A stop string completed before the output holds min_tokens tokens is text; one completed
+    at or after it ends the sequence there."""
+    checker = make_checker(stop_strings=[" quick"], min_tokens=3)
+    assert checker.commit([THE, QUICK]) == StopOutcome(" The quick", 2, None)
+    outcome = checker.commit([BROWN, QUICK, FOX])
+    assert outcome == StopOutcome(" brown", 2, FinishReason.STOP)
+

@@ -8,6 +8,7 @@ step ahead; the wire carries them; malformed rules are refused."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,14 +67,25 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
         Penalties(repetition=1.7),
         Penalties(repetition=0.6),
         Penalties(presence=0.75, frequency=-1.25),
+        Penalties(min_tokens=7, stop_ids=(1, 4, 11)),
+        replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11)),
         STRONG,
     ],
-    ids=["bias", "repetition", "repetition-below-1", "presence-frequency", "all"],
+    ids=[
+        "bias",
+        "repetition",
+        "repetition-below-1",
+        "presence-frequency",
+        "min-tokens",
+        "min-tokens-and-all",
+        "all",
+    ],  # fmt: skip
 )
 def test_bent_rows_are_the_reference_rows(penalties: Penalties) -> None:
     """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
     row's path read: trees whose paths repeat tokens of the output and of themselves; a
-    sequence without rules between them untouched."""
+    sequence without rules between them untouched. (min_tokens 7: the first's output holds 5
+    tokens, its rows of depth 0 and 1 hold the stop tokens back; the third's holds 3.)"""
     torch.manual_seed(3)
     vocab = 48
     trees = [
