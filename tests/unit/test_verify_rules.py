@@ -79,7 +79,7 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
         "min-tokens",
         "min-tokens-and-all",
         "all",
-    ],  # fmt: skip
+    ],
 )
 def test_bent_rows_are_the_reference_rows(penalties: Penalties) -> None:
     """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
