@@ -312,4 +312,3 @@ def test_min_tokens_no_stop_string_before_them(make_checker: MakeChecker) -> Non
     assert checker.commit([THE, QUICK]) == StopOutcome(" The quick", 2, None)
     outcome = checker.commit([BROWN, QUICK, FOX])
     assert outcome == StopOutcome(" brown", 2, FinishReason.STOP)
-
