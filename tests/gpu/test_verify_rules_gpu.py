@@ -10,6 +10,7 @@ import torch
 from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them here)
     reference,
     target_dir,
+    test_bent_rows_are_the_reference_rows,
     test_decode_steps_under_rules_are_the_targets_greedy_tokens,
     test_logprobs_under_rules_are_the_raw_distribution,
     test_malformed_rules_are_refused,

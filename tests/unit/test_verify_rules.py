@@ -81,7 +81,10 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
         "all",
     ],
 )
-def test_bent_rows_are_the_reference_rows(penalties: Penalties) -> None:
+def test_bent_rows_are_the_reference_rows(
+    penalties: Penalties,
+    device: str,  # noqa: F811
+) -> None:
     """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
     row's path read: trees whose paths repeat tokens of the output and of themselves; a
     sequence without rules between them untouched. (min_tokens 7: the first's output holds 5
@@ -111,8 +114,9 @@ def test_bent_rows_are_the_reference_rows(penalties: Penalties) -> None:
             paths = [[], *node_paths(item.tree)]
             for j, row in enumerate(r):
                 want[row] = bend_row(logits[row], item.rules, paths[j])
-    got = logits.clone()
+    got = logits.clone().to(device)  # (on a GPU: the same float32 ops, bit for bit)
     assert bend_by_rules(inputs, got, rows)
+    got = got.cpu()
     assert torch.equal(got, want)
     assert torch.equal(got[rows[1].start : rows[1].stop], logits[rows[1].start : rows[1].stop])
     assert not torch.equal(got, logits)
