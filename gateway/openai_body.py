@@ -42,7 +42,7 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "prompt_logprobs", "suffix", "min_p", "tools", "functions",
+    "prompt_logprobs", "suffix", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
     "continue_final_message",
@@ -119,7 +119,8 @@ class OpenAIRequest:
     # and `top_logprobs`; completions: `logprobs`); None: none
     logprobs: int | None = None
     echo: bool = False  # a completions body's: each choice's text starts with its prompt's
-    # logit_bias, presence_penalty, frequency_penalty, repetition_penalty (vLLM's); None: none
+    # logit_bias, presence_penalty, frequency_penalty, vLLM's repetition_penalty and min_p;
+    # None: none
     penalties: Penalties | None = None
     min_tokens: int = 0  # vLLM's: no stop before this many tokens
 
@@ -294,6 +295,7 @@ def _penalties(body: dict[str, Any]) -> Penalties | None:
         float(body_field(body, "presence_penalty", (int, float), 0.0)),
         float(body_field(body, "frequency_penalty", (int, float), 0.0)),
         float(body_field(body, "repetition_penalty", (int, float), 1.0)),
+        min_p=float(body_field(body, "min_p", (int, float), 0.0)),
     )
     return penalties if penalties.active else None
 

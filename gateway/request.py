@@ -188,6 +188,8 @@ def build_request(
         raise InvalidField(
             "min_tokens", f"min_tokens = {min_tokens}: must be in [0, max_new_tokens]"
         )
+    if penalties is not None and penalties.min_p and sampling.greedy:
+        penalties = replace(penalties, min_p=0.0)  # (the argmax is never cut)
     if min_tokens:  # the stop tokens the verifier holds back until then
         eos = () if ignore_eos else model.eos_token_ids
         stop_ids = distinct((*eos, *stop_token_ids))

@@ -190,6 +190,7 @@ def generation_request(
             msg.presence_penalty,
             msg.frequency_penalty,
             msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            min_p=msg.min_p,
         ),
         min_tokens=msg.min_tokens,
     )

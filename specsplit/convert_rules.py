@@ -24,6 +24,7 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             frequency_penalty=p.frequency,
             repetition_penalty=p.repetition,
             min_tokens=p.min_tokens,
+            min_p=p.min_p,
         )
         entry.stop_tokens.extend(p.stop_ids)
         entry.bias_tokens.extend([token for token, _ in p.bias])
@@ -47,6 +48,7 @@ def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             entry.repetition_penalty or 1.0,
             entry.min_tokens,
             tuple(entry.stop_tokens),
+            entry.min_p,
         )
         counts = tuple(zip(entry.output_tokens, entry.output_counts, strict=True))
         inputs[i].rules = LogitRules(penalties, counts, tuple(entry.prompt_tokens))

@@ -1,5 +1,6 @@
 """A generation's rules for the target's logits (OpenAI's `logit_bias`, `presence_penalty` and
-`frequency_penalty`, vLLM's `repetition_penalty` and `min_tokens`), applied by the verifier to
+`frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `min_p`), applied by the
+verifier to
 every row it
 accepts from (verifier/round_rules.py), before temperature, top-k and top-p: greedy takes the
 argmax of the bent row, sampling draws from it, so speculation stays lossless against the
@@ -12,7 +13,10 @@ At a row, in this order (vLLM's):
 3. `frequency` f and `presence` p: each token that occurs c > 0 times in the output so far:
    minus f * c + p (in float32, as the logits are);
 4. `min_tokens` m: while the output so far holds fewer than m tokens, the stop tokens' logits
-   (`stop_ids`: EOS and the request's stop token ids) are -inf.
+   (`stop_ids`: EOS and the request's stop token ids) are -inf;
+5. `min_p` (a sampled round's, temperature T > 0): every token whose probability after the
+   temperature is below min_p times the likeliest's is -inf (its logit below the row's largest
+   plus T ln min_p); top-k and top-p then cut what is left.
 The output so far at a row is the generation's output through the round's last pending token
 (`LogitRules.counts`, the gateway's) and the tree's nodes from the root to the row's node.
 
@@ -47,6 +51,7 @@ class Penalties:
     repetition: float = 1.0  # > 0; 1 = off
     min_tokens: int = 0  # no stop token before this many output tokens
     stop_ids: tuple[int, ...] = ()  # the tokens min_tokens holds back, by id, each once
+    min_p: float = 0.0  # in [0, 1]; 0 = off (greedy rounds: no effect)
 
     @property
     def active(self) -> bool:
@@ -56,6 +61,7 @@ class Penalties:
             or self.frequency != 0
             or self.repetition != 1
             or (self.min_tokens > 0 and bool(self.stop_ids))
+            or self.min_p != 0
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -70,6 +76,8 @@ class Penalties:
             raise ValueError(f"logit_bias has {len(self.bias)} tokens: at most {MAX_BIASED_TOKENS}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens = {self.min_tokens}: must be >= 0")
+        if not 0 <= self.min_p <= 1:  # (also refuses nan)
+            raise ValueError(f"min_p = {self.min_p}: must be in [0, 1]")
         stop_ids = np.fromiter(self.stop_ids, dtype=np.int64, count=len(self.stop_ids))
         check_ids(stop_ids, vocab_size, "rules.stop_ids")
         tokens, values = self.bias_arrays
@@ -153,9 +161,18 @@ def rules_for(
     return LogitRules(penalties, tuple(sorted(output.items())), prompt)
 
 
-def bend_row(row: torch.Tensor, rules: LogitRules, path: list[int]) -> torch.Tensor:
+def min_p_cut(min_p: float, temperature: float) -> float:
+    """How far below a row's largest logit min_p cuts (T ln min_p); -inf: no cut (off, or a
+    greedy round)."""
+    return temperature * math.log(min_p) if min_p > 0 and temperature > 0 else -math.inf
+
+
+def bend_row(
+    row: torch.Tensor, rules: LogitRules, path: list[int], temperature: float = 0.0
+) -> torch.Tensor:
     """The reference: a float32 logits row [V] bent by `rules` with `path` (the tree's tokens
-    from the root to the row's node) appended to the output, one token at a time."""
+    from the root to the row's node) appended to the output, one token at a time; `temperature`:
+    the round's (min_p reads it)."""
     row = row.clone()
     p = rules.penalties
     for token, value in p.bias:
@@ -171,4 +188,7 @@ def bend_row(row: torch.Tensor, rules: LogitRules, path: list[int]) -> torch.Ten
             row[token] = row[token] - (frequency * c + presence)
     if counts.total() < p.min_tokens:
         row[list(p.stop_ids)] = -math.inf
+    cut = min_p_cut(p.min_p, temperature)
+    if cut > -math.inf:
+        row[row < row.max() + torch.tensor(cut, dtype=row.dtype)] = -math.inf
     return row

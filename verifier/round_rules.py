@@ -10,12 +10,13 @@ over [sequences, vocab] and [rows, vocab] and bends the rows' logits in three el
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
 import torch
 
-from specsplit.logit_rules import LogitRules
+from specsplit.logit_rules import LogitRules, min_p_cut
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
@@ -81,7 +82,7 @@ def bend_by_rules(
     sections: list[list[np.ndarray]] = [[], [], [], [], []]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
-    scalars: list[tuple[float, float, float]] = []  # per sequence
+    scalars: list[tuple[float, float, float, float]] = []  # per sequence
     for k, (item, r) in enumerate(ruled):
         assert item.rules is not None
         shares = _sections(item.rules, item.tree, k, len(row_of))
@@ -90,11 +91,15 @@ def bend_by_rules(
         row_of += r
         k_of += [k] * len(r)
         p = item.rules.penalties
-        scalars.append((p.repetition, p.frequency, p.presence))
+        cut = min_p_cut(p.min_p, item.sampling.temperature)
+        scalars.append((p.repetition, p.frequency, p.presence, cut))
     parts = [np.concatenate(section, axis=1) for section in sections]
     sizes = [part.shape[1] for part in parts]
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.zeros(len(row_of), np.int64)])
-    parts = [*parts, rule_rows, _as_bits(np.array(scalars).T)]
+    # per sequence (columns): repetition, frequency, presence; then min_p's cut in row 0
+    per_seq = np.array(scalars).T
+    per_seq = np.concatenate([per_seq[:3], np.pad(per_seq[3:], ((0, 2), (0, 0)))], axis=1)
+    parts = [*parts, rule_rows, _as_bits(per_seq)]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     on_device = to_device(torch.from_numpy(table), logits.device)
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
@@ -102,8 +107,10 @@ def bend_by_rules(
     split = torch.tensor_split(on_device.long(), ends, dim=1)
     bias, counts, prompt, paths, stops, rule_rows_d = split[:6]
     biases = _from_bits(on_device[2, : ends[0]])
-    scalar = _from_bits(on_device[:, ends[-1] :])  # [3, K]: repetition, frequency, presence
-    num_seqs, vocab = len(ruled), logits.shape[1]
+    num_seqs = len(ruled)
+    scalar = _from_bits(on_device[:, ends[-1] : ends[-1] + num_seqs])  # [3, K]
+    cuts = _from_bits(on_device[0, ends[-1] + num_seqs :])  # [K]: min_p's
+    vocab = logits.shape[1]
     rows_at, ks = rule_rows_d[0], rule_rows_d[1]
     x = logits[rows_at]  # [R, vocab]
     if sizes[_BIAS]:
@@ -128,5 +135,8 @@ def bend_by_rules(
         x = x - (frequency * count + presence * present)
     if sizes[_STOPS]:
         x[stops[0], stops[1]] = -torch.inf
+    if any(s[3] > -math.inf for s in scalars):  # (a cut of -inf keeps every token)
+        below = x.max(dim=-1, keepdim=True).values + cuts[ks][:, None]
+        x = torch.where(x < below, -torch.inf, x)
     logits[rows_at] = x
     return True

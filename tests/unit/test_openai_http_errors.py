@@ -124,7 +124,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("min_p", 0.1),
         ("response_format", {"type": "json_object"}),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -174,6 +173,8 @@ def test_parameter_that_would_change_the_output_unimplemented_is_400(
         ("min_tokens", -1),
         ("min_tokens", 17),  # past max_tokens
         ("min_tokens", 2.5),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
     ],
     ids=str,
 )
@@ -200,6 +201,7 @@ def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
         "repetition_penalty": 1.2,
         "min_tokens": 3,
         "stop_token_ids": [12, 5],
+        "min_p": 0.05,
     }
 
     async def body(client: TestClient, scheduler: _Scheduler) -> None:
@@ -208,7 +210,7 @@ def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
             assert response.status == 200, await response.text()
         for request in scheduler.requests:  # (this model names no EOS)
             assert request.penalties == Penalties(
-                ((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2, min_tokens=3, stop_ids=(5, 12)
+                ((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2, 3, (5, 12), min_p=0.05
             )
             assert request.min_tokens == 3
 

@@ -7,6 +7,7 @@ step ahead; the wire carries them; malformed rules are refused."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from verifier.round_rules import bend_by_rules, node_paths
 # strong enough that greedy decoding under them differs from without
 STRONG = Penalties(bias=((11, 3.0), (40, -100.0)), presence=1.5, frequency=2.0, repetition=1.8)
 NUM_TOKENS = 14
+SAMPLED = SamplingParams(temperature=0.7)
 
 
 def _rules(penalties: Penalties | None, output: list[int]) -> LogitRules | None:
@@ -69,6 +71,8 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
         Penalties(presence=0.75, frequency=-1.25),
         Penalties(min_tokens=7, stop_ids=(1, 4, 11)),
         replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11)),
+        Penalties(min_p=0.2),
+        replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11), min_p=0.05),
         STRONG,
     ],
     ids=[
@@ -78,6 +82,8 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
         "presence-frequency",
         "min-tokens",
         "min-tokens-and-all",
+        "min-p",
+        "min-p-and-all",
         "all",
     ],
 )
@@ -88,7 +94,8 @@ def test_bent_rows_are_the_reference_rows(
     """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
     row's path read: trees whose paths repeat tokens of the output and of themselves; a
     sequence without rules between them untouched. (min_tokens 7: the first's output holds 5
-    tokens, its rows of depth 0 and 1 hold the stop tokens back; the third's holds 3.)"""
+    tokens, its rows of depth 0 and 1 hold the stop tokens back; the third's holds 3. min_p
+    reads the rounds' temperature.)"""
     torch.manual_seed(3)
     vocab = 48
     trees = [
@@ -102,7 +109,7 @@ def test_bent_rows_are_the_reference_rows(
         rules_for(penalties, (0, 47), Counter([47, 6, 6])),
     ]
     inputs = [
-        VerifyInput(f"s{i}", False, 10, [4], tree, rules=r)
+        VerifyInput(f"s{i}", False, 10, [4], tree, SAMPLED, rules=r)
         for i, (tree, r) in enumerate(zip(trees, rules, strict=True))
     ]
     starts = [0, len(trees[0]) + 1, len(trees[0]) + len(trees[1]) + 2]
@@ -113,7 +120,7 @@ def test_bent_rows_are_the_reference_rows(
         if item.rules is not None:
             paths = [[], *node_paths(item.tree)]
             for j, row in enumerate(r):
-                want[row] = bend_row(logits[row], item.rules, paths[j])
+                want[row] = bend_row(logits[row], item.rules, paths[j], SAMPLED.temperature)
     got = logits.clone().to(device)  # (on a GPU: the same float32 ops, bit for bit)
     assert bend_by_rules(inputs, got, rows)
     got = got.cpu()
@@ -282,3 +289,29 @@ def test_rules_after_reads_the_new_tokens() -> None:
     assert rules is not None
     assert rules.after([9, 2, 9]) == _rules(STRONG, [4, 9, 9, 2, 9])
     assert rules.after([9]).count(9) == 2 and rules.count(9) == 1
+
+
+def test_min_p_draws_only_tokens_likely_enough(target_dir: Path, device: str) -> None:  # noqa: F811
+    """Sampled rounds at temperature 1 with min_p 0.3: every token drawn (drafts accepted or
+    the bonus) is at least 0.3 times as likely as the likeliest at its place (the raw
+    log-probabilities, top 1 the likeliest's)."""
+    sampling = SamplingParams(temperature=1.0, seed=4)
+    rules = LogitRules(Penalties(min_p=0.3))
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), sampling, logprobs=1, rules=rules)
+    outs = [engine.verify([first])[0]]
+    got = outs[0].new_tokens
+    for _ in range(6):
+        tree = DraftTree([got[-1], 3, 4], [-1, 0, 1])
+        item = VerifyInput(
+            "s", False, len(PROMPT) + len(got) - 1, got[-1:], tree, sampling,
+            logprobs=1, rules=rules,
+        )  # fmt: skip
+        outs.append(engine.verify([item])[0])
+        got += outs[-1].new_tokens
+    cut = math.log(0.3) - 1e-4
+    for out in outs:
+        assert out.logprobs is not None
+        for own, top in zip(out.logprobs.logprobs, out.logprobs.top_logprobs, strict=True):
+            assert own - top[0] >= cut
+    engine.release(["s"])
