@@ -181,8 +181,8 @@ class EngineBench:
         output = sorted(set(self._tokens(256)))
         bias = bias_of((t, -5.0) for t in self._tokens(64))
         penalties = Penalties(bias, presence=0.5, frequency=0.5, repetition=1.1)
-        counts = tuple((t, 1 + t % 3) for t in output)
-        return LogitRules(penalties, counts, distinct(self._tokens(self.context)))
+        counts = tuple(1 + t % 3 for t in output)
+        return LogitRules(penalties, tuple(output), counts, distinct(self._tokens(self.context)))
 
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()

@@ -29,8 +29,8 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
         entry.stop_tokens.extend(p.stop_ids)
         entry.bias_tokens.extend([token for token, _ in p.bias])
         entry.bias_values.extend([value for _, value in p.bias])
-        entry.output_tokens.extend([token for token, _ in rules.counts])
-        entry.output_counts.extend([count for _, count in rules.counts])
+        entry.output_tokens.extend(rules.output)
+        entry.output_counts.extend(rules.counts)
         entry.prompt_tokens.extend(rules.prompt)
 
 
@@ -50,5 +50,9 @@ def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             tuple(entry.stop_tokens),
             entry.min_p,
         )
-        counts = tuple(zip(entry.output_tokens, entry.output_counts, strict=True))
-        inputs[i].rules = LogitRules(penalties, counts, tuple(entry.prompt_tokens))
+        inputs[i].rules = LogitRules(
+            penalties,
+            tuple(entry.output_tokens),
+            tuple(entry.output_counts),
+            tuple(entry.prompt_tokens),
+        )

@@ -18,7 +18,7 @@ At a row, in this order (vLLM's):
    temperature is below min_p times the likeliest's is -inf (its logit below the row's largest
    plus T ln min_p); top-k and top-p then cut what is left.
 The output so far at a row is the generation's output through the round's last pending token
-(`LogitRules.counts`, the gateway's) and the tree's nodes from the root to the row's node.
+(`LogitRules.output`, `counts`: the gateway's) and the tree's nodes from the root to the row's node.
 
 `Penalties` are a request's settings; `LogitRules` adds a round's context, as the gateway sends
 it each round (the verifier keeps nothing between rounds). `bend_row` is the plain reference
@@ -109,37 +109,43 @@ class LogitRules:
     the output so far through the round's last pending token."""
 
     penalties: Penalties
-    counts: tuple[tuple[int, int], ...] = ()  # the output's tokens, (token, count > 0) by id
+    output: tuple[int, ...] = ()  # the output's distinct tokens, by id
+    counts: tuple[int, ...] = ()  # how often each of them occurs (> 0)
     prompt: tuple[int, ...] = ()  # the prompt's distinct tokens, by id (repetition != 1 only)
 
     @functools.cached_property
     def counter(self) -> Counter[int]:
-        return Counter(dict(self.counts))
+        return Counter(dict(zip(self.output, self.counts, strict=True)))
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The output's tokens and counts and the prompt's tokens as int64 arrays (the
         verifier's checks and bending read them)."""
-        counts = np.array(self.counts, dtype=np.int64).reshape(-1, 2)
-        prompt = np.fromiter(self.prompt, dtype=np.int64, count=len(self.prompt))
-        return counts[:, 0], counts[:, 1], prompt
-
-    def count(self, token: int) -> int:
-        return self.counter[token]
+        return tuple(  # type: ignore[return-value]
+            np.fromiter(ids, dtype=np.int64, count=len(ids))
+            for ids in (self.output, self.counts, self.prompt)
+        )
 
     def after(self, tokens: Iterable[int]) -> LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
-        counter = self.counter + Counter(tokens)
-        return replace(self, counts=tuple(sorted(counter.items())))
+        return with_output(self.penalties, self.counter + Counter(tokens), self.prompt)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed."""
         self.penalties.validate(vocab_size)
         tokens, counts, prompt = self.arrays
-        check_ids(tokens, vocab_size, "rules.counts")
+        if len(tokens) != len(counts):
+            raise ValueError("rules.output and rules.counts differ in length")
+        check_ids(tokens, vocab_size, "rules.output")
         if not np.all(counts > 0):
             raise ValueError("rules.counts: each token counted > 0")
         check_ids(prompt, vocab_size, "rules.prompt")
+
+
+def with_output(penalties: Penalties, output: Counter[int], prompt: tuple[int, ...]) -> LogitRules:
+    """Rules reading `output` (token -> count)."""
+    tokens = tuple(sorted(output))
+    return LogitRules(penalties, tokens, tuple(output[t] for t in tokens), prompt)
 
 
 def distinct(ids: Iterable[int]) -> tuple[int, ...]:
@@ -157,8 +163,7 @@ def rules_for(
         penalties = replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
     if penalties is None or not penalties.active:
         return None
-    prompt = prompt if penalties.repetition != 1 else ()
-    return LogitRules(penalties, tuple(sorted(output.items())), prompt)
+    return with_output(penalties, output, prompt if penalties.repetition != 1 else ())
 
 
 def min_p_cut(min_p: float, temperature: float) -> float:

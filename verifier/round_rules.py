@@ -11,7 +11,6 @@ over [sequences, vocab] and [rows, vocab] and bends the rows' logits in three el
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import numpy as np
 import torch
@@ -46,25 +45,28 @@ def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np
     """Sequence k's share of each section; `first`: its root's row among the rule rows."""
     bias_tokens, bias_values = rules.penalties.bias_arrays
     tokens, counts, prompt = rules.arrays
-    paths: list[tuple[int, int, int]] = []
+    path_entries = []  # (row, token, its count on the path): plus its count in the output below
     for j, path in enumerate(node_paths(tree), start=first + 1):
-        paths += [(j, t, rules.count(t) + c) for t, c in Counter(path).items()]
+        on_path: dict[int, int] = {}
+        for t in path:
+            on_path[t] = on_path.get(t, 0) + 1
+        path_entries += [(j, t, c) for t, c in on_path.items()]
+    paths = np.array(path_entries, dtype=np.int64).reshape(-1, 3).T
+    if len(tokens) and paths.shape[1]:
+        at = np.minimum(np.searchsorted(tokens, paths[1]), len(tokens) - 1)
+        paths[2] += np.where(tokens[at] == paths[1], counts[at], 0)
     # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
-    held = rules.penalties.min_tokens - int(counts.sum())
-    stop_ids = np.array(rules.penalties.stop_ids, dtype=np.int64)
-    rows = np.array(
-        [first] + [first + 1 + i for i, d in enumerate(tree.depths()) if d < held]
-        if held > 0 and len(stop_ids)
-        else [],
-        dtype=np.int64,
-    )
-    stops = np.stack([np.repeat(rows, len(stop_ids)), np.tile(stop_ids, len(rows)),
-                      np.zeros(len(rows) * len(stop_ids), np.int64)])  # fmt: skip
+    stop_ids = rules.penalties.stop_ids
+    held = rules.penalties.min_tokens - int(counts.sum()) if stop_ids else 0
+    stops = np.zeros((3, 0), dtype=np.int64)
+    if held > 0:
+        rows = [first] + [first + 1 + i for i, d in enumerate(tree.depths()) if d < held]
+        stops = np.array([(r, t, 0) for r in rows for t in stop_ids], dtype=np.int64).T
     return [
         np.stack([np.full(len(bias_tokens), k), bias_tokens, _as_bits(bias_values)]),
         np.stack([np.full(len(tokens), k), tokens, counts]),
         np.stack([np.full(len(prompt), k), prompt, np.ones_like(prompt)]),
-        np.array(paths, dtype=np.int64).reshape(-1, 3).T,
+        paths,
         stops,
     ]
 

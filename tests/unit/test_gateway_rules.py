@@ -58,10 +58,10 @@ def test_each_round_carries_the_rules_with_the_output_so_far() -> None:
     penalties = Penalties(presence=0.5, repetition=1.1)
     request = GenerationRequest([5, 6, 5, 9], max_new_tokens=8, penalties=penalties)
     seq = Sequence("s", request, SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
-    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (), (5, 6, 9))
+    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (), (), (5, 6, 9))
     seq.commit(VerifyOutput("s", [], 6, 4))
     seq.commit(VerifyOutput("s", [6, 2], 6, 7))
-    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, ((2, 1), (6, 3)), (5, 6, 9))
+    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (2, 6), (1, 3), (5, 6, 9))
     plain = Sequence("p", GenerationRequest([5], 8), SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
     assert plain.verify_input(DraftTree()).rules is None
 

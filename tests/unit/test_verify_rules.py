@@ -243,8 +243,9 @@ def test_logprobs_under_rules_are_the_raw_distribution(
         LogitRules(Penalties(bias=((5, 1.0), (3, 1.0)))),
         LogitRules(Penalties(presence=2.5)),
         LogitRules(Penalties(repetition=0.0)),
-        LogitRules(Penalties(frequency=1.0), counts=((5, 1), (3, 2))),
-        LogitRules(Penalties(frequency=1.0), counts=((5, 0),)),
+        LogitRules(Penalties(frequency=1.0), (5, 3), (1, 2)),
+        LogitRules(Penalties(frequency=1.0), (5,), (0,)),
+        LogitRules(Penalties(frequency=1.0), (3, 5), (1,)),
         LogitRules(Penalties(repetition=1.5), prompt=(9, 9)),
     ],
     ids=[
@@ -255,6 +256,7 @@ def test_logprobs_under_rules_are_the_raw_distribution(
         "repetition-0",
         "counts-unsorted",
         "count-0",
+        "counts-short",
         "prompt-twice",
     ],
 )
@@ -288,7 +290,7 @@ def test_rules_after_reads_the_new_tokens() -> None:
     rules = _rules(STRONG, [4, 9])
     assert rules is not None
     assert rules.after([9, 2, 9]) == _rules(STRONG, [4, 9, 9, 2, 9])
-    assert rules.after([9]).count(9) == 2 and rules.count(9) == 1
+    assert rules.after([9]).counter[9] == 2 and rules.counter[9] == 1
 
 
 def test_min_p_draws_only_tokens_likely_enough(target_dir: Path, device: str) -> None:  # noqa: F811
