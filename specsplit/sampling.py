@@ -1,7 +1,9 @@
 """Sampling parameters and the target distribution they define (DESIGN.md §2).
 
 Speculative decoding stays lossless only if the acceptance walk and plain target decoding draw
-from the same distribution: temperature, then top-k, then top-p, renormalised. The verifier's
+from the same distribution: temperature, then top-k, then top-p, renormalised (on logits the
+verifier has bent first by the request's logit rules where it has any: specsplit/logit_rules.py,
+bias, penalties, min_tokens and min_p). The verifier's
 rounds, speculative and plain alike, build it with `target_probs_rows` (every row its own
 params; the cut at one threshold a row, ties at it kept together); `target_probs`, the same
 law with a sort's ties, is the per-sequence reference. Greedy (temperature 0) never builds a
