@@ -44,11 +44,12 @@ MAX_CHOICES = 64
 NOT_SUPPORTED = (
     "prompt_logprobs", "suffix", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs", "include_stop_str_in_output",
-    "continue_final_message",
+    "guided_choice", "guided_grammar", "structured_outputs",
+    "continue_final_message", "truncate_prompt_tokens", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
 ONLY_AS_DONE = {
+    "length_penalty": (1,),  # (beam search's)
     "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
     "function_call": ("none", "auto"),
@@ -123,6 +124,7 @@ class OpenAIRequest:
     # None: none
     penalties: Penalties | None = None
     min_tokens: int = 0  # vLLM's: no stop before this many tokens
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
 
 
 def body_field(
@@ -262,6 +264,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         echo=echo,
         penalties=_penalties(body),
         min_tokens=body_field(body, "min_tokens", int, 0),
+        include_stop_str=body_field(body, "include_stop_str_in_output", bool, False),
     )
 
 

@@ -299,6 +299,7 @@ class OpenAIServer:
                 logprobs=req.logprobs,
                 penalties=req.penalties,
                 min_tokens=req.min_tokens,
+                include_stop_str=req.include_stop_str,
             )
             for prompt_kind, prompt in req.prompts
         ]

@@ -46,6 +46,7 @@ class GenerationRequest:
     # no EOS, stop token or stop string ends the generation before this many tokens (the
     # verifier holds the stop tokens back: Penalties.min_tokens)
     min_tokens: int = 0
+    include_stop_str: bool = False  # the text ends with the stop string that ended it
 
 
 @dataclass
@@ -145,6 +146,7 @@ def build_request(
     logprobs: int | None = None,
     penalties: Penalties | None = None,
     min_tokens: int = 0,
+    include_stop_str: bool = False,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
@@ -213,6 +215,7 @@ def build_request(
         logprobs=logprobs,
         penalties=penalties if penalties is not None and penalties.active else None,
         min_tokens=min_tokens,
+        include_stop_str=include_stop_str,
     )
 
 

@@ -163,6 +163,7 @@ class RequestsLifecycle:
             stop_token_ids=request.stop_token_ids,
             stop_strings=request.stop_strings,
             min_tokens=request.min_tokens,
+            include_stop_str=request.include_stop_str,
         )
         spec = request.spec if request.spec is not None else self.default_spec
         adaptive = None

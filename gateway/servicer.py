@@ -193,6 +193,7 @@ def generation_request(
             min_p=msg.min_p,
         ),
         min_tokens=msg.min_tokens,
+        include_stop_str=msg.include_stop_str_in_output,
     )
 
 

@@ -55,9 +55,12 @@ class StopChecker:
         stop_token_ids: Iterable[int] = (),
         stop_strings: Sequence[str] = (),
         min_tokens: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         """min_tokens: no stop token ends the sequence as one of its first min_tokens tokens, no
-        stop string before it has that many (vLLM's; the verifier holds the stop tokens back)."""
+        stop string before it has that many (vLLM's; the verifier holds the stop tokens back).
+        include_stop_str: the text ends with the stop string that ended it (vLLM's
+        include_stop_str_in_output), not before it."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if any(not s for s in stop_strings):
@@ -67,6 +70,7 @@ class StopChecker:
         self._stop_strings = tuple(stop_strings)
         self._max_new_tokens = max_new_tokens
         self._min_tokens = min_tokens
+        self._include_stop_str = include_stop_str
         self.num_generated_tokens = 0
         self.finish_reason: FinishReason | None = None
         # Detokenized text not streamed yet: a suffix that may be the start of a stop string.
@@ -162,9 +166,15 @@ class StopChecker:
         return text
 
     def _find_stop_string(self) -> int | None:
-        """Start of the earliest stop string in the held text, or None."""
-        starts = [i for s in self._stop_strings if (i := self._held_text.find(s)) >= 0]
-        return min(starts, default=None)
+        """Where the text to stream ends at the earliest stop string in the held text (its start,
+        or its end with include_stop_str; the first listed of those starting there), or None."""
+        found = [
+            (i, n) for n, s in enumerate(self._stop_strings) if (i := self._held_text.find(s)) >= 0
+        ]
+        if not found:
+            return None
+        start, n = min(found)
+        return start + len(self._stop_strings[n]) if self._include_stop_str else start
 
     def _len_stop_prefix_suffix(self) -> int:
         """Length of the longest suffix of the held text that is a prefix of a stop string."""

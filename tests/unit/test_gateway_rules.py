@@ -14,7 +14,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import LogitRules, Penalties
 from specsplit.messages import SpecParams, VerifyOutput
 from specsplit.tree import DraftTree
-from specsplit.v1 import gateway_pb2
+from specsplit.v1 import common_pb2, gateway_pb2
 
 
 def _model(tokenizer) -> ModelInfo:  # type: ignore[no-untyped-def]
@@ -24,10 +24,15 @@ def _model(tokenizer) -> ModelInfo:  # type: ignore[no-untyped-def]
 def test_grpc_fields_become_the_requests_penalties(smollm2_tokenizer) -> None:
     msg = gateway_pb2.GenerateRequest(
         text="Hi", max_new_tokens=4, presence_penalty=0.5, frequency_penalty=-1.0,
-        repetition_penalty=1.25, logit_bias={9: -100.0, 7: 2.5},
+        repetition_penalty=1.25, logit_bias={9: -100.0, 7: 2.5}, min_tokens=2, stop_token_ids=[5],
+        min_p=0.1, sampling=common_pb2.SamplingParams(temperature=0.5),
+        include_stop_str_in_output=True,
     )  # fmt: skip
-    got = generation_request(msg, _model(smollm2_tokenizer)).penalties
-    assert got == Penalties(((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.25)
+    request = generation_request(msg, _model(smollm2_tokenizer))
+    eos = tuple(sorted({*_model(smollm2_tokenizer).eos_token_ids, 5}))
+    want = Penalties(((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.25, 2, eos, 0.1)
+    assert request.penalties == want
+    assert request.min_tokens == 2 and request.include_stop_str
     neutral = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=4, repetition_penalty=1.0)
     assert generation_request(neutral, _model(smollm2_tokenizer)).penalties is None
 

@@ -56,13 +56,16 @@ def expected(models: dict[str, Path], smollm2_tokenizer) -> list[list[int]]:  # 
 
 
 @pytest.mark.parametrize(
-    ("drafter", "topk", "num_steps", "decode_steps"),
+    ("drafter", "topk", "num_steps", "decode_steps", "overlap"),
     [
-        ("self", 1, 3, 1),
-        ("self", 2, 3, 1),
-        ("random", 1, 4, 1),
-        ("ngram", 2, 2, 1),
-        ("none", 1, 0, 4),
+        ("self", 1, 3, 1, "serial"),
+        ("self", 2, 3, 1, "serial"),
+        ("random", 1, 4, 1, "serial"),
+        ("ngram", 2, 2, 1, "serial"),
+        ("none", 1, 0, 4, "serial"),
+        ("self", 1, 3, 1, "ahead"),  # (draft-ahead's hinted rounds read their outcome's rules)
+        ("self", 1, 2, 1, "groups"),
+        ("random", 1, 3, 1, "both"),
     ],
 )
 def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
@@ -73,6 +76,7 @@ def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
     topk: int,
     num_steps: int,
     decode_steps: int,
+    overlap: str,
 ) -> None:
     nodes = num_steps if topk == 1 else 2 * num_steps + topk
     stack = make_stack(
@@ -83,6 +87,7 @@ def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
         draft_dir=models["draft"] if drafter == "random" else None,
         decode_steps=decode_steps,
         decode_ahead=True,
+        overlap=overlap,
     )
     out = generate_all(stack, _requests(_prompts(3, seed=5)))
     assert [generated_ids(chunks) for chunks in out] == expected

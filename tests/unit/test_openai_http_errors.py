@@ -135,7 +135,9 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         ("guided_choice", ["a", "b"]),
         ("structured_outputs", {"regex": "a+"}),
         ("prediction", {"type": "content", "content": "hello"}),
-        ("include_stop_str_in_output", True),
+        ("truncate_prompt_tokens", 100),
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
         ("skip_special_tokens", False),
         ("add_generation_prompt", False),
         ("modalities", ["text", "audio"]),
@@ -202,6 +204,7 @@ def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
         "min_tokens": 3,
         "stop_token_ids": [12, 5],
         "min_p": 0.05,
+        "include_stop_str_in_output": True,
     }
 
     async def body(client: TestClient, scheduler: _Scheduler) -> None:
@@ -212,7 +215,7 @@ def test_a_bias_and_penalties_reach_the_request(smollm2_tokenizer) -> None:
             assert request.penalties == Penalties(
                 ((7, 2.5), (9, -100.0)), 0.5, -1.0, 1.2, 3, (5, 12), min_p=0.05
             )
-            assert request.min_tokens == 3
+            assert request.min_tokens == 3 and request.include_stop_str
 
     _run(smollm2_tokenizer, body)
 

@@ -312,3 +312,21 @@ def test_min_tokens_no_stop_string_before_them(make_checker: MakeChecker) -> Non
     assert checker.commit([THE, QUICK]) == StopOutcome(" The quick", 2, None)
     outcome = checker.commit([BROWN, QUICK, FOX])
     assert outcome == StopOutcome(" brown", 2, FinishReason.STOP)
+
+
+def test_include_stop_str_ends_the_text_with_it(
+    make_checker: MakeChecker, smollm2_tokenizer
+) -> None:
+    """vLLM's include_stop_str_in_output: the text streamed ends with the stop string that
+    ended the sequence, and nothing after it (the rest of its token's text is cut)."""
+    checker = StopChecker(
+        IncrementalDetokenizer(smollm2_tokenizer, []),
+        eos_token_ids=[EOS_ID],
+        max_new_tokens=100,
+        stop_strings=[" qu", " fox"],
+        include_stop_str=True,
+    )
+    outcome = checker.commit([THE, QUICK, BROWN])
+    assert outcome == StopOutcome(" The qu", 2, FinishReason.STOP)
+    plain = make_checker(stop_strings=[" qu", " fox"])
+    assert plain.commit([THE, QUICK, BROWN]) == StopOutcome(" The", 2, FinishReason.STOP)
