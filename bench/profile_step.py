@@ -93,6 +93,11 @@ def main() -> None:
         help="every round asks for its tokens' log-probabilities and this many most likely "
         "tokens' (-1: none)",
     )
+    parser.add_argument(
+        "--rules",
+        action="store_true",
+        help="every round's sequences carry logit rules (bench/gpu_engine.py --rules)",
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -152,6 +157,7 @@ def step_phases(engine: VerifierEngine) -> dict[str, EngineTime]:
         phases["graph copy-in + replay"] = EngineTime(engine.graphs, "forward")
     phases["eager forward"] = EngineTime(engine.model, "forward")
     phases["accept (queued)"] = EngineTime(engine, "_accept")
+    phases["logit rules (queued)"] = EngineTime(device_rounds_module, "bend_by_rules")
     phases["commit"] = EngineTime(engine, "_commit")
     phases["validate"] = EngineTime(engine, "_validate")
     phases["sampling inputs"] = EngineTime(round_accept_module, "_sampling_inputs")

@@ -45,7 +45,7 @@ NOT_SUPPORTED = (
     "prompt_logprobs", "suffix", "tools", "functions",
     "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs",
-    "continue_final_message", "truncate_prompt_tokens", "use_beam_search", "logits_processors",
+    "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
 ONLY_AS_DONE = {
@@ -53,7 +53,6 @@ ONLY_AS_DONE = {
     "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
     "function_call": ("none", "auto"),
-    "skip_special_tokens": (True,),
     "add_generation_prompt": (True,),
     "modalities": (["text"],),
 }
@@ -125,6 +124,8 @@ class OpenAIRequest:
     penalties: Penalties | None = None
     min_tokens: int = 0  # vLLM's: no stop before this many tokens
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last this many tokens
+    skip_special_tokens: bool = True  # vLLM's
 
 
 def body_field(
@@ -265,6 +266,8 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         penalties=_penalties(body),
         min_tokens=body_field(body, "min_tokens", int, 0),
         include_stop_str=body_field(body, "include_stop_str_in_output", bool, False),
+        truncate_prompt_tokens=body_field(body, "truncate_prompt_tokens", int, None),
+        skip_special_tokens=body_field(body, "skip_special_tokens", bool, True),
     )
 
 

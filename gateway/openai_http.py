@@ -300,6 +300,8 @@ class OpenAIServer:
                 penalties=req.penalties,
                 min_tokens=req.min_tokens,
                 include_stop_str=req.include_stop_str,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                skip_special_tokens=req.skip_special_tokens,
             )
             for prompt_kind, prompt in req.prompts
         ]

@@ -47,6 +47,7 @@ class GenerationRequest:
     # verifier holds the stop tokens back: Penalties.min_tokens)
     min_tokens: int = 0
     include_stop_str: bool = False  # the text ends with the stop string that ended it
+    skip_special_tokens: bool = True  # False: special tokens' text is streamed too (not EOS)
 
 
 @dataclass
@@ -147,9 +148,13 @@ def build_request(
     penalties: Penalties | None = None,
     min_tokens: int = 0,
     include_stop_str: bool = False,
+    truncate_prompt_tokens: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
-    first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop."""
+    first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
+    truncate_prompt_tokens: the prompt's last this many tokens only (vLLM's; not a session's
+    turn)."""
     if max_new_tokens is not None and max_new_tokens > limits.max_new_tokens:
         raise InvalidField(
             "max_new_tokens",
@@ -159,7 +164,21 @@ def build_request(
     if spec is not None:
         spec.validate()
         limits.check_spec(spec)
-    prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits)
+    if not skip_special_tokens and session_id:  # (a session re-reads its replies' text)
+        raise InvalidField("skip_special_tokens", "only true in a session's turn")
+    if truncate_prompt_tokens is not None:
+        if session_id:
+            raise InvalidField("truncate_prompt_tokens", "not with a session's turn")
+        if not 1 <= truncate_prompt_tokens < model.max_context:
+            raise InvalidField(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens = {truncate_prompt_tokens}: must be in [1, "
+                f"{model.max_context - 1}] (the context, room for one generated token)",
+            )
+    truncating = truncate_prompt_tokens is not None
+    prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits, truncating)
+    if truncate_prompt_tokens is not None:
+        prompt_ids = prompt_ids[-truncate_prompt_tokens:]
     check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
     max_new_tokens_default = max_new_tokens is None
     if max_new_tokens is None:  # the rest of the context (OpenAI's chat default), up to the limit
@@ -216,6 +235,7 @@ def build_request(
         penalties=penalties if penalties is not None and penalties.active else None,
         min_tokens=min_tokens,
         include_stop_str=include_stop_str,
+        skip_special_tokens=skip_special_tokens,
     )
 
 
@@ -224,10 +244,12 @@ def checked_prompt_ids(
     kind: PromptKind,
     prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
     limits: Limits = DEFAULT_LIMITS,
+    truncating: bool = False,
 ) -> list[int]:
     """A prompt's token ids as a request's generation reads them, its size checked before it is
-    tokenized (`check_prompt`); InvalidField("prompt") otherwise. Tokenizes: off the event loop."""
-    check_prompt(model, kind, prompt, limits.prompt_bytes(model))
+    tokenized (`check_prompt`); InvalidField("prompt") otherwise. Tokenizes: off the event loop.
+    truncating: the caller keeps its last tokens only (token ids past the context allowed)."""
+    check_prompt(model, kind, prompt, limits.prompt_bytes(model), truncating)
     return _prompt_ids(model, kind, prompt)
 
 
@@ -248,12 +270,13 @@ def check_prompt(
     kind: PromptKind,
     prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
     max_bytes: int,
+    truncating: bool = False,
 ) -> None:
     """What can be checked without the tokenizer, so a huge prompt costs next to nothing: its
-    size (UTF-8 bytes of the text or of the chat's roles and contents; the number of token ids),
-    text a tokenizer cannot take (a lone surrogate), and the chat roles."""
+    size (UTF-8 bytes of the text or of the chat's roles and contents; the number of token ids,
+    unless `truncating`), text a tokenizer cannot take (a lone surrogate), and the chat roles."""
     if kind == "token_ids":
-        if len(prompt) >= model.max_context:
+        if len(prompt) >= model.max_context and not truncating:
             raise InvalidField(
                 "prompt",
                 f"prompt.token_ids has {len(prompt)} tokens: over the model's context of "

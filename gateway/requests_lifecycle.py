@@ -155,7 +155,9 @@ class RequestsLifecycle:
 
     def _new_sequence(self, request: GenerationRequest) -> Sequence:
         eos = () if request.ignore_eos else self.eos_token_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_ids, skip_special_tokens=request.skip_special_tokens
+        )
         stop_checker = StopChecker(
             detokenizer,
             eos_token_ids=eos,

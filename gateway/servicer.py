@@ -194,6 +194,12 @@ def generation_request(
         ),
         min_tokens=msg.min_tokens,
         include_stop_str=msg.include_stop_str_in_output,
+        truncate_prompt_tokens=(
+            msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None
+        ),
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        ),
     )
 
 

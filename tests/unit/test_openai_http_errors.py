@@ -135,10 +135,8 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         ("guided_choice", ["a", "b"]),
         ("structured_outputs", {"regex": "a+"}),
         ("prediction", {"type": "content", "content": "hello"}),
-        ("truncate_prompt_tokens", 100),
         ("use_beam_search", True),
         ("length_penalty", 0.5),
-        ("skip_special_tokens", False),
         ("add_generation_prompt", False),
         ("modalities", ["text", "audio"]),
     ],
@@ -177,6 +175,8 @@ def test_parameter_that_would_change_the_output_unimplemented_is_400(
         ("min_tokens", 2.5),
         ("min_p", 1.5),
         ("min_p", -0.1),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", 2048),  # (the context: no room for a generated token)
     ],
     ids=str,
 )
