@@ -56,6 +56,7 @@ from gateway.request import (
     Limits,
     ModelInfo,
     build_request,
+    ending_ids,
 )
 from gateway.servicer import NOT_TAKING_REQUESTS, ChunkSource
 from specsplit.errors import ServiceError
@@ -260,8 +261,7 @@ class OpenAIServer:
 
     def _stop_ids(self, req: OpenAIRequest) -> frozenset[int]:
         """The tokens that end a choice of `req` without their text (EOS, stop_token_ids)."""
-        eos = () if req.ignore_eos else self.model.eos_token_ids
-        return frozenset(eos) | frozenset(req.stop_token_ids)
+        return frozenset(ending_ids(self.model.eos_token_ids, req.ignore_eos, req.stop_token_ids))
 
     def _logprobs_block(
         self, req: OpenAIRequest, entries: list[Listed], offset: int

@@ -212,8 +212,7 @@ def build_request(
     if penalties is not None and penalties.min_p and sampling.greedy:
         penalties = replace(penalties, min_p=0.0)  # (the argmax is never cut)
     if min_tokens:  # the stop tokens the verifier holds back until then
-        eos = () if ignore_eos else model.eos_token_ids
-        stop_ids = distinct((*eos, *stop_token_ids))
+        stop_ids = ending_ids(model.eos_token_ids, ignore_eos, stop_token_ids)
         penalties = replace(penalties or Penalties(), min_tokens=min_tokens, stop_ids=stop_ids)
     if penalties is not None:
         try:
@@ -237,6 +236,14 @@ def build_request(
         include_stop_str=include_stop_str,
         skip_special_tokens=skip_special_tokens,
     )
+
+
+def ending_ids(
+    eos_token_ids: Sequence[int], ignore_eos: bool, stop_token_ids: Sequence[int]
+) -> tuple[int, ...]:
+    """The tokens that end a request's generation (kept, their text not streamed): the model's
+    EOS unless it ignores them, and its stop token ids; each once, by id."""
+    return distinct((*(() if ignore_eos else eos_token_ids), *stop_token_ids))
 
 
 def checked_prompt_ids(

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import AdaptiveSpec
 from gateway.decode_steps import DecodeSteps
-from gateway.request import Chunk, GenerationRequest
+from gateway.request import Chunk, GenerationRequest, ending_ids
 from gateway.sequence import Sequence
 from gateway.sessions import SessionStore
 from gateway.stopping import StopChecker
@@ -154,15 +154,14 @@ class RequestsLifecycle:
             telemetry.end_request(seq, error)
 
     def _new_sequence(self, request: GenerationRequest) -> Sequence:
-        eos = () if request.ignore_eos else self.eos_token_ids
+        ends = ending_ids(self.eos_token_ids, request.ignore_eos, request.stop_token_ids)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_ids, skip_special_tokens=request.skip_special_tokens
         )
         stop_checker = StopChecker(
             detokenizer,
-            eos_token_ids=eos,
+            eos_token_ids=ends,
             max_new_tokens=request.max_new_tokens,
-            stop_token_ids=request.stop_token_ids,
             stop_strings=request.stop_strings,
             min_tokens=request.min_tokens,
             include_stop_str=request.include_stop_str,
