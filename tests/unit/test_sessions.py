@@ -18,6 +18,7 @@ import torch
 
 from drafter.model_proposer import ModelProposer
 from inprocess.stack import LocalStack
+from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams, Truncated, Truncation
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
@@ -197,3 +198,25 @@ def test_seeded_sampling_turns_equal_fresh_requests_eagle3(models, smollm2_token
         models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
     )
     _run(stack, SamplingParams(temperature=4.0, seed=1234))
+
+
+def test_turns_under_logit_rules_equal_fresh_requests(models, smollm2_tokenizer) -> None:
+    """A bias and the three penalties on every turn: each turn (its prompt the whole
+    conversation, its output its own) equals a fresh request of the whole conversation with
+    the same rules, token for token."""
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, CHAIN)
+    rules = Penalties(bias=((7, 2.0),), presence=0.8, frequency=1.2, repetition=1.3)
+
+    async def run() -> None:
+        await stack.scheduler.start()
+        try:
+            conv = Conversation(stack, GREEDY)
+            for k in range(3):
+                await conv.turn(_prompt(20 + k, 5), 6, penalties=rules)
+            await stack.scheduler.sessions.close(conv.session.session_id)
+        finally:
+            await stack.scheduler.stop()
+
+    stack.scheduler.eos_token_ids = ()
+    asyncio.run(run())
+    check_no_leaks(stack)
