@@ -6,7 +6,7 @@ from the services' codes), and the response's usage and choice blocks."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
 from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
@@ -119,9 +119,9 @@ class OpenAIRequest:
     # and `top_logprobs`; completions: `logprobs`); None: none
     logprobs: int | None = None
     echo: bool = False  # a completions body's: each choice's text starts with its prompt's
-    # logit_bias, presence_penalty, frequency_penalty, vLLM's repetition_penalty and min_p;
-    # None: none
-    penalties: Penalties | None = None
+    # logit_bias, presence_penalty, frequency_penalty, vLLM's repetition_penalty and min_p (at
+    # their defaults where not given: build_request drops them when they change nothing)
+    penalties: Penalties = field(default_factory=Penalties)
     min_tokens: int = 0  # vLLM's: no stop before this many tokens
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last this many tokens
@@ -286,9 +286,9 @@ def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
     return (top or 0) if asked else None
 
 
-def _penalties(body: dict[str, Any]) -> Penalties | None:
-    """The body's logit bias (token ids as strings or numbers, to biases) and penalties; None
-    where none is given. Ranges are build_request's."""
+def _penalties(body: dict[str, Any]) -> Penalties:
+    """The body's logit bias (token ids as strings or numbers, to biases) and penalties. Ranges
+    are build_request's."""
     bias = body_field(body, "logit_bias", dict, {})
     entries = []
     for key, value in bias.items():
@@ -296,14 +296,13 @@ def _penalties(body: dict[str, Any]) -> Penalties | None:
         if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad_param("logit_bias", "must map token ids to numbers")
         entries.append((token, float(value)))
-    penalties = Penalties(
+    return Penalties(
         bias_of(entries),
         float(body_field(body, "presence_penalty", (int, float), 0.0)),
         float(body_field(body, "frequency_penalty", (int, float), 0.0)),
         float(body_field(body, "repetition_penalty", (int, float), 1.0)),
         min_p=float(body_field(body, "min_p", (int, float), 0.0)),
     )
-    return penalties if penalties.active else None
 
 
 # -- response shapes -------------------------------------------------------------------------

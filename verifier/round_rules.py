@@ -4,9 +4,10 @@ copy and a fixed run of device ops whatever the batch.
 
 The host lists, per sequence with rules (k), its biased tokens, its output's counts and its
 prompt's tokens, and per row of it the counts its path changes (each token on the path from the
-root to the row's node: its whole count, the output's and the path's); the device spreads them
-over [sequences, vocab] and [rows, vocab] and bends the rows' logits in three elementwise steps
-(float32, as `bend_row`)."""
+root to the row's node: its whole count, the output's and the path's) and the stop tokens
+min_tokens holds back; the device spreads them over [sequences, vocab] and [rows, vocab] and
+bends the rows' logits in `bend_row`'s order and float32 ops: bias, repetition, presence and
+frequency, min_tokens, min_p."""
 
 from __future__ import annotations
 
@@ -26,10 +27,7 @@ _BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS = range(5)
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
     """Per node, the tree's tokens from the root's first child down to the node."""
-    paths: list[list[int]] = []
-    for token, parent in zip(tree.tokens, tree.parents, strict=True):
-        paths.append([*(paths[parent] if parent >= 0 else ()), token])
-    return paths
+    return [[tree.tokens[j] for j in tree.path_to(node)] for node in range(len(tree))]
 
 
 def _as_bits(values: np.ndarray) -> np.ndarray:
@@ -45,8 +43,9 @@ def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np
     """Sequence k's share of each section; `first`: its root's row among the rule rows."""
     bias_tokens, bias_values = rules.penalties.bias_arrays
     tokens, counts, prompt = rules.arrays
+    node_tokens = node_paths(tree)
     path_entries = []  # (row, token, its count on the path): plus its count in the output below
-    for j, path in enumerate(node_paths(tree), start=first + 1):
+    for j, path in enumerate(node_tokens, start=first + 1):
         on_path: dict[int, int] = {}
         for t in path:
             on_path[t] = on_path.get(t, 0) + 1
@@ -60,7 +59,7 @@ def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np
     held = rules.penalties.min_tokens - int(counts.sum()) if stop_ids else 0
     stops = np.zeros((3, 0), dtype=np.int64)
     if held > 0:
-        rows = [first] + [first + 1 + i for i, d in enumerate(tree.depths()) if d < held]
+        rows = [first] + [first + 1 + i for i, path in enumerate(node_tokens) if len(path) < held]
         stops = np.array([(r, t, 0) for r in rows for t in stop_ids], dtype=np.int64).T
     return [
         np.stack([np.full(len(bias_tokens), k), bias_tokens, _as_bits(bias_values)]),

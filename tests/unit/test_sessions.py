@@ -11,6 +11,7 @@ every draft is accepted, so the EOS and the stop string fall inside a round's ac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,18 @@ def _first_new(probe: list[int], text: list[str]) -> int:
 GREEDY = SamplingParams()
 
 
-def _run(stack: LocalStack, sampling: SamplingParams = GREEDY) -> None:
+def _run(
+    stack: LocalStack,
+    sampling: SamplingParams = GREEDY,
+    turns: Callable[[Conversation], Awaitable[None]] = _four_turns,
+) -> None:
+    """`turns` on one session of `stack`, closed after; no KV left."""
+
     async def run() -> None:
         await stack.scheduler.start()
         try:
             conv = Conversation(stack, sampling)
-            await _four_turns(conv)
+            await turns(conv)
             await stack.scheduler.sessions.close(conv.session.session_id)
         finally:
             await stack.scheduler.stop()
@@ -207,16 +214,8 @@ def test_turns_under_logit_rules_equal_fresh_requests(models, smollm2_tokenizer)
     stack = make_stack(models["target"], "model", smollm2_tokenizer, CHAIN)
     rules = Penalties(bias=((7, 2.0),), presence=0.8, frequency=1.2, repetition=1.3)
 
-    async def run() -> None:
-        await stack.scheduler.start()
-        try:
-            conv = Conversation(stack, GREEDY)
-            for k in range(3):
-                await conv.turn(_prompt(20 + k, 5), 6, penalties=rules)
-            await stack.scheduler.sessions.close(conv.session.session_id)
-        finally:
-            await stack.scheduler.stop()
+    async def three_turns(conv: Conversation) -> None:
+        for k in range(3):
+            await conv.turn(_prompt(20 + k, 5), 6, penalties=rules)
 
-    stack.scheduler.eos_token_ids = ()
-    asyncio.run(run())
-    check_no_leaks(stack)
+    _run(stack, turns=three_turns)
