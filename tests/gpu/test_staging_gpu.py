@@ -34,7 +34,9 @@ def test_staged_copies_keep_their_values_behind_the_devices_work_and_past_the_bu
     to_device(torch.zeros(1), device)  # the staging exists
     stage = transfer._STAGES[device]
     staged = stage.num_staged
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work: every copy below waits behind it
+    # ~1 s of queued work: every copy below waits behind it (the loop's pin_memory copies of
+    # whole buffers took past 0.1 s with four test processes on the GPU)
+    torch.cuda._sleep(2_000_000_000)
     hosts, moved = [], []
     for seed in range(3 * STAGE_SLOTS // len(_tensors(0)) + 2):  # more copies than buffers
         for host in _tensors(seed):
