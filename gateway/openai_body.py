@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
+from gateway.guides import GuideAsk
 from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
 from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import Penalties, bias_of
@@ -43,14 +44,12 @@ MAX_CHOICES = 64
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
     "prompt_logprobs", "suffix", "tools", "functions",
-    "prediction", "audio", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs",
+    "prediction", "audio", "allowed_token_ids", "bad_words", "guided_grammar",
     "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
 ONLY_AS_DONE = {
     "length_penalty": (1,),  # (beam search's)
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
     "function_call": ("none", "auto"),
     "add_generation_prompt": (True,),
@@ -126,6 +125,7 @@ class OpenAIRequest:
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last this many tokens
     skip_special_tokens: bool = True  # vLLM's
+    guide: GuideAsk | None = None  # guided decoding (gateway/openai_guide.py)
 
 
 def body_field(

@@ -41,6 +41,7 @@ from gateway.openai_body import (
     usage,
 )
 from gateway.openai_choices import choice_requests, close_all, merged
+from gateway.openai_guide import body_guide
 from gateway.openai_logprobs import (
     Listed,
     TokenTexts,
@@ -219,6 +220,7 @@ class OpenAIServer:
         except ValueError:
             raise OpenAIError(400, "the body is not valid JSON") from None
         req = parse_request(body, kind)
+        req.guide = body_guide(body)
         self._check_model(body.get("model"))
         if not self.ready:
             raise OpenAIError(503, "the gateway is waiting for the verifier")
@@ -302,6 +304,7 @@ class OpenAIServer:
                 include_stop_str=req.include_stop_str,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 skip_special_tokens=req.skip_special_tokens,
+                guide=req.guide,
             )
             for prompt_kind, prompt in req.prompts
         ]

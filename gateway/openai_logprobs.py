@@ -8,16 +8,11 @@ names); "bytes" its UTF-8 bytes, which for a token holding part of a character a
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-
 from gateway.request import Chunk
-
-_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+from specsplit.guide.vocab import BYTE_OF_CHAR, BYTE_TOKEN
 
 
 class TokenTexts:
@@ -40,10 +35,10 @@ class TokenTexts:
         # part of a character: the token's own bytes, where its vocabulary entry says them
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str):
-            if match := _BYTE_TOKEN.fullmatch(piece):
+            if match := BYTE_TOKEN.fullmatch(piece):
                 return text, [int(match.group(1), 16)]
-            if piece and all(char in _BYTE_OF_CHAR for char in piece):
-                return text, [_BYTE_OF_CHAR[char] for char in piece]
+            if piece and all(char in BYTE_OF_CHAR for char in piece):
+                return text, [BYTE_OF_CHAR[char] for char in piece]
         return text, list(text.encode("utf-8"))
 
 

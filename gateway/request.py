@@ -4,13 +4,16 @@ one place a request is validated (`build_request`): the gRPC and the OpenAI HTTP
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
 
+from gateway.guides import GuideAsk, GuideCache
 from specsplit.errors import Code, ServiceError
+from specsplit.guide.tokens import TokenAutomaton
 from specsplit.logit_rules import Penalties, distinct
 from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
@@ -48,6 +51,8 @@ class GenerationRequest:
     min_tokens: int = 0
     include_stop_str: bool = False  # the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # False: special tokens' text is streamed too (not EOS)
+    # guided decoding (gateway/guides.py): the output is a match of this automaton's pattern
+    guide: TokenAutomaton | None = None
 
 
 @dataclass
@@ -85,6 +90,11 @@ class ModelInfo:
     vocab_size: int  # valid token ids are [0, vocab_size)
     max_context: int  # prompt + generated tokens must fit
     eos_token_ids: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def guides(self) -> GuideCache:
+        """The model's compiled guides (guided decoding)."""
+        return GuideCache(self.tokenizer, self.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ def build_request(
     include_stop_str: bool = False,
     truncate_prompt_tokens: int | None = None,
     skip_special_tokens: bool = True,
+    guide: GuideAsk | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
@@ -219,6 +230,7 @@ def build_request(
             penalties.validate(model.vocab_size)
         except ValueError as err:  # the message starts with the field's name
             raise InvalidField(str(err).split(" ", 1)[0].rstrip(":"), str(err)) from None
+    automaton = None if guide is None else _compile_guide(model, guide, ignore_eos, min_tokens)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -235,7 +247,23 @@ def build_request(
         min_tokens=min_tokens,
         include_stop_str=include_stop_str,
         skip_special_tokens=skip_special_tokens,
+        guide=automaton,
     )
+
+
+def _compile_guide(
+    model: ModelInfo, guide: GuideAsk, ignore_eos: bool, min_tokens: int
+) -> TokenAutomaton:
+    """The guide's automaton, its output ended by EOS (InvalidField naming the parameter)."""
+    for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
+        if value:  # (EOS, allowed where the text matches, must end the output; nothing else may)
+            raise InvalidField(name, f"{name}: not with a guide ({guide.field})")
+    if not model.eos_token_ids:
+        raise InvalidField(guide.field, f"{guide.field}: the model has no EOS to end a match")
+    try:
+        return model.guides.automaton(guide.pattern(), distinct(model.eos_token_ids))
+    except ValueError as err:
+        raise InvalidField(guide.field, f"{guide.field}: {err}") from None
 
 
 def ending_ids(

@@ -10,8 +10,10 @@ from typing import Any, Protocol
 
 from gateway.adaptive import AdaptiveSpec
 from gateway.features import FeatureRows
+from gateway.guides import round_allowed
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
+from specsplit.guide.tokens import DEAD
 from specsplit.logit_rules import distinct, rules_for
 from specsplit.messages import (
     NO_LOGPROBS,
@@ -74,6 +76,7 @@ class Sequence:
     # and the output's counts, which each round's rules read
     prompt_distinct: tuple[int, ...] = ()
     output_counts: Counter[int] = field(default_factory=Counter)
+    guide_state: int = 0  # with a guide: its automaton's state after the output so far
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -210,7 +213,9 @@ class Sequence:
         # alone does (scheduler._restart_features has them verified again on resuming)
         layers = () if self.drafts_held else self.hidden_state_layers
         steps = 1
-        if not tree and not layers and self.verifier_begun:
+        guide = self.request.guide
+        # (a guide's masks are made here, a round at a time)
+        if not tree and not layers and self.verifier_begun and guide is None:
             left = self.request.max_new_tokens - self.num_generated_tokens
             steps = max(1, min(decode_steps, left))
         return VerifyInput(
@@ -223,7 +228,12 @@ class Sequence:
             hidden_state_layers=layers,
             decode_steps=steps,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
-            rules=rules_for(self.request.penalties, self.prompt_distinct, self.output_counts),
+            rules=rules_for(
+                self.request.penalties,
+                self.prompt_distinct,
+                self.output_counts,
+                None if guide is None else round_allowed(guide, self.guide_state, tree),
+            ),
         )
 
     def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
@@ -275,6 +285,9 @@ class Sequence:
         self.tokens += kept
         if self.request.penalties is not None:
             self.output_counts.update(kept)
+        if self.request.guide is not None:
+            self.guide_state = self.request.guide.walk(self.guide_state, kept)
+            assert self.guide_state != DEAD, (self.seq_id, kept)  # the masks allowed each
         if finish is not None:
             self.finished = True
             self.finish_reason = str(finish)

@@ -13,6 +13,7 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway.guides import GuideAsk
 from gateway.request import (
     DEFAULT_LIMITS,
     Chunk,
@@ -200,7 +201,17 @@ def generation_request(
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
+        guide=_guide_ask(msg.guide) if msg.HasField("guide") else None,
     )
+
+
+def _guide_ask(msg: gateway_pb2.Guide) -> GuideAsk:
+    kind = msg.WhichOneof("pattern")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise invalid("guide: set one of regex, json_schema, json_object (true), choice")
+    if kind == "choice":
+        return GuideAsk("guide", "choice", tuple(msg.choice.choices))
+    return GuideAsk("guide", kind, None if kind == "json_object" else getattr(msg, kind))
 
 
 def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateResponse:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from specsplit.errors import invalid
-from specsplit.logit_rules import LogitRules, Penalties
+from specsplit.logit_rules import Allowed, LogitRules, Penalties
 from specsplit.messages import VerifyInput
 from specsplit.wire_columns import indexed
 
@@ -32,6 +32,9 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
         entry.output_tokens.extend(rules.output)
         entry.output_counts.extend(rules.counts)
         entry.prompt_tokens.extend(rules.prompt)
+        if rules.allowed is not None:
+            entry.allowed_words = rules.allowed.words
+            entry.allowed_rows.extend(rules.allowed.rows)
 
 
 def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
@@ -55,4 +58,5 @@ def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             tuple(entry.output_tokens),
             tuple(entry.output_counts),
             tuple(entry.prompt_tokens),
+            Allowed(entry.allowed_words, tuple(entry.allowed_rows)) if entry.allowed_rows else None,
         )

@@ -14,15 +14,18 @@ At a row, in this order (vLLM's):
    minus f * c + p (in float32, as the logits are);
 4. `min_tokens` m: while the output so far holds fewer than m tokens, the stop tokens' logits
    (`stop_ids`: EOS and the request's stop token ids) are -inf;
-5. `min_p` (a sampled round's, temperature T > 0): every token whose probability after the
+5. `allowed` (a guide's, specsplit/guide/): every token the row's mask leaves out is -inf;
+6. `min_p` (a sampled round's, temperature T > 0): every token whose probability after the
    temperature is below min_p times the likeliest's is -inf (its logit below the row's largest
    plus T ln min_p); top-k and top-p then cut what is left.
 The output so far at a row is the generation's output through the round's last pending token
 (`LogitRules.output`, `counts`: the gateway's) and the tree's nodes from the root to the row's node.
 
 `Penalties` are a request's settings; `LogitRules` adds a round's context, as the gateway sends
-it each round (the verifier keeps nothing between rounds). `bend_row` is the plain reference
-for one row that the tests compare the verifier's batched bending with.
+it each round (the verifier keeps nothing between rounds): a guide's masks are the gateway's,
+one per row, since only the gateway walks the guide, so rounds with them carry no rules forward
+(`LogitRules.carried`: no further decode steps, no rounds launched on a hint). `bend_row` is
+the plain reference for one row that the tests compare the verifier's batched bending with.
 """
 
 from __future__ import annotations
@@ -39,6 +42,38 @@ import torch
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 MAX_BIASED_TOKENS = 1024  # tokens one request may bias
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency: [-2, 2]
+NO_MASK = -1  # Allowed.rows: a row the guide does not constrain (never accepted from)
+
+
+def mask_words(vocab_size: int) -> int:
+    """uint32 words in an allowed-tokens mask (bit t % 32 of word t // 32)."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """A guide's tokens for each row of a round: `rows` (the root's, then each tree node's) index
+    the masks `words` holds, each mask_words(vocab) little-endian uint32 words; NO_MASK: none."""
+
+    words: bytes
+    rows: tuple[int, ...]
+
+    def masks(self, vocab_size: int) -> np.ndarray:
+        """[num_masks, mask_words(vocab_size)] uint32."""
+        return np.frombuffer(self.words, dtype="<u4").reshape(-1, mask_words(vocab_size))
+
+    def validate(self, vocab_size: int, num_rows: int) -> None:
+        if len(self.words) % (4 * mask_words(vocab_size)):
+            raise ValueError("rules.allowed_words: whole masks of the vocabulary's bits")
+        if len(self.rows) != num_rows:
+            raise ValueError(f"rules.allowed_rows: {len(self.rows)} rows for a round of {num_rows}")
+        num_masks = len(self.words) // (4 * mask_words(vocab_size))
+        if not all(NO_MASK <= r < num_masks for r in self.rows):
+            raise ValueError(f"rules.allowed_rows: each a mask in [0, {num_masks}) or {NO_MASK}")
+        masks = self.masks(vocab_size)
+        tail = np.uint32((1 << (vocab_size % 32)) - 1) if vocab_size % 32 else ~np.uint32(0)
+        if len(masks) and not (np.all(masks[:, -1] & ~tail == 0) and np.all(masks.any(axis=1))):
+            raise ValueError("rules.allowed_words: each mask allows a token, none past the vocab")
 
 
 @dataclass(frozen=True)
@@ -112,6 +147,12 @@ class LogitRules:
     output: tuple[int, ...] = ()  # the output's distinct tokens, by id
     counts: tuple[int, ...] = ()  # how often each of them occurs (> 0)
     prompt: tuple[int, ...] = ()  # the prompt's distinct tokens, by id (repetition != 1 only)
+    allowed: Allowed | None = None  # a guide's masks for this round's rows (the gateway's)
+
+    @property
+    def carried(self) -> bool:
+        """Whether the verifier can make the next round's rules (`after`): not with a guide."""
+        return self.allowed is None
 
     @functools.cached_property
     def counter(self) -> Counter[int]:
@@ -128,11 +169,15 @@ class LogitRules:
 
     def after(self, tokens: Iterable[int]) -> LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
+        assert self.carried, "a guide's masks are the gateway's to make"
         return with_output(self.penalties, self.counter + Counter(tokens), self.prompt)
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the field when the rules or their context are malformed."""
+    def validate(self, vocab_size: int, num_rows: int) -> None:
+        """Raise ValueError naming the field when the rules or their context are malformed;
+        num_rows: the round's rows (its tree's nodes + 1)."""
         self.penalties.validate(vocab_size)
+        if self.allowed is not None:
+            self.allowed.validate(vocab_size, num_rows)
         tokens, counts, prompt = self.arrays
         if len(tokens) != len(counts):
             raise ValueError("rules.output and rules.counts differ in length")
@@ -154,16 +199,22 @@ def distinct(ids: Iterable[int]) -> tuple[int, ...]:
 
 
 def rules_for(
-    penalties: Penalties | None, prompt: tuple[int, ...], output: Counter[int]
+    penalties: Penalties | None,
+    prompt: tuple[int, ...],
+    output: Counter[int],
+    allowed: Allowed | None = None,
 ) -> LogitRules | None:
-    """A round's rules from its request's penalties, its prompt's `distinct` tokens and its
-    output so far (the gateway's); None where the penalties change nothing. The prompt goes
-    only where it is read (a repetition penalty)."""
+    """A round's rules from its request's penalties, its prompt's `distinct` tokens, its
+    output so far (the gateway's) and a guide's masks; None where they change nothing. The
+    prompt goes only where it is read (a repetition penalty)."""
     if penalties is not None and penalties.min_tokens and output.total() >= penalties.min_tokens:
         penalties = replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
     if penalties is None or not penalties.active:
-        return None
-    return with_output(penalties, output, prompt if penalties.repetition != 1 else ())
+        if allowed is None:
+            return None
+        penalties = Penalties()
+    rules = with_output(penalties, output, prompt if penalties.repetition != 1 else ())
+    return rules if allowed is None else replace(rules, allowed=allowed)
 
 
 def min_p_cut(min_p: float, temperature: float) -> float:
@@ -173,11 +224,12 @@ def min_p_cut(min_p: float, temperature: float) -> float:
 
 
 def bend_row(
-    row: torch.Tensor, rules: LogitRules, path: list[int], temperature: float = 0.0
+    row: torch.Tensor, rules: LogitRules, path: list[int], temperature: float = 0.0, at: int = 0
 ) -> torch.Tensor:
     """The reference: a float32 logits row [V] bent by `rules` with `path` (the tree's tokens
     from the root to the row's node) appended to the output, one token at a time; `temperature`:
-    the round's (min_p reads it)."""
+    the round's (min_p reads it); `at`: the row's place in the round (0 the root's, 1 + j tree
+    node j's: the guide's mask it takes)."""
     row = row.clone()
     p = rules.penalties
     for token, value in p.bias:
@@ -193,6 +245,10 @@ def bend_row(
             row[token] = row[token] - (frequency * c + presence)
     if counts.total() < p.min_tokens:
         row[list(p.stop_ids)] = -math.inf
+    if rules.allowed is not None and rules.allowed.rows[at] != NO_MASK:
+        words = rules.allowed.masks(len(row))[rules.allowed.rows[at]]
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(row)]
+        row[torch.from_numpy(bits == 0)] = -math.inf
     cut = min_p_cut(p.min_p, temperature)
     if cut > -math.inf:
         row[row < row.max() + torch.tensor(cut, dtype=row.dtype)] = -math.inf

@@ -129,7 +129,8 @@ class HintedRounds(RunAhead):
         items, seqs = [], []
         for item, out in zip(inputs, outputs, strict=True):
             seq = self.seqs.get(item.seq_id)
-            if seq is None or not item.sampling.greedy:
+            # (a guide's masks for the outcome's round are the gateway's to make)
+            if seq is None or not item.sampling.greedy or (item.rules and not item.rules.carried):
                 self.hints.next.pop(item.seq_id, None)
                 continue
             # with launch_on_hint a round with no hint yet waits for it (before the next round)

@@ -7,7 +7,8 @@ prompt's tokens, and per row of it the counts its path changes (each token on th
 root to the row's node: its whole count, the output's and the path's) and the stop tokens
 min_tokens holds back; the device spreads them over [sequences, vocab] and [rows, vocab] and
 bends the rows' logits in `bend_row`'s order and float32 ops: bias, repetition, presence and
-frequency, min_tokens, min_p."""
+frequency, min_tokens, a guide's masks, min_p. The guide's masks travel as their words in the
+table, unpacked to [masks, vocab] bits on the device, each rule row indexing its own."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from specsplit.logit_rules import LogitRules, min_p_cut
+from specsplit.logit_rules import NO_MASK, LogitRules, mask_words, min_p_cut
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree
@@ -83,6 +84,9 @@ def bend_by_rules(
     sections: list[list[np.ndarray]] = [[], [], [], [], []]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
+    mask_of: list[int] = []  # per rule row: its guide's mask among all the round's, or NO_MASK
+    masks: list[np.ndarray] = []  # per guided sequence its masks [m, words] (uint32)
+    num_masks = 0
     scalars: list[tuple[float, float, float, float]] = []  # per sequence
     for k, (item, r) in enumerate(ruled):
         assert item.rules is not None
@@ -91,16 +95,26 @@ def bend_by_rules(
             section.append(part)
         row_of += r
         k_of += [k] * len(r)
+        allowed = item.rules.allowed
+        if allowed is None:
+            mask_of += [NO_MASK] * len(r)
+        else:
+            masks.append(allowed.masks(logits.shape[1]))
+            mask_of += [NO_MASK if m == NO_MASK else num_masks + m for m in allowed.rows]
+            num_masks += len(masks[-1])
         p = item.rules.penalties
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut))
     parts = [np.concatenate(section, axis=1) for section in sections]
     sizes = [part.shape[1] for part in parts]
-    rule_rows = np.stack([np.array(row_of), np.array(k_of), np.zeros(len(row_of), np.int64)])
+    rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
     # per sequence (columns): repetition, frequency, presence; then min_p's cut in row 0
     per_seq = np.array(scalars).T
     per_seq = np.concatenate([per_seq[:3], np.pad(per_seq[3:], ((0, 2), (0, 0)))], axis=1)
-    parts = [*parts, rule_rows, _as_bits(per_seq)]
+    # the masks' words, three to a column after the scalars
+    flat = np.concatenate(masks).reshape(-1).view(np.int32) if masks else np.zeros(0, np.int32)
+    words = np.pad(flat, (0, -len(flat) % 3)).reshape(3, -1, order="F")
+    parts = [*parts, rule_rows, _as_bits(per_seq), words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     on_device = to_device(torch.from_numpy(table), logits.device)
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
@@ -110,7 +124,8 @@ def bend_by_rules(
     biases = _from_bits(on_device[2, : ends[0]])
     num_seqs = len(ruled)
     scalar = _from_bits(on_device[:, ends[-1] : ends[-1] + num_seqs])  # [3, K]
-    cuts = _from_bits(on_device[0, ends[-1] + num_seqs :])  # [K]: min_p's
+    scalars_end = ends[-1] + 2 * num_seqs
+    cuts = _from_bits(on_device[0, ends[-1] + num_seqs : scalars_end])  # [K]: min_p's
     vocab = logits.shape[1]
     rows_at, ks = rule_rows_d[0], rule_rows_d[1]
     x = logits[rows_at]  # [R, vocab]
@@ -136,8 +151,22 @@ def bend_by_rules(
         x = x - (frequency * count + presence * present)
     if sizes[_STOPS]:
         x[stops[0], stops[1]] = -torch.inf
+    if masks:
+        x = x.masked_fill(~_allowed(on_device[:, scalars_end:], rule_rows_d[2], vocab), -torch.inf)
     if any(s[3] > -math.inf for s in scalars):  # (a cut of -inf keeps every token)
         below = x.max(dim=-1, keepdim=True).values + cuts[ks][:, None]
         x = torch.where(x < below, -torch.inf, x)
     logits[rows_at] = x
     return True
+
+
+def _allowed(words: torch.Tensor, mask_of: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] bool: each rule row's allowed tokens from the masks' words ([3, n] int32 on the
+    device, three to a column) and its mask (NO_MASK: every token)."""
+    num_words = mask_words(vocab)
+    flat = words.t().reshape(-1)  # (the host's column order)
+    masks = flat[: flat.numel() // num_words * num_words].view(-1, num_words)
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((masks[:, :, None] >> shifts) & 1).view(len(masks), -1)[:, :vocab].bool()
+    bits = torch.cat([bits, bits.new_ones(1, vocab)])  # the last: NO_MASK's
+    return bits[torch.where(mask_of == NO_MASK, len(masks), mask_of)]

@@ -305,9 +305,12 @@ def validate_round(
                 f"decode_steps = {item.decode_steps} for {item.seq_id!r}: want 1 to "
                 f"{MAX_DECODE_STEPS}"
             )
-        if item.decode_steps > 1 and (item.tree or item.hidden_state_layers):
+        if item.decode_steps > 1 and (
+            item.tree or item.hidden_state_layers or (item.rules and not item.rules.carried)
+        ):
             raise invalid(
-                f"{item.seq_id!r}: decode_steps > 1 asks for no tree and no hidden states"
+                f"{item.seq_id!r}: decode_steps > 1 asks for no tree, no hidden states and no "
+                "guide (its masks are the gateway's)"
             )
         bad = [t for t in item.pending_tokens if not 0 <= t < vocab_size]
         if bad:
@@ -321,7 +324,7 @@ def validate_round(
             item.tree.validate(vocab_size)
             item.sampling.validate()
             if item.rules is not None:
-                item.rules.validate(vocab_size)
+                item.rules.validate(vocab_size, len(item.tree) + 1)
         except ValueError as e:
             raise invalid(f"{item.seq_id!r}: {e}") from e
         depth = max(item.tree.depths(), default=0)

@@ -23,7 +23,9 @@ import math
 import re
 from typing import Any
 
-WHITESPACE = r"[ \t\n]*"  # between JSON tokens (outlines' default)
+# between JSON tokens: outlines' [ \t\n]* bounded, so that a model cannot loop on whitespace
+# (20: a newline and the indent of pretty-printed JSON 4 deep at 4 spaces a level, with room)
+WHITESPACE = r"[ \t\n]{0,20}"
 
 # one character of a JSON string's contents: unescaped (not a quote, backslash or control
 # character) or an escape

@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from gateway.request import GenerationRequest, ModelInfo, build_request
+from inprocess.stack import LocalStack
 from specsplit.logit_rules import Penalties, bend_row, distinct, rules_for
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
@@ -55,43 +57,52 @@ def expected(models: dict[str, Path], smollm2_tokenizer) -> list[list[int]]:  # 
     return out
 
 
-@pytest.mark.parametrize(
-    ("drafter", "topk", "num_steps", "decode_steps", "overlap"),
-    [
-        ("self", 1, 3, 1, "serial"),
-        ("self", 2, 3, 1, "serial"),
-        ("random", 1, 4, 1, "serial"),
-        ("ngram", 2, 2, 1, "serial"),
-        ("none", 1, 0, 4, "serial"),
-        ("self", 1, 3, 1, "ahead"),  # (draft-ahead's hinted rounds read their outcome's rules)
-        ("self", 1, 2, 1, "groups"),
-        ("random", 1, 3, 1, "both"),
-    ],
-)
-def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
-    models: dict[str, Path],  # noqa: F811
-    smollm2_tokenizer,
-    expected: list[list[int]],
-    drafter: str,
-    topk: int,
-    num_steps: int,
-    decode_steps: int,
-    overlap: str,
-) -> None:
+# the ways a round runs: drafter ("self": the target, "random": a random model, "ngram", "none":
+# target-only), tree shape, the gateway's decode steps a round, overlap mode
+Mode = tuple[str, int, int, int, str]
+MODES: list[Mode] = [
+    ("self", 1, 3, 1, "serial"),
+    ("self", 2, 3, 1, "serial"),
+    ("random", 1, 4, 1, "serial"),
+    ("ngram", 2, 2, 1, "serial"),
+    ("none", 1, 0, 4, "serial"),
+    ("self", 1, 3, 1, "ahead"),  # (draft-ahead's hinted rounds read their outcome's rules)
+    ("self", 1, 2, 1, "groups"),
+    ("random", 1, 3, 1, "both"),
+]
+
+
+def mode_id(mode: Mode) -> str:
+    return "-".join(map(str, mode))
+
+
+def mode_stack(models: dict[str, Path], tokenizer: Any, mode: Mode) -> LocalStack:  # noqa: F811
+    """A stack that runs its rounds as `mode` says, decode steps run ahead."""
+    drafter, topk, num_steps, decode_steps, overlap = mode
     nodes = num_steps if topk == 1 else 2 * num_steps + topk
-    stack = make_stack(
+    return make_stack(
         models["target"],
         "ngram" if drafter in ("ngram", "none") else "model",
-        smollm2_tokenizer,
+        tokenizer,
         SpecParams(num_steps, topk, nodes),
         draft_dir=models["draft"] if drafter == "random" else None,
         decode_steps=decode_steps,
         decode_ahead=True,
         overlap=overlap,
     )
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_speculative_greedy_under_rules_equals_target_greedy_under_them(
+    models: dict[str, Path],  # noqa: F811
+    smollm2_tokenizer,
+    expected: list[list[int]],
+    mode: Mode,
+) -> None:
+    stack = mode_stack(models, smollm2_tokenizer, mode)
     out = generate_all(stack, _requests(_prompts(3, seed=5)))
     assert [generated_ids(chunks) for chunks in out] == expected
-    if drafter == "self":  # (drafts of the unbent target: some the rules keep, most not)
+    if mode[0] == "self":  # (drafts of the unbent target: some the rules keep, most not)
         accepted = [chunks[-1].stats.num_accepted_drafts for chunks in out[:-1]]  # type: ignore[union-attr]
         assert sum(accepted) > 0, accepted
 

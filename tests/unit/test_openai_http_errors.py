@@ -124,16 +124,14 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("response_format", {"type": "json_object"}),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", {"name": "f"}),
         ("echo", True),
         ("prompt_logprobs", 1),
-        ("guided_json", {"type": "object"}),
-        ("guided_choice", ["a", "b"]),
-        ("structured_outputs", {"regex": "a+"}),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"grammar": "root ::= 'a'"}),
         ("prediction", {"type": "content", "content": "hello"}),
         ("use_beam_search", True),
         ("length_penalty", 0.5),

@@ -1,0 +1,101 @@
+"""A guide's byte-level DFA (specsplit/guide/regex_dfa.py) walked a token at a time over a
+vocabulary (specsplit/guide/vocab.py): per DFA state the tokens that keep the output matchable,
+as a packed bit mask the verifier applies to a row's logits, and the state each token leads to.
+
+The output ends with one of the `end_ids` (EOS, the stop ids), allowed where the text so far is a
+whole match. Special tokens and empty ones never match text. A state past the end, or past a token
+no match could take (a draft the verifier will reject), has no mask: its rows are never used."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specsplit.guide.regex_dfa import ByteDFA
+from specsplit.logit_rules import mask_words
+from specsplit.tree import DraftTree
+
+DEAD = -1  # past a token no match could take
+ENDED = -2  # past an end token
+
+
+class TokenAutomaton:
+    """`dfa` over the tokens of `vocab` (per id its bytes, None: never text); masks are made once
+    per state, as rows visit it."""
+
+    def __init__(self, dfa: ByteDFA, vocab: list[bytes | None], end_ids: tuple[int, ...]) -> None:
+        if not end_ids:
+            raise ValueError("guided decoding needs an end token (EOS or a stop token id)")
+        self.dfa = dfa
+        self.vocab = vocab
+        self.vocab_size = len(vocab)
+        self.end_ids = tuple(sorted(set(end_ids)))
+        ends = set(self.end_ids)
+        usable = [i for i, raw in enumerate(vocab) if raw and i not in ends]
+        usable.sort(key=lambda i: -len(vocab[i] or b""))  # longest first: byte i's tokens lead
+        lengths = np.array([len(vocab[i] or b"") for i in usable], dtype=np.int64)
+        self._ids = np.array(usable, dtype=np.int64)  # [U]
+        self._bytes = np.zeros((len(usable), int(lengths.max(initial=0))), dtype=np.uint8)
+        for row, i in enumerate(usable):
+            raw = vocab[i] or b""
+            self._bytes[row, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        # per byte position: how many tokens are longer than it (they lead the rows)
+        self._num_longer = [int(np.sum(lengths > k)) for k in range(self._bytes.shape[1])]
+        # the transitions with a sink state for dead ones: [num_states + 1, 256]
+        sink = dfa.num_states
+        self._table = np.vstack([dfa.transitions, np.full((1, 256), sink, dtype=np.int32)])
+        self._table[self._table < 0] = sink
+        self._masks: dict[int, np.ndarray] = {}
+
+    def next_states(self, state: int) -> np.ndarray:
+        """[vocab] int32: the state after each token from `state`, DEAD where none (ENDED for the
+        end tokens where a match may end)."""
+        assert 0 <= state < self.dfa.num_states, state
+        states = np.full(len(self._ids), state, dtype=np.int32)
+        for k, n in enumerate(self._num_longer):
+            states[:n] = self._table[states[:n], self._bytes[:n, k]]
+        out = np.full(self.vocab_size, DEAD, dtype=np.int32)
+        out[self._ids] = np.where(states == self.dfa.num_states, DEAD, states)
+        if self.dfa.accepting[state]:
+            out[list(self.end_ids)] = ENDED
+        return out
+
+    def mask(self, state: int) -> np.ndarray | None:
+        """The tokens allowed at `state` as uint32 words [mask_words(vocab)]; None past the end or
+        past a dead token. A state no token can leave (a vocabulary lacking a character the
+        pattern needs) allows the end tokens: the output ends unmatched rather than nowhere."""
+        if state < 0:
+            return None
+        words = self._masks.get(state)
+        if words is None:
+            allowed = self.next_states(state) != DEAD
+            if not allowed.any():
+                allowed[list(self.end_ids)] = True
+            bits = np.zeros(mask_words(self.vocab_size) * 32, dtype=bool)
+            bits[: self.vocab_size] = allowed
+            words = self._masks[state] = np.packbits(bits, bitorder="little").view(np.uint32)
+        return words
+
+    def step(self, state: int, token: int) -> int:
+        """The state after `token` from `state` (DEAD, ENDED as next_states says)."""
+        if state < 0:
+            return state
+        if token in self.end_ids:
+            return ENDED if self.dfa.accepting[state] else DEAD
+        raw = self.vocab[token] if 0 <= token < self.vocab_size else None
+        if not raw:
+            return DEAD
+        after = self.dfa.walk(raw, state)
+        return DEAD if after < 0 else after
+
+    def walk(self, state: int, tokens: list[int]) -> int:
+        for token in tokens:
+            state = self.step(state, token)
+        return state
+
+    def row_states(self, state: int, tree: DraftTree) -> list[int]:
+        """The states of a round's rows from `state` (the output's, through the pending token):
+        the root's, then each node's after the path to it (parents come first)."""
+        states = [state]
+        for token, parent in zip(tree.tokens, tree.parents, strict=True):
+            states.append(self.step(states[parent + 1], token))
+        return states
