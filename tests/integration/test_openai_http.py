@@ -4,6 +4,7 @@ three real processes (a tiny random Llama with SmolLM2's tokenizer; draft == tar
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -357,3 +358,40 @@ def test_streamed_chat_logprobs_add_up_to_the_whole(client: openai.OpenAI) -> No
     tokens = [c.token for e in streamed for c in e.choices[0].logprobs.content or []]
     assert whole.choices[0].logprobs is not None
     assert tokens == [c.token for c in whole.choices[0].logprobs.content or []]
+
+
+def test_guided_outputs_match_their_guides_over_http_and_grpc(
+    services: Services, client: openai.OpenAI
+) -> None:
+    """A JSON schema (response_format), a regex (gRPC's guide) and a choice (vLLM's
+    guided_choice), greedy and sampled, through the real services (the target drafts for
+    itself): each output is a whole match, ended by EOS; no KV is left behind."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["ok", "n"],
+    }
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Answer in JSON."}],
+            max_tokens=120,
+            temperature=temperature,
+            seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content or "")
+        assert isinstance(value["ok"], bool) and isinstance(value["n"], int) and value["n"] <= 99
+        picked = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=temperature, seed=4,
+            extra_body={"guided_choice": ["lazy dog", "cat"]},
+        )  # fmt: skip
+        assert picked.choices[0].text in ("lazy dog", "cat")
+    guide = gateway_pb2.Guide(regex=r"[0-9]{2}-[a-z]{1,4}")
+    text = _grpc_text(
+        services, gateway_pb2.GenerateRequest(text=PROMPT, max_new_tokens=16, guide=guide)
+    )
+    assert re.fullmatch(r"[0-9]{2}-[a-z]{1,4}", text), text
+    services.wait_no_pages_used()
