@@ -22,10 +22,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specsplit.logit_rules import LogitRules, Penalties, bias_of, distinct
+from specsplit.logit_rules import Allowed, LogitRules, Penalties, bias_of, distinct, mask_words
 from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
@@ -174,6 +175,9 @@ class EngineBench:
         self.gen = torch.Generator().manual_seed(0)
         # every sequence's logit rules (--rules): a served request's with a long output
         self.rules = self._rules() if getattr(args, "rules", False) else None
+        # every sequence's guide (--guide): a mask of its own for each row of a round
+        self.guide = getattr(args, "guide", False)
+        self._guides: dict[int, LogitRules] = {}
 
     def _rules(self) -> LogitRules:
         """A 64-token bias, presence, frequency and repetition penalties, an output of 256
@@ -183,6 +187,17 @@ class EngineBench:
         penalties = Penalties(bias, presence=0.5, frequency=0.5, repetition=1.1)
         counts = tuple(1 + t % 3 for t in output)
         return LogitRules(penalties, tuple(output), counts, distinct(self._tokens(self.context)))
+
+    def _guided(self, num_rows: int) -> LogitRules:
+        """Rules of a guide whose rows (a round's num_rows) each have a mask of their own, half
+        the vocabulary allowed (made once a row count, as a guide's masks are once a state)."""
+        if num_rows not in self._guides:
+            bits = torch.rand(num_rows, mask_words(self.vocab) * 32, generator=self.gen) < 0.5
+            bits[:, self.vocab :] = False
+            words = np.packbits(bits.numpy(), axis=1, bitorder="little").tobytes()
+            allowed = Allowed(words, tuple(range(num_rows)))
+            self._guides[num_rows] = LogitRules(Penalties(), allowed=allowed)
+        return self._guides[num_rows]
 
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
@@ -234,7 +249,7 @@ class EngineBench:
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                     logprobs=self.logprobs,
-                    rules=self.rules,
+                    rules=self._guided(n + 1) if self.guide else self.rules,
                 )
             )
         if newcomer:
@@ -432,12 +447,20 @@ def main() -> None:
         "most likely tokens' (-1: none)",
     )
     parser.add_argument(
+        "--guide",
+        action="store_true",
+        help="every round's sequences carry a guide's masks (guided decoding), one of its own "
+        "per row (not with --decode-steps: a guided round takes one step)",
+    )
+    parser.add_argument(
         "--rules",
         action="store_true",
         help="every round's sequences carry logit rules (a bias, presence, frequency and "
         "repetition penalties over a 256-token output and the context's prompt)",
     )
     args = parser.parse_args()
+    if args.guide and args.decode_steps > 1:
+        parser.error("--guide: a guided round takes one decode step (no --decode-steps)")
 
     hf, config = random_model(args.shape)
     hf_config, device, dtype = hf.config, hf.device, hf.dtype

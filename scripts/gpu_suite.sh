@@ -11,7 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
-#       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost]
+#       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -278,6 +278,14 @@ for part in "${parts[@]}"; do
           run "rules_${shape}${rules}" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
             --verify-n 8 --verify-batch 1 32 --steps 30 --decode-steps 4 --decode-ahead --no-hf \
             --sampled-n 8 $rules
+        done
+      done ;;
+    guide-cost)  # what a guide's masks (one of its own a row, half the vocabulary allowed:
+      # bench/gpu_engine.py --guide) cost a round in process, each shape without, then with
+      for shape in smollm2-135m llama-8b; do
+        for guide in "" --guide; do
+          run "guide_${shape}${guide}" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
+            --verify-n 8 --verify-batch 1 32 --steps 30 --decode-ahead --no-hf --sampled-n 8 $guide
         done
       done ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
