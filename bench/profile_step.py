@@ -94,6 +94,11 @@ def main() -> None:
         "tokens' (-1: none)",
     )
     parser.add_argument(
+        "--guide",
+        action="store_true",
+        help="every round's sequences carry a guide's masks (bench/gpu_engine.py --guide)",
+    )
+    parser.add_argument(
         "--rules",
         action="store_true",
         help="every round's sequences carry logit rules (bench/gpu_engine.py --rules)",

@@ -84,9 +84,6 @@ def bend_by_rules(
     sections: list[list[np.ndarray]] = [[], [], [], [], []]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
-    mask_of: list[int] = []  # per rule row: its guide's mask among all the round's, or NO_MASK
-    masks: list[np.ndarray] = []  # per guided sequence its masks [m, words] (uint32)
-    num_masks = 0
     scalars: list[tuple[float, float, float, float]] = []  # per sequence
     for k, (item, r) in enumerate(ruled):
         assert item.rules is not None
@@ -95,31 +92,25 @@ def bend_by_rules(
             section.append(part)
         row_of += r
         k_of += [k] * len(r)
-        allowed = item.rules.allowed
-        if allowed is None:
-            mask_of += [NO_MASK] * len(r)
-        else:
-            masks.append(allowed.masks(logits.shape[1]))
-            mask_of += [NO_MASK if m == NO_MASK else num_masks + m for m in allowed.rows]
-            num_masks += len(masks[-1])
         p = item.rules.penalties
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut))
     parts = [np.concatenate(section, axis=1) for section in sections]
     sizes = [part.shape[1] for part in parts]
+    mask_of, masks = _masks(ruled, logits.shape[1])
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
     # per sequence (columns): repetition, frequency, presence; then min_p's cut in row 0
     per_seq = np.array(scalars).T
     per_seq = np.concatenate([per_seq[:3], np.pad(per_seq[3:], ((0, 2), (0, 0)))], axis=1)
     # the masks' words, three to a column after the scalars
-    flat = np.concatenate(masks).reshape(-1).view(np.int32) if masks else np.zeros(0, np.int32)
+    flat = np.frombuffer(b"".join(masks), dtype=np.int32)
     words = np.pad(flat, (0, -len(flat) % 3)).reshape(3, -1, order="F")
     parts = [*parts, rule_rows, _as_bits(per_seq), words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     on_device = to_device(torch.from_numpy(table), logits.device)
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
     # the sections as indices (int64), and the bits of the biases and the scalars as float32
-    split = torch.tensor_split(on_device.long(), ends, dim=1)
+    split = torch.tensor_split(on_device[:, : ends[-1]].long(), ends[:-1], dim=1)
     bias, counts, prompt, paths, stops, rule_rows_d = split[:6]
     biases = _from_bits(on_device[2, : ends[0]])
     num_seqs = len(ruled)
@@ -152,7 +143,8 @@ def bend_by_rules(
     if sizes[_STOPS]:
         x[stops[0], stops[1]] = -torch.inf
     if masks:
-        x = x.masked_fill(~_allowed(on_device[:, scalars_end:], rule_rows_d[2], vocab), -torch.inf)
+        words_d = on_device[:, scalars_end:].t().reshape(-1)[: len(flat)]  # (the host's order)
+        x.masked_fill_(~_allowed(words_d, rule_rows_d[2], vocab), -torch.inf)
     if any(s[3] > -math.inf for s in scalars):  # (a cut of -inf keeps every token)
         below = x.max(dim=-1, keepdim=True).values + cuts[ks][:, None]
         x = torch.where(x < below, -torch.inf, x)
@@ -160,13 +152,30 @@ def bend_by_rules(
     return True
 
 
+def _masks(ruled: list[tuple[VerifyInput, range]], vocab: int) -> tuple[list[int], list[bytes]]:
+    """Per rule row its guide's mask among the round's (NO_MASK: none), and those masks, each
+    once (rows in one state, of one guide, share theirs, across sequences too)."""
+    size = 4 * mask_words(vocab)
+    index: dict[bytes, int] = {}
+    mask_of: list[int] = []
+    for item, r in ruled:
+        assert item.rules is not None
+        allowed = item.rules.allowed
+        if allowed is None:
+            mask_of += [NO_MASK] * len(r)
+            continue
+        words = allowed.words
+        mine = [index.setdefault(words[m * size : (m + 1) * size], len(index))
+                for m in range(len(words) // size)]  # fmt: skip
+        mask_of += [NO_MASK if m == NO_MASK else mine[m] for m in allowed.rows]
+    return mask_of, list(index)
+
+
 def _allowed(words: torch.Tensor, mask_of: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, vocab] bool: each rule row's allowed tokens from the masks' words ([3, n] int32 on the
-    device, three to a column) and its mask (NO_MASK: every token)."""
-    num_words = mask_words(vocab)
-    flat = words.t().reshape(-1)  # (the host's column order)
-    masks = flat[: flat.numel() // num_words * num_words].view(-1, num_words)
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = ((masks[:, :, None] >> shifts) & 1).view(len(masks), -1)[:, :vocab].bool()
-    bits = torch.cat([bits, bits.new_ones(1, vocab)])  # the last: NO_MASK's
-    return bits[torch.where(mask_of == NO_MASK, len(masks), mask_of)]
+    """[R, vocab] bool: each rule row's allowed tokens from the masks' words (int32 on the device,
+    mask after mask) and its mask (NO_MASK: every token)."""
+    masks = words.view(-1, mask_words(vocab)).view(torch.uint8)  # [M, 4 words]: 8 tokens a byte
+    every = torch.full_like(masks[:1], 255)  # the last: NO_MASK's
+    rows = torch.cat([masks, every])[torch.where(mask_of == NO_MASK, len(masks), mask_of)]
+    shifts = torch.arange(8, dtype=torch.uint8, device=words.device)
+    return ((rows[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()

@@ -29,7 +29,7 @@ from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
     reference,
     target_dir,
 )
-from verifier.round_rules import bend_by_rules, node_paths
+from verifier.round_rules import _masks, bend_by_rules, node_paths
 
 NUM_TOKENS = 12
 SAMPLED = SamplingParams(temperature=0.8, seed=3)
@@ -239,3 +239,23 @@ def test_masks_cross_the_wire() -> None:
     assert [item.rules for item in back] == [item.rules for item in inputs]
     assert back[0].rules is not None and back[0].rules.allowed is not None
     assert back[2].rules is not None and back[2].rules.allowed is None
+
+
+def test_a_rounds_equal_masks_travel_once() -> None:
+    """Rows of one guide in one state share a mask, across sequences too: the round's table holds
+    each distinct mask once."""
+    tree = DraftTree([4, 6], [-1, 0])
+    same = _rules_for_tree(tree, 2)  # masks for depths 0, 1, 2: three
+    other = rules_for(None, (), Counter(), _guided([0, 0, 0], 3))  # k 3: depth 0 is k 2's depth 1
+    inputs = [
+        VerifyInput("a", False, 3, [4], tree, rules=same),
+        VerifyInput("b", False, 3, [4], tree, rules=same),
+        VerifyInput("c", False, 3, [4], tree, rules=other),
+        VerifyInput(
+            "d", False, 3, [4], tree, rules=rules_for(Penalties(presence=0.5), (), Counter([1]))
+        ),
+    ]
+    rows = [range(3 * i, 3 * i + 3) for i in range(4)]
+    mask_of, masks = _masks(list(zip(inputs, rows, strict=True)), TINY_VOCAB)
+    assert len(masks) == 3
+    assert mask_of == [0, 1, 2, 0, 1, 2, 1, 1, 1, NO_MASK, NO_MASK, NO_MASK]
