@@ -175,8 +175,10 @@ class EngineBench:
         self.gen = torch.Generator().manual_seed(0)
         # every sequence's logit rules (--rules): a served request's with a long output
         self.rules = self._rules() if getattr(args, "rules", False) else None
-        # every sequence's guide (--guide): a mask of its own for each row of a round
+        # every sequence's guide (--guide): a mask of its own for each row of a round, or
+        # (--guide-masks N) one of N masks every sequence shares, row after row
         self.guide = getattr(args, "guide", False)
+        self.guide_masks = getattr(args, "guide_masks", 0)
         self._guides: dict[int, LogitRules] = {}
 
     def _rules(self) -> LogitRules:
@@ -189,13 +191,17 @@ class EngineBench:
         return LogitRules(penalties, tuple(output), counts, distinct(self._tokens(self.context)))
 
     def _guided(self, num_rows: int) -> LogitRules:
-        """Rules of a guide whose rows (a round's num_rows) each have a mask of their own, half
-        the vocabulary allowed (made once a row count, as a guide's masks are once a state)."""
+        """Rules of a guide whose rows (a round's num_rows) each have a mask of their own (or
+        one of the guide_masks), half the vocabulary allowed (made once a row count, as a
+        guide's masks are once a state)."""
         if num_rows not in self._guides:
-            bits = torch.rand(num_rows, mask_words(self.vocab) * 32, generator=self.gen) < 0.5
+            num_masks = self.guide_masks or num_rows
+            gen = torch.Generator().manual_seed(num_masks)  # (shared: the same masks each time)
+            bits = torch.rand(num_masks, mask_words(self.vocab) * 32, generator=gen) < 0.5
             bits[:, self.vocab :] = False
-            words = np.packbits(bits.numpy(), axis=1, bitorder="little").tobytes()
-            allowed = Allowed(words, tuple(range(num_rows)))
+            words = np.packbits(bits.numpy(), axis=1, bitorder="little")
+            rows = tuple(r % num_masks for r in range(num_rows))
+            allowed = Allowed(words[: min(num_masks, num_rows)].tobytes(), rows)
             self._guides[num_rows] = LogitRules(Penalties(), allowed=allowed)
         return self._guides[num_rows]
 
@@ -451,6 +457,13 @@ def main() -> None:
         action="store_true",
         help="every round's sequences carry a guide's masks (guided decoding), one of its own "
         "per row (not with --decode-steps: a guided round takes one step)",
+    )
+    parser.add_argument(
+        "--guide-masks",
+        type=int,
+        default=0,
+        help="with --guide: the rows take one of this many masks, row after row, the same for "
+        "every sequence (a guide's rows in few states; 0: a mask of its own each)",
     )
     parser.add_argument(
         "--rules",
