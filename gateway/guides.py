@@ -21,7 +21,7 @@ from specsplit.guide.json_schema import (
     schema_regex,
 )
 from specsplit.guide.regex_dfa import compile_regex
-from specsplit.guide.tokens import TokenAutomaton
+from specsplit.guide.tokens import TokenAutomaton, TokenGuide
 from specsplit.guide.vocab import vocabulary_bytes
 from specsplit.logit_rules import NO_MASK, Allowed
 from specsplit.tree import DraftTree
@@ -97,7 +97,7 @@ class GuideCache:
         return made
 
 
-def round_allowed(guide: TokenAutomaton, state: int, tree: DraftTree) -> Allowed:
+def round_allowed(guide: TokenGuide, state: int, tree: DraftTree) -> Allowed:
     """A round's masks from the output's `state` (through the pending token): the root's row's,
     then each tree node's after its path; rows past a token the guide refuses get none (the
     verifier never accepts from them)."""

@@ -44,7 +44,7 @@ MAX_CHOICES = 64
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
     "prompt_logprobs", "suffix", "tools", "functions",
-    "prediction", "audio", "allowed_token_ids", "bad_words", "guided_grammar",
+    "prediction", "audio", "bad_words", "guided_grammar",
     "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
@@ -126,6 +126,7 @@ class OpenAIRequest:
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last this many tokens
     skip_special_tokens: bool = True  # vLLM's
     guide: GuideAsk | None = None  # guided decoding (gateway/openai_guide.py)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are generated
 
 
 def body_field(
@@ -242,6 +243,9 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     stop_token_ids = body_field(body, "stop_token_ids", list, [])
     if not int_list(stop_token_ids):
         raise bad_param("stop_token_ids", "must be a list of token ids")
+    allowed_token_ids = body_field(body, "allowed_token_ids", list, None)
+    if allowed_token_ids is not None and not int_list(allowed_token_ids):
+        raise bad_param("allowed_token_ids", "must be a list of token ids")
     options = body_field(body, "stream_options", dict, {})
     logprobs = _logprobs(body, kind)
     echo = body_field(body, "echo", bool, False)
@@ -268,6 +272,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         include_stop_str=body_field(body, "include_stop_str_in_output", bool, False),
         truncate_prompt_tokens=body_field(body, "truncate_prompt_tokens", int, None),
         skip_special_tokens=body_field(body, "skip_special_tokens", bool, True),
+        allowed_token_ids=allowed_token_ids,
     )
 
 

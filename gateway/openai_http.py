@@ -305,6 +305,7 @@ class OpenAIServer:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 skip_special_tokens=req.skip_special_tokens,
                 guide=req.guide,
+                allowed_token_ids=req.allowed_token_ids,
             )
             for prompt_kind, prompt in req.prompts
         ]

@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 
 from gateway.guides import GuideAsk, GuideCache
 from specsplit.errors import Code, ServiceError
-from specsplit.guide.tokens import TokenAutomaton
+from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide
 from specsplit.logit_rules import Penalties, distinct
 from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
@@ -51,8 +51,9 @@ class GenerationRequest:
     min_tokens: int = 0
     include_stop_str: bool = False  # the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # False: special tokens' text is streamed too (not EOS)
-    # guided decoding (gateway/guides.py): the output is a match of this automaton's pattern
-    guide: TokenAutomaton | None = None
+    # guided decoding (gateway/guides.py): the output is a match of an automaton's pattern, or
+    # made of allowed tokens alone (FixedTokens: allowed_token_ids)
+    guide: TokenGuide | None = None
 
 
 @dataclass
@@ -161,6 +162,7 @@ def build_request(
     truncate_prompt_tokens: int | None = None,
     skip_special_tokens: bool = True,
     guide: GuideAsk | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
@@ -230,7 +232,11 @@ def build_request(
             penalties.validate(model.vocab_size)
         except ValueError as err:  # the message starts with the field's name
             raise InvalidField(str(err).split(" ", 1)[0].rstrip(":"), str(err)) from None
-    automaton = None if guide is None else _compile_guide(model, guide, ignore_eos, min_tokens)
+    automaton: TokenGuide | None = None
+    if guide is not None:
+        automaton = _compile_guide(model, guide, ignore_eos, min_tokens, allowed_token_ids)
+    elif allowed_token_ids is not None:
+        automaton = _fixed_tokens(model, allowed_token_ids, min_tokens)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -251,10 +257,28 @@ def build_request(
     )
 
 
+def _fixed_tokens(model: ModelInfo, ids: Sequence[int], min_tokens: int) -> FixedTokens:
+    """allowed_token_ids: some tokens of the vocabulary (min_tokens could hold back all)."""
+    check_vocab(ids, "allowed_token_ids", model.vocab_size)
+    if not ids:
+        raise InvalidField("allowed_token_ids", "allowed_token_ids: at least one token id")
+    if min_tokens:
+        raise InvalidField("min_tokens", "min_tokens: not with allowed_token_ids")
+    return FixedTokens(distinct(ids), model.vocab_size)
+
+
 def _compile_guide(
-    model: ModelInfo, guide: GuideAsk, ignore_eos: bool, min_tokens: int
+    model: ModelInfo,
+    guide: GuideAsk,
+    ignore_eos: bool,
+    min_tokens: int,
+    allowed_token_ids: Sequence[int] | None,
 ) -> TokenAutomaton:
     """The guide's automaton, its output ended by EOS (InvalidField naming the parameter)."""
+    if allowed_token_ids is not None:
+        raise InvalidField(
+            "allowed_token_ids", f"allowed_token_ids: not with a guide ({guide.field})"
+        )
     for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
         if value:  # (EOS, allowed where the text matches, must end the output; nothing else may)
             raise InvalidField(name, f"{name}: not with a guide ({guide.field})")

@@ -202,6 +202,7 @@ def generation_request(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
         guide=_guide_ask(msg.guide) if msg.HasField("guide") else None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
     )
 
 

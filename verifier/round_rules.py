@@ -174,7 +174,9 @@ def _masks(ruled: list[tuple[VerifyInput, range]], vocab: int) -> tuple[list[int
 def _allowed(words: torch.Tensor, mask_of: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, vocab] bool: each rule row's allowed tokens from the masks' words (int32 on the device,
     mask after mask) and its mask (NO_MASK: every token)."""
-    masks = words.view(-1, mask_words(vocab)).view(torch.uint8)  # [M, 4 words]: 8 tokens a byte
+    num_words = mask_words(vocab)
+    masks = words.new_empty(len(words) // num_words, 4 * num_words, dtype=torch.uint8)
+    masks.view(torch.int32).copy_(words.view(-1, num_words))  # [M, 4 words]: 8 tokens a byte
     every = torch.full_like(masks[:1], 255)  # the last: NO_MASK's
     rows = torch.cat([masks, every])[torch.where(mask_of == NO_MASK, len(masks), mask_of)]
     shifts = torch.arange(8, dtype=torch.uint8, device=words.device)

@@ -18,7 +18,47 @@ DEAD = -1  # past a token no match could take
 ENDED = -2  # past an end token
 
 
-class TokenAutomaton:
+class TokenGuide:
+    """What a sequence's rounds walk: a state per output prefix (0 at the start), the tokens
+    allowed at each (`mask`) and the state each leads to (`step`)."""
+
+    def mask(self, state: int) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def step(self, state: int, token: int) -> int:
+        raise NotImplementedError
+
+    def walk(self, state: int, tokens: list[int]) -> int:
+        for token in tokens:
+            state = self.step(state, token)
+        return state
+
+    def row_states(self, state: int, tree: DraftTree) -> list[int]:
+        """The states of a round's rows from `state` (the output's, through the pending token):
+        the root's, then each node's after the path to it (parents come first)."""
+        states = [state]
+        for token, parent in zip(tree.tokens, tree.parents, strict=True):
+            states.append(self.step(states[parent + 1], token))
+        return states
+
+
+class FixedTokens(TokenGuide):
+    """The same tokens allowed at every place (vLLM's allowed_token_ids): one state."""
+
+    def __init__(self, allowed: tuple[int, ...], vocab_size: int) -> None:
+        self.allowed = frozenset(allowed)
+        bits = np.zeros(mask_words(vocab_size) * 32, dtype=bool)
+        bits[list(self.allowed)] = True
+        self.words = np.packbits(bits, bitorder="little").view(np.uint32)
+
+    def mask(self, state: int) -> np.ndarray | None:
+        return None if state < 0 else self.words
+
+    def step(self, state: int, token: int) -> int:
+        return state if state < 0 or token in self.allowed else DEAD
+
+
+class TokenAutomaton(TokenGuide):
     """`dfa` over the tokens of `vocab` (per id its bytes, None: never text); masks are made once
     per state, as rows visit it."""
 
@@ -86,16 +126,3 @@ class TokenAutomaton:
             return DEAD
         after = self.dfa.walk(raw, state)
         return DEAD if after < 0 else after
-
-    def walk(self, state: int, tokens: list[int]) -> int:
-        for token in tokens:
-            state = self.step(state, token)
-        return state
-
-    def row_states(self, state: int, tree: DraftTree) -> list[int]:
-        """The states of a round's rows from `state` (the output's, through the pending token):
-        the root's, then each node's after the path to it (parents come first)."""
-        states = [state]
-        for token, parent in zip(tree.tokens, tree.parents, strict=True):
-            states.append(self.step(states[parent + 1], token))
-        return states

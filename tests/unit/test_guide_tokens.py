@@ -15,7 +15,7 @@ import pytest
 
 from gateway.guides import round_allowed
 from specsplit.guide.regex_dfa import compile_regex
-from specsplit.guide.tokens import DEAD, ENDED, TokenAutomaton
+from specsplit.guide.tokens import DEAD, ENDED, FixedTokens, TokenAutomaton
 from specsplit.guide.vocab import vocabulary_bytes
 from specsplit.logit_rules import NO_MASK
 from specsplit.tree import DraftTree
@@ -113,3 +113,14 @@ def test_vocabulary_bytes_spell_the_encoded_text(smollm2_tokenizer) -> None:
     assert b"".join(vocab[i] or b"" for i in ids).decode("utf-8") == text
     special = smollm2_tokenizer.all_special_ids
     assert all(vocab[i] is None for i in special) and vocab[-5:] == [None] * 5
+
+
+def test_fixed_tokens_allow_the_same_tokens_everywhere() -> None:
+    guide = FixedTokens((3, 5, 40), 70)
+    words = guide.mask(0)
+    assert words is not None and len(words) == 3
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    assert np.flatnonzero(bits).tolist() == [3, 5, 40]
+    assert guide.walk(0, [5, 3, 40, 3]) == 0 and guide.walk(0, [5, 4, 3]) == DEAD
+    assert guide.row_states(0, DraftTree([5, 6, 3], [-1, 0, 0])) == [0, 0, DEAD, 0]
+    assert guide.mask(DEAD) is None

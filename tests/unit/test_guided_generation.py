@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -19,11 +20,14 @@ from transformers import LlamaForCausalLM
 from gateway.guides import GuideAsk
 from gateway.request import GenerationRequest, InvalidField, ModelInfo, build_request
 from gateway.sequence import Sequence
-from specsplit.guide.tokens import ENDED, TokenAutomaton
+from gateway.servicer import generation_request
+from specsplit.errors import Code, ServiceError
+from specsplit.guide.tokens import ENDED, FixedTokens, TokenAutomaton
 from specsplit.logit_rules import NO_MASK
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from specsplit.v1 import gateway_pb2
 from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack
 from tests.unit.test_gateway_rules import _Rules
 from tests.unit.test_lossless_greedy import _prompts, models  # noqa: F401  (a fixture)
@@ -32,6 +36,7 @@ from tests.unit.test_lossless_rules import MODES, Mode, mode_id, mode_stack
 EOS = 2  # the tiny models' (and SmolLM2's <|im_end|>)
 MAX_NEW_TOKENS = 40
 PATTERN = r'\{"ok": (true|false), "n": [0-9]{1,3}, "s": "[a-z ]{0,8}"\}'
+ALLOWED = [40, 41, 77, 300, 301, 302, 450]  # (allowed_token_ids; not EOS)
 SCHEMA = {
     "type": "object",
     "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "bb", "c c"]}},
@@ -51,8 +56,9 @@ def _guided(tokenizer, prompt: list[int], ask: GuideAsk, **kwargs) -> Generation
 
 
 def _requests(tokenizer) -> list[GenerationRequest]:  # type: ignore[no-untyped-def]
-    """Two guided requests (a regex, a JSON schema) and an unguided one beside them."""
-    prompts = _prompts(3, seed=11)
+    """Guided requests (a regex, a JSON schema, allowed token ids) and an unguided one beside
+    them."""
+    prompts = _prompts(4, seed=11)
     return [
         _guided(tokenizer, prompts[0], GuideAsk("guided_regex", "regex", PATTERN)),
         _guided(
@@ -61,6 +67,14 @@ def _requests(tokenizer) -> list[GenerationRequest]:  # type: ignore[no-untyped-
             GuideAsk("guided_json", "json_schema", json.dumps(SCHEMA), whitespace=" ?"),
         ),
         GenerationRequest(prompts[2], 12, ignore_eos=True),
+        build_request(
+            _model(tokenizer),
+            "token_ids",
+            prompts[3],
+            max_new_tokens=12,
+            sampling=SamplingParams(),
+            allowed_token_ids=ALLOWED,
+        ),
     ]
 
 
@@ -74,8 +88,10 @@ def _reference(target: Path, request: GenerationRequest) -> list[int]:
     while len(out) < request.max_new_tokens and state != ENDED:
         with torch.no_grad():
             row = hf(torch.tensor([request.prompt_ids + out])).logits[0, -1].float()
-        allowed = torch.from_numpy(guide.next_states(state) != -1)
-        token = int(torch.where(allowed, row, -torch.inf).argmax())
+        words = guide.mask(state)
+        assert words is not None
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:TINY_VOCAB]
+        token = int(torch.where(torch.from_numpy(bits == 1), row, -torch.inf).argmax())
         out.append(token)
         state = guide.step(state, token)
     return out
@@ -93,6 +109,8 @@ def expected(models: dict[str, Path], smollm2_tokenizer) -> list[list[int]]:  # 
     for request, ids in zip(requests[:2], out[:2], strict=True):
         assert ids == _reference(models["target"], request)
         assert ids[-1] == EOS  # (the match ended, not max_new_tokens)
+    assert out[3] == _reference(models["target"], requests[3]) and set(out[3]) <= set(ALLOWED)
+    assert len(out[3]) == 12  # (EOS not allowed)
     assert re.fullmatch(PATTERN, _text(smollm2_tokenizer, out[0]))
     value = json.loads(_text(smollm2_tokenizer, out[1]))
     assert isinstance(value["id"], int) and value["tag"] in SCHEMA["properties"]["tag"]["enum"]  # type: ignore[index]
@@ -203,3 +221,46 @@ def test_a_guide_it_cannot_hold_is_refused_naming_the_parameter(
     with pytest.raises(InvalidField) as err:
         _guided(smollm2_tokenizer, [5, 6], ask, **kwargs)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("guide", "good", "bad"),
+    [
+        ({"regex": "[0-9]+"}, "42", "4a"),
+        ({"json_schema": json.dumps(SCHEMA)}, '{"id": 1, "tag": "bb"}', '{"id": 1}'),
+        ({"json_object": True}, '{"a": 1}', "[]"),
+        ({"choice": {"choices": ["up", "down"]}}, "down", "left"),
+    ],
+    ids=["regex", "json-schema", "json-object", "choice"],
+)
+def test_grpc_guide_becomes_the_requests_automaton(
+    smollm2_tokenizer, guide: dict, good: str, bad: str
+) -> None:
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=8, guide=gateway_pb2.Guide(**guide))
+    request = generation_request(msg, _model(smollm2_tokenizer))
+    assert isinstance(request.guide, TokenAutomaton)
+    assert request.guide.dfa.matches(good) and not request.guide.dfa.matches(bad)
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [gateway_pb2.Guide(), gateway_pb2.Guide(json_object=False), gateway_pb2.Guide(regex="(?<=a)")],
+    ids=["unset", "json-object-false", "lookbehind"],
+)
+def test_a_grpc_guide_it_cannot_hold_is_invalid_argument(smollm2_tokenizer, guide) -> None:
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=8, guide=guide)
+    with pytest.raises(ServiceError) as err:
+        generation_request(msg, _model(smollm2_tokenizer))
+    assert err.value.code == Code.INVALID_ARGUMENT and "guide" in err.value.message
+
+
+def test_grpc_allowed_token_ids_become_fixed_tokens(smollm2_tokenizer) -> None:
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=8, allowed_token_ids=[9, 5])
+    request = generation_request(msg, _model(smollm2_tokenizer))
+    assert isinstance(request.guide, FixedTokens) and request.guide.allowed == {5, 9}
+    assert (
+        generation_request(
+            gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=8), _model(smollm2_tokenizer)
+        ).guide
+        is None
+    )

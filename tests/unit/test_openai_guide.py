@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.openai_http import OpenAIServer
 from gateway.request import ModelInfo
-from specsplit.guide.tokens import TokenAutomaton
+from specsplit.guide.tokens import FixedTokens, TokenAutomaton
 from tests.unit.test_openai_http_errors import _chat, _error, _Scheduler
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -87,6 +87,12 @@ def test_each_guide_parameter_reaches_the_request_as_its_pattern(
     assert guide.end_ids == (smollm2_tokenizer.eos_token_id,)
 
 
+def test_allowed_token_ids_reach_the_request_as_fixed_tokens(smollm2_tokenizer) -> None:
+    _, scheduler = _run(smollm2_tokenizer, [{**_chat("hi"), "allowed_token_ids": [9, 4, 9]}])
+    guide = scheduler.requests[0].guide
+    assert isinstance(guide, FixedTokens) and guide.allowed == {4, 9}
+
+
 def test_a_pattern_compiles_once_for_every_request_that_names_it(smollm2_tokenizer) -> None:
     body = {**_chat("hi"), "guided_regex": "(ab)+", "n": 2}
     _, scheduler = _run(smollm2_tokenizer, [body, body])
@@ -112,12 +118,18 @@ def test_a_pattern_compiles_once_for_every_request_that_names_it(smollm2_tokeniz
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
         ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
         ({"guided_regex": "a{20000}"}, "guided_regex"),
+        ({"allowed_token_ids": [3, 10**8]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": ["3"]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3], "guided_regex": "a"}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3], "min_tokens": 1}, "min_tokens"),
     ],
     ids=[
         "regex-and-choice", "format-and-json", "unknown-type", "unsupported-keyword",
         "lookahead", "empty-regex", "no-choices", "json-text-malformed", "json-a-number",
         "grammar", "two-structured", "whitespace-without-json", "ignore-eos", "min-tokens",
-        "too-many-states",
+        "too-many-states", "allowed-past-vocab", "allowed-empty", "allowed-strings",
+        "allowed-and-guide", "allowed-and-min-tokens",
     ],
 )  # fmt: skip
 def test_a_guide_that_cannot_be_held_is_400_naming_the_parameter(
