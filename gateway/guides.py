@@ -9,11 +9,14 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from gateway.invalid import InvalidField, check_vocab
+from specsplit.guide.bad_words import MAX_BAD_WORDS, BadWords, word_variants
 from specsplit.guide.json_schema import (
     WHITESPACE,
     choice_regex,
@@ -21,7 +24,7 @@ from specsplit.guide.json_schema import (
     schema_regex,
 )
 from specsplit.guide.regex_dfa import compile_regex
-from specsplit.guide.tokens import TokenAutomaton, TokenGuide
+from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide
 from specsplit.guide.vocab import vocabulary_bytes
 from specsplit.logit_rules import NO_MASK, Allowed
 from specsplit.tree import DraftTree
@@ -95,6 +98,71 @@ class GuideCache:
             while len(self._known) > MAX_GUIDES:
                 self._known.popitem(last=False)
         return made
+
+
+class GuidedModel(Protocol):
+    """What building a request's guide reads of the model (gateway/request.py:ModelInfo)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def guides(self) -> GuideCache: ...
+
+
+def token_guide(
+    model: GuidedModel,
+    guide: GuideAsk | None,
+    allowed_token_ids: Sequence[int] | None,
+    bad_words: Sequence[str],
+    ignore_eos: bool,
+    min_tokens: int,
+) -> TokenGuide | None:
+    """A request's guide, at most one of: a pattern (`guide`), allowed token ids, bad words;
+    InvalidField naming the parameter otherwise."""
+    asked = [name for name, value in (
+        (None if guide is None else guide.field, guide),
+        ("allowed_token_ids", allowed_token_ids),
+        ("bad_words", bad_words or None),
+    ) if value is not None]  # fmt: skip
+    if len(asked) > 1:
+        raise InvalidField(asked[1] or "", f"{asked[1]}: not with {asked[0]}")
+    if guide is not None:
+        return _compiled(model, guide, ignore_eos, min_tokens)
+    if min_tokens and (allowed_token_ids is not None or bad_words):  # (it could refuse all)
+        raise InvalidField("min_tokens", f"min_tokens: not with {asked[0]}")
+    if allowed_token_ids is not None:
+        check_vocab(allowed_token_ids, "allowed_token_ids", model.vocab_size)
+        if not allowed_token_ids:
+            raise InvalidField("allowed_token_ids", "allowed_token_ids: at least one token id")
+        return FixedTokens(tuple(sorted(set(allowed_token_ids))), model.vocab_size)
+    if bad_words:
+        if len(bad_words) > MAX_BAD_WORDS:
+            raise InvalidField("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words")
+        if not all(isinstance(w, str) and w.strip() for w in bad_words):
+            raise InvalidField("bad_words", "bad_words: each a non-empty string")
+        variants = word_variants(model.tokenizer, list(bad_words))
+        check_vocab([t for v in variants for t in v], "bad_words", model.vocab_size)
+        return BadWords(variants, model.vocab_size)
+    return None
+
+
+def _compiled(
+    model: GuidedModel, guide: GuideAsk, ignore_eos: bool, min_tokens: int
+) -> TokenAutomaton:
+    """The guide's automaton, its output ended by EOS."""
+    for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
+        if value:  # (EOS, allowed where the text matches, must end the output; nothing else may)
+            raise InvalidField(name, f"{name}: not with a guide ({guide.field})")
+    if not model.eos_token_ids:
+        raise InvalidField(guide.field, f"{guide.field}: the model has no EOS to end a match")
+    try:
+        return model.guides.automaton(guide.pattern(), tuple(sorted(set(model.eos_token_ids))))
+    except ValueError as err:
+        raise InvalidField(guide.field, f"{guide.field}: {err}") from None
 
 
 def round_allowed(guide: TokenGuide, state: int, tree: DraftTree) -> Allowed:

@@ -44,7 +44,7 @@ MAX_CHOICES = 64
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
     "prompt_logprobs", "suffix", "tools", "functions",
-    "prediction", "audio", "bad_words", "guided_grammar",
+    "prediction", "audio", "guided_grammar",
     "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
@@ -127,6 +127,7 @@ class OpenAIRequest:
     skip_special_tokens: bool = True  # vLLM's
     guide: GuideAsk | None = None  # guided decoding (gateway/openai_guide.py)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are generated
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: never generated
 
 
 def body_field(
@@ -246,6 +247,9 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     allowed_token_ids = body_field(body, "allowed_token_ids", list, None)
     if allowed_token_ids is not None and not int_list(allowed_token_ids):
         raise bad_param("allowed_token_ids", "must be a list of token ids")
+    bad_words = body_field(body, "bad_words", list, [])
+    if not all(isinstance(w, str) for w in bad_words):
+        raise bad_param("bad_words", "must be a list of strings")
     options = body_field(body, "stream_options", dict, {})
     logprobs = _logprobs(body, kind)
     echo = body_field(body, "echo", bool, False)
@@ -273,6 +277,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         truncate_prompt_tokens=body_field(body, "truncate_prompt_tokens", int, None),
         skip_special_tokens=body_field(body, "skip_special_tokens", bool, True),
         allowed_token_ids=allowed_token_ids,
+        bad_words=bad_words,
     )
 
 

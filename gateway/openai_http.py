@@ -306,6 +306,7 @@ class OpenAIServer:
                 skip_special_tokens=req.skip_special_tokens,
                 guide=req.guide,
                 allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
             )
             for prompt_kind, prompt in req.prompts
         ]

@@ -11,9 +11,9 @@ from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
 
-from gateway.guides import GuideAsk, GuideCache
-from specsplit.errors import Code, ServiceError
-from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide
+from gateway.guides import GuideAsk, GuideCache, token_guide
+from gateway.invalid import InvalidField, check_vocab
+from specsplit.guide.tokens import TokenGuide
 from specsplit.logit_rules import Penalties, distinct
 from specsplit.messages import MAX_TOP_LOGPROBS, SpecParams, TokenLogprobs
 from specsplit.prompt import apply_chat_template, encode_prompt
@@ -133,15 +133,6 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class InvalidField(ServiceError):
-    """INVALID_ARGUMENT for one request field; `field` is its domain name (max_new_tokens,
-    temperature, stop, ...) so each API can report it under its own name."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(Code.INVALID_ARGUMENT, message)
-        self.field = field
-
-
 def build_request(
     model: ModelInfo,
     prompt_kind: PromptKind,
@@ -163,6 +154,7 @@ def build_request(
     skip_special_tokens: bool = True,
     guide: GuideAsk | None = None,
     allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] = (),
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
@@ -232,11 +224,7 @@ def build_request(
             penalties.validate(model.vocab_size)
         except ValueError as err:  # the message starts with the field's name
             raise InvalidField(str(err).split(" ", 1)[0].rstrip(":"), str(err)) from None
-    automaton: TokenGuide | None = None
-    if guide is not None:
-        automaton = _compile_guide(model, guide, ignore_eos, min_tokens, allowed_token_ids)
-    elif allowed_token_ids is not None:
-        automaton = _fixed_tokens(model, allowed_token_ids, min_tokens)
+    automaton = token_guide(model, guide, allowed_token_ids, bad_words, ignore_eos, min_tokens)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -255,39 +243,6 @@ def build_request(
         skip_special_tokens=skip_special_tokens,
         guide=automaton,
     )
-
-
-def _fixed_tokens(model: ModelInfo, ids: Sequence[int], min_tokens: int) -> FixedTokens:
-    """allowed_token_ids: some tokens of the vocabulary (min_tokens could hold back all)."""
-    check_vocab(ids, "allowed_token_ids", model.vocab_size)
-    if not ids:
-        raise InvalidField("allowed_token_ids", "allowed_token_ids: at least one token id")
-    if min_tokens:
-        raise InvalidField("min_tokens", "min_tokens: not with allowed_token_ids")
-    return FixedTokens(distinct(ids), model.vocab_size)
-
-
-def _compile_guide(
-    model: ModelInfo,
-    guide: GuideAsk,
-    ignore_eos: bool,
-    min_tokens: int,
-    allowed_token_ids: Sequence[int] | None,
-) -> TokenAutomaton:
-    """The guide's automaton, its output ended by EOS (InvalidField naming the parameter)."""
-    if allowed_token_ids is not None:
-        raise InvalidField(
-            "allowed_token_ids", f"allowed_token_ids: not with a guide ({guide.field})"
-        )
-    for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
-        if value:  # (EOS, allowed where the text matches, must end the output; nothing else may)
-            raise InvalidField(name, f"{name}: not with a guide ({guide.field})")
-    if not model.eos_token_ids:
-        raise InvalidField(guide.field, f"{guide.field}: the model has no EOS to end a match")
-    try:
-        return model.guides.automaton(guide.pattern(), distinct(model.eos_token_ids))
-    except ValueError as err:
-        raise InvalidField(guide.field, f"{guide.field}: {err}") from None
 
 
 def ending_ids(
@@ -393,12 +348,3 @@ def _prompt_ids(
     if not ids:
         raise InvalidField("prompt", f"prompt.{kind} encodes to no tokens")
     return ids
-
-
-def check_vocab(ids: Sequence[int], field: str, vocab_size: int) -> None:
-    for i, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise InvalidField(
-                field.split(".")[0],
-                f"{field}[{i}] = {token} outside the vocabulary [0, {vocab_size})",
-            )

@@ -203,6 +203,7 @@ def generation_request(
         ),
         guide=_guide_ask(msg.guide) if msg.HasField("guide") else None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words=list(msg.bad_words),
     )
 
 

@@ -22,7 +22,8 @@ from gateway.request import GenerationRequest, InvalidField, ModelInfo, build_re
 from gateway.sequence import Sequence
 from gateway.servicer import generation_request
 from specsplit.errors import Code, ServiceError
-from specsplit.guide.tokens import ENDED, FixedTokens, TokenAutomaton
+from specsplit.guide.bad_words import BadWords, word_variants
+from specsplit.guide.tokens import DEAD, ENDED, FixedTokens, TokenAutomaton
 from specsplit.logit_rules import NO_MASK
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
@@ -55,9 +56,9 @@ def _guided(tokenizer, prompt: list[int], ask: GuideAsk, **kwargs) -> Generation
     )  # fmt: skip
 
 
-def _requests(tokenizer) -> list[GenerationRequest]:  # type: ignore[no-untyped-def]
-    """Guided requests (a regex, a JSON schema, allowed token ids) and an unguided one beside
-    them."""
+def _requests(tokenizer, bad: list[tuple[int, ...]]) -> list[GenerationRequest]:  # type: ignore[no-untyped-def]
+    """Guided requests (a regex, a JSON schema, allowed token ids, `bad` words of the unguided
+    one's prompt) and an unguided one beside them."""
     prompts = _prompts(4, seed=11)
     return [
         _guided(tokenizer, prompts[0], GuideAsk("guided_regex", "regex", PATTERN)),
@@ -75,6 +76,7 @@ def _requests(tokenizer) -> list[GenerationRequest]:  # type: ignore[no-untyped-
             sampling=SamplingParams(),
             allowed_token_ids=ALLOWED,
         ),
+        GenerationRequest(prompts[2], 12, ignore_eos=True, guide=BadWords(bad, TINY_VOCAB)),
     ]
 
 
@@ -102,10 +104,26 @@ def _text(tokenizer, ids: list[int]) -> str:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def expected(models: dict[str, Path], smollm2_tokenizer) -> list[list[int]]:  # noqa: F811
-    requests = _requests(smollm2_tokenizer)
+def bad(models: dict[str, Path], smollm2_tokenizer) -> list[tuple[int, ...]]:  # noqa: F811
+    """Bad words the unguided request's output holds: its second token, and its fifth and sixth
+    (a word of two tokens)."""
+    plain = _requests(smollm2_tokenizer, [(3,)])[2]
+    stack = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0))
+    out = generated_ids(generate_all(stack, [plain])[0])
+    return [(out[1],), (out[4], out[5])]
+
+
+@pytest.fixture(scope="module")
+def expected(
+    models: dict[str, Path],  # noqa: F811
+    smollm2_tokenizer,
+    bad: list[tuple[int, ...]],
+) -> list[list[int]]:
+    requests = _requests(smollm2_tokenizer, bad)
     stack = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0))
     out = [generated_ids(chunks) for chunks in generate_all(stack, requests)]
+    assert out[4] == _reference(models["target"], requests[4]) and out[4] != out[2]
+    assert bad[0][0] not in out[4] and bad[1] not in set(zip(out[4], out[4][1:], strict=False))
     for request, ids in zip(requests[:2], out[:2], strict=True):
         assert ids == _reference(models["target"], request)
         assert ids[-1] == EOS  # (the match ended, not max_new_tokens)
@@ -121,13 +139,14 @@ def expected(models: dict[str, Path], smollm2_tokenizer) -> list[list[int]]:  # 
 def test_speculative_greedy_under_a_guide_equals_target_greedy_under_it(
     models: dict[str, Path],  # noqa: F811
     smollm2_tokenizer,
+    bad: list[tuple[int, ...]],
     expected: list[list[int]],
     mode: Mode,
 ) -> None:
     """(The guided requests take one decode step a round; no round of theirs is launched on a
     draft-ahead hint.)"""
     stack = mode_stack(models, smollm2_tokenizer, mode)
-    out = generate_all(stack, _requests(smollm2_tokenizer))
+    out = generate_all(stack, _requests(smollm2_tokenizer, bad))
     assert [generated_ids(chunks) for chunks in out] == expected
     if mode[0] == "self":  # (the target's own drafts: the guide keeps many)
         accepted = [chunks[-1].stats.num_accepted_drafts for chunks in out[:2]]  # type: ignore[union-attr]
@@ -264,3 +283,12 @@ def test_grpc_allowed_token_ids_become_fixed_tokens(smollm2_tokenizer) -> None:
         ).guide
         is None
     )
+
+
+def test_grpc_bad_words_become_the_requests_words(smollm2_tokenizer) -> None:
+    msg = gateway_pb2.GenerateRequest(text="Hi", max_new_tokens=8, bad_words=["hello world"])
+    model = ModelInfo(smollm2_tokenizer, smollm2_tokenizer.vocab_size, 4096, (EOS,))
+    request = generation_request(msg, model)
+    assert isinstance(request.guide, BadWords)
+    words = word_variants(smollm2_tokenizer, ["hello world"])
+    assert request.guide.step(request.guide.walk(0, list(words[0][:-1])), words[0][-1]) == DEAD

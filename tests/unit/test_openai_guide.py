@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.openai_http import OpenAIServer
 from gateway.request import ModelInfo
-from specsplit.guide.tokens import FixedTokens, TokenAutomaton
+from specsplit.guide.bad_words import BadWords, word_variants
+from specsplit.guide.tokens import DEAD, FixedTokens, TokenAutomaton
 from tests.unit.test_openai_http_errors import _chat, _error, _Scheduler
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -93,6 +94,14 @@ def test_allowed_token_ids_reach_the_request_as_fixed_tokens(smollm2_tokenizer) 
     assert isinstance(guide, FixedTokens) and guide.allowed == {4, 9}
 
 
+def test_bad_words_reach_the_request_as_their_tokens(smollm2_tokenizer) -> None:
+    _, scheduler = _run(smollm2_tokenizer, [{**_chat("hi"), "bad_words": ["hello", "big cat"]}])
+    guide = scheduler.requests[0].guide
+    assert isinstance(guide, BadWords)
+    for word in word_variants(smollm2_tokenizer, ["hello", "big cat"]):
+        assert guide.step(guide.walk(0, list(word[:-1])), word[-1]) == DEAD
+
+
 def test_a_pattern_compiles_once_for_every_request_that_names_it(smollm2_tokenizer) -> None:
     body = {**_chat("hi"), "guided_regex": "(ab)+", "n": 2}
     _, scheduler = _run(smollm2_tokenizer, [body, body])
@@ -123,13 +132,19 @@ def test_a_pattern_compiles_once_for_every_request_that_names_it(smollm2_tokeniz
         ({"allowed_token_ids": ["3"]}, "allowed_token_ids"),
         ({"allowed_token_ids": [3], "guided_regex": "a"}, "allowed_token_ids"),
         ({"allowed_token_ids": [3], "min_tokens": 1}, "min_tokens"),
+        ({"bad_words": ["x", 3]}, "bad_words"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": ["x"], "guided_choice": ["a"]}, "bad_words"),
+        ({"bad_words": ["x"], "allowed_token_ids": [3]}, "bad_words"),
+        ({"bad_words": ["x"], "min_tokens": 1}, "min_tokens"),
     ],
     ids=[
         "regex-and-choice", "format-and-json", "unknown-type", "unsupported-keyword",
         "lookahead", "empty-regex", "no-choices", "json-text-malformed", "json-a-number",
         "grammar", "two-structured", "whitespace-without-json", "ignore-eos", "min-tokens",
         "too-many-states", "allowed-past-vocab", "allowed-empty", "allowed-strings",
-        "allowed-and-guide", "allowed-and-min-tokens",
+        "allowed-and-guide", "allowed-and-min-tokens", "bad-words-number", "bad-words-blank",
+        "bad-words-and-guide", "bad-words-and-allowed", "bad-words-and-min-tokens",
     ],
 )  # fmt: skip
 def test_a_guide_that_cannot_be_held_is_400_naming_the_parameter(
