@@ -19,6 +19,8 @@ import torch
 
 from drafter.model_proposer import ModelProposer
 from inprocess.stack import LocalStack
+from specsplit.guide.bad_words import BadWords
+from specsplit.guide.tokens import FixedTokens
 from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams, Truncated, Truncation
 from specsplit.model.loader import load_model
@@ -205,6 +207,23 @@ def test_seeded_sampling_turns_equal_fresh_requests_eagle3(models, smollm2_token
         models["target"], "eagle3", smollm2_tokenizer, SpecParams(2, 1, 2), draft_dir=models["head"]
     )
     _run(stack, SamplingParams(temperature=4.0, seed=1234))
+
+
+def test_guided_turns_equal_fresh_requests(models, smollm2_tokenizer) -> None:
+    """Turns under a guide (allowed token ids; bad words, whose state reads the turn's own
+    output from its start): each equals a fresh request of the whole conversation with it."""
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, CHAIN)
+    fixed = FixedTokens(tuple(range(100, 160)), TINY_VOCAB)
+
+    async def three_turns(conv: Conversation) -> None:
+        first = await conv.fresh(_prompt(30, 5), 6)  # its tokens the bad words below
+        words = [tuple(generated_ids(first)[:1]), tuple(generated_ids(first)[2:4])]
+        await conv.turn(_prompt(30, 5), 6, guide=BadWords(words, TINY_VOCAB))
+        await conv.turn(_prompt(31, 5), 6, guide=fixed)
+        got = await conv.turn(_prompt(32, 5), 6, guide=BadWords(words, TINY_VOCAB))
+        assert words[0][0] not in generated_ids(got)
+
+    _run(stack, turns=three_turns)
 
 
 def test_turns_under_logit_rules_equal_fresh_requests(models, smollm2_tokenizer) -> None:
