@@ -24,7 +24,7 @@ from specsplit.guide.json_schema import (
     schema_regex,
 )
 from specsplit.guide.regex_dfa import compile_regex
-from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide
+from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide, TokenTable
 from specsplit.guide.vocab import vocabulary_bytes
 from specsplit.logit_rules import NO_MASK, Allowed
 from specsplit.tree import DraftTree
@@ -79,8 +79,9 @@ class GuideCache:
         self._known: OrderedDict[tuple[str, tuple[int, ...]], TokenAutomaton] = OrderedDict()
 
     @functools.cached_property
-    def vocab(self) -> list[bytes | None]:
-        return vocabulary_bytes(self.tokenizer, self.vocab_size)
+    def vocab(self) -> TokenTable:
+        """The vocabulary's token bytes, laid out once for every guide."""
+        return TokenTable(vocabulary_bytes(self.tokenizer, self.vocab_size))
 
     def automaton(self, pattern: str, end_ids: tuple[int, ...]) -> TokenAutomaton:
         """ValueError where the pattern is too long, unsupported, or has too many states."""

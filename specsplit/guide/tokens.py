@@ -58,28 +58,38 @@ class FixedTokens(TokenGuide):
         return state if state < 0 or token in self.allowed else DEAD
 
 
-class TokenAutomaton(TokenGuide):
-    """`dfa` over the tokens of `vocab` (per id its bytes, None: never text); masks are made once
-    per state, as rows visit it."""
+class TokenTable:
+    """A vocabulary's token bytes laid out for walking every token at once (made once a
+    vocabulary, shared by its guides): the tokens with text, longest first, their bytes padded
+    [U, longest], and per byte position how many tokens reach it."""
 
-    def __init__(self, dfa: ByteDFA, vocab: list[bytes | None], end_ids: tuple[int, ...]) -> None:
+    def __init__(self, vocab: list[bytes | None]) -> None:
+        self.vocab = vocab
+        usable = [i for i, raw in enumerate(vocab) if raw]
+        usable.sort(key=lambda i: -len(vocab[i] or b""))  # longest first: byte k's tokens lead
+        lengths = np.array([len(vocab[i] or b"") for i in usable], dtype=np.int64)
+        self.ids = np.array(usable, dtype=np.int64)  # [U]
+        self.bytes = np.zeros((len(usable), int(lengths.max(initial=0))), dtype=np.uint8)
+        for row, i in enumerate(usable):
+            raw = vocab[i] or b""
+            self.bytes[row, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self.num_longer = [int(np.sum(lengths > k)) for k in range(self.bytes.shape[1])]
+
+
+class TokenAutomaton(TokenGuide):
+    """`dfa` over the tokens of `vocab` (per id its bytes, None: never text; or its TokenTable);
+    masks are made once per state, as rows visit it."""
+
+    def __init__(
+        self, dfa: ByteDFA, vocab: list[bytes | None] | TokenTable, end_ids: tuple[int, ...]
+    ) -> None:
         if not end_ids:
             raise ValueError("guided decoding needs an end token (EOS or a stop token id)")
         self.dfa = dfa
-        self.vocab = vocab
-        self.vocab_size = len(vocab)
+        self.tokens = vocab if isinstance(vocab, TokenTable) else TokenTable(vocab)
+        self.vocab = self.tokens.vocab
+        self.vocab_size = len(self.vocab)
         self.end_ids = tuple(sorted(set(end_ids)))
-        ends = set(self.end_ids)
-        usable = [i for i, raw in enumerate(vocab) if raw and i not in ends]
-        usable.sort(key=lambda i: -len(vocab[i] or b""))  # longest first: byte i's tokens lead
-        lengths = np.array([len(vocab[i] or b"") for i in usable], dtype=np.int64)
-        self._ids = np.array(usable, dtype=np.int64)  # [U]
-        self._bytes = np.zeros((len(usable), int(lengths.max(initial=0))), dtype=np.uint8)
-        for row, i in enumerate(usable):
-            raw = vocab[i] or b""
-            self._bytes[row, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        # per byte position: how many tokens are longer than it (they lead the rows)
-        self._num_longer = [int(np.sum(lengths > k)) for k in range(self._bytes.shape[1])]
         # the transitions with a sink state for dead ones: [num_states + 1, 256]
         sink = dfa.num_states
         self._table = np.vstack([dfa.transitions, np.full((1, 256), sink, dtype=np.int32)])
@@ -90,13 +100,14 @@ class TokenAutomaton(TokenGuide):
         """[vocab] int32: the state after each token from `state`, DEAD where none (ENDED for the
         end tokens where a match may end)."""
         assert 0 <= state < self.dfa.num_states, state
-        states = np.full(len(self._ids), state, dtype=np.int32)
-        for k, n in enumerate(self._num_longer):
-            states[:n] = self._table[states[:n], self._bytes[:n, k]]
+        table = self.tokens
+        states = np.full(len(table.ids), state, dtype=np.int32)
+        for k, n in enumerate(table.num_longer):
+            states[:n] = self._table[states[:n], table.bytes[:n, k]]
         out = np.full(self.vocab_size, DEAD, dtype=np.int32)
-        out[self._ids] = np.where(states == self.dfa.num_states, DEAD, states)
-        if self.dfa.accepting[state]:
-            out[list(self.end_ids)] = ENDED
+        out[table.ids] = np.where(states == self.dfa.num_states, DEAD, states)
+        # the end tokens end the output (never text), where it is a whole match
+        out[list(self.end_ids)] = ENDED if self.dfa.accepting[state] else DEAD
         return out
 
     def mask(self, state: int) -> np.ndarray | None:
