@@ -26,7 +26,7 @@ from specsplit.guide.json_schema import (
 from specsplit.guide.regex_dfa import compile_regex
 from specsplit.guide.tokens import FixedTokens, TokenAutomaton, TokenGuide, TokenTable
 from specsplit.guide.vocab import vocabulary_bytes
-from specsplit.logit_rules import NO_MASK, Allowed
+from specsplit.logit_rules import NO_MASK, Allowed, distinct
 from specsplit.tree import DraftTree
 
 GuideKind = Literal["regex", "json_schema", "json_object", "choice"]
@@ -139,7 +139,7 @@ def token_guide(
         check_vocab(allowed_token_ids, "allowed_token_ids", model.vocab_size)
         if not allowed_token_ids:
             raise InvalidField("allowed_token_ids", "allowed_token_ids: at least one token id")
-        return FixedTokens(tuple(sorted(set(allowed_token_ids))), model.vocab_size)
+        return FixedTokens(distinct(allowed_token_ids), model.vocab_size)
     if bad_words:
         if len(bad_words) > MAX_BAD_WORDS:
             raise InvalidField("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words")
@@ -161,7 +161,7 @@ def _compiled(
     if not model.eos_token_ids:
         raise InvalidField(guide.field, f"{guide.field}: the model has no EOS to end a match")
     try:
-        return model.guides.automaton(guide.pattern(), tuple(sorted(set(model.eos_token_ids))))
+        return model.guides.automaton(guide.pattern(), distinct(model.eos_token_ids))
     except ValueError as err:
         raise InvalidField(guide.field, f"{guide.field}: {err}") from None
 

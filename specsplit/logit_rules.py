@@ -50,6 +50,19 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """[vocab] bool as an allowed-tokens mask: uint32 words [mask_words(vocab)]."""
+    bits = np.zeros(mask_words(len(allowed)) * 32, dtype=bool)
+    bits[: len(allowed)] = allowed
+    return np.packbits(bits, bitorder="little").view(np.uint32)
+
+
+def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """An allowed-tokens mask's words as [vocab_size] bool."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
+    return bits.astype(bool)
+
+
 @dataclass(frozen=True)
 class Allowed:
     """A guide's tokens for each row of a round: `rows` (the root's, then each tree node's) index
@@ -247,8 +260,7 @@ def bend_row(
         row[list(p.stop_ids)] = -math.inf
     if rules.allowed is not None and rules.allowed.rows[at] != NO_MASK:
         words = rules.allowed.masks(len(row))[rules.allowed.rows[at]]
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(row)]
-        row[torch.from_numpy(bits == 0)] = -math.inf
+        row[torch.from_numpy(~unpack_mask(words, len(row)))] = -math.inf
     cut = min_p_cut(p.min_p, temperature)
     if cut > -math.inf:
         row[row < row.max() + torch.tensor(cut, dtype=row.dtype)] = -math.inf

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from specsplit.guide.tokens import DEAD, TokenGuide
-from specsplit.logit_rules import mask_words
 
 MAX_BAD_WORDS = 256  # words a request may list
 
@@ -37,7 +36,7 @@ class BadWords(TokenGuide):
 
     def __init__(self, words: list[tuple[int, ...]], vocab_size: int) -> None:
         assert words and all(words), "bad words are non-empty token sequences"
-        self.vocab_size = vocab_size
+        super().__init__(vocab_size)
         # the states: every proper prefix of a word (the empty one is 0, the start)
         prefixes = sorted({w[:k] for w in words for k in range(len(w))}, key=len)
         self._ids = {p: i for i, p in enumerate(prefixes)}
@@ -46,22 +45,15 @@ class BadWords(TokenGuide):
             {w[-1] for w in words if p[len(p) - len(w) + 1 :] == w[:-1] and len(w) - 1 <= len(p)}
             for p in prefixes
         ]
-        self._masks: dict[int, np.ndarray] = {}
 
     @property
     def num_states(self) -> int:
         return len(self._prefixes)
 
-    def mask(self, state: int) -> np.ndarray | None:
-        if state < 0:
-            return None
-        words = self._masks.get(state)
-        if words is None:
-            bits = np.zeros(mask_words(self.vocab_size) * 32, dtype=bool)
-            bits[: self.vocab_size] = True
-            bits[list(self._refused[state])] = False
-            words = self._masks[state] = np.packbits(bits, bitorder="little").view(np.uint32)
-        return words
+    def allowed_at(self, state: int) -> np.ndarray:
+        allowed = np.ones(self.vocab_size, dtype=bool)
+        allowed[list(self._refused[state])] = False
+        return allowed
 
     def step(self, state: int, token: int) -> int:
         if state < 0 or token in self._refused[state]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from specsplit.guide.regex_dfa import ByteDFA
-from specsplit.logit_rules import mask_words
+from specsplit.logit_rules import distinct, pack_mask
 from specsplit.tree import DraftTree
 
 DEAD = -1  # past a token no match could take
@@ -20,10 +20,26 @@ ENDED = -2  # past an end token
 
 class TokenGuide:
     """What a sequence's rounds walk: a state per output prefix (0 at the start), the tokens
-    allowed at each (`mask`) and the state each leads to (`step`)."""
+    allowed at each (`allowed_at`; as a mask, made once a state: `mask`) and the state each
+    leads to (`step`)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._masks: dict[int, np.ndarray] = {}
+
+    def allowed_at(self, state: int) -> np.ndarray:
+        """[vocab] bool: the tokens allowed at `state` (>= 0)."""
+        raise NotImplementedError
 
     def mask(self, state: int) -> np.ndarray | None:
-        raise NotImplementedError
+        """The tokens allowed at `state` as uint32 words [mask_words(vocab)]; None past the end or
+        past a refused token (its rows are never accepted from)."""
+        if state < 0:
+            return None
+        words = self._masks.get(state)
+        if words is None:
+            words = self._masks[state] = pack_mask(self.allowed_at(state))
+        return words
 
     def step(self, state: int, token: int) -> int:
         raise NotImplementedError
@@ -46,13 +62,13 @@ class FixedTokens(TokenGuide):
     """The same tokens allowed at every place (vLLM's allowed_token_ids): one state."""
 
     def __init__(self, allowed: tuple[int, ...], vocab_size: int) -> None:
+        super().__init__(vocab_size)
         self.allowed = frozenset(allowed)
-        bits = np.zeros(mask_words(vocab_size) * 32, dtype=bool)
-        bits[list(self.allowed)] = True
-        self.words = np.packbits(bits, bitorder="little").view(np.uint32)
 
-    def mask(self, state: int) -> np.ndarray | None:
-        return None if state < 0 else self.words
+    def allowed_at(self, state: int) -> np.ndarray:
+        bits = np.zeros(self.vocab_size, dtype=bool)
+        bits[list(self.allowed)] = True
+        return bits
 
     def step(self, state: int, token: int) -> int:
         return state if state < 0 or token in self.allowed else DEAD
@@ -85,16 +101,15 @@ class TokenAutomaton(TokenGuide):
     ) -> None:
         if not end_ids:
             raise ValueError("guided decoding needs an end token (EOS or a stop token id)")
-        self.dfa = dfa
         self.tokens = vocab if isinstance(vocab, TokenTable) else TokenTable(vocab)
+        super().__init__(len(self.tokens.vocab))
+        self.dfa = dfa
         self.vocab = self.tokens.vocab
-        self.vocab_size = len(self.vocab)
-        self.end_ids = tuple(sorted(set(end_ids)))
+        self.end_ids = distinct(end_ids)
         # the transitions with a sink state for dead ones: [num_states + 1, 256]
         sink = dfa.num_states
         self._table = np.vstack([dfa.transitions, np.full((1, 256), sink, dtype=np.int32)])
         self._table[self._table < 0] = sink
-        self._masks: dict[int, np.ndarray] = {}
 
     def next_states(self, state: int) -> np.ndarray:
         """[vocab] int32: the state after each token from `state`, DEAD where none (ENDED for the
@@ -110,21 +125,14 @@ class TokenAutomaton(TokenGuide):
         out[list(self.end_ids)] = ENDED if self.dfa.accepting[state] else DEAD
         return out
 
-    def mask(self, state: int) -> np.ndarray | None:
-        """The tokens allowed at `state` as uint32 words [mask_words(vocab)]; None past the end or
-        past a dead token. A state no token can leave (a vocabulary lacking a character the
-        pattern needs) allows the end tokens: the output ends unmatched rather than nowhere."""
-        if state < 0:
-            return None
-        words = self._masks.get(state)
-        if words is None:
-            allowed = self.next_states(state) != DEAD
-            if not allowed.any():
-                allowed[list(self.end_ids)] = True
-            bits = np.zeros(mask_words(self.vocab_size) * 32, dtype=bool)
-            bits[: self.vocab_size] = allowed
-            words = self._masks[state] = np.packbits(bits, bitorder="little").view(np.uint32)
-        return words
+    def allowed_at(self, state: int) -> np.ndarray:
+        """The tokens next_states leads somewhere. A state no token can leave (a vocabulary
+        lacking a character the pattern needs) allows the end tokens: the output ends unmatched
+        rather than nowhere."""
+        allowed = self.next_states(state) != DEAD
+        if not allowed.any():
+            allowed[list(self.end_ids)] = True
+        return allowed
 
     def step(self, state: int, token: int) -> int:
         """The state after `token` from `state` (DEAD, ENDED as next_states says)."""
