@@ -21,6 +21,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -205,6 +206,12 @@ class EngineBench:
             self._guides[num_rows] = LogitRules(Penalties(), allowed=allowed)
         return self._guides[num_rows]
 
+    def _round_rules(self, num_rows: int) -> LogitRules | None:
+        """A sequence's rules for a round of num_rows rows: new objects each round, as the wire
+        makes them (the arrays the verifier reads from them made again)."""
+        rules = self._guided(num_rows) if self.guide else self.rules
+        return None if rules is None else replace(rules, penalties=replace(rules.penalties))
+
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
 
@@ -255,7 +262,7 @@ class EngineBench:
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                     logprobs=self.logprobs,
-                    rules=self._guided(n + 1) if self.guide else self.rules,
+                    rules=self._round_rules(n + 1),
                 )
             )
         if newcomer:

@@ -11,7 +11,7 @@
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
-#       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost]
+#       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -287,6 +287,15 @@ for part in "${parts[@]}"; do
           run "guide_${shape}${guide}" python3 bench/gpu_engine.py --shape "$shape" --batch 1 32 \
             --verify-n 8 --verify-batch 1 32 --steps 30 --decode-ahead --no-hf --sampled-n 8 $guide
         done
+      done ;;
+    rules-ab)  # a rules round's and a guided round's time in this tree and in .gpu/old
+      # (`scripts/gpu_old.sh REV`, then `cp bench/gpu_engine.py .gpu/old/bench/`: both trees
+      # timed by one bench, whose rules are new objects each round, as the wire's), SmolLM2
+      # shape, in process, on one machine: $out/rulesab_<mode>_{new,old}.txt
+      for mode in --rules --guide; do
+        in_trees "new old" "rulesab_${mode#--}" python3 bench/gpu_engine.py --shape smollm2-135m \
+          --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 30 --decode-ahead --no-hf \
+          --sampled-n 8 "$mode"
       done ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
       # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole

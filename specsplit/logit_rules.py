@@ -81,7 +81,7 @@ class Allowed:
         if len(self.rows) != num_rows:
             raise ValueError(f"rules.allowed_rows: {len(self.rows)} rows for a round of {num_rows}")
         num_masks = len(self.words) // (4 * mask_words(vocab_size))
-        if not all(NO_MASK <= r < num_masks for r in self.rows):
+        if self.rows and not (min(self.rows) >= NO_MASK and max(self.rows) < num_masks):
             raise ValueError(f"rules.allowed_rows: each a mask in [0, {num_masks}) or {NO_MASK}")
         masks = self.masks(vocab_size)
         tail = np.uint32((1 << (vocab_size % 32)) - 1) if vocab_size % 32 else ~np.uint32(0)
@@ -126,12 +126,13 @@ class Penalties:
             raise ValueError(f"min_tokens = {self.min_tokens}: must be >= 0")
         if not 0 <= self.min_p <= 1:  # (also refuses nan)
             raise ValueError(f"min_p = {self.min_p}: must be in [0, 1]")
-        stop_ids = np.fromiter(self.stop_ids, dtype=np.int64, count=len(self.stop_ids))
-        check_ids(stop_ids, vocab_size, "rules.stop_ids")
-        tokens, values = self.bias_arrays
-        check_ids(tokens, vocab_size, "logit_bias")
-        if not np.all(np.abs(values) <= MAX_LOGIT_BIAS):  # (also refuses nan)
-            raise ValueError("logit_bias: each bias must be in [-100, 100]")
+        if self.stop_ids:  # (numpy's checks only where there is something to check)
+            check_ids(np.array(self.stop_ids, dtype=np.int64), vocab_size, "rules.stop_ids")
+        if self.bias:
+            tokens, values = self.bias_arrays
+            check_ids(tokens, vocab_size, "logit_bias")
+            if not np.all(np.abs(values) <= MAX_LOGIT_BIAS):  # (also refuses nan)
+                raise ValueError("logit_bias: each bias must be in [-100, 100]")
 
     @functools.cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -191,9 +192,11 @@ class LogitRules:
         self.penalties.validate(vocab_size)
         if self.allowed is not None:
             self.allowed.validate(vocab_size, num_rows)
-        tokens, counts, prompt = self.arrays
-        if len(tokens) != len(counts):
+        if len(self.output) != len(self.counts):
             raise ValueError("rules.output and rules.counts differ in length")
+        if not (self.output or self.prompt):
+            return  # (a guide's alone)
+        tokens, counts, prompt = self.arrays
         check_ids(tokens, vocab_size, "rules.output")
         if not np.all(counts > 0):
             raise ValueError("rules.counts: each token counted > 0")

@@ -12,6 +12,7 @@ table, unpacked to [masks, vocab] bits on the device, each rule row indexing its
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from specsplit.logit_rules import NO_MASK, LogitRules, mask_words, min_p_cut
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
-from specsplit.tree import DraftTree
+from specsplit.tree import DraftTree, ancestor_mask, depths
 
 # the host table's sections, each [3, n] int32: (sequence k or rule row, token, value)
 _BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS = range(5)
@@ -29,6 +30,15 @@ _BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS = range(5)
 def node_paths(tree: DraftTree) -> list[list[int]]:
     """Per node, the tree's tokens from the root's first child down to the node."""
     return [[tree.tokens[j] for j in tree.path_to(node)] for node in range(len(tree))]
+
+
+@functools.lru_cache(maxsize=256)
+def _tree_pairs(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For a tree of these parents: every (node, node or one of its ancestors) pair as two index
+    arrays (a node's path tokens, each once per occurrence), and each node's depth (a child of
+    the root: 1). Cached: a round's trees share few shapes."""
+    node, on_path = np.nonzero(ancestor_mask(parents))
+    return node, on_path, np.array(depths(parents), dtype=np.int64)
 
 
 def _as_bits(values: np.ndarray) -> np.ndarray:
@@ -40,35 +50,65 @@ def _from_bits(column: torch.Tensor) -> torch.Tensor:
     return column.contiguous().view(torch.float32)
 
 
-def _sections(rules: LogitRules, tree: DraftTree, k: int, first: int) -> list[np.ndarray]:
-    """Sequence k's share of each section; `first`: its root's row among the rule rows."""
-    bias_tokens, bias_values = rules.penalties.bias_arrays
-    tokens, counts, prompt = rules.arrays
-    node_tokens = node_paths(tree)
-    path_entries = []  # (row, token, its count on the path): plus its count in the output below
-    for j, path in enumerate(node_tokens, start=first + 1):
-        on_path: dict[int, int] = {}
-        for t in path:
-            on_path[t] = on_path.get(t, 0) + 1
-        path_entries += [(j, t, c) for t, c in on_path.items()]
-    paths = np.array(path_entries, dtype=np.int64).reshape(-1, 3).T
-    if len(tokens) and paths.shape[1]:
-        at = np.minimum(np.searchsorted(tokens, paths[1]), len(tokens) - 1)
-        paths[2] += np.where(tokens[at] == paths[1], counts[at], 0)
+class _Section:
+    """One section of the host table, gathered a sequence at a time as arrays (no per-token
+    Python): its entries' owners (a sequence or a rule row), tokens and values."""
+
+    def __init__(self) -> None:
+        self.owners: list[int] = []
+        self.sizes: list[int] = []
+        self.tokens: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def add(self, owner: int | np.ndarray, tokens: np.ndarray, values: np.ndarray | int) -> None:
+        """Entries for `tokens` (one owner for all, or one each), each its value (or one)."""
+        if isinstance(owner, np.ndarray):
+            self.owners += owner.tolist()
+            self.sizes += [1] * len(owner)
+        else:
+            self.owners.append(owner)
+            self.sizes.append(len(tokens))
+        self.tokens.append(tokens)
+        if isinstance(values, int):
+            values = np.full(len(tokens), values, dtype=np.int64)
+        self.values.append(values)
+
+    def array(self) -> np.ndarray:
+        """[3, entries] int64: owner, token, value."""
+        if not self.tokens:
+            return np.zeros((3, 0), dtype=np.int64)
+        owners = np.repeat(np.array(self.owners, dtype=np.int64), self.sizes)
+        return np.stack([owners, np.concatenate(self.tokens), np.concatenate(self.values)])
+
+
+def _add_sequence(
+    sections: list[_Section], rules: LogitRules, tree: DraftTree, k: int, first: int
+) -> None:
+    """Sequence k's entries in the sections, only those its rules read (a guide alone: none);
+    `first`: its root's row among the rule rows."""
+    p = rules.penalties
+    if p.bias:
+        bias_tokens, bias_values = p.bias_arrays
+        sections[_BIAS].add(k, bias_tokens, _as_bits(bias_values))
+    counted = p.presence != 0 or p.frequency != 0 or p.repetition != 1
+    if tree and (counted or (p.min_tokens and p.stop_ids)):
+        node, on_path, depth = _tree_pairs(tuple(tree.parents))
+    if counted:
+        tokens, counts, prompt = rules.arrays
+        if len(tokens):
+            sections[_COUNTS].add(k, tokens, counts)
+        if p.repetition != 1 and len(prompt):
+            sections[_PROMPT].add(k, prompt, 1)
+        if tree:  # each node's row counts its path's tokens once more (summed on the device)
+            path_tokens = np.array(tree.tokens, dtype=np.int64)[on_path]
+            sections[_PATHS].add(first + 1 + node, path_tokens, 1)
     # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
-    stop_ids = rules.penalties.stop_ids
-    held = rules.penalties.min_tokens - int(counts.sum()) if stop_ids else 0
-    stops = np.zeros((3, 0), dtype=np.int64)
+    held = p.min_tokens - sum(rules.counts) if p.stop_ids else 0
     if held > 0:
-        rows = [first] + [first + 1 + i for i, path in enumerate(node_tokens) if len(path) < held]
-        stops = np.array([(r, t, 0) for r in rows for t in stop_ids], dtype=np.int64).T
-    return [
-        np.stack([np.full(len(bias_tokens), k), bias_tokens, _as_bits(bias_values)]),
-        np.stack([np.full(len(tokens), k), tokens, counts]),
-        np.stack([np.full(len(prompt), k), prompt, np.ones_like(prompt)]),
-        paths,
-        stops,
-    ]
+        stop_ids = np.array(p.stop_ids, dtype=np.int64)
+        rows = [first] + ((first + 1 + np.flatnonzero(depth < held)).tolist() if tree else [])
+        for row in rows:
+            sections[_STOPS].add(row, stop_ids, 0)
 
 
 def bend_by_rules(
@@ -81,21 +121,19 @@ def bend_by_rules(
     ruled = [(item, r) for item, r in zip(inputs, rows, strict=True) if item.rules is not None]
     if not ruled:
         return False
-    sections: list[list[np.ndarray]] = [[], [], [], [], []]
+    sections = [_Section() for _ in range(5)]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
     scalars: list[tuple[float, float, float, float]] = []  # per sequence
     for k, (item, r) in enumerate(ruled):
         assert item.rules is not None
-        shares = _sections(item.rules, item.tree, k, len(row_of))
-        for section, part in zip(sections, shares, strict=True):
-            section.append(part)
+        _add_sequence(sections, item.rules, item.tree, k, len(row_of))
         row_of += r
         k_of += [k] * len(r)
         p = item.rules.penalties
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut))
-    parts = [np.concatenate(section, axis=1) for section in sections]
+    parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
     mask_of, masks = _masks(ruled, logits.shape[1])
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
@@ -128,8 +166,8 @@ def bend_by_rules(
     if repeats or any(s[1] != 0 or s[2] != 0 for s in scalars):
         count = logits.new_zeros(num_seqs, vocab)
         count[counts[0], counts[1]] = counts[2].to(logits.dtype)
-        count = count[ks]  # [R, vocab]: each row's output counts, then its path's
-        count[paths[0], paths[1]] = paths[2].to(logits.dtype)
+        count = count[ks]  # [R, vocab]: each row's output counts, plus its path's
+        count.index_put_((paths[0], paths[1]), paths[2].to(logits.dtype), accumulate=True)
         present = count > 0
         repetition, frequency, presence = (s[ks][:, None] for s in scalar)
         if repeats:  # (x / 1 and x * 1 are x: the rows without it keep theirs)

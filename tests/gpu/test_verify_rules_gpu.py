@@ -12,6 +12,7 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them 
     target_dir,
     test_bent_rows_are_the_reference_rows,
     test_decode_steps_under_rules_are_the_targets_greedy_tokens,
+    test_each_sequence_is_bent_by_its_own_rules_alone,
     test_logprobs_under_rules_are_the_raw_distribution,
     test_malformed_rules_are_refused,
     test_min_p_draws_only_tokens_likely_enough,

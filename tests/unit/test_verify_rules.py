@@ -130,6 +130,51 @@ def test_bent_rows_are_the_reference_rows(
     assert not bend_by_rules([VerifyInput("x", False, 1, [4], DraftTree())], got, rows[:1])
 
 
+def test_each_sequence_is_bent_by_its_own_rules_alone(device: str) -> None:  # noqa: F811
+    """A round whose sequences ask for different rules (a bias only, counts only, min_tokens
+    only, repetition with its prompt, all of them, none) on trees of one shape and of others:
+    every row as `bend_row` bends it alone, bit for bit; the table carries only what each
+    sequence's rules read, so no sequence's entries reach another's rows."""
+    torch.manual_seed(11)
+    vocab = 40
+    kinds = [
+        Penalties(bias=((3, 2.0), (5, -7.5))),
+        Penalties(presence=0.5, frequency=1.25),
+        Penalties(min_tokens=3, stop_ids=(0, 2)),  # (held at depths 0 and 1, not 2)
+        None,
+        Penalties(repetition=1.4),
+        replace(STRONG, bias=((3, 1.0),), min_tokens=9, stop_ids=(7,)),
+        Penalties(frequency=-0.5),
+    ]
+    trees = [
+        DraftTree([3, 5, 3], [-1, 0, 1]),
+        DraftTree([5, 3, 5], [-1, 0, 1]),
+        DraftTree([7, 7, 2, 7], [-1, 0, -1, 2]),
+        DraftTree([1], [-1]),
+        DraftTree([9, 3, 9], [-1, 0, 1]),
+        DraftTree(),
+        DraftTree([3, 3, 3], [-1, 0, 1]),
+    ]
+    outputs = [[3, 4], [5, 5, 3], [1], [2], [9, 8], [3] * 5, [3, 6]]
+    inputs, rows, start = [], [], 0
+    for i, (penalties, tree, output) in enumerate(zip(kinds, trees, outputs, strict=True)):
+        rules = rules_for(penalties, (8, 9, 30), Counter(output))
+        inputs.append(VerifyInput(f"s{i}", False, 10, [4], tree, SAMPLED, rules=rules))
+        rows.append(range(start, start + len(tree) + 1))
+        start += len(tree) + 1
+    logits = torch.randn(start, vocab) * 4
+    want = logits.clone()
+    for item, r in zip(inputs, rows, strict=True):
+        if item.rules is not None:
+            paths = [[], *node_paths(item.tree)]
+            for j, row in enumerate(r):
+                want[row] = bend_row(logits[row], item.rules, paths[j], SAMPLED.temperature)
+    got = logits.clone().to(device)
+    assert bend_by_rules(inputs, got, rows)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[rows[3].start : rows[3].stop], logits[rows[3].start : rows[3].stop])
+
+
 def test_speculative_rounds_commit_the_targets_greedy_tokens_under_the_rules(
     target_dir: Path,  # noqa: F811
     reference: LlamaForCausalLM,  # noqa: F811
