@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 from specsplit.convert import verify_request_from_proto, verify_request_to_proto
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import NO_MASK, Allowed, Penalties, bend_row, mask_words, rules_for
+from specsplit.logit_rules import NO_MASK, Allowed, Penalties, mask_words, rules_for
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -29,7 +29,8 @@ from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
     reference,
     target_dir,
 )
-from verifier.round_rules import _masks, bend_by_rules, node_paths
+from tests.unit.test_verify_rules import reference_bend
+from verifier.round_rules import _masks, bend_by_rules
 
 NUM_TOKENS = 12
 SAMPLED = SamplingParams(temperature=0.8, seed=3)
@@ -86,12 +87,7 @@ def test_masked_rows_are_the_reference_rows(penalties: Penalties | None, device:
     starts = np.cumsum([0] + [len(t) + 1 for t in trees]).tolist()
     rows = [range(s, s + len(t) + 1) for s, t in zip(starts[:-1], trees, strict=True)]
     logits = torch.randn(starts[-1], vocab) * 4
-    want = logits.clone()
-    for item, r in zip(inputs, rows, strict=True):
-        if item.rules is not None:
-            paths = [[], *node_paths(item.tree)]
-            for j, row in enumerate(r):
-                want[row] = bend_row(logits[row], item.rules, paths[j], SAMPLED.temperature, at=j)
+    want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)
     assert bend_by_rules(inputs, got, rows)
     got = got.cpu()

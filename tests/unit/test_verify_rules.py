@@ -62,6 +62,21 @@ def truth(reference: LlamaForCausalLM) -> list[int]:  # noqa: F811
     return _greedy(reference, STRONG)
 
 
+def reference_bend(
+    inputs: list[VerifyInput], rows: list[range], logits: torch.Tensor
+) -> torch.Tensor:
+    """The logits with each row of each input with rules bent alone by `bend_row` (its path in
+    the tree, its place among its rows, the round's temperature)."""
+    want = logits.clone()
+    for item, r in zip(inputs, rows, strict=True):
+        if item.rules is not None:
+            paths = [[], *node_paths(item.tree)]
+            for j, row in enumerate(r):
+                temperature = item.sampling.temperature
+                want[row] = bend_row(logits[row], item.rules, paths[j], temperature, at=j)
+    return want
+
+
 @pytest.mark.parametrize(
     "penalties",
     [
@@ -115,12 +130,7 @@ def test_bent_rows_are_the_reference_rows(
     starts = [0, len(trees[0]) + 1, len(trees[0]) + len(trees[1]) + 2]
     rows = [range(s, s + len(t) + 1) for s, t in zip(starts, trees, strict=True)]
     logits = torch.randn(rows[-1].stop, vocab) * 4
-    want = logits.clone()
-    for item, r in zip(inputs, rows, strict=True):
-        if item.rules is not None:
-            paths = [[], *node_paths(item.tree)]
-            for j, row in enumerate(r):
-                want[row] = bend_row(logits[row], item.rules, paths[j], SAMPLED.temperature)
+    want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)  # (on a GPU: the same float32 ops, bit for bit)
     assert bend_by_rules(inputs, got, rows)
     got = got.cpu()
@@ -163,12 +173,7 @@ def test_each_sequence_is_bent_by_its_own_rules_alone(device: str) -> None:  # n
         rows.append(range(start, start + len(tree) + 1))
         start += len(tree) + 1
     logits = torch.randn(start, vocab) * 4
-    want = logits.clone()
-    for item, r in zip(inputs, rows, strict=True):
-        if item.rules is not None:
-            paths = [[], *node_paths(item.tree)]
-            for j, row in enumerate(r):
-                want[row] = bend_row(logits[row], item.rules, paths[j], SAMPLED.temperature)
+    want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)
     assert bend_by_rules(inputs, got, rows)
     assert torch.equal(got.cpu(), want)
