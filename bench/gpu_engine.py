@@ -420,6 +420,9 @@ def main() -> None:
     parser.add_argument("--generate-tokens", type=int, default=32)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
     parser.add_argument(
+        "--no-eager", action="store_true", help="on a GPU: CUDA graphs only (no eager rounds)"
+    )
+    parser.add_argument(
         "--prefill", type=int, nargs="*", default=[], help="also time a prompt of N tokens"
     )
     parser.add_argument(
@@ -499,7 +502,8 @@ def main() -> None:
         )
 
     rows: list[tuple[str, int, float]] = []
-    for graphs in (True, False) if device.type == "cuda" else (False,):
+    modes = (True, False) if device.type == "cuda" else (False,)  # CUDA graphs, eager
+    for graphs in modes[:1] if args.no_eager else modes:
         rows += bench_ours(hf, config, args, graphs)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -291,11 +291,12 @@ for part in "${parts[@]}"; do
     rules-ab)  # a rules round's and a guided round's time in this tree and in .gpu/old
       # (`scripts/gpu_old.sh REV`, then `cp bench/gpu_engine.py .gpu/old/bench/`: both trees
       # timed by one bench, whose rules are new objects each round, as the wire's), SmolLM2
-      # shape, in process, on one machine: $out/rulesab_<mode>_{new,old}.txt
+      # shape, CUDA graphs, in process, on one machine, the trees in turn twice:
+      # $out/rulesab_<mode>_{new,old}{,2}.txt
       for mode in --rules --guide; do
-        in_trees "new old" "rulesab_${mode#--}" python3 bench/gpu_engine.py --shape smollm2-135m \
-          --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 30 --decode-ahead --no-hf \
-          --sampled-n 8 "$mode"
+        in_trees "new old new2 old2" "rulesab_${mode#--}" python3 bench/gpu_engine.py \
+          --shape smollm2-135m --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 60 \
+          --decode-ahead --no-hf --no-eager --sampled-n 8 "$mode"
       done ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
       # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole

@@ -184,7 +184,8 @@ class LogitRules:
     def after(self, tokens: Iterable[int]) -> LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
         assert self.carried, "a guide's masks are the gateway's to make"
-        return with_output(self.penalties, self.counter + Counter(tokens), self.prompt)
+        output = self.counter + Counter(tokens)
+        return with_output(still_held(self.penalties, output), output, self.prompt)
 
     def validate(self, vocab_size: int, num_rows: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed;
@@ -201,6 +202,14 @@ class LogitRules:
         if not np.all(counts > 0):
             raise ValueError("rules.counts: each token counted > 0")
         check_ids(prompt, vocab_size, "rules.prompt")
+
+
+def still_held(penalties: Penalties, output: Counter[int]) -> Penalties:
+    """`penalties` for an output of these counts: min_tokens and its stop tokens gone once the
+    output holds that many tokens (the gateway's rules and the verifier's `after` alike)."""
+    if penalties.min_tokens and output.total() >= penalties.min_tokens:
+        return replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
+    return penalties
 
 
 def with_output(penalties: Penalties, output: Counter[int], prompt: tuple[int, ...]) -> LogitRules:
@@ -223,8 +232,8 @@ def rules_for(
     """A round's rules from its request's penalties, its prompt's `distinct` tokens, its
     output so far (the gateway's) and a guide's masks; None where they change nothing. The
     prompt goes only where it is read (a repetition penalty)."""
-    if penalties is not None and penalties.min_tokens and output.total() >= penalties.min_tokens:
-        penalties = replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
+    if penalties is not None:
+        penalties = still_held(penalties, output)
     if penalties is None or not penalties.active:
         if allowed is None:
             return None

@@ -204,7 +204,7 @@ class DeviceRounds(DeviceWaits):
         asks = any(i.logprobs != NO_LOGPROBS for i in inputs)
         if asks and any(i.rules is not None for i in inputs):
             raw = raw.clone()  # (the acceptance's are bent by the rules)
-        packed = self._accept(inputs, seqs, out, rows, batch.block_table, chain)
+        packed = self._accept(inputs, seqs, out, rows, batch.block_table, chain, tokens)
         hidden = None
         if out.hidden_states is not None:  # queued before the results' copy, whose wait covers it
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
@@ -262,14 +262,16 @@ class DeviceRounds(DeviceWaits):
         rows: list[range],  # per sequence its n + 1 rows of the logits
         block_table: torch.Tensor,  # [B, max_pages] the step's pages (host)
         chain: Chain | None = None,
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The round's acceptance queued on the device (`queue_accept`), on logits bent by the
-        sequences' rules (verifier/round_rules.py), then to the synthetic acceptance's outcome
-        where that is on (benchmarks only); the forward's argmax is then taken again. A chained
-        round's placed on the outcomes that came."""
+        sequences' rules (verifier/round_rules.py; a decode step run ahead's read its `pending`
+        tokens on the device), then to the synthetic acceptance's outcome where that is on
+        (benchmarks only); the forward's argmax is then taken again. A chained round's placed
+        on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
         logits, argmax = out.logits, out.greedy
-        if bend_by_rules(inputs, logits, rows):
+        if bend_by_rules(inputs, logits, rows, pending):
             argmax = None
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance

@@ -270,6 +270,8 @@ class VerifierEngine(EngineSetup):
             # part alone, the others' launched beside it unable to run ahead: `_join_ahead`)
             for item, out in zip(ahead.inputs, results[: len(ahead.inputs)], strict=True):
                 item.pending_tokens = [out.bonus_token]
+                if item.rules is not None:  # (its output through that token)
+                    item.rules = item.rules.after([out.bonus_token])
         self._ahead = ahead
         launched.device_ns = sum(part.device_ns() for part in launched.parts)
         if len(launched.parts) == 1:  # (its order is the round's)

@@ -23,8 +23,9 @@ from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree, ancestor_mask, depths
 
-# the host table's sections, each [3, n] int32: (sequence k or rule row, token, value)
-_BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS = range(5)
+# the host table's sections, each [3, n] int32: (sequence k or rule row, token, value); a
+# step run ahead's (`pending`): (rule row, the row's input, 0)
+_BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS, _PENDING = range(6)
 
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
@@ -82,10 +83,11 @@ class _Section:
 
 
 def _add_sequence(
-    sections: list[_Section], rules: LogitRules, tree: DraftTree, k: int, first: int
+    sections: list[_Section], rules: LogitRules, tree: DraftTree, k: int, first: int, more: int
 ) -> None:
     """Sequence k's entries in the sections, only those its rules read (a guide alone: none);
-    `first`: its root's row among the rule rows."""
+    `first`: its root's row among the rule rows; `more`: output tokens its rules do not hold
+    yet (a step run ahead's pending token, on the device)."""
     p = rules.penalties
     if p.bias:
         bias_tokens, bias_values = p.bias_arrays
@@ -103,7 +105,7 @@ def _add_sequence(
             path_tokens = np.array(tree.tokens, dtype=np.int64)[on_path]
             sections[_PATHS].add(first + 1 + node, path_tokens, 1)
     # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
-    held = p.min_tokens - sum(rules.counts) if p.stop_ids else 0
+    held = p.min_tokens - sum(rules.counts) - more if p.stop_ids else 0
     if held > 0:
         stop_ids = np.array(p.stop_ids, dtype=np.int64)
         rows = [first] + ((first + 1 + np.flatnonzero(depth < held)).tolist() if tree else [])
@@ -115,19 +117,27 @@ def bend_by_rules(
     inputs: list[VerifyInput],
     logits: torch.Tensor,  # [L, vocab] float32 on the device, bent in place
     rows: list[range],  # per sequence its n + 1 rows of `logits`
+    pending: torch.Tensor | None = None,
 ) -> bool:
     """The rows of the inputs with rules bent by them; whether any were (the logits' argmax
-    must then be taken again)."""
-    ruled = [(item, r) for item, r in zip(inputs, rows, strict=True) if item.rules is not None]
+    must then be taken again). pending: a decode step run ahead's input tokens on the device,
+    one an input (verifier/run_ahead.py), each its output's next token, which its rules (the
+    round's before) do not hold yet: counted on the device."""
+    ruled = [(i, r) for i, r in enumerate(rows) if inputs[i].rules is not None]
     if not ruled:
         return False
-    sections = [_Section() for _ in range(5)]
+    sections = [_Section() for _ in range(6)]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
     scalars: list[tuple[float, float, float, float]] = []  # per sequence
-    for k, (item, r) in enumerate(ruled):
+    for k, (i, r) in enumerate(ruled):
+        item = inputs[i]
         assert item.rules is not None
-        _add_sequence(sections, item.rules, item.tree, k, len(row_of))
+        first = len(row_of)
+        _add_sequence(sections, item.rules, item.tree, k, first, int(pending is not None))
+        if pending is not None:
+            rule_rows = np.arange(first, first + len(r))
+            sections[_PENDING].add(rule_rows, np.full(len(r), i, dtype=np.int64), 0)
         row_of += r
         k_of += [k] * len(r)
         p = item.rules.penalties
@@ -135,7 +145,7 @@ def bend_by_rules(
         scalars.append((p.repetition, p.frequency, p.presence, cut))
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
-    mask_of, masks = _masks(ruled, logits.shape[1])
+    mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
     # per sequence (columns): repetition, frequency, presence; then min_p's cut in row 0
     per_seq = np.array(scalars).T
@@ -149,7 +159,7 @@ def bend_by_rules(
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
     # the sections as indices (int64), and the bits of the biases and the scalars as float32
     split = torch.tensor_split(on_device[:, : ends[-1]].long(), ends[:-1], dim=1)
-    bias, counts, prompt, paths, stops, rule_rows_d = split[:6]
+    bias, counts, prompt, paths, stops, pend, rule_rows_d = split[:7]
     biases = _from_bits(on_device[2, : ends[0]])
     num_seqs = len(ruled)
     scalar = _from_bits(on_device[:, ends[-1] : ends[-1] + num_seqs])  # [3, K]
@@ -168,6 +178,9 @@ def bend_by_rules(
         count[counts[0], counts[1]] = counts[2].to(logits.dtype)
         count = count[ks]  # [R, vocab]: each row's output counts, plus its path's
         count.index_put_((paths[0], paths[1]), paths[2].to(logits.dtype), accumulate=True)
+        if pending is not None:  # (each rule row: its input's token, once)
+            drawn = pending.to(torch.int64)[pend[1]]
+            count.index_put_((pend[0], drawn), count.new_ones(()), accumulate=True)
         present = count > 0
         repetition, frequency, presence = (s[ks][:, None] for s in scalar)
         if repeats:  # (x / 1 and x * 1 are x: the rows without it keep theirs)

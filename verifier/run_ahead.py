@@ -82,13 +82,25 @@ class RunAhead(DeviceRounds):
             return None
         if not _plain(done_inputs):
             return None
+        if any(item.rules is not None and item.pending_tokens == [UNKNOWN_TOKEN]
+               for item in done_inputs):  # fmt: skip
+            return None  # (behind a step run ahead: its rules would read two unknown tokens)
         # as the round's commit leaves them (the round's items' lengths: a step run ahead's
         # are past its sequences' committed lengths until the rounds before it commit)
         committed = [item.kv_committed_len + len(item.pending_tokens) for item in done_inputs]
         if any(length + 1 > self.max_context for length in committed):
             return None
+        # each with the round's rules: the step's bending counts its token on the device
+        # (`bend_by_rules`' pending), `_finish_round` adds it to them once it is known
         inputs = [
-            decode_step(item.seq_id, length, UNKNOWN_TOKEN, item.sampling, logprobs=item.logprobs)
+            decode_step(
+                item.seq_id,
+                length,
+                UNKNOWN_TOKEN,
+                item.sampling,
+                logprobs=item.logprobs,
+                rules=item.rules,
+            )
             for item, length in zip(done_inputs, committed, strict=True)
         ]
         tokens = bonus[0] if len(bonus) == 1 else torch.cat(bonus)
@@ -285,8 +297,12 @@ class RunAhead(DeviceRounds):
 
 def _plain(items: list[VerifyInput]) -> bool:
     """Whether a round of `items` may have its next decode step run ahead: no tree, no hidden
-    states, no logit rules (the next step's read the token this one draws)."""
-    return not any(item.tree or item.hidden_state_layers or item.rules for item in items)
+    states, no guide (its masks for the next step are the gateway's; other logit rules read the
+    token this one draws on the device)."""
+    return not any(
+        item.tree or item.hidden_state_layers or (item.rules and not item.rules.carried)
+        for item in items
+    )
 
 
 def _asks_logprobs(items: list[VerifyInput]) -> bool:

@@ -1,6 +1,7 @@
 """Logit rules on a CUDA device: tests/unit/test_verify_rules.py's engine cases with the verifier
 on CUDA graphs (float32; the forward's argmax is taken again on the bent rows), decode steps run
-ahead where a round allows it. Skipped without a GPU."""
+ahead where a round allows it (under rules too: their bending counts the token drawn on the
+device). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them 
     test_min_p_draws_only_tokens_likely_enough,
     test_sampled_rounds_draw_from_the_bent_distribution,
     test_speculative_rounds_commit_the_targets_greedy_tokens_under_the_rules,
+    test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens,
     truth,
 )
 

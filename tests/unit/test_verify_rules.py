@@ -212,29 +212,68 @@ def test_decode_steps_under_rules_are_the_targets_greedy_tokens(
     device: str,  # noqa: F811
     truth: list[int],
 ) -> None:
-    """A round of several decode steps reads each step's token into the next step's rules; no
-    step runs ahead of a round with rules (its rules would read a token not yet drawn), as one
-    does of the same round without."""
+    """A round of several decode steps reads each step's token into the next step's rules; the
+    steps run ahead under rules (each counting the token the step before drew, on the device)
+    and are taken by the round that asks for them: the further steps of a round, and the next
+    round with its rules through that token; a round that asks otherwise (no rules) drops it."""
     engine = _engine(target_dir, device)
     first = engine.verify(
         [VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))]
     )
     got = [first[0].bonus_token]
+    used = engine.num_ahead_used
     item = VerifyInput("s", False, len(PROMPT), got[-1:], DraftTree(), rules=_rules(STRONG, got))
     item.decode_steps = 6
     out = engine.verify([item])[0]
     got += out.new_tokens
-    assert engine._ahead is None
+    assert engine.num_ahead_used == used + 6  # (the first round's next step, then its own)
+    assert engine._ahead is not None and engine._ahead.inputs[0].rules == _rules(STRONG, got)
     item = VerifyInput(
         "s", False, out.kv_committed_len, got[-1:], DraftTree(), rules=_rules(STRONG, got)
     )
     got += engine.verify([item])[0].new_tokens
-    assert engine._ahead is None
+    assert engine.num_ahead_used == used + 7
     assert got == truth[: len(got)] and len(got) == 8
+    dropped = engine.num_ahead_dropped
     plain = VerifyInput("s", False, len(PROMPT) + len(got) - 1, got[-1:], DraftTree())
     engine.verify([plain])
-    assert engine._ahead is not None  # (without rules the next step runs ahead)
+    assert engine.num_ahead_dropped == dropped + 1 and engine._ahead is not None
     engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize("min_tokens", [3, 6])
+def test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens(
+    target_dir: Path,  # noqa: F811
+    reference: LlamaForCausalLM,  # noqa: F811
+    device: str,  # noqa: F811
+    min_tokens: int,
+) -> None:
+    """min_tokens over decode rounds whose steps run ahead: a step's held stop tokens count the
+    token the step before drew (on the device, not yet in its rules), so the output is the
+    target's greedy one under the rules. The stop token is the one the target picks as the
+    output's token min_tokens, the first it may: a step that counted one token short would
+    hold it back there."""
+    base = Penalties(presence=0.5)
+    stop = _greedy(reference, base)[min_tokens]
+    penalties = replace(base, min_tokens=min_tokens, stop_ids=(stop,))
+    want = _greedy(reference, penalties)
+    assert want[min_tokens] == stop
+    engine = _engine(target_dir, device)
+    out = engine.verify(
+        [VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(penalties, []))]
+    )
+    got = [out[0].bonus_token]
+    while len(got) < 10:
+        committed = len(PROMPT) + len(got) - 1
+        item = VerifyInput(
+            "s", False, committed, got[-1:], DraftTree(), rules=_rules(penalties, got)
+        )
+        got += engine.verify([item])[0].new_tokens
+    assert got == want[: len(got)]
+    assert engine.num_ahead_used >= 5
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
 
 
 def test_sampled_rounds_draw_from_the_bent_distribution(
