@@ -181,6 +181,7 @@ class EngineBench:
         self.guide = getattr(args, "guide", False)
         self.guide_masks = getattr(args, "guide_masks", 0)
         self._guides: dict[int, LogitRules] = {}
+        self._outputs: dict[str, LogitRules] = {}  # --rules: each sequence's, through its output
 
     def _rules(self) -> LogitRules:
         """A 64-token bias, presence, frequency and repetition penalties, an output of 256
@@ -206,11 +207,18 @@ class EngineBench:
             self._guides[num_rows] = LogitRules(Penalties(), allowed=allowed)
         return self._guides[num_rows]
 
-    def _round_rules(self, num_rows: int) -> LogitRules | None:
+    def _round_rules(self, seq_id: str, num_rows: int) -> LogitRules | None:
         """A sequence's rules for a round of num_rows rows: new objects each round, as the wire
-        makes them (the arrays the verifier reads from them made again)."""
-        rules = self._guided(num_rows) if self.guide else self.rules
-        return None if rules is None else replace(rules, penalties=replace(rules.penalties))
+        makes them (the arrays the verifier reads from them made again); --rules: through the
+        output so far (`_outputs`), as the gateway sends them (a decode step run ahead under
+        them is taken)."""
+        if self.guide:
+            rules = self._guided(num_rows)
+        elif self.rules is not None:
+            rules = self._outputs.setdefault(seq_id, self.rules)
+        else:
+            return None
+        return replace(rules, penalties=replace(rules.penalties))
 
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
@@ -262,7 +270,7 @@ class EngineBench:
                     hidden_state_layers=self.hidden_state_layers,
                     decode_steps=decode_steps,
                     logprobs=self.logprobs,
-                    rules=self._round_rules(n + 1),
+                    rules=self._round_rules(seq_id, n + 1),
                 )
             )
         if newcomer:
@@ -270,9 +278,11 @@ class EngineBench:
             new = VerifyInput("newcomer", True, 0, self._tokens(newcomer), tree)
             new.hidden_state_layers = self.hidden_state_layers
             inputs.append(new)
-        for out in self.engine.verify(inputs):
+        for item, out in zip(inputs, self.engine.verify(inputs), strict=True):
             if out.seq_id in state:
                 state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
+                if self.rules is not None and item.rules is not None:
+                    self._outputs[out.seq_id] = item.rules.after(out.new_tokens)
         if newcomer:
             self.engine.release(["newcomer"])
 
@@ -284,6 +294,8 @@ class EngineBench:
 
     def close(self, state: dict[str, tuple[int, int]]) -> None:
         self.engine.release(list(state))
+        for seq_id in state:
+            self._outputs.pop(seq_id, None)
         self.engine.check_integrity()
         assert self.engine.num_pages_used == 0
 
