@@ -202,6 +202,9 @@ def cprofile_steps(
     wall = (time.perf_counter() - start) / args.steps * 1e3
     hidden = " + hidden states" if args.hidden_states else ""
     print(f"\n== {args.shape} batch {len(state)} n {n}{hidden}: wall {wall:.3f} ms/step")
+    engine = bench.engine
+    dropped = dict(engine.num_ahead_dropped_by)
+    print(f"   decode steps run ahead so far: used {engine.num_ahead_used}, dropped {dropped}")
     print_phases(phases, args.steps, " (unprofiled)")
     for timer in phases.values():
         timer.reset()
