@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -27,7 +28,15 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specsplit.logit_rules import Allowed, LogitRules, Penalties, bias_of, distinct, mask_words
+from specsplit.logit_rules import (
+    Allowed,
+    LogitRules,
+    Penalties,
+    bias_of,
+    distinct,
+    mask_words,
+    with_output,
+)
 from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
@@ -181,7 +190,7 @@ class EngineBench:
         self.guide = getattr(args, "guide", False)
         self.guide_masks = getattr(args, "guide_masks", 0)
         self._guides: dict[int, LogitRules] = {}
-        self._outputs: dict[str, LogitRules] = {}  # --rules: each sequence's, through its output
+        self._outputs: dict[str, Counter[int]] = {}  # --rules: each sequence's output's counts
 
     def _rules(self) -> LogitRules:
         """A 64-token bias, presence, frequency and repetition penalties, an output of 256
@@ -214,8 +223,9 @@ class EngineBench:
         them is taken)."""
         if self.guide:
             rules = self._guided(num_rows)
-        elif self.rules is not None:
-            rules = self._outputs.setdefault(seq_id, self.rules)
+        elif self.rules is not None:  # (as the gateway makes them: counts kept, then sorted)
+            counts = self._outputs.setdefault(seq_id, self.rules.counter.copy())
+            rules = with_output(self.rules.penalties, counts, self.rules.prompt)
         else:
             return None
         return replace(rules, penalties=replace(rules.penalties))
@@ -278,11 +288,11 @@ class EngineBench:
             new = VerifyInput("newcomer", True, 0, self._tokens(newcomer), tree)
             new.hidden_state_layers = self.hidden_state_layers
             inputs.append(new)
-        for item, out in zip(inputs, self.engine.verify(inputs), strict=True):
+        for out in self.engine.verify(inputs):
             if out.seq_id in state:
                 state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
-                if self.rules is not None and item.rules is not None:
-                    self._outputs[out.seq_id] = item.rules.after(out.new_tokens)
+                if out.seq_id in self._outputs:
+                    self._outputs[out.seq_id].update(out.new_tokens)
         if newcomer:
             self.engine.release(["newcomer"])
 

@@ -292,8 +292,8 @@ for part in "${parts[@]}"; do
       # (`scripts/gpu_old.sh REV`, then `cp bench/gpu_engine.py .gpu/old/bench/`: both trees
       # timed by one bench, whose rules are new objects each round, as the wire's), SmolLM2
       # shape, CUDA graphs, in process, on one machine, the trees in turn twice:
-      # $out/rulesab_<mode>_{new,old}{,2}.txt
-      for mode in --rules --guide; do
+      # $out/rulesab_<mode>_{new,old}{,2}.txt; $RULES_AB_MODES: these modes alone
+      for mode in ${RULES_AB_MODES:---rules --guide}; do
         in_trees "new old new2 old2" "rulesab_${mode#--}" python3 bench/gpu_engine.py \
           --shape smollm2-135m --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 60 \
           --decode-ahead --no-hf --no-eager --sampled-n 8 "$mode"

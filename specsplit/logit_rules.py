@@ -30,6 +30,7 @@ the plain reference for one row that the tests compare the verifier's batched be
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections import Counter
@@ -184,8 +185,16 @@ class LogitRules:
     def after(self, tokens: Iterable[int]) -> LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
         assert self.carried, "a guide's masks are the gateway's to make"
-        output = self.counter + Counter(tokens)
-        return with_output(still_held(self.penalties, output), output, self.prompt)
+        output, counts = list(self.output), list(self.counts)
+        for token in tokens:  # (in place, by id: a Counter's sum and sort cost ~0.2 ms a call at
+            i = bisect.bisect_left(output, token)  # 300 distinct tokens, every step run ahead)
+            if i < len(output) and output[i] == token:
+                counts[i] += 1
+            else:
+                output.insert(i, token)
+                counts.insert(i, 1)
+        penalties = still_held(self.penalties, sum(counts))
+        return LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
 
     def validate(self, vocab_size: int, num_rows: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed;
@@ -204,10 +213,10 @@ class LogitRules:
         check_ids(prompt, vocab_size, "rules.prompt")
 
 
-def still_held(penalties: Penalties, output: Counter[int]) -> Penalties:
-    """`penalties` for an output of these counts: min_tokens and its stop tokens gone once the
-    output holds that many tokens (the gateway's rules and the verifier's `after` alike)."""
-    if penalties.min_tokens and output.total() >= penalties.min_tokens:
+def still_held(penalties: Penalties, total: int) -> Penalties:
+    """`penalties` for an output of `total` tokens: min_tokens and its stop tokens gone once the
+    output holds that many (the gateway's rules and the verifier's `after` alike)."""
+    if penalties.min_tokens and total >= penalties.min_tokens:
         return replace(penalties, min_tokens=0, stop_ids=())  # (held back no longer)
     return penalties
 
@@ -233,7 +242,7 @@ def rules_for(
     output so far (the gateway's) and a guide's masks; None where they change nothing. The
     prompt goes only where it is read (a repetition penalty)."""
     if penalties is not None:
-        penalties = still_held(penalties, output)
+        penalties = still_held(penalties, output.total())
     if penalties is None or not penalties.active:
         if allowed is None:
             return None

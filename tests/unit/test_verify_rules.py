@@ -8,6 +8,7 @@ step ahead; the wire carries them; malformed rules are refused."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -376,10 +377,20 @@ def test_rules_cross_the_wire() -> None:
 
 
 def test_rules_after_reads_the_new_tokens() -> None:
+    """`after` is the gateway's rules for the longer output (`rules_for`), min_tokens dropped
+    once reached alike: a step run ahead is taken only where they are equal."""
     rules = _rules(STRONG, [4, 9])
     assert rules is not None
     assert rules.after([9, 2, 9]) == _rules(STRONG, [4, 9, 9, 2, 9])
     assert rules.after([9]).counter[9] == 2 and rules.counter[9] == 1
+    rng = random.Random(5)
+    for _ in range(200):
+        penalties = replace(STRONG, min_tokens=rng.randint(0, 12), stop_ids=(1, 3))
+        output = [rng.randrange(30) for _ in range(rng.randint(0, 10))]
+        rules = _rules(penalties, output)
+        assert rules is not None
+        more = [rng.randrange(40) for _ in range(rng.randint(0, 4))]
+        assert rules.after(more) == _rules(penalties, output + more)
 
 
 def test_min_p_draws_only_tokens_likely_enough(target_dir: Path, device: str) -> None:  # noqa: F811
