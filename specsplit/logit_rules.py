@@ -24,7 +24,8 @@ The output so far at a row is the generation's output through the round's last p
 `Penalties` are a request's settings; `LogitRules` adds a round's context, as the gateway sends
 it each round (the verifier keeps nothing between rounds): a guide's masks are the gateway's,
 one per row, since only the gateway walks the guide, so rounds with them carry no rules forward
-(`LogitRules.carried`: no further decode steps, no rounds launched on a hint). `bend_row` is
+(`LogitRules.carried`: no further decode steps, no step run ahead, no rounds launched on a
+hint); other rules the verifier carries forward itself (`after`). `bend_row` is
 the plain reference for one row that the tests compare the verifier's batched bending with.
 """
 

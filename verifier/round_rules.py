@@ -8,7 +8,10 @@ root to the row's node: its whole count, the output's and the path's) and the st
 min_tokens holds back; the device spreads them over [sequences, vocab] and [rows, vocab] and
 bends the rows' logits in `bend_row`'s order and float32 ops: bias, repetition, presence and
 frequency, min_tokens, a guide's masks, min_p. The guide's masks travel as their words in the
-table, unpacked to [masks, vocab] bits on the device, each rule row indexing its own."""
+table, unpacked to [masks, vocab] bits on the device, each rule row indexing its own. Only what
+a sequence's rules read is listed (a guide alone: its masks). A decode step run ahead under rules
+(verifier/run_ahead.py) reads its input token, which only the device has, into its counts there
+(`pending`)."""
 
 from __future__ import annotations
 
