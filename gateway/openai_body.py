@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeGuard
 
 from gateway.guides import GuideAsk
 from gateway.request import CHAT_ROLES, Chunk, InvalidField, PromptKind, SpecStats
+from gateway.tools import ToolAsk, message_calls
 from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import Penalties, bias_of
 from specsplit.sampling import SamplingParams
@@ -43,14 +44,13 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "prompt_logprobs", "suffix", "tools", "functions",
+    "prompt_logprobs", "suffix", "functions",
     "prediction", "audio", "guided_grammar",
     "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
 # These only at the values (besides null) that ask for what the server does anyway.
 ONLY_AS_DONE = {
     "length_penalty": (1,),  # (beam search's)
-    "tool_choice": ("none", "auto"),  # (with no tools: `tools` is refused)
     "function_call": ("none", "auto"),
     "add_generation_prompt": (True,),
     "modalities": (["text"],),
@@ -128,6 +128,7 @@ class OpenAIRequest:
     guide: GuideAsk | None = None  # guided decoding (gateway/openai_guide.py)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are generated
     bad_words: list[str] = field(default_factory=list)  # vLLM's: never generated
+    tools: ToolAsk | None = None  # a chat's function tools (gateway/openai_tools.py)
 
 
 def body_field(
@@ -172,8 +173,10 @@ def body_prompts(body: dict[str, Any], kind: Kind) -> list[tuple[PromptKind, Any
     )
 
 
-def _message(i: int, message: Any) -> dict[str, str]:
-    """messages[i] as {"role", "content"}: a known role; content a string, text parts or null."""
+def _message(i: int, message: Any) -> dict[str, Any]:
+    """messages[i] as {"role", "content"}: a known role; content a string, text parts or null;
+    an assistant's `tool_calls` ({"name", "arguments"} each: gateway/tools.py) and a tool
+    result's `tool_call_id` kept."""
     if not isinstance(message, dict):
         raise bad_param(f"messages[{i}]", "must be an object with a role and a content")
     role = message.get("role")
@@ -191,7 +194,15 @@ def _message(i: int, message: Any) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
         raise bad_param(f"messages[{i}].content", "must be a string or a list of text parts")
-    return {"role": role, "content": content or ""}
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if role == "assistant" and message.get("tool_calls"):
+        try:
+            out["tool_calls"] = message_calls(message["tool_calls"])
+        except ValueError as err:
+            raise bad_param(f"messages[{i}].tool_calls", str(err)) from None
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

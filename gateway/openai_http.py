@@ -50,6 +50,7 @@ from gateway.openai_logprobs import (
     listed_tokens,
 )
 from gateway.openai_tokens import TokenRoutes
+from gateway.openai_tools import ToolStream, apply_tools, shape_choice
 from gateway.request import (
     DEFAULT_LIMITS,
     Chunk,
@@ -221,6 +222,7 @@ class OpenAIServer:
             raise OpenAIError(400, "the body is not valid JSON") from None
         req = parse_request(body, kind)
         req.guide = body_guide(body)
+        apply_tools(req, body)
         self._check_model(body.get("model"))
         if not self.ready:
             raise OpenAIError(503, "the gateway is waiting for the verifier")
@@ -307,6 +309,7 @@ class OpenAIServer:
                 guide=req.guide,
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
+                tools=() if req.tools is None else [t.as_openai() for t in req.tools.tools],
             )
             for prompt_kind, prompt in req.prompts
         ]
@@ -342,6 +345,8 @@ class OpenAIServer:
             )
             for i, (text, last, entries) in enumerate(zip(texts, done, listed, strict=True))
         ]  # fmt: skip
+        if req.tools is not None and req.tools.calls:
+            choices = [shape_choice(req.tools, body) for body in choices]
         return web.json_response(
             {**header, "object": obj, "choices": choices, "usage": usage(done, req.n)}
         )
@@ -368,7 +373,11 @@ class OpenAIServer:
         stop_ids = self._stop_ids(req)
 
         def event(
-            index: int, text: str | None, finish_reason: str | None, chunk: Chunk | None = None
+            index: int,
+            text: str | None,
+            finish_reason: str | None,
+            chunk: Chunk | None = None,
+            delta: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
             logprobs = None
             if chunk is not None:
@@ -377,6 +386,8 @@ class OpenAIServer:
             body = choice(
                 req.kind, text, finish_reason, stream=True, index=index, logprobs=logprobs
             )
+            if delta is not None:  # (a tool call's)
+                body["delta"] = delta
             event = {**header, "object": obj, "choices": [body]}
             return {**event, "usage": None} if req.include_usage else event
 
@@ -388,12 +399,18 @@ class OpenAIServer:
         for index, echo in enumerate(echoes or ()):  # each choice's prompt, then its text
             await send(event(index, echo, None))
         finished: dict[int, Chunk] = {}  # each choice's last chunk
+        calls = None  # each choice's tool calls as they stream, where the output is calls
+        if req.tools is not None and req.tools.calls:
+            calls = [ToolStream(req.tools) for _ in streams]
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
                 async for index, chunk in chunks:
+                    if calls is not None:  # (no logprobs with calls: apply_tools)
+                        for delta, reason in calls[index].events(chunk.text, chunk.finish_reason):
+                            await send(event(index, None, reason, delta=delta))
                     # (a chunk whose text is held back still sends its tokens' logprobs)
                     lists = req.logprobs is not None and bool(chunk.token_ids)
-                    if chunk.text or chunk.finish_reason is not None or lists:
+                    if calls is None and (chunk.text or chunk.finish_reason is not None or lists):
                         text = chunk.text if chunk.text or req.kind == "completion" else None
                         await send(event(index, text, chunk.finish_reason, chunk))
                     if chunk.finish_reason is not None:

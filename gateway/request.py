@@ -20,7 +20,8 @@ from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
 
 PromptKind = Literal["text", "chat", "token_ids"]
-CHAT_ROLES = ("system", "user", "assistant")  # what every chat template renders
+# what chat templates render ("tool": a function's result, in function calling)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # A prompt that fits the context is far below this many bytes per token of context (English
 # text: ~4); the default limit on prompt bytes, counted before anything is tokenized.
 PROMPT_BYTES_PER_CONTEXT_TOKEN = 32
@@ -155,11 +156,13 @@ def build_request(
     guide: GuideAsk | None = None,
     allowed_token_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] = (),
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
     truncate_prompt_tokens: the prompt's last this many tokens only (vLLM's; not a session's
-    turn)."""
+    turn). tools: a chat's function tools, as its template renders them
+    (specsplit/prompt.py)."""
     if max_new_tokens is not None and max_new_tokens > limits.max_new_tokens:
         raise InvalidField(
             "max_new_tokens",
@@ -181,7 +184,7 @@ def build_request(
                 f"{model.max_context - 1}] (the context, room for one generated token)",
             )
     truncating = truncate_prompt_tokens is not None
-    prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits, truncating)
+    prompt_ids = checked_prompt_ids(model, prompt_kind, prompt, limits, truncating, tools)
     if truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-truncate_prompt_tokens:]
     check_vocab(stop_token_ids, "stop_token_ids", model.vocab_size)
@@ -259,12 +262,13 @@ def checked_prompt_ids(
     prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
     limits: Limits = DEFAULT_LIMITS,
     truncating: bool = False,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[int]:
     """A prompt's token ids as a request's generation reads them, its size checked before it is
     tokenized (`check_prompt`); InvalidField("prompt") otherwise. Tokenizes: off the event loop.
     truncating: the caller keeps its last tokens only (token ids past the context allowed)."""
     check_prompt(model, kind, prompt, limits.prompt_bytes(model), truncating)
-    return _prompt_ids(model, kind, prompt)
+    return _prompt_ids(model, kind, prompt, tools)
 
 
 def _turn_prompt(
@@ -331,6 +335,7 @@ def _prompt_ids(
     model: ModelInfo,
     kind: PromptKind,
     prompt: str | Sequence[Mapping[str, str]] | Sequence[int],
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[int]:
     if not prompt:
         raise InvalidField("prompt", f"prompt.{kind} is empty")
@@ -339,7 +344,7 @@ def _prompt_ids(
         ids = encode_prompt(model.tokenizer, prompt)
     elif kind == "chat":
         try:
-            ids = apply_chat_template(model.tokenizer, prompt)  # type: ignore[arg-type]
+            ids = apply_chat_template(model.tokenizer, prompt, tools)  # type: ignore[arg-type]
         except TemplateError as err:  # the template's own raise_exception (roles, order)
             raise InvalidField("prompt", f"the model's chat template refused it: {err}") from None
     else:

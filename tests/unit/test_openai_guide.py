@@ -30,10 +30,13 @@ def _format(schema: Any) -> dict[str, Any]:
     }
 
 
-def _run(tokenizer: Any, bodies: list[dict[str, Any]]) -> tuple[list[Any], _Scheduler]:
-    """Each body posted to chat completions: its response's status and JSON."""
+def _run(
+    tokenizer: Any, bodies: list[dict[str, Any]], scheduler: Any = None
+) -> tuple[list[Any], Any]:
+    """Each body posted to chat completions: its response's JSON (a streamed one's: its events'
+    JSON), or its error's for a 400; and the scheduler (default: one finished chunk each)."""
     model = ModelInfo(tokenizer, tokenizer.vocab_size, 2048, (tokenizer.eos_token_id,))
-    scheduler = _Scheduler()
+    scheduler = scheduler or _Scheduler()
     answers: list[Any] = []
 
     async def main() -> None:
@@ -45,6 +48,11 @@ def _run(tokenizer: Any, bodies: list[dict[str, Any]]) -> tuple[list[Any], _Sche
                     response = await client.post("/v1/chat/completions", json=body)
                     if response.status != 200:
                         answers.append(await _error(response, 400))
+                    elif body.get("stream"):
+                        lines = (await response.text()).split("\n\n")
+                        events = [line.removeprefix("data: ") for line in lines if line]
+                        assert events[-1] == "[DONE]"
+                        answers.append([json.loads(e) for e in events[:-1]])
                     else:
                         answers.append(await response.json())
 

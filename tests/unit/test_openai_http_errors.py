@@ -124,8 +124,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", {"name": "f"}),
         ("echo", True),

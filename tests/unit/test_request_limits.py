@@ -124,7 +124,7 @@ def test_a_lone_surrogate_is_invalid_argument_not_a_tokenizer_crash(prompt: Any)
     assert tokenizer.calls == 0
 
 
-@pytest.mark.parametrize("role", ["robot", "", None, "tool"])
+@pytest.mark.parametrize("role", ["robot", "", None, "function"])
 def test_unknown_chat_roles_are_refused(role: Any) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]
     with pytest.raises(InvalidField) as err:

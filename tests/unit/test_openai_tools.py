@@ -1,0 +1,263 @@
+"""Function calling over the chat API (gateway/openai_tools.py, gateway/tools.py): a named
+tool choice guides the output to that function's parameters, "required" to a JSON array of
+calls of the tools; the answer carries `tool_calls` (finish_reason "tool_calls"), streamed as
+OpenAI streams them; an output cut short stays text; the tools reach the prompt through the
+chat template, or a system message where the template does not render them; earlier calls and
+their results are read as the conversation; "auto" and malformed tools are a 400 naming the
+parameter, and nothing reaches the scheduler."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.request import Chunk, GenerationRequest
+from gateway.tools import Tool, ToolAsk, read_calls
+from specsplit.guide.tokens import TokenAutomaton
+from specsplit.prompt import TOOLS_INTRO, apply_chat_template
+from tests.unit.test_openai_guide import _run
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ROME = {"name": "get_weather", "arguments": '{"city": "Rome"}'}  # an earlier call
+BAD_CALL = {  # arguments not an object's JSON
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}],
+}
+
+
+class _Scripted:
+    """Answers every request with `pieces` of text, the last chunk finished by `finish`."""
+
+    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
+        self.pieces, self.finish = pieces, finish
+        self.requests: list[GenerationRequest] = []
+
+    def generate(self, req: GenerationRequest, waiting_too: int = 0) -> AsyncIterator[Chunk]:
+        self.requests.append(req)
+
+        async def chunks() -> AsyncIterator[Chunk]:
+            for i, piece in enumerate(self.pieces):
+                last = i == len(self.pieces) - 1
+                yield Chunk(
+                    token_ids=[7], text=piece, finish_reason=self.finish if last else None,
+                    completion_tokens=i + 1,
+                )  # fmt: skip
+
+        return chunks()
+
+
+def _post(
+    tokenizer: Any, body: dict[str, Any], pieces: list[str], finish: str = "stop"
+) -> tuple[Any, _Scripted]:
+    """The body posted to chat completions, answered with `pieces` (gateway._run)."""
+    answers, scheduler = _run(tokenizer, [body], _Scripted(pieces, finish))
+    return answers[0], scheduler
+
+
+def _body(**extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    return {"model": "m", "messages": messages, "tools": [WEATHER, ADD], **extra}
+
+
+def test_a_named_choice_guides_to_its_parameters_and_answers_a_call(smollm2_tokenizer) -> None:
+    arguments = '{"city": "Paris", "unit": "c"}'
+    out, scheduler = _post(
+        smollm2_tokenizer, _body(tool_choice=NAMED), [arguments[:9], arguments[9:]]
+    )
+    guide = scheduler.requests[0].guide
+    assert isinstance(guide, TokenAutomaton)
+    assert guide.dfa.matches('{"city": "Oslo"}') and not guide.dfa.matches('{"unit": "c"}')
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": arguments}
+
+
+def test_required_guides_to_an_array_of_the_tools_calls(smollm2_tokenizer) -> None:
+    text = json.dumps(
+        [
+            {"name": "add", "parameters": {"a": 1, "b": 2}},
+            {"name": "get_weather", "parameters": {"city": "X"}},
+        ]
+    )
+    out, scheduler = _post(smollm2_tokenizer, _body(tool_choice="required"), [text])
+    guide = scheduler.requests[0].guide
+    assert isinstance(guide, TokenAutomaton) and guide.dfa.matches(text)
+    for refused in ('[{"name": "sub", "parameters": {}}]', "[]", '{"a": 1, "b": 2}'):
+        assert not guide.dfa.matches(refused)
+    calls = out["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert len({c["id"] for c in calls}) == 2
+    _, scheduler = _post(
+        smollm2_tokenizer, _body(tool_choice="required", parallel_tool_calls=False), [text]
+    )
+    guide = scheduler.requests[0].guide
+    assert isinstance(guide, TokenAutomaton) and not guide.dfa.matches(text)
+    assert guide.dfa.matches('[{"name": "add", "parameters": {"a": 1, "b": 2}}]')
+
+
+def test_an_output_cut_short_stays_text(smollm2_tokenizer) -> None:
+    out, _ = _post(smollm2_tokenizer, _body(tool_choice="required"), ['[{"name": "ad'], "length")
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == '[{"name": "ad'
+
+
+def test_a_named_call_streams_its_arguments_as_they_come(smollm2_tokenizer) -> None:
+    pieces = ['{"city"', ': "Par', 'is"}']
+    events, _ = _post(smollm2_tokenizer, _body(tool_choice=NAMED, stream=True), pieces)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == "".join(pieces)
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "tool_calls"
+
+
+def test_required_streams_each_call_whole_once_the_output_is(smollm2_tokenizer) -> None:
+    text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}]'
+    events, _ = _post(
+        smollm2_tokenizer, _body(tool_choice="required", stream=True), [text[:5], text[5:]]
+    )
+    calls = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "add"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    cut, _ = _post(
+        smollm2_tokenizer, _body(tool_choice="required", stream=True), [text[:9]], "length"
+    )
+    assert [e["choices"][0]["delta"].get("content") for e in cut][1] == text[:9]
+    assert cut[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_tool_choice_none_answers_text_with_the_tools_in_the_prompt(smollm2_tokenizer) -> None:
+    out, scheduler = _post(smollm2_tokenizer, _body(tool_choice="none"), ["Sunny."])
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}
+    assert scheduler.requests[0].guide is None
+    prompt = smollm2_tokenizer.decode(scheduler.requests[0].prompt_ids)
+    assert TOOLS_INTRO.strip() in prompt and '"name": "get_weather"' in prompt
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(smollm2_tokenizer) -> None:
+    """The embedded model's template renders no tools: they join the system message (or make
+    one), and an assistant's earlier calls are written as its text, a "tool" message kept."""
+    tools = [WEATHER]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [ROME]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+    ]  # fmt: skip
+    text = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages, tools))
+    assert text.index("Be brief.") < text.index(TOOLS_INTRO.strip()) < text.index("Weather?")
+    assert '[{"name": "get_weather", "parameters": {"city": "Rome"}}]' in text
+    assert "18 C" in text
+    alone = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages[1:2], tools))
+    assert alone.index(TOOLS_INTRO.strip()) < alone.index("Weather?")
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(
+    smollm2_tokenizer,
+) -> None:
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}"
+        "CALL {{ c.function.name }} {{ c.function.arguments.city }};"
+        "{% endfor %}{% endfor %}<assistant>"
+    )
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [ROME]},
+    ]  # fmt: skip
+    text = tokenizer.decode(apply_chat_template(tokenizer, messages, [WEATHER, ADD]))
+    assert text.startswith("TOOL get_weather;TOOL add;<user>Weather?")
+    assert "CALL get_weather Rome;" in text and TOOLS_INTRO.strip() not in text
+
+
+def test_a_conversation_with_calls_and_their_results_is_read(smollm2_tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": ROME},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]  # fmt: skip
+    out, scheduler = _post(
+        smollm2_tokenizer, _body(messages=messages, tool_choice="none"), ["It is 18 C."]
+    )
+    assert out["choices"][0]["message"]["content"] == "It is 18 C."
+    prompt = smollm2_tokenizer.decode(scheduler.requests[0].prompt_ids)
+    assert '"parameters": {"city": "Rome"}' in prompt and "18 C" in prompt
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({}, "tool_choice"),  # (OpenAI's default with tools: "auto")
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},
+         "tools[0].function.name"),
+                ({"tools": [{"type": "code"}], "tool_choice": "required"}, "tools[0]"),
+        ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"tool_choice": "required", "logprobs": True}, "logprobs"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": NAMED, "messages": [BAD_CALL]}, "messages[0].tool_calls"),
+    ],
+    ids=[
+        "default-auto", "auto", "unknown-name", "bad-name", "not-function", "twice",
+        "with-response-format", "with-logprobs", "choice-without-tools", "bad-call-arguments",
+    ],
+)  # fmt: skip
+def test_malformed_or_unsupported_tool_bodies_are_refused(
+    smollm2_tokenizer, extra: dict[str, Any], param: str
+) -> None:
+    error, scheduler = _post(smollm2_tokenizer, _body(**extra), ["x"])
+    assert error["param"] == param, error
+    assert not scheduler.requests
+
+
+def test_read_calls_takes_whole_calls_only() -> None:
+    ask = ToolAsk((Tool("f"),), "required")
+    assert read_calls(ask, '[{"name": "f", "parameters": {}}]') is not None
+    assert read_calls(ask, '[{"name": "f", "param') is None
+    assert read_calls(ToolAsk((Tool("f"),), "f"), "[1]") is None
