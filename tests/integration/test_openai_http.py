@@ -395,3 +395,87 @@ def test_guided_outputs_match_their_guides_over_http_and_grpc(
     )
     assert re.fullmatch(r"[0-9]{2}-[a-z]{1,4}", text), text
     services.wait_no_pages_used()
+
+
+def test_tool_calls_over_http_are_the_tools_calls(
+    services: Services, client: openai.OpenAI
+) -> None:
+    """Function calling through the real services with OpenAI's client: a named tool choice,
+    greedy and sampled, answers a call whose arguments are the function's parameters; streamed
+    (greedy) its arguments arrive as deltas that make the whole answer's; "required" without
+    parallel calls answers one call of one of the tools; the conversation then goes on with the
+    call and its result. No KV is left behind."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city for some days",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    }
+    add = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "maximum": 99, "minimum": 0}},
+                "required": ["a"],
+            },
+        },
+    }
+    messages: list = [{"role": "user", "content": "What is the weather in Rome?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL_NAME, messages=messages, tools=[weather, add], max_tokens=80)
+    calls = []
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(
+            **kwargs,
+            tool_choice=named,
+            temperature=temperature,
+            seed=5,  # type: ignore[arg-type]
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls or []
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+        calls.append(call)
+    stream = client.chat.completions.create(
+        **kwargs,
+        tool_choice=named,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].tool_calls[0].function.name == "get_weather"  # type: ignore[index]
+    streamed = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)  # type: ignore[index]
+    assert streamed == calls[0].function.arguments
+    out = client.chat.completions.create(
+        **kwargs,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    (call,) = out.choices[0].message.tool_calls or []
+    assert call.function.name in ("get_weather", "add")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C and sunny"},
+    ]
+    after = client.chat.completions.create(
+        **kwargs,
+        tool_choice="none",
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert after.choices[0].message.content and not after.choices[0].message.tool_calls
+    services.wait_no_pages_used()
