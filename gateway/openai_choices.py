@@ -1,6 +1,7 @@
 """A body's several choices (`n` samples of each of a completions body's prompts), each a
-generation of its own in the scheduler: their requests (sample k of a seeded body draws with
-seed + k), and their chunks as they come, each with its choice's index."""
+generation of its own in the scheduler: each prompt's request (`prompt_requests`), the choices'
+requests (sample k of a seeded body draws with seed + k), and their chunks as they come, each
+with its choice's index."""
 
 from __future__ import annotations
 
@@ -8,8 +9,40 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
-from gateway.request import Chunk, GenerationRequest
+from gateway.openai_body import OpenAIRequest
+from gateway.request import Chunk, GenerationRequest, Limits, ModelInfo, build_request
 from specsplit.sampling import SEED_SPACE
+
+
+def prompt_requests(
+    model: ModelInfo, req: OpenAIRequest, limits: Limits
+) -> list[GenerationRequest]:
+    """Each prompt's request (validated and tokenized: off the event loop)."""
+    return [
+        build_request(
+            model,
+            prompt_kind,
+            prompt,
+            max_new_tokens=req.max_tokens,
+            sampling=req.sampling,
+            stop_strings=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            limits=limits,
+            session_id=req.session_id,
+            logprobs=req.logprobs,
+            penalties=req.penalties,
+            min_tokens=req.min_tokens,
+            include_stop_str=req.include_stop_str,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            skip_special_tokens=req.skip_special_tokens,
+            guide=req.guide,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            tools=() if req.tools is None else [t.as_openai() for t in req.tools.tools],
+        )
+        for prompt_kind, prompt in req.prompts
+    ]
 
 
 def choice_requests(per_prompt: Sequence[GenerationRequest], n: int) -> list[GenerationRequest]:

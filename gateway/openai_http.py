@@ -40,7 +40,7 @@ from gateway.openai_body import (
     parse_request,
     usage,
 )
-from gateway.openai_choices import choice_requests, close_all, merged
+from gateway.openai_choices import choice_requests, close_all, merged, prompt_requests
 from gateway.openai_guide import body_guide
 from gateway.openai_logprobs import (
     Listed,
@@ -57,7 +57,6 @@ from gateway.request import (
     GenerationRequest,
     Limits,
     ModelInfo,
-    build_request,
     ending_ids,
 )
 from gateway.servicer import NOT_TAKING_REQUESTS, ChunkSource
@@ -288,31 +287,7 @@ class OpenAIServer:
 
     def _build(self, req: OpenAIRequest) -> list[GenerationRequest]:
         """Each prompt's request (validated and tokenized)."""
-        return [
-            build_request(
-                self.model,
-                prompt_kind,
-                prompt,
-                max_new_tokens=req.max_tokens,
-                sampling=req.sampling,
-                stop_strings=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos,
-                limits=self.limits,
-                session_id=req.session_id,
-                logprobs=req.logprobs,
-                penalties=req.penalties,
-                min_tokens=req.min_tokens,
-                include_stop_str=req.include_stop_str,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                skip_special_tokens=req.skip_special_tokens,
-                guide=req.guide,
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                tools=() if req.tools is None else [t.as_openai() for t in req.tools.tools],
-            )
-            for prompt_kind, prompt in req.prompts
-        ]
+        return prompt_requests(self.model, req, self.limits)
 
     async def _complete(
         self,
