@@ -11,6 +11,11 @@ A schema's regex fully matches only JSON texts valid under the schema, and every
   compactly (a key spelled with other escapes, or an enum array with spaces, does not match);
 - any-value parts (`{}`, true, an object or array with no schema for its values) at most
   `max_depth` objects/arrays deep, counted from where each appears (any JSON is not regular);
+- a recursive `$ref` (a pydantic model that holds itself) expanded at most `max_recursion` times
+  inside itself: below that its values are dropped as a schema nothing satisfies would be (an
+  optional property left out, an array empty, an `anyOf` branch gone; a required one makes the
+  level above unsatisfiable in turn), so a tree is at most that deep (a recursive schema is not
+  regular);
 - the limits on strings and numbers that `json_values` lists.
 
 Supported: `type` (one or a list: an alternation; absent: the types whose keywords appear, else any
@@ -27,9 +32,8 @@ outlines does; without `properties`: false gives `{}`, a schema any string keys 
 it, true or absent any values); arrays: `items` (one schema; absent: any values), `minItems`,
 `maxItems`.
 
-Refused with a ValueError naming the JSON-pointer path and the keyword: recursive `$ref` (a
-recursive schema is not regular), remote `$ref`, `not`, `if`/`then`/`else`, `patternProperties`,
-`dependentRequired`, `dependentSchemas`, `dependencies`, `uniqueItems: true`, `multipleOf`,
+Refused with a ValueError naming the JSON-pointer path and the keyword: remote `$ref`, `not`,
+`if`/`then`/`else`, `patternProperties`, `dependentRequired`, `dependentSchemas`, `dependencies`, `uniqueItems: true`, `multipleOf`,
 `minProperties` > 0, `maxProperties`, `contains`, `propertyNames`, `unevaluated*`, `prefixItems`,
 tuple `items`, `additionalProperties` as a schema next to `properties`, `required` without
 `properties`, number bounds other than 0, other formats, `format` or `pattern` with a length, a
@@ -87,12 +91,16 @@ _NOT_MERGED = {  # annotations and definitions: what merging a subschema in leav
 
 
 def schema_regex(
-    schema: dict[str, Any] | bool, whitespace: str = WHITESPACE, max_depth: int = 3
+    schema: dict[str, Any] | bool,
+    whitespace: str = WHITESPACE,
+    max_depth: int = 3,
+    max_recursion: int = 3,
 ) -> str:
     """The regex of the JSON texts valid under `schema` (module doc: the subset and its limits);
     ValueError naming the JSON-pointer path and keyword of anything unsupported or invalid."""
     _check_depth(max_depth, 0)
-    return _Compiler(schema, whitespace, max_depth).value(schema, "#")
+    _check_depth(max_recursion, 1, "max_recursion")
+    return _Compiler(schema, whitespace, max_depth, max_recursion).value(schema, "#")
 
 
 def json_object_regex(max_depth: int = 3, whitespace: str = WHITESPACE) -> str:
@@ -114,18 +122,19 @@ def choice_regex(choices: list[str]) -> str:
     return body + "?" if "" in choices else body  # the empty choice: no empty alternative
 
 
-def _check_depth(max_depth: int, least: int) -> None:
+def _check_depth(max_depth: int, least: int, name: str = "max_depth") -> None:
     if not isinstance(max_depth, int) or max_depth < least:
-        raise ValueError(f"max_depth must be an integer >= {least}, not {max_depth!r}")
+        raise ValueError(f"{name} must be an integer >= {least}, not {max_depth!r}")
 
 
 class _Compiler:
     """One schema document's compilation: its root (for `$ref`), whitespace and depth bound."""
 
-    def __init__(self, root: Any, whitespace: str, max_depth: int) -> None:
+    def __init__(self, root: Any, whitespace: str, max_depth: int, max_recursion: int = 1) -> None:
         self.root = root
         self.ws = f"(?:{whitespace})" if "|" in whitespace else whitespace
         self.max_depth = max_depth
+        self.max_recursion = max_recursion  # how often one $ref is expanded inside itself
         self.refs = ["#"]  # the $refs being expanded (a repeat is recursion), the root first
         self.any_values: dict[int, str | None] = {}
 
@@ -170,8 +179,10 @@ class _Compiler:
         ref = schema["$ref"]
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise ValueError(f"{path}: '$ref' {ref!r}: only local references (#/...) are supported")
-        if ref in self.refs:
-            raise ValueError(f"{path}: '$ref' {ref!r} is recursive (not regular): unsupported")
+        if self.refs.count(ref) >= self.max_recursion:  # (a recursive schema is not regular)
+            raise Unsatisfiable(
+                f"{path}: '$ref' {ref!r} recursive past {self.max_recursion} levels"
+            )
         rest = {k: v for k, v in schema.items() if k != "$ref"}
         merged = _merge(_merge({}, _resolve(self.root, ref, path), ref), rest, path)
         self.refs.append(ref)

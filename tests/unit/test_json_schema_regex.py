@@ -605,9 +605,15 @@ UNSUPPORTED = [
     ({"type": "object", "required": ["a"]}, "required", "#"),
     ({"$ref": "https://example.com/s.json"}, "$ref", "#"),
     ({"$ref": "#/$defs/missing"}, "$ref", "#"),
-    (
+    (  # (each level needs the next: no finite instance)
         {
-            "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"next": {"$ref": "#/$defs/node"}},
+                    "required": ["next"],
+                }
+            },
             "$ref": "#/$defs/node",
         },
         "$ref",
@@ -637,6 +643,54 @@ def test_unsupported_or_invalid_is_refused_by_keyword_and_path(
     with pytest.raises(ValueError) as refused:
         schema_regex(schema)
     assert keyword in str(refused.value) and f"{path}:" in str(refused.value), refused.value
+
+
+TREE = {  # pydantic's form of a model holding a list of itself
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+            },
+            "required": ["name", "children"],
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+REPLY = {  # the root holding itself, nullable
+    "type": "object",
+    "properties": {
+        "text": {"type": "string"},
+        "reply": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["text", "reply"],
+}
+
+
+def _tree(depth: int) -> dict[str, Any]:
+    return {"name": f"n{depth}", "children": [_tree(depth - 1)] if depth > 1 else []}
+
+
+def _reply(depth: int) -> dict[str, Any]:
+    return {"text": "t", "reply": _reply(depth - 1) if depth > 1 else None}
+
+
+@pytest.mark.parametrize("max_recursion", [1, 2, 3])
+def test_recursive_refs_expand_to_max_recursion(max_recursion: int) -> None:
+    """A recursive $ref is expanded max_recursion times inside itself: instances that deep
+    match in every style, one level deeper does not; every sampled match is valid."""
+    rng = random.Random(max_recursion)
+    for schema, instance in ((TREE, _tree), (REPLY, _reply)):
+        regex = schema_regex(schema, max_recursion=max_recursion)
+        for depth in range(1, max_recursion + 1):
+            assert all(_matches(regex, text) for text in _styles(instance(depth))), depth
+        assert not _matches(regex, json.dumps(instance(max_recursion + 1)))
+        for _ in range(20):
+            sampled = _sample(regex, rng)
+            assert _valid(schema, sampled), sampled
+    with pytest.raises(ValueError, match="max_recursion must be an integer >= 1"):
+        schema_regex(TREE, max_recursion=0)
 
 
 def test_json_object_regex_nests_to_max_depth() -> None:
