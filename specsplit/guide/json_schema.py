@@ -33,7 +33,8 @@ it, true or absent any values); arrays: `items` (one schema; absent: any values)
 `maxItems`.
 
 Refused with a ValueError naming the JSON-pointer path and the keyword: remote `$ref`, `not`,
-`if`/`then`/`else`, `patternProperties`, `dependentRequired`, `dependentSchemas`, `dependencies`, `uniqueItems: true`, `multipleOf`,
+`if`/`then`/`else`, `patternProperties`, `dependentRequired`, `dependentSchemas`,
+`dependencies`, `uniqueItems: true`, `multipleOf`,
 `minProperties` > 0, `maxProperties`, `contains`, `propertyNames`, `unevaluated*`, `prefixItems`,
 tuple `items`, `additionalProperties` as a schema next to `properties`, `required` without
 `properties`, number bounds other than 0, other formats, `format` or `pattern` with a length, a
