@@ -1,6 +1,6 @@
 """The HTTP API's tokenizer routes, as vLLM and SGLang serve them (gateway/openai_http.py adds
-them): POST /tokenize takes a completions body's `prompt` (text) or a chat body's `messages` and
-answers {"count", "max_model_len", "tokens"}: the ids a generation of that body reads (the same
+them): POST /tokenize takes a completions body's `prompt` (text) or a chat body's `messages` (and
+`tools`) and answers {"count", "max_model_len", "tokens"}: the ids a generation of that body reads (the same
 encoding, the chat template with the assistant's prompt), so a client can count a prompt against
 the context before it sends it. POST /detokenize takes {"tokens": [ids]} and answers {"prompt":
 text}. Both check sizes as a generation does (prompt bytes, the context) and answer without the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from gateway.openai_body import (
     from_service_error,
     int_list,
 )
+from gateway.openai_tools import tool_list
 from gateway.request import InvalidField, Limits, ModelInfo, check_vocab, checked_prompt_ids
 from specsplit.errors import ServiceError
 
@@ -57,10 +59,16 @@ class TokenRoutes:
             if body_field(body, name, bool, value) != value:
                 raise bad_param(name, f"only {str(value).lower()} is supported")
         [(prompt_kind, prompt)] = body_prompts(body, kind)
+        tools = [t.as_openai() for t in tool_list(body.get("tools"))] if kind == "chat" else []
         loop = asyncio.get_running_loop()
         try:
             ids = await loop.run_in_executor(
-                self.tokenize, checked_prompt_ids, self.model, prompt_kind, prompt, self.limits
+                self.tokenize,
+                partial(checked_prompt_ids, tools=tools),
+                self.model,
+                prompt_kind,
+                prompt,
+                self.limits,
             )
         except ServiceError as err:
             raise from_service_error(err, kind) from None

@@ -26,12 +26,8 @@ def body_tools(body: dict[str, Any]) -> ToolAsk | None:
         if choice not in (None, "none", "auto"):
             raise bad_param("tool_choice", "asks for a tool, and the body has no tools")
         return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise bad_param("tools", f"a list of at most {MAX_TOOLS} function tools")
-    listed = tuple(_tool(i, t) for i, t in enumerate(tools))
+    listed = tool_list(tools)
     names = [t.name for t in listed]
-    if len(set(names)) < len(names):
-        raise bad_param("tools", "two tools of one name")
     parallel = body_field(body, "parallel_tool_calls", bool, True)
     if choice in (None, "auto"):
         raise bad_param(
@@ -50,6 +46,18 @@ def body_tools(body: dict[str, Any]) -> ToolAsk | None:
             "one of the tools",
         )
     return ToolAsk(listed, name, parallel)
+
+
+def tool_list(tools: Any) -> tuple[Tool, ...]:
+    """A body's `tools` (null: none); 400 naming the parameter for a malformed one."""
+    if tools is None:
+        return ()
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_param("tools", f"a list of at most {MAX_TOOLS} function tools")
+    listed = tuple(_tool(i, t) for i, t in enumerate(tools))
+    if len({t.name for t in listed}) < len(listed):
+        raise bad_param("tools", "two tools of one name")
+    return listed
 
 
 def _tool(i: int, value: Any) -> Tool:

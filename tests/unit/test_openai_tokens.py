@@ -1,6 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's routes): a text prompt's and a chat's ids are those a
-generation of that body reads (with the chat template's assistant prompt), counted against the
-context; ids decode back to text; bad bodies are 400s in OpenAI's shape."""
+generation of that body reads (with the chat template's assistant prompt, and its tools),
+counted against the context; ids decode back to text; bad bodies are 400s in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def test_tokenize_gives_the_ids_a_generation_reads(smollm2_tokenizer) -> None:
         chat = await (await client.post("/tokenize", json={"messages": MESSAGES})).json()
         assert chat["tokens"] == apply_chat_template(smollm2_tokenizer, MESSAGES)
         assert chat["count"] == len(chat["tokens"])
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        sent = {"messages": MESSAGES, "tools": tools}
+        with_tools = await (await client.post("/tokenize", json=sent)).json()
+        assert with_tools["tokens"] == apply_chat_template(smollm2_tokenizer, MESSAGES, tools)
+        assert with_tools["count"] > chat["count"]  # (the tools in the prompt)
         back = await client.post("/detokenize", json={"tokens": ids})
         assert (await back.json())["prompt"] == smollm2_tokenizer.decode(ids)
         assert scheduler.requests == []  # (no generation)
@@ -38,6 +43,7 @@ def test_bad_token_bodies_are_400_naming_the_field(smollm2_tokenizer) -> None:
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/tokenize", {"prompt": "x" * 5000}, "prompt"),  # over the prompt bytes
         ("/tokenize", [1, 2], None),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
         ("/detokenize", {"tokens": [1, True]}, "tokens"),
         ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
