@@ -1,10 +1,10 @@
 """The HTTP API's tokenizer routes, as vLLM and SGLang serve them (gateway/openai_http.py adds
 them): POST /tokenize takes a completions body's `prompt` (text) or a chat body's `messages` (and
-`tools`) and answers {"count", "max_model_len", "tokens"}: the ids a generation of that body
-reads (the same encoding, the chat template with the assistant's prompt), so a client can count a
-prompt against the context before it sends it. POST /detokenize takes {"tokens": [ids]} and
-answers {"prompt": text}. Both check sizes as a generation does (prompt bytes, the context) and answer without the
-verifier (no 503 before it is ready)."""
+`tools`) and answers {"count", "max_model_len", "tokens"}: the ids a generation of that body reads
+(the same encoding, the chat template with the assistant's prompt), so a client can count a prompt
+against the context before it sends it. POST /detokenize takes {"tokens": [ids]} and answers
+{"prompt": text}. Both check sizes as a generation does (prompt bytes, the context) and answer
+without the verifier (no 503 before it is ready)."""
 
 from __future__ import annotations
 
