@@ -131,6 +131,10 @@ class VerifyInput:
     # each new token's log-probability under the target (its raw logits: no temperature, no
     # top-k / top-p) and this many most likely tokens' beside it; NO_LOGPROBS: none
     logprobs: int = NO_LOGPROBS
+    # a first round's (begin): its pending tokens' log-probabilities, each but the first at the
+    # row before it (the prompt's, vLLM's prompt_logprobs), and this many most likely tokens'
+    # beside each; NO_LOGPROBS: none
+    prompt_logprobs: int = NO_LOGPROBS
     # the generation's logit bias and penalties with the output so far (specsplit/logit_rules.py):
     # the verifier bends the round's rows by them before the acceptance; None: none
     rules: LogitRules | None = None
@@ -170,6 +174,8 @@ class VerifyOutput:
     # input, the first step's bonus token first; bonus_token is then the last step's
     decoded_tokens: list[int] = field(default_factory=list)
     logprobs: TokenLogprobs | None = None  # one entry per new token where the round asked
+    # one entry per pending token but the first, where the round asked (prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def num_accepted_drafts(self) -> int:

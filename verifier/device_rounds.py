@@ -39,9 +39,9 @@ from verifier.round_accept import (
     queue_accept,
     to_host,
 )
-from verifier.round_logprobs import queue_logprobs, read_logprobs
+from verifier.round_logprobs import queue_logprobs, queue_prompt, read_logprobs, read_prompt
 from verifier.round_rules import bend_by_rules
-from verifier.rounds import Launched, VerifierSeq, one_tree_shape
+from verifier.rounds import Launched, PromptRows, VerifierSeq, one_tree_shape
 
 
 class DeviceRounds(DeviceWaits):
@@ -176,9 +176,11 @@ class DeviceRounds(DeviceWaits):
             steps = []
             for item, seq in zip(inputs, seqs, strict=True):
                 p, n = len(item.pending_tokens), len(item.tree)
-                # logits of the root (last pending token) and every tree node; hidden states of
-                # every pending token and node when they are wanted
-                wanted = list(range(p - 1, p + n))
+                # logits of the root (last pending token) and every tree node (and of every
+                # pending token before it where the prompt's log-probabilities are asked for);
+                # hidden states of every pending token and node when they are wanted
+                first = 0 if item.prompt_logprobs != NO_LOGPROBS else p - 1
+                wanted = list(range(first, p + n))
                 step = verify_step(seq.kv, item.pending_tokens, item.tree, wanted)
                 step.hidden_rows = list(range(p + n)) if aux else []
                 steps.append(step)
@@ -198,8 +200,12 @@ class DeviceRounds(DeviceWaits):
             if place is not None:
                 place(on_device)
             out = self.model(on_device, self.kv, aux_layers=aux)
-        # per sequence the target's rows [n + 1, vocab]: the root, then each tree node
+        # per sequence the target's rows [n + 1, vocab]: the root, then each tree node (after
+        # a first round's prompt rows where it asks for their log-probabilities)
         rows = [range(r.start, r.stop) for r in row_slices]
+        prompt = None
+        if any(item.prompt_logprobs != NO_LOGPROBS for item in inputs):
+            prompt, rows = self._prompt_rows(inputs, out.logits, rows)
         raw = out.logits  # log-probabilities read the rows as the target gives them
         asks = any(i.logprobs != NO_LOGPROBS for i in inputs)
         if asks and any(i.rules is not None for i in inputs):
@@ -210,7 +216,7 @@ class DeviceRounds(DeviceWaits):
             hidden = accepted_hidden(inputs, out.hidden_states, packed, self.device)
         logprobs = queue_logprobs(inputs, raw, rows, packed)  # (the same: none if unasked)
         if packed.device.type != "cuda":
-            return Launched(inputs, seqs, packed, hidden, logprobs=logprobs)
+            return Launched(inputs, seqs, packed, hidden, logprobs=logprobs, prompt_logprobs=prompt)
         host = to_host(packed)
         copied = torch.cuda.Event(enable_timing=True)
         copied.record(torch.cuda.current_stream(self.device))
@@ -219,7 +225,7 @@ class DeviceRounds(DeviceWaits):
         idle_from = None if last is None or last[1].isdisjoint(ids) else last[0]
         return Launched(
             inputs, seqs, packed, hidden, host=host, copied=copied, started=started,
-            idle_from=idle_from, logprobs=logprobs,
+            idle_from=idle_from, logprobs=logprobs, prompt_logprobs=prompt,
         )  # fmt: skip
 
     def _finish(self, launched: Launched, further: bool = False) -> list[VerifyOutput]:
@@ -247,12 +253,32 @@ class DeviceRounds(DeviceWaits):
             logprobs = read_logprobs(launched.logprobs, len(launched.inputs), rows)
             for out, asked in zip(results, logprobs, strict=True):
                 out.logprobs = asked
+        for out, queued in zip(results, launched.prompt_logprobs or (), strict=False):
+            if queued is not None:
+                out.prompt_logprobs = read_prompt(queued)
         if launched.lead_rows is not None:  # the rows of pending tokens that led in come first
             for out, led in zip(results, launched.lead_rows, strict=True):
                 if led is not None:
                     assert out.hidden_states is not None
                     out.hidden_states = torch.cat([led, out.hidden_states])
         return results
+
+    def _prompt_rows(
+        self, inputs: list[VerifyInput], logits: torch.Tensor, rows: list[range]
+    ) -> tuple[list[PromptRows | None], list[range]]:
+        """Each asking first round's prompt log-probabilities queued (its rows before the root's:
+        `_launch` asked for every pending token's logits), and every input's rows from its root
+        on (the acceptance's)."""
+        prompt: list[PromptRows | None] = []
+        for b, item in enumerate(inputs):
+            if item.prompt_logprobs == NO_LOGPROBS:
+                prompt.append(None)
+                continue
+            root = rows[b].start + len(item.pending_tokens) - 1
+            before = range(rows[b].start, root)
+            prompt.append(queue_prompt(logits, before, item.pending_tokens, item.prompt_logprobs))
+            rows[b] = range(root, rows[b].stop)
+        return prompt, rows
 
     def _accept(
         self,

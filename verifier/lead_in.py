@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specsplit.messages import VerifyInput
+from specsplit.messages import NO_LOGPROBS, VerifyInput
 
 # the smallest chunk a lead-in takes: the prefill graphs' (verifier/warmup.py
 # PREFILL_QUERY_LENS); below it the largest captured q is a verify round's (17), and its chunks
@@ -25,9 +25,10 @@ MIN_LEAD_Q = 32
 def lead_len(item: VerifyInput, q: int) -> int:
     """How many of `item`'s pending tokens lead in (chunks of `q`, the last one maybe short):
     enough that the round brings at most `q` new tokens (pending and tree), never its last
-    pending token (the root, whose logits the round reads); 0 where it fits or cannot."""
+    pending token (the root, whose logits the round reads); 0 where it fits or cannot, or where
+    the round reads every pending token's logits (prompt_logprobs)."""
     p, n = len(item.pending_tokens), len(item.tree)
-    if p + n <= q:
+    if p + n <= q or item.prompt_logprobs != NO_LOGPROBS:  # (those read every pending row)
         return 0
     m = min(-(-(p + n - q) // q) * q, p - 1)
     return m if p + n - m <= q else 0

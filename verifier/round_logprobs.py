@@ -19,7 +19,7 @@ from specsplit.kernels.logprobs import token_logprobs, top_logprobs
 from specsplit.messages import TokenLogprobs, VerifyInput
 from specsplit.model.transfer import to_device
 from verifier.round_accept import to_host
-from verifier.rounds import LogprobSlot, RoundLogprobs
+from verifier.rounds import LogprobSlot, PromptRows, RoundLogprobs
 
 
 def queue_logprobs(
@@ -100,3 +100,26 @@ def logprobs_reference(
         out.top_ids.append([int(t) for t in ids])
         out.top_logprobs.append([float(v) for v in top])
     return out
+
+
+def queue_prompt(logits: torch.Tensor, rows: range, tokens: list[int], width: int) -> PromptRows:
+    """A first round's prompt log-probabilities (VerifyInput.prompt_logprobs) queued on the
+    device: each of `tokens` but the first at the row before it (`rows`: the pending tokens'
+    rows but the last's), under the raw distribution, and the `width` most likely tokens'
+    there. Eager torch ops: a prompt's scoring (an evaluation's), not a served round's cost."""
+    lp = torch.log_softmax(logits[rows.start : rows.stop].float(), dim=-1)
+    ids = to_device(torch.tensor(tokens[1:], dtype=torch.int64), logits.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0]
+    if not width:
+        return PromptRows(chosen, None)
+    top = lp.topk(width, dim=-1)
+    return PromptRows(chosen, (top.values, top.indices))
+
+
+def read_prompt(rows: PromptRows) -> TokenLogprobs:
+    """`queue_prompt`'s values on the host (waits for the device)."""
+    chosen = rows.chosen.tolist()
+    if rows.top is None:
+        return TokenLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen])
+    values, ids = rows.top
+    return TokenLogprobs(chosen, ids.tolist(), values.tolist())

@@ -76,6 +76,16 @@ class RoundLogprobs:
 
 
 @dataclass
+class PromptRows:
+    """A first round's prompt log-probabilities, queued on the device
+    (round_logprobs.queue_prompt): each pending token's but the first's, at the row before it,
+    and each row's `top` most likely tokens' ([rows, width] values and ids; None: width 0)."""
+
+    chosen: torch.Tensor  # [p - 1] float32
+    top: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
 class Launched:
     """A round queued on the device: what `_finish` needs to commit it."""
 
@@ -116,6 +126,9 @@ class Launched:
     lead_rows: list[torch.Tensor | None] | None = None
     # the log-probabilities its inputs ask for (verifier/round_logprobs.py), None: none asks
     logprobs: RoundLogprobs | None = None
+    # per input its prompt's log-probabilities on the device (round_logprobs.queue_prompt),
+    # None where it asks for none; None: no input asks
+    prompt_logprobs: list[PromptRows | None] | None = None
 
     def result_rows(self) -> list[list[int]]:
         """Every row of the results on the host, a part's whole round's (waits for their copy
@@ -315,11 +328,14 @@ def validate_round(
         bad = [t for t in item.pending_tokens if not 0 <= t < vocab_size]
         if bad:
             raise invalid(f"pending_tokens {bad[:4]} outside the vocabulary [0, {vocab_size})")
-        if not NO_LOGPROBS <= item.logprobs <= min(MAX_TOP_LOGPROBS, vocab_size):
-            raise invalid(
-                f"logprobs = {item.logprobs} for {item.seq_id!r}: want {NO_LOGPROBS} (none) to "
-                f"{min(MAX_TOP_LOGPROBS, vocab_size)}"
-            )
+        for name, asked in (("logprobs", item.logprobs), ("prompt_logprobs", item.prompt_logprobs)):
+            if not NO_LOGPROBS <= asked <= min(MAX_TOP_LOGPROBS, vocab_size):
+                raise invalid(
+                    f"{name} = {asked} for {item.seq_id!r}: want {NO_LOGPROBS} (none) to "
+                    f"{min(MAX_TOP_LOGPROBS, vocab_size)}"
+                )
+        if item.prompt_logprobs != NO_LOGPROBS and not item.begin:
+            raise invalid(f"{item.seq_id!r}: prompt_logprobs only in a sequence's first round")
         try:
             item.tree.validate(vocab_size)
             item.sampling.validate()
