@@ -44,7 +44,7 @@ MAX_CHOICES = 64
 # does not implement: a body may name them only where they change nothing (they are refused,
 # 400, never ignored). These change nothing when off: null, false, 0, "", [] or {}.
 NOT_SUPPORTED = (
-    "prompt_logprobs", "suffix", "functions",
+    "suffix", "functions",
     "prediction", "audio", "guided_grammar",
     "continue_final_message", "use_beam_search", "logits_processors",
 )  # fmt: skip
@@ -129,6 +129,17 @@ class OpenAIRequest:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are generated
     bad_words: list[str] = field(default_factory=list)  # vLLM's: never generated
     tools: ToolAsk | None = None  # a chat's function tools (gateway/openai_tools.py)
+    # vLLM's prompt_logprobs: the prompt's tokens' log-probabilities and this many most likely
+    # tokens' (gateway/openai_logprobs.py); None: none
+    prompt_logprobs: int | None = None
+
+    @property
+    def prompt_asks(self) -> int | None:
+        """What the prompt's log-probabilities are asked for: vLLM's prompt_logprobs, or a
+        completions body's echo with logprobs (the echoed prompt's block), the wider."""
+        echoed = self.logprobs if self.echo else None
+        asks = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asks) if asks else None
 
 
 def body_field(
@@ -266,8 +277,11 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
     echo = body_field(body, "echo", bool, False)
     if echo and kind == "chat":
         raise bad_param("echo", "a completions parameter, not supported in chat")
-    if echo and logprobs is not None:
-        raise bad_param("echo", "with logprobs (the prompt's log-probabilities) is not supported")
+    prompt_logprobs = body_field(body, "prompt_logprobs", int, None)
+    stream = body_field(body, "stream", bool, False)
+    if stream and (prompt_logprobs is not None or (echo and logprobs is not None)):
+        param = "prompt_logprobs" if prompt_logprobs is not None else "echo"
+        raise bad_param(param, "the prompt's log-probabilities are not streamed: stream false")
     return OpenAIRequest(
         kind=kind,
         prompts=prompts,
@@ -277,7 +291,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=body_field(body, "ignore_eos", bool, False),
-        stream=body_field(body, "stream", bool, False),
+        stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         session_id=session_id,
         logprobs=logprobs,
@@ -289,6 +303,7 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         skip_special_tokens=body_field(body, "skip_special_tokens", bool, True),
         allowed_token_ids=allowed_token_ids,
         bad_words=bad_words,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -40,6 +40,7 @@ def prompt_requests(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             tools=() if req.tools is None else [t.as_openai() for t in req.tools.tools],
+            prompt_logprobs=req.prompt_asks,
         )
         for prompt_kind, prompt in req.prompts
     ]

@@ -45,6 +45,7 @@ from gateway.openai_guide import body_guide
 from gateway.openai_logprobs import (
     Listed,
     TokenTexts,
+    add_prompt_logprobs,
     chat_logprobs,
     completion_logprobs,
     listed_tokens,
@@ -61,6 +62,7 @@ from gateway.request import (
 )
 from gateway.servicer import NOT_TAKING_REQUESTS, ChunkSource
 from specsplit.errors import ServiceError
+from specsplit.messages import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +256,8 @@ class OpenAIServer:
                 streams.append(self.scheduler.generate(gen_req))
             if req.stream:
                 return await self._stream(request, req, header, streams, echoes)
-            return await self._complete(req, header, streams, echoes)
+            prompts = [r.prompt_ids for r in requests]
+            return await self._complete(req, header, streams, echoes, prompts)
         except ServiceError as err:  # the waiting queue is full (429): no choice runs
             raise from_service_error(err, kind) from None
         finally:  # done, failed or the client went away (cancelled): free the sequences
@@ -295,12 +298,14 @@ class OpenAIServer:
         header: dict[str, Any],
         streams: list[AsyncIterator[Chunk]],
         echoes: list[str] | None,
+        prompts: list[list[int]],  # each choice's prompt ids
     ) -> web.Response:
         texts: list[list[str]] = [
             [] if echoes is None else [echoes[i]] for i in range(len(streams))
         ]
         lasts: list[Chunk | None] = [None] * len(streams)
         listed: list[list[Listed]] = [[] for _ in streams]
+        asked: list[TokenLogprobs | None] = [None] * len(streams)  # the prompts' (first chunks')
         stop_ids = self._stop_ids(req)
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
@@ -308,6 +313,8 @@ class OpenAIServer:
                     texts[index].append(chunk.text)
                     lasts[index] = chunk
                     listed[index] += listed_tokens(chunk, stop_ids)
+                    if chunk.prompt_logprobs is not None:  # (the first chunk's)
+                        asked[index] = chunk.prompt_logprobs
         except ServiceError as err:
             raise from_service_error(err, req.kind) from None
         done = [last for last in lasts if last is not None and last.finish_reason is not None]
@@ -322,8 +329,9 @@ class OpenAIServer:
         ]  # fmt: skip
         if req.tools is not None and req.tools.calls:
             choices = [shape_choice(req.tools, body) for body in choices]
+        extra = add_prompt_logprobs(req, choices, prompts, asked, self.token_texts)
         return web.json_response(
-            {**header, "object": obj, "choices": choices, "usage": usage(done, req.n)}
+            {**header, "object": obj, "choices": choices, **extra, "usage": usage(done, req.n)}
         )
 
     async def _stream(

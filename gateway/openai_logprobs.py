@@ -1,6 +1,8 @@
 """The OpenAI HTTP API's log-probabilities (gateway/openai_http.py): a chat body's `logprobs` /
 `top_logprobs`, a completions body's `logprobs`, and each choice's `logprobs` block made from a
-chunk's (Chunk.logprobs, the target's raw distribution: before temperature, top-k and top-p).
+chunk's (Chunk.logprobs, the target's raw distribution: before temperature, top-k and top-p);
+the prompt's (Chunk.prompt_logprobs) as vLLM's `prompt_logprobs` (`prompt_entries`) and as a
+completions body's `echo` with `logprobs` lists them before the choice's tokens (`echo_block`).
 
 A choice lists the tokens whose text it returns: a stop token or EOS that ends it is not listed
 (its text is not returned either). A token's "token" is its text alone (special tokens as their
@@ -11,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gateway.openai_body import OpenAIRequest
 from gateway.request import Chunk
 from specsplit.guide.vocab import BYTE_OF_CHAR, BYTE_TOKEN
+from specsplit.messages import TokenLogprobs
 
 
 class TokenTexts:
@@ -98,3 +102,74 @@ def completion_logprobs(
         block["text_offset"].append(offset)
         offset += len(text)
     return block, offset
+
+
+def prompt_entries(
+    prompt: list[int], lp: TokenLogprobs, texts: TokenTexts, width: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per prompt token {token id: its
+    log-probability, rank (None past the top `width`) and text} for it and the `width` most
+    likely tokens at its place."""
+    entries: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, value, ids, values in zip(
+        prompt[1:], lp.logprobs, lp.top_ids, lp.top_logprobs, strict=True
+    ):
+        top = list(zip(ids[:width], values[:width], strict=True))
+        rank = next((r for r, (t, _) in enumerate(top, start=1) if t == token), None)
+        entry = {str(token): {"logprob": value, "rank": rank, "decoded_token": texts(token)[0]}}
+        for r, (t, v) in enumerate(top, start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": texts(t)[0]})
+        entries.append(entry)
+    return entries
+
+
+def echo_block(
+    prompt: list[int], lp: TokenLogprobs, texts: TokenTexts, width: int
+) -> tuple[dict[str, Any], int]:
+    """A completions choice's `logprobs` block for its echoed prompt (the first token's
+    log-probability and top tokens null, as OpenAI's), and the text offset after it."""
+    listed = list(zip(prompt[1:], lp.logprobs, lp.top_ids, lp.top_logprobs, strict=True))
+    entries = [(t, v, list(zip(ids[:width], vs[:width], strict=True))) for t, v, ids, vs in listed]
+    first = texts(prompt[0])[0]
+    block, offset = completion_logprobs(entries, texts, len(first))
+    block["tokens"].insert(0, first)
+    block["token_logprobs"].insert(0, None)
+    block["top_logprobs"].insert(0, None)
+    block["text_offset"].insert(0, 0)
+    return block, offset
+
+
+def joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions `logprobs` blocks as one, the first's tokens first."""
+    return first if then is None else {key: first[key] + then[key] for key in first}
+
+
+def add_prompt_logprobs(
+    req: OpenAIRequest,
+    choices: list[dict[str, Any]],
+    prompts: list[list[int]],  # each choice's prompt ids
+    asked: list[TokenLogprobs | None],  # each choice's first chunk's (Chunk.prompt_logprobs)
+    texts: TokenTexts,
+) -> dict[str, Any]:
+    """The prompt's log-probabilities into a whole response: a completions choice's echoed
+    prompt's ahead of its tokens' in its `logprobs` block (their offsets after the prompt's),
+    vLLM's `prompt_logprobs` in each completions choice, or in a chat response (its fields to
+    add: the chat's)."""
+    if req.prompt_asks is None:
+        return {}
+    extra: dict[str, Any] = {}
+    for body, prompt, lp in zip(choices, prompts, asked, strict=True):
+        assert lp is not None and len(lp) == len(prompt) - 1, "the first chunk brings them"
+        if req.echo and req.logprobs is not None:
+            block, offset = echo_block(prompt, lp, texts, req.logprobs)
+            then = body["logprobs"]
+            if then is not None:
+                then = {**then, "text_offset": [o + offset for o in then["text_offset"]]}
+            body["logprobs"] = joined(block, then)
+        if req.prompt_logprobs is not None:
+            entries = prompt_entries(prompt, lp, texts, req.prompt_logprobs)
+            if req.kind == "chat":
+                extra["prompt_logprobs"] = entries
+            else:
+                body["prompt_logprobs"] = entries
+    return extra

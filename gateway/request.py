@@ -45,6 +45,9 @@ class GenerationRequest:
     # each generated token's log-probability under the target and this many most likely
     # tokens' beside it (Chunk.logprobs); None: none
     logprobs: int | None = None
+    # the prompt's tokens' log-probabilities (each but the first) and this many most likely
+    # tokens' beside each, on the first chunk (Chunk.prompt_logprobs); None: none
+    prompt_logprobs: int | None = None
     # a logit bias and penalties (specsplit/logit_rules.py); None: none
     penalties: Penalties | None = None
     # no EOS, stop token or stop string ends the generation before this many tokens (the
@@ -82,6 +85,9 @@ class Chunk:
     elapsed_ns: int = 0
     # the request's GenerationRequest.logprobs: one entry per token of token_ids
     logprobs: TokenLogprobs | None = None
+    # the first chunk's, where the request asks (GenerationRequest.prompt_logprobs): one entry
+    # per prompt token but the first
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ def build_request(
     allowed_token_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] = (),
     tools: Sequence[Mapping[str, Any]] = (),
+    prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
     """Validate and tokenize; raises InvalidField naming the field. The limits are checked
     first, the prompt's size before it is tokenized. Tokenizes: run it off the event loop.
@@ -207,12 +214,15 @@ def build_request(
     for i, stop in enumerate(stop_strings):
         if not stop:
             raise InvalidField("stop", f"stop[{i}] is empty")
-    if logprobs is not None and not 0 <= logprobs <= min(MAX_TOP_LOGPROBS, model.vocab_size):
-        raise InvalidField(
-            "logprobs",
-            f"logprobs = {logprobs}: the most likely tokens a token comes with, 0 to "
-            f"{min(MAX_TOP_LOGPROBS, model.vocab_size)}",
-        )
+    for name, asked in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if asked is not None and not 0 <= asked <= min(MAX_TOP_LOGPROBS, model.vocab_size):
+            raise InvalidField(
+                name,
+                f"{name} = {asked}: the most likely tokens a token comes with, 0 to "
+                f"{min(MAX_TOP_LOGPROBS, model.vocab_size)}",
+            )
+    if prompt_logprobs is not None and session_id:  # (a turn's prompt is the conversation's)
+        raise InvalidField("prompt_logprobs", "not with a session's turn")
     if not 0 <= min_tokens <= max_new_tokens:
         raise InvalidField(
             "min_tokens", f"min_tokens = {min_tokens}: must be in [0, max_new_tokens]"
@@ -240,6 +250,7 @@ def build_request(
         turn_prompt=_turn_prompt(prompt_kind, prompt) if session_id else None,
         max_new_tokens_default=max_new_tokens_default,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         penalties=penalties if penalties is not None and penalties.active else None,
         min_tokens=min_tokens,
         include_stop_str=include_stop_str,

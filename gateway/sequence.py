@@ -77,6 +77,8 @@ class Sequence:
     prompt_distinct: tuple[int, ...] = ()
     output_counts: Counter[int] = field(default_factory=Counter)
     guide_state: int = 0  # with a guide: its automaton's state after the output so far
+    # the prompt's log-probabilities, once the first round brought them (where asked)
+    prompt_logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -228,6 +230,7 @@ class Sequence:
             hidden_state_layers=layers,
             decode_steps=steps,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
+            prompt_logprobs=self._prompt_ask(),
             rules=rules_for(
                 self.request.penalties,
                 self.prompt_distinct,
@@ -235,6 +238,14 @@ class Sequence:
                 None if guide is None else round_allowed(guide, self.guide_state, tree),
             ),
         )
+
+    def _prompt_ask(self) -> int:
+        """The prompt's log-probabilities asked of the first round (a re-prefill's too, until
+        they came: `prompt_logprobs`)."""
+        asked = self.request.prompt_logprobs
+        if asked is None or self.verifier_begun or self.prompt_logprobs is not None:
+            return NO_LOGPROBS
+        return asked
 
     def adapt(self, tree: DraftTree, out: VerifyOutput) -> None:
         """Adaptive speculation: this round's acceptance of `tree` may move the draft shape."""
@@ -278,6 +289,9 @@ class Sequence:
                 rules.num_text_tokens,
             )
         kept = new[:num_kept]
+        prompt = None  # the prompt's log-probabilities, with the first round that has them
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            prompt = self.prompt_logprobs = out.prompt_logprobs.cut(self.num_prompt_tokens - 1)
         logprobs = None
         if self.request.logprobs is not None:
             assert out.logprobs is not None and len(out.logprobs) == len(new), self.seq_id
@@ -298,7 +312,7 @@ class Sequence:
                 self.verifier_kv_committed_len,
                 len(self.tokens),
             )
-        return Committed(out, kept, kept[:num_text], finish is not None, text, logprobs)
+        return Committed(out, kept, kept[:num_text], finish is not None, text, logprobs, prompt)
 
     def chunk(self, committed: Committed) -> Chunk:
         """What to stream of a committed round: its text (detokenized now unless the stop rules
@@ -313,6 +327,7 @@ class Sequence:
             text=text,
             elapsed_ns=time.monotonic_ns() - self.arrival_ns,
             logprobs=committed.logprobs,
+            prompt_logprobs=committed.prompt_logprobs,
         )
         if committed.finished:
             chunk.finish_reason = self.finish_reason
@@ -332,3 +347,4 @@ class Committed:
     finished: bool  # the sequence's last round
     text: str | None  # made already when the stop rules read the text (stop strings)
     logprobs: TokenLogprobs | None = None  # the kept tokens' (where the request asks)
+    prompt_logprobs: TokenLogprobs | None = None  # the first round's, where the request asks

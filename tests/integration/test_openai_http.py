@@ -479,3 +479,33 @@ def test_tool_calls_over_http_are_the_tools_calls(
     )
     assert after.choices[0].message.content and not after.choices[0].message.tool_calls
     services.wait_no_pages_used()
+
+
+def test_prompt_logprobs_over_http(services: Services, client: openai.OpenAI) -> None:
+    """A completions body's echo with logprobs, and vLLM's prompt_logprobs, through the real
+    services: the echoed prompt's tokens come first in the choice's block (the first's null),
+    each prompt token's log-probability is the same both ways and the generated token's is the
+    one a body without them gets; the first round read every prompt row. No KV left behind."""
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0)
+    echoed = client.completions.create(**kwargs, echo=True, logprobs=2)  # type: ignore[arg-type]
+    vllm = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2})  # type: ignore[arg-type]
+    plain = client.completions.create(**kwargs, logprobs=2)  # type: ignore[arg-type]
+    block = echoed.choices[0].logprobs
+    assert block is not None and block.token_logprobs is not None and block.tokens is not None
+    entries = vllm.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert entries[0] is None and block.token_logprobs[0] is None
+    assert len(block.tokens) == len(entries) + 1  # (the prompt's, then the generated one)
+    assert echoed.choices[0].text.startswith(PROMPT)
+    url = f"http://{services.address('http')}/tokenize"
+    request = urllib.request.Request(
+        url, json.dumps({"prompt": PROMPT}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        ids = json.loads(response.read())["tokens"]
+    for token, value, entry in zip(ids[1:], block.token_logprobs[1:-1], entries[1:], strict=True):
+        assert value is not None and value <= 0
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-6), (token, entry)
+        assert len(entry) <= 3  # (the token's own and the 2 most likely)
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.token_logprobs
+    assert block.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0])
+    services.wait_no_pages_used()

@@ -31,10 +31,13 @@ def _format(schema: Any) -> dict[str, Any]:
 
 
 def _run(
-    tokenizer: Any, bodies: list[dict[str, Any]], scheduler: Any = None
+    tokenizer: Any,
+    bodies: list[dict[str, Any]],
+    scheduler: Any = None,
+    route: str = "/v1/chat/completions",
 ) -> tuple[list[Any], Any]:
-    """Each body posted to chat completions: its response's JSON (a streamed one's: its events'
-    JSON), or its error's for a 400; and the scheduler (default: one finished chunk each)."""
+    """Each body posted to `route`: its response's JSON (a streamed one's: its events' JSON),
+    or its error's for a 400; and the scheduler (default: one finished chunk each)."""
     model = ModelInfo(tokenizer, tokenizer.vocab_size, 2048, (tokenizer.eos_token_id,))
     scheduler = scheduler or _Scheduler()
     answers: list[Any] = []
@@ -45,7 +48,7 @@ def _run(
             server.ready = True
             async with TestClient(TestServer(server.app)) as client:
                 for body in bodies:
-                    response = await client.post("/v1/chat/completions", json=body)
+                    response = await client.post(route, json=body)
                     if response.status != 200:
                         answers.append(await _error(response, 400))
                     elif body.get("stream"):

@@ -127,7 +127,6 @@ def test_lone_surrogate_prompt_is_400_json(smollm2_tokenizer) -> None:
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", {"name": "f"}),
         ("echo", True),
-        ("prompt_logprobs", 1),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"grammar": "root ::= 'a'"}),
         ("prediction", {"type": "content", "content": "hello"}),
