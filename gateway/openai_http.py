@@ -46,9 +46,8 @@ from gateway.openai_logprobs import (
     Listed,
     TokenTexts,
     add_prompt_logprobs,
-    chat_logprobs,
-    completion_logprobs,
     listed_tokens,
+    logprobs_block,
 )
 from gateway.openai_tokens import TokenRoutes
 from gateway.openai_tools import ToolStream, apply_tools, shape_choice
@@ -269,17 +268,6 @@ class OpenAIServer:
         """The tokens that end a choice of `req` without their text (EOS, stop_token_ids)."""
         return frozenset(ending_ids(self.model.eos_token_ids, req.ignore_eos, req.stop_token_ids))
 
-    def _logprobs_block(
-        self, req: OpenAIRequest, entries: list[Listed], offset: int
-    ) -> tuple[dict[str, Any] | None, int]:
-        """A choice's (or a streamed chunk's) `logprobs` block of `entries` (None where the
-        body asks for none), and a completions choice's text offset after them."""
-        if req.logprobs is None:
-            return None, offset
-        if req.kind == "chat":
-            return chat_logprobs(entries, self.token_texts), offset
-        return completion_logprobs(entries, self.token_texts, offset)
-
     def _echoes(self, req: OpenAIRequest) -> list[str]:
         """Each choice's prompt as text (`echo`): a text prompt as sent, token ids decoded."""
         texts = [
@@ -323,7 +311,7 @@ class OpenAIServer:
         choices = [
             choice(
                 req.kind, "".join(text), last.finish_reason, stream=False, index=i,
-                logprobs=self._logprobs_block(req, entries, 0)[0],
+                logprobs=logprobs_block(req, entries, self.token_texts, 0)[0],
             )
             for i, (text, last, entries) in enumerate(zip(texts, done, listed, strict=True))
         ]  # fmt: skip
@@ -365,7 +353,8 @@ class OpenAIServer:
             logprobs = None
             if chunk is not None:
                 entries = listed_tokens(chunk, stop_ids)
-                logprobs, offsets[index] = self._logprobs_block(req, entries, offsets[index])
+                texts, at = self.token_texts, offsets[index]
+                logprobs, offsets[index] = logprobs_block(req, entries, texts, at)
             body = choice(
                 req.kind, text, finish_reason, stream=True, index=index, logprobs=logprobs
             )

@@ -173,3 +173,15 @@ def add_prompt_logprobs(
             else:
                 body["prompt_logprobs"] = entries
     return extra
+
+
+def logprobs_block(
+    req: OpenAIRequest, entries: list[Listed], texts: TokenTexts, offset: int
+) -> tuple[dict[str, Any] | None, int]:
+    """A choice's (or a streamed chunk's) `logprobs` block of `entries` (None where the body
+    asks for none), and a completions choice's text offset after them."""
+    if req.logprobs is None:
+        return None, offset
+    if req.kind == "chat":
+        return chat_logprobs(entries, texts), offset
+    return completion_logprobs(entries, texts, offset)
