@@ -20,6 +20,10 @@ from specsplit.prompt import apply_chat_template, encode_prompt
 from specsplit.sampling import SamplingParams
 
 PromptKind = Literal["text", "chat", "token_ids"]
+# the longest prompt whose log-probabilities a request may ask for (GenerationRequest.
+# prompt_logprobs): its first round's forward holds [prompt, vocab] float32 logits (~0.8 GB
+# for SmolLM2's vocabulary, 2 GB for a 128k one)
+MAX_SCORED_PROMPT = 4096
 # what chat templates render ("tool": a function's result, in function calling)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # A prompt that fits the context is far below this many bytes per token of context (English
@@ -223,6 +227,12 @@ def build_request(
             )
     if prompt_logprobs is not None and session_id:  # (a turn's prompt is the conversation's)
         raise InvalidField("prompt_logprobs", "not with a session's turn")
+    if prompt_logprobs is not None and len(prompt_ids) > MAX_SCORED_PROMPT:
+        raise InvalidField(
+            "prompt_logprobs",
+            f"a prompt of {len(prompt_ids)} tokens: at most {MAX_SCORED_PROMPT} (the verifier "
+            "holds every prompt row's logits at once)",
+        )
     if not 0 <= min_tokens <= max_new_tokens:
         raise InvalidField(
             "min_tokens", f"min_tokens = {min_tokens}: must be in [0, max_new_tokens]"

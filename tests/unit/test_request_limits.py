@@ -15,6 +15,7 @@ import pytest
 
 from gateway.request import (
     DEFAULT_LIMITS,
+    MAX_SCORED_PROMPT,
     Chunk,
     GenerationRequest,
     InvalidField,
@@ -213,3 +214,12 @@ def test_grpc_refuses_a_5mb_prompt_before_tokenizing() -> None:
     code, details, _ = _grpc(request, Limits(max_message_bytes=2 * FIVE_MB), tokenizer)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in details, (code, details)
     assert tokenizer.calls == 0
+
+
+def test_prompt_logprobs_of_a_prompt_past_the_scored_limit_are_refused() -> None:
+    """Its first round's forward would hold every prompt row's logits at once."""
+    prompt = [1] * (MAX_SCORED_PROMPT + 1)
+    with pytest.raises(InvalidField) as err:
+        _build(_model(), "token_ids", prompt, prompt_logprobs=0)
+    assert err.value.field == "prompt_logprobs"
+    assert _build(_model(), "token_ids", prompt[1:], prompt_logprobs=0).prompt_logprobs == 0
