@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +26,7 @@ from gateway.sessions import SessionStore
 from specsplit import convert, telemetry
 from specsplit.errors import Code, ServiceError, invalid
 from specsplit.logit_rules import Penalties, bias_of
+from specsplit.messages import TokenLogprobs
 from specsplit.server import service_errors, service_name
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -113,7 +114,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 chunks = self.scheduler.generate(req)
                 try:
                     async for chunk in chunks:
-                        await context.write(chunk_to_proto(chunk, time.monotonic_ns() - arrival_ns))
+                        elapsed_ns = time.monotonic_ns() - arrival_ns
+                        await context.write(chunk_to_proto(chunk, elapsed_ns, req.prompt_ids))
                 finally:
                     # Client gone (the task is cancelled) or done: the scheduler frees the sequence.
                     await _aclose(chunks)
@@ -204,6 +206,7 @@ def generation_request(
         guide=_guide_ask(msg.guide) if msg.HasField("guide") else None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words=list(msg.bad_words),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -216,8 +219,11 @@ def _guide_ask(msg: gateway_pb2.Guide) -> GuideAsk:
     return GuideAsk("guide", kind, None if kind == "json_object" else getattr(msg, kind))
 
 
-def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateResponse:
-    """A streamed chunk; usage and spec stats ride on the last one (finish_reason set)."""
+def chunk_to_proto(
+    chunk: Chunk, elapsed_ns: int, prompt_ids: Sequence[int] = ()
+) -> gateway_pb2.GenerateResponse:
+    """A streamed chunk; usage and spec stats ride on the last one (finish_reason set), the
+    prompt's log-probabilities on the first (`prompt_ids`: the request's)."""
     msg = gateway_pb2.GenerateResponse(
         token_ids=chunk.token_ids,
         text=chunk.text,
@@ -228,16 +234,22 @@ def chunk_to_proto(chunk: Chunk, elapsed_ns: int) -> gateway_pb2.GenerateRespons
         msg.usage.prompt_tokens = chunk.prompt_tokens
         msg.usage.completion_tokens = chunk.completion_tokens
     if chunk.logprobs is not None:
-        lp = chunk.logprobs
-        for token, value, ids, values in zip(
-            chunk.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, strict=True
-        ):
-            entry = msg.logprobs.add(token_id=token, logprob=value)
-            for top_id, top_value in zip(ids, values, strict=True):
-                entry.top_logprobs.add(token_id=top_id, logprob=top_value)
+        _add_logprobs(msg.logprobs, chunk.token_ids, chunk.logprobs)
+    if chunk.prompt_logprobs is not None:
+        _add_logprobs(msg.prompt_logprobs, prompt_ids[1:], chunk.prompt_logprobs)
     if chunk.stats is not None:
         msg.spec_stats.rounds = chunk.stats.rounds
         msg.spec_stats.num_accepted_drafts = chunk.stats.num_accepted_drafts
         msg.spec_stats.mean_accepted_tokens = chunk.stats.mean_accepted_tokens
         msg.spec_stats.num_reused_tokens = chunk.stats.num_reused_tokens
     return msg
+
+
+def _add_logprobs(entries: Any, tokens: Sequence[int], lp: TokenLogprobs) -> None:
+    """TokenLogprob entries (a repeated field) of these tokens' log-probabilities."""
+    for token, value, ids, values in zip(
+        tokens, lp.logprobs, lp.top_ids, lp.top_logprobs, strict=True
+    ):
+        entry = entries.add(token_id=token, logprob=value)
+        for top_id, top_value in zip(ids, values, strict=True):
+            entry.top_logprobs.add(token_id=top_id, logprob=top_value)

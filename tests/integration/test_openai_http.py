@@ -482,10 +482,11 @@ def test_tool_calls_over_http_are_the_tools_calls(
 
 
 def test_prompt_logprobs_over_http(services: Services, client: openai.OpenAI) -> None:
-    """A completions body's echo with logprobs, and vLLM's prompt_logprobs, through the real
-    services: the echoed prompt's tokens come first in the choice's block (the first's null),
-    each prompt token's log-probability is the same both ways and the generated token's is the
-    one a body without them gets; the first round read every prompt row. No KV left behind."""
+    """A completions body's echo with logprobs, vLLM's prompt_logprobs, and gRPC's
+    GenerateRequest.prompt_logprobs, through the real services: the echoed prompt's tokens come
+    first in the choice's block (the first's null), each prompt token's log-probability is the
+    same both ways and the generated token's is the one a body without them gets; the first
+    round read every prompt row. No KV left behind."""
     kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0)
     echoed = client.completions.create(**kwargs, echo=True, logprobs=2)  # type: ignore[arg-type]
     vllm = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2})  # type: ignore[arg-type]
@@ -508,4 +509,9 @@ def test_prompt_logprobs_over_http(services: Services, client: openai.OpenAI) ->
         assert len(entry) <= 3  # (the token's own and the 2 most likely)
     assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.token_logprobs
     assert block.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0])
+    request = gateway_pb2.GenerateRequest(text=PROMPT, max_new_tokens=1, prompt_logprobs=2)
+    first = next(iter(generate(services.gateway(), request)))
+    assert [e.token_id for e in first.prompt_logprobs] == ids[1:]
+    for entry, value in zip(first.prompt_logprobs, block.token_logprobs[1:-1], strict=True):
+        assert entry.logprob == pytest.approx(value, abs=1e-6) and len(entry.top_logprobs) == 2
     services.wait_no_pages_used()
