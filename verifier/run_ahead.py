@@ -82,9 +82,6 @@ class RunAhead(DeviceRounds):
             return None
         if not _plain(done_inputs):
             return None
-        if any(item.rules is not None and item.pending_tokens == [UNKNOWN_TOKEN]
-               for item in done_inputs):  # fmt: skip
-            return None  # (behind a step run ahead: its rules would read two unknown tokens)
         # as the round's commit leaves them (the round's items' lengths: a step run ahead's
         # are past its sequences' committed lengths until the rounds before it commit)
         committed = [item.kv_committed_len + len(item.pending_tokens) for item in done_inputs]
@@ -161,6 +158,10 @@ class RunAhead(DeviceRounds):
             last, queued = last.follower, queued + 1
         if queued >= depth:
             return False
+        if any(item.rules is not None for item in last.inputs):
+            return (
+                False  # (one step runs ahead under rules: the next would read two unknown tokens)
+            )
         last.packed = last.packed.clone()
         follower = self._launch_ahead([last], [self._bonus_tokens(last)])
         last.follower = follower

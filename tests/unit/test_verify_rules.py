@@ -229,6 +229,9 @@ def test_decode_steps_under_rules_are_the_targets_greedy_tokens(
     got += out.new_tokens
     assert engine.num_ahead_used == used + 6  # (the first round's next step, then its own)
     assert engine._ahead is not None and engine._ahead.inputs[0].rules == _rules(STRONG, got)
+    packed = engine._ahead.packed  # one step runs ahead under rules: none queues behind it
+    assert not engine._extend_ahead(engine._ahead, depth=3)
+    assert engine._ahead.follower is None and engine._ahead.packed is packed
     item = VerifyInput(
         "s", False, out.kv_committed_len, got[-1:], DraftTree(), rules=_rules(STRONG, got)
     )
