@@ -121,17 +121,18 @@ class ToolStream:
         self.ask = ask
         self.text: list[str] = []
         self.id = call_id()
+        self.named = False  # a named call's first delta (id, name) sent
 
     def events(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
         """A chunk's (delta, finish_reason) events."""
         self.text.append(text)
         out: list[tuple[dict, str | None]] = []
         if self.ask.choice != "required" and text:
-            first = len(self.text) == 1 or not "".join(self.text[:-1])
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if first:
+            if not self.named:  # (the call's first delta: its id and name)
                 call = {**call, "id": self.id, "type": "function"}
                 call["function"] = {"name": self.ask.choice, "arguments": text}
+                self.named = True
             out.append(({"tool_calls": [call]}, None))
         if finish_reason is None:
             return out
