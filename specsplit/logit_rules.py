@@ -195,7 +195,11 @@ class LogitRules:
                 output.insert(i, token)
                 counts.insert(i, 1)
         penalties = still_held(self.penalties, sum(counts))
-        return LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
+        rules = LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
+        if "arrays" in self.__dict__:  # (the prompt's array made once, not every step run ahead)
+            ids, numbers = (np.array(column, dtype=np.int64) for column in (output, counts))
+            rules.__dict__["arrays"] = (ids, numbers, self.arrays[2])
+        return rules
 
     def validate(self, vocab_size: int, num_rows: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed;

@@ -180,22 +180,24 @@ def bend_by_rules(
         count = logits.new_zeros(num_seqs, vocab)
         count[counts[0], counts[1]] = counts[2].to(logits.dtype)
         count = count[ks]  # [R, vocab]: each row's output counts, plus its path's
-        count.index_put_((paths[0], paths[1]), paths[2].to(logits.dtype), accumulate=True)
+        cells = count.view(-1)  # (the path counts added to the output counts)
+        cells.scatter_add_(0, paths[0] * vocab + paths[1], paths[2].to(logits.dtype))
         if pending is not None:  # (each rule row: its input's token, once)
             drawn = pending.to(torch.int64)[pend[1]]
-            count.index_put_((pend[0], drawn), count.new_ones(()), accumulate=True)
+            ones = torch.ones_like(drawn, dtype=cells.dtype)
+            cells.scatter_add_(0, pend[0] * vocab + drawn, ones)
         present = count > 0
         repetition, frequency, presence = (s[ks][:, None] for s in scalar)
         if repeats:  # (x / 1 and x * 1 are x: the rows without it keep theirs)
             seen = present
             if sizes[_PROMPT]:
                 prompt_seen = torch.zeros(num_seqs, vocab, dtype=torch.bool, device=x.device)
-                prompt_seen[prompt[0], prompt[1]] = True
+                prompt_seen[prompt[0], prompt[1]] = _on(x.device, True)
                 seen = seen | prompt_seen[ks]
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         x = x - (frequency * count + presence * present)
     if sizes[_STOPS]:
-        x[stops[0], stops[1]] = -torch.inf
+        x[stops[0], stops[1]] = _on(x.device, -math.inf)
     if masks:
         words_d = on_device[:, scalars_end:].t().reshape(-1)[: len(flat)]  # (the host's order)
         x.masked_fill_(~_allowed(words_d, rule_rows_d[2], vocab), -torch.inf)
@@ -204,6 +206,13 @@ def bend_by_rules(
         x = torch.where(x < below, -torch.inf, x)
     logits[rows_at] = x
     return True
+
+
+def _on(device: torch.device, value: float | bool) -> torch.Tensor:
+    """`value` made on `device` for an indexed assignment: a Python scalar there is copied from
+    the host first, a copy that waits for everything the device has queued (the decode step
+    launched ahead of this round's, verifier/run_ahead.py: it would run serial again)."""
+    return torch.full((), value, device=device)
 
 
 def _masks(ruled: list[tuple[VerifyInput, range]], vocab: int) -> tuple[list[int], list[bytes]]:

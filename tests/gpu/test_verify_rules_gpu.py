@@ -1,13 +1,21 @@
 """Logit rules on a CUDA device: tests/unit/test_verify_rules.py's engine cases with the verifier
 on CUDA graphs (float32; the forward's argmax is taken again on the bent rows), decode steps run
 ahead where a round allows it (under rules too: their bending counts the token drawn on the
-device). Skipped without a GPU."""
+device), whose bending waits for nothing on the device. Skipped without a GPU."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
+from specsplit.logit_rules import NO_MASK, Allowed, LogitRules, Penalties, mask_words, rules_for
+from specsplit.messages import VerifyInput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
 from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them here)
     reference,
     target_dir,
@@ -22,6 +30,7 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them 
     test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens,
     truth,
 )
+from verifier.round_rules import bend_by_rules
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,3 +38,64 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def device() -> str:
     return "cuda"
+
+
+def _sync_round(vocab: int) -> tuple[list[VerifyInput], list[range]]:
+    """A round with every rule the bending reads: a bias, the three penalties over an output and a
+    prompt, min_tokens' stop tokens, min_p, a guide's masks; trees whose paths repeat tokens."""
+    every = Penalties(
+        bias=((3, 2.0), (5, -100.0)),
+        presence=0.5,
+        frequency=1.25,
+        repetition=1.4,
+        min_tokens=9,
+        stop_ids=(7, 8),
+        min_p=0.05,
+    )
+    bits = np.zeros((2, mask_words(vocab) * 32), dtype=bool)
+    bits[0, :20], bits[1, 10:vocab] = True, True
+    words = np.packbits(bits, axis=1, bitorder="little").tobytes()
+    trees = [DraftTree([3, 5, 3], [-1, 0, 1]), DraftTree([2, 2], [-1, -1]), DraftTree()]
+    rules = [
+        rules_for(every, (8, 9, 30), Counter([3, 4, 3])),
+        LogitRules(Penalties(), allowed=Allowed(words, (0, 1, NO_MASK))),
+        rules_for(Penalties(presence=1.0, min_tokens=4, stop_ids=(1,)), (), Counter([6])),
+    ]
+    inputs, rows, start = [], [], 0
+    for i, (tree, r) in enumerate(zip(trees, rules, strict=True)):
+        sampling = SamplingParams(temperature=0.7)
+        inputs.append(VerifyInput(f"s{i}", False, 10, [4], tree, sampling, rules=r))
+        rows.append(range(start, start + len(tree) + 1))
+        start += len(tree) + 1
+    return inputs, rows
+
+
+def test_bending_queues_behind_the_device_without_waiting_for_it() -> None:
+    """A round's bending, every rule and a decode step's pending tokens (run ahead: only the
+    device has them), issues no host sync (`torch.cuda.set_sync_debug_mode("error")`): a sync
+    would wait for the step launched before it and make the steps run ahead serial again.
+    Each bends the rows exactly as on the CPU."""
+    torch.manual_seed(5)
+    vocab = 48
+    inputs, rows = _sync_round(vocab)
+    steps = [replace(item, tree=DraftTree()) for item in inputs]  # (the guide's first row's mask)
+    guided = steps[1].rules
+    assert guided is not None and guided.allowed is not None
+    steps[1].rules = replace(guided, allowed=replace(guided.allowed, rows=(0,)))
+    step_rows = [range(i, i + 1) for i in range(len(steps))]
+    pending = torch.tensor([3, 9, 6], dtype=torch.int32)
+    cases = [(inputs, rows, None), (steps, step_rows, pending)]
+    for items, item_rows, drawn in cases:
+        logits = torch.randn(item_rows[-1].stop, vocab) * 4
+        want = logits.clone()
+        assert bend_by_rules(items, want, item_rows, drawn)
+        got = logits.cuda()
+        drawn_d = None if drawn is None else drawn.cuda()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(10**7)  # (device work queued before it, as a step run ahead)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert bend_by_rules(items, got, item_rows, drawn_d)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), want)

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -381,7 +382,8 @@ def test_rules_cross_the_wire() -> None:
 
 def test_rules_after_reads_the_new_tokens() -> None:
     """`after` is the gateway's rules for the longer output (`rules_for`), min_tokens dropped
-    once reached alike: a step run ahead is taken only where they are equal."""
+    once reached alike: a step run ahead is taken only where they are equal. Its arrays (the
+    verifier's) are carried on from those made, equal to the ones made anew."""
     rules = _rules(STRONG, [4, 9])
     assert rules is not None
     assert rules.after([9, 2, 9]) == _rules(STRONG, [4, 9, 9, 2, 9])
@@ -393,7 +395,13 @@ def test_rules_after_reads_the_new_tokens() -> None:
         rules = _rules(penalties, output)
         assert rules is not None
         more = [rng.randrange(40) for _ in range(rng.randint(0, 4))]
-        assert rules.after(more) == _rules(penalties, output + more)
+        want = _rules(penalties, output + more)
+        assert rules.after(more) == want
+        rules.arrays  # noqa: B018  (made: `after` carries the arrays on, the prompt's as they are)
+        after = rules.after(more)
+        assert after.__dict__["arrays"][2] is rules.arrays[2]
+        for got, expected in zip(after.arrays, want.arrays, strict=True):
+            assert got.dtype == expected.dtype and np.array_equal(got, expected)
 
 
 def test_min_p_draws_only_tokens_likely_enough(target_dir: Path, device: str) -> None:  # noqa: F811
