@@ -22,7 +22,9 @@ The output so far at a row is the generation's output through the round's last p
 (`LogitRules.output`, `counts`: the gateway's) and the tree's nodes from the root to the row's node.
 
 `Penalties` are a request's settings; `LogitRules` adds a round's context, as the gateway sends
-it each round (the verifier keeps nothing between rounds): a guide's masks are the gateway's,
+it each round. The verifier keeps each sequence's next rules (`after`, verifier/kept_rules.py)
+and takes them for a round whose context equals them, checked and made into arrays once
+(`checked_for`, `same_context`, `with_allowed`). A guide's masks are the gateway's,
 one per row, since only the gateway walks the guide, so rounds with them carry no rules forward
 (`LogitRules.carried`: no further decode steps, no step run ahead, no rounds launched on a
 hint); other rules the verifier carries forward itself (`after`). `bend_row` is
@@ -154,6 +156,9 @@ def bias_of(entries: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ..
     return tuple(sorted(dict(entries).items()))
 
 
+_CHECKED = "_checked_for"  # (LogitRules' cache: the vocabulary size its context passed)
+
+
 @dataclass(frozen=True)
 class LogitRules:
     """A round's rules for one sequence: its request's `penalties` and the context they read,
@@ -199,14 +204,48 @@ class LogitRules:
         if "arrays" in self.__dict__:  # (the prompt's array made once, not every step run ahead)
             ids, numbers = (np.array(column, dtype=np.int64) for column in (output, counts))
             rules.__dict__["arrays"] = (ids, numbers, self.arrays[2])
+        if self.checked_for is not None:  # (the verifier's: its tokens are in the vocabulary)
+            rules.__dict__[_CHECKED] = self.checked_for
+        return rules
+
+    @property
+    def checked_for(self) -> int | None:
+        """The vocabulary size `validate` passed the rules' context for (None: not yet)."""
+        return self.__dict__.get(_CHECKED)
+
+    def same_context(self, other: LogitRules) -> bool:
+        """Whether `other` reads the same penalties, output and prompt (its masks aside)."""
+        return (
+            self.output == other.output
+            and self.counts == other.counts
+            and self.penalties == other.penalties
+            and self.prompt == other.prompt
+        )
+
+    def with_allowed(self, allowed: Allowed | None) -> LogitRules:
+        """These rules with a guide's masks for a round (or none), their arrays and checks
+        kept."""
+        if allowed is self.allowed:
+            return self
+        rules = replace(self, allowed=allowed)
+        for name in ("arrays", _CHECKED):
+            if name in self.__dict__:
+                rules.__dict__[name] = self.__dict__[name]
         return rules
 
     def validate(self, vocab_size: int, num_rows: int) -> None:
         """Raise ValueError naming the field when the rules or their context are malformed;
-        num_rows: the round's rows (its tree's nodes + 1)."""
-        self.penalties.validate(vocab_size)
+        num_rows: the round's rows (its tree's nodes + 1). The context once for a vocabulary
+        (`checked_for`): the masks each round."""
         if self.allowed is not None:
             self.allowed.validate(vocab_size, num_rows)
+        if self.checked_for == vocab_size:
+            return
+        self._check(vocab_size)
+        self.__dict__[_CHECKED] = vocab_size
+
+    def _check(self, vocab_size: int) -> None:
+        self.penalties.validate(vocab_size)
         if len(self.output) != len(self.counts):
             raise ValueError("rules.output and rules.counts differ in length")
         if not (self.output or self.prompt):

@@ -31,6 +31,7 @@ from verifier.accept_graphs import AcceptGraphs
 from verifier.ahead_depth import AheadDepth
 from verifier.chain import Chain, place_accept, place_forward
 from verifier.device_waits import DeviceWaits
+from verifier.kept_rules import keep_rules
 from verifier.lead_in import MIN_LEAD_Q, lead_len, lead_waves, round_news
 from verifier.round_accept import (
     accepted_hidden,
@@ -322,4 +323,6 @@ class DeviceRounds(DeviceWaits):
         if trim or item.tree:  # (not the room of a round chained behind this one)
             self.kv.trim(kv, max(kv.kv_committed_len, self._held.get(item.seq_id, 0)))
         tokens = item.tree.tokens
-        return VerifyOutput(item.seq_id, [tokens[i] for i in nodes], bonus, kv.kv_committed_len)
+        accepted = [tokens[i] for i in nodes]
+        keep_rules(item, seq, [*accepted, bonus])
+        return VerifyOutput(item.seq_id, accepted, bonus, kv.kv_committed_len)

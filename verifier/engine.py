@@ -268,10 +268,11 @@ class VerifierEngine(EngineSetup):
         elif ahead is not None:  # its inputs as the gateway will send them: each bonus token
             # (the round's first results: a step queued behind the step taken may cover that
             # part alone, the others' launched beside it unable to run ahead: `_join_ahead`)
-            for item, out in zip(ahead.inputs, results[: len(ahead.inputs)], strict=True):
+            items = zip(ahead.inputs, ahead.seqs, results[: len(ahead.inputs)], strict=True)
+            for item, seq, out in items:
                 item.pending_tokens = [out.bonus_token]
-                if item.rules is not None:  # (its output through that token)
-                    item.rules = item.rules.after([out.bonus_token])
+                if item.rules is not None:  # (its output through that token: as the commit kept)
+                    item.rules = seq.rules
         self._ahead = ahead
         launched.device_ns = sum(part.device_ns() for part in launched.parts)
         if len(launched.parts) == 1:  # (its order is the round's)

@@ -37,6 +37,8 @@ class VerifierSeq:
     seq_id: str
     kv: SeqKV
     generator: torch.Generator | None = None  # created on the first sampled round
+    # its next round's logit rules as its last round leaves them (verifier/kept_rules.py)
+    rules: LogitRules | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVPages
 from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
 from verifier.hinted_rounds import HintedRounds
+from verifier.kept_rules import take_kept_rules
 from verifier.lead_in import led_in
 from verifier.rounds import Launched, VerifierSeq, validate_round
 
@@ -23,6 +24,7 @@ class SeqMemory(HintedRounds, KVPages):
     in_flight: Callable[[Iterable[str]], bool]
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
+        take_kept_rules(inputs, self.seqs)  # (checked when kept)
         validate_round(inputs, self.seqs, self.num_layers, self.vocab_size, self.max_context)
 
     def _launch_new(self, groups: list[list[VerifyInput]], leads: list[int]) -> list[Launched]:

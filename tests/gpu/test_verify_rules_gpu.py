@@ -1,7 +1,8 @@
 """Logit rules on a CUDA device: tests/unit/test_verify_rules.py's engine cases with the verifier
 on CUDA graphs (float32; the forward's argmax is taken again on the bent rows), decode steps run
 ahead where a round allows it (under rules too: their bending counts the token drawn on the
-device), whose bending waits for nothing on the device. Skipped without a GPU."""
+device), whose bending waits for nothing on the device; rules kept between rounds
+(tests/unit/test_kept_rules.py). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from specsplit.logit_rules import NO_MASK, Allowed, LogitRules, Penalties, mask_
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from tests.unit.test_kept_rules import (  # noqa: F401  (pytest collects them here)
+    test_a_round_whose_context_differs_is_bent_by_what_it_sent,
+    test_rounds_take_the_rules_their_commit_kept,
+)
 from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them here)
     reference,
     target_dir,

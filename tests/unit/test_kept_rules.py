@@ -1,0 +1,103 @@
+"""Logit rules kept on the verifier between rounds (verifier/kept_rules.py): a round's commit
+keeps its sequence's next rules; the next round whose rules read that same context takes them
+(checked once, their arrays made once) and commits exactly the target's greedy tokens under the
+rules; a round whose context differs is bent and checked by what it sent; a guide's masks come
+with each round and are checked each time; the kept rules go with the sequence."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, mask_words
+from specsplit.messages import VerifyInput
+from specsplit.tree import DraftTree
+from tests.support import TINY_VOCAB
+from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
+    PROMPT,
+    _engine,
+    device,
+    reference,
+    target_dir,
+)
+from tests.unit.test_verify_rules import NUM_TOKENS, STRONG, _rules, truth  # noqa: F401
+
+
+def test_rounds_take_the_rules_their_commit_kept(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+    truth: list[int],  # noqa: F811
+) -> None:
+    """Each round's rules (new objects, as the wire makes them) read the context the round
+    before kept: the round takes the kept rules, and commits the target's greedy tokens under
+    the rules (trees of right tokens and a wrong one)."""
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+    got = [engine.verify([first])[0].bonus_token]
+    while len(got) < NUM_TOKENS:
+        kept, sent = engine.seqs["s"].rules, _rules(STRONG, got)
+        assert kept is not None and kept == sent and kept is not sent
+        assert kept.checked_for == TINY_VOCAB  # (no checks again)
+        k = len(got)
+        tree = DraftTree([truth[k], truth[k + 1], (truth[k + 2] + 1) % TINY_VOCAB], [-1, 0, 1])
+        item = VerifyInput("s", False, len(PROMPT) + k - 1, got[-1:], tree, rules=sent)
+        got += engine.verify([item])[0].new_tokens
+        assert item.rules is kept
+    assert got[:NUM_TOKENS] == truth[:NUM_TOKENS]
+    engine.release(["s"])
+    assert "s" not in engine.seqs and engine.num_pages_used == 0
+
+
+def test_a_round_whose_context_differs_is_bent_by_what_it_sent(
+    target_dir: Path,  # noqa: F811
+    reference: LlamaForCausalLM,  # noqa: F811
+    device: str,  # noqa: F811
+) -> None:
+    """Rules whose output is not the one the verifier kept (the kept rules' greedy token twice
+    more) are the round's, checked as sent: the bonus token is the greedy one under them, not
+    under the kept; malformed ones are refused though the sequence has rules kept."""
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+    got = [engine.verify([first])[0].bonus_token]
+    kept = engine.seqs["s"].rules
+    assert kept is not None
+    bad = LogitRules(STRONG, kept.output, (0,) * len(kept.counts), kept.prompt)
+    item = VerifyInput("s", False, len(PROMPT), got, DraftTree(), rules=bad)
+    with pytest.raises(ServiceError) as err:
+        engine.verify([item])
+    assert err.value.code == Code.INVALID_ARGUMENT
+    with torch.no_grad():
+        row = reference(torch.tensor([PROMPT + got])).logits[0, -1].float()
+    top = int(bend_row(row, kept, []).argmax())  # the greedy token under the kept rules
+    other = _rules(STRONG, [*got, top, top])  # (an output that penalises it)
+    assert other is not None and not other.same_context(kept)
+    item = VerifyInput("s", False, len(PROMPT), got, DraftTree(), rules=other)
+    bonus = engine.verify([item])[0].bonus_token
+    assert item.rules is other
+    assert bonus == int(bend_row(row, other, []).argmax()) != top
+    engine.release(["s"])
+
+
+def test_context_is_checked_once_and_a_guides_masks_every_round() -> None:
+    """`validate` checks a context once for a vocabulary (`after` and `with_allowed` carry that
+    on, and the arrays); a guide's masks are checked each round, a kept context's too."""
+    rules = _rules(STRONG, [4, 9, 9])
+    assert rules is not None and rules.checked_for is None
+    rules.validate(TINY_VOCAB, 1)
+    assert rules.checked_for == TINY_VOCAB
+    after = rules.after([5])
+    assert after.checked_for == TINY_VOCAB and after.arrays[2] is rules.arrays[2]
+    with pytest.raises(ValueError, match="logit_bias"):
+        after.validate(8, 1)  # (another vocabulary: checked again)
+    nothing = Allowed(bytes(4 * mask_words(TINY_VOCAB)), (0,))  # a mask allowing no token
+    guided = after.with_allowed(nothing)
+    assert guided.checked_for == TINY_VOCAB and guided.arrays is after.arrays
+    assert guided.same_context(after) and guided != after
+    with pytest.raises(ValueError, match="allowed_words"):
+        guided.validate(TINY_VOCAB, 1)
+    assert not after.same_context(replace(after, penalties=Penalties(presence=1.0)))
