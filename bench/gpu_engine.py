@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -35,7 +34,6 @@ from specsplit.logit_rules import (
     bias_of,
     distinct,
     mask_words,
-    with_output,
 )
 from specsplit.messages import NO_LOGPROBS, VerifyInput
 from specsplit.model.config import ModelConfig, default_aux_layers
@@ -190,7 +188,7 @@ class EngineBench:
         self.guide = getattr(args, "guide", False)
         self.guide_masks = getattr(args, "guide_masks", 0)
         self._guides: dict[int, LogitRules] = {}
-        self._outputs: dict[str, Counter[int]] = {}  # --rules: each sequence's output's counts
+        self._contexts: dict[str, LogitRules] = {}  # --rules: each sequence's, through its output
 
     def _rules(self) -> LogitRules:
         """A 64-token bias, presence, frequency and repetition penalties, an output of 256
@@ -218,17 +216,19 @@ class EngineBench:
 
     def _round_rules(self, seq_id: str, num_rows: int) -> LogitRules | None:
         """A sequence's rules for a round of num_rows rows: new objects each round, as the wire
-        makes them (the arrays the verifier reads from them made again); --rules: through the
-        output so far (`_outputs`), as the gateway sends them (a decode step run ahead under
-        them is taken)."""
+        makes them (tuples of their own: the verifier compares them with the rules it kept);
+        --rules: through the output so far (`_contexts`), as the gateway carries them through
+        each commit (`LogitRules.after`; a decode step run ahead under them is taken)."""
         if self.guide:
             rules = self._guided(num_rows)
-        elif self.rules is not None:  # (as the gateway makes them: counts kept, then sorted)
-            counts = self._outputs.setdefault(seq_id, self.rules.counter.copy())
-            rules = with_output(self.rules.penalties, counts, self.rules.prompt)
+        elif self.rules is not None:
+            rules = self._contexts.setdefault(seq_id, self.rules)
         else:
             return None
-        return replace(rules, penalties=replace(rules.penalties))
+        output, counts, prompt = (
+            tuple(list(ids)) for ids in (rules.output, rules.counts, rules.prompt)
+        )
+        return LogitRules(replace(rules.penalties), output, counts, prompt, rules.allowed)
 
     def _tokens(self, n: int) -> list[int]:
         return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
@@ -291,8 +291,8 @@ class EngineBench:
         for out in self.engine.verify(inputs):
             if out.seq_id in state:
                 state[out.seq_id] = (out.kv_committed_len, out.bonus_token)
-                if out.seq_id in self._outputs:
-                    self._outputs[out.seq_id].update(out.new_tokens)
+                if out.seq_id in self._contexts:
+                    self._contexts[out.seq_id] = self._contexts[out.seq_id].after(out.new_tokens)
         if newcomer:
             self.engine.release(["newcomer"])
 
@@ -305,7 +305,7 @@ class EngineBench:
     def close(self, state: dict[str, tuple[int, int]]) -> None:
         self.engine.release(list(state))
         for seq_id in state:
-            self._outputs.pop(seq_id, None)
+            self._contexts.pop(seq_id, None)
         self.engine.check_integrity()
         assert self.engine.num_pages_used == 0
 

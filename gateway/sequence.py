@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,7 +13,7 @@ from gateway.guides import round_allowed
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.guide.tokens import DEAD
-from specsplit.logit_rules import distinct, rules_for
+from specsplit.logit_rules import LogitRules, round_rules, start_context
 from specsplit.messages import (
     NO_LOGPROBS,
     AheadTree,
@@ -72,10 +71,9 @@ class Sequence:
     ahead_round: int = -1
     ahead_base: int = 0  # len(tokens) when they were drafted
 
-    # with the request's penalties (specsplit/logit_rules.py): the prompt's distinct tokens
-    # and the output's counts, which each round's rules read
-    prompt_distinct: tuple[int, ...] = ()
-    output_counts: Counter[int] = field(default_factory=Counter)
+    # with the request's penalties (specsplit/logit_rules.py): what each round's rules read,
+    # the prompt's distinct tokens and the output's counts so far (`LogitRules.after`)
+    rules_context: LogitRules | None = None
     guide_state: int = 0  # with a guide: its automaton's state after the output so far
     # the prompt's log-probabilities, once the first round brought them (where asked)
     prompt_logprobs: TokenLogprobs | None = None
@@ -84,9 +82,7 @@ class Sequence:
         if not self.tokens:
             self.tokens = list(self.request.prompt_ids)
             self.num_prompt_tokens = len(self.tokens)
-        penalties = self.request.penalties
-        if penalties is not None and penalties.repetition != 1:
-            self.prompt_distinct = distinct(self.request.prompt_ids)
+        self.rules_context = start_context(self.request.penalties, self.request.prompt_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -231,10 +227,8 @@ class Sequence:
             decode_steps=steps,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
             prompt_logprobs=self._prompt_ask(),
-            rules=rules_for(
-                self.request.penalties,
-                self.prompt_distinct,
-                self.output_counts,
+            rules=round_rules(
+                self.rules_context,
                 None if guide is None else round_allowed(guide, self.guide_state, tree),
             ),
         )
@@ -297,8 +291,8 @@ class Sequence:
             assert out.logprobs is not None and len(out.logprobs) == len(new), self.seq_id
             logprobs = out.logprobs.cut(num_kept)
         self.tokens += kept
-        if self.request.penalties is not None:
-            self.output_counts.update(kept)
+        if self.rules_context is not None:
+            self.rules_context = self.rules_context.after(kept)
         if self.request.guide is not None:
             self.guide_state = self.request.guide.walk(self.guide_state, kept)
             assert self.guide_state != DEAD, (self.seq_id, kept)  # the masks allowed each

@@ -295,6 +295,27 @@ def rules_for(
     return rules if allowed is None else replace(rules, allowed=allowed)
 
 
+def start_context(penalties: Penalties | None, prompt_ids: Iterable[int]) -> LogitRules | None:
+    """A generation's rules before its output (`round_rules` reads them each round, `after`
+    carries them through each commit): the prompt's distinct tokens where a repetition penalty
+    reads them; None without penalties."""
+    if penalties is None:
+        return None
+    return LogitRules(penalties, prompt=distinct(prompt_ids) if penalties.repetition != 1 else ())
+
+
+def round_rules(context: LogitRules | None, allowed: Allowed | None = None) -> LogitRules | None:
+    """A round's rules from a generation's context (`start_context`, then `after`) and a
+    guide's masks: `rules_for`'s, without counting and sorting the output each round."""
+    if context is not None and context.penalties.active:
+        return context.with_allowed(allowed)
+    if allowed is None:
+        return None
+    if context is None:
+        return LogitRules(Penalties(), allowed=allowed)
+    return LogitRules(Penalties(), context.output, context.counts, allowed=allowed)
+
+
 def min_p_cut(min_p: float, temperature: float) -> float:
     """How far below a row's largest logit min_p cuts (T ln min_p); -inf: no cut (off, or a
     greedy round)."""

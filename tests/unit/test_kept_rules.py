@@ -6,6 +6,8 @@ with each round and are checked each time; the kept rules go with the sequence."
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +16,17 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, mask_words
+from specsplit.logit_rules import (
+    Allowed,
+    LogitRules,
+    Penalties,
+    bend_row,
+    distinct,
+    mask_words,
+    round_rules,
+    rules_for,
+    start_context,
+)
 from specsplit.messages import VerifyInput
 from specsplit.tree import DraftTree
 from tests.support import TINY_VOCAB
@@ -101,3 +113,29 @@ def test_context_is_checked_once_and_a_guides_masks_every_round() -> None:
     with pytest.raises(ValueError, match="allowed_words"):
         guided.validate(TINY_VOCAB, 1)
     assert not after.same_context(replace(after, penalties=Penalties(presence=1.0)))
+
+
+def test_the_gateways_rules_carried_through_commits_are_rules_for_the_whole_output() -> None:
+    """`round_rules` on a context carried by `after` through each commit is `rules_for` on the
+    whole output (the gateway's rules before: the output counted and sorted each round), with
+    penalties or none, min_tokens reached or not, a guide's masks or none."""
+    rng = random.Random(9)
+    masks = Allowed(bytes([255]) * 4 * mask_words(TINY_VOCAB), (0,))
+    kinds = [
+        None,
+        STRONG,
+        Penalties(repetition=1.3),
+        Penalties(min_tokens=4, stop_ids=(2,)),
+        replace(STRONG, min_tokens=5, stop_ids=(1, 3)),
+    ]
+    for penalties in kinds:
+        for allowed in (None, masks):
+            prompt = [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 12))]
+            context, output = start_context(penalties, prompt), []
+            for _ in range(8):
+                counted = Counter(output if penalties is not None else ())  # (as it counted)
+                want = rules_for(penalties, distinct(prompt), counted, allowed)
+                assert round_rules(context, allowed) == want
+                kept = [rng.randrange(40) for _ in range(rng.randint(1, 3))]
+                output += kept
+                context = None if context is None else context.after(kept)
