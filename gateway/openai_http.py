@@ -315,7 +315,7 @@ class OpenAIServer:
             )
             for i, (text, last, entries) in enumerate(zip(texts, done, listed, strict=True))
         ]  # fmt: skip
-        if req.tools is not None and req.tools.calls:
+        if req.tools is not None and req.tools.reads:
             choices = [shape_choice(req.tools, body) for body in choices]
         extra = add_prompt_logprobs(req, choices, prompts, asked, self.token_texts)
         return web.json_response(
@@ -372,7 +372,7 @@ class OpenAIServer:
             await send(event(index, echo, None))
         finished: dict[int, Chunk] = {}  # each choice's last chunk
         calls = None  # each choice's tool calls as they stream, where the output is calls
-        if req.tools is not None and req.tools.calls:
+        if req.tools is not None and req.tools.reads:
             calls = [ToolStream(req.tools) for _ in streams]
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)

@@ -4,8 +4,10 @@ from them (`apply_tools`), and the answer shaped as OpenAI's: a message's `tool_
 of its content, finish_reason "tool_calls" (`shape_choice`), and streamed as `tool_calls` deltas
 (`ToolStream`: a named function's arguments as they come, "required"'s calls once whole).
 
-`tool_choice` "auto" (OpenAI's default with tools) is refused: it needs the model's own call
-format and a parser for it, as vLLM refuses it without --enable-auto-tool-choice. Assistant
+`tool_choice` "auto" (OpenAI's default with tools) leaves the text free and reads the calls the
+model writes in it (gateway/tools.py:read_auto_calls): the text before them is the message's
+content; streamed, the text goes out as content until a call's block begins, and the calls
+whole at the end (text again where they do not parse). Assistant
 messages' `tool_calls` and "tool" messages are read as the conversation so far
 (openai_body._message)."""
 
@@ -15,7 +17,18 @@ import json
 from typing import Any
 
 from gateway.openai_body import OpenAIRequest, bad_param, body_field
-from gateway.tools import MAX_TOOLS, NAME, Call, Tool, ToolAsk, call_id, read_calls
+from gateway.tools import (
+    CALL_OPEN,
+    MAX_TOOLS,
+    NAME,
+    Call,
+    Tool,
+    ToolAsk,
+    call_id,
+    held_back,
+    read_auto_calls,
+    read_calls,
+)
 
 
 def body_tools(body: dict[str, Any]) -> ToolAsk | None:
@@ -29,21 +42,15 @@ def body_tools(body: dict[str, Any]) -> ToolAsk | None:
     listed = tool_list(tools)
     names = [t.name for t in listed]
     parallel = body_field(body, "parallel_tool_calls", bool, True)
-    if choice in (None, "auto"):
-        raise bad_param(
-            "tool_choice",
-            '"auto" is not supported (it needs the model\'s own tool-call format): ask for '
-            '"required", {"type": "function", "function": {"name": ...}} or "none"',
-        )
-    if choice in ("none", "required"):
-        return ToolAsk(listed, choice, parallel)
+    if choice in (None, "none", "auto", "required"):
+        return ToolAsk(listed, choice or "auto", parallel)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise bad_param(
             "tool_choice",
-            'one of "none", "required" or {"type": "function", "function": {"name": N}} with N '
-            "one of the tools",
+            'one of "none", "auto", "required" or {"type": "function", "function": {"name": N}} '
+            "with N one of the tools",
         )
     return ToolAsk(listed, name, parallel)
 
@@ -90,24 +97,33 @@ def apply_tools(req: OpenAIRequest, body: dict[str, Any]) -> None:
             raise bad_param("tools", "a chat completions parameter")
         return
     req.tools = body_tools(body)
-    if req.tools is None or not req.tools.calls:
+    if req.tools is None or not req.tools.reads:
+        return
+    if req.session_id is not None:
+        raise bad_param("tools", "not supported in a session's turn")
+    if req.logprobs is not None:
+        raise bad_param("logprobs", "not supported with tool calls")
+    if not req.tools.calls:  # ("auto": free text)
         return
     if req.guide is not None:
         raise bad_param(req.guide.field, "a tool call is a guide of its own (tool_choice)")
-    if req.logprobs is not None:
-        raise bad_param("logprobs", "not supported with tool calls")
-    if req.session_id is not None:
-        raise bad_param("tools", "not supported in a session's turn")
     req.guide = req.tools.guide()
 
 
 def shape_choice(ask: ToolAsk, body: dict[str, Any]) -> dict[str, Any]:
     """A finished chat choice whose text is whole calls as OpenAI gives them: the message's
-    `tool_calls` (content null), finish_reason "tool_calls"; one cut short stays text."""
-    calls = read_calls(ask, body["message"]["content"] or "")
+    `tool_calls` (content null: "auto"'s the text before them), finish_reason "tool_calls"; one
+    cut short stays text."""
+    text, content = body["message"]["content"] or "", None
+    if ask.choice == "auto":
+        found = read_auto_calls(ask, text)
+        content, calls = (None, None) if found is None else found
+    else:
+        calls = read_calls(ask, text)
     if calls is None:
         return body
-    message = {"role": "assistant", "content": None, "tool_calls": [c.as_openai() for c in calls]}
+    tool_calls = [c.as_openai() for c in calls]
+    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
     return {**body, "message": message, "finish_reason": "tool_calls"}
 
 
@@ -122,9 +138,13 @@ class ToolStream:
         self.text: list[str] = []
         self.id = call_id()
         self.named = False  # a named call's first delta (id, name) sent
+        self.held = ""  # "auto": the text not streamed yet (from a call's block, or part of one)
+        self.in_call = False  # "auto": a call's block began
 
     def events(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
         """A chunk's (delta, finish_reason) events."""
+        if self.ask.choice == "auto":
+            return self._auto(text, finish_reason)
         self.text.append(text)
         out: list[tuple[dict, str | None]] = []
         if self.ask.choice != "required" and text:
@@ -143,6 +163,31 @@ class ToolStream:
             return [*out, ({}, finish_reason)]
         if self.ask.choice == "required":
             out.append(({"tool_calls": [_delta(i, c) for i, c in enumerate(calls)]}, None))
+        return [*out, ({}, "tool_calls")]
+
+    def _auto(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
+        """ "auto"'s events: the text as content up to a call's block (what may begin one held
+        back), then at the end the calls whole, or the held text where they do not parse."""
+        out: list[tuple[dict, str | None]] = []
+        held = self.held + text
+        if not self.in_call:
+            at = held.find(CALL_OPEN)
+            self.in_call = at >= 0
+            cut = at if self.in_call else len(held) - held_back(held)
+            if finish_reason is not None and not self.in_call:
+                cut = len(held)  # (the end: nothing more can begin a block)
+            if cut:
+                out.append(({"content": held[:cut]}, None))
+            held = held[cut:]
+        self.held = held
+        if finish_reason is None:
+            return out
+        found = read_auto_calls(self.ask, held) if self.in_call else None
+        if found is None:
+            if held:
+                out.append(({"content": held}, None))
+            return [*out, ({}, finish_reason)]
+        out.append(({"tool_calls": [_delta(i, c) for i, c in enumerate(found[1])]}, None))
         return [*out, ({}, "tool_calls")]
 
 

@@ -5,8 +5,10 @@ the calls read back from a finished output (`read_calls`).
 A named function's output is its arguments: a JSON object of the function's `parameters` schema.
 "required" is a JSON array of calls, `[{"name": ..., "parameters": {...}}, ...]`, each item one
 tool's name and that tool's parameters (one item when parallel calls are off), as vLLM makes
-them. "auto" (the model's own choice between text and a call) needs the model's own tool-call
-format and a parser for it, which this server does not have."""
+them. "auto" (the model's own choice between text and calls) is not guided: the calls are read
+back from the text in Hermes' format (`read_auto_calls`: `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` blocks, which Qwen's, Hermes' and SmolLM3's templates ask for, and the
+fallback tools prompt too: specsplit/prompt.py), as vLLM's `hermes` tool parser reads them."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from gateway.guides import GuideAsk
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # `parameters` left out
+CALL_OPEN = "<tool_call>"  # an "auto" call's block: CALL_OPEN, its JSON, then "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # (the last may be open)
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,9 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolAsk:
-    """A request's tools and its choice: "none" (free text, no calls read), "required" (one
-    or more calls of any of them) or a function's name (that call)."""
+    """A request's tools and its choice: "none" (free text, no calls read), "auto" (free text,
+    calls read from it), "required" (one or more calls of any of them) or a function's name
+    (that call)."""
 
     tools: tuple[Tool, ...]
     choice: str = "none"
@@ -48,7 +53,12 @@ class ToolAsk:
 
     @property
     def calls(self) -> bool:
-        """Whether the output is tool calls (not free text)."""
+        """Whether the output is tool calls (not free text): a guide makes them."""
+        return self.choice not in ("none", "auto")
+
+    @property
+    def reads(self) -> bool:
+        """Whether calls are read from the output (forced, or the model's choice)."""
         return self.choice != "none"
 
     def tool(self, name: str) -> Tool:
@@ -110,6 +120,39 @@ def read_calls(ask: ToolAsk, text: str) -> list[Call] | None:
     ):
         return None
     return [Call(call_id(), v["name"], json.dumps(v.get("parameters", {}))) for v in value]
+
+
+def read_auto_calls(ask: ToolAsk, text: str) -> tuple[str | None, list[Call]] | None:
+    """Under "auto": the text before the first call (None where blank) and the calls the
+    output's `<tool_call>` blocks make (the last may be cut short of its closing tag; one only
+    without parallel calls); None where it has none, or a block is not a call of one of the
+    tools (its JSON {"name": N, "arguments": {...}}; "parameters" read too): it stays text."""
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return None
+    names = {t.name for t in ask.tools}
+    calls = []
+    for block in _BLOCK.finditer(text, start):
+        try:
+            value = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(Call(call_id(), value["name"], json.dumps(arguments)))
+    return text[:start].strip() or None, calls if ask.parallel else calls[:1]
+
+
+def held_back(text: str) -> int:
+    """How many characters at the end of streamed text may begin a call's block (held back
+    until the next text says)."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def message_calls(value: Any) -> list[dict[str, str]]:

@@ -25,15 +25,17 @@ def apply_chat_template(
     `tools` (OpenAI's function tools) and an assistant's `tool_calls` ({"name", "arguments": JSON
     text} each) go to a template that renders tools as transformers passes them (the calls'
     arguments as objects); for one that does not (`renders_tools`), the tools are listed in the
-    system message (`TOOLS_INTRO`) and the calls written as the assistant's text, the JSON array
-    a "required" tool choice makes (gateway/tools.py).
+    system message (`TOOLS_INTRO`, which asks for calls in Hermes' `<tool_call>` blocks: what a
+    tool choice of "auto" reads back, gateway/tools.py) and the calls written so in the
+    assistant's text.
 
     transformers 5 returns a BatchEncoding (`return_dict=True` is its default), 4.x a list.
     """
     native = renders_tools(tokenizer)
     chat = [_with_calls(m, native) for m in messages]
     if tools and not native:
-        listed = TOOLS_INTRO + "\n".join(json.dumps(t.get("function", t)) for t in tools)
+        functions = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+        listed = f"{TOOLS_INTRO}{functions}\n{TOOLS_FORMAT}"
         if chat and chat[0].get("role") == "system":
             chat[0]["content"] = f"{chat[0].get('content') or ''}\n\n{listed}".lstrip()
         else:
@@ -53,6 +55,10 @@ def apply_chat_template(
 # the system message's list of tools for a template that does not render them (one JSON object
 # a function after it)
 TOOLS_INTRO = "You can call these functions (name, description and JSON schema of parameters):\n"
+TOOLS_FORMAT = (
+    'To call one, answer with <tool_call>{"name": <its name>, "arguments": <an object of its '
+    "parameters>}</tool_call>, one block a call."
+)
 
 
 def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -63,7 +69,7 @@ def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def _with_calls(message: Mapping[str, Any], native: bool) -> dict[str, Any]:
     """A message as the template takes it: an assistant's tool calls as transformers passes
-    them (`native`), else appended to its text as a JSON array of {"name", "parameters"}."""
+    them (`native`), else appended to its text as `<tool_call>` blocks (`TOOLS_FORMAT`)."""
     out = dict(message)
     calls = out.pop("tool_calls", None)
     if not calls:
@@ -77,6 +83,10 @@ def _with_calls(message: Mapping[str, Any], native: bool) -> dict[str, Any]:
             for c in calls
         ]
         return out
-    written = [{"name": c["name"], "parameters": json.loads(c["arguments"])} for c in calls]
-    out["content"] = f"{out.get('content') or ''}{json.dumps(written)}"
+    written = "".join(
+        f"<tool_call>{json.dumps({'name': c['name'], 'arguments': json.loads(c['arguments'])})}"
+        "</tool_call>"
+        for c in calls
+    )
+    out["content"] = f"{out.get('content') or ''}{written}"
     return out

@@ -404,7 +404,8 @@ def test_tool_calls_over_http_are_the_tools_calls(
     greedy and sampled, answers a call whose arguments are the function's parameters; streamed
     (greedy) its arguments arrive as deltas that make the whole answer's; "required" without
     parallel calls answers one call of one of the tools; the conversation then goes on with the
-    call and its result. No KV is left behind."""
+    call and its result; "auto" answers text or calls of the tools, streamed alike. No KV is left
+    behind."""
     weather = {
         "type": "function",
         "function": {
@@ -478,6 +479,21 @@ def test_tool_calls_over_http_are_the_tools_calls(
         temperature=0,  # type: ignore[arg-type]
     )
     assert after.choices[0].message.content and not after.choices[0].message.tool_calls
+    # "auto" (the default): free text, calls read from it; streamed, the same answer
+    auto = client.chat.completions.create(**kwargs, temperature=0)  # type: ignore[arg-type]
+    message = auto.choices[0].message
+    for call in message.tool_calls or []:
+        assert call.function.name in ("get_weather", "add")
+        assert isinstance(json.loads(call.function.arguments), dict)
+    assert (auto.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
+    chunks = list(client.chat.completions.create(**kwargs, temperature=0, stream=True))  # type: ignore[arg-type]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    named = [
+        t.function.name for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []
+    ]
+    assert named == [call.function.name for call in message.tool_calls or []]
+    if not message.tool_calls:
+        assert streamed == message.content
     services.wait_no_pages_used()
 
 

@@ -3,8 +3,10 @@ tool choice guides the output to that function's parameters, "required" to a JSO
 calls of the tools; the answer carries `tool_calls` (finish_reason "tool_calls"), streamed as
 OpenAI streams them; an output cut short stays text; the tools reach the prompt through the
 chat template, or a system message where the template does not render them; earlier calls and
-their results are read as the conversation; "auto" and malformed tools are a 400 naming the
-parameter, and nothing reaches the scheduler."""
+their results are read as the conversation; "auto" (the default) leaves the text free and reads
+the calls the model writes in `<tool_call>` blocks (streamed: the text as content until a block
+begins, the calls whole at the end); malformed tools are a 400 naming the parameter, and nothing
+reaches the scheduler."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from typing import Any
 import pytest
 
 from gateway.request import Chunk, GenerationRequest
-from gateway.tools import Tool, ToolAsk, read_calls
+from gateway.tools import Tool, ToolAsk, held_back, read_auto_calls, read_calls
 from specsplit.guide.tokens import TokenAutomaton
-from specsplit.prompt import TOOLS_INTRO, apply_chat_template
+from specsplit.prompt import TOOLS_FORMAT, TOOLS_INTRO, apply_chat_template
 from tests.unit.test_openai_guide import _run
 
 WEATHER = {
@@ -171,7 +173,8 @@ def test_tool_choice_none_answers_text_with_the_tools_in_the_prompt(smollm2_toke
 
 def test_a_template_without_tools_gets_them_in_the_system_message(smollm2_tokenizer) -> None:
     """The embedded model's template renders no tools: they join the system message (or make
-    one), and an assistant's earlier calls are written as its text, a "tool" message kept."""
+    one), and an assistant's earlier calls are written as its text in the blocks the prompt asks
+    for, a "tool" message kept."""
     tools = [WEATHER]
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -181,7 +184,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message(smollm2_tokeni
     ]  # fmt: skip
     text = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages, tools))
     assert text.index("Be brief.") < text.index(TOOLS_INTRO.strip()) < text.index("Weather?")
-    assert '[{"name": "get_weather", "parameters": {"city": "Rome"}}]' in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>' in text
     assert "18 C" in text
     alone = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, messages[1:2], tools))
     assert alone.index(TOOLS_INTRO.strip()) < alone.index("Weather?")
@@ -224,14 +227,13 @@ def test_a_conversation_with_calls_and_their_results_is_read(smollm2_tokenizer) 
     )
     assert out["choices"][0]["message"]["content"] == "It is 18 C."
     prompt = smollm2_tokenizer.decode(scheduler.requests[0].prompt_ids)
-    assert '"parameters": {"city": "Rome"}' in prompt and "18 C" in prompt
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    assert call in prompt and "18 C" in prompt
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({}, "tool_choice"),  # (OpenAI's default with tools: "auto")
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},
          "tools[0].function.name"),
@@ -240,12 +242,14 @@ def test_a_conversation_with_calls_and_their_results_is_read(smollm2_tokenizer) 
         ({"tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
         ({"tool_choice": "required", "logprobs": True}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),  # ("auto")
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": NAMED, "messages": [BAD_CALL]}, "messages[0].tool_calls"),
     ],
     ids=[
-        "default-auto", "auto", "unknown-name", "bad-name", "not-function", "twice",
-        "with-response-format", "with-logprobs", "choice-without-tools", "bad-call-arguments",
+        "unknown-name", "bad-name", "not-function", "twice",
+        "with-response-format", "with-logprobs", "auto-with-logprobs", "choice-without-tools",
+        "bad-call-arguments",
     ],
 )  # fmt: skip
 def test_malformed_or_unsupported_tool_bodies_are_refused(
@@ -261,3 +265,62 @@ def test_read_calls_takes_whole_calls_only() -> None:
     assert read_calls(ask, '[{"name": "f", "parameters": {}}]') is not None
     assert read_calls(ask, '[{"name": "f", "param') is None
     assert read_calls(ToolAsk((Tool("f"),), "f"), "[1]") is None
+
+
+ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+@pytest.mark.parametrize("choice", [None, "auto"], ids=["default", "auto"])
+def test_auto_reads_the_calls_the_model_writes(smollm2_tokenizer, choice: str | None) -> None:
+    """No guide: the text before the blocks is the content, each block a call (finish_reason
+    "tool_calls"); text without blocks, or a block that is not a call of the tools, stays text;
+    the prompt asks for the blocks (the template renders no tools)."""
+    body = _body() if choice is None else _body(tool_choice=choice)
+    out, scheduler = _post(smollm2_tokenizer, body, ["Let me add.\n", ADD_CALL, ADD_CALL])
+    assert scheduler.requests[0].guide is None
+    assert TOOLS_FORMAT in smollm2_tokenizer.decode(scheduler.requests[0].prompt_ids)
+    choice_out = out["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls"
+    message = choice_out["message"]
+    assert message["content"] == "Let me add."
+    calls = message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["add", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert calls[0]["id"] != calls[1]["id"]
+    for text in ["It is sunny.", '<tool_call>{"name": "nope", "arguments": {}}</tool_call>']:
+        out, _ = _post(smollm2_tokenizer, _body(), [text])
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
+        assert out["choices"][0]["finish_reason"] == "stop"
+    one, _ = _post(smollm2_tokenizer, _body(parallel_tool_calls=False), [ADD_CALL * 2])
+    assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_auto_streams_text_until_a_call_begins_then_the_calls_whole(smollm2_tokenizer) -> None:
+    """The text streams as content; what may begin a block is held back (a tag split across
+    chunks), text that turns out not to be one goes on; the calls come whole at the end."""
+    pieces = ["Sum: 1 <", "3 and <tool", "_call>", ADD_CALL[len("<tool_call>") :]]
+    events, _ = _post(smollm2_tokenizer, _body(stream=True), pieces)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "Sum: 1 <3 and "
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "add"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    cut = ["Hmm <tool", '_call>{"name": "add", "argum']  # cut short: text
+    events, _ = _post(smollm2_tokenizer, _body(stream=True), cut, "length")
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == "".join(cut)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_read_auto_calls_and_what_streaming_holds_back() -> None:
+    ask = ToolAsk((Tool("f"),), "auto")
+    block = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    assert read_auto_calls(ask, "plain text") is None
+    found = read_auto_calls(ask, f"  \n{block}\n{block[:-12]}")  # (the last left open)
+    assert found is not None and found[0] is None and len(found[1]) == 2
+    assert read_auto_calls(ask, '<tool_call>{"name": "f", "parameters": {}}') is not None
+    assert read_auto_calls(ask, '<tool_call>{"name": "f", "arguments": [1]}') is None
+    assert read_auto_calls(ask, "<tool_call>{") is None
+    texts = ["abc", "a <", "a <tool_", "<tool_call", "a <b"]
+    assert [held_back(t) for t in texts] == [0, 1, 6, 10, 0]
