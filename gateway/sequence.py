@@ -74,6 +74,10 @@ class Sequence:
     # with the request's penalties (specsplit/logit_rules.py): what each round's rules read,
     # the prompt's distinct tokens and the output's counts so far (`LogitRules.after`)
     rules_context: LogitRules | None = None
+    # whether the verifier keeps that context as the last round left it (`verify_input` then
+    # says so in place of sending it: verifier/kept_rules.py); its last round's rules were sent
+    rules_kept: bool = False
+    rules_sent: bool = False
     guide_state: int = 0  # with a guide: its automaton's state after the output so far
     # the prompt's log-probabilities, once the first round brought them (where asked)
     prompt_logprobs: TokenLogprobs | None = None
@@ -191,12 +195,14 @@ class Sequence:
         past it go too."""
         assert 0 <= length <= self.verifier_kv_committed_len, (self.seq_id, length)
         self.verifier_kv_committed_len = length
+        self.rules_kept = False  # (the verifier's truncate drops them)
         self.features.keep(length)
 
     def forget_verifier(self) -> None:
         """The verifier lost this sequence: re-prefill all tokens on the next Verify."""
         self.verifier_begun = False
         self.verifier_kv_committed_len = 0
+        self.rules_kept = False  # (sent again with the re-prefill)
         self.features = FeatureRows()
         self.features_gap = False  # the re-prefill brings every token's features
         self.rounds_since_prefill = 0
@@ -216,6 +222,10 @@ class Sequence:
         if not tree and not layers and self.verifier_begun and guide is None:
             left = self.request.max_new_tokens - self.num_generated_tokens
             steps = max(1, min(decode_steps, left))
+        allowed = None if guide is None else round_allowed(guide, self.guide_state, tree)
+        kept = self.rules_kept and self.verifier_begun
+        rules = round_rules(self.rules_context, allowed, kept)
+        self.rules_sent = rules is not None
         return VerifyInput(
             seq_id=self.seq_id,
             begin=not self.verifier_begun,
@@ -227,10 +237,7 @@ class Sequence:
             decode_steps=steps,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
             prompt_logprobs=self._prompt_ask(),
-            rules=round_rules(
-                self.rules_context,
-                None if guide is None else round_allowed(guide, self.guide_state, tree),
-            ),
+            rules=rules,
         )
 
     def _prompt_ask(self) -> int:
@@ -293,6 +300,8 @@ class Sequence:
         self.tokens += kept
         if self.rules_context is not None:
             self.rules_context = self.rules_context.after(kept)
+        # the verifier's kept rules read what it committed: all of it, or the context again
+        self.rules_kept = self.rules_sent and num_kept == len(new)
         if self.request.guide is not None:
             self.guide_state = self.request.guide.walk(self.guide_state, kept)
             assert self.guide_state != DEAD, (self.seq_id, kept)  # the masks allowed each

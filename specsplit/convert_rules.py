@@ -17,6 +17,10 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
         rules = item.rules
         if rules is None:
             continue
+        if rules.kept >= 0:  # (the verifier's context, and the round's masks)
+            entry = msg.rules.add(index=i, kept=True, output_len=rules.kept)
+            _fill_allowed(entry, rules.allowed)
+            continue
         p = rules.penalties
         entry = msg.rules.add(
             index=i,
@@ -32,14 +36,26 @@ def fill_rules(msg: Any, inputs: list[VerifyInput]) -> None:
         entry.output_tokens.extend(rules.output)
         entry.output_counts.extend(rules.counts)
         entry.prompt_tokens.extend(rules.prompt)
-        if rules.allowed is not None:
-            entry.allowed_words = rules.allowed.words
-            entry.allowed_rows.extend(rules.allowed.rows)
+        _fill_allowed(entry, rules.allowed)
+
+
+def _fill_allowed(entry: Any, allowed: Allowed | None) -> None:
+    if allowed is not None:
+        entry.allowed_words = allowed.words
+        entry.allowed_rows.extend(allowed.rows)
 
 
 def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
     """Each input's rules from VerifyRequest.rules (range checks are the verifier's)."""
     for i, entry in indexed(msg.rules, len(inputs), "rules").items():
+        allowed = (
+            Allowed(entry.allowed_words, tuple(entry.allowed_rows)) if entry.allowed_rows else None
+        )
+        if entry.kept:
+            if entry.output_len < 0:
+                raise invalid("rules.output_len: the kept output's tokens, >= 0")
+            inputs[i].rules = LogitRules(Penalties(), allowed=allowed, kept=entry.output_len)
+            continue
         if len(entry.bias_tokens) != len(entry.bias_values):
             raise invalid("rules.bias_tokens and rules.bias_values differ in length")
         if len(entry.output_tokens) != len(entry.output_counts):
@@ -58,5 +74,5 @@ def read_rules(msg: Any, inputs: list[VerifyInput]) -> None:
             tuple(entry.output_tokens),
             tuple(entry.output_counts),
             tuple(entry.prompt_tokens),
-            Allowed(entry.allowed_words, tuple(entry.allowed_rows)) if entry.allowed_rows else None,
+            allowed,
         )

@@ -169,11 +169,24 @@ class LogitRules:
     counts: tuple[int, ...] = ()  # how often each of them occurs (> 0)
     prompt: tuple[int, ...] = ()  # the prompt's distinct tokens, by id (repetition != 1 only)
     allowed: Allowed | None = None  # a guide's masks for this round's rows (the gateway's)
+    # >= 0: the context (penalties, output, prompt) is the one the verifier kept for the
+    # sequence, whose output holds this many tokens (`kept_context`; the wire then carries none)
+    kept: int = -1
 
     @property
     def carried(self) -> bool:
         """Whether the verifier can make the next round's rules (`after`): not with a guide."""
         return self.allowed is None
+
+    @functools.cached_property
+    def total(self) -> int:
+        """The output's tokens."""
+        return sum(self.counts)
+
+    def kept_context(self) -> LogitRules:
+        """These rules as a round sends them once the verifier keeps their context: their
+        output's length and the round's masks."""
+        return LogitRules(Penalties(), allowed=self.allowed, kept=self.total)
 
     @functools.cached_property
     def counter(self) -> Counter[int]:
@@ -192,20 +205,22 @@ class LogitRules:
         """The rules of the round after this one appended `tokens` to the output."""
         assert self.carried, "a guide's masks are the gateway's to make"
         output, counts = list(self.output), list(self.counts)
-        for token in tokens:  # (in place, by id: a Counter's sum and sort cost ~0.2 ms a call at
+        added = list(tokens)
+        for token in added:  # (in place, by id: a Counter's sum and sort cost ~0.2 ms a call at
             i = bisect.bisect_left(output, token)  # 300 distinct tokens, every step run ahead)
             if i < len(output) and output[i] == token:
                 counts[i] += 1
             else:
                 output.insert(i, token)
                 counts.insert(i, 1)
-        penalties = still_held(self.penalties, sum(counts))
+        penalties = still_held(self.penalties, self.total + len(added))
         rules = LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
         if "arrays" in self.__dict__:  # (the prompt's array made once, not every step run ahead)
             ids, numbers = (np.array(column, dtype=np.int64) for column in (output, counts))
             rules.__dict__["arrays"] = (ids, numbers, self.arrays[2])
         if self.checked_for is not None:  # (the verifier's: its tokens are in the vocabulary)
             rules.__dict__[_CHECKED] = self.checked_for
+        rules.__dict__["total"] = self.total + len(added)
         return rules
 
     @property
@@ -228,7 +243,7 @@ class LogitRules:
         if allowed is self.allowed:
             return self
         rules = replace(self, allowed=allowed)
-        for name in ("arrays", _CHECKED):
+        for name in ("arrays", _CHECKED, "total"):
             if name in self.__dict__:
                 rules.__dict__[name] = self.__dict__[name]
         return rules
@@ -237,6 +252,8 @@ class LogitRules:
         """Raise ValueError naming the field when the rules or their context are malformed;
         num_rows: the round's rows (its tree's nodes + 1). The context once for a vocabulary
         (`checked_for`): the masks each round."""
+        if self.kept >= 0:
+            raise ValueError("rules.kept: the sequence's context is not kept (NOT_FOUND first)")
         if self.allowed is not None:
             self.allowed.validate(vocab_size, num_rows)
         if self.checked_for == vocab_size:
@@ -304,16 +321,22 @@ def start_context(penalties: Penalties | None, prompt_ids: Iterable[int]) -> Log
     return LogitRules(penalties, prompt=distinct(prompt_ids) if penalties.repetition != 1 else ())
 
 
-def round_rules(context: LogitRules | None, allowed: Allowed | None = None) -> LogitRules | None:
+def round_rules(
+    context: LogitRules | None, allowed: Allowed | None = None, kept: bool = False
+) -> LogitRules | None:
     """A round's rules from a generation's context (`start_context`, then `after`) and a
-    guide's masks: `rules_for`'s, without counting and sorting the output each round."""
+    guide's masks: `rules_for`'s, without counting and sorting the output each round. `kept`:
+    the verifier keeps the context as the last round left it, the rules say so
+    (`kept_context`) in place of sending it."""
     if context is not None and context.penalties.active:
-        return context.with_allowed(allowed)
-    if allowed is None:
+        rules = context.with_allowed(allowed)
+    elif allowed is None:
         return None
-    if context is None:
+    elif context is None:
         return LogitRules(Penalties(), allowed=allowed)
-    return LogitRules(Penalties(), context.output, context.counts, allowed=allowed)
+    else:
+        rules = LogitRules(Penalties(), context.output, context.counts, allowed=allowed)
+    return rules.kept_context() if kept else rules
 
 
 def min_p_cut(min_p: float, temperature: float) -> float:

@@ -1,27 +1,41 @@
 """Each sequence's logit rules kept on the verifier between rounds (`VerifierSeq.rules`): a
 round's commit leaves its rules through the tokens it appended (`keep_rules`, `LogitRules.after`),
 and the next round whose rules read that same context takes the kept ones (`take_kept_rules`),
-whose checks are done and whose arrays are made: the gateway still sends the whole context each
-round, but the verifier reads and checks it once, not every round (~0.1 ms a sequence with a
-512-token prompt and a few hundred distinct output tokens, bench/RESULTS.md). The kept rules are
-taken only where they are equal, so they change no output."""
+whose checks are done and whose arrays are made. The gateway sends the whole context on a
+sequence's first round with rules (and after a re-prefill), then only says the verifier keeps it
+(`LogitRules.kept`, the output's length: SequenceRules.kept on the wire); the verifier reads and
+checks a context once, not every round (~0.1 ms a sequence with a 512-token prompt and a few
+hundred distinct output tokens, bench/RESULTS.md). The kept rules are taken only where they are
+equal to the context sent, or the same length of output where only that is sent."""
 
 from __future__ import annotations
 
+from specsplit.errors import Code, ServiceError
 from specsplit.messages import VerifyInput
 from verifier.rounds import VerifierSeq
 
 
 def take_kept_rules(inputs: list[VerifyInput], seqs: dict[str, VerifierSeq]) -> None:
-    """Each input (not a first round) whose rules read its sequence's kept context takes the
-    kept rules (with its own guide masks, checked each round)."""
+    """Each input (not a first round) whose rules read its sequence's kept context, or say
+    they do (`LogitRules.kept`: the wire then carries no context), takes the kept rules (with
+    its own guide masks, checked each round). NOT_FOUND where rules say so and the verifier
+    keeps no such context: the gateway then re-prefills the sequence and sends it again."""
     for item in inputs:
         rules = item.rules
-        if rules is None or item.begin:
+        if rules is None:
             continue
-        seq = seqs.get(item.seq_id)
+        seq = None if item.begin else seqs.get(item.seq_id)
         kept = None if seq is None else seq.rules
-        if kept is not None and kept is not rules and kept.same_context(rules):
+        if rules.kept >= 0:
+            if kept is None or kept.total != rules.kept:
+                held = "none" if kept is None else f"an output of {kept.total}"
+                raise ServiceError(
+                    Code.NOT_FOUND,
+                    f"sequence {item.seq_id!r}: its logit rules' context of an output of "
+                    f"{rules.kept} tokens is not kept here ({held}): send it",
+                )
+            item.rules = kept.with_allowed(rules.allowed)
+        elif kept is not None and kept is not rules and kept.same_context(rules):
             item.rules = kept.with_allowed(rules.allowed)
 
 

@@ -85,7 +85,8 @@ class SeqMemory(HintedRounds, KVPages):
     def truncate(self, items: list[Truncation]) -> list[Truncated]:
         """A session's turn boundary: keep the KV of at most `max_len` leading tokens of each
         sequence (tokens past a stop point, a turn taken back), free the pages past it, and
-        restart its sampling generator (the next turn draws from its own seed)."""
+        restart its sampling generator (the next turn draws from its own seed) and its logit
+        rules (the next turn sends its own)."""
         truncated = {item.seq_id for item in items}
         if self.in_flight(truncated):
             raise RuntimeError("verifier: truncate of a sequence whose round is in flight")
@@ -99,6 +100,7 @@ class SeqMemory(HintedRounds, KVPages):
         seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
         self.kv.trim(seq.kv, seq.kv.kv_committed_len)
         seq.generator = None
+        seq.rules = None
         return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:

@@ -59,14 +59,27 @@ def test_grpc_out_of_range_is_invalid_argument_naming_the_field(
     assert err.value.code == Code.INVALID_ARGUMENT and field in err.value.message
 
 
-def test_each_round_carries_the_rules_with_the_output_so_far() -> None:
+def test_each_round_carries_the_rules_with_the_output_so_far_until_the_verifier_keeps_them() -> (
+    None
+):
+    """The first round sends the rules with their context (the prompt's distinct tokens where
+    the repetition penalty reads them); once a round committed, the verifier keeps the context
+    and the rounds say so with the output's length (verifier/kept_rules.py); a re-prefill or a
+    truncation sends it again, through the output so far."""
     penalties = Penalties(presence=0.5, repetition=1.1)
     request = GenerationRequest([5, 6, 5, 9], max_new_tokens=8, penalties=penalties)
     seq = Sequence("s", request, SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
     assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (), (), (5, 6, 9))
     seq.commit(VerifyOutput("s", [], 6, 4))
+    assert seq.verify_input(DraftTree()).rules == LogitRules(Penalties(), kept=1)
     seq.commit(VerifyOutput("s", [6, 2], 6, 7))
-    assert seq.verify_input(DraftTree()).rules == LogitRules(penalties, (2, 6), (1, 3), (5, 6, 9))
+    whole = LogitRules(penalties, (2, 6), (1, 3), (5, 6, 9))
+    assert seq.rules_context == whole
+    assert seq.verify_input(DraftTree()).rules == LogitRules(Penalties(), kept=4)
+    seq.keep_verifier_kv(5)
+    assert seq.verify_input(DraftTree()).rules == whole
+    seq.forget_verifier()
+    assert seq.verify_input(DraftTree()).rules == whole
     plain = Sequence("p", GenerationRequest([5], 8), SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
     assert plain.verify_input(DraftTree()).rules is None
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from specsplit.convert import verify_request_from_proto, verify_request_to_proto
 from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import (
     Allowed,
@@ -139,3 +140,50 @@ def test_the_gateways_rules_carried_through_commits_are_rules_for_the_whole_outp
                 kept = [rng.randrange(40) for _ in range(rng.randint(1, 3))]
                 output += kept
                 context = None if context is None else context.after(kept)
+
+
+def test_rounds_that_say_their_context_is_kept_take_it(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+    truth: list[int],  # noqa: F811
+) -> None:
+    """After the first round the rules only say the context is kept (the output's length, no
+    context on the wire): the rounds take the kept rules and commit the target's greedy tokens
+    under them. A length the verifier does not keep, or a first round that says so, is
+    NOT_FOUND (the gateway then re-prefills and sends the context), and changes nothing."""
+    engine = _engine(target_dir, device)
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+    got = [engine.verify([first])[0].bonus_token]
+    while len(got) < NUM_TOKENS:
+        k = len(got)
+        context = _rules(STRONG, got)
+        assert context is not None
+        tree = DraftTree([truth[k], truth[k + 1], (truth[k + 2] + 1) % TINY_VOCAB], [-1, 0, 1])
+        item = VerifyInput(
+            "s", False, len(PROMPT) + k - 1, got[-1:], tree, rules=context.kept_context()
+        )
+        msg = verify_request_to_proto([item])
+        entry = msg.rules[0]
+        assert entry.kept and entry.output_len == k
+        assert not (entry.output_tokens or entry.prompt_tokens or entry.bias_tokens)
+        (sent,) = verify_request_from_proto(msg)
+        assert sent.rules == LogitRules(Penalties(), kept=k)
+        got += engine.verify([sent])[0].new_tokens
+        assert sent.rules == context  # (the kept context the round took)
+    assert got[:NUM_TOKENS] == truth[:NUM_TOKENS]
+    committed = len(PROMPT) + len(got) - 1
+    wrong = [
+        VerifyInput("s", False, committed, got[-1:], DraftTree(), rules=_said(len(got) + 1)),
+        VerifyInput("t", True, 0, PROMPT, DraftTree(), rules=_said(0)),
+    ]
+    for item in wrong:
+        with pytest.raises(ServiceError) as err:
+            engine.verify([item])
+        assert err.value.code == Code.NOT_FOUND and "not kept" in err.value.message
+    assert "t" not in engine.seqs and engine.seqs["s"].kv.kv_committed_len == committed
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+def _said(output_len: int) -> LogitRules:
+    return LogitRules(Penalties(), kept=output_len)
