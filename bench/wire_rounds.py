@@ -6,10 +6,14 @@ SmolLM2: 3 x 576), greedy. Median us per round over --repeats passes of --calls 
 --beside: the rows beside the messages (wire_tensors.Beside, as the round lane sends them), not in
 their tensor fields (as gRPC does). --sampled SUPPORT: sampled chains carrying their draft
 distributions (DraftProbs) of SUPPORT tokens each node; --kept: each node's row keeping only
-that many of them (each row crosses at its own width).
+that many of them (each row crosses at its own width). --rules full: each Verify item carries
+logit rules with their context (a 64-token bias, presence / frequency / repetition penalties,
+256 distinct output tokens, a 512-token prompt: bench/gpu_engine.py --rules'), as a sequence's
+first round does; --rules kept: the marker later rounds send once the verifier keeps the context
+(verifier/kept_rules.py).
 
     PYTHONPATH=. python bench/wire_rounds.py [--batch 1 8 32] [--rows 4] [--width 1728]
-        [--beside] [--sampled 256 [--kept 3 14 70]]
+        [--beside] [--sampled 256 [--kept 3 14 70]] [--rules full|kept]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from specsplit import convert, wire_tensors
+from specsplit.logit_rules import LogitRules, Penalties, bias_of, distinct
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftProbs, DraftTree
@@ -44,11 +49,18 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
 
 
 def round_messages(
-    batch: int, depth: int, rows: int, width: int, support: int = 0, kept: list[int] | None = None
+    batch: int,
+    depth: int,
+    rows: int,
+    width: int,
+    support: int = 0,
+    kept: list[int] | None = None,
+    rules: str = "",
 ) -> dict[str, Any]:
     """A round's four messages' contents: the Draft and Verify inputs and outputs. support:
     sampled chains whose draft distributions have that many tokens of SmolLM2's 49152 (0:
-    greedy); kept: node i's row keeps kept[i % len(kept)] of them, 0 past (None: all)."""
+    greedy); kept: node i's row keeps kept[i % len(kept)] of them, 0 past (None: all); rules:
+    "full" or "kept" (the Verify items' logit rules; "": none)."""
     chain = DraftTree(list(range(10, 10 + depth)), list(range(-1, depth - 1)))
     sampling = SamplingParams()
     if support:
@@ -70,14 +82,36 @@ def round_messages(
         ],
         "draft_out": [DraftOutput(s, chain, 300, layers) for s in ids],
         "verify_in": [
-            VerifyInput(s, False, 300, [7], chain, sampling, hidden_state_layers=layers)
-            for s in ids
+            VerifyInput(
+                s,
+                False,
+                300,
+                [7],
+                chain,
+                sampling,
+                hidden_state_layers=layers,
+                rules=_rules(i, rules),
+            )
+            for i, s in enumerate(ids)
         ],
         "verify_out": [
             VerifyOutput(s, chain.tokens[: rows - 1], 5, 304, h)
             for s, h in zip(ids, hidden, strict=True)
         ],
     }
+
+
+def _rules(seed: int, kind: str) -> LogitRules | None:
+    """A sequence's logit rules with their context ("full") or the kept marker ("kept")."""
+    if not kind:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, VOCAB, (64 + 256 + 512,), generator=gen).tolist()
+    output = sorted(set(tokens[64:320]))
+    penalties = Penalties(bias_of((t, -5.0) for t in tokens[:64]), 0.5, 0.5, 1.1)
+    counts = tuple(1 + t % 3 for t in output)
+    full = LogitRules(penalties, tuple(output), counts, distinct(tokens[320:]))
+    return full.kept_context() if kind == "kept" else full
 
 
 def serialized(build: Callable[..., Any], beside: bool) -> tuple[bytes, Any]:
@@ -114,6 +148,9 @@ def main() -> None:
         help="with --sampled: node i's row keeps KEPT[i %% len] tokens, 0 past (the embedded "
         "SmolLM2's own rows at T = 0.7: 3 14 70 254 by quartile and p90)",
     )
+    parser.add_argument(
+        "--rules", choices=["full", "kept"], default="", help="the Verify items' logit rules"
+    )
     args = parser.parse_args()
     print(
         f"| batch | Draft request out / in | Draft answer out / in | Verify request out / in "
@@ -121,7 +158,9 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
-        m = round_messages(batch, args.depth, args.rows, args.width, args.sampled, args.kept)
+        m = round_messages(
+            batch, args.depth, args.rows, args.width, args.sampled, args.kept, args.rules
+        )
         pairs = (
             (partial(convert.draft_request_to_proto, m["draft_in"]), drafter_pb2.DraftRequest,
              convert.draft_request_from_proto),
