@@ -330,13 +330,9 @@ def round_rules(
     (`kept_context`) in place of sending it."""
     if context is not None and context.penalties.active:
         rules = context.with_allowed(allowed)
-    elif allowed is None:
-        return None
-    elif context is None:
-        return LogitRules(Penalties(), allowed=allowed)
-    else:
-        rules = LogitRules(Penalties(), context.output, context.counts, allowed=allowed)
-    return rules.kept_context() if kept else rules
+        return rules.kept_context() if kept else rules
+    # (a guide alone, or penalties that change nothing now: the masks, no context to read)
+    return None if allowed is None else LogitRules(Penalties(), allowed=allowed)
 
 
 def min_p_cut(min_p: float, temperature: float) -> float:

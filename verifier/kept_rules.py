@@ -41,7 +41,12 @@ def take_kept_rules(inputs: list[VerifyInput], seqs: dict[str, VerifierSeq]) -> 
 
 def keep_rules(item: VerifyInput, seq: VerifierSeq, appended: list[int]) -> None:
     """After `item`'s round committed `appended` (its accepted drafts and bonus token) to
-    `seq`: the rules of its next round (none without rules; a guide's masks are the
-    gateway's to send)."""
-    rules = item.rules
-    seq.rules = None if rules is None else rules.with_allowed(None).after(appended)
+    `seq`: the rules of its next round (none without penalties that change something; a
+    guide's masks are the gateway's to send)."""
+    rules = item.rules  # (none for a guide alone, whose context nothing reads)
+    if rules is None or not rules.penalties.active:
+        seq.rules = None
+        return
+    kept = rules.with_allowed(None).after(appended)
+    # (min_tokens reached and nothing else: no rules, as the gateway sends then)
+    seq.rules = kept if kept.penalties.active else None

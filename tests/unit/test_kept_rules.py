@@ -119,7 +119,8 @@ def test_context_is_checked_once_and_a_guides_masks_every_round() -> None:
 def test_the_gateways_rules_carried_through_commits_are_rules_for_the_whole_output() -> None:
     """`round_rules` on a context carried by `after` through each commit is `rules_for` on the
     whole output (the gateway's rules before: the output counted and sorted each round), with
-    penalties or none, min_tokens reached or not, a guide's masks or none."""
+    penalties or none, min_tokens reached or not, a guide's masks or none (a guide alone, or
+    penalties that change nothing now, send no context)."""
     rng = random.Random(9)
     masks = Allowed(bytes([255]) * 4 * mask_words(TINY_VOCAB), (0,))
     kinds = [
@@ -136,6 +137,8 @@ def test_the_gateways_rules_carried_through_commits_are_rules_for_the_whole_outp
             for _ in range(8):
                 counted = Counter(output if penalties is not None else ())  # (as it counted)
                 want = rules_for(penalties, distinct(prompt), counted, allowed)
+                if want is not None and not want.penalties.active:  # (no context read)
+                    want = LogitRules(Penalties(), allowed=allowed)
                 assert round_rules(context, allowed) == want
                 kept = [rng.randrange(40) for _ in range(rng.randint(1, 3))]
                 output += kept
@@ -187,3 +190,20 @@ def test_rounds_that_say_their_context_is_kept_take_it(
 
 def _said(output_len: int) -> LogitRules:
     return LogitRules(Penalties(), kept=output_len)
+
+
+def test_rules_that_change_nothing_more_are_not_kept(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+) -> None:
+    """min_tokens alone, once the output holds that many tokens, changes nothing: the verifier
+    keeps no rules (the gateway sends none then, and a step run ahead is taken as a plain one)."""
+    engine = _engine(target_dir, device)
+    penalties = Penalties(min_tokens=2, stop_ids=(1,))
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(penalties, []))
+    got = [engine.verify([first])[0].bonus_token]
+    assert engine.seqs["s"].rules == _rules(penalties, got)  # (one token: still held)
+    item = VerifyInput("s", False, len(PROMPT), got, DraftTree(), rules=_rules(penalties, got))
+    engine.verify([item])
+    assert engine.seqs["s"].rules is None
+    engine.release(["s"])
