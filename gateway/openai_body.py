@@ -279,9 +279,6 @@ def parse_request(body: Any, kind: Kind) -> OpenAIRequest:
         raise bad_param("echo", "a completions parameter, not supported in chat")
     prompt_logprobs = body_field(body, "prompt_logprobs", int, None)
     stream = body_field(body, "stream", bool, False)
-    if stream and (prompt_logprobs is not None or (echo and logprobs is not None)):
-        param = "prompt_logprobs" if prompt_logprobs is not None else "echo"
-        raise bad_param(param, "the prompt's log-probabilities are not streamed: stream false")
     return OpenAIRequest(
         kind=kind,
         prompts=prompts,

@@ -34,7 +34,6 @@ from gateway.openai_body import (
     Kind,
     OpenAIError,
     OpenAIRequest,
-    body_field,
     choice,
     from_service_error,
     parse_request,
@@ -48,7 +47,9 @@ from gateway.openai_logprobs import (
     add_prompt_logprobs,
     listed_tokens,
     logprobs_block,
+    prompt_parts,
 )
+from gateway.openai_sessions import SessionRoutes
 from gateway.openai_tokens import TokenRoutes
 from gateway.openai_tools import ToolStream, apply_tools, shape_choice
 from gateway.request import (
@@ -99,8 +100,7 @@ class OpenAIServer:
         self.app.router.add_get("/v1/models/{model}", self.model_card)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
-        self.app.router.add_post("/v1/sessions", self.open_session)
-        self.app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
+        SessionRoutes(lambda: self.scheduler.sessions, lambda: self.draining).add_to(self.app)
         for path in OPEN_HTTP_PATHS:  # load balancers' and orchestrators' probes, keyless
             self.app.router.add_get(path, self.health)
         TokenRoutes(model, limits, tokenize, self._check_model).add_to(self.app)
@@ -178,37 +178,6 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
-    async def open_session(self, request: web.Request) -> web.Response:
-        """Extension: {"ttl_seconds": optional} -> {"id", "object": "session", "ttl_seconds"}."""
-        body = await request.json() if request.can_read_body else {}
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the body must be a JSON object")
-        ttl = body_field(body, "ttl_seconds", (int, float), None)
-        if self.draining:
-            raise OpenAIError(503, NOT_TAKING_REQUESTS)
-        try:
-            session = self.scheduler.sessions.open(None if ttl is None else float(ttl))
-        except ServiceError as err:
-            raise from_service_error(err, "chat") from None
-        return web.json_response(
-            {"id": session.session_id, "object": "session", "ttl_seconds": session.ttl_s}
-        )
-
-    async def close_session(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
-        try:
-            num_tokens = await self.scheduler.sessions.close(session_id)
-        except ServiceError as err:
-            raise from_service_error(err, "chat") from None
-        return web.json_response(
-            {
-                "id": session_id,
-                "object": "session.deleted",
-                "deleted": True,
-                "num_tokens": num_tokens,
-            }
-        )
-
     def _check_model(self, name: Any) -> None:
         if name is not None and name != self.model_name:
             raise OpenAIError(
@@ -253,9 +222,9 @@ class OpenAIServer:
             streams.append(self.scheduler.generate(requests[0], waiting_too=len(requests) - 1))
             for gen_req in requests[1:]:
                 streams.append(self.scheduler.generate(gen_req))
-            if req.stream:
-                return await self._stream(request, req, header, streams, echoes)
             prompts = [r.prompt_ids for r in requests]
+            if req.stream:
+                return await self._stream(request, req, header, streams, echoes, prompts)
             return await self._complete(req, header, streams, echoes, prompts)
         except ServiceError as err:  # the waiting queue is full (429): no choice runs
             raise from_service_error(err, kind) from None
@@ -329,6 +298,7 @@ class OpenAIServer:
         header: dict[str, Any],
         streams: list[AsyncIterator[Chunk]],
         echoes: list[str] | None,
+        prompts: list[list[int]],  # each choice's prompt ids
     ) -> web.StreamResponse:
         obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
         response = web.StreamResponse(
@@ -368,7 +338,8 @@ class OpenAIServer:
                 first = event(index, "", None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 await send(first)
-        for index, echo in enumerate(echoes or ()):  # each choice's prompt, then its text
+        asks = req.prompt_asks is not None  # (then each prompt goes with its first chunk's)
+        for index, echo in enumerate(() if asks else echoes or ()):  # each prompt, then its text
             await send(event(index, echo, None))
         finished: dict[int, Chunk] = {}  # each choice's last chunk
         calls = None  # each choice's tool calls as they stream, where the output is calls
@@ -377,6 +348,15 @@ class OpenAIServer:
         try:
             async with aclosing(merged(streams)) as chunks:  # (closed before the streams are)
                 async for index, chunk in chunks:
+                    if chunk.prompt_logprobs is not None:  # (the first chunk's: the prompt first)
+                        echoed = None if echoes is None else echoes[index]
+                        texts, lp = self.token_texts, chunk.prompt_logprobs
+                        fields, top, offsets[index] = prompt_parts(
+                            req, prompts[index], lp, texts, echoed
+                        )
+                        first = event(index, fields.pop("text", None), None)
+                        first["choices"][0].update(fields)
+                        await send({**first, **top})
                     if calls is not None:  # (no logprobs with calls: apply_tools)
                         for delta, reason in calls[index].events(chunk.text, chunk.finish_reason):
                             await send(event(index, None, reason, delta=delta))

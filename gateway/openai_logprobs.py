@@ -175,6 +175,31 @@ def add_prompt_logprobs(
     return extra
 
 
+def prompt_parts(
+    req: OpenAIRequest,
+    prompt: list[int],
+    lp: TokenLogprobs,
+    texts: TokenTexts,
+    echo: str | None,
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """A streamed choice's prompt, sent ahead of its first chunk's text: the event's choice's
+    fields (a completions choice's echoed `text` and its `logprobs` block, vLLM's
+    `prompt_logprobs`), the event's own (a chat's `prompt_logprobs`), and the text offset after
+    the echoed prompt (where the generated tokens' offsets start), as `add_prompt_logprobs`
+    makes them whole."""
+    fields: dict[str, Any] = {}
+    top: dict[str, Any] = {}
+    offset = 0
+    if echo is not None:
+        fields["text"] = echo
+        if req.logprobs is not None:
+            fields["logprobs"], offset = echo_block(prompt, lp, texts, req.logprobs)
+    if req.prompt_logprobs is not None:
+        entries = prompt_entries(prompt, lp, texts, req.prompt_logprobs)
+        (top if req.kind == "chat" else fields)["prompt_logprobs"] = entries
+    return fields, top, offset
+
+
 def logprobs_block(
     req: OpenAIRequest, entries: list[Listed], texts: TokenTexts, offset: int
 ) -> tuple[dict[str, Any] | None, int]:

@@ -2,7 +2,8 @@
 body's `echo` with `logprobs` lists the echoed prompt's tokens ahead of the choice's (the first
 one's null, as OpenAI's), vLLM's `prompt_logprobs` gives each prompt token's entry by id with its
 rank and text (per completions choice; a chat response's at its top); the request asks the
-verifier for the wider of the two; streamed, or in a session's turn, they are refused."""
+verifier for the wider of the two; streamed, they come in an event of their own ahead of the
+choice's first text, as the whole response has them; in a session's turn they are refused."""
 
 from __future__ import annotations
 
@@ -96,13 +97,11 @@ def test_a_chat_response_carries_its_prompts_logprobs(smollm2_tokenizer) -> None
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt_logprobs": 1, "session_id": "s"}, "prompt_logprobs"),
     ],
-    ids=["streamed", "echo-streamed", "too-many", "negative", "session"],
+    ids=["too-many", "negative", "session"],
 )
 def test_unsupported_prompt_logprobs_are_refused(
     smollm2_tokenizer, extra: dict[str, Any], param: str
@@ -110,3 +109,44 @@ def test_unsupported_prompt_logprobs_are_refused(
     error, scheduler = _completion(smollm2_tokenizer, **extra)
     assert error["param"] == param, error
     assert not scheduler.requests
+
+
+def _joined(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed completions choice made whole: its text, its logprobs blocks joined."""
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    block: dict[str, list[Any]] = {}
+    for c in choices:
+        for key, values in (c.get("logprobs") or {}).items():
+            block.setdefault(key, []).extend(values)
+    return {"text": "".join(c["text"] for c in choices), "logprobs": block or None}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"echo": True, "logprobs": 2}, {"prompt_logprobs": 2}, {"echo": True, "prompt_logprobs": 1}],
+    ids=["echo-logprobs", "prompt-logprobs", "echo-prompt-logprobs"],
+)
+def test_streamed_prompt_logprobs_are_the_whole_responses(
+    smollm2_tokenizer, extra: dict[str, Any]
+) -> None:
+    """Streamed, the prompt (echoed, its logprobs block, vLLM's entries) comes in an event ahead
+    of the choice's first text: joined, the events are the whole response's choice."""
+    whole, asked = _completion(smollm2_tokenizer, temperature=0, **extra)
+    events, scheduler = _completion(smollm2_tokenizer, temperature=0, stream=True, **extra)
+    assert scheduler.requests[0].prompt_logprobs == asked.requests[0].prompt_logprobs
+    choice = whole["choices"][0]
+    joined = _joined(events)
+    assert joined["text"] == choice["text"]
+    assert joined["logprobs"] == choice["logprobs"]
+    first = events[0]["choices"][0]
+    assert first.get("prompt_logprobs") == choice.get("prompt_logprobs")
+    if extra.get("echo"):
+        assert first["text"] == "The quick brown fox"
+
+
+def test_a_streamed_chat_carries_its_prompts_logprobs_first(smollm2_tokenizer) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}
+    whole, _ = _run(smollm2_tokenizer, [body], _Prompted())
+    events, _ = _run(smollm2_tokenizer, [{**body, "stream": True}], _Prompted())
+    carrying = [e for e in events[0] if "prompt_logprobs" in e]
+    assert len(carrying) == 1 and carrying[0]["prompt_logprobs"] == whole[0]["prompt_logprobs"]
