@@ -342,9 +342,11 @@ def test_echo_starts_each_choice_with_its_prompt(client: openai.OpenAI, smollm2_
     events = list(client.completions.create(prompt=PROMPT, echo=True, stream=True, **kwargs))
     assert events[0].choices[0].text == PROMPT
     assert "".join(e.choices[0].text for e in events) == PROMPT + plain[0].text
-    with pytest.raises(openai.BadRequestError) as err:  # (the prompt's are not streamed)
+    listed = list(
         client.completions.create(prompt=PROMPT, echo=True, logprobs=1, stream=True, **kwargs)
-    assert err.value.response.json()["error"]["param"] == "echo"
+    )
+    assert listed[0].choices[0].text == PROMPT  # (the prompt's block with it)
+    assert "".join(e.choices[0].text for e in listed) == PROMPT + plain[0].text
 
 
 def test_streamed_chat_logprobs_add_up_to_the_whole(client: openai.OpenAI) -> None:
@@ -502,7 +504,7 @@ def test_prompt_logprobs_over_http(services: Services, client: openai.OpenAI) ->
     GenerateRequest.prompt_logprobs, through the real services: the echoed prompt's tokens come
     first in the choice's block (the first's null), each prompt token's log-probability is the
     same both ways and the generated token's is the one a body without them gets; the first
-    round read every prompt row. No KV left behind."""
+    round read every prompt row; streamed, the prompt's come first, the same. No KV left behind."""
     kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0)
     echoed = client.completions.create(**kwargs, echo=True, logprobs=2)  # type: ignore[arg-type]
     vllm = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2})  # type: ignore[arg-type]
@@ -530,4 +532,10 @@ def test_prompt_logprobs_over_http(services: Services, client: openai.OpenAI) ->
     assert [e.token_id for e in first.prompt_logprobs] == ids[1:]
     for entry, value in zip(first.prompt_logprobs, block.token_logprobs[1:-1], strict=True):
         assert entry.logprob == pytest.approx(value, abs=1e-6) and len(entry.top_logprobs) == 2
+    # streamed: the echoed prompt and its block first, the same values as the whole response's
+    events = list(client.completions.create(**kwargs, echo=True, logprobs=2, stream=True))  # type: ignore[arg-type]
+    streamed = [e.choices[0] for e in events if e.choices]
+    assert "".join(c.text for c in streamed) == echoed.choices[0].text
+    values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs or []]
+    assert values[0] is None and values[1:] == pytest.approx(block.token_logprobs[1:], abs=1e-6)
     services.wait_no_pages_used()
