@@ -41,6 +41,12 @@ class VerifierFaults(Retiring):  # (which frees the sequences it gives up on)
             with contextlib.suppress(ServiceError):
                 await self.verifier.release([seq.seq_id for seq in self.running])
             await self._await_verifier(error)
+        elif error.code == Code.FAILED_PRECONDITION and any(s.rules_kept for s in self.running):
+            # the verifier lacks a logit rules' context a round said it kept (verifier/
+            # kept_rules.py; nothing of the round ran): the round runs again with every context
+            log.warning("verifier: %s; sending the rules' contexts again", error.message)
+            for seq in self.running:
+                seq.rules_kept = False
         elif error.code == Code.RESOURCE_EXHAUSTED and await self.sessions.evict_idle():
             pass  # an idle session's KV is free now: the round runs again
         elif error.code == Code.RESOURCE_EXHAUSTED and len(self.running) > 1:

@@ -3,7 +3,8 @@ round's commit leaves its rules through the tokens it appended (`keep_rules`, `L
 and the next round whose rules read that same context takes the kept ones (`take_kept_rules`),
 whose checks are done and whose arrays are made. The gateway sends the whole context on a
 sequence's first round with rules (and after a re-prefill), then only says the verifier keeps it
-(`LogitRules.kept`, the output's length: SequenceRules.kept on the wire); the verifier reads and
+(`LogitRules.kept`, the output's length: SequenceRules.kept on the wire; FAILED_PRECONDITION
+where the verifier has no such context, and the gateway sends it); the verifier reads and
 checks a context once, not every round (~0.1 ms a sequence with a 512-token prompt and a few
 hundred distinct output tokens, bench/RESULTS.md). The kept rules are taken only where they are
 equal to the context sent, or the same length of output where only that is sent."""
@@ -18,8 +19,9 @@ from verifier.rounds import VerifierSeq
 def take_kept_rules(inputs: list[VerifyInput], seqs: dict[str, VerifierSeq]) -> None:
     """Each input (not a first round) whose rules read its sequence's kept context, or say
     they do (`LogitRules.kept`: the wire then carries no context), takes the kept rules (with
-    its own guide masks, checked each round). NOT_FOUND where rules say so and the verifier
-    keeps no such context: the gateway then re-prefills the sequence and sends it again."""
+    its own guide masks, checked each round). FAILED_PRECONDITION where rules say so and the
+    verifier keeps no such context (nothing of the round has happened): the gateway then sends
+    the round again with every sequence's context."""
     for item in inputs:
         rules = item.rules
         if rules is None:
@@ -30,7 +32,7 @@ def take_kept_rules(inputs: list[VerifyInput], seqs: dict[str, VerifierSeq]) -> 
             if kept is None or kept.total != rules.kept:
                 held = "none" if kept is None else f"an output of {kept.total}"
                 raise ServiceError(
-                    Code.NOT_FOUND,
+                    Code.FAILED_PRECONDITION,
                     f"sequence {item.seq_id!r}: its logit rules' context of an output of "
                     f"{rules.kept} tokens is not kept here ({held}): send it",
                 )

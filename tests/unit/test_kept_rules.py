@@ -153,7 +153,7 @@ def test_rounds_that_say_their_context_is_kept_take_it(
     """After the first round the rules only say the context is kept (the output's length, no
     context on the wire): the rounds take the kept rules and commit the target's greedy tokens
     under them. A length the verifier does not keep, or a first round that says so, is
-    NOT_FOUND (the gateway then re-prefills and sends the context), and changes nothing."""
+    FAILED_PRECONDITION (the gateway then sends the context), and changes nothing."""
     engine = _engine(target_dir, device)
     first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
     got = [engine.verify([first])[0].bonus_token]
@@ -182,7 +182,7 @@ def test_rounds_that_say_their_context_is_kept_take_it(
     for item in wrong:
         with pytest.raises(ServiceError) as err:
             engine.verify([item])
-        assert err.value.code == Code.NOT_FOUND and "not kept" in err.value.message
+        assert err.value.code == Code.FAILED_PRECONDITION and "not kept" in err.value.message
     assert "t" not in engine.seqs and engine.seqs["s"].kv.kv_committed_len == committed
     engine.release(["s"])
     assert engine.num_pages_used == 0
