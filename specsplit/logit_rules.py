@@ -253,7 +253,9 @@ class LogitRules:
         num_rows: the round's rows (its tree's nodes + 1). The context once for a vocabulary
         (`checked_for`): the masks each round."""
         if self.kept >= 0:
-            raise ValueError("rules.kept: the sequence's context is not kept (NOT_FOUND first)")
+            raise ValueError(
+                "rules.kept: the sequence's context is not kept (FAILED_PRECONDITION first)"
+            )
         if self.allowed is not None:
             self.allowed.validate(vocab_size, num_rows)
         if self.checked_for == vocab_size:
