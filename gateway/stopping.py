@@ -178,8 +178,10 @@ class StopChecker:
 
     def _len_stop_prefix_suffix(self) -> int:
         """Length of the longest suffix of the held text that is a prefix of a stop string."""
-        held = self._held_text
-        return max(
-            (n for s in self._stop_strings for n in range(1, len(s)) if held.endswith(s[:n])),
-            default=0,
-        )
+        return held_prefix_len(self._held_text, self._stop_strings)
+
+
+def held_prefix_len(text: str, words: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `words`: what
+    streamed text holds back until the next piece says whether the word follows."""
+    return max((n for w in words for n in range(1, len(w)) if text.endswith(w[:n])), default=0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.guides import GuideAsk
+from gateway.stopping import held_prefix_len
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
@@ -149,10 +150,7 @@ def read_auto_calls(ask: ToolAsk, text: str) -> tuple[str | None, list[Call]] | 
 def held_back(text: str) -> int:
     """How many characters at the end of streamed text may begin a call's block (held back
     until the next text says)."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
+    return held_prefix_len(text, (CALL_OPEN,))
 
 
 def message_calls(value: Any) -> list[dict[str, str]]:
