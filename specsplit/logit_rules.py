@@ -284,34 +284,9 @@ def still_held(penalties: Penalties, total: int) -> Penalties:
     return penalties
 
 
-def with_output(penalties: Penalties, output: Counter[int], prompt: tuple[int, ...]) -> LogitRules:
-    """Rules reading `output` (token -> count)."""
-    tokens = tuple(sorted(output))
-    return LogitRules(penalties, tokens, tuple(output[t] for t in tokens), prompt)
-
-
 def distinct(ids: Iterable[int]) -> tuple[int, ...]:
     """Token ids as LogitRules.prompt holds them: each once, by id."""
     return tuple(sorted(set(ids)))
-
-
-def rules_for(
-    penalties: Penalties | None,
-    prompt: tuple[int, ...],
-    output: Counter[int],
-    allowed: Allowed | None = None,
-) -> LogitRules | None:
-    """A round's rules from its request's penalties, its prompt's `distinct` tokens, its
-    output so far (the gateway's) and a guide's masks; None where they change nothing. The
-    prompt goes only where it is read (a repetition penalty)."""
-    if penalties is not None:
-        penalties = still_held(penalties, output.total())
-    if penalties is None or not penalties.active:
-        if allowed is None:
-            return None
-        penalties = Penalties()
-    rules = with_output(penalties, output, prompt if penalties.repetition != 1 else ())
-    return rules if allowed is None else replace(rules, allowed=allowed)
 
 
 def start_context(penalties: Penalties | None, prompt_ids: Iterable[int]) -> LogitRules | None:
@@ -327,7 +302,7 @@ def round_rules(
     context: LogitRules | None, allowed: Allowed | None = None, kept: bool = False
 ) -> LogitRules | None:
     """A round's rules from a generation's context (`start_context`, then `after`) and a
-    guide's masks: `rules_for`'s, without counting and sorting the output each round. `kept`:
+    guide's masks; None where they change nothing (penalties none or inactive, no guide). `kept`:
     the verifier keeps the context as the last round left it, the rules say so
     (`kept_context`) in place of sending it."""
     if context is not None and context.penalties.active:

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from specsplit.logit_rules import NO_MASK, Allowed, LogitRules, Penalties, mask_words, rules_for
+from specsplit.logit_rules import NO_MASK, Allowed, LogitRules, Penalties, mask_words
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from tests.rules_reference import rules_for
 from tests.unit.test_kept_rules import (  # noqa: F401  (pytest collects them here)
     test_a_round_whose_context_differs_is_bent_by_what_it_sent,
     test_rounds_take_the_rules_their_commit_kept,

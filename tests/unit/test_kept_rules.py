@@ -25,11 +25,11 @@ from specsplit.logit_rules import (
     distinct,
     mask_words,
     round_rules,
-    rules_for,
     start_context,
 )
 from specsplit.messages import VerifyInput
 from specsplit.tree import DraftTree
+from tests.rules_reference import rules_for
 from tests.support import TINY_VOCAB
 from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
     PROMPT,

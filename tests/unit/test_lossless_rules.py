@@ -17,9 +17,10 @@ from transformers import LlamaForCausalLM
 
 from gateway.request import GenerationRequest, ModelInfo, build_request
 from inprocess.stack import LocalStack
-from specsplit.logit_rules import Penalties, bend_row, distinct, rules_for
+from specsplit.logit_rules import Penalties, bend_row, distinct
 from specsplit.messages import SpecParams
 from specsplit.sampling import SamplingParams
+from tests.rules_reference import rules_for
 from tests.support import TINY_VOCAB, generate_all, generated_ids, make_stack
 from tests.unit.test_lossless_greedy import _prompts, models  # noqa: F401  (a fixture)
 

@@ -17,10 +17,11 @@ from transformers import LlamaForCausalLM
 
 from specsplit.convert import verify_request_from_proto, verify_request_to_proto
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import NO_MASK, Allowed, Penalties, mask_words, rules_for
+from specsplit.logit_rules import NO_MASK, Allowed, Penalties, mask_words
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from tests.rules_reference import rules_for
 from tests.support import TINY_VOCAB
 from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
     PROMPT,
