@@ -213,14 +213,15 @@ class LogitRules:
             else:
                 output.insert(i, token)
                 counts.insert(i, 1)
-        penalties = still_held(self.penalties, self.total + len(added))
+        total = self.total + len(added)
+        penalties = still_held(self.penalties, total)
         rules = LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
         if "arrays" in self.__dict__:  # (the prompt's array made once, not every step run ahead)
             ids, numbers = (np.array(column, dtype=np.int64) for column in (output, counts))
             rules.__dict__["arrays"] = (ids, numbers, self.arrays[2])
         if self.checked_for is not None:  # (the verifier's: its tokens are in the vocabulary)
             rules.__dict__[_CHECKED] = self.checked_for
-        rules.__dict__["total"] = self.total + len(added)
+        rules.__dict__["total"] = total
         return rules
 
     @property
