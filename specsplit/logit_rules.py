@@ -23,7 +23,7 @@ The output so far at a row is the generation's output through the round's last p
 
 `Penalties` are a request's settings; `LogitRules` adds a round's context, as the gateway sends
 it each round. The verifier keeps each sequence's next rules (`after`, verifier/kept_rules.py)
-and takes them for a round whose context equals them, checked and made into arrays once
+and takes them for a round whose context equals them, checked once
 (`checked_for`, `same_context`, `with_allowed`). A guide's masks are the gateway's,
 one per row, since only the gateway walks the guide, so rounds with them carry no rules forward
 (`LogitRules.carried`: no further decode steps, no step run ahead, no rounds launched on a
@@ -216,9 +216,8 @@ class LogitRules:
         total = self.total + len(added)
         penalties = still_held(self.penalties, total)
         rules = LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
-        if "arrays" in self.__dict__:  # (the prompt's array made once, not every step run ahead)
-            ids, numbers = (np.array(column, dtype=np.int64) for column in (output, counts))
-            rules.__dict__["arrays"] = (ids, numbers, self.arrays[2])
+        # (no arrays carried: the verifier keeps the counts on the device, verifier/rule_rows.py,
+        # and makes them only where it fills a sequence's rows from a context again)
         if self.checked_for is not None:  # (the verifier's: its tokens are in the vocabulary)
             rules.__dict__[_CHECKED] = self.checked_for
         rules.__dict__["total"] = total

@@ -43,6 +43,7 @@ from verifier.round_accept import (
 from verifier.round_logprobs import queue_logprobs, queue_prompt, read_logprobs, read_prompt
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import Launched, PromptRows, VerifierSeq, one_tree_shape
+from verifier.rule_rows import RuleRows
 
 
 class DeviceRounds(DeviceWaits):
@@ -56,6 +57,7 @@ class DeviceRounds(DeviceWaits):
     synthetic_acceptance: tuple[float, ...] | None
     _synthetic_rng: random.Random
     ahead_depth: AheadDepth
+    rule_rows: RuleRows
     _held: dict[str, int]
     _last_end: tuple[torch.cuda.Event, set[str]] | None
     # a lead-in's chunk of pending tokens (verifier/lead_in.py); None: on a GPU the largest
@@ -298,7 +300,7 @@ class DeviceRounds(DeviceWaits):
         on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
         logits, argmax = out.logits, out.greedy
-        if bend_by_rules(inputs, logits, rows, pending):
+        if bend_by_rules(inputs, logits, rows, pending, (self.rule_rows, seqs)):
             argmax = None
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance

@@ -25,6 +25,7 @@ from verifier.ahead_depth import AheadDepth
 from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
 from verifier.rounds import Launched, VerifierSeq, VerifyRound
+from verifier.rule_rows import RuleRows
 from verifier.seq_memory import SeqMemory
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_QUERY_LENS, graphs_reserve_bytes, warm_up
 
@@ -84,6 +85,8 @@ class EngineSetup(SeqMemory):
         self.num_layers = model.config.num_layers  # hidden_state_layers go up to this
         self.device = kv.device
         self.seqs: dict[str, VerifierSeq] = {}
+        # each sequence's logit rules' rows kept on the device (verifier/rule_rows.py)
+        self.rule_rows = RuleRows(vocab_size, kv.device)
         self.synthetic_acceptance = synthetic_acceptance
         self._synthetic_rng = random.Random(0)
         if synthetic_acceptance is not None:

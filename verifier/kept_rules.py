@@ -14,6 +14,7 @@ from __future__ import annotations
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import VerifyInput
 from verifier.rounds import VerifierSeq
+from verifier.rule_rows import drop_slot
 
 
 def take_kept_rules(inputs: list[VerifyInput], seqs: dict[str, VerifierSeq]) -> None:
@@ -46,9 +47,13 @@ def keep_rules(item: VerifyInput, seq: VerifierSeq, appended: list[int]) -> None
     `seq`: the rules of its next round (none without penalties that change something; a
     guide's masks are the gateway's to send)."""
     rules = item.rules  # (none for a guide alone, whose context nothing reads)
-    if rules is None or not rules.penalties.active:
-        seq.rules = None
-        return
-    kept = rules.with_allowed(None).after(appended)
-    # (min_tokens reached and nothing else: no rules, as the gateway sends then)
-    seq.rules = kept if kept.penalties.active else None
+    kept = None
+    if rules is not None and rules.penalties.active:
+        kept = rules.with_allowed(None).after(appended)
+        # (min_tokens reached and nothing else: no rules, as the gateway sends then)
+        kept = kept if kept.penalties.active else None
+    seq.rules = kept
+    # its rows on the device follow (the next bending counts `appended` in), or are given back
+    slot = seq.rule_slot
+    if slot is not None and (kept is None or rules is None or not slot.keep(rules, appended, kept)):
+        drop_slot(seq)

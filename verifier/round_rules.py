@@ -2,33 +2,36 @@
 row of every sequence with rules bent in place, as `bend_row` bends one, in one host-to-device
 copy and a fixed run of device ops whatever the batch.
 
-The host lists, per sequence with rules (k), its biased tokens, its output's counts and its
-prompt's tokens, and per row of it the counts its path changes (each token on the path from the
-root to the row's node: its whole count, the output's and the path's) and the stop tokens
-min_tokens holds back; the device spreads them over [sequences, vocab] and [rows, vocab] and
-bends the rows' logits in `bend_row`'s order and float32 ops: bias, repetition, presence and
-frequency, min_tokens, a guide's masks, min_p. The guide's masks travel as their words in the
-table, unpacked to [masks, vocab] bits on the device, each rule row indexing its own. Only what
-a sequence's rules read is listed (a guide alone: its masks). A decode step run ahead under rules
-(verifier/run_ahead.py) reads its input token, which only the device has, into its counts there
-(`pending`)."""
+Each sequence's bias, output counts and prompt tokens are kept on the device between rounds, a
+row each over the vocabulary (verifier/rule_rows.py): the host lists only what changed, the
+tokens its commits appended since (or, for a context the rows do not hold, the whole of it),
+and per rule row the counts its path changes (each token on the path from the root to the row's
+node) and the stop tokens min_tokens holds back; the device brings the rows up to date, gathers
+them per rule row and bends the rows' logits in `bend_row`'s order and float32 ops: bias,
+repetition, presence and frequency, min_tokens, a guide's masks, min_p. The guide's masks
+travel as their words in the table, unpacked to [masks, vocab] bits on the device, each rule row
+indexing its own. A decode step run ahead under rules (verifier/run_ahead.py) reads its input
+token, which only the device has, into its counts there (`pending`)."""
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from specsplit.logit_rules import NO_MASK, LogitRules, mask_words, min_p_cut
+from specsplit.logit_rules import NO_MASK, LogitRules, Penalties, mask_words, min_p_cut
 from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree, ancestor_mask, depths
+from verifier.rule_rows import HasRuleSlot, RuleRows, RuleSlot, drop_slot
 
-# the host table's sections, each [3, n] int32: (sequence k or rule row, token, value); a
-# step run ahead's (`pending`): (rule row, the row's input, 0)
-_BIAS, _COUNTS, _PROMPT, _PATHS, _STOPS, _PENDING = range(6)
+# the host table's sections, each [3, n] int32: (slot, token, value) for the rows refilled and
+# the deltas counted in (verifier/rule_rows.py); (rule row, token, value) for the paths and the
+# stops; a step run ahead's (`pending`): (rule row, the row's input, 0); the slots refilled
+_BIAS, _COUNTS, _PROMPT, _DELTAS, _PATHS, _STOPS, _PENDING, _CLEAR = range(8)
 
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
@@ -56,7 +59,7 @@ def _from_bits(column: torch.Tensor) -> torch.Tensor:
 
 class _Section:
     """One section of the host table, gathered a sequence at a time as arrays (no per-token
-    Python): its entries' owners (a sequence or a rule row), tokens and values."""
+    Python): its entries' owners (a slot or a rule row), tokens and values."""
 
     def __init__(self) -> None:
         self.owners: list[int] = []
@@ -85,30 +88,49 @@ class _Section:
         return np.stack([owners, np.concatenate(self.tokens), np.concatenate(self.values)])
 
 
+def _counted(p: Penalties) -> bool:
+    """Whether the penalties read the output's counts (and a row's path)."""
+    return p.presence != 0 or p.frequency != 0 or p.repetition != 1
+
+
+def _add_rows(sections: list[_Section], rules: LogitRules, slot: RuleSlot) -> None:
+    """The sequence's kept rows brought to its rules: their deltas counted in where they hold
+    its context, else filled from its rules (cleared first)."""
+    if slot.holds(rules):
+        if slot.deltas:
+            sections[_DELTAS].add(slot.index, np.array(slot.deltas, dtype=np.int64), 1)
+    else:
+        sections[_CLEAR].add(slot.index, np.zeros(1, dtype=np.int64), 0)
+        p = rules.penalties
+        if p.bias:
+            bias_tokens, bias_values = p.bias_arrays
+            sections[_BIAS].add(slot.index, bias_tokens, _as_bits(bias_values))
+        if _counted(p):
+            tokens, counts, prompt = rules.arrays
+            if len(tokens):
+                sections[_COUNTS].add(slot.index, tokens, counts)
+            if p.repetition != 1 and len(prompt):
+                sections[_PROMPT].add(slot.index, prompt, 1)
+        slot.context = rules
+    slot.deltas = []
+
+
 def _add_sequence(
-    sections: list[_Section], rules: LogitRules, tree: DraftTree, k: int, first: int, more: int
+    sections: list[_Section], rules: LogitRules, tree: DraftTree, first: int, more: int
 ) -> None:
-    """Sequence k's entries in the sections, only those its rules read (a guide alone: none);
-    `first`: its root's row among the rule rows; `more`: output tokens its rules do not hold
-    yet (a step run ahead's pending token, on the device)."""
+    """The sequence's entries for its rule rows: its paths' counts and the stop tokens held
+    back (its kept rows hold the rest); `first`: its root's row among the rule rows; `more`:
+    output tokens its rules do not hold yet (a step run ahead's pending token, on the
+    device)."""
     p = rules.penalties
-    if p.bias:
-        bias_tokens, bias_values = p.bias_arrays
-        sections[_BIAS].add(k, bias_tokens, _as_bits(bias_values))
-    counted = p.presence != 0 or p.frequency != 0 or p.repetition != 1
+    counted = _counted(p)
     if tree and (counted or (p.min_tokens and p.stop_ids)):
         node, on_path, depth = _tree_pairs(tuple(tree.parents))
-    if counted:
-        tokens, counts, prompt = rules.arrays
-        if len(tokens):
-            sections[_COUNTS].add(k, tokens, counts)
-        if p.repetition != 1 and len(prompt):
-            sections[_PROMPT].add(k, prompt, 1)
-        if tree:  # each node's row counts its path's tokens once more (summed on the device)
-            path_tokens = np.array(tree.tokens, dtype=np.int64)[on_path]
-            sections[_PATHS].add(first + 1 + node, path_tokens, 1)
+    if counted and tree:  # each node's row counts its path's tokens once more
+        path_tokens = np.array(tree.tokens, dtype=np.int64)[on_path]
+        sections[_PATHS].add(first + 1 + node, path_tokens, 1)
     # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
-    held = p.min_tokens - sum(rules.counts) - more if p.stop_ids else 0
+    held = p.min_tokens - rules.total - more if p.stop_ids else 0
     if held > 0:
         stop_ids = np.array(p.stop_ids, dtype=np.int64)
         rows = [first] + ((first + 1 + np.flatnonzero(depth < held)).tolist() if tree else [])
@@ -121,66 +143,79 @@ def bend_by_rules(
     logits: torch.Tensor,  # [L, vocab] float32 on the device, bent in place
     rows: list[range],  # per sequence its n + 1 rows of `logits`
     pending: torch.Tensor | None = None,
+    kept: tuple[RuleRows, Sequence[HasRuleSlot]] | None = None,
 ) -> bool:
     """The rows of the inputs with rules bent by them; whether any were (the logits' argmax
     must then be taken again). pending: a decode step run ahead's input tokens on the device,
     one an input (verifier/run_ahead.py), each its output's next token, which its rules (the
-    round's before) do not hold yet: counted on the device."""
+    round's before) do not hold yet: counted on the device. kept: the engine's rows and the
+    inputs' sequences, whose slots they keep (verifier/rule_rows.py); None: rows of this call
+    alone."""
     ruled = [(i, r) for i, r in enumerate(rows) if inputs[i].rules is not None]
     if not ruled:
         return False
-    sections = [_Section() for _ in range(6)]
+    if kept is None:
+        kept = RuleRows(logits.shape[1], logits.device), [_Holder() for _ in inputs]
+    table_rows, holders = kept
+    sections = [_Section() for _ in range(8)]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
-    scalars: list[tuple[float, float, float, float]] = []  # per sequence
+    scalars: list[tuple[float, float, float, float, int]] = []  # per sequence
     for k, (i, r) in enumerate(ruled):
         item = inputs[i]
-        assert item.rules is not None
+        rules = item.rules
+        assert rules is not None
+        p = rules.penalties
+        slot = 0
+        if p.bias or _counted(p):
+            holder = holders[i]
+            kept_slot = table_rows.slot(holder)
+            _add_rows(sections, rules, kept_slot)
+            slot = kept_slot.index
+        else:
+            drop_slot(holders[i])
         first = len(row_of)
-        _add_sequence(sections, item.rules, item.tree, k, first, int(pending is not None))
+        _add_sequence(sections, rules, item.tree, first, int(pending is not None))
         if pending is not None:
             rule_rows = np.arange(first, first + len(r))
             sections[_PENDING].add(rule_rows, np.full(len(r), i, dtype=np.int64), 0)
         row_of += r
         k_of += [k] * len(r)
-        p = item.rules.penalties
         cut = min_p_cut(p.min_p, item.sampling.temperature)
-        scalars.append((p.repetition, p.frequency, p.presence, cut))
+        scalars.append((p.repetition, p.frequency, p.presence, cut, slot))
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
     mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
-    # per sequence (columns): repetition, frequency, presence; then min_p's cut in row 0
+    # per sequence (columns): repetition, frequency, presence; then min_p's cut and the slot
     per_seq = np.array(scalars).T
-    per_seq = np.concatenate([per_seq[:3], np.pad(per_seq[3:], ((0, 2), (0, 0)))], axis=1)
+    slot_of = per_seq[4].astype(np.int32)
+    cut_slot = np.stack([_as_bits(per_seq[3]), slot_of, np.zeros_like(slot_of)])
     # the masks' words, three to a column after the scalars
     flat = np.frombuffer(b"".join(masks), dtype=np.int32)
     words = np.pad(flat, (0, -len(flat) % 3)).reshape(3, -1, order="F")
-    parts = [*parts, rule_rows, _as_bits(per_seq), words]
+    parts = [*parts, rule_rows, _as_bits(per_seq[:3]), cut_slot, words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     on_device = to_device(torch.from_numpy(table), logits.device)
     ends = np.cumsum([*sizes, len(row_of)]).tolist()
     # the sections as indices (int64), and the bits of the biases and the scalars as float32
     split = torch.tensor_split(on_device[:, : ends[-1]].long(), ends[:-1], dim=1)
-    bias, counts, prompt, paths, stops, pend, rule_rows_d = split[:7]
-    biases = _from_bits(on_device[2, : ends[0]])
+    bias, counts, prompt, deltas, paths, stops, pend, clear, rule_rows_d = split
     num_seqs = len(ruled)
     scalar = _from_bits(on_device[:, ends[-1] : ends[-1] + num_seqs])  # [3, K]
     scalars_end = ends[-1] + 2 * num_seqs
     cuts = _from_bits(on_device[0, ends[-1] + num_seqs : scalars_end])  # [K]: min_p's
+    _bring_up(table_rows, sizes, bias, counts, prompt, deltas, clear)
     vocab = logits.shape[1]
     rows_at, ks = rule_rows_d[0], rule_rows_d[1]
+    slots = on_device[1, ends[-1] + num_seqs : scalars_end].long()[ks]  # [R]: each row's
     x = logits[rows_at]  # [R, vocab]
-    if sizes[_BIAS]:
-        spread = logits.new_zeros(num_seqs, vocab)
-        spread[bias[0], bias[1]] = biases
-        x = x + spread[ks]
+    if any(inputs[i].rules.penalties.bias for i, _ in ruled):  # type: ignore[union-attr]
+        x = x + table_rows.bias[slots]
     repeats = any(s[0] != 1 for s in scalars)
     if repeats or any(s[1] != 0 or s[2] != 0 for s in scalars):
-        count = logits.new_zeros(num_seqs, vocab)
-        count[counts[0], counts[1]] = counts[2].to(logits.dtype)
-        count = count[ks]  # [R, vocab]: each row's output counts, plus its path's
-        cells = count.view(-1)  # (the path counts added to the output counts)
+        count = table_rows.counts[slots]  # [R, vocab]: each row's output counts, plus its path's
+        cells = count.view(-1)
         cells.scatter_add_(0, paths[0] * vocab + paths[1], paths[2].to(logits.dtype))
         if pending is not None:  # (each rule row: its input's token, once)
             drawn = pending.to(torch.int64)[pend[1]]
@@ -189,11 +224,7 @@ def bend_by_rules(
         present = count > 0
         repetition, frequency, presence = (s[ks][:, None] for s in scalar)
         if repeats:  # (x / 1 and x * 1 are x: the rows without it keep theirs)
-            seen = present
-            if sizes[_PROMPT]:
-                prompt_seen = torch.zeros(num_seqs, vocab, dtype=torch.bool, device=x.device)
-                prompt_seen[prompt[0], prompt[1]] = _on(x.device, True)
-                seen = seen | prompt_seen[ks]
+            seen = present | table_rows.seen[slots]
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         x = x - (frequency * count + presence * present)
     if sizes[_STOPS]:
@@ -206,6 +237,38 @@ def bend_by_rules(
         x = torch.where(x < below, -torch.inf, x)
     logits[rows_at] = x
     return True
+
+
+def _bring_up(
+    table_rows: RuleRows,
+    sizes: list[int],
+    bias: torch.Tensor,
+    counts: torch.Tensor,
+    prompt: torch.Tensor,
+    deltas: torch.Tensor,
+    clear: torch.Tensor,
+) -> None:
+    """The kept rows as this round's rules read them, queued on the device: the slots refilled
+    cleared and filled, the deltas counted in (each [3, n]: slot, token, value)."""
+    vocab = table_rows.vocab_size
+    if sizes[_CLEAR]:
+        for table in (table_rows.bias, table_rows.counts, table_rows.seen):
+            table.index_fill_(0, clear[0], 0)  # (a value, not a tensor from the host: no sync)
+    if sizes[_BIAS]:
+        table_rows.bias.view(-1)[bias[0] * vocab + bias[1]] = _from_bits(bias[2].int())
+    if sizes[_COUNTS]:
+        table_rows.counts.view(-1)[counts[0] * vocab + counts[1]] = counts[2].float()
+    if sizes[_PROMPT]:
+        table_rows.seen.view(-1)[prompt[0] * vocab + prompt[1]] = prompt[2].bool()
+    if sizes[_DELTAS]:  # (a token twice: counted twice)
+        cells = table_rows.counts.view(-1)
+        cells.index_put_((deltas[0] * vocab + deltas[1],), deltas[2].float(), accumulate=True)
+
+
+class _Holder:
+    """A sequence's slot for rows kept by one call alone (`bend_by_rules` without `kept`)."""
+
+    rule_slot: RuleSlot | None = None
 
 
 def _on(device: torch.device, value: float | bool) -> torch.Tensor:

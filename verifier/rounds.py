@@ -28,6 +28,7 @@ from specsplit.messages import (
 from specsplit.model.transfer import to_device
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from verifier.rule_rows import RuleSlot
 
 UNKNOWN_TOKEN = -1  # a decode step run ahead: its input token while only the device has it
 
@@ -39,6 +40,8 @@ class VerifierSeq:
     generator: torch.Generator | None = None  # created on the first sampled round
     # its next round's logit rules as its last round leaves them (verifier/kept_rules.py)
     rules: LogitRules | None = None
+    # its bias, output counts and prompt kept on the device (verifier/rule_rows.py)
+    rule_slot: RuleSlot | None = None
 
 
 @dataclass

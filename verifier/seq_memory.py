@@ -15,6 +15,7 @@ from verifier.hinted_rounds import HintedRounds
 from verifier.kept_rules import take_kept_rules
 from verifier.lead_in import led_in
 from verifier.rounds import Launched, VerifierSeq, validate_round
+from verifier.rule_rows import RuleRows, drop_slot
 
 
 class SeqMemory(HintedRounds, KVPages):
@@ -22,6 +23,7 @@ class SeqMemory(HintedRounds, KVPages):
     num_layers: int
     vocab_size: int
     in_flight: Callable[[Iterable[str]], bool]
+    rule_rows: RuleRows
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
         take_kept_rules(inputs, self.seqs)  # (checked when kept)
@@ -101,6 +103,7 @@ class SeqMemory(HintedRounds, KVPages):
         self.kv.trim(seq.kv, seq.kv.kv_committed_len)
         seq.generator = None
         seq.rules = None
+        drop_slot(seq)
         return Truncated(seq.seq_id, True, seq.kv.kv_committed_len, len(seq.kv.page_table))
 
     def release(self, seq_ids: list[str]) -> int:
@@ -115,6 +118,7 @@ class SeqMemory(HintedRounds, KVPages):
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
                 self.kv.release(seq.kv)
+                drop_slot(seq)
                 released += 1
         ahead = self._ahead
         if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
@@ -124,5 +128,6 @@ class SeqMemory(HintedRounds, KVPages):
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         assert sum(len(s.kv.page_table) for s in self.seqs.values()) == self.kv.allocator.num_used
+        assert sum(s.rule_slot is not None for s in self.seqs.values()) == self.rule_rows.num_used
         for seq_id, seq in self.seqs.items():
             assert 0 <= seq.kv.kv_committed_len <= seq.kv.kv_allocated_len, seq_id

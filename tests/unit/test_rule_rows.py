@@ -1,0 +1,227 @@
+"""Each sequence's logit-rules rows kept on the device between rounds (verifier/rule_rows.py):
+rounds whose rules read the context a commit kept count only the appended tokens into the rows,
+not the context again, and bend every row exactly as the one-row reference does (bit for bit),
+through commits, a decode step run ahead (its pending token on the device) and the tables
+growing; a context the rows do not hold is filled in their place; a slot goes back when its
+sequence's rules end, on release and truncate, and when its sequence is collected."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specsplit.logit_rules import LogitRules, Penalties, distinct
+from specsplit.messages import Truncation, VerifyInput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.rules_reference import rules_for
+from tests.unit.test_verify_logprobs import (  # noqa: F401  (fixtures)
+    PROMPT,
+    _engine,
+    device,
+    reference,
+    target_dir,
+)
+from tests.unit.test_verify_rules import STRONG, _rules, reference_bend
+from verifier.kept_rules import keep_rules
+from verifier.round_rules import bend_by_rules
+from verifier.rounds import VerifierSeq
+from verifier.rule_rows import RuleRows
+
+VOCAB = 64
+SAMPLED = SamplingParams(temperature=0.8)
+KINDS = [
+    Penalties(bias=((3, 2.0), (50, -7.5))),
+    Penalties(presence=0.5, frequency=1.25),
+    Penalties(repetition=1.4),
+    replace(STRONG, min_tokens=6, stop_ids=(1, 2), min_p=0.1),
+    Penalties(min_p=0.2),  # (reads no rows: slot 0, zeros)
+    Penalties(frequency=-0.5, bias=((9, 1.0),)),
+]
+
+
+class _Seqs:
+    """Sequences as the verifier keeps them (rules, slot), with their whole outputs (what the
+    gateway would send) and the engine's rows."""
+
+    def __init__(self, num: int) -> None:
+        self.rows = RuleRows(VOCAB, "cpu")
+        self.seqs = [VerifierSeq(f"s{i}", None) for i in range(num)]  # type: ignore[arg-type]
+        self.kinds = [KINDS[i % len(KINDS)] for i in range(num)]
+        self.prompts = [distinct([i, 7, 30 + i, 63]) for i in range(num)]
+        self.outputs: list[list[int]] = [[i % 5, 40] for i in range(num)]
+
+    def sent(self, i: int, more: list[int] | None = None) -> LogitRules | None:
+        """Sequence i's rules as the wire makes them (new objects) for its output and `more`."""
+        return rules_for(self.kinds[i], self.prompts[i], Counter(self.outputs[i] + (more or [])))
+
+    def bend(self, items: list[VerifyInput], pending: torch.Tensor | None = None) -> None:
+        """Bend a round of `items` through the kept rows and check it against the reference."""
+        rows, start = [], 0
+        for item in items:
+            rows.append(range(start, start + len(item.tree) + 1))
+            start += len(item.tree) + 1
+        logits = torch.randn(start, VOCAB) * 4
+        if pending is None:
+            want = reference_bend(items, rows, logits)
+        else:  # (each step's output through its pending token)
+            counted = [
+                replace(item, rules=self.sent(int(item.seq_id[1:]), [int(p)]))
+                for item, p in zip(items, pending.tolist(), strict=True)
+            ]
+            want = reference_bend(counted, rows, logits)
+        seqs = [self.seqs[int(item.seq_id[1:])] for item in items]
+        got = logits.clone()
+        assert bend_by_rules(items, got, rows, pending, (self.rows, seqs))
+        assert torch.equal(got, want)
+
+    def commit(self, item: VerifyInput, appended: list[int]) -> None:
+        i = int(item.seq_id[1:])
+        keep_rules(item, self.seqs[i], appended)
+        self.outputs[i] += appended
+
+
+def _tree(rng: random.Random) -> DraftTree:
+    n = rng.randint(0, 4)
+    return DraftTree(
+        [rng.randrange(VOCAB) for _ in range(n)], [rng.randint(-1, j - 1) for j in range(n)]
+    )
+
+
+def test_rounds_count_only_what_their_commits_appended() -> None:
+    """Ten sequences (the tables grow past their first seven slots) of every kind of rules,
+    fifteen rounds of random trees, each round's rules new objects for the output so far: every
+    row equals the reference's, and each sequence's rows were filled once, by its first round
+    (the slot's context stays the rules the commits kept, never the round's sent ones)."""
+    torch.manual_seed(2)
+    rng = random.Random(2)
+    state = _Seqs(10)
+    for round_number in range(15):
+        items = [
+            VerifyInput(seq.seq_id, False, 10, [4], _tree(rng), SAMPLED, rules=state.sent(i))
+            for i, seq in enumerate(state.seqs)
+        ]
+        kept = [seq.rules for seq in state.seqs]
+        state.bend(items)
+        for i, (item, seq) in enumerate(zip(items, state.seqs, strict=True)):
+            slot = seq.rule_slot
+            if state.kinds[i] == Penalties(min_p=0.2):
+                assert slot is None
+                continue
+            assert slot is not None and not slot.deltas
+            if round_number:  # (the rows followed the commits: not filled again)
+                assert slot.context is kept[i] and slot.context is not item.rules
+            nodes = item.tree.path_to(rng.randrange(len(item.tree))) if item.tree else []
+            state.commit(item, [item.tree.tokens[j] for j in nodes] + [rng.randrange(VOCAB)])
+    assert state.rows.num_used == 9 and len(state.rows.bias) == 16  # (slot 0 and 15 more)
+
+
+def test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows() -> None:
+    """A decode round, then the step run ahead behind it (its rules the round's, its input the
+    round's token, which only the device has), then both commits: each bends as the reference
+    does with its output through its pending token, and the round after reads the rows as the
+    two commits left them."""
+    torch.manual_seed(4)
+    state = _Seqs(3)
+    for _ in range(4):
+        items = [
+            VerifyInput(s.seq_id, False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(i))
+            for i, s in enumerate(state.seqs)
+        ]
+        state.bend(items)
+        tokens = [11, 12, 3]
+        ahead = [replace(item) for item in items]  # (the round's rules)
+        state.bend(ahead, torch.tensor(tokens, dtype=torch.int32))
+        for item, token in zip(items, tokens, strict=True):
+            state.commit(item, [token])
+        for item, seq in zip(ahead, state.seqs, strict=True):  # (`_finish_round`)
+            item.rules = seq.rules
+            state.commit(item, [5])
+    last = [
+        VerifyInput(
+            s.seq_id, False, 10, [4], DraftTree([3, 5], [-1, 0]), SAMPLED, rules=state.sent(i)
+        )
+        for i, s in enumerate(state.seqs)
+    ]
+    state.bend(last)
+
+
+def test_a_context_the_rows_do_not_hold_fills_them_again() -> None:
+    """Rules whose output is not the kept one (a context sent again after the verifier lost it,
+    or another generation's) bend as the reference does: the rows are filled from them, the
+    deltas dropped."""
+    torch.manual_seed(6)
+    state = _Seqs(2)
+    items = [
+        VerifyInput(s.seq_id, False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(i))
+        for i, s in enumerate(state.seqs)
+    ]
+    state.bend(items)
+    for item in items:
+        state.commit(item, [9, 9])
+    state.outputs[0] = [1, 2, 2, 60]  # (not what the commits kept)
+    state.kinds[1] = replace(state.kinds[1], frequency=2.0)  # (other penalties)
+    items = [
+        VerifyInput(s.seq_id, False, 10, [4], DraftTree([2], [-1]), SAMPLED, rules=state.sent(i))
+        for i, s in enumerate(state.seqs)
+    ]
+    state.bend(items)
+    for item, seq in zip(items, state.seqs, strict=True):
+        assert seq.rule_slot is not None and seq.rule_slot.context is item.rules
+
+
+def test_slots_go_back_when_rules_end_and_with_their_sequences() -> None:
+    """min_tokens reached with nothing else left: the commit gives the slot back; a sequence
+    collected gives its own back; a slot given back serves the next sequence, refilled."""
+    state = _Seqs(2)
+    state.kinds = [Penalties(min_tokens=3, stop_ids=(1,), bias=((4, 1.0),)), STRONG]
+    items = [
+        VerifyInput(s.seq_id, False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(i))
+        for i, s in enumerate(state.seqs)
+    ]
+    state.bend(items)
+    assert state.rows.num_used == 2
+    state.kinds[0] = Penalties(min_tokens=3, stop_ids=(1,))
+    items[0] = replace(items[0], rules=state.sent(0))
+    state.bend(items[:1])  # (its rules read no rows now: given back)
+    assert state.seqs[0].rule_slot is None and state.rows.num_used == 1
+    index = state.seqs[1].rule_slot.index  # type: ignore[union-attr]
+    del state.seqs[1], items
+    gc.collect()
+    assert state.rows.num_used == 0
+    other = VerifierSeq("s1", None)  # type: ignore[arg-type]
+    state.seqs.append(other)
+    state.outputs[1] = [8]
+    state.bend([VerifyInput("s1", False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(1))])
+    assert other.rule_slot is not None and other.rule_slot.index in (index, 1)
+
+
+def test_release_and_truncate_give_the_engines_slots_back(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+) -> None:
+    """Through the engine: a sequence with rules holds a slot while its rules read rows; a
+    truncate (the next turn sends its own rules) and a release give it back
+    (`check_integrity` counts them)."""
+    engine = _engine(target_dir, device)
+    for seq_id in ("a", "b"):
+        first = VerifyInput(seq_id, True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+        out = engine.verify([first])[0]
+        item = VerifyInput(
+            seq_id, False, len(PROMPT), [out.bonus_token], DraftTree(),
+            rules=_rules(STRONG, [out.bonus_token]),
+        )  # fmt: skip
+        engine.verify([item])
+    assert engine.rule_rows.num_used == 2
+    engine.check_integrity()
+    engine.truncate([Truncation("a", len(PROMPT))])
+    assert engine.seqs["a"].rule_slot is None and engine.rule_rows.num_used == 1
+    engine.release(["b"])
+    assert engine.rule_rows.num_used == 0
+    engine.check_integrity()
+    engine.release(["a"])

@@ -1,0 +1,102 @@
+"""Each sequence's logit-rules rows kept on the device between rounds (`RuleRows`): its bias, its
+output's counts and its prompt's tokens spread over the vocabulary, a row each in [slots, vocab]
+tables, so a round's bending (verifier/round_rules.py) reads them by the sequence's slot instead
+of sending and spreading them again every round (at batch 32 with a 512-token prompt and a few
+hundred distinct output tokens, ~300 KiB and ~2.5 ms of host a round on an H200,
+bench/RESULTS.md).
+
+A sequence's `RuleSlot` (on VerifierSeq) says which rules' context its rows hold once its
+`deltas` (the tokens its commits appended since the rows were last brought up to date) are
+counted in: each commit adds its tokens (`keep`, from verifier/kept_rules.py), each bending that
+reads the rows counts them in first, in its own host-to-device copy, so the rows follow the
+output without a copy of their own. A round whose rules read another context (a first round, a
+context sent again, other penalties) fills the rows from its rules. Every device op is queued
+on the one stream in the host's order, so a round reads its rows as they were when it was
+launched whatever is queued behind it. Slot 0 stays zero: the rows of the rules that read none
+(min_tokens, min_p or a guide alone)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specsplit.logit_rules import LogitRules
+
+
+@dataclass(eq=False)
+class RuleSlot:
+    """A sequence's rows in a `RuleRows`: `index`; `context`, the rules whose bias, output
+    counts and prompt the rows hold once `deltas` are counted in (None: not filled yet)."""
+
+    index: int
+    free: Callable[[], object]  # gives the slot back (once; also when its sequence is collected)
+    context: LogitRules | None = None
+    deltas: list[int] = field(default_factory=list)
+
+    def holds(self, rules: LogitRules) -> bool:
+        """Whether the rows, deltas counted in, are those `rules` read."""
+        context = self.context
+        return context is not None and (context is rules or context.same_context(rules))
+
+    def keep(self, rules: LogitRules, appended: list[int], kept: LogitRules) -> bool:
+        """After a commit of `appended` under `rules`: the rows follow into `kept`'s context.
+        False where they held another context (the slot is then to be given back)."""
+        if not self.holds(rules):
+            return False
+        self.context = kept
+        self.deltas += appended
+        return True
+
+
+class HasRuleSlot(Protocol):
+    rule_slot: RuleSlot | None
+
+
+def drop_slot(holder: HasRuleSlot) -> None:
+    """Give the holder's slot back (its rules are gone or changed)."""
+    if holder.rule_slot is not None:
+        holder.rule_slot.free()
+        holder.rule_slot = None
+
+
+class RuleRows:
+    """[slots, vocab] tables on one device: `bias` (float32), `counts` (float32: the output's,
+    deltas counted in on the device) and `seen` (bool: the prompt's tokens, for repetition);
+    grown (doubled) as sequences with rules come, a slot given back when its sequence's rules
+    end or the sequence is released or collected."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._free: list[int] = []
+        self.bias = self.counts = torch.zeros(1, vocab_size, device=self.device)
+        self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)
+        self._grow(8)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.bias) - 1 - len(self._free)
+
+    def slot(self, holder: HasRuleSlot) -> RuleSlot:
+        """The holder's slot, a free one given it where it has none."""
+        if holder.rule_slot is None:
+            if not self._free:
+                self._grow(2 * len(self.bias))
+            index = self._free.pop()
+            holder.rule_slot = RuleSlot(index, weakref.finalize(holder, self._free.append, index))
+        return holder.rule_slot
+
+    def _grow(self, size: int) -> None:
+        """The tables at `size` slots, the rows held copied (queued on the device)."""
+        old = len(self.bias)
+        tables = []
+        for table in (self.bias, self.counts, self.seen):
+            grown = table.new_zeros(size, self.vocab_size)
+            grown[:old].copy_(table)
+            tables.append(grown)
+        self.bias, self.counts, self.seen = tables
+        self._free += range(size - 1, old - 1, -1)  # (the lowest first)
