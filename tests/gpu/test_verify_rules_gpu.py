@@ -2,7 +2,8 @@
 on CUDA graphs (float32; the forward's argmax is taken again on the bent rows), decode steps run
 ahead where a round allows it (under rules too: their bending counts the token drawn on the
 device), whose bending waits for nothing on the device; rules kept between rounds
-(tests/unit/test_kept_rules.py). Skipped without a GPU."""
+(tests/unit/test_kept_rules.py), their rows on the device followed round after round
+(tests/unit/test_rule_rows.py) without waiting for it. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from tests.rules_reference import rules_for
 from tests.unit.test_kept_rules import (  # noqa: F401  (pytest collects them here)
     test_a_round_whose_context_differs_is_bent_by_what_it_sent,
     test_rounds_take_the_rules_their_commit_kept,
+)
+from tests.unit.test_rule_rows import (
+    test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows,
+    test_rounds_count_only_what_their_commits_appended,
 )
 from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them here)
     reference,
@@ -105,3 +110,11 @@ def test_bending_queues_behind_the_device_without_waiting_for_it() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got.cpu(), want)
+
+
+def test_kept_rows_follow_the_commits_without_waiting_for_the_device() -> None:
+    """tests/unit/test_rule_rows.py's rounds with the rows on the GPU: filled, deltas counted in,
+    the tables grown, a step's pending token; each bending under sync debug mode "error" behind
+    queued device work, every row the reference's, bit for bit."""
+    test_rounds_count_only_what_their_commits_appended("cuda")
+    test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows("cuda")

@@ -49,8 +49,8 @@ class _Seqs:
     """Sequences as the verifier keeps them (rules, slot), with their whole outputs (what the
     gateway would send) and the engine's rows."""
 
-    def __init__(self, num: int) -> None:
-        self.rows = RuleRows(VOCAB, "cpu")
+    def __init__(self, num: int, on: str = "cpu") -> None:
+        self.rows = RuleRows(VOCAB, on)
         self.seqs = [VerifierSeq(f"s{i}", None) for i in range(num)]  # type: ignore[arg-type]
         self.kinds = [KINDS[i % len(KINDS)] for i in range(num)]
         self.prompts = [distinct([i, 7, 30 + i, 63]) for i in range(num)]
@@ -76,9 +76,20 @@ class _Seqs:
             ]
             want = reference_bend(counted, rows, logits)
         seqs = [self.seqs[int(item.seq_id[1:])] for item in items]
-        got = logits.clone()
-        assert bend_by_rules(items, got, rows, pending, (self.rows, seqs))
-        assert torch.equal(got, want)
+        on = self.rows.device
+        got = logits.to(on)
+        pending = None if pending is None else pending.to(on)
+        if on.type != "cuda":
+            assert bend_by_rules(items, got, rows, pending, (self.rows, seqs))
+        else:  # (behind queued work, as a step run ahead: waiting for none of it)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(10**6)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert bend_by_rules(items, got, rows, pending, (self.rows, seqs))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), want)
 
     def commit(self, item: VerifyInput, appended: list[int]) -> None:
         i = int(item.seq_id[1:])
@@ -93,14 +104,14 @@ def _tree(rng: random.Random) -> DraftTree:
     )
 
 
-def test_rounds_count_only_what_their_commits_appended() -> None:
+def test_rounds_count_only_what_their_commits_appended(on: str = "cpu") -> None:
     """Ten sequences (the tables grow past their first seven slots) of every kind of rules,
     fifteen rounds of random trees, each round's rules new objects for the output so far: every
     row equals the reference's, and each sequence's rows were filled once, by its first round
     (the slot's context stays the rules the commits kept, never the round's sent ones)."""
     torch.manual_seed(2)
     rng = random.Random(2)
-    state = _Seqs(10)
+    state = _Seqs(10, on)
     for round_number in range(15):
         items = [
             VerifyInput(seq.seq_id, False, 10, [4], _tree(rng), SAMPLED, rules=state.sent(i))
@@ -121,13 +132,15 @@ def test_rounds_count_only_what_their_commits_appended() -> None:
     assert state.rows.num_used == 9 and len(state.rows.bias) == 16  # (slot 0 and 15 more)
 
 
-def test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows() -> None:
+def test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows(
+    on: str = "cpu",
+) -> None:
     """A decode round, then the step run ahead behind it (its rules the round's, its input the
     round's token, which only the device has), then both commits: each bends as the reference
     does with its output through its pending token, and the round after reads the rows as the
     two commits left them."""
     torch.manual_seed(4)
-    state = _Seqs(3)
+    state = _Seqs(3, on)
     for _ in range(4):
         items = [
             VerifyInput(s.seq_id, False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(i))
