@@ -176,13 +176,13 @@ def bend_by_rules(
             drop_slot(holders[i])
         first = len(row_of)
         _add_sequence(sections, rules, item.tree, first, int(pending is not None))
-        if pending is not None:
-            rule_rows = np.arange(first, first + len(r))
-            sections[_PENDING].add(rule_rows, np.full(len(r), i, dtype=np.int64), 0)
         row_of += r
         k_of += [k] * len(r)
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut, slot))
+    if pending is not None:  # (every rule row: its input's token)
+        inputs_of = np.repeat([i for i, _ in ruled], [len(r) for _, r in ruled])
+        sections[_PENDING].add(np.arange(len(row_of)), inputs_of, 0)
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
     mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
