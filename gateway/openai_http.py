@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import OPEN_HTTP_PATHS, ApiKeys, Refused
+from gateway.call_formats import call_format
 from gateway.openai_body import (
     Kind,
     OpenAIError,
@@ -92,6 +93,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.api_keys = api_keys
         self.token_texts = TokenTexts(model.tokenizer)  # the logprobs blocks' token texts
+        self.call_format = call_format(model.tokenizer.chat_template)  # "auto"'s calls
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
         self.app = web.Application(
             middlewares=[*auth, self._errors], client_max_size=limits.max_message_bytes
@@ -191,7 +193,7 @@ class OpenAIServer:
             raise OpenAIError(400, "the body is not valid JSON") from None
         req = parse_request(body, kind)
         req.guide = body_guide(body)
-        apply_tools(req, body)
+        apply_tools(req, body, self.call_format)
         self._check_model(body.get("model"))
         if not self.ready:
             raise OpenAIError(503, "the gateway is waiting for the verifier")

@@ -5,9 +5,10 @@ of its content, finish_reason "tool_calls" (`shape_choice`), and streamed as `to
 (`ToolStream`: a named function's arguments as they come, "required"'s calls once whole).
 
 `tool_choice` "auto" (OpenAI's default with tools) leaves the text free and reads the calls the
-model writes in it (gateway/tools.py:read_auto_calls): the text before them is the message's
-content; streamed, the text goes out as content until a call's block begins, and the calls
-whole at the end (text again where they do not parse). Assistant
+model writes in it, in its chat template's format (gateway/tools.py:read_auto_calls,
+gateway/call_formats.py): the text before them is the message's content; streamed, the text
+goes out as content until the calls begin, and the calls whole at the end (text again where
+they do not parse). Assistant
 messages' `tool_calls` and "tool" messages are read as the conversation so far
 (openai_body._message)."""
 
@@ -16,23 +17,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.call_formats import HERMES, CallFormat
 from gateway.openai_body import OpenAIRequest, bad_param, body_field
 from gateway.tools import (
-    CALL_OPEN,
     MAX_TOOLS,
     NAME,
     Call,
     Tool,
     ToolAsk,
     call_id,
-    held_back,
     read_auto_calls,
     read_calls,
 )
 
 
-def body_tools(body: dict[str, Any]) -> ToolAsk | None:
-    """A chat body's tools and tool choice; None without tools; 400 naming the parameter."""
+def body_tools(body: dict[str, Any], writes: CallFormat = HERMES) -> ToolAsk | None:
+    """A chat body's tools and tool choice (`writes`: how the model writes calls, for "auto");
+    None without tools; 400 naming the parameter."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools in (None, []):
@@ -43,7 +44,7 @@ def body_tools(body: dict[str, Any]) -> ToolAsk | None:
     names = [t.name for t in listed]
     parallel = body_field(body, "parallel_tool_calls", bool, True)
     if choice in (None, "none", "auto", "required"):
-        return ToolAsk(listed, choice or "auto", parallel)
+        return ToolAsk(listed, choice or "auto", parallel, writes)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
@@ -89,14 +90,15 @@ def _tool(i: int, value: Any) -> Tool:
     return Tool(name, description, json.dumps(parameters))
 
 
-def apply_tools(req: OpenAIRequest, body: dict[str, Any]) -> None:
+def apply_tools(req: OpenAIRequest, body: dict[str, Any], writes: CallFormat = HERMES) -> None:
     """The body's tools on `req` (after its guide is read): a call's guide as the request's;
-    400 where the body also asks for what a call excludes."""
+    400 where the body also asks for what a call excludes. `writes`: how the model writes
+    calls (the chat template's, gateway/call_formats.py)."""
     if req.kind != "chat":
         if body.get("tools") not in (None, []):
             raise bad_param("tools", "a chat completions parameter")
         return
-    req.tools = body_tools(body)
+    req.tools = body_tools(body, writes)
     if req.tools is None or not req.tools.reads:
         return
     if req.session_id is not None:
@@ -138,8 +140,8 @@ class ToolStream:
         self.text: list[str] = []
         self.id = call_id()
         self.named = False  # a named call's first delta (id, name) sent
-        self.held = ""  # "auto": the text not streamed yet (from a call's block, or part of one)
-        self.in_call = False  # "auto": a call's block began
+        self.sent = 0  # "auto": the output's characters streamed as content
+        self.in_call = False  # "auto": the calls began
 
     def events(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
         """A chunk's (delta, finish_reason) events."""
@@ -166,26 +168,29 @@ class ToolStream:
         return [*out, ({}, "tool_calls")]
 
     def _auto(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
-        """ "auto"'s events: the text as content up to a call's block (what may begin one held
-        back), then at the end the calls whole, or the held text where they do not parse."""
+        """ "auto"'s events: the text as content up to where the calls begin (what may begin
+        them held back), then at the end the calls whole, or the held text where they do not
+        parse."""
         out: list[tuple[dict, str | None]] = []
-        held = self.held + text
+        self.text.append(text)
+        whole = "".join(self.text) if len(self.text) > 1 else text
+        self.text = [whole]
         if not self.in_call:
-            at = held.find(CALL_OPEN)
+            writes = self.ask.writes
+            at = writes.begins(whole)
             self.in_call = at >= 0
-            cut = at if self.in_call else len(held) - held_back(held)
+            cut = at if self.in_call else len(whole) - writes.held(whole)
             if finish_reason is not None and not self.in_call:
-                cut = len(held)  # (the end: nothing more can begin a block)
-            if cut:
-                out.append(({"content": held[:cut]}, None))
-            held = held[cut:]
-        self.held = held
+                cut = len(whole)  # (the end: nothing more can begin calls)
+            if cut > self.sent:
+                out.append(({"content": whole[self.sent : cut]}, None))
+                self.sent = cut
         if finish_reason is None:
             return out
-        found = read_auto_calls(self.ask, held) if self.in_call else None
+        found = read_auto_calls(self.ask, whole) if self.in_call else None
         if found is None:
-            if held:
-                out.append(({"content": held}, None))
+            if len(whole) > self.sent:
+                out.append(({"content": whole[self.sent :]}, None))
             return [*out, ({}, finish_reason)]
         out.append(({"tool_calls": [_delta(i, c) for i, c in enumerate(found[1])]}, None))
         return [*out, ({}, "tool_calls")]

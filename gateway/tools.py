@@ -6,9 +6,9 @@ A named function's output is its arguments: a JSON object of the function's `par
 "required" is a JSON array of calls, `[{"name": ..., "parameters": {...}}, ...]`, each item one
 tool's name and that tool's parameters (one item when parallel calls are off), as vLLM makes
 them. "auto" (the model's own choice between text and calls) is not guided: the calls are read
-back from the text in Hermes' format (`read_auto_calls`: `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>` blocks, which Qwen's, Hermes' and SmolLM3's templates ask for, and the
-fallback tools prompt too: specsplit/prompt.py), as vLLM's `hermes` tool parser reads them."""
+back from the text (`read_auto_calls`) in the format the chat template teaches
+(gateway/call_formats.py: Hermes' `<tool_call>` blocks, which the fallback tools prompt asks for
+too, or Llama 3's JSON)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.call_formats import HERMES, CallFormat
 from gateway.guides import GuideAsk
-from gateway.stopping import held_prefix_len
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # `parameters` left out
-CALL_OPEN = "<tool_call>"  # an "auto" call's block: CALL_OPEN, its JSON, then "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # (the last may be open)
 
 
 @dataclass(frozen=True)
@@ -51,6 +49,7 @@ class ToolAsk:
     tools: tuple[Tool, ...]
     choice: str = "none"
     parallel: bool = True  # "required": several calls allowed
+    writes: CallFormat = HERMES  # "auto": how the model writes calls (the chat template's)
 
     @property
     def calls(self) -> bool:
@@ -125,32 +124,23 @@ def read_calls(ask: ToolAsk, text: str) -> list[Call] | None:
 
 def read_auto_calls(ask: ToolAsk, text: str) -> tuple[str | None, list[Call]] | None:
     """Under "auto": the text before the first call (None where blank) and the calls the
-    output's `<tool_call>` blocks make (the last may be cut short of its closing tag; one only
-    without parallel calls); None where it has none, or a block is not a call of one of the
-    tools (its JSON {"name": N, "arguments": {...}}; "parameters" read too): it stays text."""
-    start = text.find(CALL_OPEN)
-    if start < 0:
+    output makes in the model's format (`ask.writes`; Hermes' last block may be cut short of
+    its closing tag; one only without parallel calls); None where it has none, or one is not a
+    call of one of the tools (its JSON {"name": N, "arguments": {...}}; "parameters" read too):
+    it stays text."""
+    found = ask.writes.read(text)
+    if found is None or not found[1]:
         return None
     names = {t.name for t in ask.tools}
     calls = []
-    for block in _BLOCK.finditer(text, start):
-        try:
-            value = json.loads(block.group(1))
-        except json.JSONDecodeError:
-            return None
+    for value in found[1]:
         if not isinstance(value, dict) or value.get("name") not in names:
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
         if not isinstance(arguments, dict):
             return None
         calls.append(Call(call_id(), value["name"], json.dumps(arguments)))
-    return text[:start].strip() or None, calls if ask.parallel else calls[:1]
-
-
-def held_back(text: str) -> int:
-    """How many characters at the end of streamed text may begin a call's block (held back
-    until the next text says)."""
-    return held_prefix_len(text, (CALL_OPEN,))
+    return found[0].strip() or None, calls if ask.parallel else calls[:1]
 
 
 def message_calls(value: Any) -> list[dict[str, str]]:

@@ -4,9 +4,9 @@ calls of the tools; the answer carries `tool_calls` (finish_reason "tool_calls")
 OpenAI streams them; an output cut short stays text; the tools reach the prompt through the
 chat template, or a system message where the template does not render them; earlier calls and
 their results are read as the conversation; "auto" (the default) leaves the text free and reads
-the calls the model writes in `<tool_call>` blocks (streamed: the text as content until a block
-begins, the calls whole at the end); malformed tools are a 400 naming the parameter, and nothing
-reaches the scheduler."""
+the calls the model writes in `<tool_call>` blocks, or as Llama 3's JSON where the chat template
+asks for that (streamed: the text as content until the calls begin, the calls whole at the end);
+malformed tools are a 400 naming the parameter, and nothing reaches the scheduler."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from gateway.call_formats import HERMES, LLAMA3_JSON, call_format
 from gateway.request import Chunk, GenerationRequest
-from gateway.tools import Tool, ToolAsk, held_back, read_auto_calls, read_calls
+from gateway.tools import Tool, ToolAsk, read_auto_calls, read_calls
 from specsplit.guide.tokens import TokenAutomaton
 from specsplit.prompt import TOOLS_FORMAT, TOOLS_INTRO, apply_chat_template
 from tests.unit.test_openai_guide import _run
@@ -323,4 +324,66 @@ def test_read_auto_calls_and_what_streaming_holds_back() -> None:
     assert read_auto_calls(ask, '<tool_call>{"name": "f", "arguments": [1]}') is None
     assert read_auto_calls(ask, "<tool_call>{") is None
     texts = ["abc", "a <", "a <tool_", "<tool_call", "a <b"]
-    assert [held_back(t) for t in texts] == [0, 1, 6, 10, 0]
+    assert [HERMES.held(t) for t in texts] == [0, 1, 6, 10, 0]
+
+
+# a chat template of our own that renders tools and asks for Llama 3's calls, in its words
+LLAMA3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if tools and loop.last %}\nGiven these functions, answer with a call in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}:'
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_JSON = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+
+
+def test_the_chat_template_says_how_calls_are_written(smollm2_tokenizer) -> None:
+    """Hermes' blocks where the template names them or says nothing of calls (the fallback
+    prompt asks for them), Llama 3's JSON where it asks for that or has its python tag."""
+    assert call_format(smollm2_tokenizer.chat_template) is HERMES
+    assert call_format(None) is HERMES
+    assert call_format(LLAMA3_TEMPLATE) is LLAMA3_JSON
+    assert call_format({"default": "x", "tool_use": "{{ '<|python_tag|>' }}"}) is LLAMA3_JSON
+    assert call_format("<tool_call> ... <|python_tag|>") is HERMES
+
+
+def test_llama3_json_calls_are_read_back_and_streamed(smollm2_tokenizer) -> None:
+    """A template asking for Llama 3's calls: an output of `;`-separated call objects (after
+    blank text, or the python tag where special tokens are kept) is the calls, content null;
+    other text, or an object that is not a call of the tools, stays text; streamed, a blank
+    beginning is held back, text goes out as it comes, calls whole at the end."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    out, scheduler = _post(
+        tokenizer,
+        _body(),
+        ["\n", WEATHER_JSON, '; {"name": "add",', ' "parameters": {"a": 1, "b": 2}}'],
+    )
+    prompt = tokenizer.decode(scheduler.requests[0].prompt_ids)
+    assert '"parameters": dictionary' in prompt and '"name": "get_weather"' in prompt
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
+    for text in [
+        "Sunny. " + WEATHER_JSON,
+        '{"name": "nope", "parameters": {}}',
+        WEATHER_JSON + " ok",
+    ]:
+        out, _ = _post(tokenizer, _body(), [text])
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
+    ask = ToolAsk((Tool("get_weather"),), "auto", writes=LLAMA3_JSON)
+    found = read_auto_calls(ask, f"<|python_tag|>{WEATHER_JSON}")
+    assert found is not None and found[0] is None and len(found[1]) == 1
+    assert [LLAMA3_JSON.held(t) for t in [" \n", "<|python", "{", "Hi"]] == [2, 8, 0, 0]
+    events, _ = _post(tokenizer, _body(stream=True), [" ", WEATHER_JSON[:20], WEATHER_JSON[20:]])
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not any(d.get("content") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    events, _ = _post(tokenizer, _body(stream=True), [" ", "It is", " {sunny}"])
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert [d.get("content") for d in deltas if d.get("content")] == [" It is", " {sunny}"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
