@@ -160,6 +160,7 @@ def bend_by_rules(
     sections = [_Section() for _ in range(8)]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
+    biased = False  # (any sequence with a bias)
     scalars: list[tuple[float, float, float, float, int]] = []  # per sequence
     for k, (i, r) in enumerate(ruled):
         item = inputs[i]
@@ -167,9 +168,9 @@ def bend_by_rules(
         assert rules is not None
         p = rules.penalties
         slot = 0
+        biased = biased or bool(p.bias)
         if p.bias or _counted(p):
-            holder = holders[i]
-            kept_slot = table_rows.slot(holder)
+            kept_slot = table_rows.slot(holders[i])
             _add_rows(sections, rules, kept_slot)
             slot = kept_slot.index
         else:
@@ -210,7 +211,7 @@ def bend_by_rules(
     rows_at, ks = rule_rows_d[0], rule_rows_d[1]
     slots = on_device[1, ends[-1] + num_seqs : scalars_end].long()[ks]  # [R]: each row's
     x = logits[rows_at]  # [R, vocab]
-    if any(inputs[i].rules.penalties.bias for i, _ in ruled):  # type: ignore[union-attr]
+    if biased:
         x = x + table_rows.bias[slots]
     repeats = any(s[0] != 1 for s in scalars)
     if repeats or any(s[1] != 0 or s[2] != 0 for s in scalars):
