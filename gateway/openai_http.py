@@ -93,7 +93,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.api_keys = api_keys
         self.token_texts = TokenTexts(model.tokenizer)  # the logprobs blocks' token texts
-        self.call_format = call_format(model.tokenizer.chat_template)  # "auto"'s calls
+        self.call_format = call_format(getattr(model.tokenizer, "chat_template", None))
         auth = [] if api_keys is None else [api_keys.http_middleware]  # outermost: first
         self.app = web.Application(
             middlewares=[*auth, self._errors], client_max_size=limits.max_message_bytes
