@@ -24,8 +24,6 @@ PYTHON_TAG = "<|python_tag|>"  # (Llama 3's, before its calls where special toke
 
 
 class CallFormat:
-    name = ""
-
     def begins(self, text: str) -> int:
         """Where calls begin in the output so far (-1: none yet)."""
         raise NotImplementedError
@@ -41,7 +39,6 @@ class CallFormat:
 
 
 class Hermes(CallFormat):
-    name = "hermes"
     open = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # (the last may be open)
 
@@ -63,7 +60,6 @@ class Hermes(CallFormat):
 
 
 class Llama3Json(CallFormat):
-    name = "llama3_json"
     _decoder = json.JSONDecoder()
 
     def begins(self, text: str) -> int:

@@ -140,7 +140,8 @@ class ToolStream:
         self.text: list[str] = []
         self.id = call_id()
         self.named = False  # a named call's first delta (id, name) sent
-        self.sent = 0  # "auto": the output's characters streamed as content
+        self.output = ""  # "auto": the output so far
+        self.sent = 0  # "auto": its characters streamed as content
         self.in_call = False  # "auto": the calls began
 
     def events(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
@@ -172,9 +173,8 @@ class ToolStream:
         them held back), then at the end the calls whole, or the held text where they do not
         parse."""
         out: list[tuple[dict, str | None]] = []
-        self.text.append(text)
-        whole = "".join(self.text) if len(self.text) > 1 else text
-        self.text = [whole]
+        self.output += text
+        whole = self.output
         if not self.in_call:
             writes = self.ask.writes
             at = writes.begins(whole)
