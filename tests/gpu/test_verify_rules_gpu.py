@@ -41,7 +41,10 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them 
     test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens,
     truth,
 )
+from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
+from verifier.rounds import VerifierSeq
+from verifier.rule_rows import RuleRows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -118,3 +121,53 @@ def test_kept_rows_follow_the_commits_without_waiting_for_the_device() -> None:
     queued device work, every row the reference's, bit for bit."""
     test_rounds_count_only_what_their_commits_appended("cuda")
     test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows("cuda")
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256], ids=["smollm2", "llama3"])
+def test_kernels_bend_real_vocabularies_as_torchs_ops(vocab: int) -> None:
+    """specsplit/kernels/bend_rules.py's Triton kernels (the GPU's default) against torch's ops on
+    the GPU, bit for bit, at real vocabularies: 32 sequences of every kind of rule (the guide's
+    masks among them) on trees of up to 8 nodes, each path in its own kept rows, over three
+    rounds of commits (the kept counts followed by the kernels' atomics), min_p's cut over
+    whole rows; a step run ahead's pending tokens last."""
+    rng = np.random.default_rng(vocab)
+    bits = rng.random((3, mask_words(vocab) * 32)) < 0.5
+    words = np.packbits(bits, axis=1, bitorder="little").tobytes()
+    kinds = [
+        Penalties(bias=((3, 2.0), (vocab - 1, -7.5))),
+        Penalties(presence=0.5, frequency=1.25),
+        Penalties(repetition=1.4, min_p=0.05),
+        Penalties(repetition=1.3, presence=0.2, min_tokens=40, stop_ids=(1, 2, vocab - 2)),
+    ]
+    outputs = [list(rng.integers(0, vocab, 30)) for _ in range(32)]
+    seqs = [[VerifierSeq(f"s{i}", None) for i in range(32)] for _ in range(2)]  # type: ignore[arg-type]
+    kept = [RuleRows(vocab, "cuda"), RuleRows(vocab, "cuda")]
+    for step in range(4):
+        inputs, rows, start = [], [], 0
+        for i in range(32):
+            n = 0 if step == 3 else int(rng.integers(0, 9))
+            tokens = rng.integers(0, vocab, n).tolist()
+            tokens[: n // 2] = outputs[i][: n // 2]  # (paths repeating the output)
+            tree = DraftTree(tokens, [int(rng.integers(-1, j)) for j in range(n)])
+            allowed = (
+                Allowed(words, tuple(rng.integers(-1, 3, n + 1).tolist())) if i % 5 == 0 else None
+            )
+            prompt = tuple(sorted(set(rng.integers(0, vocab, 20).tolist())))
+            rules = rules_for(kinds[i % 4], prompt, Counter(outputs[i]), allowed)
+            sampling = SamplingParams(temperature=0.8)
+            inputs.append(VerifyInput(f"s{i}", False, 10, [4], tree, sampling, rules=rules))
+            rows.append(range(start, start + n + 1))
+            start += n + 1
+        logits = torch.randn(start, vocab, device="cuda") * 4
+        pending = torch.randint(0, vocab, (32,), device="cuda") if step == 3 else None
+        got, want = logits.clone(), logits.clone()
+        assert bend_by_rules(inputs, got, rows, pending, (kept[0], seqs[0]), kernel=True)
+        assert bend_by_rules(inputs, want, rows, pending, (kept[1], seqs[1]), kernel=False)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, logits)
+        for i, item in enumerate(inputs):  # each commits its tree's first node and a token
+            appended = item.tree.tokens[:1] + [int(rng.integers(0, vocab))]
+            for side in seqs:
+                keep_rules(item, side[i], appended)
+            outputs[i] += appended
+        assert all(seq.rule_slot is not None and seq.rule_slot.deltas for seq in seqs[0])

@@ -66,7 +66,11 @@ def _rules_for_tree(tree: DraftTree, k: int, penalties: Penalties | None = None)
 @pytest.mark.parametrize(
     "penalties", [None, Penalties(presence=1.0, min_p=0.2)], ids=["alone", "with-penalties"]
 )
-def test_masked_rows_are_the_reference_rows(penalties: Penalties | None, device: str) -> None:  # noqa: F811
+def test_masked_rows_are_the_reference_rows(
+    penalties: Penalties | None,
+    device: str,  # noqa: F811
+    kernel: bool | None = None,  # (tests/unit/test_bend_rules_kernel.py: the kernels)
+) -> None:
     torch.manual_seed(5)
     vocab = 70
     trees = [
@@ -90,7 +94,7 @@ def test_masked_rows_are_the_reference_rows(penalties: Penalties | None, device:
     logits = torch.randn(starts[-1], vocab) * 4
     want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)
-    assert bend_by_rules(inputs, got, rows)
+    assert bend_by_rules(inputs, got, rows, kernel=kernel)
     got = got.cpu()
     assert torch.equal(got, want)
     assert torch.equal(got[rows[1].start : rows[1].stop], logits[rows[1].start : rows[1].stop])

@@ -80,34 +80,27 @@ def reference_bend(
     return want
 
 
-@pytest.mark.parametrize(
-    "penalties",
-    [
-        Penalties(bias=((2, 1.5), (7, -100.0), (9, 40.0))),
-        Penalties(repetition=1.7),
-        Penalties(repetition=0.6),
-        Penalties(presence=0.75, frequency=-1.25),
-        Penalties(min_tokens=7, stop_ids=(1, 4, 11)),
-        replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11)),
-        Penalties(min_p=0.2),
-        replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11), min_p=0.05),
-        STRONG,
-    ],
-    ids=[
-        "bias",
-        "repetition",
-        "repetition-below-1",
-        "presence-frequency",
-        "min-tokens",
-        "min-tokens-and-all",
-        "min-p",
-        "min-p-and-all",
-        "all",
-    ],
-)
+# each kind of rule alone, and together (tests/unit/test_bend_rules_kernel.py reads them too)
+EACH_RULE = [
+    pytest.param(Penalties(bias=((2, 1.5), (7, -100.0), (9, 40.0))), id="bias"),
+    pytest.param(Penalties(repetition=1.7), id="repetition"),
+    pytest.param(Penalties(repetition=0.6), id="repetition-below-1"),
+    pytest.param(Penalties(presence=0.75, frequency=-1.25), id="presence-frequency"),
+    pytest.param(Penalties(min_tokens=7, stop_ids=(1, 4, 11)), id="min-tokens"),
+    pytest.param(replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11)), id="min-tokens-and-all"),
+    pytest.param(Penalties(min_p=0.2), id="min-p"),
+    pytest.param(
+        replace(STRONG, min_tokens=7, stop_ids=(1, 4, 11), min_p=0.05), id="min-p-and-all"
+    ),
+    pytest.param(STRONG, id="all"),
+]
+
+
+@pytest.mark.parametrize("penalties", EACH_RULE)
 def test_bent_rows_are_the_reference_rows(
     penalties: Penalties,
     device: str,  # noqa: F811
+    kernel: bool | None = None,  # (tests/unit/test_bend_rules_kernel.py: the kernels)
 ) -> None:
     """Every row of every sequence with rules as `bend_row` bends it alone (bit for bit), the
     row's path read: trees whose paths repeat tokens of the output and of themselves; a
@@ -135,7 +128,7 @@ def test_bent_rows_are_the_reference_rows(
     logits = torch.randn(rows[-1].stop, vocab) * 4
     want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)  # (on a GPU: the same float32 ops, bit for bit)
-    assert bend_by_rules(inputs, got, rows)
+    assert bend_by_rules(inputs, got, rows, kernel=kernel)
     got = got.cpu()
     assert torch.equal(got, want)
     assert torch.equal(got[rows[1].start : rows[1].stop], logits[rows[1].start : rows[1].stop])
@@ -143,7 +136,10 @@ def test_bent_rows_are_the_reference_rows(
     assert not bend_by_rules([VerifyInput("x", False, 1, [4], DraftTree())], got, rows[:1])
 
 
-def test_each_sequence_is_bent_by_its_own_rules_alone(device: str) -> None:  # noqa: F811
+def test_each_sequence_is_bent_by_its_own_rules_alone(
+    device: str,  # noqa: F811
+    kernel: bool | None = None,
+) -> None:
     """A round whose sequences ask for different rules (a bias only, counts only, min_tokens
     only, repetition with its prompt, all of them, none) on trees of one shape and of others:
     every row as `bend_row` bends it alone, bit for bit; the table carries only what each
@@ -178,7 +174,7 @@ def test_each_sequence_is_bent_by_its_own_rules_alone(device: str) -> None:  # n
     logits = torch.randn(start, vocab) * 4
     want = reference_bend(inputs, rows, logits)
     got = logits.clone().to(device)
-    assert bend_by_rules(inputs, got, rows)
+    assert bend_by_rules(inputs, got, rows, kernel=kernel)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(want[rows[3].start : rows[3].stop], logits[rows[3].start : rows[3].stop])
 
