@@ -17,6 +17,7 @@ launched whatever is queued behind it. Slot 0 stays zero: the rows of the rules 
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from typing import Protocol
 import torch
 
 from specsplit.logit_rules import LogitRules
+
+MIN_SLOTS = 8  # the tables' slots at first and at least (slot 0 among them)
 
 
 @dataclass(eq=False)
@@ -67,15 +70,17 @@ class RuleRows:
     """[slots, vocab] tables on one device: `bias` (float32), `counts` (float32: the output's,
     deltas counted in on the device) and `seen` (bool: the prompt's tokens, for repetition);
     grown (doubled) as sequences with rules come, a slot given back when its sequence's rules
-    end or the sequence is released or collected."""
+    end or the sequence is released or collected, the tables halved again once their slots in
+    use all sit in the lowest quarter (`trim`: at an 8B's vocabulary a slot holds 1.15 MB, held
+    outside the KV pool's share of the memory)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap: the lowest free slot goes out first
         self.bias = self.counts = torch.zeros(1, vocab_size, device=self.device)
         self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)
-        self._grow(8)
+        self._grow(MIN_SLOTS)
 
     @property
     def num_used(self) -> int:
@@ -86,17 +91,39 @@ class RuleRows:
         if holder.rule_slot is None:
             if not self._free:
                 self._grow(2 * len(self.bias))
-            index = self._free.pop()
-            holder.rule_slot = RuleSlot(index, weakref.finalize(holder, self._free.append, index))
+            index = heapq.heappop(self._free)
+            free = weakref.finalize(holder, heapq.heappush, self._free, index)
+            holder.rule_slot = RuleSlot(index, free)
         return holder.rule_slot
+
+    def trim(self) -> None:
+        """The tables halved while the highest slot in use (slots go out lowest first) lies below
+        a quarter of them, down to MIN_SLOTS; no slot in use moves. The tables let go are freed
+        in the device's stream order, behind the work queued to read them (as `_grow`'s)."""
+        size = len(self.bias)
+        if size <= MIN_SLOTS or self.num_used >= size // 4:
+            return
+        free = set(self._free)
+        top = max(i for i in range(size) if i not in free)  # (slot 0 at least: never free)
+        new = size
+        while new > MIN_SLOTS and top < new // 4:
+            new //= 2
+        if new < size:
+            self.bias, self.counts, self.seen = (t[:new].clone() for t in self._tables)
+            self._free = sorted(i for i in self._free if i < new)  # (a heap)
+
+    @property
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.bias, self.counts, self.seen
 
     def _grow(self, size: int) -> None:
         """The tables at `size` slots, the rows held copied (queued on the device)."""
         old = len(self.bias)
         tables = []
-        for table in (self.bias, self.counts, self.seen):
+        for table in self._tables:
             grown = table.new_zeros(size, self.vocab_size)
             grown[:old].copy_(table)
             tables.append(grown)
         self.bias, self.counts, self.seen = tables
-        self._free += range(size - 1, old - 1, -1)  # (the lowest first)
+        for index in range(old, size):
+            heapq.heappush(self._free, index)

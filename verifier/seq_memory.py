@@ -96,7 +96,9 @@ class SeqMemory(HintedRounds, KVPages):
             self.hints.forget(seq_id, released=False)
         if self._ahead is not None and any(s.seq_id in truncated for s in self._ahead.seqs):
             self._drop_ahead("truncated")  # their next rounds start from the new lengths
-        return truncate_each(items, self.seqs, self._truncate)
+        truncated_items = truncate_each(items, self.seqs, self._truncate)
+        self.rule_rows.trim()  # (their rules' slots given back)
+        return truncated_items
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
         seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
@@ -123,6 +125,7 @@ class SeqMemory(HintedRounds, KVPages):
         ahead = self._ahead
         if ahead is not None and all(self.seqs.get(s.seq_id) is not s for s in ahead.seqs):
             self._drop_ahead("released")
+        self.rule_rows.trim()
         return released
 
     def check_integrity(self) -> None:

@@ -31,7 +31,7 @@ from tests.unit.test_verify_rules import STRONG, _rules, reference_bend
 from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
-from verifier.rule_rows import RuleRows
+from verifier.rule_rows import RuleRows, drop_slot
 
 VOCAB = 64
 SAMPLED = SamplingParams(temperature=0.8)
@@ -215,6 +215,29 @@ def test_slots_go_back_when_rules_end_and_with_their_sequences() -> None:
     state.outputs[1] = [8]
     state.bend([VerifyInput("s1", False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(1))])
     assert other.rule_slot is not None and other.rule_slot.index in (index, 1)
+
+
+def test_the_tables_shrink_once_the_slots_in_use_sit_low() -> None:
+    """A burst of 40 sequences grows the tables to 64 slots; `trim` keeps them while a slot in
+    use sits in their upper three quarters, and halves them down to 8 once the slots in use
+    (the lowest two) sit in the lowest quarter: those keep their rows and indices, and the next
+    sequence takes the lowest free slot."""
+    rows = RuleRows(VOCAB, "cpu")
+    seqs = [VerifierSeq(f"s{i}", None) for i in range(40)]  # type: ignore[arg-type]
+    slots = [rows.slot(seq) for seq in seqs]
+    assert [slot.index for slot in slots] == list(range(1, 41)) and len(rows.bias) == 64
+    rows.counts[2, 5] = 3.0
+    for seq in seqs[2:30] + seqs[31:]:
+        drop_slot(seq)
+    rows.trim()
+    assert len(rows.bias) == 64 and rows.num_used == 3  # (slot 31 in use: past 64 / 4)
+    drop_slot(seqs[30])
+    rows.trim()
+    assert len(rows.bias) == len(rows.counts) == len(rows.seen) == 8 and rows.num_used == 2
+    assert rows.counts[2, 5] == 3.0 and seqs[1].rule_slot is slots[1] and slots[1].index == 2
+    assert rows.slot(VerifierSeq("new", None)).index == 3  # type: ignore[arg-type]
+    rows.trim()
+    assert len(rows.bias) == 8
 
 
 def test_release_and_truncate_give_the_engines_slots_back(
