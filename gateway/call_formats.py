@@ -9,7 +9,12 @@ says which one the model was taught (`call_format`):
   specsplit/prompt.py), as vLLM's `hermes` parser reads them;
 - `LLAMA3_JSON`: the whole output one or more `{"name": ..., "parameters": {...}}` objects
   (`;` between them), the python tag before them dropped with the special tokens (Llama 3.1's
-  and 3.2's templates ask for this), as vLLM's `llama3_json` parser reads them."""
+  and 3.2's templates ask for this), as vLLM's `llama3_json` parser reads them;
+- `MISTRAL`: after any text, `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects
+  (Mistral's v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` a call each (v11 and later), as
+  vLLM's `mistral` parser reads them. `[TOOL_CALLS]` is a special token, which decoded text drops:
+  the format `keeps_special` tokens, and a request that may be answered with calls decodes its
+  output with them (gateway/openai_tools.py, as vLLM's parser asks of its requests)."""
 
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ PYTHON_TAG = "<|python_tag|>"  # (Llama 3's, before its calls where special toke
 
 
 class CallFormat:
+    keeps_special = False  # whether its calls are read only where special tokens are decoded
+
     def begins(self, text: str) -> int:
         """Where calls begin in the output so far (-1: none yet)."""
         raise NotImplementedError
@@ -91,8 +98,46 @@ class Llama3Json(CallFormat):
             at = len(text) - len(rest) + 1
 
 
+class Mistral(CallFormat):
+    tag = "[TOOL_CALLS]"
+    args = "[ARGS]"
+    keeps_special = True
+    _decoder = json.JSONDecoder()
+
+    def begins(self, text: str) -> int:
+        return text.find(self.tag)
+
+    def held(self, text: str) -> int:
+        return held_prefix_len(text, (self.tag,))
+
+    def read(self, text: str) -> tuple[str, list[Any]] | None:
+        start = self.begins(text)
+        if start < 0:
+            return None
+        values: list[Any] = []
+        at = start
+        while at < len(text):  # a tag, then its calls: an array (or object), or name[ARGS]{...}
+            if not text.startswith(self.tag, at):
+                return None
+            at += len(self.tag)
+            named = text.find(self.args, at)
+            json_at = len(text) - len(text[at:].lstrip())
+            try:
+                if not text.startswith(("[", "{"), json_at) and named >= 0:
+                    arguments, at = self._decoder.raw_decode(text, named + len(self.args))
+                    values.append({"name": text[json_at:named].strip(), "arguments": arguments})
+                else:
+                    value, at = self._decoder.raw_decode(text, json_at)
+                    values += value if isinstance(value, list) else [value]
+            except json.JSONDecodeError:
+                return None
+            at = len(text) - len(text[at:].lstrip())
+        return text[:start], values
+
+
 HERMES = Hermes()
 LLAMA3_JSON = Llama3Json()
+MISTRAL = Mistral()
 # what in a chat template says the model writes Llama 3's calls: its tag, or its instruction's
 # "Respond in the format {"name": function name, "parameters": dictionary of argument name ..."
 _LLAMA3_SIGNS = (PYTHON_TAG, '"parameters": dictionary of argument name')
@@ -101,10 +146,12 @@ _LLAMA3_SIGNS = (PYTHON_TAG, '"parameters": dictionary of argument name')
 def call_format(chat_template: str | Mapping[str, str] | None) -> CallFormat:
     """The format a tokenizer's chat template (transformers' `chat_template`: one, or named
     ones) teaches: Hermes' blocks where it names them or says nothing of calls (the fallback
-    tools prompt asks for them), Llama 3's JSON where it asks for that."""
+    tools prompt asks for them), Llama 3's JSON or Mistral's tag where it asks for that."""
     if isinstance(template := chat_template, Mapping):
         template = "\n".join(template.values())
     text = template or ""
+    if HERMES.open not in text and MISTRAL.tag in text:
+        return MISTRAL
     if HERMES.open not in text and any(sign in text for sign in _LLAMA3_SIGNS):
         return LLAMA3_JSON
     return HERMES

@@ -105,7 +105,9 @@ def apply_tools(req: OpenAIRequest, body: dict[str, Any], writes: CallFormat = H
         raise bad_param("tools", "not supported in a session's turn")
     if req.logprobs is not None:
         raise bad_param("logprobs", "not supported with tool calls")
-    if not req.tools.calls:  # ("auto": free text)
+    if not req.tools.calls:  # ("auto": free text, its calls' special tokens decoded where they
+        # begin with one: the format's to read, what vLLM's Mistral parser asks of a request)
+        req.skip_special_tokens = req.skip_special_tokens and not writes.keeps_special
         return
     if req.guide is not None:
         raise bad_param(req.guide.field, "a tool call is a guide of its own (tool_choice)")
