@@ -48,12 +48,12 @@ def node_paths(tree: DraftTree) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _tree_pairs(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _tree_pairs(parents: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
     """For a tree of these parents: every (node, node or one of its ancestors) pair as two index
-    arrays (a node's path tokens, each once per occurrence), and each node's depth (a child of
+    lists (a node's path tokens, each once per occurrence), and each node's depth (a child of
     the root: 1). Cached: a round's trees share few shapes."""
     node, on_path = np.nonzero(ancestor_mask(parents))
-    return node, on_path, np.array(depths(parents), dtype=np.int64)
+    return node.tolist(), on_path.tolist(), list(depths(parents))
 
 
 def _as_bits(values: np.ndarray) -> np.ndarray:
@@ -62,34 +62,39 @@ def _as_bits(values: np.ndarray) -> np.ndarray:
 
 
 class _Section:
-    """One section of the host table, gathered a sequence at a time as arrays (no per-token
-    Python): its entries' owners (a slot or a rule row), tokens and values."""
+    """One section of the host table, gathered a sequence at a time as Python lists (a round's
+    steady entries are a few tokens a sequence: numpy's per-call cost would outweigh them), made
+    one array at the end: its entries' owners (a slot or a rule row), tokens and values (or
+    `value`, every entry's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, value: int | None = None) -> None:
+        self.value = value
         self.owners: list[int] = []
-        self.sizes: list[int] = []
-        self.tokens: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
+        self.tokens: list[int] = []
+        self.values: list[int] = []
 
-    def add(self, owner: int | np.ndarray, tokens: np.ndarray, values: np.ndarray | int) -> None:
-        """Entries for `tokens` (one owner for all, or one each), each its value (or one)."""
-        if isinstance(owner, np.ndarray):
-            self.owners += owner.tolist()
-            self.sizes += [1] * len(owner)
-        else:
-            self.owners.append(owner)
-            self.sizes.append(len(tokens))
-        self.tokens.append(tokens)
-        if isinstance(values, int):
-            values = np.full(len(tokens), values, dtype=np.int64)
-        self.values.append(values)
+    def add(
+        self,
+        owner: int | list[int],
+        tokens: list[int] | np.ndarray,
+        values: np.ndarray | None = None,
+    ) -> None:
+        """Entries for `tokens` (one owner for all, or one each), each its value (`values`, or
+        the section's)."""
+        tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+        self.owners += owner if isinstance(owner, list) else [owner] * len(tokens)
+        self.tokens += tokens
+        if values is not None:
+            self.values += values.tolist()
 
     def array(self) -> np.ndarray:
         """[3, entries] int64: owner, token, value."""
-        if not self.tokens:
-            return np.zeros((3, 0), dtype=np.int64)
-        owners = np.repeat(np.array(self.owners, dtype=np.int64), self.sizes)
-        return np.stack([owners, np.concatenate(self.tokens), np.concatenate(self.values)])
+        values = self.values if self.value is None else [self.value] * len(self.tokens)
+        return np.array([self.owners, self.tokens, values], dtype=np.int64).reshape(3, -1)
+
+
+# each section's value for all its entries (None: each its own)
+_VALUES = {BIAS: None, COUNTS: None, PROMPT: 1, DELTAS: 1, PATHS: 1, STOPS: 0, PENDING: 0, CLEAR: 0}
 
 
 def _counted(p: Penalties) -> bool:
@@ -102,9 +107,9 @@ def _add_rows(sections: list[_Section], rules: LogitRules, slot: RuleSlot) -> No
     its context, else filled from its rules (cleared first)."""
     if slot.holds(rules):
         if slot.deltas:
-            sections[DELTAS].add(slot.index, np.array(slot.deltas, dtype=np.int64), 1)
+            sections[DELTAS].add(slot.index, slot.deltas)
     else:
-        sections[CLEAR].add(slot.index, np.zeros(1, dtype=np.int64), 0)
+        sections[CLEAR].add(slot.index, [0])
         p = rules.penalties
         if p.bias:
             bias_tokens, bias_values = p.bias_arrays
@@ -114,7 +119,7 @@ def _add_rows(sections: list[_Section], rules: LogitRules, slot: RuleSlot) -> No
             if len(tokens):
                 sections[COUNTS].add(slot.index, tokens, counts)
             if p.repetition != 1 and len(prompt):
-                sections[PROMPT].add(slot.index, prompt, 1)
+                sections[PROMPT].add(slot.index, prompt)
         slot.context = rules
     slot.deltas = []
 
@@ -131,15 +136,15 @@ def _add_sequence(
     if tree and (counted or (p.min_tokens and p.stop_ids)):
         node, on_path, depth = _tree_pairs(tuple(tree.parents))
     if counted and tree:  # each node's row counts its path's tokens once more
-        path_tokens = np.array(tree.tokens, dtype=np.int64)[on_path]
-        sections[PATHS].add(first + 1 + node, path_tokens, 1)
+        tokens = tree.tokens
+        sections[PATHS].add([first + 1 + n for n in node], [tokens[j] for j in on_path])
     # the rows whose output holds fewer than min_tokens tokens: their stop tokens held back
     held = p.min_tokens - rules.total - more if p.stop_ids else 0
     if held > 0:
-        stop_ids = np.array(p.stop_ids, dtype=np.int64)
-        rows = [first] + ((first + 1 + np.flatnonzero(depth < held)).tolist() if tree else [])
+        stop_ids = list(p.stop_ids)
+        rows = [first] + ([first + 1 + n for n, d in enumerate(depth) if d < held] if tree else [])
         for row in rows:
-            sections[STOPS].add(row, stop_ids, 0)
+            sections[STOPS].add(row, stop_ids)
 
 
 def bend_by_rules(
@@ -162,7 +167,7 @@ def bend_by_rules(
     if kept is None:
         kept = RuleRows(logits.shape[1], logits.device), [_Holder() for _ in inputs]
     table_rows, holders = kept
-    sections = [_Section() for _ in SECTIONS]
+    sections = [_Section(_VALUES[section]) for section in SECTIONS]
     row_of: list[int] = []  # per rule row: its logits row
     k_of: list[int] = []  # per rule row: its sequence
     biased = False  # (any sequence with a bias)
@@ -187,8 +192,8 @@ def bend_by_rules(
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut, slot))
     if pending is not None:  # (every rule row: its input's token)
-        inputs_of = np.repeat([i for i, _ in ruled], [len(r) for _, r in ruled])
-        sections[PENDING].add(np.arange(len(row_of)), inputs_of, 0)
+        inputs_of = [i for i, r in ruled for _ in r]
+        sections[PENDING].add(list(range(len(row_of))), inputs_of)
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
     mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
