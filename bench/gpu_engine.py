@@ -216,13 +216,16 @@ class EngineBench:
 
     def _round_rules(self, seq_id: str, num_rows: int) -> LogitRules | None:
         """A sequence's rules for a round of num_rows rows: new objects each round, as the wire
-        makes them (tuples of their own: the verifier compares them with the rules it kept);
-        --rules: through the output so far (`_contexts`), as the gateway carries them through
-        each commit (`LogitRules.after`; a decode step run ahead under them is taken)."""
+        makes them; --rules: through the output so far (`_contexts`), as the gateway carries
+        them through each commit (`LogitRules.after`; a decode step run ahead under them is
+        taken), the whole context on the sequence's first round with them and then only that
+        the verifier keeps it (`kept_context`), as the gateway sends them (gateway/sequence.py)."""
         if self.guide:
             rules = self._guided(num_rows)
         elif self.rules is not None:
-            rules = self._contexts.setdefault(seq_id, self.rules)
+            if seq_id in self._contexts:
+                return self._contexts[seq_id].kept_context()
+            rules = self._contexts[seq_id] = self.rules
         else:
             return None
         output, counts, prompt = (
