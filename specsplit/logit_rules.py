@@ -38,7 +38,8 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -157,6 +158,10 @@ def bias_of(entries: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ..
 
 
 _CHECKED = "_checked_for"  # (LogitRules' cache: the vocabulary size its context passed)
+# (LogitRules made by `after`: the rules it was made from, the tokens appended, and how many
+# `after`s stand between them and rules that hold their output)
+_APPENDED = "_appended"
+MAX_APPENDED = 32
 
 
 @dataclass(frozen=True)
@@ -165,8 +170,10 @@ class LogitRules:
     the output so far through the round's last pending token."""
 
     penalties: Penalties
-    output: tuple[int, ...] = ()  # the output's distinct tokens, by id
-    counts: tuple[int, ...] = ()  # how often each of them occurs (> 0)
+    # the output's distinct tokens, by id, and how often each occurs (> 0); made on first read
+    # where `after` made the rules (no class attribute then: `__getattr__` makes them)
+    output: tuple[int, ...] = field(default_factory=tuple)
+    counts: tuple[int, ...] = field(default_factory=tuple)
     prompt: tuple[int, ...] = ()  # the prompt's distinct tokens, by id (repetition != 1 only)
     allowed: Allowed | None = None  # a guide's masks for this round's rows (the gateway's)
     # >= 0: the context (penalties, output, prompt) is the one the verifier kept for the
@@ -202,26 +209,57 @@ class LogitRules:
         )
 
     def after(self, tokens: Iterable[int]) -> LogitRules:
-        """The rules of the round after this one appended `tokens` to the output."""
+        """The rules of the round after this one appended `tokens` to the output. O(tokens): their
+        output and counts are made where they are first read (most rules the gateway and the
+        verifier carry forward are only carried again: copying a long output's tuples each
+        commit cost ~20 us a sequence at 3,000 distinct tokens), or once they stand on
+        MAX_APPENDED `after`s."""
         assert self.carried, "a guide's masks are the gateway's to make"
-        output, counts = list(self.output), list(self.counts)
-        added = list(tokens)
-        for token in added:  # (in place, by id: a Counter's sum and sort cost ~0.2 ms a call at
-            i = bisect.bisect_left(output, token)  # 300 distinct tokens, every step run ahead)
-            if i < len(output) and output[i] == token:
-                counts[i] += 1
-            else:
-                output.insert(i, token)
-                counts.insert(i, 1)
+        added = tuple(tokens)
         total = self.total + len(added)
-        penalties = still_held(self.penalties, total)
-        rules = LogitRules(penalties, tuple(output), tuple(counts), self.prompt)
+        rules = object.__new__(LogitRules)
+        state = rules.__dict__
+        state.update(penalties=still_held(self.penalties, total), prompt=self.prompt)
+        state.update(allowed=None, kept=-1, total=total)
         # (no arrays carried: the verifier keeps the counts on the device, verifier/rule_rows.py,
         # and makes them only where it fills a sequence's rows from a context again)
         if self.checked_for is not None:  # (the verifier's: its tokens are in the vocabulary)
-            rules.__dict__[_CHECKED] = self.checked_for
-        rules.__dict__["total"] = total
+            state[_CHECKED] = self.checked_for
+        below = self.__dict__.get(_APPENDED)
+        depth = 1 if below is None else below[2] + 1
+        state[_APPENDED] = (self, added, depth)
+        if depth >= MAX_APPENDED:
+            rules._make_output()
         return rules
+
+    def _make_output(self) -> None:
+        """`output` and `counts` made from the nearest rules below that hold them and the tokens
+        each `after` since appended; the rules below let go."""
+        chain = []
+        rules = self
+        while (appended := rules.__dict__.get(_APPENDED)) is not None:
+            rules = appended[0]
+            chain.append(appended[1])
+        output, counts = list(rules.output), list(rules.counts)
+        for added in reversed(chain):
+            for token in added:  # (in place, by id: a Counter's sum and sort cost more)
+                i = bisect.bisect_left(output, token)
+                if i < len(output) and output[i] == token:
+                    counts[i] += 1
+                else:
+                    output.insert(i, token)
+                    counts.insert(i, 1)
+        self.__dict__.update(output=tuple(output), counts=tuple(counts))
+        self.__dict__.pop(_APPENDED, None)  # (after them: another thread may read them at once)
+
+    if not TYPE_CHECKING:  # (mypy would take any attribute then)
+
+        def __getattr__(self, name: str) -> tuple[int, ...]:
+            """`output` and `counts` of rules `after` made, made on first read."""
+            if name in ("output", "counts") and _APPENDED in self.__dict__:
+                self._make_output()
+                return self.__dict__[name]
+            raise AttributeError(f"'LogitRules' object has no attribute {name!r}")
 
     @property
     def checked_for(self) -> int | None:
@@ -239,13 +277,12 @@ class LogitRules:
 
     def with_allowed(self, allowed: Allowed | None) -> LogitRules:
         """These rules with a guide's masks for a round (or none), their arrays and checks
-        kept."""
+        kept (and their output not made where `after` has not made it yet)."""
         if allowed is self.allowed:
             return self
-        rules = replace(self, allowed=allowed)
-        for name in ("arrays", _CHECKED, "total"):
-            if name in self.__dict__:
-                rules.__dict__[name] = self.__dict__[name]
+        rules = object.__new__(LogitRules)
+        rules.__dict__.update(self.__dict__)  # (the fields, and what is cached of them)
+        rules.__dict__["allowed"] = allowed
         return rules
 
     def validate(self, vocab_size: int, num_rows: int) -> None:

@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM
 from specsplit.convert import verify_request_from_proto, verify_request_to_proto
 from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import (
+    MAX_APPENDED,
     Allowed,
     LogitRules,
     Penalties,
@@ -210,3 +211,41 @@ def test_rules_that_change_nothing_more_are_not_kept(
     engine.verify([item])
     assert engine.seqs["s"].rules is None
     engine.release(["s"])
+
+
+def test_after_appends_without_copying_the_output_until_it_is_read() -> None:
+    """`after` is O(tokens appended): rules carried through 100 commits (up to 9 tokens each,
+    read now and then) hold the whole output's counts whenever read, equal rules made
+    eagerly, and compare and go over the wire as those do; read or not, `total` and
+    min_tokens' release follow each commit; unread, rules stand on at most MAX_APPENDED
+    `after`s before their output is made (the rules below let go); `with_allowed` leaves it
+    unmade; the verifier's checks stay with them."""
+    rng = random.Random(4)
+    penalties = replace(STRONG, min_tokens=30, stop_ids=(1,))
+    rules = start_context(penalties, [5, 9, 9])
+    assert rules is not None
+    rules.validate(TINY_VOCAB, 1)
+    output: list[int] = []
+    depth, made = 0, 0  # (afters since rules whose output was made; made by standing on them)
+    for step in range(100):
+        added = [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(0, 9))]
+        rules, output = rules.after(added), output + added
+        assert rules.total == len(output) and rules.checked_for == TINY_VOCAB
+        assert rules.penalties.min_tokens == (30 if len(output) < 30 else 0)
+        depth += 1
+        held = "output" in vars(rules)
+        assert held == (depth == MAX_APPENDED)
+        if held:  # (made once it stood on MAX_APPENDED afters: nothing below is held)
+            assert "_appended" not in vars(rules)
+            depth, made = 0, made + 1
+        if step % 40 in (0, 1, 39):  # (read now and then, unread for 37 afters between)
+            depth = 0  # (read below)
+            guided = rules.with_allowed(Allowed(bytes(4 * mask_words(TINY_VOCAB)), (0,)))
+            assert ("output" in vars(guided)) == held and guided.total == rules.total
+            want = rules_for(penalties, distinct([5, 9, 9]), Counter(output))
+            assert want is not None and rules == want and rules.same_context(want)
+            assert guided.output == want.output and guided.counts == want.counts
+            item = VerifyInput("s", False, 10, [4], DraftTree(), rules=rules)
+            sent = verify_request_from_proto(verify_request_to_proto([item]))[0].rules
+            assert sent is not None and sent.same_context(want)
+    assert made == 2
