@@ -1,11 +1,14 @@
-"""Guided decoding's cost in process (inprocess/stack.py on the embedded GGUF, or --model):
-the same chat prompts generated plain, under a JSON schema (response_format), a regex and
-allowed token ids, each greedy and one request at a time; per mode ms a round, tokens a round
-and tokens/s, the plain rounds in the same run. Each mode runs --passes times and the first pass
-(the guide's compile and its states' first masks) is reported apart from the rest.
+"""Guided decoding's and logit rules' cost in process (inprocess/stack.py on the embedded GGUF,
+or --model): the same chat prompts generated plain, under a JSON schema (response_format), a
+regex and allowed token ids, and (--rules) under presence and frequency penalties and under a
+repetition penalty, each greedy and one request at a time; per mode ms a round, tokens a round
+and tokens/s, the plain rounds in the same run. The drafter proposes from its own distribution,
+which neither guides nor rules bend, so tokens a round says what they cost speculation. Each
+mode runs --passes times and the first pass (a guide's compile and its states' first masks) is
+reported apart from the rest.
 
-    PYTHONPATH=. python bench/guided.py [--model PATH] [--device cuda] [--drafter ngram|self]
-        [--max-new-tokens 48] [--passes 3]
+    PYTHONPATH=. python bench/guided.py [--model PATH] [--device cuda]
+        [--drafter ngram|self|eagle3] [--rules] [--max-new-tokens 48] [--passes 3]
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ import torch
 from gateway.guides import GuideAsk
 from gateway.request import GenerationRequest, ModelInfo, build_request
 from inprocess.stack import build_local_stack
+from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams
-from specsplit.model.loader import embedded_default_model_path, load_config, load_tokenizer
+from specsplit.model.loader import (
+    embedded_default_head_path,
+    embedded_default_model_path,
+    load_config,
+    load_tokenizer,
+)
 from specsplit.sampling import SamplingParams
 
 PROMPTS = [
@@ -44,13 +53,18 @@ MODES = {
     "regex": {"guide": GuideAsk("guided_regex", "regex", r"[A-Z][a-z]+( [a-z]+){2,12}\.")},
     "allowed ids": {"allowed_token_ids": list(range(17, 2000))},
 }
+RULES = {  # (--rules)
+    "presence 0.5 + frequency 0.5": {"penalties": Penalties(presence=0.5, frequency=0.5)},
+    "repetition 1.3": {"penalties": Penalties(repetition=1.3)},
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="target (default: the embedded GGUF)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--drafter", default="ngram", choices=["ngram", "self"])
+    parser.add_argument("--drafter", default="ngram", choices=["ngram", "self", "eagle3"])
+    parser.add_argument("--rules", action="store_true", help="the logit rules' modes too")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
@@ -58,15 +72,17 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     config = load_config(path)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    drafter = "model" if args.drafter == "self" else "ngram"
+    drafter = {"self": "model", "eagle3": "eagle3"}.get(args.drafter, "ngram")
+    head = embedded_default_head_path() if args.drafter == "eagle3" else None
     stack = build_local_stack(
-        path, drafter, tokenizer, SpecParams(3, 1, 3), device=args.device, dtype=dtype
-    )
+        path, drafter, tokenizer, SpecParams(3, 1, 3), draft_path=head, device=args.device,
+        dtype=dtype,
+    )  # fmt: skip
     eos = config.eos_token_ids or (tokenizer.eos_token_id,)
     model = ModelInfo(tokenizer, config.vocab_size, 4096, tuple(eos))
     print(f"{path} on {args.device}, drafter {args.drafter}, greedy, one request at a time")
     print("| mode | pass | ms a round | tokens a round | tokens/s |\n|---|---|---:|---:|---:|")
-    for name, extra in MODES.items():
+    for name, extra in (MODES | RULES if args.rules else MODES).items():
         firsts, rest = [], []
         for p in range(args.passes):
             rows = []
