@@ -185,6 +185,11 @@ RUNNING_SEQUENCES = Gauge("specsplit_running_sequences", "Sequences in the round
 WAITING_SEQUENCES = Gauge("specsplit_waiting_sequences", "Sequences queued for the batch")
 KV_PAGES_USED = Gauge("specsplit_kv_pages_used", "KV cache pages holding sequences")
 KV_PAGES_FREE = Gauge("specsplit_kv_pages_free", "KV cache pages free")
+RULE_ROWS_BYTES = Gauge(
+    "specsplit_rule_rows_bytes",
+    "Verifier device memory held for sequences' logit-rules rows (bias, counts, prompt tokens; "
+    "outside the KV pool)",
+)
 ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["code"])
 PREEMPTIONS = Counter(
     "specsplit_preemptions", "Running sequences retracted because the verifier's KV was full"

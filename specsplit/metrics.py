@@ -43,6 +43,7 @@ from specsplit.metric_defs import (
     ROUND_OUTSIDE_VERIFY_SECONDS,
     ROUND_SECONDS,
     ROUNDS,
+    RULE_ROWS_BYTES,
     RUNNING_SEQUENCES,
     SESSION_EVICTIONS,
     SESSION_KV_PAGES,
@@ -243,6 +244,11 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
     """Read (used, free) KV pages at scrape time (two lengths: safe from the scrape thread)."""
     KV_PAGES_USED.set_function(lambda: pages()[0])
     KV_PAGES_FREE.set_function(lambda: pages()[1])
+
+
+def watch_rule_rows(nbytes: Callable[[], int]) -> None:
+    """Read the verifier's logit-rules rows' bytes at scrape time (verifier/rule_rows.py)."""
+    RULE_ROWS_BYTES.set_function(nbytes)
 
 
 def count_decode_ahead(outcome: str) -> None:

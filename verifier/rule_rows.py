@@ -83,6 +83,11 @@ class RuleRows:
         self._grow(MIN_SLOTS)
 
     @property
+    def nbytes(self) -> int:
+        """The tables' device memory (read from the metrics thread: one length)."""
+        return len(self.bias) * self.vocab_size * (4 + 4 + 1)
+
+    @property
     def num_used(self) -> int:
         return len(self.bias) - 1 - len(self._free)
 

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from specsplit import convert_beside, rounds
+from specsplit import convert_beside, metrics, rounds
 from specsplit.engine_servicer import EngineServicer
 from specsplit.scopes import Scope, grpc_scope_key
 from specsplit.server import service_errors, service_name
@@ -23,8 +23,17 @@ class VerifierServicer(EngineServicer[VerifierEngine], verifier_pb2_grpc.Verifie
     service_name = service_name(verifier_pb2.DESCRIPTOR, "Verifier")
     _pipelined: PipelinedRounds | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        metrics.watch_rule_rows(self._rule_rows_bytes)
+
     def register(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
+
+    def _rule_rows_bytes(self) -> int:
+        """The logit-rules rows' bytes (0 while loading). Read from the metrics thread."""
+        engine = self.engine.loaded
+        return 0 if engine is None else engine.rule_rows.nbytes
 
     # VerifyRequest in -> VerifierEngine.verify -> VerifyResponse out, one per request, in order
     round_call = (rounds.VERIFY, VerifierEngine.verify)

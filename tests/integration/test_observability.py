@@ -32,6 +32,7 @@ from tests.integration.services import (
     value,
 )
 from tests.support import save_tiny_llama
+from verifier.rule_rows import MIN_SLOTS
 
 VOCAB = 49152
 NUM_PAGES = 512  # Services gives drafter and verifier --num-pages 512
@@ -191,6 +192,8 @@ def test_metrics_count_exactly_what_the_client_received(services: Services) -> N
     for role in ("drafter", "verifier"):
         assert value(after[role], "specsplit_kv_pages_used") == 0, role
         assert value(after[role], "specsplit_kv_pages_free") == NUM_PAGES, role
+    # the logit-rules rows' tables at their least: slots x vocabulary x (bias, counts, seen)
+    assert value(after["verifier"], "specsplit_rule_rows_bytes") == MIN_SLOTS * VOCAB * (4 + 4 + 1)
     queue = eventually(
         lambda: scrape(services, "gateway"),
         lambda s: value(s, "specsplit_running_sequences") == 0,

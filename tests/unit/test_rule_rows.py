@@ -234,6 +234,8 @@ def test_the_tables_shrink_once_the_slots_in_use_sit_low() -> None:
     drop_slot(seqs[30])
     rows.trim()
     assert len(rows.bias) == len(rows.counts) == len(rows.seen) == 8 and rows.num_used == 2
+    tables = (rows.bias, rows.counts, rows.seen)
+    assert rows.nbytes == sum(t.numel() * t.element_size() for t in tables)  # (the metric's)
     assert rows.counts[2, 5] == 3.0 and seqs[1].rule_slot is slots[1] and slots[1].index == 2
     assert rows.slot(VerifierSeq("new", None)).index == 3  # type: ignore[arg-type]
     rows.trim()
