@@ -45,15 +45,21 @@ class CallFormat:
         raise NotImplementedError
 
 
-class Hermes(CallFormat):
-    open = "<tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # (the last may be open)
+class Tagged(CallFormat):
+    """A format whose calls begin with a tag, after any text."""
+
+    tag = ""
 
     def begins(self, text: str) -> int:
-        return text.find(self.open)
+        return text.find(self.tag)
 
     def held(self, text: str) -> int:
-        return held_prefix_len(text, (self.open,))
+        return held_prefix_len(text, (self.tag,))
+
+
+class Hermes(Tagged):
+    tag = "<tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # (the last may be open)
 
     def read(self, text: str) -> tuple[str, list[Any]] | None:
         start = self.begins(text)
@@ -98,17 +104,11 @@ class Llama3Json(CallFormat):
             at = len(text) - len(rest) + 1
 
 
-class Mistral(CallFormat):
+class Mistral(Tagged):
     tag = "[TOOL_CALLS]"
     args = "[ARGS]"
     keeps_special = True
     _decoder = json.JSONDecoder()
-
-    def begins(self, text: str) -> int:
-        return text.find(self.tag)
-
-    def held(self, text: str) -> int:
-        return held_prefix_len(text, (self.tag,))
 
     def read(self, text: str) -> tuple[str, list[Any]] | None:
         start = self.begins(text)
@@ -150,8 +150,10 @@ def call_format(chat_template: str | Mapping[str, str] | None) -> CallFormat:
     if isinstance(template := chat_template, Mapping):
         template = "\n".join(template.values())
     text = template or ""
-    if HERMES.open not in text and MISTRAL.tag in text:
+    if HERMES.tag in text:
+        return HERMES
+    if MISTRAL.tag in text:
         return MISTRAL
-    if HERMES.open not in text and any(sign in text for sign in _LLAMA3_SIGNS):
+    if any(sign in text for sign in _LLAMA3_SIGNS):
         return LLAMA3_JSON
     return HERMES

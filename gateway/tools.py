@@ -8,7 +8,7 @@ tool's name and that tool's parameters (one item when parallel calls are off), a
 them. "auto" (the model's own choice between text and calls) is not guided: the calls are read
 back from the text (`read_auto_calls`) in the format the chat template teaches
 (gateway/call_formats.py: Hermes' `<tool_call>` blocks, which the fallback tools prompt asks for
-too, or Llama 3's JSON)."""
+too, Llama 3's JSON, or Mistral's `[TOOL_CALLS]`)."""
 
 from __future__ import annotations
 

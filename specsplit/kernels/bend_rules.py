@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from specsplit.kernels.triton_jit import check_device, interpreting, jit
+from specsplit.logit_rules import mask_words
 
 tl: Any = None  # triton.language, bound on first launch (triton_jit.jit)
 
@@ -175,7 +176,7 @@ def bend_reference(
 def _allowed(words: torch.Tensor, mask_of: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, vocab] bool: each rule row's allowed tokens from the masks' words (int32, mask after
     mask, 32 tokens a word, the lowest bit first) and its mask (< 0, NO_MASK: every token)."""
-    num_words = (vocab + 31) // 32
+    num_words = mask_words(vocab)
     masks = words.new_empty(len(words) // num_words, 4 * num_words, dtype=torch.uint8)
     masks.view(torch.int32).copy_(words.view(-1, num_words))  # [M, 4 words]: 8 tokens a byte
     every = torch.full_like(masks[:1], 255)  # the last: NO_MASK's
@@ -215,7 +216,7 @@ def bend_rows(
     bend[(layout.num_rows, _cdiv(vocab, block))](
         logits, logits.stride(0), vocab, table, width, layout.rows, layout.extents, layout.seqs,
         starts[PATHS], starts[STOPS], starts[PENDING], layout.words, layout.num_seqs,
-        (vocab + 31) // 32, bias_t, counts_t, seen_t.view(torch.uint8),
+        mask_words(vocab), bias_t, counts_t, seen_t.view(torch.uint8),
         pending if pending is not None else table, BIASED=layout.biased, COUNTED=layout.counted,
         REPEATS=layout.repeats, STOPS=layout.size(STOPS) > 0, MASKS=layout.num_words > 0,
         PENDING=pending is not None, BLOCK=block, enable_fp_fusion=False,
