@@ -18,13 +18,16 @@ the chain just drafted and G guessed bonus tokens (chain shapes only). `--temper
 sequence samples (its chains, draft-ahead's outcomes' too, draw at its generator's uniforms and
 come with their draft probabilities). `--host-expansion` runs
 the tree expansion on the host, one step at a time (the path before the expansion graphs), for
-comparison in the same run.
+comparison in the same run. `--rules`: each batch also with every sequence under a logit bias
+and presence, frequency and repetition penalties (its first Draft carries them: the drafter bends
+every step's logits, drafter/draft_rules.py), printed after the same batch without.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import functools
 import itertools
 import pstats
@@ -50,7 +53,8 @@ from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
-from specsplit.messages import AheadTree, DraftInput, DraftOutput, SpecParams
+from specsplit.logit_rules import Penalties
+from specsplit.messages import AheadTree, DraftInput, DraftOutput, DraftRules, SpecParams
 from specsplit.sampling import SamplingParams
 
 
@@ -59,6 +63,13 @@ def parse_shape(text: str) -> SpecParams:
     spec = SpecParams(steps, topk, nodes)
     spec.validate()
     return spec
+
+
+# --rules: a bias, presence, frequency and repetition (bench/gpu_engine.py's kinds); `Rounds`
+# starts each sequence's output past its context
+RULES = DraftRules(
+    Penalties(((13, 2.0), (99, -100.0)), presence=0.5, frequency=0.5, repetition=1.2), 0
+)
 
 
 class Rounds:
@@ -72,8 +83,11 @@ class Rounds:
         width: int,
         sampling: SamplingParams,
         pinned: bool = False,
+        rules: DraftRules | None = None,
     ) -> None:
         self.engine, self.width, self.sampling, self.pinned = engine, width, sampling, pinned
+        # each sequence's, sent with its first Draft: the output starts past the context
+        self.rules = None if rules is None else dataclasses.replace(rules, output_start=context)
         gen = torch.Generator().manual_seed(batch)
         self.tokens = {
             f"s{b}": torch.randint(10, 40000, (context,), generator=gen).tolist()
@@ -98,9 +112,10 @@ class Rounds:
             start = min(self.held.get(seq_id, 0), len(tokens) - 1)
             new_tokens = tokens[start:]
             counts.append(len(new_tokens) - 1)
-            inputs.append(
-                DraftInput(seq_id, seq_id not in self.held, start, new_tokens, spec, self.sampling)
-            )
+            begin = seq_id not in self.held
+            inputs.append(DraftInput(seq_id, begin, start, new_tokens, spec, self.sampling))
+            if begin:
+                inputs[-1].rules = self.rules
             self.held[seq_id] = len(tokens) - 1
         self._attach_rows(inputs, counts)
         seconds, outputs = self._timed(inputs)
@@ -389,6 +404,7 @@ def main() -> None:
         "also the longest's under torch.profiler",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
+    parser.add_argument("--rules", action="store_true", help="each batch under logit rules too")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
         "--ahead-hits",
@@ -449,12 +465,15 @@ def main() -> None:
     for spec in map(parse_shape, args.shape):
         gaps = [(0.0, "sleep")] if 0 in args.gap_ms else []
         gaps += [(ms, how) for ms in args.gap_ms if ms for how in args.gap_how]
-        for batch, rows_kind, (gap_ms, gap_how) in itertools.product(args.batch, args.rows, gaps):
+        ruled = [None, RULES] if args.rules else [None]
+        for batch, rows_kind, (gap_ms, gap_how), rules in itertools.product(
+            args.batch, args.rows, gaps, ruled
+        ):
             pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (
                 SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
             )
-            rounds = Rounds(engine, batch, args.context, width, sampling, pinned)
+            rounds = Rounds(engine, batch, args.context, width, sampling, pinned, rules)
             rounds.run(spec, args.new)  # prefill
             for _ in range(5):
                 rounds.run(spec, args.new)
@@ -539,7 +558,7 @@ def main() -> None:
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(
-                f"{label}, {rows_kind} rows, {gap_ms:g} ms idle"
+                f"{label}{', rules' if rules else ''}, {rows_kind} rows, {gap_ms:g} ms idle"
                 f"{f' ({gap_how})' if gap_ms else ''} before: spec "
                 f"{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "

@@ -2,8 +2,9 @@
 or --model): the same chat prompts generated plain, under a JSON schema (response_format), a
 regex and allowed token ids, and (--rules) under presence and frequency penalties and under a
 repetition penalty, each greedy and one request at a time; per mode ms a round, tokens a round
-and tokens/s, the plain rounds in the same run. The drafter proposes from its own distribution,
-which neither guides nor rules bend, so tokens a round says what they cost speculation. Each
+and tokens/s, the plain rounds in the same run. The drafter bends its drafts by the rules
+(drafter/draft_rules.py) but not by a guide, so tokens a round says what each costs
+speculation. Each
 mode runs --passes times and the first pass (a guide's compile and its states' first masks) is
 reported apart from the rest.
 

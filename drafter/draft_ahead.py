@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from drafter.draft_rules import bend_on_host
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.host_expansion import Expansion, sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
@@ -62,6 +63,8 @@ class DraftAhead:
     _expand: Callable[[list[DraftJob], torch.Tensor, torch.Tensor | None], list[DraftTree]]
     _sampling_rows: Callable[[list[DraftJob], int], np.ndarray]
     _set_generator: Callable[[DraftSeq, int | None], torch.Generator]
+    _take_rules: Callable[[list[DraftJob]], None]
+    _rule_slots: Callable[[list[DraftJob], Shape], list[int] | None]
 
     def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
         """Draft-ahead, while the verifier verifies `job.verifying` (a chain) for each job's
@@ -76,6 +79,7 @@ class DraftAhead:
         with on_device(self.device):
             forks: list[DraftSeq] = []
             try:
+                self._take_rules(jobs)
                 return self._propose_ahead(jobs, forks)
             finally:
                 self._flush_rows()
@@ -157,11 +161,11 @@ class DraftAhead:
         chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
         steps = key.shape.num_steps
         sampling = self._sampling_rows(jobs, steps) if key.shape.sampled else None
+        rule_slots = self._rule_slots(jobs, key.shape)
+        given = (key, seqs, root_logits, root_features, chains, catch_ups)
         found = self._carrying(
             key.catch_up if catch_ups else 0,
-            lambda new_rows: self._expansion().expand_ahead(
-                key, seqs, root_logits, root_features, chains, catch_ups, new_rows, sampling
-            ),
+            lambda new_rows: self._expansion().expand_ahead(*given, new_rows, sampling, rule_slots),
         )
         return {
             id(job): [
@@ -187,7 +191,8 @@ class DraftAhead:
         if root_features is not None:
             for run in runs:
                 run.node_hidden[-1] = root_features[rows[id(run.job)]]
-        # [len + 1, vocab] per chain: the logits at the root, then at each node
+        # [len + 1, vocab] per chain: the logits at the root, then at each node (bent by its
+        # sequence's rules where it bends)
         logits = [[root_logits[rows[id(run.job)]]] for run in runs]
         for depth in range(1, max(len(job.verifying or ()) for job in chains) + 1):
             active = [i for i, run in enumerate(runs) if len(run.job.verifying or ()) >= depth]
@@ -198,6 +203,9 @@ class DraftAhead:
             rows_out = self._forward_frontier([runs[i] for i in active])
             for i, row in zip(active, rows_out, strict=True):
                 logits[i].append(row)
+        for run, per_chain in zip(runs, logits, strict=True):
+            bent = bend_on_host(torch.stack(per_chain), [run.job], [0, len(per_chain)])
+            per_chain[:] = list(bent)
         guesses = self._guesses(runs, logits)
         outcomes: list[tuple[int, int, int]] = []  # (run, k accepted, bonus)
         steps, features = [], []
@@ -215,7 +223,8 @@ class DraftAhead:
                     state = dataclasses.replace(
                         self._state(run.job.seq), kv=kv, generator=generator
                     )
-                    forks.append(DraftSeq(run.job.seq.seq_id, state=state))
+                    seq = run.job.seq  # (a fork's drafts bent as its sequence's: its rules)
+                    forks.append(DraftSeq(seq.seq_id, seq.tokens, state=state, rules=seq.rules))
                     outcomes.append((i, k, bonus))
                     steps.append(causal_step(kv, [bonus], [0], start=base + k))
                     if run.node_hidden:
@@ -231,7 +240,9 @@ class DraftAhead:
         for fork, (i, _, _) in zip(forks, outcomes, strict=True):
             self._seq_kv(fork).kv_committed_len += 1
             job = runs[i].job
-            fork_jobs.append(DraftJob(fork, job.spec, job.sampling))
+            fork_jobs.append(
+                DraftJob(fork, job.spec, job.sampling, rule_slot=job.rule_slot, bent=job.bent)
+            )
         trees = self._expand(fork_jobs, bonus_logits, bonus_features)
         ahead: dict[int, list[AheadTree]] = {}
         for (i, k, bonus), tree in zip(outcomes, trees, strict=True):
@@ -265,7 +276,7 @@ class DraftAhead:
 def ahead_key(job: DraftJob) -> Ahead:
     """The device expansion of `job`'s draft-ahead (a chain being verified)."""
     assert job.verifying is not None
-    shape = Shape(job.spec.topk, job.spec.num_steps, sampled_chain(job))
+    shape = Shape(job.spec.topk, job.spec.num_steps, sampled_chain(job), rules=job.bent)
     return Ahead(len(job.verifying), job.ahead_guesses, shape)
 
 

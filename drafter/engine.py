@@ -212,6 +212,8 @@ class DrafterEngine:
                 seq.state = self.proposer.new_state(seq)
                 self.seqs[item.seq_id] = seq
             seq = self.seqs[item.seq_id]
+            if item.rules is not None:  # (rules that change nothing: none)
+                seq.rules = item.rules if item.rules.penalties.active else None
             self.proposer.truncate(seq, item.start)
             seq.tokens[item.start :] = item.new_tokens
             room = self.proposer.max_context - len(seq.tokens)
@@ -282,8 +284,12 @@ class DrafterEngine:
                 raise invalid(f"new_tokens {bad[:4]} outside the vocabulary")
             try:
                 item.sampling.validate()
+                if item.rules is not None:
+                    item.rules.penalties.validate(self.proposer.vocab_size)
             except ValueError as e:
                 raise invalid(str(e)) from e
+            if item.rules is not None and item.rules.output_start < 0:
+                raise invalid(f"rules.output_start = {item.rules.output_start}: want >= 0")
             if not 0 <= item.ahead_guesses <= self.limits.max_topk:
                 raise invalid(
                     f"ahead_guesses = {item.ahead_guesses} for {item.seq_id!r}: want 0 (no "

@@ -37,6 +37,7 @@ from drafter.expansion_steps import (
     CatchUpForward,
     ExpansionSteps,
     FrontierForward,
+    RowsBend,
     RowsWrite,
 )
 from specsplit import metrics
@@ -70,7 +71,10 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
     holds a whole support (`draw_columns`; the host expansion draws over the same columns).
 
     `pool_rows` ((width, dtype)) and `write_rows`: the proposer's row pool (`PoolRows`), whose
-    new rows a run with a catch-up writes before the catch-up reads them; None: it has none."""
+    new rows a run with a catch-up writes before the catch-up reads them; None: it has none.
+    `bend`: (logits [R, scored], each row's rule slot [R]) -> the logits bent by its sequence's
+    logit rules (the proposer's RuleTables), which keys with `rules` run on every step's logits;
+    None: none can."""
 
     def __init__(
         self,
@@ -86,6 +90,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         pool_rows: tuple[int, torch.dtype] | None = None,
         write_rows: RowsWrite | None = None,
         catch_up_lens: tuple[int, ...] = (),
+        bend: RowsBend | None = None,
     ) -> None:
         """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
         can). catch_up_lens: the catch-up lengths a key's graph may have (the proposer's padded
@@ -112,6 +117,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         self.pool_rows = pool_rows
         self.write_rows = write_rows
         self.catch_up_lens = catch_up_lens
+        self.bend = bend
         # the graphs' new pool rows: one device buffer all of them read (each a view of its
         # first bucket * q rows; grown for a larger one, whose earlier views keep the old),
         # and its pinned host mirror (free again after each run, which waits for its copies)
@@ -154,13 +160,14 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
         catch_ups: list[list[int]] | None = None,  # [B][shape.catch_up] the catch-ups' tokens
         new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
+        rule_slots: list[int] | None = None,  # with shape.rules: each row's rule slot
     ) -> list[Candidates]:
         """Each sequence's candidates (with `shape.catch_up` = q, after its catch-up of q
         entries from `catch_ups`, as `expand_ahead`'s)."""
         bs, n = len(seqs), shape.num_candidates
         assert (root_logits is None) == bool(shape.catch_up), shape
         out, probs = self._run(
-            shape, seqs, root_logits, root_features, [], sampling, catch_ups, new_rows
+            shape, seqs, root_logits, root_features, [], sampling, catch_ups, new_rows, rule_slots
         )
         cands = out[: bs * 3 * n].reshape(bs, 3, n)
         found = [_candidates(cands, b) for b in range(bs)]
@@ -178,6 +185,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         catch_ups: list[list[int]] | None = None,  # [B][key.catch_up] the catch-ups' tokens
         new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
+        rule_slots: list[int] | None = None,  # with key.shape.rules: each row's rule slot
     ) -> list[list[tuple[int, int, Candidates]]]:
         """Draft-ahead in one run (one graph replay): with `key.catch_up` = q, first each
         sequence's entries at storage [base - q, base) from `catch_ups` (causal; the last one
@@ -194,7 +202,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         assert (root_logits is None) == bool(key.catch_up), key
         assert (sampling is not None) == key.shape.sampled, key
         out, probs = self._run(
-            key, seqs, root_logits, root_features, chains, sampling, catch_ups, new_rows
+            key, seqs, root_logits, root_features, chains, sampling, catch_ups, new_rows, rule_slots
         )
         rows = bs * key.num_outcomes
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
@@ -238,6 +246,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         sampling: np.ndarray | None = None,
         catch_ups: list[list[int]] | None = None,
         new_rows: PoolRows | None = None,
+        rule_slots: list[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
         and `inputs.probs` on the host, cut to the rows of `seqs`."""
@@ -265,6 +274,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
             if sampling is not None:
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
                 inputs.sampling.copy_(host_sampling, non_blocking=True)
+            _load_rule_slots(inputs, rule_slots)
             graph.replay()
             metrics.count_drafter_forward(None)
             host_out.copy_(inputs.out, non_blocking=True)
@@ -291,6 +301,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         )
         if sampling is not None:
             inputs.sampling.copy_(torch.from_numpy(sampling))
+        _load_rule_slots(inputs, rule_slots)
         self._body(key, inputs)
         return inputs.out.cpu().numpy(), inputs.probs.cpu().numpy()
 
@@ -343,6 +354,15 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         )
         if logged:  # one in traffic: a first round of its shape at this batch size
             log.info("captured the expansion graph of %s at batch %d", key, bucket)
+
+
+def _load_rule_slots(inputs: ExpansionInputs, rule_slots: list[int] | None) -> None:
+    """Each row's rule slot into `inputs.rule_slots` (padding rows: 0), where its key bends."""
+    if inputs.rule_slots is None:
+        return
+    assert rule_slots is not None, "a key with rules needs each row's rule slot"
+    padded = rule_slots + [0] * (inputs.rule_slots.shape[0] - len(rule_slots))
+    inputs.rule_slots.copy_(torch.tensor(padded, dtype=torch.int64))
 
 
 def _candidates(out: np.ndarray, row: int) -> Candidates:

@@ -35,6 +35,9 @@ class Shape:
     # q > 0: first every sequence's last q entries up to its root (0: the roots' logits and
     # outputs are given)
     catch_up: int = 0
+    # every step's logits bent by its sequence's logit rules (`ExpansionInputs.rule_slots`,
+    # drafter/draft_rules.py)
+    rules: bool = False
 
     @property
     def num_candidates(self) -> int:
@@ -190,6 +193,8 @@ class ExpansionInputs:
         # tokens, parents, order (draft-ahead's: then the bonus tokens), then a sampled chain's
         # supports' tokens
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
+        # each row's slot in the proposer's RuleTables (padding rows: 0, unbent), or None
+        self.rule_slots = torch.zeros(bs, dtype=torch.int64, device=device) if shape.rules else None
         self.ahead = AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
         self.catch_up = CatchUpConstants(catch_up, bs, device) if catch_up else None
         self.grow = (

@@ -14,6 +14,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from drafter.draft_rules import RuleTables
 from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.host_expansion import sampled_chain, select_tree
@@ -41,6 +42,7 @@ class ExpansionKeys:
     fused_catch_up: bool
     device_expansion_runner: DeviceExpansion | None
     scored_ids: torch.Tensor | None
+    rule_tables: RuleTables | None  # the sequences' logit rules' rows, made at the first
     pool_rows: tuple[int, torch.dtype] | None
     unwritten: PoolRows | None
     _flush_rows: Callable[[], None]
@@ -158,10 +160,11 @@ class ExpansionKeys:
         once a round): each job's tree."""
         seqs = [self._seq_kv(job.seq) for job in jobs]
         sampling = self._sampling_rows(jobs, shape.num_steps) if shape.sampled else None
+        rule_slots = self._rule_slots(jobs, shape)
         found = self._carrying(
             shape.catch_up if catch_ups else 0,
             lambda new_rows: self._expansion().expand(
-                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows
+                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows, rule_slots
             ),
         )
         return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
@@ -187,10 +190,32 @@ class ExpansionKeys:
             pool_rows=self.pool_rows,
             write_rows=self._write_pool_rows,
             catch_up_lens=self.catch_up_lens,
+            bend=self._bend_rows,
         )
+
+    def _take_rules(self, jobs: list[DraftJob]) -> None:
+        """Each job's rule slot, its rows brought up to date (drafter/draft_rules.py), where any
+        of their sequences has logit rules (the tables made at the first)."""
+        if self.rule_tables is None:
+            if not any(job.seq.rules is not None for job in jobs):
+                return
+            self.rule_tables = RuleTables(self.vocab_size, self.scored_ids, self.kv.device)
+        self.rule_tables.take(jobs)
+
+    @staticmethod
+    def _rule_slots(jobs: list[DraftJob], shape: Shape) -> list[int] | None:
+        """The jobs' rule slots where `shape` bends, else None."""
+        return [job.rule_slot for job in jobs] if shape.rules else None
+
+    def _bend_rows(self, logits: torch.Tensor, rule_slots: torch.Tensor) -> torch.Tensor:
+        """DeviceExpansion's `bend`: the rule tables' (made before any key bends)."""
+        assert self.rule_tables is not None
+        return self.rule_tables.bend(logits, rule_slots)
 
 
 def expansion_key(job: DraftJob) -> Shape:
     """The device expansion of `job`'s tree (a chain at its shared length)."""
     spec = job.spec
-    return Shape(spec.topk, max(spec.num_steps, job.expand_steps), sampled_chain(job))
+    return Shape(
+        spec.topk, max(spec.num_steps, job.expand_steps), sampled_chain(job), rules=job.bent
+    )

@@ -41,15 +41,19 @@ FrontierForward = Callable[
 CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
 # a row pool's write: (slots [n] int64, rows [n, width]) on the device -> rows at those slots
 RowsWrite = Callable[[torch.Tensor, torch.Tensor], None]
+# logit rules' bend: (logits [R, scored] float32, each row's rule slot [R] int64) -> the logits
+# bent (drafter/draft_rules.py's RuleTables.bend; slot 0: unbent)
+RowsBend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ExpansionSteps:
     """The expansion's tensor steps, a mixin of DeviceExpansion (drafter/expansion.py), which
     sets these attributes: `forward` (one frontier step of the proposer's model), `catch_up`
     (its catch-up forward, None: none), `kv`, `vocab_size`, `scored_ids` (the target id of each
-    column the forwards score, None: the target's vocabulary) and `write_rows` (the row pool's
-    write, None: no pool). Everything here is tensor ops on the device, so one graph captures
-    a whole expansion."""
+    column the forwards score, None: the target's vocabulary), `write_rows` (the row pool's
+    write, None: no pool) and `bend` (the logit rules' bend a key with `rules` runs on every
+    step's logits, each row at its sequence's rule slot; None: none). Everything here is tensor
+    ops on the device, so one graph captures a whole expansion."""
 
     forward: FrontierForward
     catch_up: CatchUpForward | None
@@ -57,6 +61,7 @@ class ExpansionSteps:
     vocab_size: int
     scored_ids: torch.Tensor | None
     write_rows: RowsWrite | None
+    bend: RowsBend | None
 
     def _body(self, key: Shape | Ahead, inputs: ExpansionInputs) -> None:
         """Every step of the expansion of `inputs`' rows; writes inputs.out."""
@@ -72,6 +77,8 @@ class ExpansionSteps:
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
         root_logits, root_features = self._roots(inputs, table, base32, base, catch_up, row_slots)
+        rule_slots = inputs.rule_slots
+        root_logits = self._bent(root_logits, rule_slots)
         out, supports = self._grow(
             key,
             inputs.grow,
@@ -84,6 +91,7 @@ class ExpansionSteps:
             None,
             width,
             sampling,
+            rule_slots,
         )
         if supports is None:
             inputs.out.copy_(out.reshape(-1))
@@ -106,7 +114,8 @@ class ExpansionSteps:
         )
         base, chain = base32.long(), chain32.long()
         root = self._roots(inputs, table, base32, base, catch_up, row_slots)
-        logits, outputs = [root[0]], [root[1]]
+        rule_slots = inputs.rule_slots
+        logits, outputs = [self._bent(root[0], rule_slots)], [root[1]]
         # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
         storage = consts.chain_cols + base  # [L, B]
         slots = cache_slots(table, storage.t(), page).t().contiguous()
@@ -117,7 +126,7 @@ class ExpansionSteps:
                 consts.chain_masks[t], consts.one, consts.every_row,
             )  # fmt: skip
             step_logits, step_out = self.forward(batch, outputs[-1])
-            logits.append(step_logits)
+            logits.append(self._bent(step_logits, rule_slots))
             outputs.append(step_out)
         # guesses: per accept length k the top g + 1 at node k, the chain's next node left out
         # [B, L + 1, g + 1] target ids
@@ -151,6 +160,8 @@ class ExpansionSteps:
             page_size=page,
         )
         root_logits, root_outputs = self.forward(batch, features)
+        outcome_slots = None if rule_slots is None else rule_slots[consts.seq_of]
+        root_logits = self._bent(root_logits, outcome_slots)
         start = storage + 1
         # a sampled chain's outcomes each draw at its sequence's uniforms: the ones its next
         # Draft would have drawn, whichever outcome comes
@@ -167,6 +178,7 @@ class ExpansionSteps:
             consts.visible,
             key.width,
             sampling,
+            outcome_slots,
         )
         parts = [cands.reshape(-1), bonus.reshape(-1)]
         if supports is not None:
@@ -224,14 +236,16 @@ class ExpansionSteps:
         visible: torch.Tensor | None,  # [R, width] bool: storage past prefix every node sees
         width: int,  # the new region's storage past prefix (masks' last dimension)
         sampling: torch.Tensor | None = None,  # [R, 3 + num_steps] a sampled chain's rows
+        rule_slots: torch.Tensor | None = None,  # [R] each row's rule slot (None: unbent)
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Expand a tree of `shape` from each row's root logits; [R, 3, n]: the candidates'
-        tokens, parents and best-first order, and a sampled chain's supports (tokens [R, n, S]
-        and probabilities [R, n, S]) or None. A chain (topk 1) takes `_grow_chain`."""
+        """Expand a tree of `shape` from each row's root logits (bent already); [R, 3, n]: the
+        candidates' tokens, parents and best-first order, and a sampled chain's supports (tokens
+        [R, n, S] and probabilities [R, n, S]) or None. A chain (topk 1) takes `_grow_chain`.
+        Every step's logits are bent at its rows' `rule_slots`."""
         if shape.topk == 1:
             return self._grow_chain(
                 shape, consts, root_logits, root_features, table, prefix32, start,
-                first_position, visible, sampling,
+                first_position, visible, sampling, rule_slots,
             )  # fmt: skip
         k, n_all = shape.topk, shape.num_candidates
         bs, device, page = root_logits.shape[0], root_logits.device, self.kv.page_size
@@ -270,6 +284,8 @@ class ExpansionSteps:
             )
             flat = None if features is None else features.reshape(bs * k, -1)
             logits, outputs = self.forward(batch, flat)  # [B * k, V], [B * k, width]
+            if rule_slots is not None:  # (a frontier row's sequence: row // k)
+                logits = self._bent(logits, rule_slots[:, None].expand(bs, k).reshape(-1))
             top_lp, top_tok = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
             cum = scores.gather(1, frontier)[:, :, None] + top_lp.view(bs, k, k)
             new = k * k
@@ -301,6 +317,7 @@ class ExpansionSteps:
         first_position: torch.Tensor,
         visible: torch.Tensor | None,
         sampling: torch.Tensor | None,
+        rule_slots: torch.Tensor | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """`_grow` for a chain: node t (candidate t, depth t + 1) is the argmax of, or a draw
         from, its parent's logits (the root's for t = 0) and sits at storage start + t. Every
@@ -339,7 +356,7 @@ class ExpansionSteps:
                     masks[t][:, None, :], consts.cu, consts.every_row,
                 )  # fmt: skip
                 logits, features = self.forward(batch, features)
-                tokens.append(next_token(logits))
+                tokens.append(next_token(self._bent(logits, rule_slots)))
         cands = torch.stack(
             [torch.stack(tokens, dim=1), consts.chain_parents, consts.chain_order], dim=1
         )
@@ -374,6 +391,13 @@ class ExpansionSteps:
             max_q_len=1,
             page_size=self.kv.page_size,
         )
+
+    def _bent(self, logits: torch.Tensor, rule_slots: torch.Tensor | None) -> torch.Tensor:
+        """`logits` [R, scored] bent at each row's rule slot [R] (None: as they are)."""
+        if rule_slots is None:
+            return logits
+        assert self.bend is not None, "a key with rules needs the proposer's bend"
+        return self.bend(logits, rule_slots)
 
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids of the forwards' vocabulary as the target's."""

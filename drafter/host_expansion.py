@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from drafter.draft_rules import bend_on_host
 from drafter.expansion_inputs import Candidates
 from drafter.expansion_maps import draw_columns, draw_mapped
 from drafter.types import DraftJob, DraftSeq
@@ -91,6 +92,8 @@ class HostExpansion:
         """Grow every tree by one level. What the host needs of the logits (argmax of greedy
         chains, top-k of trees, sampled chains' draws) crosses in a copy or two for the whole
         batch, not one per tree."""
+        starts = list(itertools.accumulate((len(p) for p in parents), initial=0))
+        logits = bend_on_host(logits, [t.job for t in trees], starts)
         greedy_chain = [t.job.spec.topk == 1 and t.job.sampling.greedy for t in trees]
         argmax = logits.argmax(dim=-1).tolist() if any(greedy_chain) else []
         k = max((t.job.spec.topk for t in trees if t.job.spec.topk > 1), default=0)
@@ -102,7 +105,6 @@ class HostExpansion:
             if columns is not None:
                 top_tok = columns[top_tok]
             top = (top_lp.cpu(), top_tok.cpu())  # [rows, k] each
-        starts = list(itertools.accumulate((len(p) for p in parents), initial=0))
         sampled = [i for i, t in enumerate(trees) if t.job.spec.topk == 1 and not greedy_chain[i]]
         draws = self._draw_sampled(
             [trees[i] for i in sampled], [starts[i] for i in sampled], logits

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter.draft_ahead import DraftAhead, rows_of
+from drafter.draft_rules import RuleTables
 from drafter.expansion import DeviceExpansion
 from drafter.expansion_inputs import Ahead, PoolRows, Shape
 from drafter.expansion_keys import ExpansionKeys, expansion_key
@@ -116,6 +117,7 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
     # its own in ascending target ids (an EAGLE head's draft vocabulary): the device expansion
     # reads those columns alone (DeviceExpansion's `scored_ids`); None: the target's
     scored_ids: torch.Tensor | None = None
+    rule_tables: RuleTables | None = None
     # a row pool beside the KV (an EAGLE head's target features, a row per slot): its rows'
     # (width, dtype), or None; and the round's new rows `_root_steps` took and the pool does not
     # hold yet: a fused run writes them in its own device run (`_carried_rows`), any other path
@@ -172,6 +174,7 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
             return []
         with on_device(self.device):
             try:
+                self._take_rules(jobs)
                 return self._propose(jobs)
             finally:
                 self._flush_rows()
@@ -291,6 +294,8 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
 
     def release(self, seq: DraftSeq) -> None:
         self.kv.release(self._seq_kv(seq))
+        if self.rule_tables is not None:
+            self.rule_tables.release(seq)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

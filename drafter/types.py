@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specsplit.messages import AheadTree, SpecParams
+from specsplit.messages import AheadTree, DraftRules, SpecParams
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -19,6 +19,10 @@ class DraftSeq:
     tokens: list[int] = field(default_factory=list)  # the gateway's committed tokens, as told
     state: object = None  # the proposer's per-sequence state (e.g. draft KV)
     refused: str | None = None  # the last draft shape refused for it (logged once)
+    # the logit rules its drafts are bent by (drafter/draft_rules.py; None: none), and its rows
+    # in the proposer's RuleTables (a SeqRules, None: none)
+    rules: DraftRules | None = None
+    rule_rows: object = None
 
 
 @dataclass
@@ -35,6 +39,10 @@ class DraftJob:
     # a greedy chain drafted this many steps on the device (the round's longest chain), then
     # cut to spec.num_steps; 0: its own (TreeProposer._share_chain_length)
     expand_steps: int = 0
+    # its sequence's slot in the proposer's RuleTables (0: unbent), and whether the call bends
+    # any job's logits (its expansion then reads the slots: drafter/draft_rules.py)
+    rule_slot: int = 0
+    bent: bool = False
 
     @property
     def scratch_len(self) -> int:

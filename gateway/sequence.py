@@ -13,11 +13,12 @@ from gateway.guides import round_allowed
 from gateway.request import Chunk, GenerationRequest, SpecStats
 from gateway.stopping import StopChecker
 from specsplit.guide.tokens import DEAD
-from specsplit.logit_rules import LogitRules, round_rules, start_context
+from specsplit.logit_rules import LogitRules, Penalties, round_rules, start_context
 from specsplit.messages import (
     NO_LOGPROBS,
     AheadTree,
     DraftInput,
+    DraftRules,
     SpecParams,
     TokenLogprobs,
     VerifyInput,
@@ -78,6 +79,8 @@ class Sequence:
     # says so in place of sending it: verifier/kept_rules.py); its last round's rules were sent
     rules_kept: bool = False
     rules_sent: bool = False
+    # whether the drafter holds this turn's logit rules (`draft_input` sends them once)
+    drafter_rules_sent: bool = False
     guide_state: int = 0  # with a guide: its automaton's state after the output so far
     # the prompt's log-probabilities, once the first round brought them (where asked)
     prompt_logprobs: TokenLogprobs | None = None
@@ -145,6 +148,9 @@ class Sequence:
             sampling=self.request.sampling,
             target_kv_committed_len=self.verifier_kv_committed_len,
         )
+        if not self.drafter_rules_sent:
+            self.drafter_rules_sent = True
+            item.rules = self.draft_rules(item.begin)
         self.drafter_begun = True
         self.drafter_num_tokens = len(self.tokens)
         if self.hidden_state_layers:
@@ -158,6 +164,15 @@ class Sequence:
             item.target_hidden_states = self.features.rows_from(start)
             self.drafter_num_tokens = min(len(self.tokens), self.features.end)
         return item
+
+    def draft_rules(self, begin: bool) -> DraftRules | None:
+        """The logit rules the drafter is to bend this sequence's drafts by (its request's bias
+        and penalties): sent with its first Draft of the turn, where there are any or the drafter
+        holds the sequence already (a session's earlier turn may have left others)."""
+        penalties = self.request.penalties
+        if penalties is None and begin:
+            return None
+        return DraftRules(penalties or Penalties(), self.num_prompt_tokens)
 
     @property
     def num_feature_rows(self) -> int:
@@ -187,6 +202,7 @@ class Sequence:
         target features start over too when the gateway no longer holds them from token 0."""
         self.drafter_begun = False
         self.drafter_num_tokens = 0
+        self.drafter_rules_sent = False
         if self.hidden_state_layers and self.features.start > 0:
             self.lose_features()
 

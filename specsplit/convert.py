@@ -8,7 +8,7 @@ ServiceError(INVALID_ARGUMENT) naming the field.
 from __future__ import annotations
 
 from specsplit.convert_logprobs import fill_asks, fill_logprobs, read_asks, read_logprobs
-from specsplit.convert_rules import fill_rules, read_rules
+from specsplit.convert_rules import fill_draft_rules, fill_rules, read_draft_rules, read_rules
 from specsplit.errors import invalid
 from specsplit.messages import (
     DraftInput,
@@ -123,13 +123,15 @@ def draft_request_to_proto(
     msg.num_target_rows.extend(row_counts(hidden))
     fill_rows(msg.target_hidden_states, hidden, beside)
     for i, item in enumerate(inputs):
-        if item.sampling != GREEDY or item.ahead_guesses:
+        if item.sampling != GREEDY or item.ahead_guesses or item.rules is not None:
             options = msg.options.add(index=i)
             if item.sampling != GREEDY:
                 options.sampling.CopyFrom(sampling_to_proto(item.sampling))
             if item.ahead_guesses:
                 _fill_tree(options.verifying, item.verifying)
                 options.ahead_guesses = item.ahead_guesses
+            if item.rules is not None:
+                fill_draft_rules(options.rules, item.rules)
     return msg
 
 
@@ -171,6 +173,8 @@ def draft_request_from_proto(
         if options.HasField("verifying"):
             item.verifying = tree_from_proto(options.verifying, f"{item.seq_id}.verifying")
         item.ahead_guesses = options.ahead_guesses
+        if options.HasField("rules"):
+            item.rules = read_draft_rules(options.rules)
     return inputs
 
 

@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 
 from specsplit.errors import invalid
-from specsplit.logit_rules import LogitRules
+from specsplit.logit_rules import LogitRules, Penalties
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 
@@ -62,6 +62,16 @@ class SpecParams:
         return SpecParams(steps, self.topk, max(nodes, steps))
 
 
+@dataclass(frozen=True)
+class DraftRules:
+    """A request's logit bias and penalties as the drafter bends its drafts' logits by them
+    (`penalties`; inactive ones: none), its output starting at `output_start` in the sequence's
+    tokens (the drafter counts it from the tokens it holds)."""
+
+    penalties: Penalties
+    output_start: int
+
+
 @dataclass
 class DraftInput:
     seq_id: str
@@ -78,6 +88,9 @@ class DraftInput:
     # `verifying`, the tree being verified for it (DraftOutput.ahead)
     verifying: DraftTree = field(default_factory=DraftTree)
     ahead_guesses: int = 0
+    # the logit rules the drafter bends its drafts by from now on; None: as it keeps them (a new
+    # sequence keeps none)
+    rules: DraftRules | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ eagerly. Skipped where there is no GPU (CI)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from gateway.request import GenerationRequest
+from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams
 from tests.eagle_random import save_target_and_drafters
 from tests.support import TINY_VOCAB, check_no_leaks, generated_ids, stack_on
@@ -24,9 +26,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return save_target_and_drafters(tmp_path_factory.mktemp("drafter_graphs"))
 
 
-def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
+def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool, penalties=None):  # type: ignore[no-untyped-def]
     """Outputs, final stats and graph replays of four requests (catch-ups from their own graphs
-    or inside the expansion's); `graphs` False runs the same padded steps eagerly."""
+    or inside the expansion's); `graphs` False runs the same padded steps eagerly. `penalties`:
+    the first three requests' logit rules (the drafter bends its drafts by them too)."""
     stack = stack_on("cuda", models, tokenizer, drafter, spec, graphs)
     proposer = stack.drafter.proposer
     replays = {"n": 0}
@@ -55,7 +58,15 @@ def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 12, 17, 6)]
     requests = [GenerationRequest(p + p[:4], 24, ignore_eos=True) for p in prompts]
+    for i in range(3 if penalties is not None else 0):
+        requests[i] = replace(requests[i], penalties=penalties)
     out = stack.generate_all(requests)
+    if penalties is not None and isinstance(proposer, TreeProposer):
+        assert proposer.rule_tables is not None and proposer.rule_tables.num_used == 0
+        runner = proposer.device_expansion_runner
+        assert runner is not None
+        bent = [key for key, _ in runner.captured if getattr(key, "rules", False)]
+        assert bool(bent) == graphs  # (the bent expansion's graphs captured and replayed)
     check_no_leaks(stack)
     return [generated_ids(c) for c in out], [c[-1].stats for c in out], replays["n"]
 
@@ -71,3 +82,20 @@ def test_drafter_graph_rounds_equal_target_greedy(
     assert replays > 0  # catch-ups ran from graphs (their own, or inside the expansion's)
     _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False)
     assert stats == eager_stats  # the same drafts as the same steps run eagerly
+
+
+# the drafter bends its drafts by these (drafter/draft_rules.py), inside the expansion's graphs
+PENALTIES = Penalties(((7, 3.0), (40, -100.0)), presence=0.8, frequency=0.5, repetition=1.3)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+@pytest.mark.parametrize("spec", [SpecParams(3, 1, 3), SpecParams(2, 2, 4)], ids=["chain", "tree"])
+def test_bent_drafts_from_graphs_equal_the_eager_ones_and_the_output_the_targets(
+    models, smollm2_tokenizer, drafter: str, spec: SpecParams
+) -> None:
+    expected, _, _ = _run(models, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0), False, PENALTIES)
+    got, stats, replays = _run(models, smollm2_tokenizer, drafter, spec, True, PENALTIES)
+    assert got == expected
+    assert replays > 0
+    _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False, PENALTIES)
+    assert stats == eager_stats

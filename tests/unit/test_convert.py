@@ -9,10 +9,12 @@ import torch
 
 from specsplit import convert, convert_beside, wire_tensors
 from specsplit.errors import Code, ServiceError
+from specsplit.logit_rules import Penalties
 from specsplit.messages import (
     AheadTree,
     DraftInput,
     DraftOutput,
+    DraftRules,
     NextTrees,
     SpecParams,
     VerifyInput,
@@ -246,11 +248,17 @@ def _assert_same(a: object, b: object) -> None:
 @pytest.mark.parametrize("with_hidden", [False, True])
 def test_draft_request_round_trip(with_hidden: bool) -> None:
     hidden = torch.randn(3, 8).to(torch.bfloat16) if with_hidden else None
-    inputs = [_draft_input(hidden), DraftInput("s-2", False, 0, [4], SpecParams())]
+    penalties = Penalties(((3, -2.5), (9, 4.0)), 0.5, 0.25, 1.2, min_tokens=4, stop_ids=(2, 7))
+    inputs = [
+        _draft_input(hidden),
+        DraftInput("s-2", False, 0, [4], SpecParams()),
+        DraftInput("s-3", True, 0, [7], SpecParams(), rules=DraftRules(penalties, 5)),
+        DraftInput("s-4", False, 0, [7], SpecParams(), rules=DraftRules(Penalties(), 3)),
+    ]
     msg = _wire(convert.draft_request_to_proto(inputs))
     assert isinstance(msg, drafter_pb2.DraftRequest)
     back = convert.draft_request_from_proto(msg)
-    assert len(back) == 2
+    assert len(back) == 4
     for a, b in zip(inputs, back, strict=True):
         _assert_same(a, b)
 

@@ -12,7 +12,7 @@ from gateway.sequence import Sequence
 from gateway.servicer import generation_request
 from specsplit.errors import Code, ServiceError
 from specsplit.logit_rules import LogitRules, Penalties
-from specsplit.messages import SpecParams, VerifyOutput
+from specsplit.messages import DraftRules, SpecParams, VerifyOutput
 from specsplit.tree import DraftTree
 from specsplit.v1 import common_pb2, gateway_pb2
 
@@ -82,6 +82,27 @@ def test_each_round_carries_the_rules_with_the_output_so_far_until_the_verifier_
     assert seq.verify_input(DraftTree()).rules == whole
     plain = Sequence("p", GenerationRequest([5], 8), SpecParams(), stop_checker=_Rules())  # type: ignore[arg-type]
     assert plain.verify_input(DraftTree()).rules is None
+
+
+def test_the_drafter_gets_the_rules_with_a_sequences_first_draft_and_after_it_lost_them() -> None:
+    """The drafter bends its drafts by the request's rules (drafter/draft_rules.py) and keeps
+    them: they go with the first Draft, not the next ones, again once the gateway starts the
+    drafter over; a session's later turn without rules clears any an earlier turn left."""
+    penalties = Penalties(((7, -2.0),), presence=0.5, repetition=1.1)
+    request = GenerationRequest([5, 6, 5, 9], max_new_tokens=8, penalties=penalties)
+    seq = Sequence("s", request, SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
+    first = seq.draft_input()
+    assert first.begin and first.rules == DraftRules(penalties, 4)
+    seq.commit(VerifyOutput("s", [], 6, 4))
+    assert seq.draft_input().rules is None
+    seq.forget_drafter()
+    again = seq.draft_input()
+    assert again.begin and again.rules == DraftRules(penalties, 4)
+    plain = Sequence("p", GenerationRequest([5], 8), SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
+    assert plain.draft_input().rules is None  # (a new sequence: none held)
+    turn = Sequence("t", GenerationRequest([5, 6], 8), SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
+    turn.drafter_begun = True  # (a session's later turn: the drafter holds the sequence)
+    assert turn.draft_input().rules == DraftRules(Penalties(), 2)
 
 
 class _Rules:

@@ -1,6 +1,6 @@
 """Greedy generation under a logit bias and penalties through the whole stack (gateway, drafter,
 verifier in process): speculative output == target-only output under the same rules, token for
-token, whatever drafts (the drafter proposes from its own unbent distribution), batched beside a
+token, whatever drafts (the drafter bends its own by the rules, not exactly), batched beside a
 request without rules, with the gateway's several decode steps a round; and it is the target's
 greedy decoding under those rules, one full forward a token, not what it gives without them."""
 
@@ -136,3 +136,27 @@ def test_min_tokens_hold_a_stop_token_back_exactly_as_the_target_would(
         got.append(generated_ids(outs[0]))
         assert generated_ids(outs[1]) == want[:1] + [stop]  # (without min_tokens)
     assert got == [want, want]
+
+
+def test_a_drafter_that_is_the_target_has_every_draft_accepted_under_a_bias(
+    models: dict[str, Path],  # noqa: F811
+    smollm2_tokenizer,
+) -> None:
+    """The drafter bends its drafts by the request's rules (drafter/draft_rules.py): a draft
+    model that is the target, under a bias alone (nothing a tree's path would change), drafts
+    the target's biased argmax, so every draft is accepted: as few rounds and as many accepted
+    drafts as without rules, and the output is the target's greedy one under the bias."""
+    prompt = _prompts(1, seed=11)[0]
+    plain = GenerationRequest(prompt, MAX_NEW_TOKENS, ignore_eos=True)
+    unbiased = _reference(models["target"], plain)
+    bias = Penalties(bias=tuple((t, -100.0) for t in sorted(set(unbiased[:4]))))
+    biased = replace(plain, penalties=bias)
+    want = _reference(models["target"], biased)
+    assert want != unbiased
+    stack = make_stack(models["target"], "model", smollm2_tokenizer, SpecParams(3, 1, 3))
+    outs = generate_all(stack, [plain, biased])
+    assert [generated_ids(chunks) for chunks in outs] == [unbiased, want]
+    stats = [chunks[-1].stats for chunks in outs]
+    assert stats[0] is not None and stats[1] is not None
+    assert stats[1].num_accepted_drafts == stats[0].num_accepted_drafts > 0
+    assert stats[1].rounds == stats[0].rounds

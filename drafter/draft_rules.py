@@ -1,0 +1,224 @@
+"""The drafter's logit rules: a request's bias and penalties (`DraftRules`, sent with a Draft when
+they change) bent into its drafts' logits, so that the drafts follow the distribution the
+verifier accepts from (it bends the target's logits by the same rules; specsplit/logit_rules.py).
+Unbent, a repetition penalty of 1.3 cut the shipped EAGLE head's tokens a round from 1.81 to 1.25
+(bench/RESULTS.md): the head kept proposing the tokens the penalty pushed down.
+
+`RuleTables` keeps each sequence's rows on the device over the columns the drafter's forwards
+score (an EAGLE head's draft vocabulary, or the target's): its bias (the stop tokens -inf while
+min_tokens holds them back), its output's counts and its prompt's tokens (for a repetition
+penalty), and per slot (repetition, presence, frequency). The output is counted from the tokens
+the drafter holds (the gateway's), only what changed since the last round crossing to the device.
+`bend` applies them in `bend_row`'s order (bias, repetition, presence and frequency) as tensor
+ops over a round's rows, each row reading its sequence's slot: the device expansion runs it in
+its CUDA graphs (drafter/expansion_steps.py). Drafts need not be exact: a tree's own nodes are
+not counted in below them, min_tokens is judged at the root, min_p is not applied. The host
+expansion (the device expansion's reference) bends its rows by the verifier's reference instead,
+`bend_row` of the rules `host_rules` makes from the tokens afresh (`bend_on_host`).
+
+The tables have a fixed number of slots (a captured graph reads them where they lie); a sequence
+that finds none free drafts unbent (still lossless) until one is. Slot 0 stays neutral: the rows
+of the sequences without rules in a round that bends."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from drafter.types import DraftJob, DraftSeq
+from specsplit.logit_rules import LogitRules, bend_row, distinct
+from specsplit.messages import DraftRules
+
+# sequences with rules a drafter bends for at once (2 x the graphs' largest batch bucket)
+RULE_SLOTS = 128
+
+
+@dataclass(eq=False)
+class SeqRules:
+    """A sequence's rows in a RuleTables: its `slot`, the `rules` they hold, the output tokens
+    counted in (`counted`, the tokens from rules.output_start) and whether the stop tokens are
+    held back (min_tokens)."""
+
+    slot: int
+    rules: DraftRules
+    counted: list[int] = field(default_factory=list)
+    held: bool = False
+
+
+class RuleTables:
+    """[slots, columns] tables on one device (see the module's docstring): `bias` (float32),
+    `counts` (float32), `prompt` (bool) and `params` [slots, 3] (repetition, presence, frequency).
+    `scored_ids`: the target id of each column (ascending), None: the target's vocabulary."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        scored_ids: torch.Tensor | None,
+        device: torch.device,
+        slots: int = RULE_SLOTS,
+    ) -> None:
+        columns = vocab_size if scored_ids is None else scored_ids.shape[0]
+        self.col_of = np.arange(vocab_size, dtype=np.int64)  # target id -> column (-1: none)
+        if scored_ids is not None:
+            self.col_of[:] = -1
+            self.col_of[scored_ids.cpu().numpy()] = np.arange(columns)
+        self.device = device
+        self.bias = torch.zeros(slots + 1, columns, device=device)
+        self.counts = torch.zeros(slots + 1, columns, device=device)
+        self.prompt = torch.zeros(slots + 1, columns, dtype=torch.bool, device=device)
+        self.params = torch.tensor([[1.0, 0.0, 0.0]], device=device).repeat(slots + 1, 1)
+        self._free = list(range(1, slots + 1))  # a heap: the lowest free slot goes out first
+
+    @property
+    def num_used(self) -> int:
+        return len(self.params) - 1 - len(self._free)
+
+    def take(self, jobs: list[DraftJob]) -> None:
+        """Each job's `rule_slot` (0: its sequence has no rules, or no slot was free), its rows
+        brought up to date with its sequence's tokens and rules, and every job's `bent`: whether
+        any of them bends (the round's expansion then reads the slots)."""
+        owners: list[int] = []
+        columns: list[int] = []
+        deltas: list[float] = []
+        for job in jobs:
+            job.rule_slot = self._update(job.seq, job.start, owners, columns, deltas)
+        if columns:  # (one copy and one kernel for the round's counts)
+            flat = np.array(owners, dtype=np.int64) * self.counts.shape[1] + columns
+            index = torch.from_numpy(flat).to(self.device)
+            values = torch.tensor(deltas, device=self.device)
+            self.counts.view(-1).index_put_((index,), values, accumulate=True)
+        bent = any(job.rule_slot for job in jobs)
+        for job in jobs:
+            job.bent = bent
+
+    def release(self, seq: DraftSeq) -> None:
+        """Give the sequence's slot back (released, or its rules ended)."""
+        held = seq.rule_rows
+        if isinstance(held, SeqRules):
+            heapq.heappush(self._free, held.slot)
+        seq.rule_rows = None
+
+    def bend(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """logits [R, columns] float32 bent by the rows of `slots` [R] int64 (slot 0: as they
+        are), as `bend_row` orders the rules: tensor ops alone (a graph captures them)."""
+        params = self.params[slots]
+        repetition, presence, frequency = params[:, :1], params[:, 1:2], params[:, 2:]
+        counts = self.counts[slots]
+        occurs = counts > 0
+        bent = logits + self.bias[slots]
+        seen = self.prompt[slots] | occurs
+        bent = torch.where(seen, torch.where(bent > 0, bent / repetition, bent * repetition), bent)
+        return bent - (counts * frequency + occurs * presence)  # (bend_row's float32 ops)
+
+    def _update(
+        self, seq: DraftSeq, start: int, owners: list[int], columns: list[int], deltas: list[float]
+    ) -> int:
+        """`seq`'s slot (0: none), its rows filled where its rules changed, else its output's
+        changes since the last round listed as count deltas (tokens before `start` are as they
+        were counted)."""
+        rules = seq.rules
+        held = seq.rule_rows
+        if rules is None:
+            if held is not None:
+                self.release(seq)
+            return 0
+        if not isinstance(held, SeqRules) or held.rules != rules:
+            if held is not None:
+                self.release(seq)
+            if not self._free:
+                return 0  # (drafts unbent until a slot is free)
+            held = SeqRules(heapq.heappop(self._free), rules)
+            seq.rule_rows = held
+            self._fill(held, seq.tokens)
+            start = 0  # (every output token counts)
+        tokens, first = seq.tokens, rules.output_start
+        # tokens from `changed` on may differ from those counted: find where they do
+        changed = max(min(start, first + len(held.counted)), first)
+        keep = changed - first
+        while keep < len(held.counted) and keep + first < len(tokens):
+            if held.counted[keep] != tokens[keep + first]:
+                break
+            keep += 1
+        gone = held.counted[keep:]
+        added = tokens[first + keep :]
+        del held.counted[keep:]
+        held.counted += added
+        for token, delta in [(t, -1.0) for t in gone] + [(t, 1.0) for t in added]:
+            column = int(self.col_of[token])
+            if column >= 0:
+                owners.append(held.slot)
+                columns.append(column)
+                deltas.append(delta)
+        penalties = rules.penalties
+        stops = len(held.counted) < penalties.min_tokens and bool(penalties.stop_ids)
+        if stops != held.held:
+            self._write_stops(held, stops)
+        return held.slot
+
+    def _fill(self, held: SeqRules, tokens: list[int]) -> None:
+        """The slot's rows for `held.rules` before any output is counted: its bias, its prompt's
+        tokens (with a repetition penalty), its params; counts zero."""
+        p, slot = held.rules.penalties, held.slot
+        self.bias[slot].zero_()
+        self.counts[slot].zero_()
+        self.prompt[slot].zero_()
+        self.params[slot] = torch.tensor([p.repetition, p.presence, p.frequency])
+        if p.bias:
+            ids, values = p.bias_arrays
+            self._write(self.bias, slot, ids, torch.tensor(values, dtype=torch.float32))
+        if p.repetition != 1:
+            prompt = np.unique(np.array(tokens[: held.rules.output_start], dtype=np.int64))
+            self._write(self.prompt, slot, prompt, torch.tensor(True))
+        held.held = False
+
+    def _write_stops(self, held: SeqRules, stops: bool) -> None:
+        """The stop tokens' bias: -inf while min_tokens holds them back, else their own bias."""
+        p = held.rules.penalties
+        ids = np.array(p.stop_ids, dtype=np.int64)
+        own = dict(p.bias)
+        values = [-np.inf if stops else own.get(int(t), 0.0) for t in ids]
+        self._write(self.bias, held.slot, ids, torch.tensor(values, dtype=torch.float32))
+        held.held = stops
+
+    def _write(self, table: torch.Tensor, slot: int, ids: np.ndarray, values: torch.Tensor) -> None:
+        """table[slot, the columns of `ids`] = values (ids outside the columns left out)."""
+        columns = self.col_of[ids]
+        scored = columns >= 0
+        if not scored.any():
+            return
+        if values.dim():
+            values = values[torch.from_numpy(scored)]
+        index = torch.from_numpy(columns[scored]).to(self.device)
+        table[slot].index_put_((index,), values.to(self.device, table.dtype))
+
+
+def host_rules(seq: DraftSeq) -> LogitRules:
+    """The rules `seq`'s drafts are bent by, as the verifier's reference reads them: its output
+    (the tokens from its rules' output_start, through the root) counted afresh, its prompt's
+    distinct tokens (with a repetition penalty)."""
+    rules = seq.rules
+    assert rules is not None
+    start = rules.output_start
+    counts = Counter(seq.tokens[start:])
+    output = tuple(sorted(counts))
+    prompt = distinct(seq.tokens[:start]) if rules.penalties.repetition != 1 else ()
+    return LogitRules(rules.penalties, output, tuple(counts[t] for t in output), prompt)
+
+
+def bend_on_host(logits: torch.Tensor, jobs: list[DraftJob], starts: list[int]) -> torch.Tensor:
+    """The host expansion's rows (job i's rows from starts[i] to starts[i + 1]) bent where the
+    job's sequence holds a rule slot, each by `bend_row` in float32 (the device's `bend` is
+    held to it); the logits themselves where none does."""
+    if not any(job.rule_slot for job in jobs):
+        return logits
+    bent = logits.clone()
+    for i, job in enumerate(jobs):
+        if job.rule_slot:
+            rules = host_rules(job.seq)
+            for row in range(starts[i], starts[i + 1]):
+                bent[row] = bend_row(logits[row].float(), rules, [])
+    return bent
