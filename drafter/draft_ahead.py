@@ -203,9 +203,11 @@ class DraftAhead:
             rows_out = self._forward_frontier([runs[i] for i in active])
             for i, row in zip(active, rows_out, strict=True):
                 logits[i].append(row)
-        for run, per_chain in zip(runs, logits, strict=True):
-            bent = bend_on_host(torch.stack(per_chain), [run.job], [0, len(per_chain)])
-            per_chain[:] = list(bent)
+        for run, per_chain in zip(runs, logits, strict=True):  # (the root's: a guide's mask too)
+            stacked = torch.stack(per_chain)
+            bent = bend_on_host(stacked[:1], [run.job], [0, 1], root=True)
+            after = bend_on_host(stacked[1:], [run.job], [0, len(stacked) - 1])
+            per_chain[:] = [bent[0], *after]
         guesses = self._guesses(runs, logits)
         outcomes: list[tuple[int, int, int]] = []  # (run, k accepted, bonus)
         steps, features = [], []

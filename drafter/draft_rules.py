@@ -12,9 +12,16 @@ the drafter holds (the gateway's), only what changed since the last round crossi
 `bend` applies them in `bend_row`'s order (bias, repetition, presence and frequency) as tensor
 ops over a round's rows, each row reading its sequence's slot: the device expansion runs it in
 its CUDA graphs (drafter/expansion_steps.py). Drafts need not be exact: a tree's own nodes are
-not counted in below them, min_tokens is judged at the root, min_p is not applied. The host
-expansion (the device expansion's reference) bends its rows by the verifier's reference instead,
-`bend_row` of the rules `host_rules` makes from the tokens afresh (`bend_on_host`).
+not counted in below them, min_tokens is judged at the root, min_p is not applied.
+
+A guide's masks are the gateway's (its automaton's state after each drafted token is not known
+here), but each Draft of a guided sequence carries the tokens it allows at the root
+(`DraftJob.root_allowed`): the `root` row (-inf where not allowed) bends the root's logits
+alone, so the first drafts keep to the guide (regex 1.31 -> 1.55 tokens a round,
+bench/RESULTS.md).
+
+The host expansion (the device expansion's reference) bends its rows by the verifier's reference
+instead: `bend_row` of the rules `host_rules` makes from the tokens afresh (`bend_on_host`).
 
 The tables have a fixed number of slots (a captured graph reads them where they lie); a sequence
 that finds none free drafts unbent (still lossless) until one is. Slot 0 stays neutral: the rows
@@ -22,7 +29,9 @@ of the sequences without rules in a round that bends."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,7 +39,7 @@ import numpy as np
 import torch
 
 from drafter.types import DraftJob, DraftSeq
-from specsplit.logit_rules import LogitRules, bend_row, distinct
+from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, distinct
 from specsplit.messages import DraftRules
 
 # sequences with rules a drafter bends for at once (2 x the graphs' largest batch bucket)
@@ -44,14 +53,16 @@ class SeqRules:
     held back (min_tokens)."""
 
     slot: int
-    rules: DraftRules
+    rules: DraftRules | None  # None: a guide's root masks alone
     counted: list[int] = field(default_factory=list)
     held: bool = False
+    masked: bool = False  # the root row holds a guide's mask
 
 
 class RuleTables:
     """[slots, columns] tables on one device (see the module's docstring): `bias` (float32),
-    `counts` (float32), `prompt` (bool) and `params` [slots, 3] (repetition, presence, frequency).
+    `counts` (float32), `prompt` (bool), `root` (float32: a guide's root mask, 0 or -inf) and
+    `params` [slots, 3] (repetition, presence, frequency).
     `scored_ids`: the target id of each column (ascending), None: the target's vocabulary."""
 
     def __init__(
@@ -70,7 +81,12 @@ class RuleTables:
         self.bias = torch.zeros(slots + 1, columns, device=device)
         self.counts = torch.zeros(slots + 1, columns, device=device)
         self.prompt = torch.zeros(slots + 1, columns, dtype=torch.bool, device=device)
+        self.root = torch.zeros(slots + 1, columns, device=device)
         self.params = torch.tensor([[1.0, 0.0, 0.0]], device=device).repeat(slots + 1, 1)
+        # each column's target id's mask word and bit (a guide's root mask unpacked on the device)
+        ids = torch.arange(vocab_size) if scored_ids is None else scored_ids.cpu()
+        self.word_of = (ids // 32).to(device)
+        self.bit_of = (ids % 32).to(device=device, dtype=torch.int32)
         self._free = list(range(1, slots + 1))  # a heap: the lowest free slot goes out first
 
     @property
@@ -85,7 +101,9 @@ class RuleTables:
         columns: list[int] = []
         deltas: list[float] = []
         for job in jobs:
-            job.rule_slot = self._update(job.seq, job.start, owners, columns, deltas)
+            job.rule_slot = self._update(job, owners, columns, deltas)
+            if job.rule_slot:
+                self._write_root(job)
         if columns:  # (one copy and one kernel for the round's counts)
             flat = np.array(owners, dtype=np.int64) * self.counts.shape[1] + columns
             index = torch.from_numpy(flat).to(self.device)
@@ -102,9 +120,10 @@ class RuleTables:
             heapq.heappush(self._free, held.slot)
         seq.rule_rows = None
 
-    def bend(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def bend(self, logits: torch.Tensor, slots: torch.Tensor, root: bool = False) -> torch.Tensor:
         """logits [R, columns] float32 bent by the rows of `slots` [R] int64 (slot 0: as they
-        are), as `bend_row` orders the rules: tensor ops alone (a graph captures them)."""
+        are), as `bend_row` orders the rules; `root`: the roots' rows, which a guide's root mask
+        bends too. Tensor ops alone (a graph captures them)."""
         params = self.params[slots]
         repetition, presence, frequency = params[:, :1], params[:, 1:2], params[:, 2:]
         counts = self.counts[slots]
@@ -112,17 +131,19 @@ class RuleTables:
         bent = logits + self.bias[slots]
         seen = self.prompt[slots] | occurs
         bent = torch.where(seen, torch.where(bent > 0, bent / repetition, bent * repetition), bent)
-        return bent - (counts * frequency + occurs * presence)  # (bend_row's float32 ops)
+        bent = bent - (counts * frequency + occurs * presence)  # (bend_row's float32 ops)
+        return bent + self.root[slots] if root else bent
 
     def _update(
-        self, seq: DraftSeq, start: int, owners: list[int], columns: list[int], deltas: list[float]
+        self, job: DraftJob, owners: list[int], columns: list[int], deltas: list[float]
     ) -> int:
-        """`seq`'s slot (0: none), its rows filled where its rules changed, else its output's
-        changes since the last round listed as count deltas (tokens before `start` are as they
-        were counted)."""
+        """The job's sequence's slot (0: none), its rows filled where its rules changed, else its
+        output's changes since the last round listed as count deltas (tokens before `job.start`
+        are as they were counted)."""
+        seq, start = job.seq, job.start
         rules = seq.rules
         held = seq.rule_rows
-        if rules is None:
+        if rules is None and not job.root_allowed:
             if held is not None:
                 self.release(seq)
             return 0
@@ -135,6 +156,8 @@ class RuleTables:
             seq.rule_rows = held
             self._fill(held, seq.tokens)
             start = 0  # (every output token counts)
+        if rules is None:
+            return held.slot
         tokens, first = seq.tokens, rules.output_start
         # tokens from `changed` on may differ from those counted: find where they do
         changed = max(min(start, first + len(held.counted)), first)
@@ -161,22 +184,39 @@ class RuleTables:
 
     def _fill(self, held: SeqRules, tokens: list[int]) -> None:
         """The slot's rows for `held.rules` before any output is counted: its bias, its prompt's
-        tokens (with a repetition penalty), its params; counts zero."""
-        p, slot = held.rules.penalties, held.slot
-        self.bias[slot].zero_()
-        self.counts[slot].zero_()
-        self.prompt[slot].zero_()
+        tokens (with a repetition penalty), its params; counts and the root row zero (no rules:
+        all of them neutral)."""
+        slot = held.slot
+        for table in (self.bias, self.counts, self.prompt, self.root):
+            table[slot].zero_()
+        held.masked = False
+        p = Penalties() if held.rules is None else held.rules.penalties
         self.params[slot] = torch.tensor([p.repetition, p.presence, p.frequency])
         if p.bias:
             ids, values = p.bias_arrays
             self._write(self.bias, slot, ids, torch.tensor(values, dtype=torch.float32))
-        if p.repetition != 1:
+        if p.repetition != 1 and held.rules is not None:
             prompt = np.unique(np.array(tokens[: held.rules.output_start], dtype=np.int64))
             self._write(self.prompt, slot, prompt, torch.tensor(True))
         held.held = False
 
+    def _write_root(self, job: DraftJob) -> None:
+        """The slot's root row: the job's guide mask unpacked on the device (-inf where a token
+        is not allowed), or zero where it has none this round."""
+        held = job.seq.rule_rows
+        assert isinstance(held, SeqRules)
+        if job.root_allowed:
+            words = np.frombuffer(job.root_allowed, dtype="<u4").astype(np.int32)
+            bits = (torch.from_numpy(words).to(self.device)[self.word_of] >> self.bit_of) & 1
+            self.root[held.slot] = torch.where(bits == 1, 0.0, -math.inf)
+            held.masked = True
+        elif held.masked:
+            self.root[held.slot].zero_()
+            held.masked = False
+
     def _write_stops(self, held: SeqRules, stops: bool) -> None:
         """The stop tokens' bias: -inf while min_tokens holds them back, else their own bias."""
+        assert held.rules is not None
         p = held.rules.penalties
         ids = np.array(p.stop_ids, dtype=np.int64)
         own = dict(p.bias)
@@ -199,9 +239,10 @@ class RuleTables:
 def host_rules(seq: DraftSeq) -> LogitRules:
     """The rules `seq`'s drafts are bent by, as the verifier's reference reads them: its output
     (the tokens from its rules' output_start, through the root) counted afresh, its prompt's
-    distinct tokens (with a repetition penalty)."""
+    distinct tokens (with a repetition penalty); none (a guide's root masks alone): no rules."""
     rules = seq.rules
-    assert rules is not None
+    if rules is None:
+        return LogitRules(Penalties())
     start = rules.output_start
     counts = Counter(seq.tokens[start:])
     output = tuple(sorted(counts))
@@ -209,16 +250,21 @@ def host_rules(seq: DraftSeq) -> LogitRules:
     return LogitRules(rules.penalties, output, tuple(counts[t] for t in output), prompt)
 
 
-def bend_on_host(logits: torch.Tensor, jobs: list[DraftJob], starts: list[int]) -> torch.Tensor:
+def bend_on_host(
+    logits: torch.Tensor, jobs: list[DraftJob], starts: list[int], root: bool = False
+) -> torch.Tensor:
     """The host expansion's rows (job i's rows from starts[i] to starts[i + 1]) bent where the
     job's sequence holds a rule slot, each by `bend_row` in float32 (the device's `bend` is
-    held to it); the logits themselves where none does."""
+    held to it; `root`: the roots' rows, which a guide's root mask bends too); the logits
+    themselves where none does."""
     if not any(job.rule_slot for job in jobs):
         return logits
     bent = logits.clone()
     for i, job in enumerate(jobs):
         if job.rule_slot:
             rules = host_rules(job.seq)
+            if root and job.root_allowed:
+                rules = dataclasses.replace(rules, allowed=Allowed(job.root_allowed, (0,)))
             for row in range(starts[i], starts[i + 1]):
                 bent[row] = bend_row(logits[row].float(), rules, [])
     return bent

@@ -24,6 +24,7 @@ from drafter.tree_draft import CATCH_UP_LENS
 from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
+from specsplit.logit_rules import mask_words
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
@@ -226,6 +227,7 @@ class DrafterEngine:
                     item.target_hidden_states,
                     self._verifying(item, room),
                     item.ahead_guesses,
+                    root_allowed=item.root_allowed,
                 )
             )
         normal = [job for job in jobs if not job.ahead_guesses]
@@ -290,6 +292,12 @@ class DrafterEngine:
                 raise invalid(str(e)) from e
             if item.rules is not None and item.rules.output_start < 0:
                 raise invalid(f"rules.output_start = {item.rules.output_start}: want >= 0")
+            words = mask_words(self.proposer.vocab_size)
+            if item.root_allowed and len(item.root_allowed) != 4 * words:
+                raise invalid(
+                    f"root_allowed has {len(item.root_allowed)} bytes for {item.seq_id!r}: want "
+                    f"{4 * words} (a bit a token of the vocabulary)"
+                )
             if not 0 <= item.ahead_guesses <= self.limits.max_topk:
                 raise invalid(
                     f"ahead_guesses = {item.ahead_guesses} for {item.seq_id!r}: want 0 (no "

@@ -197,7 +197,7 @@ class ExpansionKeys:
         """Each job's rule slot, its rows brought up to date (drafter/draft_rules.py), where any
         of their sequences has logit rules (the tables made at the first)."""
         if self.rule_tables is None:
-            if not any(job.seq.rules is not None for job in jobs):
+            if not any(job.seq.rules is not None or job.root_allowed for job in jobs):
                 return
             self.rule_tables = RuleTables(self.vocab_size, self.scored_ids, self.kv.device)
         self.rule_tables.take(jobs)
@@ -207,10 +207,12 @@ class ExpansionKeys:
         """The jobs' rule slots where `shape` bends, else None."""
         return [job.rule_slot for job in jobs] if shape.rules else None
 
-    def _bend_rows(self, logits: torch.Tensor, rule_slots: torch.Tensor) -> torch.Tensor:
+    def _bend_rows(
+        self, logits: torch.Tensor, rule_slots: torch.Tensor, root: bool
+    ) -> torch.Tensor:
         """DeviceExpansion's `bend`: the rule tables' (made before any key bends)."""
         assert self.rule_tables is not None
-        return self.rule_tables.bend(logits, rule_slots)
+        return self.rule_tables.bend(logits, rule_slots, root)
 
 
 def expansion_key(job: DraftJob) -> Shape:

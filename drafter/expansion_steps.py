@@ -41,9 +41,9 @@ FrontierForward = Callable[
 CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
 # a row pool's write: (slots [n] int64, rows [n, width]) on the device -> rows at those slots
 RowsWrite = Callable[[torch.Tensor, torch.Tensor], None]
-# logit rules' bend: (logits [R, scored] float32, each row's rule slot [R] int64) -> the logits
-# bent (drafter/draft_rules.py's RuleTables.bend; slot 0: unbent)
-RowsBend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# logit rules' bend: (logits [R, scored] float32, each row's rule slot [R] int64, whether they are
+# the roots' rows) -> the logits bent (drafter/draft_rules.py's RuleTables.bend; slot 0: unbent)
+RowsBend = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 class ExpansionSteps:
@@ -78,7 +78,7 @@ class ExpansionSteps:
         sampling = inputs.sampling if key.sampled else None
         root_logits, root_features = self._roots(inputs, table, base32, base, catch_up, row_slots)
         rule_slots = inputs.rule_slots
-        root_logits = self._bent(root_logits, rule_slots)
+        root_logits = self._bent(root_logits, rule_slots, root=True)
         out, supports = self._grow(
             key,
             inputs.grow,
@@ -115,7 +115,7 @@ class ExpansionSteps:
         base, chain = base32.long(), chain32.long()
         root = self._roots(inputs, table, base32, base, catch_up, row_slots)
         rule_slots = inputs.rule_slots
-        logits, outputs = [self._bent(root[0], rule_slots)], [root[1]]
+        logits, outputs = [self._bent(root[0], rule_slots, root=True)], [root[1]]
         # every chain node's storage, slot and KV length at once ([L, B]: a row a node)
         storage = consts.chain_cols + base  # [L, B]
         slots = cache_slots(table, storage.t(), page).t().contiguous()
@@ -392,12 +392,15 @@ class ExpansionSteps:
             page_size=self.kv.page_size,
         )
 
-    def _bent(self, logits: torch.Tensor, rule_slots: torch.Tensor | None) -> torch.Tensor:
-        """`logits` [R, scored] bent at each row's rule slot [R] (None: as they are)."""
+    def _bent(
+        self, logits: torch.Tensor, rule_slots: torch.Tensor | None, root: bool = False
+    ) -> torch.Tensor:
+        """`logits` [R, scored] bent at each row's rule slot [R] (None: as they are); `root`:
+        the roots' rows (a guide's root mask bends them too)."""
         if rule_slots is None:
             return logits
         assert self.bend is not None, "a key with rules needs the proposer's bend"
-        return self.bend(logits, rule_slots)
+        return self.bend(logits, rule_slots, root)
 
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids of the forwards' vocabulary as the target's."""

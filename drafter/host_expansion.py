@@ -75,7 +75,7 @@ class HostExpansion:
         if root_features is not None:
             for tree, features in zip(trees, root_features, strict=True):
                 tree.node_hidden[-1] = features
-        self._grow_all(trees, [[-1] for _ in trees], root_logits)
+        self._grow_all(trees, [[-1] for _ in trees], root_logits, root=True)
         max_steps = max((t.job.spec.num_steps for t in trees), default=0)
         for step in range(1, max_steps):
             active = [t for t in trees if t.job.spec.num_steps > step]
@@ -88,12 +88,13 @@ class HostExpansion:
         trees: list[Expansion],
         parents: list[list[int]],  # per tree its frontier (-1 = the root)
         logits: torch.Tensor,  # [sum of frontiers, vocab], the trees' rows in order
+        root: bool = False,  # the roots' rows (a guide's root mask bends them too)
     ) -> None:
         """Grow every tree by one level. What the host needs of the logits (argmax of greedy
         chains, top-k of trees, sampled chains' draws) crosses in a copy or two for the whole
         batch, not one per tree."""
         starts = list(itertools.accumulate((len(p) for p in parents), initial=0))
-        logits = bend_on_host(logits, [t.job for t in trees], starts)
+        logits = bend_on_host(logits, [t.job for t in trees], starts, root)
         greedy_chain = [t.job.spec.topk == 1 and t.job.sampling.greedy for t in trees]
         argmax = logits.argmax(dim=-1).tolist() if any(greedy_chain) else []
         k = max((t.job.spec.topk for t in trees if t.job.spec.topk > 1), default=0)

@@ -43,6 +43,9 @@ class DraftJob:
     # any job's logits (its expansion then reads the slots: drafter/draft_rules.py)
     rule_slot: int = 0
     bent: bool = False
+    # with a guide: the tokens it allows at the root, as mask words (the first drafts keep to
+    # them; drafter/draft_rules.py); b"": none
+    root_allowed: bytes = b""
 
     @property
     def scratch_len(self) -> int:

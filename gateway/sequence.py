@@ -151,6 +151,10 @@ class Sequence:
         if not self.drafter_rules_sent:
             self.drafter_rules_sent = True
             item.rules = self.draft_rules(item.begin)
+        guide = self.request.guide
+        if guide is not None and item.spec.num_steps:  # (the first drafts keep to the guide)
+            words = guide.mask(self.guide_state)
+            item.root_allowed = b"" if words is None else words.tobytes()
         self.drafter_begun = True
         self.drafter_num_tokens = len(self.tokens)
         if self.hidden_state_layers:

@@ -123,7 +123,7 @@ def draft_request_to_proto(
     msg.num_target_rows.extend(row_counts(hidden))
     fill_rows(msg.target_hidden_states, hidden, beside)
     for i, item in enumerate(inputs):
-        if item.sampling != GREEDY or item.ahead_guesses or item.rules is not None:
+        if item.sampling != GREEDY or item.ahead_guesses or item.rules or item.root_allowed:
             options = msg.options.add(index=i)
             if item.sampling != GREEDY:
                 options.sampling.CopyFrom(sampling_to_proto(item.sampling))
@@ -132,6 +132,7 @@ def draft_request_to_proto(
                 options.ahead_guesses = item.ahead_guesses
             if item.rules is not None:
                 fill_draft_rules(options.rules, item.rules)
+            options.root_allowed = item.root_allowed
     return msg
 
 
@@ -175,6 +176,7 @@ def draft_request_from_proto(
         item.ahead_guesses = options.ahead_guesses
         if options.HasField("rules"):
             item.rules = read_draft_rules(options.rules)
+        item.root_allowed = options.root_allowed
     return inputs
 
 

@@ -91,6 +91,9 @@ class DraftInput:
     # the logit rules the drafter bends its drafts by from now on; None: as it keeps them (a new
     # sequence keeps none)
     rules: DraftRules | None = None
+    # with a guide: the tokens it allows at the root as mask words (logit_rules.mask_words
+    # little-endian uint32), which the drafter's first drafts keep to; b"": none
+    root_allowed: bytes = b""
 
 
 @dataclass

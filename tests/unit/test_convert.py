@@ -254,11 +254,12 @@ def test_draft_request_round_trip(with_hidden: bool) -> None:
         DraftInput("s-2", False, 0, [4], SpecParams()),
         DraftInput("s-3", True, 0, [7], SpecParams(), rules=DraftRules(penalties, 5)),
         DraftInput("s-4", False, 0, [7], SpecParams(), rules=DraftRules(Penalties(), 3)),
+        DraftInput("s-5", False, 0, [7], SpecParams(), root_allowed=bytes(range(8))),
     ]
     msg = _wire(convert.draft_request_to_proto(inputs))
     assert isinstance(msg, drafter_pb2.DraftRequest)
     back = convert.draft_request_from_proto(msg)
-    assert len(back) == 4
+    assert len(back) == 5
     for a, b in zip(inputs, back, strict=True):
         _assert_same(a, b)
 

@@ -10,6 +10,8 @@ Named invariants:
 - the device expansion (graphs' path) drafts the host expansion's trees under rules (chains,
   trees, sampled chains, draft models and EAGLE heads, draft-ahead too), and they are not the
   unbent trees;
+- a guide's root mask bends the roots' rows alone (as bend_row bends a guided root row), with or
+  without penalties, and the first drafts keep to it;
 - a bias of -100 keeps its tokens out of every draft;
 - a drafter that is the target, under a bias alone, has every draft accepted (as few rounds as
   without rules) and the output is the target's under the bias.
@@ -32,7 +34,7 @@ from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import TreeProposer
 from drafter.types import DraftJob, DraftSeq
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import Penalties, bend_row, distinct
+from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, distinct, pack_mask
 from specsplit.messages import DraftInput, DraftOutput, DraftRules, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -148,6 +150,39 @@ def test_the_rows_follow_the_sequences_tokens() -> None:
     assert (job.rule_slot, job.bent, tables.num_used) == (0, False, 0)
 
 
+def _mask(allowed: np.ndarray) -> bytes:
+    return pack_mask(allowed).tobytes()
+
+
+@pytest.mark.parametrize("columns", ["target", "head"])
+@pytest.mark.parametrize("rule", ["none", "all"])
+def test_a_guides_root_mask_bends_the_roots_rows_alone(rule: str, columns: str) -> None:
+    scored = np.arange(VOCAB) if columns == "target" else np.arange(1, VOCAB, 2)
+    ids = None if columns == "target" else torch.from_numpy(scored)
+    tables = RuleTables(VOCAB, ids, torch.device("cpu"), slots=4)
+    seq = _seq(PROMPT + [9, 40, 3], EACH_RULE["all"] if rule == "all" else None)
+    allowed = np.random.default_rng(4).random(VOCAB) < 0.4
+    job = _job(seq)
+    job.root_allowed = _mask(allowed)
+    tables.take([job])
+    assert job.rule_slot == 1
+    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(6)) * 4
+    plain = row if seq.rules is None else _reference(seq, row)
+    guided = bend_row(plain, LogitRules(Penalties(), allowed=Allowed(job.root_allowed, (0,))), [])
+    slots = torch.tensor([job.rule_slot])
+    root = tables.bend(row[None, scored], slots, root=True)[0]
+    torch.testing.assert_close(root, guided[scored], rtol=0, atol=0)
+    torch.testing.assert_close(_bent(tables, 1, row, scored), plain[scored], rtol=0, atol=0)
+    assert torch.isinf(root[torch.from_numpy(~allowed[scored])]).all()
+    job = _job(seq, len(seq.tokens) - 1)  # a round without a mask (the guide ended, or none)
+    tables.take([job])
+    assert (job.rule_slot > 0) == (seq.rules is not None)
+    if job.rule_slot:
+        assert torch.equal(tables.bend(row[None, scored], slots, root=True)[0], plain[scored])
+    tables.release(seq)
+    assert tables.num_used == 0
+
+
 def test_a_sequence_past_the_slots_drafts_unbent_until_one_is_free() -> None:
     tables = RuleTables(VOCAB, None, torch.device("cpu"), slots=2)
     seqs = [_seq(PROMPT + [b], Penalties(presence=1.0)) for b in range(3)]
@@ -205,10 +240,12 @@ def _rounds(
     rules: list[Penalties | None],
     sampling: SamplingParams = GREEDY,
     ahead: bool = False,
+    guided: bool = False,
 ) -> list[list[DraftOutput]]:
     """A sequence per entry of `rules`, five rounds, each appending the first two drafts of the
     last (and a token of its own); with `ahead`, then a draft-ahead call for each (the chain its
-    last round drafted)."""
+    last round drafted); `guided`: every Draft with a random root mask (ROOT_MASKS' for its
+    round and sequence)."""
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(7)
     tokens = [
@@ -232,6 +269,8 @@ def _rounds(
                               target_hidden_states=rows)  # fmt: skip
             if r == 0 and penalties is not None:
                 item.rules = DraftRules(penalties, prompt_lens[b])
+            if guided:
+                item.root_allowed = _mask(ROOT_MASKS[r, b])
             inputs.append(item)
             held[b] = len(tokens[b]) - (1 if width is not None else 0)
         outs.append(engine.draft(inputs))
@@ -247,6 +286,7 @@ def _rounds(
                 sampling=sampling,
                 verifying=outs[-1][b].tree,
                 ahead_guesses=2,
+                root_allowed=_mask(ROOT_MASKS[5, b]) if guided else b"",
             )
             for b in range(len(rules))
         ]
@@ -272,17 +312,27 @@ CASES = {
     "sampled-chain": (SpecParams(3, 1, 3), SAMPLED, False),
     "chain-ahead": (SpecParams(3, 1, 3), GREEDY, True),
 }
+# [round, sequence, token]: the tokens a guide allows at each root (a third of them)
+ROOT_MASKS = np.random.default_rng(8).random((6, len(RULES), TINY_VOCAB)) < 0.33
 
 
+@pytest.mark.parametrize("guided", [False, True], ids=["rules", "rules-guided"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 def test_the_device_expansion_bends_as_the_host_expansion(
-    models: dict[str, Path], kind: str, case: str
+    models: dict[str, Path], kind: str, case: str, guided: bool
 ) -> None:
     spec, sampling, ahead = CASES[case]
-    device = _rounds(_engine(models, kind, True), spec, RULES, sampling, ahead)
-    host = _rounds(_engine(models, kind, False), spec, RULES, sampling, ahead)
+    device = _rounds(_engine(models, kind, True), spec, RULES, sampling, ahead, guided)
+    host = _rounds(_engine(models, kind, False), spec, RULES, sampling, ahead, guided)
     assert _found(device) == _found(host)
+    if guided:  # (the first drafts keep to the root's mask; the ahead call's k = 0 guesses too)
+        for r, out in enumerate(device):
+            for b, o in enumerate(out):
+                firsts = [t for t, p in zip(o.tree.tokens, o.tree.parents, strict=True) if p < 0]
+                firsts += [a.tokens[0] for a in o.ahead if len(a.tokens) == 1]
+                assert all(ROOT_MASKS[r, b, t] for t in firsts), (r, b, firsts)
+        return
     for want, got in zip(host, device, strict=True):
         for a, b in zip(want, got, strict=True):
             if a.tree.draft_probs is not None:
@@ -322,6 +372,9 @@ def test_the_engine_takes_checks_and_clears_rules(models: dict[str, Path]) -> No
         with pytest.raises(ServiceError) as e:
             engine.draft([DraftInput("s", True, 0, [4, 5, 6], SpecParams(2, 1, 2), rules=rules)])
         assert e.value.code is Code.INVALID_ARGUMENT
+    with pytest.raises(ServiceError) as e:  # (a mask's words: a bit a token of the vocabulary)
+        engine.draft([DraftInput("s", True, 0, [4, 5], SpecParams(2, 1, 2), root_allowed=b"\0")])
+    assert e.value.code is Code.INVALID_ARGUMENT and "root_allowed" in str(e.value)
     rules = DraftRules(Penalties(presence=1.0), 2)
     engine.draft([DraftInput("s", True, 0, [4, 5, 6], SpecParams(2, 1, 2), rules=rules)])
     assert engine.seqs["s"].rules == rules and proposer.rule_tables is not None

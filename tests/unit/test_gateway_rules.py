@@ -5,13 +5,15 @@ repetition penalty reads them."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gateway.request import GenerationRequest, ModelInfo
 from gateway.sequence import Sequence
 from gateway.servicer import generation_request
 from specsplit.errors import Code, ServiceError
-from specsplit.logit_rules import LogitRules, Penalties
+from specsplit.guide.tokens import FixedTokens
+from specsplit.logit_rules import LogitRules, Penalties, unpack_mask
 from specsplit.messages import DraftRules, SpecParams, VerifyOutput
 from specsplit.tree import DraftTree
 from specsplit.v1 import common_pb2, gateway_pb2
@@ -103,6 +105,22 @@ def test_the_drafter_gets_the_rules_with_a_sequences_first_draft_and_after_it_lo
     turn = Sequence("t", GenerationRequest([5, 6], 8), SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
     turn.drafter_begun = True  # (a session's later turn: the drafter holds the sequence)
     assert turn.draft_input().rules == DraftRules(Penalties(), 2)
+
+
+def test_a_guided_sequences_draft_carries_the_guides_root_mask() -> None:
+    """Each Draft of a guided sequence carries the tokens its guide allows at the root (the
+    drafter's first drafts keep to them); a plain sequence's, and a round without drafts, none."""
+    guide = FixedTokens((3, 40, 41), 64)
+    request = GenerationRequest([5, 6], max_new_tokens=8, guide=guide)
+    seq = Sequence("g", request, SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
+    words = seq.draft_input().root_allowed
+    assert words == guide.mask(0).tobytes()  # type: ignore[union-attr]
+    allowed = np.flatnonzero(unpack_mask(np.frombuffer(words, dtype=np.uint32), 64))
+    assert allowed.tolist() == [3, 40, 41]
+    seq.spec = SpecParams()
+    assert seq.draft_input().root_allowed == b""
+    plain = Sequence("p", GenerationRequest([5], 8), SpecParams(2, 1, 2), stop_checker=_Rules())  # type: ignore[arg-type]
+    assert plain.draft_input().root_allowed == b""
 
 
 class _Rules:
