@@ -9,10 +9,12 @@ score (an EAGLE head's draft vocabulary, or the target's): its bias (the stop to
 min_tokens holds them back), its output's counts and its prompt's tokens (for a repetition
 penalty), and per slot (repetition, presence, frequency). The output is counted from the tokens
 the drafter holds (the gateway's), only what changed since the last round crossing to the device.
-`bend` applies them in `bend_row`'s order (bias, repetition, presence and frequency) as tensor
-ops over a round's rows, each row reading its sequence's slot: the device expansion runs it in
-its CUDA graphs (drafter/expansion_steps.py). Drafts need not be exact: a tree's own nodes are
-not counted in below them, min_tokens is judged at the root, min_p is not applied.
+`bend` applies them in `bend_row`'s order (bias, repetition, presence and frequency) over a
+step's rows, each row reading its sequence's slot (one Triton launch on a GPU,
+specsplit/kernels/draft_bend.py): the device expansion runs it in its CUDA graphs
+(drafter/expansion_steps.py), the rows' slots crossing with the run's metadata. Drafts need
+not be exact: a tree's own nodes are not counted in below them, min_tokens is judged at the
+root, min_p is not applied.
 
 A guide's masks are the gateway's (its automaton's state after each drafted token is not known
 here), but each Draft of a guided sequence carries the tokens it allows at the root
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 from drafter.types import DraftJob, DraftSeq
+from specsplit.kernels.draft_bend import DraftTables, bend_drafts
 from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, distinct
 from specsplit.messages import DraftRules
 
@@ -83,6 +86,7 @@ class RuleTables:
         self.prompt = torch.zeros(slots + 1, columns, dtype=torch.bool, device=device)
         self.root = torch.zeros(slots + 1, columns, device=device)
         self.params = torch.tensor([[1.0, 0.0, 0.0]], device=device).repeat(slots + 1, 1)
+        self.tables = DraftTables(self.bias, self.counts, self.prompt, self.root, self.params)
         # each column's target id's mask word and bit (a guide's root mask unpacked on the device)
         ids = torch.arange(vocab_size) if scored_ids is None else scored_ids.cpu()
         self.word_of = (ids // 32).to(device)
@@ -99,16 +103,14 @@ class RuleTables:
         any of them bends (the round's expansion then reads the slots)."""
         owners: list[int] = []
         columns: list[int] = []
-        deltas: list[float] = []
+        deltas: list[int] = []
         for job in jobs:
             job.rule_slot = self._update(job, owners, columns, deltas)
-            if job.rule_slot:
-                self._write_root(job)
         if columns:  # (one copy and one kernel for the round's counts)
             flat = np.array(owners, dtype=np.int64) * self.counts.shape[1] + columns
-            index = torch.from_numpy(flat).to(self.device)
-            values = torch.tensor(deltas, device=self.device)
-            self.counts.view(-1).index_put_((index,), values, accumulate=True)
+            pairs = torch.from_numpy(np.stack([flat, np.array(deltas)])).to(self.device)
+            self.counts.view(-1).index_put_((pairs[0],), pairs[1].float(), accumulate=True)
+        self._write_roots([job for job in jobs if job.rule_slot])
         bent = any(job.rule_slot for job in jobs)
         for job in jobs:
             job.bent = bent
@@ -123,19 +125,12 @@ class RuleTables:
     def bend(self, logits: torch.Tensor, slots: torch.Tensor, root: bool = False) -> torch.Tensor:
         """logits [R, columns] float32 bent by the rows of `slots` [R] int64 (slot 0: as they
         are), as `bend_row` orders the rules; `root`: the roots' rows, which a guide's root mask
-        bends too. Tensor ops alone (a graph captures them)."""
-        params = self.params[slots]
-        repetition, presence, frequency = params[:, :1], params[:, 1:2], params[:, 2:]
-        counts = self.counts[slots]
-        occurs = counts > 0
-        bent = logits + self.bias[slots]
-        seen = self.prompt[slots] | occurs
-        bent = torch.where(seen, torch.where(bent > 0, bent / repetition, bent * repetition), bent)
-        bent = bent - (counts * frequency + occurs * presence)  # (bend_row's float32 ops)
-        return bent + self.root[slots] if root else bent
+        bends too. One Triton launch on a GPU (specsplit/kernels/draft_bend.py), torch's ops
+        elsewhere; no host syncs (a graph captures either)."""
+        return bend_drafts(logits, slots, self.tables, root)
 
     def _update(
-        self, job: DraftJob, owners: list[int], columns: list[int], deltas: list[float]
+        self, job: DraftJob, owners: list[int], columns: list[int], deltas: list[int]
     ) -> int:
         """The job's sequence's slot (0: none), its rows filled where its rules changed, else its
         output's changes since the last round listed as count deltas (tokens before `job.start`
@@ -170,7 +165,7 @@ class RuleTables:
         added = tokens[first + keep :]
         del held.counted[keep:]
         held.counted += added
-        for token, delta in [(t, -1.0) for t in gone] + [(t, 1.0) for t in added]:
+        for token, delta in [(t, -1) for t in gone] + [(t, 1) for t in added]:
             column = int(self.col_of[token])
             if column >= 0:
                 owners.append(held.slot)
@@ -200,19 +195,29 @@ class RuleTables:
             self._write(self.prompt, slot, prompt, torch.tensor(True))
         held.held = False
 
-    def _write_root(self, job: DraftJob) -> None:
-        """The slot's root row: the job's guide mask unpacked on the device (-inf where a token
-        is not allowed), or zero where it has none this round."""
-        held = job.seq.rule_rows
-        assert isinstance(held, SeqRules)
-        if job.root_allowed:
-            words = np.frombuffer(job.root_allowed, dtype="<u4").astype(np.int32)
-            bits = (torch.from_numpy(words).to(self.device)[self.word_of] >> self.bit_of) & 1
-            self.root[held.slot] = torch.where(bits == 1, 0.0, -math.inf)
-            held.masked = True
-        elif held.masked:
-            self.root[held.slot].zero_()
-            held.masked = False
+    def _write_roots(self, jobs: list[DraftJob]) -> None:
+        """The jobs' slots' root rows: each job's guide mask unpacked on the device (-inf where
+        a token is not allowed), or zero where it has none this round and had one; the round's
+        masks (and their slots, a column before them) in one copy."""
+        masked, cleared = [], []
+        for job in jobs:
+            held = job.seq.rule_rows
+            assert isinstance(held, SeqRules)
+            if job.root_allowed:
+                masked.append(job)
+            elif held.masked:
+                cleared.append(held.slot)
+            held.masked = bool(job.root_allowed)
+        if masked:
+            words = np.frombuffer(b"".join(job.root_allowed for job in masked), dtype="<u4")
+            table = np.concatenate(
+                [[[job.rule_slot] for job in masked], words.reshape(len(masked), -1)], axis=1
+            )
+            rows = torch.from_numpy(table.astype(np.int32)).to(self.device)
+            bits = (rows[:, 1:][:, self.word_of] >> self.bit_of) & 1
+            self.root.index_copy_(0, rows[:, 0].long(), torch.where(bits == 1, 0.0, -math.inf))
+        if cleared:
+            self.root[torch.tensor(cleared, device=self.device)] = 0.0
 
     def _write_stops(self, held: SeqRules, stops: bool) -> None:
         """The stop tokens' bias: -inf while min_tokens holds them back, else their own bias."""

@@ -111,8 +111,8 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         ] = {}
         # how often `ready` was asked for each (key, bucket) not captured
         self.asked: dict[tuple[Shape | Ahead, int], int] = {}
-        # pinned host mirrors of each graph's meta input and packed output, its sampling input
-        # and the supports' probabilities
+        # pinned host mirrors of each graph's crossing input (rule slots, meta) and packed
+        # output, its sampling input and the supports' probabilities
         self.host: dict[tuple[Shape | Ahead, int], tuple[torch.Tensor, ...]] = {}
         self.pool_rows = pool_rows
         self.write_rows = write_rows
@@ -270,11 +270,11 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
                 chains,
                 catch_ups,
                 new_rows,
+                rule_slots,
             )
             if sampling is not None:
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
                 inputs.sampling.copy_(host_sampling, non_blocking=True)
-            _load_rule_slots(inputs, rule_slots)
             graph.replay()
             metrics.count_drafter_forward(None)
             host_out.copy_(inputs.out, non_blocking=True)
@@ -295,13 +295,13 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
             self.kv.device,
             self._new_rows(bs * key.catch_up),
         )
-        host = torch.zeros(inputs.meta.shape, dtype=torch.int32)
+        host = torch.zeros(inputs.crossing.shape, dtype=torch.int32)
         self._load(
-            inputs, host, None, seqs, root_logits, root_features, chains, catch_ups, new_rows
-        )
+            inputs, host, None, seqs, root_logits, root_features, chains, catch_ups, new_rows,
+            rule_slots,
+        )  # fmt: skip
         if sampling is not None:
             inputs.sampling.copy_(torch.from_numpy(sampling))
-        _load_rule_slots(inputs, rule_slots)
         self._body(key, inputs)
         return inputs.out.cpu().numpy(), inputs.probs.cpu().numpy()
 
@@ -324,18 +324,18 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
             device,
             self._graph_rows(bucket * key.catch_up),
         )
-        meta = np.zeros(tuple(inputs.meta.shape), dtype=np.int32)
+        crossing = np.zeros(tuple(inputs.crossing.shape), dtype=np.int32)  # (rule slots 0)
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
         catch_up = key.catch_up
         self._fill_meta(
-            meta,
+            crossing[inputs.rule_cols :],
             [],
             bucket,
             [[0] * chain_len] if chain_len else [],
             [[0] * catch_up] if catch_up else [],
             inputs.row_slots,
         )
-        inputs.meta.copy_(torch.from_numpy(meta))
+        inputs.crossing.copy_(torch.from_numpy(crossing))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
@@ -350,19 +350,10 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         self.captured[(key, bucket)] = (graph, inputs)
         self.host[(key, bucket)] = tuple(
             torch.zeros_like(buffer, device="cpu").pin_memory()
-            for buffer in (inputs.meta, inputs.out, inputs.sampling, inputs.probs)
+            for buffer in (inputs.crossing, inputs.out, inputs.sampling, inputs.probs)
         )
         if logged:  # one in traffic: a first round of its shape at this batch size
             log.info("captured the expansion graph of %s at batch %d", key, bucket)
-
-
-def _load_rule_slots(inputs: ExpansionInputs, rule_slots: list[int] | None) -> None:
-    """Each row's rule slot into `inputs.rule_slots` (padding rows: 0), where its key bends."""
-    if inputs.rule_slots is None:
-        return
-    assert rule_slots is not None, "a key with rules needs each row's rule slot"
-    padded = rule_slots + [0] * (inputs.rule_slots.shape[0] - len(rule_slots))
-    inputs.rule_slots.copy_(torch.tensor(padded, dtype=torch.int64))
 
 
 def _candidates(out: np.ndarray, row: int) -> Candidates:

@@ -30,7 +30,7 @@ class ExpansionBuffers:
     def _load(
         self,
         inputs: ExpansionInputs,
-        host_meta: torch.Tensor,  # inputs.meta's host mirror (pinned for a graph's)
+        host_meta: torch.Tensor,  # inputs.crossing's host mirror (pinned for a graph's)
         host_sampling: torch.Tensor | None,  # inputs.sampling's (a graph's), reset here
         seqs: list[SeqKV],
         root_logits: torch.Tensor | None,
@@ -38,17 +38,25 @@ class ExpansionBuffers:
         chains: list[list[int]],
         catch_ups: list[list[int]] | None,
         new_rows: PoolRows | None = None,
+        rule_slots: list[int] | None = None,  # with a key's `rules`: each row's rule slot
     ) -> None:
-        """Write the round into `inputs`: metadata through the host mirror, the pool's new rows
+        """Write the round into `inputs`: metadata (and the rows' rule slots, padding rows 0)
+        through the host mirror, the pool's new rows
         (a sequence's at the start of its q) through theirs (a graph's) or straight, the roots'
         logits and features (unless the run catches up to them) device to device (padding rows
         keep what they held)."""
         bs = len(seqs)
         slots = None if new_rows is None else new_rows.slots
+        crossing = host_meta.numpy()
         self._fill_meta(
-            host_meta.numpy(), seqs, inputs.bs, chains, catch_ups or [], inputs.row_slots, slots
-        )
-        inputs.meta.copy_(host_meta, non_blocking=True)
+            crossing[inputs.rule_cols :], seqs, inputs.bs, chains, catch_ups or [],
+            inputs.row_slots, slots,
+        )  # fmt: skip
+        if inputs.rule_cols:
+            assert rule_slots is not None, "a key with rules needs each row's rule slot"
+            crossing[: len(rule_slots)] = rule_slots
+            crossing[len(rule_slots) : inputs.rule_cols] = 0
+        inputs.crossing.copy_(host_meta, non_blocking=True)
         if new_rows is not None and inputs.new_rows is not None:
             q, dst = inputs.row_slots, inputs.new_rows
             host = self._host_rows(dst.shape[0]) if dst.is_cuda else dst

@@ -170,13 +170,18 @@ class ExpansionInputs:
         # sequence's at most q; the rest at the scratch page's first slot), or None
         self.new_rows = new_rows if catch_up else None
         self.row_slots = catch_up if self.new_rows is not None else 0  # a row's, in meta
-        # int32: every row's base [bs], the block table [bs, max_pages], the chains [bs, L],
-        # the catch-ups' input tokens [bs, q], the new pool rows' slots [bs, q]
-        self.meta = torch.zeros(
-            bs * (1 + max_pages + chain_len + catch_up + self.row_slots),
+        # int32, crossing from the host in one copy: with `rules`, each row's slot in the
+        # proposer's RuleTables [bs] (padding rows: 0, unbent; else None); then `meta`: every
+        # row's base [bs], the block table [bs, max_pages], the chains [bs, L], the catch-ups'
+        # input tokens [bs, q], the new pool rows' slots [bs, q]
+        self.rule_cols = bs if shape.rules else 0
+        self.crossing = torch.zeros(
+            self.rule_cols + bs * (1 + max_pages + chain_len + catch_up + self.row_slots),
             dtype=torch.int32,
             device=device,
         )
+        self.rule_slots = self.crossing[: self.rule_cols] if shape.rules else None
+        self.meta = self.crossing[self.rule_cols :]
         if isinstance(key, Ahead):
             rows = bs * key.num_outcomes
             size = rows * 3 * n + bs * (chain_len + 1) * key.guesses
@@ -193,8 +198,6 @@ class ExpansionInputs:
         # tokens, parents, order (draft-ahead's: then the bonus tokens), then a sampled chain's
         # supports' tokens
         self.out = torch.zeros(size, dtype=torch.int64, device=device)
-        # each row's slot in the proposer's RuleTables (padding rows: 0, unbent), or None
-        self.rule_slots = torch.zeros(bs, dtype=torch.int64, device=device) if shape.rules else None
         self.ahead = AheadConstants(key, bs, device) if isinstance(key, Ahead) else None
         self.catch_up = CatchUpConstants(catch_up, bs, device) if catch_up else None
         self.grow = (
