@@ -196,11 +196,17 @@ class ExpansionKeys:
     def _take_rules(self, jobs: list[DraftJob]) -> None:
         """Each job's rule slot, its rows brought up to date (drafter/draft_rules.py), where any
         of their sequences has logit rules (the tables made at the first)."""
+        if self.rule_tables is None and not any(
+            job.seq.rules is not None or job.root_allowed for job in jobs
+        ):
+            return
+        self._made_rule_tables().take(jobs)
+
+    def _made_rule_tables(self) -> RuleTables:
+        """The rule tables, made at the first call (a fixed size: graphs read them)."""
         if self.rule_tables is None:
-            if not any(job.seq.rules is not None or job.root_allowed for job in jobs):
-                return
             self.rule_tables = RuleTables(self.vocab_size, self.scored_ids, self.kv.device)
-        self.rule_tables.take(jobs)
+        return self.rule_tables
 
     @staticmethod
     def _rule_slots(jobs: list[DraftJob], shape: Shape) -> list[int] | None:

@@ -69,9 +69,14 @@ AHEAD_NEAR_END = tuple(
 # chain of 3 a draft model catches up the last round's 1-4 new tokens (accepted drafts and the
 # bonus), an EAGLE head 2-5 entries (the gateway sends the root again, which drops its entry),
 # padded to a length in CATCH_UP_LENS
+# the gateway's default chain bent by logit rules or a guide's root mask (drafter/draft_rules.py),
+# greedy: captured at warm-up too, the rule tables made then (else a first such request at each
+# batch size took a capture in its round)
+RULED_SHAPES = (Shape(1, 3, rules=True),)
 FUSED_SHAPES: tuple[Shape | Ahead, ...] = (
     *(shape for shape in EXPANSION_SHAPES if shape.num_steps == 3),
     *AHEAD_SHAPES,
+    *RULED_SHAPES,
 )
 
 
@@ -135,15 +140,17 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
     ) -> None:
         """On a GPU, capture the steps of 1 and of `catch_up_lens` tokens per sequence for
         batches up to `max_batch_size`, and the device expansion of EXPANSION_SHAPES and
-        AHEAD_SHAPES and AHEAD_NEAR_END at every batch bucket (others are captured at their
-        first use); a no-op
-        elsewhere."""
+        AHEAD_SHAPES and AHEAD_NEAR_END and RULED_SHAPES at every batch bucket (others are
+        captured at their first use); a no-op elsewhere."""
         if self.device.type != "cuda" or not catch_up_lens:
             return
         with on_device(self.device):
             self._capture(tuple(sorted({1, *catch_up_lens})), max_batch_size)
             self.device_expansion_runner = self._new_expansion(graphs=True)
-            keys: tuple[Shape | Ahead, ...] = (*EXPANSION_SHAPES, *AHEAD_SHAPES, *AHEAD_NEAR_END)
+            self._made_rule_tables()  # (the ruled shapes' graphs read them)
+            keys: tuple[Shape | Ahead, ...] = (
+                *EXPANSION_SHAPES, *AHEAD_SHAPES, *AHEAD_NEAR_END, *RULED_SHAPES,
+            )  # fmt: skip
             if self.fused_catch_up:
                 keys += tuple(
                     dataclasses.replace(key, catch_up=q)

@@ -50,6 +50,7 @@ def bend_drafts(
     """The rows bent (a new tensor): the kernel, or its reference (module docstring)."""
     if not (_usable(logits) if kernel is None else kernel):
         return bend_drafts_reference(logits, slots, tables, root)
+    slots = slots.contiguous()  # (a tree step's are its roots' expanded: a stride of 0)
     _check(logits, slots, tables)
     rows, columns = logits.shape
     out = torch.empty_like(logits)
@@ -92,6 +93,8 @@ def _check(logits: torch.Tensor, slots: torch.Tensor, tables: DraftTables) -> No
         raise ValueError("logits must be 2-D float32 with contiguous rows")
     if slots.dtype not in (torch.int32, torch.int64) or slots.shape != logits.shape[:1]:
         raise ValueError("slots must be int32 or int64, one a row")
+    if not slots.is_contiguous():
+        raise ValueError("slots must be contiguous")
     columns = logits.shape[1]
     shape = tables.bias.shape
     for name, table, dtype in (("bias", tables.bias, torch.float32),

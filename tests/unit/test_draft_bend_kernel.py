@@ -16,7 +16,10 @@ from specsplit.kernels.draft_bend import DraftTables, bend_drafts, bend_drafts_r
 from specsplit.logit_rules import pack_mask
 from specsplit.messages import DraftRules, SpecParams
 from specsplit.sampling import SamplingParams
-from tests.unit.test_draft_rules import EACH_RULE, PROMPT, VOCAB
+from tests.unit.test_draft_rules import EACH_RULE, PROMPT
+
+# past one program's block of columns under the interpreter (64): four blocks, the last ragged
+VOCAB = 200
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
@@ -53,6 +56,13 @@ def test_the_kernel_bends_as_torchs_ops(columns: str, root: bool, slot_type: tor
     got = bend_drafts(logits, slots, tables.tables, root, kernel=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(got[0], logits[0]) and torch.isinf(got).any() and not torch.isnan(got).any()
+    # a tree step's rows: each root's slot expanded over its k children (a stride of 0)
+    roots = slots[1:2]
+    expanded = roots[:, None].expand(1, len(slots)).reshape(-1)
+    assert expanded.stride() == (0,)
+    want = bend_drafts_reference(logits, expanded, tables.tables, root)
+    got = bend_drafts(logits, expanded, tables.tables, root, kernel=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_the_wrapper_refuses_what_the_kernel_cannot_read() -> None:
