@@ -106,10 +106,11 @@ class RuleTables:
         deltas: list[int] = []
         for job in jobs:
             job.rule_slot = self._update(job, owners, columns, deltas)
-        if columns:  # (one copy and one kernel for the round's counts)
+        if columns:  # (one copy and one atomic kernel for the round's counts: whole numbers,
+            # exact in any order; index_put_'s accumulate sorts first, a dozen launches)
             flat = np.array(owners, dtype=np.int64) * self.counts.shape[1] + columns
-            pairs = torch.from_numpy(np.stack([flat, np.array(deltas)])).to(self.device)
-            self.counts.view(-1).index_put_((pairs[0],), pairs[1].float(), accumulate=True)
+            pairs = self._to_device(np.stack([flat, np.array(deltas)]))
+            self.counts.view(-1).index_add_(0, pairs[0], pairs[1].float())
         self._write_roots([job for job in jobs if job.rule_slot])
         bent = any(job.rule_slot for job in jobs)
         for job in jobs:
@@ -213,11 +214,19 @@ class RuleTables:
             table = np.concatenate(
                 [[[job.rule_slot] for job in masked], words.reshape(len(masked), -1)], axis=1
             )
-            rows = torch.from_numpy(table.astype(np.int32)).to(self.device)
+            rows = self._to_device(table.astype(np.int32))
             bits = (rows[:, 1:][:, self.word_of] >> self.bit_of) & 1
             self.root.index_copy_(0, rows[:, 0].long(), torch.where(bits == 1, 0.0, -math.inf))
         if cleared:
             self.root[torch.tensor(cleared, device=self.device)] = 0.0
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` on the tables' device: through pinned memory and not waited for on a GPU
+        (the caching host allocator keeps the block until the copy is done)."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _write_stops(self, held: SeqRules, stops: bool) -> None:
         """The stop tokens' bias: -inf while min_tokens holds them back, else their own bias."""
