@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import drafter.draft_rules as draft_rules
 import drafter.eagle_proposer as eagle_proposer
 import drafter.expansion as expansion
 import drafter.tree_draft as tree_draft
@@ -210,6 +211,9 @@ class Phases:
             (kv_cache.KVCache, "trim"),
             (proposer, "truncate"),
             (torch.cuda.Stream, "synchronize"),
+            (proposer, "_take_rules"),  # (--rules: the rule tables' round update)
+            (proposer, "_fused_key"),
+            (draft_rules.RuleTables, "bend"),
         ]
         if runner is not None:
             targets.append((runner, "expand"))
