@@ -62,6 +62,26 @@ def _total_variation(counts: Counter[object], probs: dict[object, float], n: int
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
+def assert_pairs_follow(pairs: list[tuple[int, ...]], exact: torch.Tensor) -> None:
+    """Sampled (first, second) token pairs follow `exact` ([V, V] probabilities): each token's
+    distribution within the total-variation bound, the likeliest pairs each within 5 sigma."""
+    first = {t: float(exact[t].sum()) for t in range(VOCAB)}
+    second = {t: float(exact[:, t].sum()) for t in range(VOCAB)}
+    n = len(pairs)
+    assert {p[0] for p in pairs} <= {t for t, v in first.items() if v > 0}
+    for counts, probs in [
+        (Counter(p[0] for p in pairs), first),
+        (Counter(p[1] for p in pairs), second),
+    ]:
+        support = sum(1 for v in probs.values() if v > 0)
+        assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n)
+    joint = {(a, b): float(exact[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+    pair_counts = Counter(pairs)
+    for cell in sorted(joint, key=joint.__getitem__, reverse=True)[:8]:
+        p = joint[cell]
+        assert abs(pair_counts[cell] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-9, cell
+
+
 def _stack(models, tokenizer, drafter: str, spec: SpecParams, overlap: str, num_pages: int):
     """A float32 stack with `drafter` ("model": the random draft model, or "eagle3") that takes
     every request into one batch."""

@@ -6,8 +6,6 @@ with the exact masked ones (the same total-variation bound)."""
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -25,7 +23,7 @@ from tests.unit.test_lossless_sampling import (  # noqa: F401  (a fixture)
     PROMPT,
     VOCAB,
     _stack,
-    _total_variation,
+    assert_pairs_follow,
     models,
 )
 
@@ -77,19 +75,4 @@ def test_guided_tokens_follow_the_masked_target_distribution(
     ]
     pairs = [tuple(generated_ids(chunks)) for chunks in generate_all(stack, requests)]
     assert all(len(p) == 2 for p in pairs)
-    exact = _exact_masked_pairs(models["target"], guide, sampling)
-    first = {t: float(exact[t].sum()) for t in range(VOCAB)}
-    second = {t: float(exact[:, t].sum()) for t in range(VOCAB)}
-    n = len(pairs)
-    assert {p[0] for p in pairs} <= {t for t, v in first.items() if v > 0}
-    for counts, probs in [
-        (Counter(p[0] for p in pairs), first),
-        (Counter(p[1] for p in pairs), second),
-    ]:
-        support = sum(1 for v in probs.values() if v > 0)
-        assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n)
-    joint = {(a, b): float(exact[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
-    pair_counts = Counter(pairs)
-    for cell in sorted(joint, key=joint.__getitem__, reverse=True)[:8]:
-        p = joint[cell]
-        assert abs(pair_counts[cell] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-9, cell
+    assert_pairs_follow(pairs, _exact_masked_pairs(models["target"], guide, sampling))
