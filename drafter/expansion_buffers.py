@@ -41,10 +41,9 @@ class ExpansionBuffers:
         rule_slots: list[int] | None = None,  # with a key's `rules`: each row's rule slot
     ) -> None:
         """Write the round into `inputs`: metadata (and the rows' rule slots, padding rows 0)
-        through the host mirror, the pool's new rows
-        (a sequence's at the start of its q) through theirs (a graph's) or straight, the roots'
-        logits and features (unless the run catches up to them) device to device (padding rows
-        keep what they held)."""
+        through the host mirror, the pool's new rows (a sequence's at the start of its q)
+        through theirs (a graph's) or straight, the roots' logits and features (unless the run
+        catches up to them) device to device (padding rows keep what they held)."""
         bs = len(seqs)
         slots = None if new_rows is None else new_rows.slots
         crossing = host_meta.numpy()
