@@ -94,6 +94,11 @@ class RuleTables:
         self._free = list(range(1, slots + 1))  # a heap: the lowest free slot goes out first
 
     @property
+    def nbytes(self) -> int:
+        """The tables' device memory (fixed once made)."""
+        return sum(t.numel() * t.element_size() for t in self.tables)
+
+    @property
     def num_used(self) -> int:
         return len(self.params) - 1 - len(self._free)
 

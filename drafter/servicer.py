@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from drafter.engine import DrafterEngine
-from specsplit import rounds
+from specsplit import metrics, rounds
 from specsplit.engine_servicer import EngineServicer
 from specsplit.server import service_name
 from specsplit.v1 import drafter_pb2, drafter_pb2_grpc
@@ -15,8 +17,19 @@ class DrafterServicer(EngineServicer[DrafterEngine], drafter_pb2_grpc.DrafterSer
     name = "drafter"
     service_name = service_name(drafter_pb2.DESCRIPTOR, "Drafter")
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        metrics.watch_rule_rows(self._rule_rows_bytes)
+
     def register(self, server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self, server)
+
+    def _rule_rows_bytes(self) -> int:
+        """The rule tables' bytes (0 while loading, or before a request with rules made them;
+        drafter/draft_rules.py). Read from the metrics thread."""
+        engine = self.engine.loaded
+        tables = None if engine is None else getattr(engine.proposer, "rule_tables", None)
+        return 0 if tables is None else int(tables.nbytes)
 
     # DraftRequest in -> DrafterEngine.draft -> DraftResponse out, one per request, in order
     round_call = (rounds.DRAFT, DrafterEngine.draft)

@@ -187,8 +187,8 @@ KV_PAGES_USED = Gauge("specsplit_kv_pages_used", "KV cache pages holding sequenc
 KV_PAGES_FREE = Gauge("specsplit_kv_pages_free", "KV cache pages free")
 RULE_ROWS_BYTES = Gauge(
     "specsplit_rule_rows_bytes",
-    "Verifier device memory held for sequences' logit-rules rows (bias, counts, prompt tokens; "
-    "outside the KV pool)",
+    "Device memory held for sequences' logit-rules rows (bias, counts, prompt tokens; the "
+    "drafter's also a guide's root masks), outside the KV pool",
 )
 ERRORS = Counter("specsplit_errors", "RPCs that ended with an error status", ["code"])
 PREEMPTIONS = Counter(

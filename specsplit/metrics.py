@@ -247,7 +247,8 @@ def watch_kv_pages(pages: Callable[[], tuple[int, int]]) -> None:
 
 
 def watch_rule_rows(nbytes: Callable[[], int]) -> None:
-    """Read the verifier's logit-rules rows' bytes at scrape time (verifier/rule_rows.py)."""
+    """Read the service's logit-rules rows' bytes at scrape time (verifier/rule_rows.py, the
+    drafter's drafter/draft_rules.py)."""
     RULE_ROWS_BYTES.set_function(nbytes)
 
 

@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from drafter.draft_rules import RULE_SLOTS
 from specsplit.metrics import RPC_STAGES
 from specsplit.v1 import common_pb2, gateway_pb2
 from tests.integration.services import (
@@ -39,6 +40,7 @@ NUM_PAGES = 512  # Services gives drafter and verifier --num-pages 512
 SPEC = common_pb2.SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
 PROMPT = [(11 * j) % 4000 + 100 for j in range(9)]
 MAX_NEW_TOKENS = 20
+FAVOURED = 12345  # the token the bias test favours
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
@@ -149,6 +151,29 @@ def first_chunk_tokens(responses: list[gateway_pb2.GenerateResponse]) -> int:
 
 
 # -- metrics ---------------------------------------------------------------------------------
+
+
+def test_the_drafter_bends_its_drafts_by_a_requests_bias_over_the_wire(services: Services) -> None:
+    """A request's logit bias reaches the drafter with its first Draft (DraftRules, over the
+    round lane) and bends its drafts (drafter/draft_rules.py): the drafter here is the target,
+    so under a bias alone it drafts the target's biased argmax, and every draft is accepted
+    (unbent, none was: the favoured token is the biased target's pick at every place, never the
+    plain target's); the drafter's rule tables show in specsplit_rule_rows_bytes."""
+    plain = generate(
+        services.gateway(), token_request(PROMPT, MAX_NEW_TOKENS, spec=SPEC, ignore_eos=True)
+    )
+    request = token_request(PROMPT, MAX_NEW_TOKENS, spec=SPEC, ignore_eos=True)
+    banned = set(ids_of(plain)[:4])
+    for token in banned:
+        request.logit_bias[token] = -100.0
+    request.logit_bias[FAVOURED] = 12.0
+    biased = generate(services.gateway(), request)
+    services.wait_no_pages_used()
+    ids, stats = ids_of(biased), biased[-1].spec_stats
+    assert ids == [FAVOURED] * MAX_NEW_TOKENS != ids_of(plain)
+    assert stats.num_accepted_drafts == SPEC.num_steps * stats.rounds  # (every round's 3)
+    tables = value(scrape(services, "drafter"), "specsplit_rule_rows_bytes")
+    assert tables == (RULE_SLOTS + 1) * VOCAB * (4 + 4 + 1 + 4) + (RULE_SLOTS + 1) * 3 * 4
 
 
 def test_metrics_count_exactly_what_the_client_received(services: Services) -> None:
