@@ -12,6 +12,7 @@ sequences of the round get theirs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -213,8 +214,9 @@ class DrafterEngine:
                 seq.state = self.proposer.new_state(seq)
                 self.seqs[item.seq_id] = seq
             seq = self.seqs[item.seq_id]
-            if item.rules is not None:  # (rules that change nothing: none)
-                seq.rules = item.rules if item.rules.penalties.active else None
+            if item.rules is not None:  # (rules that change no draft: none; min_p bends none)
+                drafted = dataclasses.replace(item.rules.penalties, min_p=0.0)
+                seq.rules = item.rules if drafted.active else None
             self.proposer.truncate(seq, item.start)
             seq.tokens[item.start :] = item.new_tokens
             room = self.proposer.max_context - len(seq.tokens)

@@ -381,7 +381,7 @@ def test_the_engine_takes_checks_and_clears_rules(models: dict[str, Path]) -> No
     assert proposer.rule_tables.num_used == 1
     engine.draft([DraftInput("s", False, 2, [6, 7], SpecParams(2, 1, 2))])  # (kept)
     assert engine.seqs["s"].rules == rules and proposer.rule_tables.num_used == 1
-    off = DraftRules(Penalties(), 2)  # (rules that change nothing: none)
+    off = DraftRules(Penalties(min_p=0.2), 2)  # (rules that change no draft: none)
     engine.draft([DraftInput("s", False, 3, [7, 8], SpecParams(2, 1, 2), rules=off)])
     assert engine.seqs["s"].rules is None and proposer.rule_tables.num_used == 0
     engine.release(["s"])
