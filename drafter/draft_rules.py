@@ -31,10 +31,8 @@ of the sequences without rules in a round that bends."""
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +40,7 @@ import torch
 
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kernels.draft_bend import DraftTables, bend_drafts
-from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, distinct
+from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, start_context
 from specsplit.messages import DraftRules
 
 # sequences with rules a drafter bends for at once (2 x the graphs' largest batch bucket)
@@ -256,17 +254,16 @@ class RuleTables:
 
 
 def host_rules(seq: DraftSeq) -> LogitRules:
-    """The rules `seq`'s drafts are bent by, as the verifier's reference reads them: its output
-    (the tokens from its rules' output_start, through the root) counted afresh, its prompt's
-    distinct tokens (with a repetition penalty); none (a guide's root masks alone): no rules."""
+    """The rules `seq`'s drafts are bent by, as the gateway makes a round's: `start_context` of
+    its prompt (the tokens before its rules' output_start), then `after` its output (through the
+    root), made afresh; none (a guide's root masks alone): no rules."""
     rules = seq.rules
     if rules is None:
         return LogitRules(Penalties())
     start = rules.output_start
-    counts = Counter(seq.tokens[start:])
-    output = tuple(sorted(counts))
-    prompt = distinct(seq.tokens[:start]) if rules.penalties.repetition != 1 else ()
-    return LogitRules(rules.penalties, output, tuple(counts[t] for t in output), prompt)
+    context = start_context(rules.penalties, seq.tokens[:start])
+    assert context is not None
+    return context.after(seq.tokens[start:])
 
 
 def bend_on_host(
@@ -283,7 +280,7 @@ def bend_on_host(
         if job.rule_slot:
             rules = host_rules(job.seq)
             if root and job.root_allowed:
-                rules = dataclasses.replace(rules, allowed=Allowed(job.root_allowed, (0,)))
+                rules = rules.with_allowed(Allowed(job.root_allowed, (0,)))
             for row in range(starts[i], starts[i + 1]):
                 bent[row] = bend_row(logits[row].float(), rules, [])
     return bent
