@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from drafter.draft_rules import bend_on_host
-from drafter.expansion_inputs import Ahead, PoolRows, Shape
+from drafter.expansion_inputs import Ahead, PoolRows, RuleRun, Shape
 from drafter.host_expansion import Expansion, sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
@@ -64,7 +64,8 @@ class DraftAhead:
     _sampling_rows: Callable[[list[DraftJob], int], np.ndarray]
     _set_generator: Callable[[DraftSeq, int | None], torch.Generator]
     _take_rules: Callable[[list[DraftJob]], None]
-    _rule_slots: Callable[[list[DraftJob], Shape], list[int] | None]
+    _settle_rules: Callable[[], None]
+    _rule_run: Callable[[list[DraftJob], Shape], RuleRun | None]
 
     def propose_ahead(self, jobs: list[DraftJob]) -> list[list[AheadTree]]:
         """Draft-ahead, while the verifier verifies `job.verifying` (a chain) for each job's
@@ -83,6 +84,7 @@ class DraftAhead:
                 return self._propose_ahead(jobs, forks)
             finally:
                 self._flush_rows()
+                self._settle_rules()
                 for fork in forks:
                     self.kv.release(self._seq_kv(fork))
                 for job in jobs:
@@ -161,11 +163,11 @@ class DraftAhead:
         chains = [list(job.verifying.tokens) for job in jobs if job.verifying is not None]
         steps = key.shape.num_steps
         sampling = self._sampling_rows(jobs, steps) if key.shape.sampled else None
-        rule_slots = self._rule_slots(jobs, key.shape)
+        rules = self._rule_run(jobs, key.shape)
         given = (key, seqs, root_logits, root_features, chains, catch_ups)
         found = self._carrying(
             key.catch_up if catch_ups else 0,
-            lambda new_rows: self._expansion().expand_ahead(*given, new_rows, sampling, rule_slots),
+            lambda new_rows: self._expansion().expand_ahead(*given, new_rows, sampling, rules),
         )
         return {
             id(job): [

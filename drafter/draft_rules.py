@@ -8,7 +8,10 @@ Unbent, a repetition penalty of 1.3 cut the shipped EAGLE head's tokens a round 
 score (an EAGLE head's draft vocabulary, or the target's): its bias (the stop tokens -inf while
 min_tokens holds them back), its output's counts and its prompt's tokens (for a repetition
 penalty), and per slot (repetition, presence, frequency). The output is counted from the tokens
-the drafter holds (the gateway's), only what changed since the last round crossing to the device.
+the drafter holds (the gateway's), only what changed since the last round: those count changes
+cross to the device with the round's first expansion that bends (in its metadata's one copy,
+`RuleRun`) and its run counts them in before its first step, inside its graph; a call that runs
+none counts them in at its end (`flush`).
 `bend` applies them in `bend_row`'s order (bias, repetition, presence and frequency) over a
 step's rows, each row reading its sequence's slot (one Triton launch on a GPU,
 specsplit/kernels/draft_bend.py): the device expansion runs it in its CUDA graphs
@@ -45,6 +48,7 @@ from specsplit.messages import DraftRules
 
 # sequences with rules a drafter bends for at once (2 x the graphs' largest batch bucket)
 RULE_SLOTS = 128
+NO_DELTAS = np.zeros((2, 0), dtype=np.int32)
 
 
 @dataclass(eq=False)
@@ -90,6 +94,7 @@ class RuleTables:
         self.word_of = (ids // 32).to(device)
         self.bit_of = (ids % 32).to(device=device, dtype=torch.int32)
         self._free = list(range(1, slots + 1))  # a heap: the lowest free slot goes out first
+        self._pending = NO_DELTAS  # count changes [2, n] not yet counted in (`deltas`)
 
     @property
     def nbytes(self) -> int:
@@ -103,21 +108,52 @@ class RuleTables:
     def take(self, jobs: list[DraftJob]) -> None:
         """Each job's `rule_slot` (0: its sequence has no rules, or no slot was free), its rows
         brought up to date with its sequence's tokens and rules, and every job's `bent`: whether
-        any of them bends (the round's expansion then reads the slots)."""
-        owners: list[int] = []
-        columns: list[int] = []
+        any of them bends (the round's expansion then reads the slots). The output's count
+        changes stay pending: the round's first expansion that bends counts them in on the
+        device (`deltas`, `count_in`: they cross with its metadata), else `flush` does."""
+        self.flush()  # (a take not followed by a run, as tests do)
+        slots: list[int] = []
+        tokens: list[int] = []
         deltas: list[int] = []
         for job in jobs:
-            job.rule_slot = self._update(job, owners, columns, deltas)
-        if columns:  # (one copy and one atomic kernel for the round's counts: whole numbers,
-            # exact in any order; index_put_'s accumulate sorts first, a dozen launches)
-            flat = np.array(owners, dtype=np.int64) * self.counts.shape[1] + columns
-            pairs = self._to_device(np.stack([flat, np.array(deltas)]))
-            self.counts.view(-1).index_add_(0, pairs[0], pairs[1].float())
+            job.rule_slot = self._update(job, slots, tokens, deltas)
+        if tokens:
+            columns = self.col_of[np.array(tokens, dtype=np.int64)]
+            scored = columns >= 0
+            flat = np.array(slots, dtype=np.int64)[scored] * self.counts.shape[1]
+            pairs = np.stack([flat + columns[scored], np.array(deltas)[scored]])
+            self._pending = np.concatenate([self._pending, pairs.astype(np.int32)], axis=1)
         self._write_roots([job for job in jobs if job.rule_slot])
         bent = any(job.rule_slot for job in jobs)
         for job in jobs:
             job.bent = bent
+
+    def deltas(self, capacity: int) -> np.ndarray:
+        """The pending count changes [2, n] int32 (flat index into `counts`, +-1) for a run that
+        counts them in (`count_in`), at most `capacity` of them: where more are pending they
+        are counted in here (`flush`) and none are handed out."""
+        pending, self._pending = self._pending, NO_DELTAS
+        if pending.shape[1] <= capacity:
+            return pending
+        self._count_in_now(pending)
+        return NO_DELTAS
+
+    def count_in(self, deltas: torch.Tensor) -> None:
+        """A run's count changes [2, capacity] int32 on the device (`deltas`' handed out, zero
+        after: slot 0's first column gains 0) added into `counts`: whole numbers, exact in any
+        order; no host syncs (a graph captures it)."""
+        self.counts.view(-1).index_add_(0, deltas[0].long(), deltas[1].float())
+
+    def flush(self) -> None:
+        """Count in what no run took (a round that bent no device expansion)."""
+        if self._pending.shape[1]:
+            pending, self._pending = self._pending, NO_DELTAS
+            self._count_in_now(pending)
+
+    def _count_in_now(self, pending: np.ndarray) -> None:
+        """`pending` [2, n] counted in: one copy and one atomic kernel (index_put_'s accumulate
+        sorts first, a dozen launches)."""
+        self.count_in(self._to_device(pending))
 
     def release(self, seq: DraftSeq) -> None:
         """Give the sequence's slot back (released, or its rules ended)."""
@@ -133,12 +169,10 @@ class RuleTables:
         elsewhere; no host syncs (a graph captures either)."""
         return bend_drafts(logits, slots, self.tables, root)
 
-    def _update(
-        self, job: DraftJob, owners: list[int], columns: list[int], deltas: list[int]
-    ) -> int:
+    def _update(self, job: DraftJob, slots: list[int], tokens: list[int], deltas: list[int]) -> int:
         """The job's sequence's slot (0: none), its rows filled where its rules changed, else its
-        output's changes since the last round listed as count deltas (tokens before `job.start`
-        are as they were counted)."""
+        output's changes since the last round listed (each token's slot, the token, its count's
+        change; tokens before `job.start` are as they were counted)."""
         seq, start = job.seq, job.start
         rules = seq.rules
         held = seq.rule_rows
@@ -146,7 +180,7 @@ class RuleTables:
             if held is not None:
                 self.release(seq)
             return 0
-        if not isinstance(held, SeqRules) or held.rules != rules:
+        if not isinstance(held, SeqRules) or (held.rules is not rules and held.rules != rules):
             if held is not None:
                 self.release(seq)
             if not self._free:
@@ -157,26 +191,20 @@ class RuleTables:
             start = 0  # (every output token counts)
         if rules is None:
             return held.slot
-        tokens, first = seq.tokens, rules.output_start
-        # tokens from `changed` on may differ from those counted: find where they do
-        changed = max(min(start, first + len(held.counted)), first)
-        keep = changed - first
-        while keep < len(held.counted) and keep + first < len(tokens):
-            if held.counted[keep] != tokens[keep + first]:
-                break
+        counted, first, every = held.counted, rules.output_start, seq.tokens
+        # the output's tokens from `start` on may differ from those counted: find where they do
+        keep = max(min(start - first, len(counted)), 0)
+        end = min(len(counted), len(every) - first)
+        while keep < end and counted[keep] == every[first + keep]:
             keep += 1
-        gone = held.counted[keep:]
-        added = tokens[first + keep :]
-        del held.counted[keep:]
-        held.counted += added
-        for token, delta in [(t, -1) for t in gone] + [(t, 1) for t in added]:
-            column = int(self.col_of[token])
-            if column >= 0:
-                owners.append(held.slot)
-                columns.append(column)
-                deltas.append(delta)
+        gone, added = counted[keep:], every[first + keep :]
+        del counted[keep:]
+        counted += added
+        slots += [held.slot] * (len(gone) + len(added))
+        tokens += gone + added
+        deltas += [-1] * len(gone) + [1] * len(added)
         penalties = rules.penalties
-        stops = len(held.counted) < penalties.min_tokens and bool(penalties.stop_ids)
+        stops = len(counted) < penalties.min_tokens and bool(penalties.stop_ids)
         if stops != held.held:
             self._write_stops(held, stops)
         return held.slot

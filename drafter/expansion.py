@@ -20,6 +20,7 @@ their own before the run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,13 +32,14 @@ from drafter.expansion_inputs import (
     Candidates,
     ExpansionInputs,
     PoolRows,
+    RuleRun,
     Shape,
 )
 from drafter.expansion_steps import (
     CatchUpForward,
     ExpansionSteps,
     FrontierForward,
-    RowsBend,
+    RowRules,
     RowsWrite,
 )
 from specsplit import metrics
@@ -72,9 +74,9 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
 
     `pool_rows` ((width, dtype)) and `write_rows`: the proposer's row pool (`PoolRows`), whose
     new rows a run with a catch-up writes before the catch-up reads them; None: it has none.
-    `bend`: (logits [R, scored], each row's rule slot [R]) -> the logits bent by its sequence's
-    logit rules (the proposer's RuleTables), which keys with `rules` run on every step's logits;
-    None: none can."""
+    `rule_rows`: the proposer's logit rules' rows (its RuleTables, made at the first call): a
+    run of a key with `rules` counts in the changes crossing with it (`RuleRun.deltas`), then
+    bends every step's logits, each row by its sequence's rules; None: no key can."""
 
     def __init__(
         self,
@@ -90,7 +92,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         pool_rows: tuple[int, torch.dtype] | None = None,
         write_rows: RowsWrite | None = None,
         catch_up_lens: tuple[int, ...] = (),
-        bend: RowsBend | None = None,
+        rule_rows: Callable[[], RowRules] | None = None,
     ) -> None:
         """catch_up: the proposer's catch-up forward, which keys with `catch_up` run (None: none
         can). catch_up_lens: the catch-up lengths a key's graph may have (the proposer's padded
@@ -117,7 +119,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         self.pool_rows = pool_rows
         self.write_rows = write_rows
         self.catch_up_lens = catch_up_lens
-        self.bend = bend
+        self.rule_rows = rule_rows
         # the graphs' new pool rows: one device buffer all of them read (each a view of its
         # first bucket * q rows; grown for a larger one, whose earlier views keep the old),
         # and its pinned host mirror (free again after each run, which waits for its copies)
@@ -160,14 +162,14 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
         catch_ups: list[list[int]] | None = None,  # [B][shape.catch_up] the catch-ups' tokens
         new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
-        rule_slots: list[int] | None = None,  # with shape.rules: each row's rule slot
+        rules: RuleRun | None = None,  # with shape.rules: the rows' slots, the count changes
     ) -> list[Candidates]:
         """Each sequence's candidates (with `shape.catch_up` = q, after its catch-up of q
         entries from `catch_ups`, as `expand_ahead`'s)."""
         bs, n = len(seqs), shape.num_candidates
         assert (root_logits is None) == bool(shape.catch_up), shape
         out, probs = self._run(
-            shape, seqs, root_logits, root_features, [], sampling, catch_ups, new_rows, rule_slots
+            shape, seqs, root_logits, root_features, [], sampling, catch_ups, new_rows, rules
         )
         cands = out[: bs * 3 * n].reshape(bs, 3, n)
         found = [_candidates(cands, b) for b in range(bs)]
@@ -185,7 +187,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         catch_ups: list[list[int]] | None = None,  # [B][key.catch_up] the catch-ups' tokens
         new_rows: PoolRows | None = None,  # with a catch-up: the pool's new rows, a part a seq
         sampling: np.ndarray | None = None,  # [B, 3 + num_steps] a sampled chain's rows
-        rule_slots: list[int] | None = None,  # with key.shape.rules: each row's rule slot
+        rules: RuleRun | None = None,  # with key.shape.rules: the rows' slots, count changes
     ) -> list[list[tuple[int, int, Candidates]]]:
         """Draft-ahead in one run (one graph replay): with `key.catch_up` = q, first each
         sequence's entries at storage [base - q, base) from `catch_ups` (causal; the last one
@@ -202,7 +204,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         assert (root_logits is None) == bool(key.catch_up), key
         assert (sampling is not None) == key.shape.sampled, key
         out, probs = self._run(
-            key, seqs, root_logits, root_features, chains, sampling, catch_ups, new_rows, rule_slots
+            key, seqs, root_logits, root_features, chains, sampling, catch_ups, new_rows, rules
         )
         rows = bs * key.num_outcomes
         cands = out[: rows * 3 * n].reshape(rows, 3, n)
@@ -246,7 +248,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         sampling: np.ndarray | None = None,
         catch_ups: list[list[int]] | None = None,
         new_rows: PoolRows | None = None,
-        rule_slots: list[int] | None = None,
+        rules: RuleRun | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One expansion of `key` (a graph's replay where one fits, else eager): `inputs.out`
         and `inputs.probs` on the host, cut to the rows of `seqs`."""
@@ -270,7 +272,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
                 chains,
                 catch_ups,
                 new_rows,
-                rule_slots,
+                rules,
             )
             if sampling is not None:
                 host_sampling[:bs].copy_(torch.from_numpy(sampling))
@@ -298,7 +300,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         host = torch.zeros(inputs.crossing.shape, dtype=torch.int32)
         self._load(
             inputs, host, None, seqs, root_logits, root_features, chains, catch_ups, new_rows,
-            rule_slots,
+            rules,
         )  # fmt: skip
         if sampling is not None:
             inputs.sampling.copy_(torch.from_numpy(sampling))
@@ -328,7 +330,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         chain_len = key.chain_len if isinstance(key, Ahead) else 0
         catch_up = key.catch_up
         self._fill_meta(
-            crossing[inputs.rule_cols :],
+            crossing[inputs.meta_start :],
             [],
             bucket,
             [[0] * chain_len] if chain_len else [],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from drafter.expansion_inputs import ExpansionInputs, PoolRows
+from drafter.expansion_inputs import ExpansionInputs, PoolRows, RuleRun
 from drafter.expansion_maps import split_meta
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.transfer import copy_rows
@@ -38,23 +38,26 @@ class ExpansionBuffers:
         chains: list[list[int]],
         catch_ups: list[list[int]] | None,
         new_rows: PoolRows | None = None,
-        rule_slots: list[int] | None = None,  # with a key's `rules`: each row's rule slot
+        rules: RuleRun | None = None,  # with a key's `rules`: the rows' slots, the count changes
     ) -> None:
-        """Write the round into `inputs`: metadata (and the rows' rule slots, padding rows 0)
-        through the host mirror, the pool's new rows (a sequence's at the start of its q)
-        through theirs (a graph's) or straight, the roots' logits and features (unless the run
-        catches up to them) device to device (padding rows keep what they held)."""
+        """Write the round into `inputs`: metadata (and the rows' rule slots, padding rows 0,
+        and the rule tables' count changes) through the host mirror, the pool's new rows (a
+        sequence's at the start of its q) through theirs (a graph's) or straight, the roots'
+        logits and features (unless the run catches up to them) device to device (padding rows
+        keep what they held)."""
         bs = len(seqs)
         slots = None if new_rows is None else new_rows.slots
         crossing = host_meta.numpy()
         self._fill_meta(
-            crossing[inputs.rule_cols :], seqs, inputs.bs, chains, catch_ups or [],
+            crossing[inputs.meta_start :], seqs, inputs.bs, chains, catch_ups or [],
             inputs.row_slots, slots,
         )  # fmt: skip
         if inputs.rule_cols:
-            assert rule_slots is not None, "a key with rules needs each row's rule slot"
-            crossing[: len(rule_slots)] = rule_slots
-            crossing[len(rule_slots) : inputs.rule_cols] = 0
+            assert rules is not None, "a key with rules needs each row's rule slot"
+            crossing[: inputs.meta_start] = 0
+            crossing[: len(rules.slots)] = rules.slots
+            deltas = crossing[inputs.rule_cols : inputs.meta_start].reshape(2, -1)
+            deltas[:, : rules.deltas.shape[1]] = rules.deltas
         inputs.crossing.copy_(host_meta, non_blocking=True)
         if new_rows is not None and inputs.new_rows is not None:
             q, dst = inputs.row_slots, inputs.new_rows

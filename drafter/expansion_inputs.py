@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs
@@ -25,6 +26,20 @@ class PoolRows:
         """Whether every part has at most q rows (what a catch-up of q entries a sequence
         carries)."""
         return all(part.shape[0] <= q for part in self.parts)
+
+
+@dataclass
+class RuleRun:
+    """A run's logit rules (a key with `rules`): each row's slot in the proposer's RuleTables,
+    and the tables' pending count changes [2, n] int32 the run counts in first
+    (drafter/draft_rules.py; at most DELTAS_PER_ROW a row)."""
+
+    slots: list[int]
+    deltas: np.ndarray
+
+
+# count changes a run of a key with rules carries per row (more: counted in before the run)
+DELTAS_PER_ROW = 8
 
 
 @dataclass(frozen=True)
@@ -171,17 +186,22 @@ class ExpansionInputs:
         self.new_rows = new_rows if catch_up else None
         self.row_slots = catch_up if self.new_rows is not None else 0  # a row's, in meta
         # int32, crossing from the host in one copy: with `rules`, each row's slot in the
-        # proposer's RuleTables [bs] (padding rows: 0, unbent; else None); then `meta`: every
+        # proposer's RuleTables [bs] (padding rows: 0, unbent; else None) and the tables' count
+        # changes [2, DELTAS_PER_ROW * bs] (`RuleRun.deltas`, zero after); then `meta`: every
         # row's base [bs], the block table [bs, max_pages], the chains [bs, L], the catch-ups'
         # input tokens [bs, q], the new pool rows' slots [bs, q]
         self.rule_cols = bs if shape.rules else 0
+        self.meta_start = self.rule_cols * (1 + 2 * DELTAS_PER_ROW)
         self.crossing = torch.zeros(
-            self.rule_cols + bs * (1 + max_pages + chain_len + catch_up + self.row_slots),
+            self.meta_start + bs * (1 + max_pages + chain_len + catch_up + self.row_slots),
             dtype=torch.int32,
             device=device,
         )
         self.rule_slots = self.crossing[: self.rule_cols] if shape.rules else None
-        self.meta = self.crossing[self.rule_cols :]
+        self.rule_deltas = (
+            self.crossing[self.rule_cols : self.meta_start].view(2, -1) if shape.rules else None
+        )
+        self.meta = self.crossing[self.meta_start :]
         if isinstance(key, Ahead):
             rows = bs * key.num_outcomes
             size = rows * 3 * n + bs * (chain_len + 1) * key.guesses

@@ -16,7 +16,7 @@ import torch
 
 from drafter.draft_rules import RuleTables
 from drafter.expansion import DeviceExpansion
-from drafter.expansion_inputs import Ahead, PoolRows, Shape
+from drafter.expansion_inputs import DELTAS_PER_ROW, Ahead, PoolRows, RuleRun, Shape
 from drafter.host_expansion import sampled_chain, select_tree
 from drafter.types import DraftJob, DraftSeq
 from specsplit.kv_cache import KVCache, SeqKV
@@ -160,11 +160,11 @@ class ExpansionKeys:
         once a round): each job's tree."""
         seqs = [self._seq_kv(job.seq) for job in jobs]
         sampling = self._sampling_rows(jobs, shape.num_steps) if shape.sampled else None
-        rule_slots = self._rule_slots(jobs, shape)
+        rules = self._rule_run(jobs, shape)
         found = self._carrying(
             shape.catch_up if catch_ups else 0,
             lambda new_rows: self._expansion().expand(
-                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows, rule_slots
+                shape, seqs, root_logits, root_features, sampling, catch_ups, new_rows, rules
             ),
         )
         return [select_tree(c, job.spec) for c, job in zip(found, jobs, strict=True)]
@@ -190,7 +190,7 @@ class ExpansionKeys:
             pool_rows=self.pool_rows,
             write_rows=self._write_pool_rows,
             catch_up_lens=self.catch_up_lens,
-            bend=self._bend_rows,
+            rule_rows=self._made_rule_tables,
         )
 
     def _take_rules(self, jobs: list[DraftJob]) -> None:
@@ -202,23 +202,25 @@ class ExpansionKeys:
             return
         self._made_rule_tables().take(jobs)
 
+    def _settle_rules(self) -> None:
+        """At a call's end: the rule tables' count changes no run counted in (a call that ran
+        no device expansion with rules) counted in now."""
+        if self.rule_tables is not None:
+            self.rule_tables.flush()
+
     def _made_rule_tables(self) -> RuleTables:
         """The rule tables, made at the first call (a fixed size: graphs read them)."""
         if self.rule_tables is None:
             self.rule_tables = RuleTables(self.vocab_size, self.scored_ids, self.kv.device)
         return self.rule_tables
 
-    @staticmethod
-    def _rule_slots(jobs: list[DraftJob], shape: Shape) -> list[int] | None:
-        """The jobs' rule slots where `shape` bends, else None."""
-        return [job.rule_slot for job in jobs] if shape.rules else None
-
-    def _bend_rows(
-        self, logits: torch.Tensor, rule_slots: torch.Tensor, root: bool
-    ) -> torch.Tensor:
-        """DeviceExpansion's `bend`: the rule tables' (made before any key bends)."""
-        assert self.rule_tables is not None
-        return self.rule_tables.bend(logits, rule_slots, root)
+    def _rule_run(self, jobs: list[DraftJob], shape: Shape) -> RuleRun | None:
+        """Where `shape` bends: the jobs' rule slots, and the rule tables' count changes the
+        run counts in (the round's first run takes them all), else None."""
+        if not shape.rules:
+            return None
+        deltas = self._made_rule_tables().deltas(DELTAS_PER_ROW * len(jobs))
+        return RuleRun([job.rule_slot for job in jobs], deltas)
 
 
 def expansion_key(job: DraftJob) -> Shape:

@@ -19,6 +19,7 @@ tree_draft's host path, and each cut distribution comes back with the candidates
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -41,9 +42,18 @@ FrontierForward = Callable[
 CatchUpForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor | None]]
 # a row pool's write: (slots [n] int64, rows [n, width]) on the device -> rows at those slots
 RowsWrite = Callable[[torch.Tensor, torch.Tensor], None]
-# logit rules' bend: (logits [R, scored] float32, each row's rule slot [R] int64, whether they are
-# the roots' rows) -> the logits bent (drafter/draft_rules.py's RuleTables.bend; slot 0: unbent)
-RowsBend = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+class RowRules(Protocol):
+    """The proposer's logit rules' rows as a run of a key with `rules` reads them
+    (drafter/draft_rules.py's RuleTables): device ops alone, so a graph captures them."""
+
+    def count_in(self, deltas: torch.Tensor) -> None:
+        """The run's count changes [2, n] int32 (`ExpansionInputs.rule_deltas`) added in."""
+
+    def bend(self, logits: torch.Tensor, slots: torch.Tensor, root: bool = False) -> torch.Tensor:
+        """logits [R, scored] float32 bent at each row's rule slot [R] (slot 0: unbent);
+        `root`: the roots' rows (a guide's root mask bends them too)."""
 
 
 class ExpansionSteps:
@@ -51,8 +61,9 @@ class ExpansionSteps:
     sets these attributes: `forward` (one frontier step of the proposer's model), `catch_up`
     (its catch-up forward, None: none), `kv`, `vocab_size`, `scored_ids` (the target id of each
     column the forwards score, None: the target's vocabulary), `write_rows` (the row pool's
-    write, None: no pool) and `bend` (the logit rules' bend a key with `rules` runs on every
-    step's logits, each row at its sequence's rule slot; None: none). Everything here is tensor
+    write, None: no pool) and `rule_rows` (the logit rules' rows a key with `rules` counts its
+    changes into, then bends every step's logits by, each row at its sequence's rule slot;
+    None: none). Everything here is tensor
     ops on the device, so one graph captures a whole expansion."""
 
     forward: FrontierForward
@@ -61,7 +72,7 @@ class ExpansionSteps:
     vocab_size: int
     scored_ids: torch.Tensor | None
     write_rows: RowsWrite | None
-    bend: RowsBend | None
+    rule_rows: Callable[[], RowRules] | None
 
     def _body(self, key: Shape | Ahead, inputs: ExpansionInputs) -> None:
         """Every step of the expansion of `inputs`' rows; writes inputs.out."""
@@ -76,6 +87,7 @@ class ExpansionSteps:
         base = base32.long()
         width = key.num_candidates
         sampling = inputs.sampling if key.sampled else None
+        self._count_in(inputs)
         root_logits, root_features = self._roots(inputs, table, base32, base, catch_up, row_slots)
         rule_slots = inputs.rule_slots
         root_logits = self._bent(root_logits, rule_slots, root=True)
@@ -113,6 +125,7 @@ class ExpansionSteps:
             inputs.meta, bs, chain_len, key.catch_up, inputs.row_slots
         )
         base, chain = base32.long(), chain32.long()
+        self._count_in(inputs)
         root = self._roots(inputs, table, base32, base, catch_up, row_slots)
         rule_slots = inputs.rule_slots
         logits, outputs = [self._bent(root[0], rule_slots, root=True)], [root[1]]
@@ -399,8 +412,15 @@ class ExpansionSteps:
         the roots' rows (a guide's root mask bends them too)."""
         if rule_slots is None:
             return logits
-        assert self.bend is not None, "a key with rules needs the proposer's bend"
-        return self.bend(logits, rule_slots, root)
+        assert self.rule_rows is not None, "a key with rules needs the proposer's rule rows"
+        return self.rule_rows().bend(logits, rule_slots, root)
+
+    def _count_in(self, inputs: ExpansionInputs) -> None:
+        """A key with rules: the rule rows' count changes crossing with the run counted in,
+        before any step bends by them."""
+        if inputs.rule_deltas is not None:
+            assert self.rule_rows is not None, "a key with rules needs the proposer's rule rows"
+            self.rule_rows().count_in(inputs.rule_deltas)
 
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids of the forwards' vocabulary as the target's."""

@@ -185,6 +185,7 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
                 return self._propose(jobs)
             finally:
                 self._flush_rows()
+                self._settle_rules()
                 for job in jobs:
                     self.kv.trim(self._seq_kv(job.seq), self.kept_len(job.seq))
 

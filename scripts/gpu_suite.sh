@@ -12,6 +12,7 @@
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
+#       [draft-rules-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -298,6 +299,12 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 60 \
           --decode-ahead --no-hf --no-eager --sampled-n 8 "$mode"
       done ;;
+    draft-rules-ab)  # the drafter's Draft with and without logit rules (bench/draft_step.py
+      # --rules, random SmolLM2-shaped target and head, greedy chain of 3, batch 1 / 8 / 32) in
+      # this tree and in .gpu/old (`scripts/gpu_old.sh REV`), in turn twice:
+      # $out/draftrules_{new,old}{,2}.txt
+      in_trees "new old new2 old2" draftrules python3 bench/draft_step.py \
+        --random-target smollm2-135m --batch 1 8 32 --shape 3x1x3 --rules --rounds 300 ;;
     engine8b-small)  # an 8B's decode step at batch $SMALL8B_BATCHES (default 1 4) through the
       # small-linear broadcast path's fused kernels (with PDL; the weights' L2 prefetch of whole
       # rows, of each row's first 8 lines, or none) against the default unfused layer (cuBLAS;

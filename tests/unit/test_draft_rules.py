@@ -5,7 +5,9 @@ Named invariants:
   target's vocabulary and over a head's own columns; slot 0 leaves a row as it is;
 - the rows follow the sequence's tokens through appends, a rejected tail sent again, a
   truncation and a change of rules, and min_tokens' stop tokens are -inf until the output
-  reaches it;
+  reaches it; the count changes counted in by a run (crossing with its metadata, zero-padded)
+  equal those counted in at the call's end, and more than a run carries are counted in before
+  it;
 - a sequence past the tables' slots drafts unbent until a slot is free; a release gives it back;
 - the device expansion (graphs' path) drafts the host expansion's trees under rules (chains,
   trees, sampled chains, draft models and EAGLE heads, draft-ahead too), and they are not the
@@ -89,6 +91,21 @@ def _bent(tables: RuleTables, slot: int, row: torch.Tensor, columns: np.ndarray)
     return tables.bend(row[None, columns], torch.tensor([slot]))[0]
 
 
+def _take(tables: RuleTables, jobs: list[DraftJob], how: str = "flush") -> None:
+    """The round's `take`, its count changes counted in as a call's end does ("flush") or as a
+    run does ("run": handed out for a run of capacity 4, zero-padded as its crossing is)."""
+    tables.take(jobs)
+    if how == "flush":
+        tables.flush()
+        return
+    capacity = 4
+    deltas = tables.deltas(capacity)
+    crossing = np.zeros((2, capacity), dtype=np.int32)
+    crossing[:, : deltas.shape[1]] = deltas
+    tables.count_in(torch.from_numpy(crossing))
+    tables.flush()  # (nothing left: the run took them, or they were counted in before it)
+
+
 @pytest.mark.parametrize("columns", ["target", "head"])
 @pytest.mark.parametrize("rule", list(EACH_RULE))
 def test_the_tables_bend_a_row_as_bend_row(rule: str, columns: str) -> None:
@@ -98,7 +115,7 @@ def test_the_tables_bend_a_row_as_bend_row(rule: str, columns: str) -> None:
     output = [9, 40, 3, 3, 17, 2]
     seq = _seq(PROMPT + output, EACH_RULE[rule])
     job = _job(seq)
-    tables.take([job])
+    _take(tables, [job])
     assert job.rule_slot == 1 and job.bent
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
@@ -110,10 +127,12 @@ def test_the_tables_bend_a_row_as_bend_row(rule: str, columns: str) -> None:
     assert not torch.equal(want, row[scored])  # (each rule changes the row)
 
 
-def test_the_rows_follow_the_sequences_tokens() -> None:
+@pytest.mark.parametrize("how", ["flush", "run"])
+def test_the_rows_follow_the_sequences_tokens(how: str) -> None:
     """Appends (the root sent again), a rejected tail replaced, a truncation, other rules: after
     each round the rows bend as the rules made afresh from the tokens; the stop tokens are -inf
-    until the output holds min_tokens tokens, then their own bias."""
+    until the output holds min_tokens tokens, then their own bias. "run": the changes cross
+    with a run of capacity 4 (the first round's 8 and the replaced tail's 6 do not fit)."""
     tables = RuleTables(VOCAB, None, torch.device("cpu"), slots=2)
     every = np.arange(VOCAB)
     penalties = Penalties(((7, 2.0),), 0.5, 0.75, 1.2, min_tokens=5, stop_ids=(7, 8))
@@ -122,7 +141,7 @@ def test_the_rows_follow_the_sequences_tokens() -> None:
 
     def check(start: int) -> None:
         job = _job(seq, start)
-        tables.take([job])
+        _take(tables, [job], how)
         row = torch.randn(VOCAB, generator=gen) * 3
         torch.testing.assert_close(
             _bent(tables, job.rule_slot, row, every), _reference(seq, row), rtol=0, atol=0
@@ -146,7 +165,7 @@ def test_the_rows_follow_the_sequences_tokens() -> None:
     assert torch.equal(tables.bias[1], torch.zeros(VOCAB))
     seq.rules = None
     job = _job(seq, len(seq.tokens) - 1)
-    tables.take([job])
+    _take(tables, [job])
     assert (job.rule_slot, job.bent, tables.num_used) == (0, False, 0)
 
 
@@ -164,7 +183,7 @@ def test_a_guides_root_mask_bends_the_roots_rows_alone(rule: str, columns: str) 
     allowed = np.random.default_rng(4).random(VOCAB) < 0.4
     job = _job(seq)
     job.root_allowed = _mask(allowed)
-    tables.take([job])
+    _take(tables, [job])
     assert job.rule_slot == 1
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(6)) * 4
     plain = row if seq.rules is None else _reference(seq, row)
