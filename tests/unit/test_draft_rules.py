@@ -10,8 +10,9 @@ Named invariants:
   it;
 - a sequence past the tables' slots drafts unbent until a slot is free; a release gives it back;
 - the device expansion (graphs' path) drafts the host expansion's trees under rules (chains,
-  trees, sampled chains, draft models and EAGLE heads, draft-ahead too), and they are not the
-  unbent trees;
+  trees, sampled chains, draft models and EAGLE heads, draft-ahead too; the count changes
+  crossing with its runs, or counted in before one that cannot carry them all), and they are
+  not the unbent trees;
 - a guide's root mask bends the roots' rows alone (as bend_row bends a guided root row), with or
   without penalties, and the first drafts keep to it;
 - a bias of -100 keeps its tokens out of every draft;
@@ -262,11 +263,14 @@ def _rounds(
     guided: bool = False,
 ) -> list[list[DraftOutput]]:
     """A sequence per entry of `rules`, five rounds, each appending the first two drafts of the
-    last (and a token of its own); with `ahead`, then a draft-ahead call for each (the chain its
+    last (and a token of its own; the first sequence 30 more in round 2: more count changes than
+    the round's run carries, DELTAS_PER_ROW a row, so they are counted in before it); with
+    `ahead`, then a draft-ahead call for each (the chain its
     last round drafted); `guided`: every Draft with a random root mask (ROOT_MASKS' for its
     round and sequence)."""
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(7)
+    jump = torch.Generator().manual_seed(11)  # (its own: the other inputs stay as they were)
     tokens = [
         torch.randint(3, TINY_VOCAB, (9 + b,), generator=gen).tolist() for b in range(len(rules))
     ]
@@ -278,12 +282,17 @@ def _rounds(
         for b, penalties in enumerate(rules):
             if r:
                 tokens[b] += outs[-1][b].tree.tokens[:2] + [3 + (r * 7 + b) % 50]
+            extra = 30 if (r, b) == (2, 0) else 0
+            tokens[b] += torch.randint(3, TINY_VOCAB, (extra,), generator=jump).tolist()
             start = min(held[b], len(tokens[b]) - 1)
             rows = (
                 None
                 if width is None
-                else torch.randn(len(tokens[b]) - start - 1, width, generator=gen)
-            )
+                else torch.cat([
+                    torch.randn(len(tokens[b]) - start - 1 - extra, width, generator=gen),
+                    torch.randn(extra, width, generator=jump),
+                ])
+            )  # fmt: skip
             item = DraftInput(f"s{b}", r == 0, start, tokens[b][start:], spec, sampling=sampling,
                               target_hidden_states=rows)  # fmt: skip
             if r == 0 and penalties is not None:
