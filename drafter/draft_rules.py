@@ -48,7 +48,8 @@ from specsplit.messages import DraftRules
 
 # sequences with rules a drafter bends for at once (2 x the graphs' largest batch bucket)
 RULE_SLOTS = 128
-NO_DELTAS = np.zeros((2, 0), dtype=np.int32)
+NO_DELTAS = np.zeros((2, 0), dtype=np.int32)  # (shared: read-only)
+NO_DELTAS.setflags(write=False)
 
 
 @dataclass(eq=False)
