@@ -1,7 +1,9 @@
 """On a CUDA device: the drafter's steps replayed from CUDA graphs (a chain's one-token steps and
 catch-ups padded to a captured length), for a draft model and an EAGLE-3 head. The output is the
 target's greedy output, the graphs ran, and the drafts are those of the same padded steps run
-eagerly. Skipped where there is no GPU (CI)."""
+eagerly; so too under logit rules and under a guide (the drafts bent inside the expansion's
+graphs by the rules and by the root's mask each Draft carries). Skipped where there is no GPU
+(CI)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from drafter.tree_draft import CATCH_UP_LENS, TreeProposer
 from gateway.request import GenerationRequest
+from specsplit.guide.tokens import FixedTokens
 from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams
 from tests.eagle_random import save_target_and_drafters
@@ -26,10 +29,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return save_target_and_drafters(tmp_path_factory.mktemp("drafter_graphs"))
 
 
-def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool, penalties=None):  # type: ignore[no-untyped-def]
+def _run(
+    models, tokenizer, drafter: str, spec: SpecParams, graphs: bool, penalties=None, guide=None
+):  # type: ignore[no-untyped-def]
     """Outputs, final stats and graph replays of four requests (catch-ups from their own graphs
     or inside the expansion's); `graphs` False runs the same padded steps eagerly. `penalties`:
-    the first three requests' logit rules (the drafter bends its drafts by them too)."""
+    the first three requests' logit rules (the drafter bends its drafts by them too); `guide`:
+    the first three requests' guide (each Draft carries its root's mask)."""
     stack = stack_on("cuda", models, tokenizer, drafter, spec, graphs)
     proposer = stack.drafter.proposer
     replays = {"n": 0}
@@ -58,14 +64,14 @@ def _run(models, tokenizer, drafter: str, spec: SpecParams, graphs: bool, penalt
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 12, 17, 6)]
     requests = [GenerationRequest(p + p[:4], 24, ignore_eos=True) for p in prompts]
-    for i in range(3 if penalties is not None else 0):
-        requests[i] = replace(requests[i], penalties=penalties)
+    for i in range(3 if penalties is not None or guide is not None else 0):
+        requests[i] = replace(requests[i], penalties=penalties, guide=guide)
     out = stack.generate_all(requests)
-    if penalties is not None and isinstance(proposer, TreeProposer):
+    if (penalties is not None or guide is not None) and isinstance(proposer, TreeProposer):
         assert proposer.rule_tables is not None and proposer.rule_tables.num_used == 0
-        runner = proposer.device_expansion_runner
-        assert runner is not None
-        bent = [key for key, _ in runner.captured if getattr(key, "rules", False)]
+        expansion = proposer.device_expansion_runner
+        assert expansion is not None
+        bent = [key for key, _ in expansion.captured if getattr(key, "rules", False)]
         assert bool(bent) == graphs  # (the bent expansion's graphs captured and replayed)
     check_no_leaks(stack)
     return [generated_ids(c) for c in out], [c[-1].stats for c in out], replays["n"]
@@ -98,4 +104,25 @@ def test_bent_drafts_from_graphs_equal_the_eager_ones_and_the_output_the_targets
     assert got == expected
     assert replays > 0
     _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False, PENALTIES)
+    assert stats == eager_stats
+
+
+# a guide of allowed tokens (every other id): each Draft carries the root's mask, which the
+# drafter bends its roots' logits by inside the expansion's graphs
+GUIDE = FixedTokens(tuple(range(3, TINY_VOCAB, 2)), TINY_VOCAB)
+
+
+@pytest.mark.parametrize("penalties", [None, PENALTIES], ids=["guide", "guide-rules"])
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_guided_drafts_from_graphs_equal_the_eager_ones_and_the_output_the_targets(
+    models, smollm2_tokenizer, drafter: str, penalties: Penalties | None
+) -> None:
+    alone = SpecParams(0, 1, 0)
+    expected, _, _ = _run(models, smollm2_tokenizer, "ngram", alone, False, penalties, GUIDE)
+    assert all(t in GUIDE.allowed for ids in expected[:3] for t in ids)
+    spec = SpecParams(3, 1, 3)
+    got, stats, replays = _run(models, smollm2_tokenizer, drafter, spec, True, penalties, GUIDE)
+    assert got == expected
+    assert replays > 0
+    _, eager_stats, _ = _run(models, smollm2_tokenizer, drafter, spec, False, penalties, GUIDE)
     assert stats == eager_stats
