@@ -123,7 +123,7 @@ class RuleTables:
             scored = columns >= 0
             flat = np.array(slots, dtype=np.int64)[scored] * self.counts.shape[1]
             pairs = np.stack([flat + columns[scored], np.array(deltas)[scored]])
-            self._pending = np.concatenate([self._pending, pairs.astype(np.int32)], axis=1)
+            self._pending = pairs.astype(np.int32)  # (none were pending: flushed above)
         self._write_roots([job for job in jobs if job.rule_slot])
         bent = any(job.rule_slot for job in jobs)
         for job in jobs:
@@ -133,11 +133,10 @@ class RuleTables:
         """The pending count changes [2, n] int32 (flat index into `counts`, +-1) for a run that
         counts them in (`count_in`), at most `capacity` of them: where more are pending they
         are counted in here (`flush`) and none are handed out."""
+        if self._pending.shape[1] > capacity:
+            self.flush()
         pending, self._pending = self._pending, NO_DELTAS
-        if pending.shape[1] <= capacity:
-            return pending
-        self._count_in_now(pending)
-        return NO_DELTAS
+        return pending
 
     def count_in(self, deltas: torch.Tensor) -> None:
         """A run's count changes [2, capacity] int32 on the device (`deltas`' handed out, zero
@@ -146,15 +145,11 @@ class RuleTables:
         self.counts.view(-1).index_add_(0, deltas[0].long(), deltas[1].float())
 
     def flush(self) -> None:
-        """Count in what no run took (a round that bent no device expansion)."""
+        """Count in what no run took (a round that bent no device expansion): one copy and one
+        atomic kernel (index_put_'s accumulate sorts first, a dozen launches)."""
         if self._pending.shape[1]:
             pending, self._pending = self._pending, NO_DELTAS
-            self._count_in_now(pending)
-
-    def _count_in_now(self, pending: np.ndarray) -> None:
-        """`pending` [2, n] counted in: one copy and one atomic kernel (index_put_'s accumulate
-        sorts first, a dozen launches)."""
-        self.count_in(self._to_device(pending))
+            self.count_in(self._to_device(pending))
 
     def release(self, seq: DraftSeq) -> None:
         """Give the sequence's slot back (released, or its rules ended)."""

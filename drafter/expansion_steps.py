@@ -63,8 +63,8 @@ class ExpansionSteps:
     column the forwards score, None: the target's vocabulary), `write_rows` (the row pool's
     write, None: no pool) and `rule_rows` (the logit rules' rows a key with `rules` counts its
     changes into, then bends every step's logits by, each row at its sequence's rule slot;
-    None: none). Everything here is tensor
-    ops on the device, so one graph captures a whole expansion."""
+    None: none). Everything here is tensor ops on the device, so one graph captures a whole
+    expansion."""
 
     forward: FrontierForward
     catch_up: CatchUpForward | None
