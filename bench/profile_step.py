@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 from typing import Any
 
@@ -103,6 +104,12 @@ def main() -> None:
         action="store_true",
         help="every round's sequences carry logit rules (bench/gpu_engine.py --rules)",
     )
+    parser.add_argument(
+        "--rules-graphs-ab",
+        action="store_true",
+        help="with --rules: the steps' wall time with the rules graphs (verifier/rules_graphs.py) "
+        "and without, alternating three times in this process, instead of a profile",
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
     torch.manual_seed(0)
@@ -123,6 +130,9 @@ def main() -> None:
             for timer in phases.values():
                 timer.reset()
             torch.cuda.synchronize()
+            if args.rules_graphs_ab:
+                rules_graphs_ab(bench, state, n, args)
+                continue
             if args.cprofile:
                 cprofile_steps(bench, state, n, args, phases)
                 continue
@@ -185,6 +195,32 @@ def print_phases(phases: dict[str, EngineTime], steps: int, label: str = "") -> 
     """The host phases' time per step, longest first."""
     for name, timer in sorted(phases.items(), key=lambda kv: -kv[1].seconds):
         print(f"   host {name}{label}: {timer.seconds / steps * 1e3:.3f} ms/step")
+
+
+def rules_graphs_ab(
+    bench: EngineBench, state: dict[str, tuple[int, int]], n: int, args: argparse.Namespace
+) -> None:
+    """The steps' wall time with the engine's rules graphs and without (eager bending), in
+    turn three times (each pass after 5 untimed steps), and the medians."""
+    engine = bench.engine
+    graphs = engine.rules_graphs
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(3):
+        for on in (True, False):
+            engine.rules_graphs = graphs if on else None
+            for _ in range(5):
+                bench.step(state, n, 1, args.temperature)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                bench.step(state, n, 1, args.temperature)
+            torch.cuda.synchronize()
+            walls[on].append((time.perf_counter() - start) / args.steps * 1e3)
+    engine.rules_graphs = graphs
+    on, off = (statistics.median(walls[k]) for k in (True, False))
+    passes = " / ".join(f"{a:.3f}-{b:.3f}" for a, b in zip(walls[True], walls[False], strict=True))
+    print(f"== {args.shape} batch {len(state)} n {n}: rules graphs on {on:.3f}, off {off:.3f} "
+          f"ms/step ({on / off:.2f}x; passes on-off {passes})")  # fmt: skip
 
 
 def cprofile_steps(

@@ -12,7 +12,7 @@
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
-#       [draft-rules-ab]
+#       [draft-rules-ab] [rules-graphs-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -298,6 +298,22 @@ for part in "${parts[@]}"; do
         in_trees "new old new2 old2" "rulesab_${mode#--}" python3 bench/gpu_engine.py \
           --shape smollm2-135m --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 60 \
           --decode-ahead --no-hf --no-eager --sampled-n 8 "$mode"
+      done ;;
+    rules-graphs-ab)  # rules rounds with the rules graphs (verifier/rules_graphs.py) and
+      # without (SPECSPLIT_RULES_GRAPHS=0), in turn twice in this tree, SmolLM2 shape, in process
+      # (bench/gpu_engine.py --rules), then the decode step's host phases each way
+      # (bench/profile_step.py): $out/rulesgraphs_{on,off}{1,2}.txt, $out/rulesprofile_{on,off}.txt
+      for pass in 1 2; do
+        for switch in on off; do
+          run "rulesgraphs_$switch$pass" env SPECSPLIT_RULES_GRAPHS=$([[ $switch == on ]] && echo 1 || echo 0) \
+            python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 32 --verify-n 8 \
+            --verify-batch 1 32 --steps 60 --decode-ahead --no-hf --no-eager --sampled-n 8 --rules
+        done
+      done
+      for switch in on off; do
+        run "rulesprofile_$switch" env SPECSPLIT_RULES_GRAPHS=$([[ $switch == on ]] && echo 1 || echo 0) \
+          python3 bench/profile_step.py --shape smollm2-135m --batch 1 32 --n 0 --decode-ahead \
+          --steps 60 --rules
       done ;;
     draft-rules-ab)  # the drafter's Draft with and without logit rules (bench/draft_step.py
       # --rules, random SmolLM2-shaped target and head, greedy chain of 3, batch 1 / 8 / 32) in

@@ -44,6 +44,7 @@ from verifier.round_logprobs import queue_logprobs, queue_prompt, read_logprobs,
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import Launched, PromptRows, VerifierSeq, one_tree_shape
 from verifier.rule_rows import RuleRows
+from verifier.rules_graphs import RulesGraphs
 
 
 class DeviceRounds(DeviceWaits):
@@ -58,6 +59,7 @@ class DeviceRounds(DeviceWaits):
     _synthetic_rng: random.Random
     ahead_depth: AheadDepth
     rule_rows: RuleRows
+    rules_graphs: RulesGraphs | None
     _held: dict[str, int]
     _last_end: tuple[torch.cuda.Event, set[str]] | None
     # a lead-in's chunk of pending tokens (verifier/lead_in.py); None: on a GPU the largest
@@ -300,8 +302,11 @@ class DeviceRounds(DeviceWaits):
         on the outcomes that came."""
         tokens = None if chain is None else chain.tokens
         logits, argmax = out.logits, out.greedy
-        if bend_by_rules(inputs, logits, rows, pending, (self.rule_rows, seqs)):
-            argmax = None
+        kept = (self.rule_rows, seqs)
+        rules_graphs = self.rules_graphs if out.static else None
+        bent = bend_by_rules(inputs, logits, rows, pending, kept, graphs=rules_graphs)
+        if bent is not None:
+            argmax = bent.argmax
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)

@@ -26,6 +26,8 @@ from verifier.chain_gate import ChainGate
 from verifier.hints import HintBook
 from verifier.rounds import Launched, VerifierSeq, VerifyRound
 from verifier.rule_rows import RuleRows
+from verifier.rules_graphs import ENABLED as RULES_GRAPHS
+from verifier.rules_graphs import RulesGraphs
 from verifier.seq_memory import SeqMemory
 from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_QUERY_LENS, graphs_reserve_bytes, warm_up
 
@@ -154,6 +156,7 @@ class EngineSetup(SeqMemory):
         self.prefill_query_lens = prefill_query_lens if graph_query_lens else ()
         self.graphs: CudaGraphRunner | None = None
         self.accept_graphs: AcceptGraphs | None = None  # greedy acceptance's CUDA graphs
+        self.rules_graphs: RulesGraphs | None = None  # steady rounds' logit rules' graphs
         if graph_query_lens and self.device.type == "cuda":
             self.graphs = CudaGraphRunner.for_model(
                 model,
@@ -169,6 +172,7 @@ class EngineSetup(SeqMemory):
                 self.graphs.batch_sizes[-1] * max(graph_query_lens),
                 vocab_size,
             )
+            self.rules_graphs = RulesGraphs(self.device) if RULES_GRAPHS else None
 
     @classmethod
     def load(

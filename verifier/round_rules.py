@@ -40,6 +40,7 @@ from specsplit.messages import VerifyInput
 from specsplit.model.transfer import to_device
 from specsplit.tree import DraftTree, ancestor_mask, depths
 from verifier.rule_rows import HasRuleSlot, RuleRows, RuleSlot, drop_slot
+from verifier.rules_graphs import Bent, RulesGraphs, Steady
 
 
 def node_paths(tree: DraftTree) -> list[list[int]]:
@@ -154,16 +155,20 @@ def bend_by_rules(
     pending: torch.Tensor | None = None,
     kept: tuple[RuleRows, Sequence[HasRuleSlot]] | None = None,
     kernel: bool | None = None,
-) -> bool:
-    """The rows of the inputs with rules bent by them; whether any were (the logits' argmax
-    must then be taken again). pending: a decode step run ahead's input tokens on the device,
-    one an input (verifier/run_ahead.py), each its output's next token, which its rules (the
-    round's before) do not hold yet: counted on the device. kept: the engine's rows and the
-    inputs' sequences, whose slots they keep (verifier/rule_rows.py); None: rows of this call
-    alone. kernel: the Triton kernels (True) or torch's ops; None: the kernels on a GPU."""
+    graphs: RulesGraphs | None = None,
+) -> Bent | None:
+    """The rows of the inputs with rules bent by them, or None where none has rules (where
+    some had, the logits' argmax must be taken again: a graph's comes with it). pending: a
+    decode step run ahead's input tokens on the device, one an input (verifier/run_ahead.py),
+    each its output's next token, which its rules (the round's before) do not hold yet:
+    counted on the device. kept: the engine's rows and the inputs' sequences, whose slots they
+    keep (verifier/rule_rows.py); None: rows of this call alone. kernel: the Triton kernels
+    (True) or torch's ops; None: the kernels on a GPU. graphs: the engine's rules graphs,
+    where the logits are a view of the forward graph's output (a qualifying round replays
+    one, verifier/rules_graphs.py)."""
     ruled = [(i, r) for i, r in enumerate(rows) if inputs[i].rules is not None]
     if not ruled:
-        return False
+        return None
     if kept is None:
         kept = RuleRows(logits.shape[1], logits.device), [_Holder() for _ in inputs]
     table_rows, holders = kept
@@ -191,8 +196,27 @@ def bend_by_rules(
         k_of += [k] * len(r)
         cut = min_p_cut(p.min_p, item.sampling.temperature)
         scalars.append((p.repetition, p.frequency, p.presence, cut, slot))
-    if pending is not None:  # (every rule row: its input's token)
-        inputs_of = [i for i, r in ruled for _ in r]
+    inputs_of = [i for i, r in ruled for _ in r] if pending is not None else None
+    flags = (
+        biased,
+        any(s[0] != 1 or s[1] != 0 or s[2] != 0 for s in scalars),  # counted
+        any(s[0] != 1 for s in scalars),  # repeats
+        any(s[3] > -math.inf for s in scalars),  # cut (a cut of -inf keeps every token)
+    )
+    tables = (table_rows.bias, table_rows.counts, table_rows.seen)
+    # a steady round (no slot refilled, no stop held back, no guide's masks) fits a graph
+    refills = any(sections[s].tokens for s in (BIAS, COUNTS, PROMPT, STOPS, CLEAR))
+    if graphs is not None and not refills and not any(_masked(inputs[i]) for i, _ in ruled):
+        deltas, paths = sections[DELTAS], sections[PATHS]
+        entries = Steady(
+            (deltas.owners, deltas.tokens), (paths.owners, paths.tokens), inputs_of,
+            row_of, k_of, scalars, flags,
+        )  # fmt: skip
+        greedy = all(item.sampling.greedy for item in inputs)
+        bent = graphs.bend(logits, entries, tables, pending, greedy)
+        if bent is not None:
+            return bent
+    if inputs_of is not None:  # (every rule row: its input's token)
         sections[PENDING].add(list(range(len(row_of))), inputs_of)
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
@@ -212,19 +236,15 @@ def bend_by_rules(
     parts = [*parts, rule_rows, extents_part, _as_bits(per_seq[:3]), cut_slot, words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     layout = Layout(
-        starts=tuple(np.cumsum([0, *sizes]).tolist()),
-        num_rows=len(row_of),
-        num_seqs=len(ruled),
-        num_words=len(flat),
-        biased=biased,
-        counted=any(s[0] != 1 or s[1] != 0 or s[2] != 0 for s in scalars),
-        repeats=any(s[0] != 1 for s in scalars),
-        cut=any(s[3] > -math.inf for s in scalars),  # (a cut of -inf keeps every token)
+        tuple(np.cumsum([0, *sizes]).tolist()), len(row_of), len(ruled), len(flat), *flags
     )
     on_device = to_device(torch.from_numpy(table), logits.device)
-    tables = (table_rows.bias, table_rows.counts, table_rows.seen)
     bend_rows(logits, on_device, layout, tables, pending, kernel)
-    return True
+    return Bent()
+
+
+def _masked(item: VerifyInput) -> bool:
+    return item.rules is not None and item.rules.allowed is not None
 
 
 class _Holder:

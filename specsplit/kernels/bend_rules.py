@@ -314,6 +314,7 @@ def _bend_kernel(
     t1 = table_ptr + width
     t2 = table_ptr + 2 * width
     row = tl.load(table_ptr + rows_at + r).to(tl.int64)
+    inside = inside & (row >= 0)  # (a padding rule row of a fixed layout: -1, bends nothing)
     k = tl.load(t1 + rows_at + r)
     slot = tl.load(t1 + seqs_at + num_seqs + k).to(tl.int64)
     at = logits_ptr + row * stride_l + cols
@@ -371,6 +372,8 @@ def _min_p_kernel(
     row = tl.load(table_ptr + rows_at + r).to(tl.int64)
     k = tl.load(table_ptr + width + rows_at + r)
     cut = tl.load(table_ptr + seqs_at + num_seqs + k).to(tl.float32, bitcast=True)
+    if row < 0:  # (a padding rule row: nothing to cut)
+        cut = -float("inf")
     if cut > -float("inf"):  # (a cut of -inf keeps every token)
         base = logits_ptr + row * stride_l
         cols = tl.arange(0, BLOCK)

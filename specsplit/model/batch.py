@@ -91,3 +91,5 @@ class ForwardOutput:
     logits: torch.Tensor  # [L, vocab] float32
     hidden_states: torch.Tensor | None  # [H, num_aux_layers * hidden] or None
     greedy: torch.Tensor | None = None  # [L] int64, each logits row's argmax, where computed
+    # the logits are a view of a graph's output buffer (their address the same each replay)
+    static: bool = False

@@ -361,4 +361,4 @@ class CudaGraphRunner:
                 num = batch.hidden_indices.shape[0]
                 hidden = buffers.rows(buffers.hidden_states[:t], "hidden_rows", num, views)
         greedy = None if buffers.greedy is None else logit_rows(buffers.greedy)
-        return ForwardOutput(logits=logits, hidden_states=hidden, greedy=greedy)
+        return ForwardOutput(logits, hidden, greedy, static=in_order)

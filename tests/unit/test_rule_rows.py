@@ -32,6 +32,7 @@ from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
 from verifier.rule_rows import RuleRows, drop_slot
+from verifier.rules_graphs import RulesGraphs
 
 VOCAB = 64
 SAMPLED = SamplingParams(temperature=0.8)
@@ -49,8 +50,15 @@ class _Seqs:
     """Sequences as the verifier keeps them (rules, slot), with their whole outputs (what the
     gateway would send) and the engine's rows."""
 
-    def __init__(self, num: int, on: str = "cpu", kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        num: int,
+        on: str = "cpu",
+        kernel: bool | None = None,
+        graphs: RulesGraphs | None = None,
+    ) -> None:
         self.kernel = kernel  # (the Triton kernels: True, torch's ops: False, None: by device)
+        self.graphs = graphs  # (the rules graphs' fixed layout, where a round qualifies)
         self.rows = RuleRows(VOCAB, on)
         self.seqs = [VerifierSeq(f"s{i}", None) for i in range(num)]  # type: ignore[arg-type]
         self.kinds = [KINDS[i % len(KINDS)] for i in range(num)]
@@ -80,14 +88,15 @@ class _Seqs:
         on = self.rows.device
         got = logits.to(on)
         pending = None if pending is None else pending.to(on)
+        kept, kernel, graphs = (self.rows, seqs), self.kernel, self.graphs
         if on.type != "cuda":
-            assert bend_by_rules(items, got, rows, pending, (self.rows, seqs), self.kernel)
+            assert bend_by_rules(items, got, rows, pending, kept, kernel, graphs)
         else:  # (behind queued work, as a step run ahead: waiting for none of it)
             torch.cuda.synchronize()
             torch.cuda._sleep(10**6)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                assert bend_by_rules(items, got, rows, pending, (self.rows, seqs), self.kernel)
+                assert bend_by_rules(items, got, rows, pending, kept, kernel, graphs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got.cpu(), want)
@@ -106,7 +115,7 @@ def _tree(rng: random.Random) -> DraftTree:
 
 
 def test_rounds_count_only_what_their_commits_appended(
-    on: str = "cpu", kernel: bool | None = None
+    on: str = "cpu", kernel: bool | None = None, graphs: RulesGraphs | None = None
 ) -> None:
     """Ten sequences (the tables grow past their first seven slots) of every kind of rules,
     fifteen rounds of random trees, each round's rules new objects for the output so far: every
@@ -114,7 +123,7 @@ def test_rounds_count_only_what_their_commits_appended(
     (the slot's context stays the rules the commits kept, never the round's sent ones)."""
     torch.manual_seed(2)
     rng = random.Random(2)
-    state = _Seqs(10, on, kernel)
+    state = _Seqs(10, on, kernel, graphs)
     for round_number in range(15):
         items = [
             VerifyInput(seq.seq_id, False, 10, [4], _tree(rng), SAMPLED, rules=state.sent(i))
@@ -136,14 +145,14 @@ def test_rounds_count_only_what_their_commits_appended(
 
 
 def test_a_step_run_ahead_counts_its_pending_token_and_its_commit_follows(
-    on: str = "cpu", kernel: bool | None = None
+    on: str = "cpu", kernel: bool | None = None, graphs: RulesGraphs | None = None
 ) -> None:
     """A decode round, then the step run ahead behind it (its rules the round's, its input the
     round's token, which only the device has), then both commits: each bends as the reference
     does with its output through its pending token, and the round after reads the rows as the
     two commits left them."""
     torch.manual_seed(4)
-    state = _Seqs(3, on, kernel)
+    state = _Seqs(3, on, kernel, graphs)
     for _ in range(4):
         items = [
             VerifyInput(s.seq_id, False, 10, [4], DraftTree(), SAMPLED, rules=state.sent(i))
