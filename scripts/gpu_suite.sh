@@ -299,22 +299,15 @@ for part in "${parts[@]}"; do
           --shape smollm2-135m --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 60 \
           --decode-ahead --no-hf --no-eager --sampled-n 8 "$mode"
       done ;;
-    rules-graphs-ab)  # rules rounds with the rules graphs (verifier/rules_graphs.py) and
-      # without (SPECSPLIT_RULES_GRAPHS=0), in turn twice in this tree, SmolLM2 shape, in process
-      # (bench/gpu_engine.py --rules), then the decode step's host phases each way
-      # (bench/profile_step.py): $out/rulesgraphs_{on,off}{1,2}.txt, $out/rulesprofile_{on,off}.txt
-      for pass in 1 2; do
-        for switch in on off; do
-          run "rulesgraphs_$switch$pass" env SPECSPLIT_RULES_GRAPHS=$([[ $switch == on ]] && echo 1 || echo 0) \
-            python3 bench/gpu_engine.py --shape smollm2-135m --batch 1 32 --verify-n 8 \
-            --verify-batch 1 32 --steps 60 --decode-ahead --no-hf --no-eager --sampled-n 8 --rules
-        done
-      done
-      for switch in on off; do
-        run "rulesprofile_$switch" env SPECSPLIT_RULES_GRAPHS=$([[ $switch == on ]] && echo 1 || echo 0) \
-          python3 bench/profile_step.py --shape smollm2-135m --batch 1 32 --n 0 --decode-ahead \
-          --steps 60 --rules
-      done ;;
+    rules-graphs-ab)  # a decode step's and a chain-of-3 round's wall time under logit rules with
+      # the rules graphs (verifier/rules_graphs.py) and without, alternating three times in one
+      # process (bench/profile_step.py --rules-graphs-ab; batch 32 with fewer steps: the bench's
+      # KV pool), then the host's share of a rules round each way (bench/rules_graphs.py)
+      run rulesgraphs_ab python3 bench/profile_step.py --shape smollm2-135m --batch 1 8 --n 0 3 \
+        --decode-ahead --steps 60 --rules --rules-graphs-ab
+      run rulesgraphs_ab32 python3 bench/profile_step.py --shape smollm2-135m --batch 32 --n 0 \
+        --decode-ahead --steps 15 --rules --rules-graphs-ab
+      run rulesgraphs_host python3 bench/rules_graphs.py --batch 1 8 32 ;;
     draft-rules-ab)  # the drafter's Draft with and without logit rules (bench/draft_step.py
       # --rules, random SmolLM2-shaped target and head, greedy chain of 3, batch 1 / 8 / 32) in
       # this tree and in .gpu/old (`scripts/gpu_old.sh REV`), in turn twice:
