@@ -204,13 +204,16 @@ def bend_by_rules(
         any(s[3] > -math.inf for s in scalars),  # cut (a cut of -inf keeps every token)
     )
     tables = (table_rows.bias, table_rows.counts, table_rows.seen)
-    # a steady round (no slot refilled, no stop held back, no guide's masks) fits a graph
+    mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
+    flat = np.frombuffer(b"".join(masks), dtype=np.int32)
+    # a steady round (no slot refilled, no stop token held back) fits a graph
     refills = any(sections[s].tokens for s in (BIAS, COUNTS, PROMPT, STOPS, CLEAR))
-    if graphs is not None and not refills and not any(_masked(inputs[i]) for i, _ in ruled):
+    if graphs is not None and not refills:
         deltas, paths = sections[DELTAS], sections[PATHS]
+        guided = (mask_of, flat, mask_words(logits.shape[1])) if masks else (None, None, 0)
         entries = Steady(
             (deltas.owners, deltas.tokens), (paths.owners, paths.tokens), inputs_of,
-            row_of, k_of, scalars, flags,
+            row_of, k_of, scalars, flags, *guided,
         )  # fmt: skip
         greedy = all(item.sampling.greedy for item in inputs)
         bent = graphs.bend(logits, entries, tables, pending, greedy)
@@ -220,7 +223,6 @@ def bend_by_rules(
         sections[PENDING].add(list(range(len(row_of))), inputs_of)
     parts = [section.array() for section in sections]
     sizes = [part.shape[1] for part in parts]
-    mask_of, masks = _masks([(inputs[i], r) for i, r in ruled], logits.shape[1])
     rule_rows = np.stack([np.array(row_of), np.array(k_of), np.array(mask_of)])
     # per rule row its first path entry and first stop entry (each section in rule row order)
     first_of = np.arange(len(row_of) + 1)
@@ -231,7 +233,6 @@ def bend_by_rules(
     slot_of = per_seq[4].astype(np.int32)
     cut_slot = np.stack([_as_bits(per_seq[3]), slot_of, np.zeros_like(slot_of)])
     # the masks' words, three to a column after the scalars
-    flat = np.frombuffer(b"".join(masks), dtype=np.int32)
     words = np.pad(flat, (0, -len(flat) % 3)).reshape(3, -1, order="F")
     parts = [*parts, rule_rows, extents_part, _as_bits(per_seq[:3]), cut_slot, words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
@@ -241,10 +242,6 @@ def bend_by_rules(
     on_device = to_device(torch.from_numpy(table), logits.device)
     bend_rows(logits, on_device, layout, tables, pending, kernel)
     return Bent()
-
-
-def _masked(item: VerifyInput) -> bool:
-    return item.rules is not None and item.rules.allowed is not None
 
 
 class _Holder:

@@ -5,11 +5,11 @@ Triton's Python launcher, ~20-60 us of host each (bench/RESULTS.md: a SmolLM2 de
 rules 1.36 against 0.50 ms at batch 1 on an H200, host-bound).
 
 A round qualifies when it refills no slot (every round of a sequence after its first under
-the same context), holds back no stop tokens (min_tokens) and carries no guide's masks, and its
-logits are a view of the forward graph's output buffer (their address is fixed). Its entries
-(`Steady`, gathered by round_rules.py) are packed straight into a fixed layout
-(`fixed_layout`): rule rows, sequences, deltas and path entries each padded to a power of two,
-the padding inert (a rule row -1 bends nothing, a delta adds 0 to slot 0's token 0, a sequence
+the same context) and holds back no stop tokens (min_tokens), and its logits are a view of the
+forward graph's output buffer (their address is fixed). Its entries (`Steady`, gathered by
+round_rules.py) are packed straight into a fixed layout (`fixed_layout`): rule rows, sequences,
+deltas, path entries and a guide's distinct masks each padded to a power of two, the padding
+inert (a rule row -1 bends nothing, a delta adds 0 to slot 0's token 0, a sequence
 has neutral penalties, no cut, slot 0). One graph a (logits buffer, capacities, rules read,
 pending inputs, greedy): captured on first use (a few ms, the stream synchronized) over its own
 device table, then each round fills a pinned host mirror, copies it in and replays. The ops are
@@ -72,10 +72,20 @@ class Steady:
     seqs: list[int]  # per rule row its sequence
     scalars: list[tuple[float, float, float, float, int]]  # per sequence (Layout.seqs')
     flags: tuple[bool, bool, bool, bool]  # the rules read: Layout's biased, counted, repeats, cut
+    # a guide's masks: per rule row its mask (NO_MASK: none), and the round's distinct masks'
+    # int32 words, mask after mask (`mask_size` words each; none: no row has one)
+    mask_of: list[int] | None = None
+    words: np.ndarray | None = None
+    mask_size: int = 0
 
 
 # a round of nothing, which `pack` makes all padding (a graph's warm-up run)
 _NONE = Steady(([], []), ([], []), None, [], [], [], (False,) * 4)
+
+
+def width(fixed: Layout) -> int:
+    """A fixed layout's table width: its parts, then its masks' words three to a column."""
+    return fixed.words + -(-fixed.num_words // 3)
 
 
 def fixed_layout(round_: Steady) -> Layout:
@@ -86,23 +96,31 @@ def fixed_layout(round_: Steady) -> Layout:
     deltas = next_power_of_2(max(len(round_.deltas[0]), rows))
     paths = len(round_.paths[0])
     paths = next_power_of_2(paths) if paths else 0
-    return _layout(rows, seqs, deltas, paths, round_.inputs is not None, round_.flags)
+    words = 0 if round_.words is None else len(round_.words) // round_.mask_size
+    words = next_power_of_2(words) * round_.mask_size if words else 0  # (whole masks)
+    return _layout(rows, seqs, deltas, paths, words, round_.inputs is not None, round_.flags)
 
 
 @functools.lru_cache(maxsize=1024)
 def _layout(
-    rows: int, seqs: int, deltas: int, paths: int, pending: bool, flags: tuple[bool, ...]
+    rows: int,
+    seqs: int,
+    deltas: int,
+    paths: int,
+    words: int,
+    pending: bool,
+    flags: tuple[bool, ...],
 ) -> Layout:
     sizes = dict.fromkeys(SECTIONS, 0)
     sizes[DELTAS], sizes[PATHS], sizes[PENDING] = deltas, paths, rows if pending else 0
     starts = tuple(np.cumsum([0, *(sizes[s] for s in SECTIONS)]).tolist())
-    return Layout(starts, rows, seqs, 0, *flags)
+    return Layout(starts, rows, seqs, words, *flags)
 
 
 def pack(round_: Steady, fixed: Layout, out: np.ndarray) -> None:
-    """The round's entries laid out as `fixed` in `out` ([3, fixed.words] int32), the padding
+    """The round's entries laid out as `fixed` in `out` ([3, width(fixed)] int32), the padding
     inert (module docstring)."""
-    out.fill(0)  # (padding deltas, paths and pending entries, the rule rows' masks: unread)
+    out.fill(0)  # (padding deltas, paths and pending entries, masks' words: unread)
     for section, (owners, tokens) in ((DELTAS, round_.deltas), (PATHS, round_.paths)):
         start, stop = fixed.starts[section], fixed.starts[section] + len(owners)
         out[0, start:stop], out[1, start:stop], out[2, start:stop] = owners, tokens, 1
@@ -112,6 +130,12 @@ def pack(round_: Steady, fixed: Layout, out: np.ndarray) -> None:
     at = fixed.rows
     out[0, at : at + rows], out[1, at : at + rows] = round_.rows, round_.seqs
     out[0, at + rows : fixed.extents] = -1  # padding rule rows: no logits row
+    if round_.mask_of is not None and round_.words is not None:
+        out[2, at : at + rows] = round_.mask_of
+        columns = -(-len(round_.words) // 3)  # (the words three to a column, in order)
+        padded = np.zeros(3 * columns, dtype=np.int32)
+        padded[: len(round_.words)] = round_.words
+        out[:, fixed.words : fixed.words + columns] = padded.reshape(3, columns, order="F")
     if round_.paths[0]:  # per rule row its first path entry (padding rows: none)
         firsts = np.searchsorted(round_.paths[0], np.arange(rows + 1))
         out[0, fixed.extents : fixed.extents + rows + 1] = firsts
@@ -140,8 +164,7 @@ class _Graph:
 
     def __init__(self, key: _Key, device: torch.device, pending_dtype: torch.dtype) -> None:
         self.key = key
-        width = key.fixed.words
-        self.table = torch.zeros(3, width, dtype=torch.int32, device=device)
+        self.table = torch.zeros(3, width(key.fixed), dtype=torch.int32, device=device)
         self.pending = torch.zeros(max(key.inputs, 1), dtype=pending_dtype, device=device)
         self.hosts: list[torch.Tensor] = []
         self.copied: list[torch.cuda.Event] = []
@@ -152,7 +175,7 @@ class _Graph:
         self.argmax: torch.Tensor | None = None
 
     def add_mirror(self) -> None:
-        self.hosts.append(torch.zeros(3, self.key.fixed.words, dtype=torch.int32).pin_memory())
+        self.hosts.append(torch.zeros(3, width(self.key.fixed), dtype=torch.int32).pin_memory())
         self.copied.append(torch.cuda.Event())
 
     def body(self, logits: torch.Tensor, tables: Tables) -> torch.Tensor | None:
@@ -189,7 +212,7 @@ class RulesGraphs:
         fixed = fixed_layout(round_)
         inputs = 0 if pending is None else next_power_of_2(len(pending))
         if not self.capture:
-            packed = np.empty((3, fixed.words), dtype=np.int32)
+            packed = np.empty((3, width(fixed)), dtype=np.int32)
             pack(round_, fixed, packed)
             on_device = torch.from_numpy(packed).to(self.device)
             bend_rows(view, on_device, fixed, tables, pending, kernel=True)

@@ -1,10 +1,10 @@
 """The rules graphs (verifier/rules_graphs.py) on a CUDA device: a steady round replays its graph
 without a host sync behind queued device work and bends every row as the one-row reference does
 (bit for bit), a greedy round's argmax with it, the buffer's rows past the round's untouched;
-the graphs are dropped and captured again when the kept rows' tables grow; the verifier engine
-serves decode steps run ahead, speculative rounds and sampled rounds under rules through them
-(tests/unit/test_verify_rules.py's cases: the target's greedy tokens under the rules, the bent
-distribution). Skipped without a GPU."""
+the graphs are dropped and captured again when the kept rows' tables grow; a guide's masks ride
+in the captured table; the verifier engine serves decode steps run ahead, speculative rounds
+and sampled rounds under rules through them (tests/unit/test_verify_rules.py's cases: the
+target's greedy tokens under the rules, the bent distribution). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from specsplit.logit_rules import Penalties
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
-from tests.unit import test_verify_rules
+from tests.unit import test_rules_graphs, test_verify_rules
 from tests.unit.test_rules_graphs import round_of
 from tests.unit.test_verify_rules import (  # noqa: F401  (fixtures)
     reference,
@@ -129,3 +129,9 @@ def test_the_engine_serves_rules_rounds_through_the_graphs(
     # (a tree of 4 and its pending token pass the 1 + 3 graph: the forward runs eagerly, its
     # logits no graph's buffer, and so does the bending; the last round's smaller tree fits)
     assert decode >= 5 and speculative >= 1 and sampled >= 1, (decode, speculative, sampled)
+
+
+def test_a_guides_masks_ride_the_graphs() -> None:
+    """tests/unit/test_rules_graphs.py's guided rounds on the GPU at SmolLM2's vocabulary: the
+    masks' words in the captured table, every row the reference's."""
+    test_rules_graphs.test_a_guides_masks_ride_the_fixed_layout("cuda", VOCAB)

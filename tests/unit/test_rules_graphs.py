@@ -3,8 +3,8 @@ rounds repacked into it (rule rows, sequences, deltas and paths padded to powers
 padding inert) bend every row as the one-row reference does, bit for bit, through fifteen
 rounds of commits and through steps run ahead; the logits' rows past a round's in their buffer
 are left as they were; a greedy round's argmax comes from the bent rows; rounds that refill a
-slot, hold stop tokens back or carry a guide's masks do not qualify and bend eagerly. (The
-graphs themselves: tests/gpu/test_verify_rules_gpu.py.)"""
+slot or hold stop tokens back do not qualify and bend eagerly; a guide's masks ride along. (The
+graphs themselves: tests/gpu/test_rules_graphs_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from specsplit.logit_rules import Allowed, Penalties, mask_words
+from specsplit.logit_rules import NO_MASK, Allowed, LogitRules, Penalties, mask_words
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -90,10 +90,10 @@ def test_padding_rows_stay_and_a_greedy_rounds_argmax_is_the_bent_rows() -> None
             output.append(4)
 
 
-@pytest.mark.parametrize("what", ["stops", "masks", "new-context"])
+@pytest.mark.parametrize("what", ["stops", "new-context"])
 def test_rounds_that_do_not_fit_the_fixed_layout_bend_eagerly(what: str) -> None:
     """A sequence's second round (its slot filled by its first): under min_tokens with stop
-    tokens held back, under a guide's masks, or under other penalties (its slot refilled)."""
+    tokens held back, or under other penalties (its slot refilled)."""
     base = Penalties(presence=0.5, min_tokens=9 if what == "stops" else 0, stop_ids=(2,))
     graphs, kept = RulesGraphs("cpu", capture=False), RuleRows(VOCAB, "cpu")
     seqs = [VerifierSeq("s0", None)]  # type: ignore[arg-type]
@@ -101,12 +101,53 @@ def test_rounds_that_do_not_fit_the_fixed_layout_bend_eagerly(what: str) -> None
     bend_by_rules(first, torch.randn(1, VOCAB), [range(1)], None, (kept, seqs), True, graphs)
     keep_rules(first[0], seqs[0], [4])
     second = base if what != "new-context" else Penalties(presence=0.7)
-    rules = rules_for(second, (7, 30), Counter([3, 4]))
-    if what == "masks":
-        bits = np.arange(mask_words(VOCAB) * 32) < 20
-        rules = rules.with_allowed(Allowed(np.packbits(bits, bitorder="little").tobytes(), (0,)))
-    item = VerifyInput("s0", False, 10, [4], DraftTree(), SamplingParams(), rules=rules)
+    item = round_of(seqs, [[3, 4]], second, [DraftTree()])[0]
     logits = torch.randn(1, VOCAB) * 4
     want = reference_bend([item], [range(1)], logits)
     assert bend_by_rules([item], logits, [range(1)], None, (kept, seqs), True, graphs)
     assert graphs.replays == 0 and torch.equal(logits, want)
+
+
+def _mask(allowed: np.ndarray, vocab: int) -> bytes:
+    bits = np.zeros(mask_words(vocab) * 32, dtype=bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_a_guides_masks_ride_the_fixed_layout(on: str = "cpu", vocab: int = VOCAB) -> None:
+    """Three sequences over four rounds, two under a guide (three distinct masks a round, a row
+    without one among them; one guided sequence with penalties, one without any), their rows
+    in a buffer of eight: every round after the first replays and bends every row as the
+    reference does, masks included (on a GPU: `on`, the graphs captured)."""
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    graphs, kept = RulesGraphs(on, capture=on != "cpu"), RuleRows(vocab, on)
+    buffer = torch.zeros(8, vocab, device=on)
+    seqs = [VerifierSeq(f"s{i}", None) for i in range(3)]  # type: ignore[arg-type]
+    outputs = [[3, 9], [5], [3, 3, 40]]
+    trees = [DraftTree([3, 5], [-1, 0]), DraftTree([7], [-1]), DraftTree([9], [-1])]
+    kinds = [PENALTIES, Penalties(), Penalties(frequency=0.5)]
+    for round_number in range(4):
+        masks = [_mask(rng.choice(vocab, size=20, replace=False), vocab) for _ in range(3)]
+        items = []
+        for i in range(3):
+            item = round_of(seqs[i : i + 1], [outputs[i]], kinds[i], [trees[i]])[0]
+            if i < 2:  # (the first: masks 0, none, 1; the second: masks 2, 0)
+                rows = (0, NO_MASK, 1) if i == 0 else (1, 0)
+                words = masks[0] + masks[1] if i == 0 else masks[1] + masks[2]
+                rules = item.rules or LogitRules(Penalties())  # (the second: the guide alone)
+                item.rules = rules.with_allowed(Allowed(words, rows))
+            items.append(item)
+        rows_of = [range(0, 3), range(3, 5), range(5, 7)]
+        logits = torch.randn(7, vocab) * 4
+        want = reference_bend(items, rows_of, logits)
+        assert torch.isinf(want[[0, 2, 3, 4]]).all(dim=1).tolist() == [False] * 4
+        assert torch.isinf(want[[0, 2, 3, 4]]).sum() == 4 * (vocab - 20)  # (each row's mask)
+        buffer[:7] = logits.to(on)
+        kernel = True if on == "cpu" else None
+        assert bend_by_rules(items, buffer[:7], rows_of, None, (kept, seqs), kernel, graphs)
+        assert torch.equal(buffer[:7].cpu(), want)
+        assert graphs.replays == round_number  # (the first fills the slots)
+        for item, seq, output in zip(items, seqs, outputs, strict=True):
+            keep_rules(item, seq, [4])
+            output.append(4)
