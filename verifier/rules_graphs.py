@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # SPECSPLIT_RULES_GRAPHS=0: every round bends eagerly (A/B)
 ENABLED = os.environ.get("SPECSPLIT_RULES_GRAPHS", "1") != "0"
 MAX_GRAPHS = 64  # past these a round bends eagerly (each graph: a few KiB of device memory)
+# a round whose masks' words (padded) pass this bends eagerly: each graph keeps its table and
+# pinned mirrors at its capacity (at an 8B's vocabulary ~64 masks, at SmolLM2's ~170)
+MAX_MASK_BYTES = 1 << 20
 _ONE = int(np.float32(1.0).view(np.int32))  # a padding sequence's repetition (x / 1 is x)
 _NO_CUT = int(np.float32(-np.inf).view(np.int32))  # its min_p cut (-inf keeps every token)
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the kept rows: bias, counts, seen
@@ -207,9 +210,12 @@ class RulesGraphs:
         greedy: bool,
     ) -> Bent | None:
         """The round bent by its graph (queued), with the bent logits' argmax for a greedy
-        round; None where no graph is left (the caller bends it eagerly)."""
+        round; None where no graph is left or its masks pass MAX_MASK_BYTES (the caller bends
+        it eagerly)."""
         view = _padded_view(logits)
         fixed = fixed_layout(round_)
+        if 4 * fixed.num_words > MAX_MASK_BYTES:
+            return None
         inputs = 0 if pending is None else next_power_of_2(len(pending))
         if not self.capture:
             packed = np.empty((3, width(fixed)), dtype=np.int32)

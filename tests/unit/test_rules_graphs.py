@@ -21,6 +21,7 @@ from specsplit.tree import DraftTree
 from tests.rules_reference import rules_for
 from tests.unit import test_rule_rows
 from tests.unit.test_verify_rules import reference_bend
+from verifier import rules_graphs
 from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
@@ -114,7 +115,9 @@ def _mask(allowed: np.ndarray, vocab: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def test_a_guides_masks_ride_the_fixed_layout(on: str = "cpu", vocab: int = VOCAB) -> None:
+def test_a_guides_masks_ride_the_fixed_layout(
+    on: str = "cpu", vocab: int = VOCAB, replayed: bool = True
+) -> None:
     """Three sequences over four rounds, two under a guide (three distinct masks a round, a row
     without one among them; one guided sequence with penalties, one without any), their rows
     in a buffer of eight: every round after the first replays and bends every row as the
@@ -147,7 +150,16 @@ def test_a_guides_masks_ride_the_fixed_layout(on: str = "cpu", vocab: int = VOCA
         kernel = True if on == "cpu" else None
         assert bend_by_rules(items, buffer[:7], rows_of, None, (kept, seqs), kernel, graphs)
         assert torch.equal(buffer[:7].cpu(), want)
-        assert graphs.replays == round_number  # (the first fills the slots)
+        assert graphs.replays == (round_number if replayed else 0)  # (the first fills slots)
         for item, seq, output in zip(items, seqs, outputs, strict=True):
             keep_rules(item, seq, [4])
             output.append(4)
+
+
+def test_rounds_of_more_masks_than_a_graph_holds_bend_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_MASK_BYTES of (padded) masks' words a round bends eagerly, as the reference
+    (three masks a round, padded to four, against room for three)."""
+    monkeypatch.setattr(rules_graphs, "MAX_MASK_BYTES", 4 * 3 * mask_words(VOCAB))
+    test_a_guides_masks_ride_the_fixed_layout(replayed=False)
