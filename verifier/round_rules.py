@@ -11,7 +11,10 @@ the rows' logits (specsplit/kernels/bend_rules.py: on a GPU three Triton launche
 torch's ops) in `bend_row`'s order and float32 ops: bias, repetition, presence and frequency,
 min_tokens, a guide's masks, min_p. The guide's masks travel as their words in the table, each
 rule row indexing its own. A decode step run ahead under rules (verifier/run_ahead.py) reads its
-input token, which only the device has, into its counts there (`pending`)."""
+input token, which only the device has, into its counts there (`pending`). A steady round on the
+forward graph's logits (no slot refilled, no stop token held back) goes to the engine's rules
+graphs instead, its entries packed into a fixed layout: one copy and one replay
+(verifier/rules_graphs.py)."""
 
 from __future__ import annotations
 

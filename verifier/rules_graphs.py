@@ -200,6 +200,7 @@ class RulesGraphs:
         self.pool: Any = None
         self.tables: tuple[int, ...] = ()  # the kept rows' addresses the graphs read
         self.replays = 0
+        self.full = False  # (MAX_GRAPHS reached: said once)
 
     def bend(
         self,
@@ -230,10 +231,14 @@ class RulesGraphs:
             if self.graphs:
                 torch.cuda.current_stream(self.device).synchronize()
                 self.graphs.clear()
+                self.full = False
             self.tables = addresses
         graph = self.graphs.get(key)
         if graph is None:
             if len(self.graphs) >= MAX_GRAPHS:
+                if not self.full:
+                    log.warning("%d rules graphs: rounds of other shapes bend eagerly", MAX_GRAPHS)
+                    self.full = True
                 return None
             dtype = torch.int64 if pending is None else pending.dtype
             graph = self.graphs[key] = self._capture(key, view, tables, dtype)
