@@ -36,6 +36,7 @@ from specsplit.kernels.bend_rules import (
     SECTIONS,
     STOPS,
     Layout,
+    as_bits,
     bend_rows,
 )
 from specsplit.logit_rules import NO_MASK, LogitRules, Penalties, mask_words, min_p_cut
@@ -58,11 +59,6 @@ def _tree_pairs(parents: tuple[int, ...]) -> tuple[list[int], list[int], list[in
     the root: 1). Cached: a round's trees share few shapes."""
     node, on_path = np.nonzero(ancestor_mask(parents))
     return node.tolist(), on_path.tolist(), list(depths(parents))
-
-
-def _as_bits(values: np.ndarray) -> np.ndarray:
-    """float32 values as the int32 holding their bits (the table is one int32 array)."""
-    return values.astype(np.float32).view(np.int32)
 
 
 class _Section:
@@ -117,7 +113,7 @@ def _add_rows(sections: list[_Section], rules: LogitRules, slot: RuleSlot) -> No
         p = rules.penalties
         if p.bias:
             bias_tokens, bias_values = p.bias_arrays
-            sections[BIAS].add(slot.index, bias_tokens, _as_bits(bias_values))
+            sections[BIAS].add(slot.index, bias_tokens, as_bits(bias_values))
         if _counted(p):
             tokens, counts, prompt = rules.arrays
             if len(tokens):
@@ -234,10 +230,10 @@ def bend_by_rules(
     # per sequence (columns): repetition, frequency, presence; then min_p's cut and the slot
     per_seq = np.array(scalars).T
     slot_of = per_seq[4].astype(np.int32)
-    cut_slot = np.stack([_as_bits(per_seq[3]), slot_of, np.zeros_like(slot_of)])
+    cut_slot = np.stack([as_bits(per_seq[3]), slot_of, np.zeros_like(slot_of)])
     # the masks' words, three to a column after the scalars
     words = np.pad(flat, (0, -len(flat) % 3)).reshape(3, -1, order="F")
-    parts = [*parts, rule_rows, extents_part, _as_bits(per_seq[:3]), cut_slot, words]
+    parts = [*parts, rule_rows, extents_part, as_bits(per_seq[:3]), cut_slot, words]
     table = np.concatenate(parts, axis=1, dtype=np.int32)  # (token ids and rows < 2**31)
     layout = Layout(
         tuple(np.cumsum([0, *sizes]).tolist()), len(row_of), len(ruled), len(flat), *flags

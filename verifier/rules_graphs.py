@@ -38,6 +38,7 @@ from specsplit.kernels.bend_rules import (
     PENDING,
     SECTIONS,
     Layout,
+    as_bits,
     bend_rows,
 )
 from specsplit.kernels.triton_jit import next_power_of_2
@@ -51,8 +52,8 @@ MAX_GRAPHS = 64  # past these a round bends eagerly (each graph: a few KiB of de
 # a round whose masks' words (padded) pass this bends eagerly: each graph keeps its table and
 # pinned mirrors at its capacity (at an 8B's vocabulary ~64 masks, at SmolLM2's ~170)
 MAX_MASK_BYTES = 1 << 20
-_ONE = int(np.float32(1.0).view(np.int32))  # a padding sequence's repetition (x / 1 is x)
-_NO_CUT = int(np.float32(-np.inf).view(np.int32))  # its min_p cut (-inf keeps every token)
+_ONE = int(as_bits(np.array(1.0)))  # a padding sequence's repetition (x / 1 is x)
+_NO_CUT = int(as_bits(np.array(-np.inf)))  # its min_p cut (-inf keeps every token)
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the kept rows: bias, counts, seen
 
 
@@ -145,10 +146,10 @@ def pack(round_: Steady, fixed: Layout, out: np.ndarray) -> None:
         out[0, fixed.extents + rows + 1 : fixed.seqs] = len(round_.paths[0])
     scalars = np.array(round_.scalars).reshape(seqs, 5)
     at = fixed.seqs
-    out[:, at : at + seqs] = scalars[:, :3].T.astype(np.float32).view(np.int32)
+    out[:, at : at + seqs] = as_bits(scalars[:, :3].T)
     out[0, at + seqs : at + fixed.num_seqs] = _ONE
     at += fixed.num_seqs  # min_p's cuts and the slots
-    out[0, at : at + seqs] = scalars[:, 3].astype(np.float32).view(np.int32)
+    out[0, at : at + seqs] = as_bits(scalars[:, 3])
     out[1, at : at + seqs] = scalars[:, 4]
     out[0, at + seqs : fixed.words] = _NO_CUT
 
@@ -217,7 +218,6 @@ class RulesGraphs:
         fixed = fixed_layout(round_)
         if 4 * fixed.num_words > MAX_MASK_BYTES:
             return None
-        inputs = 0 if pending is None else next_power_of_2(len(pending))
         if not self.capture:
             packed = np.empty((3, width(fixed)), dtype=np.int32)
             pack(round_, fixed, packed)
@@ -225,6 +225,7 @@ class RulesGraphs:
             bend_rows(view, on_device, fixed, tables, pending, kernel=True)
             self.replays += 1
             return Bent(greedy_tokens(logits) if greedy else None)
+        inputs = 0 if pending is None else next_power_of_2(len(pending))
         key = _Key((view.data_ptr(), view.shape[0], view.stride(0)), fixed, inputs, greedy)
         addresses = tuple(t.data_ptr() for t in tables)
         if addresses != self.tables:  # the kept rows moved: every graph read the old ones

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specsplit.kernels.triton_jit import check_device, interpreting, jit
@@ -90,6 +91,11 @@ class Layout:
     def section(self, table: torch.Tensor, section: int) -> torch.Tensor:
         """[3, n] int64: the section's entries."""
         return table[:, self.starts[section] : self.starts[section + 1]].long()
+
+
+def as_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as the int32 holding their bits (the table is one int32 array)."""
+    return values.astype(np.float32).view(np.int32)
 
 
 def usable(logits: torch.Tensor) -> bool:
