@@ -43,7 +43,7 @@ from specsplit.kernels.accept import accept_greedy_batched, compact_accepted_kv,
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kernels.accept_walk import accept_walk
 from specsplit.kv_cache import KVCache
-from specsplit.model.graph_buffers import next_mirror
+from specsplit.model.graph_buffers import HostMirrors
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
 from verifier.accept_layout import Layout, Sampling, padded, window_pages
@@ -125,14 +125,11 @@ class _Graph:
         device = kv.device
         self.layout, self.sampling = layout, sampling
         self.inputs = torch.zeros(sum(layout.sizes), dtype=torch.int64, device=device)
-        # the inputs' host mirrors, taken in turn: a round fills one and copies it in, and
-        # each is free again once its copy has run (`copied`), behind every step queued before
-        # it. Two, and more (up to the forward's HOST_MIRRORS) as rounds find the next one's
-        # copy still queued (decode steps queued ahead: `add_mirror`)
-        self.hosts: list[torch.Tensor] = []
-        self.float_hosts: list[torch.Tensor] = []
-        self.copied: list[torch.cuda.Event] = []
-        self.turn = 0  # the mirror the last round filled
+        # the inputs' host mirrors (int64, and float64 for a sampled graph), taken in turn: a
+        # round fills one and copies it in, and each is free again once its copy has run,
+        # behind every step queued before it. Two, and more (up to the forward's HOST_MIRRORS)
+        # as rounds find the next one's copy still queued (decode steps queued ahead)
+        self.hosts = HostMirrors(self._new_mirror)
         self.argmax = torch.zeros(
             max_rows if sampling is None else 0, dtype=torch.int64, device=device
         )
@@ -141,19 +138,18 @@ class _Graph:
         if sampling is not None:
             size = sum(sampling.sizes)
             self.floats = torch.zeros(size, dtype=torch.float64, device=device)
-        for _ in range(2):
-            self.add_mirror()
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
         self.kv = kv
 
-    def add_mirror(self) -> None:
-        """One more set of pinned host mirrors (the layout's, the sampling's) and its event."""
-        self.hosts.append(torch.zeros(sum(self.layout.sizes), dtype=torch.int64).pin_memory())
-        if self.sampling is not None:
-            size = sum(self.sampling.sizes)
-            self.float_hosts.append(torch.zeros(size, dtype=torch.float64).pin_memory())
-        self.copied.append(torch.cuda.Event())
+    def _new_mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One more pair of pinned host mirrors: the layout's, the sampling's (empty where
+        greedy)."""
+        floats = sum(self.sampling.sizes) if self.sampling is not None else 0
+        return (
+            torch.zeros(sum(self.layout.sizes), dtype=torch.int64).pin_memory(),
+            torch.zeros(floats, dtype=torch.float64).pin_memory(),
+        )
 
     def body(self) -> torch.Tensor:
         """[bucket, 2 + width]: accepted drafts, bonus token, accepted nodes (-1 padded)."""
@@ -246,11 +242,11 @@ class AcceptGraphs:
         graph = self.graphs.get((layout, sampling))
         if graph is None:
             graph = self.graphs[(layout, sampling)] = self._capture(layout, sampling)
-        graph.turn = next_mirror(graph.turn, graph.copied, graph.add_mirror)
-        host, parts = layout.host_arrays(graph.hosts[graph.turn].numpy())
+        ints, floats = graph.hosts.take()
+        host, parts = layout.host_arrays(ints.numpy())
         float_parts: list[np.ndarray] = []
         if sampling is not None:
-            _, float_parts = sampling.host_arrays(graph.float_hosts[graph.turn].numpy())
+            _, float_parts = sampling.host_arrays(floats.numpy())
         return host, parts, float_parts
 
     def run(
@@ -271,17 +267,18 @@ class AcceptGraphs:
         graph = self.graphs[(layout, sampling)]
         rows = logits.shape[0]
         assert rows <= self.max_rows, (rows, self.max_rows)
-        graph.inputs.copy_(graph.hosts[graph.turn], non_blocking=True)
+        ints, floats = graph.hosts.current
+        graph.inputs.copy_(ints, non_blocking=True)
         if place is not None:
             place(layout.parts(graph.inputs))
         if sampling is not None:
             assert graph.logits is not None
-            graph.floats.copy_(graph.float_hosts[graph.turn], non_blocking=True)
+            graph.floats.copy_(floats, non_blocking=True)
             graph.logits[:rows].copy_(logits)
         else:
             assert argmax is not None, "a greedy round comes with its argmax"
             graph.argmax[:rows].copy_(argmax)
-        graph.copied[graph.turn].record(torch.cuda.current_stream(graph.inputs.device))
+        graph.hosts.copied(graph.inputs.device)
         graph.graph.replay()
         assert graph.out is not None
         return graph.out[:num_seqs]

@@ -42,7 +42,7 @@ from specsplit.kernels.bend_rules import (
     bend_rows,
 )
 from specsplit.kernels.triton_jit import next_power_of_2
-from specsplit.model.graph_buffers import next_mirror
+from specsplit.model.graph_buffers import HostMirrors
 
 log = logging.getLogger(__name__)
 
@@ -170,17 +170,11 @@ class _Graph:
         self.key = key
         self.table = torch.zeros(3, width(key.fixed), dtype=torch.int32, device=device)
         self.pending = torch.zeros(max(key.inputs, 1), dtype=pending_dtype, device=device)
-        self.hosts: list[torch.Tensor] = []
-        self.copied: list[torch.cuda.Event] = []
-        self.turn = 0
-        for _ in range(2):
-            self.add_mirror()
+        self.hosts = HostMirrors(
+            lambda: torch.zeros(3, width(key.fixed), dtype=torch.int32).pin_memory()
+        )
         self.graph = torch.cuda.CUDAGraph()
         self.argmax: torch.Tensor | None = None
-
-    def add_mirror(self) -> None:
-        self.hosts.append(torch.zeros(3, width(self.key.fixed), dtype=torch.int32).pin_memory())
-        self.copied.append(torch.cuda.Event())
 
     def body(self, logits: torch.Tensor, tables: Tables) -> torch.Tensor | None:
         pending = self.pending if self.key.inputs else None
@@ -243,11 +237,10 @@ class RulesGraphs:
                 return None
             dtype = torch.int64 if pending is None else pending.dtype
             graph = self.graphs[key] = self._capture(key, view, tables, dtype)
-        graph.turn = next_mirror(graph.turn, graph.copied, graph.add_mirror)
-        host = graph.hosts[graph.turn]
+        host = graph.hosts.take()
         pack(round_, fixed, host.numpy())
         graph.table.copy_(host, non_blocking=True)
-        graph.copied[graph.turn].record(torch.cuda.current_stream(self.device))
+        graph.hosts.copied(self.device)
         if pending is not None:
             graph.pending[: len(pending)].copy_(pending)
         graph.graph.replay()
@@ -259,8 +252,8 @@ class RulesGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = _Graph(key, self.device, dtype)
         # the table all padding: the warm-up run bends nothing and adds zeros
-        pack(_NONE, key.fixed, graph.hosts[0].numpy())
-        graph.table.copy_(graph.hosts[0])
+        pack(_NONE, key.fixed, graph.hosts.current.numpy())
+        graph.table.copy_(graph.hosts.current)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ from specsplit.model.batch import ForwardBatch, ForwardOutput
 # mirrors leave every launch free of waiting
 HOST_MIRRORS = 5
 
+M = TypeVar("M")
+
 
 def next_mirror(turn: int, copied: list[torch.cuda.Event], add: Callable[[], None]) -> int:
     """The host mirror to fill after mirror `turn` (mirrors taken in turn, each's last copy's
@@ -35,6 +37,42 @@ def next_mirror(turn: int, copied: list[torch.cuda.Event], add: Callable[[], Non
         turn = len(copied) - 1
     copied[turn].synchronize()  # this mirror is free again
     return turn
+
+
+class HostMirrors(Generic[M]):
+    """A graph's pinned host mirrors (each what `make` returns), taken in turn as `next_mirror`
+    says: `take` waits until the next one's last copy has run (or makes one more while fewer
+    than HOST_MIRRORS exist) and gives it; `copied` records, once its copy to the device is
+    queued, that the mirror `take` gave is in flight."""
+
+    def __init__(self, make: Callable[[], M], first: int = 2) -> None:
+        self._make = make
+        self.mirrors: list[M] = []
+        self._copied: list[torch.cuda.Event] = []  # each mirror's last copy
+        self.turn = 0  # the mirror `take` gave last
+        for _ in range(first):
+            self._add()
+
+    def _add(self) -> None:
+        self.mirrors.append(self._make())
+        self._copied.append(torch.cuda.Event())
+
+    def take(self) -> M:
+        self.turn = next_mirror(self.turn, self._copied, self._add)
+        return self.mirrors[self.turn]
+
+    @property
+    def current(self) -> M:
+        """The mirror `take` gave last."""
+        return self.mirrors[self.turn]
+
+    @property
+    def event(self) -> torch.cuda.Event:
+        """The event of the mirror `take` gave last (its last copy's)."""
+        return self._copied[self.turn]
+
+    def copied(self, device: torch.device) -> None:
+        self._copied[self.turn].record(torch.cuda.current_stream(device))
 
 
 class GraphBuffers:
@@ -68,12 +106,8 @@ class GraphBuffers:
         self._layout = (sizes, ends, num_copied)
         # the host mirrors, made as launches find the next one still waiting for its copy (one
         # where nothing is queued ahead: a long context's page tables make each several MB)
-        self._mirrors: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (bytes to copy, views)
-        self._copied: list[torch.cuda.Event] = []  # each mirror's last copy
-        self._turn = 0  # the mirror the last `fill` wrote
-        self._new_mirror()
-        self.host_copied, self.host = self._mirrors[0]
-        self.copied = self._copied[0]
+        self.mirrors = HostMirrors(self._new_mirror, first=1)  # (bytes to copy, views)
+        self.host_copied, self.host = self.mirrors.current
         self.dev_bytes = torch.zeros(ends[-1], dtype=torch.uint8, device=device)
         self.dev_bytes[:num_copied].copy_(self.host_copied)
         self.dev_copied = self.dev_bytes[:num_copied]
@@ -90,9 +124,9 @@ class GraphBuffers:
         # the graph beside the logits (argmax_rows: ~10 us less a step than torch.argmax after)
         self.greedy = torch.zeros(t, dtype=torch.int64, device=device) if greedy else None
 
-    def _new_mirror(self) -> None:
-        """Another pinned host mirror (its bytes to copy, its numpy views) and its copy's event,
-        its constant arrays filled: every row (an arange) and the full buckets' cu_seqlens_q."""
+    def _new_mirror(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Another pinned host mirror (its bytes to copy, its numpy views), its constant arrays
+        filled: every row (an arange) and the full buckets' cu_seqlens_q."""
         sizes, ends, num_copied = self._layout
         t, q = self.max_bs * self.q, self.q
         data = torch.zeros(ends[-1], dtype=torch.uint8).pin_memory()
@@ -105,8 +139,7 @@ class GraphBuffers:
             name: None if view is None else view.numpy()
             for name, view in self._views(host64, host32, host_mask).items()
         }
-        self._mirrors.append((data[:num_copied], views))
-        self._copied.append(torch.cuda.Event())
+        return data[:num_copied], views
 
     def keep(self, out: ForwardOutput) -> None:
         """Copy a run's outputs (all rows) into the fixed output buffers, made on the first."""
@@ -185,9 +218,7 @@ class GraphBuffers:
         the scratch slot (CudaGraphRunner.plan). Each fill writes the next of the host mirrors
         (HOST_MIRRORS, made while the next one's copy has not run), waiting only until that
         one's last copy has run."""
-        self._turn = next_mirror(self._turn, self._copied, self._new_mirror)
-        self.host_copied, self.host = self._mirrors[self._turn]
-        self.copied = self._copied[self._turn]  # (its event, recorded once the copy is queued)
+        self.host_copied, self.host = self.mirrors.take()
         v, q, bs = self.host, self.q, batch.num_seqs
         t, t_pad = bs * q, bucket * q
         cu = batch.cu_seqlens_q.numpy()
@@ -229,7 +260,7 @@ class GraphBuffers:
             self.features[:t].copy_(features)
         if tokens is not None:  # over the host's input ids, in stream order
             self.dev["input_ids"][:t].copy_(tokens)
-        self.copied.record(torch.cuda.current_stream(self.dev_bytes.device))
+        self.mirrors.copied(self.dev_bytes.device)
 
     def rows(self, out: torch.Tensor, name: str, num: int, views: bool) -> torch.Tensor:
         """The first `num` rows named `name` ("rows", "hidden_rows": filled by the last `fill`)

@@ -167,22 +167,26 @@ def test_rounds_queued_ahead_take_more_host_mirrors_up_to_the_forwards(
         mock.patch.object(torch.Tensor, "pin_memory", lambda self: self),
         mock.patch.object(torch.cuda, "Event", event),
         mock.patch.object(torch.cuda, "CUDAGraph", mock.Mock),
+        mock.patch.object(torch.cuda, "current_stream", lambda device: None),
     ):
         graph = _Graph(layout, graphs.max_rows, graphs.kv, sampling, torch.zeros(40, 8))
         graphs.graphs[(layout, sampling)] = graph
-        assert len(graph.hosts) == 2 and len(graph.float_hosts) == (2 if sampled else 0)
+        mirrors = graph.hosts.mirrors
+        assert len(mirrors) == 2
+        assert all(
+            floats.numel() == (sum(sampling.sizes) if sampling else 0) for _, floats in mirrors
+        )
         turns = []
         for _ in range(HOST_MIRRORS + 2):
             host, _, floats = graphs.host_arrays(layout, sampling)
-            graph.copied[graph.turn].record()  # as `run` does once its copy is queued
-            turns.append(graph.turn)
-            assert np.shares_memory(host, graph.hosts[graph.turn].numpy())
+            graph.hosts.copied(graphs.kv.device)  # as `run` does once its copy is queued
+            turns.append(graph.hosts.turn)
+            assert np.shares_memory(host, graph.hosts.current[0].numpy())
             assert bool(floats) == sampled
         # the two made first, then one more each time the next is still queued, then in turn
         assert turns == [1, 0, *range(2, HOST_MIRRORS), 0, 1]
-        assert len(graph.hosts) == len(graph.copied) == HOST_MIRRORS
-        assert len(graph.float_hosts) == (HOST_MIRRORS if sampled else 0)
+        assert len(mirrors) == HOST_MIRRORS
         busy["copies_done"] = True  # nothing queued: the mirrors in turn, none made
         for _ in range(3):
             graphs.host_arrays(layout, sampling)
-        assert len(graph.hosts) == HOST_MIRRORS
+        assert len(mirrors) == HOST_MIRRORS

@@ -53,7 +53,7 @@ def _filled(copies_done: bool, steps: int) -> list[tuple[torch.Tensor, mock.Mock
             # what the graph reads: this step's inputs, moved from its mirror
             assert buffers.dev["input_ids"][:2].tolist() == [10 + step, 20 + step]
             assert buffers.dev["kv_lens"][:2].tolist() == [6, 3]  # (committed + 1)
-            filled.append((buffers.host_copied, buffers.copied))
+            filled.append((buffers.host_copied, buffers.mirrors.event))
     return filled
 
 
