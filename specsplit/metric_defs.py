@@ -222,6 +222,21 @@ VERIFIER_EAGER_FORWARDS = Counter(
     " a bucket for the batch), 'rows' (device inputs that would need padding rows)",
     ["why"],
 )
+VERIFIER_RULES_ROUNDS = Counter(
+    "specsplit_verifier_rules_rounds",
+    "The verifier's rounds and decode steps bent by logit rules or a guide, by path: 'graph' (one"
+    " rules graph's replay, verifier/rules_graphs.py) or 'eager' (the bending's kernels launched"
+    " one by one: ~0.1-0.3 ms more host a round on a GPU)",
+    ["path"],
+)
+VERIFIER_EAGER_RULES_ROUNDS = Counter(
+    "specsplit_verifier_eager_rules_rounds",
+    "The verifier's rules rounds bent eagerly, by why: 'no graphs' (the CPU, --cuda-graphs off,"
+    " SPECSPLIT_RULES_GRAPHS=0), 'logits' (the forward ran eagerly or gathered its rows),"
+    " 'refill' (a sequence's first round under its rules, or min_tokens holding stop tokens"
+    " back), 'masks' (a guide's masks past a graph's cap), 'full' (every rules graph taken)",
+    ["why"],
+)
 DRAFTER_FORWARDS = Counter(
     "specsplit_drafter_forwards",
     "The drafter's device runs by path: each forward of catch-up or root steps, and each tree"

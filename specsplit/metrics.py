@@ -52,9 +52,11 @@ from specsplit.metric_defs import (
     SPECULATING,
     TIME_TO_FIRST_TOKEN,
     VERIFIER_EAGER_FORWARDS,
+    VERIFIER_EAGER_RULES_ROUNDS,
     VERIFIER_FORWARDS,
     VERIFIER_GAP_SECONDS,
     VERIFIER_IDLE_SECONDS,
+    VERIFIER_RULES_ROUNDS,
     VERIFIER_STEP_IDLE_SECONDS,
     VERIFIER_WAIT_SECONDS,
     WAITING_SEQUENCES,
@@ -264,6 +266,12 @@ def count_verifier_forward(eager_why: str | None) -> None:
 def count_drafter_forward(eager_why: str | None) -> None:
     """A drafter forward: a graph's replay (None), or eager and why (DRAFTER_EAGER_FORWARDS)."""
     _count_forward(DRAFTER_FORWARDS, DRAFTER_EAGER_FORWARDS, eager_why)
+
+
+def count_rules_round(eager_why: str | None) -> None:
+    """A verifier round bent by rules: by a rules graph (None), or eagerly and why
+    (VERIFIER_EAGER_RULES_ROUNDS)."""
+    _count_forward(VERIFIER_RULES_ROUNDS, VERIFIER_EAGER_RULES_ROUNDS, eager_why)
 
 
 def _count_forward(paths: Counter, whys: Counter, eager_why: str | None) -> None:

@@ -307,6 +307,8 @@ class DeviceRounds(DeviceWaits):
         bent = bend_by_rules(inputs, logits, rows, pending, kept, graphs=rules_graphs)
         if bent is not None:
             argmax = bent.argmax
+            gathered = self.rules_graphs is not None and not out.static
+            metrics.count_rules_round("logits" if gathered else bent.eager)
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)

@@ -157,7 +157,8 @@ def bend_by_rules(
     graphs: RulesGraphs | None = None,
 ) -> Bent | None:
     """The rows of the inputs with rules bent by them, or None where none has rules (where
-    some had, the logits' argmax must be taken again: a graph's comes with it). pending: a
+    some had, the logits' argmax must be taken again: a graph's comes with it; `Bent.eager`
+    says why no graph bent them: "no graphs" without `graphs`, "refill", or the graphs'). pending: a
     decode step run ahead's input tokens on the device, one an input (verifier/run_ahead.py),
     each its output's next token, which its rules (the round's before) do not hold yet:
     counted on the device. kept: the engine's rows and the inputs' sequences, whose slots they
@@ -207,6 +208,7 @@ def bend_by_rules(
     flat = np.frombuffer(b"".join(masks), dtype=np.int32)
     # a steady round (no slot refilled, no stop token held back) fits a graph
     refills = any(sections[s].tokens for s in (BIAS, COUNTS, PROMPT, STOPS, CLEAR))
+    eager = "no graphs" if graphs is None else "refill" if refills else None
     if graphs is not None and not refills:
         deltas, paths = sections[DELTAS], sections[PATHS]
         guided = (mask_of, flat, mask_words(logits.shape[1])) if masks else (None, None, 0)
@@ -216,8 +218,9 @@ def bend_by_rules(
         )  # fmt: skip
         greedy = all(item.sampling.greedy for item in inputs)
         bent = graphs.bend(logits, entries, tables, pending, greedy)
-        if bent is not None:
+        if isinstance(bent, Bent):
             return bent
+        eager = bent
     if inputs_of is not None:  # (every rule row: its input's token)
         sections[PENDING].add(list(range(len(row_of))), inputs_of)
     parts = [section.array() for section in sections]
@@ -240,7 +243,7 @@ def bend_by_rules(
     )
     on_device = to_device(torch.from_numpy(table), logits.device)
     bend_rows(logits, on_device, layout, tables, pending, kernel)
-    return Bent()
+    return Bent(eager=eager)
 
 
 class _Holder:

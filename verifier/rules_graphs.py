@@ -60,9 +60,11 @@ Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the kept rows: bias,
 @dataclass(frozen=True)
 class Bent:
     """A round's rows bent by its rules: `argmax`, the bent logits' argmax where a graph took
-    it (a greedy round's), else None (`queue_accept` takes it)."""
+    it (a greedy round's), else None (`queue_accept` takes it); `eager`: None where a rules
+    graph bent them, else why not (specsplit_verifier_eager_rules_rounds' reasons)."""
 
     argmax: torch.Tensor | None = None
+    eager: str | None = None
 
 
 @dataclass
@@ -204,14 +206,14 @@ class RulesGraphs:
         tables: Tables,
         pending: torch.Tensor | None,
         greedy: bool,
-    ) -> Bent | None:
+    ) -> Bent | str:
         """The round bent by its graph (queued), with the bent logits' argmax for a greedy
-        round; None where no graph is left or its masks pass MAX_MASK_BYTES (the caller bends
-        it eagerly)."""
+        round; or why not, and the caller bends it eagerly: "full" (no graph is left for its
+        key), "masks" (its masks pass MAX_MASK_BYTES)."""
         view = _padded_view(logits)
         fixed = fixed_layout(round_)
         if 4 * fixed.num_words > MAX_MASK_BYTES:
-            return None
+            return "masks"
         if not self.capture:
             packed = np.empty((3, width(fixed)), dtype=np.int32)
             pack(round_, fixed, packed)
@@ -234,7 +236,7 @@ class RulesGraphs:
                 if not self.full:
                     log.warning("%d rules graphs: rounds of other shapes bend eagerly", MAX_GRAPHS)
                     self.full = True
-                return None
+                return "full"
             dtype = torch.int64 if pending is None else pending.dtype
             graph = self.graphs[key] = self._capture(key, view, tables, dtype)
         host = graph.hosts.take()

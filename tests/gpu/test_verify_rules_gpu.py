@@ -36,6 +36,7 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (pytest collects them 
     test_logprobs_under_rules_are_the_raw_distribution,
     test_malformed_rules_are_refused,
     test_min_p_draws_only_tokens_likely_enough,
+    test_rules_rounds_are_counted_by_path,
     test_sampled_rounds_draw_from_the_bent_distribution,
     test_speculative_rounds_commit_the_targets_greedy_tokens_under_the_rules,
     test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens,

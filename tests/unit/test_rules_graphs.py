@@ -83,6 +83,7 @@ def test_padding_rows_stay_and_a_greedy_rounds_argmax_is_the_bent_rows() -> None
         want = reference_bend(items, rows, before[:6])
         bent = bend_by_rules(items, logits, rows, None, (kept, seqs), True, graphs)
         assert bent is not None and graphs.replays == round_number
+        assert bent.eager == (None if round_number else "refill")
         assert torch.equal(logits, want) and torch.equal(buffer[6:], before[6:])
         if round_number:
             assert bent.argmax is not None and torch.equal(bent.argmax, want.argmax(dim=-1))
@@ -105,8 +106,11 @@ def test_rounds_that_do_not_fit_the_fixed_layout_bend_eagerly(what: str) -> None
     item = round_of(seqs, [[3, 4]], second, [DraftTree()])[0]
     logits = torch.randn(1, VOCAB) * 4
     want = reference_bend([item], [range(1)], logits)
-    assert bend_by_rules([item], logits, [range(1)], None, (kept, seqs), True, graphs)
+    bent = bend_by_rules([item], logits, [range(1)], None, (kept, seqs), True, graphs)
+    assert bent is not None and bent.eager == "refill"
     assert graphs.replays == 0 and torch.equal(logits, want)
+    alone = bend_by_rules([item], logits.clone(), [range(1)], None, (kept, seqs), True)
+    assert alone is not None and alone.eager == "no graphs"
 
 
 def _mask(allowed: np.ndarray, vocab: int) -> bytes:
@@ -148,8 +152,10 @@ def test_a_guides_masks_ride_the_fixed_layout(
         assert torch.isinf(want[[0, 2, 3, 4]]).sum() == 4 * (vocab - 20)  # (each row's mask)
         buffer[:7] = logits.to(on)
         kernel = True if on == "cpu" else None
-        assert bend_by_rules(items, buffer[:7], rows_of, None, (kept, seqs), kernel, graphs)
-        assert torch.equal(buffer[:7].cpu(), want)
+        bent = bend_by_rules(items, buffer[:7], rows_of, None, (kept, seqs), kernel, graphs)
+        assert bent is not None and torch.equal(buffer[:7].cpu(), want)
+        steady = None if replayed else "masks"  # (past the masks' cap: eager)
+        assert bent.eager == (steady if round_number else "refill")
         assert graphs.replays == (round_number if replayed else 0)  # (the first fills slots)
         for item, seq, output in zip(items, seqs, outputs, strict=True):
             keep_rules(item, seq, [4])

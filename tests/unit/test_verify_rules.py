@@ -244,6 +244,58 @@ def test_decode_steps_under_rules_are_the_targets_greedy_tokens(
     assert engine.num_pages_used == 0
 
 
+def _rules_counts() -> dict[str, float]:
+    """The verifier's forwards, its rules rounds by path and the eager ones by why, so far."""
+    from prometheus_client import REGISTRY
+
+    def get(name: str, label: str, value: str) -> float:
+        return REGISTRY.get_sample_value(f"specsplit_{name}_total", {label: value}) or 0.0
+
+    forwards = get("verifier_forwards", "path", "graph") + get("verifier_forwards", "path", "eager")
+    paths = {path: get("verifier_rules_rounds", "path", path) for path in ("graph", "eager")}
+    whys = ("no graphs", "logits", "refill", "masks", "full")
+    return {
+        "forwards": forwards,
+        **paths,
+        **{why: get("verifier_eager_rules_rounds", "why", why) for why in whys},
+    }
+
+
+def test_rules_rounds_are_counted_by_path(
+    target_dir: Path,  # noqa: F811
+    device: str,  # noqa: F811
+) -> None:
+    """`specsplit_verifier_rules_rounds_total{path}` counts each forward bent by rules once (a
+    round's, each decode step's run ahead), `..._eager_rules_rounds_total{why}` the eager ones
+    by why: on the CPU all eager with no graphs; on a GPU (as served) the steady decode steps
+    by a rules graph. A sequence without rules counts none."""
+    engine = _engine(target_dir, device)
+    before = _rules_counts()
+    first = VerifyInput("s", True, 0, PROMPT, DraftTree(), rules=_rules(STRONG, []))
+    got = [engine.verify([first])[0].bonus_token]
+    item = VerifyInput("s", False, len(PROMPT), got[-1:], DraftTree(), rules=_rules(STRONG, got))
+    item.decode_steps = 6
+    got += engine.verify([item])[0].new_tokens
+    engine.release(["s"])
+    now = _rules_counts()
+    seen = {key: now[key] - before[key] for key in now}
+    assert seen["forwards"] >= 8  # (the prefill, six steps, one more run ahead)
+    assert seen["graph"] + seen["eager"] == seen["forwards"]
+    whys = ("no graphs", "logits", "refill", "masks", "full")
+    assert sum(seen[why] for why in whys) == seen["eager"]
+    if device == "cpu":
+        assert seen["eager"] == seen["no graphs"] == seen["forwards"]
+    else:
+        assert seen["graph"] >= 5 and seen["no graphs"] == 0
+    plain = VerifyInput("p", True, 0, PROMPT, DraftTree())
+    engine.verify([plain])
+    after = _rules_counts()
+    assert after["forwards"] > now["forwards"]
+    assert after["graph"] + after["eager"] == now["graph"] + now["eager"]
+    engine.release(["p"])
+    assert engine.num_pages_used == 0
+
+
 @pytest.mark.parametrize("min_tokens", [3, 6])
 def test_steps_run_ahead_hold_stop_tokens_back_until_min_tokens(
     target_dir: Path,  # noqa: F811
