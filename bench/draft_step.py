@@ -20,7 +20,10 @@ come with their draft probabilities). `--host-expansion` runs
 the tree expansion on the host, one step at a time (the path before the expansion graphs), for
 comparison in the same run. `--rules`: each batch also with every sequence under a logit bias
 and presence, frequency and repetition penalties (its first Draft carries them: the drafter bends
-every step's logits, drafter/draft_rules.py), printed after the same batch without.
+every step's logits, drafter/draft_rules.py), printed after the same batch without. `--guide`:
+each batch also with every Draft carrying a guide's root mask (every other token allowed), the
+root rows written by their kernel (`write_roots`) and, for an A/B in the same run, by its torch
+reference ("guide, roots by torch").
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -42,6 +46,7 @@ import drafter.draft_rules as draft_rules
 import drafter.eagle_proposer as eagle_proposer
 import drafter.expansion as expansion
 import drafter.tree_draft as tree_draft
+import specsplit.kernels.draft_bend as draft_bend
 import specsplit.kv_cache as kv_cache
 import specsplit.model.cuda_graphs as cuda_graphs
 import specsplit.model.graph_buffers as graph_buffers
@@ -54,9 +59,16 @@ from bench.profile_step import kernel_time
 from drafter.eagle_proposer import Eagle3Proposer
 from drafter.engine import DrafterEngine
 from drafter.tree_draft import CATCH_UP_LENS
-from specsplit.logit_rules import Penalties
+from specsplit.logit_rules import Penalties, pack_mask
 from specsplit.messages import AheadTree, DraftInput, DraftOutput, DraftRules, SpecParams
 from specsplit.sampling import SamplingParams
+
+
+def roots_by_torch(
+    root: torch.Tensor, table: torch.Tensor, word_of: torch.Tensor, bit_of: torch.Tensor
+) -> None:
+    """--guide's A/B: the root rows written by `write_roots`' torch reference."""
+    draft_bend.write_roots_reference(root, table, word_of, bit_of)
 
 
 def parse_shape(text: str) -> SpecParams:
@@ -85,10 +97,12 @@ class Rounds:
         sampling: SamplingParams,
         pinned: bool = False,
         rules: DraftRules | None = None,
+        guide: bytes = b"",
     ) -> None:
         self.engine, self.width, self.sampling, self.pinned = engine, width, sampling, pinned
         # each sequence's, sent with its first Draft: the output starts past the context
         self.rules = None if rules is None else dataclasses.replace(rules, output_start=context)
+        self.guide = guide  # a root mask every Draft carries (b"": none)
         gen = torch.Generator().manual_seed(batch)
         self.tokens = {
             f"s{b}": torch.randint(10, 40000, (context,), generator=gen).tolist()
@@ -117,6 +131,7 @@ class Rounds:
             inputs.append(DraftInput(seq_id, begin, start, new_tokens, spec, self.sampling))
             if begin:
                 inputs[-1].rules = self.rules
+            inputs[-1].root_allowed = self.guide
             self.held[seq_id] = len(tokens) - 1
         self._attach_rows(inputs, counts)
         seconds, outputs = self._timed(inputs)
@@ -409,6 +424,7 @@ def main() -> None:
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampled chains (0: greedy)")
     parser.add_argument("--rules", action="store_true", help="each batch under logit rules too")
+    parser.add_argument("--guide", action="store_true", help="each batch under a root mask too")
     parser.add_argument("--ahead", type=int, default=0, help="time draft-ahead with G guesses")
     parser.add_argument(
         "--ahead-hits",
@@ -469,15 +485,26 @@ def main() -> None:
     for spec in map(parse_shape, args.shape):
         gaps = [(0.0, "sleep")] if 0 in args.gap_ms else []
         gaps += [(ms, how) for ms in args.gap_ms if ms for how in args.gap_how]
-        ruled = [None, RULES] if args.rules else [None]
-        for batch, rows_kind, (gap_ms, gap_how), rules in itertools.product(
-            args.batch, args.rows, gaps, ruled
+        variants: list[tuple[str, DraftRules | None, bytes, bool]] = [("", None, b"", False)]
+        if args.rules:
+            variants.append((", rules", RULES, b"", False))
+        if args.guide:
+            vocab = engine.proposer.vocab_size  # type: ignore[attr-defined]
+            mask = pack_mask(np.arange(vocab) % 2 == 0).tobytes()
+            variants.append((", guide", None, mask, False))
+            variants.append((", guide, roots by torch", None, mask, True))
+        for batch, rows_kind, (gap_ms, gap_how), variant in itertools.product(
+            args.batch, args.rows, gaps, variants
         ):
+            kind, rules, guide, by_torch = variant
+            draft_rules.write_roots = (  # type: ignore[assignment]
+                roots_by_torch if by_torch else draft_bend.write_roots
+            )
             pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (
                 SamplingParams(args.temperature, seed=1) if args.temperature else SamplingParams()
             )
-            rounds = Rounds(engine, batch, args.context, width, sampling, pinned, rules)
+            rounds = Rounds(engine, batch, args.context, width, sampling, pinned, rules, guide)
             rounds.run(spec, args.new)  # prefill
             for _ in range(5):
                 rounds.run(spec, args.new)
@@ -562,7 +589,7 @@ def main() -> None:
             times.sort()
             p90 = times[int(0.9 * (len(times) - 1))]
             print(
-                f"{label}{', rules' if rules else ''}, {rows_kind} rows, {gap_ms:g} ms idle"
+                f"{label}{kind}, {rows_kind} rows, {gap_ms:g} ms idle"
                 f"{f' ({gap_how})' if gap_ms else ''} before: spec "
                 f"{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens} "
                 f"batch {batch:3d}: {statistics.median(times):7.3f} ms/round median, "

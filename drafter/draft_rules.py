@@ -35,14 +35,13 @@ of the sequences without rules in a round that bends."""
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from drafter.types import DraftJob, DraftSeq
-from specsplit.kernels.draft_bend import DraftTables, bend_drafts
+from specsplit.kernels.draft_bend import DraftTables, bend_drafts, write_roots
 from specsplit.logit_rules import Allowed, LogitRules, Penalties, bend_row, start_context
 from specsplit.messages import DraftRules
 
@@ -225,27 +224,28 @@ class RuleTables:
 
     def _write_roots(self, jobs: list[DraftJob]) -> None:
         """The jobs' slots' root rows: each job's guide mask unpacked on the device (-inf where
-        a token is not allowed), or zero where it has none this round and had one; the round's
-        masks (and their slots, a column before them) in one copy."""
-        masked, cleared = [], []
+        a token is not allowed), or zero where it has none this round and had one; one table
+        (slot, masked, the mask's words a row) in one copy, one launch on a GPU
+        (specsplit/kernels/draft_bend.py's `write_roots`)."""
+        rows: list[tuple[int, bytes | None]] = []  # (slot, mask words; None: cleared)
         for job in jobs:
             held = job.seq.rule_rows
             assert isinstance(held, SeqRules)
             if job.root_allowed:
-                masked.append(job)
+                rows.append((job.rule_slot, job.root_allowed))
             elif held.masked:
-                cleared.append(held.slot)
+                rows.append((held.slot, None))
             held.masked = bool(job.root_allowed)
-        if masked:
-            words = np.frombuffer(b"".join(job.root_allowed for job in masked), dtype="<u4")
-            table = np.concatenate(
-                [[[job.rule_slot] for job in masked], words.reshape(len(masked), -1)], axis=1
-            )
-            rows = self._to_device(table.astype(np.int32))
-            bits = (rows[:, 1:][:, self.word_of] >> self.bit_of) & 1
-            self.root.index_copy_(0, rows[:, 0].long(), torch.where(bits == 1, 0.0, -math.inf))
-        if cleared:
-            self.root[torch.tensor(cleared, device=self.device)] = 0.0
+        if not rows:
+            return
+        words = max((len(mask) // 4 for _, mask in rows if mask is not None), default=0)
+        table = np.zeros((len(rows), 2 + words), dtype=np.int32)
+        for r, (slot, mask) in enumerate(rows):
+            table[r, 0] = slot
+            if mask is not None:
+                table[r, 1] = 1
+                table[r, 2:] = np.frombuffer(mask, dtype="<u4").view(np.int32)
+        write_roots(self.root, self._to_device(table), self.word_of, self.bit_of)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """`array` on the tables' device: through pinned memory and not waited for on a GPU

@@ -81,6 +81,62 @@ def bend_drafts_reference(
     return bent + tables.root[slots] if root else bent
 
 
+def write_roots(
+    root: torch.Tensor,  # [slots, columns] float32: the tables' root rows, written in place
+    table: torch.Tensor,  # [J, 2 + words] int32: per row its slot, 1 (masked) or 0, mask words
+    word_of: torch.Tensor,  # [columns] int64: each column's token's mask word
+    bit_of: torch.Tensor,  # [columns] int32: its bit in that word
+    kernel: bool | None = None,  # the kernel (True) or the reference; None: on a GPU
+) -> None:
+    """Each table row's slot's root row written: a masked row 0 where its mask allows the
+    column's token and -inf where not, an unmasked (cleared) one 0 everywhere. One launch on a
+    GPU (where torch's ops are ~7 launches and an indexed clear from a host list waits for
+    the device), its reference elsewhere; both write the same bits."""
+    if not (_usable(root) if kernel is None else kernel):
+        write_roots_reference(root, table, word_of, bit_of)
+        return
+    _check_roots(root, table, word_of, bit_of)
+    rows, columns = table.shape[0], root.shape[1]
+    if not rows:
+        return
+    interpret = interpreting()
+    block = INTERPRET_BLOCK if interpret else BLOCK
+    _roots_jitted(interpret)[(rows, -(-columns // block))](
+        root, table, table.stride(0), word_of, bit_of, columns, BLOCK=block
+    )
+
+
+def write_roots_reference(
+    root: torch.Tensor, table: torch.Tensor, word_of: torch.Tensor, bit_of: torch.Tensor
+) -> None:
+    """`write_roots` as torch's ops."""
+    slots = table[:, 0].long()
+    if table.shape[1] > 2:
+        bits = (table[:, 2:][:, word_of] >> bit_of) & 1
+        allowed = (bits == 1) | (table[:, 1:2] == 0)  # (a cleared row: every token)
+    else:
+        allowed = torch.ones(len(slots), root.shape[1], dtype=torch.bool, device=root.device)
+    root.index_copy_(0, slots, torch.where(allowed, 0.0, -torch.inf))
+
+
+def _check_roots(
+    root: torch.Tensor, table: torch.Tensor, word_of: torch.Tensor, bit_of: torch.Tensor
+) -> None:
+    """ValueError unless `write_roots`' kernel can read these."""
+    if root.dtype != torch.float32 or root.dim() != 2 or not root.is_contiguous():
+        raise ValueError("root must be contiguous float32 [slots, columns]")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] < 2:
+        raise ValueError("table must be int32 [rows, 2 + words]")
+    if table.stride(1) != 1:
+        raise ValueError("table's rows must be contiguous")
+    columns = root.shape[1]
+    if word_of.dtype != torch.int64 or word_of.shape != (columns,):
+        raise ValueError(f"word_of must be int64 [{columns}]")
+    if bit_of.dtype != torch.int32 or bit_of.shape != (columns,):
+        raise ValueError(f"bit_of must be int32 [{columns}]")
+    check_device("write_roots", [root, table, word_of, bit_of], interpreting())
+
+
 def _usable(logits: torch.Tensor) -> bool:
     """Whether the kernel runs: on a GPU's rows (2-D, last dim contiguous, triton there)."""
     shaped = logits.dim() == 2 and logits.stride(1) == 1
@@ -140,3 +196,25 @@ def _draft_bend_kernel(
 def _jitted(interpret: bool) -> Any:
     """The kernel, decorated as TRITON_INTERPRET asks (`interpret` is the cache key)."""
     return jit(_draft_bend_kernel, do_not_specialize=("stride_l", "columns"))
+
+
+def _write_roots_kernel(
+    root_ptr, table_ptr, stride_t, word_of_ptr, bit_of_ptr, columns, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < columns
+    slot = tl.load(table_ptr + row * stride_t).to(tl.int64)
+    masked = tl.load(table_ptr + row * stride_t + 1) != 0
+    word_at = tl.load(word_of_ptr + cols, mask=inside, other=0)
+    bit = tl.load(bit_of_ptr + cols, mask=inside, other=0)
+    # (a cleared row may have no words: nothing is read where it is not masked)
+    word = tl.load(table_ptr + row * stride_t + 2 + word_at, mask=inside & masked, other=-1)
+    allowed = ((word >> bit) & 1) == 1
+    tl.store(root_ptr + slot * columns + cols, tl.where(allowed, 0.0, -float("inf")), mask=inside)
+
+
+@functools.cache
+def _roots_jitted(interpret: bool) -> Any:
+    """`_write_roots_kernel`, decorated as TRITON_INTERPRET asks."""
+    return jit(_write_roots_kernel, do_not_specialize=("stride_t", "columns"))

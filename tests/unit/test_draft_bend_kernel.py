@@ -2,7 +2,8 @@
 every row exactly as torch's ops do (bit for bit): rows of sequences with each kind of rule side
 by side (bias, presence and frequency, repetition, min_tokens' stops, all of them), rows of no
 rules (slot 0), a guide's root mask on the roots' rows only, int32 and int64 slots, the
-tables over a head's own columns; the wrapper refuses what the kernel cannot read."""
+tables over a head's own columns; the root rows' kernel (a round's guide masks unpacked, or
+cleared) writes them as torch's ops; the wrappers refuse what the kernels cannot read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 
 from drafter.draft_rules import RuleTables
 from drafter.types import DraftJob, DraftSeq
-from specsplit.kernels.draft_bend import DraftTables, bend_drafts, bend_drafts_reference
+from specsplit.kernels.draft_bend import (
+    DraftTables,
+    bend_drafts,
+    bend_drafts_reference,
+    write_roots,
+    write_roots_reference,
+)
 from specsplit.logit_rules import pack_mask
 from specsplit.messages import DraftRules, SpecParams
 from specsplit.sampling import SamplingParams
@@ -82,3 +89,50 @@ def test_the_wrapper_refuses_what_the_kernel_cannot_read() -> None:
         bend_drafts(
             logits, slots, DraftTables(t.bias, t.counts, t.bias, t.root, t.params), kernel=True
         )
+
+
+def _roots_table(rng: np.random.Generator, kinds: str) -> torch.Tensor:
+    """A root table of rows of `kinds` ("m": masked by a random mask, "c": cleared), slots 1..n
+    in a shuffled order; without a masked row no words at all."""
+    words = -(-VOCAB // 32) if "m" in kinds else 0
+    table = np.zeros((len(kinds), 2 + words), dtype=np.int32)
+    table[:, 0] = rng.permutation(len(kinds)) + 1
+    for r, kind in enumerate(kinds):
+        if kind == "m":
+            table[r, 1] = 1
+            table[r, 2:] = np.frombuffer(pack_mask(rng.random(VOCAB) < 0.5).tobytes(), "<i4")
+    return torch.from_numpy(table)
+
+
+@pytest.mark.parametrize("kinds", ["m", "mcm", "cc"], ids=["masked", "mixed", "cleared"])
+@pytest.mark.parametrize("columns", ["target", "head"])
+def test_the_roots_kernel_writes_as_torchs_ops(columns: str, kinds: str) -> None:
+    """A round's root rows (masked ones and cleared ones, over the target's or a head's columns)
+    written by the kernel equal torch's ops' bit for bit; other slots' rows stay."""
+    tables, scored, _ = _tables(columns)
+    rng = np.random.default_rng(len(kinds))
+    table = _roots_table(rng, kinds)
+    start = torch.randn(8, len(scored), generator=torch.Generator().manual_seed(3))
+    want, got = start.clone(), start.clone()
+    write_roots_reference(want, table, tables.word_of, tables.bit_of)
+    write_roots(got, table, tables.word_of, tables.bit_of, kernel=True)
+    assert torch.equal(got, want)
+    written = table[:, 0].long()
+    assert ((want[written] == 0) | (want[written] == -torch.inf)).all()
+    assert torch.isinf(want[written]).any() == ("m" in kinds)
+    others = [s for s in range(8) if s not in written.tolist()]
+    assert torch.equal(got[others], start[others])
+
+
+def test_the_roots_wrapper_refuses_what_the_kernel_cannot_read() -> None:
+    tables, scored, _ = _tables("target")
+    table, root = _roots_table(np.random.default_rng(0), "mc"), torch.zeros(8, len(scored))
+    word_of, bit_of = tables.word_of, tables.bit_of
+    with pytest.raises(ValueError, match="root must be"):
+        write_roots(root.double(), table, word_of, bit_of, kernel=True)
+    with pytest.raises(ValueError, match="table must be"):
+        write_roots(root, table.long(), word_of, bit_of, kernel=True)
+    with pytest.raises(ValueError, match="word_of must be"):
+        write_roots(root, table, word_of[:-1], bit_of, kernel=True)
+    with pytest.raises(ValueError, match="bit_of must be"):
+        write_roots(root, table, word_of, bit_of.long(), kernel=True)
