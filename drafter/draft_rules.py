@@ -23,7 +23,8 @@ A guide's masks are the gateway's (its automaton's state after each drafted toke
 here), but each Draft of a guided sequence carries the tokens it allows at the root
 (`DraftJob.root_allowed`): the `root` row (-inf where not allowed) bends the root's logits
 alone, so the first drafts keep to the guide (regex 1.31 -> 1.55 tokens a round,
-bench/RESULTS.md).
+bench/RESULTS.md). The round's masks reach their rows in one copy and one launch
+(`write_roots`).
 
 The host expansion (the device expansion's reference) bends its rows by the verifier's reference
 instead: `bend_row` of the rules `host_rules` makes from the tokens afresh (`bend_on_host`).
