@@ -9,7 +9,8 @@ whose body is a spin kernel of `--spin-us` plus a small op:
 - other: right after a replay of a second graph of the same body (a different executable).
 
 Median us over `--rounds` each. If "same" is far above "other", replays should alternate
-between two captures of a graph.
+between two captures of a graph. On an H200 (2026-12-03, bench/RESULTS.md) they were equal:
+idle 5.3, same 5.3, other 5.4 us (a 500 us body); 5.8 / 5.6 / 5.7 (50 us).
 
     PYTHONPATH=. python bench/graph_relaunch.py [--spin-us 500] [--rounds 200]
 """
