@@ -64,13 +64,6 @@ from specsplit.messages import AheadTree, DraftInput, DraftOutput, DraftRules, S
 from specsplit.sampling import SamplingParams
 
 
-def roots_by_torch(
-    root: torch.Tensor, table: torch.Tensor, word_of: torch.Tensor, bit_of: torch.Tensor
-) -> None:
-    """--guide's A/B: the root rows written by `write_roots`' torch reference."""
-    draft_bend.write_roots_reference(root, table, word_of, bit_of)
-
-
 def parse_shape(text: str) -> SpecParams:
     steps, topk, nodes = (int(x) for x in text.split("x"))
     spec = SpecParams(steps, topk, nodes)
@@ -498,7 +491,7 @@ def main() -> None:
         ):
             kind, rules, guide, by_torch = variant
             draft_rules.write_roots = (  # type: ignore[assignment]
-                roots_by_torch if by_torch else draft_bend.write_roots
+                draft_bend.write_roots_reference if by_torch else draft_bend.write_roots
             )
             pinned = rows_kind == "pinned" and torch.device(args.device).type == "cuda"
             sampling = (

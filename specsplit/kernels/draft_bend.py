@@ -110,13 +110,10 @@ def write_roots_reference(
     root: torch.Tensor, table: torch.Tensor, word_of: torch.Tensor, bit_of: torch.Tensor
 ) -> None:
     """`write_roots` as torch's ops."""
-    slots = table[:, 0].long()
+    allowed = (table[:, 1:2] == 0).expand(-1, root.shape[1])  # (a cleared row: every token)
     if table.shape[1] > 2:
-        bits = (table[:, 2:][:, word_of] >> bit_of) & 1
-        allowed = (bits == 1) | (table[:, 1:2] == 0)  # (a cleared row: every token)
-    else:
-        allowed = torch.ones(len(slots), root.shape[1], dtype=torch.bool, device=root.device)
-    root.index_copy_(0, slots, torch.where(allowed, 0.0, -torch.inf))
+        allowed = allowed | (((table[:, 2:][:, word_of] >> bit_of) & 1) == 1)
+    root.index_copy_(0, table[:, 0].long(), torch.where(allowed, 0.0, -torch.inf))
 
 
 def _check_roots(

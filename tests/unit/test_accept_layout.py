@@ -186,6 +186,9 @@ def test_rounds_queued_ahead_take_more_host_mirrors_up_to_the_forwards(
         # the two made first, then one more each time the next is still queued, then in turn
         assert turns == [1, 0, *range(2, HOST_MIRRORS), 0, 1]
         assert len(mirrors) == HOST_MIRRORS
+        assert all(
+            floats.numel() == (sum(sampling.sizes) if sampling else 0) for _, floats in mirrors
+        )
         busy["copies_done"] = True  # nothing queued: the mirrors in turn, none made
         for _ in range(3):
             graphs.host_arrays(layout, sampling)
