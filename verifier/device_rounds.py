@@ -304,11 +304,13 @@ class DeviceRounds(DeviceWaits):
         logits, argmax = out.logits, out.greedy
         kept = (self.rule_rows, seqs)
         rules_graphs = self.rules_graphs if out.static else None
-        bent = bend_by_rules(inputs, logits, rows, pending, kept, graphs=rules_graphs)
+        no_graphs = "no graphs" if self.rules_graphs is None else "logits"  # (gathered rows)
+        bent = bend_by_rules(
+            inputs, logits, rows, pending, kept, graphs=rules_graphs, no_graphs=no_graphs
+        )
         if bent is not None:
             argmax = bent.argmax
-            gathered = self.rules_graphs is not None and not out.static
-            metrics.count_rules_round("logits" if gathered else bent.eager)
+            metrics.count_rules_round(bent.eager)
         if self.synthetic_acceptance is not None and any(item.tree for item in inputs):
             rng, rates = self._synthetic_rng, self.synthetic_acceptance
             bend_logits(inputs, logits, rows, rates, rng, self.device, tokens)

@@ -155,17 +155,19 @@ def bend_by_rules(
     kept: tuple[RuleRows, Sequence[HasRuleSlot]] | None = None,
     kernel: bool | None = None,
     graphs: RulesGraphs | None = None,
+    no_graphs: str = "no graphs",
 ) -> Bent | None:
     """The rows of the inputs with rules bent by them, or None where none has rules (where
     some had, the logits' argmax must be taken again: a graph's comes with it; `Bent.eager`
-    says why no graph bent them: "no graphs" without `graphs`, "refill", or the graphs'). pending: a
+    says why no graph bent them: `no_graphs` without `graphs`, "refill", or the graphs'). pending: a
     decode step run ahead's input tokens on the device, one an input (verifier/run_ahead.py),
     each its output's next token, which its rules (the round's before) do not hold yet:
     counted on the device. kept: the engine's rows and the inputs' sequences, whose slots they
     keep (verifier/rule_rows.py); None: rows of this call alone. kernel: the Triton kernels
     (True) or torch's ops; None: the kernels on a GPU. graphs: the engine's rules graphs,
     where the logits are a view of the forward graph's output (a qualifying round replays
-    one, verifier/rules_graphs.py)."""
+    one, verifier/rules_graphs.py); no_graphs: why there are none ("logits": the engine has
+    them, but the forward's rows were gathered)."""
     ruled = [(i, r) for i, r in enumerate(rows) if inputs[i].rules is not None]
     if not ruled:
         return None
@@ -208,7 +210,7 @@ def bend_by_rules(
     flat = np.frombuffer(b"".join(masks), dtype=np.int32)
     # a steady round (no slot refilled, no stop token held back) fits a graph
     refills = any(sections[s].tokens for s in (BIAS, COUNTS, PROMPT, STOPS, CLEAR))
-    eager = "no graphs" if graphs is None else "refill" if refills else None
+    eager = no_graphs if graphs is None else "refill" if refills else None
     if graphs is not None and not refills:
         deltas, paths = sections[DELTAS], sections[PATHS]
         guided = (mask_of, flat, mask_words(logits.shape[1])) if masks else (None, None, 0)

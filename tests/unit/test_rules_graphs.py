@@ -111,6 +111,11 @@ def test_rounds_that_do_not_fit_the_fixed_layout_bend_eagerly(what: str) -> None
     assert graphs.replays == 0 and torch.equal(logits, want)
     alone = bend_by_rules([item], logits.clone(), [range(1)], None, (kept, seqs), True)
     assert alone is not None and alone.eager == "no graphs"
+    # the engine has graphs but the forward's rows were gathered (its logits not static)
+    gathered = bend_by_rules(
+        [item], logits.clone(), [range(1)], None, (kept, seqs), True, no_graphs="logits"
+    )
+    assert gathered is not None and gathered.eager == "logits"
 
 
 def _mask(allowed: np.ndarray, vocab: int) -> bytes:
