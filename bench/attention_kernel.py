@@ -1,5 +1,5 @@
 """Paged attention per layer call on a GPU, inside CUDA graphs: split-KV vs single pass vs the
-torch reference, for decode (one query per sequence).
+torch reference, for decode (one query per sequence) or `--q-len` queries a sequence (a verify's).
 
     PYTHONPATH=. python bench/attention_kernel.py [--replays 30] [--json PATH]
 
@@ -8,9 +8,11 @@ kv_len 512/4096, page 16, bf16. Each graph holds one call per layer over that ma
 caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a forward step rather than from L2;
 each replay is timed with CUDA events and the median over replays, divided by the layers, is
 the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
-Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
-`sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
-outside the graph). At batch 1 the split's key tile is also swept (`sN/bn32`, `sN/bn128`).
+Variants: `auto` (the wrapper's choice, its num_splits and fewest keys a chunk in brackets),
+`auto/kN` (with `--filled-split-keys N`: auto with N keys a chunk at least where the grid fills
+the SMs), `single` (num_splits=1), `sN` (num_splits=N, chunks of a key tile at least),
+`ref` (paged_attention_with_plan, the torch loop, with its plan built outside the graph; not
+with `--no-ref`). At batch 1 the split's key tile is also swept (`sN/bn32`, `sN/bn128`).
 `err` is the largest |auto - float32 reference| of layer 0.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 import specsplit.kernels.paged_attention as pa
+from bench.gpu_engine import copy_bandwidth
 from specsplit.kernels.paged_attention_reference import (
     paged_attention_reference,
     paged_attention_with_plan,
@@ -58,10 +61,10 @@ def split_block_n(block_n: int | None) -> Iterator[None]:
 
 
 def make_layers(
-    batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int
+    batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, q_len: int = 1
 ) -> tuple[list[dict[str, Any]], int]:
-    """Arguments of paged_attention per layer (own q and caches, shared metadata), and the K/V
-    bytes one call reads."""
+    """Arguments of paged_attention per layer (own q and caches, shared metadata; q_len queries
+    a sequence, causal among its last q_len keys), and the K/V bytes one call reads."""
     cuda = torch.device("cuda")
     pages_per_seq = kv_len // PAGE_SIZE
     num_pages = batch * pages_per_seq + 4
@@ -69,13 +72,13 @@ def make_layers(
     num_layers = max(1, min(32, CACHE_BUDGET // kv_bytes))
     table = torch.randperm(num_pages, device=cuda)[: batch * pages_per_seq].to(torch.int32)
     meta = {
-        "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device=cuda),
+        "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device=cuda) * q_len,
         "kv_lens": torch.full((batch,), kv_len, dtype=torch.int32, device=cuda),
-        "prefix_lens": torch.full((batch,), kv_len - 1, dtype=torch.int32, device=cuda),
+        "prefix_lens": torch.full((batch,), kv_len - q_len, dtype=torch.int32, device=cuda),
         "block_table": table.view(batch, pages_per_seq),
         "page_size": PAGE_SIZE,
         "tree_mask": None,
-        "max_q_len": 1,
+        "max_q_len": q_len,
         "scale": head_dim**-0.5,
     }
     slots = num_pages * PAGE_SIZE
@@ -83,7 +86,9 @@ def make_layers(
     for _ in range(num_layers):
         layers.append(
             {
-                "q": torch.randn(batch, num_kv_heads * group, head_dim, device=cuda).bfloat16(),
+                "q": torch.randn(
+                    batch * q_len, num_kv_heads * group, head_dim, device=cuda
+                ).bfloat16(),
                 "k_cache": torch.randn(slots, num_kv_heads, head_dim, device=cuda).bfloat16(),
                 "v_cache": torch.randn(slots, num_kv_heads, head_dim, device=cuda).bfloat16(),
                 **meta,
@@ -115,14 +120,6 @@ def time_in_graph(calls: Sequence[Callable[[], Any]], replays: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_in_graph([lambda: dst.copy_(src)], 20)
-    return 2 * src.numel() / (us * 1e-6)
-
-
 def kernel_call(layer: dict[str, Any], out: torch.Tensor, **kw: Any) -> Callable[[], Any]:
     return lambda: pa.paged_attention(**layer, out=out, **kw)
 
@@ -137,11 +134,12 @@ def reference_call(layer: dict[str, Any], out: torch.Tensor) -> Callable[[], Any
 def bench_one(
     batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    layers, kv_bytes = make_layers(batch, kv_len, num_kv_heads, group, head_dim)
+    layers, kv_bytes = make_layers(batch, kv_len, num_kv_heads, group, head_dim, args.q_len)
     outs = [torch.empty_like(layer["q"]) for layer in layers]
-    programs = batch * num_kv_heads
+    block_q = pa._launch_config(head_dim, group, args.q_len, False, False)[0] // group
+    programs = batch * -(-args.q_len // block_q) * num_kv_heads
     auto = pa.auto_num_splits(programs, pa._num_sms(torch.device("cuda")))
-    row: dict[str, Any] = {"layers": len(layers), "auto_splits": auto}
+    row: dict[str, Any] = {"layers": len(layers), "auto_splits": "s{}/k{}".format(*auto)}
     row["floor"] = kv_bytes / args.bandwidth * 1e6
 
     def run(name: str, **kw: Any) -> None:
@@ -149,6 +147,12 @@ def bench_one(
         row[name] = time_in_graph(calls, args.replays)
 
     run("auto")
+    for keys in args.filled_split_keys:  # the fewest keys of a chunk where the grid is full
+        original, pa.FILLED_SPLIT_KEYS = pa.FILLED_SPLIT_KEYS, keys
+        try:
+            run(f"auto/k{keys}")
+        finally:
+            pa.FILLED_SPLIT_KEYS = original
     run("single", num_splits=1)
     for s in SPLITS:
         run(f"s{s}", num_splits=s)
@@ -157,8 +161,9 @@ def bench_one(
             with split_block_n(block_n):
                 for s in (8, 16, 32):
                     run(f"s{s}/bn{block_n}", num_splits=s)
-    calls = [reference_call(layer, out) for layer, out in zip(layers, outs, strict=True)]
-    row["ref"] = time_in_graph(calls, args.replays)
+    if not args.no_ref:
+        calls = [reference_call(layer, out) for layer, out in zip(layers, outs, strict=True)]
+        row["ref"] = time_in_graph(calls, args.replays)
 
     first = layers[0]
     got = pa.paged_attention(**first).float()
@@ -177,10 +182,19 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--kv-lens", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--q-len", type=int, default=1, help="queries a sequence (1: decode)")
+    parser.add_argument(
+        "--filled-split-keys",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time auto with these fewest keys a chunk where the grid fills the SMs",
+    )
+    parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args()
     torch.manual_seed(0)
-    args.bandwidth = copy_bandwidth()
+    args.bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {args.bandwidth / 1e12:.2f} TB/s", flush=True)
 
     rows = []
@@ -196,13 +210,14 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
-    columns = ["floor", "ref", "single", "auto", *(f"s{s}" for s in SPLITS)]
-    print(f"\nus per layer call (median of {args.replays} graph replays)")
+    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
+    columns += [*(f"auto/k{k}" for k in args.filled_split_keys), *(f"s{s}" for s in SPLITS)]
+    print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:
         cells = " ".join(f"{r[c]:7.1f}" for c in columns)
         print(f"{r['shape']:18} {r['batch']:3} {r['kv_len']:5} {cells}  {r['err']:.3f} "
-              f"[auto s{r['auto_splits']}]")  # fmt: skip
+              f"[auto {r['auto_splits']}]")  # fmt: skip
     print("\nbatch 1, split key tile sweep (us)")
     for r in rows:
         if r["batch"] == 1:
