@@ -8,12 +8,10 @@ kv_len 512/4096, page 16, bf16. Each graph holds one call per layer over that ma
 caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a forward step rather than from L2;
 each replay is timed with CUDA events and the median over replays, divided by the layers, is
 the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
-Variants: `auto` (the wrapper's choice, its num_splits and fewest keys a chunk in brackets),
-`auto/kN` (with `--filled-split-keys N`: auto with N keys a chunk at least where the grid fills
-the SMs), `single` (num_splits=1), `sN` (num_splits=N, chunks of a key tile at least),
-`ref` (paged_attention_with_plan, the torch loop, with its plan built outside the graph; not
-with `--no-ref`). At batch 1 the split's key tile is also swept (`sN/bn32`, `sN/bn128`).
-`err` is the largest |auto - float32 reference| of layer 0.
+Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
+`sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
+outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
+(`sN/bn32`, `sN/bn128`). `err` is the largest |auto - float32 reference| of layer 0.
 """
 
 from __future__ import annotations
@@ -139,7 +137,7 @@ def bench_one(
     block_q = pa._launch_config(head_dim, group, args.q_len, False, False)[0] // group
     programs = batch * -(-args.q_len // block_q) * num_kv_heads
     auto = pa.auto_num_splits(programs, pa._num_sms(torch.device("cuda")))
-    row: dict[str, Any] = {"layers": len(layers), "auto_splits": "s{}/k{}".format(*auto)}
+    row: dict[str, Any] = {"layers": len(layers), "auto_splits": auto}
     row["floor"] = kv_bytes / args.bandwidth * 1e6
 
     def run(name: str, **kw: Any) -> None:
@@ -147,12 +145,6 @@ def bench_one(
         row[name] = time_in_graph(calls, args.replays)
 
     run("auto")
-    for keys in args.filled_split_keys:  # the fewest keys of a chunk where the grid is full
-        original, pa.FILLED_SPLIT_KEYS = pa.FILLED_SPLIT_KEYS, keys
-        try:
-            run(f"auto/k{keys}")
-        finally:
-            pa.FILLED_SPLIT_KEYS = original
     run("single", num_splits=1)
     for s in SPLITS:
         run(f"s{s}", num_splits=s)
@@ -183,13 +175,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--kv-lens", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--q-len", type=int, default=1, help="queries a sequence (1: decode)")
-    parser.add_argument(
-        "--filled-split-keys",
-        type=int,
-        nargs="*",
-        default=[],
-        help="also time auto with these fewest keys a chunk where the grid fills the SMs",
-    )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args()
@@ -211,13 +196,13 @@ def main() -> None:
             json.dump(rows, f, indent=1)
 
     columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
-    columns += [*(f"auto/k{k}" for k in args.filled_split_keys), *(f"s{s}" for s in SPLITS)]
+    columns += [f"s{s}" for s in SPLITS]
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:
         cells = " ".join(f"{r[c]:7.1f}" for c in columns)
         print(f"{r['shape']:18} {r['batch']:3} {r['kv_len']:5} {cells}  {r['err']:.3f} "
-              f"[auto {r['auto_splits']}]")  # fmt: skip
+              f"[auto s{r['auto_splits']}]")  # fmt: skip
     print("\nbatch 1, split key tile sweep (us)")
     for r in rows:
         if r["batch"] == 1:

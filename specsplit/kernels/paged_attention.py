@@ -55,27 +55,23 @@ def _launch_config(
 
 
 MAX_SPLITS = 32
+_SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
-# where the grid fills the SMs already, a program's keys are cut only into chunks of at least
-# this many (a sequence with fewer keys runs in one pass, its output written directly)
-FILLED_SPLIT_KEYS = 1024
 
 
-def auto_num_splits(num_programs: int, num_sms: int) -> tuple[int, int]:
-    """(key chunks per program at most, the fewest keys a chunk takes) for a grid of
-    `num_programs` (sequences x query blocks x KV heads) on `num_sms` SMs: enough chunks for
-    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS (1: a single pass). Host
-    ints only (the kv lengths live on the device): each program takes as many of its chunks as
-    its keys fill (at least a key tile each; once the grid fills the SMs, FILLED_SPLIT_KEYS),
-    the rest are empty, costing a store; one chunk writes its rows directly, no merge.
+def auto_num_splits(num_programs: int, num_sms: int) -> int:
+    """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
+    on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
+    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS. Host ints only (the kv
+    lengths live on the device): chunks past a short sequence's keys are empty, costing a store.
     H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
     head_dim 64 x 3 KV heads, batch 1: kv 512 7.5 -> 4.9, kv 4096 63.5 -> 7.8; head_dim 128 x 8,
     batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
-    (128 x 8, batch 32) splitting in 2 was slower at kv 512 (28.0 -> 31.6 us) and faster at kv
-    4096 on an H200 (157 -> 132 us), hence the fewest keys a chunk takes there."""
+    (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
+    if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
     target = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
-    splits = min(MAX_SPLITS, max(1, -(-target // max(num_programs, 1))))
-    return splits, (1 if num_programs < num_sms else FILLED_SPLIT_KEYS)
+    return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
 
 
 @functools.cache
@@ -99,7 +95,6 @@ def paged_attention(
     *,
     num_splits: int | None = None,  # key chunks per program; None: auto_num_splits on CUDA, 1
     # (single pass) under the interpreter; > 1 adds a merge kernel and float32 scratch
-    split_keys: int = 1,  # the fewest keys a chunk takes (at least a key tile; with num_splits)
 ) -> torch.Tensor:
     """Checks the inputs (shapes, dtypes, devices, strides; no host syncs, so it can be captured
     in a CUDA graph) and launches the kernel (and, split, the merge). Rows of q outside every
@@ -129,13 +124,9 @@ def paged_attention(
     num_q_blocks = -(-max_q_len // block_q)
     if num_splits is None:
         num_programs = num_seqs * num_q_blocks * num_kv_heads
-        if interpret:
-            num_splits = 1
-        else:
-            num_splits, split_keys = auto_num_splits(num_programs, _num_sms(q.device))
+        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device))
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(head_dim, group, max_q_len, split, interpret)
-    split_keys = max(split_keys, block_n)
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
     else:
@@ -156,7 +147,7 @@ def paged_attention(
     attention_kernel[grid](
         q, k_cache, v_cache, out, partial_o, partial_m, partial_l,
         cu_seqlens_q, kv_lens, prefix_lens, block_table, tm,
-        scale * _LOG2E, num_q_blocks, num_splits, split_keys, num_tokens, num_heads,
+        scale * _LOG2E, num_q_blocks, num_splits, num_tokens, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),

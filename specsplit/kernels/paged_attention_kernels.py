@@ -3,13 +3,11 @@ checks their inputs, picks their tiles and split count, and launches them; its d
 what they compute): attention over the paged KV cache, and the merge of a split-KV pass.
 
 Split-KV ("flash-decoding"): when (sequences x query blocks x KV heads) programs would leave
-most of the GPU idle (decode at small batch, or long contexts), each program's keys are cut
-into up to `num_splits` tile-aligned chunks of [0, kv_end), as many as hold `split_keys` keys
-each, run by separate programs, which write unnormalised partials (acc, running max, running
-sum) to scratch; `_merge_splits_kernel` combines them (log-sum-exp) into `out`. A program whose
-keys make one chunk writes `out` itself and marks its rows' first partial (a running sum of
--1: the merge leaves them). The chunks are cut from the kv_len each program loads, so the grid
-depends on host ints only and the launch stays capturable in a CUDA graph.
+most of the GPU idle (decode at small batch), each program's keys are cut into `num_splits`
+tile-aligned chunks of [0, kv_end) run by separate programs, which write unnormalised partials
+(acc, running max, running sum) to scratch; `_merge_splits_kernel` combines them (log-sum-exp)
+into `out`. The chunks are cut from the kv_len each program loads, so `num_splits` depends on
+host ints only and the launch stays capturable in a CUDA graph.
 
 Triton is imported and the kernels jitted on first launch, not at import (triton_jit.py says
 why).
@@ -40,8 +38,7 @@ def _paged_attention_kernel(
     tree_mask_ptr,  # [B, max_q, max_new] uint8 (unused when not HAS_TREE)
     scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
     num_q_blocks,  # cdiv(max_q_len, BLOCK_Q)
-    num_splits,  # key chunks per (sequence, q block, KV head) at most: grid axis 2
-    split_keys,  # the fewest keys a chunk takes (>= BLOCK_N)
+    num_splits,  # key chunks per (sequence, q block, KV head): grid axis 2
     num_tokens,  # T
     num_heads,
     stride_q_t,
@@ -98,13 +95,9 @@ def _paged_attention_kernel(
     else:
         kv_end = tl.minimum(kv_len, tl.maximum(prefix_len, kv_len - q_len + last_q + 1))
     causal_limit = kv_len - q_len + q_idx  # [BLOCK_M] last new key each row sees (causal)
-    # This program's keys: chunk `split` of the chunks (as many as hold split_keys keys, at
-    # most num_splits) tile-aligned of [0, kv_end); a chunk past kv_end is empty and leaves the
-    # neutral partial (max -inf, sum 0, acc 0).
-    chunks = tl.minimum(tl.maximum((kv_end + split_keys - 1) // split_keys, 1), num_splits)
-    if (chunks == 1) & (split > 0):  # one chunk: split 0 writes out, the merge leaves it
-        return
-    chunk = (kv_end + chunks - 1) // chunks
+    # This program's keys: chunk `split` of num_splits tile-aligned chunks of [0, kv_end); a
+    # chunk past kv_end is empty and leaves the neutral partial (max -inf, sum 0, acc 0).
+    chunk = (kv_end + num_splits - 1) // num_splits
     chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     split_start = split * chunk
     split_end = tl.minimum(split_start + chunk, kv_end)
@@ -161,26 +154,23 @@ def _paged_attention_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SPLIT:
+    if SPLIT:  # unnormalised; the merge rescales each split by exp2(m - max over splits)
         p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head
-        if chunks > 1:  # unnormalised; the merge rescales each by exp2(m - max over splits)
-            tl.store(partial_m_ptr + p_rows, m_i, mask=row_ok)
-            tl.store(partial_l_ptr + p_rows, l_i, mask=row_ok)
-            tl.store(
-                partial_o_ptr + p_rows[:, None] * HEAD_DIM + offs_d[None, :],
-                acc,
-                mask=row_ok[:, None],
-            )
-            return
-        # one chunk (split 0): a running sum of -1 tells the merge to leave these rows
-        tl.store(partial_l_ptr + p_rows, tl.full([BLOCK_M], -1.0, tl.float32), mask=row_ok)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
-    tl.store(
-        out_ptr + o_rows[:, None] + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
+        tl.store(partial_m_ptr + p_rows, m_i, mask=row_ok)
+        tl.store(partial_l_ptr + p_rows, l_i, mask=row_ok)
+        tl.store(
+            partial_o_ptr + p_rows[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+    else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_rows = (q_start + q_idx).to(tl.int64) * stride_o_t + head * stride_o_h
+        tl.store(
+            out_ptr + o_rows[:, None] + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 def _merge_splits_kernel(
@@ -210,8 +200,6 @@ def _merge_splits_kernel(
     last = tl.load(cu_seqlens_q_ptr + num_seqs)
     if (token < first) | (token >= last):  # rows no sequence owns: no partials, not written
         return
-    if tl.load(partial_l_ptr + token.to(tl.int64) * num_heads + head) < 0.0:
-        return  # written by its program in one chunk
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     split_ok = offs_s < num_splits
@@ -251,7 +239,6 @@ def jitted_kernels(interpret: bool) -> tuple[Any, Any]:
 _ATTENTION_SHAPE_ARGS = (
     "num_q_blocks",
     "num_splits",
-    "split_keys",
     "num_tokens",
     "stride_bt_b",
     "stride_tm_b",

@@ -127,33 +127,3 @@ def test_cuda_graph_replay_follows_new_lengths() -> None:
                 first[name].copy_(value)
         graph.replay()
         torch.testing.assert_close(out.float(), reference_float32(first), atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.parametrize("step", ["decode", "verify"])
-def test_a_full_grid_splits_its_long_sequences_only_and_replays_as_lengths_cross(
-    step: str,
-) -> None:
-    """Batch 32 x 8 KV heads fills an H100's / H200's SMs: the wrapper cuts a program's keys
-    only into chunks of FILLED_SPLIT_KEYS at least, so a sequence of 4096 keys splits and one of
-    ~500 runs in one chunk (its rows written by its program, left by the merge). Captured once,
-    replayed as every sequence's length crosses that line both ways (long -> short -> long): each
-    replay matches the reference, no row kept from the one before."""
-    long = make_batch(step, 32, 8, 4, 128, seed=3, kv_len=4096)
-    short = dict(long)
-    lens = long["kv_lens"].clone()
-    lens[1::2] = 500  # every other sequence short (its pages past 500 unread)
-    short["kv_lens"] = lens
-    short["prefix_lens"] = lens - (long["kv_lens"] - long["prefix_lens"])
-    live = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in long.items()}
-    out = torch.empty_like(live["q"])
-    paged_attention(**live, out=out)  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_attention(**live, out=out)
-    for args in (long, short, long):
-        for name in ("kv_lens", "prefix_lens"):
-            live[name].copy_(args[name])
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out.float(), reference_float32(live), atol=ATOL, rtol=RTOL)

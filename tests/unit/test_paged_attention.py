@@ -12,12 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from specsplit.kernels.paged_attention import (
-    FILLED_SPLIT_KEYS,
-    MAX_SPLITS,
-    auto_num_splits,
-    paged_attention,
-)
+from specsplit.kernels.paged_attention import MAX_SPLITS, auto_num_splits, paged_attention
 from specsplit.kernels.paged_attention_reference import paged_attention_reference, reference_plan
 from tests.unit.attention_cases import Case, make_case, verify_new_mask
 
@@ -222,31 +217,13 @@ def test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero() -> None:
     assert (split[1] == 0).all() and (single[1] == 0).all()
 
 
-def test_auto_num_splits_fills_the_grid_and_splits_a_filled_one_by_long_keys_only() -> None:
-    assert auto_num_splits(num_programs=8, num_sms=132) == (MAX_SPLITS, 1)  # 8B decode, batch 1
-    assert auto_num_splits(num_programs=24, num_sms=132) == (22, 1)  # 3 KV heads, batch 8
-    assert auto_num_splits(num_programs=64, num_sms=132) == (9, 1)  # 8 KV heads, batch 8
-    assert auto_num_splits(num_programs=131, num_sms=132) == (5, 1)
-    # one program per SM already: chunks of FILLED_SPLIT_KEYS keys at least (long contexts)
-    assert auto_num_splits(num_programs=132, num_sms=132) == (4, FILLED_SPLIT_KEYS)
-    assert auto_num_splits(num_programs=256, num_sms=132) == (3, FILLED_SPLIT_KEYS)  # batch 32
-    assert auto_num_splits(num_programs=4096, num_sms=132) == (1, FILLED_SPLIT_KEYS)
-
-
-def test_split_kv_by_keys_each_program_takes_the_chunks_its_keys_fill() -> None:
-    """split_keys 16 over 4 splits: kv 5 and 16 run in one chunk (written directly, the merge
-    leaves them), 20 in two, 40 in three, 100 in four; a tree sequence and a causal block of
-    queries beside them; page size 4 (key tile 16 under the interpreter)."""
-    seqs = [(1, 5, 4), (1, 16, 15), (1, 20, 19), (3, 40, 37), (1, 100, 99), (3, 50, 47)]
-    masks = [None] * 5 + [verify_new_mask(1, [-1, 0])]
-    case = make_case(seqs, page_size=4, new_masks=masks)
-    out = torch.full_like(case.q, SENTINEL)
-    got = paged_attention(**case.args(), out=out, num_splits=4, split_keys=16)
-    want = paged_attention_reference(**case.args(), out=torch.full_like(case.q, SENTINEL))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    single = paged_attention(**case.args(), out=torch.full_like(case.q, SENTINEL), num_splits=1)
-    torch.testing.assert_close(got, single, atol=1e-5, rtol=1e-5)
-    assert (got[int(case.cu_seqlens_q[-1]) :] == SENTINEL).all()  # (rows no sequence owns)
+def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
+    assert auto_num_splits(num_programs=8, num_sms=132) == MAX_SPLITS  # 8B decode, batch 1
+    assert auto_num_splits(num_programs=24, num_sms=132) == 22  # 3 KV heads, batch 8
+    assert auto_num_splits(num_programs=64, num_sms=132) == 9  # 8 KV heads, batch 8
+    assert auto_num_splits(num_programs=131, num_sms=132) == 5
+    assert auto_num_splits(num_programs=132, num_sms=132) == 1  # one program per SM already
+    assert auto_num_splits(num_programs=4096, num_sms=132) == 1
 
 
 def test_wrapper_rejects_num_splits_out_of_range() -> None:
