@@ -59,10 +59,17 @@ def split_block_n(block_n: int | None) -> Iterator[None]:
 
 
 def make_layers(
-    batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, q_len: int = 1
+    batch: int,
+    kv_len: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    q_len: int = 1,
+    tree: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:
     """Arguments of paged_attention per layer (own q and caches, shared metadata; q_len queries
-    a sequence, causal among its last q_len keys), and the K/V bytes one call reads."""
+    a sequence, causal among its last q_len keys, or under a tree mask that says the same: a
+    chain's, as a verify's), and the K/V bytes one call reads."""
     cuda = torch.device("cuda")
     pages_per_seq = kv_len // PAGE_SIZE
     num_pages = batch * pages_per_seq + 4
@@ -75,7 +82,12 @@ def make_layers(
         "prefix_lens": torch.full((batch,), kv_len - q_len, dtype=torch.int32, device=cuda),
         "block_table": table.view(batch, pages_per_seq),
         "page_size": PAGE_SIZE,
-        "tree_mask": None,
+        "tree_mask": torch.ones(q_len, q_len, dtype=torch.bool, device=cuda)
+        .tril()
+        .expand(batch, q_len, q_len)
+        .contiguous()
+        if tree
+        else None,
         "max_q_len": q_len,
         "scale": head_dim**-0.5,
     }
@@ -132,7 +144,9 @@ def reference_call(layer: dict[str, Any], out: torch.Tensor) -> Callable[[], Any
 def bench_one(
     batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    layers, kv_bytes = make_layers(batch, kv_len, num_kv_heads, group, head_dim, args.q_len)
+    layers, kv_bytes = make_layers(
+        batch, kv_len, num_kv_heads, group, head_dim, args.q_len, args.tree
+    )
     outs = [torch.empty_like(layer["q"]) for layer in layers]
     block_q = pa._launch_config(head_dim, group, args.q_len, False, False)[0] // group
     programs = batch * -(-args.q_len // block_q) * num_kv_heads
@@ -175,6 +189,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--kv-lens", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--q-len", type=int, default=1, help="queries a sequence (1: decode)")
+    parser.add_argument(
+        "--tree", action="store_true", help="the queries under a chain's tree mask (HAS_TREE)"
+    )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args()
