@@ -11,7 +11,10 @@ the time per call. `floor` is the K/V bytes at the measured device-to-device cop
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
-(`sN/bn32`, `sN/bn128`). `err` is the largest |auto - float32 reference| of layer 0.
+(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 32-128, 3 / 4 pipeline
+stages and each tile's page ids loaded a tile ahead (`1/bn32`, `1/st3`, `1/ahead`, ...: the
+switch `paged_attention.PAGES_AHEAD`), and auto with them ahead (`auto/ahead`). `err` is the
+largest |auto - float32 reference| of layer 0.
 """
 
 from __future__ import annotations
@@ -36,26 +39,39 @@ from specsplit.kernels.paged_attention_reference import (
 PAGE_SIZE = 16
 SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
 SPLITS = (2, 4, 8, 16, 32)
+SINGLE_SWEEP = {  # name: (key tile, pipeline stages, PAGES_AHEAD); None: the wrapper's
+    "1/ahead": (None, None, True),
+    "1/bn32": (32, None, False),
+    "1/bn64": (64, None, False),
+    "1/bn128": (128, None, False),
+    "1/st3": (None, 3, False),
+    "1/st4": (None, 4, False),
+    "1/st3/ahead": (None, 3, True),
+}
 CACHE_BUDGET = 8 << 30  # bytes of K/V per (shape, batch, kv_len) across layers
 
 
 @contextlib.contextmanager
-def split_block_n(block_n: int | None) -> Iterator[None]:
-    """Overrides the split path's key tile (exploration only)."""
-    if block_n is None:
-        yield
-        return
-    original = pa._launch_config
+def launch_override(
+    split: bool, block_n: int | None = None, stages: int | None = None, ahead: bool = False
+) -> Iterator[None]:
+    """Overrides the split path's (`split`) or the single pass's key tile and pipeline stages,
+    and with `ahead` turns PAGES_AHEAD on (exploration only)."""
+    original, original_ahead = pa._launch_config, pa.PAGES_AHEAD
 
     def patched(*args: Any) -> tuple[int, int, int, int]:
-        block_m, bn, warps, stages = original(*args)
-        return block_m, block_n if args[3] else bn, warps, stages
+        block_m, bn, warps, st = original(*args)
+        if args[3] == split:
+            bn, st = block_n or bn, stages or st
+        return block_m, bn, warps, st
 
     pa._launch_config = patched  # type: ignore[assignment]
+    pa.PAGES_AHEAD = ahead
     try:
         yield
     finally:
         pa._launch_config = original  # type: ignore[assignment]
+        pa.PAGES_AHEAD = original_ahead
 
 
 def make_layers(
@@ -164,9 +180,15 @@ def bench_one(
         run(f"s{s}", num_splits=s)
     if batch == 1:
         for block_n in (32, 128):
-            with split_block_n(block_n):
+            with launch_override(True, block_n):
                 for s in (8, 16, 32):
                     run(f"s{s}/bn{block_n}", num_splits=s)
+    if args.sweep:  # the single pass's tile, stages and page ids a tile ahead; auto's ahead
+        for name, (block_n, stages, ahead) in SINGLE_SWEEP.items():
+            with launch_override(False, block_n, stages, ahead):
+                run(name, num_splits=1)
+        with launch_override(True, ahead=True):  # (PAGES_AHEAD: both paths)
+            run("auto/ahead")
     if not args.no_ref:
         calls = [reference_call(layer, out) for layer, out in zip(layers, outs, strict=True)]
         row["ref"] = time_in_graph(calls, args.replays)
@@ -192,6 +214,12 @@ def main() -> None:
     parser.add_argument(
         "--tree", action="store_true", help="the queries under a chain's tree mask (HAS_TREE)"
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also the single pass's key tile 32 / 128, 3 / 4 stages, page ids a tile ahead "
+        "(`1/...`), and auto with them ahead (`auto/ahead`)",
+    )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args()
@@ -214,6 +242,7 @@ def main() -> None:
 
     columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
     columns += [f"s{s}" for s in SPLITS]
+    columns += [*SINGLE_SWEEP, "auto/ahead"] if args.sweep else []
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:

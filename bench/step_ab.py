@@ -17,6 +17,8 @@ tokens; the tensor-core path sums in another order, so its bf16 tokens may part)
 Switches (module globals read at each launch, set before a variant's capture and its turns;
 small_linear's in specsplit.kernels.small_linear_tiles):
   pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
+  pages_ahead=0|1 paged attention loads each key tile's page ids a tile ahead
+                  (specsplit.kernels.paged_attention.PAGES_AHEAD)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
   late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.gpu_engine import SHAPES, EngineBench, median_ms, random_model
-from specsplit.kernels import small_linear_tiles, triton_jit
+from specsplit.kernels import paged_attention, small_linear_tiles, triton_jit
 from specsplit.model import llama
 
 
@@ -102,6 +104,7 @@ def _pdl(value: str) -> None:
 
 SWITCHES = {
     "pdl": _pdl,
+    "pages_ahead": lambda value: setattr(paged_attention, "PAGES_AHEAD", value == "1"),
     "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
     "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
@@ -112,6 +115,7 @@ SWITCHES = {
 }
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
+    "pages_ahead": "1" if paged_attention.PAGES_AHEAD else "0",
     "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
     "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",
     "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",

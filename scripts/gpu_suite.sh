@@ -12,7 +12,7 @@
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
-#       [draft-rules-ab] [rules-graphs-ab]
+#       [draft-rules-ab] [rules-graphs-ab] [attention-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -580,6 +580,21 @@ for part in "${parts[@]}"; do
         PYTHONPATH="$dir:/tmp/site" run "launch_$pass" python3 bench/hinted_launch.py \
           --shape smollm2-135m --device cuda:0 --modes plain after --hidden-states \
           --no-synthetic --rounds 80 --batch 1 8 --phases
+      done ;;
+    attention-ab)  # paged attention's single pass at batch 8-64 (the 8B's 24-51 us a layer at
+      # batch 32, 512 tokens: ~1/3 of its K/V's bandwidth, eighty-eighth session): key tiles,
+      # stages and page ids a tile ahead (bench/attention_kernel.py --sweep), decode and a
+      # causal / tree-masked 1 + 8, then the 8B's step with the page ids ahead or not
+      # (bench/step_ab.py, alternating in one process)
+      run attention_decode python3 bench/attention_kernel.py --batches ${ATTN_BATCHES:-8 32 64} \
+        --kv-lens 512 4096 --sweep --no-ref
+      for tree in "" --tree; do
+        run "attention_verify${tree:+_tree}" python3 bench/attention_kernel.py --batches 32 \
+          --kv-lens 512 4096 --q-len 9 $tree --sweep --no-ref
+      done
+      for context in 512 4096; do
+        run "attention_step_ab_$context" python3 bench/step_ab.py --shape llama-8b \
+          --batch 1 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 5
       done ;;
     engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
       # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode

@@ -55,6 +55,10 @@ def _launch_config(
 
 
 MAX_SPLITS = 32
+# the key loop loads each tile's page ids one tile ahead, so that its K/V loads need not wait
+# for them (off: loaded in the tile; an A/B switch for bench/attention_kernel.py and
+# bench/step_ab.py, read at each launch, not yet measured on a GPU)
+PAGES_AHEAD = False
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 
@@ -156,7 +160,7 @@ def paged_attention(
         *tm_strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
-        DOT_PRECISION=dot_precision, SPLIT=split, PDL=dependent,
+        DOT_PRECISION=dot_precision, SPLIT=split, PDL=dependent, PAGES_AHEAD=PAGES_AHEAD,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if split:

@@ -63,6 +63,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # write partials for _merge_splits_kernel instead of out
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
+    PAGES_AHEAD: tl.constexpr,  # each key tile's page ids loaded one tile ahead (A/B, bench)
 ):
     if PDL:  # every program waits for the kernel before (q, this step's K/V, the lengths)
         tl.extra.cuda.gdc_launch_dependents()
@@ -108,10 +109,19 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running sum of exp2
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    pages = block_table_ptr + seq * stride_bt_b
+    if PAGES_AHEAD:  # the first tile's page ids (masked as its keys are: key_ok)
+        offs_next = split_start + tl.arange(0, BLOCK_N)
+        page_next = tl.load(pages + offs_next // PAGE_SIZE, mask=offs_next < kv_len)
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] storage index
         key_ok = offs_n < kv_len
-        page = tl.load(block_table_ptr + seq * stride_bt_b + offs_n // PAGE_SIZE, mask=key_ok)
+        if PAGES_AHEAD:  # this tile's page ids loaded a tile before, the next tile's now
+            page = page_next
+            offs_next = offs_n + BLOCK_N
+            page_next = tl.load(pages + offs_next // PAGE_SIZE, mask=offs_next < kv_len)
+        else:
+            page = tl.load(pages + offs_n // PAGE_SIZE, mask=key_ok)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
         k = tl.load(
             k_ptr + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :],

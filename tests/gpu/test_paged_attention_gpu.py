@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import specsplit.kernels.paged_attention as paged_attention_module
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.paged_attention_reference import paged_attention_reference
 from specsplit.tree import DraftTree
@@ -107,6 +108,20 @@ def test_split_kv_long_decode_matches_float32_reference(
     args = make_batch("decode", 2, num_kv_heads, group, head_dim, kv_len=4096)
     got = paged_attention(**args, num_splits=num_splits)
     torch.testing.assert_close(got.float(), reference_float32(args), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("step", ["decode", "verify", "prefill"])
+def test_page_ids_loaded_a_tile_ahead_match_float32_reference(
+    step: str, num_splits: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PAGES_AHEAD (an A/B switch, bench/attention_kernel.py --sweep): the 8B's heads at batch
+    8 (the wrapper splits) and 32, page ids shuffled."""
+    monkeypatch.setattr(paged_attention_module, "PAGES_AHEAD", True)
+    for batch_size in (8, 32 if step != "prefill" else 4):
+        args = make_batch(step, batch_size, 8, 4, 128, seed=batch_size)
+        got = paged_attention(**args, num_splits=num_splits)
+        torch.testing.assert_close(got.float(), reference_float32(args), atol=ATOL, rtol=RTOL)
 
 
 def test_cuda_graph_replay_follows_new_lengths() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import specsplit.kernels.paged_attention as paged_attention_module
 from specsplit.kernels.paged_attention import MAX_SPLITS, auto_num_splits, paged_attention
 from specsplit.kernels.paged_attention_reference import paged_attention_reference, reference_plan
 from tests.unit.attention_cases import Case, make_case, verify_new_mask
@@ -196,6 +197,20 @@ SPLIT_CASES: dict[str, tuple[int, Callable[[], Case]]] = {  # name: (num_splits,
 def test_split_kv_matches_reference(name: str) -> None:
     num_splits, case = SPLIT_CASES[name]
     check_matches_reference(case(), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_page_ids_loaded_a_tile_ahead_give_the_same_output(
+    name: str, num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PAGES_AHEAD (an A/B switch): each key tile's page ids loaded one tile before it, in the
+    single pass and in chunks, over the split cases (decode, trees, prefill, padding, GQA,
+    page sizes 1-16, lengths off the tile)."""
+    _, case = SPLIT_CASES[name]
+    monkeypatch.setattr(paged_attention_module, "PAGES_AHEAD", True)
+    check_matches_reference(case(), num_splits=num_splits)
+    check_matches_reference(make_case([(1, 5, 4), (3, 70, 67), (1, 33, 32)], page_size=1))
 
 
 def test_split_kv_with_more_splits_than_keys() -> None:
