@@ -11,7 +11,7 @@ the time per call. `floor` is the K/V bytes at the measured device-to-device cop
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
-(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 32-128, 3 / 4 pipeline
+(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 32-128, 8 warps, 3 pipeline
 stages and each tile's page ids loaded a tile ahead (`1/bn32`, `1/st3`, `1/ahead`, ...: the
 switch `paged_attention.PAGES_AHEAD`), and auto with them ahead (`auto/ahead`). `err` is the
 largest |auto - float32 reference| of layer 0.
@@ -39,31 +39,39 @@ from specsplit.kernels.paged_attention_reference import (
 PAGE_SIZE = 16
 SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
 SPLITS = (2, 4, 8, 16, 32)
-SINGLE_SWEEP = {  # name: (key tile, pipeline stages, PAGES_AHEAD); None: the wrapper's
-    "1/ahead": (None, None, True),
-    "1/bn32": (32, None, False),
-    "1/bn64": (64, None, False),
-    "1/bn128": (128, None, False),
-    "1/st3": (None, 3, False),
-    "1/st4": (None, 4, False),
-    "1/st3/ahead": (None, 3, True),
+# name: (key tile, pipeline stages, PAGES_AHEAD, warps); None: the wrapper's. The 8B's decode
+# tile (16 rows x 128 keys, 4 warps) compiles to 32 registers and ~7 KB of spills a thread for
+# sm_90a (bench/kernel_regs.py); 64 keys x 8 warps and 32 x 4 to none
+SINGLE_SWEEP = {
+    "1/ahead": (None, None, True, None),
+    "1/bn32": (32, None, False, None),
+    "1/bn64": (64, None, False, None),
+    "1/bn128": (128, None, False, None),
+    "1/bn64/w8": (64, None, False, 8),
+    "1/bn128/w8": (128, None, False, 8),
+    "1/st3": (None, 3, False, None),
+    "1/st3/ahead": (None, 3, True, None),
 }
 CACHE_BUDGET = 8 << 30  # bytes of K/V per (shape, batch, kv_len) across layers
 
 
 @contextlib.contextmanager
 def launch_override(
-    split: bool, block_n: int | None = None, stages: int | None = None, ahead: bool = False
+    split: bool,
+    block_n: int | None = None,
+    stages: int | None = None,
+    ahead: bool = False,
+    warps: int | None = None,
 ) -> Iterator[None]:
-    """Overrides the split path's (`split`) or the single pass's key tile and pipeline stages,
-    and with `ahead` turns PAGES_AHEAD on (exploration only)."""
+    """Overrides the split path's (`split`) or the single pass's key tile, pipeline stages and
+    warps, and with `ahead` turns PAGES_AHEAD on (exploration only)."""
     original, original_ahead = pa._launch_config, pa.PAGES_AHEAD
 
     def patched(*args: Any) -> tuple[int, int, int, int]:
-        block_m, bn, warps, st = original(*args)
+        block_m, bn, w, st = original(*args)
         if args[3] == split:
-            bn, st = block_n or bn, stages or st
-        return block_m, bn, warps, st
+            bn, st, w = block_n or bn, stages or st, warps or w
+        return block_m, bn, w, st
 
     pa._launch_config = patched  # type: ignore[assignment]
     pa.PAGES_AHEAD = ahead
@@ -184,8 +192,8 @@ def bench_one(
                 for s in (8, 16, 32):
                     run(f"s{s}/bn{block_n}", num_splits=s)
     if args.sweep:  # the single pass's tile, stages and page ids a tile ahead; auto's ahead
-        for name, (block_n, stages, ahead) in SINGLE_SWEEP.items():
-            with launch_override(False, block_n, stages, ahead):
+        for name, (block_n, stages, ahead, warps) in SINGLE_SWEEP.items():
+            with launch_override(False, block_n, stages, ahead, warps):
                 run(name, num_splits=1)
         with launch_override(True, ahead=True):  # (PAGES_AHEAD: both paths)
             run("auto/ahead")
