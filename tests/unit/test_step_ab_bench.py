@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import step_ab
-from specsplit.kernels import small_linear_tiles, triton_jit
+from specsplit.kernels import paged_attention, small_linear_tiles, triton_jit
 from specsplit.model import llama
 
 
@@ -22,6 +22,7 @@ def restore_switches() -> Iterator[None]:
         (triton_jit, "PDL_SWITCH"),
         (llama, "SMALL_LINEAR_ROWS"),
         (llama, "SMALL_LINEAR_MAX_WEIGHT_BYTES"),
+        (paged_attention, "PAGES_AHEAD"),
     ] + [
         (small_linear_tiles, name)
         for name in (
@@ -53,9 +54,10 @@ def test_variants_parse_and_refuse_unknown_switches() -> None:
 def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() -> None:
     variant = step_ab.parse_variant(
         "a=pdl=0,prefetch=0,pdl_dot=1,late=1,rows=32,tiles=32/64/4/4,max_weight_mb=1024,"
-        "prefetch_lines=8"
+        "prefetch_lines=8,pages_ahead=1"
     )
     step_ab.apply(variant)
+    assert paged_attention.PAGES_AHEAD is True
     assert llama.SMALL_LINEAR_MAX_WEIGHT_BYTES == 1 << 30
     assert small_linear_tiles.PREFETCH_MAX_LINES == 8
     assert triton_jit.PDL_SWITCH == "0" and small_linear_tiles.PREFETCH is False
@@ -72,6 +74,7 @@ def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() ->
     assert small_linear_tiles.DOT_TILES is None
     assert llama.SMALL_LINEAR_MAX_WEIGHT_BYTES == 16 << 20
     assert small_linear_tiles.PREFETCH_MAX_LINES is None
+    assert paged_attention.PAGES_AHEAD is False
     for bad in ("c=max_weight_mb=0", "c=prefetch_lines=3"):
         with pytest.raises(SystemExit, match=r"max_weight_mb|prefetch_lines"):
             step_ab.apply(step_ab.parse_variant(bad))
