@@ -584,17 +584,18 @@ for part in "${parts[@]}"; do
     attention-ab)  # paged attention's single pass at batch 8-64 (the 8B's 24-51 us a layer at
       # batch 32, 512 tokens: ~1/3 of its K/V's bandwidth, eighty-eighth session): key tiles,
       # stages and page ids a tile ahead (bench/attention_kernel.py --sweep), decode and a
-      # causal / tree-masked 1 + 8, then the 8B's step with the page ids ahead or not
-      # (bench/step_ab.py, alternating in one process)
+      # causal / tree-masked 1 + 8, then the 8B's step at batch 32 with the page ids ahead or
+      # not (bench/step_ab.py, alternating in one process; $ATTN_STEP_CONTEXTS, default "512
+      # 4096"; "" skips it: the sweeps alone take ~3 min)
       run attention_decode python3 bench/attention_kernel.py --batches ${ATTN_BATCHES:-8 32 64} \
         --kv-lens 512 4096 --sweep --no-ref
       for tree in "" --tree; do
         run "attention_verify${tree:+_tree}" python3 bench/attention_kernel.py --batches 32 \
           --kv-lens 512 4096 --q-len 9 $tree --sweep --no-ref
       done
-      for context in 512 4096; do
+      for context in ${ATTN_STEP_CONTEXTS:-512 4096}; do  # (~2 min each: two 8B engines)
         run "attention_step_ab_$context" python3 bench/step_ab.py --shape llama-8b \
-          --batch 1 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 5
+          --batch 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 3
       done ;;
     engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
       # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode
