@@ -593,7 +593,7 @@ for part in "${parts[@]}"; do
         run "attention_verify${tree:+_tree}" python3 bench/attention_kernel.py --batches 32 \
           --kv-lens 512 4096 --q-len 9 $tree --sweep --no-ref
       done
-      for context in ${ATTN_STEP_CONTEXTS:-512 4096}; do  # (~2 min each: two 8B engines)
+      for context in ${ATTN_STEP_CONTEXTS-512 4096}; do  # (~2 min each: two 8B engines)
         run "attention_step_ab_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 3
       done ;;
