@@ -225,8 +225,8 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="also the single pass's key tile 32 / 128, 3 / 4 stages, page ids a tile ahead "
-        "(`1/...`), and auto with them ahead (`auto/ahead`)",
+        help="also the single pass's variants in SINGLE_SWEEP (key tiles 32-128, 8 warps, 3 "
+        "stages, page ids a tile ahead: `1/...`), and auto with them ahead (`auto/ahead`)",
     )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
