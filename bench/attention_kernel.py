@@ -11,10 +11,11 @@ the time per call. `floor` is the K/V bytes at the measured device-to-device cop
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
-(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 32-128, 8 warps, 3 pipeline
-stages and each tile's page ids loaded a tile ahead (`1/bn32`, `1/st3`, `1/ahead`, ...: the
-switch `paged_attention.PAGES_AHEAD`), and auto with them ahead (`auto/ahead`). `err` is the
-largest |auto - float32 reference| of layer 0.
+(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
+3 / 4 pipeline stages and each tile's page ids loaded a tile ahead (`1/bn64`, `1/st3`,
+`1/ahead`, ...: the switch `paged_attention.PAGES_AHEAD`), and auto with them ahead, at 2 and
+3 stages (`auto/ahead`, `auto/st3/ahead`). `err` is the largest |auto - float32 reference|
+of layer 0.
 """
 
 from __future__ import annotations
@@ -44,32 +45,34 @@ SPLITS = (2, 4, 8, 16, 32)
 # sm_90a (bench/kernel_regs.py); 64 keys x 8 warps and 32 x 4 to none
 SINGLE_SWEEP = {
     "1/ahead": (None, None, True, None),
-    "1/bn32": (32, None, False, None),
     "1/bn64": (64, None, False, None),
     "1/bn128": (128, None, False, None),
-    "1/bn64/w8": (64, None, False, 8),
     "1/bn128/w8": (128, None, False, 8),
     "1/st3": (None, 3, False, None),
     "1/st3/ahead": (None, 3, True, None),
+    "1/st4/ahead": (None, 4, True, None),
+    "1/bn64/st3/ahead": (64, 3, True, None),
 }
+# the split path (auto's chunks where the grid is small) with PAGES_AHEAD, and 3 stages
+AUTO_SWEEP = {"auto/ahead": None, "auto/st3/ahead": 3}
 CACHE_BUDGET = 8 << 30  # bytes of K/V per (shape, batch, kv_len) across layers
 
 
 @contextlib.contextmanager
 def launch_override(
-    split: bool,
+    split: bool | None,
     block_n: int | None = None,
     stages: int | None = None,
     ahead: bool = False,
     warps: int | None = None,
 ) -> Iterator[None]:
-    """Overrides the split path's (`split`) or the single pass's key tile, pipeline stages and
-    warps, and with `ahead` turns PAGES_AHEAD on (exploration only)."""
+    """Overrides the split path's (`split`), the single pass's, or (None) both paths' key tile,
+    pipeline stages and warps, and with `ahead` turns PAGES_AHEAD on (exploration only)."""
     original, original_ahead = pa._launch_config, pa.PAGES_AHEAD
 
     def patched(*args: Any) -> tuple[int, int, int, int]:
         block_m, bn, w, st = original(*args)
-        if args[3] == split:
+        if split is None or args[3] == split:
             bn, st, w = block_n or bn, stages or st, warps or w
         return block_m, bn, w, st
 
@@ -195,8 +198,9 @@ def bench_one(
         for name, (block_n, stages, ahead, warps) in SINGLE_SWEEP.items():
             with launch_override(False, block_n, stages, ahead, warps):
                 run(name, num_splits=1)
-        with launch_override(True, ahead=True):  # (PAGES_AHEAD: both paths)
-            run("auto/ahead")
+        for name, stages in AUTO_SWEEP.items():  # (PAGES_AHEAD and stages: both paths)
+            with launch_override(None, stages=stages, ahead=True):
+                run(name)
     if not args.no_ref:
         calls = [reference_call(layer, out) for layer, out in zip(layers, outs, strict=True)]
         row["ref"] = time_in_graph(calls, args.replays)
@@ -225,8 +229,8 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="also the single pass's variants in SINGLE_SWEEP (key tiles 32-128, 8 warps, 3 "
-        "stages, page ids a tile ahead: `1/...`), and auto with them ahead (`auto/ahead`)",
+        help="also the single pass's variants in SINGLE_SWEEP (key tiles 64 / 128, 8 warps, 3 / "
+        "4 stages, page ids a tile ahead: `1/...`), and auto with them ahead (AUTO_SWEEP)",
     )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
@@ -250,7 +254,7 @@ def main() -> None:
 
     columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
     columns += [f"s{s}" for s in SPLITS]
-    columns += [*SINGLE_SWEEP, "auto/ahead"] if args.sweep else []
+    columns += [*SINGLE_SWEEP, *AUTO_SWEEP] if args.sweep else []
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:

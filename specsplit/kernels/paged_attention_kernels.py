@@ -110,59 +110,76 @@ def _paged_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running sum of exp2
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     pages = block_table_ptr + seq * stride_bt_b
-    if PAGES_AHEAD:  # the first tile's page ids (masked as its keys are: key_ok)
-        offs_next = split_start + tl.arange(0, BLOCK_N)
-        page_next = tl.load(pages + offs_next // PAGE_SIZE, mask=offs_next < kv_len)
-    for start_n in range(split_start, split_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] storage index
-        key_ok = offs_n < kv_len
-        if PAGES_AHEAD:  # this tile's page ids loaded a tile before, the next tile's now
-            page = page_next
-            offs_next = offs_n + BLOCK_N
+    # Two passes over this program's key tiles, the body written once (static_range unrolls
+    # it, `masked` a constexpr): pass 0 the tiles wholly inside the committed prefix, which
+    # every row sees (no mask to build or load: most tiles of a long context), pass 1 the rest
+    # (the prefix's last part-tile and the new keys, under the causal or tree mask). The chunk
+    # starts tile-aligned, so pass 0 ends on a tile edge at or below prefix_len.
+    full_end = tl.maximum(split_start, tl.minimum(split_end, prefix_len // BLOCK_N * BLOCK_N))
+    for masked in tl.static_range(2):
+        if masked:
+            tiles_start = full_end
+            tiles_end = split_end
+        else:
+            tiles_start = split_start
+            tiles_end = full_end
+        if PAGES_AHEAD:  # the first tile's page ids (masked as its keys are: key_ok)
+            offs_next = tiles_start + tl.arange(0, BLOCK_N)
             page_next = tl.load(pages + offs_next // PAGE_SIZE, mask=offs_next < kv_len)
-        else:
-            page = tl.load(pages + offs_n // PAGE_SIZE, mask=key_ok)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        for start_n in range(tiles_start, tiles_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] storage index
+            key_ok = offs_n < kv_len
+            if PAGES_AHEAD:  # this tile's page ids loaded a tile before, the next tile's now
+                page = page_next
+                offs_next = offs_n + BLOCK_N
+                page_next = tl.load(pages + offs_next // PAGE_SIZE, mask=offs_next < kv_len)
+            elif masked:
+                page = tl.load(pages + offs_n // PAGE_SIZE, mask=key_ok)
+            else:
+                page = tl.load(pages + offs_n // PAGE_SIZE)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+            k_tile = k_ptr + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :]
+            v_tile = v_ptr + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :]
+            if masked:
+                k = tl.load(k_tile, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+                v = tl.load(v_tile, mask=key_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_tile)
+                v = tl.load(v_tile)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
 
-        in_prefix = offs_n[None, :] < prefix_len  # [1, BLOCK_N]
-        if HAS_TREE:
-            new_ok = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.int1)
-            if start_n + BLOCK_N > prefix_len:  # the tree mask is read only where it applies
-                new_idx = offs_n - prefix_len  # [BLOCK_N]
-                tm = tl.load(
-                    tree_mask_ptr
-                    + seq * stride_tm_b
-                    + q_idx[:, None] * stride_tm_q
-                    + new_idx[None, :] * stride_tm_n,
-                    mask=row_ok[:, None] & (new_idx >= 0)[None, :] & key_ok[None, :],
-                    other=0,
-                )
-                new_ok = tm != 0
-        else:
-            new_ok = offs_n[None, :] <= causal_limit[:, None]
-        visible = row_ok[:, None] & key_ok[None, :] & (in_prefix | new_ok)
-        s = tl.where(visible, s, float("-inf"))
+            if masked:
+                in_prefix = offs_n[None, :] < prefix_len  # [1, BLOCK_N]
+                if HAS_TREE:
+                    new_ok = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.int1)
+                    if start_n + BLOCK_N > prefix_len:  # the tree mask is read where it applies
+                        new_idx = offs_n - prefix_len  # [BLOCK_N]
+                        tm = tl.load(
+                            tree_mask_ptr
+                            + seq * stride_tm_b
+                            + q_idx[:, None] * stride_tm_q
+                            + new_idx[None, :] * stride_tm_n,
+                            mask=row_ok[:, None] & (new_idx >= 0)[None, :] & key_ok[None, :],
+                            other=0,
+                        )
+                        new_ok = tm != 0
+                else:
+                    new_ok = offs_n[None, :] <= causal_limit[:, None]
+                visible = row_ok[:, None] & key_ok[None, :] & (in_prefix | new_ok)
+                s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax; a row with nothing visible yet keeps m = -inf and contributes 0.
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            # Online softmax; a row with nothing visible yet keeps m = -inf and contributes 0
+            # (pass 0's scores are all finite, rows past q_len included: q is 0 there).
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+            m_safe = m_new
+            if masked:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     if SPLIT:  # unnormalised; the merge rescales each split by exp2(m - max over splits)
         p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head

@@ -35,3 +35,11 @@ def test_the_sweep_names_say_their_settings() -> None:
         assert (block_n is not None) == (f"bn{block_n}" in name)
         assert (warps is not None) == (f"w{warps}" in name)
         assert (stages is not None) == (f"st{stages}" in name)
+
+
+def test_an_override_of_both_paths() -> None:
+    with launch_override(None, stages=3, ahead=True):
+        assert pa._launch_config(128, 4, 1, False, False)[3] == 3
+        assert pa._launch_config(128, 4, 1, True, False)[3] == 3
+        assert pa.PAGES_AHEAD is True
+    assert pa.PAGES_AHEAD is False

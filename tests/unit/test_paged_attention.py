@@ -219,6 +219,17 @@ def test_page_ids_loaded_a_tile_ahead_with_pages_of_one_key(
     check_matches_reference(make_case([(1, 5, 4), (3, 70, 67), (1, 33, 32)], page_size=1))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefix_tiles_unmasked_and_the_rest_masked_meet_on_the_tile_edge(num_splits: int) -> None:
+    """The key loop's unmasked pass takes the tiles wholly inside the prefix (16 keys under the
+    interpreter): prefixes on a tile edge (32), one short of it (47) and one past it (49), under
+    tree masks and causal, queries short of max_q_len (rows past q_len in the unmasked pass)."""
+    seqs = [(3, 35, 32), (2, 49, 47), (4, 53, 49), (1, 33, 32)]
+    masks = [verify_new_mask(1, [-1, 0]), None, verify_new_mask(1, [-1, 0, 0]), None]
+    check_matches_reference(make_case(seqs, new_masks=masks, max_q_len=6), num_splits=num_splits)
+    check_matches_reference(make_case(seqs, page_size=16, max_q_len=6), num_splits=num_splits)
+
+
 def test_split_kv_with_more_splits_than_keys() -> None:
     # kv_len 1..5 over 8 chunks: all but the first chunk of each sequence are empty
     seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0)]
