@@ -40,9 +40,9 @@ from specsplit.kernels.paged_attention_reference import (
 PAGE_SIZE = 16
 SHAPES = {"smollm2 (64x3x3)": (3, 3, 64), "8b (128x8x4)": (8, 4, 128)}  # kv heads, group, dim
 SPLITS = (2, 4, 8, 16, 32)
-# name: (key tile, pipeline stages, PAGES_AHEAD, warps); None: the wrapper's. The 8B's decode
-# tile (16 rows x 128 keys, 4 warps) compiles to 32 registers and ~7 KB of spills a thread for
-# sm_90a (bench/kernel_regs.py); 64 keys x 8 warps and 32 x 4 to none
+# name: (key tile, pipeline stages, PAGES_AHEAD, warps); None: the wrapper's. For sm_90a as
+# launched (bench/kernel_regs.py) the 8B's decode tile (16 rows x 128 keys, 4 warps) takes 168
+# registers and spills none, its K/V tiles copied through shared memory (cp.async)
 SINGLE_SWEEP = {
     "1/ahead": (None, None, True, None),
     "1/bn64": (64, None, False, None),
