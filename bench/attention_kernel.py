@@ -12,7 +12,7 @@ Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (n
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
 (`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
-3 / 4 pipeline stages and each tile's page ids loaded a tile ahead (`1/bn64`, `1/st3`,
+2 / 3 / 4 pipeline stages and each tile's page ids loaded a tile ahead (`1/bn64`, `1/st3`,
 `1/ahead`, ...: the switch `paged_attention.PAGES_AHEAD`), and auto with them ahead, at 2 and
 3 stages (`auto/ahead`, `auto/st3/ahead`). `err` is the largest |auto - float32 reference|
 of layer 0.
@@ -48,6 +48,7 @@ SINGLE_SWEEP = {
     "1/bn64": (64, None, False, None),
     "1/bn128": (128, None, False, None),
     "1/bn128/w8": (128, None, False, 8),
+    "1/st2": (None, 2, False, None),
     "1/st3": (None, 3, False, None),
     "1/st3/ahead": (None, 3, True, None),
     "1/st4/ahead": (None, 4, True, None),
@@ -232,8 +233,8 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="also the single pass's variants in SINGLE_SWEEP (key tiles 64 / 128, 8 warps, 3 / "
-        "4 stages, page ids a tile ahead: `1/...`), and auto with them ahead (AUTO_SWEEP)",
+        help="also the single pass's variants in SINGLE_SWEEP (key tiles 64 / 128, 8 warps, "
+        "2 / 3 / 4 stages, page ids a tile ahead: `1/...`), and auto with them ahead (AUTO_SWEEP)",
     )
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")

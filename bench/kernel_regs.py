@@ -153,26 +153,34 @@ def main() -> None:
     )
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument(
+        "--stages", type=int, default=None, help="pipeline stages (default: the wrapper's)"
+    )
     parser.add_argument("--tree", action="store_true", help="HAS_TREE (a verify's tree mask)")
     parser.add_argument("--split", action="store_true", help="SPLIT (partials for the merge)")
     parser.add_argument("--ahead", action="store_true", help="PAGES_AHEAD")
     args = parser.parse_args()
     flags = {"HAS_TREE": args.tree, "SPLIT": args.split, "PAGES_AHEAD": args.ahead}
-    print("shape    rows  keys warps   regs  spills  stack  shared  programs/SM (regs)  cp.async")
+    print(
+        "shape    rows  keys warps stages   regs  spills  stack  shared  programs/SM (regs)"
+        "  cp.async"
+    )
     for shape in args.shape:
         group, head_dim, kv_heads = SHAPES[shape]
         for rows in args.rows:
-            wrapper = pa._launch_config(head_dim, group, rows // group, args.split, False)
+            wrapper = pa._launch_config(
+                head_dim, group, rows // group, args.split, False, args.tree
+            )
+            stages = args.stages or wrapper[3]
             for block_n in args.block_n:
                 for warps in args.warps:
                     got = compile_attention(
-                        group, head_dim, rows, block_n, warps, args.stages, kv_heads, **flags
+                        group, head_dim, rows, block_n, warps, stages, kv_heads, **flags
                     )
                     fits = REGISTERS_PER_SM // (max(got["registers"], 1) * 32 * warps)
-                    mine = (rows, block_n, warps, args.stages) == wrapper
+                    mine = (rows, block_n, warps, stages) == wrapper
                     print(
-                        f"{shape:8} {rows:4} {block_n:5} {warps:5} {got['registers']:6} "
+                        f"{shape:8} {rows:4} {block_n:5} {warps:5} {stages:6} {got['registers']:6} "
                         f"{got['spill_stores']:7} {got['stack']:6} {got['shared']:7}  {fits:11}"
                         f"  {got['cp_async']:8}" + ("  *" if mine else ""),
                         flush=True,

@@ -19,6 +19,7 @@ small_linear's in specsplit.kernels.small_linear_tiles):
   pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
   pages_ahead=0|1 paged attention loads each key tile's page ids a tile ahead
                   (specsplit.kernels.paged_attention.PAGES_AHEAD)
+  decode_stages=N pipeline stages of paged attention's causal decode tile (DECODE_STAGES)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
   late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
@@ -105,6 +106,7 @@ def _pdl(value: str) -> None:
 SWITCHES = {
     "pdl": _pdl,
     "pages_ahead": lambda value: setattr(paged_attention, "PAGES_AHEAD", value == "1"),
+    "decode_stages": lambda value: setattr(paged_attention, "DECODE_STAGES", int(value)),
     "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
     "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
@@ -116,6 +118,7 @@ SWITCHES = {
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
     "pages_ahead": "1" if paged_attention.PAGES_AHEAD else "0",
+    "decode_stages": str(paged_attention.DECODE_STAGES),
     "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
     "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",
     "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",

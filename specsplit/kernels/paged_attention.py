@@ -33,7 +33,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _launch_config(
-    head_dim: int, group: int, max_q_len: int, split: bool, interpret: bool
+    head_dim: int, group: int, max_q_len: int, split: bool, interpret: bool, tree: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M covers max_q_len * group rows up to a
     cap (at least 16 rows: tl.dot needs M >= 16 on GPUs, and at least one whole group); BLOCK_N
@@ -41,7 +41,8 @@ def _launch_config(
     keys are split (short chunks, so more of them hold keys; at batch 1, 32 / 64 / 128 came within
     ~1 us of each other, 32 ahead at kv 512 and 128 at kv 4096). Measured on an H100 inside CUDA
     graphs, kv_len 512, page 16, batch 32, bf16, single pass: decode 27 us at head_dim 128 x 8 KV
-    heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us."""
+    heads (~2.3 TB/s of K/V), 9 us at 64 x 3; verify (8 queries) 37 us / 17 us. The causal
+    16-row tile of a 128-wide head (decode) pipelines DECODE_STAGES key tiles."""
     cap = 64 if head_dim <= 128 else 32
     block_m = min(next_power_of_2(max(max_q_len * group, 16)), cap)
     block_m = max(block_m, next_power_of_2(group))
@@ -51,9 +52,17 @@ def _launch_config(
         return block_m, 32, 4, 2
     if split:
         return block_m, 64, 4, 2
+    if block_m <= 16 and head_dim > 64 and not tree:
+        return block_m, 128, 4, DECODE_STAGES
     return block_m, 128 if block_m <= 16 or head_dim <= 64 else 64, 4, 2
 
 
+# pipeline stages of the single pass's causal decode tile (16 rows x 128 keys, head_dim 128):
+# 3 against 2, 8B shape on an H200 in CUDA graphs (bench/attention_kernel.py --sweep, eighty-
+# ninth session), us a layer: batch 32 kv 512 26.0 -> 21.9, kv 4096 164.7 -> 126.1 (the K/V
+# floor 127.9), batch 64 41.2 -> 40.2, 277.1 -> 246.9. Not for a 64-wide head (SmolLM2, batch
+# 64: 15.2 -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32 1 + 8 over 64 rows: 150.9 -> 156.2)
+DECODE_STAGES = 3
 MAX_SPLITS = 32
 # the key loop loads each tile's page ids one tile ahead, so that its K/V loads need not wait
 # for them (off: loaded in the tile; an A/B switch for bench/attention_kernel.py and
@@ -130,7 +139,9 @@ def paged_attention(
         num_programs = num_seqs * num_q_blocks * num_kv_heads
         num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device))
     split = num_splits > 1
-    _, block_n, num_warps, num_stages = _launch_config(head_dim, group, max_q_len, split, interpret)
+    _, block_n, num_warps, num_stages = _launch_config(
+        head_dim, group, max_q_len, split, interpret, tree_mask is not None
+    )
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
     else:

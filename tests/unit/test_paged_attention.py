@@ -249,6 +249,16 @@ def test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero() -> None:
     assert (split[1] == 0).all() and (single[1] == 0).all()
 
 
+def test_only_the_causal_decode_tile_of_a_128_wide_head_pipelines_decode_stages() -> None:
+    config = paged_attention_module._launch_config  # (head_dim, group, max_q_len, split, ...)
+    assert config(128, 4, 1, False, False) == (16, 128, 4, paged_attention_module.DECODE_STAGES)
+    assert config(128, 4, 4, False, False, True)[3] == 2  # a 1 + 3 tree over 16 rows
+    assert config(128, 4, 1, True, False)[3] == 2  # split chunks
+    assert config(64, 3, 1, False, False)[3] == 2  # SmolLM2's 64-wide head
+    assert config(128, 4, 9, False, False)[3] == 2  # 1 + 8 causal over 64 rows
+    assert config(128, 4, 1, False, True)[3] == 1  # the interpreter's
+
+
 def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
     assert auto_num_splits(num_programs=8, num_sms=132) == MAX_SPLITS  # 8B decode, batch 1
     assert auto_num_splits(num_programs=24, num_sms=132) == 22  # 3 KV heads, batch 8
