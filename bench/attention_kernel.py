@@ -4,8 +4,10 @@ torch reference, for decode (one query per sequence) or `--q-len` queries a sequ
     PYTHONPATH=. python bench/attention_kernel.py [--replays 30] [--json PATH]
 
 Shapes: head_dim 64 x 3 KV heads x group 3 (SmolLM2-135M) and 128 x 8 x 4 (8B); batch 1/8/32,
-kv_len 512/4096, page 16, bf16. Each graph holds one call per layer over that many separate
-caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a forward step rather than from L2;
+kv_len 512/4096, page 16 (each sequence's pages shuffled over the cache; `--contiguous`: in
+order, as a fresh pool hands them out), bf16; `--shapes` picks some. Each graph holds one call
+per layer over that many separate caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a
+forward step rather than from L2;
 each replay is timed with CUDA events and the median over replays, divided by the layers, is
 the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
@@ -94,16 +96,20 @@ def make_layers(
     head_dim: int,
     q_len: int = 1,
     tree: bool = False,
+    contiguous: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:
     """Arguments of paged_attention per layer (own q and caches, shared metadata; q_len queries
     a sequence, causal among its last q_len keys, or under a tree mask that says the same: a
-    chain's, as a verify's), and the K/V bytes one call reads."""
+    chain's, as a verify's; the pages shuffled over the cache as a long-running server's are,
+    or with `contiguous` in order as a fresh pool hands them out), and the K/V bytes one call
+    reads."""
     cuda = torch.device("cuda")
     pages_per_seq = kv_len // PAGE_SIZE
     num_pages = batch * pages_per_seq + 4
     kv_bytes = batch * kv_len * num_kv_heads * head_dim * 2 * 2
     num_layers = max(1, min(32, CACHE_BUDGET // kv_bytes))
-    table = torch.randperm(num_pages, device=cuda)[: batch * pages_per_seq].to(torch.int32)
+    pages = torch.arange if contiguous else torch.randperm
+    table = pages(num_pages, device=cuda)[: batch * pages_per_seq].to(torch.int32)
     meta = {
         "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device=cuda) * q_len,
         "kv_lens": torch.full((batch,), kv_len, dtype=torch.int32, device=cuda),
@@ -173,7 +179,7 @@ def bench_one(
     batch: int, kv_len: int, num_kv_heads: int, group: int, head_dim: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     layers, kv_bytes = make_layers(
-        batch, kv_len, num_kv_heads, group, head_dim, args.q_len, args.tree
+        batch, kv_len, num_kv_heads, group, head_dim, args.q_len, args.tree, args.contiguous
     )
     outs = [torch.empty_like(layer["q"]) for layer in layers]
     block_q = pa._launch_config(head_dim, group, args.q_len, False, False)[0] // group
@@ -236,6 +242,11 @@ def main() -> None:
         help="also the single pass's variants in SINGLE_SWEEP (key tiles 64 / 128, 8 warps, "
         "2 / 3 / 4 stages, page ids a tile ahead: `1/...`), and auto with them ahead (AUTO_SWEEP)",
     )
+    parser.add_argument(
+        "--contiguous", action="store_true", help="each sequence's pages in order, not shuffled"
+    )
+    names = sorted(shape.split()[0] for shape in SHAPES)
+    parser.add_argument("--shapes", nargs="+", choices=names, default=names)
     parser.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args()
@@ -245,6 +256,8 @@ def main() -> None:
 
     rows = []
     for shape, (num_kv_heads, group, head_dim) in SHAPES.items():
+        if shape.split()[0] not in args.shapes:
+            continue
         for kv_len in args.kv_lens:
             for batch in args.batches:
                 row = bench_one(batch, kv_len, num_kv_heads, group, head_dim, args)
