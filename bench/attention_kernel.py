@@ -7,9 +7,9 @@ Shapes: head_dim 64 x 3 KV heads x group 3 (SmolLM2-135M) and 128 x 8 x 4 (8B); 
 kv_len 512/4096, page 16 (each sequence's pages shuffled over the cache; `--contiguous`: in
 order, as a fresh pool hands them out), bf16; `--shapes` picks some. Each graph holds one call
 per layer over that many separate caches (up to 32 layers, ~8 GiB), so K/V come from HBM as in a
-forward step rather than from L2;
-each replay is timed with CUDA events and the median over replays, divided by the layers, is
-the time per call. `floor` is the K/V bytes at the measured device-to-device copy bandwidth.
+forward step rather than from L2; each replay is timed with CUDA events and the median over
+replays, divided by the layers, is the time per call. `floor` is the K/V bytes at the measured
+device-to-device copy bandwidth.
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
