@@ -58,12 +58,13 @@ def _launch_config(
 
 
 # pipeline stages of the single pass's causal decode tile (16 rows x 128 keys, head_dim 128):
-# 3 against 2, 8B shape on an H200 in CUDA graphs over shuffled pages (bench/attention_kernel.py
-# --sweep, ninetieth session), us a layer: batch 32 kv 512 26.0 -> 21.9, kv 4096 164.7 -> 126.1
-# (the K/V floor 127.9), batch 64 41.2 -> 40.2, 277.1 -> 246.9; the engine's step (a fresh
-# pool's pages, bench/step_ab.py) unchanged: batch 32 at 512 / 4096 tokens 5.49 / 8.87 ms either
-# way, its attention already at the K/V floor. Not for a 64-wide head (SmolLM2, batch 64: 15.2
-# -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32 1 + 8 over 64 rows: 150.9 -> 156.2)
+# 3 against 2, 8B shape on an H200 in CUDA graphs (bench/attention_kernel.py --sweep, ninetieth
+# session), us a layer: batch 32 kv 512 26.0 -> 21.9, kv 4096 164.7 -> 126.1 (the K/V floor
+# 127.9), batch 64 41.2 -> 40.2, 277.1 -> 246.9, pages shuffled or in order alike. The engine's
+# step (bench/step_ab.py) did not move: batch 32 at 512 / 4096 tokens 5.49 / 8.87 ms either way,
+# its attention already at the K/V floor (why the two differ is open: bench/RESULTS.md). Not for
+# a 64-wide head (SmolLM2, batch 64: 15.2 -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32,
+# 1 + 8 over 64 rows: 150.9 -> 156.2)
 DECODE_STAGES = 3
 MAX_SPLITS = 32
 # the key loop loads each tile's page ids one tile ahead, so that its K/V loads need not wait
