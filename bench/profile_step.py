@@ -31,6 +31,7 @@ import verifier.device_rounds as device_rounds_module
 import verifier.round_accept as round_accept_module
 from bench.gpu_engine import SHAPES, EngineBench
 from bench.host_phases import clock
+from specsplit.kernels import paged_attention
 from specsplit.messages import NO_LOGPROBS
 from specsplit.model.config import ModelConfig
 from verifier.engine import VerifierEngine
@@ -110,8 +111,15 @@ def main() -> None:
         help="with --rules: the steps' wall time with the rules graphs (verifier/rules_graphs.py) "
         "and without, alternating three times in this process, instead of a profile",
     )
+    parser.add_argument(
+        "--decode-stages",
+        type=int,
+        help="pipeline stages of paged attention's causal decode tile (DECODE_STAGES)",
+    )
     args = parser.parse_args()
     args.verify_n = [n for n in args.n if n]
+    if args.decode_stages:  # before the engine's warm-up builds and captures its kernels
+        paged_attention.DECODE_STAGES = args.decode_stages
     torch.manual_seed(0)
     hf_config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, rms_norm_eps=1e-5)
     with torch.device("cuda"):

@@ -12,7 +12,7 @@
 #       [profile-steps] [smollm2-fixed] [fixed-random] [broadcast] [serving] [serving8b]
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
-#       [draft-rules-ab] [rules-graphs-ab] [attention-ab]
+#       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -596,6 +596,20 @@ for part in "${parts[@]}"; do
       for context in ${ATTN_STEP_CONTEXTS-512 4096}; do  # (~2 min each: two 8B engines)
         run "attention_step_ab_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 3
+      done ;;
+    attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
+      # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave
+      # the engine's step where it was: the micro-benchmark with programmatic dependent launch on
+      # and off (its graph chains attention launches back to back), then the engine's kernels
+      # (bench/profile_step.py, torch.profiler, PDL off so that each kernel's time is its own) at
+      # batch 32, 4,096 tokens, with 2 and 3 stages (~4 min in all)
+      for p in 1 0; do
+        SPECSPLIT_PDL=$p run "attention_pdl$p" python3 bench/attention_kernel.py --shapes 8b \
+          --batches 32 --kv-lens 512 4096 --sweep --no-ref
+      done
+      for stages in 2 3; do
+        SPECSPLIT_PDL=0 run "profile_stages$stages" python3 bench/profile_step.py --shape llama-8b --batch 32 \
+          --n 0 --context 4096 --steps 10 --decode-stages $stages
       done ;;
     engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
       # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode
