@@ -608,8 +608,8 @@ for part in "${parts[@]}"; do
           --batches 32 --kv-lens 512 4096 --sweep --no-ref
       done
       for stages in 2 3; do
-        SPECSPLIT_PDL=0 run "profile_stages$stages" python3 bench/profile_step.py --shape llama-8b --batch 32 \
-          --n 0 --context 4096 --steps 10 --decode-stages $stages
+        SPECSPLIT_PDL=0 run "profile_stages$stages" python3 bench/profile_step.py \
+          --shape llama-8b --batch 32 --n 0 --context 4096 --steps 10 --decode-stages $stages
       done ;;
     engine-ab)  # the engines in process, this tree against .gpu/old (`scripts/gpu_old.sh REV`,
       # carried) in turn, $AB_PASSES (default "new1 old1 new2 old2"): the verifier's SmolLM2 decode

@@ -52,9 +52,9 @@ def _launch_config(
         return block_m, 32, 4, 2
     if split:
         return block_m, 64, 4, 2
-    if block_m <= 16 and head_dim > 64 and not tree:
-        return block_m, 128, 4, DECODE_STAGES
-    return block_m, 128 if block_m <= 16 or head_dim <= 64 else 64, 4, 2
+    block_n = 128 if block_m <= 16 or head_dim <= 64 else 64
+    decode_tile = block_m <= 16 and head_dim > 64 and not tree
+    return block_m, block_n, 4, DECODE_STAGES if decode_tile else 2
 
 
 # pipeline stages of the single pass's causal decode tile (16 rows x 128 keys, head_dim 128):
