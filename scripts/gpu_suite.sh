@@ -13,6 +13,7 @@
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
+#       [verify1-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -597,6 +598,19 @@ for part in "${parts[@]}"; do
         run "attention_step_ab_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 32 --context $context --variant base= --variant ahead=pages_ahead=1 --reps 3
       done ;;
+    verify1-ab)  # issue 8's verify cost at batch 1 (1 + 8 against one token, 8B shape; the
+      # goal <= 1.15x read 1.12x at 63120f7 and 1.21x at 95d4638 at 512 tokens, on two machines):
+      # this tree and .gpu/old (`scripts/gpu_old.sh REV`, carried) in turn, $AB_PASSES (default
+      # "new1 old1 new2 old2"), at $VERIFY1_CONTEXTS (default "512 4096"), then each tree's
+      # kernels at 512 tokens (bench/profile_step.py, torch.profiler)
+      passes=${AB_PASSES:-new1 old1 new2 old2}
+      for context in ${VERIFY1_CONTEXTS:-512 4096}; do
+        in_trees "$passes" "verify1_$context" python3 bench/gpu_engine.py --shape llama-8b \
+          --batch 1 --verify-n 8 --verify-batch 1 --context "$context" --steps 30 \
+          --decode-ahead --no-hf --no-eager
+      done
+      in_trees "new old" verify1_profile python3 bench/profile_step.py --shape llama-8b \
+        --batch 1 --n 0 8 --context 512 --steps 10 ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave
       # the engine's step where it was: the micro-benchmark with programmatic dependent launch on
