@@ -37,12 +37,13 @@ from specsplit.logit_rules import (
     distinct,
     mask_words,
 )
-from specsplit.messages import NO_LOGPROBS, VerifyInput
+from specsplit.messages import NO_LOGPROBS, VerifyInput, VerifyOutput
 from specsplit.model.config import ModelConfig, default_aux_layers
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DRAFT_SUPPORT, DraftProbs, DraftTree
 from verifier.engine import VerifierEngine
+from verifier.rounds import VerifyRound
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -98,6 +99,9 @@ def random_model(shape: str) -> tuple[LlamaForCausalLM, ModelConfig]:
     with torch.device(device):
         hf = LlamaForCausalLM(hf_config).to(dtype).eval()
     return hf, ModelConfig.from_hf(hf_config)
+
+
+DEVICE_TIME = ", device time"  # a row's label: the rounds' device time, not their wall time
 
 
 def median_ms(fn: Callable[[], object], steps: int, warmup: int = 3) -> float:
@@ -175,6 +179,18 @@ class EngineBench:
                     "against)",
                     flush=True,
                 )
+        # each finished round's device time (VerifyRound.device_ns: CUDA events from its first
+        # work to its results' copy), ms: a round's forward cost without the host's share
+        self.device_ms: list[float] = []
+        finish = self.engine.finish
+
+        def finish_timed(launched: VerifyRound) -> list[VerifyOutput]:
+            outputs = finish(launched)
+            if launched.device_ns:
+                self.device_ms.append(launched.device_ns / 1e6)
+            return outputs
+
+        self.engine.finish = finish_timed  # type: ignore[method-assign]
         self.context = args.context
         self.vocab = config.vocab_size
         # an EAGLE-3 drafter's rounds: the default layers' hidden states for every sequence
@@ -346,6 +362,15 @@ def record(rows: list[tuple[str, int, float]], label: str, batch: int, ms: float
     print(f"  {label}, batch {batch}: {ms:.3f} ms", flush=True)
 
 
+def record_device(
+    rows: list[tuple[str, int, float]], label: str, batch: int, bench: EngineBench, steps: int
+) -> None:
+    """The device time of the last `steps` rounds (median; a GPU's only): `label`, device."""
+    if len(bench.device_ms) >= steps:
+        ms = statistics.median(bench.device_ms[-steps:])
+        record(rows, label + DEVICE_TIME, batch, ms)
+
+
 def round_in_parts(
     rows: list[tuple[str, int, float]],
     what: str,
@@ -378,6 +403,7 @@ def bench_ours(
         state = bench.open(batch)
         decode = median_ms(lambda s=state: bench.step(s, 0), args.steps)
         record(rows, f"ours {label} decode", batch, decode)
+        record_device(rows, f"ours {label} decode", batch, bench, args.steps)
         if args.decode_steps > 1:  # per token: a round's time over its steps
             k = args.decode_steps
             ms = median_ms(lambda s=state, k=k: bench.step(s, 0, k), args.steps) / k
@@ -386,6 +412,7 @@ def bench_ours(
             for n in args.verify_n:
                 ms = median_ms(lambda s=state, n=n: bench.step(s, n), args.steps)
                 record(rows, f"ours {label} verify 1+{n}", batch, ms)
+                record_device(rows, f"ours {label} verify 1+{n}", batch, bench, args.steps)
             long_runs: list[tuple[str, Callable[[], None]]] = [
                 (
                     f"verify 1+3 with a newcomer of {n}",
@@ -547,12 +574,14 @@ def main() -> None:
             record(rows, "HF generate static cache + compile", batch, ms)
 
     base = {b: ms for label, b, ms in rows if label == "ours graphs decode"}
+    base_device = {b: ms for label, b, ms in rows if label == "ours graphs decode" + DEVICE_TIME}
     print(
         "\n| what | batch | ms per step | x floor | x floor with K/V | x ours decode (same batch) |"
     )
     print("|---|---|---|---|---|---|")
     for label, batch, ms in rows:
-        ratio = ms / base[batch] if batch in base else float("nan")
+        against = base_device if label.endswith(DEVICE_TIME) else base  # device to device
+        ratio = ms / against[batch] if batch in against else float("nan")
         kv_floor_ms = floor_ms + batch * args.context * kv_token_bytes / bandwidth * 1e3
         print(
             f"| {label} | {batch} | {ms:.3f} | {ms / floor_ms:.2f} | {ms / kv_floor_ms:.2f} "
