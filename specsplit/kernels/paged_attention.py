@@ -62,7 +62,9 @@ def _launch_config(
 # session), us a layer: batch 32 kv 512 26.0 -> 21.9, kv 4096 164.7 -> 126.1 (the K/V floor
 # 127.9), batch 64 41.2 -> 40.2, 277.1 -> 246.9, pages shuffled or in order alike. The engine's
 # step (bench/step_ab.py) did not move: batch 32 at 512 / 4096 tokens 5.49 / 8.87 ms either way,
-# its attention already at the K/V floor (why the two differ is open: bench/RESULTS.md). Not for
+# its attention already at the K/V floor with 2 stages (130.3 / 131.3 us a layer at 4096 tokens
+# with 3 / 2, profiled with PDL off, ninety-first session: the micro-benchmark's 164.7 is its
+# own graph of back-to-back calls). Not for
 # a 64-wide head (SmolLM2, batch 64: 15.2 -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32,
 # 1 + 8 over 64 rows: 150.9 -> 156.2)
 DECODE_STAGES = 3
