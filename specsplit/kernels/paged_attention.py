@@ -154,9 +154,9 @@ def paged_attention(
         tm_strides = (tm.stride(0), tm.stride(1), tm.stride(2))
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split:  # from the graph pool when captured
-        partial_o = _scratch(q, (num_splits, num_tokens, num_heads, head_dim))
-        partial_m = _scratch(q, (num_splits, num_tokens, num_heads))
-        partial_l = _scratch(q, (num_splits, num_tokens, num_heads))
+        partial_o = q.new_empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32)
+        partial_m = q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)
+        partial_l = torch.empty_like(partial_m)
     else:
         partial_o = partial_m = partial_l = out  # never written
 
@@ -187,12 +187,6 @@ def paged_attention(
             num_warps=1 if interpret or head_dim <= 64 else 2, **launch,
         )  # fmt: skip
     return out
-
-
-def _scratch(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A split pass's float32 partials, uninitialised: the kernels read only what they stored
-    (tests fill it with NaN through this function)."""
-    return q.new_empty(shape, dtype=torch.float32)
 
 
 def _check_inputs(

@@ -184,14 +184,11 @@ def _paged_attention_kernel(
     if SPLIT:  # unnormalised; the merge rescales each split by exp2(m - max over splits)
         p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head
         tl.store(partial_m_ptr + p_rows, m_i, mask=row_ok)
-        # a row that saw no key (every row of a chunk past kv_end: most of a short context's
-        # chunks) stores its max (-inf) alone; the merge reads no sum or acc behind one
-        seen = row_ok & (m_i != float("-inf"))
-        tl.store(partial_l_ptr + p_rows, l_i, mask=seen)
+        tl.store(partial_l_ptr + p_rows, l_i, mask=row_ok)
         tl.store(
             partial_o_ptr + p_rows[:, None] * HEAD_DIM + offs_d[None, :],
             acc,
-            mask=seen[:, None],
+            mask=row_ok[:, None],
         )
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -220,8 +217,7 @@ def _merge_splits_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
 ):
     """One (token, head) row of out from its num_splits partials. A split that saw no key (max
-    -inf; its sum and acc not stored, so not read) weighs 0; a row that saw none at all gets 0,
-    as in the single pass."""
+    -inf) weighs 0; a row that saw none at all gets 0, as in the single pass."""
     if PDL:  # every program waits for the attention kernel's partials
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -236,11 +232,10 @@ def _merge_splits_kernel(
     split_ok = offs_s < num_splits
     rows = (offs_s * num_tokens + token).to(tl.int64) * num_heads + head  # [BLOCK_S]
     m = tl.load(partial_m_ptr + rows, mask=split_ok, other=float("-inf"))
-    seen = m != float("-inf")  # [BLOCK_S]: the splits whose sum and acc were stored
-    l = tl.load(partial_l_ptr + rows, mask=seen, other=0.0)  # noqa: E741
+    l = tl.load(partial_l_ptr + rows, mask=split_ok, other=0.0)  # noqa: E741
     acc = tl.load(
         partial_o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=seen[:, None],
+        mask=split_ok[:, None],
         other=0.0,
     )  # [BLOCK_S, HEAD_DIM]
     m_max = tl.reduce(m, 0, tl.standard._elementwise_max)

@@ -230,34 +230,6 @@ def test_prefix_tiles_unmasked_and_the_rest_masked_meet_on_the_tile_edge(num_spl
     check_matches_reference(make_case(seqs, page_size=16, max_q_len=6), num_splits=num_splits)
 
 
-def poison_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A split pass's partials start as NaN (uninitialised in a graph pool: anything)."""
-
-    def nan_scratch(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=q.device)
-
-    monkeypatch.setattr(paged_attention_module, "_scratch", nan_scratch)
-
-
-@pytest.mark.parametrize("name", list(SPLIT_CASES))
-def test_split_kv_reads_only_the_partials_it_stored(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Empty chunks (past kv_end) and rows that saw no key in a chunk store their max alone;
-    the merge reads no sum or acc behind a max of -inf: scratch full of NaN changes nothing."""
-    num_splits, case = SPLIT_CASES[name]
-    poison_scratch(monkeypatch)
-    check_matches_reference(case(), num_splits=num_splits)
-
-
-def test_split_kv_with_more_splits_than_keys_over_nan_scratch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    poison_scratch(monkeypatch)
-    test_split_kv_with_more_splits_than_keys()
-    test_split_kv_equals_single_pass_and_fully_masked_rows_are_zero()
-
-
 def test_split_kv_with_more_splits_than_keys() -> None:
     # kv_len 1..5 over 8 chunks: all but the first chunk of each sequence are empty
     seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0)]
