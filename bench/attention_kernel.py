@@ -10,7 +10,8 @@ per layer over that many separate caches (up to 32 layers, ~8 GiB), so K/V come 
 forward step rather than from L2; each replay is timed with CUDA events and the median over
 replays, divided by the layers, is the time per call. `floor` is the K/V bytes at the measured
 device-to-device copy bandwidth.
-Variants: `auto` (the wrapper's choice, its num_splits in brackets), `single` (num_splits=1),
+Variants: `auto` (the wrapper's choice, its num_splits in brackets), `auto/skip` (auto where it
+splits, with SKIP_EMPTY_CHUNKS on: empty chunks store their max alone), `single` (num_splits=1),
 `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
 outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
 (`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
@@ -86,6 +87,15 @@ def launch_override(
     finally:
         pa._launch_config = original  # type: ignore[assignment]
         pa.PAGES_AHEAD = original_ahead
+
+
+@contextlib.contextmanager
+def skip_empty_chunks() -> Iterator[None]:
+    original, pa.SKIP_EMPTY_CHUNKS = pa.SKIP_EMPTY_CHUNKS, True
+    try:
+        yield
+    finally:
+        pa.SKIP_EMPTY_CHUNKS = original
 
 
 def make_layers(
@@ -193,6 +203,12 @@ def bench_one(
         row[name] = time_in_graph(calls, args.replays)
 
     run("auto")
+    if auto > 1:  # the split path with its empty chunks skipped (SKIP_EMPTY_CHUNKS, an A/B)
+        auto_out = outs[0].clone()
+        with skip_empty_chunks():
+            run("auto/skip")
+        if not torch.equal(outs[0], auto_out):  # (the same sums, empty chunks' zeros left out)
+            row.setdefault("not_bitwise", []).append("auto/skip")
     run("single", num_splits=1)
     single_out = outs[0].clone()
     for s in SPLITS:
@@ -269,13 +285,13 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
-    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
+    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto", "auto/skip"]
     columns += [f"s{s}" for s in SPLITS]
     columns += [*SINGLE_SWEEP, *AUTO_SWEEP] if args.sweep else []
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
     print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
     for r in rows:
-        cells = " ".join(f"{r[c]:7.1f}" for c in columns)
+        cells = " ".join(f"{r.get(c, float('nan')):7.1f}" for c in columns)  # (nan: not run)
         print(f"{r['shape']:18} {r['batch']:3} {r['kv_len']:5} {cells}  {r['err']:.3f} "
               f"[auto s{r['auto_splits']}]")  # fmt: skip
     print("\nbatch 1, split key tile sweep (us)")

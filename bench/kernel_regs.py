@@ -81,7 +81,8 @@ def compile_attention(
     kv_heads: int = 8,
     **flags: Any,
 ) -> dict[str, int]:
-    """The kernel compiled for sm_90a at one config (flags: HAS_TREE, SPLIT, PAGES_AHEAD; the
+    """The kernel compiled for sm_90a at one config (flags: HAS_TREE, SPLIT, PAGES_AHEAD,
+    SKIP_EMPTY; the
     rest as the wrapper launches a bf16 step with PDL, specialised as the JIT does): ptxas's
     registers, spill stores, stack frame, Triton's shared memory, and the PTX's cp.async."""
     constants = {
@@ -96,6 +97,7 @@ def compile_attention(
         "SPLIT": False,
         "PDL": True,
         "PAGES_AHEAD": False,
+        "SKIP_EMPTY": False,
         **flags,
     }
     attention, _ = kernels.jitted_kernels(False)
@@ -159,8 +161,10 @@ def main() -> None:
     parser.add_argument("--tree", action="store_true", help="HAS_TREE (a verify's tree mask)")
     parser.add_argument("--split", action="store_true", help="SPLIT (partials for the merge)")
     parser.add_argument("--ahead", action="store_true", help="PAGES_AHEAD")
+    parser.add_argument("--skip-empty", action="store_true", help="SKIP_EMPTY (with --split)")
     args = parser.parse_args()
     flags = {"HAS_TREE": args.tree, "SPLIT": args.split, "PAGES_AHEAD": args.ahead}
+    flags["SKIP_EMPTY"] = args.skip_empty
     print(
         "shape    rows  keys warps stages   regs  spills  stack  shared  programs/SM (regs)"
         "  cp.async"

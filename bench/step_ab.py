@@ -19,6 +19,7 @@ small_linear's in specsplit.kernels.small_linear_tiles):
   pdl=0|1         programmatic dependent launch (specsplit.kernels.triton_jit.PDL_SWITCH)
   pages_ahead=0|1 paged attention loads each key tile's page ids a tile ahead
                   (specsplit.kernels.paged_attention.PAGES_AHEAD)
+  skip_empty=0|1  split-KV's empty chunks store their max alone (SKIP_EMPTY_CHUNKS)
   decode_stages=N pipeline stages of paged attention's causal decode tile (DECODE_STAGES)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
@@ -106,6 +107,7 @@ def _pdl(value: str) -> None:
 SWITCHES = {
     "pdl": _pdl,
     "pages_ahead": lambda value: setattr(paged_attention, "PAGES_AHEAD", value == "1"),
+    "skip_empty": lambda value: setattr(paged_attention, "SKIP_EMPTY_CHUNKS", value == "1"),
     "decode_stages": lambda value: setattr(paged_attention, "DECODE_STAGES", int(value)),
     "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
@@ -118,6 +120,7 @@ SWITCHES = {
 DEFAULTS = {
     "pdl": triton_jit.PDL_SWITCH,
     "pages_ahead": "1" if paged_attention.PAGES_AHEAD else "0",
+    "skip_empty": "1" if paged_attention.SKIP_EMPTY_CHUNKS else "0",
     "decode_stages": str(paged_attention.DECODE_STAGES),
     "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
     "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",

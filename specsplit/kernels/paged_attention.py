@@ -73,6 +73,13 @@ MAX_SPLITS = 32
 # for them (off: loaded in the tile; an A/B switch for bench/attention_kernel.py and
 # bench/step_ab.py, read at each launch, not yet measured on a GPU)
 PAGES_AHEAD = False
+# split-KV: a chunk past kv_end stores its max alone and leaves before it loads q, and the merge
+# zeroes what lies behind a max of -inf (off: every chunk stores the neutral partial). An A/B
+# switch read at each launch, not yet measured on a GPU: at batch 1 and 512 tokens 24 of the 8B's
+# 32 chunks are empty, and 8 chunks ran the tree verify 4 us a layer faster than 32 (ninety-first
+# session, bench/RESULTS.md); masking the empty chunks' stores alone gained 0.7 us there and
+# lost 0.6 at 4,096 tokens, the merge's loads then waiting for the max's (a380c30, reverted)
+SKIP_EMPTY_CHUNKS = False
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 
@@ -154,9 +161,9 @@ def paged_attention(
         tm_strides = (tm.stride(0), tm.stride(1), tm.stride(2))
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split:  # from the graph pool when captured
-        partial_o = q.new_empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32)
-        partial_m = q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)
-        partial_l = torch.empty_like(partial_m)
+        partial_o = _scratch(q, (num_splits, num_tokens, num_heads, head_dim))
+        partial_m = _scratch(q, (num_splits, num_tokens, num_heads))
+        partial_l = _scratch(q, (num_splits, num_tokens, num_heads))
     else:
         partial_o = partial_m = partial_l = out  # never written
 
@@ -177,6 +184,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
         DOT_PRECISION=dot_precision, SPLIT=split, PDL=dependent, PAGES_AHEAD=PAGES_AHEAD,
+        SKIP_EMPTY=SKIP_EMPTY_CHUNKS,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if split:
@@ -184,9 +192,15 @@ def paged_attention(
             out, partial_o, partial_m, partial_l, cu_seqlens_q,
             num_seqs, num_splits, num_tokens, num_heads, out.stride(0), out.stride(1),
             BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim, PDL=dependent,
+            SKIP_EMPTY=SKIP_EMPTY_CHUNKS,
             num_warps=1 if interpret or head_dim <= 64 else 2, **launch,
         )  # fmt: skip
     return out
+
+
+def _scratch(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A split pass's float32 partials, uninitialised (tests fill them with NaN here)."""
+    return q.new_empty(shape, dtype=torch.float32)
 
 
 def _check_inputs(

@@ -64,6 +64,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partials for _merge_splits_kernel instead of out
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
     PAGES_AHEAD: tl.constexpr,  # each key tile's page ids loaded one tile ahead (A/B, bench)
+    SKIP_EMPTY: tl.constexpr,  # SPLIT: a chunk past kv_end stores its max alone and leaves
 ):
     if PDL:  # every program waits for the kernel before (q, this step's K/V, the lengths)
         tl.extra.cuda.gdc_launch_dependents()
@@ -87,7 +88,9 @@ def _paged_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)  # [BLOCK_M]
 
     q_rows = (q_start + q_idx).to(tl.int64) * stride_q_t + head * stride_q_h
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q_tile = q_ptr + q_rows[:, None] + offs_d[None, :]
+    if not (SPLIT and SKIP_EMPTY):  # (else once the chunk is known not to be empty)
+        q = tl.load(q_tile, mask=row_ok[:, None], other=0.0)
 
     # Keys past the last one any row of this block may see are skipped (causal: the diagonal).
     last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -97,11 +100,20 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(kv_len, tl.maximum(prefix_len, kv_len - q_len + last_q + 1))
     causal_limit = kv_len - q_len + q_idx  # [BLOCK_M] last new key each row sees (causal)
     # This program's keys: chunk `split` of num_splits tile-aligned chunks of [0, kv_end); a
-    # chunk past kv_end is empty and leaves the neutral partial (max -inf, sum 0, acc 0).
+    # chunk past kv_end is empty and leaves the neutral partial (max -inf, sum 0, acc 0), or
+    # with SKIP_EMPTY its max alone, before it loads anything more (the merge then ignores its
+    # sum and acc): at batch 1 most chunks of a short context are empty.
     chunk = (kv_end + num_splits - 1) // num_splits
     chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     split_start = split * chunk
     split_end = tl.minimum(split_start + chunk, kv_end)
+    if SPLIT and SKIP_EMPTY:  # (compile-time, then the runtime test)
+        if split_start >= kv_end:
+            p_rows = (split * num_tokens + q_start + q_idx).to(tl.int64) * num_heads + head
+            empty = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            tl.store(partial_m_ptr + p_rows, empty, mask=row_ok)
+            return
+        q = tl.load(q_tile, mask=row_ok[:, None], other=0.0)
 
     # tl.full and tl.reduce with triton's own combine functions rather than tl.zeros / tl.max /
     # tl.sum: those are @triton.jit functions, unusable by the interpreter when triton was
@@ -215,6 +227,7 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_jit.pdl)
+    SKIP_EMPTY: tl.constexpr,  # empty chunks stored their max alone (the attention kernel's)
 ):
     """One (token, head) row of out from its num_splits partials. A split that saw no key (max
     -inf) weighs 0; a row that saw none at all gets 0, as in the single pass."""
@@ -238,6 +251,10 @@ def _merge_splits_kernel(
         mask=split_ok[:, None],
         other=0.0,
     )  # [BLOCK_S, HEAD_DIM]
+    if SKIP_EMPTY:  # behind a max of -inf the scratch may hold anything (NaN): 0 in its place,
+        seen = m != float("-inf")  # loaded regardless so that no load waits for the max's
+        l = tl.where(seen, l, 0.0)  # noqa: E741
+        acc = tl.where(seen[:, None], acc, 0.0)
     m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # [BLOCK_S]
     l_sum = tl.reduce(l * weight, 0, tl.standard._sum_combine)

@@ -230,6 +230,46 @@ def test_prefix_tiles_unmasked_and_the_rest_masked_meet_on_the_tile_edge(num_spl
     check_matches_reference(make_case(seqs, page_size=16, max_q_len=6), num_splits=num_splits)
 
 
+def poison_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split pass's partials start as NaN (uninitialised in a graph pool: anything)."""
+
+    def nan_scratch(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=q.device)
+
+    monkeypatch.setattr(paged_attention_module, "_scratch", nan_scratch)
+
+
+@pytest.mark.parametrize("skip_empty", [False, True])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_over_nan_scratch_reads_only_what_it_stored(
+    name: str, skip_empty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SKIP_EMPTY_CHUNKS (an A/B switch) on: empty chunks (past kv_end) store their max alone
+    and the merge ignores their sum and acc; off: every chunk stores its partial. Either way
+    scratch full of NaN changes nothing."""
+    num_splits, case = SPLIT_CASES[name]
+    poison_scratch(monkeypatch)
+    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_CHUNKS", skip_empty)
+    check_matches_reference(case(), num_splits=num_splits)
+
+
+def test_skipped_empty_chunks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More chunks than keys (most empty), fully masked rows, trees: the merge's sum is the
+    same with the empty chunks skipped as with their neutral partials, bit for bit."""
+    seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0), (3, 40, 0)]
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[1] = False  # a row that sees no key at all: 0 both ways
+    masks = [None, None, verify_new_mask(0, [-1, 0]), None, mask]
+    case = make_case(seqs, page_size=2, new_masks=masks)
+    stored = paged_attention(**case.args(), num_splits=8)
+    poison_scratch(monkeypatch)
+    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_CHUNKS", True)
+    skipped = paged_attention(**case.args(), num_splits=8)
+    owned = int(case.args()["cu_seqlens_q"][-1])  # (rows past every sequence's: not written)
+    assert torch.equal(stored[:owned], skipped[:owned])
+    check_matches_reference(case, num_splits=8)
+
+
 def test_split_kv_with_more_splits_than_keys() -> None:
     # kv_len 1..5 over 8 chunks: all but the first chunk of each sequence are empty
     seqs = [(1, 1, 0), (1, 2, 1), (2, 5, 3), (1, 3, 0)]
