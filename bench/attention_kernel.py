@@ -69,10 +69,13 @@ def launch_override(
     stages: int | None = None,
     ahead: bool = False,
     warps: int | None = None,
+    skip_empty: bool = False,
 ) -> Iterator[None]:
     """Overrides the split path's (`split`), the single pass's, or (None) both paths' key tile,
-    pipeline stages and warps, and with `ahead` turns PAGES_AHEAD on (exploration only)."""
-    original, original_ahead = pa._launch_config, pa.PAGES_AHEAD
+    pipeline stages and warps, and with `ahead` / `skip_empty` turns PAGES_AHEAD /
+    SKIP_EMPTY_CHUNKS on (exploration only)."""
+    original = pa._launch_config
+    original_ahead, original_skip = pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS
 
     def patched(*args: Any) -> tuple[int, int, int, int]:
         block_m, bn, w, st = original(*args)
@@ -81,21 +84,12 @@ def launch_override(
         return block_m, bn, w, st
 
     pa._launch_config = patched  # type: ignore[assignment]
-    pa.PAGES_AHEAD = ahead
+    pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS = ahead, skip_empty
     try:
         yield
     finally:
         pa._launch_config = original  # type: ignore[assignment]
-        pa.PAGES_AHEAD = original_ahead
-
-
-@contextlib.contextmanager
-def skip_empty_chunks() -> Iterator[None]:
-    original, pa.SKIP_EMPTY_CHUNKS = pa.SKIP_EMPTY_CHUNKS, True
-    try:
-        yield
-    finally:
-        pa.SKIP_EMPTY_CHUNKS = original
+        pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS = original_ahead, original_skip
 
 
 def make_layers(
@@ -205,7 +199,7 @@ def bench_one(
     run("auto")
     if auto > 1:  # the split path with its empty chunks skipped (SKIP_EMPTY_CHUNKS, an A/B)
         auto_out = outs[0].clone()
-        with skip_empty_chunks():
+        with launch_override(None, skip_empty=True):
             run("auto/skip")
         if not torch.equal(outs[0], auto_out):  # (the same sums, empty chunks' zeros left out)
             row.setdefault("not_bitwise", []).append("auto/skip")

@@ -82,9 +82,9 @@ def compile_attention(
     **flags: Any,
 ) -> dict[str, int]:
     """The kernel compiled for sm_90a at one config (flags: HAS_TREE, SPLIT, PAGES_AHEAD,
-    SKIP_EMPTY; the
-    rest as the wrapper launches a bf16 step with PDL, specialised as the JIT does): ptxas's
-    registers, spill stores, stack frame, Triton's shared memory, and the PTX's cp.async."""
+    SKIP_EMPTY; the rest as the wrapper launches a bf16 step with PDL, specialised as the JIT
+    does): ptxas's registers, spill stores, stack frame, Triton's shared memory, and the PTX's
+    cp.async."""
     constants = {
         "GROUP": group,
         "BLOCK_Q": max(block_m // group, 1),
@@ -163,8 +163,8 @@ def main() -> None:
     parser.add_argument("--ahead", action="store_true", help="PAGES_AHEAD")
     parser.add_argument("--skip-empty", action="store_true", help="SKIP_EMPTY (with --split)")
     args = parser.parse_args()
-    flags = {"HAS_TREE": args.tree, "SPLIT": args.split, "PAGES_AHEAD": args.ahead}
-    flags["SKIP_EMPTY"] = args.skip_empty
+    flags = {"HAS_TREE": args.tree, "SPLIT": args.split, "PAGES_AHEAD": args.ahead,
+             "SKIP_EMPTY": args.skip_empty}  # fmt: skip
     print(
         "shape    rows  keys warps stages   regs  spills  stack  shared  programs/SM (regs)"
         "  cp.async"
