@@ -10,15 +10,15 @@ per layer over that many separate caches (up to 32 layers, ~8 GiB), so K/V come 
 forward step rather than from L2; each replay is timed with CUDA events and the median over
 replays, divided by the layers, is the time per call. `floor` is the K/V bytes at the measured
 device-to-device copy bandwidth.
-Variants: `auto` (the wrapper's choice, its num_splits in brackets), `auto/skip` (auto where it
-splits, with SKIP_EMPTY_CHUNKS on: empty chunks store their max alone), `single` (num_splits=1),
-`sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its plan built
-outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also swept
-(`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
+Variants: `auto` (the wrapper's choice, its num_splits in brackets), `auto/no-skip` (auto where
+it splits, with SKIP_EMPTY_CHUNKS off: empty chunks store neutral partials), `single`
+(num_splits=1), `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its
+plan built outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also
+swept (`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
 2 / 3 / 4 pipeline stages and each tile's page ids loaded a tile ahead (`1/bn64`, `1/st3`,
-`1/ahead`, ...: the switch `paged_attention.PAGES_AHEAD`), and auto with them ahead, at 2 and
-3 stages (`auto/ahead`, `auto/st3/ahead`). `err` is the largest |auto - float32 reference|
-of layer 0.
+`1/ahead`, ...: the switch `paged_attention.PAGES_AHEAD`), and auto with them ahead, at 2 and 3
+stages (`auto/ahead`, `auto/st3/ahead`). `err` is the largest |auto - float32 reference| of
+layer 0.
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def launch_override(
     stages: int | None = None,
     ahead: bool = False,
     warps: int | None = None,
-    skip_empty: bool = False,
+    skip_empty: bool | None = None,
 ) -> Iterator[None]:
     """Overrides the split path's (`split`), the single pass's, or (None) both paths' key tile,
-    pipeline stages and warps, and with `ahead` / `skip_empty` turns PAGES_AHEAD /
-    SKIP_EMPTY_CHUNKS on (exploration only)."""
+    pipeline stages and warps, and with `ahead` turns PAGES_AHEAD on; `skip_empty` sets
+    SKIP_EMPTY_CHUNKS (None: as it is) (exploration only)."""
     original = pa._launch_config
     original_ahead, original_skip = pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS
 
@@ -84,7 +84,9 @@ def launch_override(
         return block_m, bn, w, st
 
     pa._launch_config = patched  # type: ignore[assignment]
-    pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS = ahead, skip_empty
+    pa.PAGES_AHEAD = ahead
+    if skip_empty is not None:
+        pa.SKIP_EMPTY_CHUNKS = skip_empty
     try:
         yield
     finally:
@@ -197,12 +199,12 @@ def bench_one(
         row[name] = time_in_graph(calls, args.replays)
 
     run("auto")
-    if auto > 1:  # the split path with its empty chunks skipped (SKIP_EMPTY_CHUNKS, an A/B)
+    if auto > 1:  # the split path with neutral partials stored (SKIP_EMPTY_CHUNKS off, an A/B)
         auto_out = outs[0].clone()
-        with launch_override(None, skip_empty=True):
-            run("auto/skip")
+        with launch_override(None, skip_empty=False):
+            run("auto/no-skip")
         if not torch.equal(outs[0], auto_out):  # (the same sums, empty chunks' zeros left out)
-            row.setdefault("not_bitwise", []).append("auto/skip")
+            row.setdefault("not_bitwise", []).append("auto/no-skip")
     run("single", num_splits=1)
     single_out = outs[0].clone()
     for s in SPLITS:
@@ -279,13 +281,17 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
-    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto", "auto/skip"]
+    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto", "auto/no-skip"]
     columns += [f"s{s}" for s in SPLITS]
     columns += [*SINGLE_SWEEP, *AUTO_SWEEP] if args.sweep else []
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")
-    print(f"{'shape':18} {'B':>3} {'kv':>5} " + " ".join(f"{c:>7}" for c in columns) + "   err")
+    widths = [max(7, len(c)) for c in columns]
+    heads = " ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
+    print(f"{'shape':18} {'B':>3} {'kv':>5} {heads}   err")
     for r in rows:
-        cells = " ".join(f"{r.get(c, float('nan')):7.1f}" for c in columns)  # (nan: not run)
+        cells = " ".join(  # (nan: not run)
+            f"{r.get(c, float('nan')):{w}.1f}" for c, w in zip(columns, widths, strict=True)
+        )
         print(f"{r['shape']:18} {r['batch']:3} {r['kv_len']:5} {cells}  {r['err']:.3f} "
               f"[auto s{r['auto_splits']}]")  # fmt: skip
     print("\nbatch 1, split key tile sweep (us)")

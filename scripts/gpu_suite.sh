@@ -611,9 +611,9 @@ for part in "${parts[@]}"; do
       done
       in_trees "new old" verify1_profile python3 bench/profile_step.py --shape llama-8b \
         --batch 1 --n 0 8 --context 512 --steps 10 ;;
-    split-skip)  # SKIP_EMPTY_CHUNKS (off by default, not yet measured): split-KV's chunks past
+    split-skip)  # SKIP_EMPTY_CHUNKS (on since the ninety-second session): split-KV's chunks past
       # kv_end store their max alone and leave before loading q (24 of the 8B's 32 chunks at
-      # batch 1, 512 tokens). The micro-benchmark's auto against auto/skip (decode and a 1 + 8
+      # batch 1, 512 tokens). The micro-benchmark's auto against auto/no-skip (decode and a 1 + 8
       # tree, batch 1 / 8, 512 / 4,096 tokens), then the 8B's decode step at batch 1 with it off /
       # on / off (bench/step_ab.py, alternating in one process) at 512 and 4,096 tokens (~4 min)
       for q in "" "--q-len 9 --tree"; do
@@ -622,7 +622,8 @@ for part in "${parts[@]}"; do
       done
       for context in 512 4096; do
         run "split_skip_step_$context" python3 bench/step_ab.py --shape llama-8b --batch 1 \
-          --context $context --variant base= --variant skip=skip_empty=1 --variant base2= --reps 3
+          --context $context --variant off=skip_empty=0 --variant skip=skip_empty=1 \
+          --variant off2=skip_empty=0 --reps 3
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

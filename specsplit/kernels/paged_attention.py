@@ -74,12 +74,14 @@ MAX_SPLITS = 32
 # bench/step_ab.py, read at each launch, not yet measured on a GPU)
 PAGES_AHEAD = False
 # split-KV: a chunk past kv_end stores its max alone and leaves before it loads q, and the merge
-# zeroes what lies behind a max of -inf (off: every chunk stores the neutral partial). An A/B
-# switch read at each launch, not yet measured on a GPU: at batch 1 and 512 tokens 24 of the 8B's
-# 32 chunks are empty, and 8 chunks ran the tree verify 4 us a layer faster than 32 (ninety-first
-# session, bench/RESULTS.md); masking the empty chunks' stores alone gained 0.7 us there and
-# lost 0.6 at 4,096 tokens, the merge's loads then waiting for the max's (a380c30, reverted)
-SKIP_EMPTY_CHUNKS = False
+# zeroes what lies behind a max of -inf (off: every chunk stores the neutral partial; an A/B
+# switch read at each launch). At batch 1 and 512 tokens 24 of the 8B's 32 chunks are empty. H200,
+# ninety-second session: bench/attention_kernel.py, us a layer, decode batch 1 at 512 tokens
+# 8.3 -> 7.8, batch 8 at 4,096 49.3 -> 46.0, the 1 + 8 tree at batch 1 and 512 13.5 -> 13.1, the
+# rest within 0.7 either way; the 8B's decode step at batch 1 (bench/step_ab.py) 0.983x at 512
+# tokens, 0.986x at 4,096, the same tokens. (Masking the empty chunks' stores alone, a380c30,
+# reverted: the merge's loads then waited for the max)
+SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 

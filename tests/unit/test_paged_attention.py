@@ -244,7 +244,7 @@ def poison_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_split_kv_over_nan_scratch_reads_only_what_it_stored(
     name: str, skip_empty: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SKIP_EMPTY_CHUNKS (an A/B switch) on: empty chunks (past kv_end) store their max alone
+    """SKIP_EMPTY_CHUNKS (the default) on: empty chunks (past kv_end) store their max alone
     and the merge ignores their sum and acc; off: every chunk stores its partial. Either way
     scratch full of NaN changes nothing."""
     num_splits, case = SPLIT_CASES[name]
@@ -261,6 +261,7 @@ def test_skipped_empty_chunks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch
     mask[1] = False  # a row that sees no key at all: 0 both ways
     masks = [None, None, verify_new_mask(0, [-1, 0]), None, mask]
     case = make_case(seqs, page_size=2, new_masks=masks)
+    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_CHUNKS", False)
     stored = paged_attention(**case.args(), num_splits=8)
     poison_scratch(monkeypatch)
     monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_CHUNKS", True)
