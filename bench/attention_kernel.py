@@ -11,7 +11,8 @@ forward step rather than from L2; each replay is timed with CUDA events and the 
 replays, divided by the layers, is the time per call. `floor` is the K/V bytes at the measured
 device-to-device copy bandwidth.
 Variants: `auto` (the wrapper's choice, its num_splits in brackets), `auto/no-skip` (auto where
-it splits, with SKIP_EMPTY_CHUNKS off: empty chunks store neutral partials), `single`
+it splits, with SKIP_EMPTY_CHUNKS off: empty chunks store neutral partials), `auto/bn32` (auto
+where it splits, with key tiles of 32), `single`
 (num_splits=1), `sN` (num_splits=N), `ref` (paged_attention_with_plan, the torch loop, with its
 plan built outside the graph; not with `--no-ref`). At batch 1 the split's key tile is also
 swept (`sN/bn32`, `sN/bn128`). `--sweep`: the single pass with key tiles of 64 / 128, 8 warps,
@@ -51,6 +52,9 @@ SINGLE_SWEEP = {
     "1/bn64": (64, None, False, None),
     "1/bn128": (128, None, False, None),
     "1/bn128/w8": (128, None, False, 8),
+    "1/bn32": (32, None, False, None),
+    "1/w8": (None, None, False, 8),
+    "1/bn32/w8": (32, None, False, 8),
     "1/st2": (None, 2, False, None),
     "1/st3": (None, 3, False, None),
     "1/st3/ahead": (None, 3, True, None),
@@ -205,6 +209,8 @@ def bench_one(
             run("auto/no-skip")
         if not torch.equal(outs[0], auto_out):  # (the same sums, empty chunks' zeros left out)
             row.setdefault("not_bitwise", []).append("auto/no-skip")
+        with launch_override(True, 32):
+            run("auto/bn32")
     run("single", num_splits=1)
     single_out = outs[0].clone()
     for s in SPLITS:
@@ -281,7 +287,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
-    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto", "auto/no-skip"]
+    columns = ["floor", *([] if args.no_ref else ["ref"]), "single", "auto"]
+    columns += ["auto/no-skip", "auto/bn32"]
     columns += [f"s{s}" for s in SPLITS]
     columns += [*SINGLE_SWEEP, *AUTO_SWEEP] if args.sweep else []
     print(f"\nus per layer call (median of {args.replays} graph replays), q_len {args.q_len}")

@@ -13,7 +13,7 @@
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
-#       [verify1-ab] [split-skip]
+#       [verify1-ab] [split-skip] [wide-tile]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -624,6 +624,26 @@ for part in "${parts[@]}"; do
         run "split_skip_step_$context" python3 bench/step_ab.py --shape llama-8b --batch 1 \
           --context $context --variant off=skip_empty=0 --variant skip=skip_empty=1 \
           --variant off2=skip_empty=0 --reps 3
+      done ;;
+    wide-tile)  # a verify tree's row blocks of the 8B's 128-wide head (1 + 8 queries x a group of
+      # 4 = 64 rows; at 64 keys x 4 warps they spill): key tiles of 32 against 64, 8 warps against
+      # 4 (WIDE_BLOCK_N, WIDE_WARPS). The micro-benchmark's split path (auto/bn32, batch 1 / 2 / 4
+      # / 8) and single pass (--sweep's 1/bn32, 1/w8, 1/bn32/w8; batch 16 / 32), 512 / 4,096
+      # tokens; then the engine's verify 1 + 8 at batch 1 / 32, 512 tokens, a process for each
+      # of the tiles 64/4, 32/4 and $WIDE_TILES (~6 min)
+      run wide_split python3 bench/attention_kernel.py --shapes 8b --batches 1 2 4 8 \
+        --kv-lens 512 4096 --q-len 9 --tree --no-ref
+      run wide_single python3 bench/attention_kernel.py --shapes 8b --batches 16 32 \
+        --kv-lens 512 4096 --q-len 9 --tree --no-ref --sweep
+      for tile in 64/4 32/4 ${WIDE_TILES:-}; do
+        WIDE_TILE=$tile run "wide_engine_${tile/\//_}" python3 -c '
+import os, runpy, sys
+import specsplit.kernels.paged_attention as pa
+pa.WIDE_BLOCK_N, pa.WIDE_WARPS = map(int, os.environ["WIDE_TILE"].split("/"))
+print("WIDE_BLOCK_N", pa.WIDE_BLOCK_N, "WIDE_WARPS", pa.WIDE_WARPS)
+sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
+runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --batch 1 32 \
+          --verify-n 8 --verify-batch 1 32 --steps 20 --no-hf --no-eager
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

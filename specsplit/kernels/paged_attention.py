@@ -50,6 +50,8 @@ def _launch_config(
         return block_m, 16, 1, 1
     if head_dim > 128:
         return block_m, 32, 4, 2
+    if head_dim > 64 and block_m > 32:  # a tree's rows of a 128-wide head, either path
+        return block_m, WIDE_BLOCK_N, WIDE_WARPS, 2
     if split:
         return block_m, 64, 4, 2
     block_n = 128 if block_m <= 16 or head_dim <= 64 else 64
@@ -68,6 +70,12 @@ def _launch_config(
 # a 64-wide head (SmolLM2, batch 64: 15.2 -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32,
 # 1 + 8 over 64 rows: 150.9 -> 156.2)
 DECODE_STAGES = 3
+# the key tile and warps of a 128-wide head's blocks of more than 32 rows (a verify's tree: 1 + 8
+# queries x a group of 4 = 64 rows), split or not: at 64 keys and 4 warps the 8B's take 255
+# registers and spill (bench/kernel_regs.py --tree [--split] --rows 64: 12 / 28 bytes a thread),
+# at 32 keys 223 / 228 and none
+WIDE_BLOCK_N = 64
+WIDE_WARPS = 4
 MAX_SPLITS = 32
 # the key loop loads each tile's page ids one tile ahead, so that its K/V loads need not wait
 # for them (off: loaded in the tile; an A/B switch for bench/attention_kernel.py and
