@@ -13,7 +13,7 @@
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
-#       [verify1-ab] [split-skip] [wide-tile]
+#       [verify1-ab] [split-skip] [wide-tile] [wide-split]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -644,6 +644,25 @@ print("WIDE_BLOCK_N", pa.WIDE_BLOCK_N, "WIDE_WARPS", pa.WIDE_WARPS)
 sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
 runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --batch 1 32 \
           --verify-n 8 --verify-batch 1 32 --steps 20 --no-hf --no-eager
+      done ;;
+    wide-split)  # a verify tree's split count (WIDE_SPLIT_PROGRAMS_PER_SM 2, before 4: half the
+      # chunks for the 8B's 64-row tree blocks): tests/gpu's attention files, then the engine's
+      # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 2 and 4 (a process each) at 512 and 4,096
+      # tokens (~5 min)
+      run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
+        tests/gpu/test_cuda_graph_ragged.py
+      for context in 512 4096; do
+        for per_sm in 2 4; do
+          PER_SM=$per_sm run "wide_split_${context}_$per_sm" python3 -c '
+import os, runpy, sys
+import specsplit.kernels.paged_attention as pa
+pa.WIDE_SPLIT_PROGRAMS_PER_SM = int(os.environ["PER_SM"])
+print("WIDE_SPLIT_PROGRAMS_PER_SM", pa.WIDE_SPLIT_PROGRAMS_PER_SM)
+sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
+runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --batch 1 \
+            --verify-n 8 --verify-batch 1 2 4 8 16 --steps 20 --no-hf --no-eager \
+            --context $context
+        done
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

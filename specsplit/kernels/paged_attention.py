@@ -50,7 +50,7 @@ def _launch_config(
         return block_m, 16, 1, 1
     if head_dim > 128:
         return block_m, 32, 4, 2
-    if head_dim > 64 and block_m > 32:  # a tree's rows of a 128-wide head, either path
+    if wide_block(head_dim, block_m):  # a tree's rows of a 128-wide head, either path
         return block_m, WIDE_BLOCK_N, WIDE_WARPS, 2
     if split:
         return block_m, 64, 4, 2
@@ -70,10 +70,14 @@ def _launch_config(
 # a 64-wide head (SmolLM2, batch 64: 15.2 -> 15.8, 80.7 -> 87.8) nor a tree's tile (batch 32,
 # 1 + 8 over 64 rows: 150.9 -> 156.2)
 DECODE_STAGES = 3
-# the key tile and warps of a 128-wide head's blocks of more than 32 rows (a verify's tree: 1 + 8
-# queries x a group of 4 = 64 rows), split or not: at 64 keys and 4 warps the 8B's take 255
-# registers and spill (bench/kernel_regs.py --tree [--split] --rows 64: 12 / 28 bytes a thread),
-# at 32 keys 223 / 228 and none
+# the key tile and warps of a 128-wide head's blocks of more than 32 rows (wide_block: a verify's
+# tree, 1 + 8 queries x a group of 4 = 64 rows), split or not. At 64 keys and 4 warps the 8B's
+# take 255 registers and spill (bench/kernel_regs.py --tree [--split] --rows 64: 12 / 28 bytes a
+# thread; at 32 keys 223 / 228 and none), yet are the fastest but at batch 1 / 2: H200, 1 + 8
+# tree, us a layer at 512 / 4,096 tokens (ninety-second session), split 64 against 32 keys:
+# batch 1 12.9 / 17.4 vs 10.5 / 16.4, batch 8 23.0 / 57.8 vs 20.2 / 70.8; single pass batch 32
+# 29.7 / 153.7 vs 30.4 / 183.5 (8 warps 46.4 / 273.0); the engine's batch-1 verify step on the
+# device 5.075 vs 5.048 ms (bench/gpu_engine.py, a process each)
 WIDE_BLOCK_N = 64
 WIDE_WARPS = 4
 MAX_SPLITS = 32
@@ -92,12 +96,26 @@ PAGES_AHEAD = False
 SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
+# a wide block's (wide_block: a tree's 64 rows of a 128-wide head) programs hold 4x a decode
+# block's rows: half as many a SM. H200, the 8B's 1 + 8 tree (bench/attention_kernel.py --q-len 9
+# --tree, ninety-second session), us a layer at 512 / 4,096 tokens, the old target's split count
+# against the one nearest the new's: batch 2 s32 14.5 / 27.2, s16 14.5 / 23.4; batch 4 s17
+# 15.2 / 37.2, s8 15.7 / 34.1; batch 8 s9 23.0 / 57.8, s4 18.5 / 51.2; batch 16 s5 29.7 / 103.6,
+# s2 23.7 / 85.4 (batch 1 keeps 32)
+WIDE_SPLIT_PROGRAMS_PER_SM = 2
 
 
-def auto_num_splits(num_programs: int, num_sms: int) -> int:
+def wide_block(head_dim: int, block_m: int) -> bool:
+    """A 128-wide head's row block of more than 32 rows (a verify's tree): WIDE_BLOCK_N keys and
+    WIDE_WARPS warps a tile, WIDE_SPLIT_PROGRAMS_PER_SM when split."""
+    return 64 < head_dim <= 128 and block_m > 32
+
+
+def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
     on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
-    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS. Host ints only (the kv
+    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM (WIDE_SPLIT_PROGRAMS_PER_SM for `wide`
+    blocks), at most MAX_SPLITS. Host ints only (the kv
     lengths live on the device): chunks past a short sequence's keys are empty, costing a store.
     H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
     head_dim 64 x 3 KV heads, batch 1: kv 512 7.5 -> 4.9, kv 4096 63.5 -> 7.8; head_dim 128 x 8,
@@ -105,7 +123,7 @@ def auto_num_splits(num_programs: int, num_sms: int) -> int:
     (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
     if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    target = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
+    target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else _SPLIT_TARGET_PROGRAMS_PER_SM) * num_sms
     return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
 
 
@@ -159,7 +177,8 @@ def paged_attention(
     num_q_blocks = -(-max_q_len // block_q)
     if num_splits is None:
         num_programs = num_seqs * num_q_blocks * num_kv_heads
-        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device))
+        wide = wide_block(head_dim, block_m)
+        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device), wide)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None

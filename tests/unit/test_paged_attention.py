@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import specsplit.kernels.paged_attention as paged_attention_module
-from specsplit.kernels.paged_attention import MAX_SPLITS, auto_num_splits, paged_attention
+from specsplit.kernels.paged_attention import (
+    MAX_SPLITS,
+    auto_num_splits,
+    paged_attention,
+    wide_block,
+)
 from specsplit.kernels.paged_attention_reference import paged_attention_reference, reference_plan
 from tests.unit.attention_cases import Case, make_case, verify_new_mask
 
@@ -307,6 +312,12 @@ def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
     assert auto_num_splits(num_programs=131, num_sms=132) == 5
     assert auto_num_splits(num_programs=132, num_sms=132) == 1  # one program per SM already
     assert auto_num_splits(num_programs=4096, num_sms=132) == 1
+    # a verify tree's 64-row blocks of a 128-wide head: half as many programs a SM
+    assert auto_num_splits(num_programs=8, num_sms=132, wide=True) == MAX_SPLITS  # batch 1
+    assert auto_num_splits(num_programs=64, num_sms=132, wide=True) == 5  # batch 8
+    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 3  # batch 16
+    assert wide_block(head_dim=128, block_m=64) and not wide_block(head_dim=128, block_m=32)
+    assert not wide_block(head_dim=64, block_m=64)  # (SmolLM2's: its tiles as they were)
 
 
 def test_wrapper_rejects_num_splits_out_of_range() -> None:
