@@ -453,7 +453,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--verify-n", type=int, nargs="*", default=[4, 8, 16, 32, 64])
-    parser.add_argument("--verify-batch", type=int, nargs="*", default=[1, 8, 32])
+    parser.add_argument(
+        "--verify-batch",
+        type=int,
+        nargs="*",
+        default=[1, 8, 32],
+        help="the batches of --batch that also time verify rounds",
+    )
     parser.add_argument(
         "--sampled-n",
         type=int,

@@ -648,7 +648,8 @@ runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --b
     wide-split)  # a verify tree's split count (WIDE_SPLIT_PROGRAMS_PER_SM 2, before 4: half the
       # chunks for the 8B's 64-row tree blocks): tests/gpu's attention files, then the engine's
       # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 2 and 4 (a process each) at 512 and 4,096
-      # tokens (~5 min)
+      # tokens (~7 min: split it by hand on a cold machine; the ninety-second session's run gave
+      # --batch 1 alone, so verify ran at batch 1 only)
       run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graph_ragged.py
       for context in 512 4096; do
@@ -659,9 +660,9 @@ import specsplit.kernels.paged_attention as pa
 pa.WIDE_SPLIT_PROGRAMS_PER_SM = int(os.environ["PER_SM"])
 print("WIDE_SPLIT_PROGRAMS_PER_SM", pa.WIDE_SPLIT_PROGRAMS_PER_SM)
 sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
-runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --batch 1 \
-            --verify-n 8 --verify-batch 1 2 4 8 16 --steps 20 --no-hf --no-eager \
-            --context $context
+runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b \
+            --batch 1 2 4 8 16 --verify-n 8 --verify-batch 1 2 4 8 16 --steps 20 --no-hf \
+            --no-eager --context $context
         done
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
