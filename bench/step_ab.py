@@ -1,4 +1,6 @@
-"""The verifier engine's decode step under several kernel switches, alternating in one process.
+"""The verifier engine's decode step (or, --verify-n N, its verify round of 1 + N tokens: the
+pending token and a chain of N random drafts) under several kernel switches, alternating in one
+process.
 
     PYTHONPATH=. python bench/step_ab.py --shape smollm2-135m --batch 1 8 32 \
         --variant base= --variant nopdl=pdl=0 --variant unfused=rows=4 \
@@ -21,6 +23,9 @@ small_linear's in specsplit.kernels.small_linear_tiles):
                   (specsplit.kernels.paged_attention.PAGES_AHEAD)
   skip_empty=0|1  split-KV's empty chunks store their max alone (SKIP_EMPTY_CHUNKS)
   decode_stages=N pipeline stages of paged attention's causal decode tile (DECODE_STAGES)
+  wide_block_n=N  the key tile of a verify tree's wide blocks (paged_attention.WIDE_BLOCK_N)
+  wide_warps=N    their warps (WIDE_WARPS)
+  wide_split=N    split, their target programs a SM (WIDE_SPLIT_PROGRAMS_PER_SM)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
   late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
@@ -109,6 +114,9 @@ SWITCHES = {
     "pages_ahead": lambda value: setattr(paged_attention, "PAGES_AHEAD", value == "1"),
     "skip_empty": lambda value: setattr(paged_attention, "SKIP_EMPTY_CHUNKS", value == "1"),
     "decode_stages": lambda value: setattr(paged_attention, "DECODE_STAGES", int(value)),
+    "wide_block_n": lambda value: setattr(paged_attention, "WIDE_BLOCK_N", int(value)),
+    "wide_warps": lambda value: setattr(paged_attention, "WIDE_WARPS", int(value)),
+    "wide_split": lambda value: setattr(paged_attention, "WIDE_SPLIT_PROGRAMS_PER_SM", int(value)),
     "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
     "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
@@ -122,6 +130,9 @@ DEFAULTS = {
     "pages_ahead": "1" if paged_attention.PAGES_AHEAD else "0",
     "skip_empty": "1" if paged_attention.SKIP_EMPTY_CHUNKS else "0",
     "decode_stages": str(paged_attention.DECODE_STAGES),
+    "wide_block_n": str(paged_attention.WIDE_BLOCK_N),
+    "wide_warps": str(paged_attention.WIDE_WARPS),
+    "wide_split": str(paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM),
     "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
     "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",
     "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",
@@ -150,24 +161,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--variant", type=parse_variant, action="append", default=[])
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=20, help="decode rounds a variant's turn")
+    parser.add_argument("--steps", type=int, default=20, help="rounds a variant's turn")
     parser.add_argument("--reps", type=int, default=7, help="turns a variant")
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--verify-n", type=int, default=0, help="verify rounds of 1 + N tokens, not decode steps"
+    )
     args = parser.parse_args()
     variants: list[Variant] = args.variant or [parse_variant("base="), parse_variant("nopdl=pdl=0")]
-    # EngineBench's: graphs for decode only, decode steps run ahead, every batch's sequences
-    # open at once for all the turns (a turn's warm-up and tokens' round included)
-    args.verify_n, args.decode_ahead = [], True
+    # EngineBench's: graphs for decode (and verify rounds of 1 + N), decode steps run ahead,
+    # every batch's sequences open at once for all the turns (a turn's warm-up and tokens' round
+    # included; a verify round commits up to 1 + N tokens and stores its N + 1)
+    n = args.verify_n
+    args.verify_n, args.decode_ahead = [n] if n else [], True
     args.kv_seqs = sum(args.batch)
-    args.kv_room = args.reps * (args.steps + 4) * args.decode_steps + 64
+    args.kv_room = args.reps * (args.steps + 4) * (n + 2 if n else args.decode_steps) + 64
+    steps = 1 if n else args.decode_steps  # a timed call's steps
+
+    def round_of(bench: EngineBench, state: dict[str, tuple[int, int]]) -> None:
+        bench.step(state, n, 1 if n else args.decode_steps)
 
     hf, config = random_model(args.shape)
     device, dtype = hf.device, hf.dtype
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    what = f"verify rounds of 1 + {n}" if n else f"rounds of {args.decode_steps} decode steps"
     print(
-        f"{args.shape} on {name}, {dtype}, context {args.context}, rounds of "
-        f"{args.decode_steps} decode steps, {args.reps} turns of {args.steps} rounds"
+        f"{args.shape} on {name}, {dtype}, context {args.context}, {what}, {args.reps} turns "
+        f"of {args.steps} rounds"
     )
     graphs = device.type == "cuda"
     for variant in variants:
@@ -183,19 +204,19 @@ def main() -> None:
             for batch in args.batch:
                 state = variant.states[batch]
                 if rep == 0:  # the same prompts, the same steps: the same tokens, or not
-                    bench.step(state, 0, args.decode_steps)
+                    round_of(bench, state)
                     variant.tokens[batch] = [pending for _, pending in state.values()]
-                ms = median_ms(lambda b=bench, s=state: b.step(s, 0, args.decode_steps), args.steps)
-                variant.ms.setdefault(batch, []).append(ms / args.decode_steps)
-    report(variants, args.batch)
+                ms = median_ms(lambda b=bench, s=state: round_of(b, s), args.steps)
+                variant.ms.setdefault(batch, []).append(ms / steps)
+    report(variants, args.batch, f"verify 1+{n} round" if n else "decode step")
     for variant in variants:  # every page back
         assert variant.bench is not None
         variant.bench.close({k: v for state in variant.states.values() for k, v in state.items()})
 
 
-def report(variants: list[Variant], batches: list[int]) -> None:
+def report(variants: list[Variant], batches: list[int], what: str = "decode step") -> None:
     base = variants[0]
-    print(f"\nms a decode step (median of turns); ratio to {base.name} (median of the turns' "
+    print(f"\nms a {what} (median of turns); ratio to {base.name} (median of the turns' "
           "ratios, least-most); tokens as its")  # fmt: skip
     print("| variant | switches | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|---|" + "---|" * len(batches))

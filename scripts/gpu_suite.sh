@@ -629,41 +629,25 @@ for part in "${parts[@]}"; do
       # 4 = 64 rows; at 64 keys x 4 warps they spill): key tiles of 32 against 64, 8 warps against
       # 4 (WIDE_BLOCK_N, WIDE_WARPS). The micro-benchmark's split path (auto/bn32, batch 1 / 2 / 4
       # / 8) and single pass (--sweep's 1/bn32, 1/w8, 1/bn32/w8; batch 16 / 32), 512 / 4,096
-      # tokens; then the engine's verify 1 + 8 at batch 1 / 32, 512 tokens, a process for each
-      # of the tiles 64/4, 32/4 and $WIDE_TILES (~6 min)
+      # tokens; then the engine's verify 1 + 8 at batch 1 / 32, 512 tokens, 64 keys against 32
+      # (bench/step_ab.py --verify-n 8, alternating in one process; ~6 min)
       run wide_split python3 bench/attention_kernel.py --shapes 8b --batches 1 2 4 8 \
         --kv-lens 512 4096 --q-len 9 --tree --no-ref
       run wide_single python3 bench/attention_kernel.py --shapes 8b --batches 16 32 \
         --kv-lens 512 4096 --q-len 9 --tree --no-ref --sweep
-      for tile in 64/4 32/4 ${WIDE_TILES:-}; do
-        WIDE_TILE=$tile run "wide_engine_${tile/\//_}" python3 -c '
-import os, runpy, sys
-import specsplit.kernels.paged_attention as pa
-pa.WIDE_BLOCK_N, pa.WIDE_WARPS = map(int, os.environ["WIDE_TILE"].split("/"))
-print("WIDE_BLOCK_N", pa.WIDE_BLOCK_N, "WIDE_WARPS", pa.WIDE_WARPS)
-sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
-runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b --batch 1 32 \
-          --verify-n 8 --verify-batch 1 32 --steps 20 --no-hf --no-eager
-      done ;;
+      run wide_engine python3 bench/step_ab.py --shape llama-8b --batch 1 32 --verify-n 8 \
+        --variant bn64=wide_block_n=64 --variant bn32=wide_block_n=32 \
+        --variant bn64b=wide_block_n=64 --reps 3 ;;
     wide-split)  # a verify tree's split count (WIDE_SPLIT_PROGRAMS_PER_SM 2, before 4: half the
       # chunks for the 8B's 64-row tree blocks): tests/gpu's attention files, then the engine's
-      # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 2 and 4 (a process each) at 512 and 4,096
-      # tokens (~7 min: split it by hand on a cold machine; the ninety-second session's run gave
-      # --batch 1 alone, so verify ran at batch 1 only)
+      # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 4 / 2 / 4 (bench/step_ab.py --verify-n 8,
+      # alternating in one process) at $WIDE_CONTEXTS tokens (default 512 4096; ~3 min each)
       run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graph_ragged.py
-      for context in 512 4096; do
-        for per_sm in 2 4; do
-          PER_SM=$per_sm run "wide_split_${context}_$per_sm" python3 -c '
-import os, runpy, sys
-import specsplit.kernels.paged_attention as pa
-pa.WIDE_SPLIT_PROGRAMS_PER_SM = int(os.environ["PER_SM"])
-print("WIDE_SPLIT_PROGRAMS_PER_SM", pa.WIDE_SPLIT_PROGRAMS_PER_SM)
-sys.argv = ["bench/gpu_engine.py", *sys.argv[1:]]
-runpy.run_path("bench/gpu_engine.py", run_name="__main__")' --shape llama-8b \
-            --batch 1 2 4 8 16 --verify-n 8 --verify-batch 1 2 4 8 16 --steps 20 --no-hf \
-            --no-eager --context $context
-        done
+      for context in ${WIDE_CONTEXTS:-512 4096}; do
+        run "wide_split_$context" python3 bench/step_ab.py --shape llama-8b \
+          --batch 1 2 4 8 16 --verify-n 8 --context "$context" --variant per4=wide_split=4 \
+          --variant per2=wide_split=2 --variant per4b=wide_split=4 --reps 3
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

@@ -18,22 +18,35 @@ from specsplit.model import llama
 
 @pytest.fixture
 def restore_switches() -> Iterator[None]:
-    names = [
-        (triton_jit, "PDL_SWITCH"),
-        (llama, "SMALL_LINEAR_ROWS"),
-        (llama, "SMALL_LINEAR_MAX_WEIGHT_BYTES"),
-        (paged_attention, "PAGES_AHEAD"),
-    ] + [
-        (small_linear_tiles, name)
-        for name in (
-            "PREFETCH",
-            "PREFETCH_MAX_LINES",
-            "PDL_ON_TENSOR_CORES",
-            "PDL_TRIGGER_LATE",
-            "DOT_ROWS",
-            "DOT_TILES",
-        )
-    ]
+    names = (
+        [
+            (triton_jit, "PDL_SWITCH"),
+            (llama, "SMALL_LINEAR_ROWS"),
+            (llama, "SMALL_LINEAR_MAX_WEIGHT_BYTES"),
+        ]
+        + [
+            (paged_attention, name)
+            for name in (
+                "PAGES_AHEAD",
+                "SKIP_EMPTY_CHUNKS",
+                "DECODE_STAGES",
+                "WIDE_BLOCK_N",
+                "WIDE_WARPS",
+                "WIDE_SPLIT_PROGRAMS_PER_SM",
+            )
+        ]
+        + [
+            (small_linear_tiles, name)
+            for name in (
+                "PREFETCH",
+                "PREFETCH_MAX_LINES",
+                "PDL_ON_TENSOR_CORES",
+                "PDL_TRIGGER_LATE",
+                "DOT_ROWS",
+                "DOT_TILES",
+            )
+        ]
+    )
     before = [getattr(module, name) for module, name in names]
     yield
     for (module, name), value in zip(names, before, strict=True):
@@ -104,3 +117,25 @@ def test_pdl_is_never_used_off_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         triton_jit._pdl_switch()
     monkeypatch.setenv("SPECSPLIT_PDL", "1")
     assert triton_jit._pdl_switch() == "1"
+
+
+@pytest.mark.usefixtures("restore_switches")
+def test_verify_rounds_alternate_the_wide_blocks_switches_with_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
+            "2", "--steps", "2", "--verify-n", "3", "--variant", "base=", "--variant",
+            "wide=wide_split=4,wide_block_n=32,wide_warps=8"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    step_ab.main()
+    out = capsys.readouterr().out
+    assert "verify rounds of 1 + 3" in out and "ms a verify 1+3 round" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| base", "| wide"]
+    for row in rows[1:]:
+        assert row.count("tokens same") == 2, row
+    step_ab.apply(step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8"))
+    assert paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM == 4
+    assert (paged_attention.WIDE_BLOCK_N, paged_attention.WIDE_WARPS) == (32, 8)
+    step_ab.apply(step_ab.parse_variant("base="))
+    assert int(step_ab.DEFAULTS["wide_split"]) == paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM
