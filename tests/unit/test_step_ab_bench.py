@@ -93,20 +93,30 @@ def test_a_variant_sets_its_switches_and_the_rest_go_back_to_their_defaults() ->
             step_ab.apply(step_ab.parse_variant(bad))
 
 
+def tiny_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[str, list[str]]:
+    """step_ab on the tiny model, batches 1 and 2, two turns of two rounds, and `args`: its
+    output and the rows of its table (variants only)."""
+    argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
+            "2", "--steps", "2", *args]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    step_ab.main()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    for row in rows[1:]:
+        assert row.count("tokens same") == 2, row
+    return out, rows[1:]
+
+
 @pytest.mark.usefixtures("restore_switches")
 def test_a_tiny_run_reports_every_variant_with_the_first_ones_tokens(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
-            "2", "--steps", "2", "--decode-steps", "2", "--variant", "base=", "--variant",
-            "pdl=pdl=0", "--variant", "small=rows=16"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    step_ab.main()
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0] for row in rows[1:]] == ["| base", "| pdl", "| small"]
-    for row in rows[1:]:
-        assert row.count("tokens same") == 2, row
-    assert "1.000x" in rows[1]
+    _, rows = tiny_run(monkeypatch, capsys, "--decode-steps", "2", "--variant", "base=",
+                       "--variant", "pdl=pdl=0", "--variant", "small=rows=16")  # fmt: skip
+    assert [row.split(" | ")[0] for row in rows] == ["| base", "| pdl", "| small"]
+    assert "1.000x" in rows[0]
 
 
 def test_pdl_is_never_used_off_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,17 +133,11 @@ def test_pdl_is_never_used_off_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_verify_rounds_alternate_the_wide_blocks_switches_with_the_same_tokens(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["step_ab.py", "--shape", "tiny", "--batch", "1", "2", "--context", "24", "--reps",
-            "2", "--steps", "2", "--verify-n", "3", "--variant", "base=", "--variant",
-            "wide=wide_split=4,wide_block_n=32,wide_warps=8"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    step_ab.main()
-    out = capsys.readouterr().out
+    wide = "wide=wide_split=4,wide_block_n=32,wide_warps=8"
+    out, rows = tiny_run(monkeypatch, capsys, "--verify-n", "3", "--variant", "base=",
+                         "--variant", wide)  # fmt: skip
     assert "verify rounds of 1 + 3" in out and "ms a verify 1+3 round" in out
-    rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0] for row in rows[1:]] == ["| base", "| wide"]
-    for row in rows[1:]:
-        assert row.count("tokens same") == 2, row
+    assert [row.split(" | ")[0] for row in rows] == ["| base", "| wide"]
     step_ab.apply(step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8"))
     assert paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM == 4
     assert (paged_attention.WIDE_BLOCK_N, paged_attention.WIDE_WARPS) == (32, 8)
