@@ -73,7 +73,7 @@ DECODE_STAGES = 3
 # the key tile and warps of a 128-wide head's blocks of more than 32 rows (wide_block: a verify's
 # tree, 1 + 8 queries x a group of 4 = 64 rows), split or not. At 64 keys and 4 warps the 8B's
 # take 255 registers and spill (bench/kernel_regs.py --tree [--split] --rows 64: 12 / 28 bytes a
-# thread; at 32 keys 223 / 228 and none), yet are the fastest but at batch 1 / 2: H200, 1 + 8
+# thread; at 32 keys 223 / 228 and none), yet beat 32 keys but at batch 1 and 2: H200, 1 + 8
 # tree, us a layer at 512 / 4,096 tokens (ninety-second session), split 64 against 32 keys:
 # batch 1 12.9 / 17.4 vs 10.5 / 16.4, batch 8 23.0 / 57.8 vs 20.2 / 70.8; single pass batch 32
 # 29.7 / 153.7 vs 30.4 / 183.5 (8 warps 46.4 / 273.0); the engine's batch-1 verify step on the
@@ -101,7 +101,8 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # --tree, ninety-second session), us a layer at 512 / 4,096 tokens, the old target's split count
 # against the one nearest the new's: batch 2 s32 14.5 / 27.2, s16 14.5 / 23.4; batch 4 s17
 # 15.2 / 37.2, s8 15.7 / 34.1; batch 8 s9 23.0 / 57.8, s4 18.5 / 51.2; batch 16 s5 29.7 / 103.6,
-# s2 23.7 / 85.4 (batch 1 keeps 32)
+# s2 23.7 / 85.4 (batch 1 keeps 32). Not yet timed in the engine past batch 1, nor at these
+# exact counts (17 / 9 / 5 / 3): scripts/gpu_suite.sh wide-split
 WIDE_SPLIT_PROGRAMS_PER_SM = 2
 
 
@@ -115,8 +116,8 @@ def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
     on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
     _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM (WIDE_SPLIT_PROGRAMS_PER_SM for `wide`
-    blocks), at most MAX_SPLITS. Host ints only (the kv
-    lengths live on the device): chunks past a short sequence's keys are empty, costing a store.
+    blocks), at most MAX_SPLITS. Host ints only (the kv lengths live on the device): chunks
+    past a short sequence's keys are empty, costing a store.
     H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
     head_dim 64 x 3 KV heads, batch 1: kv 512 7.5 -> 4.9, kv 4096 63.5 -> 7.8; head_dim 128 x 8,
     batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
