@@ -640,14 +640,16 @@ for part in "${parts[@]}"; do
         --variant bn64b=wide_block_n=64 --reps 3 ;;
     wide-split)  # a verify tree's split count (WIDE_SPLIT_PROGRAMS_PER_SM 2, before 4: half the
       # chunks for the 8B's 64-row tree blocks): tests/gpu's attention files, then the engine's
-      # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 4 / 2 / 4 (bench/step_ab.py --verify-n 8,
+      # verify 1 + 8 at batch 1 / 2 / 4 / 8 / 16 with 4 / 2 / 4, and 2 with batch 16's grid as
+      # one single-pass wave of 3 stages (WIDE_ONE_WAVE_STAGES; bench/step_ab.py --verify-n 8,
       # alternating in one process) at $WIDE_CONTEXTS tokens (default 512 4096; ~3 min each)
       run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graph_ragged.py
       for context in ${WIDE_CONTEXTS:-512 4096}; do
         run "wide_split_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 1 2 4 8 16 --verify-n 8 --context "$context" --variant per4=wide_split=4 \
-          --variant per2=wide_split=2 --variant per4b=wide_split=4 --reps 3
+          --variant per2=wide_split=2 --variant wave3=wide_split=2,wide_one_wave=3 \
+          --variant per4b=wide_split=4 --reps 3
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

@@ -104,12 +104,25 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # s2 23.7 / 85.4 (batch 1 keeps 32). Not yet timed in the engine past batch 1, nor at these
 # exact counts (17 / 9 / 5 / 3): scripts/gpu_suite.sh wide-split
 WIDE_SPLIT_PROGRAMS_PER_SM = 2
+# off (None): a wide blocks' grid of more than half the SMs and at most one program a SM runs as a
+# single pass with this many pipeline stages rather than split (an A/B switch read at each
+# launch; not yet run in the engine). The 8B's 1 + 8 tree at batch 16 (128 programs on an H200's
+# 132 SMs), us a layer at 512 / 4,096 tokens: single pass at 3 stages 20.3 / 78.9, auto (s5)
+# 29.7 / 103.6, s2 23.7 / 85.4; at batch 32 (256 programs) 3 stages lost, 39.7 / 157.4 against
+# 29.7 / 153.7 (micro-benchmark, ninety-second session; why not known: bench/kernel_regs.py gives
+# the 3-stage tile 255 registers, no spills, 84 KB of shared memory, 2 programs a SM)
+WIDE_ONE_WAVE_STAGES: int | None = None
 
 
 def wide_block(head_dim: int, block_m: int) -> bool:
     """A 128-wide head's row block of more than 32 rows (a verify's tree): WIDE_BLOCK_N keys and
     WIDE_WARPS warps a tile, WIDE_SPLIT_PROGRAMS_PER_SM when split."""
     return 64 < head_dim <= 128 and block_m > 32
+
+
+def wide_one_wave(num_programs: int, num_sms: int) -> bool:
+    """A wide blocks' grid that runs as one single-pass wave (WIDE_ONE_WAVE_STAGES set)."""
+    return WIDE_ONE_WAVE_STAGES is not None and num_sms // 2 < num_programs <= num_sms
 
 
 def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
@@ -123,6 +136,8 @@ def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
     (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
     if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    if wide and wide_one_wave(num_programs, num_sms):
         return 1
     target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else _SPLIT_TARGET_PROGRAMS_PER_SM) * num_sms
     return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
@@ -176,14 +191,16 @@ def paged_attention(
     block_m = _launch_config(head_dim, group, max_q_len, False, interpret)[0]
     block_q = block_m // group
     num_q_blocks = -(-max_q_len // block_q)
+    num_programs = num_seqs * num_q_blocks * num_kv_heads
+    wide = wide_block(head_dim, block_m)
     if num_splits is None:
-        num_programs = num_seqs * num_q_blocks * num_kv_heads
-        wide = wide_block(head_dim, block_m)
         num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device), wide)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None
     )
+    if wide and not (split or interpret) and wide_one_wave(num_programs, _num_sms(q.device)):
+        num_stages = WIDE_ONE_WAVE_STAGES or num_stages
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
     else:

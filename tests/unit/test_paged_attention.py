@@ -320,6 +320,19 @@ def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
     assert not wide_block(head_dim=64, block_m=64)  # (SmolLM2's: its tiles as they were)
 
 
+def test_wide_one_wave_grids_run_single_pass_only_when_switched_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WIDE_ONE_WAVE_STAGES (an A/B switch, off): a wide grid of more than half the SMs runs as
+    one single-pass wave; smaller grids still split, decode blocks are not wide."""
+    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 3  # off
+    monkeypatch.setattr(paged_attention_module, "WIDE_ONE_WAVE_STAGES", 3)
+    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 1  # batch 16
+    assert auto_num_splits(num_programs=67, num_sms=132, wide=True) == 1
+    assert auto_num_splits(num_programs=66, num_sms=132, wide=True) == 4  # half: still split
+    assert auto_num_splits(num_programs=128, num_sms=132) == 5  # not wide
+
+
 def test_wrapper_rejects_num_splits_out_of_range() -> None:
     case = make_case([(1, 5, 4)])
     for bad in (0, MAX_SPLITS + 1):
