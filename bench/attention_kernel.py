@@ -192,8 +192,7 @@ def bench_one(
         batch, kv_len, num_kv_heads, group, head_dim, args.q_len, args.tree, args.contiguous
     )
     outs = [torch.empty_like(layer["q"]) for layer in layers]
-    block_m = pa._launch_config(head_dim, group, args.q_len, False, False)[0]
-    programs = batch * -(-args.q_len // (block_m // group)) * num_kv_heads
+    block_m, _, programs = pa.launch_grid(head_dim, group, args.q_len, batch, num_kv_heads, False)
     wide = pa.wide_block(head_dim, block_m)
     auto = pa.auto_num_splits(programs, pa._num_sms(torch.device("cuda")), wide)
     row: dict[str, Any] = {"layers": len(layers), "auto_splits": auto}

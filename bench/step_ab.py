@@ -186,7 +186,7 @@ def main() -> None:
     steps = 1 if n else args.decode_steps  # a timed call's steps
 
     def round_of(bench: EngineBench, state: dict[str, tuple[int, int]]) -> None:
-        bench.step(state, n, 1 if n else args.decode_steps)
+        bench.step(state, n, steps)
 
     hf, config = random_model(args.shape)
     device, dtype = hf.device, hf.dtype

@@ -144,6 +144,16 @@ def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
 
 
 @functools.cache
+def launch_grid(
+    head_dim: int, group: int, max_q_len: int, num_seqs: int, num_kv_heads: int, interpret: bool
+) -> tuple[int, int, int]:
+    """(BLOCK_M, query blocks a sequence, programs a key chunk: sequences x query blocks x KV
+    heads) of a launch."""
+    block_m = _launch_config(head_dim, group, max_q_len, False, interpret)[0]
+    num_q_blocks = -(-max_q_len // (block_m // group))
+    return block_m, num_q_blocks, num_seqs * num_q_blocks * num_kv_heads
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -188,18 +198,18 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_m = _launch_config(head_dim, group, max_q_len, False, interpret)[0]
-    block_q = block_m // group
-    num_q_blocks = -(-max_q_len // block_q)
-    num_programs = num_seqs * num_q_blocks * num_kv_heads
+    block_m, num_q_blocks, num_programs = launch_grid(
+        head_dim, group, max_q_len, num_seqs, num_kv_heads, interpret
+    )
     wide = wide_block(head_dim, block_m)
+    num_sms = 0 if interpret else _num_sms(q.device)
     if num_splits is None:
-        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device), wide)
+        num_splits = 1 if interpret else auto_num_splits(num_programs, num_sms, wide)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None
     )
-    if wide and not (split or interpret) and wide_one_wave(num_programs, _num_sms(q.device)):
+    if wide and not (split or interpret) and wide_one_wave(num_programs, num_sms):
         num_stages = WIDE_ONE_WAVE_STAGES or num_stages
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
@@ -228,7 +238,7 @@ def paged_attention(
         out.stride(0), out.stride(1),
         block_table.stride(0),
         *tm_strides,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
         DOT_PRECISION=dot_precision, SPLIT=split, PDL=dependent, PAGES_AHEAD=PAGES_AHEAD,
         SKIP_EMPTY=SKIP_EMPTY_CHUNKS,
