@@ -375,7 +375,9 @@ def test_speculation_is_measured_in_the_overlap_gates_chosen_kind(
     scheduler = stack.scheduler
     scheduler.overlap_gate = OverlapGate(("groups", "ahead", "serial"), window=2)
     gate = scheduler.gate = _RecordingGate(scheduler)
-    scheduler.drafter = _SlowDrafter(scheduler.drafter, delay=0.08)
+    # 250 ms a Draft: speculation's ceiling ~45 tokens/s against plain rounds' 250-420 here; at
+    # 80 ms (a ceiling of ~125) a CI run's window of two plain rounds once read 111
+    scheduler.drafter = _SlowDrafter(scheduler.drafter, delay=0.25)
     out = generate_all(stack, _requests(seed=7, max_new_tokens=60))
     assert [generated_ids(chunks) for chunks in out] == expected
     assert any(spec and not settled for spec, _, _, settled in gate.seen)  # overlap explored
