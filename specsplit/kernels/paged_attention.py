@@ -97,32 +97,21 @@ SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # a wide block's (wide_block: a tree's 64 rows of a 128-wide head) programs hold 4x a decode
-# block's rows: half as many a SM. H200, the 8B's 1 + 8 tree (bench/attention_kernel.py --q-len 9
-# --tree, ninety-second session), us a layer at 512 / 4,096 tokens, the old target's split count
-# against the one nearest the new's: batch 2 s32 14.5 / 27.2, s16 14.5 / 23.4; batch 4 s17
-# 15.2 / 37.2, s8 15.7 / 34.1; batch 8 s9 23.0 / 57.8, s4 18.5 / 51.2; batch 16 s5 29.7 / 103.6,
-# s2 23.7 / 85.4 (batch 1 keeps 32). Not yet timed in the engine past batch 1, nor at these
-# exact counts (17 / 9 / 5 / 3): scripts/gpu_suite.sh wide-split
-WIDE_SPLIT_PROGRAMS_PER_SM = 2
-# off (None): a wide blocks' grid of more than half the SMs and at most one program a SM runs as a
-# single pass with this many pipeline stages rather than split (an A/B switch read at each
-# launch; not yet run in the engine). The 8B's 1 + 8 tree at batch 16 (128 programs on an H200's
-# 132 SMs), us a layer at 512 / 4,096 tokens: single pass at 3 stages 20.3 / 78.9, auto (s5)
-# 29.7 / 103.6, s2 23.7 / 85.4; at batch 32 (256 programs) 3 stages lost, 39.7 / 157.4 against
-# 29.7 / 153.7 (micro-benchmark, ninety-second session; why not known: bench/kernel_regs.py gives
-# the 3-stage tile 255 registers, no spills, 84 KB of shared memory, 2 programs a SM)
-WIDE_ONE_WAVE_STAGES: int | None = None
+# block's rows: fewer a SM. H200, the 8B's verify 1 + 8 in the engine (bench/step_ab.py
+# --verify-n 8, alternating in one process, ninety-third session), ms a round against 4 a SM
+# (split counts at batch 2 / 4 / 8 / 16: 32 / 17 / 9 / 5): 3 a SM (25 / 13 / 7 / 4) at 4,096 tokens
+# 0.997x / 0.999x / 0.991x / **0.936x** (batch 16 0.91-0.96 every turn; again first in turn:
+# 4 a SM 1.044x, 2 a SM 1.041x), at 512 0.995x / 0.996x / 0.977x / 0.972x; 2 a SM (17 / 9 / 5 /
+# 3) lost at batch 8 (1.029-1.046x at 4,096 tokens). (A single pass of 3 stages where the wide
+# grid is one wave, 78.9 against 103.6 us a layer in bench/attention_kernel.py at batch 16, cost
+# 1.098x in the engine: dropped.) Batch 1 keeps 32
+WIDE_SPLIT_PROGRAMS_PER_SM = 3
 
 
 def wide_block(head_dim: int, block_m: int) -> bool:
     """A 128-wide head's row block of more than 32 rows (a verify's tree): WIDE_BLOCK_N keys and
     WIDE_WARPS warps a tile, WIDE_SPLIT_PROGRAMS_PER_SM when split."""
     return 64 < head_dim <= 128 and block_m > 32
-
-
-def wide_one_wave(num_programs: int, num_sms: int) -> bool:
-    """A wide blocks' grid that runs as one single-pass wave (WIDE_ONE_WAVE_STAGES set)."""
-    return WIDE_ONE_WAVE_STAGES is not None and num_sms // 2 < num_programs <= num_sms
 
 
 def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
@@ -136,8 +125,6 @@ def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
     (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
     if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
-        return 1
-    if wide and wide_one_wave(num_programs, num_sms):
         return 1
     target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else _SPLIT_TARGET_PROGRAMS_PER_SM) * num_sms
     return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
@@ -202,15 +189,12 @@ def paged_attention(
         head_dim, group, max_q_len, num_seqs, num_kv_heads, interpret
     )
     wide = wide_block(head_dim, block_m)
-    num_sms = 0 if interpret else _num_sms(q.device)
     if num_splits is None:
-        num_splits = 1 if interpret else auto_num_splits(num_programs, num_sms, wide)
+        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device), wide)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None
     )
-    if wide and not (split or interpret) and wide_one_wave(num_programs, num_sms):
-        num_stages = WIDE_ONE_WAVE_STAGES or num_stages
     if tree_mask is None:
         tm, tm_strides = kv_lens, (0, 0, 0)  # never read
     else:

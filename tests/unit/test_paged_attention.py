@@ -312,25 +312,13 @@ def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
     assert auto_num_splits(num_programs=131, num_sms=132) == 5
     assert auto_num_splits(num_programs=132, num_sms=132) == 1  # one program per SM already
     assert auto_num_splits(num_programs=4096, num_sms=132) == 1
-    # a verify tree's 64-row blocks of a 128-wide head: half as many programs a SM
+    # a verify tree's 64-row blocks of a 128-wide head: 3 programs a SM, not 4
     assert auto_num_splits(num_programs=8, num_sms=132, wide=True) == MAX_SPLITS  # batch 1
-    assert auto_num_splits(num_programs=64, num_sms=132, wide=True) == 5  # batch 8
-    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 3  # batch 16
+    assert auto_num_splits(num_programs=16, num_sms=132, wide=True) == 25  # batch 2
+    assert auto_num_splits(num_programs=64, num_sms=132, wide=True) == 7  # batch 8
+    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 4  # batch 16
     assert wide_block(head_dim=128, block_m=64) and not wide_block(head_dim=128, block_m=32)
     assert not wide_block(head_dim=64, block_m=64)  # (SmolLM2's: its tiles as they were)
-
-
-def test_wide_one_wave_grids_run_single_pass_only_when_switched_on(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """WIDE_ONE_WAVE_STAGES (an A/B switch, off): a wide grid of more than half the SMs runs as
-    one single-pass wave; smaller grids still split, decode blocks are not wide."""
-    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 3  # off
-    monkeypatch.setattr(paged_attention_module, "WIDE_ONE_WAVE_STAGES", 3)
-    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 1  # batch 16
-    assert auto_num_splits(num_programs=67, num_sms=132, wide=True) == 1
-    assert auto_num_splits(num_programs=66, num_sms=132, wide=True) == 4  # half: still split
-    assert auto_num_splits(num_programs=128, num_sms=132) == 5  # not wide
 
 
 def test_wrapper_rejects_num_splits_out_of_range() -> None:

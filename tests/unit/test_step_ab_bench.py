@@ -138,12 +138,8 @@ def test_verify_rounds_alternate_the_wide_blocks_switches_with_the_same_tokens(
                          "--variant", wide)  # fmt: skip
     assert "verify rounds of 1 + 3" in out and "ms a verify 1+3 round" in out
     assert [row.split(" | ")[0] for row in rows] == ["| base", "| wide"]
-    step_ab.apply(
-        step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8,wide_one_wave=3")
-    )
+    step_ab.apply(step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8"))
     assert paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM == 4
-    assert paged_attention.WIDE_ONE_WAVE_STAGES == 3
     assert (paged_attention.WIDE_BLOCK_N, paged_attention.WIDE_WARPS) == (32, 8)
     step_ab.apply(step_ab.parse_variant("base="))
     assert int(step_ab.DEFAULTS["wide_split"]) == paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM
-    assert paged_attention.WIDE_ONE_WAVE_STAGES is None
