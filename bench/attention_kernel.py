@@ -71,13 +71,13 @@ def launch_override(
     split: bool | None,
     block_n: int | None = None,
     stages: int | None = None,
-    ahead: bool = False,
+    ahead: bool | None = None,
     warps: int | None = None,
     skip_empty: bool | None = None,
 ) -> Iterator[None]:
     """Overrides the split path's (`split`), the single pass's, or (None) both paths' key tile,
-    pipeline stages and warps, and with `ahead` turns PAGES_AHEAD on; `skip_empty` sets
-    SKIP_EMPTY_CHUNKS (None: as it is) (exploration only)."""
+    pipeline stages and warps; `ahead` sets PAGES_AHEAD and `skip_empty` SKIP_EMPTY_CHUNKS
+    (None: as they are) (exploration only)."""
     original = pa._launch_config
     original_ahead, original_skip = pa.PAGES_AHEAD, pa.SKIP_EMPTY_CHUNKS
 
@@ -88,7 +88,8 @@ def launch_override(
         return block_m, bn, w, st
 
     pa._launch_config = patched  # type: ignore[assignment]
-    pa.PAGES_AHEAD = ahead
+    if ahead is not None:
+        pa.PAGES_AHEAD = ahead
     if skip_empty is not None:
         pa.SKIP_EMPTY_CHUNKS = skip_empty
     try:

@@ -25,6 +25,15 @@ def test_an_override_changes_its_own_path_only_and_is_undone() -> None:
         assert pa._launch_config(128, 4, 1, True, False) == (split[0], 32, split[2], split[3])
         assert pa._launch_config(128, 4, 1, False, False) == single
         assert pa.PAGES_AHEAD is False
+    pa.PAGES_AHEAD = True  # (an A/B's setting left as it is unless the override names it)
+    try:
+        with launch_override(True, block_n=32):
+            assert pa.PAGES_AHEAD is True
+        with launch_override(True, ahead=False):
+            assert pa.PAGES_AHEAD is False
+        assert pa.PAGES_AHEAD is True
+    finally:
+        pa.PAGES_AHEAD = False
     assert pa._launch_config(128, 4, 1, False, False) == single and pa.PAGES_AHEAD is False
 
 
