@@ -99,12 +99,12 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # a wide block's (wide_block: a tree's 64 rows of a 128-wide head) programs hold 4x a decode
 # block's rows: fewer a SM. H200, the 8B's verify 1 + 8 in the engine (bench/step_ab.py
 # --verify-n 8, alternating in one process, ninety-third session), ms a round against 4 a SM
-# (split counts at batch 2 / 4 / 8 / 16: 32 / 17 / 9 / 5): 3 a SM (25 / 13 / 7 / 4) at 4,096 tokens
-# 0.997x / 0.999x / 0.991x / **0.936x** (batch 16 0.91-0.96 every turn; again first in turn:
-# 4 a SM 1.044x, 2 a SM 1.041x), at 512 0.995x / 0.996x / 0.977x / 0.972x; 2 a SM (17 / 9 / 5 /
-# 3) lost at batch 8 (1.029-1.046x at 4,096 tokens). (A single pass of 3 stages where the wide
-# grid is one wave, 78.9 against 103.6 us a layer in bench/attention_kernel.py at batch 16, cost
-# 1.098x in the engine: dropped.) Batch 1 keeps 32
+# (split counts at batch 2 / 4 / 8 / 16: 32 / 17 / 9 / 5): 3 a SM (25 / 13 / 7 / 4) at 4,096
+# tokens 0.997x / 0.999x / 0.991x / 0.936x (batch 16 0.91-0.96 every turn; with 3 first in
+# turn, 4 a SM 1.044x there, on another machine 1.052x), at 512 0.995x / 0.996x / 0.977x /
+# 0.972x; 2 a SM (17 / 9 / 5 / 3) lost at batch 8 (1.029-1.046x at 4,096 tokens). (A single
+# pass of 3 stages where the wide grid is one wave, 78.9 against 103.6 us a layer in
+# bench/attention_kernel.py at batch 16, cost 1.098x in the engine: dropped.) Batch 1 keeps 32
 WIDE_SPLIT_PROGRAMS_PER_SM = 3
 
 
