@@ -95,7 +95,7 @@ PAGES_AHEAD = False
 # reverted: the merge's loads then waited for the max)
 SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
-_SPLIT_TARGET_PROGRAMS_PER_SM = 4
+SPLIT_PROGRAMS_PER_SM = 4
 # a wide block's (wide_block: a tree's 64 rows of a 128-wide head) programs hold 4x a decode
 # block's rows: fewer a SM. H200, the 8B's verify 1 + 8 in the engine (bench/step_ab.py
 # --verify-n 8, alternating in one process, ninety-third session), ms a round against 4 a SM
@@ -117,7 +117,7 @@ def wide_block(head_dim: int, block_m: int) -> bool:
 def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
     on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
-    _SPLIT_TARGET_PROGRAMS_PER_SM programs per SM (WIDE_SPLIT_PROGRAMS_PER_SM for `wide`
+    SPLIT_PROGRAMS_PER_SM programs per SM (WIDE_SPLIT_PROGRAMS_PER_SM for `wide`
     blocks), at most MAX_SPLITS. Host ints only (the kv lengths live on the device): chunks
     past a short sequence's keys are empty, costing a store.
     H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
@@ -126,7 +126,7 @@ def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
     (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
     if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else _SPLIT_TARGET_PROGRAMS_PER_SM) * num_sms
+    target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else SPLIT_PROGRAMS_PER_SM) * num_sms
     return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
 
 
