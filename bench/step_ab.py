@@ -26,7 +26,9 @@ small_linear's in specsplit.kernels.small_linear_tiles):
   wide_block_n=N  the key tile of a verify tree's wide blocks (paged_attention.WIDE_BLOCK_N)
   wide_warps=N    their warps (WIDE_WARPS)
   wide_split=N    split, their target programs a SM (WIDE_SPLIT_PROGRAMS_PER_SM)
-  split=N         the other blocks' (decode's) target programs a SM (SPLIT_PROGRAMS_PER_SM)
+  split=N         decode blocks' split target, programs a SM, for heads of at most 64
+                  (SPLIT_PROGRAMS_PER_SM)
+  split_large=N   the same for wider heads (LARGE_HEAD_SPLIT_PROGRAMS_PER_SM)
   prefetch=0|1    with it, small_linear's L2 prefetch of the weights (PREFETCH)
   pdl_dot=0|1     with it, the tensor-core path's launches too (PDL_ON_TENSOR_CORES)
   late=0|1        with those, the next kernel launched after the K loop (PDL_TRIGGER_LATE)
@@ -119,6 +121,9 @@ SWITCHES = {
     "wide_warps": lambda value: setattr(paged_attention, "WIDE_WARPS", int(value)),
     "wide_split": lambda value: setattr(paged_attention, "WIDE_SPLIT_PROGRAMS_PER_SM", int(value)),
     "split": lambda value: setattr(paged_attention, "SPLIT_PROGRAMS_PER_SM", int(value)),
+    "split_large": lambda value: setattr(
+        paged_attention, "LARGE_HEAD_SPLIT_PROGRAMS_PER_SM", int(value)
+    ),
     "prefetch": lambda value: setattr(small_linear_tiles, "PREFETCH", value != "0"),
     "pdl_dot": lambda value: setattr(small_linear_tiles, "PDL_ON_TENSOR_CORES", value == "1"),
     "late": lambda value: setattr(small_linear_tiles, "PDL_TRIGGER_LATE", value == "1"),
@@ -136,6 +141,7 @@ DEFAULTS = {
     "wide_warps": str(paged_attention.WIDE_WARPS),
     "wide_split": str(paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM),
     "split": str(paged_attention.SPLIT_PROGRAMS_PER_SM),
+    "split_large": str(paged_attention.LARGE_HEAD_SPLIT_PROGRAMS_PER_SM),
     "prefetch": "1" if small_linear_tiles.PREFETCH else "0",
     "pdl_dot": "1" if small_linear_tiles.PDL_ON_TENSOR_CORES else "0",
     "late": "1" if small_linear_tiles.PDL_TRIGGER_LATE else "0",

@@ -638,17 +638,26 @@ for part in "${parts[@]}"; do
       run wide_engine python3 bench/step_ab.py --shape llama-8b --batch 1 32 --verify-n 8 \
         --variant bn64=wide_block_n=64 --variant bn32=wide_block_n=32 \
         --variant bn64b=wide_block_n=64 --reps 3 ;;
-    wide-split)  # a verify tree's split count (WIDE_SPLIT_PROGRAMS_PER_SM 3, before 2 and 4):
-      # tests/gpu's attention files, then the engine's verify 1 + 8 at batch 2 / 4 / 8 / 16 with 3 /
-      # 4 / 2 programs a SM (bench/step_ab.py --verify-n 8, alternating in one process; three
-      # variants' KV pools fit one H200 at 4,096 tokens, four did not) at $WIDE_CONTEXTS tokens
-      # (default 4096 512; ~1 min each on a warm machine)
+    wide-split)  # split-KV's target programs a SM: tests/gpu's attention files, then the 8B's
+      # verify 1 + 8 at batch 2 / 4 / 8 / 16 with 3 / 4 / 2 for a tree's wide blocks
+      # (WIDE_SPLIT_PROGRAMS_PER_SM), its decode step at batch 4 / 8 / 16 with 3 / 4 / 2 / 3
+      # (LARGE_HEAD_SPLIT_PROGRAMS_PER_SM), and SmolLM2's decode step at batch 8 / 32 with 4 / 3 /
+      # 2 / 4 (SPLIT_PROGRAMS_PER_SM) (bench/step_ab.py, alternating in one process; three or
+      # four variants' KV pools fit one H200 at 4,096 tokens, four of 31 sequences did not) at
+      # $WIDE_CONTEXTS tokens (default 4096 512; ~1 min each on a warm machine)
       run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graph_ragged.py
       for context in ${WIDE_CONTEXTS:-4096 512}; do
         run "wide_split_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 2 4 8 16 --verify-n 8 --context "$context" --variant per3=wide_split=3 \
           --variant per4=wide_split=4 --variant per2=wide_split=2 --reps 5
+        run "decode_split_$context" python3 bench/step_ab.py --shape llama-8b \
+          --batch 4 8 16 --context "$context" --variant per3=split_large=3 \
+          --variant per4=split_large=4 --variant per2=split_large=2 \
+          --variant per3b=split_large=3 --reps 5
+        run "decode_split_smollm2_$context" python3 bench/step_ab.py --shape smollm2-135m \
+          --batch 8 32 --context "$context" --variant per4=split=4 --variant per3=split=3 \
+          --variant per2=split=2 --variant per4b=split=4 --reps 5
       done ;;
     attention-engine)  # why 3 pipeline stages take the 8B's decode tile from 164.7 to 126.1 us a
       # layer in bench/attention_kernel.py (batch 32, 4,096 tokens, ninetieth session) and leave

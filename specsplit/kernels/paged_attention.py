@@ -95,10 +95,18 @@ PAGES_AHEAD = False
 # reverted: the merge's loads then waited for the max)
 SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
+# split grids' target programs a SM (split_programs_per_sm picks one): decode blocks of a head
+# of at most 64 (SmolLM2's: 6 and 8 lost to 4 in the step, 1.03-1.09x at batch 8 / 32, H200,
+# seventy-second session; fewer not measured)
 SPLIT_PROGRAMS_PER_SM = 4
-# a wide block's (wide_block: a tree's 64 rows of a 128-wide head) programs hold 4x a decode
-# block's rows: fewer a SM. H200, the 8B's verify 1 + 8 in the engine (bench/step_ab.py
-# --verify-n 8, alternating in one process, ninety-third session), ms a round against 4 a SM
+# decode blocks of a wider head (the 8B's 128). H200, the 8B's decode step at 4,096 tokens
+# (bench/step_ab.py, alternating in one process, ninety-third session) against 4 a SM at batch
+# 4 / 8 / 16 (split counts 17 / 9 / 5; 4 again: 1.002x / 0.999x / 0.997x): 3 a SM (13 / 7 / 4)
+# 0.992x / 0.997x / 0.933x (batch 16 0.93-0.94 every turn), 2 a SM 1.003x / 1.017x / 0.967x.
+# Not measured at 512 tokens
+LARGE_HEAD_SPLIT_PROGRAMS_PER_SM = 3
+# a wide block's (wide_block: a tree's 64 rows of a 128-wide head). H200, the 8B's verify 1 + 8
+# in the engine (bench/step_ab.py --verify-n 8, ninety-third session), ms a round against 4 a SM
 # (split counts at batch 2 / 4 / 8 / 16: 32 / 17 / 9 / 5): 3 a SM (25 / 13 / 7 / 4) at 4,096
 # tokens 0.997x / 0.999x / 0.991x / 0.936x (batch 16 0.91-0.96 every turn; with 3 first in
 # turn, 4 a SM 1.044x there, on another machine 1.052x), at 512 0.995x / 0.996x / 0.977x /
@@ -114,19 +122,26 @@ def wide_block(head_dim: int, block_m: int) -> bool:
     return 64 < head_dim <= 128 and block_m > 32
 
 
-def auto_num_splits(num_programs: int, num_sms: int, wide: bool = False) -> int:
+def split_programs_per_sm(head_dim: int, block_m: int) -> int:
+    """A split grid's target programs a SM for blocks of `block_m` rows of a `head_dim` head."""
+    if wide_block(head_dim, block_m):
+        return WIDE_SPLIT_PROGRAMS_PER_SM
+    return LARGE_HEAD_SPLIT_PROGRAMS_PER_SM if head_dim > 64 else SPLIT_PROGRAMS_PER_SM
+
+
+def auto_num_splits(num_programs: int, num_sms: int, per_sm: int | None = None) -> int:
     """Key chunks per program for a grid of `num_programs` (sequences x query blocks x KV heads)
     on `num_sms` SMs: 1 (single pass) once the grid fills the SMs, else enough chunks for
-    SPLIT_PROGRAMS_PER_SM programs per SM (WIDE_SPLIT_PROGRAMS_PER_SM for `wide`
-    blocks), at most MAX_SPLITS. Host ints only (the kv lengths live on the device): chunks
-    past a short sequence's keys are empty, costing a store.
+    `per_sm` programs per SM (split_programs_per_sm; None: SPLIT_PROGRAMS_PER_SM), at most
+    MAX_SPLITS. Host ints only (the kv lengths live on the device): chunks past a short
+    sequence's keys are empty, costing a store.
     H100, decode in CUDA graphs (bench/attention_kernel.py), us per call single -> split:
     head_dim 64 x 3 KV heads, batch 1: kv 512 7.5 -> 4.9, kv 4096 63.5 -> 7.8; head_dim 128 x 8,
     batch 1: 12.7 -> 8.2, 82.1 -> 14.3; batch 8: 15.6 -> 13.2, 98.8 -> 53.0. At 256 programs
     (128 x 8, batch 32) splitting in 2 was slower (28.0 -> 31.6 us), hence the 1-per-SM bar."""
     if num_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    target = (WIDE_SPLIT_PROGRAMS_PER_SM if wide else SPLIT_PROGRAMS_PER_SM) * num_sms
+    target = (SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm) * num_sms
     return min(MAX_SPLITS, -(-target // max(num_programs, 1)))
 
 
@@ -188,9 +203,11 @@ def paged_attention(
     block_m, num_q_blocks, num_programs = launch_grid(
         head_dim, group, max_q_len, num_seqs, num_kv_heads, interpret
     )
-    wide = wide_block(head_dim, block_m)
-    if num_splits is None:
-        num_splits = 1 if interpret else auto_num_splits(num_programs, _num_sms(q.device), wide)
+    if num_splits is None and interpret:
+        num_splits = 1
+    elif num_splits is None:
+        per_sm = split_programs_per_sm(head_dim, block_m)
+        num_splits = auto_num_splits(num_programs, _num_sms(q.device), per_sm)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None

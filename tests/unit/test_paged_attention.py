@@ -17,6 +17,7 @@ from specsplit.kernels.paged_attention import (
     MAX_SPLITS,
     auto_num_splits,
     paged_attention,
+    split_programs_per_sm,
     wide_block,
 )
 from specsplit.kernels.paged_attention_reference import paged_attention_reference, reference_plan
@@ -312,13 +313,30 @@ def test_auto_num_splits_fills_the_grid_only_when_small() -> None:
     assert auto_num_splits(num_programs=131, num_sms=132) == 5
     assert auto_num_splits(num_programs=132, num_sms=132) == 1  # one program per SM already
     assert auto_num_splits(num_programs=4096, num_sms=132) == 1
-    # a verify tree's 64-row blocks of a 128-wide head: 3 programs a SM, not 4
-    assert auto_num_splits(num_programs=8, num_sms=132, wide=True) == MAX_SPLITS  # batch 1
-    assert auto_num_splits(num_programs=16, num_sms=132, wide=True) == 25  # batch 2
-    assert auto_num_splits(num_programs=64, num_sms=132, wide=True) == 7  # batch 8
-    assert auto_num_splits(num_programs=128, num_sms=132, wide=True) == 4  # batch 16
+    # 3 programs a SM, not 4: a 128-wide head's blocks, decode's and a verify tree's 64 rows
+    assert auto_num_splits(num_programs=8, num_sms=132, per_sm=3) == MAX_SPLITS  # batch 1
+    assert auto_num_splits(num_programs=16, num_sms=132, per_sm=3) == 25  # batch 2
+    assert auto_num_splits(num_programs=64, num_sms=132, per_sm=3) == 7  # batch 8
+    assert auto_num_splits(num_programs=128, num_sms=132, per_sm=3) == 4  # batch 16
     assert wide_block(head_dim=128, block_m=64) and not wide_block(head_dim=128, block_m=32)
     assert not wide_block(head_dim=64, block_m=64)  # (SmolLM2's: its tiles as they were)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_m", "per_sm"),
+    [(64, 16, 4), (64, 64, 4), (128, 16, 3), (128, 64, 3)],
+    ids=["smollm2-decode", "smollm2-tree", "8b-decode", "8b-tree"],
+)
+def test_split_targets_by_head_and_block(
+    head_dim: int, block_m: int, per_sm: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert split_programs_per_sm(head_dim, block_m) == per_sm
+    # each from its own switch: the three constants read at each launch
+    monkeypatch.setattr(paged_attention_module, "SPLIT_PROGRAMS_PER_SM", 5)
+    monkeypatch.setattr(paged_attention_module, "LARGE_HEAD_SPLIT_PROGRAMS_PER_SM", 6)
+    monkeypatch.setattr(paged_attention_module, "WIDE_SPLIT_PROGRAMS_PER_SM", 7)
+    moved = {(64, 16): 5, (64, 64): 5, (128, 16): 6, (128, 64): 7}[(head_dim, block_m)]
+    assert split_programs_per_sm(head_dim, block_m) == moved
 
 
 def test_wrapper_rejects_num_splits_out_of_range() -> None:

@@ -34,6 +34,7 @@ def restore_switches() -> Iterator[None]:
                 "WIDE_WARPS",
                 "WIDE_SPLIT_PROGRAMS_PER_SM",
                 "SPLIT_PROGRAMS_PER_SM",
+                "LARGE_HEAD_SPLIT_PROGRAMS_PER_SM",
             )
         ]
         + [
@@ -139,10 +140,14 @@ def test_verify_rounds_alternate_the_wide_blocks_switches_with_the_same_tokens(
                          "--variant", wide)  # fmt: skip
     assert "verify rounds of 1 + 3" in out and "ms a verify 1+3 round" in out
     assert [row.split(" | ")[0] for row in rows] == ["| base", "| wide"]
-    step_ab.apply(step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8,split=2"))
+    step_ab.apply(
+        step_ab.parse_variant("w=wide_split=4,wide_block_n=32,wide_warps=8,split=2,split_large=5")
+    )
     assert paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM == 4
     assert paged_attention.SPLIT_PROGRAMS_PER_SM == 2
+    assert paged_attention.LARGE_HEAD_SPLIT_PROGRAMS_PER_SM == 5
     assert (paged_attention.WIDE_BLOCK_N, paged_attention.WIDE_WARPS) == (32, 8)
     step_ab.apply(step_ab.parse_variant("base="))
     assert int(step_ab.DEFAULTS["wide_split"]) == paged_attention.WIDE_SPLIT_PROGRAMS_PER_SM
     assert int(step_ab.DEFAULTS["split"]) == paged_attention.SPLIT_PROGRAMS_PER_SM == 4
+    assert int(step_ab.DEFAULTS["split_large"]) == paged_attention.LARGE_HEAD_SPLIT_PROGRAMS_PER_SM
