@@ -644,10 +644,11 @@ for part in "${parts[@]}"; do
       # (LARGE_HEAD_SPLIT_PROGRAMS_PER_SM), and SmolLM2's decode step at batch 8 / 32 with 4 / 3 /
       # 2 / 4 (SPLIT_PROGRAMS_PER_SM) (bench/step_ab.py, alternating in one process; three or
       # four variants' KV pools fit one H200 at 4,096 tokens, four of 31 sequences did not) at
-      # $WIDE_CONTEXTS tokens (default 4096 512; ~1 min each on a warm machine)
+      # $WIDE_CONTEXTS tokens (default 4096; each context ~4-5 min with the captures, so
+      # WIDE_CONTEXTS="4096 512" in one call may pass 600 s after the tests)
       run wide_split_tests python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graph_ragged.py
-      for context in ${WIDE_CONTEXTS:-4096 512}; do
+      for context in ${WIDE_CONTEXTS:-4096}; do
         run "wide_split_$context" python3 bench/step_ab.py --shape llama-8b \
           --batch 2 4 8 16 --verify-n 8 --context "$context" --variant per3=wide_split=3 \
           --variant per4=wide_split=4 --variant per2=wide_split=2 --reps 5
