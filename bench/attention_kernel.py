@@ -194,8 +194,7 @@ def bench_one(
     )
     outs = [torch.empty_like(layer["q"]) for layer in layers]
     block_m, _, programs = pa.launch_grid(head_dim, group, args.q_len, batch, num_kv_heads, False)
-    per_sm = pa.split_programs_per_sm(head_dim, block_m)
-    auto = pa.auto_num_splits(programs, pa._num_sms(torch.device("cuda")), per_sm)
+    auto = pa.launch_splits(head_dim, block_m, programs, torch.device("cuda"))
     row: dict[str, Any] = {"layers": len(layers), "auto_splits": auto}
     row["floor"] = kv_bytes / args.bandwidth * 1e6
 

@@ -160,6 +160,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def launch_splits(head_dim: int, block_m: int, num_programs: int, device: torch.device) -> int:
+    """The key chunks the wrapper picks for a grid of `num_programs` blocks of `block_m` rows
+    (launch_grid) on `device`: auto_num_splits at the blocks' split_programs_per_sm."""
+    per_sm = split_programs_per_sm(head_dim, block_m)
+    return auto_num_splits(num_programs, _num_sms(device), per_sm)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], last dim contiguous
@@ -203,11 +210,8 @@ def paged_attention(
     block_m, num_q_blocks, num_programs = launch_grid(
         head_dim, group, max_q_len, num_seqs, num_kv_heads, interpret
     )
-    if num_splits is None and interpret:
-        num_splits = 1
-    elif num_splits is None:
-        per_sm = split_programs_per_sm(head_dim, block_m)
-        num_splits = auto_num_splits(num_programs, _num_sms(q.device), per_sm)
+    if num_splits is None:
+        num_splits = 1 if interpret else launch_splits(head_dim, block_m, num_programs, q.device)
     split = num_splits > 1
     _, block_n, num_warps, num_stages = _launch_config(
         head_dim, group, max_q_len, split, interpret, tree_mask is not None

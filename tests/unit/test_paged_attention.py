@@ -16,6 +16,7 @@ import specsplit.kernels.paged_attention as paged_attention_module
 from specsplit.kernels.paged_attention import (
     MAX_SPLITS,
     auto_num_splits,
+    launch_splits,
     paged_attention,
     split_programs_per_sm,
     wide_block,
@@ -337,6 +338,17 @@ def test_split_targets_by_head_and_block(
     monkeypatch.setattr(paged_attention_module, "WIDE_SPLIT_PROGRAMS_PER_SM", 7)
     moved = {(64, 16): 5, (64, 64): 5, (128, 16): 6, (128, 64): 7}[(head_dim, block_m)]
     assert split_programs_per_sm(head_dim, block_m) == moved
+
+
+def test_a_launch_splits_at_its_blocks_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_splits (the wrapper's and bench/attention_kernel.py's choice): the SMs counted on
+    the device, the target as split_programs_per_sm gives it."""
+    monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert launch_splits(128, 64, 128, cpu) == 4  # the 8B's 1 + 8 tree, batch 16
+    assert launch_splits(128, 16, 128, cpu) == 4  # its decode, batch 16
+    assert launch_splits(64, 16, 24, cpu) == 22  # SmolLM2's decode, batch 8
+    assert launch_splits(128, 16, 256, cpu) == 1  # the grid fills the SMs
 
 
 def test_wrapper_rejects_num_splits_out_of_range() -> None:
