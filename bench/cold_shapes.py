@@ -3,10 +3,17 @@ system in one process (the real scheduler, the verifier engine with its CUDA gra
 drafter engine with an EAGLE-3 head and its graphs), each engine warmed up as its service does;
 then, batch size by batch size, the same requests twice: cold (the first time at that batch)
 and warm. For each run: wall seconds, the Triton kernels compiled (cubins written to a fresh
-Triton / inductor cache, so every build counts) and the graphs torch.compile traced.
+Triton / inductor cache, so every build counts), the graphs torch.compile traced and the CUDA
+graphs captured (any: the forwards', acceptance's, logit rules', the drafter's).
 
     PYTHONPATH=. python bench/cold_shapes.py --model DIR --head specsplit/data/eagle3-smollm2 \
-        [--device cuda] [--batch 1 2 3 5 8 13 21 32] [--max-new-tokens 16]
+        [--device cuda] [--batch 1 2 3 5 8 13 21 32] [--max-new-tokens 16] [--spec 3]
+        [--temperature 0.7 --top-p 0.95 [--top-k 50]] [--decode-steps 4 --decode-ahead]
+
+--spec 0: plain rounds (no drafts: what the speculation gate runs on a GPU for the embedded
+model). --temperature: sampled requests (seeded), with --top-p / --top-k their filters.
+--decode-steps / --decode-ahead: a plain round's steps and the step run ahead, as `up` has them on
+a GPU.
 
 Cold rounds that build kernels are what a user's first requests at a new batch size wait for;
 the bench says which runs build them and how long they take.
@@ -35,11 +42,30 @@ from inprocess.stack import build_local_stack  # noqa: E402
 from specsplit.messages import SpecParams  # noqa: E402
 from specsplit.model.loader import load_tokenizer  # noqa: E402
 from specsplit.prompt import apply_chat_template  # noqa: E402
+from specsplit.sampling import SamplingParams  # noqa: E402
 from verifier.warmup import GRAPH_QUERY_LENS  # noqa: E402
 
 
 def kernels_built() -> set[str]:
     return {str(path.relative_to(_CACHE)) for path in Path(_CACHE).rglob("*.cubin")}
+
+
+_captures = [0]
+
+
+def count_captures() -> None:
+    """Count every CUDA graph capture from here on (`captures`)."""
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counted(self: torch.cuda.CUDAGraph, *args: object, **kwargs: object) -> None:
+        _captures[0] += 1
+        begin(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    torch.cuda.CUDAGraph.capture_begin = counted  # type: ignore[method-assign]
+
+
+def captures() -> int:
+    return _captures[0]
 
 
 def num_graphs_traced() -> int:
@@ -57,8 +83,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 3, 5, 8, 13, 21, 32])
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--spec", type=int, default=3, help="chain depth")
+    parser.add_argument("--spec", type=int, default=3, help="chain depth (0: plain rounds)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--decode-steps", type=int, default=1)
+    parser.add_argument("--decode-ahead", action="store_true")
     args = parser.parse_args()
+    count_captures()
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, seed=1)
     tokenizer = load_tokenizer(args.model)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
     start = time.perf_counter()
@@ -73,23 +106,28 @@ def main() -> None:
         graph_query_lens=GRAPH_QUERY_LENS,
         draft_graph_lens=CATCH_UP_LENS,
         num_pages=4096,
+        decode_steps=args.decode_steps,
+        decode_ahead=args.decode_ahead,
     )
     print(
         f"loaded and warmed up in {time.perf_counter() - start:.1f} s: "
-        f"{len(kernels_built())} kernels built, {num_graphs_traced()} graphs traced"
+        f"{len(kernels_built())} kernels built, {num_graphs_traced()} graphs traced, "
+        f"{captures()} CUDA graphs captured; requests {sampling}, spec {args.spec}"
     )
     # from here on: what torch.compile traces, and why it traces again
     torch._logging.set_logs(dynamo=logging.INFO, recompiles=True)
     built: dict[int, list[str]] = {}
-    print("| batch | run | seconds | kernels built | graphs traced |")
-    print("|---:|---|---:|---:|---:|")
+    print("| batch | run | seconds | kernels built | graphs traced | CUDA graphs captured |")
+    print("|---:|---|---:|---:|---:|---:|")
     for batch in args.batch:
         requests = [
-            GenerationRequest(chats[i % len(chats)], args.max_new_tokens, ignore_eos=True)
+            GenerationRequest(
+                chats[i % len(chats)], args.max_new_tokens, ignore_eos=True, sampling=sampling
+            )
             for i in range(batch)
         ]
         for run in ("cold", "warm"):
-            kernels, graphs = kernels_built(), num_graphs_traced()
+            kernels, graphs, captured = kernels_built(), num_graphs_traced(), captures()
             begin = time.perf_counter()
             stack.generate_all(requests)
             seconds = time.perf_counter() - begin
@@ -97,7 +135,7 @@ def main() -> None:
             built.setdefault(batch, []).extend(new)
             print(
                 f"| {batch} | {run} | {seconds:.2f} | {len(new)} "
-                f"| {num_graphs_traced() - graphs} |",
+                f"| {num_graphs_traced() - graphs} | {captures() - captured} |",
                 flush=True,
             )
     for batch, names in built.items():

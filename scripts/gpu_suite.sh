@@ -848,9 +848,15 @@ for part in "${parts[@]}"; do
           "${devices[@]}" --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 \
           --batch 1 8 32 --max-new-tokens 128 --top 0 --temperature "$t"
       done ;;
-    cold)  # first rounds at new batch sizes after the warm-up: kernels built, seconds
+    cold)  # first rounds at new batch sizes after the warm-up: kernels built, CUDA graphs
+      # captured, seconds; greedy chains, then sampled (temperature 0.7, top-p 0.95: the most
+      # common client settings) chains and plain rounds as `up` runs them on a GPU
       random_smollm2
-      run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 ;;
+      run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0
+      run cold_top_p python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
+        --temperature 0.7 --top-p 0.95
+      run cold_top_p_plain python3 bench/cold_shapes.py --model /tmp/smollm2_random \
+        --device cuda:0 --temperature 0.7 --top-p 0.95 --spec 0 --decode-steps 4 --decode-ahead ;;
     draft)  # a draft round in process: chains and trees, graphs vs the host expansion
       random_smollm2
       run draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
