@@ -25,7 +25,9 @@ support of DRAFT_SUPPORT tokens a node. Eagerly its ~500 ops cost ~4.5 ms of hos
 at batch 32 on an H100 host (bench/profile_step.py --temperature 1); on the graphs a SmolLM2
 verify round of 1 + 3 tokens took 3.9 ms against 5.7 at batch 32, 1.6 against 3.5 at batch 1
 (bench/RESULTS.md). Graphs with top-k / top-p (each row's cut at one probability threshold,
-specsplit/kernels/nucleus.py) are captured on first use.
+specsplit/kernels/nucleus.py) are captured at warm-up too: temperature with top-p is what most
+clients send, and a graph captured on first use stalls that round (the stream synchronized) in
+the middle of traffic.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from specsplit.kernels.accept import accept_greedy_batched, compact_accepted_kv,
 from specsplit.kernels.accept_sampling import accept_sampling_batched
 from specsplit.kernels.accept_walk import accept_walk
 from specsplit.kv_cache import KVCache
-from specsplit.model.graph_buffers import HostMirrors
+from specsplit.model.graph_buffers import CaptureStream, HostMirrors
 from specsplit.sampling import target_probs_rows
 from specsplit.tree import DRAFT_SUPPORT
 from verifier.accept_layout import Layout, Sampling, padded, window_pages
@@ -181,6 +183,7 @@ class AcceptGraphs:
         self.graphs: dict[tuple[Layout, Sampling | None], _Graph] = {}
         self._layouts: dict[tuple[int, int], Layout | None] = {}  # layout() by its arguments
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
+        self.capture_stream = CaptureStream()
         self.logits: torch.Tensor | None = None  # the sampled graphs' [max_rows, vocab] input
 
     def layout(self, num_seqs: int, width: int) -> Layout | None:
@@ -211,11 +214,11 @@ class AcceptGraphs:
         return Sampling(layout.bucket, layout.width, DRAFT_SUPPORT if layout.width else 0, filters)
 
     def capture_all(self, max_width: int) -> None:
-        """Capture every layout of trees up to `max_width` nodes, greedy and sampled without
-        top-k / top-p (a round past them captures its own on first use: tens of ms in the
-        middle of traffic)."""
+        """Capture every layout of trees up to `max_width` nodes: greedy, sampled, and sampled
+        with top-k / top-p (a round past these, a wider draft support, captures its own on
+        first use)."""
         for layout in self.layouts(max_width):
-            for sampling in (None, self.sampling(layout, 0, False)):
+            for sampling in (None, self.sampling(layout, 0, False), self.sampling(layout, 0, True)):
                 if (layout, sampling) not in self.graphs:
                     self.graphs[(layout, sampling)] = self._capture(layout, sampling)
         log.info("captured %d acceptance graphs", len(self.graphs))
@@ -295,8 +298,7 @@ class AcceptGraphs:
         if sampling is not None:
             floats, _ = sampling.host_arrays()
             graph.floats.copy_(torch.from_numpy(floats))
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream = self.capture_stream(device)
         with torch.cuda.stream(stream):
             graph.body()  # allocations settle outside the capture
             with torch.cuda.graph(graph.graph, pool=self.pool, stream=stream):

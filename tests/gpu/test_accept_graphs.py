@@ -216,3 +216,46 @@ def test_sampled_accept_graphs_equal_the_eager_ops(target: Path, page_size: int)
         engine.release(sorted(prompts))
         engine.check_integrity()
         assert engine.num_pages_used == 0
+
+
+def test_warm_up_captures_the_sampled_graphs_with_top_p(target: Path) -> None:
+    """The warm-up's captures (`capture_all`) hold every sampled round up to the largest
+    graph's trees, top-k / top-p included (temperature and top-p: what most clients send), so
+    that no such round captures an acceptance graph in the middle of traffic: plain decode
+    steps and chains of 3 at batch 1, 3 and 8, with top-p and top-k, capture nothing more."""
+    engine = _engine(target, 16, graphs=True)
+    graphs = engine.accept_graphs
+    assert graphs is not None
+    graphs.capture_all(max(engine.graph_query_lens) - 1)
+    captured = set(graphs.graphs)
+    rng = random.Random(5)
+    for params in (
+        SamplingParams(temperature=0.7, top_p=0.95, seed=1),
+        SamplingParams(temperature=1.0, top_k=20, seed=2),
+    ):
+        for batch in (1, 3, 8):
+            seq_ids = [f"s{i}" for i in range(batch)]
+            tokens = {s: [rng.randrange(3, TINY_VOCAB) for _ in range(5)] for s in seq_ids}
+            committed = dict.fromkeys(seq_ids, 0)
+            for shape in ("none", "chain", "none", "chain"):
+                inputs = []
+                for seq_id in seq_ids:
+                    draft = DraftTree()
+                    if committed[seq_id] and shape == "chain":
+                        chain = [rng.randrange(3, TINY_VOCAB) for _ in range(3)]
+                        draft = DraftTree(chain, [-1, 0, 1])
+                    pending = tokens[seq_id][committed[seq_id] :]
+                    first = committed[seq_id] == 0
+                    inputs.append(
+                        VerifyInput(seq_id, first, committed[seq_id], pending, draft, params)
+                    )
+                for out in engine.verify(inputs):
+                    tokens[out.seq_id][out.kv_committed_len :] = [
+                        *out.accepted_tokens,
+                        out.bonus_token,
+                    ]
+                    committed[out.seq_id] = out.kv_committed_len
+            engine.release(seq_ids)
+    assert set(graphs.graphs) == captured
+    engine.check_integrity()
+    assert engine.num_pages_used == 0
