@@ -9,11 +9,14 @@ graphs captured (any: the forwards', acceptance's, logit rules', the drafter's).
     PYTHONPATH=. python bench/cold_shapes.py --model DIR --head specsplit/data/eagle3-smollm2 \
         [--device cuda] [--batch 1 2 3 5 8 13 21 32] [--max-new-tokens 16] [--spec 3]
         [--temperature 0.7 --top-p 0.95 [--top-k 50]] [--decode-steps 4 --decode-ahead]
+        [--presence 0.5 --frequency 0.5 --repetition 1.1]
 
 --spec 0: plain rounds (no drafts: what the speculation gate runs on a GPU for the embedded
 model). --temperature: sampled requests (seeded), with --top-p / --top-k their filters.
 --decode-steps / --decode-ahead: a plain round's steps and the step run ahead, as `up` has them on
-a GPU.
+a GPU. --presence / --frequency / --repetition: logit rules (penalties) on every request, whose
+steady rounds replay the verifier's rules graphs (verifier/rules_graphs.py, captured on first
+use).
 
 Cold rounds that build kernels are what a user's first requests at a new batch size wait for;
 the bench says which runs build them and how long they take.
@@ -39,6 +42,7 @@ from bench.acceptance import bundled_prompts  # noqa: E402
 from drafter.tree_draft import CATCH_UP_LENS  # noqa: E402
 from gateway.request import GenerationRequest  # noqa: E402
 from inprocess.stack import build_local_stack  # noqa: E402
+from specsplit.logit_rules import Penalties  # noqa: E402
 from specsplit.messages import SpecParams  # noqa: E402
 from specsplit.model.loader import load_tokenizer  # noqa: E402
 from specsplit.prompt import apply_chat_template  # noqa: E402
@@ -89,9 +93,14 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--decode-steps", type=int, default=1)
     parser.add_argument("--decode-ahead", action="store_true")
+    parser.add_argument("--presence", type=float, default=0.0)
+    parser.add_argument("--frequency", type=float, default=0.0)
+    parser.add_argument("--repetition", type=float, default=1.0)
     args = parser.parse_args()
     count_captures()
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, seed=1)
+    rules = Penalties(presence=args.presence, frequency=args.frequency, repetition=args.repetition)
+    penalties = rules if rules.active else None
     tokenizer = load_tokenizer(args.model)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
     start = time.perf_counter()
@@ -112,7 +121,7 @@ def main() -> None:
     print(
         f"loaded and warmed up in {time.perf_counter() - start:.1f} s: "
         f"{len(kernels_built())} kernels built, {num_graphs_traced()} graphs traced, "
-        f"{captures()} CUDA graphs captured; requests {sampling}, spec {args.spec}"
+        f"{captures()} CUDA graphs captured; requests {sampling}, {penalties}, spec {args.spec}"
     )
     # from here on: what torch.compile traces, and why it traces again
     torch._logging.set_logs(dynamo=logging.INFO, recompiles=True)
@@ -122,7 +131,11 @@ def main() -> None:
     for batch in args.batch:
         requests = [
             GenerationRequest(
-                chats[i % len(chats)], args.max_new_tokens, ignore_eos=True, sampling=sampling
+                chats[i % len(chats)],
+                args.max_new_tokens,
+                ignore_eos=True,
+                sampling=sampling,
+                penalties=penalties,
             )
             for i in range(batch)
         ]

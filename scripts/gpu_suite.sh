@@ -850,7 +850,8 @@ for part in "${parts[@]}"; do
       done ;;
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, CUDA graphs
       # captured, seconds; greedy chains, then sampled (temperature 0.7, top-p 0.95: the most
-      # common client settings) chains and plain rounds as `up` runs them on a GPU; then what
+      # common client settings) chains and plain rounds as `up` runs them on a GPU, the plain
+      # rounds under penalties (the rules graphs, captured on first use); then what
       # the acceptance graphs' captures take (seconds, GPU memory)
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0
@@ -858,6 +859,9 @@ for part in "${parts[@]}"; do
         --temperature 0.7 --top-p 0.95
       run cold_top_p_plain python3 bench/cold_shapes.py --model /tmp/smollm2_random \
         --device cuda:0 --temperature 0.7 --top-p 0.95 --spec 0 --decode-steps 4 --decode-ahead
+      run cold_rules python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
+        --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
+        --decode-ahead
       run accept_graph_memory python3 bench/accept_graph_memory.py --model /tmp/smollm2_random ;;
     draft)  # a draft round in process: chains and trees, graphs vs the host expansion
       random_smollm2
