@@ -852,7 +852,7 @@ for part in "${parts[@]}"; do
       # captured, seconds; greedy chains, then sampled (temperature 0.7, top-p 0.95: the most
       # common client settings) chains and plain rounds as `up` runs them on a GPU, the plain
       # rounds under penalties (the rules graphs, captured on first use); then what
-      # the acceptance graphs' captures take (seconds, GPU memory)
+      # the verifier's graphs take (the whole warm-up, then the acceptance graphs per kind)
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0
       run cold_top_p python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
@@ -862,7 +862,7 @@ for part in "${parts[@]}"; do
       run cold_rules python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
         --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
         --decode-ahead
-      run accept_graph_memory python3 bench/accept_graph_memory.py --model /tmp/smollm2_random ;;
+      run graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random ;;
     draft)  # a draft round in process: chains and trees, graphs vs the host expansion
       random_smollm2
       run draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \
