@@ -1,12 +1,12 @@
 """What the verifier's CUDA graphs hold on the GPU and how long they take to capture, at the
 services' graphs (query lengths GRAPH_QUERY_LENS, batches up to --max-batch), in one process:
 
-1. the whole warm-up (`VerifierEngine.load(...).warmup()`: forward, prefill and acceptance
+1. the whole warm-up (`VerifierEngine.for_model(...).warmup()`: forward, prefill and acceptance
    graphs, the rehearsal): its seconds, and the memory reserved after `torch.cuda.empty_cache`
    beyond the weights and the KV pool (what the graphs' pools keep);
-2. the acceptance graphs alone, in a second engine: every layout's graph captured per kind
-   (greedy, sampled, sampled with top-k / top-p), each kind timed, with the growth of
-   `torch.cuda.memory_reserved` / `memory_allocated`.
+2. the acceptance graphs alone, in a second engine over the same weights: every layout's graph
+   captured per kind (greedy, sampled, sampled with top-k / top-p), each kind timed, with the
+   growth of `torch.cuda.memory_reserved` / `memory_allocated`.
 
 A pool caches its blocks per stream: graphs captured on a fresh stream each cannot reuse what
 earlier captures freed (`specsplit.model.graph_buffers.CaptureStream`). On a GPU only.
@@ -17,11 +17,12 @@ earlier captures freed (`specsplit.model.graph_buffers.CaptureStream`). On a GPU
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
 
-from specsplit.model.llama import make_kv_cache
+from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 from verifier.engine import VerifierEngine
 from verifier.warmup import GRAPH_QUERY_LENS
@@ -29,33 +30,29 @@ from verifier.warmup import GRAPH_QUERY_LENS
 MIB = 2**20
 
 
-def whole_warm_up(model_path: str, max_batch: int, num_pages: int) -> None:
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def whole_warm_up(model: LlamaModel, max_batch: int, num_pages: int) -> None:
     """Part 1: the warm-up's seconds and what it keeps reserved beyond weights and KV."""
-    start = time.perf_counter()
-    engine = VerifierEngine.load(
-        model_path,
-        device="cuda",
-        dtype=torch.bfloat16,
-        num_pages=num_pages,
-        graph_query_lens=GRAPH_QUERY_LENS,
-        max_batch_size=max_batch,
+    engine = VerifierEngine.for_model(
+        model, num_pages=num_pages, graph_query_lens=GRAPH_QUERY_LENS, max_batch_size=max_batch
     )
-    loaded = time.perf_counter()
+    start = time.perf_counter()
     engine.warmup()
     torch.cuda.synchronize()
-    warmed = time.perf_counter()
+    warmed = time.perf_counter() - start
     torch.cuda.empty_cache()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv = engine.kv.data.numel() * engine.kv.data.element_size()
+    weights = sum(nbytes(p) for p in model.parameters())
+    kv = nbytes(engine.kv.data)
     reserved = torch.cuda.memory_reserved()
     print(
-        f"warm-up: loaded in {loaded - start:.1f} s, warmed up in {warmed - loaded:.1f} s; "
-        f"reserved after empty_cache {reserved / MIB:.0f} MiB: weights {weights / MIB:.0f}, "
-        f"KV {kv / MIB:.0f}, the rest {(reserved - weights - kv) / MIB:.0f} MiB "
-        f"(allocated {torch.cuda.memory_allocated() / MIB:.0f} MiB)",
+        f"warm-up: {warmed:.1f} s; reserved after empty_cache {reserved / MIB:.0f} MiB: weights "
+        f"{weights / MIB:.0f}, KV {kv / MIB:.0f}, the rest {(reserved - weights - kv) / MIB:.0f} "
+        f"MiB (allocated {torch.cuda.memory_allocated() / MIB:.0f} MiB)",
         flush=True,
     )
-    del engine
 
 
 def main() -> None:
@@ -66,9 +63,10 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--num-pages", type=int, default=4096)
     args = parser.parse_args()
-    whole_warm_up(args.model, args.max_batch, args.num_pages)
-    torch.cuda.empty_cache()
     model, config = load_model(args.model, torch.bfloat16, "cuda")
+    whole_warm_up(model, args.max_batch, args.num_pages)
+    gc.collect()  # part 1's engine, its KV pool and graphs, before part 2's
+    torch.cuda.empty_cache()
     kv = make_kv_cache(config, args.num_pages, 16, torch.bfloat16, "cuda")
     engine = VerifierEngine(
         model,
@@ -101,7 +99,7 @@ def main() -> None:
     print(
         f"after empty_cache: reserved {torch.cuda.memory_reserved() / MIB:.0f} MiB, allocated "
         f"{torch.cuda.memory_allocated() / MIB:.0f} MiB (KV "
-        f"{kv.data.numel() * kv.data.element_size() / MIB:.0f} MiB)"
+        f"{nbytes(kv.data) / MIB:.0f} MiB)"
     )
 
 
