@@ -97,22 +97,25 @@ SKIP_EMPTY_CHUNKS = True
 _SPLIT_BELOW_PROGRAMS_PER_SM = 1  # split only grids smaller than this many programs per SM
 # split grids' target programs a SM (split_programs_per_sm picks one): decode blocks of a head
 # of at most 64 (SmolLM2's: 6 and 8 lost to 4 in the step, 1.03-1.09x at batch 8 / 32, H200,
-# seventy-second session; fewer not measured)
+# seventy-second session; at 4,096 tokens 3 a SM 1.015x / 1.033x, 2 a SM 1.069x / 1.213x,
+# ninety-fourth session)
 SPLIT_PROGRAMS_PER_SM = 4
 # decode blocks of a wider head (the 8B's 128). H200, the 8B's decode step at 4,096 tokens
 # (bench/step_ab.py, alternating in one process, ninety-third session) against 4 a SM at batch
 # 4 / 8 / 16 (split counts 17 / 9 / 5; 4 again: 1.002x / 0.999x / 0.997x): 3 a SM (13 / 7 / 4)
-# 0.992x / 0.997x / 0.933x (batch 16 0.93-0.94 every turn), 2 a SM 1.003x / 1.017x / 0.967x.
-# Not measured at 512 tokens
+# 0.992x / 0.997x / 0.933x (batch 16 0.93-0.94 every turn), 2 a SM 1.003x / 1.017x / 0.967x;
+# on another machine (ninety-fourth session) 4 a SM 1.005x / 1.000x / 1.072x against 3; at 512
+# tokens 4 a SM 0.992x / 0.984x / 1.003x, 2 a SM 0.992x / 0.999x / 1.019x (within 2%)
 LARGE_HEAD_SPLIT_PROGRAMS_PER_SM = 3
 # a wide block's (wide_block: a tree's 64 rows of a 128-wide head). H200, the 8B's verify 1 + 8
 # in the engine (bench/step_ab.py --verify-n 8, ninety-third session), ms a round against 4 a SM
 # (split counts at batch 2 / 4 / 8 / 16: 32 / 17 / 9 / 5): 3 a SM (25 / 13 / 7 / 4) at 4,096
 # tokens 0.997x / 0.999x / 0.991x / 0.936x (batch 16 0.91-0.96 every turn; with 3 first in
-# turn, 4 a SM 1.044x there, on another machine 1.052x), at 512 0.995x / 0.996x / 0.977x /
-# 0.972x; 2 a SM (17 / 9 / 5 / 3) lost at batch 8 (1.029-1.046x at 4,096 tokens). (A single
-# pass of 3 stages where the wide grid is one wave, 78.9 against 103.6 us a layer in
-# bench/attention_kernel.py at batch 16, cost 1.098x in the engine: dropped.) Batch 1 keeps 32
+# turn, 4 a SM 1.044x there, on two other machines 1.052x and 1.056x), at 512 0.995x /
+# 0.996x / 0.977x / 0.972x; 2 a SM (17 / 9 / 5 / 3) lost at batch 8 (1.029-1.046x at 4,096
+# tokens). (A single pass of 3 stages where the wide grid is one wave, 78.9 against 103.6 us a
+# layer in bench/attention_kernel.py at batch 16, cost 1.098x in the engine: dropped.) Batch 1
+# keeps 32
 WIDE_SPLIT_PROGRAMS_PER_SM = 3
 
 
