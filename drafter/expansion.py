@@ -45,6 +45,7 @@ from drafter.expansion_steps import (
 from specsplit import metrics
 from specsplit.kv_cache import KVCache, SeqKV
 from specsplit.model.cuda_graphs import batch_buckets
+from specsplit.model.graph_buffers import CaptureStream
 from specsplit.tree import DraftProbs, cut_rows
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         self.graphs = graphs and kv.device.type == "cuda"
         self.batch_sizes = batch_buckets(max_batch_size)
         self.pool: Any = None  # the graphs' memory pool handle, made at the first capture
+        self.capture_stream = CaptureStream()
         self.captured: dict[
             tuple[Shape | Ahead, int], tuple[torch.cuda.CUDAGraph, ExpansionInputs]
         ] = {}
@@ -340,8 +342,7 @@ class DeviceExpansion(ExpansionBuffers, ExpansionSteps):
         inputs.crossing.copy_(torch.from_numpy(crossing))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream = self.capture_stream(device)
         with torch.cuda.stream(stream):
             self._body(key, inputs)  # settle kernels and the allocator first
             graph = torch.cuda.CUDAGraph()

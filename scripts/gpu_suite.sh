@@ -13,7 +13,7 @@
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
-#       [verify1-ab] [split-skip] [wide-tile] [wide-split]
+#       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -863,6 +863,10 @@ for part in "${parts[@]}"; do
         --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
         --decode-ahead
       run graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random ;;
+    graph-memory-ab)  # bench/graph_memory.py (the verifier's warm-up: seconds, memory its graphs
+      # keep) in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in this tree, on one machine
+      random_smollm2
+      in_trees "old new" graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random ;;
     draft)  # a draft round in process: chains and trees, graphs vs the host expansion
       random_smollm2
       run draft python3 bench/draft_step.py --target /tmp/smollm2_random --device cuda:0 \

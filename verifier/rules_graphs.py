@@ -42,7 +42,7 @@ from specsplit.kernels.bend_rules import (
     bend_rows,
 )
 from specsplit.kernels.triton_jit import next_power_of_2
-from specsplit.model.graph_buffers import HostMirrors
+from specsplit.model.graph_buffers import CaptureStream, HostMirrors
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class RulesGraphs:
         self.capture = capture
         self.graphs: dict[_Key, _Graph] = {}
         self.pool: Any = None
+        self.capture_stream = CaptureStream()
         self.tables: tuple[int, ...] = ()  # the kept rows' addresses the graphs read
         self.replays = 0
         self.full = False  # (MAX_GRAPHS reached: said once)
@@ -256,8 +257,7 @@ class RulesGraphs:
         # the table all padding: the warm-up run bends nothing and adds zeros
         pack(_NONE, key.fixed, graph.hosts.current.numpy())
         graph.table.copy_(graph.hosts.current)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = self.capture_stream(self.device)
         with torch.cuda.stream(stream):
             graph.body(logits, tables)  # compiled, allocations settled outside the capture
             with torch.cuda.graph(graph.graph, pool=self.pool, stream=stream):

@@ -24,7 +24,7 @@ import torch
 
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch, ForwardOutput
-from specsplit.model.graph_buffers import GraphBuffers
+from specsplit.model.graph_buffers import CaptureStream, GraphBuffers
 from specsplit.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class CudaGraphRunner:
         self.max_query_len = max_query_len
         self.q_sizes: dict[int, list[int]] = {}  # each captured q's batch buckets
         self.pool: Any = None  # one memory pool for every graph
+        self.capture_stream = CaptureStream()  # and one stream for every capture
         self.buffers: dict[tuple[int, tuple[int, ...]], GraphBuffers] = {}
         self.graphs: dict[tuple[int, tuple[int, ...], int], torch.cuda.CUDAGraph] = {}
         # each (q, bucket)'s replay on the device in ms, timed at its capture (without layers)
@@ -204,8 +205,7 @@ class CudaGraphRunner:
         self.buffers[key] = buffers
         empty = self._empty_batch()
         buffers.fill(empty, sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = self.capture_stream(self.device)
         with torch.cuda.stream(stream):
             for bs in reversed(sizes):
                 batch = buffers.batch(bs, self.kv.page_size)
