@@ -1,11 +1,13 @@
 """The verifier engine's warm-up (`VerifierEngine.warmup`): a throwaway sequence's prefill and
 tree round, then on a GPU the CUDA graphs of the round shapes traffic runs, the acceptance
 graphs, the chained rounds' placement kernels and a rehearsal of rounds as traffic runs them,
-so that no request pays a capture or a compile; then a round timed eagerly and replayed (what
-a round in graph parts is weighed against)."""
+and rounds under the logit rules clients send (their kernels built, their rules graphs at one
+sequence captured), so that no request pays a capture or a compile; then a round timed eagerly
+and replayed (what a round in graph parts is weighed against)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Protocol
@@ -13,11 +15,13 @@ from typing import Protocol
 import torch
 
 from specsplit.kv_cache import KVCache
+from specsplit.logit_rules import Penalties, round_rules, start_context
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.config import default_aux_layers
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel
+from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from verifier.accept_graphs import AcceptGraphs
 from verifier.chain import warm_up_chain
@@ -32,6 +36,23 @@ GRAPH_QUERY_LENS = (1, 4, 5, 9, 17)
 # forward is host-bound (SmolLM2 on an H100: 27-48 ms a step for ~1 ms of GPU time)
 PREFILL_QUERY_LENS = (32, 64, 128)
 PREFILL_MAX_BATCH = 4
+# the logit rules rehearsed (`rehearse_rules`): the bending kernel is built per kind of rules a
+# round reads, the union of its sequences' (a penalised request's first round on a cold verifier
+# built three kernels in 1.0 s, bench/RESULTS.md): every union of a bias, presence / frequency,
+# repetition and min_tokens' stop tokens (min_tokens held through every rehearsed round), and
+# min_p alone (its cut runs in any sampled round; alone, the bending reads nothing else)
+REHEARSED_RULES = tuple(
+    Penalties(
+        bias=((7, 2.0),) if bias else (),
+        presence=0.5 if counted else 0.0,
+        frequency=0.5 if counted else 0.0,
+        repetition=1.1 if repeats else 1.0,
+        min_tokens=16 if stops else 0,
+        stop_ids=(2,) if stops else (),
+        min_p=0.0 if any((bias, counted, repeats, stops)) else 0.05,
+    )
+    for bias, counted, repeats, stops in itertools.product((False, True), repeat=4)
+)
 
 
 def graphs_reserve_bytes(
@@ -99,6 +120,11 @@ def warm_up(engine: Engine) -> None:
     if engine.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
         warm_up_chain(engine.device, engine.graph_query_lens, engine.kv.page_size)
         rehearse(engine)
+        started = time.perf_counter()
+        rounds = rehearse_rules(engine)
+        log.info(
+            "rehearsed %d rounds under logit rules: %.1f s", rounds, time.perf_counter() - started
+        )
         if engine.graphs is not None:
             time_rounds(engine, engine.graphs)
 
@@ -161,6 +187,43 @@ def rehearse(engine: Engine) -> None:
     engine.verify(steps)
     engine.release(list(tokens))
     engine.check_integrity()
+
+
+def rehearse_rules(engine: Engine) -> int:
+    """Rounds under each of REHEARSED_RULES, greedy and sampled, one throwaway sequence at a
+    time (a round's rules read the union of its sequences' kinds) as the gateway sends them:
+    the first round with the whole context, the later ones with the context the verifier kept;
+    trees, a chain, several decode steps (run ahead under rules), a plain round. Leaves no
+    sequence behind; returns the rounds run."""
+    chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
+    shapes = ((chain, 1), (tree, 1), (DraftTree(), 3), (DraftTree(), 1))
+    samplings = (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.95, seed=0))
+    rounds = 0
+    for n, penalties in enumerate(REHEARSED_RULES):
+        for sampling in samplings:
+            seq_id = f"__warmup_rules_{n}__"
+            tokens = list(range(3, 15))
+            context, committed = start_context(penalties, tokens), 0
+            assert context is not None
+            for draft, steps in shapes:
+                item = VerifyInput(
+                    seq_id,
+                    committed == 0,
+                    committed,
+                    tokens[committed:],
+                    draft,
+                    sampling=sampling,
+                    rules=round_rules(context, kept=committed > 0),
+                )
+                item.decode_steps = steps
+                out = engine.verify([item])[0]
+                tokens += out.new_tokens
+                committed = out.kv_committed_len
+                context = context.after(out.new_tokens)
+                rounds += 1
+            engine.release([seq_id])
+    engine.check_integrity()
+    return rounds
 
 
 def time_rounds(engine: Engine, graphs: CudaGraphRunner, times: int = 3) -> None:

@@ -4,7 +4,8 @@ without a host sync behind queued device work and bends every row as the one-row
 the graphs are dropped and captured again when the kept rows' tables grow; a guide's masks ride
 in the captured table; the verifier engine serves decode steps run ahead, speculative rounds
 and sampled rounds under rules through them (tests/unit/test_verify_rules.py's cases: the
-target's greedy tokens under the rules, the bent distribution). Skipped without a GPU."""
+target's greedy tokens under the rules, the bent distribution); after the warm-up's rehearsal
+of rules, rounds mixing requests' rules build no bending kernel. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit.logit_rules import Penalties
+from specsplit.kernels.bend_rules import jitted_kernels
+from specsplit.logit_rules import Penalties, round_rules, start_context
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.unit import test_rules_graphs, test_verify_rules
 from tests.unit.test_rules_graphs import round_of
+from tests.unit.test_verify_logprobs import _engine
 from tests.unit.test_verify_rules import (  # noqa: F401  (fixtures)
     reference,
     reference_bend,
@@ -30,6 +33,7 @@ from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
 from verifier.rule_rows import MIN_SLOTS, RuleRows
 from verifier.rules_graphs import RulesGraphs
+from verifier.warmup import REHEARSED_RULES, rehearse_rules
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -135,3 +139,62 @@ def test_a_guides_masks_ride_the_graphs() -> None:
     """tests/unit/test_rules_graphs.py's guided rounds on the GPU at SmolLM2's vocabulary: the
     masks' words in the captured table, every row the reference's."""
     test_rules_graphs.test_a_guides_masks_ride_the_fixed_layout("cuda", VOCAB)
+
+
+def _kernels_built() -> int:
+    """The bending kernels' variants compiled in this process (every device)."""
+    return sum(
+        len(caches[0])
+        for kernel in jitted_kernels(False)
+        for caches in kernel.device_caches.values()
+    )
+
+
+def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path) -> None:  # noqa: F811
+    """`rehearse_rules` (the warm-up's) builds a variant per kind of rules, and a round's rules
+    are the union of its sequences': rounds of three requests with different rules (a bias;
+    presence and repetition; min_tokens and min_p), greedy and sampled, a prefill, chains, a
+    tree and decode steps, then the same requests alone, build none more."""
+    engine = _engine(target_dir, "cuda")
+    rehearse_rules(engine)
+    built = _kernels_built()
+    assert built >= len(REHEARSED_RULES)
+    mixed = (
+        Penalties(bias=((5, -1.5),)),
+        Penalties(presence=0.3, repetition=1.3),
+        Penalties(min_tokens=12, stop_ids=(4,), min_p=0.1),
+    )
+    chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([3, 9, 4], [-1, -1, 0])
+    shapes = ((chain, 1), (DraftTree(), 2), (tree, 1), (chain, 1), (DraftTree(), 1))
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)):
+        for together in (mixed, *((p,) for p in mixed)):
+            seq_ids = [f"m{i}" for i in range(len(together))]
+            tokens = {s: list(range(3 + i, 13 + i)) for i, s in enumerate(seq_ids)}
+            contexts = {
+                s: start_context(p, tokens[s]) for s, p in zip(seq_ids, together, strict=True)
+            }
+            committed = dict.fromkeys(seq_ids, 0)
+            for draft, steps in shapes:
+                items = []
+                for s in seq_ids:
+                    item = VerifyInput(
+                        s,
+                        committed[s] == 0,
+                        committed[s],
+                        tokens[s][committed[s] :],
+                        draft,
+                        sampling=sampling,
+                        rules=round_rules(contexts[s], kept=committed[s] > 0),
+                    )
+                    item.decode_steps = steps
+                    items.append(item)
+                for out in engine.verify(items):
+                    tokens[out.seq_id] += out.new_tokens
+                    committed[out.seq_id] = out.kv_committed_len
+                    context = contexts[out.seq_id]
+                    assert context is not None
+                    contexts[out.seq_id] = context.after(out.new_tokens)
+            engine.release(seq_ids)
+    assert _kernels_built() == built
+    engine.check_integrity()
+    assert engine.num_pages_used == 0

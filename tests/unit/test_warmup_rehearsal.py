@@ -18,7 +18,7 @@ from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
 from verifier.engine import VerifierEngine
-from verifier.warmup import graphs_reserve_bytes, rehearse
+from verifier.warmup import REHEARSED_RULES, graphs_reserve_bytes, rehearse, rehearse_rules
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,30 @@ def test_verifier_rehearsal_leaves_nothing(models, monkeypatch: pytest.MonkeyPat
     assert rounds and all(len(out.decoded_tokens) == 2 for out in rounds[-1])
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs
+
+
+def test_verifier_rules_rehearsal_bends_every_round_and_leaves_nothing(models) -> None:
+    """Each rehearsed kind of rules, greedy and sampled, 4 rounds: every round and decode step
+    bent by the rules; no sequence, page or rules slot left."""
+    from prometheus_client import REGISTRY
+
+    def bent() -> float:
+        return sum(
+            REGISTRY.get_sample_value("specsplit_verifier_rules_rounds_total", {"path": path})
+            or 0.0
+            for path in ("graph", "eager")
+        )
+
+    model, config = load_model(str(models["target"]), dtype=torch.float32, device="cpu")
+    engine = VerifierEngine(
+        model, make_kv_cache(config, 64, 16, torch.float32, "cpu"), 256, config.vocab_size
+    )
+    before = bent()
+    assert rehearse_rules(engine) == 4 * 2 * len(REHEARSED_RULES)
+    # (4 rounds a kind and sampling, the third of 3 decode steps: 6 steps, each bent)
+    assert bent() - before == 6 * 2 * len(REHEARSED_RULES)
+    engine.check_integrity()
+    assert engine.num_pages_used == 0 and not engine.seqs and engine.rule_rows.num_used == 0
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
