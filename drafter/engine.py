@@ -25,10 +25,11 @@ from drafter.tree_draft import CATCH_UP_LENS
 from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
-from specsplit.logit_rules import mask_words
+from specsplit.logit_rules import Penalties, mask_words
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
+    DraftRules,
     SpecParams,
     Truncated,
     Truncation,
@@ -170,37 +171,50 @@ class DrafterEngine:
     def _rehearse(self) -> int:
         """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
         a prefill, catch-ups of one and of several tokens, a second sequence joining, chains and
-        trees, with the target's features for an EAGLE head. On a GPU this builds what the
-        capture does not: the eager steps' compiled kernels for inference tensors, one row and
-        many (torch.compile specialises both). Returns the draft tokens proposed."""
+        trees, with the target's features for an EAGLE head; then a sequence under logit rules
+        and a guided one (the root's allowed tokens), whose rounds' graphs are their own. On a
+        GPU this builds what the capture does not: the eager steps' compiled kernels for
+        inference tensors, one row and many (torch.compile specialises both), and the rules'
+        and guides' first graphs (a penalised request's first round: 0.58 s at batch 1 on an
+        H200 without them, bench/RESULTS.md). Returns the draft tokens proposed."""
         width = getattr(self.proposer, "feature_width", None) if self.hidden_state_layers else None
         chain, tree = SpecParams(3, 1, 3), SpecParams(2, 2, 4)
-        tokens = {"__warmup_a__": list(range(3, 23)), "__warmup_b__": list(range(5, 12))}
+        tokens = {name: list(range(3, 23)) for name in ("a", "c", "d")}
+        tokens["b"] = list(range(5, 12))
+        # c: under rules from its first round; d: its root's tokens allowed (all) each round
+        rules = DraftRules(Penalties(presence=0.5, repetition=1.1), len(tokens["c"]))
+        allowed = b"\xff" * (4 * mask_words(self.proposer.vocab_size))
         held: dict[str, int] = {}  # tokens the drafter holds (features for EAGLE)
         num_drafted = 0
         rounds = [
-            [("__warmup_a__", chain, 0)],
-            [("__warmup_a__", chain, 2), ("__warmup_b__", tree, 0)],
-            [("__warmup_a__", tree, 1), ("__warmup_b__", chain, 4)],
-            [("__warmup_a__", chain, 1)],
+            [("a", chain, 0)],
+            [("a", chain, 2), ("b", tree, 0)],
+            [("a", tree, 1), ("b", chain, 4)],
+            [("a", chain, 1)],
+            [("c", chain, 0), ("d", chain, 0)],
+            [("c", chain, 2), ("d", tree, 1)],
+            [("c", tree, 1)],
+            [("d", chain, 3)],
         ]
         for batch in rounds:
             inputs = []
-            for seq_id, spec, num_new in batch:
-                tokens[seq_id] += [9 + i for i in range(num_new)]  # accepted drafts + bonus
+            for name, spec, num_new in batch:
+                tokens[name] += [9 + i for i in range(num_new)]  # accepted drafts + bonus
                 # the root (at least) goes again; EAGLE: from where its features end
-                start = min(held.get(seq_id, 0), len(tokens[seq_id]) - 1)
-                new_tokens = tokens[seq_id][start:]
+                start = min(held.get(name, 0), len(tokens[name]) - 1)
+                new_tokens = tokens[name][start:]
                 rows = None
                 if width is not None:  # features of every new token but the root
                     rows = torch.zeros(len(new_tokens) - 1, width, dtype=torch.bfloat16)
                 inputs.append(
-                    DraftInput(seq_id, seq_id not in held, start, new_tokens, spec,
-                               target_hidden_states=rows)
+                    DraftInput(f"__warmup_{name}__", name not in held, start, new_tokens, spec,
+                               target_hidden_states=rows,
+                               rules=rules if name == "c" and name not in held else None,
+                               root_allowed=allowed if name == "d" else b"")
                 )  # fmt: skip
-                held[seq_id] = len(tokens[seq_id]) - 1 if width is not None else len(tokens[seq_id])
+                held[name] = len(tokens[name]) - 1 if width is not None else len(tokens[name])
             num_drafted += sum(len(out.tree) for out in self.draft(inputs))
-        self.release(list(tokens))
+        self.release([f"__warmup_{name}__" for name in tokens])
         self.check_integrity()
         return num_drafted
 

@@ -13,7 +13,7 @@ import torch
 
 from drafter.engine import DrafterEngine
 from specsplit.kernels.paged_attention import warm_up
-from specsplit.messages import VerifyInput, VerifyOutput
+from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
@@ -84,12 +84,27 @@ def test_verifier_rules_rehearsal_bends_every_round_and_leaves_nothing(models) -
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_drafter_rehearsal_leaves_nothing(models, kind: str) -> None:
+def test_drafter_rehearsal_leaves_nothing(
+    models, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its rounds draft (EAGLE: from the features), a sequence's under logit rules and a guided
+    one's among them; they leave no sequence or page."""
     path = models[kind]
     engine = DrafterEngine.load(
         kind, str(path), target_path=str(models["target"]), num_pages=64, graph_catch_up_lens=()
     )
-    assert engine._rehearse() >= 10  # drafted in every round (EAGLE: from the features)
+    draft, drafted = engine.draft, []
+
+    def recorded(inputs: list[DraftInput]) -> list[DraftOutput]:
+        outputs = draft(inputs)
+        drafted.extend(zip(inputs, outputs, strict=True))
+        return outputs
+
+    monkeypatch.setattr(engine, "draft", recorded)
+    assert engine._rehearse() >= 10
+    assert all(len(out.tree) for _, out in drafted)
+    assert any(item.rules is not None and item.rules.penalties.active for item, _ in drafted)
+    assert any(item.root_allowed for item, _ in drafted)
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs
 
