@@ -39,13 +39,18 @@ RUN pip install . \
     && rm -rf /src
 
 # /run/specsplit: where docker-compose.yml's `sockets` volume goes (the drafter's and verifier's
-# Unix sockets); a new volume takes this directory's owner, so the services may bind there
+# Unix sockets); /var/cache/specsplit: its `compile-cache` volume (the Triton kernels and
+# torch.compile graphs the warm-up builds, kept across containers: an H200 verifier's warm-up
+# 63 s with empty caches, 16 s with them, bench/RESULTS.md). A new volume takes its directory's
+# owner, so the services may write there
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin specsplit \
-    && mkdir -p /models /run/specsplit \
-    && chown specsplit:specsplit /models /run/specsplit
+    && mkdir -p /models /run/specsplit /var/cache/specsplit \
+    && chown specsplit:specsplit /models /run/specsplit /var/cache/specsplit
 USER specsplit
 WORKDIR /home/specsplit
-ENV HF_HOME=/home/specsplit/.cache/huggingface
+ENV HF_HOME=/home/specsplit/.cache/huggingface \
+    TRITON_CACHE_DIR=/var/cache/specsplit/triton \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/specsplit/inductor
 
 # gRPC: gateway 50051, drafter 50061, verifier 50062; OpenAI-compatible HTTP 8000;
 # Prometheus metrics: gateway 9400, drafter 9401, verifier 9402

@@ -760,6 +760,29 @@ def test_the_image_lets_its_user_bind_the_socket_volume(base: dict[str, Any]) ->
     assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
 
 
+def test_the_compile_caches_live_in_a_volume_the_user_owns(base: dict[str, Any]) -> None:
+    """The image points Triton's and torch.compile's caches into one directory it makes and gives
+    to its user, and each of our services mounts a named volume there: a new container's warm-up
+    finds the kernels and graphs the last one built."""
+    instructions = dockerfile()
+    user = {word: rest for word, rest in instructions}["USER"]
+    runs = " ".join(rest for word, rest in instructions if word == "RUN")
+    env = dict(
+        item.split("=", 1)
+        for word, rest in instructions
+        if word == "ENV"
+        for item in shlex.split(rest)
+    )
+    directory = str(Path(env["TRITON_CACHE_DIR"]).parent)
+    assert str(Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent) == directory
+    assert re.search(rf"mkdir -p (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    for name in SPECSPLIT_SERVICES:
+        mounts = [m.split(":") for m in base["services"][name]["volumes"]]
+        named = [source for source, target, *_ in mounts if target == directory]
+        assert len(named) == 1 and named[0] in base["volumes"], (name, mounts)
+
+
 def test_the_build_context_keeps_what_the_build_needs() -> None:
     ignored = {
         line.strip().rstrip("/")
