@@ -851,8 +851,9 @@ for part in "${parts[@]}"; do
     cold)  # first rounds at new batch sizes after the warm-up: kernels built, CUDA graphs
       # captured, seconds; greedy chains, then sampled (temperature 0.7, top-p 0.95: the most
       # common client settings) chains and plain rounds as `up` runs them on a GPU, the plain
-      # rounds under penalties (the rules graphs, captured on first use); then what
-      # the verifier's graphs take (the whole warm-up, then the acceptance graphs per kind)
+      # rounds under penalties (the verifier's rules), greedy chains under a repetition penalty
+      # (the drafter's rules too); then what the verifier's graphs take (the whole warm-up, then
+      # the acceptance graphs per kind); ~550 s
       random_smollm2
       run cold python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0
       run cold_top_p python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
@@ -862,6 +863,8 @@ for part in "${parts[@]}"; do
       run cold_rules python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
         --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
         --decode-ahead
+      run cold_rules_spec python3 bench/cold_shapes.py --model /tmp/smollm2_random \
+        --device cuda:0 --repetition 1.2 --spec 3 --batch 1 2 8
       run graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random ;;
     graph-memory-ab)  # bench/graph_memory.py (the verifier's warm-up: seconds, memory its graphs
       # keep) in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in this tree, on one machine
