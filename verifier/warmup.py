@@ -12,10 +12,11 @@ import logging
 import time
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specsplit.kv_cache import KVCache
-from specsplit.logit_rules import Penalties, round_rules, start_context
+from specsplit.logit_rules import Allowed, Penalties, pack_mask, round_rules, start_context
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.config import default_aux_layers
@@ -192,22 +193,25 @@ def rehearse(engine: Engine) -> None:
 
 
 def rehearse_rules(engine: Engine) -> int:
-    """Rounds under each of REHEARSED_RULES, greedy and sampled, one throwaway sequence at a
-    time (a round's rules read the union of its sequences' kinds) as the gateway sends them:
-    the first round with the whole context, the later ones with the context the verifier kept;
-    trees, a chain, several decode steps (run ahead under rules), a plain round. Leaves no
-    sequence behind; returns the rounds run."""
+    """Rounds under each of REHEARSED_RULES, greedy and sampled, without and with a guide's
+    masks (one allowing every token: the masks are a kind of rules too), one throwaway sequence
+    at a time (a round's rules read the union of its sequences' kinds) as the gateway sends
+    them: the first round with the whole context, the later ones with the context the verifier
+    kept; a chain, a tree, several decode steps (run ahead under rules; a guide's rounds take
+    one step each), a plain round. Leaves no sequence behind; returns the rounds run."""
     chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
     shapes = ((chain, 1), (tree, 1), (DraftTree(), 3), (DraftTree(), 1))
     samplings = (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.95, seed=0))
+    every = pack_mask(np.ones(engine.model.config.vocab_size, dtype=bool)).tobytes()
     rounds = 0
     for n, penalties in enumerate(REHEARSED_RULES):
-        for sampling in samplings:
+        for sampling, guided in itertools.product(samplings, (False, True)):
             seq_id = f"__warmup_rules_{n}__"
             tokens = list(range(3, 15))
             context, committed = start_context(penalties, tokens), 0
             assert context is not None
             for draft, steps in shapes:
+                allowed = Allowed(every, (0,) * (len(draft) + 1)) if guided else None
                 item = VerifyInput(
                     seq_id,
                     committed == 0,
@@ -215,9 +219,9 @@ def rehearse_rules(engine: Engine) -> int:
                     tokens[committed:],
                     draft,
                     sampling=sampling,
-                    rules=round_rules(context, kept=committed > 0),
+                    rules=round_rules(context, allowed, kept=committed > 0),
                 )
-                item.decode_steps = steps
+                item.decode_steps = 1 if guided else steps
                 out = engine.verify([item])[0]
                 tokens += out.new_tokens
                 committed = out.kv_committed_len

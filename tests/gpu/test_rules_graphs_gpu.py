@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from specsplit.kernels.bend_rules import jitted_kernels
-from specsplit.logit_rules import Penalties, round_rules, start_context
+from specsplit.logit_rules import Allowed, Penalties, pack_mask, round_rules, start_context
 from specsplit.messages import VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -152,9 +153,9 @@ def _kernels_built() -> int:
 
 def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path) -> None:  # noqa: F811
     """`rehearse_rules` (the warm-up's) builds a variant per kind of rules, and a round's rules
-    are the union of its sequences': rounds of three requests with different rules (a bias;
-    presence and repetition; min_tokens and min_p), greedy and sampled, a prefill, chains, a
-    tree and decode steps, then the same requests alone, build none more."""
+    are the union of its sequences': rounds of four requests with different rules (a bias;
+    presence and repetition; min_tokens and min_p; a guide), greedy and sampled, a prefill,
+    chains, a tree and decode steps, then the same requests alone, build none more."""
     engine = _engine(target_dir, "cuda")
     rehearse_rules(engine)
     built = _kernels_built()
@@ -163,7 +164,11 @@ def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path)
         Penalties(bias=((5, -1.5),)),
         Penalties(presence=0.3, repetition=1.3),
         Penalties(min_tokens=12, stop_ids=(4,), min_p=0.1),
+        Penalties(),  # guided: every token but 6 allowed
     )
+    allowed = np.ones(engine.model.config.vocab_size, dtype=bool)
+    allowed[6] = False
+    mask = pack_mask(allowed).tobytes()
     chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([3, 9, 4], [-1, -1, 0])
     shapes = ((chain, 1), (DraftTree(), 2), (tree, 1), (chain, 1), (DraftTree(), 1))
     for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)):
@@ -176,7 +181,8 @@ def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path)
             committed = dict.fromkeys(seq_ids, 0)
             for draft, steps in shapes:
                 items = []
-                for s in seq_ids:
+                for s, penalties in zip(seq_ids, together, strict=True):
+                    guide = None if penalties.active else Allowed(mask, (0,) * (len(draft) + 1))
                     item = VerifyInput(
                         s,
                         committed[s] == 0,
@@ -184,9 +190,9 @@ def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path)
                         tokens[s][committed[s] :],
                         draft,
                         sampling=sampling,
-                        rules=round_rules(contexts[s], kept=committed[s] > 0),
+                        rules=round_rules(contexts[s], guide, kept=committed[s] > 0),
                     )
-                    item.decode_steps = steps
+                    item.decode_steps = 1 if guide else steps
                     items.append(item)
                 for out in engine.verify(items):
                     tokens[out.seq_id] += out.new_tokens

@@ -60,8 +60,8 @@ def test_verifier_rehearsal_leaves_nothing(models, monkeypatch: pytest.MonkeyPat
 
 
 def test_verifier_rules_rehearsal_bends_every_round_and_leaves_nothing(models) -> None:
-    """Each rehearsed kind of rules, greedy and sampled, 4 rounds: every round and decode step
-    bent by the rules; no sequence, page or rules slot left."""
+    """Each rehearsed kind of rules, greedy and sampled, without and with a guide, 4 rounds:
+    every round and decode step bent by the rules; no sequence, page or rules slot left."""
     from prometheus_client import REGISTRY
 
     def bent() -> float:
@@ -76,9 +76,10 @@ def test_verifier_rules_rehearsal_bends_every_round_and_leaves_nothing(models) -
         model, make_kv_cache(config, 64, 16, torch.float32, "cpu"), 256, config.vocab_size
     )
     before = bent()
-    assert rehearse_rules(engine) == 4 * 2 * len(REHEARSED_RULES)
-    # (4 rounds a kind and sampling, the third of 3 decode steps: 6 steps, each bent)
-    assert bent() - before == 6 * 2 * len(REHEARSED_RULES)
+    assert rehearse_rules(engine) == 4 * 2 * 2 * len(REHEARSED_RULES)
+    # (4 rounds a kind, sampling and guide, the third of 3 decode steps without a guide: 6 steps
+    # and 4 steps, each bent)
+    assert bent() - before == (6 + 4) * 2 * len(REHEARSED_RULES)
     engine.check_integrity()
     assert engine.num_pages_used == 0 and not engine.seqs and engine.rule_rows.num_used == 0
 
