@@ -78,6 +78,7 @@ class Engine(Protocol):
 
     model: LlamaModel
     kv: KVCache
+    vocab_size: int  # (what the rounds' rules are checked against)
     device: torch.device
     graphs: CudaGraphRunner | None
     accept_graphs: AcceptGraphs | None
@@ -202,7 +203,7 @@ def rehearse_rules(engine: Engine) -> int:
     chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([7, 8, 9, 10], [-1, -1, 0, 1])
     shapes = ((chain, 1), (tree, 1), (DraftTree(), 3), (DraftTree(), 1))
     samplings = (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.95, seed=0))
-    every = pack_mask(np.ones(engine.model.config.vocab_size, dtype=bool)).tobytes()
+    every = pack_mask(np.ones(engine.vocab_size, dtype=bool)).tobytes()
     rounds = 0
     for n, penalties in enumerate(REHEARSED_RULES):
         for sampling, guided in itertools.product(samplings, (False, True)):

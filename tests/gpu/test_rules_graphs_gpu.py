@@ -166,7 +166,7 @@ def test_after_the_rules_rehearsal_mixed_rules_build_no_kernel(target_dir: Path)
         Penalties(min_tokens=12, stop_ids=(4,), min_p=0.1),
         Penalties(),  # guided: every token but 6 allowed
     )
-    allowed = np.ones(engine.model.config.vocab_size, dtype=bool)
+    allowed = np.ones(engine.vocab_size, dtype=bool)
     allowed[6] = False
     mask = pack_mask(allowed).tobytes()
     chain, tree = DraftTree([7, 8, 9], [-1, 0, 1]), DraftTree([3, 9, 4], [-1, -1, 0])
