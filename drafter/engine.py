@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from drafter.eagle_proposer import Eagle3Proposer
@@ -25,7 +26,7 @@ from drafter.tree_draft import CATCH_UP_LENS
 from drafter.types import DraftJob, DraftSeq, Proposer
 from specsplit.errors import Code, ServiceError, check_seq_ids, invalid
 from specsplit.kv_cache import KVCacheFullError
-from specsplit.logit_rules import Penalties, mask_words
+from specsplit.logit_rules import Penalties, mask_words, pack_mask
 from specsplit.messages import (
     DraftInput,
     DraftOutput,
@@ -183,7 +184,7 @@ class DrafterEngine:
         tokens["b"] = list(range(5, 12))
         # c: under rules from its first round; d: its root's tokens allowed (all) each round
         rules = DraftRules(Penalties(presence=0.5, repetition=1.1), len(tokens["c"]))
-        allowed = b"\xff" * (4 * mask_words(self.proposer.vocab_size))
+        allowed = pack_mask(np.ones(self.proposer.vocab_size, dtype=bool)).tobytes()
         held: dict[str, int] = {}  # tokens the drafter holds (features for EAGLE)
         num_drafted = 0
         rounds = [

@@ -747,36 +747,36 @@ def test_the_dockerfile_runs_our_cli(parser: Any) -> None:
     assert "python" in last["HEALTHCHECK"] and "grpc_health" in last["HEALTHCHECK"]
 
 
+def assert_made_for_the_user(directory: str) -> None:
+    """The image's RUN lines make `directory` and give it to the user it runs as."""
+    instructions = dockerfile()
+    user = {word: rest for word, rest in instructions}["USER"]
+    runs = " ".join(rest for word, rest in instructions if word == "RUN")
+    assert re.search(rf"mkdir -p (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+
+
 def test_the_image_lets_its_user_bind_the_socket_volume(base: dict[str, Any]) -> None:
     """The compose file's socket volume mounts a directory the image makes and gives to the
     user it runs as: a new named volume takes that directory's owner, so the services may
     create their sockets there (a directory Docker made would be root's)."""
-    instructions = dockerfile()
-    user = {word: rest for word, rest in instructions}["USER"]
-    runs = " ".join(rest for word, rest in instructions if word == "RUN")
     address = environment(base["services"]["gateway"])["SPECSPLIT_VERIFIER_ADDRESS"]
-    directory = str(Path(address.removeprefix("unix:")).parent)
-    assert re.search(rf"mkdir -p (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
-    assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    assert_made_for_the_user(str(Path(address.removeprefix("unix:")).parent))
 
 
 def test_the_compile_caches_live_in_a_volume_the_user_owns(base: dict[str, Any]) -> None:
     """The image points Triton's and torch.compile's caches into one directory it makes and gives
     to its user, and each of our services mounts a named volume there: a new container's warm-up
     finds the kernels and graphs the last one built."""
-    instructions = dockerfile()
-    user = {word: rest for word, rest in instructions}["USER"]
-    runs = " ".join(rest for word, rest in instructions if word == "RUN")
     env = dict(
         item.split("=", 1)
-        for word, rest in instructions
+        for word, rest in dockerfile()
         if word == "ENV"
         for item in shlex.split(rest)
     )
     directory = str(Path(env["TRITON_CACHE_DIR"]).parent)
     assert str(Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent) == directory
-    assert re.search(rf"mkdir -p (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
-    assert re.search(rf"chown {user}:{user} (\S+ )*{re.escape(directory)}(\s|$)", runs), directory
+    assert_made_for_the_user(directory)
     for name in SPECSPLIT_SERVICES:
         mounts = [m.split(":") for m in base["services"][name]["volumes"]]
         named = [source for source, target, *_ in mounts if target == directory]

@@ -17,6 +17,7 @@ from specsplit.messages import DraftInput, DraftOutput, VerifyInput, VerifyOutpu
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from tests.eagle_random import save_target_and_drafters
+from tests.unit.test_verify_rules import _rules_counts
 from verifier.engine import VerifierEngine
 from verifier.warmup import REHEARSED_RULES, graphs_reserve_bytes, rehearse, rehearse_rules
 
@@ -62,14 +63,10 @@ def test_verifier_rehearsal_leaves_nothing(models, monkeypatch: pytest.MonkeyPat
 def test_verifier_rules_rehearsal_bends_every_round_and_leaves_nothing(models) -> None:
     """Each rehearsed kind of rules, greedy and sampled, without and with a guide, 4 rounds:
     every round and decode step bent by the rules; no sequence, page or rules slot left."""
-    from prometheus_client import REGISTRY
 
     def bent() -> float:
-        return sum(
-            REGISTRY.get_sample_value("specsplit_verifier_rules_rounds_total", {"path": path})
-            or 0.0
-            for path in ("graph", "eager")
-        )
+        counts = _rules_counts()
+        return counts["graph"] + counts["eager"]
 
     model, config = load_model(str(models["target"]), dtype=torch.float32, device="cpu")
     engine = VerifierEngine(
