@@ -32,8 +32,11 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE, "triton")  # before triton
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE, "inductor")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -42,6 +45,7 @@ from bench.acceptance import bundled_prompts  # noqa: E402
 from drafter.tree_draft import CATCH_UP_LENS  # noqa: E402
 from gateway.request import GenerationRequest  # noqa: E402
 from inprocess.stack import build_local_stack  # noqa: E402
+from specsplit import metrics  # noqa: E402
 from specsplit.logit_rules import Penalties  # noqa: E402
 from specsplit.messages import SpecParams  # noqa: E402
 from specsplit.model.loader import load_tokenizer  # noqa: E402
@@ -54,22 +58,53 @@ def kernels_built() -> set[str]:
     return {str(path.relative_to(_CACHE)) for path in Path(_CACHE).rglob("*.cubin")}
 
 
-_captures = [0]
+def specialised(cubin: str) -> str:
+    """What Triton specialised a built kernel on (its cache entry's metadata beside the cubin:
+    constants and the arguments' attributes, e.g. 16-byte alignment or a value of 1)."""
+    path = Path(_CACHE, cubin).with_suffix(".json")
+    if not path.exists():
+        return "(no metadata)"
+    meta = json.loads(path.read_text())
+    return json.dumps({k: v for k, v in meta.items() if len(json.dumps(v)) < 600})
+
+
+_captured: list[str] = []  # each capture's site: the innermost of the project's frames
 
 
 def count_captures() -> None:
-    """Count every CUDA graph capture from here on (`captures`)."""
+    """Count every CUDA graph capture from here on (`captures`), with where it was made."""
     begin = torch.cuda.CUDAGraph.capture_begin
+    me = Path(__file__).resolve()
+    root = str(me.parent.parent)
 
     def counted(self: torch.cuda.CUDAGraph, *args: object, **kwargs: object) -> None:
-        _captures[0] += 1
+        ours = [
+            f
+            for f in traceback.extract_stack()
+            if f.filename.startswith(root) and Path(f.filename).resolve() != me
+        ]
+        site = ours[-1] if ours else None
+        where = "?" if site is None else f"{Path(site.filename).relative_to(root)}:{site.name}"
+        _captured.append(where)
         begin(self, *args, **kwargs)  # type: ignore[arg-type]
 
     torch.cuda.CUDAGraph.capture_begin = counted  # type: ignore[method-assign]
 
 
 def captures() -> int:
-    return _captures[0]
+    return len(_captured)
+
+
+def eager_drafter_forwards() -> Counter[str]:
+    """The drafter's eager forwards so far, by why no graph ran them."""
+    return Counter(
+        {
+            sample.labels["why"]: int(sample.value)
+            for family in metrics.DRAFTER_EAGER_FORWARDS.collect()
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+    )
 
 
 def num_graphs_traced() -> int:
@@ -141,6 +176,7 @@ def main() -> None:
         ]
         for run in ("cold", "warm"):
             kernels, graphs, captured = kernels_built(), num_graphs_traced(), captures()
+            eager = eager_drafter_forwards()
             begin = time.perf_counter()
             stack.generate_all(requests)
             seconds = time.perf_counter() - begin
@@ -151,9 +187,19 @@ def main() -> None:
                 f"| {num_graphs_traced() - graphs} | {captures() - captured} |",
                 flush=True,
             )
+            sites = Counter(_captured[captured:])
+            if sites:
+                print(f"captured at batch {batch} ({run}): {dict(sites)}")
+            if eager_drafter_forwards() - eager:
+                print(f"eager drafter forwards ({run}): {dict(eager_drafter_forwards() - eager)}")
+    warmed = kernels_built() - {name for names in built.values() for name in names}
     for batch, names in built.items():
         for name in names:
-            print(f"built at batch {batch}: {name}")
+            print(f"built at batch {batch}: {name}\n  {specialised(name)}")
+            # the same kernel's variants the warm-up built: what the new one's key differs in
+            stem = Path(name).name
+            for other in sorted(n for n in warmed if Path(n).name == stem):
+                print(f"  warm-up's: {specialised(other)}")
 
 
 if __name__ == "__main__":

@@ -159,17 +159,23 @@ class DrafterEngine:
         return self.proposer.num_pages_free
 
     def warmup(self) -> None:
-        spec = SpecParams(num_steps=2, topk=2, num_draft_tokens=3)
-        self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
-        self.release(["__warmup__"])
-        self.check_integrity()
+        """A first draft; on a GPU then the attention kernels' variants, the CUDA graphs and a
+        rehearsal (bench/drafter_warmup.py times each)."""
+        self.first_draft()
         if self.proposer.device.type != "cuda":  # the CPU builds nothing: no time spent there
             return
         self.proposer.warm_up_kernels()
         self.proposer.capture_cuda_graphs(self.graph_catch_up_lens, self.max_batch_size)
-        self._rehearse()
+        self.rehearse()
 
-    def _rehearse(self) -> int:
+    def first_draft(self) -> None:
+        """A throwaway sequence's tree, released: the eager path's first run."""
+        spec = SpecParams(num_steps=2, topk=2, num_draft_tokens=3)
+        self.draft([DraftInput("__warmup__", True, 0, [0, 1, 2], spec)])
+        self.release(["__warmup__"])
+        self.check_integrity()
+
+    def rehearse(self) -> int:
         """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
         a prefill, catch-ups of one and of several tokens, a second sequence joining, chains and
         trees, with the target's features for an EAGLE head; then a sequence under logit rules

@@ -13,7 +13,8 @@
 #       [tiles] [pdl] [gated] [target-split] [ahead-depth] [profile-depth] [newcomer] [sampled8b]
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
-#       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab]
+#       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
+#       [drafter-warmup]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -143,6 +144,15 @@ mirror_8b() {  # a random 8B-shaped target at /tmp/mirror8b and a draft that pre
 random_smollm2() {  # a random-weight SmolLM2-shaped checkpoint at /tmp/smollm2_random
   [[ -d /tmp/smollm2_random ]] ||
     python3 bench/random_model.py /tmp/smollm2_random --tokenizer "$SPECSPLIT_TEST_TOKENIZER"
+}
+cold_rules() {  # cold's plain rounds under penalties, chains under a repetition penalty, then
+  # what the verifier's graphs take (bench/graph_memory.py: the warm-up's seconds and memory)
+  run cold_rules python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
+    --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
+    --decode-ahead
+  run cold_rules_spec python3 bench/cold_shapes.py --model /tmp/smollm2_random \
+    --device cuda:0 --repetition 1.2 --spec 3 --batch 1 2 8
+  run graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random
 }
 serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part says; $SERVING_DRAFTER:
   # the drafter's flags, $SERVING_EXTRA: a flag added to every setup)
@@ -860,12 +870,14 @@ for part in "${parts[@]}"; do
         --temperature 0.7 --top-p 0.95
       run cold_top_p_plain python3 bench/cold_shapes.py --model /tmp/smollm2_random \
         --device cuda:0 --temperature 0.7 --top-p 0.95 --spec 0 --decode-steps 4 --decode-ahead
-      run cold_rules python3 bench/cold_shapes.py --model /tmp/smollm2_random --device cuda:0 \
-        --temperature 0.7 --top-p 0.95 --presence 0.5 --frequency 0.5 --spec 0 --decode-steps 4 \
-        --decode-ahead
-      run cold_rules_spec python3 bench/cold_shapes.py --model /tmp/smollm2_random \
-        --device cuda:0 --repetition 1.2 --spec 3 --batch 1 2 8
-      run graph_memory python3 bench/graph_memory.py --model /tmp/smollm2_random ;;
+      cold_rules ;;
+    cold-rules)  # cold's runs under logit rules, and the verifier's graphs (~250 s)
+      random_smollm2
+      cold_rules ;;
+    drafter-warmup)  # the drafter's warm-up by phase and expansion key (random SmolLM2 + the
+      # shipped head; bench/drafter_warmup.py)
+      random_smollm2
+      run drafter_warmup python3 bench/drafter_warmup.py --target /tmp/smollm2_random ;;
     graph-memory-ab)  # bench/graph_memory.py (the verifier's warm-up: seconds, memory its graphs
       # keep) in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in this tree, on one machine
       random_smollm2

@@ -234,7 +234,7 @@ VERIFIER_EAGER_RULES_ROUNDS = Counter(
     "The verifier's rules rounds bent eagerly, by why: 'no graphs' (the CPU, --cuda-graphs off,"
     " SPECSPLIT_RULES_GRAPHS=0), 'logits' (the forward ran eagerly or gathered its rows),"
     " 'refill' (a sequence's first round under its rules, or min_tokens holding stop tokens"
-    " back), 'masks' (a guide's masks past a graph's cap), 'full' (every rules graph taken)",
+    " back), 'masks' (a guide's masks past a graph's cap)",
     ["why"],
 )
 DRAFTER_FORWARDS = Counter(

@@ -17,7 +17,8 @@ the eager path's kernels on the same values: the graph's rows equal the referenc
 (tests/gpu/test_rules_graphs_gpu.py).
 
 A graph holds the kept rows' addresses: when `RuleRows` grows or trims its tables, the graphs
-are dropped (the stream synchronized first) and captured again as rounds come.
+are dropped (the stream synchronized first) and captured again as rounds come. Past MAX_GRAPHS
+keys a new one drops the least recently replayed graph.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ log = logging.getLogger(__name__)
 
 # SPECSPLIT_RULES_GRAPHS=0: every round bends eagerly (A/B)
 ENABLED = os.environ.get("SPECSPLIT_RULES_GRAPHS", "1") != "0"
-MAX_GRAPHS = 64  # past these a round bends eagerly (each graph: a few KiB of device memory)
+# graphs kept; a new key past them drops the least recently replayed (each graph: a few KiB of
+# device memory, its table at its masks' capacity). The warm-up's rules rehearsal alone makes
+# ~65 keys (verifier/warmup.py): at 64 with no eviction its leftovers filled the set and every
+# new batch's rounds bent eagerly in traffic, building their own kernel variant (H200)
+MAX_GRAPHS = 128
 # a round whose masks' words (padded) pass this bends eagerly: each graph keeps its table and
 # pinned mirrors at its capacity (at an 8B's vocabulary ~64 masks, at SmolLM2's ~170)
 MAX_MASK_BYTES = 1 << 20
@@ -198,7 +203,7 @@ class RulesGraphs:
         self.capture_stream = CaptureStream()
         self.tables: tuple[int, ...] = ()  # the kept rows' addresses the graphs read
         self.replays = 0
-        self.full = False  # (MAX_GRAPHS reached: said once)
+        self.evicted = 0  # graphs dropped for new keys past MAX_GRAPHS (said at the first)
 
     def bend(
         self,
@@ -209,8 +214,8 @@ class RulesGraphs:
         greedy: bool,
     ) -> Bent | str:
         """The round bent by its graph (queued), with the bent logits' argmax for a greedy
-        round; or why not, and the caller bends it eagerly: "full" (no graph is left for its
-        key), "masks" (its masks pass MAX_MASK_BYTES)."""
+        round; or why not, and the caller bends it eagerly: "masks" (its masks pass
+        MAX_MASK_BYTES). A new key past MAX_GRAPHS drops the least recently replayed graph."""
         view = _padded_view(logits)
         fixed = fixed_layout(round_)
         if 4 * fixed.num_words > MAX_MASK_BYTES:
@@ -229,17 +234,14 @@ class RulesGraphs:
             if self.graphs:
                 torch.cuda.current_stream(self.device).synchronize()
                 self.graphs.clear()
-                self.full = False
             self.tables = addresses
-        graph = self.graphs.get(key)
+        graph = self.graphs.pop(key, None)  # (put back last: the dict runs oldest first)
         if graph is None:
             if len(self.graphs) >= MAX_GRAPHS:
-                if not self.full:
-                    log.warning("%d rules graphs: rounds of other shapes bend eagerly", MAX_GRAPHS)
-                    self.full = True
-                return "full"
+                self._evict()
             dtype = torch.int64 if pending is None else pending.dtype
-            graph = self.graphs[key] = self._capture(key, view, tables, dtype)
+            graph = self._capture(key, view, tables, dtype)
+        self.graphs[key] = graph
         host = graph.hosts.take()
         pack(round_, fixed, host.numpy())
         graph.table.copy_(host, non_blocking=True)
@@ -249,6 +251,14 @@ class RulesGraphs:
         graph.graph.replay()
         self.replays += 1
         return Bent(None if graph.argmax is None else graph.argmax[: logits.shape[0]])
+
+    def _evict(self) -> None:
+        """Drop the least recently replayed graph (its replays and table copies done first)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        del self.graphs[next(iter(self.graphs))]
+        if self.evicted == 0:
+            log.info("%d rules graphs: the least recently replayed go for new keys", MAX_GRAPHS)
+        self.evicted += 1
 
     def _capture(self, key: _Key, logits: torch.Tensor, tables: Tables, dtype: Any) -> _Graph:
         if self.pool is None:

@@ -397,11 +397,23 @@ def _min_p_kernel(
 @functools.cache
 def jitted_kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """The kernels, decorated as TRITON_INTERPRET asks (`interpret` is the cache key); the
-    table's width and parts follow the round: not specialised."""
+    table's width and parts follow the round: not specialised, nor the table's and the pending
+    tokens' addresses (read an integer at a time; the eager path's pending tokens are a view at
+    the batch's offset: a plain round's at batch 2 built a variant in traffic on an H200)."""
     parts = ("rows_at", "extents_at", "seqs_at", "paths_at", "stops_at", "pending_at")
-    count_in = jit(_count_in_kernel, do_not_specialize=("width", "deltas_at", "num_deltas"))
-    bend = jit(
-        _bend_kernel, do_not_specialize=("stride_l", "width", *parts, "words_at", "num_seqs")
+    count_in = jit(
+        _count_in_kernel,
+        do_not_specialize=("width", "deltas_at", "num_deltas"),
+        any_alignment=("table_ptr",),
     )
-    cut = jit(_min_p_kernel, do_not_specialize=("stride_l", "width", "rows_at", "seqs_at"))
+    bend = jit(
+        _bend_kernel,
+        do_not_specialize=("stride_l", "width", *parts, "words_at", "num_seqs"),
+        any_alignment=("table_ptr", "pending_ptr"),
+    )
+    cut = jit(
+        _min_p_kernel,
+        do_not_specialize=("stride_l", "width", "rows_at", "seqs_at"),
+        any_alignment=("table_ptr",),
+    )
     return count_in, bend, cut

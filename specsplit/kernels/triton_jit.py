@@ -33,14 +33,20 @@ import torch
 
 
 def jit(
-    kernel: Callable[..., Any], do_not_specialize: Sequence[str] = (), generic: bool = False
+    kernel: Callable[..., Any],
+    do_not_specialize: Sequence[str] = (),
+    generic: bool = False,
+    any_alignment: Sequence[str] = (),
 ) -> Any:
     """`kernel` decorated by triton.jit: compiled, or interpreted under TRITON_INTERPRET=1 (the
     decoration reads the knob, so callers cache the result per `interpreting()`), with the `tl`
     of its module bound to triton.language. Integer arguments named in `do_not_specialize` do
-    not get a variant per value class (== 1, divisible by 16). `generic`: none of its runtime
-    arguments does, and no pointer gets one per alignment either, so it compiles once per set
-    of constexprs (a kernel launched outside the warmed-up shapes, on views at any offset)."""
+    not get a variant per value class (== 1, divisible by 16), pointers named in
+    `any_alignment` none per 16-byte alignment (one read a scalar at a time gains nothing from
+    it, and a view at an odd offset would build a variant in traffic). `generic`: none of its
+    runtime arguments does, and no pointer gets one per alignment either, so it compiles once
+    per set of constexprs (a kernel launched outside the warmed-up shapes, on views at any
+    offset)."""
     import triton
     import triton.language
 
@@ -48,7 +54,11 @@ def jit(
     if interpreting():
         _fix_interpreter_index()
     if not generic:
-        return triton.jit(kernel, do_not_specialize=do_not_specialize)
+        return triton.jit(
+            kernel,
+            do_not_specialize=do_not_specialize,
+            do_not_specialize_on_alignment=any_alignment,
+        )
     runtime = runtime_params(kernel)
     return triton.jit(kernel, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
 

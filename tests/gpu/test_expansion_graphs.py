@@ -19,7 +19,8 @@ from drafter.expansion import FUSED_CAPTURE_AFTER
 from drafter.expansion_inputs import Ahead, Shape
 from drafter.model_proposer import ModelProposer
 from drafter.tree_draft import AHEAD_NEAR_END, AHEAD_SHAPES, CATCH_UP_LENS, TreeProposer
-from specsplit.messages import DraftInput, SpecParams
+from specsplit.logit_rules import Penalties
+from specsplit.messages import DraftInput, DraftRules, SpecParams
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.sampling import SamplingParams
@@ -58,6 +59,7 @@ def _rounds(
     spec: SpecParams,
     sampling: SamplingParams | None = None,  # each sequence's, seeded by its index
     rounds: int = 4,
+    penalties: Penalties | None = None,  # every sequence's logit rules (from its prompt's end)
 ) -> tuple[list[list[tuple]], int]:
     width = getattr(engine.proposer, "feature_width", None)
     gen = torch.Generator().manual_seed(batch)
@@ -82,6 +84,8 @@ def _rounds(
             )
             if sampling is not None:
                 item.sampling = dataclasses.replace(sampling, seed=b)
+            if penalties is not None and r == 0:
+                item.rules = DraftRules(penalties, len(tokens[b]))
             inputs.append(item)
             held[b] = len(tokens[b]) - (1 if width is not None else 0)
         trees.append([_drafted(o.tree) for o in engine.draft(inputs)])
@@ -152,22 +156,24 @@ def test_expansion_graph_drafts_the_host_trees(
     assert got == want
 
 
+@pytest.mark.parametrize("ruled", [False, True], ids=["plain", "ruled"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_warm_up_captures_the_default_chain_and_the_shorter_ones_near_the_end(
-    models, sampled: bool
+    models, sampled: bool, ruled: bool
 ) -> None:
     """A lone stream's last rounds ask for chains of 2 and 1 (capped near max_new_tokens): their
     graphs come from the warm-up, not from a capture in the middle of traffic (a round 10-50
-    ms slower, once per shape and batch bucket)."""
+    ms slower, once per shape and batch bucket); under logit rules (a repetition penalty) too."""
     graphs = _engine(models, "eagle3", graphs=True, device_expansion=True)
     runner = graphs.proposer.device_expansion_runner  # type: ignore[attr-defined]
     before = set(runner.captured)
     sampling = SamplingParams(temperature=0.8) if sampled else None
+    penalties = Penalties(presence=0.5, repetition=1.2) if ruled else None
     for steps in (3, 2, 1):
         for batch in (1, 3):
-            _rounds(graphs, batch, SpecParams(steps, 1, steps), sampling)
+            _rounds(graphs, batch, SpecParams(steps, 1, steps), sampling, penalties=penalties)
     assert set(runner.captured) == before
-    chains = [key for key, _ in before if not isinstance(key, Ahead)]
+    chains = [key for key, _ in before if not isinstance(key, Ahead) and key.rules == ruled]
     assert {shape.num_steps for shape in chains if shape.sampled == sampled} == {1, 2, 3}
 
 

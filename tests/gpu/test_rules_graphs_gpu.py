@@ -1,7 +1,8 @@
 """The rules graphs (verifier/rules_graphs.py) on a CUDA device: a steady round replays its graph
 without a host sync behind queued device work and bends every row as the one-row reference does
 (bit for bit), a greedy round's argmax with it, the buffer's rows past the round's untouched;
-the graphs are dropped and captured again when the kept rows' tables grow; a guide's masks ride
+the graphs are dropped and captured again when the kept rows' tables grow, and past MAX_GRAPHS
+the least recently replayed goes for a new key; a guide's masks ride
 in the captured table; the verifier engine serves decode steps run ahead, speculative rounds
 and sampled rounds under rules through them (tests/unit/test_verify_rules.py's cases: the
 target's greedy tokens under the rules, the bent distribution); after the warm-up's rehearsal
@@ -29,6 +30,7 @@ from tests.unit.test_verify_rules import (  # noqa: F401  (fixtures)
     target_dir,
     truth,
 )
+from verifier import rules_graphs
 from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
@@ -53,6 +55,19 @@ def _items(seqs: list[VerifierSeq], outputs: list[list[int]], greedy: bool) -> l
     return round_of(seqs, outputs, PENALTIES, trees, sampling)
 
 
+def _round_logits(
+    items: list[VerifyInput],
+) -> tuple[list[range], int, torch.Tensor, torch.Tensor]:
+    """Each item's logit rows in turn, their count, a 32-row buffer's random logits, and the
+    reference's bent rows."""
+    rows, start = [], 0
+    for item in items:
+        rows.append(range(start, start + len(item.tree) + 1))
+        start += len(item.tree) + 1
+    logits = torch.randn(32, VOCAB) * 4
+    return rows, start, logits, reference_bend(items, rows, logits[:start])
+
+
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 def test_steady_rounds_replay_their_graph_as_the_reference_without_a_sync(greedy: bool) -> None:
     """Six rounds of three sequences (then nine: the kept tables grow past their slots) in a
@@ -66,12 +81,7 @@ def test_steady_rounds_replay_their_graph_as_the_reference_without_a_sync(greedy
     for round_number in range(9):
         num = 3 if round_number < 6 else len(seqs)  # (round 6 fills 6 more: the tables grow)
         items = _items(seqs[:num], outputs, greedy)
-        rows, start = [], 0
-        for item in items:
-            rows.append(range(start, start + len(item.tree) + 1))
-            start += len(item.tree) + 1
-        logits = torch.randn(32, VOCAB) * 4
-        want = reference_bend(items, rows, logits[:start])
+        rows, start, logits, want = _round_logits(items)
         buffer.copy_(logits)
         torch.cuda.synchronize()
         steady = round_number not in (0, 1, 6, 7)  # (filled or captured: eager or a sync)
@@ -98,6 +108,40 @@ def test_steady_rounds_replay_their_graph_as_the_reference_without_a_sync(greedy
     assert len(kept.bias) > MIN_SLOTS and graphs.tables == tuple(
         t.data_ptr() for t in (kept.bias, kept.counts, kept.seen)
     )
+
+
+def test_past_max_graphs_the_least_recently_replayed_graph_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With room for two graphs, steady rounds over three logits buffers (three keys) in turn:
+    each new key drops the least recently replayed graph and captures its own, every round
+    still bent as the reference bends it; a key replayed in between stays."""
+    monkeypatch.setattr(rules_graphs, "MAX_GRAPHS", 2)
+    torch.manual_seed(5)
+    graphs, kept = RulesGraphs("cuda"), RuleRows(VOCAB, "cuda")
+    seqs = [VerifierSeq(f"s{i}", None) for i in range(3)]  # type: ignore[arg-type]
+    outputs = [[i % 4, 40] for i in range(len(seqs))]
+    buffers = [torch.empty(32, VOCAB, device="cuda") for _ in range(3)]
+    order = [0, 0, 1, 2, 0, 2, 1, 2]  # (the first round fills the slots: eager)
+    for round_number, which in enumerate(order):
+        items = _items(seqs, outputs, greedy=True)
+        rows, start, logits, want = _round_logits(items)
+        buffer = buffers[which]
+        buffer.copy_(logits)
+        keys = [key.logits[0] for key in graphs.graphs]
+        bent = bend_by_rules(items, buffer[:start], rows, None, (kept, seqs), graphs=graphs)
+        assert bent is not None
+        assert torch.equal(buffer[:start].cpu(), want)
+        if round_number:
+            assert len(graphs.graphs) <= 2
+            assert [key.logits[0] for key in graphs.graphs][-1] == buffer.data_ptr()
+            if buffer.data_ptr() in keys or len(keys) < 2:  # a hit or room: nothing dropped
+                assert set(keys) <= {key.logits[0] for key in graphs.graphs}
+        for i, item in enumerate(items):
+            keep_rules(item, seqs[i], [i % 7, 12])
+            outputs[i] += [i % 7, 12]
+    # captured: 0 (round 1), 1, 2 (0 dropped), 0 (1 dropped), 1 (0 dropped; 2 replayed last)
+    assert graphs.evicted == 3
 
 
 def test_the_engine_serves_rules_rounds_through_the_graphs(

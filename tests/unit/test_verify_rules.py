@@ -253,7 +253,7 @@ def _rules_counts() -> dict[str, float]:
 
     forwards = get("verifier_forwards", "path", "graph") + get("verifier_forwards", "path", "eager")
     paths = {path: get("verifier_rules_rounds", "path", path) for path in ("graph", "eager")}
-    whys = ("no graphs", "logits", "refill", "masks", "full")
+    whys = ("no graphs", "logits", "refill", "masks")
     return {
         "forwards": forwards,
         **paths,
@@ -281,7 +281,7 @@ def test_rules_rounds_are_counted_by_path(
     seen = {key: now[key] - before[key] for key in now}
     assert seen["forwards"] >= 8  # (the prefill, six steps, one more run ahead)
     assert seen["graph"] + seen["eager"] == seen["forwards"]
-    whys = ("no graphs", "logits", "refill", "masks", "full")
+    whys = ("no graphs", "logits", "refill", "masks")
     assert sum(seen[why] for why in whys) == seen["eager"]
     if device == "cpu":
         assert seen["eager"] == seen["no graphs"] == seen["forwards"]

@@ -99,7 +99,7 @@ def test_drafter_rehearsal_leaves_nothing(
         return outputs
 
     monkeypatch.setattr(engine, "draft", recorded)
-    assert engine._rehearse() >= 10
+    assert engine.rehearse() >= 10
     assert all(len(out.tree) for _, out in drafted)
     assert any(item.rules is not None and item.rules.penalties.active for item, _ in drafted)
     assert any(item.root_allowed for item, _ in drafted)
