@@ -225,7 +225,9 @@ class AcceptGraphs:
 
     def layouts(self, max_width: int) -> list[Layout]:
         """Every layout a round of trees up to `max_width` nodes takes (a 6-node tree takes
-        the 8-wide graph; 5 sequences the bucket of 8)."""
+        the 8-wide graph; 5 sequences the bucket of 8), largest first: captured in this order
+        the smaller graphs' [rows, vocab] intermediates reuse the blocks the larger ones freed
+        in the pool they share, where smallest first each larger size took new blocks."""
         found = {
             self.layout(num_seqs, width)
             for num_seqs in range(1, self.batch_sizes[-1] + 1)
@@ -234,6 +236,7 @@ class AcceptGraphs:
         return sorted(
             (layout for layout in found if layout is not None),
             key=lambda layout: (layout.bucket, layout.width),
+            reverse=True,
         )
 
     def host_arrays(

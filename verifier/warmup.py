@@ -63,14 +63,15 @@ def graphs_reserve_bytes(
     (`VerifierEngine.for_model`): each step graph's float32 logits of every row, without and
     with hidden states, the prefill graphs' alike, and the sampled acceptance graphs' logits
     input and [rows, vocab] intermediates (probabilities, a top-k / top-p cut's sort below 128
-    rows: values, int64 order), 16 logits' worth as measured (SmolLM2 at batch 64: 3,356 MiB
-    reserved for 204 MiB of logits, bench/graph_memory.py; the whole warm-up kept 5,699 MiB
-    beyond weights and KV, this 5,640). 0 without graphs."""
+    rows: values, int64 order), 7 logits' worth as measured with the largest layouts captured
+    first (SmolLM2 at batch 64: 1,234 MiB reserved for 204 MiB of logits, bench/graph_memory.py;
+    3,356 smallest first; the whole warm-up kept 2,985 MiB beyond weights and KV, this 3,804).
+    0 without graphs."""
     if not graph_query_lens:
         return 0
     logits = max_batch_size * max(graph_query_lens) * vocab_size * 4
     prefill_rows = PREFILL_MAX_BATCH * sum(PREFILL_QUERY_LENS)
-    return 2 * logits * len(graph_query_lens) + 2 * prefill_rows * vocab_size * 4 + 16 * logits
+    return 2 * logits * len(graph_query_lens) + 2 * prefill_rows * vocab_size * 4 + 7 * logits
 
 
 class Engine(Protocol):
@@ -111,7 +112,7 @@ def warm_up(engine: Engine) -> None:
     engine.check_integrity()
     warm_up_attention(engine.kv, engine.model.config.num_heads)
     if engine.graphs is not None:
-        for q in engine.graph_query_lens:
+        for q in sorted(engine.graph_query_lens, reverse=True):  # (largest first: as layouts)
             engine.graphs.capture(q)
         # prefills with and without an EAGLE-3 head's hidden states (of every prompt token)
         layers = default_aux_layers(engine.model.config.num_layers)

@@ -47,8 +47,11 @@ def test_trees_cut_short_share_the_full_trees_graph(graphs) -> None:
 @pytest.mark.parametrize("max_width", [1, 3, 4, 6, 8])
 def test_warm_up_captures_every_layout_a_round_up_to_its_width_takes(graphs, max_width) -> None:
     """A 6-node tree (1 + 6 query tokens) pads to the 8-wide graph: captured at warm-up, not
-    in the middle of traffic."""
-    warm = set(graphs.layouts(max_width))
+    in the middle of traffic; the largest first (the smaller reuse its memory)."""
+    layouts = graphs.layouts(max_width)
+    sizes = [(layout.bucket, layout.width) for layout in layouts]
+    assert sizes == sorted(sizes, reverse=True)
+    warm = set(layouts)
     taken = {graphs.layout(b, n) for b in range(1, 9) for n in range(max_width + 1)}
     assert taken - {None} <= warm
 

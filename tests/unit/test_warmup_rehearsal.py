@@ -110,7 +110,7 @@ def test_drafter_rehearsal_leaves_nothing(
 def test_the_kv_pool_keeps_room_for_the_graphs_only_when_there_are_graphs() -> None:
     assert graphs_reserve_bytes(49152, (), 64) == 0  # eager: every byte to the KV pool
     # SmolLM2's vocabulary, the default shapes: float32 logits of 64 x 17 rows, twice per step
-    # graph (5) and 16 more for the sampled acceptance, plus 4 prefills of 32 + 64 + 128 rows, twice
+    # graph (5) and 7 more for the sampled acceptance, plus 4 prefills of 32 + 64 + 128 rows, twice
     logits = 64 * 17 * 49152 * 4
-    expected = 2 * logits * 5 + 16 * logits + 2 * 4 * 224 * 49152 * 4
+    expected = 2 * logits * 5 + 7 * logits + 2 * 4 * 224 * 49152 * 4
     assert graphs_reserve_bytes(49152, (1, 4, 5, 9, 17), 64) == expected
