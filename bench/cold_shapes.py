@@ -190,8 +190,9 @@ def main() -> None:
             sites = Counter(_captured[captured:])
             if sites:
                 print(f"captured at batch {batch} ({run}): {dict(sites)}")
-            if eager_drafter_forwards() - eager:
-                print(f"eager drafter forwards ({run}): {dict(eager_drafter_forwards() - eager)}")
+            eager = eager_drafter_forwards() - eager
+            if eager:
+                print(f"eager drafter forwards ({run}): {dict(eager)}")
     warmed = kernels_built() - {name for names in built.values() for name in names}
     for batch, names in built.items():
         for name in names:

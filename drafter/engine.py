@@ -179,11 +179,12 @@ class DrafterEngine:
         """A few rounds as traffic runs them (after the graphs are captured, in inference mode):
         a prefill, catch-ups of one and of several tokens, a second sequence joining, chains and
         trees, with the target's features for an EAGLE head; then a sequence under logit rules
-        and a guided one (the root's allowed tokens), whose rounds' graphs are their own. On a
-        GPU this builds what the capture does not: the eager steps' compiled kernels for
-        inference tensors, one row and many (torch.compile specialises both), and the rules'
-        and guides' first graphs (a penalised request's first round: 0.58 s at batch 1 on an
-        H200 without them, bench/RESULTS.md). Returns the draft tokens proposed."""
+        and a guided one (the root's allowed tokens), whose rounds replay the ruled expansion
+        graphs (RULED_SHAPES, captured before). On a GPU this builds what the capture does not:
+        the eager steps' compiled kernels for inference tensors, one row and many
+        (torch.compile specialises both). (The rules' rounds here did not stop a penalised
+        request's first rounds capturing in traffic: that took RULED_SHAPES' shorter chains,
+        bench/RESULTS.md.) Returns the draft tokens proposed."""
         width = getattr(self.proposer, "feature_width", None) if self.hidden_state_layers else None
         chain, tree = SpecParams(3, 1, 3), SpecParams(2, 2, 4)
         tokens = {name: list(range(3, 23)) for name in ("a", "c", "d")}
