@@ -18,6 +18,7 @@ launched whatever is queued behind it. Slot 0 stays zero: the rows of the rules 
 from __future__ import annotations
 
 import heapq
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ import torch
 from specsplit.logit_rules import LogitRules
 
 MIN_SLOTS = 8  # the tables' slots at first and at least (slot 0 among them)
+# `trim` halves the tables only once they have been trimmable this long: a batch that leaves
+# and comes back (or a count of ruled sequences that swings about a power of two) would
+# otherwise shrink them and grow them again, and each new table drops every rules graph
+# (verifier/rules_graphs.py: captured again, a few ms each; H200, a batch of 8 run twice)
+TRIM_DELAY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -72,12 +78,20 @@ class RuleRows:
     grown (doubled) as sequences with rules come, a slot given back when its sequence's rules
     end or the sequence is released or collected, the tables halved again once their slots in
     use all sit in the lowest quarter (`trim`: at an 8B's vocabulary a slot holds 1.15 MB, held
-    outside the KV pool's share of the memory)."""
+    outside the KV pool's share of the memory), once they have stayed so TRIM_DELAY_S
+    (`clock`'s seconds)."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._clock = clock
         self._free: list[int] = []  # a heap: the lowest free slot goes out first
+        self._trimmable_since: float | None = None  # when the tables last became trimmable
         self.bias = self.counts = torch.zeros(1, vocab_size, device=self.device)
         self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)
         self._grow(MIN_SLOTS)
@@ -97,25 +111,38 @@ class RuleRows:
             if not self._free:
                 self._grow(2 * len(self.bias))
             index = heapq.heappop(self._free)
+            if index >= len(self.bias) // 4:
+                self._trimmable_since = None  # (a slot in use past the lowest quarter)
             free = weakref.finalize(holder, heapq.heappush, self._free, index)
             holder.rule_slot = RuleSlot(index, free)
         return holder.rule_slot
 
     def trim(self) -> None:
         """The tables halved while the highest slot in use (slots go out lowest first) lies below
-        a quarter of them, down to MIN_SLOTS; no slot in use moves. The tables let go are freed
-        in the device's stream order, behind the work queued to read them (as `_grow`'s)."""
+        a quarter of them, down to MIN_SLOTS, once they have been trimmable TRIM_DELAY_S (from
+        the first call that found them so, no slot taken past their lowest quarter since); no
+        slot in use moves. The tables let go are freed in the device's stream order, behind
+        the work queued to read them (as `_grow`'s)."""
         size = len(self.bias)
         if size <= MIN_SLOTS or self.num_used >= size // 4:
+            self._trimmable_since = None
             return
         free = set(self._free)
         top = max(i for i in range(size) if i not in free)  # (slot 0 at least: never free)
+        if top >= size // 4:
+            self._trimmable_since = None
+            return
+        now = self._clock()
+        if self._trimmable_since is None:
+            self._trimmable_since = now
+        if now - self._trimmable_since < TRIM_DELAY_S:
+            return
         new = size
         while new > MIN_SLOTS and top < new // 4:
             new //= 2
-        if new < size:
-            self.bias, self.counts, self.seen = (t[:new].clone() for t in self._tables)
-            self._free = sorted(i for i in self._free if i < new)  # (a heap)
+        self.bias, self.counts, self.seen = (t[:new].clone() for t in self._tables)
+        self._free = sorted(i for i in self._free if i < new)  # (a heap)
+        self._trimmable_since = None
 
     @property
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

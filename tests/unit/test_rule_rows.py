@@ -31,7 +31,7 @@ from tests.unit.test_verify_rules import STRONG, _rules, reference_bend
 from verifier.kept_rules import keep_rules
 from verifier.round_rules import bend_by_rules
 from verifier.rounds import VerifierSeq
-from verifier.rule_rows import RuleRows, drop_slot
+from verifier.rule_rows import TRIM_DELAY_S, RuleRows, drop_slot
 from verifier.rules_graphs import RulesGraphs
 
 VOCAB = 64
@@ -226,12 +226,23 @@ def test_slots_go_back_when_rules_end_and_with_their_sequences() -> None:
     assert other.rule_slot is not None and other.rule_slot.index in (index, 1)
 
 
+class _Clock:
+    """Seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_tables_shrink_once_the_slots_in_use_sit_low() -> None:
     """A burst of 40 sequences grows the tables to 64 slots; `trim` keeps them while a slot in
     use sits in their upper three quarters, and halves them down to 8 once the slots in use
-    (the lowest two) sit in the lowest quarter: those keep their rows and indices, and the next
-    sequence takes the lowest free slot."""
-    rows = RuleRows(VOCAB, "cpu")
+    (the lowest two) have sat in the lowest quarter TRIM_DELAY_S: those keep their rows and
+    indices, and the next sequence takes the lowest free slot."""
+    clock = _Clock()
+    rows = RuleRows(VOCAB, "cpu", clock=clock)
     seqs = [VerifierSeq(f"s{i}", None) for i in range(40)]  # type: ignore[arg-type]
     slots = [rows.slot(seq) for seq in seqs]
     assert [slot.index for slot in slots] == list(range(1, 41)) and len(rows.bias) == 64
@@ -241,12 +252,44 @@ def test_the_tables_shrink_once_the_slots_in_use_sit_low() -> None:
     rows.trim()
     assert len(rows.bias) == 64 and rows.num_used == 3  # (slot 31 in use: past 64 / 4)
     drop_slot(seqs[30])
+    rows.trim()  # (trimmable from now)
+    clock.now += TRIM_DELAY_S - 0.5
+    rows.trim()
+    assert len(rows.bias) == 64
+    clock.now += 0.5
     rows.trim()
     assert len(rows.bias) == len(rows.counts) == len(rows.seen) == 8 and rows.num_used == 2
     tables = (rows.bias, rows.counts, rows.seen)
     assert rows.nbytes == sum(t.numel() * t.element_size() for t in tables)  # (the metric's)
     assert rows.counts[2, 5] == 3.0 and seqs[1].rule_slot is slots[1] and slots[1].index == 2
     assert rows.slot(VerifierSeq("new", None)).index == 3  # type: ignore[arg-type]
+    clock.now += 2 * TRIM_DELAY_S
+    rows.trim()
+    assert len(rows.bias) == 8
+
+
+def test_a_batch_that_leaves_and_comes_back_keeps_the_tables() -> None:
+    """A batch of 8 grows the tables to 16 slots; released and sent again within TRIM_DELAY_S,
+    it finds the same tables (their addresses are what the rules graphs hold, so a new table
+    would drop every graph): a slot taken past the lowest quarter restarts the delay, and a
+    trimmable spell only counts from the first `trim` that sees it."""
+    clock = _Clock()
+    rows = RuleRows(VOCAB, "cpu", clock=clock)
+    for _ in range(3):
+        batch = [VerifierSeq(f"s{i}", None) for i in range(8)]  # type: ignore[arg-type]
+        for seq in batch:
+            rows.slot(seq)
+        tables = rows.bias.data_ptr()
+        assert len(rows.bias) == 16
+        clock.now += TRIM_DELAY_S  # (a long batch: its slots were in use, not trimmable)
+        for seq in batch:
+            drop_slot(seq)
+        rows.trim()
+        assert rows.bias.data_ptr() == tables and rows.num_used == 0
+        clock.now += TRIM_DELAY_S / 2
+    rows.trim()  # (TRIM_DELAY_S / 2 since the last release found them trimmable)
+    assert len(rows.bias) == 16
+    clock.now += TRIM_DELAY_S / 2
     rows.trim()
     assert len(rows.bias) == 8
 
