@@ -170,7 +170,7 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
             max_query_len=lens[-1],
             features=self.graph_features,
         )
-        for q in lens:
+        for q in reversed(lens):  # (largest first: the smaller reuse the larger's pool blocks)
             self.graphs.capture(q)
         self.catch_up_lens = lens
 
