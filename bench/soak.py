@@ -4,7 +4,12 @@ them: no KV page used in either service, every completed greedy stream equal to 
 (the target alone: spec off), the services still serving.
 
     PYTHONPATH=. python bench/soak.py --streams 64 [--model PATH] [--max-new-tokens 32]
-        [--seed 0] [--device cpu]
+        [--seed 0] [--device cpu] [--mix]
+
+--mix: the prompts take the request options a server's clients mix (`FLAVOURS`, one a prompt
+in turn): logit rules (presence / frequency, repetition, a bias, min_tokens with a stop
+string), guides (a regex, any JSON object) and seeded sampling; each greedy one is compared
+with the target alone under the same options, a sampled one only has to end well.
 
 Runs `specsplit up` (the embedded default unless --model), its gateway on a free loopback port
 (the drafter and verifier on `up`'s Unix sockets, found in its log); `up` restarts
@@ -43,6 +48,7 @@ from specsplit.v1 import (
 )
 
 Kind = Literal["complete", "cancel", "bad"]
+Flavour = Callable[[gateway_pb2.GenerateRequest], None]
 TARGET_ONLY = common_pb2.SpecParams(num_steps=0, topk=1, num_draft_tokens=0)
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -62,6 +68,54 @@ CHAT_PROMPTS = [
     "What colour is grass?",
     "Recommend a book for children.",
 ]
+
+
+def _options(**fields: object) -> Flavour:
+    def apply(request: gateway_pb2.GenerateRequest) -> None:
+        for name, value in fields.items():
+            if isinstance(value, dict):
+                getattr(request, name).update(value)
+            elif isinstance(value, list):
+                getattr(request, name).extend(value)
+            elif isinstance(value, common_pb2.SamplingParams | gateway_pb2.Guide):
+                getattr(request, name).CopyFrom(value)
+            else:
+                setattr(request, name, value)
+
+    return apply
+
+
+# the request options `--mix` gives the prompts in turn, by name; "plain" first (the check
+# that the services still serve sends prompt 0). Token ids in the bias are below 500: in every
+# vocabulary here (the tests' tiny models' 512 too)
+FLAVOURS: dict[str, Flavour] = {
+    "plain": _options(),
+    "penalties": _options(presence_penalty=0.5, frequency_penalty=0.5),
+    "repetition": _options(repetition_penalty=1.3),
+    "bias": _options(logit_bias={13: 4.0, 17: -100.0, 29: 2.5}),
+    "min_tokens, stop": _options(min_tokens=6, stop=["."]),
+    "regex": _options(guide=gateway_pb2.Guide(regex=r"[A-Za-z ,]{1,24}\.")),
+    "json": _options(guide=gateway_pb2.Guide(json_object=True)),
+    "sampled": _options(sampling=common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=7)),
+}
+UNCHECKED = {"sampled"}  # not compared with the target alone: only the same distribution
+
+
+def flavoured(
+    prompts: list[gateway_pb2.GenerateRequest],
+) -> tuple[list[gateway_pb2.GenerateRequest], list[str]]:
+    """The prompts with `FLAVOURS` applied in turn (prompt i the i-th modulo their number), and
+    each one's flavour."""
+    names = list(FLAVOURS)
+    out, labels = [], []
+    for i, prompt in enumerate(prompts):
+        request = gateway_pb2.GenerateRequest()
+        request.CopyFrom(prompt)
+        name = names[i % len(names)]
+        FLAVOURS[name](request)
+        out.append(request)
+        labels.append(name)
+    return out, labels
 
 
 def _bad_requests(prompt: gateway_pb2.GenerateRequest) -> dict[str, gateway_pb2.GenerateRequest]:
@@ -144,6 +198,7 @@ class SoakReport:
     pages_after: dict[str, int] = field(default_factory=dict)
     still_serving: bool = False
     wall_s: float = 0.0
+    by_flavour: Counter[str] = field(default_factory=Counter)  # completed streams (--mix)
 
     def failures(self) -> list[str]:
         """What broke the soak's promises (empty: all held)."""
@@ -166,6 +221,7 @@ class SoakReport:
             ("streams", str(self.streams)),
             ("completed (equal to reference)", f"{self.completed - len(self.mismatched)}"),
             ("completed, differing", str(len(self.mismatched))),
+            ("completed, by flavour", _codes(self.by_flavour)),
             ("cancelled mid-stream", str(self.cancelled)),
             ("cancel planned, finished first", str(self.ended_before_cancel)),
             ("bad requests, by status", _codes(self.refused)),
@@ -212,10 +268,12 @@ async def soak(
     pages_used: Callable[[], Awaitable[dict[str, int]]],
     timeout_s: float = 600.0,
     settle_s: float = 20.0,
+    flavours: list[str] | None = None,
 ) -> SoakReport:
     """Run `plan` against the gateway; `kill_drafter` once half of the streams that are to
     produce tokens have their first one; then wait up to `settle_s` for both services' KV pages
-    to be free and check the gateway still serves."""
+    to be free and check the gateway still serves. `flavours`: each prompt's (`flavoured`);
+    those in UNCHECKED are not compared with `expected`."""
     report = SoakReport(streams=len(plan))
     num_streaming = sum(p.kind != "bad" for p in plan)
     started = asyncio.Event()  # half of them have their first token
@@ -248,7 +306,9 @@ async def soak(
                     report.ended_before_cancel += 1
                 if p.kind != "bad":
                     report.completed += 1
-                    if received != expected[p.prompt]:
+                    flavour = "plain" if flavours is None else flavours[p.prompt]
+                    report.by_flavour[flavour] += 1
+                    if flavour not in UNCHECKED and received != expected[p.prompt]:
                         report.mismatched.append(index)
         except grpc.aio.AioRpcError as err:
             (report.refused if p.kind == "bad" else report.errors)[err.code().name] += 1
@@ -360,7 +420,9 @@ async def main_async(args: argparse.Namespace) -> int:
             await up.wait_serving(900)
             async with grpc.aio.insecure_channel(up.address("gateway")) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
-                prompts = chat_prompts(args.max_new_tokens)
+                prompts, flavours = chat_prompts(args.max_new_tokens), None
+                if args.mix:
+                    prompts, flavours = flavoured(prompts)
                 expected = await references(stub, prompts)
                 plan = make_plan(args.streams, len(prompts), args.max_new_tokens, args.seed)
                 report = await soak(
@@ -371,6 +433,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     kill_drafter=None if args.no_kill else up.kill_drafter,
                     pages_used=up.pages_used,
                     settle_s=args.settle,
+                    flavours=flavours,
                 )
         finally:
             code = up.stop()
@@ -394,6 +457,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-kill", action="store_true", help="leave the drafter alone")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds for KV to be freed")
+    parser.add_argument("--mix", action="store_true", help="logit rules, guides and sampling")
     return parser.parse_args()
 
 

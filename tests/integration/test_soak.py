@@ -3,7 +3,9 @@ cancellations and bad requests, and the drafter "killed" once half of them are u
 through the gateway's real gRPC servicer on loopback over the in-process engines (a tiny random
 Llama, draft == target). The drafter's death is simulated as a process's: every call fails
 UNAVAILABLE, its KV is gone, and it comes back empty. Afterwards no KV page is used, every
-completed stream equals the target alone, and the gateway still serves."""
+completed stream equals the target alone, and the gateway still serves. The mixed form gives
+the prompts logit rules, guides and seeded sampling (bench/soak.py `FLAVOURS`): every greedy one
+equal to the target alone under the same options, no rules' slot or sequence left anywhere."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import make_plan, references, soak
+from bench.soak import FLAVOURS, flavoured, make_plan, references, soak
 from gateway.request import ModelInfo
 from gateway.servicer import GatewayServicer
 from inprocess.clients import LocalDrafterClient
@@ -73,8 +75,9 @@ def _prompts() -> list[gateway_pb2.GenerateRequest]:
     ]
 
 
+@pytest.mark.parametrize("mix", [False, True], ids=["plain", "mixed"])
 def test_soak_64_streams_cancellations_bad_requests_and_a_drafter_kill(
-    target_dir: Path, smollm2_tokenizer, one_torch_thread: None
+    target_dir: Path, smollm2_tokenizer, one_torch_thread: None, mix: bool
 ) -> None:
     stack = make_stack(target_dir, "model", smollm2_tokenizer, SpecParams(3, 1, 3), num_pages=1024)
     assert isinstance(stack.scheduler.drafter, LocalDrafterClient)
@@ -82,7 +85,11 @@ def test_soak_64_streams_cancellations_bad_requests_and_a_drafter_kill(
     stack.scheduler.drafter = drafter
     model = ModelInfo(smollm2_tokenizer, TINY_VOCAB, 512, eos_token_ids=(2,))
     servicer = GatewayServicer(model, stack.scheduler)
-    plan = make_plan(NUM_STREAMS, len(_prompts()), MAX_NEW_TOKENS, seed=3, spread_s=SPREAD_S)
+    prompts, flavours = _prompts(), None
+    if mix:
+        prompts, flavours = flavoured(prompts)
+    seed = 4 if mix else 3  # (seed 4's plan runs every prompt to its end at least once)
+    plan = make_plan(NUM_STREAMS, len(prompts), MAX_NEW_TOKENS, seed=seed, spread_s=SPREAD_S)
 
     async def pages_used() -> dict[str, int]:
         return {
@@ -92,16 +99,17 @@ def test_soak_64_streams_cancellations_bad_requests_and_a_drafter_kill(
 
     async def main() -> None:
         async with gateway_stub(stack, servicer) as stub:
-            expected = await references(stub, _prompts())
+            expected = await references(stub, prompts)
             report = await soak(
                 stub,
-                _prompts(),
+                prompts,
                 expected,
                 plan,
                 kill_drafter=lambda: drafter.kill(DRAFTER_DOWN_S),
                 pages_used=pages_used,
                 timeout_s=60,
                 settle_s=5,
+                flavours=flavours,
             )
         print(report.table())
         assert report.failures() == []
@@ -112,6 +120,8 @@ def test_soak_64_streams_cancellations_bad_requests_and_a_drafter_kill(
         assert report.cancelled > 0 and drafter.kills == 1
         assert drafter.drafts_after_restart > 0  # the gateway drafts with it again
         assert report.drafter_killed_after_s is not None
+        if mix:  # (every flavour ran to its end at least once)
+            assert set(report.by_flavour) == set(FLAVOURS), report.by_flavour
 
     asyncio.run(main())
     check_no_leaks(stack)
