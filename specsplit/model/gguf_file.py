@@ -1,0 +1,279 @@
+"""A GGUF file's weights read straight into a transformers-named state dict (`gguf_state_dict`),
+without building the transformers model: the header and metadata parsed once with `struct`
+over a memory map (`GGUFFile`), each tensor dequantized by the `gguf` package when it is read.
+
+transformers' own GGUF path (`from_pretrained(gguf_file=...)`) parses the metadata twice with
+`gguf.GGUFReader` (~1.7 s each for SmolLM2's 49k-token vocabulary: a numpy view per string),
+rebuilds a tensor name map for each of the model's modules and allocates a model in `dtype` to
+copy the tensors into: the embedded default took ~11 s to load on the 2-core VM, ~16 s in each
+of `up`'s three processes at once (bench/RESULTS.md). The tensors here are the same: the
+same dequantization, and the query / key rows put back in the checkpoint's order as
+transformers does for the `llama` architecture (llama.cpp's converter interleaves each head's
+rotary halves; tests/unit/test_gguf_file.py compares every tensor with transformers').
+
+Covers the architectures whose config ModelConfig supports: `llama` (Llama, SmolLM2 and
+Mistral, which llama.cpp writes as `llama`), `qwen2`, `qwen3`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED = ("llama",)  # architectures whose q / k rows llama.cpp's converter permuted
+
+# GGUF metadata value types (gguf.GGUFValueType): struct formats of the scalar ones
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
+_SCALARS |= {11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
+_NUMPY |= {10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+# GGUF metadata keys -> transformers' config keys, as transformers maps them for these
+# architectures (its GGUF_CONFIG_MAPPING): "{architecture}." + key, then the tokenizer's ids
+_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_HEAD_DIM = {"llama": "rope.dimension_count"}  # (transformers ignores it for qwen2 / qwen3)
+_TOKEN_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+# GGUF tensor names -> transformers' (per layer: "blk.{i}." -> "model.layers.{i}.")
+_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # transformers' order (GGUF lists the fastest dimension first)
+    qtype: GGMLQuantizationType
+    offset: int  # from the start of the file
+
+
+class _Cursor:
+    """Reads GGUF's little-endian fields from a buffer, in order."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        raw = bytes(self.buffer[self.pos : self.pos + length])
+        self.pos += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            if item_type in _NUMPY:  # numbers: one view, copied out of the map
+                dtype = np.dtype(_NUMPY[item_type])
+                items = np.frombuffer(self.buffer, dtype, count, self.pos).copy()
+                self.pos += count * dtype.itemsize
+                return items.tolist()
+            return [self.value(item_type) for _ in range(count)]
+        if value_type not in _SCALARS:
+            raise ValueError(f"GGUF: unknown metadata value type {value_type}")
+        return self.scalar(_SCALARS[value_type])
+
+
+class GGUFFile:
+    """A GGUF file's metadata (`metadata`: key -> value) and tensor infos (`tensors`, by GGUF
+    name), the tensors read from a read-only memory map (`array`: dequantized, float32 for the
+    quantized types, as stored for F32 / F16 / BF16). Use as a context manager (closes the map)."""
+
+    def __init__(self, path: str) -> None:
+        self._file: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._view = memoryview(self._map)
+        cursor = _Cursor(self._view)
+        if bytes(self._view[:4]) != MAGIC:
+            self.close()
+            raise ValueError(f"{path}: not a GGUF file")
+        cursor.pos = 4
+        version = cursor.scalar("<I")
+        num_tensors, num_keys = cursor.scalar("<Q"), cursor.scalar("<Q")
+        if version < 2:
+            self.close()
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and later)")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_keys):
+            key = cursor.string()
+            self.metadata[key] = cursor.value(cursor.scalar("<I"))
+        infos = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            qtype, offset = GGMLQuantizationType(cursor.scalar("<I")), cursor.scalar("<Q")
+            infos.append((name, tuple(reversed(dims)), qtype, offset))
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        start = -(-cursor.pos // alignment) * alignment
+        self.tensors = {
+            name: TensorInfo(name, shape, qtype, start + offset)
+            for name, shape, qtype, offset in infos
+        }
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's stored bytes (quantized types) or values, shaped as GGUF rows: [..., row
+        bytes] for the quantized types (what `gguf.dequantize` takes), else `shape`."""
+        block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+        count = int(np.prod(info.shape))
+        nbytes = count // block_size * type_size
+        data = np.frombuffer(self._view, np.uint8, nbytes, info.offset)
+        if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            dtype = np.float32 if info.qtype == GGMLQuantizationType.F32 else np.float16
+            return data.view(dtype).reshape(info.shape)
+        return data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+
+    def array(self, info: TensorInfo) -> np.ndarray:
+        """The tensor dequantized, in `info.shape` (a new array, not a view of the map)."""
+        raw = self.raw(info)
+        if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return np.array(raw)
+        return dequantize(raw, info.qtype).reshape(info.shape)
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        self._file.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def hf_config(file: GGUFFile) -> Any:
+    """The transformers config transformers builds from this file's metadata (its
+    `load_gguf_checkpoint`'s, for these architectures), without parsing the file again: the
+    mapped keys, the tokenizer's special ids, the vocabulary's size from its tokens where the
+    file names none, tied embeddings where it has no `output.weight`; a `llama` file named
+    "mistral" is a Mistral."""
+    from transformers import AutoConfig
+
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {ARCHITECTURES}")
+    meta = file.metadata
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    config: dict[str, Any] = {"model_type": model_type}
+    if "general.name" in meta:
+        config["_model_name_or_path"] = meta["general.name"]
+    config["tie_word_embeddings"] = "output.weight" not in file.tensors
+    keys = dict(_CONFIG)
+    if arch in _HEAD_DIM:
+        keys[_HEAD_DIM[arch]] = "head_dim"
+    for key, name in keys.items():
+        if f"{arch}.{key}" in meta:
+            config[name] = meta[f"{arch}.{key}"]
+    for key, name in _TOKEN_IDS.items():
+        if key in meta:
+            config[name] = meta[key]
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
+        config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    return AutoConfig.for_model(**config)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' name of a GGUF tensor (None: none of ours, e.g. rope_freqs)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A q or k projection's rows (or bias) in the checkpoint's order: llama.cpp's converter
+    stores each head's [2, head_dim / 2] rotary halves interleaved as [head_dim / 2, 2]."""
+    half = weights.shape[0] // num_heads // 2
+    rows = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return rows.transpose(1, 2).reshape(weights.shape)
+
+
+class GGUFStateDict(Mapping[str, torch.Tensor]):
+    """A GGUF file's tensors by transformers' names, each dequantized (float32, or F16's float16)
+    when read, q / k rows in the checkpoint's order (`unpermute_rows`, the `llama`
+    architecture). Reading a tensor once is the point: `state_dict_from_hf` casts and moves each
+    as it reads it, so no whole float32 copy of the model is ever held."""
+
+    def __init__(self, file: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
+        if file.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {file.architecture!r} is not supported; supported: "
+                f"{ARCHITECTURES}"
+            )
+        self.file = file
+        self.permuted = file.architecture in PERMUTED
+        self.heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+        self._infos = {}
+        for info in file.tensors.values():
+            name = hf_name(info.name)
+            if name is not None:
+                self._infos[name] = info
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = torch.from_numpy(self.file.array(self._infos[name]))
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]  # e.g. "self_attn.q_proj"
+        if self.permuted and module in self.heads:
+            tensor = unpermute_rows(tensor, self.heads[module])
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)

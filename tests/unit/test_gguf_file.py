@@ -1,0 +1,192 @@
+"""specsplit/model/gguf_file.py against transformers' GGUF path, the reference: the same metadata
+as gguf's own reader (the embedded GGUF), the same config and bit-equal tensors as transformers'
+model gives (`state_dict_from_hf` over `AutoModelForCausalLM.from_pretrained(gguf_file=...)`;
+the embedded GGUF's in tests/unit/test_loader.py) on small files written here for each
+architecture: Llama with grouped KV heads (its q / k rows permuted by llama.cpp's converter),
+a Llama named "mistral" (a Mistral), Qwen2 (q / k / v biases) and Qwen3 (q / k norms), in F32,
+F16, Q8_0 and Q4_1, with and without a separate output matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quantize
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specsplit.model.config import ModelConfig
+from specsplit.model.gguf_file import GGUFFile, hf_name, unpermute_rows
+from specsplit.model.llama import state_dict_from_hf
+from specsplit.model.loader import (
+    embedded_default_model_path,
+    from_pretrained_args,
+    load_config,
+    load_model,
+)
+
+Q = GGMLQuantizationType
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 128
+
+
+def _reference(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """transformers' model of the file, renamed and fused as `load_model` did before."""
+    name, kwargs = from_pretrained_args(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
+    config = ModelConfig.from_hf(hf_model.config, hf_model.generation_config)
+    return config, state_dict_from_hf(config, hf_model.state_dict(), torch.float32, "cpu")
+
+
+def _assert_loads_as_transformers(path: str) -> None:
+    config, expected = _reference(path)
+    model, loaded = load_model(path, torch.float32, "cpu")
+    assert loaded == config and load_config(path) == config
+    state = model.state_dict()
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
+
+
+def _write(
+    path: Path, arch: str, qtype: Q, *, tied: bool, bias: bool = False, qk_norm: bool = False,
+    name: str = "tiny", head_dim: int = HIDDEN // HEADS,
+) -> str:  # fmt: skip
+    """A small random checkpoint as llama.cpp's converter writes one (q / k rows permuted for
+    `llama`), its layer matrices in `qtype`, norms and biases in F32. (transformers takes a
+    Qwen3's head_dim from its config class, 128, not from the file.)"""
+    rng = np.random.default_rng(7)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(50_000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
+
+    def matrix(tensor_name: str, rows: int, cols: int, heads: int = 0) -> None:
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.1
+        if heads and arch == "llama":  # llama.cpp's permute: [heads, 2, half] -> [heads, half, 2]
+            w = w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+        if qtype == Q.F32:
+            writer.add_tensor(tensor_name, w)
+        elif qtype == Q.F16:
+            writer.add_tensor(tensor_name, w.astype(np.float16))
+        else:
+            writer.add_tensor(tensor_name, quantize(w, qtype), raw_dtype=qtype)
+
+    def vector(tensor_name: str, size: int) -> None:
+        writer.add_tensor(tensor_name, 1.0 + rng.standard_normal(size, dtype=np.float32) * 0.1)
+
+    matrix("token_embd.weight", VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        blk = f"blk.{i}."
+        vector(blk + "attn_norm.weight", HIDDEN)
+        matrix(blk + "attn_q.weight", q_rows, HIDDEN, HEADS)
+        matrix(blk + "attn_k.weight", kv_rows, HIDDEN, KV_HEADS)
+        matrix(blk + "attn_v.weight", kv_rows, HIDDEN)
+        matrix(blk + "attn_output.weight", HIDDEN, q_rows)
+        if bias:
+            for part, size in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                vector(f"{blk}attn_{part}.bias", size)
+        if qk_norm:
+            vector(blk + "attn_q_norm.weight", head_dim)
+            vector(blk + "attn_k_norm.weight", head_dim)
+        vector(blk + "ffn_norm.weight", HIDDEN)
+        matrix(blk + "ffn_gate.weight", FFN, HIDDEN)
+        matrix(blk + "ffn_up.weight", FFN, HIDDEN)
+        matrix(blk + "ffn_down.weight", HIDDEN, FFN)
+    vector("output_norm.weight", HIDDEN)
+    if not tied:
+        matrix("output.weight", VOCAB, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype", "tied", "options"),
+    [
+        ("llama", Q.F32, False, {}),
+        ("llama", Q.Q8_0, True, {}),
+        ("qwen2", Q.Q4_1, False, {"bias": True}),
+        ("qwen3", Q.Q8_0, True, {"qk_norm": True, "head_dim": 128}),
+    ],
+    ids=["llama-f32", "llama-q8_0-tied", "qwen2-q4_1-bias", "qwen3-q8_0-qk-norm"],
+)
+def test_each_architecture_loads_as_transformers_loads_it(
+    tmp_path: Path, arch: str, qtype: Q, tied: bool, options: dict[str, object]
+) -> None:
+    path = _write(tmp_path / "model.gguf", arch, qtype, tied=tied, **options)  # type: ignore[arg-type]
+    _assert_loads_as_transformers(path)
+
+
+def test_a_llama_file_named_mistral_is_a_mistral_with_llamas_tensors(tmp_path: Path) -> None:
+    """transformers' config of it is a Mistral's (its model does not load: gguf-py knows no
+    "mistral" tensor names); the tensors are those of the same file named otherwise."""
+    mistral = _write(tmp_path / "mistral.gguf", "llama", Q.F16, tied=False, name="mistral")
+    llama = _write(tmp_path / "llama.gguf", "llama", Q.F16, tied=False)
+    name, kwargs = from_pretrained_args(mistral)
+    expected = ModelConfig.from_hf(AutoConfig.from_pretrained(name, **kwargs))
+    assert load_config(mistral) == expected and expected.model_type == "mistral"
+    _, tensors = _reference(llama)
+    model, _ = load_model(mistral, torch.float32, "cpu")
+    assert all(torch.equal(model.state_dict()[k], t) for k, t in tensors.items())
+
+
+def test_the_metadata_and_tensor_infos_are_ggufs_own_readers() -> None:
+    """Every key's value and every tensor's shape, type and data as gguf.GGUFReader reads them
+    (the reader adds the header's counts as GGUF.* fields)."""
+    path = embedded_default_model_path()
+    reader = GGUFReader(path)
+    with GGUFFile(path) as file:
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert file.metadata == fields
+        assert len(file.tensors) == len(reader.tensors)
+        for tensor in reader.tensors:
+            info = file.tensors[tensor.name]
+            assert info.qtype == tensor.tensor_type and info.offset == tensor.data_offset
+            assert info.shape == tuple(int(d) for d in reversed(tensor.shape))
+            assert np.array_equal(file.raw(info), tensor.data), tensor.name
+
+
+def test_unpermute_rows_undoes_llama_cpps_permute() -> None:
+    heads, head_dim = 3, 8
+    original = torch.arange(heads * head_dim * 2, dtype=torch.float32).reshape(heads * head_dim, 2)
+    permuted = original.reshape(heads, 2, head_dim // 2, 2).transpose(1, 2).reshape(-1, 2)
+    assert not torch.equal(permuted, original)
+    assert torch.equal(unpermute_rows(permuted, heads), original)
+
+
+def test_names_map_to_transformers_and_others_are_left_out() -> None:
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.11.attn_k.bias") == "model.layers.11.self_attn.k_proj.bias"
+    assert hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
+    assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+def test_a_file_that_is_not_gguf_or_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(str(bad))
+    other = tmp_path / "other.gguf"
+    writer = GGUFWriter(str(other), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        load_config(str(other))
