@@ -183,8 +183,11 @@ class GGUFFile:
         return dequantize(raw, info.qtype).reshape(info.shape)
 
     def close(self) -> None:
-        self._view.release()
-        self._map.close()
+        try:
+            self._view.release()
+            self._map.close()
+        except BufferError:  # an array from `raw` still views the map: it goes when collected
+            pass
         self._file.close()
 
     def __enter__(self) -> GGUFFile:

@@ -159,6 +159,13 @@ def test_the_metadata_and_tensor_infos_are_ggufs_own_readers() -> None:
             assert np.array_equal(file.raw(info), tensor.data), tensor.name
 
 
+def test_closing_while_a_raw_view_is_held_leaves_the_view_readable() -> None:
+    with GGUFFile(embedded_default_model_path()) as file:
+        info = file.tensors["output_norm.weight"]
+        held, expected = file.raw(info), file.array(info)
+    assert np.array_equal(held, expected)
+
+
 def test_unpermute_rows_undoes_llama_cpps_permute() -> None:
     heads, head_dim = 3, 8
     original = torch.arange(heads * head_dim * 2, dtype=torch.float32).reshape(heads * head_dim, 2)
