@@ -126,7 +126,8 @@ class _Cursor:
 class GGUFFile:
     """A GGUF file's metadata (`metadata`: key -> value) and tensor infos (`tensors`, by GGUF
     name), the tensors read from a read-only memory map (`array`: dequantized, float32 for the
-    quantized types, as stored for F32 / F16 / BF16). Use as a context manager (closes the map)."""
+    quantized types and BF16, as stored for F32 / F16). Use as a context manager (closes the
+    map)."""
 
     def __init__(self, path: str) -> None:
         self._file: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed by close())

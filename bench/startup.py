@@ -1,0 +1,112 @@
+"""Start-up cost: loading a checkpoint and `specsplit up`'s time to serve.
+
+Each step runs in a fresh Python process (the first imports and lazy initialisations are part
+of what a service pays), --repeat times in turn; the baseline, transformers' own model of the
+checkpoint (`AutoModelForCausalLM.from_pretrained`, which is what `load_model` read a GGUF file
+through before specsplit/model/gguf_file.py), is measured in the same run:
+
+    PYTHONPATH=. python bench/startup.py [--model PATH] [--repeat 2] [--up]
+
+--up: also `specsplit up` on the model (CPU, embedded default unless --model), seconds from
+launch to the gateway's SERVING, and its drafter's and verifier's "ready after" lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEPS = {
+    "transformers model (baseline)": (
+        "from transformers import AutoModelForCausalLM\n"
+        "from specsplit.model.loader import from_pretrained_args\n"
+        "name, kwargs = from_pretrained_args(PATH)\n"
+        "AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)"
+    ),
+    "load_model": (
+        "from specsplit.model.loader import load_model\nload_model(PATH, torch.float32, 'cpu')"
+    ),
+    "load_config": "from specsplit.model.loader import load_config\nload_config(PATH)",
+    "load_tokenizer": "from specsplit.model.loader import load_tokenizer\nload_tokenizer(PATH)",
+}
+_TIMED = """
+import time, torch
+PATH = {path!r}
+start = time.perf_counter()
+{body}
+print("SECONDS", time.perf_counter() - start)
+"""
+
+
+def time_step(body: str, path: str) -> float:
+    """Seconds `body` takes in a fresh process (its imports included, Python's start not)."""
+    code = _TIMED.format(path=path, body=body)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_env()
+    )
+    return float(re.findall(r"SECONDS (\S+)", out.stdout)[-1])
+
+
+def time_up(model: str | None) -> tuple[float, str]:
+    """Seconds from launching `specsplit up` to its gateway's SERVING, and the services'
+    "ready after" lines."""
+    argv = [sys.executable, "-m", "specsplit.cli", "up", "--http-listen", "none"]
+    argv += ["--metrics-listen", "none"] + (["--model", model] if model else [])
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=_env())
+        try:
+            while "Gateway SERVING" not in Path(log.name).read_text(errors="replace"):
+                if proc.poll() is not None or time.monotonic() - start > 600:
+                    raise RuntimeError(f"up did not serve: {Path(log.name).read_text()[-2000:]}")
+                time.sleep(0.05)
+            seconds = time.monotonic() - start
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+        ready = re.findall(r"(\w+): ready after ([\d.]+ s)", Path(log.name).read_text())
+    return seconds, ", ".join(f"{name} {after}" for name, after in ready)
+
+
+def _env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded GGUF)")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--up", action="store_true", help="also time `specsplit up`")
+    args = parser.parse_args()
+    from specsplit.model.loader import embedded_default_model_path
+
+    path = args.model or embedded_default_model_path()
+    times: dict[str, list[float]] = {name: [] for name in STEPS}
+    for _ in range(args.repeat):  # (the steps in turn, so that drift hits them alike)
+        for name, body in STEPS.items():
+            times[name].append(time_step(body, path))
+    print(f"{path}, {args.repeat} runs each, fresh processes, seconds (median; runs)")
+    baseline = statistics.median(times["transformers model (baseline)"])
+    for name, runs in times.items():
+        median = statistics.median(runs)
+        shown = ", ".join(f"{t:.2f}" for t in runs)
+        print(f"  {name:<30} {median:6.2f}  ({shown}; baseline / this {baseline / median:.1f}x)")
+    if args.up:
+        for _ in range(args.repeat):
+            seconds, ready = time_up(args.model)
+            print(f"  specsplit up to SERVING        {seconds:6.2f}  ({ready})")
+
+
+if __name__ == "__main__":
+    main()
