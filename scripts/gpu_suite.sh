@@ -14,7 +14,7 @@
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
-#       [drafter-warmup]
+#       [drafter-warmup] [drafter-warmup-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -878,6 +878,11 @@ for part in "${parts[@]}"; do
       # shipped head; bench/drafter_warmup.py)
       random_smollm2
       run drafter_warmup python3 bench/drafter_warmup.py --target /tmp/smollm2_random ;;
+    drafter-warmup-ab)  # drafter-warmup in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in
+      # this tree, on one machine (the old first, so it fills the compile caches: compare the
+      # reserved memory, not the seconds)
+      random_smollm2
+      in_trees "old new" drafter_warmup python3 bench/drafter_warmup.py --target /tmp/smollm2_random ;;
     graph-memory-ab)  # bench/graph_memory.py (the verifier's warm-up: seconds, memory its graphs
       # keep) in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in this tree, on one machine
       random_smollm2
