@@ -217,9 +217,14 @@ class SoakReport:
 
     def table(self) -> str:
         killed = self.drafter_killed_after_s
+        unchecked = sum(self.by_flavour[name] for name in UNCHECKED)
         rows = [
             ("streams", str(self.streams)),
-            ("completed (equal to reference)", f"{self.completed - len(self.mismatched)}"),
+            (
+                "completed (equal to reference)",
+                f"{self.completed - len(self.mismatched) - unchecked}",
+            ),
+            ("completed, not compared", f"{unchecked} ({', '.join(sorted(UNCHECKED))})"),
             ("completed, differing", str(len(self.mismatched))),
             ("completed, by flavour", _codes(self.by_flavour)),
             ("cancelled mid-stream", str(self.cancelled)),
