@@ -4,7 +4,7 @@ model gives (`state_dict_from_hf` over `AutoModelForCausalLM.from_pretrained(ggu
 the embedded GGUF's in tests/unit/test_loader.py) on small files written here for each
 architecture: Llama with grouped KV heads (its q / k rows permuted by llama.cpp's converter),
 a Llama named "mistral" (a Mistral), Qwen2 (q / k / v biases) and Qwen3 (q / k norms), in F32,
-F16, Q8_0 and Q4_1, with and without a separate output matrix."""
+F16, BF16, Q8_0, Q5_1 and Q4_1, with and without a separate output matrix."""
 
 from __future__ import annotations
 
@@ -118,10 +118,19 @@ def _write(
     [
         ("llama", Q.F32, False, {}),
         ("llama", Q.Q8_0, True, {}),
+        ("llama", Q.BF16, False, {}),
+        ("llama", Q.Q5_1, True, {}),
         ("qwen2", Q.Q4_1, False, {"bias": True}),
         ("qwen3", Q.Q8_0, True, {"qk_norm": True, "head_dim": 128}),
     ],
-    ids=["llama-f32", "llama-q8_0-tied", "qwen2-q4_1-bias", "qwen3-q8_0-qk-norm"],
+    ids=[
+        "llama-f32",
+        "llama-q8_0-tied",
+        "llama-bf16",
+        "llama-q5_1-tied",
+        "qwen2-q4_1-bias",
+        "qwen3-q8_0-qk-norm",
+    ],
 )
 def test_each_architecture_loads_as_transformers_loads_it(
     tmp_path: Path, arch: str, qtype: Q, tied: bool, options: dict[str, object]
