@@ -4,7 +4,7 @@ model gives (`state_dict_from_hf` over `AutoModelForCausalLM.from_pretrained(ggu
 the embedded GGUF's in tests/unit/test_loader.py) on small files written here for each
 architecture: Llama with grouped KV heads (its q / k rows permuted by llama.cpp's converter),
 a Llama named "mistral" (a Mistral), Qwen2 (q / k / v biases) and Qwen3 (q / k norms), in F32,
-F16, BF16, Q8_0, Q5_1 and Q4_1, with and without a separate output matrix."""
+F16, BF16, Q8_0, Q5_1, Q4_1 and the K types, with and without a separate output matrix."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specsplit.model.config import ModelConfig
@@ -48,20 +48,38 @@ def _assert_loads_as_transformers(path: str) -> None:
         assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
 
 
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.ndarray:
+    """[rows, row bytes] of K-type blocks: random bits, the float16 scales small and finite
+    (Q4_K / Q5_K: d and dmin first; Q6_K: d last)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    scale = np.full(len(blocks), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == Q.Q6_K:
+        blocks[:, -2:] = scale
+    else:
+        blocks[:, 0:2] = scale
+        blocks[:, 2:4] = scale // 2
+    return blocks.reshape(rows, cols // block_size * type_size)
+
+
 def _write(
     path: Path, arch: str, qtype: Q, *, tied: bool, bias: bool = False, qk_norm: bool = False,
-    name: str = "tiny", head_dim: int = HIDDEN // HEADS,
+    name: str = "tiny", head_dim: int = HIDDEN // HEADS, hidden: int = HIDDEN, ffn: int = FFN,
 ) -> str:  # fmt: skip
     """A small random checkpoint as llama.cpp's converter writes one (q / k rows permuted for
     `llama`), its layer matrices in `qtype`, norms and biases in F32. (transformers takes a
-    Qwen3's head_dim from its config class, 128, not from the file.)"""
+    Qwen3's head_dim from its config class, 128, not from the file.) gguf cannot quantize to
+    the K types: their blocks are random bytes with small scales (`_k_blocks`)."""
     rng = np.random.default_rng(7)
     writer = GGUFWriter(str(path), arch)
     writer.add_name(name)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(50_000.0)
@@ -72,6 +90,9 @@ def _write(
     q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
 
     def matrix(tensor_name: str, rows: int, cols: int, heads: int = 0) -> None:
+        if qtype in K_QUANTS:
+            writer.add_tensor(tensor_name, _k_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+            return
         w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.1
         if heads and arch == "llama":  # llama.cpp's permute: [heads, 2, half] -> [heads, half, 2]
             w = w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
@@ -85,27 +106,27 @@ def _write(
     def vector(tensor_name: str, size: int) -> None:
         writer.add_tensor(tensor_name, 1.0 + rng.standard_normal(size, dtype=np.float32) * 0.1)
 
-    matrix("token_embd.weight", VOCAB, HIDDEN)
+    matrix("token_embd.weight", VOCAB, hidden)
     for i in range(LAYERS):
         blk = f"blk.{i}."
-        vector(blk + "attn_norm.weight", HIDDEN)
-        matrix(blk + "attn_q.weight", q_rows, HIDDEN, HEADS)
-        matrix(blk + "attn_k.weight", kv_rows, HIDDEN, KV_HEADS)
-        matrix(blk + "attn_v.weight", kv_rows, HIDDEN)
-        matrix(blk + "attn_output.weight", HIDDEN, q_rows)
+        vector(blk + "attn_norm.weight", hidden)
+        matrix(blk + "attn_q.weight", q_rows, hidden, HEADS)
+        matrix(blk + "attn_k.weight", kv_rows, hidden, KV_HEADS)
+        matrix(blk + "attn_v.weight", kv_rows, hidden)
+        matrix(blk + "attn_output.weight", hidden, q_rows)
         if bias:
             for part, size in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 vector(f"{blk}attn_{part}.bias", size)
         if qk_norm:
             vector(blk + "attn_q_norm.weight", head_dim)
             vector(blk + "attn_k_norm.weight", head_dim)
-        vector(blk + "ffn_norm.weight", HIDDEN)
-        matrix(blk + "ffn_gate.weight", FFN, HIDDEN)
-        matrix(blk + "ffn_up.weight", FFN, HIDDEN)
-        matrix(blk + "ffn_down.weight", HIDDEN, FFN)
-    vector("output_norm.weight", HIDDEN)
+        vector(blk + "ffn_norm.weight", hidden)
+        matrix(blk + "ffn_gate.weight", ffn, hidden)
+        matrix(blk + "ffn_up.weight", ffn, hidden)
+        matrix(blk + "ffn_down.weight", hidden, ffn)
+    vector("output_norm.weight", hidden)
     if not tied:
-        matrix("output.weight", VOCAB, HIDDEN)
+        matrix("output.weight", VOCAB, hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -136,6 +157,13 @@ def test_each_architecture_loads_as_transformers_loads_it(
     tmp_path: Path, arch: str, qtype: Q, tied: bool, options: dict[str, object]
 ) -> None:
     path = _write(tmp_path / "model.gguf", arch, qtype, tied=tied, **options)  # type: ignore[arg-type]
+    _assert_loads_as_transformers(path)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_k_quantized_files_load_as_transformers_loads_them(tmp_path: Path, qtype: Q) -> None:
+    """The types most GGUF files use (Q4_K_M holds Q4_K and Q6_K): 256-weight blocks."""
+    path = _write(tmp_path / "k.gguf", "llama", qtype, tied=False, head_dim=64, hidden=256, ffn=512)
     _assert_loads_as_transformers(path)
 
 
