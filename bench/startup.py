@@ -8,7 +8,8 @@ through before specsplit/model/gguf_file.py), is measured in the same run:
     PYTHONPATH=. python bench/startup.py [--model PATH] [--repeat 2] [--up]
 
 --up: also `specsplit up` on the model (CPU, embedded default unless --model), seconds from
-launch to the gateway's SERVING, and its drafter's and verifier's "ready after" lines.
+launch to the gateway's SERVING, and its drafter's and verifier's "ready after" lines: once
+converting the GGUF's tokenizer, then --repeat times reading it from the cache the first kept.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+_TOKENIZER = "from specsplit.model.loader import load_tokenizer\nload_tokenizer(PATH)"
 STEPS = {
     "transformers model (baseline)": (
         "from transformers import AutoModelForCausalLM\n"
@@ -35,7 +37,10 @@ STEPS = {
         "from specsplit.model.loader import load_model\nload_model(PATH, torch.float32, 'cpu')"
     ),
     "load_config": "from specsplit.model.loader import load_config\nload_config(PATH)",
-    "load_tokenizer": "from specsplit.model.loader import load_tokenizer\nload_tokenizer(PATH)",
+    # (each step runs with $SPECSPLIT_CACHE_DIR a new empty directory, but "cached": the
+    # previous step's, which kept the tokenizer)
+    "load_tokenizer, converting": _TOKENIZER,
+    "load_tokenizer, cached": _TOKENIZER,
 }
 _TIMED = """
 import time, torch
@@ -46,23 +51,26 @@ print("SECONDS", time.perf_counter() - start)
 """
 
 
-def time_step(body: str, path: str) -> float:
-    """Seconds `body` takes in a fresh process (its imports included, Python's start not)."""
+def time_step(body: str, path: str, cache_dir: str) -> float:
+    """Seconds `body` takes in a fresh process (its imports included, Python's start not),
+    its caches (specsplit/model/tokenizer_cache.py) in `cache_dir`."""
     code = _TIMED.format(path=path, body=body)
+    env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_env()
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     return float(re.findall(r"SECONDS (\S+)", out.stdout)[-1])
 
 
-def time_up(model: str | None) -> tuple[float, str]:
-    """Seconds from launching `specsplit up` to its gateway's SERVING, and the services'
-    "ready after" lines."""
+def time_up(model: str | None, cache_dir: str) -> tuple[float, str]:
+    """Seconds from launching `specsplit up` (its caches in `cache_dir`) to its gateway's
+    SERVING, and the services' "ready after" lines."""
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--http-listen", "none"]
     argv += ["--metrics-listen", "none"] + (["--model", model] if model else [])
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         start = time.monotonic()
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=_env())
+        env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir}
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env)
         try:
             while "Gateway SERVING" not in Path(log.name).read_text(errors="replace"):
                 if proc.poll() is not None or time.monotonic() - start > 600:
@@ -93,19 +101,23 @@ def main() -> None:
 
     path = args.model or embedded_default_model_path()
     times: dict[str, list[float]] = {name: [] for name in STEPS}
-    for _ in range(args.repeat):  # (the steps in turn, so that drift hits them alike)
-        for name, body in STEPS.items():
-            times[name].append(time_step(body, path))
+    with tempfile.TemporaryDirectory() as root:
+        for turn in range(args.repeat):  # (the steps in turn, so that drift hits them alike)
+            for i, (name, body) in enumerate(STEPS.items()):
+                cache_dir = os.path.join(root, f"{turn}-{i - (name.endswith('cached'))}")
+                times[name].append(time_step(body, path, cache_dir))
     print(f"{path}, {args.repeat} runs each, fresh processes, seconds (median; runs)")
     baseline = statistics.median(times["transformers model (baseline)"])
     for name, runs in times.items():
         median = statistics.median(runs)
         shown = ", ".join(f"{t:.2f}" for t in runs)
         print(f"  {name:<30} {median:6.2f}  ({shown}; baseline / this {baseline / median:.1f}x)")
-    if args.up:
-        for _ in range(args.repeat):
-            seconds, ready = time_up(args.model)
-            print(f"  specsplit up to SERVING        {seconds:6.2f}  ({ready})")
+    if args.up:  # (the first `up` keeps the tokenizer, the next ones read it)
+        with tempfile.TemporaryDirectory() as cache_dir:
+            for turn in range(args.repeat + 1):
+                seconds, ready = time_up(args.model, cache_dir)
+                kept = "cached" if turn else "converting"
+                print(f"  specsplit up to SERVING ({kept}) {seconds:6.2f}  ({ready})")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,19 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tokenizer cache (specsplit/model/tokenizer_cache.py) of the services the tests
+    start kept in the session's temporary directory, not the user's ~/.cache."""
+    before = os.environ.get("SPECSPLIT_CACHE_DIR")
+    os.environ["SPECSPLIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specsplit-cache"))
+    yield
+    if before is None:
+        del os.environ["SPECSPLIT_CACHE_DIR"]
+    else:
+        os.environ["SPECSPLIT_CACHE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def no_kv_pages_leak(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from specsplit.model.config import ModelConfig
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, hf_config
 from specsplit.model.llama import LlamaModel, state_dict_from_hf
+from specsplit.model.tokenizer_cache import cached_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,11 @@ def load_config(path: str) -> ModelConfig:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer (AutoTokenizer; read from the GGUF metadata for a .gguf)."""
+    """The checkpoint's tokenizer (AutoTokenizer; for a .gguf converted from its metadata once,
+    then read from specsplit/model/tokenizer_cache.py's entry)."""
     name, kwargs = from_pretrained_args(path)
+    if _is_gguf(path):
+        return cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(name, **kwargs))
     return AutoTokenizer.from_pretrained(name, **kwargs)
 
 

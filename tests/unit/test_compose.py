@@ -765,9 +765,10 @@ def test_the_image_lets_its_user_bind_the_socket_volume(base: dict[str, Any]) ->
 
 
 def test_the_compile_caches_live_in_a_volume_the_user_owns(base: dict[str, Any]) -> None:
-    """The image points Triton's and torch.compile's caches into one directory it makes and gives
-    to its user, and each of our services mounts a named volume there: a new container's warm-up
-    finds the kernels and graphs the last one built."""
+    """The image points Triton's, torch.compile's and our own caches into one directory it makes
+    and gives to its user, and each of our services mounts a named volume there: a new
+    container's warm-up finds the kernels and graphs the last one built, its gateway the GGUF
+    model's tokenizer."""
     env = dict(
         item.split("=", 1)
         for word, rest in dockerfile()
@@ -776,6 +777,7 @@ def test_the_compile_caches_live_in_a_volume_the_user_owns(base: dict[str, Any])
     )
     directory = str(Path(env["TRITON_CACHE_DIR"]).parent)
     assert str(Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent) == directory
+    assert env["SPECSPLIT_CACHE_DIR"] == directory  # (a GGUF model's tokenizer too)
     assert_made_for_the_user(directory)
     for name in SPECSPLIT_SERVICES:
         mounts = [m.split(":") for m in base["services"][name]["volumes"]]
