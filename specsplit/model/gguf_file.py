@@ -39,6 +39,8 @@ _SCALARS |= {11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
 _NUMPY |= {10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+# tensor types read as stored (the others dequantized to float32 by gguf)
+_AS_STORED = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 
 # GGUF metadata keys -> transformers' config keys, as transformers maps them for these
 # architectures (its GGUF_CONFIG_MAPPING): "{architecture}." + key, then the tokenizer's ids
@@ -165,6 +167,15 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
+    def supported_architecture(self) -> str:
+        """`architecture`, one of ARCHITECTURES (else ValueError)."""
+        arch = self.architecture
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported; supported: {ARCHITECTURES}"
+            )
+        return arch
+
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's stored bytes (quantized types) or values, shaped as GGUF rows: [..., row
         bytes] for the quantized types (what `gguf.dequantize` takes), else `shape`."""
@@ -172,15 +183,14 @@ class GGUFFile:
         count = int(np.prod(info.shape))
         nbytes = count // block_size * type_size
         data = np.frombuffer(self._view, np.uint8, nbytes, info.offset)
-        if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            dtype = np.float32 if info.qtype == GGMLQuantizationType.F32 else np.float16
-            return data.view(dtype).reshape(info.shape)
+        if info.qtype in _AS_STORED:
+            return data.view(_AS_STORED[info.qtype]).reshape(info.shape)
         return data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
 
     def array(self, info: TensorInfo) -> np.ndarray:
         """The tensor dequantized, in `info.shape` (a new array, not a view of the map)."""
         raw = self.raw(info)
-        if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        if info.qtype in _AS_STORED:
             return np.array(raw)
         return dequantize(raw, info.qtype).reshape(info.shape)
 
@@ -207,9 +217,7 @@ def hf_config(file: GGUFFile) -> Any:
     "mistral" is a Mistral."""
     from transformers import AutoConfig
 
-    arch = file.architecture
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {ARCHITECTURES}")
+    arch = file.supported_architecture()
     meta = file.metadata
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
     config: dict[str, Any] = {"model_type": model_type}
@@ -256,13 +264,8 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
     as it reads it, so no whole float32 copy of the model is ever held."""
 
     def __init__(self, file: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
-        if file.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"GGUF architecture {file.architecture!r} is not supported; supported: "
-                f"{ARCHITECTURES}"
-            )
         self.file = file
-        self.permuted = file.architecture in PERMUTED
+        self.permuted = file.supported_architecture() in PERMUTED
         self.heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
         self._infos = {}
         for info in file.tensors.values():

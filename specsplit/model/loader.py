@@ -34,9 +34,13 @@ def _is_gguf(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def _open_gguf(path: str) -> GGUFFile:
+def _check_gguf_exists(path: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+
+
+def _open_gguf(path: str) -> GGUFFile:
+    _check_gguf_exists(path)
     return GGUFFile(path)
 
 
@@ -44,8 +48,7 @@ def from_pretrained_args(path: str) -> tuple[str, dict[str, Any]]:
     """(name_or_dir, kwargs) for transformers' from_pretrained: a .gguf file is passed as its
     directory plus gguf_file=<basename>."""
     if _is_gguf(path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file not found: {path}")
+        _check_gguf_exists(path)
         return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path is neither a directory nor a .gguf file: {path}")
