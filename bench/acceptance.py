@@ -32,7 +32,8 @@ from gateway.adaptive import DEFAULT_LADDER, build_ladder, format_ladder, parse_
 from gateway.request import GenerationRequest
 from inprocess.stack import accepted_tokens_per_round, build_local_stack, token_ids
 from specsplit.messages import SpecParams
-from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.sampling import SamplingParams
 

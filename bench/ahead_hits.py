@@ -23,7 +23,8 @@ from bench.acceptance import bundled_prompts
 from gateway.adaptive import parse_ladder
 from gateway.request import GenerationRequest
 from inprocess.stack import build_local_stack, token_ids
-from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template
 
 

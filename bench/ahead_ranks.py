@@ -33,11 +33,8 @@ from gateway.request import GenerationRequest
 from gateway.sequence import Sequence
 from inprocess.stack import build_local_stack
 from specsplit.messages import SamplingParams, SpecParams
-from specsplit.model.loader import (
-    embedded_default_head_path,
-    embedded_default_model_path,
-    load_tokenizer,
-)
+from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.tree import DraftTree
 

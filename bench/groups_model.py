@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from specsplit.messages import DraftInput, DraftOutput, SpecParams, VerifyInput, VerifyOutput
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from tests.support import (
     PassThroughDrafter,
     PassThroughVerifier,

@@ -26,12 +26,8 @@ from gateway.request import GenerationRequest, ModelInfo, build_request
 from inprocess.stack import build_local_stack
 from specsplit.logit_rules import Penalties
 from specsplit.messages import SpecParams
-from specsplit.model.loader import (
-    embedded_default_head_path,
-    embedded_default_model_path,
-    load_config,
-    load_tokenizer,
-)
+from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
+from specsplit.model.loader import load_config, load_tokenizer
 from specsplit.sampling import SamplingParams
 
 PROMPTS = [

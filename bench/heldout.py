@@ -16,7 +16,8 @@ from pathlib import Path
 
 from drafter.train_data import Example, bundled_prompt_file, read_prompts
 from drafter.train_report import engine_acceptance
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.prompt import apply_chat_template
 
 

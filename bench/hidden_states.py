@@ -22,8 +22,9 @@ from bench.acceptance import bundled_prompts
 from specsplit import convert
 from specsplit.messages import DraftInput, SpecParams, VerifyInput
 from specsplit.model.config import default_aux_layers
+from specsplit.model.embedded import embedded_default_model_path
 from specsplit.model.llama import make_kv_cache
-from specsplit.model.loader import embedded_default_model_path, load_model, load_tokenizer
+from specsplit.model.loader import load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.tree import DraftTree
 from verifier.engine import VerifierEngine

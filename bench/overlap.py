@@ -67,7 +67,8 @@ from bench.e2e import (
 from gateway.adaptive import parse_ladder
 from specsplit import convert
 from specsplit.metrics import GATE_ROUND_KINDS
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

@@ -48,7 +48,8 @@ from bench.e2e import (
 )
 from bench.overlap import TARGET_ONLY, run_batch
 from specsplit.metrics import RPC_STAGES
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.prompt import apply_chat_template
 from verifier.device_waits import GAP_PHASES
 from verifier.hints import NOT_AHEAD_REASONS

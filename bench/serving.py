@@ -48,7 +48,8 @@ import grpc
 
 from bench.acceptance import bundled_prompts
 from bench.e2e import Totals, scrape_overlap_modes, scrape_totals, services, wait_for_drafter
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

@@ -28,7 +28,8 @@ from gateway.request import Chunk, GenerationRequest, ModelInfo, build_request
 from gateway.scheduler import Scheduler
 from gateway.session_state import Session
 from inprocess.stack import build_local_stack, token_ids
-from specsplit.model.loader import embedded_default_model_path, load_config, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_config, load_tokenizer
 from specsplit.sampling import SamplingParams
 
 

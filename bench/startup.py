@@ -42,6 +42,9 @@ STEPS = {
     "load_tokenizer, converting": _TOKENIZER,
     "load_tokenizer, cached": _TOKENIZER,
 }
+# this checkout: each child runs its code (from its directory too: `-c` and `-m` put the working
+# directory first on sys.path, so a copy of this file in another checkout times that one)
+ROOT = str(Path(__file__).resolve().parent.parent)
 _TIMED = """
 import time, torch
 PATH = {path!r}
@@ -57,7 +60,7 @@ def time_step(body: str, path: str, cache_dir: str) -> float:
     code = _TIMED.format(path=path, body=body)
     env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT
     )
     return float(re.findall(r"SECONDS (\S+)", out.stdout)[-1])
 
@@ -70,7 +73,7 @@ def time_up(model: str | None, cache_dir: str) -> tuple[float, str]:
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         start = time.monotonic()
         env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir}
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env)
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
         try:
             while "Gateway SERVING" not in Path(log.name).read_text(errors="replace"):
                 if proc.poll() is not None or time.monotonic() - start > 600:
@@ -85,8 +88,7 @@ def time_up(model: str | None, cache_dir: str) -> tuple[float, str]:
 
 
 def _env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
 def main() -> None:
@@ -97,7 +99,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--up", action="store_true", help="also time `specsplit up`")
     args = parser.parse_args()
-    from specsplit.model.loader import embedded_default_model_path
+    from specsplit.model.embedded import embedded_default_model_path
 
     path = args.model or embedded_default_model_path()
     times: dict[str, list[float]] = {name: [] for name in STEPS}

@@ -171,7 +171,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is None:
-        from specsplit.model.loader import embedded_default_model_path
+        from specsplit.model.embedded import embedded_default_model_path
 
         args.model = embedded_default_model_path()
     model, tokenizer, eos_ids = load_target(args.model, args.device)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specsplit.errors import ServiceError
-from specsplit.messages import SpecParams
+from specsplit.spec_params import SpecParams
 
 EMA_WEIGHT = 0.25  # weight of the newest round in the running mean
 CLIMB_FRACTION = 0.7  # mean accepted drafts >= 0.7 x depth: one rung deeper

@@ -179,7 +179,7 @@ def _resolve_drafter(args: argparse.Namespace) -> None:
     if args.drafter == "auto":
         args.drafter = "eagle3" if embedded else "ngram"
     if args.drafter == "eagle3" and not args.draft_model and embedded:
-        from specsplit.model.loader import embedded_default_head_path
+        from specsplit.model.embedded import embedded_default_head_path
 
         args.draft_model = embedded_default_head_path()
 

@@ -25,7 +25,7 @@ from specsplit.cli_args import (
 )
 
 if TYPE_CHECKING:
-    from specsplit.messages import SpecParams
+    from specsplit.spec_params import SpecParams
 
 DRAFTER_KINDS = ("auto", "ngram", "self", "model", "eagle3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -378,7 +378,7 @@ def generation_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def default_spec(args: argparse.Namespace) -> SpecParams:
-    from specsplit.messages import SpecParams
+    from specsplit.spec_params import SpecParams
 
     nodes = args.num_draft_tokens
     if nodes is None:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
-    from specsplit.model.loader import embedded_default_model_path
+    from specsplit.model.embedded import embedded_default_model_path
 
     return embedded_default_model_path()
 

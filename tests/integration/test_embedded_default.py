@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specsplit.model.loader import embedded_default_model_path
+from specsplit.model.embedded import embedded_default_model_path
 from specsplit.prompt import apply_chat_template
 from specsplit.v1 import common_pb2, gateway_pb2
 from tests.integration.services import Services, generate, ids_of

@@ -11,12 +11,9 @@ from gateway.request import GenerationRequest
 from inprocess.stack import accepted_tokens_per_round, build_local_stack
 from specsplit.messages import SpecParams
 from specsplit.model.config import ModelConfig
+from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
 from specsplit.model.llama import LlamaModel
-from specsplit.model.loader import (
-    embedded_default_head_path,
-    embedded_default_model_path,
-    load_model,
-)
+from specsplit.model.loader import load_model
 from specsplit.prompt import apply_chat_template
 from tests.support import check_no_leaks, generated_ids
 

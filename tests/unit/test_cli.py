@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from specsplit import affinity, cli, cli_flags, cli_serve, up, up_services
 from specsplit.messages import SpecParams
-from specsplit.model.loader import embedded_default_head_path
+from specsplit.model.embedded import embedded_default_head_path
 
 
 @pytest.fixture(autouse=True)
@@ -719,3 +720,42 @@ def test_graphs_past_64_take_buckets_of_96_and_up(largest: int, buckets: list[in
     from specsplit.model.cuda_graphs import batch_buckets
 
     assert batch_buckets(largest) == buckets
+
+
+@pytest.mark.parametrize(
+    ("version_py", "for_a_gpu"),
+    [
+        ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+        ("cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", True),
+        ("cuda = None\nhip = '6.4.43482'\n", True),
+        ("cuda = None\n", True),  # (a file that does not say: ask torch)
+        ("cuda = None\nhip = None\n", False),
+        (None, True),  # no file
+    ],
+)
+def test_up_reads_whether_torch_is_built_for_a_gpu_without_importing_it(
+    version_py: str | None, for_a_gpu: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "torch").mkdir()
+    if version_py is not None:
+        (tmp_path / "torch" / "version.py").write_text(version_py)
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "torch")]
+    monkeypatch.setattr(up.importlib.util, "find_spec", lambda name: spec)
+    assert up._torch_built_for_a_gpu() is for_a_gpu
+
+
+def test_up_parses_and_resolves_auto_on_a_cpu_torch_without_importing_it() -> None:
+    """`up` starts its children before it imports torch (~1 s on a 2-core VM): its flags'
+    checks (the default draft shape, the adaptive ladder) and --device auto need none."""
+    code = (
+        "import sys; from specsplit import cli, up; args = cli.parse_args(['up']); "
+        "up.resolve_devices(args); print(args.device, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        assert out.stdout.split()[1] == "True"  # a GPU build is asked
+    else:
+        assert out.stdout.split() == ["cpu", "False"]

@@ -24,7 +24,7 @@ import yaml
 
 from specsplit import cli, cli_flags, cli_server_flags, up
 from specsplit.lane import lane_path
-from specsplit.model.loader import embedded_default_head_path
+from specsplit.model.embedded import embedded_default_head_path
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

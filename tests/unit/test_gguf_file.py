@@ -17,14 +17,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specsplit.model.config import ModelConfig
+from specsplit.model.embedded import embedded_default_model_path
 from specsplit.model.gguf_file import GGUFFile, hf_name, unpermute_rows
 from specsplit.model.llama import state_dict_from_hf
-from specsplit.model.loader import (
-    embedded_default_model_path,
-    from_pretrained_args,
-    load_config,
-    load_model,
-)
+from specsplit.model.loader import from_pretrained_args, load_config, load_model
 
 Q = GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 128

