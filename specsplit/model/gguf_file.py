@@ -1,7 +1,8 @@
 """A GGUF file's weights read straight into a transformers-named state dict (`GGUFStateDict`),
 without building the transformers model: the header and metadata parsed once with `struct`
 over a memory map (`GGUFFile`, 0.05 s for the embedded default), each tensor dequantized by the
-`gguf` package when it is read, and the config transformers would make (`hf_config`).
+`gguf` package when it is read, and the config transformers would make (`model_config`,
+without importing transformers).
 
 transformers' own GGUF path (`from_pretrained(gguf_file=...)`) parses the metadata twice with
 `gguf.GGUFReader` (1.9 s each for SmolLM2's 49k-token vocabulary: a numpy view per string),
@@ -22,11 +23,14 @@ import mmap
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+from specsplit.model.config import ModelConfig
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -56,6 +60,23 @@ _CONFIG = {
     "vocab_size": "vocab_size",
 }
 _HEAD_DIM = {"llama": "rope.dimension_count"}  # (transformers ignores it for qwen2 / qwen3)
+# what transformers' config classes (5.x) give where the mapped keys leave a field out: Llama's
+# and Mistral's head_dim hidden / heads (from_hf's fallback), Qwen3's 128 (transformers takes
+# it from the class, not the file); Llama's KV heads as many as the query heads, the others' a
+# constant; Mistral's sliding window (Qwen2's and Qwen3's off)
+_COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "hidden_act": "silu"}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _COMMON
+    | {"vocab_size": 32_000, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": _COMMON
+    | {"vocab_size": 32_000, "max_position_embeddings": 131_072, "bos_token_id": 1}
+    | {"eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": _COMMON
+    | {"vocab_size": 151_936, "max_position_embeddings": 32_768, "num_key_value_heads": 32},
+    "qwen3": _COMMON
+    | {"vocab_size": 151_936, "max_position_embeddings": 32_768, "num_key_value_heads": 32}
+    | {"head_dim": 128},
+}
 _TOKEN_IDS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
     "tokenizer.ggml.eos_token_id": "eos_token_id",
@@ -209,20 +230,18 @@ class GGUFFile:
         self.close()
 
 
-def hf_config(file: GGUFFile) -> Any:
-    """The transformers config transformers builds from this file's metadata (its
-    `load_gguf_checkpoint`'s, for these architectures), without parsing the file again: the
-    mapped keys, the tokenizer's special ids, the vocabulary's size from its tokens where the
-    file names none, tied embeddings where it has no `output.weight`; a `llama` file named
-    "mistral" is a Mistral."""
-    from transformers import AutoConfig
-
+def model_config(file: GGUFFile) -> ModelConfig:
+    """The config transformers builds from this file's metadata (its `load_gguf_checkpoint`'s,
+    for these architectures: `ModelConfig.from_hf` of it), without transformers (~1.4 s of a
+    service's start on a 2-core VM: its import and its config classes) nor parsing the file
+    again: the mapped keys, the tokenizer's special ids, the vocabulary's size from its tokens
+    where the file names none, tied embeddings where it has no `output.weight`, the config
+    class's defaults for what the file leaves out (`_DEFAULTS`); a `llama` file named
+    "mistral" is a Mistral. tests/unit/test_gguf_file.py compares it with transformers'."""
     arch = file.supported_architecture()
     meta = file.metadata
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
-    config: dict[str, Any] = {"model_type": model_type}
-    if "general.name" in meta:
-        config["_model_name_or_path"] = meta["general.name"]
+    config: dict[str, Any] = {"model_type": model_type, **_DEFAULTS[model_type]}
     config["tie_word_embeddings"] = "output.weight" not in file.tensors
     keys = dict(_CONFIG)
     if arch in _HEAD_DIM:
@@ -235,7 +254,9 @@ def hf_config(file: GGUFFile) -> Any:
             config[name] = meta[key]
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
-    return AutoConfig.for_model(**config)
+    if config.get("num_key_value_heads") is None:  # (Llama's: as many as the query heads)
+        config["num_key_value_heads"] = config["num_attention_heads"]
+    return ModelConfig.from_hf(SimpleNamespace(**config))
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -17,10 +17,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specsplit.model.config import ModelConfig
-from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, hf_config
+from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, model_config
 from specsplit.model.llama import LlamaModel, state_dict_from_hf
 from specsplit.model.tokenizer_cache import cached_tokenizer
 
@@ -64,10 +63,12 @@ def load_model(
     log.info("loading %s", path)
     if _is_gguf(path):
         with _open_gguf(path) as file:  # (each tensor read, cast and moved in turn)
-            config = _truncated(ModelConfig.from_hf(hf_config(file)), num_layers, path)
+            config = _truncated(model_config(file), num_layers, path)
             weights = GGUFStateDict(file, config.num_heads, config.num_kv_heads)
             state_dict = state_dict_from_hf(config, weights, dtype, device)
     else:
+        from transformers import AutoModelForCausalLM  # (not imported for a GGUF file: ~1.4 s)
+
         name, kwargs = from_pretrained_args(path)
         hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
         config = ModelConfig.from_hf(hf_model.config, getattr(hf_model, "generation_config", None))
@@ -112,7 +113,9 @@ def load_config(path: str) -> ModelConfig:
     config's, where one is shipped: GGUF files carry none)."""
     if _is_gguf(path):
         with _open_gguf(path) as file:
-            return ModelConfig.from_hf(hf_config(file))
+            return model_config(file)
+    from transformers import AutoConfig, GenerationConfig
+
     name, kwargs = from_pretrained_args(path)
     try:
         generation_config = GenerationConfig.from_pretrained(name, **kwargs)
@@ -124,6 +127,8 @@ def load_config(path: str) -> ModelConfig:
 def load_tokenizer(path: str) -> Any:
     """The checkpoint's tokenizer (AutoTokenizer; for a .gguf converted from its metadata once,
     then read from specsplit/model/tokenizer_cache.py's entry)."""
+    from transformers import AutoTokenizer
+
     name, kwargs = from_pretrained_args(path)
     if _is_gguf(path):
         return cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(name, **kwargs))

@@ -8,6 +8,8 @@ F16, BF16, Q8_0, Q5_1, Q4_1 and the K types, with and without a separate output 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -64,26 +66,31 @@ def _k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.nd
 def _write(
     path: Path, arch: str, qtype: Q, *, tied: bool, bias: bool = False, qk_norm: bool = False,
     name: str = "tiny", head_dim: int = HIDDEN // HEADS, hidden: int = HIDDEN, ffn: int = FFN,
+    minimal: bool = False, heads: int = HEADS,
 ) -> str:  # fmt: skip
     """A small random checkpoint as llama.cpp's converter writes one (q / k rows permuted for
     `llama`), its layer matrices in `qtype`, norms and biases in F32. (transformers takes a
     Qwen3's head_dim from its config class, 128, not from the file.) gguf cannot quantize to
-    the K types: their blocks are random bytes with small scales (`_k_blocks`)."""
+    the K types: their blocks are random bytes with small scales (`_k_blocks`). `minimal`:
+    without the keys a config class has defaults for (context, RoPE base, RMS epsilon, KV
+    heads: `heads` as many, special ids)."""
     rng = np.random.default_rng(7)
     writer = GGUFWriter(str(path), arch)
     writer.add_name(name)
     writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(50_000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_head_count(heads)
     writer.add_vocab_size(VOCAB)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
+    if not minimal:
+        writer.add_context_length(256)
+        writer.add_head_count_kv(KV_HEADS)
+        writer.add_rope_freq_base(50_000.0)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    kv_heads = heads if minimal else KV_HEADS
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
 
     def matrix(tensor_name: str, rows: int, cols: int, heads: int = 0) -> None:
         if qtype in K_QUANTS:
@@ -106,8 +113,8 @@ def _write(
     for i in range(LAYERS):
         blk = f"blk.{i}."
         vector(blk + "attn_norm.weight", hidden)
-        matrix(blk + "attn_q.weight", q_rows, hidden, HEADS)
-        matrix(blk + "attn_k.weight", kv_rows, hidden, KV_HEADS)
+        matrix(blk + "attn_q.weight", q_rows, hidden, heads)
+        matrix(blk + "attn_k.weight", kv_rows, hidden, kv_heads)
         matrix(blk + "attn_v.weight", kv_rows, hidden)
         matrix(blk + "attn_output.weight", hidden, q_rows)
         if bias:
@@ -174,6 +181,37 @@ def test_a_llama_file_named_mistral_is_a_mistral_with_llamas_tensors(tmp_path: P
     _, tensors = _reference(llama)
     model, _ = load_model(mistral, torch.float32, "cpu")
     assert all(torch.equal(model.state_dict()[k], t) for k, t in tensors.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "heads"), [("llama", 4), ("mistral", 8), ("qwen2", 32), ("qwen3", 32)]
+)
+def test_a_files_config_without_optional_keys_is_transformers(
+    tmp_path: Path, name: str, heads: int
+) -> None:
+    """Where the file leaves a key out, `model_config` takes what transformers' config class
+    gives (`_DEFAULTS`: context, RoPE base, epsilon, KV heads, special ids, sliding window),
+    without importing transformers. (`heads`: as many as the class's KV heads, a constant but
+    for Llama's.)"""
+    arch = "llama" if name == "mistral" else name
+    path = _write(
+        tmp_path / "min.gguf", arch, Q.F32, tied=True, name=name, minimal=True, heads=heads,
+        head_dim=HIDDEN // heads,
+    )  # fmt: skip
+    dir_name, kwargs = from_pretrained_args(path)
+    expected = ModelConfig.from_hf(AutoConfig.from_pretrained(dir_name, **kwargs))
+    assert load_config(path) == expected and expected.model_type == name
+
+
+def test_loading_a_gguf_file_imports_no_transformers() -> None:
+    code = (
+        "import sys, torch; from specsplit.model import embedded, loader; "
+        "path = embedded.embedded_default_model_path(); loader.load_config(path); "
+        "loader.load_model(path, torch.float32, 'cpu', num_layers=1); "
+        "print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
 
 
 def test_the_metadata_and_tensor_infos_are_ggufs_own_readers() -> None:

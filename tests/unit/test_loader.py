@@ -280,7 +280,7 @@ def test_embedded_gguf_tensors_and_logits_match_transformers_gguf_model() -> Non
     from transformers' model, and the same logits."""
     path = embedded.embedded_default_model_path()
     name, kwargs = loader.from_pretrained_args(path)
-    hf = loader.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
     model, config = loader.load_model(path, torch.float32, "cpu")
     assert config == ModelConfig.from_hf(hf.config, hf.generation_config)
     assert (config.model_type, config.num_layers, config.hidden_size) == ("llama", 30, 576)
