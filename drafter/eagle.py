@@ -29,7 +29,7 @@ from specsplit.model.fused import (
 )
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
-from specsplit.model.loader import load_model
+from specsplit.model.loader import load_config, load_model
 from specsplit.model.rope import RopeTable, rope_inv_freq
 
 # positions past the longest context the RoPE table covers: a draft tree's nodes and
@@ -183,16 +183,21 @@ def load_eagle3(
     lm_head are the target's (`target`, else loaded from `target_path`) where the head has none."""
     if target is None:
         assert target_path is not None, "load_eagle3 needs the target or its path"
-        target, _ = load_model(target_path, dtype=dtype, device="cpu")
+        target_config = load_config(target_path)
+        # its first layer only (the model's least): the head takes the embedding and lm_head
+        # (the embedded default's other 29 layers dequantized took ~1 s of the drafter's start)
+        target, _ = load_model(target_path, dtype=dtype, device="cpu", num_layers=1)
+    else:
+        target_config = target.config
     directory = Path(head_path)
     raw = json.loads((directory / "config.json").read_text())
     tensors = read_tensors(directory)
     layout = detect_layout(raw, tensors)
-    config = Eagle3Config.from_json(raw, target.config.num_layers, layout)
-    if config.target_hidden_size != target.config.hidden_size:
+    config = Eagle3Config.from_json(raw, target_config.num_layers, layout)
+    if config.target_hidden_size != target_config.hidden_size:
         raise ValueError(
             f"EAGLE head for a target of width {config.target_hidden_size}, "
-            f"the target has {target.config.hidden_size}"
+            f"the target has {target_config.hidden_size}"
         )
     tensors = layer_names(tensors)
     tensors.pop("t2d", None)
@@ -203,4 +208,4 @@ def load_eagle3(
         for name, tensor in tensors.items()
     }
     embed = weights.pop("embed_tokens.weight")
-    return Eagle3Head(config, weights, embed, target.config.max_position_embeddings)
+    return Eagle3Head(config, weights, embed, target_config.max_position_embeddings)
