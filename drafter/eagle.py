@@ -29,7 +29,7 @@ from specsplit.model.fused import (
 )
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
-from specsplit.model.loader import load_config, load_model
+from specsplit.model.loader import load_embeddings
 from specsplit.model.rope import RopeTable, rope_inv_freq
 
 # positions past the longest context the RoPE table covers: a draft tree's nodes and
@@ -181,14 +181,12 @@ def load_eagle3(
 ) -> Eagle3Head:
     """The head at `head_path`, EAGLE-3 or EAGLE-1/2 (detect_layout); the token embedding and
     lm_head are the target's (`target`, else loaded from `target_path`) where the head has none."""
-    if target is None:
+    if target is None:  # (its layers not read: the embedded default's took ~1 s to dequantize)
         assert target_path is not None, "load_eagle3 needs the target or its path"
-        target_config = load_config(target_path)
-        # its first layer only (the model's least): the head takes the embedding and lm_head
-        # (the embedded default's other 29 layers dequantized took ~1 s of the drafter's start)
-        target, _ = load_model(target_path, dtype=dtype, device="cpu", num_layers=1)
+        target_config, target_embed, target_lm_head = load_embeddings(target_path, dtype)
     else:
         target_config = target.config
+        target_embed, target_lm_head = target.embed_tokens.weight, target.lm_head_weight
     directory = Path(head_path)
     raw = json.loads((directory / "config.json").read_text())
     tensors = read_tensors(directory)
@@ -201,8 +199,8 @@ def load_eagle3(
         )
     tensors = layer_names(tensors)
     tensors.pop("t2d", None)
-    tensors.setdefault("embed_tokens.weight", target.embed_tokens.weight.detach())
-    tensors.setdefault("lm_head.weight", target.lm_head_weight.detach())
+    tensors.setdefault("embed_tokens.weight", target_embed.detach())
+    tensors.setdefault("lm_head.weight", target_lm_head.detach())
     weights = {
         name: tensor.to(device=device, dtype=torch.int64 if name == "d2t" else dtype)
         for name, tensor in tensors.items()

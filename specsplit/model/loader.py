@@ -11,8 +11,10 @@ default: ~2 s against ~11 through transformers' model, 2-core VM).
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -122,6 +124,66 @@ def load_config(path: str) -> ModelConfig:
     except (OSError, ValueError):
         generation_config = None
     return ModelConfig.from_hf(AutoConfig.from_pretrained(name, **kwargs), generation_config)
+
+
+def load_embeddings(
+    path: str, dtype: torch.dtype
+) -> tuple[ModelConfig, torch.Tensor, torch.Tensor]:
+    """A checkpoint's config, token embedding and lm_head weight (the embedding where tied), on
+    the CPU in `dtype`, without reading a decoder layer: what an EAGLE head takes of its
+    target. From a GGUF file the two tensors alone are dequantized; from a directory they are
+    read from its safetensors files (`_safetensors_names`; transformers' whole model, an 8B's
+    ~16 GB in bf16, where it has none)."""
+    if _is_gguf(path):
+        with _open_gguf(path) as file:
+            config = model_config(file)
+            weights: Mapping[str, torch.Tensor] = GGUFStateDict(
+                file, config.num_heads, config.num_kv_heads
+            )
+            return config, *_embeddings(config, weights, dtype)
+    config = load_config(path)
+    files = _safetensors_names(path)
+    if files is None:
+        model, _ = load_model(path, dtype, "cpu", num_layers=1)
+        return config, model.embed_tokens.weight.detach(), model.lm_head_weight.detach()
+    from safetensors import safe_open
+
+    tensors = {}
+    for name, part in files.items():
+        with safe_open(os.path.join(path, part), framework="pt") as opened:
+            tensors[name] = opened.get_tensor(name)
+    return config, *_embeddings(config, tensors, dtype)
+
+
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # transformers' names
+
+
+def _embeddings(
+    config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    embed = weights[_EMBEDDING].to(dtype)
+    return embed, embed if config.tie_word_embeddings else weights[_LM_HEAD].to(dtype)
+
+
+def _safetensors_names(path: str) -> dict[str, str] | None:
+    """The safetensors file holding each of the embedding and the lm_head in a checkpoint
+    directory (the lm_head only where the config does not tie it); None where they are not
+    all found in safetensors files."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as opened:
+            weight_map = dict.fromkeys(opened.keys(), "model.safetensors")
+    else:
+        return None
+    names = [_EMBEDDING] if load_config(path).tie_word_embeddings else [_EMBEDDING, _LM_HEAD]
+    if not all(name in weight_map for name in names):
+        return None
+    return {name: weight_map[name] for name in names}
 
 
 def load_tokenizer(path: str) -> Any:

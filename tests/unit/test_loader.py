@@ -297,3 +297,67 @@ def test_embedded_gguf_tensors_and_logits_match_transformers_gguf_model() -> Non
     got = _prefill(model, tokens, torch.float32)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+# --- an EAGLE head's part of its target: the embedding and the lm_head alone ---------------------
+
+
+def _save_tiny(path: Path, tied: bool, **save: Any) -> str:
+    torch.manual_seed(1)
+    config = LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=tied)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path, **save)
+    return str(path)
+
+
+def _assert_embeddings_are_load_models(path: str, dtype: torch.dtype) -> None:
+    config, embed, lm_head = loader.load_embeddings(path, dtype)
+    model, want = loader.load_model(path, dtype, "cpu")
+    assert config == want
+    assert embed.dtype == lm_head.dtype == dtype
+    assert torch.equal(embed, model.embed_tokens.weight)
+    assert torch.equal(lm_head, model.lm_head_weight)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "save",
+    [{}, {"max_shard_size": "20KB"}, {"safe_serialization": False}],
+    ids=["safetensors", "sharded", "no-safetensors"],
+)
+def test_load_embeddings_reads_what_load_model_does_from_a_directory(
+    tmp_path: Path, tied: bool, save: dict[str, Any]
+) -> None:
+    path = _save_tiny(tmp_path, tied, **save)
+    if save.get("max_shard_size"):
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    _assert_embeddings_are_load_models(path, torch.float32)
+
+
+def test_load_embeddings_reads_no_layer_of_a_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _save_tiny(tmp_path, tied=False)
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("transformers' model built")
+
+    monkeypatch.setattr(loader, "load_model", no_model)
+    _, embed, lm_head = loader.load_embeddings(path, torch.bfloat16)
+    assert embed.shape == lm_head.shape == (SMALL["vocab_size"], SMALL["hidden_size"])
+
+
+def test_load_embeddings_dequantizes_two_tensors_of_the_embedded_gguf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = embedded.embedded_default_model_path()
+    _assert_embeddings_are_load_models(path, torch.float32)
+    read: list[str] = []
+    array = loader.GGUFFile.array
+
+    def counted(self: loader.GGUFFile, info: Any) -> Any:
+        read.append(info.name)
+        return array(self, info)
+
+    monkeypatch.setattr(loader.GGUFFile, "array", counted)
+    loader.load_embeddings(path, torch.float32)
+    assert read == ["token_embd.weight"]  # (tied)
