@@ -254,9 +254,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
             config[name] = meta[key]
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
-    if config.get("num_key_value_heads") is None:  # (Llama's: as many as the query heads)
-        config["num_key_value_heads"] = config["num_attention_heads"]
-    return ModelConfig.from_hf(SimpleNamespace(**config))
+    return ModelConfig.from_hf(SimpleNamespace(**config))  # (no KV heads: as many as queries)
 
 
 def hf_name(gguf_name: str) -> str | None:

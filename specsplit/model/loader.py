@@ -142,7 +142,7 @@ def load_embeddings(
             )
             return config, *_embeddings(config, weights, dtype)
     config = load_config(path)
-    files = _safetensors_names(path)
+    files = _safetensors_names(path, config.tie_word_embeddings)
     if files is None:
         model, _ = load_model(path, dtype, "cpu", num_layers=1)
         return config, model.embed_tokens.weight.detach(), model.lm_head_weight.detach()
@@ -165,10 +165,10 @@ def _embeddings(
     return embed, embed if config.tie_word_embeddings else weights[_LM_HEAD].to(dtype)
 
 
-def _safetensors_names(path: str) -> dict[str, str] | None:
+def _safetensors_names(path: str, tied: bool) -> dict[str, str] | None:
     """The safetensors file holding each of the embedding and the lm_head in a checkpoint
-    directory (the lm_head only where the config does not tie it); None where they are not
-    all found in safetensors files."""
+    directory (the lm_head only where not `tied`); None where they are not all found in
+    safetensors files."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -180,7 +180,7 @@ def _safetensors_names(path: str) -> dict[str, str] | None:
             weight_map = dict.fromkeys(opened.keys(), "model.safetensors")
     else:
         return None
-    names = [_EMBEDDING] if load_config(path).tie_word_embeddings else [_EMBEDDING, _LM_HEAD]
+    names = [_EMBEDDING] if tied else [_EMBEDDING, _LM_HEAD]
     if not all(name in weight_map for name in names):
         return None
     return {name: weight_map[name] for name in names}
