@@ -10,6 +10,12 @@ through before specsplit/model/gguf_file.py), is measured in the same run:
 --up: also `specsplit up` on the model (CPU, embedded default unless --model), seconds from
 launch to the gateway's SERVING, and its drafter's and verifier's "ready after" lines: once
 converting the GGUF's tokenizer, then --repeat times reading it from the cache the first kept.
+
+--compile-threads default 1 (with --up; --up-only skips the load steps; --up-arg FLAG adds a flag
+to `up`, e.g. --up-arg=--drafter=eagle3): each `up` once a value, in turn, --repeat times, with
+$TORCHINDUCTOR_COMPILE_THREADS that value (`default`: unset, torch.compile's pool of compile
+worker processes, one a core up to 32; 1: compiled in the process) and empty torch.compile and
+Triton caches: what a GPU service's warm-up costs on a fresh machine either way.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _TOKENIZER = "from specsplit.model.loader import load_tokenizer\nload_tokenizer(PATH)"
@@ -65,14 +72,20 @@ def time_step(body: str, path: str, cache_dir: str) -> float:
     return float(re.findall(r"SECONDS (\S+)", out.stdout)[-1])
 
 
-def time_up(model: str | None, cache_dir: str) -> tuple[float, str]:
-    """Seconds from launching `specsplit up` (its caches in `cache_dir`) to its gateway's
-    SERVING, and the services' "ready after" lines."""
+def time_up(
+    model: str | None,
+    cache_dir: str,
+    extra: Sequence[str] = (),
+    env_extra: Mapping[str, str] | None = None,
+) -> tuple[float, str]:
+    """Seconds from launching `specsplit up` (its caches in `cache_dir`, `extra` flags, the
+    environment with `env_extra`) to its gateway's SERVING, and the services' "ready after"
+    lines."""
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--http-listen", "none"]
-    argv += ["--metrics-listen", "none"] + (["--model", model] if model else [])
+    argv += ["--metrics-listen", "none"] + (["--model", model] if model else []) + list(extra)
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         start = time.monotonic()
-        env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir}
+        env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir, **(env_extra or {})}
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
         try:
             while "Gateway SERVING" not in Path(log.name).read_text(errors="replace"):
@@ -98,28 +111,59 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded GGUF)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--up", action="store_true", help="also time `specsplit up`")
+    parser.add_argument("--up-only", action="store_true", help="time `specsplit up` alone")
+    parser.add_argument("--up-arg", action="append", default=[], help="a flag for `up`")
+    parser.add_argument(
+        "--compile-threads", nargs="+", default=None, help="`default` or N: cold compile caches"
+    )
     args = parser.parse_args()
+    if args.compile_threads:
+        compile_threads(args)
+        return
     from specsplit.model.embedded import embedded_default_model_path
 
     path = args.model or embedded_default_model_path()
     times: dict[str, list[float]] = {name: [] for name in STEPS}
     with tempfile.TemporaryDirectory() as root:
-        for turn in range(args.repeat):  # (the steps in turn, so that drift hits them alike)
+        # (the steps in turn, so that drift hits them alike)
+        for turn in range(0 if args.up_only else args.repeat):
             for i, (name, body) in enumerate(STEPS.items()):
                 cache_dir = os.path.join(root, f"{turn}-{i - (name.endswith('cached'))}")
                 times[name].append(time_step(body, path, cache_dir))
-    print(f"{path}, {args.repeat} runs each, fresh processes, seconds (median; runs)")
-    baseline = statistics.median(times["transformers model (baseline)"])
-    for name, runs in times.items():
-        median = statistics.median(runs)
-        shown = ", ".join(f"{t:.2f}" for t in runs)
-        print(f"  {name:<30} {median:6.2f}  ({shown}; baseline / this {baseline / median:.1f}x)")
-    if args.up:  # (the first `up` keeps the tokenizer, the next ones read it)
+    if not args.up_only:
+        print(f"{path}, {args.repeat} runs each, fresh processes, seconds (median; runs)")
+        baseline = statistics.median(times["transformers model (baseline)"])
+        for name, runs in times.items():
+            median = statistics.median(runs)
+            shown = ", ".join(f"{t:.2f}" for t in runs)
+            ratio = f"baseline / this {baseline / median:.1f}x"
+            print(f"  {name:<30} {median:6.2f}  ({shown}; {ratio})")
+    if args.up or args.up_only:  # (the first `up` keeps the tokenizer, the next ones read it)
         with tempfile.TemporaryDirectory() as cache_dir:
             for turn in range(args.repeat + 1):
-                seconds, ready = time_up(args.model, cache_dir)
+                seconds, ready = time_up(args.model, cache_dir, args.up_arg)
                 kept = "cached" if turn else "converting"
                 print(f"  specsplit up to SERVING ({kept}) {seconds:6.2f}  ({ready})")
+
+
+def compile_threads(args: argparse.Namespace) -> None:
+    """`up` to SERVING with each $TORCHINDUCTOR_COMPILE_THREADS in turn, compile caches empty."""
+    times: dict[str, list[float]] = {value: [] for value in args.compile_threads}
+    with tempfile.TemporaryDirectory() as root:
+        for turn in range(args.repeat):
+            for value in args.compile_threads:
+                run_dir = os.path.join(root, f"{turn}-{value}")
+                env = {
+                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(run_dir, "inductor"),
+                    "TRITON_CACHE_DIR": os.path.join(run_dir, "triton"),
+                }
+                if value != "default":
+                    env["TORCHINDUCTOR_COMPILE_THREADS"] = value
+                seconds, ready = time_up(args.model, run_dir, args.up_arg, env)
+                times[value].append(seconds)
+                print(f"  compile threads {value:>7}: up to SERVING {seconds:6.2f}  ({ready})")
+    for value, runs in times.items():
+        print(f"compile threads {value:>7}: median {statistics.median(runs):6.2f} s ({len(runs)})")
 
 
 if __name__ == "__main__":

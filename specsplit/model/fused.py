@@ -37,6 +37,19 @@ TRITON_ROPE = (
 RECOMPILE_LIMIT = 64
 
 
+def compile_in_process() -> None:
+    """torch.compile's kernels built in this process, not by its pool of compile worker
+    processes (one a core, up to 32, per service), unless $TORCHINDUCTOR_COMPILE_THREADS asks
+    for the pool. The pool saved nothing in a GPU `up`'s cold warm-up (SmolLM2-shaped target
+    with an EAGLE-3 head, empty compile caches: 82.2 s with it, 82.6 without, medians of two, one
+    H200; `bench/startup.py --compile-threads`): these graphs are a kernel or two each. And it
+    hung a GPU test process once (torch 2.11: the parent waited forever on a worker's result)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = 1
+
+
 def _on_gpu(fn: F_, kernel: Callable[..., Any] | None = None) -> F_:
     """fn for CUDA tensors in inference as `kernel` when given, else compiled (dynamic shapes);
     as written elsewhere (the CPU, and training, where autograd needs it)."""
@@ -49,6 +62,7 @@ def _on_gpu(fn: F_, kernel: Callable[..., Any] | None = None) -> F_:
         if not (on_gpu and COMPILE):
             return fn(x, *args)
         if not compiled:
+            compile_in_process()
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
             compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))

@@ -3,10 +3,13 @@ plain-torch references (the CPU path). Skipped where there is no GPU (CI)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-from specsplit.model.fused import norm_embed_and_cat, rms_norm_reference
+from specsplit.model.fused import norm_embed_and_cat, rms_norm, rms_norm_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -32,3 +35,29 @@ def test_norm_embed_and_cat_is_its_reference(dtype: torch.dtype, rows: int, stri
     assert x.shape == (rows, 2 * hidden) and normed.shape == (rows, hidden)
     torch.testing.assert_close(x, want_x, **tol)
     torch.testing.assert_close(normed, want_normed, **tol)
+
+
+def _compile_workers() -> list[str]:
+    """Command lines of this process's children that are inductor's compile workers."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # (gone meanwhile)
+        if int(fields[1]) == os.getpid() and "compile_worker" in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def test_compiled_functions_start_no_compile_workers() -> None:
+    """A compiled function's first call on a GPU builds its kernels in this process: inductor's
+    pool of worker processes is not started (fused.compile_in_process)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        pytest.skip("the environment chooses the compile threads")
+    x = torch.randn(5, 64, device="cuda")
+    weight = torch.ones(64, device="cuda")
+    with torch.inference_mode():
+        torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+    assert _compile_workers() == []
