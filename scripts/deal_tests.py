@@ -8,7 +8,9 @@ the slowest decides the call's device time.
         one line a process, its files space-separated (the table: tests/gpu/durations.txt)
     python3 scripts/deal_tests.py --update tests/gpu/durations.txt OUT/tests-par-*.txt
         the table rewritten from tests-par's outputs (pytest --durations=0: each test's setup,
-        call and teardown, summed by file)
+        call and teardown, summed by file); a file the outputs do not time keeps its line (a
+        process that did not finish prints no durations: the outputs of a later call that ran
+        its files can be given beside it)
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def main() -> None:
     parser.add_argument("paths", nargs="*", help="test files, or with --update pytest outputs")
     args = parser.parse_args()
     if args.update is not None:
-        seconds = measured([Path(p).read_text() for p in args.paths])
+        seconds = read_table(args.update) if args.update.exists() else {}
+        seconds.update(measured([Path(p).read_text() for p in args.paths]))
         lines = [f"{seconds[name]:.1f} {name}\n" for name in sorted(seconds)]
         header = "# seconds a file in scripts/gpu_suite.sh tests-par (scripts/deal_tests.py)\n"
         args.update.write_text(header + "".join(lines))

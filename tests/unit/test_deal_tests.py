@@ -80,3 +80,14 @@ def test_update_sums_each_files_setup_call_and_teardown(tmp_path: Path) -> None:
     ).stdout  # fmt: skip
     # x.py (not measured: 30 s) first, then test_b (14.5) and test_a (1.5) to the other
     assert printed.splitlines() == ["x.py", "tests/gpu/test_b.py tests/gpu/test_a.py"]
+
+
+def test_update_keeps_the_lines_of_files_the_outputs_do_not_time(tmp_path: Path) -> None:
+    """A process cut short prints no durations: its files keep their measured lines, and the
+    files the outputs time are measured anew."""
+    table = tmp_path / "durations.txt"
+    table.write_text("# seconds\n40.0 tests/gpu/test_a.py\n7.0 tests/gpu/test_c.py\n")
+    output = tmp_path / "tests-par-1.txt"
+    output.write_text("3.5s call     tests/gpu/test_a.py::test_two\n")
+    subprocess.run([sys.executable, str(SCRIPT), "--update", str(table), str(output)], check=True)
+    assert deal_tests.read_table(table) == {"tests/gpu/test_a.py": 3.5, "tests/gpu/test_c.py": 7.0}
