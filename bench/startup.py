@@ -80,7 +80,7 @@ def time_up(
 ) -> tuple[float, str]:
     """Seconds from launching `specsplit up` (its caches in `cache_dir`, `extra` flags, the
     environment with `env_extra`) to its gateway's SERVING, and the services' "ready after"
-    lines."""
+    lines (`up` stopped once the drafter's is there too)."""
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--http-listen", "none"]
     argv += ["--metrics-listen", "none"] + (["--model", model] if model else []) + list(extra)
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
@@ -88,16 +88,23 @@ def time_up(
         env = {**_env(), "SPECSPLIT_CACHE_DIR": cache_dir, **(env_extra or {})}
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
         try:
-            while "Gateway SERVING" not in Path(log.name).read_text(errors="replace"):
-                if proc.poll() is not None or time.monotonic() - start > 600:
-                    raise RuntimeError(f"up did not serve: {Path(log.name).read_text()[-2000:]}")
-                time.sleep(0.05)
+            _wait_for_line(proc, log.name, "Gateway SERVING", start)
             seconds = time.monotonic() - start
+            # (the gateway serves once the verifier is; the drafter may still be warming up)
+            _wait_for_line(proc, log.name, "drafter: ready after", start)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
         ready = re.findall(r"(\w+): ready after ([\d.]+ s)", Path(log.name).read_text())
     return seconds, ", ".join(f"{name} {after}" for name, after in ready)
+
+
+def _wait_for_line(proc: subprocess.Popen[bytes], log: str, line: str, start: float) -> None:
+    """Until `up`'s log has `line`; at most 600 s from `start`, and while `up` runs."""
+    while line not in Path(log).read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() - start > 600:
+            raise RuntimeError(f"up: no {line!r}: {Path(log).read_text()[-2000:]}")
+        time.sleep(0.05)
 
 
 def _env() -> dict[str, str]:
