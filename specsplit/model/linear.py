@@ -3,8 +3,9 @@
 On the CPU the products are computed weight-major (`weight @ x.T`, a GEMM with a narrow
 right-hand side), and with fewer than `NARROW_ROWS` rows the input is padded to `NARROW_ROWS`
 zero rows, so a one-token step and a four-token verify run the same kernel: each output row is
-then the same whatever else is in the batch (MKL's `F.linear` picks its kernel by the row count:
-1, 2-3 and 4-15 rows give a row different bits). Its speed against `F.linear` depends on the CPU:
+then the same whatever else is in the batch (MKL's `F.linear` picks its kernel by the row count
+and the shape: on the ninety-ninth session's VM 1, 2-3 and 4-15 rows gave a row different bits).
+Its speed against `F.linear` depends on the CPU:
 on the seventy-fourth session's 2-core VM (AMD EPYC, MKL) the embedded default's 30 layers + LM
 head took ~17 ms weight-major at 4 rows against ~34 ms through `F.linear` at 1 row; on the
 ninety-ninth session's 56 ms against 20 ms at 1 row, 38 at 4 and 47 at 8 (`bench/RESULTS.md`).
