@@ -11,8 +11,9 @@ through before specsplit/model/gguf_file.py), is measured in the same run:
 launch to the gateway's SERVING, and its drafter's and verifier's "ready after" lines: once
 converting the GGUF's tokenizer, then --repeat times reading it from the cache the first kept.
 
---compile-threads default 1 (with --up; --up-only skips the load steps; --up-arg FLAG adds a flag
-to `up`, e.g. --up-arg=--drafter=eagle3): each `up` once a value, in turn, --repeat times, with
+--up-only: `up` alone, without the load steps; --up-arg FLAG adds a flag to every `up` (e.g.
+--up-arg=--drafter=eagle3). --compile-threads default 1: `up` alone (no load steps, nor --up's
+runs), once a value, in turn, --repeat times, with
 $TORCHINDUCTOR_COMPILE_THREADS that value (`default`: unset, torch.compile's pool of compile
 worker processes, one a core up to 32; 1: compiled in the process) and empty torch.compile and
 Triton caches: what a GPU service's warm-up costs on a fresh machine either way.
