@@ -22,6 +22,7 @@ from drafter.expansion_keys import ExpansionKeys, expansion_key
 from drafter.host_expansion import Expansion, HostExpansion
 from drafter.types import DraftJob, DraftSeq
 from specsplit import metrics
+from specsplit.kernels.triton_jit import building, building_ahead
 from specsplit.kv_cache import KVCache, KVPages, SeqKV
 from specsplit.model.attention import warm_up_attention
 from specsplit.model.batch import ForwardBatch, ForwardOutput
@@ -170,6 +171,10 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
             max_query_len=lens[-1],
             features=self.graph_features,
         )
+        with building_ahead():  # (active: the steps' kernel variants built side by side first)
+            for q in reversed(lens):
+                if building():
+                    self.graphs.build(q)
         for q in reversed(lens):  # (largest first: the smaller reuse the larger's pool blocks)
             self.graphs.capture(q)
         self.catch_up_lens = lens

@@ -14,7 +14,7 @@
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
-#       [drafter-warmup] [drafter-warmup-ab]
+#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -878,6 +878,11 @@ for part in "${parts[@]}"; do
       # shipped head; bench/drafter_warmup.py)
       random_smollm2
       run drafter_warmup python3 bench/drafter_warmup.py --target /tmp/smollm2_random ;;
+    kernel-builds)  # the verifier's and the drafter's warm-up with empty compile caches, the
+      # Triton kernels built as they come and built ahead side by side (SPECSPLIT_BUILD_AHEAD=1),
+      # then warm (random SmolLM2 + the shipped head; bench/kernel_builds.py, ~7 min on an H200)
+      random_smollm2
+      run kernel_builds python3 bench/kernel_builds.py --model /tmp/smollm2_random ;;
     drafter-warmup-ab)  # drafter-warmup in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in
       # this tree, on one machine (the old first, so it fills the compile caches: compare the
       # reserved memory, not the seconds)

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specsplit.kernels.triton_jit import building, building_ahead
 from specsplit.kv_cache import KVCache
 from specsplit.logit_rules import Allowed, Penalties, pack_mask, round_rules, start_context
 from specsplit.messages import VerifyInput, VerifyOutput
@@ -110,16 +111,14 @@ def warm_up(engine: Engine) -> None:
     )
     engine.release(["__warmup__"])
     engine.check_integrity()
-    warm_up_attention(engine.kv, engine.model.config.num_heads)
+    with building_ahead():  # (active: the variants the captures take, built side by side)
+        warm_up_attention(engine.kv, engine.model.config.num_heads)
+        if building() and engine.graphs is not None:
+            for q, aux, max_batch in graph_keys(engine, engine.graphs):
+                engine.graphs.build(q, aux, max_batch)
     if engine.graphs is not None:
-        for q in sorted(engine.graph_query_lens, reverse=True):  # (largest first: as layouts)
-            engine.graphs.capture(q)
-        # prefills with and without an EAGLE-3 head's hidden states (of every prompt token)
-        layers = default_aux_layers(engine.model.config.num_layers)
-        for q in engine.prefill_query_lens:
-            max_batch = min(PREFILL_MAX_BATCH, engine.graphs.batch_sizes[-1])
-            for aux in ((), layers):
-                engine.graphs.capture(q, aux, max_batch=max_batch)
+        for q, aux, max_batch in graph_keys(engine, engine.graphs):
+            engine.graphs.capture(q, aux, max_batch)
     if engine.accept_graphs is not None:  # trees up to the largest graph's query length
         engine.accept_graphs.capture_all(max(engine.graph_query_lens) - 1)
     if engine.kv.device.type == "cuda":  # the CPU compiles nothing: no time spent there
@@ -132,6 +131,22 @@ def warm_up(engine: Engine) -> None:
         )
         if engine.graphs is not None:
             time_rounds(engine, engine.graphs)
+
+
+def graph_keys(
+    engine: Engine, graphs: CudaGraphRunner
+) -> list[tuple[int, tuple[int, ...], int | None]]:
+    """The (q, hidden-state layers, largest batch) of the step graphs the warm-up captures, in
+    order: every graph query length, largest first (the smaller reuse its memory: as layouts);
+    the prefills with and without an EAGLE-3 head's hidden states (of every prompt token), at
+    most PREFILL_MAX_BATCH at once."""
+    keys: list[tuple[int, tuple[int, ...], int | None]] = [
+        (q, (), None) for q in sorted(engine.graph_query_lens, reverse=True)
+    ]
+    layers = default_aux_layers(engine.model.config.num_layers)
+    max_batch = min(PREFILL_MAX_BATCH, graphs.batch_sizes[-1])
+    keys += [(q, aux, max_batch) for q in engine.prefill_query_lens for aux in ((), layers)]
+    return keys
 
 
 def _round(

@@ -22,6 +22,7 @@ import torch
 
 from specsplit.kernels.paged_attention_kernels import jitted_kernels
 from specsplit.kernels.triton_jit import (
+    building_ahead,
     check_device,
     interpreting,
     next_power_of_2,
@@ -354,7 +355,8 @@ def warm_up(
     """Build every kernel variant `paged_attention` can pick for this cache and head layout
     (the constexpr choices: BLOCK_M from the queries per sequence, a tree or causal, split or
     single pass; the integer shape arguments are not specialised), so that no request waits
-    for a build. Reads one page of the cache, writes nothing to it. Returns the launches."""
+    for a build: side by side, inside `building_ahead` (the launches run nothing). Writes
+    nothing to the cache. Returns the launches."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = k_cache.device
@@ -363,17 +365,18 @@ def warm_up(
     num_pages = -(-max(q_lens) // page_size)
     block_table = torch.zeros(1, num_pages, dtype=torch.int32, device=device)
     launches = 0
-    for q_len in q_lens:
-        q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
-        cu_seqlens_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-        lens = torch.tensor([q_len], dtype=torch.int32, device=device)
-        prefix = torch.zeros(1, dtype=torch.int32, device=device)
-        tree = torch.ones(1, q_len, q_len, dtype=torch.bool, device=device).tril()
-        for tree_mask in (None, tree):
-            for num_splits in (1, 2):
-                paged_attention(
-                    q, k_cache, v_cache, cu_seqlens_q, lens, prefix, block_table, page_size,
-                    tree_mask, q_len, head_dim**-0.5, num_splits=num_splits,
-                )  # fmt: skip
-                launches += 1
+    with building_ahead():
+        for q_len in q_lens:
+            q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+            cu_seqlens_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+            lens = torch.tensor([q_len], dtype=torch.int32, device=device)
+            prefix = torch.zeros(1, dtype=torch.int32, device=device)
+            tree = torch.ones(1, q_len, q_len, dtype=torch.bool, device=device).tril()
+            for tree_mask in (None, tree):
+                for num_splits in (1, 2):
+                    paged_attention(
+                        q, k_cache, v_cache, cu_seqlens_q, lens, prefix, block_table, page_size,
+                        tree_mask, q_len, head_dim**-0.5, num_splits=num_splits,
+                    )  # fmt: skip
+                    launches += 1
     return launches

@@ -26,7 +26,10 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -51,16 +54,89 @@ def jit(
     import triton.language
 
     vars(sys.modules[kernel.__module__])["tl"] = triton.language  # the kernel's globals
+    if generic:
+        do_not_specialize = any_alignment = runtime_params(kernel)
     if interpreting():
         _fix_interpreter_index()
-    if not generic:
-        return triton.jit(
+    elif build_ahead_switch():
+        return _kernel_class()(
             kernel,
             do_not_specialize=do_not_specialize,
             do_not_specialize_on_alignment=any_alignment,
         )
-    runtime = runtime_params(kernel)
-    return triton.jit(kernel, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
+    return triton.jit(
+        kernel, do_not_specialize=do_not_specialize, do_not_specialize_on_alignment=any_alignment
+    )
+
+
+# set inside an active `building_ahead`: our compiled kernels' launches build and do not run
+_BUILDING: ContextVar[bool] = ContextVar("specsplit_building_ahead", default=False)
+
+
+def build_ahead_switch() -> bool:
+    """$SPECSPLIT_BUILD_AHEAD: "1" turns `building_ahead` on, "0" (default) leaves it a plain
+    block. Off until measured on a GPU: written in the hundredth session, when no GPU was lent
+    (bench/kernel_builds.py measures it; see bench/RESULTS.md)."""
+    value = os.environ.get("SPECSPLIT_BUILD_AHEAD", "0")
+    if value not in ("0", "1"):
+        raise SystemExit(f"SPECSPLIT_BUILD_AHEAD={value!r}: 0 or 1")
+    return value == "1"
+
+
+@functools.cache
+def _kernel_class() -> type:
+    """triton's JITFunction, whose launch inside an active `building_ahead` only builds
+    (triton's warmup call: the variant compiled, nothing launched)."""
+    from triton.runtime.jit import JITFunction
+
+    class Kernel(JITFunction):  # type: ignore[misc]
+        def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            return super().run(*args, grid=grid, warmup=warmup or _BUILDING.get(), **kwargs)
+
+    return Kernel
+
+
+def build_threads() -> int:
+    """$SPECSPLIT_BUILD_THREADS (an integer >= 1), else the cores this process may run on."""
+    value = os.environ.get("SPECSPLIT_BUILD_THREADS")
+    if value is None:
+        return len(os.sched_getaffinity(0))
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"SPECSPLIT_BUILD_THREADS={value!r}: an integer >= 1")
+    return int(value)
+
+
+def building() -> bool:
+    """Whether this is inside an active `building_ahead` (our kernels' launches run nothing):
+    a warm-up launches what it will capture only then."""
+    return _BUILDING.get()
+
+
+@contextmanager
+def building_ahead(threads: int | None = None) -> Iterator[None]:
+    """Active (`build_ahead_switch` on, the kernels compiled, not interpreted), a launch of one of
+    our kernels inside runs nothing: a variant not built yet is handed to `threads` threads
+    (default: $SPECSPLIT_BUILD_THREADS, else the cores this process may run on) to compile, and
+    the block ends once every one is built (triton's AsyncCompileMode). A warm-up that first
+    launches each variant it will need inside this block (attention's variants, a step of every
+    bucket its graphs capture: code that reads nothing of what our kernels compute, not even as
+    an index into a torch op) builds them side by side instead of one after another in the
+    captures (a build takes 0.1-3 s, the paged-attention kernel's the longest: a cold
+    SmolLM2-shaped verifier's warm-up spent 55 s of its 87 on 90 builds, its drafter's 46 of 90
+    on 46, H200, bench/kernel_builds.py). What the launches would write is left as it was;
+    torch's own ops run. Nested blocks are one. Inactive: a plain block, its launches run."""
+    if _BUILDING.get() or not build_ahead_switch() or interpreting():
+        yield
+        return
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    token = _BUILDING.set(True)
+    try:
+        workers = threads or build_threads()
+        with ThreadPoolExecutor(workers, "triton-build") as pool, AsyncCompileMode(pool):
+            yield
+    finally:
+        _BUILDING.reset(token)
 
 
 def runtime_params(kernel: Callable[..., Any]) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specsplit.kernels.triton_jit import building
 from specsplit.kv_cache import KVCache
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.graph_buffers import CaptureStream, GraphBuffers
@@ -190,21 +191,11 @@ class CudaGraphRunner:
         the smaller ones reuse its memory); with `max_batch`, only the buckets up to it, for
         this q with any layers (prefills: few at once, many rows each, logits of every row):
         a q's buckets are set by its first capture."""
-        assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
-        if q not in self.q_sizes:
-            limit = self.batch_sizes[-1] if max_batch is None else max_batch
-            assert limit <= self.batch_sizes[-1], (limit, self.batch_sizes)
-            self.q_sizes[q] = [b for b in self.batch_sizes if b < limit] + [limit]
         key = (q, aux_layers)
         if key in self.buffers:
             return
-        sizes = self.q_sizes[q]
-        buffers = GraphBuffers(
-            sizes[-1], q, self.max_pages, self.features, self.device, self.greedy
-        )
-        self.buffers[key] = buffers
-        empty = self._empty_batch()
-        buffers.fill(empty, sizes[-1], self.kv.scratch_page, self.kv.scratch_slot)
+        sizes = self._sizes(q, max_batch)
+        buffers = self.buffers[key] = self._new_buffers(q, sizes[-1])
         stream = self.capture_stream(self.device)
         with torch.cuda.stream(stream):
             for bs in reversed(sizes):
@@ -222,6 +213,35 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for q=%d aux=%s, batch sizes %s", q, aux_layers, sizes)
+
+    def build(self, q: int, aux_layers: tuple[int, ...] = (), max_batch: int | None = None) -> None:
+        """Inside `building_ahead` (the caller's block): a step of every bucket `capture(q,
+        aux_layers, max_batch)` takes, once, on throwaway buffers, so that its Triton kernels'
+        variants build side by side before the captures (the steps compute nothing: no launch
+        of ours runs)."""
+        assert building(), "CudaGraphRunner.build runs inside building_ahead"
+        if (q, aux_layers) in self.buffers:
+            return
+        sizes = self._sizes(q, max_batch)
+        buffers = self._new_buffers(q, sizes[-1])
+        for bs in reversed(sizes):
+            self._run(buffers, buffers.batch(bs, self.kv.page_size), aux_layers, bs * q)
+
+    def _sizes(self, q: int, max_batch: int | None) -> list[int]:
+        """q's batch buckets, set by its first capture (or build)."""
+        assert 1 <= q <= self.max_query_len, (q, self.max_query_len)
+        if q not in self.q_sizes:
+            limit = self.batch_sizes[-1] if max_batch is None else max_batch
+            assert limit <= self.batch_sizes[-1], (limit, self.batch_sizes)
+            self.q_sizes[q] = [b for b in self.batch_sizes if b < limit] + [limit]
+        return self.q_sizes[q]
+
+    def _new_buffers(self, q: int, bucket: int) -> GraphBuffers:
+        """Input and output buffers for steps of `q` tokens a sequence up to `bucket`
+        sequences, filled with an empty batch (every row on the scratch page)."""
+        buffers = GraphBuffers(bucket, q, self.max_pages, self.features, self.device, self.greedy)
+        buffers.fill(self._empty_batch(), bucket, self.kv.scratch_page, self.kv.scratch_slot)
+        return buffers
 
     def graph_ms(self, news: list[int]) -> float:
         """The replay time in ms (timed at capture) of the graph that holds a step of these
