@@ -1,8 +1,9 @@
 """A GGUF file's weights read straight into a transformers-named state dict (`GGUFStateDict`),
 without building the transformers model: the header and metadata parsed once with `struct`
-over a memory map (`GGUFFile`, 0.05 s for the embedded default), each tensor dequantized by the
-`gguf` package when it is read, and the config transformers would make (`model_config`,
-without importing transformers).
+over a memory map (`GGUFFile`, 0.05 s for the embedded default), each tensor dequantized when it
+is read (by the `gguf` package on the host; for a GPU, common formats on the GPU from their
+stored bytes, specsplit/model/gguf_dequant.py), and the config transformers would make
+(`model_config`, without importing transformers).
 
 transformers' own GGUF path (`from_pretrained(gguf_file=...)`) parses the metadata twice with
 `gguf.GGUFReader` (1.9 s each for SmolLM2's 49k-token vocabulary: a numpy view per string),
@@ -19,6 +20,7 @@ Mistral, which llama.cpp writes as `llama`), `qwen2`, `qwen3`.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import struct
 from collections.abc import Iterator, Mapping
@@ -30,7 +32,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
+from specsplit.model import gguf_dequant
 from specsplit.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -183,6 +188,9 @@ class GGUFFile:
             name: TensorInfo(name, shape, qtype, start + offset)
             for name, shape, qtype, offset in infos
         }
+        # per (format, device type): whether the device's dequantization gave gguf's values on
+        # the first row it read (`tensor`); False: that format is read by gguf's numpy
+        self._on_device: dict[tuple[GGMLQuantizationType, str], bool] = {}
 
     @property
     def architecture(self) -> str:
@@ -215,6 +223,28 @@ class GGUFFile:
             return np.array(raw)
         return dequantize(raw, info.qtype).reshape(info.shape)
 
+    def tensor(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
+        """The tensor dequantized (float32, or F16's float16), in `info.shape`, on `device`: off
+        the CPU a format `gguf_dequant` covers goes there as its stored bytes and is dequantized
+        there (the same values: a format's first tensor's first row is checked against gguf's,
+        and read by gguf if it differs), the rest by gguf's numpy on the host (on the CPU too:
+        torch's ops are no faster there, 0.6-0.8x on one thread, ~1x on two,
+        bench/RESULTS.md)."""
+        key = (info.qtype, device.type)
+        if (
+            device.type != "cpu"
+            and gguf_dequant.supported(info.qtype)
+            and self._on_device.get(key, True)
+        ):
+            raw = self.raw(info)
+            values = gguf_dequant.dequantize(torch.from_numpy(np.array(raw)).to(device), info.qtype)
+            assert values is not None
+            if key not in self._on_device:  # its first tensor: its first row against gguf's
+                self._on_device[key] = _same_first_row(raw, values, info.qtype)
+            if self._on_device[key]:
+                return values.reshape(info.shape)
+        return torch.from_numpy(self.array(info)).to(device)
+
     def close(self) -> None:
         try:
             self._view.release()
@@ -228,6 +258,22 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _same_first_row(raw: np.ndarray, values: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
+    """Whether `values` (a tensor dequantized on a device) begin with gguf's values of `raw`'s
+    first row, bit for bit; logs a warning where not (its format is then read by gguf)."""
+    row_bytes = raw.shape[-1]
+    want = np.ascontiguousarray(dequantize(raw.reshape(-1, row_bytes)[:1], qtype), np.float32)
+    got = values.reshape(-1, want.shape[-1])[:1].cpu().numpy()
+    same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+    if not same:
+        log.warning(
+            "GGUF %s dequantized on %s differs from gguf's values: read by gguf on the host",
+            qtype.name,
+            values.device,
+        )
+    return same
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
@@ -278,12 +324,20 @@ def unpermute_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 class GGUFStateDict(Mapping[str, torch.Tensor]):
     """A GGUF file's tensors by transformers' names, each dequantized (float32, or F16's float16)
-    when read, q / k rows in the checkpoint's order (`unpermute_rows`, the `llama`
-    architecture). Reading a tensor once is the point: `state_dict_from_hf` casts and moves each
-    as it reads it, so no whole float32 copy of the model is ever held."""
+    when read, on `device` (`GGUFFile.tensor`), q / k rows in the checkpoint's order
+    (`unpermute_rows`, the `llama` architecture). Reading a tensor once is the point:
+    `state_dict_from_hf` casts and moves each as it reads it, so no whole float32 copy of the
+    model is ever held."""
 
-    def __init__(self, file: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        file: GGUFFile,
+        num_heads: int,
+        num_kv_heads: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.file = file
+        self.device = torch.device(device)  # where each tensor is dequantized (GGUFFile.tensor)
         self.permuted = file.supported_architecture() in PERMUTED
         self.heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
         self._infos = {}
@@ -293,7 +347,7 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
                 self._infos[name] = info
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = torch.from_numpy(self.file.array(self._infos[name]))
+        tensor = self.file.tensor(self._infos[name], self.device)
         module = name.rsplit(".", 1)[0].split(".", 3)[-1]  # e.g. "self_attn.q_proj"
         if self.permuted and module in self.heads:
             tensor = unpermute_rows(tensor, self.heads[module])

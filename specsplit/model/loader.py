@@ -66,7 +66,7 @@ def load_model(
     if _is_gguf(path):
         with _open_gguf(path) as file:  # (each tensor read, cast and moved in turn)
             config = _truncated(model_config(file), num_layers, path)
-            weights = GGUFStateDict(file, config.num_heads, config.num_kv_heads)
+            weights = GGUFStateDict(file, config.num_heads, config.num_kv_heads, device)
             state_dict = state_dict_from_hf(config, weights, dtype, device)
     else:
         from transformers import AutoModelForCausalLM  # (not imported for a GGUF file: ~1.4 s)
