@@ -56,14 +56,13 @@ def timed(owner: Any, name: str, phase: str) -> None:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _current[0] != "warm-up":
             return original(*args, **kwargs)
-        import torch
 
         _current[0] = phase
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            torch.cuda.synchronize()
+            sync()
             PHASES.setdefault(phase, [0.0, 0.0])[0] += time.perf_counter() - start
             _current[0] = "warm-up"
 
@@ -118,27 +117,36 @@ def phases(service: str) -> None:
         timed(DrafterEngine, "rehearse", "rehearse")
 
 
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def warm_up(args: argparse.Namespace) -> float:
     """The service's engine loaded and warmed up; returns the warm-up's seconds."""
     import torch
+
+    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
 
     if args.service == "verifier":
         from verifier.engine import VerifierEngine
 
         engine: Any = VerifierEngine.load(
-            args.model, device="cuda", dtype=torch.bfloat16, decode_ahead=True
+            args.model, device=args.device, dtype=dtype, decode_ahead=True
         )
     else:
         from drafter.engine import DrafterEngine
 
         engine = DrafterEngine.load(
-            "eagle3", args.head, target_path=args.model, device="cuda", dtype=torch.bfloat16
+            "eagle3", args.head, target_path=args.model, device=args.device, dtype=dtype
         )
-    torch.cuda.synchronize()
+    sync()
     _current[0] = "warm-up"
     start = time.perf_counter()
     engine.warmup()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
@@ -171,7 +179,7 @@ def run(args: argparse.Namespace, service: str, cache: str, ahead: bool) -> dict
     env["SPECSPLIT_BUILD_AHEAD"] = "1" if ahead else "0"
     env["SPECSPLIT_BUILD_THREADS"] = str(args.threads)
     command = [sys.executable, __file__, "--child", "--service", service, "--model", args.model]
-    command += ["--head", args.head]
+    command += ["--head", args.head, "--device", args.device]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -187,6 +195,7 @@ def main() -> None:
     parser.add_argument("--service", nargs="+", default=["verifier", "drafter"])
     parser.add_argument("--head", default="specsplit/data/eagle3-smollm2")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--device", default="cuda", help="cpu: a check of this script alone")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

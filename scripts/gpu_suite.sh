@@ -14,7 +14,7 @@
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
-#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds]
+#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -883,6 +883,10 @@ for part in "${parts[@]}"; do
       # then warm (random SmolLM2 + the shipped head; bench/kernel_builds.py, ~7 min on an H200)
       random_smollm2
       run kernel_builds python3 bench/kernel_builds.py --model /tmp/smollm2_random ;;
+    gguf-load)  # loading a random Llama-3.1-8B-shaped Q4_K GGUF onto the GPU, its tensors
+      # dequantized by gguf's numpy on the host against on the GPU (bench/gguf_load.py; writes
+      # ~4.6 GB to /tmp once)
+      run gguf_load python3 bench/gguf_load.py --shape llama-8b --qtype Q4_K ;;
     drafter-warmup-ab)  # drafter-warmup in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in
       # this tree, on one machine (the old first, so it fills the compile caches: compare the
       # reserved memory, not the seconds)
