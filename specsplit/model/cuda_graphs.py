@@ -226,6 +226,8 @@ class CudaGraphRunner:
         buffers = self._new_buffers(q, sizes[-1])
         for bs in reversed(sizes):
             self._run(buffers, buffers.batch(bs, self.kv.page_size), aux_layers, bs * q)
+        del buffers  # (their blocks back to the device: the captures allocate from their pool)
+        torch.cuda.empty_cache()
 
     def _sizes(self, q: int, max_batch: int | None) -> list[int]:
         """q's batch buckets, set by its first capture (or build)."""
