@@ -12,8 +12,9 @@ a fresh process with its own Triton and inductor cache directories:
   process's cores);
 - `warm, on`: the previous run's caches kept.
 
-Each run: the warm-up's seconds, its phases' (each with the Triton builds it started: triton's
-jit hooks), and torch.compile's seconds (dynamo's counters).
+Each run: the warm-up's seconds, its phases' (each with the Triton builds that ended in it:
+triton's post-compile hook; with warm caches a build is a load from triton's cache), and
+torch.compile's seconds (dynamo's counters).
 
     PYTHONPATH=. python bench/kernel_builds.py --model DIR [--service verifier|drafter]...
         [--threads 16] [--head specsplit/data/eagle3-smollm2]
@@ -39,14 +40,14 @@ _current = ["load"]
 
 
 def count_builds() -> None:
-    """Triton's jit hook: each build started counted in the current phase."""
+    """Triton's post-compile hook: each build counted in the phase it ends in (once a variant:
+    built ahead, when the block waits for it)."""
     from triton import knobs
 
-    def before(**_: Any) -> bool:
+    def built(**_: Any) -> None:
         PHASES.setdefault(_current[0], [0.0, 0.0])[1] += 1
-        return False  # (True would skip the build and the launch)
 
-    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = built
 
 
 def timed(owner: Any, name: str, phase: str) -> None:
