@@ -26,12 +26,17 @@ def _f32(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
+def _unpack(data: torch.Tensor, width: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
+    """Bytes [n, k] in groups of `width`: each group shifted right by each of `shifts` in turn
+    and masked -> [n, k x len(shifts)] (gguf's `data.reshape(n, -1, 1, width) >> shifts`)."""
+    groups = data.reshape(data.shape[0], -1, 1, width)
+    by = torch.tensor(shifts, dtype=torch.uint8, device=data.device).reshape(1, 1, -1, 1)
+    return ((groups >> by) & mask).reshape(data.shape[0], -1)
+
+
 def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
-    """Bytes [n, k] in groups of `width`: each group's low nibbles, then its high ones ->
-    [n, 2k] (gguf's `qs.reshape(n, -1, 1, width) >> [0, 4]`)."""
-    groups = qs.reshape(qs.shape[0], -1, 1, width)
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)
-    return ((groups >> shifts) & 0x0F).reshape(qs.shape[0], -1)
+    """Bytes [n, k] in groups of `width`: each group's low nibbles, then its high ones."""
+    return _unpack(qs, width, (0, 4), 0x0F)
 
 
 def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
@@ -102,18 +107,14 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dm = _k_scales(blocks)
     low = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
-    qh = blocks[:, 16:48].reshape(n, 1, 1, 32)
-    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 1, 8, 1)
-    high = ((qh >> shifts) & 1).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 16:48], 32, tuple(range(8)), 1).reshape(n, 8, 32)
     return (d * (low | (high << 4)).float() - dm).reshape(n, QK_K)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
-    high = ((qh >> shifts.reshape(1, 1, 4, 1)) & 0x03).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 128:192], 32, (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, QK_K // 16, 16).float()
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     d = (_f32(blocks, 208) * scales).reshape(n, QK_K // 16, 1)
