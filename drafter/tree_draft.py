@@ -172,8 +172,8 @@ class TreeProposer(HostExpansion, DraftAhead, ExpansionKeys, KVPages):
             features=self.graph_features,
         )
         with building_ahead():  # (active: the steps' kernel variants built side by side first)
-            for q in reversed(lens):
-                if building():
+            if building():
+                for q in reversed(lens):
                     self.graphs.build(q)
         for q in reversed(lens):  # (largest first: the smaller reuse the larger's pool blocks)
             self.graphs.capture(q)
