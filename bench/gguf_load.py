@@ -3,7 +3,8 @@ and then moved, against moved as their stored bytes and dequantized on the GPU
 (`GGUFFile.tensor`, specsplit/model/gguf_dequant.py), in one process.
 
 A random GGUF of a bench shape (bench/gpu_engine.py's SHAPES) with its matrices in one format
-(random blocks with small finite scales: the values do not matter here) is written to --path
+(random blocks with small finite scales, tests/unit/test_gguf_dequant.py's: the values do not
+matter here) is written to --path
 unless there; then `load_model`'s GGUF steps timed each way, alternating, `--repeat` times: the
 state dict read (`GGUFStateDict` on the host or on the device) and `state_dict_from_hf` casting
 and moving it (the file read once into the page cache and loaded once untimed first: a
@@ -30,25 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from bench.gpu_engine import SHAPES
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, model_config
 from specsplit.model.llama import state_dict_from_hf
-
-
-def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType) -> np.ndarray:
-    """[rows, row bytes] of `qtype` blocks: random bytes, the float16 scales (at each format's
-    offsets in a block, `_SCALE_OFFSETS`) 0.01."""
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
-    scale = np.full(len(blocks), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-    for start in _SCALE_OFFSETS[qtype]:
-        blocks[:, start : start + 2] = scale
-    return blocks.reshape(rows, cols // block_size * type_size)
-
-
-_Q = GGMLQuantizationType
-_SCALE_OFFSETS = {
-    _Q.Q4_0: (0,), _Q.Q4_1: (0, 2), _Q.Q5_0: (0,), _Q.Q5_1: (0, 2), _Q.Q8_0: (0,),
-    _Q.Q4_K: (0, 2), _Q.Q5_K: (0, 2), _Q.Q6_K: (208,),
-}  # fmt: skip
+from tests.unit.test_gguf_dequant import SCALES, random_rows
 
 
 def write_gguf(path: str, shape: str, qtype: GGMLQuantizationType) -> None:
@@ -74,7 +57,7 @@ def write_gguf(path: str, shape: str, qtype: GGMLQuantizationType) -> None:
 
     def matrix(name: str, rows: int, cols: int) -> None:
         if (rows, cols) not in made:
-            made[rows, cols] = random_blocks(rows, cols, qtype)
+            made[rows, cols] = random_rows(qtype, rows, cols // GGML_QUANT_SIZES[qtype][0], 0)
         writer.add_tensor(name, made[rows, cols], raw_dtype=qtype)
 
     ones = np.ones(hidden, dtype=np.float32)
@@ -121,7 +104,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
-    parser.add_argument("--qtype", choices=[q.name for q in _SCALE_OFFSETS], default="Q4_K")
+    parser.add_argument("--qtype", choices=[q.name for q in SCALES], default="Q4_K")
     parser.add_argument("--path", help="default: /tmp/random-SHAPE-QTYPE.gguf")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeat", type=int, default=2)
