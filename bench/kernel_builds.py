@@ -50,22 +50,29 @@ def count_builds() -> None:
     knobs.runtime.jit_post_compile_hook = built
 
 
+@contextmanager
+def in_phase(phase: str) -> Iterator[None]:
+    """The block's seconds and builds counted as `phase` (inside the warm-up, outermost only)."""
+    if _current[0] != "warm-up":
+        yield
+        return
+    _current[0] = phase
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sync()
+        PHASES.setdefault(phase, [0.0, 0.0])[0] += time.perf_counter() - start
+        _current[0] = "warm-up"
+
+
 def timed(owner: Any, name: str, phase: str) -> None:
-    """`owner.name` timed as `phase` (outermost call only)."""
+    """`owner.name` timed as `phase`."""
     original = getattr(owner, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _current[0] != "warm-up":
+        with in_phase(phase):
             return original(*args, **kwargs)
-
-        _current[0] = phase
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            sync()
-            PHASES.setdefault(phase, [0.0, 0.0])[0] += time.perf_counter() - start
-            _current[0] = "warm-up"
 
     setattr(owner, name, wrapper)
 
@@ -76,18 +83,8 @@ def timed_block(module: Any) -> None:
 
     @contextmanager
     def block(*args: Any, **kwargs: Any) -> Iterator[None]:
-        if _current[0] != "warm-up":
-            with original(*args, **kwargs):
-                yield
-            return
-        _current[0] = "building ahead"
-        start = time.perf_counter()
-        try:
-            with original(*args, **kwargs):
-                yield
-        finally:
-            PHASES.setdefault("building ahead", [0.0, 0.0])[0] += time.perf_counter() - start
-            _current[0] = "warm-up"
+        with in_phase("building ahead"), original(*args, **kwargs):
+            yield
 
     module.building_ahead = block
 
