@@ -228,8 +228,8 @@ class GGUFFile:
         the CPU a format `gguf_dequant` covers goes there as its stored bytes and is dequantized
         there (the same values: a format's first tensor's first row is checked against gguf's,
         and read by gguf if it differs), the rest by gguf's numpy on the host (on the CPU too:
-        torch's ops are no faster there, 0.6-0.8x on one thread, ~1x on two,
-        bench/RESULTS.md)."""
+        torch's ops are no faster there, 0.3-0.9x on one thread, 0.6-1.5x on two by format,
+        bench/gguf_dequant.py)."""
         key = (info.qtype, device.type)
         if (
             device.type != "cpu"
