@@ -17,7 +17,10 @@ triton's post-compile hook; with warm caches a build is a load from triton's cac
 torch.compile's seconds (dynamo's counters).
 
     PYTHONPATH=. python bench/kernel_builds.py --model DIR [--service verifier|drafter]...
-        [--threads 16] [--head specsplit/data/eagle3-smollm2]
+        [--threads 16] [--head specsplit/data/eagle3-smollm2] [--runs cold-off warm-off]
+
+--runs: which of the runs, in that order (default cold-off cold-on warm-on; warm-off keeps
+cold-off's caches). $SPECSPLIT_TRITON_POINTWISE and the other switches pass to every run.
 
 On a GPU only.
 """
@@ -185,6 +188,16 @@ def run(args: argparse.Namespace, service: str, cache: str, ahead: bool) -> dict
     return json.loads(lines[-1])
 
 
+# --runs: name, cache directory (a: built as they come, b: built ahead), building ahead; a warm
+# run reuses the cold run's caches before it in the list
+RUNS = {
+    "cold-off": ("cold, off", "a", False),
+    "cold-on": ("cold, on, N threads", "b", True),
+    "warm-on": ("warm, on", "b", True),
+    "warm-off": ("warm, off", "a", False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,6 +207,7 @@ def main() -> None:
     parser.add_argument("--head", default="specsplit/data/eagle3-smollm2")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--device", default="cuda", help="cpu: a check of this script alone")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS)[:3])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -204,13 +218,10 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---|")
     for service in args.service:
         with tempfile.TemporaryDirectory() as root:
-            runs = (
-                ("cold, off", f"{root}/a", False),
-                (f"cold, on, {args.threads} threads", f"{root}/b", True),
-                ("warm, on", f"{root}/b", True),
-            )
-            for name, cache, ahead in runs:
-                got = run(args, service, cache, ahead)
+            for key in args.runs:
+                name, cache, ahead = RUNS[key]
+                name = name.replace("N threads", f"{args.threads} threads")
+                got = run(args, service, f"{root}/{cache}", ahead)
                 parts = sorted(got["phases"].items(), key=lambda item: -item[1][0])
                 by_phase = "; ".join(f"{p} {s:.1f} ({b:.0f})" for p, (s, b) in parts)
                 print(

@@ -14,7 +14,7 @@
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
-#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load]
+#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load] [pointwise-ab]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -887,6 +887,29 @@ for part in "${parts[@]}"; do
       # dequantized by gguf's numpy on the host against on the GPU (bench/gguf_load.py; writes
       # ~4.6 GB to /tmp once)
       run gguf_load python3 bench/gguf_load.py --shape llama-8b --qtype Q4_K ;;
+    pointwise-ab)  # the pointwise Triton kernels (SPECSPLIT_TRITON_POINTWISE=1) against
+      # torch.compile's (=0): their GPU tests and the lossless stacks on them; the engine's steps
+      # in turn (8B, then SmolLM2 past the small-linear path's rows, and the EAGLE-3 head's
+      # draft call); the verifier's and the drafter's warm-up with empty and warm caches
+      SPECSPLIT_TRITON_POINTWISE=1 run pointwise_tests python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_pointwise_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_cuda_lossless.py
+      for pw in 0 1 0 1; do
+        SPECSPLIT_TRITON_POINTWISE=$pw run "engine_smollm2_pw$pw" python3 bench/gpu_engine.py \
+          --shape smollm2-135m --batch 1 32 64 --verify-n 8 --verify-batch 1 8 --steps 50 --no-hf
+        SPECSPLIT_TRITON_POINTWISE=$pw run "draft_pw$pw" python3 bench/draft_step.py \
+          --random-target smollm2-135m --head specsplit/data/eagle3-smollm2 --device cuda:0 \
+          --batch 1 8 --shape 3x1x3 4x2x8 --rounds 300
+      done
+      for pw in 0 1; do
+        SPECSPLIT_TRITON_POINTWISE=$pw run "engine8b_pw$pw" python3 bench/gpu_engine.py \
+          --shape llama-8b --batch 1 32 --verify-n 8 --verify-batch 1 32 --steps 30 \
+          --decode-ahead --no-hf --no-eager
+      done
+      random_smollm2
+      for pw in 0 1; do
+        SPECSPLIT_TRITON_POINTWISE=$pw run "kernel_builds_pw$pw" python3 bench/kernel_builds.py \
+          --model /tmp/smollm2_random --runs cold-off warm-off
+      done ;;
     drafter-warmup-ab)  # drafter-warmup in .gpu/old (`scripts/gpu_old.sh REV`, carried) and in
       # this tree, on one machine (the old first, so it fills the compile caches: compare the
       # reserved memory, not the seconds)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels import small_linear_tiles as tiling
+from specsplit.kernels.pointwise import rms_norm_reference
 from specsplit.kernels.rope_store import rope_store_reference
 from specsplit.kernels.small_linear_kernels import jitted_kernel
 from specsplit.kernels.triton_jit import (
@@ -54,7 +55,6 @@ from specsplit.kernels.triton_jit import (
     pdl,
     pdl_launch,
 )
-from specsplit.model.fused import rms_norm_reference
 from specsplit.model.linear import linear
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

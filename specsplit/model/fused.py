@@ -11,6 +11,12 @@ reference. `SPECSPLIT_TORCH_COMPILE=0` turns compilation off.
 (specsplit/kernels/rope_store.py), one launch per layer where torch.compile makes ~3 (at batch 1
 the launches bound the step). `SPECSPLIT_TRITON_ROPE=0` runs the compiled torch version instead,
 for A/B benchmarks; without triton it runs that version too.
+
+`SPECSPLIT_TRITON_POINTWISE=1` runs the others as our own Triton kernels too
+(specsplit/kernels/pointwise.py), so that nothing is compiled by torch.compile (its tracing
+costs a warm GPU restart 5-10 s). Off (torch.compile's) until the two are measured against each
+other on a GPU: the kernels were written in a session with no GPU (`scripts/gpu_suite.sh
+pointwise` measures them).
 """
 
 from __future__ import annotations
@@ -21,16 +27,21 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 
+from specsplit.kernels import pointwise
+from specsplit.kernels.pointwise import (
+    add_rms_norm_reference,
+    norm_embed_and_cat_reference,
+    rms_norm_reference,
+    silu_and_mul_reference,
+)
 from specsplit.kernels.rope_store import rope_store, rope_store_reference
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 COMPILE = os.environ.get("SPECSPLIT_TORCH_COMPILE", "1") != "0"
-TRITON_ROPE = (
-    os.environ.get("SPECSPLIT_TRITON_ROPE", "1") != "0"
-    and importlib.util.find_spec("triton") is not None
-)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_ROPE = os.environ.get("SPECSPLIT_TRITON_ROPE", "1") != "0" and HAS_TRITON
+TRITON_POINTWISE = os.environ.get("SPECSPLIT_TRITON_POINTWISE", "0") == "1" and HAS_TRITON
 # compiled variants per function (dtype, eps, weights as parameters or plain tensors: a target,
 # a draft model and an EAGLE head in one process each add theirs); past the limit torch.compile
 # fails outright (fullgraph), so keep room for every model a process (or a test run) loads
@@ -72,49 +83,14 @@ def _on_gpu(fn: F_, kernel: Callable[..., Any] | None = None) -> F_:
     return dispatch  # type: ignore[return-value]
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in float32, as transformers computes it."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-rms_norm = _on_gpu(rms_norm_reference)
-
-
-@_on_gpu
-def norm_embed_and_cat(
-    features: torch.Tensor,  # [T, H]
-    input_ids: torch.Tensor,  # [T]
-    embed: torch.Tensor,  # [V, H]
-    embed_weight: torch.Tensor,  # [H] the embedding's norm
-    features_weight: torch.Tensor,  # [H] the features' norm
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EAGLE-3 layer's input: (RMSNorm(embed[input_ids]) | RMSNorm(features)) [T, 2H], and
-    RMSNorm(features) [T, H]: the embedding gather, both norms and the concatenation."""
-    normed = rms_norm_reference(features, features_weight, eps)
-    emb = rms_norm_reference(embed[input_ids], embed_weight, eps)
-    return torch.cat([emb, normed], dim=-1), normed
-
-
-@_on_gpu
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + x, RMSNorm(residual + x)): a residual add and the next norm, [T, hidden]."""
-    hidden = residual + x
-    x32 = hidden.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return hidden, weight * x32.to(hidden.dtype)
-
-
+rms_norm = _on_gpu(rms_norm_reference, pointwise.rms_norm if TRITON_POINTWISE else None)
+# an EAGLE-3 layer's input [T, 2H] and RMSNorm(features) [T, H] (see the reference's docstring)
+norm_embed_and_cat = _on_gpu(
+    norm_embed_and_cat_reference, pointwise.norm_embed_and_cat if TRITON_POINTWISE else None
+)
+# (residual + x, RMSNorm(residual + x)), [T, hidden]
+add_rms_norm = _on_gpu(add_rms_norm_reference, pointwise.add_rms_norm if TRITON_POINTWISE else None)
 # [T, num_heads, head_dim] rotated q; k and v stored (see the reference's docstring)
 rope_and_store = _on_gpu(rope_store_reference, rope_store if TRITON_ROPE else None)
-
-
-@_on_gpu
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 * inter] -> silu(gate) * up, [T, inter]."""
-    gate, up = gate_up.chunk(2, -1)
-    return F.silu(gate) * up
+# [T, 2 * inter] -> silu(gate) * up, [T, inter]
+silu_and_mul = _on_gpu(silu_and_mul_reference, pointwise.silu_and_mul if TRITON_POINTWISE else None)
