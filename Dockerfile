@@ -15,8 +15,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# gcc, libc6-dev and python3-dev: Triton builds its launchers with the C compiler at run time (the
+# Python headers included), and on a CPU specsplit/model/cpu_gemm.c is built on first use
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+        ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv "$VIRTUAL_ENV" \
     && pip install --upgrade pip

@@ -747,6 +747,16 @@ def test_the_dockerfile_runs_our_cli(parser: Any) -> None:
     assert "python" in last["HEALTHCHECK"] and "grpc_health" in last["HEALTHCHECK"]
 
 
+def test_the_image_has_the_c_compiler_triton_and_cpu_gemm_build_with() -> None:
+    """Triton builds its launchers with the C compiler at run time (including Python's
+    headers), and a CPU service builds specsplit/model/cpu_gemm.c on first use: the image
+    installs gcc, the C library's headers and the Python headers."""
+    runs = " ".join(rest for word, rest in dockerfile() if word == "RUN")
+    installs = re.findall(r"apt-get install ([^&]*)", runs)
+    packages = {word for line in installs for word in line.split() if not word.startswith("-")}
+    assert {"gcc", "libc6-dev", "python3-dev"} <= packages, packages
+
+
 def assert_made_for_the_user(directory: str) -> None:
     """The image's RUN lines make `directory` and give it to the user it runs as."""
     instructions = dockerfile()

@@ -1,0 +1,135 @@
+"""`x @ weight.T` in float32 on the CPU with each output in one fixed order whatever the number of
+rows (`fixed_linear`): the kernel of cpu_gemm.c (AVX-512, else AVX2 + FMA), built on first use
+by the machine's C compiler into the cache (`$SPECSPLIT_CACHE_DIR/cpu_gemm/`, one file a source
+and compiler) and loaded with ctypes, which releases the GIL for the call.
+
+Why: a greedy verify of 1 + n tokens must give each row the bits a one-token step gives it, and
+MKL's GEMMs pick their kernels (and so their sums' order) by the row count. cpu_gemm.c sums
+every output in lanes over k and then across the lanes in a fixed tree, so a row's result is
+the same alone or among 300 rows, and a one-row step streams the weights about as fast as
+MKL's GEMV (bench/cpu_linear.py; bench/RESULTS.md). Without a compiler, or on a CPU with
+neither AVX-512 nor AVX2 + FMA, `library()` is None and specsplit/model/linear.py keeps its
+weight-major torch route.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specsplit.model.tokenizer_cache import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+
+
+class Library:
+    """The loaded kernel and the lanes this CPU's variant uses (16 or 8)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.fixed_gemm_lanes.restype = ctypes.c_int
+        self.lanes = int(self._lib.fixed_gemm_lanes())
+        self._gemm = self._lib.fixed_gemm
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+        self._gemm.argtypes += [ctypes.c_int]
+        self._gemm.restype = None
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
+        caller), with `lanes` 16 or 8 (what this CPU runs)."""
+        num_rows, k_len = x.shape
+        self._gemm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+            out.data_ptr(), out.stride(0), num_rows, weight.shape[0], k_len, lanes,
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+
+@functools.cache
+def library() -> Library | None:
+    """The kernel, built into the cache if no build of this source and compiler is there yet;
+    None (logged once) where it cannot be built or this CPU cannot run it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        log.info("cpu_gemm: no C compiler (%s); float32 CPU matmuls take the torch route", compiler)
+        return None
+    try:
+        path = _built(compiler)
+        lib = Library(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.warning("cpu_gemm: not built (%s); float32 CPU matmuls take the torch route", e)
+        return None
+    if lib.lanes == 0:
+        log.info("cpu_gemm: this CPU has neither AVX-512 nor AVX2 + FMA; the torch route")
+        return None
+    return lib
+
+
+def _built(compiler: str) -> Path:
+    """The shared library of SOURCE by `compiler`, built once into the cache (written to a
+    temporary file, then renamed: processes starting together each build and one wins)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode())
+    directory = cache_root() / "cpu_gemm"
+    path = directory / f"cpu_gemm-{key.hexdigest()[:24]}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", temporary, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path
+
+
+def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in].T -> [T, out] (float32, CPU), each output in the fixed order
+    of cpu_gemm.c: `library()` must not be None. `lanes` (tests): 8 runs the AVX2 variant on a
+    CPU that has AVX-512 too."""
+    lib = library()
+    assert lib is not None, "fixed_linear without cpu_gemm's library"
+    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type):
+        raise ValueError(f"fixed_linear: float32 CPU tensors, got {x.dtype} {weight.dtype}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"fixed_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError("fixed_linear: CPU tensors only")
+    if lanes not in (None, 8, lib.lanes):
+        raise ValueError(f"fixed_linear: lanes {lanes}: this CPU runs {lib.lanes} or 8")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    lib.gemm(x, weight, out, lanes or lib.lanes)
+    return out
