@@ -34,10 +34,11 @@ def _model_path(args: argparse.Namespace) -> str:
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16; elsewhere it is
     emulated, slower than float32). `--dtype auto` still takes float32 on a CPU, and says so:
-    the embedded default through `specsplit up` on the 2-core VM (Sapphire Rapids, 8 bundled
-    prompts) ran 34.4 tok/s in bfloat16 against 18.6 in float32, but only 4 of 8 streams kept
-    target-only decoding's tokens (8 of 8 in float32): a 4-row verify and a 1-row step tip
-    bf16 near-ties differently, as on a GPU (bench/RESULTS.md)."""
+    the embedded default through `specsplit up` on the 2-core VM (8 bundled prompts) ran 39.9
+    tok/s in bfloat16 against 35.9 in float32 (float32's fixed-order kernel,
+    specsplit/model/cpu_gemm.c; 34.4 against 18.6 with the weight-major route before it), but
+    only 4 of 8 streams kept target-only decoding's tokens (8 of 8 in float32): a 4-row verify
+    and a 1-row step tip bf16 near-ties differently, as on a GPU (bench/RESULTS.md)."""
     import torch
 
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -111,8 +112,8 @@ def serve_verifier(args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args)
     if args.dtype == "auto" and kwargs["dtype"] == "float32" and cpu_has_bf16():
         log.info(
-            "this CPU multiplies bfloat16 natively: --dtype bfloat16 runs ~2x faster, but greedy "
-            "output may then part from target-only decoding at bf16 near-ties (float32, the "
+            "this CPU multiplies bfloat16 natively: --dtype bfloat16 may run ~10% faster, but "
+            "greedy output may then part from target-only decoding at bf16 near-ties (float32, the "
             "default on a CPU, keeps it token for token)"
         )
     graphs = {
