@@ -136,8 +136,8 @@ def _norm_embed_cat_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (T, 2): a row's embedding half (program 0) and its features' half (program 1,
-    also written to normed)."""
+    # grid (T, 2): a row's embedding half (program 0) and its features' half (program 1, also
+    # written to normed)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -166,7 +166,7 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (T, cdiv(INTER, BLOCK))."""
+    # grid (T, cdiv(INTER, BLOCK))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
