@@ -17,7 +17,8 @@ gave a row different bits). Routes, by `SPECSPLIT_CPU_LINEAR`:
   verify run the same kernel (exact up to a few dozen rows: not down_proj's 64 and more);
 - `torch`: `F.linear` everywhere (for comparison).
 
-GPUs and non-float32 dtypes always take `F.linear`.
+GPUs and non-float32 dtypes always take `F.linear`; a product autograd must differentiate takes
+the weight-major route in place of `fixed`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if route == "torch":
         return F.linear(x, weight, bias)
     assert weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (weight.shape, x.shape)
-    if route == "fixed":
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if route == "fixed" and not needs_grad:  # (the kernel keeps no autograd graph)
         out = cpu_gemm.fixed_linear(x, weight)
     else:
         num_rows = x.shape[0]

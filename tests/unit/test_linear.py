@@ -60,6 +60,20 @@ def test_the_fixed_route_keeps_a_rows_bits_at_any_batch(route: str, num_rows: in
         assert torch.equal(linear(x[row : row + 1], weight)[0], together[row])
 
 
+def test_gradients_flow_through_every_route(route: str) -> None:
+    """A product autograd differentiates (training a head on the CPU) keeps its graph: the fixed
+    kernel's route hands it to torch."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 32, generator=gen, requires_grad=True)
+    weight = torch.randn(8, 32, generator=gen, requires_grad=True)
+    linear(x, weight).square().sum().backward()
+    assert x.grad is not None and weight.grad is not None
+    x_ref, w_ref = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    F.linear(x_ref, w_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(weight.grad, w_ref.grad)
+
+
 def test_other_dtypes_take_f_linear(route: str) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 32, generator=gen, dtype=torch.float64)
