@@ -23,18 +23,10 @@ import torch.nn.functional as F
 
 from specsplit.model import cpu_gemm
 from specsplit.model.embedded import embedded_default_model_path
-from specsplit.model.linear import NARROW_ROWS
+from specsplit.model.linear import weight_major
 from specsplit.model.loader import load_config
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear.py's weight-major route (without the bias)."""
-    num_rows = x.shape[0]
-    if num_rows < NARROW_ROWS:
-        x = torch.cat([x, x.new_zeros(NARROW_ROWS - num_rows, x.shape[1])])
-    return torch.matmul(weight, x.t()).t()[:num_rows].contiguous()
 
 
 def shapes(path: str) -> list[tuple[int, int]]:

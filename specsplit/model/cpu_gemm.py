@@ -116,12 +116,15 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None
     CPU that has AVX-512 too."""
     lib = library()
     assert lib is not None, "fixed_linear without cpu_gemm's library"
-    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type):
-        raise ValueError(f"fixed_linear: float32 CPU tensors, got {x.dtype} {weight.dtype}")
+    if not (
+        x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+    ):
+        raise ValueError(
+            f"fixed_linear: float32 CPU tensors, got {x.dtype} {x.device}, {weight.dtype} "
+            f"{weight.device}"
+        )
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fixed_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if x.device.type != "cpu":
-        raise ValueError("fixed_linear: CPU tensors only")
     if lanes not in (None, 8, lib.lanes):
         raise ValueError(f"fixed_linear: lanes {lanes}: this CPU runs {lib.lanes} or 8")
     if x.stride(1) != 1:

@@ -61,8 +61,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if route == "fixed" and not needs_grad:  # (the kernel keeps no autograd graph)
         out = cpu_gemm.fixed_linear(x, weight)
     else:
-        num_rows = x.shape[0]
-        if num_rows < NARROW_ROWS:
-            x = torch.cat([x, x.new_zeros(NARROW_ROWS - num_rows, x.shape[1])])
-        out = torch.matmul(weight, x.t()).t()[:num_rows].contiguous()  # [T, out]
+        out = weight_major(x, weight)
     return out if bias is None else out.add_(bias)
+
+
+def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight-major route: `weight @ x.T` with fewer than NARROW_ROWS rows padded to
+    NARROW_ROWS zero rows -> [T, out], contiguous."""
+    num_rows = x.shape[0]
+    if num_rows < NARROW_ROWS:
+        x = torch.cat([x, x.new_zeros(NARROW_ROWS - num_rows, x.shape[1])])
+    return torch.matmul(weight, x.t()).t()[:num_rows].contiguous()
