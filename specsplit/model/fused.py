@@ -14,9 +14,9 @@ for A/B benchmarks; without triton it runs that version too.
 
 `SPECSPLIT_TRITON_POINTWISE=1` runs the others as our own Triton kernels too
 (specsplit/kernels/pointwise.py), so that nothing is compiled by torch.compile (its tracing
-costs a warm GPU restart 5-10 s). Off (torch.compile's) until the two are measured against each
-other on a GPU: the kernels were written in a session with no GPU (`scripts/gpu_suite.sh
-pointwise` measures them).
+costs a warm GPU restart 5-10 s). Off (torch.compile's) by default: on an H200 they cut a cold
+warm-up by 5-10 s more, but SmolLM2's decode step took 1.04-1.05x the device time at batch 32-64
+(the 8B's 0.98x; `scripts/gpu_suite.sh pointwise-ab`, bench/RESULTS.md).
 """
 
 from __future__ import annotations

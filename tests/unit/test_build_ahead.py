@@ -1,8 +1,9 @@
 """`building_ahead` (specsplit/kernels/triton_jit.py): active ($SPECSPLIT_BUILD_AHEAD=1, the
-kernels compiled), a launch of one of our kernels inside the block only builds its variant
-(triton's warmup call, compiled by a pool of threads), so a warm-up builds side by side what its
-captures take; otherwise it is a plain block. The GPU half (variants built, nothing written, the
-captures building nothing more) is tests/gpu/test_build_ahead_gpu.py; here what needs no GPU."""
+default, and the kernels compiled), a launch of one of our kernels inside the block only builds
+its variant (triton's warmup call, compiled by a pool of threads), so a warm-up builds side by
+side what its captures take; otherwise it is a plain block. The GPU half (variants built,
+nothing written, the captures building nothing more) is tests/gpu/test_build_ahead_gpu.py; here
+what needs no GPU."""
 
 from __future__ import annotations
 
@@ -44,12 +45,17 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-def test_off_by_default_the_block_is_plain(
+def test_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECSPLIT_BUILD_AHEAD", raising=False)
+    assert build_ahead_switch()
+
+
+def test_switched_off_the_block_is_plain(
     compiled: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from triton.runtime.jit import JITFunction
 
-    monkeypatch.delenv("SPECSPLIT_BUILD_AHEAD", raising=False)
+    monkeypatch.setenv("SPECSPLIT_BUILD_AHEAD", "0")
     assert not build_ahead_switch()
     kernel = jit(_fill_kernel)
     assert type(kernel) is JITFunction  # triton's own, as before the switch
