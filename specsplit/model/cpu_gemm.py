@@ -31,7 +31,8 @@ from specsplit.model.tokenizer_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
+# the GEMM, and cpu_layer.c's decoder layer that calls it (specsplit/model/cpu_layer.py)
+SOURCES = (Path(__file__).with_name("cpu_gemm.c"), Path(__file__).with_name("cpu_layer.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -40,10 +41,10 @@ class Library:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lib = ctypes.CDLL(str(path))
-        self._lib.fixed_gemm_lanes.restype = ctypes.c_int
-        self.lanes = int(self._lib.fixed_gemm_lanes())
-        self._gemm = self._lib.fixed_gemm
+        self.cdll = ctypes.CDLL(str(path))
+        self.cdll.fixed_gemm_lanes.restype = ctypes.c_int
+        self.lanes = int(self.cdll.fixed_gemm_lanes())
+        self._gemm = self.cdll.fixed_gemm
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
         self._gemm.argtypes += [ctypes.c_int]
@@ -83,12 +84,13 @@ def library() -> Library | None:
 
 
 def _built(compiler: str) -> Path:
-    """The shared library of SOURCE by `compiler`, built once into the cache (written to a
+    """The shared library of SOURCES by `compiler`, built once into the cache (written to a
     temporary file, then renamed: processes starting together each build and one wins)."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode())
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + version.encode() + " ".join(FLAGS).encode())
     directory = cache_root() / "cpu_gemm"
     path = directory / f"cpu_gemm-{key.hexdigest()[:24]}.so"
     if path.exists():
@@ -98,7 +100,7 @@ def _built(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", temporary, str(SOURCE)],
+            [compiler, *FLAGS, "-o", temporary, *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             check=True,

@@ -34,6 +34,7 @@ from specsplit.kernels.small_linear import (
 )
 from specsplit.kernels.small_linear_tiles import MAX_ROWS
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
+from specsplit.model import cpu_layer
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch, ForwardOutput
 from specsplit.model.config import ModelConfig
@@ -280,9 +281,15 @@ class LlamaModel(nn.Module):
         hidden_rows = batch.logit_indices if batch.hidden_indices is None else batch.hidden_indices
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         small = self.uses_small_linear(hidden.shape[0], hidden.device)
-        normed = None if small else layers[0].input_layernorm(hidden)
+        on_cpu = None  # the CPU's layers in one C call each (model/cpu_layer.py)
+        if cpu_layer.usable(hidden, kv.data.dtype, self.config.head_dim) and layers:
+            on_cpu = cpu_layer.CpuStep(batch, cos, sin, layers[0])
+            hidden = hidden.contiguous()
+        normed = None if small or on_cpu else layers[0].input_layernorm(hidden)
         for index, decoder_layer in enumerate(layers):
-            if small:
+            if on_cpu is not None:
+                on_cpu.run(decoder_layer, hidden, kv.k[index], kv.v[index])
+            elif small:
                 hidden = decoder_layer.forward_small(hidden, cos, sin, batch, kv)
             else:
                 next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None

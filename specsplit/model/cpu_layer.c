@@ -1,0 +1,213 @@
+/* One decoder layer of specsplit/model/llama.py in float32 on the CPU, in one call: input
+ * RMSNorm, the qkv projection, q / k norms (Qwen3), RoPE, the K/V store into the paged cache,
+ * attention over each row's keys, o_proj and the residual, the post-attention RMSNorm,
+ * gate_up, SiLU-and-mul, down_proj and the residual. The projections are cpu_gemm.c's
+ * fixed_gemm; everything else works a row (or a row and a head) at a time, so every row's
+ * result is the same bits whatever the other rows of the step are (a one-token step, a verify
+ * of 1 + n tokens, a prefill). specsplit/model/cpu_layer.py builds the arguments; the torch
+ * forward it replaces (DecoderLayer.forward with the CPU's references) is its reference.
+ *
+ * Attention of row t, head h: scores against each visible key (its keys: num_keys[t] slots at
+ * key_slots[key_start[t]...]; visible: all, or where masks[mask_start[t] + j] is nonzero), a
+ * softmax over them (max, expf, sum in key order), the values summed in key order. A hidden
+ * key is skipped, so a row's output does not move with keys hidden from it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
+                int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps;
+    const float *input_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *post_norm;
+    const float *gate_up_w, *gate_up_b, *down_w, *down_b;
+} Layer;
+
+typedef struct {
+    int64_t num_tokens;
+    const float *cos, *sin;      /* [T, head_dim] */
+    const int64_t *slot_mapping; /* [T] where each row's K/V is written */
+    const int64_t *key_slots;    /* the sequences' key slots, one run a sequence */
+    const int64_t *key_start;    /* [T] where row t's run starts in key_slots */
+    const int64_t *num_keys;     /* [T] its length */
+    const uint8_t *masks;        /* visibility rows, or NULL */
+    const int64_t *mask_start;   /* [T] row t's visibility row in masks, -1: every key */
+    int64_t max_keys;            /* >= every num_keys */
+    float scale;
+    int lanes, threads;
+    float *scratch; /* layer_scratch_floats(...) floats */
+} Step;
+
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* ---------------------------------------------------------------- a row's dot and axpy */
+
+AVX512 static float dot16(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+AVX512 static void axpy16(float *y, float p, const float *x, int64_t n) {
+    __m512 pv = _mm512_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(p, x[i], y[i]);
+}
+
+AVX2 static float dot8(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int64_t j = 0; i + j < n; j++) lanes[j] = fmaf(a[i + j], b[i + j], lanes[j]);
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+AVX2 static void axpy8(float *y, float p, const float *x, int64_t n) {
+    __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(p, x[i], y[i]);
+}
+
+/* ---------------------------------------------------------------- rows */
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)), the mean summed in double */
+static void rms_norm_row(float *out, const float *x, const float *weight, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * (double)x[i];
+    float rstd = 1.0f / sqrtf((float)(sum / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (x[i] * rstd);
+}
+
+/* x [head_dim] rotated in place: x * cos + rotate_half(x) * sin */
+static void rope_row(float *x, const float *cos, const float *sin, int64_t head_dim) {
+    int64_t half = head_dim / 2;
+    float rotated[512];
+    for (int64_t i = 0; i < half; i++) {
+        rotated[i] = -x[half + i];
+        rotated[half + i] = x[i];
+    }
+    for (int64_t i = 0; i < head_dim; i++) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+static void add_bias(float *rows, const float *bias, int64_t num_rows, int64_t n) {
+    if (!bias) return;
+    for (int64_t t = 0; t < num_rows; t++)
+        for (int64_t i = 0; i < n; i++) rows[t * n + i] += bias[i];
+}
+
+/* row t, head h of the attention: q [head_dim] -> out [head_dim]; scores: max_keys floats */
+static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, const float *q,
+                       const float *k_cache, const float *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, groups = L->num_heads / L->num_kv_heads;
+    int64_t slot_stride = L->num_kv_heads * d, head_offset = (h / groups) * d;
+    const int64_t *slots = S->key_slots + S->key_start[t];
+    int64_t n = S->num_keys[t];
+    const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        if (visible && !visible[j]) continue;
+        const float *k = k_cache + slots[j] * slot_stride + head_offset;
+        float s = (S->lanes == 16 ? dot16(q, k, d) : dot8(q, k, d)) * S->scale;
+        scores[j] = s;
+        if (s > top) top = s;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        if (visible && !visible[j]) continue;
+        float p = expf(scores[j] - top);
+        total += p;
+        const float *v = v_cache + slots[j] * slot_stride + head_offset;
+        if (S->lanes == 16)
+            axpy16(out, p, v, d);
+        else
+            axpy8(out, p, v, d);
+    }
+    float inverse = 1.0f / total;
+    for (int64_t i = 0; i < d; i++) out[i] *= inverse;
+}
+
+/* ---------------------------------------------------------------- the layer */
+
+/* floats of scratch a step of num_tokens rows needs (layer_forward's buffers) */
+int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
+    int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
+    int64_t attn = L->num_heads * L->head_dim;
+    int64_t widest = qkv > 2 * L->inter ? qkv : 2 * L->inter;
+    return num_tokens * (L->hidden + widest + attn + L->inter + L->hidden) + threads * max_keys;
+}
+
+/* h [T, hidden] (the residual stream) through the layer, in place; k_cache / v_cache
+ * [num_slots, num_kv_heads, head_dim] this layer's, the step's K/V written at slot_mapping */
+void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, float *v_cache) {
+    int64_t T = S->num_tokens, H = L->hidden, d = L->head_dim;
+    int64_t q_width = L->num_heads * d, kv_width = L->num_kv_heads * d;
+    int64_t qkv_width = q_width + 2 * kv_width, inter = L->inter;
+    int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    float *normed = S->scratch;            /* [T, H] */
+    float *wide = normed + T * H;          /* [T, qkv_width] or [T, 2 * inter] */
+    float *attn = wide + T * widest;       /* [T, q_width] */
+    float *act = attn + T * q_width;       /* [T, inter] */
+    float *proj = act + T * inter;         /* [T, H] */
+    float *scores = proj + T * H;          /* [threads, max_keys] */
+
+    for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->input_norm, H, L->eps);
+    fixed_gemm(normed, H, L->qkv_w, H, wide, qkv_width, T, qkv_width, H, S->lanes, S->threads);
+    add_bias(wide, L->qkv_b, T, qkv_width);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = wide + t * qkv_width, *k = row + q_width, *v = k + kv_width;
+        const float *cos = S->cos + t * d, *sin = S->sin + t * d;
+        for (int64_t head = 0; head < L->num_heads; head++) {
+            float *q = row + head * d;
+            if (L->q_norm) rms_norm_row(q, q, L->q_norm, d, L->eps);
+            rope_row(q, cos, sin, d);
+        }
+        for (int64_t head = 0; head < L->num_kv_heads; head++) {
+            float *kh = k + head * d;
+            if (L->k_norm) rms_norm_row(kh, kh, L->k_norm, d, L->eps);
+            rope_row(kh, cos, sin, d);
+        }
+        int64_t slot = S->slot_mapping[t];
+        memcpy(k_cache + slot * kv_width, k, kv_width * sizeof(float));
+        memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
+    }
+    int64_t pairs = T * L->num_heads;
+    int parallel = S->threads > 1 && pairs * S->max_keys >= 4096;
+#pragma omp parallel for schedule(static) num_threads(S->threads) if (parallel)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        int64_t t = pair / L->num_heads, head = pair % L->num_heads;
+        float *thread_scores = scores + (int64_t)omp_get_thread_num() * S->max_keys;
+        attend_row(L, S, t, head, wide + t * qkv_width + head * d, k_cache, v_cache,
+                   thread_scores, attn + t * q_width + head * d);
+    }
+    fixed_gemm(attn, q_width, L->o_w, q_width, proj, H, T, H, q_width, S->lanes, S->threads);
+    add_bias(proj, L->o_b, T, H);
+    for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
+    for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->post_norm, H, L->eps);
+    fixed_gemm(normed, H, L->gate_up_w, H, wide, 2 * inter, T, 2 * inter, H, S->lanes, S->threads);
+    add_bias(wide, L->gate_up_b, T, 2 * inter);
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = wide + t * 2 * inter, *up = gate + inter;
+        for (int64_t i = 0; i < inter; i++) act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    fixed_gemm(act, inter, L->down_w, inter, proj, H, T, H, inter, S->lanes, S->threads);
+    add_bias(proj, L->down_b, T, H);
+    for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
+}

@@ -1,0 +1,213 @@
+"""A decoder layer in one call on the CPU: cpu_layer.c's `layer_forward` (float32), built with
+cpu_gemm.c's GEMM into one library (specsplit/model/cpu_gemm.py).
+
+Why: with the projections in the fixed-order kernel, the rest of a CPU step (norms, RoPE, the
+K/V store, the per-sequence attention's gathers and SDPA, residuals, SiLU: ~25 torch ops a
+layer) took a third of the embedded default's decode step, mostly per-op overhead. In C each
+row (and each row and head in attention) is computed by itself, so a row's bits do not depend
+on the rest of the step, as with the fixed-order GEMM.
+
+`SPECSPLIT_CPU_LAYER=0` keeps the torch layer (DecoderLayer.forward, this path's reference);
+the path needs the fixed-order route (specsplit/model/linear.py's `cpu_route`), float32
+activations and cache, and a head_dim of at most 512.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from specsplit.model import cpu_gemm
+from specsplit.model.batch import ForwardBatch
+from specsplit.model.linear import cpu_route
+
+if TYPE_CHECKING:
+    from specsplit.model.llama import DecoderLayer
+
+MAX_HEAD_DIM = 512  # cpu_layer.c's rope_row buffer
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+_LAYER_WEIGHTS = (
+    "input_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "post_norm", "gate_up_w",
+    "gate_up_b", "down_w", "down_b",
+)  # fmt: skip
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "inter")),
+        ("eps", ctypes.c_float),
+        *((name, _ptr) for name in _LAYER_WEIGHTS),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", _i64),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slot_mapping", _ptr),
+        ("key_slots", _ptr),
+        ("key_start", _ptr),
+        ("num_keys", _ptr),
+        ("masks", _ptr),
+        ("mask_start", _ptr),
+        ("max_keys", _i64),
+        ("scale", ctypes.c_float),
+        ("lanes", ctypes.c_int),
+        ("threads", ctypes.c_int),
+        ("scratch", _ptr),
+    ]
+
+
+@functools.cache
+def switch() -> bool:
+    """$SPECSPLIT_CPU_LAYER: "1" (default) or "0"."""
+    value = os.environ.get("SPECSPLIT_CPU_LAYER", "1")
+    if value not in ("0", "1"):
+        raise SystemExit(f"SPECSPLIT_CPU_LAYER={value!r}: 0 or 1")
+    return value == "1"
+
+
+@functools.cache
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    lib = cpu_gemm.library()
+    assert lib is not None
+    forward, scratch = lib.cdll.layer_forward, lib.cdll.layer_scratch_floats
+    forward.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), _ptr, _ptr, _ptr]
+    forward.restype = None
+    scratch.argtypes = [ctypes.POINTER(LayerArgs), _i64, _i64, ctypes.c_int]
+    scratch.restype = _i64
+    return forward, scratch
+
+
+def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a step of `hidden` takes this path (module docstring)."""
+    return (
+        hidden.device.type == "cpu"
+        and hidden.dtype == kv_dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and head_dim <= MAX_HEAD_DIM
+        and switch()
+        and cpu_route() == "fixed"
+    )
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_args(layer: DecoderLayer) -> LayerArgs:
+    """The layer's sizes and weights as cpu_layer.c reads them (built again when a weight
+    changed storage)."""
+    tensors = (
+        layer.input_layernorm.weight,
+        layer.qkv_proj.weight,
+        layer.qkv_proj.bias,
+        None if layer.q_norm is None else layer.q_norm.weight,
+        None if layer.k_norm is None else layer.k_norm.weight,
+        layer.o_proj.weight,
+        layer.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        layer.gate_up_proj.weight,
+        layer.gate_up_proj.bias,
+        layer.down_proj.weight,
+        layer.down_proj.bias,
+    )
+    key = tuple(_ptr_of(t) for t in tensors)
+    cached: tuple[tuple[int | None, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    for t in tensors:
+        assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 weights"
+    args = LayerArgs(
+        layer.input_layernorm.weight.shape[0],
+        layer.num_heads,
+        layer.num_kv_heads,
+        layer.head_dim,
+        layer.down_proj.weight.shape[1],
+        layer.input_layernorm.eps,
+        *key,
+    )
+    layer._cpu_args = (key, args)  # type: ignore[assignment]
+    return args
+
+
+class CpuStep:
+    """One forward's arguments to cpu_layer.c, shared by its layers: the rows' RoPE and slots,
+    each row's keys (its sequence's, from the batch's reference plan) and visibility."""
+
+    def __init__(
+        self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, first: DecoderLayer
+    ) -> None:
+        lib = cpu_gemm.library()
+        assert lib is not None
+        num_tokens = batch.input_ids.shape[0]
+        key_start = torch.zeros(num_tokens, dtype=torch.int64)
+        num_keys = torch.zeros(num_tokens, dtype=torch.int64)
+        mask_start = torch.full((num_tokens,), -1, dtype=torch.int64)
+        slots, masks = [], []
+        key_offset = mask_offset = max_keys = 0
+        for q_start, q_end, seq_slots, mask in batch.reference_plan():
+            kv_len = seq_slots.shape[0]
+            key_start[q_start:q_end] = key_offset
+            num_keys[q_start:q_end] = kv_len
+            slots.append(seq_slots)
+            key_offset += kv_len
+            max_keys = max(max_keys, kv_len)
+            if mask is not None:
+                q_len = q_end - q_start
+                rows = torch.arange(q_len, dtype=torch.int64)
+                mask_start[q_start:q_end] = mask_offset + rows * kv_len
+                masks.append(mask.reshape(-1).to(torch.uint8))
+                mask_offset += q_len * kv_len
+        self._keep = (
+            cos := cos.contiguous(),
+            sin := sin.contiguous(),
+            slot_mapping := batch.slot_mapping.to(torch.int64).contiguous(),
+            key_slots := (torch.cat(slots) if slots else torch.zeros(1, dtype=torch.int64)),
+            key_start,
+            num_keys,
+            mask_rows := torch.cat(masks) if masks else None,
+            mask_start,
+        )
+        threads = torch.get_num_threads()
+        forward, scratch_floats = _functions()
+        self.args = StepArgs(
+            num_tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            key_slots.data_ptr(),
+            key_start.data_ptr(),
+            num_keys.data_ptr(),
+            _ptr_of(mask_rows),
+            mask_start.data_ptr(),
+            max_keys,
+            first.head_dim**-0.5,
+            lib.lanes,
+            threads,
+            None,
+        )
+        size = scratch_floats(ctypes.byref(layer_args(first)), num_tokens, max_keys, threads)
+        self.scratch = torch.empty(size, dtype=torch.float32)
+        self.args.scratch = self.scratch.data_ptr()
+        self._forward = forward
+
+    def run(
+        self, layer: DecoderLayer, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """`hidden` [T, hidden] (contiguous float32) through `layer`, in place; its K/V written
+        into `k` / `v` [num_slots, num_kv_heads, head_dim] (contiguous)."""
+        assert hidden.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        args = layer_args(layer)
+        self._forward(
+            ctypes.byref(args), ctypes.byref(self.args), hidden.data_ptr(), k.data_ptr(),
+            v.data_ptr(),
+        )  # fmt: skip

@@ -1,0 +1,186 @@
+"""The CPU's decoder layer in one C call (specsplit/model/cpu_layer.c via cpu_layer.py): equal
+to the torch layer it replaces within float32 rounding, every row's bits independent of the
+rest of the step (other sequences, the step's row count, keys hidden from the row, the thread
+count), and taken only where it applies. Against transformers' logits on every architecture:
+tests/unit/test_model_vs_transformers.py (which runs this path by default)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from specsplit.kv_cache import KVCache
+from specsplit.model import cpu_gemm, cpu_layer
+from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.loader import load_model
+from tests.forward_steps import TINY_LLAMA, VOCAB, causal_step, make_batch, new_seqs, tree_step
+
+pytestmark = [
+    pytest.mark.raw_kv,  # forward math on hand-built caches
+    pytest.mark.skipif(cpu_gemm.library() is None, reason="cpu_gemm's library does not build"),
+]
+
+CONFIGS: dict[str, Any] = {
+    "llama_biases_gqa": LlamaConfig(
+        **TINY_LLAMA, num_key_value_heads=2, attention_bias=True, mlp_bias=True
+    ),
+    "qwen3_qk_norm": Qwen3Config(
+        **TINY_LLAMA, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():  # O(1) activations, biases that matter
+            scale = 0.5 if name.endswith("bias") else param.shape[-1] ** -0.5
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) * (1.0 if "embed" in name else scale))
+    path: Path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    loaded, _ = load_model(str(path), torch.float32, "cpu")
+    return loaded
+
+
+@pytest.fixture
+def torch_layers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch layer (the path's reference) for this test's forwards."""
+    monkeypatch.setattr(cpu_layer, "switch", lambda: False)
+    yield
+
+
+def _kv(model: LlamaModel, page_size: int = 4) -> KVCache:
+    return make_kv_cache(model.config, 96, page_size, torch.float32, "cpu")
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _ragged_then_trees(model: LlamaModel, page_size: int) -> list[torch.Tensor]:
+    """Three sequences prefilled together, then a tree step each: every forward's logits."""
+    kv = _kv(model, page_size)
+    prompts = [_tokens(n, seed) for seed, n in enumerate((7, 19, 2))]
+    seqs = new_seqs(kv, [n + 8 for n in (7, 19, 2)], random.Random(page_size))
+    out = [model(make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]), kv)]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.kv_committed_len = len(prompt)
+    steps = [tree_step(s, 5 + i, [11, 12, 13, 14], [-1, -1, 0, 2]) for i, s in enumerate(seqs)]
+    out.append(model(make_batch(steps), kv))
+    return [o.logits for o in out]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_equals_the_torch_layer(
+    model: LlamaModel, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = _ragged_then_trees(model, page_size)
+    monkeypatch.setattr(cpu_layer, "switch", lambda: False)
+    want = _ragged_then_trees(model, page_size)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=3e-5, rtol=0)
+
+
+def test_the_path_is_taken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[int] = []
+    run = cpu_layer.CpuStep.run
+    monkeypatch.setattr(
+        cpu_layer.CpuStep, "run", lambda self, *a: (runs.append(1), run(self, *a))[1]
+    )
+    kv = _kv(model)
+    (seq,) = new_seqs(kv, [6], random.Random(0))
+    model(make_batch([causal_step(seq, _tokens(6, 1))]), kv)
+    assert len(runs) == len(model.layers)
+
+
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(model: LlamaModel) -> None:
+    """A sequence's decode row alone, beside other sequences' prefills and as the root row of a
+    verify tree (which hides the tree's nodes from it): the same bits; so are a tree node's and
+    the same tokens' chain (its siblings hidden from it)."""
+    kv = _kv(model)
+    prompt = _tokens(13, 2)
+    (seq,) = new_seqs(kv, [32], random.Random(3))
+    model(make_batch([causal_step(seq, prompt)]), kv)
+    seq.kv_committed_len = len(prompt)
+    alone = model(make_batch([causal_step(seq, [9])]), kv).logits[0]
+    others = new_seqs(kv, [20, 4], random.Random(4))
+    beside = model(
+        make_batch(
+            [causal_step(others[0], _tokens(20, 5)), causal_step(seq, [9]),
+             causal_step(others[1], _tokens(4, 6))]
+        ),
+        kv,
+    ).logits[20]  # fmt: skip
+    tree = model(make_batch([tree_step(seq, 9, [30, 31, 32], [-1, -1, 1])]), kv).logits
+    chain = model(make_batch([tree_step(seq, 9, [31, 32], [-1, 0])]), kv).logits
+    assert torch.equal(alone, beside)
+    assert torch.equal(alone, tree[0])
+    assert torch.equal(tree[3], chain[2])  # node 32 under 31, node 30 hidden from it
+    assert torch.equal(tree[2], chain[1])
+
+
+def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_ragged_then_trees(model, 16))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+@torch.no_grad()
+def test_the_torch_layer_where_the_path_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    hidden = torch.zeros(3, 8)
+    assert cpu_layer.usable(hidden, torch.float32, 64)
+    assert not cpu_layer.usable(hidden.double(), torch.float64, 64)
+    assert not cpu_layer.usable(hidden, torch.bfloat16, 64)  # the cache's dtype
+    assert not cpu_layer.usable(hidden, torch.float32, cpu_layer.MAX_HEAD_DIM + 2)
+    with torch.enable_grad():  # (a forward autograd records)
+        assert not cpu_layer.usable(hidden, torch.float32, 64)
+    monkeypatch.setattr(cpu_layer, "cpu_route", lambda: "weight_major")
+    assert not cpu_layer.usable(hidden, torch.float32, 64)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_layer, "switch", lambda: False)
+    assert not cpu_layer.usable(hidden, torch.float32, 64)
+
+
+def test_the_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_layer.switch.cache_clear()
+    try:
+        monkeypatch.setenv("SPECSPLIT_CPU_LAYER", "0")
+        assert not cpu_layer.switch()
+        cpu_layer.switch.cache_clear()
+        monkeypatch.setenv("SPECSPLIT_CPU_LAYER", "on")
+        with pytest.raises(SystemExit, match="SPECSPLIT_CPU_LAYER"):
+            cpu_layer.switch()
+    finally:
+        cpu_layer.switch.cache_clear()
+
+
+def test_a_weight_replaced_is_read_again(model: LlamaModel, torch_layers: None) -> None:
+    """The layers' cached arguments follow a parameter given new storage."""
+    layer = model.layers[0]
+    first = cpu_layer.layer_args(layer)  # type: ignore[arg-type]
+    assert cpu_layer.layer_args(layer) is first  # type: ignore[arg-type]
+    old = layer.o_proj.weight
+    try:
+        layer.o_proj.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+        again = cpu_layer.layer_args(layer)  # type: ignore[arg-type]
+        assert again is not first and again.o_w == layer.o_proj.weight.data_ptr()
+    finally:
+        layer.o_proj.weight = old
