@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -25,8 +25,8 @@ from specsplit.model import cpu_gemm
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.linear import cpu_route
 
-if TYPE_CHECKING:
-    from specsplit.model.llama import DecoderLayer
+# a layer is model/llama.py's DecoderLayer (not imported: llama imports this module)
+DecoderLayer = Any
 
 MAX_HEAD_DIM = 512  # cpu_layer.c's rope_row buffer
 

@@ -282,7 +282,7 @@ class LlamaModel(nn.Module):
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         small = self.uses_small_linear(hidden.shape[0], hidden.device)
         on_cpu = None  # the CPU's layers in one C call each (model/cpu_layer.py)
-        if cpu_layer.usable(hidden, kv.data.dtype, self.config.head_dim) and layers:
+        if not small and layers and cpu_layer.usable(hidden, kv.data.dtype, self.config.head_dim):
             on_cpu = cpu_layer.CpuStep(batch, cos, sin, layers[0])
             hidden = hidden.contiguous()
         normed = None if small or on_cpu else layers[0].input_layernorm(hidden)

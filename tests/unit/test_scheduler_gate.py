@@ -94,10 +94,16 @@ class _Watched(PassThroughVerifier):
 
 
 class _SlowVerifier(PassThroughVerifier):
-    """A verify that takes a while, as a large target's on a GPU."""
+    """A verify that takes `delay` seconds more (default 50 ms, as a large target's on a GPU;
+    a few ms keep the tiny target's rounds as slow as a 2-core CPU's were before the C layer
+    made them ~1 ms: the tests' timings were chosen against those)."""
+
+    def __init__(self, inner: object, delay: float = 0.05) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self.delay = delay
 
     async def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(self.delay)
         return await self.inner.verify(inputs)
 
 
@@ -150,7 +156,10 @@ def test_speculation_that_loses_is_held_back_and_probed(
     before = _gated_rounds()
     slow = _SlowDrafter(stack.scheduler.drafter, delay=0.06)
     stack.scheduler.drafter = slow
-    watched = stack.scheduler.verifier = _Watched(stack.scheduler.verifier)
+    # plain rounds of ~5 ms: the first probe waits out the speculating window's ~0.13 s inside
+    # the run (~1 ms rounds ended the run first)
+    paced = _SlowVerifier(stack.scheduler.verifier, delay=0.004)
+    watched = stack.scheduler.verifier = _Watched(paced)
     out = generate_all(stack, _requests(seed=1, max_new_tokens=60))  # no KV left after
     assert [generated_ids(chunks) for chunks in out] == expected
     # (what the gate saw, for a failure's message: its switches, rates, the rounds drafted)
@@ -354,6 +363,8 @@ def test_rounds_without_the_drafter_are_not_measured_as_speculating(
     expected = _target_only(models, smollm2_tokenizer, seed=6, max_new_tokens=40)
     stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "serial")
     stack.scheduler.drafter = _LoadingDrafter(stack.scheduler.drafter, loading=2)
+    # rounds of a few ms: the drafter's retries (50 ms apart) come inside the run
+    stack.scheduler.verifier = _SlowVerifier(stack.scheduler.verifier, delay=0.004)
     gate = stack.scheduler.gate = _RecordingGate(stack.scheduler)
     out = generate_all(stack, _requests(seed=6, max_new_tokens=40))
     assert [generated_ids(chunks) for chunks in out] == expected
