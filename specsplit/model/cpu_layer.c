@@ -146,12 +146,17 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 
 /* ---------------------------------------------------------------- the layer */
 
+/* a row of layer_forward's `wide` buffer: the qkv projection's, later gate_up's */
+static int64_t wide_width(const Layer *L) {
+    int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
+    return qkv > 2 * L->inter ? qkv : 2 * L->inter;
+}
+
 /* floats of scratch a step of num_tokens rows needs (layer_forward's buffers) */
 int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
-    int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
     int64_t attn = L->num_heads * L->head_dim;
-    int64_t widest = qkv > 2 * L->inter ? qkv : 2 * L->inter;
-    return num_tokens * (L->hidden + widest + attn + L->inter + L->hidden) + threads * max_keys;
+    return num_tokens * (L->hidden + wide_width(L) + attn + L->inter + L->hidden) +
+           threads * max_keys;
 }
 
 /* h [T, hidden] (the residual stream) through the layer, in place; k_cache / v_cache
@@ -160,7 +165,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     int64_t T = S->num_tokens, H = L->hidden, d = L->head_dim;
     int64_t q_width = L->num_heads * d, kv_width = L->num_kv_heads * d;
     int64_t qkv_width = q_width + 2 * kv_width, inter = L->inter;
-    int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    int64_t widest = wide_width(L);
     float *normed = S->scratch;            /* [T, H] */
     float *wide = normed + T * H;          /* [T, qkv_width] or [T, 2 * inter] */
     float *attn = wide + T * widest;       /* [T, q_width] */

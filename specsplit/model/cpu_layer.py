@@ -103,23 +103,30 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# _LAYER_WEIGHTS' tensors: (submodule, parameter) of a DecoderLayer
+_WEIGHT_PATHS = (
+    ("input_layernorm", "weight"), ("qkv_proj", "weight"), ("qkv_proj", "bias"),
+    ("q_norm", "weight"), ("k_norm", "weight"), ("o_proj", "weight"), ("o_proj", "bias"),
+    ("post_attention_layernorm", "weight"), ("gate_up_proj", "weight"), ("gate_up_proj", "bias"),
+    ("down_proj", "weight"), ("down_proj", "bias"),
+)  # fmt: skip
+
+
+def _weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
+    """The layer's tensors in _LAYER_WEIGHTS' order (None: no such norm or bias), read from the
+    modules' dicts: through nn.Module's attribute lookup the check cost ~12 us a layer, 0.36 ms
+    of a 20.8 ms step of the embedded default (0.07 ms so)."""
+    modules = layer._modules
+    return [
+        None if (module := modules.get(name)) is None else module._parameters.get(kind)
+        for name, kind in _WEIGHT_PATHS
+    ]
+
+
 def layer_args(layer: DecoderLayer) -> LayerArgs:
     """The layer's sizes and weights as cpu_layer.c reads them (built again when a weight
     changed storage)."""
-    tensors = (
-        layer.input_layernorm.weight,
-        layer.qkv_proj.weight,
-        layer.qkv_proj.bias,
-        None if layer.q_norm is None else layer.q_norm.weight,
-        None if layer.k_norm is None else layer.k_norm.weight,
-        layer.o_proj.weight,
-        layer.o_proj.bias,
-        layer.post_attention_layernorm.weight,
-        layer.gate_up_proj.weight,
-        layer.gate_up_proj.bias,
-        layer.down_proj.weight,
-        layer.down_proj.bias,
-    )
+    tensors = _weights(layer)
     key = tuple(_ptr_of(t) for t in tensors)
     cached: tuple[tuple[int | None, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
     if cached is not None and cached[0] == key:
