@@ -1,6 +1,8 @@
-"""A CPU decode / verify step of the embedded default (or --model) in process, with the decoder
-layers in one C call (specsplit/model/cpu_layer.c) and with the torch layer it replaced, in
-turn in one process (so a shared machine's drift hits both alike): the median ms of each.
+"""A CPU decode / verify step of the embedded default (or --model) in process, in turn in one
+process (so a shared machine's drift hits all alike), the median ms of each: the decoder layers
+in one C call (specsplit/model/cpu_layer.c) reading the GGUF's packed blocks
+(specsplit/model/cpu_quant.py), the same reading the float32 weights, and the torch layer on
+float32 weights.
 
     PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30]
 """
@@ -14,11 +16,18 @@ import time
 
 import torch
 
-from specsplit.model import cpu_layer
+from specsplit.model import cpu_layer, cpu_quant
 from specsplit.model.embedded import embedded_default_model_path
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, causal_step
+
+# name: ($SPECSPLIT_CPU_LAYER, $SPECSPLIT_CPU_QUANT)
+VARIANTS = {
+    "C layer, packed": ("1", "1"),
+    "C layer, float32": ("1", "0"),
+    "torch layer, float32": ("0", "0"),
+}
 
 
 def main() -> None:
@@ -44,9 +53,11 @@ def main() -> None:
     seq.kv_committed_len = args.context
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.turns):
-        for layer in ("C layer", "torch layer"):
-            os.environ["SPECSPLIT_CPU_LAYER"] = "1" if layer == "C layer" else "0"
-            cpu_layer.switch.cache_clear()  # (it reads the variable once)
+        for variant, (c_layer, packed) in VARIANTS.items():
+            os.environ["SPECSPLIT_CPU_LAYER"] = c_layer
+            os.environ["SPECSPLIT_CPU_QUANT"] = packed
+            cpu_layer.switch.cache_clear()  # (each reads its variable once)
+            cpu_quant.switch.cache_clear()
             for rows in args.rows:
                 tokens = torch.randint(3, config.vocab_size, (rows,), generator=gen).tolist()
                 step = causal_step(seq, tokens, list(range(rows)))
@@ -54,14 +65,15 @@ def main() -> None:
                     start = time.perf_counter()
                     model(build_forward_batch([step], page_size)[0], kv)
                     if index >= 3:  # after warm-up
-                        times.setdefault((layer, rows), []).append(time.perf_counter() - start)
+                        times.setdefault((variant, rows), []).append(time.perf_counter() - start)
     print(f"{path}, float32, {args.threads} threads, {args.context} tokens of context")
-    print("| rows | C layer ms | torch layer ms | torch / C |")
-    print("|---:|---:|---:|---:|")
+    names = list(VARIANTS)
+    print("| rows | " + " | ".join(f"{name} ms" for name in names) + " | each / the first |")
+    print("|---:|" + "---:|" * (len(names) + 1))
     for rows in args.rows:
-        c_ms = statistics.median(times[("C layer", rows)]) * 1e3
-        torch_ms = statistics.median(times[("torch layer", rows)]) * 1e3
-        print(f"| {rows} | {c_ms:.2f} | {torch_ms:.2f} | {torch_ms / c_ms:.2f}x |")
+        ms = [statistics.median(times[(name, rows)]) * 1e3 for name in names]
+        ratios = " / ".join(f"{m / ms[0]:.2f}x" for m in ms[1:])
+        print(f"| {rows} | " + " | ".join(f"{m:.2f}" for m in ms) + f" | {ratios} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@
  * (specsplit/model/cpu_gemm.py builds and loads this; the blocks only change which outputs are
  * computed together: MR rows x NR weight rows share each vector load).
  *
+ * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind 1)
+ * or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
+ * GGUF's Q4_0 / Q4_1 / Q8_0 so): each weight is formed in float32 (exactly its dequantized
+ * value: d * q is exact, so d * q + m rounds once, as gguf's numpy does) and then summed in the
+ * same lanes and order as a float32 weight, so quant_gemm gives fixed_gemm's bits on the
+ * dequantized matrix while reading 0.75 (kind 1) or 1.125 (kind 2) bytes a weight, not 4.
+ *
  * Threads: OpenMP over blocks of weight rows (the process's OpenMP runtime, torch's: its
  * libgomp.so.1 is the one already loaded). The threads split the weight rows, never a sum.
  */
@@ -18,6 +25,7 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define AVX512 __attribute__((target("avx512f")))
+#define QBLOCK 32 /* weights a packed block */
 #define AVX2 __attribute__((target("avx2,fma")))
 
 /* ---------------------------------------------------------------- AVX-512: 16 lanes */
@@ -97,11 +105,75 @@ AVX2 ALWAYS_INLINE void block8(const float *x, int64_t ldx, const float *w, int6
         for (int j = 0; j < nr; j++) out[i * ldo + j] = hsum8(acc[i][j]);
 }
 
+/* ---------------------------------------------------------------- packed weights */
+
+/* a packed block's weights s * LANES ... s * LANES + LANES - 1 in float32: kind 1 (4-bit: float
+ * d, float m, 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31) is 24 bytes,
+ * kind 2 (8-bit: float d, 32 signed bytes) 36 */
+#define Q4_BYTES 24
+#define Q8_BYTES 36
+
+AVX512 ALWAYS_INLINE __m512 q4_lanes16(const uint8_t *block, int s) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
+    __m512i nibbles = s == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+    return _mm512_fmadd_ps(_mm512_set1_ps(((const float *)block)[0]), _mm512_cvtepi32_ps(nibbles),
+                           _mm512_set1_ps(((const float *)block)[1]));
+}
+
+AVX512 ALWAYS_INLINE __m512 q8_lanes16(const uint8_t *block, int s) {
+    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 4 + 16 * s)));
+    return _mm512_mul_ps(_mm512_set1_ps(((const float *)block)[0]), _mm512_cvtepi32_ps(q));
+}
+
+AVX2 ALWAYS_INLINE __m256 q4_lanes8(const uint8_t *block, int s) {
+    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 + 8 * (s & 1))));
+    __m256i nibbles = s < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    return _mm256_fmadd_ps(_mm256_set1_ps(((const float *)block)[0]), _mm256_cvtepi32_ps(nibbles),
+                           _mm256_set1_ps(((const float *)block)[1]));
+}
+
+AVX2 ALWAYS_INLINE __m256 q8_lanes8(const uint8_t *block, int s) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4 + 8 * s)));
+    return _mm256_mul_ps(_mm256_set1_ps(((const float *)block)[0]), _mm256_cvtepi32_ps(q));
+}
+
+/* block16 / block8 over packed rows: per block, LANES weights of each of the nr rows formed
+ * (DEQUANT) and multiplied into the accumulators in increasing k, as the float32 blocks do */
+#define PACKED_BLOCK(NAME, TARGET, VEC, LANES, ZERO, LOAD, FMA, HSUM, DEQUANT, BYTES)         \
+    TARGET ALWAYS_INLINE void NAME(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,  \
+                                   float *out, int64_t ldo, int64_t k_len, const int mr,        \
+                                   const int nr) {                                              \
+        VEC acc[MR][NR];                                                                        \
+        for (int i = 0; i < mr; i++)                                                            \
+            for (int j = 0; j < nr; j++) acc[i][j] = ZERO();                                    \
+        for (int64_t b = 0; b * QBLOCK < k_len; b++) {                                          \
+            _Pragma("GCC unroll 4") for (int s = 0; s < QBLOCK / LANES; s++) {                 \
+                VEC wv[NR];                                                                     \
+                for (int j = 0; j < nr; j++) wv[j] = DEQUANT(w + j * ldw + b * BYTES, s);       \
+                for (int i = 0; i < mr; i++) {                                                  \
+                    VEC xv = LOAD(x + i * ldx + b * QBLOCK + s * LANES);                        \
+                    for (int j = 0; j < nr; j++) acc[i][j] = FMA(xv, wv[j], acc[i][j]);         \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int i = 0; i < mr; i++)                                                            \
+            for (int j = 0; j < nr; j++) out[i * ldo + j] = HSUM(acc[i][j]);                    \
+    }
+
+PACKED_BLOCK(q4_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+             hsum16, q4_lanes16, Q4_BYTES)
+PACKED_BLOCK(q8_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+             hsum16, q8_lanes16, Q8_BYTES)
+PACKED_BLOCK(q4_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+             hsum8, q4_lanes8, Q4_BYTES)
+PACKED_BLOCK(q8_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+             hsum8, q8_lanes8, Q8_BYTES)
+
 /* ---------------------------------------------------------------- the loops */
 
 /* every (mr, nr) of 1..MR x 1..NR as its own unrolled block, so the accumulators stay in
- * registers; `BLOCK` is block16 or block8 */
-#define CALL(BLOCK, MRV, NRV) BLOCK(x, ldx, w, ldw, out, ldo, k_len, MRV, NRV)
+ * registers; `BLOCK` is one of the blocks above, `W` its weight pointer's type */
+#define CALL(BLOCK, MRV, NRV) BLOCK(x, ldx, (const W *)w, ldw, out, ldo, k_len, MRV, NRV)
 #define BY_NR(BLOCK, MRV)                                                                  \
     switch (nr) {                                                                          \
     case 1: CALL(BLOCK, MRV, 1); break;                                                    \
@@ -109,29 +181,30 @@ AVX2 ALWAYS_INLINE void block8(const float *x, int64_t ldx, const float *w, int6
     case 3: CALL(BLOCK, MRV, 3); break;                                                    \
     default: CALL(BLOCK, MRV, NR); break;                                                  \
     }
-#define DISPATCH(BLOCK)                                                                    \
-    switch (mr) {                                                                          \
-    case 1: BY_NR(BLOCK, 1) break;                                                         \
-    case 2: BY_NR(BLOCK, 2) break;                                                         \
-    case 3: BY_NR(BLOCK, 3) break;                                                         \
-    default: BY_NR(BLOCK, MR) break;                                                       \
+#define TILE(NAME, TARGET, BLOCK)                                                          \
+    TARGET static void NAME(const float *x, int64_t ldx, const void *w, int64_t ldw,       \
+                            float *out, int64_t ldo, int64_t k_len, int mr, int nr) {      \
+        switch (mr) {                                                                      \
+        case 1: BY_NR(BLOCK, 1) break;                                                     \
+        case 2: BY_NR(BLOCK, 2) break;                                                     \
+        case 3: BY_NR(BLOCK, 3) break;                                                     \
+        default: BY_NR(BLOCK, MR) break;                                                   \
+        }                                                                                  \
     }
 
-AVX512 static void tile16(const float *x, int64_t ldx,
-                                                      const float *w, int64_t ldw, float *out,
-                                                      int64_t ldo, int64_t k_len, int mr,
-                                                      int nr) {
-    DISPATCH(block16)
-}
+#define W float
+TILE(tile16, AVX512, block16)
+TILE(tile8, AVX2, block8)
+#undef W
+#define W uint8_t
+TILE(q4_tile16, AVX512, q4_block16)
+TILE(q8_tile16, AVX512, q8_block16)
+TILE(q4_tile8, AVX2, q4_block8)
+TILE(q8_tile8, AVX2, q8_block8)
+#undef W
 
-AVX2 static void tile8(const float *x, int64_t ldx,
-                                                     const float *w, int64_t ldw, float *out,
-                                                     int64_t ldo, int64_t k_len, int mr,
-                                                     int nr) {
-    DISPATCH(block8)
-}
-
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t,
+/* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
+typedef void (*tile_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t,
                         int64_t, int, int);
 
 /* The lanes this CPU's kernel uses: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (neither: not usable). */
@@ -142,12 +215,11 @@ int fixed_gemm_lanes(void) {
     return 0;
 }
 
-/* x [m_len, k_len] (row stride ldx), w [n_len, k_len] (row stride ldw) -> out [m_len, n_len]
- * (row stride ldo), with `lanes` from fixed_gemm_lanes() (or 8 where it said 16), on `threads`
- * threads (torch's count: OpenMP's per-thread setting is not the engine thread's). */
-void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
-                int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    tile_fn tile = lanes == 16 ? tile16 : tile8;
+/* out [m_len, n_len] by `tile` over weight rows of `row_bytes` bytes from w (ldw: the stride
+ * the tile reads them with), MCHUNK rows of x a pass, OpenMP over blocks of NR weight rows */
+static void run_tiles(tile_fn tile, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
+                      int64_t row_bytes, float *out, int64_t ldo, int64_t m_len, int64_t n_len,
+                      int64_t k_len, int threads) {
     int64_t n_blocks = (n_len + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < m_len; m0 += MCHUNK) {
         int64_t m1 = m0 + MCHUNK < m_len ? m0 + MCHUNK : m_len;
@@ -157,8 +229,26 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
             int nr = n_len - n < NR ? (int)(n_len - n) : NR;
             for (int64_t m = m0; m < m1; m += MR) {
                 int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                tile(x + m * ldx, ldx, w + n * ldw, ldw, out + m * ldo + n, ldo, k_len, mr, nr);
+                tile(x + m * ldx, ldx, w + n * row_bytes, ldw, out + m * ldo + n, ldo, k_len, mr, nr);
             }
         }
     }
+}
+
+/* x [m_len, k_len] (row stride ldx), w [n_len, k_len] (row stride ldw) -> out [m_len, n_len]
+ * (row stride ldo), with `lanes` from fixed_gemm_lanes() (or 8 where it said 16), on `threads`
+ * threads (torch's count: OpenMP's per-thread setting is not the engine thread's). */
+void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
+                int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
+    run_tiles(lanes == 16 ? tile16 : tile8, x, ldx, (const uint8_t *)w, ldw,
+              ldw * (int64_t)sizeof(float), out, ldo, m_len, n_len, k_len, threads);
+}
+
+/* fixed_gemm with packed weights: w [n_len, k_len / 32 blocks of `kind`] (row stride ldw
+ * bytes), k_len a multiple of 32 */
+void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
+                int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
+    tile_fn tile = kind == 1 ? (lanes == 16 ? q4_tile16 : q4_tile8)
+                             : (lanes == 16 ? q8_tile16 : q8_tile8);
+    run_tiles(tile, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
 }

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from specsplit.model import cpu_quant
+from specsplit.model.cpu_quant import Packed
 from specsplit.model.tokenizer_cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,10 @@ class Library:
         self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
         self._gemm.argtypes += [ctypes.c_int]
         self._gemm.restype = None
+        self._quant = self.cdll.quant_gemm
+        self._quant.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, i64]
+        self._quant.argtypes += [ctypes.c_int, ctypes.c_int]
+        self._quant.restype = None
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
@@ -57,6 +63,16 @@ class Library:
         self._gemm(
             x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
             out.data_ptr(), out.stride(0), num_rows, weight.shape[0], k_len, lanes,
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def quant(self, x: torch.Tensor, packed: Packed, out: torch.Tensor, lanes: int) -> None:
+        """`gemm` with the packed weights (specsplit/model/cpu_quant.py) of a matrix [N, K]."""
+        num_rows, k_len = x.shape
+        data = packed.data
+        self._quant(
+            x.data_ptr(), x.stride(0), data.data_ptr(), data.stride(0), packed.kind,
+            out.data_ptr(), out.stride(0), num_rows, packed.rows, k_len, lanes,
             torch.get_num_threads(),
         )  # fmt: skip
 
@@ -114,7 +130,8 @@ def _built(compiler: str) -> Path:
 
 def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
     """x [T, in] @ weight [out, in].T -> [T, out] (float32, CPU), each output in the fixed order
-    of cpu_gemm.c: `library()` must not be None. `lanes` (tests): 8 runs the AVX2 variant on a
+    of cpu_gemm.c (from the weight's packed blocks where cpu_quant attached them, the same
+    bits): `library()` must not be None. `lanes` (tests): 8 runs the AVX2 variant on a
     CPU that has AVX-512 too."""
     lib = library()
     assert lib is not None, "fixed_linear without cpu_gemm's library"
@@ -136,5 +153,9 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     if out.numel() == 0:
         return out
-    lib.gemm(x, weight, out, lanes or lib.lanes)
+    packed = cpu_quant.packed(weight)
+    if packed is not None:
+        lib.quant(x, packed, out, lanes or lib.lanes)
+    else:
+        lib.gemm(x, weight, out, lanes or lib.lanes)
     return out

@@ -4,7 +4,8 @@
  * gate_up, SiLU-and-mul, down_proj and the residual. The projections are cpu_gemm.c's
  * fixed_gemm; everything else works a row (or a row and a head) at a time, so every row's
  * result is the same bits whatever the other rows of the step are (a one-token step, a verify
- * of 1 + n tokens, a prefill). specsplit/model/cpu_layer.py builds the arguments; the torch
+ * of 1 + n tokens, a prefill), and the same from packed weights (quant_gemm) as from float32
+ * ones. specsplit/model/cpu_layer.py builds the arguments; the torch
  * forward it replaces (DecoderLayer.forward with the CPU's references) is its reference.
  *
  * Attention of row t, head h: scores against each visible key (its keys: num_keys[t] slots at
@@ -20,12 +21,22 @@
 
 void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
                 int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
+void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
+                int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
+
+/* a projection's weights [n, k]: float32, and packed blocks where `packed` is not NULL
+ * (cpu_gemm.c's quant_gemm: the same sums) */
+typedef struct {
+    const float *w;
+    const uint8_t *packed;
+    int64_t packed_stride, kind; /* bytes a packed row, cpu_gemm.c's kind */
+} Weight;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps;
-    const float *input_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *post_norm;
-    const float *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const float *input_norm, *qkv_b, *q_norm, *k_norm, *o_b, *post_norm, *gate_up_b, *down_b;
+    Weight qkv, o, gate_up, down;
 } Layer;
 
 typedef struct {
@@ -146,6 +157,15 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 
 /* ---------------------------------------------------------------- the layer */
 
+/* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n) */
+static void project(const Weight *W, const Step *S, const float *x, float *out, int64_t m, int64_t n,
+                    int64_t k) {
+    if (W->packed)
+        quant_gemm(x, k, W->packed, W->packed_stride, (int)W->kind, out, n, m, n, k, S->lanes, S->threads);
+    else
+        fixed_gemm(x, k, W->w, k, out, n, m, n, k, S->lanes, S->threads);
+}
+
 /* a row of layer_forward's `wide` buffer: the qkv projection's, later gate_up's */
 static int64_t wide_width(const Layer *L) {
     int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
@@ -174,7 +194,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     float *scores = proj + T * H;          /* [threads, max_keys] */
 
     for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->input_norm, H, L->eps);
-    fixed_gemm(normed, H, L->qkv_w, H, wide, qkv_width, T, qkv_width, H, S->lanes, S->threads);
+    project(&L->qkv, S, normed, wide, T, qkv_width, H);
     add_bias(wide, L->qkv_b, T, qkv_width);
     for (int64_t t = 0; t < T; t++) {
         float *row = wide + t * qkv_width, *k = row + q_width, *v = k + kv_width;
@@ -202,17 +222,17 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
         attend_row(L, S, t, head, wide + t * qkv_width + head * d, k_cache, v_cache,
                    thread_scores, attn + t * q_width + head * d);
     }
-    fixed_gemm(attn, q_width, L->o_w, q_width, proj, H, T, H, q_width, S->lanes, S->threads);
+    project(&L->o, S, attn, proj, T, H, q_width);
     add_bias(proj, L->o_b, T, H);
     for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
     for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->post_norm, H, L->eps);
-    fixed_gemm(normed, H, L->gate_up_w, H, wide, 2 * inter, T, 2 * inter, H, S->lanes, S->threads);
+    project(&L->gate_up, S, normed, wide, T, 2 * inter, H);
     add_bias(wide, L->gate_up_b, T, 2 * inter);
     for (int64_t t = 0; t < T; t++) {
         const float *gate = wide + t * 2 * inter, *up = gate + inter;
         for (int64_t i = 0; i < inter; i++) act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
-    fixed_gemm(act, inter, L->down_w, inter, proj, H, T, H, inter, S->lanes, S->threads);
+    project(&L->down, S, act, proj, T, H, inter);
     add_bias(proj, L->down_b, T, H);
     for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
 }

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Any
 
 import torch
 
-from specsplit.model import cpu_gemm
+from specsplit.model import cpu_gemm, cpu_quant
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.linear import cpu_route
+from specsplit.switches import env_switch
 
 # a layer is model/llama.py's DecoderLayer (not imported: llama imports this module)
 DecoderLayer = Any
@@ -33,17 +33,33 @@ MAX_HEAD_DIM = 512  # cpu_layer.c's rope_row buffer
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-_LAYER_WEIGHTS = (
-    "input_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "post_norm", "gate_up_w",
-    "gate_up_b", "down_w", "down_b",
+# a layer's vectors as cpu_layer.c's Layer names them: (field, submodule, parameter) of a
+# DecoderLayer (the submodule or the parameter may be absent: NULL)
+_VECTORS = (
+    ("input_norm", "input_layernorm", "weight"), ("qkv_b", "qkv_proj", "bias"),
+    ("q_norm", "q_norm", "weight"), ("k_norm", "k_norm", "weight"), ("o_b", "o_proj", "bias"),
+    ("post_norm", "post_attention_layernorm", "weight"), ("gate_up_b", "gate_up_proj", "bias"),
+    ("down_b", "down_proj", "bias"),
 )  # fmt: skip
+# its projections: (field, submodule), each a Weight
+_PROJECTIONS = (
+    ("qkv", "qkv_proj"),
+    ("o", "o_proj"),
+    ("gate_up", "gate_up_proj"),
+    ("down", "down_proj"),
+)
+
+
+class WeightArgs(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("packed", _ptr), ("packed_stride", _i64), ("kind", _i64)]
 
 
 class LayerArgs(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "inter")),
         ("eps", ctypes.c_float),
-        *((name, _ptr) for name in _LAYER_WEIGHTS),
+        *((name, _ptr) for name, _, _ in _VECTORS),
+        *((name, WeightArgs) for name, _ in _PROJECTIONS),
     ]
 
 
@@ -69,10 +85,7 @@ class StepArgs(ctypes.Structure):
 @functools.cache
 def switch() -> bool:
     """$SPECSPLIT_CPU_LAYER: "1" (default) or "0"."""
-    value = os.environ.get("SPECSPLIT_CPU_LAYER", "1")
-    if value not in ("0", "1"):
-        raise SystemExit(f"SPECSPLIT_CPU_LAYER={value!r}: 0 or 1")
-    return value == "1"
+    return env_switch("SPECSPLIT_CPU_LAYER")
 
 
 @functools.cache
@@ -103,36 +116,40 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-# _LAYER_WEIGHTS' tensors: (submodule, parameter) of a DecoderLayer
-_WEIGHT_PATHS = (
-    ("input_layernorm", "weight"), ("qkv_proj", "weight"), ("qkv_proj", "bias"),
-    ("q_norm", "weight"), ("k_norm", "weight"), ("o_proj", "weight"), ("o_proj", "bias"),
-    ("post_attention_layernorm", "weight"), ("gate_up_proj", "weight"), ("gate_up_proj", "bias"),
-    ("down_proj", "weight"), ("down_proj", "bias"),
-)  # fmt: skip
-
-
-def _weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """The layer's tensors in _LAYER_WEIGHTS' order (None: no such norm or bias), read from the
-    modules' dicts: through nn.Module's attribute lookup the check cost ~12 us a layer, 0.36 ms
-    of a 20.8 ms step of the embedded default (0.07 ms so)."""
-    modules = layer._modules
-    return [
-        None if (module := modules.get(name)) is None else module._parameters.get(kind)
-        for name, kind in _WEIGHT_PATHS
-    ]
+def _parameter(layer: DecoderLayer, module: str, kind: str) -> torch.Tensor | None:
+    """A parameter read from the modules' dicts (None: no such module or parameter): through
+    nn.Module's attribute lookup the layer's check cost ~12 us a layer, 0.36 ms of a 20.8 ms
+    step of the embedded default (0.07 ms so)."""
+    held = layer._modules.get(module)
+    return None if held is None else held._parameters.get(kind)
 
 
 def layer_args(layer: DecoderLayer) -> LayerArgs:
     """The layer's sizes and weights as cpu_layer.c reads them (built again when a weight
-    changed storage)."""
-    tensors = _weights(layer)
-    key = tuple(_ptr_of(t) for t in tensors)
+    changed storage or its packed blocks came or went)."""
+    vectors = [_parameter(layer, module, kind) for _, module, kind in _VECTORS]
+    weights = [_parameter(layer, module, "weight") for _, module in _PROJECTIONS]
+    packs = [None if w is None else cpu_quant.packed(w) for w in weights]
+    key = (
+        *map(_ptr_of, vectors),
+        *map(_ptr_of, weights),
+        *(p and p.data.data_ptr() for p in packs),
+    )
     cached: tuple[tuple[int | None, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    for t in tensors:
+    for t in (*vectors, *weights):
         assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 weights"
+    projections = []
+    for weight, packed in zip(weights, packs, strict=True):
+        assert weight is not None
+        if packed is None:
+            projections.append(WeightArgs(weight.data_ptr(), None, 0, 0))
+        else:
+            data = packed.data
+            projections.append(
+                WeightArgs(weight.data_ptr(), data.data_ptr(), data.stride(0), packed.kind)
+            )
     args = LayerArgs(
         layer.input_layernorm.weight.shape[0],
         layer.num_heads,
@@ -140,7 +157,8 @@ def layer_args(layer: DecoderLayer) -> LayerArgs:
         layer.head_dim,
         layer.down_proj.weight.shape[1],
         layer.input_layernorm.eps,
-        *key,
+        *map(_ptr_of, vectors),
+        *projections,
     )
     layer._cpu_args = (key, args)  # type: ignore[assignment]
     return args

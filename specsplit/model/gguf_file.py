@@ -353,6 +353,20 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
             tensor = unpermute_rows(tensor, self.heads[module])
         return tensor
 
+    def stored(self, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
+        """The tensor's format and stored bytes (uint8 [rows, row bytes], a copy, rows in the
+        checkpoint's order as `__getitem__` puts them) of a 2-D quantized tensor."""
+        info = self._infos[name]
+        assert len(info.shape) == 2 and info.qtype not in _AS_STORED, (name, info)
+        raw = torch.from_numpy(np.array(self.file.raw(info)))
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
+        if self.permuted and module in self.heads:
+            raw = unpermute_rows(raw, self.heads[module]).contiguous()
+        return info.qtype, raw
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        return self._infos[name].qtype
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
 

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from specsplit.model import cpu_quant
 from specsplit.model.config import ModelConfig
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, model_config
+from specsplit.model.linear import cpu_route
 from specsplit.model.llama import LlamaModel, state_dict_from_hf
 from specsplit.model.tokenizer_cache import cached_tokenizer
 
@@ -68,6 +70,9 @@ def load_model(
             config = _truncated(model_config(file), num_layers, path)
             weights = GGUFStateDict(file, config.num_heads, config.num_kv_heads, device)
             state_dict = state_dict_from_hf(config, weights, dtype, device)
+            model = LlamaModel.from_state_dict(config, state_dict, device)
+            if packs_weights(dtype, device):
+                _pack(model, weights)
     else:
         from transformers import AutoModelForCausalLM  # (not imported for a GGUF file: ~1.4 s)
 
@@ -77,8 +82,9 @@ def load_model(
         config = _truncated(config, num_layers, path)
         state_dict = state_dict_from_hf(config, hf_model.state_dict(), dtype, device)
         del hf_model
+        model = LlamaModel.from_state_dict(config, state_dict, device)
+    del state_dict
     gc.collect()
-    model = LlamaModel.from_state_dict(config, state_dict, device)
     log.info(
         "loaded %s: %s, %d layers, hidden %d, vocab %d, %s on %s",
         path,
@@ -90,6 +96,48 @@ def load_model(
         device,
     )
     return model, config
+
+
+def packs_weights(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a GGUF file's quantized matrices are kept packed beside their float32 values
+    (specsplit/model/cpu_quant.py): float32 on the CPU, on the fixed-order route."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and cpu_quant.switch()
+        and cpu_route() == "fixed"
+    )
+
+
+# our fused projections: (module, the transformers projections stacked in it)
+_FUSED = (
+    ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("o_proj", ("self_attn.o_proj",)),
+    ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ("down_proj", ("mlp.down_proj",)),
+)
+
+
+def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
+    """Attach packed blocks (cpu_quant) to each of the model's matrices whose parts the file
+    stores in one packable format: the layers' projections and the LM head (the embedding
+    where tied)."""
+    targets: list[tuple[torch.Tensor, tuple[str, ...]]] = []
+    for i, layer in enumerate(model.layers):
+        for module, parts in _FUSED:
+            weight = getattr(layer, module).weight
+            targets.append((weight, tuple(f"model.layers.{i}.{part}.weight" for part in parts)))
+    head = _EMBEDDING if model.lm_head is None else _LM_HEAD
+    targets.append((model.lm_head_weight, (head,)))
+    attached = 0
+    for weight, names in targets:
+        if len({weights.qtype(name) for name in names}) != 1 or not cpu_quant.supported(
+            weights.qtype(names[0])
+        ):
+            continue
+        packed = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
+        attached += cpu_quant.attach(weight, packed)
+    log.info("packed %d of %d matrices for the CPU's kernel", attached, len(targets))
 
 
 def _truncated(config: ModelConfig, num_layers: int | None, path: str) -> ModelConfig:

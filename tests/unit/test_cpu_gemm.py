@@ -16,22 +16,7 @@ from specsplit.model import cpu_gemm
 from specsplit.model import linear as linear_module
 from specsplit.model.cpu_gemm import fixed_linear
 
-
-@pytest.fixture(autouse=True)
-def kernel() -> cpu_gemm.Library:
-    """The kernel (built in this test session's cache: tests/conftest.py's private_cache_dir),
-    or the test skipped where this machine cannot build or run it."""
-    lib = cpu_gemm.library()
-    if lib is None:
-        pytest.skip("no fixed-order CPU kernel on this machine (no compiler, or no AVX2 + FMA)")
-    return lib
-
-
-@pytest.fixture(params=[16, 8], ids=["16-lanes", "8-lanes"])
-def lanes(request: pytest.FixtureRequest, kernel: cpu_gemm.Library) -> int:
-    if request.param > kernel.lanes:
-        pytest.skip("this CPU has no AVX-512")
-    return int(request.param)
+pytestmark = pytest.mark.usefixtures("cpu_kernel")
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -181,6 +181,6 @@ def test_a_weight_replaced_is_read_again(model: LlamaModel, torch_layers: None) 
     try:
         layer.o_proj.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
         again = cpu_layer.layer_args(layer)  # type: ignore[arg-type]
-        assert again is not first and again.o_w == layer.o_proj.weight.data_ptr()
+        assert again is not first and again.o.w == layer.o_proj.weight.data_ptr()
     finally:
         layer.o_proj.weight = old

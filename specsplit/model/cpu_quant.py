@@ -1,0 +1,136 @@
+"""GGUF's quantized weights kept packed beside their float32 values, for cpu_gemm.c's
+`quant_gemm` (the CPU's float32 route reads 0.75 or 1.125 bytes a weight where the float32
+matrix costs 4).
+
+Why: a CPU decode step streams every weight once, so its time is the bytes it reads: the
+embedded default (Q4_1 layers, a Q8_0 embedding tied to the LM head) is 538 MB in float32 and
+~112 MB packed. The sums do not change: `quant_gemm` forms each weight in float32 exactly as
+gguf's numpy dequantizes it (d * q exactly, then + m rounded once) and sums it in
+`fixed_gemm`'s lanes and order, so a product is the same bits from the packed and the float32
+weights (tests/unit/test_cpu_quant.py), and so is every token.
+
+Packing (`pack`): Q4_0 and Q4_1 blocks to kind 1 (float32 d, float32 m, the 16 bytes of
+nibbles: 24 bytes a block; Q4_0's m is -8 d, exact), Q8_0 to kind 2 (float32 d, the 32 signed
+bytes: 36). `attach` hangs a packed matrix on its float32 weight after checking its first rows
+dequantize to that weight's values; `packed` returns it while the weight keeps its storage and
+version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from specsplit.switches import env_switch
+
+BLOCK = 32  # weights a block (cpu_gemm.c's QBLOCK)
+KIND_4BIT, KIND_8BIT = 1, 2
+BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36}
+# stored bytes a GGUF block, and the kind it packs to
+_FORMATS = {
+    GGMLQuantizationType.Q4_0: (18, KIND_4BIT),
+    GGMLQuantizationType.Q4_1: (20, KIND_4BIT),
+    GGMLQuantizationType.Q8_0: (34, KIND_8BIT),
+}
+CHECKED_ROWS = 64  # rows of each matrix `attach` dequantizes and compares with the weight
+
+
+@functools.cache
+def switch() -> bool:
+    """$SPECSPLIT_CPU_QUANT: "1" (default) or "0"."""
+    return env_switch("SPECSPLIT_CPU_QUANT")
+
+
+def supported(qtype: GGMLQuantizationType) -> bool:
+    return qtype in _FORMATS
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight matrix [rows, cols] as packed blocks: `data` uint8 [rows, cols / 32 * block
+    bytes of `kind`], contiguous."""
+
+    kind: int
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+def _halves(blocks: torch.Tensor) -> torch.Tensor:
+    """float16 scalars stored as 2 little-endian bytes [..., 2] -> float32 [...]."""
+    return blocks.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def pack(qtype: GGMLQuantizationType, raw: torch.Tensor) -> Packed:
+    """GGUF rows of `qtype` blocks (`raw`: uint8 [rows, row bytes], as GGUFFile.raw gives
+    them) packed (module docstring)."""
+    stored, kind = _FORMATS[qtype]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, stored)  # [rows, blocks, stored bytes]
+    d = _halves(blocks[..., 0:2])  # [rows, blocks]
+    if qtype == GGMLQuantizationType.Q8_0:
+        parts = [d.unsqueeze(-1).view(torch.uint8), blocks[..., 2:]]
+    else:
+        if qtype == GGMLQuantizationType.Q4_1:
+            m, nibbles = _halves(blocks[..., 2:4]), blocks[..., 4:]
+        else:
+            m, nibbles = d * -8.0, blocks[..., 2:]
+        scales = torch.stack([d, m], dim=-1)  # [rows, blocks, 2]
+        parts = [scales.view(torch.uint8), nibbles]
+    data = torch.cat(parts, dim=-1).reshape(rows, -1).contiguous()
+    return Packed(kind, data, blocks.shape[1] * BLOCK)
+
+
+def cat(parts: list[Packed]) -> Packed:
+    """Matrices of one kind and width stacked by rows (a fused projection's)."""
+    assert len({(p.kind, p.cols) for p in parts}) == 1, [(p.kind, p.cols) for p in parts]
+    return Packed(parts[0].kind, torch.cat([p.data for p in parts]), parts[0].cols)
+
+
+def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
+    """The reference: the first `rows` (default all) of the matrix in float32 [rows, cols], each
+    weight d * q + m (kind 1) or d * q (kind 2) as gguf's numpy forms it."""
+    data = packed.data if rows is None else packed.data[:rows]
+    blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
+    d = blocks[..., 0:4].contiguous().view(torch.float32)  # [rows, blocks, 1]
+    if packed.kind == KIND_8BIT:
+        q = blocks[..., 4:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]
+        return (q * d).reshape(data.shape[0], -1)
+    m = blocks[..., 4:8].contiguous().view(torch.float32)
+    nibbles = blocks[..., 8:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [rows, blocks, 32]
+    return (d * q + m).reshape(data.shape[0], -1)
+
+
+def attach(weight: torch.Tensor, packed: Packed) -> bool:
+    """Hang `packed` on `weight` (float32 [rows, cols] on the CPU) where its first CHECKED_ROWS
+    rows dequantize to the weight's values; False (nothing attached) where not."""
+    if not (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and tuple(weight.shape) == (packed.rows, packed.cols)
+        and weight.is_contiguous()
+        and torch.equal(dequantize(packed, CHECKED_ROWS), weight[:CHECKED_ROWS])
+    ):
+        return False
+    weight._specsplit_packed = (packed, weight.data_ptr(), weight._version)  # type: ignore[attr-defined]
+    return True
+
+
+def packed(weight: torch.Tensor) -> Packed | None:
+    """The packed matrix `attach` hung on `weight`, while the weight keeps the storage and the
+    version it had then (None otherwise, or with SPECSPLIT_CPU_QUANT=0)."""
+    held = getattr(weight, "_specsplit_packed", None)
+    if held is None or not switch():
+        return None
+    matrix, ptr, version = held
+    if weight.data_ptr() != ptr or weight._version != version:
+        return None
+    return matrix  # type: ignore[no-any-return]

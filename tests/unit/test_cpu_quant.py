@@ -1,0 +1,194 @@
+"""specsplit/model/cpu_quant.py and cpu_gemm.c's quant_gemm: GGUF's Q4_0 / Q4_1 / Q8_0 blocks
+packed dequantize to gguf's values; a product from packed weights is the same bits as the
+fixed-order product of the dequantized float32 matrix, at any row count and in both variants
+(16 lanes, 8); packed blocks are attached only where they are the weight's values and dropped
+when the weight changes; a GGUF model loads with its projections and LM head packed (q / k rows
+in the checkpoint's order) and its logits are the same bits with and without them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from specsplit.model import cpu_quant
+from specsplit.model.cpu_gemm import fixed_linear
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.gguf_file import GGUFFile, GGUFStateDict
+from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.loader import load_model
+from specsplit.step import build_forward_batch, causal_step
+from tests.unit.test_gguf_file import _write
+
+Q = GGMLQuantizationType
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+pytestmark = pytest.mark.usefixtures("cpu_kernel")
+
+
+@pytest.fixture
+def quant_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "1")
+    cpu_quant.switch.cache_clear()
+    yield
+    cpu_quant.switch.cache_clear()
+
+
+def _matrix(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gguf's blocks uint8 [rows, row bytes], their values float32 [rows, cols]) of a random
+    matrix with a few rows' scales negative."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+    values[::3] -= 0.2  # Q4_1's minimum far from zero
+    raw = quantize(values, qtype)
+    dequantized = dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    return torch.from_numpy(raw), torch.from_numpy(dequantized)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_packed_blocks_dequantize_to_ggufs_values(qtype: Q) -> None:
+    raw, values = _matrix(qtype, 37, 96)
+    packed = cpu_quant.pack(qtype, raw)
+    assert packed.rows == 37 and packed.cols == 96
+    assert packed.data.shape[1] == 3 * cpu_quant.BLOCK_BYTES[packed.kind]
+    assert torch.equal(cpu_quant.dequantize(packed), values)  # (Q4_0's zeros may be -0 there)
+    assert torch.equal(cpu_quant.dequantize(packed, 5), values[:5])
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize(("n_len", "k_len"), [(1, 32), (13, 64), (70, 576), (9, 1536)])
+def test_a_packed_product_is_the_float32_products_bits(
+    lanes: int, qtype: Q, n_len: int, k_len: int, quant_on: None
+) -> None:
+    """quant_gemm against fixed_gemm on the dequantized matrix, for every row count the tiling
+    treats apart (1-4 rows a block, a partial block, a second pass over 256 rows)."""
+    raw, values = _matrix(qtype, n_len, k_len, seed=n_len)
+    weight = values.clone()
+    assert cpu_quant.attach(weight, cpu_quant.pack(qtype, raw))
+    x = torch.randn(300, k_len, generator=torch.Generator().manual_seed(1))
+    for num_rows in (1, 2, 3, 4, 5, 9, 257, 300):
+        want = fixed_linear(x[:num_rows], values, lanes)
+        got = fixed_linear(x[:num_rows], weight, lanes)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
+
+
+def test_attach_refuses_blocks_that_are_not_the_weights_values(quant_on: None) -> None:
+    raw, values = _matrix(Q.Q4_1, 8, 64)
+    packed = cpu_quant.pack(Q.Q4_1, raw)
+    other = values.clone()
+    other[3, 17] += 1e-3
+    assert not cpu_quant.attach(other, packed)
+    assert cpu_quant.packed(other) is None
+    assert not cpu_quant.attach(values[:, :32].contiguous(), packed)  # another shape
+    assert not cpu_quant.attach(values.double(), packed)
+
+
+def test_a_weight_changed_in_place_drops_its_packed_blocks(quant_on: None) -> None:
+    """After an in-place change the product is the new weight's, from its float32 values."""
+    raw, values = _matrix(Q.Q8_0, 16, 64)
+    weight = values.clone()
+    packed = cpu_quant.pack(Q.Q8_0, raw)
+    assert cpu_quant.attach(weight, packed) and cpu_quant.packed(weight) is packed
+    weight.mul_(2.0)
+    assert cpu_quant.packed(weight) is None
+    x = torch.randn(3, 64)
+    assert torch.equal(fixed_linear(x, weight), fixed_linear(x, values * 2.0))
+
+
+def test_the_switch_turns_packed_weights_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw, values = _matrix(Q.Q4_0, 4, 32)
+    try:
+        monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "1")
+        cpu_quant.switch.cache_clear()
+        assert cpu_quant.attach(values, cpu_quant.pack(Q.Q4_0, raw))
+        assert cpu_quant.packed(values) is not None
+        monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "0")
+        cpu_quant.switch.cache_clear()
+        assert cpu_quant.packed(values) is None
+        monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "yes")
+        cpu_quant.switch.cache_clear()
+        with pytest.raises(SystemExit, match="SPECSPLIT_CPU_QUANT"):
+            cpu_quant.switch()
+    finally:
+        cpu_quant.switch.cache_clear()
+
+
+def _packed_matrices(model: LlamaModel) -> list[torch.Tensor]:
+    layers = [layer for layer in model.layers]
+    weights = [getattr(layer, name).weight for layer in layers for name in ("qkv_proj", "o_proj")]
+    weights += [
+        getattr(layer, name).weight for layer in layers for name in ("gate_up_proj", "down_proj")
+    ]
+    return [*weights, model.lm_head_weight]
+
+
+def _logits(model: LlamaModel, config: object, tokens: list[int]) -> torch.Tensor:
+    """A prefill of `tokens[:-4]`, then a 4-token step: the logits of both."""
+    kv = make_kv_cache(model.config, 16, 16, torch.float32, "cpu")
+    seq = kv.new_seq()
+    kv.reserve(seq, len(tokens))
+    first = tokens[:-4]
+    out = [
+        model(build_forward_batch([causal_step(seq, first, list(range(len(first))))], 16)[0], kv)
+    ]
+    seq.kv_committed_len = len(first)
+    out.append(model(build_forward_batch([causal_step(seq, tokens[-4:], [0, 1, 2, 3])], 16)[0], kv))
+    kv.release(seq)
+    return torch.cat([o.logits for o in out])
+
+
+def _same_logits_packed_or_not(
+    path: str, monkeypatch: pytest.MonkeyPatch, tokens: list[int], num_layers: int | None = None
+) -> LlamaModel:
+    model, config = load_model(path, torch.float32, "cpu", num_layers=num_layers)
+    packed = _logits(model, config, tokens)
+    monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "0")
+    cpu_quant.switch.cache_clear()
+    plain = _logits(model, config, tokens)
+    assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
+    monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "1")
+    cpu_quant.switch.cache_clear()
+    return model
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_a_gguf_model_loads_packed_with_the_same_logits(
+    tmp_path: Path, qtype: Q, quant_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small llama file (q / k rows permuted by llama.cpp's converter, an untied LM head):
+    every projection and the LM head packed, each packed matrix dequantizing to the loaded
+    weight in every row, and the same logits packed or not."""
+    path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False)
+    model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
+    for weight in _packed_matrices(model):
+        packed = cpu_quant.packed(weight)
+        assert packed is not None
+        assert torch.equal(cpu_quant.dequantize(packed), weight)
+
+
+def test_stored_rows_are_in_the_checkpoints_order() -> None:
+    """GGUFStateDict.stored: a permuted (query) and an unpermuted (value) projection's blocks
+    dequantize to the tensors the state dict reads."""
+    with GGUFFile(embedded_default_model_path()) as file:
+        weights = GGUFStateDict(file, 9, 3)
+        for name in (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+        ):
+            packed = cpu_quant.pack(*weights.stored(name))
+            assert torch.equal(cpu_quant.dequantize(packed), weights[name])
+
+
+def test_the_embedded_default_loads_packed_with_the_same_logits(
+    quant_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Q4_1 projections and Q8_0 embedding (the tied LM head) packed, two layers loaded."""
+    path = embedded_default_model_path()
+    model = _same_logits_packed_or_not(path, monkeypatch, list(range(100, 130)), num_layers=2)
+    assert all(cpu_quant.packed(weight) is not None for weight in _packed_matrices(model))
+    assert cpu_quant.packed(model.embed_tokens.weight).kind == cpu_quant.KIND_8BIT  # type: ignore[union-attr]
