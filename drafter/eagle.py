@@ -18,6 +18,7 @@ from drafter.eagle_checkpoint import (
 )
 from drafter.expansion_maps import in_vocab
 from specsplit.kv_cache import KVCache, kv_bytes_per_token
+from specsplit.model import cpu_quant
 from specsplit.model.attention import attend
 from specsplit.model.batch import ForwardBatch
 from specsplit.model.fused import (
@@ -29,7 +30,7 @@ from specsplit.model.fused import (
 )
 from specsplit.model.linear import linear
 from specsplit.model.llama import LlamaModel
-from specsplit.model.loader import load_embeddings
+from specsplit.model.loader import load_embeddings, packs_weights
 from specsplit.model.rope import RopeTable, rope_inv_freq
 
 # positions past the longest context the RoPE table covers: a draft tree's nodes and
@@ -82,6 +83,12 @@ class Eagle3Head:
             self.w[key] = fused[row : row + rows]
             row += rows
         return fused
+
+    def matrices(self) -> list[torch.Tensor]:
+        """The weights the head multiplies by (`linear`'s), fused ones as fused."""
+        names = ["fc.weight", HEAD_LAYER + "self_attn.o_proj.weight", "lm_head.weight"]
+        names.append(HEAD_LAYER + "mlp.down_proj.weight")
+        return [self.qkv_weight, self.gate_up_weight, *(self.w[n] for n in names if n in self.w)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -206,4 +213,8 @@ def load_eagle3(
         for name, tensor in tensors.items()
     }
     embed = weights.pop("embed_tokens.weight")
-    return Eagle3Head(config, weights, embed, target_config.max_position_embeddings)
+    head = Eagle3Head(config, weights, embed, target_config.max_position_embeddings)
+    if packs_weights(dtype, torch.device(device)):  # bfloat16 weights read as such on the CPU
+        for weight in head.matrices():
+            cpu_quant.attach_bfloat16(weight)
+    return head

@@ -6,12 +6,13 @@
  * (specsplit/model/cpu_gemm.py builds and loads this; the blocks only change which outputs are
  * computed together: MR rows x NR weight rows share each vector load).
  *
- * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind 1)
- * or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
- * GGUF's Q4_0 / Q4_1 / Q8_0 so): each weight is formed in float32 (exactly its dequantized
- * value: d * q is exact, so d * q + m rounds once, as gguf's numpy does) and then summed in the
- * same lanes and order as a float32 weight, so quant_gemm gives fixed_gemm's bits on the
- * dequantized matrix while reading 0.75 (kind 1) or 1.125 (kind 2) bytes a weight, not 4.
+ * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind
+ * 1) or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
+ * GGUF's Q4_0 / Q4_1 / Q8_0 so), or a bfloat16 (kind 3). Each weight is formed in float32,
+ * exactly its dequantized value (d * q is exact, so d * q + m rounds once, as gguf's numpy
+ * does; a bfloat16 widens exactly), and summed in the same lanes and order as a float32 weight,
+ * so quant_gemm gives fixed_gemm's bits on the dequantized matrix while reading 0.75 (kind 1),
+ * 1.125 (kind 2) or 2 (kind 3) bytes a weight, not 4.
  *
  * Threads: OpenMP over blocks of weight rows (the process's OpenMP runtime, torch's: its
  * libgomp.so.1 is the one already loaded). The threads split the weight rows, never a sum.
@@ -112,6 +113,7 @@ AVX2 ALWAYS_INLINE void block8(const float *x, int64_t ldx, const float *w, int6
  * kind 2 (8-bit: float d, 32 signed bytes) 36 */
 #define Q4_BYTES 24
 #define Q8_BYTES 36
+#define BF16_BYTES 64 /* kind 3: 32 bfloat16 weights, each exact in float32 */
 
 AVX512 ALWAYS_INLINE __m512 q4_lanes16(const uint8_t *block, int s) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
@@ -135,6 +137,16 @@ AVX2 ALWAYS_INLINE __m256 q4_lanes8(const uint8_t *block, int s) {
 AVX2 ALWAYS_INLINE __m256 q8_lanes8(const uint8_t *block, int s) {
     __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4 + 8 * s)));
     return _mm256_mul_ps(_mm256_set1_ps(((const float *)block)[0]), _mm256_cvtepi32_ps(q));
+}
+
+AVX512 ALWAYS_INLINE __m512 bf16_lanes16(const uint8_t *block, int s) {
+    __m512i half = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(block + 32 * s)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(half, 16));
+}
+
+AVX2 ALWAYS_INLINE __m256 bf16_lanes8(const uint8_t *block, int s) {
+    __m256i half = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(block + 16 * s)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(half, 16));
 }
 
 /* block16 / block8 over packed rows: per block, LANES weights of each of the nr rows formed
@@ -164,10 +176,14 @@ PACKED_BLOCK(q4_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
              hsum16, q4_lanes16, Q4_BYTES)
 PACKED_BLOCK(q8_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
              hsum16, q8_lanes16, Q8_BYTES)
+PACKED_BLOCK(bf16_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+             hsum16, bf16_lanes16, BF16_BYTES)
 PACKED_BLOCK(q4_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, q4_lanes8, Q4_BYTES)
 PACKED_BLOCK(q8_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, q8_lanes8, Q8_BYTES)
+PACKED_BLOCK(bf16_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+             hsum8, bf16_lanes8, BF16_BYTES)
 
 /* ---------------------------------------------------------------- the loops */
 
@@ -201,6 +217,8 @@ TILE(q4_tile16, AVX512, q4_block16)
 TILE(q8_tile16, AVX512, q8_block16)
 TILE(q4_tile8, AVX2, q4_block8)
 TILE(q8_tile8, AVX2, q8_block8)
+TILE(bf16_tile16, AVX512, bf16_block16)
+TILE(bf16_tile8, AVX2, bf16_block8)
 #undef W
 
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
@@ -248,7 +266,8 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
  * bytes), k_len a multiple of 32 */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    tile_fn tile = kind == 1 ? (lanes == 16 ? q4_tile16 : q4_tile8)
-                             : (lanes == 16 ? q8_tile16 : q8_tile8);
+    tile_fn tile = kind == 1   ? (lanes == 16 ? q4_tile16 : q4_tile8)
+                   : kind == 2 ? (lanes == 16 ? q8_tile16 : q8_tile8)
+                               : (lanes == 16 ? bf16_tile16 : bf16_tile8);
     run_tiles(tile, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
 }

@@ -11,8 +11,10 @@ weights (tests/unit/test_cpu_quant.py), and so is every token.
 
 Packing (`pack`): Q4_0 and Q4_1 blocks to kind 1 (float32 d, float32 m, the 16 bytes of
 nibbles: 24 bytes a block; Q4_0's m is -8 d, exact), Q8_0 to kind 2 (float32 d, the 32 signed
-bytes: 36). `attach` hangs a packed matrix on its float32 weight after checking its first rows
-dequantize to that weight's values; `packed` returns it while the weight keeps its storage and
+bytes: 36); a float32 matrix whose values are all bfloat16 (a bfloat16 checkpoint run in
+float32, e.g. the shipped EAGLE-3 head) to kind 3, its bfloat16 copy (`attach_bfloat16`).
+`attach` hangs a packed matrix on its float32 weight after checking its first rows dequantize
+to that weight's values; `packed` returns it while the weight keeps its storage and
 version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs nothing.
 """
 
@@ -27,8 +29,8 @@ from gguf import GGMLQuantizationType
 from specsplit.switches import env_switch
 
 BLOCK = 32  # weights a block (cpu_gemm.c's QBLOCK)
-KIND_4BIT, KIND_8BIT = 1, 2
-BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36}
+KIND_4BIT, KIND_8BIT, KIND_BF16 = 1, 2, 3
+BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36, KIND_BF16: 64}
 # stored bytes a GGUF block, and the kind it packs to
 _FORMATS = {
     GGMLQuantizationType.Q4_0: (18, KIND_4BIT),
@@ -98,6 +100,8 @@ def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     weight d * q + m (kind 1) or d * q (kind 2) as gguf's numpy forms it."""
     data = packed.data if rows is None else packed.data[:rows]
     blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
+    if packed.kind == KIND_BF16:
+        return data.view(torch.bfloat16).float()
     d = blocks[..., 0:4].contiguous().view(torch.float32)  # [rows, blocks, 1]
     if packed.kind == KIND_8BIT:
         q = blocks[..., 4:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]
@@ -106,6 +110,19 @@ def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     nibbles = blocks[..., 8:]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [rows, blocks, 32]
     return (d * q + m).reshape(data.shape[0], -1)
+
+
+def attach_bfloat16(weight: torch.Tensor) -> bool:
+    """Hang the weight's bfloat16 copy (kind 3) on a float32 CPU matrix whose every value is a
+    bfloat16 (a checkpoint stored in bfloat16 and run in float32) and whose width is a multiple
+    of BLOCK; False (nothing attached) where not."""
+    if not (weight.dim() == 2 and weight.shape[1] % BLOCK == 0 and weight.is_contiguous()):
+        return False
+    half = weight.to(torch.bfloat16)
+    if not torch.equal(half.float(), weight):
+        return False
+    packed = Packed(KIND_BF16, half.view(torch.uint8), weight.shape[1])
+    return attach(weight, packed)
 
 
 def attach(weight: torch.Tensor, packed: Packed) -> bool:

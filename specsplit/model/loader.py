@@ -83,6 +83,9 @@ def load_model(
         state_dict = state_dict_from_hf(config, hf_model.state_dict(), dtype, device)
         del hf_model
         model = LlamaModel.from_state_dict(config, state_dict, device)
+        if packs_weights(dtype, device):  # a bfloat16 checkpoint's weights read as such
+            for weight in model_matrices(model):
+                cpu_quant.attach_bfloat16(weight)
     del state_dict
     gc.collect()
     log.info(
@@ -118,22 +121,28 @@ _FUSED = (
 )
 
 
+def model_matrices(model: LlamaModel) -> list[torch.Tensor]:
+    """The weights the model multiplies by: each layer's projections, then the LM head."""
+    layers = list(model.layers)
+    weights = [getattr(layer, module).weight for layer in layers for module, _ in _FUSED]
+    return [*weights, model.lm_head_weight]
+
+
 def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     """Attach packed blocks (cpu_quant) to each of the model's matrices whose parts the file
     stores in one packable format: the layers' projections and the LM head (the embedding
     where tied)."""
-    targets: list[tuple[torch.Tensor, tuple[str, ...]]] = []
-    for i, layer in enumerate(model.layers):
-        for module, parts in _FUSED:
-            weight = getattr(layer, module).weight
-            targets.append((weight, tuple(f"model.layers.{i}.{part}.weight" for part in parts)))
-    head = _EMBEDDING if model.lm_head is None else _LM_HEAD
-    targets.append((model.lm_head_weight, (head,)))
+    sources = [  # each matrix's tensors in the file (transformers' names), in model_matrices' order
+        tuple(f"model.layers.{i}.{part}.weight" for part in parts)
+        for i in range(len(model.layers))
+        for _, parts in _FUSED
+    ]
+    sources.append((_EMBEDDING if model.lm_head is None else _LM_HEAD,))
+    targets = list(zip(model_matrices(model), sources, strict=True))
     attached = 0
     for weight, names in targets:
-        if len({weights.qtype(name) for name in names}) != 1 or not cpu_quant.supported(
-            weights.qtype(names[0])
-        ):
+        qtypes = {weights.qtype(name) for name in names}
+        if len(qtypes) != 1 or not cpu_quant.supported(qtypes.pop()):
             continue
         packed = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
         attached += cpu_quant.attach(weight, packed)

@@ -15,12 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
+from drafter.eagle import load_eagle3
 from specsplit.model import cpu_quant
 from specsplit.model.cpu_gemm import fixed_linear
-from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict
 from specsplit.model.llama import LlamaModel, make_kv_cache
-from specsplit.model.loader import load_model
+from specsplit.model.loader import load_model, model_matrices
 from specsplit.step import build_forward_batch, causal_step
 from tests.unit.test_gguf_file import _write
 
@@ -100,6 +101,36 @@ def test_a_weight_changed_in_place_drops_its_packed_blocks(quant_on: None) -> No
     assert torch.equal(fixed_linear(x, weight), fixed_linear(x, values * 2.0))
 
 
+def test_a_bfloat16_valued_matrix_is_read_as_bfloat16(lanes: int, quant_on: None) -> None:
+    """attach_bfloat16 packs a float32 matrix of bfloat16 values (kind 3; its product the same
+    bits) and nothing else: a value off bfloat16's grid, a width not a multiple of 32."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(70, 1152, generator=gen).bfloat16().float()
+    values = weight.clone()
+    assert cpu_quant.attach_bfloat16(weight)
+    packed = cpu_quant.packed(weight)
+    assert packed is not None and packed.kind == cpu_quant.KIND_BF16
+    assert torch.equal(cpu_quant.dequantize(packed), values)
+    x = torch.randn(9, 1152, generator=gen)
+    for num_rows in (1, 4, 9):
+        want, got = (
+            fixed_linear(x[:num_rows], values, lanes),
+            fixed_linear(x[:num_rows], weight, lanes),
+        )
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
+    off_grid = values.clone()
+    off_grid[5, 5] += 1e-6
+    assert not cpu_quant.attach_bfloat16(off_grid)
+    assert not cpu_quant.attach_bfloat16(torch.randn(4, 40).bfloat16().float())
+
+
+def test_the_shipped_eagle_heads_matrices_are_read_as_bfloat16(quant_on: None) -> None:
+    path = embedded_default_model_path()
+    head = load_eagle3(embedded_default_head_path(), path, torch.float32, "cpu")
+    kinds = [getattr(cpu_quant.packed(w), "kind", None) for w in head.matrices()]
+    assert kinds == [cpu_quant.KIND_BF16] * 6
+
+
 def test_the_switch_turns_packed_weights_off(monkeypatch: pytest.MonkeyPatch) -> None:
     raw, values = _matrix(Q.Q4_0, 4, 32)
     try:
@@ -116,15 +147,6 @@ def test_the_switch_turns_packed_weights_off(monkeypatch: pytest.MonkeyPatch) ->
             cpu_quant.switch()
     finally:
         cpu_quant.switch.cache_clear()
-
-
-def _packed_matrices(model: LlamaModel) -> list[torch.Tensor]:
-    layers = [layer for layer in model.layers]
-    weights = [getattr(layer, name).weight for layer in layers for name in ("qkv_proj", "o_proj")]
-    weights += [
-        getattr(layer, name).weight for layer in layers for name in ("gate_up_proj", "down_proj")
-    ]
-    return [*weights, model.lm_head_weight]
 
 
 def _logits(model: LlamaModel, config: object, tokens: list[int]) -> torch.Tensor:
@@ -165,7 +187,7 @@ def test_a_gguf_model_loads_packed_with_the_same_logits(
     weight in every row, and the same logits packed or not."""
     path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False)
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
-    for weight in _packed_matrices(model):
+    for weight in model_matrices(model):
         packed = cpu_quant.packed(weight)
         assert packed is not None
         assert torch.equal(cpu_quant.dequantize(packed), weight)
@@ -190,5 +212,5 @@ def test_the_embedded_default_loads_packed_with_the_same_logits(
     """Its Q4_1 projections and Q8_0 embedding (the tied LM head) packed, two layers loaded."""
     path = embedded_default_model_path()
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(100, 130)), num_layers=2)
-    assert all(cpu_quant.packed(weight) is not None for weight in _packed_matrices(model))
+    assert all(cpu_quant.packed(weight) is not None for weight in model_matrices(model))
     assert cpu_quant.packed(model.embed_tokens.weight).kind == cpu_quant.KIND_8BIT  # type: ignore[union-attr]
