@@ -4,22 +4,24 @@ speculating round as pipelined groups, draft-ahead or a serial round).
 
 The speculation gate: speculate only while it pays, measured.
 
-Speculation pays when the tokens a round commits per second of round beat plain decoding's
-(one token per sequence per round). Which one wins depends on what the gateway cannot know in
+Speculation pays when the tokens a round commits per second of round beat plain decoding's (one
+token per sequence per round). Which one wins depends on what the gateway cannot know in
 advance: the model's size, the GPU, the drafter, the prompts, the batch size. On two H200s with
 SmolLM2-135M-Instruct and the shipped EAGLE-3 head, speculation streams 0.57-0.79x of the target
-alone; on the 2-core CPU it streams 1.7x. So the gate measures both, per batch size, over the
-gateway's rounds in which every sequence follows the gateway's default spec (a request that
-asks for its own spec always gets it, and rounds with one in them are not measured), and in
-which at most one sequence in eight (none below eight: the scheduler's NEW_SHARE) is in its
-first two rounds after a prefill (the prefill, then the drafter's catch-up of it: under steady
-arrivals at a full batch some always are), and, for a speculating round, the drafter was up
-(down or still loading, rounds decode without drafts: as fast as plain ones; on two H200s such
-rounds read 3x plain rounds' speed) and, with the overlap gate, the round ran the kind it chose
-(not one it explores or probes: the scheduler's). Plain rounds ask the verifier for no target
-features, so they cost what the target alone does; on resuming, the verifier takes back a
-sequence's tokens past its last features and verifies them again with them (the scheduler's
-`_restart_features`). Only the draft trees change, so the output is the target's in either mode.
+alone; on the 2-core CPU 0.69x on the bundled prompts (1.7x before the packed CPU weights made a
+one-token step ~6 ms), more where a prompt's drafts are accepted more. So the gate measures
+both, per batch size, over the gateway's rounds in which every sequence follows the gateway's
+default spec (a request that asks for its own spec always gets it, and rounds with one in them
+are not measured), and in which at most one sequence in eight (none below eight: the scheduler's
+NEW_SHARE) is in its first two rounds after a prefill (the prefill, then the drafter's catch-up
+of it: under steady arrivals at a full batch some always are), and, for a speculating round, the
+drafter was up (down or still loading, rounds decode without drafts: as fast as plain ones; on
+two H200s such rounds read 3x plain rounds' speed) and, with the overlap gate, the round ran the
+kind it chose (not one it explores or probes: the scheduler's). Plain rounds ask the verifier
+for no target features, so they cost what the target alone does; on resuming, the verifier takes
+back a sequence's tokens past its last features and verifies them again with them (the
+scheduler's `_restart_features`). Only the draft trees change, so the output is the target's in
+either mode.
 """
 
 from __future__ import annotations

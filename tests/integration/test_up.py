@@ -100,6 +100,7 @@ def up_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Ite
     argv = [sys.executable, "-m", "specsplit.cli", "up", "--model", str(model)]
     argv += ["--device", "cpu", "--dtype", "float32", "--num-pages", "512"]
     argv += ["--drafter", "model", "--draft-model", str(model), "--metrics-listen", "none"]
+    argv += ["--speculation-gate", "off"]  # (drafts every round: the faults below need them)
     argv += ["--http-listen", f"127.0.0.1:{ports['http']}"]
     argv += [f"--gateway-port={ports['gateway']}"]  # the drafter and verifier: Unix sockets
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

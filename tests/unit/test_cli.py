@@ -400,7 +400,7 @@ def test_up_resolves_device_auto_before_it_picks_the_gpu_defaults(
     args = cli.parse_args(["up"])
     up.resolve_devices(args)
     assert args.device == "cpu"
-    assert up.gateway_speculation_gate(args) == "off"
+    assert up.gateway_speculation_gate(args) == "on"
 
 
 def test_up_hands_each_pinned_service_its_cores_and_they_parse_back(
@@ -617,11 +617,11 @@ def test_drafter_kv_share_is_small_only_when_up_puts_it_on_the_verifiers_gpu() -
     assert cli.parse_args(["serve-drafter"]).draft_kv_memory_fraction is None
 
 
-def test_up_gates_speculation_by_default_only_with_the_verifier_on_a_gpu(
+def test_up_gates_speculation_by_default_on_every_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """auto: on with the verifier on a GPU (speculation may lose to the target there), off on
-    the CPU (it pays there); serve-gateway cannot see the devices: off unless asked."""
+    """auto: on with the verifier on a GPU or on the CPU (speculation may lose to the target on
+    either); serve-gateway: off unless asked."""
 
     def gate(*flags: str) -> str:
         child = up.child_commands(cli.parse_args(["up", *flags]))["gateway"]
@@ -629,9 +629,9 @@ def test_up_gates_speculation_by_default_only_with_the_verifier_on_a_gpu(
 
     assert gate("--device", "cuda:1", "--drafter-device", "cuda:0") == "on"
     assert gate("--device", "cuda") == "on"
-    assert gate("--device", "cpu") == "off"
+    assert gate("--device", "cpu") == "on"
     assert gate("--device", "cuda", "--speculation-gate", "off") == "off"
-    assert gate("--device", "cpu", "--speculation-gate", "on") == "on"
+    assert gate("--device", "cpu", "--speculation-gate", "off") == "off"
     assert cli.parse_args(["serve-gateway"]).speculation_gate == "auto"  # serve_gateway: off
     monkeypatch.setenv("SPECSPLIT_SPECULATION_GATE", "on")
     assert cli.parse_args(["serve-gateway"]).speculation_gate == "on"

@@ -374,6 +374,14 @@ def test_the_gateway_polls_for_lane_answers_on_gpus_not_on_the_cpu(
     assert parsed(merged, "gateway", monkeypatch).round_lane_poll_ms == 0
 
 
+def test_the_gateway_gates_speculation_on_gpus_and_on_the_cpu(
+    base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--speculation-gate as `up` picks it on every device: on."""
+    assert parsed(base, "gateway", monkeypatch).speculation_gate == "on"
+    assert parsed(merged, "gateway", monkeypatch).speculation_gate == "on"
+
+
 @pytest.mark.parametrize("which", ["base", "merged"])
 def test_healthy_dependencies_have_healthchecks(
     which: str, base: dict[str, Any], merged: dict[str, Any]
