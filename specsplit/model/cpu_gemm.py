@@ -55,6 +55,8 @@ class Library:
         self._quant.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, i64]
         self._quant.argtypes += [ctypes.c_int, ctypes.c_int]
         self._quant.restype = None
+        # rows from which the float32 weights are the faster (cpu_gemm.c's PACKED_BELOW_ROWS)
+        self.packed_below_rows = int(self.cdll.packed_below_rows())
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
@@ -154,7 +156,7 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None
     if out.numel() == 0:
         return out
     packed = cpu_quant.packed(weight)
-    if packed is not None:
+    if packed is not None and x.shape[0] < lib.packed_below_rows:  # (the same bits either way)
         lib.quant(x, packed, out, lanes or lib.lanes)
     else:
         lib.gemm(x, weight, out, lanes or lib.lanes)

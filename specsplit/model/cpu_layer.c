@@ -23,6 +23,7 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
                 int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
+int packed_below_rows(void);
 
 /* a projection's weights [n, k]: float32, and packed blocks where `packed` is not NULL
  * (cpu_gemm.c's quant_gemm: the same sums) */
@@ -157,10 +158,11 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 
 /* ---------------------------------------------------------------- the layer */
 
-/* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n) */
+/* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n): from the packed weights below
+ * packed_below_rows() rows, else the float32 ones (the same bits) */
 static void project(const Weight *W, const Step *S, const float *x, float *out, int64_t m, int64_t n,
                     int64_t k) {
-    if (W->packed)
+    if (W->packed && m < packed_below_rows())
         quant_gemm(x, k, W->packed, W->packed_stride, (int)W->kind, out, n, m, n, k, S->lanes, S->threads);
     else
         fixed_gemm(x, k, W->w, k, out, n, m, n, k, S->lanes, S->threads);

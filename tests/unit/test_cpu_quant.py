@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from drafter.eagle import load_eagle3
-from specsplit.model import cpu_quant
+from specsplit.model import cpu_gemm, cpu_quant
 from specsplit.model.cpu_gemm import fixed_linear
 from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict
@@ -64,18 +64,24 @@ def test_packed_blocks_dequantize_to_ggufs_values(qtype: Q) -> None:
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize(("n_len", "k_len"), [(1, 32), (13, 64), (70, 576), (9, 1536)])
 def test_a_packed_product_is_the_float32_products_bits(
-    lanes: int, qtype: Q, n_len: int, k_len: int, quant_on: None
+    lanes: int, qtype: Q, n_len: int, k_len: int, quant_on: None, cpu_kernel: cpu_gemm.Library
 ) -> None:
     """quant_gemm against fixed_gemm on the dequantized matrix, for every row count the tiling
-    treats apart (1-4 rows a block, a partial block, a second pass over 256 rows)."""
+    treats apart (1-4 rows a block, a partial block, a second pass over 256 rows), called
+    directly and through fixed_linear (which takes the float32 weights from packed_below_rows)."""
     raw, values = _matrix(qtype, n_len, k_len, seed=n_len)
     weight = values.clone()
     assert cpu_quant.attach(weight, cpu_quant.pack(qtype, raw))
     x = torch.randn(300, k_len, generator=torch.Generator().manual_seed(1))
-    for num_rows in (1, 2, 3, 4, 5, 9, 257, 300):
+    packed = cpu_quant.packed(weight)
+    assert packed is not None
+    for num_rows in (1, 2, 3, 4, 5, 9, 47, 48, 257, 300):
         want = fixed_linear(x[:num_rows], values, lanes)
-        got = fixed_linear(x[:num_rows], weight, lanes)
+        got = fixed_linear(x[:num_rows], weight, lanes)  # float32 weights from 48 rows
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
+        direct = torch.empty_like(want)  # the packed kernel at every row count
+        cpu_kernel.quant(x[:num_rows], packed, direct, lanes)
+        assert torch.equal(direct.view(torch.int32), want.view(torch.int32)), num_rows
 
 
 def test_attach_refuses_blocks_that_are_not_the_weights_values(quant_on: None) -> None:
