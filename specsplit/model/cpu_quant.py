@@ -1,6 +1,7 @@
-"""GGUF's quantized weights kept packed beside their float32 values, for cpu_gemm.c's
-`quant_gemm` (the CPU's float32 route reads 0.75 or 1.125 bytes a weight where the float32
-matrix costs 4).
+"""GGUF's quantized weights (and bfloat16 ones) kept packed beside their float32 values, for
+cpu_gemm.c's `quant_gemm` (the CPU's float32 route reads 0.75, 1.125 or 2 bytes a weight where
+the float32 matrix costs 4; below cpu_gemm.c's PACKED_BELOW_ROWS rows, past which the float32
+weights are the faster, with the same bits).
 
 Why: a CPU decode step streams every weight once, so its time is the bytes it reads: the
 embedded default (Q4_1 layers, a Q8_0 embedding tied to the LM head) is 538 MB in float32 and
@@ -97,11 +98,12 @@ def cat(parts: list[Packed]) -> Packed:
 
 def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     """The reference: the first `rows` (default all) of the matrix in float32 [rows, cols], each
-    weight d * q + m (kind 1) or d * q (kind 2) as gguf's numpy forms it."""
+    weight d * q + m (kind 1) or d * q (kind 2) as gguf's numpy forms it, or a bfloat16 widened
+    (kind 3)."""
     data = packed.data if rows is None else packed.data[:rows]
-    blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
     if packed.kind == KIND_BF16:
         return data.view(torch.bfloat16).float()
+    blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
     d = blocks[..., 0:4].contiguous().view(torch.float32)  # [rows, blocks, 1]
     if packed.kind == KIND_8BIT:
         q = blocks[..., 4:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]

@@ -347,11 +347,14 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
                 self._infos[name] = info
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self.file.tensor(self._infos[name], self.device)
+        return self._in_order(name, self.file.tensor(self._infos[name], self.device))
+
+    def _in_order(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """A tensor's rows (values or stored bytes) in the checkpoint's order."""
         module = name.rsplit(".", 1)[0].split(".", 3)[-1]  # e.g. "self_attn.q_proj"
         if self.permuted and module in self.heads:
-            tensor = unpermute_rows(tensor, self.heads[module])
-        return tensor
+            return unpermute_rows(rows, self.heads[module])
+        return rows
 
     def stored(self, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
         """The tensor's format and stored bytes (uint8 [rows, row bytes], a copy, rows in the
@@ -359,10 +362,7 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
         info = self._infos[name]
         assert len(info.shape) == 2 and info.qtype not in _AS_STORED, (name, info)
         raw = torch.from_numpy(np.array(self.file.raw(info)))
-        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
-        if self.permuted and module in self.heads:
-            raw = unpermute_rows(raw, self.heads[module]).contiguous()
-        return info.qtype, raw
+        return info.qtype, self._in_order(name, raw).contiguous()
 
     def qtype(self, name: str) -> GGMLQuantizationType:
         return self._infos[name].qtype

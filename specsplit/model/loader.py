@@ -102,8 +102,9 @@ def load_model(
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a GGUF file's quantized matrices are kept packed beside their float32 values
-    (specsplit/model/cpu_quant.py): float32 on the CPU, on the fixed-order route."""
+    """Whether a model's matrices are kept packed beside their float32 values where they can be
+    (specsplit/model/cpu_quant.py: a GGUF's quantized blocks, bfloat16 values): float32 on the
+    CPU, on the fixed-order route."""
     return (
         torch.device(device).type == "cpu"
         and dtype == torch.float32
@@ -130,8 +131,8 @@ def model_matrices(model: LlamaModel) -> list[torch.Tensor]:
 
 def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     """Attach packed blocks (cpu_quant) to each of the model's matrices whose parts the file
-    stores in one packable format: the layers' projections and the LM head (the embedding
-    where tied)."""
+    stores in one packable format, else its bfloat16 copy where its values are bfloat16: the
+    layers' projections and the LM head (the embedding where tied)."""
     sources = [  # each matrix's tensors in the file (transformers' names), in model_matrices' order
         tuple(f"model.layers.{i}.{part}.weight" for part in parts)
         for i in range(len(model.layers))
@@ -142,10 +143,11 @@ def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     attached = 0
     for weight, names in targets:
         qtypes = {weights.qtype(name) for name in names}
-        if len(qtypes) != 1 or not cpu_quant.supported(qtypes.pop()):
-            continue
-        packed = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
-        attached += cpu_quant.attach(weight, packed)
+        if len(qtypes) == 1 and cpu_quant.supported(qtypes.pop()):
+            packed = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
+            attached += cpu_quant.attach(weight, packed)
+        else:  # (a BF16 file's, or parts in two formats: bfloat16 values only)
+            attached += cpu_quant.attach_bfloat16(weight)
     log.info("packed %d of %d matrices for the CPU's kernel", attached, len(targets))
 
 

@@ -184,13 +184,13 @@ def _same_logits_packed_or_not(
     return model
 
 
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [*FORMATS, Q.BF16], ids=lambda q: q.name)
 def test_a_gguf_model_loads_packed_with_the_same_logits(
     tmp_path: Path, qtype: Q, quant_on: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A small llama file (q / k rows permuted by llama.cpp's converter, an untied LM head):
-    every projection and the LM head packed, each packed matrix dequantizing to the loaded
-    weight in every row, and the same logits packed or not."""
+    every projection and the LM head packed (a BF16 file's as its bfloat16 values), each packed
+    matrix dequantizing to the loaded weight in every row, and the same logits packed or not."""
     path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False)
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
     for weight in model_matrices(model):
