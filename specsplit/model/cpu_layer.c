@@ -216,7 +216,8 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
         memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
     }
     int64_t pairs = T * L->num_heads;
-    int parallel = S->threads > 1 && pairs * S->max_keys >= 4096;
+    /* a one-token step at 200 tokens of context (1,800 key visits) 6.8 -> 6.1 ms in parallel */
+    int parallel = S->threads > 1 && pairs * S->max_keys >= 1024;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (parallel)
     for (int64_t pair = 0; pair < pairs; pair++) {
         int64_t t = pair / L->num_heads, head = pair % L->num_heads;
