@@ -222,12 +222,14 @@ def gateway_lane_poll_ms(args: argparse.Namespace) -> float:
 
 
 def gateway_decode_steps(args: argparse.Namespace) -> int:
-    """--decode-steps auto: DECODE_STEPS_ON_GPU when the verifier runs on a GPU, where a plain
-    round's trip through the gateway costs as much as the step itself; 1 on a CPU, where the
-    step dwarfs it and a stop inside a round would waste whole steps."""
+    """--decode-steps auto: DECODE_STEPS_ON_GPU, on every device. On a GPU a plain round's trip
+    through the gateway costs as much as the step itself; on the CPU, since the packed weights
+    made the embedded default's step ~6 ms, the ~1 ms trip and the other processes' work on the
+    shared cores cost 1.04x-1.08x the tokens a second of 4-step rounds in three alternating
+    pairs (bench/RESULTS.md); before, when a step dwarfed the trip, it was 1 there."""
     if args.decode_steps is not None:
         return int(args.decode_steps)
-    return DECODE_STEPS_ON_GPU if args.device.startswith("cuda") else 1
+    return DECODE_STEPS_ON_GPU
 
 
 def gateway_decode_steps_adaptive(args: argparse.Namespace) -> bool:

@@ -358,12 +358,14 @@ def test_the_cpu_override_reserves_no_gpu(
     assert set(merged["services"]) == set(plain(load(COMPOSE))["services"])
 
 
-def test_plain_rounds_decode_several_tokens_on_gpus_one_on_the_cpu(
+def test_plain_rounds_decode_several_tokens_on_gpus_and_on_the_cpu(
     base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--decode-steps as `up` picks it: 4 with the verifier on a GPU, 1 on the CPU."""
+    """--decode-steps as `up` picks it: 4 on every device (grown as measured on a GPU only)."""
     assert parsed(base, "gateway", monkeypatch).decode_steps == cli_flags.DECODE_STEPS_ON_GPU
-    assert parsed(merged, "gateway", monkeypatch).decode_steps == 1
+    assert parsed(merged, "gateway", monkeypatch).decode_steps == cli_flags.DECODE_STEPS_ON_GPU
+    assert parsed(base, "gateway", monkeypatch).decode_steps_adaptive is True
+    assert parsed(merged, "gateway", monkeypatch).decode_steps_adaptive is False
 
 
 def test_the_gateway_polls_for_lane_answers_on_gpus_not_on_the_cpu(
