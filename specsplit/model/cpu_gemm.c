@@ -6,13 +6,13 @@
  * (specsplit/model/cpu_gemm.py builds and loads this; the blocks only change which outputs are
  * computed together: MR rows x NR weight rows share each vector load).
  *
- * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind
- * 1) or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
- * GGUF's Q4_0 / Q4_1 / Q8_0 so), or a bfloat16 (kind 3). Each weight is formed in float32,
- * exactly its dequantized value (d * q is exact, so d * q + m rounds once, as gguf's numpy
- * does; a bfloat16 widens exactly), and summed in the same lanes and order as a float32 weight,
- * so quant_gemm gives fixed_gemm's bits on the dequantized matrix while reading 0.75 (kind 1),
- * 1.125 (kind 2) or 2 (kind 3) bytes a weight, not 4.
+ * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind 1)
+ * or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
+ * GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 so), or a bfloat16 (kind 3). Each weight is formed in float32,
+ * exactly its dequantized value (d * q is exact, so d * q + m rounds once, as gguf's numpy does; a
+ * bfloat16 widens exactly), and summed in the same lanes and order as a float32 weight, so
+ * quant_gemm gives fixed_gemm's bits on the dequantized matrix while reading 0.75 (kind 1), 1.125
+ * (kind 2) or 2 (kind 3) bytes a weight, not 4.
  *
  * Threads: OpenMP over blocks of weight rows (the process's OpenMP runtime, torch's: its
  * libgomp.so.1 is the one already loaded). The threads split the weight rows, never a sum.

@@ -10,8 +10,9 @@ gguf's numpy dequantizes it (d * q exactly, then + m rounded once) and sums it i
 `fixed_gemm`'s lanes and order, so a product is the same bits from the packed and the float32
 weights (tests/unit/test_cpu_quant.py), and so is every token.
 
-Packing (`pack`): Q4_0 and Q4_1 blocks to kind 1 (float32 d, float32 m, the 16 bytes of
-nibbles: 24 bytes a block; Q4_0's m is -8 d, exact), Q8_0 to kind 2 (float32 d, the 32 signed
+Packing (`pack`): Q4_0, Q4_1 and Q4_K blocks to kind 1 (float32 d, float32 m, the 16 bytes
+of nibbles: 24 bytes a block of 32; Q4_0's m is -8 d, Q4_K's d and m its sub-block's scaled
+d and -min, all exact), Q8_0 to kind 2 (float32 d, the 32 signed
 bytes: 36); a float32 matrix whose values are all bfloat16 (a bfloat16 checkpoint run in
 float32, e.g. the shipped EAGLE-3 head) to kind 3, its bfloat16 copy (`attach_bfloat16`).
 `attach` hangs a packed matrix on its float32 weight after checking its first rows dequantize
@@ -37,6 +38,7 @@ _FORMATS = {
     GGMLQuantizationType.Q4_0: (18, KIND_4BIT),
     GGMLQuantizationType.Q4_1: (20, KIND_4BIT),
     GGMLQuantizationType.Q8_0: (34, KIND_8BIT),
+    GGMLQuantizationType.Q4_K: (144, KIND_4BIT),  # a block of 256: 8 of ours
 }
 CHECKED_ROWS = 64  # rows of each matrix `attach` dequantizes and compares with the weight
 
@@ -76,6 +78,9 @@ def pack(qtype: GGMLQuantizationType, raw: torch.Tensor) -> Packed:
     stored, kind = _FORMATS[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, stored)  # [rows, blocks, stored bytes]
+    if qtype == GGMLQuantizationType.Q4_K:
+        data = _q4_k(blocks).reshape(rows, -1).contiguous()
+        return Packed(kind, data, data.shape[1] // BLOCK_BYTES[kind] * BLOCK)
     d = _halves(blocks[..., 0:2])  # [rows, blocks]
     if qtype == GGMLQuantizationType.Q8_0:
         parts = [d.unsqueeze(-1).view(torch.uint8), blocks[..., 2:]]
@@ -88,6 +93,24 @@ def pack(qtype: GGMLQuantizationType, raw: torch.Tensor) -> Packed:
         parts = [scales.view(torch.uint8), nibbles]
     data = torch.cat(parts, dim=-1).reshape(rows, -1).contiguous()
     return Packed(kind, data, blocks.shape[1] * BLOCK)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [rows, n, 144] -> kind-1 blocks [rows, n * 8, 24]. A block of 256: float16 d
+    and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (sub-block 2j the
+    low nibbles of bytes 32j..32j+31, 2j+1 their high ones); gguf dequantizes (d * sc) * q -
+    dmin * m, where d * sc, dmin * m and (d * sc) * q are exact, so one rounding: our d = d *
+    sc and m = -(dmin * m) give it."""
+    rows, n = blocks.shape[:2]
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])  # [rows, n]
+    low, high, mixed = blocks[..., 4:16].reshape(rows, n, 3, 4).unbind(dim=2)  # [rows, n, 4]
+    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)  # [rows, n, 8]
+    mins = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    scales = torch.stack([d[..., None] * sc.float(), -(dmin[..., None] * mins.float())], dim=-1)
+    qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
+    values = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, n, 8, 32)  # [.., sub-block, 32]
+    nibbles = values[..., :16] | (values[..., 16:] << 4)  # [rows, n, 8, 16]
+    return torch.cat([scales.view(torch.uint8), nibbles], dim=-1)  # [rows, n, 8, 24]
 
 
 def cat(parts: list[Packed]) -> Packed:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
 from drafter.eagle import load_eagle3
 from specsplit.model import cpu_gemm, cpu_quant
@@ -23,10 +23,10 @@ from specsplit.model.gguf_file import GGUFFile, GGUFStateDict
 from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model, model_matrices
 from specsplit.step import build_forward_batch, causal_step
-from tests.unit.test_gguf_file import _write
+from tests.unit.test_gguf_file import _k_blocks, _write
 
 Q = GGMLQuantizationType
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
 
 
 pytestmark = pytest.mark.usefixtures("cpu_kernel")
@@ -42,33 +42,35 @@ def quant_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _matrix(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(gguf's blocks uint8 [rows, row bytes], their values float32 [rows, cols]) of a random
-    matrix with a few rows' scales negative."""
+    matrix with a few rows' scales negative (Q4_K: random blocks, gguf cannot quantize to it)."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
     values[::3] -= 0.2  # Q4_1's minimum far from zero
-    raw = quantize(values, qtype)
+    raw = _k_blocks(rng, rows, cols, qtype) if qtype == Q.Q4_K else quantize(values, qtype)
     dequantized = dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
     return torch.from_numpy(raw), torch.from_numpy(dequantized)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_packed_blocks_dequantize_to_ggufs_values(qtype: Q) -> None:
-    raw, values = _matrix(qtype, 37, 96)
+    raw, values = _matrix(qtype, 37, 512)
     packed = cpu_quant.pack(qtype, raw)
-    assert packed.rows == 37 and packed.cols == 96
-    assert packed.data.shape[1] == 3 * cpu_quant.BLOCK_BYTES[packed.kind]
+    assert packed.rows == 37 and packed.cols == 512
+    assert packed.data.shape[1] == 16 * cpu_quant.BLOCK_BYTES[packed.kind]
     assert torch.equal(cpu_quant.dequantize(packed), values)  # (Q4_0's zeros may be -0 there)
     assert torch.equal(cpu_quant.dequantize(packed, 5), values[:5])
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-@pytest.mark.parametrize(("n_len", "k_len"), [(1, 32), (13, 64), (70, 576), (9, 1536)])
+@pytest.mark.parametrize(("n_len", "k_len"), [(1, 32), (13, 64), (70, 576), (9, 1536), (5, 256)])
 def test_a_packed_product_is_the_float32_products_bits(
     lanes: int, qtype: Q, n_len: int, k_len: int, quant_on: None, cpu_kernel: cpu_gemm.Library
 ) -> None:
     """quant_gemm against fixed_gemm on the dequantized matrix, for every row count the tiling
     treats apart (1-4 rows a block, a partial block, a second pass over 256 rows), called
     directly and through fixed_linear (which takes the float32 weights from packed_below_rows)."""
+    if k_len % GGML_QUANT_SIZES[qtype][0]:
+        pytest.skip(f"{qtype.name} blocks are wider than {k_len}")
     raw, values = _matrix(qtype, n_len, k_len, seed=n_len)
     weight = values.clone()
     assert cpu_quant.attach(weight, cpu_quant.pack(qtype, raw))
@@ -191,7 +193,8 @@ def test_a_gguf_model_loads_packed_with_the_same_logits(
     """A small llama file (q / k rows permuted by llama.cpp's converter, an untied LM head):
     every projection and the LM head packed (a BF16 file's as its bfloat16 values), each packed
     matrix dequantizing to the loaded weight in every row, and the same logits packed or not."""
-    path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False)
+    wide = {"head_dim": 64, "hidden": 256, "ffn": 512} if qtype == Q.Q4_K else {}
+    path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False, **wide)  # type: ignore[arg-type]
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
     for weight in model_matrices(model):
         packed = cpu_quant.packed(weight)
