@@ -8,7 +8,8 @@
  *
  * Packed weights (quant_gemm): rows of 32-weight blocks, each weight d * q + m (4-bit q, kind 1)
  * or d * q (8-bit signed q, kind 2) with d and m float32 (specsplit/model/cpu_quant.py packs
- * GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 so), or a bfloat16 (kind 3). Each weight is formed in float32,
+ * GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 so), a bfloat16 (kind 3), or d * q with a d for each 16
+ * weights (8-bit signed q, kind 4: Q6_K). Each weight is formed in float32,
  * exactly its dequantized value (d * q is exact, so d * q + m rounds once, as gguf's numpy does; a
  * bfloat16 widens exactly), and summed in the same lanes and order as a float32 weight, so
  * quant_gemm gives fixed_gemm's bits on the dequantized matrix while reading 0.75 (kind 1), 1.125
@@ -119,6 +120,7 @@ AVX2 ALWAYS_INLINE void block8(const float *x, int64_t ldx, const float *w, int6
 #define Q4_BYTES 24
 #define Q8_BYTES 36
 #define BF16_BYTES 64 /* kind 3: 32 bfloat16 weights, each exact in float32 */
+#define Q6_BYTES 40 /* kind 4: float d for weights 0-15, float d for 16-31, 32 signed bytes */
 
 AVX512 ALWAYS_INLINE __m512 q4_lanes16(const uint8_t *block, int s) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
@@ -154,6 +156,16 @@ AVX2 ALWAYS_INLINE __m256 bf16_lanes8(const uint8_t *block, int s) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(half, 16));
 }
 
+AVX512 ALWAYS_INLINE __m512 q6_lanes16(const uint8_t *block, int s) {
+    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 8 + 16 * s)));
+    return _mm512_mul_ps(_mm512_set1_ps(((const float *)block)[s]), _mm512_cvtepi32_ps(q));
+}
+
+AVX2 ALWAYS_INLINE __m256 q6_lanes8(const uint8_t *block, int s) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 + 8 * s)));
+    return _mm256_mul_ps(_mm256_set1_ps(((const float *)block)[s >> 1]), _mm256_cvtepi32_ps(q));
+}
+
 /* block16 / block8 over packed rows: per block (the line PREFETCH bytes ahead of it prefetched),
  * LANES weights of each of the nr rows formed (DEQUANT) and multiplied into the accumulators in
  * increasing k, as the float32 blocks do */
@@ -186,12 +198,16 @@ PACKED_BLOCK(q8_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
              hsum16, q8_lanes16, Q8_BYTES)
 PACKED_BLOCK(bf16_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
              hsum16, bf16_lanes16, BF16_BYTES)
+PACKED_BLOCK(q6_block16, AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+             hsum16, q6_lanes16, Q6_BYTES)
 PACKED_BLOCK(q4_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, q4_lanes8, Q4_BYTES)
 PACKED_BLOCK(q8_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, q8_lanes8, Q8_BYTES)
 PACKED_BLOCK(bf16_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, bf16_lanes8, BF16_BYTES)
+PACKED_BLOCK(q6_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+             hsum8, q6_lanes8, Q6_BYTES)
 
 /* ---------------------------------------------------------------- the loops */
 
@@ -227,6 +243,8 @@ TILE(q4_tile8, AVX2, q4_block8)
 TILE(q8_tile8, AVX2, q8_block8)
 TILE(bf16_tile16, AVX512, bf16_block16)
 TILE(bf16_tile8, AVX2, bf16_block8)
+TILE(q6_tile16, AVX512, q6_block16)
+TILE(q6_tile8, AVX2, q6_block8)
 #undef W
 
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
@@ -284,6 +302,7 @@ void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int 
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
     tile_fn tile = kind == 1   ? (lanes == 16 ? q4_tile16 : q4_tile8)
                    : kind == 2 ? (lanes == 16 ? q8_tile16 : q8_tile8)
-                               : (lanes == 16 ? bf16_tile16 : bf16_tile8);
+                   : kind == 3 ? (lanes == 16 ? bf16_tile16 : bf16_tile8)
+                               : (lanes == 16 ? q6_tile16 : q6_tile8);
     run_tiles(tile, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
 }

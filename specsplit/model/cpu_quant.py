@@ -10,14 +10,15 @@ gguf's numpy dequantizes it (d * q exactly, then + m rounded once) and sums it i
 `fixed_gemm`'s lanes and order, so a product is the same bits from the packed and the float32
 weights (tests/unit/test_cpu_quant.py), and so is every token.
 
-Packing (`pack`): Q4_0, Q4_1 and Q4_K blocks to kind 1 (float32 d, float32 m, the 16 bytes
-of nibbles: 24 bytes a block of 32; Q4_0's m is -8 d, Q4_K's d and m its sub-block's scaled
-d and -min, all exact), Q8_0 to kind 2 (float32 d, the 32 signed
-bytes: 36); a float32 matrix whose values are all bfloat16 (a bfloat16 checkpoint run in
-float32, e.g. the shipped EAGLE-3 head) to kind 3, its bfloat16 copy (`attach_bfloat16`).
-`attach` hangs a packed matrix on its float32 weight after checking its first rows dequantize
-to that weight's values; `packed` returns it while the weight keeps its storage and
-version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs nothing.
+Packing (`pack`): Q4_0, Q4_1 and Q4_K blocks to kind 1 (float32 d, float32 m, the 16 bytes of
+nibbles: 24 bytes a block of 32; Q4_0's m is -8 d, Q4_K's d and m its sub-block's scaled d and
+-min, all exact), Q8_0 to kind 2 (float32 d, the 32 signed bytes: 36), Q6_K to kind 4 (two
+float32 d, one a 16 weights, and 32 signed bytes: 40); a float32 matrix whose values are all
+bfloat16 (a bfloat16 checkpoint run in float32, e.g. the shipped EAGLE-3 head) to kind 3, its
+bfloat16 copy (`attach_bfloat16`). `attach` hangs a packed matrix on its float32 weight after
+checking its first rows dequantize to that weight's values; `packed` returns it while the weight
+keeps its storage and version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs
+nothing.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from gguf import GGMLQuantizationType
 from specsplit.switches import env_switch
 
 BLOCK = 32  # weights a block (cpu_gemm.c's QBLOCK)
-KIND_4BIT, KIND_8BIT, KIND_BF16 = 1, 2, 3
-BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36, KIND_BF16: 64}
+KIND_4BIT, KIND_8BIT, KIND_BF16, KIND_8BIT_16 = 1, 2, 3, 4
+BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36, KIND_BF16: 64, KIND_8BIT_16: 40}
 # stored bytes a GGUF block, and the kind it packs to
 _FORMATS = {
     GGMLQuantizationType.Q4_0: (18, KIND_4BIT),
     GGMLQuantizationType.Q4_1: (20, KIND_4BIT),
     GGMLQuantizationType.Q8_0: (34, KIND_8BIT),
     GGMLQuantizationType.Q4_K: (144, KIND_4BIT),  # a block of 256: 8 of ours
+    GGMLQuantizationType.Q6_K: (210, KIND_8BIT_16),  # a block of 256: 8 of ours
 }
 CHECKED_ROWS = 64  # rows of each matrix `attach` dequantizes and compares with the weight
 
@@ -78,8 +80,8 @@ def pack(qtype: GGMLQuantizationType, raw: torch.Tensor) -> Packed:
     stored, kind = _FORMATS[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, stored)  # [rows, blocks, stored bytes]
-    if qtype == GGMLQuantizationType.Q4_K:
-        data = _q4_k(blocks).reshape(rows, -1).contiguous()
+    if qtype in _SUPER_BLOCKS:
+        data = _SUPER_BLOCKS[qtype](blocks).reshape(rows, -1).contiguous()
         return Packed(kind, data, data.shape[1] // BLOCK_BYTES[kind] * BLOCK)
     d = _halves(blocks[..., 0:2])  # [rows, blocks]
     if qtype == GGMLQuantizationType.Q8_0:
@@ -113,6 +115,28 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.view(torch.uint8), nibbles], dim=-1)  # [rows, n, 8, 24]
 
 
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [rows, n, 210] -> kind-4 blocks [rows, n * 8, 40]. A block of 256: 128 bytes
+    of low 4 bits, 64 of high 2 bits, 16 int8 scales (one a 16 weights), float16 d; gguf
+    dequantizes (d * sc) * (q - 32), both products exact (d * sc 18 bits, times 6): our d for
+    each 16 weights is d * sc, our int8 q - 32."""
+    rows, n = blocks.shape[:2]
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [rows, n, 16]
+    d = _halves(blocks[..., 208:210])  # [rows, n]
+    low = ql.reshape(rows, n, 2, 1, 64)
+    low = torch.cat([low & 15, low >> 4], dim=3).reshape(rows, n, 8, 32)
+    high = qh.reshape(rows, n, 2, 1, 32)
+    high = torch.cat([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3).reshape(rows, n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)  # [rows, n, 8, 32]
+    scales = (d[..., None] * sc).reshape(rows, n, 8, 2)  # a d for each 16 weights
+    return torch.cat([scales.view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [rows, n, 8, 40]
+
+
+# formats of 256-weight blocks, each packed by its own function
+_SUPER_BLOCKS = {GGMLQuantizationType.Q4_K: _q4_k, GGMLQuantizationType.Q6_K: _q6_k}
+
+
 def cat(parts: list[Packed]) -> Packed:
     """Matrices of one kind and width stacked by rows (a fused projection's)."""
     assert len({(p.kind, p.cols) for p in parts}) == 1, [(p.kind, p.cols) for p in parts]
@@ -127,6 +151,10 @@ def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     if packed.kind == KIND_BF16:
         return data.view(torch.bfloat16).float()
     blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
+    if packed.kind == KIND_8BIT_16:
+        halves = blocks[..., 0:8].contiguous().view(torch.float32)  # [rows, blocks, 2]
+        q = blocks[..., 8:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]
+        return (q.reshape(*q.shape[:2], 2, 16) * halves[..., None]).reshape(data.shape[0], -1)
     d = blocks[..., 0:4].contiguous().view(torch.float32)  # [rows, blocks, 1]
     if packed.kind == KIND_8BIT:
         q = blocks[..., 4:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]

@@ -26,7 +26,8 @@ from specsplit.step import build_forward_batch, causal_step
 from tests.unit.test_gguf_file import _k_blocks, _write
 
 Q = GGMLQuantizationType
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+K_TYPES = (Q.Q4_K, Q.Q6_K)  # gguf cannot quantize to them: random blocks
 
 
 pytestmark = pytest.mark.usefixtures("cpu_kernel")
@@ -42,11 +43,11 @@ def quant_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _matrix(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(gguf's blocks uint8 [rows, row bytes], their values float32 [rows, cols]) of a random
-    matrix with a few rows' scales negative (Q4_K: random blocks, gguf cannot quantize to it)."""
+    matrix with a few rows' scales negative (K_TYPES: random blocks)."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
     values[::3] -= 0.2  # Q4_1's minimum far from zero
-    raw = _k_blocks(rng, rows, cols, qtype) if qtype == Q.Q4_K else quantize(values, qtype)
+    raw = _k_blocks(rng, rows, cols, qtype) if qtype in K_TYPES else quantize(values, qtype)
     dequantized = dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
     return torch.from_numpy(raw), torch.from_numpy(dequantized)
 
@@ -193,7 +194,7 @@ def test_a_gguf_model_loads_packed_with_the_same_logits(
     """A small llama file (q / k rows permuted by llama.cpp's converter, an untied LM head):
     every projection and the LM head packed (a BF16 file's as its bfloat16 values), each packed
     matrix dequantizing to the loaded weight in every row, and the same logits packed or not."""
-    wide = {"head_dim": 64, "hidden": 256, "ffn": 512} if qtype == Q.Q4_K else {}
+    wide = {"head_dim": 64, "hidden": 256, "ffn": 512} if qtype in K_TYPES else {}
     path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False, **wide)  # type: ignore[arg-type]
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
     for weight in model_matrices(model):
