@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specsplit.model import cpu_quant
-from specsplit.model.cpu_quant import Packed
+from specsplit.model.cpu_quant import Packed, Runs
 from specsplit.model.tokenizer_cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,16 @@ class Library:
             torch.get_num_threads(),
         )  # fmt: skip
 
+    def quant_runs(self, x: torch.Tensor, runs: Runs, out: torch.Tensor, lanes: int) -> None:
+        """`quant` over a matrix's runs of rows, each into its columns of `out`."""
+        row = 0
+        for run in runs:
+            self.quant(x, run, out[:, row : row + run.rows], lanes)
+            row += run.rows
+
     def quant(self, x: torch.Tensor, packed: Packed, out: torch.Tensor, lanes: int) -> None:
-        """`gemm` with the packed weights (specsplit/model/cpu_quant.py) of a matrix [N, K]."""
+        """`gemm` with the packed weights (specsplit/model/cpu_quant.py) of a matrix [N, K]
+        (`out`'s rows may be strided)."""
         num_rows, k_len = x.shape
         data = packed.data
         self._quant(
@@ -157,7 +165,7 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None
         return out
     packed = cpu_quant.packed(weight)
     if packed is not None and x.shape[0] < lib.packed_below_rows:  # (the same bits either way)
-        lib.quant(x, packed, out, lanes or lib.lanes)
+        lib.quant_runs(x, packed, out, lanes or lib.lanes)
     else:
         lib.gemm(x, weight, out, lanes or lib.lanes)
     return out

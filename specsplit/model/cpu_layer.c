@@ -25,12 +25,19 @@ void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int 
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
 int packed_below_rows(void);
 
-/* a projection's weights [n, k]: float32, and packed blocks where `packed` is not NULL
- * (cpu_gemm.c's quant_gemm: the same sums) */
+/* a run of a projection's rows packed in one kind (cpu_gemm.c's quant_gemm: the same sums) */
+typedef struct {
+    const uint8_t *packed;
+    int64_t stride, kind, rows; /* bytes a packed row, cpu_gemm.c's kind, rows of the run */
+} Run;
+
+#define MAX_RUNS 3 /* specsplit/model/cpu_quant.py's MAX_RUNS */
+
+/* a projection's weights [n, k]: float32, and packed where num_runs > 0 (its rows in runs) */
 typedef struct {
     const float *w;
-    const uint8_t *packed;
-    int64_t packed_stride, kind; /* bytes a packed row, cpu_gemm.c's kind */
+    int64_t num_runs;
+    Run runs[MAX_RUNS];
 } Weight;
 
 typedef struct {
@@ -162,9 +169,15 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
  * packed_below_rows() rows, else the float32 ones (the same bits) */
 static void project(const Weight *W, const Step *S, const float *x, float *out, int64_t m, int64_t n,
                     int64_t k) {
-    if (W->packed && m < packed_below_rows())
-        quant_gemm(x, k, W->packed, W->packed_stride, (int)W->kind, out, n, m, n, k, S->lanes, S->threads);
-    else
+    if (W->num_runs > 0 && m < packed_below_rows()) {
+        int64_t row = 0;
+        for (int64_t r = 0; r < W->num_runs; r++) {
+            const Run *run = &W->runs[r];
+            quant_gemm(x, k, run->packed, run->stride, (int)run->kind, out + row, n, m, run->rows, k,
+                       S->lanes, S->threads);
+            row += run->rows;
+        }
+    } else
         fixed_gemm(x, k, W->w, k, out, n, m, n, k, S->lanes, S->threads);
 }
 

@@ -50,8 +50,12 @@ _PROJECTIONS = (
 )
 
 
+class RunArgs(ctypes.Structure):
+    _fields_ = [("packed", _ptr), ("stride", _i64), ("kind", _i64), ("rows", _i64)]
+
+
 class WeightArgs(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("packed", _ptr), ("packed_stride", _i64), ("kind", _i64)]
+    _fields_ = [("w", _ptr), ("num_runs", _i64), ("runs", RunArgs * cpu_quant.MAX_RUNS)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -133,23 +137,21 @@ def layer_args(layer: DecoderLayer) -> LayerArgs:
     key = (
         *map(_ptr_of, vectors),
         *map(_ptr_of, weights),
-        *(p and p.data.data_ptr() for p in packs),
+        *(None if runs is None else tuple(r.data.data_ptr() for r in runs) for runs in packs),
     )
-    cached: tuple[tuple[int | None, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
+    cached: tuple[tuple[object, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
     if cached is not None and cached[0] == key:
         return cached[1]
     for t in (*vectors, *weights):
         assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 weights"
     projections = []
-    for weight, packed in zip(weights, packs, strict=True):
+    for weight, runs in zip(weights, packs, strict=True):
         assert weight is not None
-        if packed is None:
-            projections.append(WeightArgs(weight.data_ptr(), None, 0, 0))
-        else:
-            data = packed.data
-            projections.append(
-                WeightArgs(weight.data_ptr(), data.data_ptr(), data.stride(0), packed.kind)
-            )
+        held = WeightArgs(weight.data_ptr(), 0)
+        for i, run in enumerate(runs or ()):
+            held.runs[i] = RunArgs(run.data.data_ptr(), run.data.stride(0), run.kind, run.rows)
+        held.num_runs = len(runs or ())
+        projections.append(held)
     args = LayerArgs(
         layer.input_layernorm.weight.shape[0],
         layer.num_heads,

@@ -137,10 +137,23 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 _SUPER_BLOCKS = {GGMLQuantizationType.Q4_K: _q4_k, GGMLQuantizationType.Q6_K: _q6_k}
 
 
-def cat(parts: list[Packed]) -> Packed:
-    """Matrices of one kind and width stacked by rows (a fused projection's)."""
-    assert len({(p.kind, p.cols) for p in parts}) == 1, [(p.kind, p.cols) for p in parts]
-    return Packed(parts[0].kind, torch.cat([p.data for p in parts]), parts[0].cols)
+# a matrix as runs of rows, each packed in one kind: a fused projection whose parts a file stores
+# in two formats (a Q4_K_M file's Q4_K q / k beside a Q6_K v) has a run each
+Runs = tuple[Packed, ...]
+MAX_RUNS = 3  # cpu_layer.c's Weight holds this many
+
+
+def cat(parts: list[Packed]) -> Runs:
+    """Matrices of one width stacked by rows (a fused projection's), neighbours of one kind in
+    one run."""
+    assert len({p.cols for p in parts}) == 1, [p.cols for p in parts]
+    runs: list[list[Packed]] = []
+    for part in parts:
+        if runs and runs[-1][0].kind == part.kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return tuple(Packed(run[0].kind, torch.cat([p.data for p in run]), run[0].cols) for run in runs)
 
 
 def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
@@ -178,24 +191,33 @@ def attach_bfloat16(weight: torch.Tensor) -> bool:
     return attach(weight, packed)
 
 
-def attach(weight: torch.Tensor, packed: Packed) -> bool:
-    """Hang `packed` on `weight` (float32 [rows, cols] on the CPU) where its first CHECKED_ROWS
-    rows dequantize to the weight's values; False (nothing attached) where not."""
+def attach(weight: torch.Tensor, packed: Packed | Runs) -> bool:
+    """Hang `packed` (a matrix, or its runs of rows) on `weight` (float32 [rows, cols] on the
+    CPU) where the first CHECKED_ROWS rows of each run dequantize to the weight's values there;
+    False (nothing attached) where not."""
+    runs = (packed,) if isinstance(packed, Packed) else packed
     if not (
         weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and weight.dim() == 2
-        and tuple(weight.shape) == (packed.rows, packed.cols)
         and weight.is_contiguous()
-        and torch.equal(dequantize(packed, CHECKED_ROWS), weight[:CHECKED_ROWS])
+        and 0 < len(runs) <= MAX_RUNS
+        and all(run.cols == weight.shape[1] for run in runs)
+        and sum(run.rows for run in runs) == weight.shape[0]
     ):
         return False
-    weight._specsplit_packed = (packed, weight.data_ptr(), weight._version)  # type: ignore[attr-defined]
+    row = 0
+    for run in runs:
+        checked = min(CHECKED_ROWS, run.rows)
+        if not torch.equal(dequantize(run, checked), weight[row : row + checked]):
+            return False
+        row += run.rows
+    weight._specsplit_packed = (runs, weight.data_ptr(), weight._version)  # type: ignore[attr-defined]
     return True
 
 
-def packed(weight: torch.Tensor) -> Packed | None:
-    """The packed matrix `attach` hung on `weight`, while the weight keeps the storage and the
+def packed(weight: torch.Tensor) -> Runs | None:
+    """The packed runs `attach` hung on `weight`, while the weight keeps the storage and the
     version it had then (None otherwise, or with SPECSPLIT_CPU_QUANT=0)."""
     held = getattr(weight, "_specsplit_packed", None)
     if held is None or not switch():

@@ -131,8 +131,8 @@ def model_matrices(model: LlamaModel) -> list[torch.Tensor]:
 
 def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     """Attach packed blocks (cpu_quant) to each of the model's matrices whose parts the file
-    stores in one packable format, else its bfloat16 copy where its values are bfloat16: the
-    layers' projections and the LM head (the embedding where tied)."""
+    stores in packable formats (a run of rows each format), else its bfloat16 copy where its
+    values are bfloat16: the layers' projections and the LM head (the embedding where tied)."""
     sources = [  # each matrix's tensors in the file (transformers' names), in model_matrices' order
         tuple(f"model.layers.{i}.{part}.weight" for part in parts)
         for i in range(len(model.layers))
@@ -142,11 +142,10 @@ def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     targets = list(zip(model_matrices(model), sources, strict=True))
     attached = 0
     for weight, names in targets:
-        qtypes = {weights.qtype(name) for name in names}
-        if len(qtypes) == 1 and cpu_quant.supported(qtypes.pop()):
-            packed = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
-            attached += cpu_quant.attach(weight, packed)
-        else:  # (a BF16 file's, or parts in two formats: bfloat16 values only)
+        if all(cpu_quant.supported(weights.qtype(name)) for name in names):
+            runs = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
+            attached += cpu_quant.attach(weight, runs)
+        else:  # (a BF16 file's: bfloat16 values)
             attached += cpu_quant.attach_bfloat16(weight)
     log.info("packed %d of %d matrices for the CPU's kernel", attached, len(targets))
 

@@ -52,6 +52,11 @@ def _matrix(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor
     return torch.from_numpy(raw), torch.from_numpy(dequantized)
 
 
+def _values(runs: cpu_quant.Runs) -> torch.Tensor:
+    """A packed matrix's values (its runs dequantized, stacked)."""
+    return torch.cat([cpu_quant.dequantize(run) for run in runs])
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_packed_blocks_dequantize_to_ggufs_values(qtype: Q) -> None:
     raw, values = _matrix(qtype, 37, 512)
@@ -76,14 +81,14 @@ def test_a_packed_product_is_the_float32_products_bits(
     weight = values.clone()
     assert cpu_quant.attach(weight, cpu_quant.pack(qtype, raw))
     x = torch.randn(300, k_len, generator=torch.Generator().manual_seed(1))
-    packed = cpu_quant.packed(weight)
-    assert packed is not None
+    runs = cpu_quant.packed(weight)
+    assert runs is not None
     for num_rows in (1, 2, 3, 4, 5, 9, 47, 48, 257, 300):
         want = fixed_linear(x[:num_rows], values, lanes)
         got = fixed_linear(x[:num_rows], weight, lanes)  # float32 weights from 48 rows
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
         direct = torch.empty_like(want)  # the packed kernel at every row count
-        cpu_kernel.quant(x[:num_rows], packed, direct, lanes)
+        cpu_kernel.quant_runs(x[:num_rows], runs, direct, lanes)
         assert torch.equal(direct.view(torch.int32), want.view(torch.int32)), num_rows
 
 
@@ -103,7 +108,7 @@ def test_a_weight_changed_in_place_drops_its_packed_blocks(quant_on: None) -> No
     raw, values = _matrix(Q.Q8_0, 16, 64)
     weight = values.clone()
     packed = cpu_quant.pack(Q.Q8_0, raw)
-    assert cpu_quant.attach(weight, packed) and cpu_quant.packed(weight) is packed
+    assert cpu_quant.attach(weight, packed) and cpu_quant.packed(weight) == (packed,)
     weight.mul_(2.0)
     assert cpu_quant.packed(weight) is None
     x = torch.randn(3, 64)
@@ -117,9 +122,9 @@ def test_a_bfloat16_valued_matrix_is_read_as_bfloat16(lanes: int, quant_on: None
     weight = torch.randn(70, 1152, generator=gen).bfloat16().float()
     values = weight.clone()
     assert cpu_quant.attach_bfloat16(weight)
-    packed = cpu_quant.packed(weight)
-    assert packed is not None and packed.kind == cpu_quant.KIND_BF16
-    assert torch.equal(cpu_quant.dequantize(packed), values)
+    runs = cpu_quant.packed(weight)
+    assert runs is not None and [run.kind for run in runs] == [cpu_quant.KIND_BF16]
+    assert torch.equal(_values(runs), values)
     x = torch.randn(9, 1152, generator=gen)
     for num_rows in (1, 4, 9):
         want, got = (
@@ -136,8 +141,8 @@ def test_a_bfloat16_valued_matrix_is_read_as_bfloat16(lanes: int, quant_on: None
 def test_the_shipped_eagle_heads_matrices_are_read_as_bfloat16(quant_on: None) -> None:
     path = embedded_default_model_path()
     head = load_eagle3(embedded_default_head_path(), path, torch.float32, "cpu")
-    kinds = [getattr(cpu_quant.packed(w), "kind", None) for w in head.matrices()]
-    assert kinds == [cpu_quant.KIND_BF16] * 6
+    kinds = [[run.kind for run in cpu_quant.packed(w) or ()] for w in head.matrices()]
+    assert kinds == [[cpu_quant.KIND_BF16]] * 6
 
 
 def test_the_switch_turns_packed_weights_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,9 +203,9 @@ def test_a_gguf_model_loads_packed_with_the_same_logits(
     path = _write(tmp_path / "tiny.gguf", "llama", qtype, tied=False, **wide)  # type: ignore[arg-type]
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(3, 40)))
     for weight in model_matrices(model):
-        packed = cpu_quant.packed(weight)
-        assert packed is not None
-        assert torch.equal(cpu_quant.dequantize(packed), weight)
+        runs = cpu_quant.packed(weight)
+        assert runs is not None
+        assert torch.equal(_values(runs), weight)
 
 
 def test_stored_rows_are_in_the_checkpoints_order() -> None:
@@ -223,4 +228,49 @@ def test_the_embedded_default_loads_packed_with_the_same_logits(
     path = embedded_default_model_path()
     model = _same_logits_packed_or_not(path, monkeypatch, list(range(100, 130)), num_layers=2)
     assert all(cpu_quant.packed(weight) is not None for weight in model_matrices(model))
-    assert cpu_quant.packed(model.embed_tokens.weight).kind == cpu_quant.KIND_8BIT  # type: ignore[union-attr]
+    embedding = cpu_quant.packed(model.embed_tokens.weight)
+    assert embedding is not None and [run.kind for run in embedding] == [cpu_quant.KIND_8BIT]
+
+
+def test_a_fused_matrix_of_two_formats_is_packed_in_runs(lanes: int, quant_on: None) -> None:
+    """q and k in Q4_K beside v in Q6_K (a Q4_K_M file's qkv): two runs, one a kind, and the
+    product the float32 one's bits at every row count."""
+    shapes = [(Q.Q4_K, 64), (Q.Q4_K, 16), (Q.Q6_K, 16)]  # (format, rows) of q, k, v
+    parts = [(qtype, *_matrix(qtype, rows, 256, seed=rows)) for qtype, rows in shapes]
+    runs = cpu_quant.cat([cpu_quant.pack(qtype, raw) for qtype, raw, _ in parts])
+    kinds = [(run.kind, run.rows) for run in runs]
+    assert kinds == [(cpu_quant.KIND_4BIT, 80), (cpu_quant.KIND_8BIT_16, 16)]
+    values = torch.cat([v for _, _, v in parts])
+    weight = values.clone()
+    assert cpu_quant.attach(weight, runs)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    for num_rows in (1, 4, 9):
+        want = fixed_linear(x[:num_rows], values, lanes)
+        got = fixed_linear(x[:num_rows], weight, lanes)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
+
+
+def test_a_layer_reads_a_fused_matrix_of_two_formats(
+    tmp_path: Path, quant_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small Q4_K model whose qkv's v rows are made Q6_K values (packed as a second run):
+    cpu_layer.c's projection over both runs gives the float32 weights' logits."""
+    path = _write(
+        tmp_path / "k.gguf", "llama", Q.Q4_K, tied=False, head_dim=64, hidden=256, ffn=512
+    )
+    model, config = load_model(path, torch.float32, "cpu")
+    kv_rows = config.num_kv_heads * config.head_dim
+    for i, layer in enumerate(model.layers):
+        weight: torch.Tensor = layer.qkv_proj.weight  # type: ignore[union-attr, assignment]
+        (run,) = cpu_quant.packed(weight) or ()
+        qk = weight.shape[0] - kv_rows
+        raw, values = _matrix(Q.Q6_K, kv_rows, weight.shape[1], seed=10 + i)
+        weight.data[qk:] = values
+        head = cpu_quant.Packed(run.kind, run.data[:qk], run.cols)
+        assert cpu_quant.attach(weight, cpu_quant.cat([head, cpu_quant.pack(Q.Q6_K, raw)]))
+        assert len(cpu_quant.packed(weight) or ()) == 2
+    packed = _logits(model, config, list(range(3, 40)))
+    monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "0")
+    cpu_quant.switch.cache_clear()
+    plain = _logits(model, config, list(range(3, 40)))
+    assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
