@@ -288,14 +288,6 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
               ldw * (int64_t)sizeof(float), out, ldo, m_len, n_len, k_len, threads);
 }
 
-/* Rows from which fixed_gemm on the float32 weights is the faster of the two (they give the same
- * bits): past it forming the packed weights, once every MR rows, costs more than the bytes it
- * saves (the embedded default's layers + LM head on the 2-core VM: 40 rows 53.7 ms packed
- * against 59.2 float32, 48 rows 71.7 against 68.9, 256 rows 370 against 327). */
-#define PACKED_BELOW_ROWS 48
-
-int packed_below_rows(void) { return PACKED_BELOW_ROWS; }
-
 /* fixed_gemm with packed weights: w [n_len, k_len / 32 blocks of `kind`] (row stride ldw
  * bytes), k_len a multiple of 32 */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,

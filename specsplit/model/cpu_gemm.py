@@ -38,6 +38,24 @@ SOURCES = (Path(__file__).with_name("cpu_gemm.c"), Path(__file__).with_name("cpu
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
 
 
+class RunArgs(ctypes.Structure):
+    """cpu_layer.c's Run: a run of a matrix's rows packed in one kind."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p), ("stride", ctypes.c_int64), ("kind", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class WeightArgs(ctypes.Structure):
+    """cpu_layer.c's Weight: a float32 matrix and its packed runs, if any."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p), ("num_runs", ctypes.c_int64),
+        ("runs", RunArgs * cpu_quant.MAX_RUNS),
+    ]  # fmt: skip
+
+
 class Library:
     """The loaded kernel and the lanes this CPU's variant uses (16 or 8)."""
 
@@ -55,8 +73,10 @@ class Library:
         self._quant.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, i64]
         self._quant.argtypes += [ctypes.c_int, ctypes.c_int]
         self._quant.restype = None
-        # rows from which the float32 weights are the faster (cpu_gemm.c's PACKED_BELOW_ROWS)
-        self.packed_below_rows = int(self.cdll.packed_below_rows())
+        self._weight_gemm = self.cdll.weight_gemm
+        self._weight_gemm.argtypes = [ctypes.POINTER(WeightArgs), ptr, i64, ptr, i64, i64, i64]
+        self._weight_gemm.argtypes += [i64, ctypes.c_int, ctypes.c_int]
+        self._weight_gemm.restype = None
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
@@ -68,12 +88,14 @@ class Library:
             torch.get_num_threads(),
         )  # fmt: skip
 
-    def quant_runs(self, x: torch.Tensor, runs: Runs, out: torch.Tensor, lanes: int) -> None:
-        """`quant` over a matrix's runs of rows, each into its columns of `out`."""
-        row = 0
-        for run in runs:
-            self.quant(x, run, out[:, row : row + run.rows], lanes)
-            row += run.rows
+    def weight(self, x: torch.Tensor, weight: WeightArgs, out: torch.Tensor, lanes: int) -> None:
+        """`gemm` through cpu_layer.c's weight_gemm: from the weight's packed runs below its
+        PACKED_BELOW_ROWS rows, else its float32 values (the same bits)."""
+        num_rows, k_len = x.shape
+        self._weight_gemm(
+            ctypes.byref(weight), x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+            num_rows, out.shape[1], k_len, lanes, torch.get_num_threads(),
+        )  # fmt: skip
 
     def quant(self, x: torch.Tensor, packed: Packed, out: torch.Tensor, lanes: int) -> None:
         """`gemm` with the packed weights (specsplit/model/cpu_quant.py) of a matrix [N, K]
@@ -85,6 +107,14 @@ class Library:
             out.data_ptr(), out.stride(0), num_rows, packed.rows, k_len, lanes,
             torch.get_num_threads(),
         )  # fmt: skip
+
+
+def weight_args(weight: torch.Tensor, runs: Runs | None) -> WeightArgs:
+    """cpu_layer.c's Weight of a float32 matrix and its packed runs (None: none)."""
+    held = WeightArgs(weight.data_ptr(), len(runs or ()))
+    for i, run in enumerate(runs or ()):
+        held.runs[i] = RunArgs(run.data.data_ptr(), run.data.stride(0), run.kind, run.rows)
+    return held
 
 
 @functools.cache
@@ -163,9 +193,9 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, lanes: int | None = None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     if out.numel() == 0:
         return out
-    packed = cpu_quant.packed(weight)
-    if packed is not None and x.shape[0] < lib.packed_below_rows:  # (the same bits either way)
-        lib.quant_runs(x, packed, out, lanes or lib.lanes)
-    else:
+    runs = cpu_quant.packed(weight)
+    if runs is None:
         lib.gemm(x, weight, out, lanes or lib.lanes)
+    else:
+        lib.weight(x, weight_args(weight, runs), out, lanes or lib.lanes)
     return out

@@ -23,7 +23,6 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
                 int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
-int packed_below_rows(void);
 
 /* a run of a projection's rows packed in one kind (cpu_gemm.c's quant_gemm: the same sums) */
 typedef struct {
@@ -165,20 +164,33 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 
 /* ---------------------------------------------------------------- the layer */
 
-/* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n): from the packed weights below
- * packed_below_rows() rows, else the float32 ones (the same bits) */
-static void project(const Weight *W, const Step *S, const float *x, float *out, int64_t m, int64_t n,
-                    int64_t k) {
-    if (W->num_runs > 0 && m < packed_below_rows()) {
+/* Rows from which fixed_gemm on the float32 weights is the faster of the two (they give the same
+ * bits): past it forming the packed weights, once every MR rows, costs more than the bytes it
+ * saves (the embedded default's layers + LM head on the 2-core VM: 40 rows 53.7 ms packed
+ * against 59.2 float32, 48 rows 71.7 against 68.9, 256 rows 370 against 327). */
+#define PACKED_BELOW_ROWS 48
+
+/* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W [n, k].T: from the packed runs
+ * below PACKED_BELOW_ROWS rows, else the float32 weights (the same bits); the layer's
+ * projections and specsplit/model/cpu_gemm.py's fixed_linear both come here */
+void weight_gemm(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                 int64_t n, int64_t k, int lanes, int threads) {
+    if (W->num_runs > 0 && m < PACKED_BELOW_ROWS) {
         int64_t row = 0;
         for (int64_t r = 0; r < W->num_runs; r++) {
             const Run *run = &W->runs[r];
-            quant_gemm(x, k, run->packed, run->stride, (int)run->kind, out + row, n, m, run->rows, k,
-                       S->lanes, S->threads);
+            quant_gemm(x, ldx, run->packed, run->stride, (int)run->kind, out + row, ldo, m,
+                       run->rows, k, lanes, threads);
             row += run->rows;
         }
     } else
-        fixed_gemm(x, k, W->w, k, out, n, m, n, k, S->lanes, S->threads);
+        fixed_gemm(x, ldx, W->w, k, out, ldo, m, n, k, lanes, threads);
+}
+
+/* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n) */
+static void project(const Weight *W, const Step *S, const float *x, float *out, int64_t m, int64_t n,
+                    int64_t k) {
+    weight_gemm(W, x, k, out, n, m, n, k, S->lanes, S->threads);
 }
 
 /* a row of layer_forward's `wide` buffer: the qkv projection's, later gate_up's */

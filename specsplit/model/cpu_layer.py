@@ -22,6 +22,7 @@ import torch
 
 from specsplit.model import cpu_gemm, cpu_quant
 from specsplit.model.batch import ForwardBatch
+from specsplit.model.cpu_gemm import WeightArgs, weight_args
 from specsplit.model.linear import cpu_route
 from specsplit.switches import env_switch
 
@@ -48,14 +49,6 @@ _PROJECTIONS = (
     ("gate_up", "gate_up_proj"),
     ("down", "down_proj"),
 )
-
-
-class RunArgs(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("stride", _i64), ("kind", _i64), ("rows", _i64)]
-
-
-class WeightArgs(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("num_runs", _i64), ("runs", RunArgs * cpu_quant.MAX_RUNS)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -144,14 +137,10 @@ def layer_args(layer: DecoderLayer) -> LayerArgs:
         return cached[1]
     for t in (*vectors, *weights):
         assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 weights"
-    projections = []
-    for weight, runs in zip(weights, packs, strict=True):
-        assert weight is not None
-        held = WeightArgs(weight.data_ptr(), 0)
-        for i, run in enumerate(runs or ()):
-            held.runs[i] = RunArgs(run.data.data_ptr(), run.data.stride(0), run.kind, run.rows)
-        held.num_runs = len(runs or ())
-        projections.append(held)
+    projections = [
+        weight_args(weight, runs)  # type: ignore[arg-type]
+        for weight, runs in zip(weights, packs, strict=True)
+    ]
     args = LayerArgs(
         layer.input_layernorm.weight.shape[0],
         layer.num_heads,

@@ -1,6 +1,6 @@
 """GGUF's quantized weights (and bfloat16 ones) kept packed beside their float32 values, for
 cpu_gemm.c's `quant_gemm` (the CPU's float32 route reads 0.75, 1.125 or 2 bytes a weight where
-the float32 matrix costs 4; below cpu_gemm.c's PACKED_BELOW_ROWS rows, past which the float32
+the float32 matrix costs 4; below cpu_layer.c's PACKED_BELOW_ROWS rows, past which the float32
 weights are the faster, with the same bits).
 
 Why: a CPU decode step streams every weight once, so its time is the bytes it reads: the

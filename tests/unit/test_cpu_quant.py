@@ -74,7 +74,7 @@ def test_a_packed_product_is_the_float32_products_bits(
 ) -> None:
     """quant_gemm against fixed_gemm on the dequantized matrix, for every row count the tiling
     treats apart (1-4 rows a block, a partial block, a second pass over 256 rows), called
-    directly and through fixed_linear (which takes the float32 weights from packed_below_rows)."""
+    directly and through fixed_linear (which takes the float32 weights from 48 rows)."""
     if k_len % GGML_QUANT_SIZES[qtype][0]:
         pytest.skip(f"{qtype.name} blocks are wider than {k_len}")
     raw, values = _matrix(qtype, n_len, k_len, seed=n_len)
@@ -88,7 +88,10 @@ def test_a_packed_product_is_the_float32_products_bits(
         got = fixed_linear(x[:num_rows], weight, lanes)  # float32 weights from 48 rows
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
         direct = torch.empty_like(want)  # the packed kernel at every row count
-        cpu_kernel.quant_runs(x[:num_rows], runs, direct, lanes)
+        row = 0
+        for run in runs:
+            cpu_kernel.quant(x[:num_rows], run, direct[:, row : row + run.rows], lanes)
+            row += run.rows
         assert torch.equal(direct.view(torch.int32), want.view(torch.int32)), num_rows
 
 
