@@ -20,6 +20,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MR 4 /* rows of x a block */
 #define NR 4 /* rows of w a block */
@@ -209,6 +210,26 @@ PACKED_BLOCK(bf16_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _
 PACKED_BLOCK(q6_block8, AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
              hsum8, q6_lanes8, Q6_BYTES)
 
+/* a packed row's k_len weights formed in float32 into dst (DEQUANT's values, the same a block
+ * above multiplies), its lines prefetched PREFETCH bytes ahead */
+#define PACKED_ROW(NAME, TARGET, LANES, STORE, DEQUANT, BYTES)                                  \
+    TARGET static void NAME(const uint8_t *row, int64_t k_len, float *dst) {                    \
+        for (int64_t b = 0; b * QBLOCK < k_len; b++) {                                          \
+            _mm_prefetch((const char *)(row + b * BYTES + PREFETCH), _MM_HINT_T0);              \
+            _Pragma("GCC unroll 4") for (int s = 0; s < QBLOCK / LANES; s++)                   \
+                STORE(dst + b * QBLOCK + s * LANES, DEQUANT(row + b * BYTES, s));               \
+        }                                                                                       \
+    }
+
+PACKED_ROW(q4_row16, AVX512, 16, _mm512_storeu_ps, q4_lanes16, Q4_BYTES)
+PACKED_ROW(q8_row16, AVX512, 16, _mm512_storeu_ps, q8_lanes16, Q8_BYTES)
+PACKED_ROW(bf16_row16, AVX512, 16, _mm512_storeu_ps, bf16_lanes16, BF16_BYTES)
+PACKED_ROW(q6_row16, AVX512, 16, _mm512_storeu_ps, q6_lanes16, Q6_BYTES)
+PACKED_ROW(q4_row8, AVX2, 8, _mm256_storeu_ps, q4_lanes8, Q4_BYTES)
+PACKED_ROW(q8_row8, AVX2, 8, _mm256_storeu_ps, q8_lanes8, Q8_BYTES)
+PACKED_ROW(bf16_row8, AVX2, 8, _mm256_storeu_ps, bf16_lanes8, BF16_BYTES)
+PACKED_ROW(q6_row8, AVX2, 8, _mm256_storeu_ps, q6_lanes8, Q6_BYTES)
+
 /* ---------------------------------------------------------------- the loops */
 
 /* every (mr, nr) of 1..MR x 1..NR as its own unrolled block, so the accumulators stay in
@@ -250,6 +271,8 @@ TILE(q6_tile8, AVX2, q6_block8)
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
 typedef void (*tile_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t,
                         int64_t, int, int);
+/* (a packed row, k_len, where its weights go in float32) */
+typedef void (*row_fn)(const uint8_t *, int64_t, float *);
 
 /* The lanes this CPU's kernel uses: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (neither: not usable). */
 int fixed_gemm_lanes(void) {
@@ -288,13 +311,51 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
               ldw * (int64_t)sizeof(float), out, ldo, m_len, n_len, k_len, threads);
 }
 
+/* quant_gemm past MR rows: each thread's NR weight rows formed once into its buffer (row_fn),
+ * then fixed_gemm's tiles over every row of x, MCHUNK rows a pass: the same products in the same
+ * order as the packed blocks, which form each weight again for every MR rows of x */
+static void run_formed(row_fn form, tile_fn tile, const float *x, int64_t ldx, const uint8_t *w,
+                       int64_t ldw, float *out, int64_t ldo, int64_t m_len, int64_t n_len,
+                       int64_t k_len, int threads) {
+    int64_t n_blocks = (n_len + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < m_len; m0 += MCHUNK) {
+        int64_t m1 = m0 + MCHUNK < m_len ? m0 + MCHUNK : m_len;
+#pragma omp parallel num_threads(threads)
+        {
+            float *formed = aligned_alloc(64, (size_t)((NR * k_len * sizeof(float) + 63) / 64 * 64));
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < n_blocks; nb++) {
+                int64_t n = nb * NR;
+                int nr = n_len - n < NR ? (int)(n_len - n) : NR;
+                for (int j = 0; j < nr; j++) form(w + (n + j) * ldw, k_len, formed + j * k_len);
+                for (int64_t m = m0; m < m1; m += MR) {
+                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                    tile(x + m * ldx, ldx, formed, k_len, out + m * ldo + n, ldo, k_len, mr, nr);
+                }
+            }
+            free(formed);
+        }
+    }
+}
+
 /* fixed_gemm with packed weights: w [n_len, k_len / 32 blocks of `kind`] (row stride ldw
- * bytes), k_len a multiple of 32 */
+ * bytes), k_len a multiple of 32; up to MR rows of x straight from the packed blocks, more
+ * through run_formed (the same bits either way) */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    tile_fn tile = kind == 1   ? (lanes == 16 ? q4_tile16 : q4_tile8)
-                   : kind == 2 ? (lanes == 16 ? q8_tile16 : q8_tile8)
-                   : kind == 3 ? (lanes == 16 ? bf16_tile16 : bf16_tile8)
-                               : (lanes == 16 ? q6_tile16 : q6_tile8);
+    int wide = lanes == 16;
+    if (m_len > MR) {
+        row_fn form = kind == 1   ? (wide ? q4_row16 : q4_row8)
+                      : kind == 2 ? (wide ? q8_row16 : q8_row8)
+                      : kind == 3 ? (wide ? bf16_row16 : bf16_row8)
+                                  : (wide ? q6_row16 : q6_row8);
+        run_formed(form, wide ? tile16 : tile8, x, ldx, w, ldw, out, ldo, m_len, n_len, k_len,
+                   threads);
+        return;
+    }
+    tile_fn tile = kind == 1   ? (wide ? q4_tile16 : q4_tile8)
+                   : kind == 2 ? (wide ? q8_tile16 : q8_tile8)
+                   : kind == 3 ? (wide ? bf16_tile16 : bf16_tile8)
+                               : (wide ? q6_tile16 : q6_tile8);
     run_tiles(tile, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
 }

@@ -89,8 +89,8 @@ class Library:
         )  # fmt: skip
 
     def weight(self, x: torch.Tensor, weight: WeightArgs, out: torch.Tensor, lanes: int) -> None:
-        """`gemm` through cpu_layer.c's weight_gemm: from the weight's packed runs below its
-        PACKED_BELOW_ROWS rows, else its float32 values (the same bits)."""
+        """`gemm` through cpu_layer.c's weight_gemm: from the weight's packed runs where it has
+        them, else its float32 values (the same bits)."""
         num_rows, k_len = x.shape
         self._weight_gemm(
             ctypes.byref(weight), x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),

@@ -164,27 +164,25 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 
 /* ---------------------------------------------------------------- the layer */
 
-/* Rows from which fixed_gemm on the float32 weights is the faster of the two (they give the same
- * bits): past it forming the packed weights, once every MR rows, costs more than the bytes it
- * saves (the embedded default's layers + LM head on the 2-core VM: 40 rows 53.7 ms packed
- * against 59.2 float32, 48 rows 71.7 against 68.9, 256 rows 370 against 327). */
-#define PACKED_BELOW_ROWS 48
-
 /* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W [n, k].T: from the packed runs
- * below PACKED_BELOW_ROWS rows, else the float32 weights (the same bits); the layer's
- * projections and specsplit/model/cpu_gemm.py's fixed_linear both come here */
+ * where the weight has them, else the float32 weights (the same bits); the layer's projections
+ * and specsplit/model/cpu_gemm.py's fixed_linear both come here. The packed runs are the faster
+ * at every row count since quant_gemm forms each weight once a pass past MR rows (the embedded
+ * default's step on the 2-core VM, packed against float32: 1 row 7.1 against 22 ms, 32 rows 62
+ * against 79, 256 rows 519 against 548; before, forming once every MR rows lost from ~48). */
 void weight_gemm(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
                  int64_t n, int64_t k, int lanes, int threads) {
-    if (W->num_runs > 0 && m < PACKED_BELOW_ROWS) {
-        int64_t row = 0;
-        for (int64_t r = 0; r < W->num_runs; r++) {
-            const Run *run = &W->runs[r];
-            quant_gemm(x, ldx, run->packed, run->stride, (int)run->kind, out + row, ldo, m,
-                       run->rows, k, lanes, threads);
-            row += run->rows;
-        }
-    } else
+    if (W->num_runs == 0) {
         fixed_gemm(x, ldx, W->w, k, out, ldo, m, n, k, lanes, threads);
+        return;
+    }
+    int64_t row = 0;
+    for (int64_t r = 0; r < W->num_runs; r++) {
+        const Run *run = &W->runs[r];
+        quant_gemm(x, ldx, run->packed, run->stride, (int)run->kind, out + row, ldo, m, run->rows,
+                   k, lanes, threads);
+        row += run->rows;
+    }
 }
 
 /* out [m, n] = x [m, k] @ W [n, k].T (row strides k and n) */

@@ -1,7 +1,7 @@
 """GGUF's quantized weights (and bfloat16 ones) kept packed beside their float32 values, for
 cpu_gemm.c's `quant_gemm` (the CPU's float32 route reads 0.75, 1.125 or 2 bytes a weight where
-the float32 matrix costs 4; below cpu_layer.c's PACKED_BELOW_ROWS rows, past which the float32
-weights are the faster, with the same bits).
+the float32 matrix costs 4, with the same bits, at any row count: past a few rows it forms each
+weight once into a buffer and runs the float32 tiles over every row).
 
 Why: a CPU decode step streams every weight once, so its time is the bytes it reads: the
 embedded default (Q4_1 layers, a Q8_0 embedding tied to the LM head) is 538 MB in float32 and

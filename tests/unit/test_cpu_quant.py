@@ -73,8 +73,8 @@ def test_a_packed_product_is_the_float32_products_bits(
     lanes: int, qtype: Q, n_len: int, k_len: int, quant_on: None, cpu_kernel: cpu_gemm.Library
 ) -> None:
     """quant_gemm against fixed_gemm on the dequantized matrix, for every row count the tiling
-    treats apart (1-4 rows a block, a partial block, a second pass over 256 rows), called
-    directly and through fixed_linear (which takes the float32 weights from 48 rows)."""
+    treats apart (1-4 rows a block; past 4 the weights formed once a pass; a partial block, a
+    second pass over 256 rows), called directly and through fixed_linear."""
     if k_len % GGML_QUANT_SIZES[qtype][0]:
         pytest.skip(f"{qtype.name} blocks are wider than {k_len}")
     raw, values = _matrix(qtype, n_len, k_len, seed=n_len)
@@ -85,7 +85,7 @@ def test_a_packed_product_is_the_float32_products_bits(
     assert runs is not None
     for num_rows in (1, 2, 3, 4, 5, 9, 47, 48, 257, 300):
         want = fixed_linear(x[:num_rows], values, lanes)
-        got = fixed_linear(x[:num_rows], weight, lanes)  # float32 weights from 48 rows
+        got = fixed_linear(x[:num_rows], weight, lanes)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), num_rows
         direct = torch.empty_like(want)  # the packed kernel at every row count
         row = 0
