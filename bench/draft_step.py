@@ -458,7 +458,7 @@ def main() -> None:
             args.head,
             target_path=args.target,
             device=args.device,
-            dtype=torch.bfloat16,
+            dtype=torch.bfloat16 if args.device != "cpu" else torch.float32,  # as the service
             num_pages=8192,
         )
     else:
