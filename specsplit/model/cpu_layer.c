@@ -130,6 +130,63 @@ static void add_bias(float *rows, const float *bias, int64_t num_rows, int64_t n
         for (int64_t i = 0; i < n; i++) rows[t * n + i] += bias[i];
 }
 
+/* e^x in each lane for x <= 0 (a softmax's weights): 2^n * e^r, n = round(x * log2(e)), r = x -
+ * n * ln(2) in two parts, e^r by Cephes' expf polynomial (within ~1 ulp of expf), 2^n applied by
+ * scalef (exact, subnormals included); below -104 every float's e^x is 0. Each lane alone, so a
+ * key's weight does not depend on where in a block of 16 it falls. */
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* scores[j] = e^(scores[j] - top) for j < n, 16 at a time (entries of hidden keys too: unread) */
+AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
+    __m512 topv = _mm512_set1_ps(top);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(scores + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), topv)));
+    if (j < n) {
+        __mmask16 mask = (__mmask16)((1u << (n - j)) - 1);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), topv);
+        _mm512_mask_storeu_ps(scores + j, mask, exp16(x));
+    }
+}
+
+/* out [16 * CHUNKS] = the sum over the visible keys j of p[j] * v_j, and returns the sum of the
+ * p[j]: axpy16's operations in its order, the sums kept in registers (no store and reload of out
+ * between keys); values: the cache's first slot at this head */
+#define WEIGH16(CHUNKS)                                                                            \
+    AVX512 static float weigh16_##CHUNKS(float *out, const float *p, const uint8_t *visible,      \
+                                         const int64_t *slots, int64_t n, const float *values,    \
+                                         int64_t slot_stride) {                                   \
+        __m512 acc[CHUNKS];                                                                        \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_setzero_ps();                             \
+        float total = 0.0f;                                                                        \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            if (visible && !visible[j]) continue;                                                  \
+            total += p[j];                                                                         \
+            const float *v = values + slots[j] * slot_stride;                                      \
+            __m512 pv = _mm512_set1_ps(p[j]);                                                      \
+            for (int c = 0; c < CHUNKS; c++)                                                       \
+                acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * c), acc[c]);                \
+        }                                                                                          \
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);                   \
+        return total;                                                                              \
+    }
+WEIGH16(4)
+WEIGH16(8)
+
 /* row t, head h of the attention: q [head_dim] -> out [head_dim]; scores: max_keys floats */
 static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, const float *q,
                        const float *k_cache, const float *v_cache, float *scores, float *out) {
@@ -147,16 +204,23 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
         if (s > top) top = s;
     }
     float total = 0.0f;
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        if (visible && !visible[j]) continue;
-        float p = expf(scores[j] - top);
-        total += p;
-        const float *v = v_cache + slots[j] * slot_stride + head_offset;
-        if (S->lanes == 16)
-            axpy16(out, p, v, d);
-        else
-            axpy8(out, p, v, d);
+    const float *values = v_cache + head_offset;
+    if (S->lanes == 16 && (d == 64 || d == 128)) {
+        softmax_weights16(scores, n, top);
+        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride)
+                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride);
+    } else {
+        for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            if (visible && !visible[j]) continue;
+            float p = expf(scores[j] - top);
+            total += p;
+            const float *v = values + slots[j] * slot_stride;
+            if (S->lanes == 16)
+                axpy16(out, p, v, d);
+            else
+                axpy8(out, p, v, d);
+        }
     }
     float inverse = 1.0f / total;
     for (int64_t i = 0; i < d; i++) out[i] *= inverse;
@@ -202,6 +266,21 @@ int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_key
     int64_t attn = L->num_heads * L->head_dim;
     return num_tokens * (L->hidden + wide_width(L) + attn + L->inter + L->hidden) +
            threads * max_keys;
+}
+
+/* act [T, inter] = silu(gate) * up of wide's rows [T, 2 * inter] (gate, then up), elementwise
+ * (so the same bits on any split), in pieces of SILU_PIECE over the threads: its expf is a scalar
+ * call (~0.5 ms of a one-row step of the embedded default's 30 layers on one thread) */
+#define SILU_PIECE 256
+static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T, int64_t inter) {
+    int64_t pieces = (inter + SILU_PIECE - 1) / SILU_PIECE;
+#pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1 && T * pieces > 1)
+    for (int64_t p = 0; p < T * pieces; p++) {
+        int64_t t = p / pieces, begin = (p % pieces) * SILU_PIECE;
+        int64_t end = begin + SILU_PIECE < inter ? begin + SILU_PIECE : inter;
+        const float *gate = wide + t * 2 * inter, *up = gate + inter;
+        for (int64_t i = begin; i < end; i++) act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
 }
 
 /* h [T, hidden] (the residual stream) through the layer, in place; k_cache / v_cache
@@ -254,10 +333,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->post_norm, H, L->eps);
     project(&L->gate_up, S, normed, wide, T, 2 * inter, H);
     add_bias(wide, L->gate_up_b, T, 2 * inter);
-    for (int64_t t = 0; t < T; t++) {
-        const float *gate = wide + t * 2 * inter, *up = gate + inter;
-        for (int64_t i = 0; i < inter; i++) act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    silu_and_mul(S, wide, act, T, inter);
     project(&L->down, S, act, proj, T, H, inter);
     add_bias(proj, L->down_b, T, H);
     for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];

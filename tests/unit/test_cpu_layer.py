@@ -33,6 +33,9 @@ CONFIGS: dict[str, Any] = {
     "qwen3_qk_norm": Qwen3Config(
         **TINY_LLAMA, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
     ),
+    # the head widths whose attention sums stay in registers (cpu_layer.c's weigh16_4 / _8)
+    "llama_head_dim_64": LlamaConfig(**TINY_LLAMA, num_key_value_heads=2, head_dim=64),
+    "llama_head_dim_128": LlamaConfig(**TINY_LLAMA, num_key_value_heads=1, head_dim=128),
 }
 
 
