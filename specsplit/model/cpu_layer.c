@@ -150,6 +150,64 @@ AVX512 static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* the sums of each of 16 vectors' lanes, in order: key i's lanes summed in _mm512_reduce_add_ps's
+ * tree (l + l+8, then + l+4, + l+2, + l+1), the same for every i, so a key's score does not
+ * depend on where in a block of 16 it falls; four rounds of lane pairs, each two permutes and an
+ * add for two vectors */
+AVX512 static inline __m512 sums16(__m512 a[16]) {
+    static const int32_t halves[4][2][16] = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+         {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+         {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+         {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}},
+    };
+    int count = 16;
+    for (int round = 0; round < 4; round++, count /= 2) {
+        __m512i lo = _mm512_loadu_si512(halves[round][0]), hi = _mm512_loadu_si512(halves[round][1]);
+        for (int i = 0; i < count / 2; i++)
+            a[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], lo, a[2 * i + 1]),
+                                 _mm512_permutex2var_ps(a[2 * i], hi, a[2 * i + 1]));
+    }
+    return a[0];
+}
+
+/* scores[j] = (q . k_j) * scale for j < n, 16 keys at a time: dot16's products in its order and
+ * its lane sums (sums16), so the same bits; returns the largest over the visible keys (scores of
+ * hidden keys are written but never read); keys: the cache's first slot at this head */
+#define SCORES16(CHUNKS)                                                                           \
+    AVX512 static float scores16_##CHUNKS(float *scores, const float *q, const uint8_t *visible,  \
+                                          const int64_t *slots, int64_t n, const float *keys,     \
+                                          int64_t slot_stride, float scale) {                     \
+        __m512 qv[CHUNKS];                                                                         \
+        for (int c = 0; c < CHUNKS; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                      \
+        __m512 top = _mm512_set1_ps(-INFINITY), scale_v = _mm512_set1_ps(scale);                   \
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                   \
+            int m = n - j0 < 16 ? (int)(n - j0) : 16;                                              \
+            __m512 a[16];                                                                          \
+            for (int i = 0; i < 16; i++) {                                                         \
+                a[i] = _mm512_setzero_ps();                                                        \
+                if (i >= m) continue;                                                              \
+                const float *k = keys + slots[j0 + i] * slot_stride;                               \
+                for (int c = 0; c < CHUNKS; c++)                                                   \
+                    a[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a[i]);              \
+            }                                                                                      \
+            __m512 s = _mm512_mul_ps(sums16(a), scale_v);                                          \
+            __mmask16 written = (__mmask16)(m == 16 ? 0xFFFF : (1u << m) - 1), live = written;     \
+            if (visible)                                                                           \
+                for (int i = 0; i < m; i++)                                                        \
+                    if (!visible[j0 + i]) live &= (__mmask16)~(1u << i);                           \
+            _mm512_mask_storeu_ps(scores + j0, written, s);                                        \
+            top = _mm512_mask_max_ps(top, live, top, s);                                           \
+        }                                                                                          \
+        return _mm512_reduce_max_ps(top);                                                          \
+    }
+SCORES16(4)
+SCORES16(8)
+
 /* scores[j] = e^(scores[j] - top) for j < n, 16 at a time (entries of hidden keys too: unread) */
 AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
     __m512 topv = _mm512_set1_ps(top);
@@ -196,12 +254,18 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
     int64_t n = S->num_keys[t];
     const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
     float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        if (visible && !visible[j]) continue;
-        const float *k = k_cache + slots[j] * slot_stride + head_offset;
-        float s = (S->lanes == 16 ? dot16(q, k, d) : dot8(q, k, d)) * S->scale;
-        scores[j] = s;
-        if (s > top) top = s;
+    if (S->lanes == 16 && (d == 64 || d == 128)) {
+        const float *keys = k_cache + head_offset;
+        top = d == 64 ? scores16_4(scores, q, visible, slots, n, keys, slot_stride, S->scale)
+                      : scores16_8(scores, q, visible, slots, n, keys, slot_stride, S->scale);
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            if (visible && !visible[j]) continue;
+            const float *k = k_cache + slots[j] * slot_stride + head_offset;
+            float s = (S->lanes == 16 ? dot16(q, k, d) : dot8(q, k, d)) * S->scale;
+            scores[j] = s;
+            if (s > top) top = s;
+        }
     }
     float total = 0.0f;
     const float *values = v_cache + head_offset;
