@@ -283,21 +283,37 @@ int fixed_gemm_lanes(void) {
 }
 
 /* out [m_len, n_len] by `tile` over weight rows of `row_bytes` bytes from w (ldw: the stride
- * the tile reads them with), MCHUNK rows of x a pass, OpenMP over blocks of NR weight rows */
-static void run_tiles(tile_fn tile, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
-                      int64_t row_bytes, float *out, int64_t ldo, int64_t m_len, int64_t n_len,
-                      int64_t k_len, int threads) {
+ * the tile reads them with), MCHUNK rows of x a pass, OpenMP over blocks of NR weight rows.
+ * `form` (packed rows, else NULL): each block's NR rows formed once a pass into the thread's
+ * float32 buffer, which the tile (fixed_gemm's) then reads: the same products in the same order
+ * as the packed blocks, which form each weight again for every MR rows of x */
+static void run_tiles(tile_fn tile, row_fn form, const float *x, int64_t ldx, const uint8_t *w,
+                      int64_t ldw, int64_t row_bytes, float *out, int64_t ldo, int64_t m_len,
+                      int64_t n_len, int64_t k_len, int threads) {
     int64_t n_blocks = (n_len + NR - 1) / NR;
+    size_t formed_bytes = (size_t)((NR * k_len * (int64_t)sizeof(float) + 63) / 64 * 64);
     for (int64_t m0 = 0; m0 < m_len; m0 += MCHUNK) {
         int64_t m1 = m0 + MCHUNK < m_len ? m0 + MCHUNK : m_len;
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t nb = 0; nb < n_blocks; nb++) {
-            int64_t n = nb * NR;
-            int nr = n_len - n < NR ? (int)(n_len - n) : NR;
-            for (int64_t m = m0; m < m1; m += MR) {
-                int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                tile(x + m * ldx, ldx, w + n * row_bytes, ldw, out + m * ldo + n, ldo, k_len, mr, nr);
+#pragma omp parallel num_threads(threads)
+        {
+            float *formed = form ? aligned_alloc(64, formed_bytes) : NULL;
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < n_blocks; nb++) {
+                int64_t n = nb * NR;
+                int nr = n_len - n < NR ? (int)(n_len - n) : NR;
+                const void *rows = w + n * row_bytes;
+                int64_t ld = ldw;
+                if (form) {
+                    for (int j = 0; j < nr; j++) form(w + (n + j) * row_bytes, k_len, formed + j * k_len);
+                    rows = formed;
+                    ld = k_len;
+                }
+                for (int64_t m = m0; m < m1; m += MR) {
+                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                    tile(x + m * ldx, ldx, rows, ld, out + m * ldo + n, ldo, k_len, mr, nr);
+                }
             }
+            free(formed);
         }
     }
 }
@@ -307,40 +323,13 @@ static void run_tiles(tile_fn tile, const float *x, int64_t ldx, const uint8_t *
  * threads (torch's count: OpenMP's per-thread setting is not the engine thread's). */
 void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
                 int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    run_tiles(lanes == 16 ? tile16 : tile8, x, ldx, (const uint8_t *)w, ldw,
+    run_tiles(lanes == 16 ? tile16 : tile8, NULL, x, ldx, (const uint8_t *)w, ldw,
               ldw * (int64_t)sizeof(float), out, ldo, m_len, n_len, k_len, threads);
-}
-
-/* quant_gemm past MR rows: each thread's NR weight rows formed once into its buffer (row_fn),
- * then fixed_gemm's tiles over every row of x, MCHUNK rows a pass: the same products in the same
- * order as the packed blocks, which form each weight again for every MR rows of x */
-static void run_formed(row_fn form, tile_fn tile, const float *x, int64_t ldx, const uint8_t *w,
-                       int64_t ldw, float *out, int64_t ldo, int64_t m_len, int64_t n_len,
-                       int64_t k_len, int threads) {
-    int64_t n_blocks = (n_len + NR - 1) / NR;
-    for (int64_t m0 = 0; m0 < m_len; m0 += MCHUNK) {
-        int64_t m1 = m0 + MCHUNK < m_len ? m0 + MCHUNK : m_len;
-#pragma omp parallel num_threads(threads)
-        {
-            float *formed = aligned_alloc(64, (size_t)((NR * k_len * sizeof(float) + 63) / 64 * 64));
-#pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < n_blocks; nb++) {
-                int64_t n = nb * NR;
-                int nr = n_len - n < NR ? (int)(n_len - n) : NR;
-                for (int j = 0; j < nr; j++) form(w + (n + j) * ldw, k_len, formed + j * k_len);
-                for (int64_t m = m0; m < m1; m += MR) {
-                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                    tile(x + m * ldx, ldx, formed, k_len, out + m * ldo + n, ldo, k_len, mr, nr);
-                }
-            }
-            free(formed);
-        }
-    }
 }
 
 /* fixed_gemm with packed weights: w [n_len, k_len / 32 blocks of `kind`] (row stride ldw
  * bytes), k_len a multiple of 32; up to MR rows of x straight from the packed blocks, more
- * through run_formed (the same bits either way) */
+ * from the rows formed once a pass (run_tiles' `form`; the same bits either way) */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
     int wide = lanes == 16;
@@ -349,13 +338,13 @@ void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int 
                       : kind == 2 ? (wide ? q8_row16 : q8_row8)
                       : kind == 3 ? (wide ? bf16_row16 : bf16_row8)
                                   : (wide ? q6_row16 : q6_row8);
-        run_formed(form, wide ? tile16 : tile8, x, ldx, w, ldw, out, ldo, m_len, n_len, k_len,
-                   threads);
+        run_tiles(wide ? tile16 : tile8, form, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len,
+                  threads);
         return;
     }
     tile_fn tile = kind == 1   ? (wide ? q4_tile16 : q4_tile8)
                    : kind == 2 ? (wide ? q8_tile16 : q8_tile8)
                    : kind == 3 ? (wide ? bf16_tile16 : bf16_tile8)
                                : (wide ? q6_tile16 : q6_tile8);
-    run_tiles(tile, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
+    run_tiles(tile, NULL, x, ldx, w, ldw, ldw, out, ldo, m_len, n_len, k_len, threads);
 }

@@ -253,12 +253,16 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
     const int64_t *slots = S->key_slots + S->key_start[t];
     int64_t n = S->num_keys[t];
     const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-    float top = -INFINITY;
+    float total = 0.0f;
     if (S->lanes == 16 && (d == 64 || d == 128)) {
-        const float *keys = k_cache + head_offset;
-        top = d == 64 ? scores16_4(scores, q, visible, slots, n, keys, slot_stride, S->scale)
-                      : scores16_8(scores, q, visible, slots, n, keys, slot_stride, S->scale);
+        const float *keys = k_cache + head_offset, *values = v_cache + head_offset;
+        float top = d == 64 ? scores16_4(scores, q, visible, slots, n, keys, slot_stride, S->scale)
+                            : scores16_8(scores, q, visible, slots, n, keys, slot_stride, S->scale);
+        softmax_weights16(scores, n, top);
+        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride)
+                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride);
     } else {
+        float top = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
             if (visible && !visible[j]) continue;
             const float *k = k_cache + slots[j] * slot_stride + head_offset;
@@ -266,20 +270,12 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
             scores[j] = s;
             if (s > top) top = s;
         }
-    }
-    float total = 0.0f;
-    const float *values = v_cache + head_offset;
-    if (S->lanes == 16 && (d == 64 || d == 128)) {
-        softmax_weights16(scores, n, top);
-        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride)
-                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride);
-    } else {
         for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
         for (int64_t j = 0; j < n; j++) {
             if (visible && !visible[j]) continue;
             float p = expf(scores[j] - top);
             total += p;
-            const float *v = values + slots[j] * slot_stride;
+            const float *v = v_cache + slots[j] * slot_stride + head_offset;
             if (S->lanes == 16)
                 axpy16(out, p, v, d);
             else
