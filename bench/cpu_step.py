@@ -2,7 +2,8 @@
 process (so a shared machine's drift hits all alike), the median ms of each: the decoder layers
 in one C call (specsplit/model/cpu_layer.c) reading the GGUF's packed blocks
 (specsplit/model/cpu_quant.py), the same reading the float32 weights, and the torch layer on
-float32 weights.
+float32 weights. With $SPECSPLIT_CPU_INT8=1 (on a CPU with AMX's 8-bit tiles) the packed row is
+the 8-bit route's panels (cpu_gemm.c's int8_gemm), labelled so.
 
     PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30]
 """
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from specsplit.model import cpu_layer, cpu_quant
+from specsplit.model import cpu_gemm, cpu_layer, cpu_quant
 from specsplit.model.embedded import embedded_default_model_path
 from specsplit.model.llama import make_kv_cache
 from specsplit.model.loader import load_model
@@ -66,7 +67,8 @@ def main() -> None:
                     model(build_forward_batch([step], page_size)[0], kv)
                     if index >= 3:  # after warm-up
                         times.setdefault((variant, rows), []).append(time.perf_counter() - start)
-    print(f"{path}, float32, {args.threads} threads, {args.context} tokens of context")
+    route = "; packed = 4-bit / 8-bit panels, x rounded to 8 bits" if cpu_gemm.int8_route() else ""
+    print(f"{path}, float32, {args.threads} threads, {args.context} tokens of context{route}")
     names = list(VARIANTS)
     print("| rows | " + " | ".join(f"{name} ms" for name in names) + " | each / the first |")
     print("|---:|" + "---:|" * (len(names) + 1))

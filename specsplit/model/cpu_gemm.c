@@ -18,9 +18,13 @@
  * Threads: OpenMP over blocks of weight rows (the process's OpenMP runtime, torch's: its
  * libgomp.so.1 is the one already loaded). The threads split the weight rows, never a sum.
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define MR 4 /* rows of x a block */
 #define NR 4 /* rows of w a block */
@@ -268,6 +272,179 @@ TILE(q6_tile16, AVX512, q6_block16)
 TILE(q6_tile8, AVX2, q6_block8)
 #undef W
 
+/* ---------------------------------------------------------------- AMX: 8-bit x */
+
+/* Panels (kinds 5 and 6, specsplit/model/cpu_quant.py's `panels`): a matrix's 4-bit (kind 1) or
+ * 8-bit (kind 2) weights regrouped 16 rows a panel, each 32-weight block of a panel one record:
+ * 16 float d, then (kind 5) 16 float m and 256 bytes whose low nibbles are AMX's tile of the
+ * block's weights 0-15 (4 rows: row r, column n, byte j = weight 4r + j of the panel's row n) and
+ * high nibbles weights 16-31; (kind 6) 512 signed bytes, weights 0-15's tile then 16-31's.
+ *
+ * int8_gemm: each row of x is rounded to 8 bits a block of 32 (dx = max |x| / 127, q = x * (127 /
+ * max |x|) rounded to nearest even, as llama.cpp's Q8 activations), AMX's 8-bit dot products give
+ * each block's sum of q * weight q exactly (int32), and an output is then, in float32, block by
+ * block in increasing k: acc += (d * dx) * sum + (m * dx) * (sum of the block's q) (kind 6: no m
+ * term). Integer sums and per-element float operations: the same bits alone or among any number
+ * of rows, and the same as specsplit/model/cpu_quant.py's `int8_reference` in torch. Not the float32
+ * route's bits: x is rounded to 8 bits. */
+#define AMX8 __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define PANEL_ROWS 16
+#define Q4P_BYTES 384 /* a kind-5 record: 64 bytes of d, 64 of m, 256 of nibbles */
+#define Q8P_BYTES 576 /* a kind-6 record: 64 bytes of d, 512 signed bytes */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Whether this CPU has AMX's 8-bit tiles and the kernel granted this process their state
+ * (asked once; panels are made only where it says 1). */
+int amx_int8_ready(void) {
+    static int ready = -1;
+    if (ready >= 0) return ready;
+    unsigned a, b, c, d;
+    ready = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return ready;
+    int tiles = (d >> 24) & 1, int8_tiles = (d >> 25) & 1;
+    __builtin_cpu_init();
+    ready = tiles && int8_tiles && __builtin_cpu_supports("avx512bw") &&
+            syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+/* rows of x -> xq [m_pad][k_len] (8-bit), dx and sx [m_pad][k_len / 32] (a block's scale and the
+ * sum of its q, in float); rows past m_len zeros */
+AMX8 static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t k_len,
+                           int8_t *xq, float *dx, float *sx) {
+    int64_t blocks = k_len / QBLOCK;
+    memset(xq + m_len * k_len, 0, (size_t)((m_pad - m_len) * k_len));
+    memset(dx + m_len * blocks, 0, (size_t)((m_pad - m_len) * blocks) * sizeof(float));
+    memset(sx + m_len * blocks, 0, (size_t)((m_pad - m_len) * blocks) * sizeof(float));
+    for (int64_t m = 0; m < m_len; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *v = x + m * ldx + b * QBLOCK;
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+            _mm_storeu_si128((__m128i *)(xq + m * k_len + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + m * k_len + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+            dx[m * blocks + b] = amax / 127.0f;
+            sx[m * blocks + b] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+/* a kind-5 record's 256 bytes of nibbles -> tiles[0] (the low nibbles: weights 0-15's tile) and
+ * tiles[1] (the high: 16-31's) */
+AMX8 ALWAYS_INLINE void int8_split(const uint8_t *nibbles, uint8_t (*tiles)[4][64], __m512i low) {
+    for (int r = 0; r < 4; r++) {
+        __m512i v = _mm512_loadu_si512(nibbles + 64 * r);
+        _mm512_store_si512(tiles[0][r], _mm512_and_si512(v, low));
+        _mm512_store_si512(tiles[1][r], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+/* out [m_len, n_len] from panels w (`kind` 5 or 6, ldw bytes a panel), the module's comment:
+ * OpenMP over panels, each panel's records read once for every 16 rows of x */
+AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind,
+                           float *out, int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len,
+                           int threads) {
+    if (m_len == 0) return;
+    int64_t blocks = k_len / QBLOCK, tile_rows = m_len < PANEL_ROWS ? m_len : PANEL_ROWS;
+    int64_t m_pad = (m_len + tile_rows - 1) / tile_rows * tile_rows;
+    int8_t *xq = aligned_alloc(64, (size_t)((m_pad * k_len + 63) / 64 * 64));
+    float *dx = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
+    float *sx = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
+    if (!xq || !dx || !sx) abort();
+    int8_rows(x, ldx, m_len, m_pad, k_len, xq, dx, sx);
+    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        config.rows[0] = (uint8_t)tile_rows; /* the sums [x rows][16 weight rows], int32 */
+        config.colsb[0] = 64;
+        for (int t = 1; t <= 2; t++) { /* x's bytes: a block's k 0-15, 16-31 */
+            config.rows[t] = (uint8_t)tile_rows;
+            config.colsb[t] = 16;
+        }
+        for (int t = 3; t <= 4; t++) { /* the weights' tiles: 4 rows of 16 x 4 bytes */
+            config.rows[t] = 4;
+            config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        uint8_t nibbles[2][2][4][64] __attribute__((aligned(64)));
+        int32_t sums[PANEL_ROWS][PANEL_ROWS] __attribute__((aligned(64)));
+        __m512i low = _mm512_set1_epi8(15);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_panels; p++) {
+            const uint8_t *panel = w + p * ldw;
+            int64_t n = p * PANEL_ROWS;
+            int nr = n_len - n < PANEL_ROWS ? (int)(n_len - n) : PANEL_ROWS;
+            for (int64_t m0 = 0; m0 < m_len; m0 += tile_rows) {
+                int mr = m_len - m0 < tile_rows ? (int)(m_len - m0) : (int)tile_rows;
+                __m512 acc[PANEL_ROWS];
+                for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+                const int8_t *xrows = xq + m0 * k_len;
+                for (int64_t b = 0; b < blocks; b++) {
+                    const uint8_t *record = panel + b * bytes;
+                    for (int64_t line = 0; line < bytes; line += 64)
+                        _mm_prefetch((const char *)(record + line + PREFETCH), _MM_HINT_T0);
+                    __m512 d = _mm512_loadu_ps((const float *)record);
+                    _tile_zero(0);
+                    _tile_loadd(1, xrows + b * QBLOCK, k_len);
+                    _tile_loadd(2, xrows + b * QBLOCK + 16, k_len);
+                    if (kind == 5) {
+                        /* this block's nibbles were split a block ahead (their stores done before
+                         * the tile loads read them); split the next block's now */
+                        if (b == 0) int8_split(record + 128, nibbles[0], low);
+                        if (b + 1 < blocks) int8_split(record + bytes + 128, nibbles[(b + 1) & 1], low);
+                        _tile_loadd(3, nibbles[b & 1][0], 64);
+                        _tile_loadd(4, nibbles[b & 1][1], 64);
+                        _tile_dpbsud(0, 1, 3);
+                        _tile_dpbsud(0, 2, 4);
+                    } else {
+                        _tile_loadd(3, record + 64, 64);
+                        _tile_loadd(4, record + 64 + 256, 64);
+                        _tile_dpbssd(0, 1, 3);
+                        _tile_dpbssd(0, 2, 4);
+                    }
+                    _tile_stored(0, sums, 64);
+                    const float *dxb = dx + m0 * blocks + b, *sxb = sx + m0 * blocks + b;
+                    if (kind == 5) {
+                        __m512 mins = _mm512_loadu_ps((const float *)(record + 64));
+                        for (int i = 0; i < mr; i++) {
+                            __m512 scale = _mm512_set1_ps(dxb[i * blocks]);
+                            __m512 t = _mm512_mul_ps(_mm512_mul_ps(d, scale),
+                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[i])));
+                            __m512 u = _mm512_mul_ps(_mm512_mul_ps(mins, scale), _mm512_set1_ps(sxb[i * blocks]));
+                            acc[i] = _mm512_add_ps(acc[i], _mm512_add_ps(t, u));
+                        }
+                    } else {
+                        for (int i = 0; i < mr; i++) {
+                            __m512 scale = _mm512_set1_ps(dxb[i * blocks]);
+                            __m512 t = _mm512_mul_ps(_mm512_mul_ps(d, scale),
+                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[i])));
+                            acc[i] = _mm512_add_ps(acc[i], t);
+                        }
+                    }
+                }
+                __mmask16 mask = (__mmask16)((1u << nr) - 1);
+                for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n, mask, acc[i]);
+            }
+        }
+        _tile_release();
+    }
+    free(xq);
+    free(dx);
+    free(sx);
+}
+
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
 typedef void (*tile_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t,
                         int64_t, int, int);
@@ -297,6 +474,7 @@ static void run_tiles(tile_fn tile, row_fn form, const float *x, int64_t ldx, co
 #pragma omp parallel num_threads(threads)
         {
             float *formed = form ? aligned_alloc(64, formed_bytes) : NULL;
+            if (form && !formed) abort();
 #pragma omp for schedule(static)
             for (int64_t nb = 0; nb < n_blocks; nb++) {
                 int64_t n = nb * NR;
@@ -332,6 +510,10 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
  * from the rows formed once a pass (run_tiles' `form`; the same bits either way) */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
+    if (kind == 5 || kind == 6) {
+        int8_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);
+        return;
+    }
     int wide = lanes == 16;
     if (m_len > MR) {
         row_fn form = kind == 1   ? (wide ? q4_row16 : q4_row8)

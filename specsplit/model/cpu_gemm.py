@@ -10,6 +10,10 @@ the same alone or among 300 rows, and a one-row step streams the weights about a
 MKL's GEMV (bench/cpu_linear.py; bench/RESULTS.md). Without a compiler, or on a CPU with
 neither AVX-512 nor AVX2 + FMA, `library()` is None and specsplit/model/linear.py keeps its
 weight-major torch route.
+
+Opt-in ($SPECSPLIT_CPU_INT8=1, `int8_route`): 4-bit and 8-bit GGUF matrices in panels go to
+cpu_gemm.c's `int8_gemm` on AMX's 8-bit tiles, x rounded to 8 bits a block of 32: each row still
+its own bits at any row count, a verify's extra rows nearly free, but not the float32 products.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from specsplit.model import cpu_quant
 from specsplit.model.cpu_quant import Packed, Runs
 from specsplit.model.tokenizer_cache import cache_root
+from specsplit.switches import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class Library:
         self._weight_gemm.argtypes = [ctypes.POINTER(WeightArgs), ptr, i64, ptr, i64, i64, i64]
         self._weight_gemm.argtypes += [i64, ctypes.c_int, ctypes.c_int]
         self._weight_gemm.restype = None
+        self.cdll.amx_int8_ready.restype = ctypes.c_int
+        self.int8_ready = bool(self.cdll.amx_int8_ready())
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
@@ -107,6 +114,21 @@ class Library:
             out.data_ptr(), out.stride(0), num_rows, packed.rows, k_len, lanes,
             torch.get_num_threads(),
         )  # fmt: skip
+
+
+@functools.cache
+def int8_switch() -> bool:
+    """$SPECSPLIT_CPU_INT8: "0" (default) or "1": 4-bit and 8-bit GGUF weights regrouped into
+    panels and multiplied with x rounded to 8 bits on AMX's tiles (cpu_gemm.c's int8_gemm) where
+    this CPU has them."""
+    return env_switch("SPECSPLIT_CPU_INT8", default=False)
+
+
+def int8_route() -> bool:
+    """Whether packed 4-bit and 8-bit weights go to panels (`int8_switch` on and AMX's 8-bit
+    tiles ready)."""
+    lib = library()
+    return int8_switch() and lib is not None and lib.int8_ready
 
 
 def weight_args(weight: torch.Tensor, runs: Runs | None) -> WeightArgs:

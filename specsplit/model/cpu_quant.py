@@ -19,6 +19,11 @@ bfloat16 copy (`attach_bfloat16`). `attach` hangs a packed matrix on its float32
 checking its first rows dequantize to that weight's values; `packed` returns it while the weight
 keeps its storage and version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs
 nothing.
+
+Panels (`panels`, kinds 5 and 6; made by the loader only with $SPECSPLIT_CPU_INT8=1 on a CPU with
+AMX's 8-bit tiles): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
+`int8_gemm`, which rounds x to 8 bits a block and so is not the float32 product:
+`int8_reference` gives its bits in torch.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from specsplit.switches import env_switch
 
 BLOCK = 32  # weights a block (cpu_gemm.c's QBLOCK)
 KIND_4BIT, KIND_8BIT, KIND_BF16, KIND_8BIT_16 = 1, 2, 3, 4
+KIND_4BIT_PANELS, KIND_8BIT_PANELS = 5, 6  # `panels`: cpu_gemm.c's int8_gemm
 BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36, KIND_BF16: 64, KIND_8BIT_16: 40}
+PANEL_ROWS = 16
+# bytes a panel's block (a record): 16 float d, 16 float m and 256 bytes of nibbles; 16 float d
+# and 512 signed bytes
+RECORD_BYTES = {KIND_4BIT_PANELS: 384, KIND_8BIT_PANELS: 576}
+PANEL_KINDS = (KIND_4BIT, KIND_8BIT)  # the kinds `panels` regroups
 # stored bytes a GGUF block, and the kind it packs to
 _FORMATS = {
     GGMLQuantizationType.Q4_0: (18, KIND_4BIT),
@@ -58,15 +69,17 @@ def supported(qtype: GGMLQuantizationType) -> bool:
 @dataclass(frozen=True)
 class Packed:
     """A weight matrix [rows, cols] as packed blocks: `data` uint8 [rows, cols / 32 * block
-    bytes of `kind`], contiguous."""
+    bytes of `kind`], contiguous; panels (kinds 5 and 6) [ceil(rows / 16), cols / 32 * record
+    bytes], their `panel_rows` the matrix's rows."""
 
     kind: int
     data: torch.Tensor
     cols: int
+    panel_rows: int | None = None
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.data.shape[0] if self.panel_rows is None else self.panel_rows
 
 
 def _halves(blocks: torch.Tensor) -> torch.Tensor:
@@ -156,10 +169,101 @@ def cat(parts: list[Packed]) -> Runs:
     return tuple(Packed(run[0].kind, torch.cat([p.data for p in run]), run[0].cols) for run in runs)
 
 
+def panels(packed: Packed) -> Packed:
+    """A 4-bit (kind 1) or 8-bit (kind 2) matrix regrouped into panels of 16 rows (kind 5 or 6)
+    for cpu_gemm.c's int8_gemm (its comment gives the records' layout); rows past the matrix's
+    in the last panel zeros."""
+    d, m, q = _scales_and_q(packed)  # [rows, blocks], [rows, blocks], [rows, blocks, 32]
+    rows, blocks = d.shape
+    num_panels = -(-rows // PANEL_ROWS)
+    pad = num_panels * PANEL_ROWS - rows
+    d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (d, m))
+    q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
+    # [panel, block, 16] scales; q as [panel, block, half, tile row r, panel row n, byte j]
+    d_p, m_p = (t.reshape(num_panels, PANEL_ROWS, blocks).transpose(1, 2) for t in (d, m))
+    tiles = q.reshape(num_panels, PANEL_ROWS, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    if packed.kind == KIND_4BIT:
+        kind = KIND_4BIT_PANELS
+        nibbles = (tiles[:, :, 0] | (tiles[:, :, 1] << 4)).to(torch.uint8)  # [P, blocks, 4, 16, 4]
+        parts = [_bytes(d_p), _bytes(m_p), nibbles.reshape(num_panels, blocks, 256)]
+    else:
+        kind = KIND_8BIT_PANELS
+        signed = tiles.to(torch.int8).contiguous().view(torch.uint8)
+        parts = [_bytes(d_p), signed.reshape(num_panels, blocks, 512)]
+    data = torch.cat(parts, dim=-1).reshape(num_panels, -1).contiguous()
+    return Packed(kind, data, packed.cols, rows)
+
+
+def _bytes(values: torch.Tensor) -> torch.Tensor:
+    """float32 [..., n] -> its bytes uint8 [..., 4 n]."""
+    return values.contiguous().view(torch.uint8)
+
+
+def _scales_and_q(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit or 8-bit matrix (kinds 1, 2, 5, 6) as d and m float32 [rows, blocks] (m zeros
+    for 8-bit) and q int16 [rows, blocks, 32]: each weight d * q + m."""
+    if packed.kind in (KIND_4BIT, KIND_8BIT):
+        blocks = packed.data.reshape(packed.rows, -1, BLOCK_BYTES[packed.kind])
+        d = blocks[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
+        if packed.kind == KIND_8BIT:
+            q = blocks[..., 4:].contiguous().view(torch.int8).to(torch.int16)
+            return d, torch.zeros_like(d), q
+        m = blocks[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
+        nibbles = blocks[..., 8:]
+        return d, m, torch.cat([nibbles & 15, nibbles >> 4], dim=-1).to(torch.int16)
+    num_panels = packed.data.shape[0]
+    records = packed.data.reshape(num_panels, -1, RECORD_BYTES[packed.kind])
+    num_blocks = records.shape[1]
+
+    def rows_first(t: torch.Tensor) -> torch.Tensor:  # [P, blocks, 16, ...] -> [rows, blocks, ...]
+        t = t.transpose(1, 2).reshape(num_panels * PANEL_ROWS, num_blocks, *t.shape[3:])
+        return t[: packed.rows]
+
+    d = rows_first(records[..., 0:64].contiguous().view(torch.float32))
+    if packed.kind == KIND_4BIT_PANELS:
+        m = rows_first(records[..., 64:128].contiguous().view(torch.float32))
+        nibbles = records[..., 128:].reshape(num_panels, num_blocks, 4, PANEL_ROWS, 4)
+        halves = torch.stack([nibbles & 15, nibbles >> 4], dim=2)  # [P, blocks, 2, 4, 16, 4]
+    else:
+        m = torch.zeros_like(d)
+        halves = records[..., 64:].contiguous().view(torch.int8)
+        halves = halves.reshape(num_panels, num_blocks, 2, 4, PANEL_ROWS, 4)
+    q = halves.permute(0, 1, 4, 2, 3, 5).reshape(num_panels, num_blocks, PANEL_ROWS, BLOCK)
+    return d, m, rows_first(q.to(torch.int16))
+
+
+def int8_reference(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """cpu_gemm.c's int8_gemm in torch, the same bits: x float32 [M, cols] @ a 4-bit or 8-bit
+    matrix's [rows, cols].T with x rounded to 8 bits a block of 32 (dx = max |x| / 127, q = x *
+    (127 / max |x|) rounded to nearest even), each block's sum of q * weight q exact, then per
+    block in increasing k acc += (d * dx) * sum + (m * dx) * (sum of x's q) in float32."""
+    d, m, q = _scales_and_q(packed)  # [N, B], [N, B], [N, B, 32]
+    xb = x.reshape(x.shape[0], -1, BLOCK)  # [M, B, 32]
+    amax = xb.abs().amax(dim=-1)  # [M, B]
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inverse[..., None]).clamp(-128, 127).to(torch.int64)
+    dx = amax / 127.0
+    sx = xq.sum(dim=-1).float()  # [M, B]
+    sums = torch.einsum("mbk,nbk->mnb", xq, q.to(torch.int64)).float()  # [M, N, B], exact
+    out = torch.zeros(x.shape[0], d.shape[0], dtype=torch.float32)
+    four_bit = packed.kind in (KIND_4BIT, KIND_4BIT_PANELS)
+    for b in range(d.shape[1]):
+        scale = dx[:, b, None]
+        term = (d[None, :, b] * scale) * sums[..., b]
+        if four_bit:
+            term = term + (m[None, :, b] * scale) * sx[:, b, None]
+        out = out + term
+    return out
+
+
 def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     """The reference: the first `rows` (default all) of the matrix in float32 [rows, cols], each
-    weight d * q + m (kind 1) or d * q (kind 2) as gguf's numpy forms it, or a bfloat16 widened
-    (kind 3)."""
+    weight d * q + m (kinds 1 and 5) or d * q (kinds 2 and 6) as gguf's numpy forms it, or a
+    bfloat16 widened (kind 3)."""
+    if packed.kind in RECORD_BYTES:
+        d, m, q = _scales_and_q(packed)
+        values = d[..., None] * q.float() + m[..., None]
+        return values.reshape(packed.rows, -1)[:rows]
     data = packed.data if rows is None else packed.data[:rows]
     if packed.kind == KIND_BF16:
         return data.view(torch.bfloat16).float()

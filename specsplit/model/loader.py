@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specsplit.model import cpu_quant
+from specsplit.model import cpu_gemm, cpu_quant
 from specsplit.model.config import ModelConfig
 from specsplit.model.gguf_file import GGUFFile, GGUFStateDict, model_config
 from specsplit.model.linear import cpu_route
@@ -141,13 +141,22 @@ def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     sources.append((_EMBEDDING if model.lm_head is None else _LM_HEAD,))
     targets = list(zip(model_matrices(model), sources, strict=True))
     attached = 0
+    to_panels = cpu_gemm.int8_route()
     for weight, names in targets:
         if all(cpu_quant.supported(weights.qtype(name)) for name in names):
             runs = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
+            if to_panels:
+                runs = tuple(
+                    cpu_quant.panels(run) if run.kind in cpu_quant.PANEL_KINDS else run
+                    for run in runs
+                )
             attached += cpu_quant.attach(weight, runs)
         else:  # (a BF16 file's: bfloat16 values)
             attached += cpu_quant.attach_bfloat16(weight)
-    log.info("packed %d of %d matrices for the CPU's kernel", attached, len(targets))
+    log.info(
+        "packed %d of %d matrices for the CPU's kernel%s", attached, len(targets),
+        " (4-bit and 8-bit in panels: 8-bit x on AMX)" if to_panels else "",
+    )  # fmt: skip
 
 
 def _truncated(config: ModelConfig, num_layers: int | None, path: str) -> ModelConfig:

@@ -1,5 +1,6 @@
 """The EAGLE-3 head shipped for the embedded default: lossless on the real SmolLM2 weights
-(greedy, float32, chain and tree) and actually accepted by the target."""
+(greedy, float32, chain and tree; and a tree with the target's matrices in panels, x rounded to 8
+bits: $SPECSPLIT_CPU_INT8=1) and actually accepted by the target."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from bench.acceptance import bundled_prompts
 from gateway.request import GenerationRequest
 from inprocess.stack import accepted_tokens_per_round, build_local_stack
 from specsplit.messages import SpecParams
+from specsplit.model import cpu_gemm
 from specsplit.model.config import ModelConfig
 from specsplit.model.embedded import embedded_default_head_path, embedded_default_model_path
 from specsplit.model.llama import LlamaModel
@@ -23,6 +25,20 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def target() -> tuple[LlamaModel, ModelConfig]:
     return load_model(embedded_default_model_path(), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def int8_target() -> tuple[LlamaModel, ModelConfig]:
+    lib = cpu_gemm.library()
+    if lib is None or not lib.int8_ready:
+        pytest.skip("this CPU has no AMX 8-bit tiles")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPECSPLIT_CPU_INT8", "1")
+        cpu_gemm.int8_switch.cache_clear()
+        try:
+            return load_model(embedded_default_model_path(), dtype=torch.float32, device="cpu")
+        finally:
+            cpu_gemm.int8_switch.cache_clear()
 
 
 def _run(target, tokenizer, drafter: str, spec: SpecParams) -> tuple[list[list[int]], float]:
@@ -48,4 +64,14 @@ def test_shipped_head_is_lossless_and_accepted(target, smollm2_tokenizer, spec) 
     got, per_round = _run(target, smollm2_tokenizer, "eagle3", spec)
     assert got == want
     # untrained drafts give ~1.0-1.1 here; the shipped head measured 1.8 (chain 3) on these
+    assert per_round > 1.4, per_round
+
+
+def test_shipped_head_is_lossless_with_8_bit_x(int8_target, smollm2_tokenizer) -> None:
+    """A tree's verify (1 + 8 rows) gives each row a one-token step's bits on the 8-bit route too,
+    so speculation's greedy tokens are the target alone's there."""
+    spec = SpecParams(4, 3, 8)
+    want, _ = _run(int8_target, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    got, per_round = _run(int8_target, smollm2_tokenizer, "eagle3", spec)
+    assert got == want
     assert per_round > 1.4, per_round

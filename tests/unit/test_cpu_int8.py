@@ -1,0 +1,139 @@
+"""cpu_gemm.c's int8_gemm (4-bit and 8-bit GGUF weights in panels, x rounded to 8 bits a block,
+AMX's integer tiles): panels dequantize to their source's values; a product is
+`cpu_quant.int8_reference`'s bits (torch) at every row count, so a row's result does not depend on
+the rows beside it; the reference is the float product within 8-bit rounding; a model loaded with
+$SPECSPLIT_CPU_INT8=1 has its 4-bit / 8-bit matrices in panels and gives a verify's rows the bits
+one-token steps give them (what greedy speculation's equality with the target alone rests on).
+The kernel's cases skip on a CPU without AMX's 8-bit tiles."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from specsplit.model import cpu_gemm, cpu_quant
+from specsplit.model.cpu_gemm import fixed_linear
+from specsplit.model.embedded import embedded_default_model_path
+from specsplit.model.llama import LlamaModel, make_kv_cache
+from specsplit.model.loader import load_model, model_matrices
+from specsplit.step import build_forward_batch, causal_step
+from tests.unit.test_cpu_quant import _matrix
+
+Q = GGMLQuantizationType
+PANEL_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0]
+
+pytestmark = pytest.mark.usefixtures("cpu_kernel")
+
+
+@pytest.fixture
+def int8_tiles(cpu_kernel: cpu_gemm.Library) -> None:
+    if not cpu_kernel.int8_ready:
+        pytest.skip("this CPU has no AMX 8-bit tiles")
+
+
+@pytest.fixture
+def int8_on(monkeypatch: pytest.MonkeyPatch, int8_tiles: None) -> Iterator[None]:
+    monkeypatch.setenv("SPECSPLIT_CPU_INT8", "1")
+    monkeypatch.setenv("SPECSPLIT_CPU_QUANT", "1")
+    cpu_gemm.int8_switch.cache_clear()
+    cpu_quant.switch.cache_clear()
+    yield
+    cpu_gemm.int8_switch.cache_clear()
+    cpu_quant.switch.cache_clear()
+
+
+def _panels(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[cpu_quant.Packed, torch.Tensor]:
+    raw, values = _matrix(qtype, rows, cols, seed)
+    return cpu_quant.panels(cpu_quant.pack(qtype, raw)), values
+
+
+@pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [16, 37])
+def test_panels_dequantize_to_their_sources_values(qtype: Q, rows: int) -> None:
+    """Rows a multiple of 16 and not (the last panel's rows past the matrix zeros)."""
+    cols = 256 if qtype == Q.Q4_K else 96
+    panels, values = _panels(qtype, rows, cols)
+    kind = cpu_quant.KIND_8BIT_PANELS if qtype == Q.Q8_0 else cpu_quant.KIND_4BIT_PANELS
+    assert (panels.kind, panels.rows, panels.data.shape[0]) == (kind, rows, -(-rows // 16))
+    assert torch.equal(cpu_quant.dequantize(panels), values)
+    assert torch.equal(cpu_quant.dequantize(panels, 5), values[:5])
+
+
+@pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
+def test_an_int8_product_is_the_references_bits_at_every_row_count(
+    qtype: Q, int8_tiles: None
+) -> None:
+    cols = 256 if qtype == Q.Q4_K else 160
+    panels, values = _panels(qtype, 53, cols, seed=3)
+    weight = values.clone()
+    assert cpu_quant.attach(weight, panels)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
+    x[3, :32] = 0.0  # a block of zeros (its scale 0)
+    x[5, 40] = 1e4  # a block one value dominates
+    want = cpu_quant.int8_reference(x, panels)
+    got = fixed_linear(x, weight)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for num_rows in (1, 2, 15, 16, 17, 33):  # one tile of x, several, a partial one
+        alone = fixed_linear(x[:num_rows], weight)
+        assert torch.equal(alone.view(torch.int32), got[:num_rows].view(torch.int32)), num_rows
+
+
+def test_the_int8_reference_is_the_float_product_within_8_bit_rounding() -> None:
+    panels, values = _panels(Q.Q4_1, 64, 512, seed=5)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
+    exact = (x.double() @ values.double().T).float()
+    got = cpu_quant.int8_reference(x, panels)
+    relative = (got - exact).norm() / exact.norm()
+    assert 1e-4 < relative < 2e-2  # x's 8-bit rounding: not the float32 product, near it
+
+
+def test_without_the_switch_a_model_loads_without_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_CPU_INT8", "0")
+    cpu_gemm.int8_switch.cache_clear()
+    try:
+        assert not cpu_gemm.int8_route()
+        model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=1)
+        kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
+        assert kinds == {cpu_quant.KIND_4BIT, cpu_quant.KIND_8BIT}
+    finally:
+        cpu_gemm.int8_switch.cache_clear()
+
+
+def _step_logits(
+    model: LlamaModel, prefix: list[int], tokens: list[int], rows: int
+) -> torch.Tensor:
+    """After a prefill of `prefix`: `tokens` run `rows` a step, every row's logits."""
+    kv = make_kv_cache(model.config, 16, 16, torch.float32, "cpu")
+    seq = kv.new_seq()
+    kv.reserve(seq, len(prefix) + len(tokens))
+    model(build_forward_batch([causal_step(seq, prefix, [len(prefix) - 1])], 16)[0], kv)
+    seq.kv_committed_len = len(prefix)
+    out = []
+    for start in range(0, len(tokens), rows):
+        chunk = tokens[start : start + rows]
+        step = causal_step(seq, chunk, list(range(len(chunk))))
+        out.append(model(build_forward_batch([step], 16)[0], kv).logits)
+        seq.kv_committed_len += len(chunk)
+    kv.release(seq)
+    return torch.cat(out)
+
+
+def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_on: None) -> None:
+    """Its Q4_1 projections and Q8_0 LM head in panels (two layers): a 6-token verify's logits
+    are the bits of six one-token steps, and near the float32 route's."""
+    assert cpu_gemm.int8_route()
+    model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
+    kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
+    assert kinds == {cpu_quant.KIND_4BIT_PANELS, cpu_quant.KIND_8BIT_PANELS}
+    prefix, tokens = list(range(100, 140)), [5, 900, 77, 4000, 12, 310]
+    verify = _step_logits(model, prefix, tokens, rows=6)
+    steps = _step_logits(model, prefix, tokens, rows=1)
+    assert torch.equal(verify.view(torch.int32), steps.view(torch.int32))
+    float32, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
+    for weight in model_matrices(float32):  # the same values, read by the float32 route
+        weight._specsplit_packed = None  # type: ignore[attr-defined]
+    plain = _step_logits(float32, prefix, tokens, rows=6)
+    assert ((verify - plain).norm() / plain.norm()) < 0.05
