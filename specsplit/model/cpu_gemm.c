@@ -280,13 +280,15 @@ TILE(q6_tile8, AVX2, q6_block8)
  * block's weights 0-15 (4 rows: row r, column n, byte j = weight 4r + j of the panel's row n) and
  * high nibbles weights 16-31; (kind 6) 512 signed bytes, weights 0-15's tile then 16-31's.
  *
- * int8_gemm: each row of x is rounded to 8 bits a block of 32 (dx = max |x| / 127, q = x * (127 /
- * max |x|) rounded to nearest even, as llama.cpp's Q8 activations), AMX's 8-bit dot products give
- * each block's sum of q * weight q exactly (int32), and an output is then, in float32, block by
- * block in increasing k: acc += (d * dx) * sum + (m * dx) * (sum of the block's q) (kind 6: no m
- * term). Integer sums and per-element float operations: the same bits alone or among any number
- * of rows, and the same as specsplit/model/cpu_quant.py's `int8_reference` in torch. Not the float32
- * route's bits: x is rounded to 8 bits. */
+ * int8_gemm: each row's block of 32 x is taken as two 8-bit parts (q1 = x rounded to 8 bits:
+ * dx1 = max |x| / 127, q1 = x * (127 / max |x|) rounded to nearest even, llama.cpp's Q8
+ * activations; q2 the same of what q1 left, x - q1 * dx1: ~15 bits in all), AMX's 8-bit dot
+ * products give each part's block sum of q * weight q exactly (int32), and an output is then, in
+ * float32, block by block in increasing k: acc += d * (sum1 * dx1 + sum2 * dx2) + m * c, c =
+ * sum(q1) * dx1 + sum(q2) * dx2 (kind 6: no m term). Integer sums and per-element float
+ * operations: the same bits alone or among any number of rows, and the same as
+ * specsplit/model/cpu_quant.py's `int8_reference` in torch. Not the float32 route's bits: within
+ * ~2e-5 of its products (the embedded default's logits within 4e-5-2e-4). */
 #define AMX8 __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -315,26 +317,46 @@ int amx_int8_ready(void) {
     return ready;
 }
 
-/* rows of x -> xq [m_pad][k_len] (8-bit), dx and sx [m_pad][k_len / 32] (a block's scale and the
- * sum of its q, in float); rows past m_len zeros */
-AMX8 static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t k_len,
-                           int8_t *xq, float *dx, float *sx) {
+/* a row's block of 32 x (v0, v1) -> its 8-bit q (into q, 32 bytes), its scale (dx = max |v| /
+ * 127) and the sum of its q (sx, in float); q's values in float32 into *f0, *f1 */
+AMX8 ALWAYS_INLINE void int8_block(__m512 v0, __m512 v1, int8_t *q, float *dx, float *sx, __m512 *f0,
+                                   __m512 *f1) {
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+    *dx = amax / 127.0f;
+    *sx = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    *f0 = _mm512_cvtepi32_ps(q0);
+    *f1 = _mm512_cvtepi32_ps(q1);
+}
+
+/* rows of x -> two 8-bit parts a block of 32 (part 1: x rounded to 8 bits; part 2: what part 1
+ * left, x - q1 * dx1, rounded to 8 bits): xq [m_pad / tile][2][tile][k_len] (a tile of x's rows,
+ * each part's q of them: the 2 * tile rows of one tile operand) and dx [2][m_pad][k_len / 32]
+ * (each part's scale), and c [m_pad][k_len / 32] = sum(q1) * dx1 + sum(q2) * dx2 (the block's x
+ * as the parts give it, summed: what a 4-bit block's m multiplies); rows past m_len zeros */
+AMX8 static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t tile,
+                           int64_t k_len, int8_t *xq, float *dx, float *c) {
     int64_t blocks = k_len / QBLOCK;
-    memset(xq + m_len * k_len, 0, (size_t)((m_pad - m_len) * k_len));
-    memset(dx + m_len * blocks, 0, (size_t)((m_pad - m_len) * blocks) * sizeof(float));
-    memset(sx + m_len * blocks, 0, (size_t)((m_pad - m_len) * blocks) * sizeof(float));
+    memset(xq, 0, (size_t)(2 * m_pad * k_len));
+    memset(dx, 0, (size_t)(2 * m_pad * blocks) * sizeof(float));
+    memset(c, 0, (size_t)(m_pad * blocks) * sizeof(float));
+    int64_t part_q = tile * k_len, part_s = m_pad * blocks;
     for (int64_t m = 0; m < m_len; m++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + m * ldx + b * QBLOCK;
-            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
-            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
-            _mm_storeu_si128((__m128i *)(xq + m * k_len + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(xq + m * k_len + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
-            dx[m * blocks + b] = amax / 127.0f;
-            sx[m * blocks + b] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), f0, f1;
+            int64_t at = ((m / tile) * 2 * tile + m % tile) * k_len + b * QBLOCK, s = m * blocks + b;
+            float sx1, sx2;
+            int8_block(v0, v1, xq + at, dx + s, &sx1, &f0, &f1);
+            __m512 scale = _mm512_set1_ps(dx[s]);
+            __m512 r0 = _mm512_sub_ps(v0, _mm512_mul_ps(f0, scale));
+            __m512 r1 = _mm512_sub_ps(v1, _mm512_mul_ps(f1, scale));
+            int8_block(r0, r1, xq + part_q + at, dx + part_s + s, &sx2, &f0, &f1);
+            c[s] = sx1 * dx[s] + sx2 * dx[part_s + s];
         }
 }
 
@@ -354,23 +376,24 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
                            float *out, int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len,
                            int threads) {
     if (m_len == 0) return;
-    int64_t blocks = k_len / QBLOCK, tile_rows = m_len < PANEL_ROWS ? m_len : PANEL_ROWS;
+    /* x's rows a tile: both parts of each in one tile operand of at most 16 rows */
+    int64_t blocks = k_len / QBLOCK, tile_rows = m_len < PANEL_ROWS / 2 ? m_len : PANEL_ROWS / 2;
     int64_t m_pad = (m_len + tile_rows - 1) / tile_rows * tile_rows;
-    int8_t *xq = aligned_alloc(64, (size_t)((m_pad * k_len + 63) / 64 * 64));
-    float *dx = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
-    float *sx = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
-    if (!xq || !dx || !sx) abort();
-    int8_rows(x, ldx, m_len, m_pad, k_len, xq, dx, sx);
+    int8_t *xq = aligned_alloc(64, (size_t)((2 * m_pad * k_len + 63) / 64 * 64));
+    float *dx = aligned_alloc(64, (size_t)((2 * m_pad * blocks * 4 + 63) / 64 * 64));
+    float *c = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
+    if (!xq || !dx || !c) abort();
+    int8_rows(x, ldx, m_len, m_pad, tile_rows, k_len, xq, dx, c);
     int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
 #pragma omp parallel num_threads(threads)
     {
         TileConfig config;
         memset(&config, 0, sizeof config);
         config.palette = 1;
-        config.rows[0] = (uint8_t)tile_rows; /* the sums [x rows][16 weight rows], int32 */
+        config.rows[0] = (uint8_t)(2 * tile_rows); /* the sums [part][x rows][16 weight rows] */
         config.colsb[0] = 64;
-        for (int t = 1; t <= 2; t++) { /* x's bytes: a block's k 0-15, 16-31 */
-            config.rows[t] = (uint8_t)tile_rows;
+        for (int t = 1; t <= 2; t++) { /* x's bytes [part][x rows], a block's k 0-15, 16-31 */
+            config.rows[t] = (uint8_t)(2 * tile_rows);
             config.colsb[t] = 16;
         }
         for (int t = 3; t <= 4; t++) { /* the weights' tiles: 4 rows of 16 x 4 bytes */
@@ -380,6 +403,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
         _tile_loadconfig(&config);
         uint8_t nibbles[2][2][4][64] __attribute__((aligned(64)));
         int32_t sums[PANEL_ROWS][PANEL_ROWS] __attribute__((aligned(64)));
+        int64_t part_s = m_pad * blocks;
         __m512i low = _mm512_set1_epi8(15);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_panels; p++) {
@@ -390,7 +414,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
                 int mr = m_len - m0 < tile_rows ? (int)(m_len - m0) : (int)tile_rows;
                 __m512 acc[PANEL_ROWS];
                 for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-                const int8_t *xrows = xq + m0 * k_len;
+                const int8_t *xrows = xq + 2 * m0 * k_len;
                 for (int64_t b = 0; b < blocks; b++) {
                     const uint8_t *record = panel + b * bytes;
                     for (int64_t line = 0; line < bytes; line += 64)
@@ -415,23 +439,17 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
                         _tile_dpbssd(0, 2, 4);
                     }
                     _tile_stored(0, sums, 64);
-                    const float *dxb = dx + m0 * blocks + b, *sxb = sx + m0 * blocks + b;
-                    if (kind == 5) {
-                        __m512 mins = _mm512_loadu_ps((const float *)(record + 64));
-                        for (int i = 0; i < mr; i++) {
-                            __m512 scale = _mm512_set1_ps(dxb[i * blocks]);
-                            __m512 t = _mm512_mul_ps(_mm512_mul_ps(d, scale),
-                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[i])));
-                            __m512 u = _mm512_mul_ps(_mm512_mul_ps(mins, scale), _mm512_set1_ps(sxb[i * blocks]));
-                            acc[i] = _mm512_add_ps(acc[i], _mm512_add_ps(t, u));
-                        }
-                    } else {
-                        for (int i = 0; i < mr; i++) {
-                            __m512 scale = _mm512_set1_ps(dxb[i * blocks]);
-                            __m512 t = _mm512_mul_ps(_mm512_mul_ps(d, scale),
-                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[i])));
-                            acc[i] = _mm512_add_ps(acc[i], t);
-                        }
+                    const float *dxb = dx + m0 * blocks + b, *cb = c + m0 * blocks + b;
+                    __m512 mins = _mm512_loadu_ps((const float *)(record + 64));
+                    for (int i = 0; i < mr; i++) {
+                        __m512 e = _mm512_add_ps(
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])),
+                                          _mm512_set1_ps(dxb[i * blocks])),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[tile_rows + i])),
+                                          _mm512_set1_ps(dxb[part_s + i * blocks])));
+                        __m512 t = _mm512_mul_ps(d, e);
+                        if (kind == 5) t = _mm512_add_ps(t, _mm512_mul_ps(mins, _mm512_set1_ps(cb[i * blocks])));
+                        acc[i] = _mm512_add_ps(acc[i], t);
                     }
                 }
                 __mmask16 mask = (__mmask16)((1u << nr) - 1);
@@ -442,7 +460,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
     }
     free(xq);
     free(dx);
-    free(sx);
+    free(c);
 }
 
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */

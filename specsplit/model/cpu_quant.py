@@ -20,10 +20,10 @@ checking its first rows dequantize to that weight's values; `packed` returns it 
 keeps its storage and version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs
 nothing.
 
-Panels (`panels`, kinds 5 and 6; made by the loader only with $SPECSPLIT_CPU_INT8=1 on a CPU with
-AMX's 8-bit tiles): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
-`int8_gemm`, which rounds x to 8 bits a block and so is not the float32 product:
-`int8_reference` gives its bits in torch.
+Panels (`panels`, kinds 5 and 6; made by the loader on a CPU with AMX's 8-bit tiles unless
+$SPECSPLIT_CPU_INT8=0): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
+`int8_gemm`, which takes x as two 8-bit parts a block and so is near the float32 product, not
+its bits: `int8_reference` gives its bits in torch.
 """
 
 from __future__ import annotations
@@ -232,26 +232,36 @@ def _scales_and_q(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return d, m, rows_first(q.to(torch.int16))
 
 
+def _int8_part(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of x [M, B, 32] rounded to 8 bits: (q int64 [M, B, 32], dx [M, B], sum of q float
+    [M, B]), dx = max |x| / 127 and q = x * (127 / max |x|) rounded to nearest even."""
+    amax = xb.abs().amax(dim=-1)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inverse[..., None]).clamp(-128, 127)
+    return q.to(torch.int64), amax / 127.0, q.sum(dim=-1)
+
+
 def int8_reference(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """cpu_gemm.c's int8_gemm in torch, the same bits: x float32 [M, cols] @ a 4-bit or 8-bit
-    matrix's [rows, cols].T with x rounded to 8 bits a block of 32 (dx = max |x| / 127, q = x *
-    (127 / max |x|) rounded to nearest even), each block's sum of q * weight q exact, then per
-    block in increasing k acc += (d * dx) * sum + (m * dx) * (sum of x's q) in float32."""
+    matrix's [rows, cols].T with each block of 32 x as two 8-bit parts (q1 = x rounded to 8 bits,
+    dx1 = max |x| / 127; q2 = x - q1 * dx1 rounded likewise), each part's sum of q * weight q
+    exact, then per block in increasing k, in float32: acc += d * (sum1 * dx1 + sum2 * dx2) + m
+    * c, c = sum(q1) * dx1 + sum(q2) * dx2 (8-bit weights: no m term)."""
     d, m, q = _scales_and_q(packed)  # [N, B], [N, B], [N, B, 32]
     xb = x.reshape(x.shape[0], -1, BLOCK)  # [M, B, 32]
-    amax = xb.abs().amax(dim=-1)  # [M, B]
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.round(xb * inverse[..., None]).clamp(-128, 127).to(torch.int64)
-    dx = amax / 127.0
-    sx = xq.sum(dim=-1).float()  # [M, B]
-    sums = torch.einsum("mbk,nbk->mnb", xq, q.to(torch.int64)).float()  # [M, N, B], exact
+    q1, dx1, sx1 = _int8_part(xb)
+    q2, dx2, sx2 = _int8_part(xb - q1.float() * dx1[..., None])
+    c = sx1 * dx1 + sx2 * dx2  # [M, B]
+    weights = q.to(torch.int64)
+    sums1 = torch.einsum("mbk,nbk->mnb", q1, weights).float()  # [M, N, B], exact
+    sums2 = torch.einsum("mbk,nbk->mnb", q2, weights).float()
     out = torch.zeros(x.shape[0], d.shape[0], dtype=torch.float32)
     four_bit = packed.kind in (KIND_4BIT, KIND_4BIT_PANELS)
     for b in range(d.shape[1]):
-        scale = dx[:, b, None]
-        term = (d[None, :, b] * scale) * sums[..., b]
+        e = sums1[..., b] * dx1[:, b, None] + sums2[..., b] * dx2[:, b, None]
+        term = d[None, :, b] * e
         if four_bit:
-            term = term + (m[None, :, b] * scale) * sx[:, b, None]
+            term = term + m[None, :, b] * c[:, b, None]
         out = out + term
     return out
 

@@ -1,6 +1,9 @@
-"""Fixtures of the CPU kernels' tests (tests/unit/test_cpu_gemm.py, test_cpu_quant.py)."""
+"""Fixtures of the CPU kernels' tests (tests/unit/test_cpu_gemm.py, test_cpu_quant.py,
+test_cpu_int8.py, test_loader.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,3 +26,13 @@ def lanes(request: pytest.FixtureRequest, cpu_kernel: cpu_gemm.Library) -> int:
     if request.param > cpu_kernel.lanes:
         pytest.skip("this CPU has no AVX-512")
     return int(request.param)
+
+
+@pytest.fixture
+def float32_products(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Packed weights on their float32 route, not AMX's 8-bit panels (the default where the CPU
+    has them; their products are near the float32 ones, not their bits: test_cpu_int8.py)."""
+    monkeypatch.setenv("SPECSPLIT_CPU_INT8", "0")
+    cpu_gemm.int8_switch.cache_clear()
+    yield
+    cpu_gemm.int8_switch.cache_clear()

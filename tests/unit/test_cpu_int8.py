@@ -1,10 +1,11 @@
-"""cpu_gemm.c's int8_gemm (4-bit and 8-bit GGUF weights in panels, x rounded to 8 bits a block,
-AMX's integer tiles): panels dequantize to their source's values; a product is
-`cpu_quant.int8_reference`'s bits (torch) at every row count, so a row's result does not depend on
-the rows beside it; the reference is the float product within 8-bit rounding; a model loaded with
-$SPECSPLIT_CPU_INT8=1 has its 4-bit / 8-bit matrices in panels and gives a verify's rows the bits
-one-token steps give them (what greedy speculation's equality with the target alone rests on).
-The kernel's cases skip on a CPU without AMX's 8-bit tiles."""
+"""cpu_gemm.c's int8_gemm (4-bit and 8-bit GGUF weights in panels, x as two 8-bit parts a block,
+AMX's integer tiles; the default where the CPU has them): panels dequantize to their source's
+values; a product is `cpu_quant.int8_reference`'s bits (torch) at every row count, so a row's
+result does not depend on the rows beside it; the reference is within ~1e-5 of the float product;
+a model loaded with $SPECSPLIT_CPU_INT8=1 has its 4-bit / 8-bit matrices in panels, gives a
+verify's rows the bits one-token steps give them (what greedy speculation's equality with the
+target alone rests on) and logits within 1e-3 of the float32 route's; =0 loads no panels. The
+kernel's cases skip on a CPU without AMX's 8-bit tiles."""
 
 from __future__ import annotations
 
@@ -81,13 +82,14 @@ def test_an_int8_product_is_the_references_bits_at_every_row_count(
         assert torch.equal(alone.view(torch.int32), got[:num_rows].view(torch.int32)), num_rows
 
 
-def test_the_int8_reference_is_the_float_product_within_8_bit_rounding() -> None:
+def test_the_int8_reference_is_the_float_product_within_two_8_bit_parts_rounding() -> None:
     panels, values = _panels(Q.Q4_1, 64, 512, seed=5)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
     exact = (x.double() @ values.double().T).float()
     got = cpu_quant.int8_reference(x, panels)
     relative = (got - exact).norm() / exact.norm()
-    assert 1e-4 < relative < 2e-2  # x's 8-bit rounding: not the float32 product, near it
+    # x as two 8-bit parts (~15 bits): not the float32 product, within ~1e-5 of it
+    assert 1e-7 < relative < 1e-4, relative
 
 
 def test_without_the_switch_a_model_loads_without_panels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,7 +125,7 @@ def _step_logits(
 
 def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_on: None) -> None:
     """Its Q4_1 projections and Q8_0 LM head in panels (two layers): a 6-token verify's logits
-    are the bits of six one-token steps, and near the float32 route's."""
+    are the bits of six one-token steps, and within 1e-3 of the float32 route's (relative)."""
     assert cpu_gemm.int8_route()
     model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
     kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
@@ -136,4 +138,4 @@ def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_o
     for weight in model_matrices(float32):  # the same values, read by the float32 route
         weight._specsplit_packed = None  # type: ignore[attr-defined]
     plain = _step_logits(float32, prefix, tokens, rows=6)
-    assert ((verify - plain).norm() / plain.norm()) < 0.05
+    assert ((verify - plain).norm() / plain.norm()) < 1e-3

@@ -30,7 +30,7 @@ FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 K_TYPES = (Q.Q4_K, Q.Q6_K)  # gguf cannot quantize to them: random blocks
 
 
-pytestmark = pytest.mark.usefixtures("cpu_kernel")
+pytestmark = pytest.mark.usefixtures("cpu_kernel", "float32_products")
 
 
 @pytest.fixture
