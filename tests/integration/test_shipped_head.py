@@ -1,7 +1,6 @@
 """The EAGLE-3 head shipped for the embedded default: lossless on the real SmolLM2 weights
-(greedy, float32, chain and tree, on the default CPU products: AMX's 8-bit panels where the CPU
-has them; and a tree on the float32 products, $SPECSPLIT_CPU_INT8=0) and actually accepted by the
-target."""
+(greedy, float32, chain and tree; and a tree on AMX's 8-bit panels, $SPECSPLIT_CPU_INT8=1, where
+the CPU has them) and actually accepted by the target."""
 
 from __future__ import annotations
 
@@ -29,11 +28,13 @@ def target() -> tuple[LlamaModel, ModelConfig]:
 
 
 @pytest.fixture(scope="module")
-def float32_target() -> tuple[LlamaModel, ModelConfig]:
-    """The target with its packed weights on the float32 route (where the CPU has AMX's 8-bit
-    tiles the default route is their panels)."""
+def int8_target() -> tuple[LlamaModel, ModelConfig]:
+    """The target with its 4-bit / 8-bit matrices in AMX's panels ($SPECSPLIT_CPU_INT8=1)."""
+    lib = cpu_gemm.library()
+    if lib is None or not lib.int8_ready:
+        pytest.skip("this CPU has no AMX 8-bit tiles")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("SPECSPLIT_CPU_INT8", "0")
+        env.setenv("SPECSPLIT_CPU_INT8", "1")
         cpu_gemm.int8_switch.cache_clear()
         try:
             return load_model(embedded_default_model_path(), dtype=torch.float32, device="cpu")
@@ -67,18 +68,16 @@ def test_shipped_head_is_lossless_and_accepted(target, smollm2_tokenizer, spec) 
     assert per_round > 1.4, per_round
 
 
-def test_shipped_head_is_lossless_on_the_other_route(target, float32_target, smollm2_tokenizer):
-    """A tree's verify (1 + 8 rows) gives each row a one-token step's bits on both CPU routes
-    (AMX's 8-bit panels, the float32 products), so speculation's greedy tokens are the target
-    alone's on each; both routes answer these prompts alike."""
-    kinds = {run.kind for w in model_matrices(target[0]) for run in cpu_quant.packed(w) or ()}
-    other = float32_target if cpu_quant.KIND_4BIT_PANELS in kinds else None
-    if other is None:
-        pytest.skip("the default route is the float32 one here (no AMX 8-bit tiles)")
+def test_shipped_head_is_lossless_on_amx_panels(target, int8_target, smollm2_tokenizer) -> None:
+    """A tree's verify (1 + 8 rows) gives each row a one-token step's bits on the 8-bit route too,
+    so speculation's greedy tokens are the target alone's there; and that route answers these
+    prompts as the float32 route does."""
+    kinds = {run.kind for w in model_matrices(int8_target[0]) for run in cpu_quant.packed(w) or ()}
+    assert cpu_quant.KIND_4BIT_PANELS in kinds
     spec = SpecParams(4, 3, 8)
-    want, _ = _run(other, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
-    got, per_round = _run(other, smollm2_tokenizer, "eagle3", spec)
+    want, _ = _run(int8_target, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    got, per_round = _run(int8_target, smollm2_tokenizer, "eagle3", spec)
     assert got == want
     assert per_round > 1.4, per_round
-    default_route, _ = _run(target, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
-    assert default_route == want
+    float32_answers, _ = _run(target, smollm2_tokenizer, "ngram", SpecParams(0, 1, 0))
+    assert float32_answers == want

@@ -30,8 +30,8 @@ def lanes(request: pytest.FixtureRequest, cpu_kernel: cpu_gemm.Library) -> int:
 
 @pytest.fixture
 def float32_products(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Packed weights on their float32 route, not AMX's 8-bit panels (the default where the CPU
-    has them; their products are near the float32 ones, not their bits: test_cpu_int8.py)."""
+    """Packed weights on their float32 route, not AMX's 8-bit panels (whose products are near
+    the float32 ones, not their bits: test_cpu_int8.py), whatever $SPECSPLIT_CPU_INT8 says."""
     monkeypatch.setenv("SPECSPLIT_CPU_INT8", "0")
     cpu_gemm.int8_switch.cache_clear()
     yield

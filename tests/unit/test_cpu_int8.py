@@ -1,5 +1,5 @@
 """cpu_gemm.c's int8_gemm (4-bit and 8-bit GGUF weights in panels, x as two 8-bit parts a block,
-AMX's integer tiles; the default where the CPU has them): panels dequantize to their source's
+AMX's integer tiles; opt-in, $SPECSPLIT_CPU_INT8=1): panels dequantize to their source's
 values; a product is `cpu_quant.int8_reference`'s bits (torch) at every row count, so a row's
 result does not depend on the rows beside it; the reference is within ~1e-5 of the float product;
 a model loaded with $SPECSPLIT_CPU_INT8=1 has its 4-bit / 8-bit matrices in panels, gives a
