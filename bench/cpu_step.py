@@ -67,7 +67,7 @@ def main() -> None:
                     model(build_forward_batch([step], page_size)[0], kv)
                     if index >= 3:  # after warm-up
                         times.setdefault((variant, rows), []).append(time.perf_counter() - start)
-    route = "; packed = 4-bit / 8-bit panels, x rounded to 8 bits" if cpu_gemm.int8_route() else ""
+    route = "; packed = 4-bit / 8-bit panels, x as two 8-bit parts" if cpu_gemm.int8_route() else ""
     print(f"{path}, float32, {args.threads} threads, {args.context} tokens of context{route}")
     names = list(VARIANTS)
     print("| rows | " + " | ".join(f"{name} ms" for name in names) + " | each / the first |")

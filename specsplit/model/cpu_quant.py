@@ -270,26 +270,28 @@ def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     """The reference: the first `rows` (default all) of the matrix in float32 [rows, cols], each
     weight d * q + m (kinds 1 and 5) or d * q (kinds 2 and 6) as gguf's numpy forms it, or a
     bfloat16 widened (kind 3)."""
-    if packed.kind in RECORD_BYTES:
-        d, m, q = _scales_and_q(packed)
-        values = d[..., None] * q.float() + m[..., None]
-        return values.reshape(packed.rows, -1)[:rows]
-    data = packed.data if rows is None else packed.data[:rows]
+    if rows is not None:
+        packed = _first_rows(packed, rows)
     if packed.kind == KIND_BF16:
-        return data.view(torch.bfloat16).float()
-    blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[packed.kind])
+        return packed.data.view(torch.bfloat16).float()
     if packed.kind == KIND_8BIT_16:
+        blocks = packed.data.reshape(packed.rows, -1, BLOCK_BYTES[packed.kind])
         halves = blocks[..., 0:8].contiguous().view(torch.float32)  # [rows, blocks, 2]
         q = blocks[..., 8:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]
-        return (q.reshape(*q.shape[:2], 2, 16) * halves[..., None]).reshape(data.shape[0], -1)
-    d = blocks[..., 0:4].contiguous().view(torch.float32)  # [rows, blocks, 1]
-    if packed.kind == KIND_8BIT:
-        q = blocks[..., 4:].contiguous().view(torch.int8).float()  # [rows, blocks, 32]
-        return (q * d).reshape(data.shape[0], -1)
-    m = blocks[..., 4:8].contiguous().view(torch.float32)
-    nibbles = blocks[..., 8:]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [rows, blocks, 32]
-    return (d * q + m).reshape(data.shape[0], -1)
+        return (q.reshape(*q.shape[:2], 2, 16) * halves[..., None]).reshape(packed.rows, -1)
+    d, m, q = _scales_and_q(packed)
+    values = d[..., None] * q.float()
+    if packed.kind in (KIND_4BIT, KIND_4BIT_PANELS):
+        values = values + m[..., None]
+    return values.reshape(packed.rows, -1)
+
+
+def _first_rows(packed: Packed, rows: int) -> Packed:
+    """The matrix's first `rows` rows (panels: the panels that hold them)."""
+    if packed.kind not in RECORD_BYTES:
+        return Packed(packed.kind, packed.data[:rows], packed.cols)
+    rows = min(rows, packed.rows)
+    return Packed(packed.kind, packed.data[: -(-rows // PANEL_ROWS)], packed.cols, rows)
 
 
 def attach_bfloat16(weight: torch.Tensor) -> bool:

@@ -92,16 +92,12 @@ def test_the_int8_reference_is_the_float_product_within_two_8_bit_parts_rounding
     assert 1e-7 < relative < 1e-4, relative
 
 
-def test_without_the_switch_a_model_loads_without_panels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECSPLIT_CPU_INT8", "0")
-    cpu_gemm.int8_switch.cache_clear()
-    try:
-        assert not cpu_gemm.int8_route()
-        model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=1)
-        kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
-        assert kinds == {cpu_quant.KIND_4BIT, cpu_quant.KIND_8BIT}
-    finally:
-        cpu_gemm.int8_switch.cache_clear()
+@pytest.mark.usefixtures("float32_products")
+def test_without_the_switch_a_model_loads_without_panels() -> None:
+    assert not cpu_gemm.int8_route()
+    model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=1)
+    kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
+    assert kinds == {cpu_quant.KIND_4BIT, cpu_quant.KIND_8BIT}
 
 
 def _step_logits(
