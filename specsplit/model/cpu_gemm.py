@@ -11,10 +11,11 @@ MKL's GEMV (bench/cpu_linear.py; bench/RESULTS.md). Without a compiler, or on a 
 neither AVX-512 nor AVX2 + FMA, `library()` is None and specsplit/model/linear.py keeps its
 weight-major torch route.
 
-Opt-in ($SPECSPLIT_CPU_INT8=1, `int8_route`), where the CPU has AMX's 8-bit tiles: 4-bit and
-8-bit GGUF matrices in panels go to cpu_gemm.c's `int8_gemm`, x as two 8-bit parts a block of 32:
-each row still its own bits at any row count, a verify's extra rows cheap, the products within
-~2e-5 of the float32 ones but not their bits.
+Where the CPU has AMX's 8-bit tiles (`int8_route`; $SPECSPLIT_CPU_INT8=0 turns it off): 4-bit
+and 8-bit GGUF matrices in panels go to cpu_gemm.c's `int8_gemm`, x as two 8-bit parts a block
+of 32: each row still its own bits at any row count, a one-row step ~0.8x the float32 route's
+time and a verify's extra rows cheap, the products within ~2e-5 of the float32 ones but not
+their bits.
 """
 
 from __future__ import annotations
@@ -119,10 +120,10 @@ class Library:
 
 @functools.cache
 def int8_switch() -> bool:
-    """$SPECSPLIT_CPU_INT8: "0" (default) or "1": 4-bit and 8-bit GGUF weights regrouped into
+    """$SPECSPLIT_CPU_INT8: "1" (default) or "0": 4-bit and 8-bit GGUF weights regrouped into
     panels and multiplied with x as two 8-bit parts on AMX's tiles (cpu_gemm.c's int8_gemm)
-    where this CPU has them (faster from a few rows on, ~5-8% slower at one stream)."""
-    return env_switch("SPECSPLIT_CPU_INT8", default=False)
+    where this CPU has them (a step 0.7-0.85x the float32 route's time from 1 to 16 rows)."""
+    return env_switch("SPECSPLIT_CPU_INT8")
 
 
 def int8_route() -> bool:

@@ -20,8 +20,8 @@ checking its first rows dequantize to that weight's values; `packed` returns it 
 keeps its storage and version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs
 nothing.
 
-Panels (`panels`, kinds 5 and 6; made by the loader with $SPECSPLIT_CPU_INT8=1 on a CPU with
-AMX's 8-bit tiles): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
+Panels (`panels`, kinds 5 and 6; made by the loader on a CPU with AMX's 8-bit tiles unless
+$SPECSPLIT_CPU_INT8=0): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
 `int8_gemm`, which takes x as two 8-bit parts a block and so is near the float32 product, not
 its bits: `int8_reference` gives its bits in torch.
 """

@@ -1,11 +1,12 @@
 """cpu_gemm.c's int8_gemm (4-bit and 8-bit GGUF weights in panels, x as two 8-bit parts a block,
-AMX's integer tiles; opt-in, $SPECSPLIT_CPU_INT8=1): panels dequantize to their source's
-values; a product is `cpu_quant.int8_reference`'s bits (torch) at every row count, so a row's
-result does not depend on the rows beside it; the reference is within ~1e-5 of the float product;
-a model loaded with $SPECSPLIT_CPU_INT8=1 has its 4-bit / 8-bit matrices in panels, gives a
-verify's rows the bits one-token steps give them (what greedy speculation's equality with the
-target alone rests on) and logits within 1e-3 of the float32 route's; =0 loads no panels. The
-kernel's cases skip on a CPU without AMX's 8-bit tiles."""
+AMX's integer tiles; the CPU's default where it has them, $SPECSPLIT_CPU_INT8=0 off): panels
+dequantize to their source's values; a product is `cpu_quant.int8_reference`'s bits (torch) at
+every row count and panel count, so a row's result does not depend on the rows beside it; the
+reference is within ~1e-5 of the float product; a model loaded with $SPECSPLIT_CPU_INT8=1 has
+its 4-bit / 8-bit matrices in panels, gives a verify's rows the bits one-token steps give them
+(what greedy speculation's equality with the target alone rests on) and logits within 1e-3 of
+the float32 route's; =0 loads no panels. The kernel's cases skip on a CPU without AMX's 8-bit
+tiles."""
 
 from __future__ import annotations
 
@@ -64,11 +65,12 @@ def test_panels_dequantize_to_their_sources_values(qtype: Q, rows: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("weight_rows", [53, 37])  # panels in pairs, the last partial; a lone last
 def test_an_int8_product_is_the_references_bits_at_every_row_count(
-    qtype: Q, int8_tiles: None
+    qtype: Q, weight_rows: int, int8_tiles: None
 ) -> None:
     cols = 256 if qtype == Q.Q4_K else 160
-    panels, values = _panels(qtype, 53, cols, seed=3)
+    panels, values = _panels(qtype, weight_rows, cols, seed=3)
     weight = values.clone()
     assert cpu_quant.attach(weight, panels)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,76 @@
+"""The CPU's two routes for a GGUF's 4-bit matrices, over the embedded default's 30 layers of
+projections (random Q4_1 blocks at its shapes, ~80 MB: more than the caches hold, as in a
+step): the packed float32 route (cpu_gemm.c's `quant_gemm`, kind 1) against AMX's 8-bit
+panels (`int8_gemm`, kind 5, x as two 8-bit parts), each pass's median ms in turn in one
+process, and their ratio. Needs a CPU with AMX's 8-bit tiles.
+
+    PYTHONPATH=. python bench/cpu_int8_gemm.py [--rows 1 4 16] [--turns 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from gguf import GGMLQuantizationType
+
+from specsplit.model import cpu_gemm, cpu_quant
+
+HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30  # the embedded SmolLM2-135M's
+# each layer's matrices [out, in]: q, k, v, o, gate, up, down
+SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN)]
+SHAPES += [(INTERMEDIATE, HIDDEN)] * 2 + [(HIDDEN, INTERMEDIATE)]
+
+
+def q4_1(rows: int, cols: int, gen: torch.Generator) -> cpu_quant.Packed:
+    """Random Q4_1 blocks (small positive d, negative m, any nibbles), packed (kind 1)."""
+    blocks = cols // cpu_quant.BLOCK
+    raw = torch.randint(0, 256, (rows, blocks, 20), dtype=torch.uint8, generator=gen)
+    d = torch.rand(rows, blocks, generator=gen) * 0.01 + 0.001
+    m = -torch.rand(rows, blocks, generator=gen) * 0.05
+    raw[..., 0:2] = d.half().view(torch.uint8).reshape(rows, blocks, 2)
+    raw[..., 2:4] = m.half().view(torch.uint8).reshape(rows, blocks, 2)
+    return cpu_quant.pack(GGMLQuantizationType.Q4_1, raw.reshape(rows, -1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--turns", type=int, default=20, help="timed passes of each route")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = cpu_gemm.library()
+    if lib is None or not lib.int8_ready:
+        raise SystemExit("this CPU has no AMX 8-bit tiles (or no C compiler)")
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for _ in range(LAYERS):
+        for rows, cols in SHAPES:
+            packed = q4_1(rows, cols, gen)
+            mats.append((packed, cpu_quant.panels(packed)))
+    print(f"{len(mats)} matrices, {sum(p.data.numel() for p, _ in mats) / 1e6:.1f} MB a route, "
+          f"{args.threads} threads; median ms a pass")  # fmt: skip
+    print("| rows | float32 route (kind 1) | 8-bit panels (kind 5) | panels / float32 |")
+    print("|---:|---:|---:|---:|")
+    for num_rows in args.rows:
+        xs = {k: torch.randn(num_rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
+        outs = {n: torch.empty(num_rows, n) for n in (KV, HIDDEN, INTERMEDIATE)}
+
+        times: list[list[float]] = [[], []]
+        for turn in range(args.turns + 1):  # the first untimed
+            for route in (0, 1):
+                start = time.perf_counter()
+                for mat in mats:
+                    packed = mat[route]
+                    lib.quant(xs[packed.cols], packed, outs[packed.rows], lib.lanes)
+                if turn:
+                    times[route].append((time.perf_counter() - start) * 1e3)
+        f32, int8 = (statistics.median(t) for t in times)
+        print(f"| {num_rows} | {f32:.3f} | {int8:.3f} | {int8 / f32:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
