@@ -1,8 +1,9 @@
 """The CPU's two routes for a GGUF's 4-bit matrices, over the embedded default's 30 layers of
 projections (random Q4_1 blocks at its shapes, ~80 MB: more than the caches hold, as in a
-step): the packed float32 route (cpu_gemm.c's `quant_gemm`, kind 1) against AMX's 8-bit
-panels (`int8_gemm`, kind 5, x as two 8-bit parts), each pass's median ms in turn in one
-process, and their ratio. Needs a CPU with AMX's 8-bit tiles.
+step): the packed float32 route (cpu_gemm.c's `quant_gemm`, kind 1) against the 8-bit panels
+(kind 5, x as two 8-bit parts) on AMX's tiles (`int8_gemm`) and on AVX-512 VNNI (`vnni_gemm`,
+the same bits), each pass's median ms in turn in one process, and each / the float32 route's.
+Needs a CPU with either.
 
     PYTHONPATH=. python bench/cpu_int8_gemm.py [--rows 1 4 16] [--turns 20] [--threads 2]
 """
@@ -44,7 +45,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lib = cpu_gemm.library()
     if lib is None or not lib.int8_ready:
-        raise SystemExit("this CPU has no AMX 8-bit tiles (or no C compiler)")
+        raise SystemExit("this CPU has neither AMX's 8-bit tiles nor AVX-512 VNNI (or no compiler)")
+    # (name, which matrix of a pair, rows from which AMX takes the panels' products)
+    routes = [("float32 route (kind 1)", 0, 0)]
+    routes += [("AMX tiles (kind 5)", 1, 1)] if lib.amx else []
+    routes += [("VNNI (kind 5)", 1, 1 << 40)] if lib.vnni else []
     gen = torch.Generator().manual_seed(0)
     mats = []
     for _ in range(LAYERS):
@@ -53,23 +58,29 @@ def main() -> None:
             mats.append((packed, cpu_quant.panels(packed)))
     print(f"{len(mats)} matrices, {sum(p.data.numel() for p, _ in mats) / 1e6:.1f} MB a route, "
           f"{args.threads} threads; median ms a pass")  # fmt: skip
-    print("| rows | float32 route (kind 1) | 8-bit panels (kind 5) | panels / float32 |")
-    print("|---:|---:|---:|---:|")
+    names = [name for name, _, _ in routes]
+    ratios = [f"{n} / float32" for n in names[1:]]
+    print("| rows | " + " | ".join(names + ratios) + " |")
+    print("|---:|" + "---:|" * (2 * len(routes) - 1))
+    default_rows = lib.int8_kernel_rows(1)
     for num_rows in args.rows:
         xs = {k: torch.randn(num_rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
         outs = {n: torch.empty(num_rows, n) for n in (KV, HIDDEN, INTERMEDIATE)}
 
-        times: list[list[float]] = [[], []]
+        times: list[list[float]] = [[] for _ in routes]
         for turn in range(args.turns + 1):  # the first untimed
-            for route in (0, 1):
+            for times_of, (_, which, amx_from) in zip(times, routes, strict=True):
+                lib.int8_kernel_rows(amx_from)
                 start = time.perf_counter()
                 for mat in mats:
-                    packed = mat[route]
+                    packed = mat[which]
                     lib.quant(xs[packed.cols], packed, outs[packed.rows], lib.lanes)
                 if turn:
-                    times[route].append((time.perf_counter() - start) * 1e3)
-        f32, int8 = (statistics.median(t) for t in times)
-        print(f"| {num_rows} | {f32:.3f} | {int8:.3f} | {int8 / f32:.3f} |")
+                    times_of.append((time.perf_counter() - start) * 1e3)
+        ms = [statistics.median(t) for t in times]
+        cells = [f"{m:.3f}" for m in ms] + [f"{m / ms[0]:.3f}" for m in ms[1:]]
+        print(f"| {num_rows} | " + " | ".join(cells) + " |")
+    lib.int8_kernel_rows(default_rows)
 
 
 if __name__ == "__main__":

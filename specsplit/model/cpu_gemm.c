@@ -291,6 +291,8 @@ TILE(q6_tile8, AVX2, q6_block8)
  * specsplit/model/cpu_quant.py's `int8_reference` in torch. Not the float32 route's bits: within
  * ~2e-5 of its products (the embedded default's logits within 4e-5-2e-4). */
 #define AMX8 __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8")))
+#define AVX512BW __attribute__((target("avx512f,avx512bw")))
+#define VNNI8 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define PANEL_ROWS 16
@@ -320,7 +322,7 @@ int amx_int8_ready(void) {
 
 /* a row's block of 32 x (v0, v1) -> its 8-bit q (into q, 32 bytes), its scale (dx = max |v| /
  * 127) and the sum of its q (sx, in float); q's values in float32 into *f0, *f1 */
-AMX8 ALWAYS_INLINE void int8_block(__m512 v0, __m512 v1, int8_t *q, float *dx, float *sx, __m512 *f0,
+AVX512BW ALWAYS_INLINE void int8_block(__m512 v0, __m512 v1, int8_t *q, float *dx, float *sx, __m512 *f0,
                                    __m512 *f1) {
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -339,8 +341,8 @@ AMX8 ALWAYS_INLINE void int8_block(__m512 v0, __m512 v1, int8_t *q, float *dx, f
  * each part's q of them: the 2 * tile rows of one tile operand) and dx [2][m_pad][k_len / 32]
  * (each part's scale), and c [m_pad][k_len / 32] = sum(q1) * dx1 + sum(q2) * dx2 (the block's x
  * as the parts give it, summed: what a 4-bit block's m multiplies); rows past m_len zeros */
-AMX8 static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t tile,
-                           int64_t k_len, int8_t *xq, float *dx, float *c) {
+AVX512BW static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t tile,
+                               int64_t k_len, int8_t *xq, float *dx, float *c) {
     int64_t blocks = k_len / QBLOCK;
     memset(xq, 0, (size_t)(2 * m_pad * k_len));
     memset(dx, 0, (size_t)(2 * m_pad * blocks) * sizeof(float));
@@ -373,7 +375,7 @@ AMX8 ALWAYS_INLINE void int8_split(const uint8_t *nibbles, uint8_t (*tiles)[4][6
 
 /* a block's sums (a tile stored to sums: [part][x rows][16 weight rows]) scaled into acc, the
  * module's comment: acc[i] += d * (s1 * dx1 + s2 * dx2) (+ m * c, kind 5) */
-AMX8 ALWAYS_INLINE void int8_scale(__m512 *acc, int32_t (*sums)[PANEL_ROWS], const uint8_t *record,
+AVX512BW ALWAYS_INLINE void int8_scale(__m512 *acc, int32_t (*sums)[PANEL_ROWS], const uint8_t *record,
                                    const float *dxb, const float *cb, int64_t part_s, int64_t blocks,
                                    int mr, int64_t tile_rows, int kind) {
     __m512 d = _mm512_loadu_ps((const float *)record);
@@ -498,6 +500,114 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
     free(c);
 }
 
+/* Whether this CPU has AVX-512 VNNI (and BW): int8 products without AMX, the same sums */
+int vnni_int8_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        __builtin_cpu_init();
+        ready = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+    }
+    return ready;
+}
+
+/* rows of x from which a product on panels takes AMX's tiles where the CPU has both (fewer go
+ * to vnni_gemm): all, since on the development VM's Xeon the two tie at 1-2 rows and AMX is the
+ * faster from 4 (the embedded default's layers, bench/cpu_int8_gemm.py: 0.76-0.83x against
+ * 0.82-0.88x the float32 route's time at 4 rows, 0.64-0.68x against 0.85-0.91x at 8).
+ * `int8_kernel_rows` sets it and returns what it was (tests: each kernel at every row count). */
+#define AMX_FROM_ROWS 1
+static int64_t amx_from_rows = AMX_FROM_ROWS;
+int64_t int8_kernel_rows(int64_t rows) {
+    int64_t was = amx_from_rows;
+    amx_from_rows = rows;
+    return was;
+}
+
+#define VNNI_ROWS 4 /* rows of x a pass over a panel's block (its weights kept in registers) */
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
+
+/* int8_gemm's product with AVX-512 VNNI instead of AMX: the same exact int32 block sums
+ * (`vpdpbusd`: a record's 8 tile rows, k / 4 each, are 16 weight rows' 4 bytes a lane, times x's
+ * 4 bytes broadcast; kind 6's signed weights take x + 128 unsigned and give back 128 times the
+ * weights' sum), then int8_scale's float32 operations in its order: the same bits as int8_gemm
+ * and `int8_reference`. Each part's sums land in registers (no tile store), so few rows are
+ * cheaper here than on AMX's tiles. */
+VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind,
+                            float *out, int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len,
+                            int threads) {
+    if (m_len == 0) return;
+    int64_t blocks = k_len / QBLOCK;
+    /* x's parts a row: xq [m][2][k_len], dx [2][m][blocks], c [m][blocks] */
+    int8_t *xq = aligned_alloc(64, (size_t)((2 * m_len * k_len + 63) / 64 * 64));
+    float *dx = aligned_alloc(64, (size_t)((2 * m_len * blocks * 4 + 63) / 64 * 64));
+    float *c = aligned_alloc(64, (size_t)((m_len * blocks * 4 + 63) / 64 * 64));
+    if (!xq || !dx || !c) abort();
+    int8_rows(x, ldx, m_len, m_len, 1, k_len, xq, dx, c);
+    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
+    int64_t part_s = m_len * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < n_panels; p++) {
+        const uint8_t *panel = w + p * ldw;
+        int64_t n = p * PANEL_ROWS;
+        int nr = n_len - n < PANEL_ROWS ? (int)(n_len - n) : PANEL_ROWS;
+        __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+        __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+        for (int64_t m0 = 0; m0 < m_len; m0 += VNNI_ROWS) {
+            int mr = m_len - m0 < VNNI_ROWS ? (int)(m_len - m0) : VNNI_ROWS;
+            __m512 acc[VNNI_ROWS];
+            for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *record = panel + b * bytes;
+                for (int64_t line = 0; line < bytes; line += 64)
+                    _mm_prefetch((const char *)(record + line + PREFETCH), _MM_HINT_T0);
+                /* the block's tile rows: row r holds k 4r..4r+3 of the 16 weight rows */
+                __m512i rows[8], shift = _mm512_setzero_si512();
+                if (kind == 5) {
+                    for (int r = 0; r < 4; r++) {
+                        __m512i v = _mm512_loadu_si512(record + 128 + 64 * r);
+                        rows[r] = _mm512_and_si512(v, low);
+                        rows[4 + r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    }
+                } else {
+                    for (int r = 0; r < 8; r++) {
+                        rows[r] = _mm512_loadu_si512(record + 64 + 64 * r);
+                        shift = _mm512_dpbusd_epi32(shift, ones, rows[r]);
+                    }
+                    shift = _mm512_slli_epi32(shift, 7); /* 128 times each weight row's sum */
+                }
+                for (int i = 0; i < mr; i++) {
+                    const int8_t *x1 = xq + 2 * (m0 + i) * k_len + b * QBLOCK, *x2 = x1 + k_len;
+                    __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                                    _mm512_setzero_si512()};
+                    for (int r = 0; r < 8; r++) {
+                        /* x's 4 bytes at k 4r, read as one int32 (broadcast from memory) */
+                        int32_t q1 = ((const unaligned_i32 *)x1)[r], q2 = ((const unaligned_i32 *)x2)[r];
+                        if (kind == 5) {
+                            s[r & 1] = _mm512_dpbusd_epi32(s[r & 1], rows[r], _mm512_set1_epi32(q1));
+                            s[2 + (r & 1)] = _mm512_dpbusd_epi32(s[2 + (r & 1)], rows[r], _mm512_set1_epi32(q2));
+                        } else {
+                            __m512i u1 = _mm512_xor_si512(_mm512_set1_epi32(q1), flip);
+                            __m512i u2 = _mm512_xor_si512(_mm512_set1_epi32(q2), flip);
+                            s[r & 1] = _mm512_dpbusd_epi32(s[r & 1], u1, rows[r]);
+                            s[2 + (r & 1)] = _mm512_dpbusd_epi32(s[2 + (r & 1)], u2, rows[r]);
+                        }
+                    }
+                    int32_t sums[2][PANEL_ROWS] __attribute__((aligned(64)));
+                    _mm512_store_si512(sums[0], _mm512_sub_epi32(_mm512_add_epi32(s[0], s[1]), shift));
+                    _mm512_store_si512(sums[1], _mm512_sub_epi32(_mm512_add_epi32(s[2], s[3]), shift));
+                    const float *dxb = dx + (m0 + i) * blocks + b, *cb = c + (m0 + i) * blocks + b;
+                    int8_scale(acc + i, sums, record, dxb, cb, part_s, blocks, 1, 1, kind);
+                }
+            }
+            __mmask16 mask = (__mmask16)((1u << nr) - 1);
+            for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n, mask, acc[i]);
+        }
+    }
+    free(xq);
+    free(dx);
+    free(c);
+}
+
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */
 typedef void (*tile_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t,
                         int64_t, int, int);
@@ -563,8 +673,11 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
  * from the rows formed once a pass (run_tiles' `form`; the same bits either way) */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    if (kind == 5 || kind == 6) {
-        int8_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);
+    if (kind == 5 || kind == 6) { /* panels: made only where amx_int8_ready or vnni_int8_ready */
+        if (amx_int8_ready() && (m_len >= amx_from_rows || !vnni_int8_ready()))
+            int8_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);
+        else
+            vnni_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);
         return;
     }
     int wide = lanes == 16;

@@ -11,11 +11,11 @@ MKL's GEMV (bench/cpu_linear.py; bench/RESULTS.md). Without a compiler, or on a 
 neither AVX-512 nor AVX2 + FMA, `library()` is None and specsplit/model/linear.py keeps its
 weight-major torch route.
 
-Where the CPU has AMX's 8-bit tiles (`int8_route`; $SPECSPLIT_CPU_INT8=0 turns it off): 4-bit
-and 8-bit GGUF matrices in panels go to cpu_gemm.c's `int8_gemm`, x as two 8-bit parts a block
-of 32: each row still its own bits at any row count, a one-row step ~0.8x the float32 route's
-time and a verify's extra rows cheap, the products within ~2e-5 of the float32 ones but not
-their bits.
+Where the CPU has AMX's 8-bit tiles, else AVX-512 VNNI (`int8_route`; $SPECSPLIT_CPU_INT8=0
+turns it off): 4-bit and 8-bit GGUF matrices in panels go to cpu_gemm.c's `int8_gemm` (AMX) or
+`vnni_gemm` (the same bits), x as two 8-bit parts a block of 32: each row still its own bits at
+any row count, a one-row step ~0.8x the float32 route's time and a verify's extra rows cheap
+(on AMX), the products within ~2e-5 of the float32 ones but not their bits.
 """
 
 from __future__ import annotations
@@ -85,7 +85,19 @@ class Library:
         self._weight_gemm.argtypes += [i64, ctypes.c_int, ctypes.c_int]
         self._weight_gemm.restype = None
         self.cdll.amx_int8_ready.restype = ctypes.c_int
-        self.int8_ready = bool(self.cdll.amx_int8_ready())
+        self.cdll.vnni_int8_ready.restype = ctypes.c_int
+        self.amx = bool(self.cdll.amx_int8_ready())
+        self.vnni = bool(self.cdll.vnni_int8_ready())
+        self.int8_ready = self.amx or self.vnni  # (the two kernels give the same bits)
+        self.cdll.int8_kernel_rows.argtypes = [i64]
+        self.cdll.int8_kernel_rows.restype = i64
+
+    def int8_kernel_rows(self, rows: int) -> int:
+        """Products on panels of at least `rows` rows of x take AMX's tiles where the CPU has
+        both kernels, fewer AVX-512 VNNI (the C file's AMX_FROM_ROWS, 1, by default; tests and
+        bench/cpu_int8_gemm.py: a large number for VNNI only); returns the number it
+        replaces."""
+        return int(self.cdll.int8_kernel_rows(rows))
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, lanes: int) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, rows of each contiguous (checked by the
@@ -121,14 +133,15 @@ class Library:
 @functools.cache
 def int8_switch() -> bool:
     """$SPECSPLIT_CPU_INT8: "1" (default) or "0": 4-bit and 8-bit GGUF weights regrouped into
-    panels and multiplied with x as two 8-bit parts on AMX's tiles (cpu_gemm.c's int8_gemm)
-    where this CPU has them (a step 0.7-0.85x the float32 route's time from 1 to 16 rows)."""
+    panels and multiplied with x as two 8-bit parts on AMX's tiles (cpu_gemm.c's int8_gemm) or
+    with AVX-512 VNNI (vnni_gemm) where this CPU has them (on AMX a step 0.7-0.85x the float32
+    route's time from 1 to 16 rows)."""
     return env_switch("SPECSPLIT_CPU_INT8")
 
 
 def int8_route() -> bool:
     """Whether packed 4-bit and 8-bit weights go to panels (`int8_switch` on and AMX's 8-bit
-    tiles ready)."""
+    tiles or AVX-512 VNNI ready)."""
     lib = library()
     return int8_switch() and lib is not None and lib.int8_ready
 

@@ -20,10 +20,10 @@ checking its first rows dequantize to that weight's values; `packed` returns it 
 keeps its storage and version (an in-place change drops it). `SPECSPLIT_CPU_QUANT=0` packs
 nothing.
 
-Panels (`panels`, kinds 5 and 6; made by the loader on a CPU with AMX's 8-bit tiles unless
-$SPECSPLIT_CPU_INT8=0): kind-1 and kind-2 matrices regrouped 16 rows a panel for cpu_gemm.c's
-`int8_gemm`, which takes x as two 8-bit parts a block and so is near the float32 product, not
-its bits: `int8_reference` gives its bits in torch.
+Panels (`panels`, kinds 5 and 6; made by the loader on a CPU with AMX's 8-bit tiles or AVX-512
+VNNI unless $SPECSPLIT_CPU_INT8=0): kind-1 and kind-2 matrices regrouped 16 rows a panel for
+cpu_gemm.c's `int8_gemm` / `vnni_gemm`, which take x as two 8-bit parts a block and so are near
+the float32 product, not its bits: `int8_reference` gives their bits in torch.
 """
 
 from __future__ import annotations

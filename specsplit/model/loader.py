@@ -155,7 +155,7 @@ def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
             attached += cpu_quant.attach_bfloat16(weight)
     log.info(
         "packed %d of %d matrices for the CPU's kernel%s", attached, len(targets),
-        " (4-bit and 8-bit in panels: x as two 8-bit parts on AMX)" if to_panels else "",
+        " (4-bit and 8-bit in panels: x as two 8-bit parts, AMX or VNNI)" if to_panels else "",
     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ def int8_target() -> tuple[LlamaModel, ModelConfig]:
     """The target with its 4-bit / 8-bit matrices in AMX's panels ($SPECSPLIT_CPU_INT8=1)."""
     lib = cpu_gemm.library()
     if lib is None or not lib.int8_ready:
-        pytest.skip("this CPU has no AMX 8-bit tiles")
+        pytest.skip("this CPU has neither AMX's 8-bit tiles nor AVX-512 VNNI")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SPECSPLIT_CPU_INT8", "1")
         cpu_gemm.int8_switch.cache_clear()

@@ -33,7 +33,17 @@ pytestmark = pytest.mark.usefixtures("cpu_kernel")
 @pytest.fixture
 def int8_tiles(cpu_kernel: cpu_gemm.Library) -> None:
     if not cpu_kernel.int8_ready:
-        pytest.skip("this CPU has no AMX 8-bit tiles")
+        pytest.skip("this CPU has neither AMX's 8-bit tiles nor AVX-512 VNNI")
+
+
+@pytest.fixture(params=["amx", "vnni"])
+def int8_kernel(request: pytest.FixtureRequest, cpu_kernel: cpu_gemm.Library) -> Iterator[str]:
+    """Every product on panels through one kernel (AMX's tiles or AVX-512 VNNI), at any rows."""
+    if not getattr(cpu_kernel, request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    was = cpu_kernel.int8_kernel_rows(1 if request.param == "amx" else 1 << 40)
+    yield request.param
+    cpu_kernel.int8_kernel_rows(was)
 
 
 @pytest.fixture
@@ -67,7 +77,7 @@ def test_panels_dequantize_to_their_sources_values(qtype: Q, rows: int) -> None:
 @pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("weight_rows", [53, 37])  # panels in pairs, the last partial; a lone last
 def test_an_int8_product_is_the_references_bits_at_every_row_count(
-    qtype: Q, weight_rows: int, int8_tiles: None
+    qtype: Q, weight_rows: int, int8_kernel: str
 ) -> None:
     cols = 256 if qtype == Q.Q4_K else 160
     panels, values = _panels(qtype, weight_rows, cols, seed=3)
@@ -123,7 +133,8 @@ def _step_logits(
 
 def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_on: None) -> None:
     """Its Q4_1 projections and Q8_0 LM head in panels (two layers): a 6-token verify's logits
-    are the bits of six one-token steps, and within 1e-3 of the float32 route's (relative)."""
+    are the bits of six one-token steps (where the CPU has both kernels, the verify's products on
+    AMX's tiles, the steps' on AVX-512 VNNI), and within 1e-3 of the float32 route's (relative)."""
     assert cpu_gemm.int8_route()
     model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
     kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
