@@ -5,7 +5,8 @@ in one C call (specsplit/model/cpu_layer.c) reading the GGUF's packed blocks
 float32 weights. With $SPECSPLIT_CPU_INT8=1 (on a CPU with AMX's 8-bit tiles) the packed row is
 the 8-bit route's panels (cpu_gemm.c's int8_gemm), labelled so.
 
-    PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30]
+    PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30] \
+        [--attention-by auto|query-head|kv-head]
 """
 
 from __future__ import annotations
@@ -39,8 +40,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps a turn")
     parser.add_argument("--turns", type=int, default=3, help="alternations of the two layers")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--attention-by",
+        choices=["auto", "query-head", "kv-head"],
+        default="auto",
+        help="the C layer's attention by query head (attend_row) or by KV head (attend_group) "
+        "at any context; auto: by KV head from 2,048 keys (cpu_layer.c's GROUPED_FROM_KEYS)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.attention_by != "auto":
+        cpu_layer.grouped_from(0 if args.attention_by == "kv-head" else 1 << 40)
     path = args.model or embedded_default_model_path()
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     page_size = 16

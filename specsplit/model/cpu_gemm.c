@@ -517,11 +517,15 @@ int vnni_int8_ready(void) {
  * `int8_kernel_rows` sets it and returns what it was (tests: each kernel at every row count). */
 #define AMX_FROM_ROWS 1
 static int64_t amx_from_rows = AMX_FROM_ROWS;
-int64_t int8_kernel_rows(int64_t rows) {
-    int64_t was = amx_from_rows;
-    amx_from_rows = rows;
+
+/* *at = value; returns what *at was (the settings tests change and restore) */
+int64_t swap_setting(int64_t *at, int64_t value) {
+    int64_t was = *at;
+    *at = value;
     return was;
 }
+
+int64_t int8_kernel_rows(int64_t rows) { return swap_setting(&amx_from_rows, rows); }
 
 #define VNNI_ROWS 4 /* rows of x a pass over a panel's block (its weights kept in registers) */
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;

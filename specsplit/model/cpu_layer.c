@@ -21,6 +21,7 @@
 
 void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
                 int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
+int64_t swap_setting(int64_t *at, int64_t value); /* cpu_gemm.c's */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads);
 
@@ -221,16 +222,16 @@ AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
     }
 }
 
-/* out [16 * CHUNKS] = the sum over the visible keys j of p[j] * v_j, and returns the sum of the
- * p[j]: axpy16's operations in its order, the sums kept in registers (no store and reload of out
- * between keys); values: the cache's first slot at this head */
+/* out [16 * CHUNKS] += the sum over the visible keys j of p[j] * v_j, and returns total plus the
+ * sum of the p[j]: axpy16's operations in its order, the sums kept in registers (no store and
+ * reload of out between keys), so keys in pieces (out and total carried from piece to piece) give
+ * the bits of one call; values: the cache's first slot at this head */
 #define WEIGH16(CHUNKS)                                                                            \
     AVX512 static float weigh16_##CHUNKS(float *out, const float *p, const uint8_t *visible,      \
                                          const int64_t *slots, int64_t n, const float *values,    \
-                                         int64_t slot_stride) {                                   \
+                                         int64_t slot_stride, float total) {                      \
         __m512 acc[CHUNKS];                                                                        \
-        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_setzero_ps();                             \
-        float total = 0.0f;                                                                        \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_loadu_ps(out + 16 * c);                   \
         for (int64_t j = 0; j < n; j++) {                                                          \
             if (visible && !visible[j]) continue;                                                  \
             total += p[j];                                                                         \
@@ -259,8 +260,9 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
         float top = d == 64 ? scores16_4(scores, q, visible, slots, n, keys, slot_stride, S->scale)
                             : scores16_8(scores, q, visible, slots, n, keys, slot_stride, S->scale);
         softmax_weights16(scores, n, top);
-        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride)
-                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride);
+        memset(out, 0, (size_t)d * sizeof(float));
+        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride, 0.0f)
+                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride, 0.0f);
     } else {
         float top = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
@@ -284,6 +286,77 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
     }
     float inverse = 1.0f / total;
     for (int64_t i = 0; i < d; i++) out[i] *= inverse;
+}
+
+#define MAX_GROUP 16 /* query heads a KV head attend_group takes */
+/* keys (the step's longest row's) from which the attention goes by KV head (attend_group) rather
+ * than by query head (attend_row); the same bits either way. By KV head a row's work splits into
+ * fewer pieces (SmolLM2's one-row step: 3 KV heads over 2 threads, against 9 query heads), which
+ * lost while a KV head's keys stay in L2 between its query heads (the embedded default's step on
+ * the 2-core VM, bench/cpu_step.py: 1 row at 200 / 600 / 1,000 keys 7.34 / 9.21 / 10.46 ms
+ * against 6.50 / 8.23 / 9.51; 4 rows at 1,000 15.28 against 14.22) and wins past them (2,000: 1
+ * row 14.97 against 14.82, 4 rows 26.93 against 29.76; 4,000: 26.16 against 28.21, 4 rows 47.72
+ * against 68.89). `layer_grouped_from` sets it and returns what it was (tests: both ways at
+ * every length) */
+#define GROUPED_FROM_KEYS 2048
+static int64_t grouped_from = GROUPED_FROM_KEYS;
+int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, keys); }
+
+/* row t's attention for every query head of KV head `kv` (the heads kv * G .. kv * G + G - 1,
+ * G = num_heads / num_kv_heads; 16 lanes, head_dim 64 or 128): each head's operations exactly as
+ * attend_row's (the same bits: its scores block by block, their largest merged by max, its weighted
+ * sum carried from block to block), the heads taken in turn a block of 16 keys at a time, so the
+ * block's K and V lines come from memory once for all G heads (the rest from L1). Past a few
+ * hundred keys the group's K / V no longer stay in L2 between one head and the next, and
+ * attend_row's head-by-head passes read them from memory G times. q: the row's queries
+ * [num_heads, d]; scores: G * max_keys floats; out: the row's [num_heads, d] */
+static void attend_group(const Layer *L, const Step *S, int64_t t, int64_t kv, const float *q,
+                         const float *k_cache, const float *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, groups = L->num_heads / L->num_kv_heads;
+    int64_t slot_stride = L->num_kv_heads * d, first = kv * groups;
+    const int64_t *slots = S->key_slots + S->key_start[t];
+    int64_t n = S->num_keys[t];
+    const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+    const float *keys = k_cache + kv * d, *values = v_cache + kv * d;
+    float top[MAX_GROUP], total[MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        top[g] = -INFINITY;
+        total[g] = 0.0f;
+        memset(out + (first + g) * d, 0, (size_t)d * sizeof(float));
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const uint8_t *seen = visible ? visible + j0 : NULL;
+        for (int64_t g = 0; g < groups; g++) {
+            const float *qg = q + (first + g) * d;
+            float *sg = scores + g * S->max_keys + j0;
+            float block = d == 64 ? scores16_4(sg, qg, seen, slots + j0, m, keys, slot_stride, S->scale)
+                                  : scores16_8(sg, qg, seen, slots + j0, m, keys, slot_stride, S->scale);
+            top[g] = block > top[g] ? block : top[g];
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) softmax_weights16(scores + g * S->max_keys, n, top[g]);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const uint8_t *seen = visible ? visible + j0 : NULL;
+        for (int64_t g = 0; g < groups; g++) {
+            float *og = out + (first + g) * d;
+            const float *pg = scores + g * S->max_keys + j0;
+            total[g] = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, total[g])
+                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, total[g]);
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        float inverse = 1.0f / total[g], *og = out + (first + g) * d;
+        for (int64_t i = 0; i < d; i++) og[i] *= inverse;
+    }
+}
+
+/* whether layer_forward's attention goes by KV head (attend_group) */
+static int grouped(const Layer *L, const Step *S) {
+    int64_t groups = L->num_heads / L->num_kv_heads;
+    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) && groups > 1 &&
+           groups <= MAX_GROUP && S->max_keys >= grouped_from;
 }
 
 /* ---------------------------------------------------------------- the layer */
@@ -321,11 +394,12 @@ static int64_t wide_width(const Layer *L) {
     return qkv > 2 * L->inter ? qkv : 2 * L->inter;
 }
 
-/* floats of scratch a step of num_tokens rows needs (layer_forward's buffers) */
+/* floats of scratch a step of num_tokens rows needs (layer_forward's buffers; scores for a KV
+ * head's query heads a thread, attend_group's) */
 int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
     int64_t attn = L->num_heads * L->head_dim;
     return num_tokens * (L->hidden + wide_width(L) + attn + L->inter + L->hidden) +
-           threads * max_keys;
+           threads * (L->num_heads / L->num_kv_heads) * max_keys;
 }
 
 /* act [T, inter] = silu(gate) * up of wide's rows [T, 2 * inter] (gate, then up), elementwise
@@ -355,7 +429,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     float *attn = wide + T * widest;       /* [T, q_width] */
     float *act = attn + T * q_width;       /* [T, inter] */
     float *proj = act + T * inter;         /* [T, H] */
-    float *scores = proj + T * H;          /* [threads, max_keys] */
+    float *scores = proj + T * H;          /* [threads, query heads a KV head, max_keys] */
 
     for (int64_t t = 0; t < T; t++) rms_norm_row(normed + t * H, h + t * H, L->input_norm, H, L->eps);
     project(&L->qkv, S, normed, wide, T, qkv_width, H);
@@ -377,15 +451,27 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
         memcpy(k_cache + slot * kv_width, k, kv_width * sizeof(float));
         memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
     }
-    int64_t pairs = T * L->num_heads;
-    /* a one-token step at 200 tokens of context (1,800 key visits) 6.8 -> 6.1 ms in parallel */
-    int parallel = S->threads > 1 && pairs * S->max_keys >= 1024;
+    int64_t groups = L->num_heads / L->num_kv_heads;
+    if (grouped(L, S)) { /* attend_group: a KV head's query heads in one pass over its keys */
+        int64_t pairs = T * L->num_kv_heads;
+#pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t t = pair / L->num_kv_heads, kv = pair % L->num_kv_heads;
+            float *thread_scores = scores + (int64_t)omp_get_thread_num() * groups * S->max_keys;
+            attend_group(L, S, t, kv, wide + t * qkv_width, k_cache, v_cache, thread_scores,
+                         attn + t * q_width);
+        }
+    } else {
+        int64_t pairs = T * L->num_heads;
+        /* a one-token step at 200 tokens of context (1,800 key visits) 6.8 -> 6.1 ms in parallel */
+        int parallel = S->threads > 1 && pairs * S->max_keys >= 1024;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (parallel)
-    for (int64_t pair = 0; pair < pairs; pair++) {
-        int64_t t = pair / L->num_heads, head = pair % L->num_heads;
-        float *thread_scores = scores + (int64_t)omp_get_thread_num() * S->max_keys;
-        attend_row(L, S, t, head, wide + t * qkv_width + head * d, k_cache, v_cache,
-                   thread_scores, attn + t * q_width + head * d);
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t t = pair / L->num_heads, head = pair % L->num_heads;
+            float *thread_scores = scores + (int64_t)omp_get_thread_num() * S->max_keys;
+            attend_row(L, S, t, head, wide + t * qkv_width + head * d, k_cache, v_cache,
+                       thread_scores, attn + t * q_width + head * d);
+        }
     }
     project(&L->o, S, attn, proj, T, H, q_width);
     add_bias(proj, L->o_b, T, H);

@@ -97,6 +97,18 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[n
     return forward, scratch
 
 
+def grouped_from(keys: int) -> int:
+    """Steps whose longest row sees at least `keys` keys attend by KV head (cpu_layer.c's
+    attend_group: a KV head's keys read once for all its query heads), shorter ones by query
+    head; the same bits either way. Returns the number it replaces (tests: 0 for always, a
+    large number for never)."""
+    lib = cpu_gemm.library()
+    assert lib is not None
+    fn = lib.cdll.layer_grouped_from
+    fn.argtypes, fn.restype = [_i64], _i64
+    return int(fn(keys))
+
+
 def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step of `hidden` takes this path (module docstring)."""
     return (

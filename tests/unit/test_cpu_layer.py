@@ -107,7 +107,9 @@ def test_the_path_is_taken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -
     assert len(runs) == len(model.layers)
 
 
-def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(model: LlamaModel) -> None:
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
+    model: LlamaModel, attention_by: str
+) -> None:
     """A sequence's decode row alone, beside other sequences' prefills and as the root row of a
     verify tree (which hides the tree's nodes from it): the same bits; so are a tree node's and
     the same tokens' chain (its siblings hidden from it)."""
@@ -131,6 +133,32 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(model: LlamaModel) ->
     assert torch.equal(alone, tree[0])
     assert torch.equal(tree[3], chain[2])  # node 32 under 31, node 30 hidden from it
     assert torch.equal(tree[2], chain[1])
+
+
+@pytest.fixture(params=["by query head", "by KV head"])
+def attention_by(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every step's attention one way (cpu_layer.c's attend_row or attend_group), whatever its
+    keys."""
+    was = cpu_layer.grouped_from(1 << 40 if request.param == "by query head" else 0)
+    yield request.param
+    cpu_layer.grouped_from(was)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_attention_by_kv_head_gives_the_bits_by_query_head(
+    model: LlamaModel, page_size: int
+) -> None:
+    """Ragged prefills and trees (keys hidden from rows, blocks of 16 keys cut short): each query
+    head's operations are the same in attend_group as in attend_row, so the same logits."""
+    was = cpu_layer.grouped_from(1 << 40)
+    try:
+        by_head = _ragged_then_trees(model, page_size)
+        cpu_layer.grouped_from(0)
+        by_group = _ragged_then_trees(model, page_size)
+    finally:
+        cpu_layer.grouped_from(was)
+    for a, b in zip(by_head, by_group, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
