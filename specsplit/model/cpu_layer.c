@@ -306,9 +306,10 @@ int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, ke
  * G = num_heads / num_kv_heads; 16 lanes, head_dim 64 or 128): each head's operations exactly as
  * attend_row's (the same bits: its scores block by block, their largest merged by max, its weighted
  * sum carried from block to block), the heads taken in turn a block of 16 keys at a time, so the
- * block's K and V lines come from memory once for all G heads (the rest from L1). Past a few
- * hundred keys the group's K / V no longer stay in L2 between one head and the next, and
- * attend_row's head-by-head passes read them from memory G times. q: the row's queries
+ * block's K and V lines come from memory once for all G heads (the rest from L1). Past ~2,000
+ * keys (512 B of K and V a key at head_dim 64) the group's K / V no longer stay in L2 between one
+ * head and the next, and attend_row's head-by-head passes read them from memory G times. q: the
+ * row's queries
  * [num_heads, d]; scores: G * max_keys floats; out: the row's [num_heads, d] */
 static void attend_group(const Layer *L, const Step *S, int64_t t, int64_t kv, const float *q,
                          const float *k_cache, const float *v_cache, float *scores, float *out) {
