@@ -2,8 +2,9 @@
 process (so a shared machine's drift hits all alike), the median ms of each: the decoder layers
 in one C call (specsplit/model/cpu_layer.c) reading the GGUF's packed blocks
 (specsplit/model/cpu_quant.py), the same reading the float32 weights, and the torch layer on
-float32 weights. With $SPECSPLIT_CPU_INT8=1 (on a CPU with AMX's 8-bit tiles) the packed row is
-the 8-bit route's panels (cpu_gemm.c's int8_gemm), labelled so.
+float32 weights. On a CPU with AMX's 8-bit tiles or AVX-512 VNNI the packed row is the 8-bit
+route's panels (cpu_gemm.c's int8_gemm / vnni_gemm; the default, $SPECSPLIT_CPU_INT8=0 for the
+float32 route's packed blocks), labelled so.
 
     PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30] \
         [--attention-by auto|query-head|kv-head]

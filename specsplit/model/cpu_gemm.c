@@ -363,6 +363,30 @@ AVX512BW static void int8_rows(const float *x, int64_t ldx, int64_t m_len, int64
         }
 }
 
+/* x's two 8-bit parts (int8_rows' layout, `tile` rows a tile operand, m_pad rows) in buffers of
+ * their own, for int8_gemm and vnni_gemm; int8_free releases them */
+typedef struct {
+    int8_t *xq;
+    float *dx, *c;
+} Int8X;
+
+AVX512BW static Int8X int8_x(const float *x, int64_t ldx, int64_t m_len, int64_t m_pad, int64_t tile,
+                             int64_t k_len) {
+    int64_t blocks = k_len / QBLOCK;
+    Int8X parts = {aligned_alloc(64, (size_t)((2 * m_pad * k_len + 63) / 64 * 64)),
+                   aligned_alloc(64, (size_t)((2 * m_pad * blocks * 4 + 63) / 64 * 64)),
+                   aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64))};
+    if (!parts.xq || !parts.dx || !parts.c) abort();
+    int8_rows(x, ldx, m_len, m_pad, tile, k_len, parts.xq, parts.dx, parts.c);
+    return parts;
+}
+
+static void int8_free(Int8X parts) {
+    free(parts.xq);
+    free(parts.dx);
+    free(parts.c);
+}
+
 /* a kind-5 record's 256 bytes of nibbles -> tiles[0] (the low nibbles: weights 0-15's tile) and
  * tiles[1] (the high: 16-31's) */
 AMX8 ALWAYS_INLINE void int8_split(const uint8_t *nibbles, uint8_t (*tiles)[4][64], __m512i low) {
@@ -405,11 +429,9 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
     /* x's rows a tile: both parts of each in one tile operand of at most 16 rows */
     int64_t blocks = k_len / QBLOCK, tile_rows = m_len < PANEL_ROWS / 2 ? m_len : PANEL_ROWS / 2;
     int64_t m_pad = (m_len + tile_rows - 1) / tile_rows * tile_rows;
-    int8_t *xq = aligned_alloc(64, (size_t)((2 * m_pad * k_len + 63) / 64 * 64));
-    float *dx = aligned_alloc(64, (size_t)((2 * m_pad * blocks * 4 + 63) / 64 * 64));
-    float *c = aligned_alloc(64, (size_t)((m_pad * blocks * 4 + 63) / 64 * 64));
-    if (!xq || !dx || !c) abort();
-    int8_rows(x, ldx, m_len, m_pad, tile_rows, k_len, xq, dx, c);
+    Int8X parts = int8_x(x, ldx, m_len, m_pad, tile_rows, k_len);
+    const int8_t *xq = parts.xq;
+    const float *dx = parts.dx, *c = parts.c;
     int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
     int64_t n_pairs = (n_panels + 1) / 2;
 #pragma omp parallel num_threads(threads)
@@ -495,9 +517,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
         }
         _tile_release();
     }
-    free(xq);
-    free(dx);
-    free(c);
+    int8_free(parts);
 }
 
 /* Whether this CPU has AVX-512 VNNI (and BW): int8 products without AMX, the same sums */
@@ -542,11 +562,9 @@ VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64
     if (m_len == 0) return;
     int64_t blocks = k_len / QBLOCK;
     /* x's parts a row: xq [m][2][k_len], dx [2][m][blocks], c [m][blocks] */
-    int8_t *xq = aligned_alloc(64, (size_t)((2 * m_len * k_len + 63) / 64 * 64));
-    float *dx = aligned_alloc(64, (size_t)((2 * m_len * blocks * 4 + 63) / 64 * 64));
-    float *c = aligned_alloc(64, (size_t)((m_len * blocks * 4 + 63) / 64 * 64));
-    if (!xq || !dx || !c) abort();
-    int8_rows(x, ldx, m_len, m_len, 1, k_len, xq, dx, c);
+    Int8X parts = int8_x(x, ldx, m_len, m_len, 1, k_len);
+    const int8_t *xq = parts.xq;
+    const float *dx = parts.dx, *c = parts.c;
     int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
     int64_t part_s = m_len * blocks;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -607,9 +625,7 @@ VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64
             for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n, mask, acc[i]);
         }
     }
-    free(xq);
-    free(dx);
-    free(c);
+    int8_free(parts);
 }
 
 /* (x rows, their stride, weight rows, their stride in the weights' elements, ...) */

@@ -5,8 +5,8 @@ every row count and panel count, so a row's result does not depend on the rows b
 reference is within ~1e-5 of the float product; a model loaded with $SPECSPLIT_CPU_INT8=1 has
 its 4-bit / 8-bit matrices in panels, gives a verify's rows the bits one-token steps give them
 (what greedy speculation's equality with the target alone rests on) and logits within 1e-3 of
-the float32 route's; =0 loads no panels. The kernel's cases skip on a CPU without AMX's 8-bit
-tiles."""
+the float32 route's; =0 loads no panels. The kernel's cases run on AMX's tiles and on AVX-512
+VNNI (vnni_gemm, the same bits), each skipped on a CPU without it."""
 
 from __future__ import annotations
 
@@ -133,8 +133,7 @@ def _step_logits(
 
 def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_on: None) -> None:
     """Its Q4_1 projections and Q8_0 LM head in panels (two layers): a 6-token verify's logits
-    are the bits of six one-token steps (where the CPU has both kernels, the verify's products on
-    AMX's tiles, the steps' on AVX-512 VNNI), and within 1e-3 of the float32 route's (relative)."""
+    are the bits of six one-token steps, and within 1e-3 of the float32 route's (relative)."""
     assert cpu_gemm.int8_route()
     model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
     kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}

@@ -6,6 +6,7 @@ tests/unit/test_model_vs_transformers.py (which runs this path by default)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,13 +136,21 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
     assert torch.equal(tree[2], chain[1])
 
 
+@contextlib.contextmanager
+def _attention(by: str) -> Iterator[None]:
+    """Every step's attention one way (cpu_layer.c's attend_row "by query head" or attend_group
+    "by KV head"), whatever its keys."""
+    was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
+    try:
+        yield
+    finally:
+        cpu_layer.grouped_from(was)
+
+
 @pytest.fixture(params=["by query head", "by KV head"])
 def attention_by(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every step's attention one way (cpu_layer.c's attend_row or attend_group), whatever its
-    keys."""
-    was = cpu_layer.grouped_from(1 << 40 if request.param == "by query head" else 0)
-    yield request.param
-    cpu_layer.grouped_from(was)
+    with _attention(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -150,13 +159,10 @@ def test_attention_by_kv_head_gives_the_bits_by_query_head(
 ) -> None:
     """Ragged prefills and trees (keys hidden from rows, blocks of 16 keys cut short): each query
     head's operations are the same in attend_group as in attend_row, so the same logits."""
-    was = cpu_layer.grouped_from(1 << 40)
-    try:
+    with _attention("by query head"):
         by_head = _ragged_then_trees(model, page_size)
-        cpu_layer.grouped_from(0)
+    with _attention("by KV head"):
         by_group = _ragged_then_trees(model, page_size)
-    finally:
-        cpu_layer.grouped_from(was)
     for a, b in zip(by_head, by_group, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
