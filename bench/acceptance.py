@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -37,9 +38,19 @@ from specsplit.model.loader import load_model, load_tokenizer
 from specsplit.prompt import apply_chat_template
 from specsplit.sampling import SamplingParams
 
+PROMPT_SETS = ("chat", "grounded")
 
-def bundled_prompts() -> list[list[dict[str, str]]]:
-    text = resources.files("specsplit").joinpath("data/prompts.jsonl").read_text()
+
+def bundled_prompts(kind: str = "chat") -> list[list[dict[str, str]]]:
+    """The chats of a bundled prompt set: "chat", the package's evaluation prompts (questions,
+    little to copy), or "grounded", bench/data's edits of text or code given in the prompt
+    (reformat, rename, fix spelling: much of the answer copies the prompt, where prompt lookup
+    drafts well)."""
+    if kind == "chat":
+        text = resources.files("specsplit").joinpath("data/prompts.jsonl").read_text()
+    else:
+        assert kind == "grounded", kind
+        text = (Path(__file__).parent / "data" / "grounded_prompts.jsonl").read_text()
     return [json.loads(line)["messages"] for line in text.splitlines() if line.strip()]
 
 

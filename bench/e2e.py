@@ -55,7 +55,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
-from bench.acceptance import bundled_prompts
+from bench.acceptance import PROMPT_SETS, bundled_prompts
 from gateway.adaptive import format_ladder, parse_ladder
 from specsplit import convert
 from specsplit.metrics import GATE_ROUND_KINDS
@@ -466,6 +466,13 @@ def main() -> None:
     parser.add_argument("--services-log", default=None, help="append the services' output here")
     parser.add_argument("--dtype", default=None, help="specsplit up --dtype (default: its own)")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument(
+        "--prompts",
+        choices=PROMPT_SETS,
+        default="chat",
+        help="bundled prompt set: chat questions, or grounded edits of given text (prompt lookup's"
+        " case); named in each table's header",
+    )
     parser.add_argument("--drafter", default=None, help="specsplit up --drafter (default: its own)")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--spec", nargs="*", default=None, help="draft shapes, one row each")
@@ -511,7 +518,9 @@ def main() -> None:
     args = parser.parse_args()
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
-    prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts()][: args.num_prompts]
+    prompts = [apply_chat_template(tokenizer, m) for m in bundled_prompts(args.prompts)][
+        : args.num_prompts
+    ]
 
     flags: tuple[str, ...] = ("--round-lane", args.round_lane, "--decode-ahead", args.decode_ahead)
     if args.decode_steps is not None:
@@ -540,10 +549,11 @@ def report(
     best_hf = max((v for k, v in tps.items() if k.startswith("HF")), default=math.nan)
     streams = "one at a time" if batch == 1 else f"{batch} streams at once (HF: one batch)"
     print(
-        f"\n== batch {batch}: model {path}; {num_prompts} prompts {streams}, greedy, "
-        f"max_new_tokens {args.max_new_tokens}, device {args.device}, {os.cpu_count()} CPUs, "
-        f"{args.passes} pass(es), runs interleaved, round lane {args.round_lane}, decode ahead "
-        f"{args.decode_ahead}, decode steps {args.decode_steps or 'default'}"
+        f"\n== batch {batch}: model {path}; {num_prompts} {args.prompts} prompts {streams}, "
+        f"greedy, max_new_tokens {args.max_new_tokens}, device {args.device}, "
+        f"{os.cpu_count()} CPUs, {args.passes} pass(es), runs interleaved, round lane "
+        f"{args.round_lane}, decode ahead {args.decode_ahead}, decode steps "
+        f"{args.decode_steps or 'default'}"
         + (", IGNORE EOS (every stream runs to max_new_tokens)" if args.ignore_eos else "")
         + (f", up {' '.join(args.up_arg)}" if args.up_arg else "")
     )

@@ -3,6 +3,11 @@
 For the longest suffix of the tokens (max_ngram down to min_ngram) that occurred before, take the
 tokens that followed its most recent earlier occurrences. topk = 1 gives one chain; topk > 1
 merges the continuations of up to topk distinct matches into a trie (siblings distinct).
+
+Each sequence keeps an index of where its n-grams start (`NgramIndex`), extended by the tokens
+a call adds and cut back where the gateway truncates, so a draft looks its suffixes up instead
+of scanning the context (a scan that finds nothing took 2 ms at 8,000 tokens, a sequence and a
+round).
 """
 
 from __future__ import annotations
@@ -12,6 +17,39 @@ import torch
 from drafter.types import DraftJob, DraftSeq
 from specsplit.messages import AheadTree
 from specsplit.tree import DraftTree
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's first `length` tokens starts, ascending, for every n the
+    proposer matches."""
+
+    def __init__(self, sizes: range) -> None:
+        self.sizes = sizes
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.length = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams that end in tokens[self.length:]."""
+        for n in self.sizes:  # (keys of one n only: each list stays ascending)
+            first = max(self.length - n + 1, 0)
+            keys = zip(*(tokens[first + i :] for i in range(n)), strict=False)  # (ragged)
+            for start, key in enumerate(keys, first):
+                self.starts.setdefault(key, []).append(start)
+        self.length = max(self.length, len(tokens))
+
+    def cut(self, tokens: list[int], length: int) -> None:
+        """Forget the n-grams that end past tokens[:length] (tokens: as indexed, not yet cut)."""
+        if length == 0:
+            self.starts.clear()
+        for end in range(self.length, length, -1) if length else ():
+            for n in self.sizes:
+                if end >= n:
+                    key = tuple(tokens[end - n : end])
+                    starts = self.starts[key]
+                    starts.pop()  # the latest: ends are cut latest first
+                    if not starts:
+                        del self.starts[key]
+        self.length = min(self.length, length)
 
 
 class NgramProposer:
@@ -29,11 +67,12 @@ class NgramProposer:
         self.max_context = max_context
         self.device = torch.device("cpu")  # no model: it drafts on the host
 
-    def new_state(self, seq: DraftSeq) -> None:
-        return None
+    def new_state(self, seq: DraftSeq) -> NgramIndex:
+        return NgramIndex(range(self.min_ngram, self.max_ngram + 1))
 
     def truncate(self, seq: DraftSeq, length: int) -> None:
-        """No state beyond the tokens themselves."""
+        assert isinstance(seq.state, NgramIndex)
+        seq.state.cut(seq.tokens, length)
 
     def kv_committed_len(self, seq: DraftSeq) -> int:
         return 0  # no KV
@@ -65,20 +104,23 @@ class NgramProposer:
         """None: prompt lookup has no distribution to guess the bonus tokens from."""
         return [[] for _ in jobs]
 
-    def continuations(self, tokens: list[int], depth: int, limit: int) -> list[list[int]]:
-        """Up to `limit` distinct continuations (<= depth tokens) of the longest matching suffix,
-        most recent match first."""
+    def continuations(self, seq: DraftSeq, depth: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (<= depth tokens) of the longest suffix of the
+        sequence's tokens that occurred before, most recent occurrence first."""
+        tokens, index = seq.tokens, seq.state
+        assert isinstance(index, NgramIndex)
+        index.extend(tokens)
         n_tokens = len(tokens)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            suffix = tokens[n_tokens - n :]
             found: list[list[int]] = []
-            for start in range(n_tokens - n - 1, -1, -1):  # most recent earlier occurrence first
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + depth]
-                    if follow and follow not in found:
-                        found.append(follow)
-                        if len(found) == limit:
-                            break
+            for start in reversed(index.starts.get(tuple(tokens[n_tokens - n :]), ())):
+                if start == n_tokens - n:
+                    continue  # the suffix itself
+                follow = tokens[start + n : start + n + depth]
+                if follow not in found:
+                    found.append(follow)
+                    if len(found) == limit:
+                        break
             if found:
                 return found
         return []
@@ -89,7 +131,7 @@ class NgramProposer:
             return DraftTree()
         tree = DraftTree()
         children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for branch in self.continuations(job.seq.tokens, spec.num_steps, spec.topk):
+        for branch in self.continuations(job.seq, spec.num_steps, spec.topk):
             parent = -1
             for token in branch:
                 node = children.get((parent, token))

@@ -50,7 +50,7 @@ from specsplit.cli_server_flags import (
     tls_files,
     tls_flags,
 )
-from specsplit.up import run_up
+from specsplit.up import resolve_device, run_up
 
 log = logging.getLogger("specsplit.cli")
 
@@ -171,13 +171,19 @@ def _train_drafter_parser(commands: Any) -> None:
 
 
 def _resolve_drafter(args: argparse.Namespace) -> None:
-    """--drafter auto: the shipped EAGLE-3 head when the target is the embedded default, else
-    n-gram. --drafter eagle3 without --draft-model on the embedded default: the shipped head."""
+    """--drafter auto: the shipped EAGLE-3 head when the target is the embedded default and the
+    drafter runs on a GPU, else n-gram (prompt lookup). On the CPU the head's round (~3.7 ms on
+    the 2-core VM) and its 4-row verify cost more than its 1.6-1.8 tokens a round save, so the
+    gate decodes plainly; prompt lookup drafts for nothing and streams 1.30x the target alone
+    where answers copy the prompt (bench/e2e.py --prompts grounded), 1.01x on chat questions,
+    where the gate decodes plainly (bench/RESULTS.md). --drafter eagle3 without --draft-model
+    on the embedded default: the shipped head."""
     if getattr(args, "drafter", None) is None:
         return
     embedded = not args.model
     if args.drafter == "auto":
-        args.drafter = "eagle3" if embedded else "ngram"
+        on_cpu = resolve_device(getattr(args, "drafter_device", None) or args.device) == "cpu"
+        args.drafter = "eagle3" if embedded and not on_cpu else "ngram"
     if args.drafter == "eagle3" and not args.draft_model and embedded:
         from specsplit.model.embedded import embedded_default_head_path
 

@@ -229,7 +229,8 @@ def graph_query_lens(args: argparse.Namespace, name: str = "cuda_graphs") -> tup
 
 def drafter_flags(parser: argparse.ArgumentParser) -> None:
     kind_help = (
-        "auto (eagle3 with the shipped head on the embedded default target, else ngram), "
+        "auto (eagle3 with the shipped head on the embedded default target drafting on a GPU,"
+        " else ngram), "
         "ngram (prompt lookup), self (target's first --draft-layers), model (--draft-model), "
         "eagle3 (--draft-model = an EAGLE head for --model: EAGLE-3, or the single-layer "
         "EAGLE-1/2 layout, detected from the checkpoint)"

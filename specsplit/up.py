@@ -283,7 +283,7 @@ def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     envs: dict[str, dict[str, str]] = {name: {} for name in DEFAULT_PORTS}
     for name in light:
         envs[name]["OMP_NUM_THREADS"] = "1"
-    devices = {_resolve_device(args.device), _resolve_device(args.drafter_device or args.device)}
+    devices = {resolve_device(args.device), resolve_device(args.drafter_device or args.device)}
     if "cpu" in devices:
         for env in envs.values():
             env["GOMP_SPINCOUNT"] = CPU_SPINCOUNT
@@ -293,7 +293,7 @@ def child_envs(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     }
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
     """--device auto as the children resolve it: cuda when torch sees one, else cpu. A torch
     built for no GPU is not imported to ask (~1 s of `up`'s start on a 2-core VM, before the
     children start: they import it beside each other)."""
@@ -405,6 +405,6 @@ def resolve_devices(args: argparse.Namespace) -> None:
     """--device auto (and --drafter-device auto) as the children would resolve it: the defaults
     `up` picks per device (overlap, the speculation gate, polling, decode steps) read the
     device, and would take a GPU's `auto` for a CPU."""
-    args.device = _resolve_device(args.device)
+    args.device = resolve_device(args.device)
     if args.drafter_device is not None:
-        args.drafter_device = _resolve_device(args.drafter_device)
+        args.drafter_device = resolve_device(args.drafter_device)

@@ -36,7 +36,7 @@ def test_every_subcommand_has_a_handler() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["serve-drafter"], {"listen": "127.0.0.1:50061", "drafter": "eagle3", "device": "auto"}),
+        (["serve-drafter"], {"listen": "127.0.0.1:50061", "device": "auto"}),
         (["serve-verifier"], {"listen": "127.0.0.1:50062", "dtype": "auto", "num_pages": None}),
         (
             ["serve-gateway"],
@@ -267,16 +267,23 @@ def test_up_children_use_the_embedded_model_by_default() -> None:
     commands = up.child_commands(cli.parse_args(["up"]))
     assert all("--model" not in argv for argv in commands.values())
     drafter = _child_args(commands["drafter"])
-    assert (drafter.drafter, drafter.device) == ("eagle3", "auto")
-    assert drafter.draft_model == embedded_default_head_path()
+    assert drafter.device == "auto"
+    drafter = _child_args(up.child_commands(cli.parse_args(["up", "--device", "cuda"]))["drafter"])
+    assert (drafter.drafter, drafter.draft_model) == ("eagle3", embedded_default_head_path())
 
 
-def test_auto_drafter_is_the_shipped_head_on_the_embedded_target_else_ngram() -> None:
-    embedded = cli.parse_args(["serve-drafter"])
+def test_auto_drafter_is_the_shipped_head_on_a_gpu_else_prompt_lookup() -> None:
+    embedded = cli.parse_args(["serve-drafter", "--device", "cuda:0"])
     assert (embedded.drafter, embedded.draft_model) == ("eagle3", embedded_default_head_path())
     assert (Path(embedded.draft_model) / "model.safetensors").is_file()
-    other = cli.parse_args(["serve-drafter", "--model", "/models/x"])
-    assert (other.drafter, other.draft_model) == ("ngram", None)
+    for argv in (["--device", "cpu"], ["--model", "/models/x", "--device", "cuda:0"]):
+        other = cli.parse_args(["serve-drafter", *argv])
+        assert (other.drafter, other.draft_model) == ("ngram", None), argv
+    # up: the drafter's own device decides
+    gpu_drafter = cli.parse_args(["up", "--device", "cpu", "--drafter-device", "cuda:0"])
+    assert gpu_drafter.drafter == "eagle3"
+    cpu_drafter = cli.parse_args(["up", "--device", "cuda:1", "--drafter-device", "cpu"])
+    assert cpu_drafter.drafter == "ngram"
     with pytest.raises(SystemExit):  # a head for another target must be named
         cli.parse_args(["serve-drafter", "--model", "/models/x", "--drafter", "eagle3"])
 

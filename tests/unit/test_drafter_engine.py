@@ -97,7 +97,8 @@ def test_ngram_chain_copies_what_followed_the_last_match() -> None:
 def test_ngram_tree_merges_distinct_matches() -> None:
     seq = DraftSeq("s", [7, 1, 2, 7, 3, 4, 7])
     proposer = NgramProposer(max_ngram=1)
-    assert proposer.continuations(seq.tokens, 2, 3) == [[3, 4], [1, 2]]
+    seq.state = proposer.new_state(seq)
+    assert proposer.continuations(seq, 2, 3) == [[3, 4], [1, 2]]
     engine = DrafterEngine(proposer)
     out = _draft(engine, "s", True, 0, seq.tokens, SpecParams(2, 2, 4))
     assert out.tree.tokens == [3, 4, 1, 2] and out.tree.parents == [-1, 0, -1, 2]
