@@ -327,8 +327,8 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     gate_help = (
         "requests without their own spec draft only while speculating commits more tokens per"
         " second than plain rounds, measured per batch size (on), always (off), or auto (`up`:"
-        " on when the verifier runs on a GPU, where speculation can lose to the target alone;"
-        " serve-gateway, which cannot see the devices: off)"
+        " on, on every device: whether speculation beats the target alone depends on the"
+        " model, the device, the drafter and the prompts; serve-gateway: off)"
     )
     flag(parser, "--speculation-gate", "auto", gate_help, choices=("auto", "on", "off"))
     steps_help = (
