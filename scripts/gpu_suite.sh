@@ -14,7 +14,8 @@
 #       [engine-ab] [engine8b-small] [engine-ahead] [logprobs-cost] [rules-cost] [guide-cost] [rules-ab]
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
-#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load] [pointwise-ab]
+#       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load] [pointwise-ab] [grounded]
+#       [grounded-more]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -360,6 +361,21 @@ for part in "${parts[@]}"; do
         --max-new-tokens ${FIXED_TOKENS:-256} \
         --num-prompts 8 --spec 3 --assistant-layers 0 --ignore-eos \
         --batch ${FIXED_BATCHES:-32} ${FIXED_UP_ARGS:-} ;;
+    grounded)  # prompt lookup where answers copy the prompt (bench/data/grounded_prompts.jsonl)
+      # and on the chat prompts: `up` on $SMOLLM2_GGUF with --drafter ngram, the gate on (the
+      # default-shape row) and chains of 3 / 5 asked per request, against target-only, HF
+      # generate, its prompt lookup and static cache + compile
+      run e2e_grounded python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter ngram --prompts grounded --num-prompts 8 --max-new-tokens 128 --spec 3 5 \
+        --speculation-gate on --assistant-layers 0 ;;
+    grounded-more)  # grounded's other two runs (each `up` starts afresh): the chat prompts
+      # with prompt lookup, then the shipped head on the edits
+      run e2e_grounded_chat python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter ngram --prompts chat --num-prompts 16 --max-new-tokens 128 --spec 3 \
+        --speculation-gate on --no-hf
+      run e2e_grounded_head python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
+        --drafter eagle3 --draft-model specsplit/data/eagle3-smollm2 --prompts grounded \
+        --num-prompts 8 --max-new-tokens 128 --spec 3 --no-hf ;;
     gated)  # what `up`'s default on a GPU streams: the speculation gate on (the default-shape
       # row gated) against target-only requests through the same `up`, no HF rows (smollm2-fixed
       # has them), $FIXED_TOKENS (default 1024) tokens a stream past EOS, batch $FIXED_BATCHES
