@@ -1,13 +1,7 @@
-"""Prompt-lookup (n-gram) proposer: no weights, drafts by copying what followed earlier matches.
-
-For the longest suffix of the tokens (max_ngram down to min_ngram) that occurred before, take the
-tokens that followed its most recent earlier occurrences. topk = 1 gives one chain; topk > 1
-merges the continuations of up to topk distinct matches into a trie (siblings distinct).
-
-Each sequence keeps an index of where its n-grams start (`NgramIndex`), extended by the tokens
-a call adds and cut back where the gateway truncates, so a draft looks its suffixes up instead
-of scanning the context (a scan that finds nothing took 2 ms at 8,000 tokens, a sequence and a
-round).
+"""Prompt-lookup (n-gram) proposer: no weights, drafts by copying what followed earlier matches
+(specsplit/lookup.py). topk = 1 gives one chain; topk > 1 merges the continuations of up to
+topk distinct matches into a trie (siblings distinct). Each sequence's state is its n-gram
+index, extended by the tokens a call adds and cut back where the gateway truncates.
 """
 
 from __future__ import annotations
@@ -15,48 +9,16 @@ from __future__ import annotations
 import torch
 
 from drafter.types import DraftJob, DraftSeq
+from specsplit.lookup import MAX_NGRAM, MIN_NGRAM, NgramIndex
 from specsplit.messages import AheadTree
 from specsplit.tree import DraftTree
-
-
-class NgramIndex:
-    """Where each n-gram of a sequence's first `length` tokens starts, ascending, for every n the
-    proposer matches."""
-
-    def __init__(self, sizes: range) -> None:
-        self.sizes = sizes
-        self.starts: dict[tuple[int, ...], list[int]] = {}
-        self.length = 0
-
-    def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams that end in tokens[self.length:]."""
-        for n in self.sizes:  # (keys of one n only: each list stays ascending)
-            first = max(self.length - n + 1, 0)
-            keys = zip(*(tokens[first + i :] for i in range(n)), strict=False)  # (ragged)
-            for start, key in enumerate(keys, first):
-                self.starts.setdefault(key, []).append(start)
-        self.length = max(self.length, len(tokens))
-
-    def cut(self, tokens: list[int], length: int) -> None:
-        """Forget the n-grams that end past tokens[:length] (tokens: as indexed, not yet cut)."""
-        if length == 0:
-            self.starts.clear()
-        for end in range(self.length, length, -1) if length else ():
-            for n in self.sizes:
-                if end >= n:
-                    key = tuple(tokens[end - n : end])
-                    starts = self.starts[key]
-                    starts.pop()  # the latest: ends are cut latest first
-                    if not starts:
-                        del self.starts[key]
-        self.length = min(self.length, length)
 
 
 class NgramProposer:
     def __init__(
         self,
-        max_ngram: int = 3,
-        min_ngram: int = 1,
+        max_ngram: int = MAX_NGRAM,
+        min_ngram: int = MIN_NGRAM,
         vocab_size: int = 1 << 62,
         max_context: int = 1 << 62,
     ) -> None:
@@ -107,23 +69,8 @@ class NgramProposer:
     def continuations(self, seq: DraftSeq, depth: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations (<= depth tokens) of the longest suffix of the
         sequence's tokens that occurred before, most recent occurrence first."""
-        tokens, index = seq.tokens, seq.state
-        assert isinstance(index, NgramIndex)
-        index.extend(tokens)
-        n_tokens = len(tokens)
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            found: list[list[int]] = []
-            for start in reversed(index.starts.get(tuple(tokens[n_tokens - n :]), ())):
-                if start == n_tokens - n:
-                    continue  # the suffix itself
-                follow = tokens[start + n : start + n + depth]
-                if follow not in found:
-                    found.append(follow)
-                    if len(found) == limit:
-                        break
-            if found:
-                return found
-        return []
+        assert isinstance(seq.state, NgramIndex)
+        return seq.state.continuations(seq.tokens, depth, limit)
 
     def _propose_one(self, job: DraftJob) -> DraftTree:
         spec = job.spec

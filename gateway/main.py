@@ -161,6 +161,7 @@ async def serve(
     decode_steps: int = 1,
     adaptive_decode_steps: bool = False,
     decode_steps_quiet_s: float = QUIET_SECONDS,
+    decode_lookup: int = 0,
     prefill_rounds_one_step: bool = True,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
@@ -224,6 +225,7 @@ async def serve(
         decode_steps=decode_steps,
         adaptive_decode_steps=adaptive_decode_steps,
         decode_steps_quiet_s=decode_steps_quiet_s,
+        decode_lookup=decode_lookup,
         prefill_rounds_one_step=prefill_rounds_one_step,
         early_verify=early_verify,
     )

@@ -50,6 +50,7 @@ from specsplit import metrics, telemetry
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     MAX_DECODE_STEPS,
+    MAX_LOOKUP,
     SpecParams,
     VerifyInput,
     VerifyOutput,
@@ -86,6 +87,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         decode_steps: int = 1,
         adaptive_decode_steps: bool = False,
         decode_steps_quiet_s: float = QUIET_SECONDS,
+        decode_lookup: int = 0,
         prefill_rounds_one_step: bool = True,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
@@ -114,6 +116,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         tokens in one Verify (VerifyInput.decode_steps); adaptive_decode_steps: serial plain
         rounds grow from it, per batch size, while the verifier's device idles between rounds,
         once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py);
+        decode_lookup: each further decode step of a plain round verifies a chain of up to this
+        many tokens the verifier drafts by prompt lookup (VerifyInput.lookup; 0: plain steps);
         prefill_rounds_one_step: a round that starts a sequence (its prefill) decodes one step
         for every sequence in it, so the new one's first token streams after that step, not
         after the others' further steps; not while requests wait for a place in the batch.
@@ -151,6 +155,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
             raise ValueError(f"ahead_max_batch = {ahead_max_batch}: want 0 or more")
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps = {decode_steps}: want 1 to {MAX_DECODE_STEPS}")
+        if not 0 <= decode_lookup <= MAX_LOOKUP:
+            raise ValueError(f"decode_lookup = {decode_lookup}: want 0 to {MAX_LOOKUP}")
         self.drafter = drafter
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -195,6 +201,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         self.verify_ahead = verify_ahead
         self._hints: set[asyncio.Future[None]] = set()  # hints on their way (`_hint`)
         self.decode_steps = decode_steps
+        self.decode_lookup = decode_lookup
         self.steps_policy = (
             DecodeSteps(decode_steps, quiet_seconds=decode_steps_quiet_s)
             if adaptive_decode_steps
@@ -262,7 +269,10 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
             # to a newcomer so that nearly every round starts one, and one-step rounds would
             # cut the rate that frees the places they wait for
             steps = 1
-        inputs = [seq.verify_input(tree, steps) for seq, tree in zip(batch, trees, strict=True)]
+        inputs = [
+            seq.verify_input(tree, steps, self.decode_lookup)
+            for seq, tree in zip(batch, trees, strict=True)
+        ]
         if policy is not None and all(is_plain(item) for item in inputs):  # what it learns from
             metrics.observe_decode_steps(steps)
             self._plain_round = (len(batch), max(item.decode_steps for item in inputs))

@@ -86,6 +86,7 @@ def build_local_stack(
     decode_ahead: bool = False,
     decode_steps: int = 1,
     early_verify: bool = False,
+    decode_lookup: int = 0,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
@@ -94,7 +95,8 @@ def build_local_stack(
     rung sequences start on. graph_query_lens / draft_graph_lens: the verifier's and the
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
     ("serial", "groups", "gated", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine).
-    decode_steps: tokens a plain round decodes, early_verify: groups send the other group's
+    decode_steps: tokens a plain round decodes, decode_lookup: the prompt-lookup chains its
+    further steps verify (the scheduler's), early_verify: groups send the other group's
     Verify while one is in flight (the scheduler's)."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
@@ -147,5 +149,6 @@ def build_local_stack(
         max_context=config.max_position_embeddings,
         decode_steps=decode_steps,
         early_verify=early_verify,
+        decode_lookup=decode_lookup,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

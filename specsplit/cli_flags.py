@@ -347,6 +347,15 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " which cannot see the devices: off)"
     )
     switch(parser, "--decode-steps-adaptive", None, adaptive_help)
+    lookup_help = (
+        "each further decode step of a plain round (--decode-steps > 1) verifies a chain of up"
+        " to this many tokens the verifier drafts by prompt lookup from the sequence's own"
+        " tokens (what followed an earlier occurrence of its last 1-3 tokens): a step then"
+        " appends its accepted drafts and a bonus token, with no drafter, RPC or gateway trip"
+        " between steps; same output (greedy: the same tokens; sampled: the same distribution);"
+        " 0 = plain steps"
+    )
+    flag(parser, "--decode-lookup", 0, lookup_help, type=int)
     quiet_help = (
         "with --decode-steps-adaptive: plain rounds grow only once no request arrived for this"
         " long (a request arriving during a round waits for its end: under steady arrivals"

@@ -243,8 +243,8 @@ def verify_request_to_proto(
     inputs: list[VerifyInput], beside: Beside | None = None
 ) -> verifier_pb2.VerifyRequest:
     """Greedy sampling and no draft probabilities travel as no `sampled` entry; decode_steps,
-    wants_hidden_states and unhinted as empty columns when every sequence has the default. beside:
-    unused (a Verify request carries no rows)."""
+    wants_hidden_states, unhinted and lookup as empty columns when every sequence has the
+    default. beside: unused (a Verify request carries no rows)."""
     msg = verifier_pb2.VerifyRequest()
     msg.seq_ids.extend([item.seq_id for item in inputs])
     msg.begin.extend([item.begin for item in inputs])
@@ -257,6 +257,8 @@ def verify_request_to_proto(
         msg.decode_steps.extend(steps)
     if any(item.unhinted for item in inputs):
         msg.unhinted.extend([item.unhinted for item in inputs])
+    if any(item.lookup for item in inputs):
+        msg.lookup.extend([item.lookup for item in inputs])
     fill_asks(msg, inputs)
     fill_rules(msg, inputs)
     layers = {item.hidden_state_layers for item in inputs} - {()}
@@ -306,6 +308,8 @@ def verify_request_from_proto(
     for item, unhinted in zip(inputs, column_of(msg.unhinted, n, "unhinted", default=False),
                               strict=True):  # fmt: skip
         item.unhinted = unhinted
+    for item, lookup in zip(inputs, column_of(msg.lookup, n, "lookup", default=0), strict=True):
+        item.lookup = lookup
     read_asks(msg, inputs)
     read_rules(msg, inputs)
     with_probs = []

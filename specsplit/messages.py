@@ -14,6 +14,7 @@ from specsplit.spec_params import SpecParams
 from specsplit.tree import DraftTree
 
 MAX_DECODE_STEPS = 16  # VerifyInput.decode_steps
+MAX_LOOKUP = 16  # VerifyInput.lookup
 # VerifyInput.logprobs: the most alternatives a token's log-probability comes with (OpenAI's
 # top_logprobs limit)
 MAX_TOP_LOGPROBS = 20
@@ -99,6 +100,9 @@ class VerifyInput:
     # the round's target steps: after the first (the pending tokens and the tree), each further
     # one decodes the next token, as a round of its own would (no tree, no hidden states)
     decode_steps: int = 1
+    # each further decode step verifies a chain of up to this many tokens the verifier drafts
+    # by prompt lookup from the sequence's own tokens (specsplit/lookup.py); 0: plain steps
+    lookup: int = 0
     # the gateway sends no hint for this round (the overlap gate's "ahead-unhinted" rounds): the
     # verifier counts its next round's not running ahead as "off", not "late"
     unhinted: bool = False

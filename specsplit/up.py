@@ -121,6 +121,7 @@ def child_commands(
     adaptive = gateway_decode_steps_adaptive(args)
     gateway += ["--decode-steps-adaptive" if adaptive else "--no-decode-steps-adaptive"]
     gateway += ["--decode-steps-quiet-ms", str(args.decode_steps_quiet_ms)]
+    gateway += ["--decode-lookup", str(args.decode_lookup)]
     gateway += ["--prefill-rounds-one-step" if args.prefill_rounds_one_step
                 else "--no-prefill-rounds-one-step"]  # fmt: skip
     for flag in LIMIT_FLAGS:

@@ -85,10 +85,11 @@ def make_stack(
     decode_ahead: bool = False,
     decode_steps: int = 1,
     early_verify: bool = False,
+    decode_lookup: int = 0,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call. adaptive_*: adaptive speculation starting on `spec`.
-    decode_ahead: the verifier's; decode_steps, early_verify: the scheduler's."""
+    decode_ahead: the verifier's; decode_steps, early_verify, decode_lookup: the scheduler's."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -105,6 +106,7 @@ def make_stack(
         decode_ahead=decode_ahead,
         decode_steps=decode_steps,
         early_verify=early_verify,
+        decode_lookup=decode_lookup,
     )
 
 

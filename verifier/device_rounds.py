@@ -149,6 +149,7 @@ class DeviceRounds(DeviceWaits):
             row = 0  # each step's hidden rows, back to back
             for i, step in zip(wave, steps, strict=True):
                 q_len = len(step.input_ids)
+                seqs[i].history.put(seqs[i].kv.kv_committed_len, step.input_ids)
                 seqs[i].kv.kv_committed_len += q_len
                 if items[i].hidden_state_layers:
                     assert out.hidden_states is not None
@@ -328,12 +329,13 @@ class DeviceRounds(DeviceWaits):
         tokens: commit it, free the rest. trim: free it for a round without a tree too (a
         chained round placed plain holds its reference tree's room)."""
         kv = seq.kv
+        tokens = item.tree.tokens
+        accepted = [tokens[i] for i in nodes]
+        seq.history.put(kv.kv_committed_len, [*item.pending_tokens, *accepted])
         kv.kv_committed_len += len(item.pending_tokens) + len(nodes)
         # a round without a tree reserved its pending tokens' room only (and the decode step
         # run ahead may hold the next token's already): nothing to free
         if trim or item.tree:  # (not the room of a round chained behind this one)
             self.kv.trim(kv, max(kv.kv_committed_len, self._held.get(item.seq_id, 0)))
-        tokens = item.tree.tokens
-        accepted = [tokens[i] for i in nodes]
         keep_rules(item, seq, [*accepted, bonus])
         return VerifyOutput(item.seq_id, accepted, bonus, kv.kv_committed_len)

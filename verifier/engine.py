@@ -27,6 +27,7 @@ from specsplit.messages import (
     VerifyOutput,
 )
 from specsplit.model.transfer import on_device
+from specsplit.tree import DraftTree
 from verifier.chain import (
     resolve,
 )
@@ -136,14 +137,17 @@ class VerifierEngine(EngineSetup):
             # each with the steps left of its round (`_launch_round` runs the next ahead when
             # every sequence has one left, none with rules) and its rules read the steps' tokens
             step_inputs = [
-                decode_step(
-                    inputs[i].seq_id,
-                    outputs[i].kv_committed_len,
-                    outputs[i].bonus_token,
-                    inputs[i].sampling,
-                    steps=inputs[i].decode_steps - step,
-                    logprobs=inputs[i].logprobs,
-                    rules=rules_after(inputs[i], outputs[i]),
+                self._looked_up(
+                    decode_step(
+                        inputs[i].seq_id,
+                        outputs[i].kv_committed_len,
+                        outputs[i].bonus_token,
+                        inputs[i].sampling,
+                        steps=inputs[i].decode_steps - step,
+                        logprobs=inputs[i].logprobs,
+                        rules=rules_after(inputs[i], outputs[i]),
+                    ),
+                    inputs[i].lookup,
                 )
                 for i in more
             ]
@@ -158,8 +162,10 @@ class VerifierEngine(EngineSetup):
             self.top_up(step_round)  # (on a GPU, while the device runs the step)
             stepped = self._finish_round(step_round, further=True)
             device_ns += step_round.device_ns
+            self.num_lookup_drafted += sum(len(item.tree) for item in step_inputs)
             for i, out in zip(more, stepped, strict=True):
-                outputs[i].decoded_tokens.append(outputs[i].bonus_token)
+                self.num_lookup_accepted += len(out.accepted_tokens)
+                outputs[i].decoded_tokens += [outputs[i].bonus_token, *out.accepted_tokens]
                 outputs[i].bonus_token = out.bonus_token
                 if out.logprobs is not None:  # (the round's asked for them too)
                     logprobs = outputs[i].logprobs
@@ -167,6 +173,19 @@ class VerifierEngine(EngineSetup):
                     logprobs.extend(out.logprobs)
                 outputs[i].kv_committed_len = out.kv_committed_len
         return device_ns
+
+    def _looked_up(self, step: VerifyInput, lookup: int) -> VerifyInput:
+        """A further decode step of a round that asks for prompt lookup (VerifyInput.lookup):
+        the chain its sequence's own tokens suggest after the step's pending token (at most
+        `lookup`, within the context; none where nothing matched, or with logit rules, whose
+        rows a step bends one token at a time), as its tree."""
+        step.lookup = lookup
+        if not lookup or step.rules is not None:
+            return step
+        room = self.max_context - step.kv_committed_len - 1
+        chain = self.seqs[step.seq_id].history.chain(step.pending_tokens[0], min(lookup, room))
+        step.tree = DraftTree(chain, list(range(-1, len(chain) - 1)))
+        return step
 
     @torch.inference_mode()
     def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
@@ -199,7 +218,12 @@ class VerifierEngine(EngineSetup):
         # guessed the outcome the next round carries one, and a step run ahead would be dropped
         # ("unasked") after holding that round behind a decode step on the device
         drafting_ahead = any(item.unhinted for item in inputs)
-        running_ahead = self.decode_ahead and not (self._in_flight or hinted or drafting_ahead)
+        # a round that drafts its further steps by prompt lookup (VerifyInput.lookup) runs no
+        # step ahead: its next step's input is a chain known once this step's tokens are
+        looking_up = any(item.lookup for item in inputs)
+        running_ahead = self.decode_ahead and not (
+            self._in_flight or hinted or drafting_ahead or looking_up
+        )
         # what the step taken does not cover (newcomers): the pending tokens each leads in ahead
         # of the round (by position), and the round in graph parts where one launch would find
         # no graph (more than a prefill graph holds)

@@ -101,6 +101,8 @@ class EngineSetup(SeqMemory):
         self._ahead: Launched | None = None  # the decode step launched before it was asked for
         self._in_flight: list[VerifyRound] = []  # launched, not finished (`launch`)
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
+        # prompt lookup's drafts in further decode steps (VerifyInput.lookup), and the accepted
+        self.num_lookup_drafted = self.num_lookup_accepted = 0
         self.num_ahead_dropped_by: Counter[str] = Counter()  # ... and that it was not, by why
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
         self.on_decode_ahead_dropped: Callable[[str], None] | None = None  # and its reason
@@ -250,4 +252,5 @@ class EngineSetup(SeqMemory):
             self.num_ahead_dropped_by.clear()
             self._waiting = None
             self.num_ahead_used = 0
+            self.num_lookup_drafted = self.num_lookup_accepted = 0
             self.num_next_used = self.num_next_dropped = 0

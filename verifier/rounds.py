@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specsplit.errors import check_seq_ids, invalid
 from specsplit.kv_cache import SeqKV
 from specsplit.logit_rules import LogitRules
+from specsplit.lookup import TokenHistory
 from specsplit.messages import (
     MAX_DECODE_STEPS,
+    MAX_LOOKUP,
     MAX_TOP_LOGPROBS,
     NO_LOGPROBS,
     NextTrees,
@@ -42,6 +44,8 @@ class VerifierSeq:
     rules: LogitRules | None = None
     # its bias, output counts and prompt kept on the device (verifier/rule_rows.py)
     rule_slot: RuleSlot | None = None
+    # its tokens as committed, for the prompt lookup of rounds that ask (VerifyInput.lookup)
+    history: TokenHistory = field(default_factory=TokenHistory)
 
 
 @dataclass
@@ -330,6 +334,8 @@ def validate_round(
                 f"{item.seq_id!r}: decode_steps > 1 asks for no tree, no hidden states and no "
                 "guide (its masks are the gateway's)"
             )
+        if not 0 <= item.lookup <= MAX_LOOKUP:
+            raise invalid(f"lookup = {item.lookup} for {item.seq_id!r}: want 0 to {MAX_LOOKUP}")
         bad = [t for t in item.pending_tokens if not 0 <= t < vocab_size]
         if bad:
             raise invalid(f"pending_tokens {bad[:4]} outside the vocabulary [0, {vocab_size})")

@@ -102,6 +102,7 @@ class SeqMemory(HintedRounds, KVPages):
 
     def _truncate(self, seq: VerifierSeq, max_len: int) -> Truncated:
         seq.kv.kv_committed_len = min(seq.kv.kv_committed_len, max_len)
+        seq.history.cut(seq.kv.kv_committed_len)
         self.kv.trim(seq.kv, seq.kv.kv_committed_len)
         seq.generator = None
         seq.rules = None

@@ -104,9 +104,11 @@ class Driver:
         sampling: SamplingParams | None = None,
         steps: dict[str, int] | None = None,
         meanwhile: Callable[[], None] | None = None,
+        lookup: dict[str, int] | None = None,
     ) -> list[VerifyOutput]:
         """One round; `begin`: every sequence's first (True) or these sequences'; `steps`:
-        sequences' decode_steps (1 for the others); `meanwhile`: called between the round's
+        sequences' decode_steps (1 for the others), `lookup` their VerifyInput.lookup (0 for
+        the others); `meanwhile`: called between the round's
         launch and its finish (the gateway's hint for it comes then)."""
         begins = set(trees) if begin is True else set(begin or ())
         inputs = []
@@ -118,6 +120,7 @@ class Driver:
             item = VerifyInput(seq_id, seq_id in begins, committed, pending, tree)
             item.hidden_state_layers = self.layers
             item.decode_steps = (steps or {}).get(seq_id, 1)
+            item.lookup = (lookup or {}).get(seq_id, 0)
             item.unhinted = self.unhinted
             if sampling is not None:
                 item.sampling = sampling

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 import verifier.engine as engine_module
 from specsplit import convert
 from specsplit.errors import Code, ServiceError
-from specsplit.messages import MAX_DECODE_STEPS, SpecParams, VerifyInput, VerifyOutput
+from specsplit.messages import MAX_DECODE_STEPS, MAX_LOOKUP, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import (
@@ -207,25 +207,34 @@ def test_a_step_with_no_room_ends_the_round_where_it_is(target_dir: Path, device
 
 
 @pytest.mark.parametrize(
-    ("steps", "tree", "layers"),
-    [(0, False, False), (MAX_DECODE_STEPS + 1, False, False), (2, True, False), (2, False, True)],
-    ids=["zero", "too-many", "with-a-tree", "with-hidden-states"],
+    ("steps", "tree", "layers", "lookup"),
+    [
+        (0, False, False, 0),
+        (MAX_DECODE_STEPS + 1, False, False, 0),
+        (2, True, False, 0),
+        (2, False, True, 0),
+        (3, False, False, -1),
+        (3, False, False, MAX_LOOKUP + 1),
+    ],
+    ids=["zero", "too-many", "with-a-tree", "with-hidden-states", "lookup-below-0", "lookup-above"],
 )
 def test_bad_decode_steps_are_refused_and_change_nothing(
-    target_dir: Path, device: str, steps: int, tree: bool, layers: bool
+    target_dir: Path, device: str, steps: int, tree: bool, layers: bool, lookup: int
 ) -> None:
+    """And a bad VerifyInput.lookup (the prompt-lookup chains of further steps)."""
     engine = _engine(target_dir, False, device)
     driver = Driver(engine)
     driver.begin("a")
     item = VerifyInput(
         "a", False, driver.committed["a"], driver.tokens["a"][-1:],
         DraftTree([4], [-1]) if tree else DraftTree(), hidden_state_layers=(0,) if layers else (),
-        decode_steps=steps,
+        decode_steps=steps, lookup=lookup,
     )  # fmt: skip
     before = (engine.seqs["a"].kv.kv_committed_len, engine.num_pages_used)
     with pytest.raises(ServiceError) as refused:
         engine.verify([item])
-    assert refused.value.code == Code.INVALID_ARGUMENT and "decode_steps" in refused.value.message
+    named = "lookup" if lookup else "decode_steps"
+    assert refused.value.code == Code.INVALID_ARGUMENT and named in refused.value.message
     assert (engine.seqs["a"].kv.kv_committed_len, engine.num_pages_used) == before
     _release(driver)
 

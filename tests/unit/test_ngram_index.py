@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from drafter.ngram import NgramIndex, NgramProposer
+from drafter.ngram import NgramProposer
 from drafter.types import DraftSeq
+from specsplit.lookup import NgramIndex
 
 
 def scan_continuations(

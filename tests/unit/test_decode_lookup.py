@@ -1,0 +1,163 @@
+"""Prompt lookup in a round's further decode steps (`VerifyInput.lookup`, the gateway's
+--decode-lookup): the verifier drafts each step's chain from the sequence's own tokens (its
+`TokenHistory`, kept at every commit and cut at truncations) and verifies it, so a step appends
+its accepted drafts and a bonus token. Greedy output stays the target's, token for token, in
+every overlap mode, page size and with the verifier's steps run ahead; sessions' turns, a full
+KV pool's preemptions and EOS inside a round keep exactly the target's tokens; no KV is left."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from specsplit import convert
+from specsplit.lookup import TokenHistory
+from specsplit.messages import SpecParams, VerifyInput
+from specsplit.sampling import SamplingParams
+from specsplit.tree import DraftTree
+from tests.support import (
+    check_no_leaks,
+    generate_all,
+    generated_ids,
+    make_stack,
+    mixed_requests,
+    save_tiny_llama,
+    target_only_ids,
+)
+from tests.unit.test_decode_ahead import Driver, _engine, _release
+from tests.unit.test_ngram_index import scan_continuations
+from tests.unit.test_scheduler_preemption import _requests as _preemption_requests
+from tests.unit.test_sessions import _run
+
+PLAIN = SpecParams(0, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("lookup") / "target", seed=29)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "ahead", "overlap", "mixed"),
+    [
+        (16, False, "serial", False),
+        (1, False, "serial", False),
+        (16, True, "serial", False),
+        (16, False, "serial", True),
+        (1, True, "groups", True),
+        (16, False, "both", True),
+    ],
+    ids=["serial", "page-1", "decode-ahead", "mixed", "groups-page-1-ahead", "both"],
+)
+def test_rounds_with_lookup_give_the_target_tokens(
+    target_dir: Path, smollm2_tokenizer: object, page_size: int, ahead: bool, overlap: str,
+    mixed: bool,
+) -> None:  # fmt: skip
+    """Requests of mixed lengths, max_new_tokens not a multiple of anything (the last round cut
+    to what is allowed), some speculating by the n-gram drafter ("mixed": their rounds one
+    step, the others' several): the target's tokens, and the lookup's drafts were accepted."""
+    requests = mixed_requests(5, seed=4, max_new_tokens=6)
+    for i, request in enumerate(requests):
+        request.max_new_tokens = 9 + 5 * i
+        request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else PLAIN
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, page_size=page_size,
+                       decode_ahead=ahead, decode_steps=4, overlap=overlap,
+                       decode_lookup=3)  # fmt: skip
+    results = generate_all(stack, requests)
+    assert [generated_ids(c) for c in results] == expected
+    engine = stack.verifier
+    assert 0 < engine.num_lookup_accepted <= engine.num_lookup_drafted
+    check_no_leaks(stack)
+
+
+def test_lookup_takes_fewer_rounds_than_plain_steps(
+    target_dir: Path, smollm2_tokenizer: object
+) -> None:
+    """The same requests with plain steps and with lookup: the same tokens in fewer rounds (a
+    tiny random model's greedy output repeats itself, which prompt lookup finds)."""
+    requests = mixed_requests(3, seed=9, max_new_tokens=40)
+    rounds = []
+    outputs = []
+    for lookup in (0, 4):
+        stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
+                           decode_lookup=lookup)  # fmt: skip
+        outputs.append([generated_ids(c) for c in generate_all(stack, requests)])
+        rounds.append(stack.scheduler.num_rounds)
+        check_no_leaks(stack)
+    assert outputs[0] == outputs[1]
+    assert rounds[1] < rounds[0], rounds
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
+def test_session_turns_with_lookup_equal_fresh_requests(
+    target_dir: Path, smollm2_tokenizer: object, seed: int | None
+) -> None:
+    """Turns ending by length, by EOS and by a stop string inside a round: the verifier's
+    history is cut with the KV at each turn's truncation, and each turn equals a fresh request
+    (sampled: the same checks, seeded)."""
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
+                       decode_lookup=3)  # fmt: skip
+    _run(stack, SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed))
+
+
+def test_a_full_kv_pool_preempts_rounds_with_lookup_with_the_same_tokens(
+    target_dir: Path, smollm2_tokenizer: object
+) -> None:
+    """A step's chain needs room the pool may not have: the round ends early where it runs
+    out, the gateway preempts, and a preempted sequence's history starts again with it."""
+    requests = _preemption_requests(4, max_new_tokens=40)
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    tight = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, page_size=4, num_pages=30,
+                       decode_steps=4, decode_lookup=4)  # fmt: skip
+    out = generate_all(tight, requests)  # checks no KV is left in either service
+    assert [generated_ids(c) for c in out] == expected
+
+
+def test_the_history_holds_the_committed_tokens(target_dir: Path) -> None:
+    """After rounds of steps with lookup, the verifier's history of a sequence is its tokens
+    but the pending bonus token; a truncation cuts it with the KV."""
+    driver = Driver(_engine(target_dir, False, "cpu"))
+    driver.begin("a")
+    for _ in range(3):
+        outputs = driver.round({"a": DraftTree()}, steps={"a": 4}, lookup={"a": 3})
+        assert outputs[0].decoded_tokens
+    seq = driver.engine.seqs["a"]
+    assert seq.history.tokens == driver.tokens["a"][:-1]
+    assert len(seq.history.tokens) == seq.kv.kv_committed_len
+    _release(driver)
+
+
+def test_lookup_crosses_the_wire() -> None:
+    item = VerifyInput("s", False, 9, [5], DraftTree(), decode_steps=4, lookup=3)
+    plain = VerifyInput("t", False, 9, [5], DraftTree(), decode_steps=4)
+    msg = convert.verify_request_to_proto([item, plain])
+    assert list(msg.lookup) == [3, 0]
+    assert convert.verify_request_from_proto(msg) == [item, plain]
+    assert not convert.verify_request_to_proto([plain]).lookup  # all 0: left empty
+
+
+def test_token_history_chains_as_a_scan_through_commits_and_cuts() -> None:
+    """Commits at the committed length (pending tokens + accepted drafts), truncations, and a
+    commit past the held tokens (unknown: no chains until the sequence starts again)."""
+    rng = random.Random(5)
+    history, tokens = TokenHistory(), []
+    for _ in range(200):
+        if tokens and rng.random() < 0.2:
+            length = rng.randrange(len(tokens) + 1)
+            history.cut(length)
+            del tokens[length:]
+        new = [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+        at = rng.randrange(max(len(tokens) - 2, 0), len(tokens) + 1)  # rewrites a short tail
+        history.put(at, new)
+        tokens[at:] = new
+        last, depth = rng.randrange(5), rng.randrange(1, 5)
+        found = scan_continuations([*tokens, last], depth, 1, 1, 3)
+        assert history.chain(last, depth) == (found[0] if found else [])
+        assert history.tokens == tokens
+    history.put(len(tokens) + 2, [1, 2])  # a gap: what came between is unknown
+    assert not history.known and history.chain(1, 3) == []
+    history.put(0, [1, 2, 1])  # the sequence starts again
+    assert history.known and history.chain(2, 3) == [1, 2]  # after (1, 2) at 0
