@@ -232,9 +232,8 @@ class Sequence:
     def verify_input(self, tree: DraftTree, decode_steps: int = 1, lookup: int = 0) -> VerifyInput:
         """This round's Verify. decode_steps: how many steps a plain round (no tree, no
         features, not the prefill) decodes, at most the tokens still allowed; lookup: the
-        chains of prompt lookup its further steps verify (VerifyInput.lookup), at most the
-        tokens still allowed past a step; the stop rules cut what comes past a stop when the
-        round commits."""
+        chains of prompt lookup its steps verify (VerifyInput.lookup); the stop rules cut what
+        comes past a stop when the round commits."""
         # held back, the round asks for no features: plain rounds cost what the target
         # alone does (scheduler._restart_features has them verified again on resuming)
         layers = () if self.drafts_held else self.hidden_state_layers
@@ -244,7 +243,8 @@ class Sequence:
         if not tree and not layers and self.verifier_begun and guide is None:
             left = self.request.max_new_tokens - self.num_generated_tokens
             steps = max(1, min(decode_steps, left))
-            chains = min(lookup, left - 2) if steps > 1 else 0
+            chains = lookup  # (not cut to what is left: a seeded sampler's draws follow the
+            # chains, which then depend on the tokens alone, not on where rounds begin)
         allowed = None if guide is None else round_allowed(guide, self.guide_state, tree)
         kept = self.rules_kept and self.verifier_begun
         rules = round_rules(self.rules_context, allowed, kept)
@@ -258,7 +258,7 @@ class Sequence:
             sampling=self.request.sampling,
             hidden_state_layers=layers,
             decode_steps=steps,
-            lookup=max(chains, 0),
+            lookup=chains,
             logprobs=NO_LOGPROBS if self.request.logprobs is None else self.request.logprobs,
             prompt_logprobs=self._prompt_ask(),
             rules=rules,

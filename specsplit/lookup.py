@@ -94,11 +94,13 @@ class TokenHistory:
             self.index.cut(self.tokens, length)
         del self.tokens[length:]
 
-    def chain(self, last: int, depth: int) -> list[int]:
+    def chain(self, position: int, last: int, depth: int) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest suffix of the
-        held tokens + `last` (at most `depth`; none where nothing matched)."""
-        if not self.known or depth <= 0:
+        first `position` tokens + `last` (at most `depth`; none where nothing matched, or where
+        fewer are held). What it holds past `position` goes (the round at it rewrites it)."""
+        if not self.known or depth <= 0 or len(self.tokens) < position:
             return []
+        self.cut(position)
         self.tokens.append(last)  # (indexed with them; the next commit puts it again)
         try:
             found = self.index.continuations(self.tokens, depth, 1)

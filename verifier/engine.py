@@ -16,6 +16,7 @@ finish, further decode steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -75,6 +76,10 @@ class VerifierEngine(EngineSetup):
             ready = time.perf_counter_ns()  # the round's results are its last step's
         elif len(launched.inputs) <= self.chain_max_batch:  # a round that may have chained
             self.chain_gate.round_ran(launched.device_ns)
+        for out in outputs:
+            if out.seq_id in launched.looked_up:  # (new_tokens' order unchanged)
+                self.num_lookup_accepted += len(out.accepted_tokens)
+                out.decoded_tokens[:0], out.accepted_tokens = out.accepted_tokens, []
         chained = launched.chained
         if chained is not None:  # the next round is queued on the device already
             found = [item.seq_id for item in chained.inputs if item.kv_committed_len >= 0]
@@ -174,6 +179,27 @@ class VerifierEngine(EngineSetup):
                 outputs[i].kv_committed_len = out.kv_committed_len
         return device_ns
 
+    def _first_lookups(self, inputs: list[VerifyInput]) -> tuple[list[VerifyInput], frozenset[str]]:
+        """The gateway's round with each decode step that asks for prompt lookup (a sequence's
+        one pending token, no tree, no hidden states, no rules) given the chain its tokens
+        suggest, as its further steps are; and those sequences. None while a decode step run
+        ahead waits to be taken (it is the plain step)."""
+        if self._ahead is not None or not any(item.lookup for item in inputs):
+            return inputs, frozenset()
+        looked_up = []
+        for i, item in enumerate(inputs):
+            if (
+                item.lookup
+                and not (item.begin or item.tree or item.hidden_state_layers or item.rules)
+                and len(item.pending_tokens) == 1
+            ):
+                step = self._looked_up(dataclasses.replace(item), item.lookup)
+                if step.tree:
+                    inputs = [*inputs[:i], step, *inputs[i + 1 :]]
+                    looked_up.append(item.seq_id)
+                    self.num_lookup_drafted += len(step.tree)
+        return inputs, frozenset(looked_up)
+
     def _looked_up(self, step: VerifyInput, lookup: int) -> VerifyInput:
         """A further decode step of a round that asks for prompt lookup (VerifyInput.lookup):
         the chain its sequence's own tokens suggest after the step's pending token (at most
@@ -183,7 +209,8 @@ class VerifierEngine(EngineSetup):
         if not lookup or step.rules is not None:
             return step
         room = self.max_context - step.kv_committed_len - 1
-        chain = self.seqs[step.seq_id].history.chain(step.pending_tokens[0], min(lookup, room))
+        history = self.seqs[step.seq_id].history
+        chain = history.chain(step.kv_committed_len, step.pending_tokens[0], min(lookup, room))
         step.tree = DraftTree(chain, list(range(-1, len(chain) - 1)))
         return step
 
@@ -194,8 +221,10 @@ class VerifierEngine(EngineSetup):
         has a step left (decode_steps > 1), the next step is the round's own: it runs ahead at
         any batch size."""
         started_ns = time.perf_counter_ns()
+        looked_up: frozenset[str] = frozenset()
         if not validated:
             self._validate(inputs)
+            inputs, looked_up = self._first_lookups(inputs)
         self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
@@ -268,7 +297,7 @@ class VerifierEngine(EngineSetup):
                         launch_ns = time.perf_counter_ns() - started_ns
                         self.ahead_depth.observe_launch(len(inputs), launch_ns)
         self._end_wait(item.seq_id for item in inputs)
-        return VerifyRound(inputs, [*positions, *others], parts, ahead)
+        return VerifyRound(inputs, [*positions, *others], parts, ahead, looked_up=looked_up)
 
     @torch.inference_mode()
     def _finish_round(self, launched: VerifyRound, further: bool = False) -> list[VerifyOutput]:

@@ -220,6 +220,9 @@ class VerifyRound:
     # once finished: its device time, nanoseconds (its parts' and further decode steps'; 0 off
     # a GPU)
     device_ns: int = 0
+    # the sequences whose first step verifies a chain of prompt lookup (VerifyInput.lookup):
+    # its accepted drafts go back with the further steps' tokens (the gateway sent no tree)
+    looked_up: frozenset[str] = frozenset()
 
     def ready(self) -> bool:
         """Whether the device is done with the round's results (finish will not wait)."""

@@ -40,31 +40,33 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("page_size", "ahead", "overlap", "mixed"),
+    ("page_size", "ahead", "overlap", "mixed", "steps"),
     [
-        (16, False, "serial", False),
-        (1, False, "serial", False),
-        (16, True, "serial", False),
-        (16, False, "serial", True),
-        (1, True, "groups", True),
-        (16, False, "both", True),
+        (16, False, "serial", False, 1),
+        (16, False, "serial", False, 4),
+        (1, False, "serial", False, 4),
+        (16, True, "serial", False, 4),
+        (16, False, "serial", True, 4),
+        (1, True, "groups", True, 4),
+        (16, False, "both", True, 4),
     ],
-    ids=["serial", "page-1", "decode-ahead", "mixed", "groups-page-1-ahead", "both"],
+    ids=["one-step", "serial", "page-1", "decode-ahead", "mixed", "groups-page-1-ahead", "both"],
 )
 def test_rounds_with_lookup_give_the_target_tokens(
     target_dir: Path, smollm2_tokenizer: object, page_size: int, ahead: bool, overlap: str,
-    mixed: bool,
+    mixed: bool, steps: int,
 ) -> None:  # fmt: skip
     """Requests of mixed lengths, max_new_tokens not a multiple of anything (the last round cut
     to what is allowed), some speculating by the n-gram drafter ("mixed": their rounds one
-    step, the others' several): the target's tokens, and the lookup's drafts were accepted."""
+    step, the others' several; "one-step": rounds of one step, its chain the lookup's): the
+    target's tokens, and the lookup's drafts were accepted."""
     requests = mixed_requests(5, seed=4, max_new_tokens=6)
     for i, request in enumerate(requests):
         request.max_new_tokens = 9 + 5 * i
         request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else PLAIN
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, page_size=page_size,
-                       decode_ahead=ahead, decode_steps=4, overlap=overlap,
+                       decode_ahead=ahead, decode_steps=steps, overlap=overlap,
                        decode_lookup=3)  # fmt: skip
     results = generate_all(stack, requests)
     assert [generated_ids(c) for c in results] == expected
@@ -155,9 +157,10 @@ def test_token_history_chains_as_a_scan_through_commits_and_cuts() -> None:
         tokens[at:] = new
         last, depth = rng.randrange(5), rng.randrange(1, 5)
         found = scan_continuations([*tokens, last], depth, 1, 1, 3)
-        assert history.chain(last, depth) == (found[0] if found else [])
+        assert history.chain(len(tokens), last, depth) == (found[0] if found else [])
         assert history.tokens == tokens
     history.put(len(tokens) + 2, [1, 2])  # a gap: what came between is unknown
-    assert not history.known and history.chain(1, 3) == []
+    assert not history.known and history.chain(0, 1, 3) == []
     history.put(0, [1, 2, 1])  # the sequence starts again
-    assert history.known and history.chain(2, 3) == [1, 2]  # after (1, 2) at 0
+    assert history.known and history.chain(3, 2, 3) == [1, 2]  # after (1, 2) at 0
+    assert history.chain(5, 2, 3) == []  # past what it holds

@@ -171,11 +171,14 @@ AHEAD_TOKENS = 4
 AHEAD_SAMPLES = 2000
 
 
-def _exact_marginals(target_dir: Path, sampling: SamplingParams, length: int) -> list[torch.Tensor]:
-    """[V] probability of each of the first `length` generated tokens under plain target
-    sampling, over every prefix of the tokens before it (V ** (length - 1) at the last)."""
+def _exact_marginals(
+    target_dir: Path, sampling: SamplingParams, length: int, prompt: list[int] = PROMPT
+) -> list[torch.Tensor]:
+    """[V] probability of each of the first `length` generated tokens after `prompt` under
+    plain target sampling, over every prefix of the tokens before it (V ** (length - 1) at the
+    last)."""
     model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
-    prefixes, weights = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64)
+    prefixes, weights = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64)
     marginals = []
     with torch.no_grad():
         for t in range(length):
@@ -209,6 +212,37 @@ def test_tokens_drafted_ahead_follow_target_distribution(
     n = len(outs)
     for t, exact in enumerate(_exact_marginals(models["target"], sampling, AHEAD_TOKENS)):
         probs = {v: float(exact[v]) for v in range(VOCAB)}
+        counts = Counter(out[t] for out in outs)
+        support = sum(1 for v in probs.values() if v > 0)
+        assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n), t
+
+
+LOOKUP_PROMPT = [3, 7, 1, 12, 3, 7, 1, 12, 5, 3, 7]  # repeats: prompt lookup finds chains
+
+
+def test_tokens_of_lookup_steps_follow_target_distribution(models, smollm2_tokenizer) -> None:
+    """Rounds of 4 decode steps whose steps verify chains of prompt lookup (--decode-lookup 3:
+    deterministic drafts from the sequence's own tokens, accepted against the target's
+    distribution): each of the first four tokens follows the target's own distribution."""
+    sampling = SamplingParams(temperature=1.0)
+    stack = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
+                       dtype=torch.float32, num_pages=4096, decode_steps=4,
+                       decode_lookup=3)  # fmt: skip
+    stack.scheduler.max_batch_size = 1000
+    requests = [
+        GenerationRequest(
+            list(LOOKUP_PROMPT), AHEAD_TOKENS, SamplingParams(1.0, seed=i), ignore_eos=True
+        )
+        for i in range(AHEAD_SAMPLES)
+    ]
+    outs = [generated_ids(chunks) for chunks in generate_all(stack, requests)]
+    assert all(len(out) == AHEAD_TOKENS for out in outs)
+    # chains were taken (427 of 6,377 drafts accepted when written)
+    assert stack.verifier.num_lookup_accepted > AHEAD_SAMPLES // 10
+    n = len(outs)
+    exact = _exact_marginals(models["target"], sampling, AHEAD_TOKENS, LOOKUP_PROMPT)
+    for t, marginal in enumerate(exact):
+        probs = {v: float(marginal[v]) for v in range(VOCAB)}
         counts = Counter(out[t] for out in outs)
         support = sum(1 for v in probs.values() if v > 0)
         assert _total_variation(counts, probs, n) < 1.5 * math.sqrt(support / n), t
