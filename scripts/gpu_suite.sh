@@ -15,7 +15,7 @@
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
 #       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load] [pointwise-ab] [grounded]
-#       [grounded-more]
+#       [grounded-more] [lookup]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -368,6 +368,21 @@ for part in "${parts[@]}"; do
       run e2e_grounded python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
         --drafter ngram --prompts grounded --num-prompts 8 --max-new-tokens 128 --spec 3 5 \
         --speculation-gate on --assistant-layers 0 ;;
+    lookup)  # --decode-lookup (prompt lookup in the verifier's decode steps) through `up` on
+      # $SMOLLM2_GGUF: the edits and the chat prompts, each `up` with --decode-lookup in
+      # $LOOKUP_VALUES (default "3 0"), target-only and the gated default rows; HF generate, its
+      # prompt lookup and static cache + compile beside the first on the edits
+      first=1
+      for set in grounded chat; do
+        for value in ${LOOKUP_VALUES:-3 0}; do
+          hf=(--no-hf)
+          [[ $first == 1 && $set == grounded ]] && hf=(--assistant-layers 0)
+          first=0
+          run "e2e_lookup_${set}_$value" python3 bench/e2e.py --model "$SMOLLM2_GGUF" \
+            "${devices[@]}" --drafter ngram --prompts $set --num-prompts 16 \
+            --max-new-tokens 128 --speculation-gate on --up-arg=--decode-lookup=$value "${hf[@]}"
+        done
+      done ;;
     grounded-more)  # grounded's other two runs (each `up` starts afresh): the chat prompts
       # with prompt lookup, then the shipped head on the edits
       run e2e_grounded_chat python3 bench/e2e.py --model "$SMOLLM2_GGUF" "${devices[@]}" \
