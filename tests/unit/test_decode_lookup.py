@@ -11,10 +11,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from specsplit import convert
 from specsplit.lookup import TokenHistory
-from specsplit.messages import SpecParams, VerifyInput
+from specsplit.messages import SpecParams, Truncation, VerifyInput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import (
@@ -118,10 +119,47 @@ def test_a_full_kv_pool_preempts_rounds_with_lookup_with_the_same_tokens(
     assert [generated_ids(c) for c in out] == expected
 
 
-def test_the_history_holds_the_committed_tokens(target_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def device() -> str:
+    """The engines' device (tests/gpu/test_decode_lookup_gpu.py runs these tests on CUDA)."""
+    return "cpu"
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_lookup_rounds_give_the_tokens_and_kv_of_one_step_rounds(
+    target_dir: Path, device: str, steps: int
+) -> None:
+    """Two sequences in rounds of `steps` steps, each step verifying a lookup chain of up to 3
+    (the first step's too), against one-step rounds of the same engine kind: the same tokens,
+    committed lengths and K/V (to float rounding: a token's K/V computed in a chain's verify),
+    and the chains were accepted."""
+    looked_up, single = (
+        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, False, device)),
+    )
+    for driver in (looked_up, single):
+        driver.begin("a", "b")
+    for _ in range(32 // steps):
+        looked_up.round(dict.fromkeys("ab", DraftTree()), steps=dict.fromkeys("ab", steps),
+                        lookup=dict.fromkeys("ab", 3))  # fmt: skip
+    assert looked_up.engine.num_lookup_accepted > 0
+    while len(single.tokens["a"]) < len(looked_up.tokens["a"]):
+        single.decode("a", rounds=1)
+    while len(single.tokens["b"]) < len(looked_up.tokens["b"]):
+        single.decode("b", rounds=1)
+    assert looked_up.tokens == single.tokens and looked_up.committed == single.committed
+    for seq_id in "ab":
+        atol = 1e-9 if device == "cpu" else 1e-4
+        torch.testing.assert_close(
+            looked_up.kv_rows(seq_id), single.kv_rows(seq_id), rtol=0, atol=atol
+        )
+    _release(looked_up, single)
+
+
+def test_the_history_holds_the_committed_tokens(target_dir: Path, device: str) -> None:
     """After rounds of steps with lookup, the verifier's history of a sequence is its tokens
     but the pending bonus token; a truncation cuts it with the KV."""
-    driver = Driver(_engine(target_dir, False, "cpu"))
+    driver = Driver(_engine(target_dir, False, device))
     driver.begin("a")
     for _ in range(3):
         outputs = driver.round({"a": DraftTree()}, steps={"a": 4}, lookup={"a": 3})
@@ -129,6 +167,8 @@ def test_the_history_holds_the_committed_tokens(target_dir: Path) -> None:
     seq = driver.engine.seqs["a"]
     assert seq.history.tokens == driver.tokens["a"][:-1]
     assert len(seq.history.tokens) == seq.kv.kv_committed_len
+    driver.engine.truncate([Truncation("a", 10)])
+    assert seq.history.tokens == driver.tokens["a"][:10]
     _release(driver)
 
 
