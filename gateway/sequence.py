@@ -232,8 +232,8 @@ class Sequence:
     def verify_input(self, tree: DraftTree, decode_steps: int = 1, lookup: int = 0) -> VerifyInput:
         """This round's Verify. decode_steps: how many steps a plain round (no tree, no
         features, not the prefill) decodes, at most the tokens still allowed; lookup: the
-        chains of prompt lookup its steps verify (VerifyInput.lookup); the stop rules cut what
-        comes past a stop when the round commits."""
+        chains of prompt lookup its steps verify (VerifyInput.lookup), unless the request asked
+        for no drafts; the stop rules cut what comes past a stop when the round commits."""
         # held back, the round asks for no features: plain rounds cost what the target
         # alone does (scheduler._restart_features has them verified again on resuming)
         layers = () if self.drafts_held else self.hidden_state_layers
@@ -243,8 +243,11 @@ class Sequence:
         if not tree and not layers and self.verifier_begun and guide is None:
             left = self.request.max_new_tokens - self.num_generated_tokens
             steps = max(1, min(decode_steps, left))
-            chains = lookup  # (not cut to what is left: a seeded sampler's draws follow the
-            # chains, which then depend on the tokens alone, not on where rounds begin)
+            # (not cut to what is left: a seeded sampler's draws follow the chains, which then
+            # depend on the tokens alone, not on where rounds begin); none for a request that
+            # asked for no drafts (its own spec of 0 steps: the target alone)
+            own = self.request.spec
+            chains = 0 if own is not None and own.num_steps == 0 else lookup
         allowed = None if guide is None else round_allowed(guide, self.guide_state, tree)
         kept = self.rules_kept and self.verifier_begun
         rules = round_rules(self.rules_context, allowed, kept)

@@ -78,6 +78,8 @@ CHAIN_MAX_BATCH = 1
 CHAIN_MIN_GUESS_RATE = 0.9
 # --decode-steps auto with the verifier on a GPU (gateway/scheduler.py, VerifyInput.decode_steps)
 DECODE_STEPS_ON_GPU = 4
+# --decode-lookup auto with the verifier on the CPU (gateway/scheduler.py, VerifyInput.lookup)
+DECODE_LOOKUP_ON_CPU = 3
 # gateway/decode_steps.py's QUIET_SECONDS in ms (not imported: the parser is built before the
 # services quiet tqdm, and the gateway's modules import torch)
 DECODE_STEPS_QUIET_MS = 100.0
@@ -353,9 +355,10 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " tokens (what followed an earlier occurrence of its last 1-3 tokens): a step then"
         " appends its accepted drafts and a bonus token, with no drafter, RPC or gateway trip"
         " between steps; same output (greedy: the same tokens; sampled: the same distribution);"
-        " 0 = plain steps"
+        f" 0 = plain steps; none = auto (`up`: {DECODE_LOOKUP_ON_CPU} when the verifier runs on"
+        " a CPU, else 0; serve-gateway: 0)"
     )
-    flag(parser, "--decode-lookup", 0, lookup_help, type=int)
+    flag(parser, "--decode-lookup", None, lookup_help, type=optional_int)
     quiet_help = (
         "with --decode-steps-adaptive: plain rounds grow only once no request arrived for this"
         " long (a request arriving during a round waits for its end: under steady arrivals"

@@ -168,7 +168,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps or 1,
             adaptive_decode_steps=bool(args.decode_steps_adaptive),
             decode_steps_quiet_s=args.decode_steps_quiet_ms / 1e3,
-            decode_lookup=args.decode_lookup,
+            decode_lookup=args.decode_lookup or 0,
             prefill_rounds_one_step=args.prefill_rounds_one_step,
             early_verify=bool(args.early_verify),  # auto: off (the devices are not seen here)
             speculation_gate=args.speculation_gate == "on",

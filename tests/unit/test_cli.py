@@ -272,6 +272,21 @@ def test_up_children_use_the_embedded_model_by_default() -> None:
     assert (drafter.drafter, drafter.draft_model) == ("eagle3", embedded_default_head_path())
 
 
+@pytest.mark.parametrize(
+    ("argv", "lookup"),
+    [
+        (["--device", "cpu"], cli_flags.DECODE_LOOKUP_ON_CPU),
+        (["--device", "cuda:0"], 0),
+        (["--device", "cpu", "--decode-lookup", "5"], 5),
+        (["--device", "cuda:0", "--decode-lookup", "2"], 2),
+    ],
+)
+def test_up_gives_the_gateway_prompt_lookup_in_steps_on_a_cpu(argv: list[str], lookup: int) -> None:
+    gateway = _child_args(up.child_commands(cli.parse_args(["up", *argv]))["gateway"])
+    assert gateway.decode_lookup == lookup
+    assert cli.parse_args(["serve-gateway"]).decode_lookup is None  # the gateway takes 0
+
+
 def test_auto_drafter_is_the_shipped_head_on_a_gpu_else_prompt_lookup() -> None:
     embedded = cli.parse_args(["serve-drafter", "--device", "cuda:0"])
     assert (embedded.drafter, embedded.draft_model) == ("eagle3", embedded_default_head_path())

@@ -368,6 +368,15 @@ def test_plain_rounds_decode_several_tokens_on_gpus_and_on_the_cpu(
     assert parsed(merged, "gateway", monkeypatch).decode_steps_adaptive is False
 
 
+def test_the_cpu_override_drafts_by_prompt_lookup_in_the_verifiers_steps(
+    base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--decode-lookup as `up` picks it: chains of 3 with a CPU verifier, none on a GPU."""
+    assert not parsed(base, "gateway", monkeypatch).decode_lookup
+    lookup = parsed(merged, "gateway", monkeypatch).decode_lookup
+    assert lookup == cli_flags.DECODE_LOOKUP_ON_CPU
+
+
 def test_the_gateway_polls_for_lane_answers_on_gpus_not_on_the_cpu(
     base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

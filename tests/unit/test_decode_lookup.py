@@ -64,7 +64,7 @@ def test_rounds_with_lookup_give_the_target_tokens(
     requests = mixed_requests(5, seed=4, max_new_tokens=6)
     for i, request in enumerate(requests):
         request.max_new_tokens = 9 + 5 * i
-        request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else PLAIN
+        request.spec = SpecParams(2, 1, 2) if mixed and i % 2 else None  # (the default: PLAIN)
     expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, page_size=page_size,
                        decode_ahead=ahead, decode_steps=steps, overlap=overlap,
@@ -80,7 +80,8 @@ def test_lookup_takes_fewer_rounds_than_plain_steps(
     target_dir: Path, smollm2_tokenizer: object
 ) -> None:
     """The same requests with plain steps and with lookup: the same tokens in fewer rounds (a
-    tiny random model's greedy output repeats itself, which prompt lookup finds)."""
+    tiny random model's greedy output repeats itself, which prompt lookup finds); with their
+    own spec of no drafts, no lookup."""
     requests = mixed_requests(3, seed=9, max_new_tokens=40)
     rounds = []
     outputs = []
@@ -92,6 +93,13 @@ def test_lookup_takes_fewer_rounds_than_plain_steps(
         check_no_leaks(stack)
     assert outputs[0] == outputs[1]
     assert rounds[1] < rounds[0], rounds
+    # a request that asks for no drafts (its own spec of 0 steps) gets the target alone
+    for request in requests:
+        request.spec = PLAIN
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
+                       decode_lookup=4)  # fmt: skip
+    assert [generated_ids(c) for c in generate_all(stack, requests)] == outputs[0]
+    assert stack.scheduler.num_rounds == rounds[0] and stack.verifier.num_lookup_drafted == 0
 
 
 @pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
