@@ -222,6 +222,12 @@ VERIFIER_EAGER_FORWARDS = Counter(
     " a bucket for the batch), 'rows' (device inputs that would need padding rows)",
     ["why"],
 )
+VERIFIER_LOOKUP_TOKENS = Counter(
+    "specsplit_verifier_lookup_tokens",
+    "Prompt lookup's drafts in the verifier's decode steps (--decode-lookup): 'drafted' (the"
+    " chains' tokens verified) and 'accepted' (those the target kept: each a step saved)",
+    ["outcome"],
+)
 VERIFIER_RULES_ROUNDS = Counter(
     "specsplit_verifier_rules_rounds",
     "The verifier's rounds and decode steps bent by logit rules or a guide, by path: 'graph' (one"

@@ -56,6 +56,7 @@ from specsplit.metric_defs import (
     VERIFIER_FORWARDS,
     VERIFIER_GAP_SECONDS,
     VERIFIER_IDLE_SECONDS,
+    VERIFIER_LOOKUP_TOKENS,
     VERIFIER_RULES_ROUNDS,
     VERIFIER_STEP_IDLE_SECONDS,
     VERIFIER_WAIT_SECONDS,
@@ -266,6 +267,14 @@ def count_verifier_forward(eager_why: str | None) -> None:
 def count_drafter_forward(eager_why: str | None) -> None:
     """A drafter forward: a graph's replay (None), or eager and why (DRAFTER_EAGER_FORWARDS)."""
     _count_forward(DRAFTER_FORWARDS, DRAFTER_EAGER_FORWARDS, eager_why)
+
+
+def count_lookup_tokens(drafted: int, accepted: int) -> None:
+    """Prompt lookup's drafts of a verifier's round (VERIFIER_LOOKUP_TOKENS)."""
+    if drafted:
+        _child(VERIFIER_LOOKUP_TOKENS, "drafted").inc(drafted)
+    if accepted:
+        _child(VERIFIER_LOOKUP_TOKENS, "accepted").inc(accepted)
 
 
 def count_rules_round(eager_why: str | None) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from specsplit import metrics
 from specsplit.errors import Code, ServiceError
 from specsplit.messages import (
     VerifyInput,
@@ -78,7 +79,7 @@ class VerifierEngine(EngineSetup):
             self.chain_gate.round_ran(launched.device_ns)
         for out in outputs:
             if out.seq_id in launched.looked_up:  # (new_tokens' order unchanged)
-                self.num_lookup_accepted += len(out.accepted_tokens)
+                self._count_lookup(0, len(out.accepted_tokens))
                 out.decoded_tokens[:0], out.accepted_tokens = out.accepted_tokens, []
         chained = launched.chained
         if chained is not None:  # the next round is queued on the device already
@@ -167,9 +168,11 @@ class VerifierEngine(EngineSetup):
             self.top_up(step_round)  # (on a GPU, while the device runs the step)
             stepped = self._finish_round(step_round, further=True)
             device_ns += step_round.device_ns
-            self.num_lookup_drafted += sum(len(item.tree) for item in step_inputs)
+            self._count_lookup(
+                sum(len(item.tree) for item in step_inputs),
+                sum(len(out.accepted_tokens) for out in stepped),
+            )
             for i, out in zip(more, stepped, strict=True):
-                self.num_lookup_accepted += len(out.accepted_tokens)
                 outputs[i].decoded_tokens += [outputs[i].bonus_token, *out.accepted_tokens]
                 outputs[i].bonus_token = out.bonus_token
                 if out.logprobs is not None:  # (the round's asked for them too)
@@ -197,8 +200,13 @@ class VerifierEngine(EngineSetup):
                 if step.tree:
                     inputs = [*inputs[:i], step, *inputs[i + 1 :]]
                     looked_up.append(item.seq_id)
-                    self.num_lookup_drafted += len(step.tree)
+                    self._count_lookup(len(step.tree), 0)
         return inputs, frozenset(looked_up)
+
+    def _count_lookup(self, drafted: int, accepted: int) -> None:
+        self.num_lookup_drafted += drafted
+        self.num_lookup_accepted += accepted
+        metrics.count_lookup_tokens(drafted, accepted)
 
     def _looked_up(self, step: VerifyInput, lookup: int) -> VerifyInput:
         """A further decode step of a round that asks for prompt lookup (VerifyInput.lookup):

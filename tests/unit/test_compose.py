@@ -82,6 +82,7 @@ KNOWN_METRICS = {
     "specsplit_drafter_forwards_total",
     "specsplit_drafter_eager_forwards_total",
     "specsplit_verifier_rules_rounds_total",
+    "specsplit_verifier_lookup_tokens_total",
     "specsplit_verifier_eager_rules_rounds_total",
 }
 

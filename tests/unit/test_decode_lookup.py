@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from specsplit import convert
 from specsplit.lookup import TokenHistory
@@ -33,6 +34,11 @@ from tests.unit.test_scheduler_preemption import _requests as _preemption_reques
 from tests.unit.test_sessions import _run
 
 PLAIN = SpecParams(0, 1, 0)
+
+
+def _lookup_tokens(outcome: str) -> float:
+    name = "specsplit_verifier_lookup_tokens_total"
+    return REGISTRY.get_sample_value(name, {"outcome": outcome}) or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +92,16 @@ def test_lookup_takes_fewer_rounds_than_plain_steps(
     rounds = []
     outputs = []
     for lookup in (0, 4):
+        before = {outcome: _lookup_tokens(outcome) for outcome in ("drafted", "accepted")}
         stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
                            decode_lookup=lookup)  # fmt: skip
         outputs.append([generated_ids(c) for c in generate_all(stack, requests)])
         rounds.append(stack.scheduler.num_rounds)
         check_no_leaks(stack)
+        # /metrics: specsplit_verifier_lookup_tokens_total{outcome}, as the engine counted
+        engine = stack.verifier
+        assert _lookup_tokens("drafted") - before["drafted"] == engine.num_lookup_drafted
+        assert _lookup_tokens("accepted") - before["accepted"] == engine.num_lookup_accepted
     assert outputs[0] == outputs[1]
     assert rounds[1] < rounds[0], rounds
     # a request that asks for no drafts (its own spec of 0 steps) gets the target alone
