@@ -106,7 +106,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gateway_pb2_gr
 def test_compose_services_stream_target_only_tokens_over_their_lanes(
     gateway: gateway_pb2_grpc.GatewayStub,
 ) -> None:
-    prompt = [1, 9690, 28, 1059, 314, 260, 6429, 3071, 47, 2]
+    # repeated: the CPU override's drafter is prompt lookup (`--drafter auto` on a CPU)
+    prompt = [1, 9690, 28, 1059, 314, 260, 6429, 3071, 47, 2] * 3
     runs = {}
     for label, spec in (("speculative", CHAIN), ("target only", NO_SPEC)):
         request = gateway_pb2.GenerateRequest(
@@ -119,4 +120,4 @@ def test_compose_services_stream_target_only_tokens_over_their_lanes(
     assert ids_of(runs["speculative"]) == ids_of(runs["target only"])
     assert len(ids_of(runs["speculative"])) == 24
     stats = runs["speculative"][-1].spec_stats
-    assert stats.mean_accepted_tokens > 1.0, stats  # the shipped head drafted, and was accepted
+    assert stats.mean_accepted_tokens > 1.0, stats  # the drafter drafted, and was accepted
