@@ -299,9 +299,11 @@ class Sequence:
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rounds_since_prefill += 1
-        # a round's further decode steps count as rounds of one token each
-        self.stats.rounds += 1 + len(out.decoded_tokens)
-        self.stats.num_accepted_drafts += out.num_accepted_drafts
+        # a round's further decode steps count as rounds of their own, prompt lookup's accepted
+        # drafts in them as accepted drafts
+        looked_up = out.num_lookup_accepted
+        self.stats.rounds += 1 + len(out.decoded_tokens) - looked_up
+        self.stats.num_accepted_drafts += out.num_accepted_drafts + looked_up
         self.stats.num_accepted_tokens += out.num_accepted_tokens + len(out.decoded_tokens)
         new = out.new_tokens
         text: str | None = None  # made here only when the rules read it

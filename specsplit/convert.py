@@ -336,6 +336,8 @@ def verify_response_to_proto(
     if any(item.decoded_tokens for item in outputs):
         msg.num_decoded_tokens.extend([len(item.decoded_tokens) for item in outputs])
         msg.decoded_tokens.extend([t for item in outputs for t in item.decoded_tokens])
+    if any(item.num_lookup_accepted for item in outputs):
+        msg.num_lookup_accepted.extend([item.num_lookup_accepted for item in outputs])
     hidden = [item.hidden_states for item in outputs]
     msg.num_hidden_rows.extend(row_counts(hidden))
     fill_rows(msg.hidden_states, hidden, beside)
@@ -370,5 +372,10 @@ def verify_response_from_proto(
             strict=True,
         )
     ]
+    looked_up = column_of(msg.num_lookup_accepted, n, "num_lookup_accepted", default=0)
+    for out, accepted_drafts in zip(outputs, looked_up, strict=True):
+        if not 0 <= accepted_drafts <= len(out.decoded_tokens):
+            raise invalid("num_lookup_accepted must be within num_decoded_tokens")
+        out.num_lookup_accepted = accepted_drafts
     read_logprobs(msg, outputs)
     return outputs

@@ -151,6 +151,9 @@ class VerifyOutput:
     # the round's further decode steps (VerifyInput.decode_steps): the tokens they took as
     # input, the first step's bonus token first; bonus_token is then the last step's
     decoded_tokens: list[int] = field(default_factory=list)
+    # how many of decoded_tokens are prompt lookup's accepted drafts (VerifyInput.lookup): the
+    # round took len(decoded_tokens) - num_lookup_accepted further steps
+    num_lookup_accepted: int = 0
     logprobs: TokenLogprobs | None = None  # one entry per new token where the round asked
     # one entry per pending token but the first, where the round asked (prompt_logprobs)
     prompt_logprobs: TokenLogprobs | None = None

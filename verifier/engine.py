@@ -80,6 +80,7 @@ class VerifierEngine(EngineSetup):
         for out in outputs:
             if out.seq_id in launched.looked_up:  # (new_tokens' order unchanged)
                 self._count_lookup(0, len(out.accepted_tokens))
+                out.num_lookup_accepted += len(out.accepted_tokens)
                 out.decoded_tokens[:0], out.accepted_tokens = out.accepted_tokens, []
         chained = launched.chained
         if chained is not None:  # the next round is queued on the device already
@@ -174,6 +175,7 @@ class VerifierEngine(EngineSetup):
             )
             for i, out in zip(more, stepped, strict=True):
                 outputs[i].decoded_tokens += [outputs[i].bonus_token, *out.accepted_tokens]
+                outputs[i].num_lookup_accepted += len(out.accepted_tokens)
                 outputs[i].bonus_token = out.bonus_token
                 if out.logprobs is not None:  # (the round's asked for them too)
                     logprobs = outputs[i].logprobs

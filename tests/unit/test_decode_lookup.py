@@ -15,8 +15,9 @@ import torch
 from prometheus_client import REGISTRY
 
 from specsplit import convert
+from specsplit.errors import ServiceError
 from specsplit.lookup import TokenHistory
-from specsplit.messages import SpecParams, Truncation, VerifyInput
+from specsplit.messages import SpecParams, Truncation, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import (
@@ -95,8 +96,14 @@ def test_lookup_takes_fewer_rounds_than_plain_steps(
         before = {outcome: _lookup_tokens(outcome) for outcome in ("drafted", "accepted")}
         stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
                            decode_lookup=lookup)  # fmt: skip
-        outputs.append([generated_ids(c) for c in generate_all(stack, requests)])
+        results = generate_all(stack, requests)
+        outputs.append([generated_ids(c) for c in results])
         rounds.append(stack.scheduler.num_rounds)
+        # the streams' stats count each step a round, lookup's accepted drafts as drafts
+        stats = [chunks[-1].stats for chunks in results]
+        assert all(s is not None for s in stats)
+        drafts = sum(s.num_accepted_drafts for s in stats if s is not None)
+        assert drafts == stack.verifier.num_lookup_accepted
         check_no_leaks(stack)
         # /metrics: specsplit_verifier_lookup_tokens_total{outcome}, as the engine counted
         engine = stack.verifier
@@ -198,6 +205,13 @@ def test_lookup_crosses_the_wire() -> None:
     assert list(msg.lookup) == [3, 0]
     assert convert.verify_request_from_proto(msg) == [item, plain]
     assert not convert.verify_request_to_proto([plain]).lookup  # all 0: left empty
+    out = VerifyOutput("s", [], 7, 12, decoded_tokens=[5, 6, 8], num_lookup_accepted=2)
+    msg = convert.verify_response_to_proto([out, VerifyOutput("t", [2], 3, 11)], verify_ns=1)
+    assert list(msg.num_lookup_accepted) == [2, 0]
+    assert convert.verify_response_from_proto(msg)[0] == out
+    msg.num_lookup_accepted[0] = 4  # more than its decoded tokens
+    with pytest.raises(ServiceError, match="num_lookup_accepted"):
+        convert.verify_response_from_proto(msg)
 
 
 def test_token_history_chains_as_a_scan_through_commits_and_cuts() -> None:
