@@ -94,8 +94,10 @@ def wait_for_drafter(
     while scrape_totals()[("drafter", "specsplit_draft_seconds_count")] == 0:
         if time.monotonic() > deadline:
             raise TimeoutError("the drafter answered no Draft")
-        request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt), max_new_tokens=8
+        request = gateway_pb2.GenerateRequest(  # its own spec: drafts whatever the default
+            token_ids=gateway_pb2.TokenIds(ids=prompt),
+            max_new_tokens=8,
+            spec=common_pb2.SpecParams(num_steps=3, topk=1),
         )
         for _ in stub.Generate(request):
             pass
