@@ -97,7 +97,7 @@ def wait_for_drafter(
         request = gateway_pb2.GenerateRequest(  # its own spec: drafts whatever the default
             token_ids=gateway_pb2.TokenIds(ids=prompt),
             max_new_tokens=8,
-            spec=common_pb2.SpecParams(num_steps=3, topk=1),
+            spec=common_pb2.SpecParams(num_steps=3, topk=1, num_draft_tokens=3),
         )
         for _ in stub.Generate(request):
             pass
