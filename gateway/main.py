@@ -162,6 +162,7 @@ async def serve(
     adaptive_decode_steps: bool = False,
     decode_steps_quiet_s: float = QUIET_SECONDS,
     decode_lookup: int = 0,
+    decode_lookup_max_batch: int = 1,
     prefill_rounds_one_step: bool = True,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
@@ -226,6 +227,7 @@ async def serve(
         adaptive_decode_steps=adaptive_decode_steps,
         decode_steps_quiet_s=decode_steps_quiet_s,
         decode_lookup=decode_lookup,
+        decode_lookup_max_batch=decode_lookup_max_batch,
         prefill_rounds_one_step=prefill_rounds_one_step,
         early_verify=early_verify,
     )

@@ -88,6 +88,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         adaptive_decode_steps: bool = False,
         decode_steps_quiet_s: float = QUIET_SECONDS,
         decode_lookup: int = 0,
+        decode_lookup_max_batch: int = 1,
         prefill_rounds_one_step: bool = True,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
@@ -117,7 +118,8 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         rounds grow from it, per batch size, while the verifier's device idles between rounds,
         once no request arrived for `decode_steps_quiet_s` (gateway/decode_steps.py);
         decode_lookup: each further decode step of a plain round verifies a chain of up to this
-        many tokens the verifier drafts by prompt lookup (VerifyInput.lookup; 0: plain steps);
+        many tokens the verifier drafts by prompt lookup (VerifyInput.lookup; 0: plain steps),
+        in rounds of at most decode_lookup_max_batch sequences;
         prefill_rounds_one_step: a round that starts a sequence (its prefill) decodes one step
         for every sequence in it, so the new one's first token streams after that step, not
         after the others' further steps; not while requests wait for a place in the batch.
@@ -202,6 +204,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         self._hints: set[asyncio.Future[None]] = set()  # hints on their way (`_hint`)
         self.decode_steps = decode_steps
         self.decode_lookup = decode_lookup
+        self.decode_lookup_max_batch = decode_lookup_max_batch
         self.steps_policy = (
             DecodeSteps(decode_steps, quiet_seconds=decode_steps_quiet_s)
             if adaptive_decode_steps
@@ -269,9 +272,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
             # to a newcomer so that nearly every round starts one, and one-step rounds would
             # cut the rate that frees the places they wait for
             steps = 1
+        lookup = self.decode_lookup if len(batch) <= self.decode_lookup_max_batch else 0
         inputs = [
-            seq.verify_input(tree, steps, self.decode_lookup)
-            for seq, tree in zip(batch, trees, strict=True)
+            seq.verify_input(tree, steps, lookup) for seq, tree in zip(batch, trees, strict=True)
         ]
         if policy is not None and all(is_plain(item) for item in inputs):  # what it learns from
             metrics.observe_decode_steps(steps)

@@ -87,6 +87,7 @@ def build_local_stack(
     decode_steps: int = 1,
     early_verify: bool = False,
     decode_lookup: int = 0,
+    decode_lookup_max_batch: int = 64,
 ) -> LocalStack:
     """drafter: "model" (draft_path, default the target itself), "self" (the target's first
     draft_layers layers, sharing its weights), "eagle3" (draft_path = the head; the scheduler
@@ -96,7 +97,8 @@ def build_local_stack(
     drafter's CUDA graphs (on a GPU; VerifierEngine, DrafterEngine). overlap: the scheduler's
     ("serial", "groups", "gated", "ahead" or "both"). decode_ahead: the verifier's (VerifierEngine).
     decode_steps: tokens a plain round decodes, decode_lookup: the prompt-lookup chains its
-    further steps verify (the scheduler's), early_verify: groups send the other group's
+    further steps verify, in rounds of at most decode_lookup_max_batch sequences (the
+    scheduler's), early_verify: groups send the other group's
     Verify while one is in flight (the scheduler's)."""
     model, config = (
         target if target is not None else load_model(target_path, dtype=dtype, device=device)
@@ -150,5 +152,6 @@ def build_local_stack(
         decode_steps=decode_steps,
         early_verify=early_verify,
         decode_lookup=decode_lookup,
+        decode_lookup_max_batch=decode_lookup_max_batch,
     )
     return LocalStack(verifier, drafter_engine, scheduler)

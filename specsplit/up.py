@@ -126,6 +126,7 @@ def child_commands(
     gateway += ["--decode-steps-adaptive" if adaptive else "--no-decode-steps-adaptive"]
     gateway += ["--decode-steps-quiet-ms", str(args.decode_steps_quiet_ms)]
     gateway += ["--decode-lookup", str(gateway_decode_lookup(args))]
+    gateway += ["--decode-lookup-max-batch", str(args.decode_lookup_max_batch)]
     gateway += ["--prefill-rounds-one-step" if args.prefill_rounds_one_step
                 else "--no-prefill-rounds-one-step"]  # fmt: skip
     for flag in LIMIT_FLAGS:

@@ -86,10 +86,12 @@ def make_stack(
     decode_steps: int = 1,
     early_verify: bool = False,
     decode_lookup: int = 0,
+    decode_lookup_max_batch: int = 64,
 ) -> LocalStack:
     """drafter: "model" (draft_dir, or the target itself when None) or "ngram"; invariants are
     checked after every engine call. adaptive_*: adaptive speculation starting on `spec`.
-    decode_ahead: the verifier's; decode_steps, early_verify, decode_lookup: the scheduler's."""
+    decode_ahead: the verifier's; decode_steps, early_verify, decode_lookup(_max_batch): the
+    scheduler's (the tests' batches look up at any size)."""
     return build_local_stack(
         str(target_dir),
         drafter,
@@ -107,6 +109,7 @@ def make_stack(
         decode_steps=decode_steps,
         early_verify=early_verify,
         decode_lookup=decode_lookup,
+        decode_lookup_max_batch=decode_lookup_max_batch,
     )
 
 

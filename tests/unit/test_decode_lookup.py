@@ -120,6 +120,31 @@ def test_lookup_takes_fewer_rounds_than_plain_steps(
     assert stack.scheduler.num_rounds == rounds[0] and stack.verifier.num_lookup_drafted == 0
 
 
+def test_rounds_of_more_sequences_than_the_lookups_batch_limit_look_nothing_up(
+    target_dir: Path, smollm2_tokenizer: object
+) -> None:
+    """--decode-lookup-max-batch 1: while three requests run, their rounds send no lookup; the
+    long one, once alone, looks up; the tokens are the target's either way."""
+    requests = mixed_requests(3, seed=9, max_new_tokens=6)
+    requests[2].max_new_tokens = 40
+    expected = target_only_ids(target_dir, smollm2_tokenizer, requests)
+    stack = make_stack(target_dir, "ngram", smollm2_tokenizer, PLAIN, decode_steps=4,
+                       decode_lookup=3, decode_lookup_max_batch=1)  # fmt: skip
+    verify = stack.scheduler.verifier.verify
+    asked: list[tuple[int, int]] = []  # (sequences, those asking for lookup) a round
+
+    async def counted(inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        asked.append((len(inputs), sum(1 for item in inputs if item.lookup)))
+        return await verify(inputs)
+
+    stack.scheduler.verifier.verify = counted  # type: ignore[method-assign]
+    assert [generated_ids(c) for c in generate_all(stack, requests)] == expected
+    assert all(lookups == 0 for size, lookups in asked if size > 1)
+    assert any(lookups == 1 for size, lookups in asked if size == 1)
+    assert stack.verifier.num_lookup_drafted > 0
+    check_no_leaks(stack)
+
+
 @pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
 def test_session_turns_with_lookup_equal_fresh_requests(
     target_dir: Path, smollm2_tokenizer: object, seed: int | None
