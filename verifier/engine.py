@@ -211,10 +211,10 @@ class VerifierEngine(EngineSetup):
         metrics.count_lookup_tokens(drafted, accepted)
 
     def _looked_up(self, step: VerifyInput, lookup: int) -> VerifyInput:
-        """A further decode step of a round that asks for prompt lookup (VerifyInput.lookup):
-        the chain its sequence's own tokens suggest after the step's pending token (at most
-        `lookup`, within the context; none where nothing matched, or with logit rules, whose
-        rows a step bends one token at a time), as its tree."""
+        """A decode step of a round that asks for prompt lookup (VerifyInput.lookup), its first
+        or a further one: the chain its sequence's own tokens suggest after the step's pending
+        token (at most `lookup`, within the context; none where nothing matched, or with logit
+        rules, whose rows a step bends one token at a time), as its tree."""
         step.lookup = lookup
         if not lookup or step.rules is not None:
             return step
