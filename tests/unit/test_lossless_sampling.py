@@ -226,8 +226,8 @@ def test_tokens_of_lookup_steps_follow_target_distribution(models, smollm2_token
     distribution): each of the first four tokens follows the target's own distribution."""
     sampling = SamplingParams(temperature=1.0)
     stack = make_stack(models["target"], "ngram", smollm2_tokenizer, SpecParams(0, 1, 0),
-                       dtype=torch.float32, num_pages=4096, decode_steps=4,
-                       decode_lookup=3)  # fmt: skip
+                       dtype=torch.float32, num_pages=4096, decode_steps=4, decode_lookup=3,
+                       decode_lookup_max_batch=AHEAD_SAMPLES)  # fmt: skip
     stack.scheduler.max_batch_size = 1000
     requests = [
         GenerationRequest(
