@@ -37,14 +37,15 @@ class NgramIndex:
         """Forget the n-grams that end past tokens[:length] (tokens: as indexed, not yet cut)."""
         if length == 0:
             self.starts.clear()
-        for end in range(self.length, length, -1) if length else ():
-            for n in self.sizes:
-                if end >= n:
-                    key = tuple(tokens[end - n : end])
-                    starts = self.starts[key]
-                    starts.pop()  # the latest: ends are cut latest first
-                    if not starts:
-                        del self.starts[key]
+        else:
+            for end in range(self.length, length, -1):
+                for n in self.sizes:
+                    if end >= n:
+                        key = tuple(tokens[end - n : end])
+                        starts = self.starts[key]
+                        starts.pop()  # the latest: ends are cut latest first
+                        if not starts:
+                            del self.starts[key]
         self.length = min(self.length, length)
 
     def continuations(self, tokens: list[int], depth: int, limit: int) -> list[list[int]]:

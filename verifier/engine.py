@@ -77,7 +77,7 @@ class VerifierEngine(EngineSetup):
             ready = time.perf_counter_ns()  # the round's results are its last step's
         elif len(launched.inputs) <= self.chain_max_batch:  # a round that may have chained
             self.chain_gate.round_ran(launched.device_ns)
-        for out in outputs:
+        for out in outputs if launched.looked_up else ():
             if out.seq_id in launched.looked_up:  # (new_tokens' order unchanged)
                 self._count_lookup(0, len(out.accepted_tokens))
                 out.num_lookup_accepted += len(out.accepted_tokens)
@@ -191,8 +191,8 @@ class VerifierEngine(EngineSetup):
         ahead waits to be taken (it is the plain step)."""
         if self._ahead is not None or not any(item.lookup for item in inputs):
             return inputs, frozenset()
-        looked_up = []
-        for i, item in enumerate(inputs):
+        steps, looked_up = [], []
+        for item in inputs:
             if (
                 item.lookup
                 and not (item.begin or item.tree or item.hidden_state_layers or item.rules)
@@ -200,10 +200,11 @@ class VerifierEngine(EngineSetup):
             ):
                 step = self._looked_up(dataclasses.replace(item), item.lookup)
                 if step.tree:
-                    inputs = [*inputs[:i], step, *inputs[i + 1 :]]
+                    item = step
                     looked_up.append(item.seq_id)
                     self._count_lookup(len(step.tree), 0)
-        return inputs, frozenset(looked_up)
+            steps.append(item)
+        return steps, frozenset(looked_up)
 
     def _count_lookup(self, drafted: int, accepted: int) -> None:
         self.num_lookup_drafted += drafted
