@@ -23,6 +23,7 @@ from specsplit.cli_args import (
     positive_int,
     switch,
 )
+from specsplit.lookup import LOOKUP_MIN_NGRAM, MAX_NGRAM
 
 if TYPE_CHECKING:
     from specsplit.spec_params import SpecParams
@@ -180,6 +181,17 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         " outcome among the hint's, or a miss the hint runs plain (a chained round whose outcome"
         " was missed otherwise costs the device a whole round); 0 = always",
         type=float,
+    )
+    flag(
+        parser,
+        "--lookup-min-ngram",
+        LOOKUP_MIN_NGRAM,
+        "the prompt-lookup chains the verifier drafts in decode steps (the gateway's"
+        " --decode-lookup) follow a suffix of at least this many of the sequence's tokens that"
+        " occurred before (1 also takes one-token matches: on SmolLM2's chat answers 10%% of"
+        " their tokens were accepted, 70%% after three-token matches)",
+        type=int,
+        choices=range(1, MAX_NGRAM + 1),
     )
     synthetic_help = (
         "BENCHMARKS ONLY, NOT LOSSLESS: accept the first child at depth d with the d-th of these"

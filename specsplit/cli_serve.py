@@ -127,6 +127,7 @@ def serve_verifier(args: argparse.Namespace) -> int:
         "chain_max_batch": args.chain_max_batch,
         "chain_min_guess_rate": args.chain_min_guess_rate,
         "synthetic_acceptance": args.synthetic_acceptance,
+        "lookup_min_ngram": args.lookup_min_ngram,
     }
     asyncio.run(serve(args.listen, _model_path(args), **kwargs, **graphs))
     return 0

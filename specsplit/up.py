@@ -157,6 +157,8 @@ def child_commands(
             str(args.chain_max_batch),
             "--chain-min-guess-rate",
             str(args.chain_min_guess_rate),
+            "--lookup-min-ngram",
+            str(args.lookup_min_ngram),
             *_opt("--synthetic-acceptance", _rates(args.synthetic_acceptance)),
         ],
         "drafter": [*base, "serve-drafter", "--listen", addr["drafter"], *engine, *drafter],

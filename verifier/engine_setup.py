@@ -15,6 +15,7 @@ import torch
 
 from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE
 from specsplit.kv_cache import KVCache, pool_num_pages
+from specsplit.lookup import LOOKUP_MIN_NGRAM
 from specsplit.messages import VerifyInput, VerifyOutput
 from specsplit.model.cuda_graphs import CudaGraphRunner
 from specsplit.model.llama import LlamaModel, kv_cache_bytes_per_token, make_kv_cache
@@ -64,6 +65,7 @@ class EngineSetup(SeqMemory):
         synthetic_acceptance: tuple[float, ...] | None = None,
         decode_ahead: bool = False,
         decode_ahead_max_batch: int = 64,
+        lookup_min_ngram: int = LOOKUP_MIN_NGRAM,
     ) -> None:
         """graph_query_lens: on a GPU, capture CUDA graphs at warm-up for steps of these query
         tokens per sequence and batches up to max_batch_size; () = always eager. With them,
@@ -79,7 +81,9 @@ class EngineSetup(SeqMemory):
         the same sequences' next decode step before it is asked for (`_launch_ahead`); the next
         round takes it when it is that step, else it is dropped; rounds of more than
         decode_ahead_max_batch sequences run nothing ahead, but for a round's own further
-        decode steps (VerifyInput.decode_steps), which always take it."""
+        decode steps (VerifyInput.decode_steps), which always take it.
+        lookup_min_ngram: prompt lookup's chains (VerifyInput.lookup) follow suffixes of at
+        least this many tokens (specsplit/lookup.py)."""
         self.model = model
         self.kv = kv
         self.max_context = max_context
@@ -103,6 +107,7 @@ class EngineSetup(SeqMemory):
         self.num_ahead_used = 0  # decode steps run ahead that the next round was
         # prompt lookup's drafts in further decode steps (VerifyInput.lookup), and the accepted
         self.num_lookup_drafted = self.num_lookup_accepted = 0
+        self.lookup_min_ngram = lookup_min_ngram  # (a sequence's history takes it when created)
         self.num_ahead_dropped_by: Counter[str] = Counter()  # ... and that it was not, by why
         self.on_decode_ahead: Callable[[str], None] | None = None  # "used" / "dropped" each
         self.on_decode_ahead_dropped: Callable[[str], None] | None = None  # and its reason
@@ -203,6 +208,7 @@ class EngineSetup(SeqMemory):
         decode_ahead: bool = False,
         decode_ahead_max_batch: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
+        lookup_min_ngram: int = LOOKUP_MIN_NGRAM,
     ) -> Self:
         """An engine over a loaded model, on the model's device and in its dtype. num_pages
         None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free after loading
@@ -235,6 +241,7 @@ class EngineSetup(SeqMemory):
             decode_ahead=decode_ahead,
             decode_ahead_max_batch=decode_ahead_max_batch,
             synthetic_acceptance=synthetic_acceptance,
+            lookup_min_ngram=lookup_min_ngram,
         )
 
     def warmup(self) -> None:

@@ -7,6 +7,7 @@ from functools import partial
 from specsplit import metrics
 from specsplit.cli_flags import CHAIN_MAX_BATCH, CHAIN_MIN_GUESS_RATE, DECODE_AHEAD_DEPTH
 from specsplit.engine_servicer import calls_on_loop
+from specsplit.lookup import LOOKUP_MIN_NGRAM
 from specsplit.server import serve as serve_host
 from specsplit.tls import TLSFiles
 from specsplit.wire_tensors import torch_dtype
@@ -38,13 +39,14 @@ async def serve(
     chain_max_batch: int = CHAIN_MAX_BATCH,
     chain_min_guess_rate: float = CHAIN_MIN_GUESS_RATE,
     synthetic_acceptance: tuple[float, ...] | None = None,
+    lookup_min_ngram: int = LOOKUP_MIN_NGRAM,
     cpu_cores: frozenset[int] | None = None,
 ) -> None:
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, graph_max_batch (the engine's max_batch_size: its graphs'
     largest batch), kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
-    decode_ahead_depth (verifier/ahead_depth.py, 0 = auto),
+    decode_ahead_depth (verifier/ahead_depth.py, 0 = auto), lookup_min_ngram,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
     (specsplit.lane.LoopPoll). chain_rounds ("auto", "on", "off"), chain_max_batch,
@@ -64,6 +66,7 @@ async def serve(
         decode_ahead=decode_ahead,
         decode_ahead_max_batch=decode_ahead_max_batch,
         synthetic_acceptance=synthetic_acceptance,
+        lookup_min_ngram=lookup_min_ngram,
     )
 
     on_loop = calls_on_loop(engine_calls, device)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 from specsplit.errors import Code, ServiceError
 from specsplit.kv_cache import KVPages
+from specsplit.lookup import TokenHistory
 from specsplit.messages import Truncated, Truncation, VerifyInput, truncate_each
 from verifier.hinted_rounds import HintedRounds
 from verifier.kept_rules import take_kept_rules
@@ -24,6 +25,7 @@ class SeqMemory(HintedRounds, KVPages):
     vocab_size: int
     in_flight: Callable[[Iterable[str]], bool]
     rule_rows: RuleRows
+    lookup_min_ngram: int
 
     def _validate(self, inputs: list[VerifyInput]) -> None:
         take_kept_rules(inputs, self.seqs)  # (checked when kept)
@@ -35,7 +37,9 @@ class SeqMemory(HintedRounds, KVPages):
         tokens each leads in (`leads`, the groups' items in order: `_lead_lens`)."""
         for item in (item for group in groups for item in group):
             if item.begin:
-                self.seqs[item.seq_id] = VerifierSeq(item.seq_id, self.kv.new_seq())
+                seq = VerifierSeq(item.seq_id, self.kv.new_seq())
+                seq.history = TokenHistory(self.lookup_min_ngram)
+                self.seqs[item.seq_id] = seq
         seqs = [[self.seqs[item.seq_id] for item in group] for group in groups]
         items, all_seqs = [i for g in groups for i in g], [s for g in seqs for s in g]
         self._reserve(items, all_seqs)

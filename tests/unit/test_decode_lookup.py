@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from specsplit import convert
 from specsplit.errors import ServiceError
-from specsplit.lookup import TokenHistory
+from specsplit.lookup import LOOKUP_MIN_NGRAM, MAX_NGRAM, TokenHistory
 from specsplit.messages import SpecParams, Truncation, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
@@ -254,7 +254,7 @@ def test_token_history_chains_as_a_scan_through_commits_and_cuts() -> None:
         history.put(at, new)
         tokens[at:] = new
         last, depth = rng.randrange(5), rng.randrange(1, 5)
-        found = scan_continuations([*tokens, last], depth, 1, 1, 3)
+        found = scan_continuations([*tokens, last], depth, 1, LOOKUP_MIN_NGRAM, MAX_NGRAM)
         assert history.chain(len(tokens), last, depth) == (found[0] if found else [])
         assert history.tokens == tokens
     history.put(len(tokens) + 2, [1, 2])  # a gap: what came between is unknown
@@ -262,3 +262,15 @@ def test_token_history_chains_as_a_scan_through_commits_and_cuts() -> None:
     history.put(0, [1, 2, 1])  # the sequence starts again
     assert history.known and history.chain(3, 2, 3) == [1, 2]  # after (1, 2) at 0
     assert history.chain(5, 2, 3) == []  # past what it holds
+
+
+def test_token_history_chains_only_after_suffixes_of_the_minimum_ngram() -> None:
+    """A one-token match (LOOKUP_MIN_NGRAM 2) drafts nothing; two tokens do."""
+    history = TokenHistory()
+    history.put(0, [7, 1, 2, 3, 9])
+    assert history.chain(5, 1, 3) == []  # ... 9, 1: only (1,) occurred before
+    history.put(5, [1])
+    assert history.chain(6, 2, 3) == [3, 9, 1]  # (1, 2) at 1
+    single = TokenHistory(min_ngram=1)
+    single.put(0, [7, 1, 2, 3, 9])
+    assert single.chain(5, 1, 3) == [2, 3, 9]  # where one token may do
