@@ -37,6 +37,7 @@ from verifier.engine_setup import EngineSetup
 from verifier.rounds import (
     VerifyRound,
     decode_step,
+    is_step,
     rules_after,
 )
 
@@ -144,24 +145,24 @@ class VerifierEngine(EngineSetup):
             # each with the steps left of its round (`_launch_round` runs the next ahead when
             # every sequence has one left, none with rules) and its rules read the steps' tokens
             step_inputs = [
-                self._looked_up(
-                    decode_step(
-                        inputs[i].seq_id,
-                        outputs[i].kv_committed_len,
-                        outputs[i].bonus_token,
-                        inputs[i].sampling,
-                        steps=inputs[i].decode_steps - step,
-                        logprobs=inputs[i].logprobs,
-                        rules=rules_after(inputs[i], outputs[i]),
-                    ),
-                    inputs[i].lookup,
+                decode_step(
+                    inputs[i].seq_id,
+                    outputs[i].kv_committed_len,
+                    outputs[i].bonus_token,
+                    inputs[i].sampling,
+                    steps=inputs[i].decode_steps - step,
+                    logprobs=inputs[i].logprobs,
+                    rules=rules_after(inputs[i], outputs[i]),
                 )
                 for i in more
             ]
+            for i, item in zip(more, step_inputs, strict=True):
+                item.lookup = inputs[i].lookup
+            held = self._chain_steps([item for item in step_inputs if item.lookup])
             try:
                 # their lengths are the engine's, their tokens the target's, their sampling
                 # the round's (validated), their context checked above: no checks again
-                step_round = self._launch_round(step_inputs, validated=True)
+                step_round = self._launch_round(step_inputs, validated=True, held=held)
             except ServiceError as e:  # nothing of the step happened: the round ends here
                 if e.code != Code.RESOURCE_EXHAUSTED:
                     raise
@@ -184,58 +185,74 @@ class VerifierEngine(EngineSetup):
                 outputs[i].kv_committed_len = out.kv_committed_len
         return device_ns
 
-    def _first_lookups(self, inputs: list[VerifyInput]) -> tuple[list[VerifyInput], frozenset[str]]:
+    def _first_lookups(
+        self, inputs: list[VerifyInput]
+    ) -> tuple[list[VerifyInput], frozenset[str], bool]:
         """The gateway's round with each decode step that asks for prompt lookup (a sequence's
         one pending token, no tree, no hidden states, no rules) given the chain its tokens
-        suggest, as its further steps are; and those sequences. None while a decode step run
-        ahead waits to be taken (it is the plain step)."""
-        if self._ahead is not None or not any(item.lookup for item in inputs):
-            return inputs, frozenset()
-        steps, looked_up = [], []
-        for item in inputs:
-            if (
-                item.lookup
-                and not (item.begin or item.tree or item.hidden_state_layers or item.rules)
-                and len(item.pending_tokens) == 1
-            ):
-                step = self._looked_up(dataclasses.replace(item), item.lookup)
-                if step.tree:
-                    item = step
-                    looked_up.append(item.seq_id)
-                    self._count_lookup(len(step.tree), 0)
-            steps.append(item)
-        return steps, frozenset(looked_up)
+        suggest, as its further steps are (`_chain_steps`); those sequences; and whether the
+        round holds (runs nothing ahead)."""
+        if not any(item.lookup for item in inputs):
+            return inputs, frozenset(), False
+        steps = list(inputs)
+        asking = [
+            i
+            for i, item in enumerate(inputs)
+            if item.lookup
+            and not (item.begin or item.tree or item.hidden_state_layers or item.rules)
+            and len(item.pending_tokens) == 1
+        ]
+        for i in asking:  # (the gateway's items stay as sent)
+            steps[i] = dataclasses.replace(inputs[i])
+        held = self._chain_steps([steps[i] for i in asking])
+        looked_up = frozenset(steps[i].seq_id for i in asking if steps[i].tree)
+        self._count_lookup(sum(len(steps[i].tree) for i in asking), 0)
+        return steps, looked_up, held
 
     def _count_lookup(self, drafted: int, accepted: int) -> None:
         self.num_lookup_drafted += drafted
         self.num_lookup_accepted += accepted
         metrics.count_lookup_tokens(drafted, accepted)
 
-    def _looked_up(self, step: VerifyInput, lookup: int) -> VerifyInput:
-        """A decode step of a round that asks for prompt lookup (VerifyInput.lookup), its first
-        or a further one: the chain its sequence's own tokens suggest after the step's pending
-        token (at most `lookup`, within the context; none where nothing matched, or with logit
-        rules, whose rows a step bends one token at a time), as its tree."""
-        step.lookup = lookup
-        if not lookup or step.rules is not None:
-            return step
-        room = self.max_context - step.kv_committed_len - 1
-        history = self.seqs[step.seq_id].history
-        chain = history.chain(step.kv_committed_len, step.pending_tokens[0], min(lookup, room))
-        step.tree = DraftTree(chain, list(range(-1, len(chain) - 1)))
-        return step
+    def _chain_steps(self, steps: list[VerifyInput]) -> bool:
+        """Decode steps that ask for prompt lookup (VerifyInput.lookup; a round's first or a
+        further one), each given as its tree the chain its sequence's own tokens suggest after
+        its pending token (at most `lookup`, within the context; none where nothing matched, or
+        with logit rules, whose rows a step bends one token at a time) - but for a step the
+        device already runs ahead (plain, launched before its token was known): it stays
+        plain, to take that step. Returns whether such a step had a chain: the round then holds
+        (runs nothing ahead), so that its next step looks up instead of running plain too.
+        (A step that verifies a chain runs nothing ahead either: its next step's input is
+        known once its tokens are; one that found none does, as plain steps do.)"""
+        ahead = {} if self._ahead is None else {i.seq_id: i for i in self._ahead.inputs}
+        held = False
+        for step in steps:
+            if step.rules is not None:
+                continue
+            room = self.max_context - step.kv_committed_len - 1
+            history = self.seqs[step.seq_id].history
+            last = step.pending_tokens[0]
+            chain = history.chain(step.kv_committed_len, last, min(step.lookup, room))
+            running = ahead.get(step.seq_id)
+            if running is not None and is_step(step, running):
+                held = held or bool(chain)
+            else:
+                step.tree = DraftTree(chain, list(range(-1, len(chain) - 1)))
+        return held
 
     @torch.inference_mode()
-    def _launch_round(self, inputs: list[VerifyInput], validated: bool = False) -> VerifyRound:
+    def _launch_round(
+        self, inputs: list[VerifyInput], validated: bool = False, held: bool = False
+    ) -> VerifyRound:
         """A round queued on the device. validated: `inputs` need no checks (a round's further
         decode steps, built here from what the engine committed). Where every one of `inputs`
         has a step left (decode_steps > 1), the next step is the round's own: it runs ahead at
-        any batch size."""
+        any batch size. held: run nothing ahead (`_chain_steps`)."""
         started_ns = time.perf_counter_ns()
         looked_up: frozenset[str] = frozenset()
         if not validated:
             self._validate(inputs)
-            inputs, looked_up = self._first_lookups(inputs)
+            inputs, looked_up, held = self._first_lookups(inputs)
         self.hints.round_started()  # a late hint launches nothing now
         taken, positions = self._take_ahead(inputs)
         taken_at = set(positions)
@@ -258,9 +275,10 @@ class VerifierEngine(EngineSetup):
         # guessed the outcome the next round carries one, and a step run ahead would be dropped
         # ("unasked") after holding that round behind a decode step on the device
         drafting_ahead = any(item.unhinted for item in inputs)
-        # a round that drafts its further steps by prompt lookup (VerifyInput.lookup) runs no
-        # step ahead: its next step's input is a chain known once this step's tokens are
-        looking_up = any(item.lookup for item in inputs)
+        # a step that verifies a chain of prompt lookup (VerifyInput.lookup) runs nothing
+        # ahead: its next step's chain is known once its tokens are; nor one that took the step
+        # run ahead where its sequence had a chain (`held`: its next step looks up)
+        looking_up = held or any(item.tree for item in inputs if item.lookup)
         running_ahead = self.decode_ahead and not (
             self._in_flight or hinted or drafting_ahead or looking_up
         )

@@ -46,6 +46,7 @@ class EngineOptions(TypedDict, total=False):
     decode_ahead: bool
     decode_ahead_max_batch: int
     synthetic_acceptance: tuple[float, ...] | None
+    lookup_min_ngram: int
 
 
 class EngineSetup(SeqMemory):

@@ -176,16 +176,21 @@ def device() -> str:
     return "cpu"
 
 
-@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize(
+    ("steps", "ahead", "depth"),
+    [(1, False, 1), (4, False, 1), (1, True, 1), (4, True, 1), (4, True, 2)],
+    ids=["one-step", "steps", "one-step-ahead", "steps-ahead", "steps-ahead-depth-2"],
+)
 def test_lookup_rounds_give_the_tokens_and_kv_of_one_step_rounds(
-    target_dir: Path, device: str, steps: int
+    target_dir: Path, device: str, steps: int, ahead: bool, depth: int
 ) -> None:
     """Two sequences in rounds of `steps` steps, each step verifying a lookup chain of up to 3
     (the first step's too), against one-step rounds of the same engine kind: the same tokens,
     committed lengths and K/V (to float rounding: a token's K/V computed in a chain's verify),
-    and the chains were accepted."""
+    and the chains were accepted. With decode-ahead (`depth` steps after a round's last) a step
+    that found no chain runs the next ahead, and both were used."""
     looked_up, single = (
-        Driver(_engine(target_dir, False, device)),
+        Driver(_engine(target_dir, ahead, device, depth=depth)),
         Driver(_engine(target_dir, False, device)),
     )
     for driver in (looked_up, single):
@@ -194,6 +199,7 @@ def test_lookup_rounds_give_the_tokens_and_kv_of_one_step_rounds(
         looked_up.round(dict.fromkeys("ab", DraftTree()), steps=dict.fromkeys("ab", steps),
                         lookup=dict.fromkeys("ab", 3))  # fmt: skip
     assert looked_up.engine.num_lookup_accepted > 0
+    assert (looked_up.engine.num_ahead_used > 0) == ahead
     while len(single.tokens["a"]) < len(looked_up.tokens["a"]):
         single.decode("a", rounds=1)
     while len(single.tokens["b"]) < len(looked_up.tokens["b"]):
