@@ -245,8 +245,9 @@ def gateway_decode_lookup(args: argparse.Namespace) -> int:
     2-core VM (the embedded default, one stream at a time, 128 tokens) chains of 3 streamed
     1.48-1.50x plain steps' tokens a second on the bundled edits of given text and code and
     1.04-1.05x on the chat questions (chains of 5: 1.49x and 0.95-0.99x; bench/RESULTS.md). On
-    a GPU such rounds run no step ahead, which plain rounds of a small model live on: not
-    measured there yet, so off. Either way only in rounds of at most --decode-lookup-max-batch
+    a GPU a step that verifies a chain runs nothing ahead (the host must see its tokens before
+    the next chain), which plain rounds of a small model live on: not measured there yet, so
+    off. Either way only in rounds of at most --decode-lookup-max-batch
     sequences (1: past one stream the chains cost more than they saved on the CPU)."""
     if args.decode_lookup is not None:
         return int(args.decode_lookup)
