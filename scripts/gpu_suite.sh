@@ -15,7 +15,7 @@
 #       [draft-rules-ab] [rules-graphs-ab] [attention-ab] [attention-engine]
 #       [verify1-ab] [split-skip] [wide-tile] [wide-split] [graph-memory-ab] [cold-rules]
 #       [drafter-warmup] [drafter-warmup-ab] [kernel-builds] [gguf-load] [pointwise-ab] [grounded]
-#       [grounded-more] [lookup]
+#       [grounded-more] [lookup] [lookup-cost]
 # ahead1: issue 9's batch-1 goal as `up` ships it: serial against draft-ahead with misses plain,
 # three timed runs of 8 bundled prompts each ($SMOLLM2_GGUF + the shipped head); ahead1-ab:
 # ahead1 in this tree, then in .gpu/old (`scripts/gpu_old.sh REV` here, the call carries
@@ -381,6 +381,15 @@ for part in "${parts[@]}"; do
           run "e2e_lookup_${set}_$value" python3 bench/e2e.py --model "$SMOLLM2_GGUF" \
             "${devices[@]}" --drafter ngram --prompts $set --num-prompts 16 \
             --max-new-tokens 128 --speculation-gate on --up-arg=--decode-lookup=$value "${hf[@]}"
+        done
+      done ;;
+    lookup-cost)  # what a lookup step costs against a plain one, random weights in process
+      # (bench/step_ab.py, batch 1, SmolLM2 and 8B shapes): decode steps in rounds of 4 (the
+      # next run ahead) and of 1, and verify rounds of 1 + 3 (a chain's step, nothing ahead)
+      for shape in smollm2-135m llama-8b; do
+        for what in "--decode-steps 4" "--decode-steps 1" "--verify-n 3"; do
+          run "lookup_cost_${shape}_${what// /_}" python3 bench/step_ab.py --shape $shape \
+            --batch 1 --variant base= --reps 7 --steps 20 $what
         done
       done ;;
     grounded-more)  # grounded's other two runs (each `up` starts afresh): the chat prompts
