@@ -162,7 +162,7 @@ async def serve(
     adaptive_decode_steps: bool = False,
     decode_steps_quiet_s: float = QUIET_SECONDS,
     decode_lookup: int = 0,
-    decode_lookup_max_batch: int = 1,
+    decode_lookup_max_batch: int = 2,
     prefill_rounds_one_step: bool = True,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,

@@ -362,9 +362,10 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     )
     switch(parser, "--decode-steps-adaptive", None, adaptive_help)
     lookup_help = (
-        "each further decode step of a plain round (--decode-steps > 1) verifies a chain of up"
+        "each decode step of a plain round verifies a chain of up"
         " to this many tokens the verifier drafts by prompt lookup from the sequence's own"
-        " tokens (what followed an earlier occurrence of its last 1-3 tokens): a step then"
+        " tokens (what followed an earlier occurrence of its last 2-3 tokens, the verifier's"
+        " --lookup-min-ngram): a step then"
         " appends its accepted drafts and a bonus token, with no drafter, RPC or gateway trip"
         " between steps; same output (greedy: the same tokens; sampled: the same distribution);"
         f" 0 = plain steps; none = auto (`up`: {DECODE_LOOKUP_ON_CPU} when the verifier runs on"
@@ -374,10 +375,10 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
     lookup_batch_help = (
         "--decode-lookup only in rounds of at most this many sequences: a step's chains cost"
         " verify rows for every sequence, paid back only where they are accepted (on the 2-core"
-        " VM chat questions ran 1.04-1.05x with lookup at 1 stream, 0.90x / 0.77x / 0.70x at 2 /"
-        " 4 / 8, edits of given text 1.18x / 1.03x / 0.92x at 2 / 4 / 8)"
+        " VM chat questions ran 1.07x with lookup at 1 stream, 0.99x / 0.94x / 0.90x at 2 / 4 /"
+        " 8, edits of given text 1.39-1.47x at 1, 1.18x / 1.03x / 0.93x at 2 / 4 / 8)"
     )
-    flag(parser, "--decode-lookup-max-batch", 1, lookup_batch_help, type=int)
+    flag(parser, "--decode-lookup-max-batch", 2, lookup_batch_help, type=int)
     quiet_help = (
         "with --decode-steps-adaptive: plain rounds grow only once no request arrived for this"
         " long (a request arriving during a round waits for its end: under steady arrivals"

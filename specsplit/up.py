@@ -247,8 +247,8 @@ def gateway_decode_lookup(args: argparse.Namespace) -> int:
     1.04-1.05x on the chat questions (chains of 5: 1.49x and 0.95-0.99x; bench/RESULTS.md). On
     a GPU a step that verifies a chain runs nothing ahead (the host must see its tokens before
     the next chain), which plain rounds of a small model live on: not measured there yet, so
-    off. Either way only in rounds of at most --decode-lookup-max-batch
-    sequences (1: past one stream the chains cost more than they saved on the CPU)."""
+    off. Either way only in rounds of at most --decode-lookup-max-batch sequences (2: past two
+    streams the chains cost more than they saved on the CPU)."""
     if args.decode_lookup is not None:
         return int(args.decode_lookup)
     return 0 if args.device.startswith("cuda") else DECODE_LOOKUP_ON_CPU
