@@ -284,7 +284,7 @@ def test_up_children_use_the_embedded_model_by_default() -> None:
 def test_up_gives_the_gateway_prompt_lookup_in_steps_on_a_cpu(argv: list[str], lookup: int) -> None:
     gateway = _child_args(up.child_commands(cli.parse_args(["up", *argv]))["gateway"])
     assert gateway.decode_lookup == lookup
-    assert gateway.decode_lookup_max_batch == 1  # (one stream: where it paid on the CPU)
+    assert gateway.decode_lookup_max_batch == 2  # (two streams: where it paid on the CPU)
     assert cli.parse_args(["serve-gateway"]).decode_lookup is None  # the gateway takes 0
 
 
