@@ -289,8 +289,9 @@ HINTS = Counter(
 )
 DECODED_TOKENS = Counter(
     "specsplit_decoded_tokens",
-    "Tokens the verifier decoded in rounds' further decode steps (--decode-steps): of the"
-    " generated tokens, those whose round trip through the gateway another token paid",
+    "Tokens the verifier decoded in rounds' further decode steps (--decode-steps) and the"
+    " drafts of its prompt lookup accepted in them (--decode-lookup): of the generated tokens,"
+    " those whose round trip through the gateway another token paid",
 )
 SESSIONS_OPEN = Gauge("specsplit_sessions_open", "Sessions open on the gateway")
 SESSION_KV_PAGES = Gauge(
