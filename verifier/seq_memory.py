@@ -37,8 +37,8 @@ class SeqMemory(HintedRounds, KVPages):
         tokens each leads in (`leads`, the groups' items in order: `_lead_lens`)."""
         for item in (item for group in groups for item in group):
             if item.begin:
-                seq = VerifierSeq(item.seq_id, self.kv.new_seq())
-                seq.history = TokenHistory(self.lookup_min_ngram)
+                history = TokenHistory(self.lookup_min_ngram)
+                seq = VerifierSeq(item.seq_id, self.kv.new_seq(), history=history)
                 self.seqs[item.seq_id] = seq
         seqs = [[self.seqs[item.seq_id] for item in group] for group in groups]
         items, all_seqs = [i for g in groups for i in g], [s for g in seqs for s in g]
