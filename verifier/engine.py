@@ -153,11 +153,10 @@ class VerifierEngine(EngineSetup):
                     steps=inputs[i].decode_steps - step,
                     logprobs=inputs[i].logprobs,
                     rules=rules_after(inputs[i], outputs[i]),
+                    lookup=inputs[i].lookup,
                 )
                 for i in more
             ]
-            for i, item in zip(more, step_inputs, strict=True):
-                item.lookup = inputs[i].lookup
             held = self._chain_steps([item for item in step_inputs if item.lookup])
             try:
                 # their lengths are the engine's, their tokens the target's, their sampling

@@ -243,14 +243,15 @@ def decode_step(
     steps: int = 1,
     logprobs: int = NO_LOGPROBS,
     rules: LogitRules | None = None,
+    lookup: int = 0,
 ) -> VerifyInput:
     """A sequence's decode step: its one pending token, no tree, no hidden states; `steps`:
     its decode_steps (a round's further step: the steps left of that round, itself included);
     `logprobs`: as the round's (VerifyInput.logprobs); `rules`: the step's (its output so far
-    through `token`)."""
+    through `token`); `lookup`: as the round's (VerifyInput.lookup)."""
     return VerifyInput(
         seq_id, False, kv_committed_len, [token], DraftTree(), sampling, decode_steps=steps,
-        logprobs=logprobs, rules=rules,
+        logprobs=logprobs, rules=rules, lookup=lookup,
     )  # fmt: skip
 
 
