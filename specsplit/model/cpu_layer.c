@@ -243,6 +243,7 @@ AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
         for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);                   \
         return total;                                                                              \
     }
+WEIGH16(2)
 WEIGH16(4)
 WEIGH16(8)
 
@@ -296,8 +297,8 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
  * the 2-core VM, bench/cpu_step.py: 1 row at 200 / 600 / 1,000 keys 7.34 / 9.21 / 10.46 ms
  * against 6.50 / 8.23 / 9.51; 4 rows at 1,000 15.28 against 14.22) and wins past them (2,000: 1
  * row 14.97 against 14.82, 4 rows 26.93 against 29.76; 4,000: 26.16 against 28.21, 4 rows 47.72
- * against 68.89). `layer_grouped_from` sets it and returns what it was (tests: both ways at
- * every length) */
+ * against 68.89; one-row steps split their keys over the threads there, attend_split).
+ * `layer_grouped_from` sets it and returns what it was (tests: both ways at every length) */
 #define GROUPED_FROM_KEYS 2048
 static int64_t grouped_from = GROUPED_FROM_KEYS;
 int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, keys); }
@@ -360,6 +361,105 @@ static int grouped(const Layer *L, const Step *S) {
            groups <= MAX_GROUP && S->max_keys >= grouped_from;
 }
 
+/* steps of at most this many rows that attend by KV head (grouped) split each row's keys over
+ * the threads (attend_split) rather than taking a (row, KV head) pair a thread: SmolLM2's one-row
+ * step is 3 KV heads for 2 threads, so one thread streamed two heads' keys while the other
+ * streamed one (bench/cpu_step.py, 1 row at 4,000 keys: 22.9-23.3 ms split against 25.7-26.2;
+ * at 2 rows, 6 pairs for 2 threads, the split lost: 34.2 against 33.3).
+ * `layer_split_rows` sets it and returns what it was (tests: every step split) */
+#define SPLIT_ROWS 1
+static int64_t split_rows = SPLIT_ROWS;
+int64_t layer_split_rows(int64_t rows) { return swap_setting(&split_rows, rows); }
+#define SPLIT_KEYS 256 /* keys a piece of attend_split's scores (a multiple of 16) */
+#define SPLIT_LANES 32 /* lanes of head_dim a piece of its weighted sums */
+
+/* whether layer_forward's attention goes by KV head with each row's keys split (attend_split) */
+static int split(const Layer *L, const Step *S) {
+    return S->threads > 1 && S->num_tokens <= split_rows && grouped(L, S);
+}
+
+/* pieces of SPLIT_KEYS keys a row of at most max_keys keys has */
+static int64_t key_pieces(int64_t max_keys) { return (max_keys + SPLIT_KEYS - 1) / SPLIT_KEYS; }
+
+/* attend_group's attention for every row and KV head, each row's work in pieces over the
+ * threads, with attend_group's bits: the scores in pieces of SPLIT_KEYS keys (each score alone;
+ * a KV head's query heads in turn a block of 16 keys at a time, as there), each piece's largest
+ * for each query head; then each piece's weights from the largest over the pieces (max is exact,
+ * in any order; each weight alone); then the weighted sums in pieces of SPLIT_LANES lanes of
+ * head_dim, each lane's sum over every visible key in order as weigh16's (its lanes apart), and
+ * the weights' total in the same order in each. q: wide's rows (qkv_width apart); scores: the
+ * step's [T, num_heads, max_keys]; tops: [T, num_kv_heads, key_pieces, G]; out: [T, num_heads, d] */
+AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide, int64_t qkv_width,
+                                const float *k_cache, const float *v_cache, float *scores, float *tops,
+                                float *out) {
+    int64_t T = S->num_tokens, KV = L->num_kv_heads, d = L->head_dim, G = L->num_heads / KV;
+    int64_t slot_stride = KV * d, pieces = key_pieces(S->max_keys), lane_pieces = d / SPLIT_LANES;
+    int64_t key_units = T * KV * pieces, lane_units = T * KV * lane_pieces;
+#pragma omp parallel num_threads(S->threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < key_units; u++) { /* the scores, a piece's largest */
+            int64_t t = u / (KV * pieces), kv = u / pieces % KV, j0 = u % pieces * SPLIT_KEYS;
+            int64_t n = S->num_keys[t], end = j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
+            const int64_t *slots = S->key_slots + S->key_start[t];
+            const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+            const float *keys = k_cache + kv * d, *q = wide + t * qkv_width + kv * G * d;
+            float *top = tops + u * G;
+            for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
+            for (int64_t j = j0; j < end; j += 16) {
+                int64_t m = end - j < 16 ? end - j : 16;
+                const uint8_t *seen = visible ? visible + j : NULL;
+                for (int64_t g = 0; g < G; g++) {
+                    float *sg = scores + ((t * KV + kv) * G + g) * S->max_keys + j;
+                    const float *qg = q + g * d;
+                    float block = d == 64 ? scores16_4(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale)
+                                          : scores16_8(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale);
+                    top[g] = block > top[g] ? block : top[g];
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < key_units; u++) { /* the piece's weights */
+            int64_t t = u / (KV * pieces), kv = u / pieces % KV, j0 = u % pieces * SPLIT_KEYS;
+            int64_t n = S->num_keys[t], end = j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
+            if (j0 >= end) continue;
+            const float *row_tops = tops + (t * KV + kv) * pieces * G;
+            for (int64_t g = 0; g < G; g++) {
+                float top = -INFINITY;
+                for (int64_t p = 0; p < pieces; p++)
+                    top = row_tops[p * G + g] > top ? row_tops[p * G + g] : top;
+                softmax_weights16(scores + ((t * KV + kv) * G + g) * S->max_keys + j0, end - j0, top);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < lane_units; u++) { /* the weighted sums, SPLIT_LANES lanes each */
+            int64_t t = u / (KV * lane_pieces), kv = u / lane_pieces % KV;
+            int64_t lanes = u % lane_pieces * SPLIT_LANES, n = S->num_keys[t];
+            const int64_t *slots = S->key_slots + S->key_start[t];
+            const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+            const float *values = v_cache + kv * d + lanes;
+            float total[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) {
+                total[g] = 0.0f;
+                memset(out + (t * L->num_heads + kv * G + g) * d + lanes, 0, SPLIT_LANES * sizeof(float));
+            }
+            for (int64_t j = 0; j < n; j += 16) {
+                int64_t m = n - j < 16 ? n - j : 16;
+                const uint8_t *seen = visible ? visible + j : NULL;
+                for (int64_t g = 0; g < G; g++) {
+                    float *og = out + (t * L->num_heads + kv * G + g) * d + lanes;
+                    const float *pg = scores + ((t * KV + kv) * G + g) * S->max_keys + j;
+                    total[g] = weigh16_2(og, pg, seen, slots + j, m, values, slot_stride, total[g]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float inverse = 1.0f / total[g], *og = out + (t * L->num_heads + kv * G + g) * d + lanes;
+                for (int64_t i = 0; i < SPLIT_LANES; i++) og[i] *= inverse;
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- the layer */
 
 /* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W [n, k].T: from the packed runs
@@ -398,9 +498,10 @@ static int64_t wide_width(const Layer *L) {
 /* floats of scratch a step of num_tokens rows needs (layer_forward's buffers; scores for a KV
  * head's query heads a thread, attend_group's) */
 int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
-    int64_t attn = L->num_heads * L->head_dim;
+    int64_t attn = L->num_heads * L->head_dim, per_thread = threads * (L->num_heads / L->num_kv_heads);
+    int64_t rows = num_tokens <= split_rows ? num_tokens * L->num_heads : 0; /* attend_split's */
     return num_tokens * (L->hidden + wide_width(L) + attn + L->inter + L->hidden) +
-           threads * (L->num_heads / L->num_kv_heads) * max_keys;
+           (per_thread > rows ? per_thread : rows) * max_keys + rows * key_pieces(max_keys);
 }
 
 /* act [T, inter] = silu(gate) * up of wide's rows [T, 2 * inter] (gate, then up), elementwise
@@ -453,7 +554,10 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
         memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
     }
     int64_t groups = L->num_heads / L->num_kv_heads;
-    if (grouped(L, S)) { /* attend_group: a KV head's query heads in one pass over its keys */
+    if (split(L, S)) { /* attend_split: each row's keys over the threads */
+        float *tops = scores + T * L->num_heads * S->max_keys;
+        attend_split(L, S, wide, qkv_width, k_cache, v_cache, scores, tops, attn);
+    } else if (grouped(L, S)) { /* attend_group: a KV head's query heads in one pass over its keys */
         int64_t pairs = T * L->num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1)
         for (int64_t pair = 0; pair < pairs; pair++) {

@@ -109,6 +109,17 @@ def grouped_from(keys: int) -> int:
     return int(fn(keys))
 
 
+def split_rows(rows: int) -> int:
+    """Steps of at most `rows` rows that attend by KV head split each row's keys (and then its
+    lanes of head_dim) over the threads (cpu_layer.c's attend_split); the same bits. Returns the
+    number it replaces (tests: a large number for every step)."""
+    lib = cpu_gemm.library()
+    assert lib is not None
+    fn = lib.cdll.layer_split_rows
+    fn.argtypes, fn.restype = [_i64], _i64
+    return int(fn(rows))
+
+
 def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step of `hidden` takes this path (module docstring)."""
     return (

@@ -136,18 +136,25 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
     assert torch.equal(tree[2], chain[1])
 
 
+ATTENTION = ("by query head", "by KV head", "keys split")
+
+
 @contextlib.contextmanager
 def _attention(by: str) -> Iterator[None]:
-    """Every step's attention one way (cpu_layer.c's attend_row "by query head" or attend_group
-    "by KV head"), whatever its keys."""
+    """Every step's attention one way (cpu_layer.c's attend_row "by query head", attend_group
+    "by KV head", or attend_split "keys split": each row's keys over the threads), whatever its
+    keys and rows (where head_dim and the heads allow the last two)."""
+    assert by in ATTENTION
     was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
+    was_split = cpu_layer.split_rows(1 << 40 if by == "keys split" else 0)
     try:
         yield
     finally:
         cpu_layer.grouped_from(was)
+        cpu_layer.split_rows(was_split)
 
 
-@pytest.fixture(params=["by query head", "by KV head"])
+@pytest.fixture(params=ATTENTION)
 def attention_by(request: pytest.FixtureRequest) -> Iterator[str]:
     with _attention(request.param):
         yield request.param
@@ -165,6 +172,63 @@ def test_attention_by_kv_head_gives_the_bits_by_query_head(
         by_group = _ragged_then_trees(model, page_size)
     for a, b in zip(by_head, by_group, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.fixture(scope="module", params=["head_dim_64", "head_dim_128"])
+def long_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> LlamaModel:
+    """A model whose rows may see more keys than attend_split's pieces (SPLIT_KEYS, 256)."""
+    torch.manual_seed(1)
+    config = {**TINY_LLAMA, "max_position_embeddings": 1024}
+    kv_heads = 2 if request.param == "head_dim_64" else 1
+    head_dim = 64 if request.param == "head_dim_64" else 128
+    hf = AutoModelForCausalLM.from_config(
+        LlamaConfig(**config, num_key_value_heads=kv_heads, head_dim=head_dim),
+        dtype=torch.float32,
+    ).eval()
+    path: Path = tmp_path_factory.mktemp(f"long_{request.param}")
+    hf.save_pretrained(path)
+    return load_model(str(path), torch.float32, "cpu")[0]
+
+
+def _long_rows(model: LlamaModel, page_size: int, threads: int) -> list[torch.Tensor]:
+    """A 601-token and a 9-token prompt prefilled together (the short row's pieces past its keys
+    empty), then a decode step of the long one alone (one row), then a tree step each (nodes
+    hidden from rows across a piece's edge): every forward's logits, on `threads` threads."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv = make_kv_cache(model.config, 700 // page_size + 8, page_size, torch.float32, "cpu")
+        lengths = (601, 9)
+        prompts = [_tokens(n, 10 + n) for n in lengths]
+        seqs = new_seqs(kv, [n + 12 for n in lengths], random.Random(page_size))
+        batch = [causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]
+        out = [model(make_batch(batch), kv)]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            seq.kv_committed_len = len(prompt)
+        out.append(model(make_batch([causal_step(seqs[0], [7])]), kv))
+        trees = [tree_step(s, 5 + i, [11, 12, 13, 14], [-1, -1, 0, 2]) for i, s in enumerate(seqs)]
+        out.append(model(make_batch(trees), kv))
+        return [o.logits for o in out]
+    finally:
+        torch.set_num_threads(was)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_keys_split_over_the_threads_give_the_bits_by_query_head(
+    long_model: LlamaModel, page_size: int
+) -> None:
+    """attend_split's pieces (scores by pieces of keys, their largest merged by max, the weighted
+    sums by lanes of head_dim) keep each query head's operations: attend_row's logits, on 2 and
+    3 threads."""
+    with _attention("by query head"):
+        want = _long_rows(long_model, page_size, 2)
+    for threads in (2, 3):
+        with _attention("keys split"):
+            got = _long_rows(long_model, page_size, threads)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
