@@ -381,6 +381,12 @@ static int split(const Layer *L, const Step *S) {
 /* pieces of SPLIT_KEYS keys a row of at most max_keys keys has */
 static int64_t key_pieces(int64_t max_keys) { return (max_keys + SPLIT_KEYS - 1) / SPLIT_KEYS; }
 
+/* where row t's piece from key j0 ends (<= j0: the row has no keys there) */
+static int64_t piece_end(const Step *S, int64_t t, int64_t j0) {
+    int64_t n = S->num_keys[t];
+    return j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
+}
+
 /* attend_group's attention for every row and KV head, each row's work in pieces over the
  * threads, with attend_group's bits: the scores in pieces of SPLIT_KEYS keys (each score alone;
  * a KV head's query heads in turn a block of 16 keys at a time, as there), each piece's largest
@@ -400,17 +406,17 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < key_units; u++) { /* the scores, a piece's largest */
             int64_t t = u / (KV * pieces), kv = u / pieces % KV, j0 = u % pieces * SPLIT_KEYS;
-            int64_t n = S->num_keys[t], end = j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
+            int64_t end = piece_end(S, t, j0);
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
             const float *keys = k_cache + kv * d, *q = wide + t * qkv_width + kv * G * d;
-            float *top = tops + u * G;
+            float *top = tops + u * G, *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
             for (int64_t j = j0; j < end; j += 16) {
                 int64_t m = end - j < 16 ? end - j : 16;
                 const uint8_t *seen = visible ? visible + j : NULL;
                 for (int64_t g = 0; g < G; g++) {
-                    float *sg = scores + ((t * KV + kv) * G + g) * S->max_keys + j;
+                    float *sg = group_scores + g * S->max_keys + j;
                     const float *qg = q + g * d;
                     float block = d == 64 ? scores16_4(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale)
                                           : scores16_8(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale);
@@ -421,14 +427,15 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < key_units; u++) { /* the piece's weights */
             int64_t t = u / (KV * pieces), kv = u / pieces % KV, j0 = u % pieces * SPLIT_KEYS;
-            int64_t n = S->num_keys[t], end = j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
+            int64_t end = piece_end(S, t, j0);
             if (j0 >= end) continue;
             const float *row_tops = tops + (t * KV + kv) * pieces * G;
+            float *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             for (int64_t g = 0; g < G; g++) {
                 float top = -INFINITY;
                 for (int64_t p = 0; p < pieces; p++)
                     top = row_tops[p * G + g] > top ? row_tops[p * G + g] : top;
-                softmax_weights16(scores + ((t * KV + kv) * G + g) * S->max_keys + j0, end - j0, top);
+                softmax_weights16(group_scores + g * S->max_keys + j0, end - j0, top);
             }
         }
 #pragma omp for schedule(static)
@@ -438,22 +445,23 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
             const float *values = v_cache + kv * d + lanes;
-            float total[MAX_GROUP];
+            const float *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
+            float *group_out = out + (t * L->num_heads + kv * G) * d + lanes, total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
                 total[g] = 0.0f;
-                memset(out + (t * L->num_heads + kv * G + g) * d + lanes, 0, SPLIT_LANES * sizeof(float));
+                memset(group_out + g * d, 0, SPLIT_LANES * sizeof(float));
             }
             for (int64_t j = 0; j < n; j += 16) {
                 int64_t m = n - j < 16 ? n - j : 16;
                 const uint8_t *seen = visible ? visible + j : NULL;
                 for (int64_t g = 0; g < G; g++) {
-                    float *og = out + (t * L->num_heads + kv * G + g) * d + lanes;
-                    const float *pg = scores + ((t * KV + kv) * G + g) * S->max_keys + j;
-                    total[g] = weigh16_2(og, pg, seen, slots + j, m, values, slot_stride, total[g]);
+                    const float *pg = group_scores + g * S->max_keys + j;
+                    total[g] = weigh16_2(group_out + g * d, pg, seen, slots + j, m, values, slot_stride,
+                                         total[g]);
                 }
             }
             for (int64_t g = 0; g < G; g++) {
-                float inverse = 1.0f / total[g], *og = out + (t * L->num_heads + kv * G + g) * d + lanes;
+                float inverse = 1.0f / total[g], *og = group_out + g * d;
                 for (int64_t i = 0; i < SPLIT_LANES; i++) og[i] *= inverse;
             }
         }

@@ -97,27 +97,28 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[n
     return forward, scratch
 
 
+def _swap_setting(name: str, value: int) -> int:
+    """cpu_layer.c's setting `name` (a swap_setting function) set to `value`; what it was."""
+    lib = cpu_gemm.library()
+    assert lib is not None
+    fn = getattr(lib.cdll, name)
+    fn.argtypes, fn.restype = [_i64], _i64
+    return int(fn(value))
+
+
 def grouped_from(keys: int) -> int:
     """Steps whose longest row sees at least `keys` keys attend by KV head (cpu_layer.c's
     attend_group: a KV head's keys read once for all its query heads), shorter ones by query
     head; the same bits either way. Returns the number it replaces (tests: 0 for always, a
     large number for never)."""
-    lib = cpu_gemm.library()
-    assert lib is not None
-    fn = lib.cdll.layer_grouped_from
-    fn.argtypes, fn.restype = [_i64], _i64
-    return int(fn(keys))
+    return _swap_setting("layer_grouped_from", keys)
 
 
 def split_rows(rows: int) -> int:
     """Steps of at most `rows` rows that attend by KV head split each row's keys (and then its
     lanes of head_dim) over the threads (cpu_layer.c's attend_split); the same bits. Returns the
     number it replaces (tests: a large number for every step)."""
-    lib = cpu_gemm.library()
-    assert lib is not None
-    fn = lib.cdll.layer_split_rows
-    fn.argtypes, fn.restype = [_i64], _i64
-    return int(fn(rows))
+    return _swap_setting("layer_split_rows", rows)
 
 
 def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:

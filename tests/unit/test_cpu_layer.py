@@ -192,13 +192,21 @@ def long_model(
     return load_model(str(path), torch.float32, "cpu")[0]
 
 
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    was = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
 def _long_rows(model: LlamaModel, page_size: int, threads: int) -> list[torch.Tensor]:
     """A 601-token and a 9-token prompt prefilled together (the short row's pieces past its keys
     empty), then a decode step of the long one alone (one row), then a tree step each (nodes
     hidden from rows across a piece's edge): every forward's logits, on `threads` threads."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         kv = make_kv_cache(model.config, 700 // page_size + 8, page_size, torch.float32, "cpu")
         lengths = (601, 9)
         prompts = [_tokens(n, 10 + n) for n in lengths]
@@ -211,8 +219,6 @@ def _long_rows(model: LlamaModel, page_size: int, threads: int) -> list[torch.Te
         trees = [tree_step(s, 5 + i, [11, 12, 13, 14], [-1, -1, 0, 2]) for i, s in enumerate(seqs)]
         out.append(model(make_batch(trees), kv))
         return [o.logits for o in out]
-    finally:
-        torch.set_num_threads(was)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -232,14 +238,10 @@ def test_keys_split_over_the_threads_give_the_bits_by_query_head(
 
 
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
+    results = []
+    for count in (1, 2, 3):
+        with _threads(count):
             results.append(_ragged_then_trees(model, 16))
-    finally:
-        torch.set_num_threads(threads)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
