@@ -7,7 +7,7 @@ route's panels (cpu_gemm.c's int8_gemm / vnni_gemm; the default, $SPECSPLIT_CPU_
 float32 route's packed blocks), labelled so.
 
     PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30] \
-        [--attention-by auto|query-head|kv-head|kv-head-split]
+        [--attention-by auto|query-head|kv-head|kv-head-split|rows-blocked]
 """
 
 from __future__ import annotations
@@ -43,18 +43,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--attention-by",
-        choices=["auto", "query-head", "kv-head", "kv-head-split"],
+        choices=["auto", "query-head", "kv-head", "kv-head-split", "rows-blocked"],
         default="auto",
         help="the C layer's attention by query head (attend_row), by KV head (attend_group) or "
         "by KV head with each row's keys split over the threads (attend_split) at any context "
-        "and rows; auto: by KV head from 2,048 keys (cpu_layer.c's GROUPED_FROM_KEYS), split "
-        "for one-row steps (SPLIT_ROWS)",
+        "and rows, or by blocks of a sequence's rows (attend_block) at any rows; auto: blocks "
+        "of rows from 16 rows (cpu_layer.c's BLOCKED_FROM_ROWS), else by KV head from 2,048 "
+        "keys (GROUPED_FROM_KEYS), split for one-row steps (SPLIT_ROWS)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.attention_by != "auto":
         cpu_layer.grouped_from(1 << 40 if args.attention_by == "query-head" else 0)
         cpu_layer.split_rows(1 << 40 if args.attention_by == "kv-head-split" else 0)
+        cpu_layer.blocked_from(0 if args.attention_by == "rows-blocked" else 1 << 40)
     path = args.model or embedded_default_model_path()
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     page_size = 16

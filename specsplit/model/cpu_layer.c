@@ -17,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
@@ -468,6 +469,106 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
     }
 }
 
+/* a block of at most BLOCK_ROWS rows of one sequence (attend_block) */
+#define BLOCK_ROWS 16
+/* steps of at least this many rows attend by blocks of a sequence's rows (attend_block);
+ * `layer_blocked_from` sets it and returns what it was (tests: every step, or none) */
+#define BLOCKED_FROM_ROWS 2
+static int64_t blocked_from = BLOCKED_FROM_ROWS;
+int64_t layer_blocked_from(int64_t rows) { return swap_setting(&blocked_from, rows); }
+
+/* whether layer_forward's attention goes by blocks of rows (attend_block) */
+static int blocked(const Layer *L, const Step *S) {
+    int64_t groups = L->num_heads / L->num_kv_heads;
+    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) && groups <= MAX_GROUP &&
+           S->num_tokens >= blocked_from;
+}
+
+/* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
+ * query head of KV head `kv`: each (row, head)'s operations exactly as attend_group's (so
+ * attend_row's bits), the rows and heads taken in turn a block of 16 keys at a time, so a
+ * block's K and V lines come from memory once for the R rows and G heads, not once a row: a
+ * prefill of n rows otherwise streamed each KV head's keys n times (the embedded default's
+ * 3,000-token prefill: 13.3 s). q: wide's rows (qkv_width apart); scores: R * G * max_keys
+ * floats; out: the step's attention rows [T, num_heads * d] */
+static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
+                         const float *wide, int64_t qkv_width, const float *k_cache,
+                         const float *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G;
+    int64_t slot_stride = L->num_kv_heads * d, q_width = L->num_heads * d, most = 0;
+    const int64_t *slots = S->key_slots + S->key_start[t0];
+    const float *keys = k_cache + kv * d, *values = v_cache + kv * d;
+    float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
+    const uint8_t *visible[BLOCK_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r;
+        most = S->num_keys[t] > most ? S->num_keys[t] : most;
+        visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+        for (int64_t g = 0; g < G; g++) {
+            top[r * G + g] = -INFINITY;
+            total[r * G + g] = 0.0f;
+            memset(out + t * q_width + (first + g) * d, 0, (size_t)d * sizeof(float));
+        }
+    }
+    for (int64_t j0 = 0; j0 < most; j0 += 16)
+        for (int64_t r = 0; r < R; r++) {
+            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
+            if (m <= 0) continue;
+            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+            const float *q = wide + (t0 + r) * qkv_width + first * d;
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = scores + (r * G + g) * S->max_keys + j0, *best = &top[r * G + g];
+                float block = d == 64 ? scores16_4(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale)
+                                      : scores16_8(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale);
+                *best = block > *best ? block : *best;
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++)
+            softmax_weights16(scores + (r * G + g) * S->max_keys, S->num_keys[t0 + r], top[r * G + g]);
+    for (int64_t j0 = 0; j0 < most; j0 += 16)
+        for (int64_t r = 0; r < R; r++) {
+            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
+            if (m <= 0) continue;
+            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+            for (int64_t g = 0; g < G; g++) {
+                float *og = out + (t0 + r) * q_width + (first + g) * d, *sum = &total[r * G + g];
+                const float *pg = scores + (r * G + g) * S->max_keys + j0;
+                *sum = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, *sum)
+                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, *sum);
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float inverse = 1.0f / total[r * G + g], *og = out + (t0 + r) * q_width + (first + g) * d;
+            for (int64_t i = 0; i < d; i++) og[i] *= inverse;
+        }
+}
+
+/* where each of the step's blocks of rows starts (starts[0..count], starts[count] = T): each
+ * run of consecutive rows of one sequence (the same key_start) cut into the fewest blocks of at
+ * most `most` rows, their sizes within one of each other; returns count */
+static int64_t row_blocks(const Step *S, int64_t most, int64_t *starts) {
+    int64_t count = 0, T = S->num_tokens;
+    for (int64_t a = 0, b; a < T; a = b) {
+        for (b = a + 1; b < T && S->key_start[b] == S->key_start[a];) b++;
+        int64_t pieces = (b - a + most - 1) / most;
+        for (int64_t i = 0; i < pieces; i++) starts[count++] = a + i * (b - a) / pieces;
+    }
+    starts[count] = T;
+    return count;
+}
+
+/* the step's blocks of rows (row_blocks), of BLOCK_ROWS rows or fewer: halved until the blocks
+ * times the KV heads give each thread 2 units or more (a verify of 1 + 15 rows on SmolLM2's 3
+ * KV heads is 3 units of 16 rows for 2 threads, one thread taking 2 of them) */
+static int64_t balanced_blocks(const Layer *L, const Step *S, int64_t *starts) {
+    int64_t most = BLOCK_ROWS, count = row_blocks(S, most, starts);
+    while (most > 1 && count * L->num_kv_heads < 2 * S->threads)
+        count = row_blocks(S, most /= 2, starts);
+    return count;
+}
+
 /* ---------------------------------------------------------------- the layer */
 
 /* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W [n, k].T: from the packed runs
@@ -508,6 +609,7 @@ static int64_t wide_width(const Layer *L) {
 int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
     int64_t attn = L->num_heads * L->head_dim, per_thread = threads * (L->num_heads / L->num_kv_heads);
     int64_t rows = num_tokens <= split_rows ? num_tokens * L->num_heads : 0; /* attend_split's */
+    if (num_tokens >= blocked_from) per_thread *= BLOCK_ROWS; /* attend_block's */
     return num_tokens * (L->hidden + wide_width(L) + attn + L->inter + L->hidden) +
            (per_thread > rows ? per_thread : rows) * max_keys + rows * key_pieces(max_keys);
 }
@@ -562,9 +664,21 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
         memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
     }
     int64_t groups = L->num_heads / L->num_kv_heads;
+    /* blocks of rows where the step has them (else as many as rows: each row alone) */
+    int64_t *starts = blocked(L, S) ? malloc((size_t)(T + 1) * sizeof(int64_t)) : NULL;
+    int64_t blocks = starts ? balanced_blocks(L, S, starts) : T;
     if (split(L, S)) { /* attend_split: each row's keys over the threads */
         float *tops = scores + T * L->num_heads * S->max_keys;
         attend_split(L, S, wide, qkv_width, k_cache, v_cache, scores, tops, attn);
+    } else if (blocks < T) { /* attend_block: a block of a sequence's rows a KV head */
+        int64_t units = blocks * L->num_kv_heads;
+#pragma omp parallel for schedule(dynamic) num_threads(S->threads) if (S->threads > 1)
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t b = unit / L->num_kv_heads, kv = unit % L->num_kv_heads;
+            float *thread_scores = scores + (int64_t)omp_get_thread_num() * BLOCK_ROWS * groups * S->max_keys;
+            attend_block(L, S, starts[b], starts[b + 1] - starts[b], kv, wide, qkv_width, k_cache,
+                         v_cache, thread_scores, attn);
+        }
     } else if (grouped(L, S)) { /* attend_group: a KV head's query heads in one pass over its keys */
         int64_t pairs = T * L->num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1)
@@ -586,6 +700,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
                        thread_scores, attn + t * q_width + head * d);
         }
     }
+    free(starts);
     project(&L->o, S, attn, proj, T, H, q_width);
     add_bias(proj, L->o_b, T, H);
     for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];

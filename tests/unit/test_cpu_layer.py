@@ -136,22 +136,25 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
     assert torch.equal(tree[2], chain[1])
 
 
-ATTENTION = ("by query head", "by KV head", "keys split")
+ATTENTION = ("by query head", "by KV head", "keys split", "rows blocked")
 
 
 @contextlib.contextmanager
 def _attention(by: str) -> Iterator[None]:
     """Every step's attention one way (cpu_layer.c's attend_row "by query head", attend_group
-    "by KV head", or attend_split "keys split": each row's keys over the threads), whatever its
-    keys and rows (where head_dim and the heads allow the last two)."""
+    "by KV head", attend_split "keys split": each row's keys over the threads, or attend_block
+    "rows blocked": a sequence's rows in blocks), whatever its keys and rows (where head_dim
+    and the heads allow the last three)."""
     assert by in ATTENTION
     was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
     was_split = cpu_layer.split_rows(1 << 40 if by == "keys split" else 0)
+    was_blocked = cpu_layer.blocked_from(0 if by == "rows blocked" else 1 << 40)
     try:
         yield
     finally:
         cpu_layer.grouped_from(was)
         cpu_layer.split_rows(was_split)
+        cpu_layer.blocked_from(was_blocked)
 
 
 @pytest.fixture(params=ATTENTION)
@@ -168,10 +171,11 @@ def test_attention_by_kv_head_gives_the_bits_by_query_head(
     head's operations are the same in attend_group as in attend_row, so the same logits."""
     with _attention("by query head"):
         by_head = _ragged_then_trees(model, page_size)
-    with _attention("by KV head"):
-        by_group = _ragged_then_trees(model, page_size)
-    for a, b in zip(by_head, by_group, strict=True):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for other in ("by KV head", "rows blocked"):
+        with _attention(other):
+            by_other = _ragged_then_trees(model, page_size)
+        for a, b in zip(by_head, by_other, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), other
 
 
 @pytest.fixture(scope="module", params=["head_dim_64", "head_dim_128"])
@@ -222,16 +226,18 @@ def _long_rows(model: LlamaModel, page_size: int, threads: int) -> list[torch.Te
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_keys_split_over_the_threads_give_the_bits_by_query_head(
-    long_model: LlamaModel, page_size: int
+@pytest.mark.parametrize("by", ["keys split", "rows blocked"])
+def test_long_rows_give_the_bits_by_query_head(
+    long_model: LlamaModel, page_size: int, by: str
 ) -> None:
     """attend_split's pieces (scores by pieces of keys, their largest merged by max, the weighted
-    sums by lanes of head_dim) keep each query head's operations: attend_row's logits, on 2 and
-    3 threads."""
+    sums by lanes of head_dim) and attend_block's blocks of rows (a 601-row prefill: 38 blocks,
+    their rows' keys ending apart, the 9-token prompt's rows a block of their own) keep each
+    query head's operations: attend_row's logits, on 2 and 3 threads."""
     with _attention("by query head"):
         want = _long_rows(long_model, page_size, 2)
     for threads in (2, 3):
-        with _attention("keys split"):
+        with _attention(by):
             got = _long_rows(long_model, page_size, threads)
         for a, b in zip(want, got, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
