@@ -455,11 +455,21 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
         int32_t sums[2][PANEL_ROWS][PANEL_ROWS] __attribute__((aligned(64)));
         int64_t part_s = m_pad * blocks;
         __m512i low = _mm512_set1_epi8(15);
+        /* past one tile of x's rows, each pair's nibbles split once for all its blocks
+         * [block][panel][weights 0-15's tile, 16-31's][tile row][bytes], not once a tile of x
+         * (the same tiles; the embedded default's 256 / 1,000-token prefills 0.93-0.96x,
+         * bench/cpu_prefill.py) */
+        int whole = kind == 5 && m_len > tile_rows;
+        uint8_t(*split)[2][2][4][64] = whole ? aligned_alloc(64, (size_t)blocks * sizeof *split) : NULL;
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < n_pairs; pair++) {
             const uint8_t *panel = w + 2 * pair * ldw, *second = panel + ldw;
             int64_t n = 2 * pair * PANEL_ROWS;
             int two = 2 * pair + 1 < n_panels; /* the pair's second panel there */
+            for (int64_t b = 0; whole && b < blocks; b++) {
+                int8_split(panel + b * bytes + 128, split[b][0], low);
+                if (two) int8_split(second + b * bytes + 128, split[b][1], low);
+            }
             for (int64_t m0 = 0; m0 < m_len; m0 += tile_rows) {
                 int mr = m_len - m0 < tile_rows ? (int)(m_len - m0) : (int)tile_rows;
                 __m512 acc[2][PANEL_ROWS / 2];
@@ -473,7 +483,10 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
                         if (two) _mm_prefetch((const char *)(record2 + line + PREFETCH), _MM_HINT_T0);
                     }
                     const void *w0 = record + 64, *w1 = record2 + 64;
-                    if (kind == 5) {
+                    if (whole) {
+                        w0 = split[b][0];
+                        w1 = split[b][1];
+                    } else if (kind == 5) {
                         /* this block's nibbles were split a block ahead (their stores done before
                          * the tile loads read them); split the next block's now */
                         if (b == 0) {
@@ -516,6 +529,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
             }
         }
         _tile_release();
+        free(split);
     }
     int8_free(parts);
 }
