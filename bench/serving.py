@@ -429,6 +429,13 @@ def main() -> None:
         default=None,
         help="each prompt made N tokens long from the bundled ones (default: as they are)",
     )
+    parser.add_argument(
+        "--long-every",
+        type=int,
+        default=1,
+        help="with --prompt-tokens: only every K-th prompt made that long, the others as they "
+        "are (streams decoding while long prompts come in: --prefill-chunk)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help="every stream runs to the end")
     parser.add_argument(
@@ -458,7 +465,9 @@ def main() -> None:
     path = args.model or embedded_default_model_path()
     tokenizer = load_tokenizer(path)
     chats = [apply_chat_template(tokenizer, m) for m in bundled_prompts()]
-    prompts = lengthened(chats, args.prompt_tokens)
+    long = lengthened(chats, args.prompt_tokens)
+    pairs = enumerate(zip(long, chats, strict=True))
+    prompts = [p if i % args.long_every == 0 else c for i, (p, c) in pairs]
     workloads = [
         (spec, rate, requests_for(prompts, args, spec), delays)
         for spec in args.spec

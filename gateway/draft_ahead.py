@@ -248,6 +248,7 @@ class AheadRounds:
         return (
             self.ahead_guesses > 0
             and tree.is_chain
+            and not seq.prefilling  # (a chunk round: its outcome is the next chunk)
             and self._needs_drafter(seq)
             and seq.round_spec().num_steps > 0
             and not self._drafter_resting()

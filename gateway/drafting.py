@@ -125,13 +125,16 @@ class Drafting:
         (`_layers_known`): its new tokens (and their features) reach the drafter with its next
         Draft, if any. So does a round before the prefill of a sequence whose drafter reads
         target features it does not have yet (an EAGLE head): that Draft could only answer an
-        empty tree. A sequence the drafter refused, or one that never drafts, never asks it."""
+        empty tree. So does a chunk round of a long prompt (`Sequence.prefilling`). A sequence
+        the drafter refused, or one that never drafts, never asks it."""
         if seq.seq_id in self._drafter_refused or seq.never_drafts:
             return False
         if not self._layers_known(seq):
             return True
-        return seq.round_spec().num_steps > 0 and not (
-            seq.hidden_state_layers and not seq.verifier_begun
+        return (
+            seq.round_spec().num_steps > 0
+            and not (seq.hidden_state_layers and not seq.verifier_begun)
+            and not seq.prefilling  # (its chunk rounds take no tree)
         )
 
     def _layers_known(self, seq: Sequence) -> bool:

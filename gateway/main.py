@@ -163,6 +163,7 @@ async def serve(
     decode_steps_quiet_s: float = QUIET_SECONDS,
     decode_lookup: int = 0,
     decode_lookup_max_batch: int = 2,
+    prefill_chunk: int = 0,
     prefill_rounds_one_step: bool = True,
     early_verify: bool = False,
     cpu_cores: frozenset[int] | None = None,
@@ -188,8 +189,8 @@ async def serve(
     tokens a plain round decodes in one Verify (adaptive_decode_steps: grown from it where the
     verifier's device idles between rounds, once no request arrived for
     `decode_steps_quiet_s`: gateway/decode_steps.py; prefill_rounds_one_step: one step in a
-    round that starts a sequence). early_verify: groups
-    send the other group's Verify while one is in flight (Scheduler)."""
+    round that starts a sequence; prefill_chunk: a long prompt's tokens a round). early_verify:
+    groups send the other group's Verify while one is in flight (Scheduler)."""
     default_spec.validate()
     api_keys = api_keys or ApiKeys(())
     log.info("%s", api_keys.describe())
@@ -228,6 +229,7 @@ async def serve(
         decode_steps_quiet_s=decode_steps_quiet_s,
         decode_lookup=decode_lookup,
         decode_lookup_max_batch=decode_lookup_max_batch,
+        prefill_chunk=prefill_chunk,
         prefill_rounds_one_step=prefill_rounds_one_step,
         early_verify=early_verify,
     )

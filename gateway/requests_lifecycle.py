@@ -44,6 +44,7 @@ class RequestsLifecycle:
     default_spec: SpecParams
     adaptive_ladder: tuple[SpecParams, ...] | None
     hidden_state_layers: tuple[int, ...]  # asked of the verifier (EAGLE drafters)
+    prefill_chunk: int  # a long prompt's tokens a round (Sequence.prefilling)
     model_name: str  # gen_ai.request.model on request spans
     max_waiting: int | None
     waiting: deque[Sequence]
@@ -178,6 +179,7 @@ class RequestsLifecycle:
             stop_checker,
             hidden_state_layers=self.hidden_state_layers,
             adaptive=adaptive,
+            prefill_chunk=self.prefill_chunk,
         )
         if seq.never_drafts:  # the drafter's features would be computed and carried for nothing
             seq.hidden_state_layers = ()

@@ -89,6 +89,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         decode_steps_quiet_s: float = QUIET_SECONDS,
         decode_lookup: int = 0,
         decode_lookup_max_batch: int = 2,
+        prefill_chunk: int = 0,
         prefill_rounds_one_step: bool = True,
         early_verify: bool = False,
         ahead_miss: str = DEFAULT_AHEAD_MISS,
@@ -120,6 +121,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         decode_lookup: each further decode step of a plain round verifies a chain of up to this
         many tokens the verifier drafts by prompt lookup (VerifyInput.lookup; 0: plain steps),
         in rounds of at most decode_lookup_max_batch sequences;
+        prefill_chunk: a run of tokens the verifier lacks (a prompt, a sequence it takes again)
+        longer than this goes in chunks of this many, a round each beside the other sequences'
+        rounds (Sequence.prefilling; 0: in one round);
         prefill_rounds_one_step: a round that starts a sequence (its prefill) decodes one step
         for every sequence in it, so the new one's first token streams after that step, not
         after the others' further steps; not while requests wait for a place in the batch.
@@ -212,6 +216,7 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         )
         self._plain_round: tuple[int, int] | None = None  # (batch size, steps) of a plain round
         self.prefill_rounds_one_step = prefill_rounds_one_step
+        self.prefill_chunk = prefill_chunk
         self.early_verify = early_verify
         self.num_ahead_hits = 0  # draft-ahead: rounds whose tree was drafted ahead
         self.num_ahead_misses = 0  # and rounds that had trees drafted ahead, none for the outcome
@@ -306,6 +311,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         self.num_rounds += 1
         self._verifier_down_since = None
         for seq, tree, out in zip(batch, trees, outputs, strict=True):
+            if seq.chunk_round:  # a long prompt's chunk: nothing to append or stream
+                seq.commit_chunk(out)
+                continue
             self._unstreamed.append((seq, seq.commit(out)))
             seq.adapt(tree, out)
             self.num_tokens_committed += len(out.new_tokens)

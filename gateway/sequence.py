@@ -84,6 +84,10 @@ class Sequence:
     guide_state: int = 0  # with a guide: its automaton's state after the output so far
     # the prompt's log-probabilities, once the first round brought them (where asked)
     prompt_logprobs: TokenLogprobs | None = None
+    # a run of tokens the verifier lacks longer than this goes this many a round (`prefilling`;
+    # 0: in one round); chunk_round: the round `verify_input` made last sends such a chunk
+    prefill_chunk: int = 0
+    chunk_round: bool = False
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -94,6 +98,19 @@ class Sequence:
     @property
     def num_generated_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the verifier lacks more of the tokens than one round takes (prefill_chunk: a
+        long prompt, or a sequence the verifier takes again): its next round sends the next
+        chunk of them alone (`verify_input`), with no tree and no Draft, and nothing of what
+        the verifier draws past them is kept. Not where the request asks for its prompt's
+        log-probabilities (its first round reads every prompt row)."""
+        return (
+            self.prefill_chunk > 0
+            and len(self.tokens) - self.verifier_kv_committed_len > self.prefill_chunk
+            and self._prompt_ask() == NO_LOGPROBS
+        )
 
     @property
     def never_drafts(self) -> bool:
@@ -237,6 +254,9 @@ class Sequence:
         # held back, the round asks for no features: plain rounds cost what the target
         # alone does (scheduler._restart_features has them verified again on resuming)
         layers = () if self.drafts_held else self.hidden_state_layers
+        self.chunk_round = self.prefilling
+        if self.chunk_round:
+            return self._chunk_input(layers)
         steps, chains = 1, 0
         guide = self.request.guide
         # (a guide's masks are made here, a round at a time)
@@ -267,6 +287,21 @@ class Sequence:
             rules=rules,
         )
 
+    def _chunk_input(self, layers: tuple[int, ...]) -> VerifyInput:
+        """A chunk round's Verify (`prefilling`): the next prefill_chunk tokens the verifier
+        lacks, no tree, greedy (a seeded sampler draws nothing for it, so its draws follow
+        the tokens alone), no log-probabilities or rules (none reads its drawn token)."""
+        start = self.verifier_kv_committed_len
+        self.rules_sent = False
+        return VerifyInput(
+            seq_id=self.seq_id,
+            begin=not self.verifier_begun,
+            kv_committed_len=start,
+            pending_tokens=self.tokens[start : start + self.prefill_chunk],
+            tree=DraftTree(),
+            hidden_state_layers=layers,
+        )
+
     def _prompt_ask(self) -> int:
         """The prompt's log-probabilities asked of the first round (a re-prefill's too, until
         they came: `prompt_logprobs`)."""
@@ -280,11 +315,8 @@ class Sequence:
         if self.adaptive is not None:
             self.adaptive.observe(out.num_accepted_drafts, max(tree.depths(), default=0))
 
-    def commit(self, out: VerifyOutput) -> Committed:
-        """Append accepted drafts + bonus and apply the stop rules: everything the next round
-        needs. The text and the chunk to stream follow in `chunk` (the scheduler makes them
-        after the next round's first RPC is on its way); with stop strings the text is made
-        here, since the rules read it."""
+    def _take_features(self, out: VerifyOutput) -> None:
+        """The round's target features (EAGLE drafters), rows of the tokens it committed."""
         if self.hidden_state_layers and (out.hidden_states is None or self.features_gap):
             self.features_gap = True  # a round held back by the gate: no features asked
         elif self.hidden_state_layers:
@@ -296,6 +328,25 @@ class Sequence:
             assert (
                 out.hidden_states.shape[0] == out.kv_committed_len - self.verifier_kv_committed_len
             )
+
+    def commit_chunk(self, out: VerifyOutput) -> None:
+        """A chunk round committed (`prefilling`): the verifier holds its tokens' KV (and gave
+        their features); the token it drew past them is not this sequence's (the next tokens
+        are the prompt's own) and is dropped, and the verifier keeps no rules from it."""
+        start = self.verifier_kv_committed_len
+        assert out.kv_committed_len == start + self.prefill_chunk, (self.seq_id, start)
+        self._take_features(out)
+        self.verifier_begun = True
+        self.verifier_kv_committed_len = out.kv_committed_len
+        self.rules_kept = False
+        self.chunk_round = False
+
+    def commit(self, out: VerifyOutput) -> Committed:
+        """Append accepted drafts + bonus and apply the stop rules: everything the next round
+        needs. The text and the chunk to stream follow in `chunk` (the scheduler makes them
+        after the next round's first RPC is on its way); with stop strings the text is made
+        here, since the rules read it."""
+        self._take_features(out)
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rounds_since_prefill += 1

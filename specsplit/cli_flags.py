@@ -81,6 +81,9 @@ CHAIN_MIN_GUESS_RATE = 0.9
 DECODE_STEPS_ON_GPU = 4
 # --decode-lookup auto with the verifier on the CPU (gateway/scheduler.py, VerifyInput.lookup)
 DECODE_LOOKUP_ON_CPU = 3
+# --prefill-chunk auto with the verifier on the CPU (gateway/sequence.py, Sequence.prefilling):
+# ~0.5 s of the embedded default's prefill on the 2-core VM (bench/RESULTS.md)
+PREFILL_CHUNK_ON_CPU = 512
 # gateway/decode_steps.py's QUIET_SECONDS in ms (not imported: the parser is built before the
 # services quiet tqdm, and the gateway's modules import torch)
 DECODE_STEPS_QUIET_MS = 100.0
@@ -379,6 +382,15 @@ def spec_flags(parser: argparse.ArgumentParser) -> None:
         " 8, edits of given text 1.39-1.47x at 1, 1.18x / 1.03x / 0.93x at 2 / 4 / 8)"
     )
     flag(parser, "--decode-lookup-max-batch", 2, lookup_batch_help, type=int)
+    chunk_help = (
+        "a prompt (or a sequence the verifier must take again) longer than this many tokens"
+        " goes to the verifier this many tokens a round, with the other requests' rounds, until"
+        " the rest fits one round: the requests decoding beside it wait one chunk's prefill, not"
+        " the whole prompt's (on the 2-core VM a 3,000-token prompt's prefill takes ~7 s); same"
+        f" output; 0 = the whole prompt in one round; none = auto (`up`: {PREFILL_CHUNK_ON_CPU}"
+        " when the verifier runs on a CPU, else 0; serve-gateway: 0)"
+    )
+    flag(parser, "--prefill-chunk", None, chunk_help, type=optional_int)
     quiet_help = (
         "with --decode-steps-adaptive: plain rounds grow only once no request arrived for this"
         " long (a request arriving during a round waits for its end: under steady arrivals"

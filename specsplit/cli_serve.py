@@ -171,6 +171,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
             decode_steps_quiet_s=args.decode_steps_quiet_ms / 1e3,
             decode_lookup=args.decode_lookup or 0,
             decode_lookup_max_batch=args.decode_lookup_max_batch,
+            prefill_chunk=args.prefill_chunk or 0,
             prefill_rounds_one_step=args.prefill_rounds_one_step,
             early_verify=bool(args.early_verify),  # auto: off (the devices are not seen here)
             speculation_gate=args.speculation_gate == "on",

@@ -20,6 +20,7 @@ from specsplit.affinity import affinity_plan
 from specsplit.cli_flags import (
     DECODE_LOOKUP_ON_CPU,
     DECODE_STEPS_ON_GPU,
+    PREFILL_CHUNK_ON_CPU,
     SHARED_DRAFTER_KV_MEMORY_FRACTION,
 )
 from specsplit.cli_generate import stream_generation
@@ -127,6 +128,7 @@ def child_commands(
     gateway += ["--decode-steps-quiet-ms", str(args.decode_steps_quiet_ms)]
     gateway += ["--decode-lookup", str(gateway_decode_lookup(args))]
     gateway += ["--decode-lookup-max-batch", str(args.decode_lookup_max_batch)]
+    gateway += ["--prefill-chunk", str(gateway_prefill_chunk(args))]
     gateway += ["--prefill-rounds-one-step" if args.prefill_rounds_one_step
                 else "--no-prefill-rounds-one-step"]  # fmt: skip
     for flag in LIMIT_FLAGS:
@@ -252,6 +254,17 @@ def gateway_decode_lookup(args: argparse.Namespace) -> int:
     if args.decode_lookup is not None:
         return int(args.decode_lookup)
     return 0 if args.device.startswith("cuda") else DECODE_LOOKUP_ON_CPU
+
+
+def gateway_prefill_chunk(args: argparse.Namespace) -> int:
+    """--prefill-chunk auto: PREFILL_CHUNK_ON_CPU with the verifier on a CPU, else 0. On the
+    2-core VM a 3,000-token prompt's prefill took ~7 s, and every stream decoding beside it
+    waited that long for its next token; in chunks of 512 each waits ~0.5 s a round while the
+    prompt goes in (bench/RESULTS.md). A GPU's prefill of the same prompt takes milliseconds:
+    not measured there, so off."""
+    if args.prefill_chunk is not None:
+        return int(args.prefill_chunk)
+    return 0 if args.device.startswith("cuda") else PREFILL_CHUNK_ON_CPU
 
 
 def gateway_decode_steps_adaptive(args: argparse.Namespace) -> bool:

@@ -219,6 +219,42 @@ def generated_ids(chunks: list[Chunk]) -> list[int]:
     return token_ids(chunks)
 
 
+def record_verifies(scheduler: Scheduler) -> list[list[VerifyInput]]:
+    """Every Verify's inputs from now on (the scheduler's verifier wrapped)."""
+    rounds: list[list[VerifyInput]] = []
+    verify: Any = scheduler.verifier.verify
+
+    async def recorded(inputs: list[VerifyInput]) -> Any:
+        rounds.append([*inputs])
+        return await verify(inputs)
+
+    scheduler.verifier.verify = recorded  # type: ignore[method-assign]
+    return rounds
+
+
+def second_mid_stream(
+    scheduler: Scheduler, first: GenerationRequest, second: GenerationRequest
+) -> list[list[int]]:
+    """Request `second` sent once `first` has streamed a chunk (the scheduler started and
+    stopped here): both streams' tokens."""
+
+    async def collect(stream: Any) -> list[Chunk]:
+        return [chunk async for chunk in stream]
+
+    async def main() -> list[list[int]]:
+        await scheduler.start()
+        try:
+            stream_a = scheduler.generate(first)
+            chunks_a = [await anext(stream_a)]  # the first decodes
+            chunks_b = asyncio.ensure_future(collect(scheduler.generate(second)))
+            chunks_a += [chunk async for chunk in stream_a]
+            return [generated_ids(chunks_a), generated_ids(await chunks_b)]
+        finally:
+            await scheduler.stop()
+
+    return asyncio.run(main())
+
+
 def mixed_requests(
     batch_size: int, seed: int, max_new_tokens: int, **kwargs: Any
 ) -> list[GenerationRequest]:

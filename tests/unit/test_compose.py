@@ -378,6 +378,15 @@ def test_the_cpu_override_drafts_by_prompt_lookup_in_the_verifiers_steps(
     assert lookup == cli_flags.DECODE_LOOKUP_ON_CPU
 
 
+def test_the_cpu_override_sends_long_prompts_in_chunks(
+    base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--prefill-chunk as `up` picks it: chunks of 512 with a CPU verifier, none on a GPU."""
+    assert not parsed(base, "gateway", monkeypatch).prefill_chunk
+    chunk = parsed(merged, "gateway", monkeypatch).prefill_chunk
+    assert chunk == cli_flags.PREFILL_CHUNK_ON_CPU
+
+
 def test_the_gateway_polls_for_lane_answers_on_gpus_not_on_the_cpu(
     base: dict[str, Any], merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

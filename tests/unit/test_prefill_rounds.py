@@ -6,23 +6,22 @@ either way."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from specsplit import cli, up
-from specsplit.messages import SpecParams, VerifyInput
+from specsplit.messages import SpecParams
 from specsplit.tree import DraftTree
 from tests.support import (
     check_no_leaks,
-    generated_ids,
     make_stack,
     mixed_requests,
+    record_verifies,
     save_tiny_llama,
+    second_mid_stream,
     target_only_ids,
 )
 
@@ -75,35 +74,12 @@ def test_a_request_arriving_mid_stream_gets_the_targets_tokens(
     stack = make_stack(target_dir, "ngram", smollm2_tokenizer, TARGET_ONLY, decode_steps=4)
     scheduler = stack.scheduler
     scheduler.prefill_rounds_one_step = on
-    rounds: list[list[VerifyInput]] = []
-    verify: Any = scheduler.verifier.verify
-
-    async def recorded(inputs: list[VerifyInput]) -> Any:
-        rounds.append(list(inputs))
-        return await verify(inputs)
-
-    scheduler.verifier.verify = recorded  # type: ignore[method-assign]
-
-    async def main() -> list[list[int]]:
-        await scheduler.start()
-        try:
-            stream_a = scheduler.generate(first)
-            chunks_a = [await anext(stream_a)]  # A decodes
-            chunks_b_task = asyncio.ensure_future(_collect(scheduler.generate(second)))
-            chunks_a += [chunk async for chunk in stream_a]
-            return [generated_ids(chunks_a), generated_ids(await chunks_b_task)]
-        finally:
-            await scheduler.stop()
-
-    assert asyncio.run(main()) == expected
+    rounds = record_verifies(scheduler)
+    assert second_mid_stream(scheduler, first, second) == expected
     check_no_leaks(stack)
     (admission,) = [r for r in rounds if any(i.begin for i in r) and not all(i.begin for i in r)]
     a_item = next(i for i in admission if not i.begin)
     assert a_item.decode_steps == (1 if on else 4)
-
-
-async def _collect(stream: Any) -> list[Any]:
-    return [chunk async for chunk in stream]
 
 
 @pytest.mark.parametrize(
