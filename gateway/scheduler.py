@@ -269,10 +269,11 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         steps = self.decode_steps if policy is None else policy.steps(len(batch))
         if (
             self.prefill_rounds_one_step
-            and any(not seq.verifier_begun for seq in batch)
+            and any(seq.starts for seq in batch)
             and not any(not seq.cancelled for seq in self.waiting)
         ):
-            # the new sequences' first tokens: after this step, not the others' last. Not while
+            # the new sequences' first tokens: after this step, not the others' last (a long
+            # prompt's chunk rounds draw none: the others keep their steps there). Not while
             # requests wait for a place: the batch is full, each finished request's place goes
             # to a newcomer so that nearly every round starts one, and one-step rounds would
             # cut the rate that frees the places they wait for

@@ -88,6 +88,7 @@ class Sequence:
     # 0: in one round); chunk_round: the round `verify_input` made last sends such a chunk
     prefill_chunk: int = 0
     chunk_round: bool = False
+    chunked: bool = False  # chunk rounds committed since the last round that drew its tokens
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -111,6 +112,12 @@ class Sequence:
             and len(self.tokens) - self.verifier_kv_committed_len > self.prefill_chunk
             and self._prompt_ask() == NO_LOGPROBS
         )
+
+    @property
+    def starts(self) -> bool:
+        """Whether its next round ends its prefill (the whole prompt, or the last of its
+        chunks): the round that draws its first token."""
+        return not self.prefilling and (not self.verifier_begun or self.chunked)
 
     @property
     def never_drafts(self) -> bool:
@@ -340,6 +347,7 @@ class Sequence:
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rules_kept = False
         self.chunk_round = False
+        self.chunked = True
 
     def commit(self, out: VerifyOutput) -> Committed:
         """Append accepted drafts + bonus and apply the stop rules: everything the next round
@@ -348,6 +356,7 @@ class Sequence:
         here, since the rules read it."""
         self._take_features(out)
         self.verifier_begun = True
+        self.chunked = False
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rounds_since_prefill += 1
         # a round's further decode steps count as rounds of their own, prompt lookup's accepted

@@ -9,19 +9,22 @@ tokens between the chunks; a request cancelled mid-prefill leaves no KV."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gateway.request import GenerationRequest
 from gateway.scheduler import Scheduler
 from inprocess.stack import LocalStack
 from specsplit import cli, up
 from specsplit.cli_flags import PREFILL_CHUNK_ON_CPU
-from specsplit.messages import SpecParams, VerifyInput
+from specsplit.messages import DraftInput, SpecParams, VerifyInput, VerifyOutput
 from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
+from tests.eagle_random import save_target_and_drafters
 from tests.support import (
     RestartingVerifier,
     check_no_leaks,
@@ -230,6 +233,71 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_chunked(
     inputs = scheduler._verify_inputs([plain, asking], [DraftTree(), DraftTree()])
     assert [len(item.pending_tokens) for item in inputs] == [CHUNK, 17]
     assert plain.chunk_round and not asking.chunk_round
+
+
+def test_chunk_rounds_keep_the_others_steps_and_the_last_asks_one(smollm2_tokenizer: Any) -> None:
+    """--prefill-rounds-one-step: a chunk round draws no token, so the sequences beside it keep
+    their decode steps; the round that ends the prefill (draws its first token) asks one."""
+    scheduler = Scheduler(
+        None, None, smollm2_tokenizer, (), TARGET_ONLY,  # type: ignore[arg-type]
+        decode_steps=4, prefill_chunk=CHUNK,
+    )  # fmt: skip
+    running = scheduler._new_sequence(GenerationRequest([5, 6, 7], 32))
+    running.verifier_begun = True  # decoding: its prompt is in the verifier's KV
+    long = scheduler._new_sequence(GenerationRequest(list(range(3, 13)), 32))  # 10 tokens
+    for committed in (0, CHUNK):  # two chunk rounds
+        inputs = scheduler._verify_inputs([running, long], [DraftTree(), DraftTree()])
+        assert [item.decode_steps for item in inputs] == [4, 1]
+        assert inputs[1].pending_tokens == long.tokens[committed : committed + CHUNK]
+        long.commit_chunk(VerifyOutput(long.seq_id, [], 99, committed + CHUNK))
+        assert long.tokens == list(range(3, 13))  # the drawn token dropped
+    inputs = scheduler._verify_inputs([running, long], [DraftTree(), DraftTree()])
+    assert [item.decode_steps for item in inputs] == [1, 1]
+    assert inputs[1].pending_tokens == long.tokens[2 * CHUNK :] and not long.chunk_round
+
+
+@pytest.fixture(scope="module")
+def eagle_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_target_and_drafters(tmp_path_factory.mktemp("prefill_chunks_eagle"))
+
+
+def test_an_eagle_heads_features_come_chunk_by_chunk(
+    eagle_models: dict[str, Path], smollm2_tokenizer: Any
+) -> None:
+    """Chunk rounds ask for the target's features of their tokens: the drafter gets the rows of
+    the chunks with its first Draft (the tree of the round that ends the prefill), then each
+    row once; the streams are the target alone's."""
+    requests = _requests(3, seed=23)
+    expected = target_only_ids(eagle_models["target"], smollm2_tokenizer, requests)
+    stack = make_stack(
+        eagle_models["target"], "eagle3", smollm2_tokenizer, SpecParams(3, 1, 3),
+        draft_dir=eagle_models["eagle3"], dtype=torch.float32,
+    )  # fmt: skip
+    stack.scheduler.prefill_chunk = CHUNK
+    rounds = record_verifies(stack.scheduler)
+    rows: dict[str, list[tuple[int, int]]] = {}  # per sequence: (start, rows) of each Draft
+    draft: Any = stack.scheduler.drafter.draft
+
+    async def recorded(inputs: list[DraftInput]) -> Any:
+        for item in inputs:
+            sent = item.target_hidden_states
+            if sent is not None and sent.shape[0]:
+                rows.setdefault(item.seq_id, []).append((item.start, sent.shape[0]))
+        return await draft(inputs)
+
+    stack.scheduler.drafter.draft = recorded  # type: ignore[method-assign]
+    out = generate_all(stack, _requests(3, seed=23))
+    assert [generated_ids(c) for c in out] == expected
+    items = _items(rounds)
+    assert all(len(item.pending_tokens) <= CHUNK for item in items)
+    assert any(item.hidden_state_layers and len(item.pending_tokens) == CHUNK for item in items)
+    for sent in rows.values():  # each Draft's rows start where the last one's ended
+        assert [start for start, _ in sent] == [0, *itertools.accumulate(n for _, n in sent[:-1])]
+    # the first Draft (the tree of the round that ends the prefill) has the chunks' rows
+    prompts = sorted(len(r.prompt_ids) for r in requests)
+    assert sorted(sent[0][1] for sent in rows.values()) == [
+        (n - 1) // CHUNK * CHUNK for n in prompts
+    ]
 
 
 @pytest.mark.parametrize(
