@@ -33,6 +33,7 @@ from tests.support import (
     collect,
     generated_ids,
     make_stack,
+    record_verifies,
     save_tiny_llama,
 )
 
@@ -158,6 +159,25 @@ def test_greedy_turns_equal_fresh_requests_eagle3(models, smollm2_tokenizer, spe
 def test_greedy_turns_equal_fresh_requests_in_pipelined_groups(models, smollm2_tokenizer):
     stack = make_stack(models["target"], "model", smollm2_tokenizer, CHAIN, overlap="groups")
     _run(stack)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "sampling"),
+    [("model", GREEDY), ("eagle3", GREEDY), ("ngram", SamplingParams(temperature=4.0, seed=77))],
+)
+def test_turns_in_chunks_equal_fresh_requests(models, smollm2_tokenizer, drafter, sampling):
+    """--prefill-chunk 3 (Sequence.prefilling): a turn's pending tokens (the last bonus token
+    and its new message, 4-10 of them) go three a round after the KV its session kept, as a
+    fresh request's prompt does: no round brings more than three; the turns still equal fresh
+    requests (a seeded sampler's too)."""
+    head = models["head"] if drafter == "eagle3" else None
+    stack = make_stack(models["target"], drafter, smollm2_tokenizer, CHAIN, draft_dir=head)
+    stack.scheduler.prefill_chunk = 3
+    rounds = record_verifies(stack.scheduler)
+    _run(stack, sampling)
+    items = [item for r in rounds for item in r]
+    assert all(len(item.pending_tokens) <= 3 for item in items)
+    assert any(not i.begin and len(i.pending_tokens) == 3 and not i.tree for i in items)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
