@@ -666,6 +666,7 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     int64_t groups = L->num_heads / L->num_kv_heads;
     /* blocks of rows where the step has them (else as many as rows: each row alone) */
     int64_t *starts = blocked(L, S) ? malloc((size_t)(T + 1) * sizeof(int64_t)) : NULL;
+    if (blocked(L, S) && !starts) abort();
     int64_t blocks = starts ? balanced_blocks(L, S, starts) : T;
     if (split(L, S)) { /* attend_split: each row's keys over the threads */
         float *tops = scores + T * L->num_heads * S->max_keys;
