@@ -1,6 +1,6 @@
 """A prompt's prefill on the CPU in process: the embedded default (or --model) prefills N random
 tokens in one forward, the C layer's attention by blocks of the prompt's rows (cpu_layer.c's
-attend_block, the default) and by rows alone (attend_row, or attend_group past 2,048 keys), in
+attend_block, the default) and by rows alone (attend_row, or by KV head past 2,048 keys), in
 turn in one process, the median seconds of each and their ratio.
 
     PYTHONPATH=. python bench/cpu_prefill.py [--tokens 256 1000 3000] [--turns 2]

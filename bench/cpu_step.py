@@ -45,11 +45,12 @@ def main() -> None:
         "--attention-by",
         choices=["auto", "query-head", "kv-head", "kv-head-split", "rows-blocked"],
         default="auto",
-        help="the C layer's attention by query head (attend_row), by KV head (attend_group) or "
-        "by KV head with each row's keys split over the threads (attend_split) at any context "
-        "and rows, or by blocks of a sequence's rows (attend_block) at any rows; auto: blocks "
-        "of rows from 16 rows (cpu_layer.c's BLOCKED_FROM_ROWS), else by KV head from 2,048 "
-        "keys (GROUPED_FROM_KEYS), split for one-row steps (SPLIT_ROWS)",
+        help="the C layer's attention by query head (attend_row), by KV head (attend_block a "
+        "row at a time) or by KV head with each row's keys split over the threads "
+        "(attend_split) at any context and rows, or by blocks of a sequence's rows "
+        "(attend_block) at any rows; auto: blocks of rows from 2 rows (cpu_layer.c's "
+        "BLOCKED_FROM_ROWS), else by KV head from 2,048 keys (GROUPED_FROM_KEYS), split for "
+        "one-row steps (SPLIT_ROWS)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

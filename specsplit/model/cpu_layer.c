@@ -290,10 +290,11 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
     for (int64_t i = 0; i < d; i++) out[i] *= inverse;
 }
 
-#define MAX_GROUP 16 /* query heads a KV head attend_group takes */
-/* keys (the step's longest row's) from which the attention goes by KV head (attend_group) rather
- * than by query head (attend_row); the same bits either way. By KV head a row's work splits into
- * fewer pieces (SmolLM2's one-row step: 3 KV heads over 2 threads, against 9 query heads), which
+#define MAX_GROUP 16 /* query heads a KV head attend_block takes */
+/* keys (the step's longest row's) from which the attention goes by KV head (attend_block a row)
+ * rather than by query head (attend_row); the same bits either way. By KV head a row's work
+ * splits into fewer pieces (SmolLM2's one-row step: 3 KV heads over 2 threads, against 9 query
+ * heads), which
  * lost while a KV head's keys stay in L2 between its query heads (the embedded default's step on
  * the 2-core VM, bench/cpu_step.py: 1 row at 200 / 600 / 1,000 keys 7.34 / 9.21 / 10.46 ms
  * against 6.50 / 8.23 / 9.51; 4 rows at 1,000 15.28 against 14.22) and wins past them (2,000: 1
@@ -304,62 +305,84 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 static int64_t grouped_from = GROUPED_FROM_KEYS;
 int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, keys); }
 
-/* row t's attention for every query head of KV head `kv` (the heads kv * G .. kv * G + G - 1,
- * G = num_heads / num_kv_heads; 16 lanes, head_dim 64 or 128): each head's operations exactly as
- * attend_row's (the same bits: its scores block by block, their largest merged by max, its weighted
- * sum carried from block to block), the heads taken in turn a block of 16 keys at a time, so the
- * block's K and V lines come from memory once for all G heads (the rest from L1). Past ~2,000
- * keys (512 B of K and V a key at head_dim 64) the group's K / V no longer stay in L2 between one
- * head and the next, and attend_row's head-by-head passes read them from memory G times. q: the
- * row's queries
- * [num_heads, d]; scores: G * max_keys floats; out: the row's [num_heads, d] */
-static void attend_group(const Layer *L, const Step *S, int64_t t, int64_t kv, const float *q,
-                         const float *k_cache, const float *v_cache, float *scores, float *out) {
-    int64_t d = L->head_dim, groups = L->num_heads / L->num_kv_heads;
-    int64_t slot_stride = L->num_kv_heads * d, first = kv * groups;
-    const int64_t *slots = S->key_slots + S->key_start[t];
-    int64_t n = S->num_keys[t];
-    const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+/* a block of at most BLOCK_ROWS rows of one sequence (attend_block) */
+#define BLOCK_ROWS 16
+
+/* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
+ * query head of KV head `kv` (the heads kv * G .. kv * G + G - 1, G = num_heads / num_kv_heads;
+ * 16 lanes, head_dim 64 or 128): each (row, head)'s operations exactly as attend_row's (the same
+ * bits: its scores block by block, their largest merged by max, its weighted sum carried from
+ * block to block), the rows and heads taken in turn a block of 16 keys at a time, so a block's K
+ * and V lines come from memory once for the R rows and G heads (the rest from L1). One row (R
+ * 1): "by KV head", past ~2,000 keys (512 B of K and V a key at head_dim 64), where the group's
+ * K / V no longer stay in L2 between one head and the next and attend_row's head-by-head passes
+ * read them from memory G times. Several: a prefill of n rows otherwise streamed each KV head's
+ * keys n times (the embedded default's 3,000-token prefill: 13.3 s). q: wide's rows (qkv_width
+ * apart); scores: R * G * max_keys floats; out: the step's attention rows [T, num_heads * d] */
+static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
+                         const float *wide, int64_t qkv_width, const float *k_cache,
+                         const float *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G;
+    int64_t slot_stride = L->num_kv_heads * d, q_width = L->num_heads * d, most = 0;
+    const int64_t *slots = S->key_slots + S->key_start[t0];
     const float *keys = k_cache + kv * d, *values = v_cache + kv * d;
-    float top[MAX_GROUP], total[MAX_GROUP];
-    for (int64_t g = 0; g < groups; g++) {
-        top[g] = -INFINITY;
-        total[g] = 0.0f;
-        memset(out + (first + g) * d, 0, (size_t)d * sizeof(float));
-    }
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        int64_t m = n - j0 < 16 ? n - j0 : 16;
-        const uint8_t *seen = visible ? visible + j0 : NULL;
-        for (int64_t g = 0; g < groups; g++) {
-            const float *qg = q + (first + g) * d;
-            float *sg = scores + g * S->max_keys + j0;
-            float block = d == 64 ? scores16_4(sg, qg, seen, slots + j0, m, keys, slot_stride, S->scale)
-                                  : scores16_8(sg, qg, seen, slots + j0, m, keys, slot_stride, S->scale);
-            top[g] = block > top[g] ? block : top[g];
+    float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
+    const uint8_t *visible[BLOCK_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r;
+        most = S->num_keys[t] > most ? S->num_keys[t] : most;
+        visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+        for (int64_t g = 0; g < G; g++) {
+            top[r * G + g] = -INFINITY;
+            total[r * G + g] = 0.0f;
+            memset(out + t * q_width + (first + g) * d, 0, (size_t)d * sizeof(float));
         }
     }
-    for (int64_t g = 0; g < groups; g++) softmax_weights16(scores + g * S->max_keys, n, top[g]);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        int64_t m = n - j0 < 16 ? n - j0 : 16;
-        const uint8_t *seen = visible ? visible + j0 : NULL;
-        for (int64_t g = 0; g < groups; g++) {
-            float *og = out + (first + g) * d;
-            const float *pg = scores + g * S->max_keys + j0;
-            total[g] = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, total[g])
-                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, total[g]);
+    for (int64_t j0 = 0; j0 < most; j0 += 16)
+        for (int64_t r = 0; r < R; r++) {
+            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
+            if (m <= 0) continue;
+            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+            const float *q = wide + (t0 + r) * qkv_width + first * d;
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = scores + (r * G + g) * S->max_keys + j0, *best = &top[r * G + g];
+                float block = d == 64 ? scores16_4(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale)
+                                      : scores16_8(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale);
+                *best = block > *best ? block : *best;
+            }
         }
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        float inverse = 1.0f / total[g], *og = out + (first + g) * d;
-        for (int64_t i = 0; i < d; i++) og[i] *= inverse;
-    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++)
+            softmax_weights16(scores + (r * G + g) * S->max_keys, S->num_keys[t0 + r], top[r * G + g]);
+    for (int64_t j0 = 0; j0 < most; j0 += 16)
+        for (int64_t r = 0; r < R; r++) {
+            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
+            if (m <= 0) continue;
+            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+            for (int64_t g = 0; g < G; g++) {
+                float *og = out + (t0 + r) * q_width + (first + g) * d, *sum = &total[r * G + g];
+                const float *pg = scores + (r * G + g) * S->max_keys + j0;
+                *sum = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, *sum)
+                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, *sum);
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float inverse = 1.0f / total[r * G + g], *og = out + (t0 + r) * q_width + (first + g) * d;
+            for (int64_t i = 0; i < d; i++) og[i] *= inverse;
+        }
 }
 
-/* whether layer_forward's attention goes by KV head (attend_group) */
+/* whether attend_block (and attend_split) take this layer's heads: 16 lanes, head_dim 64 or 128,
+ * at most MAX_GROUP query heads a KV head */
+static int by_kv_head(const Layer *L, const Step *S) {
+    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) &&
+           L->num_heads / L->num_kv_heads <= MAX_GROUP;
+}
+
+/* whether layer_forward's attention goes by KV head, a row at a time (attend_block, one row) */
 static int grouped(const Layer *L, const Step *S) {
-    int64_t groups = L->num_heads / L->num_kv_heads;
-    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) && groups > 1 &&
-           groups <= MAX_GROUP && S->max_keys >= grouped_from;
+    return by_kv_head(L, S) && L->num_heads / L->num_kv_heads > 1 && S->max_keys >= grouped_from;
 }
 
 /* steps of at most this many rows that attend by KV head (grouped) split each row's keys over
@@ -388,8 +411,8 @@ static int64_t piece_end(const Step *S, int64_t t, int64_t j0) {
     return j0 + SPLIT_KEYS < n ? j0 + SPLIT_KEYS : n;
 }
 
-/* attend_group's attention for every row and KV head, each row's work in pieces over the
- * threads, with attend_group's bits: the scores in pieces of SPLIT_KEYS keys (each score alone;
+/* attend_block's attention for every row (one a block) and KV head, each row's work in pieces
+ * over the threads, with attend_block's bits: the scores in pieces of SPLIT_KEYS keys (each score alone;
  * a KV head's query heads in turn a block of 16 keys at a time, as there), each piece's largest
  * for each query head; then each piece's weights from the largest over the pieces (max is exact,
  * in any order; each weight alone); then the weighted sums in pieces of SPLIT_LANES lanes of
@@ -469,8 +492,6 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
     }
 }
 
-/* a block of at most BLOCK_ROWS rows of one sequence (attend_block) */
-#define BLOCK_ROWS 16
 /* steps of at least this many rows attend by blocks of a sequence's rows (attend_block);
  * `layer_blocked_from` sets it and returns what it was (tests: every step, or none) */
 #define BLOCKED_FROM_ROWS 2
@@ -479,70 +500,7 @@ int64_t layer_blocked_from(int64_t rows) { return swap_setting(&blocked_from, ro
 
 /* whether layer_forward's attention goes by blocks of rows (attend_block) */
 static int blocked(const Layer *L, const Step *S) {
-    int64_t groups = L->num_heads / L->num_kv_heads;
-    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) && groups <= MAX_GROUP &&
-           S->num_tokens >= blocked_from;
-}
-
-/* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
- * query head of KV head `kv`: each (row, head)'s operations exactly as attend_group's (so
- * attend_row's bits), the rows and heads taken in turn a block of 16 keys at a time, so a
- * block's K and V lines come from memory once for the R rows and G heads, not once a row: a
- * prefill of n rows otherwise streamed each KV head's keys n times (the embedded default's
- * 3,000-token prefill: 13.3 s). q: wide's rows (qkv_width apart); scores: R * G * max_keys
- * floats; out: the step's attention rows [T, num_heads * d] */
-static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
-                         const float *wide, int64_t qkv_width, const float *k_cache,
-                         const float *v_cache, float *scores, float *out) {
-    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G;
-    int64_t slot_stride = L->num_kv_heads * d, q_width = L->num_heads * d, most = 0;
-    const int64_t *slots = S->key_slots + S->key_start[t0];
-    const float *keys = k_cache + kv * d, *values = v_cache + kv * d;
-    float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
-    const uint8_t *visible[BLOCK_ROWS];
-    for (int64_t r = 0; r < R; r++) {
-        int64_t t = t0 + r;
-        most = S->num_keys[t] > most ? S->num_keys[t] : most;
-        visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-        for (int64_t g = 0; g < G; g++) {
-            top[r * G + g] = -INFINITY;
-            total[r * G + g] = 0.0f;
-            memset(out + t * q_width + (first + g) * d, 0, (size_t)d * sizeof(float));
-        }
-    }
-    for (int64_t j0 = 0; j0 < most; j0 += 16)
-        for (int64_t r = 0; r < R; r++) {
-            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
-            if (m <= 0) continue;
-            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            const float *q = wide + (t0 + r) * qkv_width + first * d;
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + (r * G + g) * S->max_keys + j0, *best = &top[r * G + g];
-                float block = d == 64 ? scores16_4(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale)
-                                      : scores16_8(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale);
-                *best = block > *best ? block : *best;
-            }
-        }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++)
-            softmax_weights16(scores + (r * G + g) * S->max_keys, S->num_keys[t0 + r], top[r * G + g]);
-    for (int64_t j0 = 0; j0 < most; j0 += 16)
-        for (int64_t r = 0; r < R; r++) {
-            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
-            if (m <= 0) continue;
-            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            for (int64_t g = 0; g < G; g++) {
-                float *og = out + (t0 + r) * q_width + (first + g) * d, *sum = &total[r * G + g];
-                const float *pg = scores + (r * G + g) * S->max_keys + j0;
-                *sum = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, *sum)
-                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, *sum);
-            }
-        }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++) {
-            float inverse = 1.0f / total[r * G + g], *og = out + (t0 + r) * q_width + (first + g) * d;
-            for (int64_t i = 0; i < d; i++) og[i] *= inverse;
-        }
+    return by_kv_head(L, S) && S->num_tokens >= blocked_from;
 }
 
 /* where each of the step's blocks of rows starts (starts[0..count], starts[count] = T): each
@@ -605,7 +563,7 @@ static int64_t wide_width(const Layer *L) {
 }
 
 /* floats of scratch a step of num_tokens rows needs (layer_forward's buffers; scores for a KV
- * head's query heads a thread, attend_group's) */
+ * head's query heads a thread, attend_block's) */
 int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_keys, int threads) {
     int64_t attn = L->num_heads * L->head_dim, per_thread = threads * (L->num_heads / L->num_kv_heads);
     int64_t rows = num_tokens <= split_rows ? num_tokens * L->num_heads : 0; /* attend_split's */
@@ -665,9 +623,11 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
     }
     int64_t groups = L->num_heads / L->num_kv_heads;
     /* blocks of rows where the step has them (else as many as rows: each row alone) */
-    int64_t *starts = blocked(L, S) ? malloc((size_t)(T + 1) * sizeof(int64_t)) : NULL;
-    if (blocked(L, S) && !starts) abort();
-    int64_t blocks = starts ? balanced_blocks(L, S, starts) : T;
+    int64_t *starts = NULL, blocks = T;
+    if (blocked(L, S)) {
+        if (!(starts = malloc((size_t)(T + 1) * sizeof(int64_t)))) abort();
+        blocks = balanced_blocks(L, S, starts);
+    }
     if (split(L, S)) { /* attend_split: each row's keys over the threads */
         float *tops = scores + T * L->num_heads * S->max_keys;
         attend_split(L, S, wide, qkv_width, k_cache, v_cache, scores, tops, attn);
@@ -680,14 +640,13 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
             attend_block(L, S, starts[b], starts[b + 1] - starts[b], kv, wide, qkv_width, k_cache,
                          v_cache, thread_scores, attn);
         }
-    } else if (grouped(L, S)) { /* attend_group: a KV head's query heads in one pass over its keys */
+    } else if (grouped(L, S)) { /* a row's KV head's query heads in one pass over its keys */
         int64_t pairs = T * L->num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1)
         for (int64_t pair = 0; pair < pairs; pair++) {
             int64_t t = pair / L->num_kv_heads, kv = pair % L->num_kv_heads;
             float *thread_scores = scores + (int64_t)omp_get_thread_num() * groups * S->max_keys;
-            attend_group(L, S, t, kv, wide + t * qkv_width, k_cache, v_cache, thread_scores,
-                         attn + t * q_width);
+            attend_block(L, S, t, 1, kv, wide, qkv_width, k_cache, v_cache, thread_scores, attn);
         }
     } else {
         int64_t pairs = T * L->num_heads;

@@ -108,9 +108,9 @@ def _swap_setting(name: str, value: int) -> int:
 
 def grouped_from(keys: int) -> int:
     """Steps whose longest row sees at least `keys` keys attend by KV head (cpu_layer.c's
-    attend_group: a KV head's keys read once for all its query heads), shorter ones by query
-    head; the same bits either way. Returns the number it replaces (tests: 0 for always, a
-    large number for never)."""
+    attend_block a row at a time: a KV head's keys read once for all its query heads), shorter
+    ones by query head; the same bits either way. Returns the number it replaces (tests: 0 for
+    always, a large number for never)."""
     return _swap_setting("layer_grouped_from", keys)
 
 

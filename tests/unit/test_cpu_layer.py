@@ -141,10 +141,10 @@ ATTENTION = ("by query head", "by KV head", "keys split", "rows blocked")
 
 @contextlib.contextmanager
 def _attention(by: str) -> Iterator[None]:
-    """Every step's attention one way (cpu_layer.c's attend_row "by query head", attend_group
-    "by KV head", attend_split "keys split": each row's keys over the threads, or attend_block
-    "rows blocked": a sequence's rows in blocks), whatever its keys and rows (where head_dim
-    and the heads allow the last three)."""
+    """Every step's attention one way (cpu_layer.c's attend_row "by query head", attend_block a
+    row at a time "by KV head", attend_split "keys split": each row's keys over the threads, or
+    attend_block "rows blocked": a sequence's rows in blocks), whatever its keys and rows (where
+    head_dim and the heads allow the last three)."""
     assert by in ATTENTION
     was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
     was_split = cpu_layer.split_rows(1 << 40 if by == "keys split" else 0)
@@ -168,7 +168,7 @@ def test_attention_by_kv_head_gives_the_bits_by_query_head(
     model: LlamaModel, page_size: int
 ) -> None:
     """Ragged prefills and trees (keys hidden from rows, blocks of 16 keys cut short): each query
-    head's operations are the same in attend_group as in attend_row, so the same logits."""
+    head's operations are the same in attend_block as in attend_row, so the same logits."""
     with _attention("by query head"):
         by_head = _ragged_then_trees(model, page_size)
     for other in ("by KV head", "rows blocked"):
