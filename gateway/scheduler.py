@@ -312,7 +312,9 @@ class Scheduler(Drafting, GroupRounds, AheadRounds, VerifierFaults, RoundGates, 
         self.num_rounds += 1
         self._verifier_down_since = None
         for seq, tree, out in zip(batch, trees, outputs, strict=True):
-            if seq.chunk_round:  # a long prompt's chunk: nothing to append or stream
+            # a long prompt's chunk (what verify_input sent: nothing changed the sequence since):
+            # nothing to append or stream
+            if seq.prefilling:
                 seq.commit_chunk(out)
                 continue
             self._unstreamed.append((seq, seq.commit(out)))

@@ -85,9 +85,8 @@ class Sequence:
     # the prompt's log-probabilities, once the first round brought them (where asked)
     prompt_logprobs: TokenLogprobs | None = None
     # a run of tokens the verifier lacks longer than this goes this many a round (`prefilling`;
-    # 0: in one round); chunk_round: the round `verify_input` made last sends such a chunk
+    # 0: in one round)
     prefill_chunk: int = 0
-    chunk_round: bool = False
     chunked: bool = False  # chunk rounds committed since the last round that drew its tokens
 
     def __post_init__(self) -> None:
@@ -261,8 +260,7 @@ class Sequence:
         # held back, the round asks for no features: plain rounds cost what the target
         # alone does (scheduler._restart_features has them verified again on resuming)
         layers = () if self.drafts_held else self.hidden_state_layers
-        self.chunk_round = self.prefilling
-        if self.chunk_round:
+        if self.prefilling:
             return self._chunk_input(layers)
         steps, chains = 1, 0
         guide = self.request.guide
@@ -346,7 +344,6 @@ class Sequence:
         self.verifier_begun = True
         self.verifier_kv_committed_len = out.kv_committed_len
         self.rules_kept = False
-        self.chunk_round = False
         self.chunked = True
 
     def commit(self, out: VerifyOutput) -> Committed:

@@ -232,7 +232,7 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_chunked(
     asking = scheduler._new_sequence(GenerationRequest(list(range(3, 20)), 4, prompt_logprobs=1))
     inputs = scheduler._verify_inputs([plain, asking], [DraftTree(), DraftTree()])
     assert [len(item.pending_tokens) for item in inputs] == [CHUNK, 17]
-    assert plain.chunk_round and not asking.chunk_round
+    assert plain.prefilling and not asking.prefilling
 
 
 def test_chunk_rounds_keep_the_others_steps_and_the_last_asks_one(smollm2_tokenizer: Any) -> None:
@@ -253,7 +253,7 @@ def test_chunk_rounds_keep_the_others_steps_and_the_last_asks_one(smollm2_tokeni
         assert long.tokens == list(range(3, 13))  # the drawn token dropped
     inputs = scheduler._verify_inputs([running, long], [DraftTree(), DraftTree()])
     assert [item.decode_steps for item in inputs] == [1, 1]
-    assert inputs[1].pending_tokens == long.tokens[2 * CHUNK :] and not long.chunk_round
+    assert inputs[1].pending_tokens == long.tokens[2 * CHUNK :] and not long.prefilling
 
 
 @pytest.fixture(scope="module")
