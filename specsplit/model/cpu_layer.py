@@ -1,5 +1,6 @@
-"""A decoder layer in one call on the CPU: cpu_layer.c's `layer_forward` (float32), built with
-cpu_gemm.c's GEMM into one library (specsplit/model/cpu_gemm.py).
+"""The decoder layers in one call on the CPU: cpu_layer.c's `layers_forward`, `layer_forward` a
+layer (float32), built with cpu_gemm.c's GEMM into one library (specsplit/model/cpu_gemm.py);
+a run of layers a call, cut after each layer whose output an EAGLE-3 head reads (`layer_runs`).
 
 Why: with the projections in the fixed-order kernel, the rest of a CPU step (norms, RoPE, the
 K/V store, the per-sequence attention's gathers and SDPA, residuals, SiLU: ~25 torch ops a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -89,8 +91,8 @@ def switch() -> bool:
 def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[name-defined]
     lib = cpu_gemm.library()
     assert lib is not None
-    forward, scratch = lib.cdll.layer_forward, lib.cdll.layer_scratch_floats
-    forward.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), _ptr, _ptr, _ptr]
+    forward, scratch = lib.cdll.layers_forward, lib.cdll.layer_scratch_floats
+    forward.argtypes = [_ptr, _i64, ctypes.POINTER(StepArgs), _ptr, _ptr, _ptr]
     forward.restype = None
     scratch.argtypes = [ctypes.POINTER(LayerArgs), _i64, _i64, ctypes.c_int]
     scratch.restype = _i64
@@ -154,18 +156,15 @@ def _parameter(layer: DecoderLayer, module: str, kind: str) -> torch.Tensor | No
 
 def layer_args(layer: DecoderLayer) -> LayerArgs:
     """The layer's sizes and weights as cpu_layer.c reads them (built again when a weight
-    changed storage or its packed blocks came or went)."""
+    changed storage or its packed blocks came or went: the key, the parameters' storages and
+    the packed runs themselves, held by the cache so that none is freed while it is kept)."""
     vectors = [_parameter(layer, module, kind) for _, module, kind in _VECTORS]
     weights = [_parameter(layer, module, "weight") for _, module in _PROJECTIONS]
     packs = [None if w is None else cpu_quant.packed(w) for w in weights]
-    key = (
-        *map(_ptr_of, vectors),
-        *map(_ptr_of, weights),
-        *(None if runs is None else tuple(r.data.data_ptr() for r in runs) for runs in packs),
-    )
-    cached: tuple[tuple[object, ...], LayerArgs] | None = getattr(layer, "_cpu_args", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    ptrs = [None if t is None else t.data_ptr() for t in (*vectors, *weights)]
+    cached: tuple[list[int | None], list[Any], LayerArgs] | None = layer.__dict__.get("_cpu_args")
+    if cached is not None and cached[0] == ptrs and all(map(operator.is_, cached[1], packs)):
+        return cached[2]
     for t in (*vectors, *weights):
         assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 weights"
     projections = [
@@ -182,7 +181,7 @@ def layer_args(layer: DecoderLayer) -> LayerArgs:
         *map(_ptr_of, vectors),
         *projections,
     )
-    layer._cpu_args = (key, args)  # type: ignore[assignment]
+    layer._cpu_args = (ptrs, packs, args)  # type: ignore[assignment]
     return args
 
 
@@ -264,13 +263,23 @@ class CpuStep:
         self._forward = forward
 
     def run(
-        self, layer: DecoderLayer, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """`hidden` [T, hidden] (contiguous float32) through `layer`, in place; its K/V written
-        into `k` / `v` [num_slots, num_kv_heads, head_dim] (contiguous)."""
-        assert hidden.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-        args = layer_args(layer)
-        self._forward(
-            ctypes.byref(args), ctypes.byref(self.args), hidden.data_ptr(), k.data_ptr(),
-            v.data_ptr(),
-        )  # fmt: skip
+        self, layers: list[DecoderLayer], hidden: torch.Tensor, k: list[torch.Tensor],
+        v: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        """`hidden` [T, hidden] (contiguous float32) through `layers` in turn, in place, in one
+        C call; layer i's K/V written into `k[i]` / `v[i]` [num_slots, num_kv_heads, head_dim]
+        (contiguous)."""
+        assert hidden.is_contiguous() and len(layers) == len(k) == len(v)
+        assert all(t.is_contiguous() for t in (*k, *v))
+        count = len(layers)
+        args = (_ptr * count)(*(ctypes.addressof(layer_args(layer)) for layer in layers))
+        k_ptrs = (_ptr * count)(*(t.data_ptr() for t in k))
+        v_ptrs = (_ptr * count)(*(t.data_ptr() for t in v))
+        self._forward(args, count, ctypes.byref(self.args), hidden.data_ptr(), k_ptrs, v_ptrs)
+
+
+def layer_runs(num_layers: int, aux_layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The layers as runs [start, stop) that `CpuStep.run` takes in one call each: a run ends
+    after every layer whose output is asked for (`aux_layers`, read between the calls)."""
+    stops = sorted({i + 1 for i in aux_layers if i < num_layers} | {num_layers})
+    return list(zip([0, *stops[:-1]], stops, strict=True))

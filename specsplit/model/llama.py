@@ -262,6 +262,26 @@ class LlamaModel(nn.Module):
         model.lm_head = self.lm_head
         return model.eval()
 
+    def _torch_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache, small: bool, aux_layers: tuple[int, ...], aux: dict[int, torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """`hidden` through the decoder layers in torch (the fused small-linear path where
+        `small`), each asked layer's output rows put in `aux`."""
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        hidden_rows = batch.logit_indices if batch.hidden_indices is None else batch.hidden_indices
+        normed = None if small else layers[0].input_layernorm(hidden)
+        for index, decoder_layer in enumerate(layers):
+            if small:
+                hidden = decoder_layer.forward_small(hidden, cos, sin, batch, kv)
+            else:
+                next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
+                assert normed is not None
+                hidden, normed = decoder_layer(hidden, normed, cos, sin, batch, kv, next_norm)
+            if index in aux_layers:
+                aux[index] = hidden[hidden_rows]
+        return hidden
+
     @torch.no_grad()
     def forward(
         self, batch: ForwardBatch, kv: KVCache, aux_layers: tuple[int, ...] = ()
@@ -281,22 +301,16 @@ class LlamaModel(nn.Module):
         hidden_rows = batch.logit_indices if batch.hidden_indices is None else batch.hidden_indices
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         small = self.uses_small_linear(hidden.shape[0], hidden.device)
-        on_cpu = None  # the CPU's layers in one C call each (model/cpu_layer.py)
         if not small and layers and cpu_layer.usable(hidden, kv.data.dtype, self.config.head_dim):
+            # the CPU's layers in C, a run of them a call (model/cpu_layer.py)
             on_cpu = cpu_layer.CpuStep(batch, cos, sin, layers[0])
             hidden = hidden.contiguous()
-        normed = None if small or on_cpu else layers[0].input_layernorm(hidden)
-        for index, decoder_layer in enumerate(layers):
-            if on_cpu is not None:
-                on_cpu.run(decoder_layer, hidden, kv.k[index], kv.v[index])
-            elif small:
-                hidden = decoder_layer.forward_small(hidden, cos, sin, batch, kv)
-            else:
-                next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
-                assert normed is not None
-                hidden, normed = decoder_layer(hidden, normed, cos, sin, batch, kv, next_norm)
-            if index in aux_layers:
-                aux[index] = hidden[hidden_rows]
+            for start, stop in cpu_layer.layer_runs(len(layers), aux_layers):
+                on_cpu.run(layers[start:stop], hidden, kv.k[start:stop], kv.v[start:stop])
+                if stop - 1 in aux_layers:
+                    aux[stop - 1] = hidden[hidden_rows]
+        else:
+            hidden = self._torch_layers(hidden, cos, sin, batch, kv, small, aux_layers, aux)
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
         if len(self.layers) in aux_layers:
             aux[len(self.layers)] = (

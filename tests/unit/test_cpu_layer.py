@@ -96,16 +96,53 @@ def test_equals_the_torch_layer(
         torch.testing.assert_close(g, w, atol=3e-5, rtol=0)
 
 
-def test_the_path_is_taken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of layers of each CpuStep.run call from now on."""
     runs: list[int] = []
     run = cpu_layer.CpuStep.run
     monkeypatch.setattr(
-        cpu_layer.CpuStep, "run", lambda self, *a: (runs.append(1), run(self, *a))[1]
+        cpu_layer.CpuStep, "run", lambda self, *a: (runs.append(len(a[0])), run(self, *a))[1]
     )
+    return runs
+
+
+def test_the_path_is_taken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _record_runs(monkeypatch)
     kv = _kv(model)
     (seq,) = new_seqs(kv, [6], random.Random(0))
     model(make_batch([causal_step(seq, _tokens(6, 1))]), kv)
-    assert len(runs) == len(model.layers)
+    assert runs == [len(model.layers)]  # every layer in one C call
+
+
+def _aux_forward(model: LlamaModel, aux: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 9-token prefill's logits and the hidden states of layers `aux` (every row)."""
+    kv = _kv(model)
+    (seq,) = new_seqs(kv, [9], random.Random(3))
+    batch = make_batch([causal_step(seq, _tokens(9, 4))])
+    batch.hidden_indices = torch.arange(9)
+    out = model(batch, kv, aux_layers=aux)
+    assert out.hidden_states is not None
+    return out.logits, out.hidden_states
+
+
+@pytest.mark.parametrize("aux", [(0,), (0, 1), (1, 3), (3,)])
+def test_asked_layers_end_runs_and_equal_the_torch_layers(
+    model: LlamaModel, aux: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE-3 target's asked layers (3: the final norm's output) end runs of layers, each
+    read between two C calls: the same hidden states as the torch layers give."""
+    assert len(model.layers) == 3
+    assert cpu_layer.layer_runs(3, aux) == {
+        (0,): [(0, 1), (1, 3)], (0, 1): [(0, 1), (1, 2), (2, 3)], (1, 3): [(0, 2), (2, 3)],
+        (3,): [(0, 3)],
+    }[aux]  # fmt: skip
+    runs = _record_runs(monkeypatch)
+    logits, hidden = _aux_forward(model, aux)
+    assert runs == [stop - start for start, stop in cpu_layer.layer_runs(3, aux)]
+    monkeypatch.setattr(cpu_layer, "switch", lambda: False)
+    want_logits, want_hidden = _aux_forward(model, aux)
+    torch.testing.assert_close(hidden, want_hidden, atol=3e-5, rtol=0)
+    torch.testing.assert_close(logits, want_logits, atol=3e-5, rtol=0)
 
 
 def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
