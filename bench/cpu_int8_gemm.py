@@ -2,7 +2,8 @@
 projections (random Q4_1 blocks at its shapes, ~80 MB: more than the caches hold, as in a
 step): the packed float32 route (cpu_gemm.c's `quant_gemm`, kind 1) against the 8-bit panels
 (kind 5, x as two 8-bit parts) on AMX's tiles (`int8_gemm`) and on AVX-512 VNNI (`vnni_gemm`,
-the same bits), each pass's median ms in turn in one process, and each / the float32 route's.
+the same bits), and on VNNI with float16 scales (kind 7, the same bits, 0.83x the bytes), each
+pass's median ms in turn in one process, and each / the float32 route's.
 Needs a CPU with either.
 
     PYTHONPATH=. python bench/cpu_int8_gemm.py [--rows 1 4 16] [--turns 20] [--threads 2]
@@ -46,18 +47,20 @@ def main() -> None:
     lib = cpu_gemm.library()
     if lib is None or not lib.int8_ready:
         raise SystemExit("this CPU has neither AMX's 8-bit tiles nor AVX-512 VNNI (or no compiler)")
-    # (name, which matrix of a pair, rows from which AMX takes the panels' products)
+    # (name, which matrix of a triple, rows from which AMX takes the panels' products)
     routes = [("float32 route (kind 1)", 0, 0)]
     routes += [("AMX tiles (kind 5)", 1, 1)] if lib.amx else []
     routes += [("VNNI (kind 5)", 1, 1 << 40)] if lib.vnni else []
+    routes += [("VNNI, float16 scales (kind 7)", 2, 1 << 40)] if lib.vnni else []
     gen = torch.Generator().manual_seed(0)
     mats = []
     for _ in range(LAYERS):
         for rows, cols in SHAPES:
             packed = q4_1(rows, cols, gen)
-            mats.append((packed, cpu_quant.panels(packed)))
-    print(f"{len(mats)} matrices, {sum(p.data.numel() for p, _ in mats) / 1e6:.1f} MB a route, "
-          f"{args.threads} threads; median ms a pass")  # fmt: skip
+            mats.append((packed, cpu_quant.panels(packed), cpu_quant.panels(packed, half=True)))
+    sizes = " / ".join(f"{sum(m[i].data.numel() for m in mats) / 1e6:.1f}" for i in range(3))
+    print(f"{len(mats)} matrices, {sizes} MB (kinds 1 / 5 / 7), {args.threads} threads; median "
+          "ms a pass")  # fmt: skip
     names = [name for name, _, _ in routes]
     ratios = [f"{n} / float32" for n in names[1:]]
     print("| rows | " + " | ".join(names + ratios) + " |")

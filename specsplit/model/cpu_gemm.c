@@ -299,6 +299,30 @@ TILE(q6_tile8, AVX2, q6_block8)
 #define Q4P_BYTES 384 /* a kind-5 record: 64 bytes of d, 64 of m, 256 of nibbles */
 #define Q8P_BYTES 576 /* a kind-6 record: 64 bytes of d, 512 signed bytes */
 
+/* Half-scale panels (kinds 7 and 8, vnni_gemm's only): kind 5's and 6's records with each d and
+ * m as float16 (exact: cpu_quant.panels makes them only where every scale is a float16, as a
+ * GGUF Q4_0 / Q4_1 / Q8_0 block's are), so a record is 320 (7) or 544 (8) bytes where it was 384
+ * or 576; widened to float32 exactly, they give kinds 5's and 6's bits. A one-row step streams
+ * its weights at the memory's rate: the embedded default's 4-bit layers read 67 MB a step
+ * instead of 80. */
+ALWAYS_INLINE int four_bit_kind(int kind) { return kind == 5 || kind == 7; }
+ALWAYS_INLINE int64_t record_bytes(int kind) {
+    return kind == 5 ? Q4P_BYTES : kind == 6 ? Q8P_BYTES : kind == 7 ? 320 : 544;
+}
+/* bytes of d (and m) at a record's start: the weights follow */
+ALWAYS_INLINE int64_t scale_bytes(int kind) { return kind == 5 ? 128 : kind == 8 ? 32 : 64; }
+
+/* a record's 16 d and 16 m (kinds 6 and 8: m unread) in float32 */
+AVX512BW ALWAYS_INLINE void record_scales(const uint8_t *record, int kind, __m512 *d, __m512 *mins) {
+    if (kind >= 7) {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)record));
+        *mins = kind == 7 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32))) : *d;
+    } else {
+        *d = _mm512_loadu_ps((const float *)record);
+        *mins = _mm512_loadu_ps((const float *)(record + 64));
+    }
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -398,19 +422,19 @@ AMX8 ALWAYS_INLINE void int8_split(const uint8_t *nibbles, uint8_t (*tiles)[4][6
 }
 
 /* a block's sums (a tile stored to sums: [part][x rows][16 weight rows]) scaled into acc, the
- * module's comment: acc[i] += d * (s1 * dx1 + s2 * dx2) (+ m * c, kind 5) */
+ * module's comment: acc[i] += d * (s1 * dx1 + s2 * dx2) (+ m * c, kinds 5 and 7) */
 AVX512BW ALWAYS_INLINE void int8_scale(__m512 *acc, int32_t (*sums)[PANEL_ROWS], const uint8_t *record,
                                    const float *dxb, const float *cb, int64_t part_s, int64_t blocks,
                                    int mr, int64_t tile_rows, int kind) {
-    __m512 d = _mm512_loadu_ps((const float *)record);
-    __m512 mins = _mm512_loadu_ps((const float *)(record + 64));
+    __m512 d, mins;
+    record_scales(record, kind, &d, &mins);
     for (int i = 0; i < mr; i++) {
         __m512 e = _mm512_add_ps(
             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])), _mm512_set1_ps(dxb[i * blocks])),
             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[tile_rows + i])),
                           _mm512_set1_ps(dxb[part_s + i * blocks])));
         __m512 t = _mm512_mul_ps(d, e);
-        if (kind == 5) t = _mm512_add_ps(t, _mm512_mul_ps(mins, _mm512_set1_ps(cb[i * blocks])));
+        if (four_bit_kind(kind)) t = _mm512_add_ps(t, _mm512_mul_ps(mins, _mm512_set1_ps(cb[i * blocks])));
         acc[i] = _mm512_add_ps(acc[i], t);
     }
 }
@@ -579,8 +603,9 @@ VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64
     Int8X parts = int8_x(x, ldx, m_len, m_len, 1, k_len);
     const int8_t *xq = parts.xq;
     const float *dx = parts.dx, *c = parts.c;
-    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
-    int64_t part_s = m_len * blocks;
+    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = record_bytes(kind);
+    int64_t part_s = m_len * blocks, weights_at = scale_bytes(kind);
+    int four = four_bit_kind(kind);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < n_panels; p++) {
         const uint8_t *panel = w + p * ldw;
@@ -598,15 +623,15 @@ VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64
                     _mm_prefetch((const char *)(record + line + PREFETCH), _MM_HINT_T0);
                 /* the block's tile rows: row r holds k 4r..4r+3 of the 16 weight rows */
                 __m512i rows[8], shift = _mm512_setzero_si512();
-                if (kind == 5) {
+                if (four) {
                     for (int r = 0; r < 4; r++) {
-                        __m512i v = _mm512_loadu_si512(record + 128 + 64 * r);
+                        __m512i v = _mm512_loadu_si512(record + weights_at + 64 * r);
                         rows[r] = _mm512_and_si512(v, low);
                         rows[4 + r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                     }
                 } else {
                     for (int r = 0; r < 8; r++) {
-                        rows[r] = _mm512_loadu_si512(record + 64 + 64 * r);
+                        rows[r] = _mm512_loadu_si512(record + weights_at + 64 * r);
                         shift = _mm512_dpbusd_epi32(shift, ones, rows[r]);
                     }
                     shift = _mm512_slli_epi32(shift, 7); /* 128 times each weight row's sum */
@@ -618,7 +643,7 @@ VNNI8 static void vnni_gemm(const float *x, int64_t ldx, const uint8_t *w, int64
                     for (int r = 0; r < 8; r++) {
                         /* x's 4 bytes at k 4r, read as one int32 (broadcast from memory) */
                         int32_t q1 = ((const unaligned_i32 *)x1)[r], q2 = ((const unaligned_i32 *)x2)[r];
-                        if (kind == 5) {
+                        if (four) {
                             s[r & 1] = _mm512_dpbusd_epi32(s[r & 1], rows[r], _mm512_set1_epi32(q1));
                             s[2 + (r & 1)] = _mm512_dpbusd_epi32(s[2 + (r & 1)], rows[r], _mm512_set1_epi32(q2));
                         } else {
@@ -707,8 +732,8 @@ void fixed_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float 
  * from the rows formed once a pass (run_tiles' `form`; the same bits either way) */
 void quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int kind, float *out,
                 int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int lanes, int threads) {
-    if (kind == 5 || kind == 6) { /* panels: made only where amx_int8_ready or vnni_int8_ready */
-        if (amx_int8_ready() && (m_len >= amx_from_rows || !vnni_int8_ready()))
+    if (kind >= 5) { /* panels: made only where amx_int8_ready or vnni_int8_ready (7, 8: VNNI) */
+        if (kind <= 6 && amx_int8_ready() && (m_len >= amx_from_rows || !vnni_int8_ready()))
             int8_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);
         else
             vnni_gemm(x, ldx, w, ldw, kind, out, ldo, m_len, n_len, k_len, threads);

@@ -146,6 +146,14 @@ def int8_route() -> bool:
     return int8_switch() and lib is not None and lib.int8_ready
 
 
+def half_panels() -> bool:
+    """Whether panels take float16 scales (`cpu_quant.panels(half=True)`, kinds 7 and 8: a
+    one-row product reads 0.83x / 0.94x the bytes of a 4-bit / 8-bit matrix): where the CPU has
+    AVX-512 VNNI and not AMX's tiles, whose int8_gemm reads float32 ones."""
+    lib = library()
+    return lib is not None and lib.vnni and not lib.amx
+
+
 def weight_args(weight: torch.Tensor, runs: Runs | None) -> WeightArgs:
     """cpu_layer.c's Weight of a float32 matrix and its packed runs (None: none)."""
     held = WeightArgs(weight.data_ptr(), len(runs or ()))

@@ -23,7 +23,10 @@ nothing.
 Panels (`panels`, kinds 5 and 6; made by the loader on a CPU with AMX's 8-bit tiles or AVX-512
 VNNI unless $SPECSPLIT_CPU_INT8=0): kind-1 and kind-2 matrices regrouped 16 rows a panel for
 cpu_gemm.c's `int8_gemm` / `vnni_gemm`, which take x as two 8-bit parts a block and so are near
-the float32 product, not its bits: `int8_reference` gives their bits in torch.
+the float32 product, not its bits: `int8_reference` gives their bits in torch. With VNNI and no
+AMX (`cpu_gemm.half_panels`) the panels keep d and m as float16 where every one is a float16
+(kinds 7 and 8: a GGUF Q4_0 / Q4_1 / Q8_0 matrix's; the same values, so the same bits): a
+one-row step reads 0.83x the 4-bit layers' bytes (the embedded default's step 0.92-0.94x).
 """
 
 from __future__ import annotations
@@ -39,11 +42,18 @@ from specsplit.switches import env_switch
 BLOCK = 32  # weights a block (cpu_gemm.c's QBLOCK)
 KIND_4BIT, KIND_8BIT, KIND_BF16, KIND_8BIT_16 = 1, 2, 3, 4
 KIND_4BIT_PANELS, KIND_8BIT_PANELS = 5, 6  # `panels`: cpu_gemm.c's int8_gemm
+KIND_4BIT_HALF, KIND_8BIT_HALF = 7, 8  # `panels(half=True)`: their scales float16 (vnni_gemm)
 BLOCK_BYTES = {KIND_4BIT: 24, KIND_8BIT: 36, KIND_BF16: 64, KIND_8BIT_16: 40}
 PANEL_ROWS = 16
 # bytes a panel's block (a record): 16 float d, 16 float m and 256 bytes of nibbles; 16 float d
-# and 512 signed bytes
-RECORD_BYTES = {KIND_4BIT_PANELS: 384, KIND_8BIT_PANELS: 576}
+# and 512 signed bytes; the same with float16 d and m
+RECORD_BYTES = {
+    KIND_4BIT_PANELS: 384,
+    KIND_8BIT_PANELS: 576,
+    KIND_4BIT_HALF: 320,
+    KIND_8BIT_HALF: 544,
+}
+FOUR_BIT_KINDS = (KIND_4BIT, KIND_4BIT_PANELS, KIND_4BIT_HALF)  # each weight d * q + m
 PANEL_KINDS = (KIND_4BIT, KIND_8BIT)  # the kinds `panels` regroups
 # stored bytes a GGUF block, and the kind it packs to
 _FORMATS = {
@@ -169,11 +179,15 @@ def cat(parts: list[Packed]) -> Runs:
     return tuple(Packed(run[0].kind, torch.cat([p.data for p in run]), run[0].cols) for run in runs)
 
 
-def panels(packed: Packed) -> Packed:
+def panels(packed: Packed, half: bool = False) -> Packed:
     """A 4-bit (kind 1) or 8-bit (kind 2) matrix regrouped into panels of 16 rows (kind 5 or 6)
     for cpu_gemm.c's int8_gemm (its comment gives the records' layout); rows past the matrix's
-    in the last panel zeros."""
+    in the last panel zeros. half: with each d and m as float16 (kind 7 or 8, vnni_gemm's only:
+    a one-row product reads 320 / 544 bytes a record instead of 384 / 576) where every one is a
+    float16 exactly (a GGUF Q4_0 / Q4_1 / Q8_0 block's are; a Q4_K sub-block's d times its scale
+    most often is not: kinds 5 and 6 then)."""
     d, m, q = _scales_and_q(packed)  # [rows, blocks], [rows, blocks], [rows, blocks, 32]
+    half = half and all(torch.equal(t.half().float(), t) for t in (d, m))
     rows, blocks = d.shape
     num_panels = -(-rows // PANEL_ROWS)
     pad = num_panels * PANEL_ROWS - rows
@@ -181,13 +195,15 @@ def panels(packed: Packed) -> Packed:
     q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
     # [panel, block, 16] scales; q as [panel, block, half, tile row r, panel row n, byte j]
     d_p, m_p = (t.reshape(num_panels, PANEL_ROWS, blocks).transpose(1, 2) for t in (d, m))
+    if half:
+        d_p, m_p = d_p.half(), m_p.half()
     tiles = q.reshape(num_panels, PANEL_ROWS, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     if packed.kind == KIND_4BIT:
-        kind = KIND_4BIT_PANELS
+        kind = KIND_4BIT_HALF if half else KIND_4BIT_PANELS
         nibbles = (tiles[:, :, 0] | (tiles[:, :, 1] << 4)).to(torch.uint8)  # [P, blocks, 4, 16, 4]
         parts = [_bytes(d_p), _bytes(m_p), nibbles.reshape(num_panels, blocks, 256)]
     else:
-        kind = KIND_8BIT_PANELS
+        kind = KIND_8BIT_HALF if half else KIND_8BIT_PANELS
         signed = tiles.to(torch.int8).contiguous().view(torch.uint8)
         parts = [_bytes(d_p), signed.reshape(num_panels, blocks, 512)]
     data = torch.cat(parts, dim=-1).reshape(num_panels, -1).contiguous()
@@ -195,12 +211,12 @@ def panels(packed: Packed) -> Packed:
 
 
 def _bytes(values: torch.Tensor) -> torch.Tensor:
-    """float32 [..., n] -> its bytes uint8 [..., 4 n]."""
+    """float32 or float16 [..., n] -> its bytes uint8 [..., 4 n or 2 n]."""
     return values.contiguous().view(torch.uint8)
 
 
 def _scales_and_q(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A 4-bit or 8-bit matrix (kinds 1, 2, 5, 6) as d and m float32 [rows, blocks] (m zeros
+    """A 4-bit or 8-bit matrix (kinds 1, 2, 5-8) as d and m float32 [rows, blocks] (m zeros
     for 8-bit) and q int16 [rows, blocks, 32]: each weight d * q + m."""
     if packed.kind in (KIND_4BIT, KIND_8BIT):
         blocks = packed.data.reshape(packed.rows, -1, BLOCK_BYTES[packed.kind])
@@ -219,14 +235,15 @@ def _scales_and_q(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         t = t.transpose(1, 2).reshape(num_panels * PANEL_ROWS, num_blocks, *t.shape[3:])
         return t[: packed.rows]
 
-    d = rows_first(records[..., 0:64].contiguous().view(torch.float32))
-    if packed.kind == KIND_4BIT_PANELS:
-        m = rows_first(records[..., 64:128].contiguous().view(torch.float32))
-        nibbles = records[..., 128:].reshape(num_panels, num_blocks, 4, PANEL_ROWS, 4)
+    scale, width = (torch.float16, 32) if packed.kind >= KIND_4BIT_HALF else (torch.float32, 64)
+    d = rows_first(records[..., 0:width].contiguous().view(scale).float())
+    if packed.kind in FOUR_BIT_KINDS:
+        m = rows_first(records[..., width : 2 * width].contiguous().view(scale).float())
+        nibbles = records[..., 2 * width :].reshape(num_panels, num_blocks, 4, PANEL_ROWS, 4)
         halves = torch.stack([nibbles & 15, nibbles >> 4], dim=2)  # [P, blocks, 2, 4, 16, 4]
     else:
         m = torch.zeros_like(d)
-        halves = records[..., 64:].contiguous().view(torch.int8)
+        halves = records[..., width:].contiguous().view(torch.int8)
         halves = halves.reshape(num_panels, num_blocks, 2, 4, PANEL_ROWS, 4)
     q = halves.permute(0, 1, 4, 2, 3, 5).reshape(num_panels, num_blocks, PANEL_ROWS, BLOCK)
     return d, m, rows_first(q.to(torch.int16))
@@ -256,7 +273,7 @@ def int8_reference(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     sums1 = torch.einsum("mbk,nbk->mnb", q1, weights).float()  # [M, N, B], exact
     sums2 = torch.einsum("mbk,nbk->mnb", q2, weights).float()
     out = torch.zeros(x.shape[0], d.shape[0], dtype=torch.float32)
-    four_bit = packed.kind in (KIND_4BIT, KIND_4BIT_PANELS)
+    four_bit = packed.kind in FOUR_BIT_KINDS
     for b in range(d.shape[1]):
         e = sums1[..., b] * dx1[:, b, None] + sums2[..., b] * dx2[:, b, None]
         term = d[None, :, b] * e
@@ -268,7 +285,7 @@ def int8_reference(x: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
     """The reference: the first `rows` (default all) of the matrix in float32 [rows, cols], each
-    weight d * q + m (kinds 1 and 5) or d * q (kinds 2 and 6) as gguf's numpy forms it, or a
+    weight d * q + m (kinds 1, 5 and 7) or d * q (kinds 2, 6 and 8) as gguf's numpy forms it, or a
     bfloat16 widened (kind 3)."""
     if rows is not None:
         packed = _first_rows(packed, rows)
@@ -281,7 +298,7 @@ def dequantize(packed: Packed, rows: int | None = None) -> torch.Tensor:
         return (q.reshape(*q.shape[:2], 2, 16) * halves[..., None]).reshape(packed.rows, -1)
     d, m, q = _scales_and_q(packed)
     values = d[..., None] * q.float()
-    if packed.kind in (KIND_4BIT, KIND_4BIT_PANELS):
+    if packed.kind in FOUR_BIT_KINDS:
         values = values + m[..., None]
     return values.reshape(packed.rows, -1)
 

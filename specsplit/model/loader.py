@@ -141,13 +141,13 @@ def _pack(model: LlamaModel, weights: GGUFStateDict) -> None:
     sources.append((_EMBEDDING if model.lm_head is None else _LM_HEAD,))
     targets = list(zip(model_matrices(model), sources, strict=True))
     attached = 0
-    to_panels = cpu_gemm.int8_route()
+    to_panels, half = cpu_gemm.int8_route(), cpu_gemm.half_panels()
     for weight, names in targets:
         if all(cpu_quant.supported(weights.qtype(name)) for name in names):
             runs = cpu_quant.cat([cpu_quant.pack(*weights.stored(name)) for name in names])
             if to_panels:
                 runs = tuple(
-                    cpu_quant.panels(run) if run.kind in cpu_quant.PANEL_KINDS else run
+                    cpu_quant.panels(run, half) if run.kind in cpu_quant.PANEL_KINDS else run
                     for run in runs
                 )
             attached += cpu_quant.attach(weight, runs)

@@ -57,30 +57,48 @@ def int8_on(monkeypatch: pytest.MonkeyPatch, int8_tiles: None) -> Iterator[None]
     cpu_quant.switch.cache_clear()
 
 
-def _panels(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[cpu_quant.Packed, torch.Tensor]:
+def _panels(
+    qtype: Q, rows: int, cols: int, seed: int = 0, half: bool = False
+) -> tuple[cpu_quant.Packed, torch.Tensor]:
     raw, values = _matrix(qtype, rows, cols, seed)
-    return cpu_quant.panels(cpu_quant.pack(qtype, raw)), values
+    return cpu_quant.panels(cpu_quant.pack(qtype, raw), half), values
 
 
+# the kinds `panels` gives a format's matrix: float32 scales, float16 ones where asked (a Q4_K
+# sub-block's d times its 6-bit scale is not a float16: its scales stay float32)
+KINDS = {
+    (False, Q.Q8_0): cpu_quant.KIND_8BIT_PANELS, (True, Q.Q8_0): cpu_quant.KIND_8BIT_HALF,
+    (False, Q.Q4_K): cpu_quant.KIND_4BIT_PANELS, (True, Q.Q4_K): cpu_quant.KIND_4BIT_PANELS,
+    **{(False, q): cpu_quant.KIND_4BIT_PANELS for q in (Q.Q4_0, Q.Q4_1)},
+    **{(True, q): cpu_quant.KIND_4BIT_HALF for q in (Q.Q4_0, Q.Q4_1)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [16, 37])
-def test_panels_dequantize_to_their_sources_values(qtype: Q, rows: int) -> None:
+def test_panels_dequantize_to_their_sources_values(qtype: Q, rows: int, half: bool) -> None:
     """Rows a multiple of 16 and not (the last panel's rows past the matrix zeros)."""
     cols = 256 if qtype == Q.Q4_K else 96
-    panels, values = _panels(qtype, rows, cols)
-    kind = cpu_quant.KIND_8BIT_PANELS if qtype == Q.Q8_0 else cpu_quant.KIND_4BIT_PANELS
+    panels, values = _panels(qtype, rows, cols, half=half)
+    kind = KINDS[(half, qtype)]
     assert (panels.kind, panels.rows, panels.data.shape[0]) == (kind, rows, -(-rows // 16))
+    assert panels.data.shape[1] == cols // 32 * cpu_quant.RECORD_BYTES[kind]
     assert torch.equal(cpu_quant.dequantize(panels), values)
     assert torch.equal(cpu_quant.dequantize(panels, 5), values[:5])
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("qtype", PANEL_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("weight_rows", [53, 37])  # panels in pairs, the last partial; a lone last
 def test_an_int8_product_is_the_references_bits_at_every_row_count(
-    qtype: Q, weight_rows: int, int8_kernel: str
+    qtype: Q, weight_rows: int, int8_kernel: str, half: bool
 ) -> None:
+    """Float16 scales (VNNI's only: on AMX's run the products go to VNNI all the same) give
+    float32 scales' bits: the same values."""
     cols = 256 if qtype == Q.Q4_K else 160
-    panels, values = _panels(qtype, weight_rows, cols, seed=3)
+    panels, values = _panels(qtype, weight_rows, cols, seed=3, half=half)
+    assert panels.kind == KINDS[(half, qtype)]
     weight = values.clone()
     assert cpu_quant.attach(weight, panels)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
@@ -92,6 +110,10 @@ def test_an_int8_product_is_the_references_bits_at_every_row_count(
     for num_rows in (1, 2, 15, 16, 17, 33):  # one tile of x, several, a partial one
         alone = fixed_linear(x[:num_rows], weight)
         assert torch.equal(alone.view(torch.int32), got[:num_rows].view(torch.int32)), num_rows
+    if half:  # the same bits as the float32 scales' panels
+        full = values.clone()
+        assert cpu_quant.attach(full, _panels(qtype, weight_rows, cols, seed=3)[0])
+        assert torch.equal(fixed_linear(x, full).view(torch.int32), got.view(torch.int32))
 
 
 def test_the_int8_reference_is_the_float_product_within_two_8_bit_parts_rounding() -> None:
@@ -137,7 +159,10 @@ def test_the_embedded_default_in_panels_gives_a_verifys_rows_a_steps_bits(int8_o
     assert cpu_gemm.int8_route()
     model, _ = load_model(embedded_default_model_path(), torch.float32, "cpu", num_layers=2)
     kinds = {run.kind for w in model_matrices(model) for run in cpu_quant.packed(w) or ()}
-    assert kinds == {cpu_quant.KIND_4BIT_PANELS, cpu_quant.KIND_8BIT_PANELS}
+    if cpu_gemm.half_panels():  # (AVX-512 VNNI without AMX: float16 scales)
+        assert kinds == {cpu_quant.KIND_4BIT_HALF, cpu_quant.KIND_8BIT_HALF}
+    else:
+        assert kinds == {cpu_quant.KIND_4BIT_PANELS, cpu_quant.KIND_8BIT_PANELS}
     prefix, tokens = list(range(100, 140)), [5, 900, 77, 4000, 12, 310]
     verify = _step_logits(model, prefix, tokens, rows=6)
     steps = _step_logits(model, prefix, tokens, rows=1)
