@@ -265,11 +265,11 @@ class LlamaModel(nn.Module):
     def _torch_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
         kv: KVCache, small: bool, aux_layers: tuple[int, ...], aux: dict[int, torch.Tensor],
+        hidden_rows: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """`hidden` through the decoder layers in torch (the fused small-linear path where
-        `small`), each asked layer's output rows put in `aux`."""
+        `small`), each asked layer's `hidden_rows` put in `aux`."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        hidden_rows = batch.logit_indices if batch.hidden_indices is None else batch.hidden_indices
         normed = None if small else layers[0].input_layernorm(hidden)
         for index, decoder_layer in enumerate(layers):
             if small:
@@ -310,7 +310,9 @@ class LlamaModel(nn.Module):
                 if stop - 1 in aux_layers:
                     aux[stop - 1] = hidden[hidden_rows]
         else:
-            hidden = self._torch_layers(hidden, cos, sin, batch, kv, small, aux_layers, aux)
+            hidden = self._torch_layers(
+                hidden, cos, sin, batch, kv, small, aux_layers, aux, hidden_rows
+            )
         last = self.norm(hidden[batch.logit_indices])  # [L, hidden]
         if len(self.layers) in aux_layers:
             aux[len(self.layers)] = (
