@@ -305,9 +305,11 @@ TILE(q6_tile8, AVX2, q6_block8)
  * or 576; widened to float32 exactly, they give kinds 5's and 6's bits. A one-row step streams
  * its weights at the memory's rate: the embedded default's 4-bit layers read 67 MB a step
  * instead of 80. */
+#define Q4H_BYTES 320 /* a kind-7 record: 32 bytes of d, 32 of m, 256 of nibbles */
+#define Q8H_BYTES 544 /* a kind-8 record: 32 bytes of d, 512 signed bytes */
 ALWAYS_INLINE int four_bit_kind(int kind) { return kind == 5 || kind == 7; }
 ALWAYS_INLINE int64_t record_bytes(int kind) {
-    return kind == 5 ? Q4P_BYTES : kind == 6 ? Q8P_BYTES : kind == 7 ? 320 : 544;
+    return kind == 5 ? Q4P_BYTES : kind == 6 ? Q8P_BYTES : kind == 7 ? Q4H_BYTES : Q8H_BYTES;
 }
 /* bytes of d (and m) at a record's start: the weights follow */
 ALWAYS_INLINE int64_t scale_bytes(int kind) { return kind == 5 ? 128 : kind == 8 ? 32 : 64; }
@@ -456,7 +458,7 @@ AMX8 static void int8_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_
     Int8X parts = int8_x(x, ldx, m_len, m_pad, tile_rows, k_len);
     const int8_t *xq = parts.xq;
     const float *dx = parts.dx, *c = parts.c;
-    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = kind == 5 ? Q4P_BYTES : Q8P_BYTES;
+    int64_t n_panels = (n_len + PANEL_ROWS - 1) / PANEL_ROWS, bytes = record_bytes(kind);
     int64_t n_pairs = (n_panels + 1) / 2;
 #pragma omp parallel num_threads(threads)
     {

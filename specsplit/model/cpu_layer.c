@@ -577,8 +577,9 @@ int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_key
  * (so the same bits on any split): gate / (1 + e^-gate) * up, e^-gate by exp16 with 16 lanes
  * (each lane alone), else by expf. Its expf was a scalar call, ~0.3 ms of a one-row step of the
  * embedded default's 30 layers on two threads (bench/cpu_step.py); exp16's 16 at a time take a
- * row's 1,536 in ~1 us, so only steps of SILU_THREADS_FROM rows and more go over the threads
- * (in pieces of SILU_PIECE): fewer do not pay for the threads' fork and join (~1.5 us) */
+ * row's 1,536 in ~1 us, so with 16 lanes only steps of SILU_THREADS_FROM rows and more go over
+ * the threads (in pieces of SILU_PIECE): fewer do not pay for the threads' fork and join (~1.5
+ * us); expf's (8 lanes) go over them from two pieces, as before */
 #define SILU_PIECE 256
 #define SILU_THREADS_FROM 8
 AVX512 static void silu_mul16(const float *gate, const float *up, float *out, int64_t n) {
@@ -593,7 +594,8 @@ AVX512 static void silu_mul16(const float *gate, const float *up, float *out, in
 
 static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T, int64_t inter) {
     int64_t pieces = (inter + SILU_PIECE - 1) / SILU_PIECE;
-#pragma omp parallel for schedule(static) num_threads(S->threads) if (S->threads > 1 && T >= SILU_THREADS_FROM)
+    int threaded = S->threads > 1 && (S->lanes == 16 ? T >= SILU_THREADS_FROM : T * pieces > 1);
+#pragma omp parallel for schedule(static) num_threads(S->threads) if (threaded)
     for (int64_t p = 0; p < T * pieces; p++) {
         int64_t t = p / pieces, begin = (p % pieces) * SILU_PIECE;
         int64_t end = begin + SILU_PIECE < inter ? begin + SILU_PIECE : inter;
