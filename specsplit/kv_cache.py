@@ -165,7 +165,16 @@ class KVCache:
     """K and V of every layer in one tensor, `data` [num_layers, 2, num_slots, num_kv_heads,
     head_dim] (K at [:, 0], V at [:, 1]), plus the page allocator. One extra page past the
     allocator's, `scratch_page`, belongs to no sequence: padded rows of a CUDA-graph step write
-    there and padding moves land there."""
+    there and padding moves land there.
+
+    `heads_outer` (the default on the CPU): `data` is a view of memory laid out [num_layers, 2,
+    num_kv_heads, num_slots, head_dim], so a KV head's keys of consecutive slots are contiguous
+    (a page of 16 slots one run of memory a head). The CPU's attention reads a KV head's keys at
+    a time (model/cpu_layer.c) and, slot-major, took 256 B of each 768 B slot (the embedded
+    default's 3 heads of 64): the hardware's prefetch did not follow, and past the caches a
+    step's attention ran at ~1/3 of DRAM's rate (the embedded default's one-row step at 3,000
+    tokens of context 0.75x, four rows 0.61x, the same bits; bench/RESULTS.md). On a GPU slots
+    stay outermost, the layout its Triton kernels were tuned on."""
 
     def __init__(
         self,
@@ -176,6 +185,7 @@ class KVCache:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        heads_outer: bool | None = None,
     ) -> None:
         assert page_size > 0, page_size
         self.page_size = page_size
@@ -183,8 +193,14 @@ class KVCache:
         self.scratch_page = num_pages
         self.scratch_slot = num_pages * page_size
         num_slots = (num_pages + 1) * page_size
-        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
-        self.data = lazy_zeros(shape, dtype, device)
+        if heads_outer is None:
+            heads_outer = torch.device(device).type == "cpu"
+        if heads_outer:  # the same view of [num_layers, 2, num_kv_heads, num_slots, head_dim]
+            shape = (num_layers, 2, num_kv_heads, num_slots, head_dim)
+            self.data = lazy_zeros(shape, dtype, device).transpose(2, 3)
+        else:
+            shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
+            self.data = lazy_zeros(shape, dtype, device)
         self.k = list(self.data[:, 0].unbind(0))  # per layer [num_slots, num_kv_heads, head_dim]
         self.v = list(self.data[:, 1].unbind(0))
 

@@ -58,6 +58,8 @@ typedef struct {
     const uint8_t *masks;        /* visibility rows, or NULL */
     const int64_t *mask_start;   /* [T] row t's visibility row in masks, -1: every key */
     int64_t max_keys;            /* >= every num_keys */
+    int64_t kv_slot_stride;      /* floats from a slot's K (or V) to the next slot's, a head */
+    int64_t kv_head_stride;      /* floats from a KV head's K (or V) to the next head's, a slot */
     float scale;
     int lanes, threads;
     float *scratch; /* layer_scratch_floats(...) floats */
@@ -253,7 +255,7 @@ WEIGH16(8)
 static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, const float *q,
                        const float *k_cache, const float *v_cache, float *scores, float *out) {
     int64_t d = L->head_dim, groups = L->num_heads / L->num_kv_heads;
-    int64_t slot_stride = L->num_kv_heads * d, head_offset = (h / groups) * d;
+    int64_t slot_stride = S->kv_slot_stride, head_offset = (h / groups) * S->kv_head_stride;
     const int64_t *slots = S->key_slots + S->key_start[t];
     int64_t n = S->num_keys[t];
     const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
@@ -324,9 +326,9 @@ static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, i
                          const float *wide, int64_t qkv_width, const float *k_cache,
                          const float *v_cache, float *scores, float *out) {
     int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G;
-    int64_t slot_stride = L->num_kv_heads * d, q_width = L->num_heads * d, most = 0;
+    int64_t slot_stride = S->kv_slot_stride, q_width = L->num_heads * d, most = 0;
     const int64_t *slots = S->key_slots + S->key_start[t0];
-    const float *keys = k_cache + kv * d, *values = v_cache + kv * d;
+    const float *keys = k_cache + kv * S->kv_head_stride, *values = v_cache + kv * S->kv_head_stride;
     float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
     const uint8_t *visible[BLOCK_ROWS];
     for (int64_t r = 0; r < R; r++) {
@@ -424,7 +426,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
                                 const float *k_cache, const float *v_cache, float *scores, float *tops,
                                 float *out) {
     int64_t T = S->num_tokens, KV = L->num_kv_heads, d = L->head_dim, G = L->num_heads / KV;
-    int64_t slot_stride = KV * d, pieces = key_pieces(S->max_keys), lane_pieces = d / SPLIT_LANES;
+    int64_t slot_stride = S->kv_slot_stride, pieces = key_pieces(S->max_keys), lane_pieces = d / SPLIT_LANES;
     int64_t key_units = T * KV * pieces, lane_units = T * KV * lane_pieces;
 #pragma omp parallel num_threads(S->threads)
     {
@@ -434,7 +436,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t end = piece_end(S, t, j0);
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            const float *keys = k_cache + kv * d, *q = wide + t * qkv_width + kv * G * d;
+            const float *keys = k_cache + kv * S->kv_head_stride, *q = wide + t * qkv_width + kv * G * d;
             float *top = tops + u * G, *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
             for (int64_t j = j0; j < end; j += 16) {
@@ -469,7 +471,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t lanes = u % lane_pieces * SPLIT_LANES, n = S->num_keys[t];
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            const float *values = v_cache + kv * d + lanes;
+            const float *values = v_cache + kv * S->kv_head_stride + lanes;
             const float *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             float *group_out = out + (t * L->num_heads + kv * G) * d + lanes, total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
@@ -609,7 +611,8 @@ static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T
 }
 
 /* h [T, hidden] (the residual stream) through the layer, in place; k_cache / v_cache
- * [num_slots, num_kv_heads, head_dim] this layer's, the step's K/V written at slot_mapping */
+ * [num_slots, num_kv_heads, head_dim] this layer's (S's strides: on the CPU a KV head's slots
+ * are contiguous, specsplit/kv_cache.py's heads_outer), the step's K/V written at slot_mapping */
 void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, float *v_cache) {
     int64_t T = S->num_tokens, H = L->hidden, d = L->head_dim;
     int64_t q_width = L->num_heads * d, kv_width = L->num_kv_heads * d;
@@ -638,9 +641,11 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
             if (L->k_norm) rms_norm_row(kh, kh, L->k_norm, d, L->eps);
             rope_row(kh, cos, sin, d);
         }
-        int64_t slot = S->slot_mapping[t];
-        memcpy(k_cache + slot * kv_width, k, kv_width * sizeof(float));
-        memcpy(v_cache + slot * kv_width, v, kv_width * sizeof(float));
+        int64_t slot = S->slot_mapping[t] * S->kv_slot_stride;
+        for (int64_t head = 0; head < L->num_kv_heads; head++) {
+            memcpy(k_cache + slot + head * S->kv_head_stride, k + head * d, d * sizeof(float));
+            memcpy(v_cache + slot + head * S->kv_head_stride, v + head * d, d * sizeof(float));
+        }
     }
     int64_t groups = L->num_heads / L->num_kv_heads;
     /* blocks of rows where the step has them (else as many as rows: each row alone) */

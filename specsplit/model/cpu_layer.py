@@ -74,6 +74,8 @@ class StepArgs(ctypes.Structure):
         ("masks", _ptr),
         ("mask_start", _ptr),
         ("max_keys", _i64),
+        ("kv_slot_stride", _i64),
+        ("kv_head_stride", _i64),
         ("scale", ctypes.c_float),
         ("lanes", ctypes.c_int),
         ("threads", ctypes.c_int),
@@ -201,7 +203,12 @@ class CpuStep:
     each row's keys (its sequence's, from the batch's reference plan) and visibility."""
 
     def __init__(
-        self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, first: DecoderLayer
+        self,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        first: DecoderLayer,
+        cache: torch.Tensor,
     ) -> None:
         lib = cpu_gemm.library()
         assert lib is not None
@@ -252,6 +259,7 @@ class CpuStep:
             _ptr_of(mask_rows),
             mask_start.data_ptr(),
             max_keys,
+            *cache.stride()[:2],
             first.head_dim**-0.5,
             lib.lanes,
             threads,
@@ -268,9 +276,10 @@ class CpuStep:
     ) -> None:  # fmt: skip
         """`hidden` [T, hidden] (contiguous float32) through `layers` in turn, in place, in one
         C call; layer i's K/V written into `k[i]` / `v[i]` [num_slots, num_kv_heads, head_dim]
-        (contiguous)."""
+        (the strides of the `cache` this step was built with)."""
         assert hidden.is_contiguous() and len(layers) == len(k) == len(v)
-        assert all(t.is_contiguous() for t in (*k, *v))
+        strides = (self.args.kv_slot_stride, self.args.kv_head_stride, 1)
+        assert all(t.stride() == strides for t in (*k, *v)), "the step's K/V strides"
         count = len(layers)
         args = (_ptr * count)(*(ctypes.addressof(layer_args(layer)) for layer in layers))
         k_ptrs = (_ptr * count)(*(t.data_ptr() for t in k))

@@ -303,7 +303,7 @@ class LlamaModel(nn.Module):
         small = self.uses_small_linear(hidden.shape[0], hidden.device)
         if not small and layers and cpu_layer.usable(hidden, kv.data.dtype, self.config.head_dim):
             # the CPU's layers in C, a run of them a call (model/cpu_layer.py)
-            on_cpu = cpu_layer.CpuStep(batch, cos, sin, layers[0])
+            on_cpu = cpu_layer.CpuStep(batch, cos, sin, layers[0], kv.k[0])
             hidden = hidden.contiguous()
             for start, stop in cpu_layer.layer_runs(len(layers), aux_layers):
                 on_cpu.run(layers[start:stop], hidden, kv.k[start:stop], kv.v[start:stop])
@@ -370,9 +370,11 @@ def make_kv_cache(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    heads_outer: bool | None = None,
 ) -> KVCache:
     """A paged cache shaped for `config` (its num_layers: a truncated model's cache is smaller).
-    Memory: 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype size."""
+    Memory: 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype size.
+    `heads_outer`: KVCache's (default: on the CPU)."""
     return KVCache(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -381,6 +383,7 @@ def make_kv_cache(
         page_size=page_size,
         dtype=dtype,
         device=device,
+        heads_outer=heads_outer,
     )
 
 

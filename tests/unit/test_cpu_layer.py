@@ -64,17 +64,19 @@ def torch_layers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _kv(model: LlamaModel, page_size: int = 4) -> KVCache:
-    return make_kv_cache(model.config, 96, page_size, torch.float32, "cpu")
+def _kv(model: LlamaModel, page_size: int = 4, heads_outer: bool = True) -> KVCache:
+    return make_kv_cache(model.config, 96, page_size, torch.float32, "cpu", heads_outer)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _ragged_then_trees(model: LlamaModel, page_size: int) -> list[torch.Tensor]:
+def _ragged_then_trees(
+    model: LlamaModel, page_size: int, heads_outer: bool = True
+) -> list[torch.Tensor]:
     """Three sequences prefilled together, then a tree step each: every forward's logits."""
-    kv = _kv(model, page_size)
+    kv = _kv(model, page_size, heads_outer)
     prompts = [_tokens(n, seed) for seed, n in enumerate((7, 19, 2))]
     seqs = new_seqs(kv, [n + 8 for n in (7, 19, 2)], random.Random(page_size))
     out = [model(make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]), kv)]
@@ -243,12 +245,15 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(was)
 
 
-def _long_rows(model: LlamaModel, page_size: int, threads: int) -> list[torch.Tensor]:
+def _long_rows(
+    model: LlamaModel, page_size: int, threads: int, heads_outer: bool = True
+) -> list[torch.Tensor]:
     """A 601-token and a 9-token prompt prefilled together (the short row's pieces past its keys
     empty), then a decode step of the long one alone (one row), then a tree step each (nodes
     hidden from rows across a piece's edge): every forward's logits, on `threads` threads."""
     with _threads(threads):
-        kv = make_kv_cache(model.config, 700 // page_size + 8, page_size, torch.float32, "cpu")
+        num_pages = 700 // page_size + 8
+        kv = make_kv_cache(model.config, num_pages, page_size, torch.float32, "cpu", heads_outer)
         lengths = (601, 9)
         prompts = [_tokens(n, 10 + n) for n in lengths]
         seqs = new_seqs(kv, [n + 12 for n in lengths], random.Random(page_size))
@@ -278,6 +283,25 @@ def test_long_rows_give_the_bits_by_query_head(
             got = _long_rows(long_model, page_size, threads)
         for a, b in zip(want, got, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("by", ["by query head", "by KV head", "keys split", "rows blocked"])
+def test_a_slot_major_cache_gives_the_bits_of_a_heads_outer_one(
+    long_model: LlamaModel, page_size: int, by: str
+) -> None:
+    """The C layer reads and writes K / V by the cache's strides: a slot-major pool (the GPU's
+    layout) and the CPU's heads-outer one give the same logits, each way of attending."""
+    with _attention(by):
+        want = _long_rows(long_model, page_size, 2, heads_outer=True)
+        got = _long_rows(long_model, page_size, 2, heads_outer=False)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with _attention(by):
+        want = _ragged_then_trees(long_model, page_size, heads_outer=True)
+        got = _ragged_then_trees(long_model, page_size, heads_outer=False)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:

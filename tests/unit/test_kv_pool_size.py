@@ -42,7 +42,16 @@ def test_gpu_pool_is_a_share_of_free_memory_less_the_reserve(
 def test_a_cpu_pool_reads_zero_and_is_aligned(dtype: torch.dtype) -> None:
     kv = KVCache(3, 2, 8, num_pages=5, page_size=4, dtype=dtype, device="cpu")
     assert kv.data.shape == (3, 2, 6 * 4, 2, 8) and kv.data.dtype == dtype
-    assert kv.data.is_contiguous() and kv.data.data_ptr() % 64 == 0
+    # heads outer on the CPU: [3, 2, 2 heads, 24 slots, 8] in memory, seen slot-major
+    assert kv.data.transpose(2, 3).is_contiguous() and kv.data.data_ptr() % 64 == 0
+    assert kv.k[0].stride() == (8, 24 * 8, 1)
     assert not kv.data.any()
     kv.k[1][5] = 1.0  # the per-layer views write through to the pool
     assert kv.data[1, 0, 5].eq(1).all() and kv.data.count_nonzero() == 2 * 8
+
+
+def test_a_slot_major_cpu_pool_is_contiguous() -> None:
+    kv = KVCache(3, 2, 8, num_pages=5, page_size=4, dtype=torch.float32, device="cpu",
+                 heads_outer=False)  # fmt: skip
+    assert kv.data.shape == (3, 2, 6 * 4, 2, 8) and kv.data.is_contiguous()
+    assert kv.k[0].stride() == (2 * 8, 8, 1)
