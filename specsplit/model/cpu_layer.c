@@ -247,6 +247,7 @@ AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
         for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);                   \
         return total;                                                                              \
     }
+WEIGH16(1)
 WEIGH16(2)
 WEIGH16(4)
 WEIGH16(8)
@@ -297,14 +298,13 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
 /* keys (the step's longest row's) from which the attention goes by KV head (attend_block a row)
  * rather than by query head (attend_row); the same bits either way. By KV head a row's work
  * splits into fewer pieces (SmolLM2's one-row step: 3 KV heads over 2 threads, against 9 query
- * heads), which
- * lost while a KV head's keys stay in L2 between its query heads (the embedded default's step on
- * the 2-core VM, bench/cpu_step.py: 1 row at 200 / 600 / 1,000 keys 7.34 / 9.21 / 10.46 ms
- * against 6.50 / 8.23 / 9.51; 4 rows at 1,000 15.28 against 14.22) and wins past them (2,000: 1
- * row 14.97 against 14.82, 4 rows 26.93 against 29.76; 4,000: 26.16 against 28.21, 4 rows 47.72
- * against 68.89; one-row steps split their keys over the threads there, attend_split).
- * `layer_grouped_from` sets it and returns what it was (tests: both ways at every length) */
-#define GROUPED_FROM_KEYS 2048
+ * heads), which lost while the KV cache was slot-major (a KV head's keys 256 B of each 768 B
+ * slot: up to 2,048 keys). With the CPU's KV heads outer it wins or ties from the shortest
+ * contexts (the embedded default on the 2-core AMD VM, one in-process loop switching the ways,
+ * 1 row at 100 / 1,200 / 3,000 keys 4.56 / 6.46 / 9.42 ms against 4.68 / 7.69 / 11.63; 2 rows
+ * 5.43 / 8.09 / 11.82 against 5.31 / 9.08 / 14.86). `layer_grouped_from` sets it and returns
+ * what it was (tests: both ways at every length) */
+#define GROUPED_FROM_KEYS 0
 static int64_t grouped_from = GROUPED_FROM_KEYS;
 int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, keys); }
 
@@ -390,19 +390,45 @@ static int grouped(const Layer *L, const Step *S) {
 
 /* steps of at most this many rows that attend by KV head (grouped) split each row's keys over
  * the threads (attend_split) rather than taking a (row, KV head) pair a thread: SmolLM2's one-row
- * step is 3 KV heads for 2 threads, so one thread streamed two heads' keys while the other
- * streamed one (bench/cpu_step.py, 1 row at 4,000 keys: 22.9-23.3 ms split against 25.7-26.2;
- * at 2 rows, 6 pairs for 2 threads, the split lost: 34.2 against 33.3).
- * `layer_split_rows` sets it and returns what it was (tests: every step split) */
+ * step is 3 KV heads for 2 threads, so one thread streams two heads' keys while the other
+ * streams one. With the CPU's KV heads outer (specsplit/kv_cache.py), the embedded default's
+ * one-row step on the 2-core AMD VM (one in-process loop switching the ways, 6 turns): split
+ * 7.26 / 10.01 / 14.14 ms at 1,500 / 3,000 / 6,000 keys against 7.49 / 10.27 / 14.57; on a
+ * 16-core Xeon (random SmolLM2-shaped weights, 8,000 keys) 39.3 / 17.2 / 11.6 ms on 2 / 8 / 16
+ * threads against 42.0 / 22.4 / 19.5 (two-row and longer steps attend by blocks of rows,
+ * attend_block).
+ * `layer_split_rows` sets it and returns what it was (tests: 0, no step split, or every step) */
 #define SPLIT_ROWS 1
 static int64_t split_rows = SPLIT_ROWS;
 int64_t layer_split_rows(int64_t rows) { return swap_setting(&split_rows, rows); }
 #define SPLIT_KEYS 256 /* keys a piece of attend_split's scores (a multiple of 16) */
-#define SPLIT_LANES 32 /* lanes of head_dim a piece of its weighted sums */
 
 /* whether layer_forward's attention goes by KV head with each row's keys split (attend_split) */
 static int split(const Layer *L, const Step *S) {
     return S->threads > 1 && S->num_tokens <= split_rows && grouped(L, S);
+}
+
+/* lanes of head_dim a piece of attend_split's weighted sums takes: a whole head's, halved (to
+ * 16 at least) while the step's pieces are fewer than the threads. Pieces of one head read the
+ * same slots' V a few lines apart, and from DRAM a line's neighbour comes with it: on the 2-core
+ * AMD VM 32 lanes of 64 a piece made the split 1.5-1.7x slower than by KV head at 3,000-6,000
+ * keys, whole heads 0.96-1.03x (each lane's sum is its own: the same bits at any width) */
+static int64_t split_lanes(const Layer *L, const Step *S) {
+    int64_t lanes = L->head_dim, pairs = S->num_tokens * L->num_kv_heads;
+    while (lanes > 16 && pairs * (L->head_dim / lanes) < S->threads) lanes /= 2;
+    return lanes;
+}
+
+/* out [16 * chunks] += weigh16's sums (chunks 1, 2, 4 or 8) */
+AVX512 static float weigh16_n(int64_t chunks, float *out, const float *p, const uint8_t *visible,
+                              const int64_t *slots, int64_t n, const float *values,
+                              int64_t slot_stride, float total) {
+    switch (chunks) {
+    case 1: return weigh16_1(out, p, visible, slots, n, values, slot_stride, total);
+    case 2: return weigh16_2(out, p, visible, slots, n, values, slot_stride, total);
+    case 4: return weigh16_4(out, p, visible, slots, n, values, slot_stride, total);
+    default: return weigh16_8(out, p, visible, slots, n, values, slot_stride, total);
+    }
 }
 
 /* pieces of SPLIT_KEYS keys a row of at most max_keys keys has */
@@ -418,7 +444,7 @@ static int64_t piece_end(const Step *S, int64_t t, int64_t j0) {
  * over the threads, with attend_block's bits: the scores in pieces of SPLIT_KEYS keys (each score alone;
  * a KV head's query heads in turn a block of 16 keys at a time, as there), each piece's largest
  * for each query head; then each piece's weights from the largest over the pieces (max is exact,
- * in any order; each weight alone); then the weighted sums in pieces of SPLIT_LANES lanes of
+ * in any order; each weight alone); then the weighted sums in pieces of split_lanes lanes of
  * head_dim, each lane's sum over every visible key in order as weigh16's (its lanes apart), and
  * the weights' total in the same order in each. q: wide's rows (qkv_width apart); scores: the
  * step's [T, num_heads, max_keys]; tops: [T, num_kv_heads, key_pieces, G]; out: [T, num_heads, d] */
@@ -426,7 +452,8 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
                                 const float *k_cache, const float *v_cache, float *scores, float *tops,
                                 float *out) {
     int64_t T = S->num_tokens, KV = L->num_kv_heads, d = L->head_dim, G = L->num_heads / KV;
-    int64_t slot_stride = S->kv_slot_stride, pieces = key_pieces(S->max_keys), lane_pieces = d / SPLIT_LANES;
+    int64_t slot_stride = S->kv_slot_stride, pieces = key_pieces(S->max_keys);
+    int64_t width = split_lanes(L, S), lane_pieces = d / width;
     int64_t key_units = T * KV * pieces, lane_units = T * KV * lane_pieces;
 #pragma omp parallel num_threads(S->threads)
     {
@@ -466,9 +493,9 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < lane_units; u++) { /* the weighted sums, SPLIT_LANES lanes each */
+        for (int64_t u = 0; u < lane_units; u++) { /* the weighted sums, `width` lanes each */
             int64_t t = u / (KV * lane_pieces), kv = u / lane_pieces % KV;
-            int64_t lanes = u % lane_pieces * SPLIT_LANES, n = S->num_keys[t];
+            int64_t lanes = u % lane_pieces * width, n = S->num_keys[t];
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
             const float *values = v_cache + kv * S->kv_head_stride + lanes;
@@ -476,20 +503,20 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             float *group_out = out + (t * L->num_heads + kv * G) * d + lanes, total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
                 total[g] = 0.0f;
-                memset(group_out + g * d, 0, SPLIT_LANES * sizeof(float));
+                memset(group_out + g * d, 0, (size_t)width * sizeof(float));
             }
             for (int64_t j = 0; j < n; j += 16) {
                 int64_t m = n - j < 16 ? n - j : 16;
                 const uint8_t *seen = visible ? visible + j : NULL;
                 for (int64_t g = 0; g < G; g++) {
                     const float *pg = group_scores + g * S->max_keys + j;
-                    total[g] = weigh16_2(group_out + g * d, pg, seen, slots + j, m, values, slot_stride,
-                                         total[g]);
+                    total[g] = weigh16_n(width / 16, group_out + g * d, pg, seen, slots + j, m,
+                                         values, slot_stride, total[g]);
                 }
             }
             for (int64_t g = 0; g < G; g++) {
                 float inverse = 1.0f / total[g], *og = group_out + g * d;
-                for (int64_t i = 0; i < SPLIT_LANES; i++) og[i] *= inverse;
+                for (int64_t i = 0; i < width; i++) og[i] *= inverse;
             }
         }
     }

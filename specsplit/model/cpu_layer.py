@@ -121,7 +121,7 @@ def grouped_from(keys: int) -> int:
 def split_rows(rows: int) -> int:
     """Steps of at most `rows` rows that attend by KV head split each row's keys (and then its
     lanes of head_dim) over the threads (cpu_layer.c's attend_split); the same bits. Returns the
-    number it replaces (tests: a large number for every step)."""
+    number it replaces (tests: 0 for no step, a large number for every step)."""
     return _swap_setting("layer_split_rows", rows)
 
 

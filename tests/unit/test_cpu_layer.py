@@ -275,10 +275,11 @@ def test_long_rows_give_the_bits_by_query_head(
     """attend_split's pieces (scores by pieces of keys, their largest merged by max, the weighted
     sums by lanes of head_dim) and attend_block's blocks of rows (a 601-row prefill: 38 blocks,
     their rows' keys ending apart, the 9-token prompt's rows a block of their own) keep each
-    query head's operations: attend_row's logits, on 2 and 3 threads."""
+    query head's operations: attend_row's logits, on 2, 3 and 5 threads (attend_split's weighted
+    sums in pieces of a whole head's lanes, half and a quarter of them)."""
     with _attention("by query head"):
         want = _long_rows(long_model, page_size, 2)
-    for threads in (2, 3):
+    for threads in (2, 3, 5):
         with _attention(by):
             got = _long_rows(long_model, page_size, threads)
         for a, b in zip(want, got, strict=True):
