@@ -88,7 +88,8 @@
 # draft-ahead at batch 32, the services cProfiled;
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
-# the rows page-locked as the lane delivers them on a GPU, and pageable).
+# the rows page-locked as the lane delivers them on a GPU, and pageable); prefill-chunk: long
+# prompts among short ones through `up` on the 8B shape, whole against chunked prefills.
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -170,6 +171,7 @@ serving() {  # bench/serving.py through `up` ($SERVING_* as the serving part say
     --ignore-eos --max-new-tokens ${SERVING_TOKENS:-128} \
     --num-requests ${SERVING_REQUESTS:-128} --rate ${SERVING_RATES:-20 80 inf} \
     ${SERVING_PROMPT_TOKENS:+--prompt-tokens $SERVING_PROMPT_TOKENS} \
+    ${SERVING_LONG_EVERY:+--long-every $SERVING_LONG_EVERY} \
     ${SERVING_TEMPERATURE:+--temperature $SERVING_TEMPERATURE} \
     --spec ${SERVING_SPEC:-target} --ups ${SERVING_UPS:-1} "${setups[@]}" \
     --services-log "$out/serving_services.log"  # the gates' choices with their rates
@@ -1061,6 +1063,14 @@ for part in "${parts[@]}"; do
         dotpdl-late=pdl_dot=1,late=1 dotpdl-late-nopf=pdl_dot=1,late=1,prefetch=0 small32=rows=32}"
       run step_ab python3 bench/step_ab.py --shape smollm2-135m --batch ${PDL_BATCHES:-1 8 16 32} \
         "${variants[@]/#/--variant=}" --reps ${PDL_REPS:-5} --steps 20 --decode-steps 4 ;;
+    prefill-chunk)  # `--prefill-chunk` on a GPU: every 4th of 64 prompts 3,000 tokens long among
+      # the chat prompts, 20 requests a second through `up` on the random 8B-shaped target
+      # (target only, 128 tokens a stream), whole prompts (0, a GPU's default) against chunks of
+      # 512 (a CPU's) and 2,048 tokens a round
+      random_8b_1b
+      SERVING_MODEL=/tmp/llama8b SERVING_DRAFTER="--drafter eagle3 --draft-model /tmp/eagle8b" \
+        SERVING_BASE="whole=--prefill-chunk=0 chunk512=--prefill-chunk=512 chunk2048=--prefill-chunk=2048" \
+        SERVING_PROMPT_TOKENS=3000 SERVING_LONG_EVERY=4 SERVING_REQUESTS=64 SERVING_RATES=20 serving ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
       # chunk gaps, tokens/s), random SmolLM2, target only, $SERVING_TOKENS (default 128) tokens
       # a stream past EOS, $SERVING_RATES requests a second (default 20 80 inf),
@@ -1071,7 +1081,8 @@ for part in "${parts[@]}"; do
       # head's real acceptance), $SERVING_SPEC: the requests' draft shape(s) (target default),
       # $SERVING_UPS: `up`s a setup, in turn (medians; default 1); $SERVING_BASE: the setups
       # measured before $SERVING_SETUPS (default "default= steps4=--decode-steps=4");
-      # $SERVING_PROMPT_TOKENS: prompts made that long (e.g. 600: past the prefill graphs)
+      # $SERVING_PROMPT_TOKENS: prompts made that long (e.g. 600: past the prefill graphs),
+      # $SERVING_LONG_EVERY: only every K-th of them
       # $SERVING_TEMPERATURE: sampled requests at that temperature (seeded by their index)
       [[ -n ${SERVING_MODEL:-} ]] || random_smollm2
       serving ;;
