@@ -5,8 +5,8 @@
 #       [memory] [rpc] [lane] [overlap] [sessions] [profile] [cold] [draft] [gate] [graphs] [rope]
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
-#       [profile8b-verifier] [tests-1] [tests-2] [tests-1a] [tests-1b] [tests-both] [hinted]
-#       [critical8b-eagle]
+#       [profile8b-verifier] [tests-1] [tests-2] [tests-1a] [tests-1b] [tests-1c] [tests-both]
+#       [hinted] [critical8b-eagle] [prefill-chunk]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
@@ -42,8 +42,8 @@
 # tests-par: tests/gpu in three pytest processes at once on one GPU (304 s on an H200, the
 # forty-eighth session); tests-1 / tests-2: tests/gpu in two halves, one a call (the whole
 # suite took ~700 s on a cold two-H100 machine in the thirty-fourth session, past one call's
-# 600 s); tests-1a / tests-1b: tests-1 in two calls (on one cold H100 tests-1 alone ran past
-# 600 s in the hundred-and-eleventh session)
+# 600 s); tests-1a / tests-1b / tests-1c: tests-1 in three calls (on one cold H100 tests-1 alone
+# ran past 600 s in the hundred-and-eleventh session, its second half in the hundred-and-twelfth)
 # tests: tests/gpu; engine: bench/gpu_engine.py on the 8B and SmolLM2 shapes; e2e: the whole
 # system with an 8B-shaped target and a 1B-shaped draft model (synthetic acceptance); smollm2:
 # bench/e2e.py through the three services on SmolLM2-135M-Instruct with the shipped EAGLE-3 head
@@ -266,12 +266,15 @@ for part in "${parts[@]}"; do
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '(part == "tests-1") == ($0 <= "tests/gpu/test_paged_attention_gpu.py")')
       run "$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${half[@]}" ;;
-    tests-1a|tests-1b)  # tests-1 in two calls: the files up to test_decode_ahead_gpu.py, then
-      # the rest of tests-1 (tests-1 alone ran past one 600 s call on a cold H100 in the
-      # hundred-and-eleventh session: 177 of its 322 tests; its remainder took 232 + 242 s)
+    tests-1a|tests-1b|tests-1c)  # tests-1 in three calls: the files up to
+      # test_decode_ahead_gpu.py, then up to test_gguf_dequant_gpu.py, then the rest of tests-1
+      # (tests-1 alone ran past one 600 s call on a cold H100 in the hundred-and-eleventh
+      # session: 177 of its 322 tests; in the hundred-and-twelfth tests-1a took 357 s and the
+      # rest, then tests-1b, ran past 600 s after 77 tests)
       mapfile -t half < <(printf '%s\n' tests/gpu/test_*.py | LC_ALL=C awk -v part="$part" \
         '$0 <= "tests/gpu/test_paged_attention_gpu.py" &&
-         (part == "tests-1a") == ($0 <= "tests/gpu/test_decode_ahead_gpu.py")')
+         (part == "tests-1a") == ($0 <= "tests/gpu/test_decode_ahead_gpu.py") &&
+         (part == "tests-1c") == ($0 > "tests/gpu/test_gguf_dequant_gpu.py")')
       run "$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${half[@]}" ;;
     engine)
       run engine_8b python3 bench/gpu_engine.py --shape llama-8b --batch 1 8 32 64 \
