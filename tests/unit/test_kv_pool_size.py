@@ -55,3 +55,22 @@ def test_a_slot_major_cpu_pool_is_contiguous() -> None:
                  heads_outer=False)  # fmt: skip
     assert kv.data.shape == (3, 2, 6 * 4, 2, 8) and kv.data.is_contiguous()
     assert kv.k[0].stride() == (2 * 8, 8, 1)
+
+
+def test_a_cpu_pool_asks_for_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's whole pages are advised MADV_NOHUGEPAGE: a heads-outer pool's first touch of
+    each KV head's region would otherwise zero (and compact for) a 2 MB huge page."""
+    from specsplit import kv_cache
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(kv_cache, "_madvise", lambda: lambda *a: calls.append(a) or 0)
+    kv = KVCache(3, 2, 8, num_pages=500, page_size=16, dtype=torch.float32, device="cpu")
+    ((start, length, advice),) = calls
+    first = kv.data.data_ptr()
+    last = first + kv.data.numel() * kv.data.element_size()
+    assert advice == 15 and start % 4096 == 0 and length % 4096 == 0
+    assert start <= first and start + length >= last - 4096  # all but a partial last page
+    monkeypatch.setattr(kv_cache, "_madvise", lambda: None)  # off Linux: nothing to ask
+    assert not KVCache(
+        3, 2, 8, num_pages=5, page_size=4, dtype=torch.float32, device="cpu"
+    ).data.any()
