@@ -178,6 +178,30 @@ AVX512 static inline __m512 sums16(__m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], 0x88), _mm512_shuffle_ps(a[0], a[1], 0xDD));
 }
 
+/* blocks of 16 vectors, of `blocks` pseudo-random ones (a fixed sequence, values over 40
+ * binades), where a lane of sums16 differs from _mm512_reduce_add_ps of its key's vector (the
+ * bits dot16 gives; tests: 0) */
+AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
+    uint32_t state = 2463534242u;
+    int64_t mismatches = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        float values[16][16], got[16];
+        __m512 a[16];
+        for (int i = 0; i < 16; i++)
+            for (int l = 0; l < 16; l++) {
+                state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+                values[i][l] = ldexpf((float)(int32_t)state / 2147483648.0f, (int)(state % 40) - 20);
+            }
+        for (int i = 0; i < 16; i++) a[SUMS16_SLOT[i]] = _mm512_loadu_ps(values[i]);
+        _mm512_storeu_ps(got, sums16(a));
+        for (int i = 0; i < 16; i++) {
+            float want = _mm512_reduce_add_ps(_mm512_loadu_ps(values[i]));
+            mismatches += memcmp(&got[i], &want, sizeof(float)) != 0;
+        }
+    }
+    return mismatches;
+}
+
 /* scores[j] = (q . k_j) * scale for j < n, 16 keys at a time: dot16's products in its order and
  * its lane sums (sums16), so the same bits; returns the largest over the visible keys (scores of
  * hidden keys are written but never read); keys: the cache's first slot at this head */

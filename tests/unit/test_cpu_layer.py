@@ -7,6 +7,7 @@ tests/unit/test_model_vs_transformers.py (which runs this path by default)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -303,6 +304,19 @@ def test_a_slot_major_cache_gives_the_bits_of_a_heads_outer_one(
         got = _ragged_then_trees(long_model, page_size, heads_outer=False)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.skipif(
+    cpu_gemm.library() is None or cpu_gemm.library().lanes != 16, reason="needs AVX-512"
+)
+def test_a_keys_lane_sums_are_its_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_layer.c's sums16 (16 keys' lane sums at once, by block shuffles) gives each key the
+    bits of _mm512_reduce_add_ps over its vector, as dot16 sums one key: 20,000 random blocks."""
+    library = cpu_gemm.library()
+    assert library is not None
+    check = library.cdll.layer_sums16_mismatches
+    check.argtypes, check.restype = [ctypes.c_int64], ctypes.c_int64
+    assert check(20_000) == 0
 
 
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
