@@ -49,7 +49,7 @@ def main() -> None:
         "row at a time) or by KV head with each row's keys split over the threads "
         "(attend_split) at any context and rows, or by blocks of a sequence's rows "
         "(attend_block) at any rows; auto: blocks of rows from 2 rows (cpu_layer.c's "
-        "BLOCKED_FROM_ROWS), else by KV head from 2,048 keys (GROUPED_FROM_KEYS), split for "
+        "BLOCKED_FROM_ROWS), else by KV head (GROUPED_FROM_KEYS: at any length), split for "
         "one-row steps (SPLIT_ROWS)",
     )
     args = parser.parse_args()
