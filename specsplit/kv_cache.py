@@ -9,7 +9,6 @@ final, `kv_allocated_len` slots are reserved (page-aligned, >= committed).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
 import sys
@@ -48,11 +47,13 @@ _MADV_NOHUGEPAGE = 15  # Linux's
 
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's madvise (None off Linux or where libc is not found)."""
-    name = ctypes.util.find_library("c") if sys.platform == "linux" else None
-    if name is None:
+    """libc's madvise, from the process's own symbols (None off Linux or where it is absent)."""
+    if sys.platform != "linux":
         return None
-    fn = ctypes.CDLL(name, use_errno=True).madvise
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
 
