@@ -217,9 +217,11 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
             __m512 a[16];                                                                          \
             for (int i = 0; i < 16; i++) {                                                         \
                 __m512 sum = _mm512_setzero_ps();                                                  \
-                const float *k = keys + slots[j0 + (i < m ? i : 0)] * slot_stride;                 \
-                for (int c = 0; c < CHUNKS && i < m; c++)                                          \
-                    sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), sum);                \
+                if (i < m) {                                                                       \
+                    const float *k = keys + slots[j0 + i] * slot_stride;                           \
+                    for (int c = 0; c < CHUNKS; c++)                                               \
+                        sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), sum);            \
+                }                                                                                  \
                 a[SUMS16_SLOT[i]] = sum;                                                           \
             }                                                                                      \
             __m512 s = _mm512_mul_ps(sums16(a), scale_v);                                          \
