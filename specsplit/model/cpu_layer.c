@@ -67,6 +67,7 @@ typedef struct {
 
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
 
 /* ---------------------------------------------------------------- a row's dot and axpy */
 
@@ -276,6 +277,134 @@ WEIGH16(2)
 WEIGH16(4)
 WEIGH16(8)
 
+/* ---------------------------------------------------------------- keys across lanes */
+
+/* r[l] = column l of the 16 x 16 block r (row i's lane l in lane i): pairs of rows unpacked
+ * within 128-bit blocks, then fours, then the 128-bit blocks across the vectors */
+AVX512 static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c]: rows 4i .. 4i + 3 of column 4b + c in block b */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(u0, w0, 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(u1, w1, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(u0, w0, 0xDD);
+        t[12 + c] = _mm512_shuffle_f32x4(u1, w1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* kt[16 * c + l] = lane l of chunk c (16 floats) of the keys at slots[0 .. m - 1], key i's in
+ * lane i (0 past m): a block of keys across the lanes, read once for every query it meets */
+AVX512 static void keys_across(__m512 *kt, const float *keys, const int64_t *slots, int64_t m,
+                               int64_t slot_stride, int chunks) {
+    for (int c = 0; c < chunks; c++) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < m ? _mm512_loadu_ps(keys + slots[i] * slot_stride + 16 * c) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int l = 0; l < 16; l++) kt[16 * c + l] = r[l];
+    }
+}
+
+/* queries scored together from a block of keys across the lanes (scores_across) */
+#define ACROSS 4
+typedef struct {
+    __m512 v[ACROSS];
+} Across;
+
+/* lane l of dot16's sums for each query against the block's 16 keys at once: its FMAs over
+ * the chunks in dot16's order (key i's in lane i) */
+AVX512 static ALWAYS_INLINE Across lane_sums(const float *const q[ACROSS], const __m512 *kt, int l,
+                                             int chunks) {
+    Across s;
+    for (int p = 0; p < ACROSS; p++) s.v[p] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        __m512 k = kt[16 * c + l];
+        for (int p = 0; p < ACROSS; p++)
+            s.v[p] = _mm512_fmadd_ps(_mm512_set1_ps(q[p][16 * c + l]), k, s.v[p]);
+    }
+    return s;
+}
+
+AVX512 static ALWAYS_INLINE Across across_add(Across a, Across b) {
+    for (int p = 0; p < ACROSS; p++) a.v[p] = _mm512_add_ps(a.v[p], b.v[p]);
+    return a;
+}
+
+/* _mm512_reduce_add_ps's tree over the lanes' sums (lane l + l+8, then + l+4, + l+2, + l+1),
+ * each lane a key, so a key's score has dot16's bits (sums8(l): lanes l and l + 8; sums4(l):
+ * sums8 of l and l + 4; sums2(l): sums4 of l and l + 2) */
+AVX512 static ALWAYS_INLINE Across sums8(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+    Across low = lane_sums(q, kt, l, chunks);
+    return across_add(low, lane_sums(q, kt, l + 8, chunks));
+}
+
+AVX512 static ALWAYS_INLINE Across sums4(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+    Across low = sums8(q, kt, l, chunks);
+    return across_add(low, sums8(q, kt, l + 4, chunks));
+}
+
+AVX512 static ALWAYS_INLINE Across sums2(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+    Across low = sums4(q, kt, l, chunks);
+    return across_add(low, sums4(q, kt, l + 2, chunks));
+}
+
+/* the ACROSS queries' dot16 against each key of the block kt (keys_across), key i in lane i */
+#define SCORES_ACROSS(CHUNKS)                                                                      \
+    AVX512 static Across scores_across_##CHUNKS(const float *const q[ACROSS], const __m512 *kt) { \
+        Across low = sums2(q, kt, 0, CHUNKS);                                                      \
+        return across_add(low, sums2(q, kt, 1, CHUNKS));                                                     \
+    }
+SCORES_ACROSS(4)
+SCORES_ACROSS(8)
+
+/* weigh16's sums for several queries at once: out[p] [16 * CHUNKS] += the sum over the block's
+ * keys j < m of w[p][j] * v_j, and total[p] += each w[p][j], in key order, each query's
+ * operations weigh16's (a key hidden from query p, or past its keys, has w[p][j] 0: adding 0 * v
+ * and 0 leaves the sums' bits as skipping the key does, the sums never being -0). The PAIRS
+ * queries' sums stay in registers while each key's V is read once for all of them */
+#define WEIGH_ACROSS(CHUNKS, PAIRS)                                                               \
+    AVX512 static void weigh_across_##CHUNKS(float *const out[PAIRS], const float (*w)[16],      \
+                                             float *total, const int64_t *slots, int64_t m,       \
+                                             const float *values, int64_t slot_stride) {          \
+        __m512 acc[PAIRS][CHUNKS];                                                                 \
+        float sum[PAIRS];                                                                          \
+        for (int p = 0; p < PAIRS; p++) {                                                          \
+            sum[p] = total[p];                                                                     \
+            for (int c = 0; c < CHUNKS; c++) acc[p][c] = _mm512_loadu_ps(out[p] + 16 * c);         \
+        }                                                                                          \
+        for (int64_t j = 0; j < m; j++) {                                                          \
+            const float *v = values + slots[j] * slot_stride;                                      \
+            __m512 vv[CHUNKS];                                                                     \
+            for (int c = 0; c < CHUNKS; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);                  \
+            for (int p = 0; p < PAIRS; p++) {                                                      \
+                __m512 pv = _mm512_set1_ps(w[p][j]);                                               \
+                sum[p] += w[p][j];                                                                 \
+                for (int c = 0; c < CHUNKS; c++) acc[p][c] = _mm512_fmadd_ps(pv, vv[c], acc[p][c]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int p = 0; p < PAIRS; p++) {                                                          \
+            total[p] = sum[p];                                                                     \
+            for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out[p] + 16 * c, acc[p][c]);         \
+        }                                                                                          \
+    }
+#define WEIGH_PAIRS_4 6 /* weigh_across_4's queries: 24 sums and a key's 4 V vectors in registers */
+#define WEIGH_PAIRS_8 2
+WEIGH_ACROSS(4, WEIGH_PAIRS_4)
+WEIGH_ACROSS(8, WEIGH_PAIRS_8)
+
 /* row t, head h of the attention: q [head_dim] -> out [head_dim]; scores: max_keys floats */
 static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, const float *q,
                        const float *k_cache, const float *v_cache, float *scores, float *out) {
@@ -335,6 +464,28 @@ int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, ke
 /* a block of at most BLOCK_ROWS rows of one sequence (attend_block) */
 #define BLOCK_ROWS 16
 
+/* for the block of 16 keys from j0, each of rows t0 .. t0 + R - 1's keys there (written: below
+ * its num_keys) and the visible ones of them (live) */
+static void block_masks(const Step *S, int64_t t0, int64_t R, const uint8_t *const *visible,
+                        int64_t j0, __mmask16 *written, __mmask16 *live) {
+    for (int64_t r = 0; r < R; r++) {
+        int64_t m = S->num_keys[t0 + r] - j0;
+        written[r] = m <= 0 ? 0 : (__mmask16)(m >= 16 ? 0xFFFF : (1u << m) - 1);
+        live[r] = written[r];
+        if (visible[r])
+            for (int64_t i = 0; i < 16 && i < m; i++)
+                if (!visible[r][j0 + i]) live[r] &= (__mmask16)~(1u << i);
+    }
+}
+
+/* (row, query head) pairs from which attend_block scores a block's keys across the lanes
+ * (keys_across, then scores_across: ACROSS pairs at once) and weighs the values several pairs
+ * at once (weigh_across); the same bits either way. `layer_across_from` sets it and returns
+ * what it was (tests: every block, or none) */
+#define ACROSS_FROM_PAIRS ACROSS
+static int64_t across_from = ACROSS_FROM_PAIRS;
+int64_t layer_across_from(int64_t pairs) { return swap_setting(&across_from, pairs); }
+
 /* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
  * query head of KV head `kv` (the heads kv * G .. kv * G + G - 1, G = num_heads / num_kv_heads;
  * 16 lanes, head_dim 64 or 128): each (row, head)'s operations exactly as attend_row's (the same
@@ -344,17 +495,28 @@ int64_t layer_grouped_from(int64_t keys) { return swap_setting(&grouped_from, ke
  * 1): "by KV head", past ~2,000 keys (512 B of K and V a key at head_dim 64), where the group's
  * K / V no longer stay in L2 between one head and the next and attend_row's head-by-head passes
  * read them from memory G times. Several: a prefill of n rows otherwise streamed each KV head's
- * keys n times (the embedded default's 3,000-token prefill: 13.3 s). q: wide's rows (qkv_width
- * apart); scores: R * G * max_keys floats; out: the step's attention rows [T, num_heads * d] */
-static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
-                         const float *wide, int64_t qkv_width, const float *k_cache,
-                         const float *v_cache, float *scores, float *out) {
-    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G;
+ * keys n times (the embedded default's 3,000-token prefill: 13.3 s). From across_from pairs
+ * (row, head), a block's keys go across the lanes once (keys_across) and ACROSS pairs' scores
+ * come from them at once (scores_across), and WEIGH_PAIRS pairs' weighted sums take each key's
+ * V at once (weigh_across); the rest pair by pair (scores16, weigh16): the same bits (the
+ * embedded default's 3,000-token prefill 0.71-0.84x the time on the 2-core AMD VM, a 16-row
+ * verify at 3,000 tokens 0.83x, 4-16 rows at 300 tokens 0.93-0.94x). Pairs are (row, head) in
+ * turn, p = r * G + g. q: wide's rows (qkv_width apart); scores: R * G * max_keys floats; out:
+ * the step's attention rows [T, num_heads * d] */
+AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
+                                const float *wide, int64_t qkv_width, const float *k_cache,
+                                const float *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G, pairs = R * G;
     int64_t slot_stride = S->kv_slot_stride, q_width = L->num_heads * d, most = 0;
     const int64_t *slots = S->key_slots + S->key_start[t0];
     const float *keys = k_cache + kv * S->kv_head_stride, *values = v_cache + kv * S->kv_head_stride;
     float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
+    const float *queries[BLOCK_ROWS * MAX_GROUP];
+    float *outs[BLOCK_ROWS * MAX_GROUP];
     const uint8_t *visible[BLOCK_ROWS];
+    __m512 kt[8 * 16]; /* a block of keys across the lanes (keys_across), head_dim 128 at most */
+    int weigh_pairs = d == 64 ? WEIGH_PAIRS_4 : WEIGH_PAIRS_8;
+    int across = pairs >= across_from, weigh_across = pairs >= weigh_pairs && across;
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r;
         most = S->num_keys[t] > most ? S->num_keys[t] : most;
@@ -362,42 +524,68 @@ static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, i
         for (int64_t g = 0; g < G; g++) {
             top[r * G + g] = -INFINITY;
             total[r * G + g] = 0.0f;
-            memset(out + t * q_width + (first + g) * d, 0, (size_t)d * sizeof(float));
+            queries[r * G + g] = wide + t * qkv_width + (first + g) * d;
+            outs[r * G + g] = out + t * q_width + (first + g) * d;
+            memset(outs[r * G + g], 0, (size_t)d * sizeof(float));
         }
     }
-    for (int64_t j0 = 0; j0 < most; j0 += 16)
-        for (int64_t r = 0; r < R; r++) {
-            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
-            if (m <= 0) continue;
-            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            const float *q = wide + (t0 + r) * qkv_width + first * d;
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + (r * G + g) * S->max_keys + j0, *best = &top[r * G + g];
-                float block = d == 64 ? scores16_4(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale)
-                                      : scores16_8(sg, q + g * d, seen, slots + j0, m, keys, slot_stride, S->scale);
-                *best = block > *best ? block : *best;
+    for (int64_t j0 = 0; j0 < most; j0 += 16) {
+        __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
+        block_masks(S, t0, R, visible, j0, written, live);
+        int64_t p = 0;
+        if (across) {
+            keys_across(kt, keys, slots + j0, most - j0 < 16 ? most - j0 : 16, slot_stride, (int)(d / 16));
+            for (; p + ACROSS <= pairs; p += ACROSS) {
+                Across s = d == 64 ? scores_across_4(queries + p, kt) : scores_across_8(queries + p, kt);
+                for (int i = 0; i < ACROSS; i++) {
+                    int64_t r = (p + i) / G;
+                    if (!written[r]) continue;
+                    __m512 block = _mm512_mul_ps(s.v[i], _mm512_set1_ps(S->scale));
+                    _mm512_mask_storeu_ps(scores + (p + i) * S->max_keys + j0, written[r], block);
+                    float best = _mm512_mask_reduce_max_ps(live[r], block);
+                    top[p + i] = best > top[p + i] ? best : top[p + i];
+                }
             }
         }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++)
-            softmax_weights16(scores + (r * G + g) * S->max_keys, S->num_keys[t0 + r], top[r * G + g]);
-    for (int64_t j0 = 0; j0 < most; j0 += 16)
-        for (int64_t r = 0; r < R; r++) {
-            int64_t n = S->num_keys[t0 + r], m = n - j0 < 16 ? n - j0 : 16;
+        for (; p < pairs; p++) {
+            int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
             if (m <= 0) continue;
             const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            for (int64_t g = 0; g < G; g++) {
-                float *og = out + (t0 + r) * q_width + (first + g) * d, *sum = &total[r * G + g];
-                const float *pg = scores + (r * G + g) * S->max_keys + j0;
-                *sum = d == 64 ? weigh16_4(og, pg, seen, slots + j0, m, values, slot_stride, *sum)
-                               : weigh16_8(og, pg, seen, slots + j0, m, values, slot_stride, *sum);
+            float *sp = scores + p * S->max_keys + j0;
+            float block = d == 64 ? scores16_4(sp, queries[p], seen, slots + j0, m < 16 ? m : 16, keys, slot_stride, S->scale)
+                                  : scores16_8(sp, queries[p], seen, slots + j0, m < 16 ? m : 16, keys, slot_stride, S->scale);
+            top[p] = block > top[p] ? block : top[p];
+        }
+    }
+    for (int64_t p = 0; p < pairs; p++)
+        softmax_weights16(scores + p * S->max_keys, S->num_keys[t0 + p / G], top[p]);
+    for (int64_t j0 = 0; j0 < most; j0 += 16) {
+        __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
+        block_masks(S, t0, R, visible, j0, written, live);
+        int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
+        if (weigh_across)
+            for (; p + weigh_pairs <= pairs; p += weigh_pairs) {
+                float w[WEIGH_PAIRS_4][16];
+                for (int i = 0; i < weigh_pairs; i++)
+                    _mm512_storeu_ps(w[i], _mm512_maskz_loadu_ps(live[(p + i) / G], scores + (p + i) * S->max_keys + j0));
+                if (d == 64)
+                    weigh_across_4(outs + p, w, total + p, slots + j0, mb, values, slot_stride);
+                else
+                    weigh_across_8(outs + p, w, total + p, slots + j0, mb, values, slot_stride);
             }
+        for (; p < pairs; p++) {
+            int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
+            if (m <= 0) continue;
+            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+            const float *pp = scores + p * S->max_keys + j0;
+            total[p] = d == 64 ? weigh16_4(outs[p], pp, seen, slots + j0, m < 16 ? m : 16, values, slot_stride, total[p])
+                               : weigh16_8(outs[p], pp, seen, slots + j0, m < 16 ? m : 16, values, slot_stride, total[p]);
         }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++) {
-            float inverse = 1.0f / total[r * G + g], *og = out + (t0 + r) * q_width + (first + g) * d;
-            for (int64_t i = 0; i < d; i++) og[i] *= inverse;
-        }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        float inverse = 1.0f / total[p];
+        for (int64_t i = 0; i < d; i++) outs[p][i] *= inverse;
+    }
 }
 
 /* whether attend_block (and attend_split) take this layer's heads: 16 lanes, head_dim 64 or 128,

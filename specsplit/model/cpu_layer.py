@@ -132,6 +132,15 @@ def blocked_from(rows: int) -> int:
     return _swap_setting("layer_blocked_from", rows)
 
 
+def across_from(pairs: int) -> int:
+    """Blocks of rows with at least `pairs` (row, query head) pairs a KV head score each block of
+    16 keys across the lanes (cpu_layer.c's keys_across and scores_across: a block's keys
+    transposed once for all its pairs) and weigh the values several pairs at once
+    (weigh_across); the same bits. Returns the number it replaces (tests: 0 for every block, a
+    large number for none)."""
+    return _swap_setting("layer_across_from", pairs)
+
+
 def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step of `hidden` takes this path (module docstring)."""
     return (

@@ -176,25 +176,35 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
     assert torch.equal(tree[2], chain[1])
 
 
-ATTENTION = ("by query head", "by KV head", "keys split", "rows blocked")
+ATTENTION = (
+    "by query head",
+    "by KV head",
+    "keys split",
+    "rows blocked",
+    "rows blocked, keys across",
+)
 
 
 @contextlib.contextmanager
 def _attention(by: str) -> Iterator[None]:
     """Every step's attention one way (cpu_layer.c's attend_row "by query head", attend_block a
     row at a time "by KV head", attend_split "keys split": each row's keys over the threads, or
-    attend_block "rows blocked": a sequence's rows in blocks), whatever its keys and rows (where
-    head_dim and the heads allow the last three)."""
+    attend_block "rows blocked": a sequence's rows in blocks, each query head's scores alone, or
+    "rows blocked, keys across": each block of keys across the lanes for all of them), whatever
+    its keys and rows (where head_dim and the heads allow all but the first)."""
     assert by in ATTENTION
+    blocks = by.startswith("rows blocked")
     was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
     was_split = cpu_layer.split_rows(1 << 40 if by == "keys split" else 0)
-    was_blocked = cpu_layer.blocked_from(0 if by == "rows blocked" else 1 << 40)
+    was_blocked = cpu_layer.blocked_from(0 if blocks else 1 << 40)
+    was_across = cpu_layer.across_from(0 if by.endswith("keys across") else 1 << 40)
     try:
         yield
     finally:
         cpu_layer.grouped_from(was)
         cpu_layer.split_rows(was_split)
         cpu_layer.blocked_from(was_blocked)
+        cpu_layer.across_from(was_across)
 
 
 @pytest.fixture(params=ATTENTION)
@@ -211,7 +221,7 @@ def test_attention_by_kv_head_gives_the_bits_by_query_head(
     head's operations are the same in attend_block as in attend_row, so the same logits."""
     with _attention("by query head"):
         by_head = _ragged_then_trees(model, page_size)
-    for other in ("by KV head", "rows blocked"):
+    for other in ("by KV head", "rows blocked", "rows blocked, keys across"):
         with _attention(other):
             by_other = _ragged_then_trees(model, page_size)
         for a, b in zip(by_head, by_other, strict=True):
@@ -269,7 +279,7 @@ def _long_rows(
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("by", ["keys split", "rows blocked"])
+@pytest.mark.parametrize("by", ["keys split", "rows blocked", "rows blocked, keys across"])
 def test_long_rows_give_the_bits_by_query_head(
     long_model: LlamaModel, page_size: int, by: str
 ) -> None:
@@ -288,7 +298,7 @@ def test_long_rows_give_the_bits_by_query_head(
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("by", ["by query head", "by KV head", "keys split", "rows blocked"])
+@pytest.mark.parametrize("by", ATTENTION)
 def test_a_slot_major_cache_gives_the_bits_of_a_heads_outer_one(
     long_model: LlamaModel, page_size: int, by: str
 ) -> None:
