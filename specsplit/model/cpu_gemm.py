@@ -16,6 +16,9 @@ turns it off): 4-bit and 8-bit GGUF matrices in panels go to cpu_gemm.c's `int8_
 `vnni_gemm` (the same bits), x as two 8-bit parts a block of 32: each row still its own bits at
 any row count, a one-row step ~0.8x the float32 route's time and a verify's extra rows cheap
 (on AMX), the products within ~2e-5 of the float32 ones but not their bits.
+
+$SPECSPLIT_CPU_AVX512=0 runs the AVX2 + FMA variant (8 lanes, no 8-bit route) on a CPU with
+AVX-512 too: what a CPU without AVX-512 runs, for its tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class Library:
         self.cdll = ctypes.CDLL(str(path))
         self.cdll.fixed_gemm_lanes.restype = ctypes.c_int
         self.lanes = int(self.cdll.fixed_gemm_lanes())
+        avx512 = env_switch("SPECSPLIT_CPU_AVX512")
+        if not avx512 and self.lanes == 16:
+            self.lanes = 8
         self._gemm = self.cdll.fixed_gemm
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
@@ -86,8 +92,8 @@ class Library:
         self._weight_gemm.restype = None
         self.cdll.amx_int8_ready.restype = ctypes.c_int
         self.cdll.vnni_int8_ready.restype = ctypes.c_int
-        self.amx = bool(self.cdll.amx_int8_ready())
-        self.vnni = bool(self.cdll.vnni_int8_ready())
+        self.amx = avx512 and bool(self.cdll.amx_int8_ready())
+        self.vnni = avx512 and bool(self.cdll.vnni_int8_ready())
         self.int8_ready = self.amx or self.vnni  # (the two kernels give the same bits)
         self.cdll.int8_kernel_rows.argtypes = [i64]
         self.cdll.int8_kernel_rows.restype = i64

@@ -156,6 +156,55 @@ AVX512 static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* exp16's e^x with AVX2 (8 lanes): its operations in order, 2^n as two factors 2^(n >> 1) and
+ * 2^(n - (n >> 1)) (each a normal float's exponent for n in [-150, 128]; the first product is
+ * exact, so one rounding, as scalef's), x at most 89 (e^x inf past ~88.7 either way): the bits
+ * of exp16's lanes */
+AVX2 static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1), bias = _mm256_set1_epi32(127);
+    __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, low), high);
+}
+
+/* out[i] = e^(x[i] - shift) for i < n, by exp8 (8 at a time, the tail through a buffer) */
+AVX2 static void exp8_n(float *out, const float *x, int64_t n, float shift) {
+    __m256 s = _mm256_set1_ps(shift);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), s)));
+        memcpy(out + i, tail, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* exp8's bits against exp16's over `count` floats from `start` by `step` (tests: 0) */
+AVX512 int64_t layer_exp8_mismatches(float start, float step, int64_t count) {
+    int64_t mismatches = 0;
+    for (int64_t i = 0; i < count; i += 16) {
+        float x[16], want[16], got[16];
+        for (int l = 0; l < 16; l++) x[l] = start + (float)(i + l) * step;
+        _mm512_storeu_ps(want, exp16(_mm512_loadu_ps(x)));
+        exp8_n(got, x, 16, 0.0f);
+        for (int l = 0; l < 16 && i + l < count; l++) mismatches += memcmp(&got[l], &want[l], sizeof(float)) != 0;
+    }
+    return mismatches;
+}
+
 /* where sums16 takes key i's vector (a 4 x 4 transpose: its own inverse) */
 static const int SUMS16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
@@ -432,9 +481,10 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
             if (s > top) top = s;
         }
         for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+        if (S->lanes == 8) exp8_n(scores, scores, n, top); /* hidden keys' entries unread */
         for (int64_t j = 0; j < n; j++) {
             if (visible && !visible[j]) continue;
-            float p = expf(scores[j] - top);
+            float p = S->lanes == 8 ? scores[j] : expf(scores[j] - top);
             total += p;
             const float *v = v_cache + slots[j] * slot_stride + head_offset;
             if (S->lanes == 16)
@@ -815,12 +865,11 @@ int64_t layer_scratch_floats(const Layer *L, int64_t num_tokens, int64_t max_key
 }
 
 /* act [T, inter] = silu(gate) * up of wide's rows [T, 2 * inter] (gate, then up), elementwise
- * (so the same bits on any split): gate / (1 + e^-gate) * up, e^-gate by exp16 with 16 lanes
- * (each lane alone), else by expf. Its expf was a scalar call, ~0.3 ms of a one-row step of the
- * embedded default's 30 layers on two threads (bench/cpu_step.py); exp16's 16 at a time take a
- * row's 1,536 in ~1 us, so with 16 lanes only steps of SILU_THREADS_FROM rows and more go over
- * the threads (in pieces of SILU_PIECE): fewer do not pay for the threads' fork and join (~1.5
- * us); expf's (8 lanes) go over them from two pieces, as before */
+ * (so the same bits on any split): gate / (1 + e^-gate) * up, e^-gate by exp16 with 16 lanes,
+ * exp8 with 8 (each lane alone; the same bits). A scalar expf took ~0.3 ms of a one-row step of
+ * the embedded default's 30 layers on two threads (bench/cpu_step.py); exp16's 16 at a time take
+ * a row's 1,536 in ~1 us, so only steps of SILU_THREADS_FROM rows and more go over the threads
+ * (in pieces of SILU_PIECE): fewer do not pay for the threads' fork and join (~1.5 us) */
 #define SILU_PIECE 256
 #define SILU_THREADS_FROM 8
 AVX512 static void silu_mul16(const float *gate, const float *up, float *out, int64_t n) {
@@ -835,7 +884,7 @@ AVX512 static void silu_mul16(const float *gate, const float *up, float *out, in
 
 static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T, int64_t inter) {
     int64_t pieces = (inter + SILU_PIECE - 1) / SILU_PIECE;
-    int threaded = S->threads > 1 && (S->lanes == 16 ? T >= SILU_THREADS_FROM : T * pieces > 1);
+    int threaded = S->threads > 1 && T >= SILU_THREADS_FROM;
 #pragma omp parallel for schedule(static) num_threads(S->threads) if (threaded)
     for (int64_t p = 0; p < T * pieces; p++) {
         int64_t t = p / pieces, begin = (p % pieces) * SILU_PIECE;
@@ -845,7 +894,10 @@ static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T
             silu_mul16(gate + begin, up + begin, act + t * inter + begin, end - begin);
             continue;
         }
-        for (int64_t i = begin; i < end; i++) act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        float *e = act + t * inter + begin; /* e^-gate, then the product in place */
+        for (int64_t i = begin; i < end; i++) e[i - begin] = -gate[i];
+        exp8_n(e, e, end - begin, 0.0f);
+        for (int64_t i = begin; i < end; i++) e[i - begin] = gate[i] / (1.0f + e[i - begin]) * up[i];
     }
 }
 

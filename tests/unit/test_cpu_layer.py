@@ -329,6 +329,21 @@ def test_a_keys_lane_sums_are_its_dot_products(monkeypatch: pytest.MonkeyPatch) 
     assert check(20_000) == 0
 
 
+@pytest.mark.skipif(
+    cpu_gemm.library() is None or cpu_gemm.library().lanes != 16, reason="needs AVX-512"
+)
+def test_exp8_gives_exp16s_bits() -> None:
+    """cpu_layer.c's AVX2 e^x (exp8: 2^n as two factors) gives each lane exp16's bits, from
+    where both are 0 through the subnormals to past where both are inf."""
+    library = cpu_gemm.library()
+    assert library is not None
+    check = library.cdll.layer_exp8_mismatches
+    check.argtypes = [ctypes.c_float, ctypes.c_float, ctypes.c_int64]
+    check.restype = ctypes.c_int64
+    assert check(-110.0, 1e-4, 2_100_000) == 0  # -110 .. 100
+    assert check(-1.0, 1e-7, 2_000_000) == 0  # -1 .. 1, finely
+
+
 def test_threads_do_not_change_the_bits(model: LlamaModel) -> None:
     results = []
     for count in (1, 2, 3):
