@@ -205,6 +205,12 @@ AVX512 int64_t layer_exp8_mismatches(float start, float step, int64_t count) {
     return mismatches;
 }
 
+/* the tests' next pseudo-random float (xorshift32; values over 40 binades) */
+static float pseudo_random(uint32_t *state) {
+    *state ^= *state << 13, *state ^= *state >> 17, *state ^= *state << 5;
+    return ldexpf((float)(int32_t)*state / 2147483648.0f, (int)(*state % 40) - 20);
+}
+
 /* where sums16 takes key i's vector (a 4 x 4 transpose: its own inverse) */
 static const int SUMS16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
@@ -238,10 +244,7 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
         float values[16][16], got[16];
         __m512 a[16];
         for (int i = 0; i < 16; i++)
-            for (int l = 0; l < 16; l++) {
-                state ^= state << 13, state ^= state >> 17, state ^= state << 5;
-                values[i][l] = ldexpf((float)(int32_t)state / 2147483648.0f, (int)(state % 40) - 20);
-            }
+            for (int l = 0; l < 16; l++) values[i][l] = pseudo_random(&state);
         for (int i = 0; i < 16; i++) a[SUMS16_SLOT[i]] = _mm512_loadu_ps(values[i]);
         _mm512_storeu_ps(got, sums16(a));
         for (int i = 0; i < 16; i++) {
@@ -287,6 +290,78 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
 SCORES16(4)
 SCORES16(8)
 
+/* where sums8 takes key i's vector (a 2 x 4 transpose) */
+static const int SUMS8_SLOT[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+/* sums16 with AVX2: the sums of 8 vectors' lanes, key i's vector at a[SUMS8_SLOT[i]], lane i of
+ * the result key i's, each summed in dot8's tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 +
+ * l7)): 128-bit halves across the pairs (permute2f128), then lanes within each half (shuffle_ps)
+ * twice */
+AVX2 static inline __m256 sums8(__m256 a[8]) {
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        a[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(a[0], a[1], 0x88), _mm256_shuffle_ps(a[0], a[1], 0xDD));
+}
+
+/* blocks of 8 vectors, of `blocks` pseudo-random ones (layer_sums16_mismatches' values), where a
+ * lane of sums8 differs from dot8's sum of its key's lanes (tests: 0) */
+AVX2 int64_t layer_sums8_mismatches(int64_t blocks) {
+    uint32_t state = 2463534242u;
+    int64_t mismatches = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        float values[8][8], got[8];
+        __m256 a[8];
+        for (int i = 0; i < 8; i++)
+            for (int l = 0; l < 8; l++) values[i][l] = pseudo_random(&state);
+        for (int i = 0; i < 8; i++) a[SUMS8_SLOT[i]] = _mm256_loadu_ps(values[i]);
+        _mm256_storeu_ps(got, sums8(a));
+        for (int i = 0; i < 8; i++) {
+            const float *l = values[i];
+            float want = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+            mismatches += memcmp(&got[i], &want, sizeof(float)) != 0;
+        }
+    }
+    return mismatches;
+}
+
+/* scores16 with AVX2: scores[j] = (q . k_j) * scale for j < n, 8 keys at a time, dot8's
+ * products in its order and its lane sums (sums8), so the same bits; returns the largest over
+ * the visible keys (scores of hidden keys are written but never read) */
+#define SCORES8(CHUNKS)                                                                            \
+    AVX2 static float scores8_##CHUNKS(float *scores, const float *q, const uint8_t *visible,     \
+                                       const int64_t *slots, int64_t n, const float *keys,        \
+                                       int64_t slot_stride, float scale) {                        \
+        __m256 qv[CHUNKS];                                                                         \
+        for (int c = 0; c < CHUNKS; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);                       \
+        float top = -INFINITY;                                                                     \
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {                                                    \
+            int m = n - j0 < 8 ? (int)(n - j0) : 8;                                                \
+            __m256 a[8];                                                                           \
+            for (int i = 0; i < 8; i++) {                                                          \
+                __m256 sum = _mm256_setzero_ps();                                                  \
+                if (i < m) {                                                                       \
+                    const float *k = keys + slots[j0 + i] * slot_stride;                           \
+                    for (int c = 0; c < CHUNKS; c++)                                               \
+                        sum = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), sum);             \
+                }                                                                                  \
+                a[SUMS8_SLOT[i]] = sum;                                                            \
+            }                                                                                      \
+            float block[8];                                                                        \
+            _mm256_storeu_ps(block, _mm256_mul_ps(sums8(a), _mm256_set1_ps(scale)));               \
+            for (int i = 0; i < m; i++) {                                                          \
+                scores[j0 + i] = block[i];                                                         \
+                if ((!visible || visible[j0 + i]) && block[i] > top) top = block[i];               \
+            }                                                                                      \
+        }                                                                                          \
+        return top;                                                                                \
+    }
+SCORES8(8)
+SCORES8(16)
+
 /* scores[j] = e^(scores[j] - top) for j < n, 16 at a time (entries of hidden keys too: unread) */
 AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
     __m512 topv = _mm512_set1_ps(top);
@@ -325,6 +400,29 @@ WEIGH16(1)
 WEIGH16(2)
 WEIGH16(4)
 WEIGH16(8)
+
+/* weigh16 with AVX2: out [8 * CHUNKS] += the sum over the visible keys j of p[j] * v_j, and
+ * returns total plus the sum of the p[j]: axpy8's operations in its order (each lane's FMAs key
+ * by key), the sums in registers rather than stored and reloaded a key (a chain through memory) */
+#define WEIGH8(CHUNKS)                                                                             \
+    AVX2 static float weigh8_##CHUNKS(float *out, const float *p, const uint8_t *visible,          \
+                                      const int64_t *slots, int64_t n, const float *values,        \
+                                      int64_t slot_stride, float total) {                          \
+        __m256 acc[CHUNKS];                                                                        \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);                    \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            if (visible && !visible[j]) continue;                                                  \
+            total += p[j];                                                                         \
+            const float *v = values + slots[j] * slot_stride;                                      \
+            __m256 pv = _mm256_set1_ps(p[j]);                                                      \
+            for (int c = 0; c < CHUNKS; c++)                                                       \
+                acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);                 \
+        }                                                                                          \
+        for (int c = 0; c < CHUNKS; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);                    \
+        return total;                                                                              \
+    }
+WEIGH8(8)
+WEIGH8(16)
 
 /* ---------------------------------------------------------------- keys across lanes */
 
@@ -393,28 +491,28 @@ AVX512 static ALWAYS_INLINE Across across_add(Across a, Across b) {
 }
 
 /* _mm512_reduce_add_ps's tree over the lanes' sums (lane l + l+8, then + l+4, + l+2, + l+1),
- * each lane a key, so a key's score has dot16's bits (sums8(l): lanes l and l + 8; sums4(l):
- * sums8 of l and l + 4; sums2(l): sums4 of l and l + 2) */
-AVX512 static ALWAYS_INLINE Across sums8(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+ * each lane a key, so a key's score has dot16's bits (across8(l): lanes l and l + 8; across4(l):
+ * across8 of l and l + 4; across2(l): across4 of l and l + 2) */
+AVX512 static ALWAYS_INLINE Across across8(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
     Across low = lane_sums(q, kt, l, chunks);
     return across_add(low, lane_sums(q, kt, l + 8, chunks));
 }
 
-AVX512 static ALWAYS_INLINE Across sums4(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
-    Across low = sums8(q, kt, l, chunks);
-    return across_add(low, sums8(q, kt, l + 4, chunks));
+AVX512 static ALWAYS_INLINE Across across4(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+    Across low = across8(q, kt, l, chunks);
+    return across_add(low, across8(q, kt, l + 4, chunks));
 }
 
-AVX512 static ALWAYS_INLINE Across sums2(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
-    Across low = sums4(q, kt, l, chunks);
-    return across_add(low, sums4(q, kt, l + 2, chunks));
+AVX512 static ALWAYS_INLINE Across across2(const float *const q[ACROSS], const __m512 *kt, int l, int chunks) {
+    Across low = across4(q, kt, l, chunks);
+    return across_add(low, across4(q, kt, l + 2, chunks));
 }
 
 /* the ACROSS queries' dot16 against each key of the block kt (keys_across), key i in lane i */
 #define SCORES_ACROSS(CHUNKS)                                                                      \
     AVX512 static Across scores_across_##CHUNKS(const float *const q[ACROSS], const __m512 *kt) { \
-        Across low = sums2(q, kt, 0, CHUNKS);                                                      \
-        return across_add(low, sums2(q, kt, 1, CHUNKS));                                                     \
+        Across low = across2(q, kt, 0, CHUNKS);                                                      \
+        return across_add(low, across2(q, kt, 1, CHUNKS));                                                     \
     }
 SCORES_ACROSS(4)
 SCORES_ACROSS(8)
@@ -471,6 +569,14 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
         memset(out, 0, (size_t)d * sizeof(float));
         total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride, 0.0f)
                         : weigh16_8(out, scores, visible, slots, n, values, slot_stride, 0.0f);
+    } else if (S->lanes == 8 && (d == 64 || d == 128)) { /* the same with AVX2 */
+        const float *keys = k_cache + head_offset, *values = v_cache + head_offset;
+        float top = d == 64 ? scores8_8(scores, q, visible, slots, n, keys, slot_stride, S->scale)
+                            : scores8_16(scores, q, visible, slots, n, keys, slot_stride, S->scale);
+        exp8_n(scores, scores, n, top); /* hidden keys' entries too: unread */
+        memset(out, 0, (size_t)d * sizeof(float));
+        total = d == 64 ? weigh8_8(out, scores, visible, slots, n, values, slot_stride, 0.0f)
+                        : weigh8_16(out, scores, visible, slots, n, values, slot_stride, 0.0f);
     } else {
         float top = -INFINITY;
         for (int64_t j = 0; j < n; j++) {

@@ -329,6 +329,17 @@ def test_a_keys_lane_sums_are_its_dot_products(monkeypatch: pytest.MonkeyPatch) 
     assert check(20_000) == 0
 
 
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="needs AVX2 or AVX-512")
+def test_a_keys_lane_sums_are_its_dot_products_with_avx2() -> None:
+    """cpu_layer.c's sums8 (8 keys' lane sums at once, AVX2) gives each key the bits of dot8's
+    tree over its vector: 20,000 random blocks."""
+    library = cpu_gemm.library()
+    assert library is not None
+    check = library.cdll.layer_sums8_mismatches
+    check.argtypes, check.restype = [ctypes.c_int64], ctypes.c_int64
+    assert check(20_000) == 0
+
+
 @pytest.mark.skipif(
     cpu_gemm.library() is None or cpu_gemm.library().lanes != 16, reason="needs AVX-512"
 )
