@@ -25,11 +25,12 @@ from specsplit.model.llama import LlamaModel, make_kv_cache
 from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, causal_step
 
-# name: (cpu_layer.blocked_from, cpu_layer.across_from)
+NEVER = 1 << 40
+# name: (cpu_layer.blocked_from, across_from, weigh_across_from); "across": cpu_layer.c's defaults
 MODES = {
-    "across": (2, 4),
-    "pairs": (2, 1 << 40),
-    "rows": (1 << 40, 1 << 40),
+    "across": (2, 12, 0),
+    "pairs": (2, NEVER, NEVER),
+    "rows": (NEVER, NEVER, NEVER),
 }
 
 
@@ -66,7 +67,7 @@ def main() -> None:
         + " |"
     )
     print("|---:" * (2 * len(args.modes)) + "|")
-    was = (cpu_layer.blocked_from(2), cpu_layer.across_from(4))
+    was = _settings(MODES["across"])
     try:
         for n in args.tokens:
             kv = make_kv_cache(config, n // page_size + 2, page_size, torch.float32, "cpu")
@@ -76,8 +77,7 @@ def main() -> None:
             for turn in range(args.turns):
                 order = args.modes if turn % 2 == 0 else args.modes[::-1]
                 for name in order:
-                    cpu_layer.blocked_from(MODES[name][0])
-                    cpu_layer.across_from(MODES[name][1])
+                    _settings(MODES[name])
                     seq = kv.new_seq()
                     kv.reserve(seq, n)
                     start = time.perf_counter()
@@ -90,8 +90,16 @@ def main() -> None:
             ratios = " | ".join(f"{x / s[0]:.2f}x" for x in s[1:])
             print(f"| {n} | " + " | ".join(f"{x:.3f}" for x in s) + f" | {ratios} |")
     finally:
-        cpu_layer.blocked_from(was[0])
-        cpu_layer.across_from(was[1])
+        _settings(was)
+
+
+def _settings(values: tuple[int, int, int]) -> tuple[int, int, int]:
+    """cpu_layer's blocked_from, across_from and weigh_across_from set; what they were."""
+    return (
+        cpu_layer.blocked_from(values[0]),
+        cpu_layer.across_from(values[1]),
+        cpu_layer.weigh_across_from(values[2]),
+    )
 
 
 def _prefill(

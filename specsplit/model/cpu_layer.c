@@ -635,12 +635,15 @@ static void block_masks(const Step *S, int64_t t0, int64_t R, const uint8_t *con
 }
 
 /* (row, query head) pairs from which attend_block scores a block's keys across the lanes
- * (keys_across, then scores_across: ACROSS pairs at once) and weighs the values several pairs
- * at once (weigh_across); the same bits either way. `layer_across_from` sets it and returns
- * what it was (tests: every block, or none) */
-#define ACROSS_FROM_PAIRS ACROSS
-static int64_t across_from = ACROSS_FROM_PAIRS;
+ * (keys_across, then scores_across: ACROSS pairs at once), and from which it weighs the values
+ * several pairs at once (weigh_across, WEIGH_PAIRS_4 / _8 at least); the same bits either way.
+ * `layer_across_from` / `layer_weigh_across_from` set them and return what they were (tests:
+ * every block, or none) */
+#define ACROSS_FROM_PAIRS 12
+#define WEIGH_ACROSS_FROM_PAIRS 0
+static int64_t across_from = ACROSS_FROM_PAIRS, weigh_across_from = WEIGH_ACROSS_FROM_PAIRS;
 int64_t layer_across_from(int64_t pairs) { return swap_setting(&across_from, pairs); }
+int64_t layer_weigh_across_from(int64_t pairs) { return swap_setting(&weigh_across_from, pairs); }
 
 /* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
  * query head of KV head `kv` (the heads kv * G .. kv * G + G - 1, G = num_heads / num_kv_heads;
@@ -655,8 +658,10 @@ int64_t layer_across_from(int64_t pairs) { return swap_setting(&across_from, pai
  * (row, head), a block's keys go across the lanes once (keys_across) and ACROSS pairs' scores
  * come from them at once (scores_across), and WEIGH_PAIRS pairs' weighted sums take each key's
  * V at once (weigh_across); the rest pair by pair (scores16, weigh16): the same bits (the
- * embedded default's 3,000-token prefill 0.71-0.84x the time on the 2-core AMD VM, a 16-row
- * verify at 3,000 tokens 0.83x, 4-16 rows at 300 tokens 0.93-0.94x). Pairs are (row, head) in
+ * embedded default's 3,000-token prefill 0.79-0.86x the time on the 2-core AMD VM). Scores
+ * across the lanes lost at 6 pairs (a 4-row verify's blocks of 2 rows: 0.99-1.03x against
+ * 0.83-0.92x with the weighed sums alone) and tied at 12 at 3,000 tokens (won 0.88-0.92x at
+ * 300-1,000), hence ACROSS_FROM_PAIRS; the weighed sums won from 6. Pairs are (row, head) in
  * turn, p = r * G + g. q: wide's rows (qkv_width apart); scores: R * G * max_keys floats; out:
  * the step's attention rows [T, num_heads * d] */
 AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
@@ -671,14 +676,16 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
     float *outs[BLOCK_ROWS * MAX_GROUP];
     const uint8_t *visible[BLOCK_ROWS];
     __m512 kt[8 * 16]; /* a block of keys across the lanes (keys_across), head_dim 128 at most */
+    __m512 tops[BLOCK_ROWS * MAX_GROUP]; /* scores_across's largest, lane by lane */
     int weigh_pairs = d == 64 ? WEIGH_PAIRS_4 : WEIGH_PAIRS_8;
-    int across = pairs >= across_from, weigh_across = pairs >= weigh_pairs && across;
+    int across = pairs >= across_from, weigh_across = pairs >= weigh_pairs && pairs >= weigh_across_from;
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r;
         most = S->num_keys[t] > most ? S->num_keys[t] : most;
         visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
         for (int64_t g = 0; g < G; g++) {
             top[r * G + g] = -INFINITY;
+            tops[r * G + g] = _mm512_set1_ps(-INFINITY);
             total[r * G + g] = 0.0f;
             queries[r * G + g] = wide + t * qkv_width + (first + g) * d;
             outs[r * G + g] = out + t * q_width + (first + g) * d;
@@ -698,8 +705,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                     if (!written[r]) continue;
                     __m512 block = _mm512_mul_ps(s.v[i], _mm512_set1_ps(S->scale));
                     _mm512_mask_storeu_ps(scores + (p + i) * S->max_keys + j0, written[r], block);
-                    float best = _mm512_mask_reduce_max_ps(live[r], block);
-                    top[p + i] = best > top[p + i] ? best : top[p + i];
+                    tops[p + i] = _mm512_mask_max_ps(tops[p + i], live[r], tops[p + i], block);
                 }
             }
         }
@@ -713,8 +719,11 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
             top[p] = block > top[p] ? block : top[p];
         }
     }
-    for (int64_t p = 0; p < pairs; p++)
+    for (int64_t p = 0; p < pairs; p++) {
+        float best = _mm512_reduce_max_ps(tops[p]); /* max is exact in any order */
+        top[p] = best > top[p] ? best : top[p];
         softmax_weights16(scores + p * S->max_keys, S->num_keys[t0 + p / G], top[p]);
+    }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
         __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
         block_masks(S, t0, R, visible, j0, written, live);

@@ -135,10 +135,17 @@ def blocked_from(rows: int) -> int:
 def across_from(pairs: int) -> int:
     """Blocks of rows with at least `pairs` (row, query head) pairs a KV head score each block of
     16 keys across the lanes (cpu_layer.c's keys_across and scores_across: a block's keys
-    transposed once for all its pairs) and weigh the values several pairs at once
-    (weigh_across); the same bits. Returns the number it replaces (tests: 0 for every block, a
-    large number for none)."""
+    transposed once for all its pairs); the same bits. Returns the number it replaces (tests: 0
+    for every block, a large number for none)."""
     return _swap_setting("layer_across_from", pairs)
+
+
+def weigh_across_from(pairs: int) -> int:
+    """Blocks of rows with at least `pairs` (row, query head) pairs a KV head (and at least
+    weigh_across's pairs at once) weigh each key's V for several pairs at once (cpu_layer.c's
+    weigh_across); the same bits. Returns the number it replaces (tests: 0 for every block, a
+    large number for none)."""
+    return _swap_setting("layer_weigh_across_from", pairs)
 
 
 def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:

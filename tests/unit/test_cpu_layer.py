@@ -197,14 +197,16 @@ def _attention(by: str) -> Iterator[None]:
     was = cpu_layer.grouped_from(1 << 40 if by == "by query head" else 0)
     was_split = cpu_layer.split_rows(1 << 40 if by == "keys split" else 0)
     was_blocked = cpu_layer.blocked_from(0 if blocks else 1 << 40)
-    was_across = cpu_layer.across_from(0 if by.endswith("keys across") else 1 << 40)
+    across = 0 if by.endswith("keys across") else 1 << 40
+    was_across = cpu_layer.across_from(across), cpu_layer.weigh_across_from(across)
     try:
         yield
     finally:
         cpu_layer.grouped_from(was)
         cpu_layer.split_rows(was_split)
         cpu_layer.blocked_from(was_blocked)
-        cpu_layer.across_from(was_across)
+        cpu_layer.across_from(was_across[0])
+        cpu_layer.weigh_across_from(was_across[1])
 
 
 @pytest.fixture(params=ATTENTION)
