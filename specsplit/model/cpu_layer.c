@@ -511,8 +511,8 @@ AVX512 static ALWAYS_INLINE Across across2(const float *const q[ACROSS], const _
 /* the ACROSS queries' dot16 against each key of the block kt (keys_across), key i in lane i */
 #define SCORES_ACROSS(CHUNKS)                                                                      \
     AVX512 static Across scores_across_##CHUNKS(const float *const q[ACROSS], const __m512 *kt) { \
-        Across low = across2(q, kt, 0, CHUNKS);                                                      \
-        return across_add(low, across2(q, kt, 1, CHUNKS));                                                     \
+        Across low = across2(q, kt, 0, CHUNKS);                                                    \
+        return across_add(low, across2(q, kt, 1, CHUNKS));                                         \
     }
 SCORES_ACROSS(4)
 SCORES_ACROSS(8)
