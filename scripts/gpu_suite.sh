@@ -6,7 +6,7 @@
 #       [prefill] [small] [ahead] [steps] [eagle] [split] [sampled] [overlap8b] [overlap8b-eagle] [profile8b-eagle]
 #       [draft8b-phases] [profile8b-drafter] [critical] [critical8b] [gated8b] [chain8b]
 #       [profile8b-verifier] [tests-1] [tests-2] [tests-1a] [tests-1b] [tests-1c] [tests-both]
-#       [hinted] [critical8b-eagle] [prefill-chunk]
+#       [hinted] [critical8b-eagle] [prefill-chunk] [prefill-chunk-smollm2]
 #       [groups-smollm2] [ahead1] [ahead1-ab] [draft-ahead] [probe] [accept-ab] [affinity]
 #       [ahead1-pin] [idle-poll] [ahead1-ups] [drift] [knobs1] [chain-auto] [launch-ab]
 #       [smollm2-batch] [steps-ab] [tests-par] [ahead-cap]
@@ -89,7 +89,8 @@
 # profile8b-drafter: that system at batch 1 with the services cProfiled (own and cumulative
 # time); draft8b-phases: the 8B head's draft round in process by phase (bench/draft_step.py --phases,
 # the rows page-locked as the lane delivers them on a GPU, and pageable); prefill-chunk: long
-# prompts among short ones through `up` on the 8B shape, whole against chunked prefills.
+# prompts among short ones through `up` on the 8B shape, whole against chunked prefills;
+# prefill-chunk-smollm2: the same on random SmolLM2 weights (no 8B to build: a shorter call).
 # Each part's output goes to stdout and to $OUT/<part>.txt when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -1074,6 +1075,11 @@ for part in "${parts[@]}"; do
       SERVING_MODEL=/tmp/llama8b SERVING_DRAFTER="--drafter eagle3 --draft-model /tmp/eagle8b" \
         SERVING_BASE="whole=--prefill-chunk=0 chunk512=--prefill-chunk=512 chunk2048=--prefill-chunk=2048" \
         SERVING_PROMPT_TOKENS=3000 SERVING_LONG_EVERY=4 SERVING_REQUESTS=64 SERVING_RATES=20 serving ;;
+    prefill-chunk-smollm2)  # prefill-chunk on random SmolLM2-shaped weights with the shipped
+      # head's drafter (what `up` serves on a GPU), 48 requests, whole against chunks of 512
+      random_smollm2
+      SERVING_BASE="whole=--prefill-chunk=0 chunk512=--prefill-chunk=512" SERVING_PROMPT_TOKENS=3000 \
+        SERVING_LONG_EVERY=4 SERVING_REQUESTS=48 SERVING_RATES=20 serving ;;
     serving)  # requests arriving as a Poisson process through `up` (bench/serving.py: TTFT, TPOT,
       # chunk gaps, tokens/s), random SmolLM2, target only, $SERVING_TOKENS (default 128) tokens
       # a stream past EOS, $SERVING_RATES requests a second (default 20 80 inf),
