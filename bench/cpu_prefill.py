@@ -26,9 +26,10 @@ from specsplit.model.loader import load_model
 from specsplit.step import build_forward_batch, causal_step
 
 NEVER = 1 << 40
-# name: (cpu_layer.blocked_from, across_from, weigh_across_from); "across": cpu_layer.c's defaults
-MODES = {
-    "across": (2, 12, 0),
+# name: (cpu_layer.blocked_from, across_from, weigh_across_from); "across" (None): cpu_layer.c's
+# own settings, read at the start
+MODES: dict[str, tuple[int, int, int] | None] = {
+    "across": None,
     "pairs": (2, NEVER, NEVER),
     "rows": (NEVER, NEVER, NEVER),
 }
@@ -67,7 +68,8 @@ def main() -> None:
         + " |"
     )
     print("|---:" * (2 * len(args.modes)) + "|")
-    was = _settings(MODES["across"])
+    was = _settings((2, NEVER, NEVER))
+    modes = {name: values or was for name, values in MODES.items()}
     try:
         for n in args.tokens:
             kv = make_kv_cache(config, n // page_size + 2, page_size, torch.float32, "cpu")
@@ -77,7 +79,7 @@ def main() -> None:
             for turn in range(args.turns):
                 order = args.modes if turn % 2 == 0 else args.modes[::-1]
                 for name in order:
-                    _settings(MODES[name])
+                    _settings(modes[name])
                     seq = kv.new_seq()
                     kv.reserve(seq, n)
                     start = time.perf_counter()

@@ -90,6 +90,11 @@ AVX512 static void axpy16(float *y, float p, const float *x, int64_t n) {
     for (; i < n; i++) y[i] = fmaf(p, x[i], y[i]);
 }
 
+/* 8 lanes summed in dot8's tree */
+static inline float tree8(const float l[8]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 AVX2 static float dot8(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -97,7 +102,7 @@ AVX2 static float dot8(const float *a, const float *b, int64_t n) {
     float lanes[8];
     _mm256_storeu_ps(lanes, acc);
     for (int64_t j = 0; i + j < n; j++) lanes[j] = fmaf(a[i + j], b[i + j], lanes[j]);
-    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    return tree8(lanes);
 }
 
 AVX2 static void axpy8(float *y, float p, const float *x, int64_t n) {
@@ -320,8 +325,7 @@ AVX2 int64_t layer_sums8_mismatches(int64_t blocks) {
         for (int i = 0; i < 8; i++) a[SUMS8_SLOT[i]] = _mm256_loadu_ps(values[i]);
         _mm256_storeu_ps(got, sums8(a));
         for (int i = 0; i < 8; i++) {
-            const float *l = values[i];
-            float want = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+            float want = tree8(values[i]);
             mismatches += memcmp(&got[i], &want, sizeof(float)) != 0;
         }
     }
@@ -693,10 +697,10 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
         }
     }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
-        __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
-        block_masks(S, t0, R, visible, j0, written, live);
         int64_t p = 0;
         if (across) {
+            __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
+            block_masks(S, t0, R, visible, j0, written, live);
             keys_across(kt, keys, slots + j0, most - j0 < 16 ? most - j0 : 16, slot_stride, (int)(d / 16));
             for (; p + ACROSS <= pairs; p += ACROSS) {
                 Across s = d == 64 ? scores_across_4(queries + p, kt) : scores_across_8(queries + p, kt);
@@ -725,10 +729,10 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
         softmax_weights16(scores + p * S->max_keys, S->num_keys[t0 + p / G], top[p]);
     }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
-        __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
-        block_masks(S, t0, R, visible, j0, written, live);
         int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
-        if (weigh_across)
+        if (weigh_across) {
+            __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
+            block_masks(S, t0, R, visible, j0, written, live);
             for (; p + weigh_pairs <= pairs; p += weigh_pairs) {
                 float w[WEIGH_PAIRS_4][16];
                 for (int i = 0; i < weigh_pairs; i++)
@@ -738,6 +742,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 else
                     weigh_across_8(outs + p, w, total + p, slots + j0, mb, values, slot_stride);
             }
+        }
         for (; p < pairs; p++) {
             int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
             if (m <= 0) continue;
