@@ -133,6 +133,13 @@ def verifier_flags(parser: argparse.ArgumentParser) -> None:
         fraction_help + " (when --num-pages is not set)",
         type=float,
     )
+    kv_help = (
+        "the verifier's KV cache: auto = the model's dtype; float16 = K and V rounded to float16"
+        " as they are stored (on the CPU under a float32 model only): half the memory and half"
+        " the bytes a long context's step reads, the outputs those of the model with that cache"
+        " (speculative and target-only rounds alike)"
+    )
+    flag(parser, "--kv-dtype", "auto", kv_help, choices=("auto", "float16"))
     ahead_help = (
         "after a round of decode steps (no drafts), run the same sequences' next decode"
         " step before it is asked for, and keep it when the next round is that step: the GPU"

@@ -120,6 +120,7 @@ def serve_verifier(args: argparse.Namespace) -> int:
         "graph_query_lens": graph_query_lens(args),
         "graph_max_batch": args.graph_max_batch,
         "kv_memory_fraction": args.kv_memory_fraction,
+        "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
         "decode_ahead": decode_ahead(args, kwargs["device"]),
         "decode_ahead_max_batch": args.decode_ahead_max_batch,
         "decode_ahead_depth": args.decode_ahead_depth,

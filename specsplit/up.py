@@ -147,6 +147,8 @@ def child_commands(
             args.cuda_graphs,
             "--kv-memory-fraction",
             str(args.kv_memory_fraction),
+            "--kv-dtype",
+            args.kv_dtype,
             "--decode-ahead",
             args.decode_ahead,
             "--decode-ahead-max-batch",

@@ -35,6 +35,24 @@ from verifier.warmup import GRAPH_QUERY_LENS, PREFILL_QUERY_LENS, graphs_reserve
 log = logging.getLogger(__name__)
 
 
+def check_kv_dtype(
+    kv_dtype: torch.dtype | None, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV pool's dtype: the model's, or float16 under a float32 model on the CPU (the C
+    layer stores K and V rounded to float16 and widens them as it reads them: half the bytes a
+    long context's step streams; the target is then that model with a float16 cache, for
+    target-only and speculative rounds alike). Anything else is refused: the GPU's kernels read
+    the model's dtype."""
+    if kv_dtype is None or kv_dtype == model_dtype:
+        return model_dtype
+    if kv_dtype == torch.float16 and model_dtype == torch.float32 and device.type == "cpu":
+        return kv_dtype
+    raise ValueError(
+        f"a {kv_dtype} KV cache under a {model_dtype} model on {device.type}: only float16 under"
+        " float32 on the CPU"
+    )
+
+
 class EngineOptions(TypedDict, total=False):
     """`EngineSetup.for_model`'s keywords, which `load` passes on (its defaults there)."""
 
@@ -47,6 +65,7 @@ class EngineOptions(TypedDict, total=False):
     decode_ahead_max_batch: int
     synthetic_acceptance: tuple[float, ...] | None
     lookup_min_ngram: int
+    kv_dtype: torch.dtype | None
 
 
 class EngineSetup(SeqMemory):
@@ -210,12 +229,15 @@ class EngineSetup(SeqMemory):
         decode_ahead_max_batch: int = 64,
         synthetic_acceptance: tuple[float, ...] | None = None,
         lookup_min_ngram: int = LOOKUP_MIN_NGRAM,
+        kv_dtype: torch.dtype | None = None,
     ) -> Self:
         """An engine over a loaded model, on the model's device and in its dtype. num_pages
         None: 2048 on the CPU; on a GPU, `kv_memory_fraction` of the memory free after loading
         the weights (less room kept for the CUDA graphs' logits). synthetic_acceptance:
-        benchmarks only, not lossless (see __init__)."""
-        config, dtype, device = model.config, model.dtype, model.device
+        benchmarks only, not lossless (see __init__). kv_dtype: the KV pool's (None: the
+        model's); float16 under a float32 model on the CPU only (`check_kv_dtype`)."""
+        config, device = model.config, model.device
+        dtype = check_kv_dtype(kv_dtype, model.dtype, device)
         num_pages = pool_num_pages(
             num_pages,
             device,

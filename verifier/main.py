@@ -32,6 +32,7 @@ async def serve(
     graph_query_lens: tuple[int, ...] = GRAPH_QUERY_LENS,
     graph_max_batch: int = 64,
     kv_memory_fraction: float = 0.8,
+    kv_dtype: str | None = None,
     decode_ahead: bool = False,
     decode_ahead_max_batch: int = 64,
     decode_ahead_depth: int = DECODE_AHEAD_DEPTH,
@@ -45,7 +46,8 @@ async def serve(
     """Listen on `address`, load the target model off the event loop, SERVING once warm;
     return after SIGTERM / SIGINT and a graceful stop. tls: mutual TLS (specsplit.tls), None =
     plaintext. graph_query_lens, graph_max_batch (the engine's max_batch_size: its graphs'
-    largest batch), kv_memory_fraction, decode_ahead, decode_ahead_max_batch,
+    largest batch), kv_memory_fraction, kv_dtype (a torch dtype's name, None: the model's),
+    decode_ahead, decode_ahead_max_batch,
     decode_ahead_depth (verifier/ahead_depth.py, 0 = auto), lookup_min_ngram,
     synthetic_acceptance (benchmarks only, not lossless): VerifierEngine.load's. engine_calls:
     --engine-calls (specsplit.engine_servicer.calls_on_loop); idle_poll_s: --idle-poll-ms
@@ -61,6 +63,7 @@ async def serve(
         num_pages=num_pages,
         page_size=page_size,
         kv_memory_fraction=kv_memory_fraction,
+        kv_dtype=None if kv_dtype is None else torch_dtype(kv_dtype),
         graph_query_lens=graph_query_lens,
         max_batch_size=graph_max_batch,
         decode_ahead=decode_ahead,

@@ -12,6 +12,11 @@
  * key_slots[key_start[t]...]; visible: all, or where masks[mask_start[t] + j] is nonzero), a
  * softmax over them (max, expf, sum in key order), the values summed in key order. A hidden
  * key is skipped, so a row's output does not move with keys hidden from it.
+ *
+ * The cache is float32, or float16 (S->kv_half: half the bytes a long context's step streams):
+ * K and V rounded to float16 once, as they are stored, and widened back to float32 a block of
+ * keys at a time before the same float32 operations read them (kv_rows), so a row's bits still
+ * do not depend on the rest of the step.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -58,15 +63,16 @@ typedef struct {
     const uint8_t *masks;        /* visibility rows, or NULL */
     const int64_t *mask_start;   /* [T] row t's visibility row in masks, -1: every key */
     int64_t max_keys;            /* >= every num_keys */
-    int64_t kv_slot_stride;      /* floats from a slot's K (or V) to the next slot's, a head */
-    int64_t kv_head_stride;      /* floats from a KV head's K (or V) to the next head's, a slot */
+    int64_t kv_slot_stride;      /* elements from a slot's K (or V) to the next slot's, a head */
+    int64_t kv_head_stride;      /* elements from a KV head's K (or V) to the next head's, a slot */
     float scale;
     int lanes, threads;
+    int kv_half;    /* the cache float16 (uint16_t elements; the strides count elements) */
     float *scratch; /* layer_scratch_floats(...) floats */
 } Step;
 
 #define AVX512 __attribute__((target("avx512f")))
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c"))) /* every AVX2 CPU has F16C */
 #define ALWAYS_INLINE __attribute__((always_inline)) inline
 
 /* ---------------------------------------------------------------- a row's dot and axpy */
@@ -111,6 +117,66 @@ AVX2 static void axpy8(float *y, float p, const float *x, int64_t n) {
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = fmaf(p, x[i], y[i]);
+}
+
+/* ---------------------------------------------------------------- a float16 cache */
+
+/* out[i] = src[i] (float16) as float32, i < n (exact) */
+AVX2 static void widen8(float *out, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(src[i]);
+}
+
+AVX512 static void widen16(float *out, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    widen8(out + i, src + i, n - i);
+}
+
+/* dst[i] = src[i] rounded to float16 (to nearest, ties to even: torch's .to(torch.float16)) */
+AVX2 static void narrow_row(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* 16 (8) lanes of a float32 or a float16 cache from element `at` of `base`, as float32 */
+#define LOAD16(base, at) _mm512_loadu_ps((const float *)(base) + (at))
+#define LOAD16H(base, at) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(base) + (at))))
+#define LOAD8(base, at) _mm256_loadu_ps((const float *)(base) + (at))
+#define LOAD8H(base, at) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(base) + (at))))
+
+/* element `offset` of a layer's K (or V) cache, float32 or float16 (S->kv_half) */
+static inline const void *kv_at(const Step *S, const void *cache, int64_t offset) {
+    return S->kv_half ? (const void *)((const uint16_t *)cache + offset) : (const void *)((const float *)cache + offset);
+}
+
+/* a KV head's keys (or values) as the attention's readers take them: key j's row from element
+ * slots[j] * stride of base, float16 where `half` (widened as it is loaded, LOAD16H / LOAD8H) */
+typedef struct {
+    const void *base;
+    const int64_t *slots;
+    int64_t stride;
+    int half;
+} Rows;
+
+/* the keys at slots[0 ..] of a KV head's cache from `head` (kv_at's) */
+static Rows kv_rows(const Step *S, const void *head, const int64_t *slots) {
+    return (Rows){head, slots, S->kv_slot_stride, S->kv_half};
+}
+
+/* key j's row [width] of `rows` as float32: the cache's own, or widened into buf */
+static const float *kv_row(Rows rows, int64_t j, int64_t width, int lanes, float *buf) {
+    int64_t at = rows.slots[j] * rows.stride;
+    if (!rows.half) return (const float *)rows.base + at;
+    if (lanes == 16)
+        widen16(buf, (const uint16_t *)rows.base + at, width);
+    else
+        widen8(buf, (const uint16_t *)rows.base + at, width);
+    return buf;
 }
 
 /* ---------------------------------------------------------------- rows */
@@ -263,10 +329,10 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
 /* scores[j] = (q . k_j) * scale for j < n, 16 keys at a time: dot16's products in its order and
  * its lane sums (sums16), so the same bits; returns the largest over the visible keys (scores of
  * hidden keys are written but never read); keys: the cache's first slot at this head */
-#define SCORES16(CHUNKS)                                                                           \
-    AVX512 static float scores16_##CHUNKS(float *scores, const float *q, const uint8_t *visible,  \
-                                          const int64_t *slots, int64_t n, const float *keys,     \
-                                          int64_t slot_stride, float scale) {                     \
+#define SCORES16(NAME, CHUNKS, LOAD)                                                               \
+    AVX512 static float NAME(float *scores, const float *q, const uint8_t *visible,               \
+                             const int64_t *slots, int64_t n, const void *keys,                    \
+                             int64_t slot_stride, float scale) {                                   \
         __m512 qv[CHUNKS];                                                                         \
         for (int c = 0; c < CHUNKS; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                      \
         __m512 top = _mm512_set1_ps(-INFINITY), scale_v = _mm512_set1_ps(scale);                   \
@@ -276,9 +342,9 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
             for (int i = 0; i < 16; i++) {                                                         \
                 __m512 sum = _mm512_setzero_ps();                                                  \
                 if (i < m) {                                                                       \
-                    const float *k = keys + slots[j0 + i] * slot_stride;                           \
+                    int64_t at = slots[j0 + i] * slot_stride;                                      \
                     for (int c = 0; c < CHUNKS; c++)                                               \
-                        sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), sum);            \
+                        sum = _mm512_fmadd_ps(qv[c], LOAD(keys, at + 16 * c), sum);                \
                 }                                                                                  \
                 a[SUMS16_SLOT[i]] = sum;                                                           \
             }                                                                                      \
@@ -292,8 +358,10 @@ AVX512 int64_t layer_sums16_mismatches(int64_t blocks) {
         }                                                                                          \
         return _mm512_reduce_max_ps(top);                                                          \
     }
-SCORES16(4)
-SCORES16(8)
+SCORES16(scores16_4, 4, LOAD16)
+SCORES16(scores16_8, 8, LOAD16)
+SCORES16(scores16h_4, 4, LOAD16H)
+SCORES16(scores16h_8, 8, LOAD16H)
 
 /* where sums8 takes key i's vector (a 2 x 4 transpose) */
 static const int SUMS8_SLOT[8] = {0, 2, 4, 6, 1, 3, 5, 7};
@@ -335,10 +403,10 @@ AVX2 int64_t layer_sums8_mismatches(int64_t blocks) {
 /* scores16 with AVX2: scores[j] = (q . k_j) * scale for j < n, 8 keys at a time, dot8's
  * products in its order and its lane sums (sums8), so the same bits; returns the largest over
  * the visible keys (scores of hidden keys are written but never read) */
-#define SCORES8(CHUNKS)                                                                            \
-    AVX2 static float scores8_##CHUNKS(float *scores, const float *q, const uint8_t *visible,     \
-                                       const int64_t *slots, int64_t n, const float *keys,        \
-                                       int64_t slot_stride, float scale) {                        \
+#define SCORES8(NAME, CHUNKS, LOAD)                                                                \
+    AVX2 static float NAME(float *scores, const float *q, const uint8_t *visible,                  \
+                           const int64_t *slots, int64_t n, const void *keys, int64_t slot_stride, \
+                           float scale) {                                                          \
         __m256 qv[CHUNKS];                                                                         \
         for (int c = 0; c < CHUNKS; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);                       \
         float top = -INFINITY;                                                                     \
@@ -348,9 +416,9 @@ AVX2 int64_t layer_sums8_mismatches(int64_t blocks) {
             for (int i = 0; i < 8; i++) {                                                          \
                 __m256 sum = _mm256_setzero_ps();                                                  \
                 if (i < m) {                                                                       \
-                    const float *k = keys + slots[j0 + i] * slot_stride;                           \
+                    int64_t at = slots[j0 + i] * slot_stride;                                      \
                     for (int c = 0; c < CHUNKS; c++)                                               \
-                        sum = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), sum);             \
+                        sum = _mm256_fmadd_ps(qv[c], LOAD(keys, at + 8 * c), sum);                 \
                 }                                                                                  \
                 a[SUMS8_SLOT[i]] = sum;                                                            \
             }                                                                                      \
@@ -363,8 +431,10 @@ AVX2 int64_t layer_sums8_mismatches(int64_t blocks) {
         }                                                                                          \
         return top;                                                                                \
     }
-SCORES8(8)
-SCORES8(16)
+SCORES8(scores8_8, 8, LOAD8)
+SCORES8(scores8_16, 16, LOAD8)
+SCORES8(scores8h_8, 8, LOAD8H)
+SCORES8(scores8h_16, 16, LOAD8H)
 
 /* scores[j] = e^(scores[j] - top) for j < n, 16 at a time (entries of hidden keys too: unread) */
 AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
@@ -383,50 +453,56 @@ AVX512 static void softmax_weights16(float *scores, int64_t n, float top) {
  * sum of the p[j]: axpy16's operations in its order, the sums kept in registers (no store and
  * reload of out between keys), so keys in pieces (out and total carried from piece to piece) give
  * the bits of one call; values: the cache's first slot at this head */
-#define WEIGH16(CHUNKS)                                                                            \
-    AVX512 static float weigh16_##CHUNKS(float *out, const float *p, const uint8_t *visible,      \
-                                         const int64_t *slots, int64_t n, const float *values,    \
-                                         int64_t slot_stride, float total) {                      \
+#define WEIGH16(NAME, CHUNKS, LOAD)                                                                \
+    AVX512 static float NAME(float *out, const float *p, const uint8_t *visible,                   \
+                             const int64_t *slots, int64_t n, const void *values,                  \
+                             int64_t slot_stride, float total) {                                   \
         __m512 acc[CHUNKS];                                                                        \
         for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_loadu_ps(out + 16 * c);                   \
         for (int64_t j = 0; j < n; j++) {                                                          \
             if (visible && !visible[j]) continue;                                                  \
             total += p[j];                                                                         \
-            const float *v = values + slots[j] * slot_stride;                                      \
+            int64_t at = slots[j] * slot_stride;                                                   \
             __m512 pv = _mm512_set1_ps(p[j]);                                                      \
             for (int c = 0; c < CHUNKS; c++)                                                       \
-                acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * c), acc[c]);                \
+                acc[c] = _mm512_fmadd_ps(pv, LOAD(values, at + 16 * c), acc[c]);                  \
         }                                                                                          \
         for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);                   \
         return total;                                                                              \
     }
-WEIGH16(1)
-WEIGH16(2)
-WEIGH16(4)
-WEIGH16(8)
+WEIGH16(weigh16_1, 1, LOAD16)
+WEIGH16(weigh16_2, 2, LOAD16)
+WEIGH16(weigh16_4, 4, LOAD16)
+WEIGH16(weigh16_8, 8, LOAD16)
+WEIGH16(weigh16h_1, 1, LOAD16H)
+WEIGH16(weigh16h_2, 2, LOAD16H)
+WEIGH16(weigh16h_4, 4, LOAD16H)
+WEIGH16(weigh16h_8, 8, LOAD16H)
 
 /* weigh16 with AVX2: out [8 * CHUNKS] += the sum over the visible keys j of p[j] * v_j, and
  * returns total plus the sum of the p[j]: axpy8's operations in its order (each lane's FMAs key
  * by key), the sums in registers rather than stored and reloaded a key (a chain through memory) */
-#define WEIGH8(CHUNKS)                                                                             \
-    AVX2 static float weigh8_##CHUNKS(float *out, const float *p, const uint8_t *visible,          \
-                                      const int64_t *slots, int64_t n, const float *values,        \
-                                      int64_t slot_stride, float total) {                          \
+#define WEIGH8(NAME, CHUNKS, LOAD)                                                                 \
+    AVX2 static float NAME(float *out, const float *p, const uint8_t *visible,                     \
+                           const int64_t *slots, int64_t n, const void *values,                    \
+                           int64_t slot_stride, float total) {                                     \
         __m256 acc[CHUNKS];                                                                        \
         for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);                    \
         for (int64_t j = 0; j < n; j++) {                                                          \
             if (visible && !visible[j]) continue;                                                  \
             total += p[j];                                                                         \
-            const float *v = values + slots[j] * slot_stride;                                      \
+            int64_t at = slots[j] * slot_stride;                                                   \
             __m256 pv = _mm256_set1_ps(p[j]);                                                      \
             for (int c = 0; c < CHUNKS; c++)                                                       \
-                acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);                 \
+                acc[c] = _mm256_fmadd_ps(pv, LOAD(values, at + 8 * c), acc[c]);                   \
         }                                                                                          \
         for (int c = 0; c < CHUNKS; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);                    \
         return total;                                                                              \
     }
-WEIGH8(8)
-WEIGH8(16)
+WEIGH8(weigh8_8, 8, LOAD8)
+WEIGH8(weigh8_16, 16, LOAD8)
+WEIGH8(weigh8h_8, 8, LOAD8H)
+WEIGH8(weigh8h_16, 16, LOAD8H)
 
 /* ---------------------------------------------------------------- keys across lanes */
 
@@ -458,12 +534,17 @@ AVX512 static inline void transpose16(__m512 r[16]) {
 
 /* kt[16 * c + l] = lane l of chunk c (16 floats) of the keys at slots[0 .. m - 1], key i's in
  * lane i (0 past m): a block of keys across the lanes, read once for every query it meets */
-AVX512 static void keys_across(__m512 *kt, const float *keys, const int64_t *slots, int64_t m,
-                               int64_t slot_stride, int chunks) {
+AVX512 static void keys_across(__m512 *kt, Rows keys, int64_t m, int chunks) {
     for (int c = 0; c < chunks; c++) {
         __m512 r[16];
-        for (int i = 0; i < 16; i++)
-            r[i] = i < m ? _mm512_loadu_ps(keys + slots[i] * slot_stride + 16 * c) : _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            if (i >= m) {
+                r[i] = _mm512_setzero_ps();
+                continue;
+            }
+            int64_t at = keys.slots[i] * keys.stride + 16 * c;
+            r[i] = keys.half ? LOAD16H(keys.base, at) : LOAD16(keys.base, at);
+        }
         transpose16(r);
         for (int l = 0; l < 16; l++) kt[16 * c + l] = r[l];
     }
@@ -526,10 +607,10 @@ SCORES_ACROSS(8)
  * operations weigh16's (a key hidden from query p, or past its keys, has w[p][j] 0: adding 0 * v
  * and 0 leaves the sums' bits as skipping the key does, the sums never being -0). The PAIRS
  * queries' sums stay in registers while each key's V is read once for all of them */
-#define WEIGH_ACROSS(CHUNKS, PAIRS)                                                               \
-    AVX512 static void weigh_across_##CHUNKS(float *const out[PAIRS], const float (*w)[16],      \
-                                             float *total, const int64_t *slots, int64_t m,       \
-                                             const float *values, int64_t slot_stride) {          \
+#define WEIGH_ACROSS(NAME, CHUNKS, PAIRS, LOAD)                                                    \
+    AVX512 static void NAME(float *const out[PAIRS], const float (*w)[16], float *total,           \
+                            const int64_t *slots, int64_t m, const void *values,                   \
+                            int64_t slot_stride) {                                                 \
         __m512 acc[PAIRS][CHUNKS];                                                                 \
         float sum[PAIRS];                                                                          \
         for (int p = 0; p < PAIRS; p++) {                                                          \
@@ -537,9 +618,9 @@ SCORES_ACROSS(8)
             for (int c = 0; c < CHUNKS; c++) acc[p][c] = _mm512_loadu_ps(out[p] + 16 * c);         \
         }                                                                                          \
         for (int64_t j = 0; j < m; j++) {                                                          \
-            const float *v = values + slots[j] * slot_stride;                                      \
+            int64_t at = slots[j] * slot_stride;                                                   \
             __m512 vv[CHUNKS];                                                                     \
-            for (int c = 0; c < CHUNKS; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);                  \
+            for (int c = 0; c < CHUNKS; c++) vv[c] = LOAD(values, at + 16 * c);                    \
             for (int p = 0; p < PAIRS; p++) {                                                      \
                 __m512 pv = _mm512_set1_ps(w[p][j]);                                               \
                 sum[p] += w[p][j];                                                                 \
@@ -553,50 +634,66 @@ SCORES_ACROSS(8)
     }
 #define WEIGH_PAIRS_4 6 /* weigh_across_4's queries: 24 sums and a key's 4 V vectors in registers */
 #define WEIGH_PAIRS_8 2
-WEIGH_ACROSS(4, WEIGH_PAIRS_4)
-WEIGH_ACROSS(8, WEIGH_PAIRS_8)
+WEIGH_ACROSS(weigh_across_4, 4, WEIGH_PAIRS_4, LOAD16)
+WEIGH_ACROSS(weigh_across_8, 8, WEIGH_PAIRS_8, LOAD16)
+WEIGH_ACROSS(weigh_acrossh_4, 4, WEIGH_PAIRS_4, LOAD16H)
+WEIGH_ACROSS(weigh_acrossh_8, 8, WEIGH_PAIRS_8, LOAD16H)
+
+/* the scores of m keys (scores16 / scores8, head_dim 64 or 128) */
+static float scores_block(const Step *S, int64_t d, float *scores, const float *q, const uint8_t *visible,
+                          Rows k, int64_t m) {
+    float (*fn)(float *, const float *, const uint8_t *, const int64_t *, int64_t, const void *, int64_t, float);
+    if (S->lanes == 16)
+        fn = d == 64 ? (k.half ? scores16h_4 : scores16_4) : (k.half ? scores16h_8 : scores16_8);
+    else
+        fn = d == 64 ? (k.half ? scores8h_8 : scores8_8) : (k.half ? scores8h_16 : scores8_16);
+    return fn(scores, q, visible, k.slots, m, k.base, k.stride, S->scale);
+}
+
+/* out [d] += m values' weighted sums (weigh16 / weigh8, head_dim 64 or 128) */
+static float weigh_block(const Step *S, int64_t d, float *out, const float *p, const uint8_t *visible,
+                         Rows v, int64_t m, float total) {
+    float (*fn)(float *, const float *, const uint8_t *, const int64_t *, int64_t, const void *, int64_t, float);
+    if (S->lanes == 16)
+        fn = d == 64 ? (v.half ? weigh16h_4 : weigh16_4) : (v.half ? weigh16h_8 : weigh16_8);
+    else
+        fn = d == 64 ? (v.half ? weigh8h_8 : weigh8_8) : (v.half ? weigh8h_16 : weigh8_16);
+    return fn(out, p, visible, v.slots, m, v.base, v.stride, total);
+}
 
 /* row t, head h of the attention: q [head_dim] -> out [head_dim]; scores: max_keys floats */
 static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, const float *q,
-                       const float *k_cache, const float *v_cache, float *scores, float *out) {
-    int64_t d = L->head_dim, groups = L->num_heads / L->num_kv_heads;
-    int64_t slot_stride = S->kv_slot_stride, head_offset = (h / groups) * S->kv_head_stride;
+                       const void *k_cache, const void *v_cache, float *scores, float *out) {
+    int64_t d = L->head_dim, head_offset = (h / (L->num_heads / L->num_kv_heads)) * S->kv_head_stride;
     const int64_t *slots = S->key_slots + S->key_start[t];
+    Rows keys = kv_rows(S, kv_at(S, k_cache, head_offset), slots);
+    Rows values = kv_rows(S, kv_at(S, v_cache, head_offset), slots);
     int64_t n = S->num_keys[t];
     const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-    float total = 0.0f;
-    if (S->lanes == 16 && (d == 64 || d == 128)) {
-        const float *keys = k_cache + head_offset, *values = v_cache + head_offset;
-        float top = d == 64 ? scores16_4(scores, q, visible, slots, n, keys, slot_stride, S->scale)
-                            : scores16_8(scores, q, visible, slots, n, keys, slot_stride, S->scale);
-        softmax_weights16(scores, n, top);
-        memset(out, 0, (size_t)d * sizeof(float));
-        total = d == 64 ? weigh16_4(out, scores, visible, slots, n, values, slot_stride, 0.0f)
-                        : weigh16_8(out, scores, visible, slots, n, values, slot_stride, 0.0f);
-    } else if (S->lanes == 8 && (d == 64 || d == 128)) { /* the same with AVX2 */
-        const float *keys = k_cache + head_offset, *values = v_cache + head_offset;
-        float top = d == 64 ? scores8_8(scores, q, visible, slots, n, keys, slot_stride, S->scale)
-                            : scores8_16(scores, q, visible, slots, n, keys, slot_stride, S->scale);
-        exp8_n(scores, scores, n, top); /* hidden keys' entries too: unread */
-        memset(out, 0, (size_t)d * sizeof(float));
-        total = d == 64 ? weigh8_8(out, scores, visible, slots, n, values, slot_stride, 0.0f)
-                        : weigh8_16(out, scores, visible, slots, n, values, slot_stride, 0.0f);
+    float total = 0.0f, top = -INFINITY;
+    memset(out, 0, (size_t)d * sizeof(float));
+    if (d == 64 || d == 128) {
+        top = scores_block(S, d, scores, q, visible, keys, n);
+        if (S->lanes == 16)
+            softmax_weights16(scores, n, top);
+        else
+            exp8_n(scores, scores, n, top); /* hidden keys' entries too: unread */
+        total = weigh_block(S, d, out, scores, visible, values, n, 0.0f);
     } else {
-        float top = -INFINITY;
+        float buf[512]; /* a key widened from a float16 cache (MAX_HEAD_DIM 512) */
         for (int64_t j = 0; j < n; j++) {
             if (visible && !visible[j]) continue;
-            const float *k = k_cache + slots[j] * slot_stride + head_offset;
+            const float *k = kv_row(keys, j, d, S->lanes, buf);
             float s = (S->lanes == 16 ? dot16(q, k, d) : dot8(q, k, d)) * S->scale;
             scores[j] = s;
             if (s > top) top = s;
         }
-        for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
         if (S->lanes == 8) exp8_n(scores, scores, n, top); /* hidden keys' entries unread */
         for (int64_t j = 0; j < n; j++) {
             if (visible && !visible[j]) continue;
             float p = S->lanes == 8 ? scores[j] : expf(scores[j] - top);
             total += p;
-            const float *v = v_cache + slots[j] * slot_stride + head_offset;
+            const float *v = kv_row(values, j, d, S->lanes, buf);
             if (S->lanes == 16)
                 axpy16(out, p, v, d);
             else
@@ -669,12 +766,13 @@ int64_t layer_weigh_across_from(int64_t pairs) { return swap_setting(&weigh_acro
  * turn, p = r * G + g. q: wide's rows (qkv_width apart); scores: R * G * max_keys floats; out:
  * the step's attention rows [T, num_heads * d] */
 AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
-                                const float *wide, int64_t qkv_width, const float *k_cache,
-                                const float *v_cache, float *scores, float *out) {
+                                const float *wide, int64_t qkv_width, const void *k_cache,
+                                const void *v_cache, float *scores, float *out) {
     int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G, pairs = R * G;
-    int64_t slot_stride = S->kv_slot_stride, q_width = L->num_heads * d, most = 0;
+    int64_t q_width = L->num_heads * d, most = 0;
     const int64_t *slots = S->key_slots + S->key_start[t0];
-    const float *keys = k_cache + kv * S->kv_head_stride, *values = v_cache + kv * S->kv_head_stride;
+    Rows keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
+    Rows values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride), slots);
     float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
     const float *queries[BLOCK_ROWS * MAX_GROUP];
     float *outs[BLOCK_ROWS * MAX_GROUP];
@@ -697,11 +795,13 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
         }
     }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
-        int64_t p = 0;
+        int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
+        Rows k = keys;
+        k.slots += j0;
         if (across) {
             __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
             block_masks(S, t0, R, visible, j0, written, live);
-            keys_across(kt, keys, slots + j0, most - j0 < 16 ? most - j0 : 16, slot_stride, (int)(d / 16));
+            keys_across(kt, k, mb, (int)(d / 16));
             for (; p + ACROSS <= pairs; p += ACROSS) {
                 Across s = d == 64 ? scores_across_4(queries + p, kt) : scores_across_8(queries + p, kt);
                 for (int i = 0; i < ACROSS; i++) {
@@ -717,9 +817,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
             int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
             if (m <= 0) continue;
             const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            float *sp = scores + p * S->max_keys + j0;
-            float block = d == 64 ? scores16_4(sp, queries[p], seen, slots + j0, m < 16 ? m : 16, keys, slot_stride, S->scale)
-                                  : scores16_8(sp, queries[p], seen, slots + j0, m < 16 ? m : 16, keys, slot_stride, S->scale);
+            float block = scores_block(S, d, scores + p * S->max_keys + j0, queries[p], seen, k, m < 16 ? m : 16);
             top[p] = block > top[p] ? block : top[p];
         }
     }
@@ -730,6 +828,8 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
     }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
         int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
+        Rows v = values;
+        v.slots += j0;
         if (weigh_across) {
             __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
             block_masks(S, t0, R, visible, j0, written, live);
@@ -737,19 +837,16 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 float w[WEIGH_PAIRS_4][16];
                 for (int i = 0; i < weigh_pairs; i++)
                     _mm512_storeu_ps(w[i], _mm512_maskz_loadu_ps(live[(p + i) / G], scores + (p + i) * S->max_keys + j0));
-                if (d == 64)
-                    weigh_across_4(outs + p, w, total + p, slots + j0, mb, values, slot_stride);
-                else
-                    weigh_across_8(outs + p, w, total + p, slots + j0, mb, values, slot_stride);
+                void (*fn)(float *const *, const float (*)[16], float *, const int64_t *, int64_t, const void *, int64_t);
+                fn = d == 64 ? (v.half ? weigh_acrossh_4 : weigh_across_4) : (v.half ? weigh_acrossh_8 : weigh_across_8);
+                fn(outs + p, w, total + p, v.slots, mb, v.base, v.stride);
             }
         }
         for (; p < pairs; p++) {
             int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
             if (m <= 0) continue;
             const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            const float *pp = scores + p * S->max_keys + j0;
-            total[p] = d == 64 ? weigh16_4(outs[p], pp, seen, slots + j0, m < 16 ? m : 16, values, slot_stride, total[p])
-                               : weigh16_8(outs[p], pp, seen, slots + j0, m < 16 ? m : 16, values, slot_stride, total[p]);
+            total[p] = weigh_block(S, d, outs[p], scores + p * S->max_keys + j0, seen, v, m < 16 ? m : 16, total[p]);
         }
     }
     for (int64_t p = 0; p < pairs; p++) {
@@ -802,15 +899,16 @@ static int64_t split_lanes(const Layer *L, const Step *S) {
 }
 
 /* out [16 * chunks] += weigh16's sums (chunks 1, 2, 4 or 8) */
-AVX512 static float weigh16_n(int64_t chunks, float *out, const float *p, const uint8_t *visible,
-                              const int64_t *slots, int64_t n, const float *values,
-                              int64_t slot_stride, float total) {
+AVX512 static float weigh16_n(int64_t chunks, float *out, const float *p, const uint8_t *visible, Rows v,
+                              int64_t n, float total) {
+    float (*fn)(float *, const float *, const uint8_t *, const int64_t *, int64_t, const void *, int64_t, float);
     switch (chunks) {
-    case 1: return weigh16_1(out, p, visible, slots, n, values, slot_stride, total);
-    case 2: return weigh16_2(out, p, visible, slots, n, values, slot_stride, total);
-    case 4: return weigh16_4(out, p, visible, slots, n, values, slot_stride, total);
-    default: return weigh16_8(out, p, visible, slots, n, values, slot_stride, total);
+    case 1: fn = v.half ? weigh16h_1 : weigh16_1; break;
+    case 2: fn = v.half ? weigh16h_2 : weigh16_2; break;
+    case 4: fn = v.half ? weigh16h_4 : weigh16_4; break;
+    default: fn = v.half ? weigh16h_8 : weigh16_8;
     }
+    return fn(out, p, visible, v.slots, n, v.base, v.stride, total);
 }
 
 /* pieces of SPLIT_KEYS keys a row of at most max_keys keys has */
@@ -831,10 +929,10 @@ static int64_t piece_end(const Step *S, int64_t t, int64_t j0) {
  * the weights' total in the same order in each. q: wide's rows (qkv_width apart); scores: the
  * step's [T, num_heads, max_keys]; tops: [T, num_kv_heads, key_pieces, G]; out: [T, num_heads, d] */
 AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide, int64_t qkv_width,
-                                const float *k_cache, const float *v_cache, float *scores, float *tops,
+                                const void *k_cache, const void *v_cache, float *scores, float *tops,
                                 float *out) {
     int64_t T = S->num_tokens, KV = L->num_kv_heads, d = L->head_dim, G = L->num_heads / KV;
-    int64_t slot_stride = S->kv_slot_stride, pieces = key_pieces(S->max_keys);
+    int64_t pieces = key_pieces(S->max_keys);
     int64_t width = split_lanes(L, S), lane_pieces = d / width;
     int64_t key_units = T * KV * pieces, lane_units = T * KV * lane_pieces;
 #pragma omp parallel num_threads(S->threads)
@@ -845,17 +943,17 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t end = piece_end(S, t, j0);
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            const float *keys = k_cache + kv * S->kv_head_stride, *q = wide + t * qkv_width + kv * G * d;
+            Rows keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
+            const float *q = wide + t * qkv_width + kv * G * d;
             float *top = tops + u * G, *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
             for (int64_t j = j0; j < end; j += 16) {
                 int64_t m = end - j < 16 ? end - j : 16;
                 const uint8_t *seen = visible ? visible + j : NULL;
+                Rows k = keys;
+                k.slots += j;
                 for (int64_t g = 0; g < G; g++) {
-                    float *sg = group_scores + g * S->max_keys + j;
-                    const float *qg = q + g * d;
-                    float block = d == 64 ? scores16_4(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale)
-                                          : scores16_8(sg, qg, seen, slots + j, m, keys, slot_stride, S->scale);
+                    float block = scores_block(S, d, group_scores + g * S->max_keys + j, q + g * d, seen, k, m);
                     top[g] = block > top[g] ? block : top[g];
                 }
             }
@@ -880,7 +978,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t lanes = u % lane_pieces * width, n = S->num_keys[t];
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            const float *values = v_cache + kv * S->kv_head_stride + lanes;
+            Rows values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride + lanes), slots);
             const float *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             float *group_out = out + (t * L->num_heads + kv * G) * d + lanes, total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
@@ -890,10 +988,11 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             for (int64_t j = 0; j < n; j += 16) {
                 int64_t m = n - j < 16 ? n - j : 16;
                 const uint8_t *seen = visible ? visible + j : NULL;
+                Rows v = values;
+                v.slots += j;
                 for (int64_t g = 0; g < G; g++) {
                     const float *pg = group_scores + g * S->max_keys + j;
-                    total[g] = weigh16_n(width / 16, group_out + g * d, pg, seen, slots + j, m,
-                                         values, slot_stride, total[g]);
+                    total[g] = weigh16_n(width / 16, group_out + g * d, pg, seen, v, m, total[g]);
                 }
             }
             for (int64_t g = 0; g < G; g++) {
@@ -1022,9 +1121,10 @@ static void silu_and_mul(const Step *S, const float *wide, float *act, int64_t T
 }
 
 /* h [T, hidden] (the residual stream) through the layer, in place; k_cache / v_cache
- * [num_slots, num_kv_heads, head_dim] this layer's (S's strides: on the CPU a KV head's slots
- * are contiguous, specsplit/kv_cache.py's heads_outer), the step's K/V written at slot_mapping */
-void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, float *v_cache) {
+ * [num_slots, num_kv_heads, head_dim] this layer's, float32 or float16 (S->kv_half; S's strides:
+ * on the CPU a KV head's slots are contiguous, specsplit/kv_cache.py's heads_outer), the step's
+ * K/V written at slot_mapping */
+void layer_forward(const Layer *L, const Step *S, float *h, void *k_cache, void *v_cache) {
     int64_t T = S->num_tokens, H = L->hidden, d = L->head_dim;
     int64_t q_width = L->num_heads * d, kv_width = L->num_kv_heads * d;
     int64_t qkv_width = q_width + 2 * kv_width, inter = L->inter;
@@ -1052,10 +1152,15 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
             if (L->k_norm) rms_norm_row(kh, kh, L->k_norm, d, L->eps);
             rope_row(kh, cos, sin, d);
         }
-        int64_t slot = S->slot_mapping[t] * S->kv_slot_stride;
         for (int64_t head = 0; head < L->num_kv_heads; head++) {
-            memcpy(k_cache + slot + head * S->kv_head_stride, k + head * d, d * sizeof(float));
-            memcpy(v_cache + slot + head * S->kv_head_stride, v + head * d, d * sizeof(float));
+            int64_t at = S->slot_mapping[t] * S->kv_slot_stride + head * S->kv_head_stride;
+            if (S->kv_half) {
+                narrow_row((uint16_t *)k_cache + at, k + head * d, d);
+                narrow_row((uint16_t *)v_cache + at, v + head * d, d);
+            } else {
+                memcpy((float *)k_cache + at, k + head * d, d * sizeof(float));
+                memcpy((float *)v_cache + at, v + head * d, d * sizeof(float));
+            }
         }
     }
     int64_t groups = L->num_heads / L->num_kv_heads;
@@ -1114,6 +1219,6 @@ void layer_forward(const Layer *L, const Step *S, float *h, float *k_cache, floa
  * k_caches[i] / v_caches[i]: a step's run of layers in one call (a call a layer cost the
  * embedded default's one-row step ~0.5 ms of Python and ctypes in its 30 calls) */
 void layers_forward(const Layer *const *layers, int64_t count, const Step *S, float *h,
-                    float *const *k_caches, float *const *v_caches) {
+                    void *const *k_caches, void *const *v_caches) {
     for (int64_t i = 0; i < count; i++) layer_forward(layers[i], S, h, k_caches[i], v_caches[i]);
 }

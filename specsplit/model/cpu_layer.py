@@ -10,7 +10,7 @@ on the rest of the step, as with the fixed-order GEMM.
 
 `SPECSPLIT_CPU_LAYER=0` keeps the torch layer (DecoderLayer.forward, this path's reference);
 the path needs the fixed-order route (specsplit/model/linear.py's `cpu_route`), float32
-activations and cache, and a head_dim of at most 512.
+activations, a float32 or float16 cache (`KV_DTYPES`), and a head_dim of at most 512.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from specsplit.switches import env_switch
 DecoderLayer = Any
 
 MAX_HEAD_DIM = 512  # cpu_layer.c's rope_row buffer
+# the caches it reads and writes: float32, or float16 (K and V rounded once as they are stored,
+# widened back as they are read: half the bytes a long context's step streams)
+KV_DTYPES = (torch.float32, torch.float16)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -79,6 +82,7 @@ class StepArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("lanes", ctypes.c_int),
         ("threads", ctypes.c_int),
+        ("kv_half", ctypes.c_int),
         ("scratch", _ptr),
     ]
 
@@ -152,7 +156,8 @@ def usable(hidden: torch.Tensor, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step of `hidden` takes this path (module docstring)."""
     return (
         hidden.device.type == "cpu"
-        and hidden.dtype == kv_dtype == torch.float32
+        and hidden.dtype == torch.float32
+        and kv_dtype in KV_DTYPES
         and not torch.is_grad_enabled()
         and head_dim <= MAX_HEAD_DIM
         and switch()
@@ -279,6 +284,7 @@ class CpuStep:
             first.head_dim**-0.5,
             lib.lanes,
             threads,
+            cache.dtype == torch.float16,
             None,
         )
         size = scratch_floats(ctypes.byref(layer_args(first)), num_tokens, max_keys, threads)

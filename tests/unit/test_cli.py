@@ -494,11 +494,13 @@ def test_up_child_envs_on_cpu_calm_openmp_and_keep_user_settings(
     assert all("GOMP_SPINCOUNT" not in env for env in kept.values())
 
 
-def test_verifier_cuda_graph_and_kv_memory_flags_reach_the_verifier_child() -> None:
-    argv = ["up", "--cuda-graphs", "9,1,5", "--kv-memory-fraction", "0.5"]
+def test_verifier_cuda_graph_and_kv_flags_reach_the_verifier_child() -> None:
+    argv = ["up", "--cuda-graphs", "9,1,5", "--kv-memory-fraction", "0.5", "--kv-dtype", "float16"]
     verifier = _child_args(up.child_commands(cli.parse_args(argv))["verifier"])
     assert cli_flags.graph_query_lens(verifier) == (1, 5, 9)
     assert verifier.kv_memory_fraction == 0.5
+    assert verifier.kv_dtype == "float16"
+    assert cli.parse_args(["serve-verifier"]).kv_dtype == "auto"
     off = cli.parse_args(["serve-verifier", "--cuda-graphs", "none"])
     assert cli_flags.graph_query_lens(off) == ()
     assert cli_flags.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)

@@ -65,8 +65,11 @@ def torch_layers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _kv(model: LlamaModel, page_size: int = 4, heads_outer: bool = True) -> KVCache:
-    return make_kv_cache(model.config, 96, page_size, torch.float32, "cpu", heads_outer)
+def _kv(
+    model: LlamaModel, page_size: int = 4, heads_outer: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> KVCache:  # fmt: skip
+    return make_kv_cache(model.config, 96, page_size, dtype, "cpu", heads_outer)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -74,10 +77,11 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _ragged_then_trees(
-    model: LlamaModel, page_size: int, heads_outer: bool = True
-) -> list[torch.Tensor]:
+    model: LlamaModel, page_size: int, heads_outer: bool = True,
+    kv_dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:  # fmt: skip
     """Three sequences prefilled together, then a tree step each: every forward's logits."""
-    kv = _kv(model, page_size, heads_outer)
+    kv = _kv(model, page_size, heads_outer, kv_dtype)
     prompts = [_tokens(n, seed) for seed, n in enumerate((7, 19, 2))]
     seqs = new_seqs(kv, [n + 8 for n in (7, 19, 2)], random.Random(page_size))
     out = [model(make_batch([causal_step(s, p) for s, p in zip(seqs, prompts, strict=True)]), kv)]
@@ -215,17 +219,19 @@ def attention_by(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_attention_by_kv_head_gives_the_bits_by_query_head(
-    model: LlamaModel, page_size: int
+    model: LlamaModel, page_size: int, kv_dtype: torch.dtype
 ) -> None:
     """Ragged prefills and trees (keys hidden from rows, blocks of 16 keys cut short): each query
-    head's operations are the same in attend_block as in attend_row, so the same logits."""
+    head's operations are the same in attend_block as in attend_row, so the same logits; from a
+    float16 cache too (each path's keys widened as they are loaded)."""
     with _attention("by query head"):
-        by_head = _ragged_then_trees(model, page_size)
+        by_head = _ragged_then_trees(model, page_size, kv_dtype=kv_dtype)
     for other in ("by KV head", "rows blocked", "rows blocked, keys across"):
         with _attention(other):
-            by_other = _ragged_then_trees(model, page_size)
+            by_other = _ragged_then_trees(model, page_size, kv_dtype=kv_dtype)
         for a, b in zip(by_head, by_other, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), other
 
@@ -259,14 +265,15 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def _long_rows(
-    model: LlamaModel, page_size: int, threads: int, heads_outer: bool = True
-) -> list[torch.Tensor]:
+    model: LlamaModel, page_size: int, threads: int, heads_outer: bool = True,
+    kv_dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:  # fmt: skip
     """A 601-token and a 9-token prompt prefilled together (the short row's pieces past its keys
     empty), then a decode step of the long one alone (one row), then a tree step each (nodes
     hidden from rows across a piece's edge): every forward's logits, on `threads` threads."""
     with _threads(threads):
         num_pages = 700 // page_size + 8
-        kv = make_kv_cache(model.config, num_pages, page_size, torch.float32, "cpu", heads_outer)
+        kv = make_kv_cache(model.config, num_pages, page_size, kv_dtype, "cpu", heads_outer)
         lengths = (601, 9)
         prompts = [_tokens(n, 10 + n) for n in lengths]
         seqs = new_seqs(kv, [n + 12 for n in lengths], random.Random(page_size))
@@ -280,21 +287,23 @@ def _long_rows(
         return [o.logits for o in out]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("by", ["keys split", "rows blocked", "rows blocked, keys across"])
 def test_long_rows_give_the_bits_by_query_head(
-    long_model: LlamaModel, page_size: int, by: str
+    long_model: LlamaModel, page_size: int, by: str, kv_dtype: torch.dtype
 ) -> None:
     """attend_split's pieces (scores by pieces of keys, their largest merged by max, the weighted
     sums by lanes of head_dim) and attend_block's blocks of rows (a 601-row prefill: 38 blocks,
     their rows' keys ending apart, the 9-token prompt's rows a block of their own) keep each
     query head's operations: attend_row's logits, on 2, 3 and 5 threads (attend_split's weighted
-    sums in pieces of a whole head's lanes, half and a quarter of them)."""
+    sums in pieces of a whole head's lanes, half and a quarter of them); from a float16 cache
+    too."""
     with _attention("by query head"):
-        want = _long_rows(long_model, page_size, 2)
+        want = _long_rows(long_model, page_size, 2, kv_dtype=kv_dtype)
     for threads in (2, 3, 5):
         with _attention(by):
-            got = _long_rows(long_model, page_size, threads)
+            got = _long_rows(long_model, page_size, threads, kv_dtype=kv_dtype)
         for a, b in zip(want, got, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -316,6 +325,57 @@ def test_a_slot_major_cache_gives_the_bits_of_a_heads_outer_one(
         got = _ragged_then_trees(long_model, page_size, heads_outer=False)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_float16_cache_holds_the_float32_values_rounded(
+    model: LlamaModel, page_size: int
+) -> None:
+    """The C layer stores K and V rounded to float16 as torch rounds them (to nearest, ties to
+    even): the first layer's, computed before any attention, are the float32 cache's rounded;
+    the logits stay near the float32 cache's."""
+    caches, logits = [], []
+    for dtype in (torch.float32, torch.float16):
+        kv = _kv(model, page_size, dtype=dtype)
+        (seq,) = new_seqs(kv, [40], random.Random(page_size))
+        logits.append(model(make_batch([causal_step(seq, _tokens(33, 4))]), kv).logits)
+        caches.append(kv.data[0])
+    assert caches[1].dtype == torch.float16
+    assert torch.equal(caches[0].to(torch.float16).view(torch.int16), caches[1].view(torch.int16))
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_float16_cache_equals_the_torch_layer_on_one(
+    model: LlamaModel, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch layer (the reference) reads a float16 cache widened to float32, as the C layer
+    does: the same logits within what a K or V rounded the other way moves them (each layer
+    stores its own K and V, a few ulp of float32 apart, so a rounding can go either way)."""
+    got = _ragged_then_trees(model, page_size, kv_dtype=torch.float16)
+    monkeypatch.setattr(cpu_layer, "switch", lambda: False)
+    want = _ragged_then_trees(model, page_size, kv_dtype=torch.float16)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=5e-3, rtol=0)
+
+
+def test_a_float16_cache_keeps_a_rows_bits_whatever_the_step(model: LlamaModel) -> None:
+    """A decode row alone, beside another sequence's prefill and as a verify tree's root: the
+    same bits from a float16 cache, by every way of attending."""
+    for by in ATTENTION:
+        with _attention(by):
+            kv = _kv(model, dtype=torch.float16)
+            (seq,) = new_seqs(kv, [32], random.Random(3))
+            prompt = _tokens(13, 2)
+            model(make_batch([causal_step(seq, prompt)]), kv)
+            seq.kv_committed_len = len(prompt)
+            alone = model(make_batch([causal_step(seq, [9])]), kv).logits[0]
+            (other,) = new_seqs(kv, [20], random.Random(4))
+            batch = make_batch([causal_step(other, _tokens(20, 5)), causal_step(seq, [9])])
+            beside = model(batch, kv).logits[20]
+            tree = model(make_batch([tree_step(seq, 9, [30, 31, 32], [-1, -1, 1])]), kv).logits
+            assert torch.equal(alone, beside), by
+            assert torch.equal(alone, tree[0]), by
 
 
 @pytest.mark.skipif(

@@ -15,6 +15,7 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import DraftTree
 from tests.support import TINY_VOCAB, save_tiny_llama
 from verifier.engine import VerifierEngine
+from verifier.engine_setup import check_kv_dtype
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8]
 
@@ -312,3 +313,35 @@ def test_synthetic_acceptance_accepts_first_children_at_the_rate(
         engine.check_integrity()
     engine.release(["s"])
     assert engine.num_pages_used == 0
+
+
+def test_a_float16_kv_cache_keeps_speculative_rounds_equal_to_plain_ones(target_dir: Path) -> None:
+    """`kv_dtype=float16` under a float32 model on the CPU (the C layer's float16 cache): the
+    pool holds float16, and a verified chain of the greedy continuation is accepted whole with
+    the same bonus token: speculative rounds give what plain rounds over that cache give."""
+    model, _ = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    engine = VerifierEngine.for_model(model, num_pages=64, page_size=4, kv_dtype=torch.float16)
+    assert engine.kv.data.dtype == torch.float16
+    g = _greedy_continuation(engine, PROMPT, 6)
+    engine.verify([VerifyInput("s", True, 0, PROMPT, DraftTree())])
+    chain = DraftTree(tokens=g[1:5], parents=[-1, 0, 1, 2])
+    out = engine.verify([VerifyInput("s", False, len(PROMPT), [g[0]], chain)])[0]
+    assert out.accepted_tokens == g[1:5] and out.bonus_token == g[5]
+    engine.release(["s"])
+    assert engine.num_pages_used == 0
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "model_dtype", "device"),
+    [
+        (torch.float16, torch.bfloat16, "cpu"),
+        (torch.float16, torch.float32, "cuda"),
+        (torch.bfloat16, torch.float32, "cpu"),
+    ],
+)
+def test_a_kv_dtype_no_path_reads_is_refused(
+    kv_dtype: torch.dtype, model_dtype: torch.dtype, device: str
+) -> None:
+    with pytest.raises(ValueError, match="KV cache"):
+        check_kv_dtype(kv_dtype, model_dtype, torch.device(device))
+    assert check_kv_dtype(None, model_dtype, torch.device(device)) == model_dtype
