@@ -7,7 +7,11 @@ route's panels (cpu_gemm.c's int8_gemm / vnni_gemm; the default, $SPECSPLIT_CPU_
 float32 route's packed blocks), labelled so.
 
     PYTHONPATH=. python bench/cpu_step.py [--context 200] [--rows 1 4] [--steps 30] \
-        [--attention-by auto|query-head|kv-head|kv-head-split|rows-blocked]
+        [--attention-by auto|query-head|kv-head|kv-head-split|rows-blocked] \
+        [--kv-dtype float32 float16] [--variants "C layer, packed"]
+
+--kv-dtype: the KV cache's dtype, each its own cache, in turn (float16: `--kv-dtype float16`'s
+cache, which only the C layer and the torch layer read).
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ def main() -> None:
         "BLOCKED_FROM_ROWS), else by KV head (GROUPED_FROM_KEYS: at any length), split for "
         "one-row steps (SPLIT_ROWS)",
     )
+    parser.add_argument(
+        "--kv-dtype", nargs="+", choices=["float32", "float16"], default=["float32"]
+    )
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="in turn"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.attention_by != "auto":
@@ -61,32 +71,37 @@ def main() -> None:
     path = args.model or embedded_default_model_path()
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     page_size = 16
-    kv = make_kv_cache(config, -(-(args.context + max(args.rows)) // page_size) + 1, page_size,
-                       torch.float32, "cpu")  # fmt: skip
-    seq = kv.new_seq()
-    kv.reserve(seq, args.context + max(args.rows))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, config.vocab_size, (args.context,), generator=gen).tolist()
-    model(build_forward_batch([causal_step(seq, prompt, [args.context - 1])], page_size)[0], kv)
-    seq.kv_committed_len = args.context
+    caches = {}
+    for kv_dtype in args.kv_dtype:
+        kv = make_kv_cache(config, -(-(args.context + max(args.rows)) // page_size) + 1,
+                           page_size, getattr(torch, kv_dtype), "cpu")  # fmt: skip
+        seq = kv.new_seq()
+        kv.reserve(seq, args.context + max(args.rows))
+        model(build_forward_batch([causal_step(seq, prompt, [args.context - 1])], page_size)[0], kv)
+        seq.kv_committed_len = args.context
+        caches[kv_dtype] = (kv, seq)
     times: dict[tuple[str, int], list[float]] = {}
+    names = [f"{v}, {d} cache" if len(caches) > 1 else v for v in args.variants for d in caches]
     for _ in range(args.turns):
-        for variant, (c_layer, packed) in VARIANTS.items():
-            os.environ["SPECSPLIT_CPU_LAYER"] = c_layer
-            os.environ["SPECSPLIT_CPU_QUANT"] = packed
+        for variant in args.variants:
+            os.environ["SPECSPLIT_CPU_LAYER"], os.environ["SPECSPLIT_CPU_QUANT"] = VARIANTS[variant]
             cpu_layer.switch.cache_clear()  # (each reads its variable once)
             cpu_quant.switch.cache_clear()
-            for rows in args.rows:
-                tokens = torch.randint(3, config.vocab_size, (rows,), generator=gen).tolist()
-                step = causal_step(seq, tokens, list(range(rows)))
-                for index in range(args.steps + 3):
-                    start = time.perf_counter()
-                    model(build_forward_batch([step], page_size)[0], kv)
-                    if index >= 3:  # after warm-up
-                        times.setdefault((variant, rows), []).append(time.perf_counter() - start)
+            for kv_dtype, (kv, seq) in caches.items():
+                name = f"{variant}, {kv_dtype} cache" if len(caches) > 1 else variant
+                for rows in args.rows:
+                    tokens = torch.randint(3, config.vocab_size, (rows,), generator=gen).tolist()
+                    step = causal_step(seq, tokens, list(range(rows)))
+                    for index in range(args.steps + 3):
+                        start = time.perf_counter()
+                        model(build_forward_batch([step], page_size)[0], kv)
+                        if index >= 3:  # after warm-up
+                            elapsed = time.perf_counter() - start
+                            times.setdefault((name, rows), []).append(elapsed)
     route = "; packed = 4-bit / 8-bit panels, x as two 8-bit parts" if cpu_gemm.int8_route() else ""
     print(f"{path}, float32, {args.threads} threads, {args.context} tokens of context{route}")
-    names = list(VARIANTS)
     print("| rows | " + " | ".join(f"{name} ms" for name in names) + " | each / the first |")
     print("|---:|" + "---:|" * (len(names) + 1))
     for rows in args.rows:
