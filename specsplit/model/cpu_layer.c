@@ -1030,10 +1030,14 @@ static int64_t row_blocks(const Step *S, int64_t most, int64_t *starts) {
 
 /* the step's blocks of rows (row_blocks), of BLOCK_ROWS rows or fewer: halved until the blocks
  * times the KV heads give each thread 2 units or more (a verify of 1 + 15 rows on SmolLM2's 3
- * KV heads is 3 units of 16 rows for 2 threads, one thread taking 2 of them) */
+ * KV heads is 3 units of 16 rows for 2 threads, one thread taking 2 of them), but blocks of 2
+ * rows only until they give each thread one: a block of a row reads its KV head's keys for that
+ * row alone, and a sequence's 2-row step (a verify of 1 + 1) in one block took 0.60x the time at
+ * 3,000 tokens of context on the 2-core AMD VM (3 units on 2 threads against 6), 0.96x at 200 and
+ * 1,000 (the same bits either way) */
 static int64_t balanced_blocks(const Layer *L, const Step *S, int64_t *starts) {
     int64_t most = BLOCK_ROWS, count = row_blocks(S, most, starts);
-    while (most > 1 && count * L->num_kv_heads < 2 * S->threads)
+    while (most > 1 && count * L->num_kv_heads < (most > 2 ? 2 : 1) * S->threads)
         count = row_blocks(S, most /= 2, starts);
     return count;
 }
