@@ -14,7 +14,7 @@ import time
 from gateway.clients import DrafterClient
 from gateway.sequence import Sequence
 from gateway.sessions import SessionStore
-from specsplit.errors import Code, ServiceError
+from specsplit.errors import Code, ServiceError, still_loading
 from specsplit.messages import DraftOutput
 from specsplit.tree import DraftTree
 
@@ -34,6 +34,7 @@ class Drafting:
         self._drafter_down_until = 0.0
         self._drafter_answered = False  # hidden_state_layers is the drafter's answer
         self._drafter_refused: set[str] = set()  # seq ids the drafter refused: no drafts
+        self._drafter_loading_told = False  # logged once that it is still loading
 
     async def _draft(self, batch: list[Sequence]) -> list[DraftTree]:
         if self._drafter_resting():
@@ -56,8 +57,15 @@ class Drafting:
                 drafting, outputs = await self._draft_one_by_one(drafting, e)
         except ServiceError as e:
             # drafter down or restarted (NOT_FOUND): decode without drafts for now, and start
-            # its sequences over when it answers again
-            log.warning("drafter failed (%s: %s); decoding without drafts", e.code.value, e.message)
+            # its sequences over when it answers again. Still loading (its warm-up outlasting
+            # the verifier's, as on a GPU): said once, not a warning a retry
+            if not still_loading(e):
+                log.warning(
+                    "drafter failed (%s: %s); decoding without drafts", e.code.value, e.message
+                )
+            elif not self._drafter_loading_told:
+                log.info("the drafter is still loading: decoding without drafts until it answers")
+                self._drafter_loading_told = True
             self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
             await self._forget_on_drafter(batch)
             return [DraftTree() for _ in batch]
@@ -67,6 +75,7 @@ class Drafting:
         if outputs:
             self.hidden_state_layers = outputs[0].hidden_state_layers
             self._drafter_answered = True
+            self._drafter_loading_told = False  # (a restart's loading is told again)
         trees = {seq.seq_id: out.tree for seq, out in zip(drafting, outputs, strict=True)}
         return [trees.get(seq.seq_id, DraftTree()) for seq in batch]
 

@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import Message
 
 from specsplit import convert_beside, metrics, telemetry, wire_tensors
-from specsplit.errors import Code, ServiceError
+from specsplit.errors import STILL_LOADING, Code, ServiceError
 from specsplit.lane import LaneServer
 from specsplit.messages import Truncated, Truncation
 from specsplit.rounds import RoundRpc
@@ -78,7 +78,7 @@ class EngineThread(Generic[E]):
     def warm(self) -> E:
         """The engine; UNAVAILABLE until loaded and warm."""
         if self._engine is None:
-            raise ServiceError(Code.UNAVAILABLE, f"{self.name} is still loading its model")
+            raise ServiceError(Code.UNAVAILABLE, f"{self.name} {STILL_LOADING}")
         return self._engine
 
     async def run(self, fn: Callable[Concatenate[E, P], T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -41,6 +41,15 @@ def backend_error(service: str, code_name: str, message: str) -> ServiceError:
     return ServiceError(Code.UNAVAILABLE, f"{service}: {code_name}: {message or 'no details'}")
 
 
+# what a service answers (UNAVAILABLE) before its model is loaded and warm
+STILL_LOADING = "is still loading its model"
+
+
+def still_loading(error: ServiceError) -> bool:
+    """Whether `error` is a service's answer before it is warm (its message passed on)."""
+    return error.code == Code.UNAVAILABLE and STILL_LOADING in error.message
+
+
 def invalid(message: str) -> ServiceError:
     return ServiceError(Code.INVALID_ARGUMENT, message)
 

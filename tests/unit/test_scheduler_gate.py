@@ -7,6 +7,7 @@ head (whose target features keep flowing through plain rounds), and no KV is lef
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -371,6 +372,27 @@ def test_rounds_without_the_drafter_are_not_measured_as_speculating(
     assert any(spec and resting for spec, _, resting, _ in gate.seen)  # rounds without drafts
     assert not any(spec and measured and resting for spec, measured, resting, _ in gate.seen)
     assert any(spec and measured for spec, measured, _, _ in gate.seen)  # then measured again
+
+
+def test_a_drafter_still_loading_is_told_once_not_warned_each_retry(
+    models, smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`up` serves once the verifier is warm; a drafter still warming up (on a GPU its graphs
+    take longer) answers UNAVAILABLE to each retry: one INFO line, no WARNING a retry (a run on
+    an H100 logged seven); the output is the target's."""
+    from gateway import drafting as drafting_module
+
+    monkeypatch.setattr(drafting_module, "DRAFTER_RETRY_S", 0.0)
+    expected = _target_only(models, smollm2_tokenizer, seed=6, max_new_tokens=20)
+    stack = _stack(models, smollm2_tokenizer, "model", SpecParams(3, 1, 3), "serial")
+    drafter = stack.scheduler.drafter = _LoadingDrafter(stack.scheduler.drafter, loading=4)
+    with caplog.at_level(logging.INFO, logger="gateway.drafting"):
+        out = generate_all(stack, _requests(seed=6, max_new_tokens=20))
+    assert [generated_ids(chunks) for chunks in out] == expected
+    assert drafter.calls > 4  # it answered after its loading ones
+    records = [r for r in caplog.records if r.name == "gateway.drafting"]
+    assert not [r for r in records if r.levelno >= logging.WARNING]
+    assert sum("still loading" in r.getMessage() for r in records) == 1
 
 
 def test_speculation_is_measured_in_the_overlap_gates_chosen_kind(
