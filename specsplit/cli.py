@@ -209,6 +209,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--drafter {args.drafter} needs --draft-model")
     if getattr(args, "drafter", None) == "self" and not args.draft_layers:
         parser.error("--drafter self needs --draft-layers K (K > 0)")
+    if getattr(args, "kv_dtype", "auto") == "float16" and (
+        args.device.startswith("cuda") or args.dtype not in ("auto", "float32")
+    ):
+        parser.error("--kv-dtype float16: on the CPU under a float32 model only")
     if hasattr(args, "num_steps"):
         from specsplit.errors import ServiceError
 

@@ -501,6 +501,9 @@ def test_verifier_cuda_graph_and_kv_flags_reach_the_verifier_child() -> None:
     assert verifier.kv_memory_fraction == 0.5
     assert verifier.kv_dtype == "float16"
     assert cli.parse_args(["serve-verifier"]).kv_dtype == "auto"
+    for refused in (["--device", "cuda"], ["--dtype", "bfloat16"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["up", "--kv-dtype", "float16", *refused])
     off = cli.parse_args(["serve-verifier", "--cuda-graphs", "none"])
     assert cli_flags.graph_query_lens(off) == ()
     assert cli_flags.graph_query_lens(cli.parse_args(["serve-verifier"])) == (1, 4, 5, 9, 17)
