@@ -14,9 +14,9 @@
  * key is skipped, so a row's output does not move with keys hidden from it.
  *
  * The cache is float32, or float16 (S->kv_half: half the bytes a long context's step streams):
- * K and V rounded to float16 once, as they are stored, and widened back to float32 a block of
- * keys at a time before the same float32 operations read them (kv_rows), so a row's bits still
- * do not depend on the rest of the step.
+ * K and V rounded to float16 once, as they are stored (narrow_row), and widened back to float32
+ * as each reader loads them (LOAD16H / LOAD8H) before the same float32 operations, so a row's
+ * bits still do not depend on the rest of the step or the way it attends.
  */
 #include <immintrin.h>
 #include <math.h>
