@@ -746,6 +746,79 @@ static int64_t across_from = ACROSS_FROM_PAIRS, weigh_across_from = WEIGH_ACROSS
 int64_t layer_across_from(int64_t pairs) { return swap_setting(&across_from, pairs); }
 int64_t layer_weigh_across_from(int64_t pairs) { return swap_setting(&weigh_across_from, pairs); }
 
+/* a block of rows' (row, query head) pairs p0 .. pairs - 1 (p = r * G + g) against the block of
+ * `width` keys from j0 (a multiple of 16; k: the keys from j0), pair by pair: each pair's scores
+ * there (scores16 / scores8, attend_row's) and its largest so far in top[p] */
+static void pairs_scores(const Step *S, int64_t d, int64_t G, int64_t t0, int64_t p0, int64_t pairs,
+                         const float *const *queries, const uint8_t *const *visible, Rows k,
+                         int64_t j0, int64_t width, float *scores, float *top) {
+    for (int64_t p = p0; p < pairs; p++) {
+        int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
+        if (m <= 0) continue;
+        const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+        float block = scores_block(S, d, scores + p * S->max_keys + j0, queries[p], seen, k, m < width ? m : width);
+        top[p] = block > top[p] ? block : top[p];
+    }
+}
+
+/* the same pairs' weighted sums of the block of `width` values from j0 (v: the values from j0),
+ * pair by pair (weigh16 / weigh8, attend_row's): outs[p] and total[p] carried from block to block */
+static void pairs_sums(const Step *S, int64_t d, int64_t G, int64_t t0, int64_t p0, int64_t pairs,
+                       const uint8_t *const *visible, Rows v, int64_t j0, int64_t width,
+                       const float *scores, float *const *outs, float *total) {
+    for (int64_t p = p0; p < pairs; p++) {
+        int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
+        if (m <= 0) continue;
+        const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
+        total[p] = weigh_block(S, d, outs[p], scores + p * S->max_keys + j0, seen, v, m < width ? m : width, total[p]);
+    }
+}
+
+/* a block of rows t0 .. t0 + R - 1 of one sequence and a KV head, as attend_block and
+ * attend_block8 take it: its (row, query head) pairs (p = r * G + g) with their queries, output
+ * rows (zeroed), largest scores (-inf) and weights' totals (0), each row's visibility, its keys
+ * and values, and its most keys */
+typedef struct {
+    int64_t d, G, pairs, most;
+    Rows keys, values;
+    float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
+    const float *queries[BLOCK_ROWS * MAX_GROUP];
+    float *outs[BLOCK_ROWS * MAX_GROUP];
+    const uint8_t *visible[BLOCK_ROWS];
+} Block;
+
+static void block_pairs(Block *B, const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
+                        const float *wide, int64_t qkv_width, const void *k_cache, const void *v_cache,
+                        float *out) {
+    int64_t d = B->d = L->head_dim, G = B->G = L->num_heads / L->num_kv_heads;
+    const int64_t *slots = S->key_slots + S->key_start[t0];
+    B->pairs = R * G;
+    B->most = 0;
+    B->keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
+    B->values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride), slots);
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r;
+        B->most = S->num_keys[t] > B->most ? S->num_keys[t] : B->most;
+        B->visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
+        for (int64_t g = 0; g < G; g++) {
+            int64_t p = r * G + g;
+            B->top[p] = -INFINITY;
+            B->total[p] = 0.0f;
+            B->queries[p] = wide + t * qkv_width + (kv * G + g) * d;
+            B->outs[p] = out + t * L->num_heads * d + (kv * G + g) * d;
+            memset(B->outs[p], 0, (size_t)d * sizeof(float));
+        }
+    }
+}
+
+/* outs[p] /= total[p] for every pair */
+static void pairs_normalize(int64_t d, int64_t pairs, float *const *outs, const float *total) {
+    for (int64_t p = 0; p < pairs; p++) {
+        float inverse = 1.0f / total[p];
+        for (int64_t i = 0; i < d; i++) outs[p][i] *= inverse;
+    }
+}
+
 /* rows t0 .. t0 + R - 1 (R <= BLOCK_ROWS, one sequence's: the same run of key slots) for every
  * query head of KV head `kv` (the heads kv * G .. kv * G + G - 1, G = num_heads / num_kv_heads;
  * 16 lanes, head_dim 64 or 128): each (row, head)'s operations exactly as attend_row's (the same
@@ -768,35 +841,21 @@ int64_t layer_weigh_across_from(int64_t pairs) { return swap_setting(&weigh_acro
 AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
                                 const float *wide, int64_t qkv_width, const void *k_cache,
                                 const void *v_cache, float *scores, float *out) {
-    int64_t d = L->head_dim, G = L->num_heads / L->num_kv_heads, first = kv * G, pairs = R * G;
-    int64_t q_width = L->num_heads * d, most = 0;
-    const int64_t *slots = S->key_slots + S->key_start[t0];
-    Rows keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
-    Rows values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride), slots);
-    float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
-    const float *queries[BLOCK_ROWS * MAX_GROUP];
-    float *outs[BLOCK_ROWS * MAX_GROUP];
-    const uint8_t *visible[BLOCK_ROWS];
+    Block B;
+    block_pairs(&B, L, S, t0, R, kv, wide, qkv_width, k_cache, v_cache, out);
+    int64_t d = B.d, G = B.G, pairs = B.pairs, most = B.most;
+    float *top = B.top, *total = B.total;
+    const float *const *queries = B.queries;
+    float *const *outs = B.outs;
+    const uint8_t *const *visible = B.visible;
     __m512 kt[8 * 16]; /* a block of keys across the lanes (keys_across), head_dim 128 at most */
     __m512 tops[BLOCK_ROWS * MAX_GROUP]; /* scores_across's largest, lane by lane */
     int weigh_pairs = d == 64 ? WEIGH_PAIRS_4 : WEIGH_PAIRS_8;
     int across = pairs >= across_from, weigh_across = pairs >= weigh_pairs && pairs >= weigh_across_from;
-    for (int64_t r = 0; r < R; r++) {
-        int64_t t = t0 + r;
-        most = S->num_keys[t] > most ? S->num_keys[t] : most;
-        visible[r] = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-        for (int64_t g = 0; g < G; g++) {
-            top[r * G + g] = -INFINITY;
-            tops[r * G + g] = _mm512_set1_ps(-INFINITY);
-            total[r * G + g] = 0.0f;
-            queries[r * G + g] = wide + t * qkv_width + (first + g) * d;
-            outs[r * G + g] = out + t * q_width + (first + g) * d;
-            memset(outs[r * G + g], 0, (size_t)d * sizeof(float));
-        }
-    }
+    for (int64_t p = 0; p < pairs; p++) tops[p] = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
         int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
-        Rows k = keys;
+        Rows k = B.keys;
         k.slots += j0;
         if (across) {
             __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
@@ -813,13 +872,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 }
             }
         }
-        for (; p < pairs; p++) {
-            int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
-            if (m <= 0) continue;
-            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            float block = scores_block(S, d, scores + p * S->max_keys + j0, queries[p], seen, k, m < 16 ? m : 16);
-            top[p] = block > top[p] ? block : top[p];
-        }
+        pairs_scores(S, d, G, t0, p, pairs, queries, visible, k, j0, 16, scores, top);
     }
     for (int64_t p = 0; p < pairs; p++) {
         float best = _mm512_reduce_max_ps(tops[p]); /* max is exact in any order */
@@ -828,7 +881,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
     }
     for (int64_t j0 = 0; j0 < most; j0 += 16) {
         int64_t p = 0, mb = most - j0 < 16 ? most - j0 : 16;
-        Rows v = values;
+        Rows v = B.values;
         v.slots += j0;
         if (weigh_across) {
             __mmask16 written[BLOCK_ROWS], live[BLOCK_ROWS];
@@ -842,29 +895,58 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 fn(outs + p, w, total + p, v.slots, mb, v.base, v.stride);
             }
         }
-        for (; p < pairs; p++) {
-            int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
-            if (m <= 0) continue;
-            const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-            total[p] = weigh_block(S, d, outs[p], scores + p * S->max_keys + j0, seen, v, m < 16 ? m : 16, total[p]);
-        }
+        pairs_sums(S, d, G, t0, p, pairs, visible, v, j0, 16, scores, outs, total);
     }
-    for (int64_t p = 0; p < pairs; p++) {
-        float inverse = 1.0f / total[p];
-        for (int64_t i = 0; i < d; i++) outs[p][i] *= inverse;
-    }
+    pairs_normalize(d, pairs, outs, total);
 }
 
-/* whether attend_block (and attend_split) take this layer's heads: 16 lanes, head_dim 64 or 128,
- * at most MAX_GROUP query heads a KV head */
+/* keys a block of attend_block8's: each pair's scores8 / weigh8 call takes a block (16 a call
+ * cost a 16-row verify at 3,000 tokens 1.02x attend_row's time on the 2-core AMD VM in AVX2,
+ * 64 0.87x, 256 0.90x; a block's K of 64 keys, 16 KB at head_dim 64, stays in L1) */
+#define BLOCK8_KEYS 64
+
+/* attend_block with 8 lanes (AVX2): the same blocks of rows, every pair's scores and weighted sums
+ * pair by pair a block of BLOCK8_KEYS keys at a time (scores8, weigh8; exp8 for the weights), each
+ * pair's operations attend_row's, so the same bits; a block's K / V lines come from memory once
+ * for its rows and a KV head's query heads, where attend_row read them again for each (the
+ * embedded default's prefill in AVX2 on the 2-core AMD VM: 3,000 tokens 0.73x, 1,000 0.91x; a
+ * 4- / 16-row verify at 3,000 tokens 0.87x; blocks of rows from 2 rows, as with 16 lanes; a row
+ * alone still goes by query head, attend_row: a row at a time by KV head, 16-key blocks, took a
+ * 1,000-token prefill 1.06x its time) */
+AVX2 static void attend_block8(const Layer *L, const Step *S, int64_t t0, int64_t R, int64_t kv,
+                               const float *wide, int64_t qkv_width, const void *k_cache,
+                               const void *v_cache, float *scores, float *out) {
+    Block B;
+    block_pairs(&B, L, S, t0, R, kv, wide, qkv_width, k_cache, v_cache, out);
+    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) {
+        Rows k = B.keys;
+        k.slots += j0;
+        pairs_scores(S, B.d, B.G, t0, 0, B.pairs, B.queries, B.visible, k, j0, BLOCK8_KEYS, scores, B.top);
+    }
+    for (int64_t p = 0; p < B.pairs; p++) { /* (hidden keys' entries too: unread) */
+        float *sp = scores + p * S->max_keys;
+        exp8_n(sp, sp, S->num_keys[t0 + p / B.G], B.top[p]);
+    }
+    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) {
+        Rows v = B.values;
+        v.slots += j0;
+        pairs_sums(S, B.d, B.G, t0, 0, B.pairs, B.visible, v, j0, BLOCK8_KEYS, scores, B.outs, B.total);
+    }
+    pairs_normalize(B.d, B.pairs, B.outs, B.total);
+}
+
+/* whether attend_block (attend_block8 with 8 lanes) takes this layer's heads: head_dim 64 or
+ * 128, at most MAX_GROUP query heads a KV head */
 static int by_kv_head(const Layer *L, const Step *S) {
-    return S->lanes == 16 && (L->head_dim == 64 || L->head_dim == 128) &&
+    return (S->lanes == 16 || S->lanes == 8) && (L->head_dim == 64 || L->head_dim == 128) &&
            L->num_heads / L->num_kv_heads <= MAX_GROUP;
 }
 
-/* whether layer_forward's attention goes by KV head, a row at a time (attend_block, one row) */
+/* whether layer_forward's attention goes by KV head, a row at a time (attend_block, one row; 16
+ * lanes only, attend_block8 below) */
 static int grouped(const Layer *L, const Step *S) {
-    return by_kv_head(L, S) && L->num_heads / L->num_kv_heads > 1 && S->max_keys >= grouped_from;
+    return S->lanes == 16 && by_kv_head(L, S) && L->num_heads / L->num_kv_heads > 1 &&
+           S->max_keys >= grouped_from;
 }
 
 /* steps of at most this many rows that attend by KV head (grouped) split each row's keys over
@@ -884,7 +966,7 @@ int64_t layer_split_rows(int64_t rows) { return swap_setting(&split_rows, rows);
 
 /* whether layer_forward's attention goes by KV head with each row's keys split (attend_split) */
 static int split(const Layer *L, const Step *S) {
-    return S->threads > 1 && S->num_tokens <= split_rows && grouped(L, S);
+    return S->lanes == 16 && S->threads > 1 && S->num_tokens <= split_rows && grouped(L, S);
 }
 
 /* lanes of head_dim a piece of attend_split's weighted sums takes: a whole head's, halved (to
@@ -1183,8 +1265,8 @@ void layer_forward(const Layer *L, const Step *S, float *h, void *k_cache, void 
         for (int64_t unit = 0; unit < units; unit++) {
             int64_t b = unit / L->num_kv_heads, kv = unit % L->num_kv_heads;
             float *thread_scores = scores + (int64_t)omp_get_thread_num() * BLOCK_ROWS * groups * S->max_keys;
-            attend_block(L, S, starts[b], starts[b + 1] - starts[b], kv, wide, qkv_width, k_cache,
-                         v_cache, thread_scores, attn);
+            (S->lanes == 16 ? attend_block : attend_block8)(L, S, starts[b], starts[b + 1] - starts[b], kv,
+                                                            wide, qkv_width, k_cache, v_cache, thread_scores, attn);
         }
     } else if (grouped(L, S)) { /* a row's KV head's query heads in one pass over its keys */
         int64_t pairs = T * L->num_kv_heads;
@@ -1192,7 +1274,8 @@ void layer_forward(const Layer *L, const Step *S, float *h, void *k_cache, void 
         for (int64_t pair = 0; pair < pairs; pair++) {
             int64_t t = pair / L->num_kv_heads, kv = pair % L->num_kv_heads;
             float *thread_scores = scores + (int64_t)omp_get_thread_num() * groups * S->max_keys;
-            attend_block(L, S, t, 1, kv, wide, qkv_width, k_cache, v_cache, thread_scores, attn);
+            (S->lanes == 16 ? attend_block : attend_block8)(L, S, t, 1, kv, wide, qkv_width, k_cache, v_cache,
+                                                            thread_scores, attn);
         }
     } else {
         int64_t pairs = T * L->num_heads;
