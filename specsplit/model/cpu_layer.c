@@ -149,11 +149,6 @@ AVX2 static void narrow_row(uint16_t *dst, const float *src, int64_t n) {
 #define LOAD8(base, at) _mm256_loadu_ps((const float *)(base) + (at))
 #define LOAD8H(base, at) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(base) + (at))))
 
-/* element `offset` of a layer's K (or V) cache, float32 or float16 (S->kv_half) */
-static inline const void *kv_at(const Step *S, const void *cache, int64_t offset) {
-    return S->kv_half ? (const void *)((const uint16_t *)cache + offset) : (const void *)((const float *)cache + offset);
-}
-
 /* a KV head's keys (or values) as the attention's readers take them: key j's row from element
  * slots[j] * stride of base, float16 where `half` (widened as it is loaded, LOAD16H / LOAD8H) */
 typedef struct {
@@ -163,8 +158,11 @@ typedef struct {
     int half;
 } Rows;
 
-/* the keys at slots[0 ..] of a KV head's cache from `head` (kv_at's) */
-static Rows kv_rows(const Step *S, const void *head, const int64_t *slots) {
+/* the keys (or values) at slots[0 ..] of a layer's K (or V) cache from its element `offset` (a
+ * KV head's first, and lanes into it), float32 or float16 (S->kv_half) */
+static Rows kv_rows(const Step *S, const void *cache, int64_t offset, const int64_t *slots) {
+    const void *head = S->kv_half ? (const void *)((const uint16_t *)cache + offset)
+                                  : (const void *)((const float *)cache + offset);
     return (Rows){head, slots, S->kv_slot_stride, S->kv_half};
 }
 
@@ -666,8 +664,8 @@ static void attend_row(const Layer *L, const Step *S, int64_t t, int64_t h, cons
                        const void *k_cache, const void *v_cache, float *scores, float *out) {
     int64_t d = L->head_dim, head_offset = (h / (L->num_heads / L->num_kv_heads)) * S->kv_head_stride;
     const int64_t *slots = S->key_slots + S->key_start[t];
-    Rows keys = kv_rows(S, kv_at(S, k_cache, head_offset), slots);
-    Rows values = kv_rows(S, kv_at(S, v_cache, head_offset), slots);
+    Rows keys = kv_rows(S, k_cache, head_offset, slots);
+    Rows values = kv_rows(S, v_cache, head_offset, slots);
     int64_t n = S->num_keys[t];
     const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
     float total = 0.0f, top = -INFINITY;
@@ -746,40 +744,12 @@ static int64_t across_from = ACROSS_FROM_PAIRS, weigh_across_from = WEIGH_ACROSS
 int64_t layer_across_from(int64_t pairs) { return swap_setting(&across_from, pairs); }
 int64_t layer_weigh_across_from(int64_t pairs) { return swap_setting(&weigh_across_from, pairs); }
 
-/* a block of rows' (row, query head) pairs p0 .. pairs - 1 (p = r * G + g) against the block of
- * `width` keys from j0 (a multiple of 16; k: the keys from j0), pair by pair: each pair's scores
- * there (scores16 / scores8, attend_row's) and its largest so far in top[p] */
-static void pairs_scores(const Step *S, int64_t d, int64_t G, int64_t t0, int64_t p0, int64_t pairs,
-                         const float *const *queries, const uint8_t *const *visible, Rows k,
-                         int64_t j0, int64_t width, float *scores, float *top) {
-    for (int64_t p = p0; p < pairs; p++) {
-        int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
-        if (m <= 0) continue;
-        const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-        float block = scores_block(S, d, scores + p * S->max_keys + j0, queries[p], seen, k, m < width ? m : width);
-        top[p] = block > top[p] ? block : top[p];
-    }
-}
-
-/* the same pairs' weighted sums of the block of `width` values from j0 (v: the values from j0),
- * pair by pair (weigh16 / weigh8, attend_row's): outs[p] and total[p] carried from block to block */
-static void pairs_sums(const Step *S, int64_t d, int64_t G, int64_t t0, int64_t p0, int64_t pairs,
-                       const uint8_t *const *visible, Rows v, int64_t j0, int64_t width,
-                       const float *scores, float *const *outs, float *total) {
-    for (int64_t p = p0; p < pairs; p++) {
-        int64_t r = p / G, m = S->num_keys[t0 + r] - j0;
-        if (m <= 0) continue;
-        const uint8_t *seen = visible[r] ? visible[r] + j0 : NULL;
-        total[p] = weigh_block(S, d, outs[p], scores + p * S->max_keys + j0, seen, v, m < width ? m : width, total[p]);
-    }
-}
-
 /* a block of rows t0 .. t0 + R - 1 of one sequence and a KV head, as attend_block and
  * attend_block8 take it: its (row, query head) pairs (p = r * G + g) with their queries, output
  * rows (zeroed), largest scores (-inf) and weights' totals (0), each row's visibility, its keys
  * and values, and its most keys */
 typedef struct {
-    int64_t d, G, pairs, most;
+    int64_t t0, d, G, pairs, most;
     Rows keys, values;
     float top[BLOCK_ROWS * MAX_GROUP], total[BLOCK_ROWS * MAX_GROUP];
     const float *queries[BLOCK_ROWS * MAX_GROUP];
@@ -792,10 +762,11 @@ static void block_pairs(Block *B, const Layer *L, const Step *S, int64_t t0, int
                         float *out) {
     int64_t d = B->d = L->head_dim, G = B->G = L->num_heads / L->num_kv_heads;
     const int64_t *slots = S->key_slots + S->key_start[t0];
+    B->t0 = t0;
     B->pairs = R * G;
     B->most = 0;
-    B->keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
-    B->values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride), slots);
+    B->keys = kv_rows(S, k_cache, kv * S->kv_head_stride, slots);
+    B->values = kv_rows(S, v_cache, kv * S->kv_head_stride, slots);
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r;
         B->most = S->num_keys[t] > B->most ? S->num_keys[t] : B->most;
@@ -811,11 +782,44 @@ static void block_pairs(Block *B, const Layer *L, const Step *S, int64_t t0, int
     }
 }
 
-/* outs[p] /= total[p] for every pair */
-static void pairs_normalize(int64_t d, int64_t pairs, float *const *outs, const float *total) {
-    for (int64_t p = 0; p < pairs; p++) {
-        float inverse = 1.0f / total[p];
-        for (int64_t i = 0; i < d; i++) outs[p][i] *= inverse;
+/* how many of pair p's row's keys lie in the block of `width` keys from j0 (0: none) */
+static int64_t pair_keys(const Step *S, const Block *B, int64_t p, int64_t j0, int64_t width) {
+    int64_t m = S->num_keys[B->t0 + p / B->G] - j0;
+    return m <= 0 ? 0 : m < width ? m : width;
+}
+
+/* pairs p0 .. pairs - 1 against the block's `width` keys from j0 (a multiple of 16), pair by
+ * pair: each pair's scores there (scores16 / scores8, attend_row's) and its largest so far */
+static void pairs_scores(const Step *S, Block *B, int64_t p0, int64_t j0, int64_t width, float *scores) {
+    Rows k = B->keys;
+    k.slots += j0;
+    for (int64_t p = p0; p < B->pairs; p++) {
+        int64_t m = pair_keys(S, B, p, j0, width);
+        if (!m) continue;
+        const uint8_t *seen = B->visible[p / B->G] ? B->visible[p / B->G] + j0 : NULL;
+        float block = scores_block(S, B->d, scores + p * S->max_keys + j0, B->queries[p], seen, k, m);
+        B->top[p] = block > B->top[p] ? block : B->top[p];
+    }
+}
+
+/* the same pairs' weighted sums of the block's `width` values from j0, pair by pair (weigh16 /
+ * weigh8, attend_row's): each pair's output row and total carried from block to block */
+static void pairs_sums(const Step *S, Block *B, int64_t p0, int64_t j0, int64_t width, const float *scores) {
+    Rows v = B->values;
+    v.slots += j0;
+    for (int64_t p = p0; p < B->pairs; p++) {
+        int64_t m = pair_keys(S, B, p, j0, width);
+        if (!m) continue;
+        const uint8_t *seen = B->visible[p / B->G] ? B->visible[p / B->G] + j0 : NULL;
+        B->total[p] = weigh_block(S, B->d, B->outs[p], scores + p * S->max_keys + j0, seen, v, m, B->total[p]);
+    }
+}
+
+/* every pair's output row divided by its total */
+static void pairs_normalize(const Block *B) {
+    for (int64_t p = 0; p < B->pairs; p++) {
+        float inverse = 1.0f / B->total[p];
+        for (int64_t i = 0; i < B->d; i++) B->outs[p][i] *= inverse;
     }
 }
 
@@ -872,7 +876,7 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 }
             }
         }
-        pairs_scores(S, d, G, t0, p, pairs, queries, visible, k, j0, 16, scores, top);
+        pairs_scores(S, &B, p, j0, 16, scores);
     }
     for (int64_t p = 0; p < pairs; p++) {
         float best = _mm512_reduce_max_ps(tops[p]); /* max is exact in any order */
@@ -895,9 +899,9 @@ AVX512 static void attend_block(const Layer *L, const Step *S, int64_t t0, int64
                 fn(outs + p, w, total + p, v.slots, mb, v.base, v.stride);
             }
         }
-        pairs_sums(S, d, G, t0, p, pairs, visible, v, j0, 16, scores, outs, total);
+        pairs_sums(S, &B, p, j0, 16, scores);
     }
-    pairs_normalize(d, pairs, outs, total);
+    pairs_normalize(&B);
 }
 
 /* keys a block of attend_block8's: each pair's scores8 / weigh8 call takes a block (16 a call
@@ -918,21 +922,13 @@ AVX2 static void attend_block8(const Layer *L, const Step *S, int64_t t0, int64_
                                const void *v_cache, float *scores, float *out) {
     Block B;
     block_pairs(&B, L, S, t0, R, kv, wide, qkv_width, k_cache, v_cache, out);
-    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) {
-        Rows k = B.keys;
-        k.slots += j0;
-        pairs_scores(S, B.d, B.G, t0, 0, B.pairs, B.queries, B.visible, k, j0, BLOCK8_KEYS, scores, B.top);
-    }
+    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) pairs_scores(S, &B, 0, j0, BLOCK8_KEYS, scores);
     for (int64_t p = 0; p < B.pairs; p++) { /* (hidden keys' entries too: unread) */
         float *sp = scores + p * S->max_keys;
         exp8_n(sp, sp, S->num_keys[t0 + p / B.G], B.top[p]);
     }
-    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) {
-        Rows v = B.values;
-        v.slots += j0;
-        pairs_sums(S, B.d, B.G, t0, 0, B.pairs, B.visible, v, j0, BLOCK8_KEYS, scores, B.outs, B.total);
-    }
-    pairs_normalize(B.d, B.pairs, B.outs, B.total);
+    for (int64_t j0 = 0; j0 < B.most; j0 += BLOCK8_KEYS) pairs_sums(S, &B, 0, j0, BLOCK8_KEYS, scores);
+    pairs_normalize(&B);
 }
 
 /* whether attend_block (attend_block8 with 8 lanes) takes this layer's heads: head_dim 64 or
@@ -1025,7 +1021,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t end = piece_end(S, t, j0);
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            Rows keys = kv_rows(S, kv_at(S, k_cache, kv * S->kv_head_stride), slots);
+            Rows keys = kv_rows(S, k_cache, kv * S->kv_head_stride, slots);
             const float *q = wide + t * qkv_width + kv * G * d;
             float *top = tops + u * G, *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
@@ -1060,7 +1056,7 @@ AVX512 static void attend_split(const Layer *L, const Step *S, const float *wide
             int64_t lanes = u % lane_pieces * width, n = S->num_keys[t];
             const int64_t *slots = S->key_slots + S->key_start[t];
             const uint8_t *visible = S->mask_start[t] < 0 ? NULL : S->masks + S->mask_start[t];
-            Rows values = kv_rows(S, kv_at(S, v_cache, kv * S->kv_head_stride + lanes), slots);
+            Rows values = kv_rows(S, v_cache, kv * S->kv_head_stride + lanes, slots);
             const float *group_scores = scores + (t * L->num_heads + kv * G) * S->max_keys;
             float *group_out = out + (t * L->num_heads + kv * G) * d + lanes, total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
