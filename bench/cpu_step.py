@@ -83,14 +83,18 @@ def main() -> None:
         seq.kv_committed_len = args.context
         caches[kv_dtype] = (kv, seq)
     times: dict[tuple[str, int], list[float]] = {}
-    names = [f"{v}, {d} cache" if len(caches) > 1 else v for v in args.variants for d in caches]
+
+    def label(variant: str, kv_dtype: str) -> str:  # a table column's
+        return f"{variant}, {kv_dtype} cache" if len(caches) > 1 else variant
+
+    names = [label(v, d) for v in args.variants for d in caches]
     for _ in range(args.turns):
         for variant in args.variants:
             os.environ["SPECSPLIT_CPU_LAYER"], os.environ["SPECSPLIT_CPU_QUANT"] = VARIANTS[variant]
             cpu_layer.switch.cache_clear()  # (each reads its variable once)
             cpu_quant.switch.cache_clear()
             for kv_dtype, (kv, seq) in caches.items():
-                name = f"{variant}, {kv_dtype} cache" if len(caches) > 1 else variant
+                name = label(variant, kv_dtype)
                 for rows in args.rows:
                     tokens = torch.randint(3, config.vocab_size, (rows,), generator=gen).tolist()
                     step = causal_step(seq, tokens, list(range(rows)))
